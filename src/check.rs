@@ -1,0 +1,54 @@
+//! The front-end driver: source bytes to a checked model, or diagnostics.
+
+use crate::diag::Diagnostic;
+use crate::elab::{Override, elaborate};
+use crate::ir::Model;
+use crate::span::Span;
+
+/// A model file's text as it will be shown in diagnostics.
+pub struct Source {
+    pub name: String,
+    pub text: String,
+}
+
+/// What checking produced: the model (if there were no errors) and every diagnostic, warnings included.
+pub struct Checked {
+    pub model: Option<Model>,
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+/// Decodes a file's bytes; invalid UTF-8 is an error located at the first bad byte.
+pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
+    match String::from_utf8(bytes) {
+        Ok(text) => (Source { name: name.to_string(), text }, None),
+        Err(e) => {
+            let at = e.utf8_error().valid_up_to();
+            let text = String::from_utf8_lossy(e.as_bytes()).into_owned();
+            let d = Diagnostic::error("E0003", "the file is not valid UTF-8")
+                .primary(Span::new(at, at + 1), format!("invalid byte at offset {at}"))
+                .help("model files must be UTF-8 text");
+            (Source { name: name.to_string(), text }, Some(d))
+        }
+    }
+}
+
+/// Parses and elaborates a model source with `--set` overrides.
+pub fn check_source(text: &str, overrides: &[Override]) -> Checked {
+    let (file, mut diagnostics) = match crate::syntax::parse(text) {
+        Ok(v) => v,
+        Err(diagnostics) => return Checked { model: None, diagnostics },
+    };
+    let fatal_parse = diagnostics.iter().any(Diagnostic::is_error);
+    match elaborate(&file, overrides) {
+        Ok((model, warnings)) => {
+            diagnostics.extend(warnings);
+            let model = (!fatal_parse).then_some(model);
+            Checked { model, diagnostics }
+        }
+        Err(more) => {
+            diagnostics.extend(more);
+            crate::diag::dedup(&mut diagnostics);
+            Checked { model: None, diagnostics }
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! Diagnostics: one type for every error the compiler reports, rendered through codespan-reporting.
+
+use crate::span::Span;
+use codespan_reporting::diagnostic as cs;
+use codespan_reporting::files::SimpleFile;
+use codespan_reporting::term;
+use codespan_reporting::term::termcolor::{Buffer, ColorChoice, StandardStream, WriteColor};
+
+/// How bad a diagnostic is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Severity {
+    Warning,
+    Error,
+}
+
+/// A label under a piece of source text.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Label {
+    pub span: Span,
+    pub message: String,
+    pub primary: bool,
+}
+
+/// One reported problem: a stable code, a message, labelled spans, notes and an optional fix.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Diagnostic {
+    pub severity: Severity,
+    pub code: &'static str,
+    pub message: String,
+    pub labels: Vec<Label>,
+    pub notes: Vec<String>,
+    pub help: Option<String>,
+}
+
+impl Diagnostic {
+    pub fn error(code: &'static str, message: impl Into<String>) -> Diagnostic {
+        Diagnostic {
+            severity: Severity::Error,
+            code,
+            message: message.into(),
+            labels: Vec::new(),
+            notes: Vec::new(),
+            help: None,
+        }
+    }
+
+    pub fn warning(code: &'static str, message: impl Into<String>) -> Diagnostic {
+        Diagnostic {
+            severity: Severity::Warning,
+            ..Diagnostic::error(code, message)
+        }
+    }
+
+    /// Adds the primary label: the exact text at fault.
+    pub fn primary(mut self, span: Span, message: impl Into<String>) -> Diagnostic {
+        self.labels.push(Label {
+            span,
+            message: message.into(),
+            primary: true,
+        });
+        self
+    }
+
+    /// Adds a secondary label: related text, such as a definition.
+    pub fn secondary(mut self, span: Span, message: impl Into<String>) -> Diagnostic {
+        self.labels.push(Label {
+            span,
+            message: message.into(),
+            primary: false,
+        });
+        self
+    }
+
+    pub fn note(mut self, note: impl Into<String>) -> Diagnostic {
+        self.notes.push(note.into());
+        self
+    }
+
+    pub fn help(mut self, help: impl Into<String>) -> Diagnostic {
+        self.help = Some(help.into());
+        self
+    }
+
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
+
+    /// The span of the primary label, if there is one.
+    pub fn primary_span(&self) -> Option<Span> {
+        self.labels.iter().find(|l| l.primary).map(|l| l.span)
+    }
+
+    fn to_codespan(&self) -> cs::Diagnostic<()> {
+        let severity = match self.severity {
+            Severity::Warning => cs::Severity::Warning,
+            Severity::Error => cs::Severity::Error,
+        };
+        let labels = self
+            .labels
+            .iter()
+            .map(|l| {
+                let style = if l.primary {
+                    cs::LabelStyle::Primary
+                } else {
+                    cs::LabelStyle::Secondary
+                };
+                cs::Label::new(style, (), l.span.range()).with_message(l.message.clone())
+            })
+            .collect();
+        let mut notes: Vec<String> = self.notes.iter().map(|n| format!("note: {n}")).collect();
+        if let Some(help) = &self.help {
+            notes.push(format!("help: {help}"));
+        }
+        cs::Diagnostic::new(severity)
+            .with_code(self.code)
+            .with_message(self.message.clone())
+            .with_labels(labels)
+            .with_notes(notes)
+    }
+}
+
+/// Whether rendered output should use colour: never under `NO_COLOR` or when stderr is not a terminal.
+pub fn color_choice() -> ColorChoice {
+    use std::io::IsTerminal;
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    if no_color || !std::io::stderr().is_terminal() {
+        ColorChoice::Never
+    } else {
+        ColorChoice::Auto
+    }
+}
+
+/// Renders diagnostics against one source file into any colour-aware writer.
+pub fn render_to(
+    writer: &mut dyn WriteColor,
+    file_name: &str,
+    source: &str,
+    diagnostics: &[Diagnostic],
+) -> std::io::Result<()> {
+    let file = SimpleFile::new(file_name, source);
+    let config = term::Config::default();
+    for d in diagnostics {
+        let d = clamp_labels(d, source);
+        term::emit_to_write_style(writer, &config, &file, &d.to_codespan())
+            .map_err(std::io::Error::other)?;
+    }
+    Ok(())
+}
+
+/// Renders diagnostics to plain text (for tests and logs).
+pub fn render_plain(file_name: &str, source: &str, diagnostics: &[Diagnostic]) -> String {
+    let mut buffer = Buffer::no_color();
+    // Writing into memory cannot fail.
+    let _ = render_to(&mut buffer, file_name, source, diagnostics);
+    String::from_utf8_lossy(buffer.as_slice()).into_owned()
+}
+
+/// Renders diagnostics to standard error, in colour only where that is wanted.
+pub fn render_stderr(file_name: &str, source: &str, diagnostics: &[Diagnostic]) {
+    let mut stream = StandardStream::stderr(color_choice());
+    let _ = render_to(&mut stream, file_name, source, diagnostics);
+}
+
+/// Keeps every label inside the source and on character boundaries so rendering never fails.
+fn clamp_labels(d: &Diagnostic, source: &str) -> Diagnostic {
+    let floor = |mut i: usize| {
+        i = i.min(source.len());
+        while !source.is_char_boundary(i) {
+            i -= 1;
+        }
+        i
+    };
+    let mut d = d.clone();
+    for l in &mut d.labels {
+        let start = floor(l.span.start as usize);
+        let end = floor(l.span.end as usize).max(start);
+        l.span = Span::new(start, end);
+    }
+    d
+}
+
+/// Sorts diagnostics by position and drops exact repeats (a block instantiated many times reports once).
+pub fn dedup(diagnostics: &mut Vec<Diagnostic>) {
+    let mut seen = std::collections::HashSet::new();
+    diagnostics.retain(|d| seen.insert(d.clone()));
+    diagnostics.sort_by_key(|d| d.primary_span().map_or((u32::MAX, u32::MAX), |s| (s.start, s.end)));
+}
+
+/// Formats a count with thousands separators: 124439808 -> "124,439,808".
+pub fn group_digits(n: u128) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}

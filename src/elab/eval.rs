@@ -1,0 +1,363 @@
+//! Expression evaluation: scalar arithmetic on config values and dispatch of tensor operations.
+
+use super::{Elab, Fail, Frame, Layer, R, Value, suggest};
+use crate::diag::Diagnostic;
+use crate::ir::{Dim, Scalar};
+use crate::span::Span;
+use crate::syntax::ast::{BinOp, Call, Expr, ExprKind};
+
+/// Scalar functions usable anywhere.
+pub const SCALAR_FUNCTIONS: [&str; 3] = ["sqrt", "min", "max"];
+
+impl Elab<'_> {
+    /// Evaluates an expression in a frame.
+    pub(crate) fn eval(&mut self, expr: &Expr, frame: &mut Frame) -> R<Value> {
+        match &expr.kind {
+            ExprKind::Int(v) => Ok(Value::Scalar(Scalar::Int(*v), None)),
+            ExprKind::Float(v) => Ok(Value::Scalar(Scalar::Float(*v), None)),
+            ExprKind::Bool(v) => Ok(Value::Scalar(Scalar::Bool(*v), None)),
+            ExprKind::Str(v) => Ok(Value::Scalar(Scalar::Str(v.clone()), None)),
+            ExprKind::Name(name) => self.lookup(name, expr.span, frame),
+            ExprKind::List(items) => {
+                let mut values = Vec::with_capacity(items.len());
+                let mut failed = None;
+                for item in items {
+                    match self.eval(item, frame) {
+                        Ok(v) => values.push(v),
+                        Err(f) => failed = Some(failed.map_or(f, |g: Fail| if g == Fail::Abort { g } else { f })),
+                    }
+                }
+                match failed {
+                    Some(f) => Err(f),
+                    None => Ok(Value::List(values)),
+                }
+            }
+            ExprKind::Neg(inner) => {
+                let v = self.eval(inner, frame)?;
+                self.negate(v, expr.span)
+            }
+            ExprKind::Binary { op, lhs, rhs } => {
+                let l = self.eval(lhs, frame);
+                let r = self.eval(rhs, frame);
+                let (l, r) = (l?, r?);
+                self.binary(*op, (l, lhs), (r, rhs), expr.span, frame)
+            }
+            ExprKind::Call(call) => self.eval_call(call, frame),
+        }
+    }
+
+    fn lookup(&mut self, name: &str, span: Span, frame: &Frame) -> R<Value> {
+        if let Some(v) = frame.locals.get(name) {
+            return Ok(v.clone());
+        }
+        if let Some(m) = frame.module {
+            if let Some(v) = self.modules[m].env.get(name) {
+                return Ok(Value::Scalar(v.clone(), Some(name.to_string())));
+            }
+            if self.modules[m].layers.iter().any(|(n, _)| n == name) {
+                return self.fail(
+                    Diagnostic::error("E0107", format!("`{name}` is a layer, not a value"))
+                        .primary(span, "a layer")
+                        .help(format!("call it on a tensor: `{name}(x)`")),
+                );
+            }
+        }
+        if let Some(v) = self.config_env.get(name) {
+            return Ok(Value::Scalar(v.clone(), Some(name.to_string())));
+        }
+        if let Some((node, _)) = self.inputs.get(name) {
+            if frame.allow_inputs {
+                return Ok(Value::Tensor(*node));
+            }
+            return self.fail(
+                Diagnostic::error("E0101", format!("input `{name}` is not visible inside a block"))
+                    .primary(span, "model inputs are only visible in the model's forward")
+                    .help("pass it to the block as an argument"),
+            );
+        }
+        let mut d = Diagnostic::error("E0101", format!("unknown name `{name}`")).primary(span, "not defined");
+        let candidates = self.names_in_scope(frame);
+        if let Some(s) = suggest(name, candidates.iter().map(String::as_str)) {
+            d = d.help(format!("did you mean `{s}`?"));
+        }
+        if self.file.config.iter().any(|c| c.name.name == name) {
+            d = d.note("config values can only use values defined above them");
+        }
+        self.fail(d)
+    }
+
+    fn names_in_scope(&self, frame: &Frame) -> Vec<String> {
+        let mut names: Vec<String> = frame.locals.keys().cloned().collect();
+        if let Some(m) = frame.module {
+            names.extend(self.modules[m].env.keys().cloned());
+        }
+        names.extend(self.config_env.keys().cloned());
+        if frame.allow_inputs {
+            names.extend(self.inputs.keys().cloned());
+        }
+        names.sort();
+        names
+    }
+
+    fn negate(&mut self, v: Value, span: Span) -> R<Value> {
+        match v {
+            Value::Scalar(Scalar::Int(i), _) => match i.checked_neg() {
+                Some(n) => Ok(Value::Scalar(Scalar::Int(n), None)),
+                None => self.fail(overflow(span)),
+            },
+            Value::Scalar(Scalar::Float(f), _) => Ok(Value::Scalar(Scalar::Float(-f), None)),
+            Value::Poison => Ok(Value::Poison),
+            other => self.fail(
+                Diagnostic::error("E0107", format!("cannot negate {}", self.describe(&other)))
+                    .primary(span, "`-` needs a number"),
+            ),
+        }
+    }
+
+    fn binary(&mut self, op: BinOp, lhs: (Value, &Expr), rhs: (Value, &Expr), span: Span, frame: &Frame) -> R<Value> {
+        match (&lhs.0, &rhs.0) {
+            (Value::Poison, _) | (_, Value::Poison) => Ok(Value::Poison),
+            (Value::Scalar(a, _), Value::Scalar(b, _)) => {
+                let (a, b) = (a.clone(), b.clone());
+                self.scalar_binary(op, &a, &b, span, lhs.1.span, rhs.1.span)
+            }
+            (Value::Tensor(_), _) | (_, Value::Tensor(_)) => self.tensor_binary(op, lhs, rhs, span, frame),
+            _ => self.fail(
+                Diagnostic::error(
+                    "E0107",
+                    format!("cannot apply `{}` to {} and {}", op.symbol(), self.describe(&lhs.0), self.describe(&rhs.0)),
+                )
+                .primary(span, "unsupported operands"),
+            ),
+        }
+    }
+
+    fn scalar_binary(&mut self, op: BinOp, a: &Scalar, b: &Scalar, span: Span, ls: Span, rs: Span) -> R<Value> {
+        let result = match (a, b) {
+            (Scalar::Int(x), Scalar::Int(y)) => {
+                let (x, y) = (*x, *y);
+                let v = match op {
+                    BinOp::Add => x.checked_add(y),
+                    BinOp::Sub => x.checked_sub(y),
+                    BinOp::Mul => x.checked_mul(y),
+                    BinOp::Div => {
+                        if y == 0 {
+                            return self.fail(
+                                Diagnostic::error("E0203", "division by zero").primary(rs, "this is 0").secondary(span, "in this division"),
+                            );
+                        }
+                        if x % y != 0 {
+                            return self.fail(
+                                Diagnostic::error("E0203", format!("{x} / {y} is not a whole number"))
+                                    .primary(span, format!("{y} does not divide {x}"))
+                                    .secondary(ls, format!("this is {x}"))
+                                    .secondary(rs, format!("this is {y}"))
+                                    .help("integer sizes must divide exactly; change the values, or write a float literal such as 2.0 for a real quotient"),
+                            );
+                        }
+                        x.checked_div(y)
+                    }
+                };
+                match v {
+                    Some(v) => Scalar::Int(v),
+                    None => return self.fail(overflow(span)),
+                }
+            }
+            (Scalar::Int(_) | Scalar::Float(_), Scalar::Int(_) | Scalar::Float(_)) => {
+                let (x, y) = (as_f64(a), as_f64(b));
+                let v = match op {
+                    BinOp::Add => x + y,
+                    BinOp::Sub => x - y,
+                    BinOp::Mul => x * y,
+                    BinOp::Div => x / y,
+                };
+                if !v.is_finite() {
+                    return self.fail(
+                        Diagnostic::error("E0203", "arithmetic result is not a finite number").primary(span, "overflow or division by zero"),
+                    );
+                }
+                Scalar::Float(v)
+            }
+            _ => {
+                return self.fail(
+                    Diagnostic::error("E0107", format!("cannot apply `{}` to {a} and {b}", op.symbol()))
+                        .primary(span, "arithmetic needs numbers"),
+                );
+            }
+        };
+        Ok(Value::Scalar(result, None))
+    }
+
+    /// Dispatches a call: a layer of the current module, a scalar function, or a tensor operator.
+    fn eval_call(&mut self, call: &Call, frame: &mut Frame) -> R<Value> {
+        let name = call.callee.name.as_str();
+        if let Some(m) = frame.module {
+            let found = self.modules[m].layers.iter().find(|(n, _)| n == name).map(|(_, l)| l.clone());
+            if let Some(layer) = found {
+                return self.apply_layer(&layer, call, frame);
+            }
+        }
+        if SCALAR_FUNCTIONS.contains(&name) {
+            return self.scalar_call(call, frame);
+        }
+        if super::ops::is_function(name) {
+            return self.apply_op(call, frame);
+        }
+        if super::layers::is_layer_kind(name) || self.blocks.contains_key(name) {
+            let what = if self.blocks.contains_key(name) { "block" } else { "layer kind" };
+            return self.fail(
+                Diagnostic::error("E0107", format!("`{name}` is a {what}; it must be declared as a layer before it is called"))
+                    .primary(call.callee.span, "cannot be called here")
+                    .help(format!("declare it with `layer my_{name} = {name}(...)` and call `my_{name}(x)`")),
+            );
+        }
+        let mut candidates: Vec<&str> = super::ops::FUNCTIONS.to_vec();
+        candidates.extend(SCALAR_FUNCTIONS);
+        let layer_names: Vec<String> = frame
+            .module
+            .map(|m| self.modules[m].layers.iter().map(|(n, _)| n.clone()).collect())
+            .unwrap_or_default();
+        candidates.extend(layer_names.iter().map(String::as_str));
+        let mut d = Diagnostic::error("E0102", format!("unknown operator `{name}`")).primary(call.callee.span, "not an operator or layer");
+        if let Some(s) = suggest(name, candidates) {
+            d = d.help(format!("did you mean `{s}`?"));
+        }
+        self.fail(d)
+    }
+
+    fn scalar_call(&mut self, call: &Call, frame: &mut Frame) -> R<Value> {
+        let name = call.callee.name.as_str();
+        let sig = match name {
+            "sqrt" => super::args::Signature { name: "sqrt", params: &["x"], required: 1 },
+            "min" => super::args::Signature { name: "min", params: &["a", "b"], required: 2 },
+            _ => super::args::Signature { name: "max", params: &["a", "b"], required: 2 },
+        };
+        let bound = self.bind(call, &sig)?;
+        let mut values = Vec::new();
+        for i in 0..sig.params.len() {
+            if let Some(e) = bound.get(i) {
+                values.push(self.expect_number(e, frame)?);
+            }
+        }
+        let result = match (name, values.as_slice()) {
+            ("sqrt", [x]) => {
+                let v = as_f64(x);
+                if v < 0.0 {
+                    return self.fail(Diagnostic::error("E0203", "square root of a negative number").primary(call.span, format!("sqrt({v})")));
+                }
+                Scalar::Float(v.sqrt())
+            }
+            ("min", [Scalar::Int(a), Scalar::Int(b)]) => Scalar::Int(*a.min(b)),
+            ("max", [Scalar::Int(a), Scalar::Int(b)]) => Scalar::Int(*a.max(b)),
+            ("min", [a, b]) => Scalar::Float(as_f64(a).min(as_f64(b))),
+            ("max", [a, b]) => Scalar::Float(as_f64(a).max(as_f64(b))),
+            _ => return Err(Fail::Reported),
+        };
+        Ok(Value::Scalar(result, None))
+    }
+
+    /// Evaluates an expression that must be a number.
+    pub(crate) fn expect_number(&mut self, expr: &Expr, frame: &mut Frame) -> R<Scalar> {
+        match self.eval(expr, frame)? {
+            Value::Scalar(s @ (Scalar::Int(_) | Scalar::Float(_)), _) => Ok(s),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "a number", &other),
+        }
+    }
+
+    pub(crate) fn expect_float(&mut self, expr: &Expr, frame: &mut Frame) -> R<f64> {
+        self.expect_number(expr, frame).map(|s| as_f64(&s))
+    }
+
+    pub(crate) fn expect_int(&mut self, expr: &Expr, frame: &mut Frame) -> R<i64> {
+        match self.eval(expr, frame)? {
+            Value::Scalar(Scalar::Int(i), _) => Ok(i),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "an integer", &other),
+        }
+    }
+
+    pub(crate) fn expect_bool(&mut self, expr: &Expr, frame: &mut Frame) -> R<bool> {
+        match self.eval(expr, frame)? {
+            Value::Scalar(Scalar::Bool(b), _) => Ok(b),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "`true` or `false`", &other),
+        }
+    }
+
+    pub(crate) fn expect_str(&mut self, expr: &Expr, frame: &mut Frame) -> R<String> {
+        match self.eval(expr, frame)? {
+            Value::Scalar(Scalar::Str(s), _) => Ok(s),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "a string", &other),
+        }
+    }
+
+    pub(crate) fn expect_tensor(&mut self, expr: &Expr, frame: &mut Frame) -> R<petgraph::graph::NodeIndex> {
+        match self.eval(expr, frame)? {
+            Value::Tensor(n) => Ok(n),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "a tensor", &other),
+        }
+    }
+
+    /// Evaluates a size: a positive integer, labelled with the name it was read from.
+    pub(crate) fn eval_dim(&mut self, expr: &Expr, frame: &mut Frame) -> R<Dim> {
+        match self.eval(expr, frame)? {
+            Value::Scalar(Scalar::Int(i), label) => self.positive_dim(i, label, expr.span),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "a size (a positive integer)", &other),
+        }
+    }
+
+    pub(crate) fn positive_dim(&mut self, value: i64, label: Option<String>, span: Span) -> R<Dim> {
+        if value <= 0 {
+            let mut d = Diagnostic::error("E0202", format!("a size must be positive, but this is {value}"))
+                .primary(span, format!("this is {value}"));
+            if let Some(l) = &label {
+                if let Some(c) = self.config.iter().find(|c| &c.name == l) {
+                    d = d.secondary(c.span, format!("`{l}` is defined here"));
+                }
+            }
+            return self.fail(d);
+        }
+        Ok(Dim::new(value.unsigned_abs(), label))
+    }
+
+    pub(crate) fn type_error<T>(&mut self, expr: &Expr, expected: &str, found: &Value) -> R<T> {
+        let found = self.describe(found);
+        self.fail(
+            Diagnostic::error("E0107", format!("expected {expected}, found {found}")).primary(expr.span, format!("this is {found}")),
+        )
+    }
+
+    /// Describes a value for messages: "the integer 3", "a tensor f32[4, 16]".
+    pub(crate) fn describe(&self, v: &Value) -> String {
+        match v {
+            Value::Scalar(Scalar::Int(i), _) => format!("the integer {i}"),
+            Value::Scalar(Scalar::Float(f), _) => format!("the number {f:?}"),
+            Value::Scalar(Scalar::Bool(b), _) => format!("`{b}`"),
+            Value::Scalar(Scalar::Str(s), _) => format!("the string {s:?}"),
+            Value::List(items) => format!("a list of {} items", items.len()),
+            Value::Tensor(n) => format!("a tensor {}", super::ops::show_type(self.ty(*n))),
+            Value::Poison => "an invalid value".to_string(),
+        }
+    }
+
+    /// Used by layer application: whether a layer value is still usable.
+    pub(crate) fn is_poison(layer: &Layer) -> bool {
+        matches!(layer, Layer::Poison)
+    }
+}
+
+pub(crate) fn as_f64(s: &Scalar) -> f64 {
+    match s {
+        Scalar::Int(i) => *i as f64,
+        Scalar::Float(f) => *f,
+        _ => f64::NAN,
+    }
+}
+
+fn overflow(span: Span) -> Diagnostic {
+    Diagnostic::error("E0203", "integer overflow").primary(span, format!("the result does not fit in {} bits", i64::BITS))
+}

@@ -1,0 +1,471 @@
+//! Layers: instantiating declarations (creating parameters, blocks and repeats) and applying them to tensors.
+
+use super::args::Signature;
+use super::{Elab, Fail, Frame, Layer, MAX_REPEAT, Module, R, Value};
+use crate::diag::Diagnostic;
+use crate::ir::{DType, Dim, Factor, Init, Op, Param, ParamId, ParamRole, TensorType};
+use crate::span::Span;
+use crate::syntax::ast::{Call, ExprKind, LayerDecl, LayerExpr};
+use petgraph::graph::NodeIndex;
+use std::collections::HashMap;
+
+/// Built-in layer kinds: operators that own parameters.
+pub const LAYER_KINDS: [&str; 4] = ["linear", "layernorm", "embedding", "position_embedding"];
+
+/// Deepest nesting of block instances.
+const MAX_BLOCK_DEPTH: usize = 256;
+
+pub fn is_layer_kind(name: &str) -> bool {
+    LAYER_KINDS.contains(&name)
+}
+
+/// Default standard deviation of normally initialised weights (GPT-2, BERT).
+const DEFAULT_STD: f64 = 0.02;
+
+fn join(path: &str, name: &str) -> String {
+    if path.is_empty() { name.to_string() } else { format!("{path}.{name}") }
+}
+
+impl<'f> Elab<'f> {
+    fn module_frame(&self, module: usize) -> Frame {
+        Frame {
+            module: Some(module),
+            locals: HashMap::new(),
+            allow_inputs: false,
+        }
+    }
+
+    pub(crate) fn instantiate_layer(&mut self, module: usize, decl: &'f LayerDecl) -> R<Layer> {
+        let path = join(&self.modules[module].path, &decl.name.name);
+        match &decl.value {
+            LayerExpr::Call(call) => {
+                if let Some(&block) = self.blocks.get(&call.callee.name) {
+                    return self.instantiate_block(block, call, module, path).map(Layer::Block);
+                }
+                self.instantiate_builtin(module, call, &path, decl.span)
+            }
+            LayerExpr::Repeat { count, body, .. } => {
+                let mut frame = self.module_frame(module);
+                let n = self.expect_int(count, &mut frame)?;
+                if !(1..=MAX_REPEAT).contains(&n) {
+                    return self.fail(
+                        Diagnostic::error("E0202", format!("`repeat` needs a count from 1 to {MAX_REPEAT}, but this is {n}"))
+                            .primary(count.span, format!("this is {n}")),
+                    );
+                }
+                let Some(&block) = self.blocks.get(&body.callee.name) else {
+                    return self.fail(self.not_a_block(body));
+                };
+                let mut modules = Vec::new();
+                for k in 0..n {
+                    modules.push(self.instantiate_block(block, body, module, format!("{path}.{k}"))?);
+                }
+                Ok(Layer::Repeat(modules, decl.span))
+            }
+        }
+    }
+
+    fn not_a_block(&self, call: &Call) -> Diagnostic {
+        let name = &call.callee.name;
+        let mut d = Diagnostic::error("E0102", format!("`repeat` needs a block, but `{name}` is not one"))
+            .primary(call.callee.span, "not a block");
+        if let Some(s) = super::suggest(name, self.blocks.keys().map(String::as_str)) {
+            d = d.help(format!("did you mean `{s}`?"));
+        }
+        d
+    }
+
+    /// Instantiates a user block: binds its parameters from the call, then its layers.
+    fn instantiate_block(&mut self, block: usize, call: &'f Call, parent: usize, path: String) -> R<usize> {
+        if self.recursive.contains(&block) {
+            return Err(Fail::Reported);
+        }
+        if path.matches('.').count() > MAX_BLOCK_DEPTH {
+            return self.fail(
+                Diagnostic::error("E0402", format!("blocks are nested more than {MAX_BLOCK_DEPTH} deep"))
+                    .primary(call.span, "too deep here"),
+            );
+        }
+        let def = &self.file.blocks[block];
+        let names: Vec<&str> = def.params.iter().map(|p| p.name.name.as_str()).collect();
+        let sig = Signature { name: &def.name.name, params: &names, required: 0 };
+        let bound = self.bind(call, &sig)?;
+        let mut env = HashMap::new();
+        let mut parent_frame = self.module_frame(parent);
+        let mut ok = true;
+        for (i, param) in def.params.iter().enumerate() {
+            let value = match (bound.get(i), &param.default) {
+                (Some(arg), _) => self.eval(arg, &mut parent_frame),
+                (None, Some(default)) => {
+                    let mut frame = Frame::scalars();
+                    frame.locals = env.iter().map(|(k, v): (&String, &crate::ir::Scalar)| (k.clone(), Value::Scalar(v.clone(), Some(k.clone())))).collect();
+                    self.eval(default, &mut frame)
+                }
+                (None, None) => {
+                    self.report(
+                        Diagnostic::error("E0103", format!("block `{}` is missing argument `{}`", def.name.name, param.name.name))
+                            .primary(call.span, format!("missing `{}`", param.name.name))
+                            .secondary(param.name.span, "parameter declared here"),
+                    );
+                    ok = false;
+                    continue;
+                }
+            };
+            match value {
+                Ok(Value::Scalar(s, _)) => {
+                    env.insert(param.name.name.clone(), s);
+                }
+                Ok(Value::Poison) | Err(Fail::Reported) => ok = false,
+                Err(Fail::Abort) => return Err(Fail::Abort),
+                Ok(other) => {
+                    let found = self.describe(&other);
+                    let span = bound.get(i).map_or(call.span, |e| e.span);
+                    self.report(
+                        Diagnostic::error("E0107", format!("block parameters are numbers, booleans or strings; found {found}"))
+                            .primary(span, "not a scalar")
+                            .help("pass tensors to the block's forward instead"),
+                    );
+                    ok = false;
+                }
+            }
+        }
+        if !ok {
+            return Err(Fail::Reported);
+        }
+        let id = self.modules.len();
+        self.modules.push(Module { block: Some(block), path, env, layers: Vec::new() });
+        let file = self.file;
+        self.instantiate_layers(id, &file.blocks[block].layers)?;
+        Ok(id)
+    }
+
+    /// Instantiates a built-in layer kind, creating its parameters.
+    fn instantiate_builtin(&mut self, module: usize, call: &'f Call, path: &str, span: Span) -> R<Layer> {
+        let mut frame = self.module_frame(module);
+        match call.callee.name.as_str() {
+            "linear" => self.instantiate_linear(module, call, path, span, &mut frame),
+            "layernorm" => {
+                let sig = Signature { name: "layernorm", params: &["dim", "eps"], required: 1 };
+                let b = self.bind(call, &sig)?;
+                let dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame)?;
+                let eps = match b.get(1) {
+                    Some(e) => self.expect_float(e, &mut frame)?,
+                    None => 1e-5,
+                };
+                let size = dim.size;
+                let weight = self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span);
+                let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span);
+                Ok(Layer::LayerNorm { weight, bias, dim: size, eps, span })
+            }
+            kind @ ("embedding" | "position_embedding") => {
+                let sig = Signature { name: kind, params: &["rows", "width", "std"], required: 2 };
+                let b = self.bind(call, &sig)?;
+                let rows = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame);
+                let width = self.eval_dim(b.get(1).ok_or(Fail::Reported)?, &mut frame);
+                let std = self.optional_std(b.get(2), &mut frame)?;
+                let shape = vec![rows?, width?];
+                if kind == "embedding" {
+                    let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span);
+                    Ok(Layer::Embedding { table, span })
+                } else {
+                    let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::PositionEmbedding, span);
+                    Ok(Layer::PositionEmbedding { table, span })
+                }
+            }
+            name => {
+                let mut candidates: Vec<&str> = LAYER_KINDS.to_vec();
+                candidates.extend(self.blocks.keys().map(String::as_str));
+                let mut d = Diagnostic::error("E0102", format!("unknown layer kind `{name}`"))
+                    .primary(call.callee.span, "not a layer kind or block")
+                    .note(format!("layer kinds: {}", LAYER_KINDS.join(", ")));
+                if let Some(s) = super::suggest(name, candidates) {
+                    d = d.help(format!("did you mean `{s}`?"));
+                } else if super::ops::is_function(name) {
+                    d = d.help(format!("`{name}` has no parameters: call it directly in a forward"));
+                }
+                self.fail(d)
+            }
+        }
+    }
+
+    fn optional_std(&mut self, expr: Option<&crate::syntax::ast::Expr>, frame: &mut Frame) -> R<f64> {
+        let Some(e) = expr else { return Ok(DEFAULT_STD) };
+        let std = self.expect_float(e, frame)?;
+        if std < 0.0 {
+            return self.fail(Diagnostic::error("E0202", "`std` must not be negative").primary(e.span, format!("this is {std}")));
+        }
+        Ok(std)
+    }
+
+    fn instantiate_linear(&mut self, module: usize, call: &'f Call, path: &str, span: Span, frame: &mut Frame) -> R<Layer> {
+        let sig = Signature { name: "linear", params: &["in", "out", "bias", "std", "tied"], required: 2 };
+        let b = self.bind(call, &sig)?;
+        let in_dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, frame);
+        let out_dim = self.eval_out_dim(b.get(1).ok_or(Fail::Reported)?, frame);
+        let bias = match b.get(2) {
+            Some(e) => self.expect_bool(e, frame)?,
+            None => true,
+        };
+        let std = self.optional_std(b.get(3), frame)?;
+        let (in_dim, out_dim) = (in_dim?, out_dim?);
+        let (weight, transpose) = match b.get(4) {
+            Some(tied) => (self.tied_table(module, tied, &in_dim, &out_dim, span)?, true),
+            None => {
+                let shape = vec![in_dim.clone(), out_dim.clone()];
+                (self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span), false)
+            }
+        };
+        let bias = bias.then(|| self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span));
+        Ok(Layer::Linear { weight, bias, in_dim, out_dim, transpose, span })
+    }
+
+    /// A linear's output size: an integer, or a list of factors such as `[3, heads, head]`.
+    fn eval_out_dim(&mut self, expr: &crate::syntax::ast::Expr, frame: &mut Frame) -> R<Dim> {
+        let ExprKind::List(items) = &expr.kind else {
+            return self.eval_dim(expr, frame);
+        };
+        if items.is_empty() {
+            return self.fail(Diagnostic::error("E0202", "a factored size needs at least one factor").primary(expr.span, "empty"));
+        }
+        let mut factors = Vec::new();
+        for item in items {
+            let d = self.eval_dim(item, frame)?;
+            factors.push(Factor { size: d.size, label: d.label });
+        }
+        let size = factors.iter().try_fold(1u64, |acc, f| acc.checked_mul(f.size));
+        let Some(size) = size else {
+            return self.fail(Diagnostic::error("E0203", "integer overflow").primary(expr.span, "the product of these factors is too large"));
+        };
+        Ok(Dim { size, label: None, factors })
+    }
+
+    /// Resolves `tied: wte`: the embedding table to reuse, which must be [out, in].
+    fn tied_table(&mut self, module: usize, expr: &crate::syntax::ast::Expr, in_dim: &Dim, out_dim: &Dim, span: Span) -> R<ParamId> {
+        let ExprKind::Name(name) = &expr.kind else {
+            return self.fail(Diagnostic::error("E0107", "`tied` takes the name of an embedding layer").primary(expr.span, "not a layer name"));
+        };
+        let found = [module, 0]
+            .iter()
+            .find_map(|&m| self.modules.get(m)?.layers.iter().find(|(n, _)| n == name).map(|(_, l)| l.clone()));
+        let table = match found {
+            Some(Layer::Embedding { table, .. }) => table,
+            Some(Layer::Poison) => return Err(Fail::Reported),
+            Some(_) => {
+                return self.fail(
+                    Diagnostic::error("E0107", format!("`tied` needs an embedding layer, but `{name}` is another kind of layer"))
+                        .primary(expr.span, "not an embedding"),
+                );
+            }
+            None => {
+                return self.fail(
+                    Diagnostic::error("E0101", format!("unknown layer `{name}`"))
+                        .primary(expr.span, "no embedding layer of this name is declared before this line"),
+                );
+            }
+        };
+        let table_ty = self.params[table.0 as usize].ty.clone();
+        let rows = table_ty.shape[0].size;
+        let width = table_ty.shape[1].size;
+        if rows != out_dim.size || width != in_dim.size {
+            let table_span = self.params[table.0 as usize].span;
+            return self.fail(
+                Diagnostic::error(
+                    "E0201",
+                    format!("shape mismatch: a tied linear({}, {}) needs a [{}, {}] table, but `{name}` is [{rows}, {width}]", in_dim.size, out_dim.size, out_dim.size, in_dim.size),
+                )
+                .primary(span, format!("needs [{}, {}]", out_dim.size, in_dim.size))
+                .secondary(table_span, format!("this table is [{rows}, {width}]")),
+            );
+        }
+        Ok(table)
+    }
+
+    fn new_param(&mut self, path: &str, leaf: &str, shape: Vec<Dim>, init: Init, role: ParamRole, span: Span) -> ParamId {
+        let name = join(path, leaf);
+        let id = ParamId(u32::try_from(self.params.len()).unwrap_or(u32::MAX));
+        self.param_names.insert(name.clone());
+        self.params.push(Param {
+            checkpoint: name.clone(),
+            name,
+            ty: TensorType { dtype: DType::F32, shape },
+            init,
+            role,
+            span,
+        });
+        id
+    }
+
+    /// The graph node that reads a parameter (one per parameter, made on first use).
+    fn param_node(&mut self, id: ParamId) -> R<NodeIndex> {
+        if let Some(&n) = self.param_nodes.get(&id) {
+            return Ok(n);
+        }
+        let p = &self.params[id.0 as usize];
+        let (ty, span, scope) = (p.ty.clone(), p.span, p.name.rsplit_once('.').map_or("", |(s, _)| s).to_string());
+        let n = self.add_node(Op::Param { id }, ty, span, &scope, &[])?;
+        self.param_nodes.insert(id, n);
+        Ok(n)
+    }
+
+    /// Applies a layer to the tensors of a call in a forward.
+    pub(crate) fn apply_layer(&mut self, layer: &Layer, call: &Call, frame: &mut Frame) -> R<Value> {
+        if Self::is_poison(layer) {
+            return Err(Fail::Reported);
+        }
+        if let Layer::Block(module) = layer {
+            let args = self.tensor_args(call, frame)?;
+            return self.call_module(*module, args, call);
+        }
+        let name = call.callee.name.clone();
+        let sig = Signature { name: &name, params: &["x"], required: 1 };
+        let b = self.bind(call, &sig)?;
+        let arg = b.get(0).ok_or(Fail::Reported)?;
+        let x = self.expect_tensor(arg, frame)?;
+        let scope = self.scope_of(frame);
+        let scope = join(&scope, &name);
+        match layer {
+            Layer::Linear { weight, bias, in_dim, out_dim, transpose, span } => {
+                self.expect_float_tensor(x, arg.span)?;
+                self.expect_last_dim(x, in_dim.size, arg.span, *span, &name)?;
+                let mut ty = self.ty(x).clone();
+                if let Some(last) = ty.shape.last_mut() {
+                    *last = out_dim.clone();
+                }
+                let mut operands = vec![x, self.param_node(*weight)?];
+                if let Some(bias) = bias {
+                    operands.push(self.param_node(*bias)?);
+                }
+                let op = Op::Linear { bias: bias.is_some(), transpose_weight: *transpose };
+                self.add_node(op, ty, call.span, &scope, &operands).map(Value::Tensor)
+            }
+            Layer::LayerNorm { weight, bias, dim, eps, span } => {
+                self.expect_float_tensor(x, arg.span)?;
+                self.expect_last_dim(x, *dim, arg.span, *span, &name)?;
+                let ty = self.ty(x).clone();
+                let operands = [x, self.param_node(*weight)?, self.param_node(*bias)?];
+                self.add_node(Op::LayerNorm { eps: *eps }, ty, call.span, &scope, &operands).map(Value::Tensor)
+            }
+            Layer::Embedding { table, .. } => {
+                self.expect_int_tensor(x, arg.span)?;
+                let mut ty = self.ty(x).clone();
+                let width = self.params[table.0 as usize].ty.shape[1].clone();
+                ty.dtype = DType::F32;
+                ty.shape.push(width);
+                let operands = [x, self.param_node(*table)?];
+                self.add_node(Op::Embedding, ty, call.span, &scope, &operands).map(Value::Tensor)
+            }
+            Layer::PositionEmbedding { table, span } => self.apply_position_embedding(x, *table, arg.span, *span, call, &scope),
+            Layer::Repeat(modules, _) => self.apply_repeat(modules, x, call),
+            Layer::Block(_) | Layer::Poison => Err(Fail::Reported),
+        }
+    }
+
+    fn apply_position_embedding(&mut self, ids: NodeIndex, table: ParamId, arg: Span, decl: Span, call: &Call, scope: &str) -> R<Value> {
+        self.expect_int_tensor(ids, arg)?;
+        let table_ty = self.params[table.0 as usize].ty.clone();
+        let mut ty = self.ty(ids).clone();
+        let Some(seq) = ty.shape.last().cloned() else {
+            return self.fail(Diagnostic::error("E0201", "position_embedding needs ids with a sequence dimension").primary(arg, "this is a scalar"));
+        };
+        let rows = table_ty.shape[0].size;
+        if seq.size > rows {
+            return self.fail(
+                Diagnostic::error("E0201", format!("sequence length {} exceeds the position table's {rows} rows", seq.size))
+                    .primary(arg, format!("sequences of {} positions", seq.size))
+                    .secondary(decl, format!("the table has {rows} rows"))
+                    .help("make the sequence length at most the table size (`seq <= context`)"),
+            );
+        }
+        ty.dtype = DType::F32;
+        ty.shape.push(table_ty.shape[1].clone());
+        let operands = [ids, self.param_node(table)?];
+        self.add_node(Op::PositionEmbedding, ty, call.span, scope, &operands).map(Value::Tensor)
+    }
+
+    fn apply_repeat(&mut self, modules: &[usize], x: NodeIndex, call: &Call) -> R<Value> {
+        let mut current = Value::Tensor(x);
+        for (k, &m) in modules.iter().enumerate() {
+            let before = match &current {
+                Value::Tensor(n) => self.ty(*n).clone(),
+                _ => return Err(Fail::Reported),
+            };
+            current = self.call_module(m, vec![current], call)?;
+            if k == 0 {
+                let after = match &current {
+                    Value::Tensor(n) => self.ty(*n).clone(),
+                    Value::Poison => return Err(Fail::Reported),
+                    other => {
+                        let found = self.describe(other);
+                        return self.fail(Diagnostic::error("E0107", format!("a repeated block must return a tensor, but it returned {found}")).primary(call.span, "repeated here"));
+                    }
+                };
+                if after.shape != before.shape {
+                    return self.fail(
+                        Diagnostic::error(
+                            "E0201",
+                            format!("shape mismatch: a repeated block must return its input's shape {}, but returns {}", super::ops::show_type(&before), super::ops::show_type(&after)),
+                        )
+                        .primary(call.span, "repeated here"),
+                    );
+                }
+            }
+        }
+        Ok(current)
+    }
+
+    fn tensor_args(&mut self, call: &Call, frame: &mut Frame) -> R<Vec<Value>> {
+        let mut args = Vec::new();
+        let mut failed = false;
+        for arg in &call.args {
+            if let Some(name) = &arg.name {
+                self.report(
+                    Diagnostic::error("E0104", format!("`{}` takes tensors by position, not by keyword", call.callee.name))
+                        .primary(name.span, "keyword not allowed here"),
+                );
+                failed = true;
+                continue;
+            }
+            match self.eval(&arg.value, frame) {
+                Ok(v) => args.push(v),
+                Err(Fail::Abort) => return Err(Fail::Abort),
+                Err(Fail::Reported) => failed = true,
+            }
+        }
+        if failed { Err(Fail::Reported) } else { Ok(args) }
+    }
+
+    fn expect_last_dim(&mut self, x: NodeIndex, expected: u64, arg: Span, decl: Span, layer: &str) -> R<()> {
+        let ty = self.ty(x).clone();
+        match ty.shape.last() {
+            Some(d) if d.size == expected => Ok(()),
+            _ => self.fail(
+                Diagnostic::error(
+                    "E0201",
+                    format!("shape mismatch: `{layer}` expects a last dimension of {expected}, but its input is {}", super::ops::show_type(&ty)),
+                )
+                .primary(arg, format!("this is {}", super::ops::show_type(&ty)))
+                .secondary(decl, format!("`{layer}` is declared here with input size {expected}")),
+            ),
+        }
+    }
+
+    pub(crate) fn expect_int_tensor(&mut self, x: NodeIndex, span: Span) -> R<()> {
+        let ty = self.ty(x).clone();
+        if ty.dtype.is_integer() {
+            return Ok(());
+        }
+        self.fail(Diagnostic::error("E0107", format!("expected integer ids, found {}", super::ops::show_type(&ty))).primary(span, "not i32 or i64"))
+    }
+
+    pub(crate) fn expect_float_tensor(&mut self, x: NodeIndex, span: Span) -> R<()> {
+        let ty = self.ty(x).clone();
+        if !ty.dtype.is_integer() {
+            return Ok(());
+        }
+        self.fail(
+            Diagnostic::error("E0107", format!("expected a floating-point tensor, found {}", super::ops::show_type(&ty)))
+                .primary(span, "integer tensor")
+                .help("token ids must go through an embedding first"),
+        )
+    }
+}

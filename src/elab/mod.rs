@@ -1,0 +1,702 @@
+//! Elaboration: binds the config, instantiates layers and blocks, and runs every forward symbolically
+//! to build the typed logical graph ([`crate::ir::Model`]), inferring and checking shapes on the way.
+
+mod args;
+mod eval;
+mod layers;
+mod ops;
+
+use crate::diag::{Diagnostic, dedup};
+use crate::ir::{ConfigValue, Model, Node, Origin, Param, ParamId, Scalar, TensorType};
+use crate::span::Span;
+use crate::syntax::ast::{self, File, LayerDecl, Stmt};
+use petgraph::graph::{DiGraph, NodeIndex};
+use std::collections::{HashMap, HashSet};
+
+/// Most graph nodes one model may elaborate to.
+pub const MAX_NODES: usize = 2_000_000;
+/// Most copies one `repeat` may make.
+pub const MAX_REPEAT: i64 = 100_000;
+
+/// Why an elaboration step produced no value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fail {
+    /// A diagnostic has been recorded; carry on with the next statement.
+    Reported,
+    /// A limit was hit; stop elaborating.
+    Abort,
+}
+
+pub type R<T> = Result<T, Fail>;
+
+/// A `--set name=value` override from the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Override {
+    pub name: String,
+    pub value: String,
+}
+
+impl std::str::FromStr for Override {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Override, String> {
+        match s.split_once('=') {
+            Some((name, value)) if !name.trim().is_empty() => Ok(Override {
+                name: name.trim().to_string(),
+                value: value.trim().to_string(),
+            }),
+            _ => Err(format!("expected NAME=VALUE, found `{s}`")),
+        }
+    }
+}
+
+/// A value during elaboration.
+#[derive(Clone, Debug)]
+pub(crate) enum Value {
+    /// A scalar, with the config or block parameter name it was read from.
+    Scalar(Scalar, Option<String>),
+    List(Vec<Value>),
+    Tensor(NodeIndex),
+    /// Stands for a value whose computation already failed, so no error cascades from it.
+    Poison,
+}
+
+/// An instantiated layer.
+#[derive(Clone, Debug)]
+pub(crate) enum Layer {
+    Linear {
+        weight: ParamId,
+        bias: Option<ParamId>,
+        in_dim: crate::ir::Dim,
+        out_dim: crate::ir::Dim,
+        transpose: bool,
+        span: Span,
+    },
+    LayerNorm {
+        weight: ParamId,
+        bias: ParamId,
+        dim: u64,
+        eps: f64,
+        span: Span,
+    },
+    Embedding {
+        table: ParamId,
+        span: Span,
+    },
+    PositionEmbedding {
+        table: ParamId,
+        span: Span,
+    },
+    Block(usize),
+    Repeat(Vec<usize>, Span),
+    Poison,
+}
+
+/// An instantiated block (or the root model): its path, parameter values and layers.
+#[derive(Clone, Debug)]
+pub(crate) struct Module {
+    /// Index into the file's blocks; `None` for the root.
+    block: Option<usize>,
+    path: String,
+    env: HashMap<String, Scalar>,
+    layers: Vec<(String, Layer)>,
+}
+
+/// Local bindings while evaluating: a module's forward, a config block, or block arguments.
+pub(crate) struct Frame {
+    module: Option<usize>,
+    locals: HashMap<String, Value>,
+    allow_inputs: bool,
+}
+
+impl Frame {
+    fn scalars() -> Frame {
+        Frame {
+            module: None,
+            locals: HashMap::new(),
+            allow_inputs: false,
+        }
+    }
+}
+
+/// The elaborator's state.
+pub struct Elab<'f> {
+    file: &'f File,
+    diags: Vec<Diagnostic>,
+    graph: DiGraph<Node, u8>,
+    params: Vec<Param>,
+    config: Vec<ConfigValue>,
+    config_env: HashMap<String, Scalar>,
+    inputs: HashMap<String, (NodeIndex, Span)>,
+    blocks: HashMap<String, usize>,
+    recursive: HashSet<usize>,
+    modules: Vec<Module>,
+    param_names: HashSet<String>,
+    param_nodes: HashMap<ParamId, NodeIndex>,
+}
+
+/// Elaborates a parsed file with command-line overrides into a model; errors if any diagnostic is an error.
+/// On success, also returns warnings.
+pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diagnostic>), Vec<Diagnostic>> {
+    let mut elab = Elab {
+        file,
+        diags: Vec::new(),
+        graph: DiGraph::new(),
+        params: Vec::new(),
+        config: Vec::new(),
+        config_env: HashMap::new(),
+        inputs: HashMap::new(),
+        blocks: HashMap::new(),
+        recursive: HashSet::new(),
+        modules: Vec::new(),
+        param_names: HashSet::new(),
+        param_nodes: HashMap::new(),
+    };
+    let result = elab.run(overrides);
+    let mut diags = std::mem::take(&mut elab.diags);
+    dedup(&mut diags);
+    if result == Err(Fail::Abort) || diags.iter().any(Diagnostic::is_error) {
+        return Err(diags);
+    }
+    let (outputs, loss) = match result {
+        Ok(v) => v,
+        Err(_) => return Err(diags),
+    };
+    let model = Model {
+        name: file.model.as_ref().map_or_else(|| "model".to_string(), |m| m.name.name.clone()),
+        checkpoint_prefix: elab.checkpoint_prefix(),
+        config: elab.config,
+        params: elab.params,
+        graph: elab.graph,
+        outputs,
+        loss,
+    };
+    Ok((model, diags))
+}
+
+/// The nearest of `candidates` to `name`, if it is close enough to be a likely typo.
+pub fn suggest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let mut best: Option<(f64, &str)> = None;
+    for c in candidates {
+        if c == name || c.is_empty() {
+            continue;
+        }
+        let score = strsim::jaro_winkler(name, c);
+        let distance = strsim::levenshtein(name, c);
+        let close = distance <= 2.max(name.len() / 3) || score > 0.85;
+        if close && best.is_none_or(|(b, _)| score > b) {
+            best = Some((score, c));
+        }
+    }
+    best.map(|(_, c)| c)
+}
+
+impl<'f> Elab<'f> {
+    pub(crate) fn report(&mut self, d: Diagnostic) {
+        self.diags.push(d);
+    }
+
+    /// Records an error and fails the current step.
+    pub(crate) fn fail<T>(&mut self, d: Diagnostic) -> R<T> {
+        self.diags.push(d);
+        Err(Fail::Reported)
+    }
+
+    fn run(&mut self, overrides: &[Override]) -> R<(Vec<crate::ir::Output>, Option<NodeIndex>)> {
+        self.bind_config(overrides);
+        self.check_model_options();
+        self.index_blocks();
+        self.find_recursion();
+        self.declare_inputs();
+        let root = self.instantiate_root()?;
+        self.run_root_forward(root)
+    }
+
+    fn checkpoint_prefix(&self) -> Option<String> {
+        let model = self.file.model.as_ref()?;
+        model.options.iter().find_map(|o| match (&o.name, &o.value.kind) {
+            (Some(n), ast::ExprKind::Str(s)) if n.name == "checkpoint_prefix" => Some(s.clone()),
+            _ => None,
+        })
+    }
+
+    fn check_model_options(&mut self) {
+        let Some(model) = &self.file.model else { return };
+        for opt in &model.options {
+            match &opt.name {
+                Some(n) if n.name == "checkpoint_prefix" => {
+                    if !matches!(opt.value.kind, ast::ExprKind::Str(_)) {
+                        self.report(
+                            Diagnostic::error("E0107", "`checkpoint_prefix` must be a string")
+                                .primary(opt.value.span, "expected a string such as \"transformer.\""),
+                        );
+                    }
+                }
+                Some(n) => {
+                    let mut d = Diagnostic::error("E0104", format!("`model` has no option named `{}`", n.name))
+                        .primary(n.span, "unknown option")
+                        .note("`model` takes (checkpoint_prefix)");
+                    if let Some(s) = suggest(&n.name, ["checkpoint_prefix"]) {
+                        d = d.help(format!("did you mean `{s}`?"));
+                    }
+                    self.report(d);
+                }
+                None => self.report(
+                    Diagnostic::error("E0103", "`model` options must be named")
+                        .primary(opt.span, "write `checkpoint_prefix: \"...\"`"),
+                ),
+            }
+        }
+    }
+
+    /// Evaluates config entries in order, applying `--set` overrides.
+    fn bind_config(&mut self, overrides: &[Override]) {
+        let file = self.file;
+        let mut seen: HashMap<&str, Span> = HashMap::new();
+        for entry in &file.config {
+            if let Some(prev) = seen.get(entry.name.name.as_str()) {
+                self.report(duplicate("config value", &entry.name, *prev));
+                continue;
+            }
+            seen.insert(&entry.name.name, entry.name.span);
+            let mut frame = Frame::scalars();
+            let value = match self.eval(&entry.value, &mut frame) {
+                Ok(Value::Scalar(s, _)) => s,
+                Ok(Value::Poison) | Err(_) => continue,
+                Ok(_) => {
+                    self.report(
+                        Diagnostic::error("E0107", "a config value must be a number, boolean or string")
+                            .primary(entry.value.span, "not a scalar"),
+                    );
+                    continue;
+                }
+            };
+            let overridden = overrides.iter().rev().find(|o| o.name == entry.name.name);
+            let (value, overridden) = match overridden {
+                Some(o) => match parse_override(&o.value, &value) {
+                    Ok(v) => (v, true),
+                    Err(expected) => {
+                        self.report(
+                            Diagnostic::error(
+                                "E0302",
+                                format!("bad value for `--set {}`: `{}` is not {expected}", o.name, o.value),
+                            )
+                            .secondary(entry.span, format!("`{}` is defined here as {value}", entry.name.name))
+                            .help(format!("write `--set {}=` followed by {expected}", o.name)),
+                        );
+                        (value, false)
+                    }
+                },
+                None => (value, false),
+            };
+            self.config_env.insert(entry.name.name.clone(), value.clone());
+            self.config.push(ConfigValue {
+                name: entry.name.name.clone(),
+                value,
+                span: entry.span,
+                overridden,
+            });
+        }
+        self.check_unknown_overrides(overrides);
+    }
+
+    fn check_unknown_overrides(&mut self, overrides: &[Override]) {
+        let names: Vec<&str> = self.file.config.iter().map(|c| c.name.name.as_str()).collect();
+        for o in overrides {
+            if names.contains(&o.name.as_str()) {
+                continue;
+            }
+            let valid = if names.is_empty() {
+                "this model has no config values".to_string()
+            } else {
+                format!("valid names: {}", names.join(", "))
+            };
+            let mut d = Diagnostic::error("E0301", format!("`--set {}`: the model has no config value `{}`", o.name, o.name))
+                .note(valid);
+            if let Some(span) = self.file.config_spans.first() {
+                d = d.secondary(*span, "config values are defined here");
+            }
+            if let Some(s) = suggest(&o.name, names.iter().copied()) {
+                d = d.help(format!("did you mean `{s}`?"));
+            }
+            self.report(d);
+        }
+    }
+
+    fn index_blocks(&mut self) {
+        let file = self.file;
+        for (i, block) in file.blocks.iter().enumerate() {
+            let name = &block.name;
+            if let Some(&prev) = self.blocks.get(&name.name) {
+                self.report(duplicate("block", name, file.blocks[prev].name.span));
+                continue;
+            }
+            if layers::is_layer_kind(&name.name) || ops::is_function(&name.name) {
+                self.report(
+                    Diagnostic::error("E0105", format!("block `{}` has the name of a built-in operator", name.name))
+                        .primary(name.span, "built-in name")
+                        .help("rename the block"),
+                );
+                continue;
+            }
+            self.blocks.insert(name.name.clone(), i);
+        }
+    }
+
+    /// Finds cycles among blocks (a block that instantiates itself, directly or not) and reports each once.
+    fn find_recursion(&mut self) {
+        let file = self.file;
+        let edges: Vec<Vec<(usize, Span)>> = file
+            .blocks
+            .iter()
+            .map(|b| {
+                b.layers
+                    .iter()
+                    .filter_map(|l| {
+                        let call = layer_call(l);
+                        self.blocks.get(&call.callee.name).map(|&t| (t, call.callee.span))
+                    })
+                    .collect()
+            })
+            .collect();
+        // 0 = unvisited, 1 = on the stack, 2 = done. Iterative DFS: block graphs may be deep.
+        let mut state = vec![0u8; file.blocks.len()];
+        for start in 0..file.blocks.len() {
+            if state[start] != 0 {
+                continue;
+            }
+            let mut stack: Vec<(usize, usize)> = vec![(start, 0)];
+            state[start] = 1;
+            while let Some(&mut (node, ref mut next)) = stack.last_mut() {
+                if let Some(&(target, span)) = edges[node].get(*next) {
+                    *next += 1;
+                    match state[target] {
+                        0 => {
+                            state[target] = 1;
+                            stack.push((target, 0));
+                        }
+                        1 => self.report_cycle(&stack, target, span),
+                        _ => {}
+                    }
+                } else {
+                    state[node] = 2;
+                    stack.pop();
+                }
+            }
+        }
+    }
+
+    fn report_cycle(&mut self, stack: &[(usize, usize)], target: usize, span: Span) {
+        let file = self.file;
+        let from = stack.iter().position(|(n, _)| *n == target).unwrap_or(0);
+        let members: Vec<usize> = stack[from..].iter().map(|(n, _)| *n).collect();
+        let mut path: Vec<&str> = members.iter().map(|&m| file.blocks[m].name.name.as_str()).collect();
+        path.push(&file.blocks[target].name.name);
+        self.recursive.extend(members.iter().copied());
+        let last = members.last().copied().unwrap_or(target);
+        self.report(
+            Diagnostic::error(
+                "E0106",
+                format!("block `{}` contains itself: {}", file.blocks[target].name.name, path.join(" -> ")),
+            )
+            .primary(span, format!("`{}` is instantiated inside `{}`", file.blocks[target].name.name, file.blocks[last].name.name))
+            .secondary(file.blocks[target].name.span, "defined here")
+            .help("a block cannot contain itself; use `repeat(n)` to stack copies of a block"),
+        );
+    }
+
+    fn declare_inputs(&mut self) {
+        let file = self.file;
+        for input in &file.inputs {
+            let name = &input.name;
+            if let Some((_, prev)) = self.inputs.get(&name.name) {
+                let prev = *prev;
+                self.report(duplicate("input", name, prev));
+                continue;
+            }
+            if let Some(c) = file.config.iter().find(|c| c.name.name == name.name) {
+                self.report(duplicate("name", name, c.name.span));
+                continue;
+            }
+            let Some(dtype) = crate::ir::DType::from_name(&input.dtype.name) else {
+                let names = crate::ir::DType::ALL.map(|d| d.name());
+                let mut d = Diagnostic::error("E0101", format!("unknown element type `{}`", input.dtype.name))
+                    .primary(input.dtype.span, "not a dtype")
+                    .note(format!("element types: {}", names.join(", ")));
+                if let Some(s) = suggest(&input.dtype.name, names) {
+                    d = d.help(format!("did you mean `{s}`?"));
+                }
+                self.report(d);
+                continue;
+            };
+            let mut frame = Frame::scalars();
+            let mut shape = Vec::new();
+            for dim in &input.dims {
+                match self.eval_dim(dim, &mut frame) {
+                    Ok(d) => shape.push(d),
+                    Err(Fail::Abort) => return,
+                    Err(Fail::Reported) => {}
+                }
+            }
+            if shape.len() != input.dims.len() {
+                continue;
+            }
+            let ty = TensorType { dtype, shape };
+            if let Ok(node) = self.add_node(crate::ir::Op::Input { name: name.name.clone() }, ty, input.span, "", &[]) {
+                self.inputs.insert(name.name.clone(), (node, name.span));
+            }
+        }
+    }
+
+    fn instantiate_root(&mut self) -> R<usize> {
+        let file = self.file;
+        let id = self.modules.len();
+        self.modules.push(Module {
+            block: None,
+            path: String::new(),
+            env: HashMap::new(),
+            layers: Vec::new(),
+        });
+        self.instantiate_layers(id, &file.layers)?;
+        Ok(id)
+    }
+
+    /// Instantiates a module's layer declarations in order, reporting duplicates.
+    fn instantiate_layers(&mut self, module: usize, decls: &'f [LayerDecl]) -> R<()> {
+        let mut seen: HashMap<&str, Span> = HashMap::new();
+        for decl in decls {
+            if let Some(prev) = seen.get(decl.name.name.as_str()) {
+                self.report(duplicate("layer", &decl.name, *prev));
+                continue;
+            }
+            seen.insert(&decl.name.name, decl.name.span);
+            let layer = match self.instantiate_layer(module, decl) {
+                Ok(l) => l,
+                Err(Fail::Abort) => return Err(Fail::Abort),
+                Err(Fail::Reported) => Layer::Poison,
+            };
+            self.modules[module].layers.push((decl.name.name.clone(), layer));
+        }
+        Ok(())
+    }
+
+    fn run_root_forward(&mut self, root: usize) -> R<(Vec<crate::ir::Output>, Option<NodeIndex>)> {
+        let file = self.file;
+        let Some(forward) = file.forwards.first() else {
+            return self.fail(
+                Diagnostic::error("E0401", "the model has no `forward`")
+                    .primary(Span::new(0, 0), "expected a top-level `forward { ... }`")
+                    .help("add `forward { ... }` with at least one `output name = ...` statement"),
+            );
+        };
+        for extra in &file.forwards[1..] {
+            self.report(
+                Diagnostic::error("E0105", "the model has more than one top-level `forward`")
+                    .primary(extra.head_span, "second `forward`")
+                    .secondary(forward.head_span, "first defined here"),
+            );
+        }
+        if let Some(p) = forward.params.first() {
+            self.report(
+                Diagnostic::error("E0103", "the model's `forward` takes no parameters")
+                    .primary(p.span, "unexpected parameter")
+                    .help("declare model inputs with `input name: dtype[dims]`"),
+            );
+        }
+        let mut frame = Frame {
+            module: Some(root),
+            locals: HashMap::new(),
+            allow_inputs: true,
+        };
+        let mut outputs = Vec::new();
+        for stmt in &forward.body {
+            match stmt {
+                Stmt::Assign { name, value } => self.assign(&mut frame, name, value)?,
+                Stmt::Output { name, value } => {
+                    if outputs.iter().any(|o: &crate::ir::Output| o.name == name.name) {
+                        let prev = outputs.iter().find(|o| o.name == name.name).map_or(name.span, |o| o.span);
+                        self.report(duplicate("output", name, prev));
+                        continue;
+                    }
+                    self.assign(&mut frame, name, value)?;
+                    if let Some(Value::Tensor(node)) = frame.locals.get(&name.name) {
+                        outputs.push(crate::ir::Output {
+                            name: name.name.clone(),
+                            node: *node,
+                            span: name.span,
+                        });
+                    } else if !matches!(frame.locals.get(&name.name), Some(Value::Poison) | None) {
+                        self.report(
+                            Diagnostic::error("E0107", format!("output `{}` is not a tensor", name.name))
+                                .primary(value.span, "a scalar"),
+                        );
+                    }
+                }
+                Stmt::Return { span, .. } => self.report(
+                    Diagnostic::error("E0401", "the model's `forward` has no `return`; it names its outputs")
+                        .primary(*span, "`return` is only for blocks")
+                        .help("write `output loss = ...`"),
+                ),
+            }
+        }
+        if outputs.is_empty() && !self.diags.iter().any(Diagnostic::is_error) {
+            return self.fail(
+                Diagnostic::error("E0401", "the model's `forward` has no outputs")
+                    .primary(forward.head_span, "no `output` statement in here")
+                    .help("add `output loss = cross_entropy(logits, targets)`"),
+            );
+        }
+        let loss = self.pick_loss(&outputs);
+        Ok((outputs, loss))
+    }
+
+    /// The training objective: the output named `loss`, else the only scalar output.
+    fn pick_loss(&self, outputs: &[crate::ir::Output]) -> Option<NodeIndex> {
+        let scalar = |o: &&crate::ir::Output| self.graph[o.node].ty.rank() == 0 && !self.graph[o.node].ty.dtype.is_integer();
+        if let Some(o) = outputs.iter().find(|o| o.name == "loss").filter(scalar) {
+            return Some(o.node);
+        }
+        let scalars: Vec<_> = outputs.iter().filter(scalar).collect();
+        if scalars.len() == 1 { Some(scalars[0].node) } else { None }
+    }
+
+    fn assign(&mut self, frame: &mut Frame, name: &ast::Ident, value: &ast::Expr) -> R<()> {
+        let v = match self.eval(value, frame) {
+            Ok(v) => v,
+            Err(Fail::Abort) => return Err(Fail::Abort),
+            Err(Fail::Reported) => Value::Poison,
+        };
+        frame.locals.insert(name.name.clone(), v);
+        Ok(())
+    }
+
+    /// Runs a block's forward on argument tensors; returns its result.
+    fn call_module(&mut self, module: usize, args: Vec<Value>, call: &ast::Call) -> R<Value> {
+        let file = self.file;
+        let Some(block_index) = self.modules[module].block else {
+            return Err(Fail::Reported);
+        };
+        let block = &file.blocks[block_index];
+        let Some(forward) = block.forwards.first() else {
+            return self.fail(
+                Diagnostic::error("E0401", format!("block `{}` has no `forward`", block.name.name))
+                    .primary(call.callee.span, "called here")
+                    .secondary(block.name.span, "block defined here"),
+            );
+        };
+        if forward.params.len() != args.len() {
+            return self.fail(
+                Diagnostic::error(
+                    "E0103",
+                    format!(
+                        "`{}` takes {} but {} were given",
+                        call.callee.name,
+                        args::plural(forward.params.len(), "tensor argument"),
+                        args.len()
+                    ),
+                )
+                .primary(call.args_span, format!("{} given", args.len()))
+                .secondary(forward.head_span, "its forward is defined here"),
+            );
+        }
+        let mut frame = Frame {
+            module: Some(module),
+            locals: forward.params.iter().map(|p| p.name.clone()).zip(args).collect(),
+            allow_inputs: false,
+        };
+        for stmt in &forward.body {
+            match stmt {
+                Stmt::Assign { name, value } => self.assign(&mut frame, name, value)?,
+                Stmt::Return { value, .. } => return self.eval(value, &mut frame),
+                Stmt::Output { name, .. } => {
+                    self.report(
+                        Diagnostic::error("E0401", "`output` is only allowed in the model's forward")
+                            .primary(name.span, "inside a block")
+                            .help("return the value with `return` and output it from the model's forward"),
+                    );
+                }
+            }
+        }
+        self.fail(
+            Diagnostic::error("E0401", format!("the forward of block `{}` does not return a value", block.name.name))
+                .primary(forward.head_span, "no `return` in this forward")
+                .help("end the forward with `return expression`"),
+        )
+    }
+
+    /// Adds a node, with its operands as edges; enforces the size limits.
+    pub(crate) fn add_node(
+        &mut self,
+        op: crate::ir::Op,
+        ty: TensorType,
+        span: Span,
+        scope: &str,
+        operands: &[NodeIndex],
+    ) -> R<NodeIndex> {
+        if self.graph.node_count() >= MAX_NODES {
+            self.report(
+                Diagnostic::error("E0402", format!("the model elaborates to more than {MAX_NODES} operators"))
+                    .primary(span, "limit reached here")
+                    .help("reduce `repeat` counts"),
+            );
+            return Err(Fail::Abort);
+        }
+        if ty.elements().is_none() {
+            return self.fail(
+                Diagnostic::error("E0202", "tensor has too many elements to address")
+                    .primary(span, format!("this tensor is {}", ops::show_type(&ty))),
+            );
+        }
+        let node = self.graph.add_node(Node {
+            op,
+            ty,
+            origin: Origin {
+                span,
+                scope: scope.to_string(),
+            },
+        });
+        for (i, &operand) in operands.iter().enumerate() {
+            self.graph.add_edge(operand, node, u8::try_from(i).unwrap_or(u8::MAX));
+        }
+        Ok(node)
+    }
+
+    pub(crate) fn ty(&self, node: NodeIndex) -> &TensorType {
+        &self.graph[node].ty
+    }
+
+    pub(crate) fn scope_of(&self, frame: &Frame) -> String {
+        frame.module.map(|m| self.modules[m].path.clone()).unwrap_or_default()
+    }
+}
+
+/// The call a layer declaration makes (the repeated block, for `repeat`).
+fn layer_call(decl: &LayerDecl) -> &ast::Call {
+    match &decl.value {
+        ast::LayerExpr::Call(c) => c,
+        ast::LayerExpr::Repeat { body, .. } => body,
+    }
+}
+
+fn duplicate(what: &str, name: &ast::Ident, previous: Span) -> Diagnostic {
+    Diagnostic::error("E0105", format!("{what} `{}` is defined more than once", name.name))
+        .primary(name.span, "defined again here")
+        .secondary(previous, "first defined here")
+}
+
+/// Parses a `--set` value to the type of the config value's default; returns what was expected on failure.
+fn parse_override(raw: &str, default: &Scalar) -> Result<Scalar, &'static str> {
+    let clean: String = raw.chars().filter(|c| *c != '_').collect();
+    match default {
+        Scalar::Int(_) => clean.parse::<i64>().map(Scalar::Int).map_err(|_| "an integer"),
+        Scalar::Float(_) => match clean.parse::<f64>() {
+            Ok(v) if v.is_finite() => Ok(Scalar::Float(v)),
+            _ => Err("a finite number"),
+        },
+        Scalar::Bool(_) => match raw {
+            "true" => Ok(Scalar::Bool(true)),
+            "false" => Ok(Scalar::Bool(false)),
+            _ => Err("`true` or `false`"),
+        },
+        Scalar::Str(_) => Ok(Scalar::Str(raw.to_string())),
+    }
+}

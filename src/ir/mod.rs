@@ -1,0 +1,296 @@
+//! The logical graph IR: a typed dataflow graph (petgraph) of operators over tensors with concrete shapes.
+//!
+//! Node indices are in topological order: the elaborator only ever adds a node after its operands.
+
+pub mod print;
+
+use crate::span::Span;
+use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::visit::EdgeRef;
+use serde::{Deserialize, Serialize};
+
+/// Element types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    I32,
+    I64,
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DType {
+    pub const ALL: [DType; 5] = [DType::I32, DType::I64, DType::F32, DType::F16, DType::Bf16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == name)
+    }
+
+    pub fn bytes(self) -> u64 {
+        match self {
+            DType::I32 | DType::F32 => 4,
+            DType::I64 => 8,
+            DType::F16 | DType::Bf16 => 2,
+        }
+    }
+
+    pub fn is_integer(self) -> bool {
+        matches!(self, DType::I32 | DType::I64)
+    }
+}
+
+/// One factor of a factored dimension, e.g. `heads` in c_attn's output (3, heads, head size).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Factor {
+    pub size: u64,
+    /// The config or block parameter the size came from, if it was written as a plain name.
+    pub label: Option<String>,
+}
+
+/// One dimension of a tensor: its size, where it came from, and an optional factorisation.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Dim {
+    pub size: u64,
+    pub label: Option<String>,
+    /// Non-empty when the dimension is a product of named factors (row-major); sharding may split a factor.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub factors: Vec<Factor>,
+}
+
+impl Dim {
+    pub fn new(size: u64, label: Option<String>) -> Dim {
+        Dim {
+            size,
+            label,
+            factors: Vec::new(),
+        }
+    }
+}
+
+/// A tensor's element type and shape; a scalar has no dimensions.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: Vec<Dim>,
+}
+
+impl TensorType {
+    pub fn sizes(&self) -> Vec<u64> {
+        self.shape.iter().map(|d| d.size).collect()
+    }
+
+    /// Number of elements; `None` if it does not fit in 64 bits.
+    pub fn elements(&self) -> Option<u64> {
+        self.shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(d.size))
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+}
+
+/// How a parameter starts, before any checkpoint is loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Init {
+    Normal { std: f64 },
+    Zeros,
+    Ones,
+}
+
+/// What a parameter is for, within its layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParamRole {
+    LinearWeight,
+    LinearBias,
+    NormWeight,
+    NormBias,
+    Embedding,
+    PositionEmbedding,
+}
+
+/// A trainable tensor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Param {
+    /// Structured name, e.g. `h.3.attn.c_attn.weight`.
+    pub name: String,
+    /// Name in checkpoints (safetensors); by default the structured name.
+    pub checkpoint: String,
+    pub ty: TensorType,
+    pub init: Init,
+    pub role: ParamRole,
+    /// The layer declaration that created it.
+    pub span: Span,
+}
+
+/// Index of a parameter in [`Model::params`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ParamId(pub u32);
+
+/// Operators of the logical graph. Operand order is given by the edge weights.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "op")]
+pub enum Op {
+    /// A model input (token ids, targets).
+    Input { name: String },
+    /// A parameter read.
+    Param { id: ParamId },
+    /// Row lookup: operands (ids, table [rows, width]).
+    Embedding,
+    /// Rows 0..seq of a position table: operands (ids [.., seq], table [context, width]).
+    PositionEmbedding,
+    /// x W (+ b): operands (x, weight, bias?). With `transpose_weight`, W is stored [out, in] (a tied embedding).
+    Linear { bias: bool, transpose_weight: bool },
+    /// LayerNorm over the last dimension: operands (x, gamma, beta).
+    LayerNorm { eps: f64 },
+    Gelu { approximate: bool },
+    /// Softmax over the last dimension.
+    Softmax,
+    /// Multi-head self-attention. Operands: one fused qkv [.., seq, (3, heads, head)] or (q, k, v).
+    Attention { heads: u64, causal: bool, fused: bool },
+    Add,
+    Dropout { p: f64 },
+    /// Mean cross-entropy over all positions: operands (logits [.., classes], targets [..]).
+    CrossEntropy,
+    /// Batched matrix product over the last two dimensions.
+    MatMul,
+    Reshape,
+    Transpose { dim0: usize, dim1: usize },
+    Scale { factor: f64 },
+    /// Sets entries above the diagonal of the last two dimensions to minus infinity.
+    CausalMask,
+    /// Removes a dimension by picking one index of it.
+    Select { dim: usize, index: u64 },
+}
+
+impl Op {
+    /// The operator's name as written in the language.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Param { .. } => "param",
+            Op::Embedding => "embedding",
+            Op::PositionEmbedding => "position_embedding",
+            Op::Linear { .. } => "linear",
+            Op::LayerNorm { .. } => "layernorm",
+            Op::Gelu { .. } => "gelu",
+            Op::Softmax => "softmax",
+            Op::Attention { .. } => "self_attention",
+            Op::Add => "add",
+            Op::Dropout { .. } => "dropout",
+            Op::CrossEntropy => "cross_entropy",
+            Op::MatMul => "matmul",
+            Op::Reshape => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Scale { .. } => "scale",
+            Op::CausalMask => "causal_mask",
+            Op::Select { .. } => "select",
+        }
+    }
+}
+
+/// Where an IR node came from: the source text and the layer path it was elaborated under.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Origin {
+    pub span: Span,
+    /// Dotted layer path, e.g. `h.3.attn`; empty at top level.
+    pub scope: String,
+}
+
+/// One operator application and the tensor it produces.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Node {
+    pub op: Op,
+    pub ty: TensorType,
+    pub origin: Origin,
+}
+
+/// A named model output.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Output {
+    pub name: String,
+    pub node: NodeIndex,
+    pub span: Span,
+}
+
+/// A configuration value after `--set` overrides and evaluation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ConfigValue {
+    pub name: String,
+    pub value: Scalar,
+    pub span: Span,
+    pub overridden: bool,
+}
+
+/// A scalar value of the language.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Scalar {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Str(String),
+}
+
+impl std::fmt::Display for Scalar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Scalar::Int(v) => write!(f, "{v}"),
+            Scalar::Float(v) => write!(f, "{v:?}"),
+            Scalar::Bool(v) => write!(f, "{v}"),
+            Scalar::Str(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
+/// A checked, shape-inferred model: the input to every later stage.
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub name: String,
+    /// Prefix that checkpoints may put before every parameter name (`transformer.` for Hugging Face GPT-2).
+    pub checkpoint_prefix: Option<String>,
+    pub config: Vec<ConfigValue>,
+    pub params: Vec<Param>,
+    pub graph: DiGraph<Node, u8>,
+    pub outputs: Vec<Output>,
+    /// The scalar training objective, if the model has one.
+    pub loss: Option<NodeIndex>,
+}
+
+impl Model {
+    /// Operands of a node, in order.
+    pub fn operands(&self, node: NodeIndex) -> Vec<NodeIndex> {
+        let mut edges: Vec<(u8, NodeIndex)> = self
+            .graph
+            .edges_directed(node, petgraph::Direction::Incoming)
+            .map(|e| (*e.weight(), e.source()))
+            .collect();
+        edges.sort_unstable();
+        edges.into_iter().map(|(_, n)| n).collect()
+    }
+
+    /// Total number of trainable elements (tied weights counted once).
+    pub fn parameter_count(&self) -> u128 {
+        self.params.iter().map(|p| u128::from(p.ty.elements().unwrap_or(0))).sum()
+    }
+
+    pub fn param(&self, id: ParamId) -> &Param {
+        &self.params[id.0 as usize]
+    }
+
+    pub fn config_value(&self, name: &str) -> Option<&Scalar> {
+        self.config.iter().find(|c| c.name == name).map(|c| &c.value)
+    }
+}

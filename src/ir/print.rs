@@ -1,0 +1,106 @@
+//! The readable text dump of a model's IR (`optimusc check --emit ir`).
+
+use super::{Dim, Init, Model, Op, TensorType};
+use crate::diag::group_digits;
+use crate::span::line_col;
+use std::fmt::Write;
+
+/// Shows one dimension: `batch=8`, `2304`, or a factored `(3, heads=12, 64)`.
+pub fn show_dim(d: &Dim) -> String {
+    if !d.factors.is_empty() {
+        let parts: Vec<String> = d
+            .factors
+            .iter()
+            .map(|f| match &f.label {
+                Some(l) => format!("{l}={}", f.size),
+                None => f.size.to_string(),
+            })
+            .collect();
+        return format!("({})", parts.join(", "));
+    }
+    match &d.label {
+        Some(l) => format!("{l}={}", d.size),
+        None => d.size.to_string(),
+    }
+}
+
+/// Shows a type with dimension labels: `f32[batch=8, seq=1024, hidden=768]`.
+pub fn show_type(ty: &TensorType) -> String {
+    let dims: Vec<String> = ty.shape.iter().map(show_dim).collect();
+    format!("{}[{}]", ty.dtype.name(), dims.join(", "))
+}
+
+fn show_init(init: &Init) -> String {
+    match init {
+        Init::Normal { std } => format!("normal(0, {std})"),
+        Init::Zeros => "zeros".to_string(),
+        Init::Ones => "ones".to_string(),
+    }
+}
+
+fn show_attrs(op: &Op) -> String {
+    match op {
+        Op::Linear { bias, transpose_weight } => {
+            let mut a = Vec::new();
+            if !bias {
+                a.push("no_bias");
+            }
+            if *transpose_weight {
+                a.push("tied");
+            }
+            if a.is_empty() { String::new() } else { format!(" {{{}}}", a.join(", ")) }
+        }
+        Op::LayerNorm { eps } => format!(" {{eps={eps:e}}}"),
+        Op::Gelu { approximate } => format!(" {{approx={}}}", if *approximate { "tanh" } else { "none" }),
+        Op::Attention { heads, causal, fused } => format!(" {{heads={heads}, causal={causal}, fused={fused}}}"),
+        Op::Dropout { p } => format!(" {{p={p}}}"),
+        Op::Transpose { dim0, dim1 } => format!(" {{{dim0}, {dim1}}}"),
+        Op::Scale { factor } => format!(" {{{factor}}}"),
+        Op::Select { dim, index } => format!(" {{dim={dim}, index={index}}}"),
+        _ => String::new(),
+    }
+}
+
+/// Renders the whole model as text; `source` lets origins print as line:col.
+pub fn print_model(model: &Model, source: &str) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "model {}  # {} parameters in {} tensors",
+        model.name,
+        group_digits(model.parameter_count()),
+        model.params.len()
+    );
+    if let Some(p) = &model.checkpoint_prefix {
+        let _ = writeln!(out, "checkpoint_prefix {p:?}");
+    }
+    out.push('\n');
+    for c in &model.config {
+        let set = if c.overridden { "  # --set" } else { "" };
+        let _ = writeln!(out, "config {} = {}{set}", c.name, c.value);
+    }
+    out.push('\n');
+    for p in &model.params {
+        let ckpt = if p.checkpoint != p.name { format!(" checkpoint {:?}", p.checkpoint) } else { String::new() };
+        let _ = writeln!(out, "param {}: {} = {}{ckpt}", p.name, show_type(&p.ty), show_init(&p.init));
+    }
+    out.push('\n');
+    for idx in model.graph.node_indices() {
+        let node = &model.graph[idx];
+        let operands: Vec<String> = model.operands(idx).iter().map(|o| format!("%{}", o.index())).collect();
+        let head = match &node.op {
+            Op::Input { name } => format!("input {name}"),
+            Op::Param { id } => format!("param {}", model.param(*id).name),
+            op => format!("{}({}){}", op.name(), operands.join(", "), show_attrs(op)),
+        };
+        let (line, col) = line_col(source, node.origin.span.start as usize);
+        let scope = if node.origin.scope.is_empty() { String::new() } else { format!("{} ", node.origin.scope) };
+        let _ = writeln!(out, "%{} = {head} : {}  # {scope}@{line}:{col}", idx.index(), show_type(&node.ty));
+    }
+    out.push('\n');
+    for o in &model.outputs {
+        let loss = if model.loss == Some(o.node) { "  # loss" } else { "" };
+        let _ = writeln!(out, "output {} = %{}{loss}", o.name, o.node.index());
+    }
+    out
+}

@@ -1,0 +1,6 @@
+//! The front end: grammar (grammar/optimus.pest), parser and AST.
+
+pub mod ast;
+pub mod parser;
+
+pub use parser::parse;
