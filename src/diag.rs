@@ -45,29 +45,18 @@ impl Diagnostic {
     }
 
     pub fn warning(code: &'static str, message: impl Into<String>) -> Diagnostic {
-        Diagnostic {
-            severity: Severity::Warning,
-            ..Diagnostic::error(code, message)
-        }
+        Diagnostic { severity: Severity::Warning, ..Diagnostic::error(code, message) }
     }
 
     /// Adds the primary label: the exact text at fault.
     pub fn primary(mut self, span: Span, message: impl Into<String>) -> Diagnostic {
-        self.labels.push(Label {
-            span,
-            message: message.into(),
-            primary: true,
-        });
+        self.labels.push(Label { span, message: message.into(), primary: true });
         self
     }
 
     /// Adds a secondary label: related text, such as a definition.
     pub fn secondary(mut self, span: Span, message: impl Into<String>) -> Diagnostic {
-        self.labels.push(Label {
-            span,
-            message: message.into(),
-            primary: false,
-        });
+        self.labels.push(Label { span, message: message.into(), primary: false });
         self
     }
 
@@ -99,11 +88,7 @@ impl Diagnostic {
             .labels
             .iter()
             .map(|l| {
-                let style = if l.primary {
-                    cs::LabelStyle::Primary
-                } else {
-                    cs::LabelStyle::Secondary
-                };
+                let style = if l.primary { cs::LabelStyle::Primary } else { cs::LabelStyle::Secondary };
                 cs::Label::new(style, (), l.span.range()).with_message(l.message.clone())
             })
             .collect();
@@ -123,11 +108,7 @@ impl Diagnostic {
 pub fn color_choice() -> ColorChoice {
     use std::io::IsTerminal;
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
-    if no_color || !std::io::stderr().is_terminal() {
-        ColorChoice::Never
-    } else {
-        ColorChoice::Auto
-    }
+    if no_color || !std::io::stderr().is_terminal() { ColorChoice::Never } else { ColorChoice::Auto }
 }
 
 /// Renders diagnostics against one source file into any colour-aware writer.
@@ -141,8 +122,7 @@ pub fn render_to(
     let config = term::Config::default();
     for d in diagnostics {
         let d = clamp_labels(d, source);
-        term::emit_to_write_style(writer, &config, &file, &d.to_codespan())
-            .map_err(std::io::Error::other)?;
+        term::emit_to_write_style(writer, &config, &file, &d.to_codespan()).map_err(std::io::Error::other)?;
     }
     Ok(())
 }
@@ -191,7 +171,7 @@ pub fn group_digits(n: u128) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

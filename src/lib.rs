@@ -3,9 +3,9 @@
 //! Pipeline: `.opt` source --[`syntax::parse`]--> AST --[`elab::elaborate`]--> typed logical
 //! graph ([`ir::Model`]). Each stage reports [`diag::Diagnostic`]s carrying source spans.
 
+pub mod check;
 pub mod diag;
-pub mod span;
-pub mod syntax;
 pub mod elab;
 pub mod ir;
-pub mod check;
+pub mod span;
+pub mod syntax;

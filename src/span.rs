@@ -13,18 +13,12 @@ impl Span {
     /// A span from byte offsets; offsets past `u32::MAX` are clamped (sources that large are rejected earlier).
     pub fn new(start: usize, end: usize) -> Span {
         let clamp = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-        Span {
-            start: clamp(start),
-            end: clamp(end.max(start)),
-        }
+        Span { start: clamp(start), end: clamp(end.max(start)) }
     }
 
     /// The smallest span covering both.
     pub fn to(self, other: Span) -> Span {
-        Span {
-            start: self.start.min(other.start),
-            end: self.end.max(other.end),
-        }
+        Span { start: self.start.min(other.start), end: self.end.max(other.end) }
     }
 
     pub fn range(self) -> std::ops::Range<usize> {

@@ -65,12 +65,10 @@ impl Elab<'_> {
                 }
                 Some(i) => bound[i] = Some(&arg.value),
                 None => {
-                    let mut d = Diagnostic::error(
-                        "E0104",
-                        format!("`{}` has no argument named `{}`", sig.name, name.name),
-                    )
-                    .primary(name.span, "unknown keyword")
-                    .note(format!("`{}` takes ({})", sig.name, sig.params.join(", ")));
+                    let mut d =
+                        Diagnostic::error("E0104", format!("`{}` has no argument named `{}`", sig.name, name.name))
+                            .primary(name.span, "unknown keyword")
+                            .note(format!("`{}` takes ({})", sig.name, sig.params.join(", ")));
                     if let Some(s) = super::suggest(&name.name, sig.params.iter().copied()) {
                         d = d.help(format!("did you mean `{s}`?"));
                     }
@@ -79,10 +77,7 @@ impl Elab<'_> {
                 }
             }
         }
-        let missing: Vec<&str> = (0..sig.required)
-            .filter(|&i| bound[i].is_none())
-            .map(|i| sig.params[i])
-            .collect();
+        let missing: Vec<&str> = (0..sig.required).filter(|&i| bound[i].is_none()).map(|i| sig.params[i]).collect();
         if !missing.is_empty() && ok {
             let names = missing.iter().map(|m| format!("`{m}`")).collect::<Vec<_>>().join(", ");
             self.report(

@@ -125,7 +125,12 @@ impl Elab<'_> {
             _ => self.fail(
                 Diagnostic::error(
                     "E0107",
-                    format!("cannot apply `{}` to {} and {}", op.symbol(), self.describe(&lhs.0), self.describe(&rhs.0)),
+                    format!(
+                        "cannot apply `{}` to {} and {}",
+                        op.symbol(),
+                        self.describe(&lhs.0),
+                        self.describe(&rhs.0)
+                    ),
                 )
                 .primary(span, "unsupported operands"),
             ),
@@ -143,7 +148,9 @@ impl Elab<'_> {
                     BinOp::Div => {
                         if y == 0 {
                             return self.fail(
-                                Diagnostic::error("E0203", "division by zero").primary(rs, "this is 0").secondary(span, "in this division"),
+                                Diagnostic::error("E0203", "division by zero")
+                                    .primary(rs, "this is 0")
+                                    .secondary(span, "in this division"),
                             );
                         }
                         if x % y != 0 {
@@ -173,7 +180,8 @@ impl Elab<'_> {
                 };
                 if !v.is_finite() {
                     return self.fail(
-                        Diagnostic::error("E0203", "arithmetic result is not a finite number").primary(span, "overflow or division by zero"),
+                        Diagnostic::error("E0203", "arithmetic result is not a finite number")
+                            .primary(span, "overflow or division by zero"),
                     );
                 }
                 Scalar::Float(v)
@@ -206,19 +214,21 @@ impl Elab<'_> {
         if super::layers::is_layer_kind(name) || self.blocks.contains_key(name) {
             let what = if self.blocks.contains_key(name) { "block" } else { "layer kind" };
             return self.fail(
-                Diagnostic::error("E0107", format!("`{name}` is a {what}; it must be declared as a layer before it is called"))
-                    .primary(call.callee.span, "cannot be called here")
-                    .help(format!("declare it with `layer my_{name} = {name}(...)` and call `my_{name}(x)`")),
+                Diagnostic::error(
+                    "E0107",
+                    format!("`{name}` is a {what}; it must be declared as a layer before it is called"),
+                )
+                .primary(call.callee.span, "cannot be called here")
+                .help(format!("declare it with `layer my_{name} = {name}(...)` and call `my_{name}(x)`")),
             );
         }
         let mut candidates: Vec<&str> = super::ops::FUNCTIONS.to_vec();
         candidates.extend(SCALAR_FUNCTIONS);
-        let layer_names: Vec<String> = frame
-            .module
-            .map(|m| self.modules[m].layers.iter().map(|(n, _)| n.clone()).collect())
-            .unwrap_or_default();
+        let layer_names: Vec<String> =
+            frame.module.map(|m| self.modules[m].layers.iter().map(|(n, _)| n.clone()).collect()).unwrap_or_default();
         candidates.extend(layer_names.iter().map(String::as_str));
-        let mut d = Diagnostic::error("E0102", format!("unknown operator `{name}`")).primary(call.callee.span, "not an operator or layer");
+        let mut d = Diagnostic::error("E0102", format!("unknown operator `{name}`"))
+            .primary(call.callee.span, "not an operator or layer");
         if let Some(s) = suggest(name, candidates) {
             d = d.help(format!("did you mean `{s}`?"));
         }
@@ -243,7 +253,10 @@ impl Elab<'_> {
             ("sqrt", [x]) => {
                 let v = as_f64(x);
                 if v < 0.0 {
-                    return self.fail(Diagnostic::error("E0203", "square root of a negative number").primary(call.span, format!("sqrt({v})")));
+                    return self.fail(
+                        Diagnostic::error("E0203", "square root of a negative number")
+                            .primary(call.span, format!("sqrt({v})")),
+                    );
                 }
                 Scalar::Float(v.sqrt())
             }
@@ -314,10 +327,8 @@ impl Elab<'_> {
         if value <= 0 {
             let mut d = Diagnostic::error("E0202", format!("a size must be positive, but this is {value}"))
                 .primary(span, format!("this is {value}"));
-            if let Some(l) = &label {
-                if let Some(c) = self.config.iter().find(|c| &c.name == l) {
-                    d = d.secondary(c.span, format!("`{l}` is defined here"));
-                }
+            if let Some(c) = label.as_ref().and_then(|l| self.config.iter().find(|c| &c.name == l)) {
+                d = d.secondary(c.span, format!("`{}` is defined here", c.name));
             }
             return self.fail(d);
         }
@@ -327,7 +338,8 @@ impl Elab<'_> {
     pub(crate) fn type_error<T>(&mut self, expr: &Expr, expected: &str, found: &Value) -> R<T> {
         let found = self.describe(found);
         self.fail(
-            Diagnostic::error("E0107", format!("expected {expected}, found {found}")).primary(expr.span, format!("this is {found}")),
+            Diagnostic::error("E0107", format!("expected {expected}, found {found}"))
+                .primary(expr.span, format!("this is {found}")),
         )
     }
 
@@ -359,5 +371,6 @@ pub(crate) fn as_f64(s: &Scalar) -> f64 {
 }
 
 fn overflow(span: Span) -> Diagnostic {
-    Diagnostic::error("E0203", "integer overflow").primary(span, format!("the result does not fit in {} bits", i64::BITS))
+    Diagnostic::error("E0203", "integer overflow")
+        .primary(span, format!("the result does not fit in {} bits", i64::BITS))
 }

@@ -28,11 +28,7 @@ fn join(path: &str, name: &str) -> String {
 
 impl<'f> Elab<'f> {
     fn module_frame(&self, module: usize) -> Frame {
-        Frame {
-            module: Some(module),
-            locals: HashMap::new(),
-            allow_inputs: false,
-        }
+        Frame { module: Some(module), locals: HashMap::new(), allow_inputs: false }
     }
 
     pub(crate) fn instantiate_layer(&mut self, module: usize, decl: &'f LayerDecl) -> R<Layer> {
@@ -49,8 +45,11 @@ impl<'f> Elab<'f> {
                 let n = self.expect_int(count, &mut frame)?;
                 if !(1..=MAX_REPEAT).contains(&n) {
                     return self.fail(
-                        Diagnostic::error("E0202", format!("`repeat` needs a count from 1 to {MAX_REPEAT}, but this is {n}"))
-                            .primary(count.span, format!("this is {n}")),
+                        Diagnostic::error(
+                            "E0202",
+                            format!("`repeat` needs a count from 1 to {MAX_REPEAT}, but this is {n}"),
+                        )
+                        .primary(count.span, format!("this is {n}")),
                     );
                 }
                 let Some(&block) = self.blocks.get(&body.callee.name) else {
@@ -60,7 +59,7 @@ impl<'f> Elab<'f> {
                 for k in 0..n {
                     modules.push(self.instantiate_block(block, body, module, format!("{path}.{k}"))?);
                 }
-                Ok(Layer::Repeat(modules, decl.span))
+                Ok(Layer::Repeat(modules))
             }
         }
     }
@@ -98,14 +97,22 @@ impl<'f> Elab<'f> {
                 (Some(arg), _) => self.eval(arg, &mut parent_frame),
                 (None, Some(default)) => {
                     let mut frame = Frame::scalars();
-                    frame.locals = env.iter().map(|(k, v): (&String, &crate::ir::Scalar)| (k.clone(), Value::Scalar(v.clone(), Some(k.clone())))).collect();
+                    frame.locals = env
+                        .iter()
+                        .map(|(k, v): (&String, &crate::ir::Scalar)| {
+                            (k.clone(), Value::Scalar(v.clone(), Some(k.clone())))
+                        })
+                        .collect();
                     self.eval(default, &mut frame)
                 }
                 (None, None) => {
                     self.report(
-                        Diagnostic::error("E0103", format!("block `{}` is missing argument `{}`", def.name.name, param.name.name))
-                            .primary(call.span, format!("missing `{}`", param.name.name))
-                            .secondary(param.name.span, "parameter declared here"),
+                        Diagnostic::error(
+                            "E0103",
+                            format!("block `{}` is missing argument `{}`", def.name.name, param.name.name),
+                        )
+                        .primary(call.span, format!("missing `{}`", param.name.name))
+                        .secondary(param.name.span, "parameter declared here"),
                     );
                     ok = false;
                     continue;
@@ -121,9 +128,12 @@ impl<'f> Elab<'f> {
                     let found = self.describe(&other);
                     let span = bound.get(i).map_or(call.span, |e| e.span);
                     self.report(
-                        Diagnostic::error("E0107", format!("block parameters are numbers, booleans or strings; found {found}"))
-                            .primary(span, "not a scalar")
-                            .help("pass tensors to the block's forward instead"),
+                        Diagnostic::error(
+                            "E0107",
+                            format!("block parameters are numbers, booleans or strings; found {found}"),
+                        )
+                        .primary(span, "not a scalar")
+                        .help("pass tensors to the block's forward instead"),
                     );
                     ok = false;
                 }
@@ -155,7 +165,7 @@ impl<'f> Elab<'f> {
                 let size = dim.size;
                 let weight = self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span);
                 let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span);
-                Ok(Layer::LayerNorm { weight, bias, dim: size, eps, span })
+                Ok(Layer::Norm { weight, bias, dim: size, eps, span })
             }
             kind @ ("embedding" | "position_embedding") => {
                 let sig = Signature { name: kind, params: &["rows", "width", "std"], required: 2 };
@@ -166,9 +176,10 @@ impl<'f> Elab<'f> {
                 let shape = vec![rows?, width?];
                 if kind == "embedding" {
                     let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span);
-                    Ok(Layer::Embedding { table, span })
+                    Ok(Layer::Embedding { table })
                 } else {
-                    let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::PositionEmbedding, span);
+                    let table =
+                        self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::PositionEmbedding, span);
                     Ok(Layer::PositionEmbedding { table, span })
                 }
             }
@@ -192,12 +203,21 @@ impl<'f> Elab<'f> {
         let Some(e) = expr else { return Ok(DEFAULT_STD) };
         let std = self.expect_float(e, frame)?;
         if std < 0.0 {
-            return self.fail(Diagnostic::error("E0202", "`std` must not be negative").primary(e.span, format!("this is {std}")));
+            return self.fail(
+                Diagnostic::error("E0202", "`std` must not be negative").primary(e.span, format!("this is {std}")),
+            );
         }
         Ok(std)
     }
 
-    fn instantiate_linear(&mut self, module: usize, call: &'f Call, path: &str, span: Span, frame: &mut Frame) -> R<Layer> {
+    fn instantiate_linear(
+        &mut self,
+        module: usize,
+        call: &'f Call,
+        path: &str,
+        span: Span,
+        frame: &mut Frame,
+    ) -> R<Layer> {
         let sig = Signature { name: "linear", params: &["in", "out", "bias", "std", "tied"], required: 2 };
         let b = self.bind(call, &sig)?;
         let in_dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, frame);
@@ -215,7 +235,8 @@ impl<'f> Elab<'f> {
                 (self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span), false)
             }
         };
-        let bias = bias.then(|| self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span));
+        let bias =
+            bias.then(|| self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span));
         Ok(Layer::Linear { weight, bias, in_dim, out_dim, transpose, span })
     }
 
@@ -225,7 +246,9 @@ impl<'f> Elab<'f> {
             return self.eval_dim(expr, frame);
         };
         if items.is_empty() {
-            return self.fail(Diagnostic::error("E0202", "a factored size needs at least one factor").primary(expr.span, "empty"));
+            return self.fail(
+                Diagnostic::error("E0202", "a factored size needs at least one factor").primary(expr.span, "empty"),
+            );
         }
         let mut factors = Vec::new();
         for item in items {
@@ -234,15 +257,28 @@ impl<'f> Elab<'f> {
         }
         let size = factors.iter().try_fold(1u64, |acc, f| acc.checked_mul(f.size));
         let Some(size) = size else {
-            return self.fail(Diagnostic::error("E0203", "integer overflow").primary(expr.span, "the product of these factors is too large"));
+            return self.fail(
+                Diagnostic::error("E0203", "integer overflow")
+                    .primary(expr.span, "the product of these factors is too large"),
+            );
         };
         Ok(Dim { size, label: None, factors })
     }
 
     /// Resolves `tied: wte`: the embedding table to reuse, which must be [out, in].
-    fn tied_table(&mut self, module: usize, expr: &crate::syntax::ast::Expr, in_dim: &Dim, out_dim: &Dim, span: Span) -> R<ParamId> {
+    fn tied_table(
+        &mut self,
+        module: usize,
+        expr: &crate::syntax::ast::Expr,
+        in_dim: &Dim,
+        out_dim: &Dim,
+        span: Span,
+    ) -> R<ParamId> {
         let ExprKind::Name(name) = &expr.kind else {
-            return self.fail(Diagnostic::error("E0107", "`tied` takes the name of an embedding layer").primary(expr.span, "not a layer name"));
+            return self.fail(
+                Diagnostic::error("E0107", "`tied` takes the name of an embedding layer")
+                    .primary(expr.span, "not a layer name"),
+            );
         };
         let found = [module, 0]
             .iter()
@@ -252,8 +288,11 @@ impl<'f> Elab<'f> {
             Some(Layer::Poison) => return Err(Fail::Reported),
             Some(_) => {
                 return self.fail(
-                    Diagnostic::error("E0107", format!("`tied` needs an embedding layer, but `{name}` is another kind of layer"))
-                        .primary(expr.span, "not an embedding"),
+                    Diagnostic::error(
+                        "E0107",
+                        format!("`tied` needs an embedding layer, but `{name}` is another kind of layer"),
+                    )
+                    .primary(expr.span, "not an embedding"),
                 );
             }
             None => {
@@ -280,7 +319,15 @@ impl<'f> Elab<'f> {
         Ok(table)
     }
 
-    fn new_param(&mut self, path: &str, leaf: &str, shape: Vec<Dim>, init: Init, role: ParamRole, span: Span) -> ParamId {
+    fn new_param(
+        &mut self,
+        path: &str,
+        leaf: &str,
+        shape: Vec<Dim>,
+        init: Init,
+        role: ParamRole,
+        span: Span,
+    ) -> ParamId {
         let name = join(path, leaf);
         let id = ParamId(u32::try_from(self.params.len()).unwrap_or(u32::MAX));
         self.param_names.insert(name.clone());
@@ -338,7 +385,7 @@ impl<'f> Elab<'f> {
                 let op = Op::Linear { bias: bias.is_some(), transpose_weight: *transpose };
                 self.add_node(op, ty, call.span, &scope, &operands).map(Value::Tensor)
             }
-            Layer::LayerNorm { weight, bias, dim, eps, span } => {
+            Layer::Norm { weight, bias, dim, eps, span } => {
                 self.expect_float_tensor(x, arg.span)?;
                 self.expect_last_dim(x, *dim, arg.span, *span, &name)?;
                 let ty = self.ty(x).clone();
@@ -354,26 +401,42 @@ impl<'f> Elab<'f> {
                 let operands = [x, self.param_node(*table)?];
                 self.add_node(Op::Embedding, ty, call.span, &scope, &operands).map(Value::Tensor)
             }
-            Layer::PositionEmbedding { table, span } => self.apply_position_embedding(x, *table, arg.span, *span, call, &scope),
-            Layer::Repeat(modules, _) => self.apply_repeat(modules, x, call),
+            Layer::PositionEmbedding { table, span } => {
+                self.apply_position_embedding(x, *table, arg.span, *span, call, &scope)
+            }
+            Layer::Repeat(modules) => self.apply_repeat(modules, x, call),
             Layer::Block(_) | Layer::Poison => Err(Fail::Reported),
         }
     }
 
-    fn apply_position_embedding(&mut self, ids: NodeIndex, table: ParamId, arg: Span, decl: Span, call: &Call, scope: &str) -> R<Value> {
+    fn apply_position_embedding(
+        &mut self,
+        ids: NodeIndex,
+        table: ParamId,
+        arg: Span,
+        decl: Span,
+        call: &Call,
+        scope: &str,
+    ) -> R<Value> {
         self.expect_int_tensor(ids, arg)?;
         let table_ty = self.params[table.0 as usize].ty.clone();
         let mut ty = self.ty(ids).clone();
         let Some(seq) = ty.shape.last().cloned() else {
-            return self.fail(Diagnostic::error("E0201", "position_embedding needs ids with a sequence dimension").primary(arg, "this is a scalar"));
+            return self.fail(
+                Diagnostic::error("E0201", "position_embedding needs ids with a sequence dimension")
+                    .primary(arg, "this is a scalar"),
+            );
         };
         let rows = table_ty.shape[0].size;
         if seq.size > rows {
             return self.fail(
-                Diagnostic::error("E0201", format!("sequence length {} exceeds the position table's {rows} rows", seq.size))
-                    .primary(arg, format!("sequences of {} positions", seq.size))
-                    .secondary(decl, format!("the table has {rows} rows"))
-                    .help("make the sequence length at most the table size (`seq <= context`)"),
+                Diagnostic::error(
+                    "E0201",
+                    format!("sequence length {} exceeds the position table's {rows} rows", seq.size),
+                )
+                .primary(arg, format!("sequences of {} positions", seq.size))
+                .secondary(decl, format!("the table has {rows} rows"))
+                .help("make the sequence length at most the table size (`seq <= context`)"),
             );
         }
         ty.dtype = DType::F32;
@@ -396,14 +459,24 @@ impl<'f> Elab<'f> {
                     Value::Poison => return Err(Fail::Reported),
                     other => {
                         let found = self.describe(other);
-                        return self.fail(Diagnostic::error("E0107", format!("a repeated block must return a tensor, but it returned {found}")).primary(call.span, "repeated here"));
+                        return self.fail(
+                            Diagnostic::error(
+                                "E0107",
+                                format!("a repeated block must return a tensor, but it returned {found}"),
+                            )
+                            .primary(call.span, "repeated here"),
+                        );
                     }
                 };
                 if after.shape != before.shape {
                     return self.fail(
                         Diagnostic::error(
                             "E0201",
-                            format!("shape mismatch: a repeated block must return its input's shape {}, but returns {}", super::ops::show_type(&before), super::ops::show_type(&after)),
+                            format!(
+                                "shape mismatch: a repeated block must return its input's shape {}, but returns {}",
+                                super::ops::show_type(&before),
+                                super::ops::show_type(&after)
+                            ),
                         )
                         .primary(call.span, "repeated here"),
                     );
@@ -419,8 +492,11 @@ impl<'f> Elab<'f> {
         for arg in &call.args {
             if let Some(name) = &arg.name {
                 self.report(
-                    Diagnostic::error("E0104", format!("`{}` takes tensors by position, not by keyword", call.callee.name))
-                        .primary(name.span, "keyword not allowed here"),
+                    Diagnostic::error(
+                        "E0104",
+                        format!("`{}` takes tensors by position, not by keyword", call.callee.name),
+                    )
+                    .primary(name.span, "keyword not allowed here"),
                 );
                 failed = true;
                 continue;
@@ -441,7 +517,10 @@ impl<'f> Elab<'f> {
             _ => self.fail(
                 Diagnostic::error(
                     "E0201",
-                    format!("shape mismatch: `{layer}` expects a last dimension of {expected}, but its input is {}", super::ops::show_type(&ty)),
+                    format!(
+                        "shape mismatch: `{layer}` expects a last dimension of {expected}, but its input is {}",
+                        super::ops::show_type(&ty)
+                    ),
                 )
                 .primary(arg, format!("this is {}", super::ops::show_type(&ty)))
                 .secondary(decl, format!("`{layer}` is declared here with input size {expected}")),
@@ -454,7 +533,10 @@ impl<'f> Elab<'f> {
         if ty.dtype.is_integer() {
             return Ok(());
         }
-        self.fail(Diagnostic::error("E0107", format!("expected integer ids, found {}", super::ops::show_type(&ty))).primary(span, "not i32 or i64"))
+        self.fail(
+            Diagnostic::error("E0107", format!("expected integer ids, found {}", super::ops::show_type(&ty)))
+                .primary(span, "not i32 or i64"),
+        )
     }
 
     pub(crate) fn expect_float_tensor(&mut self, x: NodeIndex, span: Span) -> R<()> {
@@ -463,9 +545,12 @@ impl<'f> Elab<'f> {
             return Ok(());
         }
         self.fail(
-            Diagnostic::error("E0107", format!("expected a floating-point tensor, found {}", super::ops::show_type(&ty)))
-                .primary(span, "integer tensor")
-                .help("token ids must go through an embedding first"),
+            Diagnostic::error(
+                "E0107",
+                format!("expected a floating-point tensor, found {}", super::ops::show_type(&ty)),
+            )
+            .primary(span, "integer tensor")
+            .help("token ids must go through an embedding first"),
         )
     }
 }

@@ -40,10 +40,9 @@ impl std::str::FromStr for Override {
     type Err = String;
     fn from_str(s: &str) -> Result<Override, String> {
         match s.split_once('=') {
-            Some((name, value)) if !name.trim().is_empty() => Ok(Override {
-                name: name.trim().to_string(),
-                value: value.trim().to_string(),
-            }),
+            Some((name, value)) if !name.trim().is_empty() => {
+                Ok(Override { name: name.trim().to_string(), value: value.trim().to_string() })
+            }
             _ => Err(format!("expected NAME=VALUE, found `{s}`")),
         }
     }
@@ -71,7 +70,7 @@ pub(crate) enum Layer {
         transpose: bool,
         span: Span,
     },
-    LayerNorm {
+    Norm {
         weight: ParamId,
         bias: ParamId,
         dim: u64,
@@ -80,14 +79,13 @@ pub(crate) enum Layer {
     },
     Embedding {
         table: ParamId,
-        span: Span,
     },
     PositionEmbedding {
         table: ParamId,
         span: Span,
     },
     Block(usize),
-    Repeat(Vec<usize>, Span),
+    Repeat(Vec<usize>),
     Poison,
 }
 
@@ -110,11 +108,7 @@ pub(crate) struct Frame {
 
 impl Frame {
     fn scalars() -> Frame {
-        Frame {
-            module: None,
-            locals: HashMap::new(),
-            allow_inputs: false,
-        }
+        Frame { module: None, locals: HashMap::new(), allow_inputs: false }
     }
 }
 
@@ -289,12 +283,7 @@ impl<'f> Elab<'f> {
                 None => (value, false),
             };
             self.config_env.insert(entry.name.name.clone(), value.clone());
-            self.config.push(ConfigValue {
-                name: entry.name.name.clone(),
-                value,
-                span: entry.span,
-                overridden,
-            });
+            self.config.push(ConfigValue { name: entry.name.name.clone(), value, span: entry.span, overridden });
         }
         self.check_unknown_overrides(overrides);
     }
@@ -310,8 +299,9 @@ impl<'f> Elab<'f> {
             } else {
                 format!("valid names: {}", names.join(", "))
             };
-            let mut d = Diagnostic::error("E0301", format!("`--set {}`: the model has no config value `{}`", o.name, o.name))
-                .note(valid);
+            let mut d =
+                Diagnostic::error("E0301", format!("`--set {}`: the model has no config value `{}`", o.name, o.name))
+                    .note(valid);
             if let Some(span) = self.file.config_spans.first() {
                 d = d.secondary(*span, "config values are defined here");
             }
@@ -398,7 +388,10 @@ impl<'f> Elab<'f> {
                 "E0106",
                 format!("block `{}` contains itself: {}", file.blocks[target].name.name, path.join(" -> ")),
             )
-            .primary(span, format!("`{}` is instantiated inside `{}`", file.blocks[target].name.name, file.blocks[last].name.name))
+            .primary(
+                span,
+                format!("`{}` is instantiated inside `{}`", file.blocks[target].name.name, file.blocks[last].name.name),
+            )
             .secondary(file.blocks[target].name.span, "defined here")
             .help("a block cannot contain itself; use `repeat(n)` to stack copies of a block"),
         );
@@ -450,12 +443,7 @@ impl<'f> Elab<'f> {
     fn instantiate_root(&mut self) -> R<usize> {
         let file = self.file;
         let id = self.modules.len();
-        self.modules.push(Module {
-            block: None,
-            path: String::new(),
-            env: HashMap::new(),
-            layers: Vec::new(),
-        });
+        self.modules.push(Module { block: None, path: String::new(), env: HashMap::new(), layers: Vec::new() });
         self.instantiate_layers(id, &file.layers)?;
         Ok(id)
     }
@@ -502,11 +490,7 @@ impl<'f> Elab<'f> {
                     .help("declare model inputs with `input name: dtype[dims]`"),
             );
         }
-        let mut frame = Frame {
-            module: Some(root),
-            locals: HashMap::new(),
-            allow_inputs: true,
-        };
+        let mut frame = Frame { module: Some(root), locals: HashMap::new(), allow_inputs: true };
         let mut outputs = Vec::new();
         for stmt in &forward.body {
             match stmt {
@@ -519,11 +503,7 @@ impl<'f> Elab<'f> {
                     }
                     self.assign(&mut frame, name, value)?;
                     if let Some(Value::Tensor(node)) = frame.locals.get(&name.name) {
-                        outputs.push(crate::ir::Output {
-                            name: name.name.clone(),
-                            node: *node,
-                            span: name.span,
-                        });
+                        outputs.push(crate::ir::Output { name: name.name.clone(), node: *node, span: name.span });
                     } else if !matches!(frame.locals.get(&name.name), Some(Value::Poison) | None) {
                         self.report(
                             Diagnostic::error("E0107", format!("output `{}` is not a tensor", name.name))
@@ -551,7 +531,8 @@ impl<'f> Elab<'f> {
 
     /// The training objective: the output named `loss`, else the only scalar output.
     fn pick_loss(&self, outputs: &[crate::ir::Output]) -> Option<NodeIndex> {
-        let scalar = |o: &&crate::ir::Output| self.graph[o.node].ty.rank() == 0 && !self.graph[o.node].ty.dtype.is_integer();
+        let scalar =
+            |o: &&crate::ir::Output| self.graph[o.node].ty.rank() == 0 && !self.graph[o.node].ty.dtype.is_integer();
         if let Some(o) = outputs.iter().find(|o| o.name == "loss").filter(scalar) {
             return Some(o.node);
         }
@@ -646,14 +627,7 @@ impl<'f> Elab<'f> {
                     .primary(span, format!("this tensor is {}", ops::show_type(&ty))),
             );
         }
-        let node = self.graph.add_node(Node {
-            op,
-            ty,
-            origin: Origin {
-                span,
-                scope: scope.to_string(),
-            },
-        });
+        let node = self.graph.add_node(Node { op, ty, origin: Origin { span, scope: scope.to_string() } });
         for (i, &operand) in operands.iter().enumerate() {
             self.graph.add_edge(operand, node, u8::try_from(i).unwrap_or(u8::MAX));
         }

@@ -85,7 +85,10 @@ impl Elab<'_> {
                 let pe = arg(1).ok_or(Fail::Reported)?;
                 let p = self.expect_float(pe, frame)?;
                 if !(0.0..1.0).contains(&p) {
-                    return self.fail(Diagnostic::error("E0202", format!("dropout probability must be in [0, 1), but this is {p}")).primary(pe.span, format!("this is {p}")));
+                    return self.fail(
+                        Diagnostic::error("E0202", format!("dropout probability must be in [0, 1), but this is {p}"))
+                            .primary(pe.span, format!("this is {p}")),
+                    );
                 }
                 (Op::Dropout { p }, xt, vec![x])
             }
@@ -126,7 +129,13 @@ impl Elab<'_> {
                 let index = self.expect_int(ie, frame)?;
                 let size = xt.shape[dim].size;
                 let Some(index) = u64::try_from(index).ok().filter(|i| *i < size) else {
-                    return self.fail(Diagnostic::error("E0202", format!("index {index} is out of range for a dimension of size {size}")).primary(ie.span, format!("must be in 0..{size}")));
+                    return self.fail(
+                        Diagnostic::error(
+                            "E0202",
+                            format!("index {index} is out of range for a dimension of size {size}"),
+                        )
+                        .primary(ie.span, format!("must be in 0..{size}")),
+                    );
                 };
                 let mut ty = xt;
                 ty.shape.remove(dim);
@@ -142,21 +151,31 @@ impl Elab<'_> {
     }
 
     /// `a + b`, `a * 0.5`, `0.5 * a`, `a / 2` on tensors.
-    pub(crate) fn tensor_binary(&mut self, op: BinOp, lhs: (Value, &Expr), rhs: (Value, &Expr), span: Span, frame: &Frame) -> R<Value> {
+    pub(crate) fn tensor_binary(
+        &mut self,
+        op: BinOp,
+        lhs: (Value, &Expr),
+        rhs: (Value, &Expr),
+        span: Span,
+        frame: &Frame,
+    ) -> R<Value> {
         let scope = self.scope_of(frame);
         match (op, &lhs.0, &rhs.0) {
             (BinOp::Add, Value::Tensor(a), Value::Tensor(b)) => {
                 let ty = self.same_shape(*a, *b, lhs.1.span, rhs.1.span, span, "+")?;
                 self.add_node(Op::Add, ty, span, &scope, &[*a, *b]).map(Value::Tensor)
             }
-            (BinOp::Mul, Value::Tensor(t), Value::Scalar(s, _)) | (BinOp::Mul, Value::Scalar(s, _), Value::Tensor(t)) => {
+            (BinOp::Mul, Value::Tensor(t), Value::Scalar(s, _))
+            | (BinOp::Mul, Value::Scalar(s, _), Value::Tensor(t)) => {
                 let factor = super::eval::as_f64(s);
                 self.scale_node(*t, factor, span, &scope)
             }
             (BinOp::Div, Value::Tensor(t), Value::Scalar(s, _)) => {
                 let d = super::eval::as_f64(s);
                 if d == 0.0 || !d.is_finite() {
-                    return self.fail(Diagnostic::error("E0203", "division of a tensor by zero").primary(rhs.1.span, "this is 0"));
+                    return self.fail(
+                        Diagnostic::error("E0203", "division of a tensor by zero").primary(rhs.1.span, "this is 0"),
+                    );
                 }
                 self.scale_node(*t, 1.0 / d, span, &scope)
             }
@@ -173,7 +192,10 @@ impl Elab<'_> {
 
     fn scale_node(&mut self, t: NodeIndex, factor: f64, span: Span, scope: &str) -> R<Value> {
         if !factor.is_finite() {
-            return self.fail(Diagnostic::error("E0107", "a tensor can only be scaled by a number").primary(span, "not a finite number"));
+            return self.fail(
+                Diagnostic::error("E0107", "a tensor can only be scaled by a number")
+                    .primary(span, "not a finite number"),
+            );
         }
         let ty = self.ty(t).clone();
         self.add_node(Op::Scale { factor }, ty, span, scope, &[t]).map(Value::Tensor)
@@ -198,7 +220,13 @@ impl Elab<'_> {
         if ty.rank() >= rank {
             return Ok(());
         }
-        self.fail(Diagnostic::error("E0201", format!("expected a tensor with at least {rank} dimensions, found {}", show_type(&ty))).primary(span, "too few dimensions"))
+        self.fail(
+            Diagnostic::error(
+                "E0201",
+                format!("expected a tensor with at least {rank} dimensions, found {}", show_type(&ty)),
+            )
+            .primary(span, "too few dimensions"),
+        )
     }
 
     fn expect_square_tail(&mut self, x: NodeIndex, span: Span) -> R<()> {
@@ -231,9 +259,17 @@ impl Elab<'_> {
         let leading: Vec<u64> = tl.sizes().iter().take(tl.rank().saturating_sub(1)).copied().collect();
         if tl.rank() == 0 || leading != tt.sizes() {
             return self.fail(
-                Diagnostic::error("E0201", format!("shape mismatch in `cross_entropy`: logits {} need targets [{}], found {}", show_type(&tl), leading.iter().map(u64::to_string).collect::<Vec<_>>().join(", "), show_type(&tt)))
-                    .primary(st, format!("this is {}", show_type(&tt)))
-                    .secondary(sl, format!("logits are {}", show_type(&tl))),
+                Diagnostic::error(
+                    "E0201",
+                    format!(
+                        "shape mismatch in `cross_entropy`: logits {} need targets [{}], found {}",
+                        show_type(&tl),
+                        leading.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+                        show_type(&tt)
+                    ),
+                )
+                .primary(st, format!("this is {}", show_type(&tt)))
+                .secondary(sl, format!("logits are {}", show_type(&tl))),
             );
         }
         Ok(TensorType { dtype: DType::F32, shape: Vec::new() })
@@ -244,7 +280,10 @@ impl Elab<'_> {
         self.expect_float_tensor(b, sb)?;
         let (ta, tb) = (self.ty(a).clone(), self.ty(b).clone());
         let (ra, rb) = (ta.rank(), tb.rank());
-        let fits = ra >= 2 && ra == rb && ta.sizes()[..ra - 2] == tb.sizes()[..rb - 2] && ta.shape[ra - 1].size == tb.shape[rb - 2].size;
+        let fits = ra >= 2
+            && ra == rb
+            && ta.sizes()[..ra - 2] == tb.sizes()[..rb - 2]
+            && ta.shape[ra - 1].size == tb.shape[rb - 2].size;
         if !fits {
             let (sta, stb) = (show_type(&ta), show_type(&tb));
             return self.fail(
@@ -261,7 +300,10 @@ impl Elab<'_> {
 
     fn reshape_type(&mut self, xt: &TensorType, se: &Expr, frame: &mut Frame, sx: Span) -> R<TensorType> {
         let crate::syntax::ast::ExprKind::List(items) = &se.kind else {
-            return self.fail(Diagnostic::error("E0107", "`reshape` takes a list of sizes").primary(se.span, "expected a list such as [batch, seq, hidden]"));
+            return self.fail(
+                Diagnostic::error("E0107", "`reshape` takes a list of sizes")
+                    .primary(se.span, "expected a list such as [batch, seq, hidden]"),
+            );
         };
         let mut shape = Vec::new();
         for item in items {
@@ -270,16 +312,29 @@ impl Elab<'_> {
         let ty = TensorType { dtype: xt.dtype, shape };
         if ty.elements() != xt.elements() {
             return self.fail(
-                Diagnostic::error("E0201", format!("shape mismatch in `reshape`: {} cannot become {}", show_type(xt), show_type(&ty)))
-                    .primary(se.span, format!("{} elements", ty.elements().map_or("too many".to_string(), |e| e.to_string())))
-                    .secondary(sx, format!("{} elements", xt.elements().unwrap_or(0))),
+                Diagnostic::error(
+                    "E0201",
+                    format!("shape mismatch in `reshape`: {} cannot become {}", show_type(xt), show_type(&ty)),
+                )
+                .primary(
+                    se.span,
+                    format!("{} elements", ty.elements().map_or("too many".to_string(), |e| e.to_string())),
+                )
+                .secondary(sx, format!("{} elements", xt.elements().unwrap_or(0))),
             );
         }
         Ok(ty)
     }
 
     /// `self_attention(qkv, heads: n)` or `self_attention(q, k, v, heads: n, causal: false)`.
-    fn attention(&mut self, call: &Call, b: &super::args::Bound<'_>, first: NodeIndex, frame: &mut Frame, scope: &str) -> R<Value> {
+    fn attention(
+        &mut self,
+        call: &Call,
+        b: &super::args::Bound<'_>,
+        first: NodeIndex,
+        frame: &mut Frame,
+        scope: &str,
+    ) -> R<Value> {
         let mut operands = vec![first];
         for i in 1..3 {
             if let Some(e) = b.get(i) {
@@ -304,22 +359,40 @@ impl Elab<'_> {
         self.add_node(op, ty, call.span, scope, &operands).map(Value::Tensor)
     }
 
-    fn attention_type(&mut self, operands: &[NodeIndex], heads: u64, fused: bool, call: &Call, heads_span: Span) -> R<TensorType> {
+    fn attention_type(
+        &mut self,
+        operands: &[NodeIndex],
+        heads: u64,
+        fused: bool,
+        call: &Call,
+        heads_span: Span,
+    ) -> R<TensorType> {
         for (i, &o) in operands.iter().enumerate() {
             let span = call.args.get(i).map_or(call.span, |a| a.span);
             self.expect_float_tensor(o, span)?;
             let ty = self.ty(o).clone();
             if ty.rank() < 2 {
-                return self.fail(Diagnostic::error("E0201", format!("attention needs [.., seq, width] inputs, found {}", show_type(&ty))).primary(span, "too few dimensions"));
+                return self.fail(
+                    Diagnostic::error(
+                        "E0201",
+                        format!("attention needs [.., seq, width] inputs, found {}", show_type(&ty)),
+                    )
+                    .primary(span, "too few dimensions"),
+                );
             }
         }
         let t0 = self.ty(operands[0]).clone();
         let width = t0.shape[t0.rank() - 1].size;
         let model_width = if fused { width / 3 } else { width };
-        if fused && width % 3 != 0 {
+        if fused && !width.is_multiple_of(3) {
             return self.fail(
-                Diagnostic::error("E0201", format!("a fused qkv tensor's last dimension must be 3 x hidden, but {width} is not a multiple of 3"))
-                    .primary(call.args[0].span, format!("this is {}", show_type(&t0))),
+                Diagnostic::error(
+                    "E0201",
+                    format!(
+                        "a fused qkv tensor's last dimension must be 3 x hidden, but {width} is not a multiple of 3"
+                    ),
+                )
+                .primary(call.args[0].span, format!("this is {}", show_type(&t0))),
             );
         }
         if model_width % heads != 0 {
@@ -333,19 +406,24 @@ impl Elab<'_> {
             let ti = self.ty(o).clone();
             if ti.sizes() != t0.sizes() {
                 return self.fail(
-                    Diagnostic::error("E0201", format!("shape mismatch in `self_attention`: q is {} but this is {}", show_type(&t0), show_type(&ti)))
-                        .primary(call.args[i].span, format!("this is {}", show_type(&ti)))
-                        .secondary(call.args[0].span, format!("q is {}", show_type(&t0))),
+                    Diagnostic::error(
+                        "E0201",
+                        format!(
+                            "shape mismatch in `self_attention`: q is {} but this is {}",
+                            show_type(&t0),
+                            show_type(&ti)
+                        ),
+                    )
+                    .primary(call.args[i].span, format!("this is {}", show_type(&ti)))
+                    .secondary(call.args[0].span, format!("q is {}", show_type(&t0))),
                 );
             }
         }
         let mut shape = t0.shape.clone();
-        if fused {
-            if let Some(last) = shape.last_mut() {
-                // (3, heads, head) becomes (heads, head): the heads factor survives for sharding.
-                let factors = if last.factors.len() == 3 { last.factors[1..].to_vec() } else { Vec::new() };
-                *last = Dim { size: model_width, label: None, factors };
-            }
+        if let (true, Some(last)) = (fused, shape.last_mut()) {
+            // (3, heads, head) becomes (heads, head): the heads factor survives for sharding.
+            let factors = if last.factors.len() == 3 { last.factors[1..].to_vec() } else { Vec::new() };
+            *last = Dim { size: model_width, label: None, factors };
         }
         Ok(TensorType { dtype: t0.dtype, shape })
     }

@@ -70,11 +70,7 @@ pub struct Dim {
 
 impl Dim {
     pub fn new(size: u64, label: Option<String>) -> Dim {
-        Dim {
-            size,
-            label,
-            factors: Vec::new(),
-        }
+        Dim { size, label, factors: Vec::new() }
     }
 }
 
@@ -144,35 +140,60 @@ pub struct ParamId(pub u32);
 #[serde(rename_all = "snake_case", tag = "op")]
 pub enum Op {
     /// A model input (token ids, targets).
-    Input { name: String },
+    Input {
+        name: String,
+    },
     /// A parameter read.
-    Param { id: ParamId },
+    Param {
+        id: ParamId,
+    },
     /// Row lookup: operands (ids, table [rows, width]).
     Embedding,
     /// Rows 0..seq of a position table: operands (ids [.., seq], table [context, width]).
     PositionEmbedding,
     /// x W (+ b): operands (x, weight, bias?). With `transpose_weight`, W is stored [out, in] (a tied embedding).
-    Linear { bias: bool, transpose_weight: bool },
+    Linear {
+        bias: bool,
+        transpose_weight: bool,
+    },
     /// LayerNorm over the last dimension: operands (x, gamma, beta).
-    LayerNorm { eps: f64 },
-    Gelu { approximate: bool },
+    LayerNorm {
+        eps: f64,
+    },
+    Gelu {
+        approximate: bool,
+    },
     /// Softmax over the last dimension.
     Softmax,
     /// Multi-head self-attention. Operands: one fused qkv [.., seq, (3, heads, head)] or (q, k, v).
-    Attention { heads: u64, causal: bool, fused: bool },
+    Attention {
+        heads: u64,
+        causal: bool,
+        fused: bool,
+    },
     Add,
-    Dropout { p: f64 },
+    Dropout {
+        p: f64,
+    },
     /// Mean cross-entropy over all positions: operands (logits [.., classes], targets [..]).
     CrossEntropy,
     /// Batched matrix product over the last two dimensions.
     MatMul,
     Reshape,
-    Transpose { dim0: usize, dim1: usize },
-    Scale { factor: f64 },
+    Transpose {
+        dim0: usize,
+        dim1: usize,
+    },
+    Scale {
+        factor: f64,
+    },
     /// Sets entries above the diagonal of the last two dimensions to minus infinity.
     CausalMask,
     /// Removes a dimension by picking one index of it.
-    Select { dim: usize, index: u64 },
+    Select {
+        dim: usize,
+        index: u64,
+    },
 }
 
 impl Op {
@@ -272,11 +293,8 @@ pub struct Model {
 impl Model {
     /// Operands of a node, in order.
     pub fn operands(&self, node: NodeIndex) -> Vec<NodeIndex> {
-        let mut edges: Vec<(u8, NodeIndex)> = self
-            .graph
-            .edges_directed(node, petgraph::Direction::Incoming)
-            .map(|e| (*e.weight(), e.source()))
-            .collect();
+        let mut edges: Vec<(u8, NodeIndex)> =
+            self.graph.edges_directed(node, petgraph::Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
         edges.sort_unstable();
         edges.into_iter().map(|(_, n)| n).collect()
     }

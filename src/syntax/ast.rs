@@ -136,11 +136,7 @@ pub enum ExprKind {
     Call(Call),
     List(Vec<Expr>),
     Neg(Box<Expr>),
-    Binary {
-        op: BinOp,
-        lhs: Box<Expr>,
-        rhs: Box<Expr>,
-    },
+    Binary { op: BinOp, lhs: Box<Expr>, rhs: Box<Expr> },
 }
 
 /// `name(arg, ..., key: value, ...)`

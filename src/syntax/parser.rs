@@ -23,10 +23,7 @@ pub fn parse(source: &str) -> Result<(File, Vec<Diagnostic>), Vec<Diagnostic>> {
     if source.len() > MAX_SOURCE_BYTES {
         return Err(vec![Diagnostic::error(
             "E0002",
-            format!(
-                "the file is {} bytes; the largest model file accepted is {MAX_SOURCE_BYTES} bytes",
-                source.len()
-            ),
+            format!("the file is {} bytes; the largest model file accepted is {MAX_SOURCE_BYTES} bytes", source.len()),
         )]);
     }
     check_nesting(source)?;
@@ -95,11 +92,8 @@ fn syntax_error(e: pest::error::Error<Rule>) -> Diagnostic {
         ErrorVariant::ParsingError { positives, .. } => describe_rules(positives),
         ErrorVariant::CustomError { message } => message.clone(),
     };
-    let message = if expected.is_empty() {
-        format!("unexpected {found}")
-    } else {
-        format!("expected {expected}, found {found}")
-    };
+    let message =
+        if expected.is_empty() { format!("unexpected {found}") } else { format!("expected {expected}, found {found}") };
     let label_end = if end > start { end } else { start + 1 };
     Diagnostic::error("E0001", format!("syntax error: {message}"))
         .primary(Span::new(start, label_end), format!("expected {}", or_default(&expected)))
@@ -211,10 +205,7 @@ fn span_of(pair: &Pair<Rule>) -> Span {
 }
 
 fn ident(pair: Pair<Rule>) -> Ident {
-    Ident {
-        name: pair.as_str().to_string(),
-        span: span_of(&pair),
-    }
+    Ident { name: pair.as_str().to_string(), span: span_of(&pair) }
 }
 
 fn pratt() -> PrattParser<Rule> {
@@ -252,11 +243,7 @@ impl Builder {
                         let span = span_of(&entry);
                         let mut inner = children(entry);
                         if let (Some(n), Some(v)) = (inner.next(), inner.next()) {
-                            file.config.push(ConfigEntry {
-                                name: ident(n),
-                                value: self.expr(v),
-                                span,
-                            });
+                            file.config.push(ConfigEntry { name: ident(n), value: self.expr(v), span });
                         }
                     }
                 }
@@ -276,30 +263,16 @@ impl Builder {
         let mut next_ident = || inner.next().map(ident);
         let name = next_ident();
         let dtype = next_ident();
-        let dims = inner
-            .next()
-            .map(|d| children(d).map(|e| self.expr(e)).collect())
-            .unwrap_or_default();
+        let dims = inner.next().map(|d| children(d).map(|e| self.expr(e)).collect()).unwrap_or_default();
         let missing = || Ident { name: String::new(), span };
-        InputDecl {
-            name: name.unwrap_or_else(missing),
-            dtype: dtype.unwrap_or_else(missing),
-            dims,
-            span,
-        }
+        InputDecl { name: name.unwrap_or_else(missing), dtype: dtype.unwrap_or_else(missing), dims, span }
     }
 
     fn block(&mut self, pair: Pair<Rule>) -> BlockDef {
         let span = span_of(&pair);
         let mut inner = children(pair);
         let name = inner.next().map(ident).unwrap_or(Ident { name: String::new(), span });
-        let mut block = BlockDef {
-            name,
-            params: Vec::new(),
-            layers: Vec::new(),
-            forwards: Vec::new(),
-            span,
-        };
+        let mut block = BlockDef { name, params: Vec::new(), layers: Vec::new(), forwards: Vec::new(), span };
         for part in inner {
             match part.as_rule() {
                 Rule::block_params => {
@@ -341,24 +314,14 @@ impl Builder {
     }
 
     fn empty_call(&self, span: Span) -> Call {
-        Call {
-            callee: Ident { name: String::new(), span },
-            args: Vec::new(),
-            span,
-            args_span: span,
-        }
+        Call { callee: Ident { name: String::new(), span }, args: Vec::new(), span, args_span: span }
     }
 
     fn forward(&mut self, pair: Pair<Rule>) -> ForwardDef {
         let span = span_of(&pair);
         let keyword_end = span.start as usize + "forward".len();
         let mut head_span = Span::new(span.start as usize, keyword_end);
-        let mut def = ForwardDef {
-            params: Vec::new(),
-            body: Vec::new(),
-            span,
-            head_span,
-        };
+        let mut def = ForwardDef { params: Vec::new(), body: Vec::new(), span, head_span };
         for part in children(pair) {
             match part.as_rule() {
                 Rule::forward_params => {
@@ -401,12 +364,7 @@ impl Builder {
             }
             None => (Vec::new(), span),
         };
-        Call {
-            callee,
-            args,
-            span,
-            args_span,
-        }
+        Call { callee, args, span, args_span }
     }
 
     fn call_args(&mut self, pair: Pair<Rule>) -> Vec<Arg> {
@@ -416,17 +374,10 @@ impl Builder {
                 if a.as_rule() == Rule::kwarg {
                     let mut ki = children(a);
                     let name = ki.next().map(ident);
-                    let value = ki.next().map(|e| self.expr(e)).unwrap_or(Expr {
-                        kind: ExprKind::Bool(false),
-                        span,
-                    });
+                    let value = ki.next().map(|e| self.expr(e)).unwrap_or(Expr { kind: ExprKind::Bool(false), span });
                     Arg { name, value, span }
                 } else {
-                    Arg {
-                        name: None,
-                        value: self.expr(a),
-                        span,
-                    }
+                    Arg { name: None, value: self.expr(a), span }
                 }
             })
             .collect()
@@ -441,9 +392,12 @@ impl Builder {
             .count();
         if operators > MAX_OPERATORS {
             self.diagnostics.push(
-                Diagnostic::error("E0002", format!("expression has {operators} operators; at most {MAX_OPERATORS} are allowed"))
-                    .primary(span, "too long")
-                    .help("split the expression into named steps"),
+                Diagnostic::error(
+                    "E0002",
+                    format!("expression has {operators} operators; at most {MAX_OPERATORS} are allowed"),
+                )
+                .primary(span, "too long")
+                .help("split the expression into named steps"),
             );
             return Expr { kind: ExprKind::Int(0), span };
         }
@@ -452,10 +406,7 @@ impl Builder {
         let this = std::cell::RefCell::new(self);
         parser
             .map_primary(|p| this.borrow_mut().primary(p))
-            .map_prefix(|op, rhs| Expr {
-                span: span_of(&op).to(rhs.span),
-                kind: ExprKind::Neg(Box::new(rhs)),
-            })
+            .map_prefix(|op, rhs| Expr { span: span_of(&op).to(rhs.span), kind: ExprKind::Neg(Box::new(rhs)) })
             .map_infix(|lhs, op, rhs| {
                 let op = match op.as_rule() {
                     Rule::add => BinOp::Add,
@@ -465,11 +416,7 @@ impl Builder {
                 };
                 Expr {
                     span: lhs.span.to(rhs.span),
-                    kind: ExprKind::Binary {
-                        op,
-                        lhs: Box::new(lhs),
-                        rhs: Box::new(rhs),
-                    },
+                    kind: ExprKind::Binary { op, lhs: Box::new(lhs), rhs: Box::new(rhs) },
                 }
             })
             .parse(children(pair))
@@ -495,7 +442,8 @@ impl Builder {
                 Ok(v) if v.is_finite() => ExprKind::Float(v),
                 _ => {
                     self.diagnostics.push(
-                        Diagnostic::error("E0004", "number literal is out of range").primary(span, "not a finite number"),
+                        Diagnostic::error("E0004", "number literal is out of range")
+                            .primary(span, "not a finite number"),
                     );
                     ExprKind::Float(0.0)
                 }
