@@ -51,8 +51,9 @@ impl Elab<'_> {
             return Ok(v.clone());
         }
         if let Some(m) = frame.module {
-            if let Some(v) = self.modules[m].env.get(name) {
-                return Ok(Value::Scalar(v.clone(), Some(name.to_string())));
+            if let Some((v, label)) = self.modules[m].env.get(name) {
+                let label = label.clone().unwrap_or_else(|| name.to_string());
+                return Ok(Value::Scalar(v.clone(), Some(label)));
             }
             if self.modules[m].layers.iter().any(|(n, _)| n == name) {
                 return self.fail(

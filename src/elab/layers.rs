@@ -99,8 +99,8 @@ impl<'f> Elab<'f> {
                     let mut frame = Frame::scalars();
                     frame.locals = env
                         .iter()
-                        .map(|(k, v): (&String, &crate::ir::Scalar)| {
-                            (k.clone(), Value::Scalar(v.clone(), Some(k.clone())))
+                        .map(|(k, (v, label)): (&String, &(crate::ir::Scalar, Option<String>))| {
+                            (k.clone(), Value::Scalar(v.clone(), label.clone().or_else(|| Some(k.clone()))))
                         })
                         .collect();
                     self.eval(default, &mut frame)
@@ -119,8 +119,8 @@ impl<'f> Elab<'f> {
                 }
             };
             match value {
-                Ok(Value::Scalar(s, _)) => {
-                    env.insert(param.name.name.clone(), s);
+                Ok(Value::Scalar(s, label)) => {
+                    env.insert(param.name.name.clone(), (s, label));
                 }
                 Ok(Value::Poison) | Err(Fail::Reported) => ok = false,
                 Err(Fail::Abort) => return Err(Fail::Abort),
@@ -274,11 +274,16 @@ impl<'f> Elab<'f> {
         out_dim: &Dim,
         span: Span,
     ) -> R<ParamId> {
-        let ExprKind::Name(name) = &expr.kind else {
-            return self.fail(
-                Diagnostic::error("E0107", "`tied` takes the name of an embedding layer")
-                    .primary(expr.span, "not a layer name"),
-            );
+        let name = match &expr.kind {
+            ExprKind::Name(name) => name,
+            ExprKind::Str(path) => return self.tied_by_path(path, expr.span, in_dim, out_dim, span),
+            _ => {
+                return self.fail(
+                    Diagnostic::error("E0107", "`tied` takes an embedding layer: its name, or its path as a string")
+                        .primary(expr.span, "not a layer name")
+                        .help("write `tied: wte`, or `tied: \"bert.embeddings.word_embeddings\"` for a nested layer"),
+                );
+            }
         };
         let found = [module, 0]
             .iter()
@@ -302,6 +307,33 @@ impl<'f> Elab<'f> {
                 );
             }
         };
+        self.check_tied_shape(table, name, in_dim, out_dim, span)
+    }
+
+    /// Resolves `tied: "path.to.layer"` against the embedding tables declared so far.
+    fn tied_by_path(&mut self, path: &str, at: Span, in_dim: &Dim, out_dim: &Dim, span: Span) -> R<ParamId> {
+        let weight = format!("{path}.weight");
+        let found = self.params.iter().position(|p| p.name == weight && p.role == ParamRole::Embedding);
+        let Some(index) = found else {
+            let tables: Vec<&str> = self
+                .params
+                .iter()
+                .filter(|p| p.role == ParamRole::Embedding)
+                .filter_map(|p| p.name.strip_suffix(".weight"))
+                .collect();
+            let mut d = Diagnostic::error("E0101", format!("no embedding layer `{path}` is declared before this line"))
+                .primary(at, "unknown embedding layer");
+            if let Some(s) = super::suggest(path, tables.iter().copied()) {
+                d = d.help(format!("did you mean \"{s}\"?"));
+            }
+            return self.fail(d);
+        };
+        let table = ParamId(u32::try_from(index).unwrap_or(u32::MAX));
+        self.check_tied_shape(table, path, in_dim, out_dim, span)
+    }
+
+    /// A tied linear(in, out) needs the table to be [out, in].
+    fn check_tied_shape(&mut self, table: ParamId, name: &str, in_dim: &Dim, out_dim: &Dim, span: Span) -> R<ParamId> {
         let table_ty = self.params[table.0 as usize].ty.clone();
         let rows = table_ty.shape[0].size;
         let width = table_ty.shape[1].size;

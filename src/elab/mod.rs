@@ -95,7 +95,8 @@ pub(crate) struct Module {
     /// Index into the file's blocks; `None` for the root.
     block: Option<usize>,
     path: String,
-    env: HashMap<String, Scalar>,
+    /// Block parameters, each with the config name it was passed from (a size keeps its origin).
+    env: HashMap<String, (Scalar, Option<String>)>,
     layers: Vec<(String, Layer)>,
 }
 
