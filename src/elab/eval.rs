@@ -63,6 +63,9 @@ impl Elab<'_> {
                 );
             }
         }
+        if self.poisoned_config.contains(name) {
+            return Ok(Value::Poison);
+        }
         if let Some(v) = self.config_env.get(name) {
             return Ok(Value::Scalar(v.clone(), Some(name.to_string())));
         }

@@ -127,6 +127,8 @@ pub struct Elab<'f> {
     modules: Vec<Module>,
     param_names: HashSet<String>,
     param_nodes: HashMap<ParamId, NodeIndex>,
+    /// Config values whose definition failed.
+    poisoned_config: HashSet<String>,
 }
 
 /// Elaborates a parsed file with command-line overrides into a model; errors if any diagnostic is an error.
@@ -145,6 +147,7 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         modules: Vec::new(),
         param_names: HashSet::new(),
         param_nodes: HashMap::new(),
+        poisoned_config: HashSet::new(),
     };
     let result = elab.run(overrides);
     let mut diags = std::mem::take(&mut elab.diags);
@@ -256,7 +259,11 @@ impl<'f> Elab<'f> {
             let mut frame = Frame::scalars();
             let value = match self.eval(&entry.value, &mut frame) {
                 Ok(Value::Scalar(s, _)) => s,
-                Ok(Value::Poison) | Err(_) => continue,
+                Ok(Value::Poison) | Err(_) => {
+                    // Later uses of a failed value stay silent: the error is reported once, here.
+                    self.poisoned_config.insert(entry.name.name.clone());
+                    continue;
+                }
                 Ok(_) => {
                     self.report(
                         Diagnostic::error("E0107", "a config value must be a number, boolean or string")
