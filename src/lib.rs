@@ -3,7 +3,10 @@
 //! Pipeline: `.opt` source --[`syntax::parse`]--> AST --[`elab::elaborate`]--> typed logical
 //! graph ([`ir::Model`]). Each stage reports [`diag::Diagnostic`]s carrying source spans.
 
+pub mod autodiff;
 pub mod check;
+pub mod plan;
+pub mod shard;
 pub mod diag;
 pub mod elab;
 pub mod ir;

@@ -30,6 +30,58 @@ enum Command {
         #[arg(long, value_enum)]
         emit: Option<Emit>,
     },
+    /// Shard a model over a device mesh and write the verified per-device plan as JSON.
+    ///
+    /// Runs shape inference, autodiff (train mode), 2D or 1D layouts, inserts collectives, plans
+    /// memory, and verifies the plan. Nothing is written unless every step succeeds.
+    /// Exit status: 0 on success, 1 on model or sharding errors, 2 on usage errors.
+    Compile(CompileArgs),
+}
+
+/// Arguments shared by every command that compiles a model.
+#[derive(clap::Args, Debug, Clone)]
+struct CompileArgs {
+    /// The model file (.opt).
+    model: PathBuf,
+    /// The device mesh, ROWSxCOLS: QxQ for optimus, 1xP for megatron, 1x1 for none.
+    #[arg(long, default_value = "1x1", value_parser = parse_mesh)]
+    mesh: optimus::plan::Mesh,
+    /// How to split the model: optimus (2D, SUMMA), megatron (1D tensor parallel) or none (one device).
+    #[arg(long, value_enum, default_value_t = StrategyArg::Optimus)]
+    strategy: StrategyArg,
+    /// train: forward, backward and optimizer step; infer: forward only.
+    #[arg(long, value_enum, default_value_t = ModeArg::Train)]
+    mode: ModeArg,
+    /// Override a config value, e.g. `--set batch=16`. Repeatable.
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    set: Vec<Override>,
+    /// Where to write the plan (JSON).
+    #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
+    output: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum StrategyArg {
+    Optimus,
+    Megatron,
+    None,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ModeArg {
+    Train,
+    Infer,
+}
+
+fn parse_mesh(s: &str) -> Result<optimus::plan::Mesh, String> {
+    let bad = || format!("expected ROWSxCOLS such as 4x4 or 1x8, found `{s}`");
+    let (r, c) = s.split_once(['x', 'X']).ok_or_else(bad)?;
+    let rows: u64 = r.trim().parse().map_err(|_| bad())?;
+    let cols: u64 = c.trim().parse().map_err(|_| bad())?;
+    if rows == 0 || cols == 0 || rows > 1024 || cols > 1024 {
+        return Err(format!("mesh sides must be between 1 and 1024, found `{s}`"));
+    }
+    Ok(optimus::plan::Mesh { rows, cols })
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -56,6 +108,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Check { model, set, emit } => check(&model, &set, emit),
+        Command::Compile(args) => compile(&args),
     }
 }
 
@@ -94,6 +147,76 @@ fn check(path: &PathBuf, overrides: &[Override], emit: Option<Emit>) -> ExitCode
         group_digits(model.parameter_count()),
         model.params.len(),
         model.graph.node_count()
+    );
+    ExitCode::SUCCESS
+}
+
+/// Reads and checks a model, printing diagnostics; returns the model and its source on success.
+fn load_checked(path: &PathBuf, overrides: &[Override]) -> Option<(optimus::ir::Model, optimus::check::Source)> {
+    let bytes = read_model(path)?;
+    let name = path.display().to_string();
+    let (source, bad_utf8) = decode(&name, bytes);
+    if let Some(d) = bad_utf8 {
+        diag::render_stderr(&source.name, &source.text, &[d]);
+        return None;
+    }
+    let Checked { model, diagnostics } = check_source(&source.text, overrides);
+    diag::render_stderr(&source.name, &source.text, &diagnostics);
+    let errors = diagnostics.iter().filter(|d| d.is_error()).count();
+    match model {
+        Some(model) if errors == 0 => Some((model, source)),
+        _ => {
+            eprintln!("error: {name}: {errors} error{} found", if errors == 1 { "" } else { "s" });
+            None
+        }
+    }
+}
+
+fn target_of(args: &CompileArgs) -> optimus::shard::Target {
+    use optimus::plan::{Mode, Strategy};
+    optimus::shard::Target {
+        mesh: args.mesh,
+        strategy: match args.strategy {
+            StrategyArg::Optimus => Strategy::Optimus,
+            StrategyArg::Megatron => Strategy::Megatron,
+            StrategyArg::None => Strategy::None,
+        },
+        mode: match args.mode {
+            ModeArg::Train => Mode::Train,
+            ModeArg::Infer => Mode::Infer,
+        },
+    }
+}
+
+fn compile(args: &CompileArgs) -> ExitCode {
+    let Some((model, source)) = load_checked(&args.model, &args.set) else { return ExitCode::from(1) };
+    let plan = match optimus::shard::compile(&model, &source.name, &source.text, target_of(args)) {
+        Ok(plan) => plan,
+        Err(diagnostics) => {
+            diag::render_stderr(&source.name, &source.text, &diagnostics);
+            eprintln!("error: {}: cannot compile for a {} mesh; no plan written", source.name, args.mesh);
+            return ExitCode::from(1);
+        }
+    };
+    if let Err(e) = optimus::plan::io::write_plan(&plan, &args.output) {
+        eprintln!("error: cannot write `{}`: {e}", args.output.display());
+        return ExitCode::from(1);
+    }
+    for p in &plan.padding {
+        eprintln!(
+            "note: `{}` dimension {} padded from {} to {} to divide the shards; padding never affects the loss",
+            p.tensor, p.dim, p.logical, p.padded
+        );
+    }
+    println!(
+        "{}: {} plan for a {} mesh ({}): {} instructions, peak {} per device -> {}",
+        source.name,
+        plan.strategy.name(),
+        plan.mesh,
+        if plan.mode == optimus::plan::Mode::Train { "train" } else { "infer" },
+        plan.program.len(),
+        optimus::plan::report::human_bytes(plan.memory.peak_bytes),
+        args.output.display()
     );
     ExitCode::SUCCESS
 }

@@ -56,7 +56,17 @@ fn show_attrs(op: &Op) -> String {
         Op::Dropout { p } => format!(" {{p={p}}}"),
         Op::Transpose { dim0, dim1 } => format!(" {{{dim0}, {dim1}}}"),
         Op::Scale { factor } => format!(" {{{factor}}}"),
-        Op::Select { dim, index } => format!(" {{dim={dim}, index={index}}}"),
+        Op::Select { dim, index } | Op::SelectGrad { dim, index } => format!(" {{dim={dim}, index={index}}}"),
+        Op::Fill { value } => format!(" {{{value}}}"),
+        Op::LinearGradInput { transpose_weight } | Op::LinearGradWeight { transpose_weight } if *transpose_weight => {
+            " {tied}".to_string()
+        }
+        Op::LayerNormGradInput { eps } | Op::LayerNormGradWeight { eps } => format!(" {{eps={eps:e}}}"),
+        Op::GeluGrad { approximate } => format!(" {{approx={}}}", if *approximate { "tanh" } else { "none" }),
+        Op::DropoutGrad { p, forward } => format!(" {{p={p}, mask=%{forward}}}"),
+        Op::AttentionGrad { heads, causal, fused, wrt } => {
+            format!(" {{heads={heads}, causal={causal}, fused={fused}, wrt={wrt}}}")
+        }
         _ => String::new(),
     }
 }

@@ -1,0 +1,140 @@
+//! Liveness-based memory planning: inserts frees after each buffer's last use and finds the peak.
+
+use super::{Buffer, BufferId, Instr, Role};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+
+/// Bytes per device by category, and where the peak occurs. Every device of an SPMD plan holds blocks
+/// of the same shapes, so one figure holds for all devices.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer_state: u64,
+    pub inputs: u64,
+    /// Forward activations still alive when the backward pass starts.
+    pub activations_kept_for_backward: u64,
+    /// The largest total of workspace buffers (communication blocks, partial products, statistics and
+    /// backward values) alive at once.
+    pub workspace_peak: u64,
+    pub peak_bytes: u64,
+    /// Index of the instruction (after frees are inserted) at which the peak is reached.
+    pub peak_instruction: usize,
+    /// Index of the first backward instruction (the program length in inference plans).
+    pub forward_end: usize,
+}
+
+/// Whether a buffer lives for the whole program.
+pub fn persistent(role: Role) -> bool {
+    matches!(role, Role::Parameter | Role::OptimizerState | Role::Input)
+}
+
+/// Buffers an instruction reads or writes.
+pub fn touched(instr: &Instr) -> Vec<BufferId> {
+    match instr {
+        Instr::Kernel { inputs, output, .. } => {
+            let mut v = inputs.clone();
+            v.push(*output);
+            v
+        }
+        Instr::Collective { collective, .. } => vec![collective.send, collective.recv],
+        Instr::Free { buffer } => vec![*buffer],
+    }
+}
+
+/// Inserts a `Free` after the last use of every buffer that is neither persistent nor kept.
+/// Returns the new program and the new index of `forward_end`.
+pub fn insert_frees(
+    program: Vec<Instr>,
+    buffers: &[Buffer],
+    keep: &HashSet<BufferId>,
+    forward_end: usize,
+) -> (Vec<Instr>, usize) {
+    let mut last_use: BTreeMap<BufferId, usize> = BTreeMap::new();
+    for (i, instr) in program.iter().enumerate() {
+        for b in touched(instr) {
+            last_use.insert(b, i);
+        }
+    }
+    let mut frees_after: BTreeMap<usize, Vec<BufferId>> = BTreeMap::new();
+    for (b, i) in last_use {
+        if !persistent(buffers[b.0 as usize].role) && !keep.contains(&b) {
+            frees_after.entry(i).or_default().push(b);
+        }
+    }
+    let mut out = Vec::with_capacity(program.len() + buffers.len());
+    let mut new_forward_end = None;
+    for (i, instr) in program.into_iter().enumerate() {
+        if i == forward_end {
+            new_forward_end = Some(out.len());
+        }
+        out.push(instr);
+        for b in frees_after.remove(&i).unwrap_or_default() {
+            out.push(Instr::Free { buffer: b });
+        }
+    }
+    let forward_end = new_forward_end.unwrap_or(out.len());
+    (out, forward_end)
+}
+
+/// Sweeps the program (with frees) and accounts for every byte on one device.
+pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) -> MemoryPlan {
+    let mut plan = MemoryPlan { forward_end, ..MemoryPlan::default() };
+    let mut live: HashSet<BufferId> = HashSet::new();
+    let mut current: u64 = 0;
+    let mut temporaries: u64 = 0;
+    for b in buffers.iter().filter(|b| persistent(b.role)) {
+        live.insert(b.id);
+        current += b.bytes();
+        match b.role {
+            Role::Parameter => plan.parameters += b.bytes(),
+            Role::OptimizerState => plan.optimizer_state += b.bytes(),
+            _ => plan.inputs += b.bytes(),
+        }
+    }
+    plan.gradients = buffers.iter().filter(|b| b.role == Role::Gradient).map(Buffer::bytes).sum();
+    plan.peak_bytes = current;
+    let mut kept_at_boundary = None;
+    for (i, instr) in program.iter().enumerate() {
+        if i == forward_end {
+            kept_at_boundary = Some(live_activations(&live, buffers));
+        }
+        match instr {
+            Instr::Free { buffer } => {
+                if live.remove(buffer) {
+                    let b = &buffers[buffer.0 as usize];
+                    current -= b.bytes();
+                    if is_temporary(b.role) {
+                        temporaries -= b.bytes();
+                    }
+                }
+            }
+            _ => {
+                for id in touched(instr) {
+                    if live.insert(id) {
+                        let b = &buffers[id.0 as usize];
+                        current += b.bytes();
+                        if is_temporary(b.role) {
+                            temporaries += b.bytes();
+                        }
+                    }
+                }
+            }
+        }
+        if current > plan.peak_bytes {
+            plan.peak_bytes = current;
+            plan.peak_instruction = i;
+        }
+        plan.workspace_peak = plan.workspace_peak.max(temporaries);
+    }
+    plan.activations_kept_for_backward = kept_at_boundary.unwrap_or(0);
+    plan
+}
+
+fn is_temporary(role: Role) -> bool {
+    role == Role::Workspace
+}
+
+fn live_activations(live: &HashSet<BufferId>, buffers: &[Buffer]) -> u64 {
+    live.iter().map(|id| &buffers[id.0 as usize]).filter(|b| b.role == Role::Activation).map(Buffer::bytes).sum()
+}

@@ -1,0 +1,374 @@
+//! The Plan: one SPMD program for every device of a mesh, with buffers, kernels, collectives and frees.
+//!
+//! Every device runs the same instruction list. What differs per device (i, j) is only what the
+//! layouts imply: which block of each tensor it holds, which member of a group is the root, and the
+//! offsets of kernels that look at logical indices (vocabulary ranges, dropout masks).
+
+pub mod io;
+pub mod memory;
+pub mod report;
+pub mod verify;
+
+use crate::ir::{DType, Init, Scalar};
+use crate::shard::layout::{Layout, Placement};
+use crate::span::Span;
+use serde::{Deserialize, Serialize};
+
+/// Bumped whenever the JSON format changes incompatibly.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// How the model is split over devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// 2D: weights and activations split over a q x q mesh with SUMMA products.
+    Optimus,
+    /// 1D tensor parallelism over 1 x p devices.
+    Megatron,
+    /// One device.
+    None,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Optimus => "optimus",
+            Strategy::Megatron => "megatron",
+            Strategy::None => "none",
+        }
+    }
+}
+
+/// Training (forward, backward, optimizer step) or inference (forward only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Train,
+    Infer,
+}
+
+/// A rows x cols device mesh; device (i, j) has rank i * cols + j.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Mesh {
+    pub rows: u64,
+    pub cols: u64,
+}
+
+impl Mesh {
+    pub fn devices(self) -> u64 {
+        self.rows * self.cols
+    }
+
+    /// Sizes of mesh axis 0 (rows, indexed by i) and axis 1 (columns, indexed by j).
+    pub fn axes(self) -> [u64; 2] {
+        [self.rows, self.cols]
+    }
+
+    /// Size of a communication group.
+    pub fn group_size(self, group: Group) -> u64 {
+        match group {
+            Group::Row => self.cols,
+            Group::Column => self.rows,
+            Group::World => self.devices(),
+        }
+    }
+}
+
+impl std::fmt::Display for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.rows, self.cols)
+    }
+}
+
+/// Index of a buffer in [`Plan::buffers`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BufferId(pub u32);
+
+/// What a buffer holds, for memory accounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Parameter,
+    Gradient,
+    OptimizerState,
+    Input,
+    /// A forward activation (kept for backward when it is still live there).
+    Activation,
+    /// A backward value or a communication / statistics temporary.
+    Workspace,
+}
+
+/// A per-device buffer: the block of a logical tensor that each device holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub id: BufferId,
+    pub name: String,
+    pub dtype: DType,
+    /// The logical tensor's shape (after vocabulary padding).
+    pub logical_shape: Vec<u64>,
+    pub layout: Layout,
+    /// The block each device holds.
+    pub shape: Vec<u64>,
+    pub role: Role,
+}
+
+impl Buffer {
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.elements() * self.dtype.bytes()
+    }
+}
+
+/// A device-dependent offset: `coordinate(axis) * block`, or 0 when `axis` is `None`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Offset {
+    pub axis: Option<u8>,
+    pub block: u64,
+}
+
+impl Offset {
+    pub const ZERO: Offset = Offset { axis: None, block: 0 };
+
+    /// The offset on device (i, j).
+    pub fn at(self, i: u64, j: u64) -> u64 {
+        match self.axis {
+            Some(0) => i * self.block,
+            Some(_) => j * self.block,
+            None => 0,
+        }
+    }
+}
+
+/// Local computations. Shapes come from the buffers; "rows" means all leading dimensions flattened.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Kernel {
+    /// out (+)= op(A) op(B) on matrices made by flattening each operand's leading dimensions.
+    MatMul { transpose_a: bool, transpose_b: bool, accumulate: bool },
+    /// Batched product over the last two dimensions (leading dimensions equal).
+    BatchedMatMul,
+    /// out = x + b, b broadcast over the last dimension.
+    BiasAdd,
+    Add,
+    Scale { factor: f64 },
+    Gelu { approximate: bool },
+    /// (dy, x) -> dx
+    GeluGrad { approximate: bool },
+    Softmax,
+    /// (dy, y) -> dx
+    SoftmaxGrad,
+    CausalMask,
+    CausalMaskGrad,
+    /// Drops elements with probability p by a counter-based generator keyed on (seed, key, logical index).
+    Dropout { p: f64, key: u32 },
+    /// Applies the same mask as `Dropout` with the same key.
+    DropoutGrad { p: f64, key: u32 },
+    /// Copy with a new shape (same element order).
+    Reshape,
+    Transpose { dim0: u8, dim1: u8 },
+    Select { dim: u8, index: u64 },
+    SelectGrad { dim: u8, index: u64 },
+    /// Local multi-head attention over `heads` heads; fused input is [.., seq, (3, heads, head)].
+    Attention { heads: u64, causal: bool, fused: bool },
+    /// (dy, operands..) -> gradient of operand `wrt`.
+    AttentionGrad { heads: u64, causal: bool, fused: bool, wrt: u8 },
+    /// (ids, table) -> rows; ids outside [offset, offset + table rows) give zeros when `masked`.
+    EmbeddingLookup { offset: Offset, masked: bool },
+    /// (ids, dy) -> d table: scatter-add of dy rows whose id falls in this device's rows.
+    EmbeddingGrad { offset: Offset, masked: bool },
+    /// (table) -> out[.., p, :] = table[p, :] for p < seq.
+    PositionLookup,
+    /// (dy) -> d table: sums dy over leading dimensions into rows 0..seq; other rows zero.
+    PositionGrad,
+    /// (x) -> [rows, 1]: local sum over the last dimension.
+    RowSum,
+    /// (x, sum) -> [rows, 1]: local sum of (x - sum / n)^2, n the full normalised size.
+    RowCenteredSquareSum { n: u64 },
+    /// (x, sum, sqsum, gamma, beta) -> y.
+    LayerNormApply { n: u64, eps: f64 },
+    /// (dy, x, gamma, sum, sqsum) -> [rows, 2]: local sums of dy*gamma and dy*gamma*xhat.
+    LayerNormGradSums { n: u64, eps: f64 },
+    /// (dy, x, gamma, sum, sqsum, gradsums) -> dx.
+    LayerNormGradInput { n: u64, eps: f64 },
+    /// (dy, x, sum, sqsum) -> [last]: sum over rows of dy * xhat.
+    LayerNormGradWeight { n: u64, eps: f64 },
+    /// (x) -> [last]: sum over rows.
+    SumToLast,
+    /// (logits) -> [rows, 1]: max over this device's valid vocabulary columns.
+    CrossEntropyMax { offset: Offset, valid: u64 },
+    /// (logits, targets, max) -> [rows, 2]: target logit if the target is local (else 0), and the
+    /// sum of exp(logit - max) over valid columns.
+    CrossEntropyStats { offset: Offset, valid: u64 },
+    /// (max, stats) -> scalar: sum over rows of (max + ln(sumexp) - target logit) / count.
+    CrossEntropyLoss { count: u64 },
+    /// (logits, targets, max, stats, dloss) -> dlogits = (softmax - onehot) * dloss / count; padding 0.
+    CrossEntropyGrad { offset: Offset, valid: u64, count: u64 },
+    Fill { value: f64 },
+    /// (x) -> this device's block of x along `axis` for the given placement.
+    SliceShard { axis: u8, placement: Placement },
+    /// (param, grad, state1, state2) -> param, in place: SGD with momentum or AdamW, chosen at run time.
+    OptimizerStep,
+}
+
+/// Communication groups: the devices sharing a mesh row, a mesh column, or all devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Group {
+    Row,
+    Column,
+    World,
+}
+
+impl Group {
+    /// The group whose members differ along mesh `axis` (axis 0 = i varies = a column).
+    pub fn along(axis: usize) -> Group {
+        if axis == 0 { Group::Column } else { Group::Row }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Row => "row",
+            Group::Column => "column",
+            Group::World => "world",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKind {
+    Broadcast,
+    Reduce,
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+}
+
+impl CollectiveKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Reduce => "reduce",
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+/// A collective. `root` is the member index within the group (the column index j for a row group, the
+/// row index i for a column group). Broadcast: the root's `send` lands in every member's `recv`.
+/// Reduce: the sum of every member's `send` lands in the root's `recv`. All-reduce: in place on `send`
+/// (`recv == send`). All-gather / reduce-scatter: along the placement `shard` of the gathered tensor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Collective {
+    pub kind: CollectiveKind,
+    pub group: Group,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<ReduceOp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<Placement>,
+    pub send: BufferId,
+    pub recv: BufferId,
+}
+
+/// One instruction of the SPMD program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "instr")]
+pub enum Instr {
+    Kernel { kernel: Kernel, inputs: Vec<BufferId>, output: BufferId, origin: u32 },
+    Collective { collective: Collective, origin: u32 },
+    Free { buffer: BufferId },
+}
+
+/// Where an instruction came from: a model source line and the reason it exists.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct OriginInfo {
+    pub span: Span,
+    pub line: u32,
+    pub col: u32,
+    /// Layer path, e.g. `h.3.attn.c_attn`.
+    pub scope: String,
+    pub reason: String,
+}
+
+/// A trainable parameter and where its block, gradient and optimizer state live.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanParam {
+    pub name: String,
+    pub checkpoint: String,
+    /// The model's shape, before padding.
+    pub shape: Vec<u64>,
+    pub init: Init,
+    pub buffer: BufferId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad: Option<BufferId>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub state: Vec<BufferId>,
+    /// Whether it is a residual projection etc. is already folded into `init`.
+    pub role: crate::ir::ParamRole,
+}
+
+/// A model input and the buffer (one per layout in use) that receives its block.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanInput {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub buffer: BufferId,
+}
+
+/// A model output.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanOutput {
+    pub name: String,
+    pub buffer: BufferId,
+    pub is_loss: bool,
+}
+
+/// A dimension padded so that it divides the shard count.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Padding {
+    pub tensor: String,
+    pub dim: u8,
+    pub logical: u64,
+    pub padded: u64,
+}
+
+/// The compiled program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub format_version: u32,
+    pub model: String,
+    pub source: String,
+    pub mesh: Mesh,
+    pub strategy: Strategy,
+    pub mode: Mode,
+    pub config: Vec<(String, Scalar)>,
+    pub padding: Vec<Padding>,
+    pub params: Vec<PlanParam>,
+    pub inputs: Vec<PlanInput>,
+    pub outputs: Vec<PlanOutput>,
+    pub buffers: Vec<Buffer>,
+    pub program: Vec<Instr>,
+    pub origins: Vec<OriginInfo>,
+    pub memory: memory::MemoryPlan,
+}
+
+impl Plan {
+    pub fn buffer(&self, id: BufferId) -> &Buffer {
+        &self.buffers[id.0 as usize]
+    }
+}

@@ -1,0 +1,183 @@
+//! The plan verifier, run before any plan is written: buffer shapes per kernel and collective, buffer
+//! lifetimes (defined before use, never used after a free), and that the members of every group issue
+//! the same collectives in the same order (a plan that could deadlock never runs).
+
+use super::memory::persistent;
+use super::{BufferId, Collective, CollectiveKind, Group, Instr, Kernel, Plan};
+use std::collections::HashSet;
+
+/// Checks a plan; returns every problem found.
+pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
+    let mut errors = Vec::new();
+    check_lifetimes(plan, &mut errors);
+    for (index, instr) in plan.program.iter().enumerate() {
+        match instr {
+            Instr::Kernel { kernel, inputs, output, .. } => check_kernel(plan, index, kernel, inputs, *output, &mut errors),
+            Instr::Collective { collective, .. } => check_collective(plan, index, collective, &mut errors),
+            Instr::Free { .. } => {}
+        }
+    }
+    check_group_order(plan, &mut errors);
+    if errors.is_empty() { Ok(()) } else { Err(errors) }
+}
+
+fn valid(plan: &Plan, id: BufferId) -> bool {
+    (id.0 as usize) < plan.buffers.len()
+}
+
+fn check_lifetimes(plan: &Plan, errors: &mut Vec<String>) {
+    let mut defined: HashSet<BufferId> = plan.buffers.iter().filter(|b| persistent(b.role)).map(|b| b.id).collect();
+    let mut freed: HashSet<BufferId> = HashSet::new();
+    for (index, instr) in plan.program.iter().enumerate() {
+        let (reads, writes): (Vec<BufferId>, Vec<BufferId>) = match instr {
+            Instr::Kernel { kernel, inputs, output, .. } => {
+                let mut reads = inputs.clone();
+                if matches!(kernel, Kernel::MatMul { accumulate: true, .. }) {
+                    reads.push(*output);
+                }
+                (reads, vec![*output])
+            }
+            Instr::Collective { collective: c, .. } => (vec![c.send], vec![c.recv]),
+            Instr::Free { buffer } => {
+                if !freed.insert(*buffer) {
+                    errors.push(format!("instruction {index}: buffer {} is freed twice", buffer.0));
+                }
+                continue;
+            }
+        };
+        for b in reads.iter().chain(&writes) {
+            if !valid(plan, *b) {
+                errors.push(format!("instruction {index}: buffer {} does not exist", b.0));
+            } else if freed.contains(b) {
+                errors.push(format!("instruction {index}: buffer `{}` is used after it was freed", plan.buffer(*b).name));
+            }
+        }
+        for b in &reads {
+            if valid(plan, *b) && !defined.contains(b) {
+                errors.push(format!("instruction {index}: buffer `{}` is read before it is written", plan.buffer(*b).name));
+            }
+        }
+        defined.extend(writes);
+    }
+}
+
+fn shape(plan: &Plan, id: BufferId) -> Vec<u64> {
+    if valid(plan, id) { plan.buffer(id).shape.clone() } else { Vec::new() }
+}
+
+/// (rows, cols) of a buffer viewed as a matrix: leading dimensions flattened.
+fn matrix(s: &[u64]) -> (u64, u64) {
+    let cols = s.last().copied().unwrap_or(1);
+    let rows = s.iter().rev().skip(1).product();
+    (rows, cols)
+}
+
+fn check_kernel(plan: &Plan, index: usize, kernel: &Kernel, inputs: &[BufferId], output: BufferId, errors: &mut Vec<String>) {
+    let out = shape(plan, output);
+    let ins: Vec<Vec<u64>> = inputs.iter().map(|&b| shape(plan, b)).collect();
+    let mut fail = |what: String| errors.push(format!("instruction {index} ({kernel:?}): {what}"));
+    match kernel {
+        Kernel::MatMul { transpose_a, transpose_b, .. } => {
+            let (Some(a), Some(b)) = (ins.first(), ins.get(1)) else { return fail("needs two inputs".into()) };
+            let (ar, ac) = matrix(a);
+            let (br, bc) = matrix(b);
+            let (m, k) = if *transpose_a { (ac, ar) } else { (ar, ac) };
+            let (k2, n) = if *transpose_b { (bc, br) } else { (br, bc) };
+            let (or, oc) = matrix(&out);
+            if k != k2 || or * oc != m * n || oc != n {
+                fail(format!("[{m}x{k}] x [{k2}x{n}] does not give {out:?}"));
+            }
+        }
+        Kernel::Add
+        | Kernel::Scale { .. }
+        | Kernel::Gelu { .. }
+        | Kernel::GeluGrad { .. }
+        | Kernel::Softmax
+        | Kernel::SoftmaxGrad
+        | Kernel::CausalMask
+        | Kernel::CausalMaskGrad
+        | Kernel::Dropout { .. }
+        | Kernel::DropoutGrad { .. } => {
+            if ins.iter().any(|s| *s != out) {
+                fail(format!("operands {ins:?} do not all match the output {out:?}"));
+            }
+        }
+        Kernel::BiasAdd => {
+            if ins.first() != Some(&out) || ins.get(1).map(Vec::as_slice) != out.last().map(std::slice::from_ref) {
+                fail(format!("bias add of {ins:?} into {out:?}"));
+            }
+        }
+        Kernel::Reshape => {
+            let elements: u64 = ins.first().map_or(0, |s| s.iter().product());
+            if elements != out.iter().product::<u64>() {
+                fail(format!("reshape of {ins:?} into {out:?} changes the element count"));
+            }
+        }
+        Kernel::OptimizerStep => {
+            if ins.iter().any(|s| *s != out) || inputs.first() != Some(&output) {
+                fail("the optimizer updates a parameter in place with same-shaped gradient and state".into());
+            }
+        }
+        _ => {}
+    }
+}
+
+fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<String>) {
+    let size = plan.mesh.group_size(c.group);
+    let (send, recv) = (shape(plan, c.send), shape(plan, c.recv));
+    let mut fail = |what: String| errors.push(format!("instruction {index} ({} over the {}): {what}", c.kind.name(), c.group.name()));
+    if size < 2 {
+        fail(format!("a group of {size} device needs no collective"));
+    }
+    if let Some(root) = c.root {
+        if root >= size {
+            fail(format!("root {root} is outside a group of {size}"));
+        }
+    }
+    match c.kind {
+        CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce => {
+            if send != recv {
+                fail(format!("send {send:?} and receive {recv:?} differ"));
+            }
+        }
+        CollectiveKind::AllGather | CollectiveKind::ReduceScatter => {
+            let Some(dim) = c.shard.and_then(|p| p.dim()) else { return fail("needs the gathered dimension".into()) };
+            let (small, large) = if c.kind == CollectiveKind::AllGather { (&send, &recv) } else { (&recv, &send) };
+            let mut expected = small.clone();
+            if let Some(d) = expected.get_mut(dim) {
+                *d *= size;
+            }
+            if &expected != large {
+                fail(format!("{small:?} over {size} devices does not give {large:?}"));
+            }
+        }
+    }
+}
+
+/// The sequence of collectives that device (i, j) issues in one group instance.
+fn sequence(plan: &Plan, group: Group) -> Vec<(CollectiveKind, Option<u64>, u64)> {
+    plan.program
+        .iter()
+        .filter_map(|instr| match instr {
+            Instr::Collective { collective: c, .. } if c.group == group => {
+                Some((c.kind, c.root, plan.buffer(c.send).bytes()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every member of every row, column and world group must issue the same collectives in the same order.
+/// The program is SPMD with no per-device branches, so each device's sequence is the program's; the
+/// check compares them member by member so that any future per-device instruction is held to it.
+fn check_group_order(plan: &Plan, errors: &mut Vec<String>) {
+    for group in [Group::Row, Group::Column, Group::World] {
+        let reference = sequence(plan, group);
+        let members = plan.mesh.group_size(group);
+        for member in 1..members {
+            if sequence(plan, group) != reference {
+                errors.push(format!("member {member} of a {} group issues different collectives", group.name()));
+            }
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! Layouts as data: one placement per mesh axis (`Shard`, `Replicate`, `Partial`), and the local block
+//! shape and offsets they imply. The vocabulary of PyTorch DTensor and JAX PartitionSpecs.
+
+use serde::{Deserialize, Serialize};
+
+/// How a tensor is placed along one mesh axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Placement {
+    /// Every member of the axis holds the whole extent.
+    Replicate,
+    /// Dimension `dim` is split into equal chunks over the axis. The dimension is viewed as
+    /// `[outer, mid, inner]` (row-major) and `mid` is what is split: `outer = inner = 1` is an ordinary
+    /// contiguous split; `outer = 3, inner = head` splits the heads of a fused (q|k|v, heads, head) axis.
+    Shard { dim: u8, outer: u64, inner: u64 },
+    /// Each member holds a term of a pending sum.
+    Partial,
+}
+
+impl Placement {
+    /// A contiguous split of `dim`.
+    pub fn shard(dim: usize) -> Placement {
+        Placement::Shard { dim: u8::try_from(dim).unwrap_or(u8::MAX), outer: 1, inner: 1 }
+    }
+
+    /// A split of the middle factor of `dim` viewed as `[outer, mid, inner]`; contiguous when `outer == 1`.
+    pub fn shard_factor(dim: usize, outer: u64, inner: u64) -> Placement {
+        if outer == 1 { Placement::shard(dim) } else { Placement::Shard { dim: u8::try_from(dim).unwrap_or(u8::MAX), outer, inner } }
+    }
+
+    pub fn dim(self) -> Option<usize> {
+        match self {
+            Placement::Shard { dim, .. } => Some(dim as usize),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Placement::Replicate => write!(f, "R"),
+            Placement::Partial => write!(f, "P"),
+            Placement::Shard { dim, outer: 1, .. } => write!(f, "S({dim})"),
+            Placement::Shard { dim, outer, inner } => write!(f, "S({dim}:{outer}x_x{inner})"),
+        }
+    }
+}
+
+/// Placements along mesh axis 0 (the row index i) and axis 1 (the column index j).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Layout(pub [Placement; 2]);
+
+impl Layout {
+    pub const REPLICATED: Layout = Layout([Placement::Replicate, Placement::Replicate]);
+
+    pub fn new(axis0: Placement, axis1: Placement) -> Layout {
+        Layout([axis0, axis1])
+    }
+
+    /// The local block shape on any device of a mesh with the given axis sizes.
+    pub fn local_shape(&self, logical: &[u64], mesh: [u64; 2]) -> Vec<u64> {
+        let mut shape = logical.to_vec();
+        for (axis, p) in self.0.iter().enumerate() {
+            if let Placement::Shard { dim, .. } = p {
+                if let Some(d) = shape.get_mut(*dim as usize) {
+                    *d /= mesh[axis].max(1);
+                }
+            }
+        }
+        shape
+    }
+
+    /// Whether any axis holds a pending sum.
+    pub fn has_partial(&self) -> bool {
+        self.0.contains(&Placement::Partial)
+    }
+
+    /// The mesh axis that splits `dim`, if any.
+    pub fn axis_of(&self, dim: usize) -> Option<usize> {
+        self.0.iter().position(|p| p.dim() == Some(dim))
+    }
+
+    /// This layout with `axis` set to `p`.
+    pub fn with(mut self, axis: usize, p: Placement) -> Layout {
+        self.0[axis] = p;
+        self
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "({}, {})", self.0[0], self.0[1])
+    }
+}

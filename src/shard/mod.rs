@@ -1,0 +1,537 @@
+//! Sharding and lowering: turns the logical graph (forward, plus backward in train mode) into a
+//! per-device Plan for a strategy and mesh. Values carry layouts; each operator's rule asks for its
+//! operands in the layouts it needs, and the engine inserts the collectives that get them there.
+
+pub mod layout;
+mod rules;
+mod shapes;
+
+use crate::autodiff::differentiate;
+use crate::diag::Diagnostic;
+use crate::ir::{DType, Model, Node, Op, ParamId};
+use crate::plan::memory::{insert_frees, plan_memory};
+use crate::plan::{
+    Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, Mesh, Mode, OriginInfo,
+    Plan, PlanInput, PlanOutput, PlanParam, ReduceOp, Role, Strategy,
+};
+use crate::span::{Span, line_col};
+use layout::{Layout, Placement};
+use petgraph::graph::{DiGraph, NodeIndex};
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+/// What to compile for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub mesh: Mesh,
+    pub strategy: Strategy,
+    pub mode: Mode,
+}
+
+/// Compiles a checked model into a verified plan, or explains why it cannot be sharded so.
+pub fn compile(model: &Model, source_name: &str, source: &str, target: Target) -> Result<Plan, Vec<Diagnostic>> {
+    check_mesh(target)?;
+    let (graph, forward_len, like, grads) = match target.mode {
+        Mode::Train => {
+            let d = differentiate(model).map_err(|e| vec![e])?;
+            (d.graph, d.forward_len, d.like, d.param_grads)
+        }
+        Mode::Infer => {
+            let n = model.graph.node_count();
+            (model.graph.clone(), n, (0..n).map(|i| Some(NodeIndex::new(i))).collect(), Vec::new())
+        }
+    };
+    let shapes = shapes::padded_shapes(model, &graph, &like, target);
+    let mut lower = Lowerer::new(model, &graph, like, source, target, shapes);
+    lower.run(forward_len, &grads);
+    lower.finish(source_name)
+}
+
+/// Rejects meshes the strategy cannot use.
+fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
+    let Mesh { rows, cols } = target.mesh;
+    let problem = match target.strategy {
+        _ if rows == 0 || cols == 0 => Some("a mesh needs at least one row and one column".to_string()),
+        Strategy::Optimus if rows != cols => Some(format!("the optimus strategy needs a square q x q mesh, not {rows}x{cols}")),
+        Strategy::Megatron if rows != 1 => Some(format!("the megatron strategy takes a 1 x p mesh, not {rows}x{cols}")),
+        Strategy::None if rows * cols != 1 => Some(format!("the none strategy runs on one device (1x1), not {rows}x{cols}")),
+        _ => None,
+    };
+    match problem {
+        Some(p) => Err(vec![Diagnostic::error("E0601", p).help(match target.strategy {
+            Strategy::Optimus => "use --mesh QxQ, e.g. --mesh 4x4",
+            Strategy::Megatron => "use --mesh 1xP, e.g. --mesh 1x8",
+            Strategy::None => "use --mesh 1x1, or another strategy",
+        })]),
+        None => Ok(()),
+    }
+}
+
+/// A sharded version of a logical value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Version {
+    pub layout: Layout,
+    pub buffer: BufferId,
+}
+
+/// The lowering state.
+pub(crate) struct Lowerer<'a> {
+    pub model: &'a Model,
+    pub graph: &'a DiGraph<Node, u8>,
+    /// For each backward node, the forward node whose shape (and, for parameters, identity) it has.
+    pub like: Vec<Option<NodeIndex>>,
+    pub source: &'a str,
+    pub target: Target,
+    /// Padded logical shape of every node.
+    pub shapes: Vec<Vec<u64>>,
+    pub buffers: Vec<Buffer>,
+    pub program: Vec<Instr>,
+    pub origins: Vec<OriginInfo>,
+    origin_ids: HashMap<OriginInfo, u32>,
+    /// Every sharded version made of each node, in the order they were made.
+    pub versions: HashMap<NodeIndex, Vec<Version>>,
+    pub param_buffers: HashMap<ParamId, Version>,
+    /// Statistics saved by a forward operator for its backward, keyed by the forward operand.
+    pub layernorm_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
+    pub cross_entropy_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
+    /// The node being lowered, for origins.
+    pub current: NodeIndex,
+    pub forward_end: Option<usize>,
+    pub diagnostics: Vec<Diagnostic>,
+    reported_dims: HashSet<String>,
+    /// (size, label) of every dimension split across a mesh axis, for suggesting meshes that work.
+    pub split_dims: BTreeSet<(u64, Option<String>)>,
+    pub inputs: Vec<PlanInput>,
+    pub plan_params: Vec<PlanParam>,
+    pub outputs: Vec<PlanOutput>,
+}
+
+impl<'a> Lowerer<'a> {
+    fn new(
+        model: &'a Model,
+        graph: &'a DiGraph<Node, u8>,
+        like: Vec<Option<NodeIndex>>,
+        source: &'a str,
+        target: Target,
+        shapes: Vec<Vec<u64>>,
+    ) -> Self {
+        Lowerer {
+            model,
+            graph,
+            like,
+            source,
+            target,
+            shapes,
+            buffers: Vec::new(),
+            program: Vec::new(),
+            origins: Vec::new(),
+            origin_ids: HashMap::new(),
+            versions: HashMap::new(),
+            param_buffers: HashMap::new(),
+            layernorm_stats: HashMap::new(),
+            cross_entropy_stats: HashMap::new(),
+            current: NodeIndex::new(0),
+            forward_end: None,
+            diagnostics: Vec::new(),
+            reported_dims: HashSet::new(),
+            split_dims: BTreeSet::new(),
+            inputs: Vec::new(),
+            plan_params: Vec::new(),
+            outputs: Vec::new(),
+        }
+    }
+
+    pub fn axes(&self) -> [u64; 2] {
+        self.target.mesh.axes()
+    }
+
+    /// Canonicalises a layout for this mesh: on an axis of size 1 everything is replicated.
+    pub fn norm(&self, layout: Layout) -> Layout {
+        let axes = self.axes();
+        let mut l = layout;
+        for a in 0..2 {
+            if axes[a] == 1 {
+                l.0[a] = Placement::Replicate;
+            }
+        }
+        l
+    }
+
+    fn run(&mut self, forward_len: usize, grads: &[Option<NodeIndex>]) {
+        for index in 0..self.graph.node_count() {
+            let n = NodeIndex::new(index);
+            if index == forward_len && self.forward_end.is_none() {
+                self.forward_end = Some(self.program.len());
+            }
+            self.current = n;
+            if !self.diagnostics.is_empty() {
+                return;
+            }
+            self.lower_node(n);
+        }
+        if self.target.mode == Mode::Train {
+            self.forward_end.get_or_insert(self.program.len());
+            self.optimizer(grads);
+        }
+        self.collect_outputs();
+    }
+
+    /// Records the model outputs, replicated where they were still pending sums.
+    fn collect_outputs(&mut self) {
+        for output in &self.model.outputs {
+            let Some(first) = self.versions.get(&output.node).and_then(|v| v.first()).copied() else { continue };
+            let mut wanted = first.layout;
+            for p in &mut wanted.0 {
+                if *p == Placement::Partial {
+                    *p = Placement::Replicate;
+                }
+            }
+            self.current = output.node;
+            let buffer = self.value(output.node, wanted);
+            self.outputs.push(PlanOutput {
+                name: output.name.clone(),
+                buffer,
+                is_loss: self.model.loss == Some(output.node),
+            });
+        }
+    }
+
+    /// Gradients in the parameters' layouts (summed over the devices that share them), then one
+    /// optimizer step per parameter.
+    fn optimizer(&mut self, grads: &[Option<NodeIndex>]) {
+        for (index, grad) in grads.iter().enumerate() {
+            let id = ParamId(u32::try_from(index).unwrap_or(u32::MAX));
+            let (Some(grad), Some(param)) = (grad, self.param_buffers.get(&id).copied()) else { continue };
+            self.current = *grad;
+            let g = self.value(*grad, param.layout);
+            self.buffers[g.0 as usize].role = Role::Gradient;
+            self.buffers[g.0 as usize].name = format!("{}.grad", self.model.params[index].name);
+            let m = self.state_buffer(param.buffer, "exp_avg");
+            let v = self.state_buffer(param.buffer, "exp_avg_sq");
+            self.kernel(Kernel::OptimizerStep, &[param.buffer, g, m, v], param.buffer, "optimizer step on this device's shard");
+            if let Some(p) = self.plan_params.iter_mut().find(|p| p.buffer == param.buffer) {
+                p.grad = Some(g);
+                p.state = vec![m, v];
+            }
+        }
+    }
+
+    fn state_buffer(&mut self, like: BufferId, what: &str) -> BufferId {
+        let b = self.buffers[like.0 as usize].clone();
+        let name = format!("{}.{what}", b.name);
+        self.new_buffer(name, b.dtype, b.logical_shape, b.layout, Role::OptimizerState)
+    }
+
+    fn finish(mut self, source_name: &str) -> Result<Plan, Vec<Diagnostic>> {
+        if !self.diagnostics.is_empty() {
+            self.add_mesh_suggestions();
+            return Err(self.diagnostics);
+        }
+        let forward_end = self.forward_end.unwrap_or(self.program.len());
+        let keep: HashSet<BufferId> = self
+            .outputs
+            .iter()
+            .map(|o| o.buffer)
+            .chain(self.plan_params.iter().filter_map(|p| p.grad))
+            .collect();
+        let program = std::mem::take(&mut self.program);
+        let (program, forward_end) = insert_frees(program, &self.buffers, &keep, forward_end);
+        let memory = plan_memory(&program, &self.buffers, forward_end);
+        let plan = Plan {
+            format_version: FORMAT_VERSION,
+            model: self.model.name.clone(),
+            source: source_name.to_string(),
+            mesh: self.target.mesh,
+            strategy: self.target.strategy,
+            mode: self.target.mode,
+            config: self.model.config.iter().map(|c| (c.name.clone(), c.value.clone())).collect(),
+            padding: shapes::paddings(self.model, &self.shapes, self.graph),
+            params: self.plan_params,
+            inputs: self.inputs,
+            outputs: self.outputs,
+            buffers: self.buffers,
+            program,
+            origins: self.origins,
+            memory,
+        };
+        crate::plan::verify::verify(&plan).map_err(|errors| {
+            errors
+                .into_iter()
+                .map(|e| Diagnostic::error("E0699", format!("internal error: the plan failed verification: {e}")))
+                .collect::<Vec<_>>()
+        })?;
+        Ok(plan)
+    }
+
+    // ---- buffers, instructions and origins --------------------------------------------------
+
+    pub fn new_buffer(&mut self, name: String, dtype: DType, logical: Vec<u64>, layout: Layout, role: Role) -> BufferId {
+        let layout = self.norm(layout);
+        let shape = layout.local_shape(&logical, self.axes());
+        let id = BufferId(u32::try_from(self.buffers.len()).unwrap_or(u32::MAX));
+        self.buffers.push(Buffer { id, name, dtype, logical_shape: logical, layout, shape, role });
+        id
+    }
+
+    /// A buffer for node `n` (or a statistic of it) in `layout`; checks that every split dimension divides.
+    pub fn node_buffer(&mut self, n: NodeIndex, layout: Layout, role: Role) -> BufferId {
+        let layout = self.norm(layout);
+        self.check_divisible(n, layout);
+        let node = &self.graph[n];
+        let name = describe_node(self.model, node, n);
+        let dtype = node.ty.dtype;
+        let role = if role == Role::Workspace && self.forward_end.is_none() { Role::Activation } else { role };
+        self.new_buffer(name, dtype, self.shapes[n.index()].clone(), layout, role)
+    }
+
+    /// Reports a split dimension that does not divide its mesh axis, at the config line that sized it.
+    fn check_divisible(&mut self, n: NodeIndex, layout: Layout) {
+        let axes = self.axes();
+        for (axis, p) in layout.0.iter().enumerate() {
+            let Placement::Shard { dim, outer, inner } = *p else { continue };
+            let dim = dim as usize;
+            let Some(&size) = self.shapes[n.index()].get(dim) else { continue };
+            let logical_dim = self.graph[n].ty.shape.get(dim);
+            let (split_size, label) = split_factor(logical_dim, size, outer, inner);
+            self.split_dims.insert((split_size, label.clone()));
+            if split_size % axes[axis] == 0 {
+                continue;
+            }
+            let key = format!("{label:?}/{split_size}/{}", axes[axis]);
+            if self.reported_dims.insert(key) {
+                let d = self.divisibility_error(n, split_size, label, axes[axis]);
+                self.diagnostics.push(d);
+            }
+        }
+    }
+
+    fn divisibility_error(&self, n: NodeIndex, size: u64, label: Option<String>, parts: u64) -> Diagnostic {
+        let what = label.clone().map_or_else(|| format!("a dimension of size {size}"), |l| format!("`{l}` ({size})"));
+        let mesh = self.target.mesh;
+        let mut d = Diagnostic::error(
+            "E0602",
+            format!("{what} cannot be split {parts} ways on a {mesh} mesh with the {} strategy", self.target.strategy.name()),
+        );
+        let config = label.as_ref().and_then(|l| self.model.config.iter().find(|c| &c.name == l));
+        match config {
+            Some(c) => {
+                d = d.primary(c.span, format!("{size} is not a multiple of {parts}"));
+                d = d.secondary(self.graph[n].origin.span, "split here");
+            }
+            None => d = d.primary(self.graph[n].origin.span, format!("{size} is not a multiple of {parts}")),
+        }
+        d
+    }
+
+    /// Adds the meshes on which every split dimension divides to each divisibility error.
+    fn add_mesh_suggestions(&mut self) {
+        let sizes: Vec<u64> = self.split_dims.iter().map(|(s, _)| *s).collect();
+        let works = |k: u64| sizes.iter().all(|s| s % k == 0);
+        let candidates: Vec<String> = match self.target.strategy {
+            Strategy::Optimus => (1..=32).filter(|&q| works(q)).map(|q| format!("{q}x{q}")).collect(),
+            Strategy::Megatron => (1..=256).filter(|&p| works(p)).map(|p| format!("1x{p}")).collect(),
+            Strategy::None => vec!["1x1".to_string()],
+        };
+        for d in &mut self.diagnostics {
+            if d.code == "E0602" {
+                d.help = Some(format!("meshes that divide every split dimension: {}", candidates.join(", ")));
+            }
+        }
+    }
+
+    fn origin(&mut self, reason: &str) -> u32 {
+        let node = &self.graph[self.current];
+        let span: Span = node.origin.span;
+        let (line, col) = line_col(self.source, span.start as usize);
+        let info = OriginInfo {
+            span,
+            line: u32::try_from(line).unwrap_or(u32::MAX),
+            col: u32::try_from(col).unwrap_or(u32::MAX),
+            scope: node.origin.scope.clone(),
+            reason: reason.to_string(),
+        };
+        if let Some(&id) = self.origin_ids.get(&info) {
+            return id;
+        }
+        let id = u32::try_from(self.origins.len()).unwrap_or(u32::MAX);
+        self.origins.push(info.clone());
+        self.origin_ids.insert(info, id);
+        id
+    }
+
+    pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: &str) {
+        let origin = self.origin(reason);
+        self.program.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), output, origin });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        root: Option<u64>,
+        op: Option<ReduceOp>,
+        shard: Option<Placement>,
+        send: BufferId,
+        recv: BufferId,
+        reason: &str,
+    ) {
+        let origin = self.origin(reason);
+        let collective = Collective { kind, group, root, op, shard, send, recv };
+        self.program.push(Instr::Collective { collective, origin });
+    }
+
+    // ---- values and redistribution ----------------------------------------------------------
+
+    /// Records that node `n` is available in `layout` in `buffer`.
+    pub fn define(&mut self, n: NodeIndex, layout: Layout, buffer: BufferId) {
+        let layout = self.norm(layout);
+        self.versions.entry(n).or_default().push(Version { layout, buffer });
+    }
+
+    /// The layout node `n` was first produced in (its natural layout).
+    pub fn natural(&mut self, n: NodeIndex) -> Layout {
+        if let Some(v) = self.versions.get(&n).and_then(|v| v.first()) {
+            return v.layout;
+        }
+        Layout::REPLICATED
+    }
+
+    /// Node `n` in `layout`, redistributing (and caching) if it is not there yet.
+    pub fn value(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
+        let layout = self.norm(layout);
+        if let Some(v) = self.versions.get(&n).and_then(|vs| vs.iter().find(|v| v.layout == layout)) {
+            return v.buffer;
+        }
+        let source = self.versions.get(&n).and_then(|vs| vs.first()).copied();
+        let Some(source) = source else {
+            return self.materialise_leaf(n, layout);
+        };
+        let buffer = self.redistribute(n, source, layout);
+        self.define(n, layout, buffer);
+        buffer
+    }
+
+    /// Creates the buffer of a parameter or input the first time it is asked for.
+    fn materialise_leaf(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
+        match self.graph[n].op.clone() {
+            Op::Param { id } => {
+                let buffer = self.node_buffer(n, layout, Role::Parameter);
+                let p = &self.model.params[id.0 as usize];
+                self.buffers[buffer.0 as usize].name = p.name.clone();
+                self.param_buffers.insert(id, Version { layout: self.norm(layout), buffer });
+                self.plan_params.push(PlanParam {
+                    name: p.name.clone(),
+                    checkpoint: p.checkpoint.clone(),
+                    shape: p.ty.sizes(),
+                    init: p.init,
+                    buffer,
+                    grad: None,
+                    state: Vec::new(),
+                    role: p.role,
+                });
+                self.define(n, layout, buffer);
+                buffer
+            }
+            Op::Input { name } => {
+                let buffer = self.node_buffer(n, layout, Role::Input);
+                self.buffers[buffer.0 as usize].name = name.clone();
+                self.inputs.push(PlanInput { name, shape: self.graph[n].ty.sizes(), buffer });
+                self.define(n, layout, buffer);
+                buffer
+            }
+            _ => {
+                // Every other node defines itself when lowered; reaching here is a compiler bug.
+                self.diagnostics.push(Diagnostic::error(
+                    "E0699",
+                    format!("internal error: node %{} was used before it was lowered", n.index()),
+                ));
+                self.node_buffer(n, layout, Role::Workspace)
+            }
+        }
+    }
+
+    /// Moves a value between layouts one mesh axis at a time.
+    fn redistribute(&mut self, n: NodeIndex, from: Version, to: Layout) -> BufferId {
+        let mut current = from;
+        for axis in 0..2 {
+            let (f, t) = (current.layout.0[axis], to.0[axis]);
+            if f == t {
+                continue;
+            }
+            let group = Group::along(axis);
+            let next = current.layout.with(axis, t);
+            let what = describe_node(self.model, &self.graph[n], n);
+            current = match (f, t) {
+                (Placement::Partial, Placement::Replicate) => {
+                    let recv = self.node_buffer(n, next, Role::Workspace);
+                    let reason = format!("sum the partial {what} over the {}", group.name());
+                    self.collective(CollectiveKind::AllReduce, group, None, Some(ReduceOp::Sum), None, current.buffer, recv, &reason);
+                    Version { layout: next, buffer: recv }
+                }
+                (Placement::Partial, Placement::Shard { .. }) => {
+                    let recv = self.node_buffer(n, next, Role::Workspace);
+                    let reason = format!("sum the partial {what} and scatter its blocks over the {}", group.name());
+                    self.collective(CollectiveKind::ReduceScatter, group, None, Some(ReduceOp::Sum), Some(t), current.buffer, recv, &reason);
+                    Version { layout: next, buffer: recv }
+                }
+                (Placement::Shard { .. }, _) => {
+                    let gathered = current.layout.with(axis, Placement::Replicate);
+                    let recv = self.node_buffer(n, gathered, Role::Workspace);
+                    let reason = format!("gather {what} over the {}", group.name());
+                    self.collective(CollectiveKind::AllGather, group, None, None, Some(f), current.buffer, recv, &reason);
+                    let v = Version { layout: gathered, buffer: recv };
+                    if t == Placement::Replicate { v } else { self.slice(n, v, axis, t) }
+                }
+                (Placement::Replicate, Placement::Shard { .. }) => self.slice(n, current, axis, t),
+                (_, Placement::Partial) | (Placement::Replicate, Placement::Replicate) => {
+                    self.diagnostics.push(Diagnostic::error(
+                        "E0699",
+                        format!("internal error: cannot make {what} a partial sum from {}", current.layout),
+                    ));
+                    current
+                }
+            };
+        }
+        current.buffer
+    }
+
+    fn slice(&mut self, n: NodeIndex, from: Version, axis: usize, placement: Placement) -> Version {
+        let layout = from.layout.with(axis, placement);
+        let out = self.node_buffer(n, layout, Role::Workspace);
+        let axis_u8 = u8::try_from(axis).unwrap_or(0);
+        self.kernel(Kernel::SliceShard { axis: axis_u8, placement }, &[from.buffer], out, "take this device's block");
+        Version { layout, buffer: out }
+    }
+
+    /// The operands of node `n`, in order.
+    pub fn operands(&self, n: NodeIndex) -> Vec<NodeIndex> {
+        use petgraph::visit::EdgeRef;
+        let mut edges: Vec<(u8, NodeIndex)> =
+            self.graph.edges_directed(n, petgraph::Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
+        edges.sort_unstable();
+        edges.into_iter().map(|(_, s)| s).collect()
+    }
+}
+
+/// The split factor of a dimension and its name: the whole dimension, or its middle factor.
+fn split_factor(dim: Option<&crate::ir::Dim>, size: u64, outer: u64, inner: u64) -> (u64, Option<String>) {
+    let whole = size / outer.max(1) / inner.max(1);
+    let label = dim.and_then(|d| {
+        if outer > 1 || inner > 1 {
+            d.factors.iter().find(|f| f.size == whole).and_then(|f| f.label.clone())
+        } else {
+            d.label.clone()
+        }
+    });
+    (whole, label)
+}
+
+/// A readable buffer name: the layer path and operator, e.g. `h.0.attn.c_attn/linear`.
+fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String {
+    match &node.op {
+        Op::Param { id } => model.params[id.0 as usize].name.clone(),
+        Op::Input { name } => name.clone(),
+        op if node.origin.scope.is_empty() => format!("{}%{}", op.name(), n.index()),
+        op => format!("{}/{}%{}", node.origin.scope, op.name(), n.index()),
+    }
+}

@@ -1,0 +1,841 @@
+//! Per-operator sharding rules for the optimus (2D, SUMMA) and megatron (1D) strategies.
+//! Each rule asks for its operands in the layouts it needs and defines its result's layout.
+
+use super::layout::{Layout, Placement};
+use super::{Lowerer, shapes};
+use crate::diag::Diagnostic;
+use crate::ir::{Op, ParamId};
+use crate::plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
+use petgraph::graph::NodeIndex;
+
+const R: Placement = Placement::Replicate;
+
+fn s(dim: usize) -> Placement {
+    Placement::shard(dim)
+}
+
+/// Moves a shard of one dimension to another dimension index, keeping its factor view.
+fn on_dim(p: Placement, dim: usize) -> Placement {
+    match p {
+        Placement::Shard { outer, inner, .. } => Placement::shard_factor(dim, outer, inner),
+        other => other,
+    }
+}
+
+impl Lowerer<'_> {
+    fn optimus(&self) -> bool {
+        self.target.strategy != Strategy::Megatron
+    }
+
+    fn q(&self) -> u64 {
+        self.target.mesh.rows
+    }
+
+    fn rank(&self, n: NodeIndex) -> usize {
+        self.shapes[n.index()].len()
+    }
+
+    /// Activations with the last dimension split: (S(batch), S(last)) in 2D, (R, S(last)) in 1D.
+    fn split_act(&self, rank: usize) -> Layout {
+        let last = rank.saturating_sub(1);
+        if self.optimus() { Layout::new(s(0), s(last)) } else { Layout::new(R, s(last)) }
+    }
+
+    /// Activations whose last dimension is whole on every device: (S(batch), S(last)) in 2D, (R, R) in 1D.
+    fn norm_act(&self, rank: usize) -> Layout {
+        if self.optimus() { self.split_act(rank) } else { Layout::REPLICATED }
+    }
+
+    /// Where the linear weight's output dimension is split: the heads factor of (3, heads, head).
+    fn out_split(&self, w: NodeIndex, dim: usize) -> Placement {
+        let ty = &self.graph[w].ty;
+        let out = if dim == 0 { ty.shape.first() } else { ty.shape.last() };
+        match out {
+            Some(d) if d.factors.len() == 3 => Placement::shard_factor(dim, d.factors[0].size, d.factors[2].size),
+            _ => s(dim),
+        }
+    }
+
+    fn param_layout(&mut self, w: NodeIndex) -> Option<Layout> {
+        match self.graph[w].op {
+            Op::Param { id } => self.param_buffers.get(&id).map(|v| v.layout),
+            _ => None,
+        }
+    }
+
+    fn workspace_like(&mut self, like: BufferId, what: &str) -> BufferId {
+        let b = self.buffers[like.0 as usize].clone();
+        self.new_buffer(format!("{}.{what}", b.name), b.dtype, b.logical_shape, b.layout, Role::Workspace)
+    }
+
+    /// A statistics buffer ([rows.., k]) for node `n`, kept for backward when made in the forward pass.
+    fn stat_buffer(&mut self, n: NodeIndex, rows_of: NodeIndex, k: u64, layout: Layout, what: &str) -> BufferId {
+        let mut shape = self.shapes[rows_of.index()].clone();
+        if let Some(last) = shape.last_mut() {
+            *last = k;
+        }
+        let role = if self.forward_end.is_none() { Role::Activation } else { Role::Workspace };
+        let name = format!("{}.{what}", self.buffers_name(n));
+        self.new_buffer(name, crate::ir::DType::F32, shape, layout, role)
+    }
+
+    fn buffers_name(&self, n: NodeIndex) -> String {
+        let node = &self.graph[n];
+        if node.origin.scope.is_empty() {
+            format!("{}%{}", node.op.name(), n.index())
+        } else {
+            format!("{}/{}%{}", node.origin.scope, node.op.name(), n.index())
+        }
+    }
+
+    /// Sums a buffer over the mesh axes where `layout` is partial; returns the summed buffer.
+    fn all_reduce_partials(&mut self, mut buffer: BufferId, layout: Layout, op: ReduceOp, reason: &str) -> (BufferId, Layout) {
+        let mut layout = self.norm(layout);
+        for axis in 0..2 {
+            if layout.0[axis] != Placement::Partial {
+                continue;
+            }
+            layout = layout.with(axis, R);
+            let b = self.buffers[buffer.0 as usize].clone();
+            let recv = self.new_buffer(format!("{}.reduced", b.name), b.dtype, b.logical_shape, layout, b.role);
+            let group = Group::along(axis);
+            self.collective(CollectiveKind::AllReduce, group, None, Some(op), None, buffer, recv, reason);
+            buffer = recv;
+        }
+        (buffer, layout)
+    }
+
+    /// `layout` with the shards of the last dimension turned into pending sums (a row statistic).
+    fn rows_partial(&self, layout: Layout, rank: usize) -> Layout {
+        let mut l = layout;
+        for p in &mut l.0 {
+            if p.dim() == Some(rank - 1) {
+                *p = Placement::Partial;
+            }
+        }
+        self.norm(l)
+    }
+
+    pub(super) fn lower_node(&mut self, n: NodeIndex) {
+        let ops = self.operands(n);
+        match self.graph[n].op.clone() {
+            Op::Input { .. } | Op::Param { .. } => {}
+            Op::Embedding => self.embedding(n, ops[0], ops[1]),
+            Op::PositionEmbedding => self.position_embedding(n, ops[1]),
+            Op::Linear { bias, transpose_weight } => self.linear(n, &ops, bias, transpose_weight),
+            Op::LayerNorm { eps } => self.layernorm(n, &ops, eps),
+            Op::Gelu { approximate } => self.elementwise(n, &ops, Kernel::Gelu { approximate }, 0, false),
+            Op::Softmax => self.elementwise(n, &ops, Kernel::Softmax, 1, false),
+            Op::CausalMask => self.elementwise(n, &ops, Kernel::CausalMask, 2, false),
+            Op::Dropout { p } => {
+                let key = u32::try_from(n.index()).unwrap_or(u32::MAX);
+                self.elementwise(n, &ops, Kernel::Dropout { p, key }, 0, false);
+            }
+            Op::Scale { factor } => self.elementwise(n, &ops, Kernel::Scale { factor }, 0, true),
+            Op::Add => self.add(n, ops[0], ops[1]),
+            Op::Attention { heads, causal, fused } => self.attention(n, &ops, heads, causal, fused),
+            Op::CrossEntropy => self.cross_entropy(n, ops[0], ops[1]),
+            Op::MatMul => self.batched_matmul(n, ops[0], ops[1]),
+            Op::Reshape => self.reshape(n, ops[0]),
+            Op::Transpose { dim0, dim1 } => self.transpose(n, ops[0], dim0, dim1),
+            Op::Select { dim, index } => self.select(n, ops[0], dim, index),
+            Op::SelectGrad { dim, index } => self.select_grad(n, ops[0], dim, index),
+            Op::Fill { value } => {
+                let out = self.node_buffer(n, Layout::REPLICATED, Role::Workspace);
+                self.kernel(Kernel::Fill { value }, &[], out, "seed gradient of the loss");
+                self.define(n, Layout::REPLICATED, out);
+            }
+            Op::LinearGradInput { transpose_weight } => self.linear_grad_input(n, ops[0], ops[1], transpose_weight),
+            Op::LinearGradWeight { transpose_weight } => self.linear_grad_weight(n, ops[0], ops[1], transpose_weight),
+            Op::SumToLast => self.sum_to_last(n, ops[0]),
+            Op::LayerNormGradInput { eps } => self.layernorm_grad_input(n, &ops, eps),
+            Op::LayerNormGradWeight { eps } => self.layernorm_grad_weight(n, &ops, eps),
+            Op::GeluGrad { approximate } => self.elementwise_grad(n, &ops, Kernel::GeluGrad { approximate }, 0),
+            Op::SoftmaxGrad => self.elementwise_grad(n, &ops, Kernel::SoftmaxGrad, 1),
+            Op::DropoutGrad { p, forward } => self.elementwise(n, &ops, Kernel::DropoutGrad { p, key: forward }, 0, true),
+            Op::CausalMaskGrad => self.elementwise(n, &ops, Kernel::CausalMaskGrad, 2, true),
+            Op::AttentionGrad { heads, causal, fused, wrt } => self.attention_grad(n, &ops, heads, causal, fused, wrt),
+            Op::EmbeddingGrad => self.embedding_grad(n, ops[0], ops[1]),
+            Op::PositionEmbeddingGrad => self.position_embedding_grad(n, ops[0]),
+            Op::CrossEntropyGrad => self.cross_entropy_grad(n, &ops),
+        }
+    }
+
+    // ---- SUMMA -------------------------------------------------------------------------------
+
+    /// C = A B on q x q blocks: broadcast A(i,t) along row i and B(t,j) along column j, accumulate.
+    fn summa_ab(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let q = self.q();
+        if q == 1 {
+            self.kernel(Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: false }, &[a, b], out, what);
+            return;
+        }
+        let (wa, wb) = (self.workspace_like(a, "summa_a"), self.workspace_like(b, "summa_b"));
+        for t in 0..q {
+            let step = format!("{what}: SUMMA AB step {} of {q}", t + 1);
+            self.collective(CollectiveKind::Broadcast, Group::Row, Some(t), None, None, a, wa, &format!("{step}: broadcast A block along the row"));
+            self.collective(CollectiveKind::Broadcast, Group::Column, Some(t), None, None, b, wb, &format!("{step}: broadcast B block along the column"));
+            let k = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: t > 0 };
+            self.kernel(k, &[wa, wb], out, &format!("{step}: multiply-accumulate"));
+        }
+    }
+
+    /// C = A B^T: broadcast B(t,j) along column j, multiply, reduce the partial along row i to (i,t).
+    fn summa_abt(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let q = self.q();
+        if q == 1 {
+            self.kernel(Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: false }, &[a, b], out, what);
+            return;
+        }
+        let wb = self.workspace_like(b, "summa_b");
+        let part = self.workspace_like(out, "summa_partial");
+        for t in 0..q {
+            let step = format!("{what}: SUMMA ABT step {} of {q}", t + 1);
+            self.collective(CollectiveKind::Broadcast, Group::Column, Some(t), None, None, b, wb, &format!("{step}: broadcast B block along the column"));
+            let k = Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: false };
+            self.kernel(k, &[a, wb], part, &format!("{step}: multiply"));
+            self.collective(CollectiveKind::Reduce, Group::Row, Some(t), Some(ReduceOp::Sum), None, part, out, &format!("{step}: reduce C block along the row"));
+        }
+    }
+
+    /// C = A^T B: broadcast A(i,t) along row i, multiply, reduce the partial along column j to (t,j).
+    fn summa_atb(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let q = self.q();
+        if q == 1 {
+            self.kernel(Kernel::MatMul { transpose_a: true, transpose_b: false, accumulate: false }, &[a, b], out, what);
+            return;
+        }
+        let wa = self.workspace_like(a, "summa_a");
+        let part = self.workspace_like(out, "summa_partial");
+        for t in 0..q {
+            let step = format!("{what}: SUMMA ATB step {} of {q}", t + 1);
+            self.collective(CollectiveKind::Broadcast, Group::Row, Some(t), None, None, a, wa, &format!("{step}: broadcast A block along the row"));
+            let k = Kernel::MatMul { transpose_a: true, transpose_b: false, accumulate: false };
+            self.kernel(k, &[wa, b], part, &format!("{step}: multiply"));
+            self.collective(CollectiveKind::Reduce, Group::Column, Some(t), Some(ReduceOp::Sum), None, part, out, &format!("{step}: reduce C block along the column"));
+        }
+    }
+
+    fn local_matmul(&mut self, a: BufferId, b: BufferId, out: BufferId, ta: bool, tb: bool, what: &str) {
+        self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, what);
+    }
+
+    // ---- embeddings ----------------------------------------------------------------------------
+
+    fn table_layout(&self, table: NodeIndex) -> Layout {
+        let parallel = match self.graph[table].op {
+            Op::Param { id } => shapes::vocab_parallel(self.model, id),
+            _ => false,
+        };
+        match (self.optimus(), parallel) {
+            (true, true) => Layout::new(s(0), s(1)),
+            (true, false) => Layout::new(R, s(1)),
+            (false, true) => Layout::new(R, s(0)),
+            (false, false) => Layout::REPLICATED,
+        }
+    }
+
+    /// The device offset of a table's rows, and whether lookups must be masked to them.
+    fn row_offset(&self, table_layout: Layout, local_rows: u64) -> (Offset, bool) {
+        match table_layout.axis_of(0) {
+            Some(axis) => (Offset { axis: Some(u8::try_from(axis).unwrap_or(0)), block: local_rows }, true),
+            None => (Offset::ZERO, false),
+        }
+    }
+
+    fn batch_placement(&self) -> Placement {
+        if self.optimus() { s(0) } else { R }
+    }
+
+    fn embedding(&mut self, n: NodeIndex, ids: NodeIndex, table: NodeIndex) {
+        let tl = self.norm(self.table_layout(table));
+        let last = self.rank(n) - 1;
+        let mut out = Layout::REPLICATED;
+        let mut ids_layout = Layout::REPLICATED;
+        for axis in 0..2 {
+            out.0[axis] = match tl.0[axis] {
+                Placement::Shard { dim: 0, .. } => Placement::Partial,
+                Placement::Shard { .. } => s(last),
+                _ => {
+                    ids_layout.0[axis] = if axis == 0 { self.batch_placement() } else { R };
+                    ids_layout.0[axis]
+                }
+            };
+        }
+        let tb = self.value(table, tl);
+        let ib = self.value(ids, ids_layout);
+        let (offset, masked) = self.row_offset(tl, self.buffers[tb.0 as usize].shape[0]);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        let reason = if masked { "vocab-parallel embedding: masked local lookup" } else { "embedding lookup" };
+        self.kernel(Kernel::EmbeddingLookup { offset, masked }, &[ib, tb], y, reason);
+        self.define(n, out, y);
+    }
+
+    fn embedding_grad(&mut self, n: NodeIndex, ids: NodeIndex, dy: NodeIndex) {
+        let Some(table) = self.like_of(n) else { return };
+        let tl = self.param_layout(table).unwrap_or_else(|| self.table_layout(table));
+        let natural = self.natural(dy);
+        let last = self.rank(dy) - 1;
+        let (mut dy_layout, mut out, mut ids_layout) = (Layout::REPLICATED, Layout::REPLICATED, Layout::REPLICATED);
+        for axis in 0..2 {
+            let (d, o) = match tl.0[axis] {
+                Placement::Shard { dim: 0, .. } => (R, s(0)),
+                Placement::Shard { .. } => (s(last), s(1)),
+                _ => match natural.0[axis] {
+                    Placement::Shard { dim: 0, .. } => (s(0), Placement::Partial),
+                    Placement::Partial => (Placement::Partial, Placement::Partial),
+                    _ => (R, R),
+                },
+            };
+            dy_layout.0[axis] = d;
+            out.0[axis] = o;
+            ids_layout.0[axis] = if d == s(0) { s(0) } else { R };
+        }
+        let dyb = self.value(dy, dy_layout);
+        let ib = self.value(ids, ids_layout);
+        let local_rows = tl.local_shape(&self.shapes[table.index()], self.axes())[0];
+        let (offset, masked) = self.row_offset(self.norm(tl), local_rows);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::EmbeddingGrad { offset, masked }, &[ib, dyb], g, "backward of embedding: scatter-add into this device's rows");
+        self.define(n, out, g);
+    }
+
+    fn position_embedding(&mut self, n: NodeIndex, table: NodeIndex) {
+        let last = self.rank(n) - 1;
+        let (tl, out) = if self.optimus() {
+            (Layout::new(R, s(1)), Layout::new(s(0), s(last)))
+        } else {
+            (Layout::REPLICATED, Layout::REPLICATED)
+        };
+        let tb = self.value(table, tl);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::PositionLookup, &[tb], y, "position embedding lookup");
+        self.define(n, out, y);
+    }
+
+    fn position_embedding_grad(&mut self, n: NodeIndex, dy: NodeIndex) {
+        let Some(table) = self.like_of(n) else { return };
+        let tl = self.param_layout(table).unwrap_or(Layout::REPLICATED);
+        let last = self.rank(dy) - 1;
+        let (mut dy_layout, mut out) = (Layout::REPLICATED, Layout::REPLICATED);
+        let natural = self.natural(dy);
+        for axis in 0..2 {
+            let (d, o) = match tl.0[axis] {
+                Placement::Shard { .. } => (s(last), s(1)),
+                _ => match natural.0[axis] {
+                    Placement::Shard { dim: 0, .. } => (s(0), Placement::Partial),
+                    Placement::Partial => (Placement::Partial, Placement::Partial),
+                    _ => (R, R),
+                },
+            };
+            dy_layout.0[axis] = d;
+            out.0[axis] = o;
+        }
+        let dyb = self.value(dy, dy_layout);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::PositionGrad, &[dyb], g, "backward of position embedding: sum over the batch");
+        self.define(n, out, g);
+    }
+
+    fn like_of(&mut self, n: NodeIndex) -> Option<NodeIndex> {
+        let like = self.like.get(n.index()).copied().flatten();
+        if like.is_none() {
+            self.diagnostics.push(Diagnostic::error("E0699", format!("internal error: backward node %{} has no forward", n.index())));
+        }
+        like
+    }
+
+    // ---- linear layers -------------------------------------------------------------------------
+
+    fn linear(&mut self, n: NodeIndex, ops: &[NodeIndex], bias: bool, tied: bool) {
+        let (x, w) = (ops[0], ops[1]);
+        let last = self.rank(n) - 1;
+        let (y, layout) = if self.optimus() {
+            if tied {
+                let xb = self.value(x, Layout::new(s(0), s(last)));
+                let eb = self.value(w, Layout::new(s(0), s(1)));
+                let out = self.norm(Layout::new(s(0), s(last)));
+                let y = self.node_buffer(n, out, Role::Workspace);
+                self.summa_abt(xb, eb, y, "tied linear (logits = X E^T)");
+                (y, out)
+            } else {
+                let split = self.out_split(w, 1);
+                let xb = self.value(x, Layout::new(s(0), s(last)));
+                let wb = self.value(w, Layout::new(s(0), split));
+                let out = self.norm(Layout::new(s(0), on_dim(split, last)));
+                let y = self.node_buffer(n, out, Role::Workspace);
+                self.summa_ab(xb, wb, y, "linear");
+                (y, out)
+            }
+        } else {
+            self.megatron_linear(n, x, w, tied, last)
+        };
+        if !bias {
+            self.define(n, layout, y);
+            return;
+        }
+        let (y, layout) = self.all_reduce_partials(y, layout, ReduceOp::Sum, "sum the row-parallel linear's partial outputs");
+        let mut bias_layout = Layout::REPLICATED;
+        for axis in 0..2 {
+            if layout.0[axis].dim() == Some(last) {
+                bias_layout.0[axis] = on_dim(layout.0[axis], 0);
+            }
+        }
+        let bb = self.value(ops[2], bias_layout);
+        let out = self.node_buffer(n, layout, Role::Workspace);
+        self.kernel(Kernel::BiasAdd, &[y, bb], out, "add bias");
+        self.define(n, layout, out);
+    }
+
+    /// Megatron: column-parallel when the input is whole, row-parallel when its last dimension is split.
+    fn megatron_linear(&mut self, n: NodeIndex, x: NodeIndex, w: NodeIndex, tied: bool, last: usize) -> (BufferId, Layout) {
+        let input_split = self.natural(x).0[1].dim() == Some(last);
+        let (xl, wl, out, ta, tb, what) = if tied {
+            (Layout::REPLICATED, Layout::new(R, s(0)), Layout::new(R, s(last)), false, true, "tied linear, vocab-parallel")
+        } else if input_split {
+            (Layout::new(R, s(last)), Layout::new(R, s(0)), Layout::new(R, Placement::Partial), false, false, "row-parallel linear")
+        } else {
+            let split = self.out_split(w, 1);
+            (Layout::REPLICATED, Layout::new(R, split), Layout::new(R, on_dim(split, last)), false, false, "column-parallel linear")
+        };
+        let xb = self.value(x, xl);
+        let wb = self.value(w, wl);
+        let out = self.norm(out);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.local_matmul(xb, wb, y, ta, tb, what);
+        (y, out)
+    }
+
+    fn linear_grad_input(&mut self, n: NodeIndex, dy: NodeIndex, w: NodeIndex, tied: bool) {
+        let last = self.rank(n) - 1;
+        let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
+        let wb = self.value(w, wl);
+        if self.optimus() {
+            let out = self.norm(Layout::new(s(0), s(last)));
+            let g = self.node_buffer(n, out, Role::Workspace);
+            if tied {
+                let dyb = self.value(dy, Layout::new(s(0), s(last)));
+                self.summa_ab(dyb, wb, g, "backward of tied linear (dX = dY E)");
+            } else {
+                let dyb = self.value(dy, Layout::new(s(0), on_dim(wl.0[1], last)));
+                self.summa_abt(dyb, wb, g, "backward of linear (dX = dY W^T)");
+            }
+            self.define(n, out, g);
+            return;
+        }
+        let (dyl, out, tb) = match (tied, wl.0[1]) {
+            (true, _) => (Layout::new(R, s(last)), Layout::new(R, Placement::Partial), false),
+            (false, Placement::Shard { dim: 0, .. }) => (Layout::REPLICATED, Layout::new(R, s(last)), true),
+            (false, Placement::Shard { .. }) => (Layout::new(R, on_dim(wl.0[1], last)), Layout::new(R, Placement::Partial), true),
+            (false, _) => (Layout::REPLICATED, Layout::REPLICATED, true),
+        };
+        let dyb = self.value(dy, dyl);
+        let out = self.norm(out);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.local_matmul(dyb, wb, g, false, tb, "backward of linear (dX)");
+        self.define(n, out, g);
+    }
+
+    fn linear_grad_weight(&mut self, n: NodeIndex, x: NodeIndex, dy: NodeIndex, tied: bool) {
+        let Some(w) = self.like_of(n) else { return };
+        let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
+        let last = self.rank(x) - 1;
+        let g = self.node_buffer(n, wl, Role::Workspace);
+        if self.optimus() {
+            let xb = self.value(x, Layout::new(s(0), s(last)));
+            if tied {
+                let dyb = self.value(dy, Layout::new(s(0), s(last)));
+                self.summa_atb(dyb, xb, g, "backward of tied linear (dE = dY^T X)");
+            } else {
+                let dyb = self.value(dy, Layout::new(s(0), on_dim(wl.0[1], last)));
+                self.summa_atb(xb, dyb, g, "backward of linear (dW = X^T dY)");
+            }
+            self.define(n, wl, g);
+            return;
+        }
+        let (xl, dyl) = match (tied, wl.0[1]) {
+            (true, _) => (Layout::REPLICATED, Layout::new(R, s(last))),
+            (false, Placement::Shard { dim: 0, .. }) => (Layout::new(R, s(last)), Layout::REPLICATED),
+            (false, Placement::Shard { .. }) => (Layout::REPLICATED, Layout::new(R, on_dim(wl.0[1], last))),
+            (false, _) => (Layout::REPLICATED, Layout::REPLICATED),
+        };
+        let xb = self.value(x, xl);
+        let dyb = self.value(dy, dyl);
+        if tied {
+            self.local_matmul(dyb, xb, g, true, false, "backward of tied linear (dE = dY^T X)");
+        } else {
+            self.local_matmul(xb, dyb, g, true, false, "backward of linear (dW = X^T dY)");
+        }
+        self.define(n, wl, g);
+    }
+
+    fn missing_param(&mut self, n: NodeIndex) {
+        self.diagnostics.push(Diagnostic::error("E0699", format!("internal error: the weight of %{} has no layout", n.index())));
+    }
+
+    /// Sum over every dimension but the last (bias and beta gradients).
+    fn sum_to_last(&mut self, n: NodeIndex, dy: NodeIndex) {
+        let rank = self.rank(dy);
+        let l = self.natural(dy);
+        let out = self.summed_layout(l, rank);
+        let dyb = self.value(dy, l);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::SumToLast, &[dyb], g, "backward: sum over rows (bias gradient)");
+        self.define(n, out, g);
+    }
+
+    /// The layout of a [last] vector summed from a tensor laid out as `l`.
+    fn summed_layout(&self, l: Layout, rank: usize) -> Layout {
+        let mut out = Layout::REPLICATED;
+        for axis in 0..2 {
+            out.0[axis] = match l.0[axis] {
+                p @ Placement::Shard { dim, .. } if dim as usize == rank - 1 => on_dim(p, 0),
+                Placement::Shard { .. } | Placement::Partial => Placement::Partial,
+                Placement::Replicate => R,
+            };
+        }
+        self.norm(out)
+    }
+
+    // ---- LayerNorm -------------------------------------------------------------------------------
+
+    /// LayerNorm's activations, gamma/beta and the axis holding the split last dimension (if any).
+    fn layernorm_layouts(&self, rank: usize) -> (Layout, Layout) {
+        let x = self.norm(self.norm_act(rank));
+        let mut g = Layout::REPLICATED;
+        for axis in 0..2 {
+            if x.0[axis].dim() == Some(rank - 1) {
+                g.0[axis] = s(0);
+            }
+        }
+        (x, g)
+    }
+
+    fn layernorm(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let x = ops[0];
+        let rank = self.rank(x);
+        let (xl, gl) = self.layernorm_layouts(rank);
+        let full = self.shapes[x.index()][rank - 1];
+        let xb = self.value(x, xl);
+        let gb = self.value(ops[1], gl);
+        let bb = self.value(ops[2], gl);
+        let partial = self.rows_partial(xl, rank);
+        let s1 = self.stat_buffer(n, x, 1, partial, "sum");
+        self.kernel(Kernel::RowSum, &[xb], s1, "LayerNorm statistics: local sum");
+        let (s1, _) = self.all_reduce_partials(s1, partial, ReduceOp::Sum, "LayerNorm statistics: sum over the row");
+        let s2 = self.stat_buffer(n, x, 1, partial, "sqsum");
+        self.kernel(Kernel::RowCenteredSquareSum { n: full }, &[xb, s1], s2, "LayerNorm statistics: local centred squares");
+        let (s2, _) = self.all_reduce_partials(s2, partial, ReduceOp::Sum, "LayerNorm statistics: variance over the row");
+        let y = self.node_buffer(n, xl, Role::Workspace);
+        self.kernel(Kernel::LayerNormApply { n: full, eps }, &[xb, s1, s2, gb, bb], y, "LayerNorm: normalise");
+        self.layernorm_stats.insert(x, (s1, s2));
+        self.define(n, xl, y);
+    }
+
+    fn layernorm_grad_input(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let (dy, x, gamma) = (ops[0], ops[1], ops[2]);
+        let rank = self.rank(x);
+        let (xl, gl) = self.layernorm_layouts(rank);
+        let full = self.shapes[x.index()][rank - 1];
+        let Some(&(s1, s2)) = self.layernorm_stats.get(&x) else { return self.missing_param(n) };
+        let dyb = self.value(dy, xl);
+        let xb = self.value(x, xl);
+        let gb = self.value(gamma, gl);
+        let partial = self.rows_partial(xl, rank);
+        let sums = self.stat_buffer(n, x, 2, partial, "grad_sums");
+        self.kernel(Kernel::LayerNormGradSums { n: full, eps }, &[dyb, xb, gb, s1, s2], sums, "backward of LayerNorm: local sums");
+        let (sums, _) = self.all_reduce_partials(sums, partial, ReduceOp::Sum, "backward of LayerNorm: sums over the row");
+        let dx = self.node_buffer(n, xl, Role::Workspace);
+        self.kernel(Kernel::LayerNormGradInput { n: full, eps }, &[dyb, xb, gb, s1, s2, sums], dx, "backward of LayerNorm (dX)");
+        self.define(n, xl, dx);
+    }
+
+    fn layernorm_grad_weight(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let (dy, x) = (ops[0], ops[1]);
+        let rank = self.rank(x);
+        let (xl, _) = self.layernorm_layouts(rank);
+        let full = self.shapes[x.index()][rank - 1];
+        let Some(&(s1, s2)) = self.layernorm_stats.get(&x) else { return self.missing_param(n) };
+        let dyb = self.value(dy, xl);
+        let xb = self.value(x, xl);
+        let out = self.summed_layout(xl, rank);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::LayerNormGradWeight { n: full, eps }, &[dyb, xb, s1, s2], g, "backward of LayerNorm (dgamma)");
+        self.define(n, out, g);
+    }
+
+    // ---- element-wise and shape operators -------------------------------------------------------
+
+    /// A layout with no pending sums (unless `partial_ok`) and the last `whole` dimensions unsplit.
+    fn local_layout(&mut self, x: NodeIndex, whole: usize, partial_ok: bool) -> Layout {
+        let rank = self.rank(x);
+        let mut l = self.natural(x);
+        for p in &mut l.0 {
+            let tail = p.dim().is_some_and(|d| d + whole >= rank);
+            if tail || (!partial_ok && *p == Placement::Partial) {
+                *p = R;
+            }
+        }
+        self.norm(l)
+    }
+
+    fn elementwise(&mut self, n: NodeIndex, ops: &[NodeIndex], kernel: Kernel, whole: usize, partial_ok: bool) {
+        let l = self.local_layout(ops[0], whole, partial_ok);
+        let xb = self.value(ops[0], l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        let reason = format!("{} (local)", self.graph[n].op.name());
+        self.kernel(kernel, &[xb], y, &reason);
+        self.define(n, l, y);
+    }
+
+    /// (dy, forward value) kernels: dy is brought to the forward value's layout.
+    fn elementwise_grad(&mut self, n: NodeIndex, ops: &[NodeIndex], kernel: Kernel, whole: usize) {
+        let l = self.local_layout(ops[1], whole, false);
+        let dyb = self.value(ops[0], l);
+        let xb = self.value(ops[1], l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        let reason = format!("{} (local)", self.graph[n].op.name());
+        self.kernel(kernel, &[dyb, xb], y, &reason);
+        self.define(n, l, y);
+    }
+
+    fn add(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
+        let (la, lb) = (self.natural(a), self.natural(b));
+        let l = if la.has_partial() && !lb.has_partial() { lb } else { la };
+        let ab = self.value(a, l);
+        let bb = self.value(b, l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        self.kernel(Kernel::Add, &[ab, bb], y, "add (local)");
+        self.define(n, l, y);
+    }
+
+    // ---- attention ---------------------------------------------------------------------------------
+
+    /// Layouts of attention's inputs and output: batch on axis 0 (2D), heads on axis 1.
+    fn attention_layouts(&self, n_inputs: usize, width: u64, heads: u64, fused: bool, rank: usize) -> (Layout, Layout) {
+        let last = rank - 1;
+        let batch = self.batch_placement();
+        let input = if fused {
+            let head = width / 3 / heads.max(1);
+            Placement::shard_factor(last, 3, head)
+        } else {
+            s(last)
+        };
+        let _ = n_inputs;
+        (self.norm(Layout::new(batch, input)), self.norm(Layout::new(batch, s(last))))
+    }
+
+    fn local_heads(&mut self, n: NodeIndex, heads: u64, input: Layout) -> u64 {
+        let split = input.0[1].dim().is_some();
+        let parts = if split { self.axes()[1] } else { 1 };
+        if heads % parts != 0 {
+            let key = format!("heads/{heads}/{parts}");
+            if !self.diagnostics.iter().any(|d| d.message.contains(&key)) {
+                let mut d = self.divisibility_error(n, heads, Some("heads".to_string()), parts);
+                d.notes.push(format!("attention keeps whole heads on each device ({key})"));
+                self.diagnostics.push(d);
+            }
+            self.split_dims.insert((heads, Some("heads".to_string())));
+            return heads;
+        }
+        self.split_dims.insert((heads, Some("heads".to_string())));
+        heads / parts
+    }
+
+    fn attention(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: u64, causal: bool, fused: bool) {
+        let rank = self.rank(n);
+        let width = *self.shapes[ops[0].index()].last().unwrap_or(&0);
+        let (il, ol) = self.attention_layouts(ops.len(), width, heads, fused, rank);
+        let local = self.local_heads(n, heads, il);
+        let inputs: Vec<BufferId> = ops.iter().map(|&o| self.value(o, il)).collect();
+        let y = self.node_buffer(n, ol, Role::Workspace);
+        self.kernel(Kernel::Attention { heads: local, causal, fused }, &inputs, y, "attention for this device's batch chunk and head group (no communication)");
+        self.define(n, ol, y);
+    }
+
+    fn attention_grad(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: u64, causal: bool, fused: bool, wrt: u8) {
+        let rank = self.rank(ops[0]);
+        let width = *self.shapes[ops[1].index()].last().unwrap_or(&0);
+        let (il, ol) = self.attention_layouts(ops.len() - 1, width, heads, fused, rank);
+        let local = self.local_heads(n, heads, il);
+        let mut inputs = vec![self.value(ops[0], ol)];
+        for &o in &ops[1..] {
+            inputs.push(self.value(o, il));
+        }
+        let g = self.node_buffer(n, il, Role::Workspace);
+        self.kernel(Kernel::AttentionGrad { heads: local, causal, fused, wrt }, &inputs, g, "backward of attention (local)");
+        self.define(n, il, g);
+    }
+
+    // ---- cross-entropy ---------------------------------------------------------------------------
+
+    /// Layouts of logits and targets: vocabulary split along rows (axis 1), batch along axis 0 in 2D.
+    fn cross_entropy_layouts(&self, rank: usize) -> (Layout, Layout) {
+        let batch = self.batch_placement();
+        (self.norm(Layout::new(batch, s(rank - 1))), self.norm(Layout::new(batch, R)))
+    }
+
+    fn vocab_offset(&self, logits: Layout, local_vocab: u64) -> Offset {
+        match logits.axis_of(logits.0.iter().find_map(|p| p.dim()).map_or(usize::MAX, |_| 0)) {
+            _ => {
+                let axis = logits.0.iter().position(|p| matches!(p, Placement::Shard { dim, .. } if *dim as usize != 0));
+                match axis {
+                    Some(a) => Offset { axis: Some(u8::try_from(a).unwrap_or(0)), block: local_vocab },
+                    None => Offset::ZERO,
+                }
+            }
+        }
+    }
+
+    fn cross_entropy(&mut self, n: NodeIndex, logits: NodeIndex, targets: NodeIndex) {
+        let rank = self.rank(logits);
+        let (ll, tl) = self.cross_entropy_layouts(rank);
+        let lb = self.value(logits, ll);
+        let tb = self.value(targets, tl);
+        let valid = self.graph[logits].ty.shape.last().map_or(0, |d| d.size);
+        let local_vocab = *self.buffers[lb.0 as usize].shape.last().unwrap_or(&0);
+        let offset = self.vocab_offset(ll, local_vocab);
+        let count: u64 = self.graph[logits].ty.sizes()[..rank - 1].iter().product();
+        let partial = self.rows_partial(ll, rank);
+        let max = self.stat_buffer(n, logits, 1, partial, "max");
+        self.kernel(Kernel::CrossEntropyMax { offset, valid }, &[lb], max, "cross-entropy: local max over the vocabulary");
+        let (max, _) = self.all_reduce_partials(max, partial, ReduceOp::Max, "cross-entropy: max over the row");
+        let stats = self.stat_buffer(n, logits, 2, partial, "stats");
+        self.kernel(Kernel::CrossEntropyStats { offset, valid }, &[lb, tb, max], stats, "cross-entropy: target logit and sum of exponentials");
+        let (stats, _) = self.all_reduce_partials(stats, partial, ReduceOp::Sum, "cross-entropy: target logit and sum of exponentials over the row");
+        let mut loss_layout = Layout::REPLICATED;
+        for axis in 0..2 {
+            if ll.0[axis].dim().is_some_and(|d| d < rank - 1) {
+                loss_layout.0[axis] = Placement::Partial;
+            }
+        }
+        let loss = self.node_buffer(n, loss_layout, Role::Workspace);
+        self.kernel(Kernel::CrossEntropyLoss { count }, &[max, stats], loss, "cross-entropy: this batch chunk's share of the mean");
+        self.cross_entropy_stats.insert(logits, (max, stats));
+        self.define(n, loss_layout, loss);
+    }
+
+    fn cross_entropy_grad(&mut self, n: NodeIndex, ops: &[NodeIndex]) {
+        let (logits, targets, dl) = (ops[0], ops[1], ops[2]);
+        let rank = self.rank(logits);
+        let (ll, tl) = self.cross_entropy_layouts(rank);
+        let Some(&(max, stats)) = self.cross_entropy_stats.get(&logits) else { return self.missing_param(n) };
+        let lb = self.value(logits, ll);
+        let tb = self.value(targets, tl);
+        let db = self.value(dl, Layout::REPLICATED);
+        let valid = self.graph[logits].ty.shape.last().map_or(0, |d| d.size);
+        let local_vocab = *self.buffers[lb.0 as usize].shape.last().unwrap_or(&0);
+        let offset = self.vocab_offset(ll, local_vocab);
+        let count: u64 = self.graph[logits].ty.sizes()[..rank - 1].iter().product();
+        let g = self.node_buffer(n, ll, Role::Workspace);
+        self.kernel(Kernel::CrossEntropyGrad { offset, valid, count }, &[lb, tb, max, stats, db], g, "backward of cross-entropy (local)");
+        self.define(n, ll, g);
+    }
+
+    // ---- batched matmul, reshape, transpose, select --------------------------------------------
+
+    fn batched_matmul(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
+        let la = self.local_layout(a, 2, false);
+        let lb = la;
+        let ab = self.value(a, la);
+        let bb = self.value(b, lb);
+        let y = self.node_buffer(n, la, Role::Workspace);
+        self.kernel(Kernel::BatchedMatMul, &[ab, bb], y, "batched matmul (local)");
+        self.define(n, la, y);
+    }
+
+    fn transpose(&mut self, n: NodeIndex, x: NodeIndex, d0: usize, d1: usize) {
+        let l = self.natural(x);
+        let mut out = l;
+        for p in &mut out.0 {
+            match p.dim() {
+                Some(d) if d == d0 => *p = on_dim(*p, d1),
+                Some(d) if d == d1 => *p = on_dim(*p, d0),
+                _ => {}
+            }
+        }
+        let xb = self.value(x, l);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        let k = Kernel::Transpose { dim0: u8::try_from(d0).unwrap_or(0), dim1: u8::try_from(d1).unwrap_or(0) };
+        self.kernel(k, &[xb], y, "transpose (local)");
+        self.define(n, out, y);
+    }
+
+    fn reshape(&mut self, n: NodeIndex, x: NodeIndex) {
+        let mut l = self.natural(x);
+        let mut out = Layout::REPLICATED;
+        let (from, to) = (self.shapes[x.index()].clone(), self.shapes[n.index()].clone());
+        for axis in 0..2 {
+            match l.0[axis] {
+                Placement::Shard { dim, outer, inner } => match map_shard(&from, &to, dim as usize, outer, inner) {
+                    Some(p) => out.0[axis] = p,
+                    None => l.0[axis] = R,
+                },
+                p => out.0[axis] = p,
+            }
+        }
+        let xb = self.value(x, l);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::Reshape, &[xb], y, "reshape (local)");
+        self.define(n, out, y);
+    }
+
+    fn select(&mut self, n: NodeIndex, x: NodeIndex, dim: usize, index: u64) {
+        let mut l = self.natural(x);
+        let mut out = l;
+        for axis in 0..2 {
+            match l.0[axis].dim() {
+                Some(d) if d == dim => {
+                    l.0[axis] = R;
+                    out.0[axis] = R;
+                }
+                Some(d) if d > dim => out.0[axis] = on_dim(l.0[axis], d - 1),
+                _ => {}
+            }
+        }
+        let xb = self.value(x, l);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::Select { dim: u8::try_from(dim).unwrap_or(0), index }, &[xb], y, "select (local)");
+        self.define(n, out, y);
+    }
+
+    fn select_grad(&mut self, n: NodeIndex, dy: NodeIndex, dim: usize, index: u64) {
+        let l = self.natural(dy);
+        let mut out = l;
+        for axis in 0..2 {
+            if let Some(d) = l.0[axis].dim().filter(|&d| d >= dim) {
+                out.0[axis] = on_dim(l.0[axis], d + 1);
+            }
+        }
+        let dyb = self.value(dy, l);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::SelectGrad { dim: u8::try_from(dim).unwrap_or(0), index }, &[dyb], y, "backward of select (local)");
+        self.define(n, out, y);
+    }
+
+    /// The parameter of a parameter node, for callers that need it.
+    #[allow(dead_code)]
+    fn param_of(&self, n: NodeIndex) -> Option<ParamId> {
+        match self.graph[n].op {
+            Op::Param { id } => Some(id),
+            _ => None,
+        }
+    }
+}
+
+/// Where a split survives a reshape: the split sub-axis of `dim` (viewed as [outer, mid, inner]) must
+/// lie inside one output dimension, which is then viewed the same way.
+fn map_shard(from: &[u64], to: &[u64], dim: usize, outer: u64, inner: u64) -> Option<Placement> {
+    let size = *from.get(dim)?;
+    let mid = size / outer.max(1) / inner.max(1);
+    let after: u64 = from[dim + 1..].iter().product();
+    let stride = inner.max(1) * after;
+    for e in 0..to.len() {
+        let after_e: u64 = to[e + 1..].iter().product();
+        let block = after_e * to[e];
+        if after_e <= stride && stride % after_e == 0 && block % (stride * mid) == 0 {
+            return Some(Placement::shard_factor(e, block / (stride * mid), stride / after_e));
+        }
+    }
+    None
+}

@@ -1,0 +1,146 @@
+//! Vocabulary padding: the shard count must divide every split dimension, and the vocabulary is the one
+//! dimension we pad (as Megatron does) rather than reject. Computes every node's padded logical shape.
+
+use super::Target;
+use crate::ir::{Model, Node, Op, ParamId, ParamRole};
+use crate::plan::{Padding, Strategy};
+use petgraph::graph::{DiGraph, NodeIndex};
+use std::collections::HashSet;
+
+/// Embedding tables this large are split on their rows (vocabulary-parallel) even when not tied.
+const VOCAB_PARALLEL_ROWS: u64 = 1024;
+
+/// How many ways the vocabulary is split.
+pub fn vocab_shards(target: Target) -> u64 {
+    match target.strategy {
+        Strategy::Optimus => target.mesh.rows,
+        Strategy::Megatron => target.mesh.cols,
+        Strategy::None => 1,
+    }
+}
+
+/// Parameters that a tied linear reuses.
+fn tied_tables(graph: &DiGraph<Node, u8>, operands: impl Fn(NodeIndex) -> Vec<NodeIndex>) -> HashSet<ParamId> {
+    let mut tied = HashSet::new();
+    for n in graph.node_indices() {
+        if let Op::Linear { transpose_weight: true, .. } = graph[n].op {
+            if let Some(Op::Param { id }) = operands(n).get(1).map(|&w| graph[w].op.clone()) {
+                tied.insert(id);
+            }
+        }
+    }
+    tied
+}
+
+/// Whether an embedding table is split on its rows: tied to a linear, or large.
+pub fn vocab_parallel(model: &Model, id: ParamId) -> bool {
+    let p = &model.params[id.0 as usize];
+    if p.role != ParamRole::Embedding {
+        return false;
+    }
+    let tied = tied_tables(&model.graph, |n| model.operands(n));
+    tied.contains(&id) || p.ty.shape.first().is_some_and(|d| d.size >= VOCAB_PARALLEL_ROWS)
+}
+
+/// Parameters of untied linears whose output is fed straight into a cross-entropy (an LM head).
+fn head_params(model: &Model) -> HashSet<ParamId> {
+    let mut params = HashSet::new();
+    for n in model.graph.node_indices() {
+        if model.graph[n].op != Op::CrossEntropy {
+            continue;
+        }
+        let Some(&logits) = model.operands(n).first() else { continue };
+        if let Op::Linear { transpose_weight: false, .. } = model.graph[logits].op {
+            for &operand in model.operands(logits).iter().skip(1) {
+                if let Op::Param { id } = model.graph[operand].op {
+                    params.insert(id);
+                }
+            }
+        }
+    }
+    params
+}
+
+fn round_up(v: u64, k: u64) -> u64 {
+    v.div_ceil(k.max(1)) * k.max(1)
+}
+
+/// The padded shape of one parameter.
+pub fn padded_param(model: &Model, id: ParamId, target: Target) -> Vec<u64> {
+    let p = &model.params[id.0 as usize];
+    let mut shape = p.ty.sizes();
+    let k = vocab_shards(target);
+    if vocab_parallel(model, id) {
+        shape[0] = round_up(shape[0], k);
+    } else if head_params(model).contains(&id) {
+        if let Some(last) = shape.last_mut() {
+            *last = round_up(*last, k);
+        }
+    }
+    shape
+}
+
+/// Padded logical shapes of every node of `graph` (forward nodes first, then backward by `like`).
+pub fn padded_shapes(model: &Model, graph: &DiGraph<Node, u8>, like: &[Option<NodeIndex>], target: Target) -> Vec<Vec<u64>> {
+    let operands = |n: NodeIndex| {
+        use petgraph::visit::EdgeRef;
+        let mut e: Vec<(u8, NodeIndex)> =
+            graph.edges_directed(n, petgraph::Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
+        e.sort_unstable();
+        e.into_iter().map(|(_, s)| s).collect::<Vec<_>>()
+    };
+    let mut shapes: Vec<Vec<u64>> = Vec::with_capacity(graph.node_count());
+    for n in graph.node_indices() {
+        let node = &graph[n];
+        let ops = operands(n);
+        let logical = node.ty.sizes();
+        let of = |i: usize, shapes: &Vec<Vec<u64>>| ops.get(i).map(|o| shapes[o.index()].clone());
+        let shape = match (&node.op, like.get(n.index()).copied().flatten()) {
+            (_, Some(l)) if l != n => shapes[l.index()].clone(),
+            (Op::Param { id }, _) => padded_param(model, *id, target),
+            (Op::Linear { transpose_weight, .. }, _) => {
+                let mut s = logical.clone();
+                let w = of(1, &shapes).unwrap_or_default();
+                let out = if *transpose_weight { w.first() } else { w.last() };
+                if let (Some(last), Some(out)) = (s.last_mut(), out) {
+                    *last = *out;
+                }
+                s
+            }
+            (Op::Transpose { dim0, dim1 }, _) => {
+                let mut s = of(0, &shapes).unwrap_or(logical.clone());
+                if *dim0 < s.len() && *dim1 < s.len() {
+                    s.swap(*dim0, *dim1);
+                }
+                s
+            }
+            (
+                Op::Gelu { .. } | Op::Dropout { .. } | Op::Scale { .. } | Op::Add | Op::Softmax | Op::CausalMask,
+                _,
+            ) => of(0, &shapes).unwrap_or(logical.clone()),
+            _ => logical,
+        };
+        shapes.push(shape);
+    }
+    shapes
+}
+
+/// The paddings a plan reports: every parameter whose padded shape differs from the model's.
+pub fn paddings(model: &Model, shapes: &[Vec<u64>], graph: &DiGraph<Node, u8>) -> Vec<Padding> {
+    let mut out = Vec::new();
+    for n in graph.node_indices() {
+        let Op::Param { id } = graph[n].op else { continue };
+        let p = &model.params[id.0 as usize];
+        for (dim, (logical, padded)) in p.ty.sizes().iter().zip(&shapes[n.index()]).enumerate() {
+            if logical != padded {
+                out.push(Padding {
+                    tensor: p.name.clone(),
+                    dim: u8::try_from(dim).unwrap_or(u8::MAX),
+                    logical: *logical,
+                    padded: *padded,
+                });
+            }
+        }
+    }
+    out
+}
