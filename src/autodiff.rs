@@ -83,11 +83,8 @@ impl Autodiff {
 
     fn operands(&self, n: NodeIndex) -> Vec<NodeIndex> {
         use petgraph::visit::EdgeRef;
-        let mut edges: Vec<(u8, NodeIndex)> = self
-            .graph
-            .edges_directed(n, petgraph::Direction::Incoming)
-            .map(|e| (*e.weight(), e.source()))
-            .collect();
+        let mut edges: Vec<(u8, NodeIndex)> =
+            self.graph.edges_directed(n, petgraph::Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
         edges.sort_unstable();
         edges.into_iter().map(|(_, s)| s).collect()
     }

@@ -36,6 +36,18 @@ enum Command {
     /// memory, and verifies the plan. Nothing is written unless every step succeeds.
     /// Exit status: 0 on success, 1 on model or sharding errors, 2 on usage errors.
     Compile(CompileArgs),
+    /// Show what each device holds and sends: memory by category and its peak, communication per
+    /// collective with the model line responsible, and FLOPs per step.
+    Inspect {
+        /// A plan written by `optimusc compile`.
+        plan: PathBuf,
+        /// Print the report as JSON (format documented in docs/plan-format.md).
+        #[arg(long)]
+        json: bool,
+        /// Also write the sharded program as a Graphviz graph to this file.
+        #[arg(long, value_name = "FILE.dot")]
+        dot: Option<PathBuf>,
+    },
 }
 
 /// Arguments shared by every command that compiles a model.
@@ -109,6 +121,7 @@ fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Check { model, set, emit } => check(&model, &set, emit),
         Command::Compile(args) => compile(&args),
+        Command::Inspect { plan, json, dot } => inspect(&plan, json, dot.as_deref()),
     }
 }
 
@@ -218,5 +231,42 @@ fn compile(args: &CompileArgs) -> ExitCode {
         optimus::plan::report::human_bytes(plan.memory.peak_bytes),
         args.output.display()
     );
+    ExitCode::SUCCESS
+}
+
+fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) -> ExitCode {
+    let plan = match optimus::plan::io::read_plan(path) {
+        Ok(plan) => plan,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if let Err(errors) = optimus::plan::verify::verify(&plan) {
+        eprintln!("error: `{}` failed verification:", path.display());
+        for e in errors.iter().take(20) {
+            eprintln!("  {e}");
+        }
+        return ExitCode::from(1);
+    }
+    if let Some(dot_path) = dot {
+        let text = optimus::plan::report::render_dot(&plan);
+        if let Err(e) = optimus::plan::io::write_atomically(dot_path, text.as_bytes()) {
+            eprintln!("error: cannot write `{}`: {e}", dot_path.display());
+            return ExitCode::from(1);
+        }
+    }
+    let report = optimus::plan::report::report(&plan);
+    if json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("error: cannot serialise the report: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        print!("{}", optimus::plan::report::render_text(&plan, &report));
+    }
     ExitCode::SUCCESS
 }

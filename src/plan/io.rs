@@ -30,8 +30,8 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// Reads a plan, rejecting other format versions with a clear message.
 pub fn read_plan(path: &Path) -> Result<Plan, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
-    let value: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| format!("`{}` is not a plan (invalid JSON: {e})", path.display()))?;
+    let value: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("`{}` is not a plan (invalid JSON: {e})", path.display()))?;
     let version = value.get("format_version").and_then(serde_json::Value::as_u64);
     if version != Some(u64::from(FORMAT_VERSION)) {
         return Err(format!(

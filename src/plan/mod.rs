@@ -148,38 +148,78 @@ impl Offset {
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum Kernel {
     /// out (+)= op(A) op(B) on matrices made by flattening each operand's leading dimensions.
-    MatMul { transpose_a: bool, transpose_b: bool, accumulate: bool },
+    MatMul {
+        transpose_a: bool,
+        transpose_b: bool,
+        accumulate: bool,
+    },
     /// Batched product over the last two dimensions (leading dimensions equal).
     BatchedMatMul,
     /// out = x + b, b broadcast over the last dimension.
     BiasAdd,
     Add,
-    Scale { factor: f64 },
-    Gelu { approximate: bool },
+    Scale {
+        factor: f64,
+    },
+    Gelu {
+        approximate: bool,
+    },
     /// (dy, x) -> dx
-    GeluGrad { approximate: bool },
+    GeluGrad {
+        approximate: bool,
+    },
     Softmax,
     /// (dy, y) -> dx
     SoftmaxGrad,
     CausalMask,
     CausalMaskGrad,
     /// Drops elements with probability p by a counter-based generator keyed on (seed, key, logical index).
-    Dropout { p: f64, key: u32 },
+    Dropout {
+        p: f64,
+        key: u32,
+    },
     /// Applies the same mask as `Dropout` with the same key.
-    DropoutGrad { p: f64, key: u32 },
+    DropoutGrad {
+        p: f64,
+        key: u32,
+    },
     /// Copy with a new shape (same element order).
     Reshape,
-    Transpose { dim0: u8, dim1: u8 },
-    Select { dim: u8, index: u64 },
-    SelectGrad { dim: u8, index: u64 },
+    Transpose {
+        dim0: u8,
+        dim1: u8,
+    },
+    Select {
+        dim: u8,
+        index: u64,
+    },
+    SelectGrad {
+        dim: u8,
+        index: u64,
+    },
     /// Local multi-head attention over `heads` heads; fused input is [.., seq, (3, heads, head)].
-    Attention { heads: u64, causal: bool, fused: bool },
+    Attention {
+        heads: u64,
+        causal: bool,
+        fused: bool,
+    },
     /// (dy, operands..) -> gradient of operand `wrt`.
-    AttentionGrad { heads: u64, causal: bool, fused: bool, wrt: u8 },
+    AttentionGrad {
+        heads: u64,
+        causal: bool,
+        fused: bool,
+        wrt: u8,
+    },
     /// (ids, table) -> rows; ids outside [offset, offset + table rows) give zeros when `masked`.
-    EmbeddingLookup { offset: Offset, masked: bool },
+    EmbeddingLookup {
+        offset: Offset,
+        masked: bool,
+    },
     /// (ids, dy) -> d table: scatter-add of dy rows whose id falls in this device's rows.
-    EmbeddingGrad { offset: Offset, masked: bool },
+    EmbeddingGrad {
+        offset: Offset,
+        masked: bool,
+    },
     /// (table) -> out[.., p, :] = table[p, :] for p < seq.
     PositionLookup,
     /// (dy) -> d table: sums dy over leading dimensions into rows 0..seq; other rows zero.
@@ -187,29 +227,60 @@ pub enum Kernel {
     /// (x) -> [rows, 1]: local sum over the last dimension.
     RowSum,
     /// (x, sum) -> [rows, 1]: local sum of (x - sum / n)^2, n the full normalised size.
-    RowCenteredSquareSum { n: u64 },
+    RowCenteredSquareSum {
+        n: u64,
+    },
     /// (x, sum, sqsum, gamma, beta) -> y.
-    LayerNormApply { n: u64, eps: f64 },
+    LayerNormApply {
+        n: u64,
+        eps: f64,
+    },
     /// (dy, x, gamma, sum, sqsum) -> [rows, 2]: local sums of dy*gamma and dy*gamma*xhat.
-    LayerNormGradSums { n: u64, eps: f64 },
+    LayerNormGradSums {
+        n: u64,
+        eps: f64,
+    },
     /// (dy, x, gamma, sum, sqsum, gradsums) -> dx.
-    LayerNormGradInput { n: u64, eps: f64 },
+    LayerNormGradInput {
+        n: u64,
+        eps: f64,
+    },
     /// (dy, x, sum, sqsum) -> [last]: sum over rows of dy * xhat.
-    LayerNormGradWeight { n: u64, eps: f64 },
+    LayerNormGradWeight {
+        n: u64,
+        eps: f64,
+    },
     /// (x) -> [last]: sum over rows.
     SumToLast,
     /// (logits) -> [rows, 1]: max over this device's valid vocabulary columns.
-    CrossEntropyMax { offset: Offset, valid: u64 },
+    CrossEntropyMax {
+        offset: Offset,
+        valid: u64,
+    },
     /// (logits, targets, max) -> [rows, 2]: target logit if the target is local (else 0), and the
     /// sum of exp(logit - max) over valid columns.
-    CrossEntropyStats { offset: Offset, valid: u64 },
+    CrossEntropyStats {
+        offset: Offset,
+        valid: u64,
+    },
     /// (max, stats) -> scalar: sum over rows of (max + ln(sumexp) - target logit) / count.
-    CrossEntropyLoss { count: u64 },
+    CrossEntropyLoss {
+        count: u64,
+    },
     /// (logits, targets, max, stats, dloss) -> dlogits = (softmax - onehot) * dloss / count; padding 0.
-    CrossEntropyGrad { offset: Offset, valid: u64, count: u64 },
-    Fill { value: f64 },
+    CrossEntropyGrad {
+        offset: Offset,
+        valid: u64,
+        count: u64,
+    },
+    Fill {
+        value: f64,
+    },
     /// (x) -> this device's block of x along `axis` for the given placement.
-    SliceShard { axis: u8, placement: Placement },
+    SliceShard {
+        axis: u8,
+        placement: Placement,
+    },
     /// (param, grad, state1, state2) -> param, in place: SGD with momentum or AdamW, chosen at run time.
     OptimizerStep,
 }

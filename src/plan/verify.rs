@@ -12,7 +12,9 @@ pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
     check_lifetimes(plan, &mut errors);
     for (index, instr) in plan.program.iter().enumerate() {
         match instr {
-            Instr::Kernel { kernel, inputs, output, .. } => check_kernel(plan, index, kernel, inputs, *output, &mut errors),
+            Instr::Kernel { kernel, inputs, output, .. } => {
+                check_kernel(plan, index, kernel, inputs, *output, &mut errors)
+            }
             Instr::Collective { collective, .. } => check_collective(plan, index, collective, &mut errors),
             Instr::Free { .. } => {}
         }
@@ -49,12 +51,16 @@ fn check_lifetimes(plan: &Plan, errors: &mut Vec<String>) {
             if !valid(plan, *b) {
                 errors.push(format!("instruction {index}: buffer {} does not exist", b.0));
             } else if freed.contains(b) {
-                errors.push(format!("instruction {index}: buffer `{}` is used after it was freed", plan.buffer(*b).name));
+                errors
+                    .push(format!("instruction {index}: buffer `{}` is used after it was freed", plan.buffer(*b).name));
             }
         }
         for b in &reads {
             if valid(plan, *b) && !defined.contains(b) {
-                errors.push(format!("instruction {index}: buffer `{}` is read before it is written", plan.buffer(*b).name));
+                errors.push(format!(
+                    "instruction {index}: buffer `{}` is read before it is written",
+                    plan.buffer(*b).name
+                ));
             }
         }
         defined.extend(writes);
@@ -72,7 +78,14 @@ fn matrix(s: &[u64]) -> (u64, u64) {
     (rows, cols)
 }
 
-fn check_kernel(plan: &Plan, index: usize, kernel: &Kernel, inputs: &[BufferId], output: BufferId, errors: &mut Vec<String>) {
+fn check_kernel(
+    plan: &Plan,
+    index: usize,
+    kernel: &Kernel,
+    inputs: &[BufferId],
+    output: BufferId,
+    errors: &mut Vec<String>,
+) {
     let out = shape(plan, output);
     let ins: Vec<Vec<u64>> = inputs.iter().map(|&b| shape(plan, b)).collect();
     let mut fail = |what: String| errors.push(format!("instruction {index} ({kernel:?}): {what}"));
@@ -97,15 +110,15 @@ fn check_kernel(plan: &Plan, index: usize, kernel: &Kernel, inputs: &[BufferId],
         | Kernel::CausalMask
         | Kernel::CausalMaskGrad
         | Kernel::Dropout { .. }
-        | Kernel::DropoutGrad { .. } => {
-            if ins.iter().any(|s| *s != out) {
-                fail(format!("operands {ins:?} do not all match the output {out:?}"));
-            }
+        | Kernel::DropoutGrad { .. }
+            if ins.iter().any(|s| *s != out) =>
+        {
+            fail(format!("operands {ins:?} do not all match the output {out:?}"));
         }
-        Kernel::BiasAdd => {
-            if ins.first() != Some(&out) || ins.get(1).map(Vec::as_slice) != out.last().map(std::slice::from_ref) {
-                fail(format!("bias add of {ins:?} into {out:?}"));
-            }
+        Kernel::BiasAdd
+            if ins.first() != Some(&out) || ins.get(1).map(Vec::as_slice) != out.last().map(std::slice::from_ref) =>
+        {
+            fail(format!("bias add of {ins:?} into {out:?}"));
         }
         Kernel::Reshape => {
             let elements: u64 = ins.first().map_or(0, |s| s.iter().product());
@@ -113,10 +126,8 @@ fn check_kernel(plan: &Plan, index: usize, kernel: &Kernel, inputs: &[BufferId],
                 fail(format!("reshape of {ins:?} into {out:?} changes the element count"));
             }
         }
-        Kernel::OptimizerStep => {
-            if ins.iter().any(|s| *s != out) || inputs.first() != Some(&output) {
-                fail("the optimizer updates a parameter in place with same-shaped gradient and state".into());
-            }
+        Kernel::OptimizerStep if ins.iter().any(|s| *s != out) || inputs.first() != Some(&output) => {
+            fail("the optimizer updates a parameter in place with same-shaped gradient and state".into());
         }
         _ => {}
     }
@@ -125,14 +136,14 @@ fn check_kernel(plan: &Plan, index: usize, kernel: &Kernel, inputs: &[BufferId],
 fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<String>) {
     let size = plan.mesh.group_size(c.group);
     let (send, recv) = (shape(plan, c.send), shape(plan, c.recv));
-    let mut fail = |what: String| errors.push(format!("instruction {index} ({} over the {}): {what}", c.kind.name(), c.group.name()));
+    let mut fail = |what: String| {
+        errors.push(format!("instruction {index} ({} over the {}): {what}", c.kind.name(), c.group.name()))
+    };
     if size < 2 {
         fail(format!("a group of {size} device needs no collective"));
     }
-    if let Some(root) = c.root {
-        if root >= size {
-            fail(format!("root {root} is outside a group of {size}"));
-        }
+    if let Some(root) = c.root.filter(|&r| r >= size) {
+        fail(format!("root {root} is outside a group of {size}"));
     }
     match c.kind {
         CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce => {

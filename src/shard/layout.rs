@@ -25,7 +25,11 @@ impl Placement {
 
     /// A split of the middle factor of `dim` viewed as `[outer, mid, inner]`; contiguous when `outer == 1`.
     pub fn shard_factor(dim: usize, outer: u64, inner: u64) -> Placement {
-        if outer == 1 { Placement::shard(dim) } else { Placement::Shard { dim: u8::try_from(dim).unwrap_or(u8::MAX), outer, inner } }
+        if outer == 1 {
+            Placement::shard(dim)
+        } else {
+            Placement::Shard { dim: u8::try_from(dim).unwrap_or(u8::MAX), outer, inner }
+        }
     }
 
     pub fn dim(self) -> Option<usize> {
@@ -62,10 +66,8 @@ impl Layout {
     pub fn local_shape(&self, logical: &[u64], mesh: [u64; 2]) -> Vec<u64> {
         let mut shape = logical.to_vec();
         for (axis, p) in self.0.iter().enumerate() {
-            if let Placement::Shard { dim, .. } = p {
-                if let Some(d) = shape.get_mut(*dim as usize) {
-                    *d /= mesh[axis].max(1);
-                }
+            if let Some(d) = p.dim().and_then(|dim| shape.get_mut(dim)) {
+                *d /= mesh[axis].max(1);
             }
         }
         shape

@@ -11,8 +11,8 @@ use crate::diag::Diagnostic;
 use crate::ir::{DType, Model, Node, Op, ParamId};
 use crate::plan::memory::{insert_frees, plan_memory};
 use crate::plan::{
-    Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, Mesh, Mode, OriginInfo,
-    Plan, PlanInput, PlanOutput, PlanParam, ReduceOp, Role, Strategy,
+    Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, Mesh, Mode, OriginInfo, Plan,
+    PlanInput, PlanOutput, PlanParam, ReduceOp, Role, Strategy,
 };
 use crate::span::{Span, line_col};
 use layout::{Layout, Placement};
@@ -51,9 +51,13 @@ fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
     let Mesh { rows, cols } = target.mesh;
     let problem = match target.strategy {
         _ if rows == 0 || cols == 0 => Some("a mesh needs at least one row and one column".to_string()),
-        Strategy::Optimus if rows != cols => Some(format!("the optimus strategy needs a square q x q mesh, not {rows}x{cols}")),
+        Strategy::Optimus if rows != cols => {
+            Some(format!("the optimus strategy needs a square q x q mesh, not {rows}x{cols}"))
+        }
         Strategy::Megatron if rows != 1 => Some(format!("the megatron strategy takes a 1 x p mesh, not {rows}x{cols}")),
-        Strategy::None if rows * cols != 1 => Some(format!("the none strategy runs on one device (1x1), not {rows}x{cols}")),
+        Strategy::None if rows * cols != 1 => {
+            Some(format!("the none strategy runs on one device (1x1), not {rows}x{cols}"))
+        }
         _ => None,
     };
     match problem {
@@ -148,9 +152,9 @@ impl<'a> Lowerer<'a> {
     pub fn norm(&self, layout: Layout) -> Layout {
         let axes = self.axes();
         let mut l = layout;
-        for a in 0..2 {
-            if axes[a] == 1 {
-                l.0[a] = Placement::Replicate;
+        for (p, size) in l.0.iter_mut().zip(axes) {
+            if size == 1 {
+                *p = Placement::Replicate;
             }
         }
         l
@@ -207,7 +211,12 @@ impl<'a> Lowerer<'a> {
             self.buffers[g.0 as usize].name = format!("{}.grad", self.model.params[index].name);
             let m = self.state_buffer(param.buffer, "exp_avg");
             let v = self.state_buffer(param.buffer, "exp_avg_sq");
-            self.kernel(Kernel::OptimizerStep, &[param.buffer, g, m, v], param.buffer, "optimizer step on this device's shard");
+            self.kernel(
+                Kernel::OptimizerStep,
+                &[param.buffer, g, m, v],
+                param.buffer,
+                "optimizer step on this device's shard",
+            );
             if let Some(p) = self.plan_params.iter_mut().find(|p| p.buffer == param.buffer) {
                 p.grad = Some(g);
                 p.state = vec![m, v];
@@ -227,12 +236,8 @@ impl<'a> Lowerer<'a> {
             return Err(self.diagnostics);
         }
         let forward_end = self.forward_end.unwrap_or(self.program.len());
-        let keep: HashSet<BufferId> = self
-            .outputs
-            .iter()
-            .map(|o| o.buffer)
-            .chain(self.plan_params.iter().filter_map(|p| p.grad))
-            .collect();
+        let keep: HashSet<BufferId> =
+            self.outputs.iter().map(|o| o.buffer).chain(self.plan_params.iter().filter_map(|p| p.grad)).collect();
         let program = std::mem::take(&mut self.program);
         let (program, forward_end) = insert_frees(program, &self.buffers, &keep, forward_end);
         let memory = plan_memory(&program, &self.buffers, forward_end);
@@ -264,7 +269,14 @@ impl<'a> Lowerer<'a> {
 
     // ---- buffers, instructions and origins --------------------------------------------------
 
-    pub fn new_buffer(&mut self, name: String, dtype: DType, logical: Vec<u64>, layout: Layout, role: Role) -> BufferId {
+    pub fn new_buffer(
+        &mut self,
+        name: String,
+        dtype: DType,
+        logical: Vec<u64>,
+        layout: Layout,
+        role: Role,
+    ) -> BufferId {
         let layout = self.norm(layout);
         let shape = layout.local_shape(&logical, self.axes());
         let id = BufferId(u32::try_from(self.buffers.len()).unwrap_or(u32::MAX));
@@ -309,7 +321,10 @@ impl<'a> Lowerer<'a> {
         let mesh = self.target.mesh;
         let mut d = Diagnostic::error(
             "E0602",
-            format!("{what} cannot be split {parts} ways on a {mesh} mesh with the {} strategy", self.target.strategy.name()),
+            format!(
+                "{what} cannot be split {parts} ways on a {mesh} mesh with the {} strategy",
+                self.target.strategy.name()
+            ),
         );
         let config = label.as_ref().and_then(|l| self.model.config.iter().find(|c| &c.name == l));
         match config {
@@ -465,20 +480,47 @@ impl<'a> Lowerer<'a> {
                 (Placement::Partial, Placement::Replicate) => {
                     let recv = self.node_buffer(n, next, Role::Workspace);
                     let reason = format!("sum the partial {what} over the {}", group.name());
-                    self.collective(CollectiveKind::AllReduce, group, None, Some(ReduceOp::Sum), None, current.buffer, recv, &reason);
+                    self.collective(
+                        CollectiveKind::AllReduce,
+                        group,
+                        None,
+                        Some(ReduceOp::Sum),
+                        None,
+                        current.buffer,
+                        recv,
+                        &reason,
+                    );
                     Version { layout: next, buffer: recv }
                 }
                 (Placement::Partial, Placement::Shard { .. }) => {
                     let recv = self.node_buffer(n, next, Role::Workspace);
                     let reason = format!("sum the partial {what} and scatter its blocks over the {}", group.name());
-                    self.collective(CollectiveKind::ReduceScatter, group, None, Some(ReduceOp::Sum), Some(t), current.buffer, recv, &reason);
+                    self.collective(
+                        CollectiveKind::ReduceScatter,
+                        group,
+                        None,
+                        Some(ReduceOp::Sum),
+                        Some(t),
+                        current.buffer,
+                        recv,
+                        &reason,
+                    );
                     Version { layout: next, buffer: recv }
                 }
                 (Placement::Shard { .. }, _) => {
                     let gathered = current.layout.with(axis, Placement::Replicate);
                     let recv = self.node_buffer(n, gathered, Role::Workspace);
                     let reason = format!("gather {what} over the {}", group.name());
-                    self.collective(CollectiveKind::AllGather, group, None, None, Some(f), current.buffer, recv, &reason);
+                    self.collective(
+                        CollectiveKind::AllGather,
+                        group,
+                        None,
+                        None,
+                        Some(f),
+                        current.buffer,
+                        recv,
+                        &reason,
+                    );
                     let v = Version { layout: gathered, buffer: recv };
                     if t == Placement::Replicate { v } else { self.slice(n, v, axis, t) }
                 }

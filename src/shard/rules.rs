@@ -89,7 +89,13 @@ impl Lowerer<'_> {
     }
 
     /// Sums a buffer over the mesh axes where `layout` is partial; returns the summed buffer.
-    fn all_reduce_partials(&mut self, mut buffer: BufferId, layout: Layout, op: ReduceOp, reason: &str) -> (BufferId, Layout) {
+    fn all_reduce_partials(
+        &mut self,
+        mut buffer: BufferId,
+        layout: Layout,
+        op: ReduceOp,
+        reason: &str,
+    ) -> (BufferId, Layout) {
         let mut layout = self.norm(layout);
         for axis in 0..2 {
             if layout.0[axis] != Placement::Partial {
@@ -152,7 +158,9 @@ impl Lowerer<'_> {
             Op::LayerNormGradWeight { eps } => self.layernorm_grad_weight(n, &ops, eps),
             Op::GeluGrad { approximate } => self.elementwise_grad(n, &ops, Kernel::GeluGrad { approximate }, 0),
             Op::SoftmaxGrad => self.elementwise_grad(n, &ops, Kernel::SoftmaxGrad, 1),
-            Op::DropoutGrad { p, forward } => self.elementwise(n, &ops, Kernel::DropoutGrad { p, key: forward }, 0, true),
+            Op::DropoutGrad { p, forward } => {
+                self.elementwise(n, &ops, Kernel::DropoutGrad { p, key: forward }, 0, true)
+            }
             Op::CausalMaskGrad => self.elementwise(n, &ops, Kernel::CausalMaskGrad, 2, true),
             Op::AttentionGrad { heads, causal, fused, wrt } => self.attention_grad(n, &ops, heads, causal, fused, wrt),
             Op::EmbeddingGrad => self.embedding_grad(n, ops[0], ops[1]),
@@ -167,14 +175,37 @@ impl Lowerer<'_> {
     fn summa_ab(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
         let q = self.q();
         if q == 1 {
-            self.kernel(Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: false }, &[a, b], out, what);
+            self.kernel(
+                Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: false },
+                &[a, b],
+                out,
+                what,
+            );
             return;
         }
         let (wa, wb) = (self.workspace_like(a, "summa_a"), self.workspace_like(b, "summa_b"));
         for t in 0..q {
             let step = format!("{what}: SUMMA AB step {} of {q}", t + 1);
-            self.collective(CollectiveKind::Broadcast, Group::Row, Some(t), None, None, a, wa, &format!("{step}: broadcast A block along the row"));
-            self.collective(CollectiveKind::Broadcast, Group::Column, Some(t), None, None, b, wb, &format!("{step}: broadcast B block along the column"));
+            self.collective(
+                CollectiveKind::Broadcast,
+                Group::Row,
+                Some(t),
+                None,
+                None,
+                a,
+                wa,
+                &format!("{step}: broadcast A block along the row"),
+            );
+            self.collective(
+                CollectiveKind::Broadcast,
+                Group::Column,
+                Some(t),
+                None,
+                None,
+                b,
+                wb,
+                &format!("{step}: broadcast B block along the column"),
+            );
             let k = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: t > 0 };
             self.kernel(k, &[wa, wb], out, &format!("{step}: multiply-accumulate"));
         }
@@ -184,17 +215,40 @@ impl Lowerer<'_> {
     fn summa_abt(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
         let q = self.q();
         if q == 1 {
-            self.kernel(Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: false }, &[a, b], out, what);
+            self.kernel(
+                Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: false },
+                &[a, b],
+                out,
+                what,
+            );
             return;
         }
         let wb = self.workspace_like(b, "summa_b");
         let part = self.workspace_like(out, "summa_partial");
         for t in 0..q {
             let step = format!("{what}: SUMMA ABT step {} of {q}", t + 1);
-            self.collective(CollectiveKind::Broadcast, Group::Column, Some(t), None, None, b, wb, &format!("{step}: broadcast B block along the column"));
+            self.collective(
+                CollectiveKind::Broadcast,
+                Group::Column,
+                Some(t),
+                None,
+                None,
+                b,
+                wb,
+                &format!("{step}: broadcast B block along the column"),
+            );
             let k = Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: false };
             self.kernel(k, &[a, wb], part, &format!("{step}: multiply"));
-            self.collective(CollectiveKind::Reduce, Group::Row, Some(t), Some(ReduceOp::Sum), None, part, out, &format!("{step}: reduce C block along the row"));
+            self.collective(
+                CollectiveKind::Reduce,
+                Group::Row,
+                Some(t),
+                Some(ReduceOp::Sum),
+                None,
+                part,
+                out,
+                &format!("{step}: reduce C block along the row"),
+            );
         }
     }
 
@@ -202,17 +256,40 @@ impl Lowerer<'_> {
     fn summa_atb(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
         let q = self.q();
         if q == 1 {
-            self.kernel(Kernel::MatMul { transpose_a: true, transpose_b: false, accumulate: false }, &[a, b], out, what);
+            self.kernel(
+                Kernel::MatMul { transpose_a: true, transpose_b: false, accumulate: false },
+                &[a, b],
+                out,
+                what,
+            );
             return;
         }
         let wa = self.workspace_like(a, "summa_a");
         let part = self.workspace_like(out, "summa_partial");
         for t in 0..q {
             let step = format!("{what}: SUMMA ATB step {} of {q}", t + 1);
-            self.collective(CollectiveKind::Broadcast, Group::Row, Some(t), None, None, a, wa, &format!("{step}: broadcast A block along the row"));
+            self.collective(
+                CollectiveKind::Broadcast,
+                Group::Row,
+                Some(t),
+                None,
+                None,
+                a,
+                wa,
+                &format!("{step}: broadcast A block along the row"),
+            );
             let k = Kernel::MatMul { transpose_a: true, transpose_b: false, accumulate: false };
             self.kernel(k, &[wa, b], part, &format!("{step}: multiply"));
-            self.collective(CollectiveKind::Reduce, Group::Column, Some(t), Some(ReduceOp::Sum), None, part, out, &format!("{step}: reduce C block along the column"));
+            self.collective(
+                CollectiveKind::Reduce,
+                Group::Column,
+                Some(t),
+                Some(ReduceOp::Sum),
+                None,
+                part,
+                out,
+                &format!("{step}: reduce C block along the column"),
+            );
         }
     }
 
@@ -296,7 +373,12 @@ impl Lowerer<'_> {
         let local_rows = tl.local_shape(&self.shapes[table.index()], self.axes())[0];
         let (offset, masked) = self.row_offset(self.norm(tl), local_rows);
         let g = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::EmbeddingGrad { offset, masked }, &[ib, dyb], g, "backward of embedding: scatter-add into this device's rows");
+        self.kernel(
+            Kernel::EmbeddingGrad { offset, masked },
+            &[ib, dyb],
+            g,
+            "backward of embedding: scatter-add into this device's rows",
+        );
         self.define(n, out, g);
     }
 
@@ -340,7 +422,10 @@ impl Lowerer<'_> {
     fn like_of(&mut self, n: NodeIndex) -> Option<NodeIndex> {
         let like = self.like.get(n.index()).copied().flatten();
         if like.is_none() {
-            self.diagnostics.push(Diagnostic::error("E0699", format!("internal error: backward node %{} has no forward", n.index())));
+            self.diagnostics.push(Diagnostic::error(
+                "E0699",
+                format!("internal error: backward node %{} has no forward", n.index()),
+            ));
         }
         like
     }
@@ -374,7 +459,8 @@ impl Lowerer<'_> {
             self.define(n, layout, y);
             return;
         }
-        let (y, layout) = self.all_reduce_partials(y, layout, ReduceOp::Sum, "sum the row-parallel linear's partial outputs");
+        let (y, layout) =
+            self.all_reduce_partials(y, layout, ReduceOp::Sum, "sum the row-parallel linear's partial outputs");
         let mut bias_layout = Layout::REPLICATED;
         for axis in 0..2 {
             if layout.0[axis].dim() == Some(last) {
@@ -388,15 +474,43 @@ impl Lowerer<'_> {
     }
 
     /// Megatron: column-parallel when the input is whole, row-parallel when its last dimension is split.
-    fn megatron_linear(&mut self, n: NodeIndex, x: NodeIndex, w: NodeIndex, tied: bool, last: usize) -> (BufferId, Layout) {
+    fn megatron_linear(
+        &mut self,
+        n: NodeIndex,
+        x: NodeIndex,
+        w: NodeIndex,
+        tied: bool,
+        last: usize,
+    ) -> (BufferId, Layout) {
         let input_split = self.natural(x).0[1].dim() == Some(last);
         let (xl, wl, out, ta, tb, what) = if tied {
-            (Layout::REPLICATED, Layout::new(R, s(0)), Layout::new(R, s(last)), false, true, "tied linear, vocab-parallel")
+            (
+                Layout::REPLICATED,
+                Layout::new(R, s(0)),
+                Layout::new(R, s(last)),
+                false,
+                true,
+                "tied linear, vocab-parallel",
+            )
         } else if input_split {
-            (Layout::new(R, s(last)), Layout::new(R, s(0)), Layout::new(R, Placement::Partial), false, false, "row-parallel linear")
+            (
+                Layout::new(R, s(last)),
+                Layout::new(R, s(0)),
+                Layout::new(R, Placement::Partial),
+                false,
+                false,
+                "row-parallel linear",
+            )
         } else {
             let split = self.out_split(w, 1);
-            (Layout::REPLICATED, Layout::new(R, split), Layout::new(R, on_dim(split, last)), false, false, "column-parallel linear")
+            (
+                Layout::REPLICATED,
+                Layout::new(R, split),
+                Layout::new(R, on_dim(split, last)),
+                false,
+                false,
+                "column-parallel linear",
+            )
         };
         let xb = self.value(x, xl);
         let wb = self.value(w, wl);
@@ -426,7 +540,9 @@ impl Lowerer<'_> {
         let (dyl, out, tb) = match (tied, wl.0[1]) {
             (true, _) => (Layout::new(R, s(last)), Layout::new(R, Placement::Partial), false),
             (false, Placement::Shard { dim: 0, .. }) => (Layout::REPLICATED, Layout::new(R, s(last)), true),
-            (false, Placement::Shard { .. }) => (Layout::new(R, on_dim(wl.0[1], last)), Layout::new(R, Placement::Partial), true),
+            (false, Placement::Shard { .. }) => {
+                (Layout::new(R, on_dim(wl.0[1], last)), Layout::new(R, Placement::Partial), true)
+            }
             (false, _) => (Layout::REPLICATED, Layout::REPLICATED, true),
         };
         let dyb = self.value(dy, dyl);
@@ -470,7 +586,8 @@ impl Lowerer<'_> {
     }
 
     fn missing_param(&mut self, n: NodeIndex) {
-        self.diagnostics.push(Diagnostic::error("E0699", format!("internal error: the weight of %{} has no layout", n.index())));
+        self.diagnostics
+            .push(Diagnostic::error("E0699", format!("internal error: the weight of %{} has no layout", n.index())));
     }
 
     /// Sum over every dimension but the last (bias and beta gradients).
@@ -524,8 +641,14 @@ impl Lowerer<'_> {
         self.kernel(Kernel::RowSum, &[xb], s1, "LayerNorm statistics: local sum");
         let (s1, _) = self.all_reduce_partials(s1, partial, ReduceOp::Sum, "LayerNorm statistics: sum over the row");
         let s2 = self.stat_buffer(n, x, 1, partial, "sqsum");
-        self.kernel(Kernel::RowCenteredSquareSum { n: full }, &[xb, s1], s2, "LayerNorm statistics: local centred squares");
-        let (s2, _) = self.all_reduce_partials(s2, partial, ReduceOp::Sum, "LayerNorm statistics: variance over the row");
+        self.kernel(
+            Kernel::RowCenteredSquareSum { n: full },
+            &[xb, s1],
+            s2,
+            "LayerNorm statistics: local centred squares",
+        );
+        let (s2, _) =
+            self.all_reduce_partials(s2, partial, ReduceOp::Sum, "LayerNorm statistics: variance over the row");
         let y = self.node_buffer(n, xl, Role::Workspace);
         self.kernel(Kernel::LayerNormApply { n: full, eps }, &[xb, s1, s2, gb, bb], y, "LayerNorm: normalise");
         self.layernorm_stats.insert(x, (s1, s2));
@@ -543,10 +666,21 @@ impl Lowerer<'_> {
         let gb = self.value(gamma, gl);
         let partial = self.rows_partial(xl, rank);
         let sums = self.stat_buffer(n, x, 2, partial, "grad_sums");
-        self.kernel(Kernel::LayerNormGradSums { n: full, eps }, &[dyb, xb, gb, s1, s2], sums, "backward of LayerNorm: local sums");
-        let (sums, _) = self.all_reduce_partials(sums, partial, ReduceOp::Sum, "backward of LayerNorm: sums over the row");
+        self.kernel(
+            Kernel::LayerNormGradSums { n: full, eps },
+            &[dyb, xb, gb, s1, s2],
+            sums,
+            "backward of LayerNorm: local sums",
+        );
+        let (sums, _) =
+            self.all_reduce_partials(sums, partial, ReduceOp::Sum, "backward of LayerNorm: sums over the row");
         let dx = self.node_buffer(n, xl, Role::Workspace);
-        self.kernel(Kernel::LayerNormGradInput { n: full, eps }, &[dyb, xb, gb, s1, s2, sums], dx, "backward of LayerNorm (dX)");
+        self.kernel(
+            Kernel::LayerNormGradInput { n: full, eps },
+            &[dyb, xb, gb, s1, s2, sums],
+            dx,
+            "backward of LayerNorm (dX)",
+        );
         self.define(n, xl, dx);
     }
 
@@ -560,7 +694,12 @@ impl Lowerer<'_> {
         let xb = self.value(x, xl);
         let out = self.summed_layout(xl, rank);
         let g = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::LayerNormGradWeight { n: full, eps }, &[dyb, xb, s1, s2], g, "backward of LayerNorm (dgamma)");
+        self.kernel(
+            Kernel::LayerNormGradWeight { n: full, eps },
+            &[dyb, xb, s1, s2],
+            g,
+            "backward of LayerNorm (dgamma)",
+        );
         self.define(n, out, g);
     }
 
@@ -628,7 +767,7 @@ impl Lowerer<'_> {
     fn local_heads(&mut self, n: NodeIndex, heads: u64, input: Layout) -> u64 {
         let split = input.0[1].dim().is_some();
         let parts = if split { self.axes()[1] } else { 1 };
-        if heads % parts != 0 {
+        if !heads.is_multiple_of(parts) {
             let key = format!("heads/{heads}/{parts}");
             if !self.diagnostics.iter().any(|d| d.message.contains(&key)) {
                 let mut d = self.divisibility_error(n, heads, Some("heads".to_string()), parts);
@@ -649,7 +788,12 @@ impl Lowerer<'_> {
         let local = self.local_heads(n, heads, il);
         let inputs: Vec<BufferId> = ops.iter().map(|&o| self.value(o, il)).collect();
         let y = self.node_buffer(n, ol, Role::Workspace);
-        self.kernel(Kernel::Attention { heads: local, causal, fused }, &inputs, y, "attention for this device's batch chunk and head group (no communication)");
+        self.kernel(
+            Kernel::Attention { heads: local, causal, fused },
+            &inputs,
+            y,
+            "attention for this device's batch chunk and head group (no communication)",
+        );
         self.define(n, ol, y);
     }
 
@@ -663,7 +807,12 @@ impl Lowerer<'_> {
             inputs.push(self.value(o, il));
         }
         let g = self.node_buffer(n, il, Role::Workspace);
-        self.kernel(Kernel::AttentionGrad { heads: local, causal, fused, wrt }, &inputs, g, "backward of attention (local)");
+        self.kernel(
+            Kernel::AttentionGrad { heads: local, causal, fused, wrt },
+            &inputs,
+            g,
+            "backward of attention (local)",
+        );
         self.define(n, il, g);
     }
 
@@ -676,14 +825,11 @@ impl Lowerer<'_> {
     }
 
     fn vocab_offset(&self, logits: Layout, local_vocab: u64) -> Offset {
-        match logits.axis_of(logits.0.iter().find_map(|p| p.dim()).map_or(usize::MAX, |_| 0)) {
-            _ => {
-                let axis = logits.0.iter().position(|p| matches!(p, Placement::Shard { dim, .. } if *dim as usize != 0));
-                match axis {
-                    Some(a) => Offset { axis: Some(u8::try_from(a).unwrap_or(0)), block: local_vocab },
-                    None => Offset::ZERO,
-                }
-            }
+        // The vocabulary is the last dimension; whichever axis splits it gives the offset.
+        let axis = logits.0.iter().position(|p| matches!(p, Placement::Shard { dim, .. } if *dim != 0));
+        match axis {
+            Some(a) => Offset { axis: Some(u8::try_from(a).unwrap_or(0)), block: local_vocab },
+            None => Offset::ZERO,
         }
     }
 
@@ -698,11 +844,26 @@ impl Lowerer<'_> {
         let count: u64 = self.graph[logits].ty.sizes()[..rank - 1].iter().product();
         let partial = self.rows_partial(ll, rank);
         let max = self.stat_buffer(n, logits, 1, partial, "max");
-        self.kernel(Kernel::CrossEntropyMax { offset, valid }, &[lb], max, "cross-entropy: local max over the vocabulary");
+        self.kernel(
+            Kernel::CrossEntropyMax { offset, valid },
+            &[lb],
+            max,
+            "cross-entropy: local max over the vocabulary",
+        );
         let (max, _) = self.all_reduce_partials(max, partial, ReduceOp::Max, "cross-entropy: max over the row");
         let stats = self.stat_buffer(n, logits, 2, partial, "stats");
-        self.kernel(Kernel::CrossEntropyStats { offset, valid }, &[lb, tb, max], stats, "cross-entropy: target logit and sum of exponentials");
-        let (stats, _) = self.all_reduce_partials(stats, partial, ReduceOp::Sum, "cross-entropy: target logit and sum of exponentials over the row");
+        self.kernel(
+            Kernel::CrossEntropyStats { offset, valid },
+            &[lb, tb, max],
+            stats,
+            "cross-entropy: target logit and sum of exponentials",
+        );
+        let (stats, _) = self.all_reduce_partials(
+            stats,
+            partial,
+            ReduceOp::Sum,
+            "cross-entropy: target logit and sum of exponentials over the row",
+        );
         let mut loss_layout = Layout::REPLICATED;
         for axis in 0..2 {
             if ll.0[axis].dim().is_some_and(|d| d < rank - 1) {
@@ -710,7 +871,12 @@ impl Lowerer<'_> {
             }
         }
         let loss = self.node_buffer(n, loss_layout, Role::Workspace);
-        self.kernel(Kernel::CrossEntropyLoss { count }, &[max, stats], loss, "cross-entropy: this batch chunk's share of the mean");
+        self.kernel(
+            Kernel::CrossEntropyLoss { count },
+            &[max, stats],
+            loss,
+            "cross-entropy: this batch chunk's share of the mean",
+        );
         self.cross_entropy_stats.insert(logits, (max, stats));
         self.define(n, loss_layout, loss);
     }
@@ -728,7 +894,12 @@ impl Lowerer<'_> {
         let offset = self.vocab_offset(ll, local_vocab);
         let count: u64 = self.graph[logits].ty.sizes()[..rank - 1].iter().product();
         let g = self.node_buffer(n, ll, Role::Workspace);
-        self.kernel(Kernel::CrossEntropyGrad { offset, valid, count }, &[lb, tb, max, stats, db], g, "backward of cross-entropy (local)");
+        self.kernel(
+            Kernel::CrossEntropyGrad { offset, valid, count },
+            &[lb, tb, max, stats, db],
+            g,
+            "backward of cross-entropy (local)",
+        );
         self.define(n, ll, g);
     }
 
@@ -809,7 +980,12 @@ impl Lowerer<'_> {
         }
         let dyb = self.value(dy, l);
         let y = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::SelectGrad { dim: u8::try_from(dim).unwrap_or(0), index }, &[dyb], y, "backward of select (local)");
+        self.kernel(
+            Kernel::SelectGrad { dim: u8::try_from(dim).unwrap_or(0), index },
+            &[dyb],
+            y,
+            "backward of select (local)",
+        );
         self.define(n, out, y);
     }
 
@@ -833,7 +1009,7 @@ fn map_shard(from: &[u64], to: &[u64], dim: usize, outer: u64, inner: u64) -> Op
     for e in 0..to.len() {
         let after_e: u64 = to[e + 1..].iter().product();
         let block = after_e * to[e];
-        if after_e <= stride && stride % after_e == 0 && block % (stride * mid) == 0 {
+        if after_e <= stride && stride.is_multiple_of(after_e) && block.is_multiple_of(stride * mid) {
             return Some(Placement::shard_factor(e, block / (stride * mid), stride / after_e));
         }
     }

@@ -23,10 +23,9 @@ pub fn vocab_shards(target: Target) -> u64 {
 fn tied_tables(graph: &DiGraph<Node, u8>, operands: impl Fn(NodeIndex) -> Vec<NodeIndex>) -> HashSet<ParamId> {
     let mut tied = HashSet::new();
     for n in graph.node_indices() {
-        if let Op::Linear { transpose_weight: true, .. } = graph[n].op {
-            if let Some(Op::Param { id }) = operands(n).get(1).map(|&w| graph[w].op.clone()) {
-                tied.insert(id);
-            }
+        let tied_linear = matches!(graph[n].op, Op::Linear { transpose_weight: true, .. });
+        if let (true, Some(Op::Param { id })) = (tied_linear, operands(n).get(1).map(|&w| graph[w].op.clone())) {
+            tied.insert(id);
         }
     }
     tied
@@ -72,16 +71,19 @@ pub fn padded_param(model: &Model, id: ParamId, target: Target) -> Vec<u64> {
     let k = vocab_shards(target);
     if vocab_parallel(model, id) {
         shape[0] = round_up(shape[0], k);
-    } else if head_params(model).contains(&id) {
-        if let Some(last) = shape.last_mut() {
-            *last = round_up(*last, k);
-        }
+    } else if let (true, Some(last)) = (head_params(model).contains(&id), shape.last_mut()) {
+        *last = round_up(*last, k);
     }
     shape
 }
 
 /// Padded logical shapes of every node of `graph` (forward nodes first, then backward by `like`).
-pub fn padded_shapes(model: &Model, graph: &DiGraph<Node, u8>, like: &[Option<NodeIndex>], target: Target) -> Vec<Vec<u64>> {
+pub fn padded_shapes(
+    model: &Model,
+    graph: &DiGraph<Node, u8>,
+    like: &[Option<NodeIndex>],
+    target: Target,
+) -> Vec<Vec<u64>> {
     let operands = |n: NodeIndex| {
         use petgraph::visit::EdgeRef;
         let mut e: Vec<(u8, NodeIndex)> =
@@ -114,10 +116,9 @@ pub fn padded_shapes(model: &Model, graph: &DiGraph<Node, u8>, like: &[Option<No
                 }
                 s
             }
-            (
-                Op::Gelu { .. } | Op::Dropout { .. } | Op::Scale { .. } | Op::Add | Op::Softmax | Op::CausalMask,
-                _,
-            ) => of(0, &shapes).unwrap_or(logical.clone()),
+            (Op::Gelu { .. } | Op::Dropout { .. } | Op::Scale { .. } | Op::Add | Op::Softmax | Op::CausalMask, _) => {
+                of(0, &shapes).unwrap_or(logical.clone())
+            }
             _ => logical,
         };
         shapes.push(shape);
