@@ -167,7 +167,9 @@ impl<'a> Lowerer<'a> {
                 self.forward_end = Some(self.program.len());
             }
             self.current = n;
-            if !self.diagnostics.is_empty() {
+            // Keep going past dimensions that do not divide, to report them all and learn every split
+            // size; stop at anything else.
+            if self.diagnostics.iter().any(|d| d.code != "E0602") {
                 return;
             }
             self.lower_node(n);

@@ -41,7 +41,8 @@ pub fn vocab_parallel(model: &Model, id: ParamId) -> bool {
     tied.contains(&id) || p.ty.shape.first().is_some_and(|d| d.size >= VOCAB_PARALLEL_ROWS)
 }
 
-/// Parameters of untied linears whose output is fed straight into a cross-entropy (an LM head).
+/// Parameters of linears whose output is fed straight into a cross-entropy (an LM head): the weight
+/// and bias of an untied head, the bias of a tied one (whose weight is a padded embedding table).
 fn head_params(model: &Model) -> HashSet<ParamId> {
     let mut params = HashSet::new();
     for n in model.graph.node_indices() {
@@ -49,8 +50,9 @@ fn head_params(model: &Model) -> HashSet<ParamId> {
             continue;
         }
         let Some(&logits) = model.operands(n).first() else { continue };
-        if let Op::Linear { transpose_weight: false, .. } = model.graph[logits].op {
-            for &operand in model.operands(logits).iter().skip(1) {
+        if let Op::Linear { transpose_weight, .. } = model.graph[logits].op {
+            let skip = if transpose_weight { 2 } else { 1 };
+            for &operand in model.operands(logits).iter().skip(skip) {
                 if let Op::Param { id } = model.graph[operand].op {
                     params.insert(id);
                 }
