@@ -310,15 +310,19 @@ impl<'a> Lowerer<'a> {
             if split_size % axes[axis] == 0 {
                 continue;
             }
-            let key = format!("{label:?}/{split_size}/{}", axes[axis]);
-            if self.reported_dims.insert(key) {
+            if self.first_report(&format!("{:?}/{split_size}/{}", label.as_deref(), axes[axis])) {
                 let d = self.divisibility_error(n, split_size, label, axes[axis]);
                 self.diagnostics.push(d);
             }
         }
     }
 
-    fn divisibility_error(&self, n: NodeIndex, size: u64, label: Option<String>, parts: u64) -> Diagnostic {
+    /// Whether a divisibility problem (keyed by name, size and parts) is reported for the first time.
+    pub fn first_report(&mut self, key: &str) -> bool {
+        self.reported_dims.insert(key.to_string())
+    }
+
+    pub(crate) fn divisibility_error(&self, n: NodeIndex, size: u64, label: Option<String>, parts: u64) -> Diagnostic {
         let what = label.clone().map_or_else(|| format!("a dimension of size {size}"), |l| format!("`{l}` ({size})"));
         let mesh = self.target.mesh;
         let mut d = Diagnostic::error(

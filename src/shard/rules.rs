@@ -768,10 +768,9 @@ impl Lowerer<'_> {
         let split = input.0[1].dim().is_some();
         let parts = if split { self.axes()[1] } else { 1 };
         if !heads.is_multiple_of(parts) {
-            let key = format!("heads/{heads}/{parts}");
-            if !self.diagnostics.iter().any(|d| d.message.contains(&key)) {
+            if self.first_report(&format!("{:?}/{heads}/{parts}", Some("heads"))) {
                 let mut d = self.divisibility_error(n, heads, Some("heads".to_string()), parts);
-                d.notes.push(format!("attention keeps whole heads on each device ({key})"));
+                d.notes.push("attention keeps whole heads on each device".to_string());
                 self.diagnostics.push(d);
             }
             self.split_dims.insert((heads, Some("heads".to_string())));
