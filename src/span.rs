@@ -42,3 +42,24 @@ fn floor_char_boundary(s: &str, mut i: usize) -> usize {
     }
     i
 }
+
+/// Line start offsets of a source, for fast (line, column) lookups of many spans.
+pub struct LineIndex<'a> {
+    source: &'a str,
+    starts: Vec<usize>,
+}
+
+impl<'a> LineIndex<'a> {
+    pub fn new(source: &'a str) -> LineIndex<'a> {
+        let starts = std::iter::once(0).chain(source.match_indices('\n').map(|(i, _)| i + 1)).collect();
+        LineIndex { source, starts }
+    }
+
+    /// 1-based (line, column) of a byte offset, counting columns in characters; same as [`line_col`].
+    pub fn line_col(&self, offset: usize) -> (usize, usize) {
+        let offset = floor_char_boundary(self.source, offset.min(self.source.len()));
+        let line = self.starts.partition_point(|&s| s <= offset);
+        let start = self.starts[line.saturating_sub(1)];
+        (line, self.source[start..offset].chars().count() + 1)
+    }
+}

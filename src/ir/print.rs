@@ -2,7 +2,7 @@
 
 use super::{Dim, Init, Model, Op, TensorType};
 use crate::diag::group_digits;
-use crate::span::line_col;
+use crate::span::LineIndex;
 use std::fmt::Write;
 
 /// Shows one dimension: `batch=8`, `2304`, or a factored `(3, heads=12, 64)`.
@@ -74,6 +74,7 @@ fn show_attrs(op: &Op) -> String {
 /// Renders the whole model as text; `source` lets origins print as line:col.
 pub fn print_model(model: &Model, source: &str) -> String {
     let mut out = String::new();
+    let lines = LineIndex::new(source);
     let _ = writeln!(
         out,
         "model {}  # {} parameters in {} tensors",
@@ -103,7 +104,7 @@ pub fn print_model(model: &Model, source: &str) -> String {
             Op::Param { id } => format!("param {}", model.param(*id).name),
             op => format!("{}({}){}", op.name(), operands.join(", "), show_attrs(op)),
         };
-        let (line, col) = line_col(source, node.origin.span.start as usize);
+        let (line, col) = lines.line_col(node.origin.span.start as usize);
         let scope = if node.origin.scope.is_empty() { String::new() } else { format!("{} ", node.origin.scope) };
         let _ = writeln!(out, "%{} = {head} : {}  # {scope}@{line}:{col}", idx.index(), show_type(&node.ty));
     }

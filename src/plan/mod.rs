@@ -360,12 +360,13 @@ pub struct Collective {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "instr")]
 pub enum Instr {
-    Kernel { kernel: Kernel, inputs: Vec<BufferId>, output: BufferId, origin: u32 },
-    Collective { collective: Collective, origin: u32 },
+    Kernel { kernel: Kernel, inputs: Vec<BufferId>, output: BufferId, origin: u32, reason: u32 },
+    Collective { collective: Collective, origin: u32, reason: u32 },
     Free { buffer: BufferId },
 }
 
-/// Where an instruction came from: a model source line and the reason it exists.
+/// Where an instruction came from: the model source text (and layer path) that caused it. Each
+/// instruction also names its reason, an index into [`Plan::reasons`].
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct OriginInfo {
     pub span: Span,
@@ -373,7 +374,6 @@ pub struct OriginInfo {
     pub col: u32,
     /// Layer path, e.g. `h.3.attn.c_attn`.
     pub scope: String,
-    pub reason: String,
 }
 
 /// A trainable parameter and where its block, gradient and optimizer state live.
@@ -435,6 +435,8 @@ pub struct Plan {
     pub buffers: Vec<Buffer>,
     pub program: Vec<Instr>,
     pub origins: Vec<OriginInfo>,
+    /// Why each instruction exists ("SUMMA AB step 2 of 4: broadcast A block along the row").
+    pub reasons: Vec<String>,
     pub memory: memory::MemoryPlan,
 }
 

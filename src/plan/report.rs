@@ -89,14 +89,14 @@ pub struct Flops {
     pub total: u64,
 }
 
-fn origin_ref(plan: &Plan, origin: u32) -> OriginRef {
-    let o = &plan.origins[origin as usize];
+fn origin_ref(plan: &Plan, origin: u32, reason: u32) -> OriginRef {
+    let o = plan.origins.get(origin as usize);
     OriginRef {
-        location: format!("{}:{}:{}", plan.source, o.line, o.col),
-        line: o.line,
-        col: o.col,
-        scope: o.scope.clone(),
-        reason: o.reason.clone(),
+        location: format!("{}:{}:{}", plan.source, o.map_or(0, |o| o.line), o.map_or(0, |o| o.col)),
+        line: o.map_or(0, |o| o.line),
+        col: o.map_or(0, |o| o.col),
+        scope: o.map_or_else(String::new, |o| o.scope.clone()),
+        reason: plan.reasons.get(reason as usize).cloned().unwrap_or_default(),
     }
 }
 
@@ -114,7 +114,7 @@ pub fn report(plan: &Plan) -> Report {
     let mut communication = Vec::new();
     let mut totals: BTreeMap<(String, String), CommTotal> = BTreeMap::new();
     for (index, instr) in plan.program.iter().enumerate() {
-        let Instr::Collective { collective: c, origin } = instr else { continue };
+        let Instr::Collective { collective: c, origin, reason } = instr else { continue };
         let (send, recv) = (plan.buffer(c.send), plan.buffer(c.recv));
         let elements = payload(plan, c.kind, send, recv);
         let bytes = elements * send.dtype.bytes();
@@ -135,12 +135,14 @@ pub fn report(plan: &Plan) -> Report {
             group,
             elements,
             bytes,
-            origin: origin_ref(plan, *origin),
+            origin: origin_ref(plan, *origin, *reason),
         });
     }
     let m = &plan.memory;
     let peak_origin = match plan.program.get(m.peak_instruction) {
-        Some(Instr::Kernel { origin, .. } | Instr::Collective { origin, .. }) => Some(origin_ref(plan, *origin)),
+        Some(Instr::Kernel { origin, reason, .. } | Instr::Collective { origin, reason, .. }) => {
+            Some(origin_ref(plan, *origin, *reason))
+        }
         _ => None,
     };
     let per_device = flops(plan);

@@ -178,16 +178,19 @@ fn sequence(plan: &Plan, group: Group) -> Vec<(CollectiveKind, Option<u64>, u64)
         .collect()
 }
 
-/// Every member of every row, column and world group must issue the same collectives in the same order.
-/// The program is SPMD with no per-device branches, so each device's sequence is the program's; the
-/// check compares them member by member so that any future per-device instruction is held to it.
+/// Every member of every row, column and world group must issue the same collectives in the same order,
+/// with the same payload sizes and valid roots. The program is SPMD without per-device branches, so
+/// each member's sequence is the program's own; what can still differ is the size each member sends,
+/// which the layouts fix to the same block shape on every device. This checks both facts.
 fn check_group_order(plan: &Plan, errors: &mut Vec<String>) {
     for group in [Group::Row, Group::Column, Group::World] {
-        let reference = sequence(plan, group);
         let members = plan.mesh.group_size(group);
-        for member in 1..members {
-            if sequence(plan, group) != reference {
-                errors.push(format!("member {member} of a {} group issues different collectives", group.name()));
+        for (kind, root, bytes) in sequence(plan, group) {
+            if bytes == 0 {
+                errors.push(format!("a {} over the {} group sends nothing", kind.name(), group.name()));
+            }
+            if root.is_some_and(|r| r >= members) {
+                errors.push(format!("a {} over the {} group has a root outside the group", kind.name(), group.name()));
             }
         }
     }

@@ -14,10 +14,11 @@ use crate::plan::{
     Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, Mesh, Mode, OriginInfo, Plan,
     PlanInput, PlanOutput, PlanParam, ReduceOp, Role, Strategy,
 };
-use crate::span::{Span, line_col};
+use crate::span::{LineIndex, Span};
 use layout::{Layout, Placement};
 use petgraph::graph::{DiGraph, NodeIndex};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::BTreeSet;
 
 /// What to compile for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,13 +85,17 @@ pub(crate) struct Lowerer<'a> {
     /// For each backward node, the forward node whose shape (and, for parameters, identity) it has.
     pub like: Vec<Option<NodeIndex>>,
     pub source: &'a str,
+    lines: LineIndex<'a>,
     pub target: Target,
     /// Padded logical shape of every node.
     pub shapes: Vec<Vec<u64>>,
     pub buffers: Vec<Buffer>,
     pub program: Vec<Instr>,
     pub origins: Vec<OriginInfo>,
-    origin_ids: HashMap<OriginInfo, u32>,
+    /// Origins already recorded, by node.
+    origin_ids: HashMap<NodeIndex, u32>,
+    pub reasons: Vec<String>,
+    reason_ids: HashMap<String, u32>,
     /// Every sharded version made of each node, in the order they were made.
     pub versions: HashMap<NodeIndex, Vec<Version>>,
     pub param_buffers: HashMap<ParamId, Version>,
@@ -123,20 +128,23 @@ impl<'a> Lowerer<'a> {
             graph,
             like,
             source,
+            lines: LineIndex::new(source),
             target,
             shapes,
             buffers: Vec::new(),
             program: Vec::new(),
             origins: Vec::new(),
-            origin_ids: HashMap::new(),
-            versions: HashMap::new(),
-            param_buffers: HashMap::new(),
-            layernorm_stats: HashMap::new(),
-            cross_entropy_stats: HashMap::new(),
+            origin_ids: HashMap::default(),
+            reasons: Vec::new(),
+            reason_ids: HashMap::default(),
+            versions: HashMap::default(),
+            param_buffers: HashMap::default(),
+            layernorm_stats: HashMap::default(),
+            cross_entropy_stats: HashMap::default(),
             current: NodeIndex::new(0),
             forward_end: None,
             diagnostics: Vec::new(),
-            reported_dims: HashSet::new(),
+            reported_dims: HashSet::default(),
             split_dims: BTreeSet::new(),
             inputs: Vec::new(),
             plan_params: Vec::new(),
@@ -238,7 +246,7 @@ impl<'a> Lowerer<'a> {
             return Err(self.diagnostics);
         }
         let forward_end = self.forward_end.unwrap_or(self.program.len());
-        let keep: HashSet<BufferId> =
+        let keep: std::collections::HashSet<BufferId> =
             self.outputs.iter().map(|o| o.buffer).chain(self.plan_params.iter().filter_map(|p| p.grad)).collect();
         let program = std::mem::take(&mut self.program);
         let (program, forward_end) = insert_frees(program, &self.buffers, &keep, forward_end);
@@ -258,6 +266,7 @@ impl<'a> Lowerer<'a> {
             buffers: self.buffers,
             program,
             origins: self.origins,
+            reasons: self.reasons,
             memory,
         };
         crate::plan::verify::verify(&plan).map_err(|errors| {
@@ -359,29 +368,40 @@ impl<'a> Lowerer<'a> {
         }
     }
 
-    fn origin(&mut self, reason: &str) -> u32 {
+    /// The origin of the node being lowered, recorded once per node.
+    fn origin(&mut self) -> u32 {
+        if let Some(&id) = self.origin_ids.get(&self.current) {
+            return id;
+        }
         let node = &self.graph[self.current];
         let span: Span = node.origin.span;
-        let (line, col) = line_col(self.source, span.start as usize);
+        let (line, col) = self.lines.line_col(span.start as usize);
         let info = OriginInfo {
             span,
             line: u32::try_from(line).unwrap_or(u32::MAX),
             col: u32::try_from(col).unwrap_or(u32::MAX),
             scope: node.origin.scope.clone(),
-            reason: reason.to_string(),
         };
-        if let Some(&id) = self.origin_ids.get(&info) {
+        let id = u32::try_from(self.origins.len()).unwrap_or(u32::MAX);
+        self.origins.push(info);
+        self.origin_ids.insert(self.current, id);
+        id
+    }
+
+    /// The index of a reason in the interned table.
+    fn reason(&mut self, reason: &str) -> u32 {
+        if let Some(&id) = self.reason_ids.get(reason) {
             return id;
         }
-        let id = u32::try_from(self.origins.len()).unwrap_or(u32::MAX);
-        self.origins.push(info.clone());
-        self.origin_ids.insert(info, id);
+        let id = u32::try_from(self.reasons.len()).unwrap_or(u32::MAX);
+        self.reasons.push(reason.to_string());
+        self.reason_ids.insert(reason.to_string(), id);
         id
     }
 
     pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: &str) {
-        let origin = self.origin(reason);
-        self.program.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), output, origin });
+        let (origin, reason) = (self.origin(), self.reason(reason));
+        self.program.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), output, origin, reason });
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -396,9 +416,9 @@ impl<'a> Lowerer<'a> {
         recv: BufferId,
         reason: &str,
     ) {
-        let origin = self.origin(reason);
+        let (origin, reason) = (self.origin(), self.reason(reason));
         let collective = Collective { kind, group, root, op, shard, send, recv };
-        self.program.push(Instr::Collective { collective, origin });
+        self.program.push(Instr::Collective { collective, origin, reason });
     }
 
     // ---- values and redistribution ----------------------------------------------------------

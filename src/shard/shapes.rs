@@ -33,12 +33,13 @@ fn tied_tables(graph: &DiGraph<Node, u8>, operands: impl Fn(NodeIndex) -> Vec<No
 
 /// Whether an embedding table is split on its rows: tied to a linear, or large.
 pub fn vocab_parallel(model: &Model, id: ParamId) -> bool {
+    vocab_parallel_in(model, id, &tied_tables(&model.graph, |n| model.operands(n)))
+}
+
+fn vocab_parallel_in(model: &Model, id: ParamId, tied: &HashSet<ParamId>) -> bool {
     let p = &model.params[id.0 as usize];
-    if p.role != ParamRole::Embedding {
-        return false;
-    }
-    let tied = tied_tables(&model.graph, |n| model.operands(n));
-    tied.contains(&id) || p.ty.shape.first().is_some_and(|d| d.size >= VOCAB_PARALLEL_ROWS)
+    p.role == ParamRole::Embedding
+        && (tied.contains(&id) || p.ty.shape.first().is_some_and(|d| d.size >= VOCAB_PARALLEL_ROWS))
 }
 
 /// Parameters of linears whose output is fed straight into a cross-entropy (an LM head): the weight
@@ -66,17 +67,32 @@ fn round_up(v: u64, k: u64) -> u64 {
     v.div_ceil(k.max(1)) * k.max(1)
 }
 
-/// The padded shape of one parameter.
-pub fn padded_param(model: &Model, id: ParamId, target: Target) -> Vec<u64> {
-    let p = &model.params[id.0 as usize];
-    let mut shape = p.ty.sizes();
-    let k = vocab_shards(target);
-    if vocab_parallel(model, id) {
-        shape[0] = round_up(shape[0], k);
-    } else if let (true, Some(last)) = (head_params(model).contains(&id), shape.last_mut()) {
-        *last = round_up(*last, k);
+/// What decides parameter padding, computed once per model.
+struct PaddingRules {
+    tied: HashSet<ParamId>,
+    heads: HashSet<ParamId>,
+    shards: u64,
+}
+
+impl PaddingRules {
+    fn new(model: &Model, target: Target) -> PaddingRules {
+        PaddingRules {
+            tied: tied_tables(&model.graph, |n| model.operands(n)),
+            heads: head_params(model),
+            shards: vocab_shards(target),
+        }
     }
-    shape
+
+    /// The padded shape of one parameter.
+    fn padded_param(&self, model: &Model, id: ParamId) -> Vec<u64> {
+        let mut shape = model.params[id.0 as usize].ty.sizes();
+        if vocab_parallel_in(model, id, &self.tied) {
+            shape[0] = round_up(shape[0], self.shards);
+        } else if let (true, Some(last)) = (self.heads.contains(&id), shape.last_mut()) {
+            *last = round_up(*last, self.shards);
+        }
+        shape
+    }
 }
 
 /// Padded logical shapes of every node of `graph` (forward nodes first, then backward by `like`).
@@ -93,6 +109,7 @@ pub fn padded_shapes(
         e.sort_unstable();
         e.into_iter().map(|(_, s)| s).collect::<Vec<_>>()
     };
+    let rules = PaddingRules::new(model, target);
     let mut shapes: Vec<Vec<u64>> = Vec::with_capacity(graph.node_count());
     for n in graph.node_indices() {
         let node = &graph[n];
@@ -101,7 +118,7 @@ pub fn padded_shapes(
         let of = |i: usize, shapes: &Vec<Vec<u64>>| ops.get(i).map(|o| shapes[o.index()].clone());
         let shape = match (&node.op, like.get(n.index()).copied().flatten()) {
             (_, Some(l)) if l != n => shapes[l.index()].clone(),
-            (Op::Param { id }, _) => padded_param(model, *id, target),
+            (Op::Param { id }, _) => rules.padded_param(model, *id),
             (Op::Linear { transpose_weight, .. }, _) => {
                 let mut s = logical.clone();
                 let w = of(1, &shapes).unwrap_or_default();
