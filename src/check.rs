@@ -25,7 +25,11 @@ pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
             let at = e.utf8_error().valid_up_to();
             let text = String::from_utf8_lossy(e.as_bytes()).into_owned();
             let d = Diagnostic::error("E0003", "the file is not valid UTF-8")
-                .primary(Span::new(at, at + 1), format!("invalid byte at offset {at}"))
+                // The lossy text shows the bad bytes as one U+FFFD, which the label covers whole.
+                .primary(
+                    Span::new(at, at + char::REPLACEMENT_CHARACTER.len_utf8()),
+                    format!("invalid byte at offset {at}"),
+                )
                 .help("model files must be UTF-8 text");
             (Source { name: name.to_string(), text }, Some(d))
         }

@@ -5,10 +5,10 @@
 
 pub mod autodiff;
 pub mod check;
-pub mod plan;
-pub mod shard;
 pub mod diag;
 pub mod elab;
 pub mod ir;
+pub mod plan;
+pub mod shard;
 pub mod span;
 pub mod syntax;

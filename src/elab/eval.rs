@@ -36,13 +36,14 @@ impl Elab<'_> {
                 let v = self.eval(inner, frame)?;
                 self.negate(v, expr.span)
             }
-            ExprKind::Binary { op, lhs, rhs } => {
+            ExprKind::Binary { op, op_span, lhs, rhs } => {
                 let l = self.eval(lhs, frame);
                 let r = self.eval(rhs, frame);
                 let (l, r) = (l?, r?);
-                self.binary(*op, (l, lhs), (r, rhs), expr.span, frame)
+                self.binary(BinarySite { op: *op, op_span: *op_span, lhs, rhs }, l, r, frame)
             }
             ExprKind::Call(call) => self.eval_call(call, frame),
+            ExprKind::Invalid => Ok(Value::Poison),
         }
     }
 
@@ -55,7 +56,7 @@ impl Elab<'_> {
                 let label = label.clone().unwrap_or_else(|| name.to_string());
                 return Ok(Value::Scalar(v.clone(), Some(label)));
             }
-            if self.modules[m].layers.iter().any(|(n, _)| n == name) {
+            if self.modules[m].layer(name).is_some() {
                 return self.fail(
                     Diagnostic::error("E0107", format!("`{name}` is a layer, not a value"))
                         .primary(span, "a layer")
@@ -63,7 +64,7 @@ impl Elab<'_> {
                 );
             }
         }
-        if self.poisoned_config.contains(name) {
+        if self.poisoned.contains(name) {
             return Ok(Value::Poison);
         }
         if let Some(v) = self.config_env.get(name) {
@@ -80,9 +81,13 @@ impl Elab<'_> {
             );
         }
         let mut d = Diagnostic::error("E0101", format!("unknown name `{name}`")).primary(span, "not defined");
-        let candidates = self.names_in_scope(frame);
-        if let Some(s) = suggest(name, candidates.iter().map(String::as_str)) {
-            d = d.help(format!("did you mean `{s}`?"));
+        // Each search compares the name with every name in scope; after many unknown names, stop searching.
+        if self.name_searches < super::MAX_NAME_SEARCHES {
+            self.name_searches += 1;
+            let candidates = self.names_in_scope(frame);
+            if let Some(s) = suggest(name, candidates.iter().map(String::as_str)) {
+                d = d.help(format!("did you mean `{s}`?"));
+            }
         }
         if self.file.config.iter().any(|c| c.name.name == name) {
             d = d.note("config values can only use values defined above them");
@@ -118,93 +123,93 @@ impl Elab<'_> {
         }
     }
 
-    fn binary(&mut self, op: BinOp, lhs: (Value, &Expr), rhs: (Value, &Expr), span: Span, frame: &Frame) -> R<Value> {
-        match (&lhs.0, &rhs.0) {
+    fn binary(&mut self, site: BinarySite<'_>, l: Value, r: Value, frame: &Frame) -> R<Value> {
+        match (&l, &r) {
             (Value::Poison, _) | (_, Value::Poison) => Ok(Value::Poison),
             (Value::Scalar(a, _), Value::Scalar(b, _)) => {
                 let (a, b) = (a.clone(), b.clone());
-                self.scalar_binary(op, &a, &b, span, lhs.1.span, rhs.1.span)
+                self.scalar_binary(site, &a, &b)
             }
-            (Value::Tensor(_), _) | (_, Value::Tensor(_)) => self.tensor_binary(op, lhs, rhs, span, frame),
-            _ => self.fail(
-                Diagnostic::error(
-                    "E0107",
-                    format!(
-                        "cannot apply `{}` to {} and {}",
-                        op.symbol(),
-                        self.describe(&lhs.0),
-                        self.describe(&rhs.0)
-                    ),
+            (Value::Tensor(_), _) | (_, Value::Tensor(_)) => self.tensor_binary(site, &l, &r, frame),
+            _ => {
+                let (dl, dr) = (self.describe(&l), self.describe(&r));
+                self.fail(
+                    Diagnostic::error("E0107", format!("cannot apply `{}` to {dl} and {dr}", site.op.symbol()))
+                        .primary(site.op_span, "arithmetic needs numbers or tensors")
+                        .secondary(site.lhs.span, format!("this is {dl}"))
+                        .secondary(site.rhs.span, format!("this is {dr}")),
                 )
-                .primary(span, "unsupported operands"),
-            ),
+            }
         }
     }
 
-    fn scalar_binary(&mut self, op: BinOp, a: &Scalar, b: &Scalar, span: Span, ls: Span, rs: Span) -> R<Value> {
+    fn scalar_binary(&mut self, site: BinarySite<'_>, a: &Scalar, b: &Scalar) -> R<Value> {
         let result = match (a, b) {
-            (Scalar::Int(x), Scalar::Int(y)) => {
-                let (x, y) = (*x, *y);
-                let v = match op {
-                    BinOp::Add => x.checked_add(y),
-                    BinOp::Sub => x.checked_sub(y),
-                    BinOp::Mul => x.checked_mul(y),
-                    BinOp::Div => {
-                        if y == 0 {
-                            return self.fail(
-                                Diagnostic::error("E0203", "division by zero")
-                                    .primary(rs, "this is 0")
-                                    .secondary(span, "in this division"),
-                            );
-                        }
-                        if x % y != 0 {
-                            return self.fail(
-                                Diagnostic::error("E0203", format!("{x} / {y} is not a whole number"))
-                                    .primary(span, format!("{y} does not divide {x}"))
-                                    .secondary(ls, format!("this is {x}"))
-                                    .secondary(rs, format!("this is {y}"))
-                                    .help("integer sizes must divide exactly; change the values, or write a float literal such as 2.0 for a real quotient"),
-                            );
-                        }
-                        x.checked_div(y)
-                    }
-                };
-                match v {
-                    Some(v) => Scalar::Int(v),
-                    None => return self.fail(overflow(span)),
-                }
-            }
+            (Scalar::Int(x), Scalar::Int(y)) => Scalar::Int(self.int_binary(site, *x, *y)?),
             (Scalar::Int(_) | Scalar::Float(_), Scalar::Int(_) | Scalar::Float(_)) => {
                 let (x, y) = (as_f64(a), as_f64(b));
-                let v = match op {
+                let v = match site.op {
                     BinOp::Add => x + y,
                     BinOp::Sub => x - y,
                     BinOp::Mul => x * y,
+                    BinOp::Div if y == 0.0 => return self.fail(division_by_zero(site.rhs.span)),
                     BinOp::Div => x / y,
                 };
                 if !v.is_finite() {
-                    return self.fail(
-                        Diagnostic::error("E0203", "arithmetic result is not a finite number")
-                            .primary(span, "overflow or division by zero"),
-                    );
+                    return self.fail(with_operands(
+                        Diagnostic::error("E0203", "arithmetic result is too large")
+                            .primary(site.op_span, "the result is not a finite number"),
+                        site,
+                        a,
+                        b,
+                    ));
                 }
                 Scalar::Float(v)
             }
             _ => {
-                return self.fail(
-                    Diagnostic::error("E0107", format!("cannot apply `{}` to {a} and {b}", op.symbol()))
-                        .primary(span, "arithmetic needs numbers"),
-                );
+                return self.fail(with_operands(
+                    Diagnostic::error("E0107", format!("cannot apply `{}` to {a} and {b}", site.op.symbol()))
+                        .primary(site.op_span, "arithmetic needs numbers"),
+                    site,
+                    a,
+                    b,
+                ));
             }
         };
         Ok(Value::Scalar(result, None))
+    }
+
+    /// Integer arithmetic: checked for overflow; division must be exact.
+    fn int_binary(&mut self, site: BinarySite<'_>, x: i64, y: i64) -> R<i64> {
+        let (a, b) = (Scalar::Int(x), Scalar::Int(y));
+        let v = match site.op {
+            BinOp::Add => x.checked_add(y),
+            BinOp::Sub => x.checked_sub(y),
+            BinOp::Mul => x.checked_mul(y),
+            BinOp::Div if y == 0 => return self.fail(division_by_zero(site.rhs.span)),
+            BinOp::Div if x % y != 0 => {
+                return self.fail(with_operands(
+                    Diagnostic::error("E0203", format!("{x} / {y} is not a whole number"))
+                        .primary(site.op_span, format!("{y} does not divide {x}"))
+                        .help("integer sizes must divide exactly; change the values, or write a float literal such as 2.0 for a real quotient"),
+                    site,
+                    &a,
+                    &b,
+                ));
+            }
+            BinOp::Div => x.checked_div(y),
+        };
+        match v {
+            Some(v) => Ok(v),
+            None => self.fail(with_operands(overflow(site.op_span), site, &a, &b)),
+        }
     }
 
     /// Dispatches a call: a layer of the current module, a scalar function, or a tensor operator.
     fn eval_call(&mut self, call: &Call, frame: &mut Frame) -> R<Value> {
         let name = call.callee.name.as_str();
         if let Some(m) = frame.module {
-            let found = self.modules[m].layers.iter().find(|(n, _)| n == name).map(|(_, l)| l.clone());
+            let found = self.modules[m].layer(name).cloned();
             if let Some(layer) = found {
                 return self.apply_layer(&layer, call, frame);
             }
@@ -246,11 +251,11 @@ impl Elab<'_> {
             "min" => super::args::Signature { name: "min", params: &["a", "b"], required: 2 },
             _ => super::args::Signature { name: "max", params: &["a", "b"], required: 2 },
         };
-        let bound = self.bind(call, &sig)?;
+        let a = self.bind_eval(call, &sig, frame)?;
         let mut values = Vec::new();
         for i in 0..sig.params.len() {
-            if let Some(e) = bound.get(i) {
-                values.push(self.expect_number(e, frame)?);
+            if let Some((e, v)) = a.get(i) {
+                values.push(self.as_number(v, e)?);
             }
         }
         let result = match (name, values.as_slice()) {
@@ -275,11 +280,8 @@ impl Elab<'_> {
 
     /// Evaluates an expression that must be a number.
     pub(crate) fn expect_number(&mut self, expr: &Expr, frame: &mut Frame) -> R<Scalar> {
-        match self.eval(expr, frame)? {
-            Value::Scalar(s @ (Scalar::Int(_) | Scalar::Float(_)), _) => Ok(s),
-            Value::Poison => Err(Fail::Reported),
-            other => self.type_error(expr, "a number", &other),
-        }
+        let v = self.eval(expr, frame)?;
+        self.as_number(&v, expr)
     }
 
     pub(crate) fn expect_float(&mut self, expr: &Expr, frame: &mut Frame) -> R<f64> {
@@ -287,56 +289,92 @@ impl Elab<'_> {
     }
 
     pub(crate) fn expect_int(&mut self, expr: &Expr, frame: &mut Frame) -> R<i64> {
-        match self.eval(expr, frame)? {
-            Value::Scalar(Scalar::Int(i), _) => Ok(i),
-            Value::Poison => Err(Fail::Reported),
-            other => self.type_error(expr, "an integer", &other),
-        }
+        let v = self.eval(expr, frame)?;
+        self.as_int(&v, expr)
     }
 
     pub(crate) fn expect_bool(&mut self, expr: &Expr, frame: &mut Frame) -> R<bool> {
-        match self.eval(expr, frame)? {
-            Value::Scalar(Scalar::Bool(b), _) => Ok(b),
-            Value::Poison => Err(Fail::Reported),
-            other => self.type_error(expr, "`true` or `false`", &other),
-        }
-    }
-
-    pub(crate) fn expect_str(&mut self, expr: &Expr, frame: &mut Frame) -> R<String> {
-        match self.eval(expr, frame)? {
-            Value::Scalar(Scalar::Str(s), _) => Ok(s),
-            Value::Poison => Err(Fail::Reported),
-            other => self.type_error(expr, "a string", &other),
-        }
-    }
-
-    pub(crate) fn expect_tensor(&mut self, expr: &Expr, frame: &mut Frame) -> R<petgraph::graph::NodeIndex> {
-        match self.eval(expr, frame)? {
-            Value::Tensor(n) => Ok(n),
-            Value::Poison => Err(Fail::Reported),
-            other => self.type_error(expr, "a tensor", &other),
-        }
+        let v = self.eval(expr, frame)?;
+        self.as_bool(&v, expr)
     }
 
     /// Evaluates a size: a positive integer, labelled with the name it was read from.
     pub(crate) fn eval_dim(&mut self, expr: &Expr, frame: &mut Frame) -> R<Dim> {
-        match self.eval(expr, frame)? {
-            Value::Scalar(Scalar::Int(i), label) => self.positive_dim(i, label, expr.span),
+        let v = self.eval(expr, frame)?;
+        self.as_dim(&v, expr)
+    }
+
+    /// An evaluated value that must be a number; `expr` is where it was written.
+    pub(crate) fn as_number(&mut self, v: &Value, expr: &Expr) -> R<Scalar> {
+        match v {
+            Value::Scalar(s @ (Scalar::Int(_) | Scalar::Float(_)), _) => Ok(s.clone()),
             Value::Poison => Err(Fail::Reported),
-            other => self.type_error(expr, "a size (a positive integer)", &other),
+            other => self.type_error(expr, "a number", other),
         }
     }
 
-    pub(crate) fn positive_dim(&mut self, value: i64, label: Option<String>, span: Span) -> R<Dim> {
-        if value <= 0 {
-            let mut d = Diagnostic::error("E0202", format!("a size must be positive, but this is {value}"))
-                .primary(span, format!("this is {value}"));
-            if let Some(c) = label.as_ref().and_then(|l| self.config.iter().find(|c| &c.name == l)) {
-                d = d.secondary(c.span, format!("`{}` is defined here", c.name));
-            }
-            return self.fail(d);
+    pub(crate) fn as_float(&mut self, v: &Value, expr: &Expr) -> R<f64> {
+        self.as_number(v, expr).map(|s| as_f64(&s))
+    }
+
+    pub(crate) fn as_int(&mut self, v: &Value, expr: &Expr) -> R<i64> {
+        match v {
+            Value::Scalar(Scalar::Int(i), _) => Ok(*i),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "an integer", other),
         }
-        Ok(Dim::new(value.unsigned_abs(), label))
+    }
+
+    pub(crate) fn as_bool(&mut self, v: &Value, expr: &Expr) -> R<bool> {
+        match v {
+            Value::Scalar(Scalar::Bool(b), _) => Ok(*b),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "`true` or `false`", other),
+        }
+    }
+
+    pub(crate) fn as_str(&mut self, v: &Value, expr: &Expr) -> R<String> {
+        match v {
+            Value::Scalar(Scalar::Str(s), _) => Ok(s.clone()),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "a string", other),
+        }
+    }
+
+    pub(crate) fn as_tensor(&mut self, v: &Value, expr: &Expr) -> R<petgraph::graph::NodeIndex> {
+        match v {
+            Value::Tensor(n) => Ok(*n),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "a tensor", other),
+        }
+    }
+
+    /// A size: a positive integer, labelled with the name it was read from.
+    pub(crate) fn as_dim(&mut self, v: &Value, expr: &Expr) -> R<Dim> {
+        match v {
+            Value::Scalar(Scalar::Int(i), label) => self.positive_dim(*i, label.clone(), expr.span),
+            Value::Poison => Err(Fail::Reported),
+            other => self.type_error(expr, "a size (a positive integer)", other),
+        }
+    }
+
+    /// A size that must be positive. A config value that is not is reported at its first use as a size only.
+    pub(crate) fn positive_dim(&mut self, value: i64, label: Option<String>, span: Span) -> R<Dim> {
+        if value > 0 {
+            return Ok(Dim::new(value.unsigned_abs(), label));
+        }
+        let mut d = Diagnostic::error("E0202", format!("a size must be positive, but this is {value}"))
+            .primary(span, format!("this is {value}"));
+        if let Some(c) = label.as_ref().and_then(|l| self.config.iter().find(|c| &c.name == l)) {
+            if !self.bad_sizes.insert(c.name.clone()) {
+                return Err(Fail::Reported);
+            }
+            let how = if c.overridden { format!("set to {value} by `--set`") } else { "defined here".to_string() };
+            d = d
+                .secondary(c.span, format!("`{}` is {how}", c.name))
+                .note(format!("other uses of `{}` as a size are not reported again", c.name));
+        }
+        self.fail(d)
     }
 
     pub(crate) fn type_error<T>(&mut self, expr: &Expr, expected: &str, found: &Value) -> R<T> {
@@ -372,6 +410,36 @@ pub(crate) fn as_f64(s: &Scalar) -> f64 {
         Scalar::Float(f) => *f,
         _ => f64::NAN,
     }
+}
+
+/// A binary operation being evaluated: the operator, where it is written, and its operand expressions.
+#[derive(Clone, Copy)]
+pub(crate) struct BinarySite<'e> {
+    pub op: BinOp,
+    pub op_span: Span,
+    pub lhs: &'e Expr,
+    pub rhs: &'e Expr,
+}
+
+impl BinarySite<'_> {
+    /// The whole `lhs op rhs` expression.
+    pub fn span(&self) -> Span {
+        self.lhs.span.to(self.rhs.span)
+    }
+}
+
+/// Labels each operand that is not a literal with its value, so the user sees where a number came from.
+fn with_operands(mut d: Diagnostic, site: BinarySite<'_>, a: &Scalar, b: &Scalar) -> Diagnostic {
+    for (expr, value) in [(site.lhs, a), (site.rhs, b)] {
+        if !matches!(expr.kind, ExprKind::Int(_) | ExprKind::Float(_) | ExprKind::Str(_) | ExprKind::Bool(_)) {
+            d = d.secondary(expr.span, format!("this is {value}"));
+        }
+    }
+    d
+}
+
+fn division_by_zero(divisor: Span) -> Diagnostic {
+    Diagnostic::error("E0203", "division by zero").primary(divisor, "this is 0")
 }
 
 fn overflow(span: Span) -> Diagnostic {

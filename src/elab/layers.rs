@@ -79,6 +79,7 @@ impl<'f> Elab<'f> {
         if self.recursive.contains(&block) {
             return Err(Fail::Reported);
         }
+        self.count_instance(call.span)?;
         if path.matches('.').count() > MAX_BLOCK_DEPTH {
             return self.fail(
                 Diagnostic::error("E0402", format!("blocks are nested more than {MAX_BLOCK_DEPTH} deep"))
@@ -143,7 +144,7 @@ impl<'f> Elab<'f> {
             return Err(Fail::Reported);
         }
         let id = self.modules.len();
-        self.modules.push(Module { block: Some(block), path, env, layers: Vec::new() });
+        self.modules.push(Module::new(Some(block), path, env));
         let file = self.file;
         self.instantiate_layers(id, &file.blocks[block].layers)?;
         Ok(id)
@@ -151,17 +152,19 @@ impl<'f> Elab<'f> {
 
     /// Instantiates a built-in layer kind, creating its parameters.
     fn instantiate_builtin(&mut self, module: usize, call: &'f Call, path: &str, span: Span) -> R<Layer> {
+        self.count_instance(call.span)?;
         let mut frame = self.module_frame(module);
         match call.callee.name.as_str() {
             "linear" => self.instantiate_linear(module, call, path, span, &mut frame),
             "layernorm" => {
                 let sig = Signature { name: "layernorm", params: &["dim", "eps"], required: 1 };
                 let b = self.bind(call, &sig)?;
-                let dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame)?;
+                let dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame);
                 let eps = match b.get(1) {
-                    Some(e) => self.expect_float(e, &mut frame)?,
-                    None => 1e-5,
+                    Some(e) => self.expect_float(e, &mut frame),
+                    None => Ok(1e-5),
                 };
+                let (dim, eps) = (dim?, eps?);
                 let size = dim.size;
                 let weight = self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span);
                 let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span);
@@ -172,8 +175,10 @@ impl<'f> Elab<'f> {
                 let b = self.bind(call, &sig)?;
                 let rows = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame);
                 let width = self.eval_dim(b.get(1).ok_or(Fail::Reported)?, &mut frame);
-                let std = self.optional_std(b.get(2), &mut frame)?;
+                let std = self.optional_std(b.get(2), &mut frame);
                 let shape = vec![rows?, width?];
+                let std = std?;
+                self.check_addressable(&shape, span)?;
                 if kind == "embedding" {
                     let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span);
                     Ok(Layer::Embedding { table })
@@ -189,7 +194,9 @@ impl<'f> Elab<'f> {
                 let mut d = Diagnostic::error("E0102", format!("unknown layer kind `{name}`"))
                     .primary(call.callee.span, "not a layer kind or block")
                     .note(format!("layer kinds: {}", LAYER_KINDS.join(", ")));
-                if let Some(s) = super::suggest(name, candidates) {
+                if name == "repeat" {
+                    d = d.help("write `repeat(n) Block()` to stack n copies of a block");
+                } else if let Some(s) = super::suggest(name, candidates) {
                     d = d.help(format!("did you mean `{s}`?"));
                 } else if super::ops::is_function(name) {
                     d = d.help(format!("`{name}` has no parameters: call it directly in a forward"));
@@ -223,15 +230,16 @@ impl<'f> Elab<'f> {
         let in_dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, frame);
         let out_dim = self.eval_out_dim(b.get(1).ok_or(Fail::Reported)?, frame);
         let bias = match b.get(2) {
-            Some(e) => self.expect_bool(e, frame)?,
-            None => true,
+            Some(e) => self.expect_bool(e, frame),
+            None => Ok(true),
         };
-        let std = self.optional_std(b.get(3), frame)?;
-        let (in_dim, out_dim) = (in_dim?, out_dim?);
+        let std = self.optional_std(b.get(3), frame);
+        let (in_dim, out_dim, bias, std) = (in_dim?, out_dim?, bias?, std?);
         let (weight, transpose) = match b.get(4) {
-            Some(tied) => (self.tied_table(module, tied, &in_dim, &out_dim, span)?, true),
+            Some(tied) => (self.tied_table(module, tied, &in_dim, &out_dim)?, true),
             None => {
                 let shape = vec![in_dim.clone(), out_dim.clone()];
+                self.check_addressable(&shape, span)?;
                 (self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span), false)
             }
         };
@@ -251,9 +259,16 @@ impl<'f> Elab<'f> {
             );
         }
         let mut factors = Vec::new();
+        let mut failed = false;
         for item in items {
-            let d = self.eval_dim(item, frame)?;
-            factors.push(Factor { size: d.size, label: d.label });
+            match self.eval_dim(item, frame) {
+                Ok(d) => factors.push(Factor { size: d.size, label: d.label }),
+                Err(Fail::Abort) => return Err(Fail::Abort),
+                Err(Fail::Reported) => failed = true,
+            }
+        }
+        if failed {
+            return Err(Fail::Reported);
         }
         let size = factors.iter().try_fold(1u64, |acc, f| acc.checked_mul(f.size));
         let Some(size) = size else {
@@ -272,11 +287,10 @@ impl<'f> Elab<'f> {
         expr: &crate::syntax::ast::Expr,
         in_dim: &Dim,
         out_dim: &Dim,
-        span: Span,
     ) -> R<ParamId> {
         let name = match &expr.kind {
             ExprKind::Name(name) => name,
-            ExprKind::Str(path) => return self.tied_by_path(path, expr.span, in_dim, out_dim, span),
+            ExprKind::Str(path) => return self.tied_by_path(path, expr.span, in_dim, out_dim),
             _ => {
                 return self.fail(
                     Diagnostic::error("E0107", "`tied` takes an embedding layer: its name, or its path as a string")
@@ -285,9 +299,7 @@ impl<'f> Elab<'f> {
                 );
             }
         };
-        let found = [module, 0]
-            .iter()
-            .find_map(|&m| self.modules.get(m)?.layers.iter().find(|(n, _)| n == name).map(|(_, l)| l.clone()));
+        let found = [module, 0].iter().find_map(|&m| self.modules.get(m)?.layer(name).cloned());
         let table = match found {
             Some(Layer::Embedding { table, .. }) => table,
             Some(Layer::Poison) => return Err(Fail::Reported),
@@ -301,17 +313,25 @@ impl<'f> Elab<'f> {
                 );
             }
             None => {
-                return self.fail(
-                    Diagnostic::error("E0101", format!("unknown layer `{name}`"))
-                        .primary(expr.span, "no embedding layer of this name is declared before this line"),
-                );
+                let embeddings: Vec<String> = [module, 0]
+                    .iter()
+                    .filter_map(|&m| self.modules.get(m))
+                    .flat_map(|m| m.layers.iter().filter(|(_, l)| matches!(l, Layer::Embedding { .. })))
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                let mut d = Diagnostic::error("E0101", format!("unknown layer `{name}`"))
+                    .primary(expr.span, "no embedding layer of this name is declared before this line");
+                if let Some(s) = super::suggest(name, embeddings.iter().map(String::as_str)) {
+                    d = d.help(format!("did you mean `{s}`?"));
+                }
+                return self.fail(d);
             }
         };
-        self.check_tied_shape(table, name, in_dim, out_dim, span)
+        self.check_tied_shape(table, name, in_dim, out_dim, expr.span)
     }
 
     /// Resolves `tied: "path.to.layer"` against the embedding tables declared so far.
-    fn tied_by_path(&mut self, path: &str, at: Span, in_dim: &Dim, out_dim: &Dim, span: Span) -> R<ParamId> {
+    fn tied_by_path(&mut self, path: &str, at: Span, in_dim: &Dim, out_dim: &Dim) -> R<ParamId> {
         let weight = format!("{path}.weight");
         let found = self.params.iter().position(|p| p.name == weight && p.role == ParamRole::Embedding);
         let Some(index) = found else {
@@ -329,7 +349,7 @@ impl<'f> Elab<'f> {
             return self.fail(d);
         };
         let table = ParamId(u32::try_from(index).unwrap_or(u32::MAX));
-        self.check_tied_shape(table, path, in_dim, out_dim, span)
+        self.check_tied_shape(table, path, in_dim, out_dim, at)
     }
 
     /// A tied linear(in, out) needs the table to be [out, in].
@@ -344,11 +364,23 @@ impl<'f> Elab<'f> {
                     "E0201",
                     format!("shape mismatch: a tied linear({}, {}) needs a [{}, {}] table, but `{name}` is [{rows}, {width}]", in_dim.size, out_dim.size, out_dim.size, in_dim.size),
                 )
-                .primary(span, format!("needs [{}, {}]", out_dim.size, in_dim.size))
-                .secondary(table_span, format!("this table is [{rows}, {width}]")),
+                .primary(span, format!("this table is [{rows}, {width}], not [{}, {}]", out_dim.size, in_dim.size))
+                .secondary(table_span, format!("`{name}` is declared here")),
             );
         }
         Ok(table)
+    }
+
+    /// A parameter's element count must fit in 64 bits, or it could be neither counted nor stored.
+    fn check_addressable(&mut self, shape: &[Dim], span: Span) -> R<()> {
+        if shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(d.size)).is_some() {
+            return Ok(());
+        }
+        let ty = TensorType { dtype: DType::F32, shape: shape.to_vec() };
+        self.fail(
+            Diagnostic::error("E0202", "parameter has too many elements to address")
+                .primary(span, format!("this parameter is {}", super::ops::show_type(&ty))),
+        )
     }
 
     fn new_param(
@@ -389,7 +421,7 @@ impl<'f> Elab<'f> {
     /// Applies a layer to the tensors of a call in a forward.
     pub(crate) fn apply_layer(&mut self, layer: &Layer, call: &Call, frame: &mut Frame) -> R<Value> {
         if Self::is_poison(layer) {
-            return Err(Fail::Reported);
+            return self.check_args(call, frame).and(Err(Fail::Reported));
         }
         if let Layer::Block(module) = layer {
             let args = self.tensor_args(call, frame)?;
@@ -397,9 +429,9 @@ impl<'f> Elab<'f> {
         }
         let name = call.callee.name.clone();
         let sig = Signature { name: &name, params: &["x"], required: 1 };
-        let b = self.bind(call, &sig)?;
-        let arg = b.get(0).ok_or(Fail::Reported)?;
-        let x = self.expect_tensor(arg, frame)?;
+        let a = self.bind_eval(call, &sig, frame)?;
+        let (arg, value) = a.required(0)?;
+        let x = self.as_tensor(value, arg)?;
         let scope = self.scope_of(frame);
         let scope = join(&scope, &name);
         match layer {
@@ -510,12 +542,28 @@ impl<'f> Elab<'f> {
                                 super::ops::show_type(&after)
                             ),
                         )
-                        .primary(call.span, "repeated here"),
+                        .primary(
+                            call.args.first().map_or(call.span, |a| a.span),
+                            format!("this is {}", super::ops::show_type(&before)),
+                        )
+                        .secondary(
+                            self.return_span(m).unwrap_or(call.span),
+                            format!("the block returns {}", super::ops::show_type(&after)),
+                        ),
                     );
                 }
             }
         }
         Ok(current)
+    }
+
+    /// Where a block instance's forward returns its value.
+    fn return_span(&self, module: usize) -> Option<Span> {
+        let block = &self.file.blocks[self.modules.get(module)?.block?];
+        block.forwards.first()?.body.iter().find_map(|s| match s {
+            crate::syntax::ast::Stmt::Return { value, .. } => Some(value.span),
+            _ => None,
+        })
     }
 
     fn tensor_args(&mut self, call: &Call, frame: &mut Frame) -> R<Vec<Value>> {
@@ -555,7 +603,13 @@ impl<'f> Elab<'f> {
                     ),
                 )
                 .primary(arg, format!("this is {}", super::ops::show_type(&ty)))
-                .secondary(decl, format!("`{layer}` is declared here with input size {expected}")),
+                .secondary(decl, format!("`{layer}` is declared here with input size {expected}"))
+                .help(match ty.shape.last() {
+                    Some(d) => {
+                        format!("declare `{layer}` with input size {}, or pass it a tensor of width {expected}", d.size)
+                    }
+                    None => format!("pass `{layer}` a tensor of width {expected}"),
+                }),
             ),
         }
     }

@@ -6,7 +6,7 @@ mod eval;
 mod layers;
 mod ops;
 
-use crate::diag::{Diagnostic, dedup};
+use crate::diag::{Diagnostic, dedup, group_digits};
 use crate::ir::{ConfigValue, Model, Node, Origin, Param, ParamId, Scalar, TensorType};
 use crate::span::Span;
 use crate::syntax::ast::{self, File, LayerDecl, Stmt};
@@ -17,6 +17,11 @@ use std::collections::{HashMap, HashSet};
 pub const MAX_NODES: usize = 2_000_000;
 /// Most copies one `repeat` may make.
 pub const MAX_REPEAT: i64 = 100_000;
+/// Most block and layer instances one model may have (nested `repeat`s multiply). A layer makes about four
+/// graph nodes (its parameters and its operator), so this matches [`MAX_NODES`].
+pub const MAX_INSTANCES: usize = MAX_NODES / 4;
+/// Most unknown names given a "did you mean" suggestion in one run.
+pub const MAX_NAME_SEARCHES: usize = 100;
 
 /// Why an elaboration step produced no value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,7 +102,25 @@ pub(crate) struct Module {
     path: String,
     /// Block parameters, each with the config name it was passed from (a size keeps its origin).
     env: HashMap<String, (Scalar, Option<String>)>,
+    /// Layers in declaration order, and where each name is in that list.
     layers: Vec<(String, Layer)>,
+    layer_index: HashMap<String, usize>,
+}
+
+impl Module {
+    fn new(block: Option<usize>, path: String, env: HashMap<String, (Scalar, Option<String>)>) -> Module {
+        Module { block, path, env, layers: Vec::new(), layer_index: HashMap::new() }
+    }
+
+    /// The layer of this name, found in constant time.
+    pub(crate) fn layer(&self, name: &str) -> Option<&Layer> {
+        self.layer_index.get(name).map(|&i| &self.layers[i].1)
+    }
+
+    fn push_layer(&mut self, name: &str, layer: Layer) {
+        self.layer_index.insert(name.to_string(), self.layers.len());
+        self.layers.push((name.to_string(), layer));
+    }
 }
 
 /// Local bindings while evaluating: a module's forward, a config block, or block arguments.
@@ -127,8 +150,14 @@ pub struct Elab<'f> {
     modules: Vec<Module>,
     param_names: HashSet<String>,
     param_nodes: HashMap<ParamId, NodeIndex>,
-    /// Config values whose definition failed.
-    poisoned_config: HashSet<String>,
+    /// Config values and inputs whose definition failed (and was reported): their uses evaluate to poison.
+    poisoned: HashSet<String>,
+    /// Config values already reported as a non-positive size; their other uses as sizes stay silent.
+    bad_sizes: HashSet<String>,
+    /// Blocks and layers instantiated so far, against [`MAX_INSTANCES`].
+    instances: usize,
+    /// Unknown names searched for a suggestion so far, against [`MAX_NAME_SEARCHES`].
+    name_searches: usize,
 }
 
 /// Elaborates a parsed file with command-line overrides into a model; errors if any diagnostic is an error.
@@ -147,7 +176,10 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         modules: Vec::new(),
         param_names: HashSet::new(),
         param_nodes: HashMap::new(),
-        poisoned_config: HashSet::new(),
+        poisoned: HashSet::new(),
+        bad_sizes: HashSet::new(),
+        instances: 0,
+        name_searches: 0,
     };
     let result = elab.run(overrides);
     let mut diags = std::mem::take(&mut elab.diags);
@@ -171,17 +203,31 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
     Ok((model, diags))
 }
 
-/// The nearest of `candidates` to `name`, if it is close enough to be a likely typo.
+/// Longest name for which a close match is looked for; longer ones are not typos worth correcting, and
+/// comparing them costs time quadratic in their length.
+const MAX_SUGGESTED_NAME: usize = 64;
+
+/// The nearest of `candidates` to `name`, if it is close enough to be a likely typo. Ties go to the
+/// alphabetically first candidate, so the suggestion never depends on hash order.
 pub fn suggest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let length = name.chars().count();
+    if length > MAX_SUGGESTED_NAME {
+        return None;
+    }
+    // The edit distance is at least the difference in length: far longer or shorter names are never close.
+    let max_distance = (length / 3).max(2);
     let mut best: Option<(f64, &str)> = None;
     for c in candidates {
-        if c == name || c.is_empty() {
+        if c == name || c.is_empty() || c.len().abs_diff(name.len()) > max_distance || c.len() > 4 * MAX_SUGGESTED_NAME
+        {
             continue;
         }
         let score = strsim::jaro_winkler(name, c);
         let distance = strsim::levenshtein(name, c);
-        let close = distance <= 2.max(name.len() / 3) || score > 0.85;
-        if close && best.is_none_or(|(b, _)| score > b) {
+        // A one-letter name is "close" to every other one-letter name: never suggest a full replacement.
+        let close = distance < length && (distance <= (length / 3).max(1) || score > 0.85);
+        let better = best.is_none_or(|(b, n)| score > b || (score == b && c < n));
+        if close && better {
             best = Some((score, c));
         }
     }
@@ -261,7 +307,7 @@ impl<'f> Elab<'f> {
                 Ok(Value::Scalar(s, _)) => s,
                 Ok(Value::Poison) | Err(_) => {
                     // Later uses of a failed value stay silent: the error is reported once, here.
-                    self.poisoned_config.insert(entry.name.name.clone());
+                    self.poisoned.insert(entry.name.name.clone());
                     continue;
                 }
                 Ok(_) => {
@@ -269,6 +315,7 @@ impl<'f> Elab<'f> {
                         Diagnostic::error("E0107", "a config value must be a number, boolean or string")
                             .primary(entry.value.span, "not a scalar"),
                     );
+                    self.poisoned.insert(entry.name.name.clone());
                     continue;
                 }
             };
@@ -276,15 +323,8 @@ impl<'f> Elab<'f> {
             let (value, overridden) = match overridden {
                 Some(o) => match parse_override(&o.value, &value) {
                     Ok(v) => (v, true),
-                    Err(expected) => {
-                        self.report(
-                            Diagnostic::error(
-                                "E0302",
-                                format!("bad value for `--set {}`: `{}` is not {expected}", o.name, o.value),
-                            )
-                            .secondary(entry.span, format!("`{}` is defined here as {value}", entry.name.name))
-                            .help(format!("write `--set {}=` followed by {expected}", o.name)),
-                        );
+                    Err(reason) => {
+                        self.report(bad_override(o, &reason, entry, &value));
                         (value, false)
                     }
                 },
@@ -308,11 +348,14 @@ impl<'f> Elab<'f> {
                 format!("valid names: {}", names.join(", "))
             };
             let mut d =
-                Diagnostic::error("E0301", format!("`--set {}`: the model has no config value `{}`", o.name, o.name))
-                    .note(valid);
+                Diagnostic::error("E0301", format!("`--set {}`: the model has no config value `{}`", o.name, o.name));
             if let Some(span) = self.file.config_spans.first() {
-                d = d.secondary(*span, "config values are defined here");
+                let keyword = Span::new(span.start as usize, span.start as usize + "config".len());
+                d = d.primary(keyword, format!("`{}` is not defined in this config block", o.name));
+            } else if let Some(model) = &self.file.model {
+                d = d.primary(model.name.span, "this model has no `config` block");
             }
+            d = d.note(valid);
             if let Some(s) = suggest(&o.name, names.iter().copied()) {
                 d = d.help(format!("did you mean `{s}`?"));
             }
@@ -418,40 +461,50 @@ impl<'f> Elab<'f> {
                 self.report(duplicate("name", name, c.name.span));
                 continue;
             }
-            let Some(dtype) = crate::ir::DType::from_name(&input.dtype.name) else {
-                let names = crate::ir::DType::ALL.map(|d| d.name());
-                let mut d = Diagnostic::error("E0101", format!("unknown element type `{}`", input.dtype.name))
-                    .primary(input.dtype.span, "not a dtype")
-                    .note(format!("element types: {}", names.join(", ")));
-                if let Some(s) = suggest(&input.dtype.name, names) {
-                    d = d.help(format!("did you mean `{s}`?"));
+            match self.declare_input(input) {
+                Ok(node) => {
+                    self.inputs.insert(name.name.clone(), (node, name.span));
                 }
-                self.report(d);
-                continue;
-            };
-            let mut frame = Frame::scalars();
-            let mut shape = Vec::new();
-            for dim in &input.dims {
-                match self.eval_dim(dim, &mut frame) {
-                    Ok(d) => shape.push(d),
-                    Err(Fail::Abort) => return,
-                    Err(Fail::Reported) => {}
+                Err(Fail::Abort) => return,
+                Err(Fail::Reported) => {
+                    self.poisoned.insert(name.name.clone());
                 }
-            }
-            if shape.len() != input.dims.len() {
-                continue;
-            }
-            let ty = TensorType { dtype, shape };
-            if let Ok(node) = self.add_node(crate::ir::Op::Input { name: name.name.clone() }, ty, input.span, "", &[]) {
-                self.inputs.insert(name.name.clone(), (node, name.span));
             }
         }
+    }
+
+    /// Checks one input's element type and dimensions (reporting every problem) and adds its graph node.
+    fn declare_input(&mut self, input: &ast::InputDecl) -> R<NodeIndex> {
+        let dtype = crate::ir::DType::from_name(&input.dtype.name);
+        if dtype.is_none() {
+            let names = crate::ir::DType::ALL.map(|d| d.name());
+            let mut d = Diagnostic::error("E0101", format!("unknown element type `{}`", input.dtype.name))
+                .primary(input.dtype.span, "not an element type")
+                .note(format!("element types: {}", names.join(", ")));
+            if let Some(s) = suggest(&input.dtype.name, names) {
+                d = d.help(format!("did you mean `{s}`?"));
+            }
+            self.report(d);
+        }
+        let mut frame = Frame::scalars();
+        let mut shape = Vec::new();
+        let mut failed = false;
+        for dim in &input.dims {
+            match self.eval_dim(dim, &mut frame) {
+                Ok(d) => shape.push(d),
+                Err(Fail::Abort) => return Err(Fail::Abort),
+                Err(Fail::Reported) => failed = true,
+            }
+        }
+        let Some(dtype) = dtype.filter(|_| !failed) else { return Err(Fail::Reported) };
+        let ty = TensorType { dtype, shape };
+        self.add_node(crate::ir::Op::Input { name: input.name.name.clone() }, ty, input.span, "", &[])
     }
 
     fn instantiate_root(&mut self) -> R<usize> {
         let file = self.file;
         let id = self.modules.len();
-        self.modules.push(Module { block: None, path: String::new(), env: HashMap::new(), layers: Vec::new() });
+        self.modules.push(Module::new(None, String::new(), HashMap::new()));
         self.instantiate_layers(id, &file.layers)?;
         Ok(id)
     }
@@ -470,7 +523,7 @@ impl<'f> Elab<'f> {
                 Err(Fail::Abort) => return Err(Fail::Abort),
                 Err(Fail::Reported) => Layer::Poison,
             };
-            self.modules[module].layers.push((decl.name.name.clone(), layer));
+            self.modules[module].push_layer(&decl.name.name, layer);
         }
         Ok(())
     }
@@ -500,22 +553,24 @@ impl<'f> Elab<'f> {
         }
         let mut frame = Frame { module: Some(root), locals: HashMap::new(), allow_inputs: true };
         let mut outputs = Vec::new();
+        let mut seen: HashMap<&str, Span> = HashMap::new();
         for stmt in &forward.body {
             match stmt {
                 Stmt::Assign { name, value } => self.assign(&mut frame, name, value)?,
                 Stmt::Output { name, value } => {
-                    if outputs.iter().any(|o: &crate::ir::Output| o.name == name.name) {
-                        let prev = outputs.iter().find(|o| o.name == name.name).map_or(name.span, |o| o.span);
+                    if let Some(&prev) = seen.get(name.name.as_str()) {
                         self.report(duplicate("output", name, prev));
                         continue;
                     }
+                    seen.insert(&name.name, name.span);
                     self.assign(&mut frame, name, value)?;
                     if let Some(Value::Tensor(node)) = frame.locals.get(&name.name) {
                         outputs.push(crate::ir::Output { name: name.name.clone(), node: *node, span: name.span });
                     } else if !matches!(frame.locals.get(&name.name), Some(Value::Poison) | None) {
                         self.report(
                             Diagnostic::error("E0107", format!("output `{}` is not a tensor", name.name))
-                                .primary(value.span, "a scalar"),
+                                .primary(value.span, "a scalar")
+                                .help("an output is a tensor computed from the model's inputs"),
                         );
                     }
                 }
@@ -526,7 +581,8 @@ impl<'f> Elab<'f> {
                 ),
             }
         }
-        if outputs.is_empty() && !self.diags.iter().any(Diagnostic::is_error) {
+        let has_output = forward.body.iter().any(|s| matches!(s, Stmt::Output { .. }));
+        if outputs.is_empty() && !has_output {
             return self.fail(
                 Diagnostic::error("E0401", "the model's `forward` has no outputs")
                     .primary(forward.head_span, "no `output` statement in here")
@@ -568,8 +624,9 @@ impl<'f> Elab<'f> {
         let Some(forward) = block.forwards.first() else {
             return self.fail(
                 Diagnostic::error("E0401", format!("block `{}` has no `forward`", block.name.name))
-                    .primary(call.callee.span, "called here")
-                    .secondary(block.name.span, "block defined here"),
+                    .primary(block.name.span, "this block has no `forward`")
+                    .secondary(call.callee.span, "called here")
+                    .help("add `forward(x) { ... return ... }` to the block"),
             );
         };
         if forward.params.len() != args.len() {
@@ -577,10 +634,10 @@ impl<'f> Elab<'f> {
                 Diagnostic::error(
                     "E0103",
                     format!(
-                        "`{}` takes {} but {} were given",
+                        "`{}` takes {} but {} given",
                         call.callee.name,
                         args::plural(forward.params.len(), "tensor argument"),
-                        args.len()
+                        args::were(args.len())
                     ),
                 )
                 .primary(call.args_span, format!("{} given", args.len()))
@@ -612,6 +669,23 @@ impl<'f> Elab<'f> {
         )
     }
 
+    /// Counts one more block or layer instance; stops elaboration once there are too many.
+    pub(crate) fn count_instance(&mut self, span: Span) -> R<()> {
+        self.instances += 1;
+        if self.instances <= MAX_INSTANCES {
+            return Ok(());
+        }
+        self.report(
+            Diagnostic::error(
+                "E0402",
+                format!("the model has more than {} block and layer instances", group_digits(MAX_INSTANCES as u128)),
+            )
+            .primary(span, "limit reached here")
+            .help("reduce `repeat` counts, or the number of copies blocks make of each other"),
+        );
+        Err(Fail::Abort)
+    }
+
     /// Adds a node, with its operands as edges; enforces the size limits.
     pub(crate) fn add_node(
         &mut self,
@@ -623,9 +697,12 @@ impl<'f> Elab<'f> {
     ) -> R<NodeIndex> {
         if self.graph.node_count() >= MAX_NODES {
             self.report(
-                Diagnostic::error("E0402", format!("the model elaborates to more than {MAX_NODES} operators"))
-                    .primary(span, "limit reached here")
-                    .help("reduce `repeat` counts"),
+                Diagnostic::error(
+                    "E0402",
+                    format!("the model elaborates to more than {} operators", group_digits(MAX_NODES as u128)),
+                )
+                .primary(span, "limit reached here")
+                .help("reduce `repeat` counts"),
             );
             return Err(Fail::Abort);
         }
@@ -663,21 +740,42 @@ fn duplicate(what: &str, name: &ast::Ident, previous: Span) -> Diagnostic {
     Diagnostic::error("E0105", format!("{what} `{}` is defined more than once", name.name))
         .primary(name.span, "defined again here")
         .secondary(previous, "first defined here")
+        .help("rename or remove one of them")
 }
 
-/// Parses a `--set` value to the type of the config value's default; returns what was expected on failure.
-fn parse_override(raw: &str, default: &Scalar) -> Result<Scalar, &'static str> {
+/// A `--set` value that does not fit its config value: the label sits on the value it would replace.
+fn bad_override(o: &Override, reason: &str, entry: &ast::ConfigEntry, default: &Scalar) -> Diagnostic {
+    let kind = match default {
+        Scalar::Int(_) => "an integer",
+        Scalar::Float(_) => "a number",
+        Scalar::Bool(_) => "`true` or `false`",
+        Scalar::Str(_) => "a string",
+    };
+    Diagnostic::error("E0302", format!("bad value for `--set {}`: `{}` {reason}", o.name, o.value))
+        .primary(entry.value.span, format!("`{}` is {kind} ({default} here)", entry.name.name))
+        .help(format!("write `--set {}=` followed by {kind}", o.name))
+}
+
+/// Parses a `--set` value to the type of the config value's default; on failure, says why in words.
+fn parse_override(raw: &str, default: &Scalar) -> Result<Scalar, String> {
+    use std::num::IntErrorKind;
     let clean: String = raw.chars().filter(|c| *c != '_').collect();
     match default {
-        Scalar::Int(_) => clean.parse::<i64>().map(Scalar::Int).map_err(|_| "an integer"),
+        Scalar::Int(_) => clean.parse::<i64>().map(Scalar::Int).map_err(|e| match e.kind() {
+            IntErrorKind::PosOverflow | IntErrorKind::NegOverflow => {
+                format!("is too large: integers range from {} to {}", i64::MIN, i64::MAX)
+            }
+            _ => "is not an integer".to_string(),
+        }),
         Scalar::Float(_) => match clean.parse::<f64>() {
             Ok(v) if v.is_finite() => Ok(Scalar::Float(v)),
-            _ => Err("a finite number"),
+            Ok(_) => Err("is not a finite number".to_string()),
+            Err(_) => Err("is not a number".to_string()),
         },
         Scalar::Bool(_) => match raw {
             "true" => Ok(Scalar::Bool(true)),
             "false" => Ok(Scalar::Bool(false)),
-            _ => Err("`true` or `false`"),
+            _ => Err("is not `true` or `false`".to_string()),
         },
         Scalar::Str(_) => Ok(Scalar::Str(raw.to_string())),
     }

@@ -1,6 +1,7 @@
 //! Parameter-free tensor operators: their signatures and shape rules.
 
-use super::args::Signature;
+use super::args::{Evaluated, Signature};
+use super::eval::BinarySite;
 use super::{Elab, Fail, Frame, R, Value};
 use crate::diag::Diagnostic;
 use crate::ir::{DType, Dim, Op, TensorType};
@@ -42,91 +43,101 @@ fn axis(index: i64, rank: usize) -> Option<usize> {
 }
 
 impl Elab<'_> {
-    /// Applies a built-in operator to its evaluated arguments.
+    /// Applies a built-in operator to its arguments, each evaluated once.
     pub(crate) fn apply_op(&mut self, call: &Call, frame: &mut Frame) -> R<Value> {
         let name = call.callee.name.as_str();
         let scope = self.scope_of(frame);
         let sig = signature(name);
-        let b = self.bind(call, &sig)?;
-        let arg = |i: usize| b.get(i);
-        let first = arg(0).ok_or(Fail::Reported)?;
-        let x = self.expect_tensor(first, frame)?;
-        let xt = self.ty(x).clone();
+        let a = self.bind_eval(call, &sig, frame)?;
+        let (first, v) = a.required(0)?;
+        let x = self.as_tensor(v, first)?;
+        if name == "self_attention" {
+            return self.attention(call, &a, x, &scope);
+        }
         let (op, ty, operands) = match name {
-            "gelu" => {
-                self.expect_float_tensor(x, first.span)?;
-                let approximate = match arg(1) {
-                    None => false,
-                    Some(e) => match self.expect_str(e, frame)?.as_str() {
-                        "tanh" => true,
-                        "none" => false,
-                        other => {
-                            return self.fail(
-                                Diagnostic::error("E0107", format!("unknown gelu approximation {other:?}"))
-                                    .primary(e.span, "expected \"tanh\" or \"none\""),
-                            );
-                        }
-                    },
-                };
-                (Op::Gelu { approximate }, xt, vec![x])
-            }
+            "gelu" | "softmax" | "causal_mask" | "dropout" | "scale" => self.unary_op(name, &a, x)?,
+            "add" | "cross_entropy" | "matmul" => self.binary_op(call, &a, x)?,
+            _ => self.shape_op(name, &a, x)?,
+        };
+        self.add_node(op, ty, call.span, &scope, &operands).map(Value::Tensor)
+    }
+
+    /// Element-wise operators on one floating-point tensor.
+    fn unary_op(&mut self, name: &str, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
+        let first = a.required(0)?.0;
+        self.expect_float_tensor(x, first.span)?;
+        let xt = self.ty(x).clone();
+        let op = match name {
+            "gelu" => Op::Gelu { approximate: self.gelu_approximation(a.get(1))? },
             "softmax" => {
-                self.expect_float_tensor(x, first.span)?;
                 self.expect_rank_at_least(x, 1, first.span)?;
-                (Op::Softmax, xt, vec![x])
+                Op::Softmax
             }
             "causal_mask" => {
-                self.expect_float_tensor(x, first.span)?;
                 self.expect_square_tail(x, first.span)?;
-                (Op::CausalMask, xt, vec![x])
+                Op::CausalMask
             }
             "dropout" => {
-                self.expect_float_tensor(x, first.span)?;
-                let pe = arg(1).ok_or(Fail::Reported)?;
-                let p = self.expect_float(pe, frame)?;
+                let (pe, pv) = a.required(1)?;
+                let p = self.as_float(pv, pe)?;
                 if !(0.0..1.0).contains(&p) {
                     return self.fail(
                         Diagnostic::error("E0202", format!("dropout probability must be in [0, 1), but this is {p}"))
                             .primary(pe.span, format!("this is {p}")),
                     );
                 }
-                (Op::Dropout { p }, xt, vec![x])
+                Op::Dropout { p }
             }
-            "scale" => {
-                self.expect_float_tensor(x, first.span)?;
-                let factor = self.expect_float(arg(1).ok_or(Fail::Reported)?, frame)?;
-                (Op::Scale { factor }, xt, vec![x])
+            _ => {
+                let (fe, fv) = a.required(1)?;
+                Op::Scale { factor: self.as_float(fv, fe)? }
             }
-            "add" => {
-                let second = arg(1).ok_or(Fail::Reported)?;
-                let y = self.expect_tensor(second, frame)?;
-                let ty = self.same_shape(x, y, first.span, second.span, call.span, "add")?;
-                (Op::Add, ty, vec![x, y])
-            }
-            "self_attention" => return self.attention(call, &b, x, frame, &scope),
-            "cross_entropy" => {
-                let second = arg(1).ok_or(Fail::Reported)?;
-                let t = self.expect_tensor(second, frame)?;
-                let ty = self.cross_entropy_type(x, t, first.span, second.span)?;
-                (Op::CrossEntropy, ty, vec![x, t])
-            }
-            "matmul" => {
-                let second = arg(1).ok_or(Fail::Reported)?;
-                let y = self.expect_tensor(second, frame)?;
-                let ty = self.matmul_type(x, y, first.span, second.span, call.span)?;
-                (Op::MatMul, ty, vec![x, y])
-            }
+        };
+        Ok((op, xt, vec![x]))
+    }
+
+    fn gelu_approximation(&mut self, arg: Option<(&Expr, &Value)>) -> R<bool> {
+        let Some((e, v)) = arg else { return Ok(false) };
+        match self.as_str(v, e)?.as_str() {
+            "tanh" => Ok(true),
+            "none" => Ok(false),
+            other => self.fail(
+                Diagnostic::error("E0107", format!("unknown gelu approximation {other:?}"))
+                    .primary(e.span, "expected \"tanh\" or \"none\""),
+            ),
+        }
+    }
+
+    /// Operators on two tensors.
+    fn binary_op(&mut self, call: &Call, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
+        let first = a.required(0)?.0;
+        let (second, yv) = a.required(1)?;
+        let y = self.as_tensor(yv, second)?;
+        let (op, ty) = match call.callee.name.as_str() {
+            "add" => (Op::Add, self.same_shape(x, y, first.span, second.span, call.callee.span, "add")?),
+            "cross_entropy" => (Op::CrossEntropy, self.cross_entropy_type(x, y, first.span, second.span)?),
+            _ => (Op::MatMul, self.matmul_type(x, y, first.span, second.span, call.callee.span)?),
+        };
+        Ok((op, ty, vec![x, y]))
+    }
+
+    /// Operators that rearrange one tensor: transpose, select and reshape.
+    fn shape_op(&mut self, name: &str, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
+        let xt = self.ty(x).clone();
+        let (e1, v1) = a.required(1)?;
+        match name {
             "transpose" => {
-                let d0 = self.axis_arg(arg(1).ok_or(Fail::Reported)?, xt.rank(), frame)?;
-                let d1 = self.axis_arg(arg(2).ok_or(Fail::Reported)?, xt.rank(), frame)?;
+                let (e2, v2) = a.required(2)?;
+                let d0 = self.axis_arg(v1, e1, xt.rank());
+                let (d0, d1) = (d0?, self.axis_arg(v2, e2, xt.rank())?);
                 let mut ty = xt;
                 ty.shape.swap(d0, d1);
-                (Op::Transpose { dim0: d0, dim1: d1 }, ty, vec![x])
+                Ok((Op::Transpose { dim0: d0, dim1: d1 }, ty, vec![x]))
             }
             "select" => {
-                let dim = self.axis_arg(arg(1).ok_or(Fail::Reported)?, xt.rank(), frame)?;
-                let ie = arg(2).ok_or(Fail::Reported)?;
-                let index = self.expect_int(ie, frame)?;
+                let (ie, iv) = a.required(2)?;
+                let dim = self.axis_arg(v1, e1, xt.rank());
+                let (dim, index) = (dim?, self.as_int(iv, ie)?);
                 let size = xt.shape[dim].size;
                 let Some(index) = u64::try_from(index).ok().filter(|i| *i < size) else {
                     return self.fail(
@@ -139,30 +150,23 @@ impl Elab<'_> {
                 };
                 let mut ty = xt;
                 ty.shape.remove(dim);
-                (Op::Select { dim, index }, ty, vec![x])
+                Ok((Op::Select { dim, index }, ty, vec![x]))
             }
             _ => {
-                let se = arg(1).ok_or(Fail::Reported)?;
-                let ty = self.reshape_type(&xt, se, frame, first.span)?;
-                (Op::Reshape, ty, vec![x])
+                let first = a.required(0)?.0;
+                let ty = self.reshape_type(&xt, e1, v1, first.span)?;
+                Ok((Op::Reshape, ty, vec![x]))
             }
-        };
-        self.add_node(op, ty, call.span, &scope, &operands).map(Value::Tensor)
+        }
     }
 
     /// `a + b`, `a * 0.5`, `0.5 * a`, `a / 2` on tensors.
-    pub(crate) fn tensor_binary(
-        &mut self,
-        op: BinOp,
-        lhs: (Value, &Expr),
-        rhs: (Value, &Expr),
-        span: Span,
-        frame: &Frame,
-    ) -> R<Value> {
+    pub(crate) fn tensor_binary(&mut self, site: BinarySite<'_>, l: &Value, r: &Value, frame: &Frame) -> R<Value> {
         let scope = self.scope_of(frame);
-        match (op, &lhs.0, &rhs.0) {
+        let span = site.span();
+        match (site.op, l, r) {
             (BinOp::Add, Value::Tensor(a), Value::Tensor(b)) => {
-                let ty = self.same_shape(*a, *b, lhs.1.span, rhs.1.span, span, "+")?;
+                let ty = self.same_shape(*a, *b, site.lhs.span, site.rhs.span, site.op_span, "+")?;
                 self.add_node(Op::Add, ty, span, &scope, &[*a, *b]).map(Value::Tensor)
             }
             (BinOp::Mul, Value::Tensor(t), Value::Scalar(s, _))
@@ -174,16 +178,19 @@ impl Elab<'_> {
                 let d = super::eval::as_f64(s);
                 if d == 0.0 || !d.is_finite() {
                     return self.fail(
-                        Diagnostic::error("E0203", "division of a tensor by zero").primary(rhs.1.span, "this is 0"),
+                        Diagnostic::error("E0203", "division of a tensor by zero")
+                            .primary(site.rhs.span, format!("this is {s}")),
                     );
                 }
                 self.scale_node(*t, 1.0 / d, span, &scope)
             }
             _ => {
-                let (l, r) = (self.describe(&lhs.0), self.describe(&rhs.0));
+                let (dl, dr) = (self.describe(l), self.describe(r));
                 self.fail(
-                    Diagnostic::error("E0107", format!("cannot apply `{}` to {l} and {r}", op.symbol()))
-                        .primary(span, "unsupported here")
+                    Diagnostic::error("E0107", format!("cannot apply `{}` to {dl} and {dr}", site.op.symbol()))
+                        .primary(site.op_span, "not supported on these operands")
+                        .secondary(site.lhs.span, format!("this is {dl}"))
+                        .secondary(site.rhs.span, format!("this is {dr}"))
                         .note("tensors support `a + b` (same shapes) and scaling by a number (`x * 0.5`, `x / 8`)"),
                 )
             }
@@ -201,7 +208,8 @@ impl Elab<'_> {
         self.add_node(Op::Scale { factor }, ty, span, scope, &[t]).map(Value::Tensor)
     }
 
-    fn same_shape(&mut self, a: NodeIndex, b: NodeIndex, sa: Span, sb: Span, span: Span, what: &str) -> R<TensorType> {
+    /// Checks that two operands have the same type; `at` is the operator (or the callee of `add`).
+    fn same_shape(&mut self, a: NodeIndex, b: NodeIndex, sa: Span, sb: Span, at: Span, what: &str) -> R<TensorType> {
         let (ta, tb) = (self.ty(a).clone(), self.ty(b).clone());
         if ta.sizes() == tb.sizes() && ta.dtype == tb.dtype {
             return Ok(ta);
@@ -209,7 +217,7 @@ impl Elab<'_> {
         let (sta, stb) = (show_type(&ta), show_type(&tb));
         self.fail(
             Diagnostic::error("E0201", format!("shape mismatch in `{what}`: {sta} and {stb}"))
-                .primary(span, "operands must have the same shape and type")
+                .primary(at, format!("`{what}` needs operands of the same shape and type"))
                 .secondary(sa, format!("this is {sta}"))
                 .secondary(sb, format!("this is {stb}")),
         )
@@ -241,8 +249,8 @@ impl Elab<'_> {
         )
     }
 
-    fn axis_arg(&mut self, e: &Expr, rank: usize, frame: &mut Frame) -> R<usize> {
-        let i = self.expect_int(e, frame)?;
+    fn axis_arg(&mut self, v: &Value, e: &Expr, rank: usize) -> R<usize> {
+        let i = self.as_int(v, e)?;
         match axis(i, rank) {
             Some(a) => Ok(a),
             None => self.fail(
@@ -298,16 +306,23 @@ impl Elab<'_> {
         Ok(TensorType { dtype: ta.dtype, shape })
     }
 
-    fn reshape_type(&mut self, xt: &TensorType, se: &Expr, frame: &mut Frame, sx: Span) -> R<TensorType> {
-        let crate::syntax::ast::ExprKind::List(items) = &se.kind else {
+    fn reshape_type(&mut self, xt: &TensorType, se: &Expr, sv: &Value, sx: Span) -> R<TensorType> {
+        let (crate::syntax::ast::ExprKind::List(items), Value::List(values)) = (&se.kind, sv) else {
             return self.fail(
                 Diagnostic::error("E0107", "`reshape` takes a list of sizes")
                     .primary(se.span, "expected a list such as [batch, seq, hidden]"),
             );
         };
         let mut shape = Vec::new();
-        for item in items {
-            shape.push(self.eval_dim(item, frame)?);
+        let mut failed = false;
+        for (item, value) in items.iter().zip(values) {
+            match self.as_dim(value, item) {
+                Ok(d) => shape.push(d),
+                Err(_) => failed = true,
+            }
+        }
+        if failed {
+            return Err(Fail::Reported);
         }
         let ty = TensorType { dtype: xt.dtype, shape };
         if ty.elements() != xt.elements() {
@@ -327,18 +342,11 @@ impl Elab<'_> {
     }
 
     /// `self_attention(qkv, heads: n)` or `self_attention(q, k, v, heads: n, causal: false)`.
-    fn attention(
-        &mut self,
-        call: &Call,
-        b: &super::args::Bound<'_>,
-        first: NodeIndex,
-        frame: &mut Frame,
-        scope: &str,
-    ) -> R<Value> {
-        let mut operands = vec![first];
+    fn attention(&mut self, call: &Call, a: &Evaluated<'_>, first: NodeIndex, scope: &str) -> R<Value> {
+        let mut operands = vec![(first, a.required(0)?.0.span)];
         for i in 1..3 {
-            if let Some(e) = b.get(i) {
-                operands.push(self.expect_tensor(e, frame)?);
+            if let Some((e, v)) = a.get(i) {
+                operands.push((self.as_tensor(v, e)?, e.span));
             }
         }
         if operands.len() == 2 {
@@ -347,28 +355,34 @@ impl Elab<'_> {
                     .primary(call.args_span, "2 tensors given"),
             );
         }
-        let heads_expr = b.get(3).ok_or(Fail::Reported)?;
-        let heads = self.eval_dim(heads_expr, frame)?;
-        let causal = match b.get(4) {
-            Some(e) => self.expect_bool(e, frame)?,
+        let Some((heads_expr, heads_value)) = a.get(3) else {
+            return self.fail(
+                Diagnostic::error("E0103", "`self_attention` is missing argument `heads`")
+                    .primary(call.span, "missing `heads`")
+                    .help("give the number of attention heads, e.g. `heads: 12`"),
+            );
+        };
+        let heads = self.as_dim(heads_value, heads_expr)?;
+        let causal = match a.get(4) {
+            Some((e, v)) => self.as_bool(v, e)?,
             None => true,
         };
         let fused = operands.len() == 1;
-        let ty = self.attention_type(&operands, heads.size, fused, call, heads_expr.span)?;
+        let ty = self.attention_type(&operands, heads.size, fused, heads_expr.span)?;
         let op = Op::Attention { heads: heads.size, causal, fused };
-        self.add_node(op, ty, call.span, scope, &operands).map(Value::Tensor)
+        let nodes: Vec<NodeIndex> = operands.iter().map(|(n, _)| *n).collect();
+        self.add_node(op, ty, call.span, scope, &nodes).map(Value::Tensor)
     }
 
+    /// The result type of attention over `operands` (each with the span of its argument).
     fn attention_type(
         &mut self,
-        operands: &[NodeIndex],
+        operands: &[(NodeIndex, Span)],
         heads: u64,
         fused: bool,
-        call: &Call,
         heads_span: Span,
     ) -> R<TensorType> {
-        for (i, &o) in operands.iter().enumerate() {
-            let span = call.args.get(i).map_or(call.span, |a| a.span);
+        for &(o, span) in operands {
             self.expect_float_tensor(o, span)?;
             let ty = self.ty(o).clone();
             if ty.rank() < 2 {
@@ -381,7 +395,8 @@ impl Elab<'_> {
                 );
             }
         }
-        let t0 = self.ty(operands[0]).clone();
+        let (q, q_span) = operands[0];
+        let t0 = self.ty(q).clone();
         let width = t0.shape[t0.rank() - 1].size;
         let model_width = if fused { width / 3 } else { width };
         if fused && !width.is_multiple_of(3) {
@@ -392,17 +407,17 @@ impl Elab<'_> {
                         "a fused qkv tensor's last dimension must be 3 x hidden, but {width} is not a multiple of 3"
                     ),
                 )
-                .primary(call.args[0].span, format!("this is {}", show_type(&t0))),
+                .primary(q_span, format!("this is {}", show_type(&t0))),
             );
         }
         if model_width % heads != 0 {
             return self.fail(
                 Diagnostic::error("E0201", format!("{heads} heads do not divide the attention width {model_width}"))
                     .primary(heads_span, format!("{heads} heads"))
-                    .secondary(call.args[0].span, format!("width {model_width}")),
+                    .secondary(q_span, format!("width {model_width}")),
             );
         }
-        for (i, &o) in operands.iter().enumerate().skip(1) {
+        for &(o, span) in &operands[1..] {
             let ti = self.ty(o).clone();
             if ti.sizes() != t0.sizes() {
                 return self.fail(
@@ -414,8 +429,8 @@ impl Elab<'_> {
                             show_type(&ti)
                         ),
                     )
-                    .primary(call.args[i].span, format!("this is {}", show_type(&ti)))
-                    .secondary(call.args[0].span, format!("q is {}", show_type(&t0))),
+                    .primary(span, format!("this is {}", show_type(&ti)))
+                    .secondary(q_span, format!("q is {}", show_type(&t0))),
                 );
             }
         }

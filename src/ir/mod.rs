@@ -197,25 +197,45 @@ pub enum Op {
 
     // ---- operators made by autodiff (src/autodiff.rs); never written by users ----
     /// A scalar constant (the seed gradient of the loss).
-    Fill { value: f64 },
+    Fill {
+        value: f64,
+    },
     /// dX of a linear: operands (dY, weight) -> dY W^T (dY E for a tied weight).
-    LinearGradInput { transpose_weight: bool },
+    LinearGradInput {
+        transpose_weight: bool,
+    },
     /// dW of a linear: operands (X, dY) -> X^T dY over all leading dimensions ([out, in] when tied).
-    LinearGradWeight { transpose_weight: bool },
+    LinearGradWeight {
+        transpose_weight: bool,
+    },
     /// Sums every dimension but the last: bias and LayerNorm beta gradients.
     SumToLast,
     /// dX of LayerNorm: operands (dY, X, gamma).
-    LayerNormGradInput { eps: f64 },
+    LayerNormGradInput {
+        eps: f64,
+    },
     /// dgamma of LayerNorm: operands (dY, X).
-    LayerNormGradWeight { eps: f64 },
+    LayerNormGradWeight {
+        eps: f64,
+    },
     /// operands (dY, X).
-    GeluGrad { approximate: bool },
+    GeluGrad {
+        approximate: bool,
+    },
     /// operands (dY, Y) where Y is the softmax output.
     SoftmaxGrad,
     /// Applies the mask of the forward dropout node `forward` to dY.
-    DropoutGrad { p: f64, forward: u32 },
+    DropoutGrad {
+        p: f64,
+        forward: u32,
+    },
     /// Gradient of attention with respect to operand `wrt`: operands (dY, then the forward operands).
-    AttentionGrad { heads: u64, causal: bool, fused: bool, wrt: u8 },
+    AttentionGrad {
+        heads: u64,
+        causal: bool,
+        fused: bool,
+        wrt: u8,
+    },
     /// Scatter-add of dY rows into a table: operands (ids, dY); the result has the table's shape.
     EmbeddingGrad,
     /// Sum of dY over leading dimensions into the first seq rows of a table: operands (dY).
@@ -225,7 +245,10 @@ pub enum Op {
     /// Zeroes entries above the diagonal: operands (dY).
     CausalMaskGrad,
     /// Places dY at `index` of a new dimension `dim`, zeros elsewhere: operands (dY).
-    SelectGrad { dim: usize, index: u64 },
+    SelectGrad {
+        dim: usize,
+        index: u64,
+    },
 }
 
 impl Op {

@@ -84,7 +84,6 @@ pub(crate) struct Lowerer<'a> {
     pub graph: &'a DiGraph<Node, u8>,
     /// For each backward node, the forward node whose shape (and, for parameters, identity) it has.
     pub like: Vec<Option<NodeIndex>>,
-    pub source: &'a str,
     lines: LineIndex<'a>,
     pub target: Target,
     /// Padded logical shape of every node.
@@ -127,7 +126,6 @@ impl<'a> Lowerer<'a> {
             model,
             graph,
             like,
-            source,
             lines: LineIndex::new(source),
             target,
             shapes,

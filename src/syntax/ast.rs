@@ -136,7 +136,16 @@ pub enum ExprKind {
     Call(Call),
     List(Vec<Expr>),
     Neg(Box<Expr>),
-    Binary { op: BinOp, lhs: Box<Expr>, rhs: Box<Expr> },
+    /// `lhs op rhs`; `op_span` is the operator symbol itself.
+    Binary {
+        op: BinOp,
+        op_span: Span,
+        lhs: Box<Expr>,
+        rhs: Box<Expr>,
+    },
+    /// Stands for text the parser has already reported as an error (a literal out of range, an
+    /// over-long expression), so that no further error cascades from it.
+    Invalid,
 }
 
 /// `name(arg, ..., key: value, ...)`

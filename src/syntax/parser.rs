@@ -1,6 +1,7 @@
 //! Parses `.opt` source into the owned AST with pest; no pest type leaves this module.
 
 use super::ast::*;
+use super::expect;
 use crate::diag::Diagnostic;
 use crate::span::Span;
 use pest::Parser as _;
@@ -18,9 +19,13 @@ pub const MAX_OPERATORS: usize = 1000;
 /// Largest source accepted, in bytes.
 pub const MAX_SOURCE_BYTES: usize = 16 * 1024 * 1024;
 
+/// Most syntax errors reported from one file; after each, parsing resumes at the next top-level declaration.
+pub const MAX_SYNTAX_ERRORS: usize = 10;
+
 /// Parses a source file, returning the AST and any non-fatal diagnostics, or the fatal ones.
 pub fn parse(source: &str) -> Result<(File, Vec<Diagnostic>), Vec<Diagnostic>> {
     if source.len() > MAX_SOURCE_BYTES {
+        // No label: the line it would show may itself be megabytes long.
         return Err(vec![Diagnostic::error(
             "E0002",
             format!("the file is {} bytes; the largest model file accepted is {MAX_SOURCE_BYTES} bytes", source.len()),
@@ -28,11 +33,58 @@ pub fn parse(source: &str) -> Result<(File, Vec<Diagnostic>), Vec<Diagnostic>> {
     }
     check_nesting(source)?;
     pest::set_call_limit(std::num::NonZeroUsize::new(50_000_000));
-    let mut pairs = OptParser::parse(Rule::file, source).map_err(|e| vec![syntax_error(e)])?;
+    let mut pairs = OptParser::parse(Rule::file, source).map_err(|e| syntax_errors(source, e))?;
     let file_pair = pairs.next().ok_or_else(|| vec![Diagnostic::error("E0001", "empty parse")])?;
     let mut builder = Builder::default();
     let file = builder.file(file_pair);
     Ok((file, builder.diagnostics))
+}
+
+/// Describes the first syntax error, then resumes at each later top-level declaration to report more.
+fn syntax_errors(source: &str, first: pest::error::Error<Rule>) -> Vec<Diagnostic> {
+    // Detailed parse attempts cost time, so they are collected only once a file has failed. The switch is global
+    // and is never turned off again, so parses running at the same time always produce the same messages.
+    pest::set_error_detail(true);
+    let mut error = OptParser::parse(Rule::file, source).err().unwrap_or(first);
+    let mut diagnostics = Vec::new();
+    let mut chunk = 0;
+    loop {
+        let (diagnostic, at) = syntax_error(&source[chunk..], chunk, &error);
+        diagnostics.push(diagnostic);
+        if diagnostics.len() >= MAX_SYNTAX_ERRORS {
+            break;
+        }
+        let Some(next) = resume_point(source, at.max(chunk + 1)) else { break };
+        chunk = next;
+        match OptParser::parse(Rule::file, &source[chunk..]) {
+            Ok(_) => break,
+            Err(e) => error = e,
+        }
+    }
+    diagnostics
+}
+
+/// The first line start at or after `from` that begins a top-level declaration (`block`, `layer`, ...).
+fn resume_point(source: &str, from: usize) -> Option<usize> {
+    let mut line_start = source.get(..from)?.rfind('\n').map_or(0, |i| i + 1);
+    while line_start < source.len() {
+        if line_start >= from && starts_declaration(source, line_start) {
+            return Some(line_start);
+        }
+        line_start += source[line_start..].find('\n')? + 1;
+    }
+    None
+}
+
+/// Whether `at` is the start of a line that begins with a top-level keyword such as `block`.
+fn starts_declaration(source: &str, at: usize) -> bool {
+    const STARTS: [&str; 6] = ["model", "config", "input", "block", "layer", "forward"];
+    let line_start = at == 0 || source.as_bytes().get(at - 1) == Some(&b'\n');
+    let line = source.get(at..).unwrap_or("");
+    line_start
+        && STARTS.iter().any(|k| {
+            line.starts_with(k) && !line[k.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+        })
 }
 
 /// Rejects bracket nesting deeper than [`MAX_NESTING`] so parsing never exhausts the stack.
@@ -80,60 +132,126 @@ fn too_deep(offset: usize, c: char, what: &str, limit: usize) -> Diagnostic {
         .help("split the expression into named steps")
 }
 
-/// Turns a pest error into a diagnostic that says in words what was expected.
-fn syntax_error(e: pest::error::Error<Rule>) -> Diagnostic {
+/// Turns a pest error on `text` (which starts `offset` bytes into the file) into a diagnostic that says in
+/// words what was expected; also returns the file offset where parsing stopped.
+fn syntax_error(text: &str, offset: usize, e: &pest::error::Error<Rule>) -> (Diagnostic, usize) {
     use pest::error::{ErrorVariant, InputLocation};
-    let (start, end) = match e.location {
-        InputLocation::Pos(p) => (p, p),
-        InputLocation::Span((s, t)) => (s, t),
+    let pest_pos = match e.location {
+        InputLocation::Pos(p) | InputLocation::Span((p, _)) => p,
     };
-    let found = found_text(e.line(), &e.line_col);
-    let expected = match &e.variant {
-        ErrorVariant::ParsingError { positives, .. } => describe_rules(positives),
-        ErrorVariant::CustomError { message } => message.clone(),
-    };
-    let message =
-        if expected.is_empty() { format!("unexpected {found}") } else { format!("expected {expected}, found {found}") };
-    let label_end = if end > start { end } else { start + 1 };
-    Diagnostic::error("E0001", format!("syntax error: {message}"))
-        .primary(Span::new(start, label_end), format!("expected {}", or_default(&expected)))
-}
-
-fn or_default(expected: &str) -> &str {
-    if expected.is_empty() { "something else" } else { expected }
-}
-
-/// Describes the token found at the error position, e.g. "`}`" or "the end of the file".
-fn found_text(line: &str, line_col: &pest::error::LineColLocation) -> String {
-    let col = match line_col {
-        pest::error::LineColLocation::Pos((_, c)) | pest::error::LineColLocation::Span((_, c), _) => *c,
-    };
-    let rest: String = line.chars().skip(col.saturating_sub(1)).collect();
-    let rest = rest.trim_end_matches(['\n', '\r']);
-    match rest.chars().next() {
-        None => "the end of the line or file".to_string(),
-        Some(c) if c.is_alphanumeric() || c == '_' => {
-            let word: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
-            format!("`{word}`")
+    let positives = match &e.variant {
+        ErrorVariant::ParsingError { positives, .. } => positives,
+        ErrorVariant::CustomError { message } => {
+            let d = Diagnostic::error("E0002", format!("the file is too complex to parse ({message})"))
+                .primary(expect::found_at(text, pest_pos).span, "parsing stopped here")
+                .help("split long expressions and deeply nested blocks into smaller named pieces");
+            return (shift(d, offset), offset + pest_pos);
         }
-        Some(c) => format!("`{c}`"),
+    };
+    let (pos, phrases) = match e.parse_attempts() {
+        Some(a) => {
+            let tokens: Vec<String> = a.expected_tokens().iter().map(ToString::to_string).collect();
+            let mut phrases = expect::expected_phrases(text, a.max_position, &tokens);
+            if phrases.is_empty() {
+                let rules: Vec<Rule> = a.call_stacks().iter().filter_map(|c| c.deepest.get_rule().copied()).collect();
+                phrases = describe_rules(&rules);
+            }
+            (a.max_position, phrases)
+        }
+        None => (pest_pos, describe_rules(positives)),
+    };
+    let d = special_syntax_error(text, pos, &phrases).unwrap_or_else(|| expected_found(text, pos, &phrases));
+    (shift(d, offset), offset + pos)
+}
+
+/// Moves every label of a diagnostic made for a piece of the file to its place in the whole file.
+fn shift(mut d: Diagnostic, offset: usize) -> Diagnostic {
+    for l in &mut d.labels {
+        l.span = Span::new(offset + l.span.start as usize, offset + l.span.end as usize);
+    }
+    d
+}
+
+/// Errors better explained by their cause than by the expected tokens: an unterminated string, a malformed
+/// number, or a reserved word used as a name.
+fn special_syntax_error(text: &str, pos: usize, phrases: &[String]) -> Option<Diagnostic> {
+    if let Some(quote) = expect::open_at(text, pos).string {
+        let line_end = text[quote..].find('\n').map_or(text.len(), |i| quote + i);
+        return Some(
+            Diagnostic::error("E0001", "syntax error: unterminated string")
+                .primary(Span::new(quote, line_end), "this string is not closed")
+                .help("a string ends with `\"` on the line where it starts"),
+        );
+    }
+    if let Some(bad) = expect::malformed_number(text, pos) {
+        return Some(
+            Diagnostic::error("E0001", format!("syntax error: malformed number `{}`", bad.text))
+                .primary(bad.span, "not a valid number")
+                .help("numbers are written like `12`, `1_024`, `0.5` or `1e-5`"),
+        );
+    }
+    let before = text.get(..pos)?.trim_end();
+    let word = ["true", "false"].into_iter().find(|w| {
+        before.ends_with(w)
+            && !before[..before.len() - w.len()].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+    })?;
+    if !phrases.iter().any(|p| p == "a name") {
+        return None;
+    }
+    let start = before.len() - word.len();
+    Some(
+        Diagnostic::error("E0001", format!("syntax error: expected a name, found `{word}`"))
+            .primary(Span::new(start, before.len()), "a reserved word")
+            .help("`true` and `false` are values and cannot be used as names"),
+    )
+}
+
+/// "expected `,`, `)` or an operator, found `}`", with the unclosed bracket that likely caused it.
+fn expected_found(text: &str, pos: usize, phrases: &[String]) -> Diagnostic {
+    let found = expect::found_at(text, pos);
+    let expected = expect::join_phrases(phrases);
+    let message = if expected.is_empty() {
+        format!("syntax error: unexpected {}", found.text)
+    } else {
+        format!("syntax error: expected {expected}, found {}", found.text)
+    };
+    let innermost = expect::open_at(text, found.span.start as usize).brackets.last().copied();
+    let closes = |c: char| matches!(c, ')' | ']' | '}');
+    let stray = found.symbol.filter(|c| closes(*c) && innermost.is_none());
+    let d = Diagnostic::error("E0001", message);
+    let d = match stray {
+        Some(c) => d.primary(found.span, format!("this `{c}` closes nothing")),
+        None if expected.is_empty() => d.primary(found.span, "unexpected here"),
+        None => d.primary(found.span, format!("expected {expected}")),
+    };
+    let Some((at, open)) = innermost else { return d };
+    let close = expect::closer(open);
+    let wanted = phrases.iter().any(|p| *p == format!("`{close}`"));
+    // Inside a bracket the error is most likely its missing closer when the file ends, a different closer
+    // comes, or (for `(` and `[`, which rarely span lines) the text goes on to another line. A `{` always
+    // spans lines, so for it only a new top-level declaration counts.
+    let between = &text[at..found.span.start as usize];
+    let far = found.at_end
+        || found.symbol.is_some_and(closes)
+        || if open == '{' { starts_declaration(text, found.span.start as usize) } else { between.contains('\n') };
+    if wanted && far {
+        d.secondary(Span::new(at, at + 1), format!("this `{open}` is not closed"))
+            .help(format!("add the missing `{close}`"))
+    } else {
+        d
     }
 }
 
-/// Joins the words for what the grammar would have accepted: "a name, `=` or `(`".
-fn describe_rules(rules: &[Rule]) -> String {
-    let mut words: Vec<&str> = Vec::new();
+/// The words for what the grammar would have accepted, from rule names (used when pest has no token detail).
+fn describe_rules(rules: &[Rule]) -> Vec<String> {
+    let mut words: Vec<String> = Vec::new();
     for r in rules {
-        let w = describe(*r);
+        let w = describe(*r).to_string();
         if !words.contains(&w) {
             words.push(w);
         }
     }
-    match words.len() {
-        0 => String::new(),
-        1 => words[0].to_string(),
-        n => format!("{} or {}", words[..n - 1].join(", "), words[n - 1]),
-    }
+    words
 }
 
 /// The words a user sees for a grammar rule.
@@ -199,9 +317,10 @@ fn children(pair: Pair<Rule>) -> impl Iterator<Item = Pair<Rule>> {
     })
 }
 
+/// The span of a pair, without the whitespace and comments pest includes after a rule ending in a repetition.
 fn span_of(pair: &Pair<Rule>) -> Span {
     let s = pair.as_span();
-    Span::new(s.start(), s.end())
+    Span::new(s.start(), s.start() + expect::trimmed_len(s.as_str()))
 }
 
 fn ident(pair: Pair<Rule>) -> Ident {
@@ -374,7 +493,7 @@ impl Builder {
                 if a.as_rule() == Rule::kwarg {
                     let mut ki = children(a);
                     let name = ki.next().map(ident);
-                    let value = ki.next().map(|e| self.expr(e)).unwrap_or(Expr { kind: ExprKind::Bool(false), span });
+                    let value = ki.next().map(|e| self.expr(e)).unwrap_or(Expr { kind: ExprKind::Invalid, span });
                     Arg { name, value, span }
                 } else {
                     Arg { name: None, value: self.expr(a), span }
@@ -385,21 +504,21 @@ impl Builder {
 
     fn expr(&mut self, pair: Pair<Rule>) -> Expr {
         let span = span_of(&pair);
-        let operators = pair
+        let mut operators = pair
             .clone()
             .into_inner()
-            .filter(|p| matches!(p.as_rule(), Rule::add | Rule::sub | Rule::mul | Rule::div | Rule::neg))
-            .count();
-        if operators > MAX_OPERATORS {
+            .filter(|p| matches!(p.as_rule(), Rule::add | Rule::sub | Rule::mul | Rule::div | Rule::neg));
+        if let Some(first_too_many) = operators.nth(MAX_OPERATORS) {
+            let count = MAX_OPERATORS + 1 + operators.count();
             self.diagnostics.push(
                 Diagnostic::error(
                     "E0002",
-                    format!("expression has {operators} operators; at most {MAX_OPERATORS} are allowed"),
+                    format!("expression has {count} operators; at most {MAX_OPERATORS} are allowed"),
                 )
-                .primary(span, "too long")
+                .primary(span_of(&first_too_many), format!("operator {} is one too many", MAX_OPERATORS + 1))
                 .help("split the expression into named steps"),
             );
-            return Expr { kind: ExprKind::Int(0), span };
+            return Expr { kind: ExprKind::Invalid, span };
         }
         let parser = pratt();
         // The Pratt closures each need the builder; they run one at a time, so a RefCell is enough.
@@ -408,6 +527,7 @@ impl Builder {
             .map_primary(|p| this.borrow_mut().primary(p))
             .map_prefix(|op, rhs| Expr { span: span_of(&op).to(rhs.span), kind: ExprKind::Neg(Box::new(rhs)) })
             .map_infix(|lhs, op, rhs| {
+                let op_span = span_of(&op);
                 let op = match op.as_rule() {
                     Rule::add => BinOp::Add,
                     Rule::sub => BinOp::Sub,
@@ -416,7 +536,7 @@ impl Builder {
                 };
                 Expr {
                     span: lhs.span.to(rhs.span),
-                    kind: ExprKind::Binary { op, lhs: Box::new(lhs), rhs: Box::new(rhs) },
+                    kind: ExprKind::Binary { op, op_span, lhs: Box::new(lhs), rhs: Box::new(rhs) },
                 }
             })
             .parse(children(pair))
@@ -434,7 +554,7 @@ impl Builder {
                             Diagnostic::error("E0004", "integer literal is too large")
                                 .primary(span, format!("larger than the largest integer, {}", i64::MAX)),
                         );
-                        ExprKind::Int(0)
+                        ExprKind::Invalid
                     }
                 }
             }
@@ -443,9 +563,9 @@ impl Builder {
                 _ => {
                     self.diagnostics.push(
                         Diagnostic::error("E0004", "number literal is out of range")
-                            .primary(span, "not a finite number"),
+                            .primary(span, format!("larger than the largest number, {:e}", f64::MAX)),
                     );
-                    ExprKind::Float(0.0)
+                    ExprKind::Invalid
                 }
             },
             Rule::string => {
@@ -463,10 +583,10 @@ impl Builder {
                         e.span = span;
                         e
                     }
-                    None => Expr { kind: ExprKind::Int(0), span },
+                    None => Expr { kind: ExprKind::Invalid, span },
                 };
             }
-            _ => ExprKind::Int(0),
+            _ => ExprKind::Invalid,
         };
         Expr { kind, span }
     }

@@ -1,0 +1,86 @@
+//! IR snapshots of every example (gpt3 at two layers) and the parameter counts of the full-size models.
+
+use optimus::check::check_source;
+use optimus::elab::Override;
+use optimus::ir::Model;
+use optimus::ir::print::print_model;
+
+/// Every example in examples/; a new example must get a snapshot here.
+const EXAMPLES: [&str; 5] = ["bert", "gpt2", "gpt2_manual_attention", "gpt3", "tiny"];
+
+fn example_source(name: &str) -> String {
+    let path = format!("{}/examples/{name}.opt", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"))
+}
+
+/// Checks an example with `--set` overrides; it must produce a model and no diagnostics at all.
+fn check_example(name: &str, sets: &[(&str, &str)]) -> (Model, String) {
+    let source = example_source(name);
+    let overrides: Vec<Override> =
+        sets.iter().map(|(n, v)| Override { name: (*n).to_string(), value: (*v).to_string() }).collect();
+    let checked = check_source(&source, &overrides);
+    assert!(checked.diagnostics.is_empty(), "{name} has diagnostics: {:?}", checked.diagnostics);
+    let model = checked.model.unwrap_or_else(|| panic!("{name} did not produce a model"));
+    (model, source)
+}
+
+fn ir_of(name: &str, sets: &[(&str, &str)]) -> String {
+    let (model, source) = check_example(name, sets);
+    print_model(&model, &source)
+}
+
+#[test]
+fn every_example_has_a_snapshot() {
+    let dir = format!("{}/examples", env!("CARGO_MANIFEST_DIR"));
+    let mut found: Vec<String> = std::fs::read_dir(&dir)
+        .expect("examples/ is readable")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".opt").map(str::to_string))
+        .collect();
+    found.sort();
+    assert_eq!(found, EXAMPLES, "examples/ changed: add or remove its IR snapshot in tests/ir.rs");
+}
+
+#[test]
+fn gpt2_ir() {
+    insta::assert_snapshot!(ir_of("gpt2", &[]));
+}
+
+#[test]
+fn gpt3_two_layers_ir() {
+    insta::assert_snapshot!(ir_of("gpt3", &[("layers", "2")]));
+}
+
+#[test]
+fn bert_ir() {
+    insta::assert_snapshot!(ir_of("bert", &[]));
+}
+
+#[test]
+fn tiny_ir() {
+    insta::assert_snapshot!(ir_of("tiny", &[]));
+}
+
+#[test]
+fn gpt2_manual_attention_ir() {
+    insta::assert_snapshot!(ir_of("gpt2_manual_attention", &[]));
+}
+
+#[test]
+fn parameter_counts_at_defaults() {
+    let count = |name: &str| check_example(name, &[]).0.parameter_count();
+    assert_eq!(count("gpt2"), 124_439_808);
+    assert_eq!(count("bert"), 335_174_458);
+    assert_eq!(count("gpt3"), 174_604_259_328);
+}
+
+#[test]
+fn overrides_change_the_model() {
+    let (model, _) = check_example("gpt3", &[("layers", "2")]);
+    let layers = model.config.iter().find(|c| c.name == "layers").expect("gpt3 has `layers`");
+    assert!(layers.overridden);
+    assert_eq!(layers.value, optimus::ir::Scalar::Int(2));
+    // Two of the 96 layers: the embeddings and final norm are shared, each layer holds 12 * 12288^2 + 13 * 12288.
+    let per_layer: u128 = 12 * 12288 * 12288 + 13 * 12288;
+    let full = check_example("gpt3", &[]).0.parameter_count();
+    assert_eq!(full - model.parameter_count(), 94 * per_layer);
+}
