@@ -152,15 +152,15 @@ fn check(path: &PathBuf, overrides: &[Override], emit: Option<Emit>) -> ExitCode
         return ExitCode::from(1);
     };
     if let Some(Emit::Ir) = emit {
-        print!("{}", optimus::ir::print::print_model(&model, &source.text));
+        stdout(&optimus::ir::print::print_model(&model, &source.text));
     }
-    println!(
-        "{name}: model {} checks: {} parameters in {} tensors, {} operators",
+    stdout(&format!(
+        "{name}: model {} checks: {} parameters in {} tensors, {} operators\n",
         model.name,
         group_digits(model.parameter_count()),
         model.params.len(),
         model.graph.node_count()
-    );
+    ));
     ExitCode::SUCCESS
 }
 
@@ -221,8 +221,8 @@ fn compile(args: &CompileArgs) -> ExitCode {
             p.tensor, p.dim, p.logical, p.padded
         );
     }
-    println!(
-        "{}: {} plan for a {} mesh ({}): {} instructions, peak {} per device -> {}",
+    stdout(&format!(
+        "{}: {} plan for a {} mesh ({}): {} instructions, peak {} per device -> {}\n",
         source.name,
         plan.strategy.name(),
         plan.mesh,
@@ -230,7 +230,7 @@ fn compile(args: &CompileArgs) -> ExitCode {
         plan.program.len(),
         optimus::plan::report::human_bytes(plan.memory.peak_bytes),
         args.output.display()
-    );
+    ));
     ExitCode::SUCCESS
 }
 
@@ -259,14 +259,26 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) ->
     let report = optimus::plan::report::report(&plan);
     if json {
         match serde_json::to_string_pretty(&report) {
-            Ok(text) => println!("{text}"),
+            Ok(text) => stdout(&format!("{text}\n")),
             Err(e) => {
                 eprintln!("error: cannot serialise the report: {e}");
                 return ExitCode::from(1);
             }
         }
     } else {
-        print!("{}", optimus::plan::report::render_text(&plan, &report));
+        stdout(&optimus::plan::report::render_text(&plan, &report));
     }
     ExitCode::SUCCESS
+}
+
+/// Writes to standard output; a closed pipe (`optimusc ... | head`) ends the output quietly.
+fn stdout(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    if let Err(e) = written {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("error: cannot write to standard output: {e}");
+        }
+    }
 }
