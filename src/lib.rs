@@ -9,6 +9,7 @@ pub mod diag;
 pub mod elab;
 pub mod ir;
 pub mod plan;
+pub mod runtime;
 pub mod shard;
 pub mod span;
 pub mod syntax;

@@ -1,0 +1,167 @@
+//! The CPU backend: kernels on host memory, and a mesh of device threads in one process.
+
+pub mod kernels;
+pub mod threads;
+
+use super::Device;
+use super::comm::Communicator;
+use super::init::gather_blocks;
+use super::tensor::Tensor;
+use crate::plan::Plan;
+use kernels::OptimizerSettings;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use threads::{Fabric, ThreadComm};
+
+/// How to run a plan.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub seed: u64,
+    pub steps: u64,
+    pub optimizer: OptimizerSettings,
+    /// How long a collective waits for its peers before the run fails.
+    pub timeout: Duration,
+}
+
+/// What one step produced, as seen by device (0, 0).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRecord {
+    pub step: u64,
+    /// The loss of the step's forward pass (before the update), if the model has one.
+    pub loss: Option<f32>,
+    pub elapsed: Duration,
+}
+
+/// Everything a run leaves behind, assembled into logical tensors.
+#[derive(Clone, Debug)]
+pub struct RunOutput {
+    pub steps: Vec<StepRecord>,
+    /// Final parameters, by parameter name (padding removed).
+    pub params: BTreeMap<String, Tensor>,
+    /// Gradients of the last step, by parameter name (train plans).
+    pub grads: BTreeMap<String, Tensor>,
+    /// Outputs of the last step, by output name.
+    pub outputs: BTreeMap<String, Tensor>,
+}
+
+/// Inputs of step k, as logical tensors by input name.
+pub type Batches<'a> = dyn Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + 'a;
+
+/// Blocks one device hands back at the end of a run.
+type DeviceBlocks = (Vec<Tensor>, Vec<Option<Tensor>>, Vec<Tensor>);
+
+/// Runs a plan on one thread per device. `on_step` is called by device (0, 0) after every step.
+/// Parameters start from `initial` where given (logical tensors by name), else from the seed.
+pub fn run(
+    plan: &Plan,
+    config: &RunConfig,
+    batches: &Batches<'_>,
+    initial: &BTreeMap<String, Tensor>,
+    on_step: &(dyn Fn(&StepRecord) + Sync),
+) -> Result<RunOutput, String> {
+    let fabric = Fabric::new(plan.mesh, config.timeout);
+    let devices = plan.mesh.devices();
+    let results: Vec<Result<(Vec<StepRecord>, DeviceBlocks), String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..devices)
+            .map(|rank| {
+                let fabric = std::sync::Arc::clone(&fabric);
+                scope.spawn(move || {
+                    let (i, j) = (rank / plan.mesh.cols, rank % plan.mesh.cols);
+                    let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), i, j);
+                    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run_device(plan, comm, config, batches, initial, on_step)
+                    }));
+                    let result = match outcome {
+                        Ok(r) => r,
+                        Err(_) => Err("a kernel panicked (an internal error)".to_string()),
+                    };
+                    result.map_err(|e| {
+                        let message = format!("device ({i}, {j}) failed: {e}");
+                        ThreadComm::new(fabric, i, j).abort(&message);
+                        message
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
+    });
+    if let Some(first) = fabric.failure() {
+        return Err(first);
+    }
+    let mut per_device = Vec::with_capacity(results.len());
+    for r in results {
+        per_device.push(r?);
+    }
+    assemble(plan, per_device)
+}
+
+fn run_device(
+    plan: &Plan,
+    comm: ThreadComm,
+    config: &RunConfig,
+    batches: &Batches<'_>,
+    initial: &BTreeMap<String, Tensor>,
+    on_step: &(dyn Fn(&StepRecord) + Sync),
+) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
+    let mut device = Device::new(plan, comm, config.seed);
+    let (i, j) = device.coords();
+    for p in &plan.params {
+        if let Some(t) = initial.get(&p.name) {
+            let block = super::init::block_of(
+                &super::init::pad_to(t, plan.buffer(p.buffer))?,
+                plan.buffer(p.buffer),
+                i,
+                j,
+                plan.mesh,
+            )?;
+            device.write(p.buffer, block)?;
+        }
+    }
+    let mut records = Vec::new();
+    for step in 0..config.steps {
+        let start = Instant::now();
+        device.load_inputs(&batches(step)?)?;
+        device.step(&config.optimizer, step + 1)?;
+        let loss = plan
+            .outputs
+            .iter()
+            .find(|o| o.is_loss)
+            .and_then(|o| device.read(o.buffer))
+            .and_then(|t| t.f32().ok()?.first().copied());
+        let record = StepRecord { step, loss, elapsed: start.elapsed() };
+        if (i, j) == (0, 0) {
+            on_step(&record);
+        }
+        records.push(record);
+    }
+    let take = |id| device.read(id).cloned();
+    let params =
+        plan.params.iter().map(|p| take(p.buffer).ok_or("a parameter is not alive")).collect::<Result<Vec<_>, _>>()?;
+    let grads = plan.params.iter().map(|p| p.grad.and_then(take)).collect();
+    let outputs =
+        plan.outputs.iter().map(|o| take(o.buffer).ok_or("an output is not alive")).collect::<Result<Vec<_>, _>>()?;
+    Ok((records, (params, grads, outputs)))
+}
+
+/// Assembles logical tensors from every device's blocks.
+fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, String> {
+    let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
+    let mut out = RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new() };
+    for (k, p) in plan.params.iter().enumerate() {
+        let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.0[k]).collect();
+        let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh)?;
+        out.params.insert(p.name.clone(), super::init::unpad(&full, &p.shape));
+        if let Some(g) = p.grad {
+            let blocks: Option<Vec<&Tensor>> = per_device.iter().map(|d| d.1.1[k].as_ref()).collect();
+            if let Some(blocks) = blocks {
+                let full = gather_blocks(&blocks, plan.buffer(g), plan.mesh)?;
+                out.grads.insert(p.name.clone(), super::init::unpad(&full, &p.shape));
+            }
+        }
+    }
+    for (k, o) in plan.outputs.iter().enumerate() {
+        let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.2[k]).collect();
+        out.outputs.insert(o.name.clone(), gather_blocks(&blocks, plan.buffer(o.buffer), plan.mesh)?);
+    }
+    Ok(out)
+}

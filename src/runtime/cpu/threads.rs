@@ -1,0 +1,163 @@
+//! The in-process communicator: one thread per device, collectives by rendezvous on shared memory.
+//! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
+
+use crate::plan::{CollectiveKind, Group, Mesh, ReduceOp};
+use crate::runtime::comm::{CommError, Communicator, combine, member_index};
+use crate::shard::layout::Placement;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// One group instance's meeting point: members deposit their blocks; the last one publishes them all.
+#[derive(Default)]
+struct Rendezvous {
+    state: Mutex<RoundState>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct RoundState {
+    generation: u64,
+    deposits: Vec<Option<Arc<Vec<f32>>>>,
+    arrived: usize,
+    published: Vec<Arc<Vec<f32>>>,
+}
+
+/// Shared by all device threads of one run.
+pub struct Fabric {
+    mesh: Mesh,
+    rows: Vec<Rendezvous>,
+    columns: Vec<Rendezvous>,
+    world: Rendezvous,
+    failed: AtomicBool,
+    failure: Mutex<Option<String>>,
+    timeout: Duration,
+}
+
+impl Fabric {
+    pub fn new(mesh: Mesh, timeout: Duration) -> Arc<Fabric> {
+        let make = |n: u64| (0..n).map(|_| Rendezvous::default()).collect::<Vec<_>>();
+        Arc::new(Fabric {
+            mesh,
+            rows: make(mesh.rows),
+            columns: make(mesh.cols),
+            world: Rendezvous::default(),
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            timeout,
+        })
+    }
+
+    /// The first failure reported by any device, if any.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().ok().and_then(|f| f.clone())
+    }
+
+    fn fail(&self, reason: &str) {
+        if let Ok(mut f) = self.failure.lock() {
+            f.get_or_insert_with(|| reason.to_string());
+        }
+        self.failed.store(true, Ordering::SeqCst);
+        for r in self.rows.iter().chain(&self.columns).chain(std::iter::once(&self.world)) {
+            r.ready.notify_all();
+        }
+    }
+
+    fn rendezvous(&self, group: Group, i: u64, j: u64) -> &Rendezvous {
+        match group {
+            Group::Row => &self.rows[i as usize],
+            Group::Column => &self.columns[j as usize],
+            Group::World => &self.world,
+        }
+    }
+
+    /// Deposits `data` as member `me` of `size` and returns every member's deposit, in member order.
+    fn exchange(
+        &self,
+        r: &Rendezvous,
+        me: usize,
+        size: usize,
+        data: Vec<f32>,
+    ) -> Result<Vec<Arc<Vec<f32>>>, CommError> {
+        let poisoned = || CommError("a device thread failed while holding a lock".into());
+        let mut s = r.state.lock().map_err(|_| poisoned())?;
+        if s.deposits.len() != size {
+            s.deposits = vec![None; size];
+        }
+        let generation = s.generation;
+        s.deposits[me] = Some(Arc::new(data));
+        s.arrived += 1;
+        if s.arrived == size {
+            s.published = s.deposits.iter_mut().filter_map(Option::take).collect();
+            s.arrived = 0;
+            s.generation += 1;
+            r.ready.notify_all();
+            return Ok(s.published.clone());
+        }
+        let deadline = Instant::now() + self.timeout;
+        while s.generation == generation {
+            if self.failed.load(Ordering::SeqCst) {
+                return Err(CommError(self.failure().unwrap_or_else(|| "another device failed".into())));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError(format!(
+                    "collective timed out after {:.1} s waiting for {} of {size} members",
+                    self.timeout.as_secs_f64(),
+                    size - s.arrived
+                )));
+            }
+            s = r.ready.wait_timeout(s, (deadline - now).min(Duration::from_millis(100))).map_err(|_| poisoned())?.0;
+        }
+        Ok(s.published.clone())
+    }
+}
+
+/// One device's endpoint on a [`Fabric`].
+pub struct ThreadComm {
+    fabric: Arc<Fabric>,
+    i: u64,
+    j: u64,
+}
+
+impl ThreadComm {
+    pub fn new(fabric: Arc<Fabric>, i: u64, j: u64) -> ThreadComm {
+        ThreadComm { fabric, i, j }
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn coords(&self) -> (u64, u64) {
+        (self.i, self.j)
+    }
+
+    fn mesh(&self) -> Mesh {
+        self.fabric.mesh
+    }
+
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        root: Option<u64>,
+        op: ReduceOp,
+        shard: Option<Placement>,
+        full: &[u64],
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        let mesh = self.fabric.mesh;
+        let size = mesh.group_size(group) as usize;
+        let me = member_index(group, self.i, self.j, mesh);
+        // A broadcast only needs the root's block; the others deposit nothing.
+        let data = if kind == CollectiveKind::Broadcast && root != Some(me) { Vec::new() } else { send.to_vec() };
+        let fabric = Arc::clone(&self.fabric);
+        let r = fabric.rendezvous(group, self.i, self.j);
+        let parts = fabric.exchange(r, me as usize, size, data)?;
+        combine(kind, root, op, shard, full, me, &parts, recv)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.fabric.fail(reason);
+    }
+}

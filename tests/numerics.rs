@@ -1,0 +1,141 @@
+//! Sharded plans compute what the unsharded model computes: the loss, every parameter's gradient, and
+//! the parameters after several optimizer steps, on several optimus and megatron meshes.
+
+use optimus::check::check_source;
+use optimus::elab::Override;
+use optimus::plan::{Mesh, Mode, Plan, Strategy};
+use optimus::runtime::cpu::kernels::{OptimizerKind, OptimizerSettings};
+use optimus::runtime::cpu::{RunConfig, RunOutput, run};
+use optimus::runtime::init::mix64;
+use optimus::runtime::tensor::Tensor;
+use optimus::shard::{Target, compile};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+const TOLERANCE: f64 = 1e-4;
+
+fn sets(pairs: &[(&str, &str)]) -> Vec<Override> {
+    pairs.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect()
+}
+
+fn plan(file: &str, overrides: &[Override], mesh: (u64, u64), strategy: Strategy, mode: Mode) -> Plan {
+    let source = std::fs::read_to_string(file).expect("example exists");
+    let checked = check_source(&source, overrides);
+    let model = checked.model.expect("example checks");
+    let target = Target { mesh: Mesh { rows: mesh.0, cols: mesh.1 }, strategy, mode };
+    match compile(&model, file, &source, target) {
+        Ok(p) => p,
+        Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),
+    }
+}
+
+fn config_int(plan: &Plan, name: &str) -> u64 {
+    let value = plan.config.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    match value {
+        Some(optimus::ir::Scalar::Int(v)) => v as u64,
+        other => panic!("config {name} is {other:?}"),
+    }
+}
+
+/// Random token ids and targets for step k, a function of the seed alone.
+fn batches(plan: &Plan, seed: u64) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync {
+    let (vocab, batch, seq) = (config_int(plan, "vocab"), config_int(plan, "batch"), config_int(plan, "seq"));
+    move |step| {
+        let mut out = BTreeMap::new();
+        for (k, name) in ["tokens", "targets"].iter().enumerate() {
+            let ids = (0..batch * seq)
+                .map(|n| (mix64(seed ^ mix64(step * 2 + k as u64) ^ mix64(n)) % vocab) as i32)
+                .collect();
+            out.insert(name.to_string(), Tensor::from_i32(&[batch, seq], ids));
+        }
+        Ok(out)
+    }
+}
+
+/// AdamW's update is lr * m / (sqrt(v) + eps). A gradient that is zero in exact arithmetic (the key
+/// bias of attention: softmax ignores a shift shared by all keys) is float noise, which an eps of 1e-8
+/// turns into a step of about lr with a random sign, on one device as on many. An eps of 1e-4 keeps
+/// every other part of AdamW (moments, bias correction, decoupled decay) and makes the comparison
+/// well-conditioned.
+fn settings(kind: OptimizerKind) -> OptimizerSettings {
+    OptimizerSettings { kind, lr: 1e-2, weight_decay: 0.1, momentum: 0.9, beta1: 0.9, beta2: 0.999, eps: 1e-4 }
+}
+
+fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
+    let config = RunConfig { seed: 7, steps, optimizer: settings(kind), timeout: Duration::from_secs(60) };
+    run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
+}
+
+/// Largest difference relative to the reference tensor's largest magnitude.
+fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.f32().expect("f32"), b.f32().expect("f32"));
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f64, |m, v| m.max(f64::from(v.abs()))).max(1e-12);
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max(f64::from((x - y).abs()))) / scale
+}
+
+fn assert_close(what: &str, a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: different tensors");
+    for (name, t) in a {
+        let d = rel_diff(t, &b[name]);
+        assert!(d <= TOLERANCE, "{what} `{name}` differs by {d:.2e} relative");
+    }
+}
+
+fn compare(file: &str, overrides: &[Override], mesh: (u64, u64), strategy: Strategy) {
+    let reference = plan(file, overrides, (1, 1), Strategy::None, Mode::Train);
+    let sharded = plan(file, overrides, mesh, strategy, Mode::Train);
+    let (r, s) = (execute(&reference, 1, OptimizerKind::Sgd), execute(&sharded, 1, OptimizerKind::Sgd));
+    let (lr, ls) = (r.steps[0].loss.expect("loss"), s.steps[0].loss.expect("loss"));
+    assert!(((lr - ls) / lr).abs() as f64 <= TOLERANCE, "loss {ls} on {mesh:?} vs {lr} on one device");
+    assert_close("gradient", &s.grads, &r.grads);
+    assert_eq!(r.grads.len(), reference.params.len(), "every parameter has a gradient");
+    let (r3, s3) = (execute(&reference, 3, OptimizerKind::AdamW), execute(&sharded, 3, OptimizerKind::AdamW));
+    for (a, b) in r3.steps.iter().zip(&s3.steps) {
+        let (a, b) = (a.loss.expect("loss"), b.loss.expect("loss"));
+        assert!(((a - b) / a).abs() as f64 <= TOLERANCE, "AdamW loss {b} vs {a}");
+    }
+    assert_close("parameter after 3 AdamW steps", &s3.params, &r3.params);
+}
+
+#[test]
+fn tiny_optimus_2x2() {
+    compare("examples/tiny.opt", &[], (2, 2), Strategy::Optimus);
+}
+
+#[test]
+fn tiny_optimus_4x4() {
+    compare("examples/tiny.opt", &[], (4, 4), Strategy::Optimus);
+}
+
+#[test]
+fn tiny_optimus_3x3_with_padded_vocabulary() {
+    let o = sets(&[("batch", "9"), ("heads", "3"), ("hidden", "24")]);
+    compare("examples/tiny.opt", &o, (3, 3), Strategy::Optimus);
+}
+
+#[test]
+fn tiny_megatron_1x2() {
+    compare("examples/tiny.opt", &[], (1, 2), Strategy::Megatron);
+}
+
+#[test]
+fn tiny_megatron_1x4() {
+    compare("examples/tiny.opt", &[], (1, 4), Strategy::Megatron);
+}
+
+#[test]
+fn small_gpt2_optimus_2x2_and_megatron_1x4() {
+    let o = sets(&[
+        ("layers", "2"),
+        ("hidden", "64"),
+        ("heads", "4"),
+        ("vocab", "333"),
+        ("context", "32"),
+        ("seq", "16"),
+        ("batch", "4"),
+        ("pdrop", "0.0"),
+    ]);
+    compare("examples/gpt2.opt", &o, (2, 2), Strategy::Optimus);
+    compare("examples/gpt2.opt", &o, (1, 4), Strategy::Megatron);
+}
