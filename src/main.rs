@@ -142,6 +142,7 @@ fn check(path: &PathBuf, overrides: &[Override], emit: Option<Emit>) -> ExitCode
     let (source, bad_utf8) = decode(&name, bytes);
     if let Some(d) = bad_utf8 {
         diag::render_stderr(&source.name, &source.text, &[d]);
+        eprintln!("error: {name}: 1 error found");
         return ExitCode::from(1);
     }
     let Checked { model, diagnostics } = check_source(&source.text, overrides);
@@ -276,9 +277,7 @@ fn stdout(text: &str) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     let written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
-    if let Err(e) = written {
-        if e.kind() != std::io::ErrorKind::BrokenPipe {
-            eprintln!("error: cannot write to standard output: {e}");
-        }
+    if let Some(e) = written.err().filter(|e| e.kind() != std::io::ErrorKind::BrokenPipe) {
+        eprintln!("error: cannot write to standard output: {e}");
     }
 }

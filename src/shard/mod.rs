@@ -317,7 +317,10 @@ impl<'a> Lowerer<'a> {
             if split_size % axes[axis] == 0 {
                 continue;
             }
-            if self.first_report(&format!("{:?}/{split_size}/{}", label.as_deref(), axes[axis])) {
+            // A size already reported under its config name is not reported again unnamed.
+            let unnamed = self.first_report(&format!("size/{split_size}/{}", axes[axis]));
+            let named = self.first_report(&format!("{:?}/{split_size}/{}", label.as_deref(), axes[axis]));
+            if named && (unnamed || label.is_some()) {
                 let d = self.divisibility_error(n, split_size, label, axes[axis]);
                 self.diagnostics.push(d);
             }
@@ -344,6 +347,9 @@ impl<'a> Lowerer<'a> {
             Some(c) => {
                 d = d.primary(c.span, format!("{size} is not a multiple of {parts}"));
                 d = d.secondary(self.graph[n].origin.span, "split here");
+                if c.overridden {
+                    d = d.note(format!("`{}` is {} from `--set {}={}`", c.name, c.value, c.name, c.value));
+                }
             }
             None => d = d.primary(self.graph[n].origin.span, format!("{size} is not a multiple of {parts}")),
         }
@@ -435,6 +441,16 @@ impl<'a> Lowerer<'a> {
         Layout::REPLICATED
     }
 
+    /// A version of `n` without pending sums if one exists already, else its natural layout: an operator
+    /// that accepts any layout then reuses a sum another consumer has paid for.
+    pub fn settled(&mut self, n: NodeIndex) -> Layout {
+        let complete = self.versions.get(&n).and_then(|vs| vs.iter().find(|v| !v.layout.has_partial()));
+        match complete {
+            Some(v) => v.layout,
+            None => self.natural(n),
+        }
+    }
+
     /// Node `n` in `layout`, redistributing (and caching) if it is not there yet.
     pub fn value(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
         let layout = self.norm(layout);
@@ -445,7 +461,10 @@ impl<'a> Lowerer<'a> {
         let Some(source) = source else {
             return self.materialise_leaf(n, layout);
         };
+        // Collectives that move a value are traced to the line that produced it.
+        let consumer = std::mem::replace(&mut self.current, n);
         let buffer = self.redistribute(n, source, layout);
+        self.current = consumer;
         self.define(n, layout, buffer);
         buffer
     }

@@ -593,7 +593,7 @@ impl Lowerer<'_> {
     /// Sum over every dimension but the last (bias and beta gradients).
     fn sum_to_last(&mut self, n: NodeIndex, dy: NodeIndex) {
         let rank = self.rank(dy);
-        let l = self.natural(dy);
+        let l = self.settled(dy);
         let out = self.summed_layout(l, rank);
         let dyb = self.value(dy, l);
         let g = self.node_buffer(n, out, Role::Workspace);

@@ -340,14 +340,21 @@ const SQRT_2_OVER_PI: f32 = std::f32::consts::FRAC_2_SQRT_PI * std::f32::consts:
 const INV_SQRT_2PI: f32 = 0.5 * std::f32::consts::FRAC_2_SQRT_PI * std::f32::consts::FRAC_1_SQRT_2;
 const GELU_CUBIC: f32 = 0.044_715;
 
-/// The tanh approximation (Hugging Face `gelu_new`).
-fn gelu_tanh(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)).tanh())
+/// sigmoid(2u) for the tanh approximation's u = sqrt(2/pi) (x + 0.044715 x^3): 0.5 (1 + tanh u) = sigmoid(2u).
+fn gelu_gate(x: f32) -> f32 {
+    1.0 / (1.0 + (-2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)).exp())
 }
 
+/// The tanh approximation (Hugging Face `gelu_new`), 0.5 x (1 + tanh u), computed as x sigmoid(2u): one
+/// exp, and no cancellation or overflow at either tail.
+fn gelu_tanh(x: f32) -> f32 {
+    x * gelu_gate(x)
+}
+
+/// d/dx of x sigmoid(2u) = s + 2 x s (1 - s) u'.
 fn gelu_tanh_grad(x: f32) -> f32 {
-    let t = (SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)).tanh();
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
+    let s = gelu_gate(x);
+    s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
 }
 
 /// The exact GELU, x * Phi(x).
@@ -561,12 +568,9 @@ impl Split {
         let (coords, parts) = ([i, j], mesh.axes());
         (0..2)
             .filter_map(|axis| match meta.layout.0[axis] {
-                Placement::Shard { dim, outer, inner } if usize::from(dim) == d => Some(Split {
-                    outer: outer.max(1),
-                    inner: inner.max(1),
-                    parts: parts[axis],
-                    coord: coords[axis],
-                }),
+                Placement::Shard { dim, outer, inner } if usize::from(dim) == d => {
+                    Some(Split { outer: outer.max(1), inner: inner.max(1), parts: parts[axis], coord: coords[axis] })
+                }
                 _ => None,
             })
             .collect()
@@ -1641,13 +1645,18 @@ mod tests {
 
     #[test]
     fn gelu_matches_both_formulas() -> R {
-        let x = Tensor::from_f32(&[9], vec![-4.0, -2.0, -1.0, -0.3, 0.0, 0.2, 1.0, 2.5, 5.0]);
+        let x = Tensor::from_f32(&[11], vec![-30.0, -4.0, -2.0, -1.0, -0.3, 0.0, 0.2, 1.0, 2.5, 5.0, 30.0]);
         let xs = to64(&vals(&x));
         let exact: Vec<f64> = xs.iter().map(|&x| 0.5 * x * (1.0 + libm::erf(x / 2f64.sqrt()))).collect();
         let c = (2.0 / std::f64::consts::PI).sqrt();
         let tanh: Vec<f64> = xs.iter().map(|&x| 0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())).collect();
-        close(&vals(&eval(&Kernel::Gelu { approximate: false }, &[&x], &[9])?), &exact, 1e-6)?;
-        close(&vals(&eval(&Kernel::Gelu { approximate: true }, &[&x], &[9])?), &tanh, 1e-6)
+        close(&vals(&eval(&Kernel::Gelu { approximate: false }, &[&x], &[11])?), &exact, 1e-6)?;
+        close(&vals(&eval(&Kernel::Gelu { approximate: true }, &[&x], &[11])?), &tanh, 1e-6)?;
+        for approximate in [false, true] {
+            let grad = vals(&eval(&Kernel::GeluGrad { approximate }, &[&x, &x], &[11])?);
+            assert!(grad.iter().all(|g| g.is_finite()), "{grad:?}");
+        }
+        Ok(())
     }
 
     #[test]
@@ -2092,7 +2101,7 @@ mod tests {
 
     /// Splits [rows, n] into two [rows, n / 2] halves along the last dimension.
     fn halves(t: &Tensor) -> [Tensor; 2] {
-        let (rows, n) = split_last(&t.shape);
+        let (_, n) = split_last(&t.shape);
         let v = vals(t);
         let half = |h: usize| {
             let data = v.chunks(n.max(1)).flat_map(|r| r[h * n / 2..(h + 1) * n / 2].to_vec()).collect();
@@ -2100,7 +2109,6 @@ mod tests {
             if let Some(last) = shape.last_mut() {
                 *last /= 2;
             }
-            let _ = rows;
             Tensor::from_f32(&shape, data)
         };
         [half(0), half(1)]
