@@ -7,6 +7,7 @@ pub mod autodiff;
 pub mod check;
 pub mod diag;
 pub mod elab;
+pub mod io;
 pub mod ir;
 pub mod plan;
 pub mod runtime;

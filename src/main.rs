@@ -7,6 +7,8 @@ use optimus::elab::Override;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod cli;
+
 /// optimusc: compile transformer models described in .opt files into 2D-parallel (Optimus) programs.
 #[derive(Parser, Debug)]
 #[command(name = "optimusc", version, about, long_about = None)]
@@ -38,6 +40,16 @@ enum Command {
     Compile(CompileArgs),
     /// Show what each device holds and sends: memory by category and its peak, communication per
     /// collective with the model line responsible, and FLOPs per step.
+    /// Run a plan (or a model, compiled on the fly) on a device mesh: train for some steps, or infer.
+    ///
+    /// On the CPU backend every device of the mesh is a thread with its own buffers. Prints the loss
+    /// and throughput of every step. Exit status: 0 on success, 1 on errors, 2 on usage errors.
+    Run(cli::run::RunArgs),
+    /// Prove a plan right: run the model on the mesh and on one device from the same seed, and compare
+    /// the loss, every output, and every parameter's gradient and updated value.
+    ///
+    /// Exit status: 0 if every difference is within the tolerance, 1 otherwise.
+    Verify(cli::verify::VerifyArgs),
     Inspect {
         /// A plan written by `optimusc compile`.
         plan: PathBuf,
@@ -50,50 +62,16 @@ enum Command {
     },
 }
 
-/// Arguments shared by every command that compiles a model.
+/// `compile`: a model, the target, and where to write the plan.
 #[derive(clap::Args, Debug, Clone)]
 struct CompileArgs {
     /// The model file (.opt).
     model: PathBuf,
-    /// The device mesh, ROWSxCOLS: QxQ for optimus, 1xP for megatron, 1x1 for none.
-    #[arg(long, default_value = "1x1", value_parser = parse_mesh)]
-    mesh: optimus::plan::Mesh,
-    /// How to split the model: optimus (2D, SUMMA), megatron (1D tensor parallel) or none (one device).
-    #[arg(long, value_enum, default_value_t = StrategyArg::Optimus)]
-    strategy: StrategyArg,
-    /// train: forward, backward and optimizer step; infer: forward only.
-    #[arg(long, value_enum, default_value_t = ModeArg::Train)]
-    mode: ModeArg,
-    /// Override a config value, e.g. `--set batch=16`. Repeatable.
-    #[arg(long = "set", value_name = "NAME=VALUE")]
-    set: Vec<Override>,
+    #[command(flatten)]
+    target: cli::TargetArgs,
     /// Where to write the plan (JSON).
     #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
     output: PathBuf,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum StrategyArg {
-    Optimus,
-    Megatron,
-    None,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum ModeArg {
-    Train,
-    Infer,
-}
-
-fn parse_mesh(s: &str) -> Result<optimus::plan::Mesh, String> {
-    let bad = || format!("expected ROWSxCOLS such as 4x4 or 1x8, found `{s}`");
-    let (r, c) = s.split_once(['x', 'X']).ok_or_else(bad)?;
-    let rows: u64 = r.trim().parse().map_err(|_| bad())?;
-    let cols: u64 = c.trim().parse().map_err(|_| bad())?;
-    if rows == 0 || cols == 0 || rows > 1024 || cols > 1024 {
-        return Err(format!("mesh sides must be between 1 and 1024, found `{s}`"));
-    }
-    Ok(optimus::plan::Mesh { rows, cols })
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -121,23 +99,14 @@ fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Check { model, set, emit } => check(&model, &set, emit),
         Command::Compile(args) => compile(&args),
+        Command::Run(args) => cli::run::run(&args),
+        Command::Verify(args) => cli::verify::verify(&args),
         Command::Inspect { plan, json, dot } => inspect(&plan, json, dot.as_deref()),
     }
 }
 
-/// Reads a model file; prints an error and returns `None` if it cannot be read.
-fn read_model(path: &PathBuf) -> Option<Vec<u8>> {
-    match std::fs::read(path) {
-        Ok(bytes) => Some(bytes),
-        Err(e) => {
-            eprintln!("error: cannot read `{}`: {e}", path.display());
-            None
-        }
-    }
-}
-
-fn check(path: &PathBuf, overrides: &[Override], emit: Option<Emit>) -> ExitCode {
-    let Some(bytes) = read_model(path) else { return ExitCode::from(1) };
+fn check(path: &std::path::Path, overrides: &[Override], emit: Option<Emit>) -> ExitCode {
+    let Some(bytes) = cli::read_model(path) else { return ExitCode::from(1) };
     let name = path.display().to_string();
     let (source, bad_utf8) = decode(&name, bytes);
     if let Some(d) = bad_utf8 {
@@ -153,9 +122,9 @@ fn check(path: &PathBuf, overrides: &[Override], emit: Option<Emit>) -> ExitCode
         return ExitCode::from(1);
     };
     if let Some(Emit::Ir) = emit {
-        stdout(&optimus::ir::print::print_model(&model, &source.text));
+        cli::stdout(&optimus::ir::print::print_model(&model, &source.text));
     }
-    stdout(&format!(
+    cli::stdout(&format!(
         "{name}: model {} checks: {} parameters in {} tensors, {} operators\n",
         model.name,
         group_digits(model.parameter_count()),
@@ -165,53 +134,8 @@ fn check(path: &PathBuf, overrides: &[Override], emit: Option<Emit>) -> ExitCode
     ExitCode::SUCCESS
 }
 
-/// Reads and checks a model, printing diagnostics; returns the model and its source on success.
-fn load_checked(path: &PathBuf, overrides: &[Override]) -> Option<(optimus::ir::Model, optimus::check::Source)> {
-    let bytes = read_model(path)?;
-    let name = path.display().to_string();
-    let (source, bad_utf8) = decode(&name, bytes);
-    if let Some(d) = bad_utf8 {
-        diag::render_stderr(&source.name, &source.text, &[d]);
-        return None;
-    }
-    let Checked { model, diagnostics } = check_source(&source.text, overrides);
-    diag::render_stderr(&source.name, &source.text, &diagnostics);
-    let errors = diagnostics.iter().filter(|d| d.is_error()).count();
-    match model {
-        Some(model) if errors == 0 => Some((model, source)),
-        _ => {
-            eprintln!("error: {name}: {errors} error{} found", if errors == 1 { "" } else { "s" });
-            None
-        }
-    }
-}
-
-fn target_of(args: &CompileArgs) -> optimus::shard::Target {
-    use optimus::plan::{Mode, Strategy};
-    optimus::shard::Target {
-        mesh: args.mesh,
-        strategy: match args.strategy {
-            StrategyArg::Optimus => Strategy::Optimus,
-            StrategyArg::Megatron => Strategy::Megatron,
-            StrategyArg::None => Strategy::None,
-        },
-        mode: match args.mode {
-            ModeArg::Train => Mode::Train,
-            ModeArg::Infer => Mode::Infer,
-        },
-    }
-}
-
 fn compile(args: &CompileArgs) -> ExitCode {
-    let Some((model, source)) = load_checked(&args.model, &args.set) else { return ExitCode::from(1) };
-    let plan = match optimus::shard::compile(&model, &source.name, &source.text, target_of(args)) {
-        Ok(plan) => plan,
-        Err(diagnostics) => {
-            diag::render_stderr(&source.name, &source.text, &diagnostics);
-            eprintln!("error: {}: cannot compile for a {} mesh; no plan written", source.name, args.mesh);
-            return ExitCode::from(1);
-        }
-    };
+    let Some(plan) = cli::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
     if let Err(e) = optimus::plan::io::write_plan(&plan, &args.output) {
         eprintln!("error: cannot write `{}`: {e}", args.output.display());
         return ExitCode::from(1);
@@ -222,9 +146,9 @@ fn compile(args: &CompileArgs) -> ExitCode {
             p.tensor, p.dim, p.logical, p.padded
         );
     }
-    stdout(&format!(
+    cli::stdout(&format!(
         "{}: {} plan for a {} mesh ({}): {} instructions, peak {} per device -> {}\n",
-        source.name,
+        plan.source,
         plan.strategy.name(),
         plan.mesh,
         if plan.mode == optimus::plan::Mode::Train { "train" } else { "infer" },
@@ -260,24 +184,14 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) ->
     let report = optimus::plan::report::report(&plan);
     if json {
         match serde_json::to_string_pretty(&report) {
-            Ok(text) => stdout(&format!("{text}\n")),
+            Ok(text) => cli::stdout(&format!("{text}\n")),
             Err(e) => {
                 eprintln!("error: cannot serialise the report: {e}");
                 return ExitCode::from(1);
             }
         }
     } else {
-        stdout(&optimus::plan::report::render_text(&plan, &report));
+        cli::stdout(&optimus::plan::report::render_text(&plan, &report));
     }
     ExitCode::SUCCESS
-}
-
-/// Writes to standard output; a closed pipe (`optimusc ... | head`) ends the output quietly.
-fn stdout(text: &str) {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
-    if let Some(e) = written.err().filter(|e| e.kind() != std::io::ErrorKind::BrokenPipe) {
-        eprintln!("error: cannot write to standard output: {e}");
-    }
 }

@@ -438,6 +438,9 @@ pub struct Plan {
     /// Why each instruction exists ("SUMMA AB step 2 of 4: broadcast A block along the row").
     pub reasons: Vec<String>,
     pub memory: memory::MemoryPlan,
+    /// Prefix that some checkpoints put before every checkpoint name (`transformer.` for GPT-2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_prefix: Option<String>,
 }
 
 impl Plan {

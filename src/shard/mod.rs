@@ -266,6 +266,7 @@ impl<'a> Lowerer<'a> {
             origins: self.origins,
             reasons: self.reasons,
             memory,
+            checkpoint_prefix: self.model.checkpoint_prefix.clone(),
         };
         crate::plan::verify::verify(&plan).map_err(|errors| {
             errors

@@ -161,3 +161,71 @@ impl Communicator for ThreadComm {
         self.fabric.fail(reason);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_reduce(comm: &mut ThreadComm, value: f32) -> Result<f32, CommError> {
+        let mut out = [0.0f32];
+        comm.collective(CollectiveKind::AllReduce, Group::World, None, ReduceOp::Sum, None, &[1], &[value], &mut out)?;
+        Ok(out[0])
+    }
+
+    #[test]
+    fn all_reduce_sums_over_the_world_many_times() {
+        let mesh = Mesh { rows: 2, cols: 2 };
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        let sums: Vec<f32> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4u64)
+                .map(|rank| {
+                    let fabric = Arc::clone(&fabric);
+                    s.spawn(move || {
+                        let mut comm = ThreadComm::new(fabric, rank / 2, rank % 2);
+                        (0..50).map(|k| all_reduce(&mut comm, (rank + k) as f32).expect("collective")).sum::<f32>()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        // Each round sums rank + k over 4 ranks: 6 + 4k; over 50 rounds: 300 + 4 * 1225.
+        assert!(sums.iter().all(|&s| s == 300.0 + 4.0 * 1225.0), "{sums:?}");
+    }
+
+    #[test]
+    fn a_failed_device_ends_its_peers_waits_at_once() {
+        let mesh = Mesh { rows: 1, cols: 3 };
+        let fabric = Fabric::new(mesh, Duration::from_secs(60));
+        let start = Instant::now();
+        let results: Vec<Result<f32, CommError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3u64)
+                .map(|j| {
+                    let fabric = Arc::clone(&fabric);
+                    s.spawn(move || {
+                        let mut comm = ThreadComm::new(fabric, 0, j);
+                        if j == 2 {
+                            comm.abort("device (0, 2) failed: injected");
+                            return Err(CommError("injected".into()));
+                        }
+                        all_reduce(&mut comm, 1.0)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        assert!(start.elapsed() < Duration::from_secs(5), "peers waited {:?}", start.elapsed());
+        for r in &results[..2] {
+            let e = r.as_ref().expect_err("peers of a failed device fail");
+            assert!(e.0.contains("device (0, 2)"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_missing_member_times_out() {
+        let mesh = Mesh { rows: 1, cols: 2 };
+        let fabric = Fabric::new(mesh, Duration::from_millis(300));
+        let mut comm = ThreadComm::new(fabric, 0, 0);
+        let e = all_reduce(&mut comm, 1.0).expect_err("nobody else arrives");
+        assert!(e.0.contains("timed out"), "{e}");
+    }
+}

@@ -1,0 +1,261 @@
+//! `optimusc run`: executes a plan on a backend for a number of steps and reports every step.
+
+use super::{TargetArgs, plan_from};
+use clap::ValueEnum;
+use optimus::io::checkpoint::{load_checkpoint, save_checkpoint};
+use optimus::io::data::{TokenData, TokenDtype, check_inputs, random_batch};
+use optimus::plan::{Mode, Plan};
+use optimus::runtime::cpu::kernels::{OptimizerKind, OptimizerSettings};
+use optimus::runtime::cpu::{RunConfig, RunOutput, StepRecord};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    /// A plan (.json) from `optimusc compile`, or a model (.opt) to compile with the target flags.
+    pub input: PathBuf,
+    #[command(flatten)]
+    pub target: TargetArgs,
+    /// Where the devices run: cpu (threads in this process).
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    pub backend: Backend,
+    /// Number of steps.
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
+    /// Token file (nanoGPT style: flat little-endian integers). Without it, tokens are drawn from the seed.
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Element type of --data.
+    #[arg(long, value_enum, default_value_t = DataDtype::U16)]
+    pub data_dtype: DataDtype,
+    /// Start from these weights (safetensors, checkpoint names; Hugging Face GPT-2 files load into gpt2.opt).
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub weights: Option<PathBuf>,
+    /// Write the final weights here (safetensors, gathered logical tensors).
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub save_weights: Option<PathBuf>,
+    /// Seed for initial weights, random tokens and dropout masks.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub optimizer: OptimizerArgs,
+    /// Print one JSON object per step on standard output.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds a collective waits for its peers before the run fails.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+}
+
+/// Optimizer flags; the defaults are PyTorch's.
+#[derive(clap::Args, Debug, Clone)]
+pub struct OptimizerArgs {
+    /// sgd (with momentum, as torch.optim.SGD) or adamw (as torch.optim.AdamW).
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    pub optimizer: OptimizerArg,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f32,
+    /// Weight decay (decoupled for AdamW, added to the gradient for SGD). Default: 0.01 for AdamW, 0 for SGD.
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f32,
+    /// AdamW beta1.
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f32,
+    /// AdamW beta2.
+    #[arg(long, default_value_t = 0.999)]
+    pub beta2: f32,
+    /// AdamW epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f32,
+}
+
+impl OptimizerArgs {
+    pub fn settings(&self) -> OptimizerSettings {
+        let (kind, decay) = match self.optimizer {
+            OptimizerArg::Sgd => (OptimizerKind::Sgd, 0.0),
+            OptimizerArg::Adamw => (OptimizerKind::AdamW, 0.01),
+        };
+        OptimizerSettings {
+            kind,
+            lr: self.lr,
+            weight_decay: self.weight_decay.unwrap_or(decay),
+            momentum: self.momentum,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerArg {
+    Sgd,
+    Adamw,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// One thread per device in this process.
+    Cpu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DataDtype {
+    U16,
+    U32,
+}
+
+/// Where the tokens of each step come from.
+pub enum Tokens {
+    File(TokenData),
+    Seed(u64),
+}
+
+impl Tokens {
+    pub fn open(data: Option<&PathBuf>, dtype: DataDtype, seed: u64) -> Result<Tokens, String> {
+        match data {
+            None => Ok(Tokens::Seed(seed)),
+            Some(path) => {
+                let dtype = if dtype == DataDtype::U32 { TokenDtype::U32 } else { TokenDtype::U16 };
+                TokenData::open(path, dtype).map(Tokens::File)
+            }
+        }
+    }
+
+    /// The logical inputs of step k.
+    pub fn batch(&self, plan: &Plan, step: u64) -> Result<BTreeMap<String, optimus::runtime::tensor::Tensor>, String> {
+        let (batch, seq) = check_inputs(plan)?;
+        let vocab = vocab(plan)?;
+        let mut inputs = match self {
+            Tokens::File(data) => data.batch(step, batch, seq, vocab)?,
+            Tokens::Seed(seed) => random_batch(*seed, step, batch, seq, vocab),
+        };
+        // Other integer inputs (BERT's token types) have no data source yet: they are all zeros,
+        // which every embedding accepts (a single-segment batch).
+        for input in &plan.inputs {
+            if !inputs.contains_key(&input.name) {
+                let dtype = plan.buffer(input.buffer).dtype;
+                inputs.insert(input.name.clone(), optimus::runtime::tensor::Tensor::zeros(dtype, &input.shape));
+            }
+        }
+        Ok(inputs)
+    }
+}
+
+/// The model's vocabulary size, from its `vocab` config value.
+pub fn vocab(plan: &Plan) -> Result<u64, String> {
+    match plan.config.iter().find(|(n, _)| n == "vocab") {
+        Some((_, optimus::ir::Scalar::Int(v))) if *v > 0 => Ok(*v as u64),
+        _ => Err("the model has no positive integer config value `vocab`, which token data needs".into()),
+    }
+}
+
+pub fn run(args: &RunArgs) -> ExitCode {
+    match run_inner(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run_inner(args: &RunArgs) -> Result<(), String> {
+    if args.steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    if !(args.timeout.is_finite() && args.timeout > 0.0) {
+        return Err("--timeout must be a positive number of seconds".into());
+    }
+    let plan = plan_from(&args.input, &args.target).ok_or("no plan to run")?;
+    let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
+    check_inputs(&plan)?;
+    let initial = match &args.weights {
+        Some(path) => load_checkpoint(path, &plan)?,
+        None => BTreeMap::new(),
+    };
+    let config = RunConfig {
+        seed: args.seed,
+        steps: args.steps,
+        optimizer: args.optimizer.settings(),
+        timeout: Duration::from_secs_f64(args.timeout),
+    };
+    let progress = Progress::new(&plan, args.steps, args.json);
+    let batches = |step| tokens.batch(&plan, step);
+    let output = optimus::runtime::cpu::run(&plan, &config, &batches, &initial, &|r| progress.step(r))?;
+    progress.finish(&output);
+    if let Some(path) = &args.save_weights {
+        save_checkpoint(path, &plan, &output.params)?;
+        eprintln!("saved weights to {}", path.display());
+    }
+    Ok(())
+}
+
+/// Per-step reporting: JSON lines, a progress bar on a terminal, or plain lines.
+struct Progress {
+    tokens_per_step: u64,
+    json: bool,
+    bar: Option<indicatif::ProgressBar>,
+    start: Instant,
+    train: bool,
+}
+
+impl Progress {
+    fn new(plan: &Plan, steps: u64, json: bool) -> Progress {
+        use std::io::IsTerminal;
+        let tokens_per_step = check_inputs(plan).map_or(0, |(b, s)| b * s);
+        let bar = (!json && std::io::stderr().is_terminal()).then(|| {
+            let bar = indicatif::ProgressBar::new(steps);
+            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}") {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Progress { tokens_per_step, json, bar, start: Instant::now(), train: plan.mode == Mode::Train }
+    }
+
+    fn step(&self, r: &StepRecord) {
+        let tokens_per_s = self.tokens_per_step as f64 / r.elapsed.as_secs_f64().max(1e-9);
+        let elapsed = self.start.elapsed().as_secs_f64();
+        if self.json {
+            let line = serde_json::json!({
+                "step": r.step,
+                "loss": r.loss,
+                "tokens_per_s": tokens_per_s,
+                "elapsed_s": elapsed,
+            });
+            super::stdout(&format!("{line}\n"));
+            return;
+        }
+        let loss = r.loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
+        match &self.bar {
+            Some(bar) => {
+                bar.set_message(format!("loss {loss}  {tokens_per_s:.0} tokens/s"));
+                bar.inc(1);
+            }
+            None => {
+                super::stdout(&format!("step {}: loss {loss}  {tokens_per_s:.0} tokens/s  {elapsed:.2} s\n", r.step))
+            }
+        }
+    }
+
+    fn finish(&self, output: &RunOutput) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+        if self.json {
+            return;
+        }
+        let losses: Vec<f32> = output.steps.iter().filter_map(|s| s.loss).collect();
+        if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
+            let what = if self.train { "trained" } else { "ran" };
+            eprintln!("{what} {} steps: loss {first:.4} -> {last:.4}", output.steps.len());
+        }
+    }
+}

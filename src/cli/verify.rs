@@ -1,0 +1,164 @@
+//! `optimusc verify`: the user's proof that a plan is right. Runs the model sharded on the mesh and
+//! unsharded on one device from the same seed and data, and compares everything they compute.
+
+use super::run::{DataDtype, OptimizerArg, OptimizerArgs, Tokens};
+use super::{StrategyArg, TargetArgs, compile_for};
+use optimus::plan::{Mesh, Mode, Plan, Strategy};
+use optimus::runtime::cpu::{RunConfig, RunOutput};
+use optimus::runtime::tensor::Tensor;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct VerifyArgs {
+    /// The model file (.opt).
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub target: TargetArgs,
+    /// Steps to run on both.
+    #[arg(long, default_value_t = 3)]
+    pub steps: u64,
+    /// Largest relative difference accepted: max |sharded - single| / max |single|, per tensor.
+    #[arg(long, default_value_t = 1e-4)]
+    pub tolerance: f64,
+    /// Seed for weights, tokens and dropout.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Token file; without it, tokens are drawn from the seed.
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = DataDtype::U16)]
+    pub data_dtype: DataDtype,
+    /// Optimizer used between steps. SGD with momentum is the default because AdamW divides each
+    /// gradient by its own magnitude: a gradient that is zero in exact arithmetic (attention's key bias)
+    /// becomes float noise that AdamW turns into a full step, on one device as on many.
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
+    pub optimizer: OptimizerArg,
+    #[arg(long, default_value_t = 1e-2)]
+    pub lr: f32,
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// AdamW epsilon (raise it, e.g. to 1e-4, to verify AdamW runs).
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f32,
+    /// Print every tensor's difference, not only the worst of each kind.
+    #[arg(long)]
+    pub verbose: bool,
+}
+
+pub fn verify(args: &VerifyArgs) -> ExitCode {
+    match verify_inner(args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
+    if args.target.mode != super::ModeArg::Train {
+        return Err("verify compares training steps; drop --mode infer".into());
+    }
+    let sharded =
+        compile_for(&args.model, &args.target.set, args.target.target()).ok_or("cannot compile for the mesh")?;
+    let single_target =
+        optimus::shard::Target { mesh: Mesh { rows: 1, cols: 1 }, strategy: Strategy::None, mode: Mode::Train };
+    let single = compile_for(&args.model, &args.target.set, single_target).ok_or("cannot compile for one device")?;
+    let strategy = if args.target.strategy == StrategyArg::None { "none" } else { sharded.strategy.name() };
+    eprintln!(
+        "verifying {} on a {} mesh ({strategy}) against one device, {} steps",
+        sharded.model, sharded.mesh, args.steps
+    );
+    let a = execute(&sharded, args)?;
+    let b = execute(&single, args)?;
+    Ok(report(args, &a, &b))
+}
+
+fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
+    let optimizer = OptimizerArgs {
+        optimizer: args.optimizer,
+        lr: args.lr,
+        weight_decay: args.weight_decay,
+        momentum: args.momentum,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: args.eps,
+    };
+    let config = RunConfig {
+        seed: args.seed,
+        steps: args.steps.max(1),
+        optimizer: optimizer.settings(),
+        timeout: Duration::from_secs(300),
+    };
+    let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
+    let batches = |step| tokens.batch(plan, step);
+    optimus::runtime::cpu::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
+}
+
+/// max |a - b| / max |b|: the difference relative to the reference tensor's scale.
+pub fn relative_difference(a: &Tensor, b: &Tensor) -> f64 {
+    let (Ok(a), Ok(b)) = (a.f32(), b.f32()) else { return f64::INFINITY };
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    let scale = b.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
+    let diff = a.iter().zip(b).fold(0f64, |m, (x, y)| m.max(f64::from((x - y).abs())));
+    if scale == 0.0 { diff } else { diff / scale }
+}
+
+/// Prints the comparison; returns whether everything is within tolerance.
+fn report(args: &VerifyArgs, sharded: &RunOutput, single: &RunOutput) -> bool {
+    let mut ok = true;
+    let mut line = |what: &str, worst: f64, name: &str, count: usize| {
+        let pass = worst <= args.tolerance;
+        ok &= pass;
+        let verdict = if pass { "ok" } else { "FAILED" };
+        super::stdout(&format!("{what:<16} {worst:>10.2e}  {verdict:<6} (worst of {count}: {name})\n"));
+    };
+    let mut worst_loss = (0f64, String::new());
+    for (a, b) in sharded.steps.iter().zip(&single.steps) {
+        if let (Some(x), Some(y)) = (a.loss, b.loss) {
+            let d = f64::from((x - y).abs()) / f64::from(y.abs()).max(f64::MIN_POSITIVE);
+            if d >= worst_loss.0 {
+                worst_loss = (d, format!("step {}: {x} vs {y}", a.step));
+            }
+        }
+    }
+    line("loss", worst_loss.0, &worst_loss.1, sharded.steps.len());
+    for (what, a, b) in [
+        ("outputs", &sharded.outputs, &single.outputs),
+        ("gradients", &sharded.grads, &single.grads),
+        ("updated values", &sharded.params, &single.params),
+    ] {
+        let (worst, name) = compare(what, a, b, args.verbose);
+        line(what, worst, &name, b.len());
+    }
+    super::stdout(&format!(
+        "{}\n",
+        if ok { "verified: the plan computes what one device computes" } else { "verification FAILED" }
+    ));
+    ok
+}
+
+fn compare(what: &str, a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, verbose: bool) -> (f64, String) {
+    let mut worst = (0f64, String::from("-"));
+    for (name, reference) in b {
+        let d = a.get(name).map_or(f64::INFINITY, |t| relative_difference(t, reference));
+        if verbose {
+            super::stdout(&format!("  {what}: {name:<40} {d:.2e}\n"));
+        }
+        if d >= worst.0 {
+            worst = (d, name.clone());
+        }
+    }
+    if a.len() != b.len() {
+        worst = (f64::INFINITY, format!("{} tensors against {}", a.len(), b.len()));
+    }
+    worst
+}

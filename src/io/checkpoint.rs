@@ -1,0 +1,225 @@
+//! Safetensors checkpoints of a plan's parameters, compatible with Hugging Face GPT-2 files.
+//!
+//! A parameter is stored under its `checkpoint` name, found bare or behind the plan's
+//! `checkpoint_prefix` (`h.0.attn.c_attn.weight` in the hub files, `transformer.h.0.attn.c_attn.weight`
+//! in those of `save_pretrained`). Loading ignores GPT-2's causal-mask buffers and a tied
+//! `lm_head.weight`, takes the first rows of a longer position table, and reads F32, F16, BF16 and
+//! F64. Every mismatch is reported at once, and nothing is returned or written unless all is well.
+
+use super::shape_text;
+use crate::ir::ParamRole;
+use crate::plan::{Plan, PlanParam};
+use crate::runtime::tensor::Tensor;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors, View};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// Reads a safetensors file and returns every plan parameter's logical tensor, by parameter name.
+pub fn load_checkpoint(path: &Path, plan: &Plan) -> Result<BTreeMap<String, Tensor>, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read checkpoint `{}`: {e}", path.display()))?;
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| format!("`{}` is not a valid safetensors file: {e}", path.display()))?;
+    let mut matching = match_tensors(plan, &file);
+    let mut out = BTreeMap::new();
+    for p in &plan.params {
+        match matching.found.remove(p.name.as_str()) {
+            Some((key, view)) => match convert(p, &key, &view) {
+                Ok(t) => {
+                    out.insert(p.name.clone(), t);
+                }
+                Err(e) => matching.problems.push(e),
+            },
+            None => matching.problems.push(format!("missing `{}`: expected {}", p.checkpoint, shape_text(&p.shape))),
+        }
+    }
+    matching.problems.append(&mut matching.extras);
+    if matching.problems.is_empty() {
+        return Ok(out);
+    }
+    Err(mismatch_message(path, plan, &matching.problems))
+}
+
+/// Writes every parameter as F32 under its prefixed checkpoint name, atomically, with `format: pt`.
+pub fn save_checkpoint(path: &Path, plan: &Plan, params: &BTreeMap<String, Tensor>) -> Result<(), String> {
+    let tensors = f32_tensors(plan, params)
+        .map_err(|problems| format!("cannot save checkpoint `{}`:\n{}", path.display(), bullet_list(&problems)))?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors::serialize(tensors, Some(metadata))
+        .map_err(|e| format!("cannot save checkpoint `{}`: {e}", path.display()))?;
+    crate::plan::io::write_atomically(path, &bytes)
+        .map_err(|e| format!("cannot write checkpoint `{}`: {e}", path.display()))
+}
+
+/// File tensors assigned to parameters, and what did not fit.
+struct Matching<'p, 'd> {
+    /// By parameter name: the file's key and tensor.
+    found: HashMap<&'p str, (String, TensorView<'d>)>,
+    /// Duplicates and other problems found while matching.
+    problems: Vec<String>,
+    /// Tensors that belong to no parameter and are not ignorable.
+    extras: Vec<String>,
+}
+
+/// Assigns each file tensor to the parameter whose checkpoint name it carries, bare or prefixed.
+fn match_tensors<'p, 'd>(plan: &'p Plan, file: &SafeTensors<'d>) -> Matching<'p, 'd> {
+    let by_checkpoint: HashMap<&str, &PlanParam> = plan.params.iter().map(|p| (p.checkpoint.as_str(), p)).collect();
+    let prefix = plan.checkpoint_prefix.as_deref().unwrap_or("");
+    let mut matching = Matching { found: HashMap::new(), problems: Vec::new(), extras: Vec::new() };
+    let mut tensors = file.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    for (key, view) in tensors {
+        let param = by_checkpoint
+            .get(key.as_str())
+            .or_else(|| key.strip_prefix(prefix).filter(|_| !prefix.is_empty()).and_then(|k| by_checkpoint.get(k)));
+        match param {
+            Some(p) => {
+                if let Some((first, _)) = matching.found.get(p.name.as_str()) {
+                    matching.problems.push(format!("`{}` appears twice, as `{first}` and as `{key}`", p.checkpoint));
+                } else {
+                    matching.found.insert(p.name.as_str(), (key, view));
+                }
+            }
+            None if ignorable(plan, prefix, &key, view.shape()) => {}
+            None => matching.extras.push(format!("unexpected `{key}`: found {}", shape_text(view.shape()))),
+        }
+    }
+    matching
+}
+
+/// GPT-2's causal-mask buffers (`*.attn.bias`, `*.attn.masked_bias` with no parameter's shape), and
+/// `lm_head.weight` when no parameter is stored under that name (it is tied to the token embedding).
+fn ignorable(plan: &Plan, prefix: &str, key: &str, shape: &[usize]) -> bool {
+    let bare = key.strip_prefix(prefix).unwrap_or(key);
+    if bare == "lm_head.weight" || key == "lm_head.weight" {
+        return true;
+    }
+    let mut parts = key.rsplit('.');
+    let (last, layer) = (parts.next(), parts.next());
+    let is_mask = layer == Some("attn") && matches!(last, Some("bias") | Some("masked_bias"));
+    is_mask && !plan.params.iter().any(|p| p.shape.iter().map(|&d| d as usize).eq(shape.iter().copied()))
+}
+
+/// The parameter's logical tensor from a file tensor: shape checked, first rows of a longer position
+/// table, converted to f32.
+fn convert(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<Tensor, String> {
+    let count = elements_to_take(p, view.shape())
+        .ok_or_else(|| format!("`{key}`: expected {}, found {}", shape_text(&p.shape), shape_text(view.shape())))?;
+    let values = to_f32(view.dtype(), view.data(), count)
+        .ok_or_else(|| format!("`{key}`: dtype {:?} cannot be read (F32, F16, BF16 and F64 can)", view.dtype()))?;
+    Ok(Tensor::from_f32(&p.shape, values))
+}
+
+/// How many leading elements of a file tensor of shape `found` make the parameter, if it fits.
+fn elements_to_take(p: &PlanParam, found: &[usize]) -> Option<usize> {
+    let expected: Vec<usize> = p.shape.iter().map(|&d| d as usize).collect();
+    let count = expected.iter().product();
+    if found == expected.as_slice() {
+        return Some(count);
+    }
+    let longer_table = p.role == ParamRole::PositionEmbedding
+        && found.len() == expected.len()
+        && !found.is_empty()
+        && found[1..] == expected[1..]
+        && found[0] >= expected[0];
+    longer_table.then_some(count)
+}
+
+/// The first `count` elements of little-endian data as f32, or `None` for another dtype.
+fn to_f32(dtype: Dtype, data: &[u8], count: usize) -> Option<Vec<f32>> {
+    let bytes = data.get(..count.checked_mul(dtype.bitsize() / 8)?)?;
+    match dtype {
+        Dtype::F32 => Some(decode(bytes, f32::from_le_bytes)),
+        Dtype::F64 => Some(decode(bytes, |b| f64::from_le_bytes(b) as f32)),
+        Dtype::F16 => Some(decode(bytes, |b| half::f16::from_le_bytes(b).to_f32())),
+        Dtype::BF16 => Some(decode(bytes, |b| half::bf16::from_le_bytes(b).to_f32())),
+        _ => None,
+    }
+}
+
+fn decode<const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> f32) -> Vec<f32> {
+    bytes
+        .chunks_exact(N)
+        .map(|c| {
+            let mut b = [0u8; N];
+            b.copy_from_slice(c);
+            f(b)
+        })
+        .collect()
+}
+
+fn mismatch_message(path: &Path, plan: &Plan, problems: &[String]) -> String {
+    let names = match plan.checkpoint_prefix.as_deref() {
+        Some(prefix) if !prefix.is_empty() => format!(" (names are looked up bare and with the prefix `{prefix}`)"),
+        _ => String::new(),
+    };
+    format!(
+        "checkpoint `{}` does not match the parameters of model `{}`{names}:\n{}",
+        path.display(),
+        plan.model,
+        bullet_list(problems)
+    )
+}
+
+fn bullet_list(lines: &[String]) -> String {
+    lines.iter().map(|l| format!("  - {l}")).collect::<Vec<_>>().join("\n")
+}
+
+/// A tensor to write: F32 bytes, little-endian.
+struct F32Bytes {
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl View for F32Bytes {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Every parameter as F32 bytes under its prefixed checkpoint name, or every problem found.
+fn f32_tensors(plan: &Plan, params: &BTreeMap<String, Tensor>) -> Result<Vec<(String, F32Bytes)>, Vec<String>> {
+    let prefix = plan.checkpoint_prefix.as_deref().unwrap_or("");
+    let mut out: Vec<(String, F32Bytes)> = Vec::new();
+    let mut problems = Vec::new();
+    let mut keys = std::collections::HashSet::new();
+    for p in &plan.params {
+        let key = format!("{prefix}{}", p.checkpoint);
+        if !keys.insert(key.clone()) {
+            problems.push(format!("two parameters are stored under `{key}`"));
+        }
+        match param_bytes(p, params.get(&p.name)) {
+            Ok(bytes) => out.push((key, bytes)),
+            Err(e) => problems.push(e),
+        }
+    }
+    if problems.is_empty() { Ok(out) } else { Err(problems) }
+}
+
+fn param_bytes(p: &PlanParam, tensor: Option<&Tensor>) -> Result<F32Bytes, String> {
+    let expected = shape_text(&p.shape);
+    let t = tensor.ok_or_else(|| format!("missing `{}`: expected {expected}", p.name))?;
+    if t.shape != p.shape {
+        return Err(format!("`{}`: expected {expected}, found {}", p.name, shape_text(&t.shape)));
+    }
+    let values = t.f32().map_err(|e| format!("`{}`: {e}", p.name))?;
+    let count: u64 = p.shape.iter().product();
+    if values.len() as u64 != count {
+        return Err(format!("`{}`: shape {expected} needs {count} values, found {}", p.name, values.len()));
+    }
+    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Ok(F32Bytes { shape: p.shape.iter().map(|&d| d as usize).collect(), bytes })
+}

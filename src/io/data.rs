@@ -1,0 +1,171 @@
+//! Token data for training: nanoGPT-style files of little-endian u16 or u32 token ids, and random batches.
+//!
+//! Step k, sequence r of a batch reads the seq + 1 tokens that start at (k * batch + r) * seq, wrapping
+//! at the end of the file; the input is the first seq of them and the target the last seq, so every
+//! target is the token that follows its input.
+
+use super::shape_text;
+use crate::ir::DType;
+use crate::plan::{Plan, PlanInput};
+use crate::runtime::init::mix64;
+use crate::runtime::tensor::Tensor;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The element type of a token file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TokenDtype {
+    U16,
+    U32,
+}
+
+impl TokenDtype {
+    /// Bytes per token.
+    pub fn size(self) -> usize {
+        match self {
+            TokenDtype::U16 => 2,
+            TokenDtype::U32 => 4,
+        }
+    }
+}
+
+/// A token file read into memory.
+#[derive(Clone, Debug)]
+pub struct TokenData {
+    path: String,
+    dtype: TokenDtype,
+    bytes: Vec<u8>,
+}
+
+impl TokenData {
+    /// Reads the whole file. An empty file, or one whose length is not a whole number of tokens, is an error.
+    pub fn open(path: &Path, dtype: TokenDtype) -> Result<TokenData, String> {
+        let shown = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| format!("cannot read token data `{shown}`: {e}"))?;
+        if bytes.is_empty() {
+            return Err(format!("token data `{shown}` is empty"));
+        }
+        if bytes.len() % dtype.size() != 0 {
+            return Err(format!(
+                "token data `{shown}` has {} bytes, not a whole number of {}-byte {dtype:?} tokens",
+                bytes.len(),
+                dtype.size()
+            ));
+        }
+        Ok(TokenData { path: shown, dtype, bytes })
+    }
+
+    /// The number of tokens in the file.
+    pub fn len(&self) -> u64 {
+        (self.bytes.len() / self.dtype.size()) as u64
+    }
+
+    /// Never true: [`TokenData::open`] rejects empty files.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// The token at `index` modulo the file's length.
+    pub fn token(&self, index: u64) -> u32 {
+        let size = self.dtype.size();
+        let at = (index % self.len()) as usize * size;
+        match self.bytes.get(at..at + size) {
+            Some(&[a, b]) => u32::from(u16::from_le_bytes([a, b])),
+            Some(&[a, b, c, d]) => u32::from_le_bytes([a, b, c, d]),
+            _ => 0,
+        }
+    }
+
+    /// `tokens` and `targets` of step `step`, each i32 [batch, seq]; a token id >= `vocab` is an error.
+    pub fn batch(&self, step: u64, batch: u64, seq: u64, vocab: u64) -> Result<BTreeMap<String, Tensor>, String> {
+        check_vocab(vocab)?;
+        let n = u128::from(self.len());
+        let capacity = batch.saturating_mul(seq).min(1 << 24) as usize;
+        let (mut tokens, mut targets) = (Vec::with_capacity(capacity), Vec::with_capacity(capacity));
+        for r in 0..batch {
+            let start = ((u128::from(step) * u128::from(batch) + u128::from(r)) * u128::from(seq) % n) as u64;
+            let window = self.window(start, seq + 1, vocab)?;
+            tokens.extend_from_slice(&window[..window.len() - 1]);
+            targets.extend_from_slice(&window[1..]);
+        }
+        Ok(pair(batch, seq, tokens, targets))
+    }
+
+    /// `count` tokens from `start` (wrapping), each checked against the vocabulary.
+    fn window(&self, start: u64, count: u64, vocab: u64) -> Result<Vec<i32>, String> {
+        (0..count)
+            .map(|t| {
+                let index = (start + t) % self.len();
+                let id = self.token(index);
+                if u64::from(id) >= vocab {
+                    return Err(format!(
+                        "token data `{}`: token {id} at offset {index} (token index) is not below the vocabulary size {vocab}",
+                        self.path
+                    ));
+                }
+                Ok(id as i32)
+            })
+            .collect()
+    }
+}
+
+/// Random `tokens` and `targets` for step `step`: the token at row r, column t is a counter-based
+/// hash of (seed, step, r, t), and targets are the tokens shifted by one (the row has seq + 1 draws).
+/// A `vocab` of 0 gives zeros.
+pub fn random_batch(seed: u64, step: u64, batch: u64, seq: u64, vocab: u64) -> BTreeMap<String, Tensor> {
+    let capacity = batch.saturating_mul(seq).min(1 << 24) as usize;
+    let (mut tokens, mut targets) = (Vec::with_capacity(capacity), Vec::with_capacity(capacity));
+    let base = mix64(mix64(seed) ^ step);
+    for r in 0..batch {
+        let row = mix64(base ^ r);
+        let window: Vec<i32> =
+            (0..=seq).map(|t| mix64(row ^ mix64(t)).checked_rem(vocab).unwrap_or(0) as i32).collect();
+        tokens.extend_from_slice(&window[..window.len() - 1]);
+        targets.extend_from_slice(&window[1..]);
+    }
+    pair(batch, seq, tokens, targets)
+}
+
+/// (batch, seq) of the plan's `tokens` input, after checking that the plan has integer inputs
+/// `tokens` and `targets` with the same [batch, seq] shape (other inputs are the caller's business).
+pub fn check_inputs(plan: &Plan) -> Result<(u64, u64), String> {
+    let find = |name: &str| plan.inputs.iter().find(|i| i.name == name);
+    let fits = match (find("tokens"), find("targets")) {
+        (Some(tokens), Some(targets)) => {
+            let integer = [tokens, targets].iter().all(|i| dtype_of(plan, i).is_some_and(DType::is_integer));
+            let shaped = tokens.shape.len() == 2 && targets.shape == tokens.shape;
+            (integer && shaped).then(|| (tokens.shape[0], tokens.shape[1]))
+        }
+        _ => None,
+    };
+    fits.ok_or_else(|| {
+        let listed: Vec<String> = plan
+            .inputs
+            .iter()
+            .map(|i| format!("`{}`: {}{}", i.name, dtype_of(plan, i).map_or("?", DType::name), shape_text(&i.shape)))
+            .collect();
+        format!(
+            "token data feeds two integer inputs, `tokens` and `targets`, each [batch, seq], but model `{}` has inputs {}",
+            plan.model,
+            if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+        )
+    })
+}
+
+fn dtype_of(plan: &Plan, input: &PlanInput) -> Option<DType> {
+    plan.buffers.get(input.buffer.0 as usize).map(|b| b.dtype)
+}
+
+fn check_vocab(vocab: u64) -> Result<(), String> {
+    if vocab > 1 << 31 {
+        return Err(format!("a vocabulary of {vocab} tokens does not fit i32 token ids"));
+    }
+    Ok(())
+}
+
+fn pair(batch: u64, seq: u64, tokens: Vec<i32>, targets: Vec<i32>) -> BTreeMap<String, Tensor> {
+    BTreeMap::from([
+        ("tokens".to_string(), Tensor::from_i32(&[batch, seq], tokens)),
+        ("targets".to_string(), Tensor::from_i32(&[batch, seq], targets)),
+    ])
+}

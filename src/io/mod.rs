@@ -1,0 +1,18 @@
+//! Files a run reads and writes: safetensors checkpoints of a plan's parameters, and token data.
+//!
+//! [`checkpoint`] maps a plan's parameters to checkpoint tensors by their `checkpoint` names (with or
+//! without the model's `checkpoint_prefix`), so Hugging Face GPT-2 files load unchanged.
+//! [`data`] cuts nanoGPT-style token files (flat little-endian u16 or u32 ids) into `tokens` /
+//! `targets` batches, or draws random ones from a seed.
+
+pub mod checkpoint;
+pub mod data;
+
+pub use checkpoint::{load_checkpoint, save_checkpoint};
+pub use data::{TokenData, TokenDtype, check_inputs, random_batch};
+
+/// A shape as `[a, b, c]`.
+pub(crate) fn shape_text<T: std::fmt::Display>(shape: &[T]) -> String {
+    let dims: Vec<String> = shape.iter().map(ToString::to_string).collect();
+    format!("[{}]", dims.join(", "))
+}
