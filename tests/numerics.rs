@@ -4,6 +4,7 @@
 use optimus::check::check_source;
 use optimus::elab::Override;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
+use optimus::runtime::compare::relative_differences;
 use optimus::runtime::cpu::kernels::{OptimizerKind, OptimizerSettings};
 use optimus::runtime::cpu::{RunConfig, RunOutput, run};
 use optimus::runtime::init::mix64;
@@ -40,13 +41,18 @@ fn config_int(plan: &Plan, name: &str) -> u64 {
 /// Random token ids and targets for step k, a function of the seed alone.
 fn batches(plan: &Plan, seed: u64) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync {
     let (vocab, batch, seq) = (config_int(plan, "vocab"), config_int(plan, "batch"), config_int(plan, "seq"));
+    let mut names: Vec<String> = plan.inputs.iter().map(|i| i.name.clone()).collect();
+    names.sort();
+    names.dedup();
     move |step| {
         let mut out = BTreeMap::new();
-        for (k, name) in ["tokens", "targets"].iter().enumerate() {
+        for (k, name) in names.iter().enumerate() {
+            // Token ids and targets range over the vocabulary; other inputs (BERT's segments) over 0..2.
+            let range = if name == "tokens" || name == "targets" { vocab } else { 2 };
             let ids = (0..batch * seq)
-                .map(|n| (mix64(seed ^ mix64(step * 2 + k as u64) ^ mix64(n)) % vocab) as i32)
+                .map(|n| (mix64(seed ^ mix64(step * 8 + k as u64) ^ mix64(n)) % range) as i32)
                 .collect();
-            out.insert(name.to_string(), Tensor::from_i32(&[batch, seq], ids));
+            out.insert(name.clone(), Tensor::from_i32(&[batch, seq], ids));
         }
         Ok(out)
     }
@@ -66,18 +72,9 @@ fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }
 
-/// Largest difference relative to the reference tensor's largest magnitude.
-fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (a.f32().expect("f32"), b.f32().expect("f32"));
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f64, |m, v| m.max(f64::from(v.abs()))).max(1e-12);
-    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max(f64::from((x - y).abs()))) / scale
-}
-
 fn assert_close(what: &str, a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: different tensors");
-    for (name, t) in a {
-        let d = rel_diff(t, &b[name]);
+    for (name, d) in relative_differences(a, b) {
         assert!(d <= TOLERANCE, "{what} `{name}` differs by {d:.2e} relative");
     }
 }
@@ -138,4 +135,27 @@ fn small_gpt2_optimus_2x2_and_megatron_1x4() {
     ]);
     compare("examples/gpt2.opt", &o, (2, 2), Strategy::Optimus);
     compare("examples/gpt2.opt", &o, (1, 4), Strategy::Megatron);
+}
+
+#[test]
+fn small_bert_optimus_2x2_and_megatron_1x2() {
+    let o = sets(&[
+        ("layers", "2"),
+        ("hidden", "32"),
+        ("heads", "4"),
+        ("vocab", "101"),
+        ("context", "16"),
+        ("seq", "8"),
+        ("batch", "4"),
+        ("pdrop", "0.0"),
+    ]);
+    compare("examples/bert.opt", &o, (2, 2), Strategy::Optimus);
+    compare("examples/bert.opt", &o, (1, 2), Strategy::Megatron);
+}
+
+#[test]
+fn manual_attention_optimus_2x2() {
+    let o =
+        sets(&[("layers", "2"), ("hidden", "32"), ("heads", "4"), ("vocab", "101"), ("context", "16"), ("seq", "8")]);
+    compare("examples/gpt2_manual_attention.opt", &o, (2, 2), Strategy::Optimus);
 }

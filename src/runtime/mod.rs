@@ -3,6 +3,7 @@
 //! The CPU backend (threads in one process) is the reference every other backend is checked against.
 
 pub mod comm;
+pub mod compare;
 pub mod cpu;
 pub mod init;
 pub mod tensor;
