@@ -285,6 +285,14 @@ fn non_utf8_file() {
 }
 
 #[test]
+fn non_utf8_file_is_counted_like_other_errors() {
+    let r = survives("non-utf8-counted", b"config { a = 1 }\n# caf\xe9\n", &[]);
+    assert_eq!(r.code(), Some(1));
+    assert!(r.stderr.contains("error[E0003]"), "{}", r.stderr);
+    assert!(r.stderr.trim_end().ends_with("-non-utf8-counted.opt: 1 error found"), "{}", r.stderr);
+}
+
+#[test]
 fn empty_file() {
     let r = survives("empty", b"", &[]);
     assert_eq!(r.code(), Some(1));

@@ -1,6 +1,6 @@
 //! Expression evaluation: scalar arithmetic on config values and dispatch of tensor operations.
 
-use super::{Elab, Fail, Frame, Layer, R, Value, suggest};
+use super::{Elab, Fail, Frame, Layer, Place, R, Value};
 use crate::diag::Diagnostic;
 use crate::ir::{Dim, Scalar};
 use crate::span::Span;
@@ -57,6 +57,9 @@ impl Elab<'_> {
                 return Ok(Value::Scalar(v.clone(), Some(label)));
             }
             if self.modules[m].layer(name).is_some() {
+                if self.clashing_layers.contains(&(self.modules[m].block, name.to_string())) {
+                    return Ok(Value::Poison);
+                }
                 return self.fail(
                     Diagnostic::error("E0107", format!("`{name}` is a layer, not a value"))
                         .primary(span, "a layer")
@@ -64,31 +67,26 @@ impl Elab<'_> {
                 );
             }
         }
+        if frame.place == Place::ModelForward && self.clashing_inputs.contains(name) {
+            return Ok(Value::Poison);
+        }
         if self.poisoned.contains(name) {
             return Ok(Value::Poison);
         }
         if let Some(v) = self.config_env.get(name) {
             return Ok(Value::Scalar(v.clone(), Some(name.to_string())));
         }
+        // Name resolution has reported every name it could not resolve; elaboration does not report them again.
+        if self.resolved_errors.contains(&span) {
+            return Err(Fail::Reported);
+        }
         if let Some((node, _)) = self.inputs.get(name) {
-            if frame.allow_inputs {
+            if frame.place == Place::ModelForward {
                 return Ok(Value::Tensor(*node));
             }
-            return self.fail(
-                Diagnostic::error("E0101", format!("input `{name}` is not visible inside a block"))
-                    .primary(span, "model inputs are only visible in the model's forward")
-                    .help("pass it to the block as an argument"),
-            );
+            return self.fail(super::resolve::input_misuse(name, span, frame.place));
         }
-        let mut d = Diagnostic::error("E0101", format!("unknown name `{name}`")).primary(span, "not defined");
-        // Each search compares the name with every name in scope; after many unknown names, stop searching.
-        if self.name_searches < super::MAX_NAME_SEARCHES {
-            self.name_searches += 1;
-            let candidates = self.names_in_scope(frame);
-            if let Some(s) = suggest(name, candidates.iter().map(String::as_str)) {
-                d = d.help(format!("did you mean `{s}`?"));
-            }
-        }
+        let mut d = self.unknown_name(name, span, |this| this.names_in_scope(frame));
         if self.file.config.iter().any(|c| c.name.name == name) {
             d = d.note("config values can only use values defined above them");
         }
@@ -101,7 +99,7 @@ impl Elab<'_> {
             names.extend(self.modules[m].env.keys().cloned());
         }
         names.extend(self.config_env.keys().cloned());
-        if frame.allow_inputs {
+        if frame.place == Place::ModelForward {
             names.extend(self.inputs.keys().cloned());
         }
         names.sort();
@@ -220,27 +218,12 @@ impl Elab<'_> {
         if super::ops::is_function(name) {
             return self.apply_op(call, frame);
         }
-        if super::layers::is_layer_kind(name) || self.blocks.contains_key(name) {
-            let what = if self.blocks.contains_key(name) { "block" } else { "layer kind" };
-            return self.fail(
-                Diagnostic::error(
-                    "E0107",
-                    format!("`{name}` is a {what}; it must be declared as a layer before it is called"),
-                )
-                .primary(call.callee.span, "cannot be called here")
-                .help(format!("declare it with `layer my_{name} = {name}(...)` and call `my_{name}(x)`")),
-            );
+        if self.resolved_errors.contains(&call.callee.span) {
+            return Err(Fail::Reported);
         }
-        let mut candidates: Vec<&str> = super::ops::FUNCTIONS.to_vec();
-        candidates.extend(SCALAR_FUNCTIONS);
         let layer_names: Vec<String> =
             frame.module.map(|m| self.modules[m].layers.iter().map(|(n, _)| n.clone()).collect()).unwrap_or_default();
-        candidates.extend(layer_names.iter().map(String::as_str));
-        let mut d = Diagnostic::error("E0102", format!("unknown operator `{name}`"))
-            .primary(call.callee.span, "not an operator or layer");
-        if let Some(s) = suggest(name, candidates) {
-            d = d.help(format!("did you mean `{s}`?"));
-        }
+        let d = self.bad_callee(call, layer_names.iter().map(String::as_str));
         self.fail(d)
     }
 
@@ -358,21 +341,39 @@ impl Elab<'_> {
         }
     }
 
-    /// A size that must be positive. A config value that is not is reported at its first use as a size only.
+    /// A size that must be positive. A config value that is not is reported at its first use as a size only; so
+    /// is a `--set` override to a size that is not positive, together with every value computed from it.
     pub(crate) fn positive_dim(&mut self, value: i64, label: Option<String>, span: Span) -> R<Dim> {
         if value > 0 {
             return Ok(Dim::new(value.unsigned_abs(), label));
         }
         let mut d = Diagnostic::error("E0202", format!("a size must be positive, but this is {value}"))
             .primary(span, format!("this is {value}"));
-        if let Some(c) = label.as_ref().and_then(|l| self.config.iter().find(|c| &c.name == l)) {
-            if !self.bad_sizes.insert(c.name.clone()) {
+        let config = label.as_ref().and_then(|l| self.config.iter().find(|c| &c.name == l));
+        if let Some(c) = config {
+            let root = self.override_roots.get(&c.name).cloned().unwrap_or_else(|| c.name.clone());
+            if !self.bad_sizes.insert(root.clone()) {
                 return Err(Fail::Reported);
             }
-            let how = if c.overridden { format!("set to {value} by `--set`") } else { "defined here".to_string() };
-            d = d
-                .secondary(c.span, format!("`{}` is {how}", c.name))
-                .note(format!("other uses of `{}` as a size are not reported again", c.name));
+            let how = |c: &crate::ir::ConfigValue| {
+                if c.overridden { format!("set to {} by `--set`", c.value) } else { "defined here".to_string() }
+            };
+            d = d.secondary(c.span, format!("`{}` is {}", c.name, how(c)));
+            match self.config.iter().find(|r| r.name == root).filter(|_| root != c.name) {
+                Some(r) => {
+                    d = d.secondary(r.span, format!("`{}` is {}", r.name, how(r))).note(format!(
+                        "`{}` is computed from `{}`; other sizes computed from `{}` are not reported again",
+                        c.name, r.name, r.name
+                    ));
+                }
+                None if c.overridden => {
+                    d = d.note(format!(
+                        "other uses of `{}` as a size, and of sizes computed from it, are not reported again",
+                        c.name
+                    ));
+                }
+                None => d = d.note(format!("other uses of `{}` as a size are not reported again", c.name)),
+            }
         }
         self.fail(d)
     }

@@ -1,7 +1,7 @@
 //! Layers: instantiating declarations (creating parameters, blocks and repeats) and applying them to tensors.
 
 use super::args::Signature;
-use super::{Elab, Fail, Frame, Layer, MAX_REPEAT, Module, R, Value};
+use super::{Elab, Fail, Frame, Layer, MAX_REPEAT, Module, Place, R, Value};
 use crate::diag::Diagnostic;
 use crate::ir::{DType, Dim, Factor, Init, Op, Param, ParamId, ParamRole, TensorType};
 use crate::span::Span;
@@ -28,7 +28,7 @@ fn join(path: &str, name: &str) -> String {
 
 impl<'f> Elab<'f> {
     fn module_frame(&self, module: usize) -> Frame {
-        Frame { module: Some(module), locals: HashMap::new(), allow_inputs: false }
+        Frame { module: Some(module), locals: HashMap::new(), place: Place::Declaration }
     }
 
     pub(crate) fn instantiate_layer(&mut self, module: usize, decl: &'f LayerDecl) -> R<Layer> {
@@ -53,6 +53,9 @@ impl<'f> Elab<'f> {
                     );
                 }
                 let Some(&block) = self.blocks.get(&body.callee.name) else {
+                    if self.resolved_errors.contains(&body.callee.span) {
+                        return Err(Fail::Reported);
+                    }
                     return self.fail(self.not_a_block(body));
                 };
                 let mut modules = Vec::new();
@@ -64,7 +67,7 @@ impl<'f> Elab<'f> {
         }
     }
 
-    fn not_a_block(&self, call: &Call) -> Diagnostic {
+    pub(crate) fn not_a_block(&self, call: &Call) -> Diagnostic {
         let name = &call.callee.name;
         let mut d = Diagnostic::error("E0102", format!("`repeat` needs a block, but `{name}` is not one"))
             .primary(call.callee.span, "not a block");
@@ -91,18 +94,21 @@ impl<'f> Elab<'f> {
         let sig = Signature { name: &def.name.name, params: &names, required: 0 };
         let bound = self.bind(call, &sig)?;
         let mut env = HashMap::new();
+        // Parameters whose value is missing or failed (each reported once): later defaults see invalid values.
+        let mut failed: Vec<&str> = Vec::new();
         let mut parent_frame = self.module_frame(parent);
         let mut ok = true;
         for (i, param) in def.params.iter().enumerate() {
             let value = match (bound.get(i), &param.default) {
                 (Some(arg), _) => self.eval(arg, &mut parent_frame),
                 (None, Some(default)) => {
-                    let mut frame = Frame::scalars();
+                    let mut frame = Frame::scalars(Place::Default);
                     frame.locals = env
                         .iter()
                         .map(|(k, (v, label)): (&String, &(crate::ir::Scalar, Option<String>))| {
                             (k.clone(), Value::Scalar(v.clone(), label.clone().or_else(|| Some(k.clone()))))
                         })
+                        .chain(failed.iter().map(|name| (name.to_string(), Value::Poison)))
                         .collect();
                     self.eval(default, &mut frame)
                 }
@@ -115,6 +121,7 @@ impl<'f> Elab<'f> {
                         .primary(call.span, format!("missing `{}`", param.name.name))
                         .secondary(param.name.span, "parameter declared here"),
                     );
+                    failed.push(&param.name.name);
                     ok = false;
                     continue;
                 }
@@ -123,7 +130,10 @@ impl<'f> Elab<'f> {
                 Ok(Value::Scalar(s, label)) => {
                     env.insert(param.name.name.clone(), (s, label));
                 }
-                Ok(Value::Poison) | Err(Fail::Reported) => ok = false,
+                Ok(Value::Poison) | Err(Fail::Reported) => {
+                    failed.push(&param.name.name);
+                    ok = false;
+                }
                 Err(Fail::Abort) => return Err(Fail::Abort),
                 Ok(other) => {
                     let found = self.describe(&other);
@@ -136,6 +146,7 @@ impl<'f> Elab<'f> {
                         .primary(span, "not a scalar")
                         .help("pass tensors to the block's forward instead"),
                     );
+                    failed.push(&param.name.name);
                     ok = false;
                 }
             }
@@ -161,7 +172,16 @@ impl<'f> Elab<'f> {
                 let b = self.bind(call, &sig)?;
                 let dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame);
                 let eps = match b.get(1) {
-                    Some(e) => self.expect_float(e, &mut frame),
+                    Some(e) => self.expect_float(e, &mut frame).and_then(|eps| {
+                        if eps > 0.0 {
+                            return Ok(eps);
+                        }
+                        self.fail(
+                            Diagnostic::error("E0202", format!("`eps` must be positive, but this is {eps}"))
+                                .primary(e.span, format!("this is {eps}"))
+                                .help("layernorm divides by sqrt(variance + eps); the usual value is 1e-5"),
+                        )
+                    }),
                     None => Ok(1e-5),
                 };
                 let (dim, eps) = (dim?, eps?);
@@ -188,22 +208,30 @@ impl<'f> Elab<'f> {
                     Ok(Layer::PositionEmbedding { table, span })
                 }
             }
-            name => {
-                let mut candidates: Vec<&str> = LAYER_KINDS.to_vec();
-                candidates.extend(self.blocks.keys().map(String::as_str));
-                let mut d = Diagnostic::error("E0102", format!("unknown layer kind `{name}`"))
-                    .primary(call.callee.span, "not a layer kind or block")
-                    .note(format!("layer kinds: {}", LAYER_KINDS.join(", ")));
-                if name == "repeat" {
-                    d = d.help("write `repeat(n) Block()` to stack n copies of a block");
-                } else if let Some(s) = super::suggest(name, candidates) {
-                    d = d.help(format!("did you mean `{s}`?"));
-                } else if super::ops::is_function(name) {
-                    d = d.help(format!("`{name}` has no parameters: call it directly in a forward"));
-                }
+            _ if self.resolved_errors.contains(&call.callee.span) => Err(Fail::Reported),
+            _ => {
+                let d = self.unknown_layer_kind(call);
                 self.fail(d)
             }
         }
+    }
+
+    /// `layer x = k(...)` where `k` is neither a layer kind nor a block.
+    pub(crate) fn unknown_layer_kind(&self, call: &Call) -> Diagnostic {
+        let name = call.callee.name.as_str();
+        let mut candidates: Vec<&str> = LAYER_KINDS.to_vec();
+        candidates.extend(self.blocks.keys().map(String::as_str));
+        let mut d = Diagnostic::error("E0102", format!("unknown layer kind `{name}`"))
+            .primary(call.callee.span, "not a layer kind or block")
+            .note(format!("layer kinds: {}", LAYER_KINDS.join(", ")));
+        if name == "repeat" {
+            d = d.help("write `repeat(n) Block()` to stack n copies of a block");
+        } else if let Some(s) = super::suggest(name, candidates) {
+            d = d.help(format!("did you mean `{s}`?"));
+        } else if super::ops::is_function(name) {
+            d = d.help(format!("`{name}` has no parameters: call it directly in a forward"));
+        }
+        d
     }
 
     fn optional_std(&mut self, expr: Option<&crate::syntax::ast::Expr>, frame: &mut Frame) -> R<f64> {
@@ -532,7 +560,8 @@ impl<'f> Elab<'f> {
                         );
                     }
                 };
-                if after.shape != before.shape {
+                // Sizes and dtype only: labels and factors record where a size came from, not what it is.
+                if after.sizes() != before.sizes() || after.dtype != before.dtype {
                     return self.fail(
                         Diagnostic::error(
                             "E0201",

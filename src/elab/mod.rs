@@ -5,6 +5,7 @@ mod args;
 mod eval;
 mod layers;
 mod ops;
+mod resolve;
 
 use crate::diag::{Diagnostic, dedup, group_digits};
 use crate::ir::{ConfigValue, Model, Node, Origin, Param, ParamId, Scalar, TensorType};
@@ -123,16 +124,32 @@ impl Module {
     }
 }
 
+/// Where an expression is written, which decides what its names may refer to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// The model's top-level forward: the only place that sees the model's inputs.
+    ModelForward,
+    /// A block's forward.
+    BlockForward,
+    /// The arguments of a `layer` declaration: a layer kind's, a block's or a `repeat` count.
+    Declaration,
+    /// A block parameter's default.
+    Default,
+    /// Config entries and input dimensions.
+    Config,
+}
+
 /// Local bindings while evaluating: a module's forward, a config block, or block arguments.
 pub(crate) struct Frame {
     module: Option<usize>,
     locals: HashMap<String, Value>,
-    allow_inputs: bool,
+    place: Place,
 }
 
 impl Frame {
-    fn scalars() -> Frame {
-        Frame { module: None, locals: HashMap::new(), allow_inputs: false }
+    /// A frame that sees only config values (and the given locals).
+    fn scalars(place: Place) -> Frame {
+        Frame { module: None, locals: HashMap::new(), place }
     }
 }
 
@@ -158,6 +175,17 @@ pub struct Elab<'f> {
     instances: usize,
     /// Unknown names searched for a suggestion so far, against [`MAX_NAME_SEARCHES`].
     name_searches: usize,
+    /// Names and callees that name resolution has already reported: elaboration stays silent about them.
+    resolved_errors: HashSet<Span>,
+    /// Inputs named like a config value (reported): in the model's forward their name is an invalid value.
+    clashing_inputs: HashSet<String>,
+    /// Layers named like a config value or input (reported), by the block that declares them (`None` for the
+    /// root): as values in that module, their name is an invalid value.
+    clashing_layers: HashSet<(Option<usize>, String)>,
+    /// For each config value computed from a `--set` override to a size that is not positive (the override
+    /// included), that override's name: only one error is reported for the override and everything computed
+    /// from it.
+    override_roots: HashMap<String, String>,
 }
 
 /// Elaborates a parsed file with command-line overrides into a model; errors if any diagnostic is an error.
@@ -180,6 +208,10 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         bad_sizes: HashSet::new(),
         instances: 0,
         name_searches: 0,
+        resolved_errors: HashSet::new(),
+        clashing_inputs: HashSet::new(),
+        clashing_layers: HashSet::new(),
+        override_roots: HashMap::new(),
     };
     let result = elab.run(overrides);
     let mut diags = std::mem::take(&mut elab.diags);
@@ -251,6 +283,7 @@ impl<'f> Elab<'f> {
         self.index_blocks();
         self.find_recursion();
         self.declare_inputs();
+        self.resolve_names();
         let root = self.instantiate_root()?;
         self.run_root_forward(root)
     }
@@ -302,11 +335,22 @@ impl<'f> Elab<'f> {
                 continue;
             }
             seen.insert(&entry.name.name, entry.name.span);
-            let mut frame = Frame::scalars();
+            let mut frame = Frame::scalars(Place::Config);
+            // The bad override this entry is computed from, if any (the first, in the order it is read).
+            let mut root = None;
+            config_names(&entry.value, &mut |name| {
+                if root.is_none() {
+                    root = self.override_roots.get(name).cloned();
+                }
+            });
             let value = match self.eval(&entry.value, &mut frame) {
                 Ok(Value::Scalar(s, _)) => s,
-                Ok(Value::Poison) | Err(_) => {
-                    // Later uses of a failed value stay silent: the error is reported once, here.
+                result @ (Ok(Value::Poison) | Err(_)) => {
+                    // Later uses of a failed value stay silent: the error is reported once, here. If the error is
+                    // due to a bad override, that override's other uses as a size stay silent too.
+                    if let (Err(Fail::Reported), Some(root)) = (result, &root) {
+                        self.bad_sizes.insert(root.clone());
+                    }
                     self.poisoned.insert(entry.name.name.clone());
                     continue;
                 }
@@ -330,6 +374,13 @@ impl<'f> Elab<'f> {
                 },
                 None => (value, false),
             };
+            if overridden {
+                // An overridden value no longer depends on what its expression read.
+                root = matches!(value, Scalar::Int(v) if v <= 0).then(|| entry.name.name.clone());
+            }
+            if let Some(root) = root {
+                self.override_roots.insert(entry.name.name.clone(), root);
+            }
             self.config_env.insert(entry.name.name.clone(), value.clone());
             self.config.push(ConfigValue { name: entry.name.name.clone(), value, span: entry.span, overridden });
         }
@@ -458,7 +509,9 @@ impl<'f> Elab<'f> {
                 continue;
             }
             if let Some(c) = file.config.iter().find(|c| c.name.name == name.name) {
-                self.report(duplicate("name", name, c.name.span));
+                self.report(clash(("config value", &c.name), ("input", name)));
+                // Neither is meant where the name is used in the model's forward: it stands for an invalid value.
+                self.clashing_inputs.insert(name.name.clone());
                 continue;
             }
             match self.declare_input(input) {
@@ -486,7 +539,7 @@ impl<'f> Elab<'f> {
             }
             self.report(d);
         }
-        let mut frame = Frame::scalars();
+        let mut frame = Frame::scalars(Place::Config);
         let mut shape = Vec::new();
         let mut failed = false;
         for dim in &input.dims {
@@ -551,13 +604,15 @@ impl<'f> Elab<'f> {
                     .help("declare model inputs with `input name: dtype[dims]`"),
             );
         }
-        let mut frame = Frame { module: Some(root), locals: HashMap::new(), allow_inputs: true };
+        // Parameters (reported above) stand for invalid values, so that their uses are not reported again.
+        let locals = forward.params.iter().map(|p| (p.name.clone(), Value::Poison)).collect();
+        let mut frame = Frame { module: Some(root), locals, place: Place::ModelForward };
         let mut outputs = Vec::new();
         let mut seen: HashMap<&str, Span> = HashMap::new();
         for stmt in &forward.body {
             match stmt {
-                Stmt::Assign { name, value } => self.assign(&mut frame, name, value)?,
-                Stmt::Output { name, value } => {
+                Stmt::Assign { name, value, .. } => self.assign(&mut frame, name, value)?,
+                Stmt::Output { name, value, .. } => {
                     if let Some(&prev) = seen.get(name.name.as_str()) {
                         self.report(duplicate("output", name, prev));
                         continue;
@@ -647,26 +702,19 @@ impl<'f> Elab<'f> {
         let mut frame = Frame {
             module: Some(module),
             locals: forward.params.iter().map(|p| p.name.clone()).zip(args).collect(),
-            allow_inputs: false,
+            place: Place::BlockForward,
         };
         for stmt in &forward.body {
             match stmt {
-                Stmt::Assign { name, value } => self.assign(&mut frame, name, value)?,
-                Stmt::Return { value, .. } => return self.eval(value, &mut frame),
-                Stmt::Output { name, .. } => {
-                    self.report(
-                        Diagnostic::error("E0401", "`output` is only allowed in the model's forward")
-                            .primary(name.span, "inside a block")
-                            .help("return the value with `return` and output it from the model's forward"),
-                    );
+                // Name resolution has reported an `output` in a block; it binds its name like an assignment.
+                Stmt::Assign { name, value, .. } | Stmt::Output { name, value, .. } => {
+                    self.assign(&mut frame, name, value)?;
                 }
+                Stmt::Return { value, .. } => return self.eval(value, &mut frame),
             }
         }
-        self.fail(
-            Diagnostic::error("E0401", format!("the forward of block `{}` does not return a value", block.name.name))
-                .primary(forward.head_span, "no `return` in this forward")
-                .help("end the forward with `return expression`"),
-        )
+        // Name resolution has reported the missing `return`.
+        Err(Fail::Reported)
     }
 
     /// Counts one more block or layer instance; stops elaboration once there are too many.
@@ -736,6 +784,26 @@ fn layer_call(decl: &LayerDecl) -> &ast::Call {
     }
 }
 
+/// Two different kinds of definition with one name (a config value and an input, a layer and an input, ...); the
+/// later one in the file is the one labelled as the repeat.
+fn clash(a: (&str, &ast::Ident), b: (&str, &ast::Ident)) -> Diagnostic {
+    let (first, second) =
+        if (a.1.span.start, a.1.span.end) <= (b.1.span.start, b.1.span.end) { (a, b) } else { (b, a) };
+    Diagnostic::error("E0105", format!("name `{}` is defined more than once", second.1.name))
+        .primary(second.1.span, format!("defined again here, as {} {}", article(second.0), second.0))
+        .secondary(first.1.span, format!("first defined here, as {} {}", article(first.0), first.0))
+        .help(if first.0 == "layer" || second.0 == "layer" {
+            "rename one of them: a layer named like a config value or input would hide it"
+        } else {
+            "rename one of them"
+        })
+}
+
+/// "a" or "an" before a word.
+fn article(word: &str) -> &'static str {
+    if word.starts_with(['a', 'e', 'i', 'o', 'u']) { "an" } else { "a" }
+}
+
 fn duplicate(what: &str, name: &ast::Ident, previous: Span) -> Diagnostic {
     Diagnostic::error("E0105", format!("{what} `{}` is defined more than once", name.name))
         .primary(name.span, "defined again here")
@@ -778,5 +846,21 @@ fn parse_override(raw: &str, default: &Scalar) -> Result<Scalar, String> {
             _ => Err("is not `true` or `false`".to_string()),
         },
         Scalar::Str(_) => Ok(Scalar::Str(raw.to_string())),
+    }
+}
+
+/// Calls `f` with every name an expression reads, in order.
+fn config_names<'e>(expr: &'e ast::Expr, f: &mut impl FnMut(&'e str)) {
+    match &expr.kind {
+        ast::ExprKind::Name(name) => f(name),
+        ast::ExprKind::Call(call) => call.args.iter().for_each(|a| config_names(&a.value, f)),
+        ast::ExprKind::List(items) => items.iter().for_each(|i| config_names(i, f)),
+        ast::ExprKind::Neg(inner) => config_names(inner, f),
+        ast::ExprKind::Binary { lhs, rhs, .. } => {
+            config_names(lhs, f);
+            config_names(rhs, f);
+        }
+        ast::ExprKind::Int(_) | ast::ExprKind::Float(_) | ast::ExprKind::Str(_) | ast::ExprKind::Bool(_) => {}
+        ast::ExprKind::Invalid => {}
     }
 }

@@ -169,12 +169,17 @@ impl Elab<'_> {
                 let ty = self.same_shape(*a, *b, site.lhs.span, site.rhs.span, site.op_span, "+")?;
                 self.add_node(Op::Add, ty, span, &scope, &[*a, *b]).map(Value::Tensor)
             }
-            (BinOp::Mul, Value::Tensor(t), Value::Scalar(s, _))
-            | (BinOp::Mul, Value::Scalar(s, _), Value::Tensor(t)) => {
-                let factor = super::eval::as_f64(s);
-                self.scale_node(*t, factor, span, &scope)
+            (BinOp::Mul, Value::Tensor(t), Value::Scalar(s, _)) => {
+                // Like `scale(t, n)`: only floating-point tensors can be scaled.
+                self.expect_float_tensor(*t, site.lhs.span)?;
+                self.scale_node(*t, super::eval::as_f64(s), span, &scope)
+            }
+            (BinOp::Mul, Value::Scalar(s, _), Value::Tensor(t)) => {
+                self.expect_float_tensor(*t, site.rhs.span)?;
+                self.scale_node(*t, super::eval::as_f64(s), span, &scope)
             }
             (BinOp::Div, Value::Tensor(t), Value::Scalar(s, _)) => {
+                self.expect_float_tensor(*t, site.lhs.span)?;
                 let d = super::eval::as_f64(s);
                 if d == 0.0 || !d.is_finite() {
                     return self.fail(
@@ -231,7 +236,11 @@ impl Elab<'_> {
         self.fail(
             Diagnostic::error(
                 "E0201",
-                format!("expected a tensor with at least {rank} dimensions, found {}", show_type(&ty)),
+                format!(
+                    "expected a tensor with at least {}, found {}",
+                    super::args::plural(rank, "dimension"),
+                    show_type(&ty)
+                ),
             )
             .primary(span, "too few dimensions"),
         )
@@ -292,11 +301,16 @@ impl Elab<'_> {
             && ra == rb
             && ta.sizes()[..ra - 2] == tb.sizes()[..rb - 2]
             && ta.shape[ra - 1].size == tb.shape[rb - 2].size;
-        if !fits {
+        if !fits || ta.dtype != tb.dtype {
             let (sta, stb) = (show_type(&ta), show_type(&tb));
+            let (what, needs) = if fits {
+                ("dtype", "needs operands of the same dtype")
+            } else {
+                ("shape", "needs [.., m, k] and [.., k, n] with equal leading dimensions")
+            };
             return self.fail(
-                Diagnostic::error("E0201", format!("shape mismatch in `matmul`: {sta} and {stb}"))
-                    .primary(span, "needs [.., m, k] and [.., k, n] with equal leading dimensions")
+                Diagnostic::error("E0201", format!("{what} mismatch in `matmul`: {sta} and {stb}"))
+                    .primary(span, needs)
                     .secondary(sa, format!("this is {sta}"))
                     .secondary(sb, format!("this is {stb}")),
             );
@@ -410,6 +424,29 @@ impl Elab<'_> {
                 .primary(q_span, format!("this is {}", show_type(&t0))),
             );
         }
+        if let (true, Some(last)) = (fused, t0.shape.last()) {
+            // A fused qkv tensor factored as (3, h, d) has h heads of d: `heads` must say the same.
+            if let [three, h, d] = last.factors.as_slice()
+                && three.size == 3
+                && h.size != heads
+            {
+                return self.fail(
+                    Diagnostic::error(
+                        "E0201",
+                        format!(
+                            "`heads: {heads}` does not match the fused qkv tensor, which is factored into {} heads",
+                            h.size
+                        ),
+                    )
+                    .primary(heads_span, format!("{heads} heads"))
+                    .secondary(
+                        q_span,
+                        format!("factored as (3, {}, {}): {} heads of size {}", h.size, d.size, h.size, d.size),
+                    )
+                    .help(format!("pass `heads: {}`, or declare the qkv projection with {heads} heads", h.size)),
+                );
+            }
+        }
         if model_width % heads != 0 {
             return self.fail(
                 Diagnostic::error("E0201", format!("{heads} heads do not divide the attention width {model_width}"))
@@ -419,12 +456,13 @@ impl Elab<'_> {
         }
         for &(o, span) in &operands[1..] {
             let ti = self.ty(o).clone();
-            if ti.sizes() != t0.sizes() {
+            if ti.sizes() != t0.sizes() || ti.dtype != t0.dtype {
+                let what = if ti.sizes() == t0.sizes() { "dtype" } else { "shape" };
                 return self.fail(
                     Diagnostic::error(
                         "E0201",
                         format!(
-                            "shape mismatch in `self_attention`: q is {} but this is {}",
+                            "{what} mismatch in `self_attention`: q is {} but this is {}",
                             show_type(&t0),
                             show_type(&ti)
                         ),

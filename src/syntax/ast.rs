@@ -94,9 +94,18 @@ pub struct ForwardDef {
 /// One statement of a forward body.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Stmt {
-    Assign { name: Ident, value: Expr },
-    Output { name: Ident, value: Expr },
+    Assign { name: Ident, value: Expr, span: Span },
+    Output { name: Ident, value: Expr, span: Span },
     Return { value: Expr, span: Span },
+}
+
+impl Stmt {
+    /// The whole statement, keyword included.
+    pub fn span(&self) -> Span {
+        match self {
+            Stmt::Assign { span, .. } | Stmt::Output { span, .. } | Stmt::Return { span, .. } => *span,
+        }
+    }
 }
 
 /// An expression with its span.

@@ -22,8 +22,29 @@ pub const MAX_SOURCE_BYTES: usize = 16 * 1024 * 1024;
 /// Most syntax errors reported from one file; after each, parsing resumes at the next top-level declaration.
 pub const MAX_SYNTAX_ERRORS: usize = 10;
 
+/// Grammar-rule calls allowed per byte of source. The grammar never backtracks over more than one bracket level,
+/// so parsing is linear: the costliest text measured (a list of one-letter names, a run of `;`) takes about 42
+/// calls a byte. The limit is a safety net against a grammar change that would make parsing superlinear.
+pub const CALLS_PER_BYTE: usize = 64;
+/// Grammar-rule calls allowed on top of [`CALLS_PER_BYTE`], so that tiny files are never short of them.
+pub const BASE_CALLS: usize = 1_000_000;
+
+/// The grammar-rule calls one parse of `len` bytes may make.
+pub fn call_limit(len: usize) -> usize {
+    BASE_CALLS.saturating_add(len.saturating_mul(CALLS_PER_BYTE))
+}
+
+/// pest reads its call limit from a process-wide setting when a parse starts; parses hold this lock from setting
+/// it to finishing, so that parses on other threads (tests, a server) never start under another file's limit.
+static PARSE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Parses a source file, returning the AST and any non-fatal diagnostics, or the fatal ones.
 pub fn parse(source: &str) -> Result<(File, Vec<Diagnostic>), Vec<Diagnostic>> {
+    parse_with_limit(source, call_limit(source.len()))
+}
+
+/// [`parse`] with an explicit limit on grammar-rule calls.
+fn parse_with_limit(source: &str, calls: usize) -> Result<(File, Vec<Diagnostic>), Vec<Diagnostic>> {
     if source.len() > MAX_SOURCE_BYTES {
         // No label: the line it would show may itself be megabytes long.
         return Err(vec![Diagnostic::error(
@@ -32,7 +53,9 @@ pub fn parse(source: &str) -> Result<(File, Vec<Diagnostic>), Vec<Diagnostic>> {
         )]);
     }
     check_nesting(source)?;
-    pest::set_call_limit(std::num::NonZeroUsize::new(50_000_000));
+    // A parse that panicked while holding the lock left nothing behind that needs repair.
+    let _lock = PARSE_LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    pest::set_call_limit(std::num::NonZeroUsize::new(calls));
     let mut pairs = OptParser::parse(Rule::file, source).map_err(|e| syntax_errors(source, e))?;
     let file_pair = pairs.next().ok_or_else(|| vec![Diagnostic::error("E0001", "empty parse")])?;
     let mut builder = Builder::default();
@@ -40,8 +63,34 @@ pub fn parse(source: &str) -> Result<(File, Vec<Diagnostic>), Vec<Diagnostic>> {
     Ok((file, builder.diagnostics))
 }
 
+/// Whether pest stopped because a resource limit (calls or stack) was reached, not at a syntax error.
+fn limit_reached(e: &pest::error::Error<Rule>) -> bool {
+    matches!(e.variant, pest::error::ErrorVariant::CustomError { .. })
+}
+
+/// Where pest stopped, as a byte offset into the text it was given.
+fn stop_offset(e: &pest::error::Error<Rule>) -> usize {
+    use pest::error::InputLocation;
+    match e.location {
+        InputLocation::Pos(p) | InputLocation::Span((p, _)) => p,
+    }
+}
+
+/// The error for a file whose parse ran out of grammar-rule calls or stack, `at` bytes into the file. No label:
+/// the line it would show may be megabytes long.
+fn too_complex(source: &str, at: usize) -> Diagnostic {
+    let (line, column) = crate::span::line_col(source, at);
+    Diagnostic::error("E0002", "the file is too complex to parse")
+        .note(format!("parsing gave up at line {line}, column {column}"))
+        .help("split long expressions and deeply nested blocks into smaller named pieces")
+}
+
 /// Describes the first syntax error, then resumes at each later top-level declaration to report more.
 fn syntax_errors(source: &str, first: pest::error::Error<Rule>) -> Vec<Diagnostic> {
+    if limit_reached(&first) {
+        // Parsing again for details would only reach the same limit.
+        return vec![too_complex(source, stop_offset(&first))];
+    }
     // Detailed parse attempts cost time, so they are collected only once a file has failed. The switch is global
     // and is never turned off again, so parses running at the same time always produce the same messages.
     pest::set_error_detail(true);
@@ -49,6 +98,10 @@ fn syntax_errors(source: &str, first: pest::error::Error<Rule>) -> Vec<Diagnosti
     let mut diagnostics = Vec::new();
     let mut chunk = 0;
     loop {
+        if limit_reached(&error) {
+            diagnostics.push(too_complex(source, chunk + stop_offset(&error)));
+            break;
+        }
         let (diagnostic, at) = syntax_error(&source[chunk..], chunk, &error);
         diagnostics.push(diagnostic);
         if diagnostics.len() >= MAX_SYNTAX_ERRORS {
@@ -135,18 +188,12 @@ fn too_deep(offset: usize, c: char, what: &str, limit: usize) -> Diagnostic {
 /// Turns a pest error on `text` (which starts `offset` bytes into the file) into a diagnostic that says in
 /// words what was expected; also returns the file offset where parsing stopped.
 fn syntax_error(text: &str, offset: usize, e: &pest::error::Error<Rule>) -> (Diagnostic, usize) {
-    use pest::error::{ErrorVariant, InputLocation};
-    let pest_pos = match e.location {
-        InputLocation::Pos(p) | InputLocation::Span((p, _)) => p,
-    };
+    use pest::error::ErrorVariant;
+    let pest_pos = stop_offset(e);
     let positives = match &e.variant {
-        ErrorVariant::ParsingError { positives, .. } => positives,
-        ErrorVariant::CustomError { message } => {
-            let d = Diagnostic::error("E0002", format!("the file is too complex to parse ({message})"))
-                .primary(expect::found_at(text, pest_pos).span, "parsing stopped here")
-                .help("split long expressions and deeply nested blocks into smaller named pieces");
-            return (shift(d, offset), offset + pest_pos);
-        }
+        ErrorVariant::ParsingError { positives, .. } => positives.as_slice(),
+        // Resource limits are reported by `too_complex` before this is reached.
+        ErrorVariant::CustomError { .. } => &[],
     };
     let (pos, phrases) = match e.parse_attempts() {
         Some(a) => {
@@ -449,13 +496,14 @@ impl Builder {
                 }
                 Rule::assign_stmt | Rule::output_stmt => {
                     let is_output = part.as_rule() == Rule::output_stmt;
+                    let span = span_of(&part);
                     let mut si = children(part).filter(|p| p.as_rule() != Rule::kw_output);
                     if let (Some(n), Some(v)) = (si.next(), si.next()) {
                         let (name, value) = (ident(n), self.expr(v));
                         def.body.push(if is_output {
-                            Stmt::Output { name, value }
+                            Stmt::Output { name, value, span }
                         } else {
-                            Stmt::Assign { name, value }
+                            Stmt::Assign { name, value, span }
                         });
                     }
                 }
@@ -589,5 +637,30 @@ impl Builder {
             _ => ExprKind::Invalid,
         };
         Expr { kind, span }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn running_out_of_grammar_calls_is_a_clear_error() {
+        let src = "input x: f32[2]\nforward { output y = x }\n";
+        let errors = parse_with_limit(src, 40).expect_err("40 calls cannot parse this");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].code, "E0002");
+        assert_eq!(errors[0].message, "the file is too complex to parse");
+        let rendered = crate::diag::render_plain("model.opt", src, &errors);
+        assert!(!rendered.contains("call limit"), "{rendered}");
+        assert!(rendered.contains("parsing gave up at line 1"), "{rendered}");
+    }
+
+    #[test]
+    fn the_call_limit_grows_with_the_file() {
+        assert_eq!(call_limit(0), BASE_CALLS);
+        // The costliest text measured takes 42 calls a byte.
+        assert!(call_limit(MAX_SOURCE_BYTES) > 42 * MAX_SOURCE_BYTES);
+        assert!(parse(&";".repeat(1 << 20)).is_ok());
     }
 }
