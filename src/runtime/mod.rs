@@ -2,6 +2,7 @@
 //! through a [`comm::Communicator`]; backends differ only in where kernels run and how peers talk.
 //! The CPU backend (threads in one process) is the reference every other backend is checked against.
 
+pub mod backend;
 pub mod comm;
 pub mod compare;
 pub mod cpu;
@@ -9,21 +10,23 @@ pub mod init;
 pub mod tensor;
 
 use crate::plan::{Buffer, BufferId, Instr, Kernel, Plan, ReduceOp, Role};
+use backend::Backend;
 use comm::Communicator;
-use cpu::kernels::{self, KernelContext, OptimizerSettings};
+use cpu::kernels::{KernelContext, OptimizerSettings};
 use tensor::{Data, Tensor};
 
-/// One device's state: its buffers, and its endpoint to the others.
-pub struct Device<'p, C: Communicator> {
+/// One device's state: its buffers, the backend that runs its kernels, and its endpoint to the others.
+pub struct Device<'p, B: Backend, C: Communicator> {
     pub plan: &'p Plan,
+    pub backend: B,
     pub comm: C,
     pub seed: u64,
     buffers: Vec<Option<Tensor>>,
 }
 
-impl<'p, C: Communicator> Device<'p, C> {
+impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// A device with its parameter shards initialised from the seed and zeroed optimizer state.
-    pub fn new(plan: &'p Plan, comm: C, seed: u64) -> Device<'p, C> {
+    pub fn new(plan: &'p Plan, backend: B, comm: C, seed: u64) -> Device<'p, B, C> {
         let (i, j) = comm.coords();
         let mut buffers: Vec<Option<Tensor>> = vec![None; plan.buffers.len()];
         for p in &plan.params {
@@ -34,7 +37,7 @@ impl<'p, C: Communicator> Device<'p, C> {
                 buffers[s.0 as usize] = Some(Tensor::zeros(m.dtype, &m.shape));
             }
         }
-        Device { plan, comm, seed, buffers }
+        Device { plan, backend, comm, seed, buffers }
     }
 
     pub fn coords(&self) -> (u64, u64) {
@@ -108,7 +111,7 @@ impl<'p, C: Communicator> Device<'p, C> {
             let (i, j) = self.comm.coords();
             let ctx =
                 KernelContext { i, j, mesh: plan.mesh, seed: self.seed, inputs: &metas, output: plan.buffer(output) };
-            kernels::run(kernel, &refs, &mut out, &ctx)
+            self.backend.kernel(kernel, &refs, &mut out, &ctx)
         };
         self.buffers[output.0 as usize] = Some(out);
         result
@@ -121,7 +124,7 @@ impl<'p, C: Communicator> Device<'p, C> {
         let mut state1 = self.buffers[s1.0 as usize].take().ok_or_else(missing)?;
         let mut state2 = self.buffers[s2.0 as usize].take().ok_or_else(missing)?;
         let result = match self.buffers[g.0 as usize].as_ref() {
-            Some(grad) => kernels::optimizer_step(&mut param, grad, &mut state1, &mut state2, settings, step),
+            Some(grad) => self.backend.optimizer_step(&mut param, grad, &mut state1, &mut state2, settings, step),
             None => Err(missing()),
         };
         self.buffers[p.0 as usize] = Some(param);

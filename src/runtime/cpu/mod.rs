@@ -103,7 +103,7 @@ fn run_device(
     initial: &BTreeMap<String, Tensor>,
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
-    let mut device = Device::new(plan, comm, config.seed);
+    let mut device = Device::new(plan, super::backend::CpuBackend, comm, config.seed);
     let (i, j) = device.coords();
     for p in &plan.params {
         if let Some(t) = initial.get(&p.name) {

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Checks examples/gpt2.opt against Hugging Face's GPT2LMHeadModel.
+#
+# 1. Makes (or reuses) a virtualenv (see HF_VENV) and pip-installs torch,
+#    transformers, safetensors and numpy into it, each only if it does not
+#    import yet; prints how long that took and how large the venv is.
+# 2. Builds optimusc in release mode.
+# 3. Runs scripts/hf_compare.py, which trains the same small GPT-2 from the
+#    same weights on the same tokens in PyTorch and in `optimusc run` (SGD with
+#    momentum and AdamW with weight decay; meshes none 1x1, optimus 2x2 and
+#    4x4, megatron 1x4) and compares every step's loss and every updated weight.
+#
+# Idempotent: a second run installs nothing. Extra arguments go to
+# hf_compare.py (try --help). The exit code is the comparison's.
+#
+# Environment:
+#   PYTHON        interpreter used to create the venv (default: python3)
+#   HF_VENV       venv location (default: ~/.cache/optimus/venv-hf, shared by every clone on this machine)
+#
+# About the install: PyPI has no CPU-only torch wheel for Linux x86_64 (that
+# lives on PyTorch's own index, which is not reachable here), and the PyPI wheel
+# cannot even be imported without its nvidia-* packages (`pip install --no-deps
+# torch` fails at `import torch`: libcudart.so.13 not found). So this installs
+# the ordinary PyPI torch: about 2 minutes and 5.6 GB for the whole venv
+# (torch 1.2 GB, triton 1 GB, nvidia-* 3.1 GB), once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${HF_VENV:-$HOME/.cache/optimus/venv-hf}
+PYTHON=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating virtualenv $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+# Which of the needed modules do not import yet?
+missing=()
+for mod in torch transformers safetensors numpy; do
+  if ! "$PY" -c "import $mod" >/dev/null 2>&1; then
+    missing+=("$mod")
+  fi
+done
+
+start=$(date +%s)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== installing into $VENV: ${missing[*]}"
+  "$PY" -m pip install "${missing[@]}"
+else
+  echo "== $VENV already has torch, transformers, safetensors, numpy"
+fi
+end=$(date +%s)
+echo "== install took $((end - start)) s; $VENV is $(du -sh "$VENV" | cut -f1)"
+"$PY" -c 'import torch, transformers, safetensors, numpy; print(f"== torch {torch.__version__}, transformers {transformers.__version__}, safetensors {safetensors.__version__}, numpy {numpy.__version__}")'
+
+echo "== cargo build --release"
+cargo build --release --bin optimusc
+
+echo "== comparing"
+exec "$PY" scripts/hf_compare.py --optimusc target/release/optimusc "$@"
