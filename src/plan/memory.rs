@@ -2,7 +2,7 @@
 
 use super::{Buffer, BufferId, Instr, Role};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
 /// Bytes per device by category, and where the peak occurs. Every device of an SPMD plan holds blocks
 /// of the same shapes, so one figure holds for all devices.
@@ -50,16 +50,21 @@ pub fn insert_frees(
     keep: &HashSet<BufferId>,
     forward_end: usize,
 ) -> (Vec<Instr>, usize) {
-    let mut last_use: BTreeMap<BufferId, usize> = BTreeMap::new();
+    let mut last_use: Vec<Option<usize>> = vec![None; buffers.len()];
     for (i, instr) in program.iter().enumerate() {
         for b in touched(instr) {
-            last_use.insert(b, i);
+            if let Some(slot) = last_use.get_mut(b.0 as usize) {
+                *slot = Some(i);
+            }
         }
     }
-    let mut frees_after: BTreeMap<usize, Vec<BufferId>> = BTreeMap::new();
-    for (b, i) in last_use {
-        if !persistent(buffers[b.0 as usize].role) && !keep.contains(&b) {
-            frees_after.entry(i).or_default().push(b);
+    let mut frees_after: Vec<Vec<BufferId>> = vec![Vec::new(); program.len()];
+    for (index, last) in last_use.iter().enumerate() {
+        let b = BufferId(u32::try_from(index).unwrap_or(u32::MAX));
+        if let Some(i) = *last {
+            if !persistent(buffers[index].role) && !keep.contains(&b) {
+                frees_after[i].push(b);
+            }
         }
     }
     let mut out = Vec::with_capacity(program.len() + buffers.len());
@@ -69,7 +74,7 @@ pub fn insert_frees(
             new_forward_end = Some(out.len());
         }
         out.push(instr);
-        for b in frees_after.remove(&i).unwrap_or_default() {
+        for &b in &frees_after[i] {
             out.push(Instr::Free { buffer: b });
         }
     }
@@ -80,11 +85,11 @@ pub fn insert_frees(
 /// Sweeps the program (with frees) and accounts for every byte on one device.
 pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) -> MemoryPlan {
     let mut plan = MemoryPlan { forward_end, ..MemoryPlan::default() };
-    let mut live: HashSet<BufferId> = HashSet::new();
+    let mut live = vec![false; buffers.len()];
     let mut current: u64 = 0;
     let mut temporaries: u64 = 0;
     for b in buffers.iter().filter(|b| persistent(b.role)) {
-        live.insert(b.id);
+        live[b.id.0 as usize] = true;
         current += b.bytes();
         match b.role {
             Role::Parameter => plan.parameters += b.bytes(),
@@ -101,7 +106,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
         }
         match instr {
             Instr::Free { buffer } => {
-                if live.remove(buffer) {
+                if std::mem::take(&mut live[buffer.0 as usize]) {
                     let b = &buffers[buffer.0 as usize];
                     current -= b.bytes();
                     if is_temporary(b.role) {
@@ -111,7 +116,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
             }
             _ => {
                 for id in touched(instr) {
-                    if live.insert(id) {
+                    if !std::mem::replace(&mut live[id.0 as usize], true) {
                         let b = &buffers[id.0 as usize];
                         current += b.bytes();
                         if is_temporary(b.role) {
@@ -135,6 +140,6 @@ fn is_temporary(role: Role) -> bool {
     role == Role::Workspace
 }
 
-fn live_activations(live: &HashSet<BufferId>, buffers: &[Buffer]) -> u64 {
-    live.iter().map(|id| &buffers[id.0 as usize]).filter(|b| b.role == Role::Activation).map(Buffer::bytes).sum()
+fn live_activations(live: &[bool], buffers: &[Buffer]) -> u64 {
+    buffers.iter().zip(live).filter(|(b, l)| **l && b.role == Role::Activation).map(|(b, _)| b.bytes()).sum()
 }

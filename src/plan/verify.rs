@@ -4,7 +4,6 @@
 
 use super::memory::persistent;
 use super::{BufferId, Collective, CollectiveKind, Group, Instr, Kernel, Plan};
-use std::collections::HashSet;
 
 /// Checks a plan; returns every problem found.
 pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
@@ -28,8 +27,12 @@ fn valid(plan: &Plan, id: BufferId) -> bool {
 }
 
 fn check_lifetimes(plan: &Plan, errors: &mut Vec<String>) {
-    let mut defined: HashSet<BufferId> = plan.buffers.iter().filter(|b| persistent(b.role)).map(|b| b.id).collect();
-    let mut freed: HashSet<BufferId> = HashSet::new();
+    let n = plan.buffers.len();
+    let mut defined = vec![false; n];
+    for b in plan.buffers.iter().filter(|b| persistent(b.role)) {
+        defined[b.id.0 as usize] = true;
+    }
+    let mut freed = vec![false; n];
     for (index, instr) in plan.program.iter().enumerate() {
         let (reads, writes): (Vec<BufferId>, Vec<BufferId>) = match instr {
             Instr::Kernel { kernel, inputs, output, .. } => {
@@ -41,8 +44,10 @@ fn check_lifetimes(plan: &Plan, errors: &mut Vec<String>) {
             }
             Instr::Collective { collective: c, .. } => (vec![c.send], vec![c.recv]),
             Instr::Free { buffer } => {
-                if !freed.insert(*buffer) {
-                    errors.push(format!("instruction {index}: buffer {} is freed twice", buffer.0));
+                match freed.get_mut(buffer.0 as usize) {
+                    Some(f) if *f => errors.push(format!("instruction {index}: buffer {} is freed twice", buffer.0)),
+                    Some(f) => *f = true,
+                    None => errors.push(format!("instruction {index}: buffer {} does not exist", buffer.0)),
                 }
                 continue;
             }
@@ -50,20 +55,22 @@ fn check_lifetimes(plan: &Plan, errors: &mut Vec<String>) {
         for b in reads.iter().chain(&writes) {
             if !valid(plan, *b) {
                 errors.push(format!("instruction {index}: buffer {} does not exist", b.0));
-            } else if freed.contains(b) {
+            } else if freed[b.0 as usize] {
                 errors
                     .push(format!("instruction {index}: buffer `{}` is used after it was freed", plan.buffer(*b).name));
             }
         }
         for b in &reads {
-            if valid(plan, *b) && !defined.contains(b) {
+            if valid(plan, *b) && !defined[b.0 as usize] {
                 errors.push(format!(
                     "instruction {index}: buffer `{}` is read before it is written",
                     plan.buffer(*b).name
                 ));
             }
         }
-        defined.extend(writes);
+        for w in writes.iter().filter(|w| valid(plan, **w)) {
+            defined[w.0 as usize] = true;
+        }
     }
 }
 
