@@ -1,0 +1,101 @@
+//! `optimusc run` and `optimusc verify` end to end: per-step JSON, failures that name the device and
+//! leave no files behind, and verify's exit status.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn optimusc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("optimus-run-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+#[test]
+fn run_prints_one_json_object_per_step() {
+    let out = optimusc(&["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "3", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<serde_json::Value> =
+        stdout.lines().map(|l| serde_json::from_str(l).expect("each line is JSON")).collect();
+    assert_eq!(lines.len(), 3);
+    for (k, line) in lines.iter().enumerate() {
+        assert_eq!(line["step"], k as u64);
+        let loss = line["loss"].as_f64().expect("loss");
+        assert!(loss.is_finite() && loss > 0.0, "{loss}");
+        assert!(line["tokens_per_s"].as_f64().expect("throughput") > 0.0);
+        assert!(line["elapsed_s"].as_f64().expect("elapsed") >= 0.0);
+    }
+}
+
+#[test]
+fn a_token_outside_the_vocabulary_fails_naming_the_device_and_offset() {
+    let data = scratch("bad.u16");
+    let mut tokens: Vec<u16> = (0..200).map(|t| t % 100).collect();
+    tokens[37] = 5000;
+    std::fs::write(&data, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).expect("write data");
+    let saved = scratch("never.safetensors");
+    let out = optimusc(&[
+        "run",
+        "examples/tiny.opt",
+        "--mesh",
+        "2x2",
+        "--steps",
+        "2",
+        "--data",
+        data.to_str().expect("utf-8 path"),
+        "--save-weights",
+        saved.to_str().expect("utf-8 path"),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("device (") && stderr.contains("offset 37"), "{stderr}");
+    assert!(!saved.exists(), "no weights are written after a failed run");
+}
+
+#[test]
+fn save_weights_then_load_them_back() {
+    let saved = scratch("tiny.safetensors");
+    let path = saved.to_str().expect("utf-8 path");
+    let first = optimusc(&["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "2", "--save-weights", path]);
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    // Inference from the saved weights on another mesh reports a finite loss.
+    let second = optimusc(&[
+        "run",
+        "examples/tiny.opt",
+        "--strategy",
+        "megatron",
+        "--mesh",
+        "1x2",
+        "--mode",
+        "infer",
+        "--steps",
+        "1",
+        "--weights",
+        path,
+        "--json",
+    ]);
+    assert!(second.status.success(), "{}", String::from_utf8_lossy(&second.stderr));
+    let line: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&second.stdout).trim()).expect("one JSON line");
+    assert!(line["loss"].as_f64().expect("loss").is_finite());
+}
+
+#[test]
+fn verify_passes_and_fails_by_its_tolerance() {
+    let ok = optimusc(&["verify", "examples/tiny.opt", "--mesh", "2x2"]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stdout));
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("verified"));
+    let strict = optimusc(&["verify", "examples/tiny.opt", "--mesh", "2x2", "--tolerance", "1e-12"]);
+    assert_eq!(strict.status.code(), Some(1), "float summation order differs between meshes");
+    assert!(String::from_utf8_lossy(&strict.stdout).contains("FAILED"));
+}
+
+#[test]
+fn unknown_backend_is_a_usage_error() {
+    let out = optimusc(&["run", "examples/tiny.opt", "--backend", "tpu"]);
+    assert_eq!(out.status.code(), Some(2));
+}
