@@ -10,6 +10,15 @@ use petgraph::graph::NodeIndex;
 
 const R: Placement = Placement::Replicate;
 
+/// The SUMMA products that reduce partial output blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SummaReduced {
+    /// C = A B^T
+    Abt,
+    /// C = A^T B
+    Atb,
+}
+
 fn s(dim: usize) -> Placement {
     Placement::shard(dim)
 }
@@ -213,82 +222,49 @@ impl Lowerer<'_> {
 
     /// C = A B^T: broadcast B(t,j) along column j, multiply, reduce the partial along row i to (i,t).
     fn summa_abt(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
-        let q = self.q();
-        if q == 1 {
-            self.kernel(
-                Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: false },
-                &[a, b],
-                out,
-                what,
-            );
-            return;
-        }
-        let wb = self.workspace_like(b, "summa_b");
-        let part = self.workspace_like(out, "summa_partial");
-        for t in 0..q {
-            let step = format!("{what}: SUMMA ABT step {} of {q}", t + 1);
-            self.collective(
-                CollectiveKind::Broadcast,
-                Group::Column,
-                Some(t),
-                None,
-                None,
-                b,
-                wb,
-                &format!("{step}: broadcast B block along the column"),
-            );
-            let k = Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: false };
-            self.kernel(k, &[a, wb], part, &format!("{step}: multiply"));
-            self.collective(
-                CollectiveKind::Reduce,
-                Group::Row,
-                Some(t),
-                Some(ReduceOp::Sum),
-                None,
-                part,
-                out,
-                &format!("{step}: reduce C block along the row"),
-            );
-        }
+        self.summa_reduced(SummaReduced::Abt, a, b, out, what);
     }
 
     /// C = A^T B: broadcast A(i,t) along row i, multiply, reduce the partial along column j to (t,j).
     fn summa_atb(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        self.summa_reduced(SummaReduced::Atb, a, b, out, what);
+    }
+
+    /// The two SUMMA products whose output blocks are reduced: each step broadcasts one operand's block,
+    /// multiplies it with the local block of the other, and reduces the partial product to step t's root.
+    fn summa_reduced(&mut self, variant: SummaReduced, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let (ta, tb) = (variant == SummaReduced::Atb, variant == SummaReduced::Abt);
         let q = self.q();
         if q == 1 {
-            self.kernel(
-                Kernel::MatMul { transpose_a: true, transpose_b: false, accumulate: false },
-                &[a, b],
-                out,
-                what,
-            );
+            self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, what);
             return;
         }
-        let wa = self.workspace_like(a, "summa_a");
+        // ABT moves B along the column and reduces along the row; ATB moves A along the row and reduces
+        // along the column.
+        let (moved, which, along, reduce_along) = match variant {
+            SummaReduced::Abt => (b, "B", Group::Column, Group::Row),
+            SummaReduced::Atb => (a, "A", Group::Row, Group::Column),
+        };
+        let copy = self.workspace_like(moved, &format!("summa_{}", which.to_lowercase()));
         let part = self.workspace_like(out, "summa_partial");
+        let name = if variant == SummaReduced::Abt { "ABT" } else { "ATB" };
         for t in 0..q {
-            let step = format!("{what}: SUMMA ATB step {} of {q}", t + 1);
-            self.collective(
-                CollectiveKind::Broadcast,
-                Group::Row,
-                Some(t),
-                None,
-                None,
-                a,
-                wa,
-                &format!("{step}: broadcast A block along the row"),
-            );
-            let k = Kernel::MatMul { transpose_a: true, transpose_b: false, accumulate: false };
-            self.kernel(k, &[wa, b], part, &format!("{step}: multiply"));
+            let step = format!("{what}: SUMMA {name} step {} of {q}", t + 1);
+            let reason = format!("{step}: broadcast {which} block along the {}", along.name());
+            self.collective(CollectiveKind::Broadcast, along, Some(t), None, None, moved, copy, &reason);
+            let operands = if variant == SummaReduced::Abt { [a, copy] } else { [copy, b] };
+            let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
+            self.kernel(k, &operands, part, &format!("{step}: multiply"));
+            let reason = format!("{step}: reduce C block along the {}", reduce_along.name());
             self.collective(
                 CollectiveKind::Reduce,
-                Group::Column,
+                reduce_along,
                 Some(t),
                 Some(ReduceOp::Sum),
                 None,
                 part,
                 out,
-                &format!("{step}: reduce C block along the column"),
+                &reason,
             );
         }
     }
