@@ -58,4 +58,4 @@ echo "== cargo build --release"
 cargo build --release --bin optimusc
 
 echo "== comparing"
-exec "$PY" scripts/hf_compare.py --optimusc target/release/optimusc "$@"
+exec "$PY" scripts/hf_compare.py --optimusc "${CARGO_TARGET_DIR:-target}/release/optimusc" "$@"
