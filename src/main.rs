@@ -38,8 +38,6 @@ enum Command {
     /// memory, and verifies the plan. Nothing is written unless every step succeeds.
     /// Exit status: 0 on success, 1 on model or sharding errors, 2 on usage errors.
     Compile(CompileArgs),
-    /// Show what each device holds and sends: memory by category and its peak, communication per
-    /// collective with the model line responsible, and FLOPs per step.
     /// Run a plan (or a model, compiled on the fly) on a device mesh: train for some steps, or infer.
     ///
     /// On the CPU backend every device of the mesh is a thread with its own buffers. Prints the loss
@@ -50,6 +48,8 @@ enum Command {
     ///
     /// Exit status: 0 if every difference is within the tolerance, 1 otherwise.
     Verify(cli::verify::VerifyArgs),
+    /// Show what each device holds and sends: memory by category and its peak, communication per
+    /// collective with the model line responsible, and FLOPs per step.
     Inspect {
         /// A plan written by `optimusc compile`.
         plan: PathBuf,
