@@ -61,10 +61,8 @@ pub fn insert_frees(
     let mut frees_after: Vec<Vec<BufferId>> = vec![Vec::new(); program.len()];
     for (index, last) in last_use.iter().enumerate() {
         let b = BufferId(u32::try_from(index).unwrap_or(u32::MAX));
-        if let Some(i) = *last {
-            if !persistent(buffers[index].role) && !keep.contains(&b) {
-                frees_after[i].push(b);
-            }
+        if let Some(i) = last.filter(|_| !persistent(buffers[index].role) && !keep.contains(&b)) {
+            frees_after[i].push(b);
         }
     }
     let mut out = Vec::with_capacity(program.len() + buffers.len());
