@@ -5,6 +5,7 @@
 
 pub mod autodiff;
 pub mod check;
+pub mod cost;
 pub mod diag;
 pub mod elab;
 pub mod io;

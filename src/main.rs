@@ -48,6 +48,11 @@ enum Command {
     ///
     /// Exit status: 0 if every difference is within the tolerance, 1 otherwise.
     Verify(cli::verify::VerifyArgs),
+    /// Predict the step time, memory, throughput and MFU of a plan on a cluster (a hardware profile);
+    /// optionally the largest batch that fits, optimus against megatron, or a scaling sweep.
+    ///
+    /// Exit status: 0 on success, 1 on model or compile errors, 2 on usage errors (bad profiles).
+    Simulate(cli::simulate::SimulateArgs),
     /// Show what each device holds and sends: memory by category and its peak, communication per
     /// collective with the model line responsible, and FLOPs per step.
     Inspect {
@@ -101,6 +106,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Compile(args) => compile(&args),
         Command::Run(args) => cli::run::run(&args),
         Command::Verify(args) => cli::verify::verify(&args),
+        Command::Simulate(args) => cli::simulate::simulate_command(&args),
         Command::Inspect { plan, json, dot } => inspect(&plan, json, dot.as_deref()),
     }
 }

@@ -1,0 +1,440 @@
+//! `optimusc simulate`: predicted step time, memory, throughput and MFU of a plan on a named cluster;
+//! the largest batch that fits; optimus against megatron at the same device count; scaling sweeps.
+
+use super::{ModeArg, TargetArgs};
+use clap::ValueEnum;
+use optimus::check::decode;
+use optimus::cost::search::{self, MaxBatch, Source, SweepPoint};
+use optimus::cost::{Algorithm, Hardware, NicSharing, Options, Placement, Simulation, simulate};
+use optimus::diag::group_digits;
+use optimus::plan::report::human_bytes;
+use optimus::plan::{Mode, Plan, Strategy};
+use serde_json::{Value, json};
+use std::fmt::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Flags of `optimusc simulate`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SimulateArgs {
+    /// The model file (.opt), or a plan (.json) for a plain simulation.
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub target: TargetArgs,
+    /// A built-in hardware profile (frontera-rtx5000, dgx-a100, dgx-h100) or the path of a .toml profile.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub hardware: String,
+    /// How ranks sit on nodes: row-major (consecutive ranks share a node) or blocks (each node holds a
+    /// near-square block of the mesh, as the Optimus code arranges ranks).
+    #[arg(long, value_enum, default_value_t = PlacementArg::RowMajor)]
+    pub placement: PlacementArg,
+    /// Collective algorithm; default: the profile's (auto unless it says otherwise).
+    #[arg(long, value_enum)]
+    pub algorithm: Option<AlgorithmArg>,
+    /// How a node's NIC is shared: per-gpu (each device gets 1/g of it) or per-group (one flow per
+    /// communication group with members on the node, as a ring ordered by node sends).
+    #[arg(long, value_enum, default_value_t = NicSharingArg::PerGpu)]
+    pub nic_sharing: NicSharingArg,
+    /// Do not overlap SUMMA broadcasts with the previous step's product (no double buffering).
+    #[arg(long)]
+    pub no_overlap: bool,
+    /// Also find the largest batch that fits in device memory (re-compiling with --set batch=N).
+    #[arg(long)]
+    pub max_batch: bool,
+    /// Compare optimus on q x q with megatron on 1 x q^2 (the mesh gives the device count).
+    #[arg(long, conflicts_with = "sweep")]
+    pub compare: bool,
+    /// Weak and strong scaling of both strategies over 4, 16, 64 and 256 devices.
+    #[arg(long)]
+    pub sweep: bool,
+    /// With --sweep: also write an SVG plot of efficiency against devices to this file.
+    #[arg(long, value_name = "FILE.svg", requires = "sweep")]
+    pub plot: Option<PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlacementArg {
+    RowMajor,
+    Blocks,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum NicSharingArg {
+    PerGpu,
+    PerGroup,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AlgorithmArg {
+    Ring,
+    Tree,
+    Auto,
+}
+
+impl SimulateArgs {
+    fn options(&self) -> Options {
+        Options {
+            placement: match self.placement {
+                PlacementArg::RowMajor => Placement::RowMajor,
+                PlacementArg::Blocks => Placement::Blocks,
+            },
+            algorithm: self.algorithm.map(|a| match a {
+                AlgorithmArg::Ring => Algorithm::Ring,
+                AlgorithmArg::Tree => Algorithm::Tree,
+                AlgorithmArg::Auto => Algorithm::Auto,
+            }),
+            overlap: !self.no_overlap,
+            nic_sharing: match self.nic_sharing {
+                NicSharingArg::PerGpu => NicSharing::PerGpu,
+                NicSharingArg::PerGroup => NicSharing::PerGroup,
+            },
+        }
+    }
+
+    fn mode(&self) -> Mode {
+        if self.target.mode == ModeArg::Train { Mode::Train } else { Mode::Infer }
+    }
+}
+
+/// Runs `optimusc simulate`.
+pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
+    let hw = match Hardware::load(&args.hardware) {
+        Ok(hw) => hw,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let searching = args.max_batch || args.compare || args.sweep;
+    if !searching {
+        let Some(plan) = super::plan_from(&args.model, &args.target) else { return ExitCode::from(1) };
+        return single(args, &hw, &plan, None);
+    }
+    let Some(text) = read_source(&args.model) else { return ExitCode::from(1) };
+    let name = args.model.display().to_string();
+    let source = Source { name: &name, text: &text, overrides: &args.target.set };
+    if args.sweep {
+        return sweep(args, &hw, &source);
+    }
+    if args.compare {
+        return compare(args, &hw, &source);
+    }
+    let Some(plan) = super::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
+    let found = search::max_batch(&source, args.target.target(), hw.memory_bytes());
+    single(args, &hw, &plan, Some(found))
+}
+
+/// The text of a model file; searches re-compile it, so plans (.json) are refused.
+fn read_source(path: &std::path::Path) -> Option<String> {
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+        eprintln!("error: --max-batch, --compare and --sweep re-compile the model: give the .opt file, not a plan");
+        return None;
+    }
+    let bytes = super::read_model(path)?;
+    let (source, bad) = decode(&path.display().to_string(), bytes);
+    if bad.is_some() {
+        eprintln!("error: `{}` is not valid UTF-8", path.display());
+        return None;
+    }
+    Some(source.text)
+}
+
+fn print_json(value: &impl serde::Serialize) -> ExitCode {
+    match serde_json::to_string_pretty(value) {
+        Ok(text) => {
+            super::stdout(&format!("{text}\n"));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: cannot serialise the result: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn single(args: &SimulateArgs, hw: &Hardware, plan: &Plan, found: Option<MaxBatch>) -> ExitCode {
+    let sim = simulate(plan, hw, &args.options());
+    if args.json {
+        let mut value = serde_json::to_value(&sim).unwrap_or(Value::Null);
+        if let (Some(found), Value::Object(map)) = (&found, &mut value) {
+            map.insert("max_batch".to_string(), serde_json::to_value(found).unwrap_or(Value::Null));
+        }
+        return print_json(&value);
+    }
+    let mut out = render_simulation(&sim);
+    if let Some(found) = &found {
+        let _ = writeln!(out, "{}", render_max_batch(found));
+    }
+    super::stdout(&out);
+    ExitCode::SUCCESS
+}
+
+fn seconds(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.1} us", s * 1e6)
+    }
+}
+
+/// The human-readable simulation.
+pub fn render_simulation(s: &Simulation) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "simulate: model {} on {}: {} strategy, {} mesh ({} devices), {} mode",
+        s.model, s.hardware, s.strategy, s.mesh, s.devices, s.mode
+    );
+    let overlap = if s.overlap { "SUMMA broadcasts overlapped" } else { "no overlap" };
+    let _ = writeln!(
+        out,
+        "  placement {}, NIC shared {}, collectives {}, {overlap}",
+        s.placement, s.nic_sharing, s.algorithm
+    );
+    if let Some(note) = &s.placement_note {
+        let _ = writeln!(out, "  note: {note}");
+    }
+    let _ = writeln!(out, "\nstep time               {:>12}", seconds(s.step_time_s));
+    let _ = writeln!(out, "  compute               {:>12}", seconds(s.compute_s));
+    let _ = writeln!(out, "  exposed communication {:>12}", seconds(s.exposed_communication_s));
+    let _ = writeln!(
+        out,
+        "  (all communication    {:>12}, of which hidden behind products {})",
+        seconds(s.communication_s),
+        seconds(s.hidden_communication_s)
+    );
+    render_comm(&mut out, s);
+    let m = &s.memory;
+    let _ = writeln!(
+        out,
+        "\nmemory per device       {} of {} ({:.1}%): {}",
+        human_bytes(m.peak_bytes_per_device),
+        human_bytes(m.capacity_bytes),
+        100.0 * m.utilisation,
+        if m.fits { "fits" } else { "DOES NOT FIT" }
+    );
+    let _ = writeln!(
+        out,
+        "throughput              {} tokens/s ({} tokens per step)",
+        group_digits(s.tokens_per_second.round() as u128),
+        group_digits(u128::from(s.tokens_per_step))
+    );
+    let _ = writeln!(
+        out,
+        "model FLOP utilisation  {:.1}% ({} parameters, {:.3e} model FLOPs per step)",
+        100.0 * s.mfu,
+        group_digits(u128::from(s.parameters)),
+        s.model_flops_per_step
+    );
+    out
+}
+
+fn render_comm(out: &mut String, s: &Simulation) {
+    let _ = writeln!(out, "\ncommunication per device per step, by group and link:");
+    let _ = writeln!(
+        out,
+        "  {:<7} {:<11} {:<15} {:>6} {:>12} {:>12} {:>12}",
+        "group", "link", "collective", "count", "bytes", "time", "exposed"
+    );
+    for c in &s.communication {
+        let _ = writeln!(
+            out,
+            "  {:<7} {:<11} {:<15} {:>6} {:>12} {:>12} {:>12}",
+            c.group,
+            c.link,
+            c.kind,
+            c.count,
+            human_bytes(c.bytes),
+            seconds(c.time_s),
+            seconds(c.exposed_s)
+        );
+    }
+    if s.communication.is_empty() {
+        let _ = writeln!(out, "  none");
+    }
+}
+
+fn render_max_batch(found: &MaxBatch) -> String {
+    match &found.reason {
+        Some(reason) => format!("max batch               none fits: {reason}"),
+        None => format!(
+            "max batch               {} (multiples of {}; {} compilations)",
+            found.max_batch, found.multiple, found.compilations
+        ),
+    }
+}
+
+/// One strategy's side of a comparison.
+struct Side {
+    strategy: Strategy,
+    mesh: String,
+    result: Result<Simulation, String>,
+    found: Option<MaxBatch>,
+}
+
+fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
+    let devices = args.target.mesh.devices();
+    if search::integer_sqrt(devices).is_none() {
+        eprintln!("error: --compare needs a square device count (q x q against 1 x q^2); the mesh has {devices}");
+        return ExitCode::from(2);
+    }
+    let sides: Vec<Side> =
+        [Strategy::Optimus, Strategy::Megatron].into_iter().map(|s| side(args, hw, source, s, devices)).collect();
+    if args.json {
+        return print_json(&compare_json(hw, devices, args.mode(), &sides));
+    }
+    super::stdout(&render_compare(hw, devices, &sides));
+    ExitCode::SUCCESS
+}
+
+fn side(args: &SimulateArgs, hw: &Hardware, source: &Source, strategy: Strategy, devices: u64) -> Side {
+    let target = search::target_for(strategy, devices, args.mode());
+    let mesh = target.as_ref().map_or_else(|_| "-".to_string(), |t| t.mesh.to_string());
+    let result = target.and_then(|t| source.compile(t, &[])).map(|plan| simulate(&plan, hw, &args.options()));
+    let found = match (args.max_batch, search::target_for(strategy, devices, args.mode())) {
+        (true, Ok(t)) => Some(search::max_batch(source, t, hw.memory_bytes())),
+        _ => None,
+    };
+    Side { strategy, mesh, result, found }
+}
+
+fn step_of(side: &Side) -> Option<f64> {
+    side.result.as_ref().ok().map(|s| s.step_time_s)
+}
+
+fn ratios(sides: &[Side]) -> (Option<f64>, Option<f64>) {
+    let (Some(o), Some(m)) = (sides.first(), sides.get(1)) else { return (None, None) };
+    let speedup = step_of(m).zip(step_of(o)).map(|(m, o)| m / o);
+    let batch = |s: &Side| s.found.as_ref().map(|f| f.max_batch);
+    let ratio = batch(o).zip(batch(m)).filter(|&(_, m)| m > 0).map(|(o, m)| o as f64 / m as f64);
+    (speedup, ratio)
+}
+
+fn compare_json(hw: &Hardware, devices: u64, mode: Mode, sides: &[Side]) -> Value {
+    let mut object = serde_json::Map::new();
+    object.insert("hardware".to_string(), json!(hw.name));
+    object.insert("devices".to_string(), json!(devices));
+    object.insert("mode".to_string(), json!(if mode == Mode::Train { "train" } else { "infer" }));
+    for s in sides {
+        let mut entry = serde_json::Map::new();
+        entry.insert("mesh".to_string(), json!(s.mesh));
+        match &s.result {
+            Ok(sim) => {
+                entry.insert("step_time_s".to_string(), json!(sim.step_time_s));
+                entry.insert("peak_bytes_per_device".to_string(), json!(sim.memory.peak_bytes_per_device));
+                entry.insert("tokens_per_second".to_string(), json!(sim.tokens_per_second));
+                entry.insert("mfu".to_string(), json!(sim.mfu));
+                entry.insert("simulation".to_string(), serde_json::to_value(sim).unwrap_or(Value::Null));
+            }
+            Err(reason) => {
+                entry.insert("infeasible".to_string(), json!(reason));
+            }
+        }
+        if let Some(found) = &s.found {
+            entry.insert("max_batch".to_string(), json!(found.max_batch));
+        }
+        object.insert(s.strategy.name().to_string(), Value::Object(entry));
+    }
+    let (speedup, ratio) = ratios(sides);
+    object.insert("speedup".to_string(), json!(speedup));
+    if sides.iter().any(|s| s.found.is_some()) {
+        object.insert("max_batch_ratio".to_string(), json!(ratio));
+    }
+    Value::Object(object)
+}
+
+fn render_compare(hw: &Hardware, devices: u64, sides: &[Side]) -> String {
+    let mut out = format!("compare on {} with {devices} devices:\n", hw.name);
+    let _ = writeln!(
+        out,
+        "  {:<9} {:<6} {:>12} {:>12} {:>14} {:>7} {:>10}",
+        "strategy", "mesh", "step time", "peak/device", "tokens/s", "MFU", "max batch"
+    );
+    for s in sides {
+        let batch = s.found.as_ref().map_or_else(|| "-".to_string(), |f| f.max_batch.to_string());
+        match &s.result {
+            Ok(sim) => {
+                let _ = writeln!(
+                    out,
+                    "  {:<9} {:<6} {:>12} {:>12} {:>14} {:>6.1}% {:>10}",
+                    s.strategy.name(),
+                    s.mesh,
+                    seconds(sim.step_time_s),
+                    human_bytes(sim.memory.peak_bytes_per_device),
+                    group_digits(sim.tokens_per_second.round() as u128),
+                    100.0 * sim.mfu,
+                    batch
+                );
+            }
+            Err(reason) => {
+                let _ = writeln!(out, "  {:<9} {:<6} infeasible: {reason}", s.strategy.name(), s.mesh);
+            }
+        }
+    }
+    let (speedup, ratio) = ratios(sides);
+    let show = |v: Option<f64>| v.map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}x"));
+    let _ = writeln!(out, "speedup (megatron step time / optimus step time): {}", show(speedup));
+    if sides.iter().any(|s| s.found.is_some()) {
+        let _ = writeln!(out, "max batch ratio (optimus / megatron): {}", show(ratio));
+    }
+    out
+}
+
+fn sweep(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
+    let points = match search::sweep(source, args.mode(), hw, &args.options()) {
+        Ok(points) => points,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if let Some(path) = &args.plot {
+        let title = format!("{} on {}: scaling efficiency", args.model.display(), hw.name);
+        let written = optimus::cost::plot::efficiency_svg(&points, &title)
+            .and_then(|svg| optimus::plan::io::write_atomically(path, svg.as_bytes()).map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            eprintln!("error: cannot write `{}`: {e}", path.display());
+            return ExitCode::from(1);
+        }
+    }
+    if args.json {
+        return print_json(&points);
+    }
+    super::stdout(&render_sweep(hw, &points));
+    ExitCode::SUCCESS
+}
+
+fn render_sweep(hw: &Hardware, points: &[SweepPoint]) -> String {
+    let mut out = format!("scaling on {} (efficiency against the first feasible point of each row group):\n", hw.name);
+    let _ = writeln!(
+        out,
+        "  {:<7} {:<9} {:>7} {:<6} {:>6} {:>12} {:>14} {:>12} {:>5} {:>10}",
+        "scaling", "strategy", "devices", "mesh", "batch", "step time", "tokens/s", "peak/device", "fits", "efficiency"
+    );
+    for p in points {
+        let scaling = if p.scaling == search::Scaling::Weak { "weak" } else { "strong" };
+        let head = format!("  {scaling:<7} {:<9} {:>7} {:<6} {:>6}", p.strategy, p.devices, p.mesh, p.batch);
+        match (&p.simulation, &p.infeasible) {
+            (Some(s), _) => {
+                let _ = writeln!(
+                    out,
+                    "{head} {:>12} {:>14} {:>12} {:>5} {:>9.1}%",
+                    seconds(s.step_time_s),
+                    group_digits(s.tokens_per_second.round() as u128),
+                    human_bytes(s.memory.peak_bytes_per_device),
+                    if s.memory.fits { "yes" } else { "no" },
+                    100.0 * p.efficiency.unwrap_or(0.0)
+                );
+            }
+            (None, reason) => {
+                let _ = writeln!(out, "{head} infeasible: {}", reason.as_deref().unwrap_or("unknown"));
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,14 @@
+//! The simulator's cost model: hardware profiles, collective times, rank placement, the step-time
+//! model over a plan, and the searches (largest batch, scaling sweeps) built on it.
+
+pub mod collective;
+pub mod hardware;
+pub mod placement;
+pub mod plot;
+pub mod search;
+pub mod step;
+
+pub use collective::{Algorithm, collective_time};
+pub use hardware::{Hardware, Link};
+pub use placement::{LinkKind, NicSharing, NodeMap, Placement};
+pub use step::{Options, Simulation, simulate};

@@ -1,0 +1,154 @@
+//! Rank placement: which node each device (i, j) of the mesh sits on, and so which link each
+//! communication group's collectives cross.
+//!
+//! - Row-major: rank i * cols + j, and consecutive ranks share a node (node = rank / g).
+//! - Blocks: each node holds an a x b block of the mesh with a * b = g, as square as the mesh allows
+//!   (2 x 2 for 4 GPUs per node, as the Optimus code's rank rearrangement does). When no block shape
+//!   divides the mesh, placement falls back to row-major and says so.
+
+use super::hardware::{Hardware, Link};
+use crate::plan::{Group, Mesh};
+use serde::{Deserialize, Serialize};
+
+/// How ranks are placed on nodes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    #[default]
+    RowMajor,
+    Blocks,
+}
+
+impl Placement {
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::RowMajor => "row-major",
+            Placement::Blocks => "blocks",
+        }
+    }
+}
+
+/// How a node's NIC bandwidth is shared among its devices' inter-node traffic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NicSharing {
+    /// Every device gets 1/g of the NIC (g devices per node), whatever the groups.
+    #[default]
+    PerGpu,
+    /// A ring ordered by node sends one flow out of each node per group, so the NIC is shared among
+    /// the groups with members on the node (at most the device's own link each).
+    PerGroup,
+}
+
+impl NicSharing {
+    pub fn name(self) -> &'static str {
+        match self {
+            NicSharing::PerGpu => "per-gpu",
+            NicSharing::PerGroup => "per-group",
+        }
+    }
+}
+
+/// Which link a group's collectives cross.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LinkKind {
+    IntraNode,
+    InterNode,
+}
+
+impl LinkKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkKind::IntraNode => "intra-node",
+            LinkKind::InterNode => "inter-node",
+        }
+    }
+}
+
+/// The node of every device of a mesh.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeMap {
+    pub mesh: Mesh,
+    pub gpus_per_node: u64,
+    /// The block (rows, cols) each node holds, when placing by blocks.
+    pub block: Option<(u64, u64)>,
+    /// Why the requested placement was not used, if it was not.
+    pub note: Option<String>,
+}
+
+impl NodeMap {
+    pub fn new(mesh: Mesh, gpus_per_node: u64, placement: Placement) -> NodeMap {
+        let g = gpus_per_node.max(1);
+        let mut map = NodeMap { mesh, gpus_per_node: g, block: None, note: None };
+        if placement == Placement::Blocks && mesh.devices() > g {
+            map.block = block_shape(mesh, g);
+            if map.block.is_none() {
+                map.note = Some(format!("no block of {g} devices tiles a {mesh} mesh; placed row-major"));
+            }
+        }
+        map
+    }
+
+    /// The node holding device (i, j).
+    pub fn node_of(&self, i: u64, j: u64) -> u64 {
+        match self.block {
+            Some((a, b)) => (i / a) * (self.mesh.cols / b) + j / b,
+            None => (i * self.mesh.cols + j) / self.gpus_per_node,
+        }
+    }
+
+    /// Whether some group of this kind has members on more than one node.
+    pub fn spans_nodes(&self, group: Group) -> bool {
+        let Mesh { rows, cols } = self.mesh;
+        match group {
+            Group::Row => (0..rows).any(|i| (1..cols).any(|j| self.node_of(i, j) != self.node_of(i, 0))),
+            Group::Column => (0..cols).any(|j| (1..rows).any(|i| self.node_of(i, j) != self.node_of(0, j))),
+            Group::World => self.mesh.devices() > self.gpus_per_node,
+        }
+    }
+
+    /// The link a group's collectives are bounded by: the slowest one they cross.
+    pub fn link_kind(&self, group: Group) -> LinkKind {
+        if self.spans_nodes(group) { LinkKind::InterNode } else { LinkKind::IntraNode }
+    }
+
+    /// The alpha-beta link of a group.
+    pub fn link(&self, group: Group, hw: &Hardware, sharing: NicSharing) -> Link {
+        match (self.link_kind(group), sharing) {
+            (LinkKind::IntraNode, _) => hw.intra_link(),
+            (LinkKind::InterNode, NicSharing::PerGpu) => hw.inter_link(),
+            (LinkKind::InterNode, NicSharing::PerGroup) => hw.inter_link_shared(self.groups_per_node(group)),
+        }
+    }
+
+    /// The most groups of a kind that have members on one node.
+    pub fn groups_per_node(&self, group: Group) -> u64 {
+        let Mesh { rows, cols } = self.mesh;
+        let mut seen = std::collections::BTreeSet::new();
+        for i in 0..rows {
+            for j in 0..cols {
+                let index = match group {
+                    Group::Row => i,
+                    Group::Column => j,
+                    Group::World => 0,
+                };
+                seen.insert((self.node_of(i, j), index));
+            }
+        }
+        let mut per_node = std::collections::BTreeMap::<u64, u64>::new();
+        for (node, _) in seen {
+            *per_node.entry(node).or_default() += 1;
+        }
+        per_node.into_values().max().unwrap_or(1)
+    }
+}
+
+/// The most nearly square a x b = g block that tiles the mesh.
+fn block_shape(mesh: Mesh, g: u64) -> Option<(u64, u64)> {
+    (1..=g)
+        .filter(|&a| g.is_multiple_of(a))
+        .map(|a| (a, g / a))
+        .filter(|&(a, b)| mesh.rows.is_multiple_of(a) && mesh.cols.is_multiple_of(b))
+        .min_by_key(|&(a, b)| (a.abs_diff(b), a))
+}

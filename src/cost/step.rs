@@ -1,0 +1,304 @@
+//! The step-time model over a plan: kernels by roofline, collectives by alpha-beta over the links
+//! their groups cross, and SUMMA broadcasts hidden behind the previous step's product when
+//! double-buffered.
+//!
+//! Instructions run one after another on each device; communication is exposed (adds to the step)
+//! except where a double-buffered SUMMA issues step t's broadcasts during step t-1's product, which
+//! leaves max(0, broadcasts of step t - products of step t-1) exposed.
+
+use super::collective::{Algorithm, collective_time};
+use super::hardware::Hardware;
+use super::hardware::Link;
+use super::placement::{LinkKind, NicSharing, NodeMap, Placement};
+use crate::ir::DType;
+use crate::plan::report::{kernel_flops, report};
+use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mode, Plan};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// How to simulate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    pub placement: Placement,
+    /// Overrides the profile's collective algorithm.
+    pub algorithm: Option<Algorithm>,
+    /// Whether SUMMA products are double-buffered (broadcasts of step t overlap the product of t-1).
+    pub overlap: bool,
+    pub nic_sharing: NicSharing,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options { placement: Placement::RowMajor, algorithm: None, overlap: true, nic_sharing: NicSharing::PerGpu }
+    }
+}
+
+/// Communication time of one (group, link, collective kind).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CommTime {
+    pub group: String,
+    pub link: String,
+    pub kind: String,
+    pub count: u64,
+    pub bytes: u64,
+    pub time_s: f64,
+    pub exposed_s: f64,
+}
+
+/// Device memory against capacity.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryFit {
+    pub peak_bytes_per_device: u64,
+    pub capacity_bytes: u64,
+    pub fits: bool,
+    pub utilisation: f64,
+}
+
+/// The predicted step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Simulation {
+    pub model: String,
+    pub hardware: String,
+    pub mesh: String,
+    pub devices: u64,
+    pub strategy: String,
+    pub mode: String,
+    pub placement: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement_note: Option<String>,
+    pub algorithm: String,
+    pub overlap: bool,
+    pub nic_sharing: String,
+    pub step_time_s: f64,
+    pub compute_s: f64,
+    pub communication_s: f64,
+    pub exposed_communication_s: f64,
+    pub hidden_communication_s: f64,
+    pub communication: Vec<CommTime>,
+    pub memory: MemoryFit,
+    pub parameters: u64,
+    pub tokens_per_step: u64,
+    pub tokens_per_second: f64,
+    pub flops_per_device: u64,
+    pub model_flops_per_step: f64,
+    pub mfu: f64,
+}
+
+/// Seconds for one kernel on one device: max(FLOPs at the achievable rate, bytes at the achievable
+/// bandwidth) plus the launch cost. Matrix products use the dtype's peak; other kernels the f32 rate.
+pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> f64 {
+    let flops = kernel_flops(kernel, inputs, output) as f64;
+    let bytes: u64 = inputs.iter().map(|b| b.bytes()).sum::<u64>() + output.bytes();
+    let is_matrix = matches!(
+        kernel,
+        Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. }
+    );
+    let peak = if is_matrix { hw.peak_flops(output.dtype) } else { hw.peak_flops(DType::F32) };
+    let d = &hw.device;
+    let compute = flops / (peak * d.achievable_compute);
+    let memory = bytes as f64 / (d.memory_bandwidth_gb_s * 1e9 * d.achievable_bandwidth);
+    compute.max(memory) + d.kernel_launch_us * 1e-6
+}
+
+/// Where a SUMMA instruction sits: (the product it belongs to, its step number).
+fn summa_step(reason: &str) -> Option<(&str, u64)> {
+    let at = reason.find(": SUMMA ")?;
+    let rest = &reason[at..];
+    let step = rest.find("step ")?;
+    let digits: String = rest[step + 5..].chars().take_while(char::is_ascii_digit).collect();
+    Some((&reason[..at], digits.parse().ok()?))
+}
+
+/// Tracks the SUMMA step in progress and how much of the previous step's compute is left to hide
+/// broadcasts behind.
+#[derive(Default)]
+struct Overlap {
+    current: Option<(String, u64)>,
+    step_compute: f64,
+    budget: f64,
+}
+
+impl Overlap {
+    fn enter(&mut self, reason: &str) -> bool {
+        let Some((what, step)) = summa_step(reason) else { return false };
+        let same = self.current.as_ref().is_some_and(|(w, s)| w == what && *s == step);
+        if !same {
+            let next = self.current.as_ref().is_some_and(|(w, s)| w == what && *s + 1 == step);
+            self.budget = if next { self.step_compute } else { 0.0 };
+            self.step_compute = 0.0;
+            self.current = Some((what.to_string(), step));
+        }
+        true
+    }
+
+    /// Hides what it can of a broadcast; returns the exposed part.
+    fn hide(&mut self, time: f64) -> f64 {
+        let hidden = time.min(self.budget);
+        self.budget -= hidden;
+        time - hidden
+    }
+}
+
+/// Running totals of one step, instruction by instruction.
+#[derive(Default)]
+struct Tally {
+    compute: f64,
+    communication: f64,
+    exposed: f64,
+    by_group: BTreeMap<(String, LinkKind, String), CommTime>,
+    overlap: Overlap,
+    /// Whether SUMMA products are double-buffered.
+    double_buffered: bool,
+}
+
+impl Tally {
+    fn kernel(&mut self, time: f64, reason: &str) {
+        self.compute += time;
+        if self.double_buffered && self.overlap.enter(reason) {
+            self.overlap.step_compute += time;
+        }
+    }
+
+    /// Adds a collective of `time` seconds; SUMMA broadcasts hide behind the previous step's product.
+    fn collective(&mut self, kind: CollectiveKind, group: Group, link: LinkKind, bytes: u64, time: f64, reason: &str) {
+        let in_summa = self.double_buffered && self.overlap.enter(reason);
+        let shown = if in_summa && kind == CollectiveKind::Broadcast { self.overlap.hide(time) } else { time };
+        self.communication += time;
+        self.exposed += shown;
+        let key = (group.name().to_string(), link, kind.name().to_string());
+        let e = self.by_group.entry(key).or_insert_with(|| CommTime {
+            group: group.name().to_string(),
+            link: link.name().to_string(),
+            kind: kind.name().to_string(),
+            count: 0,
+            bytes: 0,
+            time_s: 0.0,
+            exposed_s: 0.0,
+        });
+        e.count += 1;
+        e.bytes += bytes;
+        e.time_s += time;
+        e.exposed_s += shown;
+    }
+}
+
+/// Simulates one step of a plan on a cluster.
+pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
+    let nodes = NodeMap::new(plan.mesh, hw.intra_node.gpus_per_node, options.placement);
+    let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
+    let links: BTreeMap<Group, (LinkKind, Link)> = [Group::Row, Group::Column, Group::World]
+        .into_iter()
+        .map(|g| (g, (nodes.link_kind(g), nodes.link(g, hw, options.nic_sharing))))
+        .collect();
+    let rep = report(plan);
+    let bytes_of: BTreeMap<usize, u64> = rep.communication.iter().map(|c| (c.instruction, c.bytes)).collect();
+    let mut tally = Tally { double_buffered: options.overlap, ..Tally::default() };
+    for (index, instr) in plan.program.iter().enumerate() {
+        match instr {
+            Instr::Kernel { kernel, inputs, output, reason, .. } => {
+                let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
+                let t = kernel_time(kernel, &ins, plan.buffer(*output), hw);
+                tally.kernel(t, reason_text(plan, *reason));
+            }
+            Instr::Collective { collective: c, reason, .. } => {
+                let bytes = bytes_of.get(&index).copied().unwrap_or(0);
+                let (link_kind, link) = links[&c.group];
+                let t = collective_time(c.kind, plan.mesh.group_size(c.group), bytes as f64, link, algorithm);
+                tally.collective(c.kind, c.group, link_kind, bytes, t, reason_text(plan, *reason));
+            }
+            Instr::Free { .. } => {}
+        }
+    }
+    let placement = if nodes.note.is_some() { Placement::RowMajor } else { options.placement };
+    let header = Header {
+        placement: placement.name().to_string(),
+        placement_note: nodes.note.clone(),
+        algorithm: algorithm.name().to_string(),
+    };
+    assemble(plan, hw, options, header, tally, &rep)
+}
+
+/// What the simulation was run with, as reported.
+struct Header {
+    placement: String,
+    placement_note: Option<String>,
+    algorithm: String,
+}
+
+fn assemble(
+    plan: &Plan,
+    hw: &Hardware,
+    options: &Options,
+    header: Header,
+    tally: Tally,
+    rep: &crate::plan::report::Report,
+) -> Simulation {
+    let step = tally.compute + tally.exposed;
+    let throughput = Throughput::of(plan, hw, step);
+    let capacity = hw.memory_bytes();
+    let peak = rep.memory.peak_bytes;
+    Simulation {
+        model: plan.model.clone(),
+        hardware: hw.name.clone(),
+        mesh: plan.mesh.to_string(),
+        devices: plan.mesh.devices(),
+        strategy: plan.strategy.name().to_string(),
+        mode: if plan.mode == Mode::Train { "train" } else { "infer" }.to_string(),
+        placement: header.placement,
+        placement_note: header.placement_note,
+        algorithm: header.algorithm,
+        overlap: options.overlap,
+        nic_sharing: options.nic_sharing.name().to_string(),
+        step_time_s: step,
+        compute_s: tally.compute,
+        communication_s: tally.communication,
+        exposed_communication_s: tally.exposed,
+        hidden_communication_s: tally.communication - tally.exposed,
+        communication: tally.by_group.into_values().collect(),
+        memory: MemoryFit {
+            peak_bytes_per_device: peak,
+            capacity_bytes: capacity,
+            fits: peak <= capacity,
+            utilisation: peak as f64 / capacity as f64,
+        },
+        parameters: throughput.parameters,
+        tokens_per_step: throughput.tokens,
+        tokens_per_second: if step > 0.0 { throughput.tokens as f64 / step } else { 0.0 },
+        flops_per_device: rep.flops.per_device,
+        model_flops_per_step: throughput.model_flops,
+        mfu: throughput.mfu,
+    }
+}
+
+fn reason_text(plan: &Plan, reason: u32) -> &str {
+    plan.reasons.get(reason as usize).map_or("", String::as_str)
+}
+
+/// Tokens, parameters and model FLOP utilisation of a step.
+struct Throughput {
+    parameters: u64,
+    tokens: u64,
+    model_flops: f64,
+    mfu: f64,
+}
+
+impl Throughput {
+    /// Model FLOPs are 6 N T for training and 2 N T for inference (N parameters, T tokens), over the
+    /// peak of the parameters' dtype on every device.
+    fn of(plan: &Plan, hw: &Hardware, step: f64) -> Throughput {
+        let parameters: u64 = plan.params.iter().map(|p| p.shape.iter().product::<u64>()).sum();
+        let tokens = tokens_per_step(plan);
+        let factor = if plan.mode == Mode::Train { 6.0 } else { 2.0 };
+        let model_flops = factor * parameters as f64 * tokens as f64;
+        let dtype = plan.params.first().map_or(DType::F32, |p| plan.buffer(p.buffer).dtype);
+        let capacity = hw.peak_flops(dtype) * plan.mesh.devices() as f64 * step;
+        let mfu = if capacity > 0.0 { model_flops / capacity } else { 0.0 };
+        Throughput { parameters, tokens, model_flops, mfu }
+    }
+}
+
+/// Tokens in one step: the logical size of the `tokens` input (else the first input).
+pub fn tokens_per_step(plan: &Plan) -> u64 {
+    let input = plan.inputs.iter().find(|i| i.name == "tokens").or(plan.inputs.first());
+    input.map_or(0, |i| i.shape.iter().product())
+}

@@ -1,0 +1,383 @@
+//! The simulator: collective times against hand-computed alpha-beta values, placements, memory
+//! figures against `inspect`'s, max batch monotone in device memory, bad hardware files, and
+//! `simulate` / `--compare` / `--sweep` on every example.
+
+use optimus::cost::collective::{ceil_log2, ring_time, tree_time};
+use optimus::cost::search::{self, Source};
+use optimus::cost::{
+    Algorithm, Hardware, LinkKind, NicSharing, NodeMap, Options, Placement, collective_time, simulate,
+};
+use optimus::elab::Override;
+use optimus::plan::{CollectiveKind, Group, Mesh, Mode, Plan, Strategy};
+use optimus::shard::Target;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A profile with round numbers: 10 GB/s and 1 us inside a node of 4; a 8 GB/s NIC per node (2 GB/s
+/// per GPU) and 5 us between nodes.
+fn profile(memory_gb: f64) -> Hardware {
+    let text = format!(
+        r#"
+name = "test"
+[device]
+name = "test gpu"
+memory_gb = {memory_gb}
+memory_bandwidth_gb_s = 100.0
+achievable_bandwidth = 1.0
+achievable_compute = 1.0
+[device.peak_tflops]
+f32 = 1.0
+[intra_node]
+gpus_per_node = 4
+bandwidth_gb_s = 10.0
+latency_us = 1.0
+[inter_node]
+nic_bandwidth_gb_s = 8.0
+latency_us = 5.0
+"#
+    );
+    match Hardware::parse(&text, "test") {
+        Ok(hw) => hw,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn close(actual: f64, expected: f64) {
+    assert!((actual - expected).abs() <= 1e-12 + 1e-9 * expected.abs(), "{actual} != {expected}");
+}
+
+const MB: f64 = 1e6;
+
+#[test]
+fn ring_times_match_the_alpha_beta_formulas() {
+    let hw = profile(16.0);
+    let (intra, inter) = (hw.intra_link(), hw.inter_link());
+    // Intra-node, p = 4, 1 MB: all-reduce 2*3*1us + 2*3/4*1e6/10e9.
+    close(ring_time(CollectiveKind::AllReduce, 4, MB, intra), 6e-6 + 1.5e-4);
+    close(ring_time(CollectiveKind::AllGather, 4, MB, intra), 3e-6 + 0.75e-4);
+    close(ring_time(CollectiveKind::ReduceScatter, 4, MB, intra), 3e-6 + 0.75e-4);
+    close(ring_time(CollectiveKind::Broadcast, 4, MB, intra), 3e-6 + 1e-4);
+    close(ring_time(CollectiveKind::Reduce, 4, MB, intra), 3e-6 + 1e-4);
+    // Inter-node, p = 8: 2 GB/s per GPU, 5 us. All-reduce 2*7*5us + 2*7/8*1e6/2e9.
+    close(inter.bandwidth, 2e9);
+    close(ring_time(CollectiveKind::AllReduce, 8, MB, inter), 70e-6 + 8.75e-4);
+    close(ring_time(CollectiveKind::Broadcast, 8, MB, inter), 35e-6 + 5e-4);
+}
+
+#[test]
+fn tree_times_match_the_alpha_beta_formulas() {
+    let hw = profile(16.0);
+    let inter = hw.inter_link();
+    assert_eq!((ceil_log2(1), ceil_log2(2), ceil_log2(5), ceil_log2(8)), (0, 1, 3, 3));
+    // p = 8: 3 rounds of (5 us + 1e6 / 2e9).
+    close(tree_time(CollectiveKind::Broadcast, 8, MB, inter), 3.0 * (5e-6 + 5e-4));
+    close(tree_time(CollectiveKind::AllReduce, 8, MB, inter), 6.0 * (5e-6 + 5e-4));
+    close(tree_time(CollectiveKind::AllGather, 8, MB, inter), 15e-6 + 7.0 / 8.0 * 5e-4);
+    // Small messages: the tree wins and auto takes it; large ones: the ring.
+    let small = collective_time(CollectiveKind::AllReduce, 8, 8.0, inter, Algorithm::Auto);
+    close(small, tree_time(CollectiveKind::AllReduce, 8, 8.0, inter));
+    let large = collective_time(CollectiveKind::AllReduce, 8, 1e9, inter, Algorithm::Auto);
+    close(large, ring_time(CollectiveKind::AllReduce, 8, 1e9, inter));
+    close(collective_time(CollectiveKind::AllReduce, 1, 1e9, inter, Algorithm::Ring), 0.0);
+}
+
+#[test]
+fn placements_decide_which_link_a_group_crosses() {
+    let mesh = Mesh { rows: 4, cols: 4 };
+    let row_major = NodeMap::new(mesh, 4, Placement::RowMajor);
+    assert_eq!(row_major.link_kind(Group::Row), LinkKind::IntraNode);
+    assert_eq!(row_major.link_kind(Group::Column), LinkKind::InterNode);
+    let blocks = NodeMap::new(mesh, 4, Placement::Blocks);
+    assert_eq!(blocks.block, Some((2, 2)));
+    assert_eq!((blocks.node_of(0, 0), blocks.node_of(1, 1), blocks.node_of(0, 2), blocks.node_of(2, 0)), (0, 0, 1, 2));
+    assert_eq!(blocks.link_kind(Group::Row), LinkKind::InterNode);
+    assert_eq!(blocks.link_kind(Group::Column), LinkKind::InterNode);
+    // A whole mesh on one node: every group is intra-node whatever the placement.
+    let small = NodeMap::new(Mesh { rows: 2, cols: 2 }, 4, Placement::Blocks);
+    assert_eq!(small.link_kind(Group::World), LinkKind::IntraNode);
+    assert_eq!(small.link_kind(Group::Column), LinkKind::IntraNode);
+    // 8 per node on 8x8: blocks of 2x4.
+    assert_eq!(NodeMap::new(Mesh { rows: 8, cols: 8 }, 8, Placement::Blocks).block, Some((2, 4)));
+    // No block of 4 devices tiles a 1x6 mesh: row-major, with a note.
+    let odd = NodeMap::new(Mesh { rows: 1, cols: 6 }, 4, Placement::Blocks);
+    assert_eq!(odd.block, None);
+    assert!(odd.note.is_some());
+}
+
+#[test]
+fn group_times_in_a_plan_use_their_links() {
+    // A 4x4 optimus plan with 4 per node. Row-major: row groups intra-node, column groups inter-node.
+    let plan = compile_example(
+        "tiny.opt",
+        &[],
+        Target { mesh: Mesh { rows: 4, cols: 4 }, strategy: Strategy::Optimus, mode: Mode::Train },
+    );
+    let hw = profile(16.0);
+    let report = optimus::plan::report::report(&plan);
+    // Blocks of 2x2 per node: every row and column group crosses nodes.
+    for (placement, row_intra) in [(Placement::RowMajor, true), (Placement::Blocks, false)] {
+        let options = Options { placement, algorithm: Some(Algorithm::Ring), overlap: false, ..Options::default() };
+        let sim = simulate(&plan, &hw, &options);
+        assert!(!sim.communication.is_empty());
+        for entry in &sim.communication {
+            let intra = entry.group == "row" && row_intra;
+            assert_eq!(entry.link, if intra { "intra-node" } else { "inter-node" }, "{placement:?} {entry:?}");
+            let link = if intra { hw.intra_link() } else { hw.inter_link() };
+            let expected: f64 = report
+                .communication
+                .iter()
+                .filter(|c| c.group == entry.group && c.kind == entry.kind)
+                .map(|c| ring_time(kind_of(&c.kind), 4, c.bytes as f64, link))
+                .sum();
+            close(entry.time_s, expected);
+            close(entry.exposed_s, entry.time_s);
+        }
+    }
+    let options = Options { algorithm: Some(Algorithm::Ring), overlap: false, ..Options::default() };
+    let sim = simulate(&plan, &hw, &options);
+    close(sim.step_time_s, sim.compute_s + sim.communication_s);
+    // With double buffering, some broadcast time hides and the step gets no slower.
+    let overlapped = simulate(&plan, &hw, &Options { overlap: true, ..options });
+    assert!(overlapped.hidden_communication_s > 0.0);
+    assert!(overlapped.step_time_s <= sim.step_time_s);
+    close(overlapped.exposed_communication_s + overlapped.hidden_communication_s, overlapped.communication_s);
+}
+
+fn kind_of(name: &str) -> CollectiveKind {
+    match name {
+        "broadcast" => CollectiveKind::Broadcast,
+        "reduce" => CollectiveKind::Reduce,
+        "all_reduce" => CollectiveKind::AllReduce,
+        "all_gather" => CollectiveKind::AllGather,
+        _ => CollectiveKind::ReduceScatter,
+    }
+}
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples")
+}
+
+fn overrides(pairs: &[(&str, &str)]) -> Vec<Override> {
+    pairs.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect()
+}
+
+fn compile_example(file: &str, set: &[(&str, &str)], target: Target) -> Plan {
+    let text = std::fs::read_to_string(examples().join(file)).unwrap_or_default();
+    let set = overrides(set);
+    let source = Source { name: file, text: &text, overrides: &set };
+    match source.compile(target, &[]) {
+        Ok(plan) => plan,
+        Err(e) => panic!("{file}: {e}"),
+    }
+}
+
+#[test]
+fn max_batch_is_monotone_in_device_memory() {
+    let text = std::fs::read_to_string(examples().join("tiny.opt")).unwrap_or_default();
+    let source = Source { name: "tiny.opt", text: &text, overrides: &[] };
+    let target = Target { mesh: Mesh { rows: 2, cols: 2 }, strategy: Strategy::Optimus, mode: Mode::Train };
+    let mut last = 0;
+    for mb in [0.05, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0] {
+        let hw = profile(mb / 1000.0);
+        let found = search::max_batch(&source, target, hw.memory_bytes());
+        assert!(found.max_batch >= last, "{mb} MB: {} < {last}", found.max_batch);
+        assert_eq!(found.max_batch % 2, 0);
+        if found.max_batch > 0 {
+            let plan = compile_example("tiny.opt", &[("batch", &found.max_batch.to_string())], target);
+            assert!(plan.memory.peak_bytes <= hw.memory_bytes());
+            let next = (found.max_batch + 2).to_string();
+            let bigger = compile_example("tiny.opt", &[("batch", &next)], target);
+            assert!(bigger.memory.peak_bytes > hw.memory_bytes());
+        }
+        last = found.max_batch;
+    }
+    assert!(last > 0);
+}
+
+#[test]
+fn bad_hardware_files_give_clear_errors() {
+    let good = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("hardware/dgx-a100.toml"))
+        .unwrap_or_default();
+    assert!(Hardware::parse(&good, "dgx-a100").is_ok());
+    let cases = [
+        (good.replace("memory_gb = 80.0", "memory_gb = -1.0"), "device.memory_gb"),
+        (good.replace("achievable_compute = 0.7", "achievable_compute = 1.5"), "achievable_compute"),
+        (good.replace("latency_us = 3.0", "latency_us = 3.0\nspeed = 9"), "speed"),
+        (good.replace("gpus_per_node = 8", ""), "gpus_per_node"),
+        ("not toml [".to_string(), "invalid hardware profile"),
+    ];
+    for (text, needle) in cases {
+        match Hardware::parse(&text, "bad.toml") {
+            Ok(_) => panic!("accepted a bad profile (expected an error about {needle})"),
+            Err(e) => assert!(e.contains(needle) && e.contains("bad.toml"), "{e}"),
+        }
+    }
+    let unknown = Hardware::load("no-such-cluster").err().unwrap_or_default();
+    assert!(unknown.contains("frontera-rtx5000"), "{unknown}");
+    for name in ["frontera-rtx5000", "dgx-a100", "dgx-h100"] {
+        assert!(Hardware::load(name).is_ok(), "{name}");
+    }
+}
+
+fn optimusc(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output();
+    match out {
+        Ok(o) => (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        ),
+        Err(e) => panic!("cannot run optimusc: {e}"),
+    }
+}
+
+fn json(text: &str) -> serde_json::Value {
+    match serde_json::from_str(text) {
+        Ok(v) => v,
+        Err(e) => panic!("bad JSON ({e}): {text}"),
+    }
+}
+
+const SMALL: [&str; 12] = [
+    "--set",
+    "layers=1",
+    "--set",
+    "hidden=64",
+    "--set",
+    "heads=4",
+    "--set",
+    "seq=16",
+    "--set",
+    "context=16",
+    "--set",
+    "batch=4",
+];
+
+#[test]
+fn memory_figures_are_inspects() {
+    let dir = std::env::temp_dir().join(format!("optimus-simulate-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let plan = dir.join("plan.json");
+    let model = examples().join("gpt2.opt");
+    let (model, plan_s) = (model.to_string_lossy(), plan.to_string_lossy());
+    for strategy in ["optimus", "megatron"] {
+        let mesh = if strategy == "optimus" { "2x2" } else { "1x4" };
+        let mut compile = vec!["compile", &model, "--mesh", mesh, "--strategy", strategy, "-o", &plan_s];
+        compile.extend(SMALL);
+        assert!(optimusc(&compile).0);
+        let (ok, inspect, _) = optimusc(&["inspect", &plan_s, "--json"]);
+        assert!(ok);
+        let (ok, sim, err) = optimusc(&["simulate", &plan_s, "--hardware", "dgx-a100", "--json"]);
+        assert!(ok, "{err}");
+        let (inspect, sim) = (json(&inspect), json(&sim));
+        assert_eq!(inspect["memory"]["peak_bytes"], sim["memory"]["peak_bytes_per_device"]);
+        assert!(sim["memory"]["peak_bytes_per_device"].as_u64().unwrap_or(0) > 0);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn simulate_and_compare_run_on_every_example() {
+    let mut count = 0;
+    for entry in std::fs::read_dir(examples()).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "opt") {
+            continue;
+        }
+        count += 1;
+        let model = path.to_string_lossy().into_owned();
+        let mut args = vec!["simulate", model.as_str(), "--mesh", "2x2", "--hardware", "frontera-rtx5000"];
+        args.extend(SMALL);
+        let (ok, text, err) = optimusc(&args);
+        assert!(ok && text.contains("step time"), "{model}: {err}");
+        args.extend(["--compare", "--max-batch", "--json", "--placement", "blocks"]);
+        let (ok, text, err) = optimusc(&args);
+        assert!(ok, "{model}: {err}");
+        let v = json(&text);
+        for strategy in ["optimus", "megatron"] {
+            assert!(v[strategy]["step_time_s"].as_f64().is_some_and(|t| t > 0.0), "{model}: {text}");
+            assert!(v[strategy]["peak_bytes_per_device"].as_u64().is_some(), "{model}: {text}");
+            assert!(v[strategy]["max_batch"].as_u64().is_some_and(|b| b > 0), "{model}: {text}");
+        }
+        assert!(v["speedup"].as_f64().is_some() && v["max_batch_ratio"].as_f64().is_some(), "{model}: {text}");
+    }
+    assert!(count >= 5);
+}
+
+#[test]
+fn sweep_marks_points_that_do_not_divide_as_infeasible() {
+    let model = examples().join("tiny.opt").to_string_lossy().into_owned();
+    let args = ["simulate", &model, "--hardware", "dgx-h100", "--sweep", "--json"];
+    let (ok, text, err) = optimusc(&args);
+    assert!(ok, "{err}");
+    let points = json(&text);
+    let points = points.as_array().cloned().unwrap_or_default();
+    assert_eq!(points.len(), 16);
+    // tiny has 8 heads: megatron cannot split them 16 ways or more.
+    let infeasible = points.iter().filter(|p| p["infeasible"].is_string()).count();
+    assert!(infeasible >= 4, "{text}");
+    assert!(points.iter().any(|p| p["efficiency"].as_f64() == Some(1.0)));
+}
+
+#[test]
+fn unknown_hardware_is_a_usage_error() {
+    let model = examples().join("tiny.opt").to_string_lossy().into_owned();
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc")).args(["simulate", &model, "--hardware", "nope"]).output();
+    let code = out.ok().and_then(|o| o.status.code());
+    assert_eq!(code, Some(2));
+}
+
+#[test]
+fn per_group_nic_sharing_counts_the_flows_leaving_a_node() {
+    let hw = profile(16.0);
+    let mesh = Mesh { rows: 8, cols: 8 };
+    let row_major = NodeMap::new(mesh, 4, Placement::RowMajor);
+    assert_eq!((row_major.groups_per_node(Group::Row), row_major.groups_per_node(Group::Column)), (1, 4));
+    let blocks = NodeMap::new(mesh, 4, Placement::Blocks);
+    assert_eq!((blocks.groups_per_node(Group::Row), blocks.groups_per_node(Group::Column)), (2, 2));
+    let megatron = NodeMap::new(Mesh { rows: 1, cols: 64 }, 4, Placement::RowMajor);
+    assert_eq!(megatron.groups_per_node(Group::Row), 1);
+    // One flow gets the whole 8 GB/s NIC; two get 4 GB/s; per-gpu sharing always 8 / 4 = 2 GB/s.
+    close(megatron.link(Group::Row, &hw, NicSharing::PerGroup).bandwidth, 8e9);
+    close(blocks.link(Group::Row, &hw, NicSharing::PerGroup).bandwidth, 4e9);
+    close(blocks.link(Group::Row, &hw, NicSharing::PerGpu).bandwidth, 2e9);
+    close(row_major.link(Group::Row, &hw, NicSharing::PerGroup).bandwidth, 8e9);
+    // Row-major 8x8: a row is split over two nodes, so rows cross the network too.
+    assert_eq!(row_major.link_kind(Group::Row), LinkKind::InterNode);
+    // 8 GB/s all-reduce of 1 MB over 64 ranks: 2*63*5us + 2*63/64*1e6/8e9.
+    let link = megatron.link(Group::Row, &hw, NicSharing::PerGroup);
+    close(ring_time(CollectiveKind::AllReduce, 64, MB, link), 630e-6 + 2.0 * 63.0 / 64.0 * 1.25e-4);
+}
+
+fn buffer(shape: &[u64], dtype: optimus::ir::DType) -> optimus::plan::Buffer {
+    optimus::plan::Buffer {
+        id: optimus::plan::BufferId(0),
+        name: "b".to_string(),
+        dtype,
+        logical_shape: shape.to_vec(),
+        layout: optimus::shard::layout::Layout::REPLICATED,
+        shape: shape.to_vec(),
+        role: optimus::plan::Role::Workspace,
+    }
+}
+
+#[test]
+fn kernels_cost_the_roofline() {
+    use optimus::cost::step::kernel_time;
+    use optimus::ir::DType;
+    use optimus::plan::Kernel;
+    // 1 TFLOP/s and 100 GB/s at full efficiency, no launch cost.
+    let hw = profile(16.0);
+    // A [1000, 1000] x [1000, 1000] product: 2e9 FLOPs = 2 ms; 12 MB moved = 0.12 ms. Compute-bound.
+    let (a, b, c) =
+        (buffer(&[1000, 1000], DType::F32), buffer(&[1000, 1000], DType::F32), buffer(&[1000, 1000], DType::F32));
+    let matmul = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: false };
+    close(kernel_time(&matmul, &[&a, &b], &c, &hw), 2e-3);
+    // An add of two 1e6-element f32 tensors: 1e6 FLOPs = 1 us; 12 MB at 100 GB/s = 0.12 ms. Memory-bound.
+    close(kernel_time(&Kernel::Add, &[&a, &b], &c, &hw), 1.2e-4);
+    // f16 has no rate of its own in this profile: the f32 rate, and half the bytes.
+    let (a16, b16, c16) =
+        (buffer(&[1000, 1000], DType::F16), buffer(&[1000, 1000], DType::F16), buffer(&[1000, 1000], DType::F16));
+    close(kernel_time(&matmul, &[&a16, &b16], &c16, &hw), 2e-3);
+    close(kernel_time(&Kernel::Add, &[&a16, &b16], &c16, &hw), 0.6e-4);
+}
