@@ -327,22 +327,10 @@ impl Lowerer<'_> {
     fn embedding_grad(&mut self, n: NodeIndex, ids: NodeIndex, dy: NodeIndex) {
         let Some(table) = self.like_of(n) else { return };
         let tl = self.param_layout(table).unwrap_or_else(|| self.table_layout(table));
-        let natural = self.natural(dy);
-        let last = self.rank(dy) - 1;
-        let (mut dy_layout, mut out, mut ids_layout) = (Layout::REPLICATED, Layout::REPLICATED, Layout::REPLICATED);
-        for axis in 0..2 {
-            let (d, o) = match tl.0[axis] {
-                Placement::Shard { dim: 0, .. } => (R, s(0)),
-                Placement::Shard { .. } => (s(last), s(1)),
-                _ => match natural.0[axis] {
-                    Placement::Shard { dim: 0, .. } => (s(0), Placement::Partial),
-                    Placement::Partial => (Placement::Partial, Placement::Partial),
-                    _ => (R, R),
-                },
-            };
-            dy_layout.0[axis] = d;
-            out.0[axis] = o;
-            ids_layout.0[axis] = if d == s(0) { s(0) } else { R };
+        let (dy_layout, out) = self.table_grad_layouts(tl, dy);
+        let mut ids_layout = Layout::REPLICATED;
+        for (ids, d) in ids_layout.0.iter_mut().zip(dy_layout.0) {
+            *ids = if d == s(0) { s(0) } else { R };
         }
         let dyb = self.value(dy, dy_layout);
         let ib = self.value(ids, ids_layout);
@@ -356,6 +344,28 @@ impl Lowerer<'_> {
             "backward of embedding: scatter-add into this device's rows",
         );
         self.define(n, out, g);
+    }
+
+    /// Layouts for a lookup table's gradient [rows, width] from dY [.., width], per mesh axis: where the
+    /// table's rows are split, dY is gathered whole and each device sums into its own rows; where its
+    /// width is split, dY's last dimension is split the same way; elsewhere dY keeps its batch split and
+    /// the table's gradient is a partial sum over the devices that share the table.
+    fn table_grad_layouts(&mut self, table: Layout, dy: NodeIndex) -> (Layout, Layout) {
+        let natural = self.natural(dy);
+        let last = self.rank(dy) - 1;
+        let (mut dy_layout, mut out) = (Layout::REPLICATED, Layout::REPLICATED);
+        for axis in 0..2 {
+            (dy_layout.0[axis], out.0[axis]) = match table.0[axis] {
+                Placement::Shard { dim: 0, .. } => (R, s(0)),
+                Placement::Shard { .. } => (s(last), s(1)),
+                _ => match natural.0[axis] {
+                    Placement::Shard { dim: 0, .. } => (s(0), Placement::Partial),
+                    Placement::Partial => (Placement::Partial, Placement::Partial),
+                    _ => (R, R),
+                },
+            };
+        }
+        (dy_layout, out)
     }
 
     fn position_embedding(&mut self, n: NodeIndex, table: NodeIndex) {
@@ -374,21 +384,7 @@ impl Lowerer<'_> {
     fn position_embedding_grad(&mut self, n: NodeIndex, dy: NodeIndex) {
         let Some(table) = self.like_of(n) else { return };
         let tl = self.param_layout(table).unwrap_or(Layout::REPLICATED);
-        let last = self.rank(dy) - 1;
-        let (mut dy_layout, mut out) = (Layout::REPLICATED, Layout::REPLICATED);
-        let natural = self.natural(dy);
-        for axis in 0..2 {
-            let (d, o) = match tl.0[axis] {
-                Placement::Shard { .. } => (s(last), s(1)),
-                _ => match natural.0[axis] {
-                    Placement::Shard { dim: 0, .. } => (s(0), Placement::Partial),
-                    Placement::Partial => (Placement::Partial, Placement::Partial),
-                    _ => (R, R),
-                },
-            };
-            dy_layout.0[axis] = d;
-            out.0[axis] = o;
-        }
+        let (dy_layout, out) = self.table_grad_layouts(tl, dy);
         let dyb = self.value(dy, dy_layout);
         let g = self.node_buffer(n, out, Role::Workspace);
         self.kernel(Kernel::PositionGrad, &[dyb], g, "backward of position embedding: sum over the batch");
