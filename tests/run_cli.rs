@@ -99,3 +99,20 @@ fn unknown_backend_is_a_usage_error() {
     let out = optimusc(&["run", "examples/tiny.opt", "--backend", "tpu"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn a_corrupted_plan_is_refused_not_run() {
+    let plan = scratch("plan.json");
+    let path = plan.to_str().expect("utf-8 path");
+    let out = optimusc(&["compile", "examples/tiny.opt", "--mesh", "2x2", "-o", path]);
+    assert!(out.status.success());
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).expect("plan")).expect("JSON");
+    json["buffers"][3]["shape"] = serde_json::json!([1_000_000, 1_000_000]);
+    let bad = scratch("bad-plan.json");
+    std::fs::write(&bad, serde_json::to_vec(&json).expect("serialise")).expect("write");
+    for command in ["run", "inspect"] {
+        let out = optimusc(&[command, bad.to_str().expect("utf-8 path")]);
+        assert_eq!(out.status.code(), Some(1), "{command}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("failed verification"), "{command}");
+    }
+}

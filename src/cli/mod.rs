@@ -127,10 +127,20 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Option<Plan> {
     if !is_plan {
         return compile_model(path, target);
     }
-    match optimus::plan::io::read_plan(path) {
-        Ok(plan) => Some(plan),
+    let plan = match optimus::plan::io::read_plan(path) {
+        Ok(plan) => plan,
         Err(e) => {
             eprintln!("error: {e}");
+            return None;
+        }
+    };
+    match optimus::plan::verify::verify(&plan) {
+        Ok(()) => Some(plan),
+        Err(errors) => {
+            eprintln!("error: `{}` failed verification:", path.display());
+            for e in errors.iter().take(20) {
+                eprintln!("  {e}");
+            }
             None
         }
     }

@@ -160,7 +160,10 @@ pub fn run(args: &RunArgs) -> ExitCode {
     match run_inner(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            // An empty message means the problem has been reported already.
+            if !e.is_empty() {
+                eprintln!("error: {e}");
+            }
             ExitCode::from(1)
         }
     }
@@ -173,7 +176,7 @@ fn run_inner(args: &RunArgs) -> Result<(), String> {
     if !(args.timeout.is_finite() && args.timeout > 0.0) {
         return Err("--timeout must be a positive number of seconds".into());
     }
-    let plan = plan_from(&args.input, &args.target).ok_or("no plan to run")?;
+    let plan = plan_from(&args.input, &args.target).ok_or(String::new())?;
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     check_inputs(&plan)?;
     let initial = match &args.weights {

@@ -3,11 +3,16 @@
 //! the same collectives in the same order (a plan that could deadlock never runs).
 
 use super::memory::persistent;
-use super::{BufferId, Collective, CollectiveKind, Group, Instr, Kernel, Plan};
+use super::{BufferId, Collective, CollectiveKind, Group, Instr, Kernel, Mesh, Plan};
 
 /// Checks a plan; returns every problem found.
 pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
     let mut errors = Vec::new();
+    // A plan read from a file may be anything: check its structure before anything indexes into it.
+    check_structure(plan, &mut errors);
+    if !errors.is_empty() {
+        return Err(errors);
+    }
     check_lifetimes(plan, &mut errors);
     for (index, instr) in plan.program.iter().enumerate() {
         match instr {
@@ -24,6 +29,57 @@ pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
 
 fn valid(plan: &Plan, id: BufferId) -> bool {
     (id.0 as usize) < plan.buffers.len()
+}
+
+/// Every reference is in range, every buffer's block shape follows from its layout, and the mesh is sane.
+fn check_structure(plan: &Plan, errors: &mut Vec<String>) {
+    let Mesh { rows, cols } = plan.mesh;
+    if rows == 0 || cols == 0 || rows > 1024 || cols > 1024 {
+        errors.push(format!("mesh {rows}x{cols} is not between 1x1 and 1024x1024"));
+        return;
+    }
+    for (k, b) in plan.buffers.iter().enumerate() {
+        if b.id.0 as usize != k {
+            errors.push(format!("buffer {k} says it is buffer {}", b.id.0));
+        }
+        let sharded_dims_exist = b.layout.0.iter().all(|p| p.dim().is_none_or(|d| d < b.logical_shape.len()));
+        if !sharded_dims_exist || b.layout.local_shape(&b.logical_shape, plan.mesh.axes()) != b.shape {
+            errors.push(format!(
+                "buffer `{}`: block {:?} does not follow from {:?} laid out {}",
+                b.name, b.shape, b.logical_shape, b.layout
+            ));
+        }
+        if b.shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(*d)).is_none_or(|n| n > 1 << 40) {
+            errors.push(format!("buffer `{}` is too large", b.name));
+        }
+    }
+    let mut referenced: Vec<BufferId> = Vec::new();
+    for instr in &plan.program {
+        match instr {
+            Instr::Kernel { inputs, output, origin, reason, .. } => {
+                referenced.extend(inputs.iter().copied().chain([*output]));
+                check_origin(plan, *origin, *reason, errors);
+            }
+            Instr::Collective { collective: c, origin, reason } => {
+                referenced.extend([c.send, c.recv]);
+                check_origin(plan, *origin, *reason, errors);
+            }
+            Instr::Free { buffer } => referenced.push(*buffer),
+        }
+    }
+    for p in &plan.params {
+        referenced.extend(p.grad.iter().chain(&p.state).copied().chain([p.buffer]));
+    }
+    referenced.extend(plan.inputs.iter().map(|i| i.buffer).chain(plan.outputs.iter().map(|o| o.buffer)));
+    if let Some(bad) = referenced.iter().find(|id| !valid(plan, **id)) {
+        errors.push(format!("buffer {} is referenced but does not exist", bad.0));
+    }
+}
+
+fn check_origin(plan: &Plan, origin: u32, reason: u32, errors: &mut Vec<String>) {
+    if origin as usize >= plan.origins.len() || reason as usize >= plan.reasons.len() {
+        errors.push(format!("origin {origin} or reason {reason} does not exist"));
+    }
 }
 
 fn check_lifetimes(plan: &Plan, errors: &mut Vec<String>) {
