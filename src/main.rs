@@ -1,8 +1,7 @@
 //! The `optimusc` command line: the only place that prints.
 
 use clap::{Parser, Subcommand, ValueEnum};
-use optimus::check::{Checked, check_source, decode};
-use optimus::diag::{self, group_digits};
+use optimus::diag::group_digits;
 use optimus::elab::Override;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -112,21 +111,8 @@ fn run(cli: Cli) -> ExitCode {
 }
 
 fn check(path: &std::path::Path, overrides: &[Override], emit: Option<Emit>) -> ExitCode {
-    let Some(bytes) = cli::read_model(path) else { return ExitCode::from(1) };
-    let name = path.display().to_string();
-    let (source, bad_utf8) = decode(&name, bytes);
-    if let Some(d) = bad_utf8 {
-        diag::render_stderr(&source.name, &source.text, &[d]);
-        eprintln!("error: {name}: 1 error found");
-        return ExitCode::from(1);
-    }
-    let Checked { model, diagnostics } = check_source(&source.text, overrides);
-    diag::render_stderr(&source.name, &source.text, &diagnostics);
-    let errors = diagnostics.iter().filter(|d| d.is_error()).count();
-    let Some(model) = model.filter(|_| errors == 0) else {
-        eprintln!("error: {name}: {errors} error{} found", if errors == 1 { "" } else { "s" });
-        return ExitCode::from(1);
-    };
+    let Some((model, source)) = cli::load_checked(path, overrides) else { return ExitCode::from(1) };
+    let name = &source.name;
     if let Some(Emit::Ir) = emit {
         cli::stdout(&optimus::ir::print::print_model(&model, &source.text));
     }

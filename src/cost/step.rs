@@ -236,7 +236,7 @@ fn assemble(
     let step = tally.compute + tally.exposed;
     let throughput = Throughput::of(plan, hw, step);
     let capacity = hw.memory_bytes();
-    let peak = rep.memory.peak_bytes;
+    let peak = rep.memory.plan.peak_bytes;
     Simulation {
         model: plan.model.clone(),
         hardware: hw.name.clone(),

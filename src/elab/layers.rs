@@ -422,7 +422,6 @@ impl<'f> Elab<'f> {
     ) -> ParamId {
         let name = join(path, leaf);
         let id = ParamId(u32::try_from(self.params.len()).unwrap_or(u32::MAX));
-        self.param_names.insert(name.clone());
         self.params.push(Param {
             checkpoint: name.clone(),
             name,

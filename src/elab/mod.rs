@@ -165,7 +165,6 @@ pub struct Elab<'f> {
     blocks: HashMap<String, usize>,
     recursive: HashSet<usize>,
     modules: Vec<Module>,
-    param_names: HashSet<String>,
     param_nodes: HashMap<ParamId, NodeIndex>,
     /// Config values and inputs whose definition failed (and was reported): their uses evaluate to poison.
     poisoned: HashSet<String>,
@@ -202,7 +201,6 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         blocks: HashMap::new(),
         recursive: HashSet::new(),
         modules: Vec::new(),
-        param_names: HashSet::new(),
         param_nodes: HashMap::new(),
         poisoned: HashSet::new(),
         bad_sizes: HashSet::new(),

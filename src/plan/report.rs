@@ -52,18 +52,11 @@ pub struct CommTotal {
     pub bytes: u64,
 }
 
-/// Per-device memory by category.
+/// Per-device memory by category (the plan's memory figures) and the source of the peak.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MemoryReport {
-    pub parameters: u64,
-    pub gradients: u64,
-    pub optimizer_state: u64,
-    pub inputs: u64,
-    pub activations_kept_for_backward: u64,
-    pub workspace_peak: u64,
-    /// The peak on each device (every device of an SPMD plan holds blocks of the same shapes).
-    pub peak_bytes: u64,
-    pub peak_instruction: usize,
+    #[serde(flatten)]
+    pub plan: super::memory::MemoryPlan,
     pub peak_origin: Option<OriginRef>,
 }
 
@@ -101,8 +94,7 @@ fn origin_ref(plan: &Plan, origin: u32, reason: u32) -> OriginRef {
 }
 
 /// The payload of a collective on one device.
-fn payload(plan: &Plan, kind: CollectiveKind, send: &Buffer, recv: &Buffer) -> u64 {
-    let _ = plan;
+fn payload(kind: CollectiveKind, send: &Buffer, recv: &Buffer) -> u64 {
     match kind {
         CollectiveKind::AllGather => recv.elements(),
         _ => send.elements(),
@@ -116,7 +108,7 @@ pub fn report(plan: &Plan) -> Report {
     for (index, instr) in plan.program.iter().enumerate() {
         let Instr::Collective { collective: c, origin, reason } = instr else { continue };
         let (send, recv) = (plan.buffer(c.send), plan.buffer(c.recv));
-        let elements = payload(plan, c.kind, send, recv);
+        let elements = payload(c.kind, send, recv);
         let bytes = elements * send.dtype.bytes();
         let (kind, group) = (c.kind.name().to_string(), c.group.name().to_string());
         let t = totals.entry((kind.clone(), group.clone())).or_insert(CommTotal {
@@ -153,17 +145,7 @@ pub fn report(plan: &Plan) -> Report {
         strategy: plan.strategy.name().to_string(),
         mode: if plan.mode == super::Mode::Train { "train" } else { "infer" }.to_string(),
         flops: Flops { per_device, total: per_device * plan.mesh.devices() },
-        memory: MemoryReport {
-            parameters: m.parameters,
-            gradients: m.gradients,
-            optimizer_state: m.optimizer_state,
-            inputs: m.inputs,
-            activations_kept_for_backward: m.activations_kept_for_backward,
-            workspace_peak: m.workspace_peak,
-            peak_bytes: m.peak_bytes,
-            peak_instruction: m.peak_instruction,
-            peak_origin,
-        },
+        memory: MemoryReport { plan: m.clone(), peak_origin },
         communication,
         communication_totals: totals.into_values().collect(),
         padding: plan.padding.clone(),
@@ -232,7 +214,7 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
     for p in &r.padding {
         let _ = writeln!(out, "padding: `{}` dimension {} padded from {} to {}", p.tensor, p.dim, p.logical, p.padded);
     }
-    let m = &r.memory;
+    let m = &r.memory.plan;
     let _ = writeln!(out, "\nmemory per device (every device holds blocks of the same shapes):");
     for (name, bytes) in [
         ("parameters", m.parameters),
@@ -245,7 +227,7 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
     ] {
         let _ = writeln!(out, "  {name:<36} {:>12}  ({bytes} B)", human_bytes(bytes));
     }
-    if let Some(o) = &m.peak_origin {
+    if let Some(o) = &r.memory.peak_origin {
         let _ = writeln!(
             out,
             "  peak reached at instruction {}: {} {} ({})",

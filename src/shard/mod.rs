@@ -613,7 +613,7 @@ fn split_factor(dim: Option<&crate::ir::Dim>, size: u64, outer: u64, inner: u64)
 }
 
 /// A readable buffer name: the layer path and operator, e.g. `h.0.attn.c_attn/linear`.
-fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String {
+pub(crate) fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String {
     match &node.op {
         Op::Param { id } => model.params[id.0 as usize].name.clone(),
         Op::Input { name } => name.clone(),

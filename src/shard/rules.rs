@@ -4,7 +4,7 @@
 use super::layout::{Layout, Placement};
 use super::{Lowerer, shapes};
 use crate::diag::Diagnostic;
-use crate::ir::{Op, ParamId};
+use crate::ir::Op;
 use crate::plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
 use petgraph::graph::NodeIndex;
 
@@ -84,17 +84,8 @@ impl Lowerer<'_> {
             *last = k;
         }
         let role = if self.forward_end.is_none() { Role::Activation } else { Role::Workspace };
-        let name = format!("{}.{what}", self.buffers_name(n));
+        let name = format!("{}.{what}", super::describe_node(self.model, &self.graph[n], n));
         self.new_buffer(name, crate::ir::DType::F32, shape, layout, role)
-    }
-
-    fn buffers_name(&self, n: NodeIndex) -> String {
-        let node = &self.graph[n];
-        if node.origin.scope.is_empty() {
-            format!("{}%{}", node.op.name(), n.index())
-        } else {
-            format!("{}/{}%{}", node.origin.scope, node.op.name(), n.index())
-        }
     }
 
     /// Sums a buffer over the mesh axes where `layout` is partial; returns the summed buffer.
@@ -723,7 +714,7 @@ impl Lowerer<'_> {
     // ---- attention ---------------------------------------------------------------------------------
 
     /// Layouts of attention's inputs and output: batch on axis 0 (2D), heads on axis 1.
-    fn attention_layouts(&self, n_inputs: usize, width: u64, heads: u64, fused: bool, rank: usize) -> (Layout, Layout) {
+    fn attention_layouts(&self, width: u64, heads: u64, fused: bool, rank: usize) -> (Layout, Layout) {
         let last = rank - 1;
         let batch = self.batch_placement();
         let input = if fused {
@@ -732,7 +723,6 @@ impl Lowerer<'_> {
         } else {
             s(last)
         };
-        let _ = n_inputs;
         (self.norm(Layout::new(batch, input)), self.norm(Layout::new(batch, s(last))))
     }
 
@@ -755,7 +745,7 @@ impl Lowerer<'_> {
     fn attention(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: u64, causal: bool, fused: bool) {
         let rank = self.rank(n);
         let width = *self.shapes[ops[0].index()].last().unwrap_or(&0);
-        let (il, ol) = self.attention_layouts(ops.len(), width, heads, fused, rank);
+        let (il, ol) = self.attention_layouts(width, heads, fused, rank);
         let local = self.local_heads(n, heads, il);
         let inputs: Vec<BufferId> = ops.iter().map(|&o| self.value(o, il)).collect();
         let y = self.node_buffer(n, ol, Role::Workspace);
@@ -771,7 +761,7 @@ impl Lowerer<'_> {
     fn attention_grad(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: u64, causal: bool, fused: bool, wrt: u8) {
         let rank = self.rank(ops[0]);
         let width = *self.shapes[ops[1].index()].last().unwrap_or(&0);
-        let (il, ol) = self.attention_layouts(ops.len() - 1, width, heads, fused, rank);
+        let (il, ol) = self.attention_layouts(width, heads, fused, rank);
         let local = self.local_heads(n, heads, il);
         let mut inputs = vec![self.value(ops[0], ol)];
         for &o in &ops[1..] {
@@ -958,15 +948,6 @@ impl Lowerer<'_> {
             "backward of select (local)",
         );
         self.define(n, out, y);
-    }
-
-    /// The parameter of a parameter node, for callers that need it.
-    #[allow(dead_code)]
-    fn param_of(&self, n: NodeIndex) -> Option<ParamId> {
-        match self.graph[n].op {
-            Op::Param { id } => Some(id),
-            _ => None,
-        }
     }
 }
 
