@@ -1,5 +1,6 @@
 //! `optimusc run`: executes a plan on a backend for a number of steps and reports every step.
 
+use super::simulate::PlacementArg;
 use super::{TargetArgs, plan_from};
 use clap::ValueEnum;
 use optimus::io::checkpoint::{load_checkpoint, save_checkpoint};
@@ -44,9 +45,14 @@ pub struct RunArgs {
     /// Print one JSON object per step on standard output.
     #[arg(long)]
     pub json: bool,
-    /// Seconds a collective waits for its peers before the run fails.
+    /// Seconds a collective waits for its peers before the run fails (and, under MPI, aborts the job).
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+    /// Under mpirun or srun: which rank runs which device. row-major gives rank r device (r / cols, r % cols);
+    /// blocks gives each node a block of the mesh as square as possible (2x2 for 4 ranks per node), so that
+    /// row and column collectives cross fewer nodes. Ignored when running on threads.
+    #[arg(long, value_enum, default_value_t = PlacementArg::RowMajor)]
+    pub placement: PlacementArg,
 }
 
 /// Optimizer flags; the defaults are PyTorch's.
@@ -157,19 +163,34 @@ pub fn vocab(plan: &Plan) -> Result<u64, String> {
 }
 
 pub fn run(args: &RunArgs) -> ExitCode {
-    match run_inner(args) {
+    if let Some(launch) = optimus::runtime::launch::detect().filter(|l| l.is_multi_process()) {
+        return multi_process::run(args, &launch);
+    }
+    match prepare(args).and_then(|job| run_on_threads(args, &job)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // An empty message means the problem has been reported already.
-            if !e.is_empty() {
-                eprintln!("error: {e}");
-            }
+            report(&e);
             ExitCode::from(1)
         }
     }
 }
 
-fn run_inner(args: &RunArgs) -> Result<(), String> {
+/// Prints an error; an empty message means the problem has been reported already.
+fn report(e: &str) {
+    if !e.is_empty() {
+        eprintln!("error: {e}");
+    }
+}
+
+/// Everything a run needs, read and checked before any device starts.
+struct Prepared {
+    plan: Plan,
+    tokens: Tokens,
+    initial: BTreeMap<String, optimus::runtime::tensor::Tensor>,
+    config: RunConfig,
+}
+
+fn prepare(args: &RunArgs) -> Result<Prepared, String> {
     if args.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
@@ -188,16 +209,105 @@ fn run_inner(args: &RunArgs) -> Result<(), String> {
         steps: args.steps,
         optimizer: args.optimizer.settings(),
         timeout: Duration::from_secs_f64(args.timeout),
+        fault: optimus::runtime::fault::from_env()?,
     };
-    let progress = Progress::new(&plan, args.steps, args.json);
-    let batches = |step| tokens.batch(&plan, step);
-    let output = optimus::runtime::cpu::run(&plan, &config, &batches, &initial, &|r| progress.step(r))?;
-    progress.finish(&output);
+    Ok(Prepared { plan, tokens, initial, config })
+}
+
+fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
+    let progress = Progress::new(&job.plan, args.steps, args.json);
+    let batches = |step| job.tokens.batch(&job.plan, step);
+    let output = optimus::runtime::cpu::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
+    finish(args, job, &progress, &output)
+}
+
+/// Reports the run and saves the weights (on the one process that prints).
+fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutput) -> Result<(), String> {
+    progress.finish(output);
     if let Some(path) = &args.save_weights {
-        save_checkpoint(path, &plan, &output.params)?;
+        save_checkpoint(path, &job.plan, &output.params)?;
         eprintln!("saved weights to {}", path.display());
     }
     Ok(())
+}
+
+/// Runs under mpirun or srun: one device per process.
+#[cfg(feature = "mpi")]
+mod multi_process {
+    use super::*;
+    use optimus::runtime::launch::Launch;
+    use optimus::runtime::mpi::MpiJob;
+
+    pub fn run(args: &RunArgs, _launch: &Launch) -> ExitCode {
+        let mpi = match MpiJob::init() {
+            Ok(mpi) => mpi,
+            Err(e) => {
+                report(&e);
+                return ExitCode::from(1);
+            }
+        };
+        // Rank 0 reads and checks the inputs first, so that a bad input is reported once; the others
+        // follow only if it succeeded, and report what fails for them alone with their rank.
+        let first = (mpi.rank() == 0).then(|| prepare_ranks(args, &mpi));
+        if !mpi.leader_agrees(first.as_ref().is_some_and(Result::is_ok)) {
+            if let Some(Err(e)) = &first {
+                report(e);
+            }
+            return ExitCode::from(1);
+        }
+        let prepared = first.unwrap_or_else(|| prepare_ranks(args, &mpi));
+        let failures = mpi.failures(prepared.is_err());
+        let job = match prepared {
+            Ok(job) if failures == 0 => job,
+            Ok(_) => return ExitCode::from(1),
+            Err(e) => {
+                report(&format!("rank {}: {e}", mpi.rank()));
+                return ExitCode::from(1);
+            }
+        };
+        let leader = mpi.rank() == 0;
+        let progress = Progress::new(&job.plan, if leader { args.steps } else { 0 }, args.json || !leader);
+        let batches = |step| job.tokens.batch(&job.plan, step);
+        let placement = args.placement.placement();
+        let on_step = |r: &StepRecord| progress.step(r);
+        let result = mpi.run(&job.plan, &job.config, &batches, &job.initial, placement, &on_step);
+        match result.and_then(|output| output.map_or(Ok(()), |output| finish(args, &job, &progress, &output))) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => mpi.abort(&e),
+        }
+    }
+
+    /// [`prepare`], and a plan whose mesh has one device per process.
+    fn prepare_ranks(args: &RunArgs, mpi: &MpiJob) -> Result<Prepared, String> {
+        let job = prepare(args)?;
+        let devices = job.plan.mesh.devices();
+        if devices != mpi.size() {
+            return Err(format!(
+                "the plan's {} mesh has {devices} devices but the job has {} processes; start one process per device",
+                job.plan.mesh,
+                mpi.size()
+            ));
+        }
+        Ok(job)
+    }
+}
+
+/// Without the `mpi` feature a multi-process launch cannot work: say how to build one that does.
+#[cfg(not(feature = "mpi"))]
+mod multi_process {
+    use super::*;
+    use optimus::runtime::launch::Launch;
+
+    pub fn run(_args: &RunArgs, launch: &Launch) -> ExitCode {
+        if launch.rank == 0 {
+            eprintln!(
+                "error: {} started {} processes, but this optimusc was built without MPI support; \
+                 build it with `cargo build --release --features mpi` (see docs/clusters.md)",
+                launch.launcher, launch.size
+            );
+        }
+        ExitCode::from(1)
+    }
 }
 
 /// Per-step reporting: JSON lines, a progress bar on a terminal, or plain lines.

@@ -61,6 +61,15 @@ pub enum PlacementArg {
     Blocks,
 }
 
+impl PlacementArg {
+    pub fn placement(self) -> Placement {
+        match self {
+            PlacementArg::RowMajor => Placement::RowMajor,
+            PlacementArg::Blocks => Placement::Blocks,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum NicSharingArg {
     PerGpu,
@@ -77,10 +86,7 @@ pub enum AlgorithmArg {
 impl SimulateArgs {
     fn options(&self) -> Options {
         Options {
-            placement: match self.placement {
-                PlacementArg::RowMajor => Placement::RowMajor,
-                PlacementArg::Blocks => Placement::Blocks,
-            },
+            placement: self.placement.placement(),
             algorithm: self.algorithm.map(|a| match a {
                 AlgorithmArg::Ring => Algorithm::Ring,
                 AlgorithmArg::Tree => Algorithm::Tree,

@@ -97,6 +97,7 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         steps: args.steps.max(1),
         optimizer: optimizer.settings(),
         timeout: Duration::from_secs(300),
+        fault: None,
     };
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     let batches = |step| tokens.batch(plan, step);

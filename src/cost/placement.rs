@@ -98,6 +98,15 @@ impl NodeMap {
         }
     }
 
+    /// The device of each rank when the launcher fills nodes with consecutive ranks: devices in order
+    /// of their node, row-major within a node. Row-major placement gives rank r device (r / cols, r % cols).
+    pub fn devices_by_rank(&self) -> Vec<(u64, u64)> {
+        let Mesh { rows, cols } = self.mesh;
+        let mut devices: Vec<(u64, u64)> = (0..rows).flat_map(|i| (0..cols).map(move |j| (i, j))).collect();
+        devices.sort_by_key(|&(i, j)| (self.node_of(i, j), i, j));
+        devices
+    }
+
     /// Whether some group of this kind has members on more than one node.
     pub fn spans_nodes(&self, group: Group) -> bool {
         let Mesh { rows, cols } = self.mesh;
@@ -151,4 +160,27 @@ fn block_shape(mesh: Mesh, g: u64) -> Option<(u64, u64)> {
         .map(|a| (a, g / a))
         .filter(|&(a, b)| mesh.rows.is_multiple_of(a) && mesh.cols.is_multiple_of(b))
         .min_by_key(|&(a, b)| (a.abs_diff(b), a))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_fill_2x2_blocks_node_by_node() {
+        let map = NodeMap::new(Mesh { rows: 4, cols: 4 }, 4, Placement::Blocks);
+        let devices = map.devices_by_rank();
+        assert_eq!(&devices[..8], &[(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]);
+        for (rank, &(i, j)) in devices.iter().enumerate() {
+            assert_eq!(map.node_of(i, j), rank as u64 / 4, "rank {rank} is on node rank / 4");
+        }
+    }
+
+    #[test]
+    fn row_major_ranks_are_row_major_devices() {
+        let map = NodeMap::new(Mesh { rows: 3, cols: 3 }, 4, Placement::Blocks);
+        assert!(map.note.is_some(), "no 4-device block tiles 3x3");
+        let expected: Vec<(u64, u64)> = (0..9).map(|r| (r / 3, r % 3)).collect();
+        assert_eq!(map.devices_by_rank(), expected);
+    }
 }

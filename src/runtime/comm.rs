@@ -15,7 +15,7 @@ impl std::fmt::Display for CommError {
 
 /// One device's view of the mesh's communication. Collectives are issued in the same order by every
 /// member of a group (the plan verifier guarantees it); `send` and `recv` are local blocks.
-pub trait Communicator: Send {
+pub trait Communicator {
     /// This device's mesh coordinates.
     fn coords(&self) -> (u64, u64);
     fn mesh(&self) -> Mesh;

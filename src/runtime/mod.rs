@@ -6,7 +6,11 @@ pub mod backend;
 pub mod comm;
 pub mod compare;
 pub mod cpu;
+pub mod fault;
 pub mod init;
+pub mod launch;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod tensor;
 
 use crate::plan::{Buffer, BufferId, Instr, Kernel, Plan, ReduceOp, Role};

@@ -5,6 +5,7 @@ pub mod threads;
 
 use super::Device;
 use super::comm::Communicator;
+use super::fault::Fault;
 use super::init::gather_blocks;
 use super::tensor::Tensor;
 use crate::plan::Plan;
@@ -21,6 +22,8 @@ pub struct RunConfig {
     pub optimizer: OptimizerSettings,
     /// How long a collective waits for its peers before the run fails.
     pub timeout: Duration,
+    /// A failure to inject, for testing how runs fail (see [`crate::runtime::fault`]).
+    pub fault: Option<Fault>,
 }
 
 /// What one step produced, as seen by device (0, 0).
@@ -47,8 +50,8 @@ pub struct RunOutput {
 /// Inputs of step k, as logical tensors by input name.
 pub type Batches<'a> = dyn Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + 'a;
 
-/// Blocks one device hands back at the end of a run.
-type DeviceBlocks = (Vec<Tensor>, Vec<Option<Tensor>>, Vec<Tensor>);
+/// Blocks one device hands back at the end of a run: parameters, gradients, outputs (plan order).
+pub type DeviceBlocks = (Vec<Tensor>, Vec<Option<Tensor>>, Vec<Tensor>);
 
 /// Runs a plan on one thread per device. `on_step` is called by device (0, 0) after every step.
 /// Parameters start from `initial` where given (logical tensors by name), else from the seed.
@@ -95,9 +98,11 @@ pub fn run(
     assemble(plan, per_device)
 }
 
-fn run_device(
+/// Runs one device of the mesh for the configured steps and returns its records and final blocks.
+/// `on_step` is called on device (0, 0) only.
+pub fn run_device<C: Communicator>(
     plan: &Plan,
-    comm: ThreadComm,
+    comm: C,
     config: &RunConfig,
     batches: &Batches<'_>,
     initial: &BTreeMap<String, Tensor>,
@@ -118,7 +123,11 @@ fn run_device(
         }
     }
     let mut records = Vec::new();
+    let device_index = i * plan.mesh.cols + j;
     for step in 0..config.steps {
+        if let Some(fault) = &config.fault {
+            fault.trigger(device_index, step)?;
+        }
         let start = Instant::now();
         device.load_inputs(&batches(step)?)?;
         device.step(&config.optimizer, step + 1)?;
@@ -143,8 +152,8 @@ fn run_device(
     Ok((records, (params, grads, outputs)))
 }
 
-/// Assembles logical tensors from every device's blocks.
-fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, String> {
+/// Assembles logical tensors from every device's blocks (in row-major device order).
+pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, String> {
     let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
     let mut out = RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new() };
     for (k, p) in plan.params.iter().enumerate() {

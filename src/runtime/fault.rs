@@ -1,0 +1,90 @@
+//! Fault injection for testing failure handling: `OPTIMUS_INJECT_FAULT=KIND:DEVICE:STEP` makes the
+//! device with row-major index DEVICE fail at the start of step STEP (0-based). KIND is `error` (a
+//! returned error), `panic`, `hang` (stops talking to its peers) or `kill` (SIGKILL to its process).
+//! Unset, it costs one environment lookup per run.
+
+use std::time::Duration;
+
+/// An injected failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    pub kind: FaultKind,
+    pub device: u64,
+    pub step: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    Error,
+    Panic,
+    Hang,
+    Kill,
+}
+
+/// The fault requested by the environment, if any; a malformed value is an error.
+pub fn from_env() -> Result<Option<Fault>, String> {
+    match std::env::var("OPTIMUS_INJECT_FAULT") {
+        Ok(v) if !v.is_empty() => parse(&v).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Parses `KIND:DEVICE:STEP`.
+pub fn parse(text: &str) -> Result<Fault, String> {
+    let bad = || format!("OPTIMUS_INJECT_FAULT is `{text}`, not KIND:DEVICE:STEP (KIND error, panic, hang or kill)");
+    let mut parts = text.split(':');
+    let kind = match parts.next() {
+        Some("error") => FaultKind::Error,
+        Some("panic") => FaultKind::Panic,
+        Some("hang") => FaultKind::Hang,
+        Some("kill") => FaultKind::Kill,
+        _ => return Err(bad()),
+    };
+    let mut number = || parts.next().and_then(|p| p.parse::<u64>().ok()).ok_or_else(bad);
+    let (device, step) = (number()?, number()?);
+    Ok(Fault { kind, device, step })
+}
+
+impl Fault {
+    /// Fails as configured if this is the chosen device and step.
+    pub fn trigger(&self, device: u64, step: u64) -> Result<(), String> {
+        if (device, step) != (self.device, self.step) {
+            return Ok(());
+        }
+        match self.kind {
+            FaultKind::Error => Err(format!("injected error at step {step}")),
+            FaultKind::Panic => panic!("injected panic at step {step}"),
+            FaultKind::Hang => {
+                std::thread::sleep(Duration::from_secs(24 * 3600));
+                Err("injected hang ended".into())
+            }
+            FaultKind::Kill => {
+                let pid = std::process::id().to_string();
+                let _ = std::process::Command::new("kill").args(["-KILL", &pid]).status();
+                std::thread::sleep(Duration::from_secs(60));
+                Err("injected kill did not kill the process".into())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_rejects() {
+        assert_eq!(parse("panic:2:1"), Ok(Fault { kind: FaultKind::Panic, device: 2, step: 1 }));
+        assert!(parse("boom:1:1").is_err());
+        assert!(parse("error:x:1").is_err());
+        assert!(parse("error:1").is_err());
+    }
+
+    #[test]
+    fn triggers_only_at_its_device_and_step() {
+        let fault = Fault { kind: FaultKind::Error, device: 1, step: 2 };
+        assert!(fault.trigger(0, 2).is_ok());
+        assert!(fault.trigger(1, 1).is_ok());
+        assert!(fault.trigger(1, 2).is_err());
+    }
+}

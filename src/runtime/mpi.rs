@@ -1,0 +1,402 @@
+//! Multi-process runs over MPI: one device per rank, row and column communicators split from the
+//! world, every collective non-blocking and polled against the run's timeout, and any failure (an
+//! error, a panic, a peer that stops answering) ends the whole job with MPI_Abort and the rank's name.
+
+use super::comm::{CommError, Communicator, block_runs};
+use super::cpu::{self, Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord};
+use super::tensor::{Data, Tensor};
+use crate::cost::placement::{NodeMap, Placement};
+use crate::plan::{CollectiveKind, Group, Mesh, Plan, ReduceOp};
+use crate::shard::layout::Placement as Split;
+use mpi::collective::SystemOperation;
+use mpi::environment::Universe;
+use mpi::request::{Request, Scope};
+use mpi::topology::Communicator as _;
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::*;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// This process's membership in an MPI job. MPI is initialised once per process, by [`MpiJob::init`],
+/// and finalised when the job is dropped.
+pub struct MpiJob {
+    world: SimpleCommunicator,
+    rank: u64,
+    size: u64,
+    /// Ranks sharing this node's memory (the fewest over all nodes).
+    ranks_per_node: u64,
+    /// This rank's index among the ranks of its node.
+    local_rank: u64,
+    // Dropped last: finalises MPI.
+    _universe: Universe,
+}
+
+impl MpiJob {
+    /// Initialises MPI and installs a panic hook that aborts the whole job, so that a panicking rank
+    /// never leaves the others waiting.
+    pub fn init() -> Result<MpiJob, String> {
+        let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+            .ok_or("MPI was already initialised in this process")?;
+        let world = universe.world();
+        let rank = world.rank() as u64;
+        install_panic_hook(format!("rank {rank}"));
+        let node = world.split_shared(world.rank());
+        let local = node.size();
+        let mut fewest = 0;
+        world.all_reduce_into(&local, &mut fewest, SystemOperation::min());
+        Ok(MpiJob {
+            size: world.size() as u64,
+            rank,
+            ranks_per_node: fewest.max(1) as u64,
+            local_rank: node.rank() as u64,
+            world,
+            _universe: universe,
+        })
+    }
+
+    pub fn rank(&self) -> u64 {
+        self.rank
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// This rank's index on its node (which GPU it takes).
+    pub fn local_rank(&self) -> u64 {
+        self.local_rank
+    }
+
+    /// How many ranks failed a step that every rank takes, given whether this one did.
+    pub fn failures(&self, failed: bool) -> u64 {
+        let mine = i32::from(failed);
+        let mut total = 0;
+        self.world.all_reduce_into(&mine, &mut total, SystemOperation::sum());
+        total as u64
+    }
+
+    /// Rank 0's answer, given to every rank (`ok` is ignored elsewhere).
+    pub fn leader_agrees(&self, ok: bool) -> bool {
+        let mut flag = i32::from(ok);
+        self.world.process_at_rank(0).broadcast_into(&mut flag);
+        flag == 1
+    }
+
+    /// Prints the error with this rank's name and ends every process of the job.
+    pub fn abort(&self, message: &str) -> ! {
+        eprintln!("error: rank {}: {message}", self.rank);
+        abort_world(1)
+    }
+
+    /// The device each rank runs, and a note when the placement could not be followed.
+    pub fn devices(&self, mesh: Mesh, placement: Placement) -> (Vec<(u64, u64)>, Option<String>) {
+        let map = NodeMap::new(mesh, self.ranks_per_node, placement);
+        (map.devices_by_rank(), map.note)
+    }
+
+    /// Runs this rank's device of the plan. Rank 0 (which holds device (0, 0)) calls `on_step` and
+    /// returns the assembled output; other ranks return `None`. A failure on any rank aborts the job.
+    pub fn run(
+        &self,
+        plan: &Plan,
+        config: &RunConfig,
+        batches: &Batches<'_>,
+        initial: &BTreeMap<String, Tensor>,
+        placement: Placement,
+        on_step: &(dyn Fn(&StepRecord) + Sync),
+    ) -> Result<Option<RunOutput>, String> {
+        if self.size != plan.mesh.devices() {
+            return Err(format!(
+                "the plan's {} mesh has {} devices but the job has {} processes; start it with -np {}",
+                plan.mesh,
+                plan.mesh.devices(),
+                self.size,
+                plan.mesh.devices()
+            ));
+        }
+        let (devices, note) = self.devices(plan.mesh, placement);
+        if let (Some(note), 0) = (note, self.rank) {
+            eprintln!("note: {note}");
+        }
+        let (i, j) = devices[self.rank as usize];
+        install_panic_hook(format!("rank {} (device ({i}, {j}))", self.rank));
+        let comm = MpiComm::new(&self.world, plan.mesh, (i, j), config.timeout, self.rank)?;
+        let (records, blocks) = match cpu::run_device(plan, &comm, config, batches, initial, on_step) {
+            Ok(r) => r,
+            Err(e) => self.abort(&format!("device ({i}, {j}) failed: {e}")),
+        };
+        let gathered = gather_blocks(&comm.mesh_world, blocks)?;
+        match gathered {
+            Some(per_device) => {
+                let mut all: Vec<(Vec<StepRecord>, DeviceBlocks)> =
+                    per_device.into_iter().map(|b| (Vec::new(), b)).collect();
+                if let Some(first) = all.first_mut() {
+                    first.0 = records;
+                }
+                cpu::assemble(plan, all).map(Some)
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+/// Makes a panic anywhere in this process print its message with `who` and abort the MPI job.
+fn install_panic_hook(who: String) {
+    std::panic::set_hook(Box::new(move |info| {
+        eprintln!("error: {who} panicked: {info}");
+        abort_world(101)
+    }));
+}
+
+/// Ends every process of the job (MPI_Abort on the world communicator).
+fn abort_world(code: i32) -> ! {
+    // SAFETY: called only after MPI_Init_thread (MPI_THREAD_MULTIPLE), from any thread.
+    unsafe {
+        mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code);
+    }
+    // MPI_Abort does not return; should an implementation return, end this process anyway.
+    std::process::exit(code)
+}
+
+/// One rank's endpoint: communicators for its mesh row, its mesh column and the whole mesh.
+pub struct MpiComm {
+    coords: (u64, u64),
+    mesh: Mesh,
+    row: SimpleCommunicator,
+    column: SimpleCommunicator,
+    /// The world, reordered so that rank i * cols + j holds device (i, j).
+    mesh_world: SimpleCommunicator,
+    timeout: Duration,
+    world_rank: u64,
+}
+
+impl MpiComm {
+    fn new(
+        world: &SimpleCommunicator,
+        mesh: Mesh,
+        (i, j): (u64, u64),
+        timeout: Duration,
+        world_rank: u64,
+    ) -> Result<MpiComm, String> {
+        let split = |color: u64, key: u64| {
+            world
+                .split_by_color_with_key(Color::with_value(color as i32), key as i32)
+                .ok_or_else(|| "MPI could not split the world communicator".to_string())
+        };
+        Ok(MpiComm {
+            coords: (i, j),
+            mesh,
+            row: split(i, j)?,
+            column: split(j, i)?,
+            mesh_world: split(0, i * mesh.cols + j)?,
+            timeout,
+            world_rank,
+        })
+    }
+
+    fn group(&self, group: Group) -> &SimpleCommunicator {
+        match group {
+            Group::Row => &self.row,
+            Group::Column => &self.column,
+            Group::World => &self.mesh_world,
+        }
+    }
+
+    /// Polls a request until it completes; past the timeout the job is aborted (a request cannot be
+    /// abandoned while MPI may still write into its buffer).
+    fn complete<'a, D: ?Sized, S: Scope<'a>>(&self, mut request: Request<'a, D, S>, what: &dyn Fn() -> String) {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            match request.test() {
+                Ok(_) => return,
+                Err(pending) => request = pending,
+            }
+            if start.elapsed() > self.timeout {
+                self.abort(&format!(
+                    "{} waited {:.0} s for its peers (--timeout); a peer has failed or stopped",
+                    what(),
+                    self.timeout.as_secs_f64()
+                ));
+            }
+            polls = polls.saturating_add(1);
+            if polls < 1000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+}
+
+fn operation(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+    }
+}
+
+fn same_len(send: usize, recv: usize) -> Result<(), CommError> {
+    if send == recv {
+        Ok(())
+    } else {
+        Err(CommError(format!("collective size mismatch: {send} elements sent, {recv} expected")))
+    }
+}
+
+impl Communicator for &MpiComm {
+    fn coords(&self) -> (u64, u64) {
+        self.coords
+    }
+
+    fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        root: Option<u64>,
+        op: ReduceOp,
+        shard: Option<Split>,
+        full: &[u64],
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        let comm = self.group(group);
+        let (me, parts) = (comm.rank() as u64, comm.size() as u64);
+        let (i, j) = self.coords;
+        let what = || format!("device ({i}, {j})'s {} over its {} group", kind.name(), group.name());
+        let op = operation(op);
+        match kind {
+            CollectiveKind::Broadcast => {
+                let root = root.unwrap_or(0);
+                if me == root {
+                    same_len(send.len(), recv.len())?;
+                    recv.copy_from_slice(send);
+                }
+                let process = comm.process_at_rank(root as i32);
+                mpi::request::scope(|s| self.complete(process.immediate_broadcast_into(s, recv), &what));
+            }
+            CollectiveKind::Reduce => {
+                let process = comm.process_at_rank(root.unwrap_or(0) as i32);
+                if me == root.unwrap_or(0) {
+                    same_len(send.len(), recv.len())?;
+                    mpi::request::scope(|s| {
+                        self.complete(process.immediate_reduce_into_root(s, send, recv, op), &what)
+                    });
+                } else {
+                    mpi::request::scope(|s| self.complete(process.immediate_reduce_into(s, send, op), &what));
+                }
+            }
+            CollectiveKind::AllReduce => {
+                same_len(send.len(), recv.len())?;
+                mpi::request::scope(|s| self.complete(comm.immediate_all_reduce_into(s, send, recv, op), &what));
+            }
+            CollectiveKind::AllGather => {
+                let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
+                same_len(full.iter().product::<u64>() as usize, recv.len())?;
+                let mut blocks = vec![0.0f32; send.len() * parts as usize];
+                mpi::request::scope(|s| self.complete(comm.immediate_all_gather_into(s, send, &mut blocks[..]), &what));
+                for (member, block) in blocks.chunks_exact(send.len().max(1)).enumerate() {
+                    for (full_at, block_at, len) in block_runs(full, shard, parts, member as u64) {
+                        recv[full_at..full_at + len].copy_from_slice(&block[block_at..block_at + len]);
+                    }
+                }
+            }
+            CollectiveKind::ReduceScatter => {
+                let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
+                same_len(send.len(), recv.len() * parts as usize)?;
+                let mut packed = vec![0.0f32; send.len()];
+                for (member, block) in packed.chunks_exact_mut(recv.len().max(1)).enumerate() {
+                    for (full_at, block_at, len) in block_runs(full, shard, parts, member as u64) {
+                        block[block_at..block_at + len].copy_from_slice(&send[full_at..full_at + len]);
+                    }
+                }
+                mpi::request::scope(|s| {
+                    self.complete(comm.immediate_reduce_scatter_block_into(s, &packed[..], recv, op), &what)
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn abort(&self, reason: &str) {
+        eprintln!("error: rank {}: {reason}", self.world_rank);
+        abort_world(1)
+    }
+}
+
+/// Gathers every device's final blocks on mesh rank 0, in row-major device order.
+fn gather_blocks(mesh_world: &SimpleCommunicator, blocks: DeviceBlocks) -> Result<Option<Vec<DeviceBlocks>>, String> {
+    let devices = mesh_world.size() as usize;
+    let (params, grads, outputs) = blocks;
+    let gather_all = |tensors: &[Tensor]| -> Vec<Option<Vec<Tensor>>> {
+        tensors.iter().map(|t| gather_tensor(mesh_world, t)).collect()
+    };
+    let params = gather_all(&params);
+    let outputs = gather_all(&outputs);
+    let grads: Vec<Option<Option<Vec<Tensor>>>> =
+        grads.iter().map(|g| g.as_ref().map(|t| gather_tensor(mesh_world, t))).collect();
+    if mesh_world.rank() != 0 {
+        return Ok(None);
+    }
+    let missing = || "a gathered block is missing on rank 0".to_string();
+    let mut per_device: Vec<DeviceBlocks> = (0..devices).map(|_| (Vec::new(), Vec::new(), Vec::new())).collect();
+    for p in params {
+        for (d, t) in p.ok_or_else(missing)?.into_iter().enumerate() {
+            per_device[d].0.push(t);
+        }
+    }
+    for g in grads {
+        match g {
+            Some(blocks) => {
+                for (d, t) in blocks.ok_or_else(missing)?.into_iter().enumerate() {
+                    per_device[d].1.push(Some(t));
+                }
+            }
+            None => per_device.iter_mut().for_each(|d| d.1.push(None)),
+        }
+    }
+    for o in outputs {
+        for (d, t) in o.ok_or_else(missing)?.into_iter().enumerate() {
+            per_device[d].2.push(t);
+        }
+    }
+    Ok(Some(per_device))
+}
+
+/// Gathers one buffer's block from every device on mesh rank 0 (`Some` there, `None` elsewhere).
+fn gather_tensor(mesh_world: &SimpleCommunicator, t: &Tensor) -> Option<Vec<Tensor>> {
+    let devices = mesh_world.size() as usize;
+    let root = mesh_world.process_at_rank(0);
+    let is_root = mesh_world.rank() == 0;
+    let split = |data: Data| -> Vec<Tensor> {
+        let n = t.len().max(1);
+        match data {
+            Data::F32(v) => v.chunks(n).map(|c| Tensor::from_f32(&t.shape, c.to_vec())).collect(),
+            Data::I32(v) => v.chunks(n).map(|c| Tensor::from_i32(&t.shape, c.to_vec())).collect(),
+        }
+    };
+    match &t.data {
+        Data::F32(v) if is_root => {
+            let mut all = vec![0.0f32; v.len() * devices];
+            root.gather_into_root(&v[..], &mut all[..]);
+            Some(split(Data::F32(all)))
+        }
+        Data::I32(v) if is_root => {
+            let mut all = vec![0i32; v.len() * devices];
+            root.gather_into_root(&v[..], &mut all[..]);
+            Some(split(Data::I32(all)))
+        }
+        Data::F32(v) => {
+            root.gather_into(&v[..]);
+            None
+        }
+        Data::I32(v) => {
+            root.gather_into(&v[..]);
+            None
+        }
+    }
+}
