@@ -1,0 +1,202 @@
+//! Multi-process runs under Open MPI's mpirun (feature `mpi`): 4 and 9 processes give the thread
+//! backend's losses and weights, and a rank that errs, panics, hangs or is killed ends the whole job
+//! with an error naming it, within seconds. Each run is its own mpirun job, so MPI is initialised
+//! once per process.
+#![cfg(feature = "mpi")]
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_optimusc");
+
+/// How long any one job may take before the test calls it hung.
+const JOB_LIMIT: Duration = Duration::from_secs(90);
+
+/// Runs `mpirun -np P optimusc ARGS`, with the settings that let Open MPI start more ranks than
+/// cores (and run as root in containers). Fails the test if the job outlives [`JOB_LIMIT`].
+fn mpirun(processes: u32, args: &[&str], env: &[(&str, &str)]) -> (Output, Duration) {
+    let mut command = Command::new("mpirun");
+    command
+        .args(["-np", &processes.to_string(), "--oversubscribe", BIN])
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let start = Instant::now();
+    let mut child = command.spawn().expect("mpirun starts (the test command installs Open MPI: openmpi-bin)");
+    let (mut stdout, mut stderr) = (child.stdout.take().expect("stdout"), child.stderr.take().expect("stderr"));
+    let out_reader = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = stdout.read_to_end(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = stderr.read_to_end(&mut s);
+        s
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for mpirun") {
+            break status;
+        }
+        if start.elapsed() > JOB_LIMIT {
+            let _ = child.kill();
+            panic!("mpirun {args:?} did not end within {JOB_LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = start.elapsed();
+    let output = Output {
+        status,
+        stdout: out_reader.join().expect("stdout reader"),
+        stderr: err_reader.join().expect("stderr reader"),
+    };
+    (output, elapsed)
+}
+
+fn threads(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("optimusc runs")
+}
+
+fn losses(out: &Output) -> Vec<f64> {
+    assert!(out.status.success(), "stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("each stdout line is one JSON object");
+            v["loss"].as_f64().expect("a loss")
+        })
+        .collect()
+}
+
+fn assert_close(mpi: &[f64], thread: &[f64]) {
+    assert_eq!(mpi.len(), thread.len(), "one line per step, from rank 0 only: {mpi:?} vs {thread:?}");
+    for (step, (a, b)) in mpi.iter().zip(thread).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "step {step}: mpi {a} vs threads {b}");
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("optimus-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+/// A small GPT-2 that every mesh up to 3x3 divides.
+const MODEL_3X3: [&str; 17] = [
+    "examples/gpt2.opt",
+    "--set",
+    "layers=2",
+    "--set",
+    "hidden=36",
+    "--set",
+    "heads=9",
+    "--set",
+    "batch=9",
+    "--set",
+    "vocab=333",
+    "--set",
+    "context=64",
+    "--set",
+    "seq=30",
+    "--set",
+    "pdrop=0.1",
+];
+
+fn with<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
+    base.iter().chain(more).copied().collect()
+}
+
+#[test]
+fn four_processes_give_the_thread_backends_losses() {
+    let base = ["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "4", "--json", "--seed", "11"];
+    let thread = losses(&threads(&base));
+    for placement in ["row-major", "blocks"] {
+        let (out, _) = mpirun(4, &with(&base, &["--placement", placement]), &[]);
+        assert_close(&losses(&out), &thread);
+    }
+}
+
+#[test]
+fn four_processes_run_megatron_and_inference_plans() {
+    for extra in [&["--strategy", "megatron", "--mesh", "1x4"][..], &["--mode", "infer", "--mesh", "2x2"][..]] {
+        let args = with(&["run", "examples/tiny.opt", "--steps", "2", "--json"], extra);
+        assert_close(&losses(&mpirun(4, &args, &[]).0), &losses(&threads(&args)));
+    }
+}
+
+#[test]
+fn nine_processes_give_the_thread_backends_losses_and_weights() {
+    let mpi_weights = scratch("mpi9.safetensors");
+    let thread_weights = scratch("threads9.safetensors");
+    let args = with(&["run"], &MODEL_3X3);
+    let args = with(&args, &["--mesh", "3x3", "--steps", "3", "--json", "--optimizer", "sgd", "--lr", "0.1"]);
+    let (out, _) = mpirun(9, &with(&args, &["--save-weights", mpi_weights.to_str().expect("utf-8")]), &[]);
+    let thread = threads(&with(&args, &["--save-weights", thread_weights.to_str().expect("utf-8")]));
+    assert_close(&losses(&out), &losses(&thread));
+    let (a, b) = (std::fs::read(&mpi_weights).expect("rank 0 saved"), std::fs::read(&thread_weights).expect("saved"));
+    let (a, b) = (
+        safetensors::SafeTensors::deserialize(&a).expect("safetensors"),
+        safetensors::SafeTensors::deserialize(&b).expect("safetensors"),
+    );
+    assert_eq!(a.names().len(), b.names().len());
+    for name in b.names() {
+        let (x, y) = (a.tensor(name).expect("same names"), b.tensor(name).expect("tensor"));
+        assert_eq!(x.shape(), y.shape(), "{name}");
+        let floats = |d: &[u8]| -> Vec<f32> {
+            d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        };
+        for (p, q) in floats(x.data()).iter().zip(floats(y.data())) {
+            assert!((p - q).abs() <= 1e-5 * q.abs().max(1e-2), "{name}: {p} vs {q}");
+        }
+    }
+}
+
+#[test]
+fn a_job_whose_size_is_not_the_mesh_says_so_once() {
+    let (out, _) = mpirun(3, &["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "1"], &[]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let message = "4 devices but the job has 3 processes";
+    assert_eq!(stderr.matches(message).count(), 1, "{stderr}");
+}
+
+/// Runs a 2x2 job with a fault injected on device `device` at step 1 and checks that the job fails
+/// quickly with the rank named.
+fn fails_fast(kind: &str, device: u64, expect: &[&str]) {
+    let fault = format!("{kind}:{device}:1");
+    let args = ["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "4", "--timeout", "3"];
+    let (out, elapsed) = mpirun(4, &args, &[("OPTIMUS_INJECT_FAULT", &fault)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{kind}: the job must fail\n{stderr}");
+    for text in expect {
+        assert!(stderr.contains(text), "{kind}: expected `{text}` in\n{stderr}");
+    }
+    assert!(elapsed < Duration::from_secs(30), "{kind}: took {elapsed:?}");
+}
+
+#[test]
+fn a_rank_that_errs_ends_the_job_naming_it() {
+    fails_fast("error", 3, &["rank 3: device (1, 1) failed: injected error at step 1"]);
+}
+
+#[test]
+fn a_rank_that_panics_ends_the_job_naming_it() {
+    fails_fast("panic", 2, &["rank 2 (device (1, 0)) panicked", "injected panic"]);
+}
+
+#[test]
+fn a_rank_that_hangs_is_caught_by_the_collective_timeout() {
+    fails_fast("hang", 1, &["waited 3 s for its peers"]);
+}
+
+#[test]
+fn a_killed_rank_ends_the_job() {
+    fails_fast("kill", 2, &["rank 2", "signal 9"]);
+}
