@@ -130,7 +130,14 @@ fn round_trip_after_training_is_bit_exact() {
         beta2: 0.999,
         eps: 1e-8,
     };
-    let config = RunConfig { seed: 3, steps: 2, optimizer, timeout: Duration::from_secs(60), fault: None };
+    let config = RunConfig {
+        seed: 3,
+        steps: 2,
+        optimizer,
+        timeout: Duration::from_secs(60),
+        fault: None,
+        backend: Default::default(),
+    };
     let batches = |step| Ok(random_batch(5, step, batch, seq, 101));
     let trained = run(&plan, &config, &batches, &BTreeMap::new(), &|_| {}).expect("run succeeds").params;
     assert_eq!(trained.len(), plan.params.len());

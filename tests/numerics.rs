@@ -68,7 +68,14 @@ fn settings(kind: OptimizerKind) -> OptimizerSettings {
 }
 
 fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
-    let config = RunConfig { seed: 7, steps, optimizer: settings(kind), timeout: Duration::from_secs(60), fault: None };
+    let config = RunConfig {
+        seed: 7,
+        steps,
+        optimizer: settings(kind),
+        timeout: Duration::from_secs(60),
+        fault: None,
+        backend: Default::default(),
+    };
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }
 

@@ -116,3 +116,18 @@ fn a_corrupted_plan_is_refused_not_run() {
         assert!(String::from_utf8_lossy(&out.stderr).contains("failed verification"), "{command}");
     }
 }
+
+#[test]
+fn the_cuda_backend_without_a_gpu_is_a_clear_error_not_a_panic() {
+    #[cfg(feature = "cuda")]
+    // SAFETY: only probes whether the driver library loads.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        eprintln!("skipped: this machine has a CUDA driver");
+        return;
+    }
+    let out = optimusc(&["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "1", "--backend", "cuda"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let explained = if cfg!(feature = "cuda") { "CUDA driver library" } else { "--features cuda" };
+    assert!(stderr.contains(explained) && !stderr.contains("panicked"), "{stderr}");
+}

@@ -19,7 +19,7 @@ pub struct RunArgs {
     pub input: PathBuf,
     #[command(flatten)]
     pub target: TargetArgs,
-    /// Where the devices run: cpu (threads in this process).
+    /// Where kernels run: cpu, or cuda (GPUs; needs a build with --features cuda and an NVIDIA driver).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     pub backend: Backend,
     /// Number of steps.
@@ -107,8 +107,19 @@ pub enum OptimizerArg {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
-    /// One thread per device in this process.
+    /// Host kernels: one thread per device in this process, or one process per device under mpirun/srun.
     Cpu,
+    /// One NVIDIA GPU per device (a build with `--features cuda`): cuBLAS and NVRTC kernels.
+    Cuda,
+}
+
+impl Backend {
+    pub fn kind(self) -> optimus::runtime::backend::BackendKind {
+        match self {
+            Backend::Cpu => optimus::runtime::backend::BackendKind::Cpu,
+            Backend::Cuda => optimus::runtime::backend::BackendKind::Cuda,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -197,6 +208,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, String> {
     if !(args.timeout.is_finite() && args.timeout > 0.0) {
         return Err("--timeout must be a positive number of seconds".into());
     }
+    args.backend.kind().check_available()?;
     let plan = plan_from(&args.input, &args.target).ok_or(String::new())?;
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     check_inputs(&plan)?;
@@ -210,6 +222,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, String> {
         optimizer: args.optimizer.settings(),
         timeout: Duration::from_secs_f64(args.timeout),
         fault: optimus::runtime::fault::from_env()?,
+        backend: args.backend.kind(),
     };
     Ok(Prepared { plan, tokens, initial, config })
 }

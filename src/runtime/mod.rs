@@ -6,6 +6,8 @@ pub mod backend;
 pub mod comm;
 pub mod compare;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod fault;
 pub mod init;
 pub mod launch;

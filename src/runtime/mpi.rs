@@ -121,7 +121,7 @@ impl MpiJob {
         let (i, j) = devices[self.rank as usize];
         install_panic_hook(format!("rank {} (device ({i}, {j}))", self.rank));
         let comm = MpiComm::new(&self.world, plan.mesh, (i, j), config.timeout, self.rank)?;
-        let (records, blocks) = match cpu::run_device(plan, &comm, config, batches, initial, on_step) {
+        let (records, blocks) = match cpu::run_device(plan, &comm, self.local_rank, config, batches, initial, on_step) {
             Ok(r) => r,
             Err(e) => self.abort(&format!("device ({i}, {j}) failed: {e}")),
         };

@@ -4,6 +4,7 @@ pub mod kernels;
 pub mod threads;
 
 use super::Device;
+use super::backend::BackendKind;
 use super::comm::Communicator;
 use super::fault::Fault;
 use super::init::gather_blocks;
@@ -24,6 +25,8 @@ pub struct RunConfig {
     pub timeout: Duration,
     /// A failure to inject, for testing how runs fail (see [`crate::runtime::fault`]).
     pub fault: Option<Fault>,
+    /// Where kernels run.
+    pub backend: BackendKind,
 }
 
 /// What one step produced, as seen by device (0, 0).
@@ -72,7 +75,7 @@ pub fn run(
                     let (i, j) = (rank / plan.mesh.cols, rank % plan.mesh.cols);
                     let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), i, j);
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run_device(plan, comm, config, batches, initial, on_step)
+                        run_device(plan, comm, rank, config, batches, initial, on_step)
                     }));
                     let result = match outcome {
                         Ok(r) => r,
@@ -99,16 +102,17 @@ pub fn run(
 }
 
 /// Runs one device of the mesh for the configured steps and returns its records and final blocks.
-/// `on_step` is called on device (0, 0) only.
+/// `on_step` is called on device (0, 0) only; `slot` picks the GPU of a GPU backend.
 pub fn run_device<C: Communicator>(
     plan: &Plan,
     comm: C,
+    slot: u64,
     config: &RunConfig,
     batches: &Batches<'_>,
     initial: &BTreeMap<String, Tensor>,
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
-    let mut device = Device::new(plan, super::backend::CpuBackend, comm, config.seed);
+    let mut device = Device::new(plan, config.backend.create(slot)?, comm, config.seed);
     let (i, j) = device.coords();
     for p in &plan.params {
         if let Some(t) = initial.get(&p.name) {

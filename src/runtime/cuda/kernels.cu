@@ -1,0 +1,532 @@
+// The device kernels of the CUDA backend, compiled at run time by NVRTC (no host headers: only
+// built-ins). Each `extern "C" __global__` function implements one plan kernel, or one piece of one,
+// with exactly the arithmetic of the CPU reference in `src/runtime/cpu/kernels.rs`. Matrix products are
+// not here: they go through cuBLAS.
+//
+// Conventions: element counts and strides are 64-bit; elementwise kernels use grid-stride loops; row
+// reductions use one block per row (block size a multiple of 32, at most 1024) with a warp-shuffle tree,
+// accumulating in float32 like the CPU (float64 where the CPU uses f64). Copies move 32-bit words, so
+// they serve f32 and i32 tensors alike.
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+// sqrt(2 / pi), 1 / sqrt(2 pi) and the cubic coefficient, folded in f32 exactly as the CPU's constants.
+#define FRAC_2_SQRT_PI 1.12837916709551257390f
+#define FRAC_1_SQRT_2 0.70710678118654752440f
+#define SQRT_2_OVER_PI (FRAC_2_SQRT_PI * FRAC_1_SQRT_2)
+#define INV_SQRT_2PI (0.5f * FRAC_2_SQRT_PI * FRAC_1_SQRT_2)
+#define GELU_CUBIC 0.044715f
+
+// Every element index i in [0, n) handled by this thread.
+#define GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+// Every row r in [0, rows) handled by this block.
+#define BLOCK_ROWS(r, rows) for (u64 r = blockIdx.x; r < (rows); r += gridDim.x)
+
+// Every column c in [0, width) of the current row handled by this thread.
+#define ROW_COLUMNS(c, width) for (u64 c = threadIdx.x; c < (width); c += blockDim.x)
+
+// ---- reductions -----------------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The sum of `v` over the block, returned to every thread. The first barrier protects `part` from the
+// previous call's readers.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = (blockDim.x + 31u) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < warps ? part[lane] : 0.0f);
+}
+
+__device__ double block_sum_f64(double v) {
+    __shared__ double part[32];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = (blockDim.x + 31u) >> 5;
+    v = warp_sum_f64(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    return warp_sum_f64(lane < warps ? part[lane] : 0.0);
+}
+
+// The max of `v` over the block (NaN-ignoring like f32::max), returned to every thread.
+__device__ float block_max(float v) {
+    __shared__ float part[32];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = (blockDim.x + 31u) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    return warp_max(lane < warps ? part[lane] : NEG_INF);
+}
+
+// Column sums of a [rows, width] matrix given by value(r, c), for blocks of (32, 8) threads on a grid of
+// (ceil(width / 32), chunks): each block sums a strided subset of the rows of 32 columns, and adds its
+// partial sums into `out` (zeroed by the host) unless it is the only chunk, when it stores them.
+template <class F>
+__device__ void column_sum(float* out, u64 rows, u64 width, F value) {
+    __shared__ float part[8][33];
+    const u64 c = (u64)blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.0f;
+    if (c < width) {
+        for (u64 r = (u64)blockIdx.y * 8 + threadIdx.y; r < rows; r += (u64)gridDim.y * 8) acc += value(r, c);
+    }
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < width) {
+        float s = 0.0f;
+        for (int k = 0; k < 8; ++k) s += part[k][threadIdx.x];
+        if (gridDim.y == 1) {
+            out[c] = s;
+        } else {
+            atomicAdd(&out[c], s);
+        }
+    }
+}
+
+// Records that item `index` is invalid: the flag keeps the complement of the smallest such index
+// (the host zeroes it first, so 0 means none).
+__device__ __forceinline__ void flag_invalid(u64* flag, u64 index) { atomicMax(flag, ~index); }
+
+// ---- elementwise ----------------------------------------------------------------------------------
+
+extern "C" __global__ void bias_add(float* y, const float* x, const float* b, u64 n, u64 width) {
+    GRID_STRIDE(i, n) y[i] = x[i] + b[i % width];
+}
+
+extern "C" __global__ void add(float* y, const float* a, const float* b, u64 n) {
+    GRID_STRIDE(i, n) y[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void scale(float* y, const float* x, float factor, u64 n) {
+    GRID_STRIDE(i, n) y[i] = x[i] * factor;
+}
+
+// sigmoid(2u) for u = sqrt(2/pi) (x + 0.044715 x^3), i.e. 0.5 (1 + tanh u).
+__device__ __forceinline__ float gelu_gate(float x) {
+    return 1.0f / (1.0f + expf(-2.0f * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)));
+}
+
+extern "C" __global__ void gelu_tanh(float* y, const float* x, u64 n) {
+    GRID_STRIDE(i, n) y[i] = x[i] * gelu_gate(x[i]);
+}
+
+extern "C" __global__ void gelu_erf(float* y, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        const float v = x[i];
+        y[i] = 0.5f * v * (1.0f + erff(v * FRAC_1_SQRT_2));
+    }
+}
+
+extern "C" __global__ void gelu_tanh_grad(float* dx, const float* dy, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        const float v = x[i], s = gelu_gate(v);
+        dx[i] = dy[i] * (s + 2.0f * v * s * (1.0f - s) * SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_CUBIC * v * v));
+    }
+}
+
+extern "C" __global__ void gelu_erf_grad(float* dx, const float* dy, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        const float v = x[i];
+        const float cdf = 0.5f * (1.0f + erff(v * FRAC_1_SQRT_2));
+        dx[i] = dy[i] * (cdf + v * INV_SQRT_2PI * expf(-0.5f * v * v));
+    }
+}
+
+// Copies x, replacing entries above the diagonal of each trailing [rows, cols] matrix by `fill`.
+extern "C" __global__ void causal_mask(float* y, const float* x, u64 n, u64 rows, u64 cols, float fill) {
+    GRID_STRIDE(i, n) {
+        const u64 c = i % cols, r = (i / cols) % rows;
+        y[i] = c <= r ? x[i] : fill;
+    }
+}
+
+// SplitMix64's finaliser of the state advanced by the golden gamma (as the CPU's `splitmix64`).
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Keeps element i when the top 53 bits of its hash, as a number, are >= threshold = p 2^53; `base` is the
+// host's splitmix64(seed ^ splitmix64(key ^ C)) and `logical` the logical index of each local element.
+extern "C" __global__ void dropout(float* y, const float* x, const u64* logical, u64 n, u64 base, double threshold,
+                                   float scale) {
+    GRID_STRIDE(i, n) {
+        const u64 h = splitmix64(base + logical[i] * 0x9E3779B97F4A7C15ull);
+        y[i] = (double)(h >> 11) >= threshold ? x[i] * scale : 0.0f;
+    }
+}
+
+extern "C" __global__ void fill_bits(u32* y, u32 bits, u64 n) {
+    GRID_STRIDE(i, n) y[i] = bits;
+}
+
+// Zeroes `batches` [rows, cols] blocks whose rows are `ld` apart and which start `stride` apart.
+extern "C" __global__ void zero_blocks(float* y, u64 batches, u64 rows, u64 cols, u64 ld, u64 stride) {
+    const u64 n = batches * rows * cols;
+    GRID_STRIDE(i, n) {
+        const u64 c = i % cols, r = (i / cols) % rows, t = i / (cols * rows);
+        y[t * stride + r * ld + c] = 0.0f;
+    }
+}
+
+// ---- data movement (32-bit words) ----------------------------------------------------------------
+
+// `count` runs of `len` words from src[src_offset + t src_stride ..] to dst[dst_offset + t dst_stride ..].
+extern "C" __global__ void copy_runs(u32* dst, const u32* src, u64 count, u64 len, u64 src_stride, u64 src_offset,
+                                     u64 dst_stride, u64 dst_offset) {
+    const u64 n = count * len;
+    GRID_STRIDE(i, n) {
+        const u64 t = i / len, k = i % len;
+        dst[dst_offset + t * dst_stride + k] = src[src_offset + t * src_stride + k];
+    }
+}
+
+// Swaps dimensions p and q of [a, p, b, q, c]: dst is [a, q, b, p, c].
+extern "C" __global__ void transpose(u32* dst, const u32* src, u64 a, u64 p, u64 b, u64 q, u64 c) {
+    const u64 n = a * p * b * q * c;
+    GRID_STRIDE(d, n) {
+        u64 t = d / c;
+        const u64 ic = d % c, ip = t % p;
+        t /= p;
+        const u64 ib = t % b;
+        t /= b;
+        const u64 iq = t % q, ia = t / q;
+        dst[d] = src[(((ia * p + ip) * b + ib) * q + iq) * c + ic];
+    }
+}
+
+// ---- softmax --------------------------------------------------------------------------------------
+
+// Max-subtracted softmax of the first `live` entries of a row in place (`row` may alias `src`); the
+// entries from `live` to `width` become `rest`.
+__device__ void softmax_row(float* row, const float* src, u64 live, u64 width, float rest) {
+    float m = NEG_INF;
+    ROW_COLUMNS(c, live) m = fmaxf(m, src[c]);
+    m = block_max(m);
+    float s = 0.0f;
+    ROW_COLUMNS(c, live) {
+        const float e = expf(src[c] - m);
+        row[c] = e;
+        s += e;
+    }
+    const float inv = 1.0f / block_sum(s);
+    ROW_COLUMNS(c, live) row[c] *= inv;
+    for (u64 c = live + threadIdx.x; c < width; c += blockDim.x) row[c] = rest;
+}
+
+extern "C" __global__ void softmax(float* y, const float* x, u64 rows, u64 width) {
+    BLOCK_ROWS(r, rows) softmax_row(y + r * width, x + r * width, width, width, 0.0f);
+}
+
+extern "C" __global__ void softmax_grad(float* dx, const float* dy, const float* y, u64 rows, u64 width) {
+    BLOCK_ROWS(r, rows) {
+        const float *dyr = dy + r * width, *yr = y + r * width;
+        float dot = 0.0f;
+        ROW_COLUMNS(c, width) dot += dyr[c] * yr[c];
+        dot = block_sum(dot);
+        ROW_COLUMNS(c, width) dx[r * width + c] = yr[c] * (dyr[c] - dot);
+    }
+}
+
+// The attention probabilities in place on scores [.., sq, sk]: row q keeps min(q + 1, sk) live columns
+// when causal, and masked entries become 0.
+extern "C" __global__ void attention_softmax(float* s, u64 rows, u64 sq, u64 sk, int causal) {
+    BLOCK_ROWS(r, rows) {
+        const u64 q = r % sq;
+        const u64 live = causal ? (q + 1 < sk ? q + 1 : sk) : sk;
+        softmax_row(s + r * sk, s + r * sk, live, sk, 0.0f);
+    }
+}
+
+// dS = P (dP - rowsum(dP P)) in place on dP.
+extern "C" __global__ void attention_softmax_grad(float* d, const float* p, u64 rows, u64 width) {
+    BLOCK_ROWS(r, rows) {
+        float* dr = d + r * width;
+        const float* pr = p + r * width;
+        float dot = 0.0f;
+        ROW_COLUMNS(c, width) dot += dr[c] * pr[c];
+        dot = block_sum(dot);
+        ROW_COLUMNS(c, width) dr[c] = pr[c] * (dr[c] - dot);
+    }
+}
+
+// ---- embeddings -----------------------------------------------------------------------------------
+
+// The table row of `id` on a device whose rows start at `base`, if it holds it.
+__device__ __forceinline__ bool local_row(int id, i64 base, u64 rows, u64* row) {
+    const i64 r = (i64)id - base;
+    if (r < 0 || (u64)r >= rows) return false;
+    *row = (u64)r;
+    return true;
+}
+
+extern "C" __global__ void embedding_lookup(float* y, const int* ids, const float* table, u64 count, u64 rows,
+                                            u64 width, i64 base, u64* invalid) {
+    const u64 n = count * width;
+    GRID_STRIDE(i, n) {
+        const u64 t = i / width, c = i % width;
+        u64 r;
+        if (local_row(ids[t], base, rows, &r)) {
+            y[i] = table[r * width + c];
+        } else {
+            y[i] = 0.0f;
+            if (c == 0) flag_invalid(invalid, t);
+        }
+    }
+}
+
+// Scatter-add of dy rows into g (zeroed by the host).
+extern "C" __global__ void embedding_grad(float* g, const int* ids, const float* dy, u64 count, u64 rows, u64 width,
+                                          i64 base, u64* invalid) {
+    const u64 n = count * width;
+    GRID_STRIDE(i, n) {
+        const u64 t = i / width, c = i % width;
+        u64 r;
+        if (local_row(ids[t], base, rows, &r)) {
+            atomicAdd(&g[r * width + c], dy[i]);
+        } else if (c == 0) {
+            flag_invalid(invalid, t);
+        }
+    }
+}
+
+// out[.., p, :] = table[p, :]: every `block` = seq * width elements repeat the table's first block.
+extern "C" __global__ void position_lookup(float* y, const float* table, u64 n, u64 block) {
+    GRID_STRIDE(i, n) y[i] = table[i % block];
+}
+
+// g[k] = sum over the blocks of dy of dy[t * block + k] (g zeroed by the host, rows past seq stay 0).
+extern "C" __global__ void position_grad(float* g, const float* dy, u64 blocks, u64 block) {
+    column_sum(g, blocks, block, [=](u64 t, u64 k) { return dy[t * block + k]; });
+}
+
+// ---- layer norm -----------------------------------------------------------------------------------
+
+// (mean, 1 / sqrt(var + eps)) of a row from its all-reduced sums, in f64 as the CPU.
+__device__ __forceinline__ void mean_rstd(float sum, float sqsum, u64 n, double eps, float* mean, float* rstd) {
+    const double dn = (double)n;
+    *mean = (float)((double)sum / dn);
+    *rstd = (float)(1.0 / sqrt((double)sqsum / dn + eps));
+}
+
+extern "C" __global__ void row_sum(float* y, const float* x, u64 rows, u64 width) {
+    BLOCK_ROWS(r, rows) {
+        float s = 0.0f;
+        ROW_COLUMNS(c, width) s += x[r * width + c];
+        s = block_sum(s);
+        if (threadIdx.x == 0) y[r] = s;
+    }
+}
+
+extern "C" __global__ void row_centered_square_sum(float* y, const float* x, const float* sum, u64 rows, u64 width,
+                                                   u64 n) {
+    BLOCK_ROWS(r, rows) {
+        const float mean = (float)((double)sum[r] / (double)n);
+        float s = 0.0f;
+        ROW_COLUMNS(c, width) {
+            const float d = x[r * width + c] - mean;
+            s += d * d;
+        }
+        s = block_sum(s);
+        if (threadIdx.x == 0) y[r] = s;
+    }
+}
+
+extern "C" __global__ void layer_norm_apply(float* y, const float* x, const float* sum, const float* sqsum,
+                                            const float* gamma, const float* beta, u64 rows, u64 width, u64 n,
+                                            double eps) {
+    BLOCK_ROWS(r, rows) {
+        float mean, rstd;
+        mean_rstd(sum[r], sqsum[r], n, eps, &mean, &rstd);
+        ROW_COLUMNS(c, width) {
+            const u64 i = r * width + c;
+            y[i] = (x[i] - mean) * rstd * gamma[c] + beta[c];
+        }
+    }
+}
+
+// [rows, 2]: the local sums of dy gamma and dy gamma xhat.
+extern "C" __global__ void layer_norm_grad_sums(float* y, const float* dy, const float* x, const float* gamma,
+                                                const float* sum, const float* sqsum, u64 rows, u64 width, u64 n,
+                                                double eps) {
+    BLOCK_ROWS(r, rows) {
+        float mean, rstd;
+        mean_rstd(sum[r], sqsum[r], n, eps, &mean, &rstd);
+        float a = 0.0f, b = 0.0f;
+        ROW_COLUMNS(c, width) {
+            const u64 i = r * width + c;
+            const float s = dy[i] * gamma[c];
+            a += s;
+            b += s * (x[i] - mean) * rstd;
+        }
+        a = block_sum(a);
+        b = block_sum(b);
+        if (threadIdx.x == 0) {
+            y[2 * r] = a;
+            y[2 * r + 1] = b;
+        }
+    }
+}
+
+extern "C" __global__ void layer_norm_grad_input(float* dx, const float* dy, const float* x, const float* gamma,
+                                                 const float* sum, const float* sqsum, const float* sums, u64 rows,
+                                                 u64 width, u64 n, double eps) {
+    const float inv_n = (float)(1.0 / (double)n);
+    BLOCK_ROWS(r, rows) {
+        float mean, rstd;
+        mean_rstd(sum[r], sqsum[r], n, eps, &mean, &rstd);
+        const float a = sums[2 * r] * inv_n, b = sums[2 * r + 1] * inv_n;
+        ROW_COLUMNS(c, width) {
+            const u64 i = r * width + c;
+            const float xhat = (x[i] - mean) * rstd;
+            dx[i] = rstd * (dy[i] * gamma[c] - a - xhat * b);
+        }
+    }
+}
+
+// [rows, 2] (mean, rstd) of each row, for the column reductions below.
+extern "C" __global__ void layer_norm_stats(float* stats, const float* sum, const float* sqsum, u64 rows, u64 n,
+                                            double eps) {
+    GRID_STRIDE(r, rows) mean_rstd(sum[r], sqsum[r], n, eps, &stats[2 * r], &stats[2 * r + 1]);
+}
+
+// [width]: the sum over rows of dy xhat, from the rows' (mean, rstd).
+extern "C" __global__ void layer_norm_grad_weight(float* g, const float* dy, const float* x, const float* stats,
+                                                  u64 rows, u64 width) {
+    column_sum(g, rows, width, [=](u64 r, u64 c) {
+        const u64 i = r * width + c;
+        return dy[i] * (x[i] - stats[2 * r]) * stats[2 * r + 1];
+    });
+}
+
+extern "C" __global__ void sum_to_last(float* g, const float* x, u64 rows, u64 width) {
+    column_sum(g, rows, width, [=](u64 r, u64 c) { return x[r * width + c]; });
+}
+
+// ---- cross-entropy --------------------------------------------------------------------------------
+// `live` local columns are real vocabulary; global column = offset + local column; targets must lie
+// in [0, valid) (else the row is flagged).
+
+// The local column of target `t` if this device holds it, else `width`; flags row r if t is invalid.
+__device__ __forceinline__ u64 target_column(int t, u64 r, u64 offset, u64 valid, u64 width, u64* invalid) {
+    if (t < 0 || (u64)t >= valid) {
+        if (threadIdx.x == 0) flag_invalid(invalid, r);
+        return width;
+    }
+    const u64 column = (u64)t;
+    return column >= offset && column - offset < width ? column - offset : width;
+}
+
+extern "C" __global__ void cross_entropy_max(float* y, const float* logits, u64 rows, u64 width, u64 live) {
+    BLOCK_ROWS(r, rows) {
+        float m = NEG_INF;
+        ROW_COLUMNS(c, live) m = fmaxf(m, logits[r * width + c]);
+        m = block_max(m);
+        if (threadIdx.x == 0) y[r] = m;
+    }
+}
+
+// [rows, 2]: the target logit if local (else 0), and the sum of exp(logit - max) over live columns.
+extern "C" __global__ void cross_entropy_stats(float* y, const float* logits, const int* targets, const float* max,
+                                               u64 rows, u64 width, u64 live, u64 offset, u64 valid, u64* invalid) {
+    BLOCK_ROWS(r, rows) {
+        const float* row = logits + r * width;
+        const u64 target = target_column(targets[r], r, offset, valid, width, invalid);
+        const float m = max[r];
+        float s = 0.0f;
+        ROW_COLUMNS(c, live) s += expf(row[c] - m);
+        s = block_sum(s);
+        if (threadIdx.x == 0) {
+            y[2 * r] = target < width ? row[target] : 0.0f;
+            y[2 * r + 1] = s;
+        }
+    }
+}
+
+// A scalar: the sum over rows of (max + ln(sumexp) - target logit), in f64, divided by count. One block.
+extern "C" __global__ void cross_entropy_loss(float* y, const float* max, const float* stats, u64 rows, u64 count) {
+    double total = 0.0;
+    for (u64 r = threadIdx.x; r < rows; r += blockDim.x) {
+        total += (double)max[r] + log((double)stats[2 * r + 1]) - (double)stats[2 * r];
+    }
+    total = block_sum_f64(total);
+    if (threadIdx.x == 0) y[0] = (float)(total / (double)count);
+}
+
+// dlogits = (softmax - onehot) dloss / count on live columns, 0 on padding.
+extern "C" __global__ void cross_entropy_grad(float* g, const float* logits, const int* targets, const float* max,
+                                              const float* stats, const float* dloss, u64 rows, u64 width, u64 live,
+                                              u64 offset, u64 valid, u64 count, u64* invalid) {
+    const float factor = (float)((double)dloss[0] / (double)count);
+    BLOCK_ROWS(r, rows) {
+        const u64 target = target_column(targets[r], r, offset, valid, width, invalid);
+        const float m = max[r], inv = 1.0f / stats[2 * r + 1];
+        ROW_COLUMNS(c, width) {
+            const u64 i = r * width + c;
+            float v = c < live ? expf(logits[i] - m) * inv * factor : 0.0f;
+            if (c == target) v -= factor;
+            g[i] = v;
+        }
+    }
+}
+
+// ---- optimizer ------------------------------------------------------------------------------------
+
+// torch.optim.SGD: weight decay added to the gradient, momentum buffer set to the gradient on the first
+// step.
+extern "C" __global__ void sgd_step(float* p, const float* g, float* buf, u64 n, float lr, float weight_decay,
+                                    float momentum, int first_step) {
+    GRID_STRIDE(i, n) {
+        float d = weight_decay != 0.0f ? g[i] + weight_decay * p[i] : g[i];
+        if (momentum != 0.0f) {
+            const float b = first_step ? d : momentum * buf[i] + d;
+            buf[i] = b;
+            d = b;
+        }
+        p[i] -= lr * d;
+    }
+}
+
+// torch.lerp: a + w (b - a), computed from the nearer end.
+__device__ __forceinline__ float lerp(float a, float b, float w) {
+    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+// torch's single-tensor AdamW with the host's f64 scalars cast to f32 (decay = 1 - lr wd, step_size =
+// lr / (1 - beta1^t), bias2_sqrt = sqrt(1 - beta2^t), w1 = 1 - beta1, w2 = 1 - beta2).
+extern "C" __global__ void adamw_step(float* p, const float* g, float* m, float* v, u64 n, float decay,
+                                      float step_size, float bias2_sqrt, float w1, float w2, float beta2, float eps) {
+    GRID_STRIDE(i, n) {
+        const float gi = g[i];
+        const float mi = lerp(m[i], gi, w1);
+        const float vi = v[i] * beta2 + w2 * gi * gi;
+        const float denom = sqrtf(vi) / bias2_sqrt + eps;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = p[i] * decay + -step_size * mi / denom;
+    }
+}

@@ -1,0 +1,1912 @@
+//! GPU versions of every plan [`Kernel`]: device tensors, the NVRTC-compiled kernels of `kernels.cu`,
+//! cuBLAS products, and [`CudaKernels::run`] / [`CudaKernels::optimizer_step`] with exactly the semantics
+//! of `cpu::kernels::run` / `cpu::kernels::optimizer_step` (same checks and messages, same arithmetic up to
+//! summation order and the last bits of `expf`/`erff`).
+//!
+//! Everything runs asynchronously on one compute stream; only downloads and the few kernels whose CPU
+//! version can fail on the *values* of its inputs (out-of-range token ids and targets) wait for it.
+
+use crate::ir::DType;
+use crate::plan::{Kernel, Mesh};
+use crate::runtime::cpu::kernels::{KernelContext, OptimizerKind, OptimizerSettings, try_logical_indices};
+use crate::runtime::tensor::{Data, Tensor};
+use crate::shard::layout::{Layout, Placement};
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The CUDA C++ source of the kernels (compiled at run time by NVRTC).
+pub const SOURCE: &str = include_str!("kernels.cu");
+
+/// The names of the `__global__` functions of [`SOURCE`].
+mod names {
+    pub const BIAS_ADD: &str = "bias_add";
+    pub const ADD: &str = "add";
+    pub const SCALE: &str = "scale";
+    pub const GELU_TANH: &str = "gelu_tanh";
+    pub const GELU_ERF: &str = "gelu_erf";
+    pub const GELU_TANH_GRAD: &str = "gelu_tanh_grad";
+    pub const GELU_ERF_GRAD: &str = "gelu_erf_grad";
+    pub const CAUSAL_MASK: &str = "causal_mask";
+    pub const DROPOUT: &str = "dropout";
+    pub const FILL_BITS: &str = "fill_bits";
+    pub const ZERO_BLOCKS: &str = "zero_blocks";
+    pub const COPY_RUNS: &str = "copy_runs";
+    pub const TRANSPOSE: &str = "transpose";
+    pub const SOFTMAX: &str = "softmax";
+    pub const SOFTMAX_GRAD: &str = "softmax_grad";
+    pub const ATTENTION_SOFTMAX: &str = "attention_softmax";
+    pub const ATTENTION_SOFTMAX_GRAD: &str = "attention_softmax_grad";
+    pub const EMBEDDING_LOOKUP: &str = "embedding_lookup";
+    pub const EMBEDDING_GRAD: &str = "embedding_grad";
+    pub const POSITION_LOOKUP: &str = "position_lookup";
+    pub const POSITION_GRAD: &str = "position_grad";
+    pub const ROW_SUM: &str = "row_sum";
+    pub const ROW_CENTERED_SQUARE_SUM: &str = "row_centered_square_sum";
+    pub const LAYER_NORM_APPLY: &str = "layer_norm_apply";
+    pub const LAYER_NORM_GRAD_SUMS: &str = "layer_norm_grad_sums";
+    pub const LAYER_NORM_GRAD_INPUT: &str = "layer_norm_grad_input";
+    pub const LAYER_NORM_STATS: &str = "layer_norm_stats";
+    pub const LAYER_NORM_GRAD_WEIGHT: &str = "layer_norm_grad_weight";
+    pub const SUM_TO_LAST: &str = "sum_to_last";
+    pub const CROSS_ENTROPY_MAX: &str = "cross_entropy_max";
+    pub const CROSS_ENTROPY_STATS: &str = "cross_entropy_stats";
+    pub const CROSS_ENTROPY_LOSS: &str = "cross_entropy_loss";
+    pub const CROSS_ENTROPY_GRAD: &str = "cross_entropy_grad";
+    pub const SGD_STEP: &str = "sgd_step";
+    pub const ADAMW_STEP: &str = "adamw_step";
+}
+
+use names::*;
+
+/// Every `__global__` function of [`SOURCE`].
+pub const KERNEL_NAMES: &[&str] = &[
+    BIAS_ADD,
+    ADD,
+    SCALE,
+    GELU_TANH,
+    GELU_ERF,
+    GELU_TANH_GRAD,
+    GELU_ERF_GRAD,
+    CAUSAL_MASK,
+    DROPOUT,
+    FILL_BITS,
+    ZERO_BLOCKS,
+    COPY_RUNS,
+    TRANSPOSE,
+    SOFTMAX,
+    SOFTMAX_GRAD,
+    ATTENTION_SOFTMAX,
+    ATTENTION_SOFTMAX_GRAD,
+    EMBEDDING_LOOKUP,
+    EMBEDDING_GRAD,
+    POSITION_LOOKUP,
+    POSITION_GRAD,
+    ROW_SUM,
+    ROW_CENTERED_SQUARE_SUM,
+    LAYER_NORM_APPLY,
+    LAYER_NORM_GRAD_SUMS,
+    LAYER_NORM_GRAD_INPUT,
+    LAYER_NORM_STATS,
+    LAYER_NORM_GRAD_WEIGHT,
+    SUM_TO_LAST,
+    CROSS_ENTROPY_MAX,
+    CROSS_ENTROPY_STATS,
+    CROSS_ENTROPY_LOSS,
+    CROSS_ENTROPY_GRAD,
+    SGD_STEP,
+    ADAMW_STEP,
+];
+
+/// What runs a plan kernel on the GPU: the `__global__` functions it may launch, and whether it calls cuBLAS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launcher {
+    pub functions: &'static [&'static str],
+    pub cublas: bool,
+}
+
+impl Launcher {
+    const fn kernels(functions: &'static [&'static str]) -> Launcher {
+        Launcher { functions, cublas: false }
+    }
+
+    const fn product(functions: &'static [&'static str]) -> Launcher {
+        Launcher { functions, cublas: true }
+    }
+}
+
+/// The launcher of each plan kernel (an exhaustive match: a new [`Kernel`] does not compile without one).
+pub fn launcher(kernel: &Kernel) -> Launcher {
+    match kernel {
+        Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO_BLOCKS]),
+        Kernel::BiasAdd => Launcher::kernels(&[BIAS_ADD]),
+        Kernel::Add => Launcher::kernels(&[ADD]),
+        Kernel::Scale { .. } => Launcher::kernels(&[SCALE]),
+        Kernel::Gelu { approximate: true } => Launcher::kernels(&[GELU_TANH]),
+        Kernel::Gelu { approximate: false } => Launcher::kernels(&[GELU_ERF]),
+        Kernel::GeluGrad { approximate: true } => Launcher::kernels(&[GELU_TANH_GRAD]),
+        Kernel::GeluGrad { approximate: false } => Launcher::kernels(&[GELU_ERF_GRAD]),
+        Kernel::Softmax => Launcher::kernels(&[SOFTMAX]),
+        Kernel::SoftmaxGrad => Launcher::kernels(&[SOFTMAX_GRAD]),
+        Kernel::CausalMask | Kernel::CausalMaskGrad => Launcher::kernels(&[CAUSAL_MASK]),
+        Kernel::Dropout { .. } | Kernel::DropoutGrad { .. } => Launcher::kernels(&[DROPOUT, COPY_RUNS]),
+        Kernel::Reshape | Kernel::Select { .. } | Kernel::SelectGrad { .. } | Kernel::SliceShard { .. } => {
+            Launcher::kernels(&[COPY_RUNS])
+        }
+        Kernel::Transpose { .. } => Launcher::kernels(&[TRANSPOSE]),
+        Kernel::Attention { .. } => Launcher::product(&[ATTENTION_SOFTMAX, ZERO_BLOCKS]),
+        Kernel::AttentionGrad { .. } => Launcher::product(&[ATTENTION_SOFTMAX, ATTENTION_SOFTMAX_GRAD, ZERO_BLOCKS]),
+        Kernel::EmbeddingLookup { .. } => Launcher::kernels(&[EMBEDDING_LOOKUP]),
+        Kernel::EmbeddingGrad { .. } => Launcher::kernels(&[EMBEDDING_GRAD]),
+        Kernel::PositionLookup => Launcher::kernels(&[POSITION_LOOKUP]),
+        Kernel::PositionGrad => Launcher::kernels(&[POSITION_GRAD]),
+        Kernel::RowSum => Launcher::kernels(&[ROW_SUM]),
+        Kernel::RowCenteredSquareSum { .. } => Launcher::kernels(&[ROW_CENTERED_SQUARE_SUM]),
+        Kernel::LayerNormApply { .. } => Launcher::kernels(&[LAYER_NORM_APPLY]),
+        Kernel::LayerNormGradSums { .. } => Launcher::kernels(&[LAYER_NORM_GRAD_SUMS]),
+        Kernel::LayerNormGradInput { .. } => Launcher::kernels(&[LAYER_NORM_GRAD_INPUT]),
+        Kernel::LayerNormGradWeight { .. } => Launcher::kernels(&[LAYER_NORM_STATS, LAYER_NORM_GRAD_WEIGHT]),
+        Kernel::SumToLast => Launcher::kernels(&[SUM_TO_LAST]),
+        Kernel::CrossEntropyMax { .. } => Launcher::kernels(&[CROSS_ENTROPY_MAX]),
+        Kernel::CrossEntropyStats { .. } => Launcher::kernels(&[CROSS_ENTROPY_STATS]),
+        Kernel::CrossEntropyLoss { .. } => Launcher::kernels(&[CROSS_ENTROPY_LOSS]),
+        Kernel::CrossEntropyGrad { .. } => Launcher::kernels(&[CROSS_ENTROPY_GRAD]),
+        Kernel::Fill { .. } => Launcher::kernels(&[FILL_BITS]),
+        Kernel::OptimizerStep => Launcher::kernels(&[SGD_STEP, ADAMW_STEP]),
+    }
+}
+
+/// The NVRTC options: PTX for compute capability 7.0 (JIT-compiled for any newer GPU), and no fused
+/// multiply-adds, so that elementwise results round like the CPU reference.
+fn compile_options() -> CompileOptions {
+    CompileOptions {
+        arch: Some("compute_70"),
+        fmad: Some(false),
+        name: Some("kernels.cu".into()),
+        ..Default::default()
+    }
+}
+
+/// Compiles [`SOURCE`] to PTX, or says why not (no libnvrtc, or the compiler's log).
+pub fn compile_ptx() -> Result<Ptx, String> {
+    // SAFETY: only tries to open the shared library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err("NVRTC (libnvrtc.so) cannot be loaded: install the CUDA runtime compiler or put it on \
+                    LD_LIBRARY_PATH"
+            .into());
+    }
+    compile_ptx_with_opts(SOURCE, compile_options()).map_err(|e| match e {
+        CompileError::CompileError { nvrtc, log, .. } => {
+            format!("NVRTC failed to compile kernels.cu ({nvrtc:?}):\n{}", log.to_string_lossy())
+        }
+        other => format!("NVRTC failed: {other:?}"),
+    })
+}
+
+// ---- device tensors -------------------------------------------------------------------------------
+
+/// Element storage on the GPU: f32 for floating-point buffers, i32 for integer ones (as on the host).
+#[derive(Debug)]
+pub enum DeviceData {
+    F32(CudaSlice<f32>),
+    I32(CudaSlice<i32>),
+}
+
+impl DeviceData {
+    /// The allocation's length (at least one element: CUDA rejects empty allocations).
+    pub fn capacity(&self) -> usize {
+        match self {
+            DeviceData::F32(s) => s.len(),
+            DeviceData::I32(s) => s.len(),
+        }
+    }
+}
+
+/// A dense row-major tensor in GPU memory; its elements are the first `numel(shape)` of the allocation.
+#[derive(Debug)]
+pub struct DeviceTensor {
+    pub shape: Vec<u64>,
+    pub data: DeviceData,
+}
+
+fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+/// A zeroed allocation of `n` elements (at least one).
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>, String> {
+    stream.alloc_zeros::<T>(n.max(1)).map_err(driver("allocating GPU memory"))
+}
+
+/// A device copy of host values.
+fn upload_slice<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, v: &[T]) -> Result<CudaSlice<T>, String> {
+    let mut dst = alloc::<T>(stream, v.len())?;
+    if !v.is_empty() {
+        stream.memcpy_htod(v, &mut dst).map_err(driver("copying to the GPU"))?;
+    }
+    Ok(dst)
+}
+
+/// The first `n` elements of a device buffer (waits for the stream).
+fn download_slice<T: DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>, String> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let view = s.try_slice(..n).ok_or_else(|| format!("a buffer of {} elements holds fewer than {n}", s.len()))?;
+    stream.clone_dtoh(&view).map_err(driver("copying from the GPU"))
+}
+
+impl DeviceTensor {
+    /// A zero-filled tensor of the given element type and shape.
+    pub fn zeros(stream: &Arc<CudaStream>, dtype: DType, shape: &[u64]) -> Result<DeviceTensor, String> {
+        let n = numel(shape);
+        let data =
+            if dtype.is_integer() { DeviceData::I32(alloc(stream, n)?) } else { DeviceData::F32(alloc(stream, n)?) };
+        Ok(DeviceTensor { shape: shape.to_vec(), data })
+    }
+
+    /// A device copy of a host tensor.
+    pub fn upload(stream: &Arc<CudaStream>, t: &Tensor) -> Result<DeviceTensor, String> {
+        let n = numel(&t.shape);
+        ensure(t.len() == n, || format!("a tensor of shape {:?} holds {} elements", t.shape, t.len()))?;
+        let data = match &t.data {
+            Data::F32(v) => DeviceData::F32(upload_slice(stream, v)?),
+            Data::I32(v) => DeviceData::I32(upload_slice(stream, v)?),
+        };
+        Ok(DeviceTensor { shape: t.shape.clone(), data })
+    }
+
+    /// A host copy (waits for the stream's pending work).
+    pub fn download(&self, stream: &Arc<CudaStream>) -> Result<Tensor, String> {
+        let n = numel(&self.shape);
+        let data = match &self.data {
+            DeviceData::F32(s) => Data::F32(download_slice(stream, s, n)?),
+            DeviceData::I32(s) => Data::I32(download_slice(stream, s, n)?),
+        };
+        Ok(Tensor { shape: self.shape.clone(), data })
+    }
+
+    /// The number of elements (of the shape).
+    pub fn len(&self) -> usize {
+        numel(&self.shape)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+// ---- checks (as in the CPU kernels) ---------------------------------------------------------------
+
+/// The element count of a shape (saturating, so that absurd shapes fail the length checks instead).
+fn numel(shape: &[u64]) -> usize {
+    shape.iter().fold(1u64, |n, &d| n.saturating_mul(d)) as usize
+}
+
+/// (rows, last): the leading dimensions flattened and the last dimension (a scalar is 1 x 1).
+fn split_last(shape: &[u64]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&last, lead)) => (numel(lead), last as usize),
+        None => (1, 1),
+    }
+}
+
+fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<(), String> {
+    if ok { Ok(()) } else { Err(message()) }
+}
+
+/// Exactly `N` inputs.
+fn args<'t, const N: usize>(inputs: &[&'t DeviceTensor]) -> Result<[&'t DeviceTensor; N], String> {
+    <[&'t DeviceTensor; N]>::try_from(inputs).map_err(|_| format!("expects {N} inputs, got {}", inputs.len()))
+}
+
+/// The f32 storage of an input, checked against its shape.
+fn floats<'t>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<f32>, String> {
+    match &t.data {
+        DeviceData::F32(s) if s.len() >= t.len() => Ok(s),
+        DeviceData::F32(s) => Err(format!("{what} holds {} elements, not {:?}", s.len(), t.shape)),
+        DeviceData::I32(_) => Err(format!("{what}: expected a floating-point tensor, found integers")),
+    }
+}
+
+/// The i32 storage of an input, checked against its shape.
+fn ints<'t>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<i32>, String> {
+    match &t.data {
+        DeviceData::I32(s) if s.len() >= t.len() => Ok(s),
+        DeviceData::I32(s) => Err(format!("{what} holds {} elements, not {:?}", s.len(), t.shape)),
+        DeviceData::F32(_) => Err(format!("{what}: expected an integer tensor, found floating point")),
+    }
+}
+
+/// The f32 storage of a tensor written in place, checked against its shape.
+fn floats_mut<'t>(t: &'t mut DeviceTensor, what: &str) -> Result<&'t mut CudaSlice<f32>, String> {
+    let (n, capacity) = (t.len(), t.data.capacity());
+    match &mut t.data {
+        DeviceData::F32(_) if capacity < n => Err(format!("{what} holds {capacity} elements, not {n}")),
+        DeviceData::F32(s) => Ok(s),
+        DeviceData::I32(_) => Err(format!("{what}: expected a floating-point tensor, found integers")),
+    }
+}
+
+fn same_len(what: &str, got: usize, want: usize) -> Result<(), String> {
+    ensure(got == want, || format!("{what} has {got} elements, expected {want}"))
+}
+
+fn same_shape(what: &str, got: &[u64], want: &[u64]) -> Result<(), String> {
+    ensure(got == want, || format!("{what} is {got:?}, expected {want:?}"))
+}
+
+/// An f32 input of exactly `rows * width` elements (per-row statistics, vectors).
+fn per_row<'t>(t: &'t DeviceTensor, rows: usize, width: usize, what: &str) -> Result<&'t CudaSlice<f32>, String> {
+    let s = floats(t, what)?;
+    same_len(what, t.len(), rows * width)?;
+    Ok(s)
+}
+
+/// The leading dimensions and the trailing matrix of a tensor of rank >= 2.
+fn batch_matrix<'s>(shape: &'s [u64], what: &str) -> Result<(&'s [u64], usize, usize), String> {
+    match shape {
+        [lead @ .., r, c] => Ok((lead, *r as usize, *c as usize)),
+        _ => Err(format!("{what} must have at least two dimensions, not {shape:?}")),
+    }
+}
+
+/// (before, size, after) of dimension `dim`.
+fn around(shape: &[u64], dim: usize) -> Result<(usize, usize, usize), String> {
+    ensure(dim < shape.len(), || format!("dimension {dim} does not exist in {shape:?}"))?;
+    Ok((numel(&shape[..dim]), shape[dim] as usize, numel(&shape[dim + 1..])))
+}
+
+fn without(shape: &[u64], dim: usize) -> Vec<u64> {
+    shape.iter().enumerate().filter(|&(d, _)| d != dim).map(|(_, &s)| s).collect()
+}
+
+// ---- launch configurations ------------------------------------------------------------------------
+
+const THREADS: u32 = 256;
+/// Grid-stride kernels use at most this many blocks.
+const MAX_BLOCKS: usize = 1 << 14;
+/// Row kernels use at most this many blocks (each loops over its rows).
+const MAX_ROW_BLOCKS: usize = 1 << 16;
+
+fn config(grid: (usize, usize), block: (u32, u32)) -> LaunchConfig {
+    let dim = |x: usize| u32::try_from(x.max(1)).unwrap_or(u32::MAX);
+    LaunchConfig { grid_dim: (dim(grid.0), dim(grid.1), 1), block_dim: (block.0, block.1, 1), shared_mem_bytes: 0 }
+}
+
+/// One thread per element (grid-stride), none when there are no elements.
+fn elementwise(n: usize) -> Option<LaunchConfig> {
+    (n > 0).then(|| config((n.div_ceil(THREADS as usize).min(MAX_BLOCKS), 1), (THREADS, 1)))
+}
+
+/// One block per row, of 32 to 256 threads depending on the width.
+fn per_rows(rows: usize, width: usize) -> Option<LaunchConfig> {
+    let threads = (width.div_ceil(32).clamp(1, 8) * 32) as u32;
+    (rows > 0).then(|| config((rows.min(MAX_ROW_BLOCKS), 1), (threads, 1)))
+}
+
+/// Blocks of (32 columns, 8 rows) for `column_sum`, with enough row chunks to fill the GPU.
+fn columns(rows: usize, width: usize) -> Option<LaunchConfig> {
+    (rows > 0 && width > 0).then(|| config((width.div_ceil(32), rows.div_ceil(8 * 16).clamp(1, 1024)), (32, 8)))
+}
+
+fn single_block() -> Option<LaunchConfig> {
+    Some(config((1, 1), (THREADS, 1)))
+}
+
+fn blas_dim(x: usize) -> Result<i32, String> {
+    i32::try_from(x).map_err(|_| format!("dimension {x} is too large for cuBLAS"))
+}
+
+fn blas_stride(x: usize) -> Result<i64, String> {
+    i64::try_from(x).map_err(|_| format!("stride {x} is too large for cuBLAS"))
+}
+
+// ---- the device: stream, functions, cuBLAS --------------------------------------------------------
+
+/// Launches `$name` with `$cfg` (nothing when `None`) and the given arguments, in the order of the kernel's
+/// parameters in kernels.cu.
+macro_rules! launch {
+    ($dev:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let dev: &Device = $dev;
+        match $cfg {
+            None => Ok(()),
+            Some(cfg) => {
+                let func = dev.function($name)?;
+                let mut builder = dev.stream.launch_builder(func);
+                $( builder.arg($arg); )*
+                // SAFETY: the arguments match the kernel's parameters (pointers, u64 counts, f32/f64
+                // scalars), and the caller checked that every buffer holds the elements it indexes.
+                unsafe { builder.launch(cfg) }.map(|_| ()).map_err(|e| format!("launching `{}`: {e}", $name))
+            }
+        }
+    }};
+}
+
+/// The stream, the compiled functions and the cuBLAS handle (everything a launch needs).
+struct Device {
+    stream: Arc<CudaStream>,
+    functions: HashMap<&'static str, CudaFunction>,
+    blas: CudaBlas,
+}
+
+/// A row-major matrix inside a buffer: `rows x cols` at `start`, rows `ld` apart, and one such block
+/// every `stride` elements when batched.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    start: usize,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    stride: usize,
+}
+
+impl Block {
+    /// A contiguous `rows x cols` matrix (and batches of them, back to back).
+    fn dense(rows: usize, cols: usize) -> Block {
+        Block { start: 0, rows, cols, ld: cols, stride: rows * cols }
+    }
+
+    /// Whether `batches` blocks fit in `len` elements.
+    fn fits(&self, batches: usize, len: usize) -> bool {
+        if self.rows == 0 || self.cols == 0 || batches == 0 {
+            return self.start <= len;
+        }
+        let last_batch = (batches - 1).checked_mul(self.stride);
+        let last_row = (self.rows - 1).checked_mul(self.ld);
+        let end = [last_batch, last_row, Some(self.start), Some(self.cols)]
+            .into_iter()
+            .try_fold(0usize, |acc, term| term.and_then(|t| acc.checked_add(t)));
+        self.ld >= self.cols && end.is_some_and(|e| e <= len)
+    }
+}
+
+/// One operand of a product: a block of a buffer, used transposed or not.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a CudaSlice<f32>,
+    block: Block,
+    transpose: bool,
+}
+
+impl Operand<'_> {
+    /// (rows, cols) of op(block).
+    fn dims(&self) -> (usize, usize) {
+        if self.transpose { (self.block.cols, self.block.rows) } else { (self.block.rows, self.block.cols) }
+    }
+
+    fn op(&self) -> cublasOperation_t {
+        if self.transpose { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N }
+    }
+}
+
+/// A product C (+)= alpha op(A) op(B) over `batches` blocks.
+struct Product<'a> {
+    a: Operand<'a>,
+    b: Operand<'a>,
+    c: Block,
+    batches: usize,
+    alpha: f32,
+    accumulate: bool,
+}
+
+impl Device {
+    fn function(&self, name: &str) -> Result<&CudaFunction, String> {
+        self.functions.get(name).ok_or_else(|| format!("kernel `{name}` is not loaded"))
+    }
+
+    fn zero(&self, s: &mut CudaSlice<f32>) -> Result<(), String> {
+        self.stream.memset_zeros(s).map_err(driver("zeroing GPU memory"))
+    }
+
+    /// Runs a product after checking its dimensions and extents (row-major C = op(A) op(B) is computed
+    /// by column-major cuBLAS as C^T = op(B)^T op(A)^T).
+    fn gemm(&self, c: &mut CudaSlice<f32>, p: Product) -> Result<(), String> {
+        let (Product { a, b, c: cb, batches, .. }, (m, k), (k2, n)) = (&p, p.a.dims(), p.b.dims());
+        ensure(cb.rows == m && cb.cols == n && k == k2, || {
+            format!("cannot multiply {m}x{k} by {k2}x{n} into {}x{}", cb.rows, cb.cols)
+        })?;
+        let fits =
+            a.block.fits(*batches, a.data.len()) && b.block.fits(*batches, b.data.len()) && cb.fits(*batches, c.len());
+        ensure(fits, || format!("internal error: a {m}x{k} by {k}x{n} product does not fit its buffers"))?;
+        if *batches == 0 || m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            return if p.accumulate { Ok(()) } else { self.zero_blocks(c, *cb, *batches) };
+        }
+        self.cublas(c, &p, (m, n, k))
+    }
+
+    fn cublas(&self, c: &mut CudaSlice<f32>, p: &Product, (m, n, k): (usize, usize, usize)) -> Result<(), String> {
+        let gemm = GemmConfig {
+            transa: p.b.op(),
+            transb: p.a.op(),
+            m: blas_dim(n)?,
+            n: blas_dim(m)?,
+            k: blas_dim(k)?,
+            alpha: p.alpha,
+            lda: blas_dim(p.b.block.ld.max(1))?,
+            ldb: blas_dim(p.a.block.ld.max(1))?,
+            beta: if p.accumulate { 1.0 } else { 0.0 },
+            ldc: blas_dim(p.c.ld.max(1))?,
+        };
+        let missing = || "internal error: a product block starts past its buffer".to_string();
+        let av = p.a.data.try_slice(p.a.block.start..).ok_or_else(missing)?;
+        let bv = p.b.data.try_slice(p.b.block.start..).ok_or_else(missing)?;
+        let mut cv = c.try_slice_mut(p.c.start..).ok_or_else(missing)?;
+        self.stream.context().bind_to_thread().map_err(driver("binding the CUDA context"))?;
+        let result = if p.batches == 1 {
+            // SAFETY: the extents of all three blocks were checked against their buffers.
+            unsafe { self.blas.gemm(gemm, &bv, &av, &mut cv) }
+        } else {
+            let cfg = StridedBatchedConfig {
+                gemm,
+                batch_size: blas_dim(p.batches)?,
+                stride_a: blas_stride(p.b.block.stride)?,
+                stride_b: blas_stride(p.a.block.stride)?,
+                stride_c: blas_stride(p.c.stride)?,
+            };
+            // SAFETY: as above, for every batch.
+            unsafe { self.blas.gemm_strided_batched(cfg, &bv, &av, &mut cv) }
+        };
+        result.map_err(|e| format!("cuBLAS sgemm: {e}"))
+    }
+
+    /// Zeroes `batches` blocks of `c` (an empty product).
+    fn zero_blocks(&self, c: &mut CudaSlice<f32>, b: Block, batches: usize) -> Result<(), String> {
+        let mut view = c.try_slice_mut(b.start..).ok_or("internal error: a block starts past its buffer")?;
+        let (batches, rows, cols, ld, stride) =
+            (batches as u64, b.rows as u64, b.cols as u64, b.ld as u64, b.stride as u64);
+        let cfg = elementwise(numel(&[batches, rows, cols]));
+        launch!(self, ZERO_BLOCKS, cfg, [&mut view, &batches, &rows, &cols, &ld, &stride])
+    }
+}
+
+// ---- matrix products ------------------------------------------------------------------------------
+
+impl Device {
+    fn matmul(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        ta: bool,
+        tb: bool,
+        acc: bool,
+    ) -> Result<(), String> {
+        let [a, b] = args(inputs)?;
+        let ((ar, ac), (br, bc)) = (split_last(&a.shape), split_last(&b.shape));
+        let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
+        let (m, n) = split_last(&out.shape);
+        let y = floats_mut(out, "the output")?;
+        let product = Product {
+            a: Operand { data: av, block: Block::dense(ar, ac), transpose: ta },
+            b: Operand { data: bv, block: Block::dense(br, bc), transpose: tb },
+            c: Block::dense(m, n),
+            batches: 1,
+            alpha: 1.0,
+            accumulate: acc,
+        };
+        self.gemm(y, product)
+    }
+
+    fn batched_matmul(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [a, b] = args(inputs)?;
+        let (la, m, k) = batch_matrix(&a.shape, "A")?;
+        let (lb, k2, n) = batch_matrix(&b.shape, "B")?;
+        let (lo, m2, n2) = batch_matrix(&out.shape, "the output")?;
+        ensure(la == lb && la == lo, || format!("leading dimensions differ: {la:?}, {lb:?} and {lo:?}"))?;
+        ensure(k == k2 && m == m2 && n == n2, || format!("cannot multiply {m}x{k} by {k2}x{n} into {m2}x{n2}"))?;
+        let batches = numel(la);
+        let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
+        let y = floats_mut(out, "the output")?;
+        let product = Product {
+            a: Operand { data: av, block: Block::dense(m, k), transpose: false },
+            b: Operand { data: bv, block: Block::dense(k, n), transpose: false },
+            c: Block::dense(m, n),
+            batches,
+            alpha: 1.0,
+            accumulate: false,
+        };
+        self.gemm(y, product)
+    }
+}
+
+// ---- elementwise ----------------------------------------------------------------------------------
+
+impl Device {
+    fn map_unary(&self, name: &'static str, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let xv = floats(x, "the input")?;
+        same_len("the output", out.len(), x.len())?;
+        let y = floats_mut(out, "the output")?;
+        let n = x.len() as u64;
+        launch!(self, name, elementwise(x.len()), [y, xv, &n])
+    }
+
+    fn map_binary(&self, name: &'static str, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [a, b] = args(inputs)?;
+        let (av, bv) = (floats(a, "the first input")?, floats(b, "the second input")?);
+        same_len("the second input", b.len(), a.len())?;
+        same_len("the output", out.len(), a.len())?;
+        let y = floats_mut(out, "the output")?;
+        let n = a.len() as u64;
+        launch!(self, name, elementwise(a.len()), [y, av, bv, &n])
+    }
+
+    fn scale(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, factor: f64) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let xv = floats(x, "the input")?;
+        same_len("the output", out.len(), x.len())?;
+        let y = floats_mut(out, "the output")?;
+        let (factor, n) = (factor as f32, x.len() as u64);
+        launch!(self, SCALE, elementwise(x.len()), [y, xv, &factor, &n])
+    }
+
+    fn bias_add(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [x, b] = args(inputs)?;
+        let (_, width) = split_last(&x.shape);
+        let (xv, bv) = (floats(x, "x")?, floats(b, "the bias")?);
+        same_len("the bias", b.len(), width)?;
+        same_len("the output", out.len(), x.len())?;
+        let y = floats_mut(out, "the output")?;
+        let (n, width) = (x.len() as u64, width as u64);
+        launch!(self, BIAS_ADD, elementwise(x.len()), [y, xv, bv, &n, &width])
+    }
+
+    fn softmax(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let xv = floats(x, "the input")?;
+        same_len("the output", out.len(), x.len())?;
+        let y = floats_mut(out, "the output")?;
+        let cfg = if x.is_empty() { None } else { per_rows(rows, width) };
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, SOFTMAX, cfg, [y, xv, &rows, &width])
+    }
+
+    fn softmax_grad(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [dy, y] = args(inputs)?;
+        let (rows, width) = split_last(&y.shape);
+        let (dyv, yv) = (floats(dy, "dy")?, floats(y, "y")?);
+        same_len("dy", dy.len(), y.len())?;
+        same_len("the output", out.len(), y.len())?;
+        let dx = floats_mut(out, "the output")?;
+        let cfg = if y.is_empty() { None } else { per_rows(rows, width) };
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, SOFTMAX_GRAD, cfg, [dx, dyv, yv, &rows, &width])
+    }
+
+    fn causal_mask(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, fill: f32) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let (_, rows, cols) = batch_matrix(&x.shape, "the input")?;
+        let xv = floats(x, "the input")?;
+        same_len("the output", out.len(), x.len())?;
+        let y = floats_mut(out, "the output")?;
+        let (n, rows, cols) = (x.len() as u64, rows as u64, cols as u64);
+        launch!(self, CAUSAL_MASK, elementwise(x.len()), [y, xv, &n, &rows, &cols, &fill])
+    }
+
+    fn fill(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, value: f64) -> Result<(), String> {
+        args::<0>(inputs)?;
+        let n = out.len();
+        ensure(out.data.capacity() >= n, || "the output holds fewer elements than its shape".to_string())?;
+        let (cfg, count) = (elementwise(n), n as u64);
+        match &mut out.data {
+            DeviceData::F32(s) => {
+                let bits = (value as f32).to_bits();
+                launch!(self, FILL_BITS, cfg, [s, &bits, &count])
+            }
+            DeviceData::I32(s) => {
+                let bits = (value as i32) as u32;
+                launch!(self, FILL_BITS, cfg, [s, &bits, &count])
+            }
+        }
+    }
+}
+
+// ---- dropout --------------------------------------------------------------------------------------
+
+/// SplitMix64's finaliser (of the state advanced by the golden gamma), as the CPU's.
+fn splitmix64(z: u64) -> u64 {
+    let mut z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The per-tensor start of the dropout stream and the keep threshold, exactly as the CPU's `DropoutMask`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DropoutParams {
+    pub base: u64,
+    pub threshold: f64,
+}
+
+impl DropoutParams {
+    pub fn new(seed: u64, key: u32, p: f64) -> DropoutParams {
+        let base = splitmix64(seed ^ splitmix64(u64::from(key) ^ 0xD1B5_4A32_D192_ED03));
+        DropoutParams { base, threshold: p * (1u64 << 53) as f64 }
+    }
+
+    /// The decision the `dropout` kernel takes for logical index `index` (for checks against the CPU).
+    pub fn keep(&self, index: u64) -> bool {
+        let h = splitmix64(self.base.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        (h >> 11) as f64 >= self.threshold
+    }
+}
+
+/// What the logical indices of a buffer depend on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct IndexKey {
+    logical: Vec<u64>,
+    local: Vec<u64>,
+    layout: Layout,
+    i: u64,
+    j: u64,
+    mesh: Mesh,
+}
+
+impl IndexKey {
+    fn of(ctx: &KernelContext) -> IndexKey {
+        let meta = ctx.output;
+        let (logical, local) = (meta.logical_shape.clone(), meta.shape.clone());
+        IndexKey { logical, local, layout: meta.layout, i: ctx.i, j: ctx.j, mesh: ctx.mesh }
+    }
+}
+
+// ---- data movement --------------------------------------------------------------------------------
+
+/// A copy of `count` runs of `len` elements between strided positions, as the CPU's `Runs`.
+#[derive(Clone, Copy, Debug)]
+struct Runs {
+    count: usize,
+    len: usize,
+    src_stride: usize,
+    src_offset: usize,
+    dst_stride: usize,
+    dst_offset: usize,
+    /// Zero the destination first (it is larger than what the runs cover).
+    zero_first: bool,
+}
+
+impl Runs {
+    /// One run of `n` elements.
+    fn whole(n: usize) -> Runs {
+        Runs { count: 1, len: n, src_stride: 0, src_offset: 0, dst_stride: 0, dst_offset: 0, zero_first: false }
+    }
+
+    fn fits(&self, src: usize, dst: usize) -> bool {
+        let end = |offset: usize, stride: usize| match self.count {
+            0 => 0,
+            c => offset.saturating_add((c - 1).saturating_mul(stride)).saturating_add(self.len),
+        };
+        end(self.src_offset, self.src_stride) <= src && end(self.dst_offset, self.dst_stride) <= dst
+    }
+}
+
+/// The storage of an input and an output of the same element type (data movement works on either).
+enum Pair<'a> {
+    F32(&'a CudaSlice<f32>, &'a mut CudaSlice<f32>),
+    I32(&'a CudaSlice<i32>, &'a mut CudaSlice<i32>),
+}
+
+fn pair<'a>(x: &'a DeviceTensor, out: &'a mut DeviceTensor) -> Result<Pair<'a>, String> {
+    let fits = x.data.capacity() >= x.len() && out.data.capacity() >= out.len();
+    match (&x.data, &mut out.data) {
+        (DeviceData::F32(_), DeviceData::F32(_)) | (DeviceData::I32(_), DeviceData::I32(_)) if !fits => {
+            Err("a tensor's element count does not match its shape".into())
+        }
+        (DeviceData::F32(s), DeviceData::F32(d)) => Ok(Pair::F32(s, d)),
+        (DeviceData::I32(s), DeviceData::I32(d)) => Ok(Pair::I32(s, d)),
+        _ => Err("the input and output element types differ".into()),
+    }
+}
+
+/// Swaps dimensions p and q of [a, p, b, q, c].
+#[derive(Clone, Copy)]
+struct Swap {
+    a: usize,
+    p: usize,
+    b: usize,
+    q: usize,
+    c: usize,
+}
+
+impl Device {
+    /// Applies `runs` between the first `src_n` / `dst_n` elements of two buffers.
+    fn copy_runs<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        src: &CudaSlice<T>,
+        dst: &mut CudaSlice<T>,
+        (src_n, dst_n): (usize, usize),
+        runs: Runs,
+    ) -> Result<(), String> {
+        ensure(runs.fits(src_n, dst_n), || format!("internal error: {runs:?} does not fit"))?;
+        if runs.zero_first {
+            self.stream.memset_zeros(dst).map_err(driver("zeroing GPU memory"))?;
+        }
+        let cfg = elementwise(runs.count.saturating_mul(runs.len));
+        let r = [runs.count, runs.len, runs.src_stride, runs.src_offset, runs.dst_stride, runs.dst_offset]
+            .map(|v| v as u64);
+        launch!(self, COPY_RUNS, cfg, [dst, src, &r[0], &r[1], &r[2], &r[3], &r[4], &r[5]])
+    }
+
+    fn move_runs(&self, x: &DeviceTensor, out: &mut DeviceTensor, runs: Runs) -> Result<(), String> {
+        let counts = (x.len(), out.len());
+        match pair(x, out)? {
+            Pair::F32(s, d) => self.copy_runs(s, d, counts, runs),
+            Pair::I32(s, d) => self.copy_runs(s, d, counts, runs),
+        }
+    }
+
+    fn reshape(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        same_len("the output", out.len(), x.len())?;
+        self.move_runs(x, out, Runs::whole(x.len()))
+    }
+
+    fn select(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, dim: usize, index: u64) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let (before, size, after) = around(&x.shape, dim)?;
+        ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {:?}", x.shape))?;
+        same_shape("the output", &out.shape, &without(&x.shape, dim))?;
+        let runs = Runs {
+            count: before,
+            len: after,
+            src_stride: size * after,
+            src_offset: index as usize * after,
+            dst_stride: after,
+            dst_offset: 0,
+            zero_first: false,
+        };
+        self.move_runs(x, out, runs)
+    }
+
+    fn select_grad(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        dim: usize,
+        index: u64,
+    ) -> Result<(), String> {
+        let [dy] = args(inputs)?;
+        let (before, size, after) = around(&out.shape, dim)?;
+        ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {:?}", out.shape))?;
+        same_shape("dy", &dy.shape, &without(&out.shape, dim))?;
+        let runs = Runs {
+            count: before,
+            len: after,
+            src_stride: after,
+            src_offset: 0,
+            dst_stride: size * after,
+            dst_offset: index as usize * after,
+            zero_first: true,
+        };
+        self.move_runs(dy, out, runs)
+    }
+
+    fn transpose(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        dim0: usize,
+        dim1: usize,
+    ) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let rank = x.shape.len();
+        ensure(dim0 < rank && dim1 < rank, || format!("cannot swap dimensions {dim0} and {dim1} of {:?}", x.shape))?;
+        let mut swapped = x.shape.clone();
+        swapped.swap(dim0, dim1);
+        same_shape("the output", &out.shape, &swapped)?;
+        let (d0, d1) = (dim0.min(dim1), dim0.max(dim1));
+        let s = &x.shape;
+        let swap = Swap {
+            a: numel(&s[..d0]),
+            p: s[d0] as usize,
+            b: numel(&s[d0 + 1..d1.max(d0 + 1)]),
+            q: if d0 == d1 { 1 } else { s[d1] as usize },
+            c: numel(&s[d1 + 1..]),
+        };
+        match pair(x, out).map_err(|_| "the input and output must have the same element type and element count")? {
+            Pair::F32(src, dst) => self.swap(src, dst, swap),
+            Pair::I32(src, dst) => self.swap(src, dst, swap),
+        }
+    }
+
+    fn swap<T>(&self, src: &CudaSlice<T>, dst: &mut CudaSlice<T>, s: Swap) -> Result<(), String> {
+        let n = numel(&[s.a, s.p, s.b, s.q, s.c].map(|v| v as u64));
+        let d = [s.a, s.p, s.b, s.q, s.c].map(|v| v as u64);
+        launch!(self, TRANSPOSE, elementwise(n), [dst, src, &d[0], &d[1], &d[2], &d[3], &d[4]])
+    }
+
+    fn slice_shard(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        ctx: &KernelContext,
+        axis: usize,
+        p: Placement,
+    ) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let Placement::Shard { dim, outer, inner } = p else {
+            ensure(p == Placement::Replicate, || "cannot slice into a pending sum".to_string())?;
+            return self.reshape(inputs, out);
+        };
+        ensure(axis < 2, || format!("mesh axis {axis} does not exist"))?;
+        let (parts, coord) = (ctx.mesh.axes()[axis], [ctx.i, ctx.j][axis]);
+        let dim = usize::from(dim);
+        let (before, size, after) = around(&x.shape, dim)?;
+        let (outer, inner) = (outer.max(1) as usize, inner.max(1) as usize);
+        let mid = size / outer.saturating_mul(inner);
+        let whole = mid.saturating_mul(outer).saturating_mul(inner) == size;
+        ensure(parts > 0 && coord < parts && whole && mid.is_multiple_of(parts as usize), || {
+            format!("dimension {dim} of {:?} viewed as [{outer}, _, {inner}] cannot be split in {parts}", x.shape)
+        })?;
+        let chunk = mid / parts as usize;
+        let mut want = x.shape.clone();
+        want[dim] = (outer * chunk * inner) as u64;
+        same_shape("the output", &out.shape, &want)?;
+        let len = chunk * inner * after;
+        let runs = Runs {
+            count: before * outer,
+            len,
+            src_stride: mid * inner * after,
+            src_offset: coord as usize * len,
+            dst_stride: len,
+            dst_offset: 0,
+            zero_first: false,
+        };
+        self.move_runs(x, out, runs)
+    }
+}
+
+// ---- attention ------------------------------------------------------------------------------------
+
+/// Where the blocks of one operand live: head h of batch b starts at `b*seq*row + part + h*d` and its
+/// rows are `row` apart.
+#[derive(Clone, Copy, Debug)]
+struct Packing {
+    seq: usize,
+    row: usize,
+    part: usize,
+}
+
+impl Packing {
+    fn start(&self, b: usize, h: usize, d: usize) -> usize {
+        b * self.seq * self.row + self.part + h * d
+    }
+
+    /// The [seq, d] blocks of every head of batch b (one batch of a strided product over heads).
+    fn heads(&self, b: usize, d: usize) -> Block {
+        Block { start: self.start(b, 0, d), rows: self.seq, cols: d, ld: self.row, stride: d }
+    }
+}
+
+/// The operands of an attention (fused or not), checked as the CPU's `Qkv`.
+struct Qkv<'a> {
+    data: [&'a CudaSlice<f32>; 3],
+    packing: [Packing; 3],
+    shapes: [&'a [u64]; 3],
+    batch: usize,
+    heads: usize,
+    d: usize,
+}
+
+impl<'a> Qkv<'a> {
+    fn new(operands: &[&'a DeviceTensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
+        let heads = heads as usize;
+        ensure(heads > 0, || "attention needs at least one head".to_string())?;
+        if fused {
+            return Qkv::fused(operands, heads);
+        }
+        let [q, k, v] = args(operands)?;
+        let (lq, sq, w) = batch_matrix(&q.shape, "q")?;
+        let (lk, sk, wk) = batch_matrix(&k.shape, "k")?;
+        same_shape("v", &v.shape, &k.shape)?;
+        ensure(lq == lk && w == wk, || format!("q {:?} and k {:?} do not match", q.shape, k.shape))?;
+        ensure(w.is_multiple_of(heads), || format!("width {w} is not a multiple of {heads} heads"))?;
+        let pack = |seq: usize| Packing { seq, row: w, part: 0 };
+        Ok(Qkv {
+            data: [floats(q, "q")?, floats(k, "k")?, floats(v, "v")?],
+            packing: [pack(sq), pack(sk), pack(sk)],
+            shapes: [q.shape.as_slice(), k.shape.as_slice(), v.shape.as_slice()],
+            batch: numel(lq),
+            heads,
+            d: w / heads,
+        })
+    }
+
+    fn fused(operands: &[&'a DeviceTensor], heads: usize) -> Result<Qkv<'a>, String> {
+        let [qkv] = args(operands)?;
+        let (lead, s, w) = batch_matrix(&qkv.shape, "the fused input")?;
+        ensure(w.is_multiple_of(heads.saturating_mul(3)), || format!("width {w} is not 3 x {heads} heads"))?;
+        let v = floats(qkv, "the fused input")?;
+        let d = w / (3 * heads);
+        let pack = |k: usize| Packing { seq: s, row: w, part: k * heads * d };
+        let shape = qkv.shape.as_slice();
+        Ok(Qkv { data: [v; 3], packing: [pack(0), pack(1), pack(2)], shapes: [shape; 3], batch: numel(lead), heads, d })
+    }
+
+    fn seq(&self, operand: usize) -> usize {
+        self.packing[operand].seq
+    }
+
+    /// The heads of batch b of `operand`, as a product operand.
+    fn operand(&self, operand: usize, b: usize, transpose: bool) -> Operand<'a> {
+        Operand { data: self.data[operand], block: self.packing[operand].heads(b, self.d), transpose }
+    }
+
+    /// The shape of the attention output (and of dy): q's leading dimensions, then heads * d.
+    fn out_shape(&self) -> Vec<u64> {
+        let mut shape = self.shapes[0].to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = (self.heads * self.d) as u64;
+        }
+        shape
+    }
+
+    /// The packing of the output and of dy.
+    fn out_packing(&self) -> Packing {
+        Packing { seq: self.seq(0), row: self.heads * self.d, part: 0 }
+    }
+
+    /// 1 / sqrt(d), in f32 as the CPU.
+    fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+}
+
+/// A dense [heads, rows, cols] scratch matrix as a product operand.
+fn scratch_operand(data: &CudaSlice<f32>, rows: usize, cols: usize, transpose: bool) -> Operand<'_> {
+    Operand { data, block: Block::dense(rows, cols), transpose }
+}
+
+/// `slot` with room for at least `n` elements (reallocated when too small).
+fn grow<'s>(
+    slot: &'s mut Option<CudaSlice<f32>>,
+    stream: &Arc<CudaStream>,
+    n: usize,
+) -> Result<&'s mut CudaSlice<f32>, String> {
+    if slot.as_ref().is_none_or(|s| s.len() < n) {
+        *slot = None;
+        *slot = Some(alloc(stream, n)?);
+    }
+    slot.as_mut().ok_or_else(|| "internal error: no scratch buffer".to_string())
+}
+
+impl Device {
+    /// The softmax(q k^T / sqrt(d)) probabilities of every head of batch b, into `probs` ([heads, sq, sk]).
+    fn probabilities(&self, qkv: &Qkv, b: usize, causal: bool, probs: &mut CudaSlice<f32>) -> Result<(), String> {
+        let (sq, sk) = (qkv.seq(0), qkv.seq(1));
+        let product = Product {
+            a: qkv.operand(0, b, false),
+            b: qkv.operand(1, b, true),
+            c: Block::dense(sq, sk),
+            batches: qkv.heads,
+            alpha: qkv.scale(),
+            accumulate: false,
+        };
+        self.gemm(probs, product)?;
+        let rows = qkv.heads * sq;
+        let cfg = if sk == 0 { None } else { per_rows(rows, sk) };
+        let (rows, sq, sk, causal) = (rows as u64, sq as u64, sk as u64, i32::from(causal));
+        launch!(self, ATTENTION_SOFTMAX, cfg, [probs, &rows, &sq, &sk, &causal])
+    }
+
+    fn attention(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        a: AttentionArgs,
+        probs: &mut Option<CudaSlice<f32>>,
+    ) -> Result<(), String> {
+        let qkv = Qkv::new(inputs, a.heads, a.fused)?;
+        same_shape("the output", &out.shape, &qkv.out_shape())?;
+        let (sq, sk, d) = (qkv.seq(0), qkv.seq(1), qkv.d);
+        let y = floats_mut(out, "the output")?;
+        let probs = grow(probs, &self.stream, qkv.heads * sq * sk)?;
+        for b in 0..qkv.batch {
+            self.probabilities(&qkv, b, a.causal, probs)?;
+            let product = Product {
+                a: scratch_operand(probs, sq, sk, false),
+                b: qkv.operand(2, b, false),
+                c: qkv.out_packing().heads(b, d),
+                batches: qkv.heads,
+                alpha: 1.0,
+                accumulate: false,
+            };
+            self.gemm(y, product)?;
+        }
+        Ok(())
+    }
+
+    /// (dy, operands..) -> the gradient of operand `wrt` (all three, packed, when fused).
+    fn attention_grad(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        a: AttentionArgs,
+        scratch: &mut [Option<CudaSlice<f32>>; 2],
+    ) -> Result<(), String> {
+        let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
+        let qkv = Qkv::new(operands, a.heads, a.fused)?;
+        let wrt = usize::from(a.wrt);
+        ensure(wrt < if a.fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
+        same_shape("dy", &dy.shape, &qkv.out_shape())?;
+        same_shape("the output", &out.shape, qkv.shapes[wrt])?;
+        let dyv = floats(dy, "dy")?;
+        let g = floats_mut(out, "the output")?;
+        let n = qkv.heads * qkv.seq(0) * qkv.seq(1);
+        let [probs, dprobs] = scratch;
+        let (probs, dprobs) = (grow(probs, &self.stream, n)?, grow(dprobs, &self.stream, n)?);
+        let want = |operand: usize| a.fused || operand == wrt;
+        for b in 0..qkv.batch {
+            let step = GradStep { qkv: &qkv, dy: dyv, b, want: [want(0), want(1), want(2)] };
+            self.probabilities(&qkv, b, a.causal, probs)?;
+            self.attention_grad_batch(&step, g, probs, dprobs)?;
+        }
+        Ok(())
+    }
+
+    /// The gradients of batch b, from its probabilities.
+    fn attention_grad_batch(
+        &self,
+        s: &GradStep,
+        g: &mut CudaSlice<f32>,
+        probs: &CudaSlice<f32>,
+        dprobs: &mut CudaSlice<f32>,
+    ) -> Result<(), String> {
+        let (qkv, b) = (s.qkv, s.b);
+        let (sq, sk, heads) = (qkv.seq(0), qkv.seq(1), qkv.heads);
+        let dout = Operand { data: s.dy, block: qkv.out_packing().heads(b, qkv.d), transpose: false };
+        let grad_block = |operand: usize| qkv.packing[operand].heads(b, qkv.d);
+        let product = |a, b_op, c, alpha| Product { a, b: b_op, c, batches: heads, alpha, accumulate: false };
+        if s.want[2] {
+            self.gemm(g, product(scratch_operand(probs, sq, sk, true), dout, grad_block(2), 1.0))?;
+        }
+        if !(s.want[0] || s.want[1]) {
+            return Ok(());
+        }
+        // dS = P * (dP - rowsum(dP * P)), with dP = dO V^T; masked entries have P = 0.
+        self.gemm(dprobs, product(dout, qkv.operand(2, b, true), Block::dense(sq, sk), 1.0))?;
+        let cfg = if sk == 0 { None } else { per_rows(heads * sq, sk) };
+        let (rows, width) = ((heads * sq) as u64, sk as u64);
+        launch!(self, ATTENTION_SOFTMAX_GRAD, cfg, [&mut *dprobs, probs, &rows, &width])?;
+        if s.want[0] {
+            let ds = scratch_operand(dprobs, sq, sk, false);
+            self.gemm(g, product(ds, qkv.operand(1, b, false), grad_block(0), qkv.scale()))?;
+        }
+        if s.want[1] {
+            let ds = scratch_operand(dprobs, sq, sk, true);
+            self.gemm(g, product(ds, qkv.operand(0, b, false), grad_block(1), qkv.scale()))?;
+        }
+        Ok(())
+    }
+}
+
+/// The parameters of `Attention` / `AttentionGrad`.
+#[derive(Clone, Copy, Debug)]
+struct AttentionArgs {
+    heads: u64,
+    causal: bool,
+    fused: bool,
+    wrt: u8,
+}
+
+/// What the backward pass of one batch needs.
+struct GradStep<'a> {
+    qkv: &'a Qkv<'a>,
+    dy: &'a CudaSlice<f32>,
+    b: usize,
+    /// Which operands' gradients to compute (q, k, v).
+    want: [bool; 3],
+}
+
+// ---- embeddings -----------------------------------------------------------------------------------
+
+fn out_of_range(id: i32, base: u64, rows: usize) -> String {
+    format!("token id {id} is outside this device's embedding rows [{base}, {})", base.saturating_add(rows as u64))
+}
+
+fn table_dims(shape: &[u64], what: &str) -> Result<(usize, usize), String> {
+    match shape[..] {
+        [rows, w] => Ok((rows as usize, w as usize)),
+        _ => Err(format!("{what} must be [rows, width], not {shape:?}")),
+    }
+}
+
+/// (seq, width) of a [.., seq, width] tensor whose positions come from a [ctx, width] table.
+fn position_dims(table: &[u64], seq_shape: &[u64], what: &str) -> Result<(usize, usize), String> {
+    let (_, s, w) = batch_matrix(seq_shape, what)?;
+    ensure(table.len() == 2 && table[1] as usize == w && s as u64 <= table[0], || {
+        format!("a table {table:?} cannot give positions of {seq_shape:?}")
+    })?;
+    Ok((s, w))
+}
+
+/// What an embedding kernel needs to know about this device's rows.
+#[derive(Clone, Copy, Debug)]
+struct Rows {
+    base: u64,
+    masked: bool,
+}
+
+/// `base` as the signed row offset the kernels compare ids against (past i64::MAX no id matches).
+fn signed_base(base: u64) -> i64 {
+    i64::try_from(base).unwrap_or(i64::MAX)
+}
+
+/// One element of a device buffer (waits for the stream).
+fn read_one<T: DeviceRepr + Default + Copy>(
+    stream: &Arc<CudaStream>,
+    s: &CudaSlice<T>,
+    index: usize,
+) -> Result<T, String> {
+    let view =
+        s.try_slice(index..index + 1).ok_or_else(|| format!("index {index} is outside a buffer of {}", s.len()))?;
+    let v = stream.clone_dtoh(&view).map_err(driver("copying from the GPU"))?;
+    Ok(v.first().copied().unwrap_or_default())
+}
+
+impl Device {
+    /// The smallest index flagged by the last kernel that used `flag`, if any (waits for the stream).
+    fn flagged(&self, flag: &CudaSlice<u64>) -> Result<Option<usize>, String> {
+        let f = read_one(&self.stream, flag, 0)?;
+        Ok((f != 0).then_some(!f as usize))
+    }
+
+    fn clear_flag(&self, flag: &mut CudaSlice<u64>) -> Result<(), String> {
+        self.stream.memset_zeros(flag).map_err(driver("zeroing GPU memory"))
+    }
+
+    /// The CPU's error for the first id a kernel flagged as outside this device's rows, if any.
+    fn check_ids(&self, flag: &CudaSlice<u64>, ids: &CudaSlice<i32>, r: Rows, rows: usize) -> Result<(), String> {
+        match self.flagged(flag)? {
+            Some(t) if !r.masked => Err(out_of_range(read_one(&self.stream, ids, t)?, r.base, rows)),
+            _ => Ok(()),
+        }
+    }
+
+    fn embedding_lookup(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        r: Rows,
+        flag: &mut CudaSlice<u64>,
+    ) -> Result<(), String> {
+        let [ids, table] = args(inputs)?;
+        let (rows, w) = table_dims(&table.shape, "the table")?;
+        let (idv, tv) = (ints(ids, "the ids")?, floats(table, "the table")?);
+        let mut want = ids.shape.clone();
+        want.push(w as u64);
+        same_shape("the output", &out.shape, &want)?;
+        let y = floats_mut(out, "the output")?;
+        self.clear_flag(flag)?;
+        let cfg = elementwise(ids.len() * w);
+        let (count, nrows, width, base) = (ids.len() as u64, rows as u64, w as u64, signed_base(r.base));
+        launch!(self, EMBEDDING_LOOKUP, cfg, [y, idv, tv, &count, &nrows, &width, &base, &mut *flag])?;
+        if r.masked { Ok(()) } else { self.check_ids(flag, idv, r, rows) }
+    }
+
+    fn embedding_grad(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        r: Rows,
+        flag: &mut CudaSlice<u64>,
+    ) -> Result<(), String> {
+        let [ids, dy] = args(inputs)?;
+        let (rows, w) = table_dims(&out.shape, "the output")?;
+        let (idv, dyv) = (ints(ids, "the ids")?, floats(dy, "dy")?);
+        let mut want = ids.shape.clone();
+        want.push(w as u64);
+        same_shape("dy", &dy.shape, &want)?;
+        let g = floats_mut(out, "the output")?;
+        self.zero(g)?;
+        self.clear_flag(flag)?;
+        let cfg = elementwise(ids.len() * w);
+        let (count, nrows, width, base) = (ids.len() as u64, rows as u64, w as u64, signed_base(r.base));
+        launch!(self, EMBEDDING_GRAD, cfg, [g, idv, dyv, &count, &nrows, &width, &base, &mut *flag])?;
+        if r.masked { Ok(()) } else { self.check_ids(flag, idv, r, rows) }
+    }
+
+    fn position_lookup(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [table] = args(inputs)?;
+        let (s, w) = position_dims(&table.shape, &out.shape, "the output")?;
+        let tv = floats(table, "the table")?;
+        let n = out.len();
+        let y = floats_mut(out, "the output")?;
+        let cfg = if s * w == 0 { None } else { elementwise(n) };
+        let (n, block) = (n as u64, (s * w) as u64);
+        launch!(self, POSITION_LOOKUP, cfg, [y, tv, &n, &block])
+    }
+
+    fn position_grad(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [dy] = args(inputs)?;
+        let (s, w) = position_dims(&out.shape, &dy.shape, "dy")?;
+        let dyv = floats(dy, "dy")?;
+        let g = floats_mut(out, "the output")?;
+        self.zero(g)?;
+        let block = s * w;
+        let blocks = dy.len().checked_div(block).unwrap_or(0);
+        let (nblocks, nblock) = (blocks as u64, block as u64);
+        launch!(self, POSITION_GRAD, columns(blocks, block), [g, dyv, &nblocks, &nblock])
+    }
+}
+
+// ---- layer norm and sums --------------------------------------------------------------------------
+
+/// The normalised size and epsilon of a LayerNorm kernel.
+#[derive(Clone, Copy, Debug)]
+struct Norm {
+    n: u64,
+    eps: f64,
+}
+
+impl Norm {
+    fn check(&self) -> Result<(), String> {
+        ensure(self.n > 0, || "the normalised size is 0".to_string())
+    }
+}
+
+/// The all-reduced (sum, square sum) inputs of a row-normalising kernel, checked.
+fn row_stats<'t>(
+    sum: &'t DeviceTensor,
+    sqsum: &'t DeviceTensor,
+    rows: usize,
+    norm: Norm,
+) -> Result<[&'t CudaSlice<f32>; 2], String> {
+    let stats = [per_row(sum, rows, 1, "the sum")?, per_row(sqsum, rows, 1, "the square sum")?];
+    norm.check()?;
+    Ok(stats)
+}
+
+impl Device {
+    fn row_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let (rows, n) = split_last(&x.shape);
+        let xv = floats(x, "x")?;
+        same_len("the output", out.len(), rows)?;
+        let y = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, n);
+        let (rows, n) = (rows as u64, n as u64);
+        launch!(self, ROW_SUM, cfg, [y, xv, &rows, &n])
+    }
+
+    fn row_centered_square_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, n: u64) -> Result<(), String> {
+        let [x, sum] = args(inputs)?;
+        ensure(n > 0, || "the normalised size is 0".to_string())?;
+        let (rows, width) = split_last(&x.shape);
+        let (xv, sv) = (floats(x, "x")?, per_row(sum, rows, 1, "the sum")?);
+        same_len("the output", out.len(), rows)?;
+        let y = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, width);
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, ROW_CENTERED_SQUARE_SUM, cfg, [y, xv, sv, &rows, &width, &n])
+    }
+
+    fn layer_norm_apply(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), String> {
+        let [x, sum, sqsum, gamma, beta] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let xv = floats(x, "x")?;
+        let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
+        let (gv, bv) = (per_row(gamma, 1, width, "gamma")?, per_row(beta, 1, width, "beta")?);
+        same_len("the output", out.len(), x.len())?;
+        let y = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, width);
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, LAYER_NORM_APPLY, cfg, [y, xv, sv, qv, gv, bv, &rows, &width, &norm.n, &norm.eps])
+    }
+
+    fn layer_norm_grad_sums(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), String> {
+        let [dy, x, gamma, sum, sqsum] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
+        let gv = per_row(gamma, 1, width, "gamma")?;
+        let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
+        same_len("the output", out.len(), rows * 2)?;
+        let y = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, width);
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, LAYER_NORM_GRAD_SUMS, cfg, [y, dyv, xv, gv, sv, qv, &rows, &width, &norm.n, &norm.eps])
+    }
+
+    fn layer_norm_grad_input(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        norm: Norm,
+    ) -> Result<(), String> {
+        let [dy, x, gamma, sum, sqsum, sums] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
+        let gv = per_row(gamma, 1, width, "gamma")?;
+        let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
+        let pairs = per_row(sums, rows, 2, "the gradient sums")?;
+        same_len("the output", out.len(), x.len())?;
+        let dx = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, width);
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, LAYER_NORM_GRAD_INPUT, cfg, [dx, dyv, xv, gv, sv, qv, pairs, &rows, &width, &norm.n, &norm.eps])
+    }
+
+    fn layer_norm_grad_weight(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        norm: Norm,
+        scratch: &mut Option<CudaSlice<f32>>,
+    ) -> Result<(), String> {
+        let [dy, x, sum, sqsum] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
+        let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
+        same_len("the output", out.len(), width)?;
+        let g = floats_mut(out, "the output")?;
+        self.zero(g)?;
+        let stats = grow(scratch, &self.stream, 2 * rows)?;
+        let (nrows, nwidth) = (rows as u64, width as u64);
+        launch!(self, LAYER_NORM_STATS, elementwise(rows), [&mut *stats, sv, qv, &nrows, &norm.n, &norm.eps])?;
+        launch!(self, LAYER_NORM_GRAD_WEIGHT, columns(rows, width), [g, dyv, xv, &*stats, &nrows, &nwidth])
+    }
+
+    fn sum_to_last(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let xv = floats(x, "x")?;
+        same_len("the output", out.len(), width)?;
+        let g = floats_mut(out, "the output")?;
+        self.zero(g)?;
+        let (nrows, nwidth) = (rows as u64, width as u64);
+        launch!(self, SUM_TO_LAST, columns(rows, width), [g, xv, &nrows, &nwidth])
+    }
+}
+
+// ---- cross-entropy --------------------------------------------------------------------------------
+
+/// This device's vocabulary columns: global column `offset + c`; columns at or past `valid` are padding.
+#[derive(Clone, Copy, Debug)]
+struct Vocab {
+    offset: u64,
+    valid: u64,
+}
+
+impl Vocab {
+    fn new(offset: crate::plan::Offset, valid: u64, ctx: &KernelContext) -> Vocab {
+        Vocab { offset: offset.at(ctx.i, ctx.j), valid }
+    }
+
+    /// How many of `width` local columns are real vocabulary.
+    fn live(&self, width: usize) -> usize {
+        (self.valid.saturating_sub(self.offset) as usize).min(width)
+    }
+}
+
+/// The logits, targets, max and stats inputs of the cross-entropy kernels, checked.
+struct Logits<'t> {
+    logits: &'t CudaSlice<f32>,
+    targets: &'t CudaSlice<i32>,
+    rows: usize,
+    width: usize,
+}
+
+impl<'t> Logits<'t> {
+    fn new(logits: &'t DeviceTensor, targets: &'t DeviceTensor) -> Result<Logits<'t>, String> {
+        let (rows, width) = split_last(&logits.shape);
+        let lv = floats(logits, "the logits")?;
+        let tv = ints(targets, "the targets")?;
+        same_len("the targets", targets.len(), rows)?;
+        Ok(Logits { logits: lv, targets: tv, rows, width })
+    }
+}
+
+impl Device {
+    /// The CPU's error for the first row a kernel flagged as having a target outside the vocabulary.
+    fn check_targets(&self, flag: &CudaSlice<u64>, targets: &CudaSlice<i32>, valid: u64) -> Result<(), String> {
+        match self.flagged(flag)? {
+            Some(r) => {
+                let t = read_one(&self.stream, targets, r)?;
+                Err(format!("target {t} is outside the vocabulary [0, {valid})"))
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn cross_entropy_max(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, vocab: Vocab) -> Result<(), String> {
+        let [logits] = args(inputs)?;
+        let (rows, width) = split_last(&logits.shape);
+        let lv = floats(logits, "the logits")?;
+        same_len("the output", out.len(), rows)?;
+        let y = floats_mut(out, "the output")?;
+        let live = vocab.live(width);
+        let cfg = per_rows(rows, live);
+        let (rows, width, live) = (rows as u64, width as u64, live as u64);
+        launch!(self, CROSS_ENTROPY_MAX, cfg, [y, lv, &rows, &width, &live])
+    }
+
+    fn cross_entropy_stats(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        vocab: Vocab,
+        flag: &mut CudaSlice<u64>,
+    ) -> Result<(), String> {
+        let [logits, targets, max] = args(inputs)?;
+        let l = Logits::new(logits, targets)?;
+        let mv = per_row(max, l.rows, 1, "the max")?;
+        same_len("the output", out.len(), l.rows * 2)?;
+        let y = floats_mut(out, "the output")?;
+        if l.width == 0 {
+            return self.zero(y);
+        }
+        self.clear_flag(flag)?;
+        let cfg = per_rows(l.rows, vocab.live(l.width));
+        let (rows, width, live) = (l.rows as u64, l.width as u64, vocab.live(l.width) as u64);
+        let args = [rows, width, live, vocab.offset, vocab.valid];
+        launch!(
+            self,
+            CROSS_ENTROPY_STATS,
+            cfg,
+            [y, l.logits, l.targets, mv, &args[0], &args[1], &args[2], &args[3], &args[4], &mut *flag]
+        )?;
+        self.check_targets(flag, l.targets, vocab.valid)
+    }
+
+    fn cross_entropy_loss(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, count: u64) -> Result<(), String> {
+        let [max, stats] = args(inputs)?;
+        ensure(count > 0, || "the row count is 0".to_string())?;
+        let mv = floats(max, "the max")?;
+        let rows = max.len();
+        let sv = per_row(stats, rows, 2, "the stats")?;
+        same_len("the output", out.len(), 1)?;
+        let y = floats_mut(out, "the output")?;
+        let rows = rows as u64;
+        launch!(self, CROSS_ENTROPY_LOSS, single_block(), [y, mv, sv, &rows, &count])
+    }
+
+    fn cross_entropy_grad(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        vocab: Vocab,
+        count: u64,
+        flag: &mut CudaSlice<u64>,
+    ) -> Result<(), String> {
+        let [logits, targets, max, stats, dloss] = args(inputs)?;
+        ensure(count > 0, || "the row count is 0".to_string())?;
+        let l = Logits::new(logits, targets)?;
+        let (mv, sv) = (per_row(max, l.rows, 1, "the max")?, per_row(stats, l.rows, 2, "the stats")?);
+        let dl = per_row(dloss, 1, 1, "dloss")?;
+        same_len("the output", out.len(), logits.len())?;
+        let g = floats_mut(out, "the output")?;
+        if l.width == 0 {
+            return Ok(());
+        }
+        self.clear_flag(flag)?;
+        let cfg = per_rows(l.rows, l.width);
+        let args = [l.rows as u64, l.width as u64, vocab.live(l.width) as u64, vocab.offset, vocab.valid, count];
+        launch!(
+            self,
+            CROSS_ENTROPY_GRAD,
+            cfg,
+            [
+                g, l.logits, l.targets, mv, sv, dl, &args[0], &args[1], &args[2], &args[3], &args[4], &args[5],
+                &mut *flag
+            ]
+        )?;
+        self.check_targets(flag, l.targets, vocab.valid)
+    }
+}
+
+// ---- optimizer ------------------------------------------------------------------------------------
+
+/// The decimal a hyper-parameter was written as (0.999, not 0.99900001287), as torch holds it in an f64.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
+/// The f32 scalars of torch's single-tensor AdamW step, computed in f64 as the CPU's `adamw`.
+fn adamw_scalars(s: &OptimizerSettings, step: u64) -> [f32; 7] {
+    let step = i32::try_from(step).unwrap_or(i32::MAX);
+    let (lr, wd, beta1, beta2) = (decimal(s.lr), decimal(s.weight_decay), decimal(s.beta1), decimal(s.beta2));
+    let decay = (1.0 - lr * wd) as f32;
+    let step_size = (lr / (1.0 - beta1.powi(step))) as f32;
+    let bias2_sqrt = (1.0 - beta2.powi(step)).sqrt() as f32;
+    let (w1, w2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
+    [decay, step_size, bias2_sqrt, w1, w2, s.beta2, s.eps]
+}
+
+/// The buffers of one optimizer update, checked.
+struct Update<'a> {
+    param: &'a mut CudaSlice<f32>,
+    grad: &'a CudaSlice<f32>,
+    state1: &'a mut CudaSlice<f32>,
+    n: usize,
+}
+
+impl Device {
+    fn sgd(&self, u: Update, s: &OptimizerSettings, step: u64) -> Result<(), String> {
+        let (n, first) = (u.n as u64, i32::from(step == 1));
+        let cfg = elementwise(u.n);
+        launch!(self, SGD_STEP, cfg, [u.param, u.grad, u.state1, &n, &s.lr, &s.weight_decay, &s.momentum, &first])
+    }
+
+    fn adamw(&self, u: Update, v: &mut CudaSlice<f32>, s: &OptimizerSettings, step: u64) -> Result<(), String> {
+        let k = adamw_scalars(s, step);
+        let n = u.n as u64;
+        let cfg = elementwise(u.n);
+        launch!(
+            self,
+            ADAMW_STEP,
+            cfg,
+            [u.param, u.grad, u.state1, v, &n, &k[0], &k[1], &k[2], &k[3], &k[4], &k[5], &k[6]]
+        )
+    }
+}
+
+// ---- the kernel runner ----------------------------------------------------------------------------
+
+/// The compiled kernels on one GPU: runs plan kernels on [`DeviceTensor`]s on one stream.
+pub struct CudaKernels {
+    dev: Device,
+    /// The logical index of each local element, per buffer layout and device (for dropout masks).
+    logical: HashMap<IndexKey, CudaSlice<u64>>,
+    /// Attention probabilities and their gradient, LayerNorm row statistics (grown as needed).
+    scratch: [Option<CudaSlice<f32>>; 2],
+    /// Where kernels flag invalid ids and targets.
+    flag: CudaSlice<u64>,
+}
+
+impl CudaKernels {
+    /// Compiles the kernels (NVRTC) and loads them into `ctx`; `stream` (of `ctx`) runs everything.
+    pub fn new(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<CudaKernels, String> {
+        CudaKernels::with_ptx(ctx, stream, compile_ptx()?)
+    }
+
+    /// As [`CudaKernels::new`], with PTX compiled earlier by [`compile_ptx`].
+    pub fn with_ptx(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>, ptx: Ptx) -> Result<CudaKernels, String> {
+        ensure(stream.context().as_ref() == ctx.as_ref(), || "the stream belongs to another CUDA context".into())?;
+        // SAFETY: only tries to open the shared library.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err("cuBLAS (libcublas.so) cannot be loaded: install CUDA or put it on LD_LIBRARY_PATH".into());
+        }
+        let module = ctx.load_module(ptx).map_err(driver("loading the kernels' PTX"))?;
+        let mut functions = HashMap::new();
+        for &name in KERNEL_NAMES {
+            let f = module.load_function(name).map_err(|e| format!("loading kernel `{name}`: {e}"))?;
+            functions.insert(name, f);
+        }
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("creating a cuBLAS handle: {e}"))?;
+        let flag = alloc::<u64>(&stream, 1)?;
+        let dev = Device { stream, functions, blas };
+        Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag })
+    }
+
+    /// The stream every kernel runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.dev.stream
+    }
+
+    /// Runs one kernel, with exactly the semantics of `cpu::kernels::run`: `out` has the output buffer's
+    /// local shape and holds its previous contents (for accumulating products).
+    pub fn run(
+        &mut self,
+        kernel: &Kernel,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        ctx: &KernelContext,
+    ) -> Result<(), String> {
+        self.dispatch(kernel, inputs, out, ctx).map_err(|e| format!("{kernel:?}: {e}"))
+    }
+
+    fn dispatch(
+        &mut self,
+        kernel: &Kernel,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        ctx: &KernelContext,
+    ) -> Result<(), String> {
+        let CudaKernels { dev, logical, scratch, flag } = self;
+        let dev = &*dev;
+        match *kernel {
+            Kernel::MatMul { transpose_a, transpose_b, accumulate } => {
+                dev.matmul(inputs, out, transpose_a, transpose_b, accumulate)
+            }
+            Kernel::BatchedMatMul => dev.batched_matmul(inputs, out),
+            Kernel::BiasAdd => dev.bias_add(inputs, out),
+            Kernel::Add => dev.map_binary(ADD, inputs, out),
+            Kernel::Scale { factor } => dev.scale(inputs, out, factor),
+            Kernel::Gelu { approximate: true } => dev.map_unary(GELU_TANH, inputs, out),
+            Kernel::Gelu { approximate: false } => dev.map_unary(GELU_ERF, inputs, out),
+            Kernel::GeluGrad { approximate: true } => dev.map_binary(GELU_TANH_GRAD, inputs, out),
+            Kernel::GeluGrad { approximate: false } => dev.map_binary(GELU_ERF_GRAD, inputs, out),
+            Kernel::Softmax => dev.softmax(inputs, out),
+            Kernel::SoftmaxGrad => dev.softmax_grad(inputs, out),
+            Kernel::CausalMask => dev.causal_mask(inputs, out, f32::NEG_INFINITY),
+            Kernel::CausalMaskGrad => dev.causal_mask(inputs, out, 0.0),
+            Kernel::Dropout { p, key } | Kernel::DropoutGrad { p, key } => {
+                dropout(dev, logical, inputs, out, ctx, p, key)
+            }
+            Kernel::Reshape => dev.reshape(inputs, out),
+            Kernel::Transpose { dim0, dim1 } => dev.transpose(inputs, out, dim0.into(), dim1.into()),
+            Kernel::Select { dim, index } => dev.select(inputs, out, dim.into(), index),
+            Kernel::SelectGrad { dim, index } => dev.select_grad(inputs, out, dim.into(), index),
+            Kernel::Attention { heads, causal, fused } => {
+                dev.attention(inputs, out, AttentionArgs { heads, causal, fused, wrt: 0 }, &mut scratch[0])
+            }
+            Kernel::AttentionGrad { heads, causal, fused, wrt } => {
+                dev.attention_grad(inputs, out, AttentionArgs { heads, causal, fused, wrt }, scratch)
+            }
+            Kernel::EmbeddingLookup { offset, masked } => {
+                dev.embedding_lookup(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
+            }
+            Kernel::EmbeddingGrad { offset, masked } => {
+                dev.embedding_grad(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
+            }
+            Kernel::PositionLookup => dev.position_lookup(inputs, out),
+            Kernel::PositionGrad => dev.position_grad(inputs, out),
+            Kernel::RowSum => dev.row_sum(inputs, out),
+            Kernel::RowCenteredSquareSum { n } => dev.row_centered_square_sum(inputs, out, n),
+            Kernel::LayerNormApply { n, eps } => dev.layer_norm_apply(inputs, out, Norm { n, eps }),
+            Kernel::LayerNormGradSums { n, eps } => dev.layer_norm_grad_sums(inputs, out, Norm { n, eps }),
+            Kernel::LayerNormGradInput { n, eps } => dev.layer_norm_grad_input(inputs, out, Norm { n, eps }),
+            Kernel::LayerNormGradWeight { n, eps } => {
+                dev.layer_norm_grad_weight(inputs, out, Norm { n, eps }, &mut scratch[0])
+            }
+            Kernel::SumToLast => dev.sum_to_last(inputs, out),
+            Kernel::CrossEntropyMax { offset, valid } => {
+                dev.cross_entropy_max(inputs, out, Vocab::new(offset, valid, ctx))
+            }
+            Kernel::CrossEntropyStats { offset, valid } => {
+                dev.cross_entropy_stats(inputs, out, Vocab::new(offset, valid, ctx), flag)
+            }
+            Kernel::CrossEntropyLoss { count } => dev.cross_entropy_loss(inputs, out, count),
+            Kernel::CrossEntropyGrad { offset, valid, count } => {
+                dev.cross_entropy_grad(inputs, out, Vocab::new(offset, valid, ctx), count, flag)
+            }
+            Kernel::Fill { value } => dev.fill(inputs, out, value),
+            Kernel::SliceShard { axis, placement } => dev.slice_shard(inputs, out, ctx, axis.into(), placement),
+            Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),
+        }
+    }
+
+    /// Updates one parameter shard in place, exactly as `cpu::kernels::optimizer_step` (SGD with momentum
+    /// or AdamW; `step` counts from 1; `state2` is only used by AdamW).
+    pub fn optimizer_step(
+        &mut self,
+        param: &mut DeviceTensor,
+        grad: &DeviceTensor,
+        state1: &mut DeviceTensor,
+        state2: &mut DeviceTensor,
+        settings: &OptimizerSettings,
+        step: u64,
+    ) -> Result<(), String> {
+        ensure(step >= 1, || "optimizer steps count from 1".to_string())?;
+        let g = floats(grad, "the gradient")?;
+        let (n, m_len) = (param.len(), state1.len());
+        let p = floats_mut(param, "the parameter")?;
+        same_len("the gradient", grad.len(), n)?;
+        let m = floats_mut(state1, "the first optimizer state")?;
+        same_len("the first optimizer state", m_len, n)?;
+        let update = Update { param: p, grad: g, state1: m, n };
+        match settings.kind {
+            OptimizerKind::Sgd => self.dev.sgd(update, settings, step),
+            OptimizerKind::AdamW => {
+                let v_len = state2.len();
+                let v = floats_mut(state2, "the second optimizer state")?;
+                same_len("the second optimizer state", v_len, n)?;
+                self.dev.adamw(update, v, settings, step)
+            }
+        }
+    }
+}
+
+/// The logical indices of the output's local elements on this device, uploaded once per layout.
+fn logical_indices<'c>(
+    dev: &Device,
+    cache: &'c mut HashMap<IndexKey, CudaSlice<u64>>,
+    ctx: &KernelContext,
+) -> Result<&'c CudaSlice<u64>, String> {
+    let key = IndexKey::of(ctx);
+    if !cache.contains_key(&key) {
+        let map = try_logical_indices(ctx.output, ctx.i, ctx.j, ctx.mesh)?;
+        cache.insert(key.clone(), upload_slice(&dev.stream, &map)?);
+    }
+    cache.get(&key).ok_or_else(|| "internal error: no logical index map".to_string())
+}
+
+/// Dropout and its gradient: the mask depends only on (seed, key, logical index).
+fn dropout(
+    dev: &Device,
+    cache: &mut HashMap<IndexKey, CudaSlice<u64>>,
+    inputs: &[&DeviceTensor],
+    out: &mut DeviceTensor,
+    ctx: &KernelContext,
+    p: f64,
+    key: u32,
+) -> Result<(), String> {
+    let [x] = args(inputs)?;
+    let xv = floats(x, "the input")?;
+    ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not in [0, 1]"))?;
+    same_shape("the output", &out.shape, &ctx.output.shape)?;
+    let n = x.len();
+    same_len("the output", out.len(), n)?;
+    let y = floats_mut(out, "the output")?;
+    if p == 0.0 {
+        return dev.copy_runs(xv, y, (n, n), Runs::whole(n));
+    }
+    if p >= 1.0 {
+        return dev.zero(y);
+    }
+    let logical = logical_indices(dev, cache, ctx)?;
+    ensure(logical.len() >= n, || format!("internal error: {} logical indices for {n} elements", logical.len()))?;
+    let mask = DropoutParams::new(ctx.seed, key, p);
+    let (scale, count) = ((1.0 / (1.0 - p)) as f32, n as u64);
+    launch!(dev, DROPOUT, elementwise(n), [y, xv, logical, &count, &mask.base, &mask.threshold, &scale])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::cpu::kernels::dropout_keep;
+
+    #[test]
+    fn dropout_params_take_the_cpus_decisions() {
+        for (seed, key, p) in [(42u64, 7u32, 0.1f64), (0, 0, 0.5), (u64::MAX, u32::MAX, 0.9)] {
+            let mask = DropoutParams::new(seed, key, p);
+            for index in (0..2000u64).chain([u64::MAX - 3, 1 << 40]) {
+                assert_eq!(mask.keep(index), dropout_keep(seed, key, index, p), "seed {seed} key {key} index {index}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernel_runner_can_move_to_a_device_thread() {
+        fn send<T: Send>() {}
+        send::<CudaKernels>();
+        send::<DeviceTensor>();
+    }
+
+    #[test]
+    fn blocks_check_their_extent() {
+        let b = Block { start: 2, rows: 3, cols: 4, ld: 5, stride: 20 };
+        assert!(b.fits(2, 2 + 20 + 2 * 5 + 4));
+        assert!(!b.fits(2, 2 + 20 + 2 * 5 + 3));
+        assert!(Block::dense(0, 4).fits(7, 0));
+    }
+
+    #[test]
+    fn launch_configurations_cover_the_work() {
+        assert!(elementwise(0).is_none());
+        let cfg = elementwise(1000).map(|c| (c.grid_dim.0, c.block_dim.0));
+        assert_eq!(cfg, Some((4, THREADS)));
+        let rows = per_rows(3, 1000).map(|c| (c.grid_dim.0, c.block_dim.0));
+        assert_eq!(rows, Some((3, 256)));
+        assert_eq!(per_rows(3, 5).map(|c| c.block_dim.0), Some(32));
+        assert!(columns(0, 5).is_none());
+        assert_eq!(columns(3000, 70).map(|c| (c.grid_dim.0, c.grid_dim.1, c.block_dim)), Some((3, 24, (32, 8, 1))));
+    }
+
+    #[test]
+    fn adamw_scalars_follow_torch() {
+        let s = OptimizerSettings {
+            kind: OptimizerKind::AdamW,
+            lr: 0.001,
+            weight_decay: 0.01,
+            momentum: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        };
+        let [decay, step_size, bias2_sqrt, w1, w2, ..] = adamw_scalars(&s, 1);
+        assert_eq!(decay, (1.0 - 0.001f64 * 0.01) as f32);
+        assert_eq!(step_size, (0.001f64 / (1.0 - 0.9f64)) as f32);
+        assert_eq!(bias2_sqrt, (1.0 - 0.999f64).sqrt() as f32);
+        assert_eq!((w1, w2), ((1.0 - 0.9f64) as f32, (1.0 - 0.999f64) as f32));
+    }
+}

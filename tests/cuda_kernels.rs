@@ -1,0 +1,755 @@
+//! The CUDA kernels: the NVRTC source compiles and defines every kernel, every plan kernel has a launcher,
+//! and (where a GPU is present) every kernel agrees with the CPU reference on random inputs.
+//!
+//! Without libnvrtc the PTX test prints why and passes, unless `OPTIMUS_REQUIRE_NVRTC=1`; without a CUDA
+//! driver or GPU the GPU tests print why and pass, unless `OPTIMUS_REQUIRE_CUDA=1`.
+#![cfg(feature = "cuda")]
+
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nvrtc::Ptx;
+use optimus::ir::DType;
+use optimus::plan::{Buffer, BufferId, Kernel, Mesh, Offset, Role};
+use optimus::runtime::cpu::kernels::{self as cpu, KernelContext, OptimizerKind, OptimizerSettings};
+use optimus::runtime::cuda::kernels::{CudaKernels, DeviceTensor, KERNEL_NAMES, SOURCE, compile_ptx, launcher};
+use optimus::runtime::tensor::{Data, Tensor};
+use optimus::shard::layout::{Layout, Placement};
+use std::collections::BTreeSet;
+use std::sync::{Arc, OnceLock};
+
+type R = Result<(), String>;
+
+fn required(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "1")
+}
+
+/// Whether libnvrtc can be loaded (printing why not, or failing when it is required).
+fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the shared library.
+    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    if !present {
+        assert!(!required("OPTIMUS_REQUIRE_NVRTC"), "OPTIMUS_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded");
+        eprintln!(
+            "skipped: libnvrtc cannot be loaded (put it on LD_LIBRARY_PATH; OPTIMUS_REQUIRE_NVRTC=1 fails instead)"
+        );
+    }
+    present
+}
+
+// ---- without a GPU --------------------------------------------------------------------------------
+
+#[test]
+fn every_kernel_compiles_to_ptx() -> R {
+    if !nvrtc_present() {
+        return Ok(());
+    }
+    let ptx = compile_ptx()?.to_src();
+    for name in KERNEL_NAMES {
+        assert!(ptx.contains(&format!(".entry {name}(")), "the PTX has no entry `{name}`");
+    }
+    assert_eq!(ptx.matches(".entry ").count(), KERNEL_NAMES.len(), "the PTX has entries KERNEL_NAMES does not list");
+    println!("{} kernels compiled to {} bytes of PTX", KERNEL_NAMES.len(), ptx.len());
+    Ok(())
+}
+
+/// One of each [`Kernel`] variant (and both GELU forms).
+fn samples() -> Vec<Kernel> {
+    let offset = Offset::ZERO;
+    vec![
+        Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: false },
+        Kernel::BatchedMatMul,
+        Kernel::BiasAdd,
+        Kernel::Add,
+        Kernel::Scale { factor: 2.0 },
+        Kernel::Gelu { approximate: true },
+        Kernel::Gelu { approximate: false },
+        Kernel::GeluGrad { approximate: true },
+        Kernel::GeluGrad { approximate: false },
+        Kernel::Softmax,
+        Kernel::SoftmaxGrad,
+        Kernel::CausalMask,
+        Kernel::CausalMaskGrad,
+        Kernel::Dropout { p: 0.1, key: 1 },
+        Kernel::DropoutGrad { p: 0.1, key: 1 },
+        Kernel::Reshape,
+        Kernel::Transpose { dim0: 0, dim1: 1 },
+        Kernel::Select { dim: 0, index: 0 },
+        Kernel::SelectGrad { dim: 0, index: 0 },
+        Kernel::Attention { heads: 2, causal: true, fused: true },
+        Kernel::AttentionGrad { heads: 2, causal: true, fused: false, wrt: 1 },
+        Kernel::EmbeddingLookup { offset, masked: true },
+        Kernel::EmbeddingGrad { offset, masked: true },
+        Kernel::PositionLookup,
+        Kernel::PositionGrad,
+        Kernel::RowSum,
+        Kernel::RowCenteredSquareSum { n: 4 },
+        Kernel::LayerNormApply { n: 4, eps: 1e-5 },
+        Kernel::LayerNormGradSums { n: 4, eps: 1e-5 },
+        Kernel::LayerNormGradInput { n: 4, eps: 1e-5 },
+        Kernel::LayerNormGradWeight { n: 4, eps: 1e-5 },
+        Kernel::SumToLast,
+        Kernel::CrossEntropyMax { offset, valid: 4 },
+        Kernel::CrossEntropyStats { offset, valid: 4 },
+        Kernel::CrossEntropyLoss { count: 4 },
+        Kernel::CrossEntropyGrad { offset, valid: 4, count: 4 },
+        Kernel::Fill { value: 0.0 },
+        Kernel::SliceShard { axis: 0, placement: Placement::shard(0) },
+        Kernel::OptimizerStep,
+    ]
+}
+
+/// The variant of a kernel (exhaustive: a new variant does not compile until it is listed here).
+fn variant(kernel: &Kernel) -> usize {
+    match kernel {
+        Kernel::MatMul { .. } => 0,
+        Kernel::BatchedMatMul => 1,
+        Kernel::BiasAdd => 2,
+        Kernel::Add => 3,
+        Kernel::Scale { .. } => 4,
+        Kernel::Gelu { .. } => 5,
+        Kernel::GeluGrad { .. } => 6,
+        Kernel::Softmax => 7,
+        Kernel::SoftmaxGrad => 8,
+        Kernel::CausalMask => 9,
+        Kernel::CausalMaskGrad => 10,
+        Kernel::Dropout { .. } => 11,
+        Kernel::DropoutGrad { .. } => 12,
+        Kernel::Reshape => 13,
+        Kernel::Transpose { .. } => 14,
+        Kernel::Select { .. } => 15,
+        Kernel::SelectGrad { .. } => 16,
+        Kernel::Attention { .. } => 17,
+        Kernel::AttentionGrad { .. } => 18,
+        Kernel::EmbeddingLookup { .. } => 19,
+        Kernel::EmbeddingGrad { .. } => 20,
+        Kernel::PositionLookup => 21,
+        Kernel::PositionGrad => 22,
+        Kernel::RowSum => 23,
+        Kernel::RowCenteredSquareSum { .. } => 24,
+        Kernel::LayerNormApply { .. } => 25,
+        Kernel::LayerNormGradSums { .. } => 26,
+        Kernel::LayerNormGradInput { .. } => 27,
+        Kernel::LayerNormGradWeight { .. } => 28,
+        Kernel::SumToLast => 29,
+        Kernel::CrossEntropyMax { .. } => 30,
+        Kernel::CrossEntropyStats { .. } => 31,
+        Kernel::CrossEntropyLoss { .. } => 32,
+        Kernel::CrossEntropyGrad { .. } => 33,
+        Kernel::Fill { .. } => 34,
+        Kernel::SliceShard { .. } => 35,
+        Kernel::OptimizerStep => 36,
+    }
+}
+
+const VARIANTS: usize = 37;
+
+#[test]
+fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
+    let samples = samples();
+    let covered: BTreeSet<usize> = samples.iter().map(variant).collect();
+    assert_eq!(covered, (0..VARIANTS).collect(), "the samples miss a kernel variant");
+    let mut used = BTreeSet::new();
+    for kernel in &samples {
+        let l = launcher(kernel);
+        assert!(l.cublas || !l.functions.is_empty(), "{kernel:?} has no launcher");
+        for f in l.functions {
+            assert!(KERNEL_NAMES.contains(f), "{kernel:?} uses `{f}`, which KERNEL_NAMES does not list");
+            used.insert(*f);
+        }
+    }
+    assert_eq!(used, KERNEL_NAMES.iter().copied().collect(), "some kernels are never launched");
+    for name in KERNEL_NAMES {
+        assert!(SOURCE.contains(&format!("__global__ void {name}(")), "kernels.cu does not define `{name}`");
+    }
+}
+
+// ---- GPU harness ----------------------------------------------------------------------------------
+
+/// The PTX, compiled once for all tests.
+fn ptx() -> Result<Ptx, String> {
+    static PTX: OnceLock<Result<Ptx, String>> = OnceLock::new();
+    PTX.get_or_init(compile_ptx).clone()
+}
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+    kernels: CudaKernels,
+}
+
+/// A GPU to test on, or `None` (after printing why) when this machine cannot run CUDA kernels.
+fn gpu() -> Result<Option<Gpu>, String> {
+    let skip = |why: String| {
+        if required("OPTIMUS_REQUIRE_CUDA") {
+            Err(format!("OPTIMUS_REQUIRE_CUDA=1 but {why}"))
+        } else {
+            eprintln!("skipped: {why}");
+            Ok(None)
+        }
+    };
+    // SAFETY: only tries to open the shared library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return skip("the CUDA driver (libcuda) cannot be loaded".into());
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => return skip("there is no GPU".into()),
+        Err(e) => return skip(format!("there is no usable GPU ({e})")),
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return skip("libnvrtc cannot be loaded".into());
+    }
+    let ctx = CudaContext::new(0).map_err(|e| format!("opening GPU 0: {e}"))?;
+    let stream = ctx.new_stream().map_err(|e| format!("creating a stream: {e}"))?;
+    let kernels = CudaKernels::with_ptx(&ctx, stream.clone(), ptx()?)?;
+    Ok(Some(Gpu { stream, kernels }))
+}
+
+/// Deterministic uniforms in [-1, 1).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn tensor(&mut self, shape: &[u64]) -> Tensor {
+        let n = shape.iter().product::<u64>() as usize;
+        Tensor::from_f32(shape, (0..n).map(|_| self.next()).collect())
+    }
+
+    fn scaled(&mut self, shape: &[u64], scale: f32) -> Tensor {
+        let mut t = self.tensor(shape);
+        if let Data::F32(v) = &mut t.data {
+            v.iter_mut().for_each(|x| *x *= scale);
+        }
+        t
+    }
+
+    /// Integers in [lo, hi).
+    fn ints(&mut self, shape: &[u64], lo: i32, hi: i32) -> Tensor {
+        let n = shape.iter().product::<u64>() as usize;
+        let span = (hi - lo) as f32;
+        let v = (0..n).map(|_| lo + (((self.next() + 1.0) * 0.5 * span) as i32).min(hi - lo - 1)).collect();
+        Tensor::from_i32(shape, v)
+    }
+}
+
+fn meta_with(shape: &[u64], logical: &[u64], layout: Layout, dtype: DType) -> Buffer {
+    Buffer {
+        id: BufferId(0),
+        name: "out".into(),
+        dtype,
+        logical_shape: logical.to_vec(),
+        layout,
+        shape: shape.to_vec(),
+        role: Role::Workspace,
+    }
+}
+
+fn meta(shape: &[u64]) -> Buffer {
+    meta_with(shape, shape, Layout::REPLICATED, DType::F32)
+}
+
+/// One kernel run on both backends.
+struct Case {
+    kernel: Kernel,
+    inputs: Vec<Tensor>,
+    out: Buffer,
+    /// The output's contents before the kernel (zeros when `None`).
+    init: Option<Tensor>,
+    at: (u64, u64, Mesh),
+    tol: f64,
+    /// The CPU rejects this case (the GPU must reject it with the same message).
+    fails: bool,
+}
+
+const ONE: Mesh = Mesh { rows: 1, cols: 1 };
+
+impl Case {
+    fn new(kernel: Kernel, inputs: Vec<Tensor>, out: &[u64]) -> Case {
+        Case { kernel, inputs, out: meta(out), init: None, at: (0, 0, ONE), tol: 1e-5, fails: false }
+    }
+
+    fn tol(mut self, tol: f64) -> Case {
+        self.tol = tol;
+        self
+    }
+
+    fn on(mut self, i: u64, j: u64, mesh: Mesh) -> Case {
+        self.at = (i, j, mesh);
+        self
+    }
+
+    fn output(mut self, out: Buffer) -> Case {
+        self.out = out;
+        self
+    }
+
+    fn init(mut self, t: Tensor) -> Case {
+        self.init = Some(t);
+        self
+    }
+
+    fn fails(mut self) -> Case {
+        self.fails = true;
+        self
+    }
+
+    fn describe(&self) -> String {
+        format!("{:?} on {:?}", self.kernel, self.inputs.iter().map(|t| &t.shape).collect::<Vec<_>>())
+    }
+
+    /// The output's initial contents.
+    fn initial(&self) -> Tensor {
+        self.init.clone().unwrap_or_else(|| Tensor::zeros(self.out.dtype, &self.out.shape))
+    }
+
+    /// The CPU's output, checked against whether the case should fail.
+    fn on_cpu(&self) -> Result<Result<Tensor, String>, String> {
+        let (i, j, mesh) = self.at;
+        let ctx = KernelContext { i, j, mesh, seed: 1234, inputs: &[], output: &self.out };
+        let mut want = self.initial();
+        let refs: Vec<&Tensor> = self.inputs.iter().collect();
+        let result = cpu::run(&self.kernel, &refs, &mut want, &ctx).map(|()| want);
+        match (&result, self.fails) {
+            (Ok(_), true) => Err(format!("{}: the CPU accepts a case meant to fail", self.describe())),
+            (Err(e), false) => Err(format!("{}: the CPU fails: {e}", self.describe())),
+            _ => Ok(result),
+        }
+    }
+}
+
+/// Every |got - want| <= tol * max(1, |want|) (infinities and NaNs must match); integers exactly.
+fn close(got: &Tensor, want: &Tensor, tol: f64) -> R {
+    if got.shape != want.shape {
+        return Err(format!("shape {:?}, expected {:?}", got.shape, want.shape));
+    }
+    match (&got.data, &want.data) {
+        (Data::I32(g), Data::I32(w)) if g == w => Ok(()),
+        (Data::F32(g), Data::F32(w)) if g.len() == w.len() => {
+            for (k, (&g, &w)) in g.iter().zip(w).enumerate() {
+                let (g64, w64) = (f64::from(g), f64::from(w));
+                let ok = (g64 - w64).abs() <= tol * w64.abs().max(1.0) || g == w || (g.is_nan() && w.is_nan());
+                if !ok {
+                    return Err(format!("element {k}: got {g}, want {w}"));
+                }
+            }
+            Ok(())
+        }
+        _ => Err(format!("contents differ: got {:?}, want {:?}", got.data, want.data)),
+    }
+}
+
+impl Gpu {
+    fn upload(&self, t: &Tensor) -> Result<DeviceTensor, String> {
+        DeviceTensor::upload(&self.stream, t)
+    }
+
+    /// Runs a case on the CPU and the GPU: both succeed with close outputs, or both fail with the same error.
+    fn check(&mut self, case: &Case) -> R {
+        let (i, j, mesh) = case.at;
+        let ctx = KernelContext { i, j, mesh, seed: 1234, inputs: &[], output: &case.out };
+        let cpu_result = case.on_cpu()?;
+        let dev: Vec<DeviceTensor> = case.inputs.iter().map(|t| self.upload(t)).collect::<Result<_, _>>()?;
+        let dev_refs: Vec<&DeviceTensor> = dev.iter().collect();
+        let mut got = self.upload(&case.initial())?;
+        let gpu_result = self.kernels.run(&case.kernel, &dev_refs, &mut got, &ctx);
+        match (cpu_result, gpu_result) {
+            (Ok(want), Ok(())) => {
+                close(&got.download(&self.stream)?, &want, case.tol).map_err(|e| format!("{}: {e}", case.describe()))
+            }
+            (Err(a), Err(b)) if a == b => Ok(()),
+            (a, b) => Err(format!("{}: the CPU gives {:?}, the GPU {b:?}", case.describe(), a.map(|_| ()))),
+        }
+    }
+
+    fn check_all(&mut self, cases: &[Case]) -> R {
+        cases.iter().try_for_each(|c| self.check(c))
+    }
+}
+
+/// Checks a list of cases on a GPU, or skips.
+fn on_gpu(cases: impl FnOnce(&mut Rng) -> Result<Vec<Case>, String>) -> R {
+    with_gpu(|g, rng| g.check_all(&cases(rng)?))
+}
+
+/// Runs `body` on a GPU, or skips.
+fn with_gpu(body: impl FnOnce(&mut Gpu, &mut Rng) -> R) -> R {
+    match gpu()? {
+        Some(mut g) => body(&mut g, &mut Rng(7)),
+        None => Ok(()),
+    }
+}
+
+/// The CPU's output of a kernel (to make consistent inputs for later kernels).
+fn cpu_eval(kernel: Kernel, inputs: &[&Tensor], shape: &[u64], at: (u64, u64, Mesh)) -> Result<Tensor, String> {
+    let out = meta(shape);
+    let mut t = Tensor::zeros(DType::F32, shape);
+    let ctx = KernelContext { i: at.0, j: at.1, mesh: at.2, seed: 1234, inputs: &[], output: &out };
+    cpu::run(&kernel, inputs, &mut t, &ctx)?;
+    Ok(t)
+}
+
+// ---- the cases ------------------------------------------------------------------------------------
+
+fn product_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let mut cases = Vec::new();
+    for (ta, tb, accumulate) in (0..8).map(|k| (k & 1 == 1, k & 2 == 2, k & 4 == 4)) {
+        let a = if ta { rng.tensor(&[5, 6]) } else { rng.tensor(&[2, 3, 5]) };
+        let b = if tb { rng.tensor(&[7, 5]) } else { rng.tensor(&[5, 7]) };
+        let kernel = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate };
+        cases.push(Case::new(kernel, vec![a, b], &[2, 3, 7]).init(rng.tensor(&[2, 3, 7])));
+    }
+    let plain = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: false };
+    let batched = vec![rng.tensor(&[2, 3, 4, 5]), rng.tensor(&[2, 3, 5, 6])];
+    cases.extend([
+        Case::new(plain.clone(), vec![rng.tensor(&[130, 300]), rng.tensor(&[300, 70])], &[130, 70]),
+        Case::new(plain.clone(), vec![rng.tensor(&[6, 0]), rng.tensor(&[0, 7])], &[6, 7]).init(rng.tensor(&[6, 7])),
+        Case::new(plain, vec![rng.tensor(&[6, 4]), rng.tensor(&[5, 7])], &[6, 7]).fails(),
+        Case::new(Kernel::BatchedMatMul, batched, &[2, 3, 4, 6]),
+        Case::new(Kernel::BatchedMatMul, vec![rng.tensor(&[2, 4, 5]), rng.tensor(&[3, 5, 6])], &[2, 4, 6]).fails(),
+    ]);
+    Ok(cases)
+}
+
+fn elementwise_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let (x, y, s) = (rng.scaled(&[7, 45], 4.0), rng.tensor(&[7, 45]), [7, 45]);
+    let int4 = meta_with(&[4], &[4], Layout::REPLICATED, DType::I32);
+    Ok(vec![
+        Case::new(Kernel::BiasAdd, vec![x.clone(), rng.tensor(&[45])], &s),
+        Case::new(Kernel::Add, vec![x.clone(), y.clone()], &s),
+        Case::new(Kernel::Scale { factor: 0.3 }, vec![x.clone()], &s),
+        Case::new(Kernel::Gelu { approximate: true }, vec![x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::Gelu { approximate: false }, vec![x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::GeluGrad { approximate: true }, vec![y.clone(), x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::GeluGrad { approximate: false }, vec![y, x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::CausalMask, vec![rng.tensor(&[2, 5, 5])], &[2, 5, 5]),
+        Case::new(Kernel::CausalMask, vec![rng.tensor(&[3, 4, 6])], &[3, 4, 6]),
+        Case::new(Kernel::CausalMaskGrad, vec![rng.tensor(&[2, 6, 4])], &[2, 6, 4]),
+        Case::new(Kernel::Fill { value: -2.5 }, vec![], &[3, 5]),
+        Case::new(Kernel::Fill { value: 7.9 }, vec![], &[4]).output(int4),
+        Case::new(Kernel::Add, vec![x.clone(), rng.tensor(&[7, 44])], &s).fails(),
+        Case::new(Kernel::BiasAdd, vec![x, rng.tensor(&[44])], &s).fails(),
+        // More elements than one grid-stride pass covers.
+        Case::new(Kernel::Scale { factor: -1.5 }, vec![rng.tensor(&[5_000_001])], &[5_000_001]),
+    ])
+}
+
+fn softmax_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let mut cases = Vec::new();
+    for (rows, width) in [(37, 1000), (5, 3), (300, 33), (2, 5000)] {
+        let s = [rows, width];
+        let x = rng.scaled(&s, 20.0);
+        let y = cpu_eval(Kernel::Softmax, &[&x], &s, (0, 0, ONE))?;
+        cases.push(Case::new(Kernel::Softmax, vec![x], &s).tol(1e-4));
+        cases.push(Case::new(Kernel::SoftmaxGrad, vec![rng.tensor(&s), y], &s).tol(1e-4));
+    }
+    Ok(cases)
+}
+
+fn dropout_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let (two, halves) = (Mesh { rows: 2, cols: 2 }, Mesh { rows: 1, cols: 2 });
+    let layout = Layout::new(Placement::shard(0), Placement::shard(1));
+    let sharded = meta_with(&[4, 3], &[8, 6], layout, DType::F32);
+    let factored_layout = Layout::new(Placement::Replicate, Placement::shard_factor(1, 3, 2));
+    let factored = meta_with(&[4, 6], &[4, 12], factored_layout, DType::F32);
+    let x = rng.tensor(&[4, 3]);
+    let drop = |p: f64| Case::new(Kernel::Dropout { p, key: 5 }, vec![x.clone()], &[4, 3]).output(sharded.clone());
+    Ok(vec![
+        drop(0.3).on(1, 0, two),
+        Case::new(Kernel::DropoutGrad { p: 0.3, key: 5 }, vec![x.clone()], &[4, 3])
+            .output(sharded.clone())
+            .on(0, 1, two),
+        drop(0.0).on(1, 1, two),
+        drop(1.0).on(1, 1, two),
+        drop(1.5).on(1, 1, two).fails(),
+        Case::new(Kernel::Dropout { p: 0.5, key: 9 }, vec![rng.tensor(&[4, 6])], &[4, 6])
+            .output(factored)
+            .on(0, 1, halves),
+        Case::new(Kernel::Dropout { p: 0.1, key: 2 }, vec![rng.tensor(&[300, 257])], &[300, 257]),
+    ])
+}
+
+fn data_movement_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let x = rng.tensor(&[3, 4, 5]);
+    let ids = rng.ints(&[3, 4, 5], -50, 50);
+    let int = |shape: &[u64]| meta_with(shape, shape, Layout::REPLICATED, DType::I32);
+    let shard = Placement::Shard { dim: 1, outer: 3, inner: 2 };
+    let slice = |axis: u8, placement: Placement| Kernel::SliceShard { axis, placement };
+    Ok(vec![
+        Case::new(Kernel::Reshape, vec![x.clone()], &[12, 5]),
+        Case::new(Kernel::Reshape, vec![ids.clone()], &[60]).output(int(&[60])),
+        Case::new(Kernel::Reshape, vec![ids.clone()], &[60]).fails(),
+        Case::new(Kernel::Transpose { dim0: 0, dim1: 2 }, vec![x.clone()], &[5, 4, 3]),
+        Case::new(Kernel::Transpose { dim0: 2, dim1: 1 }, vec![x.clone()], &[3, 5, 4]),
+        Case::new(Kernel::Transpose { dim0: 1, dim1: 1 }, vec![x.clone()], &[3, 4, 5]),
+        Case::new(Kernel::Transpose { dim0: 0, dim1: 1 }, vec![ids.clone()], &[4, 3, 5]).output(int(&[4, 3, 5])),
+        Case::new(Kernel::Select { dim: 1, index: 2 }, vec![x.clone()], &[3, 5]),
+        Case::new(Kernel::Select { dim: 2, index: 4 }, vec![ids], &[3, 4]).output(int(&[3, 4])),
+        Case::new(Kernel::Select { dim: 1, index: 9 }, vec![x.clone()], &[3, 5]).fails(),
+        Case::new(Kernel::SelectGrad { dim: 0, index: 1 }, vec![rng.tensor(&[4, 5])], &[3, 4, 5]).init(x.clone()),
+        Case::new(slice(1, shard), vec![rng.tensor(&[4, 24])], &[4, 12]).on(0, 1, Mesh { rows: 1, cols: 2 }),
+        Case::new(slice(0, Placement::shard(0)), vec![rng.tensor(&[6, 5])], &[2, 5]).on(
+            2,
+            0,
+            Mesh { rows: 3, cols: 1 },
+        ),
+        Case::new(slice(0, Placement::Replicate), vec![x.clone()], &[3, 4, 5]),
+        Case::new(slice(0, Placement::Partial), vec![x], &[3, 4, 5]).fails(),
+    ])
+}
+
+fn attention_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let (heads, d) = (3u64, 4u64);
+    let w = heads * d;
+    let mut cases = Vec::new();
+    for causal in [false, true] {
+        let fused = rng.tensor(&[2, 5, 3 * w]);
+        let dy = rng.tensor(&[2, 5, w]);
+        let attention = Kernel::Attention { heads, causal, fused: true };
+        cases.push(Case::new(attention, vec![fused.clone()], &[2, 5, w]).tol(1e-4));
+        let grad = Kernel::AttentionGrad { heads, causal, fused: true, wrt: 0 };
+        cases.push(Case::new(grad, vec![dy.clone(), fused], &[2, 5, 3 * w]).tol(1e-4));
+        let (q, k, v) = (rng.tensor(&[2, 5, w]), rng.tensor(&[2, 7, w]), rng.tensor(&[2, 7, w]));
+        let attention = Kernel::Attention { heads, causal, fused: false };
+        cases.push(Case::new(attention, vec![q.clone(), k.clone(), v.clone()], &[2, 5, w]).tol(1e-4));
+        for (wrt, shape) in [(0u8, [2, 5, w]), (1, [2, 7, w]), (2, [2, 7, w])] {
+            let grad = Kernel::AttentionGrad { heads, causal, fused: false, wrt };
+            let inputs = vec![dy.clone(), q.clone(), k.clone(), v.clone()];
+            cases.push(Case::new(grad, inputs, &shape).tol(1e-4));
+        }
+    }
+    let long = Kernel::Attention { heads: 2, causal: true, fused: true };
+    cases.push(Case::new(long, vec![rng.tensor(&[1, 300, 3 * 2 * 32])], &[1, 300, 64]).tol(1e-4));
+    let long_grad = Kernel::AttentionGrad { heads: 2, causal: true, fused: true, wrt: 0 };
+    let inputs = vec![rng.tensor(&[1, 300, 64]), rng.tensor(&[1, 300, 3 * 2 * 32])];
+    cases.push(Case::new(long_grad, inputs, &[1, 300, 192]).tol(1e-4));
+    let wrong = Kernel::Attention { heads: 5, causal: false, fused: false };
+    cases.push(Case::new(wrong, vec![rng.tensor(&[2, 5, 12]); 3], &[2, 5, 12]).fails());
+    Ok(cases)
+}
+
+fn embedding_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let offset = Offset { axis: Some(1), block: 5 };
+    let on = |c: Case| c.on(0, 1, Mesh { rows: 1, cols: 2 });
+    let lookup = |masked: bool| Kernel::EmbeddingLookup { offset, masked };
+    let grad = |masked: bool| Kernel::EmbeddingGrad { offset, masked };
+    let ids = rng.ints(&[2, 6], 0, 10);
+    let local = rng.ints(&[2, 6], 5, 10);
+    let bad = Tensor::from_i32(&[3], vec![6, 12, 4]);
+    Ok(vec![
+        on(Case::new(lookup(true), vec![ids.clone(), rng.tensor(&[5, 4])], &[2, 6, 4])),
+        on(Case::new(lookup(false), vec![local.clone(), rng.tensor(&[5, 4])], &[2, 6, 4])),
+        on(Case::new(lookup(false), vec![bad.clone(), rng.tensor(&[5, 4])], &[3, 4]).fails()),
+        on(Case::new(grad(true), vec![ids, rng.tensor(&[2, 6, 4])], &[5, 4])),
+        on(Case::new(grad(false), vec![local, rng.tensor(&[2, 6, 4])], &[5, 4])),
+        on(Case::new(grad(false), vec![bad, rng.tensor(&[3, 4])], &[5, 4]).fails()),
+        Case::new(Kernel::PositionLookup, vec![rng.tensor(&[8, 4])], &[2, 5, 4]),
+        Case::new(Kernel::PositionLookup, vec![rng.tensor(&[4, 4])], &[2, 5, 4]).fails(),
+        Case::new(Kernel::PositionGrad, vec![rng.tensor(&[2, 5, 4])], &[8, 4]).init(rng.tensor(&[8, 4])),
+        Case::new(Kernel::PositionGrad, vec![rng.tensor(&[600, 3, 70])], &[4, 70]).tol(5e-4),
+    ])
+}
+
+/// (sum, square sum) inputs of LayerNorm kernels: any sums, positive square sums.
+fn ln_stats(rng: &mut Rng, rows: u64, n: u64) -> (Tensor, Tensor) {
+    let sum = rng.scaled(&[rows, 1], n as f32 * 0.3);
+    let mut sq = rng.tensor(&[rows, 1]);
+    if let Data::F32(v) = &mut sq.data {
+        v.iter_mut().for_each(|x| *x = n as f32 * (0.6 + 0.5 * *x));
+    }
+    (sum, sq)
+}
+
+fn layer_norm_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let mut cases = Vec::new();
+    for (rows, width) in [(6u64, 33u64), (3000, 70), (4, 1000)] {
+        // Long reductions: the CPU's own f32 sums drift (sequentially over rows by ~1e-4), so the inputs
+        // stay small and the tolerance grows with the reductions' length.
+        let long = rows > 1000 || width > 100;
+        let (tol, column_tol) = if long { (1e-4, 1e-3) } else { (1e-5, 1e-5) };
+        let (n, eps, s) = (2 * width, 1e-5, [rows, width]);
+        let x = if long { rng.tensor(&s) } else { rng.scaled(&s, 3.0) };
+        let (dy, gamma, beta) = (rng.tensor(&s), rng.tensor(&[width]), rng.tensor(&[width]));
+        let (sum, sq) = ln_stats(rng, rows, n);
+        let sums_kernel = Kernel::LayerNormGradSums { n, eps };
+        let sums = cpu_eval(sums_kernel.clone(), &[&dy, &x, &gamma, &sum, &sq], &[rows, 2], (0, 0, ONE))?;
+        let apply = vec![x.clone(), sum.clone(), sq.clone(), gamma.clone(), beta];
+        let grad_sums = vec![dy.clone(), x.clone(), gamma.clone(), sum.clone(), sq.clone()];
+        let grad_input = vec![dy.clone(), x.clone(), gamma, sum.clone(), sq.clone(), sums];
+        cases.extend([
+            Case::new(Kernel::RowSum, vec![x.clone()], &[rows, 1]).tol(tol),
+            Case::new(Kernel::RowCenteredSquareSum { n }, vec![x.clone(), sum.clone()], &[rows, 1]).tol(tol),
+            Case::new(Kernel::LayerNormApply { n, eps }, apply, &s).tol(tol),
+            Case::new(sums_kernel, grad_sums, &[rows, 2]).tol(tol),
+            Case::new(Kernel::LayerNormGradInput { n, eps }, grad_input, &s).tol(tol),
+            Case::new(Kernel::LayerNormGradWeight { n, eps }, vec![dy, x.clone(), sum, sq], &[width]).tol(column_tol),
+            Case::new(Kernel::SumToLast, vec![x], &[width]).tol(column_tol),
+        ]);
+    }
+    let no_size = vec![rng.tensor(&[2, 3]), rng.tensor(&[2, 1])];
+    cases.push(Case::new(Kernel::RowCenteredSquareSum { n: 0 }, no_size, &[2, 1]).fails());
+    Ok(cases)
+}
+
+fn cross_entropy_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let mesh = Mesh { rows: 1, cols: 2 };
+    let mut cases = Vec::new();
+    for (rows, width, valid) in [(6u64, 10u64, 17u64), (40, 3000, 5500)] {
+        let offset = Offset { axis: Some(1), block: width };
+        let logits = rng.scaled(&[rows, width], 8.0);
+        let targets = rng.ints(&[rows], 0, valid as i32);
+        let (max_kernel, stats_kernel) =
+            (Kernel::CrossEntropyMax { offset, valid }, Kernel::CrossEntropyStats { offset, valid });
+        let max = cpu_eval(max_kernel.clone(), &[&logits], &[rows, 1], (0, 1, mesh))?;
+        let stats = cpu_eval(stats_kernel.clone(), &[&logits, &targets, &max], &[rows, 2], (0, 1, mesh))?;
+        let dloss = Tensor::from_f32(&[], vec![0.7]);
+        let bad = Tensor::from_i32(&[rows], (0..rows as i32).map(|r| if r == 3 { valid as i32 } else { 1 }).collect());
+        let grad = Kernel::CrossEntropyGrad { offset, valid, count: rows };
+        let grad_inputs = vec![logits.clone(), targets.clone(), max.clone(), stats.clone(), dloss.clone()];
+        let bad_grad_inputs = vec![logits.clone(), bad.clone(), max.clone(), stats.clone(), dloss];
+        let batch = [
+            Case::new(max_kernel, vec![logits.clone()], &[rows, 1]),
+            Case::new(stats_kernel.clone(), vec![logits.clone(), targets, max.clone()], &[rows, 2]).tol(1e-4),
+            Case::new(stats_kernel, vec![logits, bad, max.clone()], &[rows, 2]).fails(),
+            Case::new(Kernel::CrossEntropyLoss { count: rows }, vec![max, stats], &[]),
+            Case::new(grad.clone(), grad_inputs, &[rows, width]).tol(1e-4),
+            Case::new(grad, bad_grad_inputs, &[rows, width]).fails(),
+        ];
+        cases.extend(batch.into_iter().map(|c| c.on(0, 1, mesh)));
+    }
+    Ok(cases)
+}
+
+type Cases = fn(&mut Rng) -> Result<Vec<Case>, String>;
+
+/// Every list of cases, by name.
+const ALL_CASES: [(&str, Cases); 9] = [
+    ("products", product_cases),
+    ("elementwise", elementwise_cases),
+    ("softmax", softmax_cases),
+    ("dropout", dropout_cases),
+    ("data movement", data_movement_cases),
+    ("attention", attention_cases),
+    ("embeddings", embedding_cases),
+    ("layer norm", layer_norm_cases),
+    ("cross-entropy", cross_entropy_cases),
+];
+
+/// The GPU tests' cases do what they claim on the CPU (so that "both fail alike" is never vacuous).
+#[test]
+fn every_gpu_case_behaves_as_declared_on_the_cpu() -> R {
+    let mut rng = Rng(7);
+    for (name, cases) in ALL_CASES {
+        for case in cases(&mut rng)? {
+            case.on_cpu().map(|_| ()).map_err(|e| format!("{name}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+// ---- GPU tests ------------------------------------------------------------------------------------
+
+#[test]
+fn gpu_products_match_the_cpu() -> R {
+    on_gpu(product_cases)
+}
+
+#[test]
+fn gpu_elementwise_kernels_match_the_cpu() -> R {
+    on_gpu(elementwise_cases)
+}
+
+#[test]
+fn gpu_softmax_matches_the_cpu() -> R {
+    on_gpu(softmax_cases)
+}
+
+#[test]
+fn gpu_dropout_takes_the_cpus_mask() -> R {
+    on_gpu(dropout_cases)
+}
+
+#[test]
+fn gpu_data_movement_matches_the_cpu() -> R {
+    on_gpu(data_movement_cases)
+}
+
+#[test]
+fn gpu_attention_matches_the_cpu() -> R {
+    on_gpu(attention_cases)
+}
+
+#[test]
+fn gpu_embeddings_match_the_cpu() -> R {
+    on_gpu(embedding_cases)
+}
+
+#[test]
+fn gpu_layer_norm_and_sums_match_the_cpu() -> R {
+    on_gpu(layer_norm_cases)
+}
+
+#[test]
+fn gpu_cross_entropy_matches_the_cpu() -> R {
+    on_gpu(cross_entropy_cases)
+}
+
+fn settings(kind: OptimizerKind, momentum: f32, weight_decay: f32) -> OptimizerSettings {
+    OptimizerSettings { kind, lr: 0.01, weight_decay, momentum, beta1: 0.9, beta2: 0.999, eps: 1e-8 }
+}
+
+impl Gpu {
+    /// Three optimizer steps on the CPU and the GPU from the same state.
+    fn check_optimizer(&mut self, rng: &mut Rng, s: &OptimizerSettings) -> R {
+        let shape = [37, 29];
+        let mut host = [rng.tensor(&shape), rng.scaled(&shape, 0.1), rng.scaled(&shape, 0.1)];
+        if let Data::F32(v) = &mut host[2].data {
+            v.iter_mut().for_each(|x| *x = x.abs());
+        }
+        let mut dev: Vec<DeviceTensor> = host.iter().map(|t| self.upload(t)).collect::<Result<_, _>>()?;
+        for step in 1..=3 {
+            let grad = rng.tensor(&shape);
+            let [p, m, v] = &mut host;
+            cpu::optimizer_step(p, &grad, m, v, s, step)?;
+            let dgrad = self.upload(&grad)?;
+            let [dp, dm, dv] = dev.as_mut_slice() else { return Err("three tensors".into()) };
+            self.kernels.optimizer_step(dp, &dgrad, dm, dv, s, step)?;
+        }
+        for (k, (d, h)) in dev.iter().zip(&host).enumerate() {
+            close(&d.download(&self.stream)?, h, 1e-5).map_err(|e| format!("{s:?}, tensor {k}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn gpu_optimizer_steps_match_the_cpu() -> R {
+    with_gpu(|g, rng| {
+        g.check_optimizer(rng, &settings(OptimizerKind::Sgd, 0.9, 0.01))?;
+        g.check_optimizer(rng, &settings(OptimizerKind::Sgd, 0.0, 0.0))?;
+        g.check_optimizer(rng, &settings(OptimizerKind::AdamW, 0.0, 0.01))?;
+        g.check_optimizer(rng, &settings(OptimizerKind::AdamW, 0.0, 0.0))
+    })
+}
+
+#[test]
+fn gpu_tensors_round_trip() -> R {
+    with_gpu(|g, rng| {
+        for t in [rng.tensor(&[3, 4]), rng.ints(&[5], -3, 3), Tensor::zeros(DType::F32, &[0, 4]), rng.tensor(&[])] {
+            let back = g.upload(&t)?.download(&g.stream)?;
+            if back != t {
+                return Err(format!("{t:?} came back as {back:?}"));
+            }
+        }
+        let bad = Tensor::from_f32(&[3], vec![1.0]);
+        if g.upload(&bad).is_ok() {
+            return Err("a tensor with the wrong element count was uploaded".into());
+        }
+        Ok(())
+    })
+}
