@@ -71,6 +71,29 @@ pub fn block_runs(full: &[u64], shard: Placement, parts: u64, member: u64) -> Ve
     runs
 }
 
+/// Scatters the member-major blocks of an all-gather (`blocks` = member 0's block, member 1's, ...)
+/// into the gathered tensor `recv` of shape `full`.
+pub fn unpack_gathered(full: &[u64], shard: Placement, parts: u64, blocks: &[f32], recv: &mut [f32]) {
+    let block_len = blocks.len() / parts.max(1) as usize;
+    for (member, block) in blocks.chunks_exact(block_len.max(1)).enumerate() {
+        for (full_at, block_at, len) in block_runs(full, shard, parts, member as u64) {
+            recv[full_at..full_at + len].copy_from_slice(&block[block_at..block_at + len]);
+        }
+    }
+}
+
+/// Orders a tensor of shape `full` member-major for a reduce-scatter: member m's block of `block_len`
+/// elements comes m-th, as MPI and NCCL scatter equal consecutive blocks.
+pub fn pack_for_scatter(full: &[u64], shard: Placement, parts: u64, send: &[f32], block_len: usize) -> Vec<f32> {
+    let mut packed = vec![0.0f32; send.len()];
+    for (member, block) in packed.chunks_exact_mut(block_len.max(1)).enumerate() {
+        for (full_at, block_at, len) in block_runs(full, shard, parts, member as u64) {
+            block[block_at..block_at + len].copy_from_slice(&send[full_at..full_at + len]);
+        }
+    }
+    packed
+}
+
 /// Combines every member's contribution into this member's result, per the collective's semantics.
 #[allow(clippy::too_many_arguments)]
 pub fn combine(

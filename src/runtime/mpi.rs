@@ -2,7 +2,7 @@
 //! world, every collective non-blocking and polled against the run's timeout, and any failure (an
 //! error, a panic, a peer that stops answering) ends the whole job with MPI_Abort and the rank's name.
 
-use super::comm::{CommError, Communicator, block_runs};
+use super::comm::{CommError, Communicator, pack_for_scatter, unpack_gathered};
 use super::cpu::{self, Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord};
 use super::tensor::{Data, Tensor};
 use crate::cost::placement::{NodeMap, Placement};
@@ -121,7 +121,14 @@ impl MpiJob {
         let (i, j) = devices[self.rank as usize];
         install_panic_hook(format!("rank {} (device ({i}, {j}))", self.rank));
         let comm = MpiComm::new(&self.world, plan.mesh, (i, j), config.timeout, self.rank)?;
-        let (records, blocks) = match cpu::run_device(plan, &comm, self.local_rank, config, batches, initial, on_step) {
+        let outcome = match config.backend {
+            #[cfg(feature = "cuda")]
+            crate::runtime::backend::BackendKind::Cuda => self
+                .nccl(&comm, config.timeout)
+                .and_then(|nccl| cpu::run_device(plan, nccl, self.local_rank, config, batches, initial, on_step)),
+            _ => cpu::run_device(plan, &comm, self.local_rank, config, batches, initial, on_step),
+        };
+        let (records, blocks) = match outcome {
             Ok(r) => r,
             Err(e) => self.abort(&format!("device ({i}, {j}) failed: {e}")),
         };
@@ -137,6 +144,26 @@ impl MpiJob {
             }
             None => Ok(None),
         }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl MpiJob {
+    /// This rank's NCCL endpoint on GPU (rank on its node) modulo the GPUs visible; each group's first
+    /// member makes the group's NCCL id and broadcasts it over the group's MPI communicator.
+    fn nccl(&self, comm: &MpiComm, timeout: Duration) -> Result<crate::runtime::cuda::nccl::NcclComm, String> {
+        use crate::runtime::cuda::nccl::{GroupIds, IdBytes, NcclComm, new_id};
+        let gpus = crate::runtime::cuda::probe()? as u64;
+        let share = |group: &SimpleCommunicator| -> IdBytes {
+            let mut id: IdBytes = [0; 128];
+            if group.rank() == 0 {
+                id = new_id().unwrap_or_else(|e| self.abort(&e));
+            }
+            group.process_at_rank(0).broadcast_into(&mut id[..]);
+            id
+        };
+        let ids = GroupIds { row: share(&comm.row), column: share(&comm.column), world: share(&comm.mesh_world) };
+        NcclComm::new((self.local_rank % gpus) as usize, comm.mesh, comm.coords, ids, timeout)
     }
 }
 
@@ -299,21 +326,12 @@ impl Communicator for &MpiComm {
                 same_len(full.iter().product::<u64>() as usize, recv.len())?;
                 let mut blocks = vec![0.0f32; send.len() * parts as usize];
                 mpi::request::scope(|s| self.complete(comm.immediate_all_gather_into(s, send, &mut blocks[..]), &what));
-                for (member, block) in blocks.chunks_exact(send.len().max(1)).enumerate() {
-                    for (full_at, block_at, len) in block_runs(full, shard, parts, member as u64) {
-                        recv[full_at..full_at + len].copy_from_slice(&block[block_at..block_at + len]);
-                    }
-                }
+                unpack_gathered(full, shard, parts, &blocks, recv);
             }
             CollectiveKind::ReduceScatter => {
                 let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
                 same_len(send.len(), recv.len() * parts as usize)?;
-                let mut packed = vec![0.0f32; send.len()];
-                for (member, block) in packed.chunks_exact_mut(recv.len().max(1)).enumerate() {
-                    for (full_at, block_at, len) in block_runs(full, shard, parts, member as u64) {
-                        block[block_at..block_at + len].copy_from_slice(&send[full_at..full_at + len]);
-                    }
-                }
+                let packed = pack_for_scatter(full, shard, parts, send, recv.len());
                 mpi::request::scope(|s| {
                     self.complete(comm.immediate_reduce_scatter_block_into(s, &packed[..], recv, op), &what)
                 });

@@ -67,14 +67,26 @@ pub fn run(
 ) -> Result<RunOutput, String> {
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();
+    #[cfg(feature = "cuda")]
+    let nccl = match config.backend {
+        BackendKind::Cuda => Some(super::cuda::nccl::ids_for_threads(plan.mesh)?),
+        BackendKind::Cpu => None,
+    };
     let results: Vec<Result<(Vec<StepRecord>, DeviceBlocks), String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {
                 let fabric = std::sync::Arc::clone(&fabric);
+                #[cfg(feature = "cuda")]
+                let nccl = nccl.as_deref();
                 scope.spawn(move || {
                     let (i, j) = (rank / plan.mesh.cols, rank % plan.mesh.cols);
                     let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), i, j);
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        #[cfg(feature = "cuda")]
+                        if let Some(ids) = nccl {
+                            let comm = super::cuda::nccl::NcclComm::for_thread(ids, rank, plan.mesh, config.timeout)?;
+                            return run_device(plan, comm, rank, config, batches, initial, on_step);
+                        }
                         run_device(plan, comm, rank, config, batches, initial, on_step)
                     }));
                     let result = match outcome {

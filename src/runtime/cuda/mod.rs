@@ -5,6 +5,7 @@
 //! MPI) works unchanged. Device-resident buffers with NCCL collectives are the next step.
 
 pub mod kernels;
+pub mod nccl;
 
 use super::backend::Backend;
 use super::cpu::kernels::{KernelContext, OptimizerSettings};
