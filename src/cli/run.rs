@@ -49,8 +49,9 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
     /// Under mpirun or srun: which rank runs which device. row-major gives rank r device (r / cols, r % cols);
-    /// blocks gives each node a block of the mesh as square as possible (2x2 for 4 ranks per node), so that
-    /// row and column collectives cross fewer nodes. Ignored when running on threads.
+    /// blocks gives each node a block of the mesh as square as possible (2x2 for 4 ranks per node), which
+    /// splits inter-node traffic between rows and columns; `optimusc simulate --placement` predicts which is
+    /// faster for a model. Ignored when running on threads.
     #[arg(long, value_enum, default_value_t = PlacementArg::RowMajor)]
     pub placement: PlacementArg,
 }
@@ -109,7 +110,7 @@ pub enum OptimizerArg {
 pub enum Backend {
     /// Host kernels: one thread per device in this process, or one process per device under mpirun/srun.
     Cpu,
-    /// One NVIDIA GPU per device (a build with `--features cuda`): cuBLAS and NVRTC kernels.
+    /// One NVIDIA GPU per device (a build with `--features cuda`): cuBLAS and NVRTC kernels, NCCL collectives.
     Cuda,
 }
 
