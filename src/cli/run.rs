@@ -250,7 +250,7 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
 mod multi_process {
     use super::*;
     use optimus::runtime::launch::Launch;
-    use optimus::runtime::mpi::MpiJob;
+    use optimus::runtime::mpi::{JobOptions, MpiJob};
 
     pub fn run(args: &RunArgs, _launch: &Launch) -> ExitCode {
         let mpi = match MpiJob::init() {
@@ -282,9 +282,9 @@ mod multi_process {
         let leader = mpi.rank() == 0;
         let progress = Progress::new(&job.plan, if leader { args.steps } else { 0 }, args.json || !leader);
         let batches = |step| job.tokens.batch(&job.plan, step);
-        let placement = args.placement.placement();
+        let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
-        let result = mpi.run(&job.plan, &job.config, &batches, &job.initial, placement, &on_step);
+        let result = mpi.run(&job.plan, &job.config, &batches, &job.initial, options, &on_step);
         match result.and_then(|output| output.map_or(Ok(()), |output| finish(args, &job, &progress, &output))) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => mpi.abort(&e),

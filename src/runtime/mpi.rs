@@ -17,6 +17,16 @@ use mpi::traits::*;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+/// How a multi-process run is laid out and what it hands back.
+#[derive(Clone, Copy, Debug)]
+pub struct JobOptions {
+    /// Which rank runs which device.
+    pub placement: Placement,
+    /// Whether rank 0 gathers the final parameters, gradients and outputs (to save them); without it,
+    /// the output holds the step records only.
+    pub gather: bool,
+}
+
 /// This process's membership in an MPI job. MPI is initialised once per process, by [`MpiJob::init`],
 /// and finalised when the job is dropped.
 pub struct MpiJob {
@@ -95,16 +105,18 @@ impl MpiJob {
     }
 
     /// Runs this rank's device of the plan. Rank 0 (which holds device (0, 0)) calls `on_step` and
-    /// returns the assembled output; other ranks return `None`. A failure on any rank aborts the job.
+    /// returns the output (assembled tensors when `options.gather`); other ranks return `None`. A failure
+    /// on any rank aborts the job.
     pub fn run(
         &self,
         plan: &Plan,
         config: &RunConfig,
         batches: &Batches<'_>,
         initial: &BTreeMap<String, Tensor>,
-        placement: Placement,
+        options: JobOptions,
         on_step: &(dyn Fn(&StepRecord) + Sync),
     ) -> Result<Option<RunOutput>, String> {
+        let placement = options.placement;
         if self.size != plan.mesh.devices() {
             return Err(format!(
                 "the plan's {} mesh has {} devices but the job has {} processes; start it with -np {}",
@@ -132,6 +144,11 @@ impl MpiJob {
             Ok(r) => r,
             Err(e) => self.abort(&format!("device ({i}, {j}) failed: {e}")),
         };
+        if !options.gather {
+            let steps = if self.rank == 0 { records } else { Vec::new() };
+            let empty = RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new() };
+            return Ok((self.rank == 0).then_some(empty));
+        }
         let gathered = gather_blocks(&comm.mesh_world, blocks)?;
         match gathered {
             Some(per_device) => {
