@@ -13,6 +13,7 @@ pub mod init;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod shapes;
 pub mod tensor;
 
 use crate::plan::{Buffer, BufferId, Instr, Kernel, Plan, ReduceOp, Role};

@@ -2,6 +2,10 @@
 //! update, and the counter-based dropout mask. Matrix products go through `faer`.
 
 use crate::plan::{Buffer, Kernel, Mesh, Offset};
+use crate::runtime::shapes::{
+    Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
+    slice_shard_runs, split_last, transpose_swap,
+};
 use crate::runtime::tensor::{Data, Tensor};
 use crate::shard::layout::Placement;
 use faer::linalg::matmul::matmul;
@@ -102,23 +106,6 @@ fn dispatch(kernel: &Kernel, inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelC
 
 // ---- helpers ---------------------------------------------------------------------------------------
 
-/// The element count of a shape (saturating, so that absurd shapes fail the length checks instead).
-fn numel(shape: &[u64]) -> usize {
-    shape.iter().fold(1u64, |n, &d| n.saturating_mul(d)) as usize
-}
-
-/// (rows, last): the leading dimensions flattened and the last dimension (a scalar is 1 x 1).
-fn split_last(shape: &[u64]) -> (usize, usize) {
-    match shape.split_last() {
-        Some((&last, lead)) => (numel(lead), last as usize),
-        None => (1, 1),
-    }
-}
-
-fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<(), String> {
-    if ok { Ok(()) } else { Err(message()) }
-}
-
 /// Exactly `N` inputs.
 fn args<'t, const N: usize>(inputs: &[&'t Tensor]) -> Result<[&'t Tensor; N], String> {
     <[&'t Tensor; N]>::try_from(inputs).map_err(|_| format!("expects {N} inputs, got {}", inputs.len()))
@@ -144,14 +131,6 @@ fn floats_mut(t: &mut Tensor) -> Result<&mut [f32], String> {
     let v = t.f32_mut().map_err(|e| format!("output: {e}"))?;
     ensure(v.len() == n, || format!("the output holds {} elements, not {n}", v.len()))?;
     Ok(v)
-}
-
-fn same_len(what: &str, got: usize, want: usize) -> Result<(), String> {
-    ensure(got == want, || format!("{what} has {got} elements, expected {want}"))
-}
-
-fn same_shape(what: &str, got: &[u64], want: &[u64]) -> Result<(), String> {
-    ensure(got == want, || format!("{what} is {got:?}, expected {want:?}"))
 }
 
 /// Rows of `n` elements (none when `n == 0`).
@@ -266,14 +245,6 @@ fn matmul_kernel(inputs: &[&Tensor], out: &mut Tensor, ta: bool, tb: bool, accum
     let a = if ta { a.transpose() } else { a };
     let b = if tb { b.transpose() } else { b };
     gemm(MatMut::from_row_major_slice_mut(y, m, n), a, b, accumulate, 1.0)
-}
-
-/// The leading dimensions and the trailing matrix of a tensor of rank >= 2.
-fn batch_matrix<'s>(shape: &'s [u64], what: &str) -> Result<(&'s [u64], usize, usize), String> {
-    match shape {
-        [lead @ .., r, c] => Ok((lead, *r as usize, *c as usize)),
-        _ => Err(format!("{what} must have at least two dimensions, not {shape:?}")),
-    }
 }
 
 fn batched_matmul(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
@@ -437,18 +408,18 @@ fn splitmix64(z: u64) -> u64 {
 
 /// The keep decisions of one tensor: element `index` is the `index`-th output of a SplitMix64 stream
 /// whose start depends on (seed, key); it is kept when its top 53 bits, as a fraction, are >= p.
-struct DropoutMask {
-    base: u64,
-    threshold: f64,
+pub struct DropoutMask {
+    pub base: u64,
+    pub threshold: f64,
 }
 
 impl DropoutMask {
-    fn new(seed: u64, key: u32, p: f64) -> DropoutMask {
+    pub fn new(seed: u64, key: u32, p: f64) -> DropoutMask {
         let base = splitmix64(seed ^ splitmix64(u64::from(key) ^ 0xD1B5_4A32_D192_ED03));
         DropoutMask { base, threshold: p * (1u64 << 53) as f64 }
     }
 
-    fn keep(&self, index: u64) -> bool {
+    pub fn keep(&self, index: u64) -> bool {
         let h = splitmix64(self.base.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
         (h >> 11) as f64 >= self.threshold
     }
@@ -612,28 +583,7 @@ pub fn logical_indices(meta: &Buffer, i: u64, j: u64, mesh: Mesh) -> Vec<u64> {
 
 // ---- data movement --------------------------------------------------------------------------------
 
-/// A copy of `count` runs of `len` elements between strided positions, for any element type.
-#[derive(Clone, Copy, Debug)]
-struct Runs {
-    count: usize,
-    len: usize,
-    src_stride: usize,
-    src_offset: usize,
-    dst_stride: usize,
-    dst_offset: usize,
-    /// Zero the destination first (it is larger than what the runs cover).
-    zero_first: bool,
-}
-
 impl Runs {
-    fn fits(&self, src: usize, dst: usize) -> bool {
-        let end = |offset: usize, stride: usize| match self.count {
-            0 => 0,
-            c => offset + (c - 1) * stride + self.len,
-        };
-        end(self.src_offset, self.src_stride) <= src && end(self.dst_offset, self.dst_stride) <= dst
-    }
-
     fn apply<T: Copy + Default>(&self, src: &[T], dst: &mut [T]) -> Result<(), String> {
         ensure(self.fits(src.len(), dst.len()), || format!("internal error: {self:?} does not fit"))?;
         if self.zero_first {
@@ -662,66 +612,20 @@ fn move_runs(x: &Tensor, out: &mut Tensor, runs: Runs) -> Result<(), String> {
 
 fn reshape(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     let [x] = args(inputs)?;
-    let n = numel(&x.shape);
-    same_len("the output", numel(&out.shape), n)?;
-    let runs = Runs { count: 1, len: n, src_stride: 0, src_offset: 0, dst_stride: 0, dst_offset: 0, zero_first: false };
-    move_runs(x, out, runs)
-}
-
-/// (before, size, after) of dimension `dim`.
-fn around(shape: &[u64], dim: usize) -> Result<(usize, usize, usize), String> {
-    ensure(dim < shape.len(), || format!("dimension {dim} does not exist in {shape:?}"))?;
-    Ok((numel(&shape[..dim]), shape[dim] as usize, numel(&shape[dim + 1..])))
-}
-
-fn without(shape: &[u64], dim: usize) -> Vec<u64> {
-    shape.iter().enumerate().filter(|&(d, _)| d != dim).map(|(_, &s)| s).collect()
+    move_runs(x, out, reshape_runs(&x.shape, &out.shape)?)
 }
 
 fn select(inputs: &[&Tensor], out: &mut Tensor, dim: usize, index: u64) -> Result<(), String> {
     let [x] = args(inputs)?;
-    let (before, size, after) = around(&x.shape, dim)?;
-    ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {:?}", x.shape))?;
-    same_shape("the output", &out.shape, &without(&x.shape, dim))?;
-    let runs = Runs {
-        count: before,
-        len: after,
-        src_stride: size * after,
-        src_offset: index as usize * after,
-        dst_stride: after,
-        dst_offset: 0,
-        zero_first: false,
-    };
-    move_runs(x, out, runs)
+    move_runs(x, out, select_runs(&x.shape, &out.shape, dim, index)?)
 }
 
 fn select_grad(inputs: &[&Tensor], out: &mut Tensor, dim: usize, index: u64) -> Result<(), String> {
     let [dy] = args(inputs)?;
-    let (before, size, after) = around(&out.shape, dim)?;
-    ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {:?}", out.shape))?;
-    same_shape("dy", &dy.shape, &without(&out.shape, dim))?;
-    let runs = Runs {
-        count: before,
-        len: after,
-        src_stride: after,
-        src_offset: 0,
-        dst_stride: size * after,
-        dst_offset: index as usize * after,
-        zero_first: true,
-    };
-    move_runs(dy, out, runs)
+    move_runs(dy, out, select_grad_runs(&dy.shape, &out.shape, dim, index)?)
 }
 
-/// Swaps dimensions p and q of [a, p, b, q, c], copying runs of c in tiles of (p, q).
-#[derive(Clone, Copy)]
-struct Swap {
-    a: usize,
-    p: usize,
-    b: usize,
-    q: usize,
-    c: usize,
-}
-
+/// Copies runs of c in tiles of (p, q).
 impl Swap {
     const TILE: usize = 16;
 
@@ -751,21 +655,8 @@ impl Swap {
 
 fn transpose(inputs: &[&Tensor], out: &mut Tensor, dim0: usize, dim1: usize) -> Result<(), String> {
     let [x] = args(inputs)?;
-    let rank = x.shape.len();
-    ensure(dim0 < rank && dim1 < rank, || format!("cannot swap dimensions {dim0} and {dim1} of {:?}", x.shape))?;
-    let mut swapped = x.shape.clone();
-    swapped.swap(dim0, dim1);
-    same_shape("the output", &out.shape, &swapped)?;
-    let (d0, d1) = (dim0.min(dim1), dim0.max(dim1));
-    let s = &x.shape;
-    let swap = Swap {
-        a: numel(&s[..d0]),
-        p: s[d0] as usize,
-        b: numel(&s[d0 + 1..d1.max(d0 + 1)]),
-        q: if d0 == d1 { 1 } else { s[d1] as usize },
-        c: numel(&s[d1 + 1..]),
-    };
-    let n = numel(s);
+    let swap = transpose_swap(&x.shape, &out.shape, dim0, dim1)?;
+    let n = numel(&x.shape);
     match (&x.data, &mut out.data) {
         (Data::F32(src), Data::F32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
         (Data::I32(src), Data::I32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
@@ -783,35 +674,7 @@ fn slice_shard(
     p: Placement,
 ) -> Result<(), String> {
     let [x] = args(inputs)?;
-    let Placement::Shard { dim, outer, inner } = p else {
-        ensure(p == Placement::Replicate, || "cannot slice into a pending sum".to_string())?;
-        return reshape(inputs, out);
-    };
-    ensure(axis < 2, || format!("mesh axis {axis} does not exist"))?;
-    let (parts, coord) = (ctx.mesh.axes()[axis], [ctx.i, ctx.j][axis]);
-    let dim = usize::from(dim);
-    let (before, size, after) = around(&x.shape, dim)?;
-    let (outer, inner) = (outer.max(1) as usize, inner.max(1) as usize);
-    let mid = size / outer.saturating_mul(inner);
-    let whole = mid.saturating_mul(outer).saturating_mul(inner) == size;
-    ensure(parts > 0 && coord < parts && whole && mid.is_multiple_of(parts as usize), || {
-        format!("dimension {dim} of {:?} viewed as [{outer}, _, {inner}] cannot be split in {parts}", x.shape)
-    })?;
-    let chunk = mid / parts as usize;
-    let mut want = x.shape.clone();
-    want[dim] = (outer * chunk * inner) as u64;
-    same_shape("the output", &out.shape, &want)?;
-    let len = chunk * inner * after;
-    let runs = Runs {
-        count: before * outer,
-        len,
-        src_stride: mid * inner * after,
-        src_offset: coord as usize * len,
-        dst_stride: len,
-        dst_offset: 0,
-        zero_first: false,
-    };
-    move_runs(x, out, runs)
+    move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, (ctx.i, ctx.j), axis, p)?)
 }
 
 fn fill(inputs: &[&Tensor], out: &mut Tensor, value: f64) -> Result<(), String> {

@@ -9,6 +9,10 @@
 use crate::ir::DType;
 use crate::plan::{Kernel, Mesh};
 use crate::runtime::cpu::kernels::{KernelContext, OptimizerKind, OptimizerSettings, try_logical_indices};
+use crate::runtime::shapes::{
+    Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
+    slice_shard_runs, split_last, transpose_swap,
+};
 use crate::runtime::tensor::{Data, Tensor};
 use crate::shard::layout::{Layout, Placement};
 use cudarc::cublas::sys::cublasOperation_t;
@@ -283,23 +287,6 @@ impl DeviceTensor {
 
 // ---- checks (as in the CPU kernels) ---------------------------------------------------------------
 
-/// The element count of a shape (saturating, so that absurd shapes fail the length checks instead).
-fn numel(shape: &[u64]) -> usize {
-    shape.iter().fold(1u64, |n, &d| n.saturating_mul(d)) as usize
-}
-
-/// (rows, last): the leading dimensions flattened and the last dimension (a scalar is 1 x 1).
-fn split_last(shape: &[u64]) -> (usize, usize) {
-    match shape.split_last() {
-        Some((&last, lead)) => (numel(lead), last as usize),
-        None => (1, 1),
-    }
-}
-
-fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<(), String> {
-    if ok { Ok(()) } else { Err(message()) }
-}
-
 /// Exactly `N` inputs.
 fn args<'t, const N: usize>(inputs: &[&'t DeviceTensor]) -> Result<[&'t DeviceTensor; N], String> {
     <[&'t DeviceTensor; N]>::try_from(inputs).map_err(|_| format!("expects {N} inputs, got {}", inputs.len()))
@@ -333,37 +320,11 @@ fn floats_mut<'t>(t: &'t mut DeviceTensor, what: &str) -> Result<&'t mut CudaSli
     }
 }
 
-fn same_len(what: &str, got: usize, want: usize) -> Result<(), String> {
-    ensure(got == want, || format!("{what} has {got} elements, expected {want}"))
-}
-
-fn same_shape(what: &str, got: &[u64], want: &[u64]) -> Result<(), String> {
-    ensure(got == want, || format!("{what} is {got:?}, expected {want:?}"))
-}
-
 /// An f32 input of exactly `rows * width` elements (per-row statistics, vectors).
 fn per_row<'t>(t: &'t DeviceTensor, rows: usize, width: usize, what: &str) -> Result<&'t CudaSlice<f32>, String> {
     let s = floats(t, what)?;
     same_len(what, t.len(), rows * width)?;
     Ok(s)
-}
-
-/// The leading dimensions and the trailing matrix of a tensor of rank >= 2.
-fn batch_matrix<'s>(shape: &'s [u64], what: &str) -> Result<(&'s [u64], usize, usize), String> {
-    match shape {
-        [lead @ .., r, c] => Ok((lead, *r as usize, *c as usize)),
-        _ => Err(format!("{what} must have at least two dimensions, not {shape:?}")),
-    }
-}
-
-/// (before, size, after) of dimension `dim`.
-fn around(shape: &[u64], dim: usize) -> Result<(usize, usize, usize), String> {
-    ensure(dim < shape.len(), || format!("dimension {dim} does not exist in {shape:?}"))?;
-    Ok((numel(&shape[..dim]), shape[dim] as usize, numel(&shape[dim + 1..])))
-}
-
-fn without(shape: &[u64], dim: usize) -> Vec<u64> {
-    shape.iter().enumerate().filter(|&(d, _)| d != dim).map(|(_, &s)| s).collect()
 }
 
 // ---- launch configurations ------------------------------------------------------------------------
@@ -712,33 +673,9 @@ impl Device {
 
 // ---- dropout --------------------------------------------------------------------------------------
 
-/// SplitMix64's finaliser (of the state advanced by the golden gamma), as the CPU's.
-fn splitmix64(z: u64) -> u64 {
-    let mut z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The per-tensor start of the dropout stream and the keep threshold, exactly as the CPU's `DropoutMask`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DropoutParams {
-    pub base: u64,
-    pub threshold: f64,
-}
-
-impl DropoutParams {
-    pub fn new(seed: u64, key: u32, p: f64) -> DropoutParams {
-        let base = splitmix64(seed ^ splitmix64(u64::from(key) ^ 0xD1B5_4A32_D192_ED03));
-        DropoutParams { base, threshold: p * (1u64 << 53) as f64 }
-    }
-
-    /// The decision the `dropout` kernel takes for logical index `index` (for checks against the CPU).
-    pub fn keep(&self, index: u64) -> bool {
-        let h = splitmix64(self.base.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
-        (h >> 11) as f64 >= self.threshold
-    }
-}
+/// The per-tensor start of the dropout stream and the keep threshold: the CPU's mask, so that both
+/// backends drop the same elements.
+pub use crate::runtime::cpu::kernels::DropoutMask as DropoutParams;
 
 /// What the logical indices of a buffer depend on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -761,34 +698,6 @@ impl IndexKey {
 
 // ---- data movement --------------------------------------------------------------------------------
 
-/// A copy of `count` runs of `len` elements between strided positions, as the CPU's `Runs`.
-#[derive(Clone, Copy, Debug)]
-struct Runs {
-    count: usize,
-    len: usize,
-    src_stride: usize,
-    src_offset: usize,
-    dst_stride: usize,
-    dst_offset: usize,
-    /// Zero the destination first (it is larger than what the runs cover).
-    zero_first: bool,
-}
-
-impl Runs {
-    /// One run of `n` elements.
-    fn whole(n: usize) -> Runs {
-        Runs { count: 1, len: n, src_stride: 0, src_offset: 0, dst_stride: 0, dst_offset: 0, zero_first: false }
-    }
-
-    fn fits(&self, src: usize, dst: usize) -> bool {
-        let end = |offset: usize, stride: usize| match self.count {
-            0 => 0,
-            c => offset.saturating_add((c - 1).saturating_mul(stride)).saturating_add(self.len),
-        };
-        end(self.src_offset, self.src_stride) <= src && end(self.dst_offset, self.dst_stride) <= dst
-    }
-}
-
 /// The storage of an input and an output of the same element type (data movement works on either).
 enum Pair<'a> {
     F32(&'a CudaSlice<f32>, &'a mut CudaSlice<f32>),
@@ -805,16 +714,6 @@ fn pair<'a>(x: &'a DeviceTensor, out: &'a mut DeviceTensor) -> Result<Pair<'a>, 
         (DeviceData::I32(s), DeviceData::I32(d)) => Ok(Pair::I32(s, d)),
         _ => Err("the input and output element types differ".into()),
     }
-}
-
-/// Swaps dimensions p and q of [a, p, b, q, c].
-#[derive(Clone, Copy)]
-struct Swap {
-    a: usize,
-    p: usize,
-    b: usize,
-    q: usize,
-    c: usize,
 }
 
 impl Device {
@@ -846,25 +745,12 @@ impl Device {
 
     fn reshape(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
         let [x] = args(inputs)?;
-        same_len("the output", out.len(), x.len())?;
-        self.move_runs(x, out, Runs::whole(x.len()))
+        self.move_runs(x, out, reshape_runs(&x.shape, &out.shape)?)
     }
 
     fn select(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, dim: usize, index: u64) -> Result<(), String> {
         let [x] = args(inputs)?;
-        let (before, size, after) = around(&x.shape, dim)?;
-        ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {:?}", x.shape))?;
-        same_shape("the output", &out.shape, &without(&x.shape, dim))?;
-        let runs = Runs {
-            count: before,
-            len: after,
-            src_stride: size * after,
-            src_offset: index as usize * after,
-            dst_stride: after,
-            dst_offset: 0,
-            zero_first: false,
-        };
-        self.move_runs(x, out, runs)
+        self.move_runs(x, out, select_runs(&x.shape, &out.shape, dim, index)?)
     }
 
     fn select_grad(
@@ -875,19 +761,7 @@ impl Device {
         index: u64,
     ) -> Result<(), String> {
         let [dy] = args(inputs)?;
-        let (before, size, after) = around(&out.shape, dim)?;
-        ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {:?}", out.shape))?;
-        same_shape("dy", &dy.shape, &without(&out.shape, dim))?;
-        let runs = Runs {
-            count: before,
-            len: after,
-            src_stride: after,
-            src_offset: 0,
-            dst_stride: size * after,
-            dst_offset: index as usize * after,
-            zero_first: true,
-        };
-        self.move_runs(dy, out, runs)
+        self.move_runs(dy, out, select_grad_runs(&dy.shape, &out.shape, dim, index)?)
     }
 
     fn transpose(
@@ -898,20 +772,7 @@ impl Device {
         dim1: usize,
     ) -> Result<(), String> {
         let [x] = args(inputs)?;
-        let rank = x.shape.len();
-        ensure(dim0 < rank && dim1 < rank, || format!("cannot swap dimensions {dim0} and {dim1} of {:?}", x.shape))?;
-        let mut swapped = x.shape.clone();
-        swapped.swap(dim0, dim1);
-        same_shape("the output", &out.shape, &swapped)?;
-        let (d0, d1) = (dim0.min(dim1), dim0.max(dim1));
-        let s = &x.shape;
-        let swap = Swap {
-            a: numel(&s[..d0]),
-            p: s[d0] as usize,
-            b: numel(&s[d0 + 1..d1.max(d0 + 1)]),
-            q: if d0 == d1 { 1 } else { s[d1] as usize },
-            c: numel(&s[d1 + 1..]),
-        };
+        let swap = transpose_swap(&x.shape, &out.shape, dim0, dim1)?;
         match pair(x, out).map_err(|_| "the input and output must have the same element type and element count")? {
             Pair::F32(src, dst) => self.swap(src, dst, swap),
             Pair::I32(src, dst) => self.swap(src, dst, swap),
@@ -933,35 +794,7 @@ impl Device {
         p: Placement,
     ) -> Result<(), String> {
         let [x] = args(inputs)?;
-        let Placement::Shard { dim, outer, inner } = p else {
-            ensure(p == Placement::Replicate, || "cannot slice into a pending sum".to_string())?;
-            return self.reshape(inputs, out);
-        };
-        ensure(axis < 2, || format!("mesh axis {axis} does not exist"))?;
-        let (parts, coord) = (ctx.mesh.axes()[axis], [ctx.i, ctx.j][axis]);
-        let dim = usize::from(dim);
-        let (before, size, after) = around(&x.shape, dim)?;
-        let (outer, inner) = (outer.max(1) as usize, inner.max(1) as usize);
-        let mid = size / outer.saturating_mul(inner);
-        let whole = mid.saturating_mul(outer).saturating_mul(inner) == size;
-        ensure(parts > 0 && coord < parts && whole && mid.is_multiple_of(parts as usize), || {
-            format!("dimension {dim} of {:?} viewed as [{outer}, _, {inner}] cannot be split in {parts}", x.shape)
-        })?;
-        let chunk = mid / parts as usize;
-        let mut want = x.shape.clone();
-        want[dim] = (outer * chunk * inner) as u64;
-        same_shape("the output", &out.shape, &want)?;
-        let len = chunk * inner * after;
-        let runs = Runs {
-            count: before * outer,
-            len,
-            src_stride: mid * inner * after,
-            src_offset: coord as usize * len,
-            dst_stride: len,
-            dst_offset: 0,
-            zero_first: false,
-        };
-        self.move_runs(x, out, runs)
+        self.move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, (ctx.i, ctx.j), axis, p)?)
     }
 }
 

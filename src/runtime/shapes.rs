@@ -1,0 +1,184 @@
+//! Shape checks and data-movement plans shared by every backend's kernels: a backend decides how to
+//! copy, these decide what goes where, so the CPU and GPU kernels cannot drift apart.
+
+use crate::plan::Mesh;
+use crate::shard::layout::Placement;
+
+/// The element count of a shape (saturating, so that absurd shapes fail the length checks instead).
+pub fn numel(shape: &[u64]) -> usize {
+    shape.iter().fold(1u64, |n, &d| n.saturating_mul(d)) as usize
+}
+
+/// (rows, last): the leading dimensions flattened and the last dimension (a scalar is 1 x 1).
+pub fn split_last(shape: &[u64]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&last, lead)) => (numel(lead), last as usize),
+        None => (1, 1),
+    }
+}
+
+pub fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<(), String> {
+    if ok { Ok(()) } else { Err(message()) }
+}
+
+pub fn same_len(what: &str, got: usize, want: usize) -> Result<(), String> {
+    ensure(got == want, || format!("{what} has {got} elements, expected {want}"))
+}
+
+pub fn same_shape(what: &str, got: &[u64], want: &[u64]) -> Result<(), String> {
+    ensure(got == want, || format!("{what} is {got:?}, expected {want:?}"))
+}
+
+/// (leading dimensions, rows, columns) of a batch of matrices.
+pub fn batch_matrix<'s>(shape: &'s [u64], what: &str) -> Result<(&'s [u64], usize, usize), String> {
+    match shape {
+        [lead @ .., r, c] => Ok((lead, *r as usize, *c as usize)),
+        _ => Err(format!("{what} must have at least two dimensions, not {shape:?}")),
+    }
+}
+
+/// (before, size, after) of dimension `dim`.
+fn around(shape: &[u64], dim: usize) -> Result<(usize, usize, usize), String> {
+    ensure(dim < shape.len(), || format!("dimension {dim} does not exist in {shape:?}"))?;
+    Ok((numel(&shape[..dim]), shape[dim] as usize, numel(&shape[dim + 1..])))
+}
+
+/// The shape without dimension `dim`.
+fn without(shape: &[u64], dim: usize) -> Vec<u64> {
+    shape.iter().enumerate().filter(|&(d, _)| d != dim).map(|(_, &s)| s).collect()
+}
+
+/// A copy of `count` runs of `len` elements between strided positions, for any element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Runs {
+    pub count: usize,
+    pub len: usize,
+    pub src_stride: usize,
+    pub src_offset: usize,
+    pub dst_stride: usize,
+    pub dst_offset: usize,
+    /// Zero the destination first (it is larger than what the runs cover).
+    pub zero_first: bool,
+}
+
+impl Runs {
+    /// One run of `n` elements.
+    pub fn whole(n: usize) -> Runs {
+        Runs { count: 1, len: n, src_stride: 0, src_offset: 0, dst_stride: 0, dst_offset: 0, zero_first: false }
+    }
+
+    /// Whether every run lies inside a source of `src` and a destination of `dst` elements.
+    pub fn fits(&self, src: usize, dst: usize) -> bool {
+        let end = |offset: usize, stride: usize| match self.count {
+            0 => 0,
+            c => offset.saturating_add((c - 1).saturating_mul(stride)).saturating_add(self.len),
+        };
+        end(self.src_offset, self.src_stride) <= src && end(self.dst_offset, self.dst_stride) <= dst
+    }
+}
+
+/// Swaps dimensions p and q of [a, p, b, q, c].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Swap {
+    pub a: usize,
+    pub p: usize,
+    pub b: usize,
+    pub q: usize,
+    pub c: usize,
+}
+
+/// A copy with a new shape (same element order).
+pub fn reshape_runs(x: &[u64], out: &[u64]) -> Result<Runs, String> {
+    let n = numel(x);
+    same_len("the output", numel(out), n)?;
+    Ok(Runs::whole(n))
+}
+
+/// out = x[.., index, ..] along `dim`.
+pub fn select_runs(x: &[u64], out: &[u64], dim: usize, index: u64) -> Result<Runs, String> {
+    let (before, size, after) = around(x, dim)?;
+    ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {x:?}"))?;
+    same_shape("the output", out, &without(x, dim))?;
+    Ok(Runs {
+        count: before,
+        len: after,
+        src_stride: size * after,
+        src_offset: index as usize * after,
+        dst_stride: after,
+        dst_offset: 0,
+        zero_first: false,
+    })
+}
+
+/// out = zeros with dy placed at `index` along `dim` (the gradient of [`select_runs`]).
+pub fn select_grad_runs(dy: &[u64], out: &[u64], dim: usize, index: u64) -> Result<Runs, String> {
+    let (before, size, after) = around(out, dim)?;
+    ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {out:?}"))?;
+    same_shape("dy", dy, &without(out, dim))?;
+    Ok(Runs {
+        count: before,
+        len: after,
+        src_stride: after,
+        src_offset: 0,
+        dst_stride: size * after,
+        dst_offset: index as usize * after,
+        zero_first: true,
+    })
+}
+
+/// The swap that transposes dimensions `dim0` and `dim1` of `x` into `out`.
+pub fn transpose_swap(x: &[u64], out: &[u64], dim0: usize, dim1: usize) -> Result<Swap, String> {
+    let rank = x.len();
+    ensure(dim0 < rank && dim1 < rank, || format!("cannot swap dimensions {dim0} and {dim1} of {x:?}"))?;
+    let mut swapped = x.to_vec();
+    swapped.swap(dim0, dim1);
+    same_shape("the output", out, &swapped)?;
+    let (d0, d1) = (dim0.min(dim1), dim0.max(dim1));
+    Ok(Swap {
+        a: numel(&x[..d0]),
+        p: x[d0] as usize,
+        b: numel(&x[d0 + 1..d1.max(d0 + 1)]),
+        q: if d0 == d1 { 1 } else { x[d1] as usize },
+        c: numel(&x[d1 + 1..]),
+    })
+}
+
+/// Device (i, j)'s block of `x` (which holds the whole extent of the placement's dimension) along
+/// mesh `axis`; a replicated placement is a plain copy.
+pub fn slice_shard_runs(
+    x: &[u64],
+    out: &[u64],
+    mesh: Mesh,
+    (i, j): (u64, u64),
+    axis: usize,
+    p: Placement,
+) -> Result<Runs, String> {
+    let Placement::Shard { dim, outer, inner } = p else {
+        ensure(p == Placement::Replicate, || "cannot slice into a pending sum".to_string())?;
+        return reshape_runs(x, out);
+    };
+    ensure(axis < 2, || format!("mesh axis {axis} does not exist"))?;
+    let (parts, coord) = (mesh.axes()[axis], [i, j][axis]);
+    let dim = usize::from(dim);
+    let (before, size, after) = around(x, dim)?;
+    let (outer, inner) = (outer.max(1) as usize, inner.max(1) as usize);
+    let mid = size / outer.saturating_mul(inner);
+    let whole = mid.saturating_mul(outer).saturating_mul(inner) == size;
+    ensure(parts > 0 && coord < parts && whole && mid.is_multiple_of(parts as usize), || {
+        format!("dimension {dim} of {x:?} viewed as [{outer}, _, {inner}] cannot be split in {parts}")
+    })?;
+    let chunk = mid / parts as usize;
+    let mut want = x.to_vec();
+    want[dim] = (outer * chunk * inner) as u64;
+    same_shape("the output", out, &want)?;
+    let len = chunk * inner * after;
+    Ok(Runs {
+        count: before * outer,
+        len,
+        src_stride: mid * inner * after,
+        src_offset: coord as usize * len,
+        dst_stride: len,
+        dst_offset: 0,
+        zero_first: false,
+    })
+}
