@@ -182,3 +182,80 @@ pub fn slice_shard_runs(
         zero_first: false,
     })
 }
+
+/// Where the blocks of one attention operand live: head h of batch b starts at
+/// `b*seq*row + part + h*d` and its rows are `row` apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Packing {
+    pub seq: usize,
+    pub row: usize,
+    pub part: usize,
+}
+
+impl Packing {
+    pub fn start(&self, b: usize, h: usize, d: usize) -> usize {
+        b * self.seq * self.row + self.part + h * d
+    }
+}
+
+/// The checked layout of an attention's operands: q, k, v as three tensors, or fused into one
+/// [.., seq, (3, heads, d)] tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttentionLayout {
+    pub packing: [Packing; 3],
+    /// q's shape (the fused tensor's when fused).
+    pub q_shape: Vec<u64>,
+    pub batch: usize,
+    pub heads: usize,
+    pub d: usize,
+}
+
+impl AttentionLayout {
+    /// Checks the operand shapes (one when `fused`, else q, k, v) against `heads`.
+    pub fn new(shapes: &[&[u64]], heads: u64, fused: bool) -> Result<AttentionLayout, String> {
+        let heads = heads as usize;
+        ensure(heads > 0, || "attention needs at least one head".to_string())?;
+        let expected = if fused { 1 } else { 3 };
+        ensure(shapes.len() == expected, || format!("expects {expected} inputs, got {}", shapes.len()))?;
+        if fused {
+            let (lead, s, w) = batch_matrix(shapes[0], "the fused input")?;
+            ensure(w.is_multiple_of(heads.saturating_mul(3)), || format!("width {w} is not 3 x {heads} heads"))?;
+            let d = w / (3 * heads);
+            let pack = |k: usize| Packing { seq: s, row: w, part: k * heads * d };
+            let packing = [pack(0), pack(1), pack(2)];
+            return Ok(AttentionLayout { packing, q_shape: shapes[0].to_vec(), batch: numel(lead), heads, d });
+        }
+        let (q, k, v) = (shapes[0], shapes[1], shapes[2]);
+        let (lq, sq, w) = batch_matrix(q, "q")?;
+        let (lk, sk, wk) = batch_matrix(k, "k")?;
+        same_shape("v", v, k)?;
+        ensure(lq == lk && w == wk, || format!("q {q:?} and k {k:?} do not match"))?;
+        ensure(w.is_multiple_of(heads), || format!("width {w} is not a multiple of {heads} heads"))?;
+        let pack = |seq: usize| Packing { seq, row: w, part: 0 };
+        let packing = [pack(sq), pack(sk), pack(sk)];
+        Ok(AttentionLayout { packing, q_shape: q.to_vec(), batch: numel(lq), heads, d: w / heads })
+    }
+
+    pub fn seq(&self, operand: usize) -> usize {
+        self.packing[operand].seq
+    }
+
+    /// The shape of the attention output (and of dy): q's leading dimensions, then heads * d.
+    pub fn out_shape(&self) -> Vec<u64> {
+        let mut shape = self.q_shape.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = (self.heads * self.d) as u64;
+        }
+        shape
+    }
+
+    /// The packing of the output and of dy.
+    pub fn out_packing(&self) -> Packing {
+        Packing { seq: self.seq(0), row: self.heads * self.d, part: 0 }
+    }
+
+    /// 1 / sqrt(d), in f32.
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+}

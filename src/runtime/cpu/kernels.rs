@@ -3,8 +3,8 @@
 
 use crate::plan::{Buffer, Kernel, Mesh, Offset};
 use crate::runtime::shapes::{
-    Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
-    slice_shard_runs, split_last, transpose_swap,
+    AttentionLayout, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs,
+    select_runs, slice_shard_runs, split_last, transpose_swap,
 };
 use crate::runtime::tensor::{Data, Tensor};
 use crate::shard::layout::Placement;
@@ -688,72 +688,32 @@ fn fill(inputs: &[&Tensor], out: &mut Tensor, value: f64) -> Result<(), String> 
 
 // ---- attention ------------------------------------------------------------------------------------
 
-/// Where the blocks of one operand live: head h of batch b starts at `b*seq*row + part + h*d` and its
-/// rows are `row` apart.
-#[derive(Clone, Copy, Debug)]
-struct Packing {
-    seq: usize,
-    row: usize,
-    part: usize,
-}
-
-impl Packing {
-    fn start(&self, b: usize, h: usize, d: usize) -> usize {
-        b * self.seq * self.row + self.part + h * d
-    }
-}
-
-/// The operands of an attention (fused or not), checked, with their packings.
+/// The operands of an attention (fused or not) on the host, with their checked layout.
 struct Qkv<'a> {
     data: [&'a [f32]; 3],
-    packing: [Packing; 3],
     /// Shape of each operand (all the fused tensor's when fused).
     shapes: [&'a [u64]; 3],
-    batch: usize,
-    heads: usize,
-    d: usize,
+    layout: AttentionLayout,
+}
+
+impl std::ops::Deref for Qkv<'_> {
+    type Target = AttentionLayout;
+
+    fn deref(&self) -> &AttentionLayout {
+        &self.layout
+    }
 }
 
 impl<'a> Qkv<'a> {
     fn new(operands: &[&'a Tensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
-        let heads = heads as usize;
-        ensure(heads > 0, || "attention needs at least one head".to_string())?;
-        if fused {
-            let [qkv] = args(operands)?;
-            let (lead, s, w) = batch_matrix(&qkv.shape, "the fused input")?;
-            ensure(w.is_multiple_of(heads.saturating_mul(3)), || format!("width {w} is not 3 x {heads} heads"))?;
-            let v = floats(qkv, "the fused input")?;
-            let d = w / (3 * heads);
-            let pack = |k: usize| Packing { seq: s, row: w, part: k * heads * d };
-            let shape = qkv.shape.as_slice();
-            return Ok(Qkv {
-                data: [v; 3],
-                packing: [pack(0), pack(1), pack(2)],
-                shapes: [shape; 3],
-                batch: numel(lead),
-                heads,
-                d,
-            });
-        }
-        let [q, k, v] = args(operands)?;
-        let (lq, sq, w) = batch_matrix(&q.shape, "q")?;
-        let (lk, sk, wk) = batch_matrix(&k.shape, "k")?;
-        same_shape("v", &v.shape, &k.shape)?;
-        ensure(lq == lk && w == wk, || format!("q {:?} and k {:?} do not match", q.shape, k.shape))?;
-        ensure(w.is_multiple_of(heads), || format!("width {w} is not a multiple of {heads} heads"))?;
-        let pack = |seq: usize| Packing { seq, row: w, part: 0 };
-        Ok(Qkv {
-            data: [floats(q, "q")?, floats(k, "k")?, floats(v, "v")?],
-            packing: [pack(sq), pack(sk), pack(sk)],
-            shapes: [q.shape.as_slice(), k.shape.as_slice(), v.shape.as_slice()],
-            batch: numel(lq),
-            heads,
-            d: w / heads,
-        })
-    }
-
-    fn seq(&self, operand: usize) -> usize {
-        self.packing[operand].seq
+        let shapes: Vec<&'a [u64]> = operands.iter().map(|t| t.shape.as_slice()).collect();
+        let layout = AttentionLayout::new(&shapes, heads, fused)?;
+        let (data, shapes) = match operands {
+            [qkv] => ([floats(qkv, "the fused input")?; 3], [shapes[0]; 3]),
+            [q, k, v] => ([floats(q, "q")?, floats(k, "k")?, floats(v, "v")?], [shapes[0], shapes[1], shapes[2]]),
+            _ => return Err(format!("expects 3 inputs, got {}", operands.len())),
+        };
+        Ok(Qkv { data, shapes, layout })
     }
 
     /// The [seq, d] block of `operand` for batch b, head h.
@@ -769,19 +729,10 @@ impl<'a> Qkv<'a> {
         view_mut(g, p.start(b, h, self.d), p.seq, self.d, p.row)
     }
 
-    /// The shape of the attention output (and of dy): q's leading dimensions, then heads * d.
-    fn out_shape(&self) -> Vec<u64> {
-        let mut shape = self.shapes[0].to_vec();
-        if let Some(last) = shape.last_mut() {
-            *last = (self.heads * self.d) as u64;
-        }
-        shape
-    }
-
     /// The softmax(q k^T / sqrt(d)) probabilities of batch b, head h, into `probs` ([sq, sk]).
     fn probabilities(&self, b: usize, h: usize, causal: bool, probs: &mut [f32]) -> Result<(), String> {
         let (sq, sk) = (self.seq(0), self.seq(1));
-        let scale = 1.0 / (self.d as f32).sqrt();
+        let scale = self.scale();
         let dst = view_mut(probs, 0, sq, sk, sk)?;
         gemm(dst, self.block(0, b, h)?, self.block(1, b, h)?.transpose(), false, scale)?;
         for (r, row) in rows_of_mut(probs, sk).enumerate() {
@@ -799,7 +750,7 @@ fn attention(inputs: &[&Tensor], out: &mut Tensor, heads: u64, causal: bool, fus
     same_shape("the output", &out.shape, &qkv.out_shape())?;
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
     let y = floats_mut(out)?;
-    let out_pack = Packing { seq: sq, row: width, part: 0 };
+    let out_pack = qkv.out_packing();
     let mut probs = vec![0.0f32; sq * sk];
     for b in 0..qkv.batch {
         for h in 0..qkv.heads {
@@ -831,8 +782,8 @@ fn attention_grad(
     let dyv = floats(dy, "dy")?;
     let g = floats_mut(out)?;
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
-    let dy_pack = Packing { seq: sq, row: width, part: 0 };
-    let scale = 1.0 / (d as f32).sqrt();
+    let dy_pack = qkv.out_packing();
+    let scale = qkv.scale();
     let mut probs = vec![0.0f32; sq * sk];
     let mut dprobs = if want(0) || want(1) { vec![0.0f32; sq * sk] } else { Vec::new() };
     for b in 0..qkv.batch {

@@ -10,8 +10,8 @@ use crate::ir::DType;
 use crate::plan::{Kernel, Mesh};
 use crate::runtime::cpu::kernels::{KernelContext, OptimizerKind, OptimizerSettings, try_logical_indices};
 use crate::runtime::shapes::{
-    Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
-    slice_shard_runs, split_last, transpose_swap,
+    AttentionLayout, Packing, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape,
+    select_grad_runs, select_runs, slice_shard_runs, split_last, transpose_swap,
 };
 use crate::runtime::tensor::{Data, Tensor};
 use crate::shard::layout::{Layout, Placement};
@@ -800,97 +800,43 @@ impl Device {
 
 // ---- attention ------------------------------------------------------------------------------------
 
-/// Where the blocks of one operand live: head h of batch b starts at `b*seq*row + part + h*d` and its
-/// rows are `row` apart.
-#[derive(Clone, Copy, Debug)]
-struct Packing {
-    seq: usize,
-    row: usize,
-    part: usize,
-}
-
 impl Packing {
-    fn start(&self, b: usize, h: usize, d: usize) -> usize {
-        b * self.seq * self.row + self.part + h * d
-    }
-
     /// The [seq, d] blocks of every head of batch b (one batch of a strided product over heads).
     fn heads(&self, b: usize, d: usize) -> Block {
         Block { start: self.start(b, 0, d), rows: self.seq, cols: d, ld: self.row, stride: d }
     }
 }
 
-/// The operands of an attention (fused or not), checked as the CPU's `Qkv`.
+/// The operands of an attention (fused or not) on the GPU, with their checked layout.
 struct Qkv<'a> {
     data: [&'a CudaSlice<f32>; 3],
-    packing: [Packing; 3],
     shapes: [&'a [u64]; 3],
-    batch: usize,
-    heads: usize,
-    d: usize,
+    layout: AttentionLayout,
+}
+
+impl std::ops::Deref for Qkv<'_> {
+    type Target = AttentionLayout;
+
+    fn deref(&self) -> &AttentionLayout {
+        &self.layout
+    }
 }
 
 impl<'a> Qkv<'a> {
     fn new(operands: &[&'a DeviceTensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
-        let heads = heads as usize;
-        ensure(heads > 0, || "attention needs at least one head".to_string())?;
-        if fused {
-            return Qkv::fused(operands, heads);
-        }
-        let [q, k, v] = args(operands)?;
-        let (lq, sq, w) = batch_matrix(&q.shape, "q")?;
-        let (lk, sk, wk) = batch_matrix(&k.shape, "k")?;
-        same_shape("v", &v.shape, &k.shape)?;
-        ensure(lq == lk && w == wk, || format!("q {:?} and k {:?} do not match", q.shape, k.shape))?;
-        ensure(w.is_multiple_of(heads), || format!("width {w} is not a multiple of {heads} heads"))?;
-        let pack = |seq: usize| Packing { seq, row: w, part: 0 };
-        Ok(Qkv {
-            data: [floats(q, "q")?, floats(k, "k")?, floats(v, "v")?],
-            packing: [pack(sq), pack(sk), pack(sk)],
-            shapes: [q.shape.as_slice(), k.shape.as_slice(), v.shape.as_slice()],
-            batch: numel(lq),
-            heads,
-            d: w / heads,
-        })
-    }
-
-    fn fused(operands: &[&'a DeviceTensor], heads: usize) -> Result<Qkv<'a>, String> {
-        let [qkv] = args(operands)?;
-        let (lead, s, w) = batch_matrix(&qkv.shape, "the fused input")?;
-        ensure(w.is_multiple_of(heads.saturating_mul(3)), || format!("width {w} is not 3 x {heads} heads"))?;
-        let v = floats(qkv, "the fused input")?;
-        let d = w / (3 * heads);
-        let pack = |k: usize| Packing { seq: s, row: w, part: k * heads * d };
-        let shape = qkv.shape.as_slice();
-        Ok(Qkv { data: [v; 3], packing: [pack(0), pack(1), pack(2)], shapes: [shape; 3], batch: numel(lead), heads, d })
-    }
-
-    fn seq(&self, operand: usize) -> usize {
-        self.packing[operand].seq
+        let shapes: Vec<&'a [u64]> = operands.iter().map(|t| t.shape.as_slice()).collect();
+        let layout = AttentionLayout::new(&shapes, heads, fused)?;
+        let (data, shapes) = match operands {
+            [qkv] => ([floats(qkv, "the fused input")?; 3], [shapes[0]; 3]),
+            [q, k, v] => ([floats(q, "q")?, floats(k, "k")?, floats(v, "v")?], [shapes[0], shapes[1], shapes[2]]),
+            _ => return Err(format!("expects 3 inputs, got {}", operands.len())),
+        };
+        Ok(Qkv { data, shapes, layout })
     }
 
     /// The heads of batch b of `operand`, as a product operand.
     fn operand(&self, operand: usize, b: usize, transpose: bool) -> Operand<'a> {
         Operand { data: self.data[operand], block: self.packing[operand].heads(b, self.d), transpose }
-    }
-
-    /// The shape of the attention output (and of dy): q's leading dimensions, then heads * d.
-    fn out_shape(&self) -> Vec<u64> {
-        let mut shape = self.shapes[0].to_vec();
-        if let Some(last) = shape.last_mut() {
-            *last = (self.heads * self.d) as u64;
-        }
-        shape
-    }
-
-    /// The packing of the output and of dy.
-    fn out_packing(&self) -> Packing {
-        Packing { seq: self.seq(0), row: self.heads * self.d, part: 0 }
-    }
-
-    /// 1 / sqrt(d), in f32 as the CPU.
-    fn scale(&self) -> f32 {
-        1.0 / (self.d as f32).sqrt()
     }
 }
 
