@@ -3,8 +3,8 @@
 
 use crate::plan::{Buffer, Kernel, Mesh, Offset};
 use crate::runtime::shapes::{
-    AttentionLayout, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs,
-    select_runs, slice_shard_runs, split_last, transpose_swap,
+    self, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
+    slice_shard_runs, split_last, transpose_swap,
 };
 use crate::runtime::tensor::{Data, Tensor};
 use crate::shard::layout::Placement;
@@ -688,32 +688,12 @@ fn fill(inputs: &[&Tensor], out: &mut Tensor, value: f64) -> Result<(), String> 
 
 // ---- attention ------------------------------------------------------------------------------------
 
-/// The operands of an attention (fused or not) on the host, with their checked layout.
-struct Qkv<'a> {
-    data: [&'a [f32]; 3],
-    /// Shape of each operand (all the fused tensor's when fused).
-    shapes: [&'a [u64]; 3],
-    layout: AttentionLayout,
-}
-
-impl std::ops::Deref for Qkv<'_> {
-    type Target = AttentionLayout;
-
-    fn deref(&self) -> &AttentionLayout {
-        &self.layout
-    }
-}
+/// The operands of an attention (fused or not) in this backend's storage.
+type Qkv<'a> = shapes::Qkv<'a, [f32]>;
 
 impl<'a> Qkv<'a> {
-    fn new(operands: &[&'a Tensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
-        let shapes: Vec<&'a [u64]> = operands.iter().map(|t| t.shape.as_slice()).collect();
-        let layout = AttentionLayout::new(&shapes, heads, fused)?;
-        let (data, shapes) = match operands {
-            [qkv] => ([floats(qkv, "the fused input")?; 3], [shapes[0]; 3]),
-            [q, k, v] => ([floats(q, "q")?, floats(k, "k")?, floats(v, "v")?], [shapes[0], shapes[1], shapes[2]]),
-            _ => return Err(format!("expects 3 inputs, got {}", operands.len())),
-        };
-        Ok(Qkv { data, shapes, layout })
+    fn of(operands: &[&'a Tensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
+        Qkv::new(operands, |t| t.shape.as_slice(), floats, heads, fused)
     }
 
     /// The [seq, d] block of `operand` for batch b, head h.
@@ -746,7 +726,7 @@ impl<'a> Qkv<'a> {
 }
 
 fn attention(inputs: &[&Tensor], out: &mut Tensor, heads: u64, causal: bool, fused: bool) -> Result<(), String> {
-    let qkv = Qkv::new(inputs, heads, fused)?;
+    let qkv = Qkv::of(inputs, heads, fused)?;
     same_shape("the output", &out.shape, &qkv.out_shape())?;
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
     let y = floats_mut(out)?;
@@ -772,7 +752,7 @@ fn attention_grad(
     wrt: u8,
 ) -> Result<(), String> {
     let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
-    let qkv = Qkv::new(operands, heads, fused)?;
+    let qkv = Qkv::of(operands, heads, fused)?;
     let wrt = usize::from(wrt);
     ensure(wrt < if fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
     let want = |operand: usize| fused || operand == wrt;

@@ -10,8 +10,8 @@ use crate::ir::DType;
 use crate::plan::{Kernel, Mesh};
 use crate::runtime::cpu::kernels::{KernelContext, OptimizerKind, OptimizerSettings, try_logical_indices};
 use crate::runtime::shapes::{
-    AttentionLayout, Packing, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape,
-    select_grad_runs, select_runs, slice_shard_runs, split_last, transpose_swap,
+    self, Packing, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs,
+    select_runs, slice_shard_runs, split_last, transpose_swap,
 };
 use crate::runtime::tensor::{Data, Tensor};
 use crate::shard::layout::{Layout, Placement};
@@ -807,31 +807,12 @@ impl Packing {
     }
 }
 
-/// The operands of an attention (fused or not) on the GPU, with their checked layout.
-struct Qkv<'a> {
-    data: [&'a CudaSlice<f32>; 3],
-    shapes: [&'a [u64]; 3],
-    layout: AttentionLayout,
-}
-
-impl std::ops::Deref for Qkv<'_> {
-    type Target = AttentionLayout;
-
-    fn deref(&self) -> &AttentionLayout {
-        &self.layout
-    }
-}
+/// The operands of an attention (fused or not) in this backend's storage.
+type Qkv<'a> = shapes::Qkv<'a, CudaSlice<f32>>;
 
 impl<'a> Qkv<'a> {
-    fn new(operands: &[&'a DeviceTensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
-        let shapes: Vec<&'a [u64]> = operands.iter().map(|t| t.shape.as_slice()).collect();
-        let layout = AttentionLayout::new(&shapes, heads, fused)?;
-        let (data, shapes) = match operands {
-            [qkv] => ([floats(qkv, "the fused input")?; 3], [shapes[0]; 3]),
-            [q, k, v] => ([floats(q, "q")?, floats(k, "k")?, floats(v, "v")?], [shapes[0], shapes[1], shapes[2]]),
-            _ => return Err(format!("expects 3 inputs, got {}", operands.len())),
-        };
-        Ok(Qkv { data, shapes, layout })
+    fn of(operands: &[&'a DeviceTensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
+        Qkv::new(operands, |t| t.shape.as_slice(), floats, heads, fused)
     }
 
     /// The heads of batch b of `operand`, as a product operand.
@@ -884,7 +865,7 @@ impl Device {
         a: AttentionArgs,
         probs: &mut Option<CudaSlice<f32>>,
     ) -> Result<(), String> {
-        let qkv = Qkv::new(inputs, a.heads, a.fused)?;
+        let qkv = Qkv::of(inputs, a.heads, a.fused)?;
         same_shape("the output", &out.shape, &qkv.out_shape())?;
         let (sq, sk, d) = (qkv.seq(0), qkv.seq(1), qkv.d);
         let y = floats_mut(out, "the output")?;
@@ -913,7 +894,7 @@ impl Device {
         scratch: &mut [Option<CudaSlice<f32>>; 2],
     ) -> Result<(), String> {
         let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
-        let qkv = Qkv::new(operands, a.heads, a.fused)?;
+        let qkv = Qkv::of(operands, a.heads, a.fused)?;
         let wrt = usize::from(a.wrt);
         ensure(wrt < if a.fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
         same_shape("dy", &dy.shape, &qkv.out_shape())?;
