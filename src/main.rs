@@ -90,13 +90,22 @@ const STACK_BYTES: usize = 256 * 1024 * 1024;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let worker = std::thread::Builder::new().stack_size(STACK_BYTES).spawn(move || run(cli));
-    match worker.map(|h| h.join()) {
-        Ok(Ok(code)) => code,
-        _ => {
-            eprintln!("error: internal compiler error (please report it with the input that caused it)");
-            ExitCode::from(101)
+    let Ok(worker) = worker else { return internal_error() };
+    // A run whose device thread hangs is given up by the runtime (runtime::watchdog): this thread
+    // then ends the process rather than wait for the hung thread.
+    while !worker.is_finished() {
+        if let Some(message) = optimus::runtime::watchdog::abandoned() {
+            eprintln!("error: {message}");
+            return ExitCode::from(1);
         }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    worker.join().unwrap_or_else(|_| internal_error())
+}
+
+fn internal_error() -> ExitCode {
+    eprintln!("error: internal compiler error (please report it with the input that caused it)");
+    ExitCode::from(101)
 }
 
 fn run(cli: Cli) -> ExitCode {

@@ -1,6 +1,7 @@
 //! Pieces of the command line shared by several commands: target flags, loading and compiling models,
 //! and writing to standard output.
 
+pub mod flags;
 pub mod run;
 pub mod simulate;
 pub mod verify;
@@ -12,18 +13,21 @@ use optimus::elab::Override;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use std::path::Path;
 
-/// Flags that say what to compile a model for.
-#[derive(clap::Args, Debug, Clone)]
+/// Flags that say what to compile a model for. Each is optional so that a plan given with a flag
+/// that disagrees with it can be refused (see [`TargetArgs::conflicts_with`]); the defaults are applied
+/// by the accessors.
+#[derive(clap::Args, Debug, Clone, Default)]
 pub struct TargetArgs {
-    /// The device mesh, ROWSxCOLS: QxQ for optimus, 1xP for megatron, 1x1 for none.
-    #[arg(long, default_value = "1x1", value_parser = parse_mesh)]
-    pub mesh: Mesh,
-    /// How to split the model: optimus (2D, SUMMA), megatron (1D tensor parallel) or none (one device).
-    #[arg(long, value_enum, default_value_t = StrategyArg::Optimus)]
-    pub strategy: StrategyArg,
-    /// train: forward, backward and optimizer step; infer: forward only.
-    #[arg(long, value_enum, default_value_t = ModeArg::Train)]
-    pub mode: ModeArg,
+    /// The device mesh, ROWSxCOLS: QxQ for optimus, 1xP for megatron, 1x1 for none [default: 1x1].
+    #[arg(long = "mesh", value_name = "ROWSxCOLS", value_parser = parse_mesh)]
+    pub mesh_flag: Option<Mesh>,
+    /// How to split the model: optimus (2D, SUMMA), megatron (1D tensor parallel) or none (one device)
+    /// [default: optimus].
+    #[arg(long = "strategy", value_enum, value_name = "STRATEGY")]
+    pub strategy_flag: Option<StrategyArg>,
+    /// train: forward, backward and optimizer step; infer: forward only [default: train].
+    #[arg(long = "mode", value_enum, value_name = "MODE")]
+    pub mode_flag: Option<ModeArg>,
     /// Override a config value, e.g. `--set batch=16`. Repeatable.
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub set: Vec<Override>,
@@ -43,19 +47,81 @@ pub enum ModeArg {
 }
 
 impl TargetArgs {
+    /// The mesh asked for, 1x1 by default.
+    pub fn mesh(&self) -> Mesh {
+        self.mesh_flag.unwrap_or(Mesh { rows: 1, cols: 1 })
+    }
+
+    /// The strategy asked for, optimus by default.
+    pub fn strategy(&self) -> StrategyArg {
+        self.strategy_flag.unwrap_or(StrategyArg::Optimus)
+    }
+
+    /// The mode asked for, train by default.
+    pub fn mode(&self) -> ModeArg {
+        self.mode_flag.unwrap_or(ModeArg::Train)
+    }
+
     pub fn target(&self) -> optimus::shard::Target {
         optimus::shard::Target {
-            mesh: self.mesh,
-            strategy: match self.strategy {
+            mesh: self.mesh(),
+            strategy: match self.strategy() {
                 StrategyArg::Optimus => Strategy::Optimus,
                 StrategyArg::Megatron => Strategy::Megatron,
                 StrategyArg::None => Strategy::None,
             },
-            mode: match self.mode {
+            mode: match self.mode() {
                 ModeArg::Train => Mode::Train,
                 ModeArg::Infer => Mode::Infer,
             },
         }
+    }
+
+    /// The compile flags given on the command line that disagree with an already compiled plan, each
+    /// as `--flag VALUE (the plan has ...)`; empty when every given flag agrees (or none was given).
+    pub fn conflicts_with(&self, plan: &Plan) -> Vec<String> {
+        let target = self.target();
+        let mut conflicts = Vec::new();
+        if self.mesh_flag.is_some_and(|m| m != plan.mesh) {
+            conflicts.push(format!("--mesh {} (the plan is for a {} mesh)", target.mesh, plan.mesh));
+        }
+        if self.strategy_flag.is_some() && target.strategy != plan.strategy {
+            conflicts.push(format!(
+                "--strategy {} (the plan's strategy is {})",
+                target.strategy.name(),
+                plan.strategy.name()
+            ));
+        }
+        if self.mode_flag.is_some() && target.mode != plan.mode {
+            conflicts.push(format!("--mode {} (the plan's mode is {})", mode_name(target.mode), mode_name(plan.mode)));
+        }
+        for o in &self.set {
+            match plan.config.iter().find(|(name, _)| *name == o.name) {
+                Some((_, value)) if same_value(value, &o.value) => {}
+                Some((_, value)) => {
+                    conflicts.push(format!("--set {}={} (the plan has {} = {value})", o.name, o.value, o.name))
+                }
+                None => {
+                    conflicts.push(format!("--set {}={} (the plan has no config value `{}`)", o.name, o.value, o.name))
+                }
+            }
+        }
+        conflicts
+    }
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    if mode == Mode::Train { "train" } else { "infer" }
+}
+
+/// Whether a `--set` value's text denotes the plan's config value.
+fn same_value(value: &optimus::ir::Scalar, text: &str) -> bool {
+    use optimus::ir::Scalar;
+    match value {
+        Scalar::Int(v) => text.parse::<i64>().is_ok_and(|t| t == *v),
+        Scalar::Float(v) => text.parse::<f64>().is_ok_and(|t| t == *v),
+        Scalar::Bool(v) => text.parse::<bool>().is_ok_and(|t| t == *v),
+        Scalar::Str(v) => text.trim_matches('"') == v,
     }
 }
 
@@ -121,29 +187,65 @@ pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::
     }
 }
 
-/// A plan from a `.json` plan file, or compiled from a `.opt` model with the target flags.
-pub fn plan_from(path: &Path, target: &TargetArgs) -> Option<Plan> {
+/// Why a command failed: a message still to print (empty when it has been printed already) and the
+/// exit status (1 for errors in the inputs, 2 for usage errors).
+#[derive(Debug)]
+pub struct Failure {
+    pub message: String,
+    pub status: u8,
+}
+
+impl Failure {
+    /// A usage error (exit status 2).
+    pub fn usage(message: String) -> Failure {
+        Failure { message, status: 2 }
+    }
+
+    /// An error that has been printed already (exit status 1).
+    pub fn reported() -> Failure {
+        Failure { message: String::new(), status: 1 }
+    }
+
+    /// Prints the message, if any, and gives the exit status.
+    pub fn exit(self) -> std::process::ExitCode {
+        if !self.message.is_empty() {
+            eprintln!("error: {}", self.message);
+        }
+        std::process::ExitCode::from(self.status)
+    }
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Failure {
+        Failure { message, status: 1 }
+    }
+}
+
+/// A plan from a `.json` plan file, or compiled from a `.opt` model with the target flags. A plan file
+/// given with compile flags that disagree with it is a usage error: the flags would silently do nothing.
+pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
     let is_plan = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
     if !is_plan {
-        return compile_model(path, target);
+        return compile_model(path, target).ok_or_else(Failure::reported);
     }
-    let plan = match optimus::plan::io::read_plan(path) {
-        Ok(plan) => plan,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return None;
+    let plan = optimus::plan::io::read_plan(path)?;
+    if let Err(errors) = optimus::plan::verify::verify(&plan) {
+        eprintln!("error: `{}` failed verification:", path.display());
+        for e in errors.iter().take(20) {
+            eprintln!("  {e}");
         }
-    };
-    match optimus::plan::verify::verify(&plan) {
-        Ok(()) => Some(plan),
-        Err(errors) => {
-            eprintln!("error: `{}` failed verification:", path.display());
-            for e in errors.iter().take(20) {
-                eprintln!("  {e}");
-            }
-            None
-        }
+        return Err(Failure::reported());
     }
+    let conflicts = target.conflicts_with(&plan);
+    if !conflicts.is_empty() {
+        return Err(Failure::usage(format!(
+            "`{}` is a compiled plan, and these compile flags disagree with it: {}; recompile the model with them, \
+             or drop them",
+            path.display(),
+            conflicts.join(", ")
+        )));
+    }
+    Ok(plan)
 }
 
 /// Writes to standard output; a closed pipe (`optimusc ... | head`) ends the output quietly.

@@ -1,7 +1,7 @@
 //! `optimusc run`: executes a plan on a backend for a number of steps and reports every step.
 
 use super::simulate::PlacementArg;
-use super::{TargetArgs, plan_from};
+use super::{Failure, TargetArgs, plan_from};
 use clap::ValueEnum;
 use optimus::io::checkpoint::{load_checkpoint, save_checkpoint};
 use optimus::io::data::{TokenData, TokenDtype, check_inputs, random_batch};
@@ -22,8 +22,8 @@ pub struct RunArgs {
     /// Where kernels run: cpu, or cuda (GPUs; needs a build with --features cuda and an NVIDIA driver).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     pub backend: Backend,
-    /// Number of steps.
-    #[arg(long, default_value_t = 10)]
+    /// Number of steps (at least 1).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: u64,
     /// Token file (nanoGPT style: flat little-endian integers). Without it, tokens are drawn from the seed.
     #[arg(long, value_name = "FILE")]
@@ -46,7 +46,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub json: bool,
     /// Seconds a collective waits for its peers before the run fails (and, under MPI, aborts the job).
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, default_value_t = 120.0, value_parser = super::flags::seconds)]
     pub timeout: f64,
     /// Under mpirun or srun: which rank runs which device. row-major gives rank r device (r / cols, r % cols);
     /// blocks gives each node a block of the mesh as square as possible (2x2 for 4 ranks per node), which
@@ -62,23 +62,24 @@ pub struct OptimizerArgs {
     /// sgd (with momentum, as torch.optim.SGD) or adamw (as torch.optim.AdamW).
     #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
     pub optimizer: OptimizerArg,
-    /// Learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    /// Learning rate (finite, >= 0).
+    #[arg(long, default_value_t = 1e-3, value_parser = super::flags::non_negative)]
     pub lr: f32,
-    /// Weight decay (decoupled for AdamW, added to the gradient for SGD). Default: 0.01 for AdamW, 0 for SGD.
-    #[arg(long)]
+    /// Weight decay (decoupled for AdamW, added to the gradient for SGD; finite, >= 0). Default: 0.01 for
+    /// AdamW, 0 for SGD.
+    #[arg(long, value_parser = super::flags::non_negative)]
     pub weight_decay: Option<f32>,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.0)]
+    /// SGD momentum (finite, >= 0).
+    #[arg(long, default_value_t = 0.0, value_parser = super::flags::non_negative)]
     pub momentum: f32,
-    /// AdamW beta1.
-    #[arg(long, default_value_t = 0.9)]
+    /// AdamW beta1, in [0, 1).
+    #[arg(long, default_value_t = 0.9, value_parser = super::flags::beta)]
     pub beta1: f32,
-    /// AdamW beta2.
-    #[arg(long, default_value_t = 0.999)]
+    /// AdamW beta2, in [0, 1).
+    #[arg(long, default_value_t = 0.999, value_parser = super::flags::beta)]
     pub beta2: f32,
-    /// AdamW epsilon.
-    #[arg(long, default_value_t = 1e-8)]
+    /// AdamW epsilon (finite, >= 0).
+    #[arg(long, default_value_t = 1e-8, value_parser = super::flags::non_negative)]
     pub eps: f32,
 }
 
@@ -178,7 +179,11 @@ pub fn run(args: &RunArgs) -> ExitCode {
     if let Some(launch) = optimus::runtime::launch::detect().filter(|l| l.is_multi_process()) {
         return multi_process::run(args, &launch);
     }
-    match prepare(args).and_then(|job| run_on_threads(args, &job)) {
+    let job = match prepare(args) {
+        Ok(job) => job,
+        Err(failure) => return failure.exit(),
+    };
+    match run_on_threads(args, &job) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             report(&e);
@@ -202,15 +207,9 @@ struct Prepared {
     config: RunConfig,
 }
 
-fn prepare(args: &RunArgs) -> Result<Prepared, String> {
-    if args.steps == 0 {
-        return Err("--steps must be at least 1".into());
-    }
-    if !(args.timeout.is_finite() && args.timeout > 0.0) {
-        return Err("--timeout must be a positive number of seconds".into());
-    }
+fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     args.backend.kind().check_available()?;
-    let plan = plan_from(&args.input, &args.target).ok_or(String::new())?;
+    let plan = plan_from(&args.input, &args.target)?;
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     check_inputs(&plan)?;
     let initial = match &args.weights {
@@ -264,19 +263,20 @@ mod multi_process {
         // follow only if it succeeded, and report what fails for them alone with their rank.
         let first = (mpi.rank() == 0).then(|| prepare_ranks(args, &mpi));
         if !mpi.leader_agrees(first.as_ref().is_some_and(Result::is_ok)) {
-            if let Some(Err(e)) = &first {
-                report(e);
-            }
-            return ExitCode::from(1);
+            return match first {
+                Some(Err(failure)) => failure.exit(),
+                _ => ExitCode::from(1),
+            };
         }
         let prepared = first.unwrap_or_else(|| prepare_ranks(args, &mpi));
         let failures = mpi.failures(prepared.is_err());
         let job = match prepared {
             Ok(job) if failures == 0 => job,
             Ok(_) => return ExitCode::from(1),
-            Err(e) => {
-                report(&format!("rank {}: {e}", mpi.rank()));
-                return ExitCode::from(1);
+            Err(failure) => {
+                let status = failure.status;
+                report(&format!("rank {}: {}", mpi.rank(), failure.message));
+                return ExitCode::from(status);
             }
         };
         let leader = mpi.rank() == 0;
@@ -292,15 +292,15 @@ mod multi_process {
     }
 
     /// [`prepare`], and a plan whose mesh has one device per process.
-    fn prepare_ranks(args: &RunArgs, mpi: &MpiJob) -> Result<Prepared, String> {
+    fn prepare_ranks(args: &RunArgs, mpi: &MpiJob) -> Result<Prepared, Failure> {
         let job = prepare(args)?;
         let devices = job.plan.mesh.devices();
         if devices != mpi.size() {
-            return Err(format!(
+            return Err(Failure::from(format!(
                 "the plan's {} mesh has {devices} devices but the job has {} processes; start one process per device",
                 job.plan.mesh,
                 mpi.size()
-            ));
+            )));
         }
         Ok(job)
     }

@@ -101,7 +101,7 @@ impl SimulateArgs {
     }
 
     fn mode(&self) -> Mode {
-        if self.target.mode == ModeArg::Train { Mode::Train } else { Mode::Infer }
+        if self.target.mode() == ModeArg::Train { Mode::Train } else { Mode::Infer }
     }
 }
 
@@ -116,7 +116,10 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
     };
     let searching = args.max_batch || args.compare || args.sweep;
     if !searching {
-        let Some(plan) = super::plan_from(&args.model, &args.target) else { return ExitCode::from(1) };
+        let plan = match super::plan_from(&args.model, &args.target) {
+            Ok(plan) => plan,
+            Err(failure) => return failure.exit(),
+        };
         return single(args, &hw, &plan, None);
     }
     let Some(text) = read_source(&args.model) else { return ExitCode::from(1) };
@@ -284,7 +287,7 @@ struct Side {
 }
 
 fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
-    let devices = args.target.mesh.devices();
+    let devices = args.target.mesh().devices();
     if search::integer_sqrt(devices).is_none() {
         eprintln!("error: --compare needs a square device count (q x q against 1 x q^2); the mesh has {devices}");
         return ExitCode::from(2);

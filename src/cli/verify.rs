@@ -17,13 +17,13 @@ pub struct VerifyArgs {
     pub model: PathBuf,
     #[command(flatten)]
     pub target: TargetArgs,
-    /// Steps to run on both.
-    #[arg(long, default_value_t = 3)]
+    /// Steps to run on both (at least 1).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: u64,
     /// Largest relative difference accepted: max |sharded - single| / max |single| per tensor; a tensor
     /// that is numerically zero (below 1/1000 of the largest of its kind, such as attention's key-bias
     /// gradient, which is exactly zero in exact arithmetic) is measured against 1/1000 of the largest.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-4, value_parser = super::flags::tolerance)]
     pub tolerance: f64,
     /// Seed for weights, tokens and dropout.
     #[arg(long, default_value_t = 0)]
@@ -38,14 +38,17 @@ pub struct VerifyArgs {
     /// becomes float noise that AdamW turns into a full step, on one device as on many.
     #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
     pub optimizer: OptimizerArg,
-    #[arg(long, default_value_t = 1e-2)]
+    /// Learning rate (finite, >= 0).
+    #[arg(long, default_value_t = 1e-2, value_parser = super::flags::non_negative)]
     pub lr: f32,
-    #[arg(long, default_value_t = 0.9)]
+    /// SGD momentum (finite, >= 0).
+    #[arg(long, default_value_t = 0.9, value_parser = super::flags::non_negative)]
     pub momentum: f32,
-    #[arg(long)]
+    /// Weight decay (finite, >= 0). Default: 0.01 for AdamW, 0 for SGD.
+    #[arg(long, value_parser = super::flags::non_negative)]
     pub weight_decay: Option<f32>,
-    /// AdamW epsilon (raise it, e.g. to 1e-4, to verify AdamW runs).
-    #[arg(long, default_value_t = 1e-8)]
+    /// AdamW epsilon (finite, >= 0; raise it, e.g. to 1e-4, to verify AdamW runs).
+    #[arg(long, default_value_t = 1e-8, value_parser = super::flags::non_negative)]
     pub eps: f32,
     /// Print every tensor's difference, not only the worst of each kind.
     #[arg(long)]
@@ -64,7 +67,7 @@ pub fn verify(args: &VerifyArgs) -> ExitCode {
 }
 
 fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
-    if args.target.mode != super::ModeArg::Train {
+    if args.target.mode() != super::ModeArg::Train {
         return Err("verify compares training steps; drop --mode infer".into());
     }
     let sharded =
@@ -72,7 +75,7 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
     let single_target =
         optimus::shard::Target { mesh: Mesh { rows: 1, cols: 1 }, strategy: Strategy::None, mode: Mode::Train };
     let single = compile_for(&args.model, &args.target.set, single_target).ok_or("cannot compile for one device")?;
-    let strategy = if args.target.strategy == StrategyArg::None { "none" } else { sharded.strategy.name() };
+    let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };
     eprintln!(
         "verifying {} on a {} mesh ({strategy}) against one device, {} steps",
         sharded.model, sharded.mesh, args.steps
@@ -117,7 +120,12 @@ fn report(args: &VerifyArgs, sharded: &RunOutput, single: &RunOutput) -> bool {
     let mut worst_loss = (0f64, String::new());
     for (a, b) in sharded.steps.iter().zip(&single.steps) {
         if let (Some(x), Some(y)) = (a.loss, b.loss) {
-            let d = f64::from((x - y).abs()) / f64::from(y.abs()).max(f64::MIN_POSITIVE);
+            let finite = x.is_finite() && y.is_finite();
+            let d = if finite {
+                f64::from((x - y).abs()) / f64::from(y.abs()).max(f64::MIN_POSITIVE)
+            } else {
+                f64::INFINITY
+            };
             if d >= worst_loss.0 {
                 worst_loss = (d, format!("step {}: {x} vs {y}", a.step));
             }

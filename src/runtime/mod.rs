@@ -15,8 +15,9 @@ pub mod launch;
 pub mod mpi;
 pub mod shapes;
 pub mod tensor;
+pub mod watchdog;
 
-use crate::plan::{Buffer, BufferId, Instr, Kernel, Plan, ReduceOp, Role};
+use crate::plan::{Buffer, BufferId, CollectiveKind, Group, Instr, Kernel, Plan, ReduceOp, Role};
 use backend::Backend;
 use comm::Communicator;
 use cpu::kernels::{KernelContext, OptimizerSettings};
@@ -78,24 +79,77 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         Ok(())
     }
 
-    /// Runs the whole program once (one training or inference step).
-    pub fn step(&mut self, optimizer: &OptimizerSettings, step: u64) -> Result<(), String> {
+    /// Runs the whole program once (one training or inference step). The loss is checked before the
+    /// first parameter update and every gradient before its own update, so that a non-finite value
+    /// stops the step before it reaches the weights it can.
+    pub fn step(&mut self, optimizer: &OptimizerSettings, step: u64) -> Result<(), StepError> {
         let plan = self.plan;
+        let first_update = first_update(plan);
         for (index, instr) in plan.program.iter().enumerate() {
-            let result = match instr {
-                Instr::Kernel { kernel: Kernel::OptimizerStep, inputs, .. } => self.optimizer(inputs, optimizer, step),
-                Instr::Kernel { kernel, inputs, output, .. } => self.kernel(kernel, inputs, *output),
-                Instr::Collective { collective: c, .. } => self.collective(c),
-                Instr::Free { buffer } => {
-                    if plan.buffer(*buffer).role != Role::Parameter {
-                        self.buffers[buffer.0 as usize] = None;
-                    }
-                    Ok(())
-                }
-            };
-            result.map_err(|e| format!("instruction {index}: {e}"))?;
+            if index == first_update {
+                self.check_loss()?;
+            }
+            self.execute(instr, Some((optimizer, step)))
+                .map_err(|e| StepError::Failed(in_instruction(plan, index, &e)))?;
+        }
+        if first_update == plan.program.len() {
+            self.check_loss()?;
         }
         Ok(())
+    }
+
+    /// Runs one instruction; `update` is `None` when optimizer steps must not run (a diagnosis replay).
+    fn execute(&mut self, instr: &Instr, update: Option<(&OptimizerSettings, u64)>) -> Result<(), String> {
+        match instr {
+            Instr::Kernel { kernel: Kernel::OptimizerStep, inputs, .. } => match update {
+                Some((settings, step)) => self.optimizer(inputs, settings, step),
+                None => Ok(()),
+            },
+            Instr::Kernel { kernel, inputs, output, .. } => self.kernel(kernel, inputs, *output),
+            Instr::Collective { collective: c, .. } => self.collective(c),
+            Instr::Free { buffer } => {
+                if self.plan.buffer(*buffer).role != Role::Parameter {
+                    self.buffers[buffer.0 as usize] = None;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A non-finite loss (on this device's copy of it) stops the step.
+    fn check_loss(&self) -> Result<(), StepError> {
+        let loss = self.plan.outputs.iter().find(|o| o.is_loss).and_then(|o| self.read(o.buffer));
+        match loss.and_then(|t| t.f32().ok()).and_then(|v| v.iter().copied().find(|x| !x.is_finite())) {
+            Some(value) => Err(StepError::NonFiniteLoss(value)),
+            None => Ok(()),
+        }
+    }
+
+    /// After a non-finite loss, before any update: replays the step's forward and backward pass (the
+    /// inputs must have been loaded again) and finds, over the whole mesh, the first tensor that holds a
+    /// NaN or an infinity: a parameter (in plan order), else the output of the earliest instruction.
+    /// Every device must call it at the same point, since the replay and the agreement communicate.
+    pub fn first_non_finite(&mut self) -> Result<String, String> {
+        let plan = self.plan;
+        let mut local = plan.params.iter().position(|p| self.read(p.buffer).is_some_and(has_non_finite));
+        for (index, instr) in plan.program.iter().enumerate().take(first_update(plan)) {
+            self.execute(instr, None).map_err(|e| in_instruction(plan, index, &e))?;
+            let written = match instr {
+                Instr::Kernel { output, .. } => Some(*output),
+                Instr::Collective { collective, .. } => Some(collective.recv),
+                Instr::Free { .. } => None,
+            };
+            if local.is_none() && written.and_then(|b| self.read(b)).is_some_and(has_non_finite) {
+                local = Some(plan.params.len() + index);
+            }
+        }
+        // The mesh-wide first is the smallest index; an all-reduce of the negated index finds it.
+        let mine = local.map_or(f32::MIN, |k| -(k as f32));
+        let mut first = [0f32];
+        self.comm
+            .collective(CollectiveKind::AllReduce, Group::World, None, ReduceOp::Max, None, &[1], &[mine], &mut first)
+            .map_err(|e| e.0)?;
+        Ok(describe_culprit(plan, first[0]))
     }
 
     fn take_output(&mut self, id: BufferId) -> Tensor {
@@ -131,7 +185,13 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let mut state1 = self.buffers[s1.0 as usize].take().ok_or_else(missing)?;
         let mut state2 = self.buffers[s2.0 as usize].take().ok_or_else(missing)?;
         let result = match self.buffers[g.0 as usize].as_ref() {
-            Some(grad) => self.backend.optimizer_step(&mut param, grad, &mut state1, &mut state2, settings, step),
+            Some(grad) => match first_non_finite_element(grad) {
+                Some((at, value)) => Err(format!(
+                    "the gradient `{}` holds {value} at element {at} of this device's block; the update stops here",
+                    self.plan.buffer(*g).name
+                )),
+                None => self.backend.optimizer_step(&mut param, grad, &mut state1, &mut state2, settings, step),
+            },
             None => Err(missing()),
         };
         self.buffers[p.0 as usize] = Some(param);
@@ -155,5 +215,74 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         };
         self.buffers[c.recv.0 as usize] = Some(recv);
         result
+    }
+}
+
+/// Why a step did not complete.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepError {
+    /// The loss came out NaN or infinite; no parameter has been updated in this step.
+    NonFiniteLoss(f32),
+    /// Anything else, in the user's terms.
+    Failed(String),
+}
+
+/// The index of the first optimizer step of the program (its length if it has none).
+fn first_update(plan: &Plan) -> usize {
+    plan.program
+        .iter()
+        .position(|i| matches!(i, Instr::Kernel { kernel: Kernel::OptimizerStep, .. }))
+        .unwrap_or(plan.program.len())
+}
+
+/// The first NaN or infinity of a floating-point tensor, with its element index.
+fn first_non_finite_element(t: &Tensor) -> Option<(usize, f32)> {
+    t.f32().ok()?.iter().copied().enumerate().find(|(_, x)| !x.is_finite())
+}
+
+fn has_non_finite(t: &Tensor) -> bool {
+    first_non_finite_element(t).is_some()
+}
+
+/// An error of instruction `index`, in the user's terms: the tensor it computes and the source line.
+pub fn in_instruction(plan: &Plan, index: usize, error: &str) -> String {
+    format!("computing {}: {error}", describe_instruction(plan, index))
+}
+
+/// What instruction `index` computes: its output tensor, the source line and layer it comes from.
+pub fn describe_instruction(plan: &Plan, index: usize) -> String {
+    let Some(instr) = plan.program.get(index) else { return format!("instruction {index}") };
+    let (what, origin) = match instr {
+        Instr::Kernel { output, origin, .. } => (format!("`{}`", plan.buffer(*output).name), Some(*origin)),
+        Instr::Collective { collective, origin, .. } => (
+            format!(
+                "`{}` by {} in a mesh {}",
+                plan.buffer(collective.recv).name,
+                collective.kind.name(),
+                collective.group.name()
+            ),
+            Some(*origin),
+        ),
+        Instr::Free { buffer } => (format!("the release of `{}`", plan.buffer(*buffer).name), None),
+    };
+    match origin.and_then(|o| plan.origins.get(o as usize)) {
+        Some(o) if o.scope.is_empty() => format!("{what} ({}:{})", plan.source, o.line),
+        Some(o) => format!("{what} ({}:{}, in `{}`)", plan.source, o.line, o.scope),
+        None => what,
+    }
+}
+
+/// Names the culprit that [`Device::first_non_finite`] agreed on (a negated index, or `f32::MIN`).
+fn describe_culprit(plan: &Plan, negated: f32) -> String {
+    if negated == f32::MIN || !negated.is_finite() {
+        return "no tensor of the replayed step holds one (the non-finite value did not recur)".into();
+    }
+    let index = (-negated) as usize;
+    match plan.params.get(index) {
+        Some(p) => format!("the parameter `{}` already held a NaN or an infinity before the step", p.name),
+        None => format!(
+            "the first tensor to hold a NaN or an infinity is {}",
+            describe_instruction(plan, index - plan.params.len())
+        ),
     }
 }

@@ -182,9 +182,12 @@ impl<'a> Lowerer<'a> {
         }
         if self.target.mode == Mode::Train {
             self.forward_end.get_or_insert(self.program.len());
+        }
+        // Outputs before the updates: the runtime checks the loss before any weight changes.
+        self.collect_outputs();
+        if self.target.mode == Mode::Train {
             self.optimizer(grads);
         }
-        self.collect_outputs();
     }
 
     /// Records the model outputs, replicated where they were still pending sums.

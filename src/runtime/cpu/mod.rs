@@ -101,7 +101,7 @@ pub fn run(
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
+        join_or_abandon(handles, &fabric, plan.mesh)
     });
     if let Some(first) = fabric.failure() {
         return Err(first);
@@ -111,6 +111,38 @@ pub fn run(
         per_device.push(r?);
     }
     assemble(plan, per_device)
+}
+
+/// How long device threads may take to stop once the run has failed before the run is given up.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+
+/// Joins every device thread. Once the run has failed, a thread that has not stopped within
+/// [`STOP_GRACE`] (hung in a kernel, say) is reported through [`super::watchdog`], naming its device,
+/// so that the command line can end the process instead of waiting for it forever.
+fn join_or_abandon<T>(
+    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<T, String>>>,
+    fabric: &Fabric,
+    mesh: crate::plan::Mesh,
+) -> Vec<Result<T, String>> {
+    let mut failed_at = None;
+    while !handles.iter().all(|h| h.is_finished()) {
+        if let Some(failure) = fabric.failure() {
+            let since = *failed_at.get_or_insert_with(Instant::now);
+            if since.elapsed() >= STOP_GRACE {
+                let stuck: Vec<String> = (0..handles.len() as u64)
+                    .filter(|&r| !handles[r as usize].is_finished())
+                    .map(|r| format!("({}, {})", r / mesh.cols, r % mesh.cols))
+                    .collect();
+                super::watchdog::abandon(format!(
+                    "{failure}; device {} did not stop within {} s after that (hung), so the run was abandoned",
+                    stuck.join(", "),
+                    STOP_GRACE.as_secs()
+                ));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
 }
 
 /// Runs one device of the mesh for the configured steps and returns its records and final blocks.
@@ -146,7 +178,17 @@ pub fn run_device<C: Communicator>(
         }
         let start = Instant::now();
         device.load_inputs(&batches(step)?)?;
-        device.step(&config.optimizer, step + 1)?;
+        match device.step(&config.optimizer, step + 1) {
+            Ok(()) => {}
+            Err(super::StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
+            Err(super::StepError::NonFiniteLoss(value)) => {
+                device.load_inputs(&batches(step)?)?;
+                let culprit = device.first_non_finite().map_err(|e| format!("step {step}: {e}"))?;
+                return Err(format!(
+                    "step {step}: the loss is {value}, so the run stops before updating any weight (none are saved); {culprit}"
+                ));
+            }
+        }
         let loss = plan
             .outputs
             .iter()
@@ -160,11 +202,18 @@ pub fn run_device<C: Communicator>(
         records.push(record);
     }
     let take = |id| device.read(id).cloned();
-    let params =
-        plan.params.iter().map(|p| take(p.buffer).ok_or("a parameter is not alive")).collect::<Result<Vec<_>, _>>()?;
+    let lost = |what: &str, name: &str| format!("the plan does not keep {what} `{name}` to the end of a step");
+    let params = plan
+        .params
+        .iter()
+        .map(|p| take(p.buffer).ok_or_else(|| lost("parameter", &p.name)))
+        .collect::<Result<Vec<_>, _>>()?;
     let grads = plan.params.iter().map(|p| p.grad.and_then(take)).collect();
-    let outputs =
-        plan.outputs.iter().map(|o| take(o.buffer).ok_or("an output is not alive")).collect::<Result<Vec<_>, _>>()?;
+    let outputs = plan
+        .outputs
+        .iter()
+        .map(|o| take(o.buffer).ok_or_else(|| lost("output", &o.name)))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok((records, (params, grads, outputs)))
 }
 

@@ -72,12 +72,14 @@ impl Fabric {
     }
 
     /// Deposits `data` as member `me` of `size` and returns every member's deposit, in member order.
+    /// `device_of` names a member's device, for the error when some never arrive.
     fn exchange(
         &self,
         r: &Rendezvous,
         me: usize,
         size: usize,
         data: Vec<f32>,
+        device_of: &dyn Fn(usize) -> String,
     ) -> Result<Vec<Arc<Vec<f32>>>, CommError> {
         let poisoned = || CommError("a device thread failed while holding a lock".into());
         let mut s = r.state.lock().map_err(|_| poisoned())?;
@@ -101,10 +103,13 @@ impl Fabric {
             }
             let now = Instant::now();
             if now >= deadline {
+                let missing: Vec<String> =
+                    s.deposits.iter().enumerate().filter(|(_, d)| d.is_none()).map(|(m, _)| device_of(m)).collect();
                 return Err(CommError(format!(
-                    "collective timed out after {:.1} s waiting for {} of {size} members",
+                    "collective timed out after {:.1} s waiting for {} of {size} members: device {}",
                     self.timeout.as_secs_f64(),
-                    size - s.arrived
+                    size - s.arrived,
+                    missing.join(", ")
                 )));
             }
             s = r.ready.wait_timeout(s, (deadline - now).min(Duration::from_millis(100))).map_err(|_| poisoned())?.0;
@@ -153,7 +158,17 @@ impl Communicator for ThreadComm {
         let data = if kind == CollectiveKind::Broadcast && root != Some(me) { Vec::new() } else { send.to_vec() };
         let fabric = Arc::clone(&self.fabric);
         let r = fabric.rendezvous(group, self.i, self.j);
-        let parts = fabric.exchange(r, me as usize, size, data)?;
+        let (i, j) = (self.i, self.j);
+        let device_of = |m: usize| {
+            let m = m as u64;
+            let (a, b) = match group {
+                Group::Row => (i, m),
+                Group::Column => (m, j),
+                Group::World => (m / mesh.cols, m % mesh.cols),
+            };
+            format!("({a}, {b})")
+        };
+        let parts = fabric.exchange(r, me as usize, size, data, &device_of)?;
         combine(kind, root, op, shard, full, me, &parts, recv)
     }
 

@@ -1,0 +1,134 @@
+//! `optimusc run` and `verify` refuse what would train on nonsense or do nothing silently: numbers out
+//! of range, compile flags that disagree with a plan, a non-finite loss, and a device thread that hangs.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn optimusc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("optimus-run-guards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn hyperparameters_out_of_range_are_usage_errors_naming_the_flag() {
+    let cases: &[(&str, &str)] = &[
+        ("--lr", "nan"),
+        ("--lr", "-1"),
+        ("--lr", "inf"),
+        ("--beta1", "1.5"),
+        ("--beta1", "1"),
+        ("--beta2", "-1"),
+        ("--eps", "-1"),
+        ("--momentum", "nan"),
+        ("--weight-decay", "inf"),
+        ("--timeout", "1e300"),
+        ("--timeout", "0"),
+        ("--steps", "0"),
+    ];
+    for (flag, value) in cases {
+        let assignment = format!("{flag}={value}");
+        let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", &assignment]);
+        assert_eq!(out.status.code(), Some(2), "run {assignment}: {}", stderr(&out));
+        assert!(stderr(&out).contains(flag), "run {assignment} names the flag: {}", stderr(&out));
+    }
+    for (flag, value) in [("--lr", "nan"), ("--momentum", "-0.5"), ("--tolerance", "nan"), ("--steps", "0")] {
+        let assignment = format!("{flag}={value}");
+        let out = optimusc(&["verify", "examples/tiny.opt", &assignment]);
+        assert_eq!(out.status.code(), Some(2), "verify {assignment}: {}", stderr(&out));
+        assert!(stderr(&out).contains(flag), "verify {assignment} names the flag: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn compile_flags_given_with_a_plan_must_agree_with_it() {
+    let plan = scratch("tiny-2x2.json");
+    let plan_arg = plan.to_str().expect("utf-8 path");
+    let out = optimusc(&["compile", "examples/tiny.opt", "--mesh", "2x2", "-o", plan_arg]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for flags in [
+        &["--mesh", "4x4"][..],
+        &["--strategy", "megatron"],
+        &["--mode", "infer"],
+        &["--set", "batch=4"],
+        &["--set", "no_such_value=1"],
+    ] {
+        let mut args = vec!["run", plan_arg, "--steps", "1"];
+        args.extend_from_slice(flags);
+        let out = optimusc(&args);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(flags[0]), "{flags:?} is named: {}", stderr(&out));
+    }
+    // Flags that say what the plan already is change nothing and are accepted.
+    let out = optimusc(&[
+        "run",
+        plan_arg,
+        "--steps",
+        "1",
+        "--mesh",
+        "2x2",
+        "--strategy",
+        "optimus",
+        "--mode",
+        "train",
+        "--set",
+        "batch=8",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = optimusc(&["simulate", plan_arg, "--hardware", "dgx-a100", "--mesh", "1x4"]);
+    assert_eq!(out.status.code(), Some(2), "simulate: {}", stderr(&out));
+}
+
+#[test]
+fn a_non_finite_loss_stops_before_any_update_naming_the_step_and_tensor() {
+    let saved = scratch("never-written.safetensors");
+    for mesh in
+        [&["--mesh", "1x1", "--strategy", "none"][..], &["--mesh", "2x2"], &["--mesh", "1x2", "--strategy", "megatron"]]
+    {
+        let mut args = vec!["run", "examples/tiny.opt", "--optimizer", "sgd", "--lr", "1e30", "--steps", "4"];
+        args.extend_from_slice(mesh);
+        args.extend_from_slice(&["--save-weights", saved.to_str().expect("utf-8 path")]);
+        let out = optimusc(&args);
+        let text = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{mesh:?}: {text}");
+        assert!(text.contains("step 1: the loss is"), "{mesh:?} names the step: {text}");
+        assert!(text.contains("the first tensor to hold a NaN or an infinity is `"), "{mesh:?} names a tensor: {text}");
+        assert!(text.contains("examples/tiny.opt:"), "{mesh:?} names the source line: {text}");
+        assert!(!saved.exists(), "{mesh:?}: no weights are written from a non-finite state");
+    }
+}
+
+#[test]
+fn a_hung_device_thread_ends_the_process_within_the_timeout_and_names_it() {
+    let start = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "3", "--timeout", "2"])
+        .env("OPTIMUS_INJECT_FAULT", "hang:2:1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("optimusc starts");
+    let deadline = start + Duration::from_secs(30);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            child.kill().expect("kill");
+            panic!("a hung device thread kept the process alive for 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("output");
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+    // Device 2 in row-major order is (1, 0).
+    assert!(text.contains("device (1, 0) did not stop"), "{text}");
+}
