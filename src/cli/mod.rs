@@ -136,12 +136,14 @@ pub fn parse_mesh(s: &str) -> Result<Mesh, String> {
     Ok(Mesh { rows, cols })
 }
 
-/// Reads a model file; prints an error and returns `None` if it cannot be read.
+/// Reads a model file (a regular file of at most 64 MiB); prints an error and returns `None` if it
+/// cannot be read.
 pub fn read_model(path: &Path) -> Option<Vec<u8>> {
-    match std::fs::read(path) {
+    let limit = optimus::io::files::MODEL_SOURCE_LIMIT;
+    match optimus::io::files::read_bounded(path, "", limit) {
         Ok(bytes) => Some(bytes),
         Err(e) => {
-            eprintln!("error: cannot read `{}`: {e}", path.display());
+            eprintln!("error: {e}");
             None
         }
     }

@@ -147,6 +147,14 @@ impl Tokens {
         }
     }
 
+    /// A warning when the token file is shorter than one step of `plan` reads (see
+    /// [`TokenData::shortfall_warning`]).
+    pub fn shortfall_warning(&self, plan: &Plan) -> Option<String> {
+        let Tokens::File(data) = self else { return None };
+        let (batch, seq) = check_inputs(plan).ok()?;
+        data.shortfall_warning(batch, seq)
+    }
+
     /// The logical inputs of step k.
     pub fn batch(&self, plan: &Plan, step: u64) -> Result<BTreeMap<String, optimus::runtime::tensor::Tensor>, String> {
         let (batch, seq) = check_inputs(plan)?;
@@ -212,6 +220,9 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     let plan = plan_from(&args.input, &args.target)?;
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     check_inputs(&plan)?;
+    if let Some(warning) = tokens.shortfall_warning(&plan) {
+        eprintln!("warning: {warning}");
+    }
     let initial = match &args.weights {
         Some(path) => load_checkpoint(path, &plan)?,
         None => BTreeMap::new(),

@@ -131,10 +131,12 @@ impl Hardware {
         ))
     }
 
-    /// A profile file.
+    /// A profile file: a regular file of at most 64 MiB of UTF-8 text.
     pub fn from_path(path: &Path) -> Result<Hardware, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read hardware profile `{}`: {e}", path.display()))?;
+        let limit = crate::io::files::HARDWARE_PROFILE_LIMIT;
+        let bytes = crate::io::files::read_bounded(path, "hardware profile", limit)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| format!("cannot read hardware profile `{}`: not UTF-8 text ({e})", path.display()))?;
         Hardware::parse(&text, &path.display().to_string())
     }
 

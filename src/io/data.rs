@@ -4,13 +4,16 @@
 //! at the end of the file; the input is the first seq of them and the target the last seq, so every
 //! target is the token that follows its input.
 
+use super::files::open_regular;
 use super::shape_text;
 use crate::ir::DType;
 use crate::plan::{Plan, PlanInput};
 use crate::runtime::init::mix64;
 use crate::runtime::tensor::Tensor;
+use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 /// The element type of a token file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -29,30 +32,37 @@ impl TokenDtype {
     }
 }
 
-/// A token file read into memory.
+/// A token file, memory-mapped: a step reads only the pages its windows touch, so a 100 GB file opens
+/// as fast as a small one. Clones share the mapping.
+///
+/// Like every memory-mapped data loader, this assumes nobody truncates the file while it is mapped:
+/// reading a page past the new end would raise SIGBUS. Files that are only appended to, or replaced by
+/// renaming, are safe (the mapping keeps the old file's pages).
 #[derive(Clone, Debug)]
 pub struct TokenData {
     path: String,
     dtype: TokenDtype,
-    bytes: Vec<u8>,
+    bytes: Arc<Mmap>,
 }
 
 impl TokenData {
-    /// Reads the whole file. An empty file, or one whose length is not a whole number of tokens, is an error.
+    /// Maps the file. Anything but a regular file (a device, FIFO, socket or directory) is refused before
+    /// it is opened; an empty file, or one whose length is not a whole number of tokens, is an error.
     pub fn open(path: &Path, dtype: TokenDtype) -> Result<TokenData, String> {
         let shown = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|e| format!("cannot read token data `{shown}`: {e}"))?;
-        if bytes.is_empty() {
+        let (file, len) = open_regular(path, "token data")?;
+        if len == 0 {
             return Err(format!("token data `{shown}` is empty"));
         }
-        if bytes.len() % dtype.size() != 0 {
+        if len % dtype.size() as u64 != 0 {
             return Err(format!(
-                "token data `{shown}` has {} bytes, not a whole number of {}-byte {dtype:?} tokens",
-                bytes.len(),
+                "token data `{shown}` has {len} bytes, not a whole number of {}-byte {dtype:?} tokens",
                 dtype.size()
             ));
         }
-        Ok(TokenData { path: shown, dtype, bytes })
+        // SAFETY: the map is read-only and the file is not truncated while mapped (see the type's docs).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map token data `{shown}`: {e}"))?;
+        Ok(TokenData { path: shown, dtype, bytes: Arc::new(map) })
     }
 
     /// The number of tokens in the file.
@@ -74,6 +84,23 @@ impl TokenData {
             Some(&[a, b, c, d]) => u32::from_le_bytes([a, b, c, d]),
             _ => 0,
         }
+    }
+
+    /// A warning when the file holds fewer tokens than one step reads. Step k reads the batch * seq + 1
+    /// consecutive tokens from k * batch * seq (each sequence's seq + 1 window overlaps the next by one);
+    /// a shorter file makes the windows of a single step wrap around it, so the model sees the same
+    /// tokens several times in one batch.
+    pub fn shortfall_warning(&self, batch: u64, seq: u64) -> Option<String> {
+        let step_reads = u128::from(batch) * u128::from(seq) + 1;
+        (u128::from(self.len()) < step_reads).then(|| {
+            format!(
+                "token data `{}` holds {} tokens, fewer than the {step_reads} one step reads \
+                 ({batch} sequences x {seq} tokens, plus 1 for the last target), so every step wraps \
+                 around the file and trains on repeated tokens",
+                self.path,
+                self.len()
+            )
+        })
     }
 
     /// `tokens` and `targets` of step `step`, each i32 [batch, seq]; a token id >= `vocab` is an error.

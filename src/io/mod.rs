@@ -4,9 +4,11 @@
 //! without the model's `checkpoint_prefix`), so Hugging Face GPT-2 files load unchanged.
 //! [`data`] cuts nanoGPT-style token files (flat little-endian u16 or u32 ids) into `tokens` /
 //! `targets` batches, or draws random ones from a seed.
+//! [`files`] opens user-named inputs: regular files only, small ones read with a size bound.
 
 pub mod checkpoint;
 pub mod data;
+pub mod files;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};
 pub use data::{TokenData, TokenDtype, check_inputs, random_batch};
