@@ -220,7 +220,9 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     let plan = plan_from(&args.input, &args.target)?;
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     check_inputs(&plan)?;
-    if let Some(warning) = tokens.shortfall_warning(&plan) {
+    // Under mpirun every rank prepares; rank 0 alone warns.
+    let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
+    if let Some(warning) = tokens.shortfall_warning(&plan).filter(|_| leader) {
         eprintln!("warning: {warning}");
     }
     let initial = match &args.weights {

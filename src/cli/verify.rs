@@ -80,6 +80,9 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
         "verifying {} on a {} mesh ({strategy}) against one device, {} steps",
         sharded.model, sharded.mesh, args.steps
     );
+    if let Some(warning) = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?.shortfall_warning(&sharded) {
+        eprintln!("warning: {warning}");
+    }
     let a = execute(&sharded, args)?;
     let b = execute(&single, args)?;
     Ok(report(args, &a, &b))
