@@ -3,13 +3,16 @@
 //! [`checkpoint`] maps a plan's parameters to checkpoint tensors by their `checkpoint` names (with or
 //! without the model's `checkpoint_prefix`), so Hugging Face GPT-2 files load unchanged.
 //! [`data`] cuts nanoGPT-style token files (flat little-endian u16 or u32 ids) into `tokens` /
-//! `targets` batches, or draws random ones from a seed.
+//! `targets` batches, or draws random ones from a seed. [`output`] is the one way any output file is
+//! written: atomically for files, in place for devices and pipes, never leaving temporary files.
 
 pub mod checkpoint;
 pub mod data;
+pub mod output;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};
 pub use data::{TokenData, TokenDtype, check_inputs, random_batch};
+pub use output::{OutputError, check_writable, write_file};
 
 /// A shape as `[a, b, c]`.
 pub(crate) fn shape_text<T: std::fmt::Display>(shape: &[T]) -> String {
