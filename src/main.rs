@@ -138,7 +138,7 @@ fn check(path: &std::path::Path, overrides: &[Override], emit: Option<Emit>) -> 
 fn compile(args: &CompileArgs) -> ExitCode {
     let Some(plan) = cli::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
     if let Err(e) = optimus::plan::io::write_plan(&plan, &args.output) {
-        eprintln!("error: cannot write `{}`: {e}", args.output.display());
+        eprintln!("error: {e}");
         return ExitCode::from(1);
     }
     for p in &plan.padding {
@@ -147,7 +147,7 @@ fn compile(args: &CompileArgs) -> ExitCode {
             p.tensor, p.dim, p.logical, p.padded
         );
     }
-    cli::stdout(&format!(
+    let summary = format!(
         "{}: {} plan for a {} mesh ({}): {} instructions, peak {} per device -> {}\n",
         plan.source,
         plan.strategy.name(),
@@ -156,7 +156,13 @@ fn compile(args: &CompileArgs) -> ExitCode {
         plan.program.len(),
         optimus::plan::report::human_bytes(plan.memory.peak_bytes),
         args.output.display()
-    ));
+    );
+    // With the plan on standard output, the summary goes to standard error so the JSON stays whole.
+    if optimus::io::output::is_standard_output(&args.output) {
+        eprint!("{summary}");
+    } else {
+        cli::stdout(&summary);
+    }
     ExitCode::SUCCESS
 }
 
@@ -177,8 +183,8 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) ->
     }
     if let Some(dot_path) = dot {
         let text = optimus::plan::report::render_dot(&plan);
-        if let Err(e) = optimus::plan::io::write_atomically(dot_path, text.as_bytes()) {
-            eprintln!("error: cannot write `{}`: {e}", dot_path.display());
+        if let Err(e) = optimus::io::output::write_file(dot_path, text.as_bytes()) {
+            eprintln!("error: {e}");
             return ExitCode::from(1);
         }
     }

@@ -405,9 +405,10 @@ fn sweep(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
     if let Some(path) = &args.plot {
         let title = format!("{} on {}: scaling efficiency", args.model.display(), hw.name);
         let written = optimus::cost::plot::efficiency_svg(&points, &title)
-            .and_then(|svg| optimus::plan::io::write_atomically(path, svg.as_bytes()).map_err(|e| e.to_string()));
+            .map_err(|e| format!("cannot write `{}`: {e}", path.display()))
+            .and_then(|svg| optimus::io::output::write_file(path, svg.as_bytes()).map_err(|e| e.to_string()));
         if let Err(e) = written {
-            eprintln!("error: cannot write `{}`: {e}", path.display());
+            eprintln!("error: {e}");
             return ExitCode::from(1);
         }
     }

@@ -48,8 +48,8 @@ pub fn save_checkpoint(path: &Path, plan: &Plan, params: &BTreeMap<String, Tenso
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let bytes = safetensors::serialize(tensors, Some(metadata))
         .map_err(|e| format!("cannot save checkpoint `{}`: {e}", path.display()))?;
-    crate::plan::io::write_atomically(path, &bytes)
-        .map_err(|e| format!("cannot write checkpoint `{}`: {e}", path.display()))
+    super::output::write_file(path, &bytes)
+        .map_err(|e| format!("cannot write checkpoint `{}`: {}", e.path().display(), e.reason()))
 }
 
 /// File tensors assigned to parameters, and what did not fit.

@@ -5,13 +5,17 @@
 //! [`data`] cuts nanoGPT-style token files (flat little-endian u16 or u32 ids) into `tokens` /
 //! `targets` batches, or draws random ones from a seed.
 //! [`files`] opens user-named inputs: regular files only, small ones read with a size bound.
+//! [`output`] is the one way any output file is written: atomically for files, in place for devices
+//! and pipes, never leaving temporary files.
 
 pub mod checkpoint;
 pub mod data;
 pub mod files;
+pub mod output;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};
 pub use data::{TokenData, TokenDtype, check_inputs, random_batch};
+pub use output::{OutputError, check_writable, write_file};
 
 /// A shape as `[a, b, c]`.
 pub(crate) fn shape_text<T: std::fmt::Display>(shape: &[T]) -> String {

@@ -1,31 +1,18 @@
 //! Reading and writing plans: deterministic JSON, written atomically so that a failure leaves no file.
 
 use super::{FORMAT_VERSION, Plan};
-use std::io::Write;
+use crate::io::output::write_file;
 use std::path::Path;
 
-/// Serialises a plan (compact, deterministic JSON) and writes it via a temporary file and a rename.
-pub fn write_plan(plan: &Plan, path: &Path) -> std::io::Result<()> {
-    let json = serde_json::to_vec(plan).map_err(std::io::Error::other)?;
-    write_atomically(path, &json)
+/// Serialises a plan (compact, deterministic JSON) and writes it with [`crate::io::output::write_file`].
+pub fn write_plan(plan: &Plan, path: &Path) -> Result<(), String> {
+    let json =
+        serde_json::to_vec(plan).map_err(|e| format!("cannot serialise the plan for `{}`: {e}", path.display()))?;
+    write_file(path, &json).map_err(|e| e.to_string())
 }
 
-/// Writes bytes to `path` through a temporary sibling, so readers never see a partial file.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "plan".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
+/// The one output writer, under the name earlier callers used.
+pub use crate::io::output::write_file as write_atomically;
 
 /// Reads a plan, rejecting other format versions with a clear message.
 pub fn read_plan(path: &Path) -> Result<Plan, String> {
