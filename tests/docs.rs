@@ -40,11 +40,14 @@ struct DocCommand {
     text: String,
 }
 
+/// Text a doc replaces in the commands of its next fence when the test runs them: (from, to).
+type Shrink = (String, String);
+
 /// The commands of every ```sh fence of a doc, with the shrinks stated before each fence applied.
 fn sh_commands(text: &str) -> Result<Vec<DocCommand>, String> {
     let mut commands = Vec::new();
     let (mut in_sh, mut in_other) = (false, false);
-    let (mut shrinks, mut pending): (Vec<(String, String)>, Vec<(String, String)>) = (Vec::new(), Vec::new());
+    let (mut shrinks, mut pending): (Vec<Shrink>, Vec<Shrink>) = (Vec::new(), Vec::new());
     let mut partial: Option<DocCommand> = None;
     for (index, raw) in text.lines().enumerate() {
         let line = index + 1;
@@ -85,7 +88,7 @@ fn sh_commands(text: &str) -> Result<Vec<DocCommand>, String> {
 }
 
 /// `"FROM" to "TO" -->` from a shrink comment.
-fn parse_shrink(rest: &str) -> Result<(String, String), String> {
+fn parse_shrink(rest: &str) -> Result<Shrink, String> {
     let body = rest.trim().strip_suffix("-->").ok_or("a shrink comment ends with `-->`")?.trim();
     let (from, to) = body.split_once("\" to \"").ok_or("write: shrink \"FROM\" to \"TO\"")?;
     let from = from.strip_prefix('"').ok_or("FROM is quoted")?;
