@@ -433,3 +433,122 @@ fn commands_nobody_can_run_here_are_skipped_only_by_a_rule() {
     assert!(kind("optimusc run $UNSET").is_err(), "an unset variable in a command that runs is an error");
     assert!(matches!(kind("export THREADS=$SLURM_CPUS"), Ok(Kind::Assignment(..))), "assignments may use them");
 }
+
+// ---- transcripts in docs/diagnostics.md ---------------------------------------------------------
+
+/// A ```text fence of docs/diagnostics.md that starts with `$ optimusc ...`: the command, the output it
+/// shows (a `...` line stands for any lines), and the ```opt fence right before it, if any.
+struct Transcript {
+    line: usize,
+    command: String,
+    output: Vec<String>,
+    input: Option<String>,
+}
+
+/// The fences of a doc: (first line number, info string, body lines).
+fn fences(text: &str) -> Vec<(usize, String, Vec<String>)> {
+    let mut fences = Vec::new();
+    let mut open: Option<(usize, String, Vec<String>)> = None;
+    for (index, line) in text.lines().enumerate() {
+        match (open.take(), line.trim_start().strip_prefix("```")) {
+            (None, Some(info)) => open = Some((index + 1, info.trim().to_string(), Vec::new())),
+            (Some(fence), Some(_)) => fences.push(fence),
+            (Some(mut fence), None) => {
+                fence.2.push(line.to_string());
+                open = Some(fence);
+            }
+            (None, None) => {}
+        }
+    }
+    fences
+}
+
+fn transcripts(text: &str) -> Vec<Transcript> {
+    let fences = fences(text);
+    let mut out = Vec::new();
+    for (i, (line, info, body)) in fences.iter().enumerate() {
+        let Some(command) = body.first().and_then(|l| l.strip_prefix("$ optimusc ")) else { continue };
+        if info != "text" {
+            continue;
+        }
+        let before = i.checked_sub(1).and_then(|b| fences.get(b));
+        let input = before.filter(|(_, info, _)| info == "opt").map(|(_, _, body)| body.join("\n") + "\n");
+        out.push(Transcript { line: *line, command: command.to_string(), output: body[1..].to_vec(), input });
+    }
+    out
+}
+
+/// Whether `actual` matches `expected`, where a `...` line of `expected` matches any lines.
+fn matches_transcript(expected: &[String], actual: &[String]) -> bool {
+    match expected.split_first() {
+        None => actual.is_empty(),
+        Some((first, rest)) if first.trim() == "..." => {
+            (0..=actual.len()).any(|skip| matches_transcript(rest, &actual[skip..]))
+        }
+        Some((first, rest)) => actual
+            .split_first()
+            .is_some_and(|(a, more)| a.trim_end() == first.trim_end() && matches_transcript(rest, more)),
+    }
+}
+
+fn trim_blank_ends(lines: Vec<String>) -> Vec<String> {
+    let start = lines.iter().position(|l| !l.trim().is_empty()).unwrap_or(lines.len());
+    let end = lines.iter().rposition(|l| !l.trim().is_empty()).map_or(start, |e| e + 1);
+    lines[start..end].to_vec()
+}
+
+/// Runs a transcript's command; `None` when its input is made by a shell helper the test does not run.
+fn replay(t: &Transcript, dir: &Path) -> Option<Result<(), String>> {
+    let (args, _) = words(&t.command, &BTreeMap::new()).ok()?;
+    let file = args.iter().find(|a| a.ends_with(".opt") && !a.starts_with("examples/"));
+    match (file, &t.input) {
+        (Some(name), Some(text)) => std::fs::write(dir.join(name), text).expect("writing the example input"),
+        (Some(_), None) => return None,
+        (None, _) => {}
+    }
+    let output = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(&args)
+        .current_dir(dir)
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .output()
+        .expect("starting optimusc");
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    let actual = trim_blank_ends(text.lines().map(str::to_string).collect());
+    let expected = trim_blank_ends(t.output.clone());
+    if matches_transcript(&expected, &actual) {
+        return Some(Ok(()));
+    }
+    Some(Err(format!("shows:\n{}\nbut prints:\n{}", expected.join("\n"), actual.join("\n"))))
+}
+
+/// Every example output in docs/diagnostics.md is what the binary prints today for that input.
+#[test]
+fn diagnostics_examples_show_the_real_output() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    copy_dir(&root().join("examples"), &dir.path().join("examples")).expect("copying examples/");
+    let (mut replayed, mut helper_made, mut problems) = (0, 0, Vec::new());
+    for t in transcripts(&read(&root().join("docs/diagnostics.md"))) {
+        match replay(&t, dir.path()) {
+            None => helper_made += 1,
+            Some(result) => {
+                replayed += 1;
+                if let Err(e) = result {
+                    problems.push(format!("docs/diagnostics.md:{}: `optimusc {}` {e}", t.line, t.command));
+                }
+            }
+        }
+    }
+    eprintln!("replayed {replayed} transcripts; {helper_made} take input from a shell helper and were not run");
+    assert!(problems.is_empty(), "examples that no longer match:\n\n{}", problems.join("\n\n"));
+    assert!(replayed >= 40, "expected the transcripts to be found; replayed {replayed}");
+}
+
+#[test]
+fn an_ellipsis_line_stands_for_any_lines() {
+    let lines = |v: &[&str]| v.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
+    assert!(matches_transcript(&lines(&["a", "...", "d"]), &lines(&["a", "b", "c", "d"])));
+    assert!(matches_transcript(&lines(&["a", "...", "d"]), &lines(&["a", "d"])));
+    assert!(!matches_transcript(&lines(&["a", "...", "d"]), &lines(&["a", "b"])));
+    assert!(!matches_transcript(&lines(&["a", "b"]), &lines(&["a", "b", "c"])), "no unshown trailing lines");
+}
