@@ -448,6 +448,11 @@ fn e0602_at<'d>(text: &str, diagnostics: &'d [Diagnostic], line: &str) -> &'d Di
         })
 }
 
+/// E0602's help: the meshes of the strategy, up to the stated bound, on which the model compiles.
+fn mesh_help(strategy: Strategy, meshes: &str) -> String {
+    format!("meshes up to 64 devices on which this model compiles with the {} strategy: {meshes}", strategy.name())
+}
+
 /// Each split dimension that does not divide the mesh gives E0602 at the config line that defines it,
 /// with the meshes that would work in its help; every error is E0602 and nothing panics.
 #[test]
@@ -468,7 +473,7 @@ fn indivisible_dimensions_point_at_their_config_lines() {
         (hidden, optimus4, &["hidden  = 18", "heads   = 6"], "1x1, 2x2"),
         (heads, megatron4, &["heads   = 2"], "1x1, 1x2"),
         (ffn, megatron4, &["ffn     = 2 * hidden + 6"], "1x1, 1x2"),
-        (hidden, megatron4, &["hidden  = 18", "heads   = 6"], "1x1, 1x2"),
+        (hidden, megatron4, &["hidden  = 18", "heads   = 6"], "1x1, 1x2, 1x3, 1x6"),
     ];
     for &(edits, t, blamed, help) in cases {
         let text = tiny_with(edits);
@@ -479,7 +484,7 @@ fn indivisible_dimensions_point_at_their_config_lines() {
             let d = e0602_at(&text, &diagnostics, line);
             let name = line.split_whitespace().next().unwrap_or_default();
             assert!(d.message.contains(&format!("`{name}`")), "{case}: message names `{name}`: {}", d.message);
-            let expected = format!("meshes that divide every split dimension: {help}");
+            let expected = mesh_help(t.strategy, help);
             assert_eq!(d.help.as_deref(), Some(expected.as_str()), "{case}: help for {line}");
         }
         // The batch is not split by megatron, so it is never blamed there.
@@ -503,7 +508,7 @@ fn indivisible_override_points_at_the_config_entry() {
     let span = d[0].primary_span().expect("a primary label");
     assert!(text[span.range()].starts_with("batch"), "label at the batch entry: {:?}", &text[span.range()]);
     assert!(d[0].labels.iter().any(|l| l.primary && l.message.contains("7 is not a multiple of 2")), "{d:#?}");
-    assert_eq!(d[0].help.as_deref(), Some("meshes that divide every split dimension: 1x1"));
+    assert_eq!(d[0].help.as_deref(), Some(mesh_help(Strategy::Optimus, "1x1").as_str()));
 }
 
 /// Meshes a strategy cannot use: E0601 with help, for optimus off the square, megatron off 1 x p, and

@@ -19,6 +19,7 @@ use layout::{Layout, Placement};
 use petgraph::graph::{DiGraph, NodeIndex};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// What to compile for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,23 +29,124 @@ pub struct Target {
     pub mode: Mode,
 }
 
+/// The largest mesh (in devices) that E0602's help considers when it lists meshes that compile.
+pub const SUGGESTED_MESH_DEVICES: u64 = 64;
+
 /// Compiles a checked model into a verified plan, or explains why it cannot be sharded so.
 pub fn compile(model: &Model, source_name: &str, source: &str, target: Target) -> Result<Plan, Vec<Diagnostic>> {
     check_mesh(target)?;
-    let (graph, forward_len, like, grads) = match target.mode {
-        Mode::Train => {
-            let d = differentiate(model).map_err(|e| vec![e])?;
-            (d.graph, d.forward_len, d.like, d.param_grads)
-        }
-        Mode::Infer => {
-            let n = model.graph.node_count();
-            (model.graph.clone(), n, (0..n).map(|i| Some(NodeIndex::new(i))).collect(), Vec::new())
+    let graph = LoweringGraph::new(model, target.mode)?;
+    let mut lower = graph.lowerer(model, source, target);
+    lower.run(graph.forward_len, &graph.grads);
+    if lower.diagnostics.iter().any(|d| d.code == "E0602") {
+        let meshes = meshes_that_compile(model, &graph, source_name, source, target);
+        add_mesh_suggestions(&mut lower.diagnostics, target.strategy, &meshes);
+    }
+    lower.finish(source_name)
+}
+
+/// The graph the lowering walks: the forward graph (infer), or forward and backward (train).
+struct LoweringGraph {
+    graph: DiGraph<Node, u8>,
+    forward_len: usize,
+    /// For each node, the forward node whose shape (and, for parameters, identity) it has.
+    like: Vec<Option<NodeIndex>>,
+    /// Gradient node of each parameter (train mode).
+    grads: Vec<Option<NodeIndex>>,
+}
+
+impl LoweringGraph {
+    fn new(model: &Model, mode: Mode) -> Result<LoweringGraph, Vec<Diagnostic>> {
+        Ok(match mode {
+            Mode::Train => {
+                let d = differentiate(model).map_err(|e| vec![e])?;
+                LoweringGraph { graph: d.graph, forward_len: d.forward_len, like: d.like, grads: d.param_grads }
+            }
+            Mode::Infer => {
+                let n = model.graph.node_count();
+                let like = (0..n).map(|i| Some(NodeIndex::new(i))).collect();
+                LoweringGraph { graph: model.graph.clone(), forward_len: n, like, grads: Vec::new() }
+            }
+        })
+    }
+
+    /// A lowerer for `target`, with every node's shape padded for that target.
+    fn lowerer<'a>(&'a self, model: &'a Model, source: &'a str, target: Target) -> Lowerer<'a> {
+        let shapes = shapes::padded_shapes(model, &self.graph, &self.like, target);
+        Lowerer::new(model, &self.graph, self.like.clone(), source, target, shapes)
+    }
+}
+
+/// The meshes of the strategy, up to `SUGGESTED_MESH_DEVICES` devices, on which the model compiles:
+/// each candidate goes through the same sharding pass and plan verification as a real compile, so the
+/// list needs no second copy of the padding and divisibility rules. Candidates are tried on every core.
+fn meshes_that_compile(
+    model: &Model,
+    graph: &LoweringGraph,
+    source_name: &str,
+    source: &str,
+    failing: Target,
+) -> Vec<Mesh> {
+    let candidates: Vec<Mesh> = candidate_meshes(failing.strategy).into_iter().filter(|&m| m != failing.mesh).collect();
+    let compiles: Vec<AtomicBool> = candidates.iter().map(|_| AtomicBool::new(false)).collect();
+    let next = AtomicUsize::new(0);
+    let try_candidates = || {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let (Some(&mesh), Some(flag)) = (candidates.get(i), compiles.get(i)) else { break };
+            flag.store(compiles_on(model, graph, source_name, source, Target { mesh, ..failing }), Ordering::Relaxed);
         }
     };
-    let shapes = shapes::padded_shapes(model, &graph, &like, target);
-    let mut lower = Lowerer::new(model, &graph, like, source, target, shapes);
-    lower.run(forward_len, &grads);
-    lower.finish(source_name)
+    let helpers = std::thread::available_parallelism().map_or(1, usize::from).min(candidates.len()).saturating_sub(1);
+    std::thread::scope(|scope| {
+        for _ in 0..helpers {
+            // A helper that cannot start leaves its candidates to the others and to this thread.
+            let _ = std::thread::Builder::new().stack_size(PROBE_STACK_BYTES).spawn_scoped(scope, try_candidates);
+        }
+        try_candidates();
+    });
+    candidates.into_iter().zip(compiles).filter(|(_, ok)| ok.load(Ordering::Relaxed)).map(|(m, _)| m).collect()
+}
+
+/// Stack for each thread that tries candidate meshes (as deep as the compiler's own worker's needs).
+const PROBE_STACK_BYTES: usize = 64 * 1024 * 1024;
+
+/// Every mesh shape the strategy accepts with at most `SUGGESTED_MESH_DEVICES` devices, smallest first.
+fn candidate_meshes(strategy: Strategy) -> Vec<Mesh> {
+    let bound = SUGGESTED_MESH_DEVICES;
+    match strategy {
+        Strategy::Optimus => (1..=bound).take_while(|q| q * q <= bound).map(|q| Mesh { rows: q, cols: q }).collect(),
+        Strategy::Megatron => (1..=bound).map(|p| Mesh { rows: 1, cols: p }).collect(),
+        Strategy::None => vec![Mesh { rows: 1, cols: 1 }],
+    }
+}
+
+/// Whether the model compiles for `target`: lowering stops at its first error, and a clean lowering
+/// must also give a plan that verifies.
+fn compiles_on(model: &Model, graph: &LoweringGraph, source_name: &str, source: &str, target: Target) -> bool {
+    if check_mesh(target).is_err() {
+        return false;
+    }
+    let mut lower = graph.lowerer(model, source, target);
+    lower.stop_at_first_error = true;
+    lower.run(graph.forward_len, &graph.grads);
+    lower.diagnostics.is_empty() && lower.finish(source_name).is_ok()
+}
+
+/// Lists the meshes that compile in the help of every divisibility error, with the bound searched.
+fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, meshes: &[Mesh]) {
+    let list = if meshes.is_empty() {
+        "none".to_string()
+    } else {
+        meshes.iter().map(Mesh::to_string).collect::<Vec<_>>().join(", ")
+    };
+    let help = format!(
+        "meshes up to {SUGGESTED_MESH_DEVICES} devices on which this model compiles with the {} strategy: {list}",
+        strategy.name()
+    );
+    for d in diagnostics.iter_mut().filter(|d| d.code == "E0602") {
+        d.help = Some(help.clone());
+    }
 }
 
 /// Rejects meshes the strategy cannot use.
@@ -106,8 +208,10 @@ pub(crate) struct Lowerer<'a> {
     pub forward_end: Option<usize>,
     pub diagnostics: Vec<Diagnostic>,
     reported_dims: HashSet<String>,
-    /// (size, label) of every dimension split across a mesh axis, for suggesting meshes that work.
+    /// (size, label) of every dimension split across a mesh axis.
     pub split_dims: BTreeSet<(u64, Option<String>)>,
+    /// Stop at the first error of any kind (when only whether the target compiles matters).
+    stop_at_first_error: bool,
     pub inputs: Vec<PlanInput>,
     pub plan_params: Vec<PlanParam>,
     pub outputs: Vec<PlanOutput>,
@@ -144,6 +248,7 @@ impl<'a> Lowerer<'a> {
             diagnostics: Vec::new(),
             reported_dims: HashSet::default(),
             split_dims: BTreeSet::new(),
+            stop_at_first_error: false,
             inputs: Vec::new(),
             plan_params: Vec::new(),
             outputs: Vec::new(),
@@ -175,10 +280,14 @@ impl<'a> Lowerer<'a> {
             self.current = n;
             // Keep going past dimensions that do not divide, to report them all and learn every split
             // size; stop at anything else.
-            if self.diagnostics.iter().any(|d| d.code != "E0602") {
+            let stop = self.stop_at_first_error && !self.diagnostics.is_empty();
+            if stop || self.diagnostics.iter().any(|d| d.code != "E0602") {
                 return;
             }
             self.lower_node(n);
+        }
+        if self.stop_at_first_error && !self.diagnostics.is_empty() {
+            return;
         }
         if self.target.mode == Mode::Train {
             self.forward_end.get_or_insert(self.program.len());
@@ -243,7 +352,6 @@ impl<'a> Lowerer<'a> {
 
     fn finish(mut self, source_name: &str) -> Result<Plan, Vec<Diagnostic>> {
         if !self.diagnostics.is_empty() {
-            self.add_mesh_suggestions();
             return Err(self.diagnostics);
         }
         let forward_end = self.forward_end.unwrap_or(self.program.len());
@@ -358,22 +466,6 @@ impl<'a> Lowerer<'a> {
             None => d = d.primary(self.graph[n].origin.span, format!("{size} is not a multiple of {parts}")),
         }
         d
-    }
-
-    /// Adds the meshes on which every split dimension divides to each divisibility error.
-    fn add_mesh_suggestions(&mut self) {
-        let sizes: Vec<u64> = self.split_dims.iter().map(|(s, _)| *s).collect();
-        let works = |k: u64| sizes.iter().all(|s| s % k == 0);
-        let candidates: Vec<String> = match self.target.strategy {
-            Strategy::Optimus => (1..=32).filter(|&q| works(q)).map(|q| format!("{q}x{q}")).collect(),
-            Strategy::Megatron => (1..=256).filter(|&p| works(p)).map(|p| format!("1x{p}")).collect(),
-            Strategy::None => vec!["1x1".to_string()],
-        };
-        for d in &mut self.diagnostics {
-            if d.code == "E0602" {
-                d.help = Some(format!("meshes that divide every split dimension: {}", candidates.join(", ")));
-            }
-        }
     }
 
     /// The origin of the node being lowered, recorded once per node.
