@@ -132,3 +132,16 @@ fn a_hung_device_thread_ends_the_process_within_the_timeout_and_names_it() {
     // Device 2 in row-major order is (1, 0).
     assert!(text.contains("device (1, 0) did not stop"), "{text}");
 }
+
+#[test]
+fn a_save_weights_path_that_cannot_be_written_fails_before_step_0() {
+    let missing_dir = scratch("no-such-dir").join("w.safetensors");
+    let directory = std::env::temp_dir();
+    for path in [missing_dir.to_str().expect("utf-8 path"), directory.to_str().expect("utf-8 path")] {
+        let out = optimusc(&["run", "examples/tiny.opt", "--steps", "50", "--save-weights", path]);
+        let text = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{path}: {text}");
+        assert!(text.contains("--save-weights") && text.contains(path), "{path}: {text}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{path}: no step ran");
+    }
+}

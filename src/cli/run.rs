@@ -217,6 +217,10 @@ struct Prepared {
 
 fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     args.backend.kind().check_available()?;
+    // A path that cannot be written is found now, not after the whole run.
+    if let Some(path) = &args.save_weights {
+        optimus::io::check_writable(path).map_err(|e| format!("--save-weights: {e}"))?;
+    }
     let plan = plan_from(&args.input, &args.target)?;
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     check_inputs(&plan)?;
