@@ -274,7 +274,28 @@ fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<
             if let Err(what) = check_gathered(c.shard, small, large, size) {
                 fail(what);
             }
+            let small_id = if c.kind == CollectiveKind::AllGather { c.send } else { c.recv };
+            if let Err(what) = check_gather_layout(plan, c, small_id) {
+                fail(what);
+            }
         }
+    }
+}
+
+/// The block of a gather or scatter is laid out with the collective's placement on the group's mesh
+/// axis, so the members' blocks land where their layout says.
+fn check_gather_layout(plan: &Plan, c: &Collective, block: BufferId) -> Result<(), String> {
+    let axis = match c.group {
+        Group::Column => 0,
+        Group::Row => 1,
+        Group::World => return Ok(()),
+    };
+    let b = plan.buffer(block);
+    match c.shard {
+        Some(shard) if b.layout.0[axis] != shard => {
+            Err(format!("the placement {shard} does not match `{}`, laid out {} (mesh axis {axis})", b.name, b.layout))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -38,11 +38,14 @@ pub(super) fn check_parameters(
     match *kernel {
         Kernel::EmbeddingLookup { offset, masked } => check_row_offset(ops.mesh(), offset, masked, ops.input(1)?),
         Kernel::EmbeddingGrad { offset, masked } => check_row_offset(ops.mesh(), offset, masked, ops.output),
-        Kernel::CrossEntropyMax { offset, valid } | Kernel::CrossEntropyStats { offset, valid } => {
-            check_vocabulary(plan, offset, valid, ops.input(0)?)
+        Kernel::CrossEntropyMax { offset, valid } => check_vocabulary(plan, offset, valid, ops.input(0)?),
+        Kernel::CrossEntropyStats { offset, valid } => {
+            check_vocabulary(plan, offset, valid, ops.input(0)?)?;
+            check_rows_alike(ops.input(0)?, ops.input(1)?)
         }
         Kernel::CrossEntropyGrad { offset, valid, count } => {
             check_vocabulary(plan, offset, valid, ops.input(0)?)?;
+            check_rows_alike(ops.input(0)?, ops.input(1)?)?;
             check_count(count, ops.input(0)?)
         }
         Kernel::CrossEntropyLoss { count } => check_count(count, ops.input(0)?),
@@ -213,11 +216,38 @@ fn check_vocabulary(plan: &Plan, offset: Offset, valid: u64, logits: &Buffer) ->
             logits.layout
         )
     })?;
-    let recorded = plan.padding.iter().any(|p| p.logical == valid && p.padded == padded);
-    ensure(valid > 0 && (valid == padded || recorded), || {
+    // Padding of the vocabulary is recorded: then `valid` is the unpadded size, else the whole width.
+    let unpadded: Vec<u64> =
+        plan.padding.iter().filter(|p| p.padded == padded && p.logical < padded).map(|p| p.logical).collect();
+    let expected = if unpadded.is_empty() { vec![padded] } else { unpadded };
+    ensure(expected.contains(&valid), || {
         format!(
-            "valid = {valid} is not the vocabulary of the logits `{}` ({padded} columns, and no padding record from {valid})",
-            logits.name
+            "valid = {valid}, but the logits `{}` have {padded} columns of which {} are vocabulary (the padding records)",
+            logits.name,
+            expected.iter().map(u64::to_string).collect::<Vec<_>>().join(" or ")
+        )
+    })
+}
+
+/// Per mesh axis, the placement that splits one of the logits' rows (its leading dimensions).
+fn row_splits(b: &Buffer, rows_rank: usize) -> [Option<Placement>; 2] {
+    b.layout.0.map(|p| Some(p).filter(|p| p.dim().is_some_and(|d| d < rows_rank)))
+}
+
+/// The targets (one per row of the logits) are split over the mesh exactly as the logits' rows are,
+/// so that each device pairs a row with its own target.
+fn check_rows_alike(logits: &Buffer, targets: &Buffer) -> Result<(), String> {
+    let rows_rank = logits.logical_shape.len().saturating_sub(1);
+    ensure(targets.logical_shape.as_slice() == &logits.logical_shape[..rows_rank], || {
+        format!(
+            "the targets `{}` {:?} are not one per row of `{}` {:?}",
+            targets.name, targets.logical_shape, logits.name, logits.logical_shape
+        )
+    })?;
+    ensure(row_splits(logits, rows_rank) == row_splits(targets, rows_rank), || {
+        format!(
+            "the targets `{}` laid out {} are not split like the rows of `{}` laid out {}",
+            targets.name, targets.layout, logits.name, logits.layout
         )
     })
 }
@@ -323,6 +353,7 @@ fn check_attention(ops: &Operands, heads: u64, fused: bool, wrt: Option<usize>) 
     };
     let shapes: Vec<&[u64]> = operands.iter().map(|b| b.shape.as_slice()).collect();
     let layout = AttentionLayout::new(&shapes, heads, fused)?;
+    check_head_split(operands, &layout)?;
     let Some(wrt) = wrt else { return same_shape("the output", &ops.output.shape, &layout.out_shape()) };
     let count = if fused { 1 } else { 3 };
     ensure(wrt < count, || format!("wrt = {wrt}, but the attention has {count} operand(s)"))?;
@@ -330,6 +361,28 @@ fn check_attention(ops: &Operands, heads: u64, fused: bool, wrt: Option<usize>) 
         same_shape("dy", &dy.shape, &layout.out_shape())?;
     }
     same_shape("the output", &ops.output.shape, shapes[wrt])
+}
+
+/// Where the operands' width is split by heads (viewed as [3, heads, head] or [heads, head]), the
+/// split's inner factor is the head size, so `heads` is the number of whole heads each device holds.
+fn check_head_split(operands: &[&Buffer], layout: &AttentionLayout) -> Result<(), String> {
+    for b in operands {
+        let last = b.shape.len().saturating_sub(1);
+        for p in b.layout.0 {
+            if let Placement::Shard { dim, inner, .. } = p
+                && usize::from(dim) == last
+                && inner > 1
+            {
+                ensure(inner == layout.d as u64, || {
+                    format!(
+                        "{} heads of {} on this device disagree with `{}` laid out {}, whose heads have {inner} elements",
+                        layout.heads, layout.d, b.name, b.layout
+                    )
+                })?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Position tables: [context, width] rows 0..seq, never split by rows, width laid out like the sequence.
