@@ -492,3 +492,231 @@ fn every_example_verifies_after_a_round_trip_through_a_file() {
         }
     }
 }
+
+// ---- a sweep of kernel parameter edits -----------------------------------------------------------
+
+/// Fields whose value follows from the buffers and layouts: an edit the verifier accepts must leave
+/// the answer unchanged. Others are the program's meaning, which no check can recover (eps, p, a select
+/// index, which buffer an instruction reads, the root of a SUMMA step): edits of those must only never
+/// panic.
+const DERIVED: [&str; 14] = [
+    "axis", "block", "masked", "valid", "count", "n", "wrt", "fused", "heads", "dim", "dim0", "dim1", "outer", "inner",
+];
+
+/// Candidate replacements for a JSON scalar.
+fn edits_of(value: &Value) -> Vec<Value> {
+    match value {
+        Value::Bool(b) => vec![json!(!b)],
+        Value::Null => vec![json!(0), json!(1), json!(2)],
+        Value::Number(n) => match n.as_u64() {
+            Some(v) => [0, 1, 2, 3, v + 1, v.saturating_sub(1), v * 2, 255, 1 << 32, HUGE]
+                .into_iter()
+                .filter(|&x| x != v)
+                .map(|x| json!(x))
+                .collect(),
+            None => vec![json!(0.0), json!(-1.0), json!(1e300)],
+        },
+        _ => Vec::new(),
+    }
+}
+
+/// (path inside the kernel, value) for every scalar field of a kernel, nested ones included.
+fn scalar_fields(kernel: &Value) -> Vec<(Vec<String>, Value)> {
+    let mut out = Vec::new();
+    let Some(map) = kernel.as_object() else { return out };
+    for (key, value) in map.iter().filter(|(k, _)| *k != "kind") {
+        match value {
+            Value::Object(inner) => {
+                for (k2, v2) in inner.iter().filter(|(k, _)| *k != "kind") {
+                    out.push((vec![key.clone(), k2.clone()], v2.clone()));
+                }
+            }
+            v => out.push((vec![key.clone()], v.clone())),
+        }
+    }
+    out
+}
+
+/// One training step of a plan, with panics caught (a panic is a failure of the verifier's promise).
+fn one_step(plan: &Plan) -> Result<optimus::runtime::cpu::RunOutput, String> {
+    use optimus::runtime::cpu::kernels::{OptimizerKind, OptimizerSettings};
+    use optimus::runtime::tensor::Tensor;
+    use std::collections::BTreeMap;
+    let optimizer = OptimizerSettings {
+        kind: OptimizerKind::Sgd,
+        lr: 0.1,
+        weight_decay: 0.0,
+        momentum: 0.0,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let config = optimus::runtime::cpu::RunConfig {
+        seed: 3,
+        steps: 1,
+        optimizer,
+        timeout: Duration::from_secs(30),
+        fault: None,
+        backend: Default::default(),
+    };
+    let shapes: Vec<(String, Vec<u64>)> = plan.inputs.iter().map(|i| (i.name.clone(), i.shape.clone())).collect();
+    let batches = move |_step: u64| -> Result<BTreeMap<String, Tensor>, String> {
+        let tensor = |shape: &[u64]| {
+            let n = shape.iter().product::<u64>();
+            Tensor::from_i32(shape, (0..n).map(|k| (k * 37 % 101) as i32).collect())
+        };
+        Ok(shapes.iter().map(|(name, shape)| (name.clone(), tensor(shape))).collect())
+    };
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        optimus::runtime::cpu::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
+    }));
+    run.unwrap_or_else(|_| Err("panicked outside a device thread".into()))
+}
+
+fn same_result(a: &optimus::runtime::cpu::RunOutput, b: &optimus::runtime::cpu::RunOutput) -> bool {
+    let loss =
+        |o: &optimus::runtime::cpu::RunOutput| o.steps.iter().map(|s| s.loss.map(f32::to_bits)).collect::<Vec<_>>();
+    loss(a) == loss(b) && a.params == b.params && a.outputs == b.outputs
+}
+
+/// The scalar fields of the first kernel of each kind and the first collective of each kind and group:
+/// (instruction index, what it is, the field's path inside the instruction, its value).
+fn editable_fields(program: &[Value]) -> Vec<(usize, String, Vec<String>, Value)> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for (index, instr) in program.iter().enumerate() {
+        let (key, what) = match instr["instr"].as_str() {
+            Some("kernel") => ("kernel", instr["kernel"]["kind"].to_string()),
+            Some("collective") => {
+                ("collective", format!("{} {}", instr["collective"]["kind"], instr["collective"]["group"]))
+            }
+            _ => continue,
+        };
+        if !seen.insert(what.clone()) {
+            continue;
+        }
+        for (mut path, value) in scalar_fields(&instr[key]) {
+            path.insert(0, key.to_string());
+            out.push((index, what.clone(), path, value));
+        }
+    }
+    out
+}
+
+/// Edits every field of [`editable_fields`] to values around and far from its own: the verifier
+/// refuses the edit, or the plan runs without a panic; an accepted edit of a field that follows from
+/// the layouts gives exactly the unedited answer. Returns what went wrong.
+fn sweep_edits(original: &Value) -> Vec<String> {
+    let baseline = one_step(&serde_json::from_value(original.clone()).expect("a plan")).expect("the plan runs");
+    let program = original["program"].as_array().expect("a program");
+    let mut failures = Vec::new();
+    for (index, what, path, value) in editable_fields(program) {
+        for edit in edits_of(&value) {
+            let mut plan = original.clone();
+            let mut slot = &mut plan["program"][index];
+            for key in &path {
+                slot = &mut slot[key.as_str()];
+            }
+            *slot = edit.clone();
+            let Ok(plan) = serde_json::from_value::<Plan>(plan) else { continue };
+            if verify(&plan).is_err() {
+                continue;
+            }
+            let case = format!("instruction {index} ({what}) {} = {edit}", path.join("."));
+            let derived = path.last().is_some_and(|k| DERIVED.contains(&k.as_str()));
+            match one_step(&plan) {
+                Err(e) if e.contains("panicked") => failures.push(format!("{case}: {e}")),
+                Ok(out) if derived && !same_result(&out, &baseline) => {
+                    failures.push(format!("{case}: verified, but the answer changed"))
+                }
+                Err(e) if derived => failures.push(format!("{case}: verified, but the run failed: {e}")),
+                _ => {}
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+fn edited_parameters_of_an_optimus_plan_are_refused_or_harmless() {
+    let failures = sweep_edits(&tiny_2x2());
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn edited_parameters_of_a_megatron_plan_are_refused_or_harmless() {
+    let plan = try_compile("tiny", &[], Strategy::Megatron, (1, 2), Mode::Train).expect("tiny compiles on 1x2");
+    let failures = sweep_edits(&serde_json::to_value(plan).expect("JSON"));
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn edited_parameters_of_spelled_out_attention_are_refused_or_harmless() {
+    let failures = sweep_edits(&manual_attention_2x2());
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Buffer declarations edited (shape dimensions, layout placements): refused, or the same answer
+/// without a panic (the targets laid out unlike the logits' rows were accepted before this test). (A buffer's layout follows from the program; a kernel reads its block as laid out.)
+#[test]
+fn edited_buffer_declarations_are_refused_or_harmless() {
+    let original = tiny_2x2();
+    let baseline = one_step(&serde_json::from_value(original.clone()).expect("a plan")).expect("the plan runs");
+    let count = original["buffers"].as_array().expect("buffers").len();
+    let mut failures = Vec::new();
+    // Every input and parameter buffer and every eighth other one, to keep the sweep short.
+    let chosen = (0..count).filter(|&k| {
+        let role = &original["buffers"][k]["role"];
+        k % 8 == 0 || role == "input" || role == "parameter"
+    });
+    for k in chosen {
+        let buffer = &original["buffers"][k];
+        let mut fields: Vec<(Vec<Value>, Value)> = Vec::new();
+        for axis in 0..2 {
+            let placement = &buffer["layout"][axis];
+            let path = |key: &str| vec![json!("layout"), json!(axis), json!(key)];
+            for key in ["dim", "outer", "inner"] {
+                if let Some(v) = placement.get(key) {
+                    fields.push((path(key), v.clone()));
+                }
+            }
+            fields.push((vec![json!("layout"), json!(axis)], placement.clone()));
+        }
+        for d in 0..buffer["shape"].as_array().map_or(0, Vec::len) {
+            fields.push((vec![json!("shape"), json!(d)], buffer["shape"][d].clone()));
+        }
+        for (path, value) in fields {
+            let edits = if value.is_object() {
+                vec![
+                    json!({ "kind": "replicate" }),
+                    json!({ "kind": "partial" }),
+                    json!({ "kind": "shard", "dim": 0, "outer": 1, "inner": 1 }),
+                ]
+            } else {
+                edits_of(&value)
+            };
+            for edit in edits.into_iter().filter(|e| *e != value) {
+                let mut plan = original.clone();
+                let mut slot = &mut plan["buffers"][k];
+                for key in &path {
+                    slot = match key {
+                        Value::String(s) => &mut slot[s.as_str()],
+                        other => &mut slot[other.as_u64().unwrap_or(0) as usize],
+                    };
+                }
+                *slot = edit.clone();
+                let Ok(plan) = serde_json::from_value::<Plan>(plan) else { continue };
+                if verify(&plan).is_err() {
+                    continue;
+                }
+                let case = format!("buffer {k} ({}) {path:?} = {edit}", buffer["name"]);
+                match one_step(&plan) {
+                    Ok(out) if same_result(&out, &baseline) => {}
+                    Ok(_) => failures.push(format!("{case}: verified, but the answer changed")),
+                    Err(e) => failures.push(format!("{case}: verified, but the run failed: {e}")),
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
