@@ -365,15 +365,18 @@ fn a_plan_needing_more_memory_than_available_is_refused_even_with_an_edited_summ
     let need = peak_bytes_per_device(&plan);
     assert_eq!(need, plan.memory.peak_bytes, "the recomputed peak is the compiler's");
     assert!(need > available, "the test plan must exceed {available} bytes, needs {need}");
-    plan.memory.peak_bytes = 0;
-    let e = check_host_can_run(&plan, 1).expect_err("refused");
-    assert!(e.contains("the plan needs 1 device x") && e.contains("available"), "{e}");
-    assert!(e.contains("OPTIMUS_SKIP_MEMORY_CHECK=1"), "{e}");
-
     let dir = scratch("memory");
     let path = write_json(dir.path(), "huge.json", &serde_json::to_value(&plan).expect("JSON"));
     let out = optimusc(&["run", path.to_str().expect("UTF-8"), "--steps", "1"], Duration::from_secs(60));
     assert_clean_failure(&out, "the plan needs 1 device x");
+
+    plan.memory.peak_bytes = 0;
+    let e = check_host_can_run(&plan, 1).expect_err("refused");
+    assert!(e.contains("the plan needs 1 device x") && e.contains("available"), "{e}");
+    assert!(e.contains("OPTIMUS_SKIP_MEMORY_CHECK=1"), "{e}");
+    // And the verifier refuses the edited summary, which `inspect` and `simulate` would show.
+    let errors = verify(&plan).expect_err("an edited summary");
+    assert!(errors.iter().any(|e| e.contains("memory summary does not match")), "{errors:#?}");
 }
 
 #[test]

@@ -38,7 +38,32 @@ pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
         }
     }
     check_group_order(plan, &mut errors);
+    check_memory_summary(plan, &mut errors);
     if errors.is_empty() { Ok(()) } else { Err(errors) }
+}
+
+/// The memory summary (what `inspect` and `simulate` show) is what the buffers and program give, so an
+/// edited summary cannot mislead; the buffers' sizes are summed with overflow checks first.
+fn check_memory_summary(plan: &Plan, errors: &mut Vec<String>) {
+    let total =
+        plan.buffers.iter().try_fold(0u64, |sum, b| sum.checked_add(b.elements().checked_mul(b.dtype.bytes())?));
+    if total.is_none() {
+        return errors.push("the buffers together hold more bytes than any machine has".into());
+    }
+    if plan.memory.forward_end > plan.program.len() {
+        return errors.push(format!(
+            "memory.forward_end {} is past the end of the {}-instruction program",
+            plan.memory.forward_end,
+            plan.program.len()
+        ));
+    }
+    let recomputed = super::memory::plan_memory(&plan.program, &plan.buffers, plan.memory.forward_end);
+    if recomputed != plan.memory {
+        errors.push(format!(
+            "the memory summary does not match the plan's buffers and program (peak_bytes {}, recomputed {}); recompile the model",
+            plan.memory.peak_bytes, recomputed.peak_bytes
+        ));
+    }
 }
 
 fn valid(plan: &Plan, id: BufferId) -> bool {
