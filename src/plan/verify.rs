@@ -189,7 +189,12 @@ fn matrix(s: &[u64]) -> (u64, u64) {
 
 /// "instruction 12 (layer norm apply, tiny.opt:47:12 `h.0.ln_1`)": where a problem is, in the user's terms.
 fn describe(plan: &Plan, index: usize, kernel: &Kernel) -> String {
-    let mut text = format!("instruction {index} ({}", kernel_words(kernel));
+    locate(plan, index, &kernel_words(kernel))
+}
+
+/// "instruction 12 (what, tiny.opt:47:12 `scope`)", with the source position when the plan has one.
+fn locate(plan: &Plan, index: usize, what: &str) -> String {
+    let mut text = format!("instruction {index} ({what}");
     let origin = match plan.program.get(index) {
         Some(Instr::Kernel { origin, .. } | Instr::Collective { origin, .. }) => plan.origins.get(*origin as usize),
         _ => None,
@@ -280,7 +285,8 @@ fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<
     let size = plan.mesh.group_size(c.group);
     let (send, recv) = (shape(plan, c.send), shape(plan, c.recv));
     let mut fail = |what: String| {
-        errors.push(format!("instruction {index} ({} over the {}): {what}", c.kind.name(), c.group.name()))
+        let what_kind = format!("{} over the {}", c.kind.name(), c.group.name());
+        errors.push(format!("{}: {what}", locate(plan, index, &what_kind)))
     };
     if size < 2 {
         fail(format!("a group of {size} device needs no collective"));
