@@ -133,11 +133,11 @@ pub struct Offset {
 impl Offset {
     pub const ZERO: Offset = Offset { axis: None, block: 0 };
 
-    /// The offset on device (i, j).
+    /// The offset on device (i, j) (saturating: the verifier bounds it for any plan that runs).
     pub fn at(self, i: u64, j: u64) -> u64 {
         match self.axis {
-            Some(0) => i * self.block,
-            Some(_) => j * self.block,
+            Some(0) => i.saturating_mul(self.block),
+            Some(_) => j.saturating_mul(self.block),
             None => 0,
         }
     }

@@ -2,14 +2,28 @@
 //! lifetimes (defined before use, never used after a free), and that the members of every group issue
 //! the same collectives in the same order (a plan that could deadlock never runs).
 
+mod declarations;
+mod kernels;
+
+pub use declarations::checked_bytes;
+
 use super::memory::persistent;
 use super::{BufferId, Collective, CollectiveKind, Group, Instr, Kernel, Mesh, Plan};
+use crate::shard::layout::Placement;
+
+/// The most elements one device's block may have: 2^40, a 4 TiB f32 block, far beyond any device, and
+/// small enough that index arithmetic never overflows. (A logical tensor only has to fit in memory.)
+const MAX_BLOCK_ELEMENTS: u64 = 1 << 40;
 
 /// Checks a plan; returns every problem found.
 pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
     let mut errors = Vec::new();
     // A plan read from a file may be anything: check its structure before anything indexes into it.
     check_structure(plan, &mut errors);
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    declarations::check_declarations(plan, &mut errors);
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -24,7 +38,32 @@ pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
         }
     }
     check_group_order(plan, &mut errors);
+    check_memory_summary(plan, &mut errors);
     if errors.is_empty() { Ok(()) } else { Err(errors) }
+}
+
+/// The memory summary (what `inspect` and `simulate` show) is what the buffers and program give, so an
+/// edited summary cannot mislead; the buffers' sizes are summed with overflow checks first.
+fn check_memory_summary(plan: &Plan, errors: &mut Vec<String>) {
+    let total =
+        plan.buffers.iter().try_fold(0u64, |sum, b| sum.checked_add(b.elements().checked_mul(b.dtype.bytes())?));
+    if total.is_none() {
+        return errors.push("the buffers together hold more bytes than any machine has".into());
+    }
+    if plan.memory.forward_end > plan.program.len() {
+        return errors.push(format!(
+            "memory.forward_end {} is past the end of the {}-instruction program",
+            plan.memory.forward_end,
+            plan.program.len()
+        ));
+    }
+    let recomputed = super::memory::plan_memory(&plan.program, &plan.buffers, plan.memory.forward_end);
+    if recomputed != plan.memory {
+        errors.push(format!(
+            "the memory summary does not match the plan's buffers and program (peak_bytes {}, recomputed {}); recompile the model",
+            plan.memory.peak_bytes, recomputed.peak_bytes
+        ));
+    }
 }
 
 fn valid(plan: &Plan, id: BufferId) -> bool {
@@ -49,8 +88,15 @@ fn check_structure(plan: &Plan, errors: &mut Vec<String>) {
                 b.name, b.shape, b.logical_shape, b.layout
             ));
         }
-        if b.shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(*d)).is_none_or(|n| n > 1 << 40) {
-            errors.push(format!("buffer `{}` is too large", b.name));
+        for (what, shape, cap) in
+            [("logical shape", &b.logical_shape, u64::MAX), ("block", &b.shape, MAX_BLOCK_ELEMENTS)]
+        {
+            if checked_bytes(shape, b.dtype.bytes()).is_none_or(|(elements, _)| elements > cap) {
+                errors.push(format!(
+                    "buffer `{}`: its {what} {shape:?} has more elements than any machine can hold",
+                    b.name
+                ));
+            }
         }
     }
     let mut referenced: Vec<BufferId> = Vec::new();
@@ -141,6 +187,42 @@ fn matrix(s: &[u64]) -> (u64, u64) {
     (rows, cols)
 }
 
+/// "instruction 12 (layer norm apply, tiny.opt:47:12 `h.0.ln_1`)": where a problem is, in the user's terms.
+fn describe(plan: &Plan, index: usize, kernel: &Kernel) -> String {
+    locate(plan, index, &kernel_words(kernel))
+}
+
+/// "instruction 12 (what, tiny.opt:47:12 `scope`)", with the source position when the plan has one.
+fn locate(plan: &Plan, index: usize, what: &str) -> String {
+    let mut text = format!("instruction {index} ({what}");
+    let origin = match plan.program.get(index) {
+        Some(Instr::Kernel { origin, .. } | Instr::Collective { origin, .. }) => plan.origins.get(*origin as usize),
+        _ => None,
+    };
+    if let Some(o) = origin.filter(|o| o.line > 0) {
+        text.push_str(&format!(", {}:{}:{}", plan.source, o.line, o.col));
+        if !o.scope.is_empty() {
+            text.push_str(&format!(" `{}`", o.scope));
+        }
+    }
+    text.push(')');
+    text
+}
+
+/// A kernel's kind in words: `EmbeddingLookup { .. }` is "embedding lookup".
+fn kernel_words(kernel: &Kernel) -> String {
+    let debug = format!("{kernel:?}");
+    let name = debug.split([' ', '{']).next().unwrap_or_default();
+    let mut words = String::new();
+    for c in name.chars() {
+        if c.is_uppercase() && !words.is_empty() {
+            words.push(' ');
+        }
+        words.push(c.to_ascii_lowercase());
+    }
+    words
+}
+
 fn check_kernel(
     plan: &Plan,
     index: usize,
@@ -151,7 +233,10 @@ fn check_kernel(
 ) {
     let out = shape(plan, output);
     let ins: Vec<Vec<u64>> = inputs.iter().map(|&b| shape(plan, b)).collect();
-    let mut fail = |what: String| errors.push(format!("instruction {index} ({kernel:?}): {what}"));
+    let mut fail = |what: String| errors.push(format!("{}: {what}", describe(plan, index, kernel)));
+    if let Err(what) = kernels::check_parameters(plan, kernel, inputs, output) {
+        return fail(what);
+    }
     match kernel {
         Kernel::MatMul { transpose_a, transpose_b, .. } => {
             let (Some(a), Some(b)) = (ins.first(), ins.get(1)) else { return fail("needs two inputs".into()) };
@@ -200,7 +285,8 @@ fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<
     let size = plan.mesh.group_size(c.group);
     let (send, recv) = (shape(plan, c.send), shape(plan, c.recv));
     let mut fail = |what: String| {
-        errors.push(format!("instruction {index} ({} over the {}): {what}", c.kind.name(), c.group.name()))
+        let what_kind = format!("{} over the {}", c.kind.name(), c.group.name());
+        errors.push(format!("{}: {what}", locate(plan, index, &what_kind)))
     };
     if size < 2 {
         fail(format!("a group of {size} device needs no collective"));
@@ -215,17 +301,53 @@ fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<
             }
         }
         CollectiveKind::AllGather | CollectiveKind::ReduceScatter => {
-            let Some(dim) = c.shard.and_then(|p| p.dim()) else { return fail("needs the gathered dimension".into()) };
             let (small, large) = if c.kind == CollectiveKind::AllGather { (&send, &recv) } else { (&recv, &send) };
-            let mut expected = small.clone();
-            if let Some(d) = expected.get_mut(dim) {
-                *d *= size;
+            if let Err(what) = check_gathered(c.shard, small, large, size) {
+                fail(what);
             }
-            if &expected != large {
-                fail(format!("{small:?} over {size} devices does not give {large:?}"));
+            let small_id = if c.kind == CollectiveKind::AllGather { c.send } else { c.recv };
+            if let Err(what) = check_gather_layout(plan, c, small_id) {
+                fail(what);
             }
         }
     }
+}
+
+/// The block of a gather or scatter is laid out with the collective's placement on the group's mesh
+/// axis, so the members' blocks land where their layout says.
+fn check_gather_layout(plan: &Plan, c: &Collective, block: BufferId) -> Result<(), String> {
+    let axis = match c.group {
+        Group::Column => 0,
+        Group::Row => 1,
+        Group::World => return Ok(()),
+    };
+    let b = plan.buffer(block);
+    match c.shard {
+        Some(shard) if b.layout.0[axis] != shard => {
+            Err(format!("the placement {shard} does not match `{}`, laid out {} (mesh axis {axis})", b.name, b.layout))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// An all-gather or reduce-scatter: the gathered dimension exists, viewed as [outer, mid, inner] its
+/// `mid` splits evenly over the group, and the small block is the large one with that split applied.
+fn check_gathered(shard: Option<Placement>, small: &[u64], large: &[u64], size: u64) -> Result<(), String> {
+    let Some(Placement::Shard { dim, outer, inner }) = shard else {
+        return Err("needs the gathered dimension".into());
+    };
+    let dim = usize::from(dim);
+    let Some(&whole) = large.get(dim) else {
+        return Err(format!("the gathered dimension {dim} does not exist in {large:?}"));
+    };
+    let factor = outer.max(1).checked_mul(inner.max(1)).filter(|&f| whole.is_multiple_of(f));
+    let mid = factor.map(|f| whole / f).filter(|m| m.is_multiple_of(size));
+    let mut expected = large.to_vec();
+    expected[dim] = mid.map_or(0, |mid| outer.max(1) * (mid / size) * inner.max(1));
+    if mid.is_none() || expected != small {
+        return Err(format!("{large:?} split over {size} devices along dimension {dim} does not give {small:?}"));
+    }
+    Ok(())
 }
 
 /// The sequence of collectives that device (i, j) issues in one group instance.

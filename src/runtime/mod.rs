@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod fault;
 pub mod init;
 pub mod launch;
+pub mod limits;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod shapes;

@@ -725,13 +725,23 @@ impl<'a> Qkv<'a> {
     }
 }
 
+/// A zeroed [rows, cols] scratch matrix, or an error when it cannot be allocated (the attention
+/// probabilities of one head are seq x seq, which the plan's memory figures do not include).
+fn scratch(rows: usize, cols: usize) -> Result<Vec<f32>, String> {
+    let n = rows.checked_mul(cols).ok_or_else(|| format!("a {rows}x{cols} scratch matrix is too large"))?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| format!("cannot allocate a {rows}x{cols} scratch matrix"))?;
+    v.resize(n, 0.0f32);
+    Ok(v)
+}
+
 fn attention(inputs: &[&Tensor], out: &mut Tensor, heads: u64, causal: bool, fused: bool) -> Result<(), String> {
     let qkv = Qkv::of(inputs, heads, fused)?;
     same_shape("the output", &out.shape, &qkv.out_shape())?;
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
     let y = floats_mut(out)?;
     let out_pack = qkv.out_packing();
-    let mut probs = vec![0.0f32; sq * sk];
+    let mut probs = scratch(sq, sk)?;
     for b in 0..qkv.batch {
         for h in 0..qkv.heads {
             qkv.probabilities(b, h, causal, &mut probs)?;
@@ -764,8 +774,8 @@ fn attention_grad(
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
     let dy_pack = qkv.out_packing();
     let scale = qkv.scale();
-    let mut probs = vec![0.0f32; sq * sk];
-    let mut dprobs = if want(0) || want(1) { vec![0.0f32; sq * sk] } else { Vec::new() };
+    let mut probs = scratch(sq, sk)?;
+    let mut dprobs = if want(0) || want(1) { scratch(sq, sk)? } else { Vec::new() };
     for b in 0..qkv.batch {
         for h in 0..qkv.heads {
             qkv.probabilities(b, h, causal, &mut probs)?;

@@ -65,6 +65,7 @@ pub fn run(
     initial: &BTreeMap<String, Tensor>,
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<RunOutput, String> {
+    super::limits::check_host_can_run(plan, plan.mesh.devices())?;
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();
     #[cfg(feature = "cuda")]
