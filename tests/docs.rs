@@ -516,10 +516,15 @@ fn replay(t: &Transcript, dir: &Path) -> Option<Result<(), String>> {
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     let actual = trim_blank_ends(text.lines().map(str::to_string).collect());
     let expected = trim_blank_ends(t.output.clone());
-    if matches_transcript(&expected, &actual) {
-        return Some(Ok(()));
+    if !matches_transcript(&expected, &actual) {
+        return Some(Err(format!("shows:\n{}\nbut prints:\n{}", expected.join("\n"), actual.join("\n"))));
     }
-    Some(Err(format!("shows:\n{}\nbut prints:\n{}", expected.join("\n"), actual.join("\n"))))
+    // An output that reports errors comes with exit status 1, as the page says; any other with 0.
+    let wanted = if expected.iter().any(|l| l.starts_with("error")) { 1 } else { 0 };
+    match output.status.code() {
+        Some(code) if code == wanted => Some(Ok(())),
+        other => Some(Err(format!("exits with {other:?}, not {wanted}"))),
+    }
 }
 
 /// Every example output in docs/diagnostics.md is what the binary prints today for that input.
