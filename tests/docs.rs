@@ -43,48 +43,55 @@ struct DocCommand {
 /// Text a doc replaces in the commands of its next fence when the test runs them: (from, to).
 type Shrink = (String, String);
 
-/// The commands of every ```sh fence of a doc, with the shrinks stated before each fence applied.
+/// The commands of every ```sh fence of a doc, with the shrinks stated before each fence applied; a
+/// shrink that changes no command of its fence, or comes before another kind of fence, is an error.
 fn sh_commands(text: &str) -> Result<Vec<DocCommand>, String> {
     let mut commands = Vec::new();
-    let (mut in_sh, mut in_other) = (false, false);
-    let (mut shrinks, mut pending): (Vec<Shrink>, Vec<Shrink>) = (Vec::new(), Vec::new());
+    for fence in fences(text) {
+        let shrinks: Vec<Shrink> = fence
+            .notes
+            .iter()
+            .filter_map(|note| note.strip_prefix("<!-- test: shrink "))
+            .map(parse_shrink)
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("line {}: {e}", fence.line))?;
+        if fence.info != "sh" {
+            if !shrinks.is_empty() {
+                return Err(format!("line {}: a shrink before a `{}` fence, not an sh one", fence.line, fence.info));
+            }
+            continue;
+        }
+        let mut fence_commands = joined_lines(fence.line + 1, &fence.body);
+        for (from, to) in &shrinks {
+            let hits = fence_commands.iter_mut().filter(|c| c.text.contains(from.as_str()));
+            let changed = hits.map(|c| c.text = c.text.replacen(from.as_str(), to, 1)).count();
+            if changed == 0 {
+                return Err(format!("line {}: the shrink of `{from}` changes no command of its fence", fence.line));
+            }
+        }
+        commands.extend(fence_commands);
+    }
+    Ok(commands)
+}
+
+/// The command lines of a fence body starting at line `first`: comments removed, lines ending in `\`
+/// joined to the next, blank lines dropped.
+fn joined_lines(first: usize, body: &[String]) -> Vec<DocCommand> {
+    let mut commands = Vec::new();
     let mut partial: Option<DocCommand> = None;
-    for (index, raw) in text.lines().enumerate() {
-        let line = index + 1;
-        let trimmed = raw.trim();
-        if !in_sh && !in_other {
-            if let Some(shrink) = trimmed.strip_prefix("<!-- test: shrink ") {
-                pending.push(parse_shrink(shrink).map_err(|e| format!("line {line}: {e}"))?);
-            } else if trimmed.starts_with("```") {
-                in_sh = trimmed == "```sh";
-                in_other = !in_sh;
-                shrinks = if in_sh { std::mem::take(&mut pending) } else { Vec::new() };
-            }
-            continue;
-        }
-        if trimmed.starts_with("```") {
-            (in_sh, in_other) = (false, false);
-            continue;
-        }
-        if in_other {
-            continue;
-        }
-        let code = strip_comment(raw);
+    for (offset, raw) in body.iter().enumerate() {
+        let code = strip_comment(raw).trim();
         let joined = match partial.take() {
-            Some(mut p) => {
-                p.text = format!("{} {}", p.text, code.trim());
-                p
-            }
-            None => DocCommand { line, text: code.trim().to_string() },
+            Some(p) => DocCommand { line: p.line, text: format!("{} {code}", p.text) },
+            None => DocCommand { line: first + offset, text: code.to_string() },
         };
         if let Some(head) = joined.text.strip_suffix('\\') {
             partial = Some(DocCommand { line: joined.line, text: head.trim_end().to_string() });
         } else if !joined.text.is_empty() {
-            let text = shrinks.iter().fold(joined.text, |t, (from, to)| t.replacen(from.as_str(), to, 1));
-            commands.push(DocCommand { line: joined.line, text });
+            commands.push(joined);
         }
     }
-    Ok(commands)
+    commands
 }
 
 /// `"FROM" to "TO" -->` from a shrink comment.
@@ -412,6 +419,10 @@ fn commands_are_read_as_the_shell_reads_them() {
     let texts: Vec<&str> = commands.iter().map(|c| c.text.as_str()).collect();
     assert_eq!(texts, ["P=\"--set a=1 --set b=2\"", "optimusc run x.opt $P --steps 2"]);
     assert_eq!(commands[1].line, 4, "a command is placed at its first line");
+    let stale = "<!-- test: shrink \"--steps 7\" to \"--steps 2\" -->\n```sh\noptimusc run x.opt\n```\n";
+    assert!(sh_commands(stale).is_err(), "a shrink that changes nothing is an error");
+    let misplaced = "<!-- test: shrink \"a\" to \"b\" -->\n```text\na\n```\n";
+    assert!(sh_commands(misplaced).is_err(), "a shrink before a text fence is an error");
     let mut vars = BTreeMap::new();
     let Ok(Kind::Assignment(name, value)) = interpret(&commands[0].text, &vars) else {
         panic!("`P=...` is an assignment")
@@ -445,18 +456,32 @@ struct Transcript {
     input: Option<String>,
 }
 
-/// The fences of a doc: (first line number, info string, body lines).
-fn fences(text: &str) -> Vec<(usize, String, Vec<String>)> {
+/// A fenced block of a doc.
+struct Fence {
+    /// The line of the opening fence.
+    line: usize,
+    info: String,
+    body: Vec<String>,
+    /// The HTML comments (`<!-- ... -->`, one a line) between the previous fence and this one.
+    notes: Vec<String>,
+}
+
+fn fences(text: &str) -> Vec<Fence> {
     let mut fences = Vec::new();
-    let mut open: Option<(usize, String, Vec<String>)> = None;
+    let mut notes = Vec::new();
+    let mut open: Option<Fence> = None;
     for (index, line) in text.lines().enumerate() {
         match (open.take(), line.trim_start().strip_prefix("```")) {
-            (None, Some(info)) => open = Some((index + 1, info.trim().to_string(), Vec::new())),
+            (None, Some(info)) => {
+                let notes = std::mem::take(&mut notes);
+                open = Some(Fence { line: index + 1, info: info.trim().to_string(), body: Vec::new(), notes });
+            }
             (Some(fence), Some(_)) => fences.push(fence),
             (Some(mut fence), None) => {
-                fence.2.push(line.to_string());
+                fence.body.push(line.to_string());
                 open = Some(fence);
             }
+            (None, None) if line.trim_start().starts_with("<!--") => notes.push(line.trim().to_string()),
             (None, None) => {}
         }
     }
@@ -466,14 +491,15 @@ fn fences(text: &str) -> Vec<(usize, String, Vec<String>)> {
 fn transcripts(text: &str) -> Vec<Transcript> {
     let fences = fences(text);
     let mut out = Vec::new();
-    for (i, (line, info, body)) in fences.iter().enumerate() {
-        let Some(command) = body.first().and_then(|l| l.strip_prefix("$ optimusc ")) else { continue };
-        if info != "text" {
+    for (i, fence) in fences.iter().enumerate() {
+        let Some(command) = fence.body.first().and_then(|l| l.strip_prefix("$ optimusc ")) else { continue };
+        if fence.info != "text" {
             continue;
         }
         let before = i.checked_sub(1).and_then(|b| fences.get(b));
-        let input = before.filter(|(_, info, _)| info == "opt").map(|(_, _, body)| body.join("\n") + "\n");
-        out.push(Transcript { line: *line, command: command.to_string(), output: body[1..].to_vec(), input });
+        let input = before.filter(|f| f.info == "opt").map(|f| f.body.join("\n") + "\n");
+        let output = fence.body[1..].to_vec();
+        out.push(Transcript { line: fence.line, command: command.to_string(), output, input });
     }
     out
 }
@@ -516,10 +542,15 @@ fn replay(t: &Transcript, dir: &Path) -> Option<Result<(), String>> {
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     let actual = trim_blank_ends(text.lines().map(str::to_string).collect());
     let expected = trim_blank_ends(t.output.clone());
-    if matches_transcript(&expected, &actual) {
-        return Some(Ok(()));
+    if !matches_transcript(&expected, &actual) {
+        return Some(Err(format!("shows:\n{}\nbut prints:\n{}", expected.join("\n"), actual.join("\n"))));
     }
-    Some(Err(format!("shows:\n{}\nbut prints:\n{}", expected.join("\n"), actual.join("\n"))))
+    // An output that reports errors comes with exit status 1, as the page says; any other with 0.
+    let wanted = if expected.iter().any(|l| l.starts_with("error")) { 1 } else { 0 };
+    match output.status.code() {
+        Some(code) if code == wanted => Some(Ok(())),
+        other => Some(Err(format!("exits with {other:?}, not {wanted}"))),
+    }
 }
 
 /// Every example output in docs/diagnostics.md is what the binary prints today for that input.

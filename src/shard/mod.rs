@@ -716,3 +716,22 @@ pub(crate) fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String 
         op => format!("{}/{}%{}", node.origin.scope, op.name(), n.index()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Mesh, SUGGESTED_MESH_DEVICES, Strategy, candidate_meshes};
+
+    fn names(meshes: &[Mesh]) -> Vec<String> {
+        meshes.iter().map(Mesh::to_string).collect()
+    }
+
+    #[test]
+    fn candidates_are_every_mesh_of_the_strategy_within_the_bound() {
+        assert_eq!(names(&candidate_meshes(Strategy::None)), ["1x1"]);
+        let optimus = names(&candidate_meshes(Strategy::Optimus));
+        assert_eq!(optimus, ["1x1", "2x2", "3x3", "4x4", "5x5", "6x6", "7x7", "8x8"]);
+        let megatron = candidate_meshes(Strategy::Megatron);
+        assert_eq!(megatron.len() as u64, SUGGESTED_MESH_DEVICES);
+        assert!(megatron.iter().zip(1..).all(|(m, p)| *m == Mesh { rows: 1, cols: p }), "{megatron:?}");
+    }
+}
