@@ -186,8 +186,8 @@ impl<'f> Elab<'f> {
                 };
                 let (dim, eps) = (dim?, eps?);
                 let size = dim.size;
-                let weight = self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span);
-                let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span);
+                let weight = self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span)?;
+                let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span)?;
                 Ok(Layer::Norm { weight, bias, dim: size, eps, span })
             }
             kind @ ("embedding" | "position_embedding") => {
@@ -198,13 +198,12 @@ impl<'f> Elab<'f> {
                 let std = self.optional_std(b.get(2), &mut frame);
                 let shape = vec![rows?, width?];
                 let std = std?;
-                self.check_addressable(&shape, span)?;
                 if kind == "embedding" {
-                    let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span);
+                    let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span)?;
                     Ok(Layer::Embedding { table })
                 } else {
                     let table =
-                        self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::PositionEmbedding, span);
+                        self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::PositionEmbedding, span)?;
                     Ok(Layer::PositionEmbedding { table, span })
                 }
             }
@@ -267,12 +266,13 @@ impl<'f> Elab<'f> {
             Some(tied) => (self.tied_table(module, tied, &in_dim, &out_dim)?, true),
             None => {
                 let shape = vec![in_dim.clone(), out_dim.clone()];
-                self.check_addressable(&shape, span)?;
-                (self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span), false)
+                (self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span)?, false)
             }
         };
-        let bias =
-            bias.then(|| self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span));
+        let bias = match bias {
+            true => Some(self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span)?),
+            false => None,
+        };
         Ok(Layer::Linear { weight, bias, in_dim, out_dim, transpose, span })
     }
 
@@ -399,18 +399,6 @@ impl<'f> Elab<'f> {
         Ok(table)
     }
 
-    /// A parameter's element count must fit in 64 bits, or it could be neither counted nor stored.
-    fn check_addressable(&mut self, shape: &[Dim], span: Span) -> R<()> {
-        if shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(d.size)).is_some() {
-            return Ok(());
-        }
-        let ty = TensorType { dtype: DType::F32, shape: shape.to_vec() };
-        self.fail(
-            Diagnostic::error("E0202", "parameter has too many elements to address")
-                .primary(span, format!("this parameter is {}", super::ops::show_type(&ty))),
-        )
-    }
-
     fn new_param(
         &mut self,
         path: &str,
@@ -419,18 +407,22 @@ impl<'f> Elab<'f> {
         init: Init,
         role: ParamRole,
         span: Span,
-    ) -> ParamId {
+    ) -> R<ParamId> {
+        let ty = TensorType { dtype: DType::F32, shape };
+        // Named as in its declaration, not by instance, so a block repeated many times reports once.
+        let declared = join(path.rsplit('.').next().unwrap_or(path), leaf);
+        self.check_tensor_size(&format!("parameter `{declared}`"), &ty, span)?;
         let name = join(path, leaf);
         let id = ParamId(u32::try_from(self.params.len()).unwrap_or(u32::MAX));
         self.params.push(Param {
             checkpoint: name.clone(),
             name,
-            ty: TensorType { dtype: DType::F32, shape },
+            ty,
             init,
             role,
             span,
         });
-        id
+        Ok(id)
     }
 
     /// The graph node that reads a parameter (one per parameter, made on first use).
