@@ -212,3 +212,25 @@ pub fn group_digits(n: u128) -> String {
     }
     out
 }
+
+/// A name from outside (a file's tensor key, say) made safe to print: control characters and the invisible
+/// characters that reorder text are written as escapes (`\u{1b}`), so no key can drive the terminal.
+pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
+    if !name.chars().any(needs_escape) {
+        return std::borrow::Cow::Borrowed(name);
+    }
+    let mut out = String::with_capacity(name.len() + 8);
+    for c in name.chars() {
+        if needs_escape(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Control characters, and the bidirectional marks, embeddings, overrides and isolates.
+fn needs_escape(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}

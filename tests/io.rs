@@ -99,7 +99,7 @@ fn write_file(path: &Path, entries: &[Entry]) {
 }
 
 fn load_err(path: &Path, plan: &Plan) -> String {
-    match load_checkpoint(path, plan) {
+    match load_checkpoint(path, plan, false) {
         Ok(_) => panic!("loading `{}` should fail", path.display()),
         Err(e) => e,
     }
@@ -146,7 +146,7 @@ fn round_trip_after_training_is_bit_exact() {
     let path = dir.join("model.safetensors");
     save_checkpoint(&path, &plan, &trained).expect("saves");
     assert_eq!(files_in(&dir), vec!["model.safetensors".to_string()], "no temporary file is left");
-    assert_bits_equal(&trained, &load_checkpoint(&path, &plan).expect("loads"));
+    assert_bits_equal(&trained, &load_checkpoint(&path, &plan, false).expect("loads"));
 
     let bytes = std::fs::read(&path).expect("file exists");
     let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).expect("valid header");
@@ -170,7 +170,7 @@ fn save_writes_prefixed_keys_and_loads_them_back() {
     expected.sort();
     assert_eq!(names, expected);
     assert!(names.contains(&"transformer.h.0.attn.c_attn.weight".to_string()));
-    assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("loads"));
+    assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("loads"));
 }
 
 #[test]
@@ -181,7 +181,7 @@ fn bare_and_prefixed_keys_both_load() {
     for prefix in ["", "transformer."] {
         let path = dir.join(format!("{}model.safetensors", prefix));
         write_file(&path, &entries(&plan, &params, prefix, Dtype::F32));
-        assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("loads"));
+        assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("loads"));
     }
 }
 
@@ -198,7 +198,7 @@ fn mask_buffers_and_a_tied_lm_head_are_ignored() {
         file.push(entry("lm_head.weight", Dtype::F32, &[50, 8], params["wte.weight"].f32().expect("f32")));
         let path = dir.join(format!("{prefix}model.safetensors"));
         write_file(&path, &file);
-        assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("buffers are ignored"));
+        assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("buffers are ignored"));
     }
 }
 
@@ -278,7 +278,7 @@ fn a_longer_position_table_loads_its_first_rows() {
     let dir = scratch("position_table");
     let path = dir.join("long.safetensors");
     write_file(&path, &file);
-    assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("first rows load"));
+    assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("first rows load"));
 
     let last = file.len() - 1;
     file[last] = entry("wpe.weight", Dtype::F32, &[8, 8], &long[..64]);
@@ -309,7 +309,7 @@ fn f16_bf16_and_f64_files_load() {
     for dtype in [Dtype::F16, Dtype::BF16, Dtype::F64] {
         let path = dir.join(format!("{dtype:?}.safetensors"));
         write_file(&path, &entries(&plan, &params, "transformer.", dtype));
-        assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("loads"));
+        assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("loads"));
     }
 }
 

@@ -1,8 +1,8 @@
 //! Layers: instantiating declarations (creating parameters, blocks and repeats) and applying them to tensors.
 
 use super::args::Signature;
-use super::{Elab, Fail, Frame, Layer, MAX_REPEAT, Module, Place, R, Value};
-use crate::diag::Diagnostic;
+use super::{Elab, Fail, Frame, Layer, MAX_INSTANCES, MAX_NODES, MAX_REPEAT, Module, Place, R, Value};
+use crate::diag::{Diagnostic, group_digits};
 use crate::ir::{DType, Dim, Factor, Init, Op, Param, ParamId, ParamRole, TensorType};
 use crate::span::Span;
 use crate::syntax::ast::{Call, ExprKind, LayerDecl, LayerExpr};
@@ -60,11 +60,61 @@ impl<'f> Elab<'f> {
                 };
                 let mut modules = Vec::new();
                 for k in 0..n {
+                    let before = self.instances;
                     modules.push(self.instantiate_block(block, body, module, format!("{path}.{k}"))?);
+                    if k == 0 {
+                        self.check_repeat_cost(n, self.instances - before, count.span)?;
+                    }
                 }
                 Ok(Layer::Repeat(modules))
             }
         }
+    }
+
+    /// Stops before making `count` copies of a block when, at `per_copy` instances each (measured on the first),
+    /// they would pass [`MAX_INSTANCES`]: the limit is reported at once instead of after minutes of work.
+    fn check_repeat_cost(&mut self, count: i64, per_copy: usize, at: Span) -> R<()> {
+        let copies = usize::try_from(count).unwrap_or(usize::MAX);
+        let total = self.instances.saturating_add(per_copy.saturating_mul(copies.saturating_sub(1)));
+        if total <= MAX_INSTANCES {
+            return Ok(());
+        }
+        self.report(
+            Diagnostic::error(
+                "E0402",
+                format!(
+                    "`repeat({count})` would make more than {} block and layer instances",
+                    group_digits(MAX_INSTANCES as u128)
+                ),
+            )
+            .primary(at, format!("{count} copies of {per_copy} instances each"))
+            .note(format!(
+                "the model would have at least {} instances; the most one model may have is {}",
+                group_digits(total as u128),
+                group_digits(MAX_INSTANCES as u128)
+            ))
+            .help("reduce `repeat` counts, or the number of copies blocks make of each other"),
+        );
+        Err(Fail::Abort)
+    }
+
+    /// Stops before running `copies` copies of a block's forward when, at `per_copy` operators each (measured on
+    /// the first), they would pass [`MAX_NODES`].
+    fn check_repeat_nodes(&mut self, copies: usize, per_copy: usize, at: Span) -> R<()> {
+        let total = self.graph.node_count().saturating_add(per_copy.saturating_mul(copies.saturating_sub(1)));
+        if total <= MAX_NODES {
+            return Ok(());
+        }
+        self.report(
+            Diagnostic::error(
+                "E0402",
+                format!("the model elaborates to more than {} operators", group_digits(MAX_NODES as u128)),
+            )
+            .primary(at, format!("{copies} copies of {per_copy} operators each"))
+            .note(format!("the model would have at least {} operators", group_digits(total as u128)))
+            .help("reduce `repeat` counts"),
+        );
+        Err(Fail::Abort)
     }
 
     pub(crate) fn not_a_block(&self, call: &Call) -> Diagnostic {
@@ -535,8 +585,10 @@ impl<'f> Elab<'f> {
                 Value::Tensor(n) => self.ty(*n).clone(),
                 _ => return Err(Fail::Reported),
             };
+            let nodes_before = self.graph.node_count();
             current = self.call_module(m, vec![current], call)?;
             if k == 0 {
+                self.check_repeat_nodes(modules.len(), self.graph.node_count() - nodes_before, call.span)?;
                 let after = match &current {
                     Value::Tensor(n) => self.ty(*n).clone(),
                     Value::Poison => return Err(Fail::Reported),
