@@ -338,6 +338,81 @@ fn unreadable_and_invalid_files_are_clear_errors() {
     assert!(e.contains("is not a valid safetensors file"), "{e}");
 }
 
+/// small_gpt2's known parameters with one value of `c_fc.weight` replaced by `bad`, written as F32.
+fn write_with_bad_value(path: &Path, plan: &Plan, index: usize, bad: f32) {
+    let mut params = known_params(plan);
+    let t = params.get_mut("h.0.mlp.c_fc.weight").expect("gpt2 has c_fc");
+    let mut values = t.f32().expect("f32").to_vec();
+    values[index] = bad;
+    *t = Tensor::from_f32(&t.shape.clone(), values);
+    write_file(path, &entries(plan, &params, "", Dtype::F32));
+}
+
+#[test]
+fn a_nan_weight_names_the_tensor_and_element() {
+    let plan = small_gpt2();
+    let dir = scratch("nan");
+    let path = dir.join("nan.safetensors");
+    write_with_bad_value(&path, &plan, 17, f32::NAN);
+    let e = load_err(&path, &plan);
+    assert!(e.contains("tensor `h.0.mlp.c_fc.weight` holds NaN at element 17"), "{e}");
+    assert!(e.contains("nan.safetensors") && e.contains("--allow-non-finite-weights"), "{e}");
+    let loaded = load_checkpoint(&path, &plan, true).expect("allowed non-finite weights load");
+    assert!(loaded["h.0.mlp.c_fc.weight"].f32().expect("f32")[17].is_nan());
+}
+
+#[test]
+fn an_infinite_weight_is_reported_too() {
+    let plan = small_gpt2();
+    let dir = scratch("inf");
+    let path = dir.join("inf.safetensors");
+    write_with_bad_value(&path, &plan, 3, f32::NEG_INFINITY);
+    let e = load_err(&path, &plan);
+    assert!(e.contains("tensor `h.0.mlp.c_fc.weight` holds -infinity at element 3"), "{e}");
+}
+
+#[test]
+fn a_long_mismatch_list_is_cut_short() {
+    let plan = small_gpt2();
+    let dir = scratch("many_extras");
+    let path = dir.join("extras.safetensors");
+    let mut file = entries(&plan, &known_params(&plan), "", Dtype::F32);
+    file.extend((0..500).map(|k| entry(&format!("extra.{k:04}"), Dtype::F32, &[1], &[0.0])));
+    write_file(&path, &file);
+    let e = load_err(&path, &plan);
+    assert_eq!(e.lines().filter(|l| l.contains("unexpected `extra.")).count(), 20, "{e}");
+    assert!(e.contains("... and 480 more"), "{e}");
+}
+
+#[test]
+fn control_characters_in_keys_are_escaped() {
+    let plan = small_gpt2();
+    let dir = scratch("escape");
+    let path = dir.join("escape.safetensors");
+    let mut file = entries(&plan, &known_params(&plan), "", Dtype::F32);
+    file.push(entry("evil\u{1b}[2J\u{7}key", Dtype::F32, &[1], &[0.0]));
+    write_file(&path, &file);
+    let e = load_err(&path, &plan);
+    assert!(!e.contains('\u{1b}') && !e.contains('\u{7}'), "{e:?}");
+    assert!(e.contains("unexpected `evil\\u{1b}[2J\\u{7}key`"), "{e}");
+}
+
+#[test]
+fn devices_and_fifos_are_refused_without_reading() {
+    let plan = small_gpt2();
+    let e = load_err(Path::new("/dev/zero"), &plan);
+    assert!(e.contains("`/dev/zero`") && e.contains("not a regular file"), "{e}");
+    let dir = scratch("fifo");
+    let fifo = dir.join("weights.fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+    assert!(made.success(), "mkfifo failed");
+    // Opening a FIFO with no writer would block: the check must come before any open.
+    let e = load_err(&fifo, &plan);
+    assert!(e.contains("not a regular file"), "{e}");
+    let e = load_err(&dir, &plan);
+    assert!(e.contains("not a regular file"), "{e}");
+}
+
 // ---- token data ----------------------------------------------------------------------------------
 
 fn write_u16(path: &Path, tokens: &[u16]) {

@@ -8,7 +8,7 @@ mod ops;
 mod resolve;
 mod size;
 
-pub use size::{MAX_TENSOR_ELEMENTS, max_elements};
+pub use size::{MAX_TENSOR_ELEMENTS, fitting_elements, max_elements, too_large};
 
 use crate::diag::{Diagnostic, dedup, group_digits};
 use crate::ir::{ConfigValue, Model, Node, Origin, Param, ParamId, Scalar, TensorType};

@@ -2,7 +2,7 @@
 
 use super::{Elab, R};
 use crate::diag::{Diagnostic, group_digits};
-use crate::ir::{DType, Dim, TensorType};
+use crate::ir::{ConfigValue, DType, Dim, TensorType};
 use crate::span::Span;
 
 /// Most elements one tensor may hold: the most a plan may address in one buffer (the plan verifier's limit).
@@ -63,16 +63,28 @@ impl Elab<'_> {
         if fitting_elements(ty).is_some() {
             return Ok(());
         }
-        let mut d = Diagnostic::error("E0202", format!("{what} is too large: {}", product_text(ty)))
-            .primary(span, format!("this is {}", super::ops::show_type(ty)));
-        for name in config_labels(ty) {
-            if let Some(c) = self.config_value(&name) {
-                let how = if c.overridden { format!("set to {} by `--set`", c.value) } else { format!("{}", c.value) };
-                d = d.secondary(c.span, format!("`{}` is {how}", c.name));
-            }
-        }
-        self.fail(d.note(limit_note(ty.dtype)).help("use smaller sizes, or fewer of them in one tensor"))
+        let d = too_large(what, ty, span, |name| self.config_value(name));
+        self.fail(d)
     }
+}
+
+/// The error for a tensor past [`max_elements`]: `what` and the product of its sizes, labelled at `span`
+/// and at each config value (found by `config`) its sizes were written as.
+pub fn too_large<'c>(
+    what: &str,
+    ty: &TensorType,
+    span: Span,
+    config: impl Fn(&str) -> Option<&'c ConfigValue>,
+) -> Diagnostic {
+    let mut d = Diagnostic::error("E0202", format!("{what} is too large: {}", product_text(ty)))
+        .primary(span, format!("this is {}", super::ops::show_type(ty)));
+    for name in config_labels(ty) {
+        if let Some(c) = config(&name) {
+            let how = if c.overridden { format!("set to {} by `--set`", c.value) } else { format!("{}", c.value) };
+            d = d.secondary(c.span, format!("`{}` is {how}", c.name));
+        }
+    }
+    d.note(limit_note(ty.dtype)).help("use smaller sizes, or fewer of them in one tensor")
 }
 
 /// The config names a tensor's sizes were written as, each once, in order.

@@ -42,6 +42,7 @@ pub fn compile(model: &Model, source_name: &str, source: &str, target: Target) -
         }
     };
     let shapes = shapes::padded_shapes(model, &graph, &like, target);
+    shapes::check_padded_sizes(model, &graph, &shapes)?;
     let mut lower = Lowerer::new(model, &graph, like, source, target, shapes);
     lower.run(forward_len, &grads);
     lower.finish(source_name)
