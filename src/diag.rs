@@ -165,7 +165,8 @@ pub fn render_capped_to(
 fn not_shown(rest: &[Diagnostic]) -> Option<String> {
     let errors = rest.iter().filter(|d| d.is_error()).count();
     let warnings = rest.len() - errors;
-    let count = |n: usize, what: &str| format!("{} more {what}{}", group_digits(n as u128), if n == 1 { "" } else { "s" });
+    let count =
+        |n: usize, what: &str| format!("{} more {what}{}", group_digits(n as u128), if n == 1 { "" } else { "s" });
     let parts: Vec<String> = [(errors, "error"), (warnings, "warning")]
         .into_iter()
         .filter(|(n, _)| *n > 0)

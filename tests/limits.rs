@@ -43,7 +43,8 @@ fn compile_with_a_vocabulary_of_2_pow_40_is_a_diagnostic_at_the_config_value() {
     let dir = scratch("vocab");
     let plan = dir.join("p.json");
     let plan_arg = plan.to_string_lossy();
-    let out = optimusc(&["compile", "examples/gpt2.opt", "--set", "vocab=1099511627776", "--mesh", "1x1", "-o", &plan_arg]);
+    let out =
+        optimusc(&["compile", "examples/gpt2.opt", "--set", "vocab=1099511627776", "--mesh", "1x1", "-o", &plan_arg]);
     assert_clean_failure(&out);
     let err = stderr(&out);
     assert!(err.contains("error[E0202]: parameter `wte.weight` is too large"), "{err}");
@@ -54,8 +55,11 @@ fn compile_with_a_vocabulary_of_2_pow_40_is_a_diagnostic_at_the_config_value() {
 
 #[test]
 fn giant_sizes_fail_cleanly_in_every_command() {
-    let commands: [&[&str]; 3] =
-        [&["check"], &["compile", "--mesh", "2x2", "-o", "-"], &["simulate", "--hardware", "dgx-a100", "--mesh", "2x2"]];
+    let commands: [&[&str]; 3] = [
+        &["check"],
+        &["compile", "--mesh", "2x2", "-o", "-"],
+        &["simulate", "--hardware", "dgx-a100", "--mesh", "2x2"],
+    ];
     let sets = ["hidden=9223372036854775800", "context=4611686018427387904", "batch=1099511627776", "seq=4294967296"];
     for command in commands {
         for set in sets {
@@ -195,6 +199,7 @@ fn run_refuses_nan_weights_unless_allowed() {
     let err = stderr(&out);
     assert_ne!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("tensor `wte.weight` holds NaN at element 5"), "{err}");
-    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--weights", &weights, "--allow-non-finite-weights"]);
+    let out =
+        optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--weights", &weights, "--allow-non-finite-weights"]);
     assert!(!stderr(&out).contains("holds NaN"), "{}", stderr(&out));
 }

@@ -236,7 +236,8 @@ impl<'f> Elab<'f> {
                 };
                 let (dim, eps) = (dim?, eps?);
                 let size = dim.size;
-                let weight = self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span)?;
+                let weight =
+                    self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span)?;
                 let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span)?;
                 Ok(Layer::Norm { weight, bias, dim: size, eps, span })
             }
@@ -249,11 +250,18 @@ impl<'f> Elab<'f> {
                 let shape = vec![rows?, width?];
                 let std = std?;
                 if kind == "embedding" {
-                    let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span)?;
+                    let table =
+                        self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span)?;
                     Ok(Layer::Embedding { table })
                 } else {
-                    let table =
-                        self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::PositionEmbedding, span)?;
+                    let table = self.new_param(
+                        path,
+                        "weight",
+                        shape,
+                        Init::Normal { std },
+                        ParamRole::PositionEmbedding,
+                        span,
+                    )?;
                     Ok(Layer::PositionEmbedding { table, span })
                 }
             }
@@ -320,7 +328,9 @@ impl<'f> Elab<'f> {
             }
         };
         let bias = match bias {
-            true => Some(self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span)?),
+            true => {
+                Some(self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span)?)
+            }
             false => None,
         };
         Ok(Layer::Linear { weight, bias, in_dim, out_dim, transpose, span })
@@ -464,14 +474,7 @@ impl<'f> Elab<'f> {
         self.check_tensor_size(&format!("parameter `{declared}`"), &ty, span)?;
         let name = join(path, leaf);
         let id = ParamId(u32::try_from(self.params.len()).unwrap_or(u32::MAX));
-        self.params.push(Param {
-            checkpoint: name.clone(),
-            name,
-            ty,
-            init,
-            role,
-            span,
-        });
+        self.params.push(Param { checkpoint: name.clone(), name, ty, init, role, span });
         Ok(id)
     }
 

@@ -19,11 +19,7 @@ use std::path::Path;
 
 /// Reads a safetensors file and returns every plan parameter's logical tensor, by parameter name. A NaN or
 /// infinite weight is an error naming the tensor and the first bad element, unless `allow_non_finite`.
-pub fn load_checkpoint(
-    path: &Path,
-    plan: &Plan,
-    allow_non_finite: bool,
-) -> Result<BTreeMap<String, Tensor>, String> {
+pub fn load_checkpoint(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<BTreeMap<String, Tensor>, String> {
     let mapped = map_checkpoint(path)?;
     let file = SafeTensors::deserialize(&mapped)
         .map_err(|e| format!("`{}` is not a valid safetensors file: {e}", path.display()))?;
@@ -118,7 +114,9 @@ fn match_tensors<'p, 'd>(plan: &'p Plan, file: &SafeTensors<'d>) -> Matching<'p,
                 }
             }
             None if ignorable(plan, prefix, &key, view.shape()) => {}
-            None => matching.extras.push(format!("unexpected `{}`: found {}", printable(&key), shape_text(view.shape()))),
+            None => {
+                matching.extras.push(format!("unexpected `{}`: found {}", printable(&key), shape_text(view.shape())))
+            }
         }
     }
     matching
@@ -146,7 +144,13 @@ fn convert(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<(Tensor, O
     let values = to_f32(view.dtype(), view.data(), count)
         .ok_or_else(|| format!("`{key}`: dtype {:?} cannot be read (F32, F16, BF16 and F64 can)", view.dtype()))?;
     let bad = first_non_finite(&values).map(|(index, value)| {
-        let what = if value.is_nan() { "NaN" } else if value > 0.0 { "infinity" } else { "-infinity" };
+        let what = if value.is_nan() {
+            "NaN"
+        } else if value > 0.0 {
+            "infinity"
+        } else {
+            "-infinity"
+        };
         let cast = if view.dtype() == Dtype::F64 { " (as f32)" } else { "" };
         format!("tensor `{key}` holds {what}{cast} at element {index}")
     });
@@ -200,7 +204,12 @@ fn decode<const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> f32) -> Vec<f32> 
 fn non_finite_message(path: &Path, problems: &[String]) -> String {
     let head = match problems {
         [one] => format!("weights `{}`: {one}", path.display()),
-        _ => format!("weights `{}`: {} tensors hold NaN or infinite values:\n{}", path.display(), problems.len(), capped_list(problems)),
+        _ => format!(
+            "weights `{}`: {} tensors hold NaN or infinite values:\n{}",
+            path.display(),
+            problems.len(),
+            capped_list(problems)
+        ),
     };
     format!("{head}\nhelp: pass `--allow-non-finite-weights` to load them anyway")
 }

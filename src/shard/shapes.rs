@@ -168,7 +168,11 @@ pub fn paddings(model: &Model, shapes: &[Vec<u64>], graph: &DiGraph<Node, u8>) -
 
 /// Every padded tensor must still fit the size limit of one tensor ([`crate::elab::max_elements`]); a tensor
 /// that padding pushes past it is reported at its declaration and the config values behind its sizes.
-pub fn check_padded_sizes(model: &Model, graph: &DiGraph<Node, u8>, shapes: &[Vec<u64>]) -> Result<(), Vec<Diagnostic>> {
+pub fn check_padded_sizes(
+    model: &Model,
+    graph: &DiGraph<Node, u8>,
+    shapes: &[Vec<u64>],
+) -> Result<(), Vec<Diagnostic>> {
     let mut problems = Vec::new();
     let mut reported = HashSet::new();
     for n in graph.node_indices() {
