@@ -135,10 +135,45 @@ pub fn render_plain(file_name: &str, source: &str, diagnostics: &[Diagnostic]) -
     String::from_utf8_lossy(buffer.as_slice()).into_owned()
 }
 
-/// Renders diagnostics to standard error, in colour only where that is wanted.
+/// Most diagnostics printed to the terminal for one file; the rest are only counted, like rustc does.
+pub const MAX_SHOWN_DIAGNOSTICS: usize = 50;
+
+/// Renders diagnostics to standard error, in colour only where that is wanted: the first
+/// [`MAX_SHOWN_DIAGNOSTICS`], then one line counting the rest.
 pub fn render_stderr(file_name: &str, source: &str, diagnostics: &[Diagnostic]) {
     let mut stream = StandardStream::stderr(color_choice());
-    let _ = render_to(&mut stream, file_name, source, diagnostics);
+    let _ = render_capped_to(&mut stream, file_name, source, diagnostics, MAX_SHOWN_DIAGNOSTICS);
+}
+
+/// Renders the first `limit` diagnostics, then says how many errors and warnings were left out.
+pub fn render_capped_to(
+    writer: &mut dyn WriteColor,
+    file_name: &str,
+    source: &str,
+    diagnostics: &[Diagnostic],
+    limit: usize,
+) -> std::io::Result<()> {
+    let shown = diagnostics.len().min(limit);
+    render_to(writer, file_name, source, &diagnostics[..shown])?;
+    match not_shown(&diagnostics[shown..]) {
+        Some(line) => writeln!(writer, "{line}"),
+        None => Ok(()),
+    }
+}
+
+/// "error: 12 more errors and 1 more warning not shown", or nothing when every diagnostic was shown.
+fn not_shown(rest: &[Diagnostic]) -> Option<String> {
+    let errors = rest.iter().filter(|d| d.is_error()).count();
+    let warnings = rest.len() - errors;
+    let count =
+        |n: usize, what: &str| format!("{} more {what}{}", group_digits(n as u128), if n == 1 { "" } else { "s" });
+    let parts: Vec<String> = [(errors, "error"), (warnings, "warning")]
+        .into_iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, what)| count(n, what))
+        .collect();
+    let severity = if errors > 0 { "error" } else { "warning" };
+    (!parts.is_empty()).then(|| format!("{severity}: {} not shown", parts.join(" and ")))
 }
 
 /// Keeps every label inside the source and on character boundaries so rendering never fails.
@@ -177,4 +212,26 @@ pub fn group_digits(n: u128) -> String {
         out.push(c);
     }
     out
+}
+
+/// A name from outside (a file's tensor key, say) made safe to print: control characters and the invisible
+/// characters that reorder text are written as escapes (`\u{1b}`), so no key can drive the terminal.
+pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
+    if !name.chars().any(needs_escape) {
+        return std::borrow::Cow::Borrowed(name);
+    }
+    let mut out = String::with_capacity(name.len() + 8);
+    for c in name.chars() {
+        if needs_escape(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Control characters, and the bidirectional marks, embeddings, overrides and isolates.
+fn needs_escape(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }

@@ -410,6 +410,19 @@ golden!(
     ["E0202"]
 );
 golden!(
+    hidden_past_plan_limit,
+    concat!(
+        "model m\nconfig {\n  hidden = 4000000\n  seq = 4\n  batch = 2\n}\ninput x: f32[batch, seq, hidden]\n",
+        "layer fc = linear(hidden, hidden)\nforward {\n  output y = fc(x)\n}\n"
+    ),
+    ["E0202"]
+);
+golden!(
+    product_overflows_u64,
+    "model m\nconfig {\n  big = 5000000000\n}\ninput x: f32[2, big]\nlayer fc = linear(big, [big, 2])\nforward {\n  output y = fc(x)\n}\n",
+    ["E0202"]
+);
+golden!(
     division_not_whole,
     "model m\nconfig {\n  hidden = 768\n  heads = 5\n  head = hidden / heads\n}\ninput x: f32[head]\nforward {\n  output y = x\n}\n",
     ["E0203"]
@@ -453,7 +466,15 @@ golden!(set_not_finite, GPT2, sets[("eps", "inf")], ["E0302"]);
 golden!(set_size_zero, GPT2, sets[("hidden", "0")], ["E0202"]);
 golden!(set_heads_not_dividing, GPT2, sets[("heads", "5")], ["E0203"]);
 golden!(set_sequence_too_long, GPT2, sets[("seq", "2048")], ["E0201"]);
-golden!(set_tensor_too_large, GPT2, sets [("hidden", "3000000000"), ("vocab", "3000000000")], ["E0202", "E0202", "E0202"]);
+golden!(
+    set_tensor_too_large,
+    GPT2,
+    sets [("hidden", "3000000000"), ("vocab", "3000000000")],
+    ["E0202", "E0202", "E0202", "E0202", "E0202", "E0202"]
+);
+golden!(set_vocab_past_plan_limit, GPT2, sets[("vocab", "1099511627776")], ["E0202"]);
+golden!(set_batch_past_plan_limit, GPT2, sets[("batch", "1099511627776")], ["E0202", "E0202"]);
+golden!(set_layers_past_instance_limit, GPT2, sets[("layers", "100000")], ["E0402"]);
 golden!(set_two_problems, GPT2, sets [("layers", "x"), ("hiden", "64")], ["E0301", "E0302"]);
 
 // ---- E0401 / E0402: structure and limits ------------------------------------------------------------------

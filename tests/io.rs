@@ -99,7 +99,7 @@ fn write_file(path: &Path, entries: &[Entry]) {
 }
 
 fn load_err(path: &Path, plan: &Plan) -> String {
-    match load_checkpoint(path, plan) {
+    match load_checkpoint(path, plan, false) {
         Ok(_) => panic!("loading `{}` should fail", path.display()),
         Err(e) => e,
     }
@@ -146,7 +146,7 @@ fn round_trip_after_training_is_bit_exact() {
     let path = dir.join("model.safetensors");
     save_checkpoint(&path, &plan, &trained).expect("saves");
     assert_eq!(files_in(&dir), vec!["model.safetensors".to_string()], "no temporary file is left");
-    assert_bits_equal(&trained, &load_checkpoint(&path, &plan).expect("loads"));
+    assert_bits_equal(&trained, &load_checkpoint(&path, &plan, false).expect("loads"));
 
     let bytes = std::fs::read(&path).expect("file exists");
     let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).expect("valid header");
@@ -170,7 +170,7 @@ fn save_writes_prefixed_keys_and_loads_them_back() {
     expected.sort();
     assert_eq!(names, expected);
     assert!(names.contains(&"transformer.h.0.attn.c_attn.weight".to_string()));
-    assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("loads"));
+    assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("loads"));
 }
 
 #[test]
@@ -181,7 +181,7 @@ fn bare_and_prefixed_keys_both_load() {
     for prefix in ["", "transformer."] {
         let path = dir.join(format!("{}model.safetensors", prefix));
         write_file(&path, &entries(&plan, &params, prefix, Dtype::F32));
-        assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("loads"));
+        assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("loads"));
     }
 }
 
@@ -198,7 +198,7 @@ fn mask_buffers_and_a_tied_lm_head_are_ignored() {
         file.push(entry("lm_head.weight", Dtype::F32, &[50, 8], params["wte.weight"].f32().expect("f32")));
         let path = dir.join(format!("{prefix}model.safetensors"));
         write_file(&path, &file);
-        assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("buffers are ignored"));
+        assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("buffers are ignored"));
     }
 }
 
@@ -278,7 +278,7 @@ fn a_longer_position_table_loads_its_first_rows() {
     let dir = scratch("position_table");
     let path = dir.join("long.safetensors");
     write_file(&path, &file);
-    assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("first rows load"));
+    assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("first rows load"));
 
     let last = file.len() - 1;
     file[last] = entry("wpe.weight", Dtype::F32, &[8, 8], &long[..64]);
@@ -309,7 +309,7 @@ fn f16_bf16_and_f64_files_load() {
     for dtype in [Dtype::F16, Dtype::BF16, Dtype::F64] {
         let path = dir.join(format!("{dtype:?}.safetensors"));
         write_file(&path, &entries(&plan, &params, "transformer.", dtype));
-        assert_bits_equal(&params, &load_checkpoint(&path, &plan).expect("loads"));
+        assert_bits_equal(&params, &load_checkpoint(&path, &plan, false).expect("loads"));
     }
 }
 
@@ -336,6 +336,81 @@ fn unreadable_and_invalid_files_are_clear_errors() {
     std::fs::write(&path, b"this is not a safetensors file at all").expect("writes");
     let e = load_err(&path, &plan);
     assert!(e.contains("is not a valid safetensors file"), "{e}");
+}
+
+/// small_gpt2's known parameters with one value of `c_fc.weight` replaced by `bad`, written as F32.
+fn write_with_bad_value(path: &Path, plan: &Plan, index: usize, bad: f32) {
+    let mut params = known_params(plan);
+    let t = params.get_mut("h.0.mlp.c_fc.weight").expect("gpt2 has c_fc");
+    let mut values = t.f32().expect("f32").to_vec();
+    values[index] = bad;
+    *t = Tensor::from_f32(&t.shape.clone(), values);
+    write_file(path, &entries(plan, &params, "", Dtype::F32));
+}
+
+#[test]
+fn a_nan_weight_names_the_tensor_and_element() {
+    let plan = small_gpt2();
+    let dir = scratch("nan");
+    let path = dir.join("nan.safetensors");
+    write_with_bad_value(&path, &plan, 17, f32::NAN);
+    let e = load_err(&path, &plan);
+    assert!(e.contains("tensor `h.0.mlp.c_fc.weight` holds NaN at element 17"), "{e}");
+    assert!(e.contains("nan.safetensors") && e.contains("--allow-non-finite-weights"), "{e}");
+    let loaded = load_checkpoint(&path, &plan, true).expect("allowed non-finite weights load");
+    assert!(loaded["h.0.mlp.c_fc.weight"].f32().expect("f32")[17].is_nan());
+}
+
+#[test]
+fn an_infinite_weight_is_reported_too() {
+    let plan = small_gpt2();
+    let dir = scratch("inf");
+    let path = dir.join("inf.safetensors");
+    write_with_bad_value(&path, &plan, 3, f32::NEG_INFINITY);
+    let e = load_err(&path, &plan);
+    assert!(e.contains("tensor `h.0.mlp.c_fc.weight` holds -infinity at element 3"), "{e}");
+}
+
+#[test]
+fn a_long_mismatch_list_is_cut_short() {
+    let plan = small_gpt2();
+    let dir = scratch("many_extras");
+    let path = dir.join("extras.safetensors");
+    let mut file = entries(&plan, &known_params(&plan), "", Dtype::F32);
+    file.extend((0..500).map(|k| entry(&format!("extra.{k:04}"), Dtype::F32, &[1], &[0.0])));
+    write_file(&path, &file);
+    let e = load_err(&path, &plan);
+    assert_eq!(e.lines().filter(|l| l.contains("unexpected `extra.")).count(), 20, "{e}");
+    assert!(e.contains("... and 480 more"), "{e}");
+}
+
+#[test]
+fn control_characters_in_keys_are_escaped() {
+    let plan = small_gpt2();
+    let dir = scratch("escape");
+    let path = dir.join("escape.safetensors");
+    let mut file = entries(&plan, &known_params(&plan), "", Dtype::F32);
+    file.push(entry("evil\u{1b}[2J\u{7}key", Dtype::F32, &[1], &[0.0]));
+    write_file(&path, &file);
+    let e = load_err(&path, &plan);
+    assert!(!e.contains('\u{1b}') && !e.contains('\u{7}'), "{e:?}");
+    assert!(e.contains("unexpected `evil\\u{1b}[2J\\u{7}key`"), "{e}");
+}
+
+#[test]
+fn devices_and_fifos_are_refused_without_reading() {
+    let plan = small_gpt2();
+    let e = load_err(Path::new("/dev/zero"), &plan);
+    assert!(e.contains("`/dev/zero`") && e.contains("not a regular file"), "{e}");
+    let dir = scratch("fifo");
+    let fifo = dir.join("weights.fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+    assert!(made.success(), "mkfifo failed");
+    // Opening a FIFO with no writer would block: the check must come before any open.
+    let e = load_err(&fifo, &plan);
+    assert!(e.contains("not a regular file"), "{e}");
+    let e = load_err(&dir, &plan);
+    assert!(e.contains("not a regular file"), "{e}");
 }
 
 // ---- token data ----------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ pub struct RunArgs {
     /// Start from these weights (safetensors, checkpoint names; Hugging Face GPT-2 files load into gpt2.opt).
     #[arg(long, value_name = "FILE.safetensors")]
     pub weights: Option<PathBuf>,
+    /// Load `--weights` even if some are NaN or infinite (by default that is an error naming the tensor).
+    #[arg(long)]
+    pub allow_non_finite_weights: bool,
     /// Write the final weights here (safetensors, gathered logical tensors).
     #[arg(long, value_name = "FILE.safetensors")]
     pub save_weights: Option<PathBuf>,
@@ -230,7 +233,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         eprintln!("warning: {warning}");
     }
     let initial = match &args.weights {
-        Some(path) => load_checkpoint(path, &plan)?,
+        Some(path) => load_checkpoint(path, &plan, args.allow_non_finite_weights)?,
         None => BTreeMap::new(),
     };
     let config = RunConfig {

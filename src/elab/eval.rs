@@ -87,7 +87,7 @@ impl Elab<'_> {
             return self.fail(super::resolve::input_misuse(name, span, frame.place));
         }
         let mut d = self.unknown_name(name, span, |this| this.names_in_scope(frame));
-        if self.file.config.iter().any(|c| c.name.name == name) {
+        if self.config_decls.contains_key(name) {
             d = d.note("config values can only use values defined above them");
         }
         self.fail(d)
@@ -349,7 +349,7 @@ impl Elab<'_> {
         }
         let mut d = Diagnostic::error("E0202", format!("a size must be positive, but this is {value}"))
             .primary(span, format!("this is {value}"));
-        let config = label.as_ref().and_then(|l| self.config.iter().find(|c| &c.name == l));
+        let config = label.as_deref().and_then(|l| self.config_value(l)).cloned();
         if let Some(c) = config {
             let root = self.override_roots.get(&c.name).cloned().unwrap_or_else(|| c.name.clone());
             if !self.bad_sizes.insert(root.clone()) {
@@ -358,10 +358,10 @@ impl Elab<'_> {
             let how = |c: &crate::ir::ConfigValue| {
                 if c.overridden { format!("set to {} by `--set`", c.value) } else { "defined here".to_string() }
             };
-            d = d.secondary(c.span, format!("`{}` is {}", c.name, how(c)));
-            match self.config.iter().find(|r| r.name == root).filter(|_| root != c.name) {
+            d = d.secondary(c.span, format!("`{}` is {}", c.name, how(&c)));
+            match self.config_value(&root).filter(|_| root != c.name).cloned() {
                 Some(r) => {
-                    d = d.secondary(r.span, format!("`{}` is {}", r.name, how(r))).note(format!(
+                    d = d.secondary(r.span, format!("`{}` is {}", r.name, how(&r))).note(format!(
                         "`{}` is computed from `{}`; other sizes computed from `{}` are not reported again",
                         c.name, r.name, r.name
                     ));

@@ -1,8 +1,8 @@
 //! Layers: instantiating declarations (creating parameters, blocks and repeats) and applying them to tensors.
 
 use super::args::Signature;
-use super::{Elab, Fail, Frame, Layer, MAX_REPEAT, Module, Place, R, Value};
-use crate::diag::Diagnostic;
+use super::{Elab, Fail, Frame, Layer, MAX_INSTANCES, MAX_NODES, MAX_REPEAT, Module, Place, R, Value};
+use crate::diag::{Diagnostic, group_digits};
 use crate::ir::{DType, Dim, Factor, Init, Op, Param, ParamId, ParamRole, TensorType};
 use crate::span::Span;
 use crate::syntax::ast::{Call, ExprKind, LayerDecl, LayerExpr};
@@ -60,11 +60,61 @@ impl<'f> Elab<'f> {
                 };
                 let mut modules = Vec::new();
                 for k in 0..n {
+                    let before = self.instances;
                     modules.push(self.instantiate_block(block, body, module, format!("{path}.{k}"))?);
+                    if k == 0 {
+                        self.check_repeat_cost(n, self.instances - before, count.span)?;
+                    }
                 }
                 Ok(Layer::Repeat(modules))
             }
         }
+    }
+
+    /// Stops before making `count` copies of a block when, at `per_copy` instances each (measured on the first),
+    /// they would pass [`MAX_INSTANCES`]: the limit is reported at once instead of after minutes of work.
+    fn check_repeat_cost(&mut self, count: i64, per_copy: usize, at: Span) -> R<()> {
+        let copies = usize::try_from(count).unwrap_or(usize::MAX);
+        let total = self.instances.saturating_add(per_copy.saturating_mul(copies.saturating_sub(1)));
+        if total <= MAX_INSTANCES {
+            return Ok(());
+        }
+        self.report(
+            Diagnostic::error(
+                "E0402",
+                format!(
+                    "`repeat({count})` would make more than {} block and layer instances",
+                    group_digits(MAX_INSTANCES as u128)
+                ),
+            )
+            .primary(at, format!("{count} copies of {per_copy} instances each"))
+            .note(format!(
+                "the model would have at least {} instances; the most one model may have is {}",
+                group_digits(total as u128),
+                group_digits(MAX_INSTANCES as u128)
+            ))
+            .help("reduce `repeat` counts, or the number of copies blocks make of each other"),
+        );
+        Err(Fail::Abort)
+    }
+
+    /// Stops before running `copies` copies of a block's forward when, at `per_copy` operators each (measured on
+    /// the first), they would pass [`MAX_NODES`].
+    fn check_repeat_nodes(&mut self, copies: usize, per_copy: usize, at: Span) -> R<()> {
+        let total = self.graph.node_count().saturating_add(per_copy.saturating_mul(copies.saturating_sub(1)));
+        if total <= MAX_NODES {
+            return Ok(());
+        }
+        self.report(
+            Diagnostic::error(
+                "E0402",
+                format!("the model elaborates to more than {} operators", group_digits(MAX_NODES as u128)),
+            )
+            .primary(at, format!("{copies} copies of {per_copy} operators each"))
+            .note(format!("the model would have at least {} operators", group_digits(total as u128)))
+            .help("reduce `repeat` counts"),
+        );
+        Err(Fail::Abort)
     }
 
     pub(crate) fn not_a_block(&self, call: &Call) -> Diagnostic {
@@ -186,8 +236,9 @@ impl<'f> Elab<'f> {
                 };
                 let (dim, eps) = (dim?, eps?);
                 let size = dim.size;
-                let weight = self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span);
-                let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span);
+                let weight =
+                    self.new_param(path, "weight", vec![dim.clone()], Init::Ones, ParamRole::NormWeight, span)?;
+                let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span)?;
                 Ok(Layer::Norm { weight, bias, dim: size, eps, span })
             }
             kind @ ("embedding" | "position_embedding") => {
@@ -198,13 +249,19 @@ impl<'f> Elab<'f> {
                 let std = self.optional_std(b.get(2), &mut frame);
                 let shape = vec![rows?, width?];
                 let std = std?;
-                self.check_addressable(&shape, span)?;
                 if kind == "embedding" {
-                    let table = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span);
+                    let table =
+                        self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span)?;
                     Ok(Layer::Embedding { table })
                 } else {
-                    let table =
-                        self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::PositionEmbedding, span);
+                    let table = self.new_param(
+                        path,
+                        "weight",
+                        shape,
+                        Init::Normal { std },
+                        ParamRole::PositionEmbedding,
+                        span,
+                    )?;
                     Ok(Layer::PositionEmbedding { table, span })
                 }
             }
@@ -267,12 +324,15 @@ impl<'f> Elab<'f> {
             Some(tied) => (self.tied_table(module, tied, &in_dim, &out_dim)?, true),
             None => {
                 let shape = vec![in_dim.clone(), out_dim.clone()];
-                self.check_addressable(&shape, span)?;
-                (self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span), false)
+                (self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span)?, false)
             }
         };
-        let bias =
-            bias.then(|| self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span));
+        let bias = match bias {
+            true => {
+                Some(self.new_param(path, "bias", vec![out_dim.clone()], Init::Zeros, ParamRole::LinearBias, span)?)
+            }
+            false => None,
+        };
         Ok(Layer::Linear { weight, bias, in_dim, out_dim, transpose, span })
     }
 
@@ -399,18 +459,6 @@ impl<'f> Elab<'f> {
         Ok(table)
     }
 
-    /// A parameter's element count must fit in 64 bits, or it could be neither counted nor stored.
-    fn check_addressable(&mut self, shape: &[Dim], span: Span) -> R<()> {
-        if shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(d.size)).is_some() {
-            return Ok(());
-        }
-        let ty = TensorType { dtype: DType::F32, shape: shape.to_vec() };
-        self.fail(
-            Diagnostic::error("E0202", "parameter has too many elements to address")
-                .primary(span, format!("this parameter is {}", super::ops::show_type(&ty))),
-        )
-    }
-
     fn new_param(
         &mut self,
         path: &str,
@@ -419,18 +467,15 @@ impl<'f> Elab<'f> {
         init: Init,
         role: ParamRole,
         span: Span,
-    ) -> ParamId {
+    ) -> R<ParamId> {
+        let ty = TensorType { dtype: DType::F32, shape };
+        // Named as in its declaration, not by instance, so a block repeated many times reports once.
+        let declared = join(path.rsplit('.').next().unwrap_or(path), leaf);
+        self.check_tensor_size(&format!("parameter `{declared}`"), &ty, span)?;
         let name = join(path, leaf);
         let id = ParamId(u32::try_from(self.params.len()).unwrap_or(u32::MAX));
-        self.params.push(Param {
-            checkpoint: name.clone(),
-            name,
-            ty: TensorType { dtype: DType::F32, shape },
-            init,
-            role,
-            span,
-        });
-        id
+        self.params.push(Param { checkpoint: name.clone(), name, ty, init, role, span });
+        Ok(id)
     }
 
     /// The graph node that reads a parameter (one per parameter, made on first use).
@@ -543,8 +588,10 @@ impl<'f> Elab<'f> {
                 Value::Tensor(n) => self.ty(*n).clone(),
                 _ => return Err(Fail::Reported),
             };
+            let nodes_before = self.graph.node_count();
             current = self.call_module(m, vec![current], call)?;
             if k == 0 {
+                self.check_repeat_nodes(modules.len(), self.graph.node_count() - nodes_before, call.span)?;
                 let after = match &current {
                     Value::Tensor(n) => self.ty(*n).clone(),
                     Value::Poison => return Err(Fail::Reported),

@@ -6,6 +6,9 @@ mod eval;
 mod layers;
 mod ops;
 mod resolve;
+mod size;
+
+pub use size::{MAX_TENSOR_ELEMENTS, fitting_elements, max_elements, too_large};
 
 use crate::diag::{Diagnostic, dedup, group_digits};
 use crate::ir::{ConfigValue, Model, Node, Origin, Param, ParamId, Scalar, TensorType};
@@ -160,7 +163,11 @@ pub struct Elab<'f> {
     graph: DiGraph<Node, u8>,
     params: Vec<Param>,
     config: Vec<ConfigValue>,
+    /// Where each bound config value is in `config`.
+    config_index: HashMap<String, usize>,
     config_env: HashMap<String, Scalar>,
+    /// Every config entry's name, at its first definition: looked up once per name, never scanned.
+    config_decls: HashMap<&'f str, &'f ast::Ident>,
     inputs: HashMap<String, (NodeIndex, Span)>,
     blocks: HashMap<String, usize>,
     recursive: HashSet<usize>,
@@ -196,7 +203,9 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         graph: DiGraph::new(),
         params: Vec::new(),
         config: Vec::new(),
+        config_index: HashMap::new(),
         config_env: HashMap::new(),
+        config_decls: first_definitions(&file.config),
         inputs: HashMap::new(),
         blocks: HashMap::new(),
         recursive: HashSet::new(),
@@ -380,6 +389,7 @@ impl<'f> Elab<'f> {
                 self.override_roots.insert(entry.name.name.clone(), root);
             }
             self.config_env.insert(entry.name.name.clone(), value.clone());
+            self.config_index.insert(entry.name.name.clone(), self.config.len());
             self.config.push(ConfigValue { name: entry.name.name.clone(), value, span: entry.span, overridden });
         }
         self.check_unknown_overrides(overrides);
@@ -388,13 +398,13 @@ impl<'f> Elab<'f> {
     fn check_unknown_overrides(&mut self, overrides: &[Override]) {
         let names: Vec<&str> = self.file.config.iter().map(|c| c.name.name.as_str()).collect();
         for o in overrides {
-            if names.contains(&o.name.as_str()) {
+            if self.config_decls.contains_key(o.name.as_str()) {
                 continue;
             }
             let valid = if names.is_empty() {
                 "this model has no config values".to_string()
             } else {
-                format!("valid names: {}", names.join(", "))
+                format!("valid names: {}", first_few(&names))
             };
             let mut d =
                 Diagnostic::error("E0301", format!("`--set {}`: the model has no config value `{}`", o.name, o.name));
@@ -506,8 +516,8 @@ impl<'f> Elab<'f> {
                 self.report(duplicate("input", name, prev));
                 continue;
             }
-            if let Some(c) = file.config.iter().find(|c| c.name.name == name.name) {
-                self.report(clash(("config value", &c.name), ("input", name)));
+            if let Some(&config_name) = self.config_decls.get(name.name.as_str()) {
+                self.report(clash(("config value", config_name), ("input", name)));
                 // Neither is meant where the name is used in the model's forward: it stands for an invalid value.
                 self.clashing_inputs.insert(name.name.clone());
                 continue;
@@ -752,17 +762,21 @@ impl<'f> Elab<'f> {
             );
             return Err(Fail::Abort);
         }
-        if ty.elements().is_none() {
-            return self.fail(
-                Diagnostic::error("E0202", "tensor has too many elements to address")
-                    .primary(span, format!("this tensor is {}", ops::show_type(&ty))),
-            );
-        }
+        let what = match &op {
+            crate::ir::Op::Input { name } => format!("input `{name}`"),
+            _ => "tensor".to_string(),
+        };
+        self.check_tensor_size(&what, &ty, span)?;
         let node = self.graph.add_node(Node { op, ty, origin: Origin { span, scope: scope.to_string() } });
         for (i, &operand) in operands.iter().enumerate() {
             self.graph.add_edge(operand, node, u8::try_from(i).unwrap_or(u8::MAX));
         }
         Ok(node)
+    }
+
+    /// The bound config value of this name, found in constant time.
+    pub(crate) fn config_value(&self, name: &str) -> Option<&ConfigValue> {
+        self.config_index.get(name).map(|&i| &self.config[i])
     }
 
     pub(crate) fn ty(&self, node: NodeIndex) -> &TensorType {
@@ -772,6 +786,26 @@ impl<'f> Elab<'f> {
     pub(crate) fn scope_of(&self, frame: &Frame) -> String {
         frame.module.map(|m| self.modules[m].path.clone()).unwrap_or_default()
     }
+}
+
+/// Most names a note lists before it says how many more there are.
+const MAX_LISTED_NAMES: usize = 20;
+
+/// `a, b, c`, or the first [`MAX_LISTED_NAMES`] of them and "... and N more".
+fn first_few(names: &[&str]) -> String {
+    if names.len() <= MAX_LISTED_NAMES {
+        return names.join(", ");
+    }
+    format!("{}, ... and {} more", names[..MAX_LISTED_NAMES].join(", "), names.len() - MAX_LISTED_NAMES)
+}
+
+/// Each config name, mapped to its first definition.
+fn first_definitions(config: &[ast::ConfigEntry]) -> HashMap<&str, &ast::Ident> {
+    let mut names = HashMap::with_capacity(config.len());
+    for entry in config {
+        names.entry(entry.name.name.as_str()).or_insert(&entry.name);
+    }
+    names
 }
 
 /// The call a layer declaration makes (the repeated block, for `repeat`).

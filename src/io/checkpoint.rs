@@ -7,6 +7,7 @@
 //! F64. Every mismatch is reported at once, and nothing is returned or written unless all is well.
 
 use super::shape_text;
+use crate::diag::printable;
 use crate::ir::ParamRole;
 use crate::plan::{Plan, PlanParam};
 use crate::runtime::tensor::Tensor;
@@ -16,17 +17,20 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-/// Reads a safetensors file and returns every plan parameter's logical tensor, by parameter name.
-pub fn load_checkpoint(path: &Path, plan: &Plan) -> Result<BTreeMap<String, Tensor>, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read checkpoint `{}`: {e}", path.display()))?;
-    let file = SafeTensors::deserialize(&bytes)
+/// Reads a safetensors file and returns every plan parameter's logical tensor, by parameter name. A NaN or
+/// infinite weight is an error naming the tensor and the first bad element, unless `allow_non_finite`.
+pub fn load_checkpoint(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<BTreeMap<String, Tensor>, String> {
+    let mapped = map_checkpoint(path)?;
+    let file = SafeTensors::deserialize(&mapped)
         .map_err(|e| format!("`{}` is not a valid safetensors file: {e}", path.display()))?;
     let mut matching = match_tensors(plan, &file);
     let mut out = BTreeMap::new();
+    let mut non_finite = Vec::new();
     for p in &plan.params {
         match matching.found.remove(p.name.as_str()) {
             Some((key, view)) => match convert(p, &key, &view) {
-                Ok(t) => {
+                Ok((t, bad)) => {
+                    non_finite.extend(bad.filter(|_| !allow_non_finite));
                     out.insert(p.name.clone(), t);
                 }
                 Err(e) => matching.problems.push(e),
@@ -35,10 +39,33 @@ pub fn load_checkpoint(path: &Path, plan: &Plan) -> Result<BTreeMap<String, Tens
         }
     }
     matching.problems.append(&mut matching.extras);
-    if matching.problems.is_empty() {
-        return Ok(out);
+    if !matching.problems.is_empty() {
+        return Err(mismatch_message(path, plan, &matching.problems));
     }
-    Err(mismatch_message(path, plan, &matching.problems))
+    if !non_finite.is_empty() {
+        return Err(non_finite_message(path, &non_finite));
+    }
+    Ok(out)
+}
+
+/// Maps a checkpoint file into memory, so a large file is read page by page rather than copied whole. Anything
+/// but a regular file (a device such as `/dev/zero`, a FIFO, a directory) is refused before it is opened.
+fn map_checkpoint(path: &Path) -> Result<memmap2::Mmap, String> {
+    let cannot = |e: std::io::Error| format!("cannot read checkpoint `{}`: {e}", path.display());
+    let not_regular = || {
+        format!("cannot read checkpoint `{}`: it is not a regular file (a device, FIFO or directory)", path.display())
+    };
+    if !std::fs::metadata(path).map_err(cannot)?.is_file() {
+        return Err(not_regular());
+    }
+    let file = std::fs::File::open(path).map_err(cannot)?;
+    // Checked again on the open file, in case the path was replaced in between.
+    if !file.metadata().map_err(cannot)?.is_file() {
+        return Err(not_regular());
+    }
+    // SAFETY: the mapping is only read, and lives no longer than this load. Like every reader of a file, it
+    // assumes no other process truncates the checkpoint while it is being loaded.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(cannot)
 }
 
 /// Writes every parameter as F32 under its prefixed checkpoint name, atomically, with `format: pt`.
@@ -76,13 +103,20 @@ fn match_tensors<'p, 'd>(plan: &'p Plan, file: &SafeTensors<'d>) -> Matching<'p,
         match param {
             Some(p) => {
                 if let Some((first, _)) = matching.found.get(p.name.as_str()) {
-                    matching.problems.push(format!("`{}` appears twice, as `{first}` and as `{key}`", p.checkpoint));
+                    matching.problems.push(format!(
+                        "`{}` appears twice, as `{}` and as `{}`",
+                        p.checkpoint,
+                        printable(first),
+                        printable(&key)
+                    ));
                 } else {
                     matching.found.insert(p.name.as_str(), (key, view));
                 }
             }
             None if ignorable(plan, prefix, &key, view.shape()) => {}
-            None => matching.extras.push(format!("unexpected `{key}`: found {}", shape_text(view.shape()))),
+            None => {
+                matching.extras.push(format!("unexpected `{}`: found {}", printable(&key), shape_text(view.shape())))
+            }
         }
     }
     matching
@@ -101,14 +135,31 @@ fn ignorable(plan: &Plan, prefix: &str, key: &str, shape: &[usize]) -> bool {
     is_mask && !plan.params.iter().any(|p| p.shape.iter().map(|&d| d as usize).eq(shape.iter().copied()))
 }
 
-/// The parameter's logical tensor from a file tensor: shape checked, first rows of a longer position
-/// table, converted to f32.
-fn convert(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<Tensor, String> {
+/// The parameter's logical tensor from a file tensor (shape checked, first rows of a longer position table,
+/// converted to f32), and a description of its first NaN or infinite element, if any.
+fn convert(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<(Tensor, Option<String>), String> {
+    let key = printable(key);
     let count = elements_to_take(p, view.shape())
         .ok_or_else(|| format!("`{key}`: expected {}, found {}", shape_text(&p.shape), shape_text(view.shape())))?;
     let values = to_f32(view.dtype(), view.data(), count)
         .ok_or_else(|| format!("`{key}`: dtype {:?} cannot be read (F32, F16, BF16 and F64 can)", view.dtype()))?;
-    Ok(Tensor::from_f32(&p.shape, values))
+    let bad = first_non_finite(&values).map(|(index, value)| {
+        let what = if value.is_nan() {
+            "NaN"
+        } else if value > 0.0 {
+            "infinity"
+        } else {
+            "-infinity"
+        };
+        let cast = if view.dtype() == Dtype::F64 { " (as f32)" } else { "" };
+        format!("tensor `{key}` holds {what}{cast} at element {index}")
+    });
+    Ok((Tensor::from_f32(&p.shape, values), bad))
+}
+
+/// The index and value of the first NaN or infinite value.
+fn first_non_finite(values: &[f32]) -> Option<(usize, f32)> {
+    values.iter().position(|v| !v.is_finite()).map(|i| (i, values[i]))
 }
 
 /// How many leading elements of a file tensor of shape `found` make the parameter, if it fits.
@@ -149,6 +200,33 @@ fn decode<const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> f32) -> Vec<f32> 
         .collect()
 }
 
+/// Every tensor with a NaN or infinite weight (the first few), and how to load them anyway.
+fn non_finite_message(path: &Path, problems: &[String]) -> String {
+    let head = match problems {
+        [one] => format!("weights `{}`: {one}", path.display()),
+        _ => format!(
+            "weights `{}`: {} tensors hold NaN or infinite values:\n{}",
+            path.display(),
+            problems.len(),
+            capped_list(problems)
+        ),
+    };
+    format!("{head}\nhelp: pass `--allow-non-finite-weights` to load them anyway")
+}
+
+/// Most problems listed in one checkpoint error; the rest are counted.
+pub const MAX_LISTED_PROBLEMS: usize = 20;
+
+/// A bullet list of the first [`MAX_LISTED_PROBLEMS`] lines, then "... and N more".
+fn capped_list(lines: &[String]) -> String {
+    let shown = lines.len().min(MAX_LISTED_PROBLEMS);
+    let mut list = bullet_list(&lines[..shown]);
+    if lines.len() > shown {
+        list.push_str(&format!("\n  ... and {} more", lines.len() - shown));
+    }
+    list
+}
+
 fn mismatch_message(path: &Path, plan: &Plan, problems: &[String]) -> String {
     let names = match plan.checkpoint_prefix.as_deref() {
         Some(prefix) if !prefix.is_empty() => format!(" (names are looked up bare and with the prefix `{prefix}`)"),
@@ -158,7 +236,7 @@ fn mismatch_message(path: &Path, plan: &Plan, problems: &[String]) -> String {
         "checkpoint `{}` does not match the parameters of model `{}`{names}:\n{}",
         path.display(),
         plan.model,
-        bullet_list(problems)
+        capped_list(problems)
     )
 }
 

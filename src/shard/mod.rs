@@ -36,7 +36,9 @@ pub const SUGGESTED_MESH_DEVICES: u64 = 64;
 pub fn compile(model: &Model, source_name: &str, source: &str, target: Target) -> Result<Plan, Vec<Diagnostic>> {
     check_mesh(target)?;
     let graph = LoweringGraph::new(model, target.mode)?;
-    let mut lower = graph.lowerer(model, source, target);
+    let shapes = shapes::padded_shapes(model, &graph.graph, &graph.like, target);
+    shapes::check_padded_sizes(model, &graph.graph, &shapes)?;
+    let mut lower = Lowerer::new(model, &graph.graph, graph.like.clone(), source, target, shapes);
     lower.run(graph.forward_len, &graph.grads);
     if lower.diagnostics.iter().any(|d| d.code == "E0602") {
         let meshes = meshes_that_compile(model, &graph, source_name, source, target);

@@ -2,6 +2,7 @@
 //! dimension we pad (as Megatron does) rather than reject. Computes every node's padded logical shape.
 
 use super::Target;
+use crate::diag::Diagnostic;
 use crate::ir::{Model, Node, Op, ParamId, ParamRole};
 use crate::plan::{Padding, Strategy};
 use petgraph::graph::{DiGraph, NodeIndex};
@@ -163,4 +164,40 @@ pub fn paddings(model: &Model, shapes: &[Vec<u64>], graph: &DiGraph<Node, u8>) -
         }
     }
     out
+}
+
+/// Every padded tensor must still fit the size limit of one tensor ([`crate::elab::max_elements`]); a tensor
+/// that padding pushes past it is reported at its declaration and the config values behind its sizes.
+pub fn check_padded_sizes(
+    model: &Model,
+    graph: &DiGraph<Node, u8>,
+    shapes: &[Vec<u64>],
+) -> Result<(), Vec<Diagnostic>> {
+    let mut problems = Vec::new();
+    let mut reported = HashSet::new();
+    for n in graph.node_indices() {
+        let node = &graph[n];
+        let Some(padded) = shapes.get(n.index()).filter(|s| **s != node.ty.sizes()) else { continue };
+        let mut ty = node.ty.clone();
+        for (dim, &size) in ty.shape.iter_mut().zip(padded) {
+            dim.size = size;
+        }
+        // A gradient or use of a padded parameter has its shape: each padded shape is reported once.
+        if crate::elab::fitting_elements(&ty).is_some() || !reported.insert(ty.clone()) {
+            continue;
+        }
+        let what = match node.op {
+            Op::Param { id } => format!("parameter `{}` padded for the mesh", model.params[id.0 as usize].name),
+            _ => "a tensor padded for the mesh".to_string(),
+        };
+        let config = |name: &str| model.config.iter().find(|c| c.name == name);
+        let d = crate::elab::too_large(&what, &ty, node.origin.span, config).note(format!(
+            "padding rounds the shape {} up to {} so that the shards divide it",
+            crate::io::shape_text(&node.ty.sizes()),
+            crate::io::shape_text(padded)
+        ));
+        problems.push(d);
+    }
+    crate::diag::dedup(&mut problems);
+    if problems.is_empty() { Ok(()) } else { Err(problems) }
 }
