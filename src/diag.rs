@@ -89,16 +89,16 @@ impl Diagnostic {
             .iter()
             .map(|l| {
                 let style = if l.primary { cs::LabelStyle::Primary } else { cs::LabelStyle::Secondary };
-                cs::Label::new(style, (), l.span.range()).with_message(l.message.clone())
+                cs::Label::new(style, (), l.span.range()).with_message(printable_text(&l.message))
             })
             .collect();
-        let mut notes: Vec<String> = self.notes.iter().map(|n| format!("note: {n}")).collect();
+        let mut notes: Vec<String> = self.notes.iter().map(|n| format!("note: {}", printable_text(n))).collect();
         if let Some(help) = &self.help {
-            notes.push(format!("help: {help}"));
+            notes.push(format!("help: {}", printable_text(help)));
         }
         cs::Diagnostic::new(severity)
             .with_code(self.code)
-            .with_message(self.message.clone())
+            .with_message(printable_text(&self.message))
             .with_labels(labels)
             .with_notes(notes)
     }
@@ -118,7 +118,9 @@ pub fn render_to(
     source: &str,
     diagnostics: &[Diagnostic],
 ) -> std::io::Result<()> {
-    let file = SimpleFile::new(file_name, source);
+    // The source lines shown must not drive the terminal either; the stand-ins keep every byte offset.
+    let shown_source = same_length_printable(source);
+    let file = SimpleFile::new(printable(file_name), shown_source.as_ref());
     let config = term::Config::default();
     for d in diagnostics {
         let d = clamp_labels(d, source);
@@ -217,12 +219,22 @@ pub fn group_digits(n: u128) -> String {
 /// A name from outside (a file's tensor key, say) made safe to print: control characters and the invisible
 /// characters that reorder text are written as escapes (`\u{1b}`), so no key can drive the terminal.
 pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
-    if !name.chars().any(needs_escape) {
-        return std::borrow::Cow::Borrowed(name);
+    escape_where(name, needs_escape)
+}
+
+/// [`printable`] for whole messages and reports: line breaks and tabs are kept, every other control or
+/// reordering character is escaped. Everything the command line prints goes through it.
+pub fn printable_text(text: &str) -> std::borrow::Cow<'_, str> {
+    escape_where(text, |c| c != '\n' && c != '\t' && needs_escape(c))
+}
+
+fn escape_where(text: &str, escape: impl Fn(char) -> bool) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(&escape) {
+        return std::borrow::Cow::Borrowed(text);
     }
-    let mut out = String::with_capacity(name.len() + 8);
-    for c in name.chars() {
-        if needs_escape(c) {
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if escape(c) {
             out.extend(c.escape_unicode());
         } else {
             out.push(c);
@@ -231,7 +243,28 @@ pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// Control characters, and the bidirectional marks, embeddings, overrides and isolates.
+/// Source text to show under a diagnostic: each character [`printable_text`] would escape becomes a
+/// visible stand-in of the same UTF-8 length (`?`, `¿` or `\u{fffd}`), so that spans still point right.
+fn same_length_printable(source: &str) -> std::borrow::Cow<'_, str> {
+    let escape = |c: char| c != '\n' && c != '\t' && c != '\r' && needs_escape(c);
+    if !source.chars().any(escape) {
+        return std::borrow::Cow::Borrowed(source);
+    }
+    let stand_in = |c: char| match c.len_utf8() {
+        1 => '?',
+        2 => '\u{bf}',
+        _ => '\u{fffd}',
+    };
+    std::borrow::Cow::Owned(source.chars().map(|c| if escape(c) { stand_in(c) } else { c }).collect())
+}
+
+/// Control characters, and the characters that reorder text.
 fn needs_escape(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    c.is_control() || reorders_text(c)
+}
+
+/// The bidirectional marks, embeddings, overrides and isolates: invisible, they change how a terminal
+/// orders the text around them.
+pub fn reorders_text(c: char) -> bool {
+    matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }

@@ -6,6 +6,14 @@ use optimus::elab::Override;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// `eprintln!` for everything the command line reports on standard error: control characters in names
+/// that come from files, plans or flags are escaped, so nothing printed can drive the terminal.
+macro_rules! eprintln_safe {
+    ($($arg:tt)*) => {
+        eprintln!("{}", optimus::diag::printable_text(&format!($($arg)*)))
+    };
+}
+
 mod cli;
 
 /// optimusc: compile transformer models described in .opt files into 2D-parallel (Optimus) programs.
@@ -95,7 +103,7 @@ fn main() -> ExitCode {
     // then ends the process rather than wait for the hung thread.
     while !worker.is_finished() {
         if let Some(message) = optimus::runtime::watchdog::abandoned() {
-            eprintln!("error: {message}");
+            eprintln_safe!("error: {message}");
             return ExitCode::from(1);
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
@@ -104,7 +112,7 @@ fn main() -> ExitCode {
 }
 
 fn internal_error() -> ExitCode {
-    eprintln!("error: internal compiler error (please report it with the input that caused it)");
+    eprintln_safe!("error: internal compiler error (please report it with the input that caused it)");
     ExitCode::from(101)
 }
 
@@ -138,13 +146,16 @@ fn check(path: &std::path::Path, overrides: &[Override], emit: Option<Emit>) -> 
 fn compile(args: &CompileArgs) -> ExitCode {
     let Some(plan) = cli::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
     if let Err(e) = optimus::plan::io::write_plan(&plan, &args.output) {
-        eprintln!("error: {e}");
+        eprintln_safe!("error: {e}");
         return ExitCode::from(1);
     }
     for p in &plan.padding {
-        eprintln!(
+        eprintln_safe!(
             "note: `{}` dimension {} padded from {} to {} to divide the shards; padding never affects the loss",
-            p.tensor, p.dim, p.logical, p.padded
+            p.tensor,
+            p.dim,
+            p.logical,
+            p.padded
         );
     }
     let summary = format!(
@@ -170,30 +181,30 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) ->
     let plan = match optimus::plan::io::read_plan(path) {
         Ok(plan) => plan,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln_safe!("error: {e}");
             return ExitCode::from(1);
         }
     };
     if let Err(errors) = optimus::plan::verify::verify(&plan) {
-        eprintln!("error: `{}` failed verification:", path.display());
+        eprintln_safe!("error: `{}` failed verification:", path.display());
         for e in errors.iter().take(20) {
-            eprintln!("  {e}");
+            eprintln_safe!("  {e}");
         }
         return ExitCode::from(1);
     }
     if let Some(dot_path) = dot {
         let text = optimus::plan::report::render_dot(&plan);
         if let Err(e) = optimus::io::output::write_file(dot_path, text.as_bytes()) {
-            eprintln!("error: {e}");
+            eprintln_safe!("error: {e}");
             return ExitCode::from(1);
         }
     }
     let report = optimus::plan::report::report(&plan);
     if json {
         match serde_json::to_string_pretty(&report) {
-            Ok(text) => cli::stdout(&format!("{text}\n")),
+            Ok(text) => cli::stdout_json(&format!("{text}\n")),
             Err(e) => {
-                eprintln!("error: cannot serialise the report: {e}");
+                eprintln_safe!("error: cannot serialise the report: {e}");
                 return ExitCode::from(1);
             }
         }

@@ -143,7 +143,7 @@ pub fn read_model(path: &Path) -> Option<Vec<u8>> {
     match optimus::io::files::read_bounded(path, "", limit) {
         Ok(bytes) => Some(bytes),
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln_safe!("error: {e}");
             None
         }
     }
@@ -156,7 +156,7 @@ pub fn load_checked(path: &Path, overrides: &[Override]) -> Option<(optimus::ir:
     let (source, bad_utf8) = decode(&name, bytes);
     if let Some(d) = bad_utf8 {
         diag::render_stderr(&source.name, &source.text, &[d]);
-        eprintln!("error: {name}: 1 error found");
+        eprintln_safe!("error: {name}: 1 error found");
         return None;
     }
     let Checked { model, diagnostics } = check_source(&source.text, overrides);
@@ -165,7 +165,7 @@ pub fn load_checked(path: &Path, overrides: &[Override]) -> Option<(optimus::ir:
     match model {
         Some(model) if errors == 0 => Some((model, source)),
         _ => {
-            eprintln!("error: {name}: {errors} error{} found", if errors == 1 { "" } else { "s" });
+            eprintln_safe!("error: {name}: {errors} error{} found", if errors == 1 { "" } else { "s" });
             None
         }
     }
@@ -183,7 +183,7 @@ pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::
         Ok(plan) => Some(plan),
         Err(diagnostics) => {
             diag::render_stderr(&source.name, &source.text, &diagnostics);
-            eprintln!("error: {}: cannot compile for a {} mesh; no plan written", source.name, target.mesh);
+            eprintln_safe!("error: {}: cannot compile for a {} mesh; no plan written", source.name, target.mesh);
             None
         }
     }
@@ -211,7 +211,7 @@ impl Failure {
     /// Prints the message, if any, and gives the exit status.
     pub fn exit(self) -> std::process::ExitCode {
         if !self.message.is_empty() {
-            eprintln!("error: {}", self.message);
+            eprintln_safe!("error: {}", self.message);
         }
         std::process::ExitCode::from(self.status)
     }
@@ -232,9 +232,9 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
     }
     let plan = optimus::plan::io::read_plan(path)?;
     if let Err(errors) = optimus::plan::verify::verify(&plan) {
-        eprintln!("error: `{}` failed verification:", path.display());
+        eprintln_safe!("error: `{}` failed verification:", path.display());
         for e in errors.iter().take(20) {
-            eprintln!("  {e}");
+            eprintln_safe!("  {e}");
         }
         return Err(Failure::reported());
     }
@@ -250,12 +250,32 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
     Ok(plan)
 }
 
-/// Writes to standard output; a closed pipe (`optimusc ... | head`) ends the output quietly.
+/// Writes text for people to standard output, with control characters in it escaped (names come from
+/// files and plans); a closed pipe (`optimusc ... | head`) ends the output quietly.
 pub fn stdout(text: &str) {
+    stdout_exact(&optimus::diag::printable_text(text));
+}
+
+/// Writes JSON to standard output. serde_json already escapes every control character; the characters
+/// that reorder text, which it leaves raw, are written as JSON `\uXXXX` escapes (they can only occur
+/// inside strings), so the output is still the same JSON value.
+pub fn stdout_json(text: &str) {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if optimus::diag::reorders_text(c) {
+            escaped.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            escaped.push(c);
+        }
+    }
+    stdout_exact(&escaped);
+}
+
+fn stdout_exact(text: &str) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     let written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
     if let Some(e) = written.err().filter(|e| e.kind() != std::io::ErrorKind::BrokenPipe) {
-        eprintln!("error: cannot write to standard output: {e}");
+        eprintln_safe!("error: cannot write to standard output: {e}");
     }
 }

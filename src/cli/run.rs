@@ -206,7 +206,7 @@ pub fn run(args: &RunArgs) -> ExitCode {
 /// Prints an error; an empty message means the problem has been reported already.
 fn report(e: &str) {
     if !e.is_empty() {
-        eprintln!("error: {e}");
+        eprintln_safe!("error: {e}");
     }
 }
 
@@ -230,7 +230,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     // Under mpirun every rank prepares; rank 0 alone warns.
     let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
     if let Some(warning) = tokens.shortfall_warning(&plan).filter(|_| leader) {
-        eprintln!("warning: {warning}");
+        eprintln_safe!("warning: {warning}");
     }
     let initial = match &args.weights {
         Some(path) => load_checkpoint(path, &plan, args.allow_non_finite_weights)?,
@@ -259,7 +259,7 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
     progress.finish(output);
     if let Some(path) = &args.save_weights {
         save_checkpoint(path, &job.plan, &output.params)?;
-        eprintln!("saved weights to {}", path.display());
+        eprintln_safe!("saved weights to {}", path.display());
     }
     Ok(())
 }
@@ -334,10 +334,11 @@ mod multi_process {
 
     pub fn run(_args: &RunArgs, launch: &Launch) -> ExitCode {
         if launch.rank == 0 {
-            eprintln!(
+            eprintln_safe!(
                 "error: {} started {} processes, but this optimusc was built without MPI support; \
                  build it with `cargo build --release --features mpi` (see docs/clusters.md)",
-                launch.launcher, launch.size
+                launch.launcher,
+                launch.size
             );
         }
         ExitCode::from(1)
@@ -377,7 +378,7 @@ impl Progress {
                 "tokens_per_s": tokens_per_s,
                 "elapsed_s": elapsed,
             });
-            super::stdout(&format!("{line}\n"));
+            super::stdout_json(&format!("{line}\n"));
             return;
         }
         let loss = r.loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
@@ -402,7 +403,7 @@ impl Progress {
         let losses: Vec<f32> = output.steps.iter().filter_map(|s| s.loss).collect();
         if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
             let what = if self.train { "trained" } else { "ran" };
-            eprintln!("{what} {} steps: loss {first:.4} -> {last:.4}", output.steps.len());
+            eprintln_safe!("{what} {} steps: loss {first:.4} -> {last:.4}", output.steps.len());
         }
     }
 }

@@ -110,7 +110,7 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
     let hw = match Hardware::load(&args.hardware) {
         Ok(hw) => hw,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln_safe!("error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -139,13 +139,15 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
 /// The text of a model file; searches re-compile it, so plans (.json) are refused.
 fn read_source(path: &std::path::Path) -> Option<String> {
     if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
-        eprintln!("error: --max-batch, --compare and --sweep re-compile the model: give the .opt file, not a plan");
+        eprintln_safe!(
+            "error: --max-batch, --compare and --sweep re-compile the model: give the .opt file, not a plan"
+        );
         return None;
     }
     let bytes = super::read_model(path)?;
     let (source, bad) = decode(&path.display().to_string(), bytes);
     if bad.is_some() {
-        eprintln!("error: `{}` is not valid UTF-8", path.display());
+        eprintln_safe!("error: `{}` is not valid UTF-8", path.display());
         return None;
     }
     Some(source.text)
@@ -154,11 +156,11 @@ fn read_source(path: &std::path::Path) -> Option<String> {
 fn print_json(value: &impl serde::Serialize) -> ExitCode {
     match serde_json::to_string_pretty(value) {
         Ok(text) => {
-            super::stdout(&format!("{text}\n"));
+            super::stdout_json(&format!("{text}\n"));
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: cannot serialise the result: {e}");
+            eprintln_safe!("error: cannot serialise the result: {e}");
             ExitCode::from(1)
         }
     }
@@ -289,7 +291,7 @@ struct Side {
 fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
     let devices = args.target.mesh().devices();
     if search::integer_sqrt(devices).is_none() {
-        eprintln!("error: --compare needs a square device count (q x q against 1 x q^2); the mesh has {devices}");
+        eprintln_safe!("error: --compare needs a square device count (q x q against 1 x q^2); the mesh has {devices}");
         return ExitCode::from(2);
     }
     let sides: Vec<Side> =
@@ -398,7 +400,7 @@ fn sweep(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
     let points = match search::sweep(source, args.mode(), hw, &args.options()) {
         Ok(points) => points,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln_safe!("error: {e}");
             return ExitCode::from(1);
         }
     };
@@ -408,7 +410,7 @@ fn sweep(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
             .map_err(|e| format!("cannot write `{}`: {e}", path.display()))
             .and_then(|svg| optimus::io::output::write_file(path, svg.as_bytes()).map_err(|e| e.to_string()));
         if let Err(e) = written {
-            eprintln!("error: {e}");
+            eprintln_safe!("error: {e}");
             return ExitCode::from(1);
         }
     }

@@ -60,7 +60,7 @@ pub fn verify(args: &VerifyArgs) -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln_safe!("error: {e}");
             ExitCode::from(1)
         }
     }
@@ -76,12 +76,14 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
         optimus::shard::Target { mesh: Mesh { rows: 1, cols: 1 }, strategy: Strategy::None, mode: Mode::Train };
     let single = compile_for(&args.model, &args.target.set, single_target).ok_or("cannot compile for one device")?;
     let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };
-    eprintln!(
+    eprintln_safe!(
         "verifying {} on a {} mesh ({strategy}) against one device, {} steps",
-        sharded.model, sharded.mesh, args.steps
+        sharded.model,
+        sharded.mesh,
+        args.steps
     );
     if let Some(warning) = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?.shortfall_warning(&sharded) {
-        eprintln!("warning: {warning}");
+        eprintln_safe!("warning: {warning}");
     }
     let a = execute(&sharded, args)?;
     let b = execute(&single, args)?;

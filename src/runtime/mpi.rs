@@ -94,7 +94,7 @@ impl MpiJob {
 
     /// Prints the error with this rank's name and ends every process of the job.
     pub fn abort(&self, message: &str) -> ! {
-        eprintln!("error: rank {}: {message}", self.rank);
+        eprintln!("error: rank {}: {}", self.rank, crate::diag::printable_text(message));
         abort_world(1)
     }
 
@@ -188,7 +188,7 @@ impl MpiJob {
 /// Makes a panic anywhere in this process print its message with `who` and abort the MPI job.
 fn install_panic_hook(who: String) {
     std::panic::set_hook(Box::new(move |info| {
-        eprintln!("error: {who} panicked: {info}");
+        eprintln!("error: {who} panicked: {}", crate::diag::printable_text(&info.to_string()));
         abort_world(101)
     }));
 }
@@ -359,7 +359,7 @@ impl Communicator for &MpiComm {
     }
 
     fn abort(&self, reason: &str) {
-        eprintln!("error: rank {}: {reason}", self.world_rank);
+        eprintln!("error: rank {}: {}", self.world_rank, crate::diag::printable_text(reason));
         abort_world(1)
     }
 }
