@@ -144,6 +144,9 @@ fn check(path: &std::path::Path, overrides: &[Override], emit: Option<Emit>) -> 
 }
 
 fn compile(args: &CompileArgs) -> ExitCode {
+    if let Err(e) = cli::refuse_overwriting_input(&args.output, &args.model, "-o") {
+        return e.exit();
+    }
     let Some(plan) = cli::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
     if let Err(e) = optimus::plan::io::write_plan(&plan, &args.output) {
         eprintln_safe!("error: {e}");
@@ -178,6 +181,9 @@ fn compile(args: &CompileArgs) -> ExitCode {
 }
 
 fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) -> ExitCode {
+    if let Some(Err(e)) = dot.map(|dot| cli::refuse_overwriting_input(dot, path, "--dot")) {
+        return e.exit();
+    }
     let plan = match optimus::plan::io::read_plan(path) {
         Ok(plan) => plan,
         Err(e) => {

@@ -145,3 +145,21 @@ fn a_save_weights_path_that_cannot_be_written_fails_before_step_0() {
         assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{path}: no step ran");
     }
 }
+
+#[test]
+fn an_output_that_is_the_input_is_refused_and_the_input_kept() {
+    let model = scratch("model.opt");
+    std::fs::copy("examples/tiny.opt", &model).expect("copy model");
+    let model_arg = model.to_str().expect("utf-8 path");
+    let out = optimusc(&["compile", model_arg, "--mesh", "2x2", "-o", model_arg]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("-o"), "{}", stderr(&out));
+    assert_eq!(std::fs::read(&model).expect("model"), std::fs::read("examples/tiny.opt").expect("tiny"));
+    let plan = scratch("plan-for-dot.json");
+    let plan_arg = plan.to_str().expect("utf-8 path");
+    assert!(optimusc(&["compile", model_arg, "--mesh", "2x2", "-o", plan_arg]).status.success());
+    let before = std::fs::read(&plan).expect("plan");
+    let out = optimusc(&["inspect", plan_arg, "--dot", plan_arg]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(std::fs::read(&plan).expect("plan"), before, "the plan is intact");
+}

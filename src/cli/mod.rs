@@ -250,6 +250,23 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
     Ok(plan)
 }
 
+/// An output path that names the command's own input (`compile m.opt -o m.opt`) would destroy it: a
+/// usage error naming the flag. Paths are compared as the files they resolve to, links followed.
+pub fn refuse_overwriting_input(output: &Path, input: &Path, flag: &str) -> Result<(), Failure> {
+    let same = match (std::fs::canonicalize(output), std::fs::canonicalize(input)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if same {
+        return Err(Failure::usage(format!(
+            "{flag} `{}` is the input `{}` itself; writing it would destroy the input, so name another file",
+            output.display(),
+            input.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Writes text for people to standard output, with control characters in it escaped (names come from
 /// files and plans); a closed pipe (`optimusc ... | head`) ends the output quietly.
 pub fn stdout(text: &str) {

@@ -67,6 +67,11 @@ pub fn verify(args: &VerifyArgs) -> ExitCode {
 }
 
 fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
+    if args.model.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+        return Err(
+            "verify compiles the model twice (for the mesh and for one device): give the .opt file, not a plan".into(),
+        );
+    }
     if args.target.mode() != super::ModeArg::Train {
         return Err("verify compares training steps; drop --mode infer".into());
     }
