@@ -163,3 +163,32 @@ fn an_output_that_is_the_input_is_refused_and_the_input_kept() {
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert_eq!(std::fs::read(&plan).expect("plan"), before, "the plan is intact");
 }
+
+/// Losses of `steps` steps that all see the same batch and never change the weights (SGD, lr 0).
+fn losses_on_one_repeated_batch(pdrop: &str, mesh: &[&str]) -> Vec<f64> {
+    // tiny.opt reads 8 sequences of 8 tokens: a file of exactly 64 tokens gives every step the same windows.
+    let data = scratch("one-batch.u16");
+    let tokens: Vec<u8> = (0..64u16).flat_map(|t| (t % 100).to_le_bytes()).collect();
+    std::fs::write(&data, tokens).expect("write data");
+    let set = format!("pdrop={pdrop}");
+    let mut args = vec!["run", "examples/tiny.opt", "--set", &set, "--optimizer", "sgd", "--lr", "0", "--steps", "3"];
+    args.extend_from_slice(&["--json", "--data", data.to_str().expect("utf-8 path")]);
+    args.extend_from_slice(mesh);
+    let out = optimusc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON")["loss"].as_f64().expect("loss"))
+        .collect()
+}
+
+#[test]
+fn dropout_draws_a_new_mask_every_step() {
+    for mesh in [&["--mesh", "1x1", "--strategy", "none"][..], &["--mesh", "2x2"]] {
+        let plain = losses_on_one_repeated_batch("0.0", mesh);
+        assert!(plain.windows(2).all(|w| w[0] == w[1]), "{mesh:?}: same batch, same weights: {plain:?}");
+        let dropped = losses_on_one_repeated_batch("0.3", mesh);
+        assert!(dropped.windows(2).all(|w| w[0] != w[1]), "{mesh:?}: each step's mask differs: {dropped:?}");
+    }
+}

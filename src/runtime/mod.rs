@@ -30,6 +30,9 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     pub backend: B,
     pub comm: C,
     pub seed: u64,
+    /// The seed kernels see during the current step: the run's seed mixed with the step, so that
+    /// dropout draws a new mask every step (and the same one when a step is replayed).
+    step_seed: u64,
     buffers: Vec<Option<Tensor>>,
 }
 
@@ -46,7 +49,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 buffers[s.0 as usize] = Some(Tensor::zeros(m.dtype, &m.shape));
             }
         }
-        Device { plan, backend, comm, seed, buffers }
+        Device { plan, backend, comm, seed, step_seed: seed, buffers }
     }
 
     pub fn coords(&self) -> (u64, u64) {
@@ -85,6 +88,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// stops the step before it reaches the weights it can.
     pub fn step(&mut self, optimizer: &OptimizerSettings, step: u64) -> Result<(), StepError> {
         let plan = self.plan;
+        self.step_seed = init::mix64(self.seed ^ init::mix64(step));
         let first_update = first_update(plan);
         for (index, instr) in plan.program.iter().enumerate() {
             if index == first_update {
@@ -171,8 +175,14 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             }
             let metas: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
             let (i, j) = self.comm.coords();
-            let ctx =
-                KernelContext { i, j, mesh: plan.mesh, seed: self.seed, inputs: &metas, output: plan.buffer(output) };
+            let ctx = KernelContext {
+                i,
+                j,
+                mesh: plan.mesh,
+                seed: self.step_seed,
+                inputs: &metas,
+                output: plan.buffer(output),
+            };
             self.backend.kernel(kernel, &refs, &mut out, &ctx)
         };
         self.buffers[output.0 as usize] = Some(out);
