@@ -26,33 +26,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${HF_VENV:-$HOME/.cache/optimus/venv-hf}
-PYTHON=${PYTHON:-python3}
-
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "== creating virtualenv $VENV"
-  "$PYTHON" -m venv "$VENV"
-fi
-PY="$VENV/bin/python"
-
-# Which of the needed modules do not import yet?
-missing=()
-for mod in torch transformers safetensors numpy; do
-  if ! "$PY" -c "import $mod" >/dev/null 2>&1; then
-    missing+=("$mod")
-  fi
-done
-
-start=$(date +%s)
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "== installing into $VENV: ${missing[*]}"
-  "$PY" -m pip install "${missing[@]}"
-else
-  echo "== $VENV already has torch, transformers, safetensors, numpy"
-fi
-end=$(date +%s)
-echo "== install took $((end - start)) s; $VENV is $(du -sh "$VENV" | cut -f1)"
-"$PY" -c 'import torch, transformers, safetensors, numpy; print(f"== torch {torch.__version__}, transformers {transformers.__version__}, safetensors {safetensors.__version__}, numpy {numpy.__version__}")'
+# shellcheck source=scripts/hf_venv.sh
+source scripts/hf_venv.sh
 
 echo "== cargo build --release"
 cargo build --release --bin optimusc

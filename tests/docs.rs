@@ -192,6 +192,10 @@ const SKIP_RULES: &[SkipRule] = &[
     SkipRule { why: "scripts/test.sh: the whole suite, which includes this test", applies: is_test_suite },
     SkipRule { why: "scripts/hf_compare.sh: installs PyTorch (5.6 GB) from PyPI", applies: is_hf_compare },
     SkipRule {
+        why: "scripts/bench_vs_torch.sh: a benchmark (minutes, and PyTorch), not a test",
+        applies: is_benchmark,
+    },
+    SkipRule {
         why: "python3/printf writing an input file for a diagnostics.md example",
         applies: writes_example_input,
     },
@@ -215,6 +219,10 @@ fn is_test_suite(words: &[String]) -> bool {
 
 fn is_hf_compare(words: &[String]) -> bool {
     words.first().is_some_and(|w| w == "bash") && words.get(1).is_some_and(|w| w == "scripts/hf_compare.sh")
+}
+
+fn is_benchmark(words: &[String]) -> bool {
+    words.first().is_some_and(|w| w == "bash") && words.get(1).is_some_and(|w| w == "scripts/bench_vs_torch.sh")
 }
 
 fn writes_example_input(words: &[String]) -> bool {

@@ -1,0 +1,125 @@
+"""Training throughput of `optimusc run` against PyTorch eager, side by side in one run.
+
+For each GPT-2-shaped config, trains Hugging Face's GPT2LMHeadModel (float32, AdamW, dropout off,
+eager attention) and `optimusc run examples/gpt2.opt` with the same sizes on several meshes, all on the
+same number of threads, and prints tokens/s and each mesh's ratio to torch. A benchmark, not a test:
+absolute numbers drift on shared machines; quote the ratios of one run.
+
+Each measurement is the median of the per-step throughputs after `--warmup` untimed steps.
+Run it through scripts/bench_vs_torch.sh, which provides torch and a release optimusc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+# name -> (layers, hidden, heads, vocab, seq, batch)
+CONFIGS = {
+    "small": (4, 256, 8, 8192, 128, 8),
+    "gpt2-wide": (2, 768, 12, 50257, 128, 4),
+}
+
+# (strategy, mesh) pairs measured for optimusc.
+MESHES = [("none", "1x1"), ("optimus", "2x2"), ("megatron", "1x2"), ("megatron", "1x4")]
+
+
+def torch_tokens_per_s(sizes: tuple[int, ...], steps: int, warmup: int, threads: int) -> float:
+    layers, hidden, heads, vocab, seq, batch = sizes
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=seq,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    config._attn_implementation = "eager"
+    model = GPT2LMHeadModel(config).float().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rates = []
+    for step in range(warmup + steps):
+        tokens = torch.randint(0, vocab, (batch, seq + 1))
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - start
+        if step >= warmup:
+            rates.append(batch * seq / elapsed)
+    return statistics.median(rates)
+
+
+def optimusc_tokens_per_s(
+    optimusc: str, sizes: tuple[int, ...], strategy: str, mesh: str, steps: int, warmup: int, threads: int
+) -> float | str:
+    layers, hidden, heads, vocab, seq, batch = sizes
+    sets = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "context": seq, "seq": seq}
+    sets.update({"batch": batch, "pdrop": "0.0"})
+    command = [optimusc, "run", "examples/gpt2.opt", "--mesh", mesh, "--strategy", strategy]
+    for name, value in sets.items():
+        command += ["--set", f"{name}={value}"]
+    command += ["--steps", str(warmup + steps), "--json", "--lr", "1e-3"]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1:] or ["(no message)"]
+        return f"failed: {last[0]}"
+    rates = [json.loads(line)["tokens_per_s"] for line in done.stdout.splitlines()]
+    return statistics.median(rates[warmup:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--optimusc", required=True, help="path to a release optimusc")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both (default: all cores)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or args.steps < 1 or args.warmup < 0 or args.threads < 1:
+        parser.error(f"unknown configs {unknown}" if unknown else "steps >= 1, warmup >= 0, threads >= 1")
+    header = "config      layers hidden heads vocab  seq batch  torch tok/s  " + "  ".join(
+        f"{s} {m}".ljust(13) for s, m in MESHES
+    )
+    if not args.json:
+        print(f"threads: {args.threads}; ratios are optimusc tokens/s over torch eager tokens/s, measured in this run")
+        print(header)
+        print("-" * len(header))
+    for name in names:
+        sizes = CONFIGS[name]
+        reference = torch_tokens_per_s(sizes, args.steps, args.warmup, args.threads)
+        results = {}
+        for strategy, mesh in MESHES:
+            results[f"{strategy} {mesh}"] = optimusc_tokens_per_s(
+                args.optimusc, sizes, strategy, mesh, args.steps, args.warmup, args.threads
+            )
+        if args.json:
+            print(json.dumps({"config": name, "sizes": sizes, "torch_tokens_per_s": reference, "optimusc": results}))
+            continue
+        cells = [f"{v / reference:.2f}x ({v:.0f})" if isinstance(v, float) else v for v in results.values()]
+        sizes_text = "{:>6} {:>6} {:>5} {:>5} {:>4} {:>5}".format(*sizes)
+        print(f"{name:<11} {sizes_text}  {reference:>11.0f}  " + "  ".join(c.ljust(13) for c in cells))
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
