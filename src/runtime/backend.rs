@@ -48,7 +48,7 @@ impl Backend for CpuBackend {
         out: &mut Tensor,
         ctx: &KernelContext,
     ) -> Result<(), String> {
-        kernels::run(kernel, inputs, out, ctx)
+        super::cpu::par::on_pool(|| kernels::run(kernel, inputs, out, ctx))
     }
 
     fn optimizer_step(
@@ -60,7 +60,7 @@ impl Backend for CpuBackend {
         settings: &OptimizerSettings,
         step: u64,
     ) -> Result<(), String> {
-        kernels::optimizer_step(param, grad, state1, state2, settings, step)
+        super::cpu::par::on_pool(|| kernels::optimizer_step(param, grad, state1, state2, settings, step))
     }
 }
 

@@ -1,6 +1,8 @@
 //! CPU kernels: the reference implementation of every plan [`Kernel`] on host tensors, the optimizer
 //! update, and the counter-based dropout mask. Matrix products go through `faer`.
 
+use super::par;
+use super::vmath::{self, vectorized};
 use crate::plan::{Buffer, Kernel, Mesh, Offset};
 use crate::runtime::shapes::{
     self, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
@@ -10,6 +12,7 @@ use crate::runtime::tensor::{Data, Tensor};
 use crate::shard::layout::Placement;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
+use rayon::prelude::*;
 
 /// What a kernel may need to know about where it runs.
 #[derive(Clone, Copy, Debug)]
@@ -196,8 +199,6 @@ fn gemm(
             dst.ncols()
         )
     })?;
-    let work = dst.nrows() * dst.ncols() * lhs.ncols();
-    let par = if work >= PARALLEL_WORK { Par::rayon(0) } else { Par::Seq };
     let accum = if accumulate { Accum::Add } else { Accum::Replace };
     let mut dst = dst;
     if lhs.ncols() == 0 {
@@ -206,8 +207,46 @@ fn gemm(
         }
         return Ok(());
     }
-    matmul(dst, accum, lhs, rhs, alpha, par);
+    let work = dst.nrows() * dst.ncols() * lhs.ncols();
+    let parts = if work >= PARALLEL_WORK { par::threads() } else { 1 };
+    split_product(dst, lhs, rhs, accum, alpha, parts);
     Ok(())
+}
+
+/// Output rows (or columns) per part are a multiple of this, to keep faer's kernels on full tiles.
+const SPLIT_ALIGN: usize = 16;
+
+/// dst (+)= alpha * lhs * rhs over `parts` workers: the output is split into `parts` blocks of rows
+/// (or of columns, when it is wider than tall), each a sequential faer product. Measured on this
+/// project's shapes, this beats faer's own parallel product, which splits the inner dimension too.
+fn split_product(
+    dst: MatMut<'_, f32>,
+    lhs: MatRef<'_, f32>,
+    rhs: MatRef<'_, f32>,
+    accum: Accum,
+    alpha: f32,
+    parts: usize,
+) {
+    let (m, n) = (dst.nrows(), dst.ncols());
+    let left = parts / 2;
+    let cut = |len: usize| (len * left / parts.max(1)).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
+    if parts <= 1 || (m < 2 * SPLIT_ALIGN && n < 2 * SPLIT_ALIGN) {
+        matmul(dst, accum, lhs, rhs, alpha, Par::Seq);
+    } else if m >= n {
+        let at = cut(m).min(m);
+        let ((d0, d1), (l0, l1)) = (dst.split_at_row_mut(at), lhs.split_at_row(at));
+        rayon::join(
+            || split_product(d0, l0, rhs, accum, alpha, left),
+            || split_product(d1, l1, rhs, accum, alpha, parts - left),
+        );
+    } else {
+        let at = cut(n).min(n);
+        let ((d0, d1), (r0, r1)) = (dst.split_at_col_mut(at), rhs.split_at_col(at));
+        rayon::join(
+            || split_product(d0, lhs, r0, accum, alpha, left),
+            || split_product(d1, lhs, r1, accum, alpha, parts - left),
+        );
+    }
 }
 
 fn check_view(len: usize, start: usize, rows: usize, cols: usize, stride: usize) -> Result<(), String> {
@@ -267,27 +306,35 @@ fn batched_matmul(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
 
 // ---- elementwise ----------------------------------------------------------------------------------
 
-fn map_unary(inputs: &[&Tensor], out: &mut Tensor, f: impl Fn(f32) -> f32) -> Result<(), String> {
+fn map_unary(inputs: &[&Tensor], out: &mut Tensor, f: impl Fn(f32) -> f32 + Sync) -> Result<(), String> {
     let [x] = args(inputs)?;
     let x = floats(x, "the input")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), x.len())?;
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = f(x);
-    }
-    Ok(())
+    par::chunks(y, |start, y| {
+        vectorized(|| {
+            for (y, &x) in y.iter_mut().zip(&x[start..]) {
+                *y = f(x);
+            }
+        });
+        Ok::<(), String>(())
+    })
 }
 
-fn map_binary(inputs: &[&Tensor], out: &mut Tensor, f: impl Fn(f32, f32) -> f32) -> Result<(), String> {
+fn map_binary(inputs: &[&Tensor], out: &mut Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<(), String> {
     let [a, b] = args(inputs)?;
     let (a, b) = (floats(a, "the first input")?, floats(b, "the second input")?);
     same_len("the second input", b.len(), a.len())?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), a.len())?;
-    for ((y, &a), &b) in y.iter_mut().zip(a).zip(b) {
-        *y = f(a, b);
-    }
-    Ok(())
+    par::chunks(y, |start, y| {
+        vectorized(|| {
+            for ((y, &a), &b) in y.iter_mut().zip(&a[start..]).zip(&b[start..]) {
+                *y = f(a, b);
+            }
+        });
+        Ok::<(), String>(())
+    })
 }
 
 fn bias_add(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
@@ -297,12 +344,14 @@ fn bias_add(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     same_len("the bias", bv.len(), n)?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), xv.len())?;
-    for (yr, xr) in rows_of_mut(y, n).zip(rows_of(xv, n)) {
-        for ((y, &x), &b) in yr.iter_mut().zip(xr).zip(bv) {
-            *y = x + b;
+    par::row_blocks(y, n, |first, y| {
+        for (yr, xr) in rows_of_mut(y, n).zip(rows_of(&xv[first * n..], n)) {
+            for ((y, &x), &b) in yr.iter_mut().zip(xr).zip(bv) {
+                *y = x + b;
+            }
         }
-    }
-    Ok(())
+        Ok::<(), String>(())
+    })
 }
 
 /// sqrt(2 / pi).
@@ -312,17 +361,20 @@ const INV_SQRT_2PI: f32 = 0.5 * std::f32::consts::FRAC_2_SQRT_PI * std::f32::con
 const GELU_CUBIC: f32 = 0.044_715;
 
 /// sigmoid(2u) for the tanh approximation's u = sqrt(2/pi) (x + 0.044715 x^3): 0.5 (1 + tanh u) = sigmoid(2u).
+#[inline(always)]
 fn gelu_gate(x: f32) -> f32 {
-    1.0 / (1.0 + (-2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)).exp())
+    1.0 / (1.0 + vmath::exp(-2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)))
 }
 
 /// The tanh approximation (Hugging Face `gelu_new`), 0.5 x (1 + tanh u), computed as x sigmoid(2u): one
 /// exp, and no cancellation or overflow at either tail.
+#[inline(always)]
 fn gelu_tanh(x: f32) -> f32 {
     x * gelu_gate(x)
 }
 
 /// d/dx of x sigmoid(2u) = s + 2 x s (1 - s) u'.
+#[inline(always)]
 fn gelu_tanh_grad(x: f32) -> f32 {
     let s = gelu_gate(x);
     s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
@@ -335,15 +387,18 @@ fn gelu_erf(x: f32) -> f32 {
 
 fn gelu_erf_grad(x: f32) -> f32 {
     let cdf = 0.5 * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2));
-    cdf + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
+    cdf + x * INV_SQRT_2PI * vmath::exp(-0.5 * x * x)
 }
 
 /// Max-subtracted softmax of a row, in place.
+/// Max-subtracted softmax of a row, in place.
 fn softmax_in_place(row: &mut [f32]) {
     let max = max_of(row);
-    for v in row.iter_mut() {
-        *v = (*v - max).exp();
-    }
+    vectorized(|| {
+        for v in row.iter_mut() {
+            *v = vmath::exp(*v - max);
+        }
+    });
     let inv = 1.0 / sum_by(row, |v| v);
     for v in row.iter_mut() {
         *v *= inv;
@@ -356,11 +411,11 @@ fn softmax(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     let xv = floats(x, "the input")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), xv.len())?;
-    y.copy_from_slice(xv);
-    for row in rows_of_mut(y, n) {
-        softmax_in_place(row);
-    }
-    Ok(())
+    par::row_blocks(y, n, |first, y| {
+        y.copy_from_slice(&xv[first * n..first * n + y.len()]);
+        rows_of_mut(y, n).for_each(softmax_in_place);
+        Ok::<(), String>(())
+    })
 }
 
 fn softmax_grad(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
@@ -370,13 +425,16 @@ fn softmax_grad(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     same_len("dy", dyv.len(), yv.len())?;
     let dx = floats_mut(out)?;
     same_len("the output", dx.len(), yv.len())?;
-    for ((dxr, dyr), yr) in rows_of_mut(dx, n).zip(rows_of(dyv, n)).zip(rows_of(yv, n)) {
-        let dot = sum_by2(dyr, yr, |a, b| a * b);
-        for ((dx, &dy), &y) in dxr.iter_mut().zip(dyr).zip(yr) {
-            *dx = y * (dy - dot);
+    par::row_blocks(dx, n, |first, dx| {
+        let (dyv, yv) = (&dyv[first * n..], &yv[first * n..]);
+        for ((dxr, dyr), yr) in rows_of_mut(dx, n).zip(rows_of(dyv, n)).zip(rows_of(yv, n)) {
+            let dot = sum_by2(dyr, yr, |a, b| a * b);
+            for ((dx, &dy), &y) in dxr.iter_mut().zip(dyr).zip(yr) {
+                *dx = y * (dy - dot);
+            }
         }
-    }
-    Ok(())
+        Ok::<(), String>(())
+    })
 }
 
 /// Copies x, replacing entries above the diagonal of each trailing matrix by `fill`.
@@ -386,14 +444,17 @@ fn causal_mask(inputs: &[&Tensor], out: &mut Tensor, fill: f32) -> Result<(), St
     let xv = floats(x, "the input")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), xv.len())?;
-    for (ym, xm) in rows_of_mut(y, rows * cols).zip(rows_of(xv, rows * cols)) {
-        for (r, (yr, xr)) in rows_of_mut(ym, cols).zip(rows_of(xm, cols)).enumerate() {
-            let keep = (r + 1).min(cols);
-            yr[..keep].copy_from_slice(&xr[..keep]);
-            yr[keep..].fill(fill);
+    par::row_blocks(y, rows * cols, |first, y| {
+        let xv = &xv[first * rows * cols..];
+        for (ym, xm) in rows_of_mut(y, rows * cols).zip(rows_of(xv, rows * cols)) {
+            for (r, (yr, xr)) in rows_of_mut(ym, cols).zip(rows_of(xm, cols)).enumerate() {
+                let keep = (r + 1).min(cols);
+                yr[..keep].copy_from_slice(&xr[..keep]);
+                yr[keep..].fill(fill);
+            }
         }
-    }
-    Ok(())
+        Ok::<(), String>(())
+    })
 }
 
 // ---- dropout and logical indices ------------------------------------------------------------------
@@ -702,11 +763,11 @@ impl<'a> Qkv<'a> {
         view(self.data[operand], p.start(b, h, self.d), p.seq, self.d, p.row)
     }
 
-    /// The [seq, d] block of batch b, head h in a gradient laid out like `operand` (the packed
-    /// gradient of a fused input, or the operand's own gradient).
-    fn grad_block<'g>(&self, g: &'g mut [f32], operand: usize, b: usize, h: usize) -> Result<MatMut<'g, f32>, String> {
+    /// The [seq, d] block of head h in one batch's part of a gradient laid out like `operand` (the
+    /// packed gradient of a fused input, or the operand's own gradient).
+    fn grad_block<'g>(&self, g: &'g mut [f32], operand: usize, h: usize) -> Result<MatMut<'g, f32>, String> {
         let p = self.packing[operand];
-        view_mut(g, p.start(b, h, self.d), p.seq, self.d, p.row)
+        view_mut(g, p.start(0, h, self.d), p.seq, self.d, p.row)
     }
 
     /// The softmax(q k^T / sqrt(d)) probabilities of batch b, head h, into `probs` ([sq, sk]).
@@ -735,21 +796,25 @@ fn scratch(rows: usize, cols: usize) -> Result<Vec<f32>, String> {
     Ok(v)
 }
 
+/// Each batch's attention is independent: batches run in parallel, each with its own scratch, and
+/// write their own rows of the output.
 fn attention(inputs: &[&Tensor], out: &mut Tensor, heads: u64, causal: bool, fused: bool) -> Result<(), String> {
     let qkv = Qkv::of(inputs, heads, fused)?;
     same_shape("the output", &out.shape, &qkv.out_shape())?;
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
     let y = floats_mut(out)?;
     let out_pack = qkv.out_packing();
-    let mut probs = scratch(sq, sk)?;
-    for b in 0..qkv.batch {
-        for h in 0..qkv.heads {
-            qkv.probabilities(b, h, causal, &mut probs)?;
-            let p = view(&probs, 0, sq, sk, sk)?;
-            gemm(view_mut(y, out_pack.start(b, h, d), sq, d, width)?, p, qkv.block(2, b, h)?, false, 1.0)?;
+    par::costed_row_blocks(y, sq * width, sq * sk * width, |first, y| {
+        let mut probs = scratch(sq, sk)?;
+        for (k, y) in rows_of_mut(y, sq * width).enumerate() {
+            for h in 0..qkv.heads {
+                qkv.probabilities(first + k, h, causal, &mut probs)?;
+                let p = view(&probs, 0, sq, sk, sk)?;
+                gemm(view_mut(y, out_pack.start(0, h, d), sq, d, width)?, p, qkv.block(2, first + k, h)?, false, 1.0)?;
+            }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// (dy, operands..) -> the gradient of operand `wrt` (all three, packed, when fused).
@@ -771,40 +836,69 @@ fn attention_grad(
     same_shape("the output", &out.shape, out_shape)?;
     let dyv = floats(dy, "dy")?;
     let g = floats_mut(out)?;
-    let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
-    let dy_pack = qkv.out_packing();
-    let scale = qkv.scale();
-    let mut probs = scratch(sq, sk)?;
-    let mut dprobs = if want(0) || want(1) { scratch(sq, sk)? } else { Vec::new() };
-    for b in 0..qkv.batch {
-        for h in 0..qkv.heads {
-            qkv.probabilities(b, h, causal, &mut probs)?;
-            let p = view(&probs, 0, sq, sk, sk)?;
-            let dout = view(dyv, dy_pack.start(b, h, d), sq, d, width)?;
-            if want(2) {
-                gemm(qkv.grad_block(g, 2, b, h)?, p.transpose(), dout, false, 1.0)?;
-            }
-            if !(want(0) || want(1)) {
-                continue;
-            }
-            // dS = P * (dP - rowsum(dP * P)), with dP = dO V^T; masked entries have P = 0.
-            gemm(view_mut(&mut dprobs, 0, sq, sk, sk)?, dout, qkv.block(2, b, h)?.transpose(), false, 1.0)?;
-            for (dpr, pr) in rows_of_mut(&mut dprobs, sk).zip(rows_of(&probs, sk)) {
-                let dot = sum_by2(dpr, pr, |a, b| a * b);
-                for (dp, &p) in dpr.iter_mut().zip(pr) {
-                    *dp = p * (*dp - dot);
-                }
-            }
-            let ds = view(&dprobs, 0, sq, sk, sk)?;
-            if want(0) {
-                gemm(qkv.grad_block(g, 0, b, h)?, ds, qkv.block(1, b, h)?, false, scale)?;
-            }
-            if want(1) {
-                gemm(qkv.grad_block(g, 1, b, h)?, ds.transpose(), qkv.block(0, b, h)?, false, scale)?;
+    let (sq, sk, width) = (qkv.seq(0), qkv.seq(1), qkv.heads * qkv.d);
+    let grad_pack = qkv.packing[wrt];
+    let per_batch = grad_pack.seq * grad_pack.row;
+    par::costed_row_blocks(g, per_batch, sq * sk * width, |first, g| {
+        let mut probs = scratch(sq, sk)?;
+        let mut dprobs = if want(0) || want(1) { scratch(sq, sk)? } else { Vec::new() };
+        for (k, g) in rows_of_mut(g, per_batch).enumerate() {
+            for h in 0..qkv.heads {
+                let heads = AttentionHead { qkv: &qkv, b: first + k, h, causal };
+                heads.gradient(dyv, g, &want, &mut probs, &mut dprobs)?;
             }
         }
+        Ok(())
+    })
+}
+
+/// One head of one batch of an attention's backward pass.
+struct AttentionHead<'q, 'a> {
+    qkv: &'q Qkv<'a>,
+    b: usize,
+    h: usize,
+    causal: bool,
+}
+
+impl AttentionHead<'_, '_> {
+    /// Writes this head's part of the wanted gradients into `g` (this batch's part of the output),
+    /// recomputing the probabilities into `probs`.
+    fn gradient(
+        &self,
+        dyv: &[f32],
+        g: &mut [f32],
+        want: &impl Fn(usize) -> bool,
+        probs: &mut [f32],
+        dprobs: &mut [f32],
+    ) -> Result<(), String> {
+        let (qkv, b, h) = (self.qkv, self.b, self.h);
+        let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
+        qkv.probabilities(b, h, self.causal, probs)?;
+        let p = view(probs, 0, sq, sk, sk)?;
+        let dout = view(dyv, qkv.out_packing().start(b, h, d), sq, d, width)?;
+        if want(2) {
+            gemm(qkv.grad_block(g, 2, h)?, p.transpose(), dout, false, 1.0)?;
+        }
+        if !(want(0) || want(1)) {
+            return Ok(());
+        }
+        // dS = P * (dP - rowsum(dP * P)), with dP = dO V^T; masked entries have P = 0.
+        gemm(view_mut(dprobs, 0, sq, sk, sk)?, dout, qkv.block(2, b, h)?.transpose(), false, 1.0)?;
+        for (dpr, pr) in rows_of_mut(dprobs, sk).zip(rows_of(probs, sk)) {
+            let dot = sum_by2(dpr, pr, |a, b| a * b);
+            for (dp, &p) in dpr.iter_mut().zip(pr) {
+                *dp = p * (*dp - dot);
+            }
+        }
+        let ds = view(dprobs, 0, sq, sk, sk)?;
+        if want(0) {
+            gemm(qkv.grad_block(g, 0, h)?, ds, qkv.block(1, b, h)?, false, qkv.scale())?;
+        }
+        if want(1) {
+            gemm(qkv.grad_block(g, 1, h)?, ds.transpose(), qkv.block(0, b, h)?, false, qkv.scale())?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 // ---- embeddings -----------------------------------------------------------------------------------
@@ -927,11 +1021,12 @@ fn row_sum(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     let xv = floats(x, "x")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows)?;
-    y.fill(0.0);
-    for (y, row) in y.iter_mut().zip(rows_of(xv, n)) {
-        *y = sum_by(row, |v| v);
-    }
-    Ok(())
+    par::costed_row_blocks(y, 1, n, |first, y| {
+        for (y, row) in y.iter_mut().zip(rows_of(&xv[first * n..], n)) {
+            *y = sum_by(row, |v| v);
+        }
+        Ok::<(), String>(())
+    })
 }
 
 fn row_centered_square_sum(inputs: &[&Tensor], out: &mut Tensor, n: u64) -> Result<(), String> {
@@ -941,12 +1036,13 @@ fn row_centered_square_sum(inputs: &[&Tensor], out: &mut Tensor, n: u64) -> Resu
     let (xv, sv) = (floats(x, "x")?, per_row(sum, rows, 1, "the sum")?);
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows)?;
-    y.fill(0.0);
-    for ((y, row), &s) in y.iter_mut().zip(rows_of(xv, width)).zip(sv) {
-        let mean = (f64::from(s) / n as f64) as f32;
-        *y = sum_by(row, |v| (v - mean) * (v - mean));
-    }
-    Ok(())
+    par::costed_row_blocks(y, 1, width, |first, y| {
+        for ((y, row), &s) in y.iter_mut().zip(rows_of(&xv[first * width..], width)).zip(&sv[first..]) {
+            let mean = (f64::from(s) / n as f64) as f32;
+            *y = sum_by(row, |v| (v - mean) * (v - mean));
+        }
+        Ok::<(), String>(())
+    })
 }
 
 fn layer_norm_apply(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> Result<(), String> {
@@ -957,12 +1053,16 @@ fn layer_norm_apply(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> R
     let (gv, bv) = (per_row(gamma, 1, width, "gamma")?, per_row(beta, 1, width, "beta")?);
     let y = floats_mut(out)?;
     same_len("the output", y.len(), xv.len())?;
-    for ((yr, xr), &(mean, rstd)) in rows_of_mut(y, width).zip(rows_of(xv, width)).zip(&stats) {
-        for (((y, &x), &g), &b) in yr.iter_mut().zip(xr).zip(gv).zip(bv) {
-            *y = (x - mean) * rstd * g + b;
+    par::row_blocks(y, width, |first, y| {
+        for ((yr, xr), &(mean, rstd)) in
+            rows_of_mut(y, width).zip(rows_of(&xv[first * width..], width)).zip(&stats[first..])
+        {
+            for (((y, &x), &g), &b) in yr.iter_mut().zip(xr).zip(gv).zip(bv) {
+                *y = (x - mean) * rstd * g + b;
+            }
         }
-    }
-    Ok(())
+        Ok::<(), String>(())
+    })
 }
 
 fn layer_norm_grad_sums(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> Result<(), String> {
@@ -973,18 +1073,18 @@ fn layer_norm_grad_sums(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) 
     let stats = mean_rstd(per_row(sum, rows, 1, "the sum")?, per_row(sqsum, rows, 1, "the square sum")?, n, eps)?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows * 2)?;
-    y.fill(0.0);
-    let mut scaled = vec![0.0f32; width];
-    for (((pair, dyr), xr), &(mean, rstd)) in
-        y.chunks_exact_mut(2).zip(rows_of(dyv, width)).zip(rows_of(xv, width)).zip(&stats)
-    {
-        for ((s, &dy), &g) in scaled.iter_mut().zip(dyr).zip(gv) {
-            *s = dy * g;
+    par::costed_row_blocks(y, 2, 2 * width, |first, y| {
+        let mut scaled = vec![0.0f32; width];
+        let rows = rows_of(&dyv[first * width..], width).zip(rows_of(&xv[first * width..], width));
+        for ((pair, (dyr, xr)), &(mean, rstd)) in y.chunks_exact_mut(2).zip(rows).zip(&stats[first..]) {
+            for ((s, &dy), &g) in scaled.iter_mut().zip(dyr).zip(gv) {
+                *s = dy * g;
+            }
+            pair[0] = sum_by(&scaled, |v| v);
+            pair[1] = sum_by2(&scaled, xr, |s, x| s * (x - mean) * rstd);
         }
-        pair[0] = sum_by(&scaled, |v| v);
-        pair[1] = sum_by2(&scaled, xr, |s, x| s * (x - mean) * rstd);
-    }
-    Ok(())
+        Ok::<(), String>(())
+    })
 }
 
 fn layer_norm_grad_input(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> Result<(), String> {
@@ -997,15 +1097,19 @@ fn layer_norm_grad_input(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64)
     let dx = floats_mut(out)?;
     same_len("the output", dx.len(), xv.len())?;
     let inv_n = (1.0 / n as f64) as f32;
-    let rows_iter = rows_of_mut(dx, width).zip(rows_of(dyv, width)).zip(rows_of(xv, width));
-    for (((dxr, dyr), xr), (&(mean, rstd), pair)) in rows_iter.zip(stats.iter().zip(sv.chunks_exact(2))) {
-        let (a, b) = (pair[0] * inv_n, pair[1] * inv_n);
-        for (((dx, &dy), &x), &g) in dxr.iter_mut().zip(dyr).zip(xr).zip(gv) {
-            let xhat = (x - mean) * rstd;
-            *dx = rstd * (dy * g - a - xhat * b);
+    par::row_blocks(dx, width, |first, dx| {
+        let (dyv, xv) = (&dyv[first * width..], &xv[first * width..]);
+        let rows_iter = rows_of_mut(dx, width).zip(rows_of(dyv, width)).zip(rows_of(xv, width));
+        let per_row = stats[first..].iter().zip(sv[first * 2..].chunks_exact(2));
+        for (((dxr, dyr), xr), (&(mean, rstd), pair)) in rows_iter.zip(per_row) {
+            let (a, b) = (pair[0] * inv_n, pair[1] * inv_n);
+            for (((dx, &dy), &x), &g) in dxr.iter_mut().zip(dyr).zip(xr).zip(gv) {
+                let xhat = (x - mean) * rstd;
+                *dx = rstd * (dy * g - a - xhat * b);
+            }
         }
-    }
-    Ok(())
+        Ok::<(), String>(())
+    })
 }
 
 fn layer_norm_grad_weight(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> Result<(), String> {
@@ -1015,13 +1119,16 @@ fn layer_norm_grad_weight(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64
     let stats = mean_rstd(per_row(sum, rows, 1, "the sum")?, per_row(sqsum, rows, 1, "the square sum")?, n, eps)?;
     let g = floats_mut(out)?;
     same_len("the output", g.len(), width)?;
-    g.fill(0.0);
-    for ((dyr, xr), &(mean, rstd)) in rows_of(dyv, width).zip(rows_of(xv, width)).zip(&stats) {
-        for ((g, &dy), &x) in g.iter_mut().zip(dyr).zip(xr) {
-            *g += dy * (x - mean) * rstd;
+    par::column_blocks(g, rows, |first, g| {
+        g.fill(0.0);
+        let columns = first..first + g.len();
+        for ((dyr, xr), &(mean, rstd)) in rows_of(dyv, width).zip(rows_of(xv, width)).zip(&stats) {
+            for ((g, &dy), &x) in g.iter_mut().zip(&dyr[columns.clone()]).zip(&xr[columns.clone()]) {
+                *g += dy * (x - mean) * rstd;
+            }
         }
-    }
-    Ok(())
+        Ok::<(), String>(())
+    })
 }
 
 fn sum_to_last(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
@@ -1030,13 +1137,16 @@ fn sum_to_last(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     let xv = floats(x, "x")?;
     let g = floats_mut(out)?;
     same_len("the output", g.len(), width)?;
-    g.fill(0.0);
-    for row in rows_of(xv, width) {
-        for (g, &v) in g.iter_mut().zip(row) {
-            *g += v;
+    let rows = xv.len() / width.max(1);
+    par::column_blocks(g, rows, |first, g| {
+        g.fill(0.0);
+        for row in rows_of(xv, width) {
+            for (g, &v) in g.iter_mut().zip(&row[first..]) {
+                *g += v;
+            }
         }
-    }
-    Ok(())
+        Ok::<(), String>(())
+    })
 }
 
 // ---- cross-entropy --------------------------------------------------------------------------------
@@ -1078,12 +1188,13 @@ fn cross_entropy_max(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Resu
     let lv = floats(logits, "the logits")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows)?;
-    y.fill(f32::NEG_INFINITY);
     let live = vocab.live(width);
-    for (y, row) in y.iter_mut().zip(rows_of(lv, width)) {
-        *y = max_of(&row[..live]);
-    }
-    Ok(())
+    par::costed_row_blocks(y, 1, width, |first, y| {
+        for (y, row) in y.iter_mut().zip(rows_of(&lv[first * width..], width)) {
+            *y = max_of(&row[..live]);
+        }
+        Ok::<(), String>(())
+    })
 }
 
 fn cross_entropy_stats(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Result<(), String> {
@@ -1095,14 +1206,16 @@ fn cross_entropy_stats(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Re
     let mv = per_row(max, rows, 1, "the max")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows * 2)?;
-    y.fill(0.0);
     let live = vocab.live(width);
-    for (((pair, row), &t), &m) in y.chunks_exact_mut(2).zip(rows_of(lv, width)).zip(tv).zip(mv) {
-        let column = vocab.target(t)?;
-        pair[0] = vocab.local(column, width).map_or(0.0, |c| row[c]);
-        pair[1] = sum_by(&row[..live], |l| (l - m).exp());
-    }
-    Ok(())
+    par::costed_row_blocks(y, 2, width, |first, y| {
+        let per_row = rows_of(&lv[first * width..], width).zip(&tv[first..]).zip(&mv[first..]);
+        for (pair, ((row, &t), &m)) in y.chunks_exact_mut(2).zip(per_row) {
+            let column = vocab.target(t)?;
+            pair[0] = vocab.local(column, width).map_or(0.0, |c| row[c]);
+            pair[1] = vectorized(|| sum_by(&row[..live], |l| vmath::exp(l - m)));
+        }
+        Ok(())
+    })
 }
 
 fn cross_entropy_loss(inputs: &[&Tensor], out: &mut Tensor, count: u64) -> Result<(), String> {
@@ -1131,20 +1244,26 @@ fn cross_entropy_grad(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab, count:
     let g = floats_mut(out)?;
     same_len("the output", g.len(), lv.len())?;
     let live = vocab.live(width);
-    let per_row_data = tv.iter().zip(mv).zip(sv.chunks_exact(2));
-    for ((gr, lr), ((&t, &m), s)) in rows_of_mut(g, width).zip(rows_of(lv, width)).zip(per_row_data) {
-        let target = vocab.local(vocab.target(t)?, width);
-        let inv = 1.0 / s[1];
-        let (live_g, padding) = gr.split_at_mut(live);
-        for (g, &l) in live_g.iter_mut().zip(lr) {
-            *g = (l - m).exp() * inv * factor;
+    par::row_blocks(g, width, |first, g| {
+        let per_row_data = tv[first..].iter().zip(&mv[first..]).zip(sv[first * 2..].chunks_exact(2));
+        for ((gr, lr), ((&t, &m), s)) in
+            rows_of_mut(g, width).zip(rows_of(&lv[first * width..], width)).zip(per_row_data)
+        {
+            let target = vocab.local(vocab.target(t)?, width);
+            let inv = 1.0 / s[1];
+            let (live_g, padding) = gr.split_at_mut(live);
+            vectorized(|| {
+                for (g, &l) in live_g.iter_mut().zip(lr) {
+                    *g = vmath::exp(l - m) * inv * factor;
+                }
+            });
+            padding.fill(0.0);
+            if let Some(c) = target {
+                live_g[c] -= factor;
+            }
         }
-        padding.fill(0.0);
-        if let Some(c) = target {
-            live_g[c] -= factor;
-        }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 // ---- optimizer ------------------------------------------------------------------------------------
@@ -1187,6 +1306,15 @@ pub fn optimizer_step(
 }
 
 fn sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], s: &OptimizerSettings, step: u64) {
+    let per_task = par::items_per_task(p.len(), 1);
+    p.par_chunks_mut(per_task).zip(g.par_chunks(per_task)).zip(buf.par_chunks_mut(per_task)).for_each(
+        |((p, g), buf)| {
+            sgd_chunk(p, g, buf, s, step);
+        },
+    );
+}
+
+fn sgd_chunk(p: &mut [f32], g: &[f32], buf: &mut [f32], s: &OptimizerSettings, step: u64) {
     for ((p, &g), b) in p.iter_mut().zip(g).zip(buf) {
         let mut d = if s.weight_decay != 0.0 { g + s.weight_decay * *p } else { g };
         if s.momentum != 0.0 {
@@ -1210,13 +1338,20 @@ fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &OptimizerSe
     let step_size = (lr / (1.0 - beta1.powi(step))) as f32;
     let bias2_sqrt = (1.0 - beta2.powi(step)).sqrt() as f32;
     let (w1, w2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
-    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
-        *p *= decay;
-        *m = lerp(*m, g, w1);
-        *v = *v * s.beta2 + w2 * g * g;
-        let denom = v.sqrt() / bias2_sqrt + s.eps;
-        *p += -step_size * *m / denom;
-    }
+    let (beta2, eps) = (s.beta2, s.eps);
+    let per_task = par::items_per_task(p.len(), 1);
+    let chunks = p.par_chunks_mut(per_task).zip(g.par_chunks(per_task));
+    chunks.zip(m.par_chunks_mut(per_task)).zip(v.par_chunks_mut(per_task)).for_each(|(((p, g), m), v)| {
+        vectorized(|| {
+            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+                *p *= decay;
+                *m = lerp(*m, g, w1);
+                *v = *v * beta2 + w2 * g * g;
+                let denom = v.sqrt() / bias2_sqrt + eps;
+                *p += -step_size * *m / denom;
+            }
+        })
+    });
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
 //! The CPU backend: kernels on host memory, and a mesh of device threads in one process.
 
 pub mod kernels;
+pub mod par;
 pub mod threads;
+pub mod vmath;
 
 use super::Device;
 use super::backend::BackendKind;

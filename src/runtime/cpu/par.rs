@@ -1,0 +1,141 @@
+//! The CPU backend's one pool of kernel workers, sized to the machine, and the ways a kernel splits
+//! its work over it. Every device thread of a run hands its kernels to this pool, so a 4x4 mesh on two
+//! cores keeps two cores busy rather than sixteen threads fighting over them. Work is split only into
+//! whole rows (or whole columns of a reduction), each done in the same order as on one thread, so the
+//! results do not depend on the number of threads.
+
+use rayon::prelude::*;
+use rayon::{ThreadPool, ThreadPoolBuilder};
+use std::sync::OnceLock;
+
+/// Elements a task should have at least: below this, splitting costs more than it gains.
+pub const GRAIN: usize = 1 << 14;
+
+/// Tasks per worker, so that uneven tasks still balance.
+const TASKS_PER_THREAD: usize = 4;
+
+/// The kernel pool: `RAYON_NUM_THREADS` workers if set, else one per core this process may use.
+/// `None` if the pool cannot be built (kernels then run on the calling thread, one at a time).
+fn pool() -> Option<&'static ThreadPool> {
+    static POOL: OnceLock<Option<ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| ThreadPoolBuilder::new().thread_name(|k| format!("optimus-kernel-{k}")).build().ok()).as_ref()
+}
+
+/// How many workers the kernel pool has.
+pub fn threads() -> usize {
+    pool().map_or(1, ThreadPool::current_num_threads)
+}
+
+/// Runs `f` on the kernel pool (the calling thread waits), so that its parallel parts, faer's
+/// products included, use the pool's workers and no others.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    match pool() {
+        Some(pool) if pool.current_thread_index().is_none() => pool.install(f),
+        _ => f(),
+    }
+}
+
+/// How many of `count` items of `size` elements each make one task.
+pub fn items_per_task(count: usize, size: usize) -> usize {
+    let by_grain = GRAIN.div_ceil(size.max(1));
+    let by_balance = count.div_ceil(threads() * TASKS_PER_THREAD);
+    by_grain.max(by_balance).max(1)
+}
+
+/// Calls `f(first_row, block)` on blocks of whole rows of `y` (rows of `width` elements), in parallel
+/// when `y` is large enough. The first error stops the others.
+pub fn row_blocks<E: Send>(
+    y: &mut [f32],
+    width: usize,
+    f: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    costed_row_blocks(y, width, width, f)
+}
+
+/// As [`row_blocks`], for rows whose computation reads `cost` elements each (a row's statistics
+/// written as `width` values from a much longer input row).
+pub fn costed_row_blocks<E: Send>(
+    y: &mut [f32],
+    width: usize,
+    cost: usize,
+    f: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    let width = width.max(1);
+    let rows = y.len() / width;
+    let per_task = items_per_task(rows, cost);
+    if per_task >= rows {
+        return f(0, y);
+    }
+    y.par_chunks_mut(per_task * width).enumerate().try_for_each(|(k, block)| f(k * per_task, block))
+}
+
+/// Calls `f(start, chunk)` on consecutive chunks of `y`, in parallel when `y` is large enough.
+pub fn chunks<E: Send>(y: &mut [f32], f: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync) -> Result<(), E> {
+    row_blocks(y, 1, f)
+}
+
+/// Calls `f(first_column, block)` on blocks of columns of a `width`-long result reduced over `rows`
+/// rows (a bias or LayerNorm weight gradient): each task sums its columns over every row, in row
+/// order, so the sums are those of one thread.
+pub fn column_blocks<E: Send>(
+    g: &mut [f32],
+    rows: usize,
+    f: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    let width = g.len();
+    let per_task = items_per_task(width, rows).max(16);
+    if per_task >= width {
+        return f(0, g);
+    }
+    g.par_chunks_mut(per_task).enumerate().try_for_each(|(k, block)| f(k * per_task, block))
+}
+
+/// Runs `f(index)` for each of `count` independent items (attention batches, say), in parallel.
+pub fn each<E: Send>(count: usize, size: usize, f: impl Fn(usize) -> Result<(), E> + Sync + Send) -> Result<(), E> {
+    if items_per_task(count, size) >= count {
+        return (0..count).try_for_each(f);
+    }
+    (0..count).into_par_iter().with_max_len(items_per_task(count, size)).try_for_each(f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_blocks_cover_every_row_once_in_whole_rows() {
+        let width = 7;
+        let mut y = vec![0.0f32; width * 10_000];
+        row_blocks(&mut y, width, |first, block| {
+            assert_eq!(block.len() % width, 0);
+            for (r, row) in block.chunks_exact_mut(width).enumerate() {
+                row.fill((first + r) as f32);
+            }
+            Ok::<(), ()>(())
+        })
+        .expect("no error");
+        for (r, row) in y.chunks_exact(width).enumerate() {
+            assert!(row.iter().all(|&v| v == r as f32), "row {r}");
+        }
+    }
+
+    #[test]
+    fn column_blocks_cover_every_column_once() {
+        let mut g = vec![0.0f32; 1000];
+        column_blocks(&mut g, 5000, |first, block| {
+            for (c, v) in block.iter_mut().enumerate() {
+                *v += (first + c) as f32;
+            }
+            Ok::<(), ()>(())
+        })
+        .expect("no error");
+        assert!(g.iter().enumerate().all(|(c, &v)| v == c as f32));
+    }
+
+    #[test]
+    fn the_first_error_is_returned() {
+        let mut y = vec![0.0f32; 1 << 20];
+        let result = chunks(&mut y, |start, _| if start > 0 { Err(start) } else { Ok(()) });
+        assert!(result.is_err() || threads() == 1);
+    }
+}
