@@ -757,27 +757,44 @@ impl<'a> Qkv<'a> {
         Qkv::new(operands, |t| t.shape.as_slice(), floats, heads, fused)
     }
 
-    /// The [seq, d] block of `operand` for batch b, head h.
-    fn block(&self, operand: usize, b: usize, h: usize) -> Result<MatRef<'a, f32>, String> {
+    /// Rows [start, start + rows) of the [seq, d] block of `operand` for batch b, head h.
+    fn rows(&self, operand: usize, b: usize, h: usize, start: usize, rows: usize) -> Result<MatRef<'a, f32>, String> {
         let p = self.packing[operand];
-        view(self.data[operand], p.start(b, h, self.d), p.seq, self.d, p.row)
+        view(self.data[operand], p.start(b, h, self.d) + start * p.row, rows, self.d, p.row)
     }
 
-    /// The [seq, d] block of head h in one batch's part of a gradient laid out like `operand` (the
-    /// packed gradient of a fused input, or the operand's own gradient).
-    fn grad_block<'g>(&self, g: &'g mut [f32], operand: usize, h: usize) -> Result<MatMut<'g, f32>, String> {
+    /// Rows [start, start + rows) of head h's [seq, d] block in one batch's part of a gradient laid
+    /// out like `operand` (the packed gradient of a fused input, or the operand's own gradient).
+    fn grad_rows<'g>(
+        &self,
+        g: &'g mut [f32],
+        operand: usize,
+        h: usize,
+        start: usize,
+        rows: usize,
+    ) -> Result<MatMut<'g, f32>, String> {
         let p = self.packing[operand];
-        view_mut(g, p.start(0, h, self.d), p.seq, self.d, p.row)
+        view_mut(g, p.start(0, h, self.d) + start * p.row, rows, self.d, p.row)
     }
 
-    /// The softmax(q k^T / sqrt(d)) probabilities of batch b, head h, into `probs` ([sq, sk]).
-    fn probabilities(&self, b: usize, h: usize, causal: bool, probs: &mut [f32]) -> Result<(), String> {
+    /// The query tiles of one head: [`QUERY_TILE`] rows at a time, each with the keys it can see.
+    fn tiles(&self, causal: bool) -> impl Iterator<Item = Tile> + use<> {
         let (sq, sk) = (self.seq(0), self.seq(1));
-        let scale = self.scale();
-        let dst = view_mut(probs, 0, sq, sk, sk)?;
-        gemm(dst, self.block(0, b, h)?, self.block(1, b, h)?.transpose(), false, scale)?;
-        for (r, row) in rows_of_mut(probs, sk).enumerate() {
-            let live = if causal { (r + 1).min(sk) } else { sk };
+        (0..sq).step_by(QUERY_TILE).map(move |start| {
+            let rows = QUERY_TILE.min(sq - start);
+            Tile { start, rows, keys: if causal { (start + rows).min(sk) } else { sk } }
+        })
+    }
+
+    /// The softmax(q k^T / sqrt(d)) probabilities of one tile of batch b, head h, into `probs`
+    /// ([rows, keys]); entries a causal row cannot see are 0.
+    fn probabilities(&self, b: usize, h: usize, causal: bool, tile: Tile, probs: &mut [f32]) -> Result<(), String> {
+        let Tile { start, rows, keys } = tile;
+        let probs = probs.get_mut(..rows * keys).ok_or("the attention scratch is too small")?;
+        let dst = view_mut(probs, 0, rows, keys, keys)?;
+        gemm(dst, self.rows(0, b, h, start, rows)?, self.rows(1, b, h, 0, keys)?.transpose(), false, self.scale())?;
+        for (r, row) in rows_of_mut(probs, keys).enumerate() {
+            let live = if causal { (start + r + 1).min(keys) } else { keys };
             let (live, masked) = row.split_at_mut(live);
             softmax_in_place(live);
             masked.fill(0.0);
@@ -786,8 +803,20 @@ impl<'a> Qkv<'a> {
     }
 }
 
-/// A zeroed [rows, cols] scratch matrix, or an error when it cannot be allocated (the attention
-/// probabilities of one head are seq x seq, which the plan's memory figures do not include).
+/// Query rows per attention tile: a tile's scores ([QUERY_TILE, keys]) stay in cache, are never
+/// stored for the backward pass (it recomputes them), and a causal tile reads only the keys its rows
+/// can see, which halves a causal attention's products.
+const QUERY_TILE: usize = 64;
+
+/// Query rows [start, start + rows) of one head and how many keys they see.
+#[derive(Clone, Copy, Debug)]
+struct Tile {
+    start: usize,
+    rows: usize,
+    keys: usize,
+}
+
+/// A zeroed [rows, cols] scratch matrix, or an error when it cannot be allocated.
 fn scratch(rows: usize, cols: usize) -> Result<Vec<f32>, String> {
     let n = rows.checked_mul(cols).ok_or_else(|| format!("a {rows}x{cols} scratch matrix is too large"))?;
     let mut v = Vec::new();
@@ -796,8 +825,8 @@ fn scratch(rows: usize, cols: usize) -> Result<Vec<f32>, String> {
     Ok(v)
 }
 
-/// Each batch's attention is independent: batches run in parallel, each with its own scratch, and
-/// write their own rows of the output.
+/// Each batch's attention is independent: batches run in parallel, each with its own scratch (one
+/// tile of scores), and write their own rows of the output.
 fn attention(inputs: &[&Tensor], out: &mut Tensor, heads: u64, causal: bool, fused: bool) -> Result<(), String> {
     let qkv = Qkv::of(inputs, heads, fused)?;
     same_shape("the output", &out.shape, &qkv.out_shape())?;
@@ -805,12 +834,16 @@ fn attention(inputs: &[&Tensor], out: &mut Tensor, heads: u64, causal: bool, fus
     let y = floats_mut(out)?;
     let out_pack = qkv.out_packing();
     par::costed_row_blocks(y, sq * width, sq * sk * width, |first, y| {
-        let mut probs = scratch(sq, sk)?;
+        let mut probs = scratch(QUERY_TILE.min(sq), sk)?;
         for (k, y) in rows_of_mut(y, sq * width).enumerate() {
+            let b = first + k;
             for h in 0..qkv.heads {
-                qkv.probabilities(first + k, h, causal, &mut probs)?;
-                let p = view(&probs, 0, sq, sk, sk)?;
-                gemm(view_mut(y, out_pack.start(0, h, d), sq, d, width)?, p, qkv.block(2, first + k, h)?, false, 1.0)?;
+                for tile in qkv.tiles(causal) {
+                    qkv.probabilities(b, h, causal, tile, &mut probs)?;
+                    let p = view(&probs, 0, tile.rows, tile.keys, tile.keys)?;
+                    let dst = view_mut(y, out_pack.start(0, h, d) + tile.start * width, tile.rows, d, width)?;
+                    gemm(dst, p, qkv.rows(2, b, h, 0, tile.keys)?, false, 1.0)?;
+                }
             }
         }
         Ok(())
@@ -840,12 +873,12 @@ fn attention_grad(
     let grad_pack = qkv.packing[wrt];
     let per_batch = grad_pack.seq * grad_pack.row;
     par::costed_row_blocks(g, per_batch, sq * sk * width, |first, g| {
-        let mut probs = scratch(sq, sk)?;
-        let mut dprobs = if want(0) || want(1) { scratch(sq, sk)? } else { Vec::new() };
+        let mut probs = scratch(QUERY_TILE.min(sq), sk)?;
+        let mut dprobs = if want(0) || want(1) { scratch(QUERY_TILE.min(sq), sk)? } else { Vec::new() };
         for (k, g) in rows_of_mut(g, per_batch).enumerate() {
             for h in 0..qkv.heads {
-                let heads = AttentionHead { qkv: &qkv, b: first + k, h, causal };
-                heads.gradient(dyv, g, &want, &mut probs, &mut dprobs)?;
+                let head = AttentionHead { qkv: &qkv, b: first + k, h, causal };
+                head.gradient(dyv, g, &want, &mut probs, &mut dprobs)?;
             }
         }
         Ok(())
@@ -862,7 +895,7 @@ struct AttentionHead<'q, 'a> {
 
 impl AttentionHead<'_, '_> {
     /// Writes this head's part of the wanted gradients into `g` (this batch's part of the output),
-    /// recomputing the probabilities into `probs`.
+    /// tile by tile, recomputing each tile's probabilities into `probs`. dK and dV sum over tiles.
     fn gradient(
         &self,
         dyv: &[f32],
@@ -871,31 +904,52 @@ impl AttentionHead<'_, '_> {
         probs: &mut [f32],
         dprobs: &mut [f32],
     ) -> Result<(), String> {
+        let (qkv, h) = (self.qkv, self.h);
+        for operand in [1, 2].into_iter().filter(|&o| want(o)) {
+            qkv.grad_rows(g, operand, h, 0, qkv.seq(1))?.fill(0.0);
+        }
+        for tile in qkv.tiles(self.causal) {
+            self.tile_gradient(tile, dyv, g, want, probs, dprobs)?;
+        }
+        Ok(())
+    }
+
+    fn tile_gradient(
+        &self,
+        tile: Tile,
+        dyv: &[f32],
+        g: &mut [f32],
+        want: &impl Fn(usize) -> bool,
+        probs: &mut [f32],
+        dprobs: &mut [f32],
+    ) -> Result<(), String> {
         let (qkv, b, h) = (self.qkv, self.b, self.h);
-        let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
-        qkv.probabilities(b, h, self.causal, probs)?;
-        let p = view(probs, 0, sq, sk, sk)?;
-        let dout = view(dyv, qkv.out_packing().start(b, h, d), sq, d, width)?;
+        let Tile { start, rows, keys } = tile;
+        let (d, width, scale) = (qkv.d, qkv.heads * qkv.d, qkv.scale());
+        qkv.probabilities(b, h, self.causal, tile, probs)?;
+        let p = view(probs, 0, rows, keys, keys)?;
+        let dout = view(dyv, qkv.out_packing().start(b, h, d) + start * width, rows, d, width)?;
         if want(2) {
-            gemm(qkv.grad_block(g, 2, h)?, p.transpose(), dout, false, 1.0)?;
+            gemm(qkv.grad_rows(g, 2, h, 0, keys)?, p.transpose(), dout, true, 1.0)?;
         }
         if !(want(0) || want(1)) {
             return Ok(());
         }
         // dS = P * (dP - rowsum(dP * P)), with dP = dO V^T; masked entries have P = 0.
-        gemm(view_mut(dprobs, 0, sq, sk, sk)?, dout, qkv.block(2, b, h)?.transpose(), false, 1.0)?;
-        for (dpr, pr) in rows_of_mut(dprobs, sk).zip(rows_of(probs, sk)) {
+        let dprobs = dprobs.get_mut(..rows * keys).ok_or("the attention scratch is too small")?;
+        gemm(view_mut(dprobs, 0, rows, keys, keys)?, dout, qkv.rows(2, b, h, 0, keys)?.transpose(), false, 1.0)?;
+        for (dpr, pr) in rows_of_mut(dprobs, keys).zip(rows_of(&probs[..rows * keys], keys)) {
             let dot = sum_by2(dpr, pr, |a, b| a * b);
             for (dp, &p) in dpr.iter_mut().zip(pr) {
                 *dp = p * (*dp - dot);
             }
         }
-        let ds = view(dprobs, 0, sq, sk, sk)?;
+        let ds = view(dprobs, 0, rows, keys, keys)?;
         if want(0) {
-            gemm(qkv.grad_block(g, 0, h)?, ds, qkv.block(1, b, h)?, false, qkv.scale())?;
+            gemm(qkv.grad_rows(g, 0, h, start, rows)?, ds, qkv.rows(1, b, h, 0, keys)?, false, scale)?;
         }
         if want(1) {
-            gemm(qkv.grad_block(g, 1, h)?, ds.transpose(), qkv.block(0, b, h)?, false, qkv.scale())?;
+            gemm(qkv.grad_rows(g, 1, h, 0, keys)?, ds.transpose(), qkv.rows(0, b, h, start, rows)?, true, scale)?;
         }
         Ok(())
     }
@@ -1913,6 +1967,79 @@ mod tests {
                     eval(&forward, &ops, &dy.shape)
                 })?;
                 close_rel(&vals(&analytic), &numeric, 2e-3).map_err(|e| format!("wrt {wrt} causal={causal}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The gradients of q, k and v of attention64, by the textbook formulas in f64 (no tiling).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_grads64(
+        dy: &[f64],
+        [q, k, v]: [&[f64]; 3],
+        batch: usize,
+        sq: usize,
+        sk: usize,
+        heads: usize,
+        d: usize,
+        causal: bool,
+    ) -> [Vec<f64>; 3] {
+        let w = heads * d;
+        let scale = 1.0 / (d as f64).sqrt();
+        let (mut dq, mut dk, mut dv) =
+            (vec![0.0; batch * sq * w], vec![0.0; batch * sk * w], vec![0.0; batch * sk * w]);
+        let (qa, ka) = (
+            |b: usize, r: usize, h: usize| (b * sq + r) * w + h * d,
+            |b: usize, c: usize, h: usize| (b * sk + c) * w + h * d,
+        );
+        for b in 0..batch {
+            for h in 0..heads {
+                for r in 0..sq {
+                    let live = if causal { (r + 1).min(sk) } else { sk };
+                    let dot = |x: &[f64], y: &[f64]| x.iter().zip(y).map(|(a, b)| a * b).sum::<f64>();
+                    let scores: Vec<f64> =
+                        (0..live).map(|c| dot(&q[qa(b, r, h)..][..d], &k[ka(b, c, h)..][..d]) * scale).collect();
+                    let p = softmax64(&scores);
+                    let dp: Vec<f64> =
+                        (0..live).map(|c| dot(&dy[qa(b, r, h)..][..d], &v[ka(b, c, h)..][..d])).collect();
+                    let row_dot: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                    for c in 0..live {
+                        let ds = p[c] * (dp[c] - row_dot) * scale;
+                        for e in 0..d {
+                            dv[ka(b, c, h) + e] += p[c] * dy[qa(b, r, h) + e];
+                            dq[qa(b, r, h) + e] += ds * k[ka(b, c, h) + e];
+                            dk[ka(b, c, h) + e] += ds * q[qa(b, r, h) + e];
+                        }
+                    }
+                }
+            }
+        }
+        [dq, dk, dv]
+    }
+
+    #[test]
+    fn attention_over_several_query_tiles_matches_the_untiled_formulas() -> R {
+        let mut rng = Rng(14);
+        let (batch, heads, d) = (3usize, 2usize, 3usize);
+        let w = heads * d;
+        let sq = QUERY_TILE + QUERY_TILE / 2 + 3;
+        for (causal, sk) in [(true, sq), (false, sq + 9), (false, sq - 20)] {
+            let q = rng.tensor(&[batch as u64, sq as u64, w as u64]);
+            let (k, v) =
+                (rng.tensor(&[batch as u64, sk as u64, w as u64]), rng.tensor(&[batch as u64, sk as u64, w as u64]));
+            let dy = rng.tensor(&q.shape);
+            let ops64 = [to64(&vals(&q)), to64(&vals(&k)), to64(&vals(&v))];
+            let want = attention64(&ops64[0], &ops64[1], &ops64[2], batch, sq, sk, heads, d, causal);
+            let forward = Kernel::Attention { heads: heads as u64, causal, fused: false };
+            close(&vals(&eval(&forward, &[&q, &k, &v], &q.shape)?), &want, 1e-5)
+                .map_err(|e| format!("forward causal={causal} sk={sk}: {e}"))?;
+            let ops = [ops64[0].as_slice(), ops64[1].as_slice(), ops64[2].as_slice()];
+            let grads = attention_grads64(&to64(&vals(&dy)), ops, batch, sq, sk, heads, d, causal);
+            for (wrt, want) in grads.iter().enumerate() {
+                let kernel = Kernel::AttentionGrad { heads: heads as u64, causal, fused: false, wrt: wrt as u8 };
+                let shape = [&q, &k, &v][wrt].shape.clone();
+                let got = eval(&kernel, &[&dy, &q, &k, &v], &shape)?;
+                close(&vals(&got), want, 1e-5).map_err(|e| format!("wrt {wrt} causal={causal} sk={sk}: {e}"))?;
             }
         }
         Ok(())
