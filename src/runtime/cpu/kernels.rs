@@ -295,13 +295,14 @@ fn batched_matmul(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     ensure(k == k2 && m == m2 && n == n2, || format!("cannot multiply {m}x{k} by {k2}x{n} into {m2}x{n2}"))?;
     let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
     let y = floats_mut(out)?;
-    let batches = numel(la);
-    for t in 0..batches {
-        let lhs = view(av, t * m * k, m, k, k)?;
-        let rhs = view(bv, t * k * n, k, n, n)?;
-        gemm(view_mut(y, t * m * n, m, n, n)?, lhs, rhs, false, 1.0)?;
-    }
-    Ok(())
+    par::costed_row_blocks(y, m * n, m * n * k, |first, y| {
+        for (t, y) in rows_of_mut(y, m * n).enumerate().map(|(t, y)| (first + t, y)) {
+            let lhs = view(av, t * m * k, m, k, k)?;
+            let rhs = view(bv, t * k * n, k, n, n)?;
+            gemm(view_mut(y, 0, m, n, n)?, lhs, rhs, false, 1.0)?;
+        }
+        Ok(())
+    })
 }
 
 // ---- elementwise ----------------------------------------------------------------------------------
@@ -510,10 +511,20 @@ fn dropout(inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelContext, p: f64, ke
     }
     let mask = DropoutMask::new(ctx.seed, key, p);
     let scale = (1.0 / (1.0 - p)) as f32;
-    IndexMap::new(ctx.output, ctx.i, ctx.j, ctx.mesh)?.for_each(|local, logical| {
-        y[local] = if mask.keep(logical) { xv[local] * scale } else { 0.0 };
-    });
-    Ok(())
+    let map = IndexMap::new(ctx.output, ctx.i, ctx.j, ctx.mesh)?;
+    let Some((last, last_stride)) = map.last_dimension() else {
+        map.for_each(|local, logical| y[local] = if mask.keep(logical) { xv[local] * scale } else { 0.0 });
+        return Ok(());
+    };
+    par::row_blocks(y, last.len(), |first, y| {
+        for (r, row) in rows_of_mut(y, last.len()).enumerate() {
+            let (base, start) = (map.row_base(first + r), (first + r) * last.len());
+            for ((y, &x), &m) in row.iter_mut().zip(&xv[start..]).zip(last) {
+                *y = if mask.keep(base + m * last_stride) { x * scale } else { 0.0 };
+            }
+        }
+        Ok::<(), String>(())
+    })
 }
 
 /// For each local dimension, the logical coordinate of each local coordinate; and the logical strides.
@@ -555,6 +566,26 @@ impl IndexMap {
             strides[d] = strides[d + 1].saturating_mul(logical[d + 1]);
         }
         Ok(IndexMap { maps, strides })
+    }
+
+    /// The logical coordinates of the local last dimension and its logical stride (none for a scalar).
+    fn last_dimension(&self) -> Option<(&[u64], u64)> {
+        Some((self.maps.last()?.as_slice(), *self.strides.last()?))
+    }
+
+    /// The logical linear index of the first element of local row `row` (rows run over every
+    /// dimension but the last), without the last dimension's part.
+    fn row_base(&self, row: usize) -> u64 {
+        let leading = self.maps.len().saturating_sub(1);
+        let mut rest = row;
+        let mut base = 0u64;
+        for d in (0..leading).rev() {
+            let map = &self.maps[d];
+            let extent = map.len().max(1);
+            base += map.get(rest % extent).copied().unwrap_or(0) * self.strides[d];
+            rest /= extent;
+        }
+        base
     }
 
     /// Calls `f(local linear index, logical linear index)` for every local element, in local order.
