@@ -25,8 +25,18 @@ from transformers import GPT2Config, GPT2LMHeadModel
 # name -> (layers, hidden, heads, vocab, seq, batch)
 CONFIGS = {
     "small": (4, 256, 8, 8192, 128, 8),
+    "mid": (4, 512, 8, 32768, 128, 8),
     "gpt2-wide": (2, 768, 12, 50257, 128, 4),
 }
+
+
+def custom_config(text: str) -> tuple[str, tuple[int, ...]]:
+    """NAME=LAYERS,HIDDEN,HEADS,VOCAB,SEQ,BATCH, for --config."""
+    name, _, sizes = text.partition("=")
+    values = tuple(int(v) for v in sizes.split(","))
+    if not name or len(values) != 6 or min(values) < 1 or values[1] % values[2]:
+        raise argparse.ArgumentTypeError("expected NAME=LAYERS,HIDDEN,HEADS,VOCAB,SEQ,BATCH (heads dividing hidden)")
+    return name, values
 
 # (strategy, mesh) pairs measured for optimusc.
 MESHES = [("none", "1x1"), ("optimus", "2x2"), ("megatron", "1x2"), ("megatron", "1x4")]
@@ -87,6 +97,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--optimusc", required=True, help="path to a release optimusc")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--config",
+        type=custom_config,
+        action="append",
+        default=[],
+        metavar="NAME=L,H,A,V,S,B",
+        help="a config of your own (layers, hidden, heads, vocab, seq, batch); repeatable, measured after --configs",
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both (default: all cores)")
@@ -94,6 +112,9 @@ def main() -> int:
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
+    for name, sizes in args.config:
+        CONFIGS[name] = sizes
+        names.append(name)
     if unknown or args.steps < 1 or args.warmup < 0 or args.threads < 1:
         parser.error(f"unknown configs {unknown}" if unknown else "steps >= 1, warmup >= 0, threads >= 1")
     header = "config      layers hidden heads vocab  seq batch  torch tok/s  " + "  ".join(
