@@ -541,8 +541,8 @@ fn scalar_fields(kernel: &Value) -> Vec<(Vec<String>, Value)> {
 }
 
 /// One training step of a plan, with panics caught (a panic is a failure of the verifier's promise).
-fn one_step(plan: &Plan) -> Result<optimus::runtime::cpu::RunOutput, String> {
-    use optimus::runtime::cpu::kernels::{OptimizerKind, OptimizerSettings};
+fn one_step(plan: &Plan) -> Result<optimus::runtime::exec::RunOutput, String> {
+    use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
     use optimus::runtime::tensor::Tensor;
     use std::collections::BTreeMap;
     let optimizer = OptimizerSettings {
@@ -554,7 +554,7 @@ fn one_step(plan: &Plan) -> Result<optimus::runtime::cpu::RunOutput, String> {
         beta2: 0.999,
         eps: 1e-8,
     };
-    let config = optimus::runtime::cpu::RunConfig {
+    let config = optimus::runtime::exec::RunConfig {
         seed: 3,
         steps: 1,
         optimizer,
@@ -576,9 +576,9 @@ fn one_step(plan: &Plan) -> Result<optimus::runtime::cpu::RunOutput, String> {
     run.unwrap_or_else(|_| Err("panicked outside a device thread".into()))
 }
 
-fn same_result(a: &optimus::runtime::cpu::RunOutput, b: &optimus::runtime::cpu::RunOutput) -> bool {
+fn same_result(a: &optimus::runtime::exec::RunOutput, b: &optimus::runtime::exec::RunOutput) -> bool {
     let loss =
-        |o: &optimus::runtime::cpu::RunOutput| o.steps.iter().map(|s| s.loss.map(f32::to_bits)).collect::<Vec<_>>();
+        |o: &optimus::runtime::exec::RunOutput| o.steps.iter().map(|s| s.loss.map(f32::to_bits)).collect::<Vec<_>>();
     loss(a) == loss(b) && a.params == b.params && a.outputs == b.outputs
 }
 

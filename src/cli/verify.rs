@@ -4,7 +4,7 @@
 use super::run::{DataDtype, OptimizerArg, OptimizerArgs, Tokens};
 use super::{StrategyArg, TargetArgs, compile_for};
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
-use optimus::runtime::cpu::{RunConfig, RunOutput};
+use optimus::runtime::exec::{RunConfig, RunOutput};
 use optimus::runtime::tensor::Tensor;
 use std::collections::BTreeMap;
 use std::path::PathBuf;

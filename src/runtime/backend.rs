@@ -1,7 +1,8 @@
-//! The `Backend` trait: where a device's kernels run. The CPU backend is the reference; the MPI backend
-//! reuses it with another communicator, and a GPU backend implements it with device kernels.
+//! The `Backend` trait: where a device's kernels run, and [`BackendKind`], which picks one. The CPU
+//! backend (in `cpu/`) is the reference; a GPU backend implements the same trait with device kernels.
 
-use super::cpu::kernels::{self, KernelContext, OptimizerSettings};
+pub use super::cpu::CpuBackend;
+use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use crate::plan::Kernel;
 
@@ -30,38 +31,6 @@ pub trait Backend: Send {
         settings: &OptimizerSettings,
         step: u64,
     ) -> Result<(), String>;
-}
-
-/// Kernels on the host CPU (faer for matrix products).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CpuBackend;
-
-impl Backend for CpuBackend {
-    fn name(&self) -> &'static str {
-        "cpu"
-    }
-
-    fn kernel(
-        &mut self,
-        kernel: &Kernel,
-        inputs: &[&Tensor],
-        out: &mut Tensor,
-        ctx: &KernelContext,
-    ) -> Result<(), String> {
-        super::cpu::par::on_pool(|| kernels::run(kernel, inputs, out, ctx))
-    }
-
-    fn optimizer_step(
-        &mut self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        state1: &mut Tensor,
-        state2: &mut Tensor,
-        settings: &OptimizerSettings,
-        step: u64,
-    ) -> Result<(), String> {
-        super::cpu::par::on_pool(|| kernels::optimizer_step(param, grad, state1, state2, settings, step))
-    }
 }
 
 /// Which backend a run's devices use.

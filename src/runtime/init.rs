@@ -1,7 +1,7 @@
 //! Mesh-independent initial values: every element of a parameter is a function of the seed, the
 //! parameter's name and its logical index, so every mesh starts from the same logical model.
 
-use super::cpu::kernels::logical_indices;
+use super::logical::logical_indices;
 use super::tensor::{Data, Tensor};
 use crate::ir::Init;
 use crate::plan::{Buffer, Mesh, PlanParam};

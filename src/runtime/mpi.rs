@@ -3,7 +3,7 @@
 //! error, a panic, a peer that stops answering) ends the whole job with MPI_Abort and the rank's name.
 
 use super::comm::{CommError, Communicator, pack_for_scatter, unpack_gathered};
-use super::cpu::{self, Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord};
+use super::exec::{self, Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord};
 use super::tensor::{Data, Tensor};
 use crate::cost::placement::{NodeMap, Placement};
 use crate::plan::{CollectiveKind, Group, Mesh, Plan, ReduceOp};
@@ -138,8 +138,8 @@ impl MpiJob {
             #[cfg(feature = "cuda")]
             crate::runtime::backend::BackendKind::Cuda => self
                 .nccl(&comm, config.timeout)
-                .and_then(|nccl| cpu::run_device(plan, nccl, self.local_rank, config, batches, initial, on_step)),
-            _ => cpu::run_device(plan, &comm, self.local_rank, config, batches, initial, on_step),
+                .and_then(|nccl| exec::run_device(plan, nccl, self.local_rank, config, batches, initial, on_step)),
+            _ => exec::run_device(plan, &comm, self.local_rank, config, batches, initial, on_step),
         };
         let (records, blocks) = match outcome {
             Ok(r) => r,
@@ -158,7 +158,7 @@ impl MpiJob {
                 if let Some(first) = all.first_mut() {
                     first.0 = records;
                 }
-                cpu::assemble(plan, all).map(Some)
+                exec::assemble(plan, all).map(Some)
             }
             None => Ok(None),
         }

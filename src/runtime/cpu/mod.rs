@@ -5,58 +5,17 @@ pub mod par;
 pub mod threads;
 pub mod vmath;
 
-use super::Device;
+use super::backend::Backend;
+#[cfg(feature = "cuda")]
 use super::backend::BackendKind;
 use super::comm::Communicator;
-use super::fault::Fault;
-use super::init::gather_blocks;
+pub use super::exec::{Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord, assemble, run_device};
+use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
-use crate::plan::Plan;
-use kernels::OptimizerSettings;
+use crate::plan::{Kernel, Plan};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use threads::{Fabric, ThreadComm};
-
-/// How to run a plan.
-#[derive(Clone, Debug)]
-pub struct RunConfig {
-    pub seed: u64,
-    pub steps: u64,
-    pub optimizer: OptimizerSettings,
-    /// How long a collective waits for its peers before the run fails.
-    pub timeout: Duration,
-    /// A failure to inject, for testing how runs fail (see [`crate::runtime::fault`]).
-    pub fault: Option<Fault>,
-    /// Where kernels run.
-    pub backend: BackendKind,
-}
-
-/// What one step produced, as seen by device (0, 0).
-#[derive(Clone, Debug, PartialEq)]
-pub struct StepRecord {
-    pub step: u64,
-    /// The loss of the step's forward pass (before the update), if the model has one.
-    pub loss: Option<f32>,
-    pub elapsed: Duration,
-}
-
-/// Everything a run leaves behind, assembled into logical tensors.
-#[derive(Clone, Debug)]
-pub struct RunOutput {
-    pub steps: Vec<StepRecord>,
-    /// Final parameters, by parameter name (padding removed).
-    pub params: BTreeMap<String, Tensor>,
-    /// Gradients of the last step, by parameter name (train plans).
-    pub grads: BTreeMap<String, Tensor>,
-    /// Outputs of the last step, by output name.
-    pub outputs: BTreeMap<String, Tensor>,
-}
-
-/// Inputs of step k, as logical tensors by input name.
-pub type Batches<'a> = dyn Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + 'a;
-
-/// Blocks one device hands back at the end of a run: parameters, gradients, outputs (plan order).
-pub type DeviceBlocks = (Vec<Tensor>, Vec<Option<Tensor>>, Vec<Tensor>);
 
 /// Runs a plan on one thread per device. `on_step` is called by device (0, 0) after every step.
 /// Parameters start from `initial` where given (logical tensors by name), else from the seed.
@@ -148,97 +107,34 @@ fn join_or_abandon<T>(
     handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
 }
 
-/// Runs one device of the mesh for the configured steps and returns its records and final blocks.
-/// `on_step` is called on device (0, 0) only; `slot` picks the GPU of a GPU backend.
-pub fn run_device<C: Communicator>(
-    plan: &Plan,
-    comm: C,
-    slot: u64,
-    config: &RunConfig,
-    batches: &Batches<'_>,
-    initial: &BTreeMap<String, Tensor>,
-    on_step: &(dyn Fn(&StepRecord) + Sync),
-) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
-    let mut device = Device::new(plan, config.backend.create(slot)?, comm, config.seed);
-    let (i, j) = device.coords();
-    for p in &plan.params {
-        if let Some(t) = initial.get(&p.name) {
-            let block = super::init::block_of(
-                &super::init::pad_to(t, plan.buffer(p.buffer))?,
-                plan.buffer(p.buffer),
-                i,
-                j,
-                plan.mesh,
-            )?;
-            device.write(p.buffer, block)?;
-        }
-    }
-    let mut records = Vec::new();
-    let device_index = i * plan.mesh.cols + j;
-    for step in 0..config.steps {
-        if let Some(fault) = &config.fault {
-            fault.trigger(device_index, step)?;
-        }
-        let start = Instant::now();
-        device.load_inputs(&batches(step)?)?;
-        match device.step(&config.optimizer, step + 1) {
-            Ok(()) => {}
-            Err(super::StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
-            Err(super::StepError::NonFiniteLoss(value)) => {
-                device.load_inputs(&batches(step)?)?;
-                let culprit = device.first_non_finite().map_err(|e| format!("step {step}: {e}"))?;
-                return Err(format!(
-                    "step {step}: the loss is {value}, so the run stops before updating any weight (none are saved); {culprit}"
-                ));
-            }
-        }
-        let loss = plan
-            .outputs
-            .iter()
-            .find(|o| o.is_loss)
-            .and_then(|o| device.read(o.buffer))
-            .and_then(|t| t.f32().ok()?.first().copied());
-        let record = StepRecord { step, loss, elapsed: start.elapsed() };
-        if (i, j) == (0, 0) {
-            on_step(&record);
-        }
-        records.push(record);
-    }
-    let take = |id| device.read(id).cloned();
-    let lost = |what: &str, name: &str| format!("the plan does not keep {what} `{name}` to the end of a step");
-    let params = plan
-        .params
-        .iter()
-        .map(|p| take(p.buffer).ok_or_else(|| lost("parameter", &p.name)))
-        .collect::<Result<Vec<_>, _>>()?;
-    let grads = plan.params.iter().map(|p| p.grad.and_then(take)).collect();
-    let outputs = plan
-        .outputs
-        .iter()
-        .map(|o| take(o.buffer).ok_or_else(|| lost("output", &o.name)))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((records, (params, grads, outputs)))
-}
+/// Kernels on the host CPU (faer for matrix products).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
 
-/// Assembles logical tensors from every device's blocks (in row-major device order).
-pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, String> {
-    let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
-    let mut out = RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new() };
-    for (k, p) in plan.params.iter().enumerate() {
-        let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.0[k]).collect();
-        let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh)?;
-        out.params.insert(p.name.clone(), super::init::unpad(&full, &p.shape));
-        if let Some(g) = p.grad {
-            let blocks: Option<Vec<&Tensor>> = per_device.iter().map(|d| d.1.1[k].as_ref()).collect();
-            if let Some(blocks) = blocks {
-                let full = gather_blocks(&blocks, plan.buffer(g), plan.mesh)?;
-                out.grads.insert(p.name.clone(), super::init::unpad(&full, &p.shape));
-            }
-        }
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
     }
-    for (k, o) in plan.outputs.iter().enumerate() {
-        let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.2[k]).collect();
-        out.outputs.insert(o.name.clone(), gather_blocks(&blocks, plan.buffer(o.buffer), plan.mesh)?);
+
+    fn kernel(
+        &mut self,
+        kernel: &Kernel,
+        inputs: &[&Tensor],
+        out: &mut Tensor,
+        ctx: &KernelContext,
+    ) -> Result<(), String> {
+        par::on_pool(|| kernels::run(kernel, inputs, out, ctx))
     }
-    Ok(out)
+
+    fn optimizer_step(
+        &mut self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        state1: &mut Tensor,
+        state2: &mut Tensor,
+        settings: &OptimizerSettings,
+        step: u64,
+    ) -> Result<(), String> {
+        par::on_pool(|| kernels::optimizer_step(param, grad, state1, state2, settings, step))
+    }
 }

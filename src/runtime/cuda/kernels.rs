@@ -8,7 +8,8 @@
 
 use crate::ir::DType;
 use crate::plan::{Kernel, Mesh};
-use crate::runtime::cpu::kernels::{KernelContext, OptimizerKind, OptimizerSettings, try_logical_indices};
+use crate::runtime::logical::try_logical_indices;
+use crate::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use crate::runtime::shapes::{
     self, Packing, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs,
     select_runs, slice_shard_runs, split_last, transpose_swap,
@@ -675,7 +676,7 @@ impl Device {
 
 /// The per-tensor start of the dropout stream and the keep threshold: the CPU's mask, so that both
 /// backends drop the same elements.
-pub use crate::runtime::cpu::kernels::DropoutMask as DropoutParams;
+pub use crate::runtime::logical::DropoutMask as DropoutParams;
 
 /// What the logical indices of a buffer depend on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -1613,7 +1614,7 @@ fn dropout(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::cpu::kernels::dropout_keep;
+    use crate::runtime::logical::dropout_keep;
 
     #[test]
     fn dropout_params_take_the_cpus_decisions() {

@@ -8,7 +8,7 @@ pub mod kernels;
 pub mod nccl;
 
 use super::backend::Backend;
-use super::cpu::kernels::{KernelContext, OptimizerSettings};
+use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use crate::plan::Kernel;
 use cudarc::driver::{CudaContext, CudaStream};

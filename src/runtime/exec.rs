@@ -1,0 +1,418 @@
+//! The backend-neutral executor: a [`Device`] runs the SPMD program of a plan on its own buffers,
+//! through any [`Backend`] for kernels and any [`Communicator`] for collectives; [`run_device`] runs
+//! the step loop of one device and [`assemble`] joins every device's blocks into logical tensors.
+
+use super::backend::{Backend, BackendKind};
+use super::comm::Communicator;
+use super::fault::Fault;
+use super::init::{self, gather_blocks};
+use super::settings::{KernelContext, OptimizerSettings};
+use super::tensor::{Data, Tensor};
+use crate::plan::{Buffer, BufferId, CollectiveKind, Group, Instr, Kernel, Plan, ReduceOp, Role};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// How to run a plan.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub seed: u64,
+    pub steps: u64,
+    pub optimizer: OptimizerSettings,
+    /// How long a collective waits for its peers before the run fails.
+    pub timeout: Duration,
+    /// A failure to inject, for testing how runs fail (see [`crate::runtime::fault`]).
+    pub fault: Option<Fault>,
+    /// Where kernels run.
+    pub backend: BackendKind,
+}
+
+/// What one step produced, as seen by device (0, 0).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRecord {
+    pub step: u64,
+    /// The loss of the step's forward pass (before the update), if the model has one.
+    pub loss: Option<f32>,
+    pub elapsed: Duration,
+}
+
+/// Everything a run leaves behind, assembled into logical tensors.
+#[derive(Clone, Debug)]
+pub struct RunOutput {
+    pub steps: Vec<StepRecord>,
+    /// Final parameters, by parameter name (padding removed).
+    pub params: BTreeMap<String, Tensor>,
+    /// Gradients of the last step, by parameter name (train plans).
+    pub grads: BTreeMap<String, Tensor>,
+    /// Outputs of the last step, by output name.
+    pub outputs: BTreeMap<String, Tensor>,
+}
+
+/// Inputs of step k, as logical tensors by input name.
+pub type Batches<'a> = dyn Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + 'a;
+
+/// Blocks one device hands back at the end of a run: parameters, gradients, outputs (plan order).
+pub type DeviceBlocks = (Vec<Tensor>, Vec<Option<Tensor>>, Vec<Tensor>);
+
+/// One device's state: its buffers, the backend that runs its kernels, and its endpoint to the others.
+pub struct Device<'p, B: Backend, C: Communicator> {
+    pub plan: &'p Plan,
+    pub backend: B,
+    pub comm: C,
+    pub seed: u64,
+    /// The seed kernels see during the current step: the run's seed mixed with the step, so that
+    /// dropout draws a new mask every step (and the same one when a step is replayed).
+    step_seed: u64,
+    buffers: Vec<Option<Tensor>>,
+}
+
+impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
+    /// A device with its parameter shards initialised from the seed and zeroed optimizer state.
+    pub fn new(plan: &'p Plan, backend: B, comm: C, seed: u64) -> Device<'p, B, C> {
+        let (i, j) = comm.coords();
+        let mut buffers: Vec<Option<Tensor>> = vec![None; plan.buffers.len()];
+        for p in &plan.params {
+            let meta = plan.buffer(p.buffer);
+            buffers[p.buffer.0 as usize] = Some(init::param_block(p, meta, i, j, plan.mesh, seed));
+            for s in &p.state {
+                let m = plan.buffer(*s);
+                buffers[s.0 as usize] = Some(Tensor::zeros(m.dtype, &m.shape));
+            }
+        }
+        Device { plan, backend, comm, seed, step_seed: seed, buffers }
+    }
+
+    pub fn coords(&self) -> (u64, u64) {
+        self.comm.coords()
+    }
+
+    /// The current contents of a buffer, if it is alive.
+    pub fn read(&self, id: BufferId) -> Option<&Tensor> {
+        self.buffers.get(id.0 as usize).and_then(Option::as_ref)
+    }
+
+    /// Replaces a buffer's contents (loading inputs or checkpoint shards).
+    pub fn write(&mut self, id: BufferId, tensor: Tensor) -> Result<(), String> {
+        let meta = self.plan.buffer(id);
+        if tensor.shape != meta.shape {
+            return Err(format!("buffer `{}` is {:?} on each device, not {:?}", meta.name, meta.shape, tensor.shape));
+        }
+        self.buffers[id.0 as usize] = Some(tensor);
+        Ok(())
+    }
+
+    /// Loads each input's block from the logical input tensors (by input name).
+    pub fn load_inputs(&mut self, inputs: &std::collections::BTreeMap<String, Tensor>) -> Result<(), String> {
+        let (i, j) = self.coords();
+        for input in &self.plan.inputs {
+            let logical = inputs.get(&input.name).ok_or_else(|| format!("no data for input `{}`", input.name))?;
+            let meta = self.plan.buffer(input.buffer);
+            let block = init::block_of(logical, meta, i, j, self.plan.mesh)?;
+            self.write(input.buffer, block)?;
+        }
+        Ok(())
+    }
+
+    /// Runs the whole program once (one training or inference step). The loss is checked before the
+    /// first parameter update and every gradient before its own update, so that a non-finite value
+    /// stops the step before it reaches the weights it can.
+    pub fn step(&mut self, optimizer: &OptimizerSettings, step: u64) -> Result<(), StepError> {
+        let plan = self.plan;
+        self.step_seed = init::mix64(self.seed ^ init::mix64(step));
+        let first_update = first_update(plan);
+        for (index, instr) in plan.program.iter().enumerate() {
+            if index == first_update {
+                self.check_loss()?;
+            }
+            self.execute(instr, Some((optimizer, step)))
+                .map_err(|e| StepError::Failed(in_instruction(plan, index, &e)))?;
+        }
+        if first_update == plan.program.len() {
+            self.check_loss()?;
+        }
+        Ok(())
+    }
+
+    /// Runs one instruction; `update` is `None` when optimizer steps must not run (a diagnosis replay).
+    fn execute(&mut self, instr: &Instr, update: Option<(&OptimizerSettings, u64)>) -> Result<(), String> {
+        match instr {
+            Instr::Kernel { kernel: Kernel::OptimizerStep, inputs, .. } => match update {
+                Some((settings, step)) => self.optimizer(inputs, settings, step),
+                None => Ok(()),
+            },
+            Instr::Kernel { kernel, inputs, output, .. } => self.kernel(kernel, inputs, *output),
+            Instr::Collective { collective: c, .. } => self.collective(c),
+            Instr::Free { buffer } => {
+                if self.plan.buffer(*buffer).role != Role::Parameter {
+                    self.buffers[buffer.0 as usize] = None;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A non-finite loss (on this device's copy of it) stops the step.
+    fn check_loss(&self) -> Result<(), StepError> {
+        let loss = self.plan.outputs.iter().find(|o| o.is_loss).and_then(|o| self.read(o.buffer));
+        match loss.and_then(|t| t.f32().ok()).and_then(|v| v.iter().copied().find(|x| !x.is_finite())) {
+            Some(value) => Err(StepError::NonFiniteLoss(value)),
+            None => Ok(()),
+        }
+    }
+
+    /// After a non-finite loss, before any update: replays the step's forward and backward pass (the
+    /// inputs must have been loaded again) and finds, over the whole mesh, the first tensor that holds a
+    /// NaN or an infinity: a parameter (in plan order), else the output of the earliest instruction.
+    /// Every device must call it at the same point, since the replay and the agreement communicate.
+    pub fn first_non_finite(&mut self) -> Result<String, String> {
+        let plan = self.plan;
+        let mut local = plan.params.iter().position(|p| self.read(p.buffer).is_some_and(has_non_finite));
+        for (index, instr) in plan.program.iter().enumerate().take(first_update(plan)) {
+            self.execute(instr, None).map_err(|e| in_instruction(plan, index, &e))?;
+            let written = match instr {
+                Instr::Kernel { output, .. } => Some(*output),
+                Instr::Collective { collective, .. } => Some(collective.recv),
+                Instr::Free { .. } => None,
+            };
+            if local.is_none() && written.and_then(|b| self.read(b)).is_some_and(has_non_finite) {
+                local = Some(plan.params.len() + index);
+            }
+        }
+        // The mesh-wide first is the smallest index; an all-reduce of the negated index finds it.
+        let mine = local.map_or(f32::MIN, |k| -(k as f32));
+        let mut first = [0f32];
+        self.comm
+            .collective(CollectiveKind::AllReduce, Group::World, None, ReduceOp::Max, None, &[1], &[mine], &mut first)
+            .map_err(|e| e.0)?;
+        Ok(describe_culprit(plan, first[0]))
+    }
+
+    fn take_output(&mut self, id: BufferId) -> Tensor {
+        let meta = self.plan.buffer(id);
+        self.buffers[id.0 as usize].take().unwrap_or_else(|| Tensor::zeros(meta.dtype, &meta.shape))
+    }
+
+    fn kernel(&mut self, kernel: &Kernel, inputs: &[BufferId], output: BufferId) -> Result<(), String> {
+        let plan = self.plan;
+        let mut out = self.take_output(output);
+        let result = {
+            let mut refs = Vec::with_capacity(inputs.len());
+            for id in inputs {
+                let t = self.buffers[id.0 as usize]
+                    .as_ref()
+                    .ok_or_else(|| format!("buffer `{}` is not alive", plan.buffer(*id).name))?;
+                refs.push(t);
+            }
+            let metas: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
+            let (i, j) = self.comm.coords();
+            let ctx = KernelContext {
+                i,
+                j,
+                mesh: plan.mesh,
+                seed: self.step_seed,
+                inputs: &metas,
+                output: plan.buffer(output),
+            };
+            self.backend.kernel(kernel, &refs, &mut out, &ctx)
+        };
+        self.buffers[output.0 as usize] = Some(out);
+        result
+    }
+
+    fn optimizer(&mut self, inputs: &[BufferId], settings: &OptimizerSettings, step: u64) -> Result<(), String> {
+        let [p, g, s1, s2] = inputs else { return Err("optimizer step needs (param, grad, state, state)".into()) };
+        let missing = || "optimizer buffers are not alive".to_string();
+        let mut param = self.buffers[p.0 as usize].take().ok_or_else(missing)?;
+        let mut state1 = self.buffers[s1.0 as usize].take().ok_or_else(missing)?;
+        let mut state2 = self.buffers[s2.0 as usize].take().ok_or_else(missing)?;
+        let result = match self.buffers[g.0 as usize].as_ref() {
+            Some(grad) => match first_non_finite_element(grad) {
+                Some((at, value)) => Err(format!(
+                    "the gradient `{}` holds {value} at element {at} of this device's block; the update stops here",
+                    self.plan.buffer(*g).name
+                )),
+                None => self.backend.optimizer_step(&mut param, grad, &mut state1, &mut state2, settings, step),
+            },
+            None => Err(missing()),
+        };
+        self.buffers[p.0 as usize] = Some(param);
+        self.buffers[s1.0 as usize] = Some(state1);
+        self.buffers[s2.0 as usize] = Some(state2);
+        result
+    }
+
+    fn collective(&mut self, c: &crate::plan::Collective) -> Result<(), String> {
+        let plan = self.plan;
+        let (send_meta, recv_meta) = (plan.buffer(c.send), plan.buffer(c.recv));
+        let full = if send_meta.elements() >= recv_meta.elements() { &send_meta.shape } else { &recv_meta.shape };
+        let mut recv = self.take_output(c.recv);
+        let result = match (self.buffers[c.send.0 as usize].as_ref().map(|t| &t.data), &mut recv.data) {
+            (Some(Data::F32(send)), Data::F32(out)) => self
+                .comm
+                .collective(c.kind, c.group, c.root, c.op.unwrap_or(ReduceOp::Sum), c.shard, full, send, out)
+                .map_err(|e| e.0),
+            (None, _) => Err(format!("buffer `{}` is not alive", send_meta.name)),
+            _ => Err(format!("only floating-point buffers are communicated, not `{}`", send_meta.name)),
+        };
+        self.buffers[c.recv.0 as usize] = Some(recv);
+        result
+    }
+}
+
+/// Why a step did not complete.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepError {
+    /// The loss came out NaN or infinite; no parameter has been updated in this step.
+    NonFiniteLoss(f32),
+    /// Anything else, in the user's terms.
+    Failed(String),
+}
+
+/// The index of the first optimizer step of the program (its length if it has none).
+fn first_update(plan: &Plan) -> usize {
+    plan.program
+        .iter()
+        .position(|i| matches!(i, Instr::Kernel { kernel: Kernel::OptimizerStep, .. }))
+        .unwrap_or(plan.program.len())
+}
+
+/// The first NaN or infinity of a floating-point tensor, with its element index.
+fn first_non_finite_element(t: &Tensor) -> Option<(usize, f32)> {
+    t.f32().ok()?.iter().copied().enumerate().find(|(_, x)| !x.is_finite())
+}
+
+fn has_non_finite(t: &Tensor) -> bool {
+    first_non_finite_element(t).is_some()
+}
+
+/// An error of instruction `index`, in the user's terms: the tensor it computes and the source line.
+pub fn in_instruction(plan: &Plan, index: usize, error: &str) -> String {
+    format!("computing {}: {error}", describe_instruction(plan, index))
+}
+
+/// What instruction `index` computes: its output tensor, the source line and layer it comes from.
+pub fn describe_instruction(plan: &Plan, index: usize) -> String {
+    let Some(instr) = plan.program.get(index) else { return format!("instruction {index}") };
+    let (what, origin) = match instr {
+        Instr::Kernel { output, origin, .. } => (format!("`{}`", plan.buffer(*output).name), Some(*origin)),
+        Instr::Collective { collective, origin, .. } => (
+            format!(
+                "`{}` by {} in a mesh {}",
+                plan.buffer(collective.recv).name,
+                collective.kind.name(),
+                collective.group.name()
+            ),
+            Some(*origin),
+        ),
+        Instr::Free { buffer } => (format!("the release of `{}`", plan.buffer(*buffer).name), None),
+    };
+    match origin.and_then(|o| plan.origins.get(o as usize)) {
+        Some(o) if o.scope.is_empty() => format!("{what} ({}:{})", plan.source, o.line),
+        Some(o) => format!("{what} ({}:{}, in `{}`)", plan.source, o.line, o.scope),
+        None => what,
+    }
+}
+
+/// Names the culprit that [`Device::first_non_finite`] agreed on (a negated index, or `f32::MIN`).
+fn describe_culprit(plan: &Plan, negated: f32) -> String {
+    if negated == f32::MIN || !negated.is_finite() {
+        return "no tensor of the replayed step holds one (the non-finite value did not recur)".into();
+    }
+    let index = (-negated) as usize;
+    match plan.params.get(index) {
+        Some(p) => format!("the parameter `{}` already held a NaN or an infinity before the step", p.name),
+        None => format!(
+            "the first tensor to hold a NaN or an infinity is {}",
+            describe_instruction(plan, index - plan.params.len())
+        ),
+    }
+}
+
+/// Runs one device of the mesh for the configured steps and returns its records and final blocks.
+/// `on_step` is called on device (0, 0) only; `slot` picks the GPU of a GPU backend.
+pub fn run_device<C: Communicator>(
+    plan: &Plan,
+    comm: C,
+    slot: u64,
+    config: &RunConfig,
+    batches: &Batches<'_>,
+    initial: &BTreeMap<String, Tensor>,
+    on_step: &(dyn Fn(&StepRecord) + Sync),
+) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
+    let mut device = Device::new(plan, config.backend.create(slot)?, comm, config.seed);
+    let (i, j) = device.coords();
+    for p in &plan.params {
+        if let Some(t) = initial.get(&p.name) {
+            let block =
+                init::block_of(&init::pad_to(t, plan.buffer(p.buffer))?, plan.buffer(p.buffer), i, j, plan.mesh)?;
+            device.write(p.buffer, block)?;
+        }
+    }
+    let mut records = Vec::new();
+    let device_index = i * plan.mesh.cols + j;
+    for step in 0..config.steps {
+        if let Some(fault) = &config.fault {
+            fault.trigger(device_index, step)?;
+        }
+        let start = Instant::now();
+        device.load_inputs(&batches(step)?)?;
+        match device.step(&config.optimizer, step + 1) {
+            Ok(()) => {}
+            Err(StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
+            Err(StepError::NonFiniteLoss(value)) => {
+                device.load_inputs(&batches(step)?)?;
+                let culprit = device.first_non_finite().map_err(|e| format!("step {step}: {e}"))?;
+                return Err(format!(
+                    "step {step}: the loss is {value}, so the run stops before updating any weight (none are saved); {culprit}"
+                ));
+            }
+        }
+        let loss = plan
+            .outputs
+            .iter()
+            .find(|o| o.is_loss)
+            .and_then(|o| device.read(o.buffer))
+            .and_then(|t| t.f32().ok()?.first().copied());
+        let record = StepRecord { step, loss, elapsed: start.elapsed() };
+        if (i, j) == (0, 0) {
+            on_step(&record);
+        }
+        records.push(record);
+    }
+    let take = |id| device.read(id).cloned();
+    let lost = |what: &str, name: &str| format!("the plan does not keep {what} `{name}` to the end of a step");
+    let params = plan
+        .params
+        .iter()
+        .map(|p| take(p.buffer).ok_or_else(|| lost("parameter", &p.name)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let grads = plan.params.iter().map(|p| p.grad.and_then(take)).collect();
+    let outputs = plan
+        .outputs
+        .iter()
+        .map(|o| take(o.buffer).ok_or_else(|| lost("output", &o.name)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((records, (params, grads, outputs)))
+}
+
+/// Assembles logical tensors from every device's blocks (in row-major device order).
+pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, String> {
+    let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
+    let mut out = RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new() };
+    for (k, p) in plan.params.iter().enumerate() {
+        let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.0[k]).collect();
+        let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh)?;
+        out.params.insert(p.name.clone(), init::unpad(&full, &p.shape));
+        if let Some(g) = p.grad {
+            let blocks: Option<Vec<&Tensor>> = per_device.iter().map(|d| d.1.1[k].as_ref()).collect();
+            if let Some(blocks) = blocks {
+                let full = gather_blocks(&blocks, plan.buffer(g), plan.mesh)?;
+                out.grads.insert(p.name.clone(), init::unpad(&full, &p.shape));
+            }
+        }
+    }
+    for (k, o) in plan.outputs.iter().enumerate() {
+        let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.2[k]).collect();
+        out.outputs.insert(o.name.clone(), gather_blocks(&blocks, plan.buffer(o.buffer), plan.mesh)?);
+    }
+    Ok(out)
+}
