@@ -14,11 +14,30 @@ pub const GRAIN: usize = 1 << 14;
 /// Tasks per worker, so that uneven tasks still balance.
 const TASKS_PER_THREAD: usize = 4;
 
-/// The kernel pool: `RAYON_NUM_THREADS` workers if set, else one per core this process may use.
+/// The kernel pool: `RAYON_NUM_THREADS` workers if set; else, under an MPI launcher that says how
+/// many ranks share this node, an equal share of the cores; else one per core this process may use.
 /// `None` if the pool cannot be built (kernels then run on the calling thread, one at a time).
 fn pool() -> Option<&'static ThreadPool> {
     static POOL: OnceLock<Option<ThreadPool>> = OnceLock::new();
-    POOL.get_or_init(|| ThreadPoolBuilder::new().thread_name(|k| format!("optimus-kernel-{k}")).build().ok()).as_ref()
+    POOL.get_or_init(|| {
+        let builder = ThreadPoolBuilder::new().thread_name(|k| format!("optimus-kernel-{k}"));
+        let builder = match share_of_node() {
+            Some(threads) if std::env::var_os("RAYON_NUM_THREADS").is_none() => builder.num_threads(threads),
+            _ => builder,
+        };
+        builder.build().ok()
+    })
+    .as_ref()
+}
+
+/// Cores per rank when an MPI launcher (Open MPI or MPICH/Hydra) says how many ranks run on this node.
+fn share_of_node() -> Option<usize> {
+    let local_ranks = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok()?.trim().parse::<usize>().ok())
+        .filter(|&n| n > 1)?;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    Some((cores / local_ranks).max(1))
 }
 
 /// How many workers the kernel pool has.
