@@ -2,6 +2,7 @@
 
 pub mod kernels;
 pub mod threads;
+pub mod vmath;
 
 use super::Device;
 use super::backend::BackendKind;
