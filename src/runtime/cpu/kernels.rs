@@ -279,7 +279,7 @@ fn map_unary(inputs: &[&Tensor], out: &mut Tensor, f: impl Fn(f32) -> f32 + Sync
     let y = floats_mut(out)?;
     same_len("the output", y.len(), x.len())?;
     par::chunks(y, |start, y| {
-        vectorized(|| {
+        vectorized(#[inline(always)] || {
             for (y, &x) in y.iter_mut().zip(&x[start..]) {
                 *y = f(x);
             }
@@ -295,7 +295,7 @@ fn map_binary(inputs: &[&Tensor], out: &mut Tensor, f: impl Fn(f32, f32) -> f32 
     let y = floats_mut(out)?;
     same_len("the output", y.len(), a.len())?;
     par::chunks(y, |start, y| {
-        vectorized(|| {
+        vectorized(#[inline(always)] || {
             for ((y, &a), &b) in y.iter_mut().zip(&a[start..]).zip(&b[start..]) {
                 *y = f(a, b);
             }
@@ -360,16 +360,7 @@ fn gelu_erf_grad(x: f32) -> f32 {
 /// Max-subtracted softmax of a row, in place.
 /// Max-subtracted softmax of a row, in place.
 fn softmax_in_place(row: &mut [f32]) {
-    let max = max_of(row);
-    vectorized(|| {
-        for v in row.iter_mut() {
-            *v = vmath::exp(*v - max);
-        }
-    });
-    let inv = 1.0 / sum_by(row, |v| v);
-    for v in row.iter_mut() {
-        *v *= inv;
-    }
+    vmath::softmax_row(row);
 }
 
 fn softmax(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
@@ -1084,7 +1075,7 @@ fn cross_entropy_stats(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Re
         for (pair, ((row, &t), &m)) in y.chunks_exact_mut(2).zip(per_row) {
             let column = vocab.target(t)?;
             pair[0] = vocab.local(column, width).map_or(0.0, |c| row[c]);
-            pair[1] = vectorized(|| sum_by(&row[..live], |l| vmath::exp(l - m)));
+            pair[1] = vmath::exp_sub_sum(&row[..live], m);
         }
         Ok(())
     })
@@ -1124,7 +1115,7 @@ fn cross_entropy_grad(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab, count:
             let target = vocab.local(vocab.target(t)?, width);
             let inv = 1.0 / s[1];
             let (live_g, padding) = gr.split_at_mut(live);
-            vectorized(|| {
+            vectorized(#[inline(always)] || {
                 for (g, &l) in live_g.iter_mut().zip(lr) {
                     *g = vmath::exp(l - m) * inv * factor;
                 }
@@ -1214,7 +1205,7 @@ fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &OptimizerSe
     let per_task = par::items_per_task(p.len(), 1);
     let chunks = p.par_chunks_mut(per_task).zip(g.par_chunks(per_task));
     chunks.zip(m.par_chunks_mut(per_task)).zip(v.par_chunks_mut(per_task)).for_each(|(((p, g), m), v)| {
-        vectorized(|| {
+        vectorized(#[inline(always)] || {
             for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
                 *p *= decay;
                 *m = lerp(*m, g, w1);
