@@ -285,6 +285,14 @@ pub enum Kernel {
     OptimizerStep,
 }
 
+impl Kernel {
+    /// Whether the kernel reads its output's previous contents (it accumulates into it). Every other
+    /// kernel writes each element of its output, so a backend need not clear the output first.
+    pub fn reads_its_output(&self) -> bool {
+        matches!(self, Kernel::MatMul { accumulate: true, .. })
+    }
+}
+
 /// Communication groups: the devices sharing a mesh row, a mesh column, or all devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -1,35 +1,73 @@
 //! The `Backend` trait: where a device's kernels run, and [`BackendKind`], which picks one. The CPU
 //! backend (in `cpu/`) is the reference; a GPU backend implements the same trait with device kernels.
 
+use super::arena::ArenaLayout;
+use super::comm::CommError;
 pub use super::cpu::CpuBackend;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
-use crate::plan::Kernel;
+use crate::plan::{BufferId, Kernel, Plan};
 
-/// Runs the local computations of one device.
+/// The four buffers of one optimizer update: the parameter, its gradient and two optimizer states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UpdateBuffers {
+    pub param: BufferId,
+    pub grad: BufferId,
+    pub state1: BufferId,
+    pub state2: BufferId,
+}
+
+/// A collective's data exchange, given this device's send block and receive buffer.
+pub type Exchange<'e> = dyn FnMut(&[f32], &mut [f32]) -> Result<(), CommError> + 'e;
+
+/// Runs the local computations of one device on storage it owns.
 ///
-/// Buffers are host tensors in this version: a GPU backend keeps device copies behind this interface
-/// and moves data only where the executor asks for host values (inputs, outputs, checkpoints).
+/// The executor allocates a device's [`Backend::Storage`] once, from the plan's [`ArenaLayout`], and
+/// names buffers by id from then on; host tensors cross only at the edges ([`Backend::upload`] of
+/// parameters and inputs, [`Backend::download`] of the loss, outputs and checkpoints). Storage carries
+/// each buffer's element type (the plan's dtype), so a kernel sees f32 or i32 views as the plan says.
 pub trait Backend: Send {
+    /// Every buffer of one device, in this backend's memory.
+    type Storage: Send;
     /// A short name for messages ("cpu").
     fn name(&self) -> &'static str;
-    /// Runs one kernel of the plan into `out` (preallocated with the output buffer's shape).
+    /// Allocates one device's storage for `plan`, laid out as `layout` says (zero-filled).
+    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<Self::Storage, String>;
+    /// Copies a host tensor into a buffer.
+    fn upload(&mut self, storage: &mut Self::Storage, id: BufferId, tensor: &Tensor) -> Result<(), String>;
+    /// A host copy of a buffer.
+    fn download(&mut self, storage: &Self::Storage, id: BufferId) -> Result<Tensor, String>;
+    /// Zero-fills a buffer (what a buffer holds when it comes alive).
+    fn zero(&mut self, storage: &mut Self::Storage, id: BufferId) -> Result<(), String>;
+    /// The first NaN or infinity of a floating-point buffer, with its element index.
+    fn first_non_finite(&mut self, storage: &Self::Storage, id: BufferId) -> Result<Option<(usize, f32)>, String>;
+    /// Runs one kernel of the plan from `inputs` into `output` (which holds zeros when it has just come
+    /// alive, and its previous contents otherwise, for kernels that accumulate).
     fn kernel(
         &mut self,
+        storage: &mut Self::Storage,
         kernel: &Kernel,
-        inputs: &[&Tensor],
-        out: &mut Tensor,
+        inputs: &[BufferId],
+        output: BufferId,
         ctx: &KernelContext,
     ) -> Result<(), String>;
     /// Updates one parameter shard in place (SGD with momentum or AdamW, as configured).
     fn optimizer_step(
         &mut self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        state1: &mut Tensor,
-        state2: &mut Tensor,
+        storage: &mut Self::Storage,
+        buffers: UpdateBuffers,
         settings: &OptimizerSettings,
         step: u64,
+    ) -> Result<(), String>;
+    /// Lends `exchange` the `send` block and the `recv` buffer of one collective. A host communicator
+    /// takes host slices; a GPU communicator (NCCL) will take device storage through this method once
+    /// storage is device-resident.
+    fn collective(
+        &mut self,
+        storage: &mut Self::Storage,
+        send: BufferId,
+        recv: BufferId,
+        exchange: &mut Exchange<'_>,
     ) -> Result<(), String>;
 }
 
@@ -55,50 +93,5 @@ impl BackendKind {
                  `cargo build --release --features cuda` (see docs/clusters.md)"
                 .into()),
         }
-    }
-
-    /// A backend for one device; `slot` picks the GPU (modulo the GPUs visible).
-    pub fn create(self, slot: u64) -> Result<Box<dyn Backend>, String> {
-        match self {
-            BackendKind::Cpu => Ok(Box::new(CpuBackend)),
-            #[cfg(feature = "cuda")]
-            BackendKind::Cuda => {
-                let gpus = super::cuda::probe()? as u64;
-                Ok(Box::new(super::cuda::CudaBackend::new((slot % gpus) as usize)?))
-            }
-            #[cfg(not(feature = "cuda"))]
-            BackendKind::Cuda => {
-                let _ = slot;
-                self.check_available().map(|_| Box::new(CpuBackend) as Box<dyn Backend>)
-            }
-        }
-    }
-}
-
-impl<T: Backend + ?Sized> Backend for Box<T> {
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-
-    fn kernel(
-        &mut self,
-        kernel: &Kernel,
-        inputs: &[&Tensor],
-        out: &mut Tensor,
-        ctx: &KernelContext,
-    ) -> Result<(), String> {
-        (**self).kernel(kernel, inputs, out, ctx)
-    }
-
-    fn optimizer_step(
-        &mut self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        state1: &mut Tensor,
-        state2: &mut Tensor,
-        settings: &OptimizerSettings,
-        step: u64,
-    ) -> Result<(), String> {
-        (**self).optimizer_step(param, grad, state1, state2, settings, step)
     }
 }

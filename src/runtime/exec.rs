@@ -2,12 +2,15 @@
 //! through any [`Backend`] for kernels and any [`Communicator`] for collectives; [`run_device`] runs
 //! the step loop of one device and [`assemble`] joins every device's blocks into logical tensors.
 
-use super::backend::{Backend, BackendKind};
+use super::arena;
+use super::backend::{Backend, BackendKind, UpdateBuffers};
 use super::comm::Communicator;
+use super::cpu::CpuBackend;
 use super::fault::Fault;
 use super::init::{self, gather_blocks};
 use super::settings::{KernelContext, OptimizerSettings};
-use super::tensor::{Data, Tensor};
+use super::tensor::Tensor;
+use crate::plan::memory::persistent;
 use crate::plan::{Buffer, BufferId, CollectiveKind, Group, Instr, Kernel, Plan, ReduceOp, Role};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -53,7 +56,8 @@ pub type Batches<'a> = dyn Fn(u64) -> Result<BTreeMap<String, Tensor>, String> +
 /// Blocks one device hands back at the end of a run: parameters, gradients, outputs (plan order).
 pub type DeviceBlocks = (Vec<Tensor>, Vec<Option<Tensor>>, Vec<Tensor>);
 
-/// One device's state: its buffers, the backend that runs its kernels, and its endpoint to the others.
+/// One device's state: its storage (allocated once from the plan's arena layout), the backend that
+/// runs its kernels, and its endpoint to the others.
 pub struct Device<'p, B: Backend, C: Communicator> {
     pub plan: &'p Plan,
     pub backend: B,
@@ -62,32 +66,45 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     /// The seed kernels see during the current step: the run's seed mixed with the step, so that
     /// dropout draws a new mask every step (and the same one when a step is replayed).
     step_seed: u64,
-    buffers: Vec<Option<Tensor>>,
+    storage: B::Storage,
+    /// Which buffers hold a value: a buffer comes alive (zero-filled) when first written and dies at its
+    /// `Free`, as if it had its own allocation; its region is shared with buffers of other lifetimes.
+    alive: Vec<bool>,
 }
 
 impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
-    /// A device with its parameter shards initialised from the seed and zeroed optimizer state.
-    pub fn new(plan: &'p Plan, backend: B, comm: C, seed: u64) -> Device<'p, B, C> {
-        let (i, j) = comm.coords();
-        let mut buffers: Vec<Option<Tensor>> = vec![None; plan.buffers.len()];
+    /// A device with its parameter shards initialised from the seed and zeroed optimizer state; all
+    /// of its storage is allocated here, once.
+    pub fn new(plan: &'p Plan, mut backend: B, comm: C, seed: u64) -> Result<Device<'p, B, C>, String> {
+        let storage = backend.allocate(plan, &arena::layout(plan))?;
+        let alive = vec![false; plan.buffers.len()];
+        let mut device = Device { plan, backend, comm, seed, step_seed: seed, storage, alive };
+        let (i, j) = device.coords();
         for p in &plan.params {
             let meta = plan.buffer(p.buffer);
-            buffers[p.buffer.0 as usize] = Some(init::param_block(p, meta, i, j, plan.mesh, seed));
+            device.write(p.buffer, init::param_block(p, meta, i, j, plan.mesh, seed))?;
             for s in &p.state {
-                let m = plan.buffer(*s);
-                buffers[s.0 as usize] = Some(Tensor::zeros(m.dtype, &m.shape));
+                device.backend.zero(&mut device.storage, *s)?;
+                device.alive[s.0 as usize] = true;
             }
         }
-        Device { plan, backend, comm, seed, step_seed: seed, buffers }
+        Ok(device)
     }
 
     pub fn coords(&self) -> (u64, u64) {
         self.comm.coords()
     }
 
-    /// The current contents of a buffer, if it is alive.
-    pub fn read(&self, id: BufferId) -> Option<&Tensor> {
-        self.buffers.get(id.0 as usize).and_then(Option::as_ref)
+    /// A host copy of a buffer's contents, if it is alive.
+    pub fn read(&mut self, id: BufferId) -> Result<Option<Tensor>, String> {
+        if !self.is_alive(id) {
+            return Ok(None);
+        }
+        self.backend.download(&self.storage, id).map(Some)
+    }
+
+    fn is_alive(&self, id: BufferId) -> bool {
+        self.alive.get(id.0 as usize).copied().unwrap_or(false)
     }
 
     /// Replaces a buffer's contents (loading inputs or checkpoint shards).
@@ -96,7 +113,8 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         if tensor.shape != meta.shape {
             return Err(format!("buffer `{}` is {:?} on each device, not {:?}", meta.name, meta.shape, tensor.shape));
         }
-        self.buffers[id.0 as usize] = Some(tensor);
+        self.backend.upload(&mut self.storage, id, &tensor)?;
+        self.alive[id.0 as usize] = true;
         Ok(())
     }
 
@@ -118,6 +136,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     pub fn step(&mut self, optimizer: &OptimizerSettings, step: u64) -> Result<(), StepError> {
         let plan = self.plan;
         self.step_seed = init::mix64(self.seed ^ init::mix64(step));
+        self.begin_step();
         let first_update = first_update(plan);
         for (index, instr) in plan.program.iter().enumerate() {
             if index == first_update {
@@ -132,6 +151,16 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         Ok(())
     }
 
+    /// Buffers kept from the previous step (never freed) die as a step starts: their regions may be
+    /// shared with buffers alive earlier in the step, and they come alive again, zeroed, when written.
+    fn begin_step(&mut self) {
+        for b in &self.plan.buffers {
+            if !persistent(b.role) {
+                self.alive[b.id.0 as usize] = false;
+            }
+        }
+    }
+
     /// Runs one instruction; `update` is `None` when optimizer steps must not run (a diagnosis replay).
     fn execute(&mut self, instr: &Instr, update: Option<(&OptimizerSettings, u64)>) -> Result<(), String> {
         match instr {
@@ -143,7 +172,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             Instr::Collective { collective: c, .. } => self.collective(c),
             Instr::Free { buffer } => {
                 if self.plan.buffer(*buffer).role != Role::Parameter {
-                    self.buffers[buffer.0 as usize] = None;
+                    self.alive[buffer.0 as usize] = false;
                 }
                 Ok(())
             }
@@ -151,12 +180,20 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     }
 
     /// A non-finite loss (on this device's copy of it) stops the step.
-    fn check_loss(&self) -> Result<(), StepError> {
-        let loss = self.plan.outputs.iter().find(|o| o.is_loss).and_then(|o| self.read(o.buffer));
-        match loss.and_then(|t| t.f32().ok()).and_then(|v| v.iter().copied().find(|x| !x.is_finite())) {
-            Some(value) => Err(StepError::NonFiniteLoss(value)),
+    fn check_loss(&mut self) -> Result<(), StepError> {
+        let Some(loss) = self.plan.outputs.iter().find(|o| o.is_loss).map(|o| o.buffer) else { return Ok(()) };
+        match self.non_finite_in(loss).map_err(StepError::Failed)? {
+            Some((_, value)) => Err(StepError::NonFiniteLoss(value)),
             None => Ok(()),
         }
+    }
+
+    /// The first NaN or infinity of a buffer, if it is alive and holds one.
+    fn non_finite_in(&mut self, id: BufferId) -> Result<Option<(usize, f32)>, String> {
+        if !self.is_alive(id) {
+            return Ok(None);
+        }
+        self.backend.first_non_finite(&self.storage, id)
     }
 
     /// After a non-finite loss, before any update: replays the step's forward and backward pass (the
@@ -165,7 +202,13 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// Every device must call it at the same point, since the replay and the agreement communicate.
     pub fn first_non_finite(&mut self) -> Result<String, String> {
         let plan = self.plan;
-        let mut local = plan.params.iter().position(|p| self.read(p.buffer).is_some_and(has_non_finite));
+        let mut local = None;
+        for (k, p) in plan.params.iter().enumerate() {
+            if local.is_none() && self.non_finite_in(p.buffer)?.is_some() {
+                local = Some(k);
+            }
+        }
+        self.begin_step();
         for (index, instr) in plan.program.iter().enumerate().take(first_update(plan)) {
             self.execute(instr, None).map_err(|e| in_instruction(plan, index, &e))?;
             let written = match instr {
@@ -173,7 +216,9 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 Instr::Collective { collective, .. } => Some(collective.recv),
                 Instr::Free { .. } => None,
             };
-            if local.is_none() && written.and_then(|b| self.read(b)).is_some_and(has_non_finite) {
+            if let Some(b) = written.filter(|_| local.is_none())
+                && self.non_finite_in(b)?.is_some()
+            {
                 local = Some(plan.params.len() + index);
             }
         }
@@ -186,75 +231,69 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         Ok(describe_culprit(plan, first[0]))
     }
 
-    fn take_output(&mut self, id: BufferId) -> Tensor {
-        let meta = self.plan.buffer(id);
-        self.buffers[id.0 as usize].take().unwrap_or_else(|| Tensor::zeros(meta.dtype, &meta.shape))
+    /// Makes a buffer that is about to be written alive: zero-filled if it was not and the writer
+    /// reads it (an accumulating kernel sees zeros, as in a fresh allocation), its contents kept if it
+    /// was. Writers that set every element (every other kernel) skip the clearing.
+    fn prepare_output(&mut self, id: BufferId, writer_reads_it: bool) -> Result<(), String> {
+        if !self.is_alive(id) {
+            if writer_reads_it {
+                self.backend.zero(&mut self.storage, id)?;
+            }
+            self.alive[id.0 as usize] = true;
+        }
+        Ok(())
+    }
+
+    fn require_alive(&self, ids: &[BufferId]) -> Result<(), String> {
+        match ids.iter().find(|id| !self.is_alive(**id)) {
+            Some(id) => Err(format!("buffer `{}` is not alive", self.plan.buffer(*id).name)),
+            None => Ok(()),
+        }
     }
 
     fn kernel(&mut self, kernel: &Kernel, inputs: &[BufferId], output: BufferId) -> Result<(), String> {
         let plan = self.plan;
-        let mut out = self.take_output(output);
-        let result = {
-            let mut refs = Vec::with_capacity(inputs.len());
-            for id in inputs {
-                let t = self.buffers[id.0 as usize]
-                    .as_ref()
-                    .ok_or_else(|| format!("buffer `{}` is not alive", plan.buffer(*id).name))?;
-                refs.push(t);
-            }
-            let metas: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
-            let (i, j) = self.comm.coords();
-            let ctx = KernelContext {
-                i,
-                j,
-                mesh: plan.mesh,
-                seed: self.step_seed,
-                inputs: &metas,
-                output: plan.buffer(output),
-            };
-            self.backend.kernel(kernel, &refs, &mut out, &ctx)
-        };
-        self.buffers[output.0 as usize] = Some(out);
-        result
+        if inputs.contains(&output) {
+            return Err(format!("buffer `{}` is both an input and the output", plan.buffer(output).name));
+        }
+        self.require_alive(inputs)?;
+        self.prepare_output(output, kernel.reads_its_output())?;
+        let metas: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
+        let (i, j) = self.comm.coords();
+        let ctx =
+            KernelContext { i, j, mesh: plan.mesh, seed: self.step_seed, inputs: &metas, output: plan.buffer(output) };
+        self.backend.kernel(&mut self.storage, kernel, inputs, output, &ctx)
     }
 
     fn optimizer(&mut self, inputs: &[BufferId], settings: &OptimizerSettings, step: u64) -> Result<(), String> {
-        let [p, g, s1, s2] = inputs else { return Err("optimizer step needs (param, grad, state, state)".into()) };
-        let missing = || "optimizer buffers are not alive".to_string();
-        let mut param = self.buffers[p.0 as usize].take().ok_or_else(missing)?;
-        let mut state1 = self.buffers[s1.0 as usize].take().ok_or_else(missing)?;
-        let mut state2 = self.buffers[s2.0 as usize].take().ok_or_else(missing)?;
-        let result = match self.buffers[g.0 as usize].as_ref() {
-            Some(grad) => match first_non_finite_element(grad) {
-                Some((at, value)) => Err(format!(
-                    "the gradient `{}` holds {value} at element {at} of this device's block; the update stops here",
-                    self.plan.buffer(*g).name
-                )),
-                None => self.backend.optimizer_step(&mut param, grad, &mut state1, &mut state2, settings, step),
-            },
-            None => Err(missing()),
+        let [param, grad, state1, state2] = *inputs else {
+            return Err("optimizer step needs (param, grad, state, state)".into());
         };
-        self.buffers[p.0 as usize] = Some(param);
-        self.buffers[s1.0 as usize] = Some(state1);
-        self.buffers[s2.0 as usize] = Some(state2);
-        result
+        self.require_alive(inputs).map_err(|_| "optimizer buffers are not alive".to_string())?;
+        if let Some((at, value)) = self.backend.first_non_finite(&self.storage, grad)? {
+            return Err(format!(
+                "the gradient `{}` holds {value} at element {at} of this device's block; the update stops here",
+                self.plan.buffer(grad).name
+            ));
+        }
+        let buffers = UpdateBuffers { param, grad, state1, state2 };
+        self.backend.optimizer_step(&mut self.storage, buffers, settings, step)
     }
 
     fn collective(&mut self, c: &crate::plan::Collective) -> Result<(), String> {
         let plan = self.plan;
         let (send_meta, recv_meta) = (plan.buffer(c.send), plan.buffer(c.recv));
         let full = if send_meta.elements() >= recv_meta.elements() { &send_meta.shape } else { &recv_meta.shape };
-        let mut recv = self.take_output(c.recv);
-        let result = match (self.buffers[c.send.0 as usize].as_ref().map(|t| &t.data), &mut recv.data) {
-            (Some(Data::F32(send)), Data::F32(out)) => self
-                .comm
-                .collective(c.kind, c.group, c.root, c.op.unwrap_or(ReduceOp::Sum), c.shard, full, send, out)
-                .map_err(|e| e.0),
-            (None, _) => Err(format!("buffer `{}` is not alive", send_meta.name)),
-            _ => Err(format!("only floating-point buffers are communicated, not `{}`", send_meta.name)),
-        };
-        self.buffers[c.recv.0 as usize] = Some(recv);
-        result
+        if c.send == c.recv {
+            return Err(format!("buffer `{}` is both sent and received", send_meta.name));
+        }
+        self.require_alive(&[c.send])?;
+        self.prepare_output(c.recv, true)?;
+        let comm = &mut self.comm;
+        let op = c.op.unwrap_or(ReduceOp::Sum);
+        let mut exchange =
+            |send: &[f32], recv: &mut [f32]| comm.collective(c.kind, c.group, c.root, op, c.shard, full, send, recv);
+        self.backend.collective(&mut self.storage, c.send, c.recv, &mut exchange)
     }
 }
 
@@ -273,15 +312,6 @@ fn first_update(plan: &Plan) -> usize {
         .iter()
         .position(|i| matches!(i, Instr::Kernel { kernel: Kernel::OptimizerStep, .. }))
         .unwrap_or(plan.program.len())
-}
-
-/// The first NaN or infinity of a floating-point tensor, with its element index.
-fn first_non_finite_element(t: &Tensor) -> Option<(usize, f32)> {
-    t.f32().ok()?.iter().copied().enumerate().find(|(_, x)| !x.is_finite())
-}
-
-fn has_non_finite(t: &Tensor) -> bool {
-    first_non_finite_element(t).is_some()
 }
 
 /// An error of instruction `index`, in the user's terms: the tensor it computes and the source line.
@@ -338,60 +368,95 @@ pub fn run_device<C: Communicator>(
     initial: &BTreeMap<String, Tensor>,
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
-    let mut device = Device::new(plan, config.backend.create(slot)?, comm, config.seed);
-    let (i, j) = device.coords();
-    for p in &plan.params {
-        if let Some(t) = initial.get(&p.name) {
-            let block =
-                init::block_of(&init::pad_to(t, plan.buffer(p.buffer))?, plan.buffer(p.buffer), i, j, plan.mesh)?;
-            device.write(p.buffer, block)?;
+    let run = DeviceRun { plan, config, batches, initial, on_step };
+    match config.backend {
+        BackendKind::Cpu => run.on(CpuBackend, comm),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            let gpus = super::cuda::probe()? as u64;
+            run.on(super::cuda::CudaBackend::new((slot % gpus) as usize)?, comm)
+        }
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda => {
+            let _ = slot;
+            config.backend.check_available().and_then(|()| run.on(CpuBackend, comm))
         }
     }
-    let mut records = Vec::new();
-    let device_index = i * plan.mesh.cols + j;
-    for step in 0..config.steps {
-        if let Some(fault) = &config.fault {
-            fault.trigger(device_index, step)?;
-        }
-        let start = Instant::now();
-        device.load_inputs(&batches(step)?)?;
-        match device.step(&config.optimizer, step + 1) {
-            Ok(()) => {}
-            Err(StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
-            Err(StepError::NonFiniteLoss(value)) => {
-                device.load_inputs(&batches(step)?)?;
-                let culprit = device.first_non_finite().map_err(|e| format!("step {step}: {e}"))?;
-                return Err(format!(
-                    "step {step}: the loss is {value}, so the run stops before updating any weight (none are saved); {culprit}"
-                ));
+}
+
+/// What one device's run needs besides its backend and communicator.
+struct DeviceRun<'r> {
+    plan: &'r Plan,
+    config: &'r RunConfig,
+    batches: &'r Batches<'r>,
+    initial: &'r BTreeMap<String, Tensor>,
+    on_step: &'r (dyn Fn(&StepRecord) + Sync),
+}
+
+impl DeviceRun<'_> {
+    /// The step loop of one device on `backend`.
+    fn on<B: Backend, C: Communicator>(&self, backend: B, comm: C) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
+        let DeviceRun { plan, config, batches, initial, on_step } = *self;
+        let mut device = Device::new(plan, backend, comm, config.seed)?;
+        let (i, j) = device.coords();
+        for p in &plan.params {
+            if let Some(t) = initial.get(&p.name) {
+                let block =
+                    init::block_of(&init::pad_to(t, plan.buffer(p.buffer))?, plan.buffer(p.buffer), i, j, plan.mesh)?;
+                device.write(p.buffer, block)?;
             }
         }
-        let loss = plan
-            .outputs
-            .iter()
-            .find(|o| o.is_loss)
-            .and_then(|o| device.read(o.buffer))
-            .and_then(|t| t.f32().ok()?.first().copied());
-        let record = StepRecord { step, loss, elapsed: start.elapsed() };
-        if (i, j) == (0, 0) {
-            on_step(&record);
+        let mut records = Vec::new();
+        let device_index = i * plan.mesh.cols + j;
+        for step in 0..config.steps {
+            if let Some(fault) = &config.fault {
+                fault.trigger(device_index, step)?;
+            }
+            let start = Instant::now();
+            device.load_inputs(&batches(step)?)?;
+            match device.step(&config.optimizer, step + 1) {
+                Ok(()) => {}
+                Err(StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
+                Err(StepError::NonFiniteLoss(value)) => {
+                    device.load_inputs(&batches(step)?)?;
+                    let culprit = device.first_non_finite().map_err(|e| format!("step {step}: {e}"))?;
+                    return Err(format!(
+                        "step {step}: the loss is {value}, so the run stops before updating any weight (none are saved); {culprit}"
+                    ));
+                }
+            }
+            let loss = match plan.outputs.iter().find(|o| o.is_loss) {
+                Some(o) => device.read(o.buffer)?.and_then(|t| t.f32().ok()?.first().copied()),
+                None => None,
+            };
+            let record = StepRecord { step, loss, elapsed: start.elapsed() };
+            if (i, j) == (0, 0) {
+                on_step(&record);
+            }
+            records.push(record);
         }
-        records.push(record);
+        Ok((records, final_blocks(&mut device)?))
     }
-    let take = |id| device.read(id).cloned();
+}
+
+/// A device's blocks at the end of a run: parameters, last gradients and outputs (host copies).
+fn final_blocks<B: Backend, C: Communicator>(device: &mut Device<'_, B, C>) -> Result<DeviceBlocks, String> {
+    let plan = device.plan;
     let lost = |what: &str, name: &str| format!("the plan does not keep {what} `{name}` to the end of a step");
-    let params = plan
-        .params
-        .iter()
-        .map(|p| take(p.buffer).ok_or_else(|| lost("parameter", &p.name)))
-        .collect::<Result<Vec<_>, _>>()?;
-    let grads = plan.params.iter().map(|p| p.grad.and_then(take)).collect();
-    let outputs = plan
-        .outputs
-        .iter()
-        .map(|o| take(o.buffer).ok_or_else(|| lost("output", &o.name)))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((records, (params, grads, outputs)))
+    let mut params = Vec::with_capacity(plan.params.len());
+    let mut grads = Vec::with_capacity(plan.params.len());
+    for p in &plan.params {
+        params.push(device.read(p.buffer)?.ok_or_else(|| lost("parameter", &p.name))?);
+        grads.push(match p.grad {
+            Some(g) => device.read(g)?,
+            None => None,
+        });
+    }
+    let mut outputs = Vec::with_capacity(plan.outputs.len());
+    for o in &plan.outputs {
+        outputs.push(device.read(o.buffer)?.ok_or_else(|| lost("output", &o.name))?);
+    }
+    Ok((params, grads, outputs))
 }
 
 /// Assembles logical tensors from every device's blocks (in row-major device order).

@@ -2,6 +2,7 @@
 //! through a [`comm::Communicator`]; backends differ only in where kernels run and how peers talk.
 //! The CPU backend (threads in one process) is the reference every other backend is checked against.
 
+pub mod arena;
 pub mod backend;
 pub mod comm;
 pub mod compare;
@@ -19,6 +20,7 @@ pub mod mpi;
 pub mod settings;
 pub mod shapes;
 pub mod tensor;
+pub mod view;
 pub mod watchdog;
 
 pub use exec::{Device, StepError, describe_instruction, in_instruction};

@@ -11,7 +11,8 @@ use crate::runtime::shapes::{
     self, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
     slice_shard_runs, split_last, transpose_swap,
 };
-use crate::runtime::tensor::{Data, Tensor};
+use crate::runtime::tensor::Tensor;
+use crate::runtime::view::{View, ViewData, ViewMut, ViewMutData};
 use crate::shard::layout::Placement;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
@@ -20,10 +21,17 @@ use rayon::prelude::*;
 /// Runs one kernel. `out` is preallocated with the output buffer's local shape (zeros on first write;
 /// it holds the previous contents when the kernel accumulates). Errors are messages, never panics.
 pub fn run(kernel: &Kernel, inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelContext) -> Result<(), String> {
+    let views: Vec<View> = inputs.iter().map(|t| t.view()).collect();
+    let refs: Vec<&View> = views.iter().collect();
+    run_views(kernel, &refs, &mut out.view_mut(), ctx)
+}
+
+/// [`run`] on views of any storage (the host arena): the entry point of the CPU backend.
+pub fn run_views(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), String> {
     dispatch(kernel, inputs, out, ctx).map_err(|e| format!("{kernel:?}: {e}"))
 }
 
-fn dispatch(kernel: &Kernel, inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelContext) -> Result<(), String> {
+fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), String> {
     match *kernel {
         Kernel::MatMul { transpose_a, transpose_b, accumulate } => {
             matmul_kernel(inputs, out, transpose_a, transpose_b, accumulate)
@@ -76,26 +84,26 @@ fn dispatch(kernel: &Kernel, inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelC
 // ---- helpers ---------------------------------------------------------------------------------------
 
 /// Exactly `N` inputs.
-fn args<'t, const N: usize>(inputs: &[&'t Tensor]) -> Result<[&'t Tensor; N], String> {
-    <[&'t Tensor; N]>::try_from(inputs).map_err(|_| format!("expects {N} inputs, got {}", inputs.len()))
+fn args<'t, 'v, const N: usize>(inputs: &[&'t View<'v>]) -> Result<[&'t View<'v>; N], String> {
+    <[&'t View<'v>; N]>::try_from(inputs).map_err(|_| format!("expects {N} inputs, got {}", inputs.len()))
 }
 
 /// The f32 elements of an input, checked against its shape.
-fn floats<'t>(t: &'t Tensor, what: &str) -> Result<&'t [f32], String> {
+fn floats<'t>(t: &'t View, what: &str) -> Result<&'t [f32], String> {
     let v = t.f32().map_err(|e| format!("{what}: {e}"))?;
     ensure(v.len() == numel(&t.shape), || format!("{what} holds {} elements, not {:?}", v.len(), t.shape))?;
     Ok(v)
 }
 
 /// The i32 elements of an input, checked against its shape.
-fn ints<'t>(t: &'t Tensor, what: &str) -> Result<&'t [i32], String> {
+fn ints<'t>(t: &'t View, what: &str) -> Result<&'t [i32], String> {
     let v = t.i32().map_err(|e| format!("{what}: {e}"))?;
     ensure(v.len() == numel(&t.shape), || format!("{what} holds {} elements, not {:?}", v.len(), t.shape))?;
     Ok(v)
 }
 
 /// The f32 elements of the output, checked against its shape.
-fn floats_mut(t: &mut Tensor) -> Result<&mut [f32], String> {
+fn floats_mut<'t>(t: &'t mut ViewMut) -> Result<&'t mut [f32], String> {
     let n = numel(&t.shape);
     let v = t.f32_mut().map_err(|e| format!("output: {e}"))?;
     ensure(v.len() == n, || format!("the output holds {} elements, not {n}", v.len()))?;
@@ -239,7 +247,7 @@ fn view_mut(
     Ok(MatMut::from_column_major_slice_with_stride_mut(&mut data[start..], cols, rows, stride).transpose_mut())
 }
 
-fn matmul_kernel(inputs: &[&Tensor], out: &mut Tensor, ta: bool, tb: bool, accumulate: bool) -> Result<(), String> {
+fn matmul_kernel(inputs: &[&View], out: &mut ViewMut, ta: bool, tb: bool, accumulate: bool) -> Result<(), String> {
     let [a, b] = args(inputs)?;
     let ((ar, ac), (br, bc)) = (split_last(&a.shape), split_last(&b.shape));
     let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
@@ -252,7 +260,7 @@ fn matmul_kernel(inputs: &[&Tensor], out: &mut Tensor, ta: bool, tb: bool, accum
     gemm(MatMut::from_row_major_slice_mut(y, m, n), a, b, accumulate, 1.0)
 }
 
-fn batched_matmul(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn batched_matmul(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [a, b] = args(inputs)?;
     let (la, m, k) = batch_matrix(&a.shape, "A")?;
     let (lb, k2, n) = batch_matrix(&b.shape, "B")?;
@@ -273,38 +281,44 @@ fn batched_matmul(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
 
 // ---- elementwise ----------------------------------------------------------------------------------
 
-fn map_unary(inputs: &[&Tensor], out: &mut Tensor, f: impl Fn(f32) -> f32 + Sync) -> Result<(), String> {
+fn map_unary(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32) -> f32 + Sync) -> Result<(), String> {
     let [x] = args(inputs)?;
     let x = floats(x, "the input")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), x.len())?;
     par::chunks(y, |start, y| {
-        vectorized(#[inline(always)] || {
-            for (y, &x) in y.iter_mut().zip(&x[start..]) {
-                *y = f(x);
-            }
-        });
+        vectorized(
+            #[inline(always)]
+            || {
+                for (y, &x) in y.iter_mut().zip(&x[start..]) {
+                    *y = f(x);
+                }
+            },
+        );
         Ok::<(), String>(())
     })
 }
 
-fn map_binary(inputs: &[&Tensor], out: &mut Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<(), String> {
+fn map_binary(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<(), String> {
     let [a, b] = args(inputs)?;
     let (a, b) = (floats(a, "the first input")?, floats(b, "the second input")?);
     same_len("the second input", b.len(), a.len())?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), a.len())?;
     par::chunks(y, |start, y| {
-        vectorized(#[inline(always)] || {
-            for ((y, &a), &b) in y.iter_mut().zip(&a[start..]).zip(&b[start..]) {
-                *y = f(a, b);
-            }
-        });
+        vectorized(
+            #[inline(always)]
+            || {
+                for ((y, &a), &b) in y.iter_mut().zip(&a[start..]).zip(&b[start..]) {
+                    *y = f(a, b);
+                }
+            },
+        );
         Ok::<(), String>(())
     })
 }
 
-fn bias_add(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn bias_add(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [x, b] = args(inputs)?;
     let (_, n) = split_last(&x.shape);
     let (xv, bv) = (floats(x, "x")?, floats(b, "the bias")?);
@@ -363,7 +377,7 @@ fn softmax_in_place(row: &mut [f32]) {
     vmath::softmax_row(row);
 }
 
-fn softmax(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn softmax(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [x] = args(inputs)?;
     let (_, n) = split_last(&x.shape);
     let xv = floats(x, "the input")?;
@@ -376,7 +390,7 @@ fn softmax(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     })
 }
 
-fn softmax_grad(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn softmax_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [dy, y] = args(inputs)?;
     let (_, n) = split_last(&y.shape);
     let (dyv, yv) = (floats(dy, "dy")?, floats(y, "y")?);
@@ -396,7 +410,7 @@ fn softmax_grad(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
 }
 
 /// Copies x, replacing entries above the diagonal of each trailing matrix by `fill`.
-fn causal_mask(inputs: &[&Tensor], out: &mut Tensor, fill: f32) -> Result<(), String> {
+fn causal_mask(inputs: &[&View], out: &mut ViewMut, fill: f32) -> Result<(), String> {
     let [x] = args(inputs)?;
     let (_, rows, cols) = batch_matrix(&x.shape, "the input")?;
     let xv = floats(x, "the input")?;
@@ -418,7 +432,7 @@ fn causal_mask(inputs: &[&Tensor], out: &mut Tensor, fill: f32) -> Result<(), St
 // ---- dropout and logical indices ------------------------------------------------------------------
 
 /// Dropout and its gradient: the mask depends only on (seed, key, logical index).
-fn dropout(inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelContext, p: f64, key: u32) -> Result<(), String> {
+fn dropout(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext, p: f64, key: u32) -> Result<(), String> {
     let [x] = args(inputs)?;
     let xv = floats(x, "the input")?;
     ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not in [0, 1]"))?;
@@ -468,29 +482,29 @@ impl Runs {
 }
 
 /// Applies `runs` from `x` to `out` for either element type (both must match).
-fn move_runs(x: &Tensor, out: &mut Tensor, runs: Runs) -> Result<(), String> {
+fn move_runs(x: &View, out: &mut ViewMut, runs: Runs) -> Result<(), String> {
     let (src_n, dst_n) = (numel(&x.shape), numel(&out.shape));
     match (&x.data, &mut out.data) {
-        (Data::F32(s), Data::F32(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
-        (Data::I32(s), Data::I32(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
-        (Data::F32(_), Data::F32(_)) | (Data::I32(_), Data::I32(_)) => {
+        (ViewData::F32(s), ViewMutData::F32(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
+        (ViewData::I32(s), ViewMutData::I32(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
+        (ViewData::F32(_), ViewMutData::F32(_)) | (ViewData::I32(_), ViewMutData::I32(_)) => {
             Err("a tensor's element count does not match its shape".into())
         }
         _ => Err("the input and output element types differ".into()),
     }
 }
 
-fn reshape(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn reshape(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [x] = args(inputs)?;
     move_runs(x, out, reshape_runs(&x.shape, &out.shape)?)
 }
 
-fn select(inputs: &[&Tensor], out: &mut Tensor, dim: usize, index: u64) -> Result<(), String> {
+fn select(inputs: &[&View], out: &mut ViewMut, dim: usize, index: u64) -> Result<(), String> {
     let [x] = args(inputs)?;
     move_runs(x, out, select_runs(&x.shape, &out.shape, dim, index)?)
 }
 
-fn select_grad(inputs: &[&Tensor], out: &mut Tensor, dim: usize, index: u64) -> Result<(), String> {
+fn select_grad(inputs: &[&View], out: &mut ViewMut, dim: usize, index: u64) -> Result<(), String> {
     let [dy] = args(inputs)?;
     move_runs(dy, out, select_grad_runs(&dy.shape, &out.shape, dim, index)?)
 }
@@ -523,13 +537,13 @@ impl Swap {
     }
 }
 
-fn transpose(inputs: &[&Tensor], out: &mut Tensor, dim0: usize, dim1: usize) -> Result<(), String> {
+fn transpose(inputs: &[&View], out: &mut ViewMut, dim0: usize, dim1: usize) -> Result<(), String> {
     let [x] = args(inputs)?;
     let swap = transpose_swap(&x.shape, &out.shape, dim0, dim1)?;
     let n = numel(&x.shape);
     match (&x.data, &mut out.data) {
-        (Data::F32(src), Data::F32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
-        (Data::I32(src), Data::I32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
+        (ViewData::F32(src), ViewMutData::F32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
+        (ViewData::I32(src), ViewMutData::I32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
         _ => return Err("the input and output must have the same element type and element count".into()),
     }
     Ok(())
@@ -537,8 +551,8 @@ fn transpose(inputs: &[&Tensor], out: &mut Tensor, dim0: usize, dim1: usize) -> 
 
 /// The input holds the whole extent of the placement's dimension; the output this device's block.
 fn slice_shard(
-    inputs: &[&Tensor],
-    out: &mut Tensor,
+    inputs: &[&View],
+    out: &mut ViewMut,
     ctx: &KernelContext,
     axis: usize,
     p: Placement,
@@ -547,11 +561,11 @@ fn slice_shard(
     move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, (ctx.i, ctx.j), axis, p)?)
 }
 
-fn fill(inputs: &[&Tensor], out: &mut Tensor, value: f64) -> Result<(), String> {
+fn fill(inputs: &[&View], out: &mut ViewMut, value: f64) -> Result<(), String> {
     args::<0>(inputs)?;
     match &mut out.data {
-        Data::F32(v) => v.fill(value as f32),
-        Data::I32(v) => v.fill(value as i32),
+        ViewMutData::F32(v) => v.fill(value as f32),
+        ViewMutData::I32(v) => v.fill(value as i32),
     }
     Ok(())
 }
@@ -562,7 +576,7 @@ fn fill(inputs: &[&Tensor], out: &mut Tensor, value: f64) -> Result<(), String> 
 type Qkv<'a> = shapes::Qkv<'a, [f32]>;
 
 impl<'a> Qkv<'a> {
-    fn of(operands: &[&'a Tensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
+    fn of(operands: &[&'a View], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
         Qkv::new(operands, |t| t.shape.as_slice(), floats, heads, fused)
     }
 
@@ -636,7 +650,7 @@ fn scratch(rows: usize, cols: usize) -> Result<Vec<f32>, String> {
 
 /// Each batch's attention is independent: batches run in parallel, each with its own scratch (one
 /// tile of scores), and write their own rows of the output.
-fn attention(inputs: &[&Tensor], out: &mut Tensor, heads: u64, causal: bool, fused: bool) -> Result<(), String> {
+fn attention(inputs: &[&View], out: &mut ViewMut, heads: u64, causal: bool, fused: bool) -> Result<(), String> {
     let qkv = Qkv::of(inputs, heads, fused)?;
     same_shape("the output", &out.shape, &qkv.out_shape())?;
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
@@ -661,8 +675,8 @@ fn attention(inputs: &[&Tensor], out: &mut Tensor, heads: u64, causal: bool, fus
 
 /// (dy, operands..) -> the gradient of operand `wrt` (all three, packed, when fused).
 fn attention_grad(
-    inputs: &[&Tensor],
-    out: &mut Tensor,
+    inputs: &[&View],
+    out: &mut ViewMut,
     heads: u64,
     causal: bool,
     fused: bool,
@@ -776,18 +790,18 @@ fn out_of_range(id: i32, base: u64, rows: usize) -> String {
     format!("token id {id} is outside this device's embedding rows [{base}, {})", base.saturating_add(rows as u64))
 }
 
-fn table_dims(t: &Tensor, what: &str) -> Result<(usize, usize), String> {
+fn table_dims(t: &View, what: &str) -> Result<(usize, usize), String> {
     match t.shape[..] {
         [rows, w] => Ok((rows as usize, w as usize)),
         _ => Err(format!("{what} must be [rows, width], not {:?}", t.shape)),
     }
 }
 
-fn embedding_lookup(inputs: &[&Tensor], out: &mut Tensor, base: u64, masked: bool) -> Result<(), String> {
+fn embedding_lookup(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) -> Result<(), String> {
     let [ids, table] = args(inputs)?;
     let (rows, w) = table_dims(table, "the table")?;
     let (idv, tv) = (ints(ids, "the ids")?, floats(table, "the table")?);
-    let mut want = ids.shape.clone();
+    let mut want = ids.shape.to_vec();
     want.push(w as u64);
     same_shape("the output", &out.shape, &want)?;
     let y = floats_mut(out)?;
@@ -801,11 +815,11 @@ fn embedding_lookup(inputs: &[&Tensor], out: &mut Tensor, base: u64, masked: boo
     Ok(())
 }
 
-fn embedding_grad(inputs: &[&Tensor], out: &mut Tensor, base: u64, masked: bool) -> Result<(), String> {
+fn embedding_grad(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) -> Result<(), String> {
     let [ids, dy] = args(inputs)?;
-    let (rows, w) = table_dims(out, "the output")?;
+    let (rows, w) = table_dims(&out.as_view(), "the output")?;
     let (idv, dyv) = (ints(ids, "the ids")?, floats(dy, "dy")?);
-    let mut want = ids.shape.clone();
+    let mut want = ids.shape.to_vec();
     want.push(w as u64);
     same_shape("dy", &dy.shape, &want)?;
     let g = floats_mut(out)?;
@@ -833,7 +847,7 @@ fn position_dims(table: &[u64], seq_shape: &[u64], what: &str) -> Result<(usize,
     Ok((s, w))
 }
 
-fn position_lookup(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn position_lookup(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [table] = args(inputs)?;
     let (s, w) = position_dims(&table.shape, &out.shape, "the output")?;
     let tv = floats(table, "the table")?;
@@ -844,7 +858,7 @@ fn position_lookup(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     Ok(())
 }
 
-fn position_grad(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [dy] = args(inputs)?;
     let (s, w) = position_dims(&out.shape, &dy.shape, "dy")?;
     let dyv = floats(dy, "dy")?;
@@ -861,7 +875,7 @@ fn position_grad(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
 // ---- layer norm -----------------------------------------------------------------------------------
 
 /// Per-row column statistics: `count` rows of `width` values each.
-fn per_row<'t>(t: &'t Tensor, rows: usize, width: usize, what: &str) -> Result<&'t [f32], String> {
+fn per_row<'t>(t: &'t View, rows: usize, width: usize, what: &str) -> Result<&'t [f32], String> {
     let v = floats(t, what)?;
     same_len(what, v.len(), rows * width)?;
     Ok(v)
@@ -878,12 +892,13 @@ fn mean_rstd(sum: &[f32], sqsum: &[f32], n: u64, eps: f64) -> Result<Vec<(f32, f
     Ok(stats.collect())
 }
 
-fn row_sum(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn row_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [x] = args(inputs)?;
     let (rows, n) = split_last(&x.shape);
     let xv = floats(x, "x")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows)?;
+    y.fill(0.0);
     par::costed_row_blocks(y, 1, n, |first, y| {
         for (y, row) in y.iter_mut().zip(rows_of(&xv[first * n..], n)) {
             *y = sum_by(row, |v| v);
@@ -892,13 +907,14 @@ fn row_sum(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
     })
 }
 
-fn row_centered_square_sum(inputs: &[&Tensor], out: &mut Tensor, n: u64) -> Result<(), String> {
+fn row_centered_square_sum(inputs: &[&View], out: &mut ViewMut, n: u64) -> Result<(), String> {
     let [x, sum] = args(inputs)?;
     ensure(n > 0, || "the normalised size is 0".to_string())?;
     let (rows, width) = split_last(&x.shape);
     let (xv, sv) = (floats(x, "x")?, per_row(sum, rows, 1, "the sum")?);
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows)?;
+    y.fill(0.0);
     par::costed_row_blocks(y, 1, width, |first, y| {
         for ((y, row), &s) in y.iter_mut().zip(rows_of(&xv[first * width..], width)).zip(&sv[first..]) {
             let mean = (f64::from(s) / n as f64) as f32;
@@ -908,7 +924,7 @@ fn row_centered_square_sum(inputs: &[&Tensor], out: &mut Tensor, n: u64) -> Resu
     })
 }
 
-fn layer_norm_apply(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> Result<(), String> {
+fn layer_norm_apply(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
     let [x, sum, sqsum, gamma, beta] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let xv = floats(x, "x")?;
@@ -928,7 +944,7 @@ fn layer_norm_apply(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> R
     })
 }
 
-fn layer_norm_grad_sums(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> Result<(), String> {
+fn layer_norm_grad_sums(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
     let [dy, x, gamma, sum, sqsum] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -936,6 +952,7 @@ fn layer_norm_grad_sums(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) 
     let stats = mean_rstd(per_row(sum, rows, 1, "the sum")?, per_row(sqsum, rows, 1, "the square sum")?, n, eps)?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows * 2)?;
+    y.fill(0.0);
     par::costed_row_blocks(y, 2, 2 * width, |first, y| {
         let mut scaled = vec![0.0f32; width];
         let rows = rows_of(&dyv[first * width..], width).zip(rows_of(&xv[first * width..], width));
@@ -950,7 +967,7 @@ fn layer_norm_grad_sums(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) 
     })
 }
 
-fn layer_norm_grad_input(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> Result<(), String> {
+fn layer_norm_grad_input(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
     let [dy, x, gamma, sum, sqsum, sums] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -975,7 +992,7 @@ fn layer_norm_grad_input(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64)
     })
 }
 
-fn layer_norm_grad_weight(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64) -> Result<(), String> {
+fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
     let [dy, x, sum, sqsum] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -994,7 +1011,7 @@ fn layer_norm_grad_weight(inputs: &[&Tensor], out: &mut Tensor, n: u64, eps: f64
     })
 }
 
-fn sum_to_last(inputs: &[&Tensor], out: &mut Tensor) -> Result<(), String> {
+fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [x] = args(inputs)?;
     let (_, width) = split_last(&x.shape);
     let xv = floats(x, "x")?;
@@ -1045,12 +1062,13 @@ impl Vocab {
     }
 }
 
-fn cross_entropy_max(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Result<(), String> {
+fn cross_entropy_max(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), String> {
     let [logits] = args(inputs)?;
     let (rows, width) = split_last(&logits.shape);
     let lv = floats(logits, "the logits")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows)?;
+    y.fill(f32::NEG_INFINITY);
     let live = vocab.live(width);
     par::costed_row_blocks(y, 1, width, |first, y| {
         for (y, row) in y.iter_mut().zip(rows_of(&lv[first * width..], width)) {
@@ -1060,7 +1078,7 @@ fn cross_entropy_max(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Resu
     })
 }
 
-fn cross_entropy_stats(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Result<(), String> {
+fn cross_entropy_stats(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), String> {
     let [logits, targets, max] = args(inputs)?;
     let (rows, width) = split_last(&logits.shape);
     let lv = floats(logits, "the logits")?;
@@ -1069,6 +1087,7 @@ fn cross_entropy_stats(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Re
     let mv = per_row(max, rows, 1, "the max")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), rows * 2)?;
+    y.fill(0.0);
     let live = vocab.live(width);
     par::costed_row_blocks(y, 2, width, |first, y| {
         let per_row = rows_of(&lv[first * width..], width).zip(&tv[first..]).zip(&mv[first..]);
@@ -1081,7 +1100,7 @@ fn cross_entropy_stats(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab) -> Re
     })
 }
 
-fn cross_entropy_loss(inputs: &[&Tensor], out: &mut Tensor, count: u64) -> Result<(), String> {
+fn cross_entropy_loss(inputs: &[&View], out: &mut ViewMut, count: u64) -> Result<(), String> {
     let [max, stats] = args(inputs)?;
     ensure(count > 0, || "the row count is 0".to_string())?;
     let mv = floats(max, "the max")?;
@@ -1094,7 +1113,7 @@ fn cross_entropy_loss(inputs: &[&Tensor], out: &mut Tensor, count: u64) -> Resul
     Ok(())
 }
 
-fn cross_entropy_grad(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab, count: u64) -> Result<(), String> {
+fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab, count: u64) -> Result<(), String> {
     let [logits, targets, max, stats, dloss] = args(inputs)?;
     ensure(count > 0, || "the row count is 0".to_string())?;
     let (rows, width) = split_last(&logits.shape);
@@ -1115,11 +1134,14 @@ fn cross_entropy_grad(inputs: &[&Tensor], out: &mut Tensor, vocab: Vocab, count:
             let target = vocab.local(vocab.target(t)?, width);
             let inv = 1.0 / s[1];
             let (live_g, padding) = gr.split_at_mut(live);
-            vectorized(#[inline(always)] || {
-                for (g, &l) in live_g.iter_mut().zip(lr) {
-                    *g = vmath::exp(l - m) * inv * factor;
-                }
-            });
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (g, &l) in live_g.iter_mut().zip(lr) {
+                        *g = vmath::exp(l - m) * inv * factor;
+                    }
+                },
+            );
             padding.fill(0.0);
             if let Some(c) = target {
                 live_g[c] -= factor;
@@ -1145,6 +1167,19 @@ pub fn optimizer_step(
     grad: &Tensor,
     state1: &mut Tensor,
     state2: &mut Tensor,
+    settings: &OptimizerSettings,
+    step: u64,
+) -> Result<(), String> {
+    let (mut state1, mut state2) = (state1.view_mut(), state2.view_mut());
+    optimizer_step_views(&mut param.view_mut(), &grad.view(), &mut state1, &mut state2, settings, step)
+}
+
+/// [`optimizer_step`] on views of any storage (the host arena).
+pub fn optimizer_step_views(
+    param: &mut ViewMut,
+    grad: &View,
+    state1: &mut ViewMut,
+    state2: &mut ViewMut,
     settings: &OptimizerSettings,
     step: u64,
 ) -> Result<(), String> {
@@ -1205,15 +1240,18 @@ fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &OptimizerSe
     let per_task = par::items_per_task(p.len(), 1);
     let chunks = p.par_chunks_mut(per_task).zip(g.par_chunks(per_task));
     chunks.zip(m.par_chunks_mut(per_task)).zip(v.par_chunks_mut(per_task)).for_each(|(((p, g), m), v)| {
-        vectorized(#[inline(always)] || {
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
-                *p *= decay;
-                *m = lerp(*m, g, w1);
-                *v = *v * beta2 + w2 * g * g;
-                let denom = v.sqrt() / bias2_sqrt + eps;
-                *p += -step_size * *m / denom;
-            }
-        })
+        vectorized(
+            #[inline(always)]
+            || {
+                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+                    *p *= decay;
+                    *m = lerp(*m, g, w1);
+                    *v = *v * beta2 + w2 * g * g;
+                    let denom = v.sqrt() / bias2_sqrt + eps;
+                    *p += -step_size * *m / denom;
+                }
+            },
+        )
     });
 }
 
@@ -1224,6 +1262,7 @@ mod tests {
     use crate::plan::{Buffer, Mesh};
     use crate::plan::{BufferId, Role};
     use crate::runtime::init::mix64 as splitmix64;
+    use crate::runtime::tensor::Data;
     use crate::shard::layout::Layout;
 
     type R = Result<(), String>;

@@ -5,14 +5,16 @@ pub mod par;
 pub mod threads;
 pub mod vmath;
 
-use super::backend::Backend;
+use super::arena::{ArenaLayout, HostArena};
 #[cfg(feature = "cuda")]
 use super::backend::BackendKind;
+use super::backend::{Backend, Exchange, UpdateBuffers};
 use super::comm::Communicator;
 pub use super::exec::{Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord, assemble, run_device};
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
-use crate::plan::{Kernel, Plan};
+use super::view::View;
+use crate::plan::{BufferId, Kernel, Plan};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use threads::{Fabric, ThreadComm};
@@ -107,34 +109,72 @@ fn join_or_abandon<T>(
     handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
 }
 
-/// Kernels on the host CPU (faer for matrix products).
+/// Kernels on the host CPU (faer for matrix products), on a [`HostArena`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
 impl Backend for CpuBackend {
+    type Storage = HostArena;
+
     fn name(&self) -> &'static str {
         "cpu"
     }
 
+    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, String> {
+        HostArena::new(plan, layout)
+    }
+
+    fn upload(&mut self, storage: &mut HostArena, id: BufferId, tensor: &Tensor) -> Result<(), String> {
+        storage.write(id, tensor)
+    }
+
+    fn download(&mut self, storage: &HostArena, id: BufferId) -> Result<Tensor, String> {
+        storage.download(id)
+    }
+
+    fn zero(&mut self, storage: &mut HostArena, id: BufferId) -> Result<(), String> {
+        storage.zero(id)
+    }
+
+    fn first_non_finite(&mut self, storage: &HostArena, id: BufferId) -> Result<Option<(usize, f32)>, String> {
+        storage.first_non_finite(id)
+    }
+
     fn kernel(
         &mut self,
+        storage: &mut HostArena,
         kernel: &Kernel,
-        inputs: &[&Tensor],
-        out: &mut Tensor,
+        inputs: &[BufferId],
+        output: BufferId,
         ctx: &KernelContext,
     ) -> Result<(), String> {
-        par::on_pool(|| kernels::run(kernel, inputs, out, ctx))
+        let (ins, mut outs) = storage.operands(inputs, &[output])?;
+        let refs: Vec<&View> = ins.iter().collect();
+        let out = outs.first_mut().ok_or("unreachable: one output")?;
+        par::on_pool(|| kernels::run_views(kernel, &refs, out, ctx))
     }
 
     fn optimizer_step(
         &mut self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        state1: &mut Tensor,
-        state2: &mut Tensor,
+        storage: &mut HostArena,
+        b: UpdateBuffers,
         settings: &OptimizerSettings,
         step: u64,
     ) -> Result<(), String> {
-        par::on_pool(|| kernels::optimizer_step(param, grad, state1, state2, settings, step))
+        let (ins, mut outs) = storage.operands(&[b.grad], &[b.param, b.state1, b.state2])?;
+        let ([grad], [param, state1, state2]) = (&ins[..], &mut outs[..]) else {
+            return Err("unreachable: a gradient and three updated buffers".into());
+        };
+        par::on_pool(|| kernels::optimizer_step_views(param, grad, state1, state2, settings, step))
+    }
+
+    fn collective(
+        &mut self,
+        storage: &mut HostArena,
+        send: BufferId,
+        recv: BufferId,
+        exchange: &mut Exchange<'_>,
+    ) -> Result<(), String> {
+        storage.exchange(send, recv, exchange)
     }
 }

@@ -1,16 +1,18 @@
 //! The CUDA backend: cuBLAS products and NVRTC-compiled kernels, one GPU per device.
 //!
-//! This version is host-staged: buffers live in host memory between instructions, and each kernel
-//! uploads its operands, runs on the GPU and downloads its result, so any communicator (threads or
-//! MPI) works unchanged. Device-resident buffers with NCCL collectives are the next step.
+//! This version is host-staged: buffers live in a host arena (the CPU backend's storage) between
+//! instructions, and each kernel uploads its operands, runs on the GPU and downloads its result, so
+//! any communicator (threads or MPI) works unchanged. Device-resident buffers with NCCL collectives are the next step.
 
 pub mod kernels;
 pub mod nccl;
 
-use super::backend::Backend;
+use super::arena::{ArenaLayout, HostArena};
+use super::backend::{Backend, Exchange, UpdateBuffers};
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
-use crate::plan::Kernel;
+use super::view::View;
+use crate::plan::{BufferId, Kernel, Plan};
 use cudarc::driver::{CudaContext, CudaStream};
 use kernels::{CudaKernels, DeviceTensor};
 use std::sync::Arc;
@@ -53,46 +55,80 @@ impl CudaBackend {
         Ok(CudaBackend { kernels, stream })
     }
 
-    fn upload(&self, t: &Tensor) -> Result<DeviceTensor, String> {
-        DeviceTensor::upload(&self.stream, t)
+    /// A GPU copy of a host view.
+    fn upload_view(&self, view: &View) -> Result<DeviceTensor, String> {
+        DeviceTensor::upload(&self.stream, &view.to_tensor())
     }
 }
 
 impl Backend for CudaBackend {
+    /// Host-staged for now: buffers live in a host arena and each kernel copies its operands to the
+    /// GPU and its result back. Device-resident storage (a `CudaSlice` arena) is the next step; the
+    /// trait already names buffers by id, so the executor will not change.
+    type Storage = HostArena;
+
     fn name(&self) -> &'static str {
         "cuda"
     }
 
+    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, String> {
+        HostArena::new(plan, layout)
+    }
+
+    fn upload(&mut self, storage: &mut HostArena, id: BufferId, tensor: &Tensor) -> Result<(), String> {
+        storage.write(id, tensor)
+    }
+
+    fn download(&mut self, storage: &HostArena, id: BufferId) -> Result<Tensor, String> {
+        storage.download(id)
+    }
+
+    fn zero(&mut self, storage: &mut HostArena, id: BufferId) -> Result<(), String> {
+        storage.zero(id)
+    }
+
+    fn first_non_finite(&mut self, storage: &HostArena, id: BufferId) -> Result<Option<(usize, f32)>, String> {
+        storage.first_non_finite(id)
+    }
+
     fn kernel(
         &mut self,
+        storage: &mut HostArena,
         kernel: &Kernel,
-        inputs: &[&Tensor],
-        out: &mut Tensor,
+        inputs: &[BufferId],
+        output: BufferId,
         ctx: &KernelContext,
     ) -> Result<(), String> {
-        let operands = inputs.iter().map(|t| self.upload(t)).collect::<Result<Vec<_>, _>>()?;
+        let operands = inputs.iter().map(|&id| self.upload_view(&storage.view(id)?)).collect::<Result<Vec<_>, _>>()?;
         let refs: Vec<&DeviceTensor> = operands.iter().collect();
-        let mut result = self.upload(out)?;
+        let mut result = self.upload_view(&storage.view(output)?)?;
         self.kernels.run(kernel, &refs, &mut result, ctx)?;
-        *out = result.download(&self.stream)?;
-        Ok(())
+        storage.write(output, &result.download(&self.stream)?)
     }
 
     fn optimizer_step(
         &mut self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        state1: &mut Tensor,
-        state2: &mut Tensor,
+        storage: &mut HostArena,
+        b: UpdateBuffers,
         settings: &OptimizerSettings,
         step: u64,
     ) -> Result<(), String> {
-        let (mut p, g) = (self.upload(param)?, self.upload(grad)?);
-        let (mut s1, mut s2) = (self.upload(state1)?, self.upload(state2)?);
+        let (mut p, g) = (self.upload_view(&storage.view(b.param)?)?, self.upload_view(&storage.view(b.grad)?)?);
+        let mut s1 = self.upload_view(&storage.view(b.state1)?)?;
+        let mut s2 = self.upload_view(&storage.view(b.state2)?)?;
         self.kernels.optimizer_step(&mut p, &g, &mut s1, &mut s2, settings, step)?;
-        *param = p.download(&self.stream)?;
-        *state1 = s1.download(&self.stream)?;
-        *state2 = s2.download(&self.stream)?;
-        Ok(())
+        storage.write(b.param, &p.download(&self.stream)?)?;
+        storage.write(b.state1, &s1.download(&self.stream)?)?;
+        storage.write(b.state2, &s2.download(&self.stream)?)
+    }
+
+    fn collective(
+        &mut self,
+        storage: &mut HostArena,
+        send: BufferId,
+        recv: BufferId,
+        exchange: &mut Exchange<'_>,
+    ) -> Result<(), String> {
+        storage.exchange(send, recv, exchange)
     }
 }

@@ -1,0 +1,305 @@
+//! One device's storage laid out once from the plan: every buffer gets a fixed region of a single
+//! allocation, reused every step. [`layout`] places buffers by their lifetimes in the program (from
+//! first use to their `Free`), so that buffers alive at the same time never share memory;
+//! [`HostArena`] is that allocation in host memory, handing kernels disjoint views of it.
+//!
+//! Offsets and sizes are in 4-byte words: host storage keeps floating-point buffers as f32 and
+//! integer buffers (token ids) as i32, in the same words.
+
+use super::backend::Exchange;
+use super::tensor::Tensor;
+use super::view::{Shape, View, ViewData, ViewMut, ViewMutData};
+use crate::plan::memory::{persistent, touched};
+use crate::plan::{Buffer, BufferId, Instr, Plan};
+
+/// Every region starts on a multiple of this many words (64 bytes, a cache line).
+pub const ALIGN_WORDS: usize = 16;
+
+/// Where each buffer lives in one device's storage.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ArenaLayout {
+    /// The first word of each buffer (by buffer id); `None` for a buffer the device never holds.
+    pub offsets: Vec<Option<usize>>,
+    /// Words in all.
+    pub total: usize,
+}
+
+/// When a buffer is alive, as program positions (both ends included).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetime {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Lifetime {
+    pub fn overlaps(self, other: Lifetime) -> bool {
+        self.start <= other.end && other.start <= self.end
+    }
+}
+
+/// Words a buffer takes on the host (one per element).
+pub fn words(buffer: &Buffer) -> usize {
+    buffer.elements() as usize
+}
+
+fn aligned(words: usize) -> usize {
+    words.div_ceil(ALIGN_WORDS) * ALIGN_WORDS
+}
+
+/// The lifetime of every buffer: persistent buffers (parameters, optimizer state, inputs) span the
+/// whole program; any other buffer runs from the first instruction that touches it to its last
+/// `Free`, or to the end of the program when it is kept (never freed). `None` if never touched.
+pub fn lifetimes(plan: &Plan) -> Vec<Option<Lifetime>> {
+    let end_of_program = plan.program.len();
+    let mut spans: Vec<Option<Lifetime>> = vec![None; plan.buffers.len()];
+    let mut freed = vec![false; plan.buffers.len()];
+    for (index, instr) in plan.program.iter().enumerate() {
+        for id in touched(instr) {
+            let Some(span) = spans.get_mut(id.0 as usize) else { continue };
+            let s = span.get_or_insert(Lifetime { start: index, end: index });
+            s.end = index;
+        }
+        if let Instr::Free { buffer } = instr
+            && let Some(f) = freed.get_mut(buffer.0 as usize)
+        {
+            *f = true;
+        }
+    }
+    for (b, span) in plan.buffers.iter().zip(spans.iter_mut()) {
+        if persistent(b.role) {
+            *span = Some(Lifetime { start: 0, end: end_of_program });
+        } else if let Some(s) = span.as_mut().filter(|_| !freed[b.id.0 as usize]) {
+            s.end = end_of_program;
+        }
+    }
+    spans
+}
+
+/// Lays out one device's storage: persistent buffers first, back to back, then every other buffer,
+/// largest first, into the best-fitting gap among the buffers already placed whose lifetimes overlap
+/// its own (offline "greedy by size" placement).
+pub fn layout(plan: &Plan) -> ArenaLayout {
+    let spans = lifetimes(plan);
+    let mut offsets = vec![None; plan.buffers.len()];
+    let mut base = 0;
+    for b in plan.buffers.iter().filter(|b| persistent(b.role)) {
+        offsets[b.id.0 as usize] = Some(base);
+        base += aligned(words(b));
+    }
+    let mut order: Vec<(&Buffer, Lifetime)> = plan
+        .buffers
+        .iter()
+        .filter(|b| !persistent(b.role))
+        .filter_map(|b| spans[b.id.0 as usize].map(|s| (b, s)))
+        .collect();
+    order.sort_by_key(|(b, s)| (std::cmp::Reverse(words(b)), s.start, b.id.0));
+    let mut placed: Vec<(Lifetime, usize, usize)> = Vec::with_capacity(order.len());
+    let mut total = base;
+    for (b, span) in order {
+        let size = aligned(words(b));
+        let offset = best_fit(&placed, span, size, base);
+        offsets[b.id.0 as usize] = Some(offset);
+        placed.push((span, offset, offset + size));
+        total = total.max(offset + size);
+    }
+    ArenaLayout { offsets, total }
+}
+
+/// The start of the smallest gap of at least `size` words above `base` among the regions of `placed`
+/// alive during `span`, or the end of the highest such region.
+fn best_fit(placed: &[(Lifetime, usize, usize)], span: Lifetime, size: usize, base: usize) -> usize {
+    let mut busy: Vec<(usize, usize)> =
+        placed.iter().filter(|(s, _, _)| s.overlaps(span)).map(|&(_, start, end)| (start, end)).collect();
+    busy.sort_unstable();
+    let mut cursor = base;
+    let mut best: Option<(usize, usize)> = None;
+    for (start, end) in busy {
+        if start > cursor {
+            let gap = start - cursor;
+            if gap >= size && best.is_none_or(|(_, g)| gap < g) {
+                best = Some((cursor, gap));
+            }
+        }
+        cursor = cursor.max(end);
+    }
+    best.map_or(cursor, |(at, _)| at)
+}
+
+/// One buffer's region and element type in a [`HostArena`].
+#[derive(Clone, Debug)]
+struct Region {
+    offset: usize,
+    len: usize,
+    integer: bool,
+    shape: Vec<u64>,
+    name: String,
+}
+
+/// A device's buffers in one host allocation of 4-byte words, laid out by [`layout`].
+pub struct HostArena {
+    words: Vec<f32>,
+    regions: Vec<Option<Region>>,
+}
+
+impl HostArena {
+    /// Allocates the arena (zeroed) for `plan` as `layout` places its buffers.
+    pub fn new(plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, String> {
+        let regions = plan
+            .buffers
+            .iter()
+            .map(|b| {
+                let offset = layout.offsets.get(b.id.0 as usize).copied().flatten()?;
+                let (integer, shape, name) = (b.dtype.is_integer(), b.shape.clone(), b.name.clone());
+                Some(Region { offset, len: words(b), integer, shape, name })
+            })
+            .collect::<Vec<_>>();
+        if let Some(r) = regions.iter().flatten().find(|r| r.offset + r.len > layout.total) {
+            return Err(format!("the arena layout puts `{}` past its end", r.name));
+        }
+        Ok(HostArena { words: vec![0.0; layout.total], regions })
+    }
+
+    /// Words allocated.
+    pub fn total_words(&self) -> usize {
+        self.words.len()
+    }
+
+    fn region(&self, id: BufferId) -> Result<&Region, String> {
+        region_of(&self.regions, id)
+    }
+
+    /// A buffer's contents.
+    pub fn view(&self, id: BufferId) -> Result<View<'_>, String> {
+        let r = self.region(id)?;
+        Ok(shared_view(r, &self.words[r.offset..r.offset + r.len]))
+    }
+
+    /// A buffer's contents, writable.
+    pub fn view_mut(&mut self, id: BufferId) -> Result<ViewMut<'_>, String> {
+        let r = region_of(&self.regions, id)?;
+        Ok(writable_view(r, &mut self.words[r.offset..r.offset + r.len]))
+    }
+
+    /// Copies a host tensor into a buffer (shape and element type must match).
+    pub fn write(&mut self, id: BufferId, tensor: &Tensor) -> Result<(), String> {
+        let mut view = self.view_mut(id)?;
+        if view.shape.as_slice() != tensor.shape.as_slice() {
+            return Err(format!("a {:?} tensor does not fit a {:?} buffer", tensor.shape, view.shape));
+        }
+        match (&mut view.data, tensor.view().data) {
+            (ViewMutData::F32(dst), ViewData::F32(src)) => dst.copy_from_slice(src),
+            (ViewMutData::I32(dst), ViewData::I32(src)) => dst.copy_from_slice(src),
+            _ => return Err("a tensor's element type does not match its buffer's".into()),
+        }
+        Ok(())
+    }
+
+    /// Zero-fills a buffer (what a buffer holds when it comes alive).
+    pub fn zero(&mut self, id: BufferId) -> Result<(), String> {
+        let (offset, len) = self.region(id).map(|r| (r.offset, r.len))?;
+        self.words[offset..offset + len].fill(0.0);
+        Ok(())
+    }
+
+    /// A host copy of a buffer.
+    pub fn download(&self, id: BufferId) -> Result<Tensor, String> {
+        Ok(self.view(id)?.to_tensor())
+    }
+
+    /// The first NaN or infinity of a floating-point buffer, with its element index (`None` for an
+    /// integer buffer).
+    pub fn first_non_finite(&self, id: BufferId) -> Result<Option<(usize, f32)>, String> {
+        let view = self.view(id)?;
+        Ok(view.f32().ok().and_then(|v| v.iter().copied().enumerate().find(|(_, x)| !x.is_finite())))
+    }
+
+    /// Lends `exchange` a collective's send block and receive buffer (both floating point).
+    pub fn exchange(&mut self, send: BufferId, recv: BufferId, exchange: &mut Exchange<'_>) -> Result<(), String> {
+        for id in [send, recv] {
+            let r = self.region(id)?;
+            if r.integer {
+                return Err(format!("only floating-point buffers are communicated, not `{}`", r.name));
+            }
+        }
+        let (ins, mut outs) = self.operands(&[send], &[recv])?;
+        match (ins.first().map(|v| v.data), outs.first_mut().map(|v| &mut v.data)) {
+            (Some(ViewData::F32(s)), Some(ViewMutData::F32(r))) => exchange(s, r).map_err(|e| e.0),
+            _ => Err("unreachable: one floating-point send and receive buffer".into()),
+        }
+    }
+
+    /// Disjoint views of one instruction's operands: `reads` (a buffer may repeat) and the buffers in
+    /// `writes` (distinct, and none of them read).
+    pub fn operands(
+        &mut self,
+        reads: &[BufferId],
+        writes: &[BufferId],
+    ) -> Result<(Vec<View<'_>>, Vec<ViewMut<'_>>), String> {
+        let mut distinct: Vec<BufferId> = writes.to_vec();
+        for id in reads {
+            if writes.contains(id) {
+                return Err(format!("`{}` is both read and written by one instruction", self.region(*id)?.name));
+            }
+            if !distinct.contains(id) {
+                distinct.push(*id);
+            }
+        }
+        let spans =
+            distinct.iter().map(|&id| self.region(id).map(|r| (r.offset, r.len))).collect::<Result<Vec<_>, _>>()?;
+        let mut slices = carve(&mut self.words, &spans)?.into_iter();
+        let region = |id: BufferId| region_of(&self.regions, id);
+        let mut outs = Vec::with_capacity(writes.len());
+        for &id in writes {
+            let slice = slices.next().ok_or("unreachable: one slice per buffer")?;
+            outs.push(writable_view(region(id)?, slice));
+        }
+        let shared: Vec<&[f32]> = slices.map(|s| &*s).collect();
+        let mut ins = Vec::with_capacity(reads.len());
+        for id in reads {
+            let at = distinct[writes.len()..].iter().position(|d| d == id).ok_or("unreachable: every read was kept")?;
+            ins.push(shared_view(region(*id)?, shared[at]));
+        }
+        Ok((ins, outs))
+    }
+}
+
+fn region_of(regions: &[Option<Region>], id: BufferId) -> Result<&Region, String> {
+    regions
+        .get(id.0 as usize)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| format!("buffer {} has no place in this device's storage", id.0))
+}
+
+fn shared_view<'a>(r: &'a Region, words: &'a [f32]) -> View<'a> {
+    let data = if r.integer { ViewData::I32(bytemuck::cast_slice(words)) } else { ViewData::F32(words) };
+    View { shape: Shape(&r.shape), data }
+}
+
+fn writable_view<'a>(r: &'a Region, words: &'a mut [f32]) -> ViewMut<'a> {
+    let data = if r.integer { ViewMutData::I32(bytemuck::cast_slice_mut(words)) } else { ViewMutData::F32(words) };
+    ViewMut { shape: Shape(&r.shape), data }
+}
+
+/// Splits `words` into the regions `(offset, len)` (in the order given), or says which overlap.
+/// Empty regions get empty slices wherever they are placed.
+pub fn carve<'a>(words: &'a mut [f32], regions: &[(usize, usize)]) -> Result<Vec<&'a mut [f32]>, String> {
+    let mut by_offset: Vec<usize> = (0..regions.len()).filter(|&k| regions[k].1 > 0).collect();
+    by_offset.sort_by_key(|&k| regions[k].0);
+    let mut out: Vec<Option<&'a mut [f32]>> = (0..regions.len()).map(|_| None).collect();
+    let (mut rest, mut cursor) = (words, 0usize);
+    for k in by_offset {
+        let (offset, len) = regions[k];
+        if offset < cursor {
+            return Err(format!("storage regions overlap: words {offset}..{} start before {cursor}", offset + len));
+        }
+        if offset + len - cursor > rest.len() {
+            return Err(format!("storage region {offset}..{} lies past the end of the arena", offset + len));
+        }
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(offset - cursor);
+        let (slice, tail) = tail.split_at_mut(len);
+        out[k] = Some(slice);
+        rest = tail;
+        cursor = offset + len;
+    }
+    Ok(out.into_iter().map(|s| s.unwrap_or_default()).collect())
+}

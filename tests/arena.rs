@@ -1,0 +1,87 @@
+//! The arena layout of every example plan: buffers alive at the same time never share words (checked
+//! by an independent sweep of the program), and the arena is within 10% of the plan's memory peak.
+
+use optimus::check::check_source;
+use optimus::elab::Override;
+use optimus::plan::memory::persistent;
+use optimus::plan::{Instr, Mesh, Mode, Plan, Strategy};
+use optimus::runtime::arena::{self, ArenaLayout};
+use optimus::shard::{Target, compile};
+
+const EXAMPLES: [&str; 5] = [
+    "examples/tiny.opt",
+    "examples/gpt2.opt",
+    "examples/gpt2_manual_attention.opt",
+    "examples/bert.opt",
+    "examples/gpt3.opt",
+];
+
+const TARGETS: [((u64, u64), Strategy); 4] =
+    [((1, 1), Strategy::None), ((2, 2), Strategy::Optimus), ((1, 2), Strategy::Megatron), ((1, 4), Strategy::Megatron)];
+
+fn plan(file: &str, mesh: (u64, u64), strategy: Strategy, mode: Mode) -> Plan {
+    let source = std::fs::read_to_string(file).expect("example exists");
+    let overrides = vec![Override { name: "layers".into(), value: "2".into() }];
+    let model = check_source(&source, &overrides).model.expect("example checks");
+    let target = Target { mesh: Mesh { rows: mesh.0, cols: mesh.1 }, strategy, mode };
+    match compile(&model, file, &source, target) {
+        Ok(p) => p,
+        Err(d) => panic!("{file} does not compile: {}", optimus::diag::render_plain(file, &source, &d)),
+    }
+}
+
+/// The word range of a buffer in the layout.
+fn range(plan: &Plan, layout: &ArenaLayout, id: usize) -> (usize, usize) {
+    let start = layout.offsets[id].unwrap_or_else(|| panic!("`{}` is alive but has no place", plan.buffers[id].name));
+    (start, start + arena::words(&plan.buffers[id]))
+}
+
+/// Sweeps the program keeping the set of live buffers (persistent ones always; others from the first
+/// instruction that touches them to their `Free`, or for good) and checks at every instruction that
+/// no two live buffers overlap and that every range lies within the arena.
+fn check_no_live_overlap(plan: &Plan, layout: &ArenaLayout, what: &str) {
+    let mut live: Vec<bool> = plan.buffers.iter().map(|b| persistent(b.role)).collect();
+    for (index, instr) in plan.program.iter().enumerate() {
+        for id in optimus::plan::memory::touched(instr) {
+            live[id.0 as usize] = true;
+        }
+        let mut ranges: Vec<(usize, usize, usize)> = (0..plan.buffers.len())
+            .filter(|&b| live[b])
+            .map(|b| range(plan, layout, b))
+            .enumerate()
+            .filter(|(_, (s, e))| e > s)
+            .map(|(k, (s, e))| (s, e, k))
+            .collect();
+        ranges.sort_unstable();
+        for pair in ranges.windows(2) {
+            assert!(pair[0].1 <= pair[1].0, "{what}: at instruction {index}, live buffers overlap: {pair:?}");
+        }
+        assert!(ranges.iter().all(|r| r.1 <= layout.total), "{what}: a buffer lies past the arena");
+        if let Instr::Free { buffer } = instr
+            && !persistent(plan.buffer(*buffer).role)
+        {
+            live[buffer.0 as usize] = false;
+        }
+    }
+}
+
+#[test]
+fn live_buffers_never_share_words_and_the_arena_is_within_ten_percent_of_the_peak() {
+    let mut worst = 0.0f64;
+    for file in EXAMPLES {
+        for (mesh, strategy) in TARGETS {
+            for mode in [Mode::Train, Mode::Infer] {
+                let plan = plan(file, mesh, strategy, mode);
+                let what = format!("{file} {}x{} {strategy:?} {mode:?}", mesh.0, mesh.1);
+                let layout = arena::layout(&plan);
+                check_no_live_overlap(&plan, &layout, &what);
+                assert!(plan.buffers.iter().all(|b| b.dtype.bytes() == 4), "{what}: a buffer is not 4 bytes wide");
+                let ratio = (layout.total * 4) as f64 / plan.memory.peak_bytes as f64;
+                println!("{what}: arena {} B, peak {} B, ratio {ratio:.4}", layout.total * 4, plan.memory.peak_bytes);
+                assert!(ratio <= 1.1, "{what}: the arena is {ratio:.3}x the plan's peak");
+                worst = worst.max(ratio);
+            }
+        }
+    }
+    println!("worst ratio {worst:.4}");
+}
