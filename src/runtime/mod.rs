@@ -14,6 +14,8 @@ pub mod launch;
 pub mod limits;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod peak;
+pub mod profile;
 pub mod shapes;
 pub mod tensor;
 pub mod watchdog;
@@ -34,6 +36,8 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     /// dropout draws a new mask every step (and the same one when a step is replayed).
     step_seed: u64,
     buffers: Vec<Option<Tensor>>,
+    /// When set, [`Device::step`] times every instruction into it (`optimusc run --profile`).
+    pub profile: Option<profile::Profile>,
 }
 
 impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
@@ -49,7 +53,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 buffers[s.0 as usize] = Some(Tensor::zeros(m.dtype, &m.shape));
             }
         }
-        Device { plan, backend, comm, seed, step_seed: seed, buffers }
+        Device { plan, backend, comm, seed, step_seed: seed, buffers, profile: None }
     }
 
     pub fn coords(&self) -> (u64, u64) {
@@ -94,8 +98,12 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             if index == first_update {
                 self.check_loss()?;
             }
+            let started = self.profile.is_some().then(std::time::Instant::now);
             self.execute(instr, Some((optimizer, step)))
                 .map_err(|e| StepError::Failed(in_instruction(plan, index, &e)))?;
+            if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
+                profile.record(index, started.elapsed());
+            }
         }
         if first_update == plan.program.len() {
             self.check_loss()?;

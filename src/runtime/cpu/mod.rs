@@ -8,6 +8,7 @@ use super::backend::BackendKind;
 use super::comm::Communicator;
 use super::fault::Fault;
 use super::init::gather_blocks;
+use super::profile::Profile;
 use super::tensor::Tensor;
 use crate::plan::Plan;
 use kernels::OptimizerSettings;
@@ -27,6 +28,9 @@ pub struct RunConfig {
     pub fault: Option<Fault>,
     /// Where kernels run.
     pub backend: BackendKind,
+    /// Time every instruction of every device into [`RunOutput::profiles`] (the first step is left
+    /// out as warm-up when there are more).
+    pub profile: bool,
 }
 
 /// What one step produced, as seen by device (0, 0).
@@ -48,6 +52,8 @@ pub struct RunOutput {
     pub grads: BTreeMap<String, Tensor>,
     /// Outputs of the last step, by output name.
     pub outputs: BTreeMap<String, Tensor>,
+    /// Each device's instruction times (row-major device order) when [`RunConfig::profile`] is set.
+    pub profiles: Vec<Profile>,
 }
 
 /// Inputs of step k, as logical tensors by input name.
@@ -55,6 +61,9 @@ pub type Batches<'a> = dyn Fn(u64) -> Result<BTreeMap<String, Tensor>, String> +
 
 /// Blocks one device hands back at the end of a run: parameters, gradients, outputs (plan order).
 pub type DeviceBlocks = (Vec<Tensor>, Vec<Option<Tensor>>, Vec<Tensor>);
+
+/// What [`run_device`] hands back: its step records, its final blocks and its profile (if profiling).
+pub type DeviceRun = (Vec<StepRecord>, DeviceBlocks, Option<Profile>);
 
 /// Runs a plan on one thread per device. `on_step` is called by device (0, 0) after every step.
 /// Parameters start from `initial` where given (logical tensors by name), else from the seed.
@@ -73,7 +82,7 @@ pub fn run(
         BackendKind::Cuda => Some(super::cuda::nccl::ids_for_threads(plan.mesh)?),
         BackendKind::Cpu => None,
     };
-    let results: Vec<Result<(Vec<StepRecord>, DeviceBlocks), String>> = std::thread::scope(|scope| {
+    let results: Vec<Result<DeviceRun, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {
                 let fabric = std::sync::Arc::clone(&fabric);
@@ -108,10 +117,13 @@ pub fn run(
         return Err(first);
     }
     let mut per_device = Vec::with_capacity(results.len());
+    let mut profiles = Vec::new();
     for r in results {
-        per_device.push(r?);
+        let (records, blocks, profile) = r?;
+        per_device.push((records, blocks));
+        profiles.extend(profile);
     }
-    assemble(plan, per_device)
+    Ok(RunOutput { profiles, ..assemble(plan, per_device)? })
 }
 
 /// How long device threads may take to stop once the run has failed before the run is given up.
@@ -156,9 +168,10 @@ pub fn run_device<C: Communicator>(
     batches: &Batches<'_>,
     initial: &BTreeMap<String, Tensor>,
     on_step: &(dyn Fn(&StepRecord) + Sync),
-) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
+) -> Result<DeviceRun, String> {
     let mut device = Device::new(plan, config.backend.create(slot)?, comm, config.seed);
     let (i, j) = device.coords();
+    device.profile = config.profile.then(|| Profile::new(plan, (i, j)));
     for p in &plan.params {
         if let Some(t) = initial.get(&p.name) {
             let block = super::init::block_of(
@@ -197,6 +210,9 @@ pub fn run_device<C: Communicator>(
             .and_then(|o| device.read(o.buffer))
             .and_then(|t| t.f32().ok()?.first().copied());
         let record = StepRecord { step, loss, elapsed: start.elapsed() };
+        if let Some(profile) = device.profile.as_mut() {
+            profile.finish_step(record.elapsed, step == 0 && config.steps > 1);
+        }
         if (i, j) == (0, 0) {
             on_step(&record);
         }
@@ -215,13 +231,19 @@ pub fn run_device<C: Communicator>(
         .iter()
         .map(|o| take(o.buffer).ok_or_else(|| lost("output", &o.name)))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok((records, (params, grads, outputs)))
+    Ok((records, (params, grads, outputs), device.profile.take()))
 }
 
 /// Assembles logical tensors from every device's blocks (in row-major device order).
 pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, String> {
     let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
-    let mut out = RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new() };
+    let mut out = RunOutput {
+        steps,
+        params: BTreeMap::new(),
+        grads: BTreeMap::new(),
+        outputs: BTreeMap::new(),
+        profiles: Vec::new(),
+    };
     for (k, p) in plan.params.iter().enumerate() {
         let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.0[k]).collect();
         let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh)?;
