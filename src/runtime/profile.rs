@@ -321,14 +321,17 @@ impl ProfileReport {
     }
 
     fn header(&self) -> String {
+        let plural = |n: u64, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
         let warm_up = if self.warm_up_excluded { " (step 0 left out as warm-up)" } else { "" };
+        let devices = self.devices.len() as u64;
+        let shared = if devices > 1 { format!("; the {devices} devices share it") } else { String::new() };
         format!(
-            "profile: {} steps{warm_up} on {} devices, times summed over devices\n\
-             peak {:.1} GFLOP/s measured on {} threads ({}); devices of one process share it\n\n",
-            self.steps_profiled,
-            self.devices.len(),
+            "profile: {}{warm_up} on {}, times summed over devices\n\
+             peak {:.1} GFLOP/s measured on {} ({}){shared}\n\n",
+            plural(self.steps_profiled, "step"),
+            plural(devices, "device"),
             self.peak_gflops,
-            self.peak_threads,
+            plural(self.peak_threads as u64, "thread"),
             self.peak_isa
         )
     }
