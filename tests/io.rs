@@ -138,6 +138,7 @@ fn round_trip_after_training_is_bit_exact() {
         timeout: Duration::from_secs(60),
         fault: None,
         backend: Default::default(),
+        profile: false,
     };
     let batches = |step| Ok(random_batch(5, step, batch, seq, 101));
     let trained = run(&plan, &config, &batches, &BTreeMap::new(), &|_| {}).expect("run succeeds").params;

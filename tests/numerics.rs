@@ -76,6 +76,7 @@ fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
         timeout: Duration::from_secs(60),
         fault: None,
         backend: Default::default(),
+        profile: false,
     };
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }

@@ -561,6 +561,7 @@ fn one_step(plan: &Plan) -> Result<optimus::runtime::exec::RunOutput, String> {
         timeout: Duration::from_secs(30),
         fault: None,
         backend: Default::default(),
+        profile: false,
     };
     let shapes: Vec<(String, Vec<u64>)> = plan.inputs.iter().map(|i| (i.name.clone(), i.shape.clone())).collect();
     let batches = move |_step: u64| -> Result<BTreeMap<String, Tensor>, String> {

@@ -48,6 +48,13 @@ pub struct RunArgs {
     /// Print one JSON object per step on standard output.
     #[arg(long)]
     pub json: bool,
+    /// After the run, print on standard error where the time went, as torch.profiler's table does: by kernel
+    /// kind and by collective kind and group, summed over devices (count, total ms, share, average µs,
+    /// achieved GFLOP/s of products and their % of this CPU's peak, GB/s of collectives), then compute,
+    /// communication and other time per device. The first step is left out as warm-up when there are more;
+    /// the peak is measured after the run (about 0.2 s). With --json, a last `{"profile": ...}` record.
+    #[arg(long)]
+    pub profile: bool,
     /// Seconds a collective waits for its peers before the run fails (and, under MPI, aborts the job).
     #[arg(long, default_value_t = 120.0, value_parser = super::flags::seconds)]
     pub timeout: f64,
@@ -243,6 +250,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         timeout: Duration::from_secs_f64(args.timeout),
         fault: optimus::runtime::fault::from_env()?,
         backend: args.backend.kind(),
+        profile: args.profile,
     };
     Ok(Prepared { plan, tokens, initial, config })
 }
@@ -261,7 +269,28 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
         save_checkpoint(path, &job.plan, &output.params)?;
         eprintln_safe!("saved weights to {}", path.display());
     }
+    if args.profile {
+        print_profile(&job.plan, output, args.json);
+    }
     Ok(())
+}
+
+/// The `--profile` tables on standard error and, with `--json`, the profile record on standard output.
+fn print_profile(plan: &Plan, output: &RunOutput, json: bool) {
+    use optimus::runtime::{peak, profile};
+    if output.profiles.is_empty() {
+        eprintln_safe!("note: --profile: no device profiled");
+        return;
+    }
+    let peak = peak::measure_peak(peak::product_threads());
+    let report = profile::report(plan, &output.profiles, &peak);
+    if (output.profiles.len() as u64) < plan.mesh.devices() {
+        eprintln_safe!("note: --profile reports device (0, 0) only: under mpirun profiles are not gathered");
+    }
+    eprint!("{}", optimus::diag::printable_text(&report.to_text()));
+    if json {
+        super::stdout_json(&format!("{}\n", serde_json::json!({ "profile": report })));
+    }
 }
 
 /// Runs under mpirun or srun: one device per process.

@@ -112,6 +112,7 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         timeout: Duration::from_secs(300),
         fault: None,
         backend: optimus::runtime::backend::BackendKind::Cpu,
+        profile: false,
     };
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     let batches = |step| tokens.batch(plan, step);

@@ -8,6 +8,7 @@ use super::comm::Communicator;
 use super::cpu::CpuBackend;
 use super::fault::Fault;
 use super::init::{self, gather_blocks};
+use super::profile::Profile;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use crate::plan::memory::persistent;
@@ -27,6 +28,9 @@ pub struct RunConfig {
     pub fault: Option<Fault>,
     /// Where kernels run.
     pub backend: BackendKind,
+    /// Time every instruction of every device into [`RunOutput::profiles`] (the first step is left
+    /// out as warm-up when there are more).
+    pub profile: bool,
 }
 
 /// What one step produced, as seen by device (0, 0).
@@ -48,6 +52,9 @@ pub struct RunOutput {
     pub grads: BTreeMap<String, Tensor>,
     /// Outputs of the last step, by output name.
     pub outputs: BTreeMap<String, Tensor>,
+    /// Each device's instruction times, when the run was profiled (device order; under MPI only
+    /// this rank's device).
+    pub profiles: Vec<Profile>,
 }
 
 /// Inputs of step k, as logical tensors by input name.
@@ -55,6 +62,9 @@ pub type Batches<'a> = dyn Fn(u64) -> Result<BTreeMap<String, Tensor>, String> +
 
 /// Blocks one device hands back at the end of a run: parameters, gradients, outputs (plan order).
 pub type DeviceBlocks = (Vec<Tensor>, Vec<Option<Tensor>>, Vec<Tensor>);
+
+/// What one device's run hands back: its step records, final blocks and profile (when profiled).
+pub type DeviceResult = (Vec<StepRecord>, DeviceBlocks, Option<Profile>);
 
 /// One device's state: its storage (allocated once from the plan's arena layout), the backend that
 /// runs its kernels, and its endpoint to the others.
@@ -70,6 +80,8 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     /// Which buffers hold a value: a buffer comes alive (zero-filled) when first written and dies at its
     /// `Free`, as if it had its own allocation; its region is shared with buffers of other lifetimes.
     alive: Vec<bool>,
+    /// When set, [`Device::step`] times every instruction into it (`optimusc run --profile`).
+    pub profile: Option<Profile>,
 }
 
 impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
@@ -78,7 +90,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     pub fn new(plan: &'p Plan, mut backend: B, comm: C, seed: u64) -> Result<Device<'p, B, C>, String> {
         let storage = backend.allocate(plan, &arena::layout(plan))?;
         let alive = vec![false; plan.buffers.len()];
-        let mut device = Device { plan, backend, comm, seed, step_seed: seed, storage, alive };
+        let mut device = Device { plan, backend, comm, seed, step_seed: seed, storage, alive, profile: None };
         let (i, j) = device.coords();
         for p in &plan.params {
             let meta = plan.buffer(p.buffer);
@@ -142,8 +154,12 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             if index == first_update {
                 self.check_loss()?;
             }
+            let started = self.profile.is_some().then(Instant::now);
             self.execute(instr, Some((optimizer, step)))
                 .map_err(|e| StepError::Failed(in_instruction(plan, index, &e)))?;
+            if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
+                profile.record(index, started.elapsed());
+            }
         }
         if first_update == plan.program.len() {
             self.check_loss()?;
@@ -367,7 +383,7 @@ pub fn run_device<C: Communicator>(
     batches: &Batches<'_>,
     initial: &BTreeMap<String, Tensor>,
     on_step: &(dyn Fn(&StepRecord) + Sync),
-) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
+) -> Result<DeviceResult, String> {
     let run = DeviceRun { plan, config, batches, initial, on_step };
     match config.backend {
         BackendKind::Cpu => run.on(CpuBackend, comm),
@@ -395,10 +411,11 @@ struct DeviceRun<'r> {
 
 impl DeviceRun<'_> {
     /// The step loop of one device on `backend`.
-    fn on<B: Backend, C: Communicator>(&self, backend: B, comm: C) -> Result<(Vec<StepRecord>, DeviceBlocks), String> {
+    fn on<B: Backend, C: Communicator>(&self, backend: B, comm: C) -> Result<DeviceResult, String> {
         let DeviceRun { plan, config, batches, initial, on_step } = *self;
         let mut device = Device::new(plan, backend, comm, config.seed)?;
         let (i, j) = device.coords();
+        device.profile = config.profile.then(|| Profile::new(plan, (i, j)));
         for p in &plan.params {
             if let Some(t) = initial.get(&p.name) {
                 let block =
@@ -430,12 +447,16 @@ impl DeviceRun<'_> {
                 None => None,
             };
             let record = StepRecord { step, loss, elapsed: start.elapsed() };
+            if let Some(profile) = device.profile.as_mut() {
+                profile.finish_step(record.elapsed, step == 0 && config.steps > 1);
+            }
             if (i, j) == (0, 0) {
                 on_step(&record);
             }
             records.push(record);
         }
-        Ok((records, final_blocks(&mut device)?))
+        let blocks = final_blocks(&mut device)?;
+        Ok((records, blocks, device.profile.take()))
     }
 }
 
@@ -462,7 +483,13 @@ fn final_blocks<B: Backend, C: Communicator>(device: &mut Device<'_, B, C>) -> R
 /// Assembles logical tensors from every device's blocks (in row-major device order).
 pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, String> {
     let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
-    let mut out = RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new() };
+    let mut out = RunOutput {
+        steps,
+        params: BTreeMap::new(),
+        grads: BTreeMap::new(),
+        outputs: BTreeMap::new(),
+        profiles: Vec::new(),
+    };
     for (k, p) in plan.params.iter().enumerate() {
         let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.0[k]).collect();
         let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh)?;

@@ -17,6 +17,8 @@ pub mod limits;
 pub mod logical;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod peak;
+pub mod profile;
 pub mod settings;
 pub mod shapes;
 pub mod tensor;

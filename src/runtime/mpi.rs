@@ -141,13 +141,21 @@ impl MpiJob {
                 .and_then(|nccl| exec::run_device(plan, nccl, self.local_rank, config, batches, initial, on_step)),
             _ => exec::run_device(plan, &comm, self.local_rank, config, batches, initial, on_step),
         };
-        let (records, blocks) = match outcome {
+        let (records, blocks, profile) = match outcome {
             Ok(r) => r,
             Err(e) => self.abort(&format!("device ({i}, {j}) failed: {e}")),
         };
+        // Profiles are not gathered: rank 0 reports its own device's.
+        let profiles: Vec<_> = profile.into_iter().collect();
         if !options.gather {
             let steps = if self.rank == 0 { records } else { Vec::new() };
-            let empty = RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new() };
+            let empty = RunOutput {
+                steps,
+                params: BTreeMap::new(),
+                grads: BTreeMap::new(),
+                outputs: BTreeMap::new(),
+                profiles,
+            };
             return Ok((self.rank == 0).then_some(empty));
         }
         let gathered = gather_blocks(&comm.mesh_world, blocks)?;
@@ -158,7 +166,7 @@ impl MpiJob {
                 if let Some(first) = all.first_mut() {
                     first.0 = records;
                 }
-                exec::assemble(plan, all).map(Some)
+                exec::assemble(plan, all).map(|output| Some(RunOutput { profiles, ..output }))
             }
             None => Ok(None),
         }

@@ -10,7 +10,7 @@ use super::arena::{ArenaLayout, HostArena};
 use super::backend::BackendKind;
 use super::backend::{Backend, Exchange, UpdateBuffers};
 use super::comm::Communicator;
-pub use super::exec::{Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord, assemble, run_device};
+pub use super::exec::{Batches, DeviceBlocks, DeviceResult, RunConfig, RunOutput, StepRecord, assemble, run_device};
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use super::view::View;
@@ -36,7 +36,7 @@ pub fn run(
         BackendKind::Cuda => Some(super::cuda::nccl::ids_for_threads(plan.mesh)?),
         BackendKind::Cpu => None,
     };
-    let results: Vec<Result<(Vec<StepRecord>, DeviceBlocks), String>> = std::thread::scope(|scope| {
+    let results: Vec<Result<DeviceResult, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {
                 let fabric = std::sync::Arc::clone(&fabric);
@@ -71,10 +71,13 @@ pub fn run(
         return Err(first);
     }
     let mut per_device = Vec::with_capacity(results.len());
+    let mut profiles = Vec::new();
     for r in results {
-        per_device.push(r?);
+        let (records, blocks, profile) = r?;
+        per_device.push((records, blocks));
+        profiles.extend(profile);
     }
-    assemble(plan, per_device)
+    Ok(RunOutput { profiles, ..assemble(plan, per_device)? })
 }
 
 /// How long device threads may take to stop once the run has failed before the run is given up.

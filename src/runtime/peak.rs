@@ -1,0 +1,305 @@
+//! This CPU's measured peak float32 FLOP/s: independent fused multiply-add chains on as many threads as
+//! the pool that runs large products, in the widest vector instructions the CPU has. `optimusc run
+//! --profile` compares the FLOP/s its products achieve with this figure.
+
+use serde::Serialize;
+use std::hint::black_box;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+/// Independent accumulators per thread: more than FMA latency (4 cycles) times FMA units (2), so that
+/// every unit starts an FMA every cycle.
+const CHAINS: usize = 12;
+
+/// The length one timed trial aims at; the calibration and the trials stay under 200 ms.
+const TRIAL: Duration = Duration::from_millis(20);
+
+/// Timed trials; the fastest counts, so that a trial that other processes slowed down does not.
+const TRIALS: usize = 7;
+
+/// A calibration run at least this long sizes the trials.
+const CALIBRATION: Duration = Duration::from_millis(5);
+
+/// The measured peak, with what it was measured on.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Peak {
+    /// Float32 GFLOP/s of all `threads` together (an FMA is 2 FLOPs per lane).
+    pub gflops: f64,
+    pub threads: usize,
+    /// The instructions the chains ran ("AVX-512 FMA", "AVX2 FMA", or the baseline).
+    pub isa: &'static str,
+}
+
+/// The number of threads faer's parallel products use (the rayon pool's size).
+pub fn product_threads() -> usize {
+    match faer::Par::rayon(0) {
+        faer::Par::Rayon(n) => n.get(),
+        faer::Par::Seq => 1,
+    }
+}
+
+/// This CPU's float32 GFLOP/s on `threads` threads at once (about 0.15 s of work, the best of 7 trials).
+pub fn measured_peak_gflops(threads: usize) -> f64 {
+    measure_peak(threads).gflops
+}
+
+/// Measures the peak on `threads` threads (at least one) with the widest FMA the CPU has.
+pub fn measure_peak(threads: usize) -> Peak {
+    let threads = threads.max(1);
+    let isa = Isa::detect();
+    let iterations = trial_iterations(isa);
+    let best = (0..TRIALS).map(|_| parallel_seconds(isa, threads, iterations)).fold(f64::INFINITY, f64::min);
+    let flops = threads as f64 * iterations as f64 * (CHAINS * isa.lanes() * 2) as f64;
+    Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: isa.name() }
+}
+
+/// Iterations of the chains that take about [`TRIAL`] on one thread.
+fn trial_iterations(isa: Isa) -> u64 {
+    let mut iterations: u64 = 1 << 10;
+    loop {
+        let start = Instant::now();
+        isa.run(black_box(iterations));
+        let took = start.elapsed();
+        if took >= CALIBRATION || iterations >= 1 << 40 {
+            let scale = TRIAL.as_secs_f64() / took.as_secs_f64().max(1e-9);
+            return ((iterations as f64 * scale) as u64).max(1);
+        }
+        iterations *= 4;
+    }
+}
+
+/// Wall seconds for `threads` threads that each run `iterations` of the chains, started together: from
+/// the first worker's start to the last one's end, both read by the workers themselves (a clock read by a
+/// waiting thread could start late and make the figure too high).
+fn parallel_seconds(isa: Isa, threads: usize, iterations: u64) -> f64 {
+    let barrier = Barrier::new(threads);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    barrier.wait();
+                    let start = Instant::now();
+                    isa.run(black_box(iterations));
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        // A worker cannot panic; one that did would only be left out.
+        workers.into_iter().filter_map(|w| w.join().ok()).collect()
+    });
+    let first = spans.iter().map(|s| s.0).min();
+    let last = spans.iter().map(|s| s.1).max();
+    match (first, last) {
+        (Some(first), Some(last)) => last.duration_since(first).as_secs_f64(),
+        _ => f64::INFINITY,
+    }
+}
+
+/// The vector instructions the chains run in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Avx512,
+    Avx2Fma,
+    Baseline,
+}
+
+impl Isa {
+    fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2Fma;
+            }
+        }
+        Isa::Baseline
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "AVX-512 FMA",
+            Isa::Avx2Fma => "AVX2 FMA",
+            Isa::Baseline => "baseline multiply-add, no FMA detected",
+        }
+    }
+
+    /// Float32 lanes per accumulator.
+    fn lanes(self) -> usize {
+        match self {
+            Isa::Avx512 => 16,
+            Isa::Avx2Fma => 8,
+            Isa::Baseline => BASELINE_LANES,
+        }
+    }
+
+    /// Runs [`CHAINS`] independent chains of `iterations` multiply-adds of [`Isa::lanes`] lanes each.
+    fn run(self, iterations: u64) {
+        match self {
+            // SAFETY: `detect` chose these only where the CPU has the features they enable.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { x86::chains_avx512(iterations) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => {
+                black_box(unsafe { x86::chains_avx2_fma(iterations) });
+            }
+            _ => {
+                black_box(chains_baseline(iterations));
+            }
+        }
+    }
+}
+
+/// Lanes of the baseline's accumulators (what SSE or NEON holds).
+const BASELINE_LANES: usize = 4;
+
+/// Multiply and add on arrays the compiler may vectorise with the baseline instructions.
+fn chains_baseline(iterations: u64) -> f32 {
+    let (a, b) = (black_box(0.999_999f32), black_box(1e-6f32));
+    let mut acc = [[1.0f32; BASELINE_LANES]; CHAINS];
+    for _ in 0..iterations {
+        for chain in &mut acc {
+            for x in chain.iter_mut() {
+                *x = *x * a + b;
+            }
+        }
+    }
+    acc.iter().flatten().sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::CHAINS;
+    use std::arch::x86_64::*;
+    use std::hint::black_box;
+
+    /// [`CHAINS`] chains of `iterations` AVX-512 FMAs, in assembly: the AVX-512 intrinsics are newer than
+    /// the crate's minimum Rust. The accumulators stay zero (0 * 0 + 0), which no CPU runs faster.
+    #[target_feature(enable = "avx512f")]
+    pub fn chains_avx512(iterations: u64) {
+        if iterations == 0 {
+            return;
+        }
+        // SAFETY: registers only (all declared clobbered), no memory or stack; callers outside AVX-512F
+        // code reach this function only through an `unsafe` call after checking the feature.
+        unsafe {
+            std::arch::asm!(
+                "vxorps zmm0, zmm0, zmm0",
+                "vxorps zmm1, zmm1, zmm1",
+                "vxorps zmm2, zmm2, zmm2",
+                "vxorps zmm3, zmm3, zmm3",
+                "vxorps zmm4, zmm4, zmm4",
+                "vxorps zmm5, zmm5, zmm5",
+                "vxorps zmm6, zmm6, zmm6",
+                "vxorps zmm7, zmm7, zmm7",
+                "vxorps zmm8, zmm8, zmm8",
+                "vxorps zmm9, zmm9, zmm9",
+                "vxorps zmm10, zmm10, zmm10",
+                "vxorps zmm11, zmm11, zmm11",
+                "vxorps zmm12, zmm12, zmm12",
+                "vxorps zmm13, zmm13, zmm13",
+                "2:",
+                "vfmadd231ps zmm0, zmm12, zmm13",
+                "vfmadd231ps zmm1, zmm12, zmm13",
+                "vfmadd231ps zmm2, zmm12, zmm13",
+                "vfmadd231ps zmm3, zmm12, zmm13",
+                "vfmadd231ps zmm4, zmm12, zmm13",
+                "vfmadd231ps zmm5, zmm12, zmm13",
+                "vfmadd231ps zmm6, zmm12, zmm13",
+                "vfmadd231ps zmm7, zmm12, zmm13",
+                "vfmadd231ps zmm8, zmm12, zmm13",
+                "vfmadd231ps zmm9, zmm12, zmm13",
+                "vfmadd231ps zmm10, zmm12, zmm13",
+                "vfmadd231ps zmm11, zmm12, zmm13",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) iterations => _,
+                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _,
+                out("zmm5") _, out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _,
+                out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _,
+                options(nostack, nomem),
+            );
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn chains_avx2_fma(iterations: u64) -> f32 {
+        let a = _mm256_set1_ps(black_box(0.999_999));
+        let b = _mm256_set1_ps(black_box(1e-6));
+        let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+        for _ in 0..iterations {
+            for x in &mut acc {
+                *x = _mm256_fmadd_ps(*x, a, b);
+            }
+        }
+        let total = acc.iter().fold(_mm256_setzero_ps(), |t, &x| _mm256_add_ps(t, x));
+        // Every lane takes part in the sum, so none of the chains can be dropped.
+        let half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps::<1>(total));
+        let quarter = _mm_hadd_ps(half, half);
+        _mm_cvtss_f32(_mm_hadd_ps(quarter, quarter))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_chains_compute_what_they_claim() {
+        // Each lane starts at 1 and maps x -> 0.999999 x + 1e-6, which keeps it at 1.
+        let baseline = chains_baseline(1000) / (CHAINS * BASELINE_LANES) as f32;
+        assert!((baseline - 1.0).abs() < 1e-3, "{baseline}");
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has both features.
+            let avx2 = unsafe { x86::chains_avx2_fma(1000) } / (CHAINS * 8) as f32;
+            assert!((avx2 - 1.0).abs() < 1e-3, "{avx2}");
+        }
+        for isa in [Isa::detect(), Isa::Baseline] {
+            isa.run(0);
+            isa.run(3);
+        }
+    }
+
+    #[test]
+    fn the_peak_is_positive_and_finite() {
+        let peak = measure_peak(1);
+        assert!(peak.gflops.is_finite() && peak.gflops > 0.0, "{peak:?}");
+        assert_eq!(peak.threads, 1);
+    }
+
+    /// Run by hand (`cargo test --release --lib peak -- --ignored --nocapture`): a large faer product on
+    /// every thread of the pool next to the measured peak; the product should not beat it.
+    #[test]
+    #[ignore = "takes a few seconds and prints numbers to compare by eye"]
+    fn a_large_product_stays_below_the_measured_peak() {
+        let threads = product_threads();
+        let peak = measure_peak(threads);
+        let n = 2048;
+        let a = faer::Mat::<f32>::from_fn(n, n, |i, j| ((i * 7 + j * 3) % 13) as f32 / 13.0);
+        let b = faer::Mat::<f32>::from_fn(n, n, |i, j| ((i * 5 + j * 11) % 17) as f32 / 17.0);
+        let mut c = faer::Mat::<f32>::zeros(n, n);
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let start = Instant::now();
+            faer::linalg::matmul::matmul(
+                c.as_mut(),
+                faer::Accum::Replace,
+                a.as_ref(),
+                b.as_ref(),
+                1.0,
+                faer::Par::rayon(0),
+            );
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        let product = 2.0 * (n as f64).powi(3) / best / 1e9;
+        println!(
+            "peak {:.1} GFLOP/s on {threads} threads ({}); {n}^3 faer product {product:.1} GFLOP/s ({:.1}% of peak)",
+            peak.gflops,
+            peak.isa,
+            100.0 * product / peak.gflops
+        );
+        assert!(product <= peak.gflops * 1.05, "the product beats the measured peak: {product} > {}", peak.gflops);
+    }
+}

@@ -1,0 +1,127 @@
+//! `optimusc run --profile` end to end: the profile counts every instruction of the compiled plan once
+//! per device and profiled step, its shares add up, and its product FLOPs match 2mnk computed here from
+//! the plan's own buffer shapes. No timing is asserted beyond "positive".
+
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn optimusc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("optimus-profile-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+/// `mat_mul` -> `MatMul`: the plan's JSON kernel kind as the profile names it (the Rust variant).
+fn variant_name(snake: &str) -> String {
+    snake
+        .split('_')
+        .map(|word| {
+            let mut chars = word.chars();
+            chars.next().map(|c| c.to_ascii_uppercase().to_string() + chars.as_str()).unwrap_or_default()
+        })
+        .collect()
+}
+
+fn as_u64(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("{v} is not an unsigned integer"))
+}
+
+fn shape(plan: &Value, buffer: &Value) -> Vec<u64> {
+    plan["buffers"][as_u64(buffer) as usize]["shape"].as_array().expect("a shape").iter().map(as_u64).collect()
+}
+
+/// (leading dimensions flattened, last dimension).
+fn rows_and_last(shape: &[u64]) -> (u64, u64) {
+    match shape.split_last() {
+        Some((last, lead)) => (lead.iter().product(), *last),
+        None => (1, 1),
+    }
+}
+
+/// Instructions of each profile row in one step of one device, by row name.
+fn instructions_by_row(plan: &Value) -> BTreeMap<String, u64> {
+    let mut counts = BTreeMap::new();
+    for instr in plan["program"].as_array().expect("a program") {
+        let name = match instr["instr"].as_str() {
+            Some("kernel") => variant_name(instr["kernel"]["kind"].as_str().expect("a kernel kind")),
+            Some("collective") => {
+                let c = &instr["collective"];
+                format!("{} ({})", c["kind"].as_str().expect("a kind"), c["group"].as_str().expect("a group"))
+            }
+            _ => continue,
+        };
+        *counts.entry(name).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// FLOPs of one step's matrix products on one device: 2 m n k, with A's leading dimensions flattened
+/// and k its rows when it is transposed.
+fn matmul_flops(plan: &Value) -> u64 {
+    let program = plan["program"].as_array().expect("a program");
+    let products = program.iter().filter(|i| i["instr"] == "kernel" && i["kernel"]["kind"] == "mat_mul");
+    products
+        .map(|instr| {
+            let (a_rows, a_cols) = rows_and_last(&shape(plan, &instr["inputs"][0]));
+            let k = if instr["kernel"]["transpose_a"] == true { a_rows } else { a_cols };
+            let (m, n) = rows_and_last(&shape(plan, &instr["output"]));
+            2 * m * n * k
+        })
+        .sum()
+}
+
+#[test]
+fn the_profile_counts_every_instruction_and_the_flops_of_every_matmul() {
+    let plan_path = scratch("tiny-2x2.json");
+    let plan_arg = plan_path.to_str().expect("utf-8 path");
+    let compiled = optimusc(&["compile", "examples/tiny.opt", "--mesh", "2x2", "-o", plan_arg]);
+    assert!(compiled.status.success(), "{}", String::from_utf8_lossy(&compiled.stderr));
+    let plan: Value = serde_json::from_slice(&std::fs::read(&plan_path).expect("the plan")).expect("plan JSON");
+
+    let out = optimusc(&["run", plan_arg, "--steps", "3", "--profile", "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("GFLOP/s measured on") && stderr.contains("left out as warm-up"), "{stderr}");
+    let records: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    let (last, steps) = records.split_last().expect("records");
+    assert_eq!(steps.len(), 3, "one record per step before the profile");
+    let profile = &last["profile"];
+    assert_eq!(profile["steps_profiled"], 2, "the first of 3 steps is warm-up");
+    assert_eq!(profile["warm_up_excluded"], true);
+    assert!(profile["peak_gflops"].as_f64().expect("a peak") > 0.0);
+    assert_eq!(profile["devices"].as_array().expect("devices").len(), 4);
+
+    let rows = profile["rows"].as_array().expect("rows");
+    let per_row = |key: &str| -> BTreeMap<String, &Value> {
+        rows.iter().map(|r| (r["name"].as_str().expect("a name").to_string(), &r[key])).collect()
+    };
+    let counted: BTreeMap<String, u64> = per_row("count").into_iter().map(|(n, c)| (n, as_u64(c))).collect();
+    let expected: BTreeMap<String, u64> =
+        instructions_by_row(&plan).into_iter().map(|(name, n)| (name, n * 4 * 2)).collect();
+    assert_eq!(counted, expected, "4 devices x 2 steps of each instruction");
+
+    let shares: f64 = rows.iter().map(|r| r["share_pct"].as_f64().expect("a share")).sum();
+    assert!((shares - 100.0).abs() < 0.01, "shares add up to {shares}");
+
+    let products: Vec<&Value> = rows.iter().filter(|r| !r["flops"].is_null()).collect();
+    let names: Vec<&str> = products.iter().filter_map(|r| r["name"].as_str()).collect();
+    assert!(names.contains(&"MatMul") && names.contains(&"Attention"), "{names:?}");
+    for row in &products {
+        assert!(row["gflops"].as_f64().is_some_and(|g| g > 0.0), "{row}");
+        assert!(row["peak_pct"].as_f64().is_some_and(|p| p > 0.0), "{row}");
+        assert!(row["gb_per_s"].is_null(), "{row}");
+    }
+    assert_eq!(as_u64(per_row("flops")["MatMul"]), matmul_flops(&plan) * 4 * 2);
+    for row in rows.iter().filter(|r| r["category"] == "communication") {
+        assert!(as_u64(&row["bytes"]) > 0 && row["gflops"].is_null(), "{row}");
+    }
+}
