@@ -4,7 +4,7 @@
 //! of collectives (GB/s), and totals per device.
 
 use super::peak::Peak;
-use super::shapes::{AttentionLayout, batch_matrix, numel, split_last};
+use super::shapes::{AttentionLayout, QUERY_TILE, batch_matrix, numel, split_last};
 use crate::plan::{Collective, Instr, Kernel, Plan};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -119,16 +119,18 @@ fn collective_bytes(plan: &Plan, c: &Collective) -> u64 {
 /// FLOPs of one execution of a product kernel (2 per multiply-add), from its input and output shapes as
 /// the kernel reads them; `None` for kernels that are not products, 0 for shapes it would refuse.
 ///
-/// Attention counts every product it runs over full [sq, sk] score matrices: a causal attention computes
-/// the masked half too (and zeroes it), so nothing is halved.
+/// Attention counts the products the CPU kernels run: query tiles of [`QUERY_TILE`] rows, each against
+/// the keys it can see, so a causal attention counts about half of the full [sq, sk] products.
 pub fn product_flops(kernel: &Kernel, inputs: &[&[u64]], output: &[u64]) -> Option<u64> {
     match kernel {
         Kernel::MatMul { transpose_a, .. } => Some(matmul_flops(inputs, output, *transpose_a)),
         Kernel::BatchedMatMul => Some(batched_matmul_flops(inputs, output)),
-        Kernel::Attention { heads, fused, .. } => Some(2 * attention_product_flops(inputs, *heads, *fused)),
-        Kernel::AttentionGrad { heads, fused, wrt, .. } => {
+        Kernel::Attention { heads, fused, causal } => {
+            Some(2 * attention_product_flops(inputs, *heads, *fused, *causal))
+        }
+        Kernel::AttentionGrad { heads, fused, wrt, causal } => {
             let operands = inputs.get(1..).unwrap_or_default();
-            Some(attention_grad_products(*fused, *wrt) * attention_product_flops(operands, *heads, *fused))
+            Some(attention_grad_products(*fused, *wrt) * attention_product_flops(operands, *heads, *fused, *causal))
         }
         _ => None,
     }
@@ -151,12 +153,17 @@ fn batched_matmul_flops(inputs: &[&[u64]], output: &[u64]) -> u64 {
     2 * mul(&[numel(lead), m, n, k])
 }
 
-/// FLOPs of one [sq, d] x [d, sk] product for every batch and head: 2 * b * h * sq * sk * d.
-fn attention_product_flops(operands: &[&[u64]], heads: u64, fused: bool) -> u64 {
-    match AttentionLayout::new(operands, heads, fused) {
-        Ok(l) => 2 * mul(&[l.batch, l.heads, l.seq(0), l.seq(1), l.d]),
-        Err(_) => 0,
-    }
+/// FLOPs of one [sq, d] x [d, sk] product for every batch and head, as the tiles compute it:
+/// 2 * b * h * d * (sq * sk, or for a causal attention the sum over query tiles of rows x visible keys).
+fn attention_product_flops(operands: &[&[u64]], heads: u64, fused: bool, causal: bool) -> u64 {
+    let Ok(l) = AttentionLayout::new(operands, heads, fused) else { return 0 };
+    let (sq, sk) = (l.seq(0), l.seq(1));
+    let scores: usize = if causal {
+        (0..sq).step_by(QUERY_TILE).map(|start| QUERY_TILE.min(sq - start) * (start + QUERY_TILE).min(sq).min(sk)).sum()
+    } else {
+        sq.saturating_mul(sk)
+    };
+    2 * mul(&[l.batch, l.heads, l.d, scores])
 }
 
 /// Products an attention gradient runs per head: the scores again (q k^T), then p^T dy for v, dy v^T
@@ -424,6 +431,19 @@ mod tests {
         let (q, kv): (&[u64], &[u64]) = (&[b, s, h * d], &[b, 2 * s, h * d]);
         let kernel = Kernel::Attention { heads: h, causal: false, fused: false };
         assert_eq!(flops(kernel, &[q, kv, kv], &[b, s, h * d]), Some(2 * 2 * per_product));
+    }
+
+    #[test]
+    fn causal_attention_counts_only_the_keys_each_query_tile_sees() {
+        let (b, s, h, d) = (1u64, 2 * QUERY_TILE as u64, 2, 8);
+        let tile = QUERY_TILE as u64;
+        // Tile 0 sees `tile` keys, tile 1 all `2 * tile`.
+        let scores = tile * tile + tile * 2 * tile;
+        let fused: &[u64] = &[b, s, 3 * h * d];
+        let causal = Kernel::Attention { heads: h, causal: true, fused: true };
+        assert_eq!(flops(causal, &[fused], &[b, s, h * d]), Some(2 * 2 * b * h * d * scores));
+        let full = Kernel::Attention { heads: h, causal: false, fused: true };
+        assert_eq!(flops(full, &[fused], &[b, s, h * d]), Some(2 * 2 * b * h * d * s * s));
     }
 
     #[test]

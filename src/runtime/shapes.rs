@@ -183,6 +183,11 @@ pub fn slice_shard_runs(
     })
 }
 
+/// Query rows per attention tile: a tile's scores ([QUERY_TILE, keys]) stay in cache, are never
+/// stored for the backward pass (it recomputes them), and a causal tile reads only the keys its rows
+/// can see, which halves a causal attention's products.
+pub const QUERY_TILE: usize = 64;
+
 /// Where the blocks of one attention operand live: head h of batch b starts at
 /// `b*seq*row + part + h*d` and its rows are `row` apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,8 +8,8 @@ use crate::runtime::logical::IndexMap;
 pub use crate::runtime::logical::{DropoutMask, dropout_keep, logical_indices, try_logical_indices};
 pub use crate::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use crate::runtime::shapes::{
-    self, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
-    slice_shard_runs, split_last, transpose_swap,
+    self, QUERY_TILE, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs,
+    select_runs, slice_shard_runs, split_last, transpose_swap,
 };
 use crate::runtime::tensor::Tensor;
 use crate::runtime::view::{View, ViewData, ViewMut, ViewMutData};
@@ -625,11 +625,6 @@ impl<'a> Qkv<'a> {
         Ok(())
     }
 }
-
-/// Query rows per attention tile: a tile's scores ([QUERY_TILE, keys]) stay in cache, are never
-/// stored for the backward pass (it recomputes them), and a causal tile reads only the keys its rows
-/// can see, which halves a causal attention's products.
-const QUERY_TILE: usize = 64;
 
 /// Query rows [start, start + rows) of one head and how many keys they see.
 #[derive(Clone, Copy, Debug)]
