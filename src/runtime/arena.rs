@@ -7,6 +7,7 @@
 //! integer buffers (token ids) as i32, in the same words.
 
 use super::backend::Exchange;
+use super::error::{RuntimeError, unreachable};
 use super::tensor::Tensor;
 use super::view::{Shape, View, ViewData, ViewMut, ViewMutData};
 use crate::plan::memory::{persistent, touched};
@@ -143,7 +144,7 @@ pub struct HostArena {
 
 impl HostArena {
     /// Allocates the arena (zeroed) for `plan` as `layout` places its buffers.
-    pub fn new(plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, String> {
+    pub fn new(plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, RuntimeError> {
         let regions = plan
             .buffers
             .iter()
@@ -154,7 +155,7 @@ impl HostArena {
             })
             .collect::<Vec<_>>();
         if let Some(r) = regions.iter().flatten().find(|r| r.offset + r.len > layout.total) {
-            return Err(format!("the arena layout puts `{}` past its end", r.name));
+            return Err(RuntimeError::Storage(format!("the arena layout puts `{}` past its end", r.name)));
         }
         Ok(HostArena { words: vec![0.0; layout.total], regions })
     }
@@ -164,68 +165,108 @@ impl HostArena {
         self.words.len()
     }
 
-    fn region(&self, id: BufferId) -> Result<&Region, String> {
+    fn region(&self, id: BufferId) -> Result<&Region, RuntimeError> {
         region_of(&self.regions, id)
     }
 
     /// A buffer's contents.
-    pub fn view(&self, id: BufferId) -> Result<View<'_>, String> {
+    pub fn view(&self, id: BufferId) -> Result<View<'_>, RuntimeError> {
         let r = self.region(id)?;
         Ok(shared_view(r, &self.words[r.offset..r.offset + r.len]))
     }
 
     /// A buffer's contents, writable.
-    pub fn view_mut(&mut self, id: BufferId) -> Result<ViewMut<'_>, String> {
+    pub fn view_mut(&mut self, id: BufferId) -> Result<ViewMut<'_>, RuntimeError> {
         let r = region_of(&self.regions, id)?;
         Ok(writable_view(r, &mut self.words[r.offset..r.offset + r.len]))
     }
 
     /// Copies a host tensor into a buffer (shape and element type must match).
-    pub fn write(&mut self, id: BufferId, tensor: &Tensor) -> Result<(), String> {
+    pub fn write(&mut self, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
         let mut view = self.view_mut(id)?;
         if view.shape.as_slice() != tensor.shape.as_slice() {
-            return Err(format!("a {:?} tensor does not fit a {:?} buffer", tensor.shape, view.shape));
+            return Err(RuntimeError::Storage(format!(
+                "a {:?} tensor does not fit a {:?} buffer",
+                tensor.shape, view.shape
+            )));
         }
         match (&mut view.data, tensor.view().data) {
             (ViewMutData::F32(dst), ViewData::F32(src)) => dst.copy_from_slice(src),
             (ViewMutData::I32(dst), ViewData::I32(src)) => dst.copy_from_slice(src),
-            _ => return Err("a tensor's element type does not match its buffer's".into()),
+            _ => return Err(RuntimeError::Storage("a tensor's element type does not match its buffer's".into())),
         }
         Ok(())
     }
 
     /// Zero-fills a buffer (what a buffer holds when it comes alive).
-    pub fn zero(&mut self, id: BufferId) -> Result<(), String> {
+    pub fn zero(&mut self, id: BufferId) -> Result<(), RuntimeError> {
         let (offset, len) = self.region(id).map(|r| (r.offset, r.len))?;
         self.words[offset..offset + len].fill(0.0);
         Ok(())
     }
 
     /// A host copy of a buffer.
-    pub fn download(&self, id: BufferId) -> Result<Tensor, String> {
+    pub fn download(&self, id: BufferId) -> Result<Tensor, RuntimeError> {
         Ok(self.view(id)?.to_tensor())
     }
 
     /// The first NaN or infinity of a floating-point buffer, with its element index (`None` for an
     /// integer buffer).
-    pub fn first_non_finite(&self, id: BufferId) -> Result<Option<(usize, f32)>, String> {
+    pub fn first_non_finite(&self, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
         let view = self.view(id)?;
         Ok(view.f32().ok().and_then(|v| v.iter().copied().enumerate().find(|(_, x)| !x.is_finite())))
     }
 
     /// Lends `exchange` a collective's send block and receive buffer (both floating point).
-    pub fn exchange(&mut self, send: BufferId, recv: BufferId, exchange: &mut Exchange<'_>) -> Result<(), String> {
+    pub fn exchange(
+        &mut self,
+        send: BufferId,
+        recv: BufferId,
+        exchange: &mut Exchange<'_>,
+    ) -> Result<(), RuntimeError> {
         for id in [send, recv] {
             let r = self.region(id)?;
             if r.integer {
-                return Err(format!("only floating-point buffers are communicated, not `{}`", r.name));
+                return Err(RuntimeError::Storage(format!(
+                    "only floating-point buffers are communicated, not `{}`",
+                    r.name
+                )));
             }
         }
         let (ins, mut outs) = self.operands(&[send], &[recv])?;
         match (ins.first().map(|v| v.data), outs.first_mut().map(|v| &mut v.data)) {
-            (Some(ViewData::F32(s)), Some(ViewMutData::F32(r))) => exchange(s, r).map_err(|e| e.0),
-            _ => Err("unreachable: one floating-point send and receive buffer".into()),
+            (Some(ViewData::F32(s)), Some(ViewMutData::F32(r))) => exchange(s, r).map_err(RuntimeError::Comm),
+            _ => Err(unreachable("one floating-point send and receive buffer")),
         }
+    }
+
+    /// Keeps only the buffers `keep` (disjoint), moved to the front, and gives the rest of the
+    /// allocation back; every other buffer loses its place.
+    pub fn retain(&mut self, keep: &[BufferId]) -> Result<(), RuntimeError> {
+        let mut kept: Vec<BufferId> = keep.to_vec();
+        kept.sort_by_key(|id| self.regions.get(id.0 as usize).and_then(Option::as_ref).map(|r| r.offset));
+        kept.dedup();
+        let (mut cursor, mut end_before) = (0usize, 0usize);
+        for id in &kept {
+            let (offset, len) = self.region(*id).map(|r| (r.offset, r.len))?;
+            if offset < end_before && len > 0 {
+                return Err(unreachable("disjoint buffers to keep"));
+            }
+            end_before = end_before.max(offset + len);
+            self.words.copy_within(offset..offset + len, cursor);
+            if let Some(r) = self.regions[id.0 as usize].as_mut() {
+                r.offset = cursor;
+            }
+            cursor += len;
+        }
+        for (k, region) in self.regions.iter_mut().enumerate() {
+            if !kept.iter().any(|id| id.0 as usize == k) {
+                *region = None;
+            }
+        }
+        self.words.truncate(cursor);
+        self.words.shrink_to_fit();
+        Ok(())
     }
 
     /// Disjoint views of one instruction's operands: `reads` (a buffer may repeat) and the buffers in
@@ -234,11 +275,11 @@ impl HostArena {
         &mut self,
         reads: &[BufferId],
         writes: &[BufferId],
-    ) -> Result<(Vec<View<'_>>, Vec<ViewMut<'_>>), String> {
+    ) -> Result<(Vec<View<'_>>, Vec<ViewMut<'_>>), RuntimeError> {
         let mut distinct: Vec<BufferId> = writes.to_vec();
         for id in reads {
             if writes.contains(id) {
-                return Err(format!("`{}` is both read and written by one instruction", self.region(*id)?.name));
+                return Err(RuntimeError::ReadAndWritten { buffer: self.region(*id)?.name.clone() });
             }
             if !distinct.contains(id) {
                 distinct.push(*id);
@@ -246,28 +287,29 @@ impl HostArena {
         }
         let spans =
             distinct.iter().map(|&id| self.region(id).map(|r| (r.offset, r.len))).collect::<Result<Vec<_>, _>>()?;
-        let mut slices = carve(&mut self.words, &spans)?.into_iter();
+        let mut slices = carve(&mut self.words, &spans).map_err(RuntimeError::Storage)?.into_iter();
         let region = |id: BufferId| region_of(&self.regions, id);
         let mut outs = Vec::with_capacity(writes.len());
         for &id in writes {
-            let slice = slices.next().ok_or("unreachable: one slice per buffer")?;
+            let slice = slices.next().ok_or_else(|| unreachable("one slice per buffer"))?;
             outs.push(writable_view(region(id)?, slice));
         }
         let shared: Vec<&[f32]> = slices.map(|s| &*s).collect();
         let mut ins = Vec::with_capacity(reads.len());
         for id in reads {
-            let at = distinct[writes.len()..].iter().position(|d| d == id).ok_or("unreachable: every read was kept")?;
+            let at =
+                distinct[writes.len()..].iter().position(|d| d == id).ok_or_else(|| unreachable("every read kept"))?;
             ins.push(shared_view(region(*id)?, shared[at]));
         }
         Ok((ins, outs))
     }
 }
 
-fn region_of(regions: &[Option<Region>], id: BufferId) -> Result<&Region, String> {
+fn region_of(regions: &[Option<Region>], id: BufferId) -> Result<&Region, RuntimeError> {
     regions
         .get(id.0 as usize)
         .and_then(Option::as_ref)
-        .ok_or_else(|| format!("buffer {} has no place in this device's storage", id.0))
+        .ok_or_else(|| RuntimeError::Storage(format!("buffer {} has no place in this device's storage", id.0)))
 }
 
 fn shared_view<'a>(r: &'a Region, words: &'a [f32]) -> View<'a> {
@@ -302,4 +344,37 @@ pub fn carve<'a>(words: &'a mut [f32], regions: &[(usize, usize)]) -> Result<Vec
         cursor = offset + len;
     }
     Ok(out.into_iter().map(|s| s.unwrap_or_default()).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn carve_hands_out_disjoint_regions_in_the_order_asked() -> Result<(), String> {
+        let mut words: Vec<f32> = (0..10).map(|x| x as f32).collect();
+        let slices = carve(&mut words, &[(6, 3), (0, 2), (4, 0), (2, 1)])?;
+        let got: Vec<Vec<f32>> = slices.iter().map(|s| s.to_vec()).collect();
+        assert_eq!(got, vec![vec![6.0, 7.0, 8.0], vec![0.0, 1.0], vec![], vec![2.0]]);
+        Ok(())
+    }
+
+    #[test]
+    fn carve_refuses_overlapping_or_outlying_regions() {
+        let mut words = vec![0.0f32; 8];
+        assert!(carve(&mut words, &[(0, 4), (3, 2)]).is_err());
+        assert!(carve(&mut words, &[(6, 4)]).is_err());
+    }
+
+    #[test]
+    fn best_fit_takes_the_smallest_gap_that_fits_among_overlapping_lifetimes() {
+        let during = |start, end| Lifetime { start, end };
+        let placed = [(during(0, 9), 0, 16), (during(0, 9), 48, 64), (during(0, 9), 80, 96), (during(20, 30), 16, 48)];
+        // Gaps alive during 0..9: 16..48 (32 words) and 64..80 (16 words).
+        assert_eq!(best_fit(&placed, during(2, 3), 16, 0), 64);
+        assert_eq!(best_fit(&placed, during(2, 3), 32, 0), 16);
+        assert_eq!(best_fit(&placed, during(2, 3), 48, 0), 96);
+        // During 20..30 only 16..48 is taken.
+        assert_eq!(best_fit(&placed, during(25, 26), 16, 0), 0);
+    }
 }

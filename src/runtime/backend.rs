@@ -4,6 +4,7 @@
 use super::arena::ArenaLayout;
 use super::comm::CommError;
 pub use super::cpu::CpuBackend;
+use super::error::RuntimeError;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use crate::plan::{BufferId, Kernel, Plan};
@@ -32,15 +33,16 @@ pub trait Backend: Send {
     /// A short name for messages ("cpu").
     fn name(&self) -> &'static str;
     /// Allocates one device's storage for `plan`, laid out as `layout` says (zero-filled).
-    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<Self::Storage, String>;
+    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<Self::Storage, RuntimeError>;
     /// Copies a host tensor into a buffer.
-    fn upload(&mut self, storage: &mut Self::Storage, id: BufferId, tensor: &Tensor) -> Result<(), String>;
+    fn upload(&mut self, storage: &mut Self::Storage, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError>;
     /// A host copy of a buffer.
-    fn download(&mut self, storage: &Self::Storage, id: BufferId) -> Result<Tensor, String>;
+    fn download(&mut self, storage: &Self::Storage, id: BufferId) -> Result<Tensor, RuntimeError>;
     /// Zero-fills a buffer (what a buffer holds when it comes alive).
-    fn zero(&mut self, storage: &mut Self::Storage, id: BufferId) -> Result<(), String>;
+    fn zero(&mut self, storage: &mut Self::Storage, id: BufferId) -> Result<(), RuntimeError>;
     /// The first NaN or infinity of a floating-point buffer, with its element index.
-    fn first_non_finite(&mut self, storage: &Self::Storage, id: BufferId) -> Result<Option<(usize, f32)>, String>;
+    fn first_non_finite(&mut self, storage: &Self::Storage, id: BufferId)
+    -> Result<Option<(usize, f32)>, RuntimeError>;
     /// Runs one kernel of the plan from `inputs` into `output` (which holds zeros when it has just come
     /// alive, and its previous contents otherwise, for kernels that accumulate).
     fn kernel(
@@ -50,7 +52,7 @@ pub trait Backend: Send {
         inputs: &[BufferId],
         output: BufferId,
         ctx: &KernelContext,
-    ) -> Result<(), String>;
+    ) -> Result<(), RuntimeError>;
     /// Updates one parameter shard in place (SGD with momentum or AdamW, as configured).
     fn optimizer_step(
         &mut self,
@@ -58,7 +60,10 @@ pub trait Backend: Send {
         buffers: UpdateBuffers,
         settings: &OptimizerSettings,
         step: u64,
-    ) -> Result<(), String>;
+    ) -> Result<(), RuntimeError>;
+    /// At the end of a run, before the final downloads: releases the storage of every buffer but
+    /// `keep`, so that the host copies do not come on top of the whole arena.
+    fn retain(&mut self, storage: &mut Self::Storage, keep: &[BufferId]) -> Result<(), RuntimeError>;
     /// Lends `exchange` the `send` block and the `recv` buffer of one collective. A host communicator
     /// takes host slices; a GPU communicator (NCCL) will take device storage through this method once
     /// storage is device-resident.
@@ -68,7 +73,7 @@ pub trait Backend: Send {
         send: BufferId,
         recv: BufferId,
         exchange: &mut Exchange<'_>,
-    ) -> Result<(), String>;
+    ) -> Result<(), RuntimeError>;
 }
 
 /// Which backend a run's devices use.

@@ -6,6 +6,7 @@ use super::arena;
 use super::backend::{Backend, BackendKind, UpdateBuffers};
 use super::comm::Communicator;
 use super::cpu::CpuBackend;
+use super::error::RuntimeError;
 use super::fault::Fault;
 use super::init::{self, gather_blocks};
 use super::profile::Profile;
@@ -87,7 +88,7 @@ pub struct Device<'p, B: Backend, C: Communicator> {
 impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// A device with its parameter shards initialised from the seed and zeroed optimizer state; all
     /// of its storage is allocated here, once.
-    pub fn new(plan: &'p Plan, mut backend: B, comm: C, seed: u64) -> Result<Device<'p, B, C>, String> {
+    pub fn new(plan: &'p Plan, mut backend: B, comm: C, seed: u64) -> Result<Device<'p, B, C>, RuntimeError> {
         let storage = backend.allocate(plan, &arena::layout(plan))?;
         let alive = vec![false; plan.buffers.len()];
         let mut device = Device { plan, backend, comm, seed, step_seed: seed, storage, alive, profile: None };
@@ -108,7 +109,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     }
 
     /// A host copy of a buffer's contents, if it is alive.
-    pub fn read(&mut self, id: BufferId) -> Result<Option<Tensor>, String> {
+    pub fn read(&mut self, id: BufferId) -> Result<Option<Tensor>, RuntimeError> {
         if !self.is_alive(id) {
             return Ok(None);
         }
@@ -120,10 +121,11 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     }
 
     /// Replaces a buffer's contents (loading inputs or checkpoint shards).
-    pub fn write(&mut self, id: BufferId, tensor: Tensor) -> Result<(), String> {
+    pub fn write(&mut self, id: BufferId, tensor: Tensor) -> Result<(), RuntimeError> {
         let meta = self.plan.buffer(id);
         if tensor.shape != meta.shape {
-            return Err(format!("buffer `{}` is {:?} on each device, not {:?}", meta.name, meta.shape, tensor.shape));
+            let (buffer, want, got) = (meta.name.clone(), meta.shape.clone(), tensor.shape);
+            return Err(RuntimeError::Shape { buffer, want, got });
         }
         self.backend.upload(&mut self.storage, id, &tensor)?;
         self.alive[id.0 as usize] = true;
@@ -156,7 +158,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             }
             let started = self.profile.is_some().then(Instant::now);
             self.execute(instr, Some((optimizer, step)))
-                .map_err(|e| StepError::Failed(in_instruction(plan, index, &e)))?;
+                .map_err(|e| StepError::Failed(in_instruction(plan, index, &e.to_string())))?;
             if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
                 profile.record(index, started.elapsed());
             }
@@ -178,7 +180,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     }
 
     /// Runs one instruction; `update` is `None` when optimizer steps must not run (a diagnosis replay).
-    fn execute(&mut self, instr: &Instr, update: Option<(&OptimizerSettings, u64)>) -> Result<(), String> {
+    fn execute(&mut self, instr: &Instr, update: Option<(&OptimizerSettings, u64)>) -> Result<(), RuntimeError> {
         match instr {
             Instr::Kernel { kernel: Kernel::OptimizerStep, inputs, .. } => match update {
                 Some((settings, step)) => self.optimizer(inputs, settings, step),
@@ -198,14 +200,14 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// A non-finite loss (on this device's copy of it) stops the step.
     fn check_loss(&mut self) -> Result<(), StepError> {
         let Some(loss) = self.plan.outputs.iter().find(|o| o.is_loss).map(|o| o.buffer) else { return Ok(()) };
-        match self.non_finite_in(loss).map_err(StepError::Failed)? {
+        match self.non_finite_in(loss).map_err(|e| StepError::Failed(e.to_string()))? {
             Some((_, value)) => Err(StepError::NonFiniteLoss(value)),
             None => Ok(()),
         }
     }
 
     /// The first NaN or infinity of a buffer, if it is alive and holds one.
-    fn non_finite_in(&mut self, id: BufferId) -> Result<Option<(usize, f32)>, String> {
+    fn non_finite_in(&mut self, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
         if !self.is_alive(id) {
             return Ok(None);
         }
@@ -226,7 +228,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         }
         self.begin_step();
         for (index, instr) in plan.program.iter().enumerate().take(first_update(plan)) {
-            self.execute(instr, None).map_err(|e| in_instruction(plan, index, &e))?;
+            self.execute(instr, None).map_err(|e| in_instruction(plan, index, &e.to_string()))?;
             let written = match instr {
                 Instr::Kernel { output, .. } => Some(*output),
                 Instr::Collective { collective, .. } => Some(collective.recv),
@@ -250,7 +252,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// Makes a buffer that is about to be written alive: zero-filled if it was not and the writer
     /// reads it (an accumulating kernel sees zeros, as in a fresh allocation), its contents kept if it
     /// was. Writers that set every element (every other kernel) skip the clearing.
-    fn prepare_output(&mut self, id: BufferId, writer_reads_it: bool) -> Result<(), String> {
+    fn prepare_output(&mut self, id: BufferId, writer_reads_it: bool) -> Result<(), RuntimeError> {
         if !self.is_alive(id) {
             if writer_reads_it {
                 self.backend.zero(&mut self.storage, id)?;
@@ -260,17 +262,17 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         Ok(())
     }
 
-    fn require_alive(&self, ids: &[BufferId]) -> Result<(), String> {
+    fn require_alive(&self, ids: &[BufferId]) -> Result<(), RuntimeError> {
         match ids.iter().find(|id| !self.is_alive(**id)) {
-            Some(id) => Err(format!("buffer `{}` is not alive", self.plan.buffer(*id).name)),
+            Some(id) => Err(RuntimeError::NotAlive { buffer: self.plan.buffer(*id).name.clone() }),
             None => Ok(()),
         }
     }
 
-    fn kernel(&mut self, kernel: &Kernel, inputs: &[BufferId], output: BufferId) -> Result<(), String> {
+    fn kernel(&mut self, kernel: &Kernel, inputs: &[BufferId], output: BufferId) -> Result<(), RuntimeError> {
         let plan = self.plan;
         if inputs.contains(&output) {
-            return Err(format!("buffer `{}` is both an input and the output", plan.buffer(output).name));
+            return Err(RuntimeError::ReadAndWritten { buffer: plan.buffer(output).name.clone() });
         }
         self.require_alive(inputs)?;
         self.prepare_output(output, kernel.reads_its_output())?;
@@ -281,27 +283,22 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         self.backend.kernel(&mut self.storage, kernel, inputs, output, &ctx)
     }
 
-    fn optimizer(&mut self, inputs: &[BufferId], settings: &OptimizerSettings, step: u64) -> Result<(), String> {
-        let [param, grad, state1, state2] = *inputs else {
-            return Err("optimizer step needs (param, grad, state, state)".into());
-        };
-        self.require_alive(inputs).map_err(|_| "optimizer buffers are not alive".to_string())?;
+    fn optimizer(&mut self, inputs: &[BufferId], settings: &OptimizerSettings, step: u64) -> Result<(), RuntimeError> {
+        let [param, grad, state1, state2] = *inputs else { return Err(RuntimeError::OptimizerOperands) };
+        self.require_alive(inputs).map_err(|_| RuntimeError::OptimizerNotAlive)?;
         if let Some((at, value)) = self.backend.first_non_finite(&self.storage, grad)? {
-            return Err(format!(
-                "the gradient `{}` holds {value} at element {at} of this device's block; the update stops here",
-                self.plan.buffer(grad).name
-            ));
+            return Err(RuntimeError::NonFiniteGradient { grad: self.plan.buffer(grad).name.clone(), at, value });
         }
         let buffers = UpdateBuffers { param, grad, state1, state2 };
         self.backend.optimizer_step(&mut self.storage, buffers, settings, step)
     }
 
-    fn collective(&mut self, c: &crate::plan::Collective) -> Result<(), String> {
+    fn collective(&mut self, c: &crate::plan::Collective) -> Result<(), RuntimeError> {
         let plan = self.plan;
         let (send_meta, recv_meta) = (plan.buffer(c.send), plan.buffer(c.recv));
         let full = if send_meta.elements() >= recv_meta.elements() { &send_meta.shape } else { &recv_meta.shape };
         if c.send == c.recv {
-            return Err(format!("buffer `{}` is both sent and received", send_meta.name));
+            return Err(RuntimeError::ReadAndWritten { buffer: send_meta.name.clone() });
         }
         self.require_alive(&[c.send])?;
         self.prepare_output(c.recv, true)?;
@@ -455,15 +452,20 @@ impl DeviceRun<'_> {
             }
             records.push(record);
         }
-        let blocks = final_blocks(&mut device)?;
-        Ok((records, blocks, device.profile.take()))
+        let profile = device.profile.take();
+        Ok((records, final_blocks(device)?, profile))
     }
 }
 
-/// A device's blocks at the end of a run: parameters, last gradients and outputs (host copies).
-fn final_blocks<B: Backend, C: Communicator>(device: &mut Device<'_, B, C>) -> Result<DeviceBlocks, String> {
+/// A device's blocks at the end of a run: parameters, last gradients and outputs (host copies). The
+/// device's storage shrinks to those buffers first, so the copies do not come on top of the arena.
+fn final_blocks<B: Backend, C: Communicator>(mut device: Device<'_, B, C>) -> Result<DeviceBlocks, RuntimeError> {
     let plan = device.plan;
-    let lost = |what: &str, name: &str| format!("the plan does not keep {what} `{name}` to the end of a step");
+    let lost = |what: &'static str, name: &str| RuntimeError::NotKept { what, name: name.to_string() };
+    let wanted =
+        plan.params.iter().flat_map(|p| [Some(p.buffer), p.grad]).chain(plan.outputs.iter().map(|o| Some(o.buffer)));
+    let keep: Vec<BufferId> = wanted.flatten().filter(|&id| device.is_alive(id)).collect();
+    device.backend.retain(&mut device.storage, &keep)?;
     let mut params = Vec::with_capacity(plan.params.len());
     let mut grads = Vec::with_capacity(plan.params.len());
     for p in &plan.params {

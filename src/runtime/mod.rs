@@ -9,6 +9,7 @@ pub mod compare;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod error;
 pub mod exec;
 pub mod fault;
 pub mod init;

@@ -10,6 +10,7 @@ use super::arena::{ArenaLayout, HostArena};
 use super::backend::BackendKind;
 use super::backend::{Backend, Exchange, UpdateBuffers};
 use super::comm::Communicator;
+use super::error::{RuntimeError, unreachable};
 pub use super::exec::{Batches, DeviceBlocks, DeviceResult, RunConfig, RunOutput, StepRecord, assemble, run_device};
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
@@ -123,23 +124,27 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, String> {
+    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, RuntimeError> {
         HostArena::new(plan, layout)
     }
 
-    fn upload(&mut self, storage: &mut HostArena, id: BufferId, tensor: &Tensor) -> Result<(), String> {
+    fn upload(&mut self, storage: &mut HostArena, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
         storage.write(id, tensor)
     }
 
-    fn download(&mut self, storage: &HostArena, id: BufferId) -> Result<Tensor, String> {
+    fn download(&mut self, storage: &HostArena, id: BufferId) -> Result<Tensor, RuntimeError> {
         storage.download(id)
     }
 
-    fn zero(&mut self, storage: &mut HostArena, id: BufferId) -> Result<(), String> {
+    fn zero(&mut self, storage: &mut HostArena, id: BufferId) -> Result<(), RuntimeError> {
         storage.zero(id)
     }
 
-    fn first_non_finite(&mut self, storage: &HostArena, id: BufferId) -> Result<Option<(usize, f32)>, String> {
+    fn retain(&mut self, storage: &mut HostArena, keep: &[BufferId]) -> Result<(), RuntimeError> {
+        storage.retain(keep)
+    }
+
+    fn first_non_finite(&mut self, storage: &HostArena, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
         storage.first_non_finite(id)
     }
 
@@ -150,11 +155,11 @@ impl Backend for CpuBackend {
         inputs: &[BufferId],
         output: BufferId,
         ctx: &KernelContext,
-    ) -> Result<(), String> {
+    ) -> Result<(), RuntimeError> {
         let (ins, mut outs) = storage.operands(inputs, &[output])?;
         let refs: Vec<&View> = ins.iter().collect();
-        let out = outs.first_mut().ok_or("unreachable: one output")?;
-        par::on_pool(|| kernels::run_views(kernel, &refs, out, ctx))
+        let out = outs.first_mut().ok_or_else(|| unreachable("one output"))?;
+        par::on_pool(|| kernels::run_views(kernel, &refs, out, ctx)).map_err(RuntimeError::Kernel)
     }
 
     fn optimizer_step(
@@ -163,12 +168,13 @@ impl Backend for CpuBackend {
         b: UpdateBuffers,
         settings: &OptimizerSettings,
         step: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), RuntimeError> {
         let (ins, mut outs) = storage.operands(&[b.grad], &[b.param, b.state1, b.state2])?;
         let ([grad], [param, state1, state2]) = (&ins[..], &mut outs[..]) else {
-            return Err("unreachable: a gradient and three updated buffers".into());
+            return Err(unreachable("a gradient and three updated buffers"));
         };
         par::on_pool(|| kernels::optimizer_step_views(param, grad, state1, state2, settings, step))
+            .map_err(RuntimeError::Kernel)
     }
 
     fn collective(
@@ -177,7 +183,7 @@ impl Backend for CpuBackend {
         send: BufferId,
         recv: BufferId,
         exchange: &mut Exchange<'_>,
-    ) -> Result<(), String> {
+    ) -> Result<(), RuntimeError> {
         storage.exchange(send, recv, exchange)
     }
 }

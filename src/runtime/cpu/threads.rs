@@ -21,6 +21,9 @@ struct RoundState {
     deposits: Vec<Option<Arc<Vec<f32>>>>,
     arrived: usize,
     published: Vec<Arc<Vec<f32>>>,
+    /// Members yet to take the published blocks; the last one lets them go, so that no round's
+    /// blocks stay allocated until the group's next collective.
+    unread: usize,
 }
 
 /// Shared by all device threads of one run.
@@ -93,8 +96,9 @@ impl Fabric {
             s.published = s.deposits.iter_mut().filter_map(Option::take).collect();
             s.arrived = 0;
             s.generation += 1;
+            s.unread = size - 1;
             r.ready.notify_all();
-            return Ok(s.published.clone());
+            return Ok(if s.unread == 0 { std::mem::take(&mut s.published) } else { s.published.clone() });
         }
         let deadline = Instant::now() + self.timeout;
         while s.generation == generation {
@@ -114,7 +118,8 @@ impl Fabric {
             }
             s = r.ready.wait_timeout(s, (deadline - now).min(Duration::from_millis(100))).map_err(|_| poisoned())?.0;
         }
-        Ok(s.published.clone())
+        s.unread = s.unread.saturating_sub(1);
+        Ok(if s.unread == 0 { std::mem::take(&mut s.published) } else { s.published.clone() })
     }
 }
 

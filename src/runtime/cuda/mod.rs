@@ -9,6 +9,7 @@ pub mod nccl;
 
 use super::arena::{ArenaLayout, HostArena};
 use super::backend::{Backend, Exchange, UpdateBuffers};
+use super::error::RuntimeError;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use super::view::View;
@@ -56,8 +57,8 @@ impl CudaBackend {
     }
 
     /// A GPU copy of a host view.
-    fn upload_view(&self, view: &View) -> Result<DeviceTensor, String> {
-        DeviceTensor::upload(&self.stream, &view.to_tensor())
+    fn upload_view(&self, view: &View) -> Result<DeviceTensor, RuntimeError> {
+        DeviceTensor::upload(&self.stream, &view.to_tensor()).map_err(RuntimeError::Kernel)
     }
 }
 
@@ -71,23 +72,27 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
-    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, String> {
+    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, RuntimeError> {
         HostArena::new(plan, layout)
     }
 
-    fn upload(&mut self, storage: &mut HostArena, id: BufferId, tensor: &Tensor) -> Result<(), String> {
+    fn upload(&mut self, storage: &mut HostArena, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
         storage.write(id, tensor)
     }
 
-    fn download(&mut self, storage: &HostArena, id: BufferId) -> Result<Tensor, String> {
+    fn download(&mut self, storage: &HostArena, id: BufferId) -> Result<Tensor, RuntimeError> {
         storage.download(id)
     }
 
-    fn zero(&mut self, storage: &mut HostArena, id: BufferId) -> Result<(), String> {
+    fn zero(&mut self, storage: &mut HostArena, id: BufferId) -> Result<(), RuntimeError> {
         storage.zero(id)
     }
 
-    fn first_non_finite(&mut self, storage: &HostArena, id: BufferId) -> Result<Option<(usize, f32)>, String> {
+    fn retain(&mut self, storage: &mut HostArena, keep: &[BufferId]) -> Result<(), RuntimeError> {
+        storage.retain(keep)
+    }
+
+    fn first_non_finite(&mut self, storage: &HostArena, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
         storage.first_non_finite(id)
     }
 
@@ -98,12 +103,12 @@ impl Backend for CudaBackend {
         inputs: &[BufferId],
         output: BufferId,
         ctx: &KernelContext,
-    ) -> Result<(), String> {
+    ) -> Result<(), RuntimeError> {
         let operands = inputs.iter().map(|&id| self.upload_view(&storage.view(id)?)).collect::<Result<Vec<_>, _>>()?;
         let refs: Vec<&DeviceTensor> = operands.iter().collect();
         let mut result = self.upload_view(&storage.view(output)?)?;
-        self.kernels.run(kernel, &refs, &mut result, ctx)?;
-        storage.write(output, &result.download(&self.stream)?)
+        self.kernels.run(kernel, &refs, &mut result, ctx).map_err(RuntimeError::Kernel)?;
+        storage.write(output, &result.download(&self.stream).map_err(RuntimeError::Kernel)?)
     }
 
     fn optimizer_step(
@@ -112,14 +117,14 @@ impl Backend for CudaBackend {
         b: UpdateBuffers,
         settings: &OptimizerSettings,
         step: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), RuntimeError> {
         let (mut p, g) = (self.upload_view(&storage.view(b.param)?)?, self.upload_view(&storage.view(b.grad)?)?);
         let mut s1 = self.upload_view(&storage.view(b.state1)?)?;
         let mut s2 = self.upload_view(&storage.view(b.state2)?)?;
-        self.kernels.optimizer_step(&mut p, &g, &mut s1, &mut s2, settings, step)?;
-        storage.write(b.param, &p.download(&self.stream)?)?;
-        storage.write(b.state1, &s1.download(&self.stream)?)?;
-        storage.write(b.state2, &s2.download(&self.stream)?)
+        self.kernels.optimizer_step(&mut p, &g, &mut s1, &mut s2, settings, step).map_err(RuntimeError::Kernel)?;
+        storage.write(b.param, &p.download(&self.stream).map_err(RuntimeError::Kernel)?)?;
+        storage.write(b.state1, &s1.download(&self.stream).map_err(RuntimeError::Kernel)?)?;
+        storage.write(b.state2, &s2.download(&self.stream).map_err(RuntimeError::Kernel)?)
     }
 
     fn collective(
@@ -128,7 +133,7 @@ impl Backend for CudaBackend {
         send: BufferId,
         recv: BufferId,
         exchange: &mut Exchange<'_>,
-    ) -> Result<(), String> {
+    ) -> Result<(), RuntimeError> {
         storage.exchange(send, recv, exchange)
     }
 }
