@@ -103,13 +103,14 @@ pub fn combine(
     shard: Option<Placement>,
     full: &[u64],
     me: u64,
-    parts: &[std::sync::Arc<Vec<f32>>],
+    parts: &[&[f32]],
     recv: &mut [f32],
 ) -> Result<(), CommError> {
-    let reduce_into = |out: &mut [f32]| {
-        out.copy_from_slice(&parts[0][..out.len()]);
+    // out = parts[..][at..at + out.len()] combined, in member order.
+    let reduce_into = |out: &mut [f32], at: usize| {
+        out.copy_from_slice(&parts[0][at..at + out.len()]);
         for p in &parts[1..] {
-            for (o, v) in out.iter_mut().zip(p.iter()) {
+            for (o, v) in out.iter_mut().zip(&p[at..]) {
                 *o = match op {
                     ReduceOp::Sum => *o + v,
                     ReduceOp::Max => o.max(*v),
@@ -134,12 +135,12 @@ pub fn combine(
         CollectiveKind::Reduce => {
             if root.unwrap_or(0) == me {
                 check(parts[0].len(), recv.len())?;
-                reduce_into(recv);
+                reduce_into(recv, 0);
             }
         }
         CollectiveKind::AllReduce => {
             check(parts[0].len(), recv.len())?;
-            reduce_into(recv);
+            reduce_into(recv, 0);
         }
         CollectiveKind::AllGather => {
             let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
@@ -152,10 +153,11 @@ pub fn combine(
         }
         CollectiveKind::ReduceScatter => {
             let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
-            let mut total = vec![0.0f32; parts[0].len()];
-            reduce_into(&mut total);
             for (full_at, block_at, len) in block_runs(full, shard, n, me) {
-                recv[block_at..block_at + len].copy_from_slice(&total[full_at..full_at + len]);
+                if parts.iter().any(|p| full_at + len > p.len()) || block_at + len > recv.len() {
+                    return Err(CommError(format!("collective size mismatch: a block of {len} at {full_at}")));
+                }
+                reduce_into(&mut recv[block_at..block_at + len], full_at);
             }
         }
     }

@@ -30,12 +30,9 @@ pub struct Peak {
     pub isa: &'static str,
 }
 
-/// The number of threads faer's parallel products use (the rayon pool's size).
+/// The number of threads the CPU kernels' products use (the kernel pool's size).
 pub fn product_threads() -> usize {
-    match faer::Par::rayon(0) {
-        faer::Par::Rayon(n) => n.get(),
-        faer::Par::Seq => 1,
-    }
+    super::cpu::par::threads()
 }
 
 /// This CPU's float32 GFLOP/s on `threads` threads at once (about 0.15 s of work, the best of 7 trials).

@@ -8,22 +8,75 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// One group instance's meeting point: members deposit their blocks; the last one publishes them all.
+/// One group instance's meeting point: members deposit where their blocks are; once all have, each
+/// reads the others' blocks in place, and nobody leaves until everyone has read (so no block changes
+/// or goes away while a peer reads it). Nothing is copied but into each member's own result.
 #[derive(Default)]
 struct Rendezvous {
     state: Mutex<RoundState>,
     ready: Condvar,
 }
 
+/// Where one member's send block is. The fabric reads it only between the moment every member has
+/// deposited and the moment every member has finished reading, while its owner waits inside
+/// [`Fabric::exchange`] holding the borrow it came from.
+#[derive(Clone, Copy)]
+struct Block {
+    ptr: *const f32,
+    len: usize,
+}
+
+// SAFETY: a `Block` is only dereferenced while its owner is blocked in `Fabric::exchange` with the
+// slice borrowed (see `Block`), so sending the address to the peer threads that read it is sound.
+unsafe impl Send for Block {}
+
+impl Block {
+    fn of(data: &[f32]) -> Block {
+        Block { ptr: data.as_ptr(), len: data.len() }
+    }
+
+    /// The block as a slice.
+    ///
+    /// # Safety
+    /// Only while its owner is inside the round that published it (see [`Block`]).
+    unsafe fn slice<'a>(self) -> &'a [f32] {
+        // SAFETY: the caller guarantees the owner's borrow is alive and unmodified.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
 #[derive(Default)]
 struct RoundState {
     generation: u64,
-    deposits: Vec<Option<Arc<Vec<f32>>>>,
+    deposits: Vec<Option<Block>>,
     arrived: usize,
-    published: Vec<Arc<Vec<f32>>>,
-    /// Members yet to take the published blocks; the last one lets them go, so that no round's
-    /// blocks stay allocated until the group's next collective.
-    unread: usize,
+    published: Vec<Block>,
+    /// Members of the published round still reading its blocks.
+    reading: usize,
+    /// The last round (generation) whose blocks every member has finished reading.
+    read: u64,
+}
+
+/// Decrements the count of readers when a member is done with a round, even if reading panicked,
+/// and wakes the others when it was the last.
+struct ReadDone<'r> {
+    rendezvous: &'r Rendezvous,
+    generation: u64,
+}
+
+impl Drop for ReadDone<'_> {
+    fn drop(&mut self) {
+        let mut s = match self.rendezvous.state.lock() {
+            Ok(s) => s,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        s.reading = s.reading.saturating_sub(1);
+        if s.reading == 0 {
+            s.read = self.generation;
+            s.published.clear();
+            self.rendezvous.ready.notify_all();
+        }
+    }
 }
 
 /// Shared by all device threads of one run.
@@ -74,52 +127,76 @@ impl Fabric {
         }
     }
 
-    /// Deposits `data` as member `me` of `size` and returns every member's deposit, in member order.
-    /// `device_of` names a member's device, for the error when some never arrive.
-    fn exchange(
+    /// Deposits `data` as member `me` of `size`, waits for every member's deposit, and calls `read`
+    /// with all blocks in member order. Returns once every member has finished its `read`, so `data`
+    /// is never read after this returns. `device_of` names a member's device, for the error when some
+    /// never arrive.
+    fn exchange<R>(
         &self,
         r: &Rendezvous,
-        me: usize,
-        size: usize,
-        data: Vec<f32>,
+        (me, size): (usize, usize),
+        data: &[f32],
         device_of: &dyn Fn(usize) -> String,
-    ) -> Result<Vec<Arc<Vec<f32>>>, CommError> {
+        read: impl FnOnce(&[&[f32]]) -> R,
+    ) -> Result<R, CommError> {
         let poisoned = || CommError("a device thread failed while holding a lock".into());
         let mut s = r.state.lock().map_err(|_| poisoned())?;
         if s.deposits.len() != size {
             s.deposits = vec![None; size];
         }
         let generation = s.generation;
-        s.deposits[me] = Some(Arc::new(data));
+        s.deposits[me] = Some(Block::of(data));
         s.arrived += 1;
         if s.arrived == size {
             s.published = s.deposits.iter_mut().filter_map(Option::take).collect();
             s.arrived = 0;
             s.generation += 1;
-            s.unread = size - 1;
+            s.reading = size;
             r.ready.notify_all();
-            return Ok(if s.unread == 0 { std::mem::take(&mut s.published) } else { s.published.clone() });
         }
         let deadline = Instant::now() + self.timeout;
         while s.generation == generation {
-            if self.failed.load(Ordering::SeqCst) {
-                return Err(CommError(self.failure().unwrap_or_else(|| "another device failed".into())));
-            }
             let now = Instant::now();
-            if now >= deadline {
-                let missing: Vec<String> =
-                    s.deposits.iter().enumerate().filter(|(_, d)| d.is_none()).map(|(m, _)| device_of(m)).collect();
-                return Err(CommError(format!(
-                    "collective timed out after {:.1} s waiting for {} of {size} members: device {}",
-                    self.timeout.as_secs_f64(),
-                    size - s.arrived,
-                    missing.join(", ")
-                )));
+            let failure = if self.failed.load(Ordering::SeqCst) {
+                Some(CommError(self.failure().unwrap_or_else(|| "another device failed".into())))
+            } else if now >= deadline {
+                Some(self.timed_out(&s, size, device_of))
+            } else {
+                None
+            };
+            if let Some(failure) = failure {
+                // Not published yet: take the deposit back, so that nobody ever reads `data`.
+                s.deposits[me] = None;
+                s.arrived -= 1;
+                return Err(failure);
             }
             s = r.ready.wait_timeout(s, (deadline - now).min(Duration::from_millis(100))).map_err(|_| poisoned())?.0;
         }
-        s.unread = s.unread.saturating_sub(1);
-        Ok(if s.unread == 0 { std::mem::take(&mut s.published) } else { s.published.clone() })
+        let published = s.published.clone();
+        drop(s);
+        let result = {
+            let _done = ReadDone { rendezvous: r, generation: generation + 1 };
+            // SAFETY: every owner of a published block is inside this round until all members have
+            // finished reading (the wait below), so the blocks are alive and unchanged.
+            let blocks: Vec<&[f32]> = published.iter().map(|b| unsafe { b.slice() }).collect();
+            read(&blocks)
+        };
+        let mut s = r.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while s.read < generation + 1 {
+            s = r.ready.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        Ok(result)
+    }
+
+    fn timed_out(&self, s: &RoundState, size: usize, device_of: &dyn Fn(usize) -> String) -> CommError {
+        let missing: Vec<String> =
+            s.deposits.iter().enumerate().filter(|(_, d)| d.is_none()).map(|(m, _)| device_of(m)).collect();
+        CommError(format!(
+            "collective timed out after {:.1} s waiting for {} of {size} members: device {}",
+            self.timeout.as_secs_f64(),
+            size - s.arrived,
+            missing.join(", ")
+        ))
     }
 }
 
@@ -160,7 +237,7 @@ impl Communicator for ThreadComm {
         let size = mesh.group_size(group) as usize;
         let me = member_index(group, self.i, self.j, mesh);
         // A broadcast only needs the root's block; the others deposit nothing.
-        let data = if kind == CollectiveKind::Broadcast && root != Some(me) { Vec::new() } else { send.to_vec() };
+        let data = if kind == CollectiveKind::Broadcast && root != Some(me) { &send[..0] } else { send };
         let fabric = Arc::clone(&self.fabric);
         let r = fabric.rendezvous(group, self.i, self.j);
         let (i, j) = (self.i, self.j);
@@ -173,8 +250,9 @@ impl Communicator for ThreadComm {
             };
             format!("({a}, {b})")
         };
-        let parts = fabric.exchange(r, me as usize, size, data, &device_of)?;
-        combine(kind, root, op, shard, full, me, &parts, recv)
+        fabric.exchange(r, (me as usize, size), data, &device_of, |parts| {
+            combine(kind, root, op, shard, full, me, parts, recv)
+        })?
     }
 
     fn abort(&self, reason: &str) {
@@ -210,6 +288,40 @@ mod tests {
         });
         // Each round sums rank + k over 4 ranks: 6 + 4k; over 50 rounds: 300 + 4 * 1225.
         assert!(sums.iter().all(|&s| s == 300.0 + 4.0 * 1225.0), "{sums:?}");
+    }
+
+    #[test]
+    fn blocks_read_in_place_are_never_read_after_their_owner_reuses_them() {
+        // Each member overwrites its send buffer as soon as a collective returns; a peer still reading
+        // it would see the garbage and sum wrongly.
+        let mesh = Mesh { rows: 2, cols: 2 };
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        let n = 4096;
+        std::thread::scope(|s| {
+            for rank in 0..4u64 {
+                let fabric = Arc::clone(&fabric);
+                s.spawn(move || {
+                    let mut comm = ThreadComm::new(fabric, rank / 2, rank % 2);
+                    let (mut send, mut recv) = (vec![0.0f32; n], vec![0.0f32; n]);
+                    for round in 0..200u64 {
+                        send.fill((rank + round) as f32);
+                        let (kind, root) = if round % 2 == 0 {
+                            (CollectiveKind::AllReduce, None)
+                        } else {
+                            (CollectiveKind::Broadcast, Some(round % 4))
+                        };
+                        comm.collective(kind, Group::World, root, ReduceOp::Sum, None, &[n as u64], &send, &mut recv)
+                            .expect("collective");
+                        send.fill(f32::NAN);
+                        let want = match root {
+                            None => (4 * round + 6) as f32,
+                            Some(r) => (r + round) as f32,
+                        };
+                        assert!(recv.iter().all(|&v| v == want), "rank {rank} round {round}: {} != {want}", recv[0]);
+                    }
+                });
+            }
+        });
     }
 
     #[test]
