@@ -43,9 +43,9 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
             let factor = factor as f32;
             map_unary(inputs, out, |x| x * factor)
         }
-        Kernel::Gelu { approximate: true } => map_unary(inputs, out, gelu_tanh),
+        Kernel::Gelu { approximate: true } => gelu_tanh_kernel(inputs, out),
         Kernel::Gelu { approximate: false } => map_unary(inputs, out, gelu_erf),
-        Kernel::GeluGrad { approximate: true } => map_binary(inputs, out, |dy, x| dy * gelu_tanh_grad(x)),
+        Kernel::GeluGrad { approximate: true } => gelu_tanh_grad_kernel(inputs, out),
         Kernel::GeluGrad { approximate: false } => map_binary(inputs, out, |dy, x| dy * gelu_erf_grad(x)),
         Kernel::Softmax => softmax(inputs, out),
         Kernel::SoftmaxGrad => softmax_grad(inputs, out),
@@ -342,23 +342,76 @@ const INV_SQRT_2PI: f32 = 0.5 * std::f32::consts::FRAC_2_SQRT_PI * std::f32::con
 const GELU_CUBIC: f32 = 0.044_715;
 
 /// sigmoid(2u) for the tanh approximation's u = sqrt(2/pi) (x + 0.044715 x^3): 0.5 (1 + tanh u) = sigmoid(2u).
+/// The gate is 1 / (1 + e^a) with this exponent a = -2u.
 #[inline(always)]
-fn gelu_gate(x: f32) -> f32 {
-    1.0 / (1.0 + vmath::exp(-2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)))
+fn gelu_gate_exponent(x: f32) -> f32 {
+    -2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)
+}
+
+/// The gate from e^a.
+#[inline(always)]
+fn gelu_gate_from(exp_a: f32) -> f32 {
+    1.0 / (1.0 + exp_a)
 }
 
 /// The tanh approximation (Hugging Face `gelu_new`), 0.5 x (1 + tanh u), computed as x sigmoid(2u): one
 /// exp, and no cancellation or overflow at either tail.
 #[inline(always)]
-fn gelu_tanh(x: f32) -> f32 {
-    x * gelu_gate(x)
+fn gelu_tanh_from(x: f32, exp_a: f32) -> f32 {
+    x * gelu_gate_from(exp_a)
 }
 
 /// d/dx of x sigmoid(2u) = s + 2 x s (1 - s) u'.
 #[inline(always)]
-fn gelu_tanh_grad(x: f32) -> f32 {
-    let s = gelu_gate(x);
+fn gelu_tanh_grad_from(x: f32, exp_a: f32) -> f32 {
+    let s = gelu_gate_from(exp_a);
     s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
+}
+
+/// Writes e^a of the tanh-GELU gate for every x into `y` (the exps as libm computes them).
+fn gelu_gate_exps(x: &[f32], y: &mut [f32]) {
+    vectorized(
+        #[inline(always)]
+        || y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu_gate_exponent(x)),
+    );
+    vmath::libm_exp_in_place(y);
+}
+
+fn gelu_tanh_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+    let [x] = args(inputs)?;
+    let x = floats(x, "the input")?;
+    let y = floats_mut(out)?;
+    same_len("the output", y.len(), x.len())?;
+    par::chunks(y, |start, y| {
+        let x = &x[start..start + y.len()];
+        gelu_gate_exps(x, y);
+        vectorized(
+            #[inline(always)]
+            || y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu_tanh_from(x, *y)),
+        );
+        Ok::<(), String>(())
+    })
+}
+
+fn gelu_tanh_grad_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+    let [dy, x] = args(inputs)?;
+    let (dy, x) = (floats(dy, "dy")?, floats(x, "x")?);
+    same_len("x", x.len(), dy.len())?;
+    let y = floats_mut(out)?;
+    same_len("the output", y.len(), dy.len())?;
+    par::chunks(y, |start, y| {
+        let (dy, x) = (&dy[start..start + y.len()], &x[start..start + y.len()]);
+        gelu_gate_exps(x, y);
+        vectorized(
+            #[inline(always)]
+            || {
+                for ((y, &dy), &x) in y.iter_mut().zip(dy).zip(x) {
+                    *y = dy * gelu_tanh_grad_from(x, *y);
+                }
+            },
+        );
+        Ok::<(), String>(())
+    })
 }
 
 /// The exact GELU, x * Phi(x).
@@ -368,7 +421,7 @@ fn gelu_erf(x: f32) -> f32 {
 
 fn gelu_erf_grad(x: f32) -> f32 {
     let cdf = 0.5 * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2));
-    cdf + x * INV_SQRT_2PI * vmath::exp(-0.5 * x * x)
+    cdf + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
 }
 
 /// Max-subtracted softmax of a row, in place.
@@ -1131,11 +1184,12 @@ fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab, count: 
             let (live_g, padding) = gr.split_at_mut(live);
             vectorized(
                 #[inline(always)]
-                || {
-                    for (g, &l) in live_g.iter_mut().zip(lr) {
-                        *g = vmath::exp(l - m) * inv * factor;
-                    }
-                },
+                || live_g.iter_mut().zip(lr).for_each(|(g, &l)| *g = l - m),
+            );
+            vmath::libm_exp_in_place(live_g);
+            vectorized(
+                #[inline(always)]
+                || live_g.iter_mut().for_each(|g| *g = *g * inv * factor),
             );
             padding.fill(0.0);
             if let Some(c) = target {
