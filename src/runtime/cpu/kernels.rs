@@ -1182,11 +1182,7 @@ fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab, count: 
             let target = vocab.local(vocab.target(t)?, width);
             let inv = 1.0 / s[1];
             let (live_g, padding) = gr.split_at_mut(live);
-            vectorized(
-                #[inline(always)]
-                || live_g.iter_mut().zip(lr).for_each(|(g, &l)| *g = l - m),
-            );
-            vmath::libm_exp_in_place(live_g);
+            vmath::libm_exp_shifted(&lr[..live], m, live_g);
             vectorized(
                 #[inline(always)]
                 || live_g.iter_mut().for_each(|g| *g = *g * inv * factor),
