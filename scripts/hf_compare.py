@@ -11,6 +11,8 @@ optimizer; the script computes both sides and checks that
 
   optimizers  SGD    lr 0.1,  momentum 0.9, weight_decay 0.01  (torch.optim.SGD)
               AdamW  lr 1e-2, betas (0.9, 0.999), weight_decay 0.1  (torch.optim.AdamW)
+              AdamW  as above, with Hugging Face's cosine schedule: warm-up 1 step, min_lr 1e-3
+                     (get_cosine_with_min_lr_schedule_with_warmup; optimusc --lr-schedule cosine)
   meshes      none 1x1, optimus 2x2, optimus 4x4, megatron 1x4
 
 The model is small: 2 layers, hidden 64, 4 heads, vocabulary 333 (divisible by
@@ -85,7 +87,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, get_cosine_with_min_lr_schedule_with_warmup
 from transformers.utils import logging as hf_logging
 
 hf_logging.set_verbosity_error()
@@ -112,14 +114,31 @@ class Optimizer:
     momentum: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    # A learning-rate schedule (Hugging Face's cosine with warm-up and min_lr), or None for a constant rate.
+    schedule: str | None = None
+    warmup: int = 0
+    min_lr: float = 0.0
 
     def torch(self, params):
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
+    @property
+    def label(self) -> str:
+        """The name in the results table."""
+        return f"{self.name}-{self.schedule}" if self.schedule else self.name
+
+    def scheduler(self, optimizer, steps: int):
+        """The torch scheduler of this setting (None for a constant rate); step it after every update."""
+        if self.schedule is None:
+            return None
+        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, self.warmup, steps, min_lr=self.min_lr)
+
     def flags(self) -> list[str]:
         flags = ["--optimizer", self.name, "--lr", repr(self.lr), "--weight-decay", repr(self.weight_decay)]
+        if self.schedule is not None:
+            flags += ["--lr-schedule", self.schedule, "--warmup-steps", str(self.warmup), "--min-lr", repr(self.min_lr)]
         if self.name == "sgd":
             flags += ["--momentum", repr(self.momentum)]
         else:
@@ -129,7 +148,8 @@ class Optimizer:
     def describe(self) -> str:
         if self.name == "sgd":
             return f"SGD lr={self.lr} momentum={self.momentum} weight_decay={self.weight_decay}"
-        return f"AdamW lr={self.lr} betas={self.betas} eps={self.eps:g} weight_decay={self.weight_decay}"
+        schedule = f", {self.schedule} schedule (warmup {self.warmup}, min_lr {self.min_lr})" if self.schedule else ""
+        return f"AdamW lr={self.lr} betas={self.betas} eps={self.eps:g} weight_decay={self.weight_decay}{schedule}"
 
 
 @dataclass
@@ -261,6 +281,7 @@ def train_torch(seed: int, tokens: np.ndarray, opt: Optimizer, steps: int, dtype
     """
     model = make_model(seed).to(dtype)
     optimizer = opt.torch(model.parameters())  # tied weights appear once
+    scheduler = opt.scheduler(optimizer, steps)
     losses = []
     for step in range(steps):
         inputs, targets = batch_for_step(tokens, step)
@@ -271,6 +292,8 @@ def train_torch(seed: int, tokens: np.ndarray, opt: Optimizer, steps: int, dtype
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     final = {name: p.detach().float().numpy().copy() for name, p in parameters(model).items()}
     return losses, final
 
@@ -376,13 +399,13 @@ def compare(result: Result, losses, weights, ref_losses, ref_weights, tol: float
 
 def print_table(results: list[Result], tol: float):
     print()
-    header = f"{'optimizer':<9} {'strategy':<9} {'mesh':<5} {'init file':<11} {'loss rel diff (max)':>19} " \
+    header = f"{'optimizer':<12} {'strategy':<9} {'mesh':<5} {'init file':<11} {'loss rel diff (max)':>19} " \
              f"{'weight rel diff (max)':>21}  {'worst tensor':<28} {'time':>6}  result"  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in results:
         if r.error is not None:
-            row = f"{r.optimizer:<9} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {'-':>19} {'-':>21}  {'-':<28}"
+            row = f"{r.optimizer:<12} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {'-':>19} {'-':>21}  {'-':<28}"
             print(f"{row} {r.seconds:5.1f}s  RUN FAILED")
             continue
         worst = max(r.weight_diffs, key=r.weight_diffs.get) if r.weight_diffs else "-"
@@ -390,7 +413,7 @@ def print_table(results: list[Result], tol: float):
         lmax = max(r.loss_diffs) if r.loss_diffs else float("nan")
         status = "ok" if r.ok else "MISMATCH"
         short = worst.removeprefix("transformer.")
-        print(f"{r.optimizer:<9} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {lmax:>19.2e} {wmax:>21.2e}  "
+        print(f"{r.optimizer:<12} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {lmax:>19.2e} {wmax:>21.2e}  "
               f"{short:<28} {r.seconds:5.1f}s  {status}")  # fmt: skip
     print(f"(tolerance {tol:g}; loss: |a-b|/|b| per step; weights: max|a-b|/max|b| per tensor, b = torch)")
 
@@ -404,7 +427,9 @@ def main() -> int:
     parser.add_argument(
         "--adamw-eps", type=float, default=1e-4, help="AdamW epsilon on both sides (default %(default)g; see above)"
     )
-    parser.add_argument("--optimizers", default="sgd,adamw", help="comma-separated subset of sgd,adamw")
+    parser.add_argument(
+        "--optimizers", default="sgd,adamw,adamw-cosine", help="comma-separated subset of sgd,adamw,adamw-cosine"
+    )
     parser.add_argument(
         "--meshes",
         default=",".join(f"{s}:{m}" for s, m in MESHES),
@@ -424,6 +449,9 @@ def main() -> int:
     optimizers = {
         "sgd": Optimizer("sgd", lr=0.1, weight_decay=0.01, momentum=0.9),
         "adamw": Optimizer("adamw", lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=args.adamw_eps),
+        "adamw-cosine": Optimizer(
+            "adamw", lr=1e-2, weight_decay=0.1, eps=args.adamw_eps, schedule="cosine", warmup=1, min_lr=1e-3
+        ),
     }
     chosen = [optimizers[name] for name in args.optimizers.split(",") if name]
 
@@ -468,7 +496,7 @@ def main() -> int:
                 # Cycle through the key styles across runs.
                 style = list(inits)[run_index % len(inits)]
                 run_index += 1
-                result = Result(opt.name, strategy, mesh, style)
+                result = Result(opt.label, strategy, mesh, style)
                 tag = f"{opt.name}_{strategy}_{mesh}"
                 try:
                     losses, weights, result.seconds = run_optimusc(

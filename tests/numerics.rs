@@ -77,6 +77,7 @@ fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
         fault: None,
         backend: Default::default(),
         profile: false,
+        schedule: None,
     };
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }

@@ -131,3 +131,59 @@ fn the_cuda_backend_without_a_gpu_is_a_clear_error_not_a_panic() {
     let explained = if cfg!(feature = "cuda") { "CUDA driver library" } else { "--features cuda" };
     assert!(stderr.contains(explained) && !stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn json_records_carry_the_scheduled_rate_of_each_update() {
+    let (peak, floor, warmup, steps) = (1e-2f64, 1e-3f64, 2u64, 6u64);
+    for (schedule, decay) in [
+        ("cosine", (|p: f64| 0.5 * (1.0 + (std::f64::consts::PI * p).cos())) as fn(f64) -> f64),
+        ("linear", |p: f64| 1.0 - p),
+    ] {
+        let out = optimusc(&[
+            "run",
+            "examples/tiny.opt",
+            "--steps",
+            "6",
+            "--lr",
+            "0.01",
+            "--min-lr",
+            "0.001",
+            "--warmup-steps",
+            "2",
+            "--lr-schedule",
+            schedule,
+            "--json",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        for (k, line) in stdout.lines().enumerate() {
+            let record: serde_json::Value = serde_json::from_str(line).expect("JSON");
+            let k = k as u64;
+            // Hugging Face's schedules, written out here from their definitions.
+            let want = if k < warmup {
+                peak * k as f64 / warmup as f64
+            } else {
+                floor + (peak - floor) * decay((k - warmup) as f64 / (steps - warmup) as f64)
+            };
+            let got = record["lr"].as_f64().expect("lr");
+            assert!((got - want).abs() <= 1e-7 * peak, "{schedule} step {k}: lr {got}, want {want}");
+        }
+    }
+}
+
+#[test]
+fn schedule_flags_that_cannot_mean_anything_are_usage_errors() {
+    for (flags, says) in [
+        (&["--min-lr", "0.001"][..], "--lr-schedule cosine or linear"),
+        (&["--lr-schedule", "cosine", "--lr", "0.001", "--min-lr", "0.01"][..], "above --lr"),
+        (&["--warmup-steps", "5"][..], "longer than the run"),
+        (&["--lr-schedule", "cosine", "--min-lr", "nan"][..], "--min-lr"),
+    ] {
+        let mut args = vec!["run", "examples/tiny.opt", "--steps", "3"];
+        args.extend_from_slice(flags);
+        let out = optimusc(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(says), "{flags:?}: {stderr}");
+    }
+}

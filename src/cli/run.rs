@@ -7,6 +7,7 @@ use optimus::io::checkpoint::{load_checkpoint, save_checkpoint};
 use optimus::io::data::{TokenData, TokenDtype, check_inputs, random_batch};
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::{RunConfig, RunOutput, StepRecord};
+use optimus::runtime::schedule::{Schedule, ScheduleKind};
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -45,6 +46,17 @@ pub struct RunArgs {
     pub seed: u64,
     #[command(flatten)]
     pub optimizer: OptimizerArgs,
+    /// The learning rate after the warm-up, as Hugging Face's schedules: constant (--lr throughout),
+    /// cosine (half a cosine from --lr down to --min-lr at the last step) or linear (a straight line
+    /// down to --min-lr). The rate of each update is in the --json records as `lr`.
+    #[arg(long, value_enum, default_value_t = ScheduleArg::Constant)]
+    pub lr_schedule: ScheduleArg,
+    /// Updates over which the rate rises linearly from 0 (at the first update) to --lr; at most --steps.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// The rate cosine and linear schedules end at (finite, >= 0, at most --lr; default 0).
+    #[arg(long, value_parser = super::flags::non_negative)]
+    pub min_lr: Option<f32>,
     /// Print one JSON object per step on standard output.
     #[arg(long)]
     pub json: bool,
@@ -64,6 +76,42 @@ pub struct RunArgs {
     /// faster for a model. Ignored when running on threads.
     #[arg(long, value_enum, default_value_t = PlacementArg::RowMajor)]
     pub placement: PlacementArg,
+}
+
+/// `--lr-schedule` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScheduleArg {
+    Constant,
+    Cosine,
+    Linear,
+}
+
+/// The learning-rate schedule the flags ask for, checked: a usage error for a floor with a constant
+/// schedule, a floor above the peak, or a warm-up longer than the run.
+fn schedule(args: &RunArgs) -> Result<Schedule, Failure> {
+    let kind = match args.lr_schedule {
+        ScheduleArg::Constant => ScheduleKind::Constant,
+        ScheduleArg::Cosine => ScheduleKind::Cosine,
+        ScheduleArg::Linear => ScheduleKind::Linear,
+    };
+    let (peak, floor) = (args.optimizer.lr, args.min_lr.unwrap_or(0.0));
+    if kind == ScheduleKind::Constant && args.min_lr.is_some() {
+        return Err(Failure::usage(
+            "--min-lr is the end of a decay: give it with --lr-schedule cosine or linear".into(),
+        ));
+    }
+    if floor > peak {
+        return Err(Failure::usage(format!(
+            "--min-lr {floor} is above --lr {peak}; the schedule decays from --lr down"
+        )));
+    }
+    if args.warmup_steps > args.steps {
+        let (w, s) = (args.warmup_steps, args.steps);
+        return Err(Failure::usage(format!("--warmup-steps {w} is longer than the run (--steps {s})")));
+    }
+    // The rates as written (0.003, not the f32 nearest it), as torch holds them in Python floats.
+    let written = |x: f32| x.to_string().parse::<f64>().unwrap_or(f64::from(x));
+    Ok(Schedule { kind, peak: written(peak), warmup: args.warmup_steps, floor: written(floor), total: args.steps })
 }
 
 /// Optimizer flags; the defaults are PyTorch's.
@@ -226,6 +274,7 @@ struct Prepared {
 }
 
 fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
+    let schedule = schedule(args)?;
     args.backend.kind().check_available()?;
     // A path that cannot be written is found now, not after the whole run.
     if let Some(path) = &args.save_weights {
@@ -251,6 +300,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         fault: optimus::runtime::fault::from_env()?,
         backend: args.backend.kind(),
         profile: args.profile,
+        schedule: (schedule.kind != ScheduleKind::Constant || schedule.warmup > 0).then_some(schedule),
     };
     Ok(Prepared { plan, tokens, initial, config })
 }
@@ -404,6 +454,7 @@ impl Progress {
             let line = serde_json::json!({
                 "step": r.step,
                 "loss": r.loss,
+                "lr": r.lr,
                 "tokens_per_s": tokens_per_s,
                 "elapsed_s": elapsed,
             });

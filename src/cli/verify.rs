@@ -113,6 +113,7 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         fault: None,
         backend: optimus::runtime::backend::BackendKind::Cpu,
         profile: false,
+        schedule: None,
     };
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     let batches = |step| tokens.batch(plan, step);

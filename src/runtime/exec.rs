@@ -10,6 +10,7 @@ use super::error::RuntimeError;
 use super::fault::Fault;
 use super::init::{self, gather_blocks};
 use super::profile::Profile;
+use super::schedule::Schedule;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use crate::plan::memory::persistent;
@@ -32,6 +33,19 @@ pub struct RunConfig {
     /// Time every instruction of every device into [`RunOutput::profiles`] (the first step is left
     /// out as warm-up when there are more).
     pub profile: bool,
+    /// The learning rate of each update (`optimizer.lr` is replaced by its rate, step by step);
+    /// `None` keeps `optimizer.lr` throughout.
+    pub schedule: Option<Schedule>,
+}
+
+impl RunConfig {
+    /// The optimizer settings of update `step` (0-based): the schedule's rate, if there is one.
+    pub fn optimizer_at(&self, step: u64) -> OptimizerSettings {
+        match &self.schedule {
+            Some(s) => OptimizerSettings { lr: s.rate(step) as f32, ..self.optimizer },
+            None => self.optimizer,
+        }
+    }
 }
 
 /// What one step produced, as seen by device (0, 0).
@@ -41,6 +55,8 @@ pub struct StepRecord {
     /// The loss of the step's forward pass (before the update), if the model has one.
     pub loss: Option<f32>,
     pub elapsed: Duration,
+    /// The learning rate of this step's update.
+    pub lr: f32,
 }
 
 /// Everything a run leaves behind, assembled into logical tensors.
@@ -428,7 +444,8 @@ impl DeviceRun<'_> {
             }
             let start = Instant::now();
             device.load_inputs(&batches(step)?)?;
-            match device.step(&config.optimizer, step + 1) {
+            let optimizer = config.optimizer_at(step);
+            match device.step(&optimizer, step + 1) {
                 Ok(()) => {}
                 Err(StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
                 Err(StepError::NonFiniteLoss(value)) => {
@@ -443,7 +460,7 @@ impl DeviceRun<'_> {
                 Some(o) => device.read(o.buffer)?.and_then(|t| t.f32().ok()?.first().copied()),
                 None => None,
             };
-            let record = StepRecord { step, loss, elapsed: start.elapsed() };
+            let record = StepRecord { step, loss, elapsed: start.elapsed(), lr: optimizer.lr };
             if let Some(profile) = device.profile.as_mut() {
                 profile.finish_step(record.elapsed, step == 0 && config.steps > 1);
             }

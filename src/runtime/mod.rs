@@ -20,6 +20,7 @@ pub mod logical;
 pub mod mpi;
 pub mod peak;
 pub mod profile;
+pub mod schedule;
 pub mod settings;
 pub mod shapes;
 pub mod tensor;
