@@ -140,6 +140,7 @@ fn round_trip_after_training_is_bit_exact() {
         backend: Default::default(),
         profile: false,
         schedule: None,
+        evaluation: None,
     };
     let batches = |step| Ok(random_batch(5, step, batch, seq, 101));
     let trained = run(&plan, &config, &batches, &BTreeMap::new(), &|_| {}).expect("run succeeds").params;

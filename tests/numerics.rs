@@ -78,6 +78,7 @@ fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
         backend: Default::default(),
         profile: false,
         schedule: None,
+        evaluation: None,
     };
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }

@@ -187,3 +187,44 @@ fn schedule_flags_that_cannot_mean_anything_are_usage_errors() {
         assert!(stderr.contains(says), "{flags:?}: {stderr}");
     }
 }
+
+#[test]
+fn validation_losses_are_the_mean_loss_of_the_validation_batches() {
+    // With lr 0 the weights never move, so validation batch v (read as training step v reads) has the
+    // loss training step v reported: the validation loss is the mean of the first V training losses.
+    let out = optimusc(&[
+        "run",
+        "examples/tiny.opt",
+        "--set",
+        "vocab=333",
+        "--mesh",
+        "2x2",
+        "--steps",
+        "4",
+        "--lr",
+        "0",
+        "--data",
+        "examples/data/paragraph.u16",
+        "--val-data",
+        "examples/data/paragraph.u16",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "3",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let records: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    let train: Vec<f64> = records.iter().filter_map(|r| r["loss"].as_f64()).collect();
+    let val: Vec<(u64, f64)> =
+        records.iter().filter_map(|r| Some((r["step"].as_u64()?, r["val_loss"].as_f64()?))).collect();
+    assert_eq!(train.len(), 4);
+    assert_eq!(val.iter().map(|v| v.0).collect::<Vec<_>>(), vec![1, 3], "after every second update");
+    let want = train[..3].iter().sum::<f64>() / 3.0;
+    for (step, loss) in val {
+        assert!((loss - want).abs() <= 1e-6 * want, "step {step}: validation loss {loss}, want {want}");
+    }
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "2", "--eval-batches", "2"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -6,7 +6,7 @@ use clap::ValueEnum;
 use optimus::io::checkpoint::{load_checkpoint, save_checkpoint};
 use optimus::io::data::{TokenData, TokenDtype, check_inputs, random_batch};
 use optimus::plan::{Mode, Plan};
-use optimus::runtime::exec::{RunConfig, RunOutput, StepRecord};
+use optimus::runtime::exec::{Evaluation, RunConfig, RunOutput, StepRecord};
 use optimus::runtime::schedule::{Schedule, ScheduleKind};
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
 use std::collections::BTreeMap;
@@ -57,6 +57,17 @@ pub struct RunArgs {
     /// The rate cosine and linear schedules end at (finite, >= 0, at most --lr; default 0).
     #[arg(long, value_parser = super::flags::non_negative)]
     pub min_lr: Option<f32>,
+    /// Validation token file (same format as --data): after every --eval-every-th update, the mean loss
+    /// of --eval-batches batches of it, with dropout off and no update; batch v reads the sequences at
+    /// (v * batch + r) * seq. Records `{"step": k, "val_loss": x}` with --json, a line otherwise.
+    #[arg(long, value_name = "FILE")]
+    pub val_data: Option<PathBuf>,
+    /// Validate after every E-th update (at least 1; default: after the last update only). Needs --val-data.
+    #[arg(long, value_name = "E", value_parser = clap::value_parser!(u64).range(1..))]
+    pub eval_every: Option<u64>,
+    /// Validation batches per evaluation (at least 1; default 1). Needs --val-data.
+    #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(1..))]
+    pub eval_batches: Option<u64>,
     /// Print one JSON object per step on standard output.
     #[arg(long)]
     pub json: bool,
@@ -112,6 +123,27 @@ fn schedule(args: &RunArgs) -> Result<Schedule, Failure> {
     // The rates as written (0.003, not the f32 nearest it), as torch holds them in Python floats.
     let written = |x: f32| x.to_string().parse::<f64>().unwrap_or(f64::from(x));
     Ok(Schedule { kind, peak: written(peak), warmup: args.warmup_steps, floor: written(floor), total: args.steps })
+}
+
+/// The validation the flags ask for, with its data: a usage error for --eval-every or --eval-batches
+/// without --val-data, or validation of a model without a loss.
+fn evaluation(args: &RunArgs, plan: &Plan) -> Result<Option<Evaluation>, Failure> {
+    let Some(path) = &args.val_data else {
+        if args.eval_every.is_some() || args.eval_batches.is_some() {
+            return Err(Failure::usage("--eval-every and --eval-batches need --val-data FILE".into()));
+        }
+        return Ok(None);
+    };
+    if !plan.outputs.iter().any(|o| o.is_loss) {
+        return Err(Failure::usage("--val-data needs a model with a loss output to validate".into()));
+    }
+    let tokens = Tokens::open(Some(path), args.data_dtype, args.seed).map_err(|e| format!("--val-data: {e}"))?;
+    let plan = plan.clone();
+    Ok(Some(Evaluation {
+        every: args.eval_every.unwrap_or(args.steps),
+        batches: args.eval_batches.unwrap_or(1),
+        data: std::sync::Arc::new(move |v| tokens.batch(&plan, v)),
+    }))
 }
 
 /// Optimizer flags; the defaults are PyTorch's.
@@ -301,6 +333,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         backend: args.backend.kind(),
         profile: args.profile,
         schedule: (schedule.kind != ScheduleKind::Constant || schedule.warmup > 0).then_some(schedule),
+        evaluation: evaluation(args, &plan)?,
     };
     Ok(Prepared { plan, tokens, initial, config })
 }
@@ -459,6 +492,9 @@ impl Progress {
                 "elapsed_s": elapsed,
             });
             super::stdout_json(&format!("{line}\n"));
+            if let Some(val) = r.val_loss {
+                super::stdout_json(&format!("{}\n", serde_json::json!({"step": r.step, "val_loss": val})));
+            }
             return;
         }
         let loss = r.loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
@@ -469,6 +505,13 @@ impl Progress {
             }
             None => {
                 super::stdout(&format!("step {}: loss {loss}  {tokens_per_s:.0} tokens/s  {elapsed:.2} s\n", r.step))
+            }
+        }
+        if let Some(val) = r.val_loss {
+            let line = format!("step {}: validation loss {val:.4}", r.step);
+            match &self.bar {
+                Some(bar) => bar.println(line),
+                None => super::stdout(&format!("{line}\n")),
             }
         }
     }

@@ -114,6 +114,7 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         backend: optimus::runtime::backend::BackendKind::Cpu,
         profile: false,
         schedule: None,
+        evaluation: None,
     };
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     let batches = |step| tokens.batch(plan, step);

@@ -36,6 +36,27 @@ pub struct RunConfig {
     /// The learning rate of each update (`optimizer.lr` is replaced by its rate, step by step);
     /// `None` keeps `optimizer.lr` throughout.
     pub schedule: Option<Schedule>,
+    /// Validation losses during training, if asked for.
+    pub evaluation: Option<Evaluation>,
+}
+
+/// Validation batch v of a run, as logical tensors by input name.
+pub type ValidationBatches = dyn Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Send + Sync;
+
+/// Validation during training: after every `every`-th update, the mean loss of validation batches
+/// 0..`batches`, computed with the current weights, dropout off and no update.
+#[derive(Clone)]
+pub struct Evaluation {
+    pub every: u64,
+    pub batches: u64,
+    /// Validation batch v, as logical tensors by input name.
+    pub data: std::sync::Arc<ValidationBatches>,
+}
+
+impl std::fmt::Debug for Evaluation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Evaluation").field("every", &self.every).field("batches", &self.batches).finish_non_exhaustive()
+    }
 }
 
 impl RunConfig {
@@ -57,6 +78,8 @@ pub struct StepRecord {
     pub elapsed: Duration,
     /// The learning rate of this step's update.
     pub lr: f32,
+    /// The validation loss after this step's update, when one was computed.
+    pub val_loss: Option<f32>,
 }
 
 /// Everything a run leaves behind, assembled into logical tensors.
@@ -183,6 +206,31 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             self.check_loss()?;
         }
         Ok(())
+    }
+
+    /// The mean loss of the validation batches of `evaluation` with the current weights: the program up
+    /// to the first update, with dropout off and no update, once per batch. Every device must call it at
+    /// the same point, since the program communicates.
+    pub fn evaluate(&mut self, evaluation: &Evaluation) -> Result<f32, String> {
+        let plan = self.plan;
+        let loss = plan.outputs.iter().find(|o| o.is_loss).ok_or("the model has no loss output to validate")?;
+        let mut total = 0.0f64;
+        for v in 0..evaluation.batches {
+            self.load_inputs(&(evaluation.data)(v)?)?;
+            self.begin_step();
+            for (index, instr) in plan.program.iter().enumerate().take(first_update(plan)) {
+                let result = match instr {
+                    Instr::Kernel { kernel: Kernel::Dropout { key, .. }, inputs, output, .. } => {
+                        self.kernel(&Kernel::Dropout { p: 0.0, key: *key }, inputs, *output)
+                    }
+                    _ => self.execute(instr, None),
+                };
+                result.map_err(|e| in_instruction(plan, index, &e.to_string()))?;
+            }
+            let value = self.read(loss.buffer)?.and_then(|t| t.f32().ok()?.first().copied());
+            total += f64::from(value.ok_or("the loss was not computed")?);
+        }
+        Ok((total / evaluation.batches.max(1) as f64) as f32)
     }
 
     /// Buffers kept from the previous step (never freed) die as a step starts: their regions may be
@@ -460,7 +508,11 @@ impl DeviceRun<'_> {
                 Some(o) => device.read(o.buffer)?.and_then(|t| t.f32().ok()?.first().copied()),
                 None => None,
             };
-            let record = StepRecord { step, loss, elapsed: start.elapsed(), lr: optimizer.lr };
+            let mut record = StepRecord { step, loss, elapsed: start.elapsed(), lr: optimizer.lr, val_loss: None };
+            if let Some(evaluation) = config.evaluation.as_ref().filter(|e| (step + 1) % e.every.max(1) == 0) {
+                let val = device.evaluate(evaluation).map_err(|e| format!("validation after step {step}: {e}"))?;
+                record.val_loss = Some(val);
+            }
             if let Some(profile) = device.profile.as_mut() {
                 profile.finish_step(record.elapsed, step == 0 && config.steps > 1);
             }
