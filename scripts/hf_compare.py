@@ -7,7 +7,8 @@ optimizer; the script computes both sides and checks that
   * every step's loss agrees:            |loss_optimus - loss_torch| / |loss_torch|   <= tol
   * every parameter agrees after N steps: max|w_optimus - w_torch| / max|w_torch|     <= tol
 
-(per tensor), with tol = 1e-4, for every (optimizer, mesh) pair:
+(per tensor), and the validation loss after the last update (mean of 2 batches
+of a second token file, eval mode), with tol = 1e-4, for every (optimizer, mesh) pair:
 
   optimizers  SGD    lr 0.1,  momentum 0.9, weight_decay 0.01  (torch.optim.SGD)
               AdamW  lr 1e-2, betas (0.9, 0.999), weight_decay 0.1  (torch.optim.AdamW)
@@ -263,6 +264,31 @@ def make_tokens(seed: int, workdir: Path) -> np.ndarray:
     return tokens
 
 
+# Validation: a second token file, and how many of its batches each evaluation averages.
+VAL_BATCHES = 2
+
+
+def make_val_tokens(seed: int, workdir: Path) -> np.ndarray:
+    """The validation token file (another seed); its second batch wraps around its end."""
+    rng = np.random.default_rng(seed + 1)
+    tokens = rng.integers(0, VOCAB, size=BATCH * SEQ + 29, dtype=np.uint16)
+    tokens.astype("<u2").tofile(workdir / "val.bin")
+    return tokens
+
+
+def validation_loss(model, val_tokens: np.ndarray) -> float:
+    """The mean loss of validation batches 0..VAL_BATCHES-1, in eval mode (dropout off), no update."""
+    model.eval()
+    with torch.no_grad():
+        total = 0.0
+        for v in range(VAL_BATCHES):
+            inputs, targets = batch_for_step(val_tokens, v)
+            logits = model(input_ids=inputs).logits
+            total += F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).item()
+    model.train()
+    return total / VAL_BATCHES
+
+
 def batch_for_step(tokens: np.ndarray, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, target) of one step, each [batch, seq] int64, by the shared data rule."""
     n = len(tokens)
@@ -274,8 +300,9 @@ def batch_for_step(tokens: np.ndarray, step: int) -> tuple[torch.Tensor, torch.T
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def train_torch(seed: int, tokens: np.ndarray, opt: Optimizer, steps: int, dtype=torch.float32):
-    """Runs the reference; returns (per-step losses, final parameters as numpy by prefixed name).
+def train_torch(seed: int, tokens: np.ndarray, opt: Optimizer, steps: int, val_tokens: np.ndarray, dtype=torch.float32):
+    """Runs the reference; returns (per-step losses, final parameters as numpy by prefixed name, the
+    validation loss after the last update).
 
     dtype float64 gives the same initial values (float32 ones, widened) computed in float64.
     """
@@ -295,7 +322,7 @@ def train_torch(seed: int, tokens: np.ndarray, opt: Optimizer, steps: int, dtype
         if scheduler is not None:
             scheduler.step()
     final = {name: p.detach().float().numpy().copy() for name, p in parameters(model).items()}
-    return losses, final
+    return losses, final, validation_loss(model, val_tokens)
 
 
 def key_bias_noise(seed: int, tokens: np.ndarray) -> dict[str, float]:
@@ -343,6 +370,7 @@ def run_optimusc(args, strategy: str, mesh: str, opt: Optimizer, init: Path, wor
         "--steps", str(args.steps),
         "--data", str(workdir / "tokens.bin"), "--data-dtype", "u16",
         "--weights", str(init), "--save-weights", str(out),
+        "--val-data", str(workdir / "val.bin"), "--eval-batches", str(VAL_BATCHES),
         "--json", "--seed", str(args.seed),
         *opt.flags(),
     ]  # fmt: skip
@@ -353,13 +381,17 @@ def run_optimusc(args, strategy: str, mesh: str, opt: Optimizer, init: Path, wor
     seconds = time.monotonic() - start
     if proc.returncode != 0:
         raise RuntimeError(f"optimusc exited {proc.returncode}:\n{proc.stderr.strip()}\n{proc.stdout.strip()}")
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    records = [r for r in lines if "val_loss" not in r]
+    val = [r for r in lines if "val_loss" in r]
+    if [r.get("step") for r in val] != [args.steps - 1]:
+        raise RuntimeError(f"expected one validation record, after step {args.steps - 1}, got:\n{proc.stdout}")
     if [r.get("step") for r in records] != list(range(args.steps)):
         raise RuntimeError(f"expected steps 0..{args.steps - 1} on stdout, got:\n{proc.stdout}")
     losses = [r["loss"] for r in records]
     if any(not isinstance(x, (int, float)) for x in losses):
         raise RuntimeError(f"a step has no numeric loss:\n{proc.stdout}")
-    return losses, load_numpy(str(out)), seconds
+    return losses, load_numpy(str(out)), seconds, val[0]["val_loss"]
 
 
 # ---------------------------------------------------------------------------
@@ -468,6 +500,7 @@ def main() -> int:
         n_params = sum(p.numel() for p in parameters(model).values())
         inits = save_init_files(model, workdir)
         tokens = make_tokens(args.seed, workdir)
+        val_tokens = make_val_tokens(args.seed, workdir)
         print(f"{n_params} parameters; {len(tokens)} tokens in tokens.bin, "
               f"{args.steps * BATCH * SEQ} read over {args.steps} steps (the reads wrap)")  # fmt: skip
         noise = key_bias_noise(args.seed, tokens)
@@ -483,10 +516,11 @@ def main() -> int:
                 print("   elements with |grad| <~ eps, where float32 noise in the gradient (~1e-9 here) moves a weight by up")
                 print("   to lr * noise / eps; eps 1e-4 keeps that ~1e-7. Every element of every tensor is checked.")
             start = time.monotonic()
-            ref_losses, ref_weights = train_torch(args.seed, tokens, opt, args.steps)
-            print(f"   torch: {time.monotonic() - start:.1f}s, losses " + " ".join(f"{x:.6f}" for x in ref_losses))
+            ref_losses, ref_weights, ref_val = train_torch(args.seed, tokens, opt, args.steps, val_tokens)
+            print(f"   torch: {time.monotonic() - start:.1f}s, losses " + " ".join(f"{x:.6f}" for x in ref_losses)
+                  + f", validation loss {ref_val:.6f}")  # fmt: skip
             # The float32 noise floor: the same reference in float64, against the float32 one.
-            losses64, weights64 = train_torch(args.seed, tokens, opt, args.steps, dtype=torch.float64)
+            losses64, weights64, _ = train_torch(args.seed, tokens, opt, args.steps, val_tokens, dtype=torch.float64)
             floor_loss = max(abs(a - b) / abs(b) for a, b in zip(ref_losses, losses64))
             floor_w = {n: rel(ref_weights[n], w) for n, w in weights64.items()}
             worst = max(floor_w, key=floor_w.get)
@@ -497,12 +531,18 @@ def main() -> int:
                 style = list(inits)[run_index % len(inits)]
                 run_index += 1
                 result = Result(opt.label, strategy, mesh, style)
-                tag = f"{opt.name}_{strategy}_{mesh}"
+                tag = f"{opt.label}_{strategy}_{mesh}"
                 try:
-                    losses, weights, result.seconds = run_optimusc(
+                    losses, weights, result.seconds, val = run_optimusc(
                         args, strategy, mesh, opt, inits[style], workdir, tag
                     )
                     compare(result, losses, weights, ref_losses, ref_weights, args.tol)
+                    # The validation loss after the last update (eval mode, VAL_BATCHES batches of val.bin).
+                    d = abs(val - ref_val) / abs(ref_val)
+                    result.loss_diffs.append(d)
+                    if not d <= args.tol:
+                        result.problems.append(f"validation loss {val:.7f} vs torch {ref_val:.7f}: rel diff {d:.2e}")
+                    print(f"   {strategy} {mesh}: validation loss {val:.9f} (torch {ref_val:.9f}, rel diff {d:.2e})")
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     result.error = str(e)
                 results.append(result)
