@@ -141,6 +141,7 @@ fn round_trip_after_training_is_bit_exact() {
         profile: false,
         schedule: None,
         evaluation: None,
+        accumulation: 1,
     };
     let batches = |step| Ok(random_batch(5, step, batch, seq, 101));
     let trained = run(&plan, &config, &batches, &BTreeMap::new(), &|_| {}).expect("run succeeds").params;

@@ -79,6 +79,7 @@ fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
         profile: false,
         schedule: None,
         evaluation: None,
+        accumulation: 1,
     };
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }

@@ -564,6 +564,7 @@ fn one_step(plan: &Plan) -> Result<optimus::runtime::exec::RunOutput, String> {
         profile: false,
         schedule: None,
         evaluation: None,
+        accumulation: 1,
     };
     let shapes: Vec<(String, Vec<u64>)> = plan.inputs.iter().map(|i| (i.name.clone(), i.shape.clone())).collect();
     let batches = move |_step: u64| -> Result<BTreeMap<String, Tensor>, String> {

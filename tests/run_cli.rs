@@ -228,3 +228,68 @@ fn validation_losses_are_the_mean_loss_of_the_validation_batches() {
     let out = optimusc(&["run", "examples/tiny.opt", "--steps", "2", "--eval-batches", "2"]);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// Every tensor of a safetensors file of float32 tensors, by name.
+fn float_tensors(path: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).expect("read weights");
+    let file = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            (name, values)
+        })
+        .collect()
+}
+
+#[test]
+fn accumulating_micro_batches_equals_one_batch_of_all_their_sequences() {
+    // Two micro-batches of 4 sequences read the rows one batch of 8 reads, so the mean gradient, the
+    // loss and the weights after each update are those of the batch of 8 (up to float rounding).
+    let run = |batch: &str, accum: &str, weights: &std::path::Path| {
+        let out = optimusc(&[
+            "run",
+            "examples/tiny.opt",
+            "--set",
+            "vocab=333",
+            "--set",
+            batch,
+            "--accum",
+            accum,
+            "--mesh",
+            "2x2",
+            "--data",
+            "examples/data/paragraph.u16",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.1",
+            "--momentum",
+            "0.9",
+            "--steps",
+            "3",
+            "--json",
+            "--save-weights",
+            weights.to_str().expect("utf-8 path"),
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        stdout
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON")["loss"].as_f64().expect("loss"))
+            .collect::<Vec<f64>>()
+    };
+    let (whole, micro) = (scratch("batch8.safetensors"), scratch("accum2.safetensors"));
+    let (losses_whole, losses_micro) = (run("batch=8", "1", &whole), run("batch=4", "2", &micro));
+    assert_eq!(losses_whole.len(), 3);
+    for (k, (a, b)) in losses_whole.iter().zip(&losses_micro).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "step {k}: loss {b} with --accum 2, {a} in one batch");
+    }
+    let (a, b) = (float_tensors(&whole), float_tensors(&micro));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (name, x) in &a {
+        let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let diff = x.iter().zip(&b[name]).fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(diff <= 1e-5 * scale, "{name}: weights differ by {diff} (scale {scale})");
+    }
+}

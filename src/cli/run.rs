@@ -57,6 +57,11 @@ pub struct RunArgs {
     /// The rate cosine and linear schedules end at (finite, >= 0, at most --lr; default 0).
     #[arg(long, value_parser = super::flags::non_negative)]
     pub min_lr: Option<f32>,
+    /// Micro-batches per update (gradient accumulation; at least 1): micro-batch m of step k reads the
+    /// sequences at ((k * N + m) * batch + r) * seq, the update uses the mean of their gradients (one
+    /// batch of N * batch sequences), the step's loss is their mean, and memory stays one micro-batch's.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub accum: u64,
     /// Validation token file (same format as --data): after every --eval-every-th update, the mean loss
     /// of --eval-batches batches of it, with dropout off and no update; batch v reads the sequences at
     /// (v * batch + r) * seq. Records `{"step": k, "val_loss": x}` with --json, a line otherwise.
@@ -334,12 +339,13 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         profile: args.profile,
         schedule: (schedule.kind != ScheduleKind::Constant || schedule.warmup > 0).then_some(schedule),
         evaluation: evaluation(args, &plan)?,
+        accumulation: args.accum,
     };
     Ok(Prepared { plan, tokens, initial, config })
 }
 
 fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
-    let progress = Progress::new(&job.plan, args.steps, args.json);
+    let progress = Progress::new(&job.plan, args.steps, args.json).with_micro_batches(args.accum);
     let batches = |step| job.tokens.batch(&job.plan, step);
     let output = optimus::runtime::cpu::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output)
@@ -412,7 +418,8 @@ mod multi_process {
             }
         };
         let leader = mpi.rank() == 0;
-        let progress = Progress::new(&job.plan, if leader { args.steps } else { 0 }, args.json || !leader);
+        let progress = Progress::new(&job.plan, if leader { args.steps } else { 0 }, args.json || !leader)
+            .with_micro_batches(args.accum);
         let batches = |step| job.tokens.batch(&job.plan, step);
         let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
@@ -467,6 +474,12 @@ struct Progress {
 }
 
 impl Progress {
+    /// Counts the tokens of `n` micro-batches in each step's throughput.
+    fn with_micro_batches(mut self, n: u64) -> Progress {
+        self.tokens_per_step = self.tokens_per_step.saturating_mul(n);
+        self
+    }
+
     fn new(plan: &Plan, steps: u64, json: bool) -> Progress {
         use std::io::IsTerminal;
         let tokens_per_step = check_inputs(plan).map_or(0, |(b, s)| b * s);

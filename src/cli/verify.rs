@@ -115,6 +115,7 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         profile: false,
         schedule: None,
         evaluation: None,
+        accumulation: 1,
     };
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     let batches = |step| tokens.batch(plan, step);

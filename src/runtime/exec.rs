@@ -38,6 +38,9 @@ pub struct RunConfig {
     pub schedule: Option<Schedule>,
     /// Validation losses during training, if asked for.
     pub evaluation: Option<Evaluation>,
+    /// Micro-batches per update (`--accum`; 1 for none): micro-batch m of step k is batch k * N + m of
+    /// the data, the update uses the mean of their gradients, and the step's loss is their mean loss.
+    pub accumulation: u64,
 }
 
 /// Validation batch v of a run, as logical tensors by input name.
@@ -122,6 +125,20 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     alive: Vec<bool>,
     /// When set, [`Device::step`] times every instruction into it (`optimusc run --profile`).
     pub profile: Option<Profile>,
+    /// Gradient sums of the micro-batches of the current update, by gradient buffer (`--accum`).
+    grad_sums: BTreeMap<BufferId, Vec<f32>>,
+}
+
+/// What a step does at its optimizer instructions.
+#[derive(Clone, Copy, Debug)]
+pub enum Update<'a> {
+    /// Update the parameters with these settings; the update's number counts from 1.
+    Apply(&'a OptimizerSettings, u64),
+    /// Add each gradient to the sum of this update's micro-batches, and update nothing.
+    Accumulate,
+    /// The last of `count` micro-batches: each gradient becomes the mean of the micro-batches', then
+    /// the parameters are updated.
+    ApplyMean(&'a OptimizerSettings, u64, u64),
 }
 
 impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
@@ -130,7 +147,17 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     pub fn new(plan: &'p Plan, mut backend: B, comm: C, seed: u64) -> Result<Device<'p, B, C>, RuntimeError> {
         let storage = backend.allocate(plan, &arena::layout(plan))?;
         let alive = vec![false; plan.buffers.len()];
-        let mut device = Device { plan, backend, comm, seed, step_seed: seed, storage, alive, profile: None };
+        let mut device = Device {
+            plan,
+            backend,
+            comm,
+            seed,
+            step_seed: seed,
+            storage,
+            alive,
+            profile: None,
+            grad_sums: BTreeMap::new(),
+        };
         let (i, j) = device.coords();
         for p in &plan.params {
             let meta = plan.buffer(p.buffer);
@@ -187,8 +214,14 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// first parameter update and every gradient before its own update, so that a non-finite value
     /// stops the step before it reaches the weights it can.
     pub fn step(&mut self, optimizer: &OptimizerSettings, step: u64) -> Result<(), StepError> {
+        self.step_with(Update::Apply(optimizer, step), step)
+    }
+
+    /// Runs the whole program once with `update` at its optimizer instructions; dropout draws the masks
+    /// of `draw` (the micro-batch's number, counted from 1, which is the update's without --accum).
+    pub fn step_with(&mut self, update: Update<'_>, draw: u64) -> Result<(), StepError> {
         let plan = self.plan;
-        self.step_seed = init::mix64(self.seed ^ init::mix64(step));
+        self.step_seed = init::mix64(self.seed ^ init::mix64(draw));
         self.begin_step();
         let first_update = first_update(plan);
         for (index, instr) in plan.program.iter().enumerate() {
@@ -196,7 +229,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 self.check_loss()?;
             }
             let started = self.profile.is_some().then(Instant::now);
-            self.execute(instr, Some((optimizer, step)))
+            self.execute_with(instr, update)
                 .map_err(|e| StepError::Failed(in_instruction(plan, index, &e.to_string())))?;
             if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
                 profile.record(index, started.elapsed());
@@ -241,6 +274,39 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 self.alive[b.id.0 as usize] = false;
             }
         }
+    }
+
+    /// Runs one instruction, with `update` at an optimizer step.
+    fn execute_with(&mut self, instr: &Instr, update: Update<'_>) -> Result<(), RuntimeError> {
+        let Instr::Kernel { kernel: Kernel::OptimizerStep, inputs, .. } = instr else {
+            return self.execute(instr, None);
+        };
+        match update {
+            Update::Apply(settings, step) => self.optimizer(inputs, settings, step),
+            Update::Accumulate => self.accumulate(inputs, None),
+            Update::ApplyMean(settings, step, count) => {
+                self.accumulate(inputs, Some(count))?;
+                self.optimizer(inputs, settings, step)
+            }
+        }
+    }
+
+    /// Adds an optimizer step's gradient to this update's sum; with `mean_of`, replaces the gradient
+    /// by the mean of the sum (in micro-batch order) over that many micro-batches, and clears the sum.
+    fn accumulate(&mut self, inputs: &[BufferId], mean_of: Option<u64>) -> Result<(), RuntimeError> {
+        let [_, grad, _, _] = *inputs else { return Err(RuntimeError::OptimizerOperands) };
+        let g = self.read(grad)?.ok_or(RuntimeError::OptimizerNotAlive)?;
+        let values = g.f32().map_err(RuntimeError::Kernel)?;
+        let sum = self.grad_sums.entry(grad).or_insert_with(|| vec![0.0; values.len()]);
+        if sum.len() != values.len() {
+            return Err(RuntimeError::Kernel("a gradient changed size between micro-batches".into()));
+        }
+        sum.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
+        let Some(count) = mean_of else { return Ok(()) };
+        let total = self.grad_sums.remove(&grad).unwrap_or_default();
+        let inv = count.max(1) as f32;
+        let mean: Vec<f32> = total.iter().map(|&s| s / inv).collect();
+        self.write(grad, Tensor::from_f32(&g.shape, mean))
     }
 
     /// Runs one instruction; `update` is `None` when optimizer steps must not run (a diagnosis replay).
@@ -491,23 +557,37 @@ impl DeviceRun<'_> {
                 fault.trigger(device_index, step)?;
             }
             let start = Instant::now();
-            device.load_inputs(&batches(step)?)?;
             let optimizer = config.optimizer_at(step);
-            match device.step(&optimizer, step + 1) {
-                Ok(()) => {}
-                Err(StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
-                Err(StepError::NonFiniteLoss(value)) => {
-                    device.load_inputs(&batches(step)?)?;
-                    let culprit = device.first_non_finite().map_err(|e| format!("step {step}: {e}"))?;
-                    return Err(format!(
-                        "step {step}: the loss is {value}, so the run stops before updating any weight (none are saved); {culprit}"
-                    ));
+            let micro_batches = config.accumulation.max(1);
+            let mut losses = 0.0f64;
+            let mut have_loss = false;
+            for m in 0..micro_batches {
+                let index = step * micro_batches + m;
+                let update = match (micro_batches, m + 1 == micro_batches) {
+                    (1, _) => Update::Apply(&optimizer, step + 1),
+                    (_, false) => Update::Accumulate,
+                    (n, true) => Update::ApplyMean(&optimizer, step + 1, n),
+                };
+                device.load_inputs(&batches(index)?)?;
+                match device.step_with(update, index + 1) {
+                    Ok(()) => {}
+                    Err(StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
+                    Err(StepError::NonFiniteLoss(value)) => {
+                        device.load_inputs(&batches(index)?)?;
+                        let culprit = device.first_non_finite().map_err(|e| format!("step {step}: {e}"))?;
+                        return Err(format!(
+                            "step {step}: the loss is {value}, so the run stops before updating any weight (none are saved); {culprit}"
+                        ));
+                    }
+                }
+                if let Some(o) = plan.outputs.iter().find(|o| o.is_loss)
+                    && let Some(value) = device.read(o.buffer)?.and_then(|t| t.f32().ok()?.first().copied())
+                {
+                    losses += f64::from(value);
+                    have_loss = true;
                 }
             }
-            let loss = match plan.outputs.iter().find(|o| o.is_loss) {
-                Some(o) => device.read(o.buffer)?.and_then(|t| t.f32().ok()?.first().copied()),
-                None => None,
-            };
+            let loss = have_loss.then(|| (losses / micro_batches as f64) as f32);
             let mut record = StepRecord { step, loss, elapsed: start.elapsed(), lr: optimizer.lr, val_loss: None };
             if let Some(evaluation) = config.evaluation.as_ref().filter(|e| (step + 1) % e.every.max(1) == 0) {
                 let val = device.evaluate(evaluation).map_err(|e| format!("validation after step {step}: {e}"))?;
