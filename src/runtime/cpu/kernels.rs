@@ -151,7 +151,8 @@ fn max_of(v: &[f32]) -> f32 {
 
 // ---- matrix products ------------------------------------------------------------------------------
 
-/// Products with at least this many multiply-adds use the rayon pool; smaller ones stay on this thread.
+/// Products with at least this many multiply-adds are split over the kernel pool; smaller ones run
+/// whole on one worker.
 const PARALLEL_WORK: usize = 1 << 22;
 
 /// dst (+)= alpha * lhs * rhs, after checking the dimensions (faer panics on a mismatch).

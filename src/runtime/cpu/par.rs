@@ -109,14 +109,6 @@ pub fn column_blocks<E: Send>(
     g.par_chunks_mut(per_task).enumerate().try_for_each(|(k, block)| f(k * per_task, block))
 }
 
-/// Runs `f(index)` for each of `count` independent items (attention batches, say), in parallel.
-pub fn each<E: Send>(count: usize, size: usize, f: impl Fn(usize) -> Result<(), E> + Sync + Send) -> Result<(), E> {
-    if items_per_task(count, size) >= count {
-        return (0..count).try_for_each(f);
-    }
-    (0..count).into_par_iter().with_max_len(items_per_task(count, size)).try_for_each(f)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
