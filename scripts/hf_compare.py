@@ -8,12 +8,20 @@ optimizer; the script computes both sides and checks that
   * every parameter agrees after N steps: max|w_optimus - w_torch| / max|w_torch|     <= tol
 
 (per tensor), and the validation loss after the last update (mean of 2 batches
-of a second token file, eval mode), with tol = 1e-4, for every (optimizer, mesh) pair:
+of a second token file, eval mode), and every step's gradient norm before clipping
+(the `grad_norm` of optimusc's records against the global L2 norm of torch's
+gradients, which clip_grad_norm_ returns), with tol = 1e-4, for every (optimizer, mesh) pair:
 
   optimizers  SGD    lr 0.1,  momentum 0.9, weight_decay 0.01  (torch.optim.SGD)
               AdamW  lr 1e-2, betas (0.9, 0.999), weight_decay 0.1  (torch.optim.AdamW)
               AdamW  as above, with Hugging Face's cosine schedule: warm-up 1 step, min_lr 1e-3
                      (get_cosine_with_min_lr_schedule_with_warmup; optimusc --lr-schedule cosine)
+              AdamW  as above, with the linear schedule (warm-up 1, min_lr 1e-3; a LambdaLR of
+                     min_lr + (lr - min_lr)(S - k)/(S - W), HF's linear schedule with a floor)
+              AdamW  with clip_grad_norm_(0.05) (small enough that it clips every step)
+              SGD    with 2 micro-batches per update (--accum 2; the torch side backpropagates
+                     loss / 2 of each micro-batch, so the gradient is their mean)
+              AdamW  cosine + clipping at 0.05 + 4 micro-batches, all at once
   meshes      none 1x1, optimus 2x2, optimus 4x4, megatron 1x4
 
 The model is small: 2 layers, hidden 64, 4 heads, vocabulary 333 (divisible by
@@ -25,7 +33,8 @@ that a bias or LayerNorm parameter that were loaded, updated or saved in the
 wrong place would show.
 
 Data rule (the one `optimusc run --data` implements): step k, sequence r reads
-the seq + 1 tokens starting at o = (k * batch + r) * seq, wrapping at the end of
+the seq + 1 tokens starting at o = (k * batch + r) * seq (with --accum N, micro-batch
+m of step k is batch k * N + m), wrapping at the end of
 the token file; input = the first seq, target = the last seq. The token file is
 short enough that the last steps wrap. GPT2LMHeadModel(labels=...) would shift
 the labels itself, so the torch side takes the logits and computes the mean
@@ -119,6 +128,12 @@ class Optimizer:
     schedule: str | None = None
     warmup: int = 0
     min_lr: float = 0.0
+    # torch.nn.utils.clip_grad_norm_'s max_norm (optimusc --clip-grad-norm), or None for no clipping.
+    clip: float | None = None
+    # Micro-batches per update (optimusc --accum).
+    accum: int = 1
+    # The name in the results table.
+    tag: str = ""
 
     def torch(self, params):
         if self.name == "sgd":
@@ -128,18 +143,36 @@ class Optimizer:
     @property
     def label(self) -> str:
         """The name in the results table."""
-        return f"{self.name}-{self.schedule}" if self.schedule else self.name
+        return self.tag or (f"{self.name}-{self.schedule}" if self.schedule else self.name)
 
     def scheduler(self, optimizer, steps: int):
         """The torch scheduler of this setting (None for a constant rate); step it after every update."""
         if self.schedule is None:
             return None
-        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, self.warmup, steps, min_lr=self.min_lr)
+        if self.schedule == "cosine":
+            return get_cosine_with_min_lr_schedule_with_warmup(optimizer, self.warmup, steps, min_lr=self.min_lr)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.linear_factor(steps))
+
+    def linear_factor(self, steps: int):
+        """The linear schedule as a LambdaLR factor of update k: k/W in the warm-up, then a straight line
+        from 1 down to min_lr/lr at update S (Hugging Face's linear schedule, with a floor)."""
+        floor, warmup = self.min_lr / self.lr, self.warmup
+
+        def factor(k: int) -> float:
+            if k < warmup:
+                return k / max(1, warmup)
+            return floor + (1 - floor) * (steps - k) / max(1, steps - warmup)
+
+        return factor
 
     def flags(self) -> list[str]:
         flags = ["--optimizer", self.name, "--lr", repr(self.lr), "--weight-decay", repr(self.weight_decay)]
         if self.schedule is not None:
             flags += ["--lr-schedule", self.schedule, "--warmup-steps", str(self.warmup), "--min-lr", repr(self.min_lr)]
+        if self.clip is not None:
+            flags += ["--clip-grad-norm", repr(self.clip)]
+        if self.accum > 1:
+            flags += ["--accum", str(self.accum)]
         if self.name == "sgd":
             flags += ["--momentum", repr(self.momentum)]
         else:
@@ -147,10 +180,12 @@ class Optimizer:
         return flags
 
     def describe(self) -> str:
+        extra = f", {self.schedule} schedule (warmup {self.warmup}, min_lr {self.min_lr})" if self.schedule else ""
+        extra += f", clip_grad_norm_ {self.clip}" if self.clip is not None else ""
+        extra += f", {self.accum} micro-batches per update" if self.accum > 1 else ""
         if self.name == "sgd":
-            return f"SGD lr={self.lr} momentum={self.momentum} weight_decay={self.weight_decay}"
-        schedule = f", {self.schedule} schedule (warmup {self.warmup}, min_lr {self.min_lr})" if self.schedule else ""
-        return f"AdamW lr={self.lr} betas={self.betas} eps={self.eps:g} weight_decay={self.weight_decay}{schedule}"
+            return f"SGD lr={self.lr} momentum={self.momentum} weight_decay={self.weight_decay}{extra}"
+        return f"AdamW lr={self.lr} betas={self.betas} eps={self.eps:g} weight_decay={self.weight_decay}{extra}"
 
 
 @dataclass
@@ -165,6 +200,7 @@ class Result:
     error: str | None = None
     loss_diffs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    norm_diffs: list[float] = field(default_factory=list)
     weight_diffs: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -302,27 +338,32 @@ def batch_for_step(tokens: np.ndarray, step: int) -> tuple[torch.Tensor, torch.T
 
 def train_torch(seed: int, tokens: np.ndarray, opt: Optimizer, steps: int, val_tokens: np.ndarray, dtype=torch.float32):
     """Runs the reference; returns (per-step losses, final parameters as numpy by prefixed name, the
-    validation loss after the last update).
+    validation loss after the last update, per-step gradient norms before clipping).
 
     dtype float64 gives the same initial values (float32 ones, widened) computed in float64.
     """
     model = make_model(seed).to(dtype)
     optimizer = opt.torch(model.parameters())  # tied weights appear once
     scheduler = opt.scheduler(optimizer, steps)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
-        inputs, targets = batch_for_step(tokens, step)
-        logits = model(input_ids=inputs).logits  # [batch, seq, vocab]
-        # Mean cross-entropy over all batch * seq targets: no shift, the targets are already the next tokens.
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-        losses.append(loss.item())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for m in range(opt.accum):
+            inputs, targets = batch_for_step(tokens, step * opt.accum + m)
+            logits = model(input_ids=inputs).logits  # [batch, seq, vocab]
+            # Mean cross-entropy over all batch * seq targets: no shift, the targets are already the next tokens.
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+            total += loss.item()
+            (loss / opt.accum).backward()
+        losses.append(total / opt.accum)
+        max_norm = opt.clip if opt.clip is not None else float("inf")
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
     final = {name: p.detach().float().numpy().copy() for name, p in parameters(model).items()}
-    return losses, final, validation_loss(model, val_tokens)
+    return losses, final, validation_loss(model, val_tokens), norms
 
 
 def key_bias_noise(seed: int, tokens: np.ndarray) -> dict[str, float]:
@@ -389,9 +430,10 @@ def run_optimusc(args, strategy: str, mesh: str, opt: Optimizer, init: Path, wor
     if [r.get("step") for r in records] != list(range(args.steps)):
         raise RuntimeError(f"expected steps 0..{args.steps - 1} on stdout, got:\n{proc.stdout}")
     losses = [r["loss"] for r in records]
-    if any(not isinstance(x, (int, float)) for x in losses):
-        raise RuntimeError(f"a step has no numeric loss:\n{proc.stdout}")
-    return losses, load_numpy(str(out)), seconds, val[0]["val_loss"]
+    norms = [r.get("grad_norm") for r in records]
+    if any(not isinstance(x, (int, float)) for x in losses + norms):
+        raise RuntimeError(f"a step has no numeric loss or grad_norm:\n{proc.stdout}")
+    return losses, load_numpy(str(out)), seconds, val[0]["val_loss"], norms
 
 
 # ---------------------------------------------------------------------------
@@ -429,25 +471,35 @@ def compare(result: Result, losses, weights, ref_losses, ref_weights, tol: float
             result.problems.append(f"{name}: max|a-b|/max|b| = {d:.2e}")
 
 
+def compare_norms(result: Result, norms, ref_norms, tol: float):
+    """Every step's gradient norm before clipping, against torch's."""
+    for step, (a, b) in enumerate(zip(norms, ref_norms)):
+        d = abs(a - b) / abs(b)
+        result.norm_diffs.append(d)
+        if not d <= tol:
+            result.problems.append(f"step {step} grad_norm {a:.7f} vs torch {b:.7f}: rel diff {d:.2e}")
+
+
 def print_table(results: list[Result], tol: float):
     print()
-    header = f"{'optimizer':<12} {'strategy':<9} {'mesh':<5} {'init file':<11} {'loss rel diff (max)':>19} " \
+    header = f"{'optimizer':<12} {'strategy':<9} {'mesh':<5} {'init file':<11} {'loss rel diff (max)':>19} {'norm':>8} " \
              f"{'weight rel diff (max)':>21}  {'worst tensor':<28} {'time':>6}  result"  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in results:
         if r.error is not None:
-            row = f"{r.optimizer:<12} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {'-':>19} {'-':>21}  {'-':<28}"
+            row = f"{r.optimizer:<12} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {'-':>19} {'-':>8} {'-':>21}  {'-':<28}"
             print(f"{row} {r.seconds:5.1f}s  RUN FAILED")
             continue
         worst = max(r.weight_diffs, key=r.weight_diffs.get) if r.weight_diffs else "-"
         wmax = r.weight_diffs.get(worst, float("nan"))
         lmax = max(r.loss_diffs) if r.loss_diffs else float("nan")
+        nmax = max(r.norm_diffs) if r.norm_diffs else float("nan")
         status = "ok" if r.ok else "MISMATCH"
         short = worst.removeprefix("transformer.")
-        print(f"{r.optimizer:<12} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {lmax:>19.2e} {wmax:>21.2e}  "
+        print(f"{r.optimizer:<12} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {lmax:>19.2e} {nmax:>8.1e} {wmax:>21.2e}  "
               f"{short:<28} {r.seconds:5.1f}s  {status}")  # fmt: skip
-    print(f"(tolerance {tol:g}; loss: |a-b|/|b| per step; weights: max|a-b|/max|b| per tensor, b = torch)")
+    print(f"(tolerance {tol:g}; loss and grad norm: |a-b|/|b| per step; weights: max|a-b|/max|b| per tensor, b = torch)")
 
 
 def main() -> int:
@@ -460,7 +512,9 @@ def main() -> int:
         "--adamw-eps", type=float, default=1e-4, help="AdamW epsilon on both sides (default %(default)g; see above)"
     )
     parser.add_argument(
-        "--optimizers", default="sgd,adamw,adamw-cosine", help="comma-separated subset of sgd,adamw,adamw-cosine"
+        "--optimizers",
+        default="sgd,adamw,adamw-cosine,adamw-linear,adamw-clip,sgd-accum2,adamw-all",
+        help="comma-separated subset of sgd,adamw,adamw-cosine,adamw-linear,adamw-clip,sgd-accum2,adamw-all"
     )
     parser.add_argument(
         "--meshes",
@@ -483,6 +537,15 @@ def main() -> int:
         "adamw": Optimizer("adamw", lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=args.adamw_eps),
         "adamw-cosine": Optimizer(
             "adamw", lr=1e-2, weight_decay=0.1, eps=args.adamw_eps, schedule="cosine", warmup=1, min_lr=1e-3
+        ),
+        "adamw-linear": Optimizer(
+            "adamw", lr=1e-2, weight_decay=0.1, eps=args.adamw_eps, schedule="linear", warmup=1, min_lr=1e-3
+        ),
+        "adamw-clip": Optimizer("adamw", lr=1e-2, weight_decay=0.1, eps=args.adamw_eps, clip=0.05, tag="adamw-clip"),
+        "sgd-accum2": Optimizer("sgd", lr=0.1, weight_decay=0.01, momentum=0.9, accum=2, tag="sgd-accum2"),
+        "adamw-all": Optimizer(
+            "adamw", lr=1e-2, weight_decay=0.1, eps=args.adamw_eps, schedule="cosine", warmup=1, min_lr=1e-3,
+            clip=0.05, accum=4, tag="adamw-all",
         ),
     }
     chosen = [optimizers[name] for name in args.optimizers.split(",") if name]
@@ -516,11 +579,13 @@ def main() -> int:
                 print("   elements with |grad| <~ eps, where float32 noise in the gradient (~1e-9 here) moves a weight by up")
                 print("   to lr * noise / eps; eps 1e-4 keeps that ~1e-7. Every element of every tensor is checked.")
             start = time.monotonic()
-            ref_losses, ref_weights, ref_val = train_torch(args.seed, tokens, opt, args.steps, val_tokens)
+            ref_losses, ref_weights, ref_val, ref_norms = train_torch(args.seed, tokens, opt, args.steps, val_tokens)
             print(f"   torch: {time.monotonic() - start:.1f}s, losses " + " ".join(f"{x:.6f}" for x in ref_losses)
-                  + f", validation loss {ref_val:.6f}")  # fmt: skip
+                  + f", validation loss {ref_val:.6f}, grad norms " + " ".join(f"{x:.5f}" for x in ref_norms))  # fmt: skip
+            if opt.clip is not None and not all(n > opt.clip for n in ref_norms):
+                print(f"   warning: clip {opt.clip} does not clip every step (norms {ref_norms})")
             # The float32 noise floor: the same reference in float64, against the float32 one.
-            losses64, weights64, _ = train_torch(args.seed, tokens, opt, args.steps, val_tokens, dtype=torch.float64)
+            losses64, weights64, _, _ = train_torch(args.seed, tokens, opt, args.steps, val_tokens, dtype=torch.float64)
             floor_loss = max(abs(a - b) / abs(b) for a, b in zip(ref_losses, losses64))
             floor_w = {n: rel(ref_weights[n], w) for n, w in weights64.items()}
             worst = max(floor_w, key=floor_w.get)
@@ -533,10 +598,11 @@ def main() -> int:
                 result = Result(opt.label, strategy, mesh, style)
                 tag = f"{opt.label}_{strategy}_{mesh}"
                 try:
-                    losses, weights, result.seconds, val = run_optimusc(
+                    losses, weights, result.seconds, val, norms = run_optimusc(
                         args, strategy, mesh, opt, inits[style], workdir, tag
                     )
                     compare(result, losses, weights, ref_losses, ref_weights, args.tol)
+                    compare_norms(result, norms, ref_norms, args.tol)
                     # The validation loss after the last update (eval mode, VAL_BATCHES batches of val.bin).
                     d = abs(val - ref_val) / abs(ref_val)
                     result.loss_diffs.append(d)

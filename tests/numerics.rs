@@ -80,6 +80,7 @@ fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
         schedule: None,
         evaluation: None,
         accumulation: 1,
+        clip_grad_norm: None,
     };
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }

@@ -565,6 +565,7 @@ fn one_step(plan: &Plan) -> Result<optimus::runtime::exec::RunOutput, String> {
         schedule: None,
         evaluation: None,
         accumulation: 1,
+        clip_grad_norm: None,
     };
     let shapes: Vec<(String, Vec<u64>)> = plan.inputs.iter().map(|i| (i.name.clone(), i.shape.clone())).collect();
     let batches = move |_step: u64| -> Result<BTreeMap<String, Tensor>, String> {

@@ -19,6 +19,11 @@ pub fn non_negative(text: &str) -> Result<f32, String> {
     finite_f32(text, |v| v >= 0.0, "a finite number >= 0")
 }
 
+/// A maximum gradient norm: finite and > 0.
+pub fn positive(text: &str) -> Result<f32, String> {
+    finite_f32(text, |v| v > 0.0, "a finite number > 0")
+}
+
 /// An Adam beta: in [0, 1).
 pub fn beta(text: &str) -> Result<f32, String> {
     finite_f32(text, |v| (0.0..1.0).contains(&v), "a number in [0, 1)")

@@ -62,6 +62,13 @@ pub struct RunArgs {
     /// batch of N * batch sequences), the step's loss is their mean, and memory stays one micro-batch's.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub accum: u64,
+    /// Clip the gradients to this global L2 norm before each update (finite, > 0), as
+    /// torch.nn.utils.clip_grad_norm_: every gradient is scaled by min(1, X / (norm + 1e-6)), where norm is
+    /// taken over all parameters with each replicated shard counted once (one all-reduce of one number per
+    /// step, shown by `optimusc inspect`). The norm before clipping is in every --json record as `grad_norm`,
+    /// with or without this flag.
+    #[arg(long, value_name = "X", value_parser = super::flags::positive)]
+    pub clip_grad_norm: Option<f32>,
     /// Validation token file (same format as --data): after every --eval-every-th update, the mean loss
     /// of --eval-batches batches of it, with dropout off and no update; batch v reads the sequences at
     /// (v * batch + r) * seq. Records `{"step": k, "val_loss": x}` with --json, a line otherwise.
@@ -340,7 +347,16 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         schedule: (schedule.kind != ScheduleKind::Constant || schedule.warmup > 0).then_some(schedule),
         evaluation: evaluation(args, &plan)?,
         accumulation: args.accum,
+        clip_grad_norm: args.clip_grad_norm,
     };
+    if config.clip_grad_norm.is_some() && plan.mode != Mode::Train {
+        return Err(Failure::usage("--clip-grad-norm clips the gradients of a training plan; this plan infers".into()));
+    }
+    if config.clip_grad_norm.is_some() && plan.grad_norm.is_none() {
+        return Err(Failure::usage(
+            "--clip-grad-norm: this plan was compiled before optimusc computed gradient norms; compile it again".into(),
+        ));
+    }
     Ok(Prepared { plan, tokens, initial, config })
 }
 
@@ -501,6 +517,7 @@ impl Progress {
                 "step": r.step,
                 "loss": r.loss,
                 "lr": r.lr,
+                "grad_norm": r.grad_norm,
                 "tokens_per_s": tokens_per_s,
                 "elapsed_s": elapsed,
             });

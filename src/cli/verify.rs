@@ -116,6 +116,7 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         schedule: None,
         evaluation: None,
         accumulation: 1,
+        clip_grad_norm: None,
     };
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     let batches = |step| tokens.batch(plan, step);

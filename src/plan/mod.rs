@@ -281,6 +281,10 @@ pub enum Kernel {
         axis: u8,
         placement: Placement,
     },
+    /// (grads..) -> [1]: the sum of the squares of the gradient elements this device owns: an input
+    /// replicated along a mesh axis counts only on that axis's first member, so that the sum over all
+    /// devices counts every logical element once (padding elements of gradients are zero).
+    GradSquareSum,
     /// (param, grad, state1, state2) -> param, in place: SGD with momentum or AdamW, chosen at run time.
     OptimizerStep,
 }
@@ -449,6 +453,10 @@ pub struct Plan {
     /// Prefix that some checkpoints put before every checkpoint name (`transformer.` for GPT-2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_prefix: Option<String>,
+    /// The buffer that holds the squared L2 norm of all gradients, summed over the mesh with each
+    /// replicated element counted once (train plans; every optimizer step comes after it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<BufferId>,
 }
 
 impl Plan {

@@ -41,6 +41,9 @@ pub struct RunConfig {
     /// Micro-batches per update (`--accum`; 1 for none): micro-batch m of step k is batch k * N + m of
     /// the data, the update uses the mean of their gradients, and the step's loss is their mean loss.
     pub accumulation: u64,
+    /// `--clip-grad-norm`: scale every gradient by min(1, X / (norm + 1e-6)) before the update, as
+    /// `torch.nn.utils.clip_grad_norm_` does, where norm is the global L2 norm of all gradients.
+    pub clip_grad_norm: Option<f32>,
 }
 
 /// Validation batch v of a run, as logical tensors by input name.
@@ -83,6 +86,8 @@ pub struct StepRecord {
     pub lr: f32,
     /// The validation loss after this step's update, when one was computed.
     pub val_loss: Option<f32>,
+    /// The global L2 norm of the gradients of this step's update, before clipping (train plans).
+    pub grad_norm: Option<f32>,
 }
 
 /// Everything a run leaves behind, assembled into logical tensors.
@@ -127,6 +132,11 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     pub profile: Option<Profile>,
     /// Gradient sums of the micro-batches of the current update, by gradient buffer (`--accum`).
     grad_sums: BTreeMap<BufferId, Vec<f32>>,
+    /// Clip the gradients to this global norm before updating (`--clip-grad-norm`).
+    pub clip_grad_norm: Option<f32>,
+    /// The global gradient norm of the last update (before clipping) and the factor it scaled the
+    /// gradients by.
+    grad_norm: Option<(f32, f32)>,
 }
 
 /// What a step does at its optimizer instructions.
@@ -157,6 +167,8 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             alive,
             profile: None,
             grad_sums: BTreeMap::new(),
+            clip_grad_norm: None,
+            grad_norm: None,
         };
         let (i, j) = device.coords();
         for p in &plan.params {
@@ -223,22 +235,59 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let plan = self.plan;
         self.step_seed = init::mix64(self.seed ^ init::mix64(draw));
         self.begin_step();
-        let first_update = first_update(plan);
+        self.grad_norm = None;
+        let updates_begin = updates_begin(plan);
+        let failed =
+            |index: usize| move |e: RuntimeError| StepError::Failed(in_instruction(plan, index, &e.to_string()));
         for (index, instr) in plan.program.iter().enumerate() {
-            if index == first_update {
+            if index == updates_begin {
                 self.check_loss()?;
             }
+            if is_kernel(instr, Kernel::GradSquareSum) && !matches!(update, Update::Apply(..)) {
+                // With --accum the norm is that of the mean gradient, which the last micro-batch forms here.
+                let mean_of = match update {
+                    Update::ApplyMean(_, _, count) => Some(count),
+                    _ => None,
+                };
+                self.accumulate_all(mean_of).map_err(failed(index))?;
+                if mean_of.is_none() {
+                    return Ok(());
+                }
+            }
+            if is_kernel(instr, Kernel::OptimizerStep) && self.grad_norm.is_none() && plan.grad_norm.is_some() {
+                self.grad_norm = Some(self.clip_factor().map_err(failed(index))?);
+            }
             let started = self.profile.is_some().then(Instant::now);
-            self.execute_with(instr, update)
-                .map_err(|e| StepError::Failed(in_instruction(plan, index, &e.to_string())))?;
+            self.execute_with(instr, update).map_err(failed(index))?;
             if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
                 profile.record(index, started.elapsed());
             }
         }
-        if first_update == plan.program.len() {
+        if updates_begin == plan.program.len() {
             self.check_loss()?;
         }
         Ok(())
+    }
+
+    /// The global gradient norm of this step (before clipping), and the factor the gradients are scaled by:
+    /// min(1, X / (norm + 1e-6)) with `--clip-grad-norm X`, else 1.
+    fn clip_factor(&mut self) -> Result<(f32, f32), RuntimeError> {
+        let Some(id) = self.plan.grad_norm else { return Ok((f32::NAN, 1.0)) };
+        let squares = self
+            .read(id)?
+            .and_then(|t| t.f32().ok()?.first().copied())
+            .ok_or(RuntimeError::NotAlive { buffer: self.plan.buffer(id).name.clone() })?;
+        let norm = f64::from(squares).sqrt() as f32;
+        let factor = match self.clip_grad_norm {
+            Some(max) => (max / (norm + 1e-6)).min(1.0),
+            None => 1.0,
+        };
+        Ok((norm, factor))
+    }
+
+    /// The global gradient norm of the last update, before clipping (train plans that compute it).
+    pub fn grad_norm(&self) -> Option<f32> {
+        self.grad_norm.map(|(norm, _)| norm).filter(|n| !n.is_nan())
     }
 
     /// The mean loss of the validation batches of `evaluation` with the current weights: the program up
@@ -251,7 +300,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         for v in 0..evaluation.batches {
             self.load_inputs(&(evaluation.data)(v)?)?;
             self.begin_step();
-            for (index, instr) in plan.program.iter().enumerate().take(first_update(plan)) {
+            for (index, instr) in plan.program.iter().enumerate().take(forward_len(plan)) {
                 let result = match instr {
                     Instr::Kernel { kernel: Kernel::Dropout { key, .. }, inputs, output, .. } => {
                         self.kernel(&Kernel::Dropout { p: 0.0, key: *key }, inputs, *output)
@@ -281,14 +330,30 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let Instr::Kernel { kernel: Kernel::OptimizerStep, inputs, .. } = instr else {
             return self.execute(instr, None);
         };
+        // A plan that computes the gradient norm accumulates every gradient before it (see `step_with`).
+        let accumulated = self.plan.grad_norm.is_some();
         match update {
             Update::Apply(settings, step) => self.optimizer(inputs, settings, step),
+            Update::Accumulate if accumulated => Ok(()),
             Update::Accumulate => self.accumulate(inputs, None),
             Update::ApplyMean(settings, step, count) => {
-                self.accumulate(inputs, Some(count))?;
+                if !accumulated {
+                    self.accumulate(inputs, Some(count))?;
+                }
                 self.optimizer(inputs, settings, step)
             }
         }
+    }
+
+    /// [`Device::accumulate`] for the gradient of every parameter, in plan order.
+    fn accumulate_all(&mut self, mean_of: Option<u64>) -> Result<(), RuntimeError> {
+        let plan = self.plan;
+        for p in &plan.params {
+            if let Some(grad) = p.grad {
+                self.accumulate(&[p.buffer, grad, grad, grad], mean_of)?;
+            }
+        }
+        Ok(())
     }
 
     /// Adds an optimizer step's gradient to this update's sum; with `mean_of`, replaces the gradient
@@ -357,7 +422,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             }
         }
         self.begin_step();
-        for (index, instr) in plan.program.iter().enumerate().take(first_update(plan)) {
+        for (index, instr) in plan.program.iter().enumerate().take(updates_begin(plan)) {
             self.execute(instr, None).map_err(|e| in_instruction(plan, index, &e.to_string()))?;
             let written = match instr {
                 Instr::Kernel { output, .. } => Some(*output),
@@ -419,8 +484,18 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         if let Some((at, value)) = self.backend.first_non_finite(&self.storage, grad)? {
             return Err(RuntimeError::NonFiniteGradient { grad: self.plan.buffer(grad).name.clone(), at, value });
         }
+        if let Some((_, factor)) = self.grad_norm.filter(|&(_, factor)| factor != 1.0) {
+            self.scale_gradient(grad, factor)?;
+        }
         let buffers = UpdateBuffers { param, grad, state1, state2 };
         self.backend.optimizer_step(&mut self.storage, buffers, settings, step)
+    }
+
+    /// Multiplies a gradient by the clipping factor, in place, as `clip_grad_norm_` does.
+    fn scale_gradient(&mut self, grad: BufferId, factor: f32) -> Result<(), RuntimeError> {
+        let g = self.read(grad)?.ok_or(RuntimeError::OptimizerNotAlive)?;
+        let scaled: Vec<f32> = g.f32().map_err(RuntimeError::Kernel)?.iter().map(|&x| x * factor).collect();
+        self.write(grad, Tensor::from_f32(&g.shape, scaled))
     }
 
     fn collective(&mut self, c: &crate::plan::Collective) -> Result<(), RuntimeError> {
@@ -449,12 +524,31 @@ pub enum StepError {
     Failed(String),
 }
 
-/// The index of the first optimizer step of the program (its length if it has none).
-fn first_update(plan: &Plan) -> usize {
+/// The index of the first instruction that needs every gradient (the gradient norm, else the first
+/// optimizer step); the program's length if it has none.
+fn updates_begin(plan: &Plan) -> usize {
     plan.program
         .iter()
-        .position(|i| matches!(i, Instr::Kernel { kernel: Kernel::OptimizerStep, .. }))
+        .position(|i| is_kernel(i, Kernel::GradSquareSum) || is_kernel(i, Kernel::OptimizerStep))
         .unwrap_or(plan.program.len())
+}
+
+/// The instructions of the forward pass: up to the last one that writes the loss (the whole program up
+/// to the updates when there is no loss).
+fn forward_len(plan: &Plan) -> usize {
+    let begin = updates_begin(plan);
+    let Some(loss) = plan.outputs.iter().find(|o| o.is_loss).map(|o| o.buffer) else { return begin };
+    let writes_loss = |instr: &Instr| match instr {
+        Instr::Kernel { output, .. } => *output == loss,
+        Instr::Collective { collective, .. } => collective.recv == loss,
+        Instr::Free { .. } => false,
+    };
+    plan.program[..begin].iter().rposition(writes_loss).map_or(begin, |k| k + 1)
+}
+
+/// Whether an instruction runs this kernel.
+fn is_kernel(instr: &Instr, wanted: Kernel) -> bool {
+    matches!(instr, Instr::Kernel { kernel, .. } if *kernel == wanted)
 }
 
 /// An error of instruction `index`, in the user's terms: the tensor it computes and the source line.
@@ -541,6 +635,7 @@ impl DeviceRun<'_> {
     fn on<B: Backend, C: Communicator>(&self, backend: B, comm: C) -> Result<DeviceResult, String> {
         let DeviceRun { plan, config, batches, initial, on_step } = *self;
         let mut device = Device::new(plan, backend, comm, config.seed)?;
+        device.clip_grad_norm = config.clip_grad_norm;
         let (i, j) = device.coords();
         device.profile = config.profile.then(|| Profile::new(plan, (i, j)));
         for p in &plan.params {
@@ -588,7 +683,9 @@ impl DeviceRun<'_> {
                 }
             }
             let loss = have_loss.then(|| (losses / micro_batches as f64) as f32);
-            let mut record = StepRecord { step, loss, elapsed: start.elapsed(), lr: optimizer.lr, val_loss: None };
+            let grad_norm = device.grad_norm();
+            let mut record =
+                StepRecord { step, loss, elapsed: start.elapsed(), lr: optimizer.lr, val_loss: None, grad_norm };
             if let Some(evaluation) = config.evaluation.as_ref().filter(|e| (step + 1) % e.every.max(1) == 0) {
                 let val = device.evaluate(evaluation).map_err(|e| format!("validation after step {step}: {e}"))?;
                 record.val_loss = Some(val);

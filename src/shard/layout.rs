@@ -78,6 +78,13 @@ impl Layout {
         self.0.contains(&Placement::Partial)
     }
 
+    /// Whether the device at mesh coordinates `coords` is the one that counts its block when summing
+    /// over every device's elements: the first member of each axis along which the tensor is not split
+    /// (replicated, or a pending sum), so that each logical element is counted exactly once.
+    pub fn counts_block_at(&self, coords: [u64; 2]) -> bool {
+        self.0.iter().zip(coords).all(|(p, c)| p.dim().is_some() || c == 0)
+    }
+
     /// The mesh axis that splits `dim`, if any.
     pub fn axis_of(&self, dim: usize) -> Option<usize> {
         self.0.iter().position(|p| p.dim() == Some(dim))

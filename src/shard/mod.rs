@@ -208,6 +208,8 @@ pub(crate) struct Lowerer<'a> {
     /// The node being lowered, for origins.
     pub current: NodeIndex,
     pub forward_end: Option<usize>,
+    /// The buffer holding the squared global gradient norm (train plans).
+    grad_norm: Option<BufferId>,
     pub diagnostics: Vec<Diagnostic>,
     reported_dims: HashSet<String>,
     /// (size, label) of every dimension split across a mesh axis.
@@ -247,6 +249,7 @@ impl<'a> Lowerer<'a> {
             cross_entropy_stats: HashMap::default(),
             current: NodeIndex::new(0),
             forward_end: None,
+            grad_norm: None,
             diagnostics: Vec::new(),
             reported_dims: HashSet::default(),
             split_dims: BTreeSet::new(),
@@ -321,9 +324,11 @@ impl<'a> Lowerer<'a> {
         }
     }
 
-    /// Gradients in the parameters' layouts (summed over the devices that share them), then one
-    /// optimizer step per parameter.
+    /// Gradients in the parameters' layouts (summed over the devices that share them), then the squared
+    /// global gradient norm (for clipping and the records), then one optimizer step per parameter. The
+    /// updates come after every gradient is complete, since clipping scales all of them by one factor.
     fn optimizer(&mut self, grads: &[Option<NodeIndex>]) {
+        let mut updates = Vec::new();
         for (index, grad) in grads.iter().enumerate() {
             let id = ParamId(u32::try_from(index).unwrap_or(u32::MAX));
             let (Some(grad), Some(param)) = (grad, self.param_buffers.get(&id).copied()) else { continue };
@@ -331,19 +336,56 @@ impl<'a> Lowerer<'a> {
             let g = self.value(*grad, param.layout);
             self.buffers[g.0 as usize].role = Role::Gradient;
             self.buffers[g.0 as usize].name = format!("{}.grad", self.model.params[index].name);
-            let m = self.state_buffer(param.buffer, "exp_avg");
-            let v = self.state_buffer(param.buffer, "exp_avg_sq");
-            self.kernel(
-                Kernel::OptimizerStep,
-                &[param.buffer, g, m, v],
-                param.buffer,
-                "optimizer step on this device's shard",
-            );
-            if let Some(p) = self.plan_params.iter_mut().find(|p| p.buffer == param.buffer) {
+            updates.push((param.buffer, g));
+        }
+        if let Some(loss) = self.model.loss {
+            self.current = loss;
+        }
+        let grad_buffers: Vec<BufferId> = updates.iter().map(|&(_, g)| g).collect();
+        self.grad_norm = self.grad_norm_squared(&grad_buffers);
+        for (param, g) in updates {
+            let m = self.state_buffer(param, "exp_avg");
+            let v = self.state_buffer(param, "exp_avg_sq");
+            self.kernel(Kernel::OptimizerStep, &[param, g, m, v], param, "optimizer step on this device's shard");
+            if let Some(p) = self.plan_params.iter_mut().find(|p| p.buffer == param) {
                 p.grad = Some(g);
                 p.state = vec![m, v];
             }
         }
+    }
+
+    /// The squared L2 norm of all gradients over the whole mesh: each device sums the squares of the
+    /// elements it alone is responsible for (a block replicated along a mesh axis counts only on that
+    /// axis's first member), then one all-reduce over every device adds the partial sums. Returns the
+    /// buffer that holds the total on every device.
+    fn grad_norm_squared(&mut self, grads: &[BufferId]) -> Option<BufferId> {
+        if grads.is_empty() {
+            return None;
+        }
+        let partial = Layout::new(Placement::Partial, Placement::Partial);
+        let name = "grad_norm_sq".to_string();
+        let local = self.new_buffer(format!("{name}.partial"), DType::F32, vec![1], partial, Role::Workspace);
+        self.kernel(
+            Kernel::GradSquareSum,
+            grads,
+            local,
+            "gradient norm: sum of squares of the gradient elements this device owns (replicas counted once)",
+        );
+        if self.target.mesh.devices() < 2 {
+            return Some(local);
+        }
+        let total = self.new_buffer(name, DType::F32, vec![1], Layout::REPLICATED, Role::Workspace);
+        self.collective(
+            CollectiveKind::AllReduce,
+            Group::World,
+            None,
+            Some(ReduceOp::Sum),
+            None,
+            local,
+            total,
+            "gradient norm: one all-reduce of every device's sum of squares",
+        );
+        Some(total)
     }
 
     fn state_buffer(&mut self, like: BufferId, what: &str) -> BufferId {
@@ -357,8 +399,13 @@ impl<'a> Lowerer<'a> {
             return Err(self.diagnostics);
         }
         let forward_end = self.forward_end.unwrap_or(self.program.len());
-        let keep: std::collections::HashSet<BufferId> =
-            self.outputs.iter().map(|o| o.buffer).chain(self.plan_params.iter().filter_map(|p| p.grad)).collect();
+        let keep: std::collections::HashSet<BufferId> = self
+            .outputs
+            .iter()
+            .map(|o| o.buffer)
+            .chain(self.plan_params.iter().filter_map(|p| p.grad))
+            .chain(self.grad_norm)
+            .collect();
         let program = std::mem::take(&mut self.program);
         let (program, forward_end) = insert_frees(program, &self.buffers, &keep, forward_end);
         let memory = plan_memory(&program, &self.buffers, forward_end);
@@ -380,6 +427,7 @@ impl<'a> Lowerer<'a> {
             reasons: self.reasons,
             memory,
             checkpoint_prefix: self.model.checkpoint_prefix.clone(),
+            grad_norm: self.grad_norm,
         };
         crate::plan::verify::verify(&plan).map_err(|errors| {
             errors

@@ -85,6 +85,7 @@ pub(super) fn check_parameters(
         | Kernel::RowSum
         | Kernel::SumToLast
         | Kernel::OptimizerStep => Ok(()),
+        Kernel::GradSquareSum => check_square_sum(&ops),
     }
 }
 
@@ -125,8 +126,22 @@ fn expected_inputs(kernel: &Kernel) -> usize {
 }
 
 fn check_arity(kernel: &Kernel, got: usize) -> Result<(), String> {
+    if *kernel == Kernel::GradSquareSum {
+        return ensure(got >= 1, || "takes at least one gradient".to_string());
+    }
     let want = expected_inputs(kernel);
     ensure(got == want, || format!("takes {want} inputs, not {got}"))
+}
+
+/// The gradient norm's partial sum: gradients in, one element out.
+fn check_square_sum(ops: &Operands) -> Result<(), String> {
+    ensure(ops.output.elements() == 1, || {
+        format!("writes one number, not `{}` {:?}", ops.output.name, ops.output.shape)
+    })?;
+    match ops.inputs.iter().find(|b| b.role != crate::plan::Role::Gradient) {
+        Some(b) => Err(format!("sums the squares of gradients, and `{}` is not one", b.name)),
+        None => Ok(()),
+    }
 }
 
 /// The mesh axis that splits dimension `dim` of a buffer contiguously (outer = inner = 1), if one does.

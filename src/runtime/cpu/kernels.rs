@@ -77,6 +77,7 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         }
         Kernel::Fill { value } => fill(inputs, out, value),
         Kernel::SliceShard { axis, placement } => slice_shard(inputs, out, ctx, axis.into(), placement),
+        Kernel::GradSquareSum => grad_square_sum(inputs, out, ctx),
         Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),
     }
 }
@@ -954,6 +955,35 @@ fn row_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
         }
         Ok::<(), String>(())
     })
+}
+
+/// The sum of the squares of every input this device counts (see [`crate::plan::Kernel::GradSquareSum`]),
+/// accumulated in f64.
+fn grad_square_sum(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), String> {
+    ensure(inputs.len() == ctx.inputs.len(), || "the inputs and their layouts differ in number".to_string())?;
+    let mut total = 0.0f64;
+    for (k, (x, meta)) in inputs.iter().zip(ctx.inputs).enumerate() {
+        if meta.layout.counts_block_at([ctx.i, ctx.j]) {
+            total += square_sum(floats(x, &format!("gradient {k}"))?);
+        }
+    }
+    let y = floats_mut(out)?;
+    same_len("the output", y.len(), 1)?;
+    y[0] = total as f32;
+    Ok(())
+}
+
+/// The sum of squares of `v` in f64, over four lanes.
+fn square_sum(v: &[f32]) -> f64 {
+    let mut acc = [0.0f64; 4];
+    let mut chunks = v.chunks_exact(4);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += f64::from(x) * f64::from(x);
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    acc.iter().sum::<f64>() + tail
 }
 
 fn row_centered_square_sum(inputs: &[&View], out: &mut ViewMut, n: u64) -> Result<(), String> {

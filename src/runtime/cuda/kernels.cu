@@ -477,6 +477,15 @@ extern "C" __global__ void cross_entropy_loss(float* y, const float* max, const 
     if (threadIdx.x == 0) y[0] = (float)(total / (double)count);
 }
 
+// y[0] += the sum of squares of x (in f64): one term of the gradient norm. One block, launched once per
+// gradient this device counts, in order, on one stream.
+extern "C" __global__ void square_sum(float* y, const float* x, u64 n) {
+    double total = 0.0;
+    for (u64 k = threadIdx.x; k < n; k += blockDim.x) total += (double)x[k] * (double)x[k];
+    total = block_sum_f64(total);
+    if (threadIdx.x == 0) y[0] = (float)((double)y[0] + total);
+}
+
 // dlogits = (softmax - onehot) dloss / count on live columns, 0 on padding.
 extern "C" __global__ void cross_entropy_grad(float* g, const float* logits, const int* targets, const float* max,
                                               const float* stats, const float* dloss, u64 rows, u64 width, u64 live,

@@ -62,6 +62,7 @@ mod names {
     pub const CROSS_ENTROPY_MAX: &str = "cross_entropy_max";
     pub const CROSS_ENTROPY_STATS: &str = "cross_entropy_stats";
     pub const CROSS_ENTROPY_LOSS: &str = "cross_entropy_loss";
+    pub const SQUARE_SUM: &str = "square_sum";
     pub const CROSS_ENTROPY_GRAD: &str = "cross_entropy_grad";
     pub const SGD_STEP: &str = "sgd_step";
     pub const ADAMW_STEP: &str = "adamw_step";
@@ -103,6 +104,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     CROSS_ENTROPY_MAX,
     CROSS_ENTROPY_STATS,
     CROSS_ENTROPY_LOSS,
+    SQUARE_SUM,
     CROSS_ENTROPY_GRAD,
     SGD_STEP,
     ADAMW_STEP,
@@ -162,6 +164,7 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::CrossEntropyLoss { .. } => Launcher::kernels(&[CROSS_ENTROPY_LOSS]),
         Kernel::CrossEntropyGrad { .. } => Launcher::kernels(&[CROSS_ENTROPY_GRAD]),
         Kernel::Fill { .. } => Launcher::kernels(&[FILL_BITS]),
+        Kernel::GradSquareSum => Launcher::kernels(&[SQUARE_SUM]),
         Kernel::OptimizerStep => Launcher::kernels(&[SGD_STEP, ADAMW_STEP]),
     }
 }
@@ -1330,6 +1333,27 @@ impl Device {
         launch!(self, CROSS_ENTROPY_LOSS, single_block(), [y, mv, sv, &rows, &count])
     }
 
+    /// The squares of every gradient this device counts, summed into `out` (see `Kernel::GradSquareSum`).
+    fn grad_square_sum(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        ctx: &KernelContext,
+    ) -> Result<(), String> {
+        ensure(inputs.len() == ctx.inputs.len(), || "the inputs and their layouts differ in number".to_string())?;
+        same_len("the output", out.len(), 1)?;
+        let y = floats_mut(out, "the output")?;
+        self.zero(y)?;
+        for (k, (x, meta)) in inputs.iter().zip(ctx.inputs).enumerate() {
+            if meta.layout.counts_block_at([ctx.i, ctx.j]) {
+                let xv = floats(x, &format!("gradient {k}"))?;
+                let n = x.len() as u64;
+                launch!(self, SQUARE_SUM, single_block(), [&mut *y, xv, &n])?;
+            }
+        }
+        Ok(())
+    }
+
     fn cross_entropy_grad(
         &self,
         inputs: &[&DeviceTensor],
@@ -1532,6 +1556,7 @@ impl CudaKernels {
             }
             Kernel::Fill { value } => dev.fill(inputs, out, value),
             Kernel::SliceShard { axis, placement } => dev.slice_shard(inputs, out, ctx, axis.into(), placement),
+            Kernel::GradSquareSum => dev.grad_square_sum(inputs, out, ctx),
             Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),
         }
     }
