@@ -526,7 +526,9 @@ impl Progress {
 
     /// An error when a record could not be appended to the `--log` file.
     fn log_failure(&self) -> Result<(), String> {
-        self.log_failed.get().map_or(Ok(()), |e| Err(format!("--log: {e}; the records from then on are not in the log")))
+        self.log_failed
+            .get()
+            .map_or(Ok(()), |e| Err(format!("--log: {e}; the records from then on are not in the log")))
     }
 
     /// Counts the tokens of `n` micro-batches in each step's throughput.

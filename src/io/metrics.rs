@@ -104,7 +104,12 @@ pub fn parse_metrics(reader: impl BufRead) -> Result<Metrics, String> {
             Ok(_) => {
                 return Err(format!("line {number}: expected a JSON object such as {{\"step\": 0, \"loss\": 4.2}}"));
             }
-            Err(e) => return Err(format!("line {number}: not JSON: {e}")),
+            Err(e) => {
+                // serde's message ends with its own position, whose line is always 1 here.
+                let message = e.to_string();
+                let message = message.rsplit_once(" at line ").map_or(message.as_str(), |(m, _)| m);
+                return Err(format!("line {number}, column {}: not JSON: {message}", e.column()));
+            }
         }
     }
     Ok(metrics)
