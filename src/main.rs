@@ -60,6 +60,13 @@ enum Command {
     ///
     /// Exit status: 0 on success, 1 on model or compile errors, 2 on usage errors (bad profiles).
     Simulate(cli::simulate::SimulateArgs),
+    /// Draw the curves of a metrics log (`optimusc run --log FILE.jsonl`) as an SVG: training and
+    /// validation loss against step, above throughput (tokens/s) against step.
+    ///
+    /// Example: `optimusc plot run.jsonl -o curves.svg`. A line that is not a JSON object is an error
+    /// naming it; a log with nothing to plot is an error. Exit status: 0 on success, 1 on errors, 2 on
+    /// usage errors.
+    Plot(cli::plot::PlotArgs),
     /// Show what each device holds and sends: memory by category and its peak, communication per
     /// collective with the model line responsible, and FLOPs per step.
     Inspect {
@@ -123,6 +130,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Run(args) => cli::run::run(&args),
         Command::Verify(args) => cli::verify::verify(&args),
         Command::Simulate(args) => cli::simulate::simulate_command(&args),
+        Command::Plot(args) => cli::plot::plot(&args),
         Command::Inspect { plan, json, dot } => inspect(&plan, json, dot.as_deref()),
     }
 }

@@ -2,6 +2,7 @@
 //! and writing to standard output.
 
 pub mod flags;
+pub mod plot;
 pub mod run;
 pub mod simulate;
 pub mod verify;

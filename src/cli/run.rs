@@ -5,6 +5,7 @@ use super::{Failure, TargetArgs, plan_from};
 use clap::ValueEnum;
 use optimus::io::checkpoint::{load_checkpoint, save_checkpoint};
 use optimus::io::data::{TokenData, TokenDtype, check_inputs, random_batch};
+use optimus::io::metrics::{MetricsLog, check_appendable};
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::{Evaluation, RunConfig, RunOutput, StepRecord};
 use optimus::runtime::schedule::{Schedule, ScheduleKind};
@@ -83,6 +84,11 @@ pub struct RunArgs {
     /// Print one JSON object per step on standard output.
     #[arg(long)]
     pub json: bool,
+    /// Append every record --json prints to this file, one JSON object per line, flushed as it is
+    /// written, with or without --json. The file is never truncated: a resumed run continues it.
+    /// `optimusc plot FILE` draws its curves. Under mpirun, rank 0 writes it.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub log: Option<PathBuf>,
     /// After the run, print on standard error where the time went, as torch.profiler's table does: by kernel
     /// kind and by collective kind and group, summed over devices (count, total ms, share, average µs,
     /// achieved GFLOP/s of products and their % of this CPU's peak, GB/s of collectives), then compute,
@@ -324,11 +330,14 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     if let Some(path) = &args.save_weights {
         optimus::io::check_writable(path).map_err(|e| format!("--save-weights: {e}"))?;
     }
+    // Under mpirun every rank prepares; rank 0 alone warns and writes the log.
+    let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
+    if let Some(path) = args.log.as_ref().filter(|_| leader) {
+        check_appendable(path).map_err(|e| Failure::usage(format!("--log: {e}")))?;
+    }
     let plan = plan_from(&args.input, &args.target)?;
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     check_inputs(&plan)?;
-    // Under mpirun every rank prepares; rank 0 alone warns.
-    let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
     if let Some(warning) = tokens.shortfall_warning(&plan).filter(|_| leader) {
         eprintln_safe!("warning: {warning}");
     }
@@ -361,13 +370,20 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
 }
 
 fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
-    let progress = Progress::new(&job.plan, args.steps, args.json).with_micro_batches(args.accum);
+    let progress =
+        Progress::new(&job.plan, args.steps, args.json).with_micro_batches(args.accum).with_log(open_log(args)?);
     let batches = |step| job.tokens.batch(&job.plan, step);
     let output = optimus::runtime::cpu::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output)
 }
 
-/// Reports the run and saves the weights (on the one process that prints).
+/// The `--log` file opened for appending, on the one process that reports.
+fn open_log(args: &RunArgs) -> Result<Option<MetricsLog>, String> {
+    args.log.as_deref().map(|path| MetricsLog::append_to(path).map_err(|e| format!("--log: {e}"))).transpose()
+}
+
+/// Reports the run and saves the weights (on the one process that prints); a record `--log` could not
+/// append fails the run after the weights are saved.
 fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutput) -> Result<(), String> {
     progress.finish(output);
     if let Some(path) = &args.save_weights {
@@ -375,13 +391,13 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
         eprintln_safe!("saved weights to {}", path.display());
     }
     if args.profile {
-        print_profile(&job.plan, output, args.json);
+        print_profile(&job.plan, output, progress);
     }
-    Ok(())
+    progress.log_failure()
 }
 
-/// The `--profile` tables on standard error and, with `--json`, the profile record on standard output.
-fn print_profile(plan: &Plan, output: &RunOutput, json: bool) {
+/// The `--profile` tables on standard error, and the profile record (with `--json` or `--log`).
+fn print_profile(plan: &Plan, output: &RunOutput, progress: &Progress) {
     use optimus::runtime::{peak, profile};
     if output.profiles.is_empty() {
         eprintln_safe!("note: --profile: no device profiled");
@@ -393,9 +409,7 @@ fn print_profile(plan: &Plan, output: &RunOutput, json: bool) {
         eprintln_safe!("note: --profile reports device (0, 0) only: under mpirun profiles are not gathered");
     }
     eprint!("{}", optimus::diag::printable_text(&report.to_text()));
-    if json {
-        super::stdout_json(&format!("{}\n", serde_json::json!({ "profile": report })));
-    }
+    progress.emit(&serde_json::json!({ "profile": report }));
 }
 
 /// Runs under mpirun or srun: one device per process.
@@ -434,8 +448,10 @@ mod multi_process {
             }
         };
         let leader = mpi.rank() == 0;
+        let log = if leader { open_log(args).unwrap_or_else(|e| mpi.abort(&e)) } else { None };
         let progress = Progress::new(&job.plan, if leader { args.steps } else { 0 }, args.json || !leader)
-            .with_micro_batches(args.accum);
+            .with_micro_batches(args.accum)
+            .with_log(log);
         let batches = |step| job.tokens.batch(&job.plan, step);
         let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
@@ -480,16 +496,58 @@ mod multi_process {
     }
 }
 
-/// Per-step reporting: JSON lines, a progress bar on a terminal, or plain lines.
+/// The JSON records of one step, built here alone: `--json` prints them and `--log` appends them.
+fn step_records(r: &StepRecord, tokens_per_s: f64, elapsed_s: f64) -> Vec<serde_json::Value> {
+    let train = serde_json::json!({
+        "step": r.step,
+        "loss": r.loss,
+        "lr": r.lr,
+        "grad_norm": r.grad_norm,
+        "tokens_per_s": tokens_per_s,
+        "elapsed_s": elapsed_s,
+    });
+    let val = r.val_loss.map(|val| serde_json::json!({"step": r.step, "val_loss": val}));
+    std::iter::once(train).chain(val).collect()
+}
+
+/// Per-step reporting: JSON lines, a progress bar on a terminal, or plain lines; and the `--log` file.
 struct Progress {
     tokens_per_step: u64,
     json: bool,
     bar: Option<indicatif::ProgressBar>,
     start: Instant,
     train: bool,
+    log: Option<MetricsLog>,
+    /// The first record `--log` could not append; no more are tried after it.
+    log_failed: std::sync::OnceLock<String>,
 }
 
 impl Progress {
+    /// Appends every record to `log` as well.
+    fn with_log(mut self, log: Option<MetricsLog>) -> Progress {
+        self.log = log;
+        self
+    }
+
+    /// Prints a record with `--json` and appends it to the `--log` file: every record goes through here.
+    fn emit(&self, record: &serde_json::Value) {
+        if self.json {
+            super::stdout_json(&format!("{record}\n"));
+        }
+        let Some(log) = self.log.as_ref().filter(|_| self.log_failed.get().is_none()) else { return };
+        if let Err(e) = log.append(record) {
+            eprintln_safe!("warning: --log: {e}; no further records are logged");
+            let _ = self.log_failed.set(e);
+        }
+    }
+
+    /// An error when a record could not be appended to the `--log` file.
+    fn log_failure(&self) -> Result<(), String> {
+        self.log_failed
+            .get()
+            .map_or(Ok(()), |e| Err(format!("--log: {e}; the records from then on are not in the log")))
+    }
+
     /// Counts the tokens of `n` micro-batches in each step's throughput.
     fn with_micro_batches(mut self, n: u64) -> Progress {
         self.tokens_per_step = self.tokens_per_step.saturating_mul(n);
@@ -506,25 +564,24 @@ impl Progress {
             }
             bar
         });
-        Progress { tokens_per_step, json, bar, start: Instant::now(), train: plan.mode == Mode::Train }
+        Progress {
+            tokens_per_step,
+            json,
+            bar,
+            start: Instant::now(),
+            train: plan.mode == Mode::Train,
+            log: None,
+            log_failed: std::sync::OnceLock::new(),
+        }
     }
 
     fn step(&self, r: &StepRecord) {
         let tokens_per_s = self.tokens_per_step as f64 / r.elapsed.as_secs_f64().max(1e-9);
         let elapsed = self.start.elapsed().as_secs_f64();
+        for record in step_records(r, tokens_per_s, elapsed) {
+            self.emit(&record);
+        }
         if self.json {
-            let line = serde_json::json!({
-                "step": r.step,
-                "loss": r.loss,
-                "lr": r.lr,
-                "grad_norm": r.grad_norm,
-                "tokens_per_s": tokens_per_s,
-                "elapsed_s": elapsed,
-            });
-            super::stdout_json(&format!("{line}\n"));
-            if let Some(val) = r.val_loss {
-                super::stdout_json(&format!("{}\n", serde_json::json!({"step": r.step, "val_loss": val})));
-            }
             return;
         }
         let loss = r.loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));

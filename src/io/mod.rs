@@ -5,12 +5,14 @@
 //! [`data`] cuts nanoGPT-style token files (flat little-endian u16 or u32 ids) into `tokens` /
 //! `targets` batches, or draws random ones from a seed.
 //! [`files`] opens user-named inputs: regular files only, small ones read with a size bound.
+//! [`metrics`] appends the JSON-lines log of a run's records and reads it back as curves.
 //! [`output`] is the one way any output file is written: atomically for files, in place for devices
 //! and pipes, never leaving temporary files.
 
 pub mod checkpoint;
 pub mod data;
 pub mod files;
+pub mod metrics;
 pub mod output;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};
