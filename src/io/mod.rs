@@ -5,6 +5,8 @@
 //! [`data`] cuts nanoGPT-style token files (flat little-endian u16 or u32 ids) into `tokens` /
 //! `targets` batches, or draws random ones from a seed.
 //! [`files`] opens user-named inputs: regular files only, small ones read with a size bound.
+//! [`shards`] writes and reads sharded training checkpoints (one file per device and a manifest),
+//! crash-safe, and readable onto any mesh.
 //! [`output`] is the one way any output file is written: atomically for files, in place for devices
 //! and pipes, never leaving temporary files.
 
@@ -12,6 +14,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod files;
 pub mod output;
+pub mod shards;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};
 pub use data::{TokenData, TokenDtype, check_inputs, random_batch};
