@@ -201,7 +201,7 @@ fn decode<const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> f32) -> Vec<f32> 
 }
 
 /// Every tensor with a NaN or infinite weight (the first few), and how to load them anyway.
-fn non_finite_message(path: &Path, problems: &[String]) -> String {
+pub(super) fn non_finite_message(path: &Path, problems: &[String]) -> String {
     let head = match problems {
         [one] => format!("weights `{}`: {one}", path.display()),
         _ => format!(
@@ -218,7 +218,7 @@ fn non_finite_message(path: &Path, problems: &[String]) -> String {
 pub const MAX_LISTED_PROBLEMS: usize = 20;
 
 /// A bullet list of the first [`MAX_LISTED_PROBLEMS`] lines, then "... and N more".
-fn capped_list(lines: &[String]) -> String {
+pub(super) fn capped_list(lines: &[String]) -> String {
     let shown = lines.len().min(MAX_LISTED_PROBLEMS);
     let mut list = bullet_list(&lines[..shown]);
     if lines.len() > shown {

@@ -6,6 +6,8 @@
 //! `targets` batches, or draws random ones from a seed.
 //! [`files`] opens user-named inputs: regular files only, small ones read with a size bound.
 //! [`metrics`] appends the JSON-lines log of a run's records and reads it back as curves.
+//! [`shards`] writes and reads sharded training checkpoints (one file per device and a manifest),
+//! crash-safe, and readable onto any mesh.
 //! [`output`] is the one way any output file is written: atomically for files, in place for devices
 //! and pipes, never leaving temporary files.
 
@@ -14,6 +16,7 @@ pub mod data;
 pub mod files;
 pub mod metrics;
 pub mod output;
+pub mod shards;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};
 pub use data::{TokenData, TokenDtype, check_inputs, random_batch};

@@ -72,6 +72,11 @@ impl IndexMap {
         Ok(IndexMap { maps, strides })
     }
 
+    /// For each dimension, the logical coordinate of each local coordinate (increasing).
+    pub fn dimensions(&self) -> &[Vec<u64>] {
+        &self.maps
+    }
+
     /// The logical coordinates of the local last dimension and its logical stride (none for a scalar).
     pub fn last_dimension(&self) -> Option<(&[u64], u64)> {
         Some((self.maps.last()?.as_slice(), *self.strides.last()?))
