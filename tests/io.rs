@@ -143,6 +143,10 @@ fn round_trip_after_training_is_bit_exact() {
         evaluation: None,
         accumulation: 1,
         clip_grad_norm: None,
+        start_step: 0,
+        resume: None,
+        checkpoints: None,
+        stop: None,
     };
     let batches = |step| Ok(random_batch(5, step, batch, seq, 101));
     let trained = run(&plan, &config, &batches, &BTreeMap::new(), &|_| {}).expect("run succeeds").params;

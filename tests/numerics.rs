@@ -81,6 +81,10 @@ fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
         evaluation: None,
         accumulation: 1,
         clip_grad_norm: None,
+        start_step: 0,
+        resume: None,
+        checkpoints: None,
+        stop: None,
     };
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }

@@ -566,6 +566,10 @@ fn one_step(plan: &Plan) -> Result<optimus::runtime::exec::RunOutput, String> {
         evaluation: None,
         accumulation: 1,
         clip_grad_norm: None,
+        start_step: 0,
+        resume: None,
+        checkpoints: None,
+        stop: None,
     };
     let shapes: Vec<(String, Vec<u64>)> = plan.inputs.iter().map(|i| (i.name.clone(), i.shape.clone())).collect();
     let batches = move |_step: u64| -> Result<BTreeMap<String, Tensor>, String> {

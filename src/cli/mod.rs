@@ -3,6 +3,7 @@
 
 pub mod flags;
 pub mod plot;
+pub mod resume;
 pub mod run;
 pub mod simulate;
 pub mod verify;

@@ -70,6 +70,8 @@ pub struct RunArgs {
     /// with or without this flag.
     #[arg(long, value_name = "X", value_parser = super::flags::positive)]
     pub clip_grad_norm: Option<f32>,
+    #[command(flatten)]
+    pub checkpoint: super::resume::CheckpointArgs,
     /// Validation token file (same format as --data): after every --eval-every-th update, the mean loss
     /// of --eval-batches batches of it, with dropout off and no update; batch v reads the sequences at
     /// (v * batch + r) * seq. Records `{"step": k, "val_loss": x}` with --json, a line otherwise.
@@ -301,10 +303,7 @@ pub fn run(args: &RunArgs) -> ExitCode {
     };
     match run_on_threads(args, &job) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            report(&e);
-            ExitCode::from(1)
-        }
+        Err(e) => failure_status(&e),
     }
 }
 
@@ -357,6 +356,17 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         evaluation: evaluation(args, &plan)?,
         accumulation: args.accum,
         clip_grad_norm: args.clip_grad_norm,
+        start_step: 0,
+        resume: None,
+        checkpoints: None,
+        stop: (plan.mode == Mode::Train).then_some(optimus::io::output::stop_requested as fn() -> bool),
+    };
+    let resumption = super::resume::resumption(args, &plan)?;
+    let config = RunConfig {
+        start_step: resumption.start_step,
+        resume: resumption.resume,
+        checkpoints: resumption.checkpoints,
+        ..config
     };
     if config.clip_grad_norm.is_some() && plan.mode != Mode::Train {
         return Err(Failure::usage("--clip-grad-norm clips the gradients of a training plan; this plan infers".into()));
@@ -371,10 +381,26 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
 
 fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
     let progress =
-        Progress::new(&job.plan, args.steps, args.json).with_micro_batches(args.accum).with_log(open_log(args)?);
+        Progress::new(&job.plan, args.steps, args.json)
+            .with_micro_batches(args.accum)
+            .with_log(open_log(args)?)
+            .starting_at(job.config.start_step);
     let batches = |step| job.tokens.batch(&job.plan, step);
+    stop_gracefully(args, job);
     let output = optimus::runtime::cpu::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output)
+}
+
+/// Makes the first Ctrl-C or SIGTERM of a training run finish the current step (and write a checkpoint)
+/// rather than kill it; a second one stops at once.
+fn stop_gracefully(args: &RunArgs, job: &Prepared) {
+    if job.config.stop.is_none() {
+        return;
+    }
+    let then = if args.checkpoint.checkpoint_dir.is_some() { ", write a checkpoint" } else { "" };
+    optimus::io::output::graceful_stop(&format!(
+        "interrupt: finishing the current step{then} and stopping (interrupt again to stop at once)"
+    ));
 }
 
 /// The `--log` file opened for appending, on the one process that reports.
@@ -386,6 +412,8 @@ fn open_log(args: &RunArgs) -> Result<Option<MetricsLog>, String> {
 /// append fails the run after the weights are saved.
 fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutput) -> Result<(), String> {
     progress.finish(output);
+    let last = output.steps.last();
+    let interrupted = last.is_some_and(|r| r.step + 1 < args.steps);
     if let Some(path) = &args.save_weights {
         save_checkpoint(path, &job.plan, &output.params)?;
         eprintln_safe!("saved weights to {}", path.display());
@@ -393,7 +421,27 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
     if args.profile {
         print_profile(&job.plan, output, progress);
     }
-    progress.log_failure()
+    progress.log_failure()?;
+    if interrupted {
+        let steps_done = last.map_or(0, |r| r.step + 1);
+        let checkpoint = last.and_then(|r| r.checkpoint.as_deref());
+        eprintln_safe!("{}", super::resume::interrupted_message(args, steps_done, checkpoint));
+        return Err(INTERRUPTED.into());
+    }
+    Ok(())
+}
+
+/// The error [`finish`] returns for a run stopped by a signal: reported already, exit status 130.
+const INTERRUPTED: &str = "\u{0}interrupted";
+
+/// The exit status of a failed run: 130 after an interrupt, else 1.
+fn failure_status(e: &str) -> ExitCode {
+    if e == INTERRUPTED {
+        ExitCode::from(optimus::io::output::interrupted_status())
+    } else {
+        report(e);
+        ExitCode::from(1)
+    }
 }
 
 /// The `--profile` tables on standard error, and the profile record (with `--json` or `--log`).
@@ -451,13 +499,16 @@ mod multi_process {
         let log = if leader { open_log(args).unwrap_or_else(|e| mpi.abort(&e)) } else { None };
         let progress = Progress::new(&job.plan, if leader { args.steps } else { 0 }, args.json || !leader)
             .with_micro_batches(args.accum)
-            .with_log(log);
+            .with_log(log)
+            .starting_at(job.config.start_step);
         let batches = |step| job.tokens.batch(&job.plan, step);
         let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
+        stop_gracefully(args, &job);
         let result = mpi.run(&job.plan, &job.config, &batches, &job.initial, options, &on_step);
         match result.and_then(|output| output.map_or(Ok(()), |output| finish(args, &job, &progress, &output))) {
             Ok(()) => ExitCode::SUCCESS,
+            Err(e) if e == INTERRUPTED => failure_status(&e),
             Err(e) => mpi.abort(&e),
         }
     }
@@ -507,7 +558,8 @@ fn step_records(r: &StepRecord, tokens_per_s: f64, elapsed_s: f64) -> Vec<serde_
         "elapsed_s": elapsed_s,
     });
     let val = r.val_loss.map(|val| serde_json::json!({"step": r.step, "val_loss": val}));
-    std::iter::once(train).chain(val).collect()
+    let checkpoint = r.checkpoint.as_ref().map(|path| serde_json::json!({"step": r.step, "checkpoint": path}));
+    std::iter::once(train).chain(val).chain(checkpoint).collect()
 }
 
 /// Per-step reporting: JSON lines, a progress bar on a terminal, or plain lines; and the `--log` file.
@@ -546,6 +598,14 @@ impl Progress {
         self.log_failed
             .get()
             .map_or(Ok(()), |e| Err(format!("--log: {e}; the records from then on are not in the log")))
+    }
+
+    /// A resumed run: the bar starts at the checkpoint's step.
+    fn starting_at(self, step: u64) -> Progress {
+        if let Some(bar) = &self.bar {
+            bar.set_position(step);
+        }
+        self
     }
 
     /// Counts the tokens of `n` micro-batches in each step's throughput.
@@ -595,11 +655,18 @@ impl Progress {
             }
         }
         if let Some(val) = r.val_loss {
-            let line = format!("step {}: validation loss {val:.4}", r.step);
-            match &self.bar {
-                Some(bar) => bar.println(line),
-                None => super::stdout(&format!("{line}\n")),
-            }
+            self.note(format!("step {}: validation loss {val:.4}", r.step));
+        }
+        if let Some(path) = &r.checkpoint {
+            self.note(format!("step {}: checkpoint {}", r.step, path.display()));
+        }
+    }
+
+    /// A line of its own under the progress bar, or on standard output without one.
+    fn note(&self, line: String) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => super::stdout(&format!("{line}\n")),
         }
     }
 

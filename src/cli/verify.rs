@@ -117,6 +117,10 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         evaluation: None,
         accumulation: 1,
         clip_grad_norm: None,
+        start_step: 0,
+        resume: None,
+        checkpoints: None,
+        stop: None,
     };
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     let batches = |step| tokens.batch(plan, step);

@@ -27,6 +27,7 @@ use std::fs::{self, OpenOptions, Permissions};
 use std::io::{self, Write};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, Once, PoisonError};
 
 /// What separates the target's name from the writer's PID in our temporary files' names.
@@ -40,6 +41,13 @@ static IN_PROGRESS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Installs the signal handler once per process.
 static HANDLER: Once = Once::new();
+
+/// Signals received so far (SIGINT, SIGTERM or SIGHUP).
+static SIGNALS: AtomicU32 = AtomicU32::new(0);
+
+/// While set, the first signal asks a training loop to stop after its current step (see
+/// [`graceful_stop`]) instead of exiting; this is what it prints.
+static GRACEFUL: Mutex<Option<String>> = Mutex::new(None);
 
 /// Why an output file could not be written, naming the path the user gave.
 #[derive(Debug)]
@@ -151,16 +159,40 @@ pub fn remove_in_progress_temp_files() -> usize {
 }
 
 /// Installs (once per process) the SIGINT/SIGTERM/SIGHUP handler that removes the temporary files
-/// being written and exits with status 130. Another handler installed earlier is left in place.
+/// being written and exits with status 130; during a [`graceful_stop`], the first signal only asks the
+/// training loop to stop. Another handler installed earlier is left in place.
 pub fn install_interrupt_cleanup() {
     HANDLER.call_once(|| {
         // An error means the program already has a handler; that one is responsible for exiting.
         let _ = ctrlc::set_handler(|| {
+            let first = SIGNALS.fetch_add(1, Ordering::SeqCst) == 0;
+            let graceful = GRACEFUL.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            if let (true, Some(message)) = (first, graceful) {
+                let _ = writeln!(io::stderr(), "{message}");
+                return;
+            }
             remove_in_progress_temp_files();
             let _ = writeln!(io::stderr(), "interrupted");
             std::process::exit(INTERRUPTED_STATUS);
         });
     });
+}
+
+/// From now on, the first SIGINT/SIGTERM/SIGHUP prints `message` and is only recorded, for a loop that
+/// polls [`stop_requested`] to finish its work and exit; a second one exits at once, as before.
+pub fn graceful_stop(message: &str) {
+    install_interrupt_cleanup();
+    *GRACEFUL.lock().unwrap_or_else(PoisonError::into_inner) = Some(message.to_string());
+}
+
+/// Whether a signal asked the process to stop (see [`graceful_stop`]).
+pub fn stop_requested() -> bool {
+    SIGNALS.load(Ordering::SeqCst) > 0
+}
+
+/// The exit status of a run stopped by a signal: 130, as a shell reports SIGINT.
+pub fn interrupted_status() -> u8 {
+    INTERRUPTED_STATUS as u8
 }
 
 /// Decides what `path` names; see the module documentation.

@@ -13,6 +13,7 @@ use super::profile::Profile;
 use super::schedule::Schedule;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
+use crate::io::shards::{Checkpoint, CheckpointWriter, DeviceParamBlocks};
 use crate::plan::memory::persistent;
 use crate::plan::{Buffer, BufferId, CollectiveKind, Group, Instr, Kernel, Plan, ReduceOp, Role};
 use std::collections::BTreeMap;
@@ -44,6 +45,28 @@ pub struct RunConfig {
     /// `--clip-grad-norm`: scale every gradient by min(1, X / (norm + 1e-6)) before the update, as
     /// `torch.nn.utils.clip_grad_norm_` does, where norm is the global L2 norm of all gradients.
     pub clip_grad_norm: Option<f32>,
+    /// The first step to run: 0, or the updates a resumed checkpoint had done. Steps keep their numbers,
+    /// so a resumed run reads the same batches, draws the same masks and follows the same schedule.
+    pub start_step: u64,
+    /// The checkpoint every device loads its parameter and optimizer-state blocks from (`--resume`).
+    pub resume: Option<std::sync::Arc<Checkpoint>>,
+    /// Periodic checkpoints (`--checkpoint-dir`).
+    pub checkpoints: Option<Checkpointing>,
+    /// Asked after every step; when it says yes on any device, every device stops after that step (and
+    /// writes a checkpoint, if checkpointing): the interrupt of `optimusc run`.
+    pub stop: Option<fn() -> bool>,
+}
+
+/// Where and how often a run writes checkpoints.
+#[derive(Clone, Debug)]
+pub struct Checkpointing {
+    pub dir: std::path::PathBuf,
+    /// After every `every`-th update (and always after the last one, and when the run is stopped).
+    pub every: Option<u64>,
+    /// Keep only the newest `keep` checkpoints.
+    pub keep: Option<u64>,
+    /// What the run was (seed, optimizer, data...), stored in each manifest with the data position.
+    pub training: serde_json::Value,
 }
 
 /// Validation batch v of a run, as logical tensors by input name.
@@ -88,6 +111,8 @@ pub struct StepRecord {
     pub val_loss: Option<f32>,
     /// The global L2 norm of the gradients of this step's update, before clipping (train plans).
     pub grad_norm: Option<f32>,
+    /// The checkpoint written after this step, if one was (as seen by device (0, 0)).
+    pub checkpoint: Option<std::path::PathBuf>,
 }
 
 /// Everything a run leaves behind, assembled into logical tensors.
@@ -515,6 +540,74 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     }
 }
 
+impl<B: Backend, C: Communicator> Device<'_, B, C> {
+    /// Whether `mine` holds on any device (every device must call it at the same point).
+    pub fn any_device(&mut self, mine: bool) -> Result<bool, String> {
+        let mut any = [0f32];
+        let flag = [if mine { 1.0 } else { 0.0 }];
+        self.comm
+            .collective(CollectiveKind::AllReduce, Group::World, None, ReduceOp::Max, None, &[1], &flag, &mut any)
+            .map_err(|e| e.0)?;
+        Ok(any[0] > 0.0)
+    }
+
+    /// Replaces this device's parameter blocks, and its optimizer state in a train plan, by those of a
+    /// checkpoint (written on any mesh).
+    pub fn load_checkpoint(&mut self, checkpoint: &Checkpoint) -> Result<(), String> {
+        let plan = self.plan;
+        let train = plan.mode == crate::plan::Mode::Train;
+        let blocks = checkpoint.device_blocks(plan, self.coords(), train)?;
+        for (p, (param, states)) in plan.params.iter().zip(blocks) {
+            self.write(p.buffer, param)?;
+            if train {
+                for (&id, state) in p.state.iter().zip(states) {
+                    self.write(id, state)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every device writes its shards of checkpoint `step` (the updates done); once all have, device
+    /// (0, 0) writes the manifest and moves the checkpoint into place, and returns its path.
+    fn write_checkpoint(
+        &mut self,
+        checkpoints: &Checkpointing,
+        step: u64,
+        micro_batches: u64,
+    ) -> Result<Option<std::path::PathBuf>, String> {
+        let plan = self.plan;
+        let writer = CheckpointWriter::begin(&checkpoints.dir, step)?;
+        let mut tensors = Vec::with_capacity(plan.params.len());
+        for p in &plan.params {
+            let param = self.read(p.buffer)?.ok_or_else(|| format!("`{}` is not alive", p.name))?;
+            let mut states = Vec::with_capacity(p.state.len());
+            for &id in &p.state {
+                states.push(self.read(id)?.ok_or_else(|| format!("the optimizer state of `{}` is not alive", p.name))?);
+            }
+            tensors.push((param, states));
+        }
+        let blocks: Vec<DeviceParamBlocks> =
+            tensors.iter().map(|(param, states)| DeviceParamBlocks { param, states: states.iter().collect() }).collect();
+        writer.write_device(plan, self.coords(), &blocks)?;
+        // Every device's file is complete before the manifest is written; every device waits for the
+        // commit, so that no device races ahead into the next checkpoint while this one is moved.
+        self.any_device(false)?;
+        let committed = if self.coords() == (0, 0) {
+            let mut training = checkpoints.training.clone();
+            if let Some(fields) = training.as_object_mut() {
+                fields.insert("step".into(), step.into());
+                fields.insert("micro_batches_done".into(), (step * micro_batches).into());
+            }
+            Some(writer.commit(plan, training, checkpoints.keep)?)
+        } else {
+            None
+        };
+        self.any_device(false)?;
+        Ok(committed)
+    }
+}
+
 /// Why a step did not complete.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StepError {
@@ -636,6 +729,9 @@ impl DeviceRun<'_> {
         let DeviceRun { plan, config, batches, initial, on_step } = *self;
         let mut device = Device::new(plan, backend, comm, config.seed)?;
         device.clip_grad_norm = config.clip_grad_norm;
+        if let Some(checkpoint) = &config.resume {
+            device.load_checkpoint(checkpoint)?;
+        }
         let (i, j) = device.coords();
         device.profile = config.profile.then(|| Profile::new(plan, (i, j)));
         for p in &plan.params {
@@ -647,7 +743,7 @@ impl DeviceRun<'_> {
         }
         let mut records = Vec::new();
         let device_index = i * plan.mesh.cols + j;
-        for step in 0..config.steps {
+        for step in config.start_step..config.steps {
             if let Some(fault) = &config.fault {
                 fault.trigger(device_index, step)?;
             }
@@ -684,8 +780,15 @@ impl DeviceRun<'_> {
             }
             let loss = have_loss.then(|| (losses / micro_batches as f64) as f32);
             let grad_norm = device.grad_norm();
-            let mut record =
-                StepRecord { step, loss, elapsed: start.elapsed(), lr: optimizer.lr, val_loss: None, grad_norm };
+            let mut record = StepRecord {
+                step,
+                loss,
+                elapsed: start.elapsed(),
+                lr: optimizer.lr,
+                val_loss: None,
+                grad_norm,
+                checkpoint: None,
+            };
             if let Some(evaluation) = config.evaluation.as_ref().filter(|e| (step + 1) % e.every.max(1) == 0) {
                 let val = device.evaluate(evaluation).map_err(|e| format!("validation after step {step}: {e}"))?;
                 record.val_loss = Some(val);
@@ -693,10 +796,25 @@ impl DeviceRun<'_> {
             if let Some(profile) = device.profile.as_mut() {
                 profile.finish_step(record.elapsed, step == 0 && config.steps > 1);
             }
+            let stop = match config.stop {
+                Some(asked) => device.any_device(asked()).map_err(|e| format!("after step {step}: {e}"))?,
+                None => false,
+            };
+            if let Some(checkpoints) = &config.checkpoints {
+                let due = checkpoints.every.is_some_and(|c| (step + 1) % c.max(1) == 0);
+                if due || stop || step + 1 == config.steps {
+                    record.checkpoint = device
+                        .write_checkpoint(checkpoints, step + 1, config.accumulation.max(1))
+                        .map_err(|e| format!("checkpoint after step {step}: {e}"))?;
+                }
+            }
             if (i, j) == (0, 0) {
                 on_step(&record);
             }
             records.push(record);
+            if stop {
+                break;
+            }
         }
         let profile = device.profile.take();
         Ok((records, final_blocks(device)?, profile))

@@ -1,0 +1,152 @@
+//! The checkpoint flags of `optimusc run`: periodic sharded checkpoints, resuming from the latest one
+//! (on any mesh), and what an interrupted run says about resuming.
+
+use super::Failure;
+use super::run::RunArgs;
+use optimus::io::shards::Checkpoint;
+use optimus::plan::{Mode, Plan};
+use optimus::runtime::exec::Checkpointing;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Checkpoint flags; all optional.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CheckpointArgs {
+    /// Write checkpoints into DIR/step-NNNNNNNN (one safetensors file per device plus a manifest; see
+    /// docs/training.md): after every --checkpoint-every-th update, after the last one, and when the run
+    /// is interrupted (Ctrl-C or SIGTERM finish the current step first). A checkpoint appears only once
+    /// complete, so a run killed at any moment leaves the previous one intact.
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint after every C-th update (at least 1; default: only after the last update).
+    #[arg(long, value_name = "C", value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_every: Option<u64>,
+    /// Keep only the newest K checkpoints in --checkpoint-dir (at least 1; default: keep all).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep: Option<u64>,
+    /// Continue from a checkpoint: a checkpoint directory, or a --checkpoint-dir (its latest complete
+    /// checkpoint). Parameters, optimizer state, the step (hence the schedule and the data position) come
+    /// from it; the model may run on another mesh or strategy. --steps stays the total: a run resumed
+    /// after update 3 runs steps 3 .. --steps - 1. --seed, --accum, --optimizer and the batch must be those
+    /// of the run that wrote it.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+}
+
+/// What the checkpoint flags ask of a run.
+pub struct Resumption {
+    pub checkpoints: Option<Checkpointing>,
+    pub resume: Option<Arc<Checkpoint>>,
+    pub start_step: u64,
+}
+
+/// Checks the checkpoint flags against the plan and the other flags, and opens the checkpoint to
+/// resume from.
+pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
+    let flags = &args.checkpoint;
+    if flags.checkpoint_dir.is_none() && (flags.checkpoint_every.is_some() || flags.keep.is_some()) {
+        return Err(Failure::usage("--checkpoint-every and --keep need --checkpoint-dir DIR".into()));
+    }
+    if plan.mode != Mode::Train && (flags.checkpoint_dir.is_some() || flags.resume.is_some()) {
+        return Err(Failure::usage("checkpoints hold training state; this plan infers (compile it with --train)".into()));
+    }
+    if flags.resume.is_some() && args.weights.is_some() {
+        return Err(Failure::usage(
+            "--resume loads the weights of its checkpoint; give either --resume or --weights, not both".into(),
+        ));
+    }
+    let training = training_record(args, plan);
+    let resume = match &flags.resume {
+        Some(path) => Some(Arc::new(open_to_resume(path, args, &training)?)),
+        None => None,
+    };
+    let start_step = resume.as_ref().map_or(0, |c| c.step());
+    if let Some(dir) = &flags.checkpoint_dir
+        && dir.exists()
+        && !dir.is_dir()
+    {
+        return Err(Failure::usage(format!("--checkpoint-dir `{}` exists and is not a directory", dir.display())));
+    }
+    let checkpoints = flags.checkpoint_dir.as_ref().map(|dir| Checkpointing {
+        dir: dir.clone(),
+        every: flags.checkpoint_every,
+        keep: flags.keep,
+        training: training.clone(),
+    });
+    Ok(Resumption { checkpoints, resume, start_step })
+}
+
+/// What a checkpoint records about the run that wrote it (the runtime adds the step and the data
+/// position); the fields under `must_match` must be the same in a run that resumes from it.
+fn training_record(args: &RunArgs, plan: &Plan) -> serde_json::Value {
+    let batch = optimus::io::check_inputs(plan).ok();
+    serde_json::json!({
+        "model": plan.model,
+        "source": plan.source,
+        "mesh": plan.mesh.to_string(),
+        "strategy": plan.strategy.name(),
+        "steps": args.steps,
+        "data": args.data.as_ref().map(|p| p.display().to_string()),
+        "lr": args.optimizer.lr,
+        "lr_schedule": format!("{:?}", args.lr_schedule).to_lowercase(),
+        "warmup_steps": args.warmup_steps,
+        "min_lr": args.min_lr,
+        "clip_grad_norm": args.clip_grad_norm,
+        "must_match": {
+            "seed": args.seed,
+            "accum": args.accum,
+            "optimizer": format!("{:?}", args.optimizer.optimizer).to_lowercase(),
+            "batch": batch.map(|b| b.0),
+            "seq": batch.map(|b| b.1),
+        },
+    })
+}
+
+/// Opens the checkpoint to resume from and checks that this run continues it: the same seed,
+/// micro-batches, optimizer and batch shape, and steps left to run.
+fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json::Value) -> Result<Checkpoint, Failure> {
+    let checkpoint = Checkpoint::open(path).map_err(|e| Failure::from(format!("--resume: {e}")))?;
+    let theirs = &checkpoint.training()["must_match"];
+    let mut differences = Vec::new();
+    if let Some(fields) = training["must_match"].as_object() {
+        for (name, mine) in fields {
+            let recorded = &theirs[name];
+            if !recorded.is_null() && recorded != mine {
+                differences.push(format!("{name} {mine} (the checkpoint has {recorded})"));
+            }
+        }
+    }
+    if !differences.is_empty() {
+        return Err(Failure::usage(format!(
+            "--resume: `{}` was written by a run with other settings: {}; resume with the settings it was trained with",
+            checkpoint.dir().display(),
+            differences.join(", ")
+        )));
+    }
+    if checkpoint.step() >= args.steps {
+        return Err(Failure::usage(format!(
+            "--resume: `{}` is after update {}, and --steps {} asks for no more (--steps counts from the start of training)",
+            checkpoint.dir().display(),
+            checkpoint.step(),
+            args.steps
+        )));
+    }
+    Ok(checkpoint)
+}
+
+/// What an interrupted run prints: where its state is and how to go on.
+pub fn interrupted_message(args: &RunArgs, steps_done: u64, checkpoint: Option<&std::path::Path>) -> String {
+    match (checkpoint, &args.checkpoint.checkpoint_dir) {
+        (Some(path), Some(dir)) => format!(
+            "interrupted after {steps_done} of {} updates; the checkpoint is `{}`. To continue, run the same command \
+             with `--resume {}` (on any mesh)",
+            args.steps,
+            path.display(),
+            dir.display()
+        ),
+        _ => format!(
+            "interrupted after {steps_done} of {} updates; without --checkpoint-dir this run cannot be resumed",
+            args.steps
+        ),
+    }
+}
