@@ -60,6 +60,12 @@ enum Command {
     ///
     /// Exit status: 0 on success, 1 on model or compile errors, 2 on usage errors (bad profiles).
     Simulate(cli::simulate::SimulateArgs),
+    /// Write one Hugging Face safetensors file from a sharded training checkpoint (any mesh).
+    ///
+    /// Reads the checkpoint's manifest and every device file (checking their sizes and SHA-256),
+    /// assembles each parameter's logical tensor without padding, and writes it as F32 under its
+    /// checkpoint name. Exit status: 0 on success, 1 on errors, 2 on usage errors.
+    Export(cli::export::ExportArgs),
     /// Show what each device holds and sends: memory by category and its peak, communication per
     /// collective with the model line responsible, and FLOPs per step.
     Inspect {
@@ -123,6 +129,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Run(args) => cli::run::run(&args),
         Command::Verify(args) => cli::verify::verify(&args),
         Command::Simulate(args) => cli::simulate::simulate_command(&args),
+        Command::Export(args) => cli::export::export(&args),
         Command::Inspect { plan, json, dot } => inspect(&plan, json, dot.as_deref()),
     }
 }
