@@ -67,6 +67,12 @@ enum Command {
     /// naming it; a log with nothing to plot is an error. Exit status: 0 on success, 1 on errors, 2 on
     /// usage errors.
     Plot(cli::plot::PlotArgs),
+    /// Write one Hugging Face safetensors file from a sharded training checkpoint (any mesh).
+    ///
+    /// Reads the checkpoint's manifest and every device file (checking their sizes and SHA-256),
+    /// assembles each parameter's logical tensor without padding, and writes it as F32 under its
+    /// checkpoint name. Exit status: 0 on success, 1 on errors, 2 on usage errors.
+    Export(cli::export::ExportArgs),
     /// Show what each device holds and sends: memory by category and its peak, communication per
     /// collective with the model line responsible, and FLOPs per step.
     Inspect {
@@ -131,6 +137,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Verify(args) => cli::verify::verify(&args),
         Command::Simulate(args) => cli::simulate::simulate_command(&args),
         Command::Plot(args) => cli::plot::plot(&args),
+        Command::Export(args) => cli::export::export(&args),
         Command::Inspect { plan, json, dot } => inspect(&plan, json, dot.as_deref()),
     }
 }

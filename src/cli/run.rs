@@ -3,9 +3,10 @@
 use super::simulate::PlacementArg;
 use super::{Failure, TargetArgs, plan_from};
 use clap::ValueEnum;
-use optimus::io::checkpoint::{load_checkpoint, save_checkpoint};
+use optimus::io::checkpoint::save_checkpoint;
 use optimus::io::data::{TokenData, TokenDtype, check_inputs, random_batch};
 use optimus::io::metrics::{MetricsLog, check_appendable};
+use optimus::io::shards::load_weights;
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::{Evaluation, RunConfig, RunOutput, StepRecord};
 use optimus::runtime::schedule::{Schedule, ScheduleKind};
@@ -33,8 +34,10 @@ pub struct RunArgs {
     /// Element type of --data.
     #[arg(long, value_enum, default_value_t = DataDtype::U16)]
     pub data_dtype: DataDtype,
-    /// Start from these weights (safetensors, checkpoint names; Hugging Face GPT-2 files load into gpt2.opt).
-    #[arg(long, value_name = "FILE.safetensors")]
+    /// Start from these weights: a safetensors file (checkpoint names; Hugging Face GPT-2 files load into
+    /// gpt2.opt), or a sharded checkpoint directory (or a directory of them: the latest), whose
+    /// parameters load onto any mesh and strategy (optimizer state and training position are not restored).
+    #[arg(long, value_name = "FILE.safetensors|DIR")]
     pub weights: Option<PathBuf>,
     /// Load `--weights` even if some are NaN or infinite (by default that is an error naming the tensor).
     #[arg(long)]
@@ -341,7 +344,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         eprintln_safe!("warning: {warning}");
     }
     let initial = match &args.weights {
-        Some(path) => load_checkpoint(path, &plan, args.allow_non_finite_weights)?,
+        Some(path) => load_weights(path, &plan, args.allow_non_finite_weights)?,
         None => BTreeMap::new(),
     };
     let config = RunConfig {
