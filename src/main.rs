@@ -49,7 +49,7 @@ enum Command {
     ///
     /// On the CPU backend every device of the mesh is a thread with its own buffers. Prints the loss
     /// and throughput of every step. Exit status: 0 on success, 1 on errors, 2 on usage errors.
-    Run(cli::run::RunArgs),
+    Run(Box<cli::run::RunArgs>),
     /// Prove a plan right: run the model on the mesh and on one device from the same seed, and compare
     /// the loss, every output, and every parameter's gradient and updated value.
     ///

@@ -88,12 +88,8 @@ fn one_clipped_sgd_update_moves_the_weights_by_the_clip_norm() {
         let clip = norm / 4.0;
         let clipped = run("1", &after, Some(&format!("{clip}")));
         assert!((clipped - norm).abs() <= 1e-6 * norm, "the record holds the norm before clipping");
-        let moved: f64 = weights(&after)
-            .iter()
-            .zip(weights(&before))
-            .map(|(a, b)| f64::from(a - b).powi(2))
-            .sum::<f64>()
-            .sqrt();
+        let moved: f64 =
+            weights(&after).iter().zip(weights(&before)).map(|(a, b)| f64::from(a - b).powi(2)).sum::<f64>().sqrt();
         assert!((moved - clip).abs() <= 1e-4 * clip, "{mesh:?}: moved {moved}, clip {clip}, norm {norm}");
         // A clip above the norm changes nothing: the step moves by the whole norm.
         let unclipped = run("1", &after, Some(&format!("{}", norm * 2.0)));

@@ -48,7 +48,9 @@ pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
         return Err(Failure::usage("--checkpoint-every and --keep need --checkpoint-dir DIR".into()));
     }
     if plan.mode != Mode::Train && (flags.checkpoint_dir.is_some() || flags.resume.is_some()) {
-        return Err(Failure::usage("checkpoints hold training state; this plan infers (compile it with --train)".into()));
+        return Err(Failure::usage(
+            "checkpoints hold training state; this plan infers (compile it with --train)".into(),
+        ));
     }
     if flags.resume.is_some() && args.weights.is_some() {
         return Err(Failure::usage(

@@ -383,11 +383,10 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
 }
 
 fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
-    let progress =
-        Progress::new(&job.plan, args.steps, args.json)
-            .with_micro_batches(args.accum)
-            .with_log(open_log(args)?)
-            .starting_at(job.config.start_step);
+    let progress = Progress::new(&job.plan, args.steps, args.json)
+        .with_micro_batches(args.accum)
+        .with_log(open_log(args)?)
+        .starting_at(job.config.start_step);
     let batches = |step| job.tokens.batch(&job.plan, step);
     stop_gracefully(args, job);
     let output = optimus::runtime::cpu::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;

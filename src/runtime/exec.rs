@@ -587,8 +587,10 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
             }
             tensors.push((param, states));
         }
-        let blocks: Vec<DeviceParamBlocks> =
-            tensors.iter().map(|(param, states)| DeviceParamBlocks { param, states: states.iter().collect() }).collect();
+        let blocks: Vec<DeviceParamBlocks> = tensors
+            .iter()
+            .map(|(param, states)| DeviceParamBlocks { param, states: states.iter().collect() })
+            .collect();
         writer.write_device(plan, self.coords(), &blocks)?;
         // Every device's file is complete before the manifest is written; every device waits for the
         // commit, so that no device races ahead into the next checkpoint while this one is moved.

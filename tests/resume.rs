@@ -1,0 +1,283 @@
+//! Checkpoints in training runs, end to end: a run stopped and resumed equals one that never stopped
+//! (bit for bit on the same mesh, within 1e-5 on another mesh or strategy), an interrupt finishes the
+//! step and leaves a checkpoint to resume from, `kill -9` at any moment never leaves a checkpoint that
+//! loads wrongly, a flipped byte is an error naming its file, and bad flag combinations are usage errors.
+
+use optimus::io::shards::Checkpoint;
+use safetensors::SafeTensors;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+fn optimusc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("optimus-resume-{}", std::process::id())).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn text(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+/// Settings every run of a comparison shares: dropout on, AdamW with a cosine schedule and warm-up,
+/// clipping and two micro-batches, so that every piece of training state must be restored. AdamW's eps
+/// is 1e-4, as in scripts/hf_compare.py: with 1e-8, float32 rounding noise in gradients that are
+/// analytically zero (the attention key bias) is divided by ~eps and differs between meshes by more
+/// than 1e-5, whatever the checkpoint does.
+const TRAINING: [&str; 18] = [
+    "--eps",
+    "0.0001",
+    "--seed",
+    "11",
+    "--set",
+    "pdrop=0.1",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-steps",
+    "2",
+    "--min-lr",
+    "0.0001",
+    "--clip-grad-norm",
+    "0.5",
+    "--accum",
+    "2",
+    "--lr",
+    "0.01",
+];
+
+/// Runs tiny.opt for `steps` updates in total with the shared settings and `extra` flags; returns the
+/// train records (step, loss) and asserts success.
+fn train(mesh: &[&str], steps: u64, extra: &[&str]) -> Vec<(u64, f32)> {
+    let steps = steps.to_string();
+    let mut args = vec!["run", "examples/tiny.opt", "--json", "--steps", &steps];
+    args.extend_from_slice(mesh);
+    args.extend_from_slice(&TRAINING);
+    args.extend_from_slice(extra);
+    let out = optimusc(&args);
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    records(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn records(stdout: &str) -> Vec<(u64, f32)> {
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON line"))
+        .filter(|r| r.get("loss").is_some())
+        .map(|r| (r["step"].as_u64().expect("step"), r["loss"].as_f64().expect("loss") as f32))
+        .collect()
+}
+
+/// Every tensor of a safetensors file, by name, as f32 values.
+fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(path).expect("saved weights");
+    let file = SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut out: Vec<(String, Vec<f32>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            (name, values)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+const TWO_BY_TWO: &[&str] = &["--mesh", "2x2"];
+
+#[test]
+fn a_run_resumed_on_the_same_mesh_is_bit_identical_to_one_that_never_stopped() {
+    let dir = scratch("same-mesh");
+    let (whole, resumed) = (dir.join("whole.safetensors"), dir.join("resumed.safetensors"));
+    let ckpt = dir.join("ckpt");
+    let uninterrupted = train(TWO_BY_TWO, 6, &["--save-weights", text(&whole)]);
+    // The same run, checkpointing every 3 updates; then resumed from the one after update 3.
+    let first = train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "3"]);
+    assert_eq!(first, uninterrupted, "checkpointing changes nothing");
+    let after_3 = ckpt.join("step-00000003");
+    let rest = train(TWO_BY_TWO, 6, &["--resume", text(&after_3), "--save-weights", text(&resumed)]);
+    assert_eq!(rest, uninterrupted[3..], "steps 3..5 keep their numbers and losses, bit for bit");
+    assert_eq!(weights(&resumed), weights(&whole), "final weights bit-identical");
+}
+
+#[test]
+fn a_checkpoint_resumes_on_other_meshes_and_strategies() {
+    let dir = scratch("other-mesh");
+    let whole = dir.join("whole.safetensors");
+    let uninterrupted = train(TWO_BY_TWO, 6, &["--save-weights", text(&whole)]);
+    let reference = weights(&whole);
+    // The same run, checkpointing after updates 3 and 6 and keeping only the newest; then again keeping both.
+    let newest = dir.join("newest");
+    train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&newest), "--checkpoint-every", "3", "--keep", "1"]);
+    let kept: Vec<_> = std::fs::read_dir(&newest).expect("dir").flatten().map(|e| e.file_name()).collect();
+    assert_eq!(kept, vec![std::ffi::OsString::from("step-00000006")], "--keep 1 keeps only the newest");
+    let ckpt = dir.join("ckpt");
+    train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "3"]);
+    let after_3 = ckpt.join("step-00000003");
+    for mesh in
+        [&["--mesh", "4x4"][..], &["--mesh", "1x4", "--strategy", "megatron"], &["--mesh", "1x1", "--strategy", "none"]]
+    {
+        let out = dir.join(format!("resumed-{}.safetensors", mesh[1]));
+        let rest = train(mesh, 6, &["--resume", text(&after_3), "--save-weights", text(&out)]);
+        assert_eq!(rest.iter().map(|r| r.0).collect::<Vec<_>>(), vec![3, 4, 5]);
+        for ((_, a), (_, b)) in rest.iter().zip(&uninterrupted[3..]) {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{mesh:?}: losses {rest:?} vs {uninterrupted:?}");
+        }
+        for ((name, a), (_, b)) in weights(&out).iter().zip(&reference) {
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+            let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(diff <= 1e-5 * scale, "{mesh:?}: {name} differs by {diff} (scale {scale})");
+        }
+    }
+}
+
+#[test]
+fn an_interrupt_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume() {
+    let dir = scratch("interrupt");
+    let ckpt = dir.join("ckpt");
+    let whole = dir.join("whole.safetensors");
+    train(TWO_BY_TWO, 60, &["--save-weights", text(&whole)]);
+    let mut args = vec!["run", "examples/tiny.opt", "--json", "--steps", "60", "--checkpoint-dir", text(&ckpt)];
+    args.extend_from_slice(TWO_BY_TWO);
+    args.extend_from_slice(&TRAINING);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let first = lines.next().expect("a first record").expect("read");
+    assert!(first.contains("\"step\":0"), "{first}");
+    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().expect("kill");
+    assert!(status.success());
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let output = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("--resume"), "{stderr}");
+    let done = records(&rest.join("\n")).last().map_or(1, |r| r.0 + 1);
+    assert!(done < 60, "the run stopped early ({done} updates)");
+    let checkpoint = Checkpoint::open(&ckpt).expect("a checkpoint was written");
+    assert_eq!(checkpoint.step(), done, "the checkpoint is after the last finished step");
+    let resumed = dir.join("resumed.safetensors");
+    train(TWO_BY_TWO, 60, &["--resume", text(&ckpt), "--save-weights", text(&resumed)]);
+    assert_eq!(weights(&resumed), weights(&whole), "interrupted and resumed equals uninterrupted");
+}
+
+#[test]
+fn kill_9_at_any_moment_never_leaves_a_checkpoint_that_loads_wrongly() {
+    let dir = scratch("kill9");
+    let mut loaded = 0;
+    // A deterministic spread of moments, from before the first checkpoint to deep into the run.
+    for (round, delay_ms) in [40u64, 130, 220, 310, 450, 700].into_iter().enumerate() {
+        let ckpt = dir.join(format!("ckpt{round}"));
+        let mut args = vec!["run", "examples/tiny.opt", "--steps", "400", "--checkpoint-dir", text(&ckpt)];
+        args.extend_from_slice(&["--checkpoint-every", "1", "--keep", "2"]);
+        args.extend_from_slice(TWO_BY_TWO);
+        args.extend_from_slice(&TRAINING);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        child.kill().expect("SIGKILL");
+        let _ = child.wait();
+        if !ckpt.exists() {
+            continue;
+        }
+        match Checkpoint::open(&ckpt) {
+            Ok(checkpoint) => {
+                checkpoint.verify().unwrap_or_else(|e| panic!("round {round}: the latest checkpoint is bad: {e}"));
+                let steps = (checkpoint.step() + 1).to_string();
+                let out = optimusc(&[
+                    "run",
+                    "examples/tiny.opt",
+                    "--mesh",
+                    "2x2",
+                    "--steps",
+                    &steps,
+                    "--resume",
+                    text(&ckpt),
+                    "--seed",
+                    "11",
+                    "--accum",
+                    "2",
+                    "--set",
+                    "pdrop=0.1",
+                ]);
+                assert!(out.status.success(), "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+                loaded += 1;
+            }
+            Err(e) => assert!(e.contains("no checkpoint in"), "round {round}: {e}"),
+        }
+    }
+    assert!(loaded >= 3, "only {loaded} of the kills came after a checkpoint: the moments are too early");
+}
+
+#[test]
+fn a_flipped_byte_in_any_checkpoint_file_is_an_error_naming_it() {
+    let dir = scratch("flipped");
+    let ckpt = dir.join("ckpt");
+    train(TWO_BY_TWO, 2, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "1"]);
+    let step = ckpt.join("step-00000001");
+    let files: Vec<PathBuf> = std::fs::read_dir(&step).expect("dir").flatten().map(|e| e.path()).collect();
+    assert!(files.len() >= 2, "{files:?}");
+    for file in files {
+        let original = std::fs::read(&file).expect("read");
+        let mut flipped = original.clone();
+        let at = original.len() / 2;
+        flipped[at] ^= 0x10;
+        std::fs::write(&file, &flipped).expect("write");
+        let out = optimusc(&[
+            "run",
+            "examples/tiny.opt",
+            "--mesh",
+            "2x2",
+            "--steps",
+            "2",
+            "--resume",
+            text(&step),
+            "--seed",
+            "11",
+            "--accum",
+            "2",
+        ]);
+        std::fs::write(&file, &original).expect("restore");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let name = file.file_name().and_then(|n| n.to_str()).expect("name");
+        assert!(!out.status.success(), "{name}: a flipped byte was accepted");
+        assert!(stderr.contains(name), "{name}: {stderr}");
+    }
+}
+
+#[test]
+fn checkpoint_flags_are_checked_before_running() {
+    let dir = scratch("usage");
+    let ckpt = dir.join("ckpt");
+    train(TWO_BY_TWO, 2, &["--checkpoint-dir", text(&ckpt)]);
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--steps", "4", "--checkpoint-every", "2"], "--checkpoint-dir"),
+        (vec!["--steps", "4", "--keep", "2"], "--checkpoint-dir"),
+        (vec!["--steps", "4", "--resume", text(&ckpt), "--weights", text(&ckpt)], "--weights"),
+        (vec!["--steps", "4", "--resume", text(&ckpt), "--seed", "12", "--accum", "2"], "seed"),
+        (vec!["--steps", "2", "--resume", text(&ckpt), "--seed", "11", "--accum", "2"], "--steps"),
+        (vec!["--steps", "4", "--resume", text(&dir)], "no checkpoint in"),
+    ];
+    for (flags, wanted) in cases {
+        let mut args = vec!["run", "examples/tiny.opt", "--mesh", "2x2"];
+        args.extend_from_slice(&flags);
+        let out = optimusc(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(matches!(out.status.code(), Some(1 | 2)), "{flags:?}: {stderr}");
+        assert!(stderr.contains(wanted), "{flags:?}: {stderr}");
+    }
+}
