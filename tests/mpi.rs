@@ -200,3 +200,34 @@ fn a_rank_that_hangs_is_caught_by_the_collective_timeout() {
 fn a_killed_rank_ends_the_job() {
     fails_fast("kill", 2, &["rank 2", "signal 9"]);
 }
+
+/// The train records (loss present) of a run, leaving out checkpoint and validation records.
+fn train_losses(out: &Output) -> Vec<f64> {
+    assert!(out.status.success(), "stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+        .collect()
+}
+
+#[test]
+fn four_processes_write_a_checkpoint_that_threads_resume_on_another_mesh() {
+    let dir = scratch("mpi-checkpoints");
+    let _ = std::fs::remove_dir_all(&dir);
+    let base = ["run", "examples/tiny.opt", "--steps", "4", "--json", "--seed", "11", "--optimizer", "sgd"];
+    let dir_text = dir.to_str().expect("utf-8");
+    let (out, _) = mpirun(
+        4,
+        &with(&base, &["--mesh", "2x2", "--checkpoint-dir", dir_text, "--checkpoint-every", "2"]),
+        &[],
+    );
+    let mpi = train_losses(&out);
+    for step in ["step-00000002", "step-00000004"] {
+        let files = std::fs::read_dir(dir.join(step)).expect("a complete checkpoint").count();
+        assert_eq!(files, 5, "{step}: four device files and the manifest");
+    }
+    let resumed = with(&base, &["--mesh", "1x4", "--strategy", "megatron"]);
+    let after_2 = dir.join("step-00000002");
+    let rest = train_losses(&threads(&with(&resumed, &["--resume", after_2.to_str().expect("utf-8")])));
+    assert_close(&rest, &mpi[2..]);
+}
