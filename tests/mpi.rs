@@ -216,11 +216,8 @@ fn four_processes_write_a_checkpoint_that_threads_resume_on_another_mesh() {
     let _ = std::fs::remove_dir_all(&dir);
     let base = ["run", "examples/tiny.opt", "--steps", "4", "--json", "--seed", "11", "--optimizer", "sgd"];
     let dir_text = dir.to_str().expect("utf-8");
-    let (out, _) = mpirun(
-        4,
-        &with(&base, &["--mesh", "2x2", "--checkpoint-dir", dir_text, "--checkpoint-every", "2"]),
-        &[],
-    );
+    let (out, _) =
+        mpirun(4, &with(&base, &["--mesh", "2x2", "--checkpoint-dir", dir_text, "--checkpoint-every", "2"]), &[]);
     let mpi = train_losses(&out);
     for step in ["step-00000002", "step-00000004"] {
         let files = std::fs::read_dir(dir.join(step)).expect("a complete checkpoint").count();

@@ -399,9 +399,9 @@ fn stop_gracefully(args: &RunArgs, job: &Prepared) {
     if job.config.stop.is_none() {
         return;
     }
-    let then = if args.checkpoint.checkpoint_dir.is_some() { ", write a checkpoint" } else { "" };
+    let then = if args.checkpoint.checkpoint_dir.is_some() { ", writing a checkpoint," } else { "" };
     optimus::io::output::graceful_stop(&format!(
-        "interrupt: finishing the current step{then} and stopping (interrupt again to stop at once)"
+        "interrupt: finishing the current step{then} then stopping (interrupt again to stop at once)"
     ));
 }
 
