@@ -21,6 +21,7 @@ gradients, which clip_grad_norm_ returns), with tol = 1e-4, for every (optimizer
               AdamW  with clip_grad_norm_(0.05) (small enough that it clips every step)
               SGD    with 2 micro-batches per update (--accum 2; the torch side backpropagates
                      loss / 2 of each micro-batch, so the gradient is their mean)
+              AdamW  with 4 micro-batches per update (--accum 4)
               AdamW  cosine + clipping at 0.05 + 4 micro-batches, all at once
   meshes      none 1x1, optimus 2x2, optimus 4x4, megatron 1x4
 
@@ -70,7 +71,7 @@ every element of every tensor, the key bias included, is checked; elements with
 |g| >> 1e-4 still take Adam's normalised steps and those below take eps-dominated
 ones, so both regimes (and eps's place in the formula) are exercised.
 `--adamw-eps 1e-8` runs PyTorch's default anyway (and then fails for the reason
-above). As a yardstick, every optimizer's reference is also run in float64 and
+above). Every optimizer's reference is also run in float64: optimusc must agree with it too, and
 its difference to the float32 reference printed: the float32 noise floor.
 
 Usage (scripts/hf_compare.sh sets up the venv and builds optimusc first):
@@ -471,6 +472,19 @@ def compare(result: Result, losses, weights, ref_losses, ref_weights, tol: float
             result.problems.append(f"{name}: max|a-b|/max|b| = {d:.2e}")
 
 
+def compare_float64(result: Result, losses, weights, norms, reference, tol: float):
+    """The same checks against the float64 reference (the float32 one is the table's): per-step losses
+    and gradient norms, and every weight, within tol."""
+    losses64, weights64, norms64 = reference
+    for step, (a, b) in enumerate(zip(losses + norms, losses64 + norms64)):
+        if not abs(a - b) <= tol * abs(b):
+            what = "loss" if step < len(losses) else "grad_norm"
+            result.problems.append(f"{what} {a:.7f} vs torch float64 {b:.7f}: rel diff {abs(a - b) / abs(b):.2e}")
+    for name, b in weights64.items():
+        if name in weights and weights[name].shape == b.shape and not rel(weights[name], b) <= tol:
+            result.problems.append(f"{name}: max|a-b|/max|b| = {rel(weights[name], b):.2e} against torch float64")
+
+
 def compare_norms(result: Result, norms, ref_norms, tol: float):
     """Every step's gradient norm before clipping, against torch's."""
     for step, (a, b) in enumerate(zip(norms, ref_norms)):
@@ -499,7 +513,8 @@ def print_table(results: list[Result], tol: float):
         short = worst.removeprefix("transformer.")
         print(f"{r.optimizer:<12} {r.strategy:<9} {r.mesh:<5} {r.init_file:<11} {lmax:>19.2e} {nmax:>8.1e} {wmax:>21.2e}  "
               f"{short:<28} {r.seconds:5.1f}s  {status}")  # fmt: skip
-    print(f"(tolerance {tol:g}; loss and grad norm: |a-b|/|b| per step; weights: max|a-b|/max|b| per tensor, b = torch)")
+    print(f"(tolerance {tol:g}; loss and grad norm: |a-b|/|b| per step; weights: max|a-b|/max|b| per tensor, b = torch")
+    print(" float32; the losses, norms and weights are also checked against torch float64 within the same tolerance)")
 
 
 def main() -> int:
@@ -513,8 +528,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--optimizers",
-        default="sgd,adamw,adamw-cosine,adamw-linear,adamw-clip,sgd-accum2,adamw-all",
-        help="comma-separated subset of sgd,adamw,adamw-cosine,adamw-linear,adamw-clip,sgd-accum2,adamw-all"
+        default="sgd,adamw,adamw-cosine,adamw-linear,adamw-clip,sgd-accum2,adamw-accum4,adamw-all",
+        help="comma-separated subset of sgd,adamw,adamw-cosine,adamw-linear,adamw-clip,sgd-accum2,adamw-accum4,adamw-all"
     )
     parser.add_argument(
         "--meshes",
@@ -543,6 +558,7 @@ def main() -> int:
         ),
         "adamw-clip": Optimizer("adamw", lr=1e-2, weight_decay=0.1, eps=args.adamw_eps, clip=0.05, tag="adamw-clip"),
         "sgd-accum2": Optimizer("sgd", lr=0.1, weight_decay=0.01, momentum=0.9, accum=2, tag="sgd-accum2"),
+        "adamw-accum4": Optimizer("adamw", lr=1e-2, weight_decay=0.1, eps=args.adamw_eps, accum=4, tag="adamw-accum4"),
         "adamw-all": Optimizer(
             "adamw", lr=1e-2, weight_decay=0.1, eps=args.adamw_eps, schedule="cosine", warmup=1, min_lr=1e-3,
             clip=0.05, accum=4, tag="adamw-all",
@@ -585,7 +601,7 @@ def main() -> int:
             if opt.clip is not None and not all(n > opt.clip for n in ref_norms):
                 print(f"   warning: clip {opt.clip} does not clip every step (norms {ref_norms})")
             # The float32 noise floor: the same reference in float64, against the float32 one.
-            losses64, weights64, _, _ = train_torch(args.seed, tokens, opt, args.steps, val_tokens, dtype=torch.float64)
+            losses64, weights64, val64, norms64 = train_torch(args.seed, tokens, opt, args.steps, val_tokens, dtype=torch.float64)
             floor_loss = max(abs(a - b) / abs(b) for a, b in zip(ref_losses, losses64))
             floor_w = {n: rel(ref_weights[n], w) for n, w in weights64.items()}
             worst = max(floor_w, key=floor_w.get)
@@ -603,6 +619,7 @@ def main() -> int:
                     )
                     compare(result, losses, weights, ref_losses, ref_weights, args.tol)
                     compare_norms(result, norms, ref_norms, args.tol)
+                    compare_float64(result, losses, weights, norms, (losses64, weights64, norms64), args.tol)
                     # The validation loss after the last update (eval mode, VAL_BATCHES batches of val.bin).
                     d = abs(val - ref_val) / abs(ref_val)
                     result.loss_diffs.append(d)
