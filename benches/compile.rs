@@ -12,7 +12,12 @@ use std::hint::black_box;
 
 const NAME: &str = "examples/gpt3.opt";
 const SOURCE: &str = include_str!("../examples/gpt3.opt");
-const TARGET: Target = Target { mesh: Mesh { rows: 8, cols: 8 }, strategy: Strategy::Optimus, mode: Mode::Train };
+const TARGET: Target = Target {
+    mesh: Mesh { rows: 8, cols: 8 },
+    strategy: Strategy::Optimus,
+    mode: Mode::Train,
+    memory: optimus::plan::MemoryOptions::DEFAULT,
+};
 
 /// Checks and compiles the model; panics (failing the benchmark) if either step reports errors.
 fn check_and_compile(source: &str) -> Plan {

@@ -94,6 +94,7 @@ fn samples() -> Vec<Kernel> {
         Kernel::CrossEntropyGrad { offset, valid: 4, count: 4 },
         Kernel::Fill { value: 0.0 },
         Kernel::SliceShard { axis: 0, placement: Placement::shard(0) },
+        Kernel::GradSquareSum,
         Kernel::OptimizerStep,
     ]
 }
@@ -138,10 +139,11 @@ fn variant(kernel: &Kernel) -> usize {
         Kernel::Fill { .. } => 34,
         Kernel::SliceShard { .. } => 35,
         Kernel::OptimizerStep => 36,
+        Kernel::GradSquareSum => 37,
     }
 }
 
-const VARIANTS: usize = 37;
+const VARIANTS: usize = 38;
 
 #[test]
 fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {

@@ -23,7 +23,12 @@ fn plan(file: &str, sets: &[(&str, &str)], mesh: (u64, u64), strategy: Strategy)
     let overrides: Vec<Override> =
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
     let model = check_source(&source, &overrides).model.expect("example checks");
-    let target = Target { mesh: Mesh { rows: mesh.0, cols: mesh.1 }, strategy, mode: Mode::Train };
+    let target = Target {
+        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
+        strategy,
+        mode: Mode::Train,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),

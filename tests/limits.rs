@@ -80,7 +80,12 @@ fn padding_past_the_limit_is_reported_by_the_shard_pass() {
     let overrides: Vec<Override> =
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
     let model = check_source(&source, &overrides).model.expect("the unpadded model fits");
-    let target = Target { mesh: Mesh { rows: 1, cols: 4 }, strategy: Strategy::Megatron, mode: Mode::Train };
+    let target = Target {
+        mesh: Mesh { rows: 1, cols: 4 },
+        strategy: Strategy::Megatron,
+        mode: Mode::Train,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
     let Err(diagnostics) = compile(&model, "tiny.opt", &source, target) else {
         panic!("padding pushes wte past the limit; the compile must fail")
     };
@@ -171,7 +176,12 @@ fn printable_escapes_control_and_reordering_characters_only() {
 fn tiny_weights_with_a_nan(dir: &Path) -> PathBuf {
     let source = std::fs::read_to_string("examples/tiny.opt").expect("example exists");
     let model = check_source(&source, &[]).model.expect("tiny checks");
-    let target = Target { mesh: Mesh { rows: 1, cols: 1 }, strategy: Strategy::None, mode: Mode::Train };
+    let target = Target {
+        mesh: Mesh { rows: 1, cols: 1 },
+        strategy: Strategy::None,
+        mode: Mode::Train,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
     let plan = compile(&model, "tiny.opt", &source, target).expect("tiny compiles");
     let params: BTreeMap<String, Tensor> = plan
         .params

@@ -20,7 +20,7 @@ struct Case {
 
 impl Case {
     fn target(&self, mesh: Mesh) -> Target {
-        Target { mesh, strategy: self.strategy, mode: self.mode }
+        Target { mesh, strategy: self.strategy, mode: self.mode, memory: optimus::plan::MemoryOptions::DEFAULT }
     }
 
     fn failing(&self) -> Target {
@@ -130,7 +130,12 @@ fn the_examples_get_the_meshes_they_compile_on() {
     ];
     for (model, strategy, (rows, cols), meshes) in expected {
         let text = source(model);
-        let target = Target { mesh: Mesh { rows, cols }, strategy, mode: Mode::Train };
+        let target = Target {
+            mesh: Mesh { rows, cols },
+            strategy,
+            mode: Mode::Train,
+            memory: optimus::plan::MemoryOptions::DEFAULT,
+        };
         let diagnostics = compile(&checked(&text, &[]), model, &text, target).expect_err(model);
         let help = format!(
             "meshes up to 64 devices on which this model compiles with the {} strategy: {meshes}",

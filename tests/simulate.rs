@@ -110,7 +110,12 @@ fn group_times_in_a_plan_use_their_links() {
     let plan = compile_example(
         "tiny.opt",
         &[],
-        Target { mesh: Mesh { rows: 4, cols: 4 }, strategy: Strategy::Optimus, mode: Mode::Train },
+        Target {
+            mesh: Mesh { rows: 4, cols: 4 },
+            strategy: Strategy::Optimus,
+            mode: Mode::Train,
+            memory: optimus::plan::MemoryOptions::DEFAULT,
+        },
     );
     let hw = profile(16.0);
     let report = optimus::plan::report::report(&plan);
@@ -175,7 +180,12 @@ fn compile_example(file: &str, set: &[(&str, &str)], target: Target) -> Plan {
 fn max_batch_is_monotone_in_device_memory() {
     let text = std::fs::read_to_string(examples().join("tiny.opt")).unwrap_or_default();
     let source = Source { name: "tiny.opt", text: &text, overrides: &[] };
-    let target = Target { mesh: Mesh { rows: 2, cols: 2 }, strategy: Strategy::Optimus, mode: Mode::Train };
+    let target = Target {
+        mesh: Mesh { rows: 2, cols: 2 },
+        strategy: Strategy::Optimus,
+        mode: Mode::Train,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
     let mut last = 0;
     for mb in [0.05, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0] {
         let hw = profile(mb / 1000.0);

@@ -34,6 +34,28 @@ pub struct TargetArgs {
     /// Override a config value, e.g. `--set batch=16`. Repeatable.
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub set: Vec<Override>,
+    /// Activations the backward pass recomputes instead of keeping: none; layers (keep only each
+    /// repeated block's input and recompute the block before its backward); selective (recompute only
+    /// attention scores and probabilities and GELU outputs) [default: what the model marks `checkpoint`].
+    #[arg(long = "recompute", value_enum, value_name = "WHAT")]
+    pub recompute: Option<RecomputeArg>,
+    /// Number format of activations, products and communication: f32, or bf16 (float32 master weights,
+    /// optimizer state, normalisation statistics, softmax and loss) [default: f32].
+    #[arg(long = "precision", value_enum, value_name = "FORMAT")]
+    pub precision: Option<PrecisionArg>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RecomputeArg {
+    None,
+    Layers,
+    Selective,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PrecisionArg {
+    F32,
+    Bf16,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -77,6 +99,23 @@ impl TargetArgs {
                 ModeArg::Train => Mode::Train,
                 ModeArg::Infer => Mode::Infer,
             },
+            memory: self.memory(),
+        }
+    }
+
+    /// The recomputation and precision asked for.
+    pub fn memory(&self) -> optimus::plan::MemoryOptions {
+        use optimus::plan::{Precision, Recompute};
+        optimus::plan::MemoryOptions {
+            recompute: self.recompute.map(|r| match r {
+                RecomputeArg::None => Recompute::None,
+                RecomputeArg::Layers => Recompute::Layers,
+                RecomputeArg::Selective => Recompute::Selective,
+            }),
+            precision: match self.precision {
+                Some(PrecisionArg::Bf16) => Precision::Bf16,
+                _ => Precision::F32,
+            },
         }
     }
 
@@ -97,6 +136,13 @@ impl TargetArgs {
         }
         if self.mode_flag.is_some() && target.mode != plan.mode {
             conflicts.push(format!("--mode {} (the plan's mode is {})", mode_name(target.mode), mode_name(plan.mode)));
+        }
+        if let Some(r) = target.memory.recompute.filter(|&r| r != plan.recompute) {
+            conflicts.push(format!("--recompute {} (the plan recomputes {})", r.name(), plan.recompute.name()));
+        }
+        if self.precision.is_some() && target.memory.precision != plan.precision {
+            let (want, have) = (target.memory.precision.name(), plan.precision.name());
+            conflicts.push(format!("--precision {want} (the plan's precision is {have})"));
         }
         for o in &self.set {
             match plan.config.iter().find(|(name, _)| *name == o.name) {
@@ -181,6 +227,10 @@ pub fn compile_model(path: &Path, target: &TargetArgs) -> Option<Plan> {
 
 /// Checks and compiles a model for an explicit target.
 pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::Target) -> Option<Plan> {
+    if let Some(missing) = unbuilt_memory_option(target.memory) {
+        eprintln_safe!("error: {missing} is not implemented yet; compile without it");
+        return None;
+    }
     let (model, source) = load_checked(path, overrides)?;
     match optimus::shard::compile(&model, &source.name, &source.text, target) {
         Ok(plan) => Some(plan),
@@ -189,6 +239,19 @@ pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::
             eprintln_safe!("error: {}: cannot compile for a {} mesh; no plan written", source.name, target.mesh);
             None
         }
+    }
+}
+
+/// A memory option the compiler does not build yet, by its flag.
+fn unbuilt_memory_option(memory: optimus::plan::MemoryOptions) -> Option<&'static str> {
+    use optimus::plan::{Precision, Recompute};
+    if memory.precision == Precision::Bf16 {
+        return Some("--precision bf16");
+    }
+    match memory.recompute {
+        Some(Recompute::Layers) => Some("--recompute layers"),
+        Some(Recompute::Selective) => Some("--recompute selective"),
+        _ => None,
     }
 }
 

@@ -77,8 +77,12 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
     }
     let sharded =
         compile_for(&args.model, &args.target.set, args.target.target()).ok_or("cannot compile for the mesh")?;
-    let single_target =
-        optimus::shard::Target { mesh: Mesh { rows: 1, cols: 1 }, strategy: Strategy::None, mode: Mode::Train };
+    let single_target = optimus::shard::Target {
+        mesh: Mesh { rows: 1, cols: 1 },
+        strategy: Strategy::None,
+        mode: Mode::Train,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
     let single = compile_for(&args.model, &args.target.set, single_target).ok_or("cannot compile for one device")?;
     let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };
     eprintln_safe!(

@@ -109,7 +109,7 @@ pub fn target_for(strategy: Strategy, devices: u64, mode: Mode) -> Result<Target
         Strategy::Megatron => Mesh { rows: 1, cols: devices },
         Strategy::None => Mesh { rows: 1, cols: 1 },
     };
-    Ok(Target { mesh, strategy, mode })
+    Ok(Target { mesh, strategy, mode, memory: crate::plan::MemoryOptions::DEFAULT })
 }
 
 /// q with q * q = n, if there is one.

@@ -39,6 +39,64 @@ impl Strategy {
     }
 }
 
+/// Which forward activations the backward pass recomputes instead of keeping (`compile --recompute`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation the backward pass reads.
+    #[default]
+    None,
+    /// Keep only each checkpointed block's input; recompute the block's forward before its backward.
+    Layers,
+    /// Recompute only what is cheap to recompute and large to keep (attention scores and
+    /// probabilities, GELU outputs), as Korthikanti et al. 2022.
+    Selective,
+}
+
+impl Recompute {
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Layers => "layers",
+            Recompute::Selective => "selective",
+        }
+    }
+}
+
+/// The number format of activations, products and communication (`compile --precision`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in float32.
+    #[default]
+    F32,
+    /// bf16 activations, products and collectives with float32 accumulation; float32 master weights,
+    /// optimizer state, normalisation statistics, softmax and loss.
+    Bf16,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The memory levers of a compilation: what to recompute (`None`: what the model marks `checkpoint`)
+/// and the precision.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MemoryOptions {
+    pub recompute: Option<Recompute>,
+    pub precision: Precision,
+}
+
+impl MemoryOptions {
+    /// No recomputation beyond the model's own marks, float32.
+    pub const DEFAULT: MemoryOptions = MemoryOptions { recompute: None, precision: Precision::F32 };
+}
+
 /// Training (forward, backward, optimizer step) or inference (forward only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -457,6 +515,17 @@ pub struct Plan {
     /// replicated element counted once (train plans; every optimizer step comes after it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_norm: Option<BufferId>,
+    /// The activation recomputation the plan does.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub recompute: Recompute,
+    /// The precision of its activations, products and communication.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub precision: Precision,
+}
+
+/// Whether a value is its type's default (left out of plan files, so older plans read the same).
+fn is_default<T: Default + PartialEq>(value: &T) -> bool {
+    *value == T::default()
 }
 
 impl Plan {

@@ -11,8 +11,8 @@ use crate::diag::Diagnostic;
 use crate::ir::{DType, Model, Node, Op, ParamId};
 use crate::plan::memory::{insert_frees, plan_memory};
 use crate::plan::{
-    Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, Mesh, Mode, OriginInfo, Plan,
-    PlanInput, PlanOutput, PlanParam, ReduceOp, Role, Strategy,
+    Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, MemoryOptions, Mesh, Mode,
+    OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, ReduceOp, Role, Strategy,
 };
 use crate::span::{LineIndex, Span};
 use layout::{Layout, Placement};
@@ -27,6 +27,8 @@ pub struct Target {
     pub mesh: Mesh,
     pub strategy: Strategy,
     pub mode: Mode,
+    /// Recomputation and precision.
+    pub memory: MemoryOptions,
 }
 
 /// The largest mesh (in devices) that E0602's help considers when it lists meshes that compile.
@@ -428,6 +430,8 @@ impl<'a> Lowerer<'a> {
             memory,
             checkpoint_prefix: self.model.checkpoint_prefix.clone(),
             grad_norm: self.grad_norm,
+            recompute: self.target.memory.recompute.unwrap_or_default(),
+            precision: self.target.memory.precision,
         };
         crate::plan::verify::verify(&plan).map_err(|errors| {
             errors
