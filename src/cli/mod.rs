@@ -244,15 +244,11 @@ pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::
 
 /// A memory option the compiler does not build yet, by its flag.
 fn unbuilt_memory_option(memory: optimus::plan::MemoryOptions) -> Option<&'static str> {
-    use optimus::plan::{Precision, Recompute};
+    use optimus::plan::Precision;
     if memory.precision == Precision::Bf16 {
         return Some("--precision bf16");
     }
-    match memory.recompute {
-        Some(Recompute::Layers) => Some("--recompute layers"),
-        Some(Recompute::Selective) => Some("--recompute selective"),
-        _ => None,
-    }
+    None
 }
 
 /// Why a command failed: a message still to print (empty when it has been printed already) and the

@@ -36,6 +36,9 @@ impl<'f> Elab<'f> {
         match &decl.value {
             LayerExpr::Call(call) => {
                 if let Some(&block) = self.blocks.get(&call.callee.name) {
+                    if decl.checkpoint {
+                        self.mark_checkpointed(&path);
+                    }
                     return self.instantiate_block(block, call, module, path).map(Layer::Block);
                 }
                 self.instantiate_builtin(module, call, &path, decl.span)
@@ -61,6 +64,9 @@ impl<'f> Elab<'f> {
                 let mut modules = Vec::new();
                 for k in 0..n {
                     let before = self.instances;
+                    if decl.checkpoint {
+                        self.mark_checkpointed(&format!("{path}.{k}"));
+                    }
                     modules.push(self.instantiate_block(block, body, module, format!("{path}.{k}"))?);
                     if k == 0 {
                         self.check_repeat_cost(n, self.instances - before, count.span)?;
@@ -128,9 +134,17 @@ impl<'f> Elab<'f> {
     }
 
     /// Instantiates a user block: binds its parameters from the call, then its layers.
+    /// Records that the block instance at `path` is recomputed in the backward pass.
+    fn mark_checkpointed(&mut self, path: &str) {
+        self.checkpointed_blocks.push(path.to_string());
+    }
+
     fn instantiate_block(&mut self, block: usize, call: &'f Call, parent: usize, path: String) -> R<usize> {
         if self.recursive.contains(&block) {
             return Err(Fail::Reported);
+        }
+        if self.file.blocks.get(block).is_some_and(|b| b.checkpoint) {
+            self.mark_checkpointed(&path);
         }
         self.count_instance(call.span)?;
         if path.matches('.').count() > MAX_BLOCK_DEPTH {
@@ -589,6 +603,9 @@ impl<'f> Elab<'f> {
                 _ => return Err(Fail::Reported),
             };
             let nodes_before = self.graph.node_count();
+            if let Some(module) = self.modules.get(m) {
+                self.repeated_blocks.push(module.path.clone());
+            }
             current = self.call_module(m, vec![current], call)?;
             if k == 0 {
                 self.check_repeat_nodes(modules.len(), self.graph.node_count() - nodes_before, call.span)?;

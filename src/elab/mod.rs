@@ -172,6 +172,10 @@ pub struct Elab<'f> {
     blocks: HashMap<String, usize>,
     recursive: HashSet<usize>,
     modules: Vec<Module>,
+    /// Layer paths of the instances of repeated blocks, in order.
+    repeated_blocks: Vec<String>,
+    /// Layer paths of the block instances marked `checkpoint`, in order.
+    checkpointed_blocks: Vec<String>,
     param_nodes: HashMap<ParamId, NodeIndex>,
     /// Config values and inputs whose definition failed (and was reported): their uses evaluate to poison.
     poisoned: HashSet<String>,
@@ -210,6 +214,8 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         blocks: HashMap::new(),
         recursive: HashSet::new(),
         modules: Vec::new(),
+        repeated_blocks: Vec::new(),
+        checkpointed_blocks: Vec::new(),
         param_nodes: HashMap::new(),
         poisoned: HashSet::new(),
         bad_sizes: HashSet::new(),
@@ -238,8 +244,16 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         graph: elab.graph,
         outputs,
         loss,
+        repeated_blocks: first_occurrences(elab.repeated_blocks),
+        checkpointed_blocks: first_occurrences(elab.checkpointed_blocks),
     };
     Ok((model, diags))
+}
+
+/// The items of `items` in order, each once (a block applied twice is recorded twice).
+fn first_occurrences(items: Vec<String>) -> Vec<String> {
+    let mut seen = HashSet::new();
+    items.into_iter().filter(|item| seen.insert(item.clone())).collect()
 }
 
 /// Longest name for which a close match is looked for; longer ones are not typos worth correcting, and

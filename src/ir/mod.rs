@@ -358,6 +358,12 @@ pub struct Model {
     pub outputs: Vec<Output>,
     /// The scalar training objective, if the model has one.
     pub loss: Option<NodeIndex>,
+    /// The layer path of every instance of a repeated block (`h.0`, `h.1`, ...), in order: the units
+    /// `compile --recompute layers` recomputes.
+    pub repeated_blocks: Vec<String>,
+    /// The layer path of every block instance the model marks `checkpoint` (on its block or its layer
+    /// declaration): what is recomputed when `compile --recompute` is not given.
+    pub checkpointed_blocks: Vec<String>,
 }
 
 impl Model {

@@ -199,6 +199,29 @@ pub fn flops(plan: &Plan) -> u64 {
 }
 
 /// The human-readable report.
+/// What the plan recomputes in the backward pass: the mode, and how many instructions recompute which
+/// blocks (reasons `recompute of BLOCK: ...`); `None` when it recomputes nothing.
+fn recompute_line(plan: &Plan) -> Option<String> {
+    let mut blocks = std::collections::BTreeSet::new();
+    let mut count = 0;
+    for instr in &plan.program {
+        let (Instr::Kernel { reason, .. } | Instr::Collective { reason, .. }) = instr else { continue };
+        let Some(unit) = plan.reasons.get(*reason as usize).and_then(|r| r.strip_prefix("recompute of ")) else {
+            continue;
+        };
+        count += 1;
+        blocks.insert(unit.split(':').next().unwrap_or_default().to_string());
+    }
+    (count > 0).then(|| {
+        format!(
+            "recompute: {} ({count} instructions recompute {} block{} in the backward pass; their forward values are not kept)",
+            plan.recompute.name(),
+            blocks.len(),
+            if blocks.len() == 1 { "" } else { "s" }
+        )
+    })
+}
+
 pub fn render_text(plan: &Plan, r: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -213,6 +236,9 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
     );
     for p in &r.padding {
         let _ = writeln!(out, "padding: `{}` dimension {} padded from {} to {}", p.tensor, p.dim, p.logical, p.padded);
+    }
+    if let Some(line) = recompute_line(plan) {
+        let _ = writeln!(out, "{line}");
     }
     let m = &r.memory.plan;
     let _ = writeln!(out, "\nmemory per device (every device holds blocks of the same shapes):");

@@ -3,6 +3,7 @@
 //! operands in the layouts it needs, and the engine inserts the collectives that get them there.
 
 pub mod layout;
+mod recompute;
 mod rules;
 mod shapes;
 
@@ -12,7 +13,7 @@ use crate::ir::{DType, Model, Node, Op, ParamId};
 use crate::plan::memory::{insert_frees, plan_memory};
 use crate::plan::{
     Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, MemoryOptions, Mesh, Mode,
-    OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, ReduceOp, Role, Strategy,
+    OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Recompute, ReduceOp, Role, Strategy,
 };
 use crate::span::{LineIndex, Span};
 use layout::{Layout, Placement};
@@ -212,6 +213,8 @@ pub(crate) struct Lowerer<'a> {
     pub forward_end: Option<usize>,
     /// The buffer holding the squared global gradient norm (train plans).
     grad_norm: Option<BufferId>,
+    /// The block instances `--recompute layers` recomputes (see `recompute`).
+    recompute_units: Vec<String>,
     pub diagnostics: Vec<Diagnostic>,
     reported_dims: HashSet<String>,
     /// (size, label) of every dimension split across a mesh axis.
@@ -252,6 +255,7 @@ impl<'a> Lowerer<'a> {
             current: NodeIndex::new(0),
             forward_end: None,
             grad_norm: None,
+            recompute_units: Vec::new(),
             diagnostics: Vec::new(),
             reported_dims: HashSet::default(),
             split_dims: BTreeSet::new(),
@@ -401,6 +405,8 @@ impl<'a> Lowerer<'a> {
             return Err(self.diagnostics);
         }
         let forward_end = self.forward_end.unwrap_or(self.program.len());
+        let recompute = if self.target.mode == Mode::Train { self.recompute_mode() } else { Recompute::None };
+        self.recompute_for_backward(recompute, forward_end);
         let keep: std::collections::HashSet<BufferId> = self
             .outputs
             .iter()
@@ -430,7 +436,7 @@ impl<'a> Lowerer<'a> {
             memory,
             checkpoint_prefix: self.model.checkpoint_prefix.clone(),
             grad_norm: self.grad_norm,
-            recompute: self.target.memory.recompute.unwrap_or_default(),
+            recompute,
             precision: self.target.memory.precision,
         };
         crate::plan::verify::verify(&plan).map_err(|errors| {

@@ -53,6 +53,8 @@ pub struct InputDecl {
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockDef {
     pub name: Ident,
+    /// `checkpoint block ...`: every instance is recomputed in the backward pass.
+    pub checkpoint: bool,
     pub params: Vec<BlockParam>,
     pub layers: Vec<LayerDecl>,
     pub forwards: Vec<ForwardDef>,
@@ -70,6 +72,8 @@ pub struct BlockParam {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerDecl {
     pub name: Ident,
+    /// `layer x = checkpoint Block()`: the block instances it makes are recomputed in the backward pass.
+    pub checkpoint: bool,
     pub value: LayerExpr,
     pub span: Span,
 }

@@ -315,6 +315,7 @@ fn describe(rule: Rule) -> &'static str {
         Rule::block_param => "a block parameter",
         Rule::layer_decl | Rule::kw_layer => "`layer`",
         Rule::repeat_expr | Rule::kw_repeat => "`repeat`",
+        Rule::kw_checkpoint => "`checkpoint`",
         Rule::forward_def | Rule::kw_forward => "`forward`",
         Rule::forward_params => "forward parameters",
         Rule::output_stmt | Rule::kw_output => "`output`",
@@ -436,9 +437,11 @@ impl Builder {
 
     fn block(&mut self, pair: Pair<Rule>) -> BlockDef {
         let span = span_of(&pair);
-        let mut inner = children(pair);
+        let mut inner = children(pair).peekable();
+        let checkpoint = inner.next_if(|p| p.as_rule() == Rule::kw_checkpoint).is_some();
         let name = inner.next().map(ident).unwrap_or(Ident { name: String::new(), span });
-        let mut block = BlockDef { name, params: Vec::new(), layers: Vec::new(), forwards: Vec::new(), span };
+        let mut block =
+            BlockDef { name, checkpoint, params: Vec::new(), layers: Vec::new(), forwards: Vec::new(), span };
         for part in inner {
             match part.as_rule() {
                 Rule::block_params => {
@@ -462,6 +465,8 @@ impl Builder {
         let span = span_of(&pair);
         let mut inner = children(pair).filter(|p| p.as_rule() != Rule::kw_layer);
         let name = inner.next().map(ident).unwrap_or(Ident { name: String::new(), span });
+        let mut inner = inner.peekable();
+        let checkpoint = inner.next_if(|p| p.as_rule() == Rule::kw_checkpoint).is_some();
         let value = match inner.next() {
             Some(v) if v.as_rule() == Rule::repeat_expr => {
                 let rspan = span_of(&v);
@@ -476,7 +481,7 @@ impl Builder {
             Some(v) => LayerExpr::Call(self.call(v)),
             None => LayerExpr::Call(self.empty_call(span)),
         };
-        LayerDecl { name, value, span }
+        LayerDecl { name, checkpoint, value, span }
     }
 
     fn empty_call(&self, span: Span) -> Call {
