@@ -244,10 +244,7 @@ pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::
 
 /// A memory option the compiler does not build yet, by its flag.
 fn unbuilt_memory_option(memory: optimus::plan::MemoryOptions) -> Option<&'static str> {
-    use optimus::plan::{Precision, Recompute};
-    if memory.precision == Precision::Bf16 {
-        return Some("--precision bf16");
-    }
+    use optimus::plan::Recompute;
     match memory.recompute {
         Some(Recompute::Layers) => Some("--recompute layers"),
         Some(Recompute::Selective) => Some("--recompute selective"),

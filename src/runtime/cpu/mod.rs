@@ -159,7 +159,11 @@ impl Backend for CpuBackend {
         let (ins, mut outs) = storage.operands(inputs, &[output])?;
         let refs: Vec<&View> = ins.iter().collect();
         let out = outs.first_mut().ok_or_else(|| unreachable("one output"))?;
-        par::on_pool(|| kernels::run_views(kernel, &refs, out, ctx)).map_err(RuntimeError::Kernel)
+        // bf16 operands are widened to f32 and the result rounded once into a bf16 output: the CPU
+        // computes in f32 throughout and stores bf16 where the plan says.
+        let run = |ins: &[&View], out: &mut super::view::ViewMut| kernels::run_views(kernel, ins, out, ctx);
+        par::on_pool(|| super::bf16::with_widened(&refs, out, kernel.reads_its_output(), run))
+            .map_err(RuntimeError::Kernel)
     }
 
     fn optimizer_step(
