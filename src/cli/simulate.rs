@@ -304,10 +304,10 @@ fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
 }
 
 fn side(args: &SimulateArgs, hw: &Hardware, source: &Source, strategy: Strategy, devices: u64) -> Side {
-    let target = search::target_for(strategy, devices, args.mode());
+    let target = search::target_for(strategy, devices, args.mode(), args.target.memory());
     let mesh = target.as_ref().map_or_else(|_| "-".to_string(), |t| t.mesh.to_string());
     let result = target.and_then(|t| source.compile(t, &[])).map(|plan| simulate(&plan, hw, &args.options()));
-    let found = match (args.max_batch, search::target_for(strategy, devices, args.mode())) {
+    let found = match (args.max_batch, search::target_for(strategy, devices, args.mode(), args.target.memory())) {
         (true, Ok(t)) => Some(search::max_batch(source, t, hw.memory_bytes())),
         _ => None,
     };
@@ -397,7 +397,7 @@ fn render_compare(hw: &Hardware, devices: u64, sides: &[Side]) -> String {
 }
 
 fn sweep(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
-    let points = match search::sweep(source, args.mode(), hw, &args.options()) {
+    let points = match search::sweep(source, (args.mode(), args.target.memory()), hw, &args.options()) {
         Ok(points) => points,
         Err(e) => {
             eprintln_safe!("error: {e}");

@@ -7,7 +7,7 @@ use super::step::{Options, Simulation, simulate};
 use crate::check::check_source;
 use crate::elab::Override;
 use crate::ir::Scalar;
-use crate::plan::{Mesh, Mode, Plan, Strategy};
+use crate::plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
 use crate::shard::{Target, compile};
 use serde::Serialize;
 
@@ -100,7 +100,7 @@ pub fn max_batch(source: &Source, target: Target, capacity: u64) -> MaxBatch {
 }
 
 /// The target of a strategy at a device count: q x q for optimus, 1 x p for megatron.
-pub fn target_for(strategy: Strategy, devices: u64, mode: Mode) -> Result<Target, String> {
+pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOptions) -> Result<Target, String> {
     let mesh = match strategy {
         Strategy::Optimus => {
             let q = integer_sqrt(devices).ok_or_else(|| format!("{devices} devices are not a square q x q mesh"))?;
@@ -109,7 +109,7 @@ pub fn target_for(strategy: Strategy, devices: u64, mode: Mode) -> Result<Target
         Strategy::Megatron => Mesh { rows: 1, cols: devices },
         Strategy::None => Mesh { rows: 1, cols: 1 },
     };
-    Ok(Target { mesh, strategy, mode, memory: crate::plan::MemoryOptions::DEFAULT })
+    Ok(Target { mesh, strategy, mode, memory })
 }
 
 /// q with q * q = n, if there is one.
@@ -148,8 +148,13 @@ pub struct SweepPoint {
 /// The device counts of a sweep.
 pub const SWEEP_DEVICES: [u64; 4] = [4, 16, 64, 256];
 
-/// Weak and strong scaling of optimus and megatron over [`SWEEP_DEVICES`].
-pub fn sweep(source: &Source, mode: Mode, hw: &Hardware, options: &Options) -> Result<Vec<SweepPoint>, String> {
+/// Weak and strong scaling of optimus and megatron over [`SWEEP_DEVICES`], compiled with `memory`.
+pub fn sweep(
+    source: &Source,
+    (mode, memory): (Mode, MemoryOptions),
+    hw: &Hardware,
+    options: &Options,
+) -> Result<Vec<SweepPoint>, String> {
     let base = source.config_int("batch").ok_or("the model has no integer `batch` config value to scale")?;
     let mut points = Vec::new();
     for scaling in [Scaling::Strong, Scaling::Weak] {
@@ -157,7 +162,7 @@ pub fn sweep(source: &Source, mode: Mode, hw: &Hardware, options: &Options) -> R
             let mut first: Option<(u64, f64)> = None;
             for devices in SWEEP_DEVICES {
                 let batch = if scaling == Scaling::Weak { base * devices / SWEEP_DEVICES[0] } else { base };
-                let mut point = sweep_point(source, strategy, devices, batch, mode, hw, options);
+                let mut point = sweep_point(source, strategy, devices, batch, (mode, memory), hw, options);
                 point.scaling = scaling;
                 if let Some(sim) = &point.simulation {
                     let (d0, t0) = *first.get_or_insert((devices, sim.step_time_s));
@@ -183,7 +188,7 @@ fn sweep_point(
     strategy: Strategy,
     devices: u64,
     batch: u64,
-    mode: Mode,
+    (mode, memory): (Mode, MemoryOptions),
     hw: &Hardware,
     options: &Options,
 ) -> SweepPoint {
@@ -197,7 +202,7 @@ fn sweep_point(
         efficiency: None,
         infeasible: None,
     };
-    let plan = target_for(strategy, devices, mode).and_then(|target| {
+    let plan = target_for(strategy, devices, mode, memory).and_then(|target| {
         point.mesh = target.mesh.to_string();
         source.compile(target, &[batch_override(batch)])
     });
