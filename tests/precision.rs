@@ -121,7 +121,7 @@ fn tokens(plan: &Plan) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, Strin
         for (k, name) in ["targets", "tokens"].iter().enumerate() {
             // A repeating pattern the model can learn, so that the loss falls over the steps.
             let ids = (0..batch * seq)
-                .map(|n| ((n % 7) * 13 + mix64(step * 8 + k as u64 ^ n) % 2) as i32 % vocab as i32)
+                .map(|n| ((n % 7) * 13 + mix64((step * 8 + k as u64) ^ n) % 2) as i32 % vocab as i32)
                 .collect();
             out.insert(name.to_string(), Tensor::from_i32(&[batch, seq], ids));
         }

@@ -84,6 +84,9 @@ pub fn with_widened<R>(
     }
 }
 
+/// An f32 matrix product on (A, B, out) views, accumulating into `out` when told.
+pub type Product<'k> = dyn Fn(&[&View], &mut ViewMut, bool) -> Result<(), String> + 'k;
+
 /// Elements widened per piece when a product is done piecewise (1 Mi elements: 4 MiB of f32).
 const PIECE_ELEMENTS: usize = 1 << 20;
 
@@ -114,7 +117,7 @@ pub fn product_in_pieces(
     inputs: &[&View],
     out: &mut ViewMut,
     (ta, tb, accumulate): (bool, bool, bool),
-    run: &dyn Fn(&[&View], &mut ViewMut, bool) -> Result<(), String>,
+    run: &Product,
 ) -> Option<Result<(), String>> {
     let [a, b] = *inputs else { return None };
     let (cols_a, rows_a) = last_and_rows(a.shape.as_slice());
@@ -140,7 +143,7 @@ fn by_output_rows(
     out: &mut ViewMut,
     (rows, cols, m, n): (usize, usize, usize, usize),
     accumulate: bool,
-    run: &dyn Fn(&[&View], &mut ViewMut, bool) -> Result<(), String>,
+    run: &Product,
 ) -> Result<(), String> {
     if rows != m {
         return Err(format!("A has {rows} rows but the output {m}"));
@@ -171,7 +174,7 @@ fn by_shared_rows(
     out: &mut ViewMut,
     (rows, cols_a, rows_b, cols_b): (usize, usize, usize, usize),
     accumulate: bool,
-    run: &dyn Fn(&[&View], &mut ViewMut, bool) -> Result<(), String>,
+    run: &Product,
 ) -> Result<(), String> {
     if rows != rows_b {
         return Err(format!("A^T B needs as many rows in A ({rows}) as in B ({rows_b})"));
