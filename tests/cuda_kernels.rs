@@ -96,6 +96,7 @@ fn samples() -> Vec<Kernel> {
         Kernel::SliceShard { axis: 0, placement: Placement::shard(0) },
         Kernel::GradSquareSum,
         Kernel::OptimizerStep,
+        Kernel::Cast,
     ]
 }
 
@@ -140,10 +141,11 @@ fn variant(kernel: &Kernel) -> usize {
         Kernel::SliceShard { .. } => 35,
         Kernel::OptimizerStep => 36,
         Kernel::GradSquareSum => 37,
+        Kernel::Cast => 38,
     }
 }
 
-const VARIANTS: usize = 38;
+const VARIANTS: usize = 39;
 
 #[test]
 fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
@@ -426,6 +428,7 @@ fn elementwise_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
         Case::new(Kernel::BiasAdd, vec![x.clone(), rng.tensor(&[45])], &s),
         Case::new(Kernel::Add, vec![x.clone(), y.clone()], &s),
         Case::new(Kernel::Scale { factor: 0.3 }, vec![x.clone()], &s),
+        Case::new(Kernel::Cast, vec![x.clone()], &s),
         Case::new(Kernel::Gelu { approximate: true }, vec![x.clone()], &s).tol(1e-4),
         Case::new(Kernel::Gelu { approximate: false }, vec![x.clone()], &s).tol(1e-4),
         Case::new(Kernel::GeluGrad { approximate: true }, vec![y.clone(), x.clone()], &s).tol(1e-4),

@@ -227,10 +227,6 @@ pub fn compile_model(path: &Path, target: &TargetArgs) -> Option<Plan> {
 
 /// Checks and compiles a model for an explicit target.
 pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::Target) -> Option<Plan> {
-    if let Some(missing) = unbuilt_memory_option(target.memory) {
-        eprintln_safe!("error: {missing} is not implemented yet; compile without it");
-        return None;
-    }
     let (model, source) = load_checked(path, overrides)?;
     match optimus::shard::compile(&model, &source.name, &source.text, target) {
         Ok(plan) => Some(plan),
@@ -240,15 +236,6 @@ pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::
             None
         }
     }
-}
-
-/// A memory option the compiler does not build yet, by its flag.
-fn unbuilt_memory_option(memory: optimus::plan::MemoryOptions) -> Option<&'static str> {
-    use optimus::plan::Precision;
-    if memory.precision == Precision::Bf16 {
-        return Some("--precision bf16");
-    }
-    None
 }
 
 /// Why a command failed: a message still to print (empty when it has been printed already) and the

@@ -284,13 +284,17 @@ struct Throughput {
 
 impl Throughput {
     /// Model FLOPs are 6 N T for training and 2 N T for inference (N parameters, T tokens), over the
-    /// peak of the parameters' dtype on every device.
+    /// peak of the dtype products run in on every device (bf16 in a bf16 plan, whose master weights are
+    /// float32; else the parameters' dtype).
     fn of(plan: &Plan, hw: &Hardware, step: f64) -> Throughput {
         let parameters: u64 = plan.params.iter().map(|p| p.shape.iter().product::<u64>()).sum();
         let tokens = tokens_per_step(plan);
         let factor = if plan.mode == Mode::Train { 6.0 } else { 2.0 };
         let model_flops = factor * parameters as f64 * tokens as f64;
-        let dtype = plan.params.first().map_or(DType::F32, |p| plan.buffer(p.buffer).dtype);
+        let dtype = match plan.precision {
+            crate::plan::Precision::Bf16 => DType::Bf16,
+            crate::plan::Precision::F32 => plan.params.first().map_or(DType::F32, |p| plan.buffer(p.buffer).dtype),
+        };
         let capacity = hw.peak_flops(dtype) * plan.mesh.devices() as f64 * step;
         let mfu = if capacity > 0.0 { model_flops / capacity } else { 0.0 };
         Throughput { parameters, tokens, model_flops, mfu }

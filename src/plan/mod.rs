@@ -334,6 +334,9 @@ pub enum Kernel {
     Fill {
         value: f64,
     },
+    /// (x) -> x in the output's element type (float32 <-> bf16, rounding to nearest even), e.g. the
+    /// bf16 copy of a float32 master weight, or a bf16 gradient into its float32 gradient buffer.
+    Cast,
     /// (x) -> this device's block of x along `axis` for the given placement.
     SliceShard {
         axis: u8,

@@ -68,6 +68,9 @@ pub struct Report {
     pub devices: u64,
     pub strategy: String,
     pub mode: String,
+    /// The plan's precision; left out for float32 plans (as in the plan file).
+    #[serde(skip_serializing_if = "is_f32")]
+    pub precision: super::Precision,
     /// Floating-point operations per step: on one device, and on all devices together.
     pub flops: Flops,
     pub memory: MemoryReport,
@@ -144,6 +147,7 @@ pub fn report(plan: &Plan) -> Report {
         devices: plan.mesh.devices(),
         strategy: plan.strategy.name().to_string(),
         mode: if plan.mode == super::Mode::Train { "train" } else { "infer" }.to_string(),
+        precision: plan.precision,
         flops: Flops { per_device, total: per_device * plan.mesh.devices() },
         memory: MemoryReport { plan: m.clone(), peak_origin },
         communication,
@@ -198,6 +202,10 @@ pub fn flops(plan: &Plan) -> u64 {
         .sum()
 }
 
+fn is_f32(precision: &super::Precision) -> bool {
+    *precision == super::Precision::F32
+}
+
 /// The human-readable report.
 /// What the plan recomputes in the backward pass: the mode, and how many instructions recompute which
 /// blocks (reasons `recompute of BLOCK: ...`); `None` when it recomputes nothing.
@@ -224,9 +232,13 @@ fn recompute_line(plan: &Plan) -> Option<String> {
 
 pub fn render_text(plan: &Plan, r: &Report) -> String {
     let mut out = String::new();
+    let precision = match r.precision {
+        super::Precision::F32 => String::new(),
+        p => format!(", {} precision (float32 master weights)", p.name()),
+    };
     let _ = writeln!(
         out,
-        "plan: model {}, {} strategy on a {} mesh ({} devices), {} mode, {} instructions",
+        "plan: model {}, {} strategy on a {} mesh ({} devices), {} mode{precision}, {} instructions",
         r.model,
         r.strategy,
         r.mesh,

@@ -3,13 +3,16 @@
 //! first use to their `Free`), so that buffers alive at the same time never share memory;
 //! [`HostArena`] is that allocation in host memory, handing kernels disjoint views of it.
 //!
-//! Offsets and sizes are in 4-byte words: host storage keeps floating-point buffers as f32 and
-//! integer buffers (token ids) as i32, in the same words.
+//! Offsets and sizes are in 4-byte words: host storage keeps f32 buffers as f32, integer buffers
+//! (token ids) as i32, and bf16 buffers as two bf16 bit patterns per word, so that a buffer takes the
+//! bytes its dtype says and the arena matches the plan's memory figures.
 
 use super::backend::Exchange;
+use super::bf16;
 use super::error::{RuntimeError, unreachable};
 use super::tensor::Tensor;
 use super::view::{Shape, View, ViewData, ViewMut, ViewMutData};
+use crate::ir::DType;
 use crate::plan::memory::{persistent, touched};
 use crate::plan::{Buffer, BufferId, Instr, Plan};
 
@@ -38,9 +41,29 @@ impl Lifetime {
     }
 }
 
-/// Words a buffer takes on the host (one per element).
+/// Words a buffer takes on the host: one per element, or one per two bf16 elements.
 pub fn words(buffer: &Buffer) -> usize {
-    buffer.elements() as usize
+    let elements = buffer.elements() as usize;
+    if buffer.dtype == DType::Bf16 { elements.div_ceil(2) } else { elements }
+}
+
+/// How a region's words hold its elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Elem {
+    F32,
+    I32,
+    /// Two bf16 bit patterns per word.
+    Bf16,
+}
+
+impl Elem {
+    fn of(dtype: DType) -> Elem {
+        match dtype {
+            DType::Bf16 => Elem::Bf16,
+            d if d.is_integer() => Elem::I32,
+            _ => Elem::F32,
+        }
+    }
 }
 
 fn aligned(words: usize) -> usize {
@@ -130,8 +153,10 @@ fn best_fit(placed: &[(Lifetime, usize, usize)], span: Lifetime, size: usize, ba
 #[derive(Clone, Debug)]
 struct Region {
     offset: usize,
+    /// Words.
     len: usize,
-    integer: bool,
+    elements: usize,
+    elem: Elem,
     shape: Vec<u64>,
     name: String,
 }
@@ -150,8 +175,8 @@ impl HostArena {
             .iter()
             .map(|b| {
                 let offset = layout.offsets.get(b.id.0 as usize).copied().flatten()?;
-                let (integer, shape, name) = (b.dtype.is_integer(), b.shape.clone(), b.name.clone());
-                Some(Region { offset, len: words(b), integer, shape, name })
+                let (elem, shape, name) = (Elem::of(b.dtype), b.shape.clone(), b.name.clone());
+                Some(Region { offset, len: words(b), elements: b.elements() as usize, elem, shape, name })
             })
             .collect::<Vec<_>>();
         if let Some(r) = regions.iter().flatten().find(|r| r.offset + r.len > layout.total) {
@@ -193,6 +218,7 @@ impl HostArena {
         match (&mut view.data, tensor.view().data) {
             (ViewMutData::F32(dst), ViewData::F32(src)) => dst.copy_from_slice(src),
             (ViewMutData::I32(dst), ViewData::I32(src)) => dst.copy_from_slice(src),
+            (ViewMutData::Bf16(dst), ViewData::F32(src)) => bf16::round_into(src, dst),
             _ => return Err(RuntimeError::Storage("a tensor's element type does not match its buffer's".into())),
         }
         Ok(())
@@ -214,10 +240,17 @@ impl HostArena {
     /// integer buffer).
     pub fn first_non_finite(&self, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
         let view = self.view(id)?;
-        Ok(view.f32().ok().and_then(|v| v.iter().copied().enumerate().find(|(_, x)| !x.is_finite())))
+        let first = |v: &mut dyn Iterator<Item = f32>| v.enumerate().find(|(_, x)| !x.is_finite());
+        Ok(match view.data {
+            ViewData::F32(v) => first(&mut v.iter().copied()),
+            ViewData::Bf16(v) => first(&mut v.iter().map(|&b| bf16::widen_one(b))),
+            ViewData::I32(_) => None,
+        })
     }
 
-    /// Lends `exchange` a collective's send block and receive buffer (both floating point).
+    /// Lends `exchange` a collective's send block and receive buffer (both floating point). bf16
+    /// buffers are widened to f32 for the exchange, so sums are taken in f32 and rounded once into a
+    /// bf16 receive buffer.
     pub fn exchange(
         &mut self,
         send: BufferId,
@@ -226,7 +259,7 @@ impl HostArena {
     ) -> Result<(), RuntimeError> {
         for id in [send, recv] {
             let r = self.region(id)?;
-            if r.integer {
+            if r.elem == Elem::I32 {
                 return Err(RuntimeError::Storage(format!(
                     "only floating-point buffers are communicated, not `{}`",
                     r.name
@@ -234,9 +267,22 @@ impl HostArena {
             }
         }
         let (ins, mut outs) = self.operands(&[send], &[recv])?;
-        match (ins.first().map(|v| v.data), outs.first_mut().map(|v| &mut v.data)) {
-            (Some(ViewData::F32(s)), Some(ViewMutData::F32(r))) => exchange(s, r).map_err(RuntimeError::Comm),
-            _ => Err(unreachable("one floating-point send and receive buffer")),
+        let (Some(send), Some(recv)) = (ins.first(), outs.first_mut()) else {
+            return Err(unreachable("one send and one receive buffer"));
+        };
+        let mut comm_error = None;
+        let mut exchange_f32 = |s: &[&super::view::View], r: &mut ViewMut| -> Result<(), String> {
+            let (Some(s), ViewMutData::F32(r)) = (s.first().and_then(|v| v.f32().ok()), &mut r.data) else {
+                return Err("a collective needs floating-point buffers".into());
+            };
+            exchange(s, r).map_err(|e| {
+                comm_error = Some(e);
+                String::new()
+            })
+        };
+        match bf16::with_widened(&[send], recv, true, &mut exchange_f32) {
+            Ok(()) => Ok(()),
+            Err(message) => Err(comm_error.map_or(RuntimeError::Storage(message), RuntimeError::Comm)),
         }
     }
 
@@ -313,12 +359,20 @@ fn region_of(regions: &[Option<Region>], id: BufferId) -> Result<&Region, Runtim
 }
 
 fn shared_view<'a>(r: &'a Region, words: &'a [f32]) -> View<'a> {
-    let data = if r.integer { ViewData::I32(bytemuck::cast_slice(words)) } else { ViewData::F32(words) };
+    let data = match r.elem {
+        Elem::F32 => ViewData::F32(words),
+        Elem::I32 => ViewData::I32(bytemuck::cast_slice(words)),
+        Elem::Bf16 => ViewData::Bf16(&bytemuck::cast_slice(words)[..r.elements]),
+    };
     View { shape: Shape(&r.shape), data }
 }
 
 fn writable_view<'a>(r: &'a Region, words: &'a mut [f32]) -> ViewMut<'a> {
-    let data = if r.integer { ViewMutData::I32(bytemuck::cast_slice_mut(words)) } else { ViewMutData::F32(words) };
+    let data = match r.elem {
+        Elem::F32 => ViewMutData::F32(words),
+        Elem::I32 => ViewMutData::I32(bytemuck::cast_slice_mut(words)),
+        Elem::Bf16 => ViewMutData::Bf16(&mut bytemuck::cast_slice_mut(words)[..r.elements]),
+    };
     ViewMut { shape: Shape(&r.shape), data }
 }
 

@@ -4,6 +4,7 @@
 
 pub mod arena;
 pub mod backend;
+pub mod bf16;
 pub mod comm;
 pub mod compare;
 pub mod cpu;

@@ -34,6 +34,8 @@ impl std::fmt::Debug for Shape<'_> {
 pub enum ViewData<'a> {
     F32(&'a [f32]),
     I32(&'a [i32]),
+    /// bf16 elements as their bit patterns (see [`super::bf16`]); kernels read them widened to f32.
+    Bf16(&'a [u16]),
 }
 
 /// Elements of a writable view.
@@ -41,6 +43,7 @@ pub enum ViewData<'a> {
 pub enum ViewMutData<'a> {
     F32(&'a mut [f32]),
     I32(&'a mut [i32]),
+    Bf16(&'a mut [u16]),
 }
 
 /// A read-only dense row-major tensor.
@@ -65,11 +68,16 @@ fn expected_integers() -> String {
     "expected an integer tensor, found floating point".into()
 }
 
+fn unwidened() -> String {
+    "expected an f32 tensor, found bf16 (bf16 buffers are widened to f32 before a kernel reads them)".into()
+}
+
 impl<'a> View<'a> {
     pub fn len(&self) -> usize {
         match self.data {
             ViewData::F32(v) => v.len(),
             ViewData::I32(v) => v.len(),
+            ViewData::Bf16(v) => v.len(),
         }
     }
 
@@ -82,21 +90,23 @@ impl<'a> View<'a> {
         match self.data {
             ViewData::F32(v) => Ok(v),
             ViewData::I32(_) => Err(expected_floats()),
+            ViewData::Bf16(_) => Err(unwidened()),
         }
     }
 
     pub fn i32(&self) -> Result<&'a [i32], String> {
         match self.data {
             ViewData::I32(v) => Ok(v),
-            ViewData::F32(_) => Err(expected_integers()),
+            ViewData::F32(_) | ViewData::Bf16(_) => Err(expected_integers()),
         }
     }
 
-    /// A host copy (for the edges of a run: outputs, checkpoints).
+    /// A host copy (for the edges of a run: outputs, checkpoints); bf16 elements come back as f32.
     pub fn to_tensor(&self) -> Tensor {
         let data = match self.data {
             ViewData::F32(v) => Data::F32(v.to_vec()),
             ViewData::I32(v) => Data::I32(v.to_vec()),
+            ViewData::Bf16(v) => Data::F32(super::bf16::widen(v)),
         };
         Tensor { shape: self.shape.0.to_vec(), data }
     }
@@ -108,6 +118,7 @@ impl ViewMut<'_> {
         let data = match &self.data {
             ViewMutData::F32(v) => ViewData::F32(v),
             ViewMutData::I32(v) => ViewData::I32(v),
+            ViewMutData::Bf16(v) => ViewData::Bf16(v),
         };
         View { shape: self.shape, data }
     }
@@ -116,6 +127,7 @@ impl ViewMut<'_> {
         match &self.data {
             ViewMutData::F32(v) => v.len(),
             ViewMutData::I32(v) => v.len(),
+            ViewMutData::Bf16(v) => v.len(),
         }
     }
 
@@ -127,6 +139,7 @@ impl ViewMut<'_> {
         match &self.data {
             ViewMutData::F32(v) => Ok(v),
             ViewMutData::I32(_) => Err(expected_floats()),
+            ViewMutData::Bf16(_) => Err(unwidened()),
         }
     }
 
@@ -134,20 +147,21 @@ impl ViewMut<'_> {
         match &mut self.data {
             ViewMutData::F32(v) => Ok(v),
             ViewMutData::I32(_) => Err(expected_floats()),
+            ViewMutData::Bf16(_) => Err(unwidened()),
         }
     }
 
     pub fn i32(&self) -> Result<&[i32], String> {
         match &self.data {
             ViewMutData::I32(v) => Ok(v),
-            ViewMutData::F32(_) => Err(expected_integers()),
+            ViewMutData::F32(_) | ViewMutData::Bf16(_) => Err(expected_integers()),
         }
     }
 
     pub fn i32_mut(&mut self) -> Result<&mut [i32], String> {
         match &mut self.data {
             ViewMutData::I32(v) => Ok(v),
-            ViewMutData::F32(_) => Err(expected_integers()),
+            ViewMutData::F32(_) | ViewMutData::Bf16(_) => Err(expected_integers()),
         }
     }
 }

@@ -13,7 +13,7 @@ use crate::ir::{DType, Model, Node, Op, ParamId};
 use crate::plan::memory::{insert_frees, plan_memory};
 use crate::plan::{
     Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, MemoryOptions, Mesh, Mode,
-    OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Recompute, ReduceOp, Role, Strategy,
+    OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Precision, Recompute, ReduceOp, Role, Strategy,
 };
 use crate::span::{LineIndex, Span};
 use layout::{Layout, Placement};
@@ -340,8 +340,8 @@ impl<'a> Lowerer<'a> {
             let (Some(grad), Some(param)) = (grad, self.param_buffers.get(&id).copied()) else { continue };
             self.current = *grad;
             let g = self.value(*grad, param.layout);
-            self.buffers[g.0 as usize].role = Role::Gradient;
-            self.buffers[g.0 as usize].name = format!("{}.grad", self.model.params[index].name);
+            let name = format!("{}.grad", self.model.params[index].name);
+            let g = self.gradient_buffer(g, param.buffer, name);
             updates.push((param.buffer, g));
         }
         if let Some(loss) = self.model.loss {
@@ -392,6 +392,22 @@ impl<'a> Lowerer<'a> {
             "gradient norm: one all-reduce of every device's sum of squares",
         );
         Some(total)
+    }
+
+    /// The buffer the optimizer reads a parameter's gradient from: the gradient value itself when it
+    /// has the parameter's element type, else a cast of it into a new buffer of that type (a bf16
+    /// gradient into the float32 buffer beside its float32 master weight).
+    fn gradient_buffer(&mut self, g: BufferId, param: BufferId, name: String) -> BufferId {
+        let (have, want) = (self.buffers[g.0 as usize].dtype, self.buffers[param.0 as usize].dtype);
+        if have == want {
+            self.buffers[g.0 as usize].role = Role::Gradient;
+            self.buffers[g.0 as usize].name = name;
+            return g;
+        }
+        let b = self.buffers[g.0 as usize].clone();
+        let out = self.new_buffer(name, want, b.logical_shape, b.layout, Role::Gradient);
+        self.kernel(Kernel::Cast, &[g], out, "gradient from bf16 into the float32 gradient buffer");
+        out
     }
 
     fn state_buffer(&mut self, like: BufferId, what: &str) -> BufferId {
@@ -471,9 +487,30 @@ impl<'a> Lowerer<'a> {
         self.check_divisible(n, layout);
         let node = &self.graph[n];
         let name = describe_node(self.model, node, n);
-        let dtype = node.ty.dtype;
+        let dtype = self.compute_dtype(n);
         let role = if role == Role::Workspace && self.forward_end.is_none() { Role::Activation } else { role };
         self.new_buffer(name, dtype, self.shapes[n.index()].clone(), layout, role)
+    }
+
+    /// The element type node `n` is computed in. In bf16 plans every floating-point value is bf16 but
+    /// the float32 master weights, the inputs, the loss and the loss's seed gradient (the statistics of
+    /// LayerNorm and cross-entropy get float32 buffers of their own in the rules).
+    fn compute_dtype(&self, n: NodeIndex) -> DType {
+        let node = &self.graph[n];
+        let stays_f32 = matches!(node.op, Op::Param { .. } | Op::Input { .. } | Op::CrossEntropy | Op::Fill { .. });
+        if self.target.memory.precision == Precision::Bf16 && node.ty.dtype == DType::F32 && !stays_f32 {
+            DType::Bf16
+        } else {
+            node.ty.dtype
+        }
+    }
+
+    /// A buffer for node `n` in `layout` with the element type of `like` (a value moved between
+    /// layouts keeps its type: a bf16 weight copy is communicated in bf16).
+    fn moved_buffer(&mut self, n: NodeIndex, layout: Layout, like: BufferId) -> BufferId {
+        let id = self.node_buffer(n, layout, Role::Workspace);
+        self.buffers[id.0 as usize].dtype = self.buffers[like.0 as usize].dtype;
+        id
     }
 
     /// Reports a split dimension that does not divide its mesh axis, at the config line that sized it.
@@ -643,8 +680,9 @@ impl<'a> Lowerer<'a> {
                     state: Vec::new(),
                     role: p.role,
                 });
-                self.define(n, layout, buffer);
-                buffer
+                let compute = self.compute_copy(buffer);
+                self.define(n, layout, compute);
+                compute
             }
             Op::Input { name } => {
                 let buffer = self.node_buffer(n, layout, Role::Input);
@@ -664,6 +702,19 @@ impl<'a> Lowerer<'a> {
         }
     }
 
+    /// What the products read of a float32 master weight: the weight itself in float32 plans; in bf16
+    /// plans a bf16 copy made once per step where the weight is first used (freed after its last use,
+    /// in the backward pass), from which every other layout of the weight is then made.
+    fn compute_copy(&mut self, master: BufferId) -> BufferId {
+        if self.target.memory.precision != Precision::Bf16 {
+            return master;
+        }
+        let b = self.buffers[master.0 as usize].clone();
+        let copy = self.new_buffer(format!("{}.bf16", b.name), DType::Bf16, b.logical_shape, b.layout, Role::Workspace);
+        self.kernel(Kernel::Cast, &[master], copy, "bf16 copy of the float32 master weight for this step");
+        copy
+    }
+
     /// Moves a value between layouts one mesh axis at a time.
     fn redistribute(&mut self, n: NodeIndex, from: Version, to: Layout) -> BufferId {
         let mut current = from;
@@ -677,7 +728,7 @@ impl<'a> Lowerer<'a> {
             let what = describe_node(self.model, &self.graph[n], n);
             current = match (f, t) {
                 (Placement::Partial, Placement::Replicate) => {
-                    let recv = self.node_buffer(n, next, Role::Workspace);
+                    let recv = self.moved_buffer(n, next, current.buffer);
                     let reason = format!("sum the partial {what} over the {}", group.name());
                     self.collective(
                         CollectiveKind::AllReduce,
@@ -692,7 +743,7 @@ impl<'a> Lowerer<'a> {
                     Version { layout: next, buffer: recv }
                 }
                 (Placement::Partial, Placement::Shard { .. }) => {
-                    let recv = self.node_buffer(n, next, Role::Workspace);
+                    let recv = self.moved_buffer(n, next, current.buffer);
                     let reason = format!("sum the partial {what} and scatter its blocks over the {}", group.name());
                     self.collective(
                         CollectiveKind::ReduceScatter,
@@ -708,7 +759,7 @@ impl<'a> Lowerer<'a> {
                 }
                 (Placement::Shard { .. }, _) => {
                     let gathered = current.layout.with(axis, Placement::Replicate);
-                    let recv = self.node_buffer(n, gathered, Role::Workspace);
+                    let recv = self.moved_buffer(n, gathered, current.buffer);
                     let reason = format!("gather {what} over the {}", group.name());
                     self.collective(
                         CollectiveKind::AllGather,
@@ -738,7 +789,7 @@ impl<'a> Lowerer<'a> {
 
     fn slice(&mut self, n: NodeIndex, from: Version, axis: usize, placement: Placement) -> Version {
         let layout = from.layout.with(axis, placement);
-        let out = self.node_buffer(n, layout, Role::Workspace);
+        let out = self.moved_buffer(n, layout, from.buffer);
         let axis_u8 = u8::try_from(axis).unwrap_or(0);
         self.kernel(Kernel::SliceShard { axis: axis_u8, placement }, &[from.buffer], out, "take this device's block");
         Version { layout, buffer: out }

@@ -69,6 +69,7 @@ pub(super) fn check_parameters(
         | Kernel::SoftmaxGrad
         | Kernel::CausalMask
         | Kernel::CausalMaskGrad => check_same_layouts(&ops),
+        Kernel::Cast => check_cast(&ops),
         Kernel::Fill { value } => ensure(value.is_finite(), || format!("the fill value {value} is not finite")),
         Kernel::Reshape => check_reshape(&ops),
         Kernel::Transpose { dim0, dim1 } => check_transpose(&ops, dim0.into(), dim1.into()),
@@ -293,6 +294,17 @@ fn check_same_layouts(ops: &Operands) -> Result<(), String> {
                 "`{}` ({:?} laid out {}) and the output `{}` ({:?} laid out {}) differ",
                 b.name, b.logical_shape, b.layout, out.name, out.logical_shape, out.layout
             )
+        })?;
+    }
+    Ok(())
+}
+
+/// A cast changes only the element type, between floating-point types.
+fn check_cast(ops: &Operands) -> Result<(), String> {
+    check_same_layouts(ops)?;
+    for b in ops.inputs.iter().chain([&ops.output]) {
+        ensure(!b.dtype.is_integer(), || {
+            format!("casts only floating-point buffers, not `{}` ({})", b.name, b.dtype.name())
         })?;
     }
     Ok(())

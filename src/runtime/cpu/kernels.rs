@@ -76,6 +76,8 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
             cross_entropy_grad(inputs, out, Vocab::new(offset, valid, ctx), count)
         }
         Kernel::Fill { value } => fill(inputs, out, value),
+        // The backend widens a bf16 input and rounds into a bf16 output, so a cast copies f32 to f32.
+        Kernel::Cast => map_unary(inputs, out, |x| x),
         Kernel::SliceShard { axis, placement } => slice_shard(inputs, out, ctx, axis.into(), placement),
         Kernel::GradSquareSum => grad_square_sum(inputs, out, ctx),
         Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),
@@ -621,6 +623,7 @@ fn fill(inputs: &[&View], out: &mut ViewMut, value: f64) -> Result<(), String> {
     match &mut out.data {
         ViewMutData::F32(v) => v.fill(value as f32),
         ViewMutData::I32(v) => v.fill(value as i32),
+        ViewMutData::Bf16(v) => v.fill(crate::runtime::bf16::round(value as f32)),
     }
     Ok(())
 }

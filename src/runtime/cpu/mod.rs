@@ -14,7 +14,7 @@ use super::error::{RuntimeError, unreachable};
 pub use super::exec::{Batches, DeviceBlocks, DeviceResult, RunConfig, RunOutput, StepRecord, assemble, run_device};
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
-use super::view::View;
+use super::view::{View, ViewData, ViewMut, ViewMutData};
 use crate::plan::{BufferId, Kernel, Plan};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -159,7 +159,23 @@ impl Backend for CpuBackend {
         let (ins, mut outs) = storage.operands(inputs, &[output])?;
         let refs: Vec<&View> = ins.iter().collect();
         let out = outs.first_mut().ok_or_else(|| unreachable("one output"))?;
-        par::on_pool(|| kernels::run_views(kernel, &refs, out, ctx)).map_err(RuntimeError::Kernel)
+        // bf16 operands are widened to f32 and the result rounded once into a bf16 output: the CPU
+        // computes in f32 throughout and stores bf16 where the plan says.
+        let has_bf16 =
+            refs.iter().any(|v| matches!(v.data, ViewData::Bf16(_))) || matches!(out.data, ViewMutData::Bf16(_));
+        if let (true, Kernel::MatMul { transpose_a, transpose_b, accumulate }) = (has_bf16, kernel) {
+            let flags = (*transpose_a, *transpose_b, *accumulate);
+            let product = |ins: &[&View], out: &mut ViewMut, accumulate: bool| {
+                let k = Kernel::MatMul { transpose_a: flags.0, transpose_b: flags.1, accumulate };
+                kernels::run_views(&k, ins, out, ctx)
+            };
+            if let Some(done) = par::on_pool(|| super::bf16::product_in_pieces(&refs, out, flags, &product)) {
+                return done.map_err(RuntimeError::Kernel);
+            }
+        }
+        let run = |ins: &[&View], out: &mut ViewMut| kernels::run_views(kernel, ins, out, ctx);
+        par::on_pool(|| super::bf16::with_widened(&refs, out, kernel.reads_its_output(), run))
+            .map_err(RuntimeError::Kernel)
     }
 
     fn optimizer_step(

@@ -133,7 +133,7 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO_BLOCKS]),
         Kernel::BiasAdd => Launcher::kernels(&[BIAS_ADD]),
         Kernel::Add => Launcher::kernels(&[ADD]),
-        Kernel::Scale { .. } => Launcher::kernels(&[SCALE]),
+        Kernel::Scale { .. } | Kernel::Cast => Launcher::kernels(&[SCALE]),
         Kernel::Gelu { approximate: true } => Launcher::kernels(&[GELU_TANH]),
         Kernel::Gelu { approximate: false } => Launcher::kernels(&[GELU_ERF]),
         Kernel::GeluGrad { approximate: true } => Launcher::kernels(&[GELU_TANH_GRAD]),
@@ -1555,6 +1555,9 @@ impl CudaKernels {
                 dev.cross_entropy_grad(inputs, out, Vocab::new(offset, valid, ctx), count, flag)
             }
             Kernel::Fill { value } => dev.fill(inputs, out, value),
+            // Staged buffers reach the GPU as f32 (bf16 widened on the host, rounded on the way back),
+            // so a cast is an exact copy here.
+            Kernel::Cast => dev.scale(inputs, out, 1.0),
             Kernel::SliceShard { axis, placement } => dev.slice_shard(inputs, out, ctx, axis.into(), placement),
             Kernel::GradSquareSum => dev.grad_square_sum(inputs, out, ctx),
             Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),

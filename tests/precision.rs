@@ -1,0 +1,267 @@
+//! bf16 mixed precision (`--precision bf16`): which buffers are bf16 and which stay float32, that
+//! activation memory and communication bytes halve, that bf16 training tracks float32 training on
+//! several meshes, that `verify --precision bf16` passes, and that the Cast kernel rounds correctly.
+
+use optimus::check::check_source;
+use optimus::ir::DType;
+use optimus::plan::report::report;
+use optimus::plan::{Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Role, Strategy};
+use optimus::runtime::cpu::run;
+use optimus::runtime::exec::{RunConfig, RunOutput};
+use optimus::runtime::init::mix64;
+use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
+use optimus::runtime::tensor::Tensor;
+use optimus::runtime::view::{Shape, ViewMut, ViewMutData};
+use optimus::shard::{Target, compile};
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::Duration;
+
+fn plan(mesh: (u64, u64), strategy: Strategy, precision: Precision) -> Plan {
+    let file = "examples/tiny.opt";
+    let source = std::fs::read_to_string(file).expect("example exists");
+    let model = check_source(&source, &[]).model.expect("example checks");
+    let memory = MemoryOptions { precision, ..MemoryOptions::DEFAULT };
+    let target = Target { mesh: Mesh { rows: mesh.0, cols: mesh.1 }, strategy, mode: Mode::Train, memory };
+    match compile(&model, file, &source, target) {
+        Ok(p) => p,
+        Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),
+    }
+}
+
+fn buffer_dtype(plan: &Plan, id: optimus::plan::BufferId) -> DType {
+    plan.buffer(id).dtype
+}
+
+#[test]
+fn bf16_plans_keep_master_weights_gradients_and_optimizer_state_in_f32() {
+    let p = plan((2, 2), Strategy::Optimus, Precision::Bf16);
+    assert_eq!(p.precision, Precision::Bf16);
+    for param in &p.params {
+        assert_eq!(buffer_dtype(&p, param.buffer), DType::F32, "{}", param.name);
+        assert_eq!(buffer_dtype(&p, param.grad.expect("a gradient")), DType::F32, "{} gradient", param.name);
+        for &s in &param.state {
+            assert_eq!(buffer_dtype(&p, s), DType::F32, "{} state", param.name);
+        }
+    }
+    let activations: Vec<_> = p.buffers.iter().filter(|b| b.role == Role::Activation).collect();
+    assert!(activations.iter().filter(|b| b.dtype == DType::Bf16).count() > 10, "activations are bf16");
+    // What stays float32 among the temporaries: statistics ([rows, 1] or [rows, 2]) and the loss.
+    for b in p.buffers.iter().filter(|b| matches!(b.role, Role::Activation | Role::Workspace)) {
+        if b.dtype == DType::F32 {
+            assert!(b.shape.last().is_none_or(|&last| last <= 2), "`{}` {:?} is float32", b.name, b.shape);
+        }
+    }
+}
+
+#[test]
+fn each_weight_is_cast_once_per_step_and_each_gradient_once() {
+    let p = plan((2, 2), Strategy::Optimus, Precision::Bf16);
+    let casts: Vec<(&Vec<_>, _)> = p
+        .program
+        .iter()
+        .filter_map(|i| match i {
+            Instr::Kernel { kernel: Kernel::Cast, inputs, output, .. } => Some((inputs, *output)),
+            _ => None,
+        })
+        .collect();
+    for param in &p.params {
+        let from = casts.iter().filter(|(ins, _)| ins.first() == Some(&param.buffer)).count();
+        assert_eq!(from, 1, "`{}` is cast to bf16 once", param.name);
+        let into = casts.iter().filter(|(_, out)| Some(*out) == param.grad).count();
+        assert_eq!(into, 1, "`{}`'s gradient is cast into float32 once", param.name);
+    }
+    assert_eq!(casts.len(), 2 * p.params.len());
+    // The float32 plan has no casts at all.
+    let f32_plan = plan((2, 2), Strategy::Optimus, Precision::F32);
+    assert!(!f32_plan.program.iter().any(|i| matches!(i, Instr::Kernel { kernel: Kernel::Cast, .. })));
+}
+
+#[test]
+fn bf16_halves_activation_memory_and_product_communication() {
+    for (mesh, strategy) in [((2, 2), Strategy::Optimus), ((1, 4), Strategy::Megatron)] {
+        let (a, b) = (plan(mesh, strategy, Precision::F32), plan(mesh, strategy, Precision::Bf16));
+        let (ra, rb) = (report(&a), report(&b));
+        let (ma, mb) = (&ra.memory.plan, &rb.memory.plan);
+        assert_eq!(
+            (ma.parameters, ma.gradients, ma.optimizer_state),
+            (mb.parameters, mb.gradients, mb.optimizer_state)
+        );
+        // Kept activations halve, up to the float32 statistics of LayerNorm and cross-entropy.
+        let kept = mb.activations_kept_for_backward as f64 / ma.activations_kept_for_backward as f64;
+        assert!((0.5..0.56).contains(&kept), "{mesh:?}: kept activations {kept:.3} of float32's");
+        assert!(mb.peak_bytes < ma.peak_bytes, "{mesh:?}: peak {} vs {}", mb.peak_bytes, ma.peak_bytes);
+        // Every collective moves the same elements; those of products and activations in half the bytes.
+        assert_eq!(ra.communication.len(), rb.communication.len());
+        let mut halved = 0;
+        for (x, y) in ra.communication.iter().zip(&rb.communication) {
+            assert_eq!((x.kind.as_str(), x.elements), (y.kind.as_str(), y.elements));
+            if matches!(x.kind.as_str(), "broadcast" | "reduce" | "all_gather" | "reduce_scatter") {
+                assert_eq!(y.bytes * 2, x.bytes, "{mesh:?}: {} at instruction {}", x.kind, x.instruction);
+                halved += 1;
+            } else {
+                assert!(y.bytes == x.bytes || y.bytes * 2 == x.bytes, "{mesh:?}: {}", x.kind);
+            }
+        }
+        let total = |r: &optimus::plan::report::Report| r.communication.iter().map(|c| c.bytes).sum::<u64>() as f64;
+        let ratio = total(&rb) / total(&ra);
+        assert!((0.5..0.56).contains(&ratio), "{mesh:?}: bf16 moves {ratio:.3} of float32's bytes");
+        assert!(halved > 0 || strategy == Strategy::Megatron);
+    }
+}
+
+fn tokens(plan: &Plan) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + use<> {
+    let int = |name: &str| match plan.config.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()) {
+        Some(optimus::ir::Scalar::Int(v)) => v as u64,
+        other => panic!("config {name} is {other:?}"),
+    };
+    let (vocab, batch, seq) = (int("vocab"), int("batch"), int("seq"));
+    move |step| {
+        let mut out = BTreeMap::new();
+        for (k, name) in ["targets", "tokens"].iter().enumerate() {
+            // A repeating pattern the model can learn, so that the loss falls over the steps.
+            let ids = (0..batch * seq)
+                .map(|n| ((n % 7) * 13 + mix64((step * 8 + k as u64) ^ n) % 2) as i32 % vocab as i32)
+                .collect();
+            out.insert(name.to_string(), Tensor::from_i32(&[batch, seq], ids));
+        }
+        Ok(out)
+    }
+}
+
+fn train(plan: &Plan, steps: u64) -> RunOutput {
+    let optimizer = OptimizerSettings {
+        kind: OptimizerKind::AdamW,
+        lr: 3e-3,
+        weight_decay: 0.01,
+        momentum: 0.9,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let config = RunConfig {
+        seed: 3,
+        steps,
+        optimizer,
+        timeout: Duration::from_secs(60),
+        fault: None,
+        backend: Default::default(),
+        profile: false,
+        schedule: None,
+        evaluation: None,
+        accumulation: 1,
+        clip_grad_norm: None,
+        start_step: 0,
+        resume: None,
+        checkpoints: None,
+        stop: None,
+    };
+    run(plan, &config, &tokens(plan), &BTreeMap::new(), &|_| {}).expect("run succeeds")
+}
+
+#[test]
+fn bf16_training_tracks_float32_on_several_meshes() {
+    let meshes = [
+        ((1, 1), Strategy::None),
+        ((2, 2), Strategy::Optimus),
+        ((4, 4), Strategy::Optimus),
+        ((1, 4), Strategy::Megatron),
+    ];
+    let reference = train(&plan((1, 1), Strategy::None, Precision::F32), 8);
+    for (mesh, strategy) in meshes {
+        let out = train(&plan(mesh, strategy, Precision::Bf16), 8);
+        for (r, s) in reference.steps.iter().zip(&out.steps) {
+            let (r, s) = (r.loss.expect("loss"), s.loss.expect("loss"));
+            assert!(((r - s) / r).abs() < 1e-2, "{mesh:?} step loss {s} vs float32 {r}");
+        }
+        let (first, last) = (out.steps[0].loss.expect("loss"), out.steps[7].loss.expect("loss"));
+        assert!(last < first, "{mesh:?}: bf16 training lowers the loss ({first} -> {last})");
+        // Master weights come back as float32 values that are not all bf16-representable (the updates
+        // are applied in float32).
+        let w = out.params.get("h.0.mlp.c_fc.weight").expect("a weight");
+        let values = w.f32().expect("float32 weights");
+        assert!(values.iter().any(|&x| optimus::runtime::bf16::widen_one(optimus::runtime::bf16::round(x)) != x));
+    }
+}
+
+fn optimusc(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
+}
+
+#[test]
+fn verify_passes_in_bf16_against_the_float32_single_device_model() {
+    for (mesh, strategy) in [("2x2", "optimus"), ("4x4", "optimus"), ("1x4", "megatron")] {
+        let out = optimusc(&[
+            "verify",
+            "examples/tiny.opt",
+            "--mesh",
+            mesh,
+            "--strategy",
+            strategy,
+            "--precision",
+            "bf16",
+            "--tolerance",
+            "2e-2",
+        ]);
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{mesh} {strategy}: {stdout}{stderr}");
+        assert!(stdout.contains("verified: the plan computes what one device computes"), "{stdout}");
+    }
+}
+
+#[test]
+fn compile_and_inspect_report_bf16() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join("plan.json");
+    let path = path.to_str().expect("a UTF-8 path");
+    let out = optimusc(&["compile", "examples/tiny.opt", "--mesh", "2x2", "--precision", "bf16", "-o", path]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(path).expect("the plan");
+    assert!(text.contains("\"precision\":\"bf16\""), "the plan records its precision");
+    let out = optimusc(&["inspect", path]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("bf16 precision"));
+    // A plan compiled in bf16 refuses a conflicting flag at run time, like the other compile flags.
+    let out = optimusc(&["run", path, "--precision", "f32", "--steps", "1"]);
+    assert!(!out.status.success());
+}
+
+#[test]
+fn the_cast_kernel_rounds_to_nearest_even_and_keeps_nan_and_infinities() {
+    use optimus::plan::Buffer;
+    use optimus::runtime::bf16::{widen_one, with_widened};
+    use optimus::shard::layout::Layout;
+    let values =
+        [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, -0.0];
+    let shape = vec![values.len() as u64];
+    let meta = |dtype| Buffer {
+        id: optimus::plan::BufferId(0),
+        name: "x".into(),
+        dtype,
+        logical_shape: shape.clone(),
+        layout: Layout::REPLICATED,
+        shape: shape.clone(),
+        role: Role::Workspace,
+    };
+    let (input, output) = (meta(DType::F32), meta(DType::Bf16));
+    let inputs = [&input];
+    let ctx = KernelContext { i: 0, j: 0, mesh: Mesh { rows: 1, cols: 1 }, seed: 0, inputs: &inputs, output: &output };
+    let x = Tensor::from_f32(&shape, values.to_vec());
+    let mut bits = vec![0u16; values.len()];
+    let mut out = ViewMut { shape: Shape(&shape), data: ViewMutData::Bf16(&mut bits) };
+    let cast = |ins: &[&optimus::runtime::view::View], out: &mut ViewMut| {
+        optimus::runtime::cpu::kernels::run_views(&Kernel::Cast, ins, out, &ctx)
+    };
+    with_widened(&[&x.view()], &mut out, false, cast).expect("the cast runs");
+    let got: Vec<f32> = bits.iter().map(|&b| widen_one(b)).collect();
+    assert_eq!(got[0], 1.0, "a tie rounds to the even neighbour below");
+    assert_eq!(got[1], 1.0 + 2f32.powi(-6), "a tie rounds to the even neighbour above");
+    assert!(got[2].is_nan());
+    assert_eq!(&got[3..6], &[f32::INFINITY, f32::NEG_INFINITY, f32::INFINITY]);
+    assert_eq!(got[6].to_bits(), (-0.0f32).to_bits());
+    // And back: bf16 widens to float32 exactly.
+    let mut wide = Tensor::from_f32(&shape, vec![0.0; values.len()]);
+    let back =
+        optimus::runtime::view::View { shape: Shape(&shape), data: optimus::runtime::view::ViewData::Bf16(&bits) };
+    with_widened(&[&back], &mut wide.view_mut(), false, cast).expect("the cast runs");
+    assert_eq!(wide.f32().expect("f32")[1], 1.0 + 2f32.powi(-6));
+}
