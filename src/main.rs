@@ -84,6 +84,11 @@ enum Command {
         /// Also write the sharded program as a Graphviz graph to this file.
         #[arg(long, value_name = "FILE.dot")]
         dot: Option<PathBuf>,
+        /// Also find the largest batch whose plan fits in this much memory per device (e.g. 24GiB, 80GB),
+        /// with the plan's mesh, strategy, recomputation and precision, by recompiling the plan's model
+        /// (its `source`, which must still be there) at other batch sizes.
+        #[arg(long, value_name = "SIZE", value_parser = cli::flags::memory_size)]
+        memory: Option<u64>,
     },
 }
 
@@ -138,7 +143,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Simulate(args) => cli::simulate::simulate_command(&args),
         Command::Plot(args) => cli::plot::plot(&args),
         Command::Export(args) => cli::export::export(&args),
-        Command::Inspect { plan, json, dot } => inspect(&plan, json, dot.as_deref()),
+        Command::Inspect { plan, json, dot, memory } => inspect(&plan, json, dot.as_deref(), memory),
     }
 }
 
@@ -195,7 +200,7 @@ fn compile(args: &CompileArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) -> ExitCode {
+fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>, memory: Option<u64>) -> ExitCode {
     if let Some(Err(e)) = dot.map(|dot| cli::refuse_overwriting_input(dot, path, "--dot")) {
         return e.exit();
     }
@@ -221,8 +226,19 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) ->
         }
     }
     let report = optimus::plan::report::report(&plan);
+    let fit = match memory.map(|capacity| cli::fit::largest_batch(&plan, capacity)).transpose() {
+        Ok(fit) => fit,
+        Err(e) => {
+            eprintln_safe!("error: --memory: {e}");
+            return ExitCode::from(1);
+        }
+    };
     if json {
-        match serde_json::to_string_pretty(&report) {
+        let mut value = serde_json::to_value(&report).unwrap_or_default();
+        if let (Some(fit), Some(object)) = (&fit, value.as_object_mut()) {
+            object.insert("max_batch".into(), serde_json::to_value(fit).unwrap_or_default());
+        }
+        match serde_json::to_string_pretty(&value) {
             Ok(text) => cli::stdout_json(&format!("{text}\n")),
             Err(e) => {
                 eprintln_safe!("error: cannot serialise the report: {e}");
@@ -231,6 +247,9 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>) ->
         }
     } else {
         cli::stdout(&optimus::plan::report::render_text(&plan, &report));
+        if let Some(fit) = &fit {
+            cli::stdout(&cli::fit::render(fit));
+        }
     }
     ExitCode::SUCCESS
 }

@@ -37,6 +37,30 @@ pub fn seconds(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A memory size: a number with an optional unit, B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB
+/// (powers of 1024), e.g. `24GiB`, `80GB`, `1.5TiB`, `4096`; above 0.
+pub fn memory_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (number, unit) = (t[..split].trim(), t[split..].trim());
+    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024f64.powi(2),
+        "gib" => 1024f64.powi(3),
+        "tib" => 1024f64.powi(4),
+        _ => return Err(format!("`{text}`: the unit must be B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")),
+    };
+    match number.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v * scale < 2f64.powi(63) => Ok((v * scale) as u64),
+        _ => Err(format!("must be a size above 0 such as 24GiB or 80GB, not `{text}`")),
+    }
+}
+
 /// A tolerance: finite and >= 0.
 pub fn tolerance(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
@@ -71,5 +95,16 @@ mod tests {
         assert_eq!(seconds("2.5"), Ok(2.5));
         assert!(tolerance("nan").is_err() && tolerance("-1").is_err());
         assert_eq!(tolerance("1e-4"), Ok(1e-4));
+    }
+
+    #[test]
+    fn memory_sizes_take_decimal_and_binary_units() {
+        assert_eq!(memory_size("24GiB"), Ok(24 << 30));
+        assert_eq!(memory_size("80 GB"), Ok(80_000_000_000));
+        assert_eq!(memory_size("1.5kib"), Ok(1536));
+        assert_eq!(memory_size("4096"), Ok(4096));
+        for bad in ["0", "-1GiB", "GiB", "24XB", "nan", "inf", "1e30TiB"] {
+            assert!(memory_size(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! and writing to standard output.
 
 pub mod export;
+pub mod fit;
 pub mod flags;
 pub mod plot;
 pub mod resume;

@@ -22,6 +22,55 @@ pub struct MemoryPlan {
     pub peak_instruction: usize,
     /// Index of the first backward instruction (the program length in inference plans).
     pub forward_end: usize,
+    /// What the peak is made of: the bytes of each category alive at the peak instruction (they add
+    /// up to `peak_bytes`).
+    #[serde(default)]
+    pub at_peak: PeakBreakdown,
+}
+
+/// The bytes alive at the peak, by category.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeakBreakdown {
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer_state: u64,
+    pub inputs: u64,
+    /// Forward activations (kept for the backward pass, or not yet dead).
+    pub activations: u64,
+    /// Buffers that a collective sends or receives.
+    pub communication: u64,
+    /// Every other temporary: partial products, statistics, backward values, recomputed activations.
+    pub workspace: u64,
+}
+
+impl PeakBreakdown {
+    /// The category of a buffer, as a mutable counter.
+    fn slot(&mut self, b: &Buffer, communicates: bool) -> &mut u64 {
+        match b.role {
+            Role::Parameter => &mut self.parameters,
+            Role::Gradient => &mut self.gradients,
+            Role::OptimizerState => &mut self.optimizer_state,
+            Role::Input => &mut self.inputs,
+            Role::Activation => &mut self.activations,
+            Role::Workspace if communicates => &mut self.communication,
+            Role::Workspace => &mut self.workspace,
+        }
+    }
+}
+
+/// Which buffers a collective of the program sends or receives.
+fn communicating(program: &[Instr], buffers: &[Buffer]) -> Vec<bool> {
+    let mut out = vec![false; buffers.len()];
+    for instr in program {
+        if let Instr::Collective { collective, .. } = instr {
+            for b in [collective.send, collective.recv] {
+                if let Some(slot) = out.get_mut(b.0 as usize) {
+                    *slot = true;
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Whether a buffer lives for the whole program.
@@ -83,12 +132,15 @@ pub fn insert_frees(
 /// Sweeps the program (with frees) and accounts for every byte on one device.
 pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) -> MemoryPlan {
     let mut plan = MemoryPlan { forward_end, ..MemoryPlan::default() };
+    let communicates = communicating(program, buffers);
+    let mut now = PeakBreakdown::default();
     let mut live = vec![false; buffers.len()];
     let mut current: u64 = 0;
     let mut temporaries: u64 = 0;
     for b in buffers.iter().filter(|b| persistent(b.role)) {
         live[b.id.0 as usize] = true;
         current += b.bytes();
+        *now.slot(b, false) += b.bytes();
         match b.role {
             Role::Parameter => plan.parameters += b.bytes(),
             Role::OptimizerState => plan.optimizer_state += b.bytes(),
@@ -97,6 +149,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
     }
     plan.gradients = buffers.iter().filter(|b| b.role == Role::Gradient).map(Buffer::bytes).sum();
     plan.peak_bytes = current;
+    plan.at_peak = now;
     let mut kept_at_boundary = None;
     for (i, instr) in program.iter().enumerate() {
         if i == forward_end {
@@ -107,6 +160,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
                 if std::mem::take(&mut live[buffer.0 as usize]) {
                     let b = &buffers[buffer.0 as usize];
                     current -= b.bytes();
+                    *now.slot(b, communicates[buffer.0 as usize]) -= b.bytes();
                     if is_temporary(b.role) {
                         temporaries -= b.bytes();
                     }
@@ -117,6 +171,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
                     if !std::mem::replace(&mut live[id.0 as usize], true) {
                         let b = &buffers[id.0 as usize];
                         current += b.bytes();
+                        *now.slot(b, communicates[id.0 as usize]) += b.bytes();
                         if is_temporary(b.role) {
                             temporaries += b.bytes();
                         }
@@ -127,6 +182,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
         if current > plan.peak_bytes {
             plan.peak_bytes = current;
             plan.peak_instruction = i;
+            plan.at_peak = now;
         }
         plan.workspace_peak = plan.workspace_peak.max(temporaries);
     }

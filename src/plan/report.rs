@@ -272,6 +272,24 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
             m.peak_instruction, o.location, o.scope, o.reason
         );
     }
+    let p = &m.at_peak;
+    let _ = writeln!(
+        out,
+        "
+peak by category (alive at the peak instruction; they add up to the peak):"
+    );
+    for (name, bytes) in [
+        ("parameters", p.parameters),
+        ("gradients", p.gradients),
+        ("optimizer state", p.optimizer_state),
+        ("inputs", p.inputs),
+        ("activations", p.activations),
+        ("communication buffers", p.communication),
+        ("other workspace", p.workspace),
+    ] {
+        let share = if m.peak_bytes > 0 { 100.0 * bytes as f64 / m.peak_bytes as f64 } else { 0.0 };
+        let _ = writeln!(out, "  {name:<36} {:>12}  {share:5.1}%", human_bytes(bytes));
+    }
     let _ = writeln!(out, "\ncommunication per device per step:");
     let _ = writeln!(out, "  {:<15} {:<7} {:>7} {:>15} {:>12}", "collective", "group", "count", "elements", "bytes");
     for t in &r.communication_totals {

@@ -1,0 +1,78 @@
+//! `inspect --memory SIZE`: the largest batch whose plan fits a device's memory, found by recompiling the
+//! plan's model with the plan's target at other batch sizes.
+
+use optimus::cost::search::{self, MaxBatch, Source};
+use optimus::elab::Override;
+use optimus::plan::{MemoryOptions, Plan};
+use optimus::shard::Target;
+use serde::Serialize;
+
+/// The answer, with what it was asked for.
+#[derive(Clone, Debug, Serialize)]
+pub struct Fit {
+    pub memory_bytes: u64,
+    #[serde(flatten)]
+    pub found: MaxBatch,
+    /// The plan's own batch, and whether it fits.
+    pub plan_batch: Option<u64>,
+    pub plan_fits: bool,
+}
+
+/// Recompiles the plan's model (its `source` file, with the config values the plan was compiled with)
+/// at growing batch sizes on the plan's target.
+pub fn largest_batch(plan: &Plan, capacity: u64) -> Result<Fit, String> {
+    let text = std::fs::read_to_string(&plan.source).map_err(|e| {
+        format!(
+            "the plan's model `{}` cannot be read ({e}); the search recompiles it at other batch sizes, so run \
+             inspect where the plan was compiled",
+            plan.source
+        )
+    })?;
+    let overrides = changed_config(plan, &text)?;
+    let source = Source { name: &plan.source, text: &text, overrides: &overrides };
+    let memory = MemoryOptions { recompute: Some(plan.recompute), precision: plan.precision };
+    let target = Target { mesh: plan.mesh, strategy: plan.strategy, mode: plan.mode, memory };
+    let found = search::max_batch(&source, target, capacity);
+    let plan_batch = plan_int(plan, "batch");
+    Ok(Fit { memory_bytes: capacity, found, plan_batch, plan_fits: plan.memory.peak_bytes <= capacity })
+}
+
+/// The config values the plan was compiled with that differ from the model file's own: the `--set`
+/// overrides of its compilation (batch excepted, which the search sets).
+fn changed_config(plan: &Plan, text: &str) -> Result<Vec<Override>, String> {
+    let checked = optimus::check::check_source(text, &[]);
+    let model = checked.model.ok_or_else(|| format!("the plan's model `{}` no longer checks", plan.source))?;
+    let mut overrides = Vec::new();
+    for (name, value) in &plan.config {
+        let same = model.config.iter().any(|c| c.name == *name && c.value == *value);
+        if !same && name != "batch" {
+            overrides.push(Override { name: name.clone(), value: value.to_string() });
+        }
+    }
+    Ok(overrides)
+}
+
+fn plan_int(plan: &Plan, name: &str) -> Option<u64> {
+    plan.config.iter().find(|(n, _)| n == name).and_then(|(_, v)| match v {
+        optimus::ir::Scalar::Int(i) => u64::try_from(*i).ok(),
+        _ => None,
+    })
+}
+
+/// The text `inspect` prints after its report.
+pub fn render(fit: &Fit) -> String {
+    let size = optimus::plan::report::human_bytes(fit.memory_bytes);
+    let mut out = format!("\nlargest batch that fits {size} per device: ");
+    match (&fit.found.reason, fit.found.max_batch) {
+        (Some(reason), _) => out.push_str(&format!("none ({reason})\n")),
+        (None, batch) => out.push_str(&format!(
+            "{batch} (batches are multiples of {}; {} compilations)\n",
+            fit.found.multiple, fit.found.compilations
+        )),
+    }
+    if let Some(batch) = fit.plan_batch {
+        let verdict = if fit.plan_fits { "fits" } else { "does not fit" };
+        out.push_str(&format!("  this plan's batch {batch} {verdict}\n"));
+    }
+    out
+}
