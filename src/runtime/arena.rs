@@ -255,6 +255,7 @@ impl HostArena {
         &mut self,
         send: BufferId,
         recv: BufferId,
+        elementwise: bool,
         exchange: &mut Exchange<'_>,
     ) -> Result<(), RuntimeError> {
         for id in [send, recv] {
@@ -280,7 +281,14 @@ impl HostArena {
                 String::new()
             })
         };
-        match bf16::with_widened(&[send], recv, true, &mut exchange_f32) {
+        // bf16 buffers are exchanged as f32 values: a piece at a time when the collective allows it, so
+        // the widened copies stay small.
+        let in_pieces = elementwise.then(|| bf16::exchange_in_pieces(send, recv, &mut exchange_f32)).flatten();
+        let done = match in_pieces {
+            Some(result) => result,
+            None => bf16::with_widened(&[send], recv, true, &mut exchange_f32),
+        };
+        match done {
             Ok(()) => Ok(()),
             Err(message) => Err(comm_error.map_or(RuntimeError::Storage(message), RuntimeError::Comm)),
         }

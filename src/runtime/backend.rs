@@ -67,11 +67,14 @@ pub trait Backend: Send {
     /// Lends `exchange` the `send` block and the `recv` buffer of one collective. A host communicator
     /// takes host slices; a GPU communicator (NCCL) will take device storage through this method once
     /// storage is device-resident.
+    /// `elementwise`: the collective combines element k of every member into element k (broadcast,
+    /// reduce, all-reduce), so a backend may run it on pieces of the buffers, one after another.
     fn collective(
         &mut self,
         storage: &mut Self::Storage,
         send: BufferId,
         recv: BufferId,
+        elementwise: bool,
         exchange: &mut Exchange<'_>,
     ) -> Result<(), RuntimeError>;
 }

@@ -196,6 +196,123 @@ fn by_shared_rows(
     write_rows(out, 0, &total)
 }
 
+/// The inputs a row-separable kernel reads row by row (`true`) or whole (`false`): each output row
+/// depends only on the same rows of the former. `None` for the kernels that are not split this way
+/// (their rows depend on their position, as the causal mask and dropout do, or they sum over rows).
+pub fn row_split(kernel: &crate::plan::Kernel) -> Option<&'static [bool]> {
+    use crate::plan::Kernel as K;
+    Some(match kernel {
+        K::Gelu { .. } | K::Softmax | K::Scale { .. } | K::RowSum | K::CrossEntropyMax { .. } | K::Cast => &[true],
+        K::GeluGrad { .. } | K::SoftmaxGrad | K::Add | K::RowCenteredSquareSum { .. } => &[true, true],
+        K::BiasAdd => &[true, false],
+        K::CrossEntropyStats { .. } => &[true, true, true],
+        K::CrossEntropyGrad { .. } => &[true, true, true, true, false],
+        K::LayerNormApply { .. } => &[true, true, true, false, false],
+        K::LayerNormGradSums { .. } => &[true, true, false, true, true],
+        K::LayerNormGradInput { .. } => &[true, true, false, true, true, true],
+        _ => return None,
+    })
+}
+
+/// Runs a row-separable kernel (see [`row_split`]) a piece of rows at a time, widening only a piece of
+/// each bf16 operand and rounding each piece of a bf16 output, so that the CPU emulation of bf16 needs
+/// little more memory than the plan. `None` when the operands are not whole rows of the output's row
+/// count (the caller then widens them whole).
+pub fn by_rows(
+    inputs: &[&View],
+    out: &mut ViewMut,
+    split: &[bool],
+    run: &dyn Fn(&[&View], &mut ViewMut) -> Result<(), String>,
+) -> Option<Result<(), String>> {
+    let (width, rows) = last_and_rows(out.shape.as_slice());
+    if rows < 2 || split.len() != inputs.len() {
+        return None;
+    }
+    let widths: Option<Vec<usize>> = inputs
+        .iter()
+        .zip(split)
+        .map(|(v, &s)| if !s { Some(0) } else { (v.len() % rows == 0).then(|| v.len() / rows) })
+        .collect();
+    let widths = widths?;
+    let whole: Vec<Option<Tensor>> =
+        inputs.iter().zip(split).map(|(v, &s)| if s { None } else { widened(v) }).collect();
+    let widest = widths.iter().copied().chain([width]).max().unwrap_or(1);
+    Some(pieces(rows, widest).try_for_each(|(first, count)| {
+        let parts: Vec<Part> = inputs
+            .iter()
+            .zip(&widths)
+            .zip(&whole)
+            .map(|((v, &w), whole)| match whole {
+                Some(t) => Ok(Part::Whole(t.view())),
+                None if w == 0 => Ok(Part::Whole(**v)),
+                None => Part::rows(v, first, count, w),
+            })
+            .collect::<Result<_, _>>()?;
+        let views: Vec<View> = parts.iter().map(Part::view).collect();
+        let refs: Vec<&View> = views.iter().collect();
+        let mut piece = vec![0.0f32; count * width];
+        let shape = [count as u64, width as u64];
+        run(&refs, &mut ViewMut { shape: Shape(&shape), data: ViewMutData::F32(&mut piece) })?;
+        write_rows(out, first * width, &piece)
+    }))
+}
+
+/// An element-by-element collective (`f` on f32 send and receive slices) run a piece at a time on
+/// buffers of which one at least is bf16: each piece of the send buffer is widened, the receive piece
+/// widened (a member that receives nothing keeps its contents), and the result rounded back. `None`
+/// when neither buffer is bf16 or their sizes differ (the caller handles those whole).
+pub fn exchange_in_pieces(
+    send: &View,
+    recv: &mut ViewMut,
+    f: &mut dyn FnMut(&[&View], &mut ViewMut) -> Result<(), String>,
+) -> Option<Result<(), String>> {
+    let any_bf16 = matches!(send.data, ViewData::Bf16(_)) || matches!(recv.data, ViewMutData::Bf16(_));
+    if !any_bf16 || send.len() != recv.len() {
+        return None;
+    }
+    let len = send.len();
+    Some(pieces(len, 1).try_for_each(|(first, count)| {
+        let s = rows_f32(send, first, count, 1)?;
+        let mut r = rows_f32(&recv.as_view(), first, count, 1)?.into_owned();
+        let shape = [count as u64];
+        let s_view = View { shape: Shape(&shape), data: ViewData::F32(&s) };
+        f(&[&s_view], &mut ViewMut { shape: Shape(&shape), data: ViewMutData::F32(&mut r) })?;
+        write_rows(recv, first, &r)
+    }))
+}
+
+/// One operand of a piece of rows: a whole view, or rows of it (widened to f32, or borrowed).
+enum Part<'v> {
+    Whole(View<'v>),
+    Rows { shape: [u64; 2], data: PartData<'v> },
+}
+
+enum PartData<'v> {
+    F32(Cow<'v, [f32]>),
+    I32(&'v [i32]),
+}
+
+impl<'v> Part<'v> {
+    fn rows(view: &View<'v>, first: usize, count: usize, width: usize) -> Result<Part<'v>, String> {
+        let range = first * width..(first + count) * width;
+        let missing = || "an operand is not whole rows of its shape".to_string();
+        let data = match view.data {
+            ViewData::F32(v) => PartData::F32(Cow::Borrowed(v.get(range).ok_or_else(missing)?)),
+            ViewData::Bf16(v) => PartData::F32(Cow::Owned(widen(v.get(range).ok_or_else(missing)?))),
+            ViewData::I32(v) => PartData::I32(v.get(range).ok_or_else(missing)?),
+        };
+        Ok(Part::Rows { shape: [count as u64, width as u64], data })
+    }
+
+    fn view(&self) -> View<'_> {
+        match self {
+            Part::Whole(v) => *v,
+            Part::Rows { shape, data: PartData::F32(v) } => View { shape: Shape(shape), data: ViewData::F32(v) },
+            Part::Rows { shape, data: PartData::I32(v) } => View { shape: Shape(shape), data: ViewData::I32(v) },
+        }
+    }
+}
+
 /// Stores f32 values into an output from element `at` on, rounding where the output is bf16.
 fn write_rows(out: &mut ViewMut, at: usize, values: &[f32]) -> Result<(), String> {
     let range = at..at + values.len();

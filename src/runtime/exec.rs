@@ -536,7 +536,9 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let op = c.op.unwrap_or(ReduceOp::Sum);
         let mut exchange =
             |send: &[f32], recv: &mut [f32]| comm.collective(c.kind, c.group, c.root, op, c.shard, full, send, recv);
-        self.backend.collective(&mut self.storage, c.send, c.recv, &mut exchange)
+        let elementwise =
+            matches!(c.kind, CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce);
+        self.backend.collective(&mut self.storage, c.send, c.recv, elementwise, &mut exchange)
     }
 }
 

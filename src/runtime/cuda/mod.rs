@@ -132,8 +132,9 @@ impl Backend for CudaBackend {
         storage: &mut HostArena,
         send: BufferId,
         recv: BufferId,
+        elementwise: bool,
         exchange: &mut Exchange<'_>,
     ) -> Result<(), RuntimeError> {
-        storage.exchange(send, recv, exchange)
+        storage.exchange(send, recv, elementwise, exchange)
     }
 }
