@@ -196,6 +196,12 @@ fn by_shared_rows(
     write_rows(out, 0, &total)
 }
 
+/// An f32 kernel on views.
+pub type KernelOnViews<'k> = dyn Fn(&[&View], &mut ViewMut) -> Result<(), String> + 'k;
+
+/// An f32 collective on a send view and a receive view.
+pub type ExchangeOnViews<'k> = dyn FnMut(&[&View], &mut ViewMut) -> Result<(), String> + 'k;
+
 /// The inputs a row-separable kernel reads row by row (`true`) or whole (`false`): each output row
 /// depends only on the same rows of the former. `None` for the kernels that are not split this way
 /// (their rows depend on their position, as the causal mask and dropout do, or they sum over rows).
@@ -218,12 +224,7 @@ pub fn row_split(kernel: &crate::plan::Kernel) -> Option<&'static [bool]> {
 /// each bf16 operand and rounding each piece of a bf16 output, so that the CPU emulation of bf16 needs
 /// little more memory than the plan. `None` when the operands are not whole rows of the output's row
 /// count (the caller then widens them whole).
-pub fn by_rows(
-    inputs: &[&View],
-    out: &mut ViewMut,
-    split: &[bool],
-    run: &dyn Fn(&[&View], &mut ViewMut) -> Result<(), String>,
-) -> Option<Result<(), String>> {
+pub fn by_rows(inputs: &[&View], out: &mut ViewMut, split: &[bool], run: &KernelOnViews) -> Option<Result<(), String>> {
     let (width, rows) = last_and_rows(out.shape.as_slice());
     if rows < 2 || split.len() != inputs.len() {
         return None;
@@ -261,11 +262,7 @@ pub fn by_rows(
 /// buffers of which one at least is bf16: each piece of the send buffer is widened, the receive piece
 /// widened (a member that receives nothing keeps its contents), and the result rounded back. `None`
 /// when neither buffer is bf16 or their sizes differ (the caller handles those whole).
-pub fn exchange_in_pieces(
-    send: &View,
-    recv: &mut ViewMut,
-    f: &mut dyn FnMut(&[&View], &mut ViewMut) -> Result<(), String>,
-) -> Option<Result<(), String>> {
+pub fn exchange_in_pieces(send: &View, recv: &mut ViewMut, f: &mut ExchangeOnViews) -> Option<Result<(), String>> {
     let any_bf16 = matches!(send.data, ViewData::Bf16(_)) || matches!(recv.data, ViewMutData::Bf16(_));
     if !any_bf16 || send.len() != recv.len() {
         return None;

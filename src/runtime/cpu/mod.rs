@@ -174,10 +174,10 @@ impl Backend for CpuBackend {
             }
         }
         let run = |ins: &[&View], out: &mut ViewMut| kernels::run_views(kernel, ins, out, ctx);
-        if let (true, Some(split)) = (has_bf16, super::bf16::row_split(kernel)) {
-            if let Some(done) = par::on_pool(|| super::bf16::by_rows(&refs, out, split, &run)) {
-                return done.map_err(RuntimeError::Kernel);
-            }
+        if let (true, Some(split)) = (has_bf16, super::bf16::row_split(kernel))
+            && let Some(done) = par::on_pool(|| super::bf16::by_rows(&refs, out, split, &run))
+        {
+            return done.map_err(RuntimeError::Kernel);
         }
         par::on_pool(|| super::bf16::with_widened(&refs, out, kernel.reads_its_output(), run))
             .map_err(RuntimeError::Kernel)
