@@ -544,9 +544,10 @@ fn move_runs(x: &View, out: &mut ViewMut, runs: Runs) -> Result<(), String> {
     match (&x.data, &mut out.data) {
         (ViewData::F32(s), ViewMutData::F32(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
         (ViewData::I32(s), ViewMutData::I32(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
-        (ViewData::F32(_), ViewMutData::F32(_)) | (ViewData::I32(_), ViewMutData::I32(_)) => {
-            Err("a tensor's element count does not match its shape".into())
-        }
+        (ViewData::Bf16(s), ViewMutData::Bf16(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
+        (ViewData::F32(_), ViewMutData::F32(_))
+        | (ViewData::I32(_), ViewMutData::I32(_))
+        | (ViewData::Bf16(_), ViewMutData::Bf16(_)) => Err("a tensor's element count does not match its shape".into()),
         _ => Err("the input and output element types differ".into()),
     }
 }
@@ -601,6 +602,7 @@ fn transpose(inputs: &[&View], out: &mut ViewMut, dim0: usize, dim1: usize) -> R
     match (&x.data, &mut out.data) {
         (ViewData::F32(src), ViewMutData::F32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
         (ViewData::I32(src), ViewMutData::I32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
+        (ViewData::Bf16(src), ViewMutData::Bf16(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
         _ => return Err("the input and output must have the same element type and element count".into()),
     }
     Ok(())

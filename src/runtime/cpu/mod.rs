@@ -113,6 +113,20 @@ fn join_or_abandon<T>(
     handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
 }
 
+/// Whether a kernel only moves elements (reshape, transpose, select, slice) between bf16 buffers: it
+/// then moves their bits as they are, without widening them to f32 and back (which is exact anyway).
+fn moves_bf16_bits(kernel: &Kernel, inputs: &[&View], out: &ViewMut) -> bool {
+    let moves = matches!(
+        kernel,
+        Kernel::Reshape
+            | Kernel::Transpose { .. }
+            | Kernel::Select { .. }
+            | Kernel::SelectGrad { .. }
+            | Kernel::SliceShard { .. }
+    );
+    moves && inputs.iter().all(|v| matches!(v.data, ViewData::Bf16(_))) && matches!(out.data, ViewMutData::Bf16(_))
+}
+
 /// Kernels on the host CPU (faer for matrix products), on a [`HostArena`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
@@ -163,6 +177,9 @@ impl Backend for CpuBackend {
         // computes in f32 throughout and stores bf16 where the plan says.
         let has_bf16 =
             refs.iter().any(|v| matches!(v.data, ViewData::Bf16(_))) || matches!(out.data, ViewMutData::Bf16(_));
+        if has_bf16 && moves_bf16_bits(kernel, &refs, out) {
+            return par::on_pool(|| kernels::run_views(kernel, &refs, out, ctx)).map_err(RuntimeError::Kernel);
+        }
         if let (true, Kernel::MatMul { transpose_a, transpose_b, accumulate }) = (has_bf16, kernel) {
             let flags = (*transpose_a, *transpose_b, *accumulate);
             let product = |ins: &[&View], out: &mut ViewMut, accumulate: bool| {
