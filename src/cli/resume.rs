@@ -49,7 +49,7 @@ pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
     }
     if plan.mode != Mode::Train && (flags.checkpoint_dir.is_some() || flags.resume.is_some()) {
         return Err(Failure::usage(
-            "checkpoints hold training state; this plan infers (compile it with --train)".into(),
+            "checkpoints hold training state; this plan infers (compile it with --mode train)".into(),
         ));
     }
     if flags.resume.is_some() && args.weights.is_some() {
