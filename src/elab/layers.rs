@@ -12,6 +12,24 @@ use std::collections::HashMap;
 /// Built-in layer kinds: operators that own parameters.
 pub const LAYER_KINDS: [&str; 4] = ["linear", "layernorm", "embedding", "position_embedding"];
 
+/// A built-in layer kind (one that owns parameters); matches on it are exhaustive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LayerKind {
+    Linear,
+    LayerNorm,
+    Embedding,
+    PositionEmbedding,
+}
+
+impl LayerKind {
+    /// The kind of this name: the names of [`LAYER_KINDS`], in order.
+    fn named(name: &str) -> Option<LayerKind> {
+        const KINDS: [LayerKind; 4] =
+            [LayerKind::Linear, LayerKind::LayerNorm, LayerKind::Embedding, LayerKind::PositionEmbedding];
+        LAYER_KINDS.iter().position(|k| *k == name).map(|i| KINDS[i])
+    }
+}
+
 /// Deepest nesting of block instances.
 const MAX_BLOCK_DEPTH: usize = 256;
 
@@ -229,9 +247,16 @@ impl<'f> Elab<'f> {
     fn instantiate_builtin(&mut self, module: usize, call: &'f Call, path: &str, span: Span) -> R<Layer> {
         self.count_instance(call.span)?;
         let mut frame = self.module_frame(module);
-        match call.callee.name.as_str() {
-            "linear" => self.instantiate_linear(module, call, path, span, &mut frame),
-            "layernorm" => {
+        let Some(kind) = LayerKind::named(call.callee.name.as_str()) else {
+            if self.resolved_errors.contains(&call.callee.span) {
+                return Err(Fail::Reported);
+            }
+            let d = self.unknown_layer_kind(call);
+            return self.fail(d);
+        };
+        match kind {
+            LayerKind::Linear => self.instantiate_linear(module, call, path, span, &mut frame),
+            LayerKind::LayerNorm => {
                 let sig = Signature { name: "layernorm", params: &["dim", "eps"], required: 1 };
                 let b = self.bind(call, &sig)?;
                 let dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame);
@@ -255,15 +280,16 @@ impl<'f> Elab<'f> {
                 let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span)?;
                 Ok(Layer::Norm { weight, bias, dim: size, eps, span })
             }
-            kind @ ("embedding" | "position_embedding") => {
-                let sig = Signature { name: kind, params: &["rows", "width", "std"], required: 2 };
+            LayerKind::Embedding | LayerKind::PositionEmbedding => {
+                let name = if kind == LayerKind::Embedding { "embedding" } else { "position_embedding" };
+                let sig = Signature { name, params: &["rows", "width", "std"], required: 2 };
                 let b = self.bind(call, &sig)?;
                 let rows = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame);
                 let width = self.eval_dim(b.get(1).ok_or(Fail::Reported)?, &mut frame);
                 let std = self.optional_std(b.get(2), &mut frame);
                 let shape = vec![rows?, width?];
                 let std = std?;
-                if kind == "embedding" {
+                if kind == LayerKind::Embedding {
                     let table =
                         self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span)?;
                     Ok(Layer::Embedding { table })
@@ -278,11 +304,6 @@ impl<'f> Elab<'f> {
                     )?;
                     Ok(Layer::PositionEmbedding { table, span })
                 }
-            }
-            _ if self.resolved_errors.contains(&call.callee.span) => Err(Fail::Reported),
-            _ => {
-                let d = self.unknown_layer_kind(call);
-                self.fail(d)
             }
         }
     }

@@ -9,24 +9,94 @@ use crate::span::Span;
 use crate::syntax::ast::{BinOp, Call, Expr};
 use petgraph::graph::NodeIndex;
 
-/// Operators callable in a forward.
-pub const FUNCTIONS: [&str; 12] = [
-    "gelu",
-    "softmax",
-    "dropout",
-    "self_attention",
-    "cross_entropy",
-    "matmul",
-    "reshape",
-    "transpose",
-    "scale",
-    "causal_mask",
-    "select",
-    "add",
+/// An operator callable in a forward, grouped by how it is elaborated: every match on one is
+/// exhaustive, so a new operator does not compile until each place that must handle it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Function {
+    Unary(Unary),
+    Binary(Binary),
+    Shape(ShapeFn),
+    SelfAttention,
+}
+
+/// Element-wise operators on one floating-point tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unary {
+    Gelu,
+    Softmax,
+    CausalMask,
+    Dropout,
+    Scale,
+}
+
+/// Operators on two tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Binary {
+    Add,
+    CrossEntropy,
+    MatMul,
+}
+
+/// Operators that rearrange one tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShapeFn {
+    Transpose,
+    Select,
+    Reshape,
+}
+
+/// One built-in operator: its name in the language, what it is, its parameters (in order) and how
+/// many of them are required.
+pub struct Builtin {
+    pub name: &'static str,
+    pub function: Function,
+    pub params: &'static [&'static str],
+    pub required: usize,
+}
+
+/// Every operator callable in a forward, the one table the elaborator reads.
+pub const BUILTINS: [Builtin; 12] = [
+    Builtin { name: "gelu", function: Function::Unary(Unary::Gelu), params: &["x", "approx"], required: 1 },
+    Builtin { name: "softmax", function: Function::Unary(Unary::Softmax), params: &["x"], required: 1 },
+    Builtin { name: "dropout", function: Function::Unary(Unary::Dropout), params: &["x", "p"], required: 2 },
+    Builtin {
+        name: "self_attention",
+        function: Function::SelfAttention,
+        params: &["q", "k", "v", "heads", "causal"],
+        required: 1,
+    },
+    Builtin {
+        name: "cross_entropy",
+        function: Function::Binary(Binary::CrossEntropy),
+        params: &["logits", "targets"],
+        required: 2,
+    },
+    Builtin { name: "matmul", function: Function::Binary(Binary::MatMul), params: &["a", "b"], required: 2 },
+    Builtin { name: "reshape", function: Function::Shape(ShapeFn::Reshape), params: &["x", "shape"], required: 2 },
+    Builtin {
+        name: "transpose",
+        function: Function::Shape(ShapeFn::Transpose),
+        params: &["x", "dim0", "dim1"],
+        required: 3,
+    },
+    Builtin { name: "scale", function: Function::Unary(Unary::Scale), params: &["x", "factor"], required: 2 },
+    Builtin { name: "causal_mask", function: Function::Unary(Unary::CausalMask), params: &["x"], required: 1 },
+    Builtin { name: "select", function: Function::Shape(ShapeFn::Select), params: &["x", "dim", "index"], required: 3 },
+    Builtin { name: "add", function: Function::Binary(Binary::Add), params: &["a", "b"], required: 2 },
 ];
 
+/// The names of the operators callable in a forward.
+pub fn function_names() -> impl Iterator<Item = &'static str> {
+    BUILTINS.iter().map(|b| b.name)
+}
+
+/// The built-in operator of this name, if there is one.
+pub fn builtin(name: &str) -> Option<&'static Builtin> {
+    BUILTINS.iter().find(|b| b.name == name)
+}
+
 pub fn is_function(name: &str) -> bool {
-    FUNCTIONS.contains(&name)
+    builtin(name).is_some()
 }
 
 /// Shows a tensor type as in the language: `f32[4, 16, 64]`.
@@ -45,39 +115,45 @@ fn axis(index: i64, rank: usize) -> Option<usize> {
 impl Elab<'_> {
     /// Applies a built-in operator to its arguments, each evaluated once.
     pub(crate) fn apply_op(&mut self, call: &Call, frame: &mut Frame) -> R<Value> {
-        let name = call.callee.name.as_str();
         let scope = self.scope_of(frame);
-        let sig = signature(name);
+        let Some(builtin) = builtin(call.callee.name.as_str()) else {
+            return self.fail(
+                Diagnostic::error(
+                    "E0699",
+                    format!("internal error: `{}` is not a built-in operator", call.callee.name),
+                )
+                .primary(call.callee.span, "called here"),
+            );
+        };
+        let sig = Signature { name: builtin.name, params: builtin.params, required: builtin.required };
         let a = self.bind_eval(call, &sig, frame)?;
         let (first, v) = a.required(0)?;
         let x = self.as_tensor(v, first)?;
-        if name == "self_attention" {
-            return self.attention(call, &a, x, &scope);
-        }
-        let (op, ty, operands) = match name {
-            "gelu" | "softmax" | "causal_mask" | "dropout" | "scale" => self.unary_op(name, &a, x)?,
-            "add" | "cross_entropy" | "matmul" => self.binary_op(call, &a, x)?,
-            _ => self.shape_op(name, &a, x)?,
+        let (op, ty, operands) = match builtin.function {
+            Function::SelfAttention => return self.attention(call, &a, x, &scope),
+            Function::Unary(f) => self.unary_op(f, &a, x)?,
+            Function::Binary(f) => self.binary_op(call, f, &a, x)?,
+            Function::Shape(f) => self.shape_op(f, &a, x)?,
         };
         self.add_node(op, ty, call.span, &scope, &operands).map(Value::Tensor)
     }
 
     /// Element-wise operators on one floating-point tensor.
-    fn unary_op(&mut self, name: &str, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
+    fn unary_op(&mut self, f: Unary, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
         let first = a.required(0)?.0;
         self.expect_float_tensor(x, first.span)?;
         let xt = self.ty(x).clone();
-        let op = match name {
-            "gelu" => Op::Gelu { approximate: self.gelu_approximation(a.get(1))? },
-            "softmax" => {
+        let op = match f {
+            Unary::Gelu => Op::Gelu { approximate: self.gelu_approximation(a.get(1))? },
+            Unary::Softmax => {
                 self.expect_rank_at_least(x, 1, first.span)?;
                 Op::Softmax
             }
-            "causal_mask" => {
+            Unary::CausalMask => {
                 self.expect_square_tail(x, first.span)?;
                 Op::CausalMask
             }
-            "dropout" => {
+            Unary::Dropout => {
                 let (pe, pv) = a.required(1)?;
                 let p = self.as_float(pv, pe)?;
                 if !(0.0..1.0).contains(&p) {
@@ -88,7 +164,7 @@ impl Elab<'_> {
                 }
                 Op::Dropout { p }
             }
-            _ => {
+            Unary::Scale => {
                 let (fe, fv) = a.required(1)?;
                 Op::Scale { factor: self.as_float(fv, fe)? }
             }
@@ -109,24 +185,30 @@ impl Elab<'_> {
     }
 
     /// Operators on two tensors.
-    fn binary_op(&mut self, call: &Call, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
+    fn binary_op(
+        &mut self,
+        call: &Call,
+        f: Binary,
+        a: &Evaluated<'_>,
+        x: NodeIndex,
+    ) -> R<(Op, TensorType, Vec<NodeIndex>)> {
         let first = a.required(0)?.0;
         let (second, yv) = a.required(1)?;
         let y = self.as_tensor(yv, second)?;
-        let (op, ty) = match call.callee.name.as_str() {
-            "add" => (Op::Add, self.same_shape(x, y, first.span, second.span, call.callee.span, "add")?),
-            "cross_entropy" => (Op::CrossEntropy, self.cross_entropy_type(x, y, first.span, second.span)?),
-            _ => (Op::MatMul, self.matmul_type(x, y, first.span, second.span, call.callee.span)?),
+        let (op, ty) = match f {
+            Binary::Add => (Op::Add, self.same_shape(x, y, first.span, second.span, call.callee.span, "add")?),
+            Binary::CrossEntropy => (Op::CrossEntropy, self.cross_entropy_type(x, y, first.span, second.span)?),
+            Binary::MatMul => (Op::MatMul, self.matmul_type(x, y, first.span, second.span, call.callee.span)?),
         };
         Ok((op, ty, vec![x, y]))
     }
 
     /// Operators that rearrange one tensor: transpose, select and reshape.
-    fn shape_op(&mut self, name: &str, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
+    fn shape_op(&mut self, f: ShapeFn, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
         let xt = self.ty(x).clone();
         let (e1, v1) = a.required(1)?;
-        match name {
-            "transpose" => {
+        match f {
+            ShapeFn::Transpose => {
                 let (e2, v2) = a.required(2)?;
                 let d0 = self.axis_arg(v1, e1, xt.rank());
                 let (d0, d1) = (d0?, self.axis_arg(v2, e2, xt.rank())?);
@@ -134,7 +216,7 @@ impl Elab<'_> {
                 ty.shape.swap(d0, d1);
                 Ok((Op::Transpose { dim0: d0, dim1: d1 }, ty, vec![x]))
             }
-            "select" => {
+            ShapeFn::Select => {
                 let (ie, iv) = a.required(2)?;
                 let dim = self.axis_arg(v1, e1, xt.rank());
                 let (dim, index) = (dim?, self.as_int(iv, ie)?);
@@ -152,7 +234,7 @@ impl Elab<'_> {
                 ty.shape.remove(dim);
                 Ok((Op::Select { dim, index }, ty, vec![x]))
             }
-            _ => {
+            ShapeFn::Reshape => {
                 let first = a.required(0)?.0;
                 let ty = self.reshape_type(&xt, e1, v1, first.span)?;
                 Ok((Op::Reshape, ty, vec![x]))
@@ -480,23 +562,4 @@ impl Elab<'_> {
         }
         Ok(TensorType { dtype: t0.dtype, shape })
     }
-}
-
-/// The signature of a built-in operator.
-fn signature(name: &str) -> Signature<'static> {
-    let (params, required): (&'static [&'static str], usize) = match name {
-        "gelu" => (&["x", "approx"], 1),
-        "softmax" | "causal_mask" => (&["x"], 1),
-        "dropout" => (&["x", "p"], 2),
-        "scale" => (&["x", "factor"], 2),
-        "add" | "matmul" => (&["a", "b"], 2),
-        "cross_entropy" => (&["logits", "targets"], 2),
-        "transpose" => (&["x", "dim0", "dim1"], 3),
-        "select" => (&["x", "dim", "index"], 3),
-        "reshape" => (&["x", "shape"], 2),
-        "self_attention" => (&["q", "k", "v", "heads", "causal"], 1),
-        _ => (&["x"], 1),
-    };
-    let name = FUNCTIONS.iter().copied().find(|f| *f == name).unwrap_or("operator");
-    Signature { name, params, required }
 }

@@ -322,7 +322,7 @@ impl<'f> Elab<'f> {
             .primary(call.callee.span, "not an operator or layer");
         if self.name_searches < MAX_NAME_SEARCHES {
             self.name_searches += 1;
-            let mut candidates: Vec<&str> = ops::FUNCTIONS.to_vec();
+            let mut candidates: Vec<&str> = ops::function_names().collect();
             candidates.extend(SCALAR_FUNCTIONS);
             candidates.extend(layer_names);
             if let Some(s) = suggest(name, candidates) {
