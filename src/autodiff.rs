@@ -1,7 +1,7 @@
 //! Reverse-mode autodiff on the logical graph: appends the backward of every operator and returns
 //! each parameter's gradient node. Sharding happens afterwards, on the forward and backward together.
 
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::ir::{DType, Model, Node, Op, Origin, TensorType};
 use petgraph::graph::{DiGraph, NodeIndex};
 use std::collections::HashMap;
@@ -24,7 +24,7 @@ pub struct Differentiated {
 /// Builds the backward pass of `model` for its loss.
 pub fn differentiate(model: &Model) -> Result<Differentiated, Diagnostic> {
     let Some(loss) = model.loss else {
-        return Err(Diagnostic::error("E0501", "training needs a scalar loss, but the model has none")
+        return Err(Diagnostic::error(Code::E0501, "training needs a scalar loss, but the model has none")
             .help("name a scalar output `loss`, e.g. `output loss = cross_entropy(logits, targets)`, or compile with `--mode infer`"));
     };
     let forward_len = model.graph.node_count();

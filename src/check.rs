@@ -1,6 +1,6 @@
 //! The front-end driver: source bytes to a checked model, or diagnostics.
 
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::elab::{Override, elaborate};
 use crate::ir::Model;
 use crate::span::Span;
@@ -24,7 +24,7 @@ pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
         Err(e) => {
             let at = e.utf8_error().valid_up_to();
             let text = String::from_utf8_lossy(e.as_bytes()).into_owned();
-            let d = Diagnostic::error("E0003", "the file is not valid UTF-8")
+            let d = Diagnostic::error(Code::E0003, "the file is not valid UTF-8")
                 // The lossy text shows the bad bytes as one U+FFFD, which the label covers whole.
                 .primary(
                     Span::new(at, at + char::REPLACEMENT_CHARACTER.len_utf8()),

@@ -21,6 +21,90 @@ pub struct Label {
     pub primary: bool,
 }
 
+/// Every diagnostic code, one variant each (docs/diagnostics.md documents them all): a code is a
+/// variant, never a string literal, so a misspelt code does not compile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Code {
+    E0001,
+    E0002,
+    E0003,
+    E0004,
+    E0101,
+    E0102,
+    E0103,
+    E0104,
+    E0105,
+    E0106,
+    E0107,
+    E0201,
+    E0202,
+    E0203,
+    E0301,
+    E0302,
+    E0401,
+    E0402,
+    E0501,
+    E0601,
+    E0602,
+    E0699,
+}
+
+impl Code {
+    /// Every code, in order.
+    pub const ALL: [Code; 22] = [
+        Code::E0001,
+        Code::E0002,
+        Code::E0003,
+        Code::E0004,
+        Code::E0101,
+        Code::E0102,
+        Code::E0103,
+        Code::E0104,
+        Code::E0105,
+        Code::E0106,
+        Code::E0107,
+        Code::E0201,
+        Code::E0202,
+        Code::E0203,
+        Code::E0301,
+        Code::E0302,
+        Code::E0401,
+        Code::E0402,
+        Code::E0501,
+        Code::E0601,
+        Code::E0602,
+        Code::E0699,
+    ];
+
+    /// The code as written in messages and docs (`E0602`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Code::E0001 => "E0001",
+            Code::E0002 => "E0002",
+            Code::E0003 => "E0003",
+            Code::E0004 => "E0004",
+            Code::E0101 => "E0101",
+            Code::E0102 => "E0102",
+            Code::E0103 => "E0103",
+            Code::E0104 => "E0104",
+            Code::E0105 => "E0105",
+            Code::E0106 => "E0106",
+            Code::E0107 => "E0107",
+            Code::E0201 => "E0201",
+            Code::E0202 => "E0202",
+            Code::E0203 => "E0203",
+            Code::E0301 => "E0301",
+            Code::E0302 => "E0302",
+            Code::E0401 => "E0401",
+            Code::E0402 => "E0402",
+            Code::E0501 => "E0501",
+            Code::E0601 => "E0601",
+            Code::E0602 => "E0602",
+            Code::E0699 => "E0699",
+        }
+    }
+}
+
 /// One reported problem: a stable code, a message, labelled spans, notes and an optional fix.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Diagnostic {
@@ -33,10 +117,10 @@ pub struct Diagnostic {
 }
 
 impl Diagnostic {
-    pub fn error(code: &'static str, message: impl Into<String>) -> Diagnostic {
+    pub fn error(code: Code, message: impl Into<String>) -> Diagnostic {
         Diagnostic {
             severity: Severity::Error,
-            code,
+            code: code.as_str(),
             message: message.into(),
             labels: Vec::new(),
             notes: Vec::new(),
@@ -44,7 +128,7 @@ impl Diagnostic {
         }
     }
 
-    pub fn warning(code: &'static str, message: impl Into<String>) -> Diagnostic {
+    pub fn warning(code: Code, message: impl Into<String>) -> Diagnostic {
         Diagnostic { severity: Severity::Warning, ..Diagnostic::error(code, message) }
     }
 

@@ -152,8 +152,8 @@ fn the_command_line_prints_fifty_errors_and_counts_them_all() {
 
 #[test]
 fn warnings_left_out_are_counted_apart_from_errors() {
-    let warning = Diagnostic::warning("W0001", "w");
-    let error = Diagnostic::error("E0101", "e");
+    let warning = Diagnostic::warning(optimus::diag::Code::E0101, "w");
+    let error = Diagnostic::error(optimus::diag::Code::E0101, "e");
     let all = [error.clone(), warning.clone(), error, warning.clone(), warning];
     let mut out = codespan_reporting::term::termcolor::Buffer::no_color();
     render_capped_to(&mut out, "m.opt", "", &all, 2).expect("renders");

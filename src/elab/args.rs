@@ -1,7 +1,7 @@
 //! Binds a call's positional and keyword arguments to a signature, with precise diagnostics.
 
 use super::{Elab, Fail, Frame, R, Value};
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::syntax::ast::{Call, Expr};
 
 /// A callable's parameters, in positional order; the first `required` must be given.
@@ -102,7 +102,7 @@ impl Elab<'_> {
             let extra = &positional[sig.params.len()];
             self.report(
                 Diagnostic::error(
-                    "E0103",
+                    Code::E0103,
                     format!(
                         "`{}` takes at most {} but {} given",
                         sig.name,
@@ -122,7 +122,7 @@ impl Elab<'_> {
             let Some(name) = &arg.name else { continue };
             match sig.params.iter().position(|p| *p == name.name) {
                 Some(i) if bound[i].is_some() => {
-                    let mut d = Diagnostic::error("E0104", format!("argument `{}` is given twice", name.name))
+                    let mut d = Diagnostic::error(Code::E0104, format!("argument `{}` is given twice", name.name))
                         .primary(arg.span, "given again here");
                     if let Some(first) = positional.get(i) {
                         d = d.secondary(first.span, format!("first given here, as argument {}", i + 1));
@@ -133,7 +133,7 @@ impl Elab<'_> {
                 Some(i) => bound[i] = Some(&arg.value),
                 None => {
                     let mut d =
-                        Diagnostic::error("E0104", format!("`{}` has no argument named `{}`", sig.name, name.name))
+                        Diagnostic::error(Code::E0104, format!("`{}` has no argument named `{}`", sig.name, name.name))
                             .primary(name.span, "unknown keyword")
                             .note(format!("`{}` takes ({})", sig.name, sig.params.join(", ")));
                     if let Some(s) = super::suggest(&name.name, sig.params.iter().copied()) {
@@ -149,7 +149,7 @@ impl Elab<'_> {
             let names = missing.iter().map(|m| format!("`{m}`")).collect::<Vec<_>>().join(", ");
             self.report(
                 Diagnostic::error(
-                    "E0103",
+                    Code::E0103,
                     format!("`{}` is missing {}: {names}", sig.name, plural(missing.len(), "argument")),
                 )
                 .primary(call.span, format!("missing {names}"))

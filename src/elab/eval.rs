@@ -1,7 +1,7 @@
 //! Expression evaluation: scalar arithmetic on config values and dispatch of tensor operations.
 
 use super::{Elab, Fail, Frame, Layer, Place, R, Value};
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::ir::{Dim, Scalar};
 use crate::span::Span;
 use crate::syntax::ast::{BinOp, Call, Expr, ExprKind};
@@ -61,7 +61,7 @@ impl Elab<'_> {
                     return Ok(Value::Poison);
                 }
                 return self.fail(
-                    Diagnostic::error("E0107", format!("`{name}` is a layer, not a value"))
+                    Diagnostic::error(Code::E0107, format!("`{name}` is a layer, not a value"))
                         .primary(span, "a layer")
                         .help(format!("call it on a tensor: `{name}(x)`")),
                 );
@@ -115,7 +115,7 @@ impl Elab<'_> {
             Value::Scalar(Scalar::Float(f), _) => Ok(Value::Scalar(Scalar::Float(-f), None)),
             Value::Poison => Ok(Value::Poison),
             other => self.fail(
-                Diagnostic::error("E0107", format!("cannot negate {}", self.describe(&other)))
+                Diagnostic::error(Code::E0107, format!("cannot negate {}", self.describe(&other)))
                     .primary(span, "`-` needs a number"),
             ),
         }
@@ -132,7 +132,7 @@ impl Elab<'_> {
             _ => {
                 let (dl, dr) = (self.describe(&l), self.describe(&r));
                 self.fail(
-                    Diagnostic::error("E0107", format!("cannot apply `{}` to {dl} and {dr}", site.op.symbol()))
+                    Diagnostic::error(Code::E0107, format!("cannot apply `{}` to {dl} and {dr}", site.op.symbol()))
                         .primary(site.op_span, "arithmetic needs numbers or tensors")
                         .secondary(site.lhs.span, format!("this is {dl}"))
                         .secondary(site.rhs.span, format!("this is {dr}")),
@@ -155,7 +155,7 @@ impl Elab<'_> {
                 };
                 if !v.is_finite() {
                     return self.fail(with_operands(
-                        Diagnostic::error("E0203", "arithmetic result is too large")
+                        Diagnostic::error(Code::E0203, "arithmetic result is too large")
                             .primary(site.op_span, "the result is not a finite number"),
                         site,
                         a,
@@ -166,7 +166,7 @@ impl Elab<'_> {
             }
             _ => {
                 return self.fail(with_operands(
-                    Diagnostic::error("E0107", format!("cannot apply `{}` to {a} and {b}", site.op.symbol()))
+                    Diagnostic::error(Code::E0107, format!("cannot apply `{}` to {a} and {b}", site.op.symbol()))
                         .primary(site.op_span, "arithmetic needs numbers"),
                     site,
                     a,
@@ -187,7 +187,7 @@ impl Elab<'_> {
             BinOp::Div if y == 0 => return self.fail(division_by_zero(site.rhs.span)),
             BinOp::Div if x % y != 0 => {
                 return self.fail(with_operands(
-                    Diagnostic::error("E0203", format!("{x} / {y} is not a whole number"))
+                    Diagnostic::error(Code::E0203, format!("{x} / {y} is not a whole number"))
                         .primary(site.op_span, format!("{y} does not divide {x}"))
                         .help("integer sizes must divide exactly; change the values, or write a float literal such as 2.0 for a real quotient"),
                     site,
@@ -246,7 +246,7 @@ impl Elab<'_> {
                 let v = as_f64(x);
                 if v < 0.0 {
                     return self.fail(
-                        Diagnostic::error("E0203", "square root of a negative number")
+                        Diagnostic::error(Code::E0203, "square root of a negative number")
                             .primary(call.span, format!("sqrt({v})")),
                     );
                 }
@@ -347,7 +347,7 @@ impl Elab<'_> {
         if value > 0 {
             return Ok(Dim::new(value.unsigned_abs(), label));
         }
-        let mut d = Diagnostic::error("E0202", format!("a size must be positive, but this is {value}"))
+        let mut d = Diagnostic::error(Code::E0202, format!("a size must be positive, but this is {value}"))
             .primary(span, format!("this is {value}"));
         let config = label.as_deref().and_then(|l| self.config_value(l)).cloned();
         if let Some(c) = config {
@@ -381,7 +381,7 @@ impl Elab<'_> {
     pub(crate) fn type_error<T>(&mut self, expr: &Expr, expected: &str, found: &Value) -> R<T> {
         let found = self.describe(found);
         self.fail(
-            Diagnostic::error("E0107", format!("expected {expected}, found {found}"))
+            Diagnostic::error(Code::E0107, format!("expected {expected}, found {found}"))
                 .primary(expr.span, format!("this is {found}")),
         )
     }
@@ -440,10 +440,10 @@ fn with_operands(mut d: Diagnostic, site: BinarySite<'_>, a: &Scalar, b: &Scalar
 }
 
 fn division_by_zero(divisor: Span) -> Diagnostic {
-    Diagnostic::error("E0203", "division by zero").primary(divisor, "this is 0")
+    Diagnostic::error(Code::E0203, "division by zero").primary(divisor, "this is 0")
 }
 
 fn overflow(span: Span) -> Diagnostic {
-    Diagnostic::error("E0203", "integer overflow")
+    Diagnostic::error(Code::E0203, "integer overflow")
         .primary(span, format!("the result does not fit in {} bits", i64::BITS))
 }

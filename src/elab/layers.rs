@@ -2,7 +2,7 @@
 
 use super::args::Signature;
 use super::{Elab, Fail, Frame, Layer, MAX_INSTANCES, MAX_NODES, MAX_REPEAT, Module, Place, R, Value};
-use crate::diag::{Diagnostic, group_digits};
+use crate::diag::{Code, Diagnostic, group_digits};
 use crate::ir::{DType, Dim, Factor, Init, Op, Param, ParamId, ParamRole, TensorType};
 use crate::span::Span;
 use crate::syntax::ast::{Call, ExprKind, LayerDecl, LayerExpr};
@@ -67,7 +67,7 @@ impl<'f> Elab<'f> {
                 if !(1..=MAX_REPEAT).contains(&n) {
                     return self.fail(
                         Diagnostic::error(
-                            "E0202",
+                            Code::E0202,
                             format!("`repeat` needs a count from 1 to {MAX_REPEAT}, but this is {n}"),
                         )
                         .primary(count.span, format!("this is {n}")),
@@ -105,7 +105,7 @@ impl<'f> Elab<'f> {
         }
         self.report(
             Diagnostic::error(
-                "E0402",
+                Code::E0402,
                 format!(
                     "`repeat({count})` would make more than {} block and layer instances",
                     group_digits(MAX_INSTANCES as u128)
@@ -131,7 +131,7 @@ impl<'f> Elab<'f> {
         }
         self.report(
             Diagnostic::error(
-                "E0402",
+                Code::E0402,
                 format!("the model elaborates to more than {} operators", group_digits(MAX_NODES as u128)),
             )
             .primary(at, format!("{copies} copies of {per_copy} operators each"))
@@ -143,7 +143,7 @@ impl<'f> Elab<'f> {
 
     pub(crate) fn not_a_block(&self, call: &Call) -> Diagnostic {
         let name = &call.callee.name;
-        let mut d = Diagnostic::error("E0102", format!("`repeat` needs a block, but `{name}` is not one"))
+        let mut d = Diagnostic::error(Code::E0102, format!("`repeat` needs a block, but `{name}` is not one"))
             .primary(call.callee.span, "not a block");
         if let Some(s) = super::suggest(name, self.blocks.keys().map(String::as_str)) {
             d = d.help(format!("did you mean `{s}`?"));
@@ -167,7 +167,7 @@ impl<'f> Elab<'f> {
         self.count_instance(call.span)?;
         if path.matches('.').count() > MAX_BLOCK_DEPTH {
             return self.fail(
-                Diagnostic::error("E0402", format!("blocks are nested more than {MAX_BLOCK_DEPTH} deep"))
+                Diagnostic::error(Code::E0402, format!("blocks are nested more than {MAX_BLOCK_DEPTH} deep"))
                     .primary(call.span, "too deep here"),
             );
         }
@@ -197,7 +197,7 @@ impl<'f> Elab<'f> {
                 (None, None) => {
                     self.report(
                         Diagnostic::error(
-                            "E0103",
+                            Code::E0103,
                             format!("block `{}` is missing argument `{}`", def.name.name, param.name.name),
                         )
                         .primary(call.span, format!("missing `{}`", param.name.name))
@@ -222,7 +222,7 @@ impl<'f> Elab<'f> {
                     let span = bound.get(i).map_or(call.span, |e| e.span);
                     self.report(
                         Diagnostic::error(
-                            "E0107",
+                            Code::E0107,
                             format!("block parameters are numbers, booleans or strings; found {found}"),
                         )
                         .primary(span, "not a scalar")
@@ -266,7 +266,7 @@ impl<'f> Elab<'f> {
                             return Ok(eps);
                         }
                         self.fail(
-                            Diagnostic::error("E0202", format!("`eps` must be positive, but this is {eps}"))
+                            Diagnostic::error(Code::E0202, format!("`eps` must be positive, but this is {eps}"))
                                 .primary(e.span, format!("this is {eps}"))
                                 .help("layernorm divides by sqrt(variance + eps); the usual value is 1e-5"),
                         )
@@ -313,7 +313,7 @@ impl<'f> Elab<'f> {
         let name = call.callee.name.as_str();
         let mut candidates: Vec<&str> = LAYER_KINDS.to_vec();
         candidates.extend(self.blocks.keys().map(String::as_str));
-        let mut d = Diagnostic::error("E0102", format!("unknown layer kind `{name}`"))
+        let mut d = Diagnostic::error(Code::E0102, format!("unknown layer kind `{name}`"))
             .primary(call.callee.span, "not a layer kind or block")
             .note(format!("layer kinds: {}", LAYER_KINDS.join(", ")));
         if name == "repeat" {
@@ -331,7 +331,7 @@ impl<'f> Elab<'f> {
         let std = self.expect_float(e, frame)?;
         if std < 0.0 {
             return self.fail(
-                Diagnostic::error("E0202", "`std` must not be negative").primary(e.span, format!("this is {std}")),
+                Diagnostic::error(Code::E0202, "`std` must not be negative").primary(e.span, format!("this is {std}")),
             );
         }
         Ok(std)
@@ -378,7 +378,7 @@ impl<'f> Elab<'f> {
         };
         if items.is_empty() {
             return self.fail(
-                Diagnostic::error("E0202", "a factored size needs at least one factor").primary(expr.span, "empty"),
+                Diagnostic::error(Code::E0202, "a factored size needs at least one factor").primary(expr.span, "empty"),
             );
         }
         let mut factors = Vec::new();
@@ -396,7 +396,7 @@ impl<'f> Elab<'f> {
         let size = factors.iter().try_fold(1u64, |acc, f| acc.checked_mul(f.size));
         let Some(size) = size else {
             return self.fail(
-                Diagnostic::error("E0203", "integer overflow")
+                Diagnostic::error(Code::E0203, "integer overflow")
                     .primary(expr.span, "the product of these factors is too large"),
             );
         };
@@ -416,9 +416,12 @@ impl<'f> Elab<'f> {
             ExprKind::Str(path) => return self.tied_by_path(path, expr.span, in_dim, out_dim),
             _ => {
                 return self.fail(
-                    Diagnostic::error("E0107", "`tied` takes an embedding layer: its name, or its path as a string")
-                        .primary(expr.span, "not a layer name")
-                        .help("write `tied: wte`, or `tied: \"bert.embeddings.word_embeddings\"` for a nested layer"),
+                    Diagnostic::error(
+                        Code::E0107,
+                        "`tied` takes an embedding layer: its name, or its path as a string",
+                    )
+                    .primary(expr.span, "not a layer name")
+                    .help("write `tied: wte`, or `tied: \"bert.embeddings.word_embeddings\"` for a nested layer"),
                 );
             }
         };
@@ -429,7 +432,7 @@ impl<'f> Elab<'f> {
             Some(_) => {
                 return self.fail(
                     Diagnostic::error(
-                        "E0107",
+                        Code::E0107,
                         format!("`tied` needs an embedding layer, but `{name}` is another kind of layer"),
                     )
                     .primary(expr.span, "not an embedding"),
@@ -442,7 +445,7 @@ impl<'f> Elab<'f> {
                     .flat_map(|m| m.layers.iter().filter(|(_, l)| matches!(l, Layer::Embedding { .. })))
                     .map(|(n, _)| n.clone())
                     .collect();
-                let mut d = Diagnostic::error("E0101", format!("unknown layer `{name}`"))
+                let mut d = Diagnostic::error(Code::E0101, format!("unknown layer `{name}`"))
                     .primary(expr.span, "no embedding layer of this name is declared before this line");
                 if let Some(s) = super::suggest(name, embeddings.iter().map(String::as_str)) {
                     d = d.help(format!("did you mean `{s}`?"));
@@ -464,8 +467,9 @@ impl<'f> Elab<'f> {
                 .filter(|p| p.role == ParamRole::Embedding)
                 .filter_map(|p| p.name.strip_suffix(".weight"))
                 .collect();
-            let mut d = Diagnostic::error("E0101", format!("no embedding layer `{path}` is declared before this line"))
-                .primary(at, "unknown embedding layer");
+            let mut d =
+                Diagnostic::error(Code::E0101, format!("no embedding layer `{path}` is declared before this line"))
+                    .primary(at, "unknown embedding layer");
             if let Some(s) = super::suggest(path, tables.iter().copied()) {
                 d = d.help(format!("did you mean \"{s}\"?"));
             }
@@ -483,8 +487,7 @@ impl<'f> Elab<'f> {
         if rows != out_dim.size || width != in_dim.size {
             let table_span = self.params[table.0 as usize].span;
             return self.fail(
-                Diagnostic::error(
-                    "E0201",
+                Diagnostic::error(Code::E0201,
                     format!("shape mismatch: a tied linear({}, {}) needs a [{}, {}] table, but `{name}` is [{rows}, {width}]", in_dim.size, out_dim.size, out_dim.size, in_dim.size),
                 )
                 .primary(span, format!("this table is [{rows}, {width}], not [{}, {}]", out_dim.size, in_dim.size))
@@ -594,7 +597,7 @@ impl<'f> Elab<'f> {
         let mut ty = self.ty(ids).clone();
         let Some(seq) = ty.shape.last().cloned() else {
             return self.fail(
-                Diagnostic::error("E0201", "position_embedding needs ids with a sequence dimension")
+                Diagnostic::error(Code::E0201, "position_embedding needs ids with a sequence dimension")
                     .primary(arg, "this is a scalar"),
             );
         };
@@ -602,7 +605,7 @@ impl<'f> Elab<'f> {
         if seq.size > rows {
             return self.fail(
                 Diagnostic::error(
-                    "E0201",
+                    Code::E0201,
                     format!("sequence length {} exceeds the position table's {rows} rows", seq.size),
                 )
                 .primary(arg, format!("sequences of {} positions", seq.size))
@@ -637,7 +640,7 @@ impl<'f> Elab<'f> {
                         let found = self.describe(other);
                         return self.fail(
                             Diagnostic::error(
-                                "E0107",
+                                Code::E0107,
                                 format!("a repeated block must return a tensor, but it returned {found}"),
                             )
                             .primary(call.span, "repeated here"),
@@ -648,7 +651,7 @@ impl<'f> Elab<'f> {
                 if after.sizes() != before.sizes() || after.dtype != before.dtype {
                     return self.fail(
                         Diagnostic::error(
-                            "E0201",
+                            Code::E0201,
                             format!(
                                 "shape mismatch: a repeated block must return its input's shape {}, but returns {}",
                                 super::ops::show_type(&before),
@@ -686,7 +689,7 @@ impl<'f> Elab<'f> {
             if let Some(name) = &arg.name {
                 self.report(
                     Diagnostic::error(
-                        "E0104",
+                        Code::E0104,
                         format!("`{}` takes tensors by position, not by keyword", call.callee.name),
                     )
                     .primary(name.span, "keyword not allowed here"),
@@ -709,7 +712,7 @@ impl<'f> Elab<'f> {
             Some(d) if d.size == expected => Ok(()),
             _ => self.fail(
                 Diagnostic::error(
-                    "E0201",
+                    Code::E0201,
                     format!(
                         "shape mismatch: `{layer}` expects a last dimension of {expected}, but its input is {}",
                         super::ops::show_type(&ty)
@@ -733,7 +736,7 @@ impl<'f> Elab<'f> {
             return Ok(());
         }
         self.fail(
-            Diagnostic::error("E0107", format!("expected integer ids, found {}", super::ops::show_type(&ty)))
+            Diagnostic::error(Code::E0107, format!("expected integer ids, found {}", super::ops::show_type(&ty)))
                 .primary(span, "not i32 or i64"),
         )
     }
@@ -745,7 +748,7 @@ impl<'f> Elab<'f> {
         }
         self.fail(
             Diagnostic::error(
-                "E0107",
+                Code::E0107,
                 format!("expected a floating-point tensor, found {}", super::ops::show_type(&ty)),
             )
             .primary(span, "integer tensor")

@@ -10,7 +10,7 @@ mod size;
 
 pub use size::{MAX_TENSOR_ELEMENTS, fitting_elements, max_elements, too_large};
 
-use crate::diag::{Diagnostic, dedup, group_digits};
+use crate::diag::{Code, Diagnostic, dedup, group_digits};
 use crate::ir::{ConfigValue, Model, Node, Origin, Param, ParamId, Scalar, TensorType};
 use crate::span::Span;
 use crate::syntax::ast::{self, File, LayerDecl, Stmt};
@@ -324,13 +324,13 @@ impl<'f> Elab<'f> {
                 Some(n) if n.name == "checkpoint_prefix" => {
                     if !matches!(opt.value.kind, ast::ExprKind::Str(_)) {
                         self.report(
-                            Diagnostic::error("E0107", "`checkpoint_prefix` must be a string")
+                            Diagnostic::error(Code::E0107, "`checkpoint_prefix` must be a string")
                                 .primary(opt.value.span, "expected a string such as \"transformer.\""),
                         );
                     }
                 }
                 Some(n) => {
-                    let mut d = Diagnostic::error("E0104", format!("`model` has no option named `{}`", n.name))
+                    let mut d = Diagnostic::error(Code::E0104, format!("`model` has no option named `{}`", n.name))
                         .primary(n.span, "unknown option")
                         .note("`model` takes (checkpoint_prefix)");
                     if let Some(s) = suggest(&n.name, ["checkpoint_prefix"]) {
@@ -339,7 +339,7 @@ impl<'f> Elab<'f> {
                     self.report(d);
                 }
                 None => self.report(
-                    Diagnostic::error("E0103", "`model` options must be named")
+                    Diagnostic::error(Code::E0103, "`model` options must be named")
                         .primary(opt.span, "write `checkpoint_prefix: \"...\"`"),
                 ),
             }
@@ -377,7 +377,7 @@ impl<'f> Elab<'f> {
                 }
                 Ok(_) => {
                     self.report(
-                        Diagnostic::error("E0107", "a config value must be a number, boolean or string")
+                        Diagnostic::error(Code::E0107, "a config value must be a number, boolean or string")
                             .primary(entry.value.span, "not a scalar"),
                     );
                     self.poisoned.insert(entry.name.name.clone());
@@ -420,8 +420,10 @@ impl<'f> Elab<'f> {
             } else {
                 format!("valid names: {}", first_few(&names))
             };
-            let mut d =
-                Diagnostic::error("E0301", format!("`--set {}`: the model has no config value `{}`", o.name, o.name));
+            let mut d = Diagnostic::error(
+                Code::E0301,
+                format!("`--set {}`: the model has no config value `{}`", o.name, o.name),
+            );
             if let Some(span) = self.file.config_spans.first() {
                 let keyword = Span::new(span.start as usize, span.start as usize + "config".len());
                 d = d.primary(keyword, format!("`{}` is not defined in this config block", o.name));
@@ -446,9 +448,12 @@ impl<'f> Elab<'f> {
             }
             if layers::is_layer_kind(&name.name) || ops::is_function(&name.name) {
                 self.report(
-                    Diagnostic::error("E0105", format!("block `{}` has the name of a built-in operator", name.name))
-                        .primary(name.span, "built-in name")
-                        .help("rename the block"),
+                    Diagnostic::error(
+                        Code::E0105,
+                        format!("block `{}` has the name of a built-in operator", name.name),
+                    )
+                    .primary(name.span, "built-in name")
+                    .help("rename the block"),
                 );
                 continue;
             }
@@ -509,7 +514,7 @@ impl<'f> Elab<'f> {
         let last = members.last().copied().unwrap_or(target);
         self.report(
             Diagnostic::error(
-                "E0106",
+                Code::E0106,
                 format!("block `{}` contains itself: {}", file.blocks[target].name.name, path.join(" -> ")),
             )
             .primary(
@@ -553,7 +558,7 @@ impl<'f> Elab<'f> {
         let dtype = crate::ir::DType::from_name(&input.dtype.name);
         if dtype.is_none() {
             let names = crate::ir::DType::ALL.map(|d| d.name());
-            let mut d = Diagnostic::error("E0101", format!("unknown element type `{}`", input.dtype.name))
+            let mut d = Diagnostic::error(Code::E0101, format!("unknown element type `{}`", input.dtype.name))
                 .primary(input.dtype.span, "not an element type")
                 .note(format!("element types: {}", names.join(", ")));
             if let Some(s) = suggest(&input.dtype.name, names) {
@@ -607,21 +612,21 @@ impl<'f> Elab<'f> {
         let file = self.file;
         let Some(forward) = file.forwards.first() else {
             return self.fail(
-                Diagnostic::error("E0401", "the model has no `forward`")
+                Diagnostic::error(Code::E0401, "the model has no `forward`")
                     .primary(Span::new(0, 0), "expected a top-level `forward { ... }`")
                     .help("add `forward { ... }` with at least one `output name = ...` statement"),
             );
         };
         for extra in &file.forwards[1..] {
             self.report(
-                Diagnostic::error("E0105", "the model has more than one top-level `forward`")
+                Diagnostic::error(Code::E0105, "the model has more than one top-level `forward`")
                     .primary(extra.head_span, "second `forward`")
                     .secondary(forward.head_span, "first defined here"),
             );
         }
         if let Some(p) = forward.params.first() {
             self.report(
-                Diagnostic::error("E0103", "the model's `forward` takes no parameters")
+                Diagnostic::error(Code::E0103, "the model's `forward` takes no parameters")
                     .primary(p.span, "unexpected parameter")
                     .help("declare model inputs with `input name: dtype[dims]`"),
             );
@@ -645,14 +650,14 @@ impl<'f> Elab<'f> {
                         outputs.push(crate::ir::Output { name: name.name.clone(), node: *node, span: name.span });
                     } else if !matches!(frame.locals.get(&name.name), Some(Value::Poison) | None) {
                         self.report(
-                            Diagnostic::error("E0107", format!("output `{}` is not a tensor", name.name))
+                            Diagnostic::error(Code::E0107, format!("output `{}` is not a tensor", name.name))
                                 .primary(value.span, "a scalar")
                                 .help("an output is a tensor computed from the model's inputs"),
                         );
                     }
                 }
                 Stmt::Return { span, .. } => self.report(
-                    Diagnostic::error("E0401", "the model's `forward` has no `return`; it names its outputs")
+                    Diagnostic::error(Code::E0401, "the model's `forward` has no `return`; it names its outputs")
                         .primary(*span, "`return` is only for blocks")
                         .help("write `output loss = ...`"),
                 ),
@@ -661,7 +666,7 @@ impl<'f> Elab<'f> {
         let has_output = forward.body.iter().any(|s| matches!(s, Stmt::Output { .. }));
         if outputs.is_empty() && !has_output {
             return self.fail(
-                Diagnostic::error("E0401", "the model's `forward` has no outputs")
+                Diagnostic::error(Code::E0401, "the model's `forward` has no outputs")
                     .primary(forward.head_span, "no `output` statement in here")
                     .help("add `output loss = cross_entropy(logits, targets)`"),
             );
@@ -700,7 +705,7 @@ impl<'f> Elab<'f> {
         let block = &file.blocks[block_index];
         let Some(forward) = block.forwards.first() else {
             return self.fail(
-                Diagnostic::error("E0401", format!("block `{}` has no `forward`", block.name.name))
+                Diagnostic::error(Code::E0401, format!("block `{}` has no `forward`", block.name.name))
                     .primary(block.name.span, "this block has no `forward`")
                     .secondary(call.callee.span, "called here")
                     .help("add `forward(x) { ... return ... }` to the block"),
@@ -709,7 +714,7 @@ impl<'f> Elab<'f> {
         if forward.params.len() != args.len() {
             return self.fail(
                 Diagnostic::error(
-                    "E0103",
+                    Code::E0103,
                     format!(
                         "`{}` takes {} but {} given",
                         call.callee.name,
@@ -747,7 +752,7 @@ impl<'f> Elab<'f> {
         }
         self.report(
             Diagnostic::error(
-                "E0402",
+                Code::E0402,
                 format!("the model has more than {} block and layer instances", group_digits(MAX_INSTANCES as u128)),
             )
             .primary(span, "limit reached here")
@@ -768,7 +773,7 @@ impl<'f> Elab<'f> {
         if self.graph.node_count() >= MAX_NODES {
             self.report(
                 Diagnostic::error(
-                    "E0402",
+                    Code::E0402,
                     format!("the model elaborates to more than {} operators", group_digits(MAX_NODES as u128)),
                 )
                 .primary(span, "limit reached here")
@@ -835,7 +840,7 @@ fn layer_call(decl: &LayerDecl) -> &ast::Call {
 fn clash(a: (&str, &ast::Ident), b: (&str, &ast::Ident)) -> Diagnostic {
     let (first, second) =
         if (a.1.span.start, a.1.span.end) <= (b.1.span.start, b.1.span.end) { (a, b) } else { (b, a) };
-    Diagnostic::error("E0105", format!("name `{}` is defined more than once", second.1.name))
+    Diagnostic::error(Code::E0105, format!("name `{}` is defined more than once", second.1.name))
         .primary(second.1.span, format!("defined again here, as {} {}", article(second.0), second.0))
         .secondary(first.1.span, format!("first defined here, as {} {}", article(first.0), first.0))
         .help(if first.0 == "layer" || second.0 == "layer" {
@@ -851,7 +856,7 @@ fn article(word: &str) -> &'static str {
 }
 
 fn duplicate(what: &str, name: &ast::Ident, previous: Span) -> Diagnostic {
-    Diagnostic::error("E0105", format!("{what} `{}` is defined more than once", name.name))
+    Diagnostic::error(Code::E0105, format!("{what} `{}` is defined more than once", name.name))
         .primary(name.span, "defined again here")
         .secondary(previous, "first defined here")
         .help("rename or remove one of them")
@@ -865,7 +870,7 @@ fn bad_override(o: &Override, reason: &str, entry: &ast::ConfigEntry, default: &
         Scalar::Bool(_) => "`true` or `false`",
         Scalar::Str(_) => "a string",
     };
-    Diagnostic::error("E0302", format!("bad value for `--set {}`: `{}` {reason}", o.name, o.value))
+    Diagnostic::error(Code::E0302, format!("bad value for `--set {}`: `{}` {reason}", o.name, o.value))
         .primary(entry.value.span, format!("`{}` is {kind} ({default} here)", entry.name.name))
         .help(format!("write `--set {}=` followed by {kind}", o.name))
 }

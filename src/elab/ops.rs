@@ -3,7 +3,7 @@
 use super::args::{Evaluated, Signature};
 use super::eval::BinarySite;
 use super::{Elab, Fail, Frame, R, Value};
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::ir::{DType, Dim, Op, TensorType};
 use crate::span::Span;
 use crate::syntax::ast::{BinOp, Call, Expr};
@@ -119,7 +119,7 @@ impl Elab<'_> {
         let Some(builtin) = builtin(call.callee.name.as_str()) else {
             return self.fail(
                 Diagnostic::error(
-                    "E0699",
+                    Code::E0699,
                     format!("internal error: `{}` is not a built-in operator", call.callee.name),
                 )
                 .primary(call.callee.span, "called here"),
@@ -158,8 +158,11 @@ impl Elab<'_> {
                 let p = self.as_float(pv, pe)?;
                 if !(0.0..1.0).contains(&p) {
                     return self.fail(
-                        Diagnostic::error("E0202", format!("dropout probability must be in [0, 1), but this is {p}"))
-                            .primary(pe.span, format!("this is {p}")),
+                        Diagnostic::error(
+                            Code::E0202,
+                            format!("dropout probability must be in [0, 1), but this is {p}"),
+                        )
+                        .primary(pe.span, format!("this is {p}")),
                     );
                 }
                 Op::Dropout { p }
@@ -178,7 +181,7 @@ impl Elab<'_> {
             "tanh" => Ok(true),
             "none" => Ok(false),
             other => self.fail(
-                Diagnostic::error("E0107", format!("unknown gelu approximation {other:?}"))
+                Diagnostic::error(Code::E0107, format!("unknown gelu approximation {other:?}"))
                     .primary(e.span, "expected \"tanh\" or \"none\""),
             ),
         }
@@ -224,7 +227,7 @@ impl Elab<'_> {
                 let Some(index) = u64::try_from(index).ok().filter(|i| *i < size) else {
                     return self.fail(
                         Diagnostic::error(
-                            "E0202",
+                            Code::E0202,
                             format!("index {index} is out of range for a dimension of size {size}"),
                         )
                         .primary(ie.span, format!("must be in 0..{size}")),
@@ -265,7 +268,7 @@ impl Elab<'_> {
                 let d = super::eval::as_f64(s);
                 if d == 0.0 || !d.is_finite() {
                     return self.fail(
-                        Diagnostic::error("E0203", "division of a tensor by zero")
+                        Diagnostic::error(Code::E0203, "division of a tensor by zero")
                             .primary(site.rhs.span, format!("this is {s}")),
                     );
                 }
@@ -274,7 +277,7 @@ impl Elab<'_> {
             _ => {
                 let (dl, dr) = (self.describe(l), self.describe(r));
                 self.fail(
-                    Diagnostic::error("E0107", format!("cannot apply `{}` to {dl} and {dr}", site.op.symbol()))
+                    Diagnostic::error(Code::E0107, format!("cannot apply `{}` to {dl} and {dr}", site.op.symbol()))
                         .primary(site.op_span, "not supported on these operands")
                         .secondary(site.lhs.span, format!("this is {dl}"))
                         .secondary(site.rhs.span, format!("this is {dr}"))
@@ -287,7 +290,7 @@ impl Elab<'_> {
     fn scale_node(&mut self, t: NodeIndex, factor: f64, span: Span, scope: &str) -> R<Value> {
         if !factor.is_finite() {
             return self.fail(
-                Diagnostic::error("E0107", "a tensor can only be scaled by a number")
+                Diagnostic::error(Code::E0107, "a tensor can only be scaled by a number")
                     .primary(span, "not a finite number"),
             );
         }
@@ -303,7 +306,7 @@ impl Elab<'_> {
         }
         let (sta, stb) = (show_type(&ta), show_type(&tb));
         self.fail(
-            Diagnostic::error("E0201", format!("shape mismatch in `{what}`: {sta} and {stb}"))
+            Diagnostic::error(Code::E0201, format!("shape mismatch in `{what}`: {sta} and {stb}"))
                 .primary(at, format!("`{what}` needs operands of the same shape and type"))
                 .secondary(sa, format!("this is {sta}"))
                 .secondary(sb, format!("this is {stb}")),
@@ -317,7 +320,7 @@ impl Elab<'_> {
         }
         self.fail(
             Diagnostic::error(
-                "E0201",
+                Code::E0201,
                 format!(
                     "expected a tensor with at least {}, found {}",
                     super::args::plural(rank, "dimension"),
@@ -335,8 +338,11 @@ impl Elab<'_> {
             return Ok(());
         }
         self.fail(
-            Diagnostic::error("E0201", format!("causal_mask needs square [.., s, s] scores, found {}", show_type(&ty)))
-                .primary(span, "last two dimensions must be equal"),
+            Diagnostic::error(
+                Code::E0201,
+                format!("causal_mask needs square [.., s, s] scores, found {}", show_type(&ty)),
+            )
+            .primary(span, "last two dimensions must be equal"),
         )
     }
 
@@ -345,7 +351,7 @@ impl Elab<'_> {
         match axis(i, rank) {
             Some(a) => Ok(a),
             None => self.fail(
-                Diagnostic::error("E0202", format!("dimension {i} is out of range for a tensor of rank {rank}"))
+                Diagnostic::error(Code::E0202, format!("dimension {i} is out of range for a tensor of rank {rank}"))
                     .primary(e.span, format!("must be in -{rank}..{rank}")),
             ),
         }
@@ -359,7 +365,7 @@ impl Elab<'_> {
         if tl.rank() == 0 || leading != tt.sizes() {
             return self.fail(
                 Diagnostic::error(
-                    "E0201",
+                    Code::E0201,
                     format!(
                         "shape mismatch in `cross_entropy`: logits {} need targets [{}], found {}",
                         show_type(&tl),
@@ -391,7 +397,7 @@ impl Elab<'_> {
                 ("shape", "needs [.., m, k] and [.., k, n] with equal leading dimensions")
             };
             return self.fail(
-                Diagnostic::error("E0201", format!("{what} mismatch in `matmul`: {sta} and {stb}"))
+                Diagnostic::error(Code::E0201, format!("{what} mismatch in `matmul`: {sta} and {stb}"))
                     .primary(span, needs)
                     .secondary(sa, format!("this is {sta}"))
                     .secondary(sb, format!("this is {stb}")),
@@ -405,7 +411,7 @@ impl Elab<'_> {
     fn reshape_type(&mut self, xt: &TensorType, se: &Expr, sv: &Value, sx: Span) -> R<TensorType> {
         let (crate::syntax::ast::ExprKind::List(items), Value::List(values)) = (&se.kind, sv) else {
             return self.fail(
-                Diagnostic::error("E0107", "`reshape` takes a list of sizes")
+                Diagnostic::error(Code::E0107, "`reshape` takes a list of sizes")
                     .primary(se.span, "expected a list such as [batch, seq, hidden]"),
             );
         };
@@ -424,7 +430,7 @@ impl Elab<'_> {
         if ty.elements() != xt.elements() {
             return self.fail(
                 Diagnostic::error(
-                    "E0201",
+                    Code::E0201,
                     format!("shape mismatch in `reshape`: {} cannot become {}", show_type(xt), show_type(&ty)),
                 )
                 .primary(
@@ -447,13 +453,13 @@ impl Elab<'_> {
         }
         if operands.len() == 2 {
             return self.fail(
-                Diagnostic::error("E0103", "`self_attention` takes one fused qkv tensor or three tensors q, k, v")
+                Diagnostic::error(Code::E0103, "`self_attention` takes one fused qkv tensor or three tensors q, k, v")
                     .primary(call.args_span, "2 tensors given"),
             );
         }
         let Some((heads_expr, heads_value)) = a.get(3) else {
             return self.fail(
-                Diagnostic::error("E0103", "`self_attention` is missing argument `heads`")
+                Diagnostic::error(Code::E0103, "`self_attention` is missing argument `heads`")
                     .primary(call.span, "missing `heads`")
                     .help("give the number of attention heads, e.g. `heads: 12`"),
             );
@@ -484,7 +490,7 @@ impl Elab<'_> {
             if ty.rank() < 2 {
                 return self.fail(
                     Diagnostic::error(
-                        "E0201",
+                        Code::E0201,
                         format!("attention needs [.., seq, width] inputs, found {}", show_type(&ty)),
                     )
                     .primary(span, "too few dimensions"),
@@ -498,7 +504,7 @@ impl Elab<'_> {
         if fused && !width.is_multiple_of(3) {
             return self.fail(
                 Diagnostic::error(
-                    "E0201",
+                    Code::E0201,
                     format!(
                         "a fused qkv tensor's last dimension must be 3 x hidden, but {width} is not a multiple of 3"
                     ),
@@ -514,7 +520,7 @@ impl Elab<'_> {
             {
                 return self.fail(
                     Diagnostic::error(
-                        "E0201",
+                        Code::E0201,
                         format!(
                             "`heads: {heads}` does not match the fused qkv tensor, which is factored into {} heads",
                             h.size
@@ -531,9 +537,12 @@ impl Elab<'_> {
         }
         if model_width % heads != 0 {
             return self.fail(
-                Diagnostic::error("E0201", format!("{heads} heads do not divide the attention width {model_width}"))
-                    .primary(heads_span, format!("{heads} heads"))
-                    .secondary(q_span, format!("width {model_width}")),
+                Diagnostic::error(
+                    Code::E0201,
+                    format!("{heads} heads do not divide the attention width {model_width}"),
+                )
+                .primary(heads_span, format!("{heads} heads"))
+                .secondary(q_span, format!("width {model_width}")),
             );
         }
         for &(o, span) in &operands[1..] {
@@ -542,7 +551,7 @@ impl Elab<'_> {
                 let what = if ti.sizes() == t0.sizes() { "dtype" } else { "shape" };
                 return self.fail(
                     Diagnostic::error(
-                        "E0201",
+                        Code::E0201,
                         format!(
                             "{what} mismatch in `self_attention`: q is {} but this is {}",
                             show_type(&t0),

@@ -9,7 +9,7 @@
 
 use super::eval::SCALAR_FUNCTIONS;
 use super::{Elab, MAX_NAME_SEARCHES, Place, clash, layers, ops, suggest};
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::span::Span;
 use crate::syntax::ast::{BlockDef, Call, Expr, ExprKind, ForwardDef, Ident, LayerDecl, LayerExpr, Stmt};
 use std::collections::{HashMap, HashSet};
@@ -81,7 +81,7 @@ impl<'f> Elab<'f> {
         if let Some((first, extra)) = block.forwards.split_first() {
             for extra in extra {
                 self.report(
-                    Diagnostic::error("E0105", format!("block `{}` has more than one `forward`", block.name.name))
+                    Diagnostic::error(Code::E0105, format!("block `{}` has more than one `forward`", block.name.name))
                         .primary(extra.head_span, "second `forward`")
                         .secondary(first.head_span, "first defined here")
                         .help("a block has one forward; remove or merge the other"),
@@ -139,7 +139,7 @@ impl<'f> Elab<'f> {
                 Stmt::Output { name, value, .. } => {
                     if block.is_some() {
                         self.report(
-                            Diagnostic::error("E0401", "`output` is only allowed in the model's forward")
+                            Diagnostic::error(Code::E0401, "`output` is only allowed in the model's forward")
                                 .primary(name.span, "inside a block")
                                 .help("return the value with `return` and output it from the model's forward"),
                         );
@@ -157,7 +157,7 @@ impl<'f> Elab<'f> {
         match (returns, unreachable) {
             (Some(at), Some((after, count))) => self.report(
                 Diagnostic::error(
-                    "E0401",
+                    Code::E0401,
                     if count == 1 {
                         "unreachable statement after `return`"
                     } else {
@@ -175,7 +175,7 @@ impl<'f> Elab<'f> {
             (Some(_), None) => {}
             (None, _) => self.report(
                 Diagnostic::error(
-                    "E0401",
+                    Code::E0401,
                     format!("the forward of block `{}` does not return a value", block.name.name),
                 )
                 .primary(forward.head_span, "no `return` in this forward")
@@ -293,7 +293,7 @@ impl<'f> Elab<'f> {
         span: Span,
         candidates: impl FnOnce(&Self) -> Vec<String>,
     ) -> Diagnostic {
-        let mut d = Diagnostic::error("E0101", format!("unknown name `{name}`")).primary(span, "not defined");
+        let mut d = Diagnostic::error(Code::E0101, format!("unknown name `{name}`")).primary(span, "not defined");
         // Each search compares the name with every name in scope; after many unknown names, stop searching.
         if self.name_searches < MAX_NAME_SEARCHES {
             self.name_searches += 1;
@@ -312,13 +312,13 @@ impl<'f> Elab<'f> {
         if layers::is_layer_kind(name) || self.blocks.contains_key(name) {
             let what = if self.blocks.contains_key(name) { "block" } else { "layer kind" };
             return Diagnostic::error(
-                "E0107",
+                Code::E0107,
                 format!("`{name}` is a {what}; it must be declared as a layer before it is called"),
             )
             .primary(call.callee.span, "cannot be called here")
             .help(format!("declare it with `layer my_{name} = {name}(...)` and call `my_{name}(x)`"));
         }
-        let mut d = Diagnostic::error("E0102", format!("unknown operator `{name}`"))
+        let mut d = Diagnostic::error(Code::E0102, format!("unknown operator `{name}`"))
             .primary(call.callee.span, "not an operator or layer");
         if self.name_searches < MAX_NAME_SEARCHES {
             self.name_searches += 1;
@@ -337,12 +337,12 @@ impl<'f> Elab<'f> {
 pub(super) fn input_misuse(name: &str, span: Span, place: Place) -> Diagnostic {
     match place {
         Place::ModelForward | Place::BlockForward => {
-            Diagnostic::error("E0101", format!("input `{name}` is not visible inside a block"))
+            Diagnostic::error(Code::E0101, format!("input `{name}` is not visible inside a block"))
                 .primary(span, "model inputs are only visible in the model's forward")
                 .help("pass it to the block as an argument")
         }
         Place::Declaration => Diagnostic::error(
-            "E0107",
+            Code::E0107,
             format!("`{name}` is a model input, but layer arguments must be sizes, not tensors"),
         )
         .primary(span, "a tensor")
@@ -350,7 +350,7 @@ pub(super) fn input_misuse(name: &str, span: Span, place: Place) -> Diagnostic {
             "give sizes here (numbers or config values), and apply the layer to `{name}` in the model's `forward`"
         )),
         Place::Default => Diagnostic::error(
-            "E0107",
+            Code::E0107,
             format!(
                 "`{name}` is a model input, but block parameters must be numbers, booleans or strings, not tensors"
             ),
@@ -358,7 +358,7 @@ pub(super) fn input_misuse(name: &str, span: Span, place: Place) -> Diagnostic {
         .primary(span, "a tensor")
         .help("pass tensors to the block's forward instead"),
         Place::Config => Diagnostic::error(
-            "E0107",
+            Code::E0107,
             format!("`{name}` is a model input, but config values and input dimensions must be numbers, not tensors"),
         )
         .primary(span, "a tensor"),

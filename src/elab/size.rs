@@ -1,7 +1,7 @@
 //! Tensor size limits: every tensor must fit what later stages can address, reported at the sizes behind it.
 
 use super::{Elab, R};
-use crate::diag::{Diagnostic, group_digits};
+use crate::diag::{Code, Diagnostic, group_digits};
 use crate::ir::{ConfigValue, DType, Dim, TensorType};
 use crate::span::Span;
 
@@ -76,7 +76,7 @@ pub fn too_large<'c>(
     span: Span,
     config: impl Fn(&str) -> Option<&'c ConfigValue>,
 ) -> Diagnostic {
-    let mut d = Diagnostic::error("E0202", format!("{what} is too large: {}", product_text(ty)))
+    let mut d = Diagnostic::error(Code::E0202, format!("{what} is too large: {}", product_text(ty)))
         .primary(span, format!("this is {}", super::ops::show_type(ty)));
     for name in config_labels(ty) {
         if let Some(c) = config(&name) {

@@ -8,7 +8,7 @@ mod rules;
 mod shapes;
 
 use crate::autodiff::differentiate;
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::ir::{DType, Model, Node, Op, ParamId};
 use crate::plan::memory::{insert_frees, plan_memory};
 use crate::plan::{
@@ -43,7 +43,7 @@ pub fn compile(model: &Model, source_name: &str, source: &str, target: Target) -
     shapes::check_padded_sizes(model, &graph.graph, &shapes)?;
     let mut lower = Lowerer::new(model, &graph.graph, graph.like.clone(), source, target, shapes);
     lower.run(graph.forward_len, &graph.grads);
-    if lower.diagnostics.iter().any(|d| d.code == "E0602") {
+    if lower.diagnostics.iter().any(|d| d.code == Code::E0602.as_str()) {
         let meshes = meshes_that_compile(model, &graph, source_name, source, target);
         add_mesh_suggestions(&mut lower.diagnostics, target.strategy, &meshes);
     }
@@ -149,7 +149,7 @@ fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, mesh
         "meshes up to {SUGGESTED_MESH_DEVICES} devices on which this model compiles with the {} strategy: {list}",
         strategy.name()
     );
-    for d in diagnostics.iter_mut().filter(|d| d.code == "E0602") {
+    for d in diagnostics.iter_mut().filter(|d| d.code == Code::E0602.as_str()) {
         d.help = Some(help.clone());
     }
 }
@@ -169,7 +169,7 @@ fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
         _ => None,
     };
     match problem {
-        Some(p) => Err(vec![Diagnostic::error("E0601", p).help(match target.strategy {
+        Some(p) => Err(vec![Diagnostic::error(Code::E0601, p).help(match target.strategy {
             Strategy::Optimus => "use --mesh QxQ, e.g. --mesh 4x4",
             Strategy::Megatron => "use --mesh 1xP, e.g. --mesh 1x8",
             Strategy::None => "use --mesh 1x1, or another strategy",
@@ -292,7 +292,7 @@ impl<'a> Lowerer<'a> {
             // Keep going past dimensions that do not divide, to report them all and learn every split
             // size; stop at anything else.
             let stop = self.stop_at_first_error && !self.diagnostics.is_empty();
-            if stop || self.diagnostics.iter().any(|d| d.code != "E0602") {
+            if stop || self.diagnostics.iter().any(|d| d.code != Code::E0602.as_str()) {
                 return;
             }
             self.lower_node(n);
@@ -458,7 +458,7 @@ impl<'a> Lowerer<'a> {
         crate::plan::verify::verify(&plan).map_err(|errors| {
             errors
                 .into_iter()
-                .map(|e| Diagnostic::error("E0699", format!("internal error: the plan failed verification: {e}")))
+                .map(|e| Diagnostic::error(Code::E0699, format!("internal error: the plan failed verification: {e}")))
                 .collect::<Vec<_>>()
         })?;
         Ok(plan)
@@ -545,7 +545,7 @@ impl<'a> Lowerer<'a> {
         let what = label.clone().map_or_else(|| format!("a dimension of size {size}"), |l| format!("`{l}` ({size})"));
         let mesh = self.target.mesh;
         let mut d = Diagnostic::error(
-            "E0602",
+            Code::E0602,
             format!(
                 "{what} cannot be split {parts} ways on a {mesh} mesh with the {} strategy",
                 self.target.strategy.name()
@@ -694,7 +694,7 @@ impl<'a> Lowerer<'a> {
             _ => {
                 // Every other node defines itself when lowered; reaching here is a compiler bug.
                 self.diagnostics.push(Diagnostic::error(
-                    "E0699",
+                    Code::E0699,
                     format!("internal error: node %{} was used before it was lowered", n.index()),
                 ));
                 self.node_buffer(n, layout, Role::Workspace)
@@ -777,7 +777,7 @@ impl<'a> Lowerer<'a> {
                 (Placement::Replicate, Placement::Shard { .. }) => self.slice(n, current, axis, t),
                 (_, Placement::Partial) | (Placement::Replicate, Placement::Replicate) => {
                     self.diagnostics.push(Diagnostic::error(
-                        "E0699",
+                        Code::E0699,
                         format!("internal error: cannot make {what} a partial sum from {}", current.layout),
                     ));
                     current

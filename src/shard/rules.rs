@@ -3,7 +3,7 @@
 
 use super::layout::{Layout, Placement};
 use super::{Lowerer, shapes};
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
 use crate::plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
 use petgraph::graph::NodeIndex;
@@ -386,7 +386,7 @@ impl Lowerer<'_> {
         let like = self.like.get(n.index()).copied().flatten();
         if like.is_none() {
             self.diagnostics.push(Diagnostic::error(
-                "E0699",
+                Code::E0699,
                 format!("internal error: backward node %{} has no forward", n.index()),
             ));
         }
@@ -549,8 +549,10 @@ impl Lowerer<'_> {
     }
 
     fn missing_param(&mut self, n: NodeIndex) {
-        self.diagnostics
-            .push(Diagnostic::error("E0699", format!("internal error: the weight of %{} has no layout", n.index())));
+        self.diagnostics.push(Diagnostic::error(
+            Code::E0699,
+            format!("internal error: the weight of %{} has no layout", n.index()),
+        ));
     }
 
     /// Sum over every dimension but the last (bias and beta gradients).

@@ -2,7 +2,7 @@
 
 use super::ast::*;
 use super::expect;
-use crate::diag::Diagnostic;
+use crate::diag::{Code, Diagnostic};
 use crate::span::Span;
 use pest::Parser as _;
 use pest::iterators::Pair;
@@ -48,7 +48,7 @@ fn parse_with_limit(source: &str, calls: usize) -> Result<(File, Vec<Diagnostic>
     if source.len() > MAX_SOURCE_BYTES {
         // No label: the line it would show may itself be megabytes long.
         return Err(vec![Diagnostic::error(
-            "E0002",
+            Code::E0002,
             format!("the file is {} bytes; the largest model file accepted is {MAX_SOURCE_BYTES} bytes", source.len()),
         )]);
     }
@@ -57,7 +57,7 @@ fn parse_with_limit(source: &str, calls: usize) -> Result<(File, Vec<Diagnostic>
     let _lock = PARSE_LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     pest::set_call_limit(std::num::NonZeroUsize::new(calls));
     let mut pairs = OptParser::parse(Rule::file, source).map_err(|e| syntax_errors(source, e))?;
-    let file_pair = pairs.next().ok_or_else(|| vec![Diagnostic::error("E0001", "empty parse")])?;
+    let file_pair = pairs.next().ok_or_else(|| vec![Diagnostic::error(Code::E0001, "empty parse")])?;
     let mut builder = Builder::default();
     let file = builder.file(file_pair);
     Ok((file, builder.diagnostics))
@@ -80,7 +80,7 @@ fn stop_offset(e: &pest::error::Error<Rule>) -> usize {
 /// the line it would show may be megabytes long.
 fn too_complex(source: &str, at: usize) -> Diagnostic {
     let (line, column) = crate::span::line_col(source, at);
-    Diagnostic::error("E0002", "the file is too complex to parse")
+    Diagnostic::error(Code::E0002, "the file is too complex to parse")
         .note(format!("parsing gave up at line {line}, column {column}"))
         .help("split long expressions and deeply nested blocks into smaller named pieces")
 }
@@ -180,7 +180,7 @@ fn check_nesting(source: &str) -> Result<(), Vec<Diagnostic>> {
 }
 
 fn too_deep(offset: usize, c: char, what: &str, limit: usize) -> Diagnostic {
-    Diagnostic::error("E0002", format!("{what} more than {limit} deep"))
+    Diagnostic::error(Code::E0002, format!("{what} more than {limit} deep"))
         .primary(Span::new(offset, offset + c.len_utf8()), "too deep here")
         .help("split the expression into named steps")
 }
@@ -225,14 +225,14 @@ fn special_syntax_error(text: &str, pos: usize, phrases: &[String]) -> Option<Di
     if let Some(quote) = expect::open_at(text, pos).string {
         let line_end = text[quote..].find('\n').map_or(text.len(), |i| quote + i);
         return Some(
-            Diagnostic::error("E0001", "syntax error: unterminated string")
+            Diagnostic::error(Code::E0001, "syntax error: unterminated string")
                 .primary(Span::new(quote, line_end), "this string is not closed")
                 .help("a string ends with `\"` on the line where it starts"),
         );
     }
     if let Some(bad) = expect::malformed_number(text, pos) {
         return Some(
-            Diagnostic::error("E0001", format!("syntax error: malformed number `{}`", bad.text))
+            Diagnostic::error(Code::E0001, format!("syntax error: malformed number `{}`", bad.text))
                 .primary(bad.span, "not a valid number")
                 .help("numbers are written like `12`, `1_024`, `0.5` or `1e-5`"),
         );
@@ -247,7 +247,7 @@ fn special_syntax_error(text: &str, pos: usize, phrases: &[String]) -> Option<Di
     }
     let start = before.len() - word.len();
     Some(
-        Diagnostic::error("E0001", format!("syntax error: expected a name, found `{word}`"))
+        Diagnostic::error(Code::E0001, format!("syntax error: expected a name, found `{word}`"))
             .primary(Span::new(start, before.len()), "a reserved word")
             .help("`true` and `false` are values and cannot be used as names"),
     )
@@ -265,7 +265,7 @@ fn expected_found(text: &str, pos: usize, phrases: &[String]) -> Diagnostic {
     let innermost = expect::open_at(text, found.span.start as usize).brackets.last().copied();
     let closes = |c: char| matches!(c, ')' | ']' | '}');
     let stray = found.symbol.filter(|c| closes(*c) && innermost.is_none());
-    let d = Diagnostic::error("E0001", message);
+    let d = Diagnostic::error(Code::E0001, message);
     let d = match stray {
         Some(c) => d.primary(found.span, format!("this `{c}` closes nothing")),
         None if expected.is_empty() => d.primary(found.span, "unexpected here"),
@@ -395,7 +395,7 @@ impl Builder {
                     if let Some(name) = name {
                         if let Some(prev) = &file.model {
                             self.diagnostics.push(
-                                Diagnostic::error("E0105", "the model is named twice")
+                                Diagnostic::error(Code::E0105, "the model is named twice")
                                     .primary(span, "second `model` line")
                                     .secondary(prev.span, "first named here"),
                             );
@@ -565,7 +565,7 @@ impl Builder {
             let count = MAX_OPERATORS + 1 + operators.count();
             self.diagnostics.push(
                 Diagnostic::error(
-                    "E0002",
+                    Code::E0002,
                     format!("expression has {count} operators; at most {MAX_OPERATORS} are allowed"),
                 )
                 .primary(span_of(&first_too_many), format!("operator {} is one too many", MAX_OPERATORS + 1))
@@ -604,7 +604,7 @@ impl Builder {
                     Ok(v) => ExprKind::Int(v),
                     Err(_) => {
                         self.diagnostics.push(
-                            Diagnostic::error("E0004", "integer literal is too large")
+                            Diagnostic::error(Code::E0004, "integer literal is too large")
                                 .primary(span, format!("larger than the largest integer, {}", i64::MAX)),
                         );
                         ExprKind::Invalid
@@ -615,7 +615,7 @@ impl Builder {
                 Ok(v) if v.is_finite() => ExprKind::Float(v),
                 _ => {
                     self.diagnostics.push(
-                        Diagnostic::error("E0004", "number literal is out of range")
+                        Diagnostic::error(Code::E0004, "number literal is out of range")
                             .primary(span, format!("larger than the largest number, {:e}", f64::MAX)),
                     );
                     ExprKind::Invalid
