@@ -36,6 +36,15 @@ pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
     }
 }
 
+/// An internal error for an IR graph that fails [`crate::ir::check::check_graph`] after `stage`.
+pub fn ir_problems(graph: &petgraph::graph::DiGraph<crate::ir::Node, u8>, stage: &str) -> Option<Diagnostic> {
+    let problems = crate::ir::check::check_graph(graph);
+    let first = problems.first()?;
+    let more = problems.len() - 1;
+    let tail = if more > 0 { format!(" (and {more} more)") } else { String::new() };
+    Some(Diagnostic::error(Code::E0699, format!("internal error: the IR after {stage} is malformed: {first}{tail}")))
+}
+
 /// Parses and elaborates a model source with `--set` overrides.
 pub fn check_source(text: &str, overrides: &[Override]) -> Checked {
     let (file, mut diagnostics) = match crate::syntax::parse(text) {
@@ -46,6 +55,10 @@ pub fn check_source(text: &str, overrides: &[Override]) -> Checked {
     match elaborate(&file, overrides) {
         Ok((model, warnings)) => {
             diagnostics.extend(warnings);
+            if let Some(d) = ir_problems(&model.graph, "elaboration") {
+                diagnostics.push(d);
+                return Checked { model: None, diagnostics };
+            }
             let model = (!fatal_parse).then_some(model);
             Checked { model, diagnostics }
         }

@@ -2,6 +2,7 @@
 //!
 //! Node indices are in topological order: the elaborator only ever adds a node after its operands.
 
+pub mod check;
 pub mod print;
 
 use crate::span::Span;
