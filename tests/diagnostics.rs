@@ -152,6 +152,11 @@ golden!(
     ["E0102"]
 );
 golden!(
+    checkpoint_needs_a_block,
+    concat!(prelude!(), "layer l = checkpoint linear(hidden, hidden)\nforward {\n  output y = l(tokens)\n}\n"),
+    ["E0102"]
+);
+golden!(
     repeat_needs_block,
     concat!(prelude!(), "layer h = repeat(2) linear(hidden, hidden)\nforward {\n  output y = h(tokens)\n}\n"),
     ["E0102"]

@@ -59,6 +59,19 @@ impl<'f> Elab<'f> {
                     }
                     return self.instantiate_block(block, call, module, path).map(Layer::Block);
                 }
+                if decl.checkpoint && is_layer_kind(&call.callee.name) {
+                    return self.fail(
+                        Diagnostic::error(
+                            Code::E0102,
+                            format!(
+                                "`checkpoint` marks block instances, and `{}` is a built-in layer",
+                                call.callee.name
+                            ),
+                        )
+                        .primary(call.callee.span, "a built-in layer")
+                        .help("put the layer in a block and mark the block, or its layer declaration, `checkpoint`"),
+                    );
+                }
                 self.instantiate_builtin(module, call, &path, decl.span)
             }
             LayerExpr::Repeat { count, body, .. } => {
