@@ -136,23 +136,7 @@ fn round_trip_after_training_is_bit_exact() {
         beta2: 0.999,
         eps: 1e-8,
     };
-    let config = RunConfig {
-        seed: 3,
-        steps: 2,
-        optimizer,
-        timeout: Duration::from_secs(60),
-        fault: None,
-        backend: Default::default(),
-        profile: false,
-        schedule: None,
-        evaluation: None,
-        accumulation: 1,
-        clip_grad_norm: None,
-        start_step: 0,
-        resume: None,
-        checkpoints: None,
-        stop: None,
-    };
+    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(3, 2, optimizer) };
     let batches = |step| Ok(random_batch(5, step, batch, seq, 101));
     let trained = run(&plan, &config, &batches, &BTreeMap::new(), &|_| {}).expect("run succeeds").params;
     assert_eq!(trained.len(), plan.params.len());

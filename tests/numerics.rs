@@ -74,23 +74,7 @@ fn settings(kind: OptimizerKind) -> OptimizerSettings {
 }
 
 fn execute(plan: &Plan, steps: u64, kind: OptimizerKind) -> RunOutput {
-    let config = RunConfig {
-        seed: 7,
-        steps,
-        optimizer: settings(kind),
-        timeout: Duration::from_secs(60),
-        fault: None,
-        backend: Default::default(),
-        profile: false,
-        schedule: None,
-        evaluation: None,
-        accumulation: 1,
-        clip_grad_norm: None,
-        start_step: 0,
-        resume: None,
-        checkpoints: None,
-        stop: None,
-    };
+    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(7, steps, settings(kind)) };
     run(plan, &config, &batches(plan, 11), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }
 

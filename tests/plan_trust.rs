@@ -560,21 +560,8 @@ fn one_step(plan: &Plan) -> Result<optimus::runtime::exec::RunOutput, String> {
         eps: 1e-8,
     };
     let config = optimus::runtime::exec::RunConfig {
-        seed: 3,
-        steps: 1,
-        optimizer,
         timeout: Duration::from_secs(30),
-        fault: None,
-        backend: Default::default(),
-        profile: false,
-        schedule: None,
-        evaluation: None,
-        accumulation: 1,
-        clip_grad_norm: None,
-        start_step: 0,
-        resume: None,
-        checkpoints: None,
-        stop: None,
+        ..optimus::runtime::exec::RunConfig::new(3, 1, optimizer)
     };
     let shapes: Vec<(String, Vec<u64>)> = plan.inputs.iter().map(|i| (i.name.clone(), i.shape.clone())).collect();
     let batches = move |_step: u64| -> Result<BTreeMap<String, Tensor>, String> {

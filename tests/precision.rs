@@ -139,23 +139,7 @@ fn train(plan: &Plan, steps: u64) -> RunOutput {
         beta2: 0.999,
         eps: 1e-8,
     };
-    let config = RunConfig {
-        seed: 3,
-        steps,
-        optimizer,
-        timeout: Duration::from_secs(60),
-        fault: None,
-        backend: Default::default(),
-        profile: false,
-        schedule: None,
-        evaluation: None,
-        accumulation: 1,
-        clip_grad_norm: None,
-        start_step: 0,
-        resume: None,
-        checkpoints: None,
-        stop: None,
-    };
+    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(3, steps, optimizer) };
     run(plan, &config, &tokens(plan), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }
 

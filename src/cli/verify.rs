@@ -110,21 +110,8 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         eps: args.eps,
     };
     let config = RunConfig {
-        seed: args.seed,
-        steps: args.steps.max(1),
-        optimizer: optimizer.settings(),
         timeout: Duration::from_secs(300),
-        fault: None,
-        backend: optimus::runtime::backend::BackendKind::Cpu,
-        profile: false,
-        schedule: None,
-        evaluation: None,
-        accumulation: 1,
-        clip_grad_norm: None,
-        start_step: 0,
-        resume: None,
-        checkpoints: None,
-        stop: None,
+        ..RunConfig::new(args.seed, args.steps.max(1), optimizer.settings())
     };
     let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
     let batches = |step| tokens.batch(plan, step);

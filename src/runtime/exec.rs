@@ -89,6 +89,28 @@ impl std::fmt::Debug for Evaluation {
 }
 
 impl RunConfig {
+    /// A plain run: `steps` updates from the seed on the CPU, with a collective timeout of two minutes,
+    /// no schedule, validation, accumulation, clipping, checkpoints, profile or injected fault.
+    pub fn new(seed: u64, steps: u64, optimizer: OptimizerSettings) -> RunConfig {
+        RunConfig {
+            seed,
+            steps,
+            optimizer,
+            timeout: Duration::from_secs(120),
+            fault: None,
+            backend: BackendKind::Cpu,
+            profile: false,
+            schedule: None,
+            evaluation: None,
+            accumulation: 1,
+            clip_grad_norm: None,
+            start_step: 0,
+            resume: None,
+            checkpoints: None,
+            stop: None,
+        }
+    }
+
     /// The optimizer settings of update `step` (0-based): the schedule's rate, if there is one.
     pub fn optimizer_at(&self, step: u64) -> OptimizerSettings {
         match &self.schedule {
