@@ -152,6 +152,10 @@ impl Autodiff {
                 let dbeta = self.grad_node(Op::SumToLast, ops[2], n, &[g]);
                 self.accumulate(ops[2], dbeta);
             }
+            Op::Silu => {
+                let d = self.grad_node(Op::SiluGrad, ops[0], n, &[g, ops[0]]);
+                self.accumulate(ops[0], d);
+            }
             Op::Gelu { approximate } => {
                 let d = self.grad_node(Op::GeluGrad { approximate }, ops[0], n, &[g, ops[0]]);
                 self.accumulate(ops[0], d);

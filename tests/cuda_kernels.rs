@@ -65,6 +65,8 @@ fn samples() -> Vec<Kernel> {
         Kernel::Gelu { approximate: false },
         Kernel::GeluGrad { approximate: true },
         Kernel::GeluGrad { approximate: false },
+        Kernel::Silu,
+        Kernel::SiluGrad,
         Kernel::Softmax,
         Kernel::SoftmaxGrad,
         Kernel::CausalMask,
@@ -141,11 +143,13 @@ fn variant(kernel: &Kernel) -> usize {
         Kernel::SliceShard { .. } => 35,
         Kernel::OptimizerStep => 36,
         Kernel::GradSquareSum => 37,
+        Kernel::Silu => 39,
+        Kernel::SiluGrad => 40,
         Kernel::Cast => 38,
     }
 }
 
-const VARIANTS: usize = 39;
+const VARIANTS: usize = 41;
 
 #[test]
 fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
@@ -432,7 +436,9 @@ fn elementwise_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
         Case::new(Kernel::Gelu { approximate: true }, vec![x.clone()], &s).tol(1e-4),
         Case::new(Kernel::Gelu { approximate: false }, vec![x.clone()], &s).tol(1e-4),
         Case::new(Kernel::GeluGrad { approximate: true }, vec![y.clone(), x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::GeluGrad { approximate: false }, vec![y, x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::GeluGrad { approximate: false }, vec![y.clone(), x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::Silu, vec![x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::SiluGrad, vec![y, x.clone()], &s).tol(1e-4),
         Case::new(Kernel::CausalMask, vec![rng.tensor(&[2, 5, 5])], &[2, 5, 5]),
         Case::new(Kernel::CausalMask, vec![rng.tensor(&[3, 4, 6])], &[3, 4, 6]),
         Case::new(Kernel::CausalMaskGrad, vec![rng.tensor(&[2, 6, 4])], &[2, 6, 4]),

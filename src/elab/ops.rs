@@ -23,6 +23,7 @@ pub enum Function {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unary {
     Gelu,
+    Silu,
     Softmax,
     CausalMask,
     Dropout,
@@ -55,8 +56,9 @@ pub struct Builtin {
 }
 
 /// Every operator callable in a forward, the one table the elaborator reads.
-pub const BUILTINS: [Builtin; 12] = [
+pub const BUILTINS: [Builtin; 13] = [
     Builtin { name: "gelu", function: Function::Unary(Unary::Gelu), params: &["x", "approx"], required: 1 },
+    Builtin { name: "silu", function: Function::Unary(Unary::Silu), params: &["x"], required: 1 },
     Builtin { name: "softmax", function: Function::Unary(Unary::Softmax), params: &["x"], required: 1 },
     Builtin { name: "dropout", function: Function::Unary(Unary::Dropout), params: &["x", "p"], required: 2 },
     Builtin {
@@ -145,6 +147,7 @@ impl Elab<'_> {
         let xt = self.ty(x).clone();
         let op = match f {
             Unary::Gelu => Op::Gelu { approximate: self.gelu_approximation(a.get(1))? },
+            Unary::Silu => Op::Silu,
             Unary::Softmax => {
                 self.expect_rank_at_least(x, 1, first.span)?;
                 Op::Softmax

@@ -32,7 +32,9 @@ fn operands(op: &Op) -> Vec<Kind> {
             }
         }
         Op::LayerNorm { .. } | Op::LayerNormGradInput { .. } => vec![Float; 3],
-        Op::Gelu { .. } | Op::Softmax | Op::Dropout { .. } | Op::Scale { .. } | Op::CausalMask => vec![Float],
+        Op::Gelu { .. } | Op::Silu | Op::Softmax | Op::Dropout { .. } | Op::Scale { .. } | Op::CausalMask => {
+            vec![Float]
+        }
         Op::Reshape | Op::Transpose { .. } | Op::Select { .. } => vec![Any],
         Op::Attention { fused, .. } => vec![Float; if *fused { 1 } else { 3 }],
         Op::Add | Op::MatMul => vec![Float; 2],
@@ -41,6 +43,7 @@ fn operands(op: &Op) -> Vec<Kind> {
         | Op::LinearGradWeight { .. }
         | Op::LayerNormGradWeight { .. }
         | Op::GeluGrad { .. }
+        | Op::SiluGrad
         | Op::SoftmaxGrad => vec![Float; 2],
         Op::SumToLast
         | Op::DropoutGrad { .. }

@@ -164,6 +164,8 @@ pub enum Op {
     Gelu {
         approximate: bool,
     },
+    /// x * sigmoid(x) (SiLU, Swish): the gate of SwiGLU.
+    Silu,
     /// Softmax over the last dimension.
     Softmax,
     /// Multi-head self-attention. Operands: one fused qkv [.., seq, (3, heads, head)] or (q, k, v).
@@ -223,6 +225,8 @@ pub enum Op {
     GeluGrad {
         approximate: bool,
     },
+    /// operands (dY, X).
+    SiluGrad,
     /// operands (dY, Y) where Y is the softmax output.
     SoftmaxGrad,
     /// Applies the mask of the forward dropout node `forward` to dY.
@@ -263,6 +267,7 @@ impl Op {
             Op::Linear { .. } => "linear",
             Op::LayerNorm { .. } => "layernorm",
             Op::Gelu { .. } => "gelu",
+            Op::Silu => "silu",
             Op::Softmax => "softmax",
             Op::Attention { .. } => "self_attention",
             Op::Add => "add",
@@ -281,6 +286,7 @@ impl Op {
             Op::LayerNormGradInput { .. } => "layernorm_grad_input",
             Op::LayerNormGradWeight { .. } => "layernorm_grad_weight",
             Op::GeluGrad { .. } => "gelu_grad",
+            Op::SiluGrad => "silu_grad",
             Op::SoftmaxGrad => "softmax_grad",
             Op::DropoutGrad { .. } => "dropout_grad",
             Op::AttentionGrad { .. } => "attention_grad",

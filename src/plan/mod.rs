@@ -222,6 +222,10 @@ pub enum Kernel {
     Gelu {
         approximate: bool,
     },
+    /// y = x * sigmoid(x).
+    Silu,
+    /// (dy, x) -> dy * (s + x s (1 - s)), s = sigmoid(x).
+    SiluGrad,
     /// (dy, x) -> dx
     GeluGrad {
         approximate: bool,

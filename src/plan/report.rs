@@ -177,6 +177,8 @@ pub fn kernel_flops(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer) -> u64
             4 * out * seq * scale
         }
         Kernel::Gelu { .. } | Kernel::GeluGrad { .. } => 8 * out,
+        Kernel::Silu => 4 * out,
+        Kernel::SiluGrad => 7 * out,
         Kernel::Softmax | Kernel::SoftmaxGrad | Kernel::LayerNormApply { .. } | Kernel::LayerNormGradInput { .. } => {
             5 * out
         }

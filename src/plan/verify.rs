@@ -253,6 +253,8 @@ fn check_kernel(
         | Kernel::Scale { .. }
         | Kernel::Gelu { .. }
         | Kernel::GeluGrad { .. }
+        | Kernel::Silu
+        | Kernel::SiluGrad
         | Kernel::Softmax
         | Kernel::SoftmaxGrad
         | Kernel::CausalMask

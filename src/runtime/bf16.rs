@@ -208,8 +208,10 @@ pub type ExchangeOnViews<'k> = dyn FnMut(&[&View], &mut ViewMut) -> Result<(), S
 pub fn row_split(kernel: &crate::plan::Kernel) -> Option<&'static [bool]> {
     use crate::plan::Kernel as K;
     Some(match kernel {
-        K::Gelu { .. } | K::Softmax | K::Scale { .. } | K::RowSum | K::CrossEntropyMax { .. } | K::Cast => &[true],
-        K::GeluGrad { .. } | K::SoftmaxGrad | K::Add | K::RowCenteredSquareSum { .. } => &[true, true],
+        K::Gelu { .. } | K::Silu | K::Softmax | K::Scale { .. } | K::RowSum | K::CrossEntropyMax { .. } | K::Cast => {
+            &[true]
+        }
+        K::GeluGrad { .. } | K::SiluGrad | K::SoftmaxGrad | K::Add | K::RowCenteredSquareSum { .. } => &[true, true],
         K::BiasAdd => &[true, false],
         K::CrossEntropyStats { .. } => &[true, true, true],
         K::CrossEntropyGrad { .. } => &[true, true, true, true, false],

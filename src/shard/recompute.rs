@@ -49,6 +49,7 @@ fn is_cheap(instr: &Instr) -> bool {
         instr,
         Instr::Kernel {
             kernel: Kernel::Gelu { .. }
+                | Kernel::Silu
                 | Kernel::Softmax
                 | Kernel::CausalMask
                 | Kernel::Dropout { .. }

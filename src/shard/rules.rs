@@ -131,6 +131,7 @@ impl Lowerer<'_> {
             Op::Linear { bias, transpose_weight } => self.linear(n, &ops, bias, transpose_weight),
             Op::LayerNorm { eps } => self.layernorm(n, &ops, eps),
             Op::Gelu { approximate } => self.elementwise(n, &ops, Kernel::Gelu { approximate }, 0, false),
+            Op::Silu => self.elementwise(n, &ops, Kernel::Silu, 0, false),
             Op::Softmax => self.elementwise(n, &ops, Kernel::Softmax, 1, false),
             Op::CausalMask => self.elementwise(n, &ops, Kernel::CausalMask, 2, false),
             Op::Dropout { p } => {
@@ -157,6 +158,7 @@ impl Lowerer<'_> {
             Op::LayerNormGradInput { eps } => self.layernorm_grad_input(n, &ops, eps),
             Op::LayerNormGradWeight { eps } => self.layernorm_grad_weight(n, &ops, eps),
             Op::GeluGrad { approximate } => self.elementwise_grad(n, &ops, Kernel::GeluGrad { approximate }, 0),
+            Op::SiluGrad => self.elementwise_grad(n, &ops, Kernel::SiluGrad, 0),
             Op::SoftmaxGrad => self.elementwise_grad(n, &ops, Kernel::SoftmaxGrad, 1),
             Op::DropoutGrad { p, forward } => {
                 self.elementwise(n, &ops, Kernel::DropoutGrad { p, key: forward }, 0, true)

@@ -136,9 +136,16 @@ pub fn padded_shapes(
                 }
                 s
             }
-            (Op::Gelu { .. } | Op::Dropout { .. } | Op::Scale { .. } | Op::Add | Op::Softmax | Op::CausalMask, _) => {
-                of(0, &shapes).unwrap_or(logical.clone())
-            }
+            (
+                Op::Gelu { .. }
+                | Op::Silu
+                | Op::Dropout { .. }
+                | Op::Scale { .. }
+                | Op::Add
+                | Op::Softmax
+                | Op::CausalMask,
+                _,
+            ) => of(0, &shapes).unwrap_or(logical.clone()),
             _ => logical,
         };
         shapes.push(shape);

@@ -65,6 +65,8 @@ pub(super) fn check_parameters(
         Kernel::Add
         | Kernel::Gelu { .. }
         | Kernel::GeluGrad { .. }
+        | Kernel::Silu
+        | Kernel::SiluGrad
         | Kernel::Softmax
         | Kernel::SoftmaxGrad
         | Kernel::CausalMask
@@ -113,6 +115,7 @@ fn expected_inputs(kernel: &Kernel) -> usize {
         | Kernel::BiasAdd
         | Kernel::Add
         | Kernel::GeluGrad { .. }
+        | Kernel::SiluGrad
         | Kernel::SoftmaxGrad
         | Kernel::EmbeddingLookup { .. }
         | Kernel::EmbeddingGrad { .. }

@@ -47,6 +47,8 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         Kernel::Gelu { approximate: false } => map_unary(inputs, out, gelu_erf),
         Kernel::GeluGrad { approximate: true } => gelu_tanh_grad_kernel(inputs, out),
         Kernel::GeluGrad { approximate: false } => map_binary(inputs, out, |dy, x| dy * gelu_erf_grad(x)),
+        Kernel::Silu => map_unary(inputs, out, silu),
+        Kernel::SiluGrad => map_binary(inputs, out, |dy, x| dy * silu_grad(x)),
         Kernel::Softmax => softmax(inputs, out),
         Kernel::SoftmaxGrad => softmax_grad(inputs, out),
         Kernel::CausalMask => causal_mask(inputs, out, f32::NEG_INFINITY),
@@ -416,6 +418,17 @@ fn gelu_tanh_grad_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), Stri
         );
         Ok::<(), String>(())
     })
+}
+
+/// SiLU, x * sigmoid(x), as torch.nn.functional.silu.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// d silu / dx = s + x s (1 - s), s = sigmoid(x).
+fn silu_grad(x: f32) -> f32 {
+    let s = 1.0 / (1.0 + (-x).exp());
+    s + x * s * (1.0 - s)
 }
 
 /// The exact GELU, x * Phi(x).
@@ -1581,6 +1594,19 @@ mod tests {
             assert!(grad.iter().all(|g| g.is_finite()), "{grad:?}");
         }
         Ok(())
+    }
+
+    #[test]
+    fn silu_is_x_sigmoid_x_and_its_grad_matches_finite_differences() -> R {
+        let x = Tensor::from_f32(&[7], vec![-30.0, -3.0, -0.5, 0.0, 0.7, 4.0, 30.0]);
+        let exact: Vec<f64> = to64(&vals(&x)).iter().map(|&x| x / (1.0 + (-x).exp())).collect();
+        close(&vals(&eval(&Kernel::Silu, &[&x], &[7])?), &exact, 1e-6)?;
+        let mut rng = Rng(9);
+        let x = Tensor::from_f32(&[4, 5], rng.values(20).iter().map(|v| 3.0 * v).collect());
+        let dy = rng.tensor(&[4, 5]);
+        let analytic = eval(&Kernel::SiluGrad, &[&dy, &x], &[4, 5])?;
+        let numeric = numeric_grad(&x, &vals(&dy), |x| eval(&Kernel::Silu, &[x], &[4, 5]))?;
+        close_rel(&vals(&analytic), &numeric, 1e-3)
     }
 
     #[test]

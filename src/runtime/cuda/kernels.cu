@@ -139,6 +139,17 @@ extern "C" __global__ void gelu_erf(float* y, const float* x, u64 n) {
     }
 }
 
+extern "C" __global__ void silu(float* y, const float* x, u64 n) {
+    GRID_STRIDE(i, n) y[i] = x[i] / (1.0f + expf(-x[i]));
+}
+
+extern "C" __global__ void silu_grad(float* dx, const float* dy, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        const float v = x[i], s = 1.0f / (1.0f + expf(-v));
+        dx[i] = dy[i] * (s + v * s * (1.0f - s));
+    }
+}
+
 extern "C" __global__ void gelu_tanh_grad(float* dx, const float* dy, const float* x, u64 n) {
     GRID_STRIDE(i, n) {
         const float v = x[i], s = gelu_gate(v);

@@ -35,6 +35,8 @@ mod names {
     pub const SCALE: &str = "scale";
     pub const GELU_TANH: &str = "gelu_tanh";
     pub const GELU_ERF: &str = "gelu_erf";
+    pub const SILU: &str = "silu";
+    pub const SILU_GRAD: &str = "silu_grad";
     pub const GELU_TANH_GRAD: &str = "gelu_tanh_grad";
     pub const GELU_ERF_GRAD: &str = "gelu_erf_grad";
     pub const CAUSAL_MASK: &str = "causal_mask";
@@ -77,6 +79,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     SCALE,
     GELU_TANH,
     GELU_ERF,
+    SILU,
+    SILU_GRAD,
     GELU_TANH_GRAD,
     GELU_ERF_GRAD,
     CAUSAL_MASK,
@@ -136,6 +140,8 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::Scale { .. } | Kernel::Cast => Launcher::kernels(&[SCALE]),
         Kernel::Gelu { approximate: true } => Launcher::kernels(&[GELU_TANH]),
         Kernel::Gelu { approximate: false } => Launcher::kernels(&[GELU_ERF]),
+        Kernel::Silu => Launcher::kernels(&[SILU]),
+        Kernel::SiluGrad => Launcher::kernels(&[SILU_GRAD]),
         Kernel::GeluGrad { approximate: true } => Launcher::kernels(&[GELU_TANH_GRAD]),
         Kernel::GeluGrad { approximate: false } => Launcher::kernels(&[GELU_ERF_GRAD]),
         Kernel::Softmax => Launcher::kernels(&[SOFTMAX]),
@@ -1508,6 +1514,8 @@ impl CudaKernels {
             Kernel::Scale { factor } => dev.scale(inputs, out, factor),
             Kernel::Gelu { approximate: true } => dev.map_unary(GELU_TANH, inputs, out),
             Kernel::Gelu { approximate: false } => dev.map_unary(GELU_ERF, inputs, out),
+            Kernel::Silu => dev.map_unary(SILU, inputs, out),
+            Kernel::SiluGrad => dev.map_binary(SILU_GRAD, inputs, out),
             Kernel::GeluGrad { approximate: true } => dev.map_binary(GELU_TANH_GRAD, inputs, out),
             Kernel::GeluGrad { approximate: false } => dev.map_binary(GELU_ERF_GRAD, inputs, out),
             Kernel::Softmax => dev.softmax(inputs, out),
