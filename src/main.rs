@@ -200,6 +200,15 @@ fn compile(args: &CompileArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// The `inspect --json` document: the report, with the `--memory` search's answer as `max_batch`.
+fn report_json(report: &optimus::plan::report::Report, fit: Option<&cli::fit::Fit>) -> serde_json::Result<String> {
+    let mut value = serde_json::to_value(report)?;
+    if let (Some(fit), Some(object)) = (fit, value.as_object_mut()) {
+        object.insert("max_batch".into(), serde_json::to_value(fit)?);
+    }
+    serde_json::to_string_pretty(&value)
+}
+
 fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>, memory: Option<u64>) -> ExitCode {
     if let Some(Err(e)) = dot.map(|dot| cli::refuse_overwriting_input(dot, path, "--dot")) {
         return e.exit();
@@ -234,11 +243,7 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>, me
         }
     };
     if json {
-        let mut value = serde_json::to_value(&report).unwrap_or_default();
-        if let (Some(fit), Some(object)) = (&fit, value.as_object_mut()) {
-            object.insert("max_batch".into(), serde_json::to_value(fit).unwrap_or_default());
-        }
-        match serde_json::to_string_pretty(&value) {
+        match report_json(&report, fit.as_ref()) {
             Ok(text) => cli::stdout_json(&format!("{text}\n")),
             Err(e) => {
                 eprintln_safe!("error: cannot serialise the report: {e}");

@@ -108,3 +108,21 @@ fn clip_grad_norm_must_be_positive_and_finite() {
         assert!(String::from_utf8_lossy(&out.stderr).contains("--clip-grad-norm"), "{bad}");
     }
 }
+
+#[test]
+fn clipping_needs_a_training_plan_that_computes_the_norm() {
+    let out = optimusc(&["run", "examples/tiny.opt", "--mode", "infer", "--steps", "1", "--clip-grad-norm", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("training plan"));
+    // A plan written before the norm was part of the plan has no `grad_norm` buffer.
+    let plan = scratch("plan.json");
+    let compiled = optimusc(&["compile", "examples/tiny.opt", "--mesh", "2x2", "-o", plan.to_str().expect("utf-8")]);
+    assert!(compiled.status.success(), "{}", String::from_utf8_lossy(&compiled.stderr));
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).expect("plan")).expect("JSON");
+    json.as_object_mut().expect("an object").remove("grad_norm").expect("train plans name the norm's buffer");
+    let old = scratch("old-plan.json");
+    std::fs::write(&old, json.to_string()).expect("write");
+    let out = optimusc(&["run", old.to_str().expect("utf-8"), "--steps", "1", "--clip-grad-norm", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("compile it again"));
+}

@@ -92,3 +92,30 @@ fn inspect_finds_the_largest_batch_that_fits_and_recompute_raises_it() {
     }
     assert!(found[1] > found[0], "recomputation fits a larger batch: {found:?}");
 }
+
+#[test]
+fn inspect_memory_explains_what_it_cannot_do() {
+    let dir = std::env::temp_dir().join(format!("optimus-memory-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let plan = dir.join("plan.json");
+    let plan_text = plan.to_str().expect("utf-8");
+    let bin = env!("CARGO_BIN_EXE_optimusc");
+    let compiled = Command::new(bin).args(["compile", "examples/tiny.opt", "--mesh", "2x2", "-o", plan_text]).output();
+    assert!(compiled.expect("compile runs").status.success());
+    let bad_size = Command::new(bin).args(["inspect", plan_text, "--memory", "24XB"]).output().expect("runs");
+    assert_eq!(bad_size.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad_size.stderr).contains("the unit must be"));
+    // A plan whose model file is gone cannot be recompiled at other batch sizes.
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).expect("plan")).expect("JSON");
+    json["source"] = serde_json::Value::from("gone/model.opt");
+    let moved = dir.join("moved.json");
+    std::fs::write(&moved, json.to_string()).expect("write");
+    let out =
+        Command::new(bin).args(["inspect", moved.to_str().expect("utf-8"), "--memory", "1GiB"]).output().expect("runs");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("gone/model.opt"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

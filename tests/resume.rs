@@ -271,6 +271,8 @@ fn checkpoint_flags_are_checked_before_running() {
         (vec!["--steps", "4", "--resume", text(&ckpt), "--seed", "12", "--accum", "2"], "seed"),
         (vec!["--steps", "2", "--resume", text(&ckpt), "--seed", "11", "--accum", "2"], "--steps"),
         (vec!["--steps", "4", "--resume", text(&dir)], "no checkpoint in"),
+        (vec!["--steps", "4", "--checkpoint-dir", "examples/tiny.opt"], "not a directory"),
+        (vec!["--steps", "4", "--mode", "infer", "--checkpoint-dir", text(&dir)], "--mode train"),
     ];
     for (flags, wanted) in cases {
         let mut args = vec!["run", "examples/tiny.opt", "--mesh", "2x2"];

@@ -144,22 +144,26 @@ fn convert(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<(Tensor, O
     let values = to_f32(view.dtype(), view.data(), count)
         .ok_or_else(|| format!("`{key}`: dtype {:?} cannot be read (F32, F16, BF16 and F64 can)", view.dtype()))?;
     let bad = first_non_finite(&values).map(|(index, value)| {
-        let what = if value.is_nan() {
-            "NaN"
-        } else if value > 0.0 {
-            "infinity"
-        } else {
-            "-infinity"
-        };
         let cast = if view.dtype() == Dtype::F64 { " (as f32)" } else { "" };
-        format!("tensor `{key}` holds {what}{cast} at element {index}")
+        format!("tensor `{key}` holds {}{cast} at element {index}", non_finite_name(value))
     });
     Ok((Tensor::from_f32(&p.shape, values), bad))
 }
 
 /// The index and value of the first NaN or infinite value.
-fn first_non_finite(values: &[f32]) -> Option<(usize, f32)> {
+pub(super) fn first_non_finite(values: &[f32]) -> Option<(usize, f32)> {
     values.iter().position(|v| !v.is_finite()).map(|i| (i, values[i]))
+}
+
+/// What a non-finite value is called in messages: NaN, infinity or -infinity.
+pub(super) fn non_finite_name(value: f32) -> &'static str {
+    if value.is_nan() {
+        "NaN"
+    } else if value > 0.0 {
+        "infinity"
+    } else {
+        "-infinity"
+    }
 }
 
 /// How many leading elements of a file tensor of shape `found` make the parameter, if it fits.

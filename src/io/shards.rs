@@ -1134,16 +1134,8 @@ pub fn load_weights(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<
 
 /// "tensor `x` holds NaN at element 3", for a tensor's first NaN or infinite value.
 fn non_finite(name: &str, t: &Tensor) -> Option<String> {
-    let values = t.f32().ok()?;
-    let index = values.iter().position(|v| !v.is_finite())?;
-    let value = values[index];
-    let what = if value.is_nan() {
-        "NaN"
-    } else if value > 0.0 {
-        "infinity"
-    } else {
-        "-infinity"
-    };
+    let (index, value) = super::checkpoint::first_non_finite(t.f32().ok()?)?;
+    let what = super::checkpoint::non_finite_name(value);
     Some(format!("tensor `{}` holds {what} at element {index}", printable(name)))
 }
 

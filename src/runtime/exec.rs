@@ -301,8 +301,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                     return Ok(());
                 }
             }
-            if is_kernel(instr, Kernel::OptimizerStep) && self.grad_norm.is_none() && plan.grad_norm.is_some() {
-                self.grad_norm = Some(self.clip_factor().map_err(failed(index))?);
+            if let Some(norm_buffer) = plan.grad_norm.filter(|_| self.grad_norm.is_none())
+                && is_kernel(instr, Kernel::OptimizerStep)
+            {
+                self.grad_norm = Some(self.clip_factor(norm_buffer).map_err(failed(index))?);
             }
             let started = self.profile.is_some().then(Instant::now);
             self.execute_with(instr, update).map_err(failed(index))?;
@@ -318,8 +320,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
 
     /// The global gradient norm of this step (before clipping), and the factor the gradients are scaled by:
     /// min(1, X / (norm + 1e-6)) with `--clip-grad-norm X`, else 1.
-    fn clip_factor(&mut self) -> Result<(f32, f32), RuntimeError> {
-        let Some(id) = self.plan.grad_norm else { return Ok((f32::NAN, 1.0)) };
+    fn clip_factor(&mut self, id: BufferId) -> Result<(f32, f32), RuntimeError> {
         let squares = self
             .read(id)?
             .and_then(|t| t.f32().ok()?.first().copied())
@@ -334,7 +335,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
 
     /// The global gradient norm of the last update, before clipping (train plans that compute it).
     pub fn grad_norm(&self) -> Option<f32> {
-        self.grad_norm.map(|(norm, _)| norm).filter(|n| !n.is_nan())
+        self.grad_norm.map(|(norm, _)| norm)
     }
 
     /// The mean loss of the validation batches of `evaluation` with the current weights: the program up
