@@ -635,12 +635,33 @@ golden!(
     ["E0105"]
 );
 golden!(
-    block_layer_named_like_config,
+    block_layer_named_like_config_used_as_a_tensor,
     concat!(
         prelude!(),
         "input x: f32[batch, seq, hidden]\nblock B {\n  layer batch = linear(hidden, hidden)\n  forward(h) {\n    return batch(h) + batch\n  }\n}\nlayer b = B()\nforward {\n  output y = b(x)\n}\n"
     ),
-    ["E0105"]
+    ["E0107"]
+);
+golden!(
+    linear_orientation_unknown,
+    concat!(
+        prelude!(),
+        "layer fc = linear(hidden, hidden, orientation: \"rows\")\nforward {\n  output y = fc(tokens)\n}\n"
+    ),
+    ["E0107"]
+);
+golden!(
+    linear_orientation_with_tied,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(16, hidden)\nlayer head = linear(hidden, 16, tied: wte, orientation: \"out_in\")\nforward {\n  output y = head(wte(tokens))\n}\n"
+    ),
+    ["E0103"]
+);
+golden!(
+    model_linear_orientation_unknown,
+    "model m(linear_orientation: \"nn.Linear\")\ninput x: f32[4]\nforward {\n  output y = x\n}\n",
+    ["E0107"]
 );
 golden!(
     input_in_layer_arguments,

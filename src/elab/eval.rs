@@ -56,7 +56,7 @@ impl Elab<'_> {
                 let label = label.clone().unwrap_or_else(|| name.to_string());
                 return Ok(Value::Scalar(v.clone(), Some(label)));
             }
-            if self.modules[m].layer(name).is_some() {
+            if self.modules[m].layer(name).is_some() && !self.config_env.contains_key(name) {
                 if self.clashing_layers.contains(&(self.modules[m].block, name.to_string())) {
                     return Ok(Value::Poison);
                 }

@@ -358,7 +358,8 @@ impl<'f> Elab<'f> {
         span: Span,
         frame: &mut Frame,
     ) -> R<Layer> {
-        let sig = Signature { name: "linear", params: &["in", "out", "bias", "std", "tied"], required: 2 };
+        let sig =
+            Signature { name: "linear", params: &["in", "out", "bias", "std", "tied", "orientation"], required: 2 };
         let b = self.bind(call, &sig)?;
         let in_dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, frame);
         let out_dim = self.eval_out_dim(b.get(1).ok_or(Fail::Reported)?, frame);
@@ -367,12 +368,15 @@ impl<'f> Elab<'f> {
             None => Ok(true),
         };
         let std = self.optional_std(b.get(3), frame);
-        let (in_dim, out_dim, bias, std) = (in_dim?, out_dim?, bias?, std?);
+        let stored_out_in = self.linear_orientation(b.get(5), b.get(4).is_some(), frame);
+        let (in_dim, out_dim, bias, std, stored_out_in) = (in_dim?, out_dim?, bias?, std?, stored_out_in?);
         let (weight, transpose) = match b.get(4) {
             Some(tied) => (self.tied_table(module, tied, &in_dim, &out_dim)?, true),
             None => {
                 let shape = vec![in_dim.clone(), out_dim.clone()];
-                (self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span)?, false)
+                let id = self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::LinearWeight, span)?;
+                self.params[id.0 as usize].checkpoint_transposed = stored_out_in;
+                (id, false)
             }
         };
         let bias = match bias {
@@ -382,6 +386,31 @@ impl<'f> Elab<'f> {
             false => None,
         };
         Ok(Layer::Linear { weight, bias, in_dim, out_dim, transpose, span })
+    }
+
+    /// Whether a linear's weight is stored `[out, in]` in checkpoints: its `orientation` argument, else the
+    /// model's `linear_orientation`, else `[in, out]` (GPT-2's Conv1D). A tied linear has no weight of its own.
+    fn linear_orientation(
+        &mut self,
+        expr: Option<&'f crate::syntax::ast::Expr>,
+        tied: bool,
+        frame: &mut Frame,
+    ) -> R<bool> {
+        let Some(e) = expr else { return Ok(self.model_out_in()) };
+        let v = self.eval(e, frame)?;
+        let out_in = match self.as_str(&v, e)?.as_str() {
+            "out_in" => true,
+            "in_out" => false,
+            other => return self.fail(bad_orientation(other, e.span)),
+        };
+        if tied {
+            return self.fail(
+                Diagnostic::error(Code::E0103, "a tied linear has no weight of its own to orient")
+                    .primary(e.span, "`orientation` cannot be given with `tied`")
+                    .note("the tied table keeps the embedding's [rows, width] layout"),
+            );
+        }
+        Ok(out_in)
     }
 
     /// A linear's output size: an integer, or a list of factors such as `[3, heads, head]`.
@@ -525,7 +554,8 @@ impl<'f> Elab<'f> {
         self.check_tensor_size(&format!("parameter `{declared}`"), &ty, span)?;
         let name = join(path, leaf);
         let id = ParamId(u32::try_from(self.params.len()).unwrap_or(u32::MAX));
-        self.params.push(Param { checkpoint: name.clone(), name, ty, init, role, span });
+        let checkpoint_transposed = false;
+        self.params.push(Param { checkpoint: name.clone(), name, ty, init, role, span, checkpoint_transposed });
         Ok(id)
     }
 
@@ -768,4 +798,11 @@ impl<'f> Elab<'f> {
             .help("token ids must go through an embedding first"),
         )
     }
+}
+
+/// The error for an orientation other than "in_out" and "out_in".
+pub(crate) fn bad_orientation(found: &str, span: Span) -> Diagnostic {
+    Diagnostic::error(Code::E0107, format!("unknown weight orientation {found:?}"))
+        .primary(span, "expected \"in_out\" or \"out_in\"")
+        .note("\"in_out\" stores a linear weight [in, out] in checkpoints (GPT-2's Conv1D); \"out_in\" stores it [out, in] (torch.nn.Linear: BERT, Llama)")
 }

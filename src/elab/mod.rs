@@ -317,6 +317,15 @@ impl<'f> Elab<'f> {
         })
     }
 
+    /// Whether the model's `linear_orientation` is "out_in" (checked by `check_model_options`).
+    pub(crate) fn model_out_in(&self) -> bool {
+        let Some(model) = self.file.model.as_ref() else { return false };
+        model.options.iter().any(|o| match (&o.name, &o.value.kind) {
+            (Some(n), ast::ExprKind::Str(s)) => n.name == "linear_orientation" && s == "out_in",
+            _ => false,
+        })
+    }
+
     fn check_model_options(&mut self) {
         let Some(model) = &self.file.model else { return };
         for opt in &model.options {
@@ -329,11 +338,19 @@ impl<'f> Elab<'f> {
                         );
                     }
                 }
+                Some(n) if n.name == "linear_orientation" => match &opt.value.kind {
+                    ast::ExprKind::Str(s) if s == "in_out" || s == "out_in" => {}
+                    ast::ExprKind::Str(s) => self.report(layers::bad_orientation(s, opt.value.span)),
+                    _ => self.report(
+                        Diagnostic::error(Code::E0107, "`linear_orientation` must be a string")
+                            .primary(opt.value.span, "expected \"in_out\" or \"out_in\""),
+                    ),
+                },
                 Some(n) => {
                     let mut d = Diagnostic::error(Code::E0104, format!("`model` has no option named `{}`", n.name))
                         .primary(n.span, "unknown option")
-                        .note("`model` takes (checkpoint_prefix)");
-                    if let Some(s) = suggest(&n.name, ["checkpoint_prefix"]) {
+                        .note("`model` takes (checkpoint_prefix, linear_orientation)");
+                    if let Some(s) = suggest(&n.name, ["checkpoint_prefix", "linear_orientation"]) {
                         d = d.help(format!("did you mean `{s}`?"));
                     }
                     self.report(d);

@@ -93,7 +93,8 @@ impl<'f> Elab<'f> {
         }
     }
 
-    /// Layers named like a config value, or at the root like an input, would hide it: each is an error.
+    /// Layers named like an input at the root would hide it: each is an error. A layer may share a config
+    /// value's name (Hugging Face's `layers`): a call names the layer, any other use the value.
     fn check_layer_names(&mut self, block: Option<usize>, decls: &'f [LayerDecl], globals: &Globals<'f>) {
         let mut seen = HashSet::new();
         for decl in decls {
@@ -102,11 +103,8 @@ impl<'f> Elab<'f> {
             if !seen.insert(name) {
                 continue;
             }
-            let other = match (globals.config.get(name), globals.inputs.get(name).filter(|_| block.is_none())) {
-                (Some(c), _) => ("config value", *c),
-                (None, Some(i)) => ("input", *i),
-                (None, None) => continue,
-            };
+            let Some(input) = globals.inputs.get(name).filter(|_| block.is_none()) else { continue };
+            let other = ("input", *input);
             self.report(clash(other, ("layer", &decl.name)));
             self.clashing_layers.insert((block, name.to_string()));
         }

@@ -35,7 +35,12 @@ pub fn load_checkpoint(path: &Path, plan: &Plan, allow_non_finite: bool) -> Resu
                 }
                 Err(e) => matching.problems.push(e),
             },
-            None => matching.problems.push(format!("missing `{}`: expected {}", p.checkpoint, shape_text(&p.shape))),
+            None => matching.problems.push(format!(
+                "missing `{}`: expected {}{}",
+                p.checkpoint,
+                shape_text(&stored_shape(p)),
+                orientation_note(p)
+            )),
         }
     }
     matching.problems.append(&mut matching.extras);
@@ -139,10 +144,15 @@ fn ignorable(plan: &Plan, prefix: &str, key: &str, shape: &[usize]) -> bool {
 /// converted to f32), and a description of its first NaN or infinite element, if any.
 fn convert(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<(Tensor, Option<String>), String> {
     let key = printable(key);
-    let count = elements_to_take(p, view.shape())
-        .ok_or_else(|| format!("`{key}`: expected {}, found {}", shape_text(&p.shape), shape_text(view.shape())))?;
-    let values = to_f32(view.dtype(), view.data(), count)
+    let stored = stored_shape(p);
+    let count = elements_to_take(p, &stored, view.shape()).ok_or_else(|| {
+        format!("`{key}`: expected {}{}, found {}", shape_text(&stored), orientation_note(p), shape_text(view.shape()))
+    })?;
+    let mut values = to_f32(view.dtype(), view.data(), count)
         .ok_or_else(|| format!("`{key}`: dtype {:?} cannot be read (F32, F16, BF16 and F64 can)", view.dtype()))?;
+    if let Some((in_dim, out_dim)) = transposed_dims(p) {
+        values = transpose_2d(&values, out_dim, in_dim);
+    }
     let bad = first_non_finite(&values).map(|(index, value)| {
         let cast = if view.dtype() == Dtype::F64 { " (as f32)" } else { "" };
         format!("tensor `{key}` holds {}{cast} at element {index}", non_finite_name(value))
@@ -166,9 +176,43 @@ pub(super) fn non_finite_name(value: f32) -> &'static str {
     }
 }
 
-/// How many leading elements of a file tensor of shape `found` make the parameter, if it fits.
-fn elements_to_take(p: &PlanParam, found: &[usize]) -> Option<usize> {
-    let expected: Vec<usize> = p.shape.iter().map(|&d| d as usize).collect();
+/// The model shape `[in, out]` of a weight that checkpoints store `[out, in]`.
+fn transposed_dims(p: &PlanParam) -> Option<(usize, usize)> {
+    match (p.checkpoint_transposed, p.shape.as_slice()) {
+        (true, &[in_dim, out_dim]) => Some((in_dim as usize, out_dim as usize)),
+        _ => None,
+    }
+}
+
+/// The parameter's shape in checkpoint files: its model shape, reversed for a weight stored `[out, in]`.
+fn stored_shape(p: &PlanParam) -> Vec<u64> {
+    let mut shape = p.shape.clone();
+    if transposed_dims(p).is_some() {
+        shape.reverse();
+    }
+    shape
+}
+
+/// Says why a transposed parameter's expected shape is the model's reversed.
+fn orientation_note(p: &PlanParam) -> &'static str {
+    if transposed_dims(p).is_some() { " ([out, in], as the model declares `out_in`)" } else { "" }
+}
+
+/// A row-major `[rows, cols]` matrix as row-major `[cols, rows]`.
+fn transpose_2d(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; values.len()];
+    for (r, row) in values.chunks_exact(cols.max(1)).take(rows).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            out[c * rows + r] = v;
+        }
+    }
+    out
+}
+
+/// How many leading elements of a file tensor of shape `found` make the parameter (stored as `expected`), if it
+/// fits.
+fn elements_to_take(p: &PlanParam, expected: &[u64], found: &[usize]) -> Option<usize> {
+    let expected: Vec<usize> = expected.iter().map(|&d| d as usize).collect();
     let count = expected.iter().product();
     if found == expected.as_slice() {
         return Some(count);
@@ -302,6 +346,10 @@ fn param_bytes(p: &PlanParam, tensor: Option<&Tensor>) -> Result<F32Bytes, Strin
     if values.len() as u64 != count {
         return Err(format!("`{}`: shape {expected} needs {count} values, found {}", p.name, values.len()));
     }
-    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    Ok(F32Bytes { shape: p.shape.iter().map(|&d| d as usize).collect(), bytes })
+    let stored = stored_shape(p);
+    let bytes = match transposed_dims(p) {
+        Some((in_dim, out_dim)) => transpose_2d(values, in_dim, out_dim).iter().flat_map(|v| v.to_le_bytes()).collect(),
+        None => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    };
+    Ok(F32Bytes { shape: stored.iter().map(|&d| d as usize).collect(), bytes })
 }

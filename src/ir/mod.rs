@@ -130,6 +130,10 @@ pub struct Param {
     pub role: ParamRole,
     /// The layer declaration that created it.
     pub span: Span,
+    /// Stored transposed in checkpoints: a linear weight declared `[out, in]` (nn.Linear) while the model
+    /// holds it `[in, out]`. Loading and saving transpose it; nothing else sees the difference.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checkpoint_transposed: bool,
 }
 
 /// Index of a parameter in [`Model::params`].

@@ -468,6 +468,9 @@ pub struct PlanParam {
     pub state: Vec<BufferId>,
     /// Whether it is a residual projection etc. is already folded into `init`.
     pub role: crate::ir::ParamRole,
+    /// Checkpoint files hold it transposed (`[out, in]`, as nn.Linear stores weights); `shape` is the model's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checkpoint_transposed: bool,
 }
 
 /// A model input and the buffer (one per layout in use) that receives its block.

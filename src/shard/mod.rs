@@ -682,6 +682,7 @@ impl<'a> Lowerer<'a> {
                     grad: None,
                     state: Vec::new(),
                     role: p.role,
+                    checkpoint_transposed: p.checkpoint_transposed,
                 });
                 let compute = self.compute_copy(buffer);
                 self.define(n, layout, compute);
