@@ -145,3 +145,38 @@ fn a_layer_may_share_a_config_values_name() {
     assert_eq!(params, 1184);
     assert!(text.contains("1,184 parameters"), "{text}");
 }
+
+#[test]
+fn export_writes_out_in_weights_as_save_weights_does() {
+    let dir = scratch("export");
+    let model = dir.join("m.opt");
+    std::fs::write(&model, MODEL).expect("write");
+    let (saved, ckpt, exported) = (dir.join("saved.safetensors"), dir.join("ckpt"), dir.join("exported.safetensors"));
+    let (ok, text) = optimusc(&[
+        "run",
+        model.to_str().expect("utf-8"),
+        "--mesh",
+        "2x2",
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        ckpt.to_str().expect("utf-8"),
+        "--checkpoint-every",
+        "2",
+        "--save-weights",
+        saved.to_str().expect("utf-8"),
+    ]);
+    assert!(ok, "{text}");
+    let (ok, text) = optimusc(&["export", ckpt.to_str().expect("utf-8"), "-o", exported.to_str().expect("utf-8")]);
+    assert!(ok, "{text}");
+    let (a, b) = (std::fs::read(&saved).expect("read"), std::fs::read(&exported).expect("read"));
+    let (fa, fb) = (SafeTensors::deserialize(&a).expect("valid"), SafeTensors::deserialize(&b).expect("valid"));
+    let mut names = fa.names();
+    names.sort();
+    let mut other = fb.names();
+    other.sort();
+    assert_eq!(names, other);
+    for key in names {
+        assert_eq!(tensor(&fa, key), tensor(&fb, key), "{key}");
+    }
+}

@@ -12,7 +12,7 @@ use optimus::runtime::exec::{Evaluation, RunConfig, RunOutput, StepRecord};
 use optimus::runtime::schedule::{Schedule, ScheduleKind};
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -42,9 +42,15 @@ pub struct RunArgs {
     /// Load `--weights` even if some are NaN or infinite (by default that is an error naming the tensor).
     #[arg(long)]
     pub allow_non_finite_weights: bool,
-    /// Write the final weights here (safetensors, gathered logical tensors).
-    #[arg(long, value_name = "FILE.safetensors")]
+    /// Write the final weights here (safetensors, gathered logical tensors, Hugging Face names). A
+    /// directory (an existing one, or a path ending in `/`) gets the `save_pretrained` layout:
+    /// `model.safetensors`, or shards of at most --max-shard-size and `model.safetensors.index.json`.
+    #[arg(long, value_name = "FILE.safetensors|DIR/")]
     pub save_weights: Option<PathBuf>,
+    /// The largest shard `--save-weights DIR/` writes, as `save_pretrained(max_shard_size=...)`: a size
+    /// such as 5GB (decimal units, Hugging Face's default) or 512MiB. A larger tensor gets a shard of its own.
+    #[arg(long, value_name = "SIZE", value_parser = super::flags::memory_size, default_value = "5GB")]
+    pub max_shard_size: u64,
     /// Seed for initial weights, random tokens and dropout masks.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -329,7 +335,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     let schedule = schedule(args)?;
     args.backend.kind().check_available()?;
     // A path that cannot be written is found now, not after the whole run.
-    if let Some(path) = &args.save_weights {
+    if let Some(path) = args.save_weights.as_ref().filter(|p| !saves_a_directory(p)) {
         optimus::io::check_writable(path).map_err(|e| format!("--save-weights: {e}"))?;
     }
     // Under mpirun every rank prepares; rank 0 alone warns and writes the log.
@@ -417,8 +423,7 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
     let last = output.steps.last();
     let interrupted = last.is_some_and(|r| r.step + 1 < args.steps);
     if let Some(path) = &args.save_weights {
-        save_checkpoint(path, &job.plan, &output.params)?;
-        eprintln_safe!("saved weights to {}", path.display());
+        save_weights(path, args.max_shard_size, job, output)?;
     }
     if args.profile {
         print_profile(&job.plan, output, progress);
@@ -685,4 +690,21 @@ impl Progress {
             eprintln_safe!("{what} {} steps: loss {first:.4} -> {last:.4}", output.steps.len());
         }
     }
+}
+
+/// Whether `--save-weights` names a directory (the `save_pretrained` layout) rather than one file.
+fn saves_a_directory(path: &Path) -> bool {
+    path.is_dir() || path.as_os_str().to_string_lossy().ends_with(['/', std::path::MAIN_SEPARATOR])
+}
+
+/// Writes the final weights to one file, or in the `save_pretrained` layout into a directory.
+fn save_weights(path: &Path, max_shard: u64, job: &Prepared, output: &RunOutput) -> Result<(), String> {
+    if !saves_a_directory(path) {
+        save_checkpoint(path, &job.plan, &output.params)?;
+        eprintln_safe!("saved weights to {}", path.display());
+        return Ok(());
+    }
+    let saved = optimus::io::pretrained::save_pretrained(path, &job.plan, &output.params, max_shard)?;
+    eprintln_safe!("saved weights to {} ({} files: {})", path.display(), saved.files.len(), saved.files.join(", "));
+    Ok(())
 }

@@ -20,10 +20,29 @@ use std::path::Path;
 /// Reads a safetensors file and returns every plan parameter's logical tensor, by parameter name. A NaN or
 /// infinite weight is an error naming the tensor and the first bad element, unless `allow_non_finite`.
 pub fn load_checkpoint(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<BTreeMap<String, Tensor>, String> {
+    if super::pretrained::is_index(path) {
+        return super::pretrained::load_sharded(path, plan, allow_non_finite);
+    }
     let mapped = map_checkpoint(path)?;
     let file = SafeTensors::deserialize(&mapped)
         .map_err(|e| format!("`{}` is not a valid safetensors file: {e}", path.display()))?;
-    let mut matching = match_tensors(plan, &file);
+    load_tensors(&TensorSource { path, tensors: file.tensors() }, plan, allow_non_finite)
+}
+
+/// The tensors of one checkpoint, from one file or several, and the path that names them in messages.
+pub(super) struct TensorSource<'p, 'd> {
+    pub path: &'p Path,
+    pub tensors: Vec<(String, TensorView<'d>)>,
+}
+
+/// Every plan parameter's logical tensor from the tensors of a checkpoint; every mismatch reported at once.
+pub(super) fn load_tensors(
+    source: &TensorSource<'_, '_>,
+    plan: &Plan,
+    allow_non_finite: bool,
+) -> Result<BTreeMap<String, Tensor>, String> {
+    let path = source.path;
+    let mut matching = match_tensors(plan, &source.tensors);
     let mut out = BTreeMap::new();
     let mut non_finite = Vec::new();
     for p in &plan.params {
@@ -55,7 +74,7 @@ pub fn load_checkpoint(path: &Path, plan: &Plan, allow_non_finite: bool) -> Resu
 
 /// Maps a checkpoint file into memory, so a large file is read page by page rather than copied whole. Anything
 /// but a regular file (a device such as `/dev/zero`, a FIFO, a directory) is refused before it is opened.
-fn map_checkpoint(path: &Path) -> Result<memmap2::Mmap, String> {
+pub(super) fn map_checkpoint(path: &Path) -> Result<memmap2::Mmap, String> {
     let cannot = |e: std::io::Error| format!("cannot read checkpoint `{}`: {e}", path.display());
     let not_regular = || {
         format!("cannot read checkpoint `{}`: it is not a regular file (a device, FIFO or directory)", path.display())
@@ -95,13 +114,13 @@ struct Matching<'p, 'd> {
 }
 
 /// Assigns each file tensor to the parameter whose checkpoint name it carries, bare or prefixed.
-fn match_tensors<'p, 'd>(plan: &'p Plan, file: &SafeTensors<'d>) -> Matching<'p, 'd> {
+fn match_tensors<'p, 'd>(plan: &'p Plan, file: &[(String, TensorView<'d>)]) -> Matching<'p, 'd> {
     let by_checkpoint: HashMap<&str, &PlanParam> = plan.params.iter().map(|p| (p.checkpoint.as_str(), p)).collect();
     let prefix = plan.checkpoint_prefix.as_deref().unwrap_or("");
     let mut matching = Matching { found: HashMap::new(), problems: Vec::new(), extras: Vec::new() };
-    let mut tensors = file.tensors();
+    let mut tensors: Vec<&(String, TensorView<'d>)> = file.iter().collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    for (key, view) in tensors {
+    for (key, view) in tensors.into_iter().cloned() {
         let param = by_checkpoint
             .get(key.as_str())
             .or_else(|| key.strip_prefix(prefix).filter(|_| !prefix.is_empty()).and_then(|k| by_checkpoint.get(k)));
@@ -199,7 +218,7 @@ fn orientation_note(p: &PlanParam) -> &'static str {
 }
 
 /// A row-major `[rows, cols]` matrix as row-major `[cols, rows]`.
-fn transpose_2d(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(super) fn transpose_2d(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; values.len()];
     for (r, row) in values.chunks_exact(cols.max(1)).take(rows).enumerate() {
         for (c, &v) in row.iter().enumerate() {
@@ -293,9 +312,34 @@ fn bullet_list(lines: &[String]) -> String {
 }
 
 /// A tensor to write: F32 bytes, little-endian.
-struct F32Bytes {
+pub(super) struct F32Bytes {
     shape: Vec<usize>,
     bytes: Vec<u8>,
+}
+
+impl F32Bytes {
+    pub(super) fn byte_len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+}
+
+/// Borrowed, so that the tensors of one shard are serialized without copying them.
+impl View for &F32Bytes {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
 }
 
 impl View for F32Bytes {
@@ -317,7 +361,10 @@ impl View for F32Bytes {
 }
 
 /// Every parameter as F32 bytes under its prefixed checkpoint name, or every problem found.
-fn f32_tensors(plan: &Plan, params: &BTreeMap<String, Tensor>) -> Result<Vec<(String, F32Bytes)>, Vec<String>> {
+pub(super) fn f32_tensors(
+    plan: &Plan,
+    params: &BTreeMap<String, Tensor>,
+) -> Result<Vec<(String, F32Bytes)>, Vec<String>> {
     let prefix = plan.checkpoint_prefix.as_deref().unwrap_or("");
     let mut out: Vec<(String, F32Bytes)> = Vec::new();
     let mut problems = Vec::new();

@@ -8,6 +8,7 @@
 //! [`metrics`] appends the JSON-lines log of a run's records and reads it back as curves.
 //! [`shards`] writes and reads sharded training checkpoints (one file per device and a manifest),
 //! crash-safe, and readable onto any mesh.
+//! [`pretrained`] reads and writes Hugging Face's `save_pretrained` layout: shards and their index.
 //! [`output`] is the one way any output file is written: atomically for files, in place for devices
 //! and pipes, never leaving temporary files.
 
@@ -16,6 +17,7 @@ pub mod data;
 pub mod files;
 pub mod metrics;
 pub mod output;
+pub mod pretrained;
 pub mod shards;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};

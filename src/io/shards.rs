@@ -104,6 +104,9 @@ pub struct ParamRecord {
     pub name: String,
     pub checkpoint: String,
     pub states: usize,
+    /// Hugging Face files store it `[out, in]`: `export` writes it transposed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checkpoint_transposed: bool,
 }
 
 /// A logical tensor and the pieces that make it.
@@ -578,7 +581,12 @@ fn build_manifest(
         for k in 0..p.state.len() {
             tensors.insert(state_key(&p.name, k), record(None));
         }
-        params.push(ParamRecord { name: p.name.clone(), checkpoint: p.checkpoint.clone(), states: p.state.len() });
+        params.push(ParamRecord {
+            name: p.name.clone(),
+            checkpoint: p.checkpoint.clone(),
+            states: p.state.len(),
+            checkpoint_transposed: p.checkpoint_transposed,
+        });
     }
     let mut files = BTreeMap::new();
     for sidecar in sidecars {
@@ -1121,6 +1129,9 @@ pub fn load_weights(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<
     if !path.is_dir() {
         return super::checkpoint::load_checkpoint(path, plan, allow_non_finite);
     }
+    if let Some(file) = super::pretrained::pretrained_file(path) {
+        return super::checkpoint::load_checkpoint(&file, plan, allow_non_finite);
+    }
     let checkpoint = Checkpoint::open(path)?;
     let params = checkpoint.logical_params(Some(plan))?;
     if !allow_non_finite {
@@ -1153,7 +1164,7 @@ pub struct ExportSummary {
 pub fn export_safetensors(checkpoint: &Checkpoint, output: &Path) -> Result<ExportSummary, String> {
     let params = checkpoint.logical_params(None)?;
     let prefix = checkpoint.manifest.checkpoint_prefix.as_deref().unwrap_or("");
-    let mut tensors: BTreeMap<String, (&Tensor, Vec<u8>)> = BTreeMap::new();
+    let mut tensors: BTreeMap<String, (&Tensor, HfTensor)> = BTreeMap::new();
     for p in &checkpoint.manifest.params {
         let t = params.get(&p.name).ok_or_else(|| format!("`{}` could not be read", p.name))?;
         let key = format!("{prefix}{}", p.checkpoint);
@@ -1161,14 +1172,15 @@ pub fn export_safetensors(checkpoint: &Checkpoint, output: &Path) -> Result<Expo
             Some((first, _)) if *first == t => {}
             Some(_) => return Err(format!("two parameters with different values are stored under `{key}`")),
             None => {
-                let bytes = t.f32()?.iter().flat_map(|v| v.to_le_bytes()).collect();
-                tensors.insert(key, (t, bytes));
+                let (shape, values) = hf_orientation(p, t)?;
+                let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                tensors.insert(key, (t, (shape, bytes)));
             }
         }
     }
     let mut views = Vec::with_capacity(tensors.len());
-    for (key, (t, bytes)) in &tensors {
-        let view = safetensors::tensor::TensorView::new(Dtype::F32, usize_shape(&t.shape), bytes)
+    for (key, (_, (shape, bytes))) in &tensors {
+        let view = safetensors::tensor::TensorView::new(Dtype::F32, usize_shape(shape), bytes)
             .map_err(|e| format!("cannot export `{key}`: {e}"))?;
         views.push((key.clone(), view));
     }
@@ -1179,6 +1191,20 @@ pub fn export_safetensors(checkpoint: &Checkpoint, output: &Path) -> Result<Expo
         .map_err(|e| format!("cannot write `{}`: {}", e.path().display(), e.reason()))?;
     let elements = tensors.values().map(|(t, _)| t.shape.iter().product::<u64>()).sum();
     Ok(ExportSummary { step: checkpoint.step(), tensors: tensors.len(), elements })
+}
+
+/// A tensor's shape and little-endian F32 bytes as a Hugging Face file holds it.
+type HfTensor = (Vec<u64>, Vec<u8>);
+
+/// A parameter's shape and values as Hugging Face files hold it: transposed for an `[out, in]` weight.
+fn hf_orientation(p: &ParamRecord, t: &Tensor) -> Result<(Vec<u64>, Vec<f32>), String> {
+    let values = t.f32()?;
+    match (p.checkpoint_transposed, t.shape.as_slice()) {
+        (true, &[rows, cols]) => {
+            Ok((vec![cols, rows], super::checkpoint::transpose_2d(values, rows as usize, cols as usize)))
+        }
+        _ => Ok((t.shape.clone(), values.to_vec())),
+    }
 }
 
 #[cfg(test)]

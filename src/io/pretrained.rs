@@ -1,0 +1,203 @@
+//! Hugging Face `save_pretrained` layouts: a directory holding `model.safetensors`, or shards
+//! `model-00001-of-00004.safetensors`... with `model.safetensors.index.json` naming each tensor's file.
+//!
+//! Loading maps every shard into memory and matches tensors to parameters exactly as for one file, after
+//! checking that the index and the files agree. Saving cuts the tensors into shards of at most
+//! `max_shard_bytes` in plan order (a tensor larger than that gets a shard of its own), as
+//! `save_pretrained(max_shard_size=...)` does, writing every file atomically and the index last.
+
+use super::checkpoint::{TensorSource, f32_tensors, load_tensors, map_checkpoint};
+use crate::diag::printable;
+use crate::plan::Plan;
+use crate::runtime::tensor::Tensor;
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// The index file of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The one file of an unsharded checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Hugging Face's default `max_shard_size` ("5GB": decimal gigabytes).
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+/// An index larger than this is not an index.
+const MAX_INDEX_BYTES: u64 = 64 << 20;
+
+/// `model.safetensors.index.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct Index {
+    #[serde(default)]
+    metadata: serde_json::Map<String, serde_json::Value>,
+    weight_map: BTreeMap<String, String>,
+}
+
+/// The index or single file a `--weights` directory holds in the `save_pretrained` layout, if any.
+pub fn pretrained_file(dir: &Path) -> Option<PathBuf> {
+    [INDEX_FILE, SINGLE_FILE].iter().map(|name| dir.join(name)).find(|p| p.is_file())
+}
+
+/// Whether a path names an index file (`*.json`) rather than a safetensors file.
+pub fn is_index(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
+}
+
+/// Reads a sharded checkpoint through its index and returns every plan parameter's logical tensor.
+pub fn load_sharded(
+    index_path: &Path,
+    plan: &Plan,
+    allow_non_finite: bool,
+) -> Result<BTreeMap<String, Tensor>, String> {
+    let index = read_index(index_path)?;
+    let dir = index_path.parent().unwrap_or(Path::new("."));
+    let files: Vec<&String> = {
+        let mut f: Vec<&String> = index.weight_map.values().collect();
+        f.sort();
+        f.dedup();
+        f
+    };
+    let mut maps = Vec::with_capacity(files.len());
+    for name in &files {
+        check_shard_name(index_path, name)?;
+        maps.push(map_checkpoint(&dir.join(name))?);
+    }
+    let mut parsed = Vec::with_capacity(files.len());
+    for (name, map) in files.iter().zip(&maps) {
+        let file = SafeTensors::deserialize(map)
+            .map_err(|e| format!("`{}` is not a valid safetensors file: {e}", dir.join(name).display()))?;
+        parsed.push(file);
+    }
+    let mut tensors = Vec::new();
+    let mut problems = Vec::new();
+    let mut listed: HashMap<&str, &str> = index.weight_map.iter().map(|(k, f)| (k.as_str(), f.as_str())).collect();
+    for (name, file) in files.iter().zip(&parsed) {
+        for (key, view) in file.tensors() {
+            match listed.remove(key.as_str()) {
+                Some(f) if f == name.as_str() => tensors.push((key, view)),
+                Some(f) => problems.push(format!(
+                    "`{}` is in `{name}` but the index puts it in `{}`",
+                    printable(&key),
+                    printable(f)
+                )),
+                None => problems.push(format!("`{}` is in `{name}` but not in the index", printable(&key))),
+            }
+        }
+    }
+    let mut missing: Vec<String> = listed
+        .into_iter()
+        .map(|(k, f)| format!("the index puts `{}` in `{}`, which does not hold it", printable(k), printable(f)))
+        .collect();
+    missing.sort();
+    problems.extend(missing);
+    if !problems.is_empty() {
+        return Err(format!("`{}` does not match its files:\n{}", index_path.display(), bullets(&problems)));
+    }
+    load_tensors(&TensorSource { path: index_path, tensors }, plan, allow_non_finite)
+}
+
+fn bullets(lines: &[String]) -> String {
+    lines.iter().map(|l| format!("  - {l}")).collect::<Vec<_>>().join("\n")
+}
+
+fn read_index(path: &Path) -> Result<Index, String> {
+    let bytes = super::files::read_bounded(path, "checkpoint index", MAX_INDEX_BYTES)?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        format!(
+            "`{}` is not a safetensors index (JSON with a `weight_map` of tensor names to files): {e}",
+            path.display()
+        )
+    })
+}
+
+/// A shard must be a file beside the index: a plain name, no directories.
+fn check_shard_name(index: &Path, name: &str) -> Result<(), String> {
+    let plain = !name.is_empty() && !name.contains(['/', '\\']) && name != "." && name != "..";
+    if plain {
+        return Ok(());
+    }
+    Err(format!(
+        "`{}` names the file `{}`; shard files must be plain names beside the index",
+        index.display(),
+        printable(name)
+    ))
+}
+
+/// What a save wrote: the files, in order.
+#[derive(Debug, PartialEq)]
+pub struct Saved {
+    pub files: Vec<String>,
+    pub bytes: u64,
+}
+
+/// Writes every parameter as F32 in the `save_pretrained` layout into `dir` (created if needed): one
+/// `model.safetensors` when everything fits in one shard, otherwise numbered shards and the index.
+pub fn save_pretrained(
+    dir: &Path,
+    plan: &Plan,
+    params: &BTreeMap<String, Tensor>,
+    max_shard_bytes: u64,
+) -> Result<Saved, String> {
+    let cannot = |e: String| format!("cannot save weights to `{}`: {e}", dir.display());
+    let tensors = f32_tensors(plan, params).map_err(|problems| cannot(format!("\n{}", bullets(&problems))))?;
+    std::fs::create_dir_all(dir).map_err(|e| cannot(e.to_string()))?;
+    let groups = shard_groups(tensors.iter().map(|(_, t)| t.byte_len()), max_shard_bytes);
+    let count = groups.len();
+    let name = |k: usize| {
+        if count == 1 { SINGLE_FILE.to_string() } else { format!("model-{:05}-of-{count:05}.safetensors", k + 1) }
+    };
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut weight_map = BTreeMap::new();
+    let mut files = Vec::with_capacity(count);
+    let mut total = 0u64;
+    for (k, range) in groups.into_iter().enumerate() {
+        let file = name(k);
+        let shard = &tensors[range];
+        for (key, t) in shard {
+            weight_map.insert(key.clone(), file.clone());
+            total += t.byte_len();
+        }
+        let views: Vec<(&str, &super::checkpoint::F32Bytes)> = shard.iter().map(|(k, t)| (k.as_str(), t)).collect();
+        let bytes = safetensors::serialize(views, Some(metadata.clone())).map_err(|e| cannot(e.to_string()))?;
+        super::output::write_file(&dir.join(&file), &bytes)
+            .map_err(|e| format!("cannot write `{}`: {}", e.path().display(), e.reason()))?;
+        files.push(file);
+    }
+    if count > 1 {
+        let mut meta = serde_json::Map::new();
+        meta.insert("total_size".to_string(), serde_json::Value::from(total));
+        let index = Index { metadata: meta, weight_map };
+        let text = serde_json::to_string_pretty(&index).map_err(|e| cannot(e.to_string()))?;
+        super::output::write_file(&dir.join(INDEX_FILE), format!("{text}\n").as_bytes())
+            .map_err(|e| format!("cannot write `{}`: {}", e.path().display(), e.reason()))?;
+        files.push(INDEX_FILE.to_string());
+    }
+    Ok(Saved { files, bytes: total })
+}
+
+/// Consecutive groups of tensors (by index) of at most `max` bytes each; a tensor larger than `max` alone.
+fn shard_groups(sizes: impl Iterator<Item = u64>, max: u64) -> Vec<std::ops::Range<usize>> {
+    let sizes: Vec<u64> = sizes.collect();
+    let mut groups = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (i, &size) in sizes.iter().enumerate() {
+        if i > start && bytes.saturating_add(size) > max {
+            groups.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes = bytes.saturating_add(size);
+    }
+    groups.push(start..sizes.len());
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_fill_up_to_the_limit_in_order_and_a_large_tensor_stands_alone() {
+        assert_eq!(shard_groups([4u64, 4, 4].into_iter(), 8), vec![0..2, 2..3]);
+        assert_eq!(shard_groups([4u64, 20, 4].into_iter(), 8), vec![0..1, 1..2, 2..3]);
+        assert_eq!(shard_groups([4u64, 4, 4].into_iter(), 100), vec![0..3]);
+    }
+}

@@ -1,0 +1,108 @@
+//! The `save_pretrained` layout: `run --save-weights DIR/` shards by size with an index, `--weights` reads a
+//! directory, an index or a single file to the same losses, and an index that disagrees with its files is an
+//! error naming the difference.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pretrained").join(test);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch directory");
+    dir
+}
+
+fn optimusc(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs");
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+const TINY: &str = "examples/tiny.opt";
+
+/// The per-step losses of three SGD steps from `weights`, on `mesh`.
+fn losses(weights: &Path, mesh: &[&str]) -> Vec<String> {
+    let mut args =
+        vec!["run", TINY, "--steps", "3", "--optimizer", "sgd", "--weights", weights.to_str().expect("utf-8")];
+    args.extend(mesh);
+    let (ok, text) = optimusc(&args);
+    assert!(ok, "{text}");
+    text.lines()
+        .filter(|l| l.starts_with("step "))
+        .map(|l| l.split_whitespace().nth(3).unwrap_or("").to_string())
+        .collect()
+}
+
+#[test]
+fn sharded_and_single_file_checkpoints_give_the_same_losses() {
+    let dir = scratch("same_losses");
+    let (single, sharded) = (dir.join("single.safetensors"), dir.join("sharded"));
+    let sharded_arg = format!("{}/", sharded.display());
+    let (ok, text) =
+        optimusc(&["run", TINY, "--steps", "1", "--seed", "5", "--save-weights", single.to_str().expect("utf-8")]);
+    assert!(ok, "{text}");
+    let (ok, text) = optimusc(&[
+        "run",
+        TINY,
+        "--steps",
+        "1",
+        "--seed",
+        "5",
+        "--save-weights",
+        &sharded_arg,
+        "--max-shard-size",
+        "20KB",
+    ]);
+    assert!(ok, "{text}");
+    let index = sharded.join("model.safetensors.index.json");
+    let shards: Vec<_> = std::fs::read_dir(&sharded)
+        .expect("directory")
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert!(shards.len() > 2, "20KB shards split the tiny model: {shards:?}");
+    for name in &shards {
+        let len = std::fs::metadata(sharded.join(name)).expect("shard").len();
+        // A shard holds at most 20 KB of tensors, or one larger tensor (tiny's largest is well below 80 KB).
+        assert!(len < 80_000, "{name}: {len} bytes");
+    }
+    let text = std::fs::read_to_string(&index).expect("index written");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let listed = json["weight_map"].as_object().expect("weight_map");
+    assert!(listed.values().all(|f| shards.contains(&f.as_str().unwrap_or("").to_string())), "{text}");
+
+    for mesh in
+        [&["--mesh", "1x1", "--strategy", "none"][..], &["--mesh", "2x2"], &["--mesh", "1x4", "--strategy", "megatron"]]
+    {
+        let expected = losses(&single, mesh);
+        assert_eq!(expected.len(), 3);
+        assert_eq!(losses(&sharded, mesh), expected, "{mesh:?}: directory");
+        assert_eq!(losses(&index, mesh), expected, "{mesh:?}: index file");
+    }
+}
+
+#[test]
+fn an_index_that_disagrees_with_its_files_is_an_error() {
+    let dir = scratch("disagrees");
+    let sharded = dir.join("ckpt");
+    let arg = format!("{}/", sharded.display());
+    let (ok, text) = optimusc(&["run", TINY, "--steps", "1", "--save-weights", &arg, "--max-shard-size", "20KB"]);
+    assert!(ok, "{text}");
+    let index = sharded.join("model.safetensors.index.json");
+    let original = std::fs::read_to_string(&index).expect("index");
+    let mut json: serde_json::Value = serde_json::from_str(&original).expect("JSON");
+    let map = json["weight_map"].as_object_mut().expect("weight_map");
+    let key = map.keys().next().expect("a tensor").clone();
+    map.insert(key.clone(), serde_json::Value::from("model-99999-of-99999.safetensors"));
+    std::fs::write(&index, serde_json::to_string(&json).expect("JSON")).expect("write");
+    let (ok, text) = optimusc(&["run", TINY, "--steps", "1", "--weights", index.to_str().expect("utf-8")]);
+    assert!(!ok && text.contains("model-99999-of-99999.safetensors"), "a missing shard is named: {text}");
+
+    std::fs::write(&index, original.replace(&format!("\"{key}\""), "\"renamed.weight\"")).expect("write");
+    let (ok, text) = optimusc(&["run", TINY, "--steps", "1", "--weights", sharded.to_str().expect("utf-8")]);
+    assert!(!ok, "{text}");
+    assert!(text.contains(&format!("`{key}` is in")) && text.contains("not in the index"), "{text}");
+
+    std::fs::write(&index, "{\"weight_map\": {\"x\": \"../escape.safetensors\"}}").expect("write");
+    let (ok, text) = optimusc(&["run", TINY, "--steps", "1", "--weights", index.to_str().expect("utf-8")]);
+    assert!(!ok && text.contains("plain names beside the index"), "{text}");
+}
