@@ -6,7 +6,7 @@
 //! Everything runs asynchronously on one compute stream; only downloads and the few kernels whose CPU
 //! version can fail on the *values* of its inputs (out-of-range token ids and targets) wait for it.
 //!
-//! bf16 buffers live on the GPU as bf16 (two bytes an element); [`bf16`] runs plan kernels on them:
+//! bf16 buffers live on the GPU as bf16 (two bytes an element); the `bf16` submodule runs plan kernels on them:
 //! bf16 entry points of the kernels (f32 arithmetic, one rounding on store) and cuBLAS `gemmEx` products
 //! with bf16 operands and f32 accumulation.
 

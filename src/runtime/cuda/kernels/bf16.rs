@@ -116,8 +116,8 @@ pub(super) fn words<T>(name: &'static str) -> Result<&'static str, String> {
     }
 }
 
-/// What a plan kernel launches on the bf16 operands [`native`] accepts, or `None` when it runs
-/// [`widened`] (the casts, then its f32 [`launcher`]).
+/// What a plan kernel launches on the bf16 operands of a bf16 plan, or `None` when it runs widened
+/// (its bf16 operands cast to f32 on the GPU, then its f32 [`launcher`], then a cast back).
 pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
     const ZERO: &str = "zero_blocks_bf16";
     native(kernel)?;
