@@ -58,6 +58,27 @@ fn every_kernel_compiles_to_ptx() -> R {
     Ok(())
 }
 
+/// The kernels also assemble to machine code (NVRTC runs ptxas for a real architecture) for the GPUs
+/// bf16 products target: Ampere (sm_80) and Hopper (sm_90).
+#[test]
+fn every_kernel_assembles_for_ampere_and_hopper() -> R {
+    if !nvrtc_present() {
+        return Ok(());
+    }
+    for arch in ["sm_80", "sm_90"] {
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some(arch),
+            fmad: Some(false),
+            name: Some("kernels.cu".into()),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| format!("{arch}: {e:?}"))?;
+        let entries = ptx.to_src().matches(".entry ").count();
+        assert_eq!(entries, KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len(), "{arch}: entries");
+    }
+    Ok(())
+}
+
 /// One of each [`Kernel`] variant (and both GELU forms).
 fn samples() -> Vec<Kernel> {
     let offset = Offset::ZERO;
