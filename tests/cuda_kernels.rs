@@ -1,5 +1,6 @@
-//! The CUDA kernels: the NVRTC source compiles and defines every kernel, every plan kernel has a launcher,
-//! and (where a GPU is present) every kernel agrees with the CPU reference on random inputs.
+//! The CUDA kernels: the NVRTC source compiles and defines every kernel (f32 and bf16), every plan kernel
+//! has a launcher, and (where a GPU is present) every kernel agrees with the CPU reference on random
+//! inputs, in f32 and on bf16 buffers (against the CPU backend's bf16 result).
 //!
 //! Without libnvrtc the PTX test prints why and passes, unless `OPTIMUS_REQUIRE_NVRTC=1`; without a CUDA
 //! driver or GPU the GPU tests print why and pass, unless `OPTIMUS_REQUIRE_CUDA=1`.
@@ -9,10 +10,14 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nvrtc::Ptx;
 use optimus::ir::DType;
 use optimus::plan::{Buffer, BufferId, Kernel, Mesh, Offset, Role};
+use optimus::runtime::bf16;
 use optimus::runtime::cpu::kernels as cpu;
-use optimus::runtime::cuda::kernels::{CudaKernels, DeviceTensor, KERNEL_NAMES, SOURCE, compile_ptx, launcher};
+use optimus::runtime::cuda::kernels::{
+    BF16_KERNEL_NAMES, CudaKernels, DeviceTensor, KERNEL_NAMES, SOURCE, bf16_launcher, compile_ptx, launcher,
+};
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use optimus::runtime::tensor::{Data, Tensor};
+use optimus::runtime::view::{Shape, View, ViewData, ViewMut, ViewMutData};
 use optimus::shard::layout::{Layout, Placement};
 use std::collections::BTreeSet;
 use std::sync::{Arc, OnceLock};
@@ -44,11 +49,33 @@ fn every_kernel_compiles_to_ptx() -> R {
         return Ok(());
     }
     let ptx = compile_ptx()?.to_src();
-    for name in KERNEL_NAMES {
+    for name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES) {
         assert!(ptx.contains(&format!(".entry {name}(")), "the PTX has no entry `{name}`");
     }
-    assert_eq!(ptx.matches(".entry ").count(), KERNEL_NAMES.len(), "the PTX has entries KERNEL_NAMES does not list");
-    println!("{} kernels compiled to {} bytes of PTX", KERNEL_NAMES.len(), ptx.len());
+    let listed = KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len();
+    assert_eq!(ptx.matches(".entry ").count(), listed, "the PTX has entries the name lists do not list");
+    println!("{listed} kernels ({} on bf16 storage) compiled to {} bytes of PTX", BF16_KERNEL_NAMES.len(), ptx.len());
+    Ok(())
+}
+
+/// The kernels also assemble to machine code (NVRTC runs ptxas for a real architecture) for the GPUs
+/// bf16 products target: Ampere (sm_80) and Hopper (sm_90).
+#[test]
+fn every_kernel_assembles_for_ampere_and_hopper() -> R {
+    if !nvrtc_present() {
+        return Ok(());
+    }
+    for arch in ["sm_80", "sm_90"] {
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some(arch),
+            fmad: Some(false),
+            name: Some("kernels.cu".into()),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| format!("{arch}: {e:?}"))?;
+        let entries = ptx.to_src().matches(".entry ").count();
+        assert_eq!(entries, KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len(), "{arch}: entries");
+    }
     Ok(())
 }
 
@@ -166,10 +193,81 @@ fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
         }
     }
     assert_eq!(used, KERNEL_NAMES.iter().copied().collect(), "some kernels are never launched");
-    for name in KERNEL_NAMES {
+    for name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES) {
         assert!(SOURCE.contains(&format!("__global__ void {name}(")), "kernels.cu does not define `{name}`");
     }
 }
+
+#[test]
+fn every_bf16_function_has_a_user_and_the_bf16_plans_kernels_run_natively() {
+    let all: BTreeSet<&str> = KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).copied().collect();
+    let mut used = BTreeSet::new();
+    for kernel in &samples() {
+        let Some(l) = bf16_launcher(kernel) else { continue };
+        for f in l.functions {
+            assert!(all.contains(f), "{kernel:?} on bf16 uses `{f}`, which no name list lists");
+            used.insert(*f);
+        }
+    }
+    for name in BF16_KERNEL_NAMES {
+        assert!(used.contains(name), "`{name}` is never launched");
+    }
+    // Every kernel a bf16 plan gives bf16 operands has bf16 kernels; those it never does (and kernels
+    // added later, until they get bf16 entry points) run widened on the GPU.
+    for kernel in &samples() {
+        let kind = format!("{kernel:?}");
+        let kind = kind.split([' ', '{']).next().unwrap_or_default();
+        if WIDENED_IN_BF16_PLANS.contains(&kind) {
+            assert!(bf16_launcher(kernel).is_none(), "{kernel:?} has bf16 kernels but bf16 plans run it in f32");
+        } else if NATIVE_IN_BF16_PLANS.contains(&kind) {
+            assert!(bf16_launcher(kernel).is_some(), "{kernel:?} on bf16 buffers has no bf16 kernel");
+        }
+    }
+}
+
+/// The kernels bf16 plans run on f32 operands only (fills, the loss, the gradient norm, the optimizer).
+const WIDENED_IN_BF16_PLANS: [&str; 4] = ["CrossEntropyLoss", "Fill", "GradSquareSum", "OptimizerStep"];
+
+/// The kernels bf16 plans give bf16 operands (from compiling the examples with `--precision bf16`).
+const NATIVE_IN_BF16_PLANS: [&str; 37] = [
+    "MatMul",
+    "BatchedMatMul",
+    "BiasAdd",
+    "Add",
+    "Scale",
+    "Gelu",
+    "GeluGrad",
+    "Silu",
+    "SiluGrad",
+    "Softmax",
+    "SoftmaxGrad",
+    "CausalMask",
+    "CausalMaskGrad",
+    "Dropout",
+    "DropoutGrad",
+    "Reshape",
+    "Transpose",
+    "Select",
+    "SelectGrad",
+    "Attention",
+    "AttentionGrad",
+    "EmbeddingLookup",
+    "EmbeddingGrad",
+    "PositionLookup",
+    "PositionGrad",
+    "RowSum",
+    "RowCenteredSquareSum",
+    "LayerNormApply",
+    "LayerNormGradSums",
+    "LayerNormGradInput",
+    "LayerNormGradWeight",
+    "SumToLast",
+    "CrossEntropyMax",
+    "CrossEntropyStats",
+    "CrossEntropyGrad",
+    "SliceShard",
+    "Cast",
+];
 
 // ---- GPU harness ----------------------------------------------------------------------------------
 
@@ -184,13 +282,14 @@ struct Gpu {
     kernels: CudaKernels,
 }
 
-/// A GPU to test on, or `None` (after printing why) when this machine cannot run CUDA kernels.
-fn gpu() -> Result<Option<Gpu>, String> {
+/// A GPU to test on, or `None` (after printing that `what` did not run, and why) when this machine
+/// cannot run CUDA kernels.
+fn gpu(what: &str) -> Result<Option<Gpu>, String> {
     let skip = |why: String| {
         if required("OPTIMUS_REQUIRE_CUDA") {
             Err(format!("OPTIMUS_REQUIRE_CUDA=1 but {why}"))
         } else {
-            eprintln!("skipped: {why}");
+            eprintln!("skipped (not run on a GPU): {what}, because {why}");
             Ok(None)
         }
     };
@@ -381,14 +480,14 @@ impl Gpu {
     }
 }
 
-/// Checks a list of cases on a GPU, or skips.
-fn on_gpu(cases: impl FnOnce(&mut Rng) -> Result<Vec<Case>, String>) -> R {
-    with_gpu(|g, rng| g.check_all(&cases(rng)?))
+/// Checks a list of cases (named `what`) on a GPU, or skips.
+fn on_gpu(what: &str, cases: impl FnOnce(&mut Rng) -> Result<Vec<Case>, String>) -> R {
+    with_gpu(&format!("the f32 {what} kernels against the CPU"), |g, rng| g.check_all(&cases(rng)?))
 }
 
-/// Runs `body` on a GPU, or skips.
-fn with_gpu(body: impl FnOnce(&mut Gpu, &mut Rng) -> R) -> R {
-    match gpu()? {
+/// Runs `body` (which checks `what`) on a GPU, or skips.
+fn with_gpu(what: &str, body: impl FnOnce(&mut Gpu, &mut Rng) -> R) -> R {
+    match gpu(what)? {
         Some(mut g) => body(&mut g, &mut Rng(7)),
         None => Ok(()),
     }
@@ -668,47 +767,47 @@ fn every_gpu_case_behaves_as_declared_on_the_cpu() -> R {
 
 #[test]
 fn gpu_products_match_the_cpu() -> R {
-    on_gpu(product_cases)
+    on_gpu("products", product_cases)
 }
 
 #[test]
 fn gpu_elementwise_kernels_match_the_cpu() -> R {
-    on_gpu(elementwise_cases)
+    on_gpu("elementwise", elementwise_cases)
 }
 
 #[test]
 fn gpu_softmax_matches_the_cpu() -> R {
-    on_gpu(softmax_cases)
+    on_gpu("softmax", softmax_cases)
 }
 
 #[test]
 fn gpu_dropout_takes_the_cpus_mask() -> R {
-    on_gpu(dropout_cases)
+    on_gpu("dropout", dropout_cases)
 }
 
 #[test]
 fn gpu_data_movement_matches_the_cpu() -> R {
-    on_gpu(data_movement_cases)
+    on_gpu("data movement", data_movement_cases)
 }
 
 #[test]
 fn gpu_attention_matches_the_cpu() -> R {
-    on_gpu(attention_cases)
+    on_gpu("attention", attention_cases)
 }
 
 #[test]
 fn gpu_embeddings_match_the_cpu() -> R {
-    on_gpu(embedding_cases)
+    on_gpu("embedding", embedding_cases)
 }
 
 #[test]
 fn gpu_layer_norm_and_sums_match_the_cpu() -> R {
-    on_gpu(layer_norm_cases)
+    on_gpu("layer norm", layer_norm_cases)
 }
 
 #[test]
 fn gpu_cross_entropy_matches_the_cpu() -> R {
-    on_gpu(cross_entropy_cases)
+    on_gpu("cross-entropy", cross_entropy_cases)
 }
 
 fn settings(kind: OptimizerKind, momentum: f32, weight_decay: f32) -> OptimizerSettings {
@@ -741,7 +840,7 @@ impl Gpu {
 
 #[test]
 fn gpu_optimizer_steps_match_the_cpu() -> R {
-    with_gpu(|g, rng| {
+    with_gpu("the optimizer steps against the CPU", |g, rng| {
         g.check_optimizer(rng, &settings(OptimizerKind::Sgd, 0.9, 0.01))?;
         g.check_optimizer(rng, &settings(OptimizerKind::Sgd, 0.0, 0.0))?;
         g.check_optimizer(rng, &settings(OptimizerKind::AdamW, 0.0, 0.01))?;
@@ -751,7 +850,7 @@ fn gpu_optimizer_steps_match_the_cpu() -> R {
 
 #[test]
 fn gpu_tensors_round_trip() -> R {
-    with_gpu(|g, rng| {
+    with_gpu("the upload and download of f32 and i32 tensors", |g, rng| {
         for t in [rng.tensor(&[3, 4]), rng.ints(&[5], -3, 3), Tensor::zeros(DType::F32, &[0, 4]), rng.tensor(&[])] {
             let back = g.upload(&t)?.download(&g.stream)?;
             if back != t {
@@ -763,5 +862,221 @@ fn gpu_tensors_round_trip() -> R {
             return Err("a tensor with the wrong element count was uploaded".into());
         }
         Ok(())
+    })
+}
+
+// ---- bf16 buffers ---------------------------------------------------------------------------------
+
+/// Which floating-point inputs, and whether the output, are bf16 when a bf16 plan runs `kernel`
+/// (statistics stay f32), or `None` for kernels that bf16 plans never give a bf16 operand.
+fn bf16_roles(kernel: &Kernel, inputs: usize) -> Option<(Vec<bool>, bool)> {
+    let (t, f) = (true, false);
+    Some(match kernel {
+        Kernel::RowSum | Kernel::CrossEntropyMax { .. } => (vec![t], f),
+        Kernel::RowCenteredSquareSum { .. } => (vec![t, f], f),
+        Kernel::LayerNormApply { .. } => (vec![t, f, f, t, t], t),
+        Kernel::LayerNormGradSums { .. } => (vec![t, t, t, f, f], f),
+        Kernel::LayerNormGradInput { .. } => (vec![t, t, t, f, f, f], t),
+        Kernel::LayerNormGradWeight { .. } => (vec![t, t, f, f], t),
+        Kernel::CrossEntropyStats { .. } => (vec![t, f, f], f),
+        Kernel::CrossEntropyGrad { .. } => (vec![t, f, f, f, f], t),
+        Kernel::CrossEntropyLoss { .. } | Kernel::GradSquareSum | Kernel::OptimizerStep => return None,
+        _ => (vec![t; inputs], t),
+    })
+}
+
+/// A host tensor as a bf16 plan stores it: f32 values rounded to bf16 bits where told.
+#[derive(Clone)]
+struct Stored {
+    shape: Vec<u64>,
+    data: StoredData,
+}
+
+#[derive(Clone)]
+enum StoredData {
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+    Bf16(Vec<u16>),
+}
+
+impl Stored {
+    fn of(t: &Tensor, as_bf16: bool) -> Stored {
+        let data = match &t.data {
+            Data::F32(v) if as_bf16 => StoredData::Bf16(v.iter().map(|&x| bf16::round(x)).collect()),
+            Data::F32(v) => StoredData::F32(v.clone()),
+            Data::I32(v) => StoredData::I32(v.clone()),
+        };
+        Stored { shape: t.shape.clone(), data }
+    }
+
+    fn view(&self) -> View<'_> {
+        let data = match &self.data {
+            StoredData::F32(v) => ViewData::F32(v),
+            StoredData::I32(v) => ViewData::I32(v),
+            StoredData::Bf16(v) => ViewData::Bf16(v),
+        };
+        View { shape: Shape(&self.shape), data }
+    }
+
+    fn view_mut(&mut self) -> ViewMut<'_> {
+        let data = match &mut self.data {
+            StoredData::F32(v) => ViewMutData::F32(v),
+            StoredData::I32(v) => ViewMutData::I32(v),
+            StoredData::Bf16(v) => ViewMutData::Bf16(v),
+        };
+        ViewMut { shape: Shape(&self.shape), data }
+    }
+
+    fn is_bf16(&self) -> bool {
+        matches!(self.data, StoredData::Bf16(_))
+    }
+}
+
+/// A case run on bf16 buffers: its inputs and output stored as a bf16 plan stores them.
+struct Bf16Case<'c> {
+    case: &'c Case,
+    inputs: Vec<Stored>,
+    init: Stored,
+}
+
+/// The relative tolerance of bf16 results (bf16 keeps 8 significant bits: 2^-8 = 0.4%).
+const BF16_TOL: f64 = 2e-2;
+
+impl<'c> Bf16Case<'c> {
+    /// The case with the element types of a bf16 plan, or `None` for a kernel bf16 plans run in f32.
+    fn plan(case: &'c Case) -> Option<Bf16Case<'c>> {
+        let (ins, out) = bf16_roles(&case.kernel, case.inputs.len())?;
+        Some(Bf16Case::mixed(case, &ins, out))
+    }
+
+    /// The case with the given inputs (and output) in bf16.
+    fn mixed(case: &'c Case, ins: &[bool], out: bool) -> Bf16Case<'c> {
+        let inputs = case.inputs.iter().zip(ins).map(|(t, &h)| Stored::of(t, h)).collect();
+        Bf16Case { case, inputs, init: Stored::of(&case.initial(), out) }
+    }
+
+    fn describe(&self) -> String {
+        let types: Vec<&str> = self.inputs.iter().map(|s| if s.is_bf16() { "bf16" } else { "-" }).collect();
+        let out = if self.init.is_bf16() { "bf16" } else { "-" };
+        format!("{} with bf16 operands {types:?} -> {out}", self.case.describe())
+    }
+
+    /// The CPU backend's result: bf16 operands widened, the f32 kernel, a bf16 output rounded once.
+    fn on_cpu(&self) -> Result<Stored, String> {
+        let (i, j, mesh) = self.case.at;
+        let ctx = KernelContext { i, j, mesh, seed: 1234, inputs: &[], output: &self.case.out };
+        let views: Vec<View> = self.inputs.iter().map(Stored::view).collect();
+        let refs: Vec<&View> = views.iter().collect();
+        let mut out = self.init.clone();
+        let kernel = &self.case.kernel;
+        bf16::with_widened(&refs, &mut out.view_mut(), kernel.reads_its_output(), |ins, o| {
+            cpu::run_views(kernel, ins, o, &ctx)
+        })?;
+        Ok(out)
+    }
+
+    /// Both backends succeed with outputs within [`BF16_TOL`], or both fail.
+    fn check(&self, gpu: &mut Gpu) -> R {
+        let (i, j, mesh) = self.case.at;
+        let ctx = KernelContext { i, j, mesh, seed: 1234, inputs: &[], output: &self.case.out };
+        let dev: Vec<DeviceTensor> =
+            self.inputs.iter().map(|s| DeviceTensor::upload_view(&gpu.stream, &s.view())).collect::<Result<_, _>>()?;
+        let refs: Vec<&DeviceTensor> = dev.iter().collect();
+        let mut got = DeviceTensor::upload_view(&gpu.stream, &self.init.view())?;
+        let gpu_result = gpu.kernels.run(&self.case.kernel, &refs, &mut got, &ctx);
+        match (self.on_cpu(), gpu_result) {
+            (Ok(want), Ok(())) => {
+                let mut back = self.init.clone();
+                got.download_into(&gpu.stream, &mut back.view_mut())?;
+                let (got, want) = (back.view().to_tensor(), want.view().to_tensor());
+                close(&got, &want, BF16_TOL).map_err(|e| format!("{}: {e}", self.describe()))
+            }
+            (Err(_), Err(_)) => Ok(()),
+            (a, b) => Err(format!("{}: the CPU gives {:?}, the GPU {b:?}", self.describe(), a.map(|_| ()))),
+        }
+    }
+}
+
+/// Cases whose operand types are not a bf16 plan's: they run widened on the GPU (a bf16 operand next to
+/// an f32 one, an f32 output of bf16 products, casts both ways, a fill into bf16).
+fn mixed_bf16_cases(rng: &mut Rng) -> Vec<(Case, Vec<bool>, bool)> {
+    let s = [7, 45];
+    let product = |acc| Kernel::MatMul { transpose_a: false, transpose_b: true, accumulate: acc };
+    vec![
+        (Case::new(Kernel::Add, vec![rng.tensor(&s), rng.tensor(&s)], &s), vec![true, false], true),
+        (Case::new(Kernel::Add, vec![rng.tensor(&s), rng.tensor(&s)], &s), vec![true, true], false),
+        (Case::new(product(false), vec![rng.tensor(&[9, 40]), rng.tensor(&[11, 40])], &[9, 11]), vec![true; 2], false),
+        (
+            Case::new(product(true), vec![rng.tensor(&[9, 40]), rng.tensor(&[11, 40])], &[9, 11])
+                .init(rng.tensor(&[9, 11])),
+            vec![true; 2],
+            true,
+        ),
+        (
+            Case::new(product(false), vec![rng.tensor(&[9, 40]), rng.tensor(&[11, 40])], &[9, 11]),
+            vec![true, false],
+            true,
+        ),
+        (Case::new(Kernel::Cast, vec![rng.scaled(&s, 100.0)], &s), vec![false], true),
+        (Case::new(Kernel::Cast, vec![rng.scaled(&s, 100.0)], &s), vec![true], false),
+        (Case::new(Kernel::Fill { value: -2.5 }, vec![], &[3, 5]), vec![], true),
+        (Case::new(Kernel::BiasAdd, vec![rng.tensor(&s), rng.tensor(&[45])], &s), vec![true, false], true),
+    ]
+}
+
+/// The bf16 cases are well-formed on the CPU backend's bf16 path (this runs without a GPU).
+#[test]
+fn every_bf16_case_runs_on_the_cpu_backends_bf16_path() -> R {
+    let mut rng = Rng(7);
+    let mut count = 0;
+    for (name, cases) in ALL_CASES {
+        for case in cases(&mut rng)? {
+            let Some(b) = Bf16Case::plan(&case) else { continue };
+            match (b.on_cpu(), case.fails) {
+                (Ok(_), false) | (Err(_), true) => count += 1,
+                (Ok(_), true) => return Err(format!("{name}: {} succeeds on bf16", b.describe())),
+                (Err(e), false) => return Err(format!("{name}: {} fails on bf16: {e}", b.describe())),
+            }
+        }
+    }
+    for (case, ins, out) in mixed_bf16_cases(&mut rng) {
+        Bf16Case::mixed(&case, &ins, out).on_cpu()?;
+        count += 1;
+    }
+    assert!(count > 80, "only {count} bf16 cases");
+    Ok(())
+}
+
+#[test]
+fn gpu_bf16_kernels_match_the_cpu_backends_bf16() -> R {
+    with_gpu("every kernel on bf16 buffers (and mixed bf16/f32 operands) against the CPU backend's bf16", |g, rng| {
+        for (name, cases) in ALL_CASES {
+            for case in cases(rng)? {
+                if let Some(b) = Bf16Case::plan(&case) {
+                    b.check(g).map_err(|e| format!("{name}: {e}"))?;
+                }
+            }
+        }
+        for (case, ins, out) in mixed_bf16_cases(rng) {
+            Bf16Case::mixed(&case, &ins, out).check(g)?;
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn gpu_bf16_tensors_round_trip_as_bf16() -> R {
+    with_gpu("the upload and download of bf16 tensors", |g, rng| {
+        let stored = Stored::of(&rng.scaled(&[5, 7], 50.0), true);
+        let dev = DeviceTensor::upload_view(&g.stream, &stored.view())?;
+        if dev.data.capacity() != 35 || !matches!(dev.data, optimus::runtime::cuda::kernels::DeviceData::Bf16(_)) {
+            return Err(format!("a bf16 view was uploaded as {:?}", dev.data));
+        }
+        let mut back = Stored::of(&Tensor::zeros(DType::F32, &[5, 7]), true);
+        dev.download_into(&g.stream, &mut back.view_mut())?;
+        match (&back.data, &stored.data) {
+            (StoredData::Bf16(a), StoredData::Bf16(b)) if a == b => Ok(()),
+            _ => Err("bf16 bits changed on the way".into()),
+        }
     })
 }

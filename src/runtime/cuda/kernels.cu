@@ -6,13 +6,48 @@
 // Conventions: element counts and strides are 64-bit; elementwise kernels use grid-stride loops; row
 // reductions use one block per row (block size a multiple of 32, at most 1024) with a warp-shuffle tree,
 // accumulating in float32 like the CPU (float64 where the CPU uses f64). Copies move 32-bit words, so
-// they serve f32 and i32 tensors alike.
+// they serve f32 and i32 tensors alike (and 16-bit words for bf16 tensors).
+//
+// bf16 storage: a kernel whose body is a template over its element types has an f32 entry point (the
+// plain name) and a bf16 one (`_bf16`): bf16 operands are read widened to f32 (`ld`), everything is
+// computed in f32 exactly as in the f32 kernel, and a bf16 result is rounded once to nearest even when
+// stored (`st`), as the CPU backend does. Statistics (row sums, max, cross-entropy stats) stay f32.
 
 typedef unsigned long long u64;
 typedef long long i64;
 typedef unsigned int u32;
 
 #define NEG_INF __int_as_float(0xff800000)
+
+// ---- bf16 storage ---------------------------------------------------------------------------------
+
+// A bf16 element: the top 16 bits of an f32 (no cuda_bf16.h: the PTX targets compute_70 and only
+// converts, so the conversions are written out, bit-identical to the host's `half::bf16`).
+struct bf16 {
+    unsigned short bits;
+};
+
+// The f32 value of a bf16 (exact).
+__device__ __forceinline__ float widen_bf16(bf16 h) { return __uint_as_float((u32)h.bits << 16); }
+
+// The bf16 nearest to v, ties to even; NaN stays a quiet NaN, values past the range become infinite.
+__device__ __forceinline__ bf16 round_bf16(float v) {
+    const u32 x = __float_as_uint(v);
+    bf16 h;
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        h.bits = (unsigned short)((x >> 16) | 0x0040u);
+    } else {
+        const u32 up = (x & 0x8000u) != 0 && (x & 0x17fffu) != 0 ? 1u : 0u;
+        h.bits = (unsigned short)((x >> 16) + up);
+    }
+    return h;
+}
+
+// Element i of a tensor as f32, and the store of an f32 result (rounded once into bf16 storage).
+__device__ __forceinline__ float ld(const float* p, u64 i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16* p, u64 i) { return widen_bf16(p[i]); }
+__device__ __forceinline__ void st(float* p, u64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16* p, u64 i, float v) { p[i] = round_bf16(v); }
 
 // sqrt(2 / pi), 1 / sqrt(2 pi) and the cubic coefficient, folded in f32 exactly as the CPU's constants.
 #define FRAC_2_SQRT_PI 1.12837916709551257390f
@@ -111,16 +146,45 @@ __device__ __forceinline__ void flag_invalid(u64* flag, u64 index) { atomicMax(f
 
 // ---- elementwise ----------------------------------------------------------------------------------
 
+template <class T>
+__device__ void bias_add_t(T* y, const T* x, const T* b, u64 n, u64 width) {
+    GRID_STRIDE(i, n) st(y, i, ld(x, i) + ld(b, i % width));
+}
+
 extern "C" __global__ void bias_add(float* y, const float* x, const float* b, u64 n, u64 width) {
-    GRID_STRIDE(i, n) y[i] = x[i] + b[i % width];
+    bias_add_t(y, x, b, n, width);
 }
 
-extern "C" __global__ void add(float* y, const float* a, const float* b, u64 n) {
-    GRID_STRIDE(i, n) y[i] = a[i] + b[i];
+extern "C" __global__ void bias_add_bf16(bf16* y, const bf16* x, const bf16* b, u64 n, u64 width) {
+    bias_add_t(y, x, b, n, width);
 }
 
-extern "C" __global__ void scale(float* y, const float* x, float factor, u64 n) {
-    GRID_STRIDE(i, n) y[i] = x[i] * factor;
+template <class T>
+__device__ void add_t(T* y, const T* a, const T* b, u64 n) {
+    GRID_STRIDE(i, n) st(y, i, ld(a, i) + ld(b, i));
+}
+
+extern "C" __global__ void add(float* y, const float* a, const float* b, u64 n) { add_t(y, a, b, n); }
+
+extern "C" __global__ void add_bf16(bf16* y, const bf16* a, const bf16* b, u64 n) { add_t(y, a, b, n); }
+
+template <class T>
+__device__ void scale_t(T* y, const T* x, float factor, u64 n) {
+    GRID_STRIDE(i, n) st(y, i, ld(x, i) * factor);
+}
+
+extern "C" __global__ void scale(float* y, const float* x, float factor, u64 n) { scale_t(y, x, factor, n); }
+
+extern "C" __global__ void scale_bf16(bf16* y, const bf16* x, float factor, u64 n) { scale_t(y, x, factor, n); }
+
+// Casts between f32 and bf16 storage (the Cast kernel, and the widening of operands for kernels
+// without a bf16 entry point).
+extern "C" __global__ void cast_f32_to_bf16(bf16* y, const float* x, u64 n) {
+    GRID_STRIDE(i, n) y[i] = round_bf16(x[i]);
+}
+
+extern "C" __global__ void cast_bf16_to_f32(float* y, const bf16* x, u64 n) {
+    GRID_STRIDE(i, n) y[i] = widen_bf16(x[i]);
 }
 
 // sigmoid(2u) for u = sqrt(2/pi) (x + 0.044715 x^3), i.e. 0.5 (1 + tanh u).
@@ -128,49 +192,102 @@ __device__ __forceinline__ float gelu_gate(float x) {
     return 1.0f / (1.0f + expf(-2.0f * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)));
 }
 
-extern "C" __global__ void gelu_tanh(float* y, const float* x, u64 n) {
-    GRID_STRIDE(i, n) y[i] = x[i] * gelu_gate(x[i]);
+// y = f(x) element by element, for the unary activations below.
+template <class T, class F>
+__device__ void map_t(T* y, const T* x, u64 n, F f) {
+    GRID_STRIDE(i, n) st(y, i, f(ld(x, i)));
 }
 
-extern "C" __global__ void gelu_erf(float* y, const float* x, u64 n) {
-    GRID_STRIDE(i, n) {
-        const float v = x[i];
-        y[i] = 0.5f * v * (1.0f + erff(v * FRAC_1_SQRT_2));
+// dx = f(dy, x) element by element, for the activation gradients below.
+template <class T, class F>
+__device__ void map2_t(T* dx, const T* dy, const T* x, u64 n, F f) {
+    GRID_STRIDE(i, n) st(dx, i, f(ld(dy, i), ld(x, i)));
+}
+
+struct GeluTanh {
+    __device__ float operator()(float v) const { return v * gelu_gate(v); }
+};
+
+struct GeluErf {
+    __device__ float operator()(float v) const { return 0.5f * v * (1.0f + erff(v * FRAC_1_SQRT_2)); }
+};
+
+struct Silu {
+    __device__ float operator()(float v) const { return v / (1.0f + expf(-v)); }
+};
+
+struct SiluGrad {
+    __device__ float operator()(float d, float v) const {
+        const float s = 1.0f / (1.0f + expf(-v));
+        return d * (s + v * s * (1.0f - s));
     }
-}
+};
 
-extern "C" __global__ void silu(float* y, const float* x, u64 n) {
-    GRID_STRIDE(i, n) y[i] = x[i] / (1.0f + expf(-x[i]));
-}
+struct GeluTanhGrad {
+    __device__ float operator()(float d, float v) const {
+        const float s = gelu_gate(v);
+        return d * (s + 2.0f * v * s * (1.0f - s) * SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_CUBIC * v * v));
+    }
+};
+
+struct GeluErfGrad {
+    __device__ float operator()(float d, float v) const {
+        const float cdf = 0.5f * (1.0f + erff(v * FRAC_1_SQRT_2));
+        return d * (cdf + v * INV_SQRT_2PI * expf(-0.5f * v * v));
+    }
+};
+
+extern "C" __global__ void gelu_tanh(float* y, const float* x, u64 n) { map_t(y, x, n, GeluTanh()); }
+
+extern "C" __global__ void gelu_tanh_bf16(bf16* y, const bf16* x, u64 n) { map_t(y, x, n, GeluTanh()); }
+
+extern "C" __global__ void gelu_erf(float* y, const float* x, u64 n) { map_t(y, x, n, GeluErf()); }
+
+extern "C" __global__ void gelu_erf_bf16(bf16* y, const bf16* x, u64 n) { map_t(y, x, n, GeluErf()); }
+
+extern "C" __global__ void silu(float* y, const float* x, u64 n) { map_t(y, x, n, Silu()); }
+
+extern "C" __global__ void silu_bf16(bf16* y, const bf16* x, u64 n) { map_t(y, x, n, Silu()); }
 
 extern "C" __global__ void silu_grad(float* dx, const float* dy, const float* x, u64 n) {
-    GRID_STRIDE(i, n) {
-        const float v = x[i], s = 1.0f / (1.0f + expf(-v));
-        dx[i] = dy[i] * (s + v * s * (1.0f - s));
-    }
+    map2_t(dx, dy, x, n, SiluGrad());
+}
+
+extern "C" __global__ void silu_grad_bf16(bf16* dx, const bf16* dy, const bf16* x, u64 n) {
+    map2_t(dx, dy, x, n, SiluGrad());
 }
 
 extern "C" __global__ void gelu_tanh_grad(float* dx, const float* dy, const float* x, u64 n) {
-    GRID_STRIDE(i, n) {
-        const float v = x[i], s = gelu_gate(v);
-        dx[i] = dy[i] * (s + 2.0f * v * s * (1.0f - s) * SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_CUBIC * v * v));
-    }
+    map2_t(dx, dy, x, n, GeluTanhGrad());
+}
+
+extern "C" __global__ void gelu_tanh_grad_bf16(bf16* dx, const bf16* dy, const bf16* x, u64 n) {
+    map2_t(dx, dy, x, n, GeluTanhGrad());
 }
 
 extern "C" __global__ void gelu_erf_grad(float* dx, const float* dy, const float* x, u64 n) {
-    GRID_STRIDE(i, n) {
-        const float v = x[i];
-        const float cdf = 0.5f * (1.0f + erff(v * FRAC_1_SQRT_2));
-        dx[i] = dy[i] * (cdf + v * INV_SQRT_2PI * expf(-0.5f * v * v));
-    }
+    map2_t(dx, dy, x, n, GeluErfGrad());
+}
+
+extern "C" __global__ void gelu_erf_grad_bf16(bf16* dx, const bf16* dy, const bf16* x, u64 n) {
+    map2_t(dx, dy, x, n, GeluErfGrad());
 }
 
 // Copies x, replacing entries above the diagonal of each trailing [rows, cols] matrix by `fill`.
-extern "C" __global__ void causal_mask(float* y, const float* x, u64 n, u64 rows, u64 cols, float fill) {
+template <class T>
+__device__ void causal_mask_t(T* y, const T* x, u64 n, u64 rows, u64 cols, float fill) {
     GRID_STRIDE(i, n) {
         const u64 c = i % cols, r = (i / cols) % rows;
-        y[i] = c <= r ? x[i] : fill;
+        st(y, i, c <= r ? ld(x, i) : fill);
     }
+}
+
+extern "C" __global__ void causal_mask(float* y, const float* x, u64 n, u64 rows, u64 cols, float fill) {
+    causal_mask_t(y, x, n, rows, cols, fill);
+}
+
+extern "C" __global__ void causal_mask_bf16(bf16* y, const bf16* x, u64 n, u64 rows, u64 cols, float fill) {
+    causal_mask_t(y, x, n, rows, cols, fill);
 }
 
 // SplitMix64's finaliser of the state advanced by the golden gamma (as the CPU's `splitmix64`).
@@ -183,12 +300,22 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
 
 // Keeps element i when the top 53 bits of its hash, as a number, are >= threshold = p 2^53; `base` is the
 // host's splitmix64(seed ^ splitmix64(key ^ C)) and `logical` the logical index of each local element.
-extern "C" __global__ void dropout(float* y, const float* x, const u64* logical, u64 n, u64 base, double threshold,
-                                   float scale) {
+template <class T>
+__device__ void dropout_t(T* y, const T* x, const u64* logical, u64 n, u64 base, double threshold, float scale) {
     GRID_STRIDE(i, n) {
         const u64 h = splitmix64(base + logical[i] * 0x9E3779B97F4A7C15ull);
-        y[i] = (double)(h >> 11) >= threshold ? x[i] * scale : 0.0f;
+        st(y, i, (double)(h >> 11) >= threshold ? ld(x, i) * scale : 0.0f);
     }
+}
+
+extern "C" __global__ void dropout(float* y, const float* x, const u64* logical, u64 n, u64 base, double threshold,
+                                   float scale) {
+    dropout_t(y, x, logical, n, base, threshold, scale);
+}
+
+extern "C" __global__ void dropout_bf16(bf16* y, const bf16* x, const u64* logical, u64 n, u64 base,
+                                        double threshold, float scale) {
+    dropout_t(y, x, logical, n, base, threshold, scale);
 }
 
 extern "C" __global__ void fill_bits(u32* y, u32 bits, u64 n) {
@@ -196,19 +323,31 @@ extern "C" __global__ void fill_bits(u32* y, u32 bits, u64 n) {
 }
 
 // Zeroes `batches` [rows, cols] blocks whose rows are `ld` apart and which start `stride` apart.
-extern "C" __global__ void zero_blocks(float* y, u64 batches, u64 rows, u64 cols, u64 ld, u64 stride) {
+template <class T>
+__device__ void zero_blocks_t(T* y, u64 batches, u64 rows, u64 cols, u64 ld, u64 stride) {
     const u64 n = batches * rows * cols;
     GRID_STRIDE(i, n) {
         const u64 c = i % cols, r = (i / cols) % rows, t = i / (cols * rows);
-        y[t * stride + r * ld + c] = 0.0f;
+        st(y, t * stride + r * ld + c, 0.0f);
     }
 }
 
-// ---- data movement (32-bit words) ----------------------------------------------------------------
+extern "C" __global__ void zero_blocks(float* y, u64 batches, u64 rows, u64 cols, u64 ld, u64 stride) {
+    zero_blocks_t(y, batches, rows, cols, ld, stride);
+}
+
+extern "C" __global__ void zero_blocks_bf16(bf16* y, u64 batches, u64 rows, u64 cols, u64 ld, u64 stride) {
+    zero_blocks_t(y, batches, rows, cols, ld, stride);
+}
+
+// ---- data movement (32-bit words; 16-bit words for bf16) -----------------------------------------
+
+typedef unsigned short u16;
 
 // `count` runs of `len` words from src[src_offset + t src_stride ..] to dst[dst_offset + t dst_stride ..].
-extern "C" __global__ void copy_runs(u32* dst, const u32* src, u64 count, u64 len, u64 src_stride, u64 src_offset,
-                                     u64 dst_stride, u64 dst_offset) {
+template <class W>
+__device__ void copy_runs_t(W* dst, const W* src, u64 count, u64 len, u64 src_stride, u64 src_offset,
+                            u64 dst_stride, u64 dst_offset) {
     const u64 n = count * len;
     GRID_STRIDE(i, n) {
         const u64 t = i / len, k = i % len;
@@ -216,8 +355,19 @@ extern "C" __global__ void copy_runs(u32* dst, const u32* src, u64 count, u64 le
     }
 }
 
+extern "C" __global__ void copy_runs(u32* dst, const u32* src, u64 count, u64 len, u64 src_stride, u64 src_offset,
+                                     u64 dst_stride, u64 dst_offset) {
+    copy_runs_t(dst, src, count, len, src_stride, src_offset, dst_stride, dst_offset);
+}
+
+extern "C" __global__ void copy_runs_u16(u16* dst, const u16* src, u64 count, u64 len, u64 src_stride,
+                                         u64 src_offset, u64 dst_stride, u64 dst_offset) {
+    copy_runs_t(dst, src, count, len, src_stride, src_offset, dst_stride, dst_offset);
+}
+
 // Swaps dimensions p and q of [a, p, b, q, c]: dst is [a, q, b, p, c].
-extern "C" __global__ void transpose(u32* dst, const u32* src, u64 a, u64 p, u64 b, u64 q, u64 c) {
+template <class W>
+__device__ void transpose_t(W* dst, const W* src, u64 a, u64 p, u64 b, u64 q, u64 c) {
     const u64 n = a * p * b * q * c;
     GRID_STRIDE(d, n) {
         u64 t = d / c;
@@ -228,6 +378,14 @@ extern "C" __global__ void transpose(u32* dst, const u32* src, u64 a, u64 p, u64
         const u64 iq = t % q, ia = t / q;
         dst[d] = src[(((ia * p + ip) * b + ib) * q + iq) * c + ic];
     }
+}
+
+extern "C" __global__ void transpose(u32* dst, const u32* src, u64 a, u64 p, u64 b, u64 q, u64 c) {
+    transpose_t(dst, src, a, p, b, q, c);
+}
+
+extern "C" __global__ void transpose_u16(u16* dst, const u16* src, u64 a, u64 p, u64 b, u64 q, u64 c) {
+    transpose_t(dst, src, a, p, b, q, c);
 }
 
 // ---- softmax --------------------------------------------------------------------------------------
@@ -253,14 +411,40 @@ extern "C" __global__ void softmax(float* y, const float* x, u64 rows, u64 width
     BLOCK_ROWS(r, rows) softmax_row(y + r * width, x + r * width, width, width, 0.0f);
 }
 
-extern "C" __global__ void softmax_grad(float* dx, const float* dy, const float* y, u64 rows, u64 width) {
+// The softmax of a row into a separate row of any storage: the exponentials are recomputed rather than
+// stored, so that a bf16 result is rounded once (the f32 kernel stores them, which gives the same values).
+template <class T>
+__device__ void softmax_row_t(T* row, const T* src, u64 width) {
+    float m = NEG_INF;
+    ROW_COLUMNS(c, width) m = fmaxf(m, ld(src, c));
+    m = block_max(m);
+    float s = 0.0f;
+    ROW_COLUMNS(c, width) s += expf(ld(src, c) - m);
+    const float inv = 1.0f / block_sum(s);
+    ROW_COLUMNS(c, width) st(row, c, expf(ld(src, c) - m) * inv);
+}
+
+extern "C" __global__ void softmax_bf16(bf16* y, const bf16* x, u64 rows, u64 width) {
+    BLOCK_ROWS(r, rows) softmax_row_t(y + r * width, x + r * width, width);
+}
+
+template <class T>
+__device__ void softmax_grad_t(T* dx, const T* dy, const T* y, u64 rows, u64 width) {
     BLOCK_ROWS(r, rows) {
-        const float *dyr = dy + r * width, *yr = y + r * width;
+        const T *dyr = dy + r * width, *yr = y + r * width;
         float dot = 0.0f;
-        ROW_COLUMNS(c, width) dot += dyr[c] * yr[c];
+        ROW_COLUMNS(c, width) dot += ld(dyr, c) * ld(yr, c);
         dot = block_sum(dot);
-        ROW_COLUMNS(c, width) dx[r * width + c] = yr[c] * (dyr[c] - dot);
+        ROW_COLUMNS(c, width) st(dx, r * width + c, ld(yr, c) * (ld(dyr, c) - dot));
     }
+}
+
+extern "C" __global__ void softmax_grad(float* dx, const float* dy, const float* y, u64 rows, u64 width) {
+    softmax_grad_t(dx, dy, y, rows, width);
+}
+
+extern "C" __global__ void softmax_grad_bf16(bf16* dx, const bf16* dy, const bf16* y, u64 rows, u64 width) {
+    softmax_grad_t(dx, dy, y, rows, width);
 }
 
 // The attention probabilities in place on scores [.., sq, sk]: row q keeps min(q + 1, sk) live columns
@@ -295,44 +479,85 @@ __device__ __forceinline__ bool local_row(int id, i64 base, u64 rows, u64* row) 
     return true;
 }
 
-extern "C" __global__ void embedding_lookup(float* y, const int* ids, const float* table, u64 count, u64 rows,
-                                            u64 width, i64 base, u64* invalid) {
+template <class T>
+__device__ void embedding_lookup_t(T* y, const int* ids, const T* table, u64 count, u64 rows, u64 width, i64 base,
+                                   u64* invalid) {
     const u64 n = count * width;
     GRID_STRIDE(i, n) {
         const u64 t = i / width, c = i % width;
         u64 r;
         if (local_row(ids[t], base, rows, &r)) {
-            y[i] = table[r * width + c];
+            st(y, i, ld(table, r * width + c));
         } else {
-            y[i] = 0.0f;
+            st(y, i, 0.0f);
             if (c == 0) flag_invalid(invalid, t);
         }
     }
 }
 
-// Scatter-add of dy rows into g (zeroed by the host).
-extern "C" __global__ void embedding_grad(float* g, const int* ids, const float* dy, u64 count, u64 rows, u64 width,
-                                          i64 base, u64* invalid) {
+extern "C" __global__ void embedding_lookup(float* y, const int* ids, const float* table, u64 count, u64 rows,
+                                            u64 width, i64 base, u64* invalid) {
+    embedding_lookup_t(y, ids, table, count, rows, width, base, invalid);
+}
+
+extern "C" __global__ void embedding_lookup_bf16(bf16* y, const int* ids, const bf16* table, u64 count, u64 rows,
+                                                 u64 width, i64 base, u64* invalid) {
+    embedding_lookup_t(y, ids, table, count, rows, width, base, invalid);
+}
+
+// Scatter-add of dy rows into g (zeroed by the host; f32 always: a bf16 gradient is summed in an f32
+// scratch and rounded once).
+template <class T>
+__device__ void embedding_grad_t(float* g, const int* ids, const T* dy, u64 count, u64 rows, u64 width, i64 base,
+                                 u64* invalid) {
     const u64 n = count * width;
     GRID_STRIDE(i, n) {
         const u64 t = i / width, c = i % width;
         u64 r;
         if (local_row(ids[t], base, rows, &r)) {
-            atomicAdd(&g[r * width + c], dy[i]);
+            atomicAdd(&g[r * width + c], ld(dy, i));
         } else if (c == 0) {
             flag_invalid(invalid, t);
         }
     }
 }
 
-// out[.., p, :] = table[p, :]: every `block` = seq * width elements repeat the table's first block.
-extern "C" __global__ void position_lookup(float* y, const float* table, u64 n, u64 block) {
-    GRID_STRIDE(i, n) y[i] = table[i % block];
+extern "C" __global__ void embedding_grad(float* g, const int* ids, const float* dy, u64 count, u64 rows, u64 width,
+                                          i64 base, u64* invalid) {
+    embedding_grad_t(g, ids, dy, count, rows, width, base, invalid);
 }
 
-// g[k] = sum over the blocks of dy of dy[t * block + k] (g zeroed by the host, rows past seq stay 0).
+extern "C" __global__ void embedding_grad_bf16(float* g, const int* ids, const bf16* dy, u64 count, u64 rows,
+                                               u64 width, i64 base, u64* invalid) {
+    embedding_grad_t(g, ids, dy, count, rows, width, base, invalid);
+}
+
+// out[.., p, :] = table[p, :]: every `block` = seq * width elements repeat the table's first block.
+template <class T>
+__device__ void position_lookup_t(T* y, const T* table, u64 n, u64 block) {
+    GRID_STRIDE(i, n) st(y, i, ld(table, i % block));
+}
+
+extern "C" __global__ void position_lookup(float* y, const float* table, u64 n, u64 block) {
+    position_lookup_t(y, table, n, block);
+}
+
+extern "C" __global__ void position_lookup_bf16(bf16* y, const bf16* table, u64 n, u64 block) {
+    position_lookup_t(y, table, n, block);
+}
+
+// g[k] = sum over the blocks of dy of dy[t * block + k] (g f32, zeroed by the host, rows past seq stay 0).
+template <class T>
+__device__ void position_grad_t(float* g, const T* dy, u64 blocks, u64 block) {
+    column_sum(g, blocks, block, [=](u64 t, u64 k) { return ld(dy, t * block + k); });
+}
+
 extern "C" __global__ void position_grad(float* g, const float* dy, u64 blocks, u64 block) {
-    column_sum(g, blocks, block, [=](u64 t, u64 k) { return dy[t * block + k]; });
+    position_grad_t(g, dy, blocks, block);
+}
+
+extern "C" __global__ void position_grad_bf16(float* g, const bf16* dy, u64 blocks, u64 block) {
+    position_grad_t(g, dy, blocks, block);
 }
 
 // ---- layer norm -----------------------------------------------------------------------------------
@@ -344,22 +569,29 @@ __device__ __forceinline__ void mean_rstd(float sum, float sqsum, u64 n, double 
     *rstd = (float)(1.0 / sqrt((double)sqsum / dn + eps));
 }
 
-extern "C" __global__ void row_sum(float* y, const float* x, u64 rows, u64 width) {
+template <class T>
+__device__ void row_sum_t(float* y, const T* x, u64 rows, u64 width) {
     BLOCK_ROWS(r, rows) {
         float s = 0.0f;
-        ROW_COLUMNS(c, width) s += x[r * width + c];
+        ROW_COLUMNS(c, width) s += ld(x, r * width + c);
         s = block_sum(s);
         if (threadIdx.x == 0) y[r] = s;
     }
 }
 
-extern "C" __global__ void row_centered_square_sum(float* y, const float* x, const float* sum, u64 rows, u64 width,
-                                                   u64 n) {
+extern "C" __global__ void row_sum(float* y, const float* x, u64 rows, u64 width) { row_sum_t(y, x, rows, width); }
+
+extern "C" __global__ void row_sum_bf16(float* y, const bf16* x, u64 rows, u64 width) {
+    row_sum_t(y, x, rows, width);
+}
+
+template <class T>
+__device__ void row_centered_square_sum_t(float* y, const T* x, const float* sum, u64 rows, u64 width, u64 n) {
     BLOCK_ROWS(r, rows) {
         const float mean = (float)((double)sum[r] / (double)n);
         float s = 0.0f;
         ROW_COLUMNS(c, width) {
-            const float d = x[r * width + c] - mean;
+            const float d = ld(x, r * width + c) - mean;
             s += d * d;
         }
         s = block_sum(s);
@@ -367,32 +599,54 @@ extern "C" __global__ void row_centered_square_sum(float* y, const float* x, con
     }
 }
 
-extern "C" __global__ void layer_norm_apply(float* y, const float* x, const float* sum, const float* sqsum,
-                                            const float* gamma, const float* beta, u64 rows, u64 width, u64 n,
-                                            double eps) {
+extern "C" __global__ void row_centered_square_sum(float* y, const float* x, const float* sum, u64 rows, u64 width,
+                                                   u64 n) {
+    row_centered_square_sum_t(y, x, sum, rows, width, n);
+}
+
+extern "C" __global__ void row_centered_square_sum_bf16(float* y, const bf16* x, const float* sum, u64 rows,
+                                                        u64 width, u64 n) {
+    row_centered_square_sum_t(y, x, sum, rows, width, n);
+}
+
+template <class T>
+__device__ void layer_norm_apply_t(T* y, const T* x, const float* sum, const float* sqsum, const T* gamma,
+                                   const T* beta, u64 rows, u64 width, u64 n, double eps) {
     BLOCK_ROWS(r, rows) {
         float mean, rstd;
         mean_rstd(sum[r], sqsum[r], n, eps, &mean, &rstd);
         ROW_COLUMNS(c, width) {
             const u64 i = r * width + c;
-            y[i] = (x[i] - mean) * rstd * gamma[c] + beta[c];
+            st(y, i, (ld(x, i) - mean) * rstd * ld(gamma, c) + ld(beta, c));
         }
     }
 }
 
-// [rows, 2]: the local sums of dy gamma and dy gamma xhat.
-extern "C" __global__ void layer_norm_grad_sums(float* y, const float* dy, const float* x, const float* gamma,
-                                                const float* sum, const float* sqsum, u64 rows, u64 width, u64 n,
-                                                double eps) {
+extern "C" __global__ void layer_norm_apply(float* y, const float* x, const float* sum, const float* sqsum,
+                                            const float* gamma, const float* beta, u64 rows, u64 width, u64 n,
+                                            double eps) {
+    layer_norm_apply_t(y, x, sum, sqsum, gamma, beta, rows, width, n, eps);
+}
+
+extern "C" __global__ void layer_norm_apply_bf16(bf16* y, const bf16* x, const float* sum, const float* sqsum,
+                                                 const bf16* gamma, const bf16* beta, u64 rows, u64 width, u64 n,
+                                                 double eps) {
+    layer_norm_apply_t(y, x, sum, sqsum, gamma, beta, rows, width, n, eps);
+}
+
+// [rows, 2] (f32): the local sums of dy gamma and dy gamma xhat.
+template <class T>
+__device__ void layer_norm_grad_sums_t(float* y, const T* dy, const T* x, const T* gamma, const float* sum,
+                                       const float* sqsum, u64 rows, u64 width, u64 n, double eps) {
     BLOCK_ROWS(r, rows) {
         float mean, rstd;
         mean_rstd(sum[r], sqsum[r], n, eps, &mean, &rstd);
         float a = 0.0f, b = 0.0f;
         ROW_COLUMNS(c, width) {
             const u64 i = r * width + c;
-            const float s = dy[i] * gamma[c];
+            const float s = ld(dy, i) * ld(gamma, c);
             a += s;
-            b += s * (x[i] - mean) * rstd;
+            b += s * (ld(x, i) - mean) * rstd;
         }
         a = block_sum(a);
         b = block_sum(b);
@@ -403,9 +657,22 @@ extern "C" __global__ void layer_norm_grad_sums(float* y, const float* dy, const
     }
 }
 
-extern "C" __global__ void layer_norm_grad_input(float* dx, const float* dy, const float* x, const float* gamma,
-                                                 const float* sum, const float* sqsum, const float* sums, u64 rows,
-                                                 u64 width, u64 n, double eps) {
+extern "C" __global__ void layer_norm_grad_sums(float* y, const float* dy, const float* x, const float* gamma,
+                                                const float* sum, const float* sqsum, u64 rows, u64 width, u64 n,
+                                                double eps) {
+    layer_norm_grad_sums_t(y, dy, x, gamma, sum, sqsum, rows, width, n, eps);
+}
+
+extern "C" __global__ void layer_norm_grad_sums_bf16(float* y, const bf16* dy, const bf16* x, const bf16* gamma,
+                                                     const float* sum, const float* sqsum, u64 rows, u64 width, u64 n,
+                                                     double eps) {
+    layer_norm_grad_sums_t(y, dy, x, gamma, sum, sqsum, rows, width, n, eps);
+}
+
+template <class T>
+__device__ void layer_norm_grad_input_t(T* dx, const T* dy, const T* x, const T* gamma, const float* sum,
+                                        const float* sqsum, const float* sums, u64 rows, u64 width, u64 n,
+                                        double eps) {
     const float inv_n = (float)(1.0 / (double)n);
     BLOCK_ROWS(r, rows) {
         float mean, rstd;
@@ -413,10 +680,22 @@ extern "C" __global__ void layer_norm_grad_input(float* dx, const float* dy, con
         const float a = sums[2 * r] * inv_n, b = sums[2 * r + 1] * inv_n;
         ROW_COLUMNS(c, width) {
             const u64 i = r * width + c;
-            const float xhat = (x[i] - mean) * rstd;
-            dx[i] = rstd * (dy[i] * gamma[c] - a - xhat * b);
+            const float xhat = (ld(x, i) - mean) * rstd;
+            st(dx, i, rstd * (ld(dy, i) * ld(gamma, c) - a - xhat * b));
         }
     }
+}
+
+extern "C" __global__ void layer_norm_grad_input(float* dx, const float* dy, const float* x, const float* gamma,
+                                                 const float* sum, const float* sqsum, const float* sums, u64 rows,
+                                                 u64 width, u64 n, double eps) {
+    layer_norm_grad_input_t(dx, dy, x, gamma, sum, sqsum, sums, rows, width, n, eps);
+}
+
+extern "C" __global__ void layer_norm_grad_input_bf16(bf16* dx, const bf16* dy, const bf16* x, const bf16* gamma,
+                                                      const float* sum, const float* sqsum, const float* sums,
+                                                      u64 rows, u64 width, u64 n, double eps) {
+    layer_norm_grad_input_t(dx, dy, x, gamma, sum, sqsum, sums, rows, width, n, eps);
 }
 
 // [rows, 2] (mean, rstd) of each row, for the column reductions below.
@@ -425,17 +704,38 @@ extern "C" __global__ void layer_norm_stats(float* stats, const float* sum, cons
     GRID_STRIDE(r, rows) mean_rstd(sum[r], sqsum[r], n, eps, &stats[2 * r], &stats[2 * r + 1]);
 }
 
-// [width]: the sum over rows of dy xhat, from the rows' (mean, rstd).
-extern "C" __global__ void layer_norm_grad_weight(float* g, const float* dy, const float* x, const float* stats,
-                                                  u64 rows, u64 width) {
+// [width] (f32): the sum over rows of dy xhat, from the rows' (mean, rstd).
+template <class T>
+__device__ void layer_norm_grad_weight_t(float* g, const T* dy, const T* x, const float* stats, u64 rows,
+                                         u64 width) {
     column_sum(g, rows, width, [=](u64 r, u64 c) {
         const u64 i = r * width + c;
-        return dy[i] * (x[i] - stats[2 * r]) * stats[2 * r + 1];
+        return ld(dy, i) * (ld(x, i) - stats[2 * r]) * stats[2 * r + 1];
     });
 }
 
+extern "C" __global__ void layer_norm_grad_weight(float* g, const float* dy, const float* x, const float* stats,
+                                                  u64 rows, u64 width) {
+    layer_norm_grad_weight_t(g, dy, x, stats, rows, width);
+}
+
+extern "C" __global__ void layer_norm_grad_weight_bf16(float* g, const bf16* dy, const bf16* x, const float* stats,
+                                                       u64 rows, u64 width) {
+    layer_norm_grad_weight_t(g, dy, x, stats, rows, width);
+}
+
+// [width] (f32): the column sums of x.
+template <class T>
+__device__ void sum_to_last_t(float* g, const T* x, u64 rows, u64 width) {
+    column_sum(g, rows, width, [=](u64 r, u64 c) { return ld(x, r * width + c); });
+}
+
 extern "C" __global__ void sum_to_last(float* g, const float* x, u64 rows, u64 width) {
-    column_sum(g, rows, width, [=](u64 r, u64 c) { return x[r * width + c]; });
+    sum_to_last_t(g, x, rows, width);
+}
+
+extern "C" __global__ void sum_to_last_bf16(float* g, const bf16* x, u64 rows, u64 width) {
+    sum_to_last_t(g, x, rows, width);
 }
 
 // ---- cross-entropy --------------------------------------------------------------------------------
@@ -452,30 +752,51 @@ __device__ __forceinline__ u64 target_column(int t, u64 r, u64 offset, u64 valid
     return column >= offset && column - offset < width ? column - offset : width;
 }
 
-extern "C" __global__ void cross_entropy_max(float* y, const float* logits, u64 rows, u64 width, u64 live) {
+template <class T>
+__device__ void cross_entropy_max_t(float* y, const T* logits, u64 rows, u64 width, u64 live) {
     BLOCK_ROWS(r, rows) {
         float m = NEG_INF;
-        ROW_COLUMNS(c, live) m = fmaxf(m, logits[r * width + c]);
+        ROW_COLUMNS(c, live) m = fmaxf(m, ld(logits, r * width + c));
         m = block_max(m);
         if (threadIdx.x == 0) y[r] = m;
     }
 }
 
-// [rows, 2]: the target logit if local (else 0), and the sum of exp(logit - max) over live columns.
-extern "C" __global__ void cross_entropy_stats(float* y, const float* logits, const int* targets, const float* max,
-                                               u64 rows, u64 width, u64 live, u64 offset, u64 valid, u64* invalid) {
+extern "C" __global__ void cross_entropy_max(float* y, const float* logits, u64 rows, u64 width, u64 live) {
+    cross_entropy_max_t(y, logits, rows, width, live);
+}
+
+extern "C" __global__ void cross_entropy_max_bf16(float* y, const bf16* logits, u64 rows, u64 width, u64 live) {
+    cross_entropy_max_t(y, logits, rows, width, live);
+}
+
+// [rows, 2] (f32): the target logit if local (else 0), and the sum of exp(logit - max) over live columns.
+template <class T>
+__device__ void cross_entropy_stats_t(float* y, const T* logits, const int* targets, const float* max, u64 rows,
+                                      u64 width, u64 live, u64 offset, u64 valid, u64* invalid) {
     BLOCK_ROWS(r, rows) {
-        const float* row = logits + r * width;
+        const T* row = logits + r * width;
         const u64 target = target_column(targets[r], r, offset, valid, width, invalid);
         const float m = max[r];
         float s = 0.0f;
-        ROW_COLUMNS(c, live) s += expf(row[c] - m);
+        ROW_COLUMNS(c, live) s += expf(ld(row, c) - m);
         s = block_sum(s);
         if (threadIdx.x == 0) {
-            y[2 * r] = target < width ? row[target] : 0.0f;
+            y[2 * r] = target < width ? ld(row, target) : 0.0f;
             y[2 * r + 1] = s;
         }
     }
+}
+
+extern "C" __global__ void cross_entropy_stats(float* y, const float* logits, const int* targets, const float* max,
+                                               u64 rows, u64 width, u64 live, u64 offset, u64 valid, u64* invalid) {
+    cross_entropy_stats_t(y, logits, targets, max, rows, width, live, offset, valid, invalid);
+}
+
+extern "C" __global__ void cross_entropy_stats_bf16(float* y, const bf16* logits, const int* targets,
+                                                    const float* max, u64 rows, u64 width, u64 live, u64 offset,
+                                                    u64 valid, u64* invalid) {
+    cross_entropy_stats_t(y, logits, targets, max, rows, width, live, offset, valid, invalid);
 }
 
 // A scalar: the sum over rows of (max + ln(sumexp) - target logit), in f64, divided by count. One block.
@@ -498,20 +819,33 @@ extern "C" __global__ void square_sum(float* y, const float* x, u64 n) {
 }
 
 // dlogits = (softmax - onehot) dloss / count on live columns, 0 on padding.
-extern "C" __global__ void cross_entropy_grad(float* g, const float* logits, const int* targets, const float* max,
-                                              const float* stats, const float* dloss, u64 rows, u64 width, u64 live,
-                                              u64 offset, u64 valid, u64 count, u64* invalid) {
+template <class T>
+__device__ void cross_entropy_grad_t(T* g, const T* logits, const int* targets, const float* max, const float* stats,
+                                     const float* dloss, u64 rows, u64 width, u64 live, u64 offset, u64 valid,
+                                     u64 count, u64* invalid) {
     const float factor = (float)((double)dloss[0] / (double)count);
     BLOCK_ROWS(r, rows) {
         const u64 target = target_column(targets[r], r, offset, valid, width, invalid);
         const float m = max[r], inv = 1.0f / stats[2 * r + 1];
         ROW_COLUMNS(c, width) {
             const u64 i = r * width + c;
-            float v = c < live ? expf(logits[i] - m) * inv * factor : 0.0f;
+            float v = c < live ? expf(ld(logits, i) - m) * inv * factor : 0.0f;
             if (c == target) v -= factor;
-            g[i] = v;
+            st(g, i, v);
         }
     }
+}
+
+extern "C" __global__ void cross_entropy_grad(float* g, const float* logits, const int* targets, const float* max,
+                                              const float* stats, const float* dloss, u64 rows, u64 width, u64 live,
+                                              u64 offset, u64 valid, u64 count, u64* invalid) {
+    cross_entropy_grad_t(g, logits, targets, max, stats, dloss, rows, width, live, offset, valid, count, invalid);
+}
+
+extern "C" __global__ void cross_entropy_grad_bf16(bf16* g, const bf16* logits, const int* targets, const float* max,
+                                                   const float* stats, const float* dloss, u64 rows, u64 width,
+                                                   u64 live, u64 offset, u64 valid, u64 count, u64* invalid) {
+    cross_entropy_grad_t(g, logits, targets, max, stats, dloss, rows, width, live, offset, valid, count, invalid);
 }
 
 // ---- optimizer ------------------------------------------------------------------------------------

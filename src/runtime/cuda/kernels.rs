@@ -5,6 +5,10 @@
 //!
 //! Everything runs asynchronously on one compute stream; only downloads and the few kernels whose CPU
 //! version can fail on the *values* of its inputs (out-of-range token ids and targets) wait for it.
+//!
+//! bf16 buffers live on the GPU as bf16 (two bytes an element); the `bf16` submodule runs plan kernels on them:
+//! bf16 entry points of the kernels (f32 arithmetic, one rounding on store) and cuBLAS `gemmEx` products
+//! with bf16 operands and f32 accumulation.
 
 use crate::ir::DType;
 use crate::plan::{Kernel, Mesh};
@@ -15,6 +19,7 @@ use crate::runtime::shapes::{
     select_runs, slice_shard_runs, split_last, transpose_swap,
 };
 use crate::runtime::tensor::{Data, Tensor};
+use crate::runtime::view::{View, ViewData, ViewMut, ViewMutData};
 use crate::shard::layout::{Layout, Placement};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
@@ -204,11 +209,13 @@ pub fn compile_ptx() -> Result<Ptx, String> {
 
 // ---- device tensors -------------------------------------------------------------------------------
 
-/// Element storage on the GPU: f32 for floating-point buffers, i32 for integer ones (as on the host).
+/// Element storage on the GPU, as on the host: f32 or bf16 for floating-point buffers (bf16 as its bit
+/// patterns, two bytes an element), i32 for integer ones.
 #[derive(Debug)]
 pub enum DeviceData {
     F32(CudaSlice<f32>),
     I32(CudaSlice<i32>),
+    Bf16(CudaSlice<u16>),
 }
 
 impl DeviceData {
@@ -217,7 +224,51 @@ impl DeviceData {
         match self {
             DeviceData::F32(s) => s.len(),
             DeviceData::I32(s) => s.len(),
+            DeviceData::Bf16(s) => s.len(),
         }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            DeviceData::F32(_) => DType::F32,
+            DeviceData::I32(_) => DType::I32,
+            DeviceData::Bf16(_) => DType::Bf16,
+        }
+    }
+}
+
+/// A floating-point storage type of the kernels: f32, or bf16 held as its bits (`u16`).
+pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + 'static {
+    /// The element type it stores.
+    const DTYPE: DType;
+
+    fn of(data: &DeviceData) -> Option<&CudaSlice<Self>>;
+
+    fn of_mut(data: &mut DeviceData) -> Option<&mut CudaSlice<Self>>;
+}
+
+impl Elem for f32 {
+    const DTYPE: DType = DType::F32;
+
+    fn of(data: &DeviceData) -> Option<&CudaSlice<f32>> {
+        if let DeviceData::F32(s) = data { Some(s) } else { None }
+    }
+
+    fn of_mut(data: &mut DeviceData) -> Option<&mut CudaSlice<f32>> {
+        if let DeviceData::F32(s) = data { Some(s) } else { None }
+    }
+}
+
+impl Elem for u16 {
+    const DTYPE: DType = DType::Bf16;
+
+    fn of(data: &DeviceData) -> Option<&CudaSlice<u16>> {
+        if let DeviceData::Bf16(s) = data { Some(s) } else { None }
+    }
+
+    fn of_mut(data: &mut DeviceData) -> Option<&mut CudaSlice<u16>> {
+        if let DeviceData::Bf16(s) = data { Some(s) } else { None }
     }
 }
 
@@ -246,6 +297,17 @@ fn upload_slice<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, v: &[
     Ok(dst)
 }
 
+/// The first `dst.len()` elements of a device buffer into host memory (waits for the stream).
+fn download_to<T: DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>, dst: &mut [T]) -> Result<(), String> {
+    let n = dst.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let view = s.try_slice(..n).ok_or_else(|| format!("a buffer of {} elements holds fewer than {n}", s.len()))?;
+    stream.memcpy_dtoh(&view, dst).map_err(driver("copying from the GPU"))?;
+    stream.synchronize().map_err(driver("waiting for the GPU"))
+}
+
 /// The first `n` elements of a device buffer (waits for the stream).
 fn download_slice<T: DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>, String> {
     if n == 0 {
@@ -259,9 +321,36 @@ impl DeviceTensor {
     /// A zero-filled tensor of the given element type and shape.
     pub fn zeros(stream: &Arc<CudaStream>, dtype: DType, shape: &[u64]) -> Result<DeviceTensor, String> {
         let n = numel(shape);
-        let data =
-            if dtype.is_integer() { DeviceData::I32(alloc(stream, n)?) } else { DeviceData::F32(alloc(stream, n)?) };
+        let data = match dtype {
+            DType::Bf16 => DeviceData::Bf16(alloc(stream, n)?),
+            _ if dtype.is_integer() => DeviceData::I32(alloc(stream, n)?),
+            _ => DeviceData::F32(alloc(stream, n)?),
+        };
         Ok(DeviceTensor { shape: shape.to_vec(), data })
+    }
+
+    /// A device copy of a host view in its own element type (bf16 stays bf16: two bytes an element).
+    pub fn upload_view(stream: &Arc<CudaStream>, v: &View) -> Result<DeviceTensor, String> {
+        let n = numel(&v.shape);
+        ensure(v.len() == n, || format!("a view of shape {:?} holds {} elements", v.shape, v.len()))?;
+        let data = match v.data {
+            ViewData::F32(x) => DeviceData::F32(upload_slice(stream, x)?),
+            ViewData::I32(x) => DeviceData::I32(upload_slice(stream, x)?),
+            ViewData::Bf16(x) => DeviceData::Bf16(upload_slice(stream, x)?),
+        };
+        Ok(DeviceTensor { shape: v.shape.to_vec(), data })
+    }
+
+    /// Copies this tensor into a host view of the same element type and length (waits for the stream).
+    pub fn download_into(&self, stream: &Arc<CudaStream>, out: &mut ViewMut) -> Result<(), String> {
+        let n = numel(&self.shape);
+        ensure(out.len() == n, || format!("a host buffer of {} elements cannot take {:?}", out.len(), self.shape))?;
+        match (&self.data, &mut out.data) {
+            (DeviceData::F32(s), ViewMutData::F32(d)) => download_to(stream, s, d),
+            (DeviceData::I32(s), ViewMutData::I32(d)) => download_to(stream, s, d),
+            (DeviceData::Bf16(s), ViewMutData::Bf16(d)) => download_to(stream, s, d),
+            (s, _) => Err(format!("a {:?} GPU tensor cannot be copied into a host buffer of another type", s.dtype())),
+        }
     }
 
     /// A device copy of a host tensor.
@@ -275,12 +364,14 @@ impl DeviceTensor {
         Ok(DeviceTensor { shape: t.shape.clone(), data })
     }
 
-    /// A host copy (waits for the stream's pending work).
+    /// A host copy (waits for the stream's pending work); bf16 elements come back widened to f32, as
+    /// from a host view.
     pub fn download(&self, stream: &Arc<CudaStream>) -> Result<Tensor, String> {
         let n = numel(&self.shape);
         let data = match &self.data {
             DeviceData::F32(s) => Data::F32(download_slice(stream, s, n)?),
             DeviceData::I32(s) => Data::I32(download_slice(stream, s, n)?),
+            DeviceData::Bf16(s) => Data::F32(crate::runtime::bf16::widen(&download_slice(stream, s, n)?)),
         };
         Ok(Tensor { shape: self.shape.clone(), data })
     }
@@ -304,10 +395,34 @@ fn args<'t, const N: usize>(inputs: &[&'t DeviceTensor]) -> Result<[&'t DeviceTe
 
 /// The f32 storage of an input, checked against its shape.
 fn floats<'t>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<f32>, String> {
-    match &t.data {
-        DeviceData::F32(s) if s.len() >= t.len() => Ok(s),
-        DeviceData::F32(s) => Err(format!("{what} holds {} elements, not {:?}", s.len(), t.shape)),
-        DeviceData::I32(_) => Err(format!("{what}: expected a floating-point tensor, found integers")),
+    elems::<f32>(t, what)
+}
+
+/// What an operand of the wrong element type is called in an error.
+fn wrong_type(found: DType, want: DType, what: &str) -> String {
+    match (found.is_integer(), want.is_integer()) {
+        (true, false) => format!("{what}: expected a floating-point tensor, found integers"),
+        (false, true) => format!("{what}: expected an integer tensor, found floating point"),
+        _ => format!("{what}: expected {} elements, found {}", want.name(), found.name()),
+    }
+}
+
+/// The storage of a floating-point input of element type `T`, checked against its shape.
+fn elems<'t, T: Elem>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<T>, String> {
+    match T::of(&t.data) {
+        Some(s) if s.len() >= t.len() => Ok(s),
+        Some(s) => Err(format!("{what} holds {} elements, not {:?}", s.len(), t.shape)),
+        None => Err(wrong_type(t.data.dtype(), T::DTYPE, what)),
+    }
+}
+
+/// The storage of a floating-point tensor of element type `T` written in place, checked against its shape.
+fn elems_mut<'t, T: Elem>(t: &'t mut DeviceTensor, what: &str) -> Result<&'t mut CudaSlice<T>, String> {
+    let (n, capacity, dtype) = (t.len(), t.data.capacity(), t.data.dtype());
+    match T::of_mut(&mut t.data) {
+        Some(_) if capacity < n => Err(format!("{what} holds {capacity} elements, not {n}")),
+        Some(s) => Ok(s),
+        None => Err(wrong_type(dtype, T::DTYPE, what)),
     }
 }
 
@@ -316,23 +431,28 @@ fn ints<'t>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<i32>, Strin
     match &t.data {
         DeviceData::I32(s) if s.len() >= t.len() => Ok(s),
         DeviceData::I32(s) => Err(format!("{what} holds {} elements, not {:?}", s.len(), t.shape)),
-        DeviceData::F32(_) => Err(format!("{what}: expected an integer tensor, found floating point")),
+        other => Err(wrong_type(other.dtype(), DType::I32, what)),
     }
 }
 
 /// The f32 storage of a tensor written in place, checked against its shape.
 fn floats_mut<'t>(t: &'t mut DeviceTensor, what: &str) -> Result<&'t mut CudaSlice<f32>, String> {
-    let (n, capacity) = (t.len(), t.data.capacity());
-    match &mut t.data {
-        DeviceData::F32(_) if capacity < n => Err(format!("{what} holds {capacity} elements, not {n}")),
-        DeviceData::F32(s) => Ok(s),
-        DeviceData::I32(_) => Err(format!("{what}: expected a floating-point tensor, found integers")),
-    }
+    elems_mut::<f32>(t, what)
 }
 
 /// An f32 input of exactly `rows * width` elements (per-row statistics, vectors).
 fn per_row<'t>(t: &'t DeviceTensor, rows: usize, width: usize, what: &str) -> Result<&'t CudaSlice<f32>, String> {
-    let s = floats(t, what)?;
+    per_row_of::<f32>(t, rows, width, what)
+}
+
+/// As [`per_row`], for an input of element type `T`.
+fn per_row_of<'t, T: Elem>(
+    t: &'t DeviceTensor,
+    rows: usize,
+    width: usize,
+    what: &str,
+) -> Result<&'t CudaSlice<T>, String> {
+    let s = elems::<T>(t, what)?;
     same_len(what, t.len(), rows * width)?;
     Ok(s)
 }
@@ -385,15 +505,16 @@ fn blas_stride(x: usize) -> Result<i64, String> {
 macro_rules! launch {
     ($dev:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
         let dev: &Device = $dev;
+        let name: &str = $name;
         match $cfg {
             None => Ok(()),
             Some(cfg) => {
-                let func = dev.function($name)?;
+                let func = dev.function(name)?;
                 let mut builder = dev.stream.launch_builder(func);
                 $( builder.arg($arg); )*
                 // SAFETY: the arguments match the kernel's parameters (pointers, u64 counts, f32/f64
                 // scalars), and the caller checked that every buffer holds the elements it indexes.
-                unsafe { builder.launch(cfg) }.map(|_| ()).map_err(|e| format!("launching `{}`: {e}", $name))
+                unsafe { builder.launch(cfg) }.map(|_| ()).map_err(|e| format!("launching `{name}`: {e}"))
             }
         }
     }};
@@ -438,14 +559,21 @@ impl Block {
 }
 
 /// One operand of a product: a block of a buffer, used transposed or not.
-#[derive(Clone, Copy)]
-struct Operand<'a> {
-    data: &'a CudaSlice<f32>,
+struct Operand<'a, T = f32> {
+    data: &'a CudaSlice<T>,
     block: Block,
     transpose: bool,
 }
 
-impl Operand<'_> {
+impl<T> Clone for Operand<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Operand<'_, T> {}
+
+impl<T> Operand<'_, T> {
     /// (rows, cols) of op(block).
     fn dims(&self) -> (usize, usize) {
         if self.transpose { (self.block.cols, self.block.rows) } else { (self.block.rows, self.block.cols) }
@@ -457,13 +585,42 @@ impl Operand<'_> {
 }
 
 /// A product C (+)= alpha op(A) op(B) over `batches` blocks.
-struct Product<'a> {
-    a: Operand<'a>,
-    b: Operand<'a>,
+struct Product<'a, T = f32> {
+    a: Operand<'a, T>,
+    b: Operand<'a, T>,
     c: Block,
     batches: usize,
     alpha: f32,
     accumulate: bool,
+}
+
+/// What a checked product leaves to do.
+enum Work {
+    /// Nothing (no batches, or an empty output).
+    Nothing,
+    /// Zero the output blocks (an empty sum, not accumulated).
+    Zero,
+    /// Multiply (m, n, k).
+    Multiply(usize, usize, usize),
+}
+
+impl<T> Product<'_, T> {
+    /// Checks the dimensions and extents of the product against an output buffer of `c_len` elements.
+    fn check(&self, c_len: usize) -> Result<Work, String> {
+        let (Product { a, b, c: cb, batches, .. }, (m, k), (k2, n)) = (self, self.a.dims(), self.b.dims());
+        ensure(cb.rows == m && cb.cols == n && k == k2, || {
+            format!("cannot multiply {m}x{k} by {k2}x{n} into {}x{}", cb.rows, cb.cols)
+        })?;
+        let fits =
+            a.block.fits(*batches, a.data.len()) && b.block.fits(*batches, b.data.len()) && cb.fits(*batches, c_len);
+        ensure(fits, || format!("internal error: a {m}x{k} by {k}x{n} product does not fit its buffers"))?;
+        Ok(match (*batches == 0 || m == 0 || n == 0, k == 0) {
+            (true, _) => Work::Nothing,
+            (false, true) if self.accumulate => Work::Nothing,
+            (false, true) => Work::Zero,
+            (false, false) => Work::Multiply(m, n, k),
+        })
+    }
 }
 
 impl Device {
@@ -471,27 +628,18 @@ impl Device {
         self.functions.get(name).ok_or_else(|| format!("kernel `{name}` is not loaded"))
     }
 
-    fn zero(&self, s: &mut CudaSlice<f32>) -> Result<(), String> {
+    fn zero<T: DeviceRepr + ValidAsZeroBits>(&self, s: &mut CudaSlice<T>) -> Result<(), String> {
         self.stream.memset_zeros(s).map_err(driver("zeroing GPU memory"))
     }
 
     /// Runs a product after checking its dimensions and extents (row-major C = op(A) op(B) is computed
     /// by column-major cuBLAS as C^T = op(B)^T op(A)^T).
     fn gemm(&self, c: &mut CudaSlice<f32>, p: Product) -> Result<(), String> {
-        let (Product { a, b, c: cb, batches, .. }, (m, k), (k2, n)) = (&p, p.a.dims(), p.b.dims());
-        ensure(cb.rows == m && cb.cols == n && k == k2, || {
-            format!("cannot multiply {m}x{k} by {k2}x{n} into {}x{}", cb.rows, cb.cols)
-        })?;
-        let fits =
-            a.block.fits(*batches, a.data.len()) && b.block.fits(*batches, b.data.len()) && cb.fits(*batches, c.len());
-        ensure(fits, || format!("internal error: a {m}x{k} by {k}x{n} product does not fit its buffers"))?;
-        if *batches == 0 || m == 0 || n == 0 {
-            return Ok(());
+        match p.check(c.len())? {
+            Work::Nothing => Ok(()),
+            Work::Zero => self.zero_blocks(c, p.c, p.batches),
+            Work::Multiply(m, n, k) => self.cublas(c, &p, (m, n, k)),
         }
-        if k == 0 {
-            return if p.accumulate { Ok(()) } else { self.zero_blocks(c, *cb, *batches) };
-        }
-        self.cublas(c, &p, (m, n, k))
     }
 
     fn cublas(&self, c: &mut CudaSlice<f32>, p: &Product, (m, n, k): (usize, usize, usize)) -> Result<(), String> {
@@ -530,31 +678,34 @@ impl Device {
     }
 
     /// Zeroes `batches` blocks of `c` (an empty product).
-    fn zero_blocks(&self, c: &mut CudaSlice<f32>, b: Block, batches: usize) -> Result<(), String> {
+    fn zero_blocks<T: Elem>(&self, c: &mut CudaSlice<T>, b: Block, batches: usize) -> Result<(), String> {
         let mut view = c.try_slice_mut(b.start..).ok_or("internal error: a block starts past its buffer")?;
         let (batches, rows, cols, ld, stride) =
             (batches as u64, b.rows as u64, b.cols as u64, b.ld as u64, b.stride as u64);
         let cfg = elementwise(numel(&[batches, rows, cols]));
-        launch!(self, ZERO_BLOCKS, cfg, [&mut view, &batches, &rows, &cols, &ld, &stride])
+        launch!(self, variant::<T>(ZERO_BLOCKS)?, cfg, [&mut view, &batches, &rows, &cols, &ld, &stride])
     }
 }
 
 // ---- matrix products ------------------------------------------------------------------------------
 
 impl Device {
-    fn matmul(
+    fn matmul<T: Elem, C: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         ta: bool,
         tb: bool,
         acc: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), String>
+    where
+        Device: Multiply<T, C>,
+    {
         let [a, b] = args(inputs)?;
         let ((ar, ac), (br, bc)) = (split_last(&a.shape), split_last(&b.shape));
-        let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
+        let (av, bv) = (elems::<T>(a, "A")?, elems::<T>(b, "B")?);
         let (m, n) = split_last(&out.shape);
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<C>(out, "the output")?;
         let product = Product {
             a: Operand { data: av, block: Block::dense(ar, ac), transpose: ta },
             b: Operand { data: bv, block: Block::dense(br, bc), transpose: tb },
@@ -563,10 +714,13 @@ impl Device {
             alpha: 1.0,
             accumulate: acc,
         };
-        self.gemm(y, product)
+        self.multiply(y, product)
     }
 
-    fn batched_matmul(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn batched_matmul<T: Elem, C: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String>
+    where
+        Device: Multiply<T, C>,
+    {
         let [a, b] = args(inputs)?;
         let (la, m, k) = batch_matrix(&a.shape, "A")?;
         let (lb, k2, n) = batch_matrix(&b.shape, "B")?;
@@ -574,8 +728,8 @@ impl Device {
         ensure(la == lb && la == lo, || format!("leading dimensions differ: {la:?}, {lb:?} and {lo:?}"))?;
         ensure(k == k2 && m == m2 && n == n2, || format!("cannot multiply {m}x{k} by {k2}x{n} into {m2}x{n2}"))?;
         let batches = numel(la);
-        let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
-        let y = floats_mut(out, "the output")?;
+        let (av, bv) = (elems::<T>(a, "A")?, elems::<T>(b, "B")?);
+        let y = elems_mut::<C>(out, "the output")?;
         let product = Product {
             a: Operand { data: av, block: Block::dense(m, k), transpose: false },
             b: Operand { data: bv, block: Block::dense(k, n), transpose: false },
@@ -584,83 +738,105 @@ impl Device {
             alpha: 1.0,
             accumulate: false,
         };
-        self.gemm(y, product)
+        self.multiply(y, product)
+    }
+}
+
+/// A product with operands of element type `T` into an output of element type `C`: cuBLAS sgemm for
+/// f32, gemmEx for bf16 operands (see [`bf16`]).
+trait Multiply<T, C> {
+    fn multiply(&self, c: &mut CudaSlice<C>, p: Product<T>) -> Result<(), String>;
+}
+
+impl Multiply<f32, f32> for Device {
+    fn multiply(&self, c: &mut CudaSlice<f32>, p: Product) -> Result<(), String> {
+        self.gemm(c, p)
     }
 }
 
 // ---- elementwise ----------------------------------------------------------------------------------
 
 impl Device {
-    fn map_unary(&self, name: &'static str, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn map_unary<T: Elem>(
+        &self,
+        name: &'static str,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+    ) -> Result<(), String> {
         let [x] = args(inputs)?;
-        let xv = floats(x, "the input")?;
+        let xv = elems::<T>(x, "the input")?;
         same_len("the output", out.len(), x.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let n = x.len() as u64;
-        launch!(self, name, elementwise(x.len()), [y, xv, &n])
+        launch!(self, variant::<T>(name)?, elementwise(x.len()), [y, xv, &n])
     }
 
-    fn map_binary(&self, name: &'static str, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn map_binary<T: Elem>(
+        &self,
+        name: &'static str,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+    ) -> Result<(), String> {
         let [a, b] = args(inputs)?;
-        let (av, bv) = (floats(a, "the first input")?, floats(b, "the second input")?);
+        let (av, bv) = (elems::<T>(a, "the first input")?, elems::<T>(b, "the second input")?);
         same_len("the second input", b.len(), a.len())?;
         same_len("the output", out.len(), a.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let n = a.len() as u64;
-        launch!(self, name, elementwise(a.len()), [y, av, bv, &n])
+        launch!(self, variant::<T>(name)?, elementwise(a.len()), [y, av, bv, &n])
     }
 
-    fn scale(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, factor: f64) -> Result<(), String> {
+    fn scale<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, factor: f64) -> Result<(), String> {
         let [x] = args(inputs)?;
-        let xv = floats(x, "the input")?;
+        let xv = elems::<T>(x, "the input")?;
         same_len("the output", out.len(), x.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let (factor, n) = (factor as f32, x.len() as u64);
-        launch!(self, SCALE, elementwise(x.len()), [y, xv, &factor, &n])
+        launch!(self, variant::<T>(SCALE)?, elementwise(x.len()), [y, xv, &factor, &n])
     }
 
-    fn bias_add(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn bias_add<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
         let [x, b] = args(inputs)?;
         let (_, width) = split_last(&x.shape);
-        let (xv, bv) = (floats(x, "x")?, floats(b, "the bias")?);
+        let (xv, bv) = (elems::<T>(x, "x")?, elems::<T>(b, "the bias")?);
         same_len("the bias", b.len(), width)?;
         same_len("the output", out.len(), x.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let (n, width) = (x.len() as u64, width as u64);
-        launch!(self, BIAS_ADD, elementwise(x.len()), [y, xv, bv, &n, &width])
+        launch!(self, variant::<T>(BIAS_ADD)?, elementwise(x.len()), [y, xv, bv, &n, &width])
     }
 
-    fn softmax(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn softmax<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
         let [x] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let xv = floats(x, "the input")?;
+        let xv = elems::<T>(x, "the input")?;
         same_len("the output", out.len(), x.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let cfg = if x.is_empty() { None } else { per_rows(rows, width) };
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, SOFTMAX, cfg, [y, xv, &rows, &width])
+        launch!(self, variant::<T>(SOFTMAX)?, cfg, [y, xv, &rows, &width])
     }
 
-    fn softmax_grad(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn softmax_grad<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
         let [dy, y] = args(inputs)?;
         let (rows, width) = split_last(&y.shape);
-        let (dyv, yv) = (floats(dy, "dy")?, floats(y, "y")?);
+        let (dyv, yv) = (elems::<T>(dy, "dy")?, elems::<T>(y, "y")?);
         same_len("dy", dy.len(), y.len())?;
         same_len("the output", out.len(), y.len())?;
-        let dx = floats_mut(out, "the output")?;
+        let dx = elems_mut::<T>(out, "the output")?;
         let cfg = if y.is_empty() { None } else { per_rows(rows, width) };
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, SOFTMAX_GRAD, cfg, [dx, dyv, yv, &rows, &width])
+        launch!(self, variant::<T>(SOFTMAX_GRAD)?, cfg, [dx, dyv, yv, &rows, &width])
     }
 
-    fn causal_mask(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, fill: f32) -> Result<(), String> {
+    fn causal_mask<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, fill: f32) -> Result<(), String> {
         let [x] = args(inputs)?;
         let (_, rows, cols) = batch_matrix(&x.shape, "the input")?;
-        let xv = floats(x, "the input")?;
+        let xv = elems::<T>(x, "the input")?;
         same_len("the output", out.len(), x.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let (n, rows, cols) = (x.len() as u64, rows as u64, cols as u64);
-        launch!(self, CAUSAL_MASK, elementwise(x.len()), [y, xv, &n, &rows, &cols, &fill])
+        launch!(self, variant::<T>(CAUSAL_MASK)?, elementwise(x.len()), [y, xv, &n, &rows, &cols, &fill])
     }
 
     fn fill(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, value: f64) -> Result<(), String> {
@@ -677,6 +853,7 @@ impl Device {
                 let bits = (value as i32) as u32;
                 launch!(self, FILL_BITS, cfg, [s, &bits, &count])
             }
+            DeviceData::Bf16(_) => Err("internal error: a bf16 fill reached the f32 kernel".into()),
         }
     }
 }
@@ -712,16 +889,22 @@ impl IndexKey {
 enum Pair<'a> {
     F32(&'a CudaSlice<f32>, &'a mut CudaSlice<f32>),
     I32(&'a CudaSlice<i32>, &'a mut CudaSlice<i32>),
+    Bf16(&'a CudaSlice<u16>, &'a mut CudaSlice<u16>),
 }
 
 fn pair<'a>(x: &'a DeviceTensor, out: &'a mut DeviceTensor) -> Result<Pair<'a>, String> {
     let fits = x.data.capacity() >= x.len() && out.data.capacity() >= out.len();
     match (&x.data, &mut out.data) {
-        (DeviceData::F32(_), DeviceData::F32(_)) | (DeviceData::I32(_), DeviceData::I32(_)) if !fits => {
+        (DeviceData::F32(_), DeviceData::F32(_))
+        | (DeviceData::I32(_), DeviceData::I32(_))
+        | (DeviceData::Bf16(_), DeviceData::Bf16(_))
+            if !fits =>
+        {
             Err("a tensor's element count does not match its shape".into())
         }
         (DeviceData::F32(s), DeviceData::F32(d)) => Ok(Pair::F32(s, d)),
         (DeviceData::I32(s), DeviceData::I32(d)) => Ok(Pair::I32(s, d)),
+        (DeviceData::Bf16(s), DeviceData::Bf16(d)) => Ok(Pair::Bf16(s, d)),
         _ => Err("the input and output element types differ".into()),
     }
 }
@@ -742,7 +925,7 @@ impl Device {
         let cfg = elementwise(runs.count.saturating_mul(runs.len));
         let r = [runs.count, runs.len, runs.src_stride, runs.src_offset, runs.dst_stride, runs.dst_offset]
             .map(|v| v as u64);
-        launch!(self, COPY_RUNS, cfg, [dst, src, &r[0], &r[1], &r[2], &r[3], &r[4], &r[5]])
+        launch!(self, words::<T>(COPY_RUNS)?, cfg, [dst, src, &r[0], &r[1], &r[2], &r[3], &r[4], &r[5]])
     }
 
     fn move_runs(&self, x: &DeviceTensor, out: &mut DeviceTensor, runs: Runs) -> Result<(), String> {
@@ -750,6 +933,7 @@ impl Device {
         match pair(x, out)? {
             Pair::F32(s, d) => self.copy_runs(s, d, counts, runs),
             Pair::I32(s, d) => self.copy_runs(s, d, counts, runs),
+            Pair::Bf16(s, d) => self.copy_runs(s, d, counts, runs),
         }
     }
 
@@ -786,13 +970,14 @@ impl Device {
         match pair(x, out).map_err(|_| "the input and output must have the same element type and element count")? {
             Pair::F32(src, dst) => self.swap(src, dst, swap),
             Pair::I32(src, dst) => self.swap(src, dst, swap),
+            Pair::Bf16(src, dst) => self.swap(src, dst, swap),
         }
     }
 
     fn swap<T>(&self, src: &CudaSlice<T>, dst: &mut CudaSlice<T>, s: Swap) -> Result<(), String> {
         let n = numel(&[s.a, s.p, s.b, s.q, s.c].map(|v| v as u64));
         let d = [s.a, s.p, s.b, s.q, s.c].map(|v| v as u64);
-        launch!(self, TRANSPOSE, elementwise(n), [dst, src, &d[0], &d[1], &d[2], &d[3], &d[4]])
+        launch!(self, words::<T>(TRANSPOSE)?, elementwise(n), [dst, src, &d[0], &d[1], &d[2], &d[3], &d[4]])
     }
 
     fn slice_shard(
@@ -817,31 +1002,31 @@ impl Packing {
     }
 }
 
-/// The operands of an attention (fused or not) in this backend's storage.
-type Qkv<'a> = shapes::Qkv<'a, CudaSlice<f32>>;
+/// The operands of an attention (fused or not) in this backend's storage (f32 unless told).
+type Qkv<'a, T = f32> = shapes::Qkv<'a, CudaSlice<T>>;
 
-impl<'a> Qkv<'a> {
-    fn of(operands: &[&'a DeviceTensor], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
-        Qkv::new(operands, |t| t.shape.as_slice(), floats, heads, fused)
+impl<'a, T: Elem> Qkv<'a, T> {
+    fn of(operands: &[&'a DeviceTensor], heads: u64, fused: bool) -> Result<Qkv<'a, T>, String> {
+        Qkv::new(operands, |t| t.shape.as_slice(), elems::<T>, heads, fused)
     }
 
     /// The heads of batch b of `operand`, as a product operand.
-    fn operand(&self, operand: usize, b: usize, transpose: bool) -> Operand<'a> {
+    fn operand(&self, operand: usize, b: usize, transpose: bool) -> Operand<'a, T> {
         Operand { data: self.data[operand], block: self.packing[operand].heads(b, self.d), transpose }
     }
 }
 
 /// A dense [heads, rows, cols] scratch matrix as a product operand.
-fn scratch_operand(data: &CudaSlice<f32>, rows: usize, cols: usize, transpose: bool) -> Operand<'_> {
+fn scratch_operand<T>(data: &CudaSlice<T>, rows: usize, cols: usize, transpose: bool) -> Operand<'_, T> {
     Operand { data, block: Block::dense(rows, cols), transpose }
 }
 
 /// `slot` with room for at least `n` elements (reallocated when too small).
-fn grow<'s>(
-    slot: &'s mut Option<CudaSlice<f32>>,
+fn grow<'s, T: Elem>(
+    slot: &'s mut Option<CudaSlice<T>>,
     stream: &Arc<CudaStream>,
     n: usize,
-) -> Result<&'s mut CudaSlice<f32>, String> {
+) -> Result<&'s mut CudaSlice<T>, String> {
     if slot.as_ref().is_none_or(|s| s.len() < n) {
         *slot = None;
         *slot = Some(alloc(stream, n)?);
@@ -851,7 +1036,16 @@ fn grow<'s>(
 
 impl Device {
     /// The softmax(q k^T / sqrt(d)) probabilities of every head of batch b, into `probs` ([heads, sq, sk]).
-    fn probabilities(&self, qkv: &Qkv, b: usize, causal: bool, probs: &mut CudaSlice<f32>) -> Result<(), String> {
+    fn probabilities<T: Elem>(
+        &self,
+        qkv: &Qkv<T>,
+        b: usize,
+        causal: bool,
+        probs: &mut CudaSlice<f32>,
+    ) -> Result<(), String>
+    where
+        Device: Multiply<T, f32>,
+    {
         let (sq, sk) = (qkv.seq(0), qkv.seq(1));
         let product = Product {
             a: qkv.operand(0, b, false),
@@ -861,7 +1055,7 @@ impl Device {
             alpha: qkv.scale(),
             accumulate: false,
         };
-        self.gemm(probs, product)?;
+        self.multiply(probs, product)?;
         let rows = qkv.heads * sq;
         let cfg = if sk == 0 { None } else { per_rows(rows, sk) };
         let (rows, sq, sk, causal) = (rows as u64, sq as u64, sk as u64, i32::from(causal));
@@ -875,7 +1069,7 @@ impl Device {
         a: AttentionArgs,
         probs: &mut Option<CudaSlice<f32>>,
     ) -> Result<(), String> {
-        let qkv = Qkv::of(inputs, a.heads, a.fused)?;
+        let qkv = Qkv::<f32>::of(inputs, a.heads, a.fused)?;
         same_shape("the output", &out.shape, &qkv.out_shape())?;
         let (sq, sk, d) = (qkv.seq(0), qkv.seq(1), qkv.d);
         let y = floats_mut(out, "the output")?;
@@ -904,7 +1098,7 @@ impl Device {
         scratch: &mut [Option<CudaSlice<f32>>; 2],
     ) -> Result<(), String> {
         let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
-        let qkv = Qkv::of(operands, a.heads, a.fused)?;
+        let qkv = Qkv::<f32>::of(operands, a.heads, a.fused)?;
         let wrt = usize::from(a.wrt);
         ensure(wrt < if a.fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
         same_shape("dy", &dy.shape, &qkv.out_shape())?;
@@ -969,9 +1163,9 @@ struct AttentionArgs {
 }
 
 /// What the backward pass of one batch needs.
-struct GradStep<'a> {
-    qkv: &'a Qkv<'a>,
-    dy: &'a CudaSlice<f32>,
+struct GradStep<'a, T = f32> {
+    qkv: &'a Qkv<'a, T>,
+    dy: &'a CudaSlice<T>,
     b: usize,
     /// Which operands' gradients to compute (q, k, v).
     want: [bool; 3],
@@ -1042,7 +1236,7 @@ impl Device {
         }
     }
 
-    fn embedding_lookup(
+    fn embedding_lookup<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1051,19 +1245,19 @@ impl Device {
     ) -> Result<(), String> {
         let [ids, table] = args(inputs)?;
         let (rows, w) = table_dims(&table.shape, "the table")?;
-        let (idv, tv) = (ints(ids, "the ids")?, floats(table, "the table")?);
+        let (idv, tv) = (ints(ids, "the ids")?, elems::<T>(table, "the table")?);
         let mut want = ids.shape.clone();
         want.push(w as u64);
         same_shape("the output", &out.shape, &want)?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         self.clear_flag(flag)?;
         let cfg = elementwise(ids.len() * w);
         let (count, nrows, width, base) = (ids.len() as u64, rows as u64, w as u64, signed_base(r.base));
-        launch!(self, EMBEDDING_LOOKUP, cfg, [y, idv, tv, &count, &nrows, &width, &base, &mut *flag])?;
+        launch!(self, variant::<T>(EMBEDDING_LOOKUP)?, cfg, [y, idv, tv, &count, &nrows, &width, &base, &mut *flag])?;
         if r.masked { Ok(()) } else { self.check_ids(flag, idv, r, rows) }
     }
 
-    fn embedding_grad(
+    fn embedding_grad<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1072,7 +1266,7 @@ impl Device {
     ) -> Result<(), String> {
         let [ids, dy] = args(inputs)?;
         let (rows, w) = table_dims(&out.shape, "the output")?;
-        let (idv, dyv) = (ints(ids, "the ids")?, floats(dy, "dy")?);
+        let (idv, dyv) = (ints(ids, "the ids")?, elems::<T>(dy, "dy")?);
         let mut want = ids.shape.clone();
         want.push(w as u64);
         same_shape("dy", &dy.shape, &want)?;
@@ -1081,31 +1275,31 @@ impl Device {
         self.clear_flag(flag)?;
         let cfg = elementwise(ids.len() * w);
         let (count, nrows, width, base) = (ids.len() as u64, rows as u64, w as u64, signed_base(r.base));
-        launch!(self, EMBEDDING_GRAD, cfg, [g, idv, dyv, &count, &nrows, &width, &base, &mut *flag])?;
+        launch!(self, variant::<T>(EMBEDDING_GRAD)?, cfg, [g, idv, dyv, &count, &nrows, &width, &base, &mut *flag])?;
         if r.masked { Ok(()) } else { self.check_ids(flag, idv, r, rows) }
     }
 
-    fn position_lookup(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn position_lookup<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
         let [table] = args(inputs)?;
         let (s, w) = position_dims(&table.shape, &out.shape, "the output")?;
-        let tv = floats(table, "the table")?;
+        let tv = elems::<T>(table, "the table")?;
         let n = out.len();
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let cfg = if s * w == 0 { None } else { elementwise(n) };
         let (n, block) = (n as u64, (s * w) as u64);
-        launch!(self, POSITION_LOOKUP, cfg, [y, tv, &n, &block])
+        launch!(self, variant::<T>(POSITION_LOOKUP)?, cfg, [y, tv, &n, &block])
     }
 
-    fn position_grad(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn position_grad<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
         let [dy] = args(inputs)?;
         let (s, w) = position_dims(&out.shape, &dy.shape, "dy")?;
-        let dyv = floats(dy, "dy")?;
+        let dyv = elems::<T>(dy, "dy")?;
         let g = floats_mut(out, "the output")?;
         self.zero(g)?;
         let block = s * w;
         let blocks = dy.len().checked_div(block).unwrap_or(0);
         let (nblocks, nblock) = (blocks as u64, block as u64);
-        launch!(self, POSITION_GRAD, columns(blocks, block), [g, dyv, &nblocks, &nblock])
+        launch!(self, variant::<T>(POSITION_GRAD)?, columns(blocks, block), [g, dyv, &nblocks, &nblock])
     }
 }
 
@@ -1137,56 +1331,76 @@ fn row_stats<'t>(
 }
 
 impl Device {
-    fn row_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn row_sum<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
         let [x] = args(inputs)?;
         let (rows, n) = split_last(&x.shape);
-        let xv = floats(x, "x")?;
+        let xv = elems::<T>(x, "x")?;
         same_len("the output", out.len(), rows)?;
         let y = floats_mut(out, "the output")?;
         let cfg = per_rows(rows, n);
         let (rows, n) = (rows as u64, n as u64);
-        launch!(self, ROW_SUM, cfg, [y, xv, &rows, &n])
+        launch!(self, variant::<T>(ROW_SUM)?, cfg, [y, xv, &rows, &n])
     }
 
-    fn row_centered_square_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, n: u64) -> Result<(), String> {
+    fn row_centered_square_sum<T: Elem>(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        n: u64,
+    ) -> Result<(), String> {
         let [x, sum] = args(inputs)?;
         ensure(n > 0, || "the normalised size is 0".to_string())?;
         let (rows, width) = split_last(&x.shape);
-        let (xv, sv) = (floats(x, "x")?, per_row(sum, rows, 1, "the sum")?);
+        let (xv, sv) = (elems::<T>(x, "x")?, per_row(sum, rows, 1, "the sum")?);
         same_len("the output", out.len(), rows)?;
         let y = floats_mut(out, "the output")?;
         let cfg = per_rows(rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, ROW_CENTERED_SQUARE_SUM, cfg, [y, xv, sv, &rows, &width, &n])
+        launch!(self, variant::<T>(ROW_CENTERED_SQUARE_SUM)?, cfg, [y, xv, sv, &rows, &width, &n])
     }
 
-    fn layer_norm_apply(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), String> {
+    fn layer_norm_apply<T: Elem>(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        norm: Norm,
+    ) -> Result<(), String> {
         let [x, sum, sqsum, gamma, beta] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let xv = floats(x, "x")?;
+        let xv = elems::<T>(x, "x")?;
         let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
-        let (gv, bv) = (per_row(gamma, 1, width, "gamma")?, per_row(beta, 1, width, "beta")?);
+        let (gv, bv) = (per_row_of::<T>(gamma, 1, width, "gamma")?, per_row_of::<T>(beta, 1, width, "beta")?);
         same_len("the output", out.len(), x.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let cfg = per_rows(rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, LAYER_NORM_APPLY, cfg, [y, xv, sv, qv, gv, bv, &rows, &width, &norm.n, &norm.eps])
+        launch!(self, variant::<T>(LAYER_NORM_APPLY)?, cfg, [y, xv, sv, qv, gv, bv, &rows, &width, &norm.n, &norm.eps])
     }
 
-    fn layer_norm_grad_sums(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), String> {
+    fn layer_norm_grad_sums<T: Elem>(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        norm: Norm,
+    ) -> Result<(), String> {
         let [dy, x, gamma, sum, sqsum] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
-        let gv = per_row(gamma, 1, width, "gamma")?;
+        let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
+        let gv = per_row_of::<T>(gamma, 1, width, "gamma")?;
         let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
         same_len("the output", out.len(), rows * 2)?;
         let y = floats_mut(out, "the output")?;
         let cfg = per_rows(rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, LAYER_NORM_GRAD_SUMS, cfg, [y, dyv, xv, gv, sv, qv, &rows, &width, &norm.n, &norm.eps])
+        launch!(
+            self,
+            variant::<T>(LAYER_NORM_GRAD_SUMS)?,
+            cfg,
+            [y, dyv, xv, gv, sv, qv, &rows, &width, &norm.n, &norm.eps]
+        )
     }
 
-    fn layer_norm_grad_input(
+    fn layer_norm_grad_input<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1194,18 +1408,23 @@ impl Device {
     ) -> Result<(), String> {
         let [dy, x, gamma, sum, sqsum, sums] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
-        let gv = per_row(gamma, 1, width, "gamma")?;
+        let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
+        let gv = per_row_of::<T>(gamma, 1, width, "gamma")?;
         let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
         let pairs = per_row(sums, rows, 2, "the gradient sums")?;
         same_len("the output", out.len(), x.len())?;
-        let dx = floats_mut(out, "the output")?;
+        let dx = elems_mut::<T>(out, "the output")?;
         let cfg = per_rows(rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, LAYER_NORM_GRAD_INPUT, cfg, [dx, dyv, xv, gv, sv, qv, pairs, &rows, &width, &norm.n, &norm.eps])
+        launch!(
+            self,
+            variant::<T>(LAYER_NORM_GRAD_INPUT)?,
+            cfg,
+            [dx, dyv, xv, gv, sv, qv, pairs, &rows, &width, &norm.n, &norm.eps]
+        )
     }
 
-    fn layer_norm_grad_weight(
+    fn layer_norm_grad_weight<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1214,7 +1433,7 @@ impl Device {
     ) -> Result<(), String> {
         let [dy, x, sum, sqsum] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
+        let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
         let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
         same_len("the output", out.len(), width)?;
         let g = floats_mut(out, "the output")?;
@@ -1222,18 +1441,23 @@ impl Device {
         let stats = grow(scratch, &self.stream, 2 * rows)?;
         let (nrows, nwidth) = (rows as u64, width as u64);
         launch!(self, LAYER_NORM_STATS, elementwise(rows), [&mut *stats, sv, qv, &nrows, &norm.n, &norm.eps])?;
-        launch!(self, LAYER_NORM_GRAD_WEIGHT, columns(rows, width), [g, dyv, xv, &*stats, &nrows, &nwidth])
+        launch!(
+            self,
+            variant::<T>(LAYER_NORM_GRAD_WEIGHT)?,
+            columns(rows, width),
+            [g, dyv, xv, &*stats, &nrows, &nwidth]
+        )
     }
 
-    fn sum_to_last(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn sum_to_last<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
         let [x] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let xv = floats(x, "x")?;
+        let xv = elems::<T>(x, "x")?;
         same_len("the output", out.len(), width)?;
         let g = floats_mut(out, "the output")?;
         self.zero(g)?;
         let (nrows, nwidth) = (rows as u64, width as u64);
-        launch!(self, SUM_TO_LAST, columns(rows, width), [g, xv, &nrows, &nwidth])
+        launch!(self, variant::<T>(SUM_TO_LAST)?, columns(rows, width), [g, xv, &nrows, &nwidth])
     }
 }
 
@@ -1258,17 +1482,17 @@ impl Vocab {
 }
 
 /// The logits, targets, max and stats inputs of the cross-entropy kernels, checked.
-struct Logits<'t> {
-    logits: &'t CudaSlice<f32>,
+struct Logits<'t, T = f32> {
+    logits: &'t CudaSlice<T>,
     targets: &'t CudaSlice<i32>,
     rows: usize,
     width: usize,
 }
 
-impl<'t> Logits<'t> {
-    fn new(logits: &'t DeviceTensor, targets: &'t DeviceTensor) -> Result<Logits<'t>, String> {
+impl<'t, T: Elem> Logits<'t, T> {
+    fn new(logits: &'t DeviceTensor, targets: &'t DeviceTensor) -> Result<Logits<'t, T>, String> {
         let (rows, width) = split_last(&logits.shape);
-        let lv = floats(logits, "the logits")?;
+        let lv = elems::<T>(logits, "the logits")?;
         let tv = ints(targets, "the targets")?;
         same_len("the targets", targets.len(), rows)?;
         Ok(Logits { logits: lv, targets: tv, rows, width })
@@ -1287,19 +1511,24 @@ impl Device {
         }
     }
 
-    fn cross_entropy_max(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, vocab: Vocab) -> Result<(), String> {
+    fn cross_entropy_max<T: Elem>(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        vocab: Vocab,
+    ) -> Result<(), String> {
         let [logits] = args(inputs)?;
         let (rows, width) = split_last(&logits.shape);
-        let lv = floats(logits, "the logits")?;
+        let lv = elems::<T>(logits, "the logits")?;
         same_len("the output", out.len(), rows)?;
         let y = floats_mut(out, "the output")?;
         let live = vocab.live(width);
         let cfg = per_rows(rows, live);
         let (rows, width, live) = (rows as u64, width as u64, live as u64);
-        launch!(self, CROSS_ENTROPY_MAX, cfg, [y, lv, &rows, &width, &live])
+        launch!(self, variant::<T>(CROSS_ENTROPY_MAX)?, cfg, [y, lv, &rows, &width, &live])
     }
 
-    fn cross_entropy_stats(
+    fn cross_entropy_stats<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1307,7 +1536,7 @@ impl Device {
         flag: &mut CudaSlice<u64>,
     ) -> Result<(), String> {
         let [logits, targets, max] = args(inputs)?;
-        let l = Logits::new(logits, targets)?;
+        let l = Logits::<T>::new(logits, targets)?;
         let mv = per_row(max, l.rows, 1, "the max")?;
         same_len("the output", out.len(), l.rows * 2)?;
         let y = floats_mut(out, "the output")?;
@@ -1320,7 +1549,7 @@ impl Device {
         let args = [rows, width, live, vocab.offset, vocab.valid];
         launch!(
             self,
-            CROSS_ENTROPY_STATS,
+            variant::<T>(CROSS_ENTROPY_STATS)?,
             cfg,
             [y, l.logits, l.targets, mv, &args[0], &args[1], &args[2], &args[3], &args[4], &mut *flag]
         )?;
@@ -1360,7 +1589,7 @@ impl Device {
         Ok(())
     }
 
-    fn cross_entropy_grad(
+    fn cross_entropy_grad<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1370,11 +1599,11 @@ impl Device {
     ) -> Result<(), String> {
         let [logits, targets, max, stats, dloss] = args(inputs)?;
         ensure(count > 0, || "the row count is 0".to_string())?;
-        let l = Logits::new(logits, targets)?;
+        let l = Logits::<T>::new(logits, targets)?;
         let (mv, sv) = (per_row(max, l.rows, 1, "the max")?, per_row(stats, l.rows, 2, "the stats")?);
         let dl = per_row(dloss, 1, 1, "dloss")?;
         same_len("the output", out.len(), logits.len())?;
-        let g = floats_mut(out, "the output")?;
+        let g = elems_mut::<T>(out, "the output")?;
         if l.width == 0 {
             return Ok(());
         }
@@ -1383,7 +1612,7 @@ impl Device {
         let args = [l.rows as u64, l.width as u64, vocab.live(l.width) as u64, vocab.offset, vocab.valid, count];
         launch!(
             self,
-            CROSS_ENTROPY_GRAD,
+            variant::<T>(CROSS_ENTROPY_GRAD)?,
             cfg,
             [
                 g, l.logits, l.targets, mv, sv, dl, &args[0], &args[1], &args[2], &args[3], &args[4], &args[5],
@@ -1440,6 +1669,11 @@ impl Device {
     }
 }
 
+mod bf16;
+
+pub use bf16::{BF16_KERNEL_NAMES, bf16_launcher};
+use bf16::{variant, words};
+
 // ---- the kernel runner ----------------------------------------------------------------------------
 
 /// The compiled kernels on one GPU: runs plan kernels on [`DeviceTensor`]s on one stream.
@@ -1451,6 +1685,8 @@ pub struct CudaKernels {
     scratch: [Option<CudaSlice<f32>>; 2],
     /// Where kernels flag invalid ids and targets.
     flag: CudaSlice<u64>,
+    /// The scratch of the bf16 kernels (grown as needed).
+    half: bf16::Scratch,
 }
 
 impl CudaKernels {
@@ -1468,14 +1704,14 @@ impl CudaKernels {
         }
         let module = ctx.load_module(ptx).map_err(driver("loading the kernels' PTX"))?;
         let mut functions = HashMap::new();
-        for &name in KERNEL_NAMES {
+        for &name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES) {
             let f = module.load_function(name).map_err(|e| format!("loading kernel `{name}`: {e}"))?;
             functions.insert(name, f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("creating a cuBLAS handle: {e}"))?;
         let flag = alloc::<u64>(&stream, 1)?;
         let dev = Device { stream, functions, blas };
-        Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag })
+        Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag, half: bf16::Scratch::default() })
     }
 
     /// The stream every kernel runs on.
@@ -1492,7 +1728,12 @@ impl CudaKernels {
         out: &mut DeviceTensor,
         ctx: &KernelContext,
     ) -> Result<(), String> {
-        self.dispatch(kernel, inputs, out, ctx).map_err(|e| format!("{kernel:?}: {e}"))
+        let result = if bf16::involved(inputs, out) {
+            bf16::run(self, kernel, inputs, out, ctx)
+        } else {
+            self.dispatch(kernel, inputs, out, ctx)
+        };
+        result.map_err(|e| format!("{kernel:?}: {e}"))
     }
 
     fn dispatch(
@@ -1502,28 +1743,28 @@ impl CudaKernels {
         out: &mut DeviceTensor,
         ctx: &KernelContext,
     ) -> Result<(), String> {
-        let CudaKernels { dev, logical, scratch, flag } = self;
+        let CudaKernels { dev, logical, scratch, flag, .. } = self;
         let dev = &*dev;
         match *kernel {
             Kernel::MatMul { transpose_a, transpose_b, accumulate } => {
-                dev.matmul(inputs, out, transpose_a, transpose_b, accumulate)
+                dev.matmul::<f32, f32>(inputs, out, transpose_a, transpose_b, accumulate)
             }
-            Kernel::BatchedMatMul => dev.batched_matmul(inputs, out),
-            Kernel::BiasAdd => dev.bias_add(inputs, out),
-            Kernel::Add => dev.map_binary(ADD, inputs, out),
-            Kernel::Scale { factor } => dev.scale(inputs, out, factor),
-            Kernel::Gelu { approximate: true } => dev.map_unary(GELU_TANH, inputs, out),
-            Kernel::Gelu { approximate: false } => dev.map_unary(GELU_ERF, inputs, out),
-            Kernel::Silu => dev.map_unary(SILU, inputs, out),
-            Kernel::SiluGrad => dev.map_binary(SILU_GRAD, inputs, out),
-            Kernel::GeluGrad { approximate: true } => dev.map_binary(GELU_TANH_GRAD, inputs, out),
-            Kernel::GeluGrad { approximate: false } => dev.map_binary(GELU_ERF_GRAD, inputs, out),
-            Kernel::Softmax => dev.softmax(inputs, out),
-            Kernel::SoftmaxGrad => dev.softmax_grad(inputs, out),
-            Kernel::CausalMask => dev.causal_mask(inputs, out, f32::NEG_INFINITY),
-            Kernel::CausalMaskGrad => dev.causal_mask(inputs, out, 0.0),
+            Kernel::BatchedMatMul => dev.batched_matmul::<f32, f32>(inputs, out),
+            Kernel::BiasAdd => dev.bias_add::<f32>(inputs, out),
+            Kernel::Add => dev.map_binary::<f32>(ADD, inputs, out),
+            Kernel::Scale { factor } => dev.scale::<f32>(inputs, out, factor),
+            Kernel::Gelu { approximate: true } => dev.map_unary::<f32>(GELU_TANH, inputs, out),
+            Kernel::Gelu { approximate: false } => dev.map_unary::<f32>(GELU_ERF, inputs, out),
+            Kernel::Silu => dev.map_unary::<f32>(SILU, inputs, out),
+            Kernel::SiluGrad => dev.map_binary::<f32>(SILU_GRAD, inputs, out),
+            Kernel::GeluGrad { approximate: true } => dev.map_binary::<f32>(GELU_TANH_GRAD, inputs, out),
+            Kernel::GeluGrad { approximate: false } => dev.map_binary::<f32>(GELU_ERF_GRAD, inputs, out),
+            Kernel::Softmax => dev.softmax::<f32>(inputs, out),
+            Kernel::SoftmaxGrad => dev.softmax_grad::<f32>(inputs, out),
+            Kernel::CausalMask => dev.causal_mask::<f32>(inputs, out, f32::NEG_INFINITY),
+            Kernel::CausalMaskGrad => dev.causal_mask::<f32>(inputs, out, 0.0),
             Kernel::Dropout { p, key } | Kernel::DropoutGrad { p, key } => {
-                dropout(dev, logical, inputs, out, ctx, p, key)
+                dropout::<f32>(dev, logical, inputs, out, ctx, p, key)
             }
             Kernel::Reshape => dev.reshape(inputs, out),
             Kernel::Transpose { dim0, dim1 } => dev.transpose(inputs, out, dim0.into(), dim1.into()),
@@ -1536,36 +1777,35 @@ impl CudaKernels {
                 dev.attention_grad(inputs, out, AttentionArgs { heads, causal, fused, wrt }, scratch)
             }
             Kernel::EmbeddingLookup { offset, masked } => {
-                dev.embedding_lookup(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
+                dev.embedding_lookup::<f32>(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
             }
             Kernel::EmbeddingGrad { offset, masked } => {
-                dev.embedding_grad(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
+                dev.embedding_grad::<f32>(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
             }
-            Kernel::PositionLookup => dev.position_lookup(inputs, out),
-            Kernel::PositionGrad => dev.position_grad(inputs, out),
-            Kernel::RowSum => dev.row_sum(inputs, out),
-            Kernel::RowCenteredSquareSum { n } => dev.row_centered_square_sum(inputs, out, n),
-            Kernel::LayerNormApply { n, eps } => dev.layer_norm_apply(inputs, out, Norm { n, eps }),
-            Kernel::LayerNormGradSums { n, eps } => dev.layer_norm_grad_sums(inputs, out, Norm { n, eps }),
-            Kernel::LayerNormGradInput { n, eps } => dev.layer_norm_grad_input(inputs, out, Norm { n, eps }),
+            Kernel::PositionLookup => dev.position_lookup::<f32>(inputs, out),
+            Kernel::PositionGrad => dev.position_grad::<f32>(inputs, out),
+            Kernel::RowSum => dev.row_sum::<f32>(inputs, out),
+            Kernel::RowCenteredSquareSum { n } => dev.row_centered_square_sum::<f32>(inputs, out, n),
+            Kernel::LayerNormApply { n, eps } => dev.layer_norm_apply::<f32>(inputs, out, Norm { n, eps }),
+            Kernel::LayerNormGradSums { n, eps } => dev.layer_norm_grad_sums::<f32>(inputs, out, Norm { n, eps }),
+            Kernel::LayerNormGradInput { n, eps } => dev.layer_norm_grad_input::<f32>(inputs, out, Norm { n, eps }),
             Kernel::LayerNormGradWeight { n, eps } => {
-                dev.layer_norm_grad_weight(inputs, out, Norm { n, eps }, &mut scratch[0])
+                dev.layer_norm_grad_weight::<f32>(inputs, out, Norm { n, eps }, &mut scratch[0])
             }
-            Kernel::SumToLast => dev.sum_to_last(inputs, out),
+            Kernel::SumToLast => dev.sum_to_last::<f32>(inputs, out),
             Kernel::CrossEntropyMax { offset, valid } => {
-                dev.cross_entropy_max(inputs, out, Vocab::new(offset, valid, ctx))
+                dev.cross_entropy_max::<f32>(inputs, out, Vocab::new(offset, valid, ctx))
             }
             Kernel::CrossEntropyStats { offset, valid } => {
-                dev.cross_entropy_stats(inputs, out, Vocab::new(offset, valid, ctx), flag)
+                dev.cross_entropy_stats::<f32>(inputs, out, Vocab::new(offset, valid, ctx), flag)
             }
             Kernel::CrossEntropyLoss { count } => dev.cross_entropy_loss(inputs, out, count),
             Kernel::CrossEntropyGrad { offset, valid, count } => {
-                dev.cross_entropy_grad(inputs, out, Vocab::new(offset, valid, ctx), count, flag)
+                dev.cross_entropy_grad::<f32>(inputs, out, Vocab::new(offset, valid, ctx), count, flag)
             }
             Kernel::Fill { value } => dev.fill(inputs, out, value),
-            // Staged buffers reach the GPU as f32 (bf16 widened on the host, rounded on the way back),
-            // so a cast is an exact copy here.
-            Kernel::Cast => dev.scale(inputs, out, 1.0),
+            // Between f32 buffers a cast is an exact copy (bf16 casts are run by `bf16::run`).
+            Kernel::Cast => dev.scale::<f32>(inputs, out, 1.0),
             Kernel::SliceShard { axis, placement } => dev.slice_shard(inputs, out, ctx, axis.into(), placement),
             Kernel::GradSquareSum => dev.grad_square_sum(inputs, out, ctx),
             Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),
@@ -1618,7 +1858,7 @@ fn logical_indices<'c>(
 }
 
 /// Dropout and its gradient: the mask depends only on (seed, key, logical index).
-fn dropout(
+fn dropout<T: Elem>(
     dev: &Device,
     cache: &mut HashMap<IndexKey, CudaSlice<u64>>,
     inputs: &[&DeviceTensor],
@@ -1628,12 +1868,12 @@ fn dropout(
     key: u32,
 ) -> Result<(), String> {
     let [x] = args(inputs)?;
-    let xv = floats(x, "the input")?;
+    let xv = elems::<T>(x, "the input")?;
     ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not in [0, 1]"))?;
     same_shape("the output", &out.shape, &ctx.output.shape)?;
     let n = x.len();
     same_len("the output", out.len(), n)?;
-    let y = floats_mut(out, "the output")?;
+    let y = elems_mut::<T>(out, "the output")?;
     if p == 0.0 {
         return dev.copy_runs(xv, y, (n, n), Runs::whole(n));
     }
@@ -1644,7 +1884,7 @@ fn dropout(
     ensure(logical.len() >= n, || format!("internal error: {} logical indices for {n} elements", logical.len()))?;
     let mask = DropoutParams::new(ctx.seed, key, p);
     let (scale, count) = ((1.0 / (1.0 - p)) as f32, n as u64);
-    launch!(dev, DROPOUT, elementwise(n), [y, xv, logical, &count, &mask.base, &mask.threshold, &scale])
+    launch!(dev, variant::<T>(DROPOUT)?, elementwise(n), [y, xv, logical, &count, &mask.base, &mask.threshold, &scale])
 }
 
 #[cfg(test)]

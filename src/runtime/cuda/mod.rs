@@ -3,6 +3,8 @@
 //! This version is host-staged: buffers live in a host arena (the CPU backend's storage) between
 //! instructions, and each kernel uploads its operands, runs on the GPU and downloads its result, so
 //! any communicator (threads or MPI) works unchanged. Device-resident buffers with NCCL collectives are the next step.
+//! Buffers travel in their plan's element type: bf16 buffers go to the GPU and back as bf16 (two bytes
+//! an element) and run bf16 kernels there (see [`kernels`]).
 
 pub mod kernels;
 pub mod nccl;
@@ -56,9 +58,14 @@ impl CudaBackend {
         Ok(CudaBackend { kernels, stream })
     }
 
-    /// A GPU copy of a host view.
+    /// A GPU copy of a host view, in its element type.
     fn upload_view(&self, view: &View) -> Result<DeviceTensor, RuntimeError> {
-        DeviceTensor::upload(&self.stream, &view.to_tensor()).map_err(RuntimeError::Kernel)
+        DeviceTensor::upload_view(&self.stream, view).map_err(RuntimeError::Kernel)
+    }
+
+    /// Copies a GPU tensor back into its host buffer (of the same element type).
+    fn download_to(&self, storage: &mut HostArena, id: BufferId, t: &DeviceTensor) -> Result<(), RuntimeError> {
+        t.download_into(&self.stream, &mut storage.view_mut(id)?).map_err(RuntimeError::Kernel)
     }
 }
 
@@ -108,7 +115,7 @@ impl Backend for CudaBackend {
         let refs: Vec<&DeviceTensor> = operands.iter().collect();
         let mut result = self.upload_view(&storage.view(output)?)?;
         self.kernels.run(kernel, &refs, &mut result, ctx).map_err(RuntimeError::Kernel)?;
-        storage.write(output, &result.download(&self.stream).map_err(RuntimeError::Kernel)?)
+        self.download_to(storage, output, &result)
     }
 
     fn optimizer_step(
@@ -122,9 +129,9 @@ impl Backend for CudaBackend {
         let mut s1 = self.upload_view(&storage.view(b.state1)?)?;
         let mut s2 = self.upload_view(&storage.view(b.state2)?)?;
         self.kernels.optimizer_step(&mut p, &g, &mut s1, &mut s2, settings, step).map_err(RuntimeError::Kernel)?;
-        storage.write(b.param, &p.download(&self.stream).map_err(RuntimeError::Kernel)?)?;
-        storage.write(b.state1, &s1.download(&self.stream).map_err(RuntimeError::Kernel)?)?;
-        storage.write(b.state2, &s2.download(&self.stream).map_err(RuntimeError::Kernel)?)
+        self.download_to(storage, b.param, &p)?;
+        self.download_to(storage, b.state1, &s1)?;
+        self.download_to(storage, b.state2, &s2)
     }
 
     fn collective(

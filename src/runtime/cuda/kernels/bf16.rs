@@ -1,0 +1,682 @@
+//! Plan kernels on bf16 buffers, kept as bf16 on the GPU (two bytes an element).
+//!
+//! A kernel whose operands have the element types a bf16 plan gives them (bf16 tensors, f32 statistics,
+//! i32 ids; see [`native`]) runs its `_bf16` entry point of kernels.cu: operands are read widened to f32,
+//! the arithmetic is the f32 kernel's, and a bf16 result is rounded once (to nearest, ties to even) when
+//! stored, as on the CPU backend. Products run on the tensor cores through cuBLAS `gemmEx` with bf16
+//! operands and f32 accumulation (`CUBLAS_COMPUTE_32F`), into a bf16 or f32 output. Column sums (bias,
+//! LayerNorm weight, position and embedding gradients) and scatter-adds are summed in an f32 scratch and
+//! rounded once. Attention keeps its scores, probabilities and their gradient in f32 and rounds the
+//! probabilities (and dS) to bf16 only as operands of the bf16 products P V, P^T dO, dS K and dS^T Q.
+//!
+//! Any other combination of element types, and kernels without a bf16 entry point (a kernel added
+//! later, fills, the gradient norm), run [`widened`]: their bf16 operands are widened to f32 on the
+//! GPU, the f32 kernel runs, and a bf16 output is rounded once, exactly as the CPU backend does.
+
+use super::*;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use std::ffi::c_void;
+
+/// The bf16 entry points of kernels.cu, next to the f32 kernel each stands for.
+const ENTRY_POINTS: &[(&str, &str)] = &[
+    (BIAS_ADD, "bias_add_bf16"),
+    (ADD, "add_bf16"),
+    (SCALE, "scale_bf16"),
+    (GELU_TANH, "gelu_tanh_bf16"),
+    (GELU_ERF, "gelu_erf_bf16"),
+    (SILU, "silu_bf16"),
+    (SILU_GRAD, "silu_grad_bf16"),
+    (GELU_TANH_GRAD, "gelu_tanh_grad_bf16"),
+    (GELU_ERF_GRAD, "gelu_erf_grad_bf16"),
+    (CAUSAL_MASK, "causal_mask_bf16"),
+    (DROPOUT, "dropout_bf16"),
+    (ZERO_BLOCKS, "zero_blocks_bf16"),
+    (SOFTMAX, "softmax_bf16"),
+    (SOFTMAX_GRAD, "softmax_grad_bf16"),
+    (EMBEDDING_LOOKUP, "embedding_lookup_bf16"),
+    (EMBEDDING_GRAD, "embedding_grad_bf16"),
+    (POSITION_LOOKUP, "position_lookup_bf16"),
+    (POSITION_GRAD, "position_grad_bf16"),
+    (ROW_SUM, "row_sum_bf16"),
+    (ROW_CENTERED_SQUARE_SUM, "row_centered_square_sum_bf16"),
+    (LAYER_NORM_APPLY, "layer_norm_apply_bf16"),
+    (LAYER_NORM_GRAD_SUMS, "layer_norm_grad_sums_bf16"),
+    (LAYER_NORM_GRAD_INPUT, "layer_norm_grad_input_bf16"),
+    (LAYER_NORM_GRAD_WEIGHT, "layer_norm_grad_weight_bf16"),
+    (SUM_TO_LAST, "sum_to_last_bf16"),
+    (CROSS_ENTROPY_MAX, "cross_entropy_max_bf16"),
+    (CROSS_ENTROPY_STATS, "cross_entropy_stats_bf16"),
+    (CROSS_ENTROPY_GRAD, "cross_entropy_grad_bf16"),
+];
+
+/// The copies of 16-bit words, next to the 32-bit copy each stands for.
+const WORD_COPIES: &[(&str, &str)] = &[(COPY_RUNS, COPY_RUNS_U16), (TRANSPOSE, TRANSPOSE_U16)];
+
+const COPY_RUNS_U16: &str = "copy_runs_u16";
+const TRANSPOSE_U16: &str = "transpose_u16";
+const CAST_F32_TO_BF16: &str = "cast_f32_to_bf16";
+const CAST_BF16_TO_F32: &str = "cast_bf16_to_f32";
+
+/// Every bf16 (and 16-bit) `__global__` function of kernels.cu.
+pub const BF16_KERNEL_NAMES: &[&str] = &[
+    "bias_add_bf16",
+    "add_bf16",
+    "scale_bf16",
+    "gelu_tanh_bf16",
+    "gelu_erf_bf16",
+    "silu_bf16",
+    "silu_grad_bf16",
+    "gelu_tanh_grad_bf16",
+    "gelu_erf_grad_bf16",
+    "causal_mask_bf16",
+    "dropout_bf16",
+    "zero_blocks_bf16",
+    "softmax_bf16",
+    "softmax_grad_bf16",
+    "embedding_lookup_bf16",
+    "embedding_grad_bf16",
+    "position_lookup_bf16",
+    "position_grad_bf16",
+    "row_sum_bf16",
+    "row_centered_square_sum_bf16",
+    "layer_norm_apply_bf16",
+    "layer_norm_grad_sums_bf16",
+    "layer_norm_grad_input_bf16",
+    "layer_norm_grad_weight_bf16",
+    "sum_to_last_bf16",
+    "cross_entropy_max_bf16",
+    "cross_entropy_stats_bf16",
+    "cross_entropy_grad_bf16",
+    COPY_RUNS_U16,
+    TRANSPOSE_U16,
+    CAST_F32_TO_BF16,
+    CAST_BF16_TO_F32,
+];
+
+/// The entry point of kernel `name` for tensors of element type `T`.
+pub(super) fn variant<T: Elem>(name: &'static str) -> Result<&'static str, String> {
+    if T::DTYPE != DType::Bf16 {
+        return Ok(name);
+    }
+    let found = ENTRY_POINTS.iter().find(|(f32_name, _)| *f32_name == name);
+    found.map(|&(_, bf16_name)| bf16_name).ok_or_else(|| format!("internal error: `{name}` has no bf16 entry point"))
+}
+
+/// The copy kernel `name` (of 32-bit words) for elements of `T`'s size.
+pub(super) fn words<T>(name: &'static str) -> Result<&'static str, String> {
+    match std::mem::size_of::<T>() {
+        4 => Ok(name),
+        2 => WORD_COPIES
+            .iter()
+            .find(|(wide, _)| *wide == name)
+            .map(|&(_, narrow)| narrow)
+            .ok_or_else(|| format!("internal error: `{name}` has no 16-bit version")),
+        size => Err(format!("internal error: no copy kernel moves {size}-byte elements")),
+    }
+}
+
+/// What a plan kernel launches on the bf16 operands of a bf16 plan, or `None` when it runs widened
+/// (its bf16 operands cast to f32 on the GPU, then its f32 [`launcher`], then a cast back).
+pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
+    const ZERO: &str = "zero_blocks_bf16";
+    native(kernel)?;
+    let kernels = Launcher::kernels;
+    Some(match kernel {
+        Kernel::Cast => kernels(&[CAST_F32_TO_BF16, CAST_BF16_TO_F32, COPY_RUNS_U16]),
+        Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO]),
+        Kernel::Attention { .. } => Launcher::product(&[ATTENTION_SOFTMAX, CAST_F32_TO_BF16, ZERO]),
+        Kernel::AttentionGrad { .. } => {
+            Launcher::product(&[ATTENTION_SOFTMAX, ATTENTION_SOFTMAX_GRAD, CAST_F32_TO_BF16, ZERO])
+        }
+        Kernel::Dropout { .. } | Kernel::DropoutGrad { .. } => kernels(&["dropout_bf16", COPY_RUNS_U16]),
+        Kernel::Reshape | Kernel::Select { .. } | Kernel::SelectGrad { .. } | Kernel::SliceShard { .. } => {
+            kernels(&[COPY_RUNS_U16])
+        }
+        Kernel::Transpose { .. } => kernels(&[TRANSPOSE_U16]),
+        Kernel::EmbeddingGrad { .. } => kernels(&["embedding_grad_bf16", CAST_F32_TO_BF16]),
+        Kernel::PositionGrad => kernels(&["position_grad_bf16", CAST_F32_TO_BF16]),
+        Kernel::SumToLast => kernels(&["sum_to_last_bf16", CAST_F32_TO_BF16]),
+        Kernel::LayerNormGradWeight { .. } => {
+            kernels(&[LAYER_NORM_STATS, "layer_norm_grad_weight_bf16", CAST_F32_TO_BF16])
+        }
+        Kernel::BiasAdd => kernels(&["bias_add_bf16"]),
+        Kernel::Add => kernels(&["add_bf16"]),
+        Kernel::Scale { .. } => kernels(&["scale_bf16"]),
+        Kernel::Gelu { approximate: true } => kernels(&["gelu_tanh_bf16"]),
+        Kernel::Gelu { approximate: false } => kernels(&["gelu_erf_bf16"]),
+        Kernel::GeluGrad { approximate: true } => kernels(&["gelu_tanh_grad_bf16"]),
+        Kernel::GeluGrad { approximate: false } => kernels(&["gelu_erf_grad_bf16"]),
+        Kernel::Silu => kernels(&["silu_bf16"]),
+        Kernel::SiluGrad => kernels(&["silu_grad_bf16"]),
+        Kernel::Softmax => kernels(&["softmax_bf16"]),
+        Kernel::SoftmaxGrad => kernels(&["softmax_grad_bf16"]),
+        Kernel::CausalMask | Kernel::CausalMaskGrad => kernels(&["causal_mask_bf16"]),
+        Kernel::EmbeddingLookup { .. } => kernels(&["embedding_lookup_bf16"]),
+        Kernel::PositionLookup => kernels(&["position_lookup_bf16"]),
+        Kernel::RowSum => kernels(&["row_sum_bf16"]),
+        Kernel::RowCenteredSquareSum { .. } => kernels(&["row_centered_square_sum_bf16"]),
+        Kernel::LayerNormApply { .. } => kernels(&["layer_norm_apply_bf16"]),
+        Kernel::LayerNormGradSums { .. } => kernels(&["layer_norm_grad_sums_bf16"]),
+        Kernel::LayerNormGradInput { .. } => kernels(&["layer_norm_grad_input_bf16"]),
+        Kernel::CrossEntropyMax { .. } => kernels(&["cross_entropy_max_bf16"]),
+        Kernel::CrossEntropyStats { .. } => kernels(&["cross_entropy_stats_bf16"]),
+        Kernel::CrossEntropyGrad { .. } => kernels(&["cross_entropy_grad_bf16"]),
+        _ => return None,
+    })
+}
+
+// ---- which kernels run on bf16 operands -----------------------------------------------------------
+
+/// An operand's element type as the signatures below spell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ty {
+    /// bf16
+    H,
+    /// f32
+    F,
+    /// i32
+    I,
+}
+
+use Ty::{F, H, I};
+
+fn ty(data: &DeviceData) -> Ty {
+    match data {
+        DeviceData::Bf16(_) => H,
+        DeviceData::F32(_) => F,
+        DeviceData::I32(_) => I,
+    }
+}
+
+/// The inputs' element types and the output's (any of a list) with which `kernel` runs natively on
+/// bf16: those of bf16 plans. `None` for kernels that always run [`widened`].
+fn native(kernel: &Kernel) -> Option<(&'static [Ty], &'static [Ty])> {
+    const BF16: &[Ty] = &[H];
+    const STAT: &[Ty] = &[F];
+    Some(match kernel {
+        Kernel::MatMul { .. } | Kernel::BatchedMatMul => (&[H, H], &[H, F]),
+        Kernel::BiasAdd | Kernel::Add | Kernel::SoftmaxGrad | Kernel::SiluGrad | Kernel::GeluGrad { .. } => {
+            (&[H, H], BF16)
+        }
+        Kernel::Scale { .. }
+        | Kernel::Gelu { .. }
+        | Kernel::Silu
+        | Kernel::Softmax
+        | Kernel::CausalMask
+        | Kernel::CausalMaskGrad
+        | Kernel::Dropout { .. }
+        | Kernel::DropoutGrad { .. }
+        | Kernel::Reshape
+        | Kernel::Transpose { .. }
+        | Kernel::Select { .. }
+        | Kernel::SelectGrad { .. }
+        | Kernel::SliceShard { .. }
+        | Kernel::PositionLookup
+        | Kernel::PositionGrad
+        | Kernel::SumToLast => (&[H], BF16),
+        Kernel::Cast => (&[H], &[H, F]),
+        Kernel::Attention { fused: true, .. } => (&[H], BF16),
+        Kernel::Attention { fused: false, .. } => (&[H, H, H], BF16),
+        Kernel::AttentionGrad { fused: true, .. } => (&[H, H], BF16),
+        Kernel::AttentionGrad { fused: false, .. } => (&[H, H, H, H], BF16),
+        Kernel::EmbeddingLookup { .. } | Kernel::EmbeddingGrad { .. } => (&[I, H], BF16),
+        Kernel::RowSum | Kernel::CrossEntropyMax { .. } => (&[H], STAT),
+        Kernel::RowCenteredSquareSum { .. } => (&[H, F], STAT),
+        Kernel::LayerNormApply { .. } => (&[H, F, F, H, H], BF16),
+        Kernel::LayerNormGradSums { .. } => (&[H, H, H, F, F], STAT),
+        Kernel::LayerNormGradInput { .. } => (&[H, H, H, F, F, F], BF16),
+        Kernel::LayerNormGradWeight { .. } => (&[H, H, F, F], BF16),
+        Kernel::CrossEntropyStats { .. } => (&[H, I, F], STAT),
+        Kernel::CrossEntropyGrad { .. } => (&[H, I, F, F, F], BF16),
+        _ => return None,
+    })
+}
+
+/// Whether a cast from f32 into bf16 (the plan's weight copies), which no bf16 input announces.
+fn rounding_cast(kernel: &Kernel, inputs: &[&DeviceTensor], out: &DeviceTensor) -> bool {
+    matches!(kernel, Kernel::Cast) && matches!(inputs, [x] if ty(&x.data) == F) && ty(&out.data) == H
+}
+
+/// Whether any operand is bf16 (the kernel then runs here).
+pub(super) fn involved(inputs: &[&DeviceTensor], out: &DeviceTensor) -> bool {
+    ty(&out.data) == H || inputs.iter().any(|t| ty(&t.data) == H)
+}
+
+/// Runs a kernel with a bf16 operand: natively when its element types are those of a bf16 plan,
+/// [`widened`] otherwise.
+pub(super) fn run(
+    k: &mut CudaKernels,
+    kernel: &Kernel,
+    inputs: &[&DeviceTensor],
+    out: &mut DeviceTensor,
+    ctx: &KernelContext,
+) -> Result<(), String> {
+    if rounding_cast(kernel, inputs, out) {
+        let [x] = args(inputs)?;
+        same_len("the output", out.len(), x.len())?;
+        return round_into(&k.dev, x, out);
+    }
+    let types: Vec<Ty> = inputs.iter().map(|t| ty(&t.data)).collect();
+    match native(kernel) {
+        Some((ins, outs)) if ins == types.as_slice() && outs.contains(&ty(&out.data)) => {
+            run_native(k, kernel, inputs, out, ctx)
+        }
+        _ => widened(k, kernel, inputs, out, ctx),
+    }
+}
+
+/// Runs a kernel whose operands have the element types [`native`] gives.
+fn run_native(
+    k: &mut CudaKernels,
+    kernel: &Kernel,
+    inputs: &[&DeviceTensor],
+    out: &mut DeviceTensor,
+    ctx: &KernelContext,
+) -> Result<(), String> {
+    type B = u16;
+    let CudaKernels { dev, logical, scratch, flag, half } = k;
+    let dev = &*dev;
+    let out_f32 = ty(&out.data) == F;
+    match *kernel {
+        Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: acc } if out_f32 => {
+            dev.matmul::<B, f32>(inputs, out, ta, tb, acc)
+        }
+        Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: acc } => {
+            dev.matmul::<B, B>(inputs, out, ta, tb, acc)
+        }
+        Kernel::BatchedMatMul if out_f32 => dev.batched_matmul::<B, f32>(inputs, out),
+        Kernel::BatchedMatMul => dev.batched_matmul::<B, B>(inputs, out),
+        Kernel::BiasAdd => dev.bias_add::<B>(inputs, out),
+        Kernel::Add => dev.map_binary::<B>(ADD, inputs, out),
+        Kernel::Scale { factor } => dev.scale::<B>(inputs, out, factor),
+        Kernel::Gelu { approximate: true } => dev.map_unary::<B>(GELU_TANH, inputs, out),
+        Kernel::Gelu { approximate: false } => dev.map_unary::<B>(GELU_ERF, inputs, out),
+        Kernel::Silu => dev.map_unary::<B>(SILU, inputs, out),
+        Kernel::SiluGrad => dev.map_binary::<B>(SILU_GRAD, inputs, out),
+        Kernel::GeluGrad { approximate: true } => dev.map_binary::<B>(GELU_TANH_GRAD, inputs, out),
+        Kernel::GeluGrad { approximate: false } => dev.map_binary::<B>(GELU_ERF_GRAD, inputs, out),
+        Kernel::Softmax => dev.softmax::<B>(inputs, out),
+        Kernel::SoftmaxGrad => dev.softmax_grad::<B>(inputs, out),
+        Kernel::CausalMask => dev.causal_mask::<B>(inputs, out, f32::NEG_INFINITY),
+        Kernel::CausalMaskGrad => dev.causal_mask::<B>(inputs, out, 0.0),
+        Kernel::Dropout { p, key } | Kernel::DropoutGrad { p, key } => {
+            dropout::<B>(dev, logical, inputs, out, ctx, p, key)
+        }
+        Kernel::Reshape => dev.reshape(inputs, out),
+        Kernel::Transpose { dim0, dim1 } => dev.transpose(inputs, out, dim0.into(), dim1.into()),
+        Kernel::Select { dim, index } => dev.select(inputs, out, dim.into(), index),
+        Kernel::SelectGrad { dim, index } => dev.select_grad(inputs, out, dim.into(), index),
+        Kernel::SliceShard { axis, placement } => dev.slice_shard(inputs, out, ctx, axis.into(), placement),
+        Kernel::Attention { heads, causal, fused } => {
+            let a = AttentionArgs { heads, causal, fused, wrt: 0 };
+            dev.attention_bf16(inputs, out, a, &mut scratch[0], &mut half.probs)
+        }
+        Kernel::AttentionGrad { heads, causal, fused, wrt } => {
+            let a = AttentionArgs { heads, causal, fused, wrt };
+            dev.attention_grad_bf16(inputs, out, a, scratch, &mut half.probs)
+        }
+        Kernel::EmbeddingLookup { offset, masked } => {
+            dev.embedding_lookup::<B>(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
+        }
+        Kernel::EmbeddingGrad { offset, masked } => {
+            let rows = Rows { base: offset.at(ctx.i, ctx.j), masked };
+            through_f32(dev, out, |wide| dev.embedding_grad::<B>(inputs, wide, rows, flag))
+        }
+        Kernel::PositionLookup => dev.position_lookup::<B>(inputs, out),
+        Kernel::PositionGrad => through_f32(dev, out, |wide| dev.position_grad::<B>(inputs, wide)),
+        Kernel::RowSum => dev.row_sum::<B>(inputs, out),
+        Kernel::RowCenteredSquareSum { n } => dev.row_centered_square_sum::<B>(inputs, out, n),
+        Kernel::LayerNormApply { n, eps } => dev.layer_norm_apply::<B>(inputs, out, Norm { n, eps }),
+        Kernel::LayerNormGradSums { n, eps } => dev.layer_norm_grad_sums::<B>(inputs, out, Norm { n, eps }),
+        Kernel::LayerNormGradInput { n, eps } => dev.layer_norm_grad_input::<B>(inputs, out, Norm { n, eps }),
+        Kernel::LayerNormGradWeight { n, eps } => through_f32(dev, out, |wide| {
+            dev.layer_norm_grad_weight::<B>(inputs, wide, Norm { n, eps }, &mut scratch[0])
+        }),
+        Kernel::SumToLast => through_f32(dev, out, |wide| dev.sum_to_last::<B>(inputs, wide)),
+        Kernel::CrossEntropyMax { offset, valid } => {
+            dev.cross_entropy_max::<B>(inputs, out, Vocab::new(offset, valid, ctx))
+        }
+        Kernel::CrossEntropyStats { offset, valid } => {
+            dev.cross_entropy_stats::<B>(inputs, out, Vocab::new(offset, valid, ctx), flag)
+        }
+        Kernel::CrossEntropyGrad { offset, valid, count } => {
+            dev.cross_entropy_grad::<B>(inputs, out, Vocab::new(offset, valid, ctx), count, flag)
+        }
+        Kernel::Cast => cast_from_bf16(dev, inputs, out),
+        _ => Err(format!("internal error: {kernel:?} has no bf16 kernel")),
+    }
+}
+
+// ---- casts and the widened fallback ---------------------------------------------------------------
+
+/// An f32 copy of a bf16 tensor, or `None` for a tensor of another type.
+fn widen(dev: &Device, t: &DeviceTensor) -> Result<Option<DeviceTensor>, String> {
+    let src = match &t.data {
+        DeviceData::Bf16(_) => elems::<u16>(t, "a bf16 operand")?,
+        _ => return Ok(None),
+    };
+    let mut wide = DeviceTensor::zeros(&dev.stream, DType::F32, &t.shape)?;
+    let n = t.len() as u64;
+    let y = floats_mut(&mut wide, "the widened copy")?;
+    launch!(dev, CAST_BF16_TO_F32, elementwise(t.len()), [y, src, &n])?;
+    Ok(Some(wide))
+}
+
+/// Rounds an f32 tensor into a bf16 one of the same length (to nearest, ties to even).
+fn round_into(dev: &Device, wide: &DeviceTensor, out: &mut DeviceTensor) -> Result<(), String> {
+    let x = floats(wide, "the f32 result")?;
+    same_len("the bf16 output", out.len(), wide.len())?;
+    let n = wide.len() as u64;
+    let cfg = elementwise(wide.len());
+    let y = elems_mut::<u16>(out, "the bf16 output")?;
+    launch!(dev, CAST_F32_TO_BF16, cfg, [y, x, &n])
+}
+
+/// A cast from bf16: widened into an f32 output, copied into a bf16 one.
+fn cast_from_bf16(dev: &Device, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    let [x] = args(inputs)?;
+    let src = elems::<u16>(x, "the input")?;
+    same_len("the output", out.len(), x.len())?;
+    let n = x.len();
+    if let DeviceData::Bf16(y) = &mut out.data {
+        return dev.copy_runs(src, y, (n, n), Runs::whole(n));
+    }
+    let y = floats_mut(out, "the output")?;
+    let count = n as u64;
+    launch!(dev, CAST_BF16_TO_F32, elementwise(n), [y, src, &count])
+}
+
+/// Runs `f` into an f32 scratch of the output's shape and rounds the result into the bf16 output once
+/// (for the kernels that sum into their output with atomics).
+fn through_f32(
+    dev: &Device,
+    out: &mut DeviceTensor,
+    f: impl FnOnce(&mut DeviceTensor) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut wide = DeviceTensor::zeros(&dev.stream, DType::F32, &out.shape)?;
+    f(&mut wide)?;
+    round_into(dev, &wide, out)
+}
+
+/// Runs the f32 kernel on f32 copies of the bf16 operands (made on the GPU) and rounds a bf16 output
+/// once: what the CPU backend does for every kernel.
+fn widened(
+    k: &mut CudaKernels,
+    kernel: &Kernel,
+    inputs: &[&DeviceTensor],
+    out: &mut DeviceTensor,
+    ctx: &KernelContext,
+) -> Result<(), String> {
+    let wide: Vec<Option<DeviceTensor>> = inputs.iter().map(|t| widen(&k.dev, t)).collect::<Result<_, _>>()?;
+    let refs: Vec<&DeviceTensor> = inputs.iter().zip(&wide).map(|(&t, w)| w.as_ref().unwrap_or(t)).collect();
+    if ty(&out.data) != H {
+        return k.dispatch(kernel, &refs, out, ctx);
+    }
+    let mut scratch = match (kernel.reads_its_output(), widen(&k.dev, out)?) {
+        (true, Some(w)) => w,
+        _ => DeviceTensor::zeros(&k.dev.stream, DType::F32, &out.shape)?,
+    };
+    k.dispatch(kernel, &refs, &mut scratch, ctx)?;
+    round_into(&k.dev, &scratch, out)
+}
+
+// ---- products: cuBLAS gemmEx ----------------------------------------------------------------------
+
+/// An output element type of a bf16 product, as cuBLAS names it.
+trait BlasOut: Elem {
+    const BLAS: cudaDataType;
+}
+
+impl BlasOut for f32 {
+    const BLAS: cudaDataType = cudaDataType::CUDA_R_32F;
+}
+
+impl BlasOut for u16 {
+    const BLAS: cudaDataType = cudaDataType::CUDA_R_16BF;
+}
+
+impl<C: BlasOut> Multiply<u16, C> for Device {
+    fn multiply(&self, c: &mut CudaSlice<C>, p: Product<u16>) -> Result<(), String> {
+        match p.check(c.len())? {
+            Work::Nothing => Ok(()),
+            Work::Zero => self.zero_blocks(c, p.c, p.batches),
+            Work::Multiply(m, n, k) => self.gemm_ex(c, &p, (m, n, k)),
+        }
+    }
+}
+
+impl Device {
+    /// C (+)= alpha op(A) op(B) with bf16 A and B and f32 accumulation, on the tensor cores where the GPU
+    /// has them (row-major C = op(A) op(B) is computed as column-major C^T = op(B)^T op(A)^T, as sgemm).
+    fn gemm_ex<C: BlasOut>(
+        &self,
+        c: &mut CudaSlice<C>,
+        p: &Product<u16>,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<(), String> {
+        let dims = [blas_dim(n)?, blas_dim(m)?, blas_dim(k)?];
+        let (ldb, lda, ldc) =
+            (blas_dim(p.b.block.ld.max(1))?, blas_dim(p.a.block.ld.max(1))?, blas_dim(p.c.ld.max(1))?);
+        let (stride_b, stride_a) = (blas_stride(p.b.block.stride)?, blas_stride(p.a.block.stride)?);
+        let (stride_c, batches) = (blas_stride(p.c.stride)?, blas_dim(p.batches)?);
+        let missing = || "internal error: a product block starts past its buffer".to_string();
+        let av = p.a.data.try_slice(p.a.block.start..).ok_or_else(missing)?;
+        let bv = p.b.data.try_slice(p.b.block.start..).ok_or_else(missing)?;
+        let mut cv = c.try_slice_mut(p.c.start..).ok_or_else(missing)?;
+        self.stream.context().bind_to_thread().map_err(driver("binding the CUDA context"))?;
+        let (alpha, beta) = (p.alpha, if p.accumulate { 1.0f32 } else { 0.0f32 });
+        let (a_ptr, _a_done) = av.device_ptr(&self.stream);
+        let (b_ptr, _b_done) = bv.device_ptr(&self.stream);
+        let (c_ptr, _c_done) = cv.device_ptr_mut(&self.stream);
+        let (bf16, compute, algo) =
+            (cudaDataType::CUDA_R_16BF, cublasComputeType_t::CUBLAS_COMPUTE_32F, cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT);
+        let (alpha, beta) = (&alpha as *const f32 as *const c_void, &beta as *const f32 as *const c_void);
+        let (a, b, cp) = (a_ptr as *const c_void, b_ptr as *const c_void, c_ptr as *mut c_void);
+        let handle = *self.blas.handle();
+        // SAFETY: the extents of all three blocks (every batch) were checked against their buffers by
+        // `Product::check`; the pointers stay valid while the views are borrowed (to the end of this
+        // function, after the call is queued on the handle's stream, which is `self.stream`); alpha and
+        // beta are host f32 scalars, as CUBLAS_COMPUTE_32F reads them.
+        let result = unsafe {
+            if p.batches == 1 {
+                cudarc::cublas::result::gemm_ex(
+                    handle,
+                    p.b.op(),
+                    p.a.op(),
+                    dims[0],
+                    dims[1],
+                    dims[2],
+                    alpha,
+                    b,
+                    bf16,
+                    ldb,
+                    a,
+                    bf16,
+                    lda,
+                    beta,
+                    cp,
+                    C::BLAS,
+                    ldc,
+                    compute,
+                    algo,
+                )
+            } else {
+                cudarc::cublas::result::gemm_strided_batched_ex(
+                    handle,
+                    p.b.op(),
+                    p.a.op(),
+                    dims[0],
+                    dims[1],
+                    dims[2],
+                    alpha,
+                    b,
+                    bf16,
+                    ldb,
+                    stride_b,
+                    a,
+                    bf16,
+                    lda,
+                    stride_a,
+                    beta,
+                    cp,
+                    C::BLAS,
+                    ldc,
+                    stride_c,
+                    batches,
+                    compute,
+                    algo,
+                )
+            }
+        };
+        result.map_err(|e| format!("cuBLAS gemmEx (bf16): {e}"))
+    }
+}
+
+// ---- attention ------------------------------------------------------------------------------------
+
+/// The bf16 scratch of the kernels: attention probabilities (and their gradient) rounded to bf16 as
+/// product operands.
+#[derive(Debug, Default)]
+pub(super) struct Scratch {
+    probs: Option<CudaSlice<u16>>,
+}
+
+impl Device {
+    /// Rounds the first `n` elements of an f32 scratch into a bf16 one.
+    fn round_scratch(&self, wide: &CudaSlice<f32>, narrow: &mut CudaSlice<u16>, n: usize) -> Result<(), String> {
+        ensure(wide.len() >= n && narrow.len() >= n, || "internal error: a scratch is too small".to_string())?;
+        let count = n as u64;
+        launch!(self, CAST_F32_TO_BF16, elementwise(n), [narrow, wide, &count])
+    }
+
+    /// softmax(q k^T / sqrt(d)) v per head, with bf16 q, k, v and output: the scores and probabilities are
+    /// f32; the probabilities are rounded to bf16 for the product with v.
+    fn attention_bf16(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        a: AttentionArgs,
+        probs: &mut Option<CudaSlice<f32>>,
+        half: &mut Option<CudaSlice<u16>>,
+    ) -> Result<(), String> {
+        let qkv = Qkv::<u16>::of(inputs, a.heads, a.fused)?;
+        same_shape("the output", &out.shape, &qkv.out_shape())?;
+        let (sq, sk, d) = (qkv.seq(0), qkv.seq(1), qkv.d);
+        let y = elems_mut::<u16>(out, "the output")?;
+        let n = qkv.heads * sq * sk;
+        let (probs, half) = (grow(probs, &self.stream, n)?, grow(half, &self.stream, n)?);
+        for b in 0..qkv.batch {
+            self.probabilities(&qkv, b, a.causal, probs)?;
+            self.round_scratch(probs, half, n)?;
+            let product = Product {
+                a: scratch_operand(&*half, sq, sk, false),
+                b: qkv.operand(2, b, false),
+                c: qkv.out_packing().heads(b, d),
+                batches: qkv.heads,
+                alpha: 1.0,
+                accumulate: false,
+            };
+            self.multiply(y, product)?;
+        }
+        Ok(())
+    }
+
+    /// (dy, operands..) -> the gradient of operand `wrt` (all three, packed, when fused), all bf16.
+    fn attention_grad_bf16(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        a: AttentionArgs,
+        scratch: &mut [Option<CudaSlice<f32>>; 2],
+        half: &mut Option<CudaSlice<u16>>,
+    ) -> Result<(), String> {
+        let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
+        let qkv = Qkv::<u16>::of(operands, a.heads, a.fused)?;
+        let wrt = usize::from(a.wrt);
+        ensure(wrt < if a.fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
+        same_shape("dy", &dy.shape, &qkv.out_shape())?;
+        same_shape("the output", &out.shape, qkv.shapes[wrt])?;
+        let dyv = elems::<u16>(dy, "dy")?;
+        let g = elems_mut::<u16>(out, "the output")?;
+        let n = qkv.heads * qkv.seq(0) * qkv.seq(1);
+        let [probs, dprobs] = scratch;
+        let (probs, dprobs) = (grow(probs, &self.stream, n)?, grow(dprobs, &self.stream, n)?);
+        let half = grow(half, &self.stream, n)?;
+        let want = |operand: usize| a.fused || operand == wrt;
+        for b in 0..qkv.batch {
+            let step = GradStep { qkv: &qkv, dy: dyv, b, want: [want(0), want(1), want(2)] };
+            self.probabilities(&qkv, b, a.causal, probs)?;
+            self.attention_grad_batch_bf16(&step, g, [&mut *probs, &mut *dprobs], half)?;
+        }
+        Ok(())
+    }
+
+    /// The gradients of batch b from its f32 probabilities: dV = P^T dO, dP = dO V^T (f32),
+    /// dS = P (dP - rowsum(dP P)) (f32), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d), with P and dS
+    /// rounded to bf16 (in `half`) as product operands.
+    fn attention_grad_batch_bf16(
+        &self,
+        s: &GradStep<u16>,
+        g: &mut CudaSlice<u16>,
+        [probs, dprobs]: [&mut CudaSlice<f32>; 2],
+        half: &mut CudaSlice<u16>,
+    ) -> Result<(), String> {
+        let (qkv, b) = (s.qkv, s.b);
+        let (sq, sk, heads) = (qkv.seq(0), qkv.seq(1), qkv.heads);
+        let n = heads * sq * sk;
+        let dout = Operand { data: s.dy, block: qkv.out_packing().heads(b, qkv.d), transpose: false };
+        let grad_block = |operand: usize| qkv.packing[operand].heads(b, qkv.d);
+        if s.want[2] {
+            self.round_scratch(probs, half, n)?;
+            self.multiply(g, per_head(scratch_operand(&*half, sq, sk, true), dout, grad_block(2), heads, 1.0))?;
+        }
+        if !(s.want[0] || s.want[1]) {
+            return Ok(());
+        }
+        self.multiply(&mut *dprobs, per_head(dout, qkv.operand(2, b, true), Block::dense(sq, sk), heads, 1.0))?;
+        let cfg = if sk == 0 { None } else { per_rows(heads * sq, sk) };
+        let (rows, width) = ((heads * sq) as u64, sk as u64);
+        launch!(self, ATTENTION_SOFTMAX_GRAD, cfg, [&mut *dprobs, &*probs, &rows, &width])?;
+        self.round_scratch(dprobs, half, n)?;
+        if s.want[0] {
+            let ds = scratch_operand(&*half, sq, sk, false);
+            self.multiply(g, per_head(ds, qkv.operand(1, b, false), grad_block(0), heads, qkv.scale()))?;
+        }
+        if s.want[1] {
+            let ds = scratch_operand(&*half, sq, sk, true);
+            self.multiply(g, per_head(ds, qkv.operand(0, b, false), grad_block(1), heads, qkv.scale()))?;
+        }
+        Ok(())
+    }
+}
+
+/// A product over `heads` blocks (not accumulated).
+fn per_head<'a>(a: Operand<'a, u16>, b: Operand<'a, u16>, c: Block, heads: usize, alpha: f32) -> Product<'a, u16> {
+    Product { a, b, c, batches: heads, alpha, accumulate: false }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_bf16_entry_point_is_listed_once() {
+        for (_, name) in ENTRY_POINTS.iter().chain(WORD_COPIES) {
+            assert_eq!(BF16_KERNEL_NAMES.iter().filter(|n| *n == name).count(), 1, "`{name}`");
+        }
+        assert_eq!(BF16_KERNEL_NAMES.len(), ENTRY_POINTS.len() + WORD_COPIES.len() + 2, "two casts besides");
+    }
+
+    #[test]
+    fn variants_pick_the_entry_point_of_the_element_type() -> Result<(), String> {
+        assert_eq!(variant::<f32>(GELU_TANH)?, "gelu_tanh");
+        assert_eq!(variant::<u16>(GELU_TANH)?, "gelu_tanh_bf16");
+        assert!(variant::<u16>(ADAMW_STEP).is_err());
+        assert_eq!(words::<f32>(COPY_RUNS)?, COPY_RUNS);
+        assert_eq!(words::<i32>(TRANSPOSE)?, TRANSPOSE);
+        assert_eq!(words::<u16>(TRANSPOSE)?, TRANSPOSE_U16);
+        assert!(words::<u64>(COPY_RUNS).is_err());
+        Ok(())
+    }
+}
