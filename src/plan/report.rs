@@ -178,6 +178,11 @@ pub fn kernel_flops(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer) -> u64
         }
         Kernel::Gelu { .. } | Kernel::GeluGrad { .. } => 8 * out,
         Kernel::Silu => 4 * out,
+        Kernel::Mul => out,
+        Kernel::RmsNormApply { .. } => 3 * out,
+        Kernel::RmsNormGradInput { .. } => 5 * out,
+        Kernel::RowSquareSum | Kernel::RmsNormGradWeight { .. } => 2 * inputs.first().map_or(out, |b| b.elements()),
+        Kernel::RmsNormGradSum => 3 * inputs.first().map_or(out, |b| b.elements()),
         Kernel::SiluGrad => 7 * out,
         Kernel::Softmax | Kernel::SoftmaxGrad | Kernel::LayerNormApply { .. } | Kernel::LayerNormGradInput { .. } => {
             5 * out

@@ -50,6 +50,8 @@ fn is_cheap(instr: &Instr) -> bool {
         Instr::Kernel {
             kernel: Kernel::Gelu { .. }
                 | Kernel::Silu
+                | Kernel::Mul
+                | Kernel::RmsNormApply { .. }
                 | Kernel::Softmax
                 | Kernel::CausalMask
                 | Kernel::Dropout { .. }
