@@ -49,7 +49,7 @@ pub enum Recompute {
     /// Keep only each checkpointed block's input; recompute the block's forward before its backward.
     Layers,
     /// Recompute only what is cheap to recompute and large to keep (attention scores and
-    /// probabilities, GELU outputs), as Korthikanti et al. 2022.
+    /// probabilities, GELU and SiLU outputs, RMSNorm outputs, gating products), as Korthikanti et al. 2022.
     Selective,
 }
 
