@@ -6,7 +6,7 @@
 
 use optimus::check::check_source;
 use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, Kernel, MemoryOptions, Mesh, Mode, Plan, Role, Strategy};
+use optimus::plan::{Buffer, BufferId, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Role, Strategy};
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::exec::RunConfig;
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
@@ -267,19 +267,24 @@ forward {
 }
 "#;
 
-fn gated_plan() -> Plan {
-    let checked = check_source(GATED, &[]);
+/// The training plan of `source` on `mesh` with `strategy`.
+fn train_plan(source: &str, mesh: (u64, u64), strategy: Strategy) -> Plan {
+    let checked = check_source(source, &[]);
     let model = checked.model.expect("the model checks");
     let target = Target {
-        mesh: Mesh { rows: 1, cols: 1 },
-        strategy: Strategy::None,
+        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
+        strategy,
         mode: Mode::Train,
         memory: MemoryOptions::DEFAULT,
     };
-    match compile(&model, "gated.opt", GATED, target) {
+    match compile(&model, "model.opt", source, target) {
         Ok(p) => p,
-        Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("gated.opt", GATED, &d)),
+        Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("model.opt", source, &d)),
     }
+}
+
+fn gated_plan() -> Plan {
+    train_plan(GATED, (1, 1), Strategy::None)
 }
 
 /// One step at learning rate 0 from `initial` (the seed's parameters where empty): (loss, params, grads).
@@ -341,17 +346,31 @@ fn a_gated_model_with_rms_norm_has_the_gradients_of_its_loss() -> R {
 
 // ---- a tiny Llama-style model on every strategy -----------------------------------------------------
 
+const TINY_MLP: &str = "  layer c_fc   = linear(hidden, ffn)\n  \
+                        layer c_proj = linear(ffn, hidden, std: 0.02 / sqrt(2 * layers))\n\n  \
+                        forward(x) {\n    return dropout(c_proj(gelu(c_fc(x), approx: \"tanh\")), p: pdrop)\n  }";
+
+/// examples/tiny.opt with its MLP block's body replaced by `mlp`.
+fn tiny_with_mlp(mlp: &str) -> String {
+    let tiny = std::fs::read_to_string("examples/tiny.opt").expect("example");
+    assert!(tiny.contains(TINY_MLP), "examples/tiny.opt has the MLP this test rewrites");
+    tiny.replace(TINY_MLP, mlp)
+}
+
+/// A bias-free SwiGLU MLP body, with `product` as the value its `down` projects.
+fn swiglu(product: &str) -> String {
+    format!(
+        "  layer gate = linear(hidden, ffn, bias: false)\n  layer up   = linear(hidden, ffn, bias: false)\n  \
+         layer down = linear(ffn, hidden, bias: false, std: 0.02 / sqrt(2 * layers))\n\n  \
+         forward(x) {{\n    return dropout({product}, p: pdrop)\n  }}"
+    )
+}
+
 /// examples/tiny.opt with RMSNorm for every LayerNorm and a bias-free SwiGLU MLP.
 fn tiny_llama() -> String {
-    let tiny = std::fs::read_to_string("examples/tiny.opt").expect("example");
-    let mlp = "  layer c_fc   = linear(hidden, ffn)\n  layer c_proj = linear(ffn, hidden, std: 0.02 / sqrt(2 * layers))\n\n  \
-               forward(x) {\n    return dropout(c_proj(gelu(c_fc(x), approx: \"tanh\")), p: pdrop)\n  }";
-    let swiglu = "  layer gate = linear(hidden, ffn, bias: false)\n  layer up   = linear(hidden, ffn, bias: false)\n  \
-                  layer down = linear(ffn, hidden, bias: false, std: 0.02 / sqrt(2 * layers))\n\n  \
-                  forward(x) {\n    return dropout(down(silu(gate(x)) * up(x)), p: pdrop)\n  }";
-    assert!(tiny.contains(mlp), "examples/tiny.opt has the MLP this test rewrites");
-    assert!(tiny.contains("layernorm(hidden, eps: eps)"), "examples/tiny.opt has the norms this test rewrites");
-    tiny.replace(mlp, swiglu).replace("layernorm(hidden, eps: eps)", "rms_norm(hidden, eps: eps)")
+    let text = tiny_with_mlp(&swiglu("down(silu(gate(x)) * up(x))"));
+    assert!(text.contains("layernorm(hidden, eps: eps)"), "examples/tiny.opt has the norms this test rewrites");
+    text.replace("layernorm(hidden, eps: eps)", "rms_norm(hidden, eps: eps)")
 }
 
 fn write_model(name: &str, text: &str) -> std::path::PathBuf {
@@ -409,4 +428,67 @@ fn a_tiny_llama_whose_ffn_does_not_divide_the_mesh_is_refused() {
     );
     assert!(!ok, "ffn = 126 on 4 devices must be refused: {text}");
     assert!(text.contains("126"), "the error names the size: {text}");
+}
+
+/// A product with an operand that is a pending sum (a row-parallel linear's output under megatron, a
+/// vocabulary-parallel embedding under optimus) sums it first: a product of partial sums is not the
+/// product of the sums, and `verify` would see the difference.
+#[test]
+fn products_of_pending_sums_are_summed_first() {
+    let cases = [
+        ("partial-times-whole.opt", swiglu("down(silu(gate(x)) * up(x)) * x"), "x = dropout(wte(tokens) + wpe"),
+        ("partial-times-partial.opt", swiglu("mul(down(silu(gate(x)) * up(x)), down(up(x)))"), ""),
+        ("embedding-product.opt", swiglu("down(silu(gate(x)) * up(x))"), "x = dropout(wte(tokens) * wpe"),
+    ];
+    for (name, mlp, top) in cases {
+        let mut text = tiny_with_mlp(&mlp);
+        if !top.is_empty() {
+            text = text.replace("x = dropout(wte(tokens) + wpe", top);
+        }
+        let model = write_model(name, &text);
+        for mesh in [&["--mesh", "1x4", "--strategy", "megatron"][..], &["--mesh", "2x2"]] {
+            let args = [&["verify"][..], mesh].concat();
+            let (ok, out) = optimusc(&args, &model);
+            assert!(ok && out.contains("verified"), "{name} {mesh:?}: {out}");
+        }
+    }
+}
+
+/// (kind, group, elements) of every collective that is not a step of a SUMMA product.
+fn collectives_outside_products(plan: &Plan) -> Vec<String> {
+    let mut found: Vec<String> = plan
+        .program
+        .iter()
+        .filter_map(|instr| match instr {
+            Instr::Collective { collective, reason, .. } => {
+                let why = plan.reasons.get(*reason as usize).map_or("", String::as_str);
+                let elements: u64 = plan.buffer(collective.send).shape.iter().product();
+                (!why.contains("SUMMA")).then(|| format!("{:?} {:?} {elements}", collective.kind, collective.group))
+            }
+            _ => None,
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// The SwiGLU gate's operands are split alike (column-parallel under megatron), so the product adds
+/// no communication: against a bias-free GELU MLP, megatron's collectives are the same, and optimus's
+/// differ only by the SUMMA steps of the extra linear.
+#[test]
+fn the_swiglu_product_needs_no_communication() {
+    let gelu = tiny_with_mlp(
+        "  layer c_fc   = linear(hidden, ffn, bias: false)\n  \
+         layer c_proj = linear(ffn, hidden, bias: false, std: 0.02 / sqrt(2 * layers))\n\n  \
+         forward(x) {\n    return dropout(c_proj(gelu(c_fc(x), approx: \"tanh\")), p: pdrop)\n  }",
+    );
+    let gated = tiny_with_mlp(&swiglu("down(silu(gate(x)) * up(x))"));
+    for (mesh, strategy) in [((1, 4), Strategy::Megatron), ((2, 2), Strategy::Optimus), ((4, 4), Strategy::Optimus)] {
+        let (a, b) = (train_plan(&gelu, mesh, strategy), train_plan(&gated, mesh, strategy));
+        assert_eq!(collectives_outside_products(&a), collectives_outside_products(&b), "{mesh:?} {strategy:?}");
+        if strategy == Strategy::Megatron {
+            let count = |p: &Plan| p.program.iter().filter(|i| matches!(i, Instr::Collective { .. })).count();
+            assert_eq!(count(&a), count(&b), "megatron: every collective is the same");
+        }
+    }
 }
