@@ -330,7 +330,6 @@ impl Elab<'_> {
         let ty = self.same_shape(a, b, sa, sb, at, what)?;
         // Same type, so one check covers both operands.
         self.expect_float_tensor(a, sa)?;
-        let _ = sb;
         Ok(ty)
     }
 
