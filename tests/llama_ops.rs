@@ -492,3 +492,54 @@ fn the_swiglu_product_needs_no_communication() {
         }
     }
 }
+
+// ---- the verifier ----------------------------------------------------------------------------------
+
+/// A hand-edited plan is refused: each RMSNorm kernel's normalised size and eps, the operands a
+/// backward kernel reads element by element, the product's operand layouts, and input counts.
+#[test]
+fn the_verifier_refuses_edited_rms_norm_and_product_kernels() {
+    let plan = train_plan(&tiny_llama(), (2, 2), Strategy::Optimus);
+    let json = serde_json::to_value(&plan).expect("a plan serialises");
+    assert!(optimus::plan::verify::verify(&plan).is_ok(), "the compiled plan verifies");
+    let refused = |edit: &dyn Fn(&mut serde_json::Value) -> bool, needles: &[&str]| {
+        let mut edited = json.clone();
+        let program = edited["program"].as_array_mut().expect("a program");
+        assert!(
+            program.iter_mut().any(|i| i["instr"] == "kernel" && edit(i)),
+            "no kernel took the edit for {needles:?}"
+        );
+        let edited: Plan = serde_json::from_value(edited).expect("the edit keeps the plan's types");
+        let errors = optimus::plan::verify::verify(&edited).err().unwrap_or_default();
+        assert!(errors.iter().any(|e| needles.iter().all(|n| e.contains(n))), "{needles:?} not in {errors:#?}");
+    };
+    let set = |kind: &'static str, field: &'static str, value: serde_json::Value| {
+        move |i: &mut serde_json::Value| {
+            let hit = i["kernel"]["kind"] == kind;
+            if hit {
+                i["kernel"][field] = value.clone();
+            }
+            hit
+        }
+    };
+    refused(&set("rms_norm_apply", "n", serde_json::json!(16)), &["rms norm apply", "n = 16", "32 elements"]);
+    refused(&set("rms_norm_grad_input", "eps", serde_json::json!(-1.0)), &["rms norm grad input", "eps = -1"]);
+    refused(&set("rms_norm_grad_weight", "n", serde_json::json!(64)), &["rms norm grad weight", "n = 64"]);
+    // dy and x of a backward kernel swapped for a differently shaped buffer: its row statistic.
+    let swap_dy = |i: &mut serde_json::Value| {
+        let hit = i["kernel"]["kind"] == "rms_norm_grad_sum";
+        if hit {
+            i["inputs"][0] = i["output"].clone();
+        }
+        hit
+    };
+    refused(&swap_dy, &["rms norm grad sum", "differ"]);
+    let one_input = |i: &mut serde_json::Value| {
+        let hit = i["kernel"]["kind"] == "mul";
+        if hit {
+            i["inputs"].as_array_mut().expect("inputs").truncate(1);
+        }
+        hit
+    };
+    refused(&one_input, &["mul", "takes 2 inputs, not 1"]);
+}
