@@ -152,6 +152,19 @@ impl Autodiff {
                 let dbeta = self.grad_node(Op::SumToLast, ops[2], n, &[g]);
                 self.accumulate(ops[2], dbeta);
             }
+            Op::RmsNorm { eps } => {
+                let dx = self.grad_node(Op::RmsNormGradInput { eps }, ops[0], n, &[g, ops[0], ops[1]]);
+                self.accumulate(ops[0], dx);
+                let dw = self.grad_node(Op::RmsNormGradWeight { eps }, ops[1], n, &[g, ops[0]]);
+                self.accumulate(ops[1], dw);
+            }
+            Op::Mul => {
+                // d(a b) = g b da + g a db; with `x * x` both land on x and accumulate.
+                let da = self.grad_node(Op::Mul, ops[0], n, &[g, ops[1]]);
+                self.accumulate(ops[0], da);
+                let db = self.grad_node(Op::Mul, ops[1], n, &[g, ops[0]]);
+                self.accumulate(ops[1], db);
+            }
             Op::Silu => {
                 let d = self.grad_node(Op::SiluGrad, ops[0], n, &[g, ops[0]]);
                 self.accumulate(ops[0], d);

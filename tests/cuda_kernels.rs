@@ -116,6 +116,12 @@ fn samples() -> Vec<Kernel> {
         Kernel::LayerNormGradSums { n: 4, eps: 1e-5 },
         Kernel::LayerNormGradInput { n: 4, eps: 1e-5 },
         Kernel::LayerNormGradWeight { n: 4, eps: 1e-5 },
+        Kernel::Mul,
+        Kernel::RowSquareSum,
+        Kernel::RmsNormApply { n: 4, eps: 1e-6 },
+        Kernel::RmsNormGradSum,
+        Kernel::RmsNormGradInput { n: 4, eps: 1e-6 },
+        Kernel::RmsNormGradWeight { n: 4, eps: 1e-6 },
         Kernel::SumToLast,
         Kernel::CrossEntropyMax { offset, valid: 4 },
         Kernel::CrossEntropyStats { offset, valid: 4 },
@@ -173,10 +179,16 @@ fn variant(kernel: &Kernel) -> usize {
         Kernel::Silu => 39,
         Kernel::SiluGrad => 40,
         Kernel::Cast => 38,
+        Kernel::Mul => 41,
+        Kernel::RowSquareSum => 42,
+        Kernel::RmsNormApply { .. } => 43,
+        Kernel::RmsNormGradSum => 44,
+        Kernel::RmsNormGradInput { .. } => 45,
+        Kernel::RmsNormGradWeight { .. } => 46,
     }
 }
 
-const VARIANTS: usize = 41;
+const VARIANTS: usize = 47;
 
 #[test]
 fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
@@ -537,7 +549,9 @@ fn elementwise_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
         Case::new(Kernel::GeluGrad { approximate: true }, vec![y.clone(), x.clone()], &s).tol(1e-4),
         Case::new(Kernel::GeluGrad { approximate: false }, vec![y.clone(), x.clone()], &s).tol(1e-4),
         Case::new(Kernel::Silu, vec![x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::SiluGrad, vec![y, x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::SiluGrad, vec![y.clone(), x.clone()], &s).tol(1e-4),
+        Case::new(Kernel::Mul, vec![x.clone(), y], &s),
+        Case::new(Kernel::Mul, vec![x.clone(), rng.tensor(&[7, 44])], &s).fails(),
         Case::new(Kernel::CausalMask, vec![rng.tensor(&[2, 5, 5])], &[2, 5, 5]),
         Case::new(Kernel::CausalMask, vec![rng.tensor(&[3, 4, 6])], &[3, 4, 6]),
         Case::new(Kernel::CausalMaskGrad, vec![rng.tensor(&[2, 6, 4])], &[2, 6, 4]),
@@ -707,6 +721,39 @@ fn layer_norm_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
     Ok(cases)
 }
 
+/// Positive square sums of rows of `n` elements (RMSNorm statistics).
+fn square_sums(rng: &mut Rng, rows: u64, n: u64) -> Tensor {
+    let mut sq = rng.tensor(&[rows, 1]);
+    if let Data::F32(v) = &mut sq.data {
+        v.iter_mut().for_each(|x| *x = n as f32 * (0.6 + 0.5 * *x));
+    }
+    sq
+}
+
+fn rms_norm_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let mut cases = Vec::new();
+    for (rows, width) in [(6u64, 33u64), (3000, 70), (4, 1000)] {
+        let long = rows > 1000 || width > 100;
+        let (tol, column_tol) = if long { (1e-4, 1e-3) } else { (1e-5, 1e-5) };
+        let (n, eps, s) = (2 * width, 1e-6, [rows, width]);
+        let x = if long { rng.tensor(&s) } else { rng.scaled(&s, 3.0) };
+        let (dy, weight) = (rng.tensor(&s), rng.tensor(&[width]));
+        let sq = square_sums(rng, rows, n);
+        let sums = cpu_eval(Kernel::RmsNormGradSum, &[&dy, &x, &weight], &[rows, 1], (0, 0, ONE))?;
+        let grad_input = vec![dy.clone(), x.clone(), weight.clone(), sq.clone(), sums];
+        cases.extend([
+            Case::new(Kernel::RowSquareSum, vec![x.clone()], &[rows, 1]).tol(tol),
+            Case::new(Kernel::RmsNormApply { n, eps }, vec![x.clone(), sq.clone(), weight.clone()], &s).tol(tol),
+            Case::new(Kernel::RmsNormGradSum, vec![dy.clone(), x.clone(), weight], &[rows, 1]).tol(tol),
+            Case::new(Kernel::RmsNormGradInput { n, eps }, grad_input, &s).tol(tol),
+            Case::new(Kernel::RmsNormGradWeight { n, eps }, vec![dy, x, sq], &[width]).tol(column_tol),
+        ]);
+    }
+    let no_size = vec![rng.tensor(&[2, 3]), rng.tensor(&[2, 1]), rng.tensor(&[3])];
+    cases.push(Case::new(Kernel::RmsNormApply { n: 0, eps: 1e-6 }, no_size, &[2, 3]).fails());
+    Ok(cases)
+}
+
 fn cross_entropy_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
     let mesh = Mesh { rows: 1, cols: 2 };
     let mut cases = Vec::new();
@@ -739,7 +786,7 @@ fn cross_entropy_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
 type Cases = fn(&mut Rng) -> Result<Vec<Case>, String>;
 
 /// Every list of cases, by name.
-const ALL_CASES: [(&str, Cases); 9] = [
+const ALL_CASES: [(&str, Cases); 10] = [
     ("products", product_cases),
     ("elementwise", elementwise_cases),
     ("softmax", softmax_cases),
@@ -748,6 +795,7 @@ const ALL_CASES: [(&str, Cases); 9] = [
     ("attention", attention_cases),
     ("embeddings", embedding_cases),
     ("layer norm", layer_norm_cases),
+    ("rms norm", rms_norm_cases),
     ("cross-entropy", cross_entropy_cases),
 ];
 
@@ -803,6 +851,11 @@ fn gpu_embeddings_match_the_cpu() -> R {
 #[test]
 fn gpu_layer_norm_and_sums_match_the_cpu() -> R {
     on_gpu("layer norm", layer_norm_cases)
+}
+
+#[test]
+fn gpu_rms_norm_matches_the_cpu() -> R {
+    on_gpu("rms norm", rms_norm_cases)
 }
 
 #[test]

@@ -614,6 +614,39 @@ golden!(
     ["E0202"]
 );
 golden!(
+    rms_norm_eps_not_positive,
+    concat!(
+        prelude!(),
+        "input x: f32[2, hidden]\nlayer norm = rms_norm(hidden, eps: 0)\nforward {\n  output y = norm(x)\n}\n"
+    ),
+    ["E0202"]
+);
+golden!(
+    rms_norm_eps_not_a_number,
+    concat!(
+        prelude!(),
+        "input x: f32[2, hidden]\nlayer norm = rms_norm(hidden, eps: \"small\")\nforward {\n  output y = norm(x)\n}\n"
+    ),
+    ["E0107"]
+);
+golden!(
+    shape_mismatch_mul,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(10, hidden)\nlayer up = linear(hidden, 16)\nforward {\n  x = wte(tokens)\n  output y = up(x) * x\n}\n"
+    ),
+    ["E0201"]
+);
+golden!(
+    shape_mismatch_mul_call,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(10, hidden)\nlayer up = linear(hidden, 16)\nforward {\n  x = wte(tokens)\n  output y = mul(x, up(x))\n}\n"
+    ),
+    ["E0201"]
+);
+golden!(token_ids_times_token_ids, concat!(prelude!(), "forward {\n  output y = tokens * tokens\n}\n"), ["E0107"]);
+golden!(
     block_missing_argument_used_by_default,
     concat!(
         prelude!(),

@@ -230,9 +230,12 @@ const NAMES: &[&str] = &[
     "LayerNorm",
     "linear",
     "layernorm",
+    "rms_norm",
     "embedding",
     "position_embedding",
     "gelu",
+    "silu",
+    "mul",
     "softmax",
     "dropout",
     "self_attention",
@@ -533,15 +536,23 @@ fn gen_layer(c: &mut Choices, name: &str, d: &str, blocks_after: &[usize]) -> Ge
         }
         1 => {
             let eps = c.usually("eps", 5, &["-1.0", "0", "\"e\"", "1e999"]);
+            let norm = c.one(&["layernorm", "rms_norm"]);
             GenLayer {
-                decls: vec![format!("layer {name} = layernorm({}, eps: {eps})", size(c))],
+                decls: vec![format!("layer {name} = {norm}({}, eps: {eps})", size(c))],
                 apply: format!("{name}({{}})"),
             }
         }
         2 => {
             let (up, down) = (format!("{name}_fc"), format!("{name}_proj"));
             let ffn = c.usually("ffn", 5, ODD_SIZES);
-            let act = c.one(&["gelu({})", "gelu({}, approx: \"tanh\")", "softmax({})", "dropout({}, p: pdrop)"]);
+            let act = c.one(&[
+                "gelu({})",
+                "gelu({}, approx: \"tanh\")",
+                "softmax({})",
+                "dropout({}, p: pdrop)",
+                "silu({}) * {}",
+                "mul(silu({}), {})",
+            ]);
             let std = c.usually("0.02", 10, &["-1.0", "0.02 / sqrt(2 * layers)", "\"x\""]);
             GenLayer {
                 decls: vec![
@@ -601,6 +612,10 @@ fn gen_body(c: &mut Choices, layers: &[GenLayer], out: &mut String) {
                 "y = reshape(x, [batch * seq * hidden])",
                 "x = reshape(x, [0])",
                 "x = x * 2",
+                "x = x * x",
+                "x = mul(x, x)",
+                "y = x * transpose(x, 1, 2)",
+                "x = mul(x, 2)",
                 "x = -x",
                 "x = x / x",
                 "x = undefined(x)",

@@ -37,7 +37,8 @@ pub struct TargetArgs {
     pub set: Vec<Override>,
     /// Activations the backward pass recomputes instead of keeping: none; layers (keep only each
     /// repeated block's input and recompute the block before its backward); selective (recompute only
-    /// attention scores and probabilities and GELU outputs) [default: what the model marks `checkpoint`].
+    /// attention scores and probabilities, activation (GELU, SiLU) outputs, RMSNorm outputs and gating
+    /// products) [default: what the model marks `checkpoint`].
     #[arg(long = "recompute", value_enum, value_name = "WHAT")]
     pub recompute: Option<RecomputeArg>,
     /// Number format of activations, products and communication: f32, or bf16 (float32 master weights,

@@ -10,13 +10,14 @@ use petgraph::graph::NodeIndex;
 use std::collections::HashMap;
 
 /// Built-in layer kinds: operators that own parameters.
-pub const LAYER_KINDS: [&str; 4] = ["linear", "layernorm", "embedding", "position_embedding"];
+pub const LAYER_KINDS: [&str; 5] = ["linear", "layernorm", "rms_norm", "embedding", "position_embedding"];
 
 /// A built-in layer kind (one that owns parameters); matches on it are exhaustive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum LayerKind {
     Linear,
     LayerNorm,
+    RmsNorm,
     Embedding,
     PositionEmbedding,
 }
@@ -24,8 +25,13 @@ enum LayerKind {
 impl LayerKind {
     /// The kind of this name: the names of [`LAYER_KINDS`], in order.
     fn named(name: &str) -> Option<LayerKind> {
-        const KINDS: [LayerKind; 4] =
-            [LayerKind::Linear, LayerKind::LayerNorm, LayerKind::Embedding, LayerKind::PositionEmbedding];
+        const KINDS: [LayerKind; 5] = [
+            LayerKind::Linear,
+            LayerKind::LayerNorm,
+            LayerKind::RmsNorm,
+            LayerKind::Embedding,
+            LayerKind::PositionEmbedding,
+        ];
         LAYER_KINDS.iter().position(|k| *k == name).map(|i| KINDS[i])
     }
 }
@@ -36,6 +42,9 @@ const MAX_BLOCK_DEPTH: usize = 256;
 pub fn is_layer_kind(name: &str) -> bool {
     LAYER_KINDS.contains(&name)
 }
+
+/// Default epsilon of `rms_norm` (Hugging Face's `LlamaRMSNorm`).
+const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 
 /// Default standard deviation of normally initialised weights (GPT-2, BERT).
 const DEFAULT_STD: f64 = 0.02;
@@ -293,6 +302,7 @@ impl<'f> Elab<'f> {
                 let bias = self.new_param(path, "bias", vec![dim], Init::Zeros, ParamRole::NormBias, span)?;
                 Ok(Layer::Norm { weight, bias, dim: size, eps, span })
             }
+            LayerKind::RmsNorm => self.instantiate_rms_norm(call, path, span, &mut frame),
             LayerKind::Embedding | LayerKind::PositionEmbedding => {
                 let name = if kind == LayerKind::Embedding { "embedding" } else { "position_embedding" };
                 let sig = Signature { name, params: &["rows", "width", "std"], required: 2 };
@@ -319,6 +329,30 @@ impl<'f> Elab<'f> {
                 }
             }
         }
+    }
+
+    /// `rms_norm(dim, eps: e)`: one weight (ones), no bias; eps defaults to Llama's 1e-6.
+    fn instantiate_rms_norm(&mut self, call: &'f Call, path: &str, span: Span, frame: &mut Frame) -> R<Layer> {
+        let sig = Signature { name: "rms_norm", params: &["dim", "eps"], required: 1 };
+        let b = self.bind(call, &sig)?;
+        let dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, frame);
+        let eps = match b.get(1) {
+            Some(e) => self.expect_float(e, frame).and_then(|eps| {
+                if eps > 0.0 {
+                    return Ok(eps);
+                }
+                self.fail(
+                    Diagnostic::error(Code::E0202, format!("`eps` must be positive, but this is {eps}"))
+                        .primary(e.span, format!("this is {eps}"))
+                        .help("rms_norm divides by sqrt(mean(x^2) + eps); Llama uses 1e-5 or 1e-6"),
+                )
+            }),
+            None => Ok(DEFAULT_RMS_NORM_EPS),
+        };
+        let (dim, eps) = (dim?, eps?);
+        let size = dim.size;
+        let weight = self.new_param(path, "weight", vec![dim], Init::Ones, ParamRole::NormWeight, span)?;
+        Ok(Layer::RmsNorm { weight, dim: size, eps, span })
     }
 
     /// `layer x = k(...)` where `k` is neither a layer kind nor a block.
@@ -608,6 +642,13 @@ impl<'f> Elab<'f> {
                 let ty = self.ty(x).clone();
                 let operands = [x, self.param_node(*weight)?, self.param_node(*bias)?];
                 self.add_node(Op::LayerNorm { eps: *eps }, ty, call.span, &scope, &operands).map(Value::Tensor)
+            }
+            Layer::RmsNorm { weight, dim, eps, span } => {
+                self.expect_float_tensor(x, arg.span)?;
+                self.expect_last_dim(x, *dim, arg.span, *span, &name)?;
+                let ty = self.ty(x).clone();
+                let operands = [x, self.param_node(*weight)?];
+                self.add_node(Op::RmsNorm { eps: *eps }, ty, call.span, &scope, &operands).map(Value::Tensor)
             }
             Layer::Embedding { table, .. } => {
                 self.expect_int_tensor(x, arg.span)?;

@@ -86,6 +86,12 @@ pub(crate) enum Layer {
         eps: f64,
         span: Span,
     },
+    RmsNorm {
+        weight: ParamId,
+        dim: u64,
+        eps: f64,
+        span: Span,
+    },
     Embedding {
         table: ParamId,
     },

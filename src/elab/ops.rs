@@ -34,6 +34,7 @@ pub enum Unary {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Binary {
     Add,
+    Mul,
     CrossEntropy,
     MatMul,
 }
@@ -56,7 +57,7 @@ pub struct Builtin {
 }
 
 /// Every operator callable in a forward, the one table the elaborator reads.
-pub const BUILTINS: [Builtin; 13] = [
+pub const BUILTINS: [Builtin; 14] = [
     Builtin { name: "gelu", function: Function::Unary(Unary::Gelu), params: &["x", "approx"], required: 1 },
     Builtin { name: "silu", function: Function::Unary(Unary::Silu), params: &["x"], required: 1 },
     Builtin { name: "softmax", function: Function::Unary(Unary::Softmax), params: &["x"], required: 1 },
@@ -85,6 +86,7 @@ pub const BUILTINS: [Builtin; 13] = [
     Builtin { name: "causal_mask", function: Function::Unary(Unary::CausalMask), params: &["x"], required: 1 },
     Builtin { name: "select", function: Function::Shape(ShapeFn::Select), params: &["x", "dim", "index"], required: 3 },
     Builtin { name: "add", function: Function::Binary(Binary::Add), params: &["a", "b"], required: 2 },
+    Builtin { name: "mul", function: Function::Binary(Binary::Mul), params: &["a", "b"], required: 2 },
 ];
 
 /// The names of the operators callable in a forward.
@@ -203,6 +205,7 @@ impl Elab<'_> {
         let y = self.as_tensor(yv, second)?;
         let (op, ty) = match f {
             Binary::Add => (Op::Add, self.same_shape(x, y, first.span, second.span, call.callee.span, "add")?),
+            Binary::Mul => (Op::Mul, self.product_type(x, y, first.span, second.span, call.callee.span, "mul")?),
             Binary::CrossEntropy => (Op::CrossEntropy, self.cross_entropy_type(x, y, first.span, second.span)?),
             Binary::MatMul => (Op::MatMul, self.matmul_type(x, y, first.span, second.span, call.callee.span)?),
         };
@@ -248,7 +251,7 @@ impl Elab<'_> {
         }
     }
 
-    /// `a + b`, `a * 0.5`, `0.5 * a`, `a / 2` on tensors.
+    /// `a + b`, `a * b`, `a * 0.5`, `0.5 * a`, `a / 2` on tensors.
     pub(crate) fn tensor_binary(&mut self, site: BinarySite<'_>, l: &Value, r: &Value, frame: &Frame) -> R<Value> {
         let scope = self.scope_of(frame);
         let span = site.span();
@@ -256,6 +259,10 @@ impl Elab<'_> {
             (BinOp::Add, Value::Tensor(a), Value::Tensor(b)) => {
                 let ty = self.same_shape(*a, *b, site.lhs.span, site.rhs.span, site.op_span, "+")?;
                 self.add_node(Op::Add, ty, span, &scope, &[*a, *b]).map(Value::Tensor)
+            }
+            (BinOp::Mul, Value::Tensor(a), Value::Tensor(b)) => {
+                let ty = self.product_type(*a, *b, site.lhs.span, site.rhs.span, site.op_span, "*")?;
+                self.add_node(Op::Mul, ty, span, &scope, &[*a, *b]).map(Value::Tensor)
             }
             (BinOp::Mul, Value::Tensor(t), Value::Scalar(s, _)) => {
                 // Like `scale(t, n)`: only floating-point tensors can be scaled.
@@ -284,7 +291,9 @@ impl Elab<'_> {
                         .primary(site.op_span, "not supported on these operands")
                         .secondary(site.lhs.span, format!("this is {dl}"))
                         .secondary(site.rhs.span, format!("this is {dr}"))
-                        .note("tensors support `a + b` (same shapes) and scaling by a number (`x * 0.5`, `x / 8`)"),
+                        .note(
+                            "tensors support `a + b` and `a * b` (same shapes) and scaling by a number (`x * 0.5`, `x / 8`)",
+                        ),
                 )
             }
         }
@@ -314,6 +323,14 @@ impl Elab<'_> {
                 .secondary(sa, format!("this is {sta}"))
                 .secondary(sb, format!("this is {stb}")),
         )
+    }
+
+    /// The type of an element-wise product: floating-point operands of the same shape and type.
+    fn product_type(&mut self, a: NodeIndex, b: NodeIndex, sa: Span, sb: Span, at: Span, what: &str) -> R<TensorType> {
+        let ty = self.same_shape(a, b, sa, sb, at, what)?;
+        // Same type, so one check covers both operands.
+        self.expect_float_tensor(a, sa)?;
+        Ok(ty)
     }
 
     fn expect_rank_at_least(&mut self, x: NodeIndex, rank: usize, span: Span) -> R<()> {

@@ -32,6 +32,8 @@ fn operands(op: &Op) -> Vec<Kind> {
             }
         }
         Op::LayerNorm { .. } | Op::LayerNormGradInput { .. } => vec![Float; 3],
+        Op::RmsNorm { .. } | Op::RmsNormGradWeight { .. } | Op::Mul => vec![Float; 2],
+        Op::RmsNormGradInput { .. } => vec![Float; 3],
         Op::Gelu { .. } | Op::Silu | Op::Softmax | Op::Dropout { .. } | Op::Scale { .. } | Op::CausalMask => {
             vec![Float]
         }

@@ -165,6 +165,10 @@ pub enum Op {
     LayerNorm {
         eps: f64,
     },
+    /// RMSNorm over the last dimension (Llama): operands (x, weight); y = w x / sqrt(mean(x^2) + eps).
+    RmsNorm {
+        eps: f64,
+    },
     Gelu {
         approximate: bool,
     },
@@ -179,6 +183,8 @@ pub enum Op {
         fused: bool,
     },
     Add,
+    /// Element-wise product of two same-shaped tensors (the SwiGLU gate).
+    Mul,
     Dropout {
         p: f64,
     },
@@ -223,6 +229,14 @@ pub enum Op {
     },
     /// dgamma of LayerNorm: operands (dY, X).
     LayerNormGradWeight {
+        eps: f64,
+    },
+    /// dX of RMSNorm: operands (dY, X, weight).
+    RmsNormGradInput {
+        eps: f64,
+    },
+    /// dweight of RMSNorm: operands (dY, X).
+    RmsNormGradWeight {
         eps: f64,
     },
     /// operands (dY, X).
@@ -270,11 +284,13 @@ impl Op {
             Op::PositionEmbedding => "position_embedding",
             Op::Linear { .. } => "linear",
             Op::LayerNorm { .. } => "layernorm",
+            Op::RmsNorm { .. } => "rms_norm",
             Op::Gelu { .. } => "gelu",
             Op::Silu => "silu",
             Op::Softmax => "softmax",
             Op::Attention { .. } => "self_attention",
             Op::Add => "add",
+            Op::Mul => "mul",
             Op::Dropout { .. } => "dropout",
             Op::CrossEntropy => "cross_entropy",
             Op::MatMul => "matmul",
@@ -289,6 +305,8 @@ impl Op {
             Op::SumToLast => "sum_to_last",
             Op::LayerNormGradInput { .. } => "layernorm_grad_input",
             Op::LayerNormGradWeight { .. } => "layernorm_grad_weight",
+            Op::RmsNormGradInput { .. } => "rms_norm_grad_input",
+            Op::RmsNormGradWeight { .. } => "rms_norm_grad_weight",
             Op::GeluGrad { .. } => "gelu_grad",
             Op::SiluGrad => "silu_grad",
             Op::SoftmaxGrad => "softmax_grad",

@@ -51,6 +51,9 @@ fn show_attrs(op: &Op) -> String {
             if a.is_empty() { String::new() } else { format!(" {{{}}}", a.join(", ")) }
         }
         Op::LayerNorm { eps } => format!(" {{eps={eps:e}}}"),
+        Op::RmsNorm { eps } | Op::RmsNormGradInput { eps } | Op::RmsNormGradWeight { eps } => {
+            format!(" {{eps={eps:e}}}")
+        }
         Op::Gelu { approximate } => format!(" {{approx={}}}", if *approximate { "tanh" } else { "none" }),
         Op::Attention { heads, causal, fused } => format!(" {{heads={heads}, causal={causal}, fused={fused}}}"),
         Op::Dropout { p } => format!(" {{p={p}}}"),

@@ -49,7 +49,7 @@ pub enum Recompute {
     /// Keep only each checkpointed block's input; recompute the block's forward before its backward.
     Layers,
     /// Recompute only what is cheap to recompute and large to keep (attention scores and
-    /// probabilities, GELU outputs), as Korthikanti et al. 2022.
+    /// probabilities, GELU and SiLU outputs, RMSNorm outputs, gating products), as Korthikanti et al. 2022.
     Selective,
 }
 
@@ -216,6 +216,8 @@ pub enum Kernel {
     /// out = x + b, b broadcast over the last dimension.
     BiasAdd,
     Add,
+    /// out = a * b element-wise.
+    Mul,
     Scale {
         factor: f64,
     },
@@ -309,6 +311,25 @@ pub enum Kernel {
     },
     /// (dy, x, sum, sqsum) -> [last]: sum over rows of dy * xhat.
     LayerNormGradWeight {
+        n: u64,
+        eps: f64,
+    },
+    /// (x) -> [rows, 1]: local sum of x^2 over the last dimension (RMSNorm statistics).
+    RowSquareSum,
+    /// (x, sqsum, weight) -> y = weight * x * r, r = 1 / sqrt(sqsum / n + eps).
+    RmsNormApply {
+        n: u64,
+        eps: f64,
+    },
+    /// (dy, x, weight) -> [rows, 1]: local sum of dy * weight * x.
+    RmsNormGradSum,
+    /// (dy, x, weight, sqsum, gradsum) -> dx = r * weight * dy - r^3 / n * x * gradsum.
+    RmsNormGradInput {
+        n: u64,
+        eps: f64,
+    },
+    /// (dy, x, sqsum) -> [last]: sum over rows of dy * x * r.
+    RmsNormGradWeight {
         n: u64,
         eps: f64,
     },

@@ -178,6 +178,12 @@ pub fn kernel_flops(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer) -> u64
         }
         Kernel::Gelu { .. } | Kernel::GeluGrad { .. } => 8 * out,
         Kernel::Silu => 4 * out,
+        Kernel::Mul => out,
+        // x r w; r w dy - c x; squares summed; dy w x and dy x r summed (over the row, over rows).
+        Kernel::RmsNormApply { .. } => 2 * out,
+        Kernel::RmsNormGradInput { .. } => 4 * out,
+        Kernel::RowSquareSum => 2 * inputs.first().map_or(out, |b| b.elements()),
+        Kernel::RmsNormGradSum | Kernel::RmsNormGradWeight { .. } => 3 * inputs.first().map_or(out, |b| b.elements()),
         Kernel::SiluGrad => 7 * out,
         Kernel::Softmax | Kernel::SoftmaxGrad | Kernel::LayerNormApply { .. } | Kernel::LayerNormGradInput { .. } => {
             5 * out

@@ -250,6 +250,7 @@ fn check_kernel(
             }
         }
         Kernel::Add
+        | Kernel::Mul
         | Kernel::Scale { .. }
         | Kernel::Gelu { .. }
         | Kernel::GeluGrad { .. }

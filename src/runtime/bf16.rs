@@ -212,6 +212,11 @@ pub fn row_split(kernel: &crate::plan::Kernel) -> Option<&'static [bool]> {
             &[true]
         }
         K::GeluGrad { .. } | K::SiluGrad | K::SoftmaxGrad | K::Add | K::RowCenteredSquareSum { .. } => &[true, true],
+        K::Mul => &[true, true],
+        K::RowSquareSum => &[true],
+        K::RmsNormApply { .. } => &[true, true, false],
+        K::RmsNormGradSum => &[true, true, false],
+        K::RmsNormGradInput { .. } => &[true, true, false, true, true],
         K::BiasAdd => &[true, false],
         K::CrossEntropyStats { .. } => &[true, true, true],
         K::CrossEntropyGrad { .. } => &[true, true, true, true, false],

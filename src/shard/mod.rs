@@ -210,6 +210,8 @@ pub(crate) struct Lowerer<'a> {
     pub param_buffers: HashMap<ParamId, Version>,
     /// Statistics saved by a forward operator for its backward, keyed by the forward operand.
     pub layernorm_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
+    /// RMSNorm's all-reduced row sums of squares, keyed by the forward operand.
+    pub rms_norm_stats: HashMap<NodeIndex, BufferId>,
     pub cross_entropy_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
     /// The node being lowered, for origins.
     pub current: NodeIndex,
@@ -254,6 +256,7 @@ impl<'a> Lowerer<'a> {
             versions: HashMap::default(),
             param_buffers: HashMap::default(),
             layernorm_stats: HashMap::default(),
+            rms_norm_stats: HashMap::default(),
             cross_entropy_stats: HashMap::default(),
             current: NodeIndex::new(0),
             forward_end: None,

@@ -43,13 +43,16 @@ fn writes(instr: &Instr) -> Option<BufferId> {
 }
 
 /// Kernels `selective` recomputes: cheap to run again, and their outputs large to keep (attention
-/// scores and probabilities, GELU outputs).
+/// scores and probabilities, GELU and SiLU outputs, RMSNorm outputs and the SwiGLU product; each reads
+/// values the backward pass keeps anyway, such as a norm's input and its all-reduced row statistic).
 fn is_cheap(instr: &Instr) -> bool {
     matches!(
         instr,
         Instr::Kernel {
             kernel: Kernel::Gelu { .. }
                 | Kernel::Silu
+                | Kernel::Mul
+                | Kernel::RmsNormApply { .. }
                 | Kernel::Softmax
                 | Kernel::CausalMask
                 | Kernel::Dropout { .. }

@@ -130,6 +130,7 @@ impl Lowerer<'_> {
             Op::PositionEmbedding => self.position_embedding(n, ops[1]),
             Op::Linear { bias, transpose_weight } => self.linear(n, &ops, bias, transpose_weight),
             Op::LayerNorm { eps } => self.layernorm(n, &ops, eps),
+            Op::RmsNorm { eps } => self.rms_norm(n, &ops, eps),
             Op::Gelu { approximate } => self.elementwise(n, &ops, Kernel::Gelu { approximate }, 0, false),
             Op::Silu => self.elementwise(n, &ops, Kernel::Silu, 0, false),
             Op::Softmax => self.elementwise(n, &ops, Kernel::Softmax, 1, false),
@@ -140,6 +141,7 @@ impl Lowerer<'_> {
             }
             Op::Scale { factor } => self.elementwise(n, &ops, Kernel::Scale { factor }, 0, true),
             Op::Add => self.add(n, ops[0], ops[1]),
+            Op::Mul => self.mul(n, ops[0], ops[1]),
             Op::Attention { heads, causal, fused } => self.attention(n, &ops, heads, causal, fused),
             Op::CrossEntropy => self.cross_entropy(n, ops[0], ops[1]),
             Op::MatMul => self.batched_matmul(n, ops[0], ops[1]),
@@ -157,6 +159,8 @@ impl Lowerer<'_> {
             Op::SumToLast => self.sum_to_last(n, ops[0]),
             Op::LayerNormGradInput { eps } => self.layernorm_grad_input(n, &ops, eps),
             Op::LayerNormGradWeight { eps } => self.layernorm_grad_weight(n, &ops, eps),
+            Op::RmsNormGradInput { eps } => self.rms_norm_grad_input(n, &ops, eps),
+            Op::RmsNormGradWeight { eps } => self.rms_norm_grad_weight(n, &ops, eps),
             Op::GeluGrad { approximate } => self.elementwise_grad(n, &ops, Kernel::GeluGrad { approximate }, 0),
             Op::SiluGrad => self.elementwise_grad(n, &ops, Kernel::SiluGrad, 0),
             Op::SoftmaxGrad => self.elementwise_grad(n, &ops, Kernel::SoftmaxGrad, 1),
@@ -670,6 +674,60 @@ impl Lowerer<'_> {
         self.define(n, out, g);
     }
 
+    // ---- RMSNorm ---------------------------------------------------------------------------------
+    // Laid out as LayerNorm (its layouts, weight split as gamma); one row statistic, the sum of squares,
+    // partial where the last dimension is split and all-reduced along that mesh axis.
+
+    fn rms_norm(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let x = ops[0];
+        let rank = self.rank(x);
+        let (xl, wl) = self.layernorm_layouts(rank);
+        let full = self.shapes[x.index()][rank - 1];
+        let xb = self.value(x, xl);
+        let wb = self.value(ops[1], wl);
+        let partial = self.rows_partial(xl, rank);
+        let sq = self.stat_buffer(n, x, 1, partial, "sqsum");
+        self.kernel(Kernel::RowSquareSum, &[xb], sq, "RMSNorm statistics: local sum of squares");
+        let (sq, _) =
+            self.all_reduce_partials(sq, partial, ReduceOp::Sum, "RMSNorm statistics: sum of squares over the row");
+        let y = self.node_buffer(n, xl, Role::Workspace);
+        self.kernel(Kernel::RmsNormApply { n: full, eps }, &[xb, sq, wb], y, "RMSNorm: normalise");
+        self.rms_norm_stats.insert(x, sq);
+        self.define(n, xl, y);
+    }
+
+    fn rms_norm_grad_input(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let (dy, x, w) = (ops[0], ops[1], ops[2]);
+        let rank = self.rank(x);
+        let (xl, wl) = self.layernorm_layouts(rank);
+        let full = self.shapes[x.index()][rank - 1];
+        let Some(&sq) = self.rms_norm_stats.get(&x) else { return self.missing_param(n) };
+        let dyb = self.value(dy, xl);
+        let xb = self.value(x, xl);
+        let wb = self.value(w, wl);
+        let partial = self.rows_partial(xl, rank);
+        let dot = self.stat_buffer(n, x, 1, partial, "grad_sum");
+        self.kernel(Kernel::RmsNormGradSum, &[dyb, xb, wb], dot, "backward of RMSNorm: local sum of dy w x");
+        let (dot, _) = self.all_reduce_partials(dot, partial, ReduceOp::Sum, "backward of RMSNorm: sum over the row");
+        let dx = self.node_buffer(n, xl, Role::Workspace);
+        self.kernel(Kernel::RmsNormGradInput { n: full, eps }, &[dyb, xb, wb, sq, dot], dx, "backward of RMSNorm (dX)");
+        self.define(n, xl, dx);
+    }
+
+    fn rms_norm_grad_weight(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let (dy, x) = (ops[0], ops[1]);
+        let rank = self.rank(x);
+        let (xl, _) = self.layernorm_layouts(rank);
+        let full = self.shapes[x.index()][rank - 1];
+        let Some(&sq) = self.rms_norm_stats.get(&x) else { return self.missing_param(n) };
+        let dyb = self.value(dy, xl);
+        let xb = self.value(x, xl);
+        let out = self.summed_layout(xl, rank);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::RmsNormGradWeight { n: full, eps }, &[dyb, xb, sq], g, "backward of RMSNorm (dweight)");
+        self.define(n, out, g);
+    }
+
     // ---- element-wise and shape operators -------------------------------------------------------
 
     /// A layout with no pending sums (unless `partial_ok`) and the last `whole` dimensions unsplit.
@@ -712,6 +770,26 @@ impl Lowerer<'_> {
         let bb = self.value(b, l);
         let y = self.node_buffer(n, l, Role::Workspace);
         self.kernel(Kernel::Add, &[ab, bb], y, "add (local)");
+        self.define(n, l, y);
+    }
+
+    /// a * b element-wise, both in one layout. A product is not linear in the pair, so pending sums are
+    /// completed first: the layout is that of an operand without any (reduce-scattering the other into
+    /// it), or, when both have them, the first's with its partial axes all-reduced.
+    fn mul(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
+        let (la, lb) = (self.settled(a), self.settled(b));
+        let chosen = if la.has_partial() && !lb.has_partial() { lb } else { la };
+        let mut l = chosen;
+        for p in &mut l.0 {
+            if *p == Placement::Partial {
+                *p = R;
+            }
+        }
+        let l = self.norm(l);
+        let ab = self.value(a, l);
+        let bb = self.value(b, l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        self.kernel(Kernel::Mul, &[ab, bb], y, "multiply (local)");
         self.define(n, l, y);
     }
 

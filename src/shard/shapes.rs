@@ -142,6 +142,7 @@ pub fn padded_shapes(
                 | Op::Dropout { .. }
                 | Op::Scale { .. }
                 | Op::Add
+                | Op::Mul
                 | Op::Softmax
                 | Op::CausalMask,
                 _,

@@ -54,6 +54,12 @@ pub(super) fn check_parameters(
         Kernel::LayerNormGradSums { n, eps }
         | Kernel::LayerNormGradInput { n, eps }
         | Kernel::LayerNormGradWeight { n, eps } => check_normalised(n, eps, ops.input(1)?),
+        Kernel::RmsNormApply { n, eps } => check_normalised(n, eps, ops.input(0)?),
+        Kernel::RmsNormGradInput { n, eps } | Kernel::RmsNormGradWeight { n, eps } => {
+            check_alike(ops.input(0)?, ops.input(1)?)?;
+            check_normalised(n, eps, ops.input(1)?)
+        }
+        Kernel::RmsNormGradSum => check_alike(ops.input(0)?, ops.input(1)?),
         Kernel::Dropout { p, .. } | Kernel::DropoutGrad { p, .. } => {
             ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not between 0 and 1"))?;
             check_same_layouts(&ops)
@@ -63,6 +69,7 @@ pub(super) fn check_parameters(
             check_same_layouts(&ops)
         }
         Kernel::Add
+        | Kernel::Mul
         | Kernel::Gelu { .. }
         | Kernel::GeluGrad { .. }
         | Kernel::Silu
@@ -86,6 +93,7 @@ pub(super) fn check_parameters(
         | Kernel::BatchedMatMul
         | Kernel::BiasAdd
         | Kernel::RowSum
+        | Kernel::RowSquareSum
         | Kernel::SumToLast
         | Kernel::OptimizerStep => Ok(()),
         Kernel::GradSquareSum => check_square_sum(&ops),
@@ -114,6 +122,7 @@ fn expected_inputs(kernel: &Kernel) -> usize {
         | Kernel::BatchedMatMul
         | Kernel::BiasAdd
         | Kernel::Add
+        | Kernel::Mul
         | Kernel::GeluGrad { .. }
         | Kernel::SiluGrad
         | Kernel::SoftmaxGrad
@@ -121,9 +130,13 @@ fn expected_inputs(kernel: &Kernel) -> usize {
         | Kernel::EmbeddingGrad { .. }
         | Kernel::RowCenteredSquareSum { .. }
         | Kernel::CrossEntropyLoss { .. } => 2,
-        Kernel::CrossEntropyStats { .. } => 3,
+        Kernel::CrossEntropyStats { .. }
+        | Kernel::RmsNormApply { .. }
+        | Kernel::RmsNormGradSum
+        | Kernel::RmsNormGradWeight { .. } => 3,
         Kernel::LayerNormGradWeight { .. } | Kernel::OptimizerStep => 4,
         Kernel::LayerNormApply { .. } | Kernel::LayerNormGradSums { .. } | Kernel::CrossEntropyGrad { .. } => 5,
+        Kernel::RmsNormGradInput { .. } => 5,
         Kernel::LayerNormGradInput { .. } => 6,
         _ => 1,
     }
@@ -280,7 +293,17 @@ fn check_count(count: u64, rows_of: &Buffer) -> Result<(), String> {
     })
 }
 
-/// LayerNorm: `n` is the full (logical) normalised size, and eps a non-negative number.
+/// Two operands read element by element (dy and x): the same logical tensor shape, laid out alike.
+fn check_alike(a: &Buffer, b: &Buffer) -> Result<(), String> {
+    ensure(a.shape == b.shape && a.logical_shape == b.logical_shape && a.layout == b.layout, || {
+        format!(
+            "`{}` ({:?} laid out {}) and `{}` ({:?} laid out {}) differ",
+            a.name, a.logical_shape, a.layout, b.name, b.logical_shape, b.layout
+        )
+    })
+}
+
+/// LayerNorm and RMSNorm: `n` is the full (logical) normalised size, and eps a non-negative number.
 fn check_normalised(n: u64, eps: f64, x: &Buffer) -> Result<(), String> {
     let full = x.logical_shape.last().copied().unwrap_or(1);
     ensure(n == full, || format!("n = {n}, but `{}` normalises over {full} elements ({:?})", x.name, x.logical_shape))?;

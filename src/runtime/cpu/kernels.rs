@@ -18,6 +18,8 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
+mod rms_norm;
+
 /// Runs one kernel. `out` is preallocated with the output buffer's local shape (zeros on first write;
 /// it holds the previous contents when the kernel accumulates). Errors are messages, never panics.
 pub fn run(kernel: &Kernel, inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelContext) -> Result<(), String> {
@@ -39,6 +41,7 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         Kernel::BatchedMatMul => batched_matmul(inputs, out),
         Kernel::BiasAdd => bias_add(inputs, out),
         Kernel::Add => map_binary(inputs, out, |a, b| a + b),
+        Kernel::Mul => map_binary(inputs, out, |a, b| a * b),
         Kernel::Scale { factor } => {
             let factor = factor as f32;
             map_unary(inputs, out, |x| x * factor)
@@ -70,6 +73,11 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         Kernel::LayerNormGradSums { n, eps } => layer_norm_grad_sums(inputs, out, n, eps),
         Kernel::LayerNormGradInput { n, eps } => layer_norm_grad_input(inputs, out, n, eps),
         Kernel::LayerNormGradWeight { n, eps } => layer_norm_grad_weight(inputs, out, n, eps),
+        Kernel::RowSquareSum => rms_norm::row_square_sum(inputs, out),
+        Kernel::RmsNormApply { n, eps } => rms_norm::apply(inputs, out, n, eps),
+        Kernel::RmsNormGradSum => rms_norm::grad_sum(inputs, out),
+        Kernel::RmsNormGradInput { n, eps } => rms_norm::grad_input(inputs, out, n, eps),
+        Kernel::RmsNormGradWeight { n, eps } => rms_norm::grad_weight(inputs, out, n, eps),
         Kernel::SumToLast => sum_to_last(inputs, out),
         Kernel::CrossEntropyMax { offset, valid } => cross_entropy_max(inputs, out, Vocab::new(offset, valid, ctx)),
         Kernel::CrossEntropyStats { offset, valid } => cross_entropy_stats(inputs, out, Vocab::new(offset, valid, ctx)),

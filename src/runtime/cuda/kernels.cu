@@ -169,6 +169,15 @@ extern "C" __global__ void add(float* y, const float* a, const float* b, u64 n) 
 extern "C" __global__ void add_bf16(bf16* y, const bf16* a, const bf16* b, u64 n) { add_t(y, a, b, n); }
 
 template <class T>
+__device__ void multiply_t(T* y, const T* a, const T* b, u64 n) {
+    GRID_STRIDE(i, n) st(y, i, ld(a, i) * ld(b, i));
+}
+
+extern "C" __global__ void multiply(float* y, const float* a, const float* b, u64 n) { multiply_t(y, a, b, n); }
+
+extern "C" __global__ void multiply_bf16(bf16* y, const bf16* a, const bf16* b, u64 n) { multiply_t(y, a, b, n); }
+
+template <class T>
 __device__ void scale_t(T* y, const T* x, float factor, u64 n) {
     GRID_STRIDE(i, n) st(y, i, ld(x, i) * factor);
 }
@@ -728,6 +737,78 @@ extern "C" __global__ void layer_norm_grad_weight_bf16(float* g, const bf16* dy,
 template <class T>
 __device__ void sum_to_last_t(float* g, const T* x, u64 rows, u64 width) {
     column_sum(g, rows, width, [=](u64 r, u64 c) { return ld(x, r * width + c); });
+}
+
+// ---- RMSNorm --------------------------------------------------------------------------------------
+
+// 1 / sqrt(sqsum / n + eps) of a row from its all-reduced sum of squares, in f64 as the CPU.
+__device__ __forceinline__ float inverse_rms(float sqsum, u64 n, double eps) {
+    return (float)(1.0 / sqrt((double)sqsum / (double)n + eps));
+}
+
+extern "C" __global__ void row_square_sum(float* y, const float* x, u64 rows, u64 width) {
+    BLOCK_ROWS(r, rows) {
+        float s = 0.0f;
+        ROW_COLUMNS(c, width) {
+            const float v = x[r * width + c];
+            s += v * v;
+        }
+        s = block_sum(s);
+        if (threadIdx.x == 0) y[r] = s;
+    }
+}
+
+extern "C" __global__ void rms_norm_apply(float* y, const float* x, const float* sqsum, const float* weight, u64 rows,
+                                          u64 width, u64 n, double eps) {
+    BLOCK_ROWS(r, rows) {
+        const float inv = inverse_rms(sqsum[r], n, eps);
+        ROW_COLUMNS(c, width) {
+            const u64 i = r * width + c;
+            y[i] = x[i] * inv * weight[c];
+        }
+    }
+}
+
+// [rows]: the local sum of dy weight x of each row.
+extern "C" __global__ void rms_norm_grad_sum(float* y, const float* dy, const float* x, const float* weight, u64 rows,
+                                             u64 width) {
+    BLOCK_ROWS(r, rows) {
+        float s = 0.0f;
+        ROW_COLUMNS(c, width) {
+            const u64 i = r * width + c;
+            s += dy[i] * weight[c] * x[i];
+        }
+        s = block_sum(s);
+        if (threadIdx.x == 0) y[r] = s;
+    }
+}
+
+extern "C" __global__ void rms_norm_grad_input(float* dx, const float* dy, const float* x, const float* weight,
+                                               const float* sqsum, const float* sums, u64 rows, u64 width, u64 n,
+                                               double eps) {
+    BLOCK_ROWS(r, rows) {
+        const float inv = inverse_rms(sqsum[r], n, eps);
+        const double r64 = (double)inv;
+        const float coefficient = (float)(r64 * r64 * r64 * (double)sums[r] / (double)n);
+        ROW_COLUMNS(c, width) {
+            const u64 i = r * width + c;
+            dx[i] = inv * weight[c] * dy[i] - coefficient * x[i];
+        }
+    }
+}
+
+// [rows]: 1 / rms of each row, for the column reduction below.
+extern "C" __global__ void rms_norm_stats(float* stats, const float* sqsum, u64 rows, u64 n, double eps) {
+    GRID_STRIDE(r, rows) stats[r] = inverse_rms(sqsum[r], n, eps);
+}
+
+// [width]: the sum over rows of dy x / rms.
+extern "C" __global__ void rms_norm_grad_weight(float* g, const float* dy, const float* x, const float* stats, u64 rows,
+                                                u64 width) {
+    column_sum(g, rows, width, [=](u64 r, u64 c) {
+        const u64 i = r * width + c;
+        return dy[i] * x[i] * stats[r];
+    });
 }
 
 extern "C" __global__ void sum_to_last(float* g, const float* x, u64 rows, u64 width) {

@@ -37,6 +37,7 @@ pub const SOURCE: &str = include_str!("kernels.cu");
 mod names {
     pub const BIAS_ADD: &str = "bias_add";
     pub const ADD: &str = "add";
+    pub const MULTIPLY: &str = "multiply";
     pub const SCALE: &str = "scale";
     pub const GELU_TANH: &str = "gelu_tanh";
     pub const GELU_ERF: &str = "gelu_erf";
@@ -65,6 +66,12 @@ mod names {
     pub const LAYER_NORM_GRAD_INPUT: &str = "layer_norm_grad_input";
     pub const LAYER_NORM_STATS: &str = "layer_norm_stats";
     pub const LAYER_NORM_GRAD_WEIGHT: &str = "layer_norm_grad_weight";
+    pub const ROW_SQUARE_SUM: &str = "row_square_sum";
+    pub const RMS_NORM_APPLY: &str = "rms_norm_apply";
+    pub const RMS_NORM_GRAD_SUM: &str = "rms_norm_grad_sum";
+    pub const RMS_NORM_GRAD_INPUT: &str = "rms_norm_grad_input";
+    pub const RMS_NORM_STATS: &str = "rms_norm_stats";
+    pub const RMS_NORM_GRAD_WEIGHT: &str = "rms_norm_grad_weight";
     pub const SUM_TO_LAST: &str = "sum_to_last";
     pub const CROSS_ENTROPY_MAX: &str = "cross_entropy_max";
     pub const CROSS_ENTROPY_STATS: &str = "cross_entropy_stats";
@@ -81,6 +88,7 @@ use names::*;
 pub const KERNEL_NAMES: &[&str] = &[
     BIAS_ADD,
     ADD,
+    MULTIPLY,
     SCALE,
     GELU_TANH,
     GELU_ERF,
@@ -109,6 +117,12 @@ pub const KERNEL_NAMES: &[&str] = &[
     LAYER_NORM_GRAD_INPUT,
     LAYER_NORM_STATS,
     LAYER_NORM_GRAD_WEIGHT,
+    ROW_SQUARE_SUM,
+    RMS_NORM_APPLY,
+    RMS_NORM_GRAD_SUM,
+    RMS_NORM_GRAD_INPUT,
+    RMS_NORM_STATS,
+    RMS_NORM_GRAD_WEIGHT,
     SUM_TO_LAST,
     CROSS_ENTROPY_MAX,
     CROSS_ENTROPY_STATS,
@@ -142,6 +156,7 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO_BLOCKS]),
         Kernel::BiasAdd => Launcher::kernels(&[BIAS_ADD]),
         Kernel::Add => Launcher::kernels(&[ADD]),
+        Kernel::Mul => Launcher::kernels(&[MULTIPLY]),
         Kernel::Scale { .. } | Kernel::Cast => Launcher::kernels(&[SCALE]),
         Kernel::Gelu { approximate: true } => Launcher::kernels(&[GELU_TANH]),
         Kernel::Gelu { approximate: false } => Launcher::kernels(&[GELU_ERF]),
@@ -169,6 +184,11 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::LayerNormGradSums { .. } => Launcher::kernels(&[LAYER_NORM_GRAD_SUMS]),
         Kernel::LayerNormGradInput { .. } => Launcher::kernels(&[LAYER_NORM_GRAD_INPUT]),
         Kernel::LayerNormGradWeight { .. } => Launcher::kernels(&[LAYER_NORM_STATS, LAYER_NORM_GRAD_WEIGHT]),
+        Kernel::RowSquareSum => Launcher::kernels(&[ROW_SQUARE_SUM]),
+        Kernel::RmsNormApply { .. } => Launcher::kernels(&[RMS_NORM_APPLY]),
+        Kernel::RmsNormGradSum => Launcher::kernels(&[RMS_NORM_GRAD_SUM]),
+        Kernel::RmsNormGradInput { .. } => Launcher::kernels(&[RMS_NORM_GRAD_INPUT]),
+        Kernel::RmsNormGradWeight { .. } => Launcher::kernels(&[RMS_NORM_STATS, RMS_NORM_GRAD_WEIGHT]),
         Kernel::SumToLast => Launcher::kernels(&[SUM_TO_LAST]),
         Kernel::CrossEntropyMax { .. } => Launcher::kernels(&[CROSS_ENTROPY_MAX]),
         Kernel::CrossEntropyStats { .. } => Launcher::kernels(&[CROSS_ENTROPY_STATS]),
@@ -1461,6 +1481,87 @@ impl Device {
     }
 }
 
+// ---- RMSNorm --------------------------------------------------------------------------------------
+
+/// The all-reduced square sums of a row-normalising kernel, checked.
+fn square_sums(sqsum: &DeviceTensor, rows: usize, norm: Norm) -> Result<&CudaSlice<f32>, String> {
+    let sq = per_row(sqsum, rows, 1, "the square sum")?;
+    norm.check()?;
+    Ok(sq)
+}
+
+impl Device {
+    fn row_square_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let (rows, n) = split_last(&x.shape);
+        let xv = floats(x, "x")?;
+        same_len("the output", out.len(), rows)?;
+        let y = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, n);
+        let (rows, n) = (rows as u64, n as u64);
+        launch!(self, ROW_SQUARE_SUM, cfg, [y, xv, &rows, &n])
+    }
+
+    fn rms_norm_apply(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), String> {
+        let [x, sqsum, weight] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let xv = floats(x, "x")?;
+        let qv = square_sums(sqsum, rows, norm)?;
+        let wv = per_row(weight, 1, width, "the weight")?;
+        same_len("the output", out.len(), x.len())?;
+        let y = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, width);
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, RMS_NORM_APPLY, cfg, [y, xv, qv, wv, &rows, &width, &norm.n, &norm.eps])
+    }
+
+    fn rms_norm_grad_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [dy, x, weight] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
+        let wv = per_row(weight, 1, width, "the weight")?;
+        same_len("the output", out.len(), rows)?;
+        let y = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, width);
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, RMS_NORM_GRAD_SUM, cfg, [y, dyv, xv, wv, &rows, &width])
+    }
+
+    fn rms_norm_grad_input(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), String> {
+        let [dy, x, weight, sqsum, sums] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
+        let wv = per_row(weight, 1, width, "the weight")?;
+        let qv = square_sums(sqsum, rows, norm)?;
+        let sv = per_row(sums, rows, 1, "the gradient sum")?;
+        same_len("the output", out.len(), x.len())?;
+        let dx = floats_mut(out, "the output")?;
+        let cfg = per_rows(rows, width);
+        let (rows, width) = (rows as u64, width as u64);
+        launch!(self, RMS_NORM_GRAD_INPUT, cfg, [dx, dyv, xv, wv, qv, sv, &rows, &width, &norm.n, &norm.eps])
+    }
+
+    fn rms_norm_grad_weight(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        norm: Norm,
+        scratch: &mut Option<CudaSlice<f32>>,
+    ) -> Result<(), String> {
+        let [dy, x, sqsum] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
+        let qv = square_sums(sqsum, rows, norm)?;
+        same_len("the output", out.len(), width)?;
+        let g = floats_mut(out, "the output")?;
+        self.zero(g)?;
+        let stats = grow(scratch, &self.stream, rows)?;
+        let (nrows, nwidth) = (rows as u64, width as u64);
+        launch!(self, RMS_NORM_STATS, elementwise(rows), [&mut *stats, qv, &nrows, &norm.n, &norm.eps])?;
+        launch!(self, RMS_NORM_GRAD_WEIGHT, columns(rows, width), [g, dyv, xv, &*stats, &nrows, &nwidth])
+    }
+}
+
 // ---- cross-entropy --------------------------------------------------------------------------------
 
 /// This device's vocabulary columns: global column `offset + c`; columns at or past `valid` are padding.
@@ -1752,6 +1853,7 @@ impl CudaKernels {
             Kernel::BatchedMatMul => dev.batched_matmul::<f32, f32>(inputs, out),
             Kernel::BiasAdd => dev.bias_add::<f32>(inputs, out),
             Kernel::Add => dev.map_binary::<f32>(ADD, inputs, out),
+            Kernel::Mul => dev.map_binary::<f32>(MULTIPLY, inputs, out),
             Kernel::Scale { factor } => dev.scale::<f32>(inputs, out, factor),
             Kernel::Gelu { approximate: true } => dev.map_unary::<f32>(GELU_TANH, inputs, out),
             Kernel::Gelu { approximate: false } => dev.map_unary::<f32>(GELU_ERF, inputs, out),
@@ -1791,6 +1893,13 @@ impl CudaKernels {
             Kernel::LayerNormGradInput { n, eps } => dev.layer_norm_grad_input::<f32>(inputs, out, Norm { n, eps }),
             Kernel::LayerNormGradWeight { n, eps } => {
                 dev.layer_norm_grad_weight::<f32>(inputs, out, Norm { n, eps }, &mut scratch[0])
+            }
+            Kernel::RowSquareSum => dev.row_square_sum(inputs, out),
+            Kernel::RmsNormApply { n, eps } => dev.rms_norm_apply(inputs, out, Norm { n, eps }),
+            Kernel::RmsNormGradSum => dev.rms_norm_grad_sum(inputs, out),
+            Kernel::RmsNormGradInput { n, eps } => dev.rms_norm_grad_input(inputs, out, Norm { n, eps }),
+            Kernel::RmsNormGradWeight { n, eps } => {
+                dev.rms_norm_grad_weight(inputs, out, Norm { n, eps }, &mut scratch[0])
             }
             Kernel::SumToLast => dev.sum_to_last::<f32>(inputs, out),
             Kernel::CrossEntropyMax { offset, valid } => {

@@ -22,6 +22,7 @@ use std::ffi::c_void;
 const ENTRY_POINTS: &[(&str, &str)] = &[
     (BIAS_ADD, "bias_add_bf16"),
     (ADD, "add_bf16"),
+    (MULTIPLY, "multiply_bf16"),
     (SCALE, "scale_bf16"),
     (GELU_TANH, "gelu_tanh_bf16"),
     (GELU_ERF, "gelu_erf_bf16"),
@@ -62,6 +63,7 @@ const CAST_BF16_TO_F32: &str = "cast_bf16_to_f32";
 pub const BF16_KERNEL_NAMES: &[&str] = &[
     "bias_add_bf16",
     "add_bf16",
+    "multiply_bf16",
     "scale_bf16",
     "gelu_tanh_bf16",
     "gelu_erf_bf16",
@@ -142,6 +144,7 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
         }
         Kernel::BiasAdd => kernels(&["bias_add_bf16"]),
         Kernel::Add => kernels(&["add_bf16"]),
+        Kernel::Mul => kernels(&["multiply_bf16"]),
         Kernel::Scale { .. } => kernels(&["scale_bf16"]),
         Kernel::Gelu { approximate: true } => kernels(&["gelu_tanh_bf16"]),
         Kernel::Gelu { approximate: false } => kernels(&["gelu_erf_bf16"]),
@@ -196,9 +199,12 @@ fn native(kernel: &Kernel) -> Option<(&'static [Ty], &'static [Ty])> {
     const STAT: &[Ty] = &[F];
     Some(match kernel {
         Kernel::MatMul { .. } | Kernel::BatchedMatMul => (&[H, H], &[H, F]),
-        Kernel::BiasAdd | Kernel::Add | Kernel::SoftmaxGrad | Kernel::SiluGrad | Kernel::GeluGrad { .. } => {
-            (&[H, H], BF16)
-        }
+        Kernel::BiasAdd
+        | Kernel::Add
+        | Kernel::Mul
+        | Kernel::SoftmaxGrad
+        | Kernel::SiluGrad
+        | Kernel::GeluGrad { .. } => (&[H, H], BF16),
         Kernel::Scale { .. }
         | Kernel::Gelu { .. }
         | Kernel::Silu
@@ -289,6 +295,7 @@ fn run_native(
         Kernel::BatchedMatMul => dev.batched_matmul::<B, B>(inputs, out),
         Kernel::BiasAdd => dev.bias_add::<B>(inputs, out),
         Kernel::Add => dev.map_binary::<B>(ADD, inputs, out),
+        Kernel::Mul => dev.map_binary::<B>(MULTIPLY, inputs, out),
         Kernel::Scale { factor } => dev.scale::<B>(inputs, out, factor),
         Kernel::Gelu { approximate: true } => dev.map_unary::<B>(GELU_TANH, inputs, out),
         Kernel::Gelu { approximate: false } => dev.map_unary::<B>(GELU_ERF, inputs, out),
