@@ -376,3 +376,46 @@ fn kv_heads_that_a_mesh_cannot_split_name_the_config_line_and_the_meshes_that_wo
     assert!(text.contains("kv_heads = 2"), "points at the config line: {text}");
     assert!(text.contains("1x1, 1x2"), "lists the meshes that work: {text}");
 }
+
+/// Attention and rotary over [seq, width] (no batch dimension): dimension 0 is the sequence.
+const UNBATCHED: &str = "model unbatched
+config { vocab = 16; batch = 2; seq = 4; heads = 2; hidden = 8 }
+input tokens: i32[batch, seq]
+input targets: i32[batch, seq]
+layer wte = embedding(vocab, hidden)
+layer q = linear(hidden, hidden, bias: false)
+layer k = linear(hidden, hidden, bias: false)
+layer v = linear(hidden, hidden, bias: false)
+layer head = linear(hidden, vocab)
+forward {
+  x = reshape(wte(tokens), [batch * seq, hidden])
+  y = self_attention(rotary(q(x), heads: heads), rotary(k(x), heads: heads), v(x), heads: heads)
+  output loss = cross_entropy(reshape(head(y), [batch, seq, vocab]), targets)
+}
+";
+
+#[test]
+fn attention_and_rotary_over_an_unbatched_sequence_keep_it_whole() {
+    let model = write_model("unbatched.opt", UNBATCHED);
+    verifies(&model, &["--mesh", "1x2", "--strategy", "megatron"]);
+    // Optimus splits dimension 0 of activations on mesh axis 0; here that is the sequence, which
+    // attention and rotary must gather (the plan verifier refuses a split sequence).
+    let plan = model.with_extension("json");
+    let (ok, text) = optimusc(&["compile", "--mesh", "2x2", "--output", plan.to_str().expect("UTF-8")], &model);
+    assert!(ok, "{text}");
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("JSON");
+    let buffers = plan["buffers"].as_array().expect("buffers");
+    let mut checked = 0;
+    for instr in plan["program"].as_array().expect("program") {
+        let kind = instr["kernel"]["kind"].as_str().unwrap_or_default();
+        if !["attention", "attention_grad", "rotary", "rotary_grad"].contains(&kind) {
+            continue;
+        }
+        for b in instr["inputs"].as_array().expect("inputs") {
+            let layout = &buffers[b.as_u64().expect("an id") as usize]["layout"];
+            assert_ne!(layout[0]["dim"], 0, "{kind} reads a split sequence: {layout}");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 8, "{checked} operands checked");
+}

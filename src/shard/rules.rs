@@ -732,10 +732,11 @@ impl Lowerer<'_> {
 
     // ---- attention ---------------------------------------------------------------------------------
 
-    /// Layouts of attention's inputs and output: batch on axis 0 (2D), heads on axis 1.
+    /// Layouts of attention's inputs and output: batch on axis 0 (2D), heads on axis 1. A rank-2
+    /// input [seq, width] has no batch dimension: its dimension 0 is the sequence, which stays whole.
     fn attention_layouts(&self, width: u64, heads: u64, fused: bool, rank: usize) -> (Layout, Layout) {
         let last = rank - 1;
-        let batch = self.batch_placement();
+        let batch = if rank > 2 { self.batch_placement() } else { R };
         let input = if fused {
             let head = width / 3 / heads.max(1);
             Placement::shard_factor(last, 3, head)

@@ -392,6 +392,7 @@ fn check_attention(
     let shapes: Vec<&[u64]> = operands.iter().map(|b| b.shape.as_slice()).collect();
     let layout = AttentionLayout::new(&shapes, heads, kv_heads, fused)?;
     check_head_split(operands, &layout)?;
+    check_whole_sequences(operands.iter().copied().chain(dy))?;
     let Some(wrt) = wrt else { return same_shape("the output", &ops.output.shape, &layout.out_shape()) };
     let count = if fused { 1 } else { 3 };
     ensure(wrt < count, || format!("wrt = {wrt}, but the attention has {count} operand(s)"))?;
@@ -399,6 +400,17 @@ fn check_attention(
         same_shape("dy", &dy.shape, &layout.out_shape())?;
     }
     same_shape("the output", &ops.output.shape, shapes[wrt])
+}
+
+/// Attention reads whole sequences: no operand may split its sequence dimension (second to last).
+fn check_whole_sequences<'b>(buffers: impl Iterator<Item = &'b Buffer>) -> Result<(), String> {
+    for b in buffers {
+        let seq = b.shape.len().saturating_sub(2);
+        ensure(b.layout.axis_of(seq).is_none(), || {
+            format!("`{}` is laid out {}, which splits the sequence attention reads whole", b.name, b.layout)
+        })?;
+    }
+    Ok(())
 }
 
 /// Where the operands' width is split by heads (viewed as [3, heads, head] or [heads, head]), the
