@@ -419,3 +419,45 @@ fn attention_and_rotary_over_an_unbatched_sequence_keep_it_whole() {
     }
     assert!(checked >= 8, "{checked} operands checked");
 }
+
+// ---- the verifier ---------------------------------------------------------------------------------
+
+/// The Llama-like model compiled on a 2x2 optimus mesh (training), as JSON.
+fn llama_like_2x2_plan() -> serde_json::Value {
+    use optimus::shard::{Target, compile};
+    let text = llama_like(8, 4);
+    let model = optimus::check::check_source(&text, &[]).model.expect("the model checks");
+    let target = Target {
+        mesh: Mesh { rows: 2, cols: 2 },
+        strategy: optimus::plan::Strategy::Optimus,
+        mode: optimus::plan::Mode::Train,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
+    let plan = compile(&model, "llama_like.opt", &text, target).expect("compiles on 2x2");
+    serde_json::to_value(plan).expect("a plan serialises")
+}
+
+/// The verifier's errors after `edit` changes the first kernel of `kind`.
+fn errors_after(kind: &str, edit: impl Fn(&mut serde_json::Value)) -> Vec<String> {
+    let mut plan = llama_like_2x2_plan();
+    let program = plan["program"].as_array_mut().expect("a program");
+    let instr = program.iter_mut().find(|i| i["kernel"]["kind"] == kind).expect("a kernel of that kind");
+    edit(instr);
+    let plan: optimus::plan::Plan = serde_json::from_value(plan).expect("the edit keeps the plan's types");
+    optimus::plan::verify::verify(&plan).err().unwrap_or_default()
+}
+
+#[test]
+fn the_verifier_refuses_hand_edited_rotary_and_grouped_attention_kernels() {
+    let refused = |kind: &str, edit: &dyn Fn(&mut serde_json::Value), needle: &str| {
+        let errors = errors_after(kind, edit);
+        assert!(errors.iter().any(|e| e.contains(needle)), "{kind}: expected `{needle}` in {errors:#?}");
+    };
+    assert!(errors_after("rotary", |_| {}).is_empty(), "the compiled plan verifies");
+    refused("rotary", &|i| i["kernel"]["heads"] = 3.into(), "do not divide the width");
+    refused("rotary", &|i| i["kernel"]["heads"] = 16.into(), "even head size");
+    refused("rotary", &|i| i["kernel"]["theta"] = (-1.0).into(), "not a positive number");
+    refused("attention", &|i| i["kernel"]["kv_heads"] = 3.into(), "cannot be grouped over 3");
+    refused("attention", &|i| i["kernel"]["kv_heads"] = 4.into(), "do not match");
+    refused("attention_grad", &|i| i["kernel"]["kv_heads"] = 1.into(), "do not match");
+}
