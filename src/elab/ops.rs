@@ -486,7 +486,6 @@ impl Elab<'_> {
         self.add_node(op, ty, call.span, scope, &nodes).map(Value::Tensor)
     }
 
-    /// The result type of attention over `operands` (each with the span of its argument).
     /// `kv_heads: K` of grouped-query attention (with its span): a size dividing `heads`, and `heads`
     /// itself when not given. A fused qkv tensor has as many key/value heads as query heads.
     fn kv_heads(&mut self, a: &Evaluated<'_>, heads: u64, fused: bool, heads_span: Span) -> R<(u64, Span)> {
