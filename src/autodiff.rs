@@ -177,14 +177,19 @@ impl Autodiff {
                 let d = self.grad_node(Op::SoftmaxGrad, ops[0], n, &[g, n]);
                 self.accumulate(ops[0], d);
             }
-            Op::Attention { heads, causal, fused } => {
+            Op::Attention { heads, kv_heads, causal, fused } => {
                 let mut operands = vec![g];
                 operands.extend(&ops);
                 for (k, &x) in ops.iter().enumerate() {
                     let wrt = u8::try_from(k).unwrap_or(u8::MAX);
-                    let d = self.grad_node(Op::AttentionGrad { heads, causal, fused, wrt }, x, n, &operands);
+                    let op = Op::AttentionGrad { heads, kv_heads, causal, fused, wrt };
+                    let d = self.grad_node(op, x, n, &operands);
                     self.accumulate(x, d);
                 }
+            }
+            Op::Rotary { heads, theta } => {
+                let d = self.grad_node(Op::RotaryGrad { heads, theta }, ops[0], n, &[g]);
+                self.accumulate(ops[0], d);
             }
             Op::Add => {
                 self.accumulate(ops[0], g);

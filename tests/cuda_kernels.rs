@@ -94,6 +94,8 @@ fn samples() -> Vec<Kernel> {
         Kernel::GeluGrad { approximate: false },
         Kernel::Silu,
         Kernel::SiluGrad,
+        Kernel::Rotary { heads: 2, theta: 10000.0 },
+        Kernel::RotaryGrad { heads: 2, theta: 10000.0 },
         Kernel::Softmax,
         Kernel::SoftmaxGrad,
         Kernel::CausalMask,
@@ -104,8 +106,8 @@ fn samples() -> Vec<Kernel> {
         Kernel::Transpose { dim0: 0, dim1: 1 },
         Kernel::Select { dim: 0, index: 0 },
         Kernel::SelectGrad { dim: 0, index: 0 },
-        Kernel::Attention { heads: 2, causal: true, fused: true },
-        Kernel::AttentionGrad { heads: 2, causal: true, fused: false, wrt: 1 },
+        Kernel::Attention { heads: 2, kv_heads: 2, causal: true, fused: true },
+        Kernel::AttentionGrad { heads: 2, kv_heads: 2, causal: true, fused: false, wrt: 1 },
         Kernel::EmbeddingLookup { offset, masked: true },
         Kernel::EmbeddingGrad { offset, masked: true },
         Kernel::PositionLookup,
@@ -185,10 +187,12 @@ fn variant(kernel: &Kernel) -> usize {
         Kernel::RmsNormGradSum => 44,
         Kernel::RmsNormGradInput { .. } => 45,
         Kernel::RmsNormGradWeight { .. } => 46,
+        Kernel::Rotary { .. } => 47,
+        Kernel::RotaryGrad { .. } => 48,
     }
 }
 
-const VARIANTS: usize = 47;
+const VARIANTS: usize = 49;
 
 #[test]
 fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
@@ -635,26 +639,69 @@ fn attention_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
     for causal in [false, true] {
         let fused = rng.tensor(&[2, 5, 3 * w]);
         let dy = rng.tensor(&[2, 5, w]);
-        let attention = Kernel::Attention { heads, causal, fused: true };
+        let attention = Kernel::Attention { heads, kv_heads: heads, causal, fused: true };
         cases.push(Case::new(attention, vec![fused.clone()], &[2, 5, w]).tol(1e-4));
-        let grad = Kernel::AttentionGrad { heads, causal, fused: true, wrt: 0 };
+        let grad = Kernel::AttentionGrad { heads, kv_heads: heads, causal, fused: true, wrt: 0 };
         cases.push(Case::new(grad, vec![dy.clone(), fused], &[2, 5, 3 * w]).tol(1e-4));
         let (q, k, v) = (rng.tensor(&[2, 5, w]), rng.tensor(&[2, 7, w]), rng.tensor(&[2, 7, w]));
-        let attention = Kernel::Attention { heads, causal, fused: false };
+        let attention = Kernel::Attention { heads, kv_heads: heads, causal, fused: false };
         cases.push(Case::new(attention, vec![q.clone(), k.clone(), v.clone()], &[2, 5, w]).tol(1e-4));
         for (wrt, shape) in [(0u8, [2, 5, w]), (1, [2, 7, w]), (2, [2, 7, w])] {
-            let grad = Kernel::AttentionGrad { heads, causal, fused: false, wrt };
+            let grad = Kernel::AttentionGrad { heads, kv_heads: heads, causal, fused: false, wrt };
             let inputs = vec![dy.clone(), q.clone(), k.clone(), v.clone()];
             cases.push(Case::new(grad, inputs, &shape).tol(1e-4));
         }
     }
-    let long = Kernel::Attention { heads: 2, causal: true, fused: true };
+    let long = Kernel::Attention { heads: 2, kv_heads: 2, causal: true, fused: true };
     cases.push(Case::new(long, vec![rng.tensor(&[1, 300, 3 * 2 * 32])], &[1, 300, 64]).tol(1e-4));
-    let long_grad = Kernel::AttentionGrad { heads: 2, causal: true, fused: true, wrt: 0 };
+    let long_grad = Kernel::AttentionGrad { heads: 2, kv_heads: 2, causal: true, fused: true, wrt: 0 };
     let inputs = vec![rng.tensor(&[1, 300, 64]), rng.tensor(&[1, 300, 3 * 2 * 32])];
     cases.push(Case::new(long_grad, inputs, &[1, 300, 192]).tol(1e-4));
-    let wrong = Kernel::Attention { heads: 5, causal: false, fused: false };
+    let wrong = Kernel::Attention { heads: 5, kv_heads: 5, causal: false, fused: false };
     cases.push(Case::new(wrong, vec![rng.tensor(&[2, 5, 12]); 3], &[2, 5, 12]).fails());
+    cases.extend(grouped_query_cases(rng));
+    Ok(cases)
+}
+
+/// Grouped-query attention (6 query heads over 2 or 3 kv heads, and over 1), forward and every
+/// gradient, the keys longer than the queries.
+fn grouped_query_cases(rng: &mut Rng) -> Vec<Case> {
+    let (heads, d) = (6u64, 4u64);
+    let mut cases = Vec::new();
+    for (kv_heads, causal) in [(2u64, true), (3, false), (1, true)] {
+        let (q, dy) = (rng.tensor(&[2, 5, heads * d]), rng.tensor(&[2, 5, heads * d]));
+        let kv = [2, 7, kv_heads * d];
+        let (k, v) = (rng.tensor(&kv), rng.tensor(&kv));
+        let attention = Kernel::Attention { heads, kv_heads, causal, fused: false };
+        cases.push(Case::new(attention, vec![q.clone(), k.clone(), v.clone()], &[2, 5, heads * d]).tol(1e-4));
+        for (wrt, shape) in [(0u8, [2, 5, heads * d]), (1, kv), (2, kv)] {
+            let grad = Kernel::AttentionGrad { heads, kv_heads, causal, fused: false, wrt };
+            let inputs = vec![dy.clone(), q.clone(), k.clone(), v.clone()];
+            cases.push(Case::new(grad, inputs, &shape).tol(1e-4));
+        }
+    }
+    let wrong = Kernel::Attention { heads, kv_heads: 4, causal: true, fused: false };
+    let inputs = vec![rng.tensor(&[2, 5, heads * d]), rng.tensor(&[2, 5, 16]), rng.tensor(&[2, 5, 16])];
+    cases.push(Case::new(wrong, inputs, &[2, 5, heads * d]).fails());
+    cases
+}
+
+/// Rotary embeddings and their backward, on short and long sequences (positions into the
+/// thousands, where the float32 rounding of the angles matters) and with leading dimensions.
+fn rotary_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
+    let mut cases = Vec::new();
+    for (shape, heads, theta) in [
+        (vec![2u64, 5, 12], 3u64, 10000.0),
+        (vec![1, 3000, 64], 1, 10000.0),
+        (vec![2, 3, 4, 16], 2, 500000.0),
+        (vec![7, 8], 4, 10.0),
+    ] {
+        let x = rng.tensor(&shape);
+        cases.push(Case::new(Kernel::Rotary { heads, theta }, vec![x.clone()], &shape).tol(1e-5));
+        cases.push(Case::new(Kernel::RotaryGrad { heads, theta }, vec![x], &shape).tol(1e-5));
+    }
+    let odd = rng.tensor(&[2, 6]);
+    cases.push(Case::new(Kernel::Rotary { heads: 2, theta: 10.0 }, vec![odd], &[2, 6]).fails());
     Ok(cases)
 }
 
@@ -786,13 +833,14 @@ fn cross_entropy_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
 type Cases = fn(&mut Rng) -> Result<Vec<Case>, String>;
 
 /// Every list of cases, by name.
-const ALL_CASES: [(&str, Cases); 10] = [
+const ALL_CASES: [(&str, Cases); 11] = [
     ("products", product_cases),
     ("elementwise", elementwise_cases),
     ("softmax", softmax_cases),
     ("dropout", dropout_cases),
     ("data movement", data_movement_cases),
     ("attention", attention_cases),
+    ("rotary", rotary_cases),
     ("embeddings", embedding_cases),
     ("layer norm", layer_norm_cases),
     ("rms norm", rms_norm_cases),
@@ -841,6 +889,11 @@ fn gpu_data_movement_matches_the_cpu() -> R {
 #[test]
 fn gpu_attention_matches_the_cpu() -> R {
     on_gpu("attention", attention_cases)
+}
+
+#[test]
+fn gpu_rotary_matches_the_cpu() -> R {
+    on_gpu("rotary", rotary_cases)
 }
 
 #[test]

@@ -363,6 +363,46 @@ golden!(
     ["E0201"]
 );
 golden!(
+    rotary_odd_head_size,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(10, hidden)\nlayer fc = linear(hidden, 12)\nforward {\n  output y = rotary(fc(wte(tokens)), heads: 4)\n}\n"
+    ),
+    ["E0201"]
+);
+golden!(
+    rotary_heads_do_not_divide_width,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(10, hidden)\nforward {\n  output y = rotary(wte(tokens), heads: 3)\n}\n"
+    ),
+    ["E0201"]
+);
+golden!(
+    kv_heads_do_not_divide_heads,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(10, hidden)\nlayer kv = linear(hidden, 6)\nforward {\n  x = wte(tokens)\n  output y = self_attention(x, kv(x), kv(x), heads: 4, kv_heads: 3)\n}\n"
+    ),
+    ["E0201"]
+);
+golden!(
+    kv_width_is_not_kv_heads_times_head,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(10, hidden)\nforward {\n  x = wte(tokens)\n  output y = self_attention(x, x, x, heads: 4, kv_heads: 2)\n}\n"
+    ),
+    ["E0201"]
+);
+golden!(
+    fused_qkv_with_fewer_kv_heads,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(10, hidden)\nlayer qkv = linear(hidden, 3 * hidden)\nforward {\n  output y = self_attention(qkv(wte(tokens)), heads: 4, kv_heads: 2)\n}\n"
+    ),
+    ["E0201"]
+);
+golden!(
     repeated_block_changes_shape,
     concat!(
         prelude!(),
@@ -380,6 +420,15 @@ golden!(
 );
 
 // ---- E0202 / E0203: sizes and arithmetic ----------------------------------------------------------------
+
+golden!(
+    rotary_theta_not_positive,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(10, hidden)\nforward {\n  output y = rotary(wte(tokens), heads: 2, theta: -1.0)\n}\n"
+    ),
+    ["E0202"]
+);
 
 golden!(
     size_not_positive,

@@ -17,6 +17,7 @@ pub enum Function {
     Binary(Binary),
     Shape(ShapeFn),
     SelfAttention,
+    Rotary,
 }
 
 /// Element-wise operators on one floating-point tensor.
@@ -57,7 +58,7 @@ pub struct Builtin {
 }
 
 /// Every operator callable in a forward, the one table the elaborator reads.
-pub const BUILTINS: [Builtin; 14] = [
+pub const BUILTINS: [Builtin; 15] = [
     Builtin { name: "gelu", function: Function::Unary(Unary::Gelu), params: &["x", "approx"], required: 1 },
     Builtin { name: "silu", function: Function::Unary(Unary::Silu), params: &["x"], required: 1 },
     Builtin { name: "softmax", function: Function::Unary(Unary::Softmax), params: &["x"], required: 1 },
@@ -65,9 +66,10 @@ pub const BUILTINS: [Builtin; 14] = [
     Builtin {
         name: "self_attention",
         function: Function::SelfAttention,
-        params: &["q", "k", "v", "heads", "causal"],
+        params: &["q", "k", "v", "heads", "causal", "kv_heads"],
         required: 1,
     },
+    Builtin { name: "rotary", function: Function::Rotary, params: &["x", "heads", "theta"], required: 2 },
     Builtin {
         name: "cross_entropy",
         function: Function::Binary(Binary::CrossEntropy),
@@ -88,6 +90,9 @@ pub const BUILTINS: [Builtin; 14] = [
     Builtin { name: "add", function: Function::Binary(Binary::Add), params: &["a", "b"], required: 2 },
     Builtin { name: "mul", function: Function::Binary(Binary::Mul), params: &["a", "b"], required: 2 },
 ];
+
+/// The rotary base when `rotary` is given none: Hugging Face Llama's default `rope_theta`.
+pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
 
 /// The names of the operators callable in a forward.
 pub fn function_names() -> impl Iterator<Item = &'static str> {
@@ -135,6 +140,7 @@ impl Elab<'_> {
         let x = self.as_tensor(v, first)?;
         let (op, ty, operands) = match builtin.function {
             Function::SelfAttention => return self.attention(call, &a, x, &scope),
+            Function::Rotary => self.rotary(&a, x)?,
             Function::Unary(f) => self.unary_op(f, &a, x)?,
             Function::Binary(f) => self.binary_op(call, f, &a, x)?,
             Function::Shape(f) => self.shape_op(f, &a, x)?,
@@ -490,19 +496,51 @@ impl Elab<'_> {
             None => true,
         };
         let fused = operands.len() == 1;
-        let ty = self.attention_type(&operands, heads.size, fused, heads_expr.span)?;
-        let op = Op::Attention { heads: heads.size, causal, fused };
+        let kv_heads = self.kv_heads(a, heads.size, fused, heads_expr.span)?;
+        let ty = self.attention_type(&operands, (heads.size, heads_expr.span), kv_heads, fused)?;
+        let op = Op::Attention { heads: heads.size, kv_heads: kv_heads.0, causal, fused };
         let nodes: Vec<NodeIndex> = operands.iter().map(|(n, _)| *n).collect();
         self.add_node(op, ty, call.span, scope, &nodes).map(Value::Tensor)
     }
 
-    /// The result type of attention over `operands` (each with the span of its argument).
+    /// `kv_heads: K` of grouped-query attention (with its span): a size dividing `heads`, and `heads`
+    /// itself when not given. A fused qkv tensor has as many key/value heads as query heads.
+    fn kv_heads(&mut self, a: &Evaluated<'_>, heads: u64, fused: bool, heads_span: Span) -> R<(u64, Span)> {
+        let Some((e, v)) = a.get(5) else { return Ok((heads, heads_span)) };
+        let kv = self.as_dim(v, e)?.size;
+        if fused && kv != heads {
+            return self.fail(
+                Diagnostic::error(
+                    Code::E0201,
+                    format!("a fused qkv tensor has {heads} key/value heads, one per query head, not {kv}"),
+                )
+                .primary(e.span, format!("{kv} key/value heads"))
+                .secondary(heads_span, format!("{heads} query heads"))
+                .help("for grouped-query attention pass q, k and v as three tensors"),
+            );
+        }
+        if !heads.is_multiple_of(kv) {
+            return self.fail(
+                Diagnostic::error(
+                    Code::E0201,
+                    format!("{heads} query heads cannot be grouped over {kv} key/value heads"),
+                )
+                .primary(e.span, format!("{kv} key/value heads"))
+                .secondary(heads_span, format!("{heads} query heads, not a multiple of {kv}"))
+                .note("in grouped-query attention each key/value head serves heads / kv_heads query heads"),
+            );
+        }
+        Ok((kv, e.span))
+    }
+
+    /// The result type of attention over `operands` (each with the span of its argument), with its
+    /// query heads and key/value heads (each with the span that gave it).
     fn attention_type(
         &mut self,
         operands: &[(NodeIndex, Span)],
-        heads: u64,
+        (heads, heads_span): (u64, Span),
+        (kv_heads, kv_span): (u64, Span),
         fused: bool,
-        heads_span: Span,
     ) -> R<TensorType> {
         for &(o, span) in operands {
             self.expect_float_tensor(o, span)?;
@@ -565,10 +603,18 @@ impl Elab<'_> {
                 .secondary(q_span, format!("width {model_width}")),
             );
         }
+        let mut kv_sizes = t0.sizes();
+        if let Some(last) = kv_sizes.last_mut() {
+            *last = model_width / heads * kv_heads;
+        }
         for &(o, span) in &operands[1..] {
             let ti = self.ty(o).clone();
-            if ti.sizes() != t0.sizes() || ti.dtype != t0.dtype {
-                let what = if ti.sizes() == t0.sizes() { "dtype" } else { "shape" };
+            let (lead, kv_lead) = (&ti.sizes()[..ti.rank() - 1], &kv_sizes[..kv_sizes.len() - 1]);
+            if kv_heads != heads && lead == kv_lead && ti.sizes() != kv_sizes {
+                return self.kv_width_error(&ti, span, (heads, model_width / heads), (kv_heads, kv_span));
+            }
+            if ti.sizes() != kv_sizes || ti.dtype != t0.dtype {
+                let what = if ti.sizes() == kv_sizes { "dtype" } else { "shape" };
                 return self.fail(
                     Diagnostic::error(
                         Code::E0201,
@@ -590,5 +636,79 @@ impl Elab<'_> {
             *last = Dim { size: model_width, label: None, factors };
         }
         Ok(TensorType { dtype: t0.dtype, shape })
+    }
+    /// k or v whose width is not kv_heads x the head size of q.
+    fn kv_width_error(
+        &mut self,
+        ti: &TensorType,
+        span: Span,
+        (heads, head): (u64, u64),
+        (kv_heads, kv_span): (u64, Span),
+    ) -> R<TensorType> {
+        let width = ti.shape.last().map_or(0, |d| d.size);
+        self.fail(
+            Diagnostic::error(
+                Code::E0201,
+                format!(
+                    "k and v need {kv_heads} key/value heads of size {head} ({} columns), but this is {}",
+                    kv_heads * head,
+                    show_type(ti)
+                ),
+            )
+            .primary(span, format!("width {width}"))
+            .secondary(kv_span, format!("{kv_heads} key/value heads"))
+            .note(format!("q has {heads} heads of size {head}; k and v have the same head size")),
+        )
+    }
+
+    /// `rotary(x, heads: n, theta: t)`: x [.., seq, heads * head] with an even head size and t > 0.
+    fn rotary(&mut self, a: &Evaluated<'_>, x: NodeIndex) -> R<(Op, TensorType, Vec<NodeIndex>)> {
+        let first = a.required(0)?.0;
+        self.expect_float_tensor(x, first.span)?;
+        self.expect_rank_at_least(x, 2, first.span)?;
+        let (he, hv) = a.required(1)?;
+        let heads = self.as_dim(hv, he)?.size;
+        let theta = match a.get(2) {
+            Some((e, v)) => self.rotary_theta(v, e)?,
+            None => DEFAULT_ROPE_THETA,
+        };
+        let xt = self.ty(x).clone();
+        let width = xt.shape.last().map_or(0, |d| d.size);
+        if !width.is_multiple_of(heads) {
+            return self.fail(
+                Diagnostic::error(Code::E0201, format!("{heads} heads do not divide the rotary width {width}"))
+                    .primary(he.span, format!("{heads} heads"))
+                    .secondary(first.span, format!("this is {}", show_type(&xt))),
+            );
+        }
+        let head = width / heads;
+        if !head.is_multiple_of(2) {
+            return self.fail(
+                Diagnostic::error(
+                    Code::E0201,
+                    format!("rotary embedding needs an even head size, but {width} / {heads} heads is {head}"),
+                )
+                .primary(he.span, format!("{heads} heads of size {head}"))
+                .secondary(first.span, format!("this is {}", show_type(&xt)))
+                .note("each head is rotated as two halves of head / 2 dimensions"),
+            );
+        }
+        Ok((Op::Rotary { heads, theta }, xt, vec![x]))
+    }
+
+    /// The rotary base: a finite positive number.
+    fn rotary_theta(&mut self, v: &Value, e: &Expr) -> R<f64> {
+        let theta = self.as_float(v, e)?;
+        if theta > 0.0 && theta.is_finite() {
+            return Ok(theta);
+        }
+        self.fail(
+            Diagnostic::error(
+                Code::E0202,
+                format!("the rotary base theta must be a positive number, but this is {theta}"),
+            )
+            .primary(e.span, format!("this is {theta}"))
+            .help("Llama uses `theta: 10000.0` (Llama 3: 500000.0)"),
+        )
     }
 }

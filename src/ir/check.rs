@@ -39,6 +39,7 @@ fn operands(op: &Op) -> Vec<Kind> {
         }
         Op::Reshape | Op::Transpose { .. } | Op::Select { .. } => vec![Any],
         Op::Attention { fused, .. } => vec![Float; if *fused { 1 } else { 3 }],
+        Op::Rotary { .. } | Op::RotaryGrad { .. } => vec![Float],
         Op::Add | Op::MatMul => vec![Float; 2],
         Op::CrossEntropy => vec![Float, Integer],
         Op::LinearGradInput { .. }

@@ -177,10 +177,19 @@ pub enum Op {
     /// Softmax over the last dimension.
     Softmax,
     /// Multi-head self-attention. Operands: one fused qkv [.., seq, (3, heads, head)] or (q, k, v).
+    /// With `kv_heads < heads` (grouped-query attention) k and v have kv_heads * head columns and query
+    /// head h reads key/value head h / (heads / kv_heads); a fused qkv has kv_heads == heads.
     Attention {
         heads: u64,
+        kv_heads: u64,
         causal: bool,
         fused: bool,
+    },
+    /// Rotary position embedding (Llama's `rotate_half` convention) over [.., seq, heads * head]:
+    /// each head's halves are rotated by the angle pos * theta^(-2i/head), pos the sequence index.
+    Rotary {
+        heads: u64,
+        theta: f64,
     },
     Add,
     /// Element-wise product of two same-shaped tensors (the SwiGLU gate).
@@ -255,9 +264,15 @@ pub enum Op {
     /// Gradient of attention with respect to operand `wrt`: operands (dY, then the forward operands).
     AttentionGrad {
         heads: u64,
+        kv_heads: u64,
         causal: bool,
         fused: bool,
         wrt: u8,
+    },
+    /// dX of a rotary embedding: dY rotated back by the same angles (the transpose). Operands: (dY).
+    RotaryGrad {
+        heads: u64,
+        theta: f64,
     },
     /// Scatter-add of dY rows into a table: operands (ids, dY); the result has the table's shape.
     EmbeddingGrad,
@@ -289,6 +304,7 @@ impl Op {
             Op::Silu => "silu",
             Op::Softmax => "softmax",
             Op::Attention { .. } => "self_attention",
+            Op::Rotary { .. } => "rotary",
             Op::Add => "add",
             Op::Mul => "mul",
             Op::Dropout { .. } => "dropout",
@@ -312,6 +328,7 @@ impl Op {
             Op::SoftmaxGrad => "softmax_grad",
             Op::DropoutGrad { .. } => "dropout_grad",
             Op::AttentionGrad { .. } => "attention_grad",
+            Op::RotaryGrad { .. } => "rotary_grad",
             Op::EmbeddingGrad => "embedding_grad",
             Op::PositionEmbeddingGrad => "position_embedding_grad",
             Op::CrossEntropyGrad => "cross_entropy_grad",

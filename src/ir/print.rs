@@ -55,7 +55,10 @@ fn show_attrs(op: &Op) -> String {
             format!(" {{eps={eps:e}}}")
         }
         Op::Gelu { approximate } => format!(" {{approx={}}}", if *approximate { "tanh" } else { "none" }),
-        Op::Attention { heads, causal, fused } => format!(" {{heads={heads}, causal={causal}, fused={fused}}}"),
+        Op::Attention { heads, kv_heads, causal, fused } => {
+            format!(" {{heads={heads}{}, causal={causal}, fused={fused}}}", kv_heads_attr(*heads, *kv_heads))
+        }
+        Op::Rotary { heads, theta } | Op::RotaryGrad { heads, theta } => format!(" {{heads={heads}, theta={theta}}}"),
         Op::Dropout { p } => format!(" {{p={p}}}"),
         Op::Transpose { dim0, dim1 } => format!(" {{{dim0}, {dim1}}}"),
         Op::Scale { factor } => format!(" {{{factor}}}"),
@@ -67,11 +70,17 @@ fn show_attrs(op: &Op) -> String {
         Op::LayerNormGradInput { eps } | Op::LayerNormGradWeight { eps } => format!(" {{eps={eps:e}}}"),
         Op::GeluGrad { approximate } => format!(" {{approx={}}}", if *approximate { "tanh" } else { "none" }),
         Op::DropoutGrad { p, forward } => format!(" {{p={p}, mask=%{forward}}}"),
-        Op::AttentionGrad { heads, causal, fused, wrt } => {
-            format!(" {{heads={heads}, causal={causal}, fused={fused}, wrt={wrt}}}")
+        Op::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
+            let kv = kv_heads_attr(*heads, *kv_heads);
+            format!(" {{heads={heads}{kv}, causal={causal}, fused={fused}, wrt={wrt}}}")
         }
         _ => String::new(),
     }
+}
+
+/// `, kv_heads=K` for grouped-query attention; nothing when every query head has its own kv head.
+fn kv_heads_attr(heads: u64, kv_heads: u64) -> String {
+    if kv_heads == heads { String::new() } else { format!(", kv_heads={kv_heads}") }
 }
 
 /// Renders the whole model as text; `source` lets origins print as line:col.

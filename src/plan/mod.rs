@@ -15,7 +15,7 @@ use crate::span::Span;
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the JSON format changes incompatibly.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// How the model is split over devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -261,18 +261,34 @@ pub enum Kernel {
         dim: u8,
         index: u64,
     },
-    /// Local multi-head attention over `heads` heads; fused input is [.., seq, (3, heads, head)].
+    /// Local multi-head attention over `heads` query heads and `kv_heads` key/value heads (query head
+    /// h reads kv head h / (heads / kv_heads)); fused input is [.., seq, (3, heads, head)].
     Attention {
         heads: u64,
+        kv_heads: u64,
         causal: bool,
         fused: bool,
     },
-    /// (dy, operands..) -> gradient of operand `wrt`.
+    /// (dy, operands..) -> gradient of operand `wrt` (for k and v summed over the query heads sharing
+    /// each kv head).
     AttentionGrad {
         heads: u64,
+        kv_heads: u64,
         causal: bool,
         fused: bool,
         wrt: u8,
+    },
+    /// Rotary position embedding of each of `heads` local heads of x [.., seq, heads * head]; the
+    /// position of a row is its index along the sequence dimension (second to last), which must be
+    /// whole on the device.
+    Rotary {
+        heads: u64,
+        theta: f64,
+    },
+    /// (dy) -> dx: dy rotated by the opposite angles.
+    RotaryGrad {
+        heads: u64,
+        theta: f64,
     },
     /// (ids, table) -> rows; ids outside [offset, offset + table rows) give zeros when `masked`.
     EmbeddingLookup {

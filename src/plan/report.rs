@@ -170,12 +170,17 @@ pub fn kernel_flops(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer) -> u64
         Kernel::BatchedMatMul => inputs.first().map_or(0, |a| 2 * a.shape.last().copied().unwrap_or(1) * out),
         Kernel::Attention { .. } | Kernel::AttentionGrad { .. } => {
             // Q K^T and P V: 4 s^2 d per head and sequence; the gradient costs twice that per operand.
+            // Counted per query head: the gradient of a grouped k or v (fewer columns than dy) still
+            // runs the products of every query head, so it counts dy's elements.
             let Some(x) = inputs.first() else { return 0 };
             let rank = x.shape.len();
             let seq = if rank >= 2 { x.shape[rank - 2] } else { 1 };
             let scale = if matches!(kernel, Kernel::AttentionGrad { .. }) { 2 } else { 1 };
-            4 * out * seq * scale
+            let counted = if matches!(kernel, Kernel::AttentionGrad { fused: false, .. }) { x.elements() } else { out };
+            4 * counted * seq * scale
         }
+        // Two multiplies and an add per element (the angles are a [seq, head / 2] table).
+        Kernel::Rotary { .. } | Kernel::RotaryGrad { .. } => 3 * out,
         Kernel::Gelu { .. } | Kernel::GeluGrad { .. } => 8 * out,
         Kernel::Silu => 4 * out,
         Kernel::Mul => out,

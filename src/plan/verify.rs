@@ -256,6 +256,8 @@ fn check_kernel(
         | Kernel::GeluGrad { .. }
         | Kernel::Silu
         | Kernel::SiluGrad
+        | Kernel::Rotary { .. }
+        | Kernel::RotaryGrad { .. }
         | Kernel::Softmax
         | Kernel::SoftmaxGrad
         | Kernel::CausalMask

@@ -21,6 +21,7 @@ pub mod logical;
 pub mod mpi;
 pub mod peak;
 pub mod profile;
+pub mod rotary;
 pub mod schedule;
 pub mod settings;
 pub mod shapes;

@@ -125,12 +125,13 @@ pub fn product_flops(kernel: &Kernel, inputs: &[&[u64]], output: &[u64]) -> Opti
     match kernel {
         Kernel::MatMul { transpose_a, .. } => Some(matmul_flops(inputs, output, *transpose_a)),
         Kernel::BatchedMatMul => Some(batched_matmul_flops(inputs, output)),
-        Kernel::Attention { heads, fused, causal } => {
-            Some(2 * attention_product_flops(inputs, *heads, *fused, *causal))
+        Kernel::Attention { heads, kv_heads, fused, causal } => {
+            Some(2 * attention_product_flops(inputs, (*heads, *kv_heads), *fused, *causal))
         }
-        Kernel::AttentionGrad { heads, fused, wrt, causal } => {
+        Kernel::AttentionGrad { heads, kv_heads, fused, wrt, causal } => {
             let operands = inputs.get(1..).unwrap_or_default();
-            Some(attention_grad_products(*fused, *wrt) * attention_product_flops(operands, *heads, *fused, *causal))
+            let per_product = attention_product_flops(operands, (*heads, *kv_heads), *fused, *causal);
+            Some(attention_grad_products(*fused, *wrt) * per_product)
         }
         _ => None,
     }
@@ -154,9 +155,10 @@ fn batched_matmul_flops(inputs: &[&[u64]], output: &[u64]) -> u64 {
 }
 
 /// FLOPs of one [sq, d] x [d, sk] product for every batch and head, as the tiles compute it:
-/// 2 * b * h * d * (sq * sk, or for a causal attention the sum over query tiles of rows x visible keys).
-fn attention_product_flops(operands: &[&[u64]], heads: u64, fused: bool, causal: bool) -> u64 {
-    let Ok(l) = AttentionLayout::new(operands, heads, fused) else { return 0 };
+/// 2 * b * h * d * (sq * sk, or for a causal attention the sum over query tiles of rows x visible keys),
+/// h the query heads (each runs its own products, whichever kv head it reads).
+fn attention_product_flops(operands: &[&[u64]], (heads, kv_heads): (u64, u64), fused: bool, causal: bool) -> u64 {
+    let Ok(l) = AttentionLayout::new(operands, heads, kv_heads, fused) else { return 0 };
     let (sq, sk) = (l.seq(0), l.seq(1));
     let scores: usize = if causal {
         (0..sq).step_by(QUERY_TILE).map(|start| QUERY_TILE.min(sq - start) * (start + QUERY_TILE).min(sq).min(sk)).sum()
@@ -424,12 +426,12 @@ mod tests {
         let per_product = 2 * b * h * s * s * d;
         let fused: &[u64] = &[b, s, 3 * h * d];
         for causal in [false, true] {
-            let kernel = Kernel::Attention { heads: h, causal, fused: true };
+            let kernel = Kernel::Attention { heads: h, kv_heads: h, causal, fused: true };
             assert_eq!(flops(kernel, &[fused], &[b, s, h * d]), Some(2 * per_product));
         }
         // Separate q, k, v with a different key length.
         let (q, kv): (&[u64], &[u64]) = (&[b, s, h * d], &[b, 2 * s, h * d]);
-        let kernel = Kernel::Attention { heads: h, causal: false, fused: false };
+        let kernel = Kernel::Attention { heads: h, kv_heads: h, causal: false, fused: false };
         assert_eq!(flops(kernel, &[q, kv, kv], &[b, s, h * d]), Some(2 * 2 * per_product));
     }
 
@@ -440,9 +442,9 @@ mod tests {
         // Tile 0 sees `tile` keys, tile 1 all `2 * tile`.
         let scores = tile * tile + tile * 2 * tile;
         let fused: &[u64] = &[b, s, 3 * h * d];
-        let causal = Kernel::Attention { heads: h, causal: true, fused: true };
+        let causal = Kernel::Attention { heads: h, kv_heads: h, causal: true, fused: true };
         assert_eq!(flops(causal, &[fused], &[b, s, h * d]), Some(2 * 2 * b * h * d * scores));
-        let full = Kernel::Attention { heads: h, causal: false, fused: true };
+        let full = Kernel::Attention { heads: h, kv_heads: h, causal: false, fused: true };
         assert_eq!(flops(full, &[fused], &[b, s, h * d]), Some(2 * 2 * b * h * d * s * s));
     }
 
@@ -451,10 +453,10 @@ mod tests {
         let (b, s, h, d) = (1u64, 4, 2, 8);
         let per_product = 2 * b * h * s * s * d;
         let dy: &[u64] = &[b, s, h * d];
-        let fused = Kernel::AttentionGrad { heads: h, causal: true, fused: true, wrt: 0 };
+        let fused = Kernel::AttentionGrad { heads: h, kv_heads: h, causal: true, fused: true, wrt: 0 };
         assert_eq!(flops(fused, &[dy, &[b, s, 3 * h * d]], &[b, s, 3 * h * d]), Some(5 * per_product));
         for (wrt, products) in [(0, 3), (1, 3), (2, 2)] {
-            let kernel = Kernel::AttentionGrad { heads: h, causal: false, fused: false, wrt };
+            let kernel = Kernel::AttentionGrad { heads: h, kv_heads: h, causal: false, fused: false, wrt };
             assert_eq!(flops(kernel, &[dy, dy, dy, dy], dy), Some(products * per_product), "wrt {wrt}");
         }
     }
@@ -464,7 +466,7 @@ mod tests {
         assert_eq!(flops(Kernel::Softmax, &[&[4, 4]], &[4, 4]), None);
         assert_eq!(flops(Kernel::OptimizerStep, &[&[4], &[4], &[4], &[4]], &[4]), None);
         assert_eq!(flops(Kernel::BatchedMatMul, &[&[4]], &[4]), Some(0));
-        let attention = Kernel::Attention { heads: 3, causal: false, fused: true };
+        let attention = Kernel::Attention { heads: 3, kv_heads: 3, causal: false, fused: true };
         assert_eq!(flops(attention, &[&[2, 4, 16]], &[2, 4, 16]), Some(0));
     }
 

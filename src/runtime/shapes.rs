@@ -204,7 +204,8 @@ impl Packing {
 }
 
 /// The checked layout of an attention's operands: q, k, v as three tensors, or fused into one
-/// [.., seq, (3, heads, d)] tensor.
+/// [.., seq, (3, heads, d)] tensor. k and v hold `kv_heads` heads (grouped-query attention when fewer
+/// than `heads`): query head h reads kv head h / (heads / kv_heads).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AttentionLayout {
     pub packing: [Packing; 3],
@@ -212,33 +213,55 @@ pub struct AttentionLayout {
     pub q_shape: Vec<u64>,
     pub batch: usize,
     pub heads: usize,
+    pub kv_heads: usize,
     pub d: usize,
 }
 
 impl AttentionLayout {
-    /// Checks the operand shapes (one when `fused`, else q, k, v) against `heads`.
-    pub fn new(shapes: &[&[u64]], heads: u64, fused: bool) -> Result<AttentionLayout, String> {
-        let heads = heads as usize;
-        ensure(heads > 0, || "attention needs at least one head".to_string())?;
+    /// Checks the operand shapes (one when `fused`, else q, k, v) against `heads` and `kv_heads`.
+    pub fn new(shapes: &[&[u64]], heads: u64, kv_heads: u64, fused: bool) -> Result<AttentionLayout, String> {
+        let (heads, kv_heads) = (heads as usize, kv_heads as usize);
+        ensure(heads > 0 && kv_heads > 0, || "attention needs at least one head".to_string())?;
+        ensure(heads.is_multiple_of(kv_heads), || {
+            format!("{heads} query heads cannot be grouped over {kv_heads} key/value heads")
+        })?;
         let expected = if fused { 1 } else { 3 };
         ensure(shapes.len() == expected, || format!("expects {expected} inputs, got {}", shapes.len()))?;
         if fused {
+            ensure(kv_heads == heads, || format!("a fused input has {heads} key/value heads, not {kv_heads}"))?;
             let (lead, s, w) = batch_matrix(shapes[0], "the fused input")?;
             ensure(w.is_multiple_of(heads.saturating_mul(3)), || format!("width {w} is not 3 x {heads} heads"))?;
             let d = w / (3 * heads);
             let pack = |k: usize| Packing { seq: s, row: w, part: k * heads * d };
             let packing = [pack(0), pack(1), pack(2)];
-            return Ok(AttentionLayout { packing, q_shape: shapes[0].to_vec(), batch: numel(lead), heads, d });
+            let batch = numel(lead);
+            return Ok(AttentionLayout { packing, q_shape: shapes[0].to_vec(), batch, heads, kv_heads, d });
         }
         let (q, k, v) = (shapes[0], shapes[1], shapes[2]);
         let (lq, sq, w) = batch_matrix(q, "q")?;
         let (lk, sk, wk) = batch_matrix(k, "k")?;
         same_shape("v", v, k)?;
-        ensure(lq == lk && w == wk, || format!("q {q:?} and k {k:?} do not match"))?;
         ensure(w.is_multiple_of(heads), || format!("width {w} is not a multiple of {heads} heads"))?;
-        let pack = |seq: usize| Packing { seq, row: w, part: 0 };
-        let packing = [pack(sq), pack(sk), pack(sk)];
-        Ok(AttentionLayout { packing, q_shape: q.to_vec(), batch: numel(lq), heads, d: w / heads })
+        let d = w / heads;
+        ensure(lq == lk && wk == kv_heads * d, || {
+            format!("q {q:?} ({heads} heads) and k {k:?} ({kv_heads} heads) do not match")
+        })?;
+        let packing = [
+            Packing { seq: sq, row: w, part: 0 },
+            Packing { seq: sk, row: wk, part: 0 },
+            Packing { seq: sk, row: wk, part: 0 },
+        ];
+        Ok(AttentionLayout { packing, q_shape: q.to_vec(), batch: numel(lq), heads, kv_heads, d })
+    }
+
+    /// How many query heads share each key/value head.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+
+    /// The head of `operand` that query head h reads: h itself for q, h / group for k and v.
+    pub fn head_of(&self, operand: usize, h: usize) -> usize {
+        if operand == 0 { h } else { h / self.group().max(1) }
     }
 
     pub fn seq(&self, operand: usize) -> usize {
@@ -287,11 +310,11 @@ impl<'a, T: ?Sized> Qkv<'a, T> {
         operands: &[&'a X],
         shape_of: impl Fn(&'a X) -> &'a [u64],
         data_of: impl Fn(&'a X, &str) -> Result<&'a T, String>,
-        heads: u64,
+        (heads, kv_heads): (u64, u64),
         fused: bool,
     ) -> Result<Qkv<'a, T>, String> {
         let shapes: Vec<&'a [u64]> = operands.iter().map(|&t| shape_of(t)).collect();
-        let layout = AttentionLayout::new(&shapes, heads, fused)?;
+        let layout = AttentionLayout::new(&shapes, heads, kv_heads, fused)?;
         let (data, shapes) = match operands {
             [qkv] => ([data_of(qkv, "the fused input")?; 3], [shapes[0]; 3]),
             [q, k, v] => ([data_of(q, "q")?, data_of(k, "k")?, data_of(v, "v")?], [shapes[0], shapes[1], shapes[2]]),

@@ -10,6 +10,13 @@ use petgraph::graph::NodeIndex;
 
 const R: Placement = Placement::Replicate;
 
+/// An attention's query heads and key/value heads (equal unless grouped-query).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Heads {
+    query: u64,
+    kv: u64,
+}
+
 /// The SUMMA products that reduce partial output blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SummaReduced {
@@ -142,7 +149,13 @@ impl Lowerer<'_> {
             Op::Scale { factor } => self.elementwise(n, &ops, Kernel::Scale { factor }, 0, true),
             Op::Add => self.add(n, ops[0], ops[1]),
             Op::Mul => self.mul(n, ops[0], ops[1]),
-            Op::Attention { heads, causal, fused } => self.attention(n, &ops, heads, causal, fused),
+            Op::Attention { heads, kv_heads, causal, fused } => {
+                self.attention(n, &ops, Heads { query: heads, kv: kv_heads }, causal, fused)
+            }
+            Op::Rotary { heads, theta } => self.rotary(n, ops[0], heads, |heads| Kernel::Rotary { heads, theta }),
+            Op::RotaryGrad { heads, theta } => {
+                self.rotary(n, ops[0], heads, |heads| Kernel::RotaryGrad { heads, theta })
+            }
             Op::CrossEntropy => self.cross_entropy(n, ops[0], ops[1]),
             Op::MatMul => self.batched_matmul(n, ops[0], ops[1]),
             Op::Reshape => self.reshape(n, ops[0]),
@@ -168,7 +181,9 @@ impl Lowerer<'_> {
                 self.elementwise(n, &ops, Kernel::DropoutGrad { p, key: forward }, 0, true)
             }
             Op::CausalMaskGrad => self.elementwise(n, &ops, Kernel::CausalMaskGrad, 2, true),
-            Op::AttentionGrad { heads, causal, fused, wrt } => self.attention_grad(n, &ops, heads, causal, fused, wrt),
+            Op::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
+                self.attention_grad(n, &ops, Heads { query: heads, kv: kv_heads }, causal, fused, wrt)
+            }
             Op::EmbeddingGrad => self.embedding_grad(n, ops[0], ops[1]),
             Op::PositionEmbeddingGrad => self.position_embedding_grad(n, ops[0]),
             Op::CrossEntropyGrad => self.cross_entropy_grad(n, &ops),
@@ -795,10 +810,11 @@ impl Lowerer<'_> {
 
     // ---- attention ---------------------------------------------------------------------------------
 
-    /// Layouts of attention's inputs and output: batch on axis 0 (2D), heads on axis 1.
+    /// Layouts of attention's inputs and output: batch on axis 0 (2D), heads on axis 1. A rank-2
+    /// input [seq, width] has no batch dimension: its dimension 0 is the sequence, which stays whole.
     fn attention_layouts(&self, width: u64, heads: u64, fused: bool, rank: usize) -> (Layout, Layout) {
         let last = rank - 1;
-        let batch = self.batch_placement();
+        let batch = if rank > 2 { self.batch_placement() } else { R };
         let input = if fused {
             let head = width / 3 / heads.max(1);
             Placement::shard_factor(last, 3, head)
@@ -808,31 +824,45 @@ impl Lowerer<'_> {
         (self.norm(Layout::new(batch, input)), self.norm(Layout::new(batch, s(last))))
     }
 
-    fn local_heads(&mut self, n: NodeIndex, heads: u64, input: Layout) -> u64 {
+    /// How many of `heads` (sized by the config value `label`) each device holds when `input` splits
+    /// them on mesh axis 1; a count that does not divide is reported (the meshes that work are added).
+    fn local_heads(&mut self, n: NodeIndex, heads: u64, label: &str, input: Layout) -> u64 {
         let split = input.0[1].dim().is_some();
         let parts = if split { self.axes()[1] } else { 1 };
-        if !heads.is_multiple_of(parts) {
-            if self.first_report(&format!("{:?}/{heads}/{parts}", Some("heads"))) {
-                let mut d = self.divisibility_error(n, heads, Some("heads".to_string()), parts);
-                d.notes.push("attention keeps whole heads on each device".to_string());
-                self.diagnostics.push(d);
-            }
-            self.split_dims.insert((heads, Some("heads".to_string())));
-            return heads;
+        self.split_dims.insert((heads, Some(label.to_string())));
+        if heads.is_multiple_of(parts) {
+            return heads / parts;
         }
-        self.split_dims.insert((heads, Some("heads".to_string())));
-        heads / parts
+        if self.first_report(&format!("{:?}/{heads}/{parts}", Some(label))) {
+            let mut d = self.divisibility_error(n, heads, Some(label.to_string()), parts);
+            d.notes.push(match label {
+                "kv_heads" => "grouped-query attention keeps whole key/value heads on each device, with the query \
+                               heads that read them"
+                    .to_string(),
+                _ => "attention keeps whole heads on each device".to_string(),
+            });
+            self.diagnostics.push(d);
+        }
+        heads
     }
 
-    fn attention(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: u64, causal: bool, fused: bool) {
+    /// The query and key/value heads each device holds: query heads [p H/P, (p+1) H/P) and kv heads
+    /// [p K/P, (p+1) K/P) on member p of axis 1, which are exactly the kv heads its query heads read.
+    fn local_attention_heads(&mut self, n: NodeIndex, heads: Heads, input: Layout) -> Heads {
+        let query = self.local_heads(n, heads.query, "heads", input);
+        let kv = if heads.kv == heads.query { query } else { self.local_heads(n, heads.kv, "kv_heads", input) };
+        Heads { query, kv }
+    }
+
+    fn attention(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: Heads, causal: bool, fused: bool) {
         let rank = self.rank(n);
         let width = *self.shapes[ops[0].index()].last().unwrap_or(&0);
-        let (il, ol) = self.attention_layouts(width, heads, fused, rank);
-        let local = self.local_heads(n, heads, il);
+        let (il, ol) = self.attention_layouts(width, heads.query, fused, rank);
+        let local = self.local_attention_heads(n, heads, il);
         let inputs: Vec<BufferId> = ops.iter().map(|&o| self.value(o, il)).collect();
         let y = self.node_buffer(n, ol, Role::Workspace);
         self.kernel(
-            Kernel::Attention { heads: local, causal, fused },
+            Kernel::Attention { heads: local.query, kv_heads: local.kv, causal, fused },
             &inputs,
             y,
             "attention for this device's batch chunk and head group (no communication)",
@@ -840,23 +870,58 @@ impl Lowerer<'_> {
         self.define(n, ol, y);
     }
 
-    fn attention_grad(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: u64, causal: bool, fused: bool, wrt: u8) {
+    fn attention_grad(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: Heads, causal: bool, fused: bool, wrt: u8) {
         let rank = self.rank(ops[0]);
         let width = *self.shapes[ops[1].index()].last().unwrap_or(&0);
-        let (il, ol) = self.attention_layouts(width, heads, fused, rank);
-        let local = self.local_heads(n, heads, il);
+        let (il, ol) = self.attention_layouts(width, heads.query, fused, rank);
+        let local = self.local_attention_heads(n, heads, il);
         let mut inputs = vec![self.value(ops[0], ol)];
         for &o in &ops[1..] {
             inputs.push(self.value(o, il));
         }
         let g = self.node_buffer(n, il, Role::Workspace);
         self.kernel(
-            Kernel::AttentionGrad { heads: local, causal, fused, wrt },
+            Kernel::AttentionGrad { heads: local.query, kv_heads: local.kv, causal, fused, wrt },
             &inputs,
             g,
-            "backward of attention (local)",
+            "backward of attention (local; dk and dv summed over the query heads of each kv head)",
         );
         self.define(n, il, g);
+    }
+
+    // ---- rotary position embedding ---------------------------------------------------------------
+
+    /// The layout rotary works in, from x's own: the sequence dimension (second to last) whole, so
+    /// that a row's local index along it is its global position, and the last dimension either whole
+    /// or split contiguously into whole heads. Anything else is gathered (never a wrong position).
+    /// Pending sums pass through: the rotation is linear.
+    fn rotary_layout(&mut self, x: NodeIndex, heads: u64) -> Layout {
+        let rank = self.rank(x);
+        let (seq, last) = (rank - 2, rank - 1);
+        let axes = self.axes();
+        let mut l = self.natural(x);
+        for (axis, p) in l.0.iter_mut().enumerate() {
+            let whole_heads = matches!(*p, Placement::Shard { outer: 1, .. }) && heads.is_multiple_of(axes[axis]);
+            match p.dim() {
+                Some(d) if d == seq => *p = R,
+                Some(d) if d == last && !whole_heads => *p = R,
+                _ => {}
+            }
+        }
+        self.norm(l)
+    }
+
+    /// Rotary embedding or its backward (`kernel` of the local head count) on one operand: local, no
+    /// communication, since every device holds whole sequences and whole heads.
+    fn rotary(&mut self, n: NodeIndex, x: NodeIndex, heads: u64, kernel: impl Fn(u64) -> Kernel) {
+        let l = self.rotary_layout(x, heads);
+        let last = self.rank(x) - 1;
+        let parts: u64 = l.0.iter().zip(self.axes()).filter(|(p, _)| p.dim() == Some(last)).map(|(_, a)| a).product();
+        let xb = self.value(x, l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        let reason = format!("{} of this device's whole sequences and heads (local)", self.graph[n].op.name());
+        self.kernel(kernel(heads / parts.max(1)), &[xb], y, &reason);
+        self.define(n, l, y);
     }
 
     // ---- cross-entropy ---------------------------------------------------------------------------

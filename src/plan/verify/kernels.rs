@@ -85,8 +85,11 @@ pub(super) fn check_parameters(
         Kernel::Select { dim, index } => check_select(ops.input(0)?, ops.output, dim.into(), index, false),
         Kernel::SelectGrad { dim, index } => check_select(ops.output, ops.input(0)?, dim.into(), index, true),
         Kernel::SliceShard { axis, placement } => check_slice_shard(&ops, axis.into(), placement),
-        Kernel::Attention { heads, fused, .. } => check_attention(&ops, heads, fused, None),
-        Kernel::AttentionGrad { heads, fused, wrt, .. } => check_attention(&ops, heads, fused, Some(wrt.into())),
+        Kernel::Attention { heads, kv_heads, fused, .. } => check_attention(&ops, (heads, kv_heads), fused, None),
+        Kernel::AttentionGrad { heads, kv_heads, fused, wrt, .. } => {
+            check_attention(&ops, (heads, kv_heads), fused, Some(wrt.into()))
+        }
+        Kernel::Rotary { heads, theta } | Kernel::RotaryGrad { heads, theta } => check_rotary(&ops, heads, theta),
         Kernel::PositionLookup => check_positions(ops.input(0)?, ops.output),
         Kernel::PositionGrad => check_positions(ops.output, ops.input(0)?),
         Kernel::MatMul { .. }
@@ -399,14 +402,20 @@ fn check_slice_shard(ops: &Operands, axis: usize, placement: Placement) -> Resul
 
 /// Attention and its gradient (`wrt` given): the operands pack whole heads and the output has the
 /// operand's (or, for the gradient, the chosen operand's) shape.
-fn check_attention(ops: &Operands, heads: u64, fused: bool, wrt: Option<usize>) -> Result<(), String> {
+fn check_attention(
+    ops: &Operands,
+    (heads, kv_heads): (u64, u64),
+    fused: bool,
+    wrt: Option<usize>,
+) -> Result<(), String> {
     let (dy, operands) = match wrt {
         Some(_) => (Some(ops.input(0)?), &ops.inputs[1..]),
         None => (None, &ops.inputs[..]),
     };
     let shapes: Vec<&[u64]> = operands.iter().map(|b| b.shape.as_slice()).collect();
-    let layout = AttentionLayout::new(&shapes, heads, fused)?;
+    let layout = AttentionLayout::new(&shapes, heads, kv_heads, fused)?;
     check_head_split(operands, &layout)?;
+    check_whole_sequences(operands.iter().copied().chain(dy))?;
     let Some(wrt) = wrt else { return same_shape("the output", &ops.output.shape, &layout.out_shape()) };
     let count = if fused { 1 } else { 3 };
     ensure(wrt < count, || format!("wrt = {wrt}, but the attention has {count} operand(s)"))?;
@@ -414,6 +423,17 @@ fn check_attention(ops: &Operands, heads: u64, fused: bool, wrt: Option<usize>) 
         same_shape("dy", &dy.shape, &layout.out_shape())?;
     }
     same_shape("the output", &ops.output.shape, shapes[wrt])
+}
+
+/// Attention reads whole sequences: no operand may split its sequence dimension (second to last).
+fn check_whole_sequences<'b>(buffers: impl Iterator<Item = &'b Buffer>) -> Result<(), String> {
+    for b in buffers {
+        let seq = b.shape.len().saturating_sub(2);
+        ensure(b.layout.axis_of(seq).is_none(), || {
+            format!("`{}` is laid out {}, which splits the sequence attention reads whole", b.name, b.layout)
+        })?;
+    }
+    Ok(())
 }
 
 /// Where the operands' width is split by heads (viewed as [3, heads, head] or [heads, head]), the
@@ -433,6 +453,29 @@ fn check_head_split(operands: &[&Buffer], layout: &AttentionLayout) -> Result<()
                     )
                 })?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// Rotary embedding and its backward: input and output alike, whole heads of an even size on the
+/// device, and the sequence dimension (second to last) not split, so that a row's local index along
+/// it is its position; the width is whole or split contiguously (into whole heads).
+fn check_rotary(ops: &Operands, heads: u64, theta: f64) -> Result<(), String> {
+    let x = ops.input(0)?;
+    ensure(theta > 0.0 && theta.is_finite(), || format!("the rotary base {theta} is not a positive number"))?;
+    check_same_layouts(ops)?;
+    let (_, _, width) = crate::runtime::shapes::batch_matrix(&x.shape, "x")?;
+    crate::runtime::rotary::head_size(width, heads)?;
+    let rank = x.shape.len();
+    ensure(x.layout.axis_of(rank - 2).is_none(), || {
+        format!("`{}` is laid out {}, which splits the sequence (rotary positions would be wrong)", x.name, x.layout)
+    })?;
+    for p in x.layout.0 {
+        if let Placement::Shard { dim, outer, .. } = p {
+            ensure(usize::from(dim) != rank - 1 || outer == 1, || {
+                format!("`{}` is laid out {}, which does not split its width into whole heads", x.name, x.layout)
+            })?;
         }
     }
     Ok(())

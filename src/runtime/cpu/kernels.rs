@@ -61,8 +61,14 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         Kernel::Transpose { dim0, dim1 } => transpose(inputs, out, dim0.into(), dim1.into()),
         Kernel::Select { dim, index } => select(inputs, out, dim.into(), index),
         Kernel::SelectGrad { dim, index } => select_grad(inputs, out, dim.into(), index),
-        Kernel::Attention { heads, causal, fused } => attention(inputs, out, heads, causal, fused),
-        Kernel::AttentionGrad { heads, causal, fused, wrt } => attention_grad(inputs, out, heads, causal, fused, wrt),
+        Kernel::Attention { heads, kv_heads, causal, fused } => {
+            attention(inputs, out, (heads, kv_heads), causal, fused)
+        }
+        Kernel::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
+            attention_grad(inputs, out, (heads, kv_heads), causal, fused, wrt)
+        }
+        Kernel::Rotary { heads, theta } => rotary(inputs, out, heads, theta, Rotation::Forward),
+        Kernel::RotaryGrad { heads, theta } => rotary(inputs, out, heads, theta, Rotation::Backward),
         Kernel::EmbeddingLookup { offset, masked } => embedding_lookup(inputs, out, offset.at(ctx.i, ctx.j), masked),
         Kernel::EmbeddingGrad { offset, masked } => embedding_grad(inputs, out, offset.at(ctx.i, ctx.j), masked),
         Kernel::PositionLookup => position_lookup(inputs, out),
@@ -651,24 +657,65 @@ fn fill(inputs: &[&View], out: &mut ViewMut, value: f64) -> Result<(), String> {
     Ok(())
 }
 
+// ---- rotary position embedding --------------------------------------------------------------------
+
+/// Which way rotary turns each pair: by +angle (the embedding) or -angle (its backward, the transpose).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rotation {
+    Forward,
+    Backward,
+}
+
+/// x [.., seq, heads * d] -> each head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin),
+/// the angle of row r being (r mod seq) * inv_freq (Hugging Face Llama's `rotate_half`). Backward
+/// turns the other way: (dy1 cos + dy2 sin, dy2 cos - dy1 sin).
+fn rotary(inputs: &[&View], out: &mut ViewMut, heads: u64, theta: f64, rotation: Rotation) -> Result<(), String> {
+    let [x] = args(inputs)?;
+    same_shape("the output", &out.shape, &x.shape)?;
+    let (_, seq, width) = batch_matrix(&x.shape, "x")?;
+    let d = crate::runtime::rotary::head_size(width, heads)?;
+    let table = crate::runtime::rotary::Table::new(seq, d, theta)?;
+    let sign = if rotation == Rotation::Forward { 1.0f32 } else { -1.0 };
+    let xv = floats(x, "x")?;
+    let y = floats_mut(out)?;
+    same_len("the output", y.len(), xv.len())?;
+    par::row_blocks(y, width, |first, y| {
+        for (k, (yr, xr)) in y.chunks_exact_mut(width).zip(xv[first * width..].chunks_exact(width)).enumerate() {
+            let (cos, sin) = table.at((first + k) % seq.max(1));
+            for (yh, xh) in yr.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
+                let (y1, y2) = yh.split_at_mut(d / 2);
+                let (x1, x2) = xh.split_at(d / 2);
+                for i in 0..d / 2 {
+                    let (c, s) = (cos[i], sign * sin[i]);
+                    y1[i] = x1[i] * c - x2[i] * s;
+                    y2[i] = x2[i] * c + x1[i] * s;
+                }
+            }
+        }
+        Ok::<(), String>(())
+    })
+}
+
 // ---- attention ------------------------------------------------------------------------------------
 
 /// The operands of an attention (fused or not) in this backend's storage.
 type Qkv<'a> = shapes::Qkv<'a, [f32]>;
 
 impl<'a> Qkv<'a> {
-    fn of(operands: &[&'a View], heads: u64, fused: bool) -> Result<Qkv<'a>, String> {
+    fn of(operands: &[&'a View], heads: (u64, u64), fused: bool) -> Result<Qkv<'a>, String> {
         Qkv::new(operands, |t| t.shape.as_slice(), floats, heads, fused)
     }
 
-    /// Rows [start, start + rows) of the [seq, d] block of `operand` for batch b, head h.
+    /// Rows [start, start + rows) of the [seq, d] block of `operand` for batch b that query head h
+    /// reads (its kv head for k and v).
     fn rows(&self, operand: usize, b: usize, h: usize, start: usize, rows: usize) -> Result<MatRef<'a, f32>, String> {
         let p = self.packing[operand];
-        view(self.data[operand], p.start(b, h, self.d) + start * p.row, rows, self.d, p.row)
+        view(self.data[operand], p.start(b, self.head_of(operand, h), self.d) + start * p.row, rows, self.d, p.row)
     }
 
-    /// Rows [start, start + rows) of head h's [seq, d] block in one batch's part of a gradient laid
-    /// out like `operand` (the packed gradient of a fused input, or the operand's own gradient).
+    /// Rows [start, start + rows) of the [seq, d] block query head h touches (its kv head for k and v)
+    /// in one batch's part of a gradient laid out like `operand` (the packed gradient of a fused
+    /// input, or the operand's own gradient).
     fn grad_rows<'g>(
         &self,
         g: &'g mut [f32],
@@ -678,7 +725,7 @@ impl<'a> Qkv<'a> {
         rows: usize,
     ) -> Result<MatMut<'g, f32>, String> {
         let p = self.packing[operand];
-        view_mut(g, p.start(0, h, self.d) + start * p.row, rows, self.d, p.row)
+        view_mut(g, p.start(0, self.head_of(operand, h), self.d) + start * p.row, rows, self.d, p.row)
     }
 
     /// The query tiles of one head: [`QUERY_TILE`] rows at a time, each with the keys it can see.
@@ -726,7 +773,7 @@ fn scratch(rows: usize, cols: usize) -> Result<Vec<f32>, String> {
 
 /// Each batch's attention is independent: batches run in parallel, each with its own scratch (one
 /// tile of scores), and write their own rows of the output.
-fn attention(inputs: &[&View], out: &mut ViewMut, heads: u64, causal: bool, fused: bool) -> Result<(), String> {
+fn attention(inputs: &[&View], out: &mut ViewMut, heads: (u64, u64), causal: bool, fused: bool) -> Result<(), String> {
     let qkv = Qkv::of(inputs, heads, fused)?;
     same_shape("the output", &out.shape, &qkv.out_shape())?;
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
@@ -753,7 +800,7 @@ fn attention(inputs: &[&View], out: &mut ViewMut, heads: u64, causal: bool, fuse
 fn attention_grad(
     inputs: &[&View],
     out: &mut ViewMut,
-    heads: u64,
+    heads: (u64, u64),
     causal: bool,
     fused: bool,
     wrt: u8,
@@ -794,7 +841,9 @@ struct AttentionHead<'q, 'a> {
 
 impl AttentionHead<'_, '_> {
     /// Writes this head's part of the wanted gradients into `g` (this batch's part of the output),
-    /// tile by tile, recomputing each tile's probabilities into `probs`. dK and dV sum over tiles.
+    /// tile by tile, recomputing each tile's probabilities into `probs`. dK and dV sum over tiles and
+    /// over the query heads that share a kv head: the first head of each group (heads run in order)
+    /// zeroes them.
     fn gradient(
         &self,
         dyv: &[f32],
@@ -804,7 +853,8 @@ impl AttentionHead<'_, '_> {
         dprobs: &mut [f32],
     ) -> Result<(), String> {
         let (qkv, h) = (self.qkv, self.h);
-        for operand in [1, 2].into_iter().filter(|&o| want(o)) {
+        let first_of_group = h.is_multiple_of(qkv.group().max(1));
+        for operand in [1, 2].into_iter().filter(|&o| want(o) && first_of_group) {
             qkv.grad_rows(g, operand, h, 0, qkv.seq(1))?.fill(0.0);
         }
         for tile in qkv.tiles(self.causal) {
@@ -1889,17 +1939,20 @@ mod tests {
         let out_shape = [batch as u64, s as u64, w as u64];
         for causal in [false, true] {
             let want = attention64(&to64(&vals(&q)), &to64(&vals(&k)), &to64(&vals(&v)), batch, s, s, heads, d, causal);
-            let kernel = Kernel::Attention { heads: heads as u64, causal, fused: true };
+            let kernel = Kernel::Attention { heads: heads as u64, kv_heads: heads as u64, causal, fused: true };
             close(&vals(&eval(&kernel, &[&fused], &out_shape)?), &want, 1e-5)?;
-            let kernel = Kernel::Attention { heads: heads as u64, causal, fused: false };
+            let kernel = Kernel::Attention { heads: heads as u64, kv_heads: heads as u64, causal, fused: false };
             close(&vals(&eval(&kernel, &[&q, &k, &v], &out_shape)?), &want, 1e-5)?;
         }
         // Keys longer than queries (no mask).
         let (k2, v2) = (rng.tensor(&[batch as u64, 7, w as u64]), rng.tensor(&[batch as u64, 7, w as u64]));
         let want = attention64(&to64(&vals(&q)), &to64(&vals(&k2)), &to64(&vals(&v2)), batch, s, 7, heads, d, false);
-        let kernel = Kernel::Attention { heads: heads as u64, causal: false, fused: false };
+        let kernel = Kernel::Attention { heads: heads as u64, kv_heads: heads as u64, causal: false, fused: false };
         close(&vals(&eval(&kernel, &[&q, &k2, &v2], &out_shape)?), &want, 1e-5)?;
-        assert!(eval(&Kernel::Attention { heads: 4, causal: false, fused: true }, &[&fused], &out_shape).is_err());
+        assert!(
+            eval(&Kernel::Attention { heads: 4, kv_heads: 4, causal: false, fused: true }, &[&fused], &out_shape)
+                .is_err()
+        );
         Ok(())
     }
 
@@ -1910,20 +1963,20 @@ mod tests {
         for causal in [false, true] {
             let dy = rng.tensor(&[2, 4, w]);
             let fused = rng.tensor(&[2, 4, 3 * w]);
-            let forward = Kernel::Attention { heads, causal, fused: true };
-            let grad = Kernel::AttentionGrad { heads, causal, fused: true, wrt: 0 };
+            let forward = Kernel::Attention { heads, kv_heads: heads, causal, fused: true };
+            let grad = Kernel::AttentionGrad { heads, kv_heads: heads, causal, fused: true, wrt: 0 };
             let analytic = eval(&grad, &[&dy, &fused], &fused.shape)?;
             let numeric = numeric_grad(&fused, &vals(&dy), |x| eval(&forward, &[x], &dy.shape))?;
             close_rel(&vals(&analytic), &numeric, 2e-3).map_err(|e| format!("fused causal={causal}: {e}"))?;
-            let bad = Kernel::AttentionGrad { heads, causal, fused: true, wrt: 1 };
+            let bad = Kernel::AttentionGrad { heads, kv_heads: heads, causal, fused: true, wrt: 1 };
             assert!(eval(&bad, &[&dy, &fused], &fused.shape).is_err());
 
             let sk = if causal { 4 } else { 5 };
             let (q, k, v) = (rng.tensor(&[2, 4, w]), rng.tensor(&[2, sk, w]), rng.tensor(&[2, sk, w]));
             let operands = [&q, &k, &v];
-            let forward = Kernel::Attention { heads, causal, fused: false };
+            let forward = Kernel::Attention { heads, kv_heads: heads, causal, fused: false };
             for wrt in 0..3u8 {
-                let grad = Kernel::AttentionGrad { heads, causal, fused: false, wrt };
+                let grad = Kernel::AttentionGrad { heads, kv_heads: heads, causal, fused: false, wrt };
                 let x = operands[usize::from(wrt)];
                 let analytic = eval(&grad, &[&dy, &q, &k, &v], &x.shape)?;
                 let numeric = numeric_grad(x, &vals(&dy), |x| {
@@ -1995,13 +2048,19 @@ mod tests {
             let dy = rng.tensor(&q.shape);
             let ops64 = [to64(&vals(&q)), to64(&vals(&k)), to64(&vals(&v))];
             let want = attention64(&ops64[0], &ops64[1], &ops64[2], batch, sq, sk, heads, d, causal);
-            let forward = Kernel::Attention { heads: heads as u64, causal, fused: false };
+            let forward = Kernel::Attention { heads: heads as u64, kv_heads: heads as u64, causal, fused: false };
             close(&vals(&eval(&forward, &[&q, &k, &v], &q.shape)?), &want, 1e-5)
                 .map_err(|e| format!("forward causal={causal} sk={sk}: {e}"))?;
             let ops = [ops64[0].as_slice(), ops64[1].as_slice(), ops64[2].as_slice()];
             let grads = attention_grads64(&to64(&vals(&dy)), ops, batch, sq, sk, heads, d, causal);
             for (wrt, want) in grads.iter().enumerate() {
-                let kernel = Kernel::AttentionGrad { heads: heads as u64, causal, fused: false, wrt: wrt as u8 };
+                let kernel = Kernel::AttentionGrad {
+                    heads: heads as u64,
+                    kv_heads: heads as u64,
+                    causal,
+                    fused: false,
+                    wrt: wrt as u8,
+                };
                 let shape = [&q, &k, &v][wrt].shape.clone();
                 let got = eval(&kernel, &[&dy, &q, &k, &v], &shape)?;
                 close(&vals(&got), want, 1e-5).map_err(|e| format!("wrt {wrt} causal={causal} sk={sk}: {e}"))?;
@@ -2341,7 +2400,9 @@ mod tests {
         assert!(eval(&Kernel::Reshape, &[&x], &[6]).is_ok());
         let broken = Tensor { shape: vec![2, 3], data: Data::F32(vec![0.0; 5]) };
         assert!(eval(&Kernel::Scale { factor: 2.0 }, &[&broken], &[2, 3]).is_err());
-        assert!(eval(&Kernel::Attention { heads: 0, causal: false, fused: true }, &[&x], &[2, 1]).is_err());
+        assert!(
+            eval(&Kernel::Attention { heads: 0, kv_heads: 0, causal: false, fused: true }, &[&x], &[2, 1]).is_err()
+        );
         assert!(eval(&Kernel::LayerNormApply { n: 0, eps: 1e-5 }, &[&x, &x, &x, &x, &x], &[2, 3]).is_err());
     }
 }

@@ -266,6 +266,27 @@ extern "C" __global__ void silu_grad_bf16(bf16* dx, const bf16* dy, const bf16* 
     map2_t(dx, dy, x, n, SiluGrad());
 }
 
+// Rotary position embedding (Hugging Face Llama's rotate_half) of x [rows, width = heads * d], row r
+// at position r mod seq: pair i of each head turns by sign * pos * inv_freq(i), sign 1 forward and -1
+// for the backward. Each step of the angle is rounded to float32 as Hugging Face computes it, from a
+// double-precision result, as the CPU does (src/runtime/rotary.rs).
+extern "C" __global__ void rotary(float* y, const float* x, u64 rows, u64 seq, u64 width, u64 d, double theta,
+                                  float sign) {
+    const u64 half = d / 2, per_row = width / 2;
+    GRID_STRIDE(t, rows * per_row) {
+        const u64 row = t / per_row, k = t % per_row, h = k / half, i = k % half;
+        const float exponent = (float)(2 * i) / (float)d;
+        const float power = (float)pow((double)(float)theta, (double)exponent);
+        const float inv_freq = 1.0f / power;
+        const double angle = (double)((float)(row % seq) * inv_freq);
+        const float c = (float)cos(angle), s = sign * (float)sin(angle);
+        const u64 at = row * width + h * d + i;
+        const float x1 = x[at], x2 = x[at + half];
+        y[at] = x1 * c - x2 * s;
+        y[at + half] = x2 * c + x1 * s;
+    }
+}
+
 extern "C" __global__ void gelu_tanh_grad(float* dx, const float* dy, const float* x, u64 n) {
     map2_t(dx, dy, x, n, GeluTanhGrad());
 }

@@ -43,6 +43,7 @@ mod names {
     pub const GELU_ERF: &str = "gelu_erf";
     pub const SILU: &str = "silu";
     pub const SILU_GRAD: &str = "silu_grad";
+    pub const ROTARY: &str = "rotary";
     pub const GELU_TANH_GRAD: &str = "gelu_tanh_grad";
     pub const GELU_ERF_GRAD: &str = "gelu_erf_grad";
     pub const CAUSAL_MASK: &str = "causal_mask";
@@ -94,6 +95,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     GELU_ERF,
     SILU,
     SILU_GRAD,
+    ROTARY,
     GELU_TANH_GRAD,
     GELU_ERF_GRAD,
     CAUSAL_MASK,
@@ -162,6 +164,7 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::Gelu { approximate: false } => Launcher::kernels(&[GELU_ERF]),
         Kernel::Silu => Launcher::kernels(&[SILU]),
         Kernel::SiluGrad => Launcher::kernels(&[SILU_GRAD]),
+        Kernel::Rotary { .. } | Kernel::RotaryGrad { .. } => Launcher::kernels(&[ROTARY]),
         Kernel::GeluGrad { approximate: true } => Launcher::kernels(&[GELU_TANH_GRAD]),
         Kernel::GeluGrad { approximate: false } => Launcher::kernels(&[GELU_ERF_GRAD]),
         Kernel::Softmax => Launcher::kernels(&[SOFTMAX]),
@@ -1014,11 +1017,17 @@ impl Device {
 }
 
 // ---- attention ------------------------------------------------------------------------------------
+//
+// Every product runs over heads as one strided batch. With grouped-query attention (kv_heads < heads,
+// group = heads / kv_heads) query head k * group + r reads kv head k, so each product runs once per
+// member r of a group, batched over the kv heads: the query-side blocks (q, the output, dy, the
+// scores) step by group heads, the kv blocks by one. With one query head per kv head (group 1) this is
+// a single product over all heads.
 
 impl Packing {
-    /// The [seq, d] blocks of every head of batch b (one batch of a strided product over heads).
-    fn heads(&self, b: usize, d: usize) -> Block {
-        Block { start: self.start(b, 0, d), rows: self.seq, cols: d, ld: self.row, stride: d }
+    /// The [seq, d] blocks of heads first, first + step, ... of batch b (one batch of a strided product).
+    fn heads_from(&self, b: usize, d: usize, first: usize, step: usize) -> Block {
+        Block { start: self.start(b, first, d), rows: self.seq, cols: d, ld: self.row, stride: step * d }
     }
 }
 
@@ -1026,19 +1035,38 @@ impl Packing {
 type Qkv<'a, T = f32> = shapes::Qkv<'a, CudaSlice<T>>;
 
 impl<'a, T: Elem> Qkv<'a, T> {
-    fn of(operands: &[&'a DeviceTensor], heads: u64, fused: bool) -> Result<Qkv<'a, T>, String> {
+    fn of(operands: &[&'a DeviceTensor], heads: (u64, u64), fused: bool) -> Result<Qkv<'a, T>, String> {
         Qkv::new(operands, |t| t.shape.as_slice(), elems::<T>, heads, fused)
     }
 
-    /// The heads of batch b of `operand`, as a product operand.
-    fn operand(&self, operand: usize, b: usize, transpose: bool) -> Operand<'a, T> {
-        Operand { data: self.data[operand], block: self.packing[operand].heads(b, self.d), transpose }
+    /// The blocks of a tensor packed like `packing` that member r of every group touches: for the
+    /// query side (q, the output, dy, dq) query head k * group + r of each kv head k; for k and v
+    /// (and their gradients) every kv head.
+    fn member_block(&self, packing: Packing, query_side: bool, b: usize, r: usize) -> Block {
+        if query_side { packing.heads_from(b, self.d, r, self.group()) } else { packing.heads_from(b, self.d, 0, 1) }
+    }
+
+    /// `operand`'s blocks for member r of each group of batch b, as a product operand.
+    fn operand(&self, operand: usize, b: usize, r: usize, transpose: bool) -> Operand<'a, T> {
+        let block = self.member_block(self.packing[operand], operand == 0, b, r);
+        Operand { data: self.data[operand], block, transpose }
+    }
+
+    /// The output's (and dy's) blocks for member r of each group of batch b.
+    fn out_block(&self, b: usize, r: usize) -> Block {
+        self.member_block(self.out_packing(), true, b, r)
+    }
+
+    /// The [sq, sk] score blocks of member r of each group in a dense [heads, sq, sk] scratch.
+    fn scores_block(&self, r: usize) -> Block {
+        let (sq, sk) = (self.seq(0), self.seq(1));
+        Block { start: r * sq * sk, rows: sq, cols: sk, ld: sk, stride: self.group() * sq * sk }
     }
 }
 
-/// A dense [heads, rows, cols] scratch matrix as a product operand.
-fn scratch_operand<T>(data: &CudaSlice<T>, rows: usize, cols: usize, transpose: bool) -> Operand<'_, T> {
-    Operand { data, block: Block::dense(rows, cols), transpose }
+/// A scratch of [heads, rows, cols] score blocks as a product operand.
+fn scratch_operand<T>(data: &CudaSlice<T>, block: Block, transpose: bool) -> Operand<'_, T> {
+    Operand { data, block, transpose }
 }
 
 /// `slot` with room for at least `n` elements (reallocated when too small).
@@ -1067,15 +1095,17 @@ impl Device {
         Device: Multiply<T, f32>,
     {
         let (sq, sk) = (qkv.seq(0), qkv.seq(1));
-        let product = Product {
-            a: qkv.operand(0, b, false),
-            b: qkv.operand(1, b, true),
-            c: Block::dense(sq, sk),
-            batches: qkv.heads,
-            alpha: qkv.scale(),
-            accumulate: false,
-        };
-        self.multiply(probs, product)?;
+        for r in 0..qkv.group() {
+            let product = Product {
+                a: qkv.operand(0, b, r, false),
+                b: qkv.operand(1, b, r, true),
+                c: qkv.scores_block(r),
+                batches: qkv.kv_heads,
+                alpha: qkv.scale(),
+                accumulate: false,
+            };
+            self.multiply(probs, product)?;
+        }
         let rows = qkv.heads * sq;
         let cfg = if sk == 0 { None } else { per_rows(rows, sk) };
         let (rows, sq, sk, causal) = (rows as u64, sq as u64, sk as u64, i32::from(causal));
@@ -1089,22 +1119,24 @@ impl Device {
         a: AttentionArgs,
         probs: &mut Option<CudaSlice<f32>>,
     ) -> Result<(), String> {
-        let qkv = Qkv::<f32>::of(inputs, a.heads, a.fused)?;
+        let qkv = Qkv::<f32>::of(inputs, (a.heads, a.kv_heads), a.fused)?;
         same_shape("the output", &out.shape, &qkv.out_shape())?;
-        let (sq, sk, d) = (qkv.seq(0), qkv.seq(1), qkv.d);
+        let (sq, sk) = (qkv.seq(0), qkv.seq(1));
         let y = floats_mut(out, "the output")?;
         let probs = grow(probs, &self.stream, qkv.heads * sq * sk)?;
         for b in 0..qkv.batch {
             self.probabilities(&qkv, b, a.causal, probs)?;
-            let product = Product {
-                a: scratch_operand(probs, sq, sk, false),
-                b: qkv.operand(2, b, false),
-                c: qkv.out_packing().heads(b, d),
-                batches: qkv.heads,
-                alpha: 1.0,
-                accumulate: false,
-            };
-            self.gemm(y, product)?;
+            for r in 0..qkv.group() {
+                let product = Product {
+                    a: scratch_operand(probs, qkv.scores_block(r), false),
+                    b: qkv.operand(2, b, r, false),
+                    c: qkv.out_block(b, r),
+                    batches: qkv.kv_heads,
+                    alpha: 1.0,
+                    accumulate: false,
+                };
+                self.gemm(y, product)?;
+            }
         }
         Ok(())
     }
@@ -1118,7 +1150,7 @@ impl Device {
         scratch: &mut [Option<CudaSlice<f32>>; 2],
     ) -> Result<(), String> {
         let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
-        let qkv = Qkv::<f32>::of(operands, a.heads, a.fused)?;
+        let qkv = Qkv::<f32>::of(operands, (a.heads, a.kv_heads), a.fused)?;
         let wrt = usize::from(a.wrt);
         ensure(wrt < if a.fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
         same_shape("dy", &dy.shape, &qkv.out_shape())?;
@@ -1137,7 +1169,8 @@ impl Device {
         Ok(())
     }
 
-    /// The gradients of batch b, from its probabilities.
+    /// The gradients of batch b, from its probabilities. dk and dv sum the products of every member of
+    /// a group (the query heads that share a kv head).
     fn attention_grad_batch(
         &self,
         s: &GradStep,
@@ -1146,28 +1179,39 @@ impl Device {
         dprobs: &mut CudaSlice<f32>,
     ) -> Result<(), String> {
         let (qkv, b) = (s.qkv, s.b);
-        let (sq, sk, heads) = (qkv.seq(0), qkv.seq(1), qkv.heads);
-        let dout = Operand { data: s.dy, block: qkv.out_packing().heads(b, qkv.d), transpose: false };
-        let grad_block = |operand: usize| qkv.packing[operand].heads(b, qkv.d);
-        let product = |a, b_op, c, alpha| Product { a, b: b_op, c, batches: heads, alpha, accumulate: false };
-        if s.want[2] {
-            self.gemm(g, product(scratch_operand(probs, sq, sk, true), dout, grad_block(2), 1.0))?;
+        let (sq, sk) = (qkv.seq(0), qkv.seq(1));
+        let dout = |r| Operand { data: s.dy, block: qkv.out_block(b, r), transpose: false };
+        let grad_block = |operand: usize, r| qkv.member_block(qkv.packing[operand], operand == 0, b, r);
+        let product =
+            |a, b_op, c, alpha, accumulate| Product { a, b: b_op, c, batches: qkv.kv_heads, alpha, accumulate };
+        for r in 0..qkv.group().max(1) {
+            let summed = r > 0;
+            if s.want[2] {
+                let p = scratch_operand(probs, qkv.scores_block(r), true);
+                self.gemm(g, product(p, dout(r), grad_block(2, r), 1.0, summed))?;
+            }
+            if s.want[0] || s.want[1] {
+                // dP = dO V^T for this member's heads.
+                let c = qkv.scores_block(r);
+                self.gemm(dprobs, product(dout(r), qkv.operand(2, b, r, true), c, 1.0, false))?;
+            }
         }
         if !(s.want[0] || s.want[1]) {
             return Ok(());
         }
-        // dS = P * (dP - rowsum(dP * P)), with dP = dO V^T; masked entries have P = 0.
-        self.gemm(dprobs, product(dout, qkv.operand(2, b, true), Block::dense(sq, sk), 1.0))?;
-        let cfg = if sk == 0 { None } else { per_rows(heads * sq, sk) };
-        let (rows, width) = ((heads * sq) as u64, sk as u64);
+        // dS = P * (dP - rowsum(dP * P)); masked entries have P = 0.
+        let cfg = if sk == 0 { None } else { per_rows(qkv.heads * sq, sk) };
+        let (rows, width) = ((qkv.heads * sq) as u64, sk as u64);
         launch!(self, ATTENTION_SOFTMAX_GRAD, cfg, [&mut *dprobs, probs, &rows, &width])?;
-        if s.want[0] {
-            let ds = scratch_operand(dprobs, sq, sk, false);
-            self.gemm(g, product(ds, qkv.operand(1, b, false), grad_block(0), qkv.scale()))?;
-        }
-        if s.want[1] {
-            let ds = scratch_operand(dprobs, sq, sk, true);
-            self.gemm(g, product(ds, qkv.operand(0, b, false), grad_block(1), qkv.scale()))?;
+        for r in 0..qkv.group().max(1) {
+            if s.want[0] {
+                let ds = scratch_operand(dprobs, qkv.scores_block(r), false);
+                self.gemm(g, product(ds, qkv.operand(1, b, r, false), grad_block(0, r), qkv.scale(), false))?;
+            }
+            if s.want[1] {
+                let ds = scratch_operand(dprobs, qkv.scores_block(r), true);
+                self.gemm(g, product(ds, qkv.operand(0, b, r, false), grad_block(1, r), qkv.scale(), r > 0))?;
+            }
         }
         Ok(())
     }
@@ -1177,6 +1221,7 @@ impl Device {
 #[derive(Clone, Copy, Debug)]
 struct AttentionArgs {
     heads: u64,
+    kv_heads: u64,
     causal: bool,
     fused: bool,
     wrt: u8,
@@ -1189,6 +1234,32 @@ struct GradStep<'a, T = f32> {
     b: usize,
     /// Which operands' gradients to compute (q, k, v).
     want: [bool; 3],
+}
+
+// ---- rotary position embedding --------------------------------------------------------------------
+
+impl Device {
+    /// Rotary embedding of x [.., seq, heads * d] (`sign` 1) or its backward (`sign` -1), one thread
+    /// per rotated pair.
+    fn rotary(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        heads: u64,
+        theta: f64,
+        sign: f32,
+    ) -> Result<(), String> {
+        let [x] = args(inputs)?;
+        let (_, seq, width) = batch_matrix(&x.shape, "x")?;
+        let d = crate::runtime::rotary::head_size(width, heads)?;
+        let xv = floats(x, "x")?;
+        same_len("the output", out.len(), x.len())?;
+        let y = floats_mut(out, "the output")?;
+        let rows = x.len() / width.max(1);
+        let pairs = rows * (width / 2);
+        let (rows, seq, width, d) = (rows as u64, seq as u64, width as u64, d as u64);
+        launch!(self, ROTARY, elementwise(pairs), [y, xv, &rows, &seq, &width, &d, &theta, &sign])
+    }
 }
 
 // ---- embeddings -----------------------------------------------------------------------------------
@@ -1872,12 +1943,15 @@ impl CudaKernels {
             Kernel::Transpose { dim0, dim1 } => dev.transpose(inputs, out, dim0.into(), dim1.into()),
             Kernel::Select { dim, index } => dev.select(inputs, out, dim.into(), index),
             Kernel::SelectGrad { dim, index } => dev.select_grad(inputs, out, dim.into(), index),
-            Kernel::Attention { heads, causal, fused } => {
-                dev.attention(inputs, out, AttentionArgs { heads, causal, fused, wrt: 0 }, &mut scratch[0])
+            Kernel::Attention { heads, kv_heads, causal, fused } => {
+                let a = AttentionArgs { heads, kv_heads, causal, fused, wrt: 0 };
+                dev.attention(inputs, out, a, &mut scratch[0])
             }
-            Kernel::AttentionGrad { heads, causal, fused, wrt } => {
-                dev.attention_grad(inputs, out, AttentionArgs { heads, causal, fused, wrt }, scratch)
+            Kernel::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
+                dev.attention_grad(inputs, out, AttentionArgs { heads, kv_heads, causal, fused, wrt }, scratch)
             }
+            Kernel::Rotary { heads, theta } => dev.rotary(inputs, out, heads, theta, 1.0),
+            Kernel::RotaryGrad { heads, theta } => dev.rotary(inputs, out, heads, theta, -1.0),
             Kernel::EmbeddingLookup { offset, masked } => {
                 dev.embedding_lookup::<f32>(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
             }

@@ -315,12 +315,12 @@ fn run_native(
         Kernel::Select { dim, index } => dev.select(inputs, out, dim.into(), index),
         Kernel::SelectGrad { dim, index } => dev.select_grad(inputs, out, dim.into(), index),
         Kernel::SliceShard { axis, placement } => dev.slice_shard(inputs, out, ctx, axis.into(), placement),
-        Kernel::Attention { heads, causal, fused } => {
-            let a = AttentionArgs { heads, causal, fused, wrt: 0 };
+        Kernel::Attention { heads, kv_heads, causal, fused } => {
+            let a = AttentionArgs { heads, kv_heads, causal, fused, wrt: 0 };
             dev.attention_bf16(inputs, out, a, &mut scratch[0], &mut half.probs)
         }
-        Kernel::AttentionGrad { heads, causal, fused, wrt } => {
-            let a = AttentionArgs { heads, causal, fused, wrt };
+        Kernel::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
+            let a = AttentionArgs { heads, kv_heads, causal, fused, wrt };
             dev.attention_grad_bf16(inputs, out, a, scratch, &mut half.probs)
         }
         Kernel::EmbeddingLookup { offset, masked } => {
@@ -567,24 +567,22 @@ impl Device {
         probs: &mut Option<CudaSlice<f32>>,
         half: &mut Option<CudaSlice<u16>>,
     ) -> Result<(), String> {
-        let qkv = Qkv::<u16>::of(inputs, a.heads, a.fused)?;
+        let qkv = Qkv::<u16>::of(inputs, (a.heads, a.kv_heads), a.fused)?;
         same_shape("the output", &out.shape, &qkv.out_shape())?;
-        let (sq, sk, d) = (qkv.seq(0), qkv.seq(1), qkv.d);
+        let (sq, sk) = (qkv.seq(0), qkv.seq(1));
         let y = elems_mut::<u16>(out, "the output")?;
         let n = qkv.heads * sq * sk;
         let (probs, half) = (grow(probs, &self.stream, n)?, grow(half, &self.stream, n)?);
         for b in 0..qkv.batch {
             self.probabilities(&qkv, b, a.causal, probs)?;
             self.round_scratch(probs, half, n)?;
-            let product = Product {
-                a: scratch_operand(&*half, sq, sk, false),
-                b: qkv.operand(2, b, false),
-                c: qkv.out_packing().heads(b, d),
-                batches: qkv.heads,
-                alpha: 1.0,
-                accumulate: false,
-            };
-            self.multiply(y, product)?;
+            for r in 0..qkv.group() {
+                let p = scratch_operand(&*half, qkv.scores_block(r), false);
+                self.multiply(
+                    y,
+                    per_head(p, qkv.operand(2, b, r, false), qkv.out_block(b, r), qkv.kv_heads, 1.0, false),
+                )?;
+            }
         }
         Ok(())
     }
@@ -599,7 +597,7 @@ impl Device {
         half: &mut Option<CudaSlice<u16>>,
     ) -> Result<(), String> {
         let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
-        let qkv = Qkv::<u16>::of(operands, a.heads, a.fused)?;
+        let qkv = Qkv::<u16>::of(operands, (a.heads, a.kv_heads), a.fused)?;
         let wrt = usize::from(a.wrt);
         ensure(wrt < if a.fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
         same_shape("dy", &dy.shape, &qkv.out_shape())?;
@@ -630,37 +628,52 @@ impl Device {
         half: &mut CudaSlice<u16>,
     ) -> Result<(), String> {
         let (qkv, b) = (s.qkv, s.b);
-        let (sq, sk, heads) = (qkv.seq(0), qkv.seq(1), qkv.heads);
+        let (sq, sk, heads, kv) = (qkv.seq(0), qkv.seq(1), qkv.heads, qkv.kv_heads);
         let n = heads * sq * sk;
-        let dout = Operand { data: s.dy, block: qkv.out_packing().heads(b, qkv.d), transpose: false };
-        let grad_block = |operand: usize| qkv.packing[operand].heads(b, qkv.d);
+        let dout = |r| Operand { data: s.dy, block: qkv.out_block(b, r), transpose: false };
+        let grad_block = |operand: usize, r| qkv.member_block(qkv.packing[operand], operand == 0, b, r);
         if s.want[2] {
             self.round_scratch(probs, half, n)?;
-            self.multiply(g, per_head(scratch_operand(&*half, sq, sk, true), dout, grad_block(2), heads, 1.0))?;
+            for r in 0..qkv.group() {
+                let p = scratch_operand(&*half, qkv.scores_block(r), true);
+                self.multiply(g, per_head(p, dout(r), grad_block(2, r), kv, 1.0, r > 0))?;
+            }
         }
         if !(s.want[0] || s.want[1]) {
             return Ok(());
         }
-        self.multiply(&mut *dprobs, per_head(dout, qkv.operand(2, b, true), Block::dense(sq, sk), heads, 1.0))?;
+        for r in 0..qkv.group() {
+            let c = qkv.scores_block(r);
+            self.multiply(&mut *dprobs, per_head(dout(r), qkv.operand(2, b, r, true), c, kv, 1.0, false))?;
+        }
         let cfg = if sk == 0 { None } else { per_rows(heads * sq, sk) };
         let (rows, width) = ((heads * sq) as u64, sk as u64);
         launch!(self, ATTENTION_SOFTMAX_GRAD, cfg, [&mut *dprobs, &*probs, &rows, &width])?;
         self.round_scratch(dprobs, half, n)?;
-        if s.want[0] {
-            let ds = scratch_operand(&*half, sq, sk, false);
-            self.multiply(g, per_head(ds, qkv.operand(1, b, false), grad_block(0), heads, qkv.scale()))?;
-        }
-        if s.want[1] {
-            let ds = scratch_operand(&*half, sq, sk, true);
-            self.multiply(g, per_head(ds, qkv.operand(0, b, false), grad_block(1), heads, qkv.scale()))?;
+        for r in 0..qkv.group() {
+            if s.want[0] {
+                let ds = scratch_operand(&*half, qkv.scores_block(r), false);
+                self.multiply(g, per_head(ds, qkv.operand(1, b, r, false), grad_block(0, r), kv, qkv.scale(), false))?;
+            }
+            if s.want[1] {
+                let ds = scratch_operand(&*half, qkv.scores_block(r), true);
+                self.multiply(g, per_head(ds, qkv.operand(0, b, r, false), grad_block(1, r), kv, qkv.scale(), r > 0))?;
+            }
         }
         Ok(())
     }
 }
 
-/// A product over `heads` blocks (not accumulated).
-fn per_head<'a>(a: Operand<'a, u16>, b: Operand<'a, u16>, c: Block, heads: usize, alpha: f32) -> Product<'a, u16> {
-    Product { a, b, c, batches: heads, alpha, accumulate: false }
+/// A product over `batches` blocks, accumulated into the output or not.
+fn per_head<'a>(
+    a: Operand<'a, u16>,
+    b: Operand<'a, u16>,
+    c: Block,
+    batches: usize,
+    alpha: f32,
+    accumulate: bool,
+) -> Product<'a, u16> {
+    Product { a, b, c, batches, alpha, accumulate }
 }
 
 #[cfg(test)]
