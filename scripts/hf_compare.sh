@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Checks examples/gpt2.opt against Hugging Face's GPT2LMHeadModel.
+# Checks examples/gpt2.opt against Hugging Face's GPT2LMHeadModel, and examples/llama.opt against
+# LlamaForCausalLM in float64 (scripts/hf_llama_compare.py: grouped-query and full attention, a vocabulary
+# no mesh divides, one-file and sharded save_pretrained checkpoints, SGD and AdamW, four meshes).
 #
 # 1. Makes (or reuses) a virtualenv (see HF_VENV) and pip-installs torch,
 #    transformers, safetensors and numpy into it, each only if it does not
@@ -11,7 +13,7 @@
 #    4x4, megatron 1x4) and compares every step's loss and every updated weight.
 #
 # Idempotent: a second run installs nothing. Extra arguments go to
-# hf_compare.py (try --help). The exit code is the comparison's.
+# hf_compare.py (try --help). The exit code is non-zero if either comparison fails.
 #
 # Environment:
 #   PYTHON        interpreter used to create the venv (default: python3)
@@ -32,5 +34,10 @@ source scripts/hf_venv.sh
 echo "== cargo build --release"
 cargo build --release --bin optimusc
 
-echo "== comparing"
-exec "$PY" scripts/hf_compare.py --optimusc "${CARGO_TARGET_DIR:-target}/release/optimusc" "$@"
+OPTIMUSC="${CARGO_TARGET_DIR:-target}/release/optimusc"
+echo "== comparing examples/gpt2.opt with GPT2LMHeadModel"
+status=0
+"$PY" scripts/hf_compare.py --optimusc "$OPTIMUSC" "$@" || status=$?
+echo "== comparing examples/llama.opt with LlamaForCausalLM (float64)"
+"$PY" scripts/hf_llama_compare.py --optimusc "$OPTIMUSC" || status=$?
+exit "$status"

@@ -1,0 +1,111 @@
+//! Communication per Llama decoder layer against the formulas of docs/llama.md: SUMMA broadcasts and
+//! reduces of the seven bias-free linears on optimus q x q, and Megatron's four all-reduces of b*s*h on
+//! 1 x p, with grouped-query attention (kv_heads < heads) and rotary embeddings adding nothing.
+
+use optimus::check::check_source;
+use optimus::elab::Override;
+use optimus::plan::report::{CommEntry, Report, report};
+use optimus::plan::{Mesh, Mode, Plan, Strategy};
+use optimus::shard::{Target, compile};
+
+/// A reduced Llama: (heads, kv_heads, hidden, ffn, batch, seq).
+type Config = (u64, u64, u64, u64, u64, u64);
+
+fn plan(c: Config, strategy: Strategy, mesh: (u64, u64), mode: Mode) -> Plan {
+    let (heads, kv_heads, hidden, ffn, batch, seq) = c;
+    let text = std::fs::read_to_string("examples/llama.opt").expect("example");
+    let sets = [
+        ("vocab", 500),
+        ("layers", 2),
+        ("context", seq),
+        ("seq", seq),
+        ("batch", batch),
+        ("heads", heads),
+        ("kv_heads", kv_heads),
+        ("hidden", hidden),
+        ("ffn", ffn),
+    ];
+    let overrides: Vec<Override> =
+        sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
+    let model = check_source(&text, &overrides).model.expect("the reduced Llama checks");
+    let target = Target {
+        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
+        strategy,
+        mode,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
+    match compile(&model, "examples/llama.opt", &text, target) {
+        Ok(p) => p,
+        Err(d) => panic!("{c:?} on {mesh:?}: {:?}", d.iter().map(|d| &d.message).collect::<Vec<_>>()),
+    }
+}
+
+fn in_layer<'r>(r: &'r Report, l: u64) -> impl Iterator<Item = &'r CommEntry> {
+    let prefix = format!("model.layers.{l}.");
+    r.communication.iter().filter(move |c| c.origin.scope.starts_with(&prefix))
+}
+
+/// Elements of the SUMMA broadcasts and reduces of layer `l`.
+fn summa_elements(r: &Report, l: u64) -> u64 {
+    in_layer(r, l)
+        .filter(|c| (c.kind == "broadcast" || c.kind == "reduce") && c.origin.reason.contains("SUMMA"))
+        .map(|c| c.elements)
+        .sum()
+}
+
+/// The forward SUMMA payload of one layer per device: sum over the seven linears of (MK + KN)/q with
+/// M = b*s rows: q_proj and o_proj (h -> h), k_proj and v_proj (h -> kv), gate_proj and up_proj
+/// (h -> f), down_proj (f -> h); kv = kv_heads * h / heads.
+fn summa_forward(c: Config, q: u64) -> u64 {
+    let (heads, kv_heads, h, f, b, s) = c;
+    let (m, kv) = (b * s, kv_heads * h / heads);
+    (m * (6 * h + f) + 2 * h * h + 2 * h * kv + 3 * h * f) / q
+}
+
+const CONFIGS: &[Config] = &[(8, 4, 64, 96, 4, 16), (8, 2, 128, 192, 4, 8), (4, 4, 64, 160, 8, 8)];
+
+#[test]
+fn optimus_layer_payload_matches_the_formula() {
+    for &c in CONFIGS {
+        for q in [2u64, 4] {
+            if c.1 % q != 0 || c.4 % q != 0 {
+                continue;
+            }
+            let infer = report(&plan(c, Strategy::Optimus, (q, q), Mode::Infer));
+            let train = report(&plan(c, Strategy::Optimus, (q, q), Mode::Train));
+            for l in 0..2 {
+                let case = format!("{c:?} q={q} layer {l}");
+                assert_eq!(summa_elements(&infer, l), summa_forward(c, q), "{case}: forward");
+                assert_eq!(summa_elements(&train, l), 3 * summa_forward(c, q), "{case}: forward + backward");
+                // Besides SUMMA, only row statistics and norm-weight gradients travel: no collective
+                // moves an activation-sized block for rotary, grouped-query attention or the gate.
+                let m = c.4 * c.5;
+                let other: Vec<_> = in_layer(&train, l).filter(|e| !e.origin.reason.contains("SUMMA")).collect();
+                assert!(other.iter().all(|e| e.elements <= (m / q).max(c.2 / q)), "{case}: {other:#?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn megatron_all_reduces_four_activations_per_layer() {
+    for &c in CONFIGS {
+        for p in [2u64, 4] {
+            if c.1 % p != 0 {
+                continue;
+            }
+            let (h, m) = (c.2, c.4 * c.5);
+            let infer = report(&plan(c, Strategy::Megatron, (1, p), Mode::Infer));
+            let train = report(&plan(c, Strategy::Megatron, (1, p), Mode::Train));
+            for l in 0..2 {
+                let case = format!("{c:?} 1x{p} layer {l}");
+                let forward: Vec<_> = in_layer(&infer, l).collect();
+                assert_eq!(forward.len(), 2, "{case}: o_proj and down_proj: {forward:#?}");
+                assert!(forward.iter().all(|e| e.kind == "all_reduce" && e.elements == m * h), "{case}");
+                let all: Vec<_> = in_layer(&train, l).collect();
+                assert_eq!(all.len(), 4, "{case}: 2 forward + 2 backward (dX of q|k|v and of gate|up summed locally)");
+                assert!(all.iter().all(|e| e.kind == "all_reduce" && e.elements == m * h), "{case}: {all:#?}");
+            }
+        }
+    }
+}
