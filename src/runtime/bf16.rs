@@ -214,7 +214,7 @@ pub fn row_split(kernel: &crate::plan::Kernel) -> Option<&'static [bool]> {
         K::GeluGrad { .. } | K::SiluGrad | K::SoftmaxGrad | K::Add | K::RowCenteredSquareSum { .. } => &[true, true],
         K::BiasAdd => &[true, false],
         K::CrossEntropyStats { .. } => &[true, true, true],
-        K::CrossEntropyGrad { .. } => &[true, true, true, true, false],
+        K::CrossEntropyGrad { .. } => &[true, true, true, true, false, false],
         K::LayerNormApply { .. } => &[true, true, true, false, false],
         K::LayerNormGradSums { .. } => &[true, true, false, true, true],
         K::LayerNormGradInput { .. } => &[true, true, false, true, true, true],

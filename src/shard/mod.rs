@@ -210,7 +210,7 @@ pub(crate) struct Lowerer<'a> {
     pub param_buffers: HashMap<ParamId, Version>,
     /// Statistics saved by a forward operator for its backward, keyed by the forward operand.
     pub layernorm_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
-    pub cross_entropy_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
+    pub cross_entropy_stats: HashMap<NodeIndex, (BufferId, BufferId, BufferId)>,
     /// The node being lowered, for origins.
     pub current: NodeIndex,
     pub forward_end: Option<usize>,
