@@ -225,16 +225,22 @@ fn mask_data_output_trains_bert_with_validation() {
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let (inputs, labels) = (format!("{}.tokens.bin", text(&prefix)), format!("{}.labels.bin", text(&prefix)));
-    let mut args = vec!["run", "examples/bert.opt", "--steps", "2", "--objective", "mlm", "--json"];
+    // With lr 0 and no dropout, validation batches 0 and 1 have the losses of training steps 0 and 1.
+    let mut args = vec!["run", "examples/bert.opt", "--steps", "2", "--objective", "mlm", "--json", "--lr", "0"];
     args.extend(SMALL_BERT);
-    args.extend(["--set", "vocab=126", "--data", &inputs, "--labels", &labels]);
+    args.extend(["--set", "vocab=126", "--set", "pdrop=0.0", "--data", &inputs, "--labels", &labels]);
     args.extend(["--segments", "examples/data/paragraph.segments.u16", "--val-data", &inputs]);
     args.extend(["--val-labels", &labels, "--val-segments", "examples/data/paragraph.segments.u16"]);
+    args.extend(["--eval-batches", "2"]);
     let out = optimusc(&args);
     assert!(out.status.success(), "{}", stderr(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let val = stdout.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64());
-    assert_eq!(val.filter(|v| v.is_finite() && *v > 0.0).count(), 1, "{stdout}");
+    let records: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    let train: Vec<f64> = records.iter().filter_map(|r| r["loss"].as_f64()).collect();
+    let val: Vec<f64> = records.iter().filter_map(|r| r["val_loss"].as_f64()).collect();
+    assert_eq!((train.len(), val.len()), (2, 1), "{records:?}");
+    let want = (train[0] + train[1]) / 2.0;
+    assert!((val[0] - want).abs() <= 1e-6 * want, "validation loss {}, want {want}", val[0]);
 }
 
 // ---- usage errors -----------------------------------------------------------------------------------
