@@ -73,6 +73,11 @@ enum Command {
     /// assembles each parameter's logical tensor without padding, and writes it as F32 under its
     /// checkpoint name. Exit status: 0 on success, 1 on errors, 2 on usage errors.
     Export(cli::export::ExportArgs),
+    /// Mask a token file for BERT's masked language modelling: write OUT_PREFIX.tokens.bin (15% of
+    /// positions chosen; of those 80% become --mask-id, 10% a random token, 10% stay) and
+    /// OUT_PREFIX.labels.bin (the original token at chosen positions, the ignore id elsewhere), for
+    /// `run --objective mlm --data OUT_PREFIX.tokens.bin --labels OUT_PREFIX.labels.bin`.
+    MaskData(cli::mask::MaskDataArgs),
     /// Show what each device holds and sends: memory by category and its peak, communication per
     /// collective with the model line responsible, and FLOPs per step.
     Inspect {
@@ -143,6 +148,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Simulate(args) => cli::simulate::simulate_command(&args),
         Command::Plot(args) => cli::plot::plot(&args),
         Command::Export(args) => cli::export::export(&args),
+        Command::MaskData(args) => cli::mask::mask_data(&args),
         Command::Inspect { plan, json, dot, memory } => inspect(&plan, json, dot.as_deref(), memory),
     }
 }

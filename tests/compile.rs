@@ -561,12 +561,12 @@ fn plans_are_deterministic() {
 
 // ---- g. acceptance sweep ------------------------------------------------------------------------------
 
-/// The dimensions a strategy splits `parts` ways, from the config: batch (optimus only), heads,
-/// hidden and the MLP width. A config without one of these names does not constrain.
+/// The dimensions a strategy splits `parts` ways, from the config: batch (optimus only), heads (and
+/// kv_heads), hidden and the MLP width. A config without one of these names does not constrain.
 fn divides(model: &Model, strategy: Strategy, parts: u64) -> bool {
     let names: &[&str] = match strategy {
-        Strategy::Optimus => &["batch", "heads", "hidden", "ffn"],
-        _ => &["heads", "hidden", "ffn"],
+        Strategy::Optimus => &["batch", "heads", "kv_heads", "hidden", "ffn"],
+        _ => &["heads", "kv_heads", "hidden", "ffn"],
     };
     names.iter().filter_map(|n| model_config(model, n)).all(|v| v % parts == 0)
 }
@@ -591,6 +591,8 @@ fn accept(name: &str, text: &str, model: &Model, t: Target) -> bool {
             let has = |kind: &str| r.communication.iter().any(|c| c.kind == kind);
             match (t.strategy, parts) {
                 (_, 1) => assert!(r.communication.is_empty(), "{case}: one device communicates"),
+                // Forward SUMMA products (AB) only broadcast; ABT and ATB (the backward, a tied head) reduce.
+                (Strategy::Optimus, _) if t.mode == Mode::Infer => assert!(has("broadcast"), "{case}: SUMMA"),
                 (Strategy::Optimus, _) => assert!(has("broadcast") && has("reduce"), "{case}: SUMMA"),
                 _ => assert!(has("all_reduce") && !has("broadcast"), "{case}: 1D all-reduces"),
             }

@@ -9,7 +9,7 @@
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nvrtc::Ptx;
 use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, Kernel, Mesh, Offset, Role};
+use optimus::plan::{Buffer, BufferId, IGNORE_INDEX, Kernel, Mesh, Offset, Role};
 use optimus::runtime::bf16;
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::cuda::kernels::{
@@ -127,8 +127,9 @@ fn samples() -> Vec<Kernel> {
         Kernel::SumToLast,
         Kernel::CrossEntropyMax { offset, valid: 4 },
         Kernel::CrossEntropyStats { offset, valid: 4 },
-        Kernel::CrossEntropyLoss { count: 4 },
-        Kernel::CrossEntropyGrad { offset, valid: 4, count: 4 },
+        Kernel::CrossEntropyCount,
+        Kernel::CrossEntropyLoss,
+        Kernel::CrossEntropyGrad { offset, valid: 4 },
         Kernel::Fill { value: 0.0 },
         Kernel::SliceShard { axis: 0, placement: Placement::shard(0) },
         Kernel::GradSquareSum,
@@ -172,7 +173,7 @@ fn variant(kernel: &Kernel) -> usize {
         Kernel::SumToLast => 29,
         Kernel::CrossEntropyMax { .. } => 30,
         Kernel::CrossEntropyStats { .. } => 31,
-        Kernel::CrossEntropyLoss { .. } => 32,
+        Kernel::CrossEntropyLoss => 32,
         Kernel::CrossEntropyGrad { .. } => 33,
         Kernel::Fill { .. } => 34,
         Kernel::SliceShard { .. } => 35,
@@ -189,10 +190,11 @@ fn variant(kernel: &Kernel) -> usize {
         Kernel::RmsNormGradWeight { .. } => 46,
         Kernel::Rotary { .. } => 47,
         Kernel::RotaryGrad { .. } => 48,
+        Kernel::CrossEntropyCount => 49,
     }
 }
 
-const VARIANTS: usize = 49;
+const VARIANTS: usize = 50;
 
 #[test]
 fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
@@ -807,21 +809,27 @@ fn cross_entropy_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
     for (rows, width, valid) in [(6u64, 10u64, 17u64), (40, 3000, 5500)] {
         let offset = Offset { axis: Some(1), block: width };
         let logits = rng.scaled(&[rows, width], 8.0);
-        let targets = rng.ints(&[rows], 0, valid as i32);
+        // Every third target is ignored (-100, PyTorch's ignore_index).
+        let drawn = rng.ints(&[rows], 0, valid as i32);
+        let ignored = drawn.i32()?.iter().enumerate().map(|(r, &t)| if r % 3 == 1 { IGNORE_INDEX } else { t });
+        let targets = Tensor::from_i32(&[rows], ignored.collect());
         let (max_kernel, stats_kernel) =
             (Kernel::CrossEntropyMax { offset, valid }, Kernel::CrossEntropyStats { offset, valid });
         let max = cpu_eval(max_kernel.clone(), &[&logits], &[rows, 1], (0, 1, mesh))?;
         let stats = cpu_eval(stats_kernel.clone(), &[&logits, &targets, &max], &[rows, 2], (0, 1, mesh))?;
         let dloss = Tensor::from_f32(&[], vec![0.7]);
         let bad = Tensor::from_i32(&[rows], (0..rows as i32).map(|r| if r == 3 { valid as i32 } else { 1 }).collect());
-        let grad = Kernel::CrossEntropyGrad { offset, valid, count: rows };
-        let grad_inputs = vec![logits.clone(), targets.clone(), max.clone(), stats.clone(), dloss.clone()];
-        let bad_grad_inputs = vec![logits.clone(), bad.clone(), max.clone(), stats.clone(), dloss];
+        let count = cpu_eval(Kernel::CrossEntropyCount, &[&targets], &[1], (0, 1, mesh))?;
+        let grad = Kernel::CrossEntropyGrad { offset, valid };
+        let grad_inputs =
+            vec![logits.clone(), targets.clone(), max.clone(), stats.clone(), dloss.clone(), count.clone()];
+        let bad_grad_inputs = vec![logits.clone(), bad.clone(), max.clone(), stats.clone(), dloss, count.clone()];
         let batch = [
             Case::new(max_kernel, vec![logits.clone()], &[rows, 1]),
-            Case::new(stats_kernel.clone(), vec![logits.clone(), targets, max.clone()], &[rows, 2]).tol(1e-4),
+            Case::new(stats_kernel.clone(), vec![logits.clone(), targets.clone(), max.clone()], &[rows, 2]).tol(1e-4),
             Case::new(stats_kernel, vec![logits, bad, max.clone()], &[rows, 2]).fails(),
-            Case::new(Kernel::CrossEntropyLoss { count: rows }, vec![max, stats], &[]),
+            Case::new(Kernel::CrossEntropyCount, vec![targets.clone()], &[1]),
+            Case::new(Kernel::CrossEntropyLoss, vec![max, stats, targets, count], &[]),
             Case::new(grad.clone(), grad_inputs, &[rows, width]).tol(1e-4),
             Case::new(grad, bad_grad_inputs, &[rows, width]).fails(),
         ];
@@ -985,8 +993,10 @@ fn bf16_roles(kernel: &Kernel, inputs: usize) -> Option<(Vec<bool>, bool)> {
         Kernel::LayerNormGradInput { .. } => (vec![t, t, t, f, f, f], t),
         Kernel::LayerNormGradWeight { .. } => (vec![t, t, f, f], t),
         Kernel::CrossEntropyStats { .. } => (vec![t, f, f], f),
-        Kernel::CrossEntropyGrad { .. } => (vec![t, f, f, f, f], t),
-        Kernel::CrossEntropyLoss { .. } | Kernel::GradSquareSum | Kernel::OptimizerStep => return None,
+        Kernel::CrossEntropyGrad { .. } => (vec![t, f, f, f, f, f], t),
+        Kernel::CrossEntropyLoss | Kernel::CrossEntropyCount | Kernel::GradSquareSum | Kernel::OptimizerStep => {
+            return None;
+        }
         _ => (vec![t; inputs], t),
     })
 }

@@ -508,7 +508,7 @@ fn check_inputs_names_the_plan_inputs() {
     plan.inputs[0].name = "ids".to_string();
     let e = check_inputs(&plan).expect_err("no `tokens` input");
     assert!(e.contains("`ids`: i32[8, 8]") && e.contains("`targets`: i32[8, 8]"), "{e}");
-    // Other inputs (BERT's token types) are allowed; `optimusc run` feeds them zeros.
+    // Other inputs (BERT's token types) are allowed here; `io::sources` checks that each has a source.
     assert_eq!(check_inputs(&plan_of_bert()), Ok((2, 8)));
     let sharded = self::plan("examples/tiny.opt", &[], (2, 2), Strategy::Optimus);
     assert_eq!(check_inputs(&sharded), Ok((8, 8)), "an input read in two layouts is still one input");

@@ -40,7 +40,7 @@ fn plan(c: Config, strategy: Strategy, mesh: (u64, u64), mode: Mode) -> Plan {
     }
 }
 
-fn in_layer<'r>(r: &'r Report, l: u64) -> impl Iterator<Item = &'r CommEntry> {
+fn in_layer(r: &Report, l: u64) -> impl Iterator<Item = &CommEntry> {
     let prefix = format!("model.layers.{l}.");
     r.communication.iter().filter(move |c| c.origin.scope.starts_with(&prefix))
 }

@@ -292,7 +292,7 @@ fn layer_norm_cross_entropy_attention_and_dropout_parameters_are_checked() {
         ("layer_norm_apply", "n", json!(16), &["layer norm apply", "n = 16", "32 elements"]),
         ("layer_norm_grad_input", "eps", json!(-1.0), &["layer norm grad input", "eps = -1"]),
         ("cross_entropy_max", "valid", json!(50), &["cross entropy max", "valid = 50"]),
-        ("cross_entropy_loss", "count", json!(0), &["cross entropy loss", "count = 0", "64 rows"]),
+        ("cross_entropy_grad", "valid", json!(50), &["cross entropy grad", "valid = 50"]),
         ("attention", "heads", json!(5), &["(attention", "heads"]),
         ("attention_grad", "wrt", json!(2), &["attention grad", "wrt = 2"]),
         ("dropout", "p", json!(1.5), &["(dropout", "drop probability 1.5"]),
@@ -302,6 +302,17 @@ fn layer_norm_cross_entropy_attention_and_dropout_parameters_are_checked() {
         kernels_of(&mut plan, kind)[0][field] = value;
         assert_refused(&plan, needles);
     }
+}
+
+#[test]
+fn a_cross_entropy_count_that_is_not_one_number_is_refused() {
+    // The loss's operands are (max, stats, targets, count): give it the stats as its count.
+    let mut plan = tiny_2x2();
+    let program = plan["program"].as_array_mut().expect("a program");
+    let instr = program.iter_mut().find(|i| i["kernel"]["kind"] == "cross_entropy_loss").expect("a loss");
+    let stats = instr["inputs"][1].clone();
+    instr["inputs"][3] = stats;
+    assert_refused(&plan, &["cross entropy loss", "not one number"]);
 }
 
 #[test]

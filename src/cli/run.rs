@@ -4,9 +4,10 @@ use super::simulate::PlacementArg;
 use super::{Failure, TargetArgs, plan_from};
 use clap::ValueEnum;
 use optimus::io::checkpoint::save_checkpoint;
-use optimus::io::data::{TokenData, TokenDtype, check_inputs, random_batch};
+use optimus::io::data::{TokenData, TokenDtype, check_inputs};
 use optimus::io::metrics::{MetricsLog, check_appendable};
 use optimus::io::shards::load_weights;
+use optimus::io::sources::{Objective, Sources};
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::{Evaluation, RunConfig, RunOutput, StepRecord};
 use optimus::runtime::schedule::{Schedule, ScheduleKind};
@@ -31,9 +32,11 @@ pub struct RunArgs {
     /// Token file (nanoGPT style: flat little-endian integers). Without it, tokens are drawn from the seed.
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
-    /// Element type of --data.
+    /// Element type of --data, and of --segments, --labels and the validation files.
     #[arg(long, value_enum, default_value_t = DataDtype::U16)]
     pub data_dtype: DataDtype,
+    #[command(flatten)]
+    pub inputs: InputArgs,
     /// Start from these weights: a safetensors file (checkpoint names; Hugging Face GPT-2 files load into
     /// gpt2.opt), or a sharded checkpoint directory (or a directory of them: the latest), whose
     /// parameters load onto any mesh and strategy (optimizer state and training position are not restored).
@@ -86,6 +89,12 @@ pub struct RunArgs {
     /// (v * batch + r) * seq. Records `{"step": k, "val_loss": x}` with --json, a line otherwise.
     #[arg(long, value_name = "FILE")]
     pub val_data: Option<PathBuf>,
+    /// Token types of --val-data, as --segments is of --data (needed when the model has a token-type input).
+    #[arg(long, value_name = "FILE")]
+    pub val_segments: Option<PathBuf>,
+    /// MLM labels of --val-data, as --labels is of --data (needed with --objective mlm).
+    #[arg(long, value_name = "FILE")]
+    pub val_labels: Option<PathBuf>,
     /// Validate after every E-th update (at least 1; default: after the last update only). Needs --val-data.
     #[arg(long, value_name = "E", value_parser = clap::value_parser!(u64).range(1..))]
     pub eval_every: Option<u64>,
@@ -154,25 +163,107 @@ fn schedule(args: &RunArgs) -> Result<Schedule, Failure> {
     Ok(Schedule { kind, peak: written(peak), warmup: args.warmup_steps, floor: written(floor), total: args.steps })
 }
 
-/// The validation the flags ask for, with its data: a usage error for --eval-every or --eval-batches
-/// without --val-data, or validation of a model without a loss.
+/// The validation the flags ask for, with its data: a usage error for --eval-every, --eval-batches,
+/// --val-segments or --val-labels without --val-data, validation of a model without a loss, or
+/// validation files that do not feed every input of the model.
 fn evaluation(args: &RunArgs, plan: &Plan) -> Result<Option<Evaluation>, Failure> {
     let Some(path) = &args.val_data else {
         if args.eval_every.is_some() || args.eval_batches.is_some() {
             return Err(Failure::usage("--eval-every and --eval-batches need --val-data FILE".into()));
+        }
+        if args.val_segments.is_some() || args.val_labels.is_some() {
+            return Err(Failure::usage("--val-segments and --val-labels go with --val-data FILE".into()));
         }
         return Ok(None);
     };
     if !plan.outputs.iter().any(|o| o.is_loss) {
         return Err(Failure::usage("--val-data needs a model with a loss output to validate".into()));
     }
-    let tokens = Tokens::open(Some(path), args.data_dtype, args.seed).map_err(|e| format!("--val-data: {e}"))?;
+    let files = DataFiles {
+        data: Some(path),
+        segments: args.val_segments.as_ref(),
+        labels: args.val_labels.as_ref(),
+        dtype: args.data_dtype,
+    };
+    let sources = open_sources(&files, args.inputs.objective, args.seed, "val-")?;
+    sources.check(plan, "val-").map_err(Failure::usage)?;
     let plan = plan.clone();
     Ok(Some(Evaluation {
         every: args.eval_every.unwrap_or(args.steps),
         batches: args.eval_batches.unwrap_or(1),
-        data: std::sync::Arc::new(move |v| tokens.batch(&plan, v)),
+        data: std::sync::Arc::new(move |v| sources.batch(&plan, v)),
     }))
+}
+
+/// The files that feed a model's inputs besides the token file, and the objective (shared by `run` and
+/// `verify`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct InputArgs {
+    /// Token type ids aligned with --data (same dtype and length; position o + t feeds column t of the
+    /// sequence at offset o): needed with --data when the model has an input named `segments` or
+    /// `token_type_ids`. Without --data, sequences are sentence A then B (or all 0 when the model's
+    /// `types` is below 2).
+    #[arg(long, value_name = "FILE")]
+    pub segments: Option<PathBuf>,
+    /// MLM labels aligned with --data (same dtype and length), not shifted: the target of position t is
+    /// the label at o + t; the dtype's largest value (65535 in u16 files, 0xFFFFFFFF in u32) marks a
+    /// position left out of the loss. Needed with --data and --objective mlm; `optimusc mask-data`
+    /// writes it.
+    #[arg(long, value_name = "FILE")]
+    pub labels: Option<PathBuf>,
+    /// What the input named `targets` (or `labels`) holds: causal, the next token of --data; mlm, the
+    /// --labels file, with the loss the mean over the positions not ignored (as BertForMaskedLM).
+    /// Without --data, mlm labels are drawn from the seed, half of them ignored.
+    #[arg(long, value_enum, default_value_t = ObjectiveArg::Causal)]
+    pub objective: ObjectiveArg,
+}
+
+/// `--objective` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ObjectiveArg {
+    Causal,
+    Mlm,
+}
+
+impl ObjectiveArg {
+    pub fn objective(self) -> Objective {
+        match self {
+            ObjectiveArg::Causal => Objective::Causal,
+            ObjectiveArg::Mlm => Objective::Mlm,
+        }
+    }
+}
+
+/// The data files of a run or of its validation.
+pub struct DataFiles<'a> {
+    pub data: Option<&'a PathBuf>,
+    pub segments: Option<&'a PathBuf>,
+    pub labels: Option<&'a PathBuf>,
+    pub dtype: DataDtype,
+}
+
+/// Opens the files and checks them against each other; `flag` is "" for training, "val-" for validation.
+pub fn open_sources(files: &DataFiles<'_>, objective: ObjectiveArg, seed: u64, flag: &str) -> Result<Sources, Failure> {
+    let dtype = if files.dtype == DataDtype::U32 { TokenDtype::U32 } else { TokenDtype::U16 };
+    let open = |path: Option<&PathBuf>, name: &str| {
+        path.map(|p| {
+            TokenData::open(p, dtype)
+                .map_err(|e| if flag.is_empty() && name == "data" { e } else { format!("--{flag}{name}: {e}") })
+        })
+        .transpose()
+    };
+    let tokens = open(files.data, "data")?;
+    let segments = open(files.segments, "segments")?;
+    let labels = open(files.labels, "labels")?;
+    Sources::new(tokens, segments, labels, objective.objective(), seed, flag).map_err(Failure::usage)
+}
+
+/// A warning when the token file is shorter than one step of `plan` reads (see
+/// [`TokenData::shortfall_warning`]).
+pub fn shortfall_warning(sources: &Sources, plan: &Plan) -> Option<String> {
+    let data = sources.tokens.as_ref()?;
+    let (batch, seq) = check_inputs(plan).ok()?;
+    data.shortfall_warning(batch, seq)
 }
 
 /// Optimizer flags; the defaults are PyTorch's.
@@ -249,59 +340,6 @@ pub enum DataDtype {
     U32,
 }
 
-/// Where the tokens of each step come from.
-pub enum Tokens {
-    File(TokenData),
-    Seed(u64),
-}
-
-impl Tokens {
-    pub fn open(data: Option<&PathBuf>, dtype: DataDtype, seed: u64) -> Result<Tokens, String> {
-        match data {
-            None => Ok(Tokens::Seed(seed)),
-            Some(path) => {
-                let dtype = if dtype == DataDtype::U32 { TokenDtype::U32 } else { TokenDtype::U16 };
-                TokenData::open(path, dtype).map(Tokens::File)
-            }
-        }
-    }
-
-    /// A warning when the token file is shorter than one step of `plan` reads (see
-    /// [`TokenData::shortfall_warning`]).
-    pub fn shortfall_warning(&self, plan: &Plan) -> Option<String> {
-        let Tokens::File(data) = self else { return None };
-        let (batch, seq) = check_inputs(plan).ok()?;
-        data.shortfall_warning(batch, seq)
-    }
-
-    /// The logical inputs of step k.
-    pub fn batch(&self, plan: &Plan, step: u64) -> Result<BTreeMap<String, optimus::runtime::tensor::Tensor>, String> {
-        let (batch, seq) = check_inputs(plan)?;
-        let vocab = vocab(plan)?;
-        let mut inputs = match self {
-            Tokens::File(data) => data.batch(step, batch, seq, vocab)?,
-            Tokens::Seed(seed) => random_batch(*seed, step, batch, seq, vocab),
-        };
-        // Other integer inputs (BERT's token types) have no data source yet: they are all zeros,
-        // which every embedding accepts (a single-segment batch).
-        for input in &plan.inputs {
-            if !inputs.contains_key(&input.name) {
-                let dtype = plan.buffer(input.buffer).dtype;
-                inputs.insert(input.name.clone(), optimus::runtime::tensor::Tensor::zeros(dtype, &input.shape));
-            }
-        }
-        Ok(inputs)
-    }
-}
-
-/// The model's vocabulary size, from its `vocab` config value.
-pub fn vocab(plan: &Plan) -> Result<u64, String> {
-    match plan.config.iter().find(|(n, _)| n == "vocab") {
-        Some((_, optimus::ir::Scalar::Int(v))) if *v > 0 => Ok(*v as u64),
-        _ => Err("the model has no positive integer config value `vocab`, which token data needs".into()),
-    }
-}
-
 pub fn run(args: &RunArgs) -> ExitCode {
     if let Some(launch) = optimus::runtime::launch::detect().filter(|l| l.is_multi_process()) {
         return multi_process::run(args, &launch);
@@ -326,7 +364,7 @@ fn report(e: &str) {
 /// Everything a run needs, read and checked before any device starts.
 struct Prepared {
     plan: Plan,
-    tokens: Tokens,
+    sources: Sources,
     initial: BTreeMap<String, optimus::runtime::tensor::Tensor>,
     config: RunConfig,
 }
@@ -344,9 +382,15 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         check_appendable(path).map_err(|e| Failure::usage(format!("--log: {e}")))?;
     }
     let plan = plan_from(&args.input, &args.target)?;
-    let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
-    check_inputs(&plan)?;
-    if let Some(warning) = tokens.shortfall_warning(&plan).filter(|_| leader) {
+    let files = DataFiles {
+        data: args.data.as_ref(),
+        segments: args.inputs.segments.as_ref(),
+        labels: args.inputs.labels.as_ref(),
+        dtype: args.data_dtype,
+    };
+    let sources = open_sources(&files, args.inputs.objective, args.seed, "")?;
+    sources.check(&plan, "").map_err(Failure::usage)?;
+    if let Some(warning) = shortfall_warning(&sources, &plan).filter(|_| leader) {
         eprintln_safe!("warning: {warning}");
     }
     let initial = match &args.weights {
@@ -385,7 +429,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
             "--clip-grad-norm: this plan was compiled before optimusc computed gradient norms; compile it again".into(),
         ));
     }
-    Ok(Prepared { plan, tokens, initial, config })
+    Ok(Prepared { plan, sources, initial, config })
 }
 
 fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
@@ -393,7 +437,7 @@ fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
         .with_micro_batches(args.accum)
         .with_log(open_log(args)?)
         .starting_at(job.config.start_step);
-    let batches = |step| job.tokens.batch(&job.plan, step);
+    let batches = |step| job.sources.batch(&job.plan, step);
     stop_gracefully(args, job);
     let output = optimus::runtime::cpu::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output)
@@ -508,7 +552,7 @@ mod multi_process {
             .with_micro_batches(args.accum)
             .with_log(log)
             .starting_at(job.config.start_step);
-        let batches = |step| job.tokens.batch(&job.plan, step);
+        let batches = |step| job.sources.batch(&job.plan, step);
         let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
         stop_gracefully(args, &job);

@@ -1,7 +1,7 @@
 //! `optimusc verify`: the user's proof that a plan is right. Runs the model sharded on the mesh and
 //! unsharded on one device from the same seed and data, and compares everything they compute.
 
-use super::run::{DataDtype, OptimizerArg, OptimizerArgs, Tokens};
+use super::run::{DataDtype, DataFiles, InputArgs, OptimizerArg, OptimizerArgs, open_sources, shortfall_warning};
 use super::{StrategyArg, TargetArgs, compile_for};
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::runtime::exec::{RunConfig, RunOutput};
@@ -33,6 +33,8 @@ pub struct VerifyArgs {
     pub data: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = DataDtype::U16)]
     pub data_dtype: DataDtype,
+    #[command(flatten)]
+    pub inputs: InputArgs,
     /// Optimizer used between steps. SGD with momentum is the default because AdamW divides each
     /// gradient by its own magnitude: a gradient that is zero in exact arithmetic (attention's key bias)
     /// becomes float noise that AdamW turns into a full step, on one device as on many.
@@ -91,12 +93,23 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
         sharded.mesh,
         args.steps
     );
-    if let Some(warning) = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?.shortfall_warning(&sharded) {
+    let sources = open_sources(&files(args), args.inputs.objective, args.seed, "").map_err(|f| f.message)?;
+    sources.check(&sharded, "")?;
+    if let Some(warning) = shortfall_warning(&sources, &sharded) {
         eprintln_safe!("warning: {warning}");
     }
     let a = execute(&sharded, args)?;
     let b = execute(&single, args)?;
     Ok(report(args, &a, &b))
+}
+
+fn files(args: &VerifyArgs) -> DataFiles<'_> {
+    DataFiles {
+        data: args.data.as_ref(),
+        segments: args.inputs.segments.as_ref(),
+        labels: args.inputs.labels.as_ref(),
+        dtype: args.data_dtype,
+    }
 }
 
 fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
@@ -113,8 +126,8 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         timeout: Duration::from_secs(300),
         ..RunConfig::new(args.seed, args.steps.max(1), optimizer.settings())
     };
-    let tokens = Tokens::open(args.data.as_ref(), args.data_dtype, args.seed)?;
-    let batches = |step| tokens.batch(plan, step);
+    let sources = open_sources(&files(args), args.inputs.objective, args.seed, "").map_err(|f| f.message)?;
+    let batches = |step| sources.batch(plan, step);
     optimus::runtime::cpu::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
 }
 

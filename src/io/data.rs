@@ -30,6 +30,15 @@ impl TokenDtype {
             TokenDtype::U32 => 4,
         }
     }
+
+    /// The id that marks an ignored position in a label file: the largest value of the dtype (65535 for
+    /// u16, 0xFFFFFFFF for u32), never a token id of a vocabulary that fits the file.
+    pub fn ignore_id(self) -> u32 {
+        match self {
+            TokenDtype::U16 => u32::from(u16::MAX),
+            TokenDtype::U32 => u32::MAX,
+        }
+    }
 }
 
 /// A token file, memory-mapped: a step reads only the pages its windows touch, so a 100 GB file opens
@@ -63,6 +72,16 @@ impl TokenData {
         // SAFETY: the map is read-only and the file is not truncated while mapped (see the type's docs).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map token data `{shown}`: {e}"))?;
         Ok(TokenData { path: shown, dtype, bytes: Arc::new(map) })
+    }
+
+    /// The path, as given.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> TokenDtype {
+        self.dtype
     }
 
     /// The number of tokens in the file.
@@ -154,10 +173,11 @@ pub fn random_batch(seed: u64, step: u64, batch: u64, seq: u64, vocab: u64) -> B
 }
 
 /// (batch, seq) of the plan's `tokens` input, after checking that the plan has integer inputs
-/// `tokens` and `targets` with the same [batch, seq] shape (other inputs are the caller's business).
+/// `tokens` and targets (named `targets` or `labels`) with the same [batch, seq] shape (other inputs are
+/// checked by [`Sources::check`](super::sources::Sources::check)).
 pub fn check_inputs(plan: &Plan) -> Result<(u64, u64), String> {
-    let find = |name: &str| plan.inputs.iter().find(|i| i.name == name);
-    let fits = match (find("tokens"), find("targets")) {
+    let find = |names: &[&str]| plan.inputs.iter().find(|i| names.contains(&i.name.as_str()));
+    let fits = match (find(&["tokens"]), find(&["targets", "labels"])) {
         (Some(tokens), Some(targets)) => {
             let integer = [tokens, targets].iter().all(|i| dtype_of(plan, i).is_some_and(DType::is_integer));
             let shaped = tokens.shape.len() == 2 && targets.shape == tokens.shape;
@@ -166,24 +186,30 @@ pub fn check_inputs(plan: &Plan) -> Result<(u64, u64), String> {
         _ => None,
     };
     fits.ok_or_else(|| {
-        let listed: Vec<String> = plan
-            .inputs
-            .iter()
-            .map(|i| format!("`{}`: {}{}", i.name, dtype_of(plan, i).map_or("?", DType::name), shape_text(&i.shape)))
-            .collect();
         format!(
-            "token data feeds two integer inputs, `tokens` and `targets`, each [batch, seq], but model `{}` has inputs {}",
+            "token data feeds two integer inputs, `tokens` and `targets` (or `labels`), each [batch, seq], but \
+             model `{}` has inputs {}",
             plan.model,
-            if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+            input_list(plan)
         )
     })
 }
 
-fn dtype_of(plan: &Plan, input: &PlanInput) -> Option<DType> {
+/// The plan's inputs as "`tokens`: i32[8, 64], ...", or "none".
+pub(crate) fn input_list(plan: &Plan) -> String {
+    let listed: Vec<String> = plan
+        .inputs
+        .iter()
+        .map(|i| format!("`{}`: {}{}", i.name, dtype_of(plan, i).map_or("?", DType::name), shape_text(&i.shape)))
+        .collect();
+    if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+}
+
+pub(crate) fn dtype_of(plan: &Plan, input: &PlanInput) -> Option<DType> {
     plan.buffers.get(input.buffer.0 as usize).map(|b| b.dtype)
 }
 
-fn check_vocab(vocab: u64) -> Result<(), String> {
+pub(crate) fn check_vocab(vocab: u64) -> Result<(), String> {
     if vocab > 1 << 31 {
         return Err(format!("a vocabulary of {vocab} tokens does not fit i32 token ids"));
     }

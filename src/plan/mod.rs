@@ -15,7 +15,13 @@ use crate::span::Span;
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the JSON format changes incompatibly.
-pub const FORMAT_VERSION: u32 = 2;
+/// Version 2 added `kv_heads` to the attention kernels. Version 3: cross-entropy ignores targets equal to [`IGNORE_INDEX`] (`CrossEntropyCount`, and the
+/// count of targets not ignored as an operand of `CrossEntropyLoss` and `CrossEntropyGrad`).
+pub const FORMAT_VERSION: u32 = 3;
+
+/// The target id cross-entropy ignores, as PyTorch's `ignore_index` default: a position whose target is
+/// -100 adds nothing to the loss, gets a zero gradient, and is not counted in the mean.
+pub const IGNORE_INDEX: i32 = -100;
 
 /// How the model is split over devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -357,20 +363,22 @@ pub enum Kernel {
         valid: u64,
     },
     /// (logits, targets, max) -> [rows, 2]: target logit if the target is local (else 0), and the
-    /// sum of exp(logit - max) over valid columns.
+    /// sum of exp(logit - max) over valid columns. A row whose target is [`IGNORE_INDEX`] gets (0, sum).
     CrossEntropyStats {
         offset: Offset,
         valid: u64,
     },
-    /// (max, stats) -> scalar: sum over rows of (max + ln(sumexp) - target logit) / count.
-    CrossEntropyLoss {
-        count: u64,
-    },
-    /// (logits, targets, max, stats, dloss) -> dlogits = (softmax - onehot) * dloss / count; padding 0.
+    /// (targets) -> [1]: how many of this device's targets are not [`IGNORE_INDEX`] (as f32); summed
+    /// over the devices holding other batch rows, it is the divisor of the mean.
+    CrossEntropyCount,
+    /// (max, stats, targets, counted) -> scalar: sum over the rows not ignored of
+    /// (max + ln(sumexp) - target logit) / max(counted, 1).
+    CrossEntropyLoss,
+    /// (logits, targets, max, stats, dloss, counted) -> dlogits = (softmax - onehot) * dloss / max(counted, 1)
+    /// on rows not ignored; 0 on ignored rows and on padding.
     CrossEntropyGrad {
         offset: Offset,
         valid: u64,
-        count: u64,
     },
     Fill {
         value: f64,

@@ -219,7 +219,7 @@ pub fn row_split(kernel: &crate::plan::Kernel) -> Option<&'static [bool]> {
         K::RmsNormGradInput { .. } => &[true, true, false, true, true],
         K::BiasAdd => &[true, false],
         K::CrossEntropyStats { .. } => &[true, true, true],
-        K::CrossEntropyGrad { .. } => &[true, true, true, true, false],
+        K::CrossEntropyGrad { .. } => &[true, true, true, true, false, false],
         K::LayerNormApply { .. } => &[true, true, true, false, false],
         K::LayerNormGradSums { .. } => &[true, true, false, true, true],
         K::LayerNormGradInput { .. } => &[true, true, false, true, true, true],

@@ -212,7 +212,7 @@ pub(crate) struct Lowerer<'a> {
     pub layernorm_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
     /// RMSNorm's all-reduced row sums of squares, keyed by the forward operand.
     pub rms_norm_stats: HashMap<NodeIndex, BufferId>,
-    pub cross_entropy_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
+    pub cross_entropy_stats: HashMap<NodeIndex, (BufferId, BufferId, BufferId)>,
     /// The node being lowered, for origins.
     pub current: NodeIndex,
     pub forward_end: Option<usize>,

@@ -949,7 +949,6 @@ impl Lowerer<'_> {
         let valid = self.graph[logits].ty.shape.last().map_or(0, |d| d.size);
         let local_vocab = *self.buffers[lb.0 as usize].shape.last().unwrap_or(&0);
         let offset = self.vocab_offset(ll, local_vocab);
-        let count: u64 = self.graph[logits].ty.sizes()[..rank - 1].iter().product();
         let partial = self.rows_partial(ll, rank);
         let max = self.stat_buffer(n, logits, 1, partial, "max");
         self.kernel(
@@ -978,33 +977,47 @@ impl Lowerer<'_> {
                 loss_layout.0[axis] = Placement::Partial;
             }
         }
+        let counted = self.count_not_ignored(n, tb, loss_layout);
         let loss = self.node_buffer(n, loss_layout, Role::Workspace);
         self.kernel(
-            Kernel::CrossEntropyLoss { count },
-            &[max, stats],
+            Kernel::CrossEntropyLoss,
+            &[max, stats, tb, counted],
             loss,
             "cross-entropy: this batch chunk's share of the mean",
         );
-        self.cross_entropy_stats.insert(logits, (max, stats));
+        self.cross_entropy_stats.insert(logits, (max, stats, counted));
         self.define(n, loss_layout, loss);
+    }
+
+    /// The number of targets that are not ignored, over the whole batch: counted locally, then summed
+    /// over the mesh axes that hold different batch rows (where the loss is `partial`), so that every
+    /// device divides by the same global count.
+    fn count_not_ignored(&mut self, n: NodeIndex, targets: BufferId, partial: Layout) -> BufferId {
+        let role = if self.forward_end.is_none() { Role::Activation } else { Role::Workspace };
+        let name = format!("{}.count", super::describe_node(self.model, &self.graph[n], n));
+        let local = self.new_buffer(name, crate::ir::DType::F32, vec![1], partial, role);
+        self.kernel(Kernel::CrossEntropyCount, &[targets], local, "cross-entropy: targets not ignored (local)");
+        let reason = "cross-entropy: targets not ignored over the batch";
+        self.all_reduce_partials(local, partial, ReduceOp::Sum, reason).0
     }
 
     fn cross_entropy_grad(&mut self, n: NodeIndex, ops: &[NodeIndex]) {
         let (logits, targets, dl) = (ops[0], ops[1], ops[2]);
         let rank = self.rank(logits);
         let (ll, tl) = self.cross_entropy_layouts(rank);
-        let Some(&(max, stats)) = self.cross_entropy_stats.get(&logits) else { return self.missing_param(n) };
+        let Some(&(max, stats, counted)) = self.cross_entropy_stats.get(&logits) else {
+            return self.missing_param(n);
+        };
         let lb = self.value(logits, ll);
         let tb = self.value(targets, tl);
         let db = self.value(dl, Layout::REPLICATED);
         let valid = self.graph[logits].ty.shape.last().map_or(0, |d| d.size);
         let local_vocab = *self.buffers[lb.0 as usize].shape.last().unwrap_or(&0);
         let offset = self.vocab_offset(ll, local_vocab);
-        let count: u64 = self.graph[logits].ty.sizes()[..rank - 1].iter().product();
         let g = self.node_buffer(n, ll, Role::Workspace);
         self.kernel(
-            Kernel::CrossEntropyGrad { offset, valid, count },
-            &[lb, tb, max, stats, db],
+            Kernel::CrossEntropyGrad { offset, valid },
+            &[lb, tb, max, stats, db, counted],
             g,
             "backward of cross-entropy (local)",
         );

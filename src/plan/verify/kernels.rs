@@ -43,12 +43,13 @@ pub(super) fn check_parameters(
             check_vocabulary(plan, offset, valid, ops.input(0)?)?;
             check_rows_alike(ops.input(0)?, ops.input(1)?)
         }
-        Kernel::CrossEntropyGrad { offset, valid, count } => {
+        Kernel::CrossEntropyGrad { offset, valid } => {
             check_vocabulary(plan, offset, valid, ops.input(0)?)?;
             check_rows_alike(ops.input(0)?, ops.input(1)?)?;
-            check_count(count, ops.input(0)?)
+            check_one_number(ops.input(5)?)
         }
-        Kernel::CrossEntropyLoss { count } => check_count(count, ops.input(0)?),
+        Kernel::CrossEntropyLoss => check_one_number(ops.input(3)?),
+        Kernel::CrossEntropyCount => check_one_number(ops.output),
         Kernel::RowCenteredSquareSum { n } => check_normalised(n, 0.0, ops.input(0)?),
         Kernel::LayerNormApply { n, eps } => check_normalised(n, eps, ops.input(0)?),
         Kernel::LayerNormGradSums { n, eps }
@@ -131,16 +132,14 @@ fn expected_inputs(kernel: &Kernel) -> usize {
         | Kernel::SoftmaxGrad
         | Kernel::EmbeddingLookup { .. }
         | Kernel::EmbeddingGrad { .. }
-        | Kernel::RowCenteredSquareSum { .. }
-        | Kernel::CrossEntropyLoss { .. } => 2,
+        | Kernel::RowCenteredSquareSum { .. } => 2,
         Kernel::CrossEntropyStats { .. }
         | Kernel::RmsNormApply { .. }
         | Kernel::RmsNormGradSum
         | Kernel::RmsNormGradWeight { .. } => 3,
-        Kernel::LayerNormGradWeight { .. } | Kernel::OptimizerStep => 4,
-        Kernel::LayerNormApply { .. } | Kernel::LayerNormGradSums { .. } | Kernel::CrossEntropyGrad { .. } => 5,
-        Kernel::RmsNormGradInput { .. } => 5,
-        Kernel::LayerNormGradInput { .. } => 6,
+        Kernel::LayerNormGradWeight { .. } | Kernel::OptimizerStep | Kernel::CrossEntropyLoss => 4,
+        Kernel::LayerNormApply { .. } | Kernel::LayerNormGradSums { .. } | Kernel::RmsNormGradInput { .. } => 5,
+        Kernel::LayerNormGradInput { .. } | Kernel::CrossEntropyGrad { .. } => 6,
         _ => 1,
     }
 }
@@ -288,12 +287,10 @@ fn check_rows_alike(logits: &Buffer, targets: &Buffer) -> Result<(), String> {
 }
 
 /// The number of rows a mean is taken over: the product of the leading logical dimensions.
-fn check_count(count: u64, rows_of: &Buffer) -> Result<(), String> {
-    let (_, lead) = rows_of.logical_shape.split_last().unwrap_or((&1, &[]));
-    let rows: u64 = lead.iter().product();
-    ensure(count == rows, || {
-        format!("count = {count}, but `{}` has {rows} rows ({:?})", rows_of.name, rows_of.logical_shape)
-    })
+/// The count of targets not ignored: one number.
+fn check_one_number(count: &Buffer) -> Result<(), String> {
+    let elements: u64 = count.logical_shape.iter().product();
+    ensure(elements == 1, || format!("the count `{}` is {:?}, not one number", count.name, count.logical_shape))
 }
 
 /// Two operands read element by element (dy and x): the same logical tensor shape, laid out alike.

@@ -3,7 +3,7 @@
 
 use super::par;
 use super::vmath::{self, vectorized};
-use crate::plan::{Kernel, Offset};
+use crate::plan::{IGNORE_INDEX, Kernel, Offset};
 use crate::runtime::logical::IndexMap;
 pub use crate::runtime::logical::{DropoutMask, dropout_keep, logical_indices, try_logical_indices};
 pub use crate::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
@@ -87,10 +87,9 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         Kernel::SumToLast => sum_to_last(inputs, out),
         Kernel::CrossEntropyMax { offset, valid } => cross_entropy_max(inputs, out, Vocab::new(offset, valid, ctx)),
         Kernel::CrossEntropyStats { offset, valid } => cross_entropy_stats(inputs, out, Vocab::new(offset, valid, ctx)),
-        Kernel::CrossEntropyLoss { count } => cross_entropy_loss(inputs, out, count),
-        Kernel::CrossEntropyGrad { offset, valid, count } => {
-            cross_entropy_grad(inputs, out, Vocab::new(offset, valid, ctx), count)
-        }
+        Kernel::CrossEntropyCount => cross_entropy_count(inputs, out),
+        Kernel::CrossEntropyLoss => cross_entropy_loss(inputs, out),
+        Kernel::CrossEntropyGrad { offset, valid } => cross_entropy_grad(inputs, out, Vocab::new(offset, valid, ctx)),
         Kernel::Fill { value } => fill(inputs, out, value),
         // The backend widens a bf16 input and rounds into a bf16 output, so a cast copies f32 to f32.
         Kernel::Cast => map_unary(inputs, out, |x| x),
@@ -1203,12 +1202,14 @@ impl Vocab {
         (self.valid.saturating_sub(self.offset) as usize).min(width)
     }
 
-    /// The global column of a target, checked.
-    fn target(&self, t: i32) -> Result<u64, String> {
-        u64::try_from(t)
-            .ok()
-            .filter(|&t| t < self.valid)
-            .ok_or_else(|| format!("target {t} is outside the vocabulary [0, {})", self.valid))
+    /// The global column of a target, checked; `None` for an ignored target ([`IGNORE_INDEX`]).
+    fn target(&self, t: i32) -> Result<Option<u64>, String> {
+        if t == IGNORE_INDEX {
+            return Ok(None);
+        }
+        u64::try_from(t).ok().filter(|&t| t < self.valid).map(Some).ok_or_else(|| {
+            format!("target {t} is outside the vocabulary [0, {}) and is not the ignored id {IGNORE_INDEX}", self.valid)
+        })
     }
 
     /// The local column of a global one, if this device holds it.
@@ -1248,36 +1249,59 @@ fn cross_entropy_stats(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Res
         let per_row = rows_of(&lv[first * width..], width).zip(&tv[first..]).zip(&mv[first..]);
         for (pair, ((row, &t), &m)) in y.chunks_exact_mut(2).zip(per_row) {
             let column = vocab.target(t)?;
-            pair[0] = vocab.local(column, width).map_or(0.0, |c| row[c]);
+            pair[0] = column.and_then(|column| vocab.local(column, width)).map_or(0.0, |c| row[c]);
             pair[1] = vmath::exp_sub_sum(&row[..live], m);
         }
         Ok(())
     })
 }
 
-fn cross_entropy_loss(inputs: &[&View], out: &mut ViewMut, count: u64) -> Result<(), String> {
-    let [max, stats] = args(inputs)?;
-    ensure(count > 0, || "the row count is 0".to_string())?;
-    let mv = floats(max, "the max")?;
-    let sv = per_row(stats, mv.len(), 2, "the stats")?;
+/// The number of targets that are not [`IGNORE_INDEX`], as f32.
+fn cross_entropy_count(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+    let [targets] = args(inputs)?;
+    let tv = ints(targets, "the targets")?;
     let y = floats_mut(out)?;
     same_len("the output", y.len(), 1)?;
-    let total: f64 =
-        mv.iter().zip(sv.chunks_exact(2)).map(|(&m, s)| f64::from(m) + f64::from(s[1]).ln() - f64::from(s[0])).sum();
-    y[0] = (total / count as f64) as f32;
+    y[0] = tv.iter().filter(|&&t| t != IGNORE_INDEX).count() as f32;
     Ok(())
 }
 
-fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab, count: u64) -> Result<(), String> {
-    let [logits, targets, max, stats, dloss] = args(inputs)?;
-    ensure(count > 0, || "the row count is 0".to_string())?;
+/// The divisor of the mean: the global count of targets not ignored, at least 1 (a batch with every
+/// target ignored has loss 0 and zero gradients, where PyTorch gives NaN).
+fn divisor(counted: &View) -> Result<f64, String> {
+    let c = per_row(counted, 1, 1, "the count")?;
+    Ok(f64::from(c[0]).max(1.0))
+}
+
+fn cross_entropy_loss(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+    let [max, stats, targets, counted] = args(inputs)?;
+    let mv = floats(max, "the max")?;
+    let sv = per_row(stats, mv.len(), 2, "the stats")?;
+    let tv = ints(targets, "the targets")?;
+    same_len("the targets", tv.len(), mv.len())?;
+    let count = divisor(counted)?;
+    let y = floats_mut(out)?;
+    same_len("the output", y.len(), 1)?;
+    let total: f64 = mv
+        .iter()
+        .zip(sv.chunks_exact(2))
+        .zip(tv)
+        .filter(|(_, t)| **t != IGNORE_INDEX)
+        .map(|((&m, s), _)| f64::from(m) + f64::from(s[1]).ln() - f64::from(s[0]))
+        .sum();
+    y[0] = (total / count) as f32;
+    Ok(())
+}
+
+fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), String> {
+    let [logits, targets, max, stats, dloss, counted] = args(inputs)?;
     let (rows, width) = split_last(&logits.shape);
     let lv = floats(logits, "the logits")?;
     let tv = ints(targets, "the targets")?;
     same_len("the targets", tv.len(), rows)?;
     let (mv, sv) = (per_row(max, rows, 1, "the max")?, per_row(stats, rows, 2, "the stats")?);
     let dl = per_row(dloss, 1, 1, "dloss")?;
-    let factor = (f64::from(dl[0]) / count as f64) as f32;
+    let factor = (f64::from(dl[0]) / divisor(counted)?) as f32;
     let g = floats_mut(out)?;
     same_len("the output", g.len(), lv.len())?;
     let live = vocab.live(width);
@@ -1286,7 +1310,11 @@ fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab, count: 
         for ((gr, lr), ((&t, &m), s)) in
             rows_of_mut(g, width).zip(rows_of(&lv[first * width..], width)).zip(per_row_data)
         {
-            let target = vocab.local(vocab.target(t)?, width);
+            let Some(column) = vocab.target(t)? else {
+                gr.fill(0.0);
+                continue;
+            };
+            let target = vocab.local(column, width);
             let inv = 1.0 / s[1];
             let (live_g, padding) = gr.split_at_mut(live);
             vmath::libm_exp_shifted(&lr[..live], m, live_g);
@@ -2266,12 +2294,13 @@ mod tests {
             let local = on(&Kernel::CrossEntropyStats { offset, valid }, &[b, targets, &max], &[rows, 2], j as u64)?;
             stats = eval(&Kernel::Add, &[&stats, &local], &[rows, 2])?;
         }
-        let loss = eval(&Kernel::CrossEntropyLoss { count: rows }, &[&max, &stats], &[])?;
+        let counted = eval(&Kernel::CrossEntropyCount, &[targets], &[1])?;
+        let loss = eval(&Kernel::CrossEntropyLoss, &[&max, &stats, targets, &counted], &[])?;
         let dl = Tensor::from_f32(&[], vec![dloss]);
-        let grad_kernel = Kernel::CrossEntropyGrad { offset, valid, count: rows };
+        let grad_kernel = Kernel::CrossEntropyGrad { offset, valid };
         let mut grads = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
-            grads.push(on(&grad_kernel, &[b, targets, &max, &stats, &dl], &b.shape, j as u64)?);
+            grads.push(on(&grad_kernel, &[b, targets, &max, &stats, &dl, &counted], &b.shape, j as u64)?);
         }
         let grad = match &grads[..] {
             [g] => vals(g),
@@ -2303,6 +2332,45 @@ mod tests {
             Ok(Tensor::from_f32(&[], vec![r.loss]))
         })?;
         close_rel(&run.grad, &numeric, 2e-3)
+    }
+
+    #[test]
+    fn cross_entropy_ignores_targets_of_minus_100_in_the_mean_and_the_gradient() -> R {
+        // Equal logits over 4 columns: every counted row loses ln 4, so the mean is ln 4 whatever the
+        // number of ignored rows; a mean over all 3 rows would be 2/3 ln 4.
+        let zeros = Tensor::from_f32(&[3, 4], vec![0.0; 12]);
+        let targets = Tensor::from_i32(&[3], vec![2, IGNORE_INDEX, 0]);
+        let run = cross_entropy_split(std::slice::from_ref(&zeros), &targets, 4, 1.0)?;
+        close(&[run.loss], &[4f64.ln()], 1e-7)?;
+        // d loss / d logit = (1/4 - onehot) / 2 on counted rows, 0 on the ignored one.
+        let want = [0.125, 0.125, -0.375, 0.125, 0.0, 0.0, 0.0, 0.0, -0.375, 0.125, 0.125, 0.125];
+        close(&run.grad, &want, 1e-7)?;
+        // Random logits, split over two devices: the mean over the counted rows, and finite differences.
+        let mut rng = Rng(23);
+        let logits = Tensor::from_f32(&[5, 6], rng.values(30).iter().map(|v| 3.0 * v).collect());
+        let targets = Tensor::from_i32(&[5], vec![IGNORE_INDEX, 5, 0, IGNORE_INDEX, 3]);
+        let run = cross_entropy_split(&halves(&logits), &targets, 6, 0.9)?;
+        let want: f64 = to64(&vals(&logits))
+            .chunks(6)
+            .zip(targets.i32()?)
+            .filter(|(_, t)| **t != IGNORE_INDEX)
+            .map(|(row, &t)| {
+                let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                max + row.iter().map(|l| (l - max).exp()).sum::<f64>().ln() - row[t as usize]
+            })
+            .sum::<f64>()
+            / 3.0;
+        close(&[run.loss], &[want], 1e-6)?;
+        let numeric = numeric_grad(&logits, &[0.9], |x| {
+            let r = cross_entropy_split(&halves(x), &targets, 6, 0.9)?;
+            Ok(Tensor::from_f32(&[], vec![r.loss]))
+        })?;
+        close_rel(&run.grad, &numeric, 2e-3)?;
+        // Every target ignored: loss 0 and no gradient (PyTorch would give NaN).
+        let none = Tensor::from_i32(&[3], vec![IGNORE_INDEX; 3]);
+        let run = cross_entropy_split(std::slice::from_ref(&zeros), &none, 4, 1.0)?;
+        close(&[run.loss], &[0.0], 0.0)?;
+        close(&run.grad, &[0.0; 12], 0.0)
     }
 
     #[test]

@@ -842,10 +842,14 @@ extern "C" __global__ void sum_to_last_bf16(float* g, const bf16* x, u64 rows, u
 
 // ---- cross-entropy --------------------------------------------------------------------------------
 // `live` local columns are real vocabulary; global column = offset + local column; targets must lie
-// in [0, valid) (else the row is flagged).
+// in [0, valid) (else the row is flagged) or be IGNORE_INDEX (the row is ignored).
 
-// The local column of target `t` if this device holds it, else `width`; flags row r if t is invalid.
+#define IGNORE_INDEX (-100)
+
+// The local column of target `t` if this device holds it, else `width` (also for an ignored target);
+// flags row r if t is invalid.
 __device__ __forceinline__ u64 target_column(int t, u64 r, u64 offset, u64 valid, u64 width, u64* invalid) {
+    if (t == IGNORE_INDEX) return width;
     if (t < 0 || (u64)t >= valid) {
         if (threadIdx.x == 0) flag_invalid(invalid, r);
         return width;
@@ -901,14 +905,26 @@ extern "C" __global__ void cross_entropy_stats_bf16(float* y, const bf16* logits
     cross_entropy_stats_t(y, logits, targets, max, rows, width, live, offset, valid, invalid);
 }
 
-// A scalar: the sum over rows of (max + ln(sumexp) - target logit), in f64, divided by count. One block.
-extern "C" __global__ void cross_entropy_loss(float* y, const float* max, const float* stats, u64 rows, u64 count) {
+// One number: how many targets are not IGNORE_INDEX. One block.
+extern "C" __global__ void cross_entropy_count(float* y, const int* targets, u64 rows) {
+    double total = 0.0;
+    for (u64 r = threadIdx.x; r < rows; r += blockDim.x) total += targets[r] != IGNORE_INDEX ? 1.0 : 0.0;
+    total = block_sum_f64(total);
+    if (threadIdx.x == 0) y[0] = (float)total;
+}
+
+// A scalar: the sum over the rows not ignored of (max + ln(sumexp) - target logit), in f64, divided by
+// max(count, 1). One block.
+extern "C" __global__ void cross_entropy_loss(float* y, const float* max, const float* stats, const int* targets,
+                                              const float* count, u64 rows) {
     double total = 0.0;
     for (u64 r = threadIdx.x; r < rows; r += blockDim.x) {
-        total += (double)max[r] + log((double)stats[2 * r + 1]) - (double)stats[2 * r];
+        if (targets[r] != IGNORE_INDEX) {
+            total += (double)max[r] + log((double)stats[2 * r + 1]) - (double)stats[2 * r];
+        }
     }
     total = block_sum_f64(total);
-    if (threadIdx.x == 0) y[0] = (float)(total / (double)count);
+    if (threadIdx.x == 0) y[0] = (float)(total / fmax((double)count[0], 1.0));
 }
 
 // y[0] += the sum of squares of x (in f64): one term of the gradient norm. One block, launched once per
@@ -920,18 +936,19 @@ extern "C" __global__ void square_sum(float* y, const float* x, u64 n) {
     if (threadIdx.x == 0) y[0] = (float)((double)y[0] + total);
 }
 
-// dlogits = (softmax - onehot) dloss / count on live columns, 0 on padding.
+// dlogits = (softmax - onehot) dloss / max(count, 1) on live columns, 0 on padding and ignored rows.
 template <class T>
 __device__ void cross_entropy_grad_t(T* g, const T* logits, const int* targets, const float* max, const float* stats,
-                                     const float* dloss, u64 rows, u64 width, u64 live, u64 offset, u64 valid,
-                                     u64 count, u64* invalid) {
-    const float factor = (float)((double)dloss[0] / (double)count);
+                                     const float* dloss, const float* count, u64 rows, u64 width, u64 live, u64 offset,
+                                     u64 valid, u64* invalid) {
+    const float factor = (float)((double)dloss[0] / fmax((double)count[0], 1.0));
     BLOCK_ROWS(r, rows) {
+        const bool ignored = targets[r] == IGNORE_INDEX;
         const u64 target = target_column(targets[r], r, offset, valid, width, invalid);
         const float m = max[r], inv = 1.0f / stats[2 * r + 1];
         ROW_COLUMNS(c, width) {
             const u64 i = r * width + c;
-            float v = c < live ? expf(ld(logits, i) - m) * inv * factor : 0.0f;
+            float v = c < live && !ignored ? expf(ld(logits, i) - m) * inv * factor : 0.0f;
             if (c == target) v -= factor;
             st(g, i, v);
         }
@@ -939,15 +956,15 @@ __device__ void cross_entropy_grad_t(T* g, const T* logits, const int* targets, 
 }
 
 extern "C" __global__ void cross_entropy_grad(float* g, const float* logits, const int* targets, const float* max,
-                                              const float* stats, const float* dloss, u64 rows, u64 width, u64 live,
-                                              u64 offset, u64 valid, u64 count, u64* invalid) {
-    cross_entropy_grad_t(g, logits, targets, max, stats, dloss, rows, width, live, offset, valid, count, invalid);
+                                              const float* stats, const float* dloss, const float* count, u64 rows,
+                                              u64 width, u64 live, u64 offset, u64 valid, u64* invalid) {
+    cross_entropy_grad_t(g, logits, targets, max, stats, dloss, count, rows, width, live, offset, valid, invalid);
 }
 
 extern "C" __global__ void cross_entropy_grad_bf16(bf16* g, const bf16* logits, const int* targets, const float* max,
-                                                   const float* stats, const float* dloss, u64 rows, u64 width,
-                                                   u64 live, u64 offset, u64 valid, u64 count, u64* invalid) {
-    cross_entropy_grad_t(g, logits, targets, max, stats, dloss, rows, width, live, offset, valid, count, invalid);
+                                                   const float* stats, const float* dloss, const float* count, u64 rows,
+                                                   u64 width, u64 live, u64 offset, u64 valid, u64* invalid) {
+    cross_entropy_grad_t(g, logits, targets, max, stats, dloss, count, rows, width, live, offset, valid, invalid);
 }
 
 // ---- optimizer ------------------------------------------------------------------------------------

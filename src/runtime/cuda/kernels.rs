@@ -76,6 +76,7 @@ mod names {
     pub const SUM_TO_LAST: &str = "sum_to_last";
     pub const CROSS_ENTROPY_MAX: &str = "cross_entropy_max";
     pub const CROSS_ENTROPY_STATS: &str = "cross_entropy_stats";
+    pub const CROSS_ENTROPY_COUNT: &str = "cross_entropy_count";
     pub const CROSS_ENTROPY_LOSS: &str = "cross_entropy_loss";
     pub const SQUARE_SUM: &str = "square_sum";
     pub const CROSS_ENTROPY_GRAD: &str = "cross_entropy_grad";
@@ -128,6 +129,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     SUM_TO_LAST,
     CROSS_ENTROPY_MAX,
     CROSS_ENTROPY_STATS,
+    CROSS_ENTROPY_COUNT,
     CROSS_ENTROPY_LOSS,
     SQUARE_SUM,
     CROSS_ENTROPY_GRAD,
@@ -195,7 +197,8 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::SumToLast => Launcher::kernels(&[SUM_TO_LAST]),
         Kernel::CrossEntropyMax { .. } => Launcher::kernels(&[CROSS_ENTROPY_MAX]),
         Kernel::CrossEntropyStats { .. } => Launcher::kernels(&[CROSS_ENTROPY_STATS]),
-        Kernel::CrossEntropyLoss { .. } => Launcher::kernels(&[CROSS_ENTROPY_LOSS]),
+        Kernel::CrossEntropyCount => Launcher::kernels(&[CROSS_ENTROPY_COUNT]),
+        Kernel::CrossEntropyLoss => Launcher::kernels(&[CROSS_ENTROPY_LOSS]),
         Kernel::CrossEntropyGrad { .. } => Launcher::kernels(&[CROSS_ENTROPY_GRAD]),
         Kernel::Fill { .. } => Launcher::kernels(&[FILL_BITS]),
         Kernel::GradSquareSum => Launcher::kernels(&[SQUARE_SUM]),
@@ -1677,7 +1680,7 @@ impl Device {
         match self.flagged(flag)? {
             Some(r) => {
                 let t = read_one(&self.stream, targets, r)?;
-                Err(format!("target {t} is outside the vocabulary [0, {valid})"))
+                Err(format!("target {t} is outside the vocabulary [0, {valid}) and is not the ignored id -100"))
             }
             None => Ok(()),
         }
@@ -1728,16 +1731,27 @@ impl Device {
         self.check_targets(flag, l.targets, vocab.valid)
     }
 
-    fn cross_entropy_loss(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, count: u64) -> Result<(), String> {
-        let [max, stats] = args(inputs)?;
-        ensure(count > 0, || "the row count is 0".to_string())?;
+    fn cross_entropy_count(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [targets] = args(inputs)?;
+        let tv = ints(targets, "the targets")?;
+        same_len("the output", out.len(), 1)?;
+        let y = floats_mut(out, "the output")?;
+        let rows = targets.len() as u64;
+        launch!(self, CROSS_ENTROPY_COUNT, single_block(), [y, tv, &rows])
+    }
+
+    fn cross_entropy_loss(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+        let [max, stats, targets, count] = args(inputs)?;
         let mv = floats(max, "the max")?;
         let rows = max.len();
         let sv = per_row(stats, rows, 2, "the stats")?;
+        let tv = ints(targets, "the targets")?;
+        same_len("the targets", targets.len(), rows)?;
+        let cv = per_row(count, 1, 1, "the count")?;
         same_len("the output", out.len(), 1)?;
         let y = floats_mut(out, "the output")?;
         let rows = rows as u64;
-        launch!(self, CROSS_ENTROPY_LOSS, single_block(), [y, mv, sv, &rows, &count])
+        launch!(self, CROSS_ENTROPY_LOSS, single_block(), [y, mv, sv, tv, cv, &rows])
     }
 
     /// The squares of every gradient this device counts, summed into `out` (see `Kernel::GradSquareSum`).
@@ -1766,14 +1780,13 @@ impl Device {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         vocab: Vocab,
-        count: u64,
         flag: &mut CudaSlice<u64>,
     ) -> Result<(), String> {
-        let [logits, targets, max, stats, dloss] = args(inputs)?;
-        ensure(count > 0, || "the row count is 0".to_string())?;
+        let [logits, targets, max, stats, dloss, count] = args(inputs)?;
         let l = Logits::<T>::new(logits, targets)?;
         let (mv, sv) = (per_row(max, l.rows, 1, "the max")?, per_row(stats, l.rows, 2, "the stats")?);
         let dl = per_row(dloss, 1, 1, "dloss")?;
+        let cv = per_row(count, 1, 1, "the count")?;
         same_len("the output", out.len(), logits.len())?;
         let g = elems_mut::<T>(out, "the output")?;
         if l.width == 0 {
@@ -1781,15 +1794,12 @@ impl Device {
         }
         self.clear_flag(flag)?;
         let cfg = per_rows(l.rows, l.width);
-        let args = [l.rows as u64, l.width as u64, vocab.live(l.width) as u64, vocab.offset, vocab.valid, count];
+        let args = [l.rows as u64, l.width as u64, vocab.live(l.width) as u64, vocab.offset, vocab.valid];
         launch!(
             self,
             variant::<T>(CROSS_ENTROPY_GRAD)?,
             cfg,
-            [
-                g, l.logits, l.targets, mv, sv, dl, &args[0], &args[1], &args[2], &args[3], &args[4], &args[5],
-                &mut *flag
-            ]
+            [g, l.logits, l.targets, mv, sv, dl, cv, &args[0], &args[1], &args[2], &args[3], &args[4], &mut *flag]
         )?;
         self.check_targets(flag, l.targets, vocab.valid)
     }
@@ -1982,9 +1992,10 @@ impl CudaKernels {
             Kernel::CrossEntropyStats { offset, valid } => {
                 dev.cross_entropy_stats::<f32>(inputs, out, Vocab::new(offset, valid, ctx), flag)
             }
-            Kernel::CrossEntropyLoss { count } => dev.cross_entropy_loss(inputs, out, count),
-            Kernel::CrossEntropyGrad { offset, valid, count } => {
-                dev.cross_entropy_grad::<f32>(inputs, out, Vocab::new(offset, valid, ctx), count, flag)
+            Kernel::CrossEntropyCount => dev.cross_entropy_count(inputs, out),
+            Kernel::CrossEntropyLoss => dev.cross_entropy_loss(inputs, out),
+            Kernel::CrossEntropyGrad { offset, valid } => {
+                dev.cross_entropy_grad::<f32>(inputs, out, Vocab::new(offset, valid, ctx), flag)
             }
             Kernel::Fill { value } => dev.fill(inputs, out, value),
             // Between f32 buffers a cast is an exact copy (bf16 casts are run by `bf16::run`).

@@ -234,7 +234,7 @@ fn native(kernel: &Kernel) -> Option<(&'static [Ty], &'static [Ty])> {
         Kernel::LayerNormGradInput { .. } => (&[H, H, H, F, F, F], BF16),
         Kernel::LayerNormGradWeight { .. } => (&[H, H, F, F], BF16),
         Kernel::CrossEntropyStats { .. } => (&[H, I, F], STAT),
-        Kernel::CrossEntropyGrad { .. } => (&[H, I, F, F, F], BF16),
+        Kernel::CrossEntropyGrad { .. } => (&[H, I, F, F, F, F], BF16),
         _ => return None,
     })
 }
@@ -347,8 +347,8 @@ fn run_native(
         Kernel::CrossEntropyStats { offset, valid } => {
             dev.cross_entropy_stats::<B>(inputs, out, Vocab::new(offset, valid, ctx), flag)
         }
-        Kernel::CrossEntropyGrad { offset, valid, count } => {
-            dev.cross_entropy_grad::<B>(inputs, out, Vocab::new(offset, valid, ctx), count, flag)
+        Kernel::CrossEntropyGrad { offset, valid } => {
+            dev.cross_entropy_grad::<B>(inputs, out, Vocab::new(offset, valid, ctx), flag)
         }
         Kernel::Cast => cast_from_bf16(dev, inputs, out),
         _ => Err(format!("internal error: {kernel:?} has no bf16 kernel")),
