@@ -6,7 +6,7 @@ use optimus::ir::Model;
 use optimus::ir::print::print_model;
 
 /// Every example in examples/; a new example must get a snapshot here.
-const EXAMPLES: [&str; 5] = ["bert", "gpt2", "gpt2_manual_attention", "gpt3", "tiny"];
+const EXAMPLES: [&str; 7] = ["bert", "gpt2", "gpt2_manual_attention", "gpt3", "llama", "tiny", "tinyllama"];
 
 fn example_source(name: &str) -> String {
     let path = format!("{}/examples/{name}.opt", env!("CARGO_MANIFEST_DIR"));
@@ -56,6 +56,16 @@ fn bert_ir() {
 }
 
 #[test]
+fn llama_two_layers_ir() {
+    insta::assert_snapshot!(ir_of("llama", &[("layers", "2")]));
+}
+
+#[test]
+fn tinyllama_two_layers_ir() {
+    insta::assert_snapshot!(ir_of("tinyllama", &[("layers", "2")]));
+}
+
+#[test]
 fn tiny_ir() {
     insta::assert_snapshot!(ir_of("tiny", &[]));
 }
@@ -71,6 +81,10 @@ fn parameter_counts_at_defaults() {
     assert_eq!(count("gpt2"), 124_439_808);
     assert_eq!(count("bert"), 335_174_458);
     assert_eq!(count("gpt3"), 174_604_259_328);
+    // Llama: 2 * vocab * hidden (embedding, untied head) + hidden (final norm) + per layer
+    // hidden * (2 * hidden + 2 * kv_heads * head) (q, o, k, v) + 3 * hidden * ffn + 2 * hidden (norms).
+    assert_eq!(count("llama"), 8_030_261_248);
+    assert_eq!(count("tinyllama"), 1_100_048_384);
 }
 
 #[test]

@@ -105,7 +105,8 @@ pub fn print_model(model: &Model, source: &str) -> String {
     out.push('\n');
     for p in &model.params {
         let ckpt = if p.checkpoint != p.name { format!(" checkpoint {:?}", p.checkpoint) } else { String::new() };
-        let _ = writeln!(out, "param {}: {} = {}{ckpt}", p.name, show_type(&p.ty), show_init(&p.init));
+        let stored = if p.checkpoint_transposed { " stored [out, in]" } else { "" };
+        let _ = writeln!(out, "param {}: {} = {}{ckpt}{stored}", p.name, show_type(&p.ty), show_init(&p.init));
     }
     out.push('\n');
     for idx in model.graph.node_indices() {
