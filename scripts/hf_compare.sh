@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Checks examples/gpt2.opt against Hugging Face's GPT2LMHeadModel, and examples/llama.opt against
+# Checks examples/gpt2.opt against Hugging Face's GPT2LMHeadModel, examples/llama.opt against
 # LlamaForCausalLM in float64 (scripts/hf_llama_compare.py: grouped-query and full attention, a vocabulary
-# no mesh divides, one-file and sharded save_pretrained checkpoints, SGD and AdamW, four meshes).
+# no mesh divides, one-file and sharded save_pretrained checkpoints, SGD and AdamW, four meshes), and
+# examples/bert.opt against BertForMaskedLM in float64 (scripts/hf_bert_compare.py: the MLM objective with
+# token types and ignored labels, the tied decoder, square and non-square linears, SGD and AdamW, four meshes).
 #
 # 1. Makes (or reuses) a virtualenv (see HF_VENV) and pip-installs torch,
 #    transformers, safetensors and numpy into it, each only if it does not
@@ -40,4 +42,6 @@ status=0
 "$PY" scripts/hf_compare.py --optimusc "$OPTIMUSC" "$@" || status=$?
 echo "== comparing examples/llama.opt with LlamaForCausalLM (float64)"
 "$PY" scripts/hf_llama_compare.py --optimusc "$OPTIMUSC" || status=$?
+echo "== comparing examples/bert.opt with BertForMaskedLM (float64)"
+"$PY" scripts/hf_bert_compare.py --optimusc "$OPTIMUSC" || status=$?
 exit "$status"

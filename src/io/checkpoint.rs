@@ -3,8 +3,9 @@
 //! A parameter is stored under its `checkpoint` name, found bare or behind the plan's
 //! `checkpoint_prefix` (`h.0.attn.c_attn.weight` in the hub files, `transformer.h.0.attn.c_attn.weight`
 //! in those of `save_pretrained`). Loading ignores GPT-2's causal-mask buffers and a tied
-//! `lm_head.weight`, takes the first rows of a longer position table, and reads F32, F16, BF16 and
-//! F64. Every mismatch is reported at once, and nothing is returned or written unless all is well.
+//! `lm_head.weight`, reads a tied MLM decoder's bias from its parent's name (`cls.predictions.bias`, as
+//! BertForMaskedLM's `save_pretrained` writes it), takes the first rows of a longer position table, and
+//! reads F32, F16, BF16 and F64. Every mismatch is reported at once, and nothing is returned or written unless all is well.
 
 use super::shape_text;
 use crate::diag::printable;
@@ -118,12 +119,22 @@ fn match_tensors<'p, 'd>(plan: &'p Plan, file: &[(String, TensorView<'d>)]) -> M
     let by_checkpoint: HashMap<&str, &PlanParam> = plan.params.iter().map(|p| (p.checkpoint.as_str(), p)).collect();
     let prefix = plan.checkpoint_prefix.as_deref().unwrap_or("");
     let mut matching = Matching { found: HashMap::new(), problems: Vec::new(), extras: Vec::new() };
+    let lookup = |key: &str| {
+        by_checkpoint
+            .get(key)
+            .or_else(|| key.strip_prefix(prefix).filter(|_| !prefix.is_empty()).and_then(|k| by_checkpoint.get(k)))
+            .copied()
+    };
     let mut tensors: Vec<&(String, TensorView<'d>)> = file.iter().collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut aliased = Vec::new();
     for (key, view) in tensors.into_iter().cloned() {
-        let param = by_checkpoint
-            .get(key.as_str())
-            .or_else(|| key.strip_prefix(prefix).filter(|_| !prefix.is_empty()).and_then(|k| by_checkpoint.get(k)));
+        let alias_of = || decoder_bias_alias(&key).and_then(|k| lookup(&k)).filter(|p| p.role == ParamRole::LinearBias);
+        let param = lookup(&key);
+        if let (None, Some(p)) = (param, alias_of()) {
+            aliased.push((p, key, view));
+            continue;
+        }
         match param {
             Some(p) => {
                 if let Some((first, _)) = matching.found.get(p.name.as_str()) {
@@ -143,7 +154,18 @@ fn match_tensors<'p, 'd>(plan: &'p Plan, file: &[(String, TensorView<'d>)]) -> M
             }
         }
     }
+    // Read only where the decoder's own name is absent: a file holding both holds the one tied tensor twice.
+    for (p, key, view) in aliased {
+        matching.found.entry(p.name.as_str()).or_insert((key, view));
+    }
     matching
+}
+
+/// Hugging Face ties an MLM decoder's bias to its parent's (`cls.predictions.decoder.bias` is
+/// `cls.predictions.bias` in BertForMaskedLM, `lm_head.decoder.bias` is `lm_head.bias` in RoBERTa) and
+/// `save_pretrained` writes only the parent's: the decoder bias's name for a file key `A.bias`.
+fn decoder_bias_alias(key: &str) -> Option<String> {
+    key.strip_suffix(".bias").filter(|stem| !stem.is_empty()).map(|stem| format!("{stem}.decoder.bias"))
 }
 
 /// GPT-2's causal-mask buffers (`*.attn.bias`, `*.attn.masked_bias` with no parameter's shape), and
@@ -399,4 +421,86 @@ fn param_bytes(p: &PlanParam, tensor: Option<&Tensor>) -> Result<F32Bytes, Strin
         None => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     };
     Ok(F32Bytes { shape: stored.iter().map(|&d| d as usize).collect(), bytes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{MemoryOptions, Mesh, Mode, Strategy};
+    use crate::shard::{Target, compile};
+
+    /// An MLM head as BertForMaskedLM lays it out: a decoder tied to the embedding, with its own bias.
+    const TIED_HEAD: &str = r#"model t(linear_orientation: "out_in")
+config { vocab = 6; hidden = 4 }
+input tokens: i32[2, 3]
+input targets: i32[2, 3]
+block Predictions {
+  layer decoder = linear(hidden, vocab, tied: "embed")
+  forward(x) { return decoder(x) }
+}
+block Cls {
+  layer predictions = Predictions()
+  forward(x) { return predictions(x) }
+}
+layer embed = embedding(vocab, hidden)
+layer cls = Cls()
+forward { output loss = cross_entropy(cls(embed(tokens)), targets) }
+"#;
+
+    fn plan() -> Plan {
+        let model = crate::check::check_source(TIED_HEAD, &[]).model.expect("the model checks");
+        let target = Target {
+            mesh: Mesh { rows: 1, cols: 1 },
+            strategy: Strategy::None,
+            mode: Mode::Train,
+            memory: MemoryOptions::DEFAULT,
+        };
+        compile(&model, "t.opt", TIED_HEAD, target).unwrap_or_else(|_| panic!("the model compiles"))
+    }
+
+    /// Loads the named f32 tensors, written to a safetensors file, into `plan`.
+    fn load(plan: &Plan, tensors: &[(&str, Vec<usize>, Vec<f32>)]) -> Result<BTreeMap<String, Tensor>, String> {
+        let views: Vec<(String, F32Bytes)> = tensors
+            .iter()
+            .map(|(name, shape, values)| {
+                let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                (name.to_string(), F32Bytes { shape: shape.clone(), bytes })
+            })
+            .collect();
+        let bytes = safetensors::serialize(views, None).expect("serializes");
+        let file = SafeTensors::deserialize(&bytes).expect("deserializes");
+        load_tensors(&TensorSource { path: Path::new("t.safetensors"), tensors: file.tensors() }, plan, false)
+    }
+
+    fn bias_of(loaded: &BTreeMap<String, Tensor>) -> Vec<f32> {
+        loaded["cls.predictions.decoder.bias"].f32().expect("f32").to_vec()
+    }
+
+    #[test]
+    fn a_tied_decoder_bias_is_read_from_its_parents_name_as_save_pretrained_writes_it() {
+        let plan = plan();
+        let table = ("embed.weight", vec![6, 4], (0..24).map(|i| i as f32).collect::<Vec<_>>());
+        let parent = ("cls.predictions.bias", vec![6], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let own = ("cls.predictions.decoder.bias", vec![6], vec![-1.0; 6]);
+
+        let loaded = load(&plan, &[table.clone(), parent.clone()]).expect("the parent's name is accepted");
+        assert_eq!(bias_of(&loaded), parent.2);
+
+        let loaded = load(&plan, &[table.clone(), own.clone()]).expect("the decoder's own name is accepted");
+        assert_eq!(bias_of(&loaded), own.2);
+
+        let both = load(&plan, &[table.clone(), parent, own.clone()]).expect("both names: the tied tensor twice");
+        assert_eq!(bias_of(&both), own.2, "the decoder's own name wins");
+
+        let wrong = ("cls.predictions.bias", vec![5], vec![0.0; 5]);
+        let err = load(&plan, &[table, wrong]).expect_err("a wrong shape is still an error");
+        assert!(err.contains("`cls.predictions.bias`: expected [6], found [5]"), "{err}");
+    }
+
+    #[test]
+    fn only_a_decoder_bias_has_a_parent_name() {
+        assert_eq!(decoder_bias_alias("cls.predictions.bias").as_deref(), Some("cls.predictions.decoder.bias"));
+        assert_eq!(decoder_bias_alias("cls.predictions.weight").as_deref(), None);
+        assert_eq!(decoder_bias_alias(".bias").as_deref(), None);
+    }
 }
