@@ -136,8 +136,11 @@ fn a_hung_device_thread_ends_the_process_within_the_timeout_and_names_it() {
 #[test]
 fn a_save_weights_path_that_cannot_be_written_fails_before_step_0() {
     let missing_dir = scratch("no-such-dir").join("w.safetensors");
-    let directory = std::env::temp_dir();
-    for path in [missing_dir.to_str().expect("utf-8 path"), directory.to_str().expect("utf-8 path")] {
+    // A directory (save_pretrained layout) under a regular file cannot be created.
+    let file = scratch("plain-file");
+    std::fs::write(&file, b"x").expect("write");
+    let under_file = format!("{}/", file.join("weights").display());
+    for path in [missing_dir.to_str().expect("utf-8 path"), under_file.as_str()] {
         let out = optimusc(&["run", "examples/tiny.opt", "--steps", "50", "--save-weights", path]);
         let text = stderr(&out);
         assert_eq!(out.status.code(), Some(1), "{path}: {text}");

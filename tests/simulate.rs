@@ -303,6 +303,10 @@ fn simulate_and_compare_run_on_every_example() {
         let model = path.to_string_lossy().into_owned();
         let mut args = vec!["simulate", model.as_str(), "--mesh", "2x2", "--hardware", "frontera-rtx5000"];
         args.extend(SMALL);
+        // Grouped-query models: as many key/value heads as query heads, so both strategies split them 4 ways.
+        if std::fs::read_to_string(&path).is_ok_and(|text| text.contains("kv_heads")) {
+            args.extend(["--set", "kv_heads=4"]);
+        }
         let (ok, text, err) = optimusc(&args);
         assert!(ok && text.contains("step time"), "{model}: {err}");
         args.extend(["--compare", "--max-batch", "--json", "--placement", "blocks"]);

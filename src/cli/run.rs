@@ -373,8 +373,8 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     let schedule = schedule(args)?;
     args.backend.kind().check_available()?;
     // A path that cannot be written is found now, not after the whole run.
-    if let Some(path) = args.save_weights.as_ref().filter(|p| !saves_a_directory(p)) {
-        optimus::io::check_writable(path).map_err(|e| format!("--save-weights: {e}"))?;
+    if let Some(path) = &args.save_weights {
+        check_weights_destination(path)?;
     }
     // Under mpirun every rank prepares; rank 0 alone warns and writes the log.
     let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
@@ -734,6 +734,17 @@ impl Progress {
             eprintln_safe!("{what} {} steps: loss {first:.4} -> {last:.4}", output.steps.len());
         }
     }
+}
+
+/// Checks before step 0 that `--save-weights` can be written: the file, or (for a directory, created now if
+/// missing) a file in it.
+fn check_weights_destination(path: &Path) -> Result<(), String> {
+    let fail = |e: String| format!("--save-weights: {e}");
+    if !saves_a_directory(path) {
+        return optimus::io::check_writable(path).map_err(fail);
+    }
+    std::fs::create_dir_all(path).map_err(|e| fail(format!("cannot create directory `{}`: {e}", path.display())))?;
+    optimus::io::check_writable(&path.join(optimus::io::pretrained::SINGLE_FILE)).map_err(fail)
 }
 
 /// Whether `--save-weights` names a directory (the `save_pretrained` layout) rather than one file.
