@@ -133,6 +133,7 @@ impl MpiJob {
         }
         let (i, j) = devices[self.rank as usize];
         install_panic_hook(format!("rank {} (device ({i}, {j}))", self.rank));
+        super::cpu::return_freed_memory_promptly();
         let comm = MpiComm::new(&self.world, plan.mesh, (i, j), config.timeout, self.rank)?;
         let outcome = match config.backend {
             #[cfg(feature = "cuda")]

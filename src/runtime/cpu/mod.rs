@@ -22,6 +22,34 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use threads::{Fabric, ThreadComm};
 
+/// Bytes from which a freed allocation goes back to the operating system at once (see
+/// [`return_freed_memory_promptly`]).
+const RETURN_FREED_FROM: i32 = 128 * 1024;
+
+/// Asks the C allocator (glibc) to give freed blocks of [`RETURN_FREED_FROM`] bytes or more back to the
+/// operating system at once, instead of keeping them in each thread's heap for later. A device's
+/// memory is its arena, laid out from the plan; what kernels allocate besides (the bounded pieces of
+/// the bf16 emulation, attention tiles, host copies of a step's inputs) is transient, and glibc's
+/// default (raising the threshold to the largest block freed so far, up to 32 MiB, and keeping such
+/// blocks in every thread's heap) would leave several MiB resident per device thread, memory the plan
+/// does not hold. Other allocators, and other systems, are left as they are.
+pub fn return_freed_memory_promptly() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // glibc's mallopt parameters (malloc.h).
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        unsafe extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        // SAFETY: mallopt only changes allocator parameters; any value is accepted or refused (0).
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, RETURN_FREED_FROM);
+            mallopt(M_TRIM_THRESHOLD, RETURN_FREED_FROM);
+        }
+    }
+}
+
 /// Runs a plan on one thread per device. `on_step` is called by device (0, 0) after every step.
 /// Parameters start from `initial` where given (logical tensors by name), else from the seed.
 pub fn run(
@@ -32,6 +60,7 @@ pub fn run(
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<RunOutput, String> {
     super::limits::check_host_can_run(plan, plan.mesh.devices())?;
+    return_freed_memory_promptly();
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();
     #[cfg(feature = "cuda")]
