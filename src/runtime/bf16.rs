@@ -1,8 +1,11 @@
 //! bf16 storage on the host: conversions between f32 and bf16 bit patterns (round to nearest, ties
 //! to even; NaN stays a quiet NaN, infinities stay infinite, values past the bf16 range round to
 //! infinity), and the widening that lets f32 kernels run on bf16 buffers: bf16 inputs are widened to
-//! f32 scratch copies, the kernel computes in f32, and its f32 result is rounded once into the bf16
-//! output. Collectives on bf16 buffers exchange the widened f32 values in the same way.
+//! f32 scratch, the kernel computes in f32, and its f32 result is rounded once into the bf16 output.
+//! The CPU backend does this a bounded piece at a time ([`PIECE_ELEMENTS`]: rows, whole matrices,
+//! product tiles, pieces of a sum's output), bit for bit what widening whole tensors gives, so that
+//! its scratch stays small whatever the tensors' sizes. Collectives exchange bf16 buffers as they are
+//! (see `runtime::comm`); the widening helpers for collectives here serve backends that exchange f32.
 
 use super::tensor::Tensor;
 use super::view::{Shape, View, ViewData, ViewMut, ViewMutData};
