@@ -336,3 +336,50 @@ fn summa_products_accumulate_in_float32_and_round_once() {
     assert!(share > 0.99, "only {share:.4} of the elements are the nearest bf16 to the exact product");
     assert!(max_error < 2f64.powi(-8), "max error {max_error:.3e}");
 }
+
+/// Records which element type each exchange was handed, and how many bytes.
+#[derive(Default)]
+struct Recorder {
+    bf16_bytes: usize,
+    f32_bytes: usize,
+}
+
+impl optimus::runtime::backend::Exchanges for Recorder {
+    fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), optimus::runtime::comm::CommError> {
+        self.f32_bytes += 4 * send.len();
+        recv.fill(0.0);
+        Ok(())
+    }
+
+    fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), optimus::runtime::comm::CommError> {
+        self.bf16_bytes += 2 * send.len();
+        recv.fill(0);
+        Ok(())
+    }
+}
+
+#[test]
+fn the_cpu_arena_hands_bf16_collectives_their_bf16_buffers_as_they_are() {
+    use optimus::runtime::arena::{HostArena, layout};
+    for (mesh, strategy) in [((2, 2), Strategy::Optimus), ((1, 4), Strategy::Megatron)] {
+        let p = plan(mesh, strategy, Precision::Bf16);
+        let mut arena = HostArena::new(&p, &layout(&p)).expect("the arena");
+        let (mut bf16_elements, mut f32_elements) = (0, 0);
+        let mut recorder = Recorder::default();
+        for instr in &p.program {
+            let Instr::Collective { collective: c, .. } = instr else { continue };
+            let elements = p.buffer(c.send).shape.iter().product::<u64>() as usize;
+            match (p.buffer(c.send).dtype, p.buffer(c.recv).dtype) {
+                (DType::Bf16, DType::Bf16) => bf16_elements += elements,
+                (DType::F32, DType::F32) => f32_elements += elements,
+                other => panic!("a collective between {other:?}"),
+            }
+            let elementwise = matches!(c.kind, optimus::plan::CollectiveKind::AllReduce);
+            arena.exchange_typed(c.send, c.recv, elementwise, &mut recorder).expect("the exchange");
+        }
+        // Every bf16 collective's payload is 2 bytes an element; only float32 buffers travel as f32.
+        assert!(bf16_elements > 0, "{mesh:?}: the plan has bf16 collectives");
+        assert_eq!(recorder.bf16_bytes, 2 * bf16_elements, "{mesh:?}");
+        assert_eq!(recorder.f32_bytes, 4 * f32_elements, "{mesh:?}");
+    }
+}
