@@ -111,6 +111,10 @@ fn products_split_over_a_long_shared_dimension_agree() {
     // 3000 shared rows into an 80 x 70 output: pieces of the shared dimension, summed in f32.
     let kernel = Kernel::MatMul { transpose_a: true, transpose_b: false, accumulate: false };
     same_bits(&kernel, &[bf16_of(29, &[3000, 80]), bf16_of(30, &[3000, 70])], &[80, 70], 0);
+    // 5000 shared rows into a 48 x 40 output: pieces of 2048.
+    same_bits(&kernel, &[bf16_of(31, &[5000, 48]), bf16_of(32, &[5000, 40])], &[48, 40], 0);
+    let kernel = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: true };
+    same_bits(&kernel, &[bf16_of(33, &[60, 3500]), bf16_of(34, &[3500, 50])], &[60, 50], bf16::round(0.5));
 }
 
 #[test]
