@@ -46,8 +46,10 @@ fn bf16_plans_keep_master_weights_gradients_and_optimizer_state_in_f32() {
     }
     let activations: Vec<_> = p.buffers.iter().filter(|b| b.role == Role::Activation).collect();
     assert!(activations.iter().filter(|b| b.dtype == DType::Bf16).count() > 10, "activations are bf16");
-    // What stays float32 among the temporaries: statistics ([rows, 1] or [rows, 2]) and the loss.
-    for b in p.buffers.iter().filter(|b| matches!(b.role, Role::Activation | Role::Workspace)) {
+    // What stays float32 among the temporaries: statistics ([rows, 1] or [rows, 2]), the loss, and the
+    // float32 sums of SUMMA's accumulating products.
+    let temporaries = p.buffers.iter().filter(|b| matches!(b.role, Role::Activation | Role::Workspace));
+    for b in temporaries.filter(|b| !b.name.ends_with(".summa_sum")) {
         if b.dtype == DType::F32 {
             assert!(b.shape.last().is_none_or(|&last| last <= 2), "`{}` {:?} is float32", b.name, b.shape);
         }
@@ -71,7 +73,10 @@ fn each_weight_is_cast_once_per_step_and_each_gradient_once() {
         let into = casts.iter().filter(|(_, out)| Some(*out) == param.grad).count();
         assert_eq!(into, 1, "`{}`'s gradient is cast into float32 once", param.name);
     }
-    assert_eq!(casts.len(), 2 * p.params.len());
+    // Besides, each float32 SUMMA sum is cast once into its bf16 output.
+    let summa_sums = p.buffers.iter().filter(|b| b.name.ends_with(".summa_sum")).count();
+    assert!(summa_sums > 0);
+    assert_eq!(casts.len(), 2 * p.params.len() + summa_sums);
     // The float32 plan has no casts at all.
     let f32_plan = plan((2, 2), Strategy::Optimus, Precision::F32);
     assert!(!f32_plan.program.iter().any(|i| matches!(i, Instr::Kernel { kernel: Kernel::Cast, .. })));
@@ -129,8 +134,8 @@ fn tokens(plan: &Plan) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, Strin
     }
 }
 
-fn train(plan: &Plan, steps: u64) -> RunOutput {
-    let optimizer = OptimizerSettings {
+fn adamw() -> OptimizerSettings {
+    OptimizerSettings {
         kind: OptimizerKind::AdamW,
         lr: 3e-3,
         weight_decay: 0.01,
@@ -138,8 +143,11 @@ fn train(plan: &Plan, steps: u64) -> RunOutput {
         beta1: 0.9,
         beta2: 0.999,
         eps: 1e-8,
-    };
-    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(3, steps, optimizer) };
+    }
+}
+
+fn train(plan: &Plan, steps: u64) -> RunOutput {
+    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(3, steps, adamw()) };
     run(plan, &config, &tokens(plan), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }
 
@@ -248,4 +256,130 @@ fn the_cast_kernel_rounds_to_nearest_even_and_keeps_nan_and_infinities() {
         optimus::runtime::view::View { shape: Shape(&shape), data: optimus::runtime::view::ViewData::Bf16(&bits) };
     with_widened(&[&back], &mut wide.view_mut(), false, cast).expect("the cast runs");
     assert_eq!(wide.f32().expect("f32")[1], 1.0 + 2f32.powi(-6));
+}
+
+/// One linear layer (y = x W, a SUMMA AB product on a q x q mesh) with a float32 input.
+const SUMMA_MODEL: &str = "model summa
+config {
+  rows   = 64
+  hidden = 512
+  out    = 128
+}
+input x: f32[rows, hidden]
+layer fc = linear(hidden, out, bias: false)
+forward {
+  output y = fc(x)
+}
+";
+
+fn summa_plan(mesh: u64, precision: Precision) -> Plan {
+    let model = check_source(SUMMA_MODEL, &[]).model.expect("the model checks");
+    let memory = MemoryOptions { precision, ..MemoryOptions::DEFAULT };
+    let strategy = if mesh == 1 { Strategy::None } else { Strategy::Optimus };
+    let target = Target { mesh: Mesh { rows: mesh, cols: mesh }, strategy, mode: Mode::Infer, memory };
+    match compile(&model, "summa.opt", SUMMA_MODEL, target) {
+        Ok(p) => p,
+        Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("summa.opt", SUMMA_MODEL, &d)),
+    }
+}
+
+#[test]
+fn summa_products_accumulate_in_float32_and_round_once() {
+    use optimus::runtime::bf16::{round, widen_one};
+    let p = summa_plan(4, Precision::Bf16);
+    // The q = 4 steps accumulate into a float32 sum, cast once into the bf16 output.
+    let sum = p.buffers.iter().find(|b| b.name.ends_with(".summa_sum")).expect("a float32 SUMMA sum");
+    assert_eq!(sum.dtype, DType::F32);
+    let into_sum = p
+        .program
+        .iter()
+        .filter(|i| matches!(i, Instr::Kernel { kernel: Kernel::MatMul { .. }, output, .. } if *output == sum.id));
+    assert_eq!(into_sum.count(), 4);
+    let casts: Vec<_> = p
+        .program
+        .iter()
+        .filter_map(|i| match i {
+            Instr::Kernel { kernel: Kernel::Cast, inputs, output, .. } if inputs == &[sum.id] => Some(*output),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(casts.len(), 1, "the sum is rounded into bf16 once");
+    assert_eq!(p.buffer(casts[0]).dtype, DType::Bf16);
+    // A float32 plan has no such sum: it accumulates into its output.
+    assert!(!summa_plan(4, Precision::F32).buffers.iter().any(|b| b.name.ends_with(".summa_sum")));
+
+    // The bf16 product against the exact product of the same operands (the float32 input x and W
+    // rounded to bf16), rounded once: every element is that nearest bf16, up to the float32 order of the sum.
+    let (rows, hidden, out) = (64usize, 512usize, 128usize);
+    let x: Vec<f32> = (0..rows * hidden).map(|k| (mix64(k as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.3).collect();
+    let inputs =
+        |_: u64| Ok(BTreeMap::from([("x".to_string(), Tensor::from_f32(&[rows as u64, hidden as u64], x.clone()))]));
+    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(5, 1, adamw()) };
+    let run_out = run(&p, &config, &inputs, &BTreeMap::new(), &|_| {}).expect("the bf16 run");
+    let y = run_out.outputs.get("y").expect("the output").f32().expect("float values").to_vec();
+    let w = run_out.params.get("fc.weight").expect("the weight").f32().expect("float32 weights").to_vec();
+    let r = |v: f32| f64::from(widen_one(round(v)));
+    let mut exact = vec![0.0f64; rows * out];
+    for i in 0..rows {
+        for k in 0..hidden {
+            let xi = f64::from(x[i * hidden + k]);
+            for j in 0..out {
+                exact[i * out + j] += xi * r(w[k * out + j]);
+            }
+        }
+    }
+    let scale = exact.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let max_error = y.iter().zip(&exact).map(|(&a, &b)| (f64::from(a) - b).abs()).fold(0.0, f64::max) / scale;
+    let nearest = y.iter().zip(&exact).filter(|&(&a, &b)| a == widen_one(round(b as f32))).count();
+    let share = nearest as f64 / y.len() as f64;
+    eprintln!("bf16 SUMMA 4x4: max error {max_error:.3e} of the largest |y|, {share:.4} of elements the nearest bf16");
+    assert!(share > 0.99, "only {share:.4} of the elements are the nearest bf16 to the exact product");
+    assert!(max_error < 2f64.powi(-8), "max error {max_error:.3e}");
+}
+
+/// Records which element type each exchange was handed, and how many bytes.
+#[derive(Default)]
+struct Recorder {
+    bf16_bytes: usize,
+    f32_bytes: usize,
+}
+
+impl optimus::runtime::backend::Exchanges for Recorder {
+    fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), optimus::runtime::comm::CommError> {
+        self.f32_bytes += 4 * send.len();
+        recv.fill(0.0);
+        Ok(())
+    }
+
+    fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), optimus::runtime::comm::CommError> {
+        self.bf16_bytes += 2 * send.len();
+        recv.fill(0);
+        Ok(())
+    }
+}
+
+#[test]
+fn the_cpu_arena_hands_bf16_collectives_their_bf16_buffers_as_they_are() {
+    use optimus::runtime::arena::{HostArena, layout};
+    for (mesh, strategy) in [((2, 2), Strategy::Optimus), ((1, 4), Strategy::Megatron)] {
+        let p = plan(mesh, strategy, Precision::Bf16);
+        let mut arena = HostArena::new(&p, &layout(&p)).expect("the arena");
+        let (mut bf16_elements, mut f32_elements) = (0, 0);
+        let mut recorder = Recorder::default();
+        for instr in &p.program {
+            let Instr::Collective { collective: c, .. } = instr else { continue };
+            let elements = p.buffer(c.send).shape.iter().product::<u64>() as usize;
+            match (p.buffer(c.send).dtype, p.buffer(c.recv).dtype) {
+                (DType::Bf16, DType::Bf16) => bf16_elements += elements,
+                (DType::F32, DType::F32) => f32_elements += elements,
+                other => panic!("a collective between {other:?}"),
+            }
+            let elementwise = matches!(c.kind, optimus::plan::CollectiveKind::AllReduce);
+            arena.exchange_typed(c.send, c.recv, elementwise, &mut recorder).expect("the exchange");
+        }
+        // Every bf16 collective's payload is 2 bytes an element; only float32 buffers travel as f32.
+        assert!(bf16_elements > 0, "{mesh:?}: the plan has bf16 collectives");
+        assert_eq!(recorder.bf16_bytes, 2 * bf16_elements, "{mesh:?}");
+        assert_eq!(recorder.f32_bytes, 4 * f32_elements, "{mesh:?}");
+    }
 }

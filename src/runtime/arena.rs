@@ -7,7 +7,7 @@
 //! (token ids) as i32, and bf16 buffers as two bf16 bit patterns per word, so that a buffer takes the
 //! bytes its dtype says and the arena matches the plan's memory figures.
 
-use super::backend::Exchange;
+use super::backend::{Exchange, Exchanges};
 use super::bf16;
 use super::error::{RuntimeError, unreachable};
 use super::tensor::Tensor;
@@ -292,6 +292,33 @@ impl HostArena {
             Ok(()) => Ok(()),
             Err(message) => Err(comm_error.map_or(RuntimeError::Storage(message), RuntimeError::Comm)),
         }
+    }
+
+    /// Lends `exchange` a collective's send block and receive buffer in their element type: two bf16
+    /// buffers go to [`Exchanges::bf16`] as they are (bf16 on the wire, no f32 copies), two f32
+    /// buffers to [`Exchanges::f32`]; a bf16 buffer paired with an f32 one is widened as
+    /// [`HostArena::exchange`] does.
+    pub fn exchange_typed(
+        &mut self,
+        send: BufferId,
+        recv: BufferId,
+        elementwise: bool,
+        exchange: &mut dyn Exchanges,
+    ) -> Result<(), RuntimeError> {
+        let elems = (self.region(send)?.elem, self.region(recv)?.elem);
+        if elems != (Elem::Bf16, Elem::Bf16) && elems != (Elem::F32, Elem::F32) {
+            return self.exchange(send, recv, elementwise, &mut |s, r| exchange.f32(s, r));
+        }
+        let (ins, mut outs) = self.operands(&[send], &[recv])?;
+        let (Some(send), Some(recv)) = (ins.first(), outs.first_mut()) else {
+            return Err(unreachable("one send and one receive buffer"));
+        };
+        match (send.data, &mut recv.data) {
+            (ViewData::Bf16(s), ViewMutData::Bf16(r)) => exchange.bf16(s, r),
+            (ViewData::F32(s), ViewMutData::F32(r)) => exchange.f32(s, r),
+            _ => return Err(unreachable("two buffers of one floating-point type")),
+        }
+        .map_err(RuntimeError::Comm)
     }
 
     /// Keeps only the buffers `keep` (disjoint), moved to the front, and gives the rest of the

@@ -21,6 +21,13 @@ pub struct UpdateBuffers {
 /// A collective's data exchange, given this device's send block and receive buffer.
 pub type Exchange<'e> = dyn FnMut(&[f32], &mut [f32]) -> Result<(), CommError> + 'e;
 
+/// A collective's data exchange in the element type of its buffers: f32 blocks, or bf16 blocks as
+/// their bit patterns (which travel as bf16, 2 bytes an element).
+pub trait Exchanges {
+    fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError>;
+    fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), CommError>;
+}
+
 /// Runs the local computations of one device on storage it owns.
 ///
 /// The executor allocates a device's [`Backend::Storage`] once, from the plan's [`ArenaLayout`], and
@@ -77,6 +84,19 @@ pub trait Backend: Send {
         elementwise: bool,
         exchange: &mut Exchange<'_>,
     ) -> Result<(), RuntimeError>;
+    /// As [`Backend::collective`], with an exchange that can also carry bf16: a backend whose storage
+    /// holds bf16 buffers hands them to [`Exchanges::bf16`] as they are. This default widens them to
+    /// f32 through [`Backend::collective`].
+    fn collective_typed(
+        &mut self,
+        storage: &mut Self::Storage,
+        send: BufferId,
+        recv: BufferId,
+        elementwise: bool,
+        exchange: &mut dyn Exchanges,
+    ) -> Result<(), RuntimeError> {
+        self.collective(storage, send, recv, elementwise, &mut |s, r| exchange.f32(s, r))
+    }
 }
 
 /// Which backend a run's devices use.

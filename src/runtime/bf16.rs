@@ -1,8 +1,11 @@
 //! bf16 storage on the host: conversions between f32 and bf16 bit patterns (round to nearest, ties
 //! to even; NaN stays a quiet NaN, infinities stay infinite, values past the bf16 range round to
 //! infinity), and the widening that lets f32 kernels run on bf16 buffers: bf16 inputs are widened to
-//! f32 scratch copies, the kernel computes in f32, and its f32 result is rounded once into the bf16
-//! output. Collectives on bf16 buffers exchange the widened f32 values in the same way.
+//! f32 scratch, the kernel computes in f32, and its f32 result is rounded once into the bf16 output.
+//! The CPU backend does this a bounded piece at a time ([`PIECE_ELEMENTS`]: rows, whole matrices,
+//! product tiles, pieces of a sum's output), bit for bit what widening whole tensors gives, so that
+//! its scratch stays small whatever the tensors' sizes. Collectives exchange bf16 buffers as they are
+//! (see `runtime::comm`); the widening helpers for collectives here serve backends that exchange f32.
 
 use super::tensor::Tensor;
 use super::view::{Shape, View, ViewData, ViewMut, ViewMutData};
@@ -87,8 +90,79 @@ pub fn with_widened<R>(
 /// An f32 matrix product on (A, B, out) views, accumulating into `out` when told.
 pub type Product<'k> = dyn Fn(&[&View], &mut ViewMut, bool) -> Result<(), String> + 'k;
 
-/// Elements widened per piece when a product is done piecewise (1 Mi elements: 4 MiB of f32).
-const PIECE_ELEMENTS: usize = 1 << 20;
+/// The scratch budget of the piecewise emulation: a piece of an operand widened to f32 holds at most
+/// this many elements (128 Ki: 512 KiB of f32), whatever the tensor's size, unless one unit of the
+/// kernel (a row, or one matrix of a batched kernel) is larger. Smaller pieces save little memory and
+/// cost time: the products' tiles get too small for the f32 kernel to run at speed.
+pub const PIECE_ELEMENTS: usize = 1 << 17;
+
+/// Scratch buffers each thread keeps for the next piece, and the largest it keeps (in elements): a
+/// fixed budget per thread, reused, so that the pieces neither grow the heap nor ask the system for
+/// memory again and again.
+const POOLED_BUFFERS: usize = 8;
+const POOLED_ELEMENTS: usize = PIECE_ELEMENTS;
+
+thread_local! {
+    static POOL: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An f32 scratch buffer for one piece, taken from this thread's pool and given back when dropped.
+struct Scratch(Vec<f32>);
+
+impl Scratch {
+    /// An empty buffer with room for `n` elements.
+    fn with_capacity(n: usize) -> Scratch {
+        let pooled = POOL.with(|p| {
+            let mut p = p.borrow_mut();
+            let at = p.iter().position(|v| v.capacity() >= n)?;
+            Some(p.swap_remove(at))
+        });
+        let mut v = pooled.unwrap_or_else(|| Vec::with_capacity(n.max(1)));
+        v.clear();
+        Scratch(v)
+    }
+
+    /// `n` zeros.
+    fn zeros(n: usize) -> Scratch {
+        let mut s = Scratch::with_capacity(n);
+        s.0.resize(n, 0.0);
+        s
+    }
+
+    /// The f32 values of bf16 bits.
+    fn widened(bits: &[u16]) -> Scratch {
+        let mut s = Scratch::with_capacity(bits.len());
+        s.0.extend(bits.iter().map(|&b| widen_one(b)));
+        s
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.0);
+        if v.capacity() <= POOLED_ELEMENTS {
+            POOL.with(|p| {
+                let mut p = p.borrow_mut();
+                if p.len() < POOLED_BUFFERS {
+                    p.push(v);
+                }
+            });
+        }
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Scratch {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.0
+    }
+}
 
 /// `rows` x `cols` rows `first..first + rows` of a floating-point view, as f32 (borrowed when the view
 /// is f32 already).
@@ -108,11 +182,54 @@ fn pieces(rows: usize, cols: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..rows).step_by(step).map(move |first| (first, step.min(rows - first)))
 }
 
-/// A matrix product with a bf16 operand, piece by piece so that only a piece of the large operand is
-/// widened at a time (the memory of the CPU emulation stays near the plan's): `A B` in pieces of A's
-/// rows and the output's; `A^T B` in pieces of the rows A and B share, accumulated in an f32 copy of the
-/// output and rounded once. `run` is the f32 product on (A, B, out) views. Returns `None` for the
-/// products it does not split (A^T B^T), which the caller widens whole.
+/// Ranges `first..first + len` of `0..total` in steps of `step`.
+fn ranges(total: usize, step: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let step = step.max(1);
+    (0..total).step_by(step).map(move |first| first..(first + step).min(total))
+}
+
+/// A block of a matrix stored row-major as `rows` x `cols`: rows `r` and columns `c`, as a dense f32
+/// matrix (widened where the matrix is bf16).
+fn block_f32(
+    view: &View,
+    cols: usize,
+    r: &std::ops::Range<usize>,
+    c: &std::ops::Range<usize>,
+) -> Result<Scratch, String> {
+    let missing = || "a product operand is not a floating-point block of its shape".to_string();
+    let mut out = Scratch::with_capacity(r.len() * c.len());
+    for row in r.clone() {
+        let range = row * cols + c.start..row * cols + c.end;
+        match view.data {
+            ViewData::F32(v) => out.0.extend_from_slice(v.get(range).ok_or_else(missing)?),
+            ViewData::Bf16(v) => out.0.extend(v.get(range).ok_or_else(missing)?.iter().map(|&b| widen_one(b))),
+            ViewData::I32(_) => return Err(missing()),
+        }
+    }
+    Ok(out)
+}
+
+/// Rounds (or copies) a dense f32 block into rows `r` and columns `c` of a row-major output of `cols`
+/// columns.
+fn write_block(
+    out: &mut ViewMut,
+    cols: usize,
+    r: &std::ops::Range<usize>,
+    c: &std::ops::Range<usize>,
+    block: &[f32],
+) -> Result<(), String> {
+    for (k, row) in r.clone().enumerate() {
+        write_rows(out, row * cols + c.start, &block[k * c.len()..(k + 1) * c.len()])?;
+    }
+    Ok(())
+}
+
+/// A matrix product with a bf16 operand, tile by tile so that only a bounded piece of each operand is
+/// widened at a time (the memory of the CPU emulation stays near the plan's): the output is cut into
+/// tiles of rows and columns, and each tile sums its products over pieces of the shared dimension in
+/// an f32 accumulator, rounded into a bf16 output once. Every output element is accumulated in the
+/// order of the shared dimension, as the whole product would. `run` is the f32 product on (A, B, out)
+/// views with the same transposes. `None` when the operands are not two matrices of matching shapes.
 pub fn product_in_pieces(
     inputs: &[&View],
     out: &mut ViewMut,
@@ -123,77 +240,42 @@ pub fn product_in_pieces(
     let (cols_a, rows_a) = last_and_rows(a.shape.as_slice());
     let (cols_b, rows_b) = last_and_rows(b.shape.as_slice());
     let (n, m) = last_and_rows(out.shape.as_slice());
-    match (ta, tb) {
-        (false, _) => Some(by_output_rows(a, b, out, (rows_a, cols_a, m, n), accumulate, run)),
-        (true, false) => Some(by_shared_rows(a, b, out, (rows_a, cols_a, rows_b, cols_b), accumulate, run)),
-        (true, true) => None,
+    let (am, k) = if ta { (cols_a, rows_a) } else { (rows_a, cols_a) };
+    let (bk, bn) = if tb { (cols_b, rows_b) } else { (rows_b, cols_b) };
+    if am != m || bk != k || bn != n || out.len() != m * n {
+        return None;
     }
+    // The shared dimension is cut only past 1024, and in multiples of 1024: faer blocks the shared
+    // dimension itself, and pieces of such lengths keep its order of additions on every shape the
+    // tests check (bf16_pieces_tests compares the bits); other lengths need not.
+    let kk = if k <= 1024 { k.max(1) } else { (PIECE_ELEMENTS / m.max(n).max(1)).max(1024) / 1024 * 1024 };
+    let nn = n.min(PIECE_ELEMENTS / kk).max(1);
+    let mm = m.min(PIECE_ELEMENTS / kk.max(nn)).max(1);
+    let tile = |rm: std::ops::Range<usize>, rn: std::ops::Range<usize>, out: &mut ViewMut| -> Result<(), String> {
+        let mut sum =
+            if accumulate { block_f32(&out.as_view(), n, &rm, &rn)? } else { Scratch::zeros(rm.len() * rn.len()) };
+        let sum_shape = [rm.len() as u64, rn.len() as u64];
+        for (piece, rk) in ranges(k, kk).enumerate() {
+            let (a_rows, a_cols) = if ta { (&rk, &rm) } else { (&rm, &rk) };
+            let (b_rows, b_cols) = if tb { (&rn, &rk) } else { (&rk, &rn) };
+            let a_block = block_f32(a, cols_a, a_rows, a_cols)?;
+            let b_block = block_f32(b, cols_b, b_rows, b_cols)?;
+            let a_shape = [a_rows.len() as u64, a_cols.len() as u64];
+            let b_shape = [b_rows.len() as u64, b_cols.len() as u64];
+            let a_view = View { shape: Shape(&a_shape), data: ViewData::F32(&a_block) };
+            let b_view = View { shape: Shape(&b_shape), data: ViewData::F32(&b_block) };
+            let mut sum_view = ViewMut { shape: Shape(&sum_shape), data: ViewMutData::F32(&mut sum) };
+            run(&[&a_view, &b_view], &mut sum_view, accumulate || piece > 0)?;
+        }
+        write_block(out, n, &rm, &rn, &sum)
+    };
+    Some(ranges(n, nn).try_for_each(|rn| ranges(m, mm).try_for_each(|rm| tile(rm, rn.clone(), out))))
 }
 
 /// The last dimension and the product of the others.
 fn last_and_rows(shape: &[u64]) -> (usize, usize) {
     let last = shape.last().copied().unwrap_or(1) as usize;
     (last, shape.iter().rev().skip(1).product::<u64>() as usize)
-}
-
-/// out[rows] = A[rows] op(B), a piece of rows at a time.
-fn by_output_rows(
-    a: &View,
-    b: &View,
-    out: &mut ViewMut,
-    (rows, cols, m, n): (usize, usize, usize, usize),
-    accumulate: bool,
-    run: &Product,
-) -> Result<(), String> {
-    if rows != m {
-        return Err(format!("A has {rows} rows but the output {m}"));
-    }
-    let whole_b = rows_f32(b, 0, last_and_rows(b.shape.as_slice()).1, last_and_rows(b.shape.as_slice()).0)?;
-    let b_view = View { shape: b.shape, data: ViewData::F32(&whole_b) };
-    for (first, count) in pieces(rows, cols.max(n)) {
-        let a_piece = rows_f32(a, first, count, cols)?;
-        let a_shape = [count as u64, cols as u64];
-        let a_view = View { shape: Shape(&a_shape), data: ViewData::F32(&a_piece) };
-        let out_shape = [count as u64, n as u64];
-        let mut piece =
-            if accumulate { rows_f32(&out.as_view(), first, count, n)?.into_owned() } else { vec![0.0; count * n] };
-        run(
-            &[&a_view, &b_view],
-            &mut ViewMut { shape: Shape(&out_shape), data: ViewMutData::F32(&mut piece) },
-            accumulate,
-        )?;
-        write_rows(out, first * n, &piece)?;
-    }
-    Ok(())
-}
-
-/// out = A^T op(B) summed over the rows A and B share, a piece of rows at a time, in f32.
-fn by_shared_rows(
-    a: &View,
-    b: &View,
-    out: &mut ViewMut,
-    (rows, cols_a, rows_b, cols_b): (usize, usize, usize, usize),
-    accumulate: bool,
-    run: &Product,
-) -> Result<(), String> {
-    if rows != rows_b {
-        return Err(format!("A^T B needs as many rows in A ({rows}) as in B ({rows_b})"));
-    }
-    let mut total = match (accumulate, &out.data) {
-        (true, ViewMutData::Bf16(bits)) => widen(bits),
-        (true, ViewMutData::F32(v)) => v.to_vec(),
-        _ => vec![0.0; out.len()],
-    };
-    let out_shape = out.shape;
-    for (k, (first, count)) in pieces(rows, cols_a.max(cols_b)).enumerate() {
-        let (a_piece, b_piece) = (rows_f32(a, first, count, cols_a)?, rows_f32(b, first, count, cols_b)?);
-        let (a_shape, b_shape) = ([count as u64, cols_a as u64], [count as u64, cols_b as u64]);
-        let a_view = View { shape: Shape(&a_shape), data: ViewData::F32(&a_piece) };
-        let b_view = View { shape: Shape(&b_shape), data: ViewData::F32(&b_piece) };
-        let mut sum = ViewMut { shape: out_shape, data: ViewMutData::F32(&mut total) };
-        run(&[&a_view, &b_view], &mut sum, accumulate || k > 0)?;
-    }
-    write_rows(out, 0, &total)
 }
 
 /// An f32 kernel on views.
@@ -232,6 +314,20 @@ pub fn row_split(kernel: &crate::plan::Kernel) -> Option<&'static [bool]> {
 /// little more memory than the plan. `None` when the operands are not whole rows of the output's row
 /// count (the caller then widens them whole).
 pub fn by_rows(inputs: &[&View], out: &mut ViewMut, split: &[bool], run: &KernelOnViews) -> Option<Result<(), String>> {
+    by_rows_at(inputs, out, split, &|ins, out, _| run(ins, out))
+}
+
+/// An f32 kernel on a piece of rows of its operands, told the index of the piece's first row.
+pub type KernelOnRows<'k> = dyn Fn(&[&View], &mut ViewMut, usize) -> Result<(), String> + 'k;
+
+/// [`by_rows`] for a kernel that needs to know where its piece starts (dropout, whose mask depends on
+/// the logical index of each element).
+pub fn by_rows_at(
+    inputs: &[&View],
+    out: &mut ViewMut,
+    split: &[bool],
+    run: &KernelOnRows,
+) -> Option<Result<(), String>> {
     let (width, rows) = last_and_rows(out.shape.as_slice());
     if rows < 2 || split.len() != inputs.len() {
         return None;
@@ -253,16 +349,186 @@ pub fn by_rows(inputs: &[&View], out: &mut ViewMut, split: &[bool], run: &Kernel
             .map(|((v, &w), whole)| match whole {
                 Some(t) => Ok(Part::Whole(t.view())),
                 None if w == 0 => Ok(Part::Whole(**v)),
-                None => Part::rows(v, first, count, w),
+                None => Part::rows(v, first, count, w, vec![count as u64, w as u64]),
             })
             .collect::<Result<_, _>>()?;
         let views: Vec<View> = parts.iter().map(Part::view).collect();
         let refs: Vec<&View> = views.iter().collect();
-        let mut piece = vec![0.0f32; count * width];
+        let mut piece = Scratch::zeros(count * width);
         let shape = [count as u64, width as u64];
-        run(&refs, &mut ViewMut { shape: Shape(&shape), data: ViewMutData::F32(&mut piece) })?;
+        run(&refs, &mut ViewMut { shape: Shape(&shape), data: ViewMutData::F32(&mut piece) }, first)?;
         write_rows(out, first * width, &piece)
     }))
+}
+
+/// The kernels whose operands are batches of matrices (every dimension but the last two) computed
+/// matrix by matrix: each matrix of the output depends only on the same matrix of each input.
+pub fn matrix_split(kernel: &crate::plan::Kernel) -> bool {
+    use crate::plan::Kernel as K;
+    matches!(
+        kernel,
+        K::BatchedMatMul | K::CausalMask | K::CausalMaskGrad | K::Attention { .. } | K::AttentionGrad { .. }
+    )
+}
+
+/// (matrices, rows, columns) of a shape of two dimensions or more.
+fn matrices(shape: &[u64]) -> Option<(usize, u64, u64)> {
+    match shape {
+        [lead @ .., r, c] => Some((lead.iter().product::<u64>() as usize, *r, *c)),
+        _ => None,
+    }
+}
+
+/// Runs a kernel of [`matrix_split`] a piece of whole matrices at a time (as many as fit the piece
+/// budget, at least one), each operand's piece shaped [count, rows, columns], widening only that piece
+/// of each bf16 operand and rounding each piece of a bf16 output. `None` when an operand does not have
+/// the output's number of matrices.
+pub fn by_matrices(inputs: &[&View], out: &mut ViewMut, run: &KernelOnViews) -> Option<Result<(), String>> {
+    let (units, out_r, out_c) = matrices(out.shape.as_slice())?;
+    if units < 2 {
+        return None;
+    }
+    let dims: Vec<(u64, u64)> = inputs
+        .iter()
+        .map(|v| matrices(v.shape.as_slice()).filter(|&(u, r, c)| u == units && v.len() == u * (r * c) as usize))
+        .map(|d| d.map(|(_, r, c)| (r, c)))
+        .collect::<Option<_>>()?;
+    let size = |(r, c): (u64, u64)| (r * c) as usize;
+    let widest = dims.iter().copied().chain([(out_r, out_c)]).map(size).max().unwrap_or(1);
+    let out_size = size((out_r, out_c));
+    Some(pieces(units, widest).try_for_each(|(first, count)| {
+        let parts: Vec<Part> = inputs
+            .iter()
+            .zip(&dims)
+            .map(|(v, &(r, c))| Part::rows(v, first, count, size((r, c)), vec![count as u64, r, c]))
+            .collect::<Result<_, _>>()?;
+        let views: Vec<View> = parts.iter().map(Part::view).collect();
+        let refs: Vec<&View> = views.iter().collect();
+        let mut piece = Scratch::zeros(count * out_size);
+        let shape = [count as u64, out_r, out_c];
+        run(&refs, &mut ViewMut { shape: Shape(&shape), data: ViewMutData::F32(&mut piece) })?;
+        write_rows(out, first * out_size, &piece)
+    }))
+}
+
+/// Adds every row's contribution to a range of output elements into an f32 accumulator of that range.
+type AddToRange<'k> = dyn Fn(std::ops::Range<usize>, &mut [f32]) -> Result<(), String> + 'k;
+
+/// Sums over rows into a bf16 (or f32) output `out`, a bounded piece of the output at a time:
+/// `add(elements, acc)` adds, in row order, every row's contribution to those elements of the output
+/// into the f32 accumulator `acc` (zeroed first), which is then rounded once into the output. The order
+/// of the additions is the whole kernel's, so the result is too.
+fn sum_into_columns(out: &mut ViewMut, add: &AddToRange) -> Result<(), String> {
+    let n = out.len();
+    ranges(n, PIECE_ELEMENTS).try_for_each(|columns| {
+        let mut acc = Scratch::zeros(columns.len());
+        add(columns.clone(), &mut acc)?;
+        write_rows(out, columns.start, &acc)
+    })
+}
+
+/// One element of a floating-point view as f32.
+fn at(view: &View, k: usize) -> Result<f32, String> {
+    match view.data {
+        ViewData::F32(v) => v.get(k).copied(),
+        ViewData::Bf16(v) => v.get(k).map(|&b| widen_one(b)),
+        ViewData::I32(_) => None,
+    }
+    .ok_or_else(|| "an operand is not a floating-point block of its shape".to_string())
+}
+
+/// `SumToLast` (x) -> [last]: the sum over rows, a bounded piece of columns at a time, in row order.
+pub fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+    let [x] = inputs else { return Err("sum_to_last takes one input".into()) };
+    let width = out.len();
+    let (x_width, rows) = last_and_rows(x.shape.as_slice());
+    if x_width != width {
+        return Err(format!("an input of {x_width} columns does not sum into {width}"));
+    }
+    sum_into_columns(out, &|columns, acc| {
+        for row in 0..rows {
+            for (a, c) in acc.iter_mut().zip(columns.clone()) {
+                *a += at(x, row * width + c)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `PositionGrad` (dy [.., seq, width]) -> d table [context, width]: the sum of dy over the leading
+/// dimensions into the table's first `seq` rows (the others zero), a bounded piece at a time.
+pub fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+    let [dy] = inputs else { return Err("position_grad takes one input".into()) };
+    let (blocks, s, w) = matrices(dy.shape.as_slice()).ok_or("dy must have two dimensions or more")?;
+    let block = (s * w) as usize;
+    let (table_w, table_rows) = last_and_rows(out.shape.as_slice());
+    if table_w as u64 != w || (table_rows as u64) < s {
+        return Err(format!("a table {:?} cannot take the gradient of {:?}", out.shape, dy.shape));
+    }
+    sum_into_columns(out, &|columns, acc| {
+        for b in 0..blocks {
+            for (a, c) in acc.iter_mut().zip(columns.clone()).filter(|(_, c)| *c < block) {
+                *a += at(dy, b * block + c)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `LayerNormGradWeight` (dy, x, sum, sqsum) -> [last]: the sum over rows of dy * (x - mean) * rstd (the
+/// kernel's formula, mean and rstd from the all-reduced sums as it takes them), a bounded piece of
+/// columns at a time, in row order.
+pub fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
+    let [dy, x, sum, sqsum] = inputs else { return Err("layer_norm_grad_weight takes dy, x and two sums".into()) };
+    let width = out.len();
+    let (x_width, rows) = last_and_rows(x.shape.as_slice());
+    if x_width != width || dy.len() != x.len() || sum.len() != rows || sqsum.len() != rows || n == 0 {
+        return Err(format!("layer norm weight gradient operands do not match an output of {width}"));
+    }
+    let nf = n as f64;
+    let stats = |row: usize| -> Result<(f32, f32), String> {
+        let (mean, var) = (f64::from(at(sum, row)?) / nf, f64::from(at(sqsum, row)?) / nf);
+        Ok((mean as f32, (1.0 / (var + eps).sqrt()) as f32))
+    };
+    sum_into_columns(out, &|columns, acc| {
+        for row in 0..rows {
+            let (mean, rstd) = stats(row)?;
+            for (a, c) in acc.iter_mut().zip(columns.clone()) {
+                let k = row * width + c;
+                *a += at(dy, k)? * (at(x, k)? - mean) * rstd;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `EmbeddingGrad` (ids, dy) -> d table [rows, width] for a device whose table rows start at `base`: the
+/// scatter-add of dy rows into the rows their ids name, in the order of the ids, a bounded piece of
+/// table rows at a time (rows another device holds are skipped when `masked`, an error otherwise).
+pub fn embedding_grad(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) -> Result<(), String> {
+    let [ids, dy] = inputs else { return Err("embedding_grad takes ids and dy".into()) };
+    let ids = ids.i32()?;
+    let (w, rows) = last_and_rows(out.shape.as_slice());
+    if dy.len() != ids.len() * w {
+        return Err(format!("dy {:?} is not one row of {w} per id", dy.shape));
+    }
+    let local = |id: i32| usize::try_from(i64::from(id) - base as i64).ok().filter(|&r| r < rows);
+    if let Some(id) = ids.iter().find(|&&id| local(id).is_none()).filter(|_| !masked) {
+        return Err(format!(
+            "token id {id} is outside this device's embedding rows [{base}, {})",
+            base.saturating_add(rows as u64)
+        ));
+    }
+    sum_into_columns(out, &|elements, acc| {
+        for (t, r) in ids.iter().enumerate().filter_map(|(t, &id)| local(id).map(|r| (t, r))) {
+            let row = r * w..(r + 1) * w;
+            let (from, to) = (row.start.max(elements.start), row.end.min(elements.end));
+            for k in from..to {
+                acc[k - elements.start] += at(dy, t * w + k - row.start)?;
+            }
+        }
+        Ok(())
+    })
 }
 
 /// An element-by-element collective (`f` on f32 send and receive slices) run a piece at a time on
@@ -288,30 +554,33 @@ pub fn exchange_in_pieces(send: &View, recv: &mut ViewMut, f: &mut ExchangeOnVie
 /// One operand of a piece of rows: a whole view, or rows of it (widened to f32, or borrowed).
 enum Part<'v> {
     Whole(View<'v>),
-    Rows { shape: [u64; 2], data: PartData<'v> },
+    Rows { shape: Vec<u64>, data: PartData<'v> },
 }
 
 enum PartData<'v> {
-    F32(Cow<'v, [f32]>),
+    Borrowed(&'v [f32]),
+    Widened(Scratch),
     I32(&'v [i32]),
 }
 
 impl<'v> Part<'v> {
-    fn rows(view: &View<'v>, first: usize, count: usize, width: usize) -> Result<Part<'v>, String> {
+    /// Rows `first..first + count` of `width` elements each, shaped `shape`.
+    fn rows(view: &View<'v>, first: usize, count: usize, width: usize, shape: Vec<u64>) -> Result<Part<'v>, String> {
         let range = first * width..(first + count) * width;
         let missing = || "an operand is not whole rows of its shape".to_string();
         let data = match view.data {
-            ViewData::F32(v) => PartData::F32(Cow::Borrowed(v.get(range).ok_or_else(missing)?)),
-            ViewData::Bf16(v) => PartData::F32(Cow::Owned(widen(v.get(range).ok_or_else(missing)?))),
+            ViewData::F32(v) => PartData::Borrowed(v.get(range).ok_or_else(missing)?),
+            ViewData::Bf16(v) => PartData::Widened(Scratch::widened(v.get(range).ok_or_else(missing)?)),
             ViewData::I32(v) => PartData::I32(v.get(range).ok_or_else(missing)?),
         };
-        Ok(Part::Rows { shape: [count as u64, width as u64], data })
+        Ok(Part::Rows { shape, data })
     }
 
     fn view(&self) -> View<'_> {
         match self {
             Part::Whole(v) => *v,
-            Part::Rows { shape, data: PartData::F32(v) } => View { shape: Shape(shape), data: ViewData::F32(v) },
+            Part::Rows { shape, data: PartData::Borrowed(v) } => View { shape: Shape(shape), data: ViewData::F32(v) },
+            Part::Rows { shape, data: PartData::Widened(v) } => View { shape: Shape(shape), data: ViewData::F32(v) },
             Part::Rows { shape, data: PartData::I32(v) } => View { shape: Shape(shape), data: ViewData::I32(v) },
         }
     }

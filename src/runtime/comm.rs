@@ -33,8 +33,89 @@ pub trait Communicator {
         send: &[f32],
         recv: &mut [f32],
     ) -> Result<(), CommError>;
+    /// The same collective on bf16 elements (their bit patterns): what travels is bf16, 2 bytes an
+    /// element, and sums and maxima are taken in f32 and rounded to bf16 once, at the end. This default,
+    /// for communicators that exchange f32 only, widens both buffers to f32 and runs
+    /// [`Communicator::collective`].
+    #[allow(clippy::too_many_arguments)]
+    fn collective_bf16(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        root: Option<u64>,
+        op: ReduceOp,
+        shard: Option<Placement>,
+        full: &[u64],
+        send: &[u16],
+        recv: &mut [u16],
+    ) -> Result<(), CommError> {
+        let wide_send = crate::runtime::bf16::widen(send);
+        let mut wide_recv = crate::runtime::bf16::widen(recv);
+        self.collective(kind, group, root, op, shard, full, &wide_send, &mut wide_recv)?;
+        crate::runtime::bf16::round_into(&wide_recv, recv);
+        Ok(())
+    }
     /// Tells every peer that this device failed, so that none waits for it.
     fn abort(&self, reason: &str);
+}
+
+/// An element type collectives carry: f32, or bf16 as its bit pattern (`u16`). Reductions widen
+/// every element to f32, combine in f32 and narrow the result once.
+pub trait Payload: Copy + Default + Send + Sync + 'static {
+    /// Bytes an element takes on the wire.
+    const BYTES: usize;
+    fn widen(self) -> f32;
+    fn narrow(x: f32) -> Self;
+}
+
+impl Payload for f32 {
+    const BYTES: usize = 4;
+    fn widen(self) -> f32 {
+        self
+    }
+    fn narrow(x: f32) -> f32 {
+        x
+    }
+}
+
+/// bf16 bit patterns.
+impl Payload for u16 {
+    const BYTES: usize = 2;
+    fn widen(self) -> f32 {
+        crate::runtime::bf16::widen_one(self)
+    }
+    fn narrow(x: f32) -> u16 {
+        crate::runtime::bf16::round(x)
+    }
+}
+
+/// Elements combined per pass of [`reduce_into`]: its f32 accumulator is this small, fixed size.
+const REDUCE_CHUNK: usize = 1024;
+
+/// `out` = `parts[..][at..at + out.len()]` combined by `op` in member order, in f32 (each element
+/// widened, summed or maxed in f32 from member 0 on, and narrowed once), through a fixed-size f32
+/// accumulator. For f32 elements this is the plain f32 reduction in member order.
+pub fn reduce_into<T: Payload>(parts: &[&[T]], at: usize, out: &mut [T], op: ReduceOp) {
+    let Some((first, rest)) = parts.split_first() else { return };
+    let mut acc = [0.0f32; REDUCE_CHUNK];
+    for (c, out) in out.chunks_mut(REDUCE_CHUNK).enumerate() {
+        let start = at + c * REDUCE_CHUNK;
+        let acc = &mut acc[..out.len()];
+        for (a, v) in acc.iter_mut().zip(&first[start..]) {
+            *a = v.widen();
+        }
+        for p in rest {
+            for (a, v) in acc.iter_mut().zip(&p[start..]) {
+                *a = match op {
+                    ReduceOp::Sum => *a + v.widen(),
+                    ReduceOp::Max => a.max(v.widen()),
+                };
+            }
+        }
+        for (o, a) in out.iter_mut().zip(acc.iter()) {
+            *o = T::narrow(*a);
+        }
+    }
 }
 
 /// The member index of device (i, j) within its group.
@@ -73,7 +154,7 @@ pub fn block_runs(full: &[u64], shard: Placement, parts: u64, member: u64) -> Ve
 
 /// Scatters the member-major blocks of an all-gather (`blocks` = member 0's block, member 1's, ...)
 /// into the gathered tensor `recv` of shape `full`.
-pub fn unpack_gathered(full: &[u64], shard: Placement, parts: u64, blocks: &[f32], recv: &mut [f32]) {
+pub fn unpack_gathered<T: Copy>(full: &[u64], shard: Placement, parts: u64, blocks: &[T], recv: &mut [T]) {
     let block_len = blocks.len() / parts.max(1) as usize;
     for (member, block) in blocks.chunks_exact(block_len.max(1)).enumerate() {
         for (full_at, block_at, len) in block_runs(full, shard, parts, member as u64) {
@@ -84,8 +165,14 @@ pub fn unpack_gathered(full: &[u64], shard: Placement, parts: u64, blocks: &[f32
 
 /// Orders a tensor of shape `full` member-major for a reduce-scatter: member m's block of `block_len`
 /// elements comes m-th, as MPI and NCCL scatter equal consecutive blocks.
-pub fn pack_for_scatter(full: &[u64], shard: Placement, parts: u64, send: &[f32], block_len: usize) -> Vec<f32> {
-    let mut packed = vec![0.0f32; send.len()];
+pub fn pack_for_scatter<T: Payload>(
+    full: &[u64],
+    shard: Placement,
+    parts: u64,
+    send: &[T],
+    block_len: usize,
+) -> Vec<T> {
+    let mut packed = vec![T::default(); send.len()];
     for (member, block) in packed.chunks_exact_mut(block_len.max(1)).enumerate() {
         for (full_at, block_at, len) in block_runs(full, shard, parts, member as u64) {
             block[block_at..block_at + len].copy_from_slice(&send[full_at..full_at + len]);
@@ -95,29 +182,19 @@ pub fn pack_for_scatter(full: &[u64], shard: Placement, parts: u64, send: &[f32]
 }
 
 /// Combines every member's contribution into this member's result, per the collective's semantics.
+/// Reductions are taken in f32 in member order and narrowed once (see [`reduce_into`]); broadcast and
+/// all-gather move elements as they are.
 #[allow(clippy::too_many_arguments)]
-pub fn combine(
+pub fn combine<T: Payload>(
     kind: CollectiveKind,
     root: Option<u64>,
     op: ReduceOp,
     shard: Option<Placement>,
     full: &[u64],
     me: u64,
-    parts: &[&[f32]],
-    recv: &mut [f32],
+    parts: &[&[T]],
+    recv: &mut [T],
 ) -> Result<(), CommError> {
-    // out = parts[..][at..at + out.len()] combined, in member order.
-    let reduce_into = |out: &mut [f32], at: usize| {
-        out.copy_from_slice(&parts[0][at..at + out.len()]);
-        for p in &parts[1..] {
-            for (o, v) in out.iter_mut().zip(&p[at..]) {
-                *o = match op {
-                    ReduceOp::Sum => *o + v,
-                    ReduceOp::Max => o.max(*v),
-                };
-            }
-        }
-    };
     let n = parts.len() as u64;
     let check = |a: usize, b: usize| {
         if a == b {
@@ -126,21 +203,22 @@ pub fn combine(
             Err(CommError(format!("collective size mismatch: {a} elements sent, {b} expected")))
         }
     };
+    let check_all = |len: usize| parts.iter().try_for_each(|p| check(p.len(), len));
     match kind {
         CollectiveKind::Broadcast => {
-            let src = &parts[root.unwrap_or(0) as usize];
+            let src = parts.get(root.unwrap_or(0) as usize).ok_or_else(|| CommError("no such root".into()))?;
             check(src.len(), recv.len())?;
             recv.copy_from_slice(src);
         }
         CollectiveKind::Reduce => {
             if root.unwrap_or(0) == me {
-                check(parts[0].len(), recv.len())?;
-                reduce_into(recv, 0);
+                check_all(recv.len())?;
+                reduce_into(parts, 0, recv, op);
             }
         }
         CollectiveKind::AllReduce => {
-            check(parts[0].len(), recv.len())?;
-            reduce_into(recv, 0);
+            check_all(recv.len())?;
+            reduce_into(parts, 0, recv, op);
         }
         CollectiveKind::AllGather => {
             let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
@@ -157,7 +235,7 @@ pub fn combine(
                 if parts.iter().any(|p| full_at + len > p.len()) || block_at + len > recv.len() {
                     return Err(CommError(format!("collective size mismatch: a block of {len} at {full_at}")));
                 }
-                reduce_into(&mut recv[block_at..block_at + len], full_at);
+                reduce_into(parts, full_at, &mut recv[block_at..block_at + len], op);
             }
         }
     }

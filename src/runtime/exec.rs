@@ -555,13 +555,30 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         }
         self.require_alive(&[c.send])?;
         self.prepare_output(c.recv, true)?;
-        let comm = &mut self.comm;
-        let op = c.op.unwrap_or(ReduceOp::Sum);
-        let mut exchange =
-            |send: &[f32], recv: &mut [f32]| comm.collective(c.kind, c.group, c.root, op, c.shard, full, send, recv);
+        let mut exchange = PlanCollective { comm: &mut self.comm, c, full };
         let elementwise =
             matches!(c.kind, CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce);
-        self.backend.collective(&mut self.storage, c.send, c.recv, elementwise, &mut exchange)
+        self.backend.collective_typed(&mut self.storage, c.send, c.recv, elementwise, &mut exchange)
+    }
+}
+
+/// One collective of the plan on a communicator, for the backend to run on its buffers in their
+/// element type.
+struct PlanCollective<'a, C> {
+    comm: &'a mut C,
+    c: &'a crate::plan::Collective,
+    full: &'a [u64],
+}
+
+impl<C: Communicator> super::backend::Exchanges for PlanCollective<'_, C> {
+    fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), super::comm::CommError> {
+        let (c, op) = (self.c, self.c.op.unwrap_or(ReduceOp::Sum));
+        self.comm.collective(c.kind, c.group, c.root, op, c.shard, self.full, send, recv)
+    }
+
+    fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), super::comm::CommError> {
+        let (c, op) = (self.c, self.c.op.unwrap_or(ReduceOp::Sum));
+        self.comm.collective_bf16(c.kind, c.group, c.root, op, c.shard, self.full, send, recv)
     }
 }
 

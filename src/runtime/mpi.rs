@@ -2,7 +2,7 @@
 //! world, every collective non-blocking and polled against the run's timeout, and any failure (an
 //! error, a panic, a peer that stops answering) ends the whole job with MPI_Abort and the rank's name.
 
-use super::comm::{CommError, Communicator, pack_for_scatter, unpack_gathered};
+use super::comm::{CommError, Communicator, pack_for_scatter, reduce_into, unpack_gathered};
 use super::exec::{self, Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord};
 use super::tensor::{Data, Tensor};
 use crate::cost::placement::{NodeMap, Placement};
@@ -133,6 +133,7 @@ impl MpiJob {
         }
         let (i, j) = devices[self.rank as usize];
         install_panic_hook(format!("rank {} (device ({i}, {j}))", self.rank));
+        super::cpu::return_freed_memory_promptly();
         let comm = MpiComm::new(&self.world, plan.mesh, (i, j), config.timeout, self.rank)?;
         let outcome = match config.backend {
             #[cfg(feature = "cuda")]
@@ -282,6 +283,103 @@ impl MpiComm {
     }
 }
 
+/// bf16 elements a member contributes to one round of a reduction: the scratch of a bf16 reduction is
+/// a few buffers of this many bf16 elements and a fixed f32 accumulator, whatever the buffer's size.
+const BF16_PIECE: usize = 1 << 18;
+
+/// bf16 collectives: the payload is bf16 (`u16` bit patterns, 2 bytes an element). A reduction is a
+/// reduce-scatter by all-to-all (member m receives every member's m-th chunk, as bf16) summed by its
+/// owner in f32 in member order and rounded once, then all-gathered (or gathered on the root) as bf16:
+/// no partial sum is ever rounded, and the result is the thread communicator's, bit for bit.
+impl MpiComm {
+    /// Sends chunk m of `out` (`parts` chunks of `chunk` elements) to member m; returns every member's
+    /// chunk for this member, in member order.
+    fn all_to_all(&self, comm: &SimpleCommunicator, out: &[u16], chunk: usize, what: &dyn Fn() -> String) -> Vec<u16> {
+        let mut got = vec![0u16; out.len()];
+        debug_assert_eq!(out.len(), chunk * comm.size() as usize);
+        mpi::request::scope(|s| self.complete(comm.immediate_all_to_all_into(s, out, &mut got[..]), what));
+        got
+    }
+
+    /// This member's chunk of `piece` (split into `parts` equal chunks, the last padded with zeros)
+    /// summed over the group in f32 and rounded once.
+    fn reduce_chunk(
+        &self,
+        comm: &SimpleCommunicator,
+        piece: &[u16],
+        op: ReduceOp,
+        what: &dyn Fn() -> String,
+    ) -> Vec<u16> {
+        let parts = comm.size() as usize;
+        let chunk = piece.len().div_ceil(parts).max(1);
+        let mut out = vec![0u16; parts * chunk];
+        out[..piece.len()].copy_from_slice(piece);
+        let got = self.all_to_all(comm, &out, chunk, what);
+        let members: Vec<&[u16]> = got.chunks_exact(chunk).collect();
+        let mut mine = vec![0u16; chunk];
+        reduce_into(&members, 0, &mut mine, op);
+        mine
+    }
+
+    /// A bf16 reduction to every member (`root` `None`) or to the root alone, a piece at a time.
+    fn reduce_bf16(
+        &self,
+        comm: &SimpleCommunicator,
+        (root, op): (Option<u64>, ReduceOp),
+        send: &[u16],
+        recv: &mut [u16],
+        what: &dyn Fn() -> String,
+    ) {
+        let parts = comm.size() as usize;
+        let me = comm.rank() as u64;
+        for start in (0..send.len()).step_by(BF16_PIECE * parts) {
+            let piece = &send[start..(start + BF16_PIECE * parts).min(send.len())];
+            let mine = self.reduce_chunk(comm, piece, op, what);
+            let mut gathered = vec![0u16; mine.len() * parts];
+            match root {
+                None => mpi::request::scope(|s| {
+                    self.complete(comm.immediate_all_gather_into(s, &mine[..], &mut gathered[..]), what)
+                }),
+                Some(r) if r == me => {
+                    let process = comm.process_at_rank(r as i32);
+                    mpi::request::scope(|s| {
+                        self.complete(process.immediate_gather_into_root(s, &mine[..], &mut gathered[..]), what)
+                    })
+                }
+                Some(r) => {
+                    let process = comm.process_at_rank(r as i32);
+                    mpi::request::scope(|s| self.complete(process.immediate_gather_into(s, &mine[..]), what));
+                    continue;
+                }
+            }
+            recv[start..start + piece.len()].copy_from_slice(&gathered[..piece.len()]);
+        }
+    }
+
+    /// A bf16 reduce-scatter: member m's block of the packed buffer, a piece at a time, goes to member
+    /// m, which sums the pieces in f32 and rounds once.
+    fn reduce_scatter_bf16(
+        &self,
+        comm: &SimpleCommunicator,
+        op: ReduceOp,
+        packed: &[u16],
+        recv: &mut [u16],
+        what: &dyn Fn() -> String,
+    ) {
+        let (parts, block) = (comm.size() as usize, recv.len());
+        for start in (0..block).step_by(BF16_PIECE) {
+            let len = BF16_PIECE.min(block - start);
+            let mut out = vec![0u16; parts * len];
+            for (m, dst) in out.chunks_exact_mut(len).enumerate() {
+                dst.copy_from_slice(&packed[m * block + start..m * block + start + len]);
+            }
+            let got = self.all_to_all(comm, &out, len, what);
+            let members: Vec<&[u16]> = got.chunks_exact(len).collect();
+            reduce_into(&members, 0, &mut recv[start..start + len], op);
+        }
+    }
+}
+
 fn operation(op: ReduceOp) -> SystemOperation {
     match op {
         ReduceOp::Sum => SystemOperation::sum(),
@@ -361,6 +459,59 @@ impl Communicator for &MpiComm {
                 mpi::request::scope(|s| {
                     self.complete(comm.immediate_reduce_scatter_block_into(s, &packed[..], recv, op), &what)
                 });
+            }
+        }
+        Ok(())
+    }
+
+    fn collective_bf16(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        root: Option<u64>,
+        op: ReduceOp,
+        shard: Option<Split>,
+        full: &[u64],
+        send: &[u16],
+        recv: &mut [u16],
+    ) -> Result<(), CommError> {
+        let comm = self.group(group);
+        let (me, parts) = (comm.rank() as u64, comm.size() as u64);
+        let (i, j) = self.coords;
+        let what = || format!("device ({i}, {j})'s bf16 {} over its {} group", kind.name(), group.name());
+        match kind {
+            CollectiveKind::Broadcast => {
+                let root = root.unwrap_or(0);
+                if me == root {
+                    same_len(send.len(), recv.len())?;
+                    recv.copy_from_slice(send);
+                }
+                let process = comm.process_at_rank(root as i32);
+                mpi::request::scope(|s| self.complete(process.immediate_broadcast_into(s, recv), &what));
+            }
+            CollectiveKind::Reduce => {
+                let root = root.unwrap_or(0);
+                if me == root {
+                    same_len(send.len(), recv.len())?;
+                }
+                self.reduce_bf16(comm, (Some(root), op), send, recv, &what);
+            }
+            CollectiveKind::AllReduce => {
+                same_len(send.len(), recv.len())?;
+                self.reduce_bf16(comm, (None, op), send, recv, &what);
+            }
+            CollectiveKind::AllGather => {
+                let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
+                same_len(full.iter().product::<u64>() as usize, recv.len())?;
+                let mut blocks = vec![0u16; send.len() * parts as usize];
+                mpi::request::scope(|s| self.complete(comm.immediate_all_gather_into(s, send, &mut blocks[..]), &what));
+                unpack_gathered(full, shard, parts, &blocks, recv);
+            }
+            CollectiveKind::ReduceScatter => {
+                let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
+                same_len(send.len(), recv.len() * parts as usize)?;
+                let packed = pack_for_scatter(full, shard, parts, send, recv.len());
+                self.reduce_scatter_bf16(comm, op, &packed, recv, &what);
             }
         }
         Ok(())

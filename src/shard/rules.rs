@@ -205,6 +205,7 @@ impl Lowerer<'_> {
             return;
         }
         let (wa, wb) = (self.workspace_like(a, "summa_a"), self.workspace_like(b, "summa_b"));
+        let sum = self.summa_accumulator(out);
         for t in 0..q {
             let step = format!("{what}: SUMMA AB step {} of {q}", t + 1);
             self.collective(
@@ -228,8 +229,23 @@ impl Lowerer<'_> {
                 &format!("{step}: broadcast B block along the column"),
             );
             let k = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: t > 0 };
-            self.kernel(k, &[wa, wb], out, &format!("{step}: multiply-accumulate"));
+            self.kernel(k, &[wa, wb], sum, &format!("{step}: multiply-accumulate"));
         }
+        if sum != out {
+            self.kernel(Kernel::Cast, &[sum], out, &format!("{what}: round the float32 SUMMA sum to bf16 once"));
+        }
+    }
+
+    /// Where the q steps of a SUMMA C += A_t B_t accumulate: the output itself, or for a bf16 output a
+    /// float32 workspace of its shape (rounded into the output once, after the last step), so that the
+    /// sum is not rounded to bf16 at every step.
+    fn summa_accumulator(&mut self, out: BufferId) -> BufferId {
+        let b = self.buffers[out.0 as usize].clone();
+        if b.dtype != crate::ir::DType::Bf16 {
+            return out;
+        }
+        let name = format!("{}.summa_sum", b.name);
+        self.new_buffer(name, crate::ir::DType::F32, b.logical_shape, b.layout, Role::Workspace)
     }
 
     /// C = A B^T: broadcast B(t,j) along column j, multiply, reduce the partial along row i to (i,t).

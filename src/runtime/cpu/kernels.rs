@@ -521,6 +521,21 @@ fn dropout(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext, p: f64, key
     ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not in [0, 1]"))?;
     same_shape("the output", &out.shape, &ctx.output.shape)?;
     let y = floats_mut(out)?;
+    dropout_rows(xv, y, ctx, (p, key), 0)
+}
+
+/// Dropout (or its gradient) on whole rows of the output `ctx.output` describes, from row `first_row`
+/// on (rows run over every dimension but the last): `xv` and `y` hold those rows. Run on pieces of rows
+/// with their first row, it gives what it gives on the whole tensor (the mask depends only on the
+/// logical index of each element).
+pub fn dropout_rows(
+    xv: &[f32],
+    y: &mut [f32],
+    ctx: &KernelContext,
+    (p, key): (f64, u32),
+    first_row: usize,
+) -> Result<(), String> {
+    ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not in [0, 1]"))?;
     same_len("the output", y.len(), xv.len())?;
     if p == 0.0 {
         y.copy_from_slice(xv);
@@ -534,12 +549,13 @@ fn dropout(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext, p: f64, key
     let scale = (1.0 / (1.0 - p)) as f32;
     let map = IndexMap::new(ctx.output, ctx.i, ctx.j, ctx.mesh)?;
     let Some((last, last_stride)) = map.last_dimension() else {
+        ensure(first_row == 0, || "a dropout without dimensions cannot start past its first row".to_string())?;
         map.for_each(|local, logical| y[local] = if mask.keep(logical) { xv[local] * scale } else { 0.0 });
         return Ok(());
     };
     par::row_blocks(y, last.len(), |first, y| {
         for (r, row) in rows_of_mut(y, last.len()).enumerate() {
-            let (base, start) = (map.row_base(first + r), (first + r) * last.len());
+            let (base, start) = (map.row_base(first_row + first + r), (first + r) * last.len());
             for ((y, &x), &m) in row.iter_mut().zip(&xv[start..]).zip(last) {
                 *y = if mask.keep(base + m * last_stride) { x * scale } else { 0.0 };
             }
@@ -925,15 +941,32 @@ fn table_dims(t: &View, what: &str) -> Result<(usize, usize), String> {
 fn embedding_lookup(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) -> Result<(), String> {
     let [ids, table] = args(inputs)?;
     let (rows, w) = table_dims(table, "the table")?;
-    let (idv, tv) = (ints(ids, "the ids")?, floats(table, "the table")?);
+    let idv = ints(ids, "the ids")?;
     let mut want = ids.shape.to_vec();
     want.push(w as u64);
     same_shape("the output", &out.shape, &want)?;
-    let y = floats_mut(out)?;
-    for (dst, &id) in rows_of_mut(y, w).zip(idv) {
+    let at = (rows, w, base, masked);
+    match (table.data, &mut out.data) {
+        (ViewData::F32(t), ViewMutData::F32(y)) => lookup_rows(idv, t, y, at),
+        // bf16 rows are moved as they are (widening and rounding back would give the same bits).
+        (ViewData::Bf16(t), ViewMutData::Bf16(y)) => lookup_rows(idv, t, y, at),
+        _ => Err("the table and the output must be both float32 or both bf16".into()),
+    }
+}
+
+/// Copies table row `id - base` (of `rows` rows of `w`) into each output row, zeros for ids outside
+/// this device's rows when `masked`.
+fn lookup_rows<T: Copy + Default>(
+    idv: &[i32],
+    tv: &[T],
+    y: &mut [T],
+    (rows, w, base, masked): (usize, usize, u64, bool),
+) -> Result<(), String> {
+    same_len("the table", tv.len(), rows * w)?;
+    for (dst, &id) in y.chunks_exact_mut(w.max(1)).zip(idv) {
         match local_row(id, base, rows) {
             Some(r) => dst.copy_from_slice(&tv[r * w..(r + 1) * w]),
-            None if masked => dst.fill(0.0),
+            None if masked => dst.fill(T::default()),
             None => return Err(out_of_range(id, base, rows)),
         }
     }
@@ -975,12 +1008,19 @@ fn position_dims(table: &[u64], seq_shape: &[u64], what: &str) -> Result<(usize,
 fn position_lookup(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     let [table] = args(inputs)?;
     let (s, w) = position_dims(&table.shape, &out.shape, "the output")?;
-    let tv = floats(table, "the table")?;
-    let y = floats_mut(out)?;
-    for block in rows_of_mut(y, s * w) {
-        block.copy_from_slice(&tv[..s * w]);
+    fn repeat<T: Copy>(tv: &[T], y: &mut [T], n: usize) -> Result<(), String> {
+        let first = tv.get(..n).ok_or("the table is smaller than its shape")?;
+        for block in y.chunks_exact_mut(n.max(1)) {
+            block.copy_from_slice(first);
+        }
+        Ok(())
     }
-    Ok(())
+    match (table.data, &mut out.data) {
+        (ViewData::F32(t), ViewMutData::F32(y)) => repeat(t, y, s * w),
+        // bf16 rows are moved as they are.
+        (ViewData::Bf16(t), ViewMutData::Bf16(y)) => repeat(t, y, s * w),
+        _ => Err("the table and the output must be both float32 or both bf16".into()),
+    }
 }
 
 fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {

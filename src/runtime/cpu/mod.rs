@@ -1,5 +1,7 @@
 //! The CPU backend: kernels on host memory, and a mesh of device threads in one process.
 
+#[cfg(test)]
+mod bf16_pieces_tests;
 pub mod kernels;
 pub mod par;
 pub mod threads;
@@ -8,7 +10,7 @@ pub mod vmath;
 use super::arena::{ArenaLayout, HostArena};
 #[cfg(feature = "cuda")]
 use super::backend::BackendKind;
-use super::backend::{Backend, Exchange, UpdateBuffers};
+use super::backend::{Backend, Exchange, Exchanges, UpdateBuffers};
 use super::comm::Communicator;
 use super::error::{RuntimeError, unreachable};
 pub use super::exec::{Batches, DeviceBlocks, DeviceResult, RunConfig, RunOutput, StepRecord, assemble, run_device};
@@ -20,6 +22,34 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use threads::{Fabric, ThreadComm};
 
+/// Bytes from which a freed allocation goes back to the operating system at once (see
+/// [`return_freed_memory_promptly`]).
+const RETURN_FREED_FROM: i32 = 128 * 1024;
+
+/// Asks the C allocator (glibc) to give freed blocks of [`RETURN_FREED_FROM`] bytes or more back to the
+/// operating system at once, instead of keeping them in each thread's heap for later. A device's
+/// memory is its arena, laid out from the plan; what kernels allocate besides (the bounded pieces of
+/// the bf16 emulation, attention tiles, host copies of a step's inputs) is transient, and glibc's
+/// default (raising the threshold to the largest block freed so far, up to 32 MiB, and keeping such
+/// blocks in every thread's heap) would leave several MiB resident per device thread, memory the plan
+/// does not hold. Other allocators, and other systems, are left as they are.
+pub fn return_freed_memory_promptly() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // glibc's mallopt parameters (malloc.h).
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        unsafe extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        // SAFETY: mallopt only changes allocator parameters; any value is accepted or refused (0).
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, RETURN_FREED_FROM);
+            mallopt(M_TRIM_THRESHOLD, RETURN_FREED_FROM);
+        }
+    }
+}
+
 /// Runs a plan on one thread per device. `on_step` is called by device (0, 0) after every step.
 /// Parameters start from `initial` where given (logical tensors by name), else from the seed.
 pub fn run(
@@ -30,6 +60,7 @@ pub fn run(
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<RunOutput, String> {
     super::limits::check_host_can_run(plan, plan.mesh.devices())?;
+    return_freed_memory_promptly();
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();
     #[cfg(feature = "cuda")]
@@ -113,9 +144,10 @@ fn join_or_abandon<T>(
     handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
 }
 
-/// Whether a kernel only moves elements (reshape, transpose, select, slice) between bf16 buffers: it
-/// then moves their bits as they are, without widening them to f32 and back (which is exact anyway).
-fn moves_bf16_bits(kernel: &Kernel, inputs: &[&View], out: &ViewMut) -> bool {
+/// Whether a kernel runs on bf16 buffers as they are: kernels that only move elements (reshape,
+/// transpose, select, slice, the embedding and position lookups) move their bits between bf16 buffers
+/// without widening them to f32 and back (which is exact anyway), and a fill writes bf16 directly.
+fn runs_on_bf16_bits(kernel: &Kernel, inputs: &[&View], out: &ViewMut) -> bool {
     let moves = matches!(
         kernel,
         Kernel::Reshape
@@ -123,8 +155,51 @@ fn moves_bf16_bits(kernel: &Kernel, inputs: &[&View], out: &ViewMut) -> bool {
             | Kernel::Select { .. }
             | Kernel::SelectGrad { .. }
             | Kernel::SliceShard { .. }
+            | Kernel::EmbeddingLookup { .. }
+            | Kernel::PositionLookup
+            | Kernel::Fill { .. }
     );
-    moves && inputs.iter().all(|v| matches!(v.data, ViewData::Bf16(_))) && matches!(out.data, ViewMutData::Bf16(_))
+    let floats_are_bf16 = inputs.iter().all(|v| matches!(v.data, ViewData::Bf16(_) | ViewData::I32(_)));
+    moves && floats_are_bf16 && matches!(out.data, ViewMutData::Bf16(_))
+}
+
+/// Runs a kernel with a bf16 operand the way the CPU emulates bf16: widening bf16 operands to f32 and
+/// rounding the f32 result into a bf16 output, a bounded piece at a time wherever the kernel allows it
+/// (see [`super::bf16`]), so that the scratch stays small whatever the tensors' sizes. `None` for a
+/// kernel that is widened whole.
+fn bf16_in_pieces(
+    kernel: &Kernel,
+    refs: &[&View],
+    out: &mut ViewMut,
+    ctx: &KernelContext,
+) -> Option<Result<(), String>> {
+    use super::bf16;
+    let run = |ins: &[&View], out: &mut ViewMut| kernels::run_views(kernel, ins, out, ctx);
+    match kernel {
+        Kernel::MatMul { transpose_a, transpose_b, accumulate } => {
+            let flags = (*transpose_a, *transpose_b, *accumulate);
+            let product = |ins: &[&View], out: &mut ViewMut, accumulate: bool| {
+                let k = Kernel::MatMul { transpose_a: flags.0, transpose_b: flags.1, accumulate };
+                kernels::run_views(&k, ins, out, ctx)
+            };
+            bf16::product_in_pieces(refs, out, flags, &product)
+        }
+        Kernel::Dropout { p, key } | Kernel::DropoutGrad { p, key } => {
+            let rows = |ins: &[&View], out: &mut ViewMut, first: usize| {
+                let x = ins.first().ok_or("dropout takes one input")?.f32()?;
+                kernels::dropout_rows(x, out.f32_mut()?, ctx, (*p, *key), first)
+            };
+            bf16::by_rows_at(refs, out, &[true], &rows)
+        }
+        Kernel::SumToLast => Some(bf16::sum_to_last(refs, out)),
+        Kernel::PositionGrad => Some(bf16::position_grad(refs, out)),
+        Kernel::LayerNormGradWeight { n, eps } => Some(bf16::layer_norm_grad_weight(refs, out, *n, *eps)),
+        Kernel::EmbeddingGrad { offset, masked } => {
+            Some(bf16::embedding_grad(refs, out, offset.at(ctx.i, ctx.j), *masked))
+        }
+        k if bf16::matrix_split(k) => bf16::by_matrices(refs, out, &run),
+        k => bf16::row_split(k).and_then(|split| bf16::by_rows(refs, out, split, &run)),
+    }
 }
 
 /// Kernels on the host CPU (faer for matrix products), on a [`HostArena`].
@@ -177,25 +252,13 @@ impl Backend for CpuBackend {
         // computes in f32 throughout and stores bf16 where the plan says.
         let has_bf16 =
             refs.iter().any(|v| matches!(v.data, ViewData::Bf16(_))) || matches!(out.data, ViewMutData::Bf16(_));
-        if has_bf16 && moves_bf16_bits(kernel, &refs, out) {
+        if has_bf16 && runs_on_bf16_bits(kernel, &refs, out) {
             return par::on_pool(|| kernels::run_views(kernel, &refs, out, ctx)).map_err(RuntimeError::Kernel);
         }
-        if let (true, Kernel::MatMul { transpose_a, transpose_b, accumulate }) = (has_bf16, kernel) {
-            let flags = (*transpose_a, *transpose_b, *accumulate);
-            let product = |ins: &[&View], out: &mut ViewMut, accumulate: bool| {
-                let k = Kernel::MatMul { transpose_a: flags.0, transpose_b: flags.1, accumulate };
-                kernels::run_views(&k, ins, out, ctx)
-            };
-            if let Some(done) = par::on_pool(|| super::bf16::product_in_pieces(&refs, out, flags, &product)) {
-                return done.map_err(RuntimeError::Kernel);
-            }
-        }
-        let run = |ins: &[&View], out: &mut ViewMut| kernels::run_views(kernel, ins, out, ctx);
-        if let (true, Some(split)) = (has_bf16, super::bf16::row_split(kernel))
-            && let Some(done) = par::on_pool(|| super::bf16::by_rows(&refs, out, split, &run))
-        {
+        if has_bf16 && let Some(done) = par::on_pool(|| bf16_in_pieces(kernel, &refs, out, ctx)) {
             return done.map_err(RuntimeError::Kernel);
         }
+        let run = |ins: &[&View], out: &mut ViewMut| kernels::run_views(kernel, ins, out, ctx);
         par::on_pool(|| super::bf16::with_widened(&refs, out, kernel.reads_its_output(), run))
             .map_err(RuntimeError::Kernel)
     }
@@ -224,5 +287,16 @@ impl Backend for CpuBackend {
         exchange: &mut Exchange<'_>,
     ) -> Result<(), RuntimeError> {
         storage.exchange(send, recv, elementwise, exchange)
+    }
+
+    fn collective_typed(
+        &mut self,
+        storage: &mut HostArena,
+        send: BufferId,
+        recv: BufferId,
+        elementwise: bool,
+        exchange: &mut dyn Exchanges,
+    ) -> Result<(), RuntimeError> {
+        storage.exchange_typed(send, recv, elementwise, exchange)
     }
 }

@@ -2,9 +2,9 @@
 //! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
 
 use crate::plan::{CollectiveKind, Group, Mesh, ReduceOp};
-use crate::runtime::comm::{CommError, Communicator, combine, member_index};
+use crate::runtime::comm::{CommError, Communicator, Payload, combine, member_index};
 use crate::shard::layout::Placement;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,13 +17,14 @@ struct Rendezvous {
     ready: Condvar,
 }
 
-/// Where one member's send block is. The fabric reads it only between the moment every member has
-/// deposited and the moment every member has finished reading, while its owner waits inside
-/// [`Fabric::exchange`] holding the borrow it came from.
+/// Where one member's send block is, and its element size (f32 or bf16). The fabric reads it only
+/// between the moment every member has deposited and the moment every member has finished reading,
+/// while its owner waits inside [`Fabric::exchange`] holding the borrow it came from.
 #[derive(Clone, Copy)]
 struct Block {
-    ptr: *const f32,
+    ptr: *const u8,
     len: usize,
+    bytes_per_element: usize,
 }
 
 // SAFETY: a `Block` is only dereferenced while its owner is blocked in `Fabric::exchange` with the
@@ -31,17 +32,19 @@ struct Block {
 unsafe impl Send for Block {}
 
 impl Block {
-    fn of(data: &[f32]) -> Block {
-        Block { ptr: data.as_ptr(), len: data.len() }
+    fn of<T: Payload>(data: &[T]) -> Block {
+        Block { ptr: data.as_ptr().cast(), len: data.len(), bytes_per_element: T::BYTES }
     }
 
-    /// The block as a slice.
+    /// The block as a slice of `T`, or `None` when its owner deposited another element type.
     ///
     /// # Safety
     /// Only while its owner is inside the round that published it (see [`Block`]).
-    unsafe fn slice<'a>(self) -> &'a [f32] {
-        // SAFETY: the caller guarantees the owner's borrow is alive and unmodified.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    unsafe fn slice<'a, T: Payload>(self) -> Option<&'a [T]> {
+        // SAFETY: the caller guarantees the owner's borrow is alive and unmodified; the owner
+        // deposited a `&[T]` of `len` elements (same element size, and `Payload` is only f32 or u16).
+        (self.bytes_per_element == T::BYTES && size_of::<T>() == T::BYTES)
+            .then(|| unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.len) })
     }
 }
 
@@ -88,6 +91,8 @@ pub struct Fabric {
     failed: AtomicBool,
     failure: Mutex<Option<String>>,
     timeout: Duration,
+    /// Bytes of every block deposited so far (what a wire would have carried once per block).
+    deposited: AtomicU64,
 }
 
 impl Fabric {
@@ -101,7 +106,14 @@ impl Fabric {
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
             timeout,
+            deposited: AtomicU64::new(0),
         })
+    }
+
+    /// Bytes of the send blocks deposited by every member of every collective so far: 4 an element
+    /// for f32 buffers, 2 for bf16.
+    pub fn bytes_deposited(&self) -> u64 {
+        self.deposited.load(Ordering::Relaxed)
     }
 
     /// The first failure reported by any device, if any.
@@ -131,13 +143,13 @@ impl Fabric {
     /// with all blocks in member order. Returns once every member has finished its `read`, so `data`
     /// is never read after this returns. `device_of` names a member's device, for the error when some
     /// never arrive.
-    fn exchange<R>(
+    fn exchange<T: Payload, R>(
         &self,
         r: &Rendezvous,
         (me, size): (usize, usize),
-        data: &[f32],
+        data: &[T],
         device_of: &dyn Fn(usize) -> String,
-        read: impl FnOnce(&[&[f32]]) -> R,
+        read: impl FnOnce(&[&[T]]) -> R,
     ) -> Result<R, CommError> {
         let poisoned = || CommError("a device thread failed while holding a lock".into());
         let mut s = r.state.lock().map_err(|_| poisoned())?;
@@ -146,6 +158,7 @@ impl Fabric {
         }
         let generation = s.generation;
         s.deposits[me] = Some(Block::of(data));
+        self.deposited.fetch_add((data.len() * T::BYTES) as u64, Ordering::Relaxed);
         s.arrived += 1;
         if s.arrived == size {
             s.published = s.deposits.iter_mut().filter_map(Option::take).collect();
@@ -178,14 +191,14 @@ impl Fabric {
             let _done = ReadDone { rendezvous: r, generation: generation + 1 };
             // SAFETY: every owner of a published block is inside this round until all members have
             // finished reading (the wait below), so the blocks are alive and unchanged.
-            let blocks: Vec<&[f32]> = published.iter().map(|b| unsafe { b.slice() }).collect();
-            read(&blocks)
+            let blocks: Option<Vec<&[T]>> = published.iter().map(|b| unsafe { b.slice::<T>() }).collect();
+            blocks.map(|blocks| read(&blocks))
         };
         let mut s = r.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         while s.read < generation + 1 {
             s = r.ready.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
-        Ok(result)
+        result.ok_or_else(|| CommError("the members of a collective sent different element types".into()))
     }
 
     fn timed_out(&self, s: &RoundState, size: usize, device_of: &dyn Fn(usize) -> String) -> CommError {
@@ -213,16 +226,11 @@ impl ThreadComm {
     }
 }
 
-impl Communicator for ThreadComm {
-    fn coords(&self) -> (u64, u64) {
-        (self.i, self.j)
-    }
-
-    fn mesh(&self) -> Mesh {
-        self.fabric.mesh
-    }
-
-    fn collective(
+impl ThreadComm {
+    /// One collective on elements of type `T`: every member deposits its send block (a broadcast's
+    /// root alone) and combines the others' in place into its result.
+    #[allow(clippy::too_many_arguments)]
+    fn run<T: Payload>(
         &mut self,
         kind: CollectiveKind,
         group: Group,
@@ -230,8 +238,8 @@ impl Communicator for ThreadComm {
         op: ReduceOp,
         shard: Option<Placement>,
         full: &[u64],
-        send: &[f32],
-        recv: &mut [f32],
+        send: &[T],
+        recv: &mut [T],
     ) -> Result<(), CommError> {
         let mesh = self.fabric.mesh;
         let size = mesh.group_size(group) as usize;
@@ -253,6 +261,45 @@ impl Communicator for ThreadComm {
         fabric.exchange(r, (me as usize, size), data, &device_of, |parts| {
             combine(kind, root, op, shard, full, me, parts, recv)
         })?
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn coords(&self) -> (u64, u64) {
+        (self.i, self.j)
+    }
+
+    fn mesh(&self) -> Mesh {
+        self.fabric.mesh
+    }
+
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        root: Option<u64>,
+        op: ReduceOp,
+        shard: Option<Placement>,
+        full: &[u64],
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        self.run(kind, group, root, op, shard, full, send, recv)
+    }
+
+    /// bf16 blocks are deposited and read as bf16; reductions are taken in f32 and rounded once.
+    fn collective_bf16(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        root: Option<u64>,
+        op: ReduceOp,
+        shard: Option<Placement>,
+        full: &[u64],
+        send: &[u16],
+        recv: &mut [u16],
+    ) -> Result<(), CommError> {
+        self.run(kind, group, root, op, shard, full, send, recv)
     }
 
     fn abort(&self, reason: &str) {
@@ -322,6 +369,96 @@ mod tests {
                 });
             }
         });
+    }
+
+    /// Member m's bf16 contribution to element k: values near 1 whose sums rounded at every step
+    /// differ from the sum rounded once.
+    fn bf16_value(m: usize, k: usize) -> u16 {
+        crate::runtime::bf16::round(1.0 + ((m * 3 + k) % 11) as f32 * 2f32.powi(-7) - 2f32.powi(-6))
+    }
+
+    #[test]
+    fn bf16_collectives_carry_two_bytes_an_element_and_sum_in_f32_rounding_once() {
+        use crate::runtime::bf16::{round, widen_one};
+        let mesh = Mesh { rows: 1, cols: 4 };
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        let n = 3000;
+        let results: Vec<(Vec<u16>, Vec<u16>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4usize)
+                .map(|m| {
+                    let fabric = Arc::clone(&fabric);
+                    s.spawn(move || {
+                        let mut comm = ThreadComm::new(fabric, 0, m as u64);
+                        let send: Vec<u16> = (0..n).map(|k| bf16_value(m, k)).collect();
+                        let (mut sum, mut copy) = (vec![0u16; n], vec![0u16; n]);
+                        let full = [n as u64];
+                        comm.collective_bf16(
+                            CollectiveKind::AllReduce,
+                            Group::Row,
+                            None,
+                            ReduceOp::Sum,
+                            None,
+                            &full,
+                            &send,
+                            &mut sum,
+                        )
+                        .expect("all-reduce");
+                        comm.collective_bf16(
+                            CollectiveKind::Broadcast,
+                            Group::Row,
+                            Some(2),
+                            ReduceOp::Sum,
+                            None,
+                            &full,
+                            &send,
+                            &mut copy,
+                        )
+                        .expect("broadcast");
+                        (sum, copy)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        // Four all-reduce blocks and the broadcast root's block, 2 bytes an element.
+        assert_eq!(fabric.bytes_deposited(), (5 * n * 2) as u64);
+        let once: Vec<u16> = (0..n).map(|k| round((0..4).map(|m| widen_one(bf16_value(m, k))).sum())).collect();
+        let stepwise: Vec<u16> = (0..n)
+            .map(|k| (1..4).fold(bf16_value(0, k), |acc, m| round(widen_one(acc) + widen_one(bf16_value(m, k)))))
+            .collect();
+        assert!(once.iter().zip(&stepwise).any(|(a, b)| a != b), "the values tell one rounding from several");
+        for (sum, copy) in &results {
+            assert_eq!(sum, &once, "the sum is taken in f32 and rounded once");
+            assert!(copy.iter().enumerate().all(|(k, &b)| b == bf16_value(2, k)), "the root's bits");
+        }
+    }
+
+    #[test]
+    fn f32_collectives_carry_four_bytes_an_element() {
+        let mesh = Mesh { rows: 2, cols: 1 };
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        std::thread::scope(|s| {
+            for i in 0..2u64 {
+                let fabric = Arc::clone(&fabric);
+                s.spawn(move || {
+                    let mut comm = ThreadComm::new(fabric, i, 0);
+                    let (send, mut recv) = ([1.0f32; 10], [0.0f32; 10]);
+                    comm.collective(
+                        CollectiveKind::AllReduce,
+                        Group::Column,
+                        None,
+                        ReduceOp::Sum,
+                        None,
+                        &[10],
+                        &send,
+                        &mut recv,
+                    )
+                    .expect("all-reduce");
+                    assert_eq!(recv, [2.0; 10]);
+                });
+            }
+        });
+        assert_eq!(fabric.bytes_deposited(), 2 * 10 * 4);
     }
 
     #[test]
