@@ -106,3 +106,75 @@ fn an_index_that_disagrees_with_its_files_is_an_error() {
     let (ok, text) = optimusc(&["run", TINY, "--steps", "1", "--weights", index.to_str().expect("utf-8")]);
     assert!(!ok && text.contains("plain names beside the index"), "{text}");
 }
+
+/// Every device's block read straight from the mapped files equals the block cut from the whole logical
+/// tensor, on meshes that pad and split the vocabulary, for [in, out] and [out, in] linears.
+#[test]
+fn device_blocks_read_from_mapped_files_equal_blocks_of_the_logical_tensors() {
+    use optimus::check::check_source;
+    use optimus::plan::{Mesh, Mode, Strategy};
+    use optimus::runtime::init::{block_of, pad_to};
+    use optimus::shard::{Target, compile};
+    let dir = scratch("blocks");
+    for (name, text) in [("gpt", std::fs::read_to_string(TINY).expect("tiny")), ("llama", llama_like())] {
+        let model_path = dir.join(format!("{name}.opt"));
+        std::fs::write(&model_path, &text).expect("write");
+        let weights = dir.join(format!("{name}.safetensors"));
+        let (ok, out) = optimusc(&[
+            "run",
+            model_path.to_str().expect("utf-8"),
+            "--steps",
+            "1",
+            "--seed",
+            "9",
+            "--save-weights",
+            weights.to_str().expect("utf-8"),
+        ]);
+        assert!(ok, "{out}");
+        let model = check_source(&text, &[]).model.expect("checks");
+        for (rows, cols, strategy) in [(2, 2, Strategy::Optimus), (1, 4, Strategy::Megatron), (4, 4, Strategy::Optimus)]
+        {
+            let target = Target {
+                mesh: Mesh { rows, cols },
+                strategy,
+                mode: Mode::Train,
+                memory: optimus::plan::MemoryOptions::DEFAULT,
+            };
+            let Ok(plan) = compile(&model, name, &text, target) else { continue };
+            let mapped = optimus::io::pretrained::map_weights(&weights, &plan, false).expect("maps");
+            let logical = mapped.logical_params(&plan);
+            for p in &plan.params {
+                let meta = plan.buffer(p.buffer);
+                let padded = pad_to(&logical[&p.name], meta).expect("pads");
+                for (i, j) in (0..rows).flat_map(|i| (0..cols).map(move |j| (i, j))) {
+                    let expected = block_of(&padded, meta, i, j, plan.mesh).expect("block");
+                    let read = mapped.block(p, meta, (i, j), plan.mesh).expect("reads");
+                    assert_eq!(read, expected, "{name} {rows}x{cols} {} device ({i}, {j})", p.name);
+                }
+            }
+        }
+    }
+}
+
+/// A small Llama-shaped model with [out, in] linears and a vocabulary no mesh divides.
+fn llama_like() -> String {
+    let text = std::fs::read_to_string("examples/llama.opt").expect("llama");
+    let mut out = String::new();
+    for line in text.lines() {
+        let line = match line.split_whitespace().next() {
+            Some("vocab") => "  vocab = 101",
+            Some("context") => "  context = 16",
+            Some("seq") => "  seq = 8",
+            Some("batch") => "  batch = 4",
+            Some("layers") if line.contains('=') && !line.contains("repeat") => "  layers = 1",
+            Some("heads") => "  heads = 4",
+            Some("kv_heads") => "  kv_heads = 4",
+            Some("hidden") => "  hidden = 32",
+            Some("ffn") => "  ffn = 48",
+            _ => line,
+        };
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}

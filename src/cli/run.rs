@@ -5,16 +5,20 @@ use super::{Failure, TargetArgs, plan_from};
 use clap::ValueEnum;
 use optimus::io::checkpoint::save_checkpoint;
 use optimus::io::data::{TokenData, TokenDtype, check_inputs};
+use optimus::io::mapped::MappedWeights;
 use optimus::io::metrics::{MetricsLog, check_appendable};
+use optimus::io::pretrained::{map_weights, pretrained_file};
 use optimus::io::shards::load_weights;
 use optimus::io::sources::{Objective, Sources};
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::{Evaluation, RunConfig, RunOutput, StepRecord};
 use optimus::runtime::schedule::{Schedule, ScheduleKind};
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
+use optimus::runtime::tensor::Tensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -393,10 +397,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     if let Some(warning) = shortfall_warning(&sources, &plan).filter(|_| leader) {
         eprintln_safe!("warning: {warning}");
     }
-    let initial = match &args.weights {
-        Some(path) => load_weights(path, &plan, args.allow_non_finite_weights)?,
-        None => BTreeMap::new(),
-    };
+    let (initial, weights) = initial_weights(args, &plan)?;
     let config = RunConfig {
         seed: args.seed,
         steps: args.steps,
@@ -411,6 +412,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         clip_grad_norm: args.clip_grad_norm,
         start_step: 0,
         resume: None,
+        weights,
         checkpoints: None,
         stop: (plan.mode == Mode::Train).then_some(optimus::io::output::stop_requested as fn() -> bool),
     };
@@ -733,6 +735,20 @@ impl Progress {
             let what = if self.train { "trained" } else { "ran" };
             eprintln_safe!("{what} {} steps: loss {first:.4} -> {last:.4}", output.steps.len());
         }
+    }
+}
+
+/// Whole logical tensors by parameter name, and mapped files to read device blocks from.
+type InitialWeights = (BTreeMap<String, Tensor>, Option<Arc<MappedWeights>>);
+
+/// The `--weights` a run starts from: a sharded training checkpoint's logical tensors, or Hugging Face files
+/// kept mapped, from which every device reads only its blocks.
+fn initial_weights(args: &RunArgs, plan: &Plan) -> Result<InitialWeights, String> {
+    let allow = args.allow_non_finite_weights;
+    match &args.weights {
+        None => Ok((BTreeMap::new(), None)),
+        Some(path) if path.is_dir() && pretrained_file(path).is_none() => Ok((load_weights(path, plan, allow)?, None)),
+        Some(path) => Ok((BTreeMap::new(), Some(Arc::new(map_weights(path, plan, allow)?)))),
     }
 }
 

@@ -13,64 +13,27 @@ use crate::ir::ParamRole;
 use crate::plan::{Plan, PlanParam};
 use crate::runtime::tensor::Tensor;
 use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, View};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-/// Reads a safetensors file and returns every plan parameter's logical tensor, by parameter name. A NaN or
-/// infinite weight is an error naming the tensor and the first bad element, unless `allow_non_finite`.
+/// Reads a safetensors file (or an index and its shards) and returns every plan parameter's logical tensor,
+/// by parameter name. A NaN or infinite weight is an error naming the tensor and the first bad element,
+/// unless `allow_non_finite`.
 pub fn load_checkpoint(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<BTreeMap<String, Tensor>, String> {
-    if super::pretrained::is_index(path) {
-        return super::pretrained::load_sharded(path, plan, allow_non_finite);
-    }
-    let mapped = map_checkpoint(path)?;
-    let file = SafeTensors::deserialize(&mapped)
-        .map_err(|e| format!("`{}` is not a valid safetensors file: {e}", path.display()))?;
-    load_tensors(&TensorSource { path, tensors: file.tensors() }, plan, allow_non_finite)
-}
-
-/// The tensors of one checkpoint, from one file or several, and the path that names them in messages.
-pub(super) struct TensorSource<'p, 'd> {
-    pub path: &'p Path,
-    pub tensors: Vec<(String, TensorView<'d>)>,
-}
-
-/// Every plan parameter's logical tensor from the tensors of a checkpoint; every mismatch reported at once.
-pub(super) fn load_tensors(
-    source: &TensorSource<'_, '_>,
-    plan: &Plan,
-    allow_non_finite: bool,
-) -> Result<BTreeMap<String, Tensor>, String> {
-    let path = source.path;
-    let mut matching = match_tensors(plan, &source.tensors);
-    let mut out = BTreeMap::new();
-    let mut non_finite = Vec::new();
-    for p in &plan.params {
-        match matching.found.remove(p.name.as_str()) {
-            Some((key, view)) => match convert(p, &key, &view) {
-                Ok((t, bad)) => {
-                    non_finite.extend(bad.filter(|_| !allow_non_finite));
-                    out.insert(p.name.clone(), t);
-                }
-                Err(e) => matching.problems.push(e),
-            },
-            None => matching.problems.push(format!(
-                "missing `{}`: expected {}{}",
-                p.checkpoint,
-                shape_text(&stored_shape(p)),
-                orientation_note(p)
-            )),
+    let mapped = match super::pretrained::is_index(path) {
+        true => super::pretrained::map_weights(path, plan, allow_non_finite)?,
+        false => {
+            super::mapped::MappedWeights::open(path, &[path.to_path_buf()], plan, allow_non_finite, &mut |_, _| Ok(()))?
         }
-    }
-    matching.problems.append(&mut matching.extras);
-    if !matching.problems.is_empty() {
-        return Err(mismatch_message(path, plan, &matching.problems));
-    }
-    if !non_finite.is_empty() {
-        return Err(non_finite_message(path, &non_finite));
-    }
-    Ok(out)
+    };
+    Ok(mapped.logical_params(plan))
+}
+
+/// "missing `NAME`: expected [SHAPE]", for a parameter no file tensor matches.
+pub(super) fn missing(p: &PlanParam) -> String {
+    format!("missing `{}`: expected {}{}", p.checkpoint, shape_text(&stored_shape(p)), orientation_note(p))
 }
 
 /// Maps a checkpoint file into memory, so a large file is read page by page rather than copied whole. Anything
@@ -105,17 +68,17 @@ pub fn save_checkpoint(path: &Path, plan: &Plan, params: &BTreeMap<String, Tenso
 }
 
 /// File tensors assigned to parameters, and what did not fit.
-struct Matching<'p, 'd> {
+pub(super) struct Matching<'p, 'd> {
     /// By parameter name: the file's key and tensor.
-    found: HashMap<&'p str, (String, TensorView<'d>)>,
+    pub found: HashMap<&'p str, (String, TensorView<'d>)>,
     /// Duplicates and other problems found while matching.
-    problems: Vec<String>,
+    pub problems: Vec<String>,
     /// Tensors that belong to no parameter and are not ignorable.
-    extras: Vec<String>,
+    pub extras: Vec<String>,
 }
 
 /// Assigns each file tensor to the parameter whose checkpoint name it carries, bare or prefixed.
-fn match_tensors<'p, 'd>(plan: &'p Plan, file: &[(String, TensorView<'d>)]) -> Matching<'p, 'd> {
+pub(super) fn match_tensors<'p, 'd>(plan: &'p Plan, file: &[(String, TensorView<'d>)]) -> Matching<'p, 'd> {
     let by_checkpoint: HashMap<&str, &PlanParam> = plan.params.iter().map(|p| (p.checkpoint.as_str(), p)).collect();
     let prefix = plan.checkpoint_prefix.as_deref().unwrap_or("");
     let mut matching = Matching { found: HashMap::new(), problems: Vec::new(), extras: Vec::new() };
@@ -181,24 +144,36 @@ fn ignorable(plan: &Plan, prefix: &str, key: &str, shape: &[usize]) -> bool {
     is_mask && !plan.params.iter().any(|p| p.shape.iter().map(|&d| d as usize).eq(shape.iter().copied()))
 }
 
-/// The parameter's logical tensor from a file tensor (shape checked, first rows of a longer position table,
-/// converted to f32), and a description of its first NaN or infinite element, if any.
-fn convert(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<(Tensor, Option<String>), String> {
+/// How many leading elements of the file tensor make the parameter (its shape checked, the first rows of a
+/// longer position table), once its dtype is known to be readable.
+pub(super) fn check_view(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<usize, String> {
     let key = printable(key);
     let stored = stored_shape(p);
     let count = elements_to_take(p, &stored, view.shape()).ok_or_else(|| {
         format!("`{key}`: expected {}{}, found {}", shape_text(&stored), orientation_note(p), shape_text(view.shape()))
     })?;
-    let mut values = to_f32(view.dtype(), view.data(), count)
-        .ok_or_else(|| format!("`{key}`: dtype {:?} cannot be read (F32, F16, BF16 and F64 can)", view.dtype()))?;
-    if let Some((in_dim, out_dim)) = transposed_dims(p) {
-        values = transpose_2d(&values, out_dim, in_dim);
+    if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::BF16) {
+        return Err(format!("`{key}`: dtype {:?} cannot be read (F32, F16, BF16 and F64 can)", view.dtype()));
     }
-    let bad = first_non_finite(&values).map(|(index, value)| {
-        let cast = if view.dtype() == Dtype::F64 { " (as f32)" } else { "" };
-        format!("tensor `{key}` holds {}{cast} at element {index}", non_finite_name(value))
-    });
-    Ok((Tensor::from_f32(&p.shape, values), bad))
+    let needed = count.checked_mul(view.dtype().bitsize() / 8).filter(|&n| n <= view.data().len());
+    needed.map(|_| count).ok_or_else(|| format!("`{key}`: the file holds fewer values than its shape says"))
+}
+
+/// A description of the first NaN or infinite value among the first `count` elements of a file tensor.
+pub(super) fn first_non_finite_in(key: &str, dtype: Dtype, data: &[u8], count: usize) -> Option<String> {
+    let width = dtype.bitsize() / 8;
+    let value = |k: usize| -> f32 {
+        let b = &data[k * width..k * width + width];
+        match dtype {
+            Dtype::F64 => f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32,
+            Dtype::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+            Dtype::BF16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            _ => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    };
+    let index = (0..count.min(data.len() / width.max(1))).find(|&k| !value(k).is_finite())?;
+    let cast = if dtype == Dtype::F64 { " (as f32)" } else { "" };
+    Some(format!("tensor `{}` holds {}{cast} at element {index}", printable(key), non_finite_name(value(index))))
 }
 
 /// The index and value of the first NaN or infinite value.
@@ -218,7 +193,7 @@ pub(super) fn non_finite_name(value: f32) -> &'static str {
 }
 
 /// The model shape `[in, out]` of a weight that checkpoints store `[out, in]`.
-fn transposed_dims(p: &PlanParam) -> Option<(usize, usize)> {
+pub(super) fn transposed_dims(p: &PlanParam) -> Option<(usize, usize)> {
     match (p.checkpoint_transposed, p.shape.as_slice()) {
         (true, &[in_dim, out_dim]) => Some((in_dim as usize, out_dim as usize)),
         _ => None,
@@ -266,30 +241,6 @@ fn elements_to_take(p: &PlanParam, expected: &[u64], found: &[usize]) -> Option<
     longer_table.then_some(count)
 }
 
-/// The first `count` elements of little-endian data as f32, or `None` for another dtype.
-fn to_f32(dtype: Dtype, data: &[u8], count: usize) -> Option<Vec<f32>> {
-    let bytes = data.get(..count.checked_mul(dtype.bitsize() / 8)?)?;
-    match dtype {
-        Dtype::F32 => Some(decode(bytes, f32::from_le_bytes)),
-        Dtype::F64 => Some(decode(bytes, |b| f64::from_le_bytes(b) as f32)),
-        Dtype::F16 => Some(decode(bytes, |b| half::f16::from_le_bytes(b).to_f32())),
-        Dtype::BF16 => Some(decode(bytes, |b| half::bf16::from_le_bytes(b).to_f32())),
-        _ => None,
-    }
-}
-
-fn decode<const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> f32) -> Vec<f32> {
-    bytes
-        .chunks_exact(N)
-        .map(|c| {
-            let mut b = [0u8; N];
-            b.copy_from_slice(c);
-            f(b)
-        })
-        .collect()
-}
-
-/// Every tensor with a NaN or infinite weight (the first few), and how to load them anyway.
 pub(super) fn non_finite_message(path: &Path, problems: &[String]) -> String {
     let head = match problems {
         [one] => format!("weights `{}`: {one}", path.display()),
@@ -316,7 +267,7 @@ pub(super) fn capped_list(lines: &[String]) -> String {
     list
 }
 
-fn mismatch_message(path: &Path, plan: &Plan, problems: &[String]) -> String {
+pub(super) fn mismatch_message(path: &Path, plan: &Plan, problems: &[String]) -> String {
     let names = match plan.checkpoint_prefix.as_deref() {
         Some(prefix) if !prefix.is_empty() => format!(" (names are looked up bare and with the prefix `{prefix}`)"),
         _ => String::new(),
@@ -468,8 +419,13 @@ forward { output loss = cross_entropy(cls(embed(tokens)), targets) }
             })
             .collect();
         let bytes = safetensors::serialize(views, None).expect("serializes");
-        let file = SafeTensors::deserialize(&bytes).expect("deserializes");
-        load_tensors(&TensorSource { path: Path::new("t.safetensors"), tensors: file.tensors() }, plan, false)
+        let dir = std::env::temp_dir().join(format!("optimus-checkpoint-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join(format!("t-{}.safetensors", tensors.len()));
+        std::fs::write(&path, bytes).expect("write");
+        let loaded = load_checkpoint(&path, plan, false);
+        let _ = std::fs::remove_file(&path);
+        loaded
     }
 
     fn bias_of(loaded: &BTreeMap<String, Tensor>) -> Vec<f32> {

@@ -10,6 +10,7 @@
 //! [`metrics`] appends the JSON-lines log of a run's records and reads it back as curves.
 //! [`shards`] writes and reads sharded training checkpoints (one file per device and a manifest),
 //! crash-safe, and readable onto any mesh.
+//! [`mapped`] keeps Hugging Face files mapped, and each device reads only its blocks from them.
 //! [`pretrained`] reads and writes Hugging Face's `save_pretrained` layout: shards and their index.
 //! [`output`] is the one way any output file is written: atomically for files, in place for devices
 //! and pipes, never leaving temporary files.
@@ -17,6 +18,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod files;
+pub mod mapped;
 pub mod mask;
 pub mod metrics;
 pub mod output;

@@ -6,11 +6,11 @@
 //! `max_shard_bytes` in plan order (a tensor larger than that gets a shard of its own), as
 //! `save_pretrained(max_shard_size=...)` does, writing every file atomically and the index last.
 
-use super::checkpoint::{TensorSource, f32_tensors, load_tensors, map_checkpoint};
+use super::checkpoint::f32_tensors;
+use super::mapped::MappedWeights;
 use crate::diag::printable;
 use crate::plan::Plan;
 use crate::runtime::tensor::Tensor;
-use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -42,57 +42,50 @@ pub fn is_index(path: &Path) -> bool {
     path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
 }
 
-/// Reads a sharded checkpoint through its index and returns every plan parameter's logical tensor.
-pub fn load_sharded(
-    index_path: &Path,
-    plan: &Plan,
-    allow_non_finite: bool,
-) -> Result<BTreeMap<String, Tensor>, String> {
-    let index = read_index(index_path)?;
-    let dir = index_path.parent().unwrap_or(Path::new("."));
-    let files: Vec<&String> = {
-        let mut f: Vec<&String> = index.weight_map.values().collect();
-        f.sort();
-        f.dedup();
-        f
-    };
-    let mut maps = Vec::with_capacity(files.len());
-    for name in &files {
-        check_shard_name(index_path, name)?;
-        maps.push(map_checkpoint(&dir.join(name))?);
+/// Maps a checkpoint for reading by device blocks: one safetensors file, an index (`*.json`) and its
+/// shards, or a `save_pretrained` directory holding either. Every name, shape and dtype is checked, and
+/// (unless `allow_non_finite`) every value.
+pub fn map_weights(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<MappedWeights, String> {
+    if path.is_dir() {
+        let file = pretrained_file(path)
+            .ok_or_else(|| format!("`{}` holds neither {SINGLE_FILE} nor {INDEX_FILE}", path.display()))?;
+        return map_weights(&file, plan, allow_non_finite);
     }
-    let mut parsed = Vec::with_capacity(files.len());
-    for (name, map) in files.iter().zip(&maps) {
-        let file = SafeTensors::deserialize(map)
-            .map_err(|e| format!("`{}` is not a valid safetensors file: {e}", dir.join(name).display()))?;
-        parsed.push(file);
+    if !is_index(path) {
+        return MappedWeights::open(path, &[path.to_path_buf()], plan, allow_non_finite, &mut |_, _| Ok(()));
     }
-    let mut tensors = Vec::new();
-    let mut problems = Vec::new();
+    let index = read_index(path)?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut names: Vec<&String> = index.weight_map.values().collect();
+    names.sort();
+    names.dedup();
+    for name in &names {
+        check_shard_name(path, name)?;
+    }
+    let files: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
     let mut listed: HashMap<&str, &str> = index.weight_map.iter().map(|(k, f)| (k.as_str(), f.as_str())).collect();
-    for (name, file) in files.iter().zip(&parsed) {
-        for (key, view) in file.tensors() {
-            match listed.remove(key.as_str()) {
-                Some(f) if f == name.as_str() => tensors.push((key, view)),
-                Some(f) => problems.push(format!(
-                    "`{}` is in `{name}` but the index puts it in `{}`",
-                    printable(&key),
-                    printable(f)
-                )),
-                None => problems.push(format!("`{}` is in `{name}` but not in the index", printable(&key))),
-            }
+    let mut in_index = |file: usize, key: &str| -> Result<(), String> {
+        let name = names[file].as_str();
+        match listed.remove(key) {
+            Some(f) if f == name => Ok(()),
+            Some(f) => Err(format!("`{}` is in `{name}` but the index puts it in `{}`", printable(key), printable(f))),
+            None => Err(format!("`{}` is in `{name}` but not in the index", printable(key))),
         }
-    }
-    let mut missing: Vec<String> = listed
+    };
+    let mapped = MappedWeights::open(path, &files, plan, allow_non_finite, &mut in_index);
+    let mut unmatched: Vec<String> = listed
         .into_iter()
         .map(|(k, f)| format!("the index puts `{}` in `{}`, which does not hold it", printable(k), printable(f)))
         .collect();
-    missing.sort();
-    problems.extend(missing);
-    if !problems.is_empty() {
-        return Err(format!("`{}` does not match its files:\n{}", index_path.display(), bullets(&problems)));
+    if unmatched.is_empty() {
+        return mapped;
     }
-    load_tensors(&TensorSource { path: index_path, tensors }, plan, allow_non_finite)
+    unmatched.sort();
+    let listing = format!("`{}` does not match its files:\n{}", path.display(), bullets(&unmatched));
+    match mapped {
+        Err(e) => Err(format!("{e}\n{listing}")),
+        Ok(_) => Err(listing),
+    }
 }
 
 fn bullets(lines: &[String]) -> String {

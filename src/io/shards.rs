@@ -188,7 +188,7 @@ fn hex(bytes: &[u8]) -> String {
 // ---- geometry ------------------------------------------------------------------------------------
 
 /// Per dimension, the padded logical coordinate of each local coordinate of a device's block.
-fn block_coordinates(meta: &Buffer, coords: (u64, u64), mesh: Mesh) -> Result<Vec<Vec<u64>>, String> {
+pub(super) fn block_coordinates(meta: &Buffer, coords: (u64, u64), mesh: Mesh) -> Result<Vec<Vec<u64>>, String> {
     let map = IndexMap::new(meta, coords.0, coords.1, mesh).map_err(|e| format!("buffer `{}`: {e}", meta.name))?;
     Ok(map.dimensions().to_vec())
 }

@@ -50,6 +50,8 @@ pub struct RunConfig {
     pub start_step: u64,
     /// The checkpoint every device loads its parameter and optimizer-state blocks from (`--resume`).
     pub resume: Option<std::sync::Arc<Checkpoint>>,
+    /// Hugging Face weights (`--weights`), mapped: every device reads only its blocks of each parameter.
+    pub weights: Option<std::sync::Arc<crate::io::mapped::MappedWeights>>,
     /// Periodic checkpoints (`--checkpoint-dir`).
     pub checkpoints: Option<Checkpointing>,
     /// Asked after every step; when it says yes on any device, every device stops after that step (and
@@ -106,6 +108,7 @@ impl RunConfig {
             clip_grad_norm: None,
             start_step: 0,
             resume: None,
+            weights: None,
             checkpoints: None,
             stop: None,
         }
@@ -783,6 +786,8 @@ impl DeviceRun<'_> {
                 let block =
                     init::block_of(&init::pad_to(t, plan.buffer(p.buffer))?, plan.buffer(p.buffer), i, j, plan.mesh)?;
                 device.write(p.buffer, block)?;
+            } else if let Some(weights) = &config.weights {
+                device.write(p.buffer, weights.block(p, plan.buffer(p.buffer), (i, j), plan.mesh)?)?;
             }
         }
         let mut records = Vec::new();
