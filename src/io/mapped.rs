@@ -114,15 +114,7 @@ impl MappedWeights {
     pub fn block(&self, p: &PlanParam, meta: &Buffer, coords: (u64, u64), mesh: Mesh) -> Result<Tensor, String> {
         let entry = self.entries.get(&p.name).ok_or_else(|| format!("`{}` is not in the checkpoint", p.name))?;
         let axes = super::shards::block_coordinates(meta, coords, mesh)?;
-        let total: usize = axes.iter().map(Vec::len).product();
-        let mut values = Vec::with_capacity(total);
-        let mut at = vec![0usize; axes.len()];
-        for _ in 0..total {
-            let index: Vec<u64> = at.iter().zip(&axes).map(|(&k, axis)| axis[k]).collect();
-            values.push(self.element(entry, &index));
-            advance(&mut at, &axes);
-        }
-        Ok(Tensor::from_f32(&meta.shape, values))
+        Ok(Tensor::from_f32(&meta.shape, self.grid(entry, &axes)))
     }
 
     /// Every parameter's whole logical (unpadded) tensor, by parameter name.
@@ -130,11 +122,26 @@ impl MappedWeights {
         let mut out = BTreeMap::new();
         for p in &plan.params {
             let Some(entry) = self.entries.get(&p.name) else { continue };
-            let total: u64 = entry.shape.iter().product();
-            let values = (0..total).map(|k| self.element(entry, &unravel(k, &entry.shape))).collect();
-            out.insert(p.name.clone(), Tensor::from_f32(&entry.shape, values));
+            let axes: Vec<Vec<u64>> = entry.shape.iter().map(|&s| (0..s).collect()).collect();
+            out.insert(p.name.clone(), Tensor::from_f32(&entry.shape, self.grid(entry, &axes)));
         }
         out
+    }
+
+    /// The values at every logical index of the grid `axes` (one list of coordinates per dimension), in
+    /// row-major order.
+    fn grid(&self, entry: &Entry, axes: &[Vec<u64>]) -> Vec<f32> {
+        let total: usize = axes.iter().map(Vec::len).product();
+        let mut values = Vec::with_capacity(total);
+        let (mut at, mut index) = (vec![0usize; axes.len()], vec![0u64; axes.len()]);
+        for _ in 0..total {
+            for ((slot, &k), axis) in index.iter_mut().zip(&at).zip(axes) {
+                *slot = axis[k];
+            }
+            values.push(self.element(entry, &index));
+            advance(&mut at, axes);
+        }
+        values
     }
 
     /// The value at logical index `at` (zero in padding), read from the file.
@@ -174,16 +181,6 @@ fn advance(at: &mut [usize], axes: &[Vec<u64>]) {
         }
         at[d] = 0;
     }
-}
-
-fn unravel(mut k: u64, shape: &[u64]) -> Vec<u64> {
-    let mut at = vec![0; shape.len()];
-    for d in (0..shape.len()).rev() {
-        let s = shape[d].max(1);
-        at[d] = k % s;
-        k /= s;
-    }
-    at
 }
 
 fn bullets(lines: &[String]) -> String {
