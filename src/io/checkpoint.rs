@@ -61,7 +61,8 @@ pub fn save_checkpoint(path: &Path, plan: &Plan, params: &BTreeMap<String, Tenso
     let tensors = f32_tensors(plan, params)
         .map_err(|problems| format!("cannot save checkpoint `{}`:\n{}", path.display(), bullet_list(&problems)))?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(tensors, Some(metadata))
+    let views: Vec<(&str, &F32Bytes)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    let bytes = safetensors::serialize(views, Some(metadata))
         .map_err(|e| format!("cannot save checkpoint `{}`: {e}", path.display()))?;
     super::output::write_file(path, &bytes)
         .map_err(|e| format!("cannot write checkpoint `{}`: {}", e.path().display(), e.reason()))
@@ -280,7 +281,7 @@ pub(super) fn mismatch_message(path: &Path, plan: &Plan, problems: &[String]) ->
     )
 }
 
-fn bullet_list(lines: &[String]) -> String {
+pub(super) fn bullet_list(lines: &[String]) -> String {
     lines.iter().map(|l| format!("  - {l}")).collect::<Vec<_>>().join("\n")
 }
 
@@ -296,26 +297,8 @@ impl F32Bytes {
     }
 }
 
-/// Borrowed, so that the tensors of one shard are serialized without copying them.
+/// Serialized by reference, so that writing a file (or one shard of it) copies no tensor.
 impl View for &F32Bytes {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
-impl View for F32Bytes {
     fn dtype(&self) -> Dtype {
         Dtype::F32
     }
@@ -418,7 +401,8 @@ forward { output loss = cross_entropy(cls(embed(tokens)), targets) }
                 (name.to_string(), F32Bytes { shape: shape.clone(), bytes })
             })
             .collect();
-        let bytes = safetensors::serialize(views, None).expect("serializes");
+        let refs: Vec<(&str, &F32Bytes)> = views.iter().map(|(k, t)| (k.as_str(), t)).collect();
+        let bytes = safetensors::serialize(refs, None).expect("serializes");
         let dir = std::env::temp_dir().join(format!("optimus-checkpoint-unit-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join(format!("t-{}.safetensors", tensors.len()));

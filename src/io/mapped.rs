@@ -5,7 +5,9 @@
 //! Opening checks everything loading whole tensors checks (names, shapes, dtypes, and NaN or infinite
 //! values, scanned in place) and reports every mismatch at once.
 
-use super::checkpoint::{Matching, first_non_finite_in, map_checkpoint, match_tensors, mismatch_message, missing};
+use super::checkpoint::{
+    Matching, bullet_list, first_non_finite_in, map_checkpoint, match_tensors, mismatch_message, missing,
+};
 use crate::plan::{Buffer, Mesh, Plan, PlanParam};
 use crate::runtime::tensor::Tensor;
 use safetensors::{Dtype, SafeTensors};
@@ -62,7 +64,7 @@ impl MappedWeights {
             }
         }
         if !problems.is_empty() {
-            return Err(format!("`{}` does not match its files:\n{}", path.display(), bullets(&problems)));
+            return Err(format!("`{}` does not match its files:\n{}", path.display(), bullet_list(&problems)));
         }
         let listed: Vec<(String, safetensors::tensor::TensorView<'_>)> =
             tensors.iter().map(|(_, key, view)| (key.clone(), view.clone())).collect();
@@ -181,8 +183,4 @@ fn advance(at: &mut [usize], axes: &[Vec<u64>]) {
         }
         at[d] = 0;
     }
-}
-
-fn bullets(lines: &[String]) -> String {
-    lines.iter().map(|l| format!("  - {l}")).collect::<Vec<_>>().join("\n")
 }

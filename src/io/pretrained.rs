@@ -6,7 +6,7 @@
 //! `max_shard_bytes` in plan order (a tensor larger than that gets a shard of its own), as
 //! `save_pretrained(max_shard_size=...)` does, writing every file atomically and the index last.
 
-use super::checkpoint::f32_tensors;
+use super::checkpoint::{bullet_list, f32_tensors};
 use super::mapped::MappedWeights;
 use crate::diag::printable;
 use crate::plan::Plan;
@@ -81,15 +81,11 @@ pub fn map_weights(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<M
         return mapped;
     }
     unmatched.sort();
-    let listing = format!("`{}` does not match its files:\n{}", path.display(), bullets(&unmatched));
+    let listing = format!("`{}` does not match its files:\n{}", path.display(), bullet_list(&unmatched));
     match mapped {
         Err(e) => Err(format!("{e}\n{listing}")),
         Ok(_) => Err(listing),
     }
-}
-
-fn bullets(lines: &[String]) -> String {
-    lines.iter().map(|l| format!("  - {l}")).collect::<Vec<_>>().join("\n")
 }
 
 fn read_index(path: &Path) -> Result<Index, String> {
@@ -131,7 +127,7 @@ pub fn save_pretrained(
     max_shard_bytes: u64,
 ) -> Result<Saved, String> {
     let cannot = |e: String| format!("cannot save weights to `{}`: {e}", dir.display());
-    let tensors = f32_tensors(plan, params).map_err(|problems| cannot(format!("\n{}", bullets(&problems))))?;
+    let tensors = f32_tensors(plan, params).map_err(|problems| cannot(format!("\n{}", bullet_list(&problems))))?;
     std::fs::create_dir_all(dir).map_err(|e| cannot(e.to_string()))?;
     let groups = shard_groups(tensors.iter().map(|(_, t)| t.byte_len()), max_shard_bytes);
     let count = groups.len();

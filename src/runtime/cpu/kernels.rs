@@ -1058,6 +1058,12 @@ fn mean_rstd(sum: &[f32], sqsum: &[f32], n: u64, eps: f64) -> Result<Vec<(f32, f
 }
 
 fn row_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+    row_sum_of(inputs, out, |v| v)
+}
+
+/// (x) -> [rows, 1]: the sum of f(v) over each row of x (RowSum with f the identity, RMSNorm's sum of
+/// squares with f(v) = v^2).
+pub(super) fn row_sum_of(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32) -> f32 + Sync) -> Result<(), String> {
     let [x] = args(inputs)?;
     let (rows, n) = split_last(&x.shape);
     let xv = floats(x, "x")?;
@@ -1066,7 +1072,7 @@ fn row_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     y.fill(0.0);
     par::costed_row_blocks(y, 1, n, |first, y| {
         for (y, row) in y.iter_mut().zip(rows_of(&xv[first * n..], n)) {
-            *y = sum_by(row, |v| v);
+            *y = sum_by(row, &f);
         }
         Ok::<(), String>(())
     })

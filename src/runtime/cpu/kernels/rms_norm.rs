@@ -1,7 +1,7 @@
 //! CPU kernels of RMSNorm (Llama): the local sum of squares of each row, the normalisation, and the
 //! backward pieces; row statistics are all-reduced between them where the last dimension is split.
 
-use super::{args, floats, floats_mut, par, per_row, rows_of, rows_of_mut, sum_by, sum_by2};
+use super::{args, floats, floats_mut, par, per_row, rows_of, rows_of_mut, sum_by2};
 use crate::runtime::shapes::{ensure, same_len, split_last};
 use crate::runtime::view::{View, ViewMut};
 
@@ -14,18 +14,7 @@ fn inverse_rms(sqsum: &[f32], n: u64, eps: f64) -> Result<Vec<f32>, String> {
 
 /// (x) -> [rows, 1]: the local sum of x^2 of each row.
 pub(super) fn row_square_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
-    let [x] = args(inputs)?;
-    let (rows, n) = split_last(&x.shape);
-    let xv = floats(x, "x")?;
-    let y = floats_mut(out)?;
-    same_len("the output", y.len(), rows)?;
-    y.fill(0.0);
-    par::costed_row_blocks(y, 1, n, |first, y| {
-        for (y, row) in y.iter_mut().zip(rows_of(&xv[first * n..], n)) {
-            *y = sum_by(row, |v| v * v);
-        }
-        Ok::<(), String>(())
-    })
+    super::row_sum_of(inputs, out, |v| v * v)
 }
 
 /// (x, sqsum, weight) -> weight * x * r.
