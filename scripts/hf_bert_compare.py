@@ -45,19 +45,18 @@ Exit status: 0 when everything agrees, 1 on any mismatch or failed run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from hf_common import ALL_MESHES, OPTIMIZERS, Optimizer, rel, run_records, set_flags
 from safetensors.numpy import load_file as load_numpy
 from transformers import BertConfig, BertForMaskedLM
 from transformers.utils import logging as hf_logging
@@ -77,7 +76,6 @@ MASKED = 0.15  # the share of positions that carry a label
 # by 3e-8); at 0.2 it moves it by 2e-2, and the misoriented control below would fail at 0.02.
 INIT_STD = 0.2
 
-ALL_MESHES = [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", "1x4")]
 # name -> (heads, ffn, meshes)
 CONFIGS = {
     "base": (4, 4 * HIDDEN, ALL_MESHES),
@@ -90,30 +88,6 @@ TIED = {
 }
 
 
-@dataclass
-class Optimizer:
-    name: str
-    lr: float
-    weight_decay: float
-    momentum: float = 0.0
-    eps: float = 1e-4
-
-    def torch(self, params):
-        if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        return torch.optim.AdamW(params, lr=self.lr, betas=(0.9, 0.999), eps=self.eps, weight_decay=self.weight_decay)
-
-    def flags(self) -> list[str]:
-        flags = ["--optimizer", self.name, "--lr", repr(self.lr), "--weight-decay", repr(self.weight_decay)]
-        if self.name == "sgd":
-            return flags + ["--momentum", repr(self.momentum)]
-        return flags + ["--beta1", "0.9", "--beta2", "0.999", "--eps", repr(self.eps)]
-
-
-OPTIMIZERS = {
-    "sgd": Optimizer("sgd", lr=0.1, weight_decay=0.01, momentum=0.9),
-    "adamw": Optimizer("adamw", lr=1e-2, weight_decay=0.1),
-}
 
 
 @dataclass
@@ -226,10 +200,7 @@ def config_flags(heads: int, ffn: int) -> list[str]:
         "vocab": VOCAB, "context": CONTEXT, "seq": SEQ, "batch": BATCH, "layers": LAYERS, "heads": heads,
         "hidden": HIDDEN, "ffn": ffn, "types": TYPES, "eps": EPS, "pdrop": 0,
     }  # fmt: skip
-    flags = []
-    for name, value in values.items():
-        flags += ["--set", f"{name}={value}"]
-    return flags
+    return set_flags(values)
 
 
 def run_optimusc(args, heads, ffn, strategy, mesh, opt, init: Path, workdir: Path, tag: str):
@@ -241,24 +212,7 @@ def run_optimusc(args, heads, ffn, strategy, mesh, opt, init: Path, workdir: Pat
         "--labels", str(workdir / "labels.bin"), "--data-dtype", "u16",
         "--weights", str(init), "--save-weights", str(out), "--json", *opt.flags(),
     ]  # fmt: skip
-    if args.verbose:
-        print("  $ " + " ".join(cmd))
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
-    seconds = time.monotonic() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"optimusc exited {proc.returncode}:\n{proc.stderr.strip()}\n{proc.stdout.strip()}")
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    records = [r for r in records if "loss" in r]
-    if [r.get("step") for r in records] != list(range(args.steps)):
-        raise RuntimeError(f"expected steps 0..{args.steps - 1}, got:\n{proc.stdout}")
-    return [r["loss"] for r in records], load_numpy(str(out)), seconds
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    scale = float(np.max(np.abs(b))) if b.size else 0.0
-    diff = float(np.max(np.abs(a.astype(np.float64) - b))) if b.size else 0.0
-    return diff / scale if scale > 0 else diff
+    return run_records(args, cmd, out)
 
 
 def compare(result: Result, losses, weights, ref_losses, ref_weights, tol):

@@ -42,14 +42,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.numpy import load_file as load_numpy
+from hf_common import ALL_MESHES, OPTIMIZERS, Optimizer, rel, run_records, set_flags
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -62,7 +61,6 @@ MODEL = REPO / "examples" / "llama.opt"
 VOCAB, CONTEXT, SEQ, BATCH, LAYERS, HIDDEN, FFN = 333, 32, 16, 4, 2, 64, 96
 THETA, EPS = 10000.0, 1e-5
 
-ALL_MESHES = [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", "1x4")]
 # name -> (heads, kv_heads, meshes)
 CONFIGS = {
     "gqa": (8, 4, ALL_MESHES),
@@ -71,30 +69,6 @@ CONFIGS = {
 }
 
 
-@dataclass
-class Optimizer:
-    name: str
-    lr: float
-    weight_decay: float
-    momentum: float = 0.0
-    eps: float = 1e-4
-
-    def torch(self, params):
-        if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        return torch.optim.AdamW(params, lr=self.lr, betas=(0.9, 0.999), eps=self.eps, weight_decay=self.weight_decay)
-
-    def flags(self) -> list[str]:
-        flags = ["--optimizer", self.name, "--lr", repr(self.lr), "--weight-decay", repr(self.weight_decay)]
-        if self.name == "sgd":
-            return flags + ["--momentum", repr(self.momentum)]
-        return flags + ["--beta1", "0.9", "--beta2", "0.999", "--eps", repr(self.eps)]
-
-
-OPTIMIZERS = {
-    "sgd": Optimizer("sgd", lr=0.1, weight_decay=0.01, momentum=0.9),
-    "adamw": Optimizer("adamw", lr=1e-2, weight_decay=0.1),
-}
 
 
 @dataclass
@@ -195,10 +169,7 @@ def config_flags(heads: int, kv_heads: int) -> list[str]:
         "vocab": VOCAB, "context": CONTEXT, "seq": SEQ, "batch": BATCH, "layers": LAYERS, "heads": heads,
         "kv_heads": kv_heads, "hidden": HIDDEN, "ffn": FFN, "rope_theta": THETA, "eps": EPS,
     }  # fmt: skip
-    flags = []
-    for name, value in values.items():
-        flags += ["--set", f"{name}={value}"]
-    return flags
+    return set_flags(values)
 
 
 def run_optimusc(args, heads, kv_heads, strategy, mesh, opt, init: Path, workdir: Path, tag: str):
@@ -209,24 +180,7 @@ def run_optimusc(args, heads, kv_heads, strategy, mesh, opt, init: Path, workdir
         "--data", str(workdir / "tokens.bin"), "--data-dtype", "u16",
         "--weights", str(init), "--save-weights", str(out), "--json", *opt.flags(),
     ]  # fmt: skip
-    if args.verbose:
-        print("  $ " + " ".join(cmd))
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
-    seconds = time.monotonic() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"optimusc exited {proc.returncode}:\n{proc.stderr.strip()}\n{proc.stdout.strip()}")
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    records = [r for r in records if "loss" in r]
-    if [r.get("step") for r in records] != list(range(args.steps)):
-        raise RuntimeError(f"expected steps 0..{args.steps - 1}, got:\n{proc.stdout}")
-    return [r["loss"] for r in records], load_numpy(str(out)), seconds
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    scale = float(np.max(np.abs(b))) if b.size else 0.0
-    diff = float(np.max(np.abs(a.astype(np.float64) - b))) if b.size else 0.0
-    return diff / scale if scale > 0 else diff
+    return run_records(args, cmd, out)
 
 
 def compare(result: Result, losses, weights, ref_losses, ref_weights, tol):
