@@ -6,7 +6,7 @@
 
 use optimus::check::check_source;
 use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Role, Strategy};
+use optimus::plan::{Buffer, BufferId, Coords, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Role, Strategy};
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::exec::RunConfig;
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
@@ -56,7 +56,7 @@ fn eval(kernel: &Kernel, inputs: &[&Tensor], shape: &[u64]) -> Result<Tensor, St
         role: Role::Workspace,
     };
     let mut t = Tensor::zeros(DType::F32, shape);
-    let ctx = KernelContext { i: 0, j: 0, mesh: Mesh { rows: 1, cols: 1 }, seed: 1, inputs: &[], output: &out };
+    let ctx = KernelContext { coords: Coords::new(0, 0, 0), mesh: Mesh::new(1, 1), seed: 1, inputs: &[], output: &out };
     cpu::run(kernel, inputs, &mut t, &ctx)?;
     Ok(t)
 }
@@ -271,12 +271,8 @@ forward {
 fn train_plan(source: &str, mesh: (u64, u64), strategy: Strategy) -> Plan {
     let checked = check_source(source, &[]);
     let model = checked.model.expect("the model checks");
-    let target = Target {
-        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
-        strategy,
-        mode: Mode::Train,
-        memory: MemoryOptions::DEFAULT,
-    };
+    let target =
+        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
     match compile(&model, "model.opt", source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("model.opt", source, &d)),

@@ -34,12 +34,8 @@ fn try_compile(
         sets.iter().map(|(k, v)| Override { name: (*k).to_string(), value: (*v).to_string() }).collect();
     let checked = check_source(&text, &overrides);
     let model = checked.model.ok_or_else(|| format!("{name} does not check: {:?}", checked.diagnostics))?;
-    let target = Target {
-        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-    };
+    let target =
+        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT };
     compile(&model, &format!("examples/{name}.opt"), &text, target)
         .map_err(|d| format!("{name} {} {}x{} {mode:?}: {d:?}", strategy.name(), mesh.0, mesh.1))
 }
@@ -409,7 +405,7 @@ fn the_recomputed_peak_matches_the_compilers_for_every_strategy() {
 fn meshes_beyond_the_thread_cap_are_refused_before_any_thread_starts() {
     let mut plan = try_compile("tiny", &[], Strategy::Optimus, (2, 2), Mode::Infer).expect("tiny compiles");
     for side in [64u64, 1024] {
-        plan.mesh = Mesh { rows: side, cols: side };
+        plan.mesh = Mesh::new(side, side);
         let devices = side * side;
         let e = check_host_can_run(&plan, devices).expect_err("over the cap");
         assert!(e.contains(&format!("{devices} devices")) && e.contains(&MAX_DEVICE_THREADS.to_string()), "{e}");

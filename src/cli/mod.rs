@@ -77,7 +77,7 @@ pub enum ModeArg {
 impl TargetArgs {
     /// The mesh asked for, 1x1 by default.
     pub fn mesh(&self) -> Mesh {
-        self.mesh_flag.unwrap_or(Mesh { rows: 1, cols: 1 })
+        self.mesh_flag.unwrap_or(Mesh::new(1, 1))
     }
 
     /// The strategy asked for, optimus by default.
@@ -185,7 +185,7 @@ pub fn parse_mesh(s: &str) -> Result<Mesh, String> {
     if rows == 0 || cols == 0 || rows > 1024 || cols > 1024 {
         return Err(format!("mesh sides must be between 1 and 1024, found `{s}`"));
     }
-    Ok(Mesh { rows, cols })
+    Ok(Mesh::new(rows, cols))
 }
 
 /// Reads a model file (a regular file of at most 64 MiB); prints an error and returns `None` if it

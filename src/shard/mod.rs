@@ -16,7 +16,7 @@ use crate::plan::{
     OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Precision, Recompute, ReduceOp, Role, Strategy,
 };
 use crate::span::{LineIndex, Span};
-use layout::{Layout, Placement};
+use layout::{Layout, MESH_AXES, Placement};
 use petgraph::graph::{DiGraph, NodeIndex};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::collections::BTreeSet;
@@ -123,9 +123,9 @@ const PROBE_STACK_BYTES: usize = 64 * 1024 * 1024;
 fn candidate_meshes(strategy: Strategy) -> Vec<Mesh> {
     let bound = SUGGESTED_MESH_DEVICES;
     match strategy {
-        Strategy::Optimus => (1..=bound).take_while(|q| q * q <= bound).map(|q| Mesh { rows: q, cols: q }).collect(),
-        Strategy::Megatron => (1..=bound).map(|p| Mesh { rows: 1, cols: p }).collect(),
-        Strategy::None => vec![Mesh { rows: 1, cols: 1 }],
+        Strategy::Optimus => (1..=bound).take_while(|q| q * q <= bound).map(|q| Mesh::new(q, q)).collect(),
+        Strategy::Megatron => (1..=bound).map(|p| Mesh::new(1, p)).collect(),
+        Strategy::None => vec![Mesh::new(1, 1)],
     }
 }
 
@@ -159,7 +159,7 @@ fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, mesh
 
 /// Rejects meshes the strategy cannot use.
 fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
-    let Mesh { rows, cols } = target.mesh;
+    let Mesh { rows, cols, .. } = target.mesh;
     let problem = match target.strategy {
         _ if rows == 0 || cols == 0 => Some("a mesh needs at least one row and one column".to_string()),
         Strategy::Optimus if rows != cols => {
@@ -272,7 +272,7 @@ impl<'a> Lowerer<'a> {
         }
     }
 
-    pub fn axes(&self) -> [u64; 2] {
+    pub fn axes(&self) -> [u64; MESH_AXES] {
         self.target.mesh.axes()
     }
 
@@ -850,6 +850,6 @@ mod tests {
         assert_eq!(optimus, ["1x1", "2x2", "3x3", "4x4", "5x5", "6x6", "7x7", "8x8"]);
         let megatron = candidate_meshes(Strategy::Megatron);
         assert_eq!(megatron.len() as u64, SUGGESTED_MESH_DEVICES);
-        assert!(megatron.iter().zip(1..).all(|(m, p)| *m == Mesh { rows: 1, cols: p }), "{megatron:?}");
+        assert!(megatron.iter().zip(1..).all(|(m, p)| *m == Mesh::new(1, p)), "{megatron:?}");
     }
 }
