@@ -96,11 +96,13 @@ impl Precision {
 pub struct MemoryOptions {
     pub recompute: Option<Recompute>,
     pub precision: Precision,
+    /// ZeRO stage over the data-parallel axis: 0, or 1 (optimizer state and master weights sharded).
+    pub zero: u8,
 }
 
 impl MemoryOptions {
     /// No recomputation beyond the model's own marks, float32.
-    pub const DEFAULT: MemoryOptions = MemoryOptions { recompute: None, precision: Precision::F32 };
+    pub const DEFAULT: MemoryOptions = MemoryOptions { recompute: None, precision: Precision::F32, zero: 0 };
 }
 
 /// Training (forward, backward, optimizer step) or inference (forward only).
@@ -736,6 +738,10 @@ pub struct Plan {
     /// The precision of its activations, products and communication.
     #[serde(default, skip_serializing_if = "is_default")]
     pub precision: Precision,
+    /// The ZeRO stage over the data-parallel axis (0: none; 1: optimizer state and master weights
+    /// sharded over the replicas).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub zero: u8,
 }
 
 /// Whether a value is its type's default (left out of plan files, so older plans read the same).

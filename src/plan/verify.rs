@@ -324,7 +324,7 @@ fn check_gather_layout(plan: &Plan, c: &Collective, block: BufferId) -> Result<(
     let Some(axis) = c.group.axis() else { return Ok(()) };
     let b = plan.buffer(block);
     match c.shard {
-        Some(shard) if b.layout.0[axis] != shard => {
+        Some(shard) if b.layout.block_placement(axis, plan.mesh.axes()) != shard => {
             Err(format!("the placement {shard} does not match `{}`, laid out {} (mesh axis {axis})", b.name, b.layout))
         }
         _ => Ok(()),

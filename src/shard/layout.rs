@@ -107,6 +107,27 @@ impl Layout {
         self.0.iter().position(|p| p.dim() == Some(dim))
     }
 
+    /// The placement along `axis` as a collective or a slice along that axis sees it: relative to the
+    /// block a device holds before that axis splits it. A split whose factor view skips over the
+    /// splits of less significant axes of the same dimension (see [`MAJOR_ORDER`]; ZeRO's data-axis
+    /// split of a tensor-parallel block is `[parts, mid, 1]`) is a plain split of that block.
+    pub fn block_placement(&self, axis: usize, sizes: [u64; MESH_AXES]) -> Placement {
+        let p = self.0[axis];
+        let Placement::Shard { dim, outer, inner } = p else { return p };
+        let position = MAJOR_ORDER.iter().position(|&a| a == axis).unwrap_or(MESH_AXES);
+        let minor: u64 = MAJOR_ORDER
+            .iter()
+            .skip(position + 1)
+            .filter(|&&a| self.0[a].dim() == Some(usize::from(dim)))
+            .map(|&a| sizes[a].max(1))
+            .product();
+        if minor > 1 && outer.is_multiple_of(minor) {
+            Placement::shard_factor(usize::from(dim), outer / minor, inner)
+        } else {
+            p
+        }
+    }
+
     /// This layout with `axis` set to `p`.
     pub fn with(mut self, axis: usize, p: Placement) -> Layout {
         self.0[axis] = p;

@@ -1,7 +1,7 @@
 //! Per-operator sharding rules for the optimus (2D, SUMMA) and megatron (1D) strategies.
 //! Each rule asks for its operands in the layouts it needs and defines its result's layout.
 
-use super::layout::{Layout, Placement};
+use super::layout::{DATA_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
 use super::{Lowerer, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
@@ -74,7 +74,8 @@ impl Lowerer<'_> {
 
     fn param_layout(&mut self, w: NodeIndex) -> Option<Layout> {
         match self.graph[w].op {
-            Op::Param { id } => self.param_buffers.get(&id).map(|v| v.layout),
+            // The tensor-parallel layout: ZeRO's split over the replicas is the optimizer's business.
+            Op::Param { id } => self.param_buffers.get(&id).map(|v| v.layout.with(DATA_AXIS, R)),
             _ => None,
         }
     }
@@ -92,6 +93,7 @@ impl Lowerer<'_> {
         }
         let role = if self.forward_end.is_none() { Role::Activation } else { Role::Workspace };
         let name = format!("{}.{what}", super::describe_node(self.model, &self.graph[n], n));
+        let layout = self.with_data(rows_of, layout);
         self.new_buffer(name, crate::ir::DType::F32, shape, layout, role)
     }
 
@@ -103,8 +105,10 @@ impl Lowerer<'_> {
         op: ReduceOp,
         reason: &str,
     ) -> (BufferId, Layout) {
-        let mut layout = self.norm(layout);
-        for axis in 0..2 {
+        debug_assert_eq!(self.norm(layout).0[..DATA_AXIS], self.buffers[buffer.0 as usize].layout.0[..DATA_AXIS]);
+        // The buffer's own layout: the rules' layout with the data axis the lowering gave it.
+        let mut layout = self.buffers[buffer.0 as usize].layout;
+        for axis in 0..MESH_AXES {
             if layout.0[axis] != Placement::Partial {
                 continue;
             }
@@ -328,17 +332,26 @@ impl Lowerer<'_> {
         if self.optimus() { s(0) } else { R }
     }
 
+    /// How the batch is placed along mesh `axis`: split over the rows in 2D and over the replicas.
+    fn batch_on(&self, axis: usize) -> Placement {
+        match axis {
+            ROW_AXIS => self.batch_placement(),
+            DATA_AXIS if self.data_parallel() => s(0),
+            _ => R,
+        }
+    }
+
     fn embedding(&mut self, n: NodeIndex, ids: NodeIndex, table: NodeIndex) {
         let tl = self.norm(self.table_layout(table));
         let last = self.rank(n) - 1;
         let mut out = Layout::REPLICATED;
         let mut ids_layout = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             out.0[axis] = match tl.0[axis] {
                 Placement::Shard { dim: 0, .. } => Placement::Partial,
                 Placement::Shard { .. } => s(last),
                 _ => {
-                    ids_layout.0[axis] = if axis == 0 { self.batch_placement() } else { R };
+                    ids_layout.0[axis] = self.batch_on(axis);
                     ids_layout.0[axis]
                 }
             };
@@ -382,7 +395,7 @@ impl Lowerer<'_> {
         let natural = self.natural(dy);
         let last = self.rank(dy) - 1;
         let (mut dy_layout, mut out) = (Layout::REPLICATED, Layout::REPLICATED);
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             (dy_layout.0[axis], out.0[axis]) = match table.0[axis] {
                 Placement::Shard { dim: 0, .. } => (R, s(0)),
                 Placement::Shard { .. } => (s(last), s(1)),
@@ -462,7 +475,7 @@ impl Lowerer<'_> {
         let (y, layout) =
             self.all_reduce_partials(y, layout, ReduceOp::Sum, "sum the row-parallel linear's partial outputs");
         let mut bias_layout = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             if layout.0[axis].dim() == Some(last) {
                 bias_layout.0[axis] = on_dim(layout.0[axis], 0);
             }
@@ -606,7 +619,7 @@ impl Lowerer<'_> {
     /// The layout of a [last] vector summed from a tensor laid out as `l`.
     fn summed_layout(&self, l: Layout, rank: usize) -> Layout {
         let mut out = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             out.0[axis] = match l.0[axis] {
                 p @ Placement::Shard { dim, .. } if dim as usize == rank - 1 => on_dim(p, 0),
                 Placement::Shard { .. } | Placement::Partial => Placement::Partial,
@@ -622,7 +635,7 @@ impl Lowerer<'_> {
     fn layernorm_layouts(&self, rank: usize) -> (Layout, Layout) {
         let x = self.norm(self.norm_act(rank));
         let mut g = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             if x.0[axis].dim() == Some(rank - 1) {
                 g.0[axis] = s(0);
             }
@@ -960,6 +973,8 @@ impl Lowerer<'_> {
     fn cross_entropy(&mut self, n: NodeIndex, logits: NodeIndex, targets: NodeIndex) {
         let rank = self.rank(logits);
         let (ll, tl) = self.cross_entropy_layouts(rank);
+        // With the replicas' batch split, so that the loss and the count are pending sums over them.
+        let ll = self.with_data(logits, ll);
         let lb = self.value(logits, ll);
         let tb = self.value(targets, tl);
         let valid = self.graph[logits].ty.shape.last().map_or(0, |d| d.size);
@@ -988,7 +1003,7 @@ impl Lowerer<'_> {
             "cross-entropy: target logit and sum of exponentials over the row",
         );
         let mut loss_layout = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             if ll.0[axis].dim().is_some_and(|d| d < rank - 1) {
                 loss_layout.0[axis] = Placement::Partial;
             }
@@ -1073,7 +1088,7 @@ impl Lowerer<'_> {
         let mut l = self.natural(x);
         let mut out = Layout::REPLICATED;
         let (from, to) = (self.shapes[x.index()].clone(), self.shapes[n.index()].clone());
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             match l.0[axis] {
                 Placement::Shard { dim, outer, inner } => match map_shard(&from, &to, dim as usize, outer, inner) {
                     Some(p) => out.0[axis] = p,
@@ -1091,7 +1106,7 @@ impl Lowerer<'_> {
     fn select(&mut self, n: NodeIndex, x: NodeIndex, dim: usize, index: u64) {
         let mut l = self.natural(x);
         let mut out = l;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             match l.0[axis].dim() {
                 Some(d) if d == dim => {
                     l.0[axis] = R;
@@ -1110,7 +1125,7 @@ impl Lowerer<'_> {
     fn select_grad(&mut self, n: NodeIndex, dy: NodeIndex, dim: usize, index: u64) {
         let l = self.natural(dy);
         let mut out = l;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             if let Some(d) = l.0[axis].dim().filter(|&d| d >= dim) {
                 out.0[axis] = on_dim(l.0[axis], d + 1);
             }

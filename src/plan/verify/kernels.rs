@@ -389,7 +389,8 @@ fn check_slice_shard(ops: &Operands, axis: usize, placement: Placement) -> Resul
     ensure(placement.dim().is_none_or(|d| d < x.shape.len()), || {
         format!("the placement {placement} names a dimension `{}` {:?} does not have", x.name, x.shape)
     })?;
-    ensure(ops.mesh().axes()[axis] == 1 || out.layout.0[axis] == placement, || {
+    let sizes = ops.mesh().axes();
+    ensure(sizes[axis] == 1 || out.layout.block_placement(axis, sizes) == placement, || {
         format!("the output `{}` is laid out {}, not {placement} on mesh axis {axis}", out.name, out.layout)
     })?;
     slice_shard_runs(&x.shape, &out.shape, ops.mesh(), Coords::default(), axis, placement)
