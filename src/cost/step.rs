@@ -271,7 +271,7 @@ fn assemble(
 }
 
 fn reason_text(plan: &Plan, reason: u32) -> &str {
-    plan.reasons.get(reason as usize).map_or("", String::as_str)
+    plan.reasons.get(reason as usize).map_or("", |r| r.text.as_str())
 }
 
 /// Tokens, parameters and model FLOP utilisation of a step.
