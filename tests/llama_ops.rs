@@ -6,7 +6,9 @@
 
 use optimus::check::check_source;
 use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, Coords, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Role, Strategy};
+use optimus::plan::{
+    Buffer, BufferId, Coords, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Role, Strategy,
+};
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::exec::RunConfig;
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
@@ -457,9 +459,10 @@ fn collectives_outside_products(plan: &Plan) -> Vec<String> {
         .iter()
         .filter_map(|instr| match instr {
             Instr::Collective { collective, reason, .. } => {
-                let why = plan.reasons.get(*reason as usize).map_or("", String::as_str);
+                let summa =
+                    plan.reasons.get(*reason as usize).is_some_and(|r| matches!(r.kind, ReasonKind::Summa { .. }));
                 let elements: u64 = plan.buffer(collective.send).shape.iter().product();
-                (!why.contains("SUMMA")).then(|| format!("{:?} {:?} {elements}", collective.kind, collective.group))
+                (!summa).then(|| format!("{:?} {:?} {elements}", collective.kind, collective.group))
             }
             _ => None,
         })

@@ -478,6 +478,32 @@ fn another_format_version_is_named_even_when_the_rest_does_not_parse() {
     assert!(e.contains("invalid JSON"), "{e}");
 }
 
+/// A plan of format version 3 (reasons as bare strings) is refused by its version, with the advice to
+/// recompile, by the reader and by `inspect`, `simulate` and `run`; a version-4 plan whose reasons are
+/// strings (no kind) is refused as invalid, not read with its kinds made up.
+#[test]
+fn a_plan_with_text_reasons_is_refused_by_its_version() {
+    let dir = scratch("text_reasons");
+    let mut plan = tiny_2x2();
+    let texts: Vec<Value> = plan["reasons"].as_array().expect("reasons").iter().map(|r| r["text"].clone()).collect();
+    assert!(texts.iter().all(Value::is_string) && !texts.is_empty());
+    plan["reasons"] = Value::Array(texts);
+    plan["format_version"] = json!(3);
+    let path = write_json(dir.path(), "v3.json", &plan);
+    let e = read_plan(&path).expect_err("version 3");
+    assert!(e.contains("plan format version 3") && e.contains("reads version 4") && e.contains("recompile"), "{e}");
+    let file = path.to_str().expect("UTF-8");
+    for args in
+        [vec!["inspect", file], vec!["simulate", file, "--hardware", "dgx-a100"], vec!["run", file, "--steps", "1"]]
+    {
+        assert_clean_failure(&optimusc(&args, Duration::from_secs(20)), "plan format version 3");
+    }
+    plan["format_version"] = json!(4);
+    let path = write_json(dir.path(), "v4_text.json", &plan);
+    let e = read_plan(&path).expect_err("reasons without kinds");
+    assert!(e.contains("is not a valid plan"), "{e}");
+}
+
 // ---- every valid plan still verifies --------------------------------------------------------------
 
 /// Every example, on none 1x1, megatron 1x2 and 1x4 and optimus 2x2, in both modes, compiles (the

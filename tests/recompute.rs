@@ -80,7 +80,7 @@ fn layers_costs_one_extra_forward_per_repeated_block() {
             .iter()
             .filter(|i| match i {
                 Instr::Kernel { reason, .. } | Instr::Collective { reason, .. } => {
-                    layers.reasons[*reason as usize].starts_with("recompute of h.")
+                    layers.reasons[*reason as usize].recompute.as_ref().is_some_and(|unit| unit.starts_with("h."))
                 }
                 Instr::Free { .. } => false,
             })
@@ -147,11 +147,7 @@ fn tiny_with(edit: (&str, &str), recompute: Option<Recompute>) -> Plan {
 
 /// The blocks a plan recomputes, from its reasons.
 fn recomputed_blocks(plan: &Plan) -> std::collections::BTreeSet<String> {
-    plan.reasons
-        .iter()
-        .filter_map(|r| r.strip_prefix("recompute of "))
-        .map(|r| r.split(':').next().unwrap_or_default().to_string())
-        .collect()
+    plan.reasons.iter().filter_map(|r| r.recompute.clone()).collect()
 }
 
 #[test]

@@ -6,6 +6,7 @@
 
 pub mod io;
 pub mod memory;
+pub mod reason;
 pub mod report;
 pub mod verify;
 
@@ -14,10 +15,14 @@ use crate::shard::layout::{COLUMN_AXIS, DATA_AXIS, Layout, MESH_AXES, Placement,
 use crate::span::Span;
 use serde::{Deserialize, Serialize};
 
+pub use reason::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
+
 /// Bumped whenever the JSON format changes incompatibly.
 /// Version 2 added `kv_heads` to the attention kernels. Version 3: cross-entropy ignores targets equal to [`IGNORE_INDEX`] (`CrossEntropyCount`, and the
 /// count of targets not ignored as an operand of `CrossEntropyLoss` and `CrossEntropyGrad`).
-pub const FORMAT_VERSION: u32 = 3;
+/// Version 4: each reason is a [`Reason`], a kind (`summa` with its product and step, ...) beside the text,
+/// so that tools read what an instruction is instead of parsing its text.
+pub const FORMAT_VERSION: u32 = 4;
 
 /// The target id cross-entropy ignores, as PyTorch's `ignore_index` default: a position whose target is
 /// -100 adds nothing to the loss, gets a zero gradient, and is not counted in the mean.
@@ -722,8 +727,9 @@ pub struct Plan {
     pub buffers: Vec<Buffer>,
     pub program: Vec<Instr>,
     pub origins: Vec<OriginInfo>,
-    /// Why each instruction exists ("SUMMA AB step 2 of 4: broadcast A block along the row").
-    pub reasons: Vec<String>,
+    /// Why each instruction exists: its kind and its text ("linear: SUMMA AB step 2 of 4: broadcast A
+    /// block along the row").
+    pub reasons: Vec<Reason>,
     pub memory: memory::MemoryPlan,
     /// Prefix that some checkpoints put before every checkpoint name (`transformer.` for GPT-2).
     #[serde(default, skip_serializing_if = "Option::is_none")]

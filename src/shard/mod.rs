@@ -16,6 +16,7 @@ use crate::plan::{
     Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, MemoryOptions, Mesh, Mode,
     OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Precision, Recompute, ReduceOp, Role, Strategy,
 };
+use crate::plan::{Reason, ReasonKind};
 use crate::span::{LineIndex, Span};
 use layout::{Layout, MESH_AXES, Placement};
 use petgraph::graph::{DiGraph, NodeIndex};
@@ -210,8 +211,8 @@ pub(crate) struct Lowerer<'a> {
     pub origins: Vec<OriginInfo>,
     /// Origins already recorded, by node.
     origin_ids: HashMap<NodeIndex, u32>,
-    pub reasons: Vec<String>,
-    reason_ids: HashMap<String, u32>,
+    pub reasons: Vec<Reason>,
+    reason_ids: HashMap<Reason, u32>,
     /// Every sharded version made of each node, in the order they were made.
     pub versions: HashMap<NodeIndex, Vec<Version>>,
     pub param_buffers: HashMap<ParamId, Version>,
@@ -394,7 +395,8 @@ impl<'a> Lowerer<'a> {
         for (param, g) in updates {
             let m = self.state_buffer(param, "exp_avg");
             let v = self.state_buffer(param, "exp_avg_sq");
-            self.kernel(Kernel::OptimizerStep, &[param, g, m, v], param, "optimizer step on this device's shard");
+            let reason = Reason::new(ReasonKind::Optimizer, "optimizer step on this device's shard");
+            self.kernel(Kernel::OptimizerStep, &[param, g, m, v], param, reason);
             if let Some(p) = self.plan_params.iter_mut().find(|p| p.buffer == param) {
                 p.grad = Some(g);
                 p.state = vec![m, v];
@@ -417,7 +419,10 @@ impl<'a> Lowerer<'a> {
             Kernel::GradSquareSum,
             grads,
             local,
-            "gradient norm: sum of squares of the gradient elements this device owns (replicas counted once)",
+            Reason::new(
+                ReasonKind::GradientNorm,
+                "gradient norm: sum of squares of the gradient elements this device owns (replicas counted once)",
+            ),
         );
         if self.target.mesh.devices() < 2 {
             return Some(local);
@@ -431,7 +436,7 @@ impl<'a> Lowerer<'a> {
             None,
             local,
             total,
-            "gradient norm: one all-reduce of every device's sum of squares",
+            Reason::new(ReasonKind::GradientNorm, "gradient norm: one all-reduce of every device's sum of squares"),
         );
         Some(total)
     }
@@ -448,7 +453,8 @@ impl<'a> Lowerer<'a> {
         }
         let b = self.buffers[g.0 as usize].clone();
         let out = self.new_buffer(name, want, b.logical_shape, b.layout, Role::Gradient);
-        self.kernel(Kernel::Cast, &[g], out, "gradient from bf16 into the float32 gradient buffer");
+        let reason = Reason::new(ReasonKind::Cast, "gradient from bf16 into the float32 gradient buffer");
+        self.kernel(Kernel::Cast, &[g], out, reason);
         out
     }
 
@@ -637,17 +643,17 @@ impl<'a> Lowerer<'a> {
     }
 
     /// The index of a reason in the interned table.
-    fn reason(&mut self, reason: &str) -> u32 {
-        if let Some(&id) = self.reason_ids.get(reason) {
+    fn reason(&mut self, reason: Reason) -> u32 {
+        if let Some(&id) = self.reason_ids.get(&reason) {
             return id;
         }
         let id = u32::try_from(self.reasons.len()).unwrap_or(u32::MAX);
-        self.reasons.push(reason.to_string());
-        self.reason_ids.insert(reason.to_string(), id);
+        self.reasons.push(reason.clone());
+        self.reason_ids.insert(reason, id);
         id
     }
 
-    pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: &str) {
+    pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: Reason) {
         let (origin, reason) = (self.origin(), self.reason(reason));
         self.program.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), output, origin, reason });
     }
@@ -662,7 +668,7 @@ impl<'a> Lowerer<'a> {
         shard: Option<Placement>,
         send: BufferId,
         recv: BufferId,
-        reason: &str,
+        reason: Reason,
     ) {
         let (origin, reason) = (self.origin(), self.reason(reason));
         let collective = Collective { kind, group, root, op, shard, send, recv };
@@ -764,7 +770,8 @@ impl<'a> Lowerer<'a> {
         }
         let b = self.buffers[master.0 as usize].clone();
         let copy = self.new_buffer(format!("{}.bf16", b.name), DType::Bf16, b.logical_shape, b.layout, Role::Workspace);
-        self.kernel(Kernel::Cast, &[master], copy, "bf16 copy of the float32 master weight for this step");
+        let reason = Reason::new(ReasonKind::Cast, "bf16 copy of the float32 master weight for this step");
+        self.kernel(Kernel::Cast, &[master], copy, reason);
         copy
     }
 
@@ -783,7 +790,8 @@ impl<'a> Lowerer<'a> {
             current = match (f, t) {
                 (Placement::Partial, Placement::Replicate) => {
                     let recv = self.moved_buffer(n, next, current.buffer);
-                    let reason = self.bucketed(format!("sum the partial {what} over the {}", group.name()));
+                    let text = format!("sum the partial {what} over the {}", group.name());
+                    let reason = self.bucketed(group, ReasonKind::PartialSum { scatter: false }, text);
                     self.collective(
                         CollectiveKind::AllReduce,
                         group,
@@ -792,14 +800,14 @@ impl<'a> Lowerer<'a> {
                         None,
                         current.buffer,
                         recv,
-                        &reason,
+                        reason,
                     );
                     Version { layout: next, buffer: recv }
                 }
                 (Placement::Partial, Placement::Shard { .. }) => {
                     let recv = self.moved_buffer(n, next, current.buffer);
-                    let reason = self
-                        .bucketed(format!("sum the partial {what} and scatter its blocks over the {}", group.name()));
+                    let text = format!("sum the partial {what} and scatter its blocks over the {}", group.name());
+                    let reason = self.bucketed(group, ReasonKind::PartialSum { scatter: true }, text);
                     self.collective(
                         CollectiveKind::ReduceScatter,
                         group,
@@ -808,14 +816,14 @@ impl<'a> Lowerer<'a> {
                         Some(next.block_placement(axis, axes)),
                         current.buffer,
                         recv,
-                        &reason,
+                        reason,
                     );
                     Version { layout: next, buffer: recv }
                 }
                 (Placement::Shard { .. }, _) => {
                     let gathered = current.layout.with(axis, Placement::Replicate);
                     let recv = self.moved_buffer(n, gathered, current.buffer);
-                    let reason = format!("gather {what} over the {}", group.name());
+                    let reason = Reason::new(ReasonKind::Gather, format!("gather {what} over the {}", group.name()));
                     self.collective(
                         CollectiveKind::AllGather,
                         group,
@@ -824,7 +832,7 @@ impl<'a> Lowerer<'a> {
                         Some(current.layout.block_placement(axis, axes)),
                         current.buffer,
                         recv,
-                        &reason,
+                        reason,
                     );
                     let v = Version { layout: gathered, buffer: recv };
                     if t == Placement::Replicate { v } else { self.slice(n, v, axis, t) }
@@ -847,7 +855,8 @@ impl<'a> Lowerer<'a> {
         let out = self.moved_buffer(n, layout, from.buffer);
         let axis_u8 = u8::try_from(axis).unwrap_or(0);
         let placement = layout.block_placement(axis, self.axes());
-        self.kernel(Kernel::SliceShard { axis: axis_u8, placement }, &[from.buffer], out, "take this device's block");
+        let reason = Reason::new(ReasonKind::Slice, "take this device's block");
+        self.kernel(Kernel::SliceShard { axis: axis_u8, placement }, &[from.buffer], out, reason);
         Version { layout, buffer: out }
     }
 
@@ -856,11 +865,15 @@ impl<'a> Lowerer<'a> {
         operands_of(self.graph, n)
     }
 
-    /// A reason of the gradient bucket being reduced, if one is.
-    fn bucketed(&self, reason: String) -> String {
-        match self.bucket {
-            Some(k) => format!("data-parallel gradient bucket {k}: {reason}"),
-            None => reason,
+    /// The reason of a sum over `group`: of the kind given, or a data-parallel gradient reduction when
+    /// it sums over the replicas while a bucket is being reduced.
+    fn bucketed(&self, group: Group, kind: ReasonKind, text: String) -> Reason {
+        match self.bucket.filter(|_| group == Group::Data) {
+            Some(bucket) => Reason::new(
+                ReasonKind::DataParallelGradient { bucket },
+                format!("data-parallel gradient bucket {bucket}: {text}"),
+            ),
+            None => Reason::new(kind, text),
         }
     }
 }
