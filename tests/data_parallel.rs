@@ -139,8 +139,13 @@ fn every_example_verifies_on_two_replicas_of_a_2x2_mesh() {
 }
 
 fn small_gpt2(mesh: Mesh, strategy: Strategy, zero: u8) -> Plan {
-    let source = std::fs::read_to_string("examples/gpt2.opt").expect("reads");
     let sets = [("layers", "2"), ("hidden", "64"), ("heads", "4"), ("ffn", "128"), ("vocab", "512"), ("seq", "16")];
+    gpt2(&sets, mesh, strategy, zero)
+}
+
+/// examples/gpt2.opt with `sets` (and 16-token contexts, batches of 8), compiled for training.
+fn gpt2(sets: &[(&str, &str)], mesh: Mesh, strategy: Strategy, zero: u8) -> Plan {
+    let source = std::fs::read_to_string("examples/gpt2.opt").expect("reads");
     let overrides: Vec<_> = sets
         .iter()
         .chain(&[("context", "16"), ("batch", "8")])
@@ -307,4 +312,30 @@ fn bad_data_parallel_meshes_and_stages_are_clear_errors() {
         assert!(stderr.contains(expected), "{flags:?}: expected `{expected}` in\n{stderr}");
         assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
     }
+}
+
+#[test]
+fn simulate_hides_gradient_sums_over_the_replicas_behind_the_backward_pass() {
+    use optimus::cost::hardware::Hardware;
+    use optimus::cost::step::{Options, simulate};
+    // About 60 MiB of gradients: three buckets, the first two summed while the backward pass goes on.
+    let sets = [("layers", "4"), ("hidden", "512"), ("heads", "8"), ("ffn", "2048"), ("vocab", "4096"), ("seq", "16")];
+    let plan = gpt2(&sets, Mesh::new(1, 1).with_data(4), Strategy::None, 0);
+    let hw = Hardware::load("dgx-a100").expect("profile");
+    let data = |overlap: bool| {
+        let sim = simulate(&plan, &hw, &Options { overlap, ..Options::default() });
+        let entry = sim.communication.iter().find(|c| c.group == "data" && c.kind == "all_reduce").cloned();
+        (sim, entry.expect("sums over the replicas"))
+    };
+    let (serial, serial_sums) = data(false);
+    let (overlapped, sums) = data(true);
+    assert_eq!(serial_sums.exposed_s, serial_sums.time_s, "without overlap every sum is exposed");
+    assert_eq!(sums.time_s, serial_sums.time_s);
+    assert!(sums.exposed_s < sums.time_s, "the backward pass after a bucket hides part of its sums");
+    let hidden = sums.time_s - sums.exposed_s;
+    assert!(
+        (serial.step_time_s - overlapped.step_time_s - hidden).abs() < 1e-12,
+        "the step is shorter by what is hidden"
+    );
+    assert_eq!(serial.compute_s, overlapped.compute_s);
 }
