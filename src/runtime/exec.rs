@@ -15,7 +15,7 @@ use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use crate::io::shards::{Checkpoint, CheckpointWriter, DeviceParamBlocks};
 use crate::plan::memory::persistent;
-use crate::plan::{Buffer, BufferId, CollectiveKind, Coords, Group, Instr, Kernel, Plan, ReduceOp, Role};
+use crate::plan::{Buffer, BufferId, CollectiveKind, Coords, Group, Instr, Kernel, Plan, ReasonKind, ReduceOp, Role};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -182,6 +182,9 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     pub profile: Option<Profile>,
     /// Gradient sums of the micro-batches of the current update, by gradient buffer (`--accum`).
     grad_sums: BTreeMap<BufferId, Vec<f32>>,
+    /// This replica's own gradient terms of the update's earlier micro-batches, by the buffer a sum
+    /// over the replicas sends: with `--accum`, gradients cross the replicas once per update.
+    deferred_sums: BTreeMap<BufferId, Vec<f32>>,
     /// Clip the gradients to this global norm before updating (`--clip-grad-norm`).
     pub clip_grad_norm: Option<f32>,
     /// The global gradient norm of the last update (before clipping) and the factor it scaled the
@@ -217,6 +220,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             alive,
             profile: None,
             grad_sums: BTreeMap::new(),
+            deferred_sums: BTreeMap::new(),
             clip_grad_norm: None,
             grad_norm: None,
         };
@@ -310,7 +314,9 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 self.grad_norm = Some(self.clip_factor(norm_buffer).map_err(failed(index))?);
             }
             let started = self.profile.is_some().then(Instant::now);
-            self.execute_with(instr, update).map_err(failed(index))?;
+            if !self.defer_gradient_sum(instr, update).map_err(failed(index))? {
+                self.execute_with(instr, update).map_err(failed(index))?;
+            }
             if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
                 profile.record(index, started.elapsed());
             }
@@ -319,6 +325,42 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             self.check_loss()?;
         }
         Ok(())
+    }
+
+    /// Sums of gradients over the data-parallel replicas happen once per update, on the last
+    /// micro-batch: an earlier micro-batch keeps this replica's term of each sum (and gives zero where
+    /// the sum would land, so its accumulated gradient adds nothing), and the last adds the kept terms
+    /// to its own before the sum. The result is the same sum over micro-batches and replicas, with a
+    /// micro-batch's worth of traffic per update. Returns whether the instruction was handled here.
+    fn defer_gradient_sum(&mut self, instr: &Instr, update: Update<'_>) -> Result<bool, RuntimeError> {
+        let Instr::Collective { collective: c, reason, .. } = instr else { return Ok(false) };
+        let plan = self.plan;
+        let is_gradient_sum =
+            matches!(plan.reasons.get(*reason as usize).map(|r| &r.kind), Some(ReasonKind::DataParallelGradient { .. }));
+        if !is_gradient_sum {
+            return Ok(false);
+        }
+        match update {
+            Update::Accumulate => {
+                let term = self.read(c.send)?.ok_or(RuntimeError::OptimizerNotAlive)?;
+                let values = term.f32().map_err(RuntimeError::Kernel)?;
+                let kept = self.deferred_sums.entry(c.send).or_insert_with(|| vec![0.0; values.len()]);
+                kept.iter_mut().zip(values).for_each(|(k, &v)| *k += v);
+                let recv = plan.buffer(c.recv);
+                self.write(c.recv, Tensor::from_f32(&recv.shape, vec![0.0; recv.elements() as usize]))?;
+                Ok(true)
+            }
+            Update::ApplyMean(..) => {
+                if let Some(kept) = self.deferred_sums.remove(&c.send) {
+                    let term = self.read(c.send)?.ok_or(RuntimeError::OptimizerNotAlive)?;
+                    let mut values = term.f32().map_err(RuntimeError::Kernel)?.to_vec();
+                    values.iter_mut().zip(&kept).for_each(|(v, k)| *v += k);
+                    self.write(c.send, Tensor::from_f32(&term.shape, values))?;
+                }
+                Ok(false)
+            }
+            Update::Apply(..) => Ok(false),
+        }
     }
 
     /// The global gradient norm of this step (before clipping), and the factor the gradients are scaled by:
