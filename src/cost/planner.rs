@@ -314,7 +314,8 @@ fn data_parallel_estimated(config: &Config) -> bool {
 /// plus all-gather moves the same bytes in the same number of steps.
 fn data_parallel_reduction_s(gradient_bytes: u64, config: &Config, hw: &Hardware) -> f64 {
     let p = config.parallelism;
-    if p.data <= 1 {
+    if p.data <= 1 || gradient_bytes == 0 {
+        // One replica, or nothing to reduce (inference).
         return 0.0;
     }
     let devices = p.tensor_devices() * p.data;
@@ -649,7 +650,8 @@ impl<'a> Search<'a> {
     /// alone (known from any plan of its layout and precision) exceed the capacity.
     fn persistent_too_large(&self, base: &Config) -> Option<String> {
         let compiled = self.cache.iter().find_map(|(k, c)| {
-            (k.parallelism == base.parallelism && k.precision == base.precision).then_some(c.as_ref().ok()).flatten()
+            let same = k.parallelism == base.parallelism && k.precision == base.precision;
+            (same && k.zero == compiled_zero(base.zero)).then_some(c.as_ref().ok()).flatten()
         })?;
         let persistent = compiled.persistent_bytes - zero_saving_bytes(compiled, base);
         (persistent > self.request.capacity).then(|| {
