@@ -392,7 +392,7 @@ fn lower_bound_s(compiled: &Compiled, config: &Config, request: &Request) -> f64
 /// megatron 1 x t (t >= 2) and none (t = 1), replicated devices / t times.
 pub fn layouts(devices: u64) -> Vec<Parallelism> {
     let mut out = Vec::new();
-    for t in (1..=devices).rev().filter(|t| devices.is_multiple_of(*t)) {
+    for t in divisors(devices).into_iter().rev() {
         let data = devices / t;
         if let Some(q) = integer_sqrt(t).filter(|&q| q >= 2) {
             out.push(Parallelism { strategy: Strategy::Optimus, mesh: Mesh { rows: q, cols: q }, data });
@@ -407,6 +407,24 @@ pub fn layouts(devices: u64) -> Vec<Parallelism> {
     out
 }
 
+/// The divisors of n, ascending (trial division up to the square root).
+fn divisors(n: u64) -> Vec<u64> {
+    let mut low = Vec::new();
+    let mut high = Vec::new();
+    let mut d = 1;
+    while d <= n / d {
+        if n.is_multiple_of(d) {
+            low.push(d);
+            if d != n / d {
+                high.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    low.extend(high.into_iter().rev());
+    low
+}
+
 /// The micro-batches of a layout: divisors of the per-replica batch that the strategy can split;
 /// or why there are none.
 fn micro_batches(p: &Parallelism, global_batch: u64, mode: Mode) -> Result<Vec<u64>, String> {
@@ -416,8 +434,7 @@ fn micro_batches(p: &Parallelism, global_batch: u64, mode: Mode) -> Result<Vec<u
     let per_replica = global_batch / p.data;
     let target = Target { mesh: p.mesh, strategy: p.strategy, mode, memory: MemoryOptions::DEFAULT };
     let multiple = batch_multiple(target);
-    let ms: Vec<u64> =
-        (1..=per_replica).filter(|m| per_replica.is_multiple_of(*m) && m.is_multiple_of(multiple)).collect();
+    let ms: Vec<u64> = divisors(per_replica).into_iter().filter(|m| m.is_multiple_of(multiple)).collect();
     if ms.is_empty() {
         return Err(format!(
             "the per-replica batch {per_replica} is not a multiple of {multiple} (the {} mesh splits the batch over \
@@ -896,5 +913,43 @@ fn recompute_rank(r: Recompute) -> u8 {
         Recompute::None => 0,
         Recompute::Selective => 1,
         Recompute::Layers => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn divisors_are_all_and_in_order() {
+        for n in [1u64, 2, 12, 36, 97, 1024, 1536] {
+            let slow: Vec<u64> = (1..=n).filter(|d| n % d == 0).collect();
+            assert_eq!(divisors(n), slow, "{n}");
+        }
+    }
+
+    #[test]
+    fn layouts_cover_every_tensor_device_count() {
+        let names: Vec<String> = layouts(16).iter().map(Parallelism::label).collect();
+        assert_eq!(
+            names,
+            [
+                "optimus 4x4 DP 1",
+                "megatron 1x16 DP 1",
+                "megatron 1x8 DP 2",
+                "optimus 2x2 DP 4",
+                "megatron 1x4 DP 4",
+                "megatron 1x2 DP 8",
+                "none 1x1 DP 16"
+            ]
+        );
+    }
+
+    #[test]
+    fn micro_batches_respect_the_replicas_and_the_mesh_rows() {
+        let optimus = |q, data| Parallelism { strategy: Strategy::Optimus, mesh: Mesh { rows: q, cols: q }, data };
+        assert_eq!(micro_batches(&optimus(2, 2), 24, Mode::Train), Ok(vec![2, 4, 6, 12]));
+        assert!(micro_batches(&optimus(4, 4), 8, Mode::Train).is_err(), "a replica's 2 sequences do not split 4 ways");
+        assert!(micro_batches(&optimus(2, 3), 8, Mode::Train).is_err(), "8 sequences do not split over 3 replicas");
     }
 }
