@@ -13,7 +13,7 @@ use std::hint::black_box;
 const NAME: &str = "examples/gpt3.opt";
 const SOURCE: &str = include_str!("../examples/gpt3.opt");
 const TARGET: Target = Target {
-    mesh: Mesh { rows: 8, cols: 8 },
+    mesh: Mesh::new(8, 8),
     strategy: Strategy::Optimus,
     mode: Mode::Train,
     memory: optimus::plan::MemoryOptions::DEFAULT,

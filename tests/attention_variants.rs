@@ -5,7 +5,7 @@
 //! against one device on every strategy.
 
 use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, Kernel, Mesh, Role};
+use optimus::plan::{Buffer, BufferId, Coords, Kernel, Mesh, Role};
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::settings::KernelContext;
 use optimus::runtime::tensor::Tensor;
@@ -44,7 +44,8 @@ fn eval(kernel: &Kernel, inputs: &[&Tensor], shape: &[u64]) -> Result<Tensor, St
         shape: shape.to_vec(),
         role: Role::Workspace,
     };
-    let ctx = KernelContext { i: 0, j: 0, mesh: Mesh { rows: 1, cols: 1 }, seed: 1, inputs: &[], output: &meta };
+    let ctx =
+        KernelContext { coords: Coords::new(0, 0, 0), mesh: Mesh::new(1, 1), seed: 1, inputs: &[], output: &meta };
     let mut out = Tensor::zeros(DType::F32, shape);
     cpu::run(kernel, inputs, &mut out, &ctx)?;
     Ok(out)
@@ -428,7 +429,7 @@ fn llama_like_2x2_plan() -> serde_json::Value {
     let text = llama_like(8, 4);
     let model = optimus::check::check_source(&text, &[]).model.expect("the model checks");
     let target = Target {
-        mesh: Mesh { rows: 2, cols: 2 },
+        mesh: Mesh::new(2, 2),
         strategy: optimus::plan::Strategy::Optimus,
         mode: optimus::plan::Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,

@@ -8,7 +8,7 @@ use optimus::io::load_checkpoint;
 use optimus::io::shards::{
     Checkpoint, CheckpointWriter, DeviceParamBlocks, complete_checkpoints, export_safetensors, state_key,
 };
-use optimus::plan::{Buffer, Mesh, Mode, Plan, Strategy};
+use optimus::plan::{Buffer, Coords, Mesh, Mode, Plan, Strategy};
 use optimus::runtime::init::{block_of, pad_to};
 use optimus::runtime::tensor::Tensor;
 use optimus::shard::{Target, compile};
@@ -31,12 +31,8 @@ fn plan_with(sets: &[(&str, &str)], mesh: (u64, u64), strategy: Strategy, mode: 
         .map(|(n, v)| Override { name: n.to_string(), value: v.to_string() })
         .collect();
     let model = check_source(&source, &overrides).model.expect("example checks");
-    let target = Target {
-        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-    };
+    let target =
+        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT };
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),
@@ -85,30 +81,30 @@ fn value(stream: u64, index: u64) -> f32 {
 }
 
 /// A device's block of a logical tensor laid out as `meta`, padding zero.
-fn expected_block(logical: &Tensor, meta: &Buffer, i: u64, j: u64, mesh: Mesh) -> Tensor {
-    block_of(&pad_to(logical, meta).expect("pads"), meta, i, j, mesh).expect("block")
+fn expected_block(logical: &Tensor, meta: &Buffer, coords: Coords, mesh: Mesh) -> Tensor {
+    block_of(&pad_to(logical, meta).expect("pads"), meta, coords, mesh).expect("block")
 }
 
-fn devices(mesh: Mesh) -> impl Iterator<Item = (u64, u64)> {
-    (0..mesh.rows).flat_map(move |i| (0..mesh.cols).map(move |j| (i, j)))
+fn devices(mesh: Mesh) -> impl Iterator<Item = Coords> {
+    mesh.all_coords()
 }
 
 /// Writes a checkpoint of `logical` from every device of `plan`; returns its directory.
 fn write(plan: &Plan, dir: &Path, step: u64, logical: &BTreeMap<String, Tensor>, keep: Option<u64>) -> PathBuf {
     let writer = CheckpointWriter::begin(dir, step).expect("begins");
-    for (i, j) in devices(plan.mesh) {
+    for coords in devices(plan.mesh) {
         let blocks: Vec<(Tensor, Vec<Tensor>)> = plan
             .params
             .iter()
             .map(|p| {
-                let block = |key: &str, id| expected_block(&logical[key], plan.buffer(id), i, j, plan.mesh);
+                let block = |key: &str, id| expected_block(&logical[key], plan.buffer(id), coords, plan.mesh);
                 let states = p.state.iter().enumerate().map(|(k, &id)| block(&state_key(&p.name, k), id)).collect();
                 (block(&p.name, p.buffer), states)
             })
             .collect();
         let views: Vec<DeviceParamBlocks> =
             blocks.iter().map(|(param, states)| DeviceParamBlocks { param, states: states.iter().collect() }).collect();
-        writer.write_device(plan, (i, j), &views).expect("device writes");
+        writer.write_device(plan, coords, &views).expect("device writes");
     }
     let training = serde_json::json!({"seed": 7, "step": step, "wrote": plan.mesh.to_string()});
     writer.commit(plan, training, keep).expect("commits")
@@ -116,16 +112,16 @@ fn write(plan: &Plan, dir: &Path, step: u64, logical: &BTreeMap<String, Tensor>,
 
 /// Every device block of `plan` read from `checkpoint` equals the block of the logical tensors.
 fn assert_reads_back(checkpoint: &Checkpoint, plan: &Plan, logical: &BTreeMap<String, Tensor>, what: &str) {
-    for (i, j) in devices(plan.mesh) {
-        let blocks = checkpoint.device_blocks(plan, (i, j), true).expect("device blocks");
+    for coords in devices(plan.mesh) {
+        let blocks = checkpoint.device_blocks(plan, coords, true).expect("device blocks");
         assert_eq!(blocks.len(), plan.params.len());
         for (p, (param, states)) in plan.params.iter().zip(&blocks) {
-            let expected = expected_block(&logical[&p.name], plan.buffer(p.buffer), i, j, plan.mesh);
-            assert_eq!(param, &expected, "{what}: `{}` on device ({i}, {j})", p.name);
+            let expected = expected_block(&logical[&p.name], plan.buffer(p.buffer), coords, plan.mesh);
+            assert_eq!(param, &expected, "{what}: `{}` on device {coords}", p.name);
             assert_eq!(states.len(), p.state.len());
             for (k, (state, &id)) in states.iter().zip(&p.state).enumerate() {
-                let expected = expected_block(&logical[&state_key(&p.name, k)], plan.buffer(id), i, j, plan.mesh);
-                assert_eq!(state, &expected, "{what}: state {k} of `{}` on device ({i}, {j})", p.name);
+                let expected = expected_block(&logical[&state_key(&p.name, k)], plan.buffer(id), coords, plan.mesh);
+                assert_eq!(state, &expected, "{what}: state {k} of `{}` on device {coords}", p.name);
             }
         }
     }
@@ -246,7 +242,7 @@ fn the_command_line_exports_and_runs_from_a_checkpoint_directory() {
 
 /// Reads everything a 1x1 plan needs (every file) with optimizer state.
 fn read_all(dir: &Path, target: &Plan) -> Result<(), String> {
-    Checkpoint::open(dir)?.device_blocks(target, (0, 0), true).map(|_| ())
+    Checkpoint::open(dir)?.device_blocks(target, Coords::default(), true).map(|_| ())
 }
 
 #[test]
@@ -293,15 +289,15 @@ fn a_plan_of_another_model_is_told_what_differs() {
     let dir = write(&source, &scratch("mismatch"), 1, &logical_tensors(&source), None);
     let checkpoint = Checkpoint::open(&dir).expect("opens");
     let wider = plan_with(&[("hidden", "32")], (1, 1), Strategy::None, Mode::Train);
-    let error = checkpoint.device_blocks(&wider, (0, 0), false).expect_err("shapes differ");
+    let error = checkpoint.device_blocks(&wider, Coords::default(), false).expect_err("shapes differ");
     assert!(error.contains("expected [") && error.contains(&wider.params[0].name), "{error}");
     let deeper = plan_with(&[("layers", "2")], (1, 1), Strategy::None, Mode::Train);
     let error = checkpoint.logical_params(Some(&deeper)).expect_err("a layer is missing");
     assert!(error.contains("missing `"), "{error}");
     let infer = plan_with(&[], (1, 1), Strategy::None, Mode::Infer);
-    let error = checkpoint.device_blocks(&infer, (0, 0), true).expect_err("no optimizer state to match");
+    let error = checkpoint.device_blocks(&infer, Coords::default(), true).expect_err("no optimizer state to match");
     assert!(error.contains("state tensors"), "{error}");
-    checkpoint.device_blocks(&infer, (0, 0), false).expect("parameters alone load into an inference plan");
+    checkpoint.device_blocks(&infer, Coords::default(), false).expect("parameters alone load into an inference plan");
 }
 
 // ---- directories ---------------------------------------------------------------------------------

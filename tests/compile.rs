@@ -39,7 +39,7 @@ fn checked(text: &str, sets: &[(&str, &str)]) -> Model {
 }
 
 fn target(strategy: Strategy, rows: u64, cols: u64, mode: Mode) -> Target {
-    Target { mesh: Mesh { rows, cols }, strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT }
+    Target { mesh: Mesh::new(rows, cols), strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT }
 }
 
 /// Checks and compiles `examples/<name>.opt`, returning the compiler's answer.

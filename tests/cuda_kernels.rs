@@ -9,7 +9,7 @@
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nvrtc::Ptx;
 use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, IGNORE_INDEX, Kernel, Mesh, Offset, Role};
+use optimus::plan::{Buffer, BufferId, Coords, IGNORE_INDEX, Kernel, Mesh, Offset, Role};
 use optimus::runtime::bf16;
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::cuda::kernels::{
@@ -393,7 +393,7 @@ struct Case {
     fails: bool,
 }
 
-const ONE: Mesh = Mesh { rows: 1, cols: 1 };
+const ONE: Mesh = Mesh::new(1, 1);
 
 impl Case {
     fn new(kernel: Kernel, inputs: Vec<Tensor>, out: &[u64]) -> Case {
@@ -437,7 +437,7 @@ impl Case {
     /// The CPU's output, checked against whether the case should fail.
     fn on_cpu(&self) -> Result<Result<Tensor, String>, String> {
         let (i, j, mesh) = self.at;
-        let ctx = KernelContext { i, j, mesh, seed: 1234, inputs: &[], output: &self.out };
+        let ctx = KernelContext { coords: Coords::new(i, j, 0), mesh, seed: 1234, inputs: &[], output: &self.out };
         let mut want = self.initial();
         let refs: Vec<&Tensor> = self.inputs.iter().collect();
         let result = cpu::run(&self.kernel, &refs, &mut want, &ctx).map(|()| want);
@@ -478,7 +478,7 @@ impl Gpu {
     /// Runs a case on the CPU and the GPU: both succeed with close outputs, or both fail with the same error.
     fn check(&mut self, case: &Case) -> R {
         let (i, j, mesh) = case.at;
-        let ctx = KernelContext { i, j, mesh, seed: 1234, inputs: &[], output: &case.out };
+        let ctx = KernelContext { coords: Coords::new(i, j, 0), mesh, seed: 1234, inputs: &[], output: &case.out };
         let cpu_result = case.on_cpu()?;
         let dev: Vec<DeviceTensor> = case.inputs.iter().map(|t| self.upload(t)).collect::<Result<_, _>>()?;
         let dev_refs: Vec<&DeviceTensor> = dev.iter().collect();
@@ -515,7 +515,7 @@ fn with_gpu(what: &str, body: impl FnOnce(&mut Gpu, &mut Rng) -> R) -> R {
 fn cpu_eval(kernel: Kernel, inputs: &[&Tensor], shape: &[u64], at: (u64, u64, Mesh)) -> Result<Tensor, String> {
     let out = meta(shape);
     let mut t = Tensor::zeros(DType::F32, shape);
-    let ctx = KernelContext { i: at.0, j: at.1, mesh: at.2, seed: 1234, inputs: &[], output: &out };
+    let ctx = KernelContext { coords: Coords::new(at.0, at.1, 0), mesh: at.2, seed: 1234, inputs: &[], output: &out };
     cpu::run(&kernel, inputs, &mut t, &ctx)?;
     Ok(t)
 }
@@ -583,7 +583,7 @@ fn softmax_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
 }
 
 fn dropout_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
-    let (two, halves) = (Mesh { rows: 2, cols: 2 }, Mesh { rows: 1, cols: 2 });
+    let (two, halves) = (Mesh::new(2, 2), Mesh::new(1, 2));
     let layout = Layout::new(Placement::shard(0), Placement::shard(1));
     let sharded = meta_with(&[4, 3], &[8, 6], layout, DType::F32);
     let factored_layout = Layout::new(Placement::Replicate, Placement::shard_factor(1, 3, 2));
@@ -623,12 +623,8 @@ fn data_movement_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
         Case::new(Kernel::Select { dim: 2, index: 4 }, vec![ids], &[3, 4]).output(int(&[3, 4])),
         Case::new(Kernel::Select { dim: 1, index: 9 }, vec![x.clone()], &[3, 5]).fails(),
         Case::new(Kernel::SelectGrad { dim: 0, index: 1 }, vec![rng.tensor(&[4, 5])], &[3, 4, 5]).init(x.clone()),
-        Case::new(slice(1, shard), vec![rng.tensor(&[4, 24])], &[4, 12]).on(0, 1, Mesh { rows: 1, cols: 2 }),
-        Case::new(slice(0, Placement::shard(0)), vec![rng.tensor(&[6, 5])], &[2, 5]).on(
-            2,
-            0,
-            Mesh { rows: 3, cols: 1 },
-        ),
+        Case::new(slice(1, shard), vec![rng.tensor(&[4, 24])], &[4, 12]).on(0, 1, Mesh::new(1, 2)),
+        Case::new(slice(0, Placement::shard(0)), vec![rng.tensor(&[6, 5])], &[2, 5]).on(2, 0, Mesh::new(3, 1)),
         Case::new(slice(0, Placement::Replicate), vec![x.clone()], &[3, 4, 5]),
         Case::new(slice(0, Placement::Partial), vec![x], &[3, 4, 5]).fails(),
     ])
@@ -709,7 +705,7 @@ fn rotary_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
 
 fn embedding_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
     let offset = Offset { axis: Some(1), block: 5 };
-    let on = |c: Case| c.on(0, 1, Mesh { rows: 1, cols: 2 });
+    let on = |c: Case| c.on(0, 1, Mesh::new(1, 2));
     let lookup = |masked: bool| Kernel::EmbeddingLookup { offset, masked };
     let grad = |masked: bool| Kernel::EmbeddingGrad { offset, masked };
     let ids = rng.ints(&[2, 6], 0, 10);
@@ -804,7 +800,7 @@ fn rms_norm_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
 }
 
 fn cross_entropy_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
-    let mesh = Mesh { rows: 1, cols: 2 };
+    let mesh = Mesh::new(1, 2);
     let mut cases = Vec::new();
     for (rows, width, valid) in [(6u64, 10u64, 17u64), (40, 3000, 5500)] {
         let offset = Offset { axis: Some(1), block: width };
@@ -1080,7 +1076,7 @@ impl<'c> Bf16Case<'c> {
     /// The CPU backend's result: bf16 operands widened, the f32 kernel, a bf16 output rounded once.
     fn on_cpu(&self) -> Result<Stored, String> {
         let (i, j, mesh) = self.case.at;
-        let ctx = KernelContext { i, j, mesh, seed: 1234, inputs: &[], output: &self.case.out };
+        let ctx = KernelContext { coords: Coords::new(i, j, 0), mesh, seed: 1234, inputs: &[], output: &self.case.out };
         let views: Vec<View> = self.inputs.iter().map(Stored::view).collect();
         let refs: Vec<&View> = views.iter().collect();
         let mut out = self.init.clone();
@@ -1094,7 +1090,7 @@ impl<'c> Bf16Case<'c> {
     /// Both backends succeed with outputs within [`BF16_TOL`], or both fail.
     fn check(&self, gpu: &mut Gpu) -> R {
         let (i, j, mesh) = self.case.at;
-        let ctx = KernelContext { i, j, mesh, seed: 1234, inputs: &[], output: &self.case.out };
+        let ctx = KernelContext { coords: Coords::new(i, j, 0), mesh, seed: 1234, inputs: &[], output: &self.case.out };
         let dev: Vec<DeviceTensor> =
             self.inputs.iter().map(|s| DeviceTensor::upload_view(&gpu.stream, &s.view())).collect::<Result<_, _>>()?;
         let refs: Vec<&DeviceTensor> = dev.iter().collect();

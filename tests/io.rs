@@ -24,7 +24,7 @@ fn plan(file: &str, sets: &[(&str, &str)], mesh: (u64, u64), strategy: Strategy)
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
     let model = check_source(&source, &overrides).model.expect("example checks");
     let target = Target {
-        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
+        mesh: Mesh::new(mesh.0, mesh.1),
         strategy,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,

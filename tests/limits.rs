@@ -81,7 +81,7 @@ fn padding_past_the_limit_is_reported_by_the_shard_pass() {
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
     let model = check_source(&source, &overrides).model.expect("the unpadded model fits");
     let target = Target {
-        mesh: Mesh { rows: 1, cols: 4 },
+        mesh: Mesh::new(1, 4),
         strategy: Strategy::Megatron,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
@@ -177,7 +177,7 @@ fn tiny_weights_with_a_nan(dir: &Path) -> PathBuf {
     let source = std::fs::read_to_string("examples/tiny.opt").expect("example exists");
     let model = check_source(&source, &[]).model.expect("tiny checks");
     let target = Target {
-        mesh: Mesh { rows: 1, cols: 1 },
+        mesh: Mesh::new(1, 1),
         strategy: Strategy::None,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,

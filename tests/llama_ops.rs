@@ -6,7 +6,9 @@
 
 use optimus::check::check_source;
 use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Role, Strategy};
+use optimus::plan::{
+    Buffer, BufferId, Coords, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Role, Strategy,
+};
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::exec::RunConfig;
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
@@ -56,7 +58,7 @@ fn eval(kernel: &Kernel, inputs: &[&Tensor], shape: &[u64]) -> Result<Tensor, St
         role: Role::Workspace,
     };
     let mut t = Tensor::zeros(DType::F32, shape);
-    let ctx = KernelContext { i: 0, j: 0, mesh: Mesh { rows: 1, cols: 1 }, seed: 1, inputs: &[], output: &out };
+    let ctx = KernelContext { coords: Coords::new(0, 0, 0), mesh: Mesh::new(1, 1), seed: 1, inputs: &[], output: &out };
     cpu::run(kernel, inputs, &mut t, &ctx)?;
     Ok(t)
 }
@@ -271,12 +273,8 @@ forward {
 fn train_plan(source: &str, mesh: (u64, u64), strategy: Strategy) -> Plan {
     let checked = check_source(source, &[]);
     let model = checked.model.expect("the model checks");
-    let target = Target {
-        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
-        strategy,
-        mode: Mode::Train,
-        memory: MemoryOptions::DEFAULT,
-    };
+    let target =
+        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
     match compile(&model, "model.opt", source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("model.opt", source, &d)),
@@ -461,9 +459,10 @@ fn collectives_outside_products(plan: &Plan) -> Vec<String> {
         .iter()
         .filter_map(|instr| match instr {
             Instr::Collective { collective, reason, .. } => {
-                let why = plan.reasons.get(*reason as usize).map_or("", String::as_str);
+                let summa =
+                    plan.reasons.get(*reason as usize).is_some_and(|r| matches!(r.kind, ReasonKind::Summa { .. }));
                 let elements: u64 = plan.buffer(collective.send).shape.iter().product();
-                (!why.contains("SUMMA")).then(|| format!("{:?} {:?} {elements}", collective.kind, collective.group))
+                (!summa).then(|| format!("{:?} {:?} {elements}", collective.kind, collective.group))
             }
             _ => None,
         })

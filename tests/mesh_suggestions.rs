@@ -24,7 +24,7 @@ impl Case {
     }
 
     fn failing(&self) -> Target {
-        self.target(Mesh { rows: self.mesh.0, cols: self.mesh.1 })
+        self.target(Mesh::new(self.mesh.0, self.mesh.1))
     }
 
     fn name(&self) -> String {
@@ -82,7 +82,7 @@ fn suggestion(diagnostics: &[Diagnostic], case: &str) -> (u64, Vec<Mesh>) {
 
 fn parse_mesh(text: &str) -> Option<Mesh> {
     let (rows, cols) = text.split_once('x')?;
-    Some(Mesh { rows: rows.parse().ok()?, cols: cols.parse().ok()? })
+    Some(Mesh::new(rows.parse().ok()?, cols.parse().ok()?))
 }
 
 /// Every mesh the strategy accepts with at most `bound` devices.
@@ -96,7 +96,7 @@ fn meshes_within(strategy: Strategy, bound: u64) -> Vec<Mesh> {
                 Strategy::None => rows * cols == 1,
             };
             if fits {
-                meshes.push(Mesh { rows, cols });
+                meshes.push(Mesh::new(rows, cols));
             }
         }
     }
@@ -131,7 +131,7 @@ fn the_examples_get_the_meshes_they_compile_on() {
     for (model, strategy, (rows, cols), meshes) in expected {
         let text = source(model);
         let target = Target {
-            mesh: Mesh { rows, cols },
+            mesh: Mesh::new(rows, cols),
             strategy,
             mode: Mode::Train,
             memory: optimus::plan::MemoryOptions::DEFAULT,

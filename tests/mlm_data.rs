@@ -63,7 +63,7 @@ fn small_bert(batch: u64, seq: u64) -> Plan {
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.clone() }).collect();
     let model = check_source(&source, &overrides).model.expect("example checks");
     let target = Target {
-        mesh: Mesh { rows: 1, cols: 1 },
+        mesh: Mesh::new(1, 1),
         strategy: Strategy::None,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,

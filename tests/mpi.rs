@@ -1,6 +1,6 @@
 //! Multi-process runs under Open MPI's mpirun (feature `mpi`): 4 and 9 processes give the thread
-//! backend's losses and weights, and a rank that errs, panics, hangs or is killed ends the whole job
-//! with an error naming it, within seconds. Each run is its own mpirun job, so MPI is initialised
+//! backend's losses and weights, 8 processes on data-parallel meshes give one device's, and a rank
+//! that errs, panics, hangs or is killed ends the whole job with an error naming it, within seconds. Each run is its own mpirun job, so MPI is initialised
 //! once per process.
 #![cfg(feature = "mpi")]
 
@@ -165,6 +165,24 @@ fn nine_processes_give_the_thread_backends_losses_and_weights() {
         };
         for (p, q) in floats(x.data()).iter().zip(floats(y.data())) {
             assert!((p - q).abs() <= 1e-5 * q.abs().max(1e-2), "{name}: {p} vs {q}");
+        }
+    }
+}
+
+#[test]
+fn eight_processes_on_data_parallel_meshes_give_one_devices_losses() {
+    // Two replicas of a 2x2 optimus mesh and of a 1x4 megatron mesh, with and without ZeRO-1: every
+    // process runs one device, and the losses are one device's with the whole batch.
+    let base = ["run", "examples/tiny.opt", "--steps", "3", "--json", "--seed", "7"];
+    let one = losses(&threads(&with(&base, &["--mesh", "1x1", "--strategy", "none"])));
+    for mesh in [&["--mesh", "2x2x2"][..], &["--mesh", "2x1x4", "--strategy", "megatron"]] {
+        for zero in ["0", "1"] {
+            let args = with(&with(&base, mesh), &["--zero", zero]);
+            let mpi = losses(&mpirun(8, &args, &[]).0);
+            assert_eq!(mpi.len(), one.len(), "{args:?}");
+            for (step, (a, b)) in mpi.iter().zip(&one).enumerate() {
+                assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{args:?} step {step}: mpi {a} vs one device {b}");
+            }
         }
     }
 }

@@ -34,12 +34,8 @@ fn try_compile(
         sets.iter().map(|(k, v)| Override { name: (*k).to_string(), value: (*v).to_string() }).collect();
     let checked = check_source(&text, &overrides);
     let model = checked.model.ok_or_else(|| format!("{name} does not check: {:?}", checked.diagnostics))?;
-    let target = Target {
-        mesh: Mesh { rows: mesh.0, cols: mesh.1 },
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-    };
+    let target =
+        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT };
     compile(&model, &format!("examples/{name}.opt"), &text, target)
         .map_err(|d| format!("{name} {} {}x{} {mode:?}: {d:?}", strategy.name(), mesh.0, mesh.1))
 }
@@ -409,7 +405,7 @@ fn the_recomputed_peak_matches_the_compilers_for_every_strategy() {
 fn meshes_beyond_the_thread_cap_are_refused_before_any_thread_starts() {
     let mut plan = try_compile("tiny", &[], Strategy::Optimus, (2, 2), Mode::Infer).expect("tiny compiles");
     for side in [64u64, 1024] {
-        plan.mesh = Mesh { rows: side, cols: side };
+        plan.mesh = Mesh::new(side, side);
         let devices = side * side;
         let e = check_host_can_run(&plan, devices).expect_err("over the cap");
         assert!(e.contains(&format!("{devices} devices")) && e.contains(&MAX_DEVICE_THREADS.to_string()), "{e}");
@@ -480,6 +476,32 @@ fn another_format_version_is_named_even_when_the_rest_does_not_parse() {
     std::fs::write(dir.path().join("bad.json"), b"{\"format_version\": 1, ").expect("write");
     let e = read_plan(&dir.path().join("bad.json")).expect_err("invalid JSON");
     assert!(e.contains("invalid JSON"), "{e}");
+}
+
+/// A plan of format version 3 (reasons as bare strings) is refused by its version, with the advice to
+/// recompile, by the reader and by `inspect`, `simulate` and `run`; a version-4 plan whose reasons are
+/// strings (no kind) is refused as invalid, not read with its kinds made up.
+#[test]
+fn a_plan_with_text_reasons_is_refused_by_its_version() {
+    let dir = scratch("text_reasons");
+    let mut plan = tiny_2x2();
+    let texts: Vec<Value> = plan["reasons"].as_array().expect("reasons").iter().map(|r| r["text"].clone()).collect();
+    assert!(texts.iter().all(Value::is_string) && !texts.is_empty());
+    plan["reasons"] = Value::Array(texts);
+    plan["format_version"] = json!(3);
+    let path = write_json(dir.path(), "v3.json", &plan);
+    let e = read_plan(&path).expect_err("version 3");
+    assert!(e.contains("plan format version 3") && e.contains("reads version 4") && e.contains("recompile"), "{e}");
+    let file = path.to_str().expect("UTF-8");
+    for args in
+        [vec!["inspect", file], vec!["simulate", file, "--hardware", "dgx-a100"], vec!["run", file, "--steps", "1"]]
+    {
+        assert_clean_failure(&optimusc(&args, Duration::from_secs(20)), "plan format version 3");
+    }
+    plan["format_version"] = json!(4);
+    let path = write_json(dir.path(), "v4_text.json", &plan);
+    let e = read_plan(&path).expect_err("reasons without kinds");
+    assert!(e.contains("is not a valid plan"), "{e}");
 }
 
 // ---- every valid plan still verifies --------------------------------------------------------------

@@ -5,7 +5,7 @@
 use optimus::check::check_source;
 use optimus::ir::DType;
 use optimus::plan::report::report;
-use optimus::plan::{Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Role, Strategy};
+use optimus::plan::{Coords, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Role, Strategy};
 use optimus::runtime::cpu::run;
 use optimus::runtime::exec::{RunConfig, RunOutput};
 use optimus::runtime::init::mix64;
@@ -22,7 +22,7 @@ fn plan(mesh: (u64, u64), strategy: Strategy, precision: Precision) -> Plan {
     let source = std::fs::read_to_string(file).expect("example exists");
     let model = check_source(&source, &[]).model.expect("example checks");
     let memory = MemoryOptions { precision, ..MemoryOptions::DEFAULT };
-    let target = Target { mesh: Mesh { rows: mesh.0, cols: mesh.1 }, strategy, mode: Mode::Train, memory };
+    let target = Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory };
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),
@@ -236,7 +236,13 @@ fn the_cast_kernel_rounds_to_nearest_even_and_keeps_nan_and_infinities() {
     };
     let (input, output) = (meta(DType::F32), meta(DType::Bf16));
     let inputs = [&input];
-    let ctx = KernelContext { i: 0, j: 0, mesh: Mesh { rows: 1, cols: 1 }, seed: 0, inputs: &inputs, output: &output };
+    let ctx = KernelContext {
+        coords: Coords::new(0, 0, 0),
+        mesh: Mesh::new(1, 1),
+        seed: 0,
+        inputs: &inputs,
+        output: &output,
+    };
     let x = Tensor::from_f32(&shape, values.to_vec());
     let mut bits = vec![0u16; values.len()];
     let mut out = ViewMut { shape: Shape(&shape), data: ViewMutData::Bf16(&mut bits) };
@@ -276,7 +282,7 @@ fn summa_plan(mesh: u64, precision: Precision) -> Plan {
     let model = check_source(SUMMA_MODEL, &[]).model.expect("the model checks");
     let memory = MemoryOptions { precision, ..MemoryOptions::DEFAULT };
     let strategy = if mesh == 1 { Strategy::None } else { Strategy::Optimus };
-    let target = Target { mesh: Mesh { rows: mesh, cols: mesh }, strategy, mode: Mode::Infer, memory };
+    let target = Target { mesh: Mesh::new(mesh, mesh), strategy, mode: Mode::Infer, memory };
     match compile(&model, "summa.opt", SUMMA_MODEL, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("summa.opt", SUMMA_MODEL, &d)),

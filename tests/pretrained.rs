@@ -135,7 +135,7 @@ fn device_blocks_read_from_mapped_files_equal_blocks_of_the_logical_tensors() {
         for (rows, cols, strategy) in [(2, 2, Strategy::Optimus), (1, 4, Strategy::Megatron), (4, 4, Strategy::Optimus)]
         {
             let target = Target {
-                mesh: Mesh { rows, cols },
+                mesh: Mesh::new(rows, cols),
                 strategy,
                 mode: Mode::Train,
                 memory: optimus::plan::MemoryOptions::DEFAULT,
@@ -146,10 +146,10 @@ fn device_blocks_read_from_mapped_files_equal_blocks_of_the_logical_tensors() {
             for p in &plan.params {
                 let meta = plan.buffer(p.buffer);
                 let padded = pad_to(&logical[&p.name], meta).expect("pads");
-                for (i, j) in (0..rows).flat_map(|i| (0..cols).map(move |j| (i, j))) {
-                    let expected = block_of(&padded, meta, i, j, plan.mesh).expect("block");
-                    let read = mapped.block(p, meta, (i, j), plan.mesh).expect("reads");
-                    assert_eq!(read, expected, "{name} {rows}x{cols} {} device ({i}, {j})", p.name);
+                for coords in plan.mesh.all_coords() {
+                    let expected = block_of(&padded, meta, coords, plan.mesh).expect("block");
+                    let read = mapped.block(p, meta, coords, plan.mesh).expect("reads");
+                    assert_eq!(read, expected, "{name} {rows}x{cols} {} device {coords}", p.name);
                 }
             }
         }

@@ -19,7 +19,7 @@ fn compile_example(name: &str, sets: &[(&str, &str)], recompute: Recompute, mesh
     let model = check_source(&text, &overrides).model.expect("the example checks");
     let strategy = if mesh.0 == mesh.1 { Strategy::Optimus } else { Strategy::Megatron };
     let memory = MemoryOptions { recompute: Some(recompute), ..MemoryOptions::DEFAULT };
-    let target = Target { mesh: Mesh { rows: mesh.0, cols: mesh.1 }, strategy, mode: Mode::Train, memory };
+    let target = Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory };
     compile(&model, name, &text, target).expect("compiles and verifies")
 }
 
@@ -80,7 +80,7 @@ fn layers_costs_one_extra_forward_per_repeated_block() {
             .iter()
             .filter(|i| match i {
                 Instr::Kernel { reason, .. } | Instr::Collective { reason, .. } => {
-                    layers.reasons[*reason as usize].starts_with("recompute of h.")
+                    layers.reasons[*reason as usize].recompute.as_ref().is_some_and(|unit| unit.starts_with("h."))
                 }
                 Instr::Free { .. } => false,
             })
@@ -141,17 +141,13 @@ fn tiny_with(edit: (&str, &str), recompute: Option<Recompute>) -> Plan {
     assert!(text.contains("checkpoint"), "the edit applies");
     let model = check_source(&text, &[]).model.expect("the edited model checks");
     let memory = MemoryOptions { recompute, ..MemoryOptions::DEFAULT };
-    let target = Target { mesh: Mesh { rows: 2, cols: 2 }, strategy: Strategy::Optimus, mode: Mode::Train, memory };
+    let target = Target { mesh: Mesh::new(2, 2), strategy: Strategy::Optimus, mode: Mode::Train, memory };
     compile(&model, "tiny.opt", &text, target).expect("compiles")
 }
 
 /// The blocks a plan recomputes, from its reasons.
 fn recomputed_blocks(plan: &Plan) -> std::collections::BTreeSet<String> {
-    plan.reasons
-        .iter()
-        .filter_map(|r| r.strip_prefix("recompute of "))
-        .map(|r| r.split(':').next().unwrap_or_default().to_string())
-        .collect()
+    plan.reasons.iter().filter_map(|r| r.recompute.clone()).collect()
 }
 
 #[test]

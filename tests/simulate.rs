@@ -8,7 +8,7 @@ use optimus::cost::{
     Algorithm, Hardware, LinkKind, NicSharing, NodeMap, Options, Placement, collective_time, simulate,
 };
 use optimus::elab::Override;
-use optimus::plan::{CollectiveKind, Group, Mesh, Mode, Plan, Strategy};
+use optimus::plan::{CollectiveKind, Coords, Group, Mesh, Mode, Plan, Strategy};
 use optimus::shard::Target;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -83,23 +83,31 @@ fn tree_times_match_the_alpha_beta_formulas() {
 
 #[test]
 fn placements_decide_which_link_a_group_crosses() {
-    let mesh = Mesh { rows: 4, cols: 4 };
+    let mesh = Mesh::new(4, 4);
     let row_major = NodeMap::new(mesh, 4, Placement::RowMajor);
     assert_eq!(row_major.link_kind(Group::Row), LinkKind::IntraNode);
     assert_eq!(row_major.link_kind(Group::Column), LinkKind::InterNode);
     let blocks = NodeMap::new(mesh, 4, Placement::Blocks);
     assert_eq!(blocks.block, Some((2, 2)));
-    assert_eq!((blocks.node_of(0, 0), blocks.node_of(1, 1), blocks.node_of(0, 2), blocks.node_of(2, 0)), (0, 0, 1, 2));
+    assert_eq!(
+        (
+            blocks.node_of(Coords::new(0, 0, 0)),
+            blocks.node_of(Coords::new(1, 1, 0)),
+            blocks.node_of(Coords::new(0, 2, 0)),
+            blocks.node_of(Coords::new(2, 0, 0))
+        ),
+        (0, 0, 1, 2)
+    );
     assert_eq!(blocks.link_kind(Group::Row), LinkKind::InterNode);
     assert_eq!(blocks.link_kind(Group::Column), LinkKind::InterNode);
     // A whole mesh on one node: every group is intra-node whatever the placement.
-    let small = NodeMap::new(Mesh { rows: 2, cols: 2 }, 4, Placement::Blocks);
+    let small = NodeMap::new(Mesh::new(2, 2), 4, Placement::Blocks);
     assert_eq!(small.link_kind(Group::World), LinkKind::IntraNode);
     assert_eq!(small.link_kind(Group::Column), LinkKind::IntraNode);
     // 8 per node on 8x8: blocks of 2x4.
-    assert_eq!(NodeMap::new(Mesh { rows: 8, cols: 8 }, 8, Placement::Blocks).block, Some((2, 4)));
+    assert_eq!(NodeMap::new(Mesh::new(8, 8), 8, Placement::Blocks).block, Some((2, 4)));
     // No block of 4 devices tiles a 1x6 mesh: row-major, with a note.
-    let odd = NodeMap::new(Mesh { rows: 1, cols: 6 }, 4, Placement::Blocks);
+    let odd = NodeMap::new(Mesh::new(1, 6), 4, Placement::Blocks);
     assert_eq!(odd.block, None);
     assert!(odd.note.is_some());
 }
@@ -116,7 +124,7 @@ fn group_times_in_a_plan_use_their_links() {
         "tiny.opt",
         &[],
         Target {
-            mesh: Mesh { rows: 4, cols: 4 },
+            mesh: Mesh::new(4, 4),
             strategy: Strategy::Optimus,
             mode: Mode::Train,
             memory: optimus::plan::MemoryOptions::DEFAULT,
@@ -186,7 +194,7 @@ fn max_batch_is_monotone_in_device_memory() {
     let text = std::fs::read_to_string(examples().join("tiny.opt")).unwrap_or_default();
     let source = Source { name: "tiny.opt", text: &text, overrides: &[] };
     let target = Target {
-        mesh: Mesh { rows: 2, cols: 2 },
+        mesh: Mesh::new(2, 2),
         strategy: Strategy::Optimus,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
@@ -349,12 +357,12 @@ fn unknown_hardware_is_a_usage_error() {
 #[test]
 fn per_group_nic_sharing_counts_the_flows_leaving_a_node() {
     let hw = profile(16.0);
-    let mesh = Mesh { rows: 8, cols: 8 };
+    let mesh = Mesh::new(8, 8);
     let row_major = NodeMap::new(mesh, 4, Placement::RowMajor);
     assert_eq!((row_major.groups_per_node(Group::Row), row_major.groups_per_node(Group::Column)), (1, 4));
     let blocks = NodeMap::new(mesh, 4, Placement::Blocks);
     assert_eq!((blocks.groups_per_node(Group::Row), blocks.groups_per_node(Group::Column)), (2, 2));
-    let megatron = NodeMap::new(Mesh { rows: 1, cols: 64 }, 4, Placement::RowMajor);
+    let megatron = NodeMap::new(Mesh::new(1, 64), 4, Placement::RowMajor);
     assert_eq!(megatron.groups_per_node(Group::Row), 1);
     // One flow gets the whole 8 GB/s NIC; two get 4 GB/s; per-gpu sharing always 8 / 4 = 2 GB/s.
     close(megatron.link(Group::Row, &hw, NicSharing::PerGroup).bandwidth, 8e9);

@@ -24,8 +24,10 @@ use std::path::Path;
 /// by the accessors.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct TargetArgs {
-    /// The device mesh, ROWSxCOLS: QxQ for optimus, 1xP for megatron, 1x1 for none [default: 1x1].
-    #[arg(long = "mesh", value_name = "ROWSxCOLS", value_parser = parse_mesh)]
+    /// The device mesh, ROWSxCOLS or REPLICASxROWSxCOLS: QxQ for optimus, 1xP for megatron, 1x1 for
+    /// none; a leading REPLICAS runs that many data-parallel copies of the mesh, each on its share of
+    /// the batch (e.g. 4x2x2: 16 devices) [default: 1x1].
+    #[arg(long = "mesh", value_name = "[REPLICASx]ROWSxCOLS", value_parser = parse_mesh)]
     pub mesh_flag: Option<Mesh>,
     /// How to split the model: optimus (2D, SUMMA), megatron (1D tensor parallel) or none (one device)
     /// [default: optimus].
@@ -47,6 +49,12 @@ pub struct TargetArgs {
     /// optimizer state, normalisation statistics, softmax and loss) [default: f32].
     #[arg(long = "precision", value_enum, value_name = "FORMAT")]
     pub precision: Option<PrecisionArg>,
+    /// ZeRO stage over the data-parallel replicas: 0 keeps every replica's optimizer state whole; 1
+    /// shards the optimizer state (and the master weights) over the replicas: gradients are
+    /// reduce-scattered, each replica updates its slice, and the weights are all-gathered where first
+    /// used [default: 0].
+    #[arg(long = "zero", value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub zero: Option<u8>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -78,7 +86,7 @@ pub enum ModeArg {
 impl TargetArgs {
     /// The mesh asked for, 1x1 by default.
     pub fn mesh(&self) -> Mesh {
-        self.mesh_flag.unwrap_or(Mesh { rows: 1, cols: 1 })
+        self.mesh_flag.unwrap_or(Mesh::new(1, 1))
     }
 
     /// The strategy asked for, optimus by default.
@@ -120,6 +128,7 @@ impl TargetArgs {
                 Some(PrecisionArg::Bf16) => Precision::Bf16,
                 _ => Precision::F32,
             },
+            zero: self.zero.unwrap_or(0),
         }
     }
 
@@ -147,6 +156,9 @@ impl TargetArgs {
         if self.precision.is_some() && target.memory.precision != plan.precision {
             let (want, have) = (target.memory.precision.name(), plan.precision.name());
             conflicts.push(format!("--precision {want} (the plan's precision is {have})"));
+        }
+        if let Some(zero) = self.zero.filter(|&z| z != plan.zero) {
+            conflicts.push(format!("--zero {zero} (the plan's ZeRO stage is {})", plan.zero));
         }
         for o in &self.set {
             match plan.config.iter().find(|(name, _)| *name == o.name) {
@@ -179,14 +191,20 @@ fn same_value(value: &optimus::ir::Scalar, text: &str) -> bool {
 }
 
 pub fn parse_mesh(s: &str) -> Result<Mesh, String> {
-    let bad = || format!("expected ROWSxCOLS such as 4x4 or 1x8, found `{s}`");
-    let (r, c) = s.split_once(['x', 'X']).ok_or_else(bad)?;
-    let rows: u64 = r.trim().parse().map_err(|_| bad())?;
-    let cols: u64 = c.trim().parse().map_err(|_| bad())?;
-    if rows == 0 || cols == 0 || rows > 1024 || cols > 1024 {
+    let bad = || format!("expected ROWSxCOLS or REPLICASxROWSxCOLS such as 4x4, 1x8 or 2x2x2, found `{s}`");
+    let sides: Vec<u64> = s.split(['x', 'X']).map(|n| n.trim().parse().map_err(|_| bad())).collect::<Result<_, _>>()?;
+    let (data, rows, cols) = match sides[..] {
+        [rows, cols] => (1, rows, cols),
+        [data, rows, cols] => (data, rows, cols),
+        _ => return Err(bad()),
+    };
+    if [data, rows, cols].iter().any(|&n| n == 0 || n > 1024) {
         return Err(format!("mesh sides must be between 1 and 1024, found `{s}`"));
     }
-    Ok(Mesh { rows, cols })
+    if data * rows * cols > 65_536 {
+        return Err(format!("a mesh has at most 65536 devices, found `{s}` ({})", data * rows * cols));
+    }
+    Ok(Mesh::new(rows, cols).with_data(data))
 }
 
 /// Reads a model file (a regular file of at most 64 MiB); prints an error and returns `None` if it

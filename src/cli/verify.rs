@@ -80,7 +80,7 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
     let sharded =
         compile_for(&args.model, &args.target.set, args.target.target()).ok_or("cannot compile for the mesh")?;
     let single_target = optimus::shard::Target {
-        mesh: Mesh { rows: 1, cols: 1 },
+        mesh: Mesh::new(1, 1),
         strategy: Strategy::None,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,

@@ -7,7 +7,7 @@
 //!   divides the mesh, placement falls back to row-major and says so.
 
 use super::hardware::{Hardware, Link};
-use crate::plan::{Group, Mesh};
+use crate::plan::{Coords, Group, Mesh};
 use serde::{Deserialize, Serialize};
 
 /// How ranks are placed on nodes.
@@ -81,7 +81,7 @@ impl NodeMap {
     pub fn new(mesh: Mesh, gpus_per_node: u64, placement: Placement) -> NodeMap {
         let g = gpus_per_node.max(1);
         let mut map = NodeMap { mesh, gpus_per_node: g, block: None, note: None };
-        if placement == Placement::Blocks && mesh.devices() > g {
+        if placement == Placement::Blocks && mesh.replica_devices() > g {
             map.block = block_shape(mesh, g);
             if map.block.is_none() {
                 map.note = Some(format!("no block of {g} devices tiles a {mesh} mesh; placed row-major"));
@@ -90,31 +90,32 @@ impl NodeMap {
         map
     }
 
-    /// The node holding device (i, j).
-    pub fn node_of(&self, i: u64, j: u64) -> u64 {
+    /// The node holding the device at `c`. Replicas fill nodes one after another; within a replica,
+    /// nodes hold blocks of the mesh when placing by blocks, else consecutive ranks.
+    pub fn node_of(&self, c: Coords) -> u64 {
         match self.block {
-            Some((a, b)) => (i / a) * (self.mesh.cols / b) + j / b,
-            None => (i * self.mesh.cols + j) / self.gpus_per_node,
+            Some((a, b)) => {
+                let per_replica = (self.mesh.rows / a) * (self.mesh.cols / b);
+                c.d() * per_replica + (c.i() / a) * (self.mesh.cols / b) + c.j() / b
+            }
+            None => self.mesh.rank_of(c) / self.gpus_per_node,
         }
     }
 
     /// The device of each rank when the launcher fills nodes with consecutive ranks: devices in order
-    /// of their node, row-major within a node. Row-major placement gives rank r device (r / cols, r % cols).
-    pub fn devices_by_rank(&self) -> Vec<(u64, u64)> {
-        let Mesh { rows, cols } = self.mesh;
-        let mut devices: Vec<(u64, u64)> = (0..rows).flat_map(|i| (0..cols).map(move |j| (i, j))).collect();
-        devices.sort_by_key(|&(i, j)| (self.node_of(i, j), i, j));
+    /// of their node, then of their own rank. Row-major placement gives rank r the device of rank r.
+    pub fn devices_by_rank(&self) -> Vec<Coords> {
+        let mut devices: Vec<Coords> = self.mesh.all_coords().collect();
+        devices.sort_by_key(|&c| (self.node_of(c), self.mesh.rank_of(c)));
         devices
     }
 
     /// Whether some group of this kind has members on more than one node.
     pub fn spans_nodes(&self, group: Group) -> bool {
-        let Mesh { rows, cols } = self.mesh;
-        match group {
-            Group::Row => (0..rows).any(|i| (1..cols).any(|j| self.node_of(i, j) != self.node_of(i, 0))),
-            Group::Column => (0..cols).any(|j| (1..rows).any(|i| self.node_of(i, j) != self.node_of(0, j))),
-            Group::World => self.mesh.devices() > self.gpus_per_node,
-        }
+        self.mesh.all_coords().any(|c| {
+            let node = self.node_of(c);
+            group.member_ranks(c, self.mesh).into_iter().any(|r| self.node_of(self.mesh.coords_of(r)) != node)
+        })
     }
 
     /// The link a group's collectives are bounded by: the slowest one they cross.
@@ -133,17 +134,10 @@ impl NodeMap {
 
     /// The most groups of a kind that have members on one node.
     pub fn groups_per_node(&self, group: Group) -> u64 {
-        let Mesh { rows, cols } = self.mesh;
         let mut seen = std::collections::BTreeSet::new();
-        for i in 0..rows {
-            for j in 0..cols {
-                let index = match group {
-                    Group::Row => i,
-                    Group::Column => j,
-                    Group::World => 0,
-                };
-                seen.insert((self.node_of(i, j), index));
-            }
+        for c in self.mesh.all_coords() {
+            let first = group.member_ranks(c, self.mesh).first().copied().unwrap_or(0);
+            seen.insert((self.node_of(c), first));
         }
         let mut per_node = std::collections::BTreeMap::<u64, u64>::new();
         for (node, _) in seen {
@@ -168,19 +162,19 @@ mod tests {
 
     #[test]
     fn ranks_fill_2x2_blocks_node_by_node() {
-        let map = NodeMap::new(Mesh { rows: 4, cols: 4 }, 4, Placement::Blocks);
-        let devices = map.devices_by_rank();
+        let map = NodeMap::new(Mesh::new(4, 4), 4, Placement::Blocks);
+        let devices: Vec<(u64, u64)> = map.devices_by_rank().iter().map(|c| (c.i(), c.j())).collect();
         assert_eq!(&devices[..8], &[(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]);
         for (rank, &(i, j)) in devices.iter().enumerate() {
-            assert_eq!(map.node_of(i, j), rank as u64 / 4, "rank {rank} is on node rank / 4");
+            assert_eq!(map.node_of(Coords::new(i, j, 0)), rank as u64 / 4, "rank {rank} is on node rank / 4");
         }
     }
 
     #[test]
     fn row_major_ranks_are_row_major_devices() {
-        let map = NodeMap::new(Mesh { rows: 3, cols: 3 }, 4, Placement::Blocks);
+        let map = NodeMap::new(Mesh::new(3, 3), 4, Placement::Blocks);
         assert!(map.note.is_some(), "no 4-device block tiles 3x3");
-        let expected: Vec<(u64, u64)> = (0..9).map(|r| (r / 3, r % 3)).collect();
+        let expected: Vec<Coords> = (0..9).map(|r| Coords::new(r / 3, r % 3, 0)).collect();
         assert_eq!(map.devices_by_rank(), expected);
     }
 }

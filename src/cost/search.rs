@@ -104,10 +104,10 @@ pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOp
     let mesh = match strategy {
         Strategy::Optimus => {
             let q = integer_sqrt(devices).ok_or_else(|| format!("{devices} devices are not a square q x q mesh"))?;
-            Mesh { rows: q, cols: q }
+            Mesh::new(q, q)
         }
-        Strategy::Megatron => Mesh { rows: 1, cols: devices },
-        Strategy::None => Mesh { rows: 1, cols: 1 },
+        Strategy::Megatron => Mesh::new(1, devices),
+        Strategy::None => Mesh::new(1, 1),
     };
     Ok(Target { mesh, strategy, mode, memory })
 }

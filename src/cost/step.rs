@@ -5,6 +5,8 @@
 //! Instructions run one after another on each device; communication is exposed (adds to the step)
 //! except where a double-buffered SUMMA issues step t's broadcasts during step t-1's product, which
 //! leaves max(0, broadcasts of step t - products of step t-1) exposed.
+//! An instruction's SUMMA product and step come from its reason's kind ([`ReasonKind::Summa`]), never
+//! from the reason's text.
 
 use super::collective::{Algorithm, collective_time};
 use super::hardware::Hardware;
@@ -12,7 +14,7 @@ use super::hardware::Link;
 use super::placement::{LinkKind, NicSharing, NodeMap, Placement};
 use crate::ir::DType;
 use crate::plan::report::{kernel_flops, report};
-use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mode, Plan};
+use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mode, Plan, ReasonKind, SummaProduct};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -100,33 +102,48 @@ pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Ha
     compute.max(memory) + d.kernel_launch_us * 1e-6
 }
 
-/// Where a SUMMA instruction sits: (the product it belongs to, its step number).
-fn summa_step(reason: &str) -> Option<(&str, u64)> {
-    let at = reason.find(": SUMMA ")?;
-    let rest = &reason[at..];
-    let step = rest.find("step ")?;
-    let digits: String = rest[step + 5..].chars().take_while(char::is_ascii_digit).collect();
-    Some((&reason[..at], digits.parse().ok()?))
+/// A SUMMA step as the plan's reasons give it: the product and its step count, and the step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SummaStep {
+    product: SummaProduct,
+    steps: u64,
+    step: u64,
+}
+
+impl SummaStep {
+    /// The SUMMA step an instruction belongs to, if it belongs to one.
+    fn of(kind: Option<&ReasonKind>) -> Option<SummaStep> {
+        match kind {
+            Some(&ReasonKind::Summa { product, step, steps, .. }) => Some(SummaStep { product, steps, step }),
+            _ => None,
+        }
+    }
+
+    /// Whether `self` is the step right after `previous` of the same product. A product's steps run
+    /// 1 to q in program order, so the first step of the next product never follows the last of this one.
+    fn follows(self, previous: SummaStep) -> bool {
+        self.product == previous.product && self.steps == previous.steps && self.step == previous.step + 1
+    }
 }
 
 /// Tracks the SUMMA step in progress and how much of the previous step's compute is left to hide
 /// broadcasts behind.
 #[derive(Default)]
 struct Overlap {
-    current: Option<(String, u64)>,
+    current: Option<SummaStep>,
     step_compute: f64,
     budget: f64,
 }
 
 impl Overlap {
-    fn enter(&mut self, reason: &str) -> bool {
-        let Some((what, step)) = summa_step(reason) else { return false };
-        let same = self.current.as_ref().is_some_and(|(w, s)| w == what && *s == step);
-        if !same {
-            let next = self.current.as_ref().is_some_and(|(w, s)| w == what && *s + 1 == step);
+    /// Moves to the SUMMA step of an instruction of kind `kind`; false when it is not part of one.
+    fn enter(&mut self, kind: Option<&ReasonKind>) -> bool {
+        let Some(step) = SummaStep::of(kind) else { return false };
+        if self.current != Some(step) {
+            let next = self.current.is_some_and(|previous| step.follows(previous));
             self.budget = if next { self.step_compute } else { 0.0 };
             self.step_compute = 0.0;
-            self.current = Some((what.to_string(), step));
+            self.current = Some(step);
         }
         true
     }
@@ -152,7 +169,7 @@ struct Tally {
 }
 
 impl Tally {
-    fn kernel(&mut self, time: f64, reason: &str) {
+    fn kernel(&mut self, time: f64, reason: Option<&ReasonKind>) {
         self.compute += time;
         if self.double_buffered && self.overlap.enter(reason) {
             self.overlap.step_compute += time;
@@ -160,7 +177,15 @@ impl Tally {
     }
 
     /// Adds a collective of `time` seconds; SUMMA broadcasts hide behind the previous step's product.
-    fn collective(&mut self, kind: CollectiveKind, group: Group, link: LinkKind, bytes: u64, time: f64, reason: &str) {
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        link: LinkKind,
+        bytes: u64,
+        time: f64,
+        reason: Option<&ReasonKind>,
+    ) {
         let in_summa = self.double_buffered && self.overlap.enter(reason);
         let shown = if in_summa && kind == CollectiveKind::Broadcast { self.overlap.hide(time) } else { time };
         self.communication += time;
@@ -198,13 +223,13 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
             Instr::Kernel { kernel, inputs, output, reason, .. } => {
                 let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
                 let t = kernel_time(kernel, &ins, plan.buffer(*output), hw);
-                tally.kernel(t, reason_text(plan, *reason));
+                tally.kernel(t, reason_kind(plan, *reason));
             }
             Instr::Collective { collective: c, reason, .. } => {
                 let bytes = bytes_of.get(&index).copied().unwrap_or(0);
                 let (link_kind, link) = links[&c.group];
                 let t = collective_time(c.kind, plan.mesh.group_size(c.group), bytes as f64, link, algorithm);
-                tally.collective(c.kind, c.group, link_kind, bytes, t, reason_text(plan, *reason));
+                tally.collective(c.kind, c.group, link_kind, bytes, t, reason_kind(plan, *reason));
             }
             Instr::Free { .. } => {}
         }
@@ -270,8 +295,8 @@ fn assemble(
     }
 }
 
-fn reason_text(plan: &Plan, reason: u32) -> &str {
-    plan.reasons.get(reason as usize).map_or("", String::as_str)
+fn reason_kind(plan: &Plan, reason: u32) -> Option<&ReasonKind> {
+    plan.reasons.get(reason as usize).map(|r| &r.kind)
 }
 
 /// Tokens, parameters and model FLOP utilisation of a step.

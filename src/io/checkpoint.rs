@@ -384,7 +384,7 @@ forward { output loss = cross_entropy(cls(embed(tokens)), targets) }
     fn plan() -> Plan {
         let model = crate::check::check_source(TIED_HEAD, &[]).model.expect("the model checks");
         let target = Target {
-            mesh: Mesh { rows: 1, cols: 1 },
+            mesh: Mesh::new(1, 1),
             strategy: Strategy::None,
             mode: Mode::Train,
             memory: MemoryOptions::DEFAULT,

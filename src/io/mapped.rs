@@ -8,7 +8,7 @@
 use super::checkpoint::{
     Matching, bullet_list, first_non_finite_in, map_checkpoint, match_tensors, mismatch_message, missing,
 };
-use crate::plan::{Buffer, Mesh, Plan, PlanParam};
+use crate::plan::{Buffer, Coords, Mesh, Plan, PlanParam};
 use crate::runtime::tensor::Tensor;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;
@@ -113,7 +113,7 @@ impl MappedWeights {
     }
 
     /// Device (i, j)'s block of parameter `p`, laid out as its buffer `meta` (padding zero).
-    pub fn block(&self, p: &PlanParam, meta: &Buffer, coords: (u64, u64), mesh: Mesh) -> Result<Tensor, String> {
+    pub fn block(&self, p: &PlanParam, meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, String> {
         let entry = self.entries.get(&p.name).ok_or_else(|| format!("`{}` is not in the checkpoint", p.name))?;
         let axes = super::shards::block_coordinates(meta, coords, mesh)?;
         Ok(Tensor::from_f32(&meta.shape, self.grid(entry, &axes)))

@@ -11,7 +11,7 @@
 
 use super::shape_text;
 use crate::diag::printable;
-use crate::plan::{Buffer, Mesh, Plan, Strategy};
+use crate::plan::{Buffer, Coords, Mesh, Plan, Strategy};
 use crate::runtime::logical::IndexMap;
 use crate::runtime::tensor::Tensor;
 use crate::shard::layout::Placement;
@@ -59,12 +59,12 @@ pub fn parse_step_dir(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-fn device_file(coords: (u64, u64)) -> String {
-    format!("device-{}-{}.safetensors", coords.0, coords.1)
+fn device_file(coords: Coords) -> String {
+    format!("device-{}.safetensors", coords.file_stem())
 }
 
-fn sidecar_file(coords: (u64, u64)) -> String {
-    format!("device-{}-{}.json", coords.0, coords.1)
+fn sidecar_file(coords: Coords) -> String {
+    format!("device-{}.json", coords.file_stem())
 }
 
 /// The key of optimizer state `k` of a parameter, in files and in the manifest.
@@ -188,15 +188,15 @@ fn hex(bytes: &[u8]) -> String {
 // ---- geometry ------------------------------------------------------------------------------------
 
 /// Per dimension, the padded logical coordinate of each local coordinate of a device's block.
-pub(super) fn block_coordinates(meta: &Buffer, coords: (u64, u64), mesh: Mesh) -> Result<Vec<Vec<u64>>, String> {
-    let map = IndexMap::new(meta, coords.0, coords.1, mesh).map_err(|e| format!("buffer `{}`: {e}", meta.name))?;
+pub(super) fn block_coordinates(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Vec<Vec<u64>>, String> {
+    let map = IndexMap::new(meta, coords, mesh).map_err(|e| format!("buffer `{}`: {e}", meta.name))?;
     Ok(map.dimensions().to_vec())
 }
 
 /// Whether device `coords` stores its block of a buffer: it is at coordinate 0 along every mesh axis
 /// the layout replicates. A pending sum cannot be stored.
-fn stores(meta: &Buffer, coords: (u64, u64)) -> Result<bool, String> {
-    let at = [coords.0, coords.1];
+fn stores(meta: &Buffer, coords: Coords) -> Result<bool, String> {
+    let at = coords.0;
     let mut stores = true;
     for (axis, placement) in meta.layout.0.iter().enumerate() {
         match placement {
@@ -364,7 +364,7 @@ impl CheckpointWriter {
     /// Writes device `coords`' file and its sidecar `device-{i}-{j}.json` into the staging directory.
     /// `blocks` are the device's current blocks, one entry per plan parameter in order. Called by
     /// every device, in parallel threads or ranks.
-    pub fn write_device(&self, plan: &Plan, coords: (u64, u64), blocks: &[DeviceParamBlocks]) -> Result<(), String> {
+    pub fn write_device(&self, plan: &Plan, coords: Coords, blocks: &[DeviceParamBlocks]) -> Result<(), String> {
         let pieces = device_pieces(plan, coords, blocks)?;
         let file = if pieces.is_empty() { None } else { Some(self.write_pieces(coords, &pieces)?) };
         let sidecar = Sidecar { file, pieces: pieces.into_iter().map(|p| (p.tensor.clone(), p.piece)).collect() };
@@ -373,7 +373,7 @@ impl CheckpointWriter {
     }
 
     /// Writes the safetensors file of a device's pieces; returns its name and record.
-    fn write_pieces(&self, coords: (u64, u64), pieces: &[PieceSource]) -> Result<(String, FileRecord), String> {
+    fn write_pieces(&self, coords: Coords, pieces: &[PieceSource]) -> Result<(String, FileRecord), String> {
         let name = device_file(coords);
         let path = self.staging.join(&name);
         let views = pieces.iter().map(|p| (p.piece.key.clone(), p));
@@ -410,16 +410,14 @@ impl CheckpointWriter {
     /// Every device's sidecar, in rank order; an error names a device that wrote none.
     fn read_sidecars(&self, plan: &Plan) -> Result<Vec<Sidecar>, String> {
         let mut out = Vec::new();
-        for i in 0..plan.mesh.rows {
-            for j in 0..plan.mesh.cols {
-                let path = self.staging.join(sidecar_file((i, j)));
-                let bytes = super::files::read_bounded(&path, "checkpoint sidecar", MANIFEST_LIMIT)
-                    .map_err(|e| format!("device ({i}, {j}) has not written its part of the checkpoint: {e}"))?;
-                let sidecar: Sidecar = serde_json::from_slice(&bytes)
-                    .map_err(|e| format!("checkpoint sidecar `{}` is invalid: {e}", path.display()))?;
-                check_written_size(&self.staging, &sidecar)?;
-                out.push(sidecar);
-            }
+        for coords in plan.mesh.all_coords() {
+            let path = self.staging.join(sidecar_file(coords));
+            let bytes = super::files::read_bounded(&path, "checkpoint sidecar", MANIFEST_LIMIT)
+                .map_err(|e| format!("device {coords} has not written its part of the checkpoint: {e}"))?;
+            let sidecar: Sidecar = serde_json::from_slice(&bytes)
+                .map_err(|e| format!("checkpoint sidecar `{}` is invalid: {e}", path.display()))?;
+            check_written_size(&self.staging, &sidecar)?;
+            out.push(sidecar);
         }
         Ok(out)
     }
@@ -484,11 +482,11 @@ impl PieceSource<'_> {
 /// The pieces device `coords` stores, after checking that `blocks` fit the plan.
 fn device_pieces<'a>(
     plan: &Plan,
-    coords: (u64, u64),
+    coords: Coords,
     blocks: &'a [DeviceParamBlocks],
 ) -> Result<Vec<PieceSource<'a>>, String> {
-    if coords.0 >= plan.mesh.rows || coords.1 >= plan.mesh.cols {
-        return Err(format!("device ({}, {}) is not on the plan's {} mesh", coords.0, coords.1, plan.mesh));
+    if !coords.on(plan.mesh) {
+        return Err(format!("device {coords} is not on the plan's {} mesh", plan.mesh));
     }
     if blocks.len() != plan.params.len() {
         return Err(format!("expected the blocks of {} parameters, found {}", plan.params.len(), blocks.len()));
@@ -523,7 +521,7 @@ fn piece_source<'a>(
     meta: &Buffer,
     shape: &[u64],
     block: &'a Tensor,
-    coords: (u64, u64),
+    coords: Coords,
     mesh: Mesh,
 ) -> Result<Option<PieceSource<'a>>, String> {
     let values = block.f32().map_err(|e| format!("`{tensor}`: {e}"))?;
@@ -836,11 +834,11 @@ impl Checkpoint {
     pub fn device_blocks(
         &self,
         plan: &Plan,
-        coords: (u64, u64),
+        coords: Coords,
         with_state: bool,
     ) -> Result<Vec<(Tensor, Vec<Tensor>)>, String> {
-        if coords.0 >= plan.mesh.rows || coords.1 >= plan.mesh.cols {
-            return Err(format!("device ({}, {}) is not on the plan's {} mesh", coords.0, coords.1, plan.mesh));
+        if !coords.on(plan.mesh) {
+            return Err(format!("device {coords} is not on the plan's {} mesh", plan.mesh));
         }
         self.check_plan(plan, with_state)?;
         let mut targets = Vec::new();
@@ -915,7 +913,7 @@ impl Checkpoint {
     }
 
     /// The copies that make a device's block of tensor `name`, laid out as `meta`.
-    fn block_target(&self, name: String, meta: &Buffer, coords: (u64, u64), mesh: Mesh) -> Result<Target<'_>, String> {
+    fn block_target(&self, name: String, meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Target<'_>, String> {
         let record = self.record(&name)?;
         if record.shape.len() != meta.logical_shape.len()
             || record.shape.iter().zip(&meta.logical_shape).any(|(s, l)| s > l)
@@ -1267,7 +1265,7 @@ mod tests {
             format_version: CHECKPOINT_FORMAT_VERSION,
             step: 7,
             model: "m".into(),
-            mesh: Mesh { rows: 1, cols: 1 },
+            mesh: Mesh::new(1, 1),
             strategy: Strategy::None,
             checkpoint_prefix: None,
             training: serde_json::json!({"seed": 1, "lr": 1.0}),

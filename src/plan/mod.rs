@@ -6,18 +6,23 @@
 
 pub mod io;
 pub mod memory;
+pub mod reason;
 pub mod report;
 pub mod verify;
 
 use crate::ir::{DType, Init, Scalar};
-use crate::shard::layout::{Layout, Placement};
+use crate::shard::layout::{COLUMN_AXIS, DATA_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
 use crate::span::Span;
 use serde::{Deserialize, Serialize};
+
+pub use reason::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
 
 /// Bumped whenever the JSON format changes incompatibly.
 /// Version 2 added `kv_heads` to the attention kernels. Version 3: cross-entropy ignores targets equal to [`IGNORE_INDEX`] (`CrossEntropyCount`, and the
 /// count of targets not ignored as an operand of `CrossEntropyLoss` and `CrossEntropyGrad`).
-pub const FORMAT_VERSION: u32 = 3;
+/// Version 4: each reason is a [`Reason`], a kind (`summa` with its product and step, ...) beside the text,
+/// so that tools read what an instruction is instead of parsing its text.
+pub const FORMAT_VERSION: u32 = 4;
 
 /// The target id cross-entropy ignores, as PyTorch's `ignore_index` default: a position whose target is
 /// -100 adds nothing to the loss, gets a zero gradient, and is not counted in the mean.
@@ -96,11 +101,13 @@ impl Precision {
 pub struct MemoryOptions {
     pub recompute: Option<Recompute>,
     pub precision: Precision,
+    /// ZeRO stage over the data-parallel axis: 0, or 1 (optimizer state and master weights sharded).
+    pub zero: u8,
 }
 
 impl MemoryOptions {
     /// No recomputation beyond the model's own marks, float32.
-    pub const DEFAULT: MemoryOptions = MemoryOptions { recompute: None, precision: Precision::F32 };
+    pub const DEFAULT: MemoryOptions = MemoryOptions { recompute: None, precision: Precision::F32, zero: 0 };
 }
 
 /// Training (forward, backward, optimizer step) or inference (forward only).
@@ -111,36 +118,154 @@ pub enum Mode {
     Infer,
 }
 
-/// A rows x cols device mesh; device (i, j) has rank i * cols + j.
+/// A device mesh: `data` replicas of a rows x cols tensor-parallel mesh (written DATAxROWSxCOLS, or
+/// ROWSxCOLS when there is one replica). Device (d, i, j) has rank (d * rows + i) * cols + j, so the
+/// devices of one replica are consecutive ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Mesh {
     pub rows: u64,
     pub cols: u64,
+    /// Data-parallel replicas of the rows x cols mesh.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub data: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(n: &u64) -> bool {
+    *n == 1
 }
 
 impl Mesh {
+    /// One replica of a rows x cols mesh.
+    pub const fn new(rows: u64, cols: u64) -> Mesh {
+        Mesh { rows, cols, data: 1 }
+    }
+
+    /// This mesh's tensor-parallel shape replicated `data` times.
+    pub const fn with_data(self, data: u64) -> Mesh {
+        Mesh { data, ..self }
+    }
+
     pub fn devices(self) -> u64 {
+        self.rows * self.cols * self.data
+    }
+
+    /// Devices of one replica (the tensor-parallel mesh).
+    pub fn replica_devices(self) -> u64 {
         self.rows * self.cols
     }
 
-    /// Sizes of mesh axis 0 (rows, indexed by i) and axis 1 (columns, indexed by j).
-    pub fn axes(self) -> [u64; 2] {
-        [self.rows, self.cols]
+    /// Sizes of the mesh axes, indexed as layouts index them (rows, columns, replicas).
+    pub fn axes(self) -> [u64; MESH_AXES] {
+        let mut sizes = [1; MESH_AXES];
+        sizes[ROW_AXIS] = self.rows;
+        sizes[COLUMN_AXIS] = self.cols;
+        sizes[DATA_AXIS] = self.data;
+        sizes
     }
 
     /// Size of a communication group.
     pub fn group_size(self, group: Group) -> u64 {
         match group {
-            Group::Row => self.cols,
-            Group::Column => self.rows,
             Group::World => self.devices(),
+            Group::Row | Group::Column | Group::Data => self.axes()[group.axis().unwrap_or(0)],
         }
+    }
+
+    /// The coordinates of the device with `rank`.
+    pub fn coords_of(self, rank: u64) -> Coords {
+        let cols = self.cols.max(1);
+        let rows = self.rows.max(1);
+        Coords::new(rank / cols % rows, rank % cols, rank / (cols * rows))
+    }
+
+    /// The rank of the device at `coords`.
+    pub fn rank_of(self, coords: Coords) -> u64 {
+        (coords.d() * self.rows + coords.i()) * self.cols + coords.j()
+    }
+
+    /// Every device's coordinates, in rank order.
+    pub fn all_coords(self) -> impl Iterator<Item = Coords> {
+        (0..self.devices()).map(move |rank| self.coords_of(rank))
     }
 }
 
 impl std::fmt::Display for Mesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.data != 1 {
+            write!(f, "{}x", self.data)?;
+        }
         write!(f, "{}x{}", self.rows, self.cols)
+    }
+}
+
+/// A device's position on the mesh, one coordinate per mesh axis: the row index i, the column index j
+/// and the replica index d.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Coords(pub [u64; MESH_AXES]);
+
+/// Written `[i, j]`, or `[i, j, d]` on a replica other than the first.
+impl Serialize for Coords {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let written = if self.d() == 0 { &self.0[..DATA_AXIS] } else { &self.0[..] };
+        written.serialize(serializer)
+    }
+}
+
+impl Coords {
+    pub fn new(i: u64, j: u64, d: u64) -> Coords {
+        let mut c = [0; MESH_AXES];
+        c[ROW_AXIS] = i;
+        c[COLUMN_AXIS] = j;
+        c[DATA_AXIS] = d;
+        Coords(c)
+    }
+
+    /// The row index.
+    pub fn i(self) -> u64 {
+        self.0[ROW_AXIS]
+    }
+
+    /// The column index.
+    pub fn j(self) -> u64 {
+        self.0[COLUMN_AXIS]
+    }
+
+    /// The data-parallel replica index.
+    pub fn d(self) -> u64 {
+        self.0[DATA_AXIS]
+    }
+
+    /// The file-name form: `i-j`, or `d-i-j` on a replica other than the first.
+    pub fn file_stem(self) -> String {
+        if self.d() == 0 {
+            format!("{}-{}", self.i(), self.j())
+        } else {
+            format!("{}-{}-{}", self.d(), self.i(), self.j())
+        }
+    }
+
+    /// Whether the coordinates lie on `mesh`.
+    pub fn on(self, mesh: Mesh) -> bool {
+        self.0.iter().zip(mesh.axes()).all(|(c, size)| *c < size)
+    }
+
+    /// Whether this is the first device (0, 0) of the first replica.
+    pub fn is_origin(self) -> bool {
+        self == Coords::default()
+    }
+}
+
+impl std::fmt::Display for Coords {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.d() == 0 {
+            write!(f, "({}, {})", self.i(), self.j())
+        } else {
+            write!(f, "({}, {}, replica {})", self.i(), self.j(), self.d())
+        }
     }
 }
 
@@ -197,11 +322,10 @@ pub struct Offset {
 impl Offset {
     pub const ZERO: Offset = Offset { axis: None, block: 0 };
 
-    /// The offset on device (i, j) (saturating: the verifier bounds it for any plan that runs).
-    pub fn at(self, i: u64, j: u64) -> u64 {
+    /// The offset on the device at `coords` (saturating: the verifier bounds it for any plan that runs).
+    pub fn at(self, coords: Coords) -> u64 {
         match self.axis {
-            Some(0) => i.saturating_mul(self.block),
-            Some(_) => j.saturating_mul(self.block),
+            Some(axis) => coords.0.get(usize::from(axis)).copied().unwrap_or(0).saturating_mul(self.block),
             None => 0,
         }
     }
@@ -407,25 +531,68 @@ impl Kernel {
     }
 }
 
-/// Communication groups: the devices sharing a mesh row, a mesh column, or all devices.
+/// Communication groups: the devices whose coordinates differ along one mesh axis only (a mesh row, a
+/// mesh column, the replicas of one tensor-parallel position), or all devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Group {
+    /// One mesh row of one replica: j varies.
     Row,
+    /// One mesh column of one replica: i varies.
     Column,
+    /// The same tensor-parallel position (i, j) in every replica: d varies.
+    Data,
     World,
 }
 
 impl Group {
     /// The group whose members differ along mesh `axis` (axis 0 = i varies = a column).
     pub fn along(axis: usize) -> Group {
-        if axis == 0 { Group::Column } else { Group::Row }
+        match axis {
+            ROW_AXIS => Group::Column,
+            COLUMN_AXIS => Group::Row,
+            _ => Group::Data,
+        }
+    }
+
+    /// The mesh axis along which members differ (`None` for the whole mesh).
+    pub fn axis(self) -> Option<usize> {
+        match self {
+            Group::Row => Some(COLUMN_AXIS),
+            Group::Column => Some(ROW_AXIS),
+            Group::Data => Some(DATA_AXIS),
+            Group::World => None,
+        }
+    }
+
+    /// The index of the device at `coords` within its group: its coordinate along the group's axis
+    /// (its rank for the whole mesh).
+    pub fn member_index(self, coords: Coords, mesh: Mesh) -> u64 {
+        match self.axis() {
+            Some(axis) => coords.0[axis],
+            None => mesh.rank_of(coords),
+        }
+    }
+
+    /// The ranks of the members of the group that contains the device at `coords`, in member order.
+    pub fn member_ranks(self, coords: Coords, mesh: Mesh) -> Vec<u64> {
+        match self.axis() {
+            Some(axis) => (0..mesh.axes()[axis])
+                .map(|m| {
+                    let mut c = coords;
+                    c.0[axis] = m;
+                    mesh.rank_of(c)
+                })
+                .collect(),
+            None => (0..mesh.devices()).collect(),
+        }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Group::Row => "row",
             Group::Column => "column",
+            Group::Data => "data",
             Group::World => "world",
         }
     }
@@ -560,8 +727,9 @@ pub struct Plan {
     pub buffers: Vec<Buffer>,
     pub program: Vec<Instr>,
     pub origins: Vec<OriginInfo>,
-    /// Why each instruction exists ("SUMMA AB step 2 of 4: broadcast A block along the row").
-    pub reasons: Vec<String>,
+    /// Why each instruction exists: its kind and its text ("linear: SUMMA AB step 2 of 4: broadcast A
+    /// block along the row").
+    pub reasons: Vec<Reason>,
     pub memory: memory::MemoryPlan,
     /// Prefix that some checkpoints put before every checkpoint name (`transformer.` for GPT-2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -576,6 +744,10 @@ pub struct Plan {
     /// The precision of its activations, products and communication.
     #[serde(default, skip_serializing_if = "is_default")]
     pub precision: Precision,
+    /// The ZeRO stage over the data-parallel axis (0: none; 1: optimizer state and master weights
+    /// sharded over the replicas).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub zero: u8,
 }
 
 /// Whether a value is its type's default (left out of plan files, so older plans read the same).

@@ -92,7 +92,7 @@ fn origin_ref(plan: &Plan, origin: u32, reason: u32) -> OriginRef {
         line: o.map_or(0, |o| o.line),
         col: o.map_or(0, |o| o.col),
         scope: o.map_or_else(String::new, |o| o.scope.clone()),
-        reason: plan.reasons.get(reason as usize).cloned().unwrap_or_default(),
+        reason: plan.reasons.get(reason as usize).map(|r| r.text.clone()).unwrap_or_default(),
     }
 }
 
@@ -221,17 +221,15 @@ fn is_f32(precision: &super::Precision) -> bool {
 
 /// The human-readable report.
 /// What the plan recomputes in the backward pass: the mode, and how many instructions recompute which
-/// blocks (reasons `recompute of BLOCK: ...`); `None` when it recomputes nothing.
+/// blocks (reasons that name the block they recompute); `None` when it recomputes nothing.
 fn recompute_line(plan: &Plan) -> Option<String> {
     let mut blocks = std::collections::BTreeSet::new();
     let mut count = 0;
     for instr in &plan.program {
         let (Instr::Kernel { reason, .. } | Instr::Collective { reason, .. }) = instr else { continue };
-        let Some(unit) = plan.reasons.get(*reason as usize).and_then(|r| r.strip_prefix("recompute of ")) else {
-            continue;
-        };
+        let Some(unit) = plan.reasons.get(*reason as usize).and_then(|r| r.recompute.as_ref()) else { continue };
         count += 1;
-        blocks.insert(unit.split(':').next().unwrap_or_default().to_string());
+        blocks.insert(unit.clone());
     }
     (count > 0).then(|| {
         format!(

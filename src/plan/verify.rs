@@ -72,7 +72,7 @@ fn valid(plan: &Plan, id: BufferId) -> bool {
 
 /// Every reference is in range, every buffer's block shape follows from its layout, and the mesh is sane.
 fn check_structure(plan: &Plan, errors: &mut Vec<String>) {
-    let Mesh { rows, cols } = plan.mesh;
+    let Mesh { rows, cols, .. } = plan.mesh;
     if rows == 0 || cols == 0 || rows > 1024 || cols > 1024 {
         errors.push(format!("mesh {rows}x{cols} is not between 1x1 and 1024x1024"));
         return;
@@ -321,14 +321,10 @@ fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<
 /// The block of a gather or scatter is laid out with the collective's placement on the group's mesh
 /// axis, so the members' blocks land where their layout says.
 fn check_gather_layout(plan: &Plan, c: &Collective, block: BufferId) -> Result<(), String> {
-    let axis = match c.group {
-        Group::Column => 0,
-        Group::Row => 1,
-        Group::World => return Ok(()),
-    };
+    let Some(axis) = c.group.axis() else { return Ok(()) };
     let b = plan.buffer(block);
     match c.shard {
-        Some(shard) if b.layout.0[axis] != shard => {
+        Some(shard) if b.layout.block_placement(axis, plan.mesh.axes()) != shard => {
             Err(format!("the placement {shard} does not match `{}`, laid out {} (mesh axis {axis})", b.name, b.layout))
         }
         _ => Ok(()),

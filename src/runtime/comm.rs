@@ -1,6 +1,6 @@
 //! The `Communicator` trait, one endpoint per device, and the collective semantics shared by backends.
 
-use crate::plan::{CollectiveKind, Group, Mesh, ReduceOp};
+use crate::plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
 use crate::shard::layout::Placement;
 
 /// A failed collective: a peer failed, or the group did not assemble in time.
@@ -17,7 +17,7 @@ impl std::fmt::Display for CommError {
 /// member of a group (the plan verifier guarantees it); `send` and `recv` are local blocks.
 pub trait Communicator {
     /// This device's mesh coordinates.
-    fn coords(&self) -> (u64, u64);
+    fn coords(&self) -> Coords;
     fn mesh(&self) -> Mesh;
     /// Runs one collective of the plan. For all-gather and reduce-scatter, `shard` says how the
     /// gathered tensor of shape `full` is split; `block` is the local block shape.
@@ -118,13 +118,9 @@ pub fn reduce_into<T: Payload>(parts: &[&[T]], at: usize, out: &mut [T], op: Red
     }
 }
 
-/// The member index of device (i, j) within its group.
-pub fn member_index(group: Group, i: u64, j: u64, mesh: Mesh) -> u64 {
-    match group {
-        Group::Row => j,
-        Group::Column => i,
-        Group::World => i * mesh.cols + j,
-    }
+/// The member index of the device at `coords` within its group.
+pub fn member_index(group: Group, coords: Coords, mesh: Mesh) -> u64 {
+    group.member_index(coords, mesh)
 }
 
 /// Element ranges of member `m`'s block within a gathered buffer: the gathered dimension `dim` of `full`

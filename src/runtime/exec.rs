@@ -15,7 +15,7 @@ use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
 use crate::io::shards::{Checkpoint, CheckpointWriter, DeviceParamBlocks};
 use crate::plan::memory::persistent;
-use crate::plan::{Buffer, BufferId, CollectiveKind, Group, Instr, Kernel, Plan, ReduceOp, Role};
+use crate::plan::{Buffer, BufferId, CollectiveKind, Coords, Group, Instr, Kernel, Plan, ReduceOp, Role};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -220,10 +220,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             clip_grad_norm: None,
             grad_norm: None,
         };
-        let (i, j) = device.coords();
+        let coords = device.coords();
         for p in &plan.params {
             let meta = plan.buffer(p.buffer);
-            device.write(p.buffer, init::param_block(p, meta, i, j, plan.mesh, seed))?;
+            device.write(p.buffer, init::param_block(p, meta, coords, plan.mesh, seed))?;
             for s in &p.state {
                 device.backend.zero(&mut device.storage, *s)?;
                 device.alive[s.0 as usize] = true;
@@ -232,7 +232,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         Ok(device)
     }
 
-    pub fn coords(&self) -> (u64, u64) {
+    pub fn coords(&self) -> Coords {
         self.comm.coords()
     }
 
@@ -262,11 +262,11 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
 
     /// Loads each input's block from the logical input tensors (by input name).
     pub fn load_inputs(&mut self, inputs: &std::collections::BTreeMap<String, Tensor>) -> Result<(), String> {
-        let (i, j) = self.coords();
+        let coords = self.coords();
         for input in &self.plan.inputs {
             let logical = inputs.get(&input.name).ok_or_else(|| format!("no data for input `{}`", input.name))?;
             let meta = self.plan.buffer(input.buffer);
-            let block = init::block_of(logical, meta, i, j, self.plan.mesh)?;
+            let block = init::block_of(logical, meta, coords, self.plan.mesh)?;
             self.write(input.buffer, block)?;
         }
         Ok(())
@@ -523,9 +523,14 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         self.require_alive(inputs)?;
         self.prepare_output(output, kernel.reads_its_output())?;
         let metas: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
-        let (i, j) = self.comm.coords();
-        let ctx =
-            KernelContext { i, j, mesh: plan.mesh, seed: self.step_seed, inputs: &metas, output: plan.buffer(output) };
+        let coords = self.comm.coords();
+        let ctx = KernelContext {
+            coords,
+            mesh: plan.mesh,
+            seed: self.step_seed,
+            inputs: &metas,
+            output: plan.buffer(output),
+        };
         self.backend.kernel(&mut self.storage, kernel, inputs, output, &ctx)
     }
 
@@ -640,7 +645,7 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         // Every device's file is complete before the manifest is written; every device waits for the
         // commit, so that no device races ahead into the next checkpoint while this one is moved.
         self.any_device(false)?;
-        let committed = if self.coords() == (0, 0) {
+        let committed = if self.coords().is_origin() {
             let mut training = checkpoints.training.clone();
             if let Some(fields) = training.as_object_mut() {
                 fields.insert("step".into(), step.into());
@@ -779,19 +784,19 @@ impl DeviceRun<'_> {
         if let Some(checkpoint) = &config.resume {
             device.load_checkpoint(checkpoint)?;
         }
-        let (i, j) = device.coords();
-        device.profile = config.profile.then(|| Profile::new(plan, (i, j)));
+        let coords = device.coords();
+        device.profile = config.profile.then(|| Profile::new(plan, coords));
         for p in &plan.params {
             if let Some(t) = initial.get(&p.name) {
                 let block =
-                    init::block_of(&init::pad_to(t, plan.buffer(p.buffer))?, plan.buffer(p.buffer), i, j, plan.mesh)?;
+                    init::block_of(&init::pad_to(t, plan.buffer(p.buffer))?, plan.buffer(p.buffer), coords, plan.mesh)?;
                 device.write(p.buffer, block)?;
             } else if let Some(weights) = &config.weights {
-                device.write(p.buffer, weights.block(p, plan.buffer(p.buffer), (i, j), plan.mesh)?)?;
+                device.write(p.buffer, weights.block(p, plan.buffer(p.buffer), coords, plan.mesh)?)?;
             }
         }
         let mut records = Vec::new();
-        let device_index = i * plan.mesh.cols + j;
+        let device_index = plan.mesh.rank_of(coords);
         for step in config.start_step..config.steps {
             if let Some(fault) = &config.fault {
                 fault.trigger(device_index, step)?;
@@ -857,7 +862,7 @@ impl DeviceRun<'_> {
                         .map_err(|e| format!("checkpoint after step {step}: {e}"))?;
                 }
             }
-            if (i, j) == (0, 0) {
+            if coords.is_origin() {
                 on_step(&record);
             }
             records.push(record);

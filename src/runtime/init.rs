@@ -4,7 +4,7 @@
 use super::logical::logical_indices;
 use super::tensor::{Data, Tensor};
 use crate::ir::Init;
-use crate::plan::{Buffer, Mesh, PlanParam};
+use crate::plan::{Buffer, Coords, Mesh, PlanParam};
 
 /// SplitMix64: a fast, well-mixed 64-bit hash used as a counter-based generator.
 pub fn mix64(mut z: u64) -> u64 {
@@ -48,8 +48,8 @@ pub fn param_value(p: &PlanParam, seed: u64, unpadded_index: u64) -> f32 {
 }
 
 /// This device's block of a parameter: padding rows and columns are zero.
-pub fn param_block(p: &PlanParam, meta: &Buffer, i: u64, j: u64, mesh: Mesh, seed: u64) -> Tensor {
-    let values = logical_indices(meta, i, j, mesh)
+pub fn param_block(p: &PlanParam, meta: &Buffer, coords: Coords, mesh: Mesh, seed: u64) -> Tensor {
+    let values = logical_indices(meta, coords, mesh)
         .into_iter()
         .map(|index| {
             let at = unravel(index, &meta.logical_shape);
@@ -64,11 +64,11 @@ pub fn param_block(p: &PlanParam, meta: &Buffer, i: u64, j: u64, mesh: Mesh, see
 }
 
 /// This device's block of a logical tensor laid out as `meta` says.
-pub fn block_of(logical: &Tensor, meta: &Buffer, i: u64, j: u64, mesh: Mesh) -> Result<Tensor, String> {
+pub fn block_of(logical: &Tensor, meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, String> {
     if logical.shape != meta.logical_shape {
         return Err(format!("`{}` must be {:?}, not {:?}", meta.name, meta.logical_shape, logical.shape));
     }
-    let indices = logical_indices(meta, i, j, mesh);
+    let indices = logical_indices(meta, coords, mesh);
     let data = match &logical.data {
         Data::F32(v) => Data::F32(indices.iter().map(|&k| v[k as usize]).collect()),
         Data::I32(v) => Data::I32(indices.iter().map(|&k| v[k as usize]).collect()),
@@ -76,14 +76,14 @@ pub fn block_of(logical: &Tensor, meta: &Buffer, i: u64, j: u64, mesh: Mesh) -> 
     Ok(Tensor { shape: meta.shape.clone(), data })
 }
 
-/// Assembles a logical tensor from every device's block (blocks indexed by rank i * cols + j).
+/// Assembles a logical tensor from every device's block (blocks indexed by rank).
 pub fn gather_blocks(blocks: &[&Tensor], meta: &Buffer, mesh: Mesh) -> Result<Tensor, String> {
     let total = meta.logical_shape.iter().product::<u64>() as usize;
     let mut out = vec![0.0f32; total];
     for (rank, block) in blocks.iter().enumerate() {
-        let (i, j) = (rank as u64 / mesh.cols, rank as u64 % mesh.cols);
+        let coords = mesh.coords_of(rank as u64);
         let values = block.f32()?;
-        for (local, index) in logical_indices(meta, i, j, mesh).into_iter().enumerate() {
+        for (local, index) in logical_indices(meta, coords, mesh).into_iter().enumerate() {
             out[index as usize] = values[local];
         }
     }

@@ -3,8 +3,8 @@
 
 use super::init::mix64;
 use super::shapes::{ensure, numel, same_shape};
-use crate::plan::{Buffer, Mesh};
-use crate::shard::layout::Placement;
+use crate::plan::{Buffer, Coords, Mesh};
+use crate::shard::layout::{MAJOR_ORDER, Placement};
 
 /// The keep decisions of one tensor: element `index` is the `index`-th output of a SplitMix64 stream
 /// whose start depends on (seed, key); it is kept when its top 53 bits, as a fraction, are >= p.
@@ -38,7 +38,7 @@ pub struct IndexMap {
 }
 
 impl IndexMap {
-    pub fn new(meta: &Buffer, i: u64, j: u64, mesh: Mesh) -> Result<IndexMap, String> {
+    pub fn new(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<IndexMap, String> {
         let logical = &meta.logical_shape;
         let rank = logical.len();
         same_shape("the local shape's rank", &[meta.shape.len() as u64], &[rank as u64])?;
@@ -49,7 +49,7 @@ impl IndexMap {
         }
         let mut maps = Vec::with_capacity(rank);
         for (d, &size) in logical.iter().enumerate() {
-            let splits = Split::of_dim(meta, d, i, j, mesh);
+            let splits = Split::of_dim(meta, d, coords, mesh);
             // The extent after each split, checked before anything is allocated.
             let mut extents = vec![size];
             for split in &splits {
@@ -134,11 +134,13 @@ struct Split {
 }
 
 impl Split {
-    /// The splits of dimension `d` of a buffer on device (i, j), mesh axis 0 first (a dimension split
-    /// over both axes is split by axis 1 within axis 0's chunk).
-    fn of_dim(meta: &Buffer, d: usize, i: u64, j: u64, mesh: Mesh) -> Vec<Split> {
-        let (coords, parts) = ([i, j], mesh.axes());
-        (0..2)
+    /// The splits of dimension `d` of a buffer on the device at `coords`, most significant first (see
+    /// [`MAJOR_ORDER`]: a dimension split over several axes is split by each within the chunk of the one
+    /// before).
+    fn of_dim(meta: &Buffer, d: usize, coords: Coords, mesh: Mesh) -> Vec<Split> {
+        let (coords, parts) = (coords.0, mesh.axes());
+        MAJOR_ORDER
+            .into_iter()
             .filter_map(|axis| match meta.layout.0[axis] {
                 Placement::Shard { dim, outer, inner } if usize::from(dim) == d => {
                     Some(Split { outer: outer.max(1), inner: inner.max(1), parts: parts[axis], coord: coords[axis] })
@@ -167,17 +169,17 @@ impl Split {
     }
 }
 
-/// The logical linear index of each local element of a buffer on device (i, j), from its layout, or
-/// an error when the layout, the local shape and the logical shape disagree.
-pub fn try_logical_indices(meta: &Buffer, i: u64, j: u64, mesh: Mesh) -> Result<Vec<u64>, String> {
-    let map = IndexMap::new(meta, i, j, mesh)?;
+/// The logical linear index of each local element of a buffer on the device at `coords`, from its
+/// layout, or an error when the layout, the local shape and the logical shape disagree.
+pub fn try_logical_indices(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Vec<u64>, String> {
+    let map = IndexMap::new(meta, coords, mesh)?;
     let mut out = Vec::with_capacity(numel(&meta.shape));
     map.for_each(|_, logical| out.push(logical));
     Ok(out)
 }
 
-/// The logical linear index of each local element of a buffer on device (i, j), from its layout.
-/// Empty when the buffer's layout and shapes disagree (see [`try_logical_indices`]).
-pub fn logical_indices(meta: &Buffer, i: u64, j: u64, mesh: Mesh) -> Vec<u64> {
-    try_logical_indices(meta, i, j, mesh).unwrap_or_default()
+/// The logical linear index of each local element of a buffer on the device at `coords`, from its
+/// layout. Empty when the buffer's layout and shapes disagree (see [`try_logical_indices`]).
+pub fn logical_indices(meta: &Buffer, coords: Coords, mesh: Mesh) -> Vec<u64> {
+    try_logical_indices(meta, coords, mesh).unwrap_or_default()
 }

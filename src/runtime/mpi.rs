@@ -6,8 +6,11 @@ use super::comm::{CommError, Communicator, pack_for_scatter, reduce_into, unpack
 use super::exec::{self, Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord};
 use super::tensor::{Data, Tensor};
 use crate::cost::placement::{NodeMap, Placement};
-use crate::plan::{CollectiveKind, Group, Mesh, Plan, ReduceOp};
+use crate::plan::{CollectiveKind, Coords, Group, Mesh, Plan, ReduceOp};
+use crate::shard::layout::MESH_AXES;
 use crate::shard::layout::Placement as Split;
+#[cfg(feature = "cuda")]
+use crate::shard::layout::{COLUMN_AXIS, DATA_AXIS, ROW_AXIS};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
 use mpi::request::{Request, Scope};
@@ -99,7 +102,7 @@ impl MpiJob {
     }
 
     /// The device each rank runs, and a note when the placement could not be followed.
-    pub fn devices(&self, mesh: Mesh, placement: Placement) -> (Vec<(u64, u64)>, Option<String>) {
+    pub fn devices(&self, mesh: Mesh, placement: Placement) -> (Vec<Coords>, Option<String>) {
         let map = NodeMap::new(mesh, self.ranks_per_node, placement);
         (map.devices_by_rank(), map.note)
     }
@@ -131,10 +134,10 @@ impl MpiJob {
         if let (Some(note), 0) = (note, self.rank) {
             eprintln!("note: {note}");
         }
-        let (i, j) = devices[self.rank as usize];
-        install_panic_hook(format!("rank {} (device ({i}, {j}))", self.rank));
+        let coords = devices[self.rank as usize];
+        install_panic_hook(format!("rank {} (device {coords})", self.rank));
         super::cpu::return_freed_memory_promptly();
-        let comm = MpiComm::new(&self.world, plan.mesh, (i, j), config.timeout, self.rank)?;
+        let comm = MpiComm::new(&self.world, plan.mesh, coords, config.timeout, self.rank)?;
         let outcome = match config.backend {
             #[cfg(feature = "cuda")]
             crate::runtime::backend::BackendKind::Cuda => self
@@ -144,7 +147,7 @@ impl MpiJob {
         };
         let (records, blocks, profile) = match outcome {
             Ok(r) => r,
-            Err(e) => self.abort(&format!("device ({i}, {j}) failed: {e}")),
+            Err(e) => self.abort(&format!("device {coords} failed: {e}")),
         };
         // Profiles are not gathered: rank 0 reports its own device's.
         let profiles: Vec<_> = profile.into_iter().collect();
@@ -189,7 +192,12 @@ impl MpiJob {
             group.process_at_rank(0).broadcast_into(&mut id[..]);
             id
         };
-        let ids = GroupIds { row: share(&comm.row), column: share(&comm.column), world: share(&comm.mesh_world) };
+        let ids = GroupIds {
+            row: share(&comm.axes[COLUMN_AXIS]),
+            column: share(&comm.axes[ROW_AXIS]),
+            data: share(&comm.axes[DATA_AXIS]),
+            world: share(&comm.mesh_world),
+        };
         NcclComm::new((self.local_rank % gpus) as usize, comm.mesh, comm.coords, ids, timeout)
     }
 }
@@ -212,13 +220,14 @@ fn abort_world(code: i32) -> ! {
     std::process::exit(code)
 }
 
-/// One rank's endpoint: communicators for its mesh row, its mesh column and the whole mesh.
+/// One rank's endpoint: a communicator for its group along each mesh axis, and the whole mesh.
 pub struct MpiComm {
-    coords: (u64, u64),
+    coords: Coords,
     mesh: Mesh,
-    row: SimpleCommunicator,
-    column: SimpleCommunicator,
-    /// The world, reordered so that rank i * cols + j holds device (i, j).
+    /// Per mesh axis, the communicator of the devices that differ from this one along that axis only,
+    /// ranked by their coordinate on it.
+    axes: [SimpleCommunicator; MESH_AXES],
+    /// The world, reordered so that each device's rank is its mesh rank.
     mesh_world: SimpleCommunicator,
     timeout: Duration,
     world_rank: u64,
@@ -228,7 +237,7 @@ impl MpiComm {
     fn new(
         world: &SimpleCommunicator,
         mesh: Mesh,
-        (i, j): (u64, u64),
+        coords: Coords,
         timeout: Duration,
         world_rank: u64,
     ) -> Result<MpiComm, String> {
@@ -237,22 +246,26 @@ impl MpiComm {
                 .split_by_color_with_key(Color::with_value(color as i32), key as i32)
                 .ok_or_else(|| "MPI could not split the world communicator".to_string())
         };
+        // The group along an axis is named by the rank of its first member (coordinate 0 on the axis).
+        let along = |axis: usize| {
+            let mut first = coords;
+            first.0[axis] = 0;
+            split(mesh.rank_of(first), coords.0[axis])
+        };
         Ok(MpiComm {
-            coords: (i, j),
+            coords,
             mesh,
-            row: split(i, j)?,
-            column: split(j, i)?,
-            mesh_world: split(0, i * mesh.cols + j)?,
+            axes: [along(0)?, along(1)?, along(2)?],
+            mesh_world: split(0, mesh.rank_of(coords))?,
             timeout,
             world_rank,
         })
     }
 
     fn group(&self, group: Group) -> &SimpleCommunicator {
-        match group {
-            Group::Row => &self.row,
-            Group::Column => &self.column,
-            Group::World => &self.mesh_world,
+        match group.axis() {
+            Some(axis) => &self.axes[axis],
+            None => &self.mesh_world,
         }
     }
 
@@ -396,7 +409,7 @@ fn same_len(send: usize, recv: usize) -> Result<(), CommError> {
 }
 
 impl Communicator for &MpiComm {
-    fn coords(&self) -> (u64, u64) {
+    fn coords(&self) -> Coords {
         self.coords
     }
 
@@ -417,8 +430,8 @@ impl Communicator for &MpiComm {
     ) -> Result<(), CommError> {
         let comm = self.group(group);
         let (me, parts) = (comm.rank() as u64, comm.size() as u64);
-        let (i, j) = self.coords;
-        let what = || format!("device ({i}, {j})'s {} over its {} group", kind.name(), group.name());
+        let coords = self.coords;
+        let what = || format!("device {coords}'s {} over its {} group", kind.name(), group.name());
         let op = operation(op);
         match kind {
             CollectiveKind::Broadcast => {
@@ -477,8 +490,8 @@ impl Communicator for &MpiComm {
     ) -> Result<(), CommError> {
         let comm = self.group(group);
         let (me, parts) = (comm.rank() as u64, comm.size() as u64);
-        let (i, j) = self.coords;
-        let what = || format!("device ({i}, {j})'s bf16 {} over its {} group", kind.name(), group.name());
+        let coords = self.coords;
+        let what = || format!("device {coords}'s bf16 {} over its {} group", kind.name(), group.name());
         match kind {
             CollectiveKind::Broadcast => {
                 let root = root.unwrap_or(0);

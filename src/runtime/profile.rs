@@ -5,7 +5,7 @@
 
 use super::peak::Peak;
 use super::shapes::{AttentionLayout, QUERY_TILE, batch_matrix, numel, split_last};
-use crate::plan::{Collective, Instr, Kernel, Plan};
+use crate::plan::{Collective, Coords, Instr, Kernel, Plan};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -20,7 +20,7 @@ struct Tally {
 /// One device's instruction times over the profiled steps, by instruction index.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Profile {
-    pub device: (u64, u64),
+    pub device: Coords,
     /// Steps accumulated (the warm-up step is not one of them).
     pub steps: u64,
     /// Wall time of those steps on this device, loading the inputs included.
@@ -31,7 +31,7 @@ pub struct Profile {
 }
 
 impl Profile {
-    pub fn new(plan: &Plan, device: (u64, u64)) -> Profile {
+    pub fn new(plan: &Plan, device: Coords) -> Profile {
         let tallies = vec![Tally::default(); plan.program.len()];
         Profile { device, steps: 0, wall: Duration::ZERO, warm_up_excluded: false, tallies }
     }
@@ -219,7 +219,7 @@ pub struct ProfileRow {
 /// One device's time over the profiled steps.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DeviceTotals {
-    pub device: [u64; 2],
+    pub device: Coords,
     pub compute_ms: f64,
     /// Collectives, waiting for peers included.
     pub communication_ms: f64,
@@ -311,7 +311,7 @@ fn device_totals(kinds: &[Option<InstrKind>], profile: &Profile) -> DeviceTotals
     let other = profile.wall.saturating_sub(spent[0] + spent[1]);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     DeviceTotals {
-        device: [profile.device.0, profile.device.1],
+        device: profile.device,
         compute_ms: ms(spent[0]),
         communication_ms: ms(spent[1]),
         other_ms: ms(other),
@@ -379,7 +379,7 @@ impl ProfileReport {
         for d in &self.devices {
             text.push_str(&format!(
                 "{:<8}  {:>10.2}  {:>16.2}  {:>8.2}  {:>8.2}\n",
-                format!("({}, {})", d.device[0], d.device[1]),
+                d.device.to_string(),
                 d.compute_ms,
                 d.communication_ms,
                 d.other_ms,
@@ -480,7 +480,7 @@ mod tests {
     #[test]
     fn the_warm_up_step_is_dropped_and_shares_add_up() {
         let mut profile = Profile {
-            device: (0, 0),
+            device: Coords::default(),
             steps: 0,
             wall: Duration::ZERO,
             warm_up_excluded: false,

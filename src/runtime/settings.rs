@@ -1,15 +1,13 @@
 //! What the executor hands every backend: where a kernel runs (`KernelContext`) and how parameters are
 //! updated (`OptimizerSettings`). Backend-neutral, so no backend imports another to run.
 
-use crate::plan::{Buffer, Mesh};
+use crate::plan::{Buffer, Coords, Mesh};
 
 /// What a kernel may need to know about where it runs.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelContext<'a> {
-    /// This device's mesh row.
-    pub i: u64,
-    /// This device's mesh column.
-    pub j: u64,
+    /// This device's mesh coordinates.
+    pub coords: Coords,
     pub mesh: Mesh,
     /// The run's seed, for dropout masks.
     pub seed: u64,

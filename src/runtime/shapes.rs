@@ -1,8 +1,8 @@
 //! Shape checks and data-movement plans shared by every backend's kernels: a backend decides how to
 //! copy, these decide what goes where, so the CPU and GPU kernels cannot drift apart.
 
-use crate::plan::Mesh;
-use crate::shard::layout::Placement;
+use crate::plan::{Coords, Mesh};
+use crate::shard::layout::{MESH_AXES, Placement};
 
 /// The element count of a shape (saturating, so that absurd shapes fail the length checks instead).
 pub fn numel(shape: &[u64]) -> usize {
@@ -143,13 +143,13 @@ pub fn transpose_swap(x: &[u64], out: &[u64], dim0: usize, dim1: usize) -> Resul
     })
 }
 
-/// Device (i, j)'s block of `x` (which holds the whole extent of the placement's dimension) along
+/// The block of `x` of the device at `coords` (which holds the whole extent of the placement's dimension) along
 /// mesh `axis`; a replicated placement is a plain copy.
 pub fn slice_shard_runs(
     x: &[u64],
     out: &[u64],
     mesh: Mesh,
-    (i, j): (u64, u64),
+    coords: Coords,
     axis: usize,
     p: Placement,
 ) -> Result<Runs, String> {
@@ -157,8 +157,8 @@ pub fn slice_shard_runs(
         ensure(p == Placement::Replicate, || "cannot slice into a pending sum".to_string())?;
         return reshape_runs(x, out);
     };
-    ensure(axis < 2, || format!("mesh axis {axis} does not exist"))?;
-    let (parts, coord) = (mesh.axes()[axis], [i, j][axis]);
+    ensure(axis < MESH_AXES, || format!("mesh axis {axis} does not exist"))?;
+    let (parts, coord) = (mesh.axes()[axis], coords.0[axis]);
     let dim = usize::from(dim);
     let (before, size, after) = around(x, dim)?;
     let (outer, inner) = (outer.max(1) as usize, inner.max(1) as usize);

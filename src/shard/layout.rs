@@ -51,19 +51,36 @@ impl std::fmt::Display for Placement {
     }
 }
 
-/// Placements along mesh axis 0 (the row index i) and axis 1 (the column index j).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Layout(pub [Placement; 2]);
+/// How many mesh axes a layout describes: axis 0 splits over the rows of a tensor-parallel mesh (the
+/// row index i), axis 1 over its columns (the column index j), axis 2 over data-parallel replicas of
+/// that mesh (the replica index d). A mesh of fewer axes has size 1 along the others.
+pub const MESH_AXES: usize = 3;
+
+/// The mesh axis of the row index i.
+pub const ROW_AXIS: usize = 0;
+/// The mesh axis of the column index j.
+pub const COLUMN_AXIS: usize = 1;
+/// The mesh axis of the data-parallel replica index d.
+pub const DATA_AXIS: usize = 2;
+
+/// The order in which mesh axes that split one tensor dimension nest, most significant first: a
+/// replica holds a contiguous range of the batch, which its rows split further, then its columns.
+pub const MAJOR_ORDER: [usize; MESH_AXES] = [DATA_AXIS, ROW_AXIS, COLUMN_AXIS];
+
+/// One placement per mesh axis (see [`MESH_AXES`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Layout(pub [Placement; MESH_AXES]);
 
 impl Layout {
-    pub const REPLICATED: Layout = Layout([Placement::Replicate, Placement::Replicate]);
+    pub const REPLICATED: Layout = Layout([Placement::Replicate; MESH_AXES]);
 
+    /// A layout over the tensor-parallel axes, replicated over data-parallel replicas.
     pub fn new(axis0: Placement, axis1: Placement) -> Layout {
-        Layout([axis0, axis1])
+        Layout([axis0, axis1, Placement::Replicate])
     }
 
     /// The local block shape on any device of a mesh with the given axis sizes.
-    pub fn local_shape(&self, logical: &[u64], mesh: [u64; 2]) -> Vec<u64> {
+    pub fn local_shape(&self, logical: &[u64], mesh: [u64; MESH_AXES]) -> Vec<u64> {
         let mut shape = logical.to_vec();
         for (axis, p) in self.0.iter().enumerate() {
             if let Some(d) = p.dim().and_then(|dim| shape.get_mut(dim)) {
@@ -81,13 +98,34 @@ impl Layout {
     /// Whether the device at mesh coordinates `coords` is the one that counts its block when summing
     /// over every device's elements: the first member of each axis along which the tensor is not split
     /// (replicated, or a pending sum), so that each logical element is counted exactly once.
-    pub fn counts_block_at(&self, coords: [u64; 2]) -> bool {
+    pub fn counts_block_at(&self, coords: [u64; MESH_AXES]) -> bool {
         self.0.iter().zip(coords).all(|(p, c)| p.dim().is_some() || c == 0)
     }
 
-    /// The mesh axis that splits `dim`, if any.
+    /// A mesh axis that splits `dim`, if any (the first in axis order when several do).
     pub fn axis_of(&self, dim: usize) -> Option<usize> {
         self.0.iter().position(|p| p.dim() == Some(dim))
+    }
+
+    /// The placement along `axis` as a collective or a slice along that axis sees it: relative to the
+    /// block a device holds before that axis splits it. A split whose factor view skips over the
+    /// splits of less significant axes of the same dimension (see [`MAJOR_ORDER`]; ZeRO's data-axis
+    /// split of a tensor-parallel block is `[parts, mid, 1]`) is a plain split of that block.
+    pub fn block_placement(&self, axis: usize, sizes: [u64; MESH_AXES]) -> Placement {
+        let p = self.0[axis];
+        let Placement::Shard { dim, outer, inner } = p else { return p };
+        let position = MAJOR_ORDER.iter().position(|&a| a == axis).unwrap_or(MESH_AXES);
+        let minor: u64 = MAJOR_ORDER
+            .iter()
+            .skip(position + 1)
+            .filter(|&&a| self.0[a].dim() == Some(usize::from(dim)))
+            .map(|&a| sizes[a].max(1))
+            .product();
+        if minor > 1 && outer.is_multiple_of(minor) {
+            Placement::shard_factor(usize::from(dim), outer / minor, inner)
+        } else {
+            p
+        }
     }
 
     /// This layout with `axis` set to `p`.
@@ -95,10 +133,41 @@ impl Layout {
         self.0[axis] = p;
         self
     }
+
+    /// The placements written out: the data axis only when it is not replicated, so that a
+    /// tensor-parallel plan reads as it did before meshes had a data axis.
+    fn written(&self) -> &[Placement] {
+        if self.0[DATA_AXIS] == Placement::Replicate { &self.0[..DATA_AXIS] } else { &self.0 }
+    }
+}
+
+impl Serialize for Layout {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.written().serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Layout {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Layout, D::Error> {
+        let placements = Vec::<Placement>::deserialize(deserializer)?;
+        if !(DATA_AXIS..=MESH_AXES).contains(&placements.len()) {
+            return Err(serde::de::Error::custom(format!(
+                "a layout has {DATA_AXIS} or {MESH_AXES} placements, found {}",
+                placements.len()
+            )));
+        }
+        let mut layout = Layout::REPLICATED;
+        layout.0[..placements.len()].copy_from_slice(&placements);
+        Ok(layout)
+    }
 }
 
 impl std::fmt::Display for Layout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "({}, {})", self.0[0], self.0[1])
+        write!(f, "({}, {}", self.0[ROW_AXIS], self.0[COLUMN_AXIS])?;
+        if self.0[DATA_AXIS] != Placement::Replicate {
+            write!(f, "; data {}", self.0[DATA_AXIS])?;
+        }
+        write!(f, ")")
     }
 }

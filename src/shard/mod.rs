@@ -2,6 +2,7 @@
 //! per-device Plan for a strategy and mesh. Values carry layouts; each operator's rule asks for its
 //! operands in the layouts it needs, and the engine inserts the collectives that get them there.
 
+mod data;
 pub mod layout;
 mod recompute;
 mod rules;
@@ -15,8 +16,9 @@ use crate::plan::{
     Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, MemoryOptions, Mesh, Mode,
     OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Precision, Recompute, ReduceOp, Role, Strategy,
 };
+use crate::plan::{Reason, ReasonKind};
 use crate::span::{LineIndex, Span};
-use layout::{Layout, Placement};
+use layout::{Layout, MESH_AXES, Placement};
 use petgraph::graph::{DiGraph, NodeIndex};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::collections::BTreeSet;
@@ -95,7 +97,11 @@ fn meshes_that_compile(
     source: &str,
     failing: Target,
 ) -> Vec<Mesh> {
-    let candidates: Vec<Mesh> = candidate_meshes(failing.strategy).into_iter().filter(|&m| m != failing.mesh).collect();
+    let candidates: Vec<Mesh> = candidate_meshes(failing.strategy)
+        .into_iter()
+        .map(|m| m.with_data(failing.mesh.data))
+        .filter(|&m| m != failing.mesh)
+        .collect();
     let compiles: Vec<AtomicBool> = candidates.iter().map(|_| AtomicBool::new(false)).collect();
     let next = AtomicUsize::new(0);
     let try_candidates = || {
@@ -123,9 +129,9 @@ const PROBE_STACK_BYTES: usize = 64 * 1024 * 1024;
 fn candidate_meshes(strategy: Strategy) -> Vec<Mesh> {
     let bound = SUGGESTED_MESH_DEVICES;
     match strategy {
-        Strategy::Optimus => (1..=bound).take_while(|q| q * q <= bound).map(|q| Mesh { rows: q, cols: q }).collect(),
-        Strategy::Megatron => (1..=bound).map(|p| Mesh { rows: 1, cols: p }).collect(),
-        Strategy::None => vec![Mesh { rows: 1, cols: 1 }],
+        Strategy::Optimus => (1..=bound).take_while(|q| q * q <= bound).map(|q| Mesh::new(q, q)).collect(),
+        Strategy::Megatron => (1..=bound).map(|p| Mesh::new(1, p)).collect(),
+        Strategy::None => vec![Mesh::new(1, 1)],
     }
 }
 
@@ -159,23 +165,25 @@ fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, mesh
 
 /// Rejects meshes the strategy cannot use.
 fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
-    let Mesh { rows, cols } = target.mesh;
+    let Mesh { rows, cols, data } = target.mesh;
     let problem = match target.strategy {
         _ if rows == 0 || cols == 0 => Some("a mesh needs at least one row and one column".to_string()),
+        _ if data == 0 => Some("a mesh needs at least one data-parallel replica".to_string()),
+        _ if target.memory.zero > 1 => Some(format!("ZeRO stage {} is not supported (0 or 1)", target.memory.zero)),
         Strategy::Optimus if rows != cols => {
             Some(format!("the optimus strategy needs a square q x q mesh, not {rows}x{cols}"))
         }
         Strategy::Megatron if rows != 1 => Some(format!("the megatron strategy takes a 1 x p mesh, not {rows}x{cols}")),
         Strategy::None if rows * cols != 1 => {
-            Some(format!("the none strategy runs on one device (1x1), not {rows}x{cols}"))
+            Some(format!("the none strategy runs each replica on one device (1x1), not {rows}x{cols}"))
         }
         _ => None,
     };
     match problem {
         Some(p) => Err(vec![Diagnostic::error(Code::E0601, p).help(match target.strategy {
-            Strategy::Optimus => "use --mesh QxQ, e.g. --mesh 4x4",
-            Strategy::Megatron => "use --mesh 1xP, e.g. --mesh 1x8",
-            Strategy::None => "use --mesh 1x1, or another strategy",
+            Strategy::Optimus => "use --mesh QxQ, e.g. --mesh 4x4, or DxQxQ for D data-parallel replicas",
+            Strategy::Megatron => "use --mesh 1xP, e.g. --mesh 1x8, or Dx1xP for D data-parallel replicas",
+            Strategy::None => "use --mesh 1x1, Dx1x1 for D data-parallel replicas, or another strategy",
         })]),
         None => Ok(()),
     }
@@ -203,8 +211,8 @@ pub(crate) struct Lowerer<'a> {
     pub origins: Vec<OriginInfo>,
     /// Origins already recorded, by node.
     origin_ids: HashMap<NodeIndex, u32>,
-    pub reasons: Vec<String>,
-    reason_ids: HashMap<String, u32>,
+    pub reasons: Vec<Reason>,
+    reason_ids: HashMap<Reason, u32>,
     /// Every sharded version made of each node, in the order they were made.
     pub versions: HashMap<NodeIndex, Vec<Version>>,
     pub param_buffers: HashMap<ParamId, Version>,
@@ -229,6 +237,19 @@ pub(crate) struct Lowerer<'a> {
     pub inputs: Vec<PlanInput>,
     pub plan_params: Vec<PlanParam>,
     pub outputs: Vec<PlanOutput>,
+    /// Every node's relation to the data-parallel axis (see `data.rs`).
+    data_roles: Vec<data::DataRole>,
+    /// Whether layouts asked for get their data-axis placement from the node's role (while the rules
+    /// run; not for outputs and the optimizer, which ask for exactly what they want).
+    filling_data: bool,
+    /// The parameter whose complete gradient each gradient node is.
+    gradient_of: HashMap<NodeIndex, ParamId>,
+    /// Gradients complete but not yet reduced over the replicas, and their bytes.
+    open_bucket: Vec<(NodeIndex, ParamId)>,
+    open_bucket_bytes: u64,
+    /// The bucket whose reductions are being issued, for their reasons.
+    bucket: Option<u32>,
+    buckets_issued: u32,
 }
 
 impl<'a> Lowerer<'a> {
@@ -266,13 +287,20 @@ impl<'a> Lowerer<'a> {
             reported_dims: HashSet::default(),
             split_dims: BTreeSet::new(),
             stop_at_first_error: false,
+            data_roles: data::data_roles(graph),
+            filling_data: false,
+            gradient_of: HashMap::default(),
+            open_bucket: Vec::new(),
+            open_bucket_bytes: 0,
+            bucket: None,
+            buckets_issued: 0,
             inputs: Vec::new(),
             plan_params: Vec::new(),
             outputs: Vec::new(),
         }
     }
 
-    pub fn axes(&self) -> [u64; 2] {
+    pub fn axes(&self) -> [u64; MESH_AXES] {
         self.target.mesh.axes()
     }
 
@@ -289,6 +317,12 @@ impl<'a> Lowerer<'a> {
     }
 
     fn run(&mut self, forward_len: usize, grads: &[Option<NodeIndex>]) {
+        self.gradient_of = grads
+            .iter()
+            .enumerate()
+            .filter_map(|(index, g)| g.map(|g| (g, ParamId(u32::try_from(index).unwrap_or(u32::MAX)))))
+            .collect();
+        self.filling_data = true;
         for index in 0..self.graph.node_count() {
             let n = NodeIndex::new(index);
             if index == forward_len && self.forward_end.is_none() {
@@ -302,7 +336,9 @@ impl<'a> Lowerer<'a> {
                 return;
             }
             self.lower_node(n);
+            self.gradient_done(n);
         }
+        self.filling_data = false;
         if self.stop_at_first_error && !self.diagnostics.is_empty() {
             return;
         }
@@ -340,6 +376,7 @@ impl<'a> Lowerer<'a> {
     /// global gradient norm (for clipping and the records), then one optimizer step per parameter. The
     /// updates come after every gradient is complete, since clipping scales all of them by one factor.
     fn optimizer(&mut self, grads: &[Option<NodeIndex>]) {
+        self.reduce_open_bucket();
         let mut updates = Vec::new();
         for (index, grad) in grads.iter().enumerate() {
             let id = ParamId(u32::try_from(index).unwrap_or(u32::MAX));
@@ -358,7 +395,8 @@ impl<'a> Lowerer<'a> {
         for (param, g) in updates {
             let m = self.state_buffer(param, "exp_avg");
             let v = self.state_buffer(param, "exp_avg_sq");
-            self.kernel(Kernel::OptimizerStep, &[param, g, m, v], param, "optimizer step on this device's shard");
+            let reason = Reason::new(ReasonKind::Optimizer, "optimizer step on this device's shard");
+            self.kernel(Kernel::OptimizerStep, &[param, g, m, v], param, reason);
             if let Some(p) = self.plan_params.iter_mut().find(|p| p.buffer == param) {
                 p.grad = Some(g);
                 p.state = vec![m, v];
@@ -374,14 +412,17 @@ impl<'a> Lowerer<'a> {
         if grads.is_empty() {
             return None;
         }
-        let partial = Layout::new(Placement::Partial, Placement::Partial);
+        let partial = Layout([Placement::Partial; MESH_AXES]);
         let name = "grad_norm_sq".to_string();
         let local = self.new_buffer(format!("{name}.partial"), DType::F32, vec![1], partial, Role::Workspace);
         self.kernel(
             Kernel::GradSquareSum,
             grads,
             local,
-            "gradient norm: sum of squares of the gradient elements this device owns (replicas counted once)",
+            Reason::new(
+                ReasonKind::GradientNorm,
+                "gradient norm: sum of squares of the gradient elements this device owns (replicas counted once)",
+            ),
         );
         if self.target.mesh.devices() < 2 {
             return Some(local);
@@ -395,7 +436,7 @@ impl<'a> Lowerer<'a> {
             None,
             local,
             total,
-            "gradient norm: one all-reduce of every device's sum of squares",
+            Reason::new(ReasonKind::GradientNorm, "gradient norm: one all-reduce of every device's sum of squares"),
         );
         Some(total)
     }
@@ -412,7 +453,8 @@ impl<'a> Lowerer<'a> {
         }
         let b = self.buffers[g.0 as usize].clone();
         let out = self.new_buffer(name, want, b.logical_shape, b.layout, Role::Gradient);
-        self.kernel(Kernel::Cast, &[g], out, "gradient from bf16 into the float32 gradient buffer");
+        let reason = Reason::new(ReasonKind::Cast, "gradient from bf16 into the float32 gradient buffer");
+        self.kernel(Kernel::Cast, &[g], out, reason);
         out
     }
 
@@ -460,6 +502,7 @@ impl<'a> Lowerer<'a> {
             grad_norm: self.grad_norm,
             recompute,
             precision: self.target.memory.precision,
+            zero: self.target.memory.zero,
         };
         crate::plan::verify::verify(&plan).map_err(|errors| {
             errors
@@ -489,7 +532,7 @@ impl<'a> Lowerer<'a> {
 
     /// A buffer for node `n` (or a statistic of it) in `layout`; checks that every split dimension divides.
     pub fn node_buffer(&mut self, n: NodeIndex, layout: Layout, role: Role) -> BufferId {
-        let layout = self.norm(layout);
+        let layout = self.norm(self.with_data(n, layout));
         self.check_divisible(n, layout);
         let node = &self.graph[n];
         let name = describe_node(self.model, node, n);
@@ -529,14 +572,22 @@ impl<'a> Lowerer<'a> {
             let logical_dim = self.graph[n].ty.shape.get(dim);
             let (split_size, label) = split_factor(logical_dim, size, outer, inner);
             self.split_dims.insert((split_size, label.clone()));
-            if split_size % axes[axis] == 0 {
+            // Plain splits of the same dimension by other axes nest: the parts multiply.
+            let parts: u64 = layout
+                .0
+                .iter()
+                .enumerate()
+                .filter(|&(a, q)| a == axis || (outer == 1 && inner == 1 && *q == Placement::shard(dim)))
+                .map(|(a, _)| axes[a].max(1))
+                .product();
+            if split_size % parts == 0 {
                 continue;
             }
             // A size already reported under its config name is not reported again unnamed.
-            let unnamed = self.first_report(&format!("size/{split_size}/{}", axes[axis]));
-            let named = self.first_report(&format!("{:?}/{split_size}/{}", label.as_deref(), axes[axis]));
+            let unnamed = self.first_report(&format!("size/{split_size}/{parts}"));
+            let named = self.first_report(&format!("{:?}/{split_size}/{parts}", label.as_deref()));
             if named && (unnamed || label.is_some()) {
-                let d = self.divisibility_error(n, split_size, label, axes[axis]);
+                let d = self.divisibility_error(n, split_size, label, parts);
                 self.diagnostics.push(d);
             }
         }
@@ -592,17 +643,17 @@ impl<'a> Lowerer<'a> {
     }
 
     /// The index of a reason in the interned table.
-    fn reason(&mut self, reason: &str) -> u32 {
-        if let Some(&id) = self.reason_ids.get(reason) {
+    fn reason(&mut self, reason: Reason) -> u32 {
+        if let Some(&id) = self.reason_ids.get(&reason) {
             return id;
         }
         let id = u32::try_from(self.reasons.len()).unwrap_or(u32::MAX);
-        self.reasons.push(reason.to_string());
-        self.reason_ids.insert(reason.to_string(), id);
+        self.reasons.push(reason.clone());
+        self.reason_ids.insert(reason, id);
         id
     }
 
-    pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: &str) {
+    pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: Reason) {
         let (origin, reason) = (self.origin(), self.reason(reason));
         self.program.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), output, origin, reason });
     }
@@ -617,7 +668,7 @@ impl<'a> Lowerer<'a> {
         shard: Option<Placement>,
         send: BufferId,
         recv: BufferId,
-        reason: &str,
+        reason: Reason,
     ) {
         let (origin, reason) = (self.origin(), self.reason(reason));
         let collective = Collective { kind, group, root, op, shard, send, recv };
@@ -628,7 +679,7 @@ impl<'a> Lowerer<'a> {
 
     /// Records that node `n` is available in `layout` in `buffer`.
     pub fn define(&mut self, n: NodeIndex, layout: Layout, buffer: BufferId) {
-        let layout = self.norm(layout);
+        let layout = self.norm(self.with_data(n, layout));
         self.versions.entry(n).or_default().push(Version { layout, buffer });
     }
 
@@ -652,7 +703,7 @@ impl<'a> Lowerer<'a> {
 
     /// Node `n` in `layout`, redistributing (and caching) if it is not there yet.
     pub fn value(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
-        let layout = self.norm(layout);
+        let layout = self.norm(self.with_data(n, layout));
         if let Some(v) = self.versions.get(&n).and_then(|vs| vs.iter().find(|v| v.layout == layout)) {
             return v.buffer;
         }
@@ -672,10 +723,11 @@ impl<'a> Lowerer<'a> {
     fn materialise_leaf(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
         match self.graph[n].op.clone() {
             Op::Param { id } => {
-                let buffer = self.node_buffer(n, layout, Role::Parameter);
+                let stored = self.norm(self.parameter_layout(n, layout));
+                let buffer = self.node_buffer(n, stored, Role::Parameter);
                 let p = &self.model.params[id.0 as usize];
                 self.buffers[buffer.0 as usize].name = p.name.clone();
-                self.param_buffers.insert(id, Version { layout: self.norm(layout), buffer });
+                self.param_buffers.insert(id, Version { layout: stored, buffer });
                 self.plan_params.push(PlanParam {
                     name: p.name.clone(),
                     checkpoint: p.checkpoint.clone(),
@@ -688,8 +740,8 @@ impl<'a> Lowerer<'a> {
                     checkpoint_transposed: p.checkpoint_transposed,
                 });
                 let compute = self.compute_copy(buffer);
-                self.define(n, layout, compute);
-                compute
+                self.define(n, stored, compute);
+                if stored == layout { compute } else { self.value(n, layout) }
             }
             Op::Input { name } => {
                 let buffer = self.node_buffer(n, layout, Role::Input);
@@ -718,14 +770,16 @@ impl<'a> Lowerer<'a> {
         }
         let b = self.buffers[master.0 as usize].clone();
         let copy = self.new_buffer(format!("{}.bf16", b.name), DType::Bf16, b.logical_shape, b.layout, Role::Workspace);
-        self.kernel(Kernel::Cast, &[master], copy, "bf16 copy of the float32 master weight for this step");
+        let reason = Reason::new(ReasonKind::Cast, "bf16 copy of the float32 master weight for this step");
+        self.kernel(Kernel::Cast, &[master], copy, reason);
         copy
     }
 
     /// Moves a value between layouts one mesh axis at a time.
     fn redistribute(&mut self, n: NodeIndex, from: Version, to: Layout) -> BufferId {
         let mut current = from;
-        for axis in 0..2 {
+        let axes = self.axes();
+        for axis in 0..MESH_AXES {
             let (f, t) = (current.layout.0[axis], to.0[axis]);
             if f == t {
                 continue;
@@ -736,7 +790,8 @@ impl<'a> Lowerer<'a> {
             current = match (f, t) {
                 (Placement::Partial, Placement::Replicate) => {
                     let recv = self.moved_buffer(n, next, current.buffer);
-                    let reason = format!("sum the partial {what} over the {}", group.name());
+                    let text = format!("sum the partial {what} over the {}", group.name());
+                    let reason = self.bucketed(group, ReasonKind::PartialSum { scatter: false }, text);
                     self.collective(
                         CollectiveKind::AllReduce,
                         group,
@@ -745,38 +800,39 @@ impl<'a> Lowerer<'a> {
                         None,
                         current.buffer,
                         recv,
-                        &reason,
+                        reason,
                     );
                     Version { layout: next, buffer: recv }
                 }
                 (Placement::Partial, Placement::Shard { .. }) => {
                     let recv = self.moved_buffer(n, next, current.buffer);
-                    let reason = format!("sum the partial {what} and scatter its blocks over the {}", group.name());
+                    let text = format!("sum the partial {what} and scatter its blocks over the {}", group.name());
+                    let reason = self.bucketed(group, ReasonKind::PartialSum { scatter: true }, text);
                     self.collective(
                         CollectiveKind::ReduceScatter,
                         group,
                         None,
                         Some(ReduceOp::Sum),
-                        Some(t),
+                        Some(next.block_placement(axis, axes)),
                         current.buffer,
                         recv,
-                        &reason,
+                        reason,
                     );
                     Version { layout: next, buffer: recv }
                 }
                 (Placement::Shard { .. }, _) => {
                     let gathered = current.layout.with(axis, Placement::Replicate);
                     let recv = self.moved_buffer(n, gathered, current.buffer);
-                    let reason = format!("gather {what} over the {}", group.name());
+                    let reason = Reason::new(ReasonKind::Gather, format!("gather {what} over the {}", group.name()));
                     self.collective(
                         CollectiveKind::AllGather,
                         group,
                         None,
                         None,
-                        Some(f),
+                        Some(current.layout.block_placement(axis, axes)),
                         current.buffer,
                         recv,
-                        &reason,
+                        reason,
                     );
                     let v = Version { layout: gathered, buffer: recv };
                     if t == Placement::Replicate { v } else { self.slice(n, v, axis, t) }
@@ -798,18 +854,37 @@ impl<'a> Lowerer<'a> {
         let layout = from.layout.with(axis, placement);
         let out = self.moved_buffer(n, layout, from.buffer);
         let axis_u8 = u8::try_from(axis).unwrap_or(0);
-        self.kernel(Kernel::SliceShard { axis: axis_u8, placement }, &[from.buffer], out, "take this device's block");
+        let placement = layout.block_placement(axis, self.axes());
+        let reason = Reason::new(ReasonKind::Slice, "take this device's block");
+        self.kernel(Kernel::SliceShard { axis: axis_u8, placement }, &[from.buffer], out, reason);
         Version { layout, buffer: out }
     }
 
     /// The operands of node `n`, in order.
     pub fn operands(&self, n: NodeIndex) -> Vec<NodeIndex> {
-        use petgraph::visit::EdgeRef;
-        let mut edges: Vec<(u8, NodeIndex)> =
-            self.graph.edges_directed(n, petgraph::Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
-        edges.sort_unstable();
-        edges.into_iter().map(|(_, s)| s).collect()
+        operands_of(self.graph, n)
     }
+
+    /// The reason of a sum over `group`: of the kind given, or a data-parallel gradient reduction when
+    /// it sums over the replicas while a bucket is being reduced.
+    fn bucketed(&self, group: Group, kind: ReasonKind, text: String) -> Reason {
+        match self.bucket.filter(|_| group == Group::Data) {
+            Some(bucket) => Reason::new(
+                ReasonKind::DataParallelGradient { bucket },
+                format!("data-parallel gradient bucket {bucket}: {text}"),
+            ),
+            None => Reason::new(kind, text),
+        }
+    }
+}
+
+/// The operands of node `n` of `graph`, in order.
+pub(crate) fn operands_of(graph: &DiGraph<Node, u8>, n: NodeIndex) -> Vec<NodeIndex> {
+    use petgraph::visit::EdgeRef;
+    let mut edges: Vec<(u8, NodeIndex)> =
+        graph.edges_directed(n, petgraph::Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
+    edges.sort_unstable();
+    edges.into_iter().map(|(_, s)| s).collect()
 }
 
 /// The split factor of a dimension and its name: the whole dimension, or its middle factor.
@@ -850,6 +925,6 @@ mod tests {
         assert_eq!(optimus, ["1x1", "2x2", "3x3", "4x4", "5x5", "6x6", "7x7", "8x8"]);
         let megatron = candidate_meshes(Strategy::Megatron);
         assert_eq!(megatron.len() as u64, SUGGESTED_MESH_DEVICES);
-        assert!(megatron.iter().zip(1..).all(|(m, p)| *m == Mesh { rows: 1, cols: p }), "{megatron:?}");
+        assert!(megatron.iter().zip(1..).all(|(m, p)| *m == Mesh::new(1, p)), "{megatron:?}");
     }
 }

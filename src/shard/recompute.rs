@@ -216,13 +216,21 @@ impl Lowerer<'_> {
         id
     }
 
+    /// The reason of the recomputed copy of an instruction whose reason is `original`: the same kind, and
+    /// text that says which block it recomputes.
+    fn recomputed_reason(&mut self, original: u32, unit: &str) -> u32 {
+        match self.reasons.get(original as usize) {
+            Some(reason) => self.reason(reason.recomputed(unit)),
+            None => original,
+        }
+    }
+
     /// A copy of a forward instruction that writes (and reads) the recomputed buffers.
     fn recomputed_instr(&mut self, instr: &Instr, copies: &BTreeMap<BufferId, BufferId>, unit: &str) -> Instr {
         let swap = |b: &BufferId| copies.get(b).copied().unwrap_or(*b);
-        let reason_of = |r: u32| self.reasons.get(r as usize).cloned().unwrap_or_default();
         match instr {
             Instr::Kernel { kernel, inputs, output, origin, reason } => {
-                let reason = self.reason(&format!("recompute of {unit}: {}", reason_of(*reason)));
+                let reason = self.recomputed_reason(*reason, unit);
                 Instr::Kernel {
                     kernel: kernel.clone(),
                     inputs: inputs.iter().map(swap).collect(),
@@ -232,7 +240,7 @@ impl Lowerer<'_> {
                 }
             }
             Instr::Collective { collective, origin, reason } => {
-                let reason = self.reason(&format!("recompute of {unit}: {}", reason_of(*reason)));
+                let reason = self.recomputed_reason(*reason, unit);
                 let mut c = collective.clone();
                 c.send = swap(&c.send);
                 c.recv = swap(&c.recv);

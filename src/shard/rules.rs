@@ -1,11 +1,12 @@
 //! Per-operator sharding rules for the optimus (2D, SUMMA) and megatron (1D) strategies.
 //! Each rule asks for its operands in the layouts it needs and defines its result's layout.
 
-use super::layout::{Layout, Placement};
+use super::layout::{DATA_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
 use super::{Lowerer, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
 use crate::plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
+use crate::plan::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
 use petgraph::graph::NodeIndex;
 
 const R: Placement = Placement::Replicate;
@@ -24,6 +25,11 @@ enum SummaReduced {
     Abt,
     /// C = A^T B
     Atb,
+}
+
+/// The reason of a kernel that works on this device's blocks alone.
+fn compute(text: impl Into<String>) -> Reason {
+    Reason::new(ReasonKind::Compute, text)
 }
 
 fn s(dim: usize) -> Placement {
@@ -74,7 +80,8 @@ impl Lowerer<'_> {
 
     fn param_layout(&mut self, w: NodeIndex) -> Option<Layout> {
         match self.graph[w].op {
-            Op::Param { id } => self.param_buffers.get(&id).map(|v| v.layout),
+            // The tensor-parallel layout: ZeRO's split over the replicas is the optimizer's business.
+            Op::Param { id } => self.param_buffers.get(&id).map(|v| v.layout.with(DATA_AXIS, R)),
             _ => None,
         }
     }
@@ -92,6 +99,7 @@ impl Lowerer<'_> {
         }
         let role = if self.forward_end.is_none() { Role::Activation } else { Role::Workspace };
         let name = format!("{}.{what}", super::describe_node(self.model, &self.graph[n], n));
+        let layout = self.with_data(rows_of, layout);
         self.new_buffer(name, crate::ir::DType::F32, shape, layout, role)
     }
 
@@ -101,10 +109,12 @@ impl Lowerer<'_> {
         mut buffer: BufferId,
         layout: Layout,
         op: ReduceOp,
-        reason: &str,
+        reason: Reason,
     ) -> (BufferId, Layout) {
-        let mut layout = self.norm(layout);
-        for axis in 0..2 {
+        debug_assert_eq!(self.norm(layout).0[..DATA_AXIS], self.buffers[buffer.0 as usize].layout.0[..DATA_AXIS]);
+        // The buffer's own layout: the rules' layout with the data axis the lowering gave it.
+        let mut layout = self.buffers[buffer.0 as usize].layout;
+        for axis in 0..MESH_AXES {
             if layout.0[axis] != Placement::Partial {
                 continue;
             }
@@ -112,7 +122,7 @@ impl Lowerer<'_> {
             let b = self.buffers[buffer.0 as usize].clone();
             let recv = self.new_buffer(format!("{}.reduced", b.name), b.dtype, b.logical_shape, layout, b.role);
             let group = Group::along(axis);
-            self.collective(CollectiveKind::AllReduce, group, None, Some(op), None, buffer, recv, reason);
+            self.collective(CollectiveKind::AllReduce, group, None, Some(op), None, buffer, recv, reason.clone());
             buffer = recv;
         }
         (buffer, layout)
@@ -164,7 +174,7 @@ impl Lowerer<'_> {
             Op::SelectGrad { dim, index } => self.select_grad(n, ops[0], dim, index),
             Op::Fill { value } => {
                 let out = self.node_buffer(n, Layout::REPLICATED, Role::Workspace);
-                self.kernel(Kernel::Fill { value }, &[], out, "seed gradient of the loss");
+                self.kernel(Kernel::Fill { value }, &[], out, compute("seed gradient of the loss"));
                 self.define(n, Layout::REPLICATED, out);
             }
             Op::LinearGradInput { transpose_weight } => self.linear_grad_input(n, ops[0], ops[1], transpose_weight),
@@ -200,14 +210,14 @@ impl Lowerer<'_> {
                 Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: false },
                 &[a, b],
                 out,
-                what,
+                Reason::new(ReasonKind::LocalProduct, what),
             );
             return;
         }
         let (wa, wb) = (self.workspace_like(a, "summa_a"), self.workspace_like(b, "summa_b"));
         let sum = self.summa_accumulator(out);
         for t in 0..q {
-            let step = format!("{what}: SUMMA AB step {} of {q}", t + 1);
+            let step = |part| Reason::summa_step(what, SummaProduct::Ab, t + 1, q, part);
             self.collective(
                 CollectiveKind::Broadcast,
                 Group::Row,
@@ -216,7 +226,7 @@ impl Lowerer<'_> {
                 None,
                 a,
                 wa,
-                &format!("{step}: broadcast A block along the row"),
+                step(SummaPart::BroadcastA),
             );
             self.collective(
                 CollectiveKind::Broadcast,
@@ -226,13 +236,14 @@ impl Lowerer<'_> {
                 None,
                 b,
                 wb,
-                &format!("{step}: broadcast B block along the column"),
+                step(SummaPart::BroadcastB),
             );
             let k = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: t > 0 };
-            self.kernel(k, &[wa, wb], sum, &format!("{step}: multiply-accumulate"));
+            self.kernel(k, &[wa, wb], sum, step(SummaPart::MultiplyAccumulate));
         }
         if sum != out {
-            self.kernel(Kernel::Cast, &[sum], out, &format!("{what}: round the float32 SUMMA sum to bf16 once"));
+            let reason = Reason::new(ReasonKind::Cast, format!("{what}: round the float32 SUMMA sum to bf16 once"));
+            self.kernel(Kernel::Cast, &[sum], out, reason);
         }
     }
 
@@ -264,26 +275,25 @@ impl Lowerer<'_> {
         let (ta, tb) = (variant == SummaReduced::Atb, variant == SummaReduced::Abt);
         let q = self.q();
         if q == 1 {
-            self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, what);
+            let reason = Reason::new(ReasonKind::LocalProduct, what);
+            self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, reason);
             return;
         }
         // ABT moves B along the column and reduces along the row; ATB moves A along the row and reduces
         // along the column.
-        let (moved, which, along, reduce_along) = match variant {
-            SummaReduced::Abt => (b, "B", Group::Column, Group::Row),
-            SummaReduced::Atb => (a, "A", Group::Row, Group::Column),
+        let (moved, which, along, reduce_along, broadcast) = match variant {
+            SummaReduced::Abt => (b, "B", Group::Column, Group::Row, SummaPart::BroadcastB),
+            SummaReduced::Atb => (a, "A", Group::Row, Group::Column, SummaPart::BroadcastA),
         };
         let copy = self.workspace_like(moved, &format!("summa_{}", which.to_lowercase()));
         let part = self.workspace_like(out, "summa_partial");
-        let name = if variant == SummaReduced::Abt { "ABT" } else { "ATB" };
+        let product = if variant == SummaReduced::Abt { SummaProduct::Abt } else { SummaProduct::Atb };
         for t in 0..q {
-            let step = format!("{what}: SUMMA {name} step {} of {q}", t + 1);
-            let reason = format!("{step}: broadcast {which} block along the {}", along.name());
-            self.collective(CollectiveKind::Broadcast, along, Some(t), None, None, moved, copy, &reason);
+            let step = |part| Reason::summa_step(what, product, t + 1, q, part);
+            self.collective(CollectiveKind::Broadcast, along, Some(t), None, None, moved, copy, step(broadcast));
             let operands = if variant == SummaReduced::Abt { [a, copy] } else { [copy, b] };
             let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
-            self.kernel(k, &operands, part, &format!("{step}: multiply"));
-            let reason = format!("{step}: reduce C block along the {}", reduce_along.name());
+            self.kernel(k, &operands, part, step(SummaPart::Multiply));
             self.collective(
                 CollectiveKind::Reduce,
                 reduce_along,
@@ -292,13 +302,14 @@ impl Lowerer<'_> {
                 None,
                 part,
                 out,
-                &reason,
+                step(SummaPart::ReduceC),
             );
         }
     }
 
     fn local_matmul(&mut self, a: BufferId, b: BufferId, out: BufferId, ta: bool, tb: bool, what: &str) {
-        self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, what);
+        let reason = Reason::new(ReasonKind::LocalProduct, what);
+        self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, reason);
     }
 
     // ---- embeddings ----------------------------------------------------------------------------
@@ -328,17 +339,26 @@ impl Lowerer<'_> {
         if self.optimus() { s(0) } else { R }
     }
 
+    /// How the batch is placed along mesh `axis`: split over the rows in 2D and over the replicas.
+    fn batch_on(&self, axis: usize) -> Placement {
+        match axis {
+            ROW_AXIS => self.batch_placement(),
+            DATA_AXIS if self.data_parallel() => s(0),
+            _ => R,
+        }
+    }
+
     fn embedding(&mut self, n: NodeIndex, ids: NodeIndex, table: NodeIndex) {
         let tl = self.norm(self.table_layout(table));
         let last = self.rank(n) - 1;
         let mut out = Layout::REPLICATED;
         let mut ids_layout = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             out.0[axis] = match tl.0[axis] {
                 Placement::Shard { dim: 0, .. } => Placement::Partial,
                 Placement::Shard { .. } => s(last),
                 _ => {
-                    ids_layout.0[axis] = if axis == 0 { self.batch_placement() } else { R };
+                    ids_layout.0[axis] = self.batch_on(axis);
                     ids_layout.0[axis]
                 }
             };
@@ -348,7 +368,7 @@ impl Lowerer<'_> {
         let (offset, masked) = self.row_offset(tl, self.buffers[tb.0 as usize].shape[0]);
         let y = self.node_buffer(n, out, Role::Workspace);
         let reason = if masked { "vocab-parallel embedding: masked local lookup" } else { "embedding lookup" };
-        self.kernel(Kernel::EmbeddingLookup { offset, masked }, &[ib, tb], y, reason);
+        self.kernel(Kernel::EmbeddingLookup { offset, masked }, &[ib, tb], y, compute(reason));
         self.define(n, out, y);
     }
 
@@ -369,7 +389,7 @@ impl Lowerer<'_> {
             Kernel::EmbeddingGrad { offset, masked },
             &[ib, dyb],
             g,
-            "backward of embedding: scatter-add into this device's rows",
+            compute("backward of embedding: scatter-add into this device's rows"),
         );
         self.define(n, out, g);
     }
@@ -382,7 +402,7 @@ impl Lowerer<'_> {
         let natural = self.natural(dy);
         let last = self.rank(dy) - 1;
         let (mut dy_layout, mut out) = (Layout::REPLICATED, Layout::REPLICATED);
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             (dy_layout.0[axis], out.0[axis]) = match table.0[axis] {
                 Placement::Shard { dim: 0, .. } => (R, s(0)),
                 Placement::Shard { .. } => (s(last), s(1)),
@@ -405,7 +425,7 @@ impl Lowerer<'_> {
         };
         let tb = self.value(table, tl);
         let y = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::PositionLookup, &[tb], y, "position embedding lookup");
+        self.kernel(Kernel::PositionLookup, &[tb], y, compute("position embedding lookup"));
         self.define(n, out, y);
     }
 
@@ -415,7 +435,7 @@ impl Lowerer<'_> {
         let (dy_layout, out) = self.table_grad_layouts(tl, dy);
         let dyb = self.value(dy, dy_layout);
         let g = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::PositionGrad, &[dyb], g, "backward of position embedding: sum over the batch");
+        self.kernel(Kernel::PositionGrad, &[dyb], g, compute("backward of position embedding: sum over the batch"));
         self.define(n, out, g);
     }
 
@@ -459,17 +479,18 @@ impl Lowerer<'_> {
             self.define(n, layout, y);
             return;
         }
-        let (y, layout) =
-            self.all_reduce_partials(y, layout, ReduceOp::Sum, "sum the row-parallel linear's partial outputs");
+        let reason =
+            Reason::new(ReasonKind::PartialSum { scatter: false }, "sum the row-parallel linear's partial outputs");
+        let (y, layout) = self.all_reduce_partials(y, layout, ReduceOp::Sum, reason);
         let mut bias_layout = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             if layout.0[axis].dim() == Some(last) {
                 bias_layout.0[axis] = on_dim(layout.0[axis], 0);
             }
         }
         let bb = self.value(ops[2], bias_layout);
         let out = self.node_buffer(n, layout, Role::Workspace);
-        self.kernel(Kernel::BiasAdd, &[y, bb], out, "add bias");
+        self.kernel(Kernel::BiasAdd, &[y, bb], out, compute("add bias"));
         self.define(n, layout, out);
     }
 
@@ -599,14 +620,14 @@ impl Lowerer<'_> {
         let out = self.summed_layout(l, rank);
         let dyb = self.value(dy, l);
         let g = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::SumToLast, &[dyb], g, "backward: sum over rows (bias gradient)");
+        self.kernel(Kernel::SumToLast, &[dyb], g, compute("backward: sum over rows (bias gradient)"));
         self.define(n, out, g);
     }
 
     /// The layout of a [last] vector summed from a tensor laid out as `l`.
     fn summed_layout(&self, l: Layout, rank: usize) -> Layout {
         let mut out = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             out.0[axis] = match l.0[axis] {
                 p @ Placement::Shard { dim, .. } if dim as usize == rank - 1 => on_dim(p, 0),
                 Placement::Shard { .. } | Placement::Partial => Placement::Partial,
@@ -622,7 +643,7 @@ impl Lowerer<'_> {
     fn layernorm_layouts(&self, rank: usize) -> (Layout, Layout) {
         let x = self.norm(self.norm_act(rank));
         let mut g = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             if x.0[axis].dim() == Some(rank - 1) {
                 g.0[axis] = s(0);
             }
@@ -631,6 +652,7 @@ impl Lowerer<'_> {
     }
 
     fn layernorm(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::LayerNorm }, text);
         let x = ops[0];
         let rank = self.rank(x);
         let (xl, gl) = self.layernorm_layouts(rank);
@@ -640,24 +662,26 @@ impl Lowerer<'_> {
         let bb = self.value(ops[2], gl);
         let partial = self.rows_partial(xl, rank);
         let s1 = self.stat_buffer(n, x, 1, partial, "sum");
-        self.kernel(Kernel::RowSum, &[xb], s1, "LayerNorm statistics: local sum");
-        let (s1, _) = self.all_reduce_partials(s1, partial, ReduceOp::Sum, "LayerNorm statistics: sum over the row");
+        self.kernel(Kernel::RowSum, &[xb], s1, stat("LayerNorm statistics: local sum"));
+        let (s1, _) =
+            self.all_reduce_partials(s1, partial, ReduceOp::Sum, stat("LayerNorm statistics: sum over the row"));
         let s2 = self.stat_buffer(n, x, 1, partial, "sqsum");
         self.kernel(
             Kernel::RowCenteredSquareSum { n: full },
             &[xb, s1],
             s2,
-            "LayerNorm statistics: local centred squares",
+            stat("LayerNorm statistics: local centred squares"),
         );
         let (s2, _) =
-            self.all_reduce_partials(s2, partial, ReduceOp::Sum, "LayerNorm statistics: variance over the row");
+            self.all_reduce_partials(s2, partial, ReduceOp::Sum, stat("LayerNorm statistics: variance over the row"));
         let y = self.node_buffer(n, xl, Role::Workspace);
-        self.kernel(Kernel::LayerNormApply { n: full, eps }, &[xb, s1, s2, gb, bb], y, "LayerNorm: normalise");
+        self.kernel(Kernel::LayerNormApply { n: full, eps }, &[xb, s1, s2, gb, bb], y, compute("LayerNorm: normalise"));
         self.layernorm_stats.insert(x, (s1, s2));
         self.define(n, xl, y);
     }
 
     fn layernorm_grad_input(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::LayerNormGrad }, text);
         let (dy, x, gamma) = (ops[0], ops[1], ops[2]);
         let rank = self.rank(x);
         let (xl, gl) = self.layernorm_layouts(rank);
@@ -672,16 +696,16 @@ impl Lowerer<'_> {
             Kernel::LayerNormGradSums { n: full, eps },
             &[dyb, xb, gb, s1, s2],
             sums,
-            "backward of LayerNorm: local sums",
+            stat("backward of LayerNorm: local sums"),
         );
         let (sums, _) =
-            self.all_reduce_partials(sums, partial, ReduceOp::Sum, "backward of LayerNorm: sums over the row");
+            self.all_reduce_partials(sums, partial, ReduceOp::Sum, stat("backward of LayerNorm: sums over the row"));
         let dx = self.node_buffer(n, xl, Role::Workspace);
         self.kernel(
             Kernel::LayerNormGradInput { n: full, eps },
             &[dyb, xb, gb, s1, s2, sums],
             dx,
-            "backward of LayerNorm (dX)",
+            compute("backward of LayerNorm (dX)"),
         );
         self.define(n, xl, dx);
     }
@@ -700,7 +724,7 @@ impl Lowerer<'_> {
             Kernel::LayerNormGradWeight { n: full, eps },
             &[dyb, xb, s1, s2],
             g,
-            "backward of LayerNorm (dgamma)",
+            compute("backward of LayerNorm (dgamma)"),
         );
         self.define(n, out, g);
     }
@@ -710,6 +734,7 @@ impl Lowerer<'_> {
     // partial where the last dimension is split and all-reduced along that mesh axis.
 
     fn rms_norm(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::RmsNorm }, text);
         let x = ops[0];
         let rank = self.rank(x);
         let (xl, wl) = self.layernorm_layouts(rank);
@@ -718,16 +743,21 @@ impl Lowerer<'_> {
         let wb = self.value(ops[1], wl);
         let partial = self.rows_partial(xl, rank);
         let sq = self.stat_buffer(n, x, 1, partial, "sqsum");
-        self.kernel(Kernel::RowSquareSum, &[xb], sq, "RMSNorm statistics: local sum of squares");
-        let (sq, _) =
-            self.all_reduce_partials(sq, partial, ReduceOp::Sum, "RMSNorm statistics: sum of squares over the row");
+        self.kernel(Kernel::RowSquareSum, &[xb], sq, stat("RMSNorm statistics: local sum of squares"));
+        let (sq, _) = self.all_reduce_partials(
+            sq,
+            partial,
+            ReduceOp::Sum,
+            stat("RMSNorm statistics: sum of squares over the row"),
+        );
         let y = self.node_buffer(n, xl, Role::Workspace);
-        self.kernel(Kernel::RmsNormApply { n: full, eps }, &[xb, sq, wb], y, "RMSNorm: normalise");
+        self.kernel(Kernel::RmsNormApply { n: full, eps }, &[xb, sq, wb], y, compute("RMSNorm: normalise"));
         self.rms_norm_stats.insert(x, sq);
         self.define(n, xl, y);
     }
 
     fn rms_norm_grad_input(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::RmsNormGrad }, text);
         let (dy, x, w) = (ops[0], ops[1], ops[2]);
         let rank = self.rank(x);
         let (xl, wl) = self.layernorm_layouts(rank);
@@ -738,10 +768,16 @@ impl Lowerer<'_> {
         let wb = self.value(w, wl);
         let partial = self.rows_partial(xl, rank);
         let dot = self.stat_buffer(n, x, 1, partial, "grad_sum");
-        self.kernel(Kernel::RmsNormGradSum, &[dyb, xb, wb], dot, "backward of RMSNorm: local sum of dy w x");
-        let (dot, _) = self.all_reduce_partials(dot, partial, ReduceOp::Sum, "backward of RMSNorm: sum over the row");
+        self.kernel(Kernel::RmsNormGradSum, &[dyb, xb, wb], dot, stat("backward of RMSNorm: local sum of dy w x"));
+        let (dot, _) =
+            self.all_reduce_partials(dot, partial, ReduceOp::Sum, stat("backward of RMSNorm: sum over the row"));
         let dx = self.node_buffer(n, xl, Role::Workspace);
-        self.kernel(Kernel::RmsNormGradInput { n: full, eps }, &[dyb, xb, wb, sq, dot], dx, "backward of RMSNorm (dX)");
+        self.kernel(
+            Kernel::RmsNormGradInput { n: full, eps },
+            &[dyb, xb, wb, sq, dot],
+            dx,
+            compute("backward of RMSNorm (dX)"),
+        );
         self.define(n, xl, dx);
     }
 
@@ -755,7 +791,12 @@ impl Lowerer<'_> {
         let xb = self.value(x, xl);
         let out = self.summed_layout(xl, rank);
         let g = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::RmsNormGradWeight { n: full, eps }, &[dyb, xb, sq], g, "backward of RMSNorm (dweight)");
+        self.kernel(
+            Kernel::RmsNormGradWeight { n: full, eps },
+            &[dyb, xb, sq],
+            g,
+            compute("backward of RMSNorm (dweight)"),
+        );
         self.define(n, out, g);
     }
 
@@ -779,7 +820,7 @@ impl Lowerer<'_> {
         let xb = self.value(ops[0], l);
         let y = self.node_buffer(n, l, Role::Workspace);
         let reason = format!("{} (local)", self.graph[n].op.name());
-        self.kernel(kernel, &[xb], y, &reason);
+        self.kernel(kernel, &[xb], y, compute(reason));
         self.define(n, l, y);
     }
 
@@ -790,7 +831,7 @@ impl Lowerer<'_> {
         let xb = self.value(ops[1], l);
         let y = self.node_buffer(n, l, Role::Workspace);
         let reason = format!("{} (local)", self.graph[n].op.name());
-        self.kernel(kernel, &[dyb, xb], y, &reason);
+        self.kernel(kernel, &[dyb, xb], y, compute(reason));
         self.define(n, l, y);
     }
 
@@ -800,7 +841,7 @@ impl Lowerer<'_> {
         let ab = self.value(a, l);
         let bb = self.value(b, l);
         let y = self.node_buffer(n, l, Role::Workspace);
-        self.kernel(Kernel::Add, &[ab, bb], y, "add (local)");
+        self.kernel(Kernel::Add, &[ab, bb], y, compute("add (local)"));
         self.define(n, l, y);
     }
 
@@ -820,7 +861,7 @@ impl Lowerer<'_> {
         let ab = self.value(a, l);
         let bb = self.value(b, l);
         let y = self.node_buffer(n, l, Role::Workspace);
-        self.kernel(Kernel::Mul, &[ab, bb], y, "multiply (local)");
+        self.kernel(Kernel::Mul, &[ab, bb], y, compute("multiply (local)"));
         self.define(n, l, y);
     }
 
@@ -881,7 +922,7 @@ impl Lowerer<'_> {
             Kernel::Attention { heads: local.query, kv_heads: local.kv, causal, fused },
             &inputs,
             y,
-            "attention for this device's batch chunk and head group (no communication)",
+            compute("attention for this device's batch chunk and head group (no communication)"),
         );
         self.define(n, ol, y);
     }
@@ -900,7 +941,7 @@ impl Lowerer<'_> {
             Kernel::AttentionGrad { heads: local.query, kv_heads: local.kv, causal, fused, wrt },
             &inputs,
             g,
-            "backward of attention (local; dk and dv summed over the query heads of each kv head)",
+            compute("backward of attention (local; dk and dv summed over the query heads of each kv head)"),
         );
         self.define(n, il, g);
     }
@@ -936,7 +977,7 @@ impl Lowerer<'_> {
         let xb = self.value(x, l);
         let y = self.node_buffer(n, l, Role::Workspace);
         let reason = format!("{} of this device's whole sequences and heads (local)", self.graph[n].op.name());
-        self.kernel(kernel(heads / parts.max(1)), &[xb], y, &reason);
+        self.kernel(kernel(heads / parts.max(1)), &[xb], y, compute(reason));
         self.define(n, l, y);
     }
 
@@ -958,8 +999,11 @@ impl Lowerer<'_> {
     }
 
     fn cross_entropy(&mut self, n: NodeIndex, logits: NodeIndex, targets: NodeIndex) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::CrossEntropy }, text);
         let rank = self.rank(logits);
         let (ll, tl) = self.cross_entropy_layouts(rank);
+        // With the replicas' batch split, so that the loss and the count are pending sums over them.
+        let ll = self.with_data(logits, ll);
         let lb = self.value(logits, ll);
         let tb = self.value(targets, tl);
         let valid = self.graph[logits].ty.shape.last().map_or(0, |d| d.size);
@@ -971,24 +1015,24 @@ impl Lowerer<'_> {
             Kernel::CrossEntropyMax { offset, valid },
             &[lb],
             max,
-            "cross-entropy: local max over the vocabulary",
+            stat("cross-entropy: local max over the vocabulary"),
         );
-        let (max, _) = self.all_reduce_partials(max, partial, ReduceOp::Max, "cross-entropy: max over the row");
+        let (max, _) = self.all_reduce_partials(max, partial, ReduceOp::Max, stat("cross-entropy: max over the row"));
         let stats = self.stat_buffer(n, logits, 2, partial, "stats");
         self.kernel(
             Kernel::CrossEntropyStats { offset, valid },
             &[lb, tb, max],
             stats,
-            "cross-entropy: target logit and sum of exponentials",
+            stat("cross-entropy: target logit and sum of exponentials"),
         );
         let (stats, _) = self.all_reduce_partials(
             stats,
             partial,
             ReduceOp::Sum,
-            "cross-entropy: target logit and sum of exponentials over the row",
+            stat("cross-entropy: target logit and sum of exponentials over the row"),
         );
         let mut loss_layout = Layout::REPLICATED;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             if ll.0[axis].dim().is_some_and(|d| d < rank - 1) {
                 loss_layout.0[axis] = Placement::Partial;
             }
@@ -999,7 +1043,7 @@ impl Lowerer<'_> {
             Kernel::CrossEntropyLoss,
             &[max, stats, tb, counted],
             loss,
-            "cross-entropy: this batch chunk's share of the mean",
+            compute("cross-entropy: this batch chunk's share of the mean"),
         );
         self.cross_entropy_stats.insert(logits, (max, stats, counted));
         self.define(n, loss_layout, loss);
@@ -1009,11 +1053,12 @@ impl Lowerer<'_> {
     /// over the mesh axes that hold different batch rows (where the loss is `partial`), so that every
     /// device divides by the same global count.
     fn count_not_ignored(&mut self, n: NodeIndex, targets: BufferId, partial: Layout) -> BufferId {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::CrossEntropy }, text);
         let role = if self.forward_end.is_none() { Role::Activation } else { Role::Workspace };
         let name = format!("{}.count", super::describe_node(self.model, &self.graph[n], n));
         let local = self.new_buffer(name, crate::ir::DType::F32, vec![1], partial, role);
-        self.kernel(Kernel::CrossEntropyCount, &[targets], local, "cross-entropy: targets not ignored (local)");
-        let reason = "cross-entropy: targets not ignored over the batch";
+        self.kernel(Kernel::CrossEntropyCount, &[targets], local, stat("cross-entropy: targets not ignored (local)"));
+        let reason = stat("cross-entropy: targets not ignored over the batch");
         self.all_reduce_partials(local, partial, ReduceOp::Sum, reason).0
     }
 
@@ -1035,7 +1080,7 @@ impl Lowerer<'_> {
             Kernel::CrossEntropyGrad { offset, valid },
             &[lb, tb, max, stats, db, counted],
             g,
-            "backward of cross-entropy (local)",
+            compute("backward of cross-entropy (local)"),
         );
         self.define(n, ll, g);
     }
@@ -1048,7 +1093,8 @@ impl Lowerer<'_> {
         let ab = self.value(a, la);
         let bb = self.value(b, lb);
         let y = self.node_buffer(n, la, Role::Workspace);
-        self.kernel(Kernel::BatchedMatMul, &[ab, bb], y, "batched matmul (local)");
+        let reason = Reason::new(ReasonKind::LocalProduct, "batched matmul (local)");
+        self.kernel(Kernel::BatchedMatMul, &[ab, bb], y, reason);
         self.define(n, la, y);
     }
 
@@ -1065,7 +1111,7 @@ impl Lowerer<'_> {
         let xb = self.value(x, l);
         let y = self.node_buffer(n, out, Role::Workspace);
         let k = Kernel::Transpose { dim0: u8::try_from(d0).unwrap_or(0), dim1: u8::try_from(d1).unwrap_or(0) };
-        self.kernel(k, &[xb], y, "transpose (local)");
+        self.kernel(k, &[xb], y, compute("transpose (local)"));
         self.define(n, out, y);
     }
 
@@ -1073,7 +1119,7 @@ impl Lowerer<'_> {
         let mut l = self.natural(x);
         let mut out = Layout::REPLICATED;
         let (from, to) = (self.shapes[x.index()].clone(), self.shapes[n.index()].clone());
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             match l.0[axis] {
                 Placement::Shard { dim, outer, inner } => match map_shard(&from, &to, dim as usize, outer, inner) {
                     Some(p) => out.0[axis] = p,
@@ -1084,14 +1130,14 @@ impl Lowerer<'_> {
         }
         let xb = self.value(x, l);
         let y = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::Reshape, &[xb], y, "reshape (local)");
+        self.kernel(Kernel::Reshape, &[xb], y, compute("reshape (local)"));
         self.define(n, out, y);
     }
 
     fn select(&mut self, n: NodeIndex, x: NodeIndex, dim: usize, index: u64) {
         let mut l = self.natural(x);
         let mut out = l;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             match l.0[axis].dim() {
                 Some(d) if d == dim => {
                     l.0[axis] = R;
@@ -1103,14 +1149,14 @@ impl Lowerer<'_> {
         }
         let xb = self.value(x, l);
         let y = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::Select { dim: u8::try_from(dim).unwrap_or(0), index }, &[xb], y, "select (local)");
+        self.kernel(Kernel::Select { dim: u8::try_from(dim).unwrap_or(0), index }, &[xb], y, compute("select (local)"));
         self.define(n, out, y);
     }
 
     fn select_grad(&mut self, n: NodeIndex, dy: NodeIndex, dim: usize, index: u64) {
         let l = self.natural(dy);
         let mut out = l;
-        for axis in 0..2 {
+        for axis in 0..MESH_AXES {
             if let Some(d) = l.0[axis].dim().filter(|&d| d >= dim) {
                 out.0[axis] = on_dim(l.0[axis], d + 1);
             }
@@ -1121,7 +1167,7 @@ impl Lowerer<'_> {
             Kernel::SelectGrad { dim: u8::try_from(dim).unwrap_or(0), index },
             &[dyb],
             y,
-            "backward of select (local)",
+            compute("backward of select (local)"),
         );
         self.define(n, out, y);
     }

@@ -2,7 +2,7 @@
 //! and every parameter, input and padding record agrees with the buffer it names.
 
 use crate::plan::{Buffer, Mesh, Plan, PlanParam};
-use crate::shard::layout::Placement;
+use crate::shard::layout::{MAJOR_ORDER, Placement};
 
 /// The most bytes one tensor may have: what a Rust allocation can hold.
 const MAX_TENSOR_BYTES: u64 = isize::MAX as u64;
@@ -43,11 +43,12 @@ pub fn checked_bytes(shape: &[u64], element_bytes: u64) -> Option<(u64, u64)> {
 }
 
 /// Each split dimension divides exactly: viewed as [outer, mid, inner], `mid` splits evenly over the
-/// mesh axis (axis 0 first, then axis 1 within axis 0's chunk), as the kernels index it.
+/// mesh axis (the most significant axis first, each within the chunk of the one before; see
+/// `MAJOR_ORDER`), as the kernels index it.
 fn check_split(b: &Buffer, mesh: Mesh) -> Result<(), String> {
     let mut extents = b.logical_shape.clone();
-    for (axis, p) in b.layout.0.iter().enumerate() {
-        let Placement::Shard { dim, outer, inner } = *p else { continue };
+    for axis in MAJOR_ORDER {
+        let Placement::Shard { dim, outer, inner } = b.layout.0[axis] else { continue };
         let parts = mesh.axes()[axis];
         let Some(size) = extents.get_mut(usize::from(dim)) else {
             return Err(format!(

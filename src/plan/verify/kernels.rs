@@ -2,11 +2,11 @@
 //! normalised size a kernel uses must stay inside its buffers and follow from their layouts, so that a
 //! hand-edited plan is refused before it can read out of bounds or compute a wrong answer.
 
-use crate::plan::{Buffer, BufferId, Kernel, Mesh, Offset, Plan};
+use crate::plan::{Buffer, BufferId, Coords, Kernel, Mesh, Offset, Plan};
 use crate::runtime::shapes::{
     AttentionLayout, ensure, reshape_runs, same_shape, select_grad_runs, select_runs, slice_shard_runs, transpose_swap,
 };
-use crate::shard::layout::{Layout, Placement};
+use crate::shard::layout::{Layout, MESH_AXES, Placement};
 
 /// The buffers one kernel instruction reads and writes (all known to exist).
 struct Operands<'p> {
@@ -264,7 +264,7 @@ fn check_vocabulary(plan: &Plan, offset: Offset, valid: u64, logits: &Buffer) ->
 }
 
 /// Per mesh axis, the placement that splits one of the logits' rows (its leading dimensions).
-fn row_splits(b: &Buffer, rows_rank: usize) -> [Option<Placement>; 2] {
+fn row_splits(b: &Buffer, rows_rank: usize) -> [Option<Placement>; MESH_AXES] {
     b.layout.0.map(|p| Some(p).filter(|p| p.dim().is_some_and(|d| d < rows_rank)))
 }
 
@@ -385,14 +385,15 @@ fn check_select(whole: &Buffer, part: &Buffer, dim: usize, index: u64, grad: boo
 fn check_slice_shard(ops: &Operands, axis: usize, placement: Placement) -> Result<(), String> {
     let x = ops.input(0)?;
     let out = ops.output;
-    ensure(axis < 2, || format!("mesh axis {axis} does not exist (a mesh has axes 0 and 1)"))?;
+    ensure(axis < MESH_AXES, || format!("mesh axis {axis} does not exist (a mesh has axes 0 to {})", MESH_AXES - 1))?;
     ensure(placement.dim().is_none_or(|d| d < x.shape.len()), || {
         format!("the placement {placement} names a dimension `{}` {:?} does not have", x.name, x.shape)
     })?;
-    ensure(ops.mesh().axes()[axis] == 1 || out.layout.0[axis] == placement, || {
+    let sizes = ops.mesh().axes();
+    ensure(sizes[axis] == 1 || out.layout.block_placement(axis, sizes) == placement, || {
         format!("the output `{}` is laid out {}, not {placement} on mesh axis {axis}", out.name, out.layout)
     })?;
-    slice_shard_runs(&x.shape, &out.shape, ops.mesh(), (0, 0), axis, placement)
+    slice_shard_runs(&x.shape, &out.shape, ops.mesh(), Coords::default(), axis, placement)
         .map(|_| ())
         .map_err(|e| format!("slicing `{}`: {e}", x.name))
 }

@@ -5,7 +5,7 @@
 use super::bf16_in_pieces;
 use super::kernels;
 use crate::ir::DType;
-use crate::plan::{Buffer, BufferId, Kernel, Mesh, Offset, Role};
+use crate::plan::{Buffer, BufferId, Coords, Kernel, Mesh, Offset, Role};
 use crate::runtime::bf16::{self, PIECE_ELEMENTS};
 use crate::runtime::init::mix64;
 use crate::runtime::settings::KernelContext;
@@ -63,8 +63,13 @@ fn same_bits(kernel: &Kernel, operands: &[Operand], out_shape: &[u64], initial: 
     let out_meta = meta(out_shape, DType::Bf16);
     let input_meta: Vec<Buffer> = views.iter().map(|v| meta(v.shape.as_slice(), DType::Bf16)).collect();
     let input_refs: Vec<&Buffer> = input_meta.iter().collect();
-    let ctx =
-        KernelContext { i: 0, j: 0, mesh: Mesh { rows: 1, cols: 1 }, seed: 7, inputs: &input_refs, output: &out_meta };
+    let ctx = KernelContext {
+        coords: Coords::new(0, 0, 0),
+        mesh: Mesh::new(1, 1),
+        seed: 7,
+        inputs: &input_refs,
+        output: &out_meta,
+    };
     let n = out_shape.iter().product::<u64>() as usize;
     let mut whole = vec![initial; n];
     let mut out = ViewMut { shape: Shape(out_shape), data: ViewMutData::Bf16(&mut whole) };

@@ -69,8 +69,8 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         }
         Kernel::Rotary { heads, theta } => rotary(inputs, out, heads, theta, Rotation::Forward),
         Kernel::RotaryGrad { heads, theta } => rotary(inputs, out, heads, theta, Rotation::Backward),
-        Kernel::EmbeddingLookup { offset, masked } => embedding_lookup(inputs, out, offset.at(ctx.i, ctx.j), masked),
-        Kernel::EmbeddingGrad { offset, masked } => embedding_grad(inputs, out, offset.at(ctx.i, ctx.j), masked),
+        Kernel::EmbeddingLookup { offset, masked } => embedding_lookup(inputs, out, offset.at(ctx.coords), masked),
+        Kernel::EmbeddingGrad { offset, masked } => embedding_grad(inputs, out, offset.at(ctx.coords), masked),
         Kernel::PositionLookup => position_lookup(inputs, out),
         Kernel::PositionGrad => position_grad(inputs, out),
         Kernel::RowSum => row_sum(inputs, out),
@@ -547,7 +547,7 @@ pub fn dropout_rows(
     }
     let mask = DropoutMask::new(ctx.seed, key, p);
     let scale = (1.0 / (1.0 - p)) as f32;
-    let map = IndexMap::new(ctx.output, ctx.i, ctx.j, ctx.mesh)?;
+    let map = IndexMap::new(ctx.output, ctx.coords, ctx.mesh)?;
     let Some((last, last_stride)) = map.last_dimension() else {
         ensure(first_row == 0, || "a dropout without dimensions cannot start past its first row".to_string())?;
         map.for_each(|local, logical| y[local] = if mask.keep(logical) { xv[local] * scale } else { 0.0 });
@@ -659,7 +659,7 @@ fn slice_shard(
     p: Placement,
 ) -> Result<(), String> {
     let [x] = args(inputs)?;
-    move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, (ctx.i, ctx.j), axis, p)?)
+    move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, ctx.coords, axis, p)?)
 }
 
 fn fill(inputs: &[&View], out: &mut ViewMut, value: f64) -> Result<(), String> {
@@ -1084,7 +1084,7 @@ fn grad_square_sum(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> 
     ensure(inputs.len() == ctx.inputs.len(), || "the inputs and their layouts differ in number".to_string())?;
     let mut total = 0.0f64;
     for (k, (x, meta)) in inputs.iter().zip(ctx.inputs).enumerate() {
-        if meta.layout.counts_block_at([ctx.i, ctx.j]) {
+        if meta.layout.counts_block_at(ctx.coords.0) {
             total += square_sum(floats(x, &format!("gradient {k}"))?);
         }
     }
@@ -1240,7 +1240,7 @@ struct Vocab {
 
 impl Vocab {
     fn new(offset: Offset, valid: u64, ctx: &KernelContext) -> Vocab {
-        Vocab { offset: offset.at(ctx.i, ctx.j), valid }
+        Vocab { offset: offset.at(ctx.coords), valid }
     }
 
     /// How many of `width` local columns are real vocabulary.
@@ -1485,7 +1485,7 @@ fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &OptimizerSe
 mod tests {
     use super::*;
     use crate::ir::DType;
-    use crate::plan::{Buffer, Mesh};
+    use crate::plan::{Buffer, Coords, Mesh};
     use crate::plan::{BufferId, Role};
     use crate::runtime::init::mix64 as splitmix64;
     use crate::runtime::tensor::Data;
@@ -1493,8 +1493,8 @@ mod tests {
 
     type R = Result<(), String>;
 
-    const ONE: Mesh = Mesh { rows: 1, cols: 1 };
-    const TWO_BY_TWO: Mesh = Mesh { rows: 2, cols: 2 };
+    const ONE: Mesh = Mesh::new(1, 1);
+    const TWO_BY_TWO: Mesh = Mesh::new(2, 2);
 
     /// Deterministic uniforms in [-1, 1).
     struct Rng(u64);
@@ -1540,7 +1540,7 @@ mod tests {
         mesh: Mesh,
     ) -> Result<Tensor, String> {
         let mut t = Tensor::zeros(out.dtype, &out.shape);
-        let ctx = KernelContext { i, j, mesh, seed: 42, inputs: &[], output: out };
+        let ctx = KernelContext { coords: Coords::new(i, j, 0), mesh, seed: 42, inputs: &[], output: out };
         run(kernel, inputs, &mut t, &ctx)?;
         Ok(t)
     }
@@ -1650,7 +1650,13 @@ mod tests {
                 let kernel = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate };
                 let mut out = rng.tensor(&[2, 3, 5]);
                 let before = to64(&vals(&out));
-                let ctx = KernelContext { i: 0, j: 0, mesh: ONE, seed: 0, inputs: &[], output: &meta(&[2, 3, 5]) };
+                let ctx = KernelContext {
+                    coords: Coords::new(0, 0, 0),
+                    mesh: ONE,
+                    seed: 0,
+                    inputs: &[],
+                    output: &meta(&[2, 3, 5]),
+                };
                 run(&kernel, &[&a, &b], &mut out, &ctx)?;
                 let want: Vec<f64> =
                     want.iter().zip(&before).map(|(w, c)| if accumulate { w + c } else { *w }).collect();
@@ -1823,16 +1829,16 @@ mod tests {
         // [4, 6] split rows over i and columns over j: device (1, 0) holds rows 2..4, columns 0..3.
         let layout = Layout::new(Placement::shard(0), Placement::shard(1));
         let m = meta_with(&[4, 6], &[2, 3], layout, DType::F32);
-        assert_eq!(try_logical_indices(&m, 1, 0, TWO_BY_TWO)?, vec![12, 13, 14, 18, 19, 20]);
+        assert_eq!(try_logical_indices(&m, Coords::new(1, 0, 0), TWO_BY_TWO)?, vec![12, 13, 14, 18, 19, 20]);
         // Columns of 12 viewed as [3, 2, 2] with the middle split in two: member 1 holds 2,3 6,7 10,11.
         let layout = Layout::new(Placement::Replicate, Placement::Shard { dim: 1, outer: 3, inner: 2 });
         let m = meta_with(&[2, 12], &[2, 6], layout, DType::F32);
         let want = vec![2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23];
-        assert_eq!(try_logical_indices(&m, 0, 1, Mesh { rows: 1, cols: 2 })?, want);
+        assert_eq!(try_logical_indices(&m, Coords::new(0, 1, 0), Mesh::new(1, 2))?, want);
         // A local shape that disagrees with the layout is an error, not a panic.
         let bad = meta_with(&[4, 6], &[4, 3], Layout::new(Placement::shard(0), Placement::Replicate), DType::F32);
-        assert!(try_logical_indices(&bad, 0, 0, TWO_BY_TWO).is_err());
-        assert!(logical_indices(&bad, 0, 0, TWO_BY_TWO).is_empty());
+        assert!(try_logical_indices(&bad, Coords::new(0, 0, 0), TWO_BY_TWO).is_err());
+        assert!(logical_indices(&bad, Coords::new(0, 0, 0), TWO_BY_TWO).is_empty());
         Ok(())
     }
 
@@ -1854,7 +1860,7 @@ mod tests {
                 let m = meta_with(logical, &local, layout, DType::F32);
                 let mut seen = vec![0u32; xv.len()];
                 for (i, j) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-                    let idx = try_logical_indices(&m, i, j, TWO_BY_TWO)?;
+                    let idx = try_logical_indices(&m, Coords::new(i, j, 0), TWO_BY_TWO)?;
                     let block = Tensor::from_f32(&local, idx.iter().map(|&k| xv[k as usize]).collect());
                     let out = vals(&eval_on(&kernel, &[&block], &m, i, j, TWO_BY_TWO)?);
                     for (l, &k) in idx.iter().enumerate() {
@@ -1925,11 +1931,12 @@ mod tests {
         // A fused (3, heads, head) axis split over the heads on mesh axis 1.
         let x = rng.tensor(&[4, 12]);
         let placement = Placement::Shard { dim: 1, outer: 3, inner: 2 };
-        let mesh = Mesh { rows: 1, cols: 2 };
+        let mesh = Mesh::new(1, 2);
         let m = meta_with(&[4, 12], &[4, 6], Layout::new(Placement::Replicate, placement), DType::F32);
         for j in 0..2 {
             let out = eval_on(&Kernel::SliceShard { axis: 1, placement }, &[&x], &m, 0, j, mesh)?;
-            let want: Vec<f32> = try_logical_indices(&m, 0, j, mesh)?.iter().map(|&k| vals(&x)[k as usize]).collect();
+            let want: Vec<f32> =
+                try_logical_indices(&m, Coords::new(0, j, 0), mesh)?.iter().map(|&k| vals(&x)[k as usize]).collect();
             assert_eq!(vals(&out), want);
         }
         // Integer ids, rows split over mesh axis 0 of a 2x2 mesh (already split over columns by axis 1).
@@ -2152,7 +2159,7 @@ mod tests {
         let tv = vals(&table);
         let ids = Tensor::from_i32(&[2, 2], vec![3, 7, 9, 5]);
         let offset = Offset { axis: Some(1), block: 5 };
-        let mesh = Mesh { rows: 1, cols: 2 };
+        let mesh = Mesh::new(1, 2);
         let out_meta = meta(&[2, 2, 3]);
         let lookup = Kernel::EmbeddingLookup { offset, masked: true };
         let out = vals(&eval_on(&lookup, &[&ids, &table], &out_meta, 0, 1, mesh)?);
@@ -2168,7 +2175,7 @@ mod tests {
         let dv = vals(&dy);
         let grad = Kernel::EmbeddingGrad { offset, masked: true };
         let mut stale = Tensor::from_f32(&[5, 3], vec![9.0; 15]);
-        let ctx = KernelContext { i: 0, j: 1, mesh, seed: 0, inputs: &[], output: &meta(&[5, 3]) };
+        let ctx = KernelContext { coords: Coords::new(0, 1, 0), mesh, seed: 0, inputs: &[], output: &meta(&[5, 3]) };
         run(&grad, &[&ids, &dy], &mut stale, &ctx)?;
         let mut want = vec![0.0f64; 15];
         for (slot, local) in [(0usize, 2usize), (2, 2), (3, 0)] {
@@ -2323,7 +2330,7 @@ mod tests {
         let rows = targets.len() as u64;
         let width = *blocks.first().and_then(|b| b.shape.last()).unwrap_or(&0);
         let offset = if blocks.len() > 1 { Offset { axis: Some(1), block: width } } else { Offset::ZERO };
-        let mesh = Mesh { rows: 1, cols: blocks.len() as u64 };
+        let mesh = Mesh::new(1, blocks.len() as u64);
         let on = |kernel: &Kernel, inputs: &[&Tensor], shape: &[u64], j: u64| {
             eval_on(kernel, inputs, &meta(shape), 0, j, mesh)
         };

@@ -75,8 +75,8 @@ pub fn run(
                 #[cfg(feature = "cuda")]
                 let nccl = nccl.as_deref();
                 scope.spawn(move || {
-                    let (i, j) = (rank / plan.mesh.cols, rank % plan.mesh.cols);
-                    let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), i, j);
+                    let coords = plan.mesh.coords_of(rank);
+                    let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), coords);
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         #[cfg(feature = "cuda")]
                         if let Some(ids) = nccl {
@@ -90,8 +90,8 @@ pub fn run(
                         Err(_) => Err("a kernel panicked (an internal error)".to_string()),
                     };
                     result.map_err(|e| {
-                        let message = format!("device ({i}, {j}) failed: {e}");
-                        ThreadComm::new(fabric, i, j).abort(&message);
+                        let message = format!("device {coords} failed: {e}");
+                        ThreadComm::new(fabric, coords).abort(&message);
                         message
                     })
                 })
@@ -195,7 +195,7 @@ fn bf16_in_pieces(
         Kernel::PositionGrad => Some(bf16::position_grad(refs, out)),
         Kernel::LayerNormGradWeight { n, eps } => Some(bf16::layer_norm_grad_weight(refs, out, *n, *eps)),
         Kernel::EmbeddingGrad { offset, masked } => {
-            Some(bf16::embedding_grad(refs, out, offset.at(ctx.i, ctx.j), *masked))
+            Some(bf16::embedding_grad(refs, out, offset.at(ctx.coords), *masked))
         }
         k if bf16::matrix_split(k) => bf16::by_matrices(refs, out, &run),
         k => bf16::row_split(k).and_then(|split| bf16::by_rows(refs, out, split, &run)),

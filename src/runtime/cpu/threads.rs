@@ -1,8 +1,9 @@
 //! The in-process communicator: one thread per device, collectives by rendezvous on shared memory.
 //! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
 
-use crate::plan::{CollectiveKind, Group, Mesh, ReduceOp};
+use crate::plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
 use crate::runtime::comm::{CommError, Communicator, Payload, combine, member_index};
+use crate::shard::layout::MESH_AXES;
 use crate::shard::layout::Placement;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -85,8 +86,9 @@ impl Drop for ReadDone<'_> {
 /// Shared by all device threads of one run.
 pub struct Fabric {
     mesh: Mesh,
-    rows: Vec<Rendezvous>,
-    columns: Vec<Rendezvous>,
+    /// One rendezvous per group along each mesh axis, indexed by the rank of the group's first member
+    /// (so most slots are unused; they are small).
+    axis_groups: [Vec<Rendezvous>; MESH_AXES],
     world: Rendezvous,
     failed: AtomicBool,
     failure: Mutex<Option<String>>,
@@ -97,11 +99,10 @@ pub struct Fabric {
 
 impl Fabric {
     pub fn new(mesh: Mesh, timeout: Duration) -> Arc<Fabric> {
-        let make = |n: u64| (0..n).map(|_| Rendezvous::default()).collect::<Vec<_>>();
+        let make = |_| (0..mesh.devices()).map(|_| Rendezvous::default()).collect::<Vec<_>>();
         Arc::new(Fabric {
             mesh,
-            rows: make(mesh.rows),
-            columns: make(mesh.cols),
+            axis_groups: std::array::from_fn(make),
             world: Rendezvous::default(),
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
@@ -126,16 +127,19 @@ impl Fabric {
             f.get_or_insert_with(|| reason.to_string());
         }
         self.failed.store(true, Ordering::SeqCst);
-        for r in self.rows.iter().chain(&self.columns).chain(std::iter::once(&self.world)) {
+        for r in self.axis_groups.iter().flatten().chain(std::iter::once(&self.world)) {
             r.ready.notify_all();
         }
     }
 
-    fn rendezvous(&self, group: Group, i: u64, j: u64) -> &Rendezvous {
-        match group {
-            Group::Row => &self.rows[i as usize],
-            Group::Column => &self.columns[j as usize],
-            Group::World => &self.world,
+    fn rendezvous(&self, group: Group, coords: Coords) -> &Rendezvous {
+        match group.axis() {
+            Some(axis) => {
+                let mut first = coords;
+                first.0[axis] = 0;
+                &self.axis_groups[axis][self.mesh.rank_of(first) as usize]
+            }
+            None => &self.world,
         }
     }
 
@@ -216,13 +220,12 @@ impl Fabric {
 /// One device's endpoint on a [`Fabric`].
 pub struct ThreadComm {
     fabric: Arc<Fabric>,
-    i: u64,
-    j: u64,
+    coords: Coords,
 }
 
 impl ThreadComm {
-    pub fn new(fabric: Arc<Fabric>, i: u64, j: u64) -> ThreadComm {
-        ThreadComm { fabric, i, j }
+    pub fn new(fabric: Arc<Fabric>, coords: Coords) -> ThreadComm {
+        ThreadComm { fabric, coords }
     }
 }
 
@@ -243,20 +246,15 @@ impl ThreadComm {
     ) -> Result<(), CommError> {
         let mesh = self.fabric.mesh;
         let size = mesh.group_size(group) as usize;
-        let me = member_index(group, self.i, self.j, mesh);
+        let me = member_index(group, self.coords, mesh);
         // A broadcast only needs the root's block; the others deposit nothing.
         let data = if kind == CollectiveKind::Broadcast && root != Some(me) { &send[..0] } else { send };
         let fabric = Arc::clone(&self.fabric);
-        let r = fabric.rendezvous(group, self.i, self.j);
-        let (i, j) = (self.i, self.j);
-        let device_of = |m: usize| {
-            let m = m as u64;
-            let (a, b) = match group {
-                Group::Row => (i, m),
-                Group::Column => (m, j),
-                Group::World => (m / mesh.cols, m % mesh.cols),
-            };
-            format!("({a}, {b})")
+        let r = fabric.rendezvous(group, self.coords);
+        let members = group.member_ranks(self.coords, mesh);
+        let device_of = |m: usize| match members.get(m) {
+            Some(&rank) => mesh.coords_of(rank).to_string(),
+            None => format!("member {m}"),
         };
         fabric.exchange(r, (me as usize, size), data, &device_of, |parts| {
             combine(kind, root, op, shard, full, me, parts, recv)
@@ -265,8 +263,8 @@ impl ThreadComm {
 }
 
 impl Communicator for ThreadComm {
-    fn coords(&self) -> (u64, u64) {
-        (self.i, self.j)
+    fn coords(&self) -> Coords {
+        self.coords
     }
 
     fn mesh(&self) -> Mesh {
@@ -319,14 +317,14 @@ mod tests {
 
     #[test]
     fn all_reduce_sums_over_the_world_many_times() {
-        let mesh = Mesh { rows: 2, cols: 2 };
+        let mesh = Mesh::new(2, 2);
         let fabric = Fabric::new(mesh, Duration::from_secs(10));
         let sums: Vec<f32> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..4u64)
                 .map(|rank| {
                     let fabric = Arc::clone(&fabric);
                     s.spawn(move || {
-                        let mut comm = ThreadComm::new(fabric, rank / 2, rank % 2);
+                        let mut comm = ThreadComm::new(fabric, Coords::new(rank / 2, rank % 2, 0));
                         (0..50).map(|k| all_reduce(&mut comm, (rank + k) as f32).expect("collective")).sum::<f32>()
                     })
                 })
@@ -341,14 +339,14 @@ mod tests {
     fn blocks_read_in_place_are_never_read_after_their_owner_reuses_them() {
         // Each member overwrites its send buffer as soon as a collective returns; a peer still reading
         // it would see the garbage and sum wrongly.
-        let mesh = Mesh { rows: 2, cols: 2 };
+        let mesh = Mesh::new(2, 2);
         let fabric = Fabric::new(mesh, Duration::from_secs(10));
         let n = 4096;
         std::thread::scope(|s| {
             for rank in 0..4u64 {
                 let fabric = Arc::clone(&fabric);
                 s.spawn(move || {
-                    let mut comm = ThreadComm::new(fabric, rank / 2, rank % 2);
+                    let mut comm = ThreadComm::new(fabric, Coords::new(rank / 2, rank % 2, 0));
                     let (mut send, mut recv) = (vec![0.0f32; n], vec![0.0f32; n]);
                     for round in 0..200u64 {
                         send.fill((rank + round) as f32);
@@ -380,7 +378,7 @@ mod tests {
     #[test]
     fn bf16_collectives_carry_two_bytes_an_element_and_sum_in_f32_rounding_once() {
         use crate::runtime::bf16::{round, widen_one};
-        let mesh = Mesh { rows: 1, cols: 4 };
+        let mesh = Mesh::new(1, 4);
         let fabric = Fabric::new(mesh, Duration::from_secs(10));
         let n = 3000;
         let results: Vec<(Vec<u16>, Vec<u16>)> = std::thread::scope(|s| {
@@ -388,7 +386,7 @@ mod tests {
                 .map(|m| {
                     let fabric = Arc::clone(&fabric);
                     s.spawn(move || {
-                        let mut comm = ThreadComm::new(fabric, 0, m as u64);
+                        let mut comm = ThreadComm::new(fabric, Coords::new(0, m as u64, 0));
                         let send: Vec<u16> = (0..n).map(|k| bf16_value(m, k)).collect();
                         let (mut sum, mut copy) = (vec![0u16; n], vec![0u16; n]);
                         let full = [n as u64];
@@ -435,13 +433,13 @@ mod tests {
 
     #[test]
     fn f32_collectives_carry_four_bytes_an_element() {
-        let mesh = Mesh { rows: 2, cols: 1 };
+        let mesh = Mesh::new(2, 1);
         let fabric = Fabric::new(mesh, Duration::from_secs(10));
         std::thread::scope(|s| {
             for i in 0..2u64 {
                 let fabric = Arc::clone(&fabric);
                 s.spawn(move || {
-                    let mut comm = ThreadComm::new(fabric, i, 0);
+                    let mut comm = ThreadComm::new(fabric, Coords::new(i, 0, 0));
                     let (send, mut recv) = ([1.0f32; 10], [0.0f32; 10]);
                     comm.collective(
                         CollectiveKind::AllReduce,
@@ -463,7 +461,7 @@ mod tests {
 
     #[test]
     fn a_failed_device_ends_its_peers_waits_at_once() {
-        let mesh = Mesh { rows: 1, cols: 3 };
+        let mesh = Mesh::new(1, 3);
         let fabric = Fabric::new(mesh, Duration::from_secs(60));
         let start = Instant::now();
         let results: Vec<Result<f32, CommError>> = std::thread::scope(|s| {
@@ -471,7 +469,7 @@ mod tests {
                 .map(|j| {
                     let fabric = Arc::clone(&fabric);
                     s.spawn(move || {
-                        let mut comm = ThreadComm::new(fabric, 0, j);
+                        let mut comm = ThreadComm::new(fabric, Coords::new(0, j, 0));
                         if j == 2 {
                             comm.abort("device (0, 2) failed: injected");
                             return Err(CommError("injected".into()));
@@ -491,9 +489,9 @@ mod tests {
 
     #[test]
     fn a_missing_member_times_out() {
-        let mesh = Mesh { rows: 1, cols: 2 };
+        let mesh = Mesh::new(1, 2);
         let fabric = Fabric::new(mesh, Duration::from_millis(300));
-        let mut comm = ThreadComm::new(fabric, 0, 0);
+        let mut comm = ThreadComm::new(fabric, Coords::default());
         let e = all_reduce(&mut comm, 1.0).expect_err("nobody else arrives");
         assert!(e.0.contains("timed out"), "{e}");
     }

@@ -11,7 +11,7 @@
 //! with bf16 operands and f32 accumulation.
 
 use crate::ir::DType;
-use crate::plan::{Kernel, Mesh};
+use crate::plan::{Coords, Kernel, Mesh};
 use crate::runtime::logical::try_logical_indices;
 use crate::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use crate::runtime::shapes::{
@@ -896,8 +896,7 @@ struct IndexKey {
     logical: Vec<u64>,
     local: Vec<u64>,
     layout: Layout,
-    i: u64,
-    j: u64,
+    coords: Coords,
     mesh: Mesh,
 }
 
@@ -905,7 +904,7 @@ impl IndexKey {
     fn of(ctx: &KernelContext) -> IndexKey {
         let meta = ctx.output;
         let (logical, local) = (meta.logical_shape.clone(), meta.shape.clone());
-        IndexKey { logical, local, layout: meta.layout, i: ctx.i, j: ctx.j, mesh: ctx.mesh }
+        IndexKey { logical, local, layout: meta.layout, coords: ctx.coords, mesh: ctx.mesh }
     }
 }
 
@@ -1015,7 +1014,7 @@ impl Device {
         p: Placement,
     ) -> Result<(), String> {
         let [x] = args(inputs)?;
-        self.move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, (ctx.i, ctx.j), axis, p)?)
+        self.move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, ctx.coords, axis, p)?)
     }
 }
 
@@ -1647,7 +1646,7 @@ struct Vocab {
 
 impl Vocab {
     fn new(offset: crate::plan::Offset, valid: u64, ctx: &KernelContext) -> Vocab {
-        Vocab { offset: offset.at(ctx.i, ctx.j), valid }
+        Vocab { offset: offset.at(ctx.coords), valid }
     }
 
     /// How many of `width` local columns are real vocabulary.
@@ -1766,7 +1765,7 @@ impl Device {
         let y = floats_mut(out, "the output")?;
         self.zero(y)?;
         for (k, (x, meta)) in inputs.iter().zip(ctx.inputs).enumerate() {
-            if meta.layout.counts_block_at([ctx.i, ctx.j]) {
+            if meta.layout.counts_block_at(ctx.coords.0) {
                 let xv = floats(x, &format!("gradient {k}"))?;
                 let n = x.len() as u64;
                 launch!(self, SQUARE_SUM, single_block(), [&mut *y, xv, &n])?;
@@ -1963,10 +1962,10 @@ impl CudaKernels {
             Kernel::Rotary { heads, theta } => dev.rotary(inputs, out, heads, theta, 1.0),
             Kernel::RotaryGrad { heads, theta } => dev.rotary(inputs, out, heads, theta, -1.0),
             Kernel::EmbeddingLookup { offset, masked } => {
-                dev.embedding_lookup::<f32>(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
+                dev.embedding_lookup::<f32>(inputs, out, Rows { base: offset.at(ctx.coords), masked }, flag)
             }
             Kernel::EmbeddingGrad { offset, masked } => {
-                dev.embedding_grad::<f32>(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
+                dev.embedding_grad::<f32>(inputs, out, Rows { base: offset.at(ctx.coords), masked }, flag)
             }
             Kernel::PositionLookup => dev.position_lookup::<f32>(inputs, out),
             Kernel::PositionGrad => dev.position_grad::<f32>(inputs, out),
@@ -2045,7 +2044,7 @@ fn logical_indices<'c>(
 ) -> Result<&'c CudaSlice<u64>, String> {
     let key = IndexKey::of(ctx);
     if !cache.contains_key(&key) {
-        let map = try_logical_indices(ctx.output, ctx.i, ctx.j, ctx.mesh)?;
+        let map = try_logical_indices(ctx.output, ctx.coords, ctx.mesh)?;
         cache.insert(key.clone(), upload_slice(&dev.stream, &map)?);
     }
     cache.get(&key).ok_or_else(|| "internal error: no logical index map".to_string())

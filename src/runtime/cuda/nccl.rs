@@ -3,7 +3,7 @@
 //! collective uploads its block, runs in NCCL and downloads the result, polling for completion
 //! against the run's timeout so that a peer that stops answering fails the run instead of hanging it.
 
-use crate::plan::{CollectiveKind, Group, Mesh, ReduceOp};
+use crate::plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
 use crate::runtime::comm::{CommError, Communicator, pack_for_scatter, unpack_gathered};
 use crate::shard::layout::Placement;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
@@ -23,11 +23,12 @@ pub fn new_id() -> Result<IdBytes, String> {
     Id::new().map(|id| *id.internal()).map_err(|e| format!("NCCL could not create a unique id: {e:?}"))
 }
 
-/// The unique ids of the three groups one device belongs to.
+/// The unique ids of the groups one device belongs to.
 #[derive(Clone, Copy, Debug)]
 pub struct GroupIds {
     pub row: IdBytes,
     pub column: IdBytes,
+    pub data: IdBytes,
     pub world: IdBytes,
 }
 
@@ -42,64 +43,74 @@ pub fn ids_for_threads(mesh: Mesh) -> Result<Vec<GroupIds>, String> {
             mesh.devices()
         ));
     }
-    let rows = (0..mesh.rows).map(|_| new_id()).collect::<Result<Vec<_>, _>>()?;
-    let columns = (0..mesh.cols).map(|_| new_id()).collect::<Result<Vec<_>, _>>()?;
-    let world = new_id()?;
-    let ids = (0..mesh.devices()).map(|d| {
-        let (i, j) = (d / mesh.cols, d % mesh.cols);
-        GroupIds { row: rows[i as usize], column: columns[j as usize], world }
-    });
-    Ok(ids.collect())
+    // One id per group instance, keyed by the rank of the instance's first member.
+    let mut by_first = std::collections::BTreeMap::new();
+    let mut id_of = |group: Group, coords: Coords| -> Result<IdBytes, String> {
+        let first = group.member_ranks(coords, mesh).first().copied().unwrap_or(0);
+        if let Some(id) = by_first.get(&(group, first)) {
+            return Ok(*id);
+        }
+        let id = new_id()?;
+        by_first.insert((group, first), id);
+        Ok(id)
+    };
+    mesh.all_coords()
+        .map(|c| {
+            Ok(GroupIds {
+                row: id_of(Group::Row, c)?,
+                column: id_of(Group::Column, c)?,
+                data: id_of(Group::Data, c)?,
+                world: id_of(Group::World, c)?,
+            })
+        })
+        .collect()
 }
 
 /// One device's NCCL endpoint.
 pub struct NcclComm {
-    coords: (u64, u64),
+    coords: Coords,
     mesh: Mesh,
     stream: Arc<CudaStream>,
     row: Comm,
     column: Comm,
+    data: Comm,
     world: Comm,
     timeout: Duration,
 }
 
 impl NcclComm {
-    /// Joins the row, column and mesh communicators of device (i, j) on GPU `ordinal`. Every member of
+    /// Joins the row, column, data and mesh communicators of the device at `coords` on GPU `ordinal`. Every member of
     /// a group must call this with the same ids (NCCL's initialisation waits for all of them).
-    pub fn new(
-        ordinal: usize,
-        mesh: Mesh,
-        (i, j): (u64, u64),
-        ids: GroupIds,
-        timeout: Duration,
-    ) -> Result<Self, String> {
+    pub fn new(ordinal: usize, mesh: Mesh, coords: Coords, ids: GroupIds, timeout: Duration) -> Result<Self, String> {
         let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open GPU {ordinal}: {e}"))?;
         let stream = ctx.new_stream().map_err(|e| format!("cannot create a communication stream: {e}"))?;
         let join = |id: IdBytes, rank: u64, size: u64, what: &str| {
             Comm::from_rank(Arc::clone(&stream), rank as usize, size as usize, Id::uninit(id))
-                .map_err(|e| format!("device ({i}, {j}) could not join its NCCL {what} communicator: {e:?}"))
+                .map_err(|e| format!("device {coords} could not join its NCCL {what} communicator: {e:?}"))
         };
         Ok(NcclComm {
-            coords: (i, j),
+            coords,
             mesh,
-            row: join(ids.row, j, mesh.cols, "row")?,
-            column: join(ids.column, i, mesh.rows, "column")?,
-            world: join(ids.world, i * mesh.cols + j, mesh.devices(), "mesh")?,
+            row: join(ids.row, coords.j(), mesh.cols, "row")?,
+            column: join(ids.column, coords.i(), mesh.rows, "column")?,
+            data: join(ids.data, coords.d(), mesh.data, "data")?,
+            world: join(ids.world, mesh.rank_of(coords), mesh.devices(), "mesh")?,
             stream,
             timeout,
         })
     }
 
-    /// Device `rank` (row-major) of a mesh run as threads, on GPU `rank`.
+    /// Device `rank` of a mesh run as threads, on GPU `rank`.
     pub fn for_thread(ids: &[GroupIds], rank: u64, mesh: Mesh, timeout: Duration) -> Result<Self, String> {
         let group_ids = *ids.get(rank as usize).ok_or_else(|| format!("no NCCL ids for device {rank}"))?;
-        NcclComm::new(rank as usize, mesh, (rank / mesh.cols, rank % mesh.cols), group_ids, timeout)
+        NcclComm::new(rank as usize, mesh, mesh.coords_of(rank), group_ids, timeout)
     }
 
     fn group(&self, group: Group) -> &Comm {
         match group {
             Group::Row => &self.row,
             Group::Column => &self.column,
+            Group::Data => &self.data,
             Group::World => &self.world,
         }
     }
@@ -150,7 +161,7 @@ fn launched<T>(result: Result<T, cudarc::nccl::result::NcclError>, what: &dyn Fn
 }
 
 impl Communicator for NcclComm {
-    fn coords(&self) -> (u64, u64) {
+    fn coords(&self) -> Coords {
         self.coords
     }
 
@@ -171,8 +182,8 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let comm = self.group(group);
         let parts = comm.world_size() as u64;
-        let (i, j) = self.coords;
-        let what = || format!("device ({i}, {j})'s {} over its {} group", kind.name(), group.name());
+        let coords = self.coords;
+        let what = || format!("device {coords}'s {} over its {} group", kind.name(), group.name());
         let (op, root) = (nccl_op(op), root.unwrap_or(0) as i32);
         match kind {
             CollectiveKind::Broadcast => {

@@ -324,10 +324,10 @@ fn run_native(
             dev.attention_grad_bf16(inputs, out, a, scratch, &mut half.probs)
         }
         Kernel::EmbeddingLookup { offset, masked } => {
-            dev.embedding_lookup::<B>(inputs, out, Rows { base: offset.at(ctx.i, ctx.j), masked }, flag)
+            dev.embedding_lookup::<B>(inputs, out, Rows { base: offset.at(ctx.coords), masked }, flag)
         }
         Kernel::EmbeddingGrad { offset, masked } => {
-            let rows = Rows { base: offset.at(ctx.i, ctx.j), masked };
+            let rows = Rows { base: offset.at(ctx.coords), masked };
             through_f32(dev, out, |wide| dev.embedding_grad::<B>(inputs, wide, rows, flag))
         }
         Kernel::PositionLookup => dev.position_lookup::<B>(inputs, out),

@@ -1,0 +1,185 @@
+//! Why a plan instruction exists: a structured kind that tools read (the simulator finds SUMMA steps by
+//! it, never by parsing text), and the text people read (`inspect`, the verifier's messages).
+
+use serde::{Deserialize, Serialize};
+
+/// The reason an instruction exists. In a plan file the kind's fields sit beside the text:
+/// `{"kind": "summa", "product": "ab", "step": 2, "steps": 4, "part": "broadcast_a",
+/// "text": "linear: SUMMA AB step 2 of 4: broadcast A block along the row"}`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Reason {
+    #[serde(flatten)]
+    pub kind: ReasonKind,
+    pub text: String,
+    /// For the backward pass's copy of a forward instruction: the block instance it recomputes
+    /// (`h.3`). The kind is the forward instruction's; the text starts `recompute of BLOCK: `.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute: Option<String>,
+}
+
+/// What kind of work an instruction does, as far as tools that read the plan need to know.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum ReasonKind {
+    /// One part of step `step` (1 to `steps`) of a SUMMA product on a q x q mesh (`steps` = q): the
+    /// step's broadcasts have root `step - 1` in their group.
+    Summa { product: SummaProduct, step: u64, steps: u64, part: SummaPart },
+    /// A matrix product with no communication: on one device, Megatron's column- and row-parallel
+    /// linears, and a SUMMA product on a 1 x 1 mesh.
+    LocalProduct,
+    /// Any other operator's kernel on this device's blocks, with no communication (embeddings, bias,
+    /// element-wise operators, attention, applying a normalisation, the loss and their backwards).
+    Compute,
+    /// Pending sums summed over a mesh axis: an all-reduce, or a reduce-scatter when `scatter`.
+    PartialSum { scatter: bool },
+    /// Blocks of a value gathered over a mesh axis.
+    Gather,
+    /// This device's block of a value that it holds whole (no communication).
+    Slice,
+    /// Row statistics of a normalisation or of cross-entropy: the local part, and its sum (or max) over
+    /// the mesh axes that split the rows.
+    Statistics { of: Statistic },
+    /// The squared global gradient norm: each device's sum of squares, and its all-reduce.
+    GradientNorm,
+    /// An optimizer step on this device's shard of a parameter.
+    Optimizer,
+    /// A conversion between float32 and bf16: a master weight's bf16 copy, a gradient's float32 copy, a
+    /// SUMMA product's float32 sum rounded once.
+    Cast,
+    /// The sum of the gradients of bucket `bucket` over the data-parallel replicas: an all-reduce, or
+    /// under ZeRO-1 a reduce-scatter (gradients are summed in buckets, each issued as soon as its
+    /// gradients are complete, so that the sums can overlap the rest of the backward pass).
+    DataParallelGradient { bucket: u32 },
+}
+
+/// Which SUMMA product a step belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SummaProduct {
+    /// C = A B: A broadcast along the row, B along the column, accumulated in place.
+    Ab,
+    /// C = A B^T: B broadcast along the column, the partial product reduced along the row.
+    Abt,
+    /// C = A^T B: A broadcast along the row, the partial product reduced along the column.
+    Atb,
+}
+
+impl SummaProduct {
+    /// The name the reason text uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            SummaProduct::Ab => "AB",
+            SummaProduct::Abt => "ABT",
+            SummaProduct::Atb => "ATB",
+        }
+    }
+}
+
+/// The part of a SUMMA step an instruction is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SummaPart {
+    /// Broadcast of the step's A block along the mesh row.
+    BroadcastA,
+    /// Broadcast of the step's B block along the mesh column.
+    BroadcastB,
+    /// The local product into a partial block (AB^T, A^T B).
+    Multiply,
+    /// The local product added into the output block (AB).
+    MultiplyAccumulate,
+    /// The reduction of the partial C block to the step's root (AB^T along the row, A^T B along the column).
+    ReduceC,
+}
+
+/// Whose row statistics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Statistic {
+    /// LayerNorm's sum and centred sum of squares.
+    LayerNorm,
+    /// The two row sums of LayerNorm's backward.
+    LayerNormGrad,
+    /// RMSNorm's sum of squares.
+    RmsNorm,
+    /// The row sum of RMSNorm's backward.
+    RmsNormGrad,
+    /// Cross-entropy's row max, target logit and sum of exponentials, and the count of targets not ignored.
+    CrossEntropy,
+}
+
+impl Reason {
+    /// The one way the lowering makes a reason: its kind and the text that says it in words.
+    pub fn new(kind: ReasonKind, text: impl Into<String>) -> Reason {
+        Reason { kind, text: text.into(), recompute: None }
+    }
+
+    /// Part `part` of step `step` of `steps` of a SUMMA `product` computing `what` ("linear"); the text
+    /// follows from the kind: `linear: SUMMA AB step 2 of 4: broadcast A block along the row`.
+    pub fn summa_step(what: &str, product: SummaProduct, step: u64, steps: u64, part: SummaPart) -> Reason {
+        let text = format!("{what}: SUMMA {} step {step} of {steps}: {}", product.name(), part.text(product));
+        Reason::new(ReasonKind::Summa { product, step, steps, part }, text)
+    }
+
+    /// The reason of the backward pass's copy of this forward instruction, recomputing block `unit`.
+    pub fn recomputed(&self, unit: &str) -> Reason {
+        Reason {
+            kind: self.kind.clone(),
+            text: format!("recompute of {unit}: {}", self.text),
+            recompute: Some(unit.to_string()),
+        }
+    }
+}
+
+impl SummaPart {
+    /// The words for this part of a step of `product`.
+    fn text(self, product: SummaProduct) -> &'static str {
+        match (self, product) {
+            (SummaPart::BroadcastA, _) => "broadcast A block along the row",
+            (SummaPart::BroadcastB, _) => "broadcast B block along the column",
+            (SummaPart::Multiply, _) => "multiply",
+            (SummaPart::MultiplyAccumulate, _) => "multiply-accumulate",
+            (SummaPart::ReduceC, SummaProduct::Atb) => "reduce C block along the column",
+            (SummaPart::ReduceC, _) => "reduce C block along the row",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
+
+    #[test]
+    fn a_summa_step_says_its_product_step_and_part() {
+        let r = Reason::summa_step("linear", SummaProduct::Ab, 2, 4, SummaPart::BroadcastA);
+        assert_eq!(r.text, "linear: SUMMA AB step 2 of 4: broadcast A block along the row");
+        let r = Reason::summa_step("backward of linear (dW = X^T dY)", SummaProduct::Atb, 1, 2, SummaPart::ReduceC);
+        assert_eq!(r.text, "backward of linear (dW = X^T dY): SUMMA ATB step 1 of 2: reduce C block along the column");
+        let r = Reason::summa_step("tied linear", SummaProduct::Abt, 3, 3, SummaPart::ReduceC);
+        assert_eq!(r.text, "tied linear: SUMMA ABT step 3 of 3: reduce C block along the row");
+    }
+
+    #[test]
+    fn a_reason_is_json_with_its_kind_beside_its_text_and_reads_back() {
+        let r = Reason::summa_step("linear", SummaProduct::Abt, 2, 4, SummaPart::BroadcastB).recomputed("h.3");
+        let json = serde_json::to_value(&r).expect("serialize");
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "kind": "summa", "product": "abt", "step": 2, "steps": 4, "part": "broadcast_b",
+                "text": "recompute of h.3: linear: SUMMA ABT step 2 of 4: broadcast B block along the column",
+                "recompute": "h.3",
+            })
+        );
+        assert_eq!(serde_json::from_value::<Reason>(json).expect("deserialize"), r);
+        let stats = Reason::new(ReasonKind::Statistics { of: Statistic::RmsNorm }, "RMSNorm statistics");
+        let json = serde_json::to_string(&stats).expect("serialize");
+        assert_eq!(json, r#"{"kind":"statistics","of":"rms_norm","text":"RMSNorm statistics"}"#);
+        assert_eq!(serde_json::from_str::<Reason>(&json).expect("deserialize"), stats);
+    }
+
+    #[test]
+    fn a_reason_without_a_known_kind_does_not_read() {
+        assert!(serde_json::from_str::<Reason>(r#"{"kind":"mystery","text":"x"}"#).is_err());
+        assert!(serde_json::from_str::<Reason>(r#"{"text":"x"}"#).is_err());
+    }
+}

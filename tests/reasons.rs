@@ -1,0 +1,218 @@
+//! Structured reasons: every SUMMA step of every example's plan says by its kind which product, step and
+//! part it is (and agrees with its text and with the instruction it explains), Megatron's products are
+//! local products, recomputed copies keep their kind, and the simulator's SUMMA overlap reads the kind,
+//! never the text.
+
+use optimus::check::check_source;
+use optimus::cost::{Hardware, Options, simulate};
+use optimus::elab::Override;
+use optimus::plan::{
+    CollectiveKind, Group, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Reason, ReasonKind, Recompute,
+    Strategy, SummaPart, SummaProduct,
+};
+use optimus::shard::{Target, compile};
+use std::path::PathBuf;
+
+fn examples_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples")
+}
+
+/// The names of every example model, sorted.
+fn examples() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(examples_dir())
+        .expect("examples")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "opt"))
+        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .collect();
+    names.sort();
+    names
+}
+
+/// An example with two layers (every example has a `layers` config), compiled for training.
+fn compile_example(name: &str, mesh: (u64, u64), memory: MemoryOptions) -> Plan {
+    let text = std::fs::read_to_string(examples_dir().join(format!("{name}.opt"))).expect("example");
+    let overrides = [Override { name: "layers".to_string(), value: "2".to_string() }];
+    let model = check_source(&text, &overrides).model.expect("the example checks");
+    let strategy = if mesh.0 == mesh.1 { Strategy::Optimus } else { Strategy::Megatron };
+    let target = Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory };
+    match compile(&model, name, &text, target) {
+        Ok(plan) => plan,
+        Err(e) => panic!("{name} {mesh:?}: {e:?}"),
+    }
+}
+
+/// Every kernel and collective with its reason.
+fn explained(plan: &Plan) -> Vec<(&Instr, &Reason)> {
+    plan.program
+        .iter()
+        .filter_map(|instr| match instr {
+            Instr::Kernel { reason, .. } | Instr::Collective { reason, .. } => {
+                Some((instr, &plan.reasons[*reason as usize]))
+            }
+            Instr::Free { .. } => None,
+        })
+        .collect()
+}
+
+/// What the text of a SUMMA step says it is (product, step, steps, part), read from the words; an
+/// independent check of the kind the compiler gives it.
+fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
+    let rest = &text[text.find(": SUMMA ")? + ": SUMMA ".len()..];
+    let mut words = rest.splitn(6, ' ');
+    let product = match words.next()? {
+        "AB" => SummaProduct::Ab,
+        "ABT" => SummaProduct::Abt,
+        "ATB" => SummaProduct::Atb,
+        other => panic!("unknown product {other} in `{text}`"),
+    };
+    let (_, step, _, steps) = (words.next()?, words.next()?, words.next()?, words.next()?);
+    let steps = steps.trim_end_matches(':');
+    let part = match words.next()? {
+        "broadcast A block along the row" => SummaPart::BroadcastA,
+        "broadcast B block along the column" => SummaPart::BroadcastB,
+        "multiply" => SummaPart::Multiply,
+        "multiply-accumulate" => SummaPart::MultiplyAccumulate,
+        "reduce C block along the row" | "reduce C block along the column" => SummaPart::ReduceC,
+        other => panic!("unknown part `{other}` in `{text}`"),
+    };
+    Some((product, step.parse().ok()?, steps.parse().ok()?, part))
+}
+
+/// Checks that the instruction is the part of a SUMMA step its kind says: broadcasts of A along the
+/// row and of B along the column, rooted at the step's member; the product; the reduction of C.
+fn assert_instruction_is_its_part(instr: &Instr, product: SummaProduct, step: u64, part: SummaPart, text: &str) {
+    let root = Some(step - 1);
+    match (part, instr) {
+        (SummaPart::BroadcastA | SummaPart::BroadcastB, Instr::Collective { collective: c, .. }) => {
+            let group = if part == SummaPart::BroadcastA { Group::Row } else { Group::Column };
+            assert_eq!((c.kind, c.group, c.root), (CollectiveKind::Broadcast, group, root), "{text}");
+        }
+        (SummaPart::ReduceC, Instr::Collective { collective: c, .. }) => {
+            let group = if product == SummaProduct::Atb { Group::Column } else { Group::Row };
+            assert_eq!((c.kind, c.group, c.root), (CollectiveKind::Reduce, group, root), "{text}");
+        }
+        (SummaPart::Multiply, Instr::Kernel { kernel: Kernel::MatMul { accumulate, .. }, .. }) => {
+            assert!(!accumulate && product != SummaProduct::Ab, "{text}");
+        }
+        (SummaPart::MultiplyAccumulate, Instr::Kernel { kernel: Kernel::MatMul { accumulate, .. }, .. }) => {
+            assert!(*accumulate == (step > 1) && product == SummaProduct::Ab, "{text}");
+        }
+        _ => panic!("`{text}` explains {instr:?}"),
+    }
+}
+
+/// Checks every SUMMA step of an optimus plan on a q x q mesh; returns how many instructions are steps.
+fn check_summa_steps(plan: &Plan, q: u64, what: &str) -> usize {
+    let mut steps_seen = 0;
+    let mut previous: Option<(SummaProduct, u64)> = None;
+    for (instr, reason) in explained(plan) {
+        let in_words = summa_in_words(&reason.text);
+        let ReasonKind::Summa { product, step, steps, part } = reason.kind else {
+            assert_eq!(in_words, None, "{what}: `{}` is {:?}", reason.text, reason.kind);
+            if let Instr::Collective { collective: c, .. } = instr {
+                let moves_blocks = matches!(c.kind, CollectiveKind::Broadcast | CollectiveKind::Reduce);
+                assert!(!moves_blocks, "{what}: a {:?} outside SUMMA: `{}`", c.kind, reason.text);
+            }
+            continue;
+        };
+        steps_seen += 1;
+        assert_eq!(in_words, Some((product, step, steps, part)), "{what}: `{}`", reason.text);
+        assert!(steps == q && (1..=q).contains(&step), "{what}: `{}`", reason.text);
+        assert_instruction_is_its_part(instr, product, step, part, &reason.text);
+        // Program order: a product's steps run 1 to q; the next product starts again at 1.
+        if let Some((p, s)) = previous.filter(|&(_, s)| s != step) {
+            let next = p == product && step == s + 1;
+            assert!(next || (step == 1 && s == q), "{what}: step {s} of {p:?}, then `{}`", reason.text);
+        }
+        previous = Some((product, step));
+    }
+    steps_seen
+}
+
+#[test]
+fn every_summa_step_of_every_example_says_its_product_step_and_part() {
+    let names = examples();
+    assert!(names.len() >= 7, "{names:?}");
+    for name in &names {
+        let plan = compile_example(name, (2, 2), MemoryOptions::DEFAULT);
+        let steps = check_summa_steps(&plan, 2, &format!("{name} 2x2"));
+        assert!(steps > 0, "{name}: no SUMMA steps");
+        let megatron = compile_example(name, (1, 4), MemoryOptions::DEFAULT);
+        for (instr, reason) in explained(&megatron) {
+            assert!(!matches!(reason.kind, ReasonKind::Summa { .. }), "{name} 1x4: `{}`", reason.text);
+            assert_eq!(summa_in_words(&reason.text), None, "{name} 1x4");
+            if let Instr::Kernel { kernel: Kernel::MatMul { .. } | Kernel::BatchedMatMul, .. } = instr {
+                assert_eq!(reason.kind, ReasonKind::LocalProduct, "{name} 1x4: `{}`", reason.text);
+            }
+        }
+    }
+}
+
+/// Recomputed copies keep the kind of what they recompute and name their block; bf16 casts say so.
+#[test]
+fn recomputed_and_bf16_instructions_keep_their_kinds() {
+    for q in [2, 4] {
+        let memory = MemoryOptions { recompute: Some(Recompute::Layers), precision: Precision::Bf16, zero: 0 };
+        let plan = compile_example("gpt2", (q, q), memory);
+        assert!(check_summa_steps(&plan, q, &format!("gpt2 {q}x{q} bf16 layers")) > 0);
+        let mut recomputed_steps = 0;
+        for (instr, reason) in explained(&plan) {
+            match &reason.recompute {
+                Some(unit) => {
+                    assert!(reason.text.starts_with(&format!("recompute of {unit}: ")), "{}", reason.text);
+                    recomputed_steps += usize::from(matches!(reason.kind, ReasonKind::Summa { .. }));
+                }
+                None => assert!(!reason.text.starts_with("recompute of "), "{}", reason.text),
+            }
+            if let Instr::Kernel { kernel: Kernel::Cast, .. } = instr {
+                assert_eq!(reason.kind, ReasonKind::Cast, "{}", reason.text);
+            }
+        }
+        assert!(recomputed_steps > 0, "the recomputed blocks' linears are SUMMA steps too");
+    }
+}
+
+/// The plan with `edit` applied to every reason.
+fn with_reasons(plan: &Plan, edit: impl Fn(&mut Reason)) -> Plan {
+    let mut edited = plan.clone();
+    edited.reasons.iter_mut().for_each(edit);
+    edited
+}
+
+#[test]
+fn the_simulator_overlaps_summa_steps_by_their_kind_not_their_text() {
+    let hw = Hardware::load("dgx-a100").expect("built-in profile");
+    let options = Options::default();
+    assert!(options.overlap);
+    for name in ["gpt2", "bert", "llama"] {
+        let plan = compile_example(name, (4, 4), MemoryOptions::DEFAULT);
+        let base = simulate(&plan, &hw, &options);
+        assert!(base.hidden_communication_s > 0.0, "{name}: {base:?}");
+        // Words mean nothing to it: the same numbers with every text replaced.
+        let words = with_reasons(&plan, |r| r.text = "SUMMA AB step 1 of 4: somewhere".to_string());
+        assert_eq!(simulate(&words, &hw, &options), base, "{name}");
+        // Without the kinds nothing hides behind a product; the same work is done.
+        let unkind = with_reasons(&plan, |r| {
+            if matches!(r.kind, ReasonKind::Summa { .. }) {
+                r.kind = ReasonKind::Compute;
+            }
+        });
+        let sim = simulate(&unkind, &hw, &options);
+        assert_eq!(sim.hidden_communication_s, 0.0, "{name}");
+        assert_eq!((sim.compute_s, sim.communication_s), (base.compute_s, base.communication_s), "{name}");
+        assert!(sim.step_time_s > base.step_time_s, "{name}");
+        // Steps that do not follow one another hide nothing either: a step hides behind the one before it.
+        let one_step = with_reasons(&plan, |r| {
+            if let ReasonKind::Summa { step, .. } = &mut r.kind {
+                *step = 1;
+            }
+        });
+        assert_eq!(simulate(&one_step, &hw, &options).hidden_communication_s, 0.0, "{name}");
+        // Not double-buffered: no hiding at all, whatever the kinds say.
+        let serial = simulate(&plan, &hw, &Options { overlap: false, ..options });
+        assert_eq!(serial.hidden_communication_s, 0.0, "{name}");
+        assert_eq!(serial.step_time_s, sim.step_time_s, "{name}");
+    }
+}
