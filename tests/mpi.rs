@@ -170,19 +170,48 @@ fn nine_processes_give_the_thread_backends_losses_and_weights() {
 }
 
 #[test]
-fn eight_processes_on_data_parallel_meshes_give_one_devices_losses() {
+fn eight_processes_on_data_parallel_meshes_give_one_devices_losses_and_weights() {
     // Two replicas of a 2x2 optimus mesh and of a 1x4 megatron mesh, with and without ZeRO-1: every
-    // process runs one device, and the losses are one device's with the whole batch.
-    let base = ["run", "examples/tiny.opt", "--steps", "3", "--json", "--seed", "7"];
-    let one = losses(&threads(&with(&base, &["--mesh", "1x1", "--strategy", "none"])));
-    for mesh in [&["--mesh", "2x2x2"][..], &["--mesh", "2x1x4", "--strategy", "megatron"]] {
+    // process runs one device, and the losses and final weights are one device's with the whole batch.
+    let base =
+        ["run", "examples/tiny.opt", "--steps", "3", "--json", "--seed", "7", "--optimizer", "sgd", "--lr", "0.1"];
+    let one_weights = scratch("one-device.safetensors");
+    let single = with(&base, &["--mesh", "1x1", "--strategy", "none", "--save-weights", text(&one_weights)]);
+    let one = losses(&threads(&single));
+    for (name, mesh) in [("2x2x2", &["--mesh", "2x2x2"][..]), ("2x1x4", &["--mesh", "2x1x4", "--strategy", "megatron"])]
+    {
         for zero in ["0", "1"] {
-            let args = with(&with(&base, mesh), &["--zero", zero]);
+            let weights = scratch(&format!("dp-{name}-zero{zero}.safetensors"));
+            let args = with(&with(&base, mesh), &["--zero", zero, "--save-weights", text(&weights)]);
             let mpi = losses(&mpirun(8, &args, &[]).0);
             assert_eq!(mpi.len(), one.len(), "{args:?}");
             for (step, (a, b)) in mpi.iter().zip(&one).enumerate() {
                 assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{args:?} step {step}: mpi {a} vs one device {b}");
             }
+            assert_same_weights(&weights, &one_weights, 1e-4);
+        }
+    }
+}
+
+fn text(path: &std::path::Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+/// Every tensor of two safetensors files agrees within `tolerance` (relative, floor 1e-2).
+fn assert_same_weights(got: &std::path::Path, want: &std::path::Path, tolerance: f32) {
+    let (a, b) = (std::fs::read(got).expect("saved"), std::fs::read(want).expect("saved"));
+    let (a, b) = (
+        safetensors::SafeTensors::deserialize(&a).expect("safetensors"),
+        safetensors::SafeTensors::deserialize(&b).expect("safetensors"),
+    );
+    assert_eq!(a.names().len(), b.names().len());
+    let floats =
+        |d: &[u8]| -> Vec<f32> { d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
+    for name in b.names() {
+        let (x, y) = (a.tensor(name).expect("same names"), b.tensor(name).expect("tensor"));
+        assert_eq!(x.shape(), y.shape(), "{name}");
+        for (p, q) in floats(x.data()).iter().zip(floats(y.data())) {
+            assert!((p - q).abs() <= tolerance * q.abs().max(1e-2), "{}: {name}: {p} vs {q}", got.display());
         }
     }
 }

@@ -211,7 +211,7 @@ impl Tally {
 pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
     let nodes = NodeMap::new(plan.mesh, hw.intra_node.gpus_per_node, options.placement);
     let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
-    let links: BTreeMap<Group, (LinkKind, Link)> = [Group::Row, Group::Column, Group::World]
+    let links: BTreeMap<Group, (LinkKind, Link)> = [Group::Row, Group::Column, Group::Data, Group::World]
         .into_iter()
         .map(|g| (g, (nodes.link_kind(g), nodes.link(g, hw, options.nic_sharing))))
         .collect();

@@ -241,6 +241,34 @@ fn recompute_line(plan: &Plan) -> Option<String> {
     })
 }
 
+/// What the replicas do: each trains on its share of the batch; under ZeRO-1 the optimizer state and
+/// master weights are split over them (with the bytes that saves per device).
+fn data_parallel_line(plan: &Plan) -> String {
+    let replicas = plan.mesh.data;
+    let head = format!(
+        "data parallelism: {replicas} replicas of the {}x{} mesh, each on 1/{replicas} of the batch; gradients summed over the replicas",
+        plan.mesh.rows, plan.mesh.cols
+    );
+    if plan.zero == 0 {
+        return head;
+    }
+    let is_split = |id: super::BufferId| {
+        plan.buffer(id).layout.0[crate::shard::layout::DATA_AXIS] != crate::shard::layout::Placement::Replicate
+    };
+    let split: Vec<&super::PlanParam> = plan.params.iter().filter(|p| is_split(p.buffer)).collect();
+    let saved: u64 = split
+        .iter()
+        .flat_map(|p| std::iter::once(p.buffer).chain(p.state.iter().copied()))
+        .map(|id| plan.buffer(id).bytes() * (replicas - 1))
+        .sum();
+    format!(
+        "{head}\nZeRO-1: optimizer state and master weights of {} of {} parameters split over the replicas, saving {} per device",
+        split.len(),
+        plan.params.len(),
+        human_bytes(saved)
+    )
+}
+
 pub fn render_text(plan: &Plan, r: &Report) -> String {
     let mut out = String::new();
     let precision = match r.precision {
@@ -257,6 +285,9 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
         r.mode,
         plan.program.len()
     );
+    if plan.mesh.data > 1 {
+        let _ = writeln!(out, "{}", data_parallel_line(plan));
+    }
     for p in &r.padding {
         let _ = writeln!(out, "padding: `{}` dimension {} padded from {} to {}", p.tensor, p.dim, p.logical, p.padded);
     }
