@@ -159,7 +159,7 @@ fn json_lists_fitting_configurations_best_first() {
 }
 
 #[test]
-fn o_writes_a_plan_that_run_accepts() {
+fn o_writes_a_data_parallel_plan_that_run_accepts() {
     let dir = match tempfile::tempdir() {
         Ok(d) => d,
         Err(e) => panic!("{e}"),
@@ -170,7 +170,7 @@ fn o_writes_a_plan_that_run_accepts() {
         "plan",
         &tiny.to_string_lossy(),
         "--devices",
-        "4",
+        "16",
         "--hardware",
         "dgx-a100",
         "-o",
@@ -183,6 +183,23 @@ fn o_writes_a_plan_that_run_accepts() {
     let accum = hint.split("--accum ").nth(1).and_then(|t| t.split('`').next()).unwrap_or("1").to_string();
     let (code, _, err) = optimusc(&["run", &out.to_string_lossy(), "--steps", "1", "--accum", &accum]);
     assert_eq!(code, 0, "run refused the plan ({hint}): {err}");
+    // The written plan is the winner's: its replicas, tensor mesh, ZeRO stage and micro step's batch.
+    let (code, listing, err) =
+        optimusc(&["plan", &tiny.to_string_lossy(), "--devices", "16", "--hardware", "dgx-a100", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let listing: serde_json::Value = serde_json::from_str(&listing).unwrap_or_default();
+    let best = &listing["configurations"][0];
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap_or_default()).unwrap_or_default();
+    let mesh = &plan["mesh"];
+    let data = mesh["data"].as_u64().unwrap_or(1);
+    assert!(data > 1, "on 16 devices the winner replicates its mesh ({best}), so the plan has a data axis");
+    assert_eq!(Some(data), best["data"].as_u64(), "{mesh} against {best}");
+    assert_eq!(format!("{}x{}", mesh["rows"], mesh["cols"]), best["mesh"].as_str().unwrap_or_default());
+    assert_eq!(plan["zero"].as_u64().unwrap_or(0), best["zero"].as_u64().unwrap_or(9));
+    let batch = plan["config"].as_array().and_then(|c| c.iter().find(|kv| kv[0] == "batch")).map(|kv| kv[1].clone());
+    let micro = best["micro_batch"].as_u64().unwrap_or(0);
+    assert_eq!(batch.and_then(|b| b["Int"].as_u64().or(b.as_u64())), Some(data * micro), "{}", plan["config"]);
 }
 
 #[test]

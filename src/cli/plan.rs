@@ -253,13 +253,6 @@ fn render(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> String {
     if let Some(why) = &outcome.why {
         let _ = writeln!(out, "why: {}", why.text);
     }
-    if outcome.ranked.iter().take(usize::try_from(args.top).unwrap_or(usize::MAX)).any(|s| s.data_parallel_estimated) {
-        let _ = writeln!(
-            out,
-            "note: DP > 1 rows add an analytic data-parallel reduction (a ring all-reduce of the local gradients \
-             over the inter-node link) to the simulated replica"
-        );
-    }
     if let (Some(path), Some(best)) = (&args.output, outcome.ranked.first()) {
         let _ = writeln!(out, "wrote {}: {}", path.display(), run_hint(path, &best.config));
     }
@@ -283,19 +276,14 @@ fn render_trace(out: &mut String, outcome: &Outcome) {
 }
 
 fn run_hint(path: &std::path::Path, best: &Config) -> String {
-    let replica = if best.parallelism.data > 1 {
-        format!(" (the plan of one replica, at micro-batch {})", best.micro_batch)
-    } else {
-        String::new()
-    };
     let accum = if best.accumulation > 1 { format!(" --accum {}", best.accumulation) } else { String::new() };
-    format!("run it with `optimusc run {}{accum}`{replica}", path.display())
+    format!("run it with `optimusc run {}{accum}`", path.display())
 }
 
 fn render_table(out: &mut String, outcome: &Outcome, top: u64) {
     let _ = writeln!(
         out,
-        "{:>4}  {:<9} {:<7} {:>4} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>11} {:>14} {:>6} {:>11}",
+        "{:>4}  {:<9} {:<7} {:>4} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>14} {:>6} {:>11}",
         "rank",
         "strategy",
         "mesh",
@@ -307,6 +295,7 @@ fn render_table(out: &mut String, outcome: &Outcome, top: u64) {
         "step time",
         "compute",
         "exposed comm",
+        "of it DP",
         "tokens/s",
         "MFU",
         "peak/device"
@@ -319,7 +308,7 @@ fn render_table(out: &mut String, outcome: &Outcome, top: u64) {
 fn row(rank: usize, s: &Scored) -> String {
     let c = &s.config;
     format!(
-        "{:>4}  {:<9} {:<7} {:>4} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>11} {:>14} {:>5.1}% {:>11}",
+        "{:>4}  {:<9} {:<7} {:>4} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>14} {:>5.1}% {:>11}",
         rank,
         c.parallelism.strategy.name(),
         c.parallelism.mesh.to_string(),
@@ -331,6 +320,7 @@ fn row(rank: usize, s: &Scored) -> String {
         seconds(s.step_time_s),
         seconds(s.compute_s),
         seconds(s.exposed_communication_s),
+        seconds(s.data_parallel_s),
         group_digits(s.tokens_per_second.round() as u128),
         100.0 * s.mfu,
         human_bytes(s.peak_bytes_per_device)

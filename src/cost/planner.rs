@@ -3,6 +3,9 @@
 //! ZeRO stage), compiles the promising ones, checks each against device memory with the plan's own
 //! memory plan, scores it with the step simulator, and ranks them. Nothing here prints.
 //!
+//! A configuration is compiled as the plan of the whole mesh (`Mesh.data` replicas, its ZeRO stage) at
+//! the micro-batch: the data-parallel reductions are in the plan, and the simulator costs them.
+//!
 //! Pruning, all of it counted in [`Counts`]:
 //! - a layout (strategy, tensor mesh, data-parallel degree) whose batch does not split, or whose
 //!   first compilation fails, is illegal as a whole;
@@ -10,17 +13,15 @@
 //!   only its largest fitting micro-batch, found by compiling a few guesses (a line through the peaks
 //!   already compiled) until it is bracketed between a fitting one and the next one that does not fit;
 //! - a recompute level is only tried at micro-batches where the cheaper levels do not fit;
-//! - a group whose compute lower bound (its matrix-product FLOPs at the peak rate, plus the
-//!   data-parallel reduction) already loses to the best step found is skipped.
+//! - a group whose compute lower bound (its matrix-product FLOPs at the peak rate, plus one micro
+//!   step's data-parallel communication) already loses to the best step found is skipped;
+//! - a layout whose parameters and optimizer state alone overflow the memory is not compiled again.
 
-use super::collective::collective_time;
 use super::hardware::Hardware;
 use super::search::{Source, batch_multiple, batch_override, integer_sqrt};
 use super::step::{Options, Simulation, kernel_time, simulate};
 use crate::plan::report::kernel_flops;
-use crate::plan::{
-    Buffer, CollectiveKind, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Recompute, Strategy,
-};
+use crate::plan::{Buffer, Group, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Recompute, Strategy};
 use crate::shard::Target;
 use serde::{Serialize, Serializer};
 use std::collections::HashMap;
@@ -71,14 +72,19 @@ pub struct Config {
 }
 
 impl Config {
-    /// What the compiler is asked for (the per-replica tensor-parallel plan at the micro-batch).
+    /// What the compiler is asked for: the tensor mesh replicated `data` times, with the ZeRO stage.
     pub fn target(&self, mode: Mode) -> Target {
         Target {
-            mesh: self.parallelism.mesh,
+            mesh: self.parallelism.mesh.with_data(self.parallelism.data),
             strategy: self.parallelism.strategy,
             mode,
-            memory: MemoryOptions { recompute: Some(self.recompute), precision: self.precision },
+            memory: MemoryOptions { recompute: Some(self.recompute), precision: self.precision, zero: self.zero },
         }
+    }
+
+    /// The `batch` a micro step of the whole mesh reads: the micro-batch of every replica.
+    pub fn step_batch(&self) -> u64 {
+        self.parallelism.data * self.micro_batch
     }
 
     /// "optimus 8x8 DP 1, micro-batch 8 x 1, recompute none, f32, zero 0".
@@ -96,7 +102,7 @@ impl Config {
 
     /// The configuration whose compiled plan this one's memory and timing come from.
     fn compile_key(&self) -> Config {
-        Config { accumulation: 0, zero: compiled_zero(self.zero), ..*self }
+        Config { accumulation: 0, ..*self }
     }
 }
 
@@ -119,15 +125,16 @@ pub struct Scored {
     #[serde(flatten)]
     pub config: Config,
     pub devices: u64,
-    /// The whole update: `accumulation` micro steps, the data-parallel gradient reduction, the optimizer.
+    /// The whole update: `accumulation` micro steps of the whole mesh, with the optimizer step once.
     pub step_time_s: f64,
-    /// One simulated micro step of one replica (with its optimizer step).
+    /// One simulated micro step of the whole mesh (with its optimizer step).
     pub micro_step_s: f64,
     /// Kernels of the update: accumulation x (micro-step kernels - optimizer) + optimizer.
     pub compute_s: f64,
-    /// Exposed communication of the update: accumulation x the micro step's, plus the data-parallel part.
+    /// Exposed communication of the update: accumulation x the micro step's (data-parallel included).
     pub exposed_communication_s: f64,
-    /// The data-parallel gradient reduction (all-reduce, or reduce-scatter + all-gather with zero 1).
+    /// Exposed communication over the replicas in the update (the gradient reductions, and with zero 1
+    /// the reduce-scatters and all-gathers), one set per micro step as `run --accum` runs them.
     pub data_parallel_s: f64,
     pub optimizer_s: f64,
     pub tokens_per_step: u64,
@@ -135,8 +142,6 @@ pub struct Scored {
     pub mfu: f64,
     pub peak_bytes_per_device: u64,
     pub capacity_bytes: u64,
-    /// Whether the data-parallel part is an analytic estimate rather than compiled and simulated.
-    pub data_parallel_estimated: bool,
 }
 
 /// How many configurations went where. Every enumerated configuration is counted in exactly one of
@@ -236,9 +241,9 @@ pub struct NoPlan {
     pub counts: Counts,
 }
 
-/// Compiles one configuration: its per-replica tensor-parallel plan at its micro-batch.
+/// Compiles one configuration: the plan of the whole mesh (every replica) for one micro step.
 pub fn compile_candidate(source: &Source, config: &Config, mode: Mode) -> Result<Plan, String> {
-    source.compile(config.target(mode), &[batch_override(config.micro_batch)])
+    source.compile(config.target(mode), &[batch_override(config.step_batch())])
 }
 
 /// What the search keeps of a compiled plan (plans are large; they are not kept).
@@ -247,10 +252,6 @@ struct Compiled {
     peak_bytes: u64,
     /// Parameters and optimizer state: alive at every instruction, whatever the micro-batch.
     persistent_bytes: u64,
-    /// What ZeRO-1 shards over the replicas: the optimizer state, and in bf16 the float32 master weights.
-    zero_shardable_bytes: u64,
-    /// What ZeRO-1 adds back: in bf16, the bf16 working copy of the weights each replica computes with.
-    zero_working_bytes: u64,
     /// Non-persistent bytes that do not grow with the micro-batch (the local gradients).
     gradient_bytes: u64,
     /// Matrix-product time at the peak rate, per micro-batch sequence (a lower bound on compute).
@@ -261,9 +262,6 @@ struct Compiled {
 
 fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
     let m = &plan.memory;
-    let bf16 = plan.precision == Precision::Bf16;
-    let zero_shardable_bytes = m.optimizer_state + if bf16 { m.parameters } else { 0 };
-    let zero_working_bytes = if bf16 { m.parameters / 2 } else { 0 };
     let mut matrix_s = 0.0;
     let mut optimizer_s = 0.0;
     for instr in &plan.program {
@@ -282,8 +280,6 @@ fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
     Compiled {
         peak_bytes: m.peak_bytes,
         persistent_bytes: m.parameters + m.optimizer_state,
-        zero_shardable_bytes,
-        zero_working_bytes,
         gradient_bytes: m.gradients,
         matrix_s_per_sequence: matrix_s / micro_batch.max(1) as f64,
         optimizer_s,
@@ -291,101 +287,47 @@ fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
     }
 }
 
-// ---------------------------------------------------------------------------------------------------
-// The data-parallel estimate. Plans do not carry the data-parallel axis yet: a configuration with
-// DP > 1 is compiled as its per-replica tensor-parallel plan, and the gradient reduction over the
-// replicas and ZeRO-1's memory saving are estimated here. When plans carry `Mesh.data` and
-// `Target.zero`, these go: the compiled plan holds the reduction, and the simulator costs it.
-// ---------------------------------------------------------------------------------------------------
-
-/// The ZeRO stage the compiled plan has (0 until plans carry the stage).
-fn compiled_zero(_zero: u8) -> u8 {
-    0
+/// Exposed seconds of one micro step's communication over the replicas.
+fn data_parallel_exposed_s(sim: &Simulation) -> f64 {
+    sim.communication.iter().filter(|c| c.group == Group::Data.name()).fold(0.0, |sum, c| sum + c.exposed_s)
 }
 
-/// Whether the data-parallel part of a configuration is estimated rather than compiled.
-fn data_parallel_estimated(config: &Config) -> bool {
-    config.parallelism.data > 1
-}
-
-/// Seconds of the gradient reduction over the replicas: a ring all-reduce of the local gradient bytes
-/// over DP devices, 2 (DP-1) alpha + 2 (DP-1)/DP bytes / bandwidth, on the inter-node link (each
-/// device's share of its node's NIC) unless all replicas sit in one node. ZeRO-1's reduce-scatter
-/// plus all-gather moves the same bytes in the same number of steps.
-fn data_parallel_reduction_s(gradient_bytes: u64, config: &Config, hw: &Hardware) -> f64 {
-    let p = config.parallelism;
-    if p.data <= 1 || gradient_bytes == 0 {
-        // One replica, or nothing to reduce (inference).
-        return 0.0;
-    }
-    let devices = p.tensor_devices() * p.data;
-    let link = if devices <= hw.intra_node.gpus_per_node { hw.intra_link() } else { hw.inter_link() };
-    collective_time(CollectiveKind::AllReduce, p.data, gradient_bytes as f64, link, super::Algorithm::Ring)
-}
-
-/// Bytes per device that ZeRO-1 saves: the shardable state less its 1/DP slice, less (in bf16) the
-/// bf16 working copy of the weights that each replica then keeps besides its slice of the master.
-fn zero_saving_bytes(compiled: &Compiled, config: &Config) -> u64 {
-    if config.zero == 0 || compiled_zero(config.zero) == config.zero || config.parallelism.data <= 1 {
-        return 0;
-    }
-    let sharded_away = compiled.zero_shardable_bytes - compiled.zero_shardable_bytes / config.parallelism.data;
-    sharded_away.saturating_sub(compiled.zero_working_bytes)
-}
-
-/// The optimizer's time in the update: ZeRO-1 updates a 1/DP slice on each replica.
-fn optimizer_share_s(compiled: &Compiled, config: &Config) -> f64 {
-    if config.zero == 1 && compiled_zero(config.zero) == 0 && config.parallelism.data > 1 {
-        compiled.optimizer_s / config.parallelism.data as f64
-    } else {
-        compiled.optimizer_s
-    }
-}
-
-// --------------------------------------------------------------------------------------------------- //
-
-/// Peak bytes per device of a configuration, from its compiled plan.
-fn peak_of(compiled: &Compiled, config: &Config) -> u64 {
-    compiled.peak_bytes - zero_saving_bytes(compiled, config)
-}
-
-/// Scores a configuration from its compiled plan's simulation.
+/// Scores a configuration from its compiled plan's simulation: `accumulation` micro steps of the whole
+/// mesh, with the optimizer step once.
 fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Request) -> Scored {
     let a = config.accumulation as f64;
-    let replicas = config.parallelism.data;
-    let optimizer_s = optimizer_share_s(compiled, config);
-    let data_parallel_s = data_parallel_reduction_s(compiled.gradient_bytes, config, request.hardware);
-    let compute_s = a * (sim.compute_s - compiled.optimizer_s) + optimizer_s;
-    let exposed_communication_s = a * sim.exposed_communication_s + data_parallel_s;
+    let optimizer_s = compiled.optimizer_s;
+    let compute_s = a * (sim.compute_s - optimizer_s) + optimizer_s;
+    let exposed_communication_s = a * sim.exposed_communication_s;
     let step_time_s = compute_s + exposed_communication_s;
-    let tokens_per_step = sim.tokens_per_step * config.accumulation * replicas;
+    let tokens_per_step = sim.tokens_per_step * config.accumulation;
     let micro_flops = sim.mfu * sim.step_time_s;
     Scored {
         config: *config,
-        devices: config.parallelism.tensor_devices() * replicas,
+        devices: sim.devices,
         step_time_s,
         micro_step_s: sim.step_time_s,
         compute_s,
         exposed_communication_s,
-        data_parallel_s,
+        data_parallel_s: a * data_parallel_exposed_s(sim),
         optimizer_s,
         tokens_per_step,
         tokens_per_second: if step_time_s > 0.0 { tokens_per_step as f64 / step_time_s } else { 0.0 },
-        // Model FLOPs scale with the tokens (x accumulation x replicas), capacity with devices and time.
+        // Model FLOPs scale with the tokens (x accumulation), capacity with the time.
         mfu: if step_time_s > 0.0 { micro_flops * a / step_time_s } else { 0.0 },
-        peak_bytes_per_device: peak_of(compiled, config),
+        peak_bytes_per_device: compiled.peak_bytes,
         capacity_bytes: request.capacity,
-        data_parallel_estimated: data_parallel_estimated(config),
     }
 }
 
 /// A lower bound on a configuration's step: its matrix products at the peak rate for the whole
-/// per-replica batch, plus the data-parallel reduction. Products scale with the micro-batch, and the
-/// recomputation of heavier levels only adds to them.
-fn lower_bound_s(compiled: &Compiled, config: &Config, request: &Request) -> f64 {
+/// per-replica batch, plus one micro step's exposed communication over the replicas (which does not
+/// shrink with the micro-batch: it reduces the gradients). Products scale with the micro-batch, and
+/// the recomputation of heavier levels only adds to them.
+fn lower_bound_s(compiled: &Compiled, config: &Config) -> f64 {
     let batch = config.micro_batch * config.accumulation;
-    compiled.matrix_s_per_sequence * batch as f64
-        + data_parallel_reduction_s(compiled.gradient_bytes, config, request.hardware)
+    let data_parallel = compiled.simulation.as_ref().map_or(0.0, data_parallel_exposed_s);
+    compiled.matrix_s_per_sequence * batch as f64 + data_parallel
 }
 
 /// The layouts of `devices`: every tensor-device count t dividing it, as optimus q x q (q >= 2),
@@ -395,13 +337,13 @@ pub fn layouts(devices: u64) -> Vec<Parallelism> {
     for t in divisors(devices).into_iter().rev() {
         let data = devices / t;
         if let Some(q) = integer_sqrt(t).filter(|&q| q >= 2) {
-            out.push(Parallelism { strategy: Strategy::Optimus, mesh: Mesh { rows: q, cols: q }, data });
+            out.push(Parallelism { strategy: Strategy::Optimus, mesh: Mesh::new(q, q), data });
         }
         if t >= 2 {
-            out.push(Parallelism { strategy: Strategy::Megatron, mesh: Mesh { rows: 1, cols: t }, data });
+            out.push(Parallelism { strategy: Strategy::Megatron, mesh: Mesh::new(1, t), data });
         }
         if t == 1 {
-            out.push(Parallelism { strategy: Strategy::None, mesh: Mesh { rows: 1, cols: 1 }, data });
+            out.push(Parallelism { strategy: Strategy::None, mesh: Mesh::new(1, 1), data });
         }
     }
     out
@@ -471,7 +413,7 @@ pub fn configurations(devices: u64, global_batch: u64, mode: Mode, precisions: &
 pub fn evaluate(request: &Request, config: &Config) -> Result<Scored, String> {
     let plan = compile_candidate(request.source, config, request.mode)?;
     let compiled = summarise(&plan, request.hardware, config.micro_batch);
-    let peak = peak_of(&compiled, config);
+    let peak = compiled.peak_bytes;
     if peak > request.capacity {
         return Err(format!("needs {peak} bytes per device, more than {}", request.capacity));
     }
@@ -505,12 +447,12 @@ struct Search<'a> {
 }
 
 /// One group: a layout, precision, recompute level and ZeRO stage, over its micro-batches.
-struct Group<'m> {
+struct SearchGroup<'m> {
     base: Config,
     ms: &'m [u64],
 }
 
-impl Group<'_> {
+impl SearchGroup<'_> {
     fn label(&self) -> String {
         let b = &self.base;
         format!("{}, recompute {}, {}, zero {}", b.parallelism.label(), b.recompute.name(), b.precision.name(), b.zero)
@@ -557,8 +499,7 @@ impl<'a> Search<'a> {
         let request = self.request;
         let result = compile_candidate(request.source, config, request.mode).map(|plan| {
             let mut c = summarise(&plan, request.hardware, config.micro_batch);
-            let best_case = Config { zero: 1, ..*config };
-            if peak_of(&c, &best_case) <= request.capacity {
+            if c.peak_bytes <= request.capacity {
                 self.counts.simulated += 1;
                 c.simulation = Some(simulate(&plan, request.hardware, &request.options));
             }
@@ -574,7 +515,7 @@ impl<'a> Search<'a> {
     /// Whether a configuration fits; records a fitting one's score, and a failing one's reason.
     fn fits(&mut self, config: &Config) -> Result<bool, String> {
         let compiled = self.compiled(config)?;
-        let peak = peak_of(&compiled, config);
+        let peak = compiled.peak_bytes;
         if peak > self.request.capacity {
             let reason = format!(
                 "needs {} per device, more than {}",
@@ -592,50 +533,52 @@ impl<'a> Search<'a> {
         Ok(true)
     }
 
-    /// The next micro-batch index to compile in (lo, hi): the largest a line through the peaks compiled
-    /// so far says fits (the bottom first, then the successor of what fits when the line says nothing).
-    fn guess(&self, group: &Group, lo: Option<usize>, hi: usize) -> usize {
-        let Some(lo) = lo else { return 0 };
-        let line = self.peak_line(group, lo, hi);
+    /// The next micro-batch index to compile in (lo, hi) (lo: the largest known to fit; the bottom of the
+    /// range when none is): the largest that a line through the group's compiled peaks says fits, or
+    /// lo's successor when the line says none does (to confirm lo is the largest).
+    fn guess(&self, group: &SearchGroup, from: usize, lo: Option<usize>, hi: usize) -> usize {
+        let Some(lo) = lo else { return from };
         let first = lo + 1;
-        let Some((fixed, per_sequence)) = line else { return first };
+        let Some((fixed, per_sequence)) = self.peak_line(group, lo, hi) else { return first };
         let capacity = self.request.capacity as f64;
-        let extra = self.cached(&group.at(lo)).map_or(0, |c| zero_saving_bytes(c, &group.at(lo))) as f64;
-        (first..hi)
-            .rev()
-            .find(|&i| fixed + per_sequence * group.ms[i] as f64 - extra <= capacity)
-            .unwrap_or(first)
-            .min(hi - 1)
+        (first..hi).rev().find(|&i| fixed + per_sequence * group.ms[i] as f64 <= capacity).unwrap_or(first)
     }
 
     fn cached(&self, config: &Config) -> Option<&Compiled> {
         self.cache.get(&config.compile_key()).and_then(|r| r.as_ref().ok())
     }
 
-    /// Peak = fixed + per_sequence * m: through the fitting point `lo` and the failing point `hi` when
-    /// it was compiled (a chord, which over-estimates a convex peak), else through `lo` assuming that
-    /// all but the persistent bytes and the gradients grow with the micro-batch.
-    fn peak_line(&self, group: &Group, lo: usize, hi: usize) -> Option<(f64, f64)> {
-        let low = self.cached(&group.at(lo))?;
-        let m0 = group.ms[lo] as f64;
-        let p0 = low.peak_bytes as f64;
-        if let Some(high) = group.ms.get(hi).and_then(|_| self.cached(&group.at(hi))) {
-            let slope = (high.peak_bytes as f64 - p0) / (group.ms[hi] as f64 - m0);
-            return Some((p0 - slope * m0, slope));
+    /// Peak = fixed + per_sequence * m, through the group's compiled points: the chord between the
+    /// fitting point `lo` and the failing point `hi` when both were compiled (a chord over-estimates a
+    /// convex peak), else through the one nearest below `hi`, assuming that all but the persistent bytes
+    /// and the gradients grow with the micro-batch.
+    fn peak_line(&self, group: &SearchGroup, lo: usize, hi: usize) -> Option<(f64, f64)> {
+        let point = |i: usize| group.ms.get(i).and_then(|_| self.cached(&group.at(i))).map(|c| (group.ms[i] as f64, c));
+        if let (Some((m0, low)), Some((m1, high))) = (point(lo), point(hi)) {
+            let slope = (high.peak_bytes as f64 - low.peak_bytes as f64) / (m1 - m0);
+            return Some((low.peak_bytes as f64 - slope * m0, slope));
         }
-        let fixed = (low.persistent_bytes + low.gradient_bytes) as f64;
+        let (m0, anchor) = (0..=hi.min(group.ms.len() - 1)).rev().find_map(point)?;
+        let p0 = anchor.peak_bytes as f64;
+        let fixed = (anchor.persistent_bytes + anchor.gradient_bytes) as f64;
         let slope = ((p0 - fixed) / m0).max(0.0);
         Some((p0 - slope * m0, slope))
     }
 
-    /// The largest fitting micro-batch of a group among indices `from..`, with the lower-bound check
-    /// after the first compilation.
-    fn search_group(&mut self, group: &Group, from: usize, first_of_layout: bool) -> GroupEnd {
-        let mut lo: Option<usize> = None;
+    /// The largest fitting micro-batch of a group among indices `from..` (`known_fit`: one that fits
+    /// already, without compiling it), with the lower-bound check after the first compilation.
+    fn search_group(
+        &mut self,
+        group: &SearchGroup,
+        from: usize,
+        known_fit: Option<usize>,
+        first_of_layout: bool,
+    ) -> GroupEnd {
+        let mut lo: Option<usize> = known_fit.filter(|&k| k >= from);
         let mut hi = group.ms.len();
         let mut first = true;
         while lo.map_or(from, |l| l + 1) < hi {
-            let index = if lo.is_none() { from } else { self.guess(group, lo, hi) };
+            let index = self.guess(group, from, lo, hi);
             let config = group.at(index);
             match self.fits(&config) {
                 Ok(true) => lo = Some(index),
@@ -648,7 +591,7 @@ impl<'a> Search<'a> {
             }
             if first {
                 first = false;
-                let bound = self.cached(&config).map(|c| lower_bound_s(c, &config, self.request));
+                let bound = self.cached(&config).map(|c| lower_bound_s(c, &config));
                 let undecided = lo.map_or(from, |l| l + 1) < hi;
                 if undecided && bound.is_some_and(|b| b >= self.best_s) {
                     return GroupEnd::Bounded;
@@ -658,7 +601,7 @@ impl<'a> Search<'a> {
         GroupEnd::Fits(lo)
     }
 
-    fn trace(&mut self, group: &Group, from: usize, result: String, compilations: u64) {
+    fn trace(&mut self, group: &SearchGroup, from: usize, result: String, compilations: u64) {
         let micro_batches = group.ms.get(from..).unwrap_or_default().to_vec();
         self.groups.push(GroupTrace { group: group.label(), micro_batches, result, compilations });
     }
@@ -668,9 +611,9 @@ impl<'a> Search<'a> {
     fn persistent_too_large(&self, base: &Config) -> Option<String> {
         let compiled = self.cache.iter().find_map(|(k, c)| {
             let same = k.parallelism == base.parallelism && k.precision == base.precision;
-            (same && k.zero == compiled_zero(base.zero)).then_some(c.as_ref().ok()).flatten()
+            (same && k.zero == base.zero).then_some(c.as_ref().ok()).flatten()
         })?;
-        let persistent = compiled.persistent_bytes - zero_saving_bytes(compiled, base);
+        let persistent = compiled.persistent_bytes;
         (persistent > self.request.capacity).then(|| {
             format!(
                 "too large: parameters and optimizer state alone take {} per device",
@@ -691,9 +634,11 @@ impl<'a> Search<'a> {
         let mut bounded: Vec<bool> = vec![false; zeros.len()];
         let mut first_of_layout = !self.cache.keys().any(|k| k.parallelism == *p);
         for (li, &recompute) in levels.iter().enumerate() {
+            // Per ZeRO stage: the largest micro-batch index this level fits.
+            let mut level_fit: Vec<Option<usize>> = vec![None; zeros.len()];
             for (zi, &zero) in zeros.iter().enumerate() {
                 let base = Config { parallelism: *p, micro_batch: 0, accumulation: 0, recompute, precision, zero };
-                let group = Group { base, ms };
+                let group = SearchGroup { base, ms };
                 let from = fitted[zi];
                 self.counts.dominated_recompute += from as u64;
                 let left = n - from as u64;
@@ -712,8 +657,10 @@ impl<'a> Search<'a> {
                     self.trace(&group, from, result, 0);
                     continue;
                 }
+                // ZeRO-1 needs no more memory than ZeRO-0: what ZeRO-0 fits at this level, it fits.
+                let known_fit = if zi > 0 { level_fit[zi - 1] } else { None };
                 let compiled_before = self.counts.compiled;
-                let end = self.search_group(&group, from, first_of_layout);
+                let end = self.search_group(&group, from, known_fit, first_of_layout);
                 let compilations = self.counts.compiled - compiled_before;
                 first_of_layout = false;
                 let scored = (from..ms.len()).filter(|&i| self.scored.contains_key(&group.at(i))).count() as u64;
@@ -742,6 +689,7 @@ impl<'a> Search<'a> {
                         self.counts.dominated_micro_batch += fitting - scored;
                         self.counts.too_large += n - 1 - top as u64;
                         fitted[zi] = top + 1;
+                        level_fit[zi] = Some(top);
                         format!("largest fitting micro-batch {} ({scored} simulated)", ms[top])
                     }
                 };
@@ -947,7 +895,7 @@ mod tests {
 
     #[test]
     fn micro_batches_respect_the_replicas_and_the_mesh_rows() {
-        let optimus = |q, data| Parallelism { strategy: Strategy::Optimus, mesh: Mesh { rows: q, cols: q }, data };
+        let optimus = |q, data| Parallelism { strategy: Strategy::Optimus, mesh: Mesh::new(q, q), data };
         assert_eq!(micro_batches(&optimus(2, 2), 24, Mode::Train), Ok(vec![2, 4, 6, 12]));
         assert!(micro_batches(&optimus(4, 4), 8, Mode::Train).is_err(), "a replica's 2 sequences do not split 4 ways");
         assert!(micro_batches(&optimus(2, 3), 8, Mode::Train).is_err(), "8 sequences do not split over 3 replicas");
