@@ -601,6 +601,25 @@ impl<'a> Search<'a> {
         GroupEnd::Fits(lo)
     }
 
+    /// Compiles and scores the group's largest fitting micro-batch when the search took it as known
+    /// (from a ZeRO-0 search) without compiling it; if it does not fit after all, the largest below.
+    fn confirm_top(&mut self, group: &SearchGroup, top: usize) -> GroupEnd {
+        let mut index = top;
+        loop {
+            let config = group.at(index);
+            if self.scored.contains_key(&config) {
+                return GroupEnd::Fits(Some(index));
+            }
+            if let Ok(true) = self.fits(&config) {
+                return GroupEnd::Fits(Some(index));
+            }
+            match index.checked_sub(1) {
+                Some(below) => index = below,
+                None => return GroupEnd::Fits(None),
+            }
+        }
+    }
+
     fn trace(&mut self, group: &SearchGroup, from: usize, result: String, compilations: u64) {
         let micro_batches = group.ms.get(from..).unwrap_or_default().to_vec();
         self.groups.push(GroupTrace { group: group.label(), micro_batches, result, compilations });
@@ -660,7 +679,10 @@ impl<'a> Search<'a> {
                 // ZeRO-1 needs no more memory than ZeRO-0: what ZeRO-0 fits at this level, it fits.
                 let known_fit = if zi > 0 { level_fit[zi - 1] } else { None };
                 let compiled_before = self.counts.compiled;
-                let end = self.search_group(&group, from, known_fit, first_of_layout);
+                let end = match self.search_group(&group, from, known_fit, first_of_layout) {
+                    GroupEnd::Fits(Some(top)) => self.confirm_top(&group, top),
+                    other => other,
+                };
                 let compilations = self.counts.compiled - compiled_before;
                 first_of_layout = false;
                 let scored = (from..ms.len()).filter(|&i| self.scored.contains_key(&group.at(i))).count() as u64;
