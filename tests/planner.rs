@@ -226,3 +226,14 @@ fn bad_inputs_are_clear_errors() {
     assert_ne!(code, 0);
     assert_ne!(code, 101, "{err}");
 }
+
+#[test]
+fn giant_sizes_are_diagnostics_not_crashes() {
+    let gpt2 = example("gpt2.opt");
+    let gpt2 = gpt2.to_string_lossy();
+    for set in ["hidden=9223372036854775800", "context=4611686018427387904", "batch=1099511627776", "seq=4294967296"] {
+        let (code, _, err) = optimusc(&["plan", &gpt2, "--devices", "4", "--hardware", "dgx-a100", "--set", set]);
+        assert_eq!(code, 1, "--set {set}: {err}");
+        assert!(err.contains("error[E"), "--set {set}: {err}");
+    }
+}
