@@ -4,17 +4,14 @@
 //! replicas per step is the gradient bytes; ZeRO-1 shards the optimizer state and its checkpoints
 //! resume on another mesh; bad meshes and stages are clear errors.
 
+mod common;
+
+use common::{optimusc, read_weights, text};
 use optimus::check::check_source;
 use optimus::plan::{CollectiveKind, Group, Instr, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Role, Strategy};
 use optimus::shard::layout::{DATA_AXIS, Placement};
 use optimus::shard::{Target, compile};
-use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn optimusc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
-}
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("optimus-dp-{}", std::process::id())).join(name);
@@ -23,14 +20,9 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn text(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
-}
-
-/// A small GPT-2 with dropout on, whose batch of 8 divides every mesh here; AdamW with clipping and
-/// two micro-batches, so that every piece of the update crosses the replicas.
-const MODEL: [&str; 27] = [
-    "examples/gpt2.opt",
+/// Every example shrunk: two layers of width 32 (4 heads), a vocabulary of 101, batches of 8
+/// sequences of 8 tokens, which every mesh here divides.
+const SMALL: [&str; 16] = [
     "--set",
     "layers=2",
     "--set",
@@ -47,23 +39,22 @@ const MODEL: [&str; 27] = [
     "context=16",
     "--set",
     "batch=8",
-    "--set",
-    "pdrop=0.1",
-    "--seed",
-    "5",
-    "--eps",
-    "0.0001",
-    "--clip-grad-norm",
-    "0.5",
-    "--accum",
-    "2",
 ];
 
-/// Trains MODEL for 3 steps on `mesh` (with `extra` flags); returns the losses and the saved weights.
+/// Small GPT-2 with dropout on; AdamW with clipping and two micro-batches, so that every piece of the
+/// update crosses the replicas.
+const TRAINING: [&str; 10] =
+    ["--set", "pdrop=0.1", "--seed", "5", "--eps", "0.0001", "--clip-grad-norm", "0.5", "--accum", "2"];
+
+/// `run examples/gpt2.opt` shrunk, with the shared training settings.
+fn model_args() -> Vec<&'static str> {
+    [&["run", "examples/gpt2.opt"][..], &SMALL, &TRAINING].concat()
+}
+
+/// Trains the small GPT-2 for 3 steps on `mesh` (with `extra` flags); returns the losses and the saved weights.
 fn train(mesh: &[&str], extra: &[&str], dir: &Path, name: &str) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
     let weights = dir.join(format!("{name}.safetensors"));
-    let mut args = vec!["run"];
-    args.extend_from_slice(&MODEL);
+    let mut args = model_args();
     args.extend_from_slice(&["--steps", "3", "--json", "--save-weights", text(&weights)]);
     args.extend_from_slice(mesh);
     args.extend_from_slice(extra);
@@ -75,22 +66,6 @@ fn train(mesh: &[&str], extra: &[&str], dir: &Path, name: &str) -> (Vec<f64>, Ve
         .filter_map(|r| r.get("loss").and_then(serde_json::Value::as_f64))
         .collect();
     (losses, read_weights(&weights))
-}
-
-/// Every tensor of a safetensors file, by name, as f32 values.
-fn read_weights(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(path).expect("saved weights");
-    let file = SafeTensors::deserialize(&bytes).expect("safetensors");
-    let mut out: Vec<(String, Vec<f32>)> = file
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            (name, values)
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
 }
 
 fn relative(a: f64, b: f64) -> f64 {
@@ -137,24 +112,6 @@ fn training_on_data_parallel_meshes_equals_one_device_with_the_whole_batch() {
 /// Every example, shrunk, verifies on 2x2x2 with and without ZeRO-1.
 #[test]
 fn every_example_verifies_on_two_replicas_of_a_2x2_mesh() {
-    let small = [
-        "--set",
-        "layers=2",
-        "--set",
-        "hidden=32",
-        "--set",
-        "heads=4",
-        "--set",
-        "ffn=64",
-        "--set",
-        "vocab=101",
-        "--set",
-        "seq=8",
-        "--set",
-        "context=16",
-        "--set",
-        "batch=8",
-    ];
     for entry in std::fs::read_dir("examples").expect("examples") {
         let path = entry.expect("entry").path();
         if path.extension().and_then(|e| e.to_str()) != Some("opt") {
@@ -163,7 +120,7 @@ fn every_example_verifies_on_two_replicas_of_a_2x2_mesh() {
         let source = std::fs::read_to_string(&path).expect("reads");
         let mut args = vec!["verify", text(&path), "--mesh", "2x2x2"];
         if !path.ends_with("tiny.opt") {
-            args.extend_from_slice(&small);
+            args.extend_from_slice(&SMALL);
         }
         if source.contains("kv_heads") {
             args.extend_from_slice(&["--set", "kv_heads=2"]);
@@ -182,8 +139,13 @@ fn every_example_verifies_on_two_replicas_of_a_2x2_mesh() {
 }
 
 fn small_gpt2(mesh: Mesh, strategy: Strategy, zero: u8) -> Plan {
-    let source = std::fs::read_to_string("examples/gpt2.opt").expect("reads");
     let sets = [("layers", "2"), ("hidden", "64"), ("heads", "4"), ("ffn", "128"), ("vocab", "512"), ("seq", "16")];
+    gpt2(&sets, mesh, strategy, zero)
+}
+
+/// examples/gpt2.opt with `sets` (and 16-token contexts, batches of 8), compiled for training.
+fn gpt2(sets: &[(&str, &str)], mesh: Mesh, strategy: Strategy, zero: u8) -> Plan {
+    let source = std::fs::read_to_string("examples/gpt2.opt").expect("reads");
     let overrides: Vec<_> = sets
         .iter()
         .chain(&[("context", "16"), ("batch", "8")])
@@ -305,8 +267,7 @@ fn a_zero_1_checkpoint_resumes_on_one_device() {
     let dir = scratch("resume");
     let ckpt = dir.join("ckpt");
     let base = |steps: &'static str| {
-        let mut args = vec!["run"];
-        args.extend_from_slice(&MODEL);
+        let mut args = model_args();
         args.extend_from_slice(&["--steps", steps, "--json"]);
         args
     };
@@ -351,4 +312,30 @@ fn bad_data_parallel_meshes_and_stages_are_clear_errors() {
         assert!(stderr.contains(expected), "{flags:?}: expected `{expected}` in\n{stderr}");
         assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
     }
+}
+
+#[test]
+fn simulate_hides_gradient_sums_over_the_replicas_behind_the_backward_pass() {
+    use optimus::cost::hardware::Hardware;
+    use optimus::cost::step::{Options, simulate};
+    // About 60 MiB of gradients: three buckets, the first two summed while the backward pass goes on.
+    let sets = [("layers", "4"), ("hidden", "512"), ("heads", "8"), ("ffn", "2048"), ("vocab", "4096"), ("seq", "16")];
+    let plan = gpt2(&sets, Mesh::new(1, 1).with_data(4), Strategy::None, 0);
+    let hw = Hardware::load("dgx-a100").expect("profile");
+    let data = |overlap: bool| {
+        let sim = simulate(&plan, &hw, &Options { overlap, ..Options::default() });
+        let entry = sim.communication.iter().find(|c| c.group == "data" && c.kind == "all_reduce").cloned();
+        (sim, entry.expect("sums over the replicas"))
+    };
+    let (serial, serial_sums) = data(false);
+    let (overlapped, sums) = data(true);
+    assert_eq!(serial_sums.exposed_s, serial_sums.time_s, "without overlap every sum is exposed");
+    assert_eq!(sums.time_s, serial_sums.time_s);
+    assert!(sums.exposed_s < sums.time_s, "the backward pass after a bucket hides part of its sums");
+    let hidden = sums.time_s - sums.exposed_s;
+    assert!(
+        (serial.step_time_s - overlapped.step_time_s - hidden).abs() < 1e-12,
+        "the step is shorter by what is hidden"
+    );
+    assert_eq!(serial.compute_s, overlapped.compute_s);
 }

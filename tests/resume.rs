@@ -3,26 +3,20 @@
 //! step and leaves a checkpoint to resume from, `kill -9` at any moment never leaves a checkpoint that
 //! loads wrongly, a flipped byte is an error naming its file, and bad flag combinations are usage errors.
 
-use optimus::io::shards::Checkpoint;
-use safetensors::SafeTensors;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::Duration;
+mod common;
 
-fn optimusc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
-}
+use common::{optimusc, read_weights, text};
+use optimus::io::shards::Checkpoint;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("optimus-resume-{}", std::process::id())).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
-}
-
-fn text(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
 }
 
 /// Settings every run of a comparison shares: dropout on, AdamW with a cosine schedule and warm-up,
@@ -73,22 +67,6 @@ fn records(stdout: &str) -> Vec<(u64, f32)> {
         .collect()
 }
 
-/// Every tensor of a safetensors file, by name, as f32 values.
-fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(path).expect("saved weights");
-    let file = SafeTensors::deserialize(&bytes).expect("safetensors");
-    let mut out: Vec<(String, Vec<f32>)> = file
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            (name, values)
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
 const TWO_BY_TWO: &[&str] = &["--mesh", "2x2"];
 
 #[test]
@@ -103,7 +81,7 @@ fn a_run_resumed_on_the_same_mesh_is_bit_identical_to_one_that_never_stopped() {
     let after_3 = ckpt.join("step-00000003");
     let rest = train(TWO_BY_TWO, 6, &["--resume", text(&after_3), "--save-weights", text(&resumed)]);
     assert_eq!(rest, uninterrupted[3..], "steps 3..5 keep their numbers and losses, bit for bit");
-    assert_eq!(weights(&resumed), weights(&whole), "final weights bit-identical");
+    assert_eq!(read_weights(&resumed), read_weights(&whole), "final weights bit-identical");
 }
 
 #[test]
@@ -111,7 +89,7 @@ fn a_checkpoint_resumes_on_other_meshes_and_strategies() {
     let dir = scratch("other-mesh");
     let whole = dir.join("whole.safetensors");
     let uninterrupted = train(TWO_BY_TWO, 6, &["--save-weights", text(&whole)]);
-    let reference = weights(&whole);
+    let reference = read_weights(&whole);
     // The same run, checkpointing after updates 3 and 6 and keeping only the newest; then again keeping both.
     let newest = dir.join("newest");
     train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&newest), "--checkpoint-every", "3", "--keep", "1"]);
@@ -129,7 +107,7 @@ fn a_checkpoint_resumes_on_other_meshes_and_strategies() {
         for ((_, a), (_, b)) in rest.iter().zip(&uninterrupted[3..]) {
             assert!((a - b).abs() <= 1e-5 * b.abs(), "{mesh:?}: losses {rest:?} vs {uninterrupted:?}");
         }
-        for ((name, a), (_, b)) in weights(&out).iter().zip(&reference) {
+        for ((name, a), (_, b)) in read_weights(&out).iter().zip(&reference) {
             let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
             let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
             assert!(diff <= 1e-5 * scale, "{mesh:?}: {name} differs by {diff} (scale {scale})");
@@ -168,7 +146,7 @@ fn an_interrupt_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume() {
     assert_eq!(checkpoint.step(), done, "the checkpoint is after the last finished step");
     let resumed = dir.join("resumed.safetensors");
     train(TWO_BY_TWO, 60, &["--resume", text(&ckpt), "--save-weights", text(&resumed)]);
-    assert_eq!(weights(&resumed), weights(&whole), "interrupted and resumed equals uninterrupted");
+    assert_eq!(read_weights(&resumed), read_weights(&whole), "interrupted and resumed equals uninterrupted");
 }
 
 #[test]

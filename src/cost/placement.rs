@@ -112,6 +112,9 @@ impl NodeMap {
 
     /// Whether some group of this kind has members on more than one node.
     pub fn spans_nodes(&self, group: Group) -> bool {
+        if group == Group::World {
+            return self.mesh.devices() > self.gpus_per_node;
+        }
         self.mesh.all_coords().any(|c| {
             let node = self.node_of(c);
             group.member_ranks(c, self.mesh).into_iter().any(|r| self.node_of(self.mesh.coords_of(r)) != node)
@@ -134,6 +137,9 @@ impl NodeMap {
 
     /// The most groups of a kind that have members on one node.
     pub fn groups_per_node(&self, group: Group) -> u64 {
+        if group == Group::World {
+            return 1;
+        }
         let mut seen = std::collections::BTreeSet::new();
         for c in self.mesh.all_coords() {
             let first = group.member_ranks(c, self.mesh).first().copied().unwrap_or(0);

@@ -4,7 +4,10 @@
 //!
 //! Instructions run one after another on each device; communication is exposed (adds to the step)
 //! except where a double-buffered SUMMA issues step t's broadcasts during step t-1's product, which
-//! leaves max(0, broadcasts of step t - products of step t-1) exposed.
+//! leaves max(0, broadcasts of step t - products of step t-1) exposed, and where the sums of gradient
+//! buckets over data-parallel replicas run on the communication stream beside the rest of the backward
+//! pass: the compute after a bucket's sums hides them, and what is left is exposed where the gradient
+//! norm (or the optimizer) first needs every gradient.
 //! An instruction's SUMMA product and step come from its reason's kind ([`ReasonKind::Summa`]), never
 //! from the reason's text.
 
@@ -164,13 +167,19 @@ struct Tally {
     exposed: f64,
     by_group: BTreeMap<(String, LinkKind, String), CommTime>,
     overlap: Overlap,
-    /// Whether SUMMA products are double-buffered.
+    /// Whether SUMMA products are double-buffered and gradient sums over the replicas run beside the
+    /// backward pass.
     double_buffered: bool,
+    /// Gradient sums over the replicas still running on the communication stream, oldest first: the
+    /// (group, link, kind) they are counted under and the seconds they have left.
+    background: std::collections::VecDeque<((String, LinkKind, String), f64)>,
 }
 
 impl Tally {
     fn kernel(&mut self, time: f64, reason: Option<&ReasonKind>) {
+        self.wait_for_gradient_sums(reason);
         self.compute += time;
+        self.run_beside(time);
         if self.double_buffered && self.overlap.enter(reason) {
             self.overlap.step_compute += time;
         }
@@ -186,11 +195,22 @@ impl Tally {
         time: f64,
         reason: Option<&ReasonKind>,
     ) {
+        self.wait_for_gradient_sums(reason);
         let in_summa = self.double_buffered && self.overlap.enter(reason);
-        let shown = if in_summa && kind == CollectiveKind::Broadcast { self.overlap.hide(time) } else { time };
+        let beside = self.double_buffered && matches!(reason, Some(ReasonKind::DataParallelGradient { .. }));
+        let shown = if in_summa && kind == CollectiveKind::Broadcast {
+            self.overlap.hide(time)
+        } else if beside {
+            0.0
+        } else {
+            time
+        };
         self.communication += time;
         self.exposed += shown;
         let key = (group.name().to_string(), link, kind.name().to_string());
+        if beside {
+            self.background.push_back((key.clone(), time));
+        }
         let e = self.by_group.entry(key).or_insert_with(|| CommTime {
             group: group.name().to_string(),
             link: link.name().to_string(),
@@ -204,6 +224,37 @@ impl Tally {
         e.bytes += bytes;
         e.time_s += time;
         e.exposed_s += shown;
+    }
+}
+
+impl Tally {
+    /// Compute of `time` seconds runs while the oldest gradient sums progress on the communication
+    /// stream.
+    fn run_beside(&mut self, mut time: f64) {
+        while let Some((_, left)) = self.background.front_mut() {
+            let done = left.min(time);
+            *left -= done;
+            time -= done;
+            if *left > 0.0 {
+                return;
+            }
+            self.background.pop_front();
+        }
+    }
+
+    /// The gradient norm and the optimizer need every gradient summed: what is left of the sums is
+    /// exposed there (and at the end of the step).
+    fn wait_for_gradient_sums(&mut self, reason: Option<&ReasonKind>) {
+        let needs_gradients = matches!(reason, None | Some(ReasonKind::GradientNorm | ReasonKind::Optimizer));
+        if !needs_gradients {
+            return;
+        }
+        for (key, left) in std::mem::take(&mut self.background) {
+            self.exposed += left;
+            if let Some(e) = self.by_group.get_mut(&key) {
+                e.exposed_s += left;
+            }
+        }
     }
 }
 
@@ -234,6 +285,7 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
             Instr::Free { .. } => {}
         }
     }
+    tally.wait_for_gradient_sums(None);
     let placement = if nodes.note.is_some() { Placement::RowMajor } else { options.placement };
     let header = Header {
         placement: placement.name().to_string(),
