@@ -13,8 +13,8 @@
 //!   only its largest fitting micro-batch, found by compiling a few guesses (a line through the peaks
 //!   already compiled) until it is bracketed between a fitting one and the next one that does not fit;
 //! - a recompute level is only tried at micro-batches where the cheaper levels do not fit;
-//! - a group whose compute lower bound (its matrix-product FLOPs at the peak rate, plus one micro
-//!   step's data-parallel communication) already loses to the best step found is skipped;
+//! - a group whose compute lower bound (its matrix-product FLOPs at the peak rate) already loses to
+//!   the best step found is skipped;
 //! - a layout whose parameters and optimizer state alone overflow the memory is not compiled again.
 
 use super::hardware::Hardware;
@@ -321,13 +321,11 @@ fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Reque
 }
 
 /// A lower bound on a configuration's step: its matrix products at the peak rate for the whole
-/// per-replica batch, plus one micro step's exposed communication over the replicas (which does not
-/// shrink with the micro-batch: it reduces the gradients). Products scale with the micro-batch, and
-/// the recomputation of heavier levels only adds to them.
+/// per-replica batch. Products scale with the micro-batch, and the recomputation of heavier levels
+/// only adds to them. (Communication is left out: how much of it the backward pass hides depends on
+/// the micro-batch.)
 fn lower_bound_s(compiled: &Compiled, config: &Config) -> f64 {
-    let batch = config.micro_batch * config.accumulation;
-    let data_parallel = compiled.simulation.as_ref().map_or(0.0, data_parallel_exposed_s);
-    compiled.matrix_s_per_sequence * batch as f64 + data_parallel
+    compiled.matrix_s_per_sequence * (config.micro_batch * config.accumulation) as f64
 }
 
 /// The layouts of `devices`: every tensor-device count t dividing it, as optimus q x q (q >= 2),
