@@ -50,7 +50,7 @@ impl Parallelism {
         self.mesh.devices()
     }
 
-    /// "optimus 8x8 x DP 2".
+    /// "optimus 8x8 DP 2".
     pub fn label(&self) -> String {
         format!("{} {} DP {}", self.strategy.name(), self.mesh, self.data)
     }
