@@ -112,7 +112,9 @@ fn run_and_validate(bytes: Vec<u8>, overrides: &[Override]) -> Result<Report, St
     let rendered = catch_unwind(AssertUnwindSafe(|| render_plain(&source.name, &source.text, &diagnostics)))
         .map_err(|p| format!("rendering panicked: {}", panic_message(p.as_ref())))?;
     for d in &diagnostics {
-        let header = format!("[{}]: {}", d.code, d.message.lines().next().unwrap_or_default());
+        // The rendering escapes control characters (a NUL in a quoted name shows as `\u{0}`).
+        let first_line = d.message.lines().next().unwrap_or_default();
+        let header = format!("[{}]: {}", d.code, optimus::diag::printable_text(first_line));
         if !rendered.contains(&header) {
             return Err(format!("the rendering lacks `{header}`:\n{rendered}"));
         }
