@@ -60,6 +60,13 @@ enum Command {
     ///
     /// Exit status: 0 on success, 1 on model or compile errors, 2 on usage errors (bad profiles).
     Simulate(cli::simulate::SimulateArgs),
+    /// Choose how to run a model on N devices: enumerate strategies, tensor meshes, data-parallel
+    /// degrees, micro-batches with accumulation, recompute, precision and ZeRO; compile, fit against
+    /// device memory and simulate the promising ones; print them ranked, fastest first.
+    ///
+    /// Example: `optimusc plan examples/gpt3.opt --devices 64 --hardware dgx-a100 -o plan.json`.
+    /// Exit status: 0 on success, 1 if no configuration compiles and fits, 2 on usage errors.
+    Plan(cli::plan::PlanArgs),
     /// Draw the curves of a metrics log (`optimusc run --log FILE.jsonl`) as an SVG: training and
     /// validation loss against step, above throughput (tokens/s) against step.
     ///
@@ -146,6 +153,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Run(args) => cli::run::run(&args),
         Command::Verify(args) => cli::verify::verify(&args),
         Command::Simulate(args) => cli::simulate::simulate_command(&args),
+        Command::Plan(args) => cli::plan::plan_command(&args),
         Command::Plot(args) => cli::plot::plot(&args),
         Command::Export(args) => cli::export::export(&args),
         Command::MaskData(args) => cli::mask::mask_data(&args),

@@ -5,6 +5,7 @@ pub mod export;
 pub mod fit;
 pub mod flags;
 pub mod mask;
+pub mod plan;
 pub mod plot;
 pub mod resume;
 pub mod run;

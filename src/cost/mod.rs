@@ -4,6 +4,7 @@
 pub mod collective;
 pub mod hardware;
 pub mod placement;
+pub mod planner;
 pub mod plot;
 pub mod search;
 pub mod step;

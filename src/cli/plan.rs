@@ -1,0 +1,328 @@
+//! `optimusc plan`: the automatic planner's command line: flags, the ranked table or JSON, and the
+//! winning plan written with `-o`.
+
+use super::ModeArg;
+use clap::ValueEnum;
+use optimus::check::decode;
+use optimus::cost::planner::{self, Config, NoPlan, Outcome, Request, Scored, seconds};
+use optimus::cost::search::Source;
+use optimus::cost::{Hardware, Options};
+use optimus::diag::group_digits;
+use optimus::elab::Override;
+use optimus::plan::report::human_bytes;
+use optimus::plan::{Mode, Precision};
+use serde_json::json;
+use std::fmt::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Flags of `optimusc plan`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// The model file (.opt); its `batch` config value is the global batch.
+    pub model: PathBuf,
+    /// How many devices to plan for.
+    #[arg(long, value_name = "N", value_parser = devices)]
+    pub devices: u64,
+    /// A built-in hardware profile (frontera-rtx5000, dgx-a100, dgx-h100) or the path of a .toml profile.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub hardware: String,
+    /// Memory per device (e.g. 40GB, 24GiB) [default: the profile's].
+    #[arg(long, value_name = "SIZE", value_parser = super::flags::memory_size)]
+    pub memory: Option<u64>,
+    /// Override a config value, e.g. `--set batch=1536`. Repeatable.
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    pub set: Vec<Override>,
+    /// train (forward, backward, optimizer) or infer (forward only).
+    #[arg(long, value_enum, default_value_t = ModeArg::Train)]
+    pub mode: ModeArg,
+    /// Precisions to consider: f32, bf16, or any (both).
+    #[arg(long, value_enum, default_value_t = PrecisionChoice::F32)]
+    pub precision: PrecisionChoice,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the winning configuration's plan here (JSON), ready for `optimusc run`.
+    #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
+    pub output: Option<PathBuf>,
+    /// Also show what the search did with each group (layout, precision, recompute, ZeRO): the
+    /// micro-batches it searched, how many compilations, and the result.
+    #[arg(long)]
+    pub trace: bool,
+    /// Rows of the table (configurations in the JSON list).
+    #[arg(long, value_name = "K", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub top: u64,
+}
+
+/// The precisions the planner may choose from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PrecisionChoice {
+    F32,
+    Bf16,
+    Any,
+}
+
+impl PrecisionChoice {
+    /// Searched in this order (bf16 first: its faster products let the bound prune float32 groups).
+    fn precisions(self) -> &'static [Precision] {
+        match self {
+            PrecisionChoice::F32 => &[Precision::F32],
+            PrecisionChoice::Bf16 => &[Precision::Bf16],
+            PrecisionChoice::Any => &[Precision::Bf16, Precision::F32],
+        }
+    }
+}
+
+/// `--devices`: 1 to [`planner::MAX_DEVICES`].
+fn devices(text: &str) -> Result<u64, String> {
+    match text.trim().parse::<u64>() {
+        Ok(n) if (1..=planner::MAX_DEVICES).contains(&n) => Ok(n),
+        _ => Err(format!("must be a device count from 1 to {}, not `{text}`", planner::MAX_DEVICES)),
+    }
+}
+
+/// Runs `optimusc plan`.
+pub fn plan_command(args: &PlanArgs) -> ExitCode {
+    let hw = match Hardware::load(&args.hardware) {
+        Ok(hw) => hw,
+        Err(e) => {
+            eprintln_safe!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(output) = &args.output {
+        if let Err(e) = super::refuse_overwriting_input(output, &args.model, "-o") {
+            return e.exit();
+        }
+        if let Err(e) = optimus::io::output::check_writable(output) {
+            eprintln_safe!("error: -o: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    let Some(text) = read_source(&args.model) else { return ExitCode::from(1) };
+    let name = args.model.display().to_string();
+    let source = Source { name: &name, text: &text, overrides: &args.set };
+    if let Some(code) = check_model(&source, &args.set) {
+        return code;
+    }
+    let mode = if args.mode == ModeArg::Train { Mode::Train } else { Mode::Infer };
+    let request = Request {
+        source: &source,
+        devices: args.devices,
+        hardware: &hw,
+        capacity: args.memory.unwrap_or_else(|| hw.memory_bytes()),
+        mode,
+        precisions: args.precision.precisions(),
+        options: Options::default(),
+    };
+    let outcome = match planner::plan(&request) {
+        Ok(outcome) => outcome,
+        Err(no_plan) => return report_no_plan(args, &no_plan),
+    };
+    if let Some(output) = &args.output
+        && let Err(code) = write_winner(&source, &outcome, mode, output)
+    {
+        return code;
+    }
+    if args.json {
+        return print_json(&outcome_json(args, &hw, &outcome));
+    }
+    super::stdout(&render(args, &hw, &outcome));
+    ExitCode::SUCCESS
+}
+
+/// The model must check before the search: its errors are printed once, with their spans.
+fn check_model(source: &Source, overrides: &[Override]) -> Option<ExitCode> {
+    let checked = optimus::check::check_source(source.text, overrides);
+    let errors = checked.diagnostics.iter().filter(|d| d.is_error()).count();
+    if checked.model.is_some() && errors == 0 {
+        return None;
+    }
+    optimus::diag::render_stderr(source.name, source.text, &checked.diagnostics);
+    eprintln_safe!("error: {}: {errors} error{} found", source.name, if errors == 1 { "" } else { "s" });
+    Some(ExitCode::from(1))
+}
+
+/// The text of a model file (plans are refused: the planner recompiles).
+fn read_source(path: &std::path::Path) -> Option<String> {
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+        eprintln_safe!("error: plan compiles the model for many configurations: give the .opt file, not a plan");
+        return None;
+    }
+    let bytes = super::read_model(path)?;
+    let (source, bad) = decode(&path.display().to_string(), bytes);
+    if bad.is_some() {
+        eprintln_safe!("error: `{}` is not valid UTF-8", path.display());
+        return None;
+    }
+    Some(source.text)
+}
+
+/// Compiles the winning configuration and writes its plan (atomically, as `compile -o`).
+fn write_winner(source: &Source, outcome: &Outcome, mode: Mode, output: &std::path::Path) -> Result<(), ExitCode> {
+    let Some(best) = outcome.ranked.first() else { return Ok(()) };
+    let plan = planner::compile_candidate(source, &best.config, mode).map_err(|e| {
+        eprintln_safe!("error: cannot compile the winning configuration: {e}");
+        ExitCode::from(1)
+    })?;
+    optimus::plan::io::write_plan(&plan, output).map_err(|e| {
+        eprintln_safe!("error: {e}");
+        ExitCode::from(1)
+    })
+}
+
+fn print_json(value: &serde_json::Value) -> ExitCode {
+    match serde_json::to_string_pretty(value) {
+        Ok(text) => {
+            super::stdout_json(&format!("{text}\n"));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln_safe!("error: cannot serialise the result: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn outcome_json(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> serde_json::Value {
+    let top = usize::try_from(args.top).unwrap_or(usize::MAX);
+    json!({
+        "model": args.model.display().to_string(),
+        "hardware": hw.name,
+        "devices": outcome.devices,
+        "global_batch": outcome.global_batch,
+        "capacity_bytes": outcome.capacity_bytes,
+        "configurations": outcome.ranked.iter().take(top).collect::<Vec<_>>(),
+        "counts": outcome.counts,
+        "why": outcome.why,
+        "output": args.output.as_ref().map(|p| p.display().to_string()),
+        "groups": if args.trace { json!(outcome.groups) } else { serde_json::Value::Null },
+    })
+}
+
+fn report_no_plan(args: &PlanArgs, no_plan: &NoPlan) -> ExitCode {
+    if args.json {
+        let _ = print_json(&json!({ "error": no_plan.message, "closest": no_plan.closest, "counts": no_plan.counts }));
+        return ExitCode::from(1);
+    }
+    let mut out = format!("error: {}\n", no_plan.message);
+    if !no_plan.closest.is_empty() {
+        out.push_str("the closest candidates, and why each fails:\n");
+    }
+    for r in &no_plan.closest {
+        let _ = writeln!(out, "  {}: {}", r.what, r.reason);
+    }
+    eprint!("{}", optimus::diag::printable_text(&out));
+    ExitCode::from(1)
+}
+
+/// The human-readable answer: the ranked table, the counts, why the best wins.
+fn render(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> String {
+    let c = &outcome.counts;
+    let mut out = format!(
+        "plan: {} on {} x {} ({} per device), global batch {}\n",
+        args.model.display(),
+        outcome.devices,
+        hw.name,
+        human_bytes(outcome.capacity_bytes),
+        outcome.global_batch
+    );
+    let _ = writeln!(
+        out,
+        "searched {} configurations in {:.2} s: {} illegal, {} too large, {} dominated by a cheaper recompute, {} by a \
+         larger micro-batch, {} bounded by compute; {} compilations ({} failed), {} simulations, {} ranked\n",
+        c.enumerated,
+        c.elapsed_s,
+        c.illegal,
+        c.too_large,
+        c.dominated_recompute,
+        c.dominated_micro_batch,
+        c.bounded,
+        c.compiled,
+        c.compile_failures,
+        c.simulated,
+        c.scored
+    );
+    if args.trace {
+        render_trace(&mut out, outcome);
+    }
+    render_table(&mut out, outcome, args.top);
+    if let Some(best) = outcome.ranked.first() {
+        let _ = writeln!(out, "\nbest: {}", best.config.label());
+    }
+    if let Some(why) = &outcome.why {
+        let _ = writeln!(out, "why: {}", why.text);
+    }
+    if let (Some(path), Some(best)) = (&args.output, outcome.ranked.first()) {
+        let _ = writeln!(out, "wrote {}: {}", path.display(), run_hint(path, &best.config));
+    }
+    out
+}
+
+fn render_trace(out: &mut String, outcome: &Outcome) {
+    let _ = writeln!(out, "search, group by group (groups that a cheaper recompute level fits entirely left out):");
+    for g in outcome.groups.iter().filter(|g| !g.micro_batches.is_empty()) {
+        let ms: Vec<String> = g.micro_batches.iter().map(u64::to_string).collect();
+        let _ = writeln!(
+            out,
+            "  {} [micro-batches {}]: {} ({} compilations)",
+            g.group,
+            ms.join(" "),
+            g.result,
+            g.compilations
+        );
+    }
+    out.push('\n');
+}
+
+fn run_hint(path: &std::path::Path, best: &Config) -> String {
+    let accum = if best.accumulation > 1 { format!(" --accum {}", best.accumulation) } else { String::new() };
+    format!("run it with `optimusc run {}{accum}`", path.display())
+}
+
+fn render_table(out: &mut String, outcome: &Outcome, top: u64) {
+    let _ = writeln!(
+        out,
+        "{:>4}  {:<9} {:<7} {:>4} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>14} {:>6} {:>11}",
+        "rank",
+        "strategy",
+        "mesh",
+        "DP",
+        "micro x acc",
+        "recompute",
+        "prec",
+        "zero",
+        "step time",
+        "compute",
+        "exposed comm",
+        "of it DP",
+        "tokens/s",
+        "MFU",
+        "peak/device"
+    );
+    for (rank, s) in outcome.ranked.iter().take(usize::try_from(top).unwrap_or(usize::MAX)).enumerate() {
+        let _ = writeln!(out, "{}", row(rank + 1, s));
+    }
+}
+
+fn row(rank: usize, s: &Scored) -> String {
+    let c = &s.config;
+    format!(
+        "{:>4}  {:<9} {:<7} {:>4} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>14} {:>5.1}% {:>11}",
+        rank,
+        c.parallelism.strategy.name(),
+        c.parallelism.mesh.to_string(),
+        c.parallelism.data,
+        format!("{} x {}", c.micro_batch, c.accumulation),
+        c.recompute.name(),
+        c.precision.name(),
+        c.zero,
+        seconds(s.step_time_s),
+        seconds(s.compute_s),
+        seconds(s.exposed_communication_s),
+        seconds(s.data_parallel_s),
+        group_digits(s.tokens_per_second.round() as u128),
+        100.0 * s.mfu,
+        human_bytes(s.peak_bytes_per_device)
+    )
+}

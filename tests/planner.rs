@@ -1,0 +1,239 @@
+//! `optimusc plan`: the search's best configuration is at least as fast as every configuration it
+//! enumerates (checked by compiling and scoring each one on its own), every configuration it returns
+//! fits, `-o` writes a plan that `run` accepts, JSON is best first, and bad inputs are clear errors.
+
+use optimus::cost::planner::{self, Config, Request};
+use optimus::cost::search::Source;
+use optimus::cost::{Hardware, Options};
+use optimus::plan::{Mode, Precision};
+use std::path::PathBuf;
+use std::process::Command;
+
+fn example(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples").join(name)
+}
+
+fn tiny_text() -> String {
+    match std::fs::read_to_string(example("tiny.opt")) {
+        Ok(text) => text,
+        Err(e) => panic!("cannot read tiny.opt: {e}"),
+    }
+}
+
+fn dgx() -> Hardware {
+    match Hardware::load("dgx-a100") {
+        Ok(hw) => hw,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Every configuration of tiny.opt on `devices`, scored on its own with unlimited memory.
+fn brute_force(source: &Source, hw: &Hardware, devices: u64, precisions: &[Precision]) -> Vec<(Config, f64, u64)> {
+    let request = Request {
+        source,
+        devices,
+        hardware: hw,
+        capacity: u64::MAX,
+        mode: Mode::Train,
+        precisions,
+        options: Options::default(),
+    };
+    let all = planner::configurations(devices, 8, Mode::Train, precisions);
+    assert!(!all.is_empty());
+    all.iter()
+        .filter_map(|c| planner::evaluate(&request, c).ok().map(|s| (*c, s.step_time_s, s.peak_bytes_per_device)))
+        .collect()
+}
+
+/// The search, with memory tight enough that some configurations do not fit, against brute force.
+fn check_against_brute_force(devices: u64, precisions: &[Precision]) {
+    let text = tiny_text();
+    let name = example("tiny.opt").display().to_string();
+    let source = Source { name: &name, text: &text, overrides: &[] };
+    let hw = dgx();
+    let everything = brute_force(&source, &hw, devices, precisions);
+    assert!(everything.len() >= 4, "too few configurations compile: {}", everything.len());
+    // The median peak as capacity: about half of the configurations fit.
+    let mut peaks: Vec<u64> = everything.iter().map(|e| e.2).collect();
+    peaks.sort_unstable();
+    let capacity = peaks[peaks.len() / 2];
+    let request = Request {
+        source: &source,
+        devices,
+        hardware: &hw,
+        capacity,
+        mode: Mode::Train,
+        precisions,
+        options: Options::default(),
+    };
+    let outcome = match planner::plan(&request) {
+        Ok(o) => o,
+        Err(e) => panic!("{}", e.message),
+    };
+    let best = &outcome.ranked[0];
+    for (config, step, peak) in &everything {
+        if *peak <= capacity {
+            assert!(
+                best.step_time_s <= step * (1.0 + 1e-12),
+                "{devices} devices: {} ({} s) beats the plan's best {} ({} s)",
+                config.label(),
+                step,
+                best.config.label(),
+                best.step_time_s
+            );
+        }
+    }
+    for s in &outcome.ranked {
+        assert!(s.peak_bytes_per_device <= capacity, "{} does not fit", s.config.label());
+        // Its figures are those of the configuration scored on its own.
+        let alone = everything.iter().find(|e| e.0 == s.config).map(|e| (e.1, e.2));
+        assert_eq!(alone, Some((s.step_time_s, s.peak_bytes_per_device)), "{}", s.config.label());
+        assert_eq!(s.config.parallelism.data * s.config.micro_batch * s.config.accumulation, 8);
+    }
+    for pair in outcome.ranked.windows(2) {
+        assert!(pair[0].step_time_s <= pair[1].step_time_s);
+    }
+    let c = &outcome.counts;
+    assert_eq!(
+        c.illegal + c.too_large + c.dominated_recompute + c.dominated_micro_batch + c.bounded + c.scored,
+        c.enumerated,
+        "{c:?}"
+    );
+    assert_eq!(c.scored, outcome.ranked.len() as u64);
+    assert!(c.too_large > 0, "the capacity should leave some configurations out: {c:?}");
+    assert!(c.compiled < everything.len() as u64, "the search compiled everything: {c:?}");
+}
+
+#[test]
+fn the_best_is_at_least_as_fast_as_every_configuration_on_4_devices() {
+    check_against_brute_force(4, &[Precision::F32]);
+}
+
+#[test]
+fn the_best_is_at_least_as_fast_as_every_configuration_on_16_devices_in_either_precision() {
+    check_against_brute_force(16, &[Precision::Bf16, Precision::F32]);
+}
+
+fn optimusc(args: &[&str]) -> (i32, String, String) {
+    match Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output() {
+        Ok(o) => (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        ),
+        Err(e) => panic!("cannot run optimusc: {e}"),
+    }
+}
+
+#[test]
+fn json_lists_fitting_configurations_best_first() {
+    let tiny = example("tiny.opt");
+    let (code, out, err) = optimusc(&[
+        "plan",
+        &tiny.to_string_lossy(),
+        "--devices",
+        "8",
+        "--hardware",
+        "dgx-a100",
+        "--json",
+        "--top",
+        "50",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let value: serde_json::Value = match serde_json::from_str(&out) {
+        Ok(v) => v,
+        Err(e) => panic!("not JSON ({e}): {out}"),
+    };
+    let configs = value["configurations"].as_array().cloned().unwrap_or_default();
+    assert!(!configs.is_empty());
+    let capacity = value["capacity_bytes"].as_u64().unwrap_or(0);
+    let steps: Vec<f64> = configs.iter().map(|c| c["step_time_s"].as_f64().unwrap_or(f64::NAN)).collect();
+    assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
+    for c in &configs {
+        assert!(c["peak_bytes_per_device"].as_u64().unwrap_or(u64::MAX) <= capacity);
+        let product =
+            ["data", "micro_batch", "accumulation"].iter().map(|k| c[k].as_u64().unwrap_or(0)).product::<u64>();
+        assert_eq!(product, 8, "{c}");
+    }
+    assert!(value["counts"]["enumerated"].as_u64().unwrap_or(0) >= configs.len() as u64);
+}
+
+#[test]
+fn o_writes_a_data_parallel_plan_that_run_accepts() {
+    let dir = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => panic!("{e}"),
+    };
+    let out = dir.path().join("plan.json");
+    let tiny = example("tiny.opt");
+    let (code, text, err) = optimusc(&[
+        "plan",
+        &tiny.to_string_lossy(),
+        "--devices",
+        "16",
+        "--hardware",
+        "dgx-a100",
+        "-o",
+        &out.to_string_lossy(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(text.contains("best:") && text.contains("why:"), "{text}");
+    // The hint says how to run it (with --accum when the winner accumulates).
+    let hint = text.lines().find(|l| l.starts_with("wrote ")).unwrap_or_default().to_string();
+    let accum = hint.split("--accum ").nth(1).and_then(|t| t.split('`').next()).unwrap_or("1").to_string();
+    let (code, _, err) = optimusc(&["run", &out.to_string_lossy(), "--steps", "1", "--accum", &accum]);
+    assert_eq!(code, 0, "run refused the plan ({hint}): {err}");
+    // The written plan is the winner's: its replicas, tensor mesh, ZeRO stage and micro step's batch.
+    let (code, listing, err) =
+        optimusc(&["plan", &tiny.to_string_lossy(), "--devices", "16", "--hardware", "dgx-a100", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let listing: serde_json::Value = serde_json::from_str(&listing).unwrap_or_default();
+    let best = &listing["configurations"][0];
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap_or_default()).unwrap_or_default();
+    let mesh = &plan["mesh"];
+    let data = mesh["data"].as_u64().unwrap_or(1);
+    assert!(data > 1, "on 16 devices the winner replicates its mesh ({best}), so the plan has a data axis");
+    assert_eq!(Some(data), best["data"].as_u64(), "{mesh} against {best}");
+    assert_eq!(format!("{}x{}", mesh["rows"], mesh["cols"]), best["mesh"].as_str().unwrap_or_default());
+    assert_eq!(plan["zero"].as_u64().unwrap_or(0), best["zero"].as_u64().unwrap_or(9));
+    let batch = plan["config"].as_array().and_then(|c| c.iter().find(|kv| kv[0] == "batch")).map(|kv| kv[1].clone());
+    let micro = best["micro_batch"].as_u64().unwrap_or(0);
+    assert_eq!(batch.and_then(|b| b["Int"].as_u64().or(b.as_u64())), Some(data * micro), "{}", plan["config"]);
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let tiny = example("tiny.opt");
+    let tiny = tiny.to_string_lossy();
+    for devices in ["0", "99999999999", "-1", "x"] {
+        let (code, _, err) = optimusc(&["plan", &tiny, "--devices", devices, "--hardware", "dgx-a100"]);
+        assert_eq!(code, 2, "--devices {devices}: {err}");
+        assert!(err.contains("--devices"), "{err}");
+    }
+    // 7 devices: the batch (8) does not split over 7 replicas, and 8 heads do not split 7 ways.
+    let (code, _, err) = optimusc(&["plan", &tiny, "--devices", "7", "--hardware", "dgx-a100"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no configuration") && err.contains("does not split"), "{err}");
+    assert!(err.contains("cannot be split 7 ways"), "the compile error of megatron 1x7 is listed: {err}");
+    // Nothing fits in 1 KB: the closest candidates say how much they need.
+    let (code, _, err) = optimusc(&["plan", &tiny, "--devices", "4", "--hardware", "dgx-a100", "--memory", "1KB"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no configuration") && err.contains("per device, more than"), "{err}");
+    let (code, _, err) = optimusc(&["plan", &tiny, "--devices", "4", "--hardware", "nowhere"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = optimusc(&["plan", &tiny, "--devices", "4", "--hardware", "dgx-a100", "--set", "batch=0"]);
+    assert_ne!(code, 0);
+    assert_ne!(code, 101, "{err}");
+}
+
+#[test]
+fn giant_sizes_are_diagnostics_not_crashes() {
+    let gpt2 = example("gpt2.opt");
+    let gpt2 = gpt2.to_string_lossy();
+    for set in ["hidden=9223372036854775800", "context=4611686018427387904", "batch=1099511627776", "seq=4294967296"] {
+        let (code, _, err) = optimusc(&["plan", &gpt2, "--devices", "4", "--hardware", "dgx-a100", "--set", set]);
+        assert_eq!(code, 1, "--set {set}: {err}");
+        assert!(err.contains("error[E"), "--set {set}: {err}");
+    }
+}
