@@ -293,12 +293,15 @@ fn data_parallel_exposed_s(sim: &Simulation) -> f64 {
 }
 
 /// Scores a configuration from its compiled plan's simulation: `accumulation` micro steps of the whole
-/// mesh, with the optimizer step once.
+/// mesh, with the gradient sums over the replicas and the optimizer step once.
 fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Request) -> Scored {
     let a = config.accumulation as f64;
     let optimizer_s = compiled.optimizer_s;
     let compute_s = a * (sim.compute_s - optimizer_s) + optimizer_s;
-    let exposed_communication_s = a * sim.exposed_communication_s;
+    // Gradients cross the replicas once per update (`run` defers the sums of earlier micro-batches to
+    // the last one); the rest of the communication happens in every micro step.
+    let data_parallel_s = data_parallel_exposed_s(sim);
+    let exposed_communication_s = a * (sim.exposed_communication_s - data_parallel_s) + data_parallel_s;
     let step_time_s = compute_s + exposed_communication_s;
     let tokens_per_step = sim.tokens_per_step * config.accumulation;
     let micro_flops = sim.mfu * sim.step_time_s;
@@ -309,7 +312,7 @@ fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Reque
         micro_step_s: sim.step_time_s,
         compute_s,
         exposed_communication_s,
-        data_parallel_s: a * data_parallel_exposed_s(sim),
+        data_parallel_s,
         optimizer_s,
         tokens_per_step,
         tokens_per_second: if step_time_s > 0.0 { tokens_per_step as f64 / step_time_s } else { 0.0 },
@@ -801,6 +804,17 @@ fn finish(search: Search, started: Instant) -> Result<Outcome, Box<NoPlan>> {
             counts.compiled,
             counts.compile_failures
         );
+        let batch_cut = rejected.iter().any(|r| r.what.contains("batch"));
+        let message = if batch_cut && counts.too_large == 0 {
+            format!(
+                "{message}\nhelp: the model's `batch` ({global_batch} sequences) is the global batch of an update; every \
+                 data-parallel replica, and every row of an optimus mesh, needs sequences of its own, so {} devices may \
+                 need the batch of the real run: `--set batch=N`",
+                request.devices
+            )
+        } else {
+            message
+        };
         return Err(Box::new(NoPlan { message, closest: rejected, counts }));
     }
     let why = explain(&ranked);

@@ -90,7 +90,9 @@ pub struct Simulation {
 }
 
 /// Seconds for one kernel on one device: max(FLOPs at the achievable rate, bytes at the achievable
-/// bandwidth) plus the launch cost. Matrix products use the dtype's peak; other kernels the f32 rate.
+/// bandwidth) plus the launch cost. Matrix products run at the peak of their operands' element type
+/// (bf16 operands use the tensor cores whether they accumulate into bf16 or into a float32 sum); other
+/// kernels at the f32 rate.
 pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> f64 {
     let flops = kernel_flops(kernel, inputs, output) as f64;
     let bytes: u64 = inputs.iter().map(|b| b.bytes()).sum::<u64>() + output.bytes();
@@ -98,7 +100,8 @@ pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Ha
         kernel,
         Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. }
     );
-    let peak = if is_matrix { hw.peak_flops(output.dtype) } else { hw.peak_flops(DType::F32) };
+    let operands = inputs.first().map_or(output.dtype, |b| b.dtype);
+    let peak = if is_matrix { hw.peak_flops(operands) } else { hw.peak_flops(DType::F32) };
     let d = &hw.device;
     let compute = flops / (peak * d.achievable_compute);
     let memory = bytes as f64 / (d.memory_bandwidth_gb_s * 1e9 * d.achievable_bandwidth);
