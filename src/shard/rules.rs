@@ -341,7 +341,7 @@ impl Lowerer<'_> {
 
     /// The layout a lookup asks for its table in (operand 1 of the embedding row).
     fn table_layout(&mut self, table: NodeIndex) -> Layout {
-        let dims = Dims::new(self.rank(table) - 1);
+        let dims = Dims::new(self.rank(table).saturating_sub(1));
         self.table_case(table).map_or(Layout::REPLICATED, |case| laid(case.operands[1], &dims, Layout::REPLICATED))
     }
 
