@@ -7,6 +7,7 @@ pub mod layout;
 mod recompute;
 mod rules;
 mod shapes;
+pub mod table;
 
 use crate::autodiff::differentiate;
 use crate::diag::{Code, Diagnostic};

@@ -1,11 +1,14 @@
 //! Per-operator sharding rules for the optimus (2D, SUMMA) and megatron (1D) strategies.
-//! Each rule asks for its operands in the layouts it needs and defines its result's layout.
+//! Each rule asks for its operands in the layouts it needs and defines its result's layout. Where
+//! those layouts depend on the strategy, the rule reads its row of the table in `table.rs` and
+//! instantiates it for the node; the rule itself never branches on the strategy.
 
-use super::layout::{DATA_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
+use super::layout::{COLUMN_AXIS, DATA_AXIS, Layout, MESH_AXES, Placement};
+use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, on_dim};
 use super::{Lowerer, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
-use crate::plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
+use crate::plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role};
 use crate::plan::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
 use petgraph::graph::NodeIndex;
 
@@ -36,19 +39,13 @@ fn s(dim: usize) -> Placement {
     Placement::shard(dim)
 }
 
-/// Moves a shard of one dimension to another dimension index, keeping its factor view.
-fn on_dim(p: Placement, dim: usize) -> Placement {
-    match p {
-        Placement::Shard { outer, inner, .. } => Placement::shard_factor(dim, outer, inner),
-        other => other,
-    }
+/// A pattern of the table laid out for a node: its tensor-parallel layout (`stored` for a parameter
+/// taken as stored). A derived pattern has no layout of its own; the rules never ask for one.
+fn laid(pattern: Pattern, dims: &Dims, stored: Layout) -> Layout {
+    pattern.layout(dims, stored).unwrap_or(Layout::REPLICATED)
 }
 
 impl Lowerer<'_> {
-    fn optimus(&self) -> bool {
-        self.target.strategy != Strategy::Megatron
-    }
-
     fn q(&self) -> u64 {
         self.target.mesh.rows
     }
@@ -57,15 +54,34 @@ impl Lowerer<'_> {
         self.shapes[n.index()].len()
     }
 
-    /// Activations with the last dimension split: (S(batch), S(last)) in 2D, (R, S(last)) in 1D.
-    fn split_act(&self, rank: usize) -> Layout {
-        let last = rank.saturating_sub(1);
-        if self.optimus() { Layout::new(s(0), s(last)) } else { Layout::new(R, s(last)) }
+    /// The case of `operator`'s row under this target's strategy that applies given `facts`.
+    fn rule_case(&mut self, operator: Operator, facts: &Facts) -> Option<&'static Case> {
+        let case = table::rule(operator, self.target.strategy).and_then(|r| r.case(facts));
+        if case.is_none() {
+            self.diagnostics.push(Diagnostic::error(
+                Code::E0699,
+                format!("internal error: no sharding rule for {operator:?} under {}", self.target.strategy.name()),
+            ));
+        }
+        case
     }
 
-    /// Activations whose last dimension is whole on every device: (S(batch), S(last)) in 2D, (R, R) in 1D.
-    fn norm_act(&self, rank: usize) -> Layout {
-        if self.optimus() { self.split_act(rank) } else { Layout::REPLICATED }
+    /// Computes a row's product into `out`: its operands A and B are picked from `operands` (laid out
+    /// as the row's operand patterns say).
+    fn multiply(&mut self, product: Option<Product>, operands: &[BufferId], out: BufferId) {
+        let picked = product.and_then(|p| Some((p, *operands.get(p.a)?, *operands.get(p.b)?)));
+        let Some((p, a, b)) = picked else {
+            self.diagnostics.push(Diagnostic::error(Code::E0699, "internal error: a product rule without a product"));
+            return;
+        };
+        match p.kind {
+            ProductKind::SummaAb => self.summa_ab(a, b, out, p.what),
+            ProductKind::SummaAbt => self.summa_abt(a, b, out, p.what),
+            ProductKind::SummaAtb => self.summa_atb(a, b, out, p.what),
+            ProductKind::Local { transpose_a, transpose_b } => {
+                self.local_matmul(a, b, out, transpose_a, transpose_b, p.what)
+            }
+        }
     }
 
     /// Where the linear weight's output dimension is split: the heads factor of (3, heads, head).
@@ -314,17 +330,19 @@ impl Lowerer<'_> {
 
     // ---- embeddings ----------------------------------------------------------------------------
 
-    fn table_layout(&self, table: NodeIndex) -> Layout {
-        let parallel = match self.graph[table].op {
+    /// The case of the embedding row for `table`: split on its rows (vocabulary-parallel) or not.
+    fn table_case(&mut self, table: NodeIndex) -> Option<&'static Case> {
+        let vocab_parallel = match self.graph[table].op {
             Op::Param { id } => shapes::vocab_parallel(self.model, id),
             _ => false,
         };
-        match (self.optimus(), parallel) {
-            (true, true) => Layout::new(s(0), s(1)),
-            (true, false) => Layout::new(R, s(1)),
-            (false, true) => Layout::new(R, s(0)),
-            (false, false) => Layout::REPLICATED,
-        }
+        self.rule_case(Operator::Embedding, &Facts { vocab_parallel, ..Facts::default() })
+    }
+
+    /// The layout a lookup asks for its table in (operand 1 of the embedding row).
+    fn table_layout(&mut self, table: NodeIndex) -> Layout {
+        let dims = Dims::new(self.rank(table).saturating_sub(1));
+        self.table_case(table).map_or(Layout::REPLICATED, |case| laid(case.operands[1], &dims, Layout::REPLICATED))
     }
 
     /// The device offset of a table's rows, and whether lookups must be masked to them.
@@ -335,34 +353,14 @@ impl Lowerer<'_> {
         }
     }
 
-    fn batch_placement(&self) -> Placement {
-        if self.optimus() { s(0) } else { R }
-    }
-
-    /// How the batch is placed along mesh `axis`: split over the rows in 2D and over the replicas.
-    fn batch_on(&self, axis: usize) -> Placement {
-        match axis {
-            ROW_AXIS => self.batch_placement(),
-            DATA_AXIS if self.data_parallel() => s(0),
-            _ => R,
-        }
-    }
-
+    /// A lookup: where the table's rows are split each device looks up the ids it holds rows for (a
+    /// masked lookup, the result a pending sum); where its width is split, so is the result's.
     fn embedding(&mut self, n: NodeIndex, ids: NodeIndex, table: NodeIndex) {
-        let tl = self.norm(self.table_layout(table));
-        let last = self.rank(n) - 1;
-        let mut out = Layout::REPLICATED;
-        let mut ids_layout = Layout::REPLICATED;
-        for axis in 0..MESH_AXES {
-            out.0[axis] = match tl.0[axis] {
-                Placement::Shard { dim: 0, .. } => Placement::Partial,
-                Placement::Shard { .. } => s(last),
-                _ => {
-                    ids_layout.0[axis] = self.batch_on(axis);
-                    ids_layout.0[axis]
-                }
-            };
-        }
+        let Some(case) = self.table_case(table) else { return };
+        let dims = Dims::new(self.rank(n) - 1);
+        let tl = self.norm(laid(case.operands[1], &dims, Layout::REPLICATED));
+        let ids_layout = laid(case.operands[0], &dims, Layout::REPLICATED);
+        let out = laid(case.output, &dims, Layout::REPLICATED);
         let tb = self.value(table, tl);
         let ib = self.value(ids, ids_layout);
         let (offset, masked) = self.row_offset(tl, self.buffers[tb.0 as usize].shape[0]);
@@ -374,7 +372,10 @@ impl Lowerer<'_> {
 
     fn embedding_grad(&mut self, n: NodeIndex, ids: NodeIndex, dy: NodeIndex) {
         let Some(table) = self.like_of(n) else { return };
-        let tl = self.param_layout(table).unwrap_or_else(|| self.table_layout(table));
+        let tl = match self.param_layout(table) {
+            Some(layout) => layout,
+            None => self.table_layout(table),
+        };
         let (dy_layout, out) = self.table_grad_layouts(tl, dy);
         let mut ids_layout = Layout::REPLICATED;
         for (ids, d) in ids_layout.0.iter_mut().zip(dy_layout.0) {
@@ -417,12 +418,10 @@ impl Lowerer<'_> {
     }
 
     fn position_embedding(&mut self, n: NodeIndex, table: NodeIndex) {
-        let last = self.rank(n) - 1;
-        let (tl, out) = if self.optimus() {
-            (Layout::new(R, s(1)), Layout::new(s(0), s(last)))
-        } else {
-            (Layout::REPLICATED, Layout::REPLICATED)
-        };
+        let Some(case) = self.rule_case(Operator::PositionEmbedding, &Facts::default()) else { return };
+        let dims = Dims::new(self.rank(n) - 1);
+        let (tl, out) =
+            (laid(case.operands[0], &dims, Layout::REPLICATED), laid(case.output, &dims, Layout::REPLICATED));
         let tb = self.value(table, tl);
         let y = self.node_buffer(n, out, Role::Workspace);
         self.kernel(Kernel::PositionLookup, &[tb], y, compute("position embedding lookup"));
@@ -452,29 +451,20 @@ impl Lowerer<'_> {
 
     // ---- linear layers -------------------------------------------------------------------------
 
+    /// y = x W (+ b), or x E^T for a tied table: the row's product, then the bias once the result is
+    /// whole along every axis that splits its rows (a row-parallel result is summed first).
     fn linear(&mut self, n: NodeIndex, ops: &[NodeIndex], bias: bool, tied: bool) {
         let (x, w) = (ops[0], ops[1]);
         let last = self.rank(n) - 1;
-        let (y, layout) = if self.optimus() {
-            if tied {
-                let xb = self.value(x, Layout::new(s(0), s(last)));
-                let eb = self.value(w, Layout::new(s(0), s(1)));
-                let out = self.norm(Layout::new(s(0), s(last)));
-                let y = self.node_buffer(n, out, Role::Workspace);
-                self.summa_abt(xb, eb, y, "tied linear (logits = X E^T)");
-                (y, out)
-            } else {
-                let split = self.out_split(w, 1);
-                let xb = self.value(x, Layout::new(s(0), s(last)));
-                let wb = self.value(w, Layout::new(s(0), split));
-                let out = self.norm(Layout::new(s(0), on_dim(split, last)));
-                let y = self.node_buffer(n, out, Role::Workspace);
-                self.summa_ab(xb, wb, y, "linear");
-                (y, out)
-            }
-        } else {
-            self.megatron_linear(n, x, w, tied, last)
-        };
+        let operator = if tied { Operator::LinearTied } else { Operator::Linear };
+        let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(last);
+        let Some(case) = self.rule_case(operator, &Facts { input_split, ..Facts::default() }) else { return };
+        let dims = Dims { out: self.out_split(w, 1), ..Dims::new(last) };
+        let xb = self.value(x, laid(case.operands[0], &dims, Layout::REPLICATED));
+        let wb = self.value(w, laid(case.operands[1], &dims, Layout::REPLICATED));
+        let layout = self.norm(laid(case.output, &dims, Layout::REPLICATED));
+        let y = self.node_buffer(n, layout, Role::Workspace);
+        self.multiply(case.product, &[xb, wb], y);
         if !bias {
             self.define(n, layout, y);
             return;
@@ -494,116 +484,41 @@ impl Lowerer<'_> {
         self.define(n, layout, out);
     }
 
-    /// Megatron: column-parallel when the input is whole, row-parallel when its last dimension is split.
-    fn megatron_linear(
-        &mut self,
-        n: NodeIndex,
-        x: NodeIndex,
-        w: NodeIndex,
-        tied: bool,
-        last: usize,
-    ) -> (BufferId, Layout) {
-        let input_split = self.natural(x).0[1].dim() == Some(last);
-        let (xl, wl, out, ta, tb, what) = if tied {
-            (
-                Layout::REPLICATED,
-                Layout::new(R, s(0)),
-                Layout::new(R, s(last)),
-                false,
-                true,
-                "tied linear, vocab-parallel",
-            )
-        } else if input_split {
-            (
-                Layout::new(R, s(last)),
-                Layout::new(R, s(0)),
-                Layout::new(R, Placement::Partial),
-                false,
-                false,
-                "row-parallel linear",
-            )
-        } else {
-            let split = self.out_split(w, 1);
-            (
-                Layout::REPLICATED,
-                Layout::new(R, split),
-                Layout::new(R, on_dim(split, last)),
-                false,
-                false,
-                "column-parallel linear",
-            )
-        };
-        let xb = self.value(x, xl);
-        let wb = self.value(w, wl);
-        let out = self.norm(out);
-        let y = self.node_buffer(n, out, Role::Workspace);
-        self.local_matmul(xb, wb, y, ta, tb, what);
-        (y, out)
+    /// The case of a linear backward row for a weight stored as `wl`, and the dimensions its patterns
+    /// are read with: the weight's output split is the one it is stored with.
+    fn weight_case(&mut self, operator: Operator, wl: Layout, last: usize) -> Option<(&'static Case, Dims)> {
+        let facts = Facts { weight_cols: Some(wl.0[COLUMN_AXIS]), ..Facts::default() };
+        let case = self.rule_case(operator, &facts)?;
+        Some((case, Dims { out: wl.0[COLUMN_AXIS], ..Dims::new(last) }))
     }
 
+    /// dX = dY W^T (dY E when tied), with W as stored.
     fn linear_grad_input(&mut self, n: NodeIndex, dy: NodeIndex, w: NodeIndex, tied: bool) {
         let last = self.rank(n) - 1;
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
-        let wb = self.value(w, wl);
-        if self.optimus() {
-            let out = self.norm(Layout::new(s(0), s(last)));
-            let g = self.node_buffer(n, out, Role::Workspace);
-            if tied {
-                let dyb = self.value(dy, Layout::new(s(0), s(last)));
-                self.summa_ab(dyb, wb, g, "backward of tied linear (dX = dY E)");
-            } else {
-                let dyb = self.value(dy, Layout::new(s(0), on_dim(wl.0[1], last)));
-                self.summa_abt(dyb, wb, g, "backward of linear (dX = dY W^T)");
-            }
-            self.define(n, out, g);
-            return;
-        }
-        let (dyl, out, tb) = match (tied, wl.0[1]) {
-            (true, _) => (Layout::new(R, s(last)), Layout::new(R, Placement::Partial), false),
-            (false, Placement::Shard { dim: 0, .. }) => (Layout::REPLICATED, Layout::new(R, s(last)), true),
-            (false, Placement::Shard { .. }) => {
-                (Layout::new(R, on_dim(wl.0[1], last)), Layout::new(R, Placement::Partial), true)
-            }
-            (false, _) => (Layout::REPLICATED, Layout::REPLICATED, true),
-        };
-        let dyb = self.value(dy, dyl);
-        let out = self.norm(out);
+        let operator = if tied { Operator::LinearGradInputTied } else { Operator::LinearGradInput };
+        let Some((case, dims)) = self.weight_case(operator, wl, last) else { return };
+        let wb = self.value(w, laid(case.operands[1], &dims, wl));
+        let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
+        let out = self.norm(laid(case.output, &dims, wl));
         let g = self.node_buffer(n, out, Role::Workspace);
-        self.local_matmul(dyb, wb, g, false, tb, "backward of linear (dX)");
+        self.multiply(case.product, &[dyb, wb], g);
         self.define(n, out, g);
     }
 
+    /// dW = X^T dY (dE = dY^T X when tied), in the weight's stored layout.
     fn linear_grad_weight(&mut self, n: NodeIndex, x: NodeIndex, dy: NodeIndex, tied: bool) {
         let Some(w) = self.like_of(n) else { return };
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
         let last = self.rank(x) - 1;
-        let g = self.node_buffer(n, wl, Role::Workspace);
-        if self.optimus() {
-            let xb = self.value(x, Layout::new(s(0), s(last)));
-            if tied {
-                let dyb = self.value(dy, Layout::new(s(0), s(last)));
-                self.summa_atb(dyb, xb, g, "backward of tied linear (dE = dY^T X)");
-            } else {
-                let dyb = self.value(dy, Layout::new(s(0), on_dim(wl.0[1], last)));
-                self.summa_atb(xb, dyb, g, "backward of linear (dW = X^T dY)");
-            }
-            self.define(n, wl, g);
-            return;
-        }
-        let (xl, dyl) = match (tied, wl.0[1]) {
-            (true, _) => (Layout::REPLICATED, Layout::new(R, s(last))),
-            (false, Placement::Shard { dim: 0, .. }) => (Layout::new(R, s(last)), Layout::REPLICATED),
-            (false, Placement::Shard { .. }) => (Layout::REPLICATED, Layout::new(R, on_dim(wl.0[1], last))),
-            (false, _) => (Layout::REPLICATED, Layout::REPLICATED),
-        };
-        let xb = self.value(x, xl);
-        let dyb = self.value(dy, dyl);
-        if tied {
-            self.local_matmul(dyb, xb, g, true, false, "backward of tied linear (dE = dY^T X)");
-        } else {
-            self.local_matmul(xb, dyb, g, true, false, "backward of linear (dW = X^T dY)");
-        }
-        self.define(n, wl, g);
+        let operator = if tied { Operator::LinearGradWeightTied } else { Operator::LinearGradWeight };
+        let Some((case, dims)) = self.weight_case(operator, wl, last) else { return };
+        let out = laid(case.output, &dims, wl);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        let xb = self.value(x, laid(case.operands[0], &dims, wl));
+        let dyb = self.value(dy, laid(case.operands[1], &dims, wl));
+        self.multiply(case.product, &[xb, dyb], g);
+        self.define(n, out, g);
     }
 
     fn missing_param(&mut self, n: NodeIndex) {
@@ -639,23 +554,20 @@ impl Lowerer<'_> {
 
     // ---- LayerNorm -------------------------------------------------------------------------------
 
-    /// LayerNorm's activations, gamma/beta and the axis holding the split last dimension (if any).
-    fn layernorm_layouts(&self, rank: usize) -> (Layout, Layout) {
-        let x = self.norm(self.norm_act(rank));
-        let mut g = Layout::REPLICATED;
-        for axis in 0..MESH_AXES {
-            if x.0[axis].dim() == Some(rank - 1) {
-                g.0[axis] = s(0);
-            }
-        }
-        (x, g)
+    /// The layouts a normalisation works in (the norm row): its activations (and result) and its
+    /// weights (gamma, beta), split as the activations' last dimension is.
+    fn layernorm_layouts(&mut self, rank: usize) -> Option<(Layout, Layout)> {
+        let case = self.rule_case(Operator::Norm, &Facts::default())?;
+        let dims = Dims::new(rank - 1);
+        let x = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
+        Some((x, self.norm(laid(case.operands[1], &dims, Layout::REPLICATED))))
     }
 
     fn layernorm(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::LayerNorm }, text);
         let x = ops[0];
         let rank = self.rank(x);
-        let (xl, gl) = self.layernorm_layouts(rank);
+        let Some((xl, gl)) = self.layernorm_layouts(rank) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let xb = self.value(x, xl);
         let gb = self.value(ops[1], gl);
@@ -684,7 +596,7 @@ impl Lowerer<'_> {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::LayerNormGrad }, text);
         let (dy, x, gamma) = (ops[0], ops[1], ops[2]);
         let rank = self.rank(x);
-        let (xl, gl) = self.layernorm_layouts(rank);
+        let Some((xl, gl)) = self.layernorm_layouts(rank) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let Some(&(s1, s2)) = self.layernorm_stats.get(&x) else { return self.missing_param(n) };
         let dyb = self.value(dy, xl);
@@ -713,7 +625,7 @@ impl Lowerer<'_> {
     fn layernorm_grad_weight(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
         let (dy, x) = (ops[0], ops[1]);
         let rank = self.rank(x);
-        let (xl, _) = self.layernorm_layouts(rank);
+        let Some((xl, _)) = self.layernorm_layouts(rank) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let Some(&(s1, s2)) = self.layernorm_stats.get(&x) else { return self.missing_param(n) };
         let dyb = self.value(dy, xl);
@@ -737,7 +649,7 @@ impl Lowerer<'_> {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::RmsNorm }, text);
         let x = ops[0];
         let rank = self.rank(x);
-        let (xl, wl) = self.layernorm_layouts(rank);
+        let Some((xl, wl)) = self.layernorm_layouts(rank) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let xb = self.value(x, xl);
         let wb = self.value(ops[1], wl);
@@ -760,7 +672,7 @@ impl Lowerer<'_> {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::RmsNormGrad }, text);
         let (dy, x, w) = (ops[0], ops[1], ops[2]);
         let rank = self.rank(x);
-        let (xl, wl) = self.layernorm_layouts(rank);
+        let Some((xl, wl)) = self.layernorm_layouts(rank) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let Some(&sq) = self.rms_norm_stats.get(&x) else { return self.missing_param(n) };
         let dyb = self.value(dy, xl);
@@ -784,7 +696,7 @@ impl Lowerer<'_> {
     fn rms_norm_grad_weight(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
         let (dy, x) = (ops[0], ops[1]);
         let rank = self.rank(x);
-        let (xl, _) = self.layernorm_layouts(rank);
+        let Some((xl, _)) = self.layernorm_layouts(rank) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let Some(&sq) = self.rms_norm_stats.get(&x) else { return self.missing_param(n) };
         let dyb = self.value(dy, xl);
@@ -867,18 +779,15 @@ impl Lowerer<'_> {
 
     // ---- attention ---------------------------------------------------------------------------------
 
-    /// Layouts of attention's inputs and output: batch on axis 0 (2D), heads on axis 1. A rank-2
-    /// input [seq, width] has no batch dimension: its dimension 0 is the sequence, which stays whole.
-    fn attention_layouts(&self, width: u64, heads: u64, fused: bool, rank: usize) -> (Layout, Layout) {
-        let last = rank - 1;
-        let batch = if rank > 2 { self.batch_placement() } else { R };
-        let input = if fused {
-            let head = width / 3 / heads.max(1);
-            Placement::shard_factor(last, 3, head)
-        } else {
-            s(last)
-        };
-        (self.norm(Layout::new(batch, input)), self.norm(Layout::new(batch, s(last))))
+    /// Layouts of attention's inputs and output (the attention row): whole heads on each device. A
+    /// rank-2 input [seq, width] has no batch dimension: its dimension 0 is the sequence, which stays
+    /// whole. A fused input is split on the heads factor of its (3, heads, head) last dimension.
+    fn attention_layouts(&mut self, width: u64, heads: u64, fused: bool, rank: usize) -> Option<(Layout, Layout)> {
+        let case = self.rule_case(Operator::Attention, &Facts::default())?;
+        let groups = if fused { (3, width / 3 / heads.max(1)) } else { (1, 1) };
+        let dims = Dims { batch: rank > 2, heads: groups, ..Dims::new(rank - 1) };
+        let input = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
+        Some((input, self.norm(laid(case.output, &dims, Layout::REPLICATED))))
     }
 
     /// How many of `heads` (sized by the config value `label`) each device holds when `input` splits
@@ -914,7 +823,7 @@ impl Lowerer<'_> {
     fn attention(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: Heads, causal: bool, fused: bool) {
         let rank = self.rank(n);
         let width = *self.shapes[ops[0].index()].last().unwrap_or(&0);
-        let (il, ol) = self.attention_layouts(width, heads.query, fused, rank);
+        let Some((il, ol)) = self.attention_layouts(width, heads.query, fused, rank) else { return };
         let local = self.local_attention_heads(n, heads, il);
         let inputs: Vec<BufferId> = ops.iter().map(|&o| self.value(o, il)).collect();
         let y = self.node_buffer(n, ol, Role::Workspace);
@@ -930,7 +839,7 @@ impl Lowerer<'_> {
     fn attention_grad(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: Heads, causal: bool, fused: bool, wrt: u8) {
         let rank = self.rank(ops[0]);
         let width = *self.shapes[ops[1].index()].last().unwrap_or(&0);
-        let (il, ol) = self.attention_layouts(width, heads.query, fused, rank);
+        let Some((il, ol)) = self.attention_layouts(width, heads.query, fused, rank) else { return };
         let local = self.local_attention_heads(n, heads, il);
         let mut inputs = vec![self.value(ops[0], ol)];
         for &o in &ops[1..] {
@@ -983,10 +892,13 @@ impl Lowerer<'_> {
 
     // ---- cross-entropy ---------------------------------------------------------------------------
 
-    /// Layouts of logits and targets: vocabulary split along rows (axis 1), batch along axis 0 in 2D.
-    fn cross_entropy_layouts(&self, rank: usize) -> (Layout, Layout) {
-        let batch = self.batch_placement();
-        (self.norm(Layout::new(batch, s(rank - 1))), self.norm(Layout::new(batch, R)))
+    /// Layouts of logits and targets (the cross-entropy row): the vocabulary split where the logits'
+    /// last dimension is, the batch where it is.
+    fn cross_entropy_layouts(&mut self, rank: usize) -> Option<(Layout, Layout)> {
+        let case = self.rule_case(Operator::CrossEntropy, &Facts::default())?;
+        let dims = Dims::new(rank - 1);
+        let logits = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
+        Some((logits, self.norm(laid(case.operands[1], &dims, Layout::REPLICATED))))
     }
 
     fn vocab_offset(&self, logits: Layout, local_vocab: u64) -> Offset {
@@ -1001,7 +913,7 @@ impl Lowerer<'_> {
     fn cross_entropy(&mut self, n: NodeIndex, logits: NodeIndex, targets: NodeIndex) {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::CrossEntropy }, text);
         let rank = self.rank(logits);
-        let (ll, tl) = self.cross_entropy_layouts(rank);
+        let Some((ll, tl)) = self.cross_entropy_layouts(rank) else { return };
         // With the replicas' batch split, so that the loss and the count are pending sums over them.
         let ll = self.with_data(logits, ll);
         let lb = self.value(logits, ll);
@@ -1065,7 +977,7 @@ impl Lowerer<'_> {
     fn cross_entropy_grad(&mut self, n: NodeIndex, ops: &[NodeIndex]) {
         let (logits, targets, dl) = (ops[0], ops[1], ops[2]);
         let rank = self.rank(logits);
-        let (ll, tl) = self.cross_entropy_layouts(rank);
+        let Some((ll, tl)) = self.cross_entropy_layouts(rank) else { return };
         let Some(&(max, stats, counted)) = self.cross_entropy_stats.get(&logits) else {
             return self.missing_param(n);
         };

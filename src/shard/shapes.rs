@@ -2,22 +2,31 @@
 //! dimension we pad (as Megatron does) rather than reject. Computes every node's padded logical shape.
 
 use super::Target;
+use super::layout::{COLUMN_AXIS, ROW_AXIS};
+use super::table::{self, Facts, Operator, Sym};
 use crate::diag::Diagnostic;
 use crate::ir::{Model, Node, Op, ParamId, ParamRole};
-use crate::plan::{Padding, Strategy};
+use crate::plan::Padding;
 use petgraph::graph::{DiGraph, NodeIndex};
 use std::collections::HashSet;
 
 /// Embedding tables this large are split on their rows (vocabulary-parallel) even when not tied.
 const VOCAB_PARALLEL_ROWS: u64 = 1024;
 
-/// How many ways the vocabulary is split.
+/// How many ways the vocabulary is split: over the mesh axes along which the strategy's row of the
+/// table splits a vocabulary-parallel embedding table's rows.
 pub fn vocab_shards(target: Target) -> u64 {
-    match target.strategy {
-        Strategy::Optimus => target.mesh.rows,
-        Strategy::Megatron => target.mesh.cols,
-        Strategy::None => 1,
-    }
+    let facts = Facts { vocab_parallel: true, ..Facts::default() };
+    let Some(case) = table::rule(Operator::Embedding, target.strategy).and_then(|r| r.case(&facts)) else {
+        return 1;
+    };
+    let axes = target.mesh.axes();
+    let table = case.operands.get(1).copied();
+    [ROW_AXIS, COLUMN_AXIS]
+        .into_iter()
+        .filter(|&axis| table.and_then(|t| t.along(axis)) == Some(Sym::Dim0))
+        .map(|axis| axes[axis])
+        .product()
 }
 
 /// Parameters that a tied linear reuses.
