@@ -335,8 +335,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     fn defer_gradient_sum(&mut self, instr: &Instr, update: Update<'_>) -> Result<bool, RuntimeError> {
         let Instr::Collective { collective: c, reason, .. } = instr else { return Ok(false) };
         let plan = self.plan;
-        let is_gradient_sum =
-            matches!(plan.reasons.get(*reason as usize).map(|r| &r.kind), Some(ReasonKind::DataParallelGradient { .. }));
+        let is_gradient_sum = matches!(
+            plan.reasons.get(*reason as usize).map(|r| &r.kind),
+            Some(ReasonKind::DataParallelGradient { .. })
+        );
         if !is_gradient_sum {
             return Ok(false);
         }
