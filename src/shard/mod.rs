@@ -839,6 +839,7 @@ impl<'a> Lowerer<'a> {
                     if t == Placement::Replicate { v } else { self.slice(n, v, axis, t) }
                 }
                 (Placement::Replicate, Placement::Shard { .. }) => self.slice(n, current, axis, t),
+                (Placement::Replicate, Placement::Partial) => self.share_out(n, current, axis),
                 (_, Placement::Partial) | (Placement::Replicate, Placement::Replicate) => {
                     self.diagnostics.push(Diagnostic::error(
                         Code::E0699,
@@ -849,6 +850,25 @@ impl<'a> Lowerer<'a> {
             };
         }
         current.buffer
+    }
+
+    /// A value whole along `axis` as a pending sum over it: each of the axis's p members holds 1/p of
+    /// it, so that it can be added to another pending sum and both reduced once (no communication).
+    fn share_out(&mut self, n: NodeIndex, from: Version, axis: usize) -> Version {
+        let layout = from.layout.with(axis, Placement::Partial);
+        let out = self.moved_buffer(n, layout, from.buffer);
+        let parts = self.axes()[axis].max(1);
+        let text = format!(
+            "a 1/{parts} share of the whole value, to join a pending sum over the {}",
+            Group::along(axis).name()
+        );
+        self.kernel(
+            Kernel::Scale { factor: 1.0 / parts as f64 },
+            &[from.buffer],
+            out,
+            Reason::new(ReasonKind::Compute, text),
+        );
+        Version { layout, buffer: out }
     }
 
     fn slice(&mut self, n: NodeIndex, from: Version, axis: usize, placement: Placement) -> Version {

@@ -747,9 +747,28 @@ impl Lowerer<'_> {
         self.define(n, l, y);
     }
 
+    /// a + b in one layout. In the backward pass, pending sums that meet are added locally and reduced
+    /// once, later: where one operand is a pending sum and the other is whole along those axes (and laid
+    /// out alike elsewhere), the whole one joins the sum as 1/p shares, so that a chain of gradient
+    /// additions (a layer input's gradient from its residual path and its q, k and v products) costs
+    /// one reduction, not one per term. (In the forward pass a partial output is summed where its
+    /// product is, which costs the same and keeps the reduction with the layer that causes it.)
     fn add(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
         let (la, lb) = (self.natural(a), self.natural(b));
-        let l = if la.has_partial() && !lb.has_partial() { lb } else { la };
+        let backward = self.forward_end.is_some();
+        let joins = |partial: Layout, whole: Layout| {
+            backward
+                && partial.has_partial()
+                && !whole.has_partial()
+                && partial.0.iter().zip(whole.0).all(|(p, w)| *p == w || (*p == Placement::Partial && w == R))
+        };
+        let l = if joins(la, lb) || joins(lb, la) {
+            if la.has_partial() { la } else { lb }
+        } else if la.has_partial() && !lb.has_partial() {
+            lb
+        } else {
+            la
+        };
         let ab = self.value(a, l);
         let bb = self.value(b, l);
         let y = self.node_buffer(n, l, Role::Workspace);

@@ -67,7 +67,7 @@ pub(super) fn check_parameters(
         }
         Kernel::Scale { factor } => {
             ensure(factor.is_finite(), || format!("the scale factor {factor} is not a finite number"))?;
-            check_same_layouts(&ops)
+            check_scale_layouts(&ops, factor)
         }
         Kernel::Add
         | Kernel::Mul
@@ -323,6 +323,30 @@ fn check_same_layouts(ops: &Operands) -> Result<(), String> {
         })?;
     }
     Ok(())
+}
+
+/// A scale keeps its operand's layout, or shares a whole value out as a pending sum: where the output
+/// is partial along axes the input is whole along, each member holds 1/p of it (p the product of those
+/// axes' sizes), so that the members' blocks sum to the value.
+fn check_scale_layouts(ops: &Operands, factor: f64) -> Result<(), String> {
+    let (x, out) = (ops.input(0)?, ops.output);
+    let shared: Vec<usize> = (0..MESH_AXES)
+        .filter(|&a| out.layout.0[a] == Placement::Partial && x.layout.0[a] == Placement::Replicate)
+        .collect();
+    if shared.is_empty() {
+        return check_same_layouts(ops);
+    }
+    let mut whole = out.layout;
+    for &a in &shared {
+        whole.0[a] = Placement::Replicate;
+    }
+    ensure(x.shape == out.shape && x.logical_shape == out.logical_shape && x.layout == whole, || {
+        format!("`{}` laid out {} is not `{}` laid out {} with pending sums", x.name, x.layout, out.name, out.layout)
+    })?;
+    let parts: u64 = shared.iter().map(|&a| ops.mesh().axes()[a].max(1)).product();
+    ensure((factor * parts as f64 - 1.0).abs() < 1e-12, || {
+        format!("sharing `{}` out over {parts} members scales it by {factor}, not 1/{parts}", x.name)
+    })
 }
 
 /// A cast changes only the element type, between floating-point types.
