@@ -207,6 +207,22 @@ pub fn parse_mesh(s: &str) -> Result<Mesh, String> {
     Ok(Mesh::new(rows, cols).with_data(data))
 }
 
+/// The text of a model file for a command that compiles it again and again (`why`): a plan (.json) is
+/// refused, and so is text that is not UTF-8; prints the error and returns `None` then.
+pub fn read_model_text(path: &Path, why: &str) -> Option<String> {
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+        eprintln_safe!("error: {why}: give the .opt file, not a plan");
+        return None;
+    }
+    let bytes = read_model(path)?;
+    let (source, bad) = optimus::check::decode(&path.display().to_string(), bytes);
+    if bad.is_some() {
+        eprintln_safe!("error: `{}` is not valid UTF-8", path.display());
+        return None;
+    }
+    Some(source.text)
+}
+
 /// Reads a model file (a regular file of at most 64 MiB); prints an error and returns `None` if it
 /// cannot be read.
 pub fn read_model(path: &Path) -> Option<Vec<u8>> {

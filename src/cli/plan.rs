@@ -3,7 +3,6 @@
 
 use super::ModeArg;
 use clap::ValueEnum;
-use optimus::check::decode;
 use optimus::cost::planner::{self, Config, NoPlan, Outcome, Request, Scored, seconds};
 use optimus::cost::search::Source;
 use optimus::cost::{Hardware, Options};
@@ -145,17 +144,7 @@ fn check_model(source: &Source, overrides: &[Override]) -> Option<ExitCode> {
 
 /// The text of a model file (plans are refused: the planner recompiles).
 fn read_source(path: &std::path::Path) -> Option<String> {
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
-        eprintln_safe!("error: plan compiles the model for many configurations: give the .opt file, not a plan");
-        return None;
-    }
-    let bytes = super::read_model(path)?;
-    let (source, bad) = decode(&path.display().to_string(), bytes);
-    if bad.is_some() {
-        eprintln_safe!("error: `{}` is not valid UTF-8", path.display());
-        return None;
-    }
-    Some(source.text)
+    super::read_model_text(path, "plan compiles the model for many configurations")
 }
 
 /// Compiles the winning configuration and writes its plan (atomically, as `compile -o`).

@@ -3,7 +3,7 @@
 
 use super::{ModeArg, TargetArgs};
 use clap::ValueEnum;
-use optimus::check::decode;
+use optimus::cost::planner::seconds;
 use optimus::cost::search::{self, MaxBatch, Source, SweepPoint};
 use optimus::cost::{Algorithm, Hardware, NicSharing, Options, Placement, Simulation, simulate};
 use optimus::diag::group_digits;
@@ -138,19 +138,7 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
 
 /// The text of a model file; searches re-compile it, so plans (.json) are refused.
 fn read_source(path: &std::path::Path) -> Option<String> {
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
-        eprintln_safe!(
-            "error: --max-batch, --compare and --sweep re-compile the model: give the .opt file, not a plan"
-        );
-        return None;
-    }
-    let bytes = super::read_model(path)?;
-    let (source, bad) = decode(&path.display().to_string(), bytes);
-    if bad.is_some() {
-        eprintln_safe!("error: `{}` is not valid UTF-8", path.display());
-        return None;
-    }
-    Some(source.text)
+    super::read_model_text(path, "--max-batch, --compare and --sweep re-compile the model")
 }
 
 fn print_json(value: &impl serde::Serialize) -> ExitCode {
@@ -181,16 +169,6 @@ fn single(args: &SimulateArgs, hw: &Hardware, plan: &Plan, found: Option<MaxBatc
     }
     super::stdout(&out);
     ExitCode::SUCCESS
-}
-
-fn seconds(s: f64) -> String {
-    if s >= 1.0 {
-        format!("{s:.3} s")
-    } else if s >= 1e-3 {
-        format!("{:.3} ms", s * 1e3)
-    } else {
-        format!("{:.1} us", s * 1e6)
-    }
 }
 
 /// The human-readable simulation.
