@@ -339,3 +339,21 @@ fn simulate_hides_gradient_sums_over_the_replicas_behind_the_backward_pass() {
     );
     assert_eq!(serial.compute_s, overlapped.compute_s);
 }
+
+#[test]
+fn the_largest_batch_that_fits_counts_every_replicas_share() {
+    use optimus::cost::search::{Source, max_batch};
+    let text = std::fs::read_to_string("examples/gpt2.opt").expect("reads");
+    let sets = [("layers", "2"), ("hidden", "64"), ("heads", "4"), ("ffn", "128"), ("vocab", "512"), ("seq", "16")];
+    let overrides: Vec<_> =
+        sets.iter().map(|(k, v)| optimus::elab::Override { name: (*k).to_string(), value: (*v).to_string() }).collect();
+    let source = Source { name: "gpt2.opt", text: &text, overrides: &overrides };
+    let target =
+        |mesh: Mesh| Target { mesh, strategy: Strategy::Optimus, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
+    let capacity = 64 << 20;
+    let one = max_batch(&source, target(Mesh::new(2, 2)), capacity);
+    let two = max_batch(&source, target(Mesh::new(2, 2).with_data(2)), capacity);
+    assert_eq!((one.multiple, two.multiple), (2, 4), "two replicas of 2 rows take batches in fours");
+    assert!(one.max_batch > 0, "{one:?}");
+    assert_eq!(two.max_batch, 2 * one.max_batch, "each replica holds what one mesh holds: {one:?} {two:?}");
+}

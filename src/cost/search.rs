@@ -52,9 +52,11 @@ pub fn batch_override(batch: u64) -> Override {
     Override { name: "batch".to_string(), value: batch.to_string() }
 }
 
-/// The batch granularity of a target: optimus splits the batch over the mesh rows.
+/// The batch granularity of a target: every data-parallel replica takes its own share, which
+/// optimus splits again over the mesh rows.
 pub fn batch_multiple(target: Target) -> u64 {
-    if target.strategy == Strategy::Optimus { target.mesh.rows.max(1) } else { 1 }
+    let rows = if target.strategy == Strategy::Optimus { target.mesh.rows.max(1) } else { 1 };
+    rows * target.mesh.data.max(1)
 }
 
 /// The result of a max-batch search.
