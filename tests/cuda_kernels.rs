@@ -958,6 +958,33 @@ fn gpu_optimizer_steps_match_the_cpu() -> R {
     })
 }
 
+/// The gradient norm's sum of squares (two passes on the GPU: per-block partial sums, then their sum in
+/// block order) on gradients smaller than a block, over several blocks, and past the first pass's grid;
+/// and the in-place scaling that clips a gradient.
+#[test]
+fn gpu_gradient_square_sums_and_in_place_scaling_match_the_cpu() -> R {
+    with_gpu("the gradient norm's sums of squares and in-place scaling against the CPU", |g, rng| {
+        let grads = [rng.tensor(&[37, 29]), rng.tensor(&[5000]), rng.scaled(&[1 << 19, 3], 0.5)];
+        let metas: Vec<Buffer> = grads.iter().map(|t| meta(&t.shape)).collect();
+        let meta_refs: Vec<&Buffer> = metas.iter().collect();
+        let out = meta(&[1]);
+        let ctx = KernelContext { coords: Coords::new(0, 0, 0), mesh: ONE, seed: 1, inputs: &meta_refs, output: &out };
+        let refs: Vec<&Tensor> = grads.iter().collect();
+        let mut want = Tensor::zeros(DType::F32, &[1]);
+        cpu::run(&Kernel::GradSquareSum, &refs, &mut want, &ctx)?;
+        let dev = grads.iter().map(|t| g.upload(t)).collect::<Result<Vec<_>, _>>()?;
+        let dev_refs: Vec<&DeviceTensor> = dev.iter().collect();
+        let mut got = g.upload(&Tensor::zeros(DType::F32, &[1]))?;
+        g.kernels.run(&Kernel::GradSquareSum, &dev_refs, &mut got, &ctx)?;
+        close(&got.download(&g.stream)?, &want, 1e-6).map_err(|e| format!("GradSquareSum: {e}"))?;
+        let mut clipped = g.upload(&grads[2])?;
+        g.kernels.scale_in_place(&mut clipped, 0.37)?;
+        let scaled: Vec<f32> = grads[2].f32()?.iter().map(|&x| x * 0.37).collect();
+        let want = Tensor::from_f32(&grads[2].shape, scaled);
+        close(&clipped.download(&g.stream)?, &want, 0.0).map_err(|e| format!("scale_in_place: {e}"))
+    })
+}
+
 #[test]
 fn gpu_tensors_round_trip() -> R {
     with_gpu("the upload and download of f32 and i32 tensors", |g, rng| {

@@ -521,6 +521,8 @@ mod multi_process {
     use optimus::runtime::mpi::{JobOptions, MpiJob};
 
     pub fn run(args: &RunArgs, _launch: &Launch) -> ExitCode {
+        // A restart to find the CUDA libraries must come before MPI_Init.
+        args.backend.kind().find_libraries();
         let mpi = match MpiJob::init() {
             Ok(mpi) => mpi,
             Err(e) => {

@@ -68,6 +68,13 @@ pub trait Backend: Send {
         settings: &OptimizerSettings,
         step: u64,
     ) -> Result<(), RuntimeError>;
+    /// Multiplies a floating-point buffer by `factor` in place (the clipping of a gradient). This default
+    /// goes through a host copy; a backend whose storage is not host memory runs it where the buffer is.
+    fn scale_in_place(&mut self, storage: &mut Self::Storage, id: BufferId, factor: f32) -> Result<(), RuntimeError> {
+        let t = self.download(storage, id)?;
+        let scaled: Vec<f32> = t.f32().map_err(RuntimeError::Kernel)?.iter().map(|&x| x * factor).collect();
+        self.upload(storage, id, &Tensor::from_f32(&t.shape, scaled))
+    }
     /// At the end of a run, before the final downloads: releases the storage of every buffer but
     /// `keep`, so that the host copies do not come on top of the whole arena.
     fn retain(&mut self, storage: &mut Self::Storage, keep: &[BufferId]) -> Result<(), RuntimeError>;
@@ -110,12 +117,26 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
-    /// Checks, before any device starts, that this backend can run here; a clear message if not.
+    /// For CUDA, where the libraries exist only under names cudarc does not open (CUDA 13's, NCCL's
+    /// soname), restarts the command with them linked (see [`super::cuda::libs`]): call it before anything
+    /// is printed or started (before `MPI_Init`). Nothing for the CPU.
+    pub fn find_libraries(self) {
+        #[cfg(feature = "cuda")]
+        if self == BackendKind::Cuda {
+            super::cuda::libs::restart_with_links_if_needed();
+        }
+    }
+
+    /// Checks, before any device starts, that this backend can run here; a clear message if not (after
+    /// [`BackendKind::find_libraries`]).
     pub fn check_available(self) -> Result<(), String> {
         match self {
             BackendKind::Cpu => Ok(()),
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda => super::cuda::probe().map(|_| ()),
+            BackendKind::Cuda => {
+                self.find_libraries();
+                super::cuda::probe().map(|_| ())
+            }
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => Err("this optimusc was built without the CUDA backend; build it with \
                  `cargo build --release --features cuda` (see docs/clusters.md)"

@@ -581,7 +581,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     fn optimizer(&mut self, inputs: &[BufferId], settings: &OptimizerSettings, step: u64) -> Result<(), RuntimeError> {
         let [param, grad, state1, state2] = *inputs else { return Err(RuntimeError::OptimizerOperands) };
         self.require_alive(inputs).map_err(|_| RuntimeError::OptimizerNotAlive)?;
-        if let Some((at, value)) = self.backend.first_non_finite(&self.storage, grad)? {
+        // A finite global norm means every gradient is finite (each block is counted on some device, and the
+        // norm is summed over all of them): only without one are the gradients searched, to name the culprit.
+        let norm_is_finite = self.grad_norm.is_some_and(|(norm, _)| norm.is_finite());
+        if !norm_is_finite && let Some((at, value)) = self.backend.first_non_finite(&self.storage, grad)? {
             return Err(RuntimeError::NonFiniteGradient { grad: self.plan.buffer(grad).name.clone(), at, value });
         }
         if let Some((_, factor)) = self.grad_norm.filter(|&(_, factor)| factor != 1.0) {
@@ -593,9 +596,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
 
     /// Multiplies a gradient by the clipping factor, in place, as `clip_grad_norm_` does.
     fn scale_gradient(&mut self, grad: BufferId, factor: f32) -> Result<(), RuntimeError> {
-        let g = self.read(grad)?.ok_or(RuntimeError::OptimizerNotAlive)?;
-        let scaled: Vec<f32> = g.f32().map_err(RuntimeError::Kernel)?.iter().map(|&x| x * factor).collect();
-        self.write(grad, Tensor::from_f32(&g.shape, scaled))
+        if !self.is_alive(grad) {
+            return Err(RuntimeError::OptimizerNotAlive);
+        }
+        self.backend.scale_in_place(&mut self.storage, grad, factor)
     }
 
     fn collective(&mut self, c: &crate::plan::Collective) -> Result<(), RuntimeError> {

@@ -65,8 +65,8 @@ pub fn run(
     let devices = plan.mesh.devices();
     #[cfg(feature = "cuda")]
     let nccl = match config.backend {
-        BackendKind::Cuda => Some(super::cuda::nccl::ids_for_threads(plan.mesh)?),
-        BackendKind::Cpu => None,
+        BackendKind::Cuda if uses_nccl(plan.mesh)? => Some(super::cuda::nccl::ids_for_threads(plan.mesh)?),
+        _ => None,
     };
     let results: Vec<Result<DeviceResult, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
@@ -110,6 +110,14 @@ pub fn run(
         profiles.extend(profile);
     }
     Ok(RunOutput { profiles, ..assemble(plan, per_device)? })
+}
+
+/// Whether a CUDA run of `mesh` on threads talks through NCCL: when each of several devices has a GPU of
+/// its own. One device needs no communicator, and devices that share GPUs (a 2x2 plan on one GPU)
+/// exchange host-staged blocks through the thread fabric.
+#[cfg(feature = "cuda")]
+fn uses_nccl(mesh: crate::plan::Mesh) -> Result<bool, String> {
+    Ok(mesh.devices() > 1 && mesh.devices() <= super::cuda::probe()? as u64)
 }
 
 /// How long device threads may take to stop once the run has failed before the run is given up.

@@ -929,9 +929,20 @@ extern "C" __global__ void cross_entropy_loss(float* y, const float* max, const 
 
 // y[0] += the sum of squares of x (in f64): one term of the gradient norm. One block, launched once per
 // gradient this device counts, in order, on one stream.
-extern "C" __global__ void square_sum(float* y, const float* x, u64 n) {
+// The sum of squares of x in f64, in two launches: each block of the grid sums a grid-stride share
+// into partial[block], then square_sum_blocks adds the partials in block order to y[0] (so the result
+// does not depend on timing).
+extern "C" __global__ void square_sum_partial(double* partial, const float* x, u64 n) {
     double total = 0.0;
-    for (u64 k = threadIdx.x; k < n; k += blockDim.x) total += (double)x[k] * (double)x[k];
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) total += (double)x[k] * (double)x[k];
+    total = block_sum_f64(total);
+    if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+extern "C" __global__ void square_sum_blocks(float* y, const double* partial, u64 blocks) {
+    double total = 0.0;
+    for (u64 k = threadIdx.x; k < blocks; k += blockDim.x) total += partial[k];
     total = block_sum_f64(total);
     if (threadIdx.x == 0) y[0] = (float)((double)y[0] + total);
 }

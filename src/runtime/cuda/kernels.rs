@@ -24,7 +24,8 @@ use crate::shard::layout::{Layout, Placement};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use std::collections::HashMap;
@@ -78,7 +79,8 @@ mod names {
     pub const CROSS_ENTROPY_STATS: &str = "cross_entropy_stats";
     pub const CROSS_ENTROPY_COUNT: &str = "cross_entropy_count";
     pub const CROSS_ENTROPY_LOSS: &str = "cross_entropy_loss";
-    pub const SQUARE_SUM: &str = "square_sum";
+    pub const SQUARE_SUM_PARTIAL: &str = "square_sum_partial";
+    pub const SQUARE_SUM_BLOCKS: &str = "square_sum_blocks";
     pub const CROSS_ENTROPY_GRAD: &str = "cross_entropy_grad";
     pub const SGD_STEP: &str = "sgd_step";
     pub const ADAMW_STEP: &str = "adamw_step";
@@ -131,7 +133,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     CROSS_ENTROPY_STATS,
     CROSS_ENTROPY_COUNT,
     CROSS_ENTROPY_LOSS,
-    SQUARE_SUM,
+    SQUARE_SUM_PARTIAL,
+    SQUARE_SUM_BLOCKS,
     CROSS_ENTROPY_GRAD,
     SGD_STEP,
     ADAMW_STEP,
@@ -201,33 +204,52 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::CrossEntropyLoss => Launcher::kernels(&[CROSS_ENTROPY_LOSS]),
         Kernel::CrossEntropyGrad { .. } => Launcher::kernels(&[CROSS_ENTROPY_GRAD]),
         Kernel::Fill { .. } => Launcher::kernels(&[FILL_BITS]),
-        Kernel::GradSquareSum => Launcher::kernels(&[SQUARE_SUM]),
+        Kernel::GradSquareSum => Launcher::kernels(&[SQUARE_SUM_PARTIAL, SQUARE_SUM_BLOCKS]),
         Kernel::OptimizerStep => Launcher::kernels(&[SGD_STEP, ADAMW_STEP]),
     }
 }
 
-/// The NVRTC options: PTX for compute capability 7.0 (JIT-compiled for any newer GPU), and no fused
-/// multiply-adds, so that elementwise results round like the CPU reference.
-fn compile_options() -> CompileOptions {
-    CompileOptions {
-        arch: Some("compute_70"),
-        fmad: Some(false),
-        name: Some("kernels.cu".into()),
-        ..Default::default()
+/// The oldest virtual architecture the kernels are compiled for when no GPU names its own: compute
+/// capability 7.5, the oldest that both NVRTC 12 and NVRTC 13 accept (13 dropped 7.0), JIT-compiled by the
+/// driver for any newer GPU.
+pub const PORTABLE_ARCH: &str = "compute_75";
+
+/// The NVRTC options for `arch`, with no fused multiply-adds, so that elementwise results round like the
+/// CPU reference.
+fn compile_options(arch: &'static str) -> CompileOptions {
+    CompileOptions { arch: Some(arch), fmad: Some(false), name: Some("kernels.cu".into()), ..Default::default() }
+}
+
+/// The virtual architecture of a GPU of compute capability `major.minor`: its own where NVRTC knows it,
+/// so that the driver need not translate, else [`PORTABLE_ARCH`].
+pub fn arch_of(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 9) => "compute_89",
+        (9, 0) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        _ => PORTABLE_ARCH,
     }
 }
 
-/// Compiles [`SOURCE`] to PTX, or says why not (no libnvrtc, or the compiler's log).
+/// Compiles [`SOURCE`] to PTX for [`PORTABLE_ARCH`], or says why not (no libnvrtc, or the compiler's log).
 pub fn compile_ptx() -> Result<Ptx, String> {
+    compile_ptx_for(PORTABLE_ARCH)
+}
+
+/// Compiles [`SOURCE`] to PTX for the virtual architecture `arch` (`compute_90`, say).
+pub fn compile_ptx_for(arch: &'static str) -> Result<Ptx, String> {
     // SAFETY: only tries to open the shared library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err("NVRTC (libnvrtc.so) cannot be loaded: install the CUDA runtime compiler or put it on \
                     LD_LIBRARY_PATH"
             .into());
     }
-    compile_ptx_with_opts(SOURCE, compile_options()).map_err(|e| match e {
+    compile_ptx_with_opts(SOURCE, compile_options(arch)).map_err(|e| match e {
         CompileError::CompileError { nvrtc, log, .. } => {
-            format!("NVRTC failed to compile kernels.cu ({nvrtc:?}):\n{}", log.to_string_lossy())
+            format!("NVRTC failed to compile kernels.cu for {arch} ({nvrtc:?}):\n{}", log.to_string_lossy())
         }
         other => format!("NVRTC failed: {other:?}"),
     })
@@ -551,7 +573,12 @@ struct Device {
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
     blas: CudaBlas,
+    /// One f64 per block of the first pass of a sum of squares.
+    partials: std::sync::Mutex<CudaSlice<f64>>,
 }
+
+/// Blocks of the first pass of a sum of squares (enough to fill any current GPU several times over).
+const SQUARE_SUM_GRID: usize = 1024;
 
 /// A row-major matrix inside a buffer: `rows x cols` at `start`, rows `ld` apart, and one such block
 /// every `stride` elements when batched.
@@ -1768,7 +1795,11 @@ impl Device {
             if meta.layout.counts_block_at(ctx.coords.0) {
                 let xv = floats(x, &format!("gradient {k}"))?;
                 let n = x.len() as u64;
-                launch!(self, SQUARE_SUM, single_block(), [&mut *y, xv, &n])?;
+                let blocks = x.len().div_ceil(THREADS as usize).clamp(1, SQUARE_SUM_GRID);
+                let partials = &mut *self.partials.lock().map_err(|_| "the partial sums are poisoned".to_string())?;
+                launch!(self, SQUARE_SUM_PARTIAL, Some(config((blocks, 1), (THREADS, 1))), [&mut *partials, xv, &n])?;
+                let blocks = blocks as u64;
+                launch!(self, SQUARE_SUM_BLOCKS, single_block(), [&mut *y, &*partials, &blocks])?;
             }
         }
         Ok(())
@@ -1872,8 +1903,12 @@ pub struct CudaKernels {
 
 impl CudaKernels {
     /// Compiles the kernels (NVRTC) and loads them into `ctx`; `stream` (of `ctx`) runs everything.
+    /// The PTX is compiled for the GPU's own architecture (or [`PORTABLE_ARCH`] where this NVRTC does not
+    /// know it).
     pub fn new(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<CudaKernels, String> {
-        CudaKernels::with_ptx(ctx, stream, compile_ptx()?)
+        let (major, minor) = ctx.compute_capability().map_err(driver("reading the GPU's compute capability"))?;
+        let ptx = compile_ptx_for(arch_of(major, minor)).or_else(|_| compile_ptx())?;
+        CudaKernels::with_ptx(ctx, stream, ptx)
     }
 
     /// As [`CudaKernels::new`], with PTX compiled earlier by [`compile_ptx`].
@@ -1891,7 +1926,8 @@ impl CudaKernels {
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("creating a cuBLAS handle: {e}"))?;
         let flag = alloc::<u64>(&stream, 1)?;
-        let dev = Device { stream, functions, blas };
+        let partials = std::sync::Mutex::new(alloc::<f64>(&stream, SQUARE_SUM_GRID)?);
+        let dev = Device { stream, functions, blas, partials };
         Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag, half: bf16::Scratch::default() })
     }
 
@@ -2003,6 +2039,16 @@ impl CudaKernels {
             Kernel::GradSquareSum => dev.grad_square_sum(inputs, out, ctx),
             Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),
         }
+    }
+
+    /// Multiplies an f32 tensor by `factor` in place (the clipping of a gradient).
+    pub fn scale_in_place(&mut self, t: &mut DeviceTensor, factor: f32) -> Result<(), String> {
+        let n = t.len();
+        let s = floats_mut(t, "the scaled buffer")?;
+        let (ptr, _record) = s.device_ptr_mut(&self.dev.stream);
+        let n64 = n as u64;
+        // The scale kernel reads and writes element i only, so it may run with its output as its input.
+        launch!(&self.dev, SCALE, elementwise(n), [&ptr, &ptr, &factor, &n64])
     }
 
     /// Updates one parameter shard in place, exactly as `cpu::kernels::optimizer_step` (SGD with momentum

@@ -1,24 +1,30 @@
 //! The CUDA backend: cuBLAS products and NVRTC-compiled kernels, one GPU per device.
 //!
-//! This version is host-staged: buffers live in a host arena (the CPU backend's storage) between
-//! instructions, and each kernel uploads its operands, runs on the GPU and downloads its result, so
-//! any communicator (threads or MPI) works unchanged. Device-resident buffers with NCCL collectives are the next step.
-//! Buffers travel in their plan's element type: bf16 buffers go to the GPU and back as bf16 (two bytes
-//! an element) and run bf16 kernels there (see [`kernels`]).
+//! Buffers are device-resident: each device's storage is one GPU allocation laid out by the plan's
+//! arena layout ([`storage::DeviceArena`]), kernels and cuBLAS products run on it in place on the
+//! device's own stream, and data crosses to the host only for inputs, parameters at start, the loss,
+//! outputs, checkpoints and collectives. Collectives are host-staged for now (the send block comes to
+//! the host, the communicator exchanges it, the result goes back), so every communicator (threads,
+//! MPI, NCCL) works unchanged and devices of one mesh can share a GPU.
+//! bf16 buffers live on the GPU as bf16 (two bytes an element) and run bf16 kernels there (see
+//! [`kernels`]).
 
 pub mod kernels;
+pub mod libs;
 pub mod nccl;
+pub mod storage;
 
-use super::arena::{ArenaLayout, HostArena};
-use super::backend::{Backend, Exchange, UpdateBuffers};
+use super::arena::ArenaLayout;
+use super::backend::{Backend, Exchange, Exchanges, UpdateBuffers};
+use super::comm::CommError;
 use super::error::RuntimeError;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
-use super::view::View;
 use crate::plan::{BufferId, Kernel, Plan};
 use cudarc::driver::{CudaContext, CudaStream};
-use kernels::{CudaKernels, DeviceTensor};
+use kernels::CudaKernels;
 use std::sync::Arc;
+use storage::DeviceArena;
 
 /// How many GPUs this process can use, or why it can use none. Never panics: the driver library is
 /// probed before cudarc touches it.
@@ -31,10 +37,10 @@ pub fn probe() -> Result<usize, String> {
     }
     // SAFETY: as above, for the runtime compiler and cuBLAS, which the backend loads at start.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err("--backend cuda needs NVRTC (libnvrtc.so.12, CUDA 12.6 or later), which cannot be loaded".into());
+        return Err("--backend cuda needs NVRTC (libnvrtc, from CUDA 12.6 or later), which cannot be loaded: install the CUDA toolkit or the nvidia-cuda-nvrtc wheel, or put it on LD_LIBRARY_PATH".into());
     }
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-        return Err("--backend cuda needs cuBLAS (libcublas.so.12), which cannot be loaded".into());
+        return Err("--backend cuda needs cuBLAS (libcublas, CUDA 12 or 13), which cannot be loaded: install the CUDA toolkit or the nvidia-cublas wheel, or put it on LD_LIBRARY_PATH".into());
     }
     let count = CudaContext::device_count().map_err(|e| format!("the CUDA driver reports no usable GPU: {e}"))?;
     if count < 1 {
@@ -43,105 +49,131 @@ pub fn probe() -> Result<usize, String> {
     Ok(count as usize)
 }
 
-/// Kernels on one GPU.
+/// Kernels on one GPU, on a stream of this device's own (devices sharing a GPU run side by side).
 pub struct CudaBackend {
     kernels: CudaKernels,
     stream: Arc<CudaStream>,
+    /// Wait for the GPU after every kernel (`OPTIMUS_CUDA_SYNC=1`), so that `--profile`, which times
+    /// instructions on the host, sees each kernel's own GPU time instead of the time of the next wait.
+    sync_each_kernel: bool,
 }
 
 impl CudaBackend {
     /// A backend on GPU `ordinal` (call [`probe`] first).
     pub fn new(ordinal: usize) -> Result<CudaBackend, String> {
         let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open GPU {ordinal}: {e}"))?;
-        let stream = ctx.default_stream();
+        // SAFETY: every buffer of this backend is used on its one stream only (the NCCL communicator
+        // copies host blocks on its own stream into allocations of its own), so cudarc need not record
+        // events to order streams around each slice.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream on GPU {ordinal}: {e}"))?;
         let kernels = CudaKernels::new(&ctx, Arc::clone(&stream))?;
-        Ok(CudaBackend { kernels, stream })
-    }
-
-    /// A GPU copy of a host view, in its element type.
-    fn upload_view(&self, view: &View) -> Result<DeviceTensor, RuntimeError> {
-        DeviceTensor::upload_view(&self.stream, view).map_err(RuntimeError::Kernel)
-    }
-
-    /// Copies a GPU tensor back into its host buffer (of the same element type).
-    fn download_to(&self, storage: &mut HostArena, id: BufferId, t: &DeviceTensor) -> Result<(), RuntimeError> {
-        t.download_into(&self.stream, &mut storage.view_mut(id)?).map_err(RuntimeError::Kernel)
+        let sync_each_kernel = std::env::var("OPTIMUS_CUDA_SYNC").is_ok_and(|v| v == "1");
+        Ok(CudaBackend { kernels, stream, sync_each_kernel })
     }
 }
 
 impl Backend for CudaBackend {
-    /// Host-staged for now: buffers live in a host arena and each kernel copies its operands to the
-    /// GPU and its result back. Device-resident storage (a `CudaSlice` arena) is the next step; the
-    /// trait already names buffers by id, so the executor will not change.
-    type Storage = HostArena;
+    type Storage = DeviceArena;
 
     fn name(&self) -> &'static str {
         "cuda"
     }
 
-    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, RuntimeError> {
-        HostArena::new(plan, layout)
+    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<DeviceArena, RuntimeError> {
+        DeviceArena::new(&self.stream, plan, layout)
     }
 
-    fn upload(&mut self, storage: &mut HostArena, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
-        storage.write(id, tensor)
+    fn upload(&mut self, storage: &mut DeviceArena, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
+        storage.upload(&self.stream, id, tensor)
     }
 
-    fn download(&mut self, storage: &HostArena, id: BufferId) -> Result<Tensor, RuntimeError> {
-        storage.download(id)
+    fn download(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Tensor, RuntimeError> {
+        storage.download(&self.stream, id)
     }
 
-    fn zero(&mut self, storage: &mut HostArena, id: BufferId) -> Result<(), RuntimeError> {
-        storage.zero(id)
+    fn zero(&mut self, storage: &mut DeviceArena, id: BufferId) -> Result<(), RuntimeError> {
+        storage.zero(&self.stream, id)
     }
 
-    fn retain(&mut self, storage: &mut HostArena, keep: &[BufferId]) -> Result<(), RuntimeError> {
-        storage.retain(keep)
+    /// The arena stays whole: the final downloads go to host memory, not on top of it.
+    fn retain(&mut self, _storage: &mut DeviceArena, _keep: &[BufferId]) -> Result<(), RuntimeError> {
+        Ok(())
     }
 
-    fn first_non_finite(&mut self, storage: &HostArena, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
-        storage.first_non_finite(id)
+    fn first_non_finite(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
+        let host = storage.download(&self.stream, id)?;
+        let first = |v: &[f32]| v.iter().position(|x| !x.is_finite()).map(|k| (k, v[k]));
+        Ok(host.f32().ok().and_then(first))
     }
 
     fn kernel(
         &mut self,
-        storage: &mut HostArena,
+        storage: &mut DeviceArena,
         kernel: &Kernel,
         inputs: &[BufferId],
         output: BufferId,
         ctx: &KernelContext,
     ) -> Result<(), RuntimeError> {
-        let operands = inputs.iter().map(|&id| self.upload_view(&storage.view(id)?)).collect::<Result<Vec<_>, _>>()?;
-        let refs: Vec<&DeviceTensor> = operands.iter().collect();
-        let mut result = self.upload_view(&storage.view(output)?)?;
-        self.kernels.run(kernel, &refs, &mut result, ctx).map_err(RuntimeError::Kernel)?;
-        self.download_to(storage, output, &result)
+        let (ins, out) = storage.operands(inputs, output)?;
+        self.kernels.run(kernel, &ins, out, ctx).map_err(RuntimeError::Kernel)?;
+        if self.sync_each_kernel {
+            self.stream.synchronize().map_err(|e| RuntimeError::Kernel(format!("waiting for the GPU: {e}")))?;
+        }
+        Ok(())
     }
 
     fn optimizer_step(
         &mut self,
-        storage: &mut HostArena,
+        storage: &mut DeviceArena,
         b: UpdateBuffers,
         settings: &OptimizerSettings,
         step: u64,
     ) -> Result<(), RuntimeError> {
-        let (mut p, g) = (self.upload_view(&storage.view(b.param)?)?, self.upload_view(&storage.view(b.grad)?)?);
-        let mut s1 = self.upload_view(&storage.view(b.state1)?)?;
-        let mut s2 = self.upload_view(&storage.view(b.state2)?)?;
-        self.kernels.optimizer_step(&mut p, &g, &mut s1, &mut s2, settings, step).map_err(RuntimeError::Kernel)?;
-        self.download_to(storage, b.param, &p)?;
-        self.download_to(storage, b.state1, &s1)?;
-        self.download_to(storage, b.state2, &s2)
+        let [p, g, s1, s2] = storage.many_mut([b.param, b.grad, b.state1, b.state2])?;
+        self.kernels.optimizer_step(p, g, s1, s2, settings, step).map_err(RuntimeError::Kernel)
+    }
+
+    fn scale_in_place(&mut self, storage: &mut DeviceArena, id: BufferId, factor: f32) -> Result<(), RuntimeError> {
+        let [t] = storage.many_mut([id])?;
+        self.kernels.scale_in_place(t, factor).map_err(RuntimeError::Kernel)
     }
 
     fn collective(
         &mut self,
-        storage: &mut HostArena,
+        storage: &mut DeviceArena,
         send: BufferId,
         recv: BufferId,
-        elementwise: bool,
+        _elementwise: bool,
         exchange: &mut Exchange<'_>,
     ) -> Result<(), RuntimeError> {
-        storage.exchange(send, recv, elementwise, exchange)
+        storage.exchange(&self.stream, send, recv, &mut AsF32(exchange))
+    }
+
+    fn collective_typed(
+        &mut self,
+        storage: &mut DeviceArena,
+        send: BufferId,
+        recv: BufferId,
+        _elementwise: bool,
+        exchange: &mut dyn Exchanges,
+    ) -> Result<(), RuntimeError> {
+        storage.exchange(&self.stream, send, recv, exchange)
+    }
+}
+
+/// An f32-only exchange as [`Exchanges`]: bf16 blocks are widened, exchanged and rounded back.
+struct AsF32<'a, 'e>(&'a mut Exchange<'e>);
+
+impl Exchanges for AsF32<'_, '_> {
+    fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        (self.0)(send, recv)
+    }
+
+    fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), CommError> {
+        let mut wide = super::bf16::widen(recv);
+        (self.0)(&super::bf16::widen(send), &mut wide)?;
+        super::bf16::round_into(&wide, recv);
+        Ok(())
     }
 }
