@@ -47,20 +47,38 @@ pub fn param_value(p: &PlanParam, seed: u64, unpadded_index: u64) -> f32 {
     }
 }
 
-/// This device's block of a parameter: padding rows and columns are zero.
+/// This device's block of a parameter: padding rows and columns are zero. Elements are drawn in
+/// parallel on the kernel pool; each depends on its index alone, so the block does not depend on the
+/// number of threads.
 pub fn param_block(p: &PlanParam, meta: &Buffer, coords: Coords, mesh: Mesh, seed: u64) -> Tensor {
-    let values = logical_indices(meta, coords, mesh)
-        .into_iter()
-        .map(|index| {
-            let at = unravel(index, &meta.logical_shape);
-            if at.iter().zip(&p.shape).any(|(a, s)| a >= s) {
-                return 0.0;
-            }
-            let unpadded = at.iter().zip(&p.shape).fold(0u64, |acc, (a, s)| acc * s + a);
-            param_value(p, seed, unpadded)
-        })
-        .collect();
+    let indices = logical_indices(meta, coords, mesh);
+    let mut values = vec![0.0f32; indices.len()];
+    let fill = |start: usize, chunk: &mut [f32]| -> Result<(), ()> {
+        for (value, &index) in chunk.iter_mut().zip(&indices[start..]) {
+            *value = unpadded_index(index, &meta.logical_shape, &p.shape).map_or(0.0, |k| param_value(p, seed, k));
+        }
+        Ok(())
+    };
+    // `fill` never fails.
+    let _ = super::cpu::par::on_pool(|| super::cpu::par::chunks(&mut values, fill));
     Tensor::from_f32(&meta.shape, values)
+}
+
+/// The index in the unpadded `shape` of element `index` of a (padded) `logical` shape of the same rank,
+/// or `None` for a padding element.
+fn unpadded_index(index: u64, logical: &[u64], shape: &[u64]) -> Option<u64> {
+    let (mut rest, mut unpadded, mut stride) = (index, 0u64, 1u64);
+    for (&size, &real) in logical.iter().zip(shape).rev() {
+        let size = size.max(1);
+        let at = rest % size;
+        rest /= size;
+        if at >= real {
+            return None;
+        }
+        unpadded += at * stride;
+        stride *= real;
+    }
+    Some(unpadded)
 }
 
 /// This device's block of a logical tensor laid out as `meta` says.
