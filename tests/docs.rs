@@ -222,7 +222,8 @@ fn is_hf_compare(words: &[String]) -> bool {
 }
 
 fn is_benchmark(words: &[String]) -> bool {
-    words.first().is_some_and(|w| w == "bash") && words.get(1).is_some_and(|w| w == "scripts/bench_vs_torch.sh")
+    words.first().is_some_and(|w| w == "bash")
+        && words.get(1).is_some_and(|w| w == "scripts/bench_vs_torch.sh" || w == "scripts/bench_gpu.sh")
 }
 
 fn writes_example_input(words: &[String]) -> bool {
