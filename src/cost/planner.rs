@@ -21,7 +21,9 @@ use super::hardware::Hardware;
 use super::search::{Source, batch_multiple, batch_override, integer_sqrt};
 use super::step::{Options, Simulation, kernel_time, simulate};
 use crate::plan::report::kernel_flops;
-use crate::plan::{Buffer, Group, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Recompute, Strategy};
+use crate::plan::{
+    Buffer, CollectiveKind, Group, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Recompute, Strategy,
+};
 use crate::shard::Target;
 use serde::{Serialize, Serializer};
 use std::collections::HashMap;
@@ -131,10 +133,11 @@ pub struct Scored {
     pub micro_step_s: f64,
     /// Kernels of the update: accumulation x (micro-step kernels - optimizer) + optimizer.
     pub compute_s: f64,
-    /// Exposed communication of the update: accumulation x the micro step's (data-parallel included).
+    /// Exposed communication of the update: accumulation x the micro step's, but the gradient sums
+    /// over the replicas once.
     pub exposed_communication_s: f64,
-    /// Exposed communication over the replicas in the update (the gradient reductions, and with zero 1
-    /// the reduce-scatters and all-gathers), one set per micro step as `run --accum` runs them.
+    /// Exposed time of the gradient sums over the replicas (all-reduces, or ZeRO-1's reduce-scatters),
+    /// once per update as `run --accum` issues them.
     pub data_parallel_s: f64,
     pub optimizer_s: f64,
     pub tokens_per_step: u64,
@@ -270,7 +273,10 @@ fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
         let out = plan.buffer(*output);
         match kernel {
             Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. } => {
-                let rate = hw.peak_flops(out.dtype) * hw.device.achievable_compute;
+                // At the operands' peak, as the simulator costs it: bf16 SUMMA steps summed in float32
+                // still run on the tensor cores (the output's float32 would overstate the bound and
+                // prune bf16 optimus layouts that win).
+                let rate = hw.peak_flops(crate::cost::step::product_dtype(&ins, out)) * hw.device.achievable_compute;
                 matrix_s += kernel_flops(kernel, &ins, out) as f64 / rate;
             }
             Kernel::OptimizerStep => optimizer_s += kernel_time(kernel, &ins, out, hw),
@@ -287,9 +293,15 @@ fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
     }
 }
 
-/// Exposed seconds of one micro step's communication over the replicas.
-fn data_parallel_exposed_s(sim: &Simulation) -> f64 {
-    sim.communication.iter().filter(|c| c.group == Group::Data.name()).fold(0.0, |sum, c| sum + c.exposed_s)
+/// Exposed seconds of one micro step's gradient sums over the replicas: the all-reduces (or ZeRO-1's
+/// reduce-scatters) of the data group, which `run --accum` issues once per update. ZeRO-1's
+/// all-gathers of the weights happen in every micro step and are left with the rest.
+fn gradient_sums_exposed_s(sim: &Simulation) -> f64 {
+    let summed = |kind: &str| kind == CollectiveKind::AllReduce.name() || kind == CollectiveKind::ReduceScatter.name();
+    sim.communication
+        .iter()
+        .filter(|c| c.group == Group::Data.name() && summed(&c.kind))
+        .fold(0.0, |sum, c| sum + c.exposed_s)
 }
 
 /// Scores a configuration from its compiled plan's simulation: `accumulation` micro steps of the whole
@@ -300,7 +312,7 @@ fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Reque
     let compute_s = a * (sim.compute_s - optimizer_s) + optimizer_s;
     // Gradients cross the replicas once per update (`run` defers the sums of earlier micro-batches to
     // the last one); the rest of the communication happens in every micro step.
-    let data_parallel_s = data_parallel_exposed_s(sim);
+    let data_parallel_s = gradient_sums_exposed_s(sim);
     let exposed_communication_s = a * (sim.exposed_communication_s - data_parallel_s) + data_parallel_s;
     let step_time_s = compute_s + exposed_communication_s;
     let tokens_per_step = sim.tokens_per_step * config.accumulation;

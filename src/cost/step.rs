@@ -89,6 +89,12 @@ pub struct Simulation {
     pub mfu: f64,
 }
 
+/// The element type whose peak a matrix product runs at: its operands' (bf16 operands use the tensor
+/// cores whether they accumulate into bf16 or into a float32 sum).
+pub fn product_dtype(inputs: &[&Buffer], output: &Buffer) -> DType {
+    inputs.first().map_or(output.dtype, |b| b.dtype)
+}
+
 /// Seconds for one kernel on one device: max(FLOPs at the achievable rate, bytes at the achievable
 /// bandwidth) plus the launch cost. Matrix products run at the peak of their operands' element type
 /// (bf16 operands use the tensor cores whether they accumulate into bf16 or into a float32 sum); other
@@ -100,8 +106,7 @@ pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Ha
         kernel,
         Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. }
     );
-    let operands = inputs.first().map_or(output.dtype, |b| b.dtype);
-    let peak = if is_matrix { hw.peak_flops(operands) } else { hw.peak_flops(DType::F32) };
+    let peak = if is_matrix { hw.peak_flops(product_dtype(inputs, output)) } else { hw.peak_flops(DType::F32) };
     let d = &hw.device;
     let compute = flops / (peak * d.achievable_compute);
     let memory = bytes as f64 / (d.memory_bandwidth_gb_s * 1e9 * d.achievable_bandwidth);
