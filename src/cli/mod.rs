@@ -360,6 +360,20 @@ pub fn stdout(text: &str) {
     stdout_exact(&optimus::diag::printable_text(text));
 }
 
+/// Prints `value` as pretty JSON on standard output (exit 0), or says why it cannot be serialised (exit 1).
+pub fn print_json(value: &impl serde::Serialize) -> std::process::ExitCode {
+    match serde_json::to_string_pretty(value) {
+        Ok(text) => {
+            stdout_json(&format!("{text}\n"));
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln_safe!("error: cannot serialise the result: {e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
 /// Writes JSON to standard output. serde_json already escapes every control character; the characters
 /// that reorder text, which it leaves raw, are written as JSON `\uXXXX` escapes (they can only occur
 /// inside strings), so the output is still the same JSON value.

@@ -124,7 +124,7 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
         return code;
     }
     if args.json {
-        return print_json(&outcome_json(args, &hw, &outcome));
+        return super::print_json(&outcome_json(args, &hw, &outcome));
     }
     super::stdout(&render(args, &hw, &outcome));
     ExitCode::SUCCESS
@@ -160,19 +160,6 @@ fn write_winner(source: &Source, outcome: &Outcome, mode: Mode, output: &std::pa
     })
 }
 
-fn print_json(value: &serde_json::Value) -> ExitCode {
-    match serde_json::to_string_pretty(value) {
-        Ok(text) => {
-            super::stdout_json(&format!("{text}\n"));
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln_safe!("error: cannot serialise the result: {e}");
-            ExitCode::from(1)
-        }
-    }
-}
-
 fn outcome_json(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> serde_json::Value {
     let top = usize::try_from(args.top).unwrap_or(usize::MAX);
     json!({
@@ -191,7 +178,9 @@ fn outcome_json(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> serde_json
 
 fn report_no_plan(args: &PlanArgs, no_plan: &NoPlan) -> ExitCode {
     if args.json {
-        let _ = print_json(&json!({ "error": no_plan.message, "closest": no_plan.closest, "counts": no_plan.counts }));
+        let _ = super::print_json(
+            &json!({ "error": no_plan.message, "closest": no_plan.closest, "counts": no_plan.counts }),
+        );
         return ExitCode::from(1);
     }
     let mut out = format!("error: {}\n", no_plan.message);

@@ -141,19 +141,6 @@ fn read_source(path: &std::path::Path) -> Option<String> {
     super::read_model_text(path, "--max-batch, --compare and --sweep re-compile the model")
 }
 
-fn print_json(value: &impl serde::Serialize) -> ExitCode {
-    match serde_json::to_string_pretty(value) {
-        Ok(text) => {
-            super::stdout_json(&format!("{text}\n"));
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln_safe!("error: cannot serialise the result: {e}");
-            ExitCode::from(1)
-        }
-    }
-}
-
 fn single(args: &SimulateArgs, hw: &Hardware, plan: &Plan, found: Option<MaxBatch>) -> ExitCode {
     let sim = simulate(plan, hw, &args.options());
     if args.json {
@@ -161,7 +148,7 @@ fn single(args: &SimulateArgs, hw: &Hardware, plan: &Plan, found: Option<MaxBatc
         if let (Some(found), Value::Object(map)) = (&found, &mut value) {
             map.insert("max_batch".to_string(), serde_json::to_value(found).unwrap_or(Value::Null));
         }
-        return print_json(&value);
+        return super::print_json(&value);
     }
     let mut out = render_simulation(&sim);
     if let Some(found) = &found {
@@ -275,7 +262,7 @@ fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
     let sides: Vec<Side> =
         [Strategy::Optimus, Strategy::Megatron].into_iter().map(|s| side(args, hw, source, s, devices)).collect();
     if args.json {
-        return print_json(&compare_json(hw, devices, args.mode(), &sides));
+        return super::print_json(&compare_json(hw, devices, args.mode(), &sides));
     }
     super::stdout(&render_compare(hw, devices, &sides));
     ExitCode::SUCCESS
@@ -393,7 +380,7 @@ fn sweep(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
         }
     }
     if args.json {
-        return print_json(&points);
+        return super::print_json(&points);
     }
     super::stdout(&render_sweep(hw, &points));
     ExitCode::SUCCESS

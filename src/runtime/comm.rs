@@ -118,11 +118,6 @@ pub fn reduce_into<T: Payload>(parts: &[&[T]], at: usize, out: &mut [T], op: Red
     }
 }
 
-/// The member index of the device at `coords` within its group.
-pub fn member_index(group: Group, coords: Coords, mesh: Mesh) -> u64 {
-    group.member_index(coords, mesh)
-}
-
 /// Element ranges of member `m`'s block within a gathered buffer: the gathered dimension `dim` of `full`
 /// is viewed as [outer, mid, inner] and `mid` is split over `parts` members.
 /// Returns (offset in the full buffer, offset in the block, length) runs.

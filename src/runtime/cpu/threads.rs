@@ -2,7 +2,7 @@
 //! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
 
 use crate::plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
-use crate::runtime::comm::{CommError, Communicator, Payload, combine, member_index};
+use crate::runtime::comm::{CommError, Communicator, Payload, combine};
 use crate::shard::layout::MESH_AXES;
 use crate::shard::layout::Placement;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -246,7 +246,7 @@ impl ThreadComm {
     ) -> Result<(), CommError> {
         let mesh = self.fabric.mesh;
         let size = mesh.group_size(group) as usize;
-        let me = member_index(group, self.coords, mesh);
+        let me = group.member_index(self.coords, mesh);
         // A broadcast only needs the root's block; the others deposit nothing.
         let data = if kind == CollectiveKind::Broadcast && root != Some(me) { &send[..0] } else { send };
         let fabric = Arc::clone(&self.fabric);
