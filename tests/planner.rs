@@ -202,6 +202,18 @@ fn o_writes_a_data_parallel_plan_that_run_accepts() {
     assert_eq!(batch.and_then(|b| b["Int"].as_u64().or(b.as_u64())), Some(data * micro), "{}", plan["config"]);
 }
 
+/// GPT-3's example keeps a batch of 8: 1,024 devices cannot split it, and the error says that the model's
+/// `batch` is the global batch and how to give the real run's.
+#[test]
+fn a_batch_too_small_for_the_devices_says_batch_is_the_global_batch() {
+    let gpt3 = example("gpt3.opt").display().to_string();
+    let (code, _, err) = optimusc(&["plan", &gpt3, "--devices", "1024", "--hardware", "dgx-a100"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no configuration of 1024 devices compiles and fits"), "{err}");
+    assert!(err.contains("help: the model's `batch` (8 sequences) is the global batch"), "{err}");
+    assert!(err.contains("`--set batch=N`"), "{err}");
+}
+
 #[test]
 fn bad_inputs_are_clear_errors() {
     let tiny = example("tiny.opt");

@@ -816,7 +816,7 @@ fn finish(search: Search, started: Instant) -> Result<Outcome, Box<NoPlan>> {
             counts.compiled,
             counts.compile_failures
         );
-        let batch_cut = rejected.iter().any(|r| r.what.contains("batch"));
+        let batch_cut = rejected.iter().any(|r| r.reason.contains("batch"));
         let message = if batch_cut && counts.too_large == 0 {
             format!(
                 "{message}\nhelp: the model's `batch` ({global_batch} sequences) is the global batch of an update; every \
