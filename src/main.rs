@@ -60,6 +60,14 @@ enum Command {
     ///
     /// Exit status: 0 on success, 1 on model or compile errors, 2 on usage errors (bad profiles).
     Simulate(cli::simulate::SimulateArgs),
+    /// Measure this machine's CPU runtime and write a hardware profile for `simulate --hardware FILE`.
+    ///
+    /// Profiles short one-device training runs of built-in models (every kernel kind, products from
+    /// small shards to whole layers) and times the thread communicator's collectives on meshes of up
+    /// to 16 threads; fits a cost per kernel kind and per collective. Takes under a minute.
+    /// Example: `optimusc calibrate -o here.toml && optimusc simulate examples/gpt2.opt --hardware
+    /// here.toml --mesh 2x2`. Exit status: 0 on success, 1 on errors, 2 on usage errors.
+    Calibrate(cli::calibrate::CalibrateArgs),
     /// Choose how to run a model on N devices: enumerate strategies, tensor meshes, data-parallel
     /// degrees, micro-batches with accumulation, recompute, precision and ZeRO; compile, fit against
     /// device memory and simulate the promising ones; print them ranked, fastest first.
@@ -154,6 +162,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Verify(args) => cli::verify::verify(&args),
         Command::Simulate(args) => cli::simulate::simulate_command(&args),
         Command::Plan(args) => cli::plan::plan_command(&args),
+        Command::Calibrate(args) => cli::calibrate::calibrate(&args),
         Command::Plot(args) => cli::plot::plot(&args),
         Command::Export(args) => cli::export::export(&args),
         Command::MaskData(args) => cli::mask::mask_data(&args),

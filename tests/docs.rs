@@ -192,7 +192,7 @@ const SKIP_RULES: &[SkipRule] = &[
     SkipRule { why: "scripts/test.sh: the whole suite, which includes this test", applies: is_test_suite },
     SkipRule { why: "scripts/hf_compare.sh: installs PyTorch (5.6 GB) from PyPI", applies: is_hf_compare },
     SkipRule {
-        why: "scripts/bench_vs_torch.sh: a benchmark (minutes, and PyTorch), not a test",
+        why: "scripts/bench_vs_torch.sh, bench_gpu.sh, bench_simulate.py: benchmarks (minutes), not tests",
         applies: is_benchmark,
     },
     SkipRule {
@@ -224,6 +224,8 @@ fn is_hf_compare(words: &[String]) -> bool {
 fn is_benchmark(words: &[String]) -> bool {
     words.first().is_some_and(|w| w == "bash")
         && words.get(1).is_some_and(|w| w == "scripts/bench_vs_torch.sh" || w == "scripts/bench_gpu.sh")
+        || words.first().is_some_and(|w| w == "python3")
+            && words.get(1).is_some_and(|w| w == "scripts/bench_simulate.py")
 }
 
 fn writes_example_input(words: &[String]) -> bool {

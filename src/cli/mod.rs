@@ -1,6 +1,7 @@
 //! Pieces of the command line shared by several commands: target flags, loading and compiling models,
 //! and writing to standard output.
 
+pub mod calibrate;
 pub mod export;
 pub mod fit;
 pub mod flags;

@@ -177,6 +177,9 @@ pub fn render_simulation(s: &Simulation) -> String {
     }
     let _ = writeln!(out, "\nstep time               {:>12}", seconds(s.step_time_s));
     let _ = writeln!(out, "  compute               {:>12}", seconds(s.compute_s));
+    if s.overhead_s > 0.0 {
+        let _ = writeln!(out, "    of which overhead   {:>12}  (kernel launch and dispatch)", seconds(s.overhead_s));
+    }
     let _ = writeln!(out, "  exposed communication {:>12}", seconds(s.exposed_communication_s));
     let _ = writeln!(
         out,

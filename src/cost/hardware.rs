@@ -30,10 +30,25 @@
 //!
 //! [collectives]                   # optional
 //! algorithm = "auto"              # ring, tree, or auto (the faster of the two per collective)
+//!
+//! [measured]                      # optional: written by `optimusc calibrate` (see cost::calibration)
+//! runtime = "cpu"
+//! threads = 2
+//! shared_engine = true            # the node's devices share one engine: kernels queue one by one
+//! overlap = false                 # the runtime does not overlap communication with compute
+//! [measured.kernels.MatMul]       # per kernel kind, and `default`
+//! launch_us = 12.0
+//! gflop_s = 180.0
+//! [[measured.collectives]]        # per kind, group size and devices of the mesh
+//! kind = "broadcast"
+//! members = 4
+//! devices = 16
+//! alpha_us = 40.0
+//! ns_per_byte = 0.3
 //! ```
 
 use crate::ir::DType;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// The built-in profiles: (name, TOML text).
@@ -44,7 +59,7 @@ pub const BUILTIN: [(&str, &str); 3] = [
 ];
 
 /// A cluster: identical nodes of identical devices.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Hardware {
     pub name: String,
@@ -55,10 +70,14 @@ pub struct Hardware {
     pub inter_node: InterNode,
     #[serde(default)]
     pub collectives: Collectives,
+    /// What `optimusc calibrate` measured of this machine's runtime; when present, kernels and
+    /// collectives are costed by it rather than by peaks and links.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured: Option<super::calibration::Measured>,
 }
 
 /// One accelerator.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Device {
     pub name: String,
@@ -72,16 +91,18 @@ pub struct Device {
 }
 
 /// Peak matrix-product rates by element type.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PeakTflops {
     pub f32: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub f16: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16: Option<f64>,
 }
 
 /// The links between devices of one node.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IntraNode {
     pub gpus_per_node: u64,
@@ -90,7 +111,7 @@ pub struct IntraNode {
 }
 
 /// The network between nodes.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InterNode {
     pub nic_bandwidth_gb_s: f64,
@@ -98,7 +119,7 @@ pub struct InterNode {
 }
 
 /// How collectives are run.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Collectives {
     #[serde(default)]
@@ -185,7 +206,7 @@ impl Hardware {
         if self.intra_node.gpus_per_node == 0 {
             return Err("`intra_node.gpus_per_node` must be at least 1".to_string());
         }
-        Ok(())
+        self.measured.as_ref().map_or(Ok(()), super::calibration::Measured::validate)
     }
 
     /// Device memory in bytes.

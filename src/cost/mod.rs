@@ -1,6 +1,7 @@
 //! The simulator's cost model: hardware profiles, collective times, rank placement, the step-time
 //! model over a plan, and the searches (largest batch, scaling sweeps) built on it.
 
+pub mod calibration;
 pub mod collective;
 pub mod hardware;
 pub mod placement;

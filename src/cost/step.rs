@@ -76,6 +76,8 @@ pub struct Simulation {
     pub nic_sharing: String,
     pub step_time_s: f64,
     pub compute_s: f64,
+    /// The fixed part of `compute_s`: kernel launch and dispatch costs.
+    pub overhead_s: f64,
     pub communication_s: f64,
     pub exposed_communication_s: f64,
     pub hidden_communication_s: f64,
@@ -95,13 +97,46 @@ pub fn product_dtype(inputs: &[&Buffer], output: &Buffer) -> DType {
     inputs.first().map_or(output.dtype, |b| b.dtype)
 }
 
-/// Seconds for one kernel on one device: max(FLOPs at the achievable rate, bytes at the achievable
-/// bandwidth) plus the launch cost. Matrix products run at the peak of their operands' element type
+/// Seconds for one kernel on one device: by the profile's measured fit of its kind when it has one
+/// (see [`crate::cost::calibration`]), else by the roofline below.
+pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> f64 {
+    kernel_cost(kernel, inputs, output, hw).seconds
+}
+
+/// A kernel's seconds and the fixed part of them (launch and dispatch).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KernelCost {
+    pub seconds: f64,
+    pub overhead: f64,
+}
+
+/// [`kernel_time`] with its fixed part.
+pub fn kernel_cost(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> KernelCost {
+    let Some(measured) = &hw.measured else {
+        let overhead = hw.device.kernel_launch_us * 1e-6;
+        return KernelCost { seconds: roofline_time(kernel, inputs, output, hw) + overhead, overhead };
+    };
+    let flops = kernel_flops(kernel, inputs, output) as f64;
+    let bytes = kernel_bytes(inputs, output) as f64;
+    let kind = crate::runtime::profile::kernel_name(kernel);
+    KernelCost {
+        seconds: measured.kernel_seconds(&kind, bytes, flops),
+        overhead: measured.kernel_seconds(&kind, 0.0, 0.0),
+    }
+}
+
+/// Bytes a kernel reads and writes: its inputs and its output, once each.
+pub fn kernel_bytes(inputs: &[&Buffer], output: &Buffer) -> u64 {
+    inputs.iter().map(|b| b.bytes()).sum::<u64>() + output.bytes()
+}
+
+/// Roofline seconds for one kernel on one device: max(FLOPs at the achievable rate, bytes at the
+/// achievable bandwidth), without the launch cost. Matrix products run at the peak of their operands' element type
 /// (bf16 operands use the tensor cores whether they accumulate into bf16 or into a float32 sum); other
 /// kernels at the f32 rate.
-pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> f64 {
+fn roofline_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> f64 {
     let flops = kernel_flops(kernel, inputs, output) as f64;
-    let bytes: u64 = inputs.iter().map(|b| b.bytes()).sum::<u64>() + output.bytes();
+    let bytes = kernel_bytes(inputs, output);
     let is_matrix = matches!(
         kernel,
         Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. }
@@ -110,7 +145,7 @@ pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Ha
     let d = &hw.device;
     let compute = flops / (peak * d.achievable_compute);
     let memory = bytes as f64 / (d.memory_bandwidth_gb_s * 1e9 * d.achievable_bandwidth);
-    compute.max(memory) + d.kernel_launch_us * 1e-6
+    compute.max(memory)
 }
 
 /// A SUMMA step as the plan's reasons give it: the product and its step count, and the step.
@@ -171,6 +206,8 @@ impl Overlap {
 #[derive(Default)]
 struct Tally {
     compute: f64,
+    /// The fixed part of `compute`: kernel launch and dispatch.
+    overhead: f64,
     communication: f64,
     exposed: f64,
     by_group: BTreeMap<(String, LinkKind, String), CommTime>,
@@ -184,9 +221,11 @@ struct Tally {
 }
 
 impl Tally {
-    fn kernel(&mut self, time: f64, reason: Option<&ReasonKind>) {
+    fn kernel(&mut self, cost: KernelCost, reason: Option<&ReasonKind>) {
+        let time = cost.seconds;
         self.wait_for_gradient_sums(reason);
         self.compute += time;
+        self.overhead += cost.overhead;
         self.run_beside(time);
         if self.double_buffered && self.overlap.enter(reason) {
             self.overlap.step_compute += time;
@@ -276,18 +315,27 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
         .collect();
     let rep = report(plan);
     let bytes_of: BTreeMap<usize, u64> = rep.communication.iter().map(|c| (c.instruction, c.bytes)).collect();
-    let mut tally = Tally { double_buffered: options.overlap, ..Tally::default() };
+    let measured = hw.measured.as_ref();
+    let overlap = options.overlap && measured.is_none_or(|m| m.overlap);
+    let engine = Engine::of(plan, hw);
+    let mut tally = Tally { double_buffered: overlap, ..Tally::default() };
     for (index, instr) in plan.program.iter().enumerate() {
         match instr {
             Instr::Kernel { kernel, inputs, output, reason, .. } => {
                 let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
-                let t = kernel_time(kernel, &ins, plan.buffer(*output), hw);
-                tally.kernel(t, reason_kind(plan, *reason));
+                let cost = engine.kernel(kernel_cost(kernel, &ins, plan.buffer(*output), hw));
+                tally.kernel(cost, reason_kind(plan, *reason));
             }
             Instr::Collective { collective: c, reason, .. } => {
                 let bytes = bytes_of.get(&index).copied().unwrap_or(0);
                 let (link_kind, link) = links[&c.group];
-                let t = collective_time(c.kind, plan.mesh.group_size(c.group), bytes as f64, link, algorithm);
+                let members = plan.mesh.group_size(c.group);
+                let measured_time = measured.and_then(|m| {
+                    m.collective_seconds(c.kind, members, plan.mesh.devices(), bytes as f64, engine.shared)
+                });
+                let t = measured_time
+                    .unwrap_or_else(|| collective_time(c.kind, members, bytes as f64, link, algorithm))
+                    + engine.collective();
                 tally.collective(c.kind, c.group, link_kind, bytes, t, reason_kind(plan, *reason));
             }
             Instr::Free { .. } => {}
@@ -300,7 +348,47 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
         placement_note: nodes.note.clone(),
         algorithm: algorithm.name().to_string(),
     };
-    assemble(plan, hw, options, header, tally, &rep)
+    assemble(plan, hw, Options { overlap, ..*options }, header, tally, &rep)
+}
+
+/// The compute engine a device's kernels run on: its own, or one shared by the `devices` of its node
+/// (threads of one process on the same cores), on which each instruction of each device also costs
+/// `dispatch` seconds (handing it to the engine and waking the device when it is done).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Engine {
+    shared: bool,
+    devices: f64,
+    dispatch: f64,
+}
+
+impl Engine {
+    /// The engine of a plan's devices: shared when a calibrated profile says the node's devices share
+    /// one.
+    fn of(plan: &Plan, hw: &Hardware) -> Engine {
+        match &hw.measured {
+            Some(m) if m.shared_engine && plan.mesh.devices() > 1 => {
+                let devices = plan.mesh.devices().min(hw.intra_node.gpus_per_node).max(1);
+                Engine { shared: true, devices: devices as f64, dispatch: m.shared_dispatch_us * 1e-6 }
+            }
+            _ => Engine { shared: false, devices: 1.0, dispatch: 0.0 },
+        }
+    }
+
+    /// What a kernel adds to the step. On a shared engine every device's call queues on it, and the
+    /// one-device launch cost gives way to the shared engine's dispatch cost: with other devices' work
+    /// queued, the engine never idles waiting for a launch.
+    fn kernel(self, cost: KernelCost) -> KernelCost {
+        if !self.shared {
+            return cost;
+        }
+        let overhead = self.devices * self.dispatch;
+        KernelCost { seconds: self.devices * (cost.seconds - cost.overhead) + overhead, overhead }
+    }
+
+    /// What the dispatch of one collective on every device adds to the step.
+    fn collective(self) -> f64 {
+        if self.shared { self.devices * self.dispatch } else { 0.0 }
+    }
 }
 
 /// What the simulation was run with, as reported.
@@ -313,7 +401,7 @@ struct Header {
 fn assemble(
     plan: &Plan,
     hw: &Hardware,
-    options: &Options,
+    options: Options,
     header: Header,
     tally: Tally,
     rep: &crate::plan::report::Report,
@@ -336,6 +424,7 @@ fn assemble(
         nic_sharing: options.nic_sharing.name().to_string(),
         step_time_s: step,
         compute_s: tally.compute,
+        overhead_s: tally.overhead,
         communication_s: tally.communication,
         exposed_communication_s: tally.exposed,
         hidden_communication_s: tally.communication - tally.exposed,

@@ -5,6 +5,7 @@
 pub mod arena;
 pub mod backend;
 pub mod bf16;
+pub mod calibrate;
 pub mod comm;
 pub mod compare;
 pub mod cpu;

@@ -44,6 +44,11 @@ impl Profile {
         }
     }
 
+    /// How often instruction `index` ran and how long it took in all.
+    pub fn tally(&self, index: usize) -> Option<(u64, Duration)> {
+        self.tallies.get(index).map(|t| (t.count, t.time))
+    }
+
     /// Closes a step that took `wall` on this device; a warm-up step is dropped with all it recorded.
     pub fn finish_step(&mut self, wall: Duration, warm_up: bool) {
         if warm_up {

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Predicted against measured step times on this machine: `optimusc simulate --hardware PROFILE`
+beside `optimusc run` (CPU threads) over a grid of meshes, strategies, sizes and modes.
+
+Usage: python3 scripts/bench_simulate.py [--profile FILE.toml] [--optimusc PATH] [--full]
+                                         [--steps N] [--model FILE.opt] [--layers L] [--batch B]
+
+Without --profile it runs `optimusc calibrate` first. Prints one line per grid point (predicted,
+measured, error) and the mean and worst absolute error. The measured step time is the median of the
+steps after the first (warm-up). Not part of the test suite: timings need a quiet machine.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+MESHES = [("1x1", "none"), ("1x2", "megatron"), ("1x4", "megatron"), ("2x2", "optimus"), ("4x4", "optimus")]
+HIDDEN = [128, 256, 512, 768]
+SEQ = [64, 128, 256]
+MODES = ["train", "infer"]
+
+
+def grid(full):
+    """Every combination with --full; else each mesh and mode at three (hidden, seq) corners."""
+    if full:
+        return list(itertools.product(MESHES, HIDDEN, SEQ, MODES))
+    sizes = [(128, 64), (256, 128), (768, 256)]
+    return [(m, h, s, mode) for m in MESHES for (h, s) in sizes for mode in MODES]
+
+
+def overrides(args, hidden, seq):
+    heads = max(4, hidden // 64)
+    sets = {"layers": args.layers, "hidden": hidden, "heads": heads, "seq": seq, "batch": args.batch,
+            "vocab": args.vocab, "context": max(seq, 64)}
+    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+
+
+def measured_step(args, target):
+    """Median wall time of the steps after the first, from `run --json` records."""
+    cmd = [args.optimusc, "run", args.model, *target, "--steps", str(args.steps), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
+    elapsed = [json.loads(line)["elapsed_s"] for line in out.stdout.splitlines()
+               if line.startswith("{") and "elapsed_s" in line]
+    steps = [b - a for a, b in zip(elapsed, elapsed[1:])]
+    if not steps:
+        raise RuntimeError("run printed too few steps to time")
+    return statistics.median(steps)
+
+
+def predicted_step(args, target):
+    cmd = [args.optimusc, "simulate", args.model, *target, "--hardware", args.profile, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
+    sim = json.loads(out.stdout)
+    return sim["step_time_s"], sim["compute_s"], sim["exposed_communication_s"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p.add_argument("--optimusc", default=os.path.join(root, "target", "release", "optimusc"))
+    p.add_argument("--profile", help="a profile from `optimusc calibrate` (default: calibrate now)")
+    p.add_argument("--model", default=os.path.join(root, "examples", "gpt2.opt"))
+    p.add_argument("--full", action="store_true", help="every mesh x hidden x seq x mode (120 points)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=2048)
+    args = p.parse_args()
+    if not os.path.exists(args.optimusc):
+        sys.exit(f"no optimusc at {args.optimusc}: build it with `cargo build --release`")
+    if args.profile is None:
+        args.profile = os.path.join(tempfile.mkdtemp(), "calibrated.toml")
+        subprocess.run([args.optimusc, "calibrate", "-o", args.profile], check=True)
+    print(f"{'mesh':<5} {'strategy':<9} {'hidden':>6} {'seq':>4} {'mode':<5} "
+          f"{'predicted':>10} {'measured':>10} {'error':>7}   compute / exposed comm")
+    errors = []
+    for (mesh, strategy), hidden, seq, mode in grid(args.full):
+        target = ["--mesh", mesh, "--strategy", strategy, "--mode", mode, *overrides(args, hidden, seq)]
+        step, compute, comm = predicted_step(args, target)
+        real = measured_step(args, target)
+        error = step / real - 1.0
+        errors.append(error)
+        print(f"{mesh:<5} {strategy:<9} {hidden:>6} {seq:>4} {mode:<5} {1e3 * step:>8.1f}ms "
+              f"{1e3 * real:>8.1f}ms {100 * error:>+6.1f}%   {1e3 * compute:.1f} / {1e3 * comm:.1f} ms",
+              flush=True)
+    worst = max(errors, key=abs)
+    mean = statistics.mean(abs(e) for e in errors)
+    print(f"\n{len(errors)} points: mean |error| {100 * mean:.1f}%, worst {100 * worst:+.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+//! `optimusc calibrate`: measures this machine's CPU runtime (kernels by profiling short one-device
+//! training runs of built-in models, collectives of the thread communicator on meshes of threads) and
+//! writes a hardware profile with a `[measured]` section for `simulate --hardware FILE`.
+
+use optimus::check::check_source;
+use optimus::cost::calibration::{DEFAULT_KERNEL, Measured};
+use optimus::cost::hardware::{Collectives, Device, Hardware, InterNode, IntraNode, PeakTflops};
+use optimus::elab::Override;
+use optimus::plan::{CollectiveKind, Mesh, Mode, Plan, Strategy};
+use optimus::runtime::calibrate::{self as measure, COLLECTIVE_KINDS, COLLECTIVE_PAYLOADS, COLLECTIVE_SHAPES};
+use optimus::shard::{Target, compile};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+/// Flags of `optimusc calibrate`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CalibrateArgs {
+    /// Where to write the profile (TOML); `-` or nothing: standard output.
+    #[arg(short = 'o', long = "output", value_name = "PROFILE.toml")]
+    pub output: Option<PathBuf>,
+    /// The profile's name (default: `calibrated-` and this machine's host name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Measure less (two model sizes, two collective shapes): a profile in a few seconds, for tests.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// A built-in model the kernels are profiled on, at one size.
+struct Workload {
+    model: &'static str,
+    source: &'static str,
+    set: &'static [&'static str],
+    /// Steps to run (the first is warm-up and left out): more for small sizes, whose times are noisier.
+    steps: u64,
+}
+
+const GPT2: &str = include_str!("../../examples/gpt2.opt");
+const LLAMA: &str = include_str!("../../examples/llama.opt");
+const BERT: &str = include_str!("../../examples/bert.opt");
+
+/// Steps of each calibration run but the largest.
+const STEPS: u64 = 6;
+
+/// The sizes profiled: products from the shards of a 4x4 mesh up to a whole hidden-512 layer.
+const WORKLOADS: [Workload; 7] = [
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["hidden=32", "heads=2", "seq=32", "batch=4", "vocab=256"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["hidden=64", "heads=2", "seq=64", "batch=4", "vocab=512"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["hidden=128", "heads=2", "seq=128", "batch=4", "vocab=1024"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["hidden=256", "heads=4", "seq=128", "batch=8", "vocab=2048"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["hidden=512", "heads=8", "seq=256", "batch=8", "vocab=4096"],
+        steps: 3,
+    },
+    Workload {
+        model: "llama",
+        source: LLAMA,
+        set: &["hidden=256", "heads=4", "kv_heads=2", "ffn=688", "seq=128", "batch=4", "vocab=2048", "context=256"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "bert",
+        source: BERT,
+        set: &["hidden=128", "heads=2", "seq=128", "batch=8", "vocab=2048", "context=128"],
+        steps: STEPS,
+    },
+];
+
+/// Runs `optimusc calibrate`.
+pub fn calibrate(args: &CalibrateArgs) -> ExitCode {
+    let destination = args.output.as_deref().filter(|p| !optimus::io::output::is_standard_output(p));
+    if let Some(Err(e)) = destination.map(optimus::io::check_writable) {
+        eprintln_safe!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let started = Instant::now();
+    let hw = match measure_machine(args) {
+        Ok(hw) => hw,
+        Err(e) => {
+            eprintln_safe!("error: calibrate: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let text = match toml::to_string(&hw) {
+        Ok(body) => format!("{}{body}", header(&hw, started.elapsed())),
+        Err(e) => {
+            eprintln_safe!("error: calibrate: cannot write the profile as TOML: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let path = args.output.clone().unwrap_or_else(|| PathBuf::from("-"));
+    if let Err(e) = optimus::io::write_file(&path, text.as_bytes()) {
+        eprintln_safe!("error: {e}");
+        return ExitCode::from(1);
+    }
+    if !optimus::io::output::is_standard_output(&path) {
+        eprintln_safe!(
+            "calibrate: wrote `{}` in {:.1} s; use it with `optimusc simulate --hardware {}`",
+            path.display(),
+            started.elapsed().as_secs_f64(),
+            path.display()
+        );
+    }
+    ExitCode::SUCCESS
+}
+
+/// The comment atop the written profile.
+fn header(hw: &Hardware, took: Duration) -> String {
+    format!(
+        "# Measured by `optimusc calibrate` ({} {}) in {:.1} s on {}.\n# Kernel and collective costs are in [measured]; see docs/calibration.md.\n\n",
+        env!("CARGO_PKG_NAME"),
+        env!("CARGO_PKG_VERSION"),
+        took.as_secs_f64(),
+        hw.device.name
+    )
+}
+
+/// Measures kernels and collectives and assembles the profile.
+fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
+    let workloads: Vec<&Workload> =
+        if args.quick { WORKLOADS.iter().take(2).collect() } else { WORKLOADS.iter().collect() };
+    let shapes: Vec<(u64, u64)> = if args.quick { COLLECTIVE_SHAPES[..2].to_vec() } else { COLLECTIVE_SHAPES.to_vec() };
+    let timings = (shapes.len() * COLLECTIVE_KINDS.len()) as u64;
+    let meshes: &[(Mesh, Strategy)] = if args.quick { &SHARED_MESHES[..1] } else { &SHARED_MESHES };
+    let progress = Progress::new(workloads.len() as u64 + timings + meshes.len() as u64);
+    let mut samples = Vec::new();
+    for w in &workloads {
+        progress.phase(&format!("kernels: {} {}", w.model, w.set.join(" ")));
+        let plan = one_device_plan(w)?;
+        samples.extend(measure::profile_kernels(&plan, w.steps, 1)?);
+        progress.advance();
+    }
+    let kernels = measure::fit_kernels(&samples);
+    let mut collectives = Vec::new();
+    for &(members, devices) in &shapes {
+        for kind in COLLECTIVE_KINDS {
+            progress.phase(&format!("collectives: {} of {members} on {devices} threads", kind.name()));
+            collectives.push(collective_fit(kind, members, devices)?);
+            progress.advance();
+        }
+    }
+    let measured = Measured {
+        runtime: "cpu".into(),
+        threads: optimus::runtime::cpu::par::threads() as u64,
+        shared_engine: true,
+        overlap: false,
+        shared_dispatch_us: 0.0,
+        kernels,
+        collectives,
+    };
+    let mut hw = assemble(args, measured);
+    let mut runs = Vec::new();
+    for &(mesh, strategy) in meshes {
+        progress.phase(&format!("shared engine: {} on {mesh}", strategy.name()));
+        runs.push(shared_run(&hw, mesh, strategy)?);
+        progress.advance();
+    }
+    progress.finish();
+    if let Some(m) = hw.measured.as_mut() {
+        m.shared_dispatch_us = fit_dispatch(&runs) * 1e6;
+    }
+    Ok(rounded(hw))
+}
+
+/// The profile with every measured number to four significant digits (what the noise of a shared
+/// machine allows), so that it reads well.
+fn rounded(mut hw: Hardware) -> Hardware {
+    let r = significant;
+    let d = &mut hw.device;
+    (d.memory_bandwidth_gb_s, d.kernel_launch_us, d.peak_tflops.f32) =
+        (r(d.memory_bandwidth_gb_s), r(d.kernel_launch_us), r(d.peak_tflops.f32));
+    (hw.intra_node.bandwidth_gb_s, hw.intra_node.latency_us) =
+        (r(hw.intra_node.bandwidth_gb_s), r(hw.intra_node.latency_us));
+    (hw.inter_node.nic_bandwidth_gb_s, hw.inter_node.latency_us) =
+        (r(hw.inter_node.nic_bandwidth_gb_s), r(hw.inter_node.latency_us));
+    if let Some(m) = hw.measured.as_mut() {
+        m.shared_dispatch_us = r(m.shared_dispatch_us);
+        for fit in m.kernels.values_mut() {
+            (fit.launch_us, fit.gb_s, fit.gflop_s) = (r(fit.launch_us), fit.gb_s.map(r), fit.gflop_s.map(r));
+        }
+        for fit in &mut m.collectives {
+            (fit.alpha_us, fit.ns_per_byte) = (r(fit.alpha_us), r(fit.ns_per_byte));
+        }
+    }
+    hw
+}
+
+/// `x` to four significant digits.
+fn significant(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let scale = 10f64.powi(3 - x.abs().log10().floor() as i32);
+    (x * scale).round() / scale
+}
+
+/// The meshes whose measured steps fit the shared engine's dispatch cost.
+const SHARED_MESHES: [(Mesh, Strategy); 4] = [
+    (Mesh::new(2, 2), Strategy::Optimus),
+    (Mesh::new(1, 4), Strategy::Megatron),
+    (Mesh::new(4, 4), Strategy::Optimus),
+    (Mesh::new(1, 2), Strategy::Megatron),
+];
+
+/// The model the shared engine is measured on.
+const SHARED_WORKLOAD: Workload = Workload {
+    model: "gpt2",
+    source: GPT2,
+    set: &["hidden=128", "heads=4", "seq=96", "batch=4", "vocab=1024", "layers=1"],
+    steps: STEPS,
+};
+
+/// One multi-device run: (measured step, predicted step without dispatch costs, instructions run on
+/// the engine per step: each device's kernels and collectives).
+fn shared_run(hw: &Hardware, mesh: Mesh, strategy: Strategy) -> Result<(f64, f64, f64), String> {
+    let plan = plan_for(&SHARED_WORKLOAD, mesh, strategy)?;
+    let measured = measure::median_step(&plan, SHARED_WORKLOAD.steps, 1)?;
+    let predicted = optimus::cost::simulate(&plan, hw, &optimus::cost::Options::default()).step_time_s;
+    let per_device = plan.program.iter().filter(|i| !matches!(i, optimus::plan::Instr::Free { .. })).count();
+    Ok((measured, predicted, (per_device as u64 * mesh.devices()) as f64))
+}
+
+/// Seconds per instruction that best close the gap between measured and predicted steps (least
+/// squares through the origin), never negative.
+fn fit_dispatch(runs: &[(f64, f64, f64)]) -> f64 {
+    let (num, den) = runs.iter().fold((0.0, 0.0), |(n, d), &(measured, predicted, calls)| {
+        (n + (measured - predicted) * calls, d + calls * calls)
+    });
+    if den > 0.0 { (num / den).max(0.0) } else { 0.0 }
+}
+
+/// A workload compiled for one device, training.
+fn one_device_plan(w: &Workload) -> Result<Plan, String> {
+    plan_for(w, Mesh::new(1, 1), Strategy::None)
+}
+
+/// A workload compiled for a mesh and strategy, training.
+fn plan_for(w: &Workload, mesh: Mesh, strategy: Strategy) -> Result<Plan, String> {
+    let overrides: Vec<Override> = w.set.iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
+    let checked = check_source(w.source, &overrides);
+    let model = checked.model.ok_or_else(|| format!("the built-in {} model does not check", w.model))?;
+    let target = Target { mesh, strategy, mode: Mode::Train, memory: optimus::plan::MemoryOptions::DEFAULT };
+    compile(&model, w.model, w.source, target)
+        .map_err(|_| format!("the built-in {} model does not compile for {mesh} {}", w.model, strategy.name()))
+}
+
+/// Times one collective configuration at every payload and fits it.
+fn collective_fit(
+    kind: CollectiveKind,
+    members: u64,
+    devices: u64,
+) -> Result<optimus::cost::calibration::CollectiveFit, String> {
+    let mut points = Vec::new();
+    for bytes in COLLECTIVE_PAYLOADS {
+        let guess = measure::time_collective(kind, members, devices, bytes, 2)?;
+        let repeats = measure::repeats_for(Duration::from_secs_f64(guess), Duration::from_millis(25));
+        points.push((bytes, measure::time_collective(kind, members, devices, bytes, repeats)?));
+    }
+    Ok(measure::fit_collective(kind, members, devices, &points))
+}
+
+/// The profile: the measured section, and the classic fields filled from it (so that memory fit,
+/// MFU and profiles without `[measured]` still read sensibly).
+fn assemble(args: &CalibrateArgs, measured: Measured) -> Hardware {
+    let default = measured.kernels.get(DEFAULT_KERNEL).copied();
+    let product = measured.kernels.get("MatMul").copied();
+    let broadcast = measured
+        .collectives
+        .iter()
+        .find(|f| f.members == 2 && f.devices == 2 && f.kind == CollectiveKind::Broadcast.into());
+    let link_gb_s = broadcast.map_or(10.0, |f| 1.0 / f.ns_per_byte.max(1e-3));
+    let latency_us = broadcast.map_or(10.0, |f| f.alpha_us);
+    let host = host_name();
+    Hardware {
+        name: args.name.clone().unwrap_or_else(|| format!("calibrated-{host}")),
+        description: format!(
+            "{} with {} kernel workers, measured by optimusc calibrate",
+            cpu_model(),
+            measured.threads
+        ),
+        device: Device {
+            name: cpu_model(),
+            memory_gb: memory_gb(),
+            memory_bandwidth_gb_s: default.and_then(|f| f.gb_s).unwrap_or(10.0),
+            achievable_bandwidth: 1.0,
+            achievable_compute: 1.0,
+            kernel_launch_us: default.map_or(0.0, |f| f.launch_us),
+            peak_tflops: PeakTflops {
+                f32: product.and_then(|f| f.gflop_s).unwrap_or(100.0) / 1e3,
+                f16: None,
+                bf16: None,
+            },
+        },
+        intra_node: IntraNode {
+            gpus_per_node: optimus::runtime::limits::MAX_DEVICE_THREADS,
+            bandwidth_gb_s: link_gb_s,
+            latency_us,
+        },
+        inter_node: InterNode { nic_bandwidth_gb_s: link_gb_s, latency_us },
+        collectives: Collectives::default(),
+        measured: Some(measured),
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').collect::<String>())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "host".into())
+}
+
+/// The CPU's model name, from /proc/cpuinfo where there is one.
+fn cpu_model() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let name =
+        info.lines().find_map(|l| l.strip_prefix("model name")?.split_once(':').map(|(_, v)| v.trim().to_string()));
+    name.filter(|n| !n.is_empty()).unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// This machine's memory in GB (1e9 bytes), from /proc/meminfo; 16 where it cannot be read.
+fn memory_gb() -> f64 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kib =
+        info.lines().find_map(|l| l.strip_prefix("MemTotal:")?.trim().strip_suffix("kB")?.trim().parse::<f64>().ok());
+    kib.map_or(16.0, |k| (k * 1024.0 / 1e9 * 10.0).round() / 10.0)
+}
+
+/// A bar on a terminal; a line per phase otherwise.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Progress {
+    fn new(total: u64) -> Progress {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len}  {msg}") {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Progress { bar }
+    }
+
+    fn phase(&self, what: &str) {
+        match &self.bar {
+            Some(bar) => bar.set_message(what.to_string()),
+            None => eprintln_safe!("calibrate: {what}"),
+        }
+    }
+
+    fn advance(&self) {
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Calibrated hardware profiles: `simulate` costs kernels and collectives by a profile's `[measured]`
+//! section exactly as documented (hand-computed from the plan), devices sharing one engine add up,
+//! bad sections are refused, and `optimusc calibrate --quick` writes a profile `simulate` reads.
+
+use optimus::cost::{Hardware, Options, simulate};
+use optimus::plan::report::kernel_flops;
+use optimus::plan::{Buffer, Instr, Mesh, Mode, Plan, Strategy};
+use optimus::shard::Target;
+use std::process::Command;
+
+const TINY: &str = include_str!("../examples/tiny.opt");
+
+fn plan(mesh: Mesh, strategy: Strategy, mode: Mode) -> Plan {
+    let checked = optimus::check::check_source(TINY, &[]);
+    let Some(model) = checked.model else { panic!("tiny.opt does not check") };
+    let target = Target { mesh, strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT };
+    match optimus::shard::compile(&model, "tiny", TINY, target) {
+        Ok(plan) => plan,
+        Err(e) => panic!("tiny.opt does not compile for {mesh}: {e:?}"),
+    }
+}
+
+/// A profile whose kernels cost `launch_us` plus bytes at 1 GB/s plus FLOPs at 10 GFLOP/s (MatMul
+/// 100 GFLOP/s), and whose broadcasts cost 7 us plus 2 ns a byte on any mesh.
+fn measured_profile(shared: bool, dispatch_us: f64, launch_us: f64) -> Hardware {
+    let text = format!(
+        r#"
+name = "measured"
+[device]
+name = "test cpu"
+memory_gb = 16.0
+memory_bandwidth_gb_s = 1.0
+achievable_bandwidth = 1.0
+achievable_compute = 1.0
+[device.peak_tflops]
+f32 = 0.1
+[intra_node]
+gpus_per_node = 64
+bandwidth_gb_s = 1.0
+latency_us = 1.0
+[inter_node]
+nic_bandwidth_gb_s = 1.0
+latency_us = 1.0
+[measured]
+runtime = "cpu"
+threads = 2
+shared_engine = {shared}
+overlap = false
+shared_dispatch_us = {dispatch_us}
+[measured.kernels.default]
+launch_us = {launch_us}
+gb_s = 1.0
+gflop_s = 10.0
+[measured.kernels.MatMul]
+launch_us = {launch_us}
+gb_s = 1.0
+gflop_s = 100.0
+[[measured.collectives]]
+kind = "broadcast"
+members = 2
+devices = 4
+alpha_us = 7.0
+ns_per_byte = 2.0
+"#
+    );
+    match Hardware::parse(&text, "measured") {
+        Ok(hw) => hw,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Seconds of every kernel of one device by the profile's formula, and the number of kernels.
+fn kernel_seconds(plan: &Plan, launch_us: f64) -> (f64, usize) {
+    let mut total = 0.0;
+    let mut count = 0;
+    for instr in &plan.program {
+        let Instr::Kernel { kernel, inputs, output, .. } = instr else { continue };
+        let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
+        let out = plan.buffer(*output);
+        let bytes = (ins.iter().map(|b| b.bytes()).sum::<u64>() + out.bytes()) as f64;
+        let rate = if matches!(kernel, optimus::plan::Kernel::MatMul { .. }) { 100e9 } else { 10e9 };
+        total += launch_us * 1e-6 + bytes / 1e9 + kernel_flops(kernel, &ins, out) as f64 / rate;
+        count += 1;
+    }
+    (total, count)
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1e-12)
+}
+
+#[test]
+fn one_device_steps_are_the_sum_of_the_fitted_kernel_costs() {
+    for mode in [Mode::Train, Mode::Infer] {
+        let p = plan(Mesh::new(1, 1), Strategy::None, mode);
+        let sim = simulate(&p, &measured_profile(true, 3.0, 5.0), &Options::default());
+        let (expected, kernels) = kernel_seconds(&p, 5.0);
+        assert!(close(sim.step_time_s, expected), "{mode:?}: {} against {expected}", sim.step_time_s);
+        assert!(close(sim.overhead_s, 5e-6 * kernels as f64), "launch costs: {}", sim.overhead_s);
+        assert!(!sim.overlap, "the profile says the runtime does not overlap");
+    }
+}
+
+#[test]
+fn devices_sharing_an_engine_add_up_and_trade_launch_for_dispatch() {
+    let p = plan(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
+    let (launch, dispatch) = (5.0, 3.0);
+    let (one_device, kernels) = kernel_seconds(&p, launch);
+    let work = one_device - launch * 1e-6 * kernels as f64;
+    let shared = simulate(&p, &measured_profile(true, dispatch, launch), &Options::default());
+    let expected_compute = 4.0 * (work + dispatch * 1e-6 * kernels as f64);
+    assert!(close(shared.compute_s, expected_compute), "{} against {expected_compute}", shared.compute_s);
+    let alone = simulate(&p, &measured_profile(false, dispatch, launch), &Options::default());
+    assert!(close(alone.compute_s, one_device), "own engines: one device's kernels, {}", alone.compute_s);
+}
+
+#[test]
+fn measured_collectives_cost_their_copies_on_a_shared_engine_and_alpha_beta_otherwise() {
+    let p = plan(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
+    let report = optimus::plan::report::report(&p);
+    let broadcasts: Vec<u64> = report
+        .communication
+        .iter()
+        .filter(|c| matches!(&p.program[c.instruction], Instr::Collective { collective, .. } if collective.kind == optimus::plan::CollectiveKind::Broadcast))
+        .map(|c| c.bytes)
+        .collect();
+    assert!(!broadcasts.is_empty(), "a 2x2 optimus plan broadcasts");
+    let bytes: u64 = broadcasts.iter().sum();
+    let time = |sim: &optimus::cost::Simulation| -> f64 {
+        sim.communication.iter().filter(|c| c.kind == "broadcast").map(|c| c.time_s).sum()
+    };
+    let own = simulate(&p, &measured_profile(false, 0.0, 0.0), &Options::default());
+    let expected = broadcasts.len() as f64 * 7e-6 + bytes as f64 * 2e-9;
+    assert!(close(time(&own), expected), "alpha-beta: {} against {expected}", time(&own));
+    let shared = simulate(&p, &measured_profile(true, 3.0, 0.0), &Options::default());
+    let expected = bytes as f64 * 2e-9 + broadcasts.len() as f64 * 4.0 * 3e-6;
+    assert!(close(time(&shared), expected), "copies and dispatch: {} against {expected}", time(&shared));
+}
+
+#[test]
+fn bad_measured_sections_are_refused_with_the_field() {
+    let good = toml_of(&measured_profile(true, 1.0, 1.0));
+    let cases = [
+        ("[measured.kernels.default]\nlaunch_us = 1.0\ngb_s = 1.0\ngflop_s = 10.0\nsamples = 0\n", "", "`default`"),
+        ("gb_s = 1.0\ngflop_s = 100.0", "gb_s = -1.0\ngflop_s = 100.0", "MatMul.gb_s"),
+        ("shared_dispatch_us = 1", "shared_dispatch_us = -1", "shared_dispatch_us"),
+        ("members = 2\ndevices = 4", "members = 2\ndevices = 1", "collectives"),
+    ];
+    for (from, to, named) in cases {
+        assert!(good.contains(from), "the profile has `{from}`:\n{good}");
+        let bad = good.replacen(from, to, 1);
+        match Hardware::parse(&bad, "bad.toml") {
+            Ok(_) => panic!("accepted a profile with `{to}`"),
+            Err(e) => assert!(e.contains(named) && e.contains("bad.toml"), "{e}"),
+        }
+    }
+}
+
+fn toml_of(hw: &Hardware) -> String {
+    match toml::to_string(hw) {
+        Ok(text) => text,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn calibrate_writes_a_profile_that_simulate_reads() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("here.toml");
+    let bin = env!("CARGO_BIN_EXE_optimusc");
+    let out = Command::new(bin).args(["calibrate", "--quick", "--name", "test-host", "-o"]).arg(&path).output();
+    let out = out.expect("optimusc runs");
+    assert!(out.status.success(), "calibrate failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&path).expect("the profile was written");
+    let hw = match Hardware::parse(&text, "here.toml") {
+        Ok(hw) => hw,
+        Err(e) => panic!("{e}\n{text}"),
+    };
+    assert_eq!(hw.name, "test-host");
+    let m = hw.measured.as_ref().expect("a [measured] section");
+    for kind in ["MatMul", "default", "LayerNormApply", "Attention"] {
+        let fit = m.kernels.get(kind).unwrap_or_else(|| panic!("no fit for {kind}:\n{text}"));
+        assert!(fit.samples > 0 && (fit.gb_s.is_some() || fit.gflop_s.is_some() || fit.launch_us > 0.0), "{kind}");
+    }
+    assert_eq!(m.collectives.len(), 10, "five kinds on two shapes");
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tiny.opt");
+    let out =
+        Command::new(bin).args(["simulate", model, "--mesh", "2x2", "--hardware"]).arg(&path).arg("--json").output();
+    let out = out.expect("optimusc runs");
+    assert!(out.status.success(), "simulate failed: {}", String::from_utf8_lossy(&out.stderr));
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let step = value["step_time_s"].as_f64().unwrap_or(0.0);
+    assert!(step > 0.0 && step < 1.0, "a tiny step on this machine: {step} s");
+    assert_eq!(value["overlap"], serde_json::Value::Bool(false));
+}
+
+#[test]
+fn calibrate_refuses_an_unwritable_destination_before_measuring() {
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(["calibrate", "-o", "/nonexistent-dir/here.toml"])
+        .output()
+        .expect("optimusc runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent-dir/here.toml") && !err.contains("calibrate: kernels"), "{err}");
+}
