@@ -46,7 +46,9 @@ runtime = "cpu"
 threads = 2
 shared_engine = {shared}
 overlap = false
-shared_dispatch_us = {dispatch_us}
+[[measured.dispatch]]
+devices = 4
+us = {dispatch_us}
 [measured.kernels.default]
 launch_us = {launch_us}
 gb_s = 1.0
@@ -143,7 +145,7 @@ fn bad_measured_sections_are_refused_with_the_field() {
     let cases = [
         ("[measured.kernels.default]\nlaunch_us = 1.0\ngb_s = 1.0\ngflop_s = 10.0\nsamples = 0\n", "", "`default`"),
         ("gb_s = 1.0\ngflop_s = 100.0", "gb_s = -1.0\ngflop_s = 100.0", "MatMul.gb_s"),
-        ("shared_dispatch_us = 1", "shared_dispatch_us = -1", "shared_dispatch_us"),
+        ("devices = 4\nus = 1.0", "devices = 4\nus = -1.0", "measured.dispatch"),
         ("members = 2\ndevices = 4", "members = 2\ndevices = 1", "collectives"),
     ];
     for (from, to, named) in cases {

@@ -3,10 +3,9 @@
 //! `simulate` / `--compare` / `--sweep` on every example.
 
 use optimus::cost::collective::{ceil_log2, ring_time, tree_time};
+use optimus::cost::flows::{GroupLayout, collective_seconds};
 use optimus::cost::search::{self, Source};
-use optimus::cost::{
-    Algorithm, Hardware, LinkKind, NicSharing, NodeMap, Options, Placement, collective_time, simulate,
-};
+use optimus::cost::{Algorithm, Hardware, LinkKind, NodeMap, Options, Placement, collective_time, simulate};
 use optimus::elab::Override;
 use optimus::plan::{CollectiveKind, Coords, Group, Mesh, Mode, Plan, Strategy};
 use optimus::shard::Target;
@@ -134,13 +133,25 @@ fn group_times_in_a_plan_use_their_links() {
     let report = optimus::plan::report::report(&plan);
     // Blocks of 2x2 per node: every row and column group crosses nodes.
     for (placement, row_intra) in [(Placement::RowMajor, true), (Placement::Blocks, false)] {
-        let options = Options { placement, algorithm: Some(Algorithm::Ring), overlap: false, ..Options::default() };
+        let options = Options { placement, algorithm: Some(Algorithm::Ring), overlap: false };
         let sim = simulate(&plan, &hw, &options);
         assert!(!sim.communication.is_empty());
         for entry in &sim.communication {
             let intra = entry.group == "row" && row_intra;
             assert_eq!(entry.link, if intra { "intra-node" } else { "inter-node" }, "{placement:?} {entry:?}");
-            let link = if intra { hw.intra_link() } else { hw.inter_link() };
+            // Row-major: a node holds a row, so its NIC carries the 4 column groups' ring flows, 2 GB/s
+            // each of the 8 GB/s. Blocks of 2x2: 2 groups of each kind cross each NIC, 4 GB/s each.
+            // The world is one group: one flow per NIC.
+            let link = if intra {
+                hw.intra_link()
+            } else {
+                let flows = match (entry.group.as_str(), placement) {
+                    ("world", _) => 1.0,
+                    (_, Placement::RowMajor) => 4.0,
+                    _ => 2.0,
+                };
+                optimus::cost::Link { bandwidth: 8e9 / flows, latency: 5e-6 }
+            };
             let expected: f64 = report
                 .communication
                 .iter()
@@ -355,25 +366,60 @@ fn unknown_hardware_is_a_usage_error() {
 }
 
 #[test]
-fn per_group_nic_sharing_counts_the_flows_leaving_a_node() {
+fn rings_share_each_nic_among_the_groups_whose_flows_cross_it() {
     let hw = profile(16.0);
     let mesh = Mesh::new(8, 8);
+    let layout = |map: &NodeMap, g| GroupLayout::of(map, g);
     let row_major = NodeMap::new(mesh, 4, Placement::RowMajor);
-    assert_eq!((row_major.groups_per_node(Group::Row), row_major.groups_per_node(Group::Column)), (1, 4));
     let blocks = NodeMap::new(mesh, 4, Placement::Blocks);
-    assert_eq!((blocks.groups_per_node(Group::Row), blocks.groups_per_node(Group::Column)), (2, 2));
     let megatron = NodeMap::new(Mesh::new(1, 64), 4, Placement::RowMajor);
-    assert_eq!(megatron.groups_per_node(Group::Row), 1);
-    // One flow gets the whole 8 GB/s NIC; two get 4 GB/s; per-gpu sharing always 8 / 4 = 2 GB/s.
-    close(megatron.link(Group::Row, &hw, NicSharing::PerGroup).bandwidth, 8e9);
-    close(blocks.link(Group::Row, &hw, NicSharing::PerGroup).bandwidth, 4e9);
-    close(blocks.link(Group::Row, &hw, NicSharing::PerGpu).bandwidth, 2e9);
-    close(row_major.link(Group::Row, &hw, NicSharing::PerGroup).bandwidth, 8e9);
-    // Row-major 8x8: a row is split over two nodes, so rows cross the network too.
-    assert_eq!(row_major.link_kind(Group::Row), LinkKind::InterNode);
-    // 8 GB/s all-reduce of 1 MB over 64 ranks: 2*63*5us + 2*63/64*1e6/8e9.
-    let link = megatron.link(Group::Row, &hw, NicSharing::PerGroup);
-    close(ring_time(CollectiveKind::AllReduce, 64, MB, link), 630e-6 + 2.0 * 63.0 / 64.0 * 1.25e-4);
+    let per_node = |map: &NodeMap, g| layout(map, g).groups_per_node();
+    assert_eq!((per_node(&row_major, Group::Row), per_node(&row_major, Group::Column)), (1, 4));
+    assert_eq!((per_node(&blocks, Group::Row), per_node(&blocks, Group::Column)), (2, 2));
+    assert_eq!(per_node(&megatron, Group::Row), 1);
+    // Ring broadcast of 1 MB over 8: 7 steps at the inter-node 5 us, and the busier of the member's
+    // own 10 GB/s link and its share of the 8 GB/s NIC with the other groups crossing it.
+    let ring =
+        |map: &NodeMap, g| collective_seconds(CollectiveKind::Broadcast, &layout(map, g), MB, &hw, Algorithm::Ring);
+    close(ring(&row_major, Group::Column).1, 35e-6 + 4.0 * MB / 8e9);
+    close(ring(&row_major, Group::Row).1, 35e-6 + MB / 8e9);
+    close(ring(&blocks, Group::Row).1, 35e-6 + 2.0 * MB / 8e9);
+    assert_eq!(ring(&row_major, Group::Row).0, LinkKind::InterNode, "a row of 8 spans two nodes of 4");
+    // One 64-member all-reduce ring: one flow per NIC, 2*63/64 MB through it, but no faster than the
+    // member's 10 GB/s link: 126 steps at 5 us + 2*63/64 MB / 8 GB/s.
+    let all_reduce =
+        |algorithm| collective_seconds(CollectiveKind::AllReduce, &layout(&megatron, Group::Row), MB, &hw, algorithm).1;
+    close(all_reduce(Algorithm::Ring), 630e-6 + 2.0 * 63.0 / 64.0 * MB / 8e9);
+    // Hierarchical: reduce-scatter and all-gather among the 4 of a node (2*3 steps at 1 us, 2*3/4 MB
+    // at 10 GB/s), all-reduce between the 16 nodes (2*4 tree rounds at 5 us, 2*15/16 MB at 8 GB/s).
+    let hierarchical = 6e-6 + 40e-6 + 1.5 * MB / 10e9 + 2.0 * 15.0 / 16.0 * MB / 8e9;
+    close(all_reduce(Algorithm::Tree), hierarchical);
+    close(all_reduce(Algorithm::Auto), hierarchical.min(all_reduce(Algorithm::Ring)));
+    assert!(all_reduce(Algorithm::Tree) < all_reduce(Algorithm::Ring), "126 latencies cost more than 14");
+}
+
+#[test]
+fn blocks_beat_row_major_for_summa_broadcasts_across_nodes() {
+    // The Optimus code places 2x2 blocks per node: a row and a column broadcast then put 2 + 2 flows
+    // through each NIC, against 1 + 4 for row-major (whose column groups span every node).
+    let hw = profile(16.0);
+    let mesh = Mesh::new(8, 8);
+    let step = |placement| {
+        let map = NodeMap::new(mesh, 4, placement);
+        [Group::Row, Group::Column]
+            .into_iter()
+            .map(|g| {
+                collective_seconds(CollectiveKind::Broadcast, &GroupLayout::of(&map, g), 4.0 * MB, &hw, Algorithm::Auto)
+                    .1
+            })
+            .sum::<f64>()
+    };
+    assert!(
+        step(Placement::Blocks) < step(Placement::RowMajor),
+        "{} vs {}",
+        step(Placement::Blocks),
+        step(Placement::RowMajor)
+    );
 }
 
 fn buffer(shape: &[u64], dtype: optimus::ir::DType) -> optimus::plan::Buffer {

@@ -5,7 +5,7 @@ use super::{ModeArg, TargetArgs};
 use clap::ValueEnum;
 use optimus::cost::planner::seconds;
 use optimus::cost::search::{self, MaxBatch, Source, SweepPoint};
-use optimus::cost::{Algorithm, Hardware, NicSharing, Options, Placement, Simulation, simulate};
+use optimus::cost::{Algorithm, Hardware, Options, Placement, Simulation, simulate};
 use optimus::diag::group_digits;
 use optimus::plan::report::human_bytes;
 use optimus::plan::{Mode, Plan, Strategy};
@@ -28,13 +28,12 @@ pub struct SimulateArgs {
     /// near-square block of the mesh, as the Optimus code arranges ranks).
     #[arg(long, value_enum, default_value_t = PlacementArg::RowMajor)]
     pub placement: PlacementArg,
-    /// Collective algorithm; default: the profile's (auto unless it says otherwise).
+    /// Collective algorithm for groups that span nodes: ring (ordered by node: one flow per group
+    /// leaves each node), tree (hierarchical: inside each node, then a tree between nodes, then inside
+    /// each node again), or auto (the faster for each collective, as NCCL picks by size). Default: the
+    /// profile's (auto unless it says otherwise). Every group's flows through a node's NIC share it.
     #[arg(long, value_enum)]
     pub algorithm: Option<AlgorithmArg>,
-    /// How a node's NIC is shared: per-gpu (each device gets 1/g of it) or per-group (one flow per
-    /// communication group with members on the node, as a ring ordered by node sends).
-    #[arg(long, value_enum, default_value_t = NicSharingArg::PerGpu)]
-    pub nic_sharing: NicSharingArg,
     /// Do not overlap SUMMA broadcasts with the previous step's product (no double buffering).
     #[arg(long)]
     pub no_overlap: bool,
@@ -71,12 +70,6 @@ impl PlacementArg {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum NicSharingArg {
-    PerGpu,
-    PerGroup,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AlgorithmArg {
     Ring,
     Tree,
@@ -93,10 +86,6 @@ impl SimulateArgs {
                 AlgorithmArg::Auto => Algorithm::Auto,
             }),
             overlap: !self.no_overlap,
-            nic_sharing: match self.nic_sharing {
-                NicSharingArg::PerGpu => NicSharing::PerGpu,
-                NicSharingArg::PerGroup => NicSharing::PerGroup,
-            },
         }
     }
 
@@ -169,8 +158,8 @@ pub fn render_simulation(s: &Simulation) -> String {
     let overlap = if s.overlap { "SUMMA broadcasts overlapped" } else { "no overlap" };
     let _ = writeln!(
         out,
-        "  placement {}, NIC shared {}, collectives {}, {overlap}",
-        s.placement, s.nic_sharing, s.algorithm
+        "  placement {}, collectives {} (flows through each NIC added up), {overlap}",
+        s.placement, s.algorithm
     );
     if let Some(note) = &s.placement_note {
         let _ = writeln!(out, "  note: {note}");

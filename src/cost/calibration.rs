@@ -6,7 +6,8 @@
 //! costs `alpha_us + bytes * ns_per_byte`, fitted per kind, group size and devices running at once
 //! (the whole mesh, as in a step). When the node's devices share one engine (threads of one process on
 //! the same cores, or meshes sharing one GPU), their kernels queue one after another: a step's compute
-//! is the sum over the devices sharing it.
+//! is the sum over the devices sharing it, with a dispatch cost per instruction and device in place of
+//! the launch cost, fitted by the number of devices sharing.
 
 use crate::plan::CollectiveKind;
 use serde::{Deserialize, Serialize};
@@ -28,9 +29,9 @@ pub struct Measured {
     pub overlap: bool,
     /// On a shared engine with several devices: the engine's cost of each instruction of each device
     /// beyond its kernel's work (handing it over, waking the device thread), in place of the
-    /// one-device launch cost. Fitted on runs of several devices.
+    /// one-device launch cost, by the number of devices sharing it. Fitted on runs of that many.
     #[serde(default)]
-    pub shared_dispatch_us: f64,
+    pub dispatch: Vec<DispatchFit>,
     /// Per kernel kind (as `run --profile` names them), and `default` for the others.
     pub kernels: BTreeMap<String, KernelFit>,
     /// Per collective kind, group size and devices of the mesh.
@@ -52,6 +53,14 @@ pub struct KernelFit {
     /// Calls the fit was made from.
     #[serde(default)]
     pub samples: u64,
+}
+
+/// The shared engine's cost per instruction of each device when `devices` share it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DispatchFit {
+    pub devices: u64,
+    pub us: f64,
 }
 
 /// The cost of one collective: alpha + payload * beta, for a group of `members` while `devices`
@@ -134,6 +143,15 @@ impl Measured {
         best.map(|f| if shared { 0.0 } else { f.alpha_us * 1e-6 } + bytes * f.ns_per_byte * 1e-9)
     }
 
+    /// Seconds the shared engine spends on each instruction of each of `devices` devices: the fit
+    /// measured with the nearest number of devices (on a log scale; 0 when none was measured).
+    pub fn dispatch_seconds(&self, devices: u64) -> f64 {
+        let log = |x: u64| (x.max(1) as f64).log2();
+        let distance = |f: &&DispatchFit| (log(f.devices) - log(devices)).abs();
+        let nearest = self.dispatch.iter().min_by(|a, b| distance(a).total_cmp(&distance(b)));
+        nearest.map_or(0.0, |f| f.us * 1e-6)
+    }
+
     /// Checks the numbers: rates positive, fixed costs zero or more, a `default` kernel fit present.
     pub fn validate(&self) -> Result<(), String> {
         if !self.kernels.contains_key(DEFAULT_KERNEL) {
@@ -150,8 +168,11 @@ impl Measured {
                 return Err(format!("`measured.kernels.{kind}.launch_us` must be zero or more"));
             }
         }
-        if !(self.shared_dispatch_us.is_finite() && self.shared_dispatch_us >= 0.0) {
-            return Err("`measured.shared_dispatch_us` must be zero or more".into());
+        if let Some(f) = self.dispatch.iter().find(|f| !(f.us.is_finite() && f.us >= 0.0) || f.devices < 2) {
+            return Err(format!(
+                "`measured.dispatch`: the entry for {} devices must have at least 2 devices and `us` zero or more",
+                f.devices
+            ));
         }
         for fit in &self.collectives {
             let ok = fit.alpha_us.is_finite() && fit.alpha_us >= 0.0 && fit.ns_per_byte.is_finite();
@@ -290,7 +311,7 @@ mod tests {
             threads: 2,
             shared_engine: true,
             overlap: false,
-            shared_dispatch_us: 0.0,
+            dispatch: Vec::new(),
             kernels: BTreeMap::from([(
                 DEFAULT_KERNEL.to_string(),
                 KernelFit { launch_us: 1.0, gb_s: None, gflop_s: None, samples: 0 },

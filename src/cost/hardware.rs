@@ -27,9 +27,10 @@
 //! [inter_node]
 //! nic_bandwidth_gb_s = 12.5       # per node, shared by its GPUs
 //! latency_us = 5.0
+//! nics_per_node = 1               # optional, default 1; one per GPU (as DGX): gpus_per_node
 //!
 //! [collectives]                   # optional
-//! algorithm = "auto"              # ring, tree, or auto (the faster of the two per collective)
+//! algorithm = "auto"              # ring, tree (hierarchical across nodes), or auto (the faster)
 //!
 //! [measured]                      # optional: written by `optimusc calibrate` (see cost::calibration)
 //! runtime = "cpu"
@@ -116,6 +117,14 @@ pub struct IntraNode {
 pub struct InterNode {
     pub nic_bandwidth_gb_s: f64,
     pub latency_us: f64,
+    /// NICs that share `nic_bandwidth_gb_s` (1: one NIC for the node's GPUs; gpus_per_node: one per
+    /// GPU, as DGX has). A flow leaving a node uses one NIC per member of its group there.
+    #[serde(default = "one")]
+    pub nics_per_node: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// How collectives are run.
@@ -202,6 +211,9 @@ impl Hardware {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(format!("`{field}` must be zero or more, found {value}"));
             }
+        }
+        if self.inter_node.nics_per_node == 0 {
+            return Err("`inter_node.nics_per_node` must be at least 1".to_string());
         }
         if self.intra_node.gpus_per_node == 0 {
             return Err("`intra_node.gpus_per_node` must be at least 1".to_string());

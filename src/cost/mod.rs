@@ -3,6 +3,7 @@
 
 pub mod calibration;
 pub mod collective;
+pub mod flows;
 pub mod hardware;
 pub mod placement;
 pub mod planner;
@@ -12,5 +13,5 @@ pub mod step;
 
 pub use collective::{Algorithm, collective_time};
 pub use hardware::{Hardware, Link};
-pub use placement::{LinkKind, NicSharing, NodeMap, Placement};
+pub use placement::{LinkKind, NodeMap, Placement};
 pub use step::{Options, Simulation, simulate};

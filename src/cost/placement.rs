@@ -6,7 +6,6 @@
 //!   (2 x 2 for 4 GPUs per node, as the Optimus code's rank rearrangement does). When no block shape
 //!   divides the mesh, placement falls back to row-major and says so.
 
-use super::hardware::{Hardware, Link};
 use crate::plan::{Coords, Group, Mesh};
 use serde::{Deserialize, Serialize};
 
@@ -24,27 +23,6 @@ impl Placement {
         match self {
             Placement::RowMajor => "row-major",
             Placement::Blocks => "blocks",
-        }
-    }
-}
-
-/// How a node's NIC bandwidth is shared among its devices' inter-node traffic.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum NicSharing {
-    /// Every device gets 1/g of the NIC (g devices per node), whatever the groups.
-    #[default]
-    PerGpu,
-    /// A ring ordered by node sends one flow out of each node per group, so the NIC is shared among
-    /// the groups with members on the node (at most the device's own link each).
-    PerGroup,
-}
-
-impl NicSharing {
-    pub fn name(self) -> &'static str {
-        match self {
-            NicSharing::PerGpu => "per-gpu",
-            NicSharing::PerGroup => "per-group",
         }
     }
 }
@@ -124,32 +102,6 @@ impl NodeMap {
     /// The link a group's collectives are bounded by: the slowest one they cross.
     pub fn link_kind(&self, group: Group) -> LinkKind {
         if self.spans_nodes(group) { LinkKind::InterNode } else { LinkKind::IntraNode }
-    }
-
-    /// The alpha-beta link of a group.
-    pub fn link(&self, group: Group, hw: &Hardware, sharing: NicSharing) -> Link {
-        match (self.link_kind(group), sharing) {
-            (LinkKind::IntraNode, _) => hw.intra_link(),
-            (LinkKind::InterNode, NicSharing::PerGpu) => hw.inter_link(),
-            (LinkKind::InterNode, NicSharing::PerGroup) => hw.inter_link_shared(self.groups_per_node(group)),
-        }
-    }
-
-    /// The most groups of a kind that have members on one node.
-    pub fn groups_per_node(&self, group: Group) -> u64 {
-        if group == Group::World {
-            return 1;
-        }
-        let mut seen = std::collections::BTreeSet::new();
-        for c in self.mesh.all_coords() {
-            let first = group.member_ranks(c, self.mesh).first().copied().unwrap_or(0);
-            seen.insert((self.node_of(c), first));
-        }
-        let mut per_node = std::collections::BTreeMap::<u64, u64>::new();
-        for (node, _) in seen {
-            *per_node.entry(node).or_default() += 1;
-        }
-        per_node.into_values().max().unwrap_or(1)
     }
 }
 

@@ -1,6 +1,6 @@
-//! The step-time model over a plan: kernels by roofline, collectives by alpha-beta over the links
-//! their groups cross, and SUMMA broadcasts hidden behind the previous step's product when
-//! double-buffered.
+//! The step-time model over a plan: kernels by roofline (or by a calibrated profile's fits),
+//! collectives at the flow level over the links and NICs their groups cross ([`super::flows`]), and
+//! SUMMA broadcasts hidden behind the previous step's product when double-buffered.
 //!
 //! Instructions run one after another on each device; communication is exposed (adds to the step)
 //! except where a double-buffered SUMMA issues step t's broadcasts during step t-1's product, which
@@ -11,10 +11,10 @@
 //! An instruction's SUMMA product and step come from its reason's kind ([`ReasonKind::Summa`]), never
 //! from the reason's text.
 
-use super::collective::{Algorithm, collective_time};
+use super::collective::Algorithm;
+use super::flows::{self, GroupLayout};
 use super::hardware::Hardware;
-use super::hardware::Link;
-use super::placement::{LinkKind, NicSharing, NodeMap, Placement};
+use super::placement::{LinkKind, NodeMap, Placement};
 use crate::ir::DType;
 use crate::plan::report::{kernel_flops, report};
 use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mode, Plan, ReasonKind, SummaProduct};
@@ -29,12 +29,11 @@ pub struct Options {
     pub algorithm: Option<Algorithm>,
     /// Whether SUMMA products are double-buffered (broadcasts of step t overlap the product of t-1).
     pub overlap: bool,
-    pub nic_sharing: NicSharing,
 }
 
 impl Default for Options {
     fn default() -> Options {
-        Options { placement: Placement::RowMajor, algorithm: None, overlap: true, nic_sharing: NicSharing::PerGpu }
+        Options { placement: Placement::RowMajor, algorithm: None, overlap: true }
     }
 }
 
@@ -73,7 +72,6 @@ pub struct Simulation {
     pub placement_note: Option<String>,
     pub algorithm: String,
     pub overlap: bool,
-    pub nic_sharing: String,
     pub step_time_s: f64,
     pub compute_s: f64,
     /// The fixed part of `compute_s`: kernel launch and dispatch costs.
@@ -309,10 +307,12 @@ impl Tally {
 pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
     let nodes = NodeMap::new(plan.mesh, hw.intra_node.gpus_per_node, options.placement);
     let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
-    let links: BTreeMap<Group, (LinkKind, Link)> = [Group::Row, Group::Column, Group::Data, Group::World]
+    let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::World]
         .into_iter()
-        .map(|g| (g, (nodes.link_kind(g), nodes.link(g, hw, options.nic_sharing))))
+        .map(|g| (g, GroupLayout::of(&nodes, g)))
         .collect();
+    // Plans repeat the same collectives layer after layer: each (group, kind, bytes) is costed once.
+    let mut costed: BTreeMap<(Group, &'static str, u64), (LinkKind, f64)> = BTreeMap::new();
     let rep = report(plan);
     let bytes_of: BTreeMap<usize, u64> = rep.communication.iter().map(|c| (c.instruction, c.bytes)).collect();
     let measured = hw.measured.as_ref();
@@ -328,14 +328,14 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
             }
             Instr::Collective { collective: c, reason, .. } => {
                 let bytes = bytes_of.get(&index).copied().unwrap_or(0);
-                let (link_kind, link) = links[&c.group];
+                let (link_kind, modelled) = *costed.entry((c.group, c.kind.name(), bytes)).or_insert_with(|| {
+                    flows::collective_seconds(c.kind, &layouts[&c.group], bytes as f64, hw, algorithm)
+                });
                 let members = plan.mesh.group_size(c.group);
                 let measured_time = measured.and_then(|m| {
                     m.collective_seconds(c.kind, members, plan.mesh.devices(), bytes as f64, engine.shared)
                 });
-                let t = measured_time
-                    .unwrap_or_else(|| collective_time(c.kind, members, bytes as f64, link, algorithm))
-                    + engine.collective();
+                let t = measured_time.unwrap_or(modelled) + engine.collective();
                 tally.collective(c.kind, c.group, link_kind, bytes, t, reason_kind(plan, *reason));
             }
             Instr::Free { .. } => {}
@@ -368,7 +368,7 @@ impl Engine {
         match &hw.measured {
             Some(m) if m.shared_engine && plan.mesh.devices() > 1 => {
                 let devices = plan.mesh.devices().min(hw.intra_node.gpus_per_node).max(1);
-                Engine { shared: true, devices: devices as f64, dispatch: m.shared_dispatch_us * 1e-6 }
+                Engine { shared: true, devices: devices as f64, dispatch: m.dispatch_seconds(devices) }
             }
             _ => Engine { shared: false, devices: 1.0, dispatch: 0.0 },
         }
@@ -421,7 +421,6 @@ fn assemble(
         placement_note: header.placement_note,
         algorithm: header.algorithm,
         overlap: options.overlap,
-        nic_sharing: options.nic_sharing.name().to_string(),
         step_time_s: step,
         compute_s: tally.compute,
         overhead_s: tally.overhead,

@@ -15,7 +15,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-/// One kernel instruction of a profiled run: its kind, what it moves and computes, and its mean time.
+/// One kernel instruction of a profiled run: its kind, what it moves and computes, and its time (the
+/// lower quartile of its steps).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelSample {
     pub kind: String,
@@ -43,14 +44,14 @@ pub fn profile_kernels(plan: &Plan, steps: u64, seed: u64) -> Result<Vec<(Kernel
     let mut samples = Vec::new();
     for (index, instr) in plan.program.iter().enumerate() {
         let Instr::Kernel { kernel, inputs, output, .. } = instr else { continue };
-        let Some((count, time)) = profile.tally(index).filter(|(count, _)| *count > 0) else { continue };
+        let Some(typical) = profile.lower_quartile(index) else { continue };
         let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
         let out = plan.buffer(*output);
         let sample = KernelSample {
             kind: super::profile::kernel_name(kernel),
             bytes: crate::cost::step::kernel_bytes(&ins, out) as f64,
             flops: kernel_flops(kernel, &ins, out) as f64,
-            seconds: time.as_secs_f64() / count as f64,
+            seconds: typical.as_secs_f64(),
         };
         samples.push((sample, is_product(kernel)));
     }
@@ -86,6 +87,21 @@ fn optimizer() -> OptimizerSettings {
         beta2: 0.999,
         eps: 1e-8,
     }
+}
+
+/// Passes over the same plans merged: each instruction (same position in every pass) keeps its
+/// fastest time.
+pub fn fastest_of(passes: Vec<Vec<(KernelSample, bool)>>) -> Vec<(KernelSample, bool)> {
+    let mut passes = passes.into_iter();
+    let Some(mut best) = passes.next() else { return Vec::new() };
+    for pass in passes {
+        for ((kept, _), (other, _)) in best.iter_mut().zip(pass) {
+            if other.kind == kept.kind && other.bytes == kept.bytes {
+                kept.seconds = kept.seconds.min(other.seconds);
+            }
+        }
+    }
+    best
 }
 
 fn run_profiled(plan: &Plan, steps: u64, seed: u64) -> Result<RunOutput, String> {
@@ -134,8 +150,13 @@ pub const COLLECTIVE_SHAPES: [(u64, u64); 10] =
 /// Payloads per member, in bytes, that each collective is timed at.
 pub const COLLECTIVE_PAYLOADS: [u64; 3] = [16 << 10, 256 << 10, 2 << 20];
 
-/// Bytes the buffers of one collective timing span over all threads: twice a large last-level cache,
-/// so that each round finds its buffers out of cache, as a step does.
+/// A member's send and receive buffers up to this size are reused every round, in cache: in a step
+/// such a block was just written by the kernel before the collective, and is still in the core's
+/// cache.
+const HOT_BYTES: u64 = 1 << 20;
+
+/// Larger buffers are cycled so that the buffers of one timing span this much over all threads:
+/// twice a large last-level cache, so that each round finds its buffers out of cache, as a step does.
 const COLD_BYTES: u64 = 64 << 20;
 
 /// The collective kinds, in the order they are calibrated.
@@ -165,7 +186,8 @@ pub fn time_collective(
     let fabric = Fabric::new(mesh, Duration::from_secs(60));
     let barrier = Arc::new(Barrier::new(devices as usize));
     let elements = (bytes / 4).max(members) / members * members;
-    let copies = (COLD_BYTES / (devices * 8 * elements).max(1)).clamp(1, 64);
+    let copies =
+        if 8 * elements <= HOT_BYTES { 1 } else { (COLD_BYTES / (devices * 8 * elements).max(1)).clamp(1, 64) };
     let times: Vec<Result<f64, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {

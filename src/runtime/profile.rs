@@ -10,12 +10,16 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-/// How often one instruction ran and how long it took in all.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// How often one instruction ran, how long it took in all, and the times of its first runs.
+#[derive(Clone, Debug, Default, PartialEq)]
 struct Tally {
     count: u64,
     time: Duration,
+    first: Vec<Duration>,
 }
+
+/// Runs of one instruction whose times are kept one by one (for quantiles); the rest are only summed.
+const KEPT_RUNS: usize = 16;
 
 /// One device's instruction times over the profiled steps, by instruction index.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,12 +45,19 @@ impl Profile {
         if let Some(tally) = self.tallies.get_mut(index) {
             tally.count += 1;
             tally.time += elapsed;
+            if tally.first.len() < KEPT_RUNS {
+                tally.first.push(elapsed);
+            }
         }
     }
 
-    /// How often instruction `index` ran and how long it took in all.
-    pub fn tally(&self, index: usize) -> Option<(u64, Duration)> {
-        self.tallies.get(index).map(|t| (t.count, t.time))
+    /// The lower quartile of instruction `index`'s times over its first runs (up to 16): what it
+    /// takes when nothing else on the machine slows it, which slow runs (another process taking the
+    /// core) do not move as they move the mean.
+    pub fn lower_quartile(&self, index: usize) -> Option<Duration> {
+        let mut times = self.tallies.get(index)?.first.clone();
+        times.sort();
+        times.get(times.len() / 4).copied()
     }
 
     /// Closes a step that took `wall` on this device; a warm-up step is dropped with all it recorded.
