@@ -6,7 +6,7 @@ use optimus::check::check_source;
 use optimus::cost::calibration::{DEFAULT_KERNEL, DispatchFit, Measured};
 use optimus::cost::hardware::{Collectives, Device, Hardware, InterNode, IntraNode, PeakTflops};
 use optimus::elab::Override;
-use optimus::plan::{CollectiveKind, Mesh, Mode, Plan, Strategy};
+use optimus::plan::{CollectiveKind, Mesh, Mode, Plan, Precision, Strategy};
 use optimus::runtime::calibrate::{self as measure, COLLECTIVE_KINDS, COLLECTIVE_PAYLOADS, COLLECTIVE_SHAPES};
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
@@ -44,6 +44,10 @@ const BERT: &str = include_str!("../../examples/bert.opt");
 
 /// Steps of each calibration run but the largest.
 const STEPS: u64 = 6;
+
+/// The precisions every kernel workload runs in: bf16 kernels widen to float32 on the CPU and have
+/// their own costs.
+const PRECISIONS: [Precision; 2] = [Precision::F32, Precision::Bf16];
 
 /// Passes over the kernel workloads (each instruction keeps its fastest pass).
 const KERNEL_PASSES: u64 = 3;
@@ -106,6 +110,12 @@ const WORKLOADS: [Workload; 7] = [
 
 /// Runs `optimusc calibrate`.
 pub fn calibrate(args: &CalibrateArgs) -> ExitCode {
+    if optimus::runtime::launch::detect().is_some_and(|l| l.is_multi_process()) {
+        eprintln_safe!(
+            "error: calibrate measures the thread runtime of one process; run it without mpirun or srun (MPI collectives are not calibrated yet)"
+        );
+        return ExitCode::from(2);
+    }
     let destination = args.output.as_deref().filter(|p| !optimus::io::output::is_standard_output(p));
     if let Some(Err(e)) = destination.map(optimus::io::check_writable) {
         eprintln_safe!("error: {e}");
@@ -160,15 +170,18 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
     let shapes: Vec<(u64, u64)> = if args.quick { COLLECTIVE_SHAPES[..2].to_vec() } else { COLLECTIVE_SHAPES.to_vec() };
     let timings = (shapes.len() * COLLECTIVE_KINDS.len()) as u64;
     let meshes: &[(Mesh, Strategy)] = if args.quick { &SHARED_MESHES[..1] } else { &SHARED_MESHES };
-    let progress = Progress::new(KERNEL_PASSES * workloads.len() as u64 + timings + meshes.len() as u64);
-    let plans: Vec<Plan> = workloads.iter().map(|w| one_device_plan(w)).collect::<Result<_, _>>()?;
-    // Two passes over the workloads, a few seconds apart: an instruction keeps the faster of its two
-    // times, so that a slow spell of a shared machine during one run does not set the fit.
+    let runs: Vec<(&Workload, Precision)> =
+        PRECISIONS.iter().flat_map(|&p| workloads.iter().map(move |&w| (w, p))).collect();
+    let progress = Progress::new(KERNEL_PASSES * runs.len() as u64 + timings + meshes.len() as u64);
+    let plans: Vec<Plan> = runs.iter().map(|&(w, p)| one_device_plan(w, p)).collect::<Result<_, _>>()?;
+    // Passes over the workloads, seconds apart: an instruction keeps the fastest of its times, so
+    // that a slow spell of a shared machine during one run does not set the fit.
     let mut passes = Vec::new();
     for pass in 1..=KERNEL_PASSES {
         let mut samples = Vec::new();
-        for (w, plan) in workloads.iter().zip(&plans) {
-            progress.phase(&format!("kernels (pass {pass} of {KERNEL_PASSES}): {} {}", w.model, w.set.join(" ")));
+        for (&(w, precision), plan) in runs.iter().zip(&plans) {
+            let what = format!("{} {} {}", w.model, precision.name(), w.set.join(" "));
+            progress.phase(&format!("kernels (pass {pass} of {KERNEL_PASSES}): {what}"));
             samples.extend(measure::profile_kernels(plan, w.steps, 1)?);
             progress.advance();
         }
@@ -269,7 +282,7 @@ struct SharedRun {
 }
 
 fn shared_run(hw: &Hardware, mesh: Mesh, strategy: Strategy) -> Result<SharedRun, String> {
-    let plan = plan_for(&SHARED_WORKLOAD, mesh, strategy)?;
+    let plan = plan_for(&SHARED_WORKLOAD, mesh, strategy, Precision::F32)?;
     let measured = measure::median_step(&plan, SHARED_WORKLOAD.steps, 1)?;
     let predicted = optimus::cost::simulate(&plan, hw, &optimus::cost::Options::default()).step_time_s;
     let per_device = plan.program.iter().filter(|i| !matches!(i, optimus::plan::Instr::Free { .. })).count();
@@ -298,16 +311,17 @@ fn fit_dispatch(runs: &[SharedRun]) -> Vec<DispatchFit> {
 }
 
 /// A workload compiled for one device, training.
-fn one_device_plan(w: &Workload) -> Result<Plan, String> {
-    plan_for(w, Mesh::new(1, 1), Strategy::None)
+fn one_device_plan(w: &Workload, precision: Precision) -> Result<Plan, String> {
+    plan_for(w, Mesh::new(1, 1), Strategy::None, precision)
 }
 
 /// A workload compiled for a mesh and strategy, training.
-fn plan_for(w: &Workload, mesh: Mesh, strategy: Strategy) -> Result<Plan, String> {
+fn plan_for(w: &Workload, mesh: Mesh, strategy: Strategy, precision: Precision) -> Result<Plan, String> {
     let overrides: Vec<Override> = w.set.iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
     let checked = check_source(w.source, &overrides);
     let model = checked.model.ok_or_else(|| format!("the built-in {} model does not check", w.model))?;
-    let target = Target { mesh, strategy, mode: Mode::Train, memory: optimus::plan::MemoryOptions::DEFAULT };
+    let memory = optimus::plan::MemoryOptions { precision, ..optimus::plan::MemoryOptions::DEFAULT };
+    let target = Target { mesh, strategy, mode: Mode::Train, memory };
     compile(&model, w.model, w.source, target)
         .map_err(|_| format!("the built-in {} model does not compile for {mesh} {}", w.model, strategy.name()))
 }

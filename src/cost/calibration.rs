@@ -110,8 +110,12 @@ impl KernelFit {
 
 impl Measured {
     /// Seconds for one kernel of kind `kind` (its profile name) moving `bytes` and doing `flops`.
-    pub fn kernel_seconds(&self, kind: &str, bytes: f64, flops: f64) -> f64 {
-        self.kernels.get(kind).or_else(|| self.kernels.get(DEFAULT_KERNEL)).map_or(0.0, |f| f.seconds(bytes, flops))
+    /// A kernel that reads or writes bf16 uses the `Kind@bf16` fit (then `default@bf16`) where the
+    /// calibration ran bf16 plans, else the float32 fits.
+    pub fn kernel_seconds(&self, kind: &str, bf16: bool, bytes: f64, flops: f64) -> f64 {
+        let bf16_fits = [fit_key(kind, true), fit_key(DEFAULT_KERNEL, true)];
+        let keys = bf16_fits.into_iter().filter(|_| bf16).chain([kind.to_string(), DEFAULT_KERNEL.to_string()]);
+        keys.filter_map(|k| self.kernels.get(&k)).next().map_or(0.0, |f| f.seconds(bytes, flops))
     }
 
     /// Seconds for one collective of `members` with `bytes` of payload per member on a mesh of
@@ -189,6 +193,12 @@ impl Measured {
 
 /// The kernel fit used for kinds the calibration never ran.
 pub const DEFAULT_KERNEL: &str = "default";
+
+/// The name a kernel kind's fit is kept under: `Kind`, or `Kind@bf16` for calls that read or write
+/// bf16 (on the CPU these widen to float32 and back, so they cost more, not less, than float32).
+pub fn fit_key(kind: &str, bf16: bool) -> String {
+    if bf16 { format!("{kind}@bf16") } else { kind.to_string() }
+}
 
 /// One observation for a fit: features (each multiplies a coefficient) and the measured seconds.
 #[derive(Clone, Debug, PartialEq)]
@@ -326,5 +336,27 @@ mod tests {
         assert!((t(4, 16) - 40.0).abs() < 1e-9);
         assert_eq!(t(1, 16), 0.0, "a group of one communicates nothing");
         assert_eq!(m.collective_seconds(CollectiveKind::AllReduce, 2, 2, 1e6, false), None, "no fit of that kind");
+    }
+
+    #[test]
+    fn bf16_calls_use_bf16_fits_where_there_are_some() {
+        let fit = |launch_us| KernelFit { launch_us, gb_s: None, gflop_s: None, samples: 1 };
+        let mut m = Measured {
+            runtime: "cpu".into(),
+            threads: 2,
+            shared_engine: false,
+            overlap: false,
+            dispatch: Vec::new(),
+            kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit(1.0)), ("Add".to_string(), fit(2.0))]),
+            collectives: Vec::new(),
+        };
+        let us = |m: &Measured, kind, bf16| m.kernel_seconds(kind, bf16, 0.0, 0.0) * 1e6;
+        assert!((us(&m, "Add", true) - 2.0).abs() < 1e-9, "no bf16 fits: the float32 one");
+        m.kernels.insert(fit_key(DEFAULT_KERNEL, true), fit(3.0));
+        assert!((us(&m, "Add", true) - 3.0).abs() < 1e-9, "bf16 default before the float32 kind");
+        m.kernels.insert(fit_key("Add", true), fit(4.0));
+        assert!((us(&m, "Add", true) - 4.0).abs() < 1e-9);
+        assert!((us(&m, "Add", false) - 2.0).abs() < 1e-9, "float32 calls keep float32 fits");
+        assert!((us(&m, "Gelu", false) - 1.0).abs() < 1e-9);
     }
 }

@@ -117,10 +117,16 @@ pub fn kernel_cost(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Ha
     let flops = kernel_flops(kernel, inputs, output) as f64;
     let bytes = kernel_bytes(inputs, output) as f64;
     let kind = crate::runtime::profile::kernel_name(kernel);
+    let bf16 = touches_bf16(inputs, output);
     KernelCost {
-        seconds: measured.kernel_seconds(&kind, bytes, flops),
-        overhead: measured.kernel_seconds(&kind, 0.0, 0.0),
+        seconds: measured.kernel_seconds(&kind, bf16, bytes, flops),
+        overhead: measured.kernel_seconds(&kind, bf16, 0.0, 0.0),
     }
+}
+
+/// Whether a kernel reads or writes a bf16 buffer.
+pub fn touches_bf16(inputs: &[&Buffer], output: &Buffer) -> bool {
+    inputs.iter().chain([&output]).any(|b| b.dtype == DType::Bf16)
 }
 
 /// Bytes a kernel reads and writes: its inputs and its output, once each.

@@ -5,7 +5,7 @@
 use super::cpu::threads::{Fabric, ThreadComm};
 use super::exec::{RunConfig, RunOutput};
 use super::settings::{OptimizerKind, OptimizerSettings};
-use crate::cost::calibration::{CollectiveFit, DEFAULT_KERNEL, KernelFit, Sample, fit_non_negative};
+use crate::cost::calibration::{CollectiveFit, DEFAULT_KERNEL, KernelFit, Sample, fit_key, fit_non_negative};
 use crate::io::sources::{Objective, Sources};
 use crate::plan::report::kernel_flops;
 use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mesh, Plan, ReduceOp};
@@ -19,7 +19,10 @@ use std::time::{Duration, Instant};
 /// lower quartile of its steps).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelSample {
+    /// The fit it belongs to (`Kind` or `Kind@bf16`).
     pub kind: String,
+    /// The `default` fit of its precision.
+    pub default: String,
     pub bytes: f64,
     pub flops: f64,
     pub seconds: f64,
@@ -47,8 +50,10 @@ pub fn profile_kernels(plan: &Plan, steps: u64, seed: u64) -> Result<Vec<(Kernel
         let Some(typical) = profile.lower_quartile(index) else { continue };
         let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
         let out = plan.buffer(*output);
+        let bf16 = crate::cost::step::touches_bf16(&ins, out);
         let sample = KernelSample {
-            kind: super::profile::kernel_name(kernel),
+            kind: fit_key(&super::profile::kernel_name(kernel), bf16),
+            default: fit_key(DEFAULT_KERNEL, bf16),
             bytes: crate::cost::step::kernel_bytes(&ins, out) as f64,
             flops: kernel_flops(kernel, &ins, out) as f64,
             seconds: typical.as_secs_f64(),
@@ -112,21 +117,21 @@ fn run_profiled(plan: &Plan, steps: u64, seed: u64) -> Result<RunOutput, String>
 }
 
 /// Fits every kind seen: products on (1, bytes, FLOPs), the others on (1, bytes); `default` is the fit
-/// of every non-product sample together.
+/// of every non-product sample of the same precision together (`default`, `default@bf16`).
 pub fn fit_kernels(samples: &[(KernelSample, bool)]) -> BTreeMap<String, KernelFit> {
-    let mut by_kind: BTreeMap<&str, (bool, Vec<Sample>)> = BTreeMap::new();
-    let mut others = Vec::new();
+    let mut by_kind: BTreeMap<&str, Vec<Sample>> = BTreeMap::new();
+    let mut others: BTreeMap<String, Vec<Sample>> = BTreeMap::new();
     for (s, product) in samples {
         let features = if *product { vec![1.0, s.bytes, s.flops] } else { vec![1.0, s.bytes] };
         let sample = Sample { features, seconds: s.seconds };
         if !product {
-            others.push(sample.clone());
+            others.entry(s.default.clone()).or_default().push(sample.clone());
         }
-        by_kind.entry(&s.kind).or_insert_with(|| (*product, Vec::new())).1.push(sample);
+        by_kind.entry(&s.kind).or_default().push(sample);
     }
     let mut fits: BTreeMap<String, KernelFit> =
-        by_kind.into_iter().map(|(kind, (_, samples))| (kind.to_string(), kernel_fit(&samples))).collect();
-    fits.insert(DEFAULT_KERNEL.to_string(), kernel_fit(&others));
+        by_kind.into_iter().map(|(kind, samples)| (kind.to_string(), kernel_fit(&samples))).collect();
+    fits.extend(others.into_iter().map(|(key, samples)| (key, kernel_fit(&samples))));
     fits
 }
 
