@@ -49,7 +49,7 @@ const STEPS: u64 = 6;
 /// their own costs.
 const PRECISIONS: [Precision; 2] = [Precision::F32, Precision::Bf16];
 
-/// Passes over the kernel workloads (each instruction keeps its fastest pass).
+/// Passes over the kernel workloads (each instruction keeps the median of its passes).
 const KERNEL_PASSES: u64 = 3;
 
 /// The sizes profiled: products from the shards of a 4x4 mesh up to a whole hidden-512 layer.
@@ -174,7 +174,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         PRECISIONS.iter().flat_map(|&p| workloads.iter().map(move |&w| (w, p))).collect();
     let progress = Progress::new(KERNEL_PASSES * runs.len() as u64 + timings + meshes.len() as u64);
     let plans: Vec<Plan> = runs.iter().map(|&(w, p)| one_device_plan(w, p)).collect::<Result<_, _>>()?;
-    // Passes over the workloads, seconds apart: an instruction keeps the fastest of its times, so
+    // Passes over the workloads, seconds apart: an instruction keeps the median of its times, so
     // that a slow spell of a shared machine during one run does not set the fit.
     let mut passes = Vec::new();
     for pass in 1..=KERNEL_PASSES {
@@ -187,7 +187,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         }
         passes.push(samples);
     }
-    let samples = measure::fastest_of(passes);
+    let samples = measure::median_of(passes);
     let kernels = measure::fit_kernels(&samples);
     let mut collectives = Vec::new();
     for &(members, devices) in &shapes {

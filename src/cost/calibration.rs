@@ -110,11 +110,13 @@ impl KernelFit {
 
 impl Measured {
     /// Seconds for one kernel of kind `kind` (its profile name) moving `bytes` and doing `flops`.
-    /// A kernel that reads or writes bf16 uses the `Kind@bf16` fit (then `default@bf16`) where the
-    /// calibration ran bf16 plans, else the float32 fits.
-    pub fn kernel_seconds(&self, kind: &str, bf16: bool, bytes: f64, flops: f64) -> f64 {
-        let bf16_fits = [fit_key(kind, true), fit_key(DEFAULT_KERNEL, true)];
-        let keys = bf16_fits.into_iter().filter(|_| bf16).chain([kind.to_string(), DEFAULT_KERNEL.to_string()]);
+    /// The fit used is the most specific there is: its flavor (`Gelu(approximate=false)`), then its
+    /// kind (`Gelu`), then `default`; a kernel that reads or writes bf16 tries the `@bf16` fits of
+    /// each first, where the calibration ran bf16 plans.
+    pub fn kernel_seconds(&self, flavor: &str, kind: &str, bf16: bool, bytes: f64, flops: f64) -> f64 {
+        let names = [flavor, kind, DEFAULT_KERNEL];
+        let bf16_fits = names.iter().map(|n| fit_key(n, true)).filter(|_| bf16);
+        let keys = bf16_fits.chain(names.iter().map(|n| n.to_string()));
         keys.filter_map(|k| self.kernels.get(&k)).next().map_or(0.0, |f| f.seconds(bytes, flops))
     }
 
@@ -350,7 +352,7 @@ mod tests {
             kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit(1.0)), ("Add".to_string(), fit(2.0))]),
             collectives: Vec::new(),
         };
-        let us = |m: &Measured, kind, bf16| m.kernel_seconds(kind, bf16, 0.0, 0.0) * 1e6;
+        let us = |m: &Measured, kind, bf16| m.kernel_seconds(kind, kind, bf16, 0.0, 0.0) * 1e6;
         assert!((us(&m, "Add", true) - 2.0).abs() < 1e-9, "no bf16 fits: the float32 one");
         m.kernels.insert(fit_key(DEFAULT_KERNEL, true), fit(3.0));
         assert!((us(&m, "Add", true) - 3.0).abs() < 1e-9, "bf16 default before the float32 kind");
@@ -358,5 +360,9 @@ mod tests {
         assert!((us(&m, "Add", true) - 4.0).abs() < 1e-9);
         assert!((us(&m, "Add", false) - 2.0).abs() < 1e-9, "float32 calls keep float32 fits");
         assert!((us(&m, "Gelu", false) - 1.0).abs() < 1e-9);
+        m.kernels.insert("Add(x=y)".to_string(), fit(6.0));
+        let flavored = |m: &Measured, flavor| m.kernel_seconds(flavor, "Add", false, 0.0, 0.0) * 1e6;
+        assert!((flavored(&m, "Add(x=y)") - 6.0).abs() < 1e-9, "the flavor's own fit");
+        assert!((flavored(&m, "Add(x=z)") - 2.0).abs() < 1e-9, "an unseen flavor: its kind's fit");
     }
 }

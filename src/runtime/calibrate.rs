@@ -16,11 +16,11 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 /// One kernel instruction of a profiled run: its kind, what it moves and computes, and its time (the
-/// lower quartile of its steps).
+/// median of its steps).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelSample {
-    /// The fit it belongs to (`Kind` or `Kind@bf16`).
-    pub kind: String,
+    /// The fits it belongs to: its flavor's and (when that differs) its kind's, `@bf16` for bf16 calls.
+    pub fits: Vec<String>,
     /// The `default` fit of its precision.
     pub default: String,
     pub bytes: f64,
@@ -36,6 +36,16 @@ fn is_product(kernel: &Kernel) -> bool {
     )
 }
 
+/// The fits a call of `kernel` is a sample of.
+fn fits_of(kernel: &Kernel, bf16: bool) -> Vec<String> {
+    let (flavor, kind) = (super::profile::kernel_flavor(kernel), super::profile::kernel_name(kernel));
+    let mut fits = vec![fit_key(&flavor, bf16)];
+    if flavor != kind {
+        fits.push(fit_key(&kind, bf16));
+    }
+    fits
+}
+
 /// Trains a one-device plan for `steps` steps (the first is left out as warm-up) with every
 /// instruction timed; returns a sample per kernel instruction, and whether it is a product.
 pub fn profile_kernels(plan: &Plan, steps: u64, seed: u64) -> Result<Vec<(KernelSample, bool)>, String> {
@@ -47,12 +57,12 @@ pub fn profile_kernels(plan: &Plan, steps: u64, seed: u64) -> Result<Vec<(Kernel
     let mut samples = Vec::new();
     for (index, instr) in plan.program.iter().enumerate() {
         let Instr::Kernel { kernel, inputs, output, .. } = instr else { continue };
-        let Some(typical) = profile.lower_quartile(index) else { continue };
+        let Some(typical) = profile.median(index) else { continue };
         let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
         let out = plan.buffer(*output);
         let bf16 = crate::cost::step::touches_bf16(&ins, out);
         let sample = KernelSample {
-            kind: fit_key(&super::profile::kernel_name(kernel), bf16),
+            fits: fits_of(kernel, bf16),
             default: fit_key(DEFAULT_KERNEL, bf16),
             bytes: crate::cost::step::kernel_bytes(&ins, out) as f64,
             flops: kernel_flops(kernel, &ins, out) as f64,
@@ -94,19 +104,24 @@ fn optimizer() -> OptimizerSettings {
     }
 }
 
-/// Passes over the same plans merged: each instruction (same position in every pass) keeps its
-/// fastest time.
-pub fn fastest_of(passes: Vec<Vec<(KernelSample, bool)>>) -> Vec<(KernelSample, bool)> {
+/// Passes over the same plans merged: each instruction (same position in every pass) keeps the
+/// median of its times, which one slow pass does not move.
+pub fn median_of(passes: Vec<Vec<(KernelSample, bool)>>) -> Vec<(KernelSample, bool)> {
     let mut passes = passes.into_iter();
-    let Some(mut best) = passes.next() else { return Vec::new() };
+    let Some(mut merged) = passes.next() else { return Vec::new() };
+    let mut times: Vec<Vec<f64>> = merged.iter().map(|(s, _)| vec![s.seconds]).collect();
     for pass in passes {
-        for ((kept, _), (other, _)) in best.iter_mut().zip(pass) {
-            if other.kind == kept.kind && other.bytes == kept.bytes {
-                kept.seconds = kept.seconds.min(other.seconds);
+        for (((kept, _), times), (other, _)) in merged.iter().zip(&mut times).zip(pass) {
+            if other.fits == kept.fits && other.bytes == kept.bytes {
+                times.push(other.seconds);
             }
         }
     }
-    best
+    for ((kept, _), mut times) in merged.iter_mut().zip(times) {
+        times.sort_by(f64::total_cmp);
+        kept.seconds = times[times.len() / 2];
+    }
+    merged
 }
 
 fn run_profiled(plan: &Plan, steps: u64, seed: u64) -> Result<RunOutput, String> {
@@ -127,7 +142,9 @@ pub fn fit_kernels(samples: &[(KernelSample, bool)]) -> BTreeMap<String, KernelF
         if !product {
             others.entry(s.default.clone()).or_default().push(sample.clone());
         }
-        by_kind.entry(&s.kind).or_default().push(sample);
+        for fit in &s.fits {
+            by_kind.entry(fit).or_default().push(sample.clone());
+        }
     }
     let mut fits: BTreeMap<String, KernelFit> =
         by_kind.into_iter().map(|(kind, samples)| (kind.to_string(), kernel_fit(&samples))).collect();

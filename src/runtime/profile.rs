@@ -51,13 +51,12 @@ impl Profile {
         }
     }
 
-    /// The lower quartile of instruction `index`'s times over its first runs (up to 16): what it
-    /// takes when nothing else on the machine slows it, which slow runs (another process taking the
-    /// core) do not move as they move the mean.
-    pub fn lower_quartile(&self, index: usize) -> Option<Duration> {
+    /// The median of instruction `index`'s times over its first runs (up to 16), which a few slow
+    /// runs (another process taking the core) do not move as they move the mean.
+    pub fn median(&self, index: usize) -> Option<Duration> {
         let mut times = self.tallies.get(index)?.first.clone();
         times.sort();
-        times.get(times.len() / 4).copied()
+        times.get(times.len() / 2).copied()
     }
 
     /// Closes a step that took `wall` on this device; a warm-up step is dropped with all it recorded.
@@ -120,6 +119,24 @@ pub fn instruction_kind(plan: &Plan, instr: &Instr) -> Option<InstrKind> {
 pub fn kernel_name(kernel: &Kernel) -> String {
     let debug = format!("{kernel:?}");
     debug.split([' ', '{', '(']).next().unwrap_or_default().to_string()
+}
+
+/// The kernel's name with the fields that choose a different code path rather than scale the work
+/// (`Gelu(approximate=false)`, `Attention(causal=true, fused=true)`): what a calibrated profile keys
+/// its fits by. Numeric fields (sizes, rates, keys) are left out.
+pub fn kernel_flavor(kernel: &Kernel) -> String {
+    let name = kernel_name(kernel);
+    let debug = format!("{kernel:?}");
+    let body = debug.strip_prefix(&name).unwrap_or_default().trim().trim_start_matches('{').trim_end_matches('}');
+    let fields: Vec<String> = body
+        .split(',')
+        .filter_map(|field| {
+            let (key, value) = field.split_once(':')?;
+            let value = value.trim();
+            value.chars().next()?.is_alphabetic().then(|| format!("{}={value}", key.trim()))
+        })
+        .collect();
+    if fields.is_empty() { name } else { format!("{name}({})", fields.join(", ")) }
 }
 
 /// `all_reduce (row)`, `broadcast (column)`, ...
@@ -491,6 +508,10 @@ mod tests {
         assert_eq!(kernel_name(&matmul(true, false)), "MatMul");
         assert_eq!(kernel_name(&Kernel::BatchedMatMul), "BatchedMatMul");
         assert_eq!(kernel_name(&Kernel::LayerNormApply { n: 4, eps: 1e-5 }), "LayerNormApply");
+        assert_eq!(kernel_flavor(&Kernel::LayerNormApply { n: 4, eps: 1e-5 }), "LayerNormApply");
+        assert_eq!(kernel_flavor(&Kernel::Gelu { approximate: false }), "Gelu(approximate=false)");
+        let attention = Kernel::Attention { heads: 8, kv_heads: 2, causal: true, fused: false };
+        assert_eq!(kernel_flavor(&attention), "Attention(causal=true, fused=false)");
     }
 
     #[test]
