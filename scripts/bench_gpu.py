@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -50,18 +51,42 @@ def torch_rate(sizes, attention, compiled, precision, steps, warmup):
     return statistics.median(rates)
 
 
-def optimusc_rate(optimusc, sizes, strategy, mesh, precision, steps, warmup):
+def optimusc_rate(optimusc, sizes, strategy, mesh, precision, steps, warmup, env=None):
     layers, hidden, heads, vocab, seq, batch = sizes
     sets = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, context=seq, seq=seq, batch=batch, pdrop="0.0")
     command = [optimusc, "run", "examples/gpt2.opt", "--backend", "cuda", "--precision", precision,
                "--mesh", mesh, "--strategy", strategy, "--steps", str(warmup + steps), "--json", "--lr", "1e-3"]
     for name, value in sets.items():
         command += ["--set", f"{name}={value}"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         return "failed: " + (done.stderr.strip().splitlines() or ["(no message)"])[-1], command
     rates = [json.loads(line)["tokens_per_s"] for line in done.stdout.splitlines() if line.startswith("{")]
     return statistics.median(rates[warmup:]), command
+
+
+def gpu_driver():
+    done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
+def write_jsonl(args, rows, sizes, flops_per_token):
+    """One JSON line per system, appended to --jsonl."""
+    common = {"gpu": torch.cuda.get_device_name(), "driver": gpu_driver(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "precision": args.precision,
+              "config": dict(zip(["layers", "hidden", "heads", "vocab", "seq", "batch"], sizes)),
+              "flops_per_token": flops_per_token, "peak_tflops": args.peak_tflops,
+              "steps": args.steps, "warmup": args.warmup}
+    with open(args.jsonl, "a", encoding="utf-8") as out:
+        for system, rate in rows.items():
+            record = dict(common, system=system)
+            if isinstance(rate, str):
+                record["error"] = rate
+            else:
+                tflops = rate * flops_per_token / 1e12
+                record.update(tokens_per_s=rate, tflops=tflops, mfu=tflops / args.peak_tflops)
+            out.write(json.dumps(record) + "\n")
 
 
 def main() -> int:
@@ -76,6 +101,13 @@ def main() -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense peak for MFU (default 989)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    parser.add_argument("--reference-attention", action="store_true",
+                        help="also run each optimusc mesh with OPTIMUS_CUDA_ATTENTION=reference (the cuBLAS attention "
+                             "that materialises the scores), beside the flash attention")
+    parser.add_argument("--only-optimusc", action="store_true", help="skip the PyTorch rows")
+    parser.add_argument("--jsonl", metavar="PATH",
+                        help="append one JSON line per system (system, config, tokens/s, TFLOP/s, MFU, GPU, driver, "
+                             "date) to PATH: the raw results to commit under bench/results/")
     args = parser.parse_args()
     sizes = tuple(int(v) for v in args.config.split(","))
     if len(sizes) != 6 or sizes[1] % sizes[2] or args.steps < 1 or args.warmup < 0:
@@ -84,9 +116,10 @@ def main() -> int:
     params = 12 * layers * hidden * hidden + 13 * layers * hidden + vocab * hidden + 2 * hidden
     flops_per_token = 6 * params + 12 * layers * seq * hidden
     rows = {}
-    rows["torch eager"] = torch_rate(sizes, "eager", False, args.precision, args.steps, args.warmup)
-    rows["torch sdpa"] = torch_rate(sizes, "sdpa", False, args.precision, args.steps, args.warmup)
-    if not args.no_compile:
+    if not args.only_optimusc:
+        rows["torch eager"] = torch_rate(sizes, "eager", False, args.precision, args.steps, args.warmup)
+        rows["torch sdpa"] = torch_rate(sizes, "sdpa", False, args.precision, args.steps, args.warmup)
+    if not args.no_compile and not args.only_optimusc:
         try:
             rows["torch.compile sdpa"] = torch_rate(sizes, "sdpa", True, args.precision, args.steps, args.warmup)
         except Exception as error:  # torch.compile can fail in many ways; the other rows still count
@@ -96,7 +129,13 @@ def main() -> int:
         strategy, mesh = item.split(":")
         rows[f"optimusc {strategy} {mesh}"], commands[mesh] = optimusc_rate(
             args.optimusc, sizes, strategy, mesh, args.precision, args.steps, args.warmup)
-    eager = rows["torch eager"]
+        if args.reference_attention:
+            env = dict(os.environ, OPTIMUS_CUDA_ATTENTION="reference")
+            rows[f"optimusc {strategy} {mesh} ref-attn"], _ = optimusc_rate(
+                args.optimusc, sizes, strategy, mesh, args.precision, args.steps, args.warmup, env)
+    if args.jsonl:
+        write_jsonl(args, rows, sizes, flops_per_token)
+    eager = rows.get("torch eager")
     if args.json:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sizes": sizes,
                           "flops_per_token": flops_per_token, "tokens_per_s": rows, "commands": commands}))
@@ -109,7 +148,8 @@ def main() -> int:
             print(f"{name:<26} {rate}")
             continue
         tflops = rate * flops_per_token / 1e12
-        print(f"{name:<26} {rate:>10.0f} {tflops:>8.1f} {100 * tflops / args.peak_tflops:>5.1f}% {rate / eager:>8.2f}x")
+        versus = f"{rate / eager:>8.2f}x" if isinstance(eager, float) else "       -"
+        print(f"{name:<26} {rate:>10.0f} {tflops:>8.1f} {100 * tflops / args.peak_tflops:>5.1f}% {versus}")
     for mesh, command in commands.items():
         print(f"optimusc {mesh}: {' '.join(command)}")
     return 0

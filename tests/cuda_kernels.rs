@@ -13,7 +13,8 @@ use optimus::plan::{Buffer, BufferId, Coords, IGNORE_INDEX, Kernel, Mesh, Offset
 use optimus::runtime::bf16;
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::cuda::kernels::{
-    BF16_KERNEL_NAMES, CudaKernels, DeviceTensor, KERNEL_NAMES, SOURCE, bf16_launcher, compile_ptx, launcher,
+    BF16_KERNEL_NAMES, CudaKernels, DeviceTensor, FLASH_KERNEL_NAMES, KERNEL_NAMES, SOURCE, bf16_launcher, compile_ptx,
+    launcher,
 };
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use optimus::runtime::tensor::{Data, Tensor};
@@ -49,17 +50,18 @@ fn every_kernel_compiles_to_ptx() -> R {
         return Ok(());
     }
     let ptx = compile_ptx()?.to_src();
-    for name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES) {
+    for name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES) {
         assert!(ptx.contains(&format!(".entry {name}(")), "the PTX has no entry `{name}`");
     }
-    let listed = KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len();
+    let listed = KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len() + FLASH_KERNEL_NAMES.len();
     assert_eq!(ptx.matches(".entry ").count(), listed, "the PTX has entries the name lists do not list");
     println!("{listed} kernels ({} on bf16 storage) compiled to {} bytes of PTX", BF16_KERNEL_NAMES.len(), ptx.len());
     Ok(())
 }
 
 /// The kernels also assemble to machine code (NVRTC runs ptxas for a real architecture) for the GPUs
-/// bf16 products target: Ampere (sm_80) and Hopper (sm_90).
+/// bf16 products and the flash attention's tensor-core instructions target: Ampere (sm_80) and Hopper
+/// (sm_90).
 #[test]
 fn every_kernel_assembles_for_ampere_and_hopper() -> R {
     if !nvrtc_present() {
@@ -74,7 +76,10 @@ fn every_kernel_assembles_for_ampere_and_hopper() -> R {
         };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| format!("{arch}: {e:?}"))?;
         let entries = ptx.to_src().matches(".entry ").count();
-        assert_eq!(entries, KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len(), "{arch}: entries");
+        let listed = KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len() + FLASH_KERNEL_NAMES.len();
+        assert_eq!(entries, listed, "{arch}: entries");
+        let mma = ptx.to_src().matches("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32").count();
+        assert!(mma > 0, "{arch}: the flash attention has no bf16 tensor-core products");
     }
     Ok(())
 }
@@ -214,11 +219,14 @@ fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
     for name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES) {
         assert!(SOURCE.contains(&format!("__global__ void {name}(")), "kernels.cu does not define `{name}`");
     }
+    for name in FLASH_KERNEL_NAMES {
+        assert!(SOURCE.contains(&format!(" {name}(FLASH_")) || SOURCE.contains(&format!("__global__ void {name}(")));
+    }
 }
 
 #[test]
 fn every_bf16_function_has_a_user_and_the_bf16_plans_kernels_run_natively() {
-    let all: BTreeSet<&str> = KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).copied().collect();
+    let all: BTreeSet<&str> = KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES).copied().collect();
     let mut used = BTreeSet::new();
     for kernel in &samples() {
         let Some(l) = bf16_launcher(kernel) else { continue };
@@ -227,7 +235,7 @@ fn every_bf16_function_has_a_user_and_the_bf16_plans_kernels_run_natively() {
             used.insert(*f);
         }
     }
-    for name in BF16_KERNEL_NAMES {
+    for name in BF16_KERNEL_NAMES.iter().chain(FLASH_KERNEL_NAMES) {
         assert!(used.contains(name), "`{name}` is never launched");
     }
     // Every kernel a bf16 plan gives bf16 operands has bf16 kernels; those it never does (and kernels
@@ -303,6 +311,12 @@ struct Gpu {
 /// A GPU to test on, or `None` (after printing that `what` did not run, and why) when this machine
 /// cannot run CUDA kernels.
 fn gpu(what: &str) -> Result<Option<Gpu>, String> {
+    gpu_with(what, false)
+}
+
+/// As [`gpu`], with the kernels compiled for the GPU's own architecture when `native` (as `optimusc run`
+/// compiles them: the flash attention runs only there) instead of the portable PTX.
+fn gpu_with(what: &str, native: bool) -> Result<Option<Gpu>, String> {
     let skip = |why: String| {
         if required("OPTIMUS_REQUIRE_CUDA") {
             Err(format!("OPTIMUS_REQUIRE_CUDA=1 but {why}"))
@@ -326,7 +340,11 @@ fn gpu(what: &str) -> Result<Option<Gpu>, String> {
     }
     let ctx = CudaContext::new(0).map_err(|e| format!("opening GPU 0: {e}"))?;
     let stream = ctx.new_stream().map_err(|e| format!("creating a stream: {e}"))?;
-    let kernels = CudaKernels::with_ptx(&ctx, stream.clone(), ptx()?)?;
+    let kernels = if native {
+        CudaKernels::new(&ctx, stream.clone())?
+    } else {
+        CudaKernels::with_ptx(&ctx, stream.clone(), ptx()?)?
+    };
     Ok(Some(Gpu { stream, kernels }))
 }
 
@@ -1201,6 +1219,61 @@ fn gpu_bf16_kernels_match_the_cpu_backends_bf16() -> R {
         }
         Ok(())
     })
+}
+
+/// Attention with head sizes the flash kernels take (64 and 128): fused and not, causal and not,
+/// grouped-query, sequences that are not multiples of the 64-row tiles, more keys than queries, and every
+/// gradient.
+fn flash_cases(rng: &mut Rng) -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (d, seq, causal) in [(64u64, 100u64, true), (64, 64, false), (128, 130, true), (128, 33, false)] {
+        let heads = 2u64;
+        let w = heads * d;
+        let fused = rng.tensor(&[2, seq, 3 * w]);
+        let attention = Kernel::Attention { heads, kv_heads: heads, causal, fused: true };
+        cases.push(Case::new(attention, vec![fused.clone()], &[2, seq, w]));
+        let grad = Kernel::AttentionGrad { heads, kv_heads: heads, causal, fused: true, wrt: 0 };
+        cases.push(Case::new(grad, vec![rng.tensor(&[2, seq, w]), fused], &[2, seq, 3 * w]));
+    }
+    for (heads, kv_heads, d, sq, sk, causal) in [(4u64, 2u64, 64u64, 96u64, 96u64, true), (6, 2, 128, 70, 150, false)] {
+        let (q, dy) = (rng.tensor(&[3, sq, heads * d]), rng.tensor(&[3, sq, heads * d]));
+        let kv = [3, sk, kv_heads * d];
+        let (k, v) = (rng.tensor(&kv), rng.tensor(&kv));
+        let attention = Kernel::Attention { heads, kv_heads, causal, fused: false };
+        cases.push(Case::new(attention, vec![q.clone(), k.clone(), v.clone()], &[3, sq, heads * d]));
+        for (wrt, shape) in [(0u8, [3, sq, heads * d]), (1, kv), (2, kv)] {
+            let grad = Kernel::AttentionGrad { heads, kv_heads, causal, fused: false, wrt };
+            cases.push(Case::new(grad, vec![dy.clone(), q.clone(), k.clone(), v.clone()], &shape));
+        }
+    }
+    cases
+}
+
+/// The flash attention (the kernels compiled for the GPU's own architecture, Ampere or newer) gives the
+/// CPU backend's bf16 attention and gradients within bf16 rounding.
+#[test]
+fn gpu_flash_attention_matches_the_cpu_backends_bf16() -> R {
+    let Some(mut g) = gpu_with("the flash attention against the CPU backend's bf16", true)? else { return Ok(()) };
+    if !g.kernels.flash_attention() {
+        let why = "the flash attention is off on this GPU (before Ampere, or OPTIMUS_CUDA_ATTENTION=reference)";
+        assert!(!required("OPTIMUS_REQUIRE_FLASH"), "OPTIMUS_REQUIRE_FLASH=1 but {why}");
+        eprintln!("skipped: {why}");
+        return Ok(());
+    }
+    let mut rng = Rng(11);
+    for case in flash_cases(&mut rng) {
+        let b = Bf16Case::plan(&case).ok_or("attention has bf16 kernels")?;
+        b.check(&mut g)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn every_flash_case_runs_on_the_cpu_backends_bf16_path() -> R {
+    for case in flash_cases(&mut Rng(11)) {
+        Bf16Case::plan(&case).ok_or("attention has bf16 kernels")?.on_cpu()?;
+    }
+    Ok(())
 }
 
 #[test]

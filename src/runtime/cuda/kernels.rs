@@ -31,8 +31,9 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// The CUDA C++ source of the kernels (compiled at run time by NVRTC).
-pub const SOURCE: &str = include_str!("kernels.cu");
+/// The CUDA C++ source of the kernels (compiled at run time by NVRTC): kernels.cu, then the flash
+/// attention of flash.cu.
+pub const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("flash.cu"));
 
 /// The names of the `__global__` functions of [`SOURCE`].
 mod names {
@@ -575,6 +576,8 @@ struct Device {
     blas: CudaBlas,
     /// One f64 per block of the first pass of a sum of squares.
     partials: std::sync::Mutex<CudaSlice<f64>>,
+    /// Whether bf16 attention runs on the flash kernels (see [`flash`]).
+    flash: bool,
 }
 
 /// Blocks of the first pass of a sum of squares (enough to fill any current GPU several times over).
@@ -1882,9 +1885,11 @@ impl Device {
 }
 
 mod bf16;
+mod flash;
 
 pub use bf16::{BF16_KERNEL_NAMES, bf16_launcher};
 use bf16::{variant, words};
+pub use flash::FLASH_KERNEL_NAMES;
 
 // ---- the kernel runner ----------------------------------------------------------------------------
 
@@ -1918,17 +1923,25 @@ impl CudaKernels {
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err("cuBLAS (libcublas.so) cannot be loaded: install CUDA or put it on LD_LIBRARY_PATH".into());
         }
+        let ptx_arch = flash::ptx_target(&ptx.to_src());
         let module = ctx.load_module(ptx).map_err(driver("loading the kernels' PTX"))?;
         let mut functions = HashMap::new();
-        for &name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES) {
+        for &name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES) {
             let f = module.load_function(name).map_err(|e| format!("loading kernel `{name}`: {e}"))?;
             functions.insert(name, f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("creating a cuBLAS handle: {e}"))?;
         let flag = alloc::<u64>(&stream, 1)?;
         let partials = std::sync::Mutex::new(alloc::<f64>(&stream, SQUARE_SUM_GRID)?);
-        let dev = Device { stream, functions, blas, partials };
+        let flash = flash::enable(&functions, ptx_arch);
+        let dev = Device { stream, functions, blas, partials, flash };
         Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag, half: bf16::Scratch::default() })
+    }
+
+    /// Whether bf16 attention runs on the flash kernels here (an Ampere or newer GPU, PTX built for it,
+    /// and `OPTIMUS_CUDA_ATTENTION=reference` not set).
+    pub fn flash_attention(&self) -> bool {
+        self.dev.flash
     }
 
     /// The stream every kernel runs on.

@@ -127,10 +127,24 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
     Some(match kernel {
         Kernel::Cast => kernels(&[CAST_F32_TO_BF16, CAST_BF16_TO_F32, COPY_RUNS_U16]),
         Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO]),
-        Kernel::Attention { .. } => Launcher::product(&[ATTENTION_SOFTMAX, CAST_F32_TO_BF16, ZERO]),
-        Kernel::AttentionGrad { .. } => {
-            Launcher::product(&[ATTENTION_SOFTMAX, ATTENTION_SOFTMAX_GRAD, CAST_F32_TO_BF16, ZERO])
-        }
+        Kernel::Attention { .. } => Launcher::product(&[
+            ATTENTION_SOFTMAX,
+            CAST_F32_TO_BF16,
+            ZERO,
+            super::flash::FORWARD_D64,
+            super::flash::FORWARD_D128,
+        ]),
+        Kernel::AttentionGrad { .. } => Launcher::product(&[
+            ATTENTION_SOFTMAX,
+            ATTENTION_SOFTMAX_GRAD,
+            CAST_F32_TO_BF16,
+            ZERO,
+            super::flash::FORWARD_D64,
+            super::flash::FORWARD_D128,
+            super::flash::BACKWARD_D64,
+            super::flash::BACKWARD_D128,
+            super::flash::DQ_STORE,
+        ]),
         Kernel::Dropout { .. } | Kernel::DropoutGrad { .. } => kernels(&["dropout_bf16", COPY_RUNS_U16]),
         Kernel::Reshape | Kernel::Select { .. } | Kernel::SelectGrad { .. } | Kernel::SliceShard { .. } => {
             kernels(&[COPY_RUNS_U16])
@@ -321,7 +335,7 @@ fn run_native(
         }
         Kernel::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
             let a = AttentionArgs { heads, kv_heads, causal, fused, wrt };
-            dev.attention_grad_bf16(inputs, out, a, scratch, &mut half.probs)
+            dev.attention_grad_bf16(inputs, out, a, scratch, half)
         }
         Kernel::EmbeddingLookup { offset, masked } => {
             dev.embedding_lookup::<B>(inputs, out, Rows { base: offset.at(ctx.coords), masked }, flag)
@@ -547,6 +561,8 @@ impl Device {
 #[derive(Debug, Default)]
 pub(super) struct Scratch {
     probs: Option<CudaSlice<u16>>,
+    /// The log-sum-exp, D and dQ sums of the flash attention's backward pass.
+    flash: super::flash::Scratch,
 }
 
 impl Device {
@@ -571,6 +587,9 @@ impl Device {
         same_shape("the output", &out.shape, &qkv.out_shape())?;
         let (sq, sk) = (qkv.seq(0), qkv.seq(1));
         let y = elems_mut::<u16>(out, "the output")?;
+        if let Some(done) = self.flash_attention(&qkv, a.causal, y) {
+            return done;
+        }
         let n = qkv.heads * sq * sk;
         let (probs, half) = (grow(probs, &self.stream, n)?, grow(half, &self.stream, n)?);
         for b in 0..qkv.batch {
@@ -594,7 +613,7 @@ impl Device {
         out: &mut DeviceTensor,
         a: AttentionArgs,
         scratch: &mut [Option<CudaSlice<f32>>; 2],
-        half: &mut Option<CudaSlice<u16>>,
+        half: &mut Scratch,
     ) -> Result<(), String> {
         let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
         let qkv = Qkv::<u16>::of(operands, (a.heads, a.kv_heads), a.fused)?;
@@ -604,10 +623,13 @@ impl Device {
         same_shape("the output", &out.shape, qkv.shapes[wrt])?;
         let dyv = elems::<u16>(dy, "dy")?;
         let g = elems_mut::<u16>(out, "the output")?;
+        if let Some(done) = self.flash_attention_grad(&qkv, a, dyv, g, &mut half.flash) {
+            return done;
+        }
         let n = qkv.heads * qkv.seq(0) * qkv.seq(1);
         let [probs, dprobs] = scratch;
         let (probs, dprobs) = (grow(probs, &self.stream, n)?, grow(dprobs, &self.stream, n)?);
-        let half = grow(half, &self.stream, n)?;
+        let half = grow(&mut half.probs, &self.stream, n)?;
         let want = |operand: usize| a.fused || operand == wrt;
         for b in 0..qkv.batch {
             let step = GradStep { qkv: &qkv, dy: dyv, b, want: [want(0), want(1), want(2)] };
