@@ -557,6 +557,13 @@ fn product_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
         Case::new(Kernel::BatchedMatMul, batched, &[2, 3, 4, 6]),
         Case::new(Kernel::BatchedMatMul, vec![rng.tensor(&[2, 4, 5]), rng.tensor(&[3, 5, 6])], &[2, 4, 6]).fails(),
     ]);
+    // The output layer's three products at an odd vocabulary, whose rows are not 16-byte aligned (bf16
+    // products realign them): logits, the input gradient, the accumulated weight gradient.
+    let (x, w, dl) = (rng.tensor(&[96, 64]), rng.tensor(&[517, 64]), rng.tensor(&[96, 517]));
+    let mm = |ta, tb, accumulate| Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate };
+    cases.push(Case::new(mm(false, true, false), vec![x.clone(), w.clone()], &[96, 517]));
+    cases.push(Case::new(mm(false, false, false), vec![dl.clone(), w], &[96, 64]));
+    cases.push(Case::new(mm(true, false, true), vec![dl, x], &[517, 64]).init(rng.tensor(&[517, 64])));
     Ok(cases)
 }
 

@@ -1014,3 +1014,21 @@ extern "C" __global__ void adamw_step(float* p, const float* g, float* m, float*
         p[i] = p[i] * decay + -step_size * mi / denom;
     }
 }
+
+// ---- row pitch changes (products on operands whose rows are not 16-byte aligned) -----------------------
+
+// dst[r * dst_ld + c] = src[r * src_ld + c] for every row r < rows and column c < cols; one block per row.
+template <class W>
+__device__ void copy_rows_t(W* dst, const W* src, u64 rows, u64 cols, u64 src_ld, u64 dst_ld) {
+    BLOCK_ROWS(r, rows) {
+        ROW_COLUMNS(c, cols) dst[r * dst_ld + c] = src[r * src_ld + c];
+    }
+}
+
+extern "C" __global__ void copy_rows(u32* dst, const u32* src, u64 rows, u64 cols, u64 src_ld, u64 dst_ld) {
+    copy_rows_t(dst, src, rows, cols, src_ld, dst_ld);
+}
+
+extern "C" __global__ void copy_rows_u16(u16* dst, const u16* src, u64 rows, u64 cols, u64 src_ld, u64 dst_ld) {
+    copy_rows_t(dst, src, rows, cols, src_ld, dst_ld);
+}

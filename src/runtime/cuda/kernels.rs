@@ -578,6 +578,8 @@ struct Device {
     partials: std::sync::Mutex<CudaSlice<f64>>,
     /// Whether bf16 attention runs on the flash kernels (see [`flash`]).
     flash: bool,
+    /// Padded copies of bf16 product operands whose rows are not 16-byte aligned.
+    realign: std::sync::Mutex<bf16::Realign>,
 }
 
 /// Blocks of the first pass of a sum of squares (enough to fill any current GPU several times over).
@@ -1934,7 +1936,8 @@ impl CudaKernels {
         let flag = alloc::<u64>(&stream, 1)?;
         let partials = std::sync::Mutex::new(alloc::<f64>(&stream, SQUARE_SUM_GRID)?);
         let flash = flash::enable(&functions, ptx_arch);
-        let dev = Device { stream, functions, blas, partials, flash };
+        let realign = std::sync::Mutex::new(bf16::Realign::default());
+        let dev = Device { stream, functions, blas, partials, flash, realign };
         Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag, half: bf16::Scratch::default() })
     }
 

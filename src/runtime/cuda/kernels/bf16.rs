@@ -13,7 +13,11 @@
 //! later, fills, the gradient norm), run [`widened`]: their bf16 operands are widened to f32 on the
 //! GPU, the f32 kernel runs, and a bf16 output is rounded once, exactly as the CPU backend does.
 
+mod realign;
+
 use super::*;
+pub(crate) use realign::Realign;
+use realign::{COPY_ROWS_F32, COPY_ROWS_U16, Realignable};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
@@ -94,6 +98,8 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
     TRANSPOSE_U16,
     CAST_F32_TO_BF16,
     CAST_BF16_TO_F32,
+    COPY_ROWS_F32,
+    COPY_ROWS_U16,
 ];
 
 /// The entry point of kernel `name` for tensors of element type `T`.
@@ -126,7 +132,7 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
     let kernels = Launcher::kernels;
     Some(match kernel {
         Kernel::Cast => kernels(&[CAST_F32_TO_BF16, CAST_BF16_TO_F32, COPY_RUNS_U16]),
-        Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO]),
+        Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO, COPY_ROWS_F32, COPY_ROWS_U16]),
         Kernel::Attention { .. } => Launcher::product(&[
             ATTENTION_SOFTMAX,
             CAST_F32_TO_BF16,
@@ -457,12 +463,15 @@ impl BlasOut for u16 {
     const BLAS: cudaDataType = cudaDataType::CUDA_R_16BF;
 }
 
-impl<C: BlasOut> Multiply<u16, C> for Device {
+impl<C: BlasOut + Realignable> Multiply<u16, C> for Device {
     fn multiply(&self, c: &mut CudaSlice<C>, p: Product<u16>) -> Result<(), String> {
         match p.check(c.len())? {
             Work::Nothing => Ok(()),
             Work::Zero => self.zero_blocks(c, p.c, p.batches),
-            Work::Multiply(m, n, k) => self.gemm_ex(c, &p, (m, n, k)),
+            Work::Multiply(m, n, k) => match self.realigned_product(c, &p, (m, n, k))? {
+                Some(()) => Ok(()),
+                None => self.gemm_ex(c, &p, (m, n, k)),
+            },
         }
     }
 }
@@ -707,7 +716,8 @@ mod tests {
         for (_, name) in ENTRY_POINTS.iter().chain(WORD_COPIES) {
             assert_eq!(BF16_KERNEL_NAMES.iter().filter(|n| *n == name).count(), 1, "`{name}`");
         }
-        assert_eq!(BF16_KERNEL_NAMES.len(), ENTRY_POINTS.len() + WORD_COPIES.len() + 2, "two casts besides");
+        let besides = 4;
+        assert_eq!(BF16_KERNEL_NAMES.len(), ENTRY_POINTS.len() + WORD_COPIES.len() + besides, "two casts, two row copies");
     }
 
     #[test]
