@@ -84,6 +84,47 @@ fn every_kernel_assembles_for_ampere_and_hopper() -> R {
     Ok(())
 }
 
+/// A run's PTX is kept on disk: the second compile reads the entry, a damaged entry is compiled again
+/// and replaced, and a folder that others may write is never used.
+#[test]
+fn compiled_ptx_is_cached_and_a_damaged_entry_is_compiled_again() -> R {
+    use optimus::runtime::cuda::ptx_cache::compile_ptx_cached_in;
+    use std::os::unix::fs::PermissionsExt;
+    if !nvrtc_present() {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let entries = |d: &std::path::Path| -> Result<Vec<std::path::PathBuf>, String> {
+        let list = std::fs::read_dir(d).map_err(|e| e.to_string())?;
+        Ok(list.filter_map(|e| e.ok().map(|e| e.path())).collect())
+    };
+    let start = std::time::Instant::now();
+    let first = compile_ptx_cached_in(Some(dir.path()), "compute_80")?.to_src();
+    let compiled = start.elapsed();
+    let stored = entries(dir.path())?;
+    assert_eq!(stored.len(), 1, "one entry: {stored:?}");
+    let start = std::time::Instant::now();
+    assert!(compile_ptx_cached_in(Some(dir.path()), "compute_80")?.to_src() == first, "read from the cache");
+    println!("compiled in {compiled:?}, read from the cache in {:?}", start.elapsed());
+    let text = std::fs::read_to_string(&stored[0]).map_err(|e| e.to_string())?;
+    std::fs::write(&stored[0], &text[..text.len() / 2]).map_err(|e| e.to_string())?;
+    // NVRTC numbers its call sequences per process, so a recompile is not byte-identical: the damaged
+    // entry gives PTX with the same entry points, and is replaced by that PTX.
+    let third = compile_ptx_cached_in(Some(dir.path()), "compute_80")?.to_src();
+    let entries_of = |ptx: &str| ptx.lines().filter(|l| l.contains(".entry ")).map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(entries_of(&third), entries_of(&first), "a truncated entry is compiled again");
+    let rewritten = std::fs::read_to_string(&stored[0]).map_err(|e| e.to_string())?;
+    assert!(rewritten.starts_with(&third) && rewritten.len() > third.len(), "the entry is replaced");
+    assert!(compile_ptx_cached_in(Some(dir.path()), "compute_80")?.to_src() == third, "and read again");
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).map_err(|e| e.to_string())?;
+    let unshared = compile_ptx_cached_in(Some(&shared), "compute_80")?.to_src();
+    assert_eq!(entries_of(&unshared), entries_of(&first));
+    assert!(entries(&shared)?.is_empty(), "nothing is written to a folder others may write");
+    Ok(())
+}
+
 /// One of each [`Kernel`] variant (and both GELU forms).
 fn samples() -> Vec<Kernel> {
     let offset = Offset::ZERO;

@@ -979,6 +979,13 @@ impl Device {
         if runs.zero_first {
             self.stream.memset_zeros(dst).map_err(driver("zeroing GPU memory"))?;
         }
+        if runs.count == 1 && runs.len > 0 {
+            // One contiguous run (a reshape, a dropout that keeps everything): a device-to-device copy.
+            let (from, to) = (runs.src_offset, runs.dst_offset);
+            let src = src.try_slice(from..from + runs.len).ok_or("internal error: a run is past its buffer")?;
+            let mut dst = dst.try_slice_mut(to..to + runs.len).ok_or("internal error: a run is past its buffer")?;
+            return self.stream.memcpy_dtod(&src, &mut dst).map_err(driver("copying on the GPU"));
+        }
         let cfg = elementwise(runs.count.saturating_mul(runs.len));
         let r = [runs.count, runs.len, runs.src_stride, runs.src_offset, runs.dst_stride, runs.dst_offset]
             .map(|v| v as u64);
@@ -1914,7 +1921,8 @@ impl CudaKernels {
     /// know it).
     pub fn new(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<CudaKernels, String> {
         let (major, minor) = ctx.compute_capability().map_err(driver("reading the GPU's compute capability"))?;
-        let ptx = compile_ptx_for(arch_of(major, minor)).or_else(|_| compile_ptx())?;
+        let cached = super::ptx_cache::compile_ptx_cached;
+        let ptx = cached(arch_of(major, minor)).or_else(|_| cached(PORTABLE_ARCH))?;
         CudaKernels::with_ptx(ctx, stream, ptx)
     }
 

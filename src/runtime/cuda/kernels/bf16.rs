@@ -16,10 +16,10 @@
 mod realign;
 
 use super::*;
-pub(crate) use realign::Realign;
-use realign::{COPY_ROWS_F32, COPY_ROWS_U16, Realignable};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
+pub(crate) use realign::Realign;
+use realign::{COPY_ROWS_F32, COPY_ROWS_U16, Realignable};
 use std::ffi::c_void;
 
 /// The bf16 entry points of kernels.cu, next to the f32 kernel each stands for.
@@ -717,7 +717,11 @@ mod tests {
             assert_eq!(BF16_KERNEL_NAMES.iter().filter(|n| *n == name).count(), 1, "`{name}`");
         }
         let besides = 4;
-        assert_eq!(BF16_KERNEL_NAMES.len(), ENTRY_POINTS.len() + WORD_COPIES.len() + besides, "two casts, two row copies");
+        assert_eq!(
+            BF16_KERNEL_NAMES.len(),
+            ENTRY_POINTS.len() + WORD_COPIES.len() + besides,
+            "two casts, two row copies"
+        );
     }
 
     #[test]

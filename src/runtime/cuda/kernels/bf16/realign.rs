@@ -115,7 +115,7 @@ impl Device {
         let result = if out_aligned {
             self.gemm_ex(c, &product, dims)
         } else {
-            self.into_padded_output(c, product, dims, &mut out_slot)
+            self.run_into_padded_output(c, product, dims, &mut out_slot)
         };
         *C::output_slot(&mut guard) = out_slot;
         result.map(Some)
@@ -123,7 +123,7 @@ impl Device {
 
     /// Runs `product` into a scratch with rows padded to 16 bytes (after a copy of the output's old
     /// contents when it accumulates) and copies the result into the output block `product.c` of `c`.
-    fn into_padded_output<C: BlasOut + Realignable>(
+    fn run_into_padded_output<C: BlasOut + Realignable>(
         &self,
         c: &mut CudaSlice<C>,
         mut product: Product<u16>,

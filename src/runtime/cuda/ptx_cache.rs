@@ -1,0 +1,112 @@
+//! NVRTC's PTX kept on disk between runs, so that a run starts without compiling the kernels again
+//! (several seconds for the whole of kernels.cu and flash.cu, once per device of a mesh).
+//!
+//! An entry is named by a SHA-256 of everything the PTX depends on (the source, the target
+//! architecture, the compile options, NVRTC's version) and ends with a comment holding the SHA-256 of
+//! its own text, so a truncated or altered entry is recompiled, never loaded. The folder is
+//! `$OPTIMUS_CACHE_DIR/ptx`, else `$XDG_CACHE_HOME/optimus/ptx`, else `~/.cache/optimus/ptx`; it is
+//! created private (mode 0700), and a folder or entry that is a symlink, belongs to another user, or
+//! that others may write is not used. `OPTIMUS_PTX_CACHE=off` turns the cache off.
+
+use super::kernels::{SOURCE, compile_ptx_for};
+use cudarc::nvrtc::Ptx;
+use sha2::{Digest, Sha256};
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+/// The marker of the checksum line that ends an entry.
+const CHECKSUM: &str = "\n// optimus-ptx-sha256 ";
+
+/// Entries larger than this are not read (the PTX of every kernel is a few MB).
+const MAX_ENTRY: u64 = 64 << 20;
+
+/// The PTX of the kernels for `arch`, from the cache when an earlier run compiled it.
+pub fn compile_ptx_cached(arch: &'static str) -> Result<Ptx, String> {
+    compile_ptx_cached_in(cache_dir().as_deref(), arch)
+}
+
+/// As [`compile_ptx_cached`], with the cache in `dir` (`None`: compile, keep nothing).
+pub fn compile_ptx_cached_in(dir: Option<&Path>, arch: &'static str) -> Result<Ptx, String> {
+    let Some(dir) = dir.filter(|d| private_folder(d)) else { return compile_ptx_for(arch) };
+    let path = dir.join(format!("{}.ptx", entry_key(arch)));
+    if let Some(text) = read_entry(&path) {
+        return Ok(Ptx::from_src(text));
+    }
+    let ptx = compile_ptx_for(arch)?;
+    // The cache only saves time: a run whose entry cannot be written goes on without it.
+    let _ = write_entry(dir, &path, &ptx.to_src());
+    Ok(ptx)
+}
+
+/// The cache folder this user's runs share, created if missing (`None` when turned off or unusable).
+fn cache_dir() -> Option<PathBuf> {
+    if std::env::var("OPTIMUS_PTX_CACHE").is_ok_and(|v| v == "off") {
+        return None;
+    }
+    let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let base = env("OPTIMUS_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("optimus")))
+        .or_else(|| env("HOME").map(|d| d.join(".cache").join("optimus")))?;
+    let dir = base.join("ptx");
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).ok()?;
+    Some(dir)
+}
+
+/// The effective user id of this process.
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Whether `dir` is a real folder of this user that nobody else may write.
+fn private_folder(dir: &Path) -> bool {
+    fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir() && m.uid() == euid() && m.mode() & 0o022 == 0)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// NVRTC's version, (0, 0) where it cannot be loaded (the compile then fails with the reason).
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: only opens the library; nvrtcVersion writes two ints through valid pointers.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    }
+    (major, minor)
+}
+
+/// What an entry's PTX depends on, hashed.
+fn entry_key(arch: &str) -> String {
+    let (major, minor) = nvrtc_version();
+    let mut hash = Sha256::new();
+    for part in [SOURCE, arch, "fmad=false", &format!("nvrtc {major}.{minor}"), env!("CARGO_PKG_VERSION")] {
+        hash.update(part.as_bytes());
+        hash.update([0]);
+    }
+    hex(&hash.finalize())
+}
+
+/// The PTX of an entry, if it is a regular file of this user whose checksum line matches its text.
+fn read_entry(path: &Path) -> Option<String> {
+    let meta = fs::symlink_metadata(path).ok()?;
+    if !meta.is_file() || meta.uid() != euid() || meta.mode() & 0o022 != 0 || meta.len() > MAX_ENTRY {
+        return None;
+    }
+    let stored = fs::read_to_string(path).ok()?;
+    let (text, sum) = stored.rsplit_once(CHECKSUM)?;
+    (sum.trim_end() == hex(&Sha256::digest(text.as_bytes()))).then(|| text.to_string())
+}
+
+/// Writes an entry whole or not at all (a temporary file in the folder, renamed into place).
+fn write_entry(dir: &Path, path: &Path, text: &str) -> std::io::Result<()> {
+    let mut file = tempfile::NamedTempFile::new_in(dir)?;
+    file.write_all(text.as_bytes())?;
+    writeln!(file, "{CHECKSUM}{}", hex(&Sha256::digest(text.as_bytes())))?;
+    file.as_file().sync_all()?;
+    file.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
