@@ -56,6 +56,7 @@ tail -n 12 "$OUT/bench.log"
 echo "== measurements"
 grep -h '^{' "$OUT/measurements.log" | cut -c1-160
 grep -h 'tokens/s' "$OUT/measurements.log" | tail -n 3
+grep -h '^startup:\|ptx$' "$OUT/measurements.log"
 echo "== summary"
 printf '%s\n' "${summary[@]}"
 exit $status

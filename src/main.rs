@@ -134,6 +134,7 @@ enum Emit {
 const STACK_BYTES: usize = 256 * 1024 * 1024;
 
 fn main() -> ExitCode {
+    optimus::runtime::startup::mark("process started");
     let cli = Cli::parse();
     let worker = std::thread::Builder::new().stack_size(STACK_BYTES).spawn(move || run(cli));
     let Ok(worker) = worker else { return internal_error() };

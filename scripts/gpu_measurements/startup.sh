@@ -8,8 +8,10 @@ OPTIMUS_CACHE_DIR=$(mktemp -d)
 export OPTIMUS_CACHE_DIR
 for cache in empty filled; do
     start=$(date +%s.%N)
-    "$optimusc" run examples/gpt2.opt --set pdrop=0.0 --backend cuda --precision bf16 --steps 1 > /dev/null
+    OPTIMUS_TRACE_STARTUP=1 "$optimusc" run examples/gpt2.opt --set pdrop=0.0 --backend cuda --precision bf16 \
+        --steps 1 > /dev/null
     end=$(date +%s.%N)
     python3 -c "import json; print(json.dumps({'ptx_cache': '$cache', 'first_step_done_s': round($end - $start, 2)}))"
 done
+ls -la "$OPTIMUS_CACHE_DIR/ptx"
 rm -rf "$OPTIMUS_CACHE_DIR"

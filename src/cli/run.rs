@@ -397,7 +397,9 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     if let Some(warning) = shortfall_warning(&sources, &plan).filter(|_| leader) {
         eprintln_safe!("warning: {warning}");
     }
+    optimus::runtime::startup::mark("plan ready and data opened");
     let (initial, weights) = initial_weights(args, &plan)?;
+    optimus::runtime::startup::mark("initial weights drawn");
     let config = RunConfig {
         seed: args.seed,
         steps: args.steps,

@@ -827,6 +827,7 @@ impl DeviceRun<'_> {
     /// The step loop of one device on `backend`.
     fn on<B: Backend, C: Communicator>(&self, backend: B, comm: C) -> Result<DeviceResult, String> {
         let DeviceRun { plan, config, batches, initial, on_step } = *self;
+        super::startup::mark("backend open");
         let mut device = Device::new(plan, backend, comm, config.seed)?;
         device.clip_grad_norm = config.clip_grad_norm;
         if let Some(checkpoint) = &config.resume {
@@ -843,6 +844,7 @@ impl DeviceRun<'_> {
                 device.write(p.buffer, weights.block(p, plan.buffer(p.buffer), coords, plan.mesh)?)?;
             }
         }
+        super::startup::mark("parameters written");
         let mut records = Vec::new();
         let device_index = plan.mesh.rank_of(coords);
         for step in config.start_step..config.steps {

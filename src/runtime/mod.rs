@@ -26,6 +26,7 @@ pub mod rotary;
 pub mod schedule;
 pub mod settings;
 pub mod shapes;
+pub mod startup;
 pub mod tensor;
 pub mod view;
 pub mod watchdog;
