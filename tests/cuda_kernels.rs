@@ -88,7 +88,7 @@ fn every_kernel_assembles_for_ampere_and_hopper() -> R {
 /// and replaced, and a folder that others may write is never used.
 #[test]
 fn compiled_ptx_is_cached_and_a_damaged_entry_is_compiled_again() -> R {
-    use optimus::runtime::cuda::ptx_cache::compile_ptx_cached_in;
+    use optimus::runtime::cuda::ptx_cache::{compile_cubin_cached_in, compile_ptx_cached_in};
     use std::os::unix::fs::PermissionsExt;
     if !nvrtc_present() {
         return Ok(());
@@ -122,6 +122,21 @@ fn compiled_ptx_is_cached_and_a_damaged_entry_is_compiled_again() -> R {
     let unshared = compile_ptx_cached_in(Some(&shared), "compute_80")?.to_src();
     assert_eq!(entries_of(&unshared), entries_of(&first));
     assert!(entries(&shared)?.is_empty(), "nothing is written to a folder others may write");
+
+    // Machine code for a real architecture, cached the same way beside the PTX.
+    let cubin = compile_cubin_cached_in(Some(dir.path()), 80)?;
+    assert!(cubin.starts_with(b"\x7fELF"), "NVRTC gives an ELF image for sm_80");
+    let binary: Vec<_> =
+        entries(dir.path())?.into_iter().filter(|p| p.extension().is_some_and(|e| e == "cubin")).collect();
+    assert_eq!(binary.len(), 1, "one machine-code entry");
+    assert!(compile_cubin_cached_in(Some(dir.path()), 80)? == cubin, "machine code read from the cache");
+    let stored = std::fs::read(&binary[0]).map_err(|e| e.to_string())?;
+    let mut flipped = stored.clone();
+    flipped[100] ^= 1;
+    std::fs::write(&binary[0], &flipped).map_err(|e| e.to_string())?;
+    let again = compile_cubin_cached_in(Some(dir.path()), 80)?;
+    assert!(again.starts_with(b"\x7fELF"), "a damaged image is compiled again");
+    assert!(std::fs::read(&binary[0]).map_err(|e| e.to_string())? != flipped, "and replaced");
     Ok(())
 }
 

@@ -256,6 +256,47 @@ pub fn compile_ptx_for(arch: &'static str) -> Result<Ptx, String> {
     })
 }
 
+/// The machine code of the kernels for `sm_{sm}` (a CUBIN from NVRTC, which runs ptxas itself), so that
+/// the driver need not translate PTX when the module loads or a kernel first runs (about 3 s for these
+/// kernels; the driver's own cache of such translations is not always kept between runs).
+pub fn compile_cubin_for(sm: u32) -> Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    // SAFETY: only tries to open the shared library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("NVRTC (libnvrtc.so) cannot be loaded".into());
+    }
+    let source = std::ffi::CString::new(SOURCE).map_err(|_| "kernels.cu holds a NUL byte".to_string())?;
+    let program = result::create_program(&source, Some(c"kernels.cu")).map_err(|e| format!("NVRTC: {e:?}"))?;
+    let options = [format!("--gpu-architecture=sm_{sm}"), "--fmad=false".to_string()];
+    // SAFETY: `program` was created above and is destroyed once, below; the CUBIN buffer has the size
+    // NVRTC reports for it.
+    let cubin = unsafe {
+        let compiled = result::compile_program(program, &options).map_err(|e| {
+            let log = result::get_program_log(program).unwrap_or_default();
+            let text: Vec<u8> = log.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+            format!("NVRTC failed to compile kernels.cu for sm_{sm} ({e:?}):\n{}", String::from_utf8_lossy(&text))
+        });
+        let image = compiled.and_then(|()| {
+            let mut size = 0usize;
+            sys::nvrtcGetCUBINSize(program, &mut size).result().map_err(|e| format!("NVRTC: {e:?}"))?;
+            let mut image = vec![0u8; size];
+            sys::nvrtcGetCUBIN(program, image.as_mut_ptr().cast()).result().map_err(|e| format!("NVRTC: {e:?}"))?;
+            Ok(image)
+        });
+        let _ = result::destroy_program(program);
+        image
+    }?;
+    ensure(cubin.starts_with(b"\x7fELF"), || format!("NVRTC gave no machine code for sm_{sm}"))?;
+    Ok(cubin)
+}
+
+/// The real architecture (`sm_90` is 90) of a GPU of compute capability `major.minor`, where
+/// [`arch_of`] knows it.
+fn real_arch(major: i32, minor: i32) -> Option<u32> {
+    let arch = arch_of(major, minor).strip_prefix("compute_")?;
+    (arch_of(major, minor) != PORTABLE_ARCH).then(|| arch.parse().ok()).flatten()
+}
+
 // ---- device tensors -------------------------------------------------------------------------------
 
 /// Element storage on the GPU, as on the host: f32 or bf16 for floating-point buffers (bf16 as its bit
@@ -1921,6 +1962,15 @@ impl CudaKernels {
     /// know it).
     pub fn new(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<CudaKernels, String> {
         let (major, minor) = ctx.compute_capability().map_err(driver("reading the GPU's compute capability"))?;
+        // Machine code for this GPU where NVRTC can make it; PTX for the driver to translate otherwise.
+        if let Some(sm) = real_arch(major, minor) {
+            let image = super::ptx_cache::compile_cubin_cached(sm);
+            let module = image
+                .and_then(|cubin| CudaKernels::with_module(ctx, stream.clone(), Ptx::from_binary(cubin), Some(sm)));
+            if let Ok(kernels) = module {
+                return Ok(kernels);
+            }
+        }
         let cached = super::ptx_cache::compile_ptx_cached;
         let ptx = cached(arch_of(major, minor)).or_else(|_| cached(PORTABLE_ARCH))?;
         CudaKernels::with_ptx(ctx, stream, ptx)
@@ -1928,12 +1978,23 @@ impl CudaKernels {
 
     /// As [`CudaKernels::new`], with PTX compiled earlier by [`compile_ptx`].
     pub fn with_ptx(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>, ptx: Ptx) -> Result<CudaKernels, String> {
+        let arch = flash::ptx_target(&ptx.to_src());
+        CudaKernels::with_module(ctx, stream, ptx, arch)
+    }
+
+    /// As [`CudaKernels::with_ptx`], with PTX or machine code (`Ptx::from_binary`) for the real
+    /// architecture `arch` (`Some(90)` for sm_90; what decides whether the flash attention runs).
+    fn with_module(
+        ctx: &Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        ptx: Ptx,
+        arch: Option<u32>,
+    ) -> Result<CudaKernels, String> {
         ensure(stream.context().as_ref() == ctx.as_ref(), || "the stream belongs to another CUDA context".into())?;
         // SAFETY: only tries to open the shared library.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err("cuBLAS (libcublas.so) cannot be loaded: install CUDA or put it on LD_LIBRARY_PATH".into());
         }
-        let ptx_arch = flash::ptx_target(&ptx.to_src());
         let module = ctx.load_module(ptx).map_err(driver("loading the kernels' PTX"))?;
         let mut functions = HashMap::new();
         for &name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES) {
@@ -1943,7 +2004,7 @@ impl CudaKernels {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("creating a cuBLAS handle: {e}"))?;
         let flag = alloc::<u64>(&stream, 1)?;
         let partials = std::sync::Mutex::new(alloc::<f64>(&stream, SQUARE_SUM_GRID)?);
-        let flash = flash::enable(&functions, ptx_arch);
+        let flash = flash::enable(&functions, arch);
         let realign = std::sync::Mutex::new(bf16::Realign::default());
         let dev = Device { stream, functions, blas, partials, flash, realign };
         Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag, half: bf16::Scratch::default() })
