@@ -4,7 +4,13 @@
 //! (`libnccl.so.2`, as the `nvidia-nccl` wheels ship it) has none of those names. Then this module makes a
 //! private folder of links under the names cudarc asks for, puts it first on `LD_LIBRARY_PATH`, and
 //! starts the same command again (the dynamic loader reads `LD_LIBRARY_PATH` only at start).
+//!
+//! Whatever is in that folder runs inside optimusc before `main`, so nobody else may be able to put
+//! anything there: it is `cuda-libs` in this user's cache folder (`~/.cache/optimus`), used only when it
+//! is a real folder of the effective user that nobody else may write, else a fresh `mkdtemp` folder; and
+//! only libraries in folders owned by root or by this user, that nobody else may write, are linked.
 
+use super::private::{cache_base, is_trusted_library, private_folder};
 use std::path::{Path, PathBuf};
 
 /// Set in the restarted process, so that it never restarts again.
@@ -83,9 +89,9 @@ fn wheel_lib_folders(root: &Path, depth: usize) -> Vec<PathBuf> {
     found
 }
 
-/// The first file named one of `sonames` in `folders`.
+/// The first file named one of `sonames` in `folders` that may be trusted (see [`is_trusted_library`]).
 fn find(sonames: &[&str], folders: &[PathBuf]) -> Option<PathBuf> {
-    sonames.iter().find_map(|name| folders.iter().map(|f| f.join(name)).find(|p| p.is_file()))
+    sonames.iter().find_map(|name| folders.iter().map(|f| f.join(name)).find(|p| p.is_file() && is_trusted_library(p)))
 }
 
 /// Where cudarc cannot open a library it needs but the machine has it under a real name: links the real
@@ -118,13 +124,23 @@ pub fn restart_with_links_if_needed() {
     eprintln!("warning: could not restart with the CUDA libraries linked in {}: {error}", dir.display());
 }
 
-/// A folder of this user's holding `lib*.so` links to the real files, or `None` if it cannot be made. Each
-/// link is made under a name of this process's and renamed into place, so that processes started
-/// together (the ranks of one `mpirun`) never see a half-made link.
+/// A private folder of this user's holding `lib*.so` links to the real files, or `None` if it cannot be
+/// made. Each link is made under a name of this process's and renamed into place, so that processes
+/// started together (the ranks of one `mpirun`) never see a half-made link.
 fn link_folder(links: &[(&str, PathBuf)]) -> Option<PathBuf> {
-    let user = std::env::var("USER").unwrap_or_else(|_| "user".into());
-    let dir = std::env::temp_dir().join(format!("optimus-cuda-libs-{user}"));
-    std::fs::create_dir_all(&dir).ok()?;
+    let shared = cache_base().and_then(|base| private_folder(&base.join("cuda-libs")));
+    let dir = match shared {
+        Some(dir) => dir,
+        // A fresh folder of mode 0700 that no one else can have made; kept, since the restarted process
+        // loads from it for its whole life.
+        None => tempfile::Builder::new().prefix("optimus-cuda-libs-").tempdir().ok()?.keep(),
+    };
+    links_into(&dir, links)
+}
+
+/// Makes the links in `dir` (a folder [`private_folder`] accepted).
+fn links_into(dir: &Path, links: &[(&str, PathBuf)]) -> Option<PathBuf> {
+    let dir = private_folder(dir)?;
     for (stem, target) in links {
         let link = dir.join(format!("{stem}.so"));
         let fresh = dir.join(format!("{stem}.so.{}", std::process::id()));
@@ -133,4 +149,43 @@ fn link_folder(links: &[(&str, PathBuf)]) -> Option<PathBuf> {
         std::fs::rename(&fresh, &link).ok()?;
     }
     Some(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn links_go_only_into_a_private_folder() -> Result<(), String> {
+        let base = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let target = base.path().join("libreal.so.13");
+        std::fs::write(&target, b"x").map_err(|e| e.to_string())?;
+        let links = [("libreal", target.clone())];
+        let private = base.path().join("private");
+        let made = links_into(&private, &links).ok_or("a fresh folder takes the links")?;
+        assert_eq!(std::fs::read_link(made.join("libreal.so")).map_err(|e| e.to_string())?, target);
+        let planted = base.path().join("planted");
+        std::fs::create_dir(&planted).map_err(|e| e.to_string())?;
+        std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o777)).map_err(|e| e.to_string())?;
+        assert!(links_into(&planted, &links).is_none(), "a folder anyone may write is refused");
+        assert!(std::fs::read_dir(&planted).map_err(|e| e.to_string())?.next().is_none(), "and left untouched");
+        let link = base.path().join("link");
+        std::os::unix::fs::symlink(&planted, &link).map_err(|e| e.to_string())?;
+        assert!(links_into(&link, &links).is_none(), "a symlinked folder is refused");
+        Ok(())
+    }
+
+    #[test]
+    fn libraries_in_folders_others_may_write_are_not_found() -> Result<(), String> {
+        let base = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let open = base.path().join("open");
+        std::fs::create_dir(&open).map_err(|e| e.to_string())?;
+        std::fs::write(open.join("libcublas.so.13"), b"x").map_err(|e| e.to_string())?;
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).map_err(|e| e.to_string())?;
+        assert_eq!(find(&["libcublas.so.13"], &[open.clone()]), None);
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+        assert_eq!(find(&["libcublas.so.13"], &[open.clone()]), Some(open.join("libcublas.so.13")));
+        Ok(())
+    }
 }

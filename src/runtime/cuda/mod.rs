@@ -12,6 +12,7 @@
 pub mod kernels;
 pub mod libs;
 pub mod nccl;
+pub mod private;
 pub mod ptx_cache;
 pub mod storage;
 

@@ -10,11 +10,11 @@
 //! that others may write is not used. `OPTIMUS_PTX_CACHE=off` turns the cache off.
 
 use super::kernels::{SOURCE, compile_cubin_for, compile_ptx_for};
+use super::private::{cache_base, is_own_file, is_private_folder as private_folder, private_folder as make_private};
 use cudarc::nvrtc::Ptx;
 use sha2::{Digest, Sha256};
 use std::fs;
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 /// The marker of the checksum line that ends an entry.
@@ -76,11 +76,8 @@ fn read_binary_entry(path: &Path) -> Option<Vec<u8>> {
 
 /// The contents of a regular file of this user that nobody else may write, if not too large.
 fn read_own_file(path: &Path) -> Option<Vec<u8>> {
-    let meta = fs::symlink_metadata(path).ok()?;
-    if !meta.is_file() || meta.uid() != euid() || meta.mode() & 0o022 != 0 || meta.len() > MAX_ENTRY {
-        return None;
-    }
-    fs::read(path).ok()
+    let size = fs::symlink_metadata(path).ok()?.len();
+    (is_own_file(path) && size <= MAX_ENTRY).then(|| fs::read(path).ok()).flatten()
 }
 
 /// The cache folder this user's runs share, created if missing (`None` when turned off or unusable).
@@ -88,24 +85,7 @@ fn cache_dir() -> Option<PathBuf> {
     if std::env::var("OPTIMUS_PTX_CACHE").is_ok_and(|v| v == "off") {
         return None;
     }
-    let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    let base = env("OPTIMUS_CACHE_DIR")
-        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("optimus")))
-        .or_else(|| env("HOME").map(|d| d.join(".cache").join("optimus")))?;
-    let dir = base.join("ptx");
-    fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).ok()?;
-    Some(dir)
-}
-
-/// The effective user id of this process.
-fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
-
-/// Whether `dir` is a real folder of this user that nobody else may write.
-fn private_folder(dir: &Path) -> bool {
-    fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir() && m.uid() == euid() && m.mode() & 0o022 == 0)
+    make_private(&cache_base()?.join("ptx"))
 }
 
 fn hex(bytes: &[u8]) -> String {
