@@ -183,9 +183,9 @@ mod tests {
         std::fs::create_dir(&open).map_err(|e| e.to_string())?;
         std::fs::write(open.join("libcublas.so.13"), b"x").map_err(|e| e.to_string())?;
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).map_err(|e| e.to_string())?;
-        assert_eq!(find(&["libcublas.so.13"], &[open.clone()]), None);
+        assert_eq!(find(&["libcublas.so.13"], std::slice::from_ref(&open)), None);
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
-        assert_eq!(find(&["libcublas.so.13"], &[open.clone()]), Some(open.join("libcublas.so.13")));
+        assert_eq!(find(&["libcublas.so.13"], std::slice::from_ref(&open)), Some(open.join("libcublas.so.13")));
         Ok(())
     }
 }
