@@ -131,6 +131,48 @@ fn a_step_logged_again_takes_its_latest_values() {
     assert_eq!(metrics.tokens_per_s.into_iter().collect::<Vec<_>>(), vec![(0, 100.0), (1, 200.0), (2, 300.0)]);
 }
 
+/// Values near the ends of f64 (a diverged run) make finite axes: the plot is drawn, and soon (an axis
+/// range of -1e308 to 1e308 used to make `plot` spin forever).
+#[test]
+fn plot_draws_values_near_the_ends_of_the_float_range() {
+    let cases = [
+        (
+            "extremes.jsonl",
+            "{\"step\": 0, \"loss\": 1e308, \"tokens_per_s\": 1.7e308}\n{\"step\": 1, \"loss\": -1e308, \"tokens_per_s\": 1}\n",
+        ),
+        (
+            "largest.jsonl",
+            "{\"step\": 0, \"loss\": 1.7976931348623157e308, \"tokens_per_s\": 1.7976931348623157e308}\n",
+        ),
+    ];
+    for (name, contents) in cases {
+        let log = scratch(name);
+        std::fs::write(&log, contents).expect("write log");
+        let svg = scratch(&format!("{name}.svg"));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+            .args(["plot", text(&log), "-o", text(&svg)])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("optimusc starts");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let status = status.unwrap_or_else(|| panic!("{name}: plot still running after 60 s"));
+        assert!(status.success(), "{name}: {status}");
+        assert!(std::fs::read_to_string(&svg).expect("SVG written").contains("</svg>"), "{name}");
+    }
+}
+
 #[test]
 fn plot_errors_name_the_problem_and_write_nothing() {
     let svg = scratch("never.svg");

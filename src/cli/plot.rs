@@ -168,6 +168,16 @@ fn step_range(metrics: &Metrics) -> Range<u64> {
     if last > first { first..last } else { first.saturating_sub(1)..first.saturating_add(1) }
 }
 
+/// The largest magnitude an axis bound may have, so that a range and its width stay finite: the ticks of
+/// an infinite range (a log with losses of 1e308 and -1e308) were never done being computed.
+const AXIS_LIMIT: f64 = f64::MAX / 4.0;
+
+/// `low..high` with both ends within [`AXIS_LIMIT`] and the end above the start.
+fn finite_range(low: f64, high: f64) -> Range<f64> {
+    let (low, high) = (low.clamp(-AXIS_LIMIT, AXIS_LIMIT), high.clamp(-AXIS_LIMIT, AXIS_LIMIT));
+    if high > low { low..high } else { low - 0.1 * low.abs().max(1.0)..low + 0.1 * low.abs().max(1.0) }
+}
+
 /// The losses' range, with a margin of 5% of it above and below (of the value, for a single one).
 fn loss_range(metrics: &Metrics) -> Range<f64> {
     let values = || metrics.loss.values().chain(metrics.val_loss.values()).copied();
@@ -176,14 +186,15 @@ fn loss_range(metrics: &Metrics) -> Range<f64> {
     if !low.is_finite() {
         return 0.0..1.0;
     }
-    let margin = if high > low { 0.05 * (high - low) } else { 0.05 * low.abs().max(1.0) };
-    low - margin..high + margin
+    // 5% of each end rather than of their difference, which overflows for bounds near f64::MAX.
+    let margin = if high > low { 0.05 * high - 0.05 * low } else { 0.05 * low.abs().max(1.0) };
+    finite_range(low - margin, high + margin)
 }
 
 /// 10% above the largest value (1 when there is none): throughput axes start at 0.
 fn top_of<'a>(values: impl Iterator<Item = &'a f64>) -> f64 {
     let high = values.copied().fold(0.0, f64::max);
-    if high > 0.0 { 1.1 * high } else { 1.0 }
+    if high > 0.0 { finite_range(0.0, 1.1 * high).end } else { 1.0 }
 }
 
 /// Decimals that tell apart labels about a tenth of `range` apart.
