@@ -109,10 +109,18 @@ fn a_non_finite_loss_stops_before_any_update_naming_the_step_and_tensor() {
 
 #[test]
 fn a_hung_device_thread_ends_the_process_within_the_timeout_and_names_it() {
+    // Device 2 in row-major order is (1, 0).
+    hung_device_is_named("2x2", 2, "device (1, 0) did not stop");
+    // On a data-parallel mesh (2 replicas of 2x2), device 6 is (1, 0) of replica 1.
+    hung_device_is_named("2x2x2", 6, "device (1, 0, replica 1) did not stop");
+}
+
+/// Device `rank` of `mesh` hangs at its second step: the process ends within the timeout, naming it.
+fn hung_device_is_named(mesh: &str, rank: u64, named: &str) {
     let start = Instant::now();
     let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
-        .args(["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "3", "--timeout", "2"])
-        .env("OPTIMUS_INJECT_FAULT", "hang:2:1")
+        .args(["run", "examples/tiny.opt", "--mesh", mesh, "--steps", "3", "--timeout", "2"])
+        .env("OPTIMUS_INJECT_FAULT", format!("hang:{rank}:1"))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -128,9 +136,8 @@ fn a_hung_device_thread_ends_the_process_within_the_timeout_and_names_it() {
     let out = child.wait_with_output().expect("output");
     let text = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
-    // Device 2 in row-major order is (1, 0).
-    assert!(text.contains("device (1, 0) did not stop"), "{text}");
+    assert!(start.elapsed() < Duration::from_secs(15), "{mesh}: took {:?}", start.elapsed());
+    assert!(text.contains(named), "{mesh}: {text}");
 }
 
 #[test]

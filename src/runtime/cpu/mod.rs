@@ -138,7 +138,7 @@ fn join_or_abandon<T>(
             if since.elapsed() >= STOP_GRACE {
                 let stuck: Vec<String> = (0..handles.len() as u64)
                     .filter(|&r| !handles[r as usize].is_finished())
-                    .map(|r| format!("({}, {})", r / mesh.cols, r % mesh.cols))
+                    .map(|r| mesh.coords_of(r).to_string())
                     .collect();
                 super::watchdog::abandon(format!(
                     "{failure}; device {} did not stop within {} s after that (hung), so the run was abandoned",
