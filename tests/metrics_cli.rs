@@ -48,6 +48,33 @@ fn tiny_run(extra: &[&str]) -> Output {
     out
 }
 
+/// `--log /dev/stdout` (and `-`) with standard output redirected to a file (`> file`, not appending): the
+/// records and the run's own lines all reach the file, none written over another (a log that opened the
+/// name again wrote at the end of the file while the run's own output overwrote it from the start).
+#[test]
+fn a_log_to_standard_output_adds_to_the_redirected_file() {
+    for name in ["/dev/stdout", "-"] {
+        let redirected = scratch("stdout.txt");
+        let file = std::fs::File::create(&redirected).expect("create");
+        let status = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+            .args(["run", "examples/tiny.opt", "--set", "vocab=333", "--steps", "4"])
+            .args(["--data", "examples/data/paragraph.u16", "--log", name])
+            .stdout(file)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("optimusc runs");
+        assert!(status.success(), "{name}");
+        let written = std::fs::read_to_string(&redirected).expect("read");
+        let records: Vec<_> = written.lines().filter(|l| l.starts_with('{')).collect();
+        assert_eq!(records.len(), 4, "{name}: one record a step: {written}");
+        assert!(records.iter().all(|r| serde_json::from_str::<serde_json::Value>(r).is_ok()), "{name}: {written}");
+        for step in 0..4 {
+            assert!(written.contains(&format!("step {step}: loss")), "{name}: the run's own lines are kept: {written}");
+        }
+        assert!(!Path::new("-").exists(), "no file named `-`");
+    }
+}
+
 #[test]
 fn log_appends_the_records_json_prints_and_a_second_run_continues_it() {
     let log = scratch("appended.jsonl");

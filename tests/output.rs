@@ -364,6 +364,22 @@ fn compile_to_dev_stdout_through_a_pipe_gives_only_the_plan() {
 }
 
 #[test]
+fn compile_to_dash_writes_the_plan_to_standard_output_and_no_file() {
+    let dir = scratch();
+    let output = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .arg("compile")
+        .arg(tiny())
+        .args(["--mesh", "2x2", "-o", "-"])
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .expect("optimusc runs");
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(is_plan_json(&output.stdout), "standard output must be exactly the plan");
+    assert!(!dir.path().join("-").exists(), "`-` is standard output, not a file");
+}
+
+#[test]
 fn compile_to_dev_stdout_redirected_to_a_file_fills_that_file() {
     let dir = scratch();
     let redirected = dir.path().join("stdout.json");

@@ -2,7 +2,9 @@
 //! `--json` prints), and reading them back as curves for `optimusc plot`.
 //!
 //! [`MetricsLog`] appends: it never truncates, so a resumed run continues the same file, and each
-//! record is written with one write and flushed. [`read_metrics`] reads a log into [`Metrics`]: a line
+//! record is written with one write and flushed. A log to standard output or error (`-`,
+//! `/dev/stdout`, `/dev/stderr`, ...) writes to the process's own stream rather than opening the name
+//! again, which would start at the beginning of a redirected file and overwrite what is there. [`read_metrics`] reads a log into [`Metrics`]: a line
 //! that is not a JSON object is an error naming its line number, records without a known field are
 //! skipped, and a step that appears again (a resumed run) takes its latest values.
 
@@ -16,6 +18,9 @@ use std::sync::{Mutex, PoisonError};
 /// behind: an existing file must open for appending, a new one must be creatable in its directory.
 pub fn check_appendable(path: &Path) -> Result<(), String> {
     super::output::check_writable(path)?;
+    if Sink::standard(path).is_some() {
+        return Ok(());
+    }
     if std::fs::metadata(path).is_ok() {
         OpenOptions::new()
             .append(true)
@@ -29,27 +34,62 @@ pub fn check_appendable(path: &Path) -> Result<(), String> {
 #[derive(Debug)]
 pub struct MetricsLog {
     path: PathBuf,
-    file: Mutex<File>,
+    sink: Mutex<Sink>,
+}
+
+/// Where a log's lines go: a file opened for appending, or one of the process's own streams.
+#[derive(Debug)]
+enum Sink {
+    File(File),
+    Stdout,
+    Stderr,
+}
+
+impl Sink {
+    /// The process's stream that `path` names, if it names one.
+    fn standard(path: &Path) -> Option<Sink> {
+        if super::output::is_standard_output(path) {
+            Some(Sink::Stdout)
+        } else if super::output::is_standard_error(path) {
+            Some(Sink::Stderr)
+        } else {
+            None
+        }
+    }
+
+    fn write_line(&mut self, line: &[u8]) -> std::io::Result<()> {
+        match self {
+            Sink::File(file) => file.write_all(line).and_then(|()| file.flush()),
+            Sink::Stdout => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(line).and_then(|()| out.flush())
+            }
+            Sink::Stderr => std::io::stderr().lock().write_all(line),
+        }
+    }
 }
 
 impl MetricsLog {
     /// Opens `path` for appending, creating it if it does not exist; its contents are kept.
     pub fn append_to(path: &Path) -> Result<MetricsLog, String> {
-        let file = OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(path)
-            .map_err(|e| format!("cannot open `{}` for appending: {e}", path.display()))?;
-        Ok(MetricsLog { path: path.to_path_buf(), file: Mutex::new(file) })
+        let sink = match Sink::standard(path) {
+            Some(stream) => stream,
+            None => Sink::File(
+                OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .open(path)
+                    .map_err(|e| format!("cannot open `{}` for appending: {e}", path.display()))?,
+            ),
+        };
+        Ok(MetricsLog { path: path.to_path_buf(), sink: Mutex::new(sink) })
     }
 
     /// Appends `record` as one line, in a single write, and flushes it.
     pub fn append(&self, record: &serde_json::Value) -> Result<(), String> {
         let line = format!("{record}\n");
-        let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
-        file.write_all(line.as_bytes())
-            .and_then(|()| file.flush())
-            .map_err(|e| format!("cannot append to `{}`: {e}", self.path.display()))
+        let mut sink = self.sink.lock().unwrap_or_else(PoisonError::into_inner);
+        sink.write_line(line.as_bytes()).map_err(|e| format!("cannot append to `{}`: {e}", self.path.display()))
     }
 }
 

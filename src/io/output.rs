@@ -10,8 +10,9 @@
 //! - a symbolic link (or a chain of them): the link stays, and the file it finally names is written as
 //!   above, with its temporary file in that file's own directory. A link to nothing is refused: we
 //!   never create a file at a place the user did not name.
-//! - standard output or error (`/dev/stdout`, `/dev/fd/1`, `/proc/self/fd/1`, ...): written to the
-//!   process's own stream, whatever it is (terminal, pipe or redirected file).
+//! - standard output or error (`-`, `/dev/stdout`, `/dev/fd/1`, `/proc/self/fd/1`, ...): written to the
+//!   process's own stream, whatever it is (terminal, pipe or redirected file), never reopened by name
+//!   (so a redirected file is appended to, not overwritten from its start).
 //! - any other existing file that is not a regular file (a device such as `/dev/full` or `/dev/null`,
 //!   a FIFO, a socket), and any path through `/dev/fd/` or `/proc/`: opened for writing in place,
 //!   never created, truncated or replaced. A FIFO waits for a reader, as `echo > fifo` does.
@@ -139,6 +140,11 @@ pub fn is_standard_output(path: &Path) -> bool {
     matches!(standard_stream(path), Some(Destination::Stdout))
 }
 
+/// Whether [`write_file`] sends `path` to standard error (`/dev/stderr` and its other names).
+pub fn is_standard_error(path: &Path) -> bool {
+    matches!(standard_stream(path), Some(Destination::Stderr))
+}
+
 /// Tells whether [`write_file`] could write `path`, without writing it or leaving anything behind:
 /// the directory must exist and take new files, a path must not be a directory or a link to nothing.
 pub fn check_writable(path: &Path) -> Result<(), String> {
@@ -219,11 +225,12 @@ fn destination(path: &Path) -> Result<Destination, OutputError> {
     Ok(Destination::InPlace(target))
 }
 
-/// The process's own output streams, by the names Linux gives them.
+/// The process's own output streams, by the names Linux gives them (and `-`, standard output by the
+/// usual convention, which `export -o -` and `calibrate -o -` document).
 fn standard_stream(path: &Path) -> Option<Destination> {
     let text = path.to_str()?;
     match text {
-        "/dev/stdout" | "/dev/fd/1" | "/proc/self/fd/1" => Some(Destination::Stdout),
+        "-" | "/dev/stdout" | "/dev/fd/1" | "/proc/self/fd/1" => Some(Destination::Stdout),
         "/dev/stderr" | "/dev/fd/2" | "/proc/self/fd/2" => Some(Destination::Stderr),
         _ => None,
     }
