@@ -202,3 +202,22 @@ fn dropout_draws_a_new_mask_every_step() {
         assert!(dropped.windows(2).all(|w| w[0] != w[1]), "{mesh:?}: each step's mask differs: {dropped:?}");
     }
 }
+
+/// A --checkpoint-dir that could never be written is a usage error before step 0 (it was found at the
+/// first checkpoint, after the steps before it had run), and nothing is created.
+#[test]
+fn a_checkpoint_dir_that_cannot_be_made_fails_before_step_0() {
+    let file = scratch("a-file");
+    std::fs::write(&file, b"x").expect("a regular file");
+    for dir in [file.join("checkpoints"), file.join("deeper").join("checkpoints"), file.clone()] {
+        let dir_text = dir.to_str().expect("utf-8 path");
+        let args =
+            ["run", "examples/tiny.opt", "--steps", "3", "--checkpoint-every", "2", "--checkpoint-dir", dir_text];
+        let out = optimusc(&args);
+        let text = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{dir_text}: {text}");
+        assert!(text.contains("--checkpoint-dir") && text.contains(dir_text), "{dir_text}: {text}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{dir_text}: no step ran");
+    }
+    assert_eq!(std::fs::read(&file).expect("the file is kept"), b"x");
+}

@@ -63,11 +63,8 @@ pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
         None => None,
     };
     let start_step = resume.as_ref().map_or(0, |c| c.step());
-    if let Some(dir) = &flags.checkpoint_dir
-        && dir.exists()
-        && !dir.is_dir()
-    {
-        return Err(Failure::usage(format!("--checkpoint-dir `{}` exists and is not a directory", dir.display())));
+    if let Some(dir) = &flags.checkpoint_dir {
+        check_checkpoint_dir(dir)?;
     }
     let checkpoints = flags.checkpoint_dir.as_ref().map(|dir| Checkpointing {
         dir: dir.clone(),
@@ -76,6 +73,26 @@ pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
         training: training.clone(),
     });
     Ok(Resumption { checkpoints, resume, start_step })
+}
+
+/// Whether checkpoints could be written under `dir`, told before step 0 rather than at the first
+/// checkpoint: it must be a directory that takes new files, or, when it does not exist yet, its nearest
+/// existing ancestor must be. Nothing is created or left behind.
+fn check_checkpoint_dir(dir: &std::path::Path) -> Result<(), Failure> {
+    let refuse = |why: String| Failure::usage(format!("--checkpoint-dir `{}` {why}", dir.display()));
+    if dir.exists() && !dir.is_dir() {
+        return Err(refuse("exists and is not a directory".into()));
+    }
+    let existing = dir.ancestors().find(|a| a.as_os_str().is_empty() || a.exists()).unwrap_or(dir);
+    let existing = if existing.as_os_str().is_empty() { std::path::Path::new(".") } else { existing };
+    if !existing.is_dir() {
+        return Err(refuse(format!("cannot be created: `{}` is not a directory", existing.display())));
+    }
+    let probe = tempfile::Builder::new().prefix(".optimus-checkpoint-probe").tempfile_in(existing);
+    probe.map(drop).map_err(|e| {
+        let what = if existing == dir { "cannot take new files".to_string() } else { "cannot be created".to_string() };
+        refuse(format!("{what}: `{}`: {e}", existing.display()))
+    })
 }
 
 /// What a checkpoint records about the run that wrote it (the runtime adds the step and the data
