@@ -80,6 +80,13 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// c[0] and c[1] (two 8-column tiles) += a times the B fragments b[0..1] and b[2..3] (as `frag_b_*` load
+// them for two adjacent tiles).
+__device__ __forceinline__ void mma_pair(float (*c)[4], const u32* a, const u32* b) {
+    mma16816(c[0], a, b[0], b[1]);
+    mma16816(c[1], a, b[2], b[3]);
+}
+
 // Two f32 rounded to nearest-even bf16 and packed, `lo` in the low half (the lower column).
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;
@@ -192,8 +199,7 @@ __device__ void flash_forward_t(const bf16* q, const bf16* k, const bf16* v, bf1
             for (int p = 0; p < 4; ++p) {
                 u32 bf[4];
                 frag_b_rows(sk_tile, LD, p * 16, kk * 16, bf);
-                mma16816(s[2 * p], qf[kk], bf[0], bf[1]);
-                mma16816(s[2 * p + 1], qf[kk], bf[2], bf[3]);
+                mma_pair(&s[2 * p], qf[kk], bf);
             }
         }
         __syncthreads();
@@ -237,8 +243,7 @@ __device__ void flash_forward_t(const bf16* q, const bf16* k, const bf16* v, bf1
             for (int p = 0; p < D / 16; ++p) {
                 u32 bf[4];
                 frag_b_cols(sv_tile, LD, kk * 16, p * 16, bf);
-                mma16816(acc[2 * p], a, bf[0], bf[1]);
-                mma16816(acc[2 * p + 1], a, bf[2], bf[3]);
+                mma_pair(&acc[2 * p], a, bf);
             }
         }
         __syncthreads();
@@ -340,11 +345,9 @@ __device__ void flash_backward_t(const bf16* q, const bf16* k, const bf16* v, co
                 for (int p = 0; p < 4; ++p) {
                     u32 bf[4];
                     frag_b_rows(sq_tile, LD, p * 16, kk * 16, bf);
-                    mma16816(s[2 * p], ak, bf[0], bf[1]);
-                    mma16816(s[2 * p + 1], ak, bf[2], bf[3]);
+                    mma_pair(&s[2 * p], ak, bf);
                     frag_b_rows(so_tile, LD, p * 16, kk * 16, bf);
-                    mma16816(dp[2 * p], av, bf[0], bf[1]);
-                    mma16816(dp[2 * p + 1], av, bf[2], bf[3]);
+                    mma_pair(&dp[2 * p], av, bf);
                 }
             }
             // P^T = exp2(S^T - lse) where the key is seen, dS^T = P^T (dP^T - D).
@@ -366,11 +369,9 @@ __device__ void flash_backward_t(const bf16* q, const bf16* k, const bf16* v, co
                 for (int p = 0; p < D / 16; ++p) {
                     u32 bf[4];
                     frag_b_cols(so_tile, LD, kk * 16, p * 16, bf);
-                    mma16816(acc_dv[2 * p], ap, bf[0], bf[1]);
-                    mma16816(acc_dv[2 * p + 1], ap, bf[2], bf[3]);
+                    mma_pair(&acc_dv[2 * p], ap, bf);
                     frag_b_cols(sq_tile, LD, kk * 16, p * 16, bf);
-                    mma16816(acc_dk[2 * p], ads, bf[0], bf[1]);
-                    mma16816(acc_dk[2 * p + 1], ads, bf[2], bf[3]);
+                    mma_pair(&acc_dk[2 * p], ads, bf);
                 }
             }
             // dS^T to shared memory, then dQ (16 queries of this warp) += dS K over the block's keys (the
@@ -391,8 +392,7 @@ __device__ void flash_backward_t(const bf16* q, const bf16* k, const bf16* v, co
                     for (int p = 0; p < D / 16; ++p) {
                         u32 bf[4];
                         frag_b_cols(sk_tile, LD, kk * 16, p * 16, bf);
-                        mma16816(acc_dq[2 * p], a, bf[0], bf[1]);
-                        mma16816(acc_dq[2 * p + 1], a, bf[2], bf[3]);
+                        mma_pair(&acc_dq[2 * p], a, bf);
                     }
                 }
                 for (int i = 0; i < 2; ++i) {

@@ -293,8 +293,7 @@ pub fn compile_cubin_for(sm: u32) -> Result<Vec<u8>, String> {
 /// The real architecture (`sm_90` is 90) of a GPU of compute capability `major.minor`, where
 /// [`arch_of`] knows it.
 fn real_arch(major: i32, minor: i32) -> Option<u32> {
-    let arch = arch_of(major, minor).strip_prefix("compute_")?;
-    (arch_of(major, minor) != PORTABLE_ARCH).then(|| arch.parse().ok()).flatten()
+    (arch_of(major, minor) != PORTABLE_ARCH).then(|| (major * 10 + minor).try_into().ok()).flatten()
 }
 
 // ---- device tensors -------------------------------------------------------------------------------

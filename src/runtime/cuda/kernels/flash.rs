@@ -177,6 +177,16 @@ struct GradTargets {
 /// A null device pointer, for the kernels' optional operands.
 const NULL: u64 = 0;
 
+/// Where the forward kernel writes (device pointers, [`NULL`] for what it does not): the output `out`
+/// for the attention itself, or, given `dout`, each row's log-sum-exp `lse` and D = rowsum(dO * O)
+/// `delta` for the backward pass.
+struct ForwardTargets {
+    out: u64,
+    lse: u64,
+    delta: u64,
+    dout: u64,
+}
+
 impl Device {
     /// Whether this attention runs on the flash kernels (and their geometry).
     fn flash_geometry(&self, qkv: &Qkv<u16>, causal: bool) -> Option<Geometry> {
@@ -198,8 +208,14 @@ impl Device {
     }
 
     fn flash_forward(&self, qkv: &Qkv<u16>, g: Geometry, y: &mut CudaSlice<u16>) -> Result<(), String> {
+        let (out, _record) = y.device_ptr_mut(&self.stream);
+        self.launch_forward(qkv, &g, ForwardTargets { out, lse: NULL, delta: NULL, dout: NULL })
+    }
+
+    /// The forward kernel into `targets` (the output, or each row's log-sum-exp and D).
+    fn launch_forward(&self, qkv: &Qkv<u16>, g: &Geometry, targets: ForwardTargets) -> Result<(), String> {
         let [q, k, v] = qkv.data;
-        let (none, no_stats) = (NULL, NULL);
+        let ForwardTargets { out, lse, delta, dout } = targets;
         launch!(
             self,
             g.forward_kernel(),
@@ -208,10 +224,10 @@ impl Device {
                 q,
                 k,
                 v,
-                y,
-                &no_stats,
-                &no_stats,
-                &none,
+                &out,
+                &lse,
+                &delta,
+                &dout,
                 &g.q_row,
                 &g.q_part,
                 &g.kv_row,
@@ -254,34 +270,13 @@ impl Device {
         let want = |operand: u8| a.fused || a.wrt == operand;
         let lse = grow(&mut scratch.lse, &self.stream, g.rows())?;
         let delta = grow(&mut scratch.delta, &self.stream, g.rows())?;
+        {
+            let (lse, _lse_record) = lse.device_ptr_mut(&self.stream);
+            let (delta, _delta_record) = delta.device_ptr_mut(&self.stream);
+            let (dout, _dout_record) = dy.device_ptr(&self.stream);
+            self.launch_forward(qkv, &g, ForwardTargets { out: NULL, lse, delta, dout })?;
+        }
         let [q, k, v] = qkv.data;
-        let none = NULL;
-        launch!(
-            self,
-            g.forward_kernel(),
-            Some(g.forward_config()),
-            [
-                q,
-                k,
-                v,
-                &none,
-                &mut *lse,
-                &mut *delta,
-                dy,
-                &g.q_row,
-                &g.q_part,
-                &g.kv_row,
-                &g.k_part,
-                &g.v_part,
-                &g.o_row,
-                &g.sq,
-                &g.sk,
-                &g.heads,
-                &g.group,
-                &g.causal,
-                &g.scale_log2
-            ]
-        )?;
         let dq_len = g.rows() * g.d;
         let mut dq = None;
         if want(0) {
