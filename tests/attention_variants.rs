@@ -4,13 +4,12 @@
 //! against finite differences, and tiny Llama-like models whose sharded plans `optimusc verify` checks
 //! against one device on every strategy.
 
-use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, Coords, Kernel, Mesh, Role};
-use optimus::runtime::cpu::kernels as cpu;
-use optimus::runtime::settings::KernelContext;
+use optimus::plan::{Kernel, Mesh};
 use optimus::runtime::tensor::Tensor;
-use optimus::shard::layout::Layout;
 use std::process::Command;
+
+mod cpu_kernel;
+use cpu_kernel::eval;
 
 type R = Result<(), String>;
 
@@ -31,24 +30,6 @@ impl Rng {
 
 fn vals(t: &Tensor) -> Vec<f32> {
     t.f32().expect("f32 tensor").to_vec()
-}
-
-/// Runs one CPU kernel into a fresh output of `shape`.
-fn eval(kernel: &Kernel, inputs: &[&Tensor], shape: &[u64]) -> Result<Tensor, String> {
-    let meta = Buffer {
-        id: BufferId(0),
-        name: "out".into(),
-        dtype: DType::F32,
-        logical_shape: shape.to_vec(),
-        layout: Layout::REPLICATED,
-        shape: shape.to_vec(),
-        role: Role::Workspace,
-    };
-    let ctx =
-        KernelContext { coords: Coords::new(0, 0, 0), mesh: Mesh::new(1, 1), seed: 1, inputs: &[], output: &meta };
-    let mut out = Tensor::zeros(DType::F32, shape);
-    cpu::run(kernel, inputs, &mut out, &ctx)?;
-    Ok(out)
 }
 
 /// Every |got - want| within `tol` (absolute).

@@ -5,12 +5,11 @@
 //! D = rowsum(dO * O). It runs everywhere (no GPU) and pins down the algorithm the kernels implement; the
 //! kernels themselves are checked against the CPU backend on a GPU by tests/cuda_kernels.rs.
 
-use optimus::ir::DType;
-use optimus::plan::{Buffer, BufferId, Coords, Kernel, Mesh, Role};
-use optimus::runtime::cpu::kernels as cpu;
-use optimus::runtime::settings::KernelContext;
+use optimus::plan::Kernel;
 use optimus::runtime::tensor::Tensor;
-use optimus::shard::layout::Layout;
+
+mod cpu_kernel;
+use cpu_kernel::eval;
 
 /// Query rows of a forward block and keys of a backward block, as in flash.cu.
 const BLOCK: usize = 64;
@@ -192,20 +191,7 @@ fn uniforms(seed: u64, n: usize) -> Vec<f32> {
 }
 
 fn cpu_kernel(kernel: Kernel, inputs: &[&Tensor], shape: &[u64]) -> Result<Vec<f32>, String> {
-    let meta = Buffer {
-        id: BufferId(0),
-        name: "out".into(),
-        dtype: DType::F32,
-        logical_shape: shape.to_vec(),
-        layout: Layout::REPLICATED,
-        shape: shape.to_vec(),
-        role: Role::Workspace,
-    };
-    let ctx =
-        KernelContext { coords: Coords::new(0, 0, 0), mesh: Mesh::new(1, 1), seed: 0, inputs: &[], output: &meta };
-    let mut out = Tensor::zeros(DType::F32, shape);
-    cpu::run(&kernel, inputs, &mut out, &ctx)?;
-    Ok(out.f32()?.to_vec())
+    Ok(eval(&kernel, inputs, shape)?.f32()?.to_vec())
 }
 
 fn close(name: &str, model: &[f64], reference: &[f32]) -> Result<(), String> {

@@ -5,18 +5,16 @@
 //! verifies on every strategy.
 
 use optimus::check::check_source;
-use optimus::ir::DType;
-use optimus::plan::{
-    Buffer, BufferId, Coords, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Role, Strategy,
-};
-use optimus::runtime::cpu::kernels as cpu;
+use optimus::plan::{Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Strategy};
 use optimus::runtime::exec::RunConfig;
-use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
+use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
 use optimus::runtime::tensor::Tensor;
-use optimus::shard::layout::Layout;
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::process::Command;
+
+mod cpu_kernel;
+use cpu_kernel::eval;
 
 type R = Result<(), String>;
 
@@ -44,23 +42,6 @@ impl Rng {
 
 fn vals(t: &Tensor) -> Vec<f32> {
     t.f32().map(<[f32]>::to_vec).unwrap_or_default()
-}
-
-/// Runs one kernel on a single device into a fresh f32 output of `shape`.
-fn eval(kernel: &Kernel, inputs: &[&Tensor], shape: &[u64]) -> Result<Tensor, String> {
-    let out = Buffer {
-        id: BufferId(0),
-        name: "out".into(),
-        dtype: DType::F32,
-        logical_shape: shape.to_vec(),
-        layout: Layout::REPLICATED,
-        shape: shape.to_vec(),
-        role: Role::Workspace,
-    };
-    let mut t = Tensor::zeros(DType::F32, shape);
-    let ctx = KernelContext { coords: Coords::new(0, 0, 0), mesh: Mesh::new(1, 1), seed: 1, inputs: &[], output: &out };
-    cpu::run(kernel, inputs, &mut t, &ctx)?;
-    Ok(t)
 }
 
 /// Every |got - want| <= tol * max(1, |want|).
