@@ -293,3 +293,42 @@ fn accumulating_micro_batches_equals_one_batch_of_all_their_sequences() {
         assert!(diff <= 1e-5 * scale, "{name}: weights differ by {diff} (scale {scale})");
     }
 }
+
+/// `OPTIMUS_TRACE_STARTUP=1` prints each start-up stage with its time since the process started, in
+/// order; without it nothing of the kind is printed.
+#[test]
+fn the_startup_trace_names_each_stage_only_when_asked() {
+    let args = ["run", "examples/tiny.opt", "--steps", "1"];
+    let traced = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(args)
+        .env("OPTIMUS_TRACE_STARTUP", "1")
+        .output()
+        .expect("runs");
+    assert!(traced.status.success(), "{}", String::from_utf8_lossy(&traced.stderr));
+    let text = String::from_utf8_lossy(&traced.stderr);
+    let stages = [
+        "process started",
+        "plan ready and data opened",
+        "initial weights drawn",
+        "backend open",
+        "parameters written",
+    ];
+    let mut last = (0, 0.0f64);
+    for stage in stages {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("startup: {stage} at ")))
+            .unwrap_or_else(|| panic!("no `{stage}`: {text}"));
+        let position = text.find(line).unwrap_or_default();
+        let seconds: f64 =
+            line.rsplit(" at ").next().and_then(|t| t.trim_end_matches(" s").parse().ok()).expect("seconds");
+        assert!(position >= last.0 && seconds >= last.1, "`{stage}` out of order: {text}");
+        last = (position, seconds);
+    }
+    let plain = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(args)
+        .env_remove("OPTIMUS_TRACE_STARTUP")
+        .output()
+        .expect("runs");
+    assert!(!String::from_utf8_lossy(&plain.stderr).contains("startup:"), "no trace unless asked");
+}
