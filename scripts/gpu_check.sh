@@ -7,37 +7,8 @@
 # results to commit under bench/results/), profile.txt. Prints a summary last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BIN="${BIN:-.gpu}"
-OUT="${OUT:-/tmp/optimus-gpu-check}"
-mkdir -p "$OUT"
-status=0
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-
-# The run tests call optimusc at the path cargo gave it when they were built.
-built_at=$(cat "$BIN/optimusc_path")
-if [ ! -x "$built_at" ]; then
-    mkdir -p "$(dirname "$built_at")" && ln -sf "$PWD/$BIN/optimusc" "$built_at"
-fi
-
-# The test binaries load NVRTC and cuBLAS as cudarc finds them: put the CUDA wheels' libraries of the
-# machine's Python (PyTorch's) on the library path, as optimusc's own library discovery does.
-wheels=$(python3 -c 'import glob, os, sys
-print(":".join(sorted({os.path.dirname(p) for sp in sys.path if os.path.isdir(sp)
-                        for p in glob.glob(os.path.join(sp, "nvidia", "*", "lib", "lib*.so*"))})))' 2>/dev/null)
-export LD_LIBRARY_PATH="${wheels}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export OPTIMUS_REQUIRE_CUDA=1 OPTIMUS_REQUIRE_FLASH=1 OPTIMUS_REQUIRE_NVRTC=1
-summary=()
-run_step() {  # name, timeout (s), command...; SKIP="name ..." leaves steps out
-    local name=$1 limit=$2
-    shift 2
-    case " ${SKIP:-} " in *" $name "*) summary+=("$name: skipped"); return 0 ;; esac
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    [ $rc -eq 0 ] || status=1
-    summary+=("$name: rc $rc in $((SECONDS - start)) s")
-    tail -n "${TAIL_LINES:-8}" "$OUT/$name.log"
-}
 
 run_step cuda_kernels 150 "$BIN/cuda_kernels" --test-threads=1
 run_step cuda_run 240 "$BIN/cuda_run" --test-threads=2

@@ -10,7 +10,7 @@ tests=$(cargo test --release --locked --features cuda --no-run --message-format=
     | python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_kernels", "cuda_run"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_kernels", "cuda_run", "cuda_collectives"):
         print(m["executable"])')
 rm -rf .gpu && mkdir -p .gpu
 cp target/release/optimusc .gpu/

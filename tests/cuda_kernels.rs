@@ -13,8 +13,8 @@ use optimus::plan::{Buffer, BufferId, Coords, IGNORE_INDEX, Kernel, Mesh, Offset
 use optimus::runtime::bf16;
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::cuda::kernels::{
-    BF16_KERNEL_NAMES, CudaKernels, DeviceTensor, FLASH_KERNEL_NAMES, KERNEL_NAMES, SOURCE, bf16_launcher, compile_ptx,
-    launcher,
+    BF16_KERNEL_NAMES, COLLECTIVE_KERNEL_NAMES, CudaKernels, DeviceTensor, FLASH_KERNEL_NAMES, KERNEL_NAMES, SOURCE,
+    bf16_launcher, compile_ptx, launcher,
 };
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use optimus::runtime::tensor::{Data, Tensor};
@@ -50,10 +50,11 @@ fn every_kernel_compiles_to_ptx() -> R {
         return Ok(());
     }
     let ptx = compile_ptx()?.to_src();
-    for name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES) {
+    for name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES).chain(COLLECTIVE_KERNEL_NAMES) {
         assert!(ptx.contains(&format!(".entry {name}(")), "the PTX has no entry `{name}`");
     }
-    let listed = KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len() + FLASH_KERNEL_NAMES.len();
+    let listed =
+        KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len() + FLASH_KERNEL_NAMES.len() + COLLECTIVE_KERNEL_NAMES.len();
     assert_eq!(ptx.matches(".entry ").count(), listed, "the PTX has entries the name lists do not list");
     println!("{listed} kernels ({} on bf16 storage) compiled to {} bytes of PTX", BF16_KERNEL_NAMES.len(), ptx.len());
     Ok(())
@@ -76,7 +77,8 @@ fn every_kernel_assembles_for_ampere_and_hopper() -> R {
         };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| format!("{arch}: {e:?}"))?;
         let entries = ptx.to_src().matches(".entry ").count();
-        let listed = KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len() + FLASH_KERNEL_NAMES.len();
+        let listed =
+            KERNEL_NAMES.len() + BF16_KERNEL_NAMES.len() + FLASH_KERNEL_NAMES.len() + COLLECTIVE_KERNEL_NAMES.len();
         assert_eq!(entries, listed, "{arch}: entries");
         let mma = ptx.to_src().matches("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32").count();
         assert!(mma > 0, "{arch}: the flash attention has no bf16 tensor-core products");

@@ -2,7 +2,7 @@
 //! backend (in `cpu/`) is the reference; a GPU backend implements the same trait with device kernels.
 
 use super::arena::ArenaLayout;
-use super::comm::CommError;
+use super::comm::{CollectiveSpec, CommError};
 pub use super::cpu::CpuBackend;
 use super::error::RuntimeError;
 use super::settings::{KernelContext, OptimizerSettings};
@@ -26,6 +26,11 @@ pub type Exchange<'e> = dyn FnMut(&[f32], &mut [f32]) -> Result<(), CommError> +
 pub trait Exchanges {
     fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError>;
     fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), CommError>;
+    /// The collective itself, for a backend that runs it on its own buffers (device pointers) with a
+    /// communicator of its own instead of lending host blocks; `None` where only host blocks will do.
+    fn spec(&self) -> Option<CollectiveSpec<'_>> {
+        None
+    }
 }
 
 /// Runs the local computations of one device on storage it owns.
@@ -104,6 +109,30 @@ pub trait Backend: Send {
     ) -> Result<(), RuntimeError> {
         self.collective(storage, send, recv, elementwise, &mut |s, r| exchange.f32(s, r))
     }
+}
+
+/// A device of a run: its index among the devices of this process (what picks its GPU), and how a GPU
+/// device exchanges the plan's collectives (the CPU backend always lends host blocks to the run's
+/// communicator).
+#[derive(Clone, Default)]
+pub struct DeviceSlot {
+    pub index: u64,
+    pub link: GpuLink,
+}
+
+/// How a GPU device runs the plan's collectives.
+#[derive(Clone, Default)]
+pub enum GpuLink {
+    /// Host blocks through the run's communicator (one device; devices spread over GPUs that share no
+    /// communicator; a CPU run).
+    #[default]
+    Host,
+    /// On device pointers, with the other devices of the run on the same GPU.
+    #[cfg(feature = "cuda")]
+    SharedGpu(std::sync::Arc<super::cuda::fabric::SharedGpu>),
+    /// NCCL on device pointers, one GPU per device; the ids of the device's groups.
+    #[cfg(feature = "cuda")]
+    Nccl(Box<super::cuda::nccl::GroupIds>),
 }
 
 /// Which backend a run's devices use.

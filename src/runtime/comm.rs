@@ -13,6 +13,20 @@ impl std::fmt::Display for CommError {
     }
 }
 
+/// What one collective of the plan does, for a communicator that works on a backend's own buffers
+/// (device pointers) rather than on host slices.
+#[derive(Clone, Copy, Debug)]
+pub struct CollectiveSpec<'a> {
+    pub kind: CollectiveKind,
+    pub group: Group,
+    pub root: Option<u64>,
+    pub op: ReduceOp,
+    /// How an all-gather or reduce-scatter splits the gathered tensor.
+    pub shard: Option<Placement>,
+    /// The gathered (or whole) tensor's shape.
+    pub full: &'a [u64],
+}
+
 /// One device's view of the mesh's communication. Collectives are issued in the same order by every
 /// member of a group (the plan verifier guarantees it); `send` and `recv` are local blocks.
 pub trait Communicator {
@@ -118,29 +132,59 @@ pub fn reduce_into<T: Payload>(parts: &[&[T]], at: usize, out: &mut [T], op: Red
     }
 }
 
-/// Element ranges of member `m`'s block within a gathered buffer: the gathered dimension `dim` of `full`
-/// is viewed as [outer, mid, inner] and `mid` is split over `parts` members.
+/// Where each member's block lies in a gathered tensor: the gathered dimension `dim` of `full` is viewed
+/// as [outer, mid, inner] and `mid` is split over the members, so a block is `before * outer` runs of
+/// `run` contiguous elements, run (b, o) of member m starting at `b stride_b + o stride_o + m
+/// member_stride`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockGeometry {
+    pub before: u64,
+    pub outer: u64,
+    pub run: u64,
+    pub stride_b: u64,
+    pub stride_o: u64,
+    pub member_stride: u64,
+}
+
+impl BlockGeometry {
+    /// The geometry of `parts` blocks of a tensor of shape `full` split as `shard` says (`None` for a
+    /// placement that is not a split).
+    pub fn of(full: &[u64], shard: Placement, parts: u64) -> Option<BlockGeometry> {
+        let Placement::Shard { dim, outer, inner } = shard else { return None };
+        let dim = dim as usize;
+        let size = full.get(dim).copied().unwrap_or(1);
+        let (outer, inner) = (outer.max(1), inner.max(1));
+        let mid = size / outer / inner;
+        let chunk = mid / parts.max(1);
+        let before: u64 = full.iter().take(dim).product();
+        let after: u64 = full.iter().skip(dim + 1).product();
+        Some(BlockGeometry {
+            before,
+            outer,
+            run: chunk * inner * after,
+            stride_b: size * after,
+            stride_o: mid * inner * after,
+            member_stride: chunk * inner * after,
+        })
+    }
+
+    /// Elements of one member's block.
+    pub fn block_len(&self) -> u64 {
+        self.before * self.outer * self.run
+    }
+}
+
+/// Element ranges of member `m`'s block within a gathered buffer (see [`BlockGeometry`]).
 /// Returns (offset in the full buffer, offset in the block, length) runs.
 pub fn block_runs(full: &[u64], shard: Placement, parts: u64, member: u64) -> Vec<(usize, usize, usize)> {
-    let Placement::Shard { dim, outer, inner } = shard else { return Vec::new() };
-    let dim = dim as usize;
-    let size = full.get(dim).copied().unwrap_or(1);
-    let (outer, inner) = (outer.max(1), inner.max(1));
-    let mid = size / outer / inner;
-    let chunk = mid / parts.max(1);
-    let before: u64 = full[..dim].iter().product();
-    let after: u64 = full[dim + 1..].iter().product();
-    let run = (chunk * inner * after) as usize;
-    let mut runs = Vec::new();
-    let mut block_offset = 0usize;
-    for b in 0..before {
-        for o in 0..outer {
-            let start = ((b * size + o * mid * inner + member * chunk * inner) * after) as usize;
-            runs.push((start, block_offset, run));
-            block_offset += run;
-        }
-    }
-    runs
+    let Some(g) = BlockGeometry::of(full, shard, parts) else { return Vec::new() };
+    let runs = (0..g.before).flat_map(|b| (0..g.outer).map(move |o| (b, o)));
+    runs.enumerate()
+        .map(|(t, (b, o))| {
+            let start = b * g.stride_b + o * g.stride_o + member * g.member_stride;
+            (start as usize, t * g.run as usize, g.run as usize)
+        })
+        .collect()
 }
 
 /// Scatters the member-major blocks of an all-gather (`blocks` = member 0's block, member 1's, ...)

@@ -636,6 +636,19 @@ impl<C: Communicator> super::backend::Exchanges for PlanCollective<'_, C> {
         let (c, op) = (self.c, self.c.op.unwrap_or(ReduceOp::Sum));
         self.comm.collective_bf16(c.kind, c.group, c.root, op, c.shard, self.full, send, recv)
     }
+
+    fn spec(&self) -> Option<super::comm::CollectiveSpec<'_>> {
+        let c = self.c;
+        let op = c.op.unwrap_or(ReduceOp::Sum);
+        Some(super::comm::CollectiveSpec {
+            kind: c.kind,
+            group: c.group,
+            root: c.root,
+            op,
+            shard: c.shard,
+            full: self.full,
+        })
+    }
 }
 
 impl<B: Backend, C: Communicator> Device<'_, B, C> {
@@ -792,7 +805,7 @@ fn describe_culprit(plan: &Plan, negated: f32) -> String {
 pub fn run_device<C: Communicator>(
     plan: &Plan,
     comm: C,
-    slot: u64,
+    slot: super::backend::DeviceSlot,
     config: &RunConfig,
     batches: &Batches<'_>,
     initial: &BTreeMap<String, Tensor>,
@@ -804,7 +817,10 @@ pub fn run_device<C: Communicator>(
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let gpus = super::cuda::probe()? as u64;
-            run.on(super::cuda::CudaBackend::new((slot % gpus) as usize)?, comm)
+            let (mesh, coords) = (plan.mesh, comm.coords());
+            let backend =
+                super::cuda::CudaBackend::new((slot.index % gpus) as usize, slot.link, (mesh, coords), config.timeout)?;
+            run.on(backend, comm)
         }
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda => {

@@ -138,13 +138,15 @@ impl MpiJob {
         install_panic_hook(format!("rank {} (device {coords})", self.rank));
         super::cpu::return_freed_memory_promptly();
         let comm = MpiComm::new(&self.world, plan.mesh, coords, config.timeout, self.rank)?;
-        let outcome = match config.backend {
+        let link = match config.backend {
             #[cfg(feature = "cuda")]
-            crate::runtime::backend::BackendKind::Cuda => self
-                .nccl(&comm, config.timeout)
-                .and_then(|nccl| exec::run_device(plan, nccl, self.local_rank, config, batches, initial, on_step)),
-            _ => exec::run_device(plan, &comm, self.local_rank, config, batches, initial, on_step),
+            crate::runtime::backend::BackendKind::Cuda => {
+                crate::runtime::backend::GpuLink::Nccl(Box::new(self.nccl_ids(&comm)))
+            }
+            _ => crate::runtime::backend::GpuLink::Host,
         };
+        let slot = crate::runtime::backend::DeviceSlot { index: self.local_rank, link };
+        let outcome = exec::run_device(plan, &comm, slot, config, batches, initial, on_step);
         let (records, blocks, profile) = match outcome {
             Ok(r) => r,
             Err(e) => self.abort(&format!("device {coords} failed: {e}")),
@@ -179,11 +181,11 @@ impl MpiJob {
 
 #[cfg(feature = "cuda")]
 impl MpiJob {
-    /// This rank's NCCL endpoint on GPU (rank on its node) modulo the GPUs visible; each group's first
-    /// member makes the group's NCCL id and broadcasts it over the group's MPI communicator.
-    fn nccl(&self, comm: &MpiComm, timeout: Duration) -> Result<crate::runtime::cuda::nccl::NcclComm, String> {
-        use crate::runtime::cuda::nccl::{GroupIds, IdBytes, NcclComm, new_id};
-        let gpus = crate::runtime::cuda::probe()? as u64;
+    /// The NCCL ids of this rank's groups: each group's first member makes the group's id and
+    /// broadcasts it over the group's MPI communicator. The backend joins them on its GPU (rank on its
+    /// node, modulo the GPUs visible).
+    fn nccl_ids(&self, comm: &MpiComm) -> crate::runtime::cuda::nccl::GroupIds {
+        use crate::runtime::cuda::nccl::{GroupIds, IdBytes, new_id};
         let share = |group: &SimpleCommunicator| -> IdBytes {
             let mut id: IdBytes = [0; 128];
             if group.rank() == 0 {
@@ -192,13 +194,12 @@ impl MpiJob {
             group.process_at_rank(0).broadcast_into(&mut id[..]);
             id
         };
-        let ids = GroupIds {
+        GroupIds {
             row: share(&comm.axes[COLUMN_AXIS]),
             column: share(&comm.axes[ROW_AXIS]),
             data: share(&comm.axes[DATA_AXIS]),
             world: share(&comm.mesh_world),
-        };
-        NcclComm::new((self.local_rank % gpus) as usize, comm.mesh, comm.coords, ids, timeout)
+        }
     }
 }
 

@@ -10,7 +10,7 @@ pub mod vmath;
 use super::arena::{ArenaLayout, HostArena};
 #[cfg(feature = "cuda")]
 use super::backend::BackendKind;
-use super::backend::{Backend, Exchange, Exchanges, UpdateBuffers};
+use super::backend::{Backend, DeviceSlot, Exchange, Exchanges, GpuLink, UpdateBuffers};
 use super::comm::Communicator;
 use super::error::{RuntimeError, unreachable};
 pub use super::exec::{Batches, DeviceBlocks, DeviceResult, RunConfig, RunOutput, StepRecord, assemble, run_device};
@@ -63,27 +63,17 @@ pub fn run(
     return_freed_memory_promptly();
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();
-    #[cfg(feature = "cuda")]
-    let nccl = match config.backend {
-        BackendKind::Cuda if uses_nccl(plan.mesh)? => Some(super::cuda::nccl::ids_for_threads(plan.mesh)?),
-        _ => None,
-    };
+    let links = gpu_links(plan.mesh, config, &fabric)?;
     let results: Vec<Result<DeviceResult, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {
                 let fabric = std::sync::Arc::clone(&fabric);
-                #[cfg(feature = "cuda")]
-                let nccl = nccl.as_deref();
+                let slot = DeviceSlot { index: rank, link: links.get(rank as usize).cloned().unwrap_or_default() };
                 scope.spawn(move || {
                     let coords = plan.mesh.coords_of(rank);
                     let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), coords);
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        #[cfg(feature = "cuda")]
-                        if let Some(ids) = nccl {
-                            let comm = super::cuda::nccl::NcclComm::for_thread(ids, rank, plan.mesh, config.timeout)?;
-                            return run_device(plan, comm, rank, config, batches, initial, on_step);
-                        }
-                        run_device(plan, comm, rank, config, batches, initial, on_step)
+                        run_device(plan, comm, slot, config, batches, initial, on_step)
                     }));
                     let result = match outcome {
                         Ok(r) => r,
@@ -112,12 +102,33 @@ pub fn run(
     Ok(RunOutput { profiles, ..assemble(plan, per_device)? })
 }
 
-/// Whether a CUDA run of `mesh` on threads talks through NCCL: when each of several devices has a GPU of
-/// its own. One device needs no communicator, and devices that share GPUs (a 2x2 plan on one GPU)
-/// exchange host-staged blocks through the thread fabric.
-#[cfg(feature = "cuda")]
-fn uses_nccl(mesh: crate::plan::Mesh) -> Result<bool, String> {
-    Ok(mesh.devices() > 1 && mesh.devices() <= super::cuda::probe()? as u64)
+/// How each device of a run on threads exchanges its collectives: a CPU run, or a single device, through
+/// the thread fabric; a CUDA mesh with a GPU for every device through NCCL; a CUDA mesh on one GPU on
+/// device pointers between the devices' streams ([`super::cuda::fabric`]); a CUDA mesh spread over
+/// fewer GPUs than devices (but more than one) through the thread fabric, host-staged.
+fn gpu_links(
+    mesh: crate::plan::Mesh,
+    config: &RunConfig,
+    fabric: &std::sync::Arc<Fabric>,
+) -> Result<Vec<GpuLink>, String> {
+    let devices = mesh.devices() as usize;
+    #[cfg(feature = "cuda")]
+    if config.backend == BackendKind::Cuda && devices > 1 {
+        let gpus = super::cuda::probe()?;
+        if devices <= gpus {
+            let ids = super::cuda::nccl::ids_for_threads(mesh)?;
+            return Ok(ids.into_iter().map(|ids| GpuLink::Nccl(Box::new(ids))).collect());
+        }
+        if gpus == 1 && std::env::var("OPTIMUS_CUDA_COLLECTIVES").is_ok_and(|v| v == "host") {
+            return Ok(vec![GpuLink::Host; devices]);
+        }
+        if gpus == 1 {
+            let gpu = super::cuda::fabric::SharedGpu::new(std::sync::Arc::clone(fabric));
+            return Ok(vec![GpuLink::SharedGpu(gpu); devices]);
+        }
+    }
+    let _ = (config, fabric);
+    Ok(vec![GpuLink::Host; devices])
 }
 
 /// How long device threads may take to stop once the run has failed before the run is given up.

@@ -33,18 +33,19 @@ struct Block {
 unsafe impl Send for Block {}
 
 impl Block {
-    fn of<T: Payload>(data: &[T]) -> Block {
-        Block { ptr: data.as_ptr().cast(), len: data.len(), bytes_per_element: T::BYTES }
+    fn of<T: Copy>(data: &[T]) -> Block {
+        Block { ptr: data.as_ptr().cast(), len: data.len(), bytes_per_element: size_of::<T>() }
     }
 
     /// The block as a slice of `T`, or `None` when its owner deposited another element type.
     ///
     /// # Safety
     /// Only while its owner is inside the round that published it (see [`Block`]).
-    unsafe fn slice<'a, T: Payload>(self) -> Option<&'a [T]> {
-        // SAFETY: the caller guarantees the owner's borrow is alive and unmodified; the owner
-        // deposited a `&[T]` of `len` elements (same element size, and `Payload` is only f32 or u16).
-        (self.bytes_per_element == T::BYTES && size_of::<T>() == T::BYTES)
+    unsafe fn slice<'a, T: Copy>(self) -> Option<&'a [T]> {
+        // SAFETY: the caller guarantees the owner's borrow is alive and unmodified; every member of a
+        // round deposits the same element type (a `Payload`, or one descriptor type of `meet`), so the
+        // same size means the same type.
+        (self.bytes_per_element == size_of::<T>())
             .then(|| unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.len) })
     }
 }
@@ -112,7 +113,7 @@ impl Fabric {
     }
 
     /// Bytes of the send blocks deposited by every member of every collective so far: 4 an element
-    /// for f32 buffers, 2 for bf16.
+    /// for f32 buffers, 2 for bf16 (and the descriptors shared by [`Fabric::meet`]).
     pub fn bytes_deposited(&self) -> u64 {
         self.deposited.load(Ordering::Relaxed)
     }
@@ -147,7 +148,7 @@ impl Fabric {
     /// with all blocks in member order. Returns once every member has finished its `read`, so `data`
     /// is never read after this returns. `device_of` names a member's device, for the error when some
     /// never arrive.
-    fn exchange<T: Payload, R>(
+    fn exchange<T: Copy, R>(
         &self,
         r: &Rendezvous,
         (me, size): (usize, usize),
@@ -162,7 +163,7 @@ impl Fabric {
         }
         let generation = s.generation;
         s.deposits[me] = Some(Block::of(data));
-        self.deposited.fetch_add((data.len() * T::BYTES) as u64, Ordering::Relaxed);
+        self.deposited.fetch_add(std::mem::size_of_val(data) as u64, Ordering::Relaxed);
         s.arrived += 1;
         if s.arrived == size {
             s.published = s.deposits.iter_mut().filter_map(Option::take).collect();
@@ -203,6 +204,40 @@ impl Fabric {
             s = r.ready.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
         result.ok_or_else(|| CommError("the members of a collective sent different element types".into()))
+    }
+
+    /// Shares one descriptor per member of this device's `group` (where a GPU buffer is, which event
+    /// marks it ready): waits for every member's, hands them to `read` in member order, and returns once
+    /// every member has read them. Rounds of `meet` and of the host collectives of [`ThreadComm`] share
+    /// the group's meeting point, so both must be issued in the same order by every member, as the plan's
+    /// instructions are.
+    pub fn meet<D: Copy, R>(
+        &self,
+        group: Group,
+        coords: Coords,
+        mine: &D,
+        read: impl FnOnce(&[&[D]]) -> R,
+    ) -> Result<R, CommError> {
+        let mesh = self.mesh;
+        let size = mesh.group_size(group) as usize;
+        let me = group.member_index(coords, mesh) as usize;
+        let members = group.member_ranks(coords, mesh);
+        let device_of = |m: usize| match members.get(m) {
+            Some(&rank) => mesh.coords_of(rank).to_string(),
+            None => format!("member {m}"),
+        };
+        let r = self.rendezvous(group, coords);
+        self.exchange(r, (me, size), std::slice::from_ref(mine), &device_of, read)
+    }
+
+    /// Whether any device has failed.
+    pub fn has_failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// Reports a device's failure to every other device (what [`Communicator::abort`] does).
+    pub fn report_failure(&self, reason: &str) {
+        self.fail(reason);
     }
 
     fn timed_out(&self, s: &RoundState, size: usize, device_of: &dyn Fn(usize) -> String) -> CommError {

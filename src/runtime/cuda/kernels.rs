@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 /// The CUDA C++ source of the kernels (compiled at run time by NVRTC): kernels.cu, then the flash
 /// attention of flash.cu.
-pub const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("flash.cu"));
+pub const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("flash.cu"), include_str!("collectives.cu"));
 
 /// The names of the `__global__` functions of [`SOURCE`].
 mod names {
@@ -1934,10 +1934,12 @@ impl Device {
 }
 
 mod bf16;
+mod collective;
 mod flash;
 
 pub use bf16::{BF16_KERNEL_NAMES, bf16_launcher};
 use bf16::{variant, words};
+pub use collective::{COLLECTIVE_KERNEL_NAMES, DeviceBuf, MAX_MEMBERS};
 pub use flash::FLASH_KERNEL_NAMES;
 
 // ---- the kernel runner ----------------------------------------------------------------------------
@@ -1996,7 +1998,9 @@ impl CudaKernels {
         }
         let module = ctx.load_module(ptx).map_err(driver("loading the kernels' PTX"))?;
         let mut functions = HashMap::new();
-        for &name in KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES) {
+        for &name in
+            KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES).chain(COLLECTIVE_KERNEL_NAMES)
+        {
             let f = module.load_function(name).map_err(|e| format!("loading kernel `{name}`: {e}"))?;
             functions.insert(name, f);
         }

@@ -3,12 +3,14 @@
 //! Buffers are device-resident: each device's storage is one GPU allocation laid out by the plan's
 //! arena layout ([`storage::DeviceArena`]), kernels and cuBLAS products run on it in place on the
 //! device's own stream, and data crosses to the host only for inputs, parameters at start, the loss,
-//! outputs, checkpoints and collectives. Collectives are host-staged for now (the send block comes to
-//! the host, the communicator exchanges it, the result goes back), so every communicator (threads,
-//! MPI, NCCL) works unchanged and devices of one mesh can share a GPU.
+//! outputs and checkpoints. Collectives run on device pointers: between devices that share one GPU
+//! through [`fabric`] (each reads its peers' buffers in place), and between devices on GPUs of their own
+//! through NCCL ([`nccl`]). Where neither applies (devices spread over several GPUs of one process with
+//! more devices than GPUs), the send block comes to the host and the run's communicator exchanges it.
 //! bf16 buffers live on the GPU as bf16 (two bytes an element) and run bf16 kernels there (see
 //! [`kernels`]).
 
+pub mod fabric;
 pub mod kernels;
 pub mod libs;
 pub mod nccl;
@@ -17,14 +19,15 @@ pub mod ptx_cache;
 pub mod storage;
 
 use super::arena::ArenaLayout;
-use super::backend::{Backend, Exchange, Exchanges, UpdateBuffers};
+use super::backend::{Backend, Exchange, Exchanges, GpuLink, UpdateBuffers};
+use super::comm::CollectiveSpec;
 use super::comm::CommError;
 use super::error::RuntimeError;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
-use crate::plan::{BufferId, Kernel, Plan};
+use crate::plan::{BufferId, Coords, Kernel, Mesh, Plan};
 use cudarc::driver::{CudaContext, CudaStream};
-use kernels::CudaKernels;
+use kernels::{CudaKernels, DeviceBuf};
 use std::sync::Arc;
 use storage::DeviceArena;
 
@@ -51,6 +54,20 @@ pub fn probe() -> Result<usize, String> {
     Ok(count as usize)
 }
 
+/// A communicator that runs the plan's collectives on device buffers, ordered on the device's stream.
+pub trait DeviceCollectives: Send {
+    /// Queues one collective from `send` into `recv` (this device's buffers) after the work already on
+    /// `kernels`' stream. `Ok(false)`: this communicator does not take it (every member of the group
+    /// decides alike), and the backend stages it through the host instead.
+    fn run(
+        &mut self,
+        kernels: &CudaKernels,
+        spec: &CollectiveSpec<'_>,
+        send: DeviceBuf,
+        recv: DeviceBuf,
+    ) -> Result<bool, RuntimeError>;
+}
+
 /// Kernels on one GPU, on a stream of this device's own (devices sharing a GPU run side by side).
 pub struct CudaBackend {
     kernels: CudaKernels,
@@ -58,20 +75,71 @@ pub struct CudaBackend {
     /// Wait for the GPU after every kernel (`OPTIMUS_CUDA_SYNC=1`), so that `--profile`, which times
     /// instructions on the host, sees each kernel's own GPU time instead of the time of the next wait.
     sync_each_kernel: bool,
+    /// Collectives on device pointers (`None`: host blocks through the run's communicator).
+    collectives: Option<Box<dyn DeviceCollectives>>,
+    /// How long a download waits for the GPU (whose queue may wait on peers) before the run fails.
+    timeout: std::time::Duration,
 }
 
 impl CudaBackend {
-    /// A backend on GPU `ordinal` (call [`probe`] first).
-    pub fn new(ordinal: usize) -> Result<CudaBackend, String> {
+    /// A backend on GPU `ordinal` (call [`probe`] first) for the device at `coords` of `mesh`, whose
+    /// collectives go as `link` says.
+    pub fn new(
+        ordinal: usize,
+        link: GpuLink,
+        (mesh, coords): (Mesh, Coords),
+        timeout: std::time::Duration,
+    ) -> Result<CudaBackend, String> {
         let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open GPU {ordinal}: {e}"))?;
-        // SAFETY: every buffer of this backend is used on its one stream only (the NCCL communicator
-        // copies host blocks on its own stream into allocations of its own), so cudarc need not record
-        // events to order streams around each slice.
+        // SAFETY: every buffer of this backend is used on its one stream only; the communicators order
+        // their own streams and their peers' reads by events of their own, so cudarc need not record
+        // events around each slice.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream on GPU {ordinal}: {e}"))?;
         let kernels = CudaKernels::new(&ctx, Arc::clone(&stream))?;
         let sync_each_kernel = std::env::var("OPTIMUS_CUDA_SYNC").is_ok_and(|v| v == "1");
-        Ok(CudaBackend { kernels, stream, sync_each_kernel })
+        let collectives: Option<Box<dyn DeviceCollectives>> = match link {
+            GpuLink::Host => None,
+            GpuLink::SharedGpu(gpu) => Some(Box::new(fabric::SharedGpuEndpoint::new(gpu, mesh, coords, &stream)?)),
+            GpuLink::Nccl(ids) => Some(Box::new(nccl::NcclDevice::new(&stream, mesh, coords, *ids)?)),
+        };
+        Ok(CudaBackend { kernels, stream, sync_each_kernel, collectives, timeout })
+    }
+
+    /// Waits until the GPU has run everything queued on this device's stream, at most the timeout: the
+    /// queue may wait on peers (their events, NCCL), and a peer that failed must fail this run, not hang it.
+    fn wait_for_queue(&self) -> Result<(), RuntimeError> {
+        if self.collectives.is_none() {
+            return Ok(());
+        }
+        let gpu = |e: cudarc::driver::DriverError| RuntimeError::Kernel(format!("waiting for the GPU: {e}"));
+        let event = self.stream.record_event(None).map_err(gpu)?;
+        let start = std::time::Instant::now();
+        while !event.try_is_complete().map_err(gpu)? {
+            if start.elapsed() > self.timeout {
+                return Err(RuntimeError::Comm(super::comm::CommError(format!(
+                    "the GPU waited {:.0} s for this device's peers (--timeout); a peer has failed or stopped",
+                    self.timeout.as_secs_f64()
+                ))));
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        Ok(())
+    }
+
+    /// Runs a collective on device pointers where this device has such a communicator and the executor
+    /// says what the collective is; `false` where the host must stage it.
+    fn collective_on_device(
+        &mut self,
+        storage: &DeviceArena,
+        send: BufferId,
+        recv: BufferId,
+        exchange: &dyn Exchanges,
+    ) -> Result<bool, RuntimeError> {
+        let (Some(collectives), Some(spec)) = (self.collectives.as_mut(), exchange.spec()) else { return Ok(false) };
+        let buf = |id| DeviceBuf::of(storage.tensor(id)?, &self.stream).map_err(RuntimeError::Storage);
+        let (send, recv) = (buf(send)?, buf(recv)?);
+        collectives.run(&self.kernels, &spec, send, recv)
     }
 }
 
@@ -91,6 +159,7 @@ impl Backend for CudaBackend {
     }
 
     fn download(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Tensor, RuntimeError> {
+        self.wait_for_queue()?;
         storage.download(&self.stream, id)
     }
 
@@ -104,6 +173,7 @@ impl Backend for CudaBackend {
     }
 
     fn first_non_finite(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
+        self.wait_for_queue()?;
         let host = storage.download(&self.stream, id)?;
         let first = |v: &[f32]| v.iter().position(|x| !x.is_finite()).map(|k| (k, v[k]));
         Ok(host.f32().ok().and_then(first))
@@ -160,6 +230,9 @@ impl Backend for CudaBackend {
         _elementwise: bool,
         exchange: &mut dyn Exchanges,
     ) -> Result<(), RuntimeError> {
+        if self.collective_on_device(storage, send, recv, exchange)? {
+            return Ok(());
+        }
         storage.exchange(&self.stream, send, recv, exchange)
     }
 }

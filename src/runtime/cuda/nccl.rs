@@ -1,15 +1,19 @@
-//! Collectives over NCCL for the CUDA backend: one NCCL communicator per mesh row, per mesh column
-//! and for the whole mesh, on a communication stream of its own. Host-staged like the backend: each
-//! collective uploads its block, runs in NCCL and downloads the result, polling for completion
-//! against the run's timeout so that a peer that stops answering fails the run instead of hanging it.
+//! Collectives over NCCL for the CUDA backend, on device buffers: one NCCL communicator per mesh row,
+//! per mesh column, per data-parallel group and for the whole mesh, on a communication stream of the
+//! device's own. A collective is ordered after the kernels that wrote its send buffer by an event, runs
+//! on the communication stream (bf16 buffers as `ncclBfloat16`), and the device's stream waits for it by
+//! another event; nothing goes through the host. All-gathers and reduce-scatters exchange member-major
+//! blocks, packed and unpacked on the GPU by the kernels of `collectives.cu`.
 
+use super::DeviceCollectives;
+use super::kernels::{CudaKernels, DeviceBuf};
 use crate::plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
-use crate::runtime::comm::{CommError, Communicator, pack_for_scatter, unpack_gathered};
-use crate::shard::layout::Placement;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
+use crate::runtime::comm::{BlockGeometry, CollectiveSpec, CommError};
+use crate::runtime::error::RuntimeError;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::nccl::{Id, sys};
+use std::ffi::c_void;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 /// The bytes of an NCCL unique id, as they travel between processes.
 pub type IdBytes = [std::ffi::c_char; 128];
@@ -66,166 +70,192 @@ pub fn ids_for_threads(mesh: Mesh) -> Result<Vec<GroupIds>, String> {
         .collect()
 }
 
-/// One device's NCCL endpoint.
-pub struct NcclComm {
-    coords: Coords,
-    mesh: Mesh,
-    stream: Arc<CudaStream>,
-    row: Comm,
-    column: Comm,
-    data: Comm,
-    world: Comm,
-    timeout: Duration,
+/// One NCCL communicator, aborted when dropped (a peer that failed may never finish it).
+struct RawComm(sys::ncclComm_t);
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was initialised by `join` and is dropped once.
+        let _ = unsafe { cudarc::nccl::result::comm_abort(self.0) };
+    }
 }
 
-impl NcclComm {
-    /// Joins the row, column, data and mesh communicators of the device at `coords` on GPU `ordinal`. Every member of
-    /// a group must call this with the same ids (NCCL's initialisation waits for all of them).
-    pub fn new(ordinal: usize, mesh: Mesh, coords: Coords, ids: GroupIds, timeout: Duration) -> Result<Self, String> {
-        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open GPU {ordinal}: {e}"))?;
-        let stream = ctx.new_stream().map_err(|e| format!("cannot create a communication stream: {e}"))?;
-        let join = |id: IdBytes, rank: u64, size: u64, what: &str| {
-            Comm::from_rank(Arc::clone(&stream), rank as usize, size as usize, Id::uninit(id))
-                .map_err(|e| format!("device {coords} could not join its NCCL {what} communicator: {e:?}"))
+/// Joins group `id` as member `rank` of `size` (NCCL waits for every member to join).
+fn join(id: IdBytes, rank: u64, size: u64) -> Result<RawComm, String> {
+    let mut comm = std::mem::MaybeUninit::uninit();
+    let (size, rank) =
+        (i32::try_from(size).map_err(|e| e.to_string())?, i32::try_from(rank).map_err(|e| e.to_string())?);
+    // SAFETY: `comm` is written by NCCL before it is read; the id is the group's 128 bytes.
+    unsafe { cudarc::nccl::result::comm_init_rank(comm.as_mut_ptr(), size, sys::ncclUniqueId { internal: id }, rank) }
+        .map_err(|e| format!("{e:?}"))?;
+    // SAFETY: initialised by the successful call above.
+    Ok(RawComm(unsafe { comm.assume_init() }))
+}
+
+/// One device's NCCL endpoint: its communicators, its communication stream, and the scratch for
+/// member-major blocks.
+pub struct NcclDevice {
+    coords: Coords,
+    mesh: Mesh,
+    comm_stream: Arc<CudaStream>,
+    row: RawComm,
+    column: RawComm,
+    data: RawComm,
+    world: RawComm,
+    /// Recorded on the device's stream before a collective, and on the communication stream after it.
+    before: CudaEvent,
+    after: CudaEvent,
+    scratch: Option<CudaSlice<u8>>,
+}
+
+// SAFETY: NCCL communicators may be used from any thread, one at a time (the endpoint is owned by one
+// device thread).
+unsafe impl Send for NcclDevice {}
+
+impl NcclDevice {
+    /// Joins the row, column, data and mesh communicators of the device at `coords`, whose kernels run on
+    /// `stream`. Every member of a group must call this with the same ids (NCCL's initialisation waits
+    /// for all of them).
+    pub fn new(stream: &Arc<CudaStream>, mesh: Mesh, coords: Coords, ids: GroupIds) -> Result<Self, String> {
+        let ctx = stream.context();
+        ctx.bind_to_thread().map_err(|e| format!("cannot bind the GPU: {e}"))?;
+        let comm_stream = ctx.new_stream().map_err(|e| format!("cannot create a communication stream: {e}"))?;
+        let event = || {
+            ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(|e| format!("cannot create a CUDA event: {e}"))
         };
-        Ok(NcclComm {
+        let joined = |id: IdBytes, rank: u64, size: u64, what: &str| {
+            join(id, rank, size)
+                .map_err(|e| format!("device {coords} could not join its NCCL {what} communicator: {e}"))
+        };
+        Ok(NcclDevice {
             coords,
             mesh,
-            row: join(ids.row, coords.j(), mesh.cols, "row")?,
-            column: join(ids.column, coords.i(), mesh.rows, "column")?,
-            data: join(ids.data, coords.d(), mesh.data, "data")?,
-            world: join(ids.world, mesh.rank_of(coords), mesh.devices(), "mesh")?,
-            stream,
-            timeout,
+            row: joined(ids.row, coords.j(), mesh.cols, "row")?,
+            column: joined(ids.column, coords.i(), mesh.rows, "column")?,
+            data: joined(ids.data, coords.d(), mesh.data, "data")?,
+            world: joined(ids.world, mesh.rank_of(coords), mesh.devices(), "mesh")?,
+            before: event()?,
+            after: event()?,
+            comm_stream,
+            scratch: None,
         })
     }
 
-    /// Device `rank` of a mesh run as threads, on GPU `rank`.
-    pub fn for_thread(ids: &[GroupIds], rank: u64, mesh: Mesh, timeout: Duration) -> Result<Self, String> {
-        let group_ids = *ids.get(rank as usize).ok_or_else(|| format!("no NCCL ids for device {rank}"))?;
-        NcclComm::new(rank as usize, mesh, mesh.coords_of(rank), group_ids, timeout)
-    }
-
-    fn group(&self, group: Group) -> &Comm {
+    fn group(&self, group: Group) -> sys::ncclComm_t {
         match group {
-            Group::Row => &self.row,
-            Group::Column => &self.column,
-            Group::Data => &self.data,
-            Group::World => &self.world,
+            Group::Row => self.row.0,
+            Group::Column => self.column.0,
+            Group::Data => self.data.0,
+            Group::World => self.world.0,
         }
     }
 
-    fn upload(&self, v: &[f32]) -> Result<CudaSlice<f32>, CommError> {
-        self.stream.clone_htod(v).map_err(|e| CommError(format!("copying to the GPU: {e}")))
+    /// Scratch of at least `bytes` (grown as needed), ordered on the device's stream.
+    fn scratch(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<u64, String> {
+        if self.scratch.as_ref().is_none_or(|s| s.len() < bytes) {
+            self.scratch =
+                Some(stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| format!("allocating on the GPU: {e}"))?);
+        }
+        let scratch = self.scratch.as_ref().ok_or("no scratch")?;
+        Ok(scratch.device_ptr(stream).0)
     }
 
-    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, CommError> {
-        self.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| CommError(format!("allocating on the GPU: {e}")))
-    }
-
-    /// Waits for the stream's queued work, at most the timeout; then copies `from` into `to`.
-    fn finish(&self, from: &CudaSlice<f32>, to: &mut [f32], what: &dyn Fn() -> String) -> Result<(), CommError> {
-        let event = self.stream.record_event(None).map_err(|e| CommError(format!("recording an event: {e}")))?;
-        let start = Instant::now();
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => break,
-                Ok(false) if start.elapsed() > self.timeout => {
-                    return Err(CommError(format!(
-                        "{} waited {:.0} s for its peers (--timeout); a peer has failed or stopped",
-                        what(),
-                        self.timeout.as_secs_f64()
-                    )));
-                }
-                Ok(false) => std::thread::sleep(Duration::from_micros(20)),
-                Err(e) => return Err(CommError(format!("{} failed on the GPU: {e}", what()))),
+    /// Queues one NCCL call on the communication stream.
+    fn call(
+        &self,
+        spec: &CollectiveSpec<'_>,
+        send: DeviceBuf,
+        recv: DeviceBuf,
+        (scratch, n): (u64, usize),
+    ) -> Result<(), String> {
+        let comm = self.group(spec.group);
+        let s = self.comm_stream.cu_stream() as sys::cudaStream_t;
+        let dtype = if send.bf16 { sys::ncclDataType_t::ncclBfloat16 } else { sys::ncclDataType_t::ncclFloat32 };
+        let op = match spec.op {
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        };
+        let root = i32::try_from(spec.root.unwrap_or(0)).map_err(|e| e.to_string())?;
+        let (sp, rp, kp) = (send.ptr as *const c_void, recv.ptr as *mut c_void, scratch as *mut c_void);
+        use cudarc::nccl::result as nccl;
+        // SAFETY: the buffers are live device allocations of this GPU holding the counts given (checked
+        // by the caller), ordered on the communication stream after the kernels that wrote them.
+        let called = unsafe {
+            match spec.kind {
+                CollectiveKind::Broadcast => nccl::broadcast(sp, rp, recv.len, dtype, root, comm, s),
+                CollectiveKind::Reduce => nccl::reduce(sp, rp, send.len, dtype, op, root, comm, s),
+                CollectiveKind::AllReduce => nccl::all_reduce(sp, rp, recv.len, dtype, op, comm, s),
+                CollectiveKind::AllGather => nccl::all_gather(sp, kp, send.len, dtype, comm, s),
+                CollectiveKind::ReduceScatter => nccl::reduce_scatter(kp as *const c_void, rp, n, dtype, op, comm, s),
             }
-        }
-        if to.is_empty() {
-            return Ok(());
-        }
-        let view = from.try_slice(..to.len()).ok_or_else(|| CommError("a received block is too short".into()))?;
-        self.stream.memcpy_dtoh(&view, to).map_err(|e| CommError(format!("copying from the GPU: {e}")))
+        };
+        called.map(|_| ()).map_err(|e| format!("{e:?}"))
     }
 }
 
-fn nccl_op(op: ReduceOp) -> NcclOp {
-    match op {
-        ReduceOp::Sum => NcclOp::Sum,
-        ReduceOp::Max => NcclOp::Max,
-    }
-}
-
-fn launched<T>(result: Result<T, cudarc::nccl::result::NcclError>, what: &dyn Fn() -> String) -> Result<(), CommError> {
-    result.map(|_| ()).map_err(|e| CommError(format!("{} failed in NCCL: {e:?}", what())))
-}
-
-impl Communicator for NcclComm {
-    fn coords(&self) -> Coords {
-        self.coords
-    }
-
-    fn mesh(&self) -> Mesh {
-        self.mesh
-    }
-
-    fn collective(
+impl DeviceCollectives for NcclDevice {
+    fn run(
         &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        root: Option<u64>,
-        op: ReduceOp,
-        shard: Option<Placement>,
-        full: &[u64],
-        send: &[f32],
-        recv: &mut [f32],
-    ) -> Result<(), CommError> {
-        let comm = self.group(group);
-        let parts = comm.world_size() as u64;
+        kernels: &CudaKernels,
+        spec: &CollectiveSpec<'_>,
+        send: DeviceBuf,
+        recv: DeviceBuf,
+    ) -> Result<bool, RuntimeError> {
+        if send.bf16 != recv.bf16 {
+            return Ok(false);
+        }
         let coords = self.coords;
-        let what = || format!("device {coords}'s {} over its {} group", kind.name(), group.name());
-        let (op, root) = (nccl_op(op), root.unwrap_or(0) as i32);
-        match kind {
-            CollectiveKind::Broadcast => {
-                let mut buffer = if comm.rank() as i32 == root { self.upload(send)? } else { self.zeros(recv.len())? };
-                launched(comm.broadcast_in_place(&mut buffer, root), &what)?;
-                self.finish(&buffer, recv, &what)
+        let what = |e: String| {
+            RuntimeError::Comm(CommError(format!(
+                "device {coords}'s {} over its {} group failed in NCCL: {e}",
+                spec.kind.name(),
+                spec.group.name()
+            )))
+        };
+        let parts = self.mesh.group_size(spec.group);
+        let stream = kernels.stream();
+        let geometry = || {
+            let shard = spec.shard.ok_or_else(|| "a collective without a placement".to_string())?;
+            BlockGeometry::of(spec.full, shard, parts).ok_or_else(|| "a placement that is not a split".to_string())
+        };
+        let equal = |a: usize, b: usize| {
+            (a == b).then_some(()).ok_or_else(|| format!("collective size mismatch: {a} elements sent, {b} expected"))
+        };
+        let scratch = match spec.kind {
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast => {
+                equal(send.len, recv.len).map_err(what)?;
+                (0, 0)
             }
-            CollectiveKind::Reduce => {
-                let source = self.upload(send)?;
-                let mut result = self.zeros(send.len())?;
-                launched(comm.reduce(&source, Some(&mut result), &op, root), &what)?;
-                let mine = if comm.rank() as i32 == root { recv } else { &mut [][..] };
-                self.finish(&result, mine, &what)
-            }
-            CollectiveKind::AllReduce => {
-                let source = self.upload(send)?;
-                let mut result = self.zeros(recv.len())?;
-                launched(comm.all_reduce(&source, &mut result, &op), &what)?;
-                self.finish(&result, recv, &what)
-            }
+            CollectiveKind::Reduce => (0, 0),
             CollectiveKind::AllGather => {
-                let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
-                let source = self.upload(send)?;
-                let mut gathered = self.zeros(send.len() * parts as usize)?;
-                launched(comm.all_gather(&source, &mut gathered), &what)?;
-                let mut blocks = vec![0.0f32; send.len() * parts as usize];
-                self.finish(&gathered, &mut blocks, &what)?;
-                unpack_gathered(full, shard, parts, &blocks, recv);
-                Ok(())
+                let g = geometry().map_err(what)?;
+                equal(send.len, g.block_len() as usize).map_err(what)?;
+                (self.scratch(stream, send.bytes() * parts as usize).map_err(what)?, 0)
             }
             CollectiveKind::ReduceScatter => {
-                let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
-                let source = self.upload(&pack_for_scatter(full, shard, parts, send, recv.len()))?;
-                let mut result = self.zeros(recv.len())?;
-                launched(comm.reduce_scatter(&source, &mut result, &op), &what)?;
-                self.finish(&result, recv, &what)
+                let g = geometry().map_err(what)?;
+                equal(recv.len, g.block_len() as usize).map_err(what)?;
+                let at = self.scratch(stream, recv.bytes() * parts as usize).map_err(what)?;
+                let packed = DeviceBuf { ptr: at, len: recv.len * parts as usize, bf16: send.bf16 };
+                kernels.pack_members(send, packed, &g, parts).map_err(what)?;
+                (at, recv.len)
             }
+        };
+        let order = |e: cudarc::driver::DriverError| what(format!("ordering the streams: {e}"));
+        self.before.record(stream).map_err(order)?;
+        self.comm_stream.wait(&self.before).map_err(order)?;
+        self.call(spec, send, recv, scratch).map_err(what)?;
+        self.after.record(&self.comm_stream).map_err(order)?;
+        stream.wait(&self.after).map_err(order)?;
+        if spec.kind == CollectiveKind::AllGather {
+            let g = geometry().map_err(what)?;
+            let n = send.len;
+            let blocks: Vec<DeviceBuf> = (0..parts as usize)
+                .map(|k| DeviceBuf { ptr: scratch.0 + (k * n * send.element_bytes()) as u64, len: n, bf16: send.bf16 })
+                .collect();
+            kernels.gather_members(&blocks, recv, &g).map_err(what)?;
         }
-    }
-
-    fn abort(&self, reason: &str) {
-        // NCCL communicators are aborted when dropped; peers stuck in a collective fail by timeout.
-        let _ = reason;
+        Ok(true)
     }
 }
