@@ -81,6 +81,12 @@ def write_jsonl(args, rows, sizes, flops_per_token):
     with open(args.jsonl, "a", encoding="utf-8") as out:
         for system, rate in rows.items():
             record = dict(common, system=system)
+            if system.startswith("optimusc "):
+                record["strategy"], record["mesh"] = system.split()[1:3]
+            else:
+                record["mesh"] = "1x1"
+            if not isinstance(rate, str):
+                record["step_s"] = sizes[4] * sizes[5] / rate
             if isinstance(rate, str):
                 record["error"] = rate
             else:

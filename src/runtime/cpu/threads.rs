@@ -16,6 +16,24 @@ use std::time::{Duration, Instant};
 struct Rendezvous {
     state: Mutex<RoundState>,
     ready: Condvar,
+    /// Copies of the state's `generation` and `read`, for members that spin before they sleep.
+    published: AtomicU64,
+    finished: AtomicU64,
+}
+
+/// How long a member of a spinning fabric (see [`Fabric::spin_before_sleeping`]) polls before it sleeps.
+const SPIN: Duration = Duration::from_micros(200);
+
+impl Rendezvous {
+    /// Polls `counter` until it reaches `target`, for at most [`SPIN`] or until a device fails.
+    fn spin_until(&self, counter: &AtomicU64, target: u64, failed: &AtomicBool) {
+        let start = Instant::now();
+        while counter.load(Ordering::Acquire) < target && !failed.load(Ordering::Relaxed) && start.elapsed() < SPIN {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        }
+    }
 }
 
 /// Where one member's send block is, and its element size (f32 or bf16). The fabric reads it only
@@ -78,6 +96,7 @@ impl Drop for ReadDone<'_> {
         s.reading = s.reading.saturating_sub(1);
         if s.reading == 0 {
             s.read = self.generation;
+            self.rendezvous.finished.store(self.generation, Ordering::Release);
             s.published.clear();
             self.rendezvous.ready.notify_all();
         }
@@ -96,6 +115,8 @@ pub struct Fabric {
     timeout: Duration,
     /// Bytes of every block deposited so far (what a wire would have carried once per block).
     deposited: AtomicU64,
+    /// Whether members poll briefly before they sleep (see [`Fabric::spin_before_sleeping`]).
+    spin: AtomicBool,
 }
 
 impl Fabric {
@@ -109,7 +130,16 @@ impl Fabric {
             failure: Mutex::new(None),
             timeout,
             deposited: AtomicU64::new(0),
+            spin: AtomicBool::new(false),
         })
+    }
+
+    /// Makes members poll for up to 200 µs before they sleep on a meeting point. For devices whose
+    /// threads only queue work for a GPU (devices sharing one GPU meet twice per collective, and the
+    /// GPU idles while they sleep and wake), not for CPU devices, whose waiting threads would take
+    /// cores from the others' kernels.
+    pub fn spin_before_sleeping(&self) {
+        self.spin.store(true, Ordering::Relaxed);
     }
 
     /// Bytes of the send blocks deposited by every member of every collective so far: 4 an element
@@ -169,8 +199,14 @@ impl Fabric {
             s.published = s.deposits.iter_mut().filter_map(Option::take).collect();
             s.arrived = 0;
             s.generation += 1;
+            r.published.store(s.generation, Ordering::Release);
             s.reading = size;
             r.ready.notify_all();
+        }
+        if s.generation == generation && self.spin.load(Ordering::Relaxed) {
+            drop(s);
+            r.spin_until(&r.published, generation + 1, &self.failed);
+            s = r.state.lock().map_err(|_| poisoned())?;
         }
         let deadline = Instant::now() + self.timeout;
         while s.generation == generation {
@@ -199,6 +235,9 @@ impl Fabric {
             let blocks: Option<Vec<&[T]>> = published.iter().map(|b| unsafe { b.slice::<T>() }).collect();
             blocks.map(|blocks| read(&blocks))
         };
+        if self.spin.load(Ordering::Relaxed) {
+            r.spin_until(&r.finished, generation + 1, &self.failed);
+        }
         let mut s = r.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         while s.read < generation + 1 {
             s = r.ready.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -352,8 +391,20 @@ mod tests {
 
     #[test]
     fn all_reduce_sums_over_the_world_many_times() {
+        all_reduce_many_times(false);
+    }
+
+    #[test]
+    fn members_that_spin_before_sleeping_sum_alike() {
+        all_reduce_many_times(true);
+    }
+
+    fn all_reduce_many_times(spin: bool) {
         let mesh = Mesh::new(2, 2);
         let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        if spin {
+            fabric.spin_before_sleeping();
+        }
         let sums: Vec<f32> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..4u64)
                 .map(|rank| {

@@ -36,6 +36,7 @@ pub struct SharedGpu {
 
 impl SharedGpu {
     pub fn new(host: Arc<Fabric>) -> Arc<SharedGpu> {
+        host.spin_before_sleeping();
         Arc::new(SharedGpu { host, events: Mutex::new(Vec::new()) })
     }
 

@@ -1,8 +1,8 @@
 //! Device-resident storage of the CUDA backend: one GPU allocation per device, laid out by the plan's
 //! [`ArenaLayout`] (so buffers of disjoint lifetimes share memory exactly as in the host arena), and one
 //! [`DeviceTensor`] per buffer that aliases its region. Data crosses to the host only where the executor
-//! asks: uploads of parameters and inputs, downloads of the loss, outputs and checkpoints, and (until
-//! collectives run on device pointers) the blocks of host-staged collectives.
+//! asks: uploads of parameters and inputs, downloads of the loss, outputs and checkpoints, and the
+//! blocks of collectives where no device communicator takes them (see `super`).
 
 use super::kernels::{DeviceData, DeviceTensor};
 use crate::ir::DType;
