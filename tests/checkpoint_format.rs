@@ -91,7 +91,7 @@ fn devices(mesh: Mesh) -> impl Iterator<Item = Coords> {
 
 /// Writes a checkpoint of `logical` from every device of `plan`; returns its directory.
 fn write(plan: &Plan, dir: &Path, step: u64, logical: &BTreeMap<String, Tensor>, keep: Option<u64>) -> PathBuf {
-    let writer = CheckpointWriter::begin(dir, step).expect("begins");
+    let writer = CheckpointWriter::create(dir, step).expect("begins");
     for coords in devices(plan.mesh) {
         let blocks: Vec<(Tensor, Vec<Tensor>)> = plan
             .params
@@ -343,4 +343,71 @@ fn retention_keeps_the_newest_and_a_step_is_replaced_whole() {
     assert_eq!((checkpoint.step(), checkpoint.manifest().mesh), (4, other.mesh));
     assert_reads_back(&checkpoint, &source, &logical, "after replacing");
     assert_eq!(files_of(&root).len(), 2, "{:?}", files_of(&root));
+}
+
+// ---- manifests that lie --------------------------------------------------------------------------
+
+/// Rewrites a checkpoint's manifest through `edit`, with a valid `manifest_sha256` (as a forger would).
+fn forge_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    use sha2::{Digest, Sha256};
+    let path = dir.join("manifest.json");
+    let mut manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("JSON");
+    manifest.as_object_mut().expect("object").remove("manifest_sha256");
+    edit(&mut manifest);
+    let body = serde_json::to_string_pretty(&manifest).expect("serialises");
+    let rest = format!("{}\n", body.strip_prefix('{').expect("an object"));
+    let hash: String = Sha256::digest(rest.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&path, format!("{{\n  \"manifest_sha256\": \"{hash}\",{rest}")).expect("write");
+}
+
+/// The first tensor with several pieces, by name.
+fn split_tensor(manifest: &serde_json::Value) -> String {
+    let tensors = manifest["tensors"].as_object().expect("tensors");
+    tensors.iter().find(|(_, t)| t["pieces"].as_array().is_some_and(|p| p.len() > 1)).expect("a split tensor").0.clone()
+}
+
+/// A change to a manifest's JSON, given the name of a tensor with several pieces.
+type ManifestEdit = fn(&mut serde_json::Value, &str);
+
+/// Pieces must tile each tensor exactly: a duplicated piece in place of a missing one, a piece more, and
+/// a shape larger than the pieces (which would allocate what no file holds) are errors naming the
+/// tensor, on every reader, before anything the manifest's shapes ask for is allocated.
+#[test]
+fn pieces_that_do_not_tile_a_tensor_are_refused() {
+    let source = plan((1, 2), Strategy::Megatron);
+    let logical = logical_tensors(&source);
+    let cases: [(&str, ManifestEdit); 3] = [
+        ("the same elements", |m, name| {
+            let pieces = m["tensors"][name]["pieces"].as_array_mut().expect("pieces");
+            pieces[1] = pieces[0].clone();
+        }),
+        ("pieces must tile", |m, name| {
+            let pieces = m["tensors"][name]["pieces"].as_array_mut().expect("pieces");
+            pieces.push(pieces[0].clone());
+        }),
+        ("pieces must tile", |m, name| {
+            let shape = m["tensors"][name]["shape"].as_array_mut().expect("shape");
+            shape[0] = serde_json::json!(1u64 << 40);
+        }),
+    ];
+    for (k, (wanted, edit)) in cases.into_iter().enumerate() {
+        let root = scratch(&format!("forged-{k}"));
+        let dir = write(&source, &root, 1, &logical, None);
+        let mut name = String::new();
+        forge_manifest(&dir, |m| {
+            name = split_tensor(m);
+            edit(m, &name);
+        });
+        let error = match Checkpoint::open(&dir) {
+            Err(e) => e,
+            Ok(checkpoint) => {
+                let whole = checkpoint.logical_params(None).err();
+                let blocks = checkpoint.device_blocks(&source, Coords::default(), true).err();
+                let exported = export_safetensors(&checkpoint, &root.join("out.safetensors")).err();
+                assert!(whole.is_some() && blocks.is_some() && exported.is_some(), "case {k}: a reader accepted it");
+                whole.unwrap_or_default()
+            }
+        };
+        assert!(error.contains(wanted) && error.contains(&name), "case {k}: {error}");
+    }
 }

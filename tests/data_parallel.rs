@@ -283,9 +283,11 @@ fn a_zero_1_checkpoint_resumes_on_one_device() {
     let out = optimusc(&first);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let after_2 = ckpt.join("step-00000002");
+    let again = dir.join("resumed-checkpoints");
     let rest = [
         &base("4")[..],
         &["--mesh", "1x1", "--strategy", "none", "--resume", text(&after_2), "--save-weights", text(&resumed)],
+        &["--checkpoint-dir", text(&again)],
     ]
     .concat();
     let out = optimusc(&rest);

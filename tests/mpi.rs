@@ -283,6 +283,8 @@ fn four_processes_write_a_checkpoint_that_threads_resume_on_another_mesh() {
     }
     let resumed = with(&base, &["--mesh", "1x4", "--strategy", "megatron"]);
     let after_2 = dir.join("step-00000002");
-    let rest = train_losses(&threads(&with(&resumed, &["--resume", after_2.to_str().expect("utf-8")])));
+    let again = scratch("mpi-checkpoints-resumed");
+    let resuming = ["--resume", after_2.to_str().expect("utf-8"), "--checkpoint-dir", again.to_str().expect("utf-8")];
+    let rest = train_losses(&threads(&with(&resumed, &resuming)));
     assert_close(&rest, &mpi[2..]);
 }

@@ -79,7 +79,13 @@ fn a_run_resumed_on_the_same_mesh_is_bit_identical_to_one_that_never_stopped() {
     let first = train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "3"]);
     assert_eq!(first, uninterrupted, "checkpointing changes nothing");
     let after_3 = ckpt.join("step-00000003");
-    let rest = train(TWO_BY_TWO, 6, &["--resume", text(&after_3), "--save-weights", text(&resumed)]);
+    // The folder holds the checkpoint after update 6 too: the resumed run writes into another one.
+    let again = dir.join("again");
+    let rest = train(
+        TWO_BY_TWO,
+        6,
+        &["--resume", text(&after_3), "--checkpoint-dir", text(&again), "--save-weights", text(&resumed)],
+    );
     assert_eq!(rest, uninterrupted[3..], "steps 3..5 keep their numbers and losses, bit for bit");
     assert_eq!(read_weights(&resumed), read_weights(&whole), "final weights bit-identical");
 }
@@ -94,6 +100,7 @@ fn a_checkpoint_resumes_on_other_meshes_and_strategies() {
     let newest = dir.join("newest");
     train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&newest), "--checkpoint-every", "3", "--keep", "1"]);
     let kept: Vec<_> = std::fs::read_dir(&newest).expect("dir").flatten().map(|e| e.file_name()).collect();
+    let kept: Vec<_> = kept.into_iter().filter(|name| name != ".optimusc.lock").collect();
     assert_eq!(kept, vec![std::ffi::OsString::from("step-00000006")], "--keep 1 keeps only the newest");
     let ckpt = dir.join("ckpt");
     train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "3"]);
@@ -102,7 +109,12 @@ fn a_checkpoint_resumes_on_other_meshes_and_strategies() {
         [&["--mesh", "4x4"][..], &["--mesh", "1x4", "--strategy", "megatron"], &["--mesh", "1x1", "--strategy", "none"]]
     {
         let out = dir.join(format!("resumed-{}.safetensors", mesh[1]));
-        let rest = train(mesh, 6, &["--resume", text(&after_3), "--save-weights", text(&out)]);
+        let folder = dir.join(format!("resumed-{}", mesh[1]));
+        let rest = train(
+            mesh,
+            6,
+            &["--resume", text(&after_3), "--checkpoint-dir", text(&folder), "--save-weights", text(&out)],
+        );
         assert_eq!(rest.iter().map(|r| r.0).collect::<Vec<_>>(), vec![3, 4, 5]);
         for ((_, a), (_, b)) in rest.iter().zip(&uninterrupted[3..]) {
             assert!((a - b).abs() <= 1e-5 * b.abs(), "{mesh:?}: losses {rest:?} vs {uninterrupted:?}");
@@ -207,6 +219,7 @@ fn a_flipped_byte_in_any_checkpoint_file_is_an_error_naming_it() {
     let ckpt = dir.join("ckpt");
     train(TWO_BY_TWO, 2, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "1"]);
     let step = ckpt.join("step-00000001");
+    let other = dir.join("other");
     let files: Vec<PathBuf> = std::fs::read_dir(&step).expect("dir").flatten().map(|e| e.path()).collect();
     assert!(files.len() >= 2, "{files:?}");
     for file in files {
@@ -224,6 +237,8 @@ fn a_flipped_byte_in_any_checkpoint_file_is_an_error_naming_it() {
             "2",
             "--resume",
             text(&step),
+            "--checkpoint-dir",
+            text(&other),
             "--seed",
             "11",
             "--accum",
@@ -260,4 +275,77 @@ fn checkpoint_flags_are_checked_before_running() {
         assert!(matches!(out.status.code(), Some(1 | 2)), "{flags:?}: {stderr}");
         assert!(stderr.contains(wanted), "{flags:?}: {stderr}");
     }
+}
+
+/// Links left or planted under a checkpoint folder are removed or renamed themselves, never followed:
+/// a staging link of the next step, a `.old` link of a replaced step, and a finished-step link that
+/// `--keep` prunes all point at a folder that must come through untouched.
+#[test]
+fn links_under_the_checkpoint_folder_are_never_followed() {
+    let dir = scratch("links");
+    let ckpt = dir.join("ckpt");
+    train(TWO_BY_TWO, 2, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "1"]);
+    let victim = dir.join("victim");
+    std::fs::create_dir_all(&victim).expect("victim");
+    std::fs::write(victim.join("manifest.json"), "not ours").expect("write");
+    std::fs::write(victim.join("keep.txt"), "keep").expect("write");
+    std::fs::remove_dir_all(ckpt.join("step-00000001")).expect("remove");
+    for name in ["step-00000001", "step-00000003.tmp", "step-00000003.old"] {
+        std::os::unix::fs::symlink(&victim, ckpt.join(name)).expect("symlink");
+    }
+    let resume = ["--resume", text(&ckpt), "--checkpoint-dir", text(&ckpt), "--checkpoint-every", "1", "--keep", "1"];
+    train(TWO_BY_TWO, 4, &resume);
+    assert_eq!(std::fs::read_to_string(victim.join("manifest.json")).expect("kept"), "not ours");
+    assert_eq!(std::fs::read_to_string(victim.join("keep.txt")).expect("kept"), "keep");
+    let mut names: Vec<String> = std::fs::read_dir(&ckpt)
+        .expect("dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, [".optimusc.lock", "step-00000004"], "every link was removed, none followed");
+    assert!(!std::fs::symlink_metadata(ckpt.join("step-00000004")).expect("meta").file_type().is_symlink());
+    assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 4);
+}
+
+/// A run holds its checkpoint folder: a second run on it is a usage error naming the holder.
+#[test]
+fn two_runs_never_share_a_checkpoint_folder() {
+    let dir = scratch("lock");
+    let ckpt = dir.join("ckpt");
+    let held = optimus::io::shards::lock_checkpoint_dir(&ckpt).expect("locks");
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "2", "--checkpoint-dir", text(&ckpt)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("in use by another run") && stderr.contains(&format!("pid {}", std::process::id())),
+        "{stderr}"
+    );
+    assert!(!ckpt.join("step-00000002").exists(), "nothing was written");
+    drop(held);
+    train(TWO_BY_TWO, 2, &["--checkpoint-dir", text(&ckpt)]);
+    assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 2);
+}
+
+/// A run never writes into a folder holding checkpoints of later updates than its own start (they would
+/// mix, and `--resume DIR` would continue the other run); `--resume` alone keeps checkpointing into the
+/// folder of the checkpoint it resumes.
+#[test]
+fn checkpoints_of_two_histories_never_mix_and_resume_keeps_its_folder() {
+    let dir = scratch("histories");
+    let ckpt = dir.join("ckpt");
+    train(TWO_BY_TWO, 4, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "2"]);
+    let after_2 = ckpt.join("step-00000002");
+    for extra in [vec!["--resume", text(&after_2)], vec!["--checkpoint-dir", text(&ckpt)]] {
+        let mut args = vec!["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "6"];
+        args.extend_from_slice(&TRAINING);
+        args.extend_from_slice(&extra);
+        let out = optimusc(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(stderr.contains("later updates") && stderr.contains("update 4"), "{extra:?}: {stderr}");
+    }
+    assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 4, "nothing was written");
+    train(TWO_BY_TWO, 6, &["--resume", text(&ckpt)]);
+    assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 6, "the resumed run checkpointed into its folder");
 }

@@ -221,3 +221,109 @@ fn a_checkpoint_dir_that_cannot_be_made_fails_before_step_0() {
     }
     assert_eq!(std::fs::read(&file).expect("the file is kept"), b"x");
 }
+
+/// Little-endian u16 token ids.
+fn token_file(path: &std::path::Path, ids: &[u16]) {
+    std::fs::write(path, ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>()).expect("write tokens");
+}
+
+/// An output named onto an input of the same command (a log onto the data, saved weights onto the
+/// model or the weights, a masked file onto its source, even through a link, an export into its own
+/// checkpoint) is a usage error naming both, and the input is left as it was.
+#[test]
+fn outputs_onto_their_own_inputs_are_refused() {
+    let data = scratch("onto-data.u16");
+    token_file(&data, &(0..4096u16).map(|i| i % 101).collect::<Vec<_>>());
+    let before = std::fs::read(&data).expect("read");
+    let link = scratch("onto-link.tokens.bin");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&data, &link).expect("symlink");
+    let ckpt = scratch("onto-ckpt");
+    let _ = std::fs::remove_dir_all(&ckpt);
+    let trained =
+        optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--checkpoint-dir", ckpt.to_str().expect("utf-8")]);
+    assert!(trained.status.success(), "{}", stderr(&trained));
+    let inside = ckpt.join("step-00000001").join("model.safetensors");
+    let d = data.to_str().expect("utf-8");
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["run", "examples/tiny.opt", "--steps", "1", "--data", d, "--log", d],
+        vec!["run", "examples/tiny.opt", "--steps", "1", "--data", d, "--save-weights", d],
+        vec!["run", "examples/tiny.opt", "--steps", "1", "--val-data", d, "--log", d],
+        vec!["run", "examples/tiny.opt", "--steps", "1", "--save-weights", "examples/tiny.opt"],
+        vec!["mask-data", d, "--mask-id", "3", "-o", link.to_str().expect("utf-8").trim_end_matches(".tokens.bin")],
+        vec!["export", ckpt.to_str().expect("utf-8"), "-o", inside.to_str().expect("utf-8")],
+    ];
+    for args in cases {
+        let out = optimusc(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(args[args.len() - 1]) || err.contains("inside the checkpoint"), "{args:?}: {err}");
+        assert_eq!(std::fs::read(&data).expect("read"), before, "{args:?} changed the input");
+    }
+    assert!(!inside.exists(), "nothing was written into the checkpoint");
+}
+
+/// `mask-data -o DIR/` would write hidden `DIR/.tokens.bin`: a usage error asking for a file name.
+#[test]
+fn a_mask_data_prefix_without_a_file_name_is_refused() {
+    let data = scratch("prefix.u16");
+    token_file(&data, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    let folder = scratch("prefix-out");
+    std::fs::create_dir_all(&folder).expect("dir");
+    for prefix in [format!("{}/", folder.display()), folder.display().to_string()] {
+        let out = optimusc(&["mask-data", data.to_str().expect("utf-8"), "--mask-id", "3", "-o", &prefix]);
+        assert_eq!(out.status.code(), Some(2), "{prefix}: {}", stderr(&out));
+        assert!(stderr(&out).contains("names a folder"), "{}", stderr(&out));
+    }
+    assert_eq!(std::fs::read_dir(&folder).expect("dir").count(), 0, "nothing written");
+}
+
+/// Validation ids above the vocabulary are a usage error before step 0, not a failure after training.
+#[test]
+fn validation_ids_above_the_vocabulary_are_refused_before_training() {
+    let val = scratch("val-above.u16");
+    token_file(&val, &[5000u16; 4096]);
+    let out =
+        optimusc(&["run", "examples/tiny.opt", "--steps", "3", "--json", "--val-data", val.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--val-data") && stderr(&out).contains("5000"), "{}", stderr(&out));
+    assert!(out.stdout.is_empty(), "no step ran: {}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// A run without --data says that its tokens are drawn from the seed.
+#[test]
+fn a_run_on_seed_drawn_tokens_says_so() {
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("no --data") && stderr(&out).contains("drawn from seed 0"), "{}", stderr(&out));
+    let data = scratch("seeded.u16");
+    token_file(&data, &(0..4096u16).map(|i| i % 101).collect::<Vec<_>>());
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--data", data.to_str().expect("utf-8")]);
+    assert!(!stderr(&out).contains("no --data"), "{}", stderr(&out));
+}
+
+/// A second `--save-weights DIR/` leaves no file of the first: its old shards and index are removed, so
+/// `--weights DIR` loads the new weights.
+#[test]
+fn saving_weights_again_into_a_folder_leaves_no_stale_shard() {
+    let dir = scratch("resaved");
+    let _ = std::fs::remove_dir_all(&dir);
+    let target = format!("{}/", dir.display());
+    let first =
+        optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--save-weights", &target, "--max-shard-size", "20KB"]);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let names = |d: &std::path::Path| {
+        let mut n: Vec<String> = std::fs::read_dir(d)
+            .expect("dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        n.sort();
+        n
+    };
+    assert!(names(&dir).len() > 2, "sharded: {:?}", names(&dir));
+    std::fs::write(dir.join("notes.txt"), "mine").expect("write");
+    let second = optimusc(&["run", "examples/tiny.opt", "--steps", "3", "--save-weights", &target]);
+    assert!(second.status.success(), "{}", stderr(&second));
+    assert_eq!(names(&dir), ["model.safetensors", "notes.txt"], "only the new set, and files that are not weights");
+}

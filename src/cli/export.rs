@@ -26,8 +26,33 @@ pub fn export(args: &ExportArgs) -> ExitCode {
     }
 }
 
+/// The exported file must not go into the checkpoint it is read from: a checkpoint holds only what its
+/// manifest lists.
+fn refuse_writing_into(output: &std::path::Path, checkpoint: &std::path::Path) -> Result<(), Failure> {
+    if output.as_os_str() == "-" {
+        return Ok(());
+    }
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    let (Ok(into), Ok(checkpoint)) = (std::fs::canonicalize(parent), std::fs::canonicalize(checkpoint)) else {
+        return Ok(());
+    };
+    if into.starts_with(&checkpoint) {
+        return Err(Failure::usage(format!(
+            "-o `{}` is inside the checkpoint `{}`, which holds only what its manifest lists; write the export \
+             elsewhere",
+            output.display(),
+            checkpoint.display()
+        )));
+    }
+    Ok(())
+}
+
 fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
     let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    refuse_writing_into(&args.output, checkpoint.dir())?;
     let summary = export_safetensors(&checkpoint, &args.output)?;
     eprintln_safe!(
         "exported step {} of `{}` ({} tensors, {} parameters) to {}",

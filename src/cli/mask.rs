@@ -32,6 +32,21 @@ pub struct MaskDataArgs {
     pub output: PathBuf,
 }
 
+/// The output prefix must end in a file name (`out/corpus`, not `out/`, which would write the hidden
+/// `out/.tokens.bin`).
+fn check_output_prefix(prefix: &std::path::Path) -> Result<(), Failure> {
+    let text = prefix.as_os_str().to_string_lossy();
+    let named = prefix.file_name().is_some() && !text.ends_with('/') && !prefix.is_dir();
+    if named {
+        return Ok(());
+    }
+    Err(Failure::usage(format!(
+        "-o `{}` names a folder, not a prefix: give a file name to start the outputs' names, as in `{}`",
+        prefix.display(),
+        std::path::Path::new(text.trim_end_matches('/')).join("corpus").display()
+    )))
+}
+
 /// Runs `optimusc mask-data`.
 pub fn mask_data(args: &MaskDataArgs) -> ExitCode {
     match mask_file(args) {
@@ -41,10 +56,14 @@ pub fn mask_data(args: &MaskDataArgs) -> ExitCode {
 }
 
 fn mask_file(args: &MaskDataArgs) -> Result<(), Failure> {
+    check_output_prefix(&args.output)?;
+    let (inputs, labels) = output_paths(&args.output);
+    for output in [&inputs, &labels] {
+        super::refuse_overwriting_input(output, &args.tokens, "-o")?;
+    }
     let dtype = if args.data_dtype == DataDtype::U32 { TokenDtype::U32 } else { TokenDtype::U16 };
     let data = TokenData::open(&args.tokens, dtype)?;
     let masked = mask_tokens(&data, args.mask_id, args.vocab, args.seed).map_err(Failure::usage)?;
-    let (inputs, labels) = output_paths(&args.output);
     for (path, bytes) in [(&inputs, &masked.inputs), (&labels, &masked.labels)] {
         write_file(path, bytes).map_err(|e| e.to_string())?;
     }

@@ -3,7 +3,7 @@
 
 use super::Failure;
 use super::run::RunArgs;
-use optimus::io::shards::Checkpoint;
+use optimus::io::shards::{Checkpoint, lock_checkpoint_dir};
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::Checkpointing;
 use std::path::PathBuf;
@@ -28,7 +28,8 @@ pub struct CheckpointArgs {
     /// checkpoint). Parameters, optimizer state, the step (hence the schedule and the data position) come
     /// from it; the model may run on another mesh or strategy. --steps stays the total: a run resumed
     /// after update 3 runs steps 3 .. --steps - 1. --seed, --accum, --optimizer and the batch must be those
-    /// of the run that wrote it.
+    /// of the run that wrote it. Without --checkpoint-dir, checkpoints go on into the folder of the
+    /// checkpoint resumed; a folder holding checkpoints of later updates is refused.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
 }
@@ -44,8 +45,11 @@ pub struct Resumption {
 /// resume from.
 pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
     let flags = &args.checkpoint;
-    if flags.checkpoint_dir.is_none() && (flags.checkpoint_every.is_some() || flags.keep.is_some()) {
-        return Err(Failure::usage("--checkpoint-every and --keep need --checkpoint-dir DIR".into()));
+    if flags.checkpoint_dir.is_none()
+        && flags.resume.is_none()
+        && (flags.checkpoint_every.is_some() || flags.keep.is_some())
+    {
+        return Err(Failure::usage("--checkpoint-every and --keep need --checkpoint-dir DIR (or --resume)".into()));
     }
     if plan.mode != Mode::Train && (flags.checkpoint_dir.is_some() || flags.resume.is_some()) {
         return Err(Failure::usage(
@@ -63,21 +67,68 @@ pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
         None => None,
     };
     let start_step = resume.as_ref().map_or(0, |c| c.step());
-    if let Some(dir) = &flags.checkpoint_dir {
-        check_checkpoint_dir(dir)?;
+    let mut folder = checkpoint_folder(flags, resume.as_deref());
+    if let (Some(dir), None) = (&folder, &flags.checkpoint_dir) {
+        // The folder of the resumed checkpoint, implied: a read-only one means no checkpoints, not an error.
+        if let Err(why) = check_checkpoint_dir(dir) {
+            eprintln_safe!("warning: no checkpoints will be written: {}; give --checkpoint-dir DIR", why.message);
+            folder = None;
+        }
     }
-    let checkpoints = flags.checkpoint_dir.as_ref().map(|dir| Checkpointing {
-        dir: dir.clone(),
+    let mut lock = None;
+    if let Some(dir) = &folder {
+        check_checkpoint_dir(dir)?;
+        check_no_later_checkpoints(dir, start_step)?;
+        // Under mpirun rank 0 commits every checkpoint, and holds the folder for the run.
+        if optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0) {
+            lock =
+                Some(Arc::new(lock_checkpoint_dir(dir).map_err(|e| Failure::usage(format!("--checkpoint-dir: {e}")))?));
+        }
+    }
+    let checkpoints = folder.map(|dir| Checkpointing {
+        dir,
         every: flags.checkpoint_every,
         keep: flags.keep,
         training: training.clone(),
+        lock,
     });
     Ok(Resumption { checkpoints, resume, start_step })
 }
 
+/// Where the run writes checkpoints: --checkpoint-dir, or, for a run that resumes without it, the
+/// folder of the checkpoint it resumes (so that the resumed run's updates are kept too).
+fn checkpoint_folder(flags: &CheckpointArgs, resume: Option<&Checkpoint>) -> Option<PathBuf> {
+    if let Some(dir) = &flags.checkpoint_dir {
+        return Some(dir.clone());
+    }
+    let folder = resume?.dir().parent()?;
+    Some(if folder.as_os_str().is_empty() { PathBuf::from(".") } else { folder.to_path_buf() })
+}
+
+/// A run that starts after update `start_step` must not write into a folder holding checkpoints of
+/// later updates: its own would mix with them, and `--resume DIR` would then continue the other run.
+fn check_no_later_checkpoints(dir: &std::path::Path, start_step: u64) -> Result<(), Failure> {
+    let later: Vec<u64> = optimus::io::shards::complete_checkpoints(dir)
+        .into_iter()
+        .map(|(step, _)| step)
+        .filter(|&step| step > start_step)
+        .collect();
+    let Some(&last) = later.last() else { return Ok(()) };
+    let from = if start_step == 0 { "from the start".to_string() } else { format!("from update {start_step}") };
+    Err(Failure::usage(format!(
+        "checkpoint folder `{}` holds {} checkpoint(s) of later updates (up to update {last}) than this run, which \
+         starts {from}, would write: give it another --checkpoint-dir, resume from the latest (`--resume {}`), or \
+         remove them",
+        dir.display(),
+        later.len(),
+        dir.display()
+    )))
+}
+
 /// Whether checkpoints could be written under `dir`, told before step 0 rather than at the first
 /// checkpoint: it must be a directory that takes new files, or, when it does not exist yet, its nearest
-/// existing ancestor must be. Nothing is created or left behind.
+/// existing ancestor must be. Nothing is created or left behind here (the run then creates DIR and
+/// locks it).
 fn check_checkpoint_dir(dir: &std::path::Path) -> Result<(), Failure> {
     let refuse = |why: String| Failure::usage(format!("--checkpoint-dir `{}` {why}", dir.display()));
     if dir.exists() && !dir.is_dir() {
@@ -157,8 +208,13 @@ fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json:
 }
 
 /// What an interrupted run prints: where its state is and how to go on.
-pub fn interrupted_message(args: &RunArgs, steps_done: u64, checkpoint: Option<&std::path::Path>) -> String {
-    match (checkpoint, &args.checkpoint.checkpoint_dir) {
+pub fn interrupted_message(
+    args: &RunArgs,
+    steps_done: u64,
+    checkpoint: Option<&std::path::Path>,
+    folder: Option<&std::path::Path>,
+) -> String {
+    match (checkpoint, folder) {
         (Some(path), Some(dir)) => format!(
             "interrupted after {steps_done} of {} updates; the checkpoint is `{}`. To continue, run the same command \
              with `--resume {}` (on any mesh)",

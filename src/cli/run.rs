@@ -191,10 +191,16 @@ fn evaluation(args: &RunArgs, plan: &Plan) -> Result<Option<Evaluation>, Failure
     };
     let sources = open_sources(&files, args.inputs.objective, args.seed, "val-")?;
     sources.check(plan, "val-").map_err(Failure::usage)?;
+    // Every evaluation reads batches 0..N: read them now, so that an id above the vocabulary is a usage
+    // error before step 0, not a failure after the training.
+    let batches = args.eval_batches.unwrap_or(1);
+    for v in 0..batches {
+        sources.batch(plan, v).map_err(|e| Failure::usage(format!("--val-data: validation batch {v}: {e}")))?;
+    }
     let plan = plan.clone();
     Ok(Some(Evaluation {
         every: args.eval_every.unwrap_or(args.steps),
-        batches: args.eval_batches.unwrap_or(1),
+        batches,
         data: std::sync::Arc::new(move |v| sources.batch(&plan, v)),
     }))
 }
@@ -374,6 +380,7 @@ struct Prepared {
 }
 
 fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
+    refuse_outputs_onto_inputs(args)?;
     let schedule = schedule(args)?;
     args.backend.kind().check_available()?;
     // A path that cannot be written is found now, not after the whole run.
@@ -394,6 +401,14 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     };
     let sources = open_sources(&files, args.inputs.objective, args.seed, "")?;
     sources.check(&plan, "").map_err(Failure::usage)?;
+    if sources.drawn_from_seed() && leader {
+        let what = if plan.mode == Mode::Train { "training on" } else { "running" };
+        eprintln_safe!(
+            "note: no --data: {what} tokens drawn from seed {} (random; for checking a plan and measuring speed); \
+             give --data FILE to use a corpus (docs/training.md)",
+            args.seed
+        );
+    }
     if let Some(warning) = shortfall_warning(&sources, &plan).filter(|_| leader) {
         eprintln_safe!("warning: {warning}");
     }
@@ -436,24 +451,46 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     Ok(Prepared { plan, sources, initial, config })
 }
 
+/// An output of the run (--save-weights, --log) that is one of its inputs (the model, a data file,
+/// --weights) would destroy it, or be read back as data: a usage error naming both.
+fn refuse_outputs_onto_inputs(args: &RunArgs) -> Result<(), Failure> {
+    let inputs = [
+        Some(&args.input),
+        args.data.as_ref(),
+        args.inputs.segments.as_ref(),
+        args.inputs.labels.as_ref(),
+        args.val_data.as_ref(),
+        args.val_segments.as_ref(),
+        args.val_labels.as_ref(),
+        args.weights.as_ref(),
+    ];
+    let outputs = [("--save-weights", args.save_weights.as_ref()), ("--log", args.log.as_ref())];
+    for (flag, output) in outputs.into_iter().filter_map(|(f, o)| o.map(|o| (f, o))) {
+        for input in inputs.iter().flatten() {
+            super::refuse_overwriting_input(output, input, flag)?;
+        }
+    }
+    Ok(())
+}
+
 fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
     let progress = Progress::new(&job.plan, args.steps, args.json)
         .with_micro_batches(args.accum)
         .with_log(open_log(args)?)
         .starting_at(job.config.start_step);
     let batches = |step| job.sources.batch(&job.plan, step);
-    stop_gracefully(args, job);
+    stop_gracefully(job);
     let output = optimus::runtime::cpu::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output)
 }
 
 /// Makes the first Ctrl-C or SIGTERM of a training run finish the current step (and write a checkpoint)
 /// rather than kill it; a second one stops at once.
-fn stop_gracefully(args: &RunArgs, job: &Prepared) {
+fn stop_gracefully(job: &Prepared) {
     if job.config.stop.is_none() {
         return;
     }
-    let then = if args.checkpoint.checkpoint_dir.is_some() { ", writing a checkpoint," } else { "" };
+    let then = if job.config.checkpoints.is_some() { ", writing a checkpoint," } else { "" };
     optimus::io::output::graceful_stop(&format!(
         "interrupt: finishing the current step{then} then stopping (interrupt again to stop at once)"
     ));
@@ -480,7 +517,8 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
     if interrupted {
         let steps_done = last.map_or(0, |r| r.step + 1);
         let checkpoint = last.and_then(|r| r.checkpoint.as_deref());
-        eprintln_safe!("{}", super::resume::interrupted_message(args, steps_done, checkpoint));
+        let folder = job.config.checkpoints.as_ref().map(|c| c.dir.as_path());
+        eprintln_safe!("{}", super::resume::interrupted_message(args, steps_done, checkpoint, folder));
         return Err(INTERRUPTED.into());
     }
     Ok(())
@@ -561,7 +599,7 @@ mod multi_process {
         let batches = |step| job.sources.batch(&job.plan, step);
         let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
-        stop_gracefully(args, &job);
+        stop_gracefully(&job);
         let result = mpi.run(&job.plan, &job.config, &batches, &job.initial, options, &on_step);
         match result.and_then(|output| output.map_or(Ok(()), |output| finish(args, &job, &progress, &output))) {
             Ok(()) => ExitCode::SUCCESS,

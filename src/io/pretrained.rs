@@ -129,6 +129,8 @@ pub fn save_pretrained(
     let cannot = |e: String| format!("cannot save weights to `{}`: {e}", dir.display());
     let tensors = f32_tensors(plan, params).map_err(|problems| cannot(format!("\n{}", bullet_list(&problems))))?;
     std::fs::create_dir_all(dir).map_err(|e| cannot(e.to_string()))?;
+    // The old index goes first: from here on the folder never holds an index of an old set of shards.
+    remove_weight_files(dir, &[]).map_err(cannot)?;
     let groups = shard_groups(tensors.iter().map(|(_, t)| t.byte_len()), max_shard_bytes);
     let count = groups.len();
     let name = |k: usize| {
@@ -160,7 +162,33 @@ pub fn save_pretrained(
             .map_err(|e| format!("cannot write `{}`: {}", e.path().display(), e.reason()))?;
         files.push(INDEX_FILE.to_string());
     }
+    remove_weight_files(dir, &files).map_err(cannot)?;
     Ok(Saved { files, bytes: total })
+}
+
+/// Whether a file name is one `save_pretrained` writes: `model.safetensors`, a numbered shard
+/// `model-00001-of-00004.safetensors`, or the index.
+fn is_weight_file(name: &str) -> bool {
+    let numbered = |rest: &str| {
+        let Some((k, n)) = rest.strip_suffix(".safetensors").and_then(|r| r.split_once("-of-")) else { return false };
+        [k, n].iter().all(|d| d.len() == 5 && d.bytes().all(|b| b.is_ascii_digit()))
+    };
+    name == SINGLE_FILE || name == INDEX_FILE || name.strip_prefix("model-").is_some_and(numbered)
+}
+
+/// Removes the weight files of an earlier save from `dir`, but those in `keep`: with no `keep`, only the
+/// index (so that no index names shards of two saves); after a save, every old shard and single file
+/// the new set does not name. A link is removed itself, never what it points to.
+fn remove_weight_files(dir: &Path, keep: &[String]) -> Result<(), String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| e.to_string())?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let stale = if keep.is_empty() { name == INDEX_FILE } else { is_weight_file(&name) && !keep.contains(&name) };
+        if stale && entry.file_type().is_ok_and(|t| !t.is_dir()) {
+            std::fs::remove_file(entry.path()).map_err(|e| format!("cannot remove the stale `{name}`: {e}"))?;
+        }
+    }
+    Ok(())
 }
 
 /// Consecutive groups of tensors (by index) of at most `max` bytes each; a tensor larger than `max` alone.

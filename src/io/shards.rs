@@ -336,19 +336,42 @@ pub struct CheckpointWriter {
 }
 
 impl CheckpointWriter {
-    /// Creates DIR (if needed) and the staging directory `DIR/step-XXXXXXXX.tmp`. The name is
-    /// deterministic, so every rank computes it, and `begin` may be called by every device or rank.
-    /// Stale staging directories of later steps (a run that got further and died) are removed here;
-    /// those of earlier steps by [`CheckpointWriter::commit`], which alone knows that no other commit
-    /// is in flight.
-    pub fn begin(dir: &Path, step: u64) -> Result<CheckpointWriter, String> {
+    /// Creates DIR (if needed) and a fresh staging directory `DIR/step-XXXXXXXX.tmp`, then opens it as
+    /// [`CheckpointWriter::begin`] does: for a single process that writes every device itself.
+    pub fn create(dir: &Path, step: u64) -> Result<CheckpointWriter, String> {
+        CheckpointWriter::prepare(dir, step)?;
+        CheckpointWriter::begin(dir, step)
+    }
+
+    /// Creates DIR (if needed) and a fresh staging directory `DIR/step-XXXXXXXX.tmp`, by one process
+    /// before every device calls [`CheckpointWriter::begin`]. Whatever has that name already (a
+    /// staging directory a failed run left, or a link planted there) is removed, never followed or
+    /// reused, and so are the staging directories of later steps (a run that got further and died);
+    /// those of earlier steps are removed by [`CheckpointWriter::commit`]. The new directory is
+    /// created by this process, writable by its owner alone, so nothing can be planted inside it.
+    pub fn prepare(dir: &Path, step: u64) -> Result<(), String> {
         let cannot =
             |what: &Path, e: std::io::Error| format!("cannot create checkpoint directory `{}`: {e}", what.display());
         std::fs::create_dir_all(dir).map_err(|e| cannot(dir, e))?;
-        remove_stale_staging(dir, |other| other > step);
-        let staging = dir.join(format!("{}{STAGING_SUFFIX}", step_dir_name(step)));
-        std::fs::create_dir_all(&staging).map_err(|e| cannot(&staging, e))?;
-        Ok(CheckpointWriter { dir: dir.to_path_buf(), step, staging })
+        remove_stale_staging(dir, |other| other >= step);
+        let staging = staging_dir(dir, step);
+        let mut builder = std::fs::DirBuilder::new();
+        #[cfg(unix)]
+        std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o755);
+        builder.create(&staging).map_err(|e| cannot(&staging, e))
+    }
+
+    /// The staging directory of checkpoint `step` in DIR, made by [`CheckpointWriter::prepare`]: it
+    /// must be a directory itself, not a link to one. Called by every device or rank.
+    pub fn begin(dir: &Path, step: u64) -> Result<CheckpointWriter, String> {
+        let staging = staging_dir(dir, step);
+        match std::fs::symlink_metadata(&staging) {
+            Ok(meta) if meta.is_dir() => Ok(CheckpointWriter { dir: dir.to_path_buf(), step, staging }),
+            Ok(_) => {
+                Err(format!("`{}` is not a directory made by this run (a link?); not writing there", staging.display()))
+            }
+            Err(e) => Err(format!("cannot open the checkpoint staging directory `{}`: {e}", staging.display())),
+        }
     }
 
     /// The directory the files are written into.
@@ -631,10 +654,14 @@ fn check_written_size(staging: &Path, sidecar: &Sidecar) -> Result<(), String> {
 
 // ---- files and directories -----------------------------------------------------------------------
 
-/// Writes a file and syncs it to disk.
+/// Writes a new file (never over one that exists, never through a link) and syncs it to disk.
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), String> {
     let cannot = |e: std::io::Error| format!("cannot write `{}`: {e}", path.display());
-    let mut file = File::create(path).map_err(cannot)?;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NOFOLLOW);
+    let mut file = options.open(path).map_err(cannot)?;
     file.write_all(bytes).map_err(cannot)?;
     file.sync_all().map_err(cannot)
 }
@@ -663,19 +690,37 @@ fn sync_dir(dir: &Path) -> Result<(), String> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| format!("cannot sync directory `{}`: {e}", dir.display()))
 }
 
-/// Removes a file or a directory tree; one already gone is fine.
+/// Removes a file or a directory tree; one already gone is fine. A link is removed itself, never what
+/// it points to (and `remove_dir_all` follows no link inside the tree).
 fn remove_any(path: &Path) -> std::io::Result<()> {
-    let removed = if path.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
+    let removed = match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) => Err(e),
+    };
     match removed {
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
         other => other,
     }
 }
 
-/// Removes a checkpoint directory: its manifest first, so that it stops being a checkpoint at once.
+/// Removes a checkpoint directory: its manifest first, so that it stops being a checkpoint at once. A
+/// link in its place is removed itself, and nothing is removed through it.
 fn remove_checkpoint(path: &Path) -> std::io::Result<()> {
-    remove_any(&path.join(MANIFEST))?;
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+        remove_any(&path.join(MANIFEST))?;
+    }
     remove_any(path)
+}
+
+/// `DIR/step-XXXXXXXX.tmp`, where checkpoint `step` is written before it is renamed into place.
+fn staging_dir(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("{}{STAGING_SUFFIX}", step_dir_name(step)))
+}
+
+/// Whether something (a file, a directory or a link, dangling or not) has this name.
+fn occupied(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
 }
 
 /// The entries of DIR named `step-N` + `suffix`, with their steps.
@@ -716,21 +761,21 @@ fn install(staging: &Path, final_dir: &Path) -> Result<(), String> {
     replaced.push(REPLACED_SUFFIX);
     let replaced = PathBuf::from(replaced);
     let cannot = |what: &str, e: std::io::Error| format!("cannot {what} `{}`: {e}", final_dir.display());
-    if replaced.exists() {
-        if final_dir.exists() {
+    if occupied(&replaced) {
+        if occupied(final_dir) {
             remove_checkpoint(&replaced).map_err(|e| cannot("clean up an old copy of", e))?;
         } else {
             std::fs::rename(&replaced, final_dir).map_err(|e| cannot("restore", e))?;
         }
     }
     let parent = final_dir.parent().unwrap_or(Path::new("."));
-    if final_dir.exists() {
+    if occupied(final_dir) {
         std::fs::rename(final_dir, &replaced).map_err(|e| cannot("move away the checkpoint", e))?;
         sync_dir(parent)?;
     }
     std::fs::rename(staging, final_dir).map_err(|e| cannot("install the checkpoint", e))?;
     sync_dir(parent)?;
-    if replaced.exists() {
+    if occupied(&replaced) {
         remove_checkpoint(&replaced).map_err(|e| cannot("remove the replaced copy of", e))?;
     }
     Ok(())
@@ -746,6 +791,51 @@ fn prune(dir: &Path, keep: u64, current: u64) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The lock file of a checkpoint folder (see [`lock_checkpoint_dir`]).
+const LOCK_FILE: &str = ".optimusc.lock";
+
+/// An exclusive lock on a checkpoint folder, held while a run writes checkpoints into it. It is
+/// released when dropped, or when the process ends, however it ends (an advisory `flock`).
+#[derive(Debug)]
+pub struct CheckpointLock {
+    _file: File,
+}
+
+/// Creates DIR if needed and locks it for this run through `DIR/.optimusc.lock` (which records the
+/// holder's pid). A folder another run holds is refused, naming that run's pid, so two runs never
+/// write, prune or replace each other's checkpoints. The lock file is opened without following a link.
+pub fn lock_checkpoint_dir(dir: &Path) -> Result<CheckpointLock, String> {
+    let path = dir.join(LOCK_FILE);
+    let cannot = |e: std::io::Error| format!("cannot lock the checkpoint folder through `{}`: {e}", path.display());
+    std::fs::create_dir_all(dir).map_err(cannot)?;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true).create(true).truncate(false);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NOFOLLOW);
+    let mut file = options.open(&path).map_err(cannot)?;
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a file descriptor this function owns; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() != ErrorKind::WouldBlock {
+                return Err(cannot(error));
+            }
+            let mut holder = String::new();
+            let _ = (&mut file).take(32).read_to_string(&mut holder);
+            let holder = holder.trim().parse::<u32>().map_or("an unknown pid".to_string(), |pid| format!("pid {pid}"));
+            return Err(format!(
+                "checkpoint folder `{}` is in use by another run ({holder}); give each run a folder of its own, \
+                 or wait for that run to end",
+                dir.display()
+            ));
+        }
+    }
+    file.set_len(0).and_then(|()| write!(file, "{}", std::process::id())).map_err(cannot)?;
+    Ok(CheckpointLock { _file: file })
 }
 
 // ---- reading -------------------------------------------------------------------------------------
@@ -964,17 +1054,30 @@ impl Checkpoint {
         targets.iter().map(|t| self.fill_one(&files, t)).collect()
     }
 
+    /// Copies a target's pieces into it. Every piece's data is found in its file before the target is
+    /// allocated (so a manifest's shapes cannot make memory its files do not back), and an element that
+    /// two pieces both give is an error (so a duplicated piece cannot stand in for a missing one).
     fn fill_one(&self, files: &BTreeMap<&str, SafeTensors<'_>>, target: &Target) -> Result<Tensor, String> {
+        let datas =
+            target.transfers.iter().map(|t| self.piece_data(files, t.piece)).collect::<Result<Vec<_>, String>>()?;
         let dst_shape = usize_shape(&target.shape);
-        let mut values = vec![0f32; dst_shape.iter().product()];
+        let n = dst_shape.iter().product::<usize>();
+        let mut values = vec![0f32; n];
+        let mut seen = vec![0u64; n.div_ceil(64)];
         let mut filled = 0u64;
-        for transfer in &target.transfers {
-            let data = self.piece_data(files, transfer.piece)?;
+        for (transfer, data) in target.transfers.iter().zip(datas) {
             let src_shape = usize_shape(&transfer.piece.shape());
             filled += for_each_run(&transfer.pairs, &src_shape, &dst_shape, |s, d, n| {
                 let (Some(src), Some(dst)) = (data.get(s * 4..(s + n) * 4), values.get_mut(d..d + n)) else {
                     return Err(format!("a piece of `{}` is out of range", target.name));
                 };
+                if !mark_once(&mut seen, d, n) {
+                    return Err(format!(
+                        "checkpoint `{}` is damaged: two pieces of `{}` give the same elements",
+                        self.dir.display(),
+                        target.name
+                    ));
+                }
                 for (v, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
                     *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 }
@@ -1062,6 +1165,21 @@ fn verified_map(path: &Path, record: &FileRecord) -> Result<memmap2::Mmap, Strin
     Ok(map)
 }
 
+/// The most pieces a manifest may give one tensor (a 1024 x 1024 mesh writes one per device).
+const MAX_PIECES: usize = 1 << 20;
+
+/// Marks elements `at .. at + n` in the bit set `seen`; false when one was marked already.
+fn mark_once(seen: &mut [u64], at: usize, n: usize) -> bool {
+    for k in at..at + n {
+        let (word, bit) = (k / 64, 1u64 << (k % 64));
+        match seen.get_mut(word) {
+            Some(w) if *w & bit == 0 => *w |= bit,
+            _ => return false,
+        }
+    }
+    true
+}
+
 /// Checks a manifest's inner consistency, so that reading can trust its numbers.
 fn check_manifest(m: &Manifest) -> Result<(), String> {
     if m.format_version != CHECKPOINT_FORMAT_VERSION {
@@ -1093,7 +1211,11 @@ fn check_tensor(m: &Manifest, t: &TensorRecord) -> Result<(), String> {
     if t.dtype != DTYPE {
         return Err(format!("dtype `{}` (only {DTYPE} is written)", printable(&t.dtype)));
     }
-    t.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).ok_or("its shape overflows")?;
+    let total = t.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).ok_or("its shape overflows")?;
+    if t.pieces.len() > MAX_PIECES {
+        return Err(format!("{} pieces (at most {MAX_PIECES} are read)", t.pieces.len()));
+    }
+    let mut covered = 0u64;
     for piece in &t.pieces {
         if !m.files.contains_key(&piece.file) {
             return Err(format!("a piece is in `{}`, which the manifest does not list", printable(&piece.file)));
@@ -1104,6 +1226,16 @@ fn check_tensor(m: &Manifest, t: &TensorRecord) -> Result<(), String> {
         for (intervals, &size) in piece.slice.iter().zip(&t.shape) {
             check_intervals(intervals, size)?;
         }
+        let elements = piece.slice.iter().map(|dim| dim.iter().map(|[_, len]| len).sum::<u64>()).product::<u64>();
+        covered = covered.checked_add(elements).ok_or("its pieces overflow")?;
+    }
+    // Each piece is inside the shape; equal counts and no overlap (checked as pieces are copied) mean the
+    // pieces tile the tensor exactly.
+    if covered != total {
+        return Err(format!(
+            "its pieces hold {covered} elements and its shape {} has {total}: pieces must tile a tensor exactly",
+            shape_text(&t.shape)
+        ));
     }
     Ok(())
 }

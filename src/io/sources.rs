@@ -110,6 +110,12 @@ impl Sources {
         Ok(Sources { tokens, segments, labels, objective, seed })
     }
 
+    /// Whether the tokens are drawn from the seed (no `--data`): random tokens, for checking a plan and
+    /// measuring speed, not for training a model.
+    pub fn drawn_from_seed(&self) -> bool {
+        self.tokens.is_none()
+    }
+
     /// Checks that every input of `plan` has a role and a source, and that they are integer tensors of
     /// the same [batch, seq] shape; returns (batch, seq).
     pub fn check(&self, plan: &Plan, flag: &str) -> Result<(u64, u64), UsageError> {

@@ -69,6 +69,8 @@ pub struct Checkpointing {
     pub keep: Option<u64>,
     /// What the run was (seed, optimizer, data...), stored in each manifest with the data position.
     pub training: serde_json::Value,
+    /// The folder's lock, held by the process that commits checkpoints until the run ends.
+    pub lock: Option<std::sync::Arc<crate::io::shards::CheckpointLock>>,
 }
 
 /// Validation batch v of a run, as logical tensors by input name.
@@ -688,6 +690,13 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         micro_batches: u64,
     ) -> Result<Option<std::path::PathBuf>, String> {
         let plan = self.plan;
+        // Device (0, 0) makes a fresh staging directory; every device writes into it once it exists.
+        let prepared =
+            if self.coords().is_origin() { CheckpointWriter::prepare(&checkpoints.dir, step) } else { Ok(()) };
+        if self.any_device(prepared.is_err())? {
+            prepared?;
+            return Err("device (0, 0) could not prepare the checkpoint".into());
+        }
         let writer = CheckpointWriter::begin(&checkpoints.dir, step)?;
         let mut tensors = Vec::with_capacity(plan.params.len());
         for p in &plan.params {
