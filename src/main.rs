@@ -1,6 +1,6 @@
 //! The `optimusc` command line: the only place that prints.
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use optimus::diag::group_digits;
 use optimus::elab::Override;
 use std::path::PathBuf;
@@ -135,7 +135,11 @@ const STACK_BYTES: usize = 256 * 1024 * 1024;
 
 fn main() -> ExitCode {
     optimus::runtime::startup::mark("process started");
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let (Command::Run(args), Some(run)) = (&mut cli.command, matches.subcommand_matches("run")) {
+        args.given = cli::recorded::given_flags(run);
+    }
     let worker = std::thread::Builder::new().stack_size(STACK_BYTES).spawn(move || run(cli));
     let Ok(worker) = worker else { return internal_error() };
     // A run whose device thread hangs is given up by the runtime (runtime::watchdog): this thread

@@ -349,3 +349,45 @@ fn checkpoints_of_two_histories_never_mix_and_resume_keeps_its_folder() {
     train(TWO_BY_TWO, 6, &["--resume", text(&ckpt)]);
     assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 6, "the resumed run checkpointed into its folder");
 }
+
+/// A run resumed with nothing but `--resume` (and its mesh) continues as it was trained: the data file,
+/// the optimizer, the schedule, clipping, accumulation, the seed, the `--set` values and `--steps` come
+/// from the checkpoint, and the records and weights are those of the run that never stopped. A flag
+/// given with another value is refused, naming both, unless `--allow-changes`.
+#[test]
+fn a_run_resumed_without_its_flags_continues_as_it_was_trained() {
+    let dir = scratch("no-flags");
+    let data = dir.join("tokens.u16");
+    let ids: Vec<u8> = (0..8192u32).map(|i| ((i * 7 + i / 13) % 101) as u16).flat_map(u16::to_le_bytes).collect();
+    std::fs::write(&data, ids).expect("tokens");
+    let whole = dir.join("whole.safetensors");
+    let uninterrupted = train(TWO_BY_TWO, 6, &["--data", text(&data), "--save-weights", text(&whole)]);
+    let ckpt = dir.join("ckpt");
+    train(TWO_BY_TWO, 6, &["--data", text(&data), "--checkpoint-dir", text(&ckpt), "--checkpoint-every", "3"]);
+    let after_3 = ckpt.join("step-00000003");
+    let resumed = dir.join("resumed.safetensors");
+    let again = dir.join("again");
+    let base = ["run", "examples/tiny.opt", "--json", "--mesh", "2x2", "--resume", text(&after_3)];
+    let out = optimusc(&[&base[..], &["--checkpoint-dir", text(&again), "--save-weights", text(&resumed)]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("continuing with the checkpoint's") && stderr.contains("--data"), "{stderr}");
+    assert!(!stderr.contains("no --data"), "the recorded data file is used: {stderr}");
+    assert_eq!(records(&String::from_utf8_lossy(&out.stdout)), uninterrupted[3..], "records bit for bit");
+    assert_eq!(read_weights(&resumed), read_weights(&whole), "final weights bit-identical");
+    let changed = optimusc(&[&base[..], &["--checkpoint-dir", text(&dir.join("changed")), "--lr", "0.02"]].concat());
+    let stderr = String::from_utf8_lossy(&changed.stderr);
+    assert_eq!(changed.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--lr 0.02") && stderr.contains("0.01") && stderr.contains("--allow-changes"), "{stderr}");
+    let same_value = optimusc(&[&base[..], &["--checkpoint-dir", text(&dir.join("same")), "--lr", "1e-2"]].concat());
+    assert!(
+        same_value.status.success(),
+        "the same value spelled otherwise: {}",
+        String::from_utf8_lossy(&same_value.stderr)
+    );
+    let allowed_dir = dir.join("allowed");
+    let allowed = [&base[..], &["--checkpoint-dir", text(&allowed_dir), "--lr", "0.02", "--allow-changes"]].concat();
+    let out = optimusc(&allowed);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_ne!(records(&String::from_utf8_lossy(&out.stdout)), uninterrupted[3..], "the new rate is used");
+}

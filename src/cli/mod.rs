@@ -8,6 +8,7 @@ pub mod flags;
 pub mod mask;
 pub mod plan;
 pub mod plot;
+pub mod recorded;
 pub mod resume;
 pub mod run;
 pub mod simulate;

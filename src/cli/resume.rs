@@ -32,6 +32,11 @@ pub struct CheckpointArgs {
     /// checkpoint resumed; a folder holding checkpoints of later updates is refused.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// With --resume: let flags given on the command line differ from those the checkpoint recorded (the
+    /// data files, the optimizer and its settings, the schedule, clipping, --set values). Without it, a
+    /// resumed run takes every recorded flag it does not give and refuses one it gives with another value.
+    #[arg(long, requires = "resume")]
+    pub allow_changes: bool,
 }
 
 /// What the checkpoint flags ask of a run.
@@ -165,6 +170,7 @@ fn training_record(args: &RunArgs, plan: &Plan) -> serde_json::Value {
         "warmup_steps": args.warmup_steps,
         "min_lr": args.min_lr,
         "clip_grad_norm": args.clip_grad_norm,
+        "flags": args.given,
         "must_match": {
             "seed": args.seed,
             "accum": args.accum,

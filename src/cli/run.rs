@@ -129,6 +129,10 @@ pub struct RunArgs {
     /// faster for a model. Ignored when running on threads.
     #[arg(long, value_enum, default_value_t = PlacementArg::RowMajor)]
     pub placement: PlacementArg,
+    /// The recorded kinds of flags given on the command line, as typed (see `recorded`); what a
+    /// checkpoint stores so that `--resume` can restore them.
+    #[arg(skip)]
+    pub given: super::recorded::GivenFlags,
 }
 
 /// `--lr-schedule` values.
@@ -351,6 +355,10 @@ pub enum DataDtype {
 }
 
 pub fn run(args: &RunArgs) -> ExitCode {
+    let args = &match super::recorded::with_recorded_flags(args) {
+        Ok(args) => args,
+        Err(failure) => return failure.exit(),
+    };
     if let Some(launch) = optimus::runtime::launch::detect().filter(|l| l.is_multi_process()) {
         return multi_process::run(args, &launch);
     }

@@ -1,0 +1,145 @@
+//! The training flags a checkpoint records, so that `--resume` continues the same run without them: the
+//! data files, the optimizer and its settings, the schedule, clipping, the seed, accumulation and the
+//! `--set` values (and, as defaults only, --steps and the validation flags). A resumed run takes every
+//! recorded flag its command line leaves out, and refuses one it gives with another value (exit 2,
+//! naming both) unless `--allow-changes`.
+
+use super::Failure;
+use super::run::RunArgs;
+use clap::parser::ValueSource;
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+
+/// Flags that define the training: a resumed run that gives another value is refused.
+const DEFINING: &[&str] = &[
+    "data",
+    "data_dtype",
+    "segments",
+    "labels",
+    "objective",
+    "lr",
+    "lr_schedule",
+    "warmup_steps",
+    "min_lr",
+    "clip_grad_norm",
+    "optimizer",
+    "weight_decay",
+    "momentum",
+    "beta1",
+    "beta2",
+    "eps",
+    "seed",
+    "accum",
+    "set",
+];
+
+/// Flags a resumed run takes from the checkpoint when it gives none, and may change freely.
+const DEFAULTED: &[&str] = &["steps", "val_data", "val_segments", "val_labels", "eval_every", "eval_batches"];
+
+/// The flags of each kind given on a command line, by argument id: their values as typed.
+pub type GivenFlags = BTreeMap<String, Vec<String>>;
+
+/// The recorded kinds of flags that `matches` (of `optimusc run`) has from the command line.
+pub fn given_flags(matches: &clap::ArgMatches) -> GivenFlags {
+    let mut given = GivenFlags::new();
+    for &id in DEFINING.iter().chain(DEFAULTED) {
+        if matches.value_source(id) != Some(ValueSource::CommandLine) {
+            continue;
+        }
+        let raw = matches.get_raw(id).map(|values| values.map(|v| v.to_string_lossy().into_owned()).collect());
+        given.insert(id.to_string(), raw.unwrap_or_default());
+    }
+    given
+}
+
+/// `optimusc run`'s flags alone, for parsing a run's command line again.
+#[derive(clap::Parser, Debug)]
+#[command(no_binary_name = true)]
+struct RunLine {
+    #[command(flatten)]
+    args: RunArgs,
+}
+
+fn flag(id: &str) -> String {
+    format!("--{}", id.replace('_', "-"))
+}
+
+/// `--flag v` for each of the values.
+fn flag_words(id: &str, values: &[String]) -> Vec<OsString> {
+    values.iter().flat_map(|v| [OsString::from(flag(id)), OsString::from(v)]).collect()
+}
+
+/// What a flag's values parse to, as text: two spellings of one value (`3e-3`, `0.003`) compare equal.
+fn parsed(args: &RunArgs, id: &str, values: &[String]) -> Option<String> {
+    let mut words = vec![args.input.clone().into_os_string()];
+    words.extend(flag_words(id, values));
+    <RunLine as clap::Parser>::try_parse_from(words).ok().map(|line| format!("{:?}", line.args))
+}
+
+/// The words of this process's `run` command line (after the subcommand).
+fn run_words() -> Vec<OsString> {
+    let words: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let start = words.iter().position(|w| w == "run").map_or(0, |k| k + 1);
+    words[start..].to_vec()
+}
+
+/// For a run with `--resume`: the run with every flag the checkpoint recorded that this command line
+/// does not give, after refusing a given defining flag whose value differs from the recorded one
+/// (unless `--allow-changes`). Without `--resume`, or for a checkpoint that recorded no flags (or
+/// cannot be opened: `--resume` reports that), the run as it is.
+pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
+    let Some(path) = &args.checkpoint.resume else { return Ok(args.clone()) };
+    let Ok(checkpoint) = optimus::io::shards::Checkpoint::open(path) else { return Ok(args.clone()) };
+    let recorded: GivenFlags = serde_json::from_value(checkpoint.training()["flags"].clone()).unwrap_or_default();
+    let changes = changed_flags(args, &recorded);
+    if !changes.is_empty() && !args.checkpoint.allow_changes {
+        return Err(Failure::usage(format!(
+            "--resume: `{}` was trained with other settings: {}; drop the flags to continue as it was trained, \
+             or add --allow-changes to change them on purpose",
+            checkpoint.dir().display(),
+            changes.join(", ")
+        )));
+    }
+    let missing: Vec<(&String, &Vec<String>)> = recorded
+        .iter()
+        .filter(|(id, _)| DEFINING.contains(&id.as_str()) || DEFAULTED.contains(&id.as_str()))
+        .filter(|(id, _)| !args.given.contains_key(*id))
+        .collect();
+    if missing.is_empty() {
+        return Ok(args.clone());
+    }
+    let mut words = run_words();
+    for (id, values) in &missing {
+        words.extend(flag_words(id, values));
+    }
+    let line = <RunLine as clap::Parser>::try_parse_from(words)
+        .map_err(|e| Failure::usage(format!("--resume: the flags the checkpoint recorded do not parse: {e}")))?;
+    let mut resumed = line.args;
+    resumed.given = args.given.clone();
+    resumed.given.extend(missing.iter().map(|(id, values)| ((*id).clone(), (*values).clone())));
+    let taken: Vec<String> = missing.iter().map(|(id, values)| format!("{} {}", flag(id), values.join(" "))).collect();
+    if optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0) {
+        eprintln_safe!("note: --resume: continuing with the checkpoint's {}", taken.join(", "));
+    }
+    Ok(resumed)
+}
+
+/// The defining flags given on this command line with another value than the checkpoint recorded.
+fn changed_flags(args: &RunArgs, recorded: &GivenFlags) -> Vec<String> {
+    let mut changes = Vec::new();
+    for (id, theirs) in recorded.iter().filter(|(id, _)| DEFINING.contains(&id.as_str())) {
+        let Some(mine) = args.given.get(id) else { continue };
+        if parsed(args, id, mine) != parsed(args, id, theirs) {
+            changes.push(format!("{} {} (the checkpoint has {})", flag(id), mine.join(" "), theirs.join(" ")));
+        }
+    }
+    if recorded.is_empty() {
+        return changes;
+    }
+    for (id, mine) in args.given.iter().filter(|(id, _)| DEFINING.contains(&id.as_str())) {
+        if !recorded.contains_key(id) && parsed(args, id, mine) != parsed(args, id, &[]) {
+            changes.push(format!("{} {} (the checkpoint has the default)", flag(id), mine.join(" ")));
+        }
+    }
+    changes
+}
