@@ -125,7 +125,7 @@ def make_model(seed: int, heads: int, ffn: int) -> BertForMaskedLM:
         layer_norm_eps=EPS,
         initializer_range=INIT_STD,
         tie_word_embeddings=True,
-        pad_token_id=None,  # no padding row: every embedding row trains, as in optimusc
+        pad_token_id=0,  # [PAD]: its word embedding row gets no gradient from the lookup (bert.opt's padding_idx)
     )
     config._attn_implementation = "eager"
     model = BertForMaskedLM(config).float()
@@ -150,6 +150,7 @@ def make_data(seed: int, workdir: Path) -> tuple[np.ndarray, np.ndarray, np.ndar
     n = 3 * BATCH * SEQ + 37
     tokens = rng.integers(0, VOCAB, size=n, dtype=np.uint16)
     tokens[[5, 77, n - 1]] = VOCAB - 1
+    tokens[[3, 40, 41, n // 2]] = 0  # the padding id, whose lookup gives its row no gradient
     segments = np.zeros(n, dtype=np.uint16)
     start, kind = 0, 0
     while start < n:

@@ -126,8 +126,8 @@ impl Autodiff {
         let op = self.graph[n].op.clone();
         match op {
             Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => {}
-            Op::Embedding => {
-                let d = self.grad_node(Op::EmbeddingGrad, ops[1], n, &[ops[0], g]);
+            Op::Embedding { padding } => {
+                let d = self.grad_node(Op::EmbeddingGrad { padding }, ops[1], n, &[ops[0], g]);
                 self.accumulate(ops[1], d);
             }
             Op::PositionEmbedding => {

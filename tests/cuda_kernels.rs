@@ -172,7 +172,7 @@ fn samples() -> Vec<Kernel> {
         Kernel::Attention { heads: 2, kv_heads: 2, causal: true, fused: true },
         Kernel::AttentionGrad { heads: 2, kv_heads: 2, causal: true, fused: false, wrt: 1 },
         Kernel::EmbeddingLookup { offset, masked: true },
-        Kernel::EmbeddingGrad { offset, masked: true },
+        Kernel::EmbeddingGrad { offset, masked: true, padding: None },
         Kernel::PositionLookup,
         Kernel::PositionGrad,
         Kernel::RowSum,
@@ -790,7 +790,8 @@ fn embedding_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
     let offset = Offset { axis: Some(1), block: 5 };
     let on = |c: Case| c.on(0, 1, Mesh::new(1, 2));
     let lookup = |masked: bool| Kernel::EmbeddingLookup { offset, masked };
-    let grad = |masked: bool| Kernel::EmbeddingGrad { offset, masked };
+    let grad = |masked: bool| Kernel::EmbeddingGrad { offset, masked, padding: None };
+    let padded = |id: u64| Kernel::EmbeddingGrad { offset, masked: true, padding: Some(id) };
     let ids = rng.ints(&[2, 6], 0, 10);
     let local = rng.ints(&[2, 6], 5, 10);
     let bad = Tensor::from_i32(&[3], vec![6, 12, 4]);
@@ -798,7 +799,9 @@ fn embedding_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
         on(Case::new(lookup(true), vec![ids.clone(), rng.tensor(&[5, 4])], &[2, 6, 4])),
         on(Case::new(lookup(false), vec![local.clone(), rng.tensor(&[5, 4])], &[2, 6, 4])),
         on(Case::new(lookup(false), vec![bad.clone(), rng.tensor(&[5, 4])], &[3, 4]).fails()),
-        on(Case::new(grad(true), vec![ids, rng.tensor(&[2, 6, 4])], &[5, 4])),
+        on(Case::new(grad(true), vec![ids.clone(), rng.tensor(&[2, 6, 4])], &[5, 4])),
+        // The padding id's row (global id 7, local row 2 of device (0, 1)) gets nothing.
+        on(Case::new(padded(7), vec![ids, rng.tensor(&[2, 6, 4])], &[5, 4])),
         on(Case::new(grad(false), vec![local, rng.tensor(&[2, 6, 4])], &[5, 4])),
         on(Case::new(grad(false), vec![bad, rng.tensor(&[3, 4])], &[5, 4]).fails()),
         Case::new(Kernel::PositionLookup, vec![rng.tensor(&[8, 4])], &[2, 5, 4]),

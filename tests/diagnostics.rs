@@ -171,8 +171,13 @@ golden!(
 
 golden!(
     too_many_arguments,
-    concat!(prelude!(), "layer wte = embedding(10, hidden, 0.02, 5)\nforward {\n  output y = wte(tokens)\n}\n"),
+    concat!(prelude!(), "layer wte = embedding(10, hidden, 0.02, 5, 1)\nforward {\n  output y = wte(tokens)\n}\n"),
     ["E0103"]
+);
+golden!(
+    padding_index_outside_the_table,
+    concat!(prelude!(), "layer wte = embedding(10, hidden, padding_idx: 10)\nforward {\n  output y = wte(tokens)\n}\n"),
+    ["E0202"]
 );
 golden!(
     missing_argument,

@@ -414,3 +414,57 @@ fn mask_data_refuses_what_it_cannot_mask() {
     assert!(stderr(&out).contains("(vocabulary 8)"), "{}", stderr(&out));
     assert_eq!(read_u16(&labels).len(), 6);
 }
+
+/// Every f32 tensor of a safetensors file, by name.
+fn weights_of(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).expect("saved weights");
+    let file = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            (name, view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+        })
+        .collect()
+}
+
+/// An embedding's padding row (`padding_idx`, torch's) gets no gradient from its lookups on any mesh:
+/// after training on tokens that include the padding id, that row is what it started as, and the rows
+/// of the other ids that occur have moved. An index outside the table is an error at its span.
+#[test]
+fn the_padding_row_of_an_embedding_never_moves_on_any_mesh() {
+    let model = scratch("padding.opt");
+    std::fs::write(
+        &model,
+        "model padded\nconfig {\n  vocab = 36\n  hidden = 8\n  seq = 8\n  batch = 4\n  pad = 3\n}\n\
+         input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\n\
+         layer wte = embedding(vocab, hidden, padding_idx: pad)\nlayer head = linear(hidden, vocab)\n\
+         forward {\n  output loss = cross_entropy(head(wte(tokens)), targets)\n}\n",
+    )
+    .expect("model");
+    let tokens =
+        write_u16("padding.u16", &(0..512u16).map(|i| [3, 1, 7, 3, 12, 30, 3, 5][i as usize % 8]).collect::<Vec<_>>());
+    for mesh in [
+        ["--mesh", "1x1", "--strategy", "none"],
+        ["--mesh", "2x2", "--strategy", "optimus"],
+        ["--mesh", "1x4", "--strategy", "megatron"],
+    ] {
+        let start = scratch(&format!("padding-start-{}.safetensors", mesh[1]));
+        let end = scratch(&format!("padding-end-{}.safetensors", mesh[1]));
+        for (steps, lr, out) in [("1", "0", &start), ("3", "0.5", &end)] {
+            let mut args = vec!["run", text(&model), "--data", text(&tokens), "--optimizer", "sgd", "--lr", lr];
+            args.extend_from_slice(&["--steps", steps, "--save-weights", text(out)]);
+            args.extend_from_slice(&mesh);
+            let run = optimusc(&args);
+            assert!(run.status.success(), "{mesh:?}: {}", stderr(&run));
+        }
+        let (before, after) = (&weights_of(&start)["wte.weight"], &weights_of(&end)["wte.weight"]);
+        let row = |w: &[f32], r: usize| w[r * 8..(r + 1) * 8].to_vec();
+        assert_eq!(row(after, 3), row(before, 3), "{mesh:?}: the padding row moved");
+        for id in [1, 7, 12, 30] {
+            assert_ne!(row(after, id), row(before, id), "{mesh:?}: row {id} did not train");
+        }
+    }
+    let bad = optimusc(&["check", "examples/bert.opt", "--set", "pad=30522"]);
+    assert_eq!(bad.status.code(), Some(1), "{}", stderr(&bad));
+    assert!(stderr(&bad).contains("padding_idx") && stderr(&bad).contains("30522"), "{}", stderr(&bad));
+}

@@ -305,17 +305,19 @@ impl<'f> Elab<'f> {
             LayerKind::RmsNorm => self.instantiate_rms_norm(call, path, span, &mut frame),
             LayerKind::Embedding | LayerKind::PositionEmbedding => {
                 let name = if kind == LayerKind::Embedding { "embedding" } else { "position_embedding" };
-                let sig = Signature { name, params: &["rows", "width", "std"], required: 2 };
+                let sig = Signature { name, params: &["rows", "width", "std", "padding_idx"], required: 2 };
                 let b = self.bind(call, &sig)?;
                 let rows = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame);
                 let width = self.eval_dim(b.get(1).ok_or(Fail::Reported)?, &mut frame);
                 let std = self.optional_std(b.get(2), &mut frame);
-                let shape = vec![rows?, width?];
-                let std = std?;
+                let (rows, width) = (rows?, width?);
+                let padding = self.padding_index(b.get(3), kind, rows.size, &mut frame);
+                let shape = vec![rows, width];
+                let (std, padding) = (std?, padding?);
                 if kind == LayerKind::Embedding {
                     let table =
                         self.new_param(path, "weight", shape, Init::Normal { std }, ParamRole::Embedding, span)?;
-                    Ok(Layer::Embedding { table })
+                    Ok(Layer::Embedding { table, padding })
                 } else {
                     let table = self.new_param(
                         path,
@@ -371,6 +373,33 @@ impl<'f> Elab<'f> {
             d = d.help(format!("`{name}` has no parameters: call it directly in a forward"));
         }
         d
+    }
+
+    /// `padding_idx: p` of an embedding (torch's `padding_idx`): a row in 0..rows whose gradient is
+    /// always zero. Position tables take none.
+    fn padding_index(
+        &mut self,
+        expr: Option<&crate::syntax::ast::Expr>,
+        kind: LayerKind,
+        rows: u64,
+        frame: &mut Frame,
+    ) -> R<Option<u64>> {
+        let Some(e) = expr else { return Ok(None) };
+        if kind != LayerKind::Embedding {
+            return self.fail(
+                Diagnostic::error(Code::E0202, "a position table has no padding row")
+                    .primary(e.span, "`padding_idx` belongs to `embedding`"),
+            );
+        }
+        let index = self.expect_int(e, frame)?;
+        match u64::try_from(index) {
+            Ok(p) if p < rows => Ok(Some(p)),
+            _ => self.fail(
+                Diagnostic::error(Code::E0202, format!("`padding_idx` must name one of the {rows} rows, not {index}"))
+                    .primary(e.span, format!("this is {index}"))
+                    .help(format!("a row index in 0..{rows}, such as the tokenizer's pad id")),
+            ),
+        }
     }
 
     fn optional_std(&mut self, expr: Option<&crate::syntax::ast::Expr>, frame: &mut Frame) -> R<f64> {
@@ -650,14 +679,15 @@ impl<'f> Elab<'f> {
                 let operands = [x, self.param_node(*weight)?];
                 self.add_node(Op::RmsNorm { eps: *eps }, ty, call.span, &scope, &operands).map(Value::Tensor)
             }
-            Layer::Embedding { table, .. } => {
+            Layer::Embedding { table, padding } => {
                 self.expect_int_tensor(x, arg.span)?;
                 let mut ty = self.ty(x).clone();
                 let width = self.params[table.0 as usize].ty.shape[1].clone();
                 ty.dtype = DType::F32;
                 ty.shape.push(width);
                 let operands = [x, self.param_node(*table)?];
-                self.add_node(Op::Embedding, ty, call.span, &scope, &operands).map(Value::Tensor)
+                let op = Op::Embedding { padding: *padding };
+                self.add_node(op, ty, call.span, &scope, &operands).map(Value::Tensor)
             }
             Layer::PositionEmbedding { table, span } => {
                 self.apply_position_embedding(x, *table, arg.span, *span, call, &scope)

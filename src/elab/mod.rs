@@ -94,6 +94,8 @@ pub(crate) enum Layer {
     },
     Embedding {
         table: ParamId,
+        /// The row of the padding id, which gets no gradient.
+        padding: Option<u64>,
     },
     PositionEmbedding {
         table: ParamId,

@@ -23,7 +23,7 @@ use Kind::{Any, Float, Integer};
 fn operands(op: &Op) -> Vec<Kind> {
     match op {
         Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => vec![],
-        Op::Embedding | Op::PositionEmbedding => vec![Integer, Float],
+        Op::Embedding { .. } | Op::PositionEmbedding => vec![Integer, Float],
         Op::Linear { bias, .. } => {
             if *bias {
                 vec![Float; 3]
@@ -54,7 +54,7 @@ fn operands(op: &Op) -> Vec<Kind> {
         | Op::CausalMaskGrad
         | Op::SelectGrad { .. } => vec![Float],
         Op::AttentionGrad { fused, .. } => vec![Float; if *fused { 2 } else { 4 }],
-        Op::EmbeddingGrad => vec![Integer, Float],
+        Op::EmbeddingGrad { .. } => vec![Integer, Float],
         Op::CrossEntropyGrad => vec![Float, Integer, Float],
     }
 }

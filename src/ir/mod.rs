@@ -152,8 +152,12 @@ pub enum Op {
     Param {
         id: ParamId,
     },
-    /// Row lookup: operands (ids, table [rows, width]).
-    Embedding,
+    /// Row lookup: operands (ids, table [rows, width]). `padding`: the row of the padding id, which
+    /// never gets a gradient (torch's `padding_idx`).
+    Embedding {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padding: Option<u64>,
+    },
     /// Rows 0..seq of a position table: operands (ids [.., seq], table [context, width]).
     PositionEmbedding,
     /// x W (+ b): operands (x, weight, bias?). With `transpose_weight`, W is stored [out, in] (a tied embedding).
@@ -274,8 +278,12 @@ pub enum Op {
         heads: u64,
         theta: f64,
     },
-    /// Scatter-add of dY rows into a table: operands (ids, dY); the result has the table's shape.
-    EmbeddingGrad,
+    /// Scatter-add of dY rows into a table: operands (ids, dY); the result has the table's shape. Rows
+    /// of the padding id (`padding`) get nothing.
+    EmbeddingGrad {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padding: Option<u64>,
+    },
     /// Sum of dY over leading dimensions into the first seq rows of a table: operands (dY).
     PositionEmbeddingGrad,
     /// d(loss)/d(logits): operands (logits, targets, dLoss).
@@ -295,7 +303,7 @@ impl Op {
         match self {
             Op::Input { .. } => "input",
             Op::Param { .. } => "param",
-            Op::Embedding => "embedding",
+            Op::Embedding { .. } => "embedding",
             Op::PositionEmbedding => "position_embedding",
             Op::Linear { .. } => "linear",
             Op::LayerNorm { .. } => "layernorm",
@@ -329,7 +337,7 @@ impl Op {
             Op::DropoutGrad { .. } => "dropout_grad",
             Op::AttentionGrad { .. } => "attention_grad",
             Op::RotaryGrad { .. } => "rotary_grad",
-            Op::EmbeddingGrad => "embedding_grad",
+            Op::EmbeddingGrad { .. } => "embedding_grad",
             Op::PositionEmbeddingGrad => "position_embedding_grad",
             Op::CrossEntropyGrad => "cross_entropy_grad",
             Op::CausalMaskGrad => "causal_mask_grad",

@@ -50,6 +50,7 @@ fn show_attrs(op: &Op) -> String {
             }
             if a.is_empty() { String::new() } else { format!(" {{{}}}", a.join(", ")) }
         }
+        Op::Embedding { padding: Some(p) } | Op::EmbeddingGrad { padding: Some(p) } => format!(" {{padding_idx={p}}}"),
         Op::LayerNorm { eps } => format!(" {{eps={eps:e}}}"),
         Op::RmsNorm { eps } | Op::RmsNormGradInput { eps } | Op::RmsNormGradWeight { eps } => {
             format!(" {{eps={eps:e}}}")

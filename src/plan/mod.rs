@@ -425,10 +425,13 @@ pub enum Kernel {
         offset: Offset,
         masked: bool,
     },
-    /// (ids, dy) -> d table: scatter-add of dy rows whose id falls in this device's rows.
+    /// (ids, dy) -> d table: scatter-add of dy rows whose id falls in this device's rows; the rows of
+    /// the padding id (a global id) get nothing.
     EmbeddingGrad {
         offset: Offset,
         masked: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padding: Option<u64>,
     },
     /// (table) -> out[.., p, :] = table[p, :] for p < seq.
     PositionLookup,

@@ -504,8 +504,14 @@ pub fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: 
 
 /// `EmbeddingGrad` (ids, dy) -> d table [rows, width] for a device whose table rows start at `base`: the
 /// scatter-add of dy rows into the rows their ids name, in the order of the ids, a bounded piece of
-/// table rows at a time (rows another device holds are skipped when `masked`, an error otherwise).
-pub fn embedding_grad(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) -> Result<(), String> {
+/// table rows at a time (rows another device holds are skipped when `masked`, an error otherwise; the
+/// rows of the padding id get nothing).
+pub fn embedding_grad(
+    inputs: &[&View],
+    out: &mut ViewMut,
+    (base, masked): (u64, bool),
+    padding: Option<u64>,
+) -> Result<(), String> {
     let [ids, dy] = inputs else { return Err("embedding_grad takes ids and dy".into()) };
     let ids = ids.i32()?;
     let (w, rows) = last_and_rows(out.shape.as_slice());
@@ -520,7 +526,8 @@ pub fn embedding_grad(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bo
         ));
     }
     sum_into_columns(out, &|elements, acc| {
-        for (t, r) in ids.iter().enumerate().filter_map(|(t, &id)| local(id).map(|r| (t, r))) {
+        let kept = ids.iter().enumerate().filter(|(_, id)| !super::cpu::kernels::is_padding(**id, padding));
+        for (t, r) in kept.filter_map(|(t, &id)| local(id).map(|r| (t, r))) {
             let row = r * w..(r + 1) * w;
             let (from, to) = (row.start.max(elements.start), row.end.min(elements.end));
             for k in from..to {

@@ -62,7 +62,7 @@ fn sums_over_the_batch(op: &Op) -> bool {
             | Op::SumToLast
             | Op::LayerNormGradWeight { .. }
             | Op::RmsNormGradWeight { .. }
-            | Op::EmbeddingGrad
+            | Op::EmbeddingGrad { .. }
             | Op::PositionEmbeddingGrad
             | Op::CrossEntropy
     )

@@ -159,7 +159,7 @@ impl Lowerer<'_> {
         let ops = self.operands(n);
         match self.graph[n].op.clone() {
             Op::Input { .. } | Op::Param { .. } => {}
-            Op::Embedding => self.embedding(n, ops[0], ops[1]),
+            Op::Embedding { .. } => self.embedding(n, ops[0], ops[1]),
             Op::PositionEmbedding => self.position_embedding(n, ops[1]),
             Op::Linear { bias, transpose_weight } => self.linear(n, &ops, bias, transpose_weight),
             Op::LayerNorm { eps } => self.layernorm(n, &ops, eps),
@@ -210,7 +210,7 @@ impl Lowerer<'_> {
             Op::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
                 self.attention_grad(n, &ops, Heads { query: heads, kv: kv_heads }, causal, fused, wrt)
             }
-            Op::EmbeddingGrad => self.embedding_grad(n, ops[0], ops[1]),
+            Op::EmbeddingGrad { padding } => self.embedding_grad(n, (ops[0], ops[1]), padding),
             Op::PositionEmbeddingGrad => self.position_embedding_grad(n, ops[0]),
             Op::CrossEntropyGrad => self.cross_entropy_grad(n, &ops),
         }
@@ -370,7 +370,7 @@ impl Lowerer<'_> {
         self.define(n, out, y);
     }
 
-    fn embedding_grad(&mut self, n: NodeIndex, ids: NodeIndex, dy: NodeIndex) {
+    fn embedding_grad(&mut self, n: NodeIndex, (ids, dy): (NodeIndex, NodeIndex), padding: Option<u64>) {
         let Some(table) = self.like_of(n) else { return };
         let tl = match self.param_layout(table) {
             Some(layout) => layout,
@@ -387,7 +387,7 @@ impl Lowerer<'_> {
         let (offset, masked) = self.row_offset(self.norm(tl), local_rows);
         let g = self.node_buffer(n, out, Role::Workspace);
         self.kernel(
-            Kernel::EmbeddingGrad { offset, masked },
+            Kernel::EmbeddingGrad { offset, masked, padding },
             &[ib, dyb],
             g,
             compute("backward of embedding: scatter-add into this device's rows"),

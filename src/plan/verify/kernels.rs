@@ -37,7 +37,7 @@ pub(super) fn check_parameters(
     check_arity(kernel, ops.inputs.len())?;
     match *kernel {
         Kernel::EmbeddingLookup { offset, masked } => check_row_offset(ops.mesh(), offset, masked, ops.input(1)?),
-        Kernel::EmbeddingGrad { offset, masked } => check_row_offset(ops.mesh(), offset, masked, ops.output),
+        Kernel::EmbeddingGrad { offset, masked, .. } => check_row_offset(ops.mesh(), offset, masked, ops.output),
         Kernel::CrossEntropyMax { offset, valid } => check_vocabulary(plan, offset, valid, ops.input(0)?),
         Kernel::CrossEntropyStats { offset, valid } => {
             check_vocabulary(plan, offset, valid, ops.input(0)?)?;

@@ -169,10 +169,10 @@ fn embedding_gradients_and_lookups_agree() {
     let ids: Vec<i32> = (0..tokens).map(|t| (mix64(t) % (vocab + 200)) as i32).collect();
     let ids_op = || Operand::I32(vec![tokens / 4, 4], ids.clone());
     // Ids past this device's rows are skipped when masked.
-    let masked = Kernel::EmbeddingGrad { offset: Offset::ZERO, masked: true };
+    let masked = Kernel::EmbeddingGrad { offset: Offset::ZERO, masked: true, padding: None };
     same_bits(&masked, &[ids_op(), bf16_of(25, &[tokens / 4, 4, width])], &[vocab, width], 0);
     let in_range: Vec<i32> = ids.iter().map(|&id| id % vocab as i32).collect();
-    let unmasked = Kernel::EmbeddingGrad { offset: Offset::ZERO, masked: false };
+    let unmasked = Kernel::EmbeddingGrad { offset: Offset::ZERO, masked: false, padding: None };
     let in_range_op = Operand::I32(vec![tokens / 4, 4], in_range);
     same_bits(&unmasked, &[in_range_op, bf16_of(26, &[tokens / 4, 4, width])], &[vocab, width], 0);
 }

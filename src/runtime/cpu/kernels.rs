@@ -70,7 +70,9 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         Kernel::Rotary { heads, theta } => rotary(inputs, out, heads, theta, Rotation::Forward),
         Kernel::RotaryGrad { heads, theta } => rotary(inputs, out, heads, theta, Rotation::Backward),
         Kernel::EmbeddingLookup { offset, masked } => embedding_lookup(inputs, out, offset.at(ctx.coords), masked),
-        Kernel::EmbeddingGrad { offset, masked } => embedding_grad(inputs, out, offset.at(ctx.coords), masked),
+        Kernel::EmbeddingGrad { offset, masked, padding } => {
+            embedding_grad(inputs, out, (offset.at(ctx.coords), masked), padding)
+        }
         Kernel::PositionLookup => position_lookup(inputs, out),
         Kernel::PositionGrad => position_grad(inputs, out),
         Kernel::RowSum => row_sum(inputs, out),
@@ -973,7 +975,13 @@ fn lookup_rows<T: Copy + Default>(
     Ok(())
 }
 
-fn embedding_grad(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) -> Result<(), String> {
+/// The rows of the padding id (`padding`, a global id) get nothing.
+fn embedding_grad(
+    inputs: &[&View],
+    out: &mut ViewMut,
+    (base, masked): (u64, bool),
+    padding: Option<u64>,
+) -> Result<(), String> {
     let [ids, dy] = args(inputs)?;
     let (rows, w) = table_dims(&out.as_view(), "the output")?;
     let (idv, dyv) = (ints(ids, "the ids")?, floats(dy, "dy")?);
@@ -983,6 +991,9 @@ fn embedding_grad(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) 
     let g = floats_mut(out)?;
     g.fill(0.0);
     for (src, &id) in rows_of(dyv, w).zip(idv) {
+        if is_padding(id, padding) {
+            continue;
+        }
         match local_row(id, base, rows) {
             Some(r) => {
                 for (g, &d) in g[r * w..(r + 1) * w].iter_mut().zip(src) {
@@ -994,6 +1005,11 @@ fn embedding_grad(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) 
         }
     }
     Ok(())
+}
+
+/// Whether token `id` is the padding id, whose embedding row gets no gradient.
+pub fn is_padding(id: i32, padding: Option<u64>) -> bool {
+    padding.is_some_and(|p| u64::try_from(id).is_ok_and(|id| id == p))
 }
 
 /// (seq, width) of a [.., seq, width] tensor whose positions come from a [ctx, width] table.
@@ -2173,7 +2189,7 @@ mod tests {
         let ids = Tensor::from_i32(&[2, 2], vec![7, 3, 7, 5]);
         let dy = rng.tensor(&[2, 2, 3]);
         let dv = vals(&dy);
-        let grad = Kernel::EmbeddingGrad { offset, masked: true };
+        let grad = Kernel::EmbeddingGrad { offset, masked: true, padding: None };
         let mut stale = Tensor::from_f32(&[5, 3], vec![9.0; 15]);
         let ctx = KernelContext { coords: Coords::new(0, 1, 0), mesh, seed: 0, inputs: &[], output: &meta(&[5, 3]) };
         run(&grad, &[&ids, &dy], &mut stale, &ctx)?;
@@ -2184,8 +2200,17 @@ mod tests {
             }
         }
         close(&vals(&stale), &want, 1e-6)?;
-        let unmasked = Kernel::EmbeddingGrad { offset, masked: false };
+        let unmasked = Kernel::EmbeddingGrad { offset, masked: false, padding: None };
         assert!(eval_on(&unmasked, &[&ids, &dy], &meta(&[5, 3]), 0, 1, mesh).is_err());
+        // With 7 the padding id, its row (local row 2 here) gets nothing; the others are unchanged.
+        let padded = Kernel::EmbeddingGrad { offset, masked: true, padding: Some(7) };
+        run(&padded, &[&ids, &dy], &mut stale, &ctx)?;
+        for (k, w) in want.iter_mut().enumerate() {
+            if k / 3 == 2 {
+                *w = 0.0;
+            }
+        }
+        close(&vals(&stale), &want, 1e-6)?;
         Ok(())
     }
 

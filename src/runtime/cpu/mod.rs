@@ -213,8 +213,8 @@ fn bf16_in_pieces(
         Kernel::SumToLast => Some(bf16::sum_to_last(refs, out)),
         Kernel::PositionGrad => Some(bf16::position_grad(refs, out)),
         Kernel::LayerNormGradWeight { n, eps } => Some(bf16::layer_norm_grad_weight(refs, out, *n, *eps)),
-        Kernel::EmbeddingGrad { offset, masked } => {
-            Some(bf16::embedding_grad(refs, out, offset.at(ctx.coords), *masked))
+        Kernel::EmbeddingGrad { offset, masked, padding } => {
+            Some(bf16::embedding_grad(refs, out, (offset.at(ctx.coords), *masked), *padding))
         }
         k if bf16::matrix_split(k) => bf16::by_matrices(refs, out, &run),
         k => bf16::row_split(k).and_then(|split| bf16::by_rows(refs, out, split, &run)),

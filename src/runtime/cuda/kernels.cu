@@ -539,11 +539,14 @@ extern "C" __global__ void embedding_lookup_bf16(bf16* y, const int* ids, const 
 // scratch and rounded once).
 template <class T>
 __device__ void embedding_grad_t(float* g, const int* ids, const T* dy, u64 count, u64 rows, u64 width, i64 base,
-                                 u64* invalid) {
+                                 i64 padding, u64* invalid) {
     const u64 n = count * width;
     GRID_STRIDE(i, n) {
         const u64 t = i / width, c = i % width;
         u64 r;
+        if ((i64)ids[t] == padding) {
+            continue;
+        }
         if (local_row(ids[t], base, rows, &r)) {
             atomicAdd(&g[r * width + c], ld(dy, i));
         } else if (c == 0) {
@@ -553,13 +556,13 @@ __device__ void embedding_grad_t(float* g, const int* ids, const T* dy, u64 coun
 }
 
 extern "C" __global__ void embedding_grad(float* g, const int* ids, const float* dy, u64 count, u64 rows, u64 width,
-                                          i64 base, u64* invalid) {
-    embedding_grad_t(g, ids, dy, count, rows, width, base, invalid);
+                                          i64 base, i64 padding, u64* invalid) {
+    embedding_grad_t(g, ids, dy, count, rows, width, base, padding, invalid);
 }
 
 extern "C" __global__ void embedding_grad_bf16(float* g, const int* ids, const bf16* dy, u64 count, u64 rows,
-                                               u64 width, i64 base, u64* invalid) {
-    embedding_grad_t(g, ids, dy, count, rows, width, base, invalid);
+                                               u64 width, i64 base, i64 padding, u64* invalid) {
+    embedding_grad_t(g, ids, dy, count, rows, width, base, padding, invalid);
 }
 
 // out[.., p, :] = table[p, :]: every `block` = seq * width elements repeat the table's first block.

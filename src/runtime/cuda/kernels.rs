@@ -1429,11 +1429,12 @@ impl Device {
         if r.masked { Ok(()) } else { self.check_ids(flag, idv, r, rows) }
     }
 
+    /// The rows of the padding id (a global id) get nothing.
     fn embedding_grad<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
-        r: Rows,
+        (r, padding): (Rows, Option<u64>),
         flag: &mut CudaSlice<u64>,
     ) -> Result<(), String> {
         let [ids, dy] = args(inputs)?;
@@ -1447,7 +1448,9 @@ impl Device {
         self.clear_flag(flag)?;
         let cfg = elementwise(ids.len() * w);
         let (count, nrows, width, base) = (ids.len() as u64, rows as u64, w as u64, signed_base(r.base));
-        launch!(self, variant::<T>(EMBEDDING_GRAD)?, cfg, [g, idv, dyv, &count, &nrows, &width, &base, &mut *flag])?;
+        let padding = padding.map_or(-1, signed_base);
+        let grad = variant::<T>(EMBEDDING_GRAD)?;
+        launch!(self, grad, cfg, [g, idv, dyv, &count, &nrows, &width, &base, &padding, &mut *flag])?;
         if r.masked { Ok(()) } else { self.check_ids(flag, idv, r, rows) }
     }
 
@@ -2088,8 +2091,9 @@ impl CudaKernels {
             Kernel::EmbeddingLookup { offset, masked } => {
                 dev.embedding_lookup::<f32>(inputs, out, Rows { base: offset.at(ctx.coords), masked }, flag)
             }
-            Kernel::EmbeddingGrad { offset, masked } => {
-                dev.embedding_grad::<f32>(inputs, out, Rows { base: offset.at(ctx.coords), masked }, flag)
+            Kernel::EmbeddingGrad { offset, masked, padding } => {
+                let rows = Rows { base: offset.at(ctx.coords), masked };
+                dev.embedding_grad::<f32>(inputs, out, (rows, padding), flag)
             }
             Kernel::PositionLookup => dev.position_lookup::<f32>(inputs, out),
             Kernel::PositionGrad => dev.position_grad::<f32>(inputs, out),

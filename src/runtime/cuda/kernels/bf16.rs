@@ -346,9 +346,9 @@ fn run_native(
         Kernel::EmbeddingLookup { offset, masked } => {
             dev.embedding_lookup::<B>(inputs, out, Rows { base: offset.at(ctx.coords), masked }, flag)
         }
-        Kernel::EmbeddingGrad { offset, masked } => {
+        Kernel::EmbeddingGrad { offset, masked, padding } => {
             let rows = Rows { base: offset.at(ctx.coords), masked };
-            through_f32(dev, out, |wide| dev.embedding_grad::<B>(inputs, wide, rows, flag))
+            through_f32(dev, out, |wide| dev.embedding_grad::<B>(inputs, wide, (rows, padding), flag))
         }
         Kernel::PositionLookup => dev.position_lookup::<B>(inputs, out),
         Kernel::PositionGrad => through_f32(dev, out, |wide| dev.position_grad::<B>(inputs, wide)),
