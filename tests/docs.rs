@@ -4,7 +4,9 @@
 //!
 //! A doc states a shrink in an HTML comment right before the fence it applies to:
 //! `<!-- test: shrink "--steps 100" to "--steps 3" -->` replaces the first text in every command of
-//! that fence. Commands run in a fresh directory per doc (so later commands see the files earlier
+//! that fence, and `<!-- test: prints "991.117 ms" "3.42 GiB" -->` says that what the fence's commands
+//! print (standard output and error together) holds each quoted text: the figures a page quotes from a
+//! command are what the command prints now. Commands run in a fresh directory per doc (so later commands see the files earlier
 //! ones wrote), holding a copy of `examples/`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -38,6 +40,10 @@ fn doc_files() -> Vec<String> {
 struct DocCommand {
     line: usize,
     text: String,
+    /// The texts the output of this command's fence must hold, on the fence's last command.
+    prints: Vec<String>,
+    /// Whether this is the last command of its fence.
+    ends_fence: bool,
 }
 
 /// Text a doc replaces in the commands of its next fence when the test runs them: (from, to).
@@ -62,6 +68,19 @@ fn sh_commands(text: &str) -> Result<Vec<DocCommand>, String> {
             continue;
         }
         let mut fence_commands = joined_lines(fence.line + 1, &fence.body);
+        let prints: Vec<String> = fence
+            .notes
+            .iter()
+            .filter_map(|note| note.strip_prefix("<!-- test: prints "))
+            .map(parse_prints)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("line {}: {e}", fence.line))?
+            .concat();
+        match fence_commands.last_mut() {
+            Some(last) => (last.prints, last.ends_fence) = (prints, true),
+            None if !prints.is_empty() => return Err(format!("line {}: `prints` before an empty fence", fence.line)),
+            None => {}
+        }
         for (from, to) in &shrinks {
             let hits = fence_commands.iter_mut().filter(|c| c.text.contains(from.as_str()));
             let changed = hits.map(|c| c.text = c.text.replacen(from.as_str(), to, 1)).count();
@@ -82,11 +101,18 @@ fn joined_lines(first: usize, body: &[String]) -> Vec<DocCommand> {
     for (offset, raw) in body.iter().enumerate() {
         let code = strip_comment(raw).trim();
         let joined = match partial.take() {
-            Some(p) => DocCommand { line: p.line, text: format!("{} {code}", p.text) },
-            None => DocCommand { line: first + offset, text: code.to_string() },
+            Some(p) => {
+                DocCommand { line: p.line, text: format!("{} {code}", p.text), prints: Vec::new(), ends_fence: false }
+            }
+            None => DocCommand { line: first + offset, text: code.to_string(), prints: Vec::new(), ends_fence: false },
         };
         if let Some(head) = joined.text.strip_suffix('\\') {
-            partial = Some(DocCommand { line: joined.line, text: head.trim_end().to_string() });
+            partial = Some(DocCommand {
+                line: joined.line,
+                text: head.trim_end().to_string(),
+                prints: Vec::new(),
+                ends_fence: false,
+            });
         } else if !joined.text.is_empty() {
             commands.push(joined);
         }
@@ -101,6 +127,16 @@ fn parse_shrink(rest: &str) -> Result<Shrink, String> {
     let from = from.strip_prefix('"').ok_or("FROM is quoted")?;
     let to = to.strip_suffix('"').ok_or("TO is quoted")?;
     Ok((from.to_string(), to.to_string()))
+}
+
+/// `"A" "B" -->` from a prints comment: the quoted texts.
+fn parse_prints(rest: &str) -> Result<Vec<String>, String> {
+    let body = rest.trim().strip_suffix("-->").ok_or("a prints comment ends with `-->`")?.trim();
+    let texts: Vec<String> = body.split('"').skip(1).step_by(2).map(str::to_string).collect();
+    if texts.is_empty() || body.matches('"').count() != 2 * texts.len() {
+        return Err("write: prints \"TEXT\" \"TEXT\" ...".into());
+    }
+    Ok(texts)
 }
 
 /// The line without a `#` comment (a `#` that starts a word outside quotes).
@@ -316,6 +352,8 @@ fn run_doc(doc: &str, tally: &mut Tally) {
         Err(e) => return tally.problems.push(format!("{doc}: {e}")),
     };
     let mut vars = BTreeMap::new();
+    // What the commands of the current fence printed, for its `prints` note.
+    let mut printed = String::new();
     for command in commands {
         let place = format!("{doc}:{}: `{}`", command.line, command.text);
         match interpret(&command.text, &vars) {
@@ -325,16 +363,26 @@ fn run_doc(doc: &str, tally: &mut Tally) {
             Ok(Kind::Skip(why)) => *tally.skipped.entry(why).or_default() += 1,
             Ok(Kind::Run(args)) => {
                 tally.ran += 1;
-                if let Err(e) = run_optimusc(&args, dir.path()) {
-                    tally.problems.push(format!("{place}: {e}"));
+                match run_optimusc(&args, dir.path()) {
+                    Ok(output) => printed.push_str(&output),
+                    Err(e) => tally.problems.push(format!("{place}: {e}")),
                 }
             }
             Err(e) => tally.problems.push(format!("{place}: {e}")),
         }
+        for text in command.prints.iter().filter(|t| !printed.contains(t.as_str())) {
+            tally
+                .problems
+                .push(format!("{place}: the doc quotes `{text}`, which its fence's commands no longer print"));
+        }
+        if command.ends_fence {
+            printed.clear();
+        }
     }
 }
 
-fn run_optimusc(args: &[String], dir: &Path) -> Result<(), String> {
+/// Runs optimusc in `dir`; its standard output and error together when it succeeds.
+fn run_optimusc(args: &[String], dir: &Path) -> Result<String, String> {
     let started = std::time::Instant::now();
     let output = Command::new(env!("CARGO_BIN_EXE_optimusc"))
         .args(args)
@@ -345,7 +393,8 @@ fn run_optimusc(args: &[String], dir: &Path) -> Result<(), String> {
         .map_err(|e| format!("cannot start optimusc: {e}"))?;
     eprintln!("{:>6.1}s optimusc {}", started.elapsed().as_secs_f64(), args.join(" "));
     if output.status.success() {
-        return Ok(());
+        let (out, err) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        return Ok(format!("{out}{err}"));
     }
     let stderr = String::from_utf8_lossy(&output.stderr);
     let tail: Vec<&str> = stderr.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect();
