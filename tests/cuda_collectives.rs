@@ -132,16 +132,14 @@ fn values(rank: u64, round: usize, n: usize) -> Vec<f32> {
 
 /// The host thread fabric's result of one case for the device at `coords`.
 fn on_host(comm: &mut ThreadComm, case: &Case, send: &[f32], recv_len: usize) -> Result<Vec<u32>, String> {
-    let (full, op) = (&case.full[..], case.op);
     if case.bf16 {
         let send: Vec<u16> = send.iter().map(|&x| bf16::round(x)).collect();
         let mut recv = vec![0u16; recv_len];
-        comm.collective_bf16(case.kind, case.group, case.root, op, case.shard, full, &send, &mut recv)
-            .map_err(|e| e.0)?;
+        comm.collective(&case.spec(), &send, &mut recv).map_err(|e| e.0)?;
         Ok(recv.into_iter().map(u32::from).collect())
     } else {
         let mut recv = vec![0.0f32; recv_len];
-        comm.collective(case.kind, case.group, case.root, op, case.shard, full, send, &mut recv).map_err(|e| e.0)?;
+        comm.collective(&case.spec(), send, &mut recv).map_err(|e| e.0)?;
         Ok(recv.into_iter().map(f32::to_bits).collect())
     }
 }

@@ -9,7 +9,7 @@ use crate::cost::calibration::{CollectiveFit, DEFAULT_KERNEL, KernelFit, Sample,
 use crate::io::sources::{Objective, Sources};
 use crate::plan::report::kernel_flops;
 use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mesh, Plan, ReduceOp};
-use crate::runtime::comm::Communicator;
+use crate::runtime::comm::{CollectiveSpec, Communicator};
 use crate::shard::layout::Placement;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier};
@@ -266,8 +266,13 @@ fn one_collective(
 ) -> Result<(), String> {
     let full = [members, elements / members];
     let root = matches!(kind, CollectiveKind::Broadcast | CollectiveKind::Reduce).then_some(0);
-    comm.collective(kind, Group::Row, root, ReduceOp::Sum, Some(Placement::shard(0)), &full, send, recv)
-        .map_err(|e| e.0)
+    let spec = CollectiveSpec {
+        kind,
+        root,
+        shard: Some(Placement::shard(0)),
+        ..CollectiveSpec::all_reduce(Group::Row, ReduceOp::Sum, &full)
+    };
+    comm.collective(&spec, send, recv).map_err(|e| e.0)
 }
 
 /// Fits alpha and beta of one configuration from (payload bytes, seconds) pairs.

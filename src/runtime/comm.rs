@@ -27,50 +27,49 @@ pub struct CollectiveSpec<'a> {
     pub full: &'a [u64],
 }
 
+impl<'a> CollectiveSpec<'a> {
+    /// A collective of the plan, with the shape `full` of its gathered (or whole) tensor.
+    pub fn of(c: &crate::plan::Collective, full: &'a [u64]) -> CollectiveSpec<'a> {
+        let op = c.op.unwrap_or(ReduceOp::Sum);
+        CollectiveSpec { kind: c.kind, group: c.group, root: c.root, op, shard: c.shard, full }
+    }
+
+    /// An all-reduce of `full`-shaped buffers over `group` (no placement, no root).
+    pub fn all_reduce(group: Group, op: ReduceOp, full: &'a [u64]) -> CollectiveSpec<'a> {
+        CollectiveSpec { kind: CollectiveKind::AllReduce, group, root: None, op, shard: None, full }
+    }
+}
+
 /// One device's view of the mesh's communication. Collectives are issued in the same order by every
 /// member of a group (the plan verifier guarantees it); `send` and `recv` are local blocks.
 pub trait Communicator {
     /// This device's mesh coordinates.
     fn coords(&self) -> Coords;
     fn mesh(&self) -> Mesh;
-    /// Runs one collective of the plan. For all-gather and reduce-scatter, `shard` says how the
-    /// gathered tensor of shape `full` is split; `block` is the local block shape.
-    #[allow(clippy::too_many_arguments)]
-    fn collective(
+    /// Runs one collective on elements of type `T`: f32, or bf16 as its bit patterns (`u16`), which
+    /// travel as bf16 (2 bytes an element) with sums and maxima taken in f32 and rounded once, at the
+    /// end. For all-gather and reduce-scatter, `spec.shard` says how the gathered tensor of shape
+    /// `spec.full` is split.
+    fn collective<T: Payload>(
         &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        root: Option<u64>,
-        op: ReduceOp,
-        shard: Option<Placement>,
-        full: &[u64],
-        send: &[f32],
-        recv: &mut [f32],
+        spec: &CollectiveSpec<'_>,
+        send: &[T],
+        recv: &mut [T],
     ) -> Result<(), CommError>;
-    /// The same collective on bf16 elements (their bit patterns): what travels is bf16, 2 bytes an
-    /// element, and sums and maxima are taken in f32 and rounded to bf16 once, at the end. This default,
-    /// for communicators that exchange f32 only, widens both buffers to f32 and runs
-    /// [`Communicator::collective`].
-    #[allow(clippy::too_many_arguments)]
-    fn collective_bf16(
-        &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        root: Option<u64>,
-        op: ReduceOp,
-        shard: Option<Placement>,
-        full: &[u64],
-        send: &[u16],
-        recv: &mut [u16],
-    ) -> Result<(), CommError> {
-        let wide_send = crate::runtime::bf16::widen(send);
-        let mut wide_recv = crate::runtime::bf16::widen(recv);
-        self.collective(kind, group, root, op, shard, full, &wide_send, &mut wide_recv)?;
-        crate::runtime::bf16::round_into(&wide_recv, recv);
-        Ok(())
-    }
     /// Tells every peer that this device failed, so that none waits for it.
     fn abort(&self, reason: &str);
+}
+
+/// A payload's elements as their concrete type.
+pub enum Elements<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+/// A payload's elements as their concrete type, writable.
+pub enum ElementsMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [u16]),
 }
 
 /// An element type collectives carry: f32, or bf16 as its bit pattern (`u16`). Reductions widen
@@ -80,6 +79,9 @@ pub trait Payload: Copy + Default + Send + Sync + 'static {
     const BYTES: usize;
     fn widen(self) -> f32;
     fn narrow(x: f32) -> Self;
+    /// The elements as their concrete type (for communicators whose wire types are concrete: MPI).
+    fn elements(data: &[Self]) -> Elements<'_>;
+    fn elements_mut(data: &mut [Self]) -> ElementsMut<'_>;
 }
 
 impl Payload for f32 {
@@ -89,6 +91,12 @@ impl Payload for f32 {
     }
     fn narrow(x: f32) -> f32 {
         x
+    }
+    fn elements(data: &[f32]) -> Elements<'_> {
+        Elements::F32(data)
+    }
+    fn elements_mut(data: &mut [f32]) -> ElementsMut<'_> {
+        ElementsMut::F32(data)
     }
 }
 
@@ -100,6 +108,12 @@ impl Payload for u16 {
     }
     fn narrow(x: f32) -> u16 {
         crate::runtime::bf16::round(x)
+    }
+    fn elements(data: &[u16]) -> Elements<'_> {
+        Elements::Bf16(data)
+    }
+    fn elements_mut(data: &mut [u16]) -> ElementsMut<'_> {
+        ElementsMut::Bf16(data)
     }
 }
 
@@ -219,17 +233,13 @@ pub fn pack_for_scatter<T: Payload>(
 /// Combines every member's contribution into this member's result, per the collective's semantics.
 /// Reductions are taken in f32 in member order and narrowed once (see [`reduce_into`]); broadcast and
 /// all-gather move elements as they are.
-#[allow(clippy::too_many_arguments)]
 pub fn combine<T: Payload>(
-    kind: CollectiveKind,
-    root: Option<u64>,
-    op: ReduceOp,
-    shard: Option<Placement>,
-    full: &[u64],
+    spec: &CollectiveSpec<'_>,
     me: u64,
     parts: &[&[T]],
     recv: &mut [T],
 ) -> Result<(), CommError> {
+    let CollectiveSpec { kind, root, op, shard, full, .. } = *spec;
     let n = parts.len() as u64;
     let check = |a: usize, b: usize| {
         if a == b {

@@ -4,7 +4,7 @@
 
 use super::arena;
 use super::backend::{Backend, BackendKind, UpdateBuffers};
-use super::comm::Communicator;
+use super::comm::{CollectiveSpec, Communicator};
 use super::cpu::CpuBackend;
 use super::error::RuntimeError;
 use super::fault::Fault;
@@ -536,7 +536,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let mine = local.map_or(f32::MIN, |k| -(k as f32));
         let mut first = [0f32];
         self.comm
-            .collective(CollectiveKind::AllReduce, Group::World, None, ReduceOp::Max, None, &[1], &[mine], &mut first)
+            .collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Max, &[1]), &[mine], &mut first)
             .map_err(|e| e.0)?;
         Ok(describe_culprit(plan, first[0]))
     }
@@ -630,26 +630,15 @@ struct PlanCollective<'a, C> {
 
 impl<C: Communicator> super::backend::Exchanges for PlanCollective<'_, C> {
     fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), super::comm::CommError> {
-        let (c, op) = (self.c, self.c.op.unwrap_or(ReduceOp::Sum));
-        self.comm.collective(c.kind, c.group, c.root, op, c.shard, self.full, send, recv)
+        self.comm.collective(&CollectiveSpec::of(self.c, self.full), send, recv)
     }
 
     fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), super::comm::CommError> {
-        let (c, op) = (self.c, self.c.op.unwrap_or(ReduceOp::Sum));
-        self.comm.collective_bf16(c.kind, c.group, c.root, op, c.shard, self.full, send, recv)
+        self.comm.collective(&CollectiveSpec::of(self.c, self.full), send, recv)
     }
 
-    fn spec(&self) -> Option<super::comm::CollectiveSpec<'_>> {
-        let c = self.c;
-        let op = c.op.unwrap_or(ReduceOp::Sum);
-        Some(super::comm::CollectiveSpec {
-            kind: c.kind,
-            group: c.group,
-            root: c.root,
-            op,
-            shard: c.shard,
-            full: self.full,
-        })
+    fn spec(&self) -> Option<CollectiveSpec<'_>> {
+        Some(CollectiveSpec::of(self.c, self.full))
     }
 }
 
@@ -659,7 +648,7 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         let mut any = [0f32];
         let flag = [if mine { 1.0 } else { 0.0 }];
         self.comm
-            .collective(CollectiveKind::AllReduce, Group::World, None, ReduceOp::Max, None, &[1], &flag, &mut any)
+            .collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Max, &[1]), &flag, &mut any)
             .map_err(|e| e.0)?;
         Ok(any[0] > 0.0)
     }

@@ -2,13 +2,15 @@
 //! world, every collective non-blocking and polled against the run's timeout, and any failure (an
 //! error, a panic, a peer that stops answering) ends the whole job with MPI_Abort and the rank's name.
 
-use super::comm::{CommError, Communicator, pack_for_scatter, reduce_into, unpack_gathered};
+use super::comm::{
+    CollectiveSpec, CommError, Communicator, Elements, ElementsMut, Payload, pack_for_scatter, reduce_into,
+    unpack_gathered,
+};
 use super::exec::{self, Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord};
 use super::tensor::{Data, Tensor};
 use crate::cost::placement::{NodeMap, Placement};
 use crate::plan::{CollectiveKind, Coords, Group, Mesh, Plan, ReduceOp};
 use crate::shard::layout::MESH_AXES;
-use crate::shard::layout::Placement as Split;
 #[cfg(feature = "cuda")]
 use crate::shard::layout::{COLUMN_AXIS, DATA_AXIS, ROW_AXIS};
 use mpi::collective::SystemOperation;
@@ -409,6 +411,136 @@ fn same_len(send: usize, recv: usize) -> Result<(), CommError> {
     }
 }
 
+/// How a payload type reduces over MPI: f32 with MPI's own operations; bf16 by an all-to-all whose
+/// chunks their owners sum in f32 and round once (see [`MpiComm::reduce_bf16`]).
+trait Wire: Payload + Equivalence {
+    /// `send` combined over `comm` into `recv` on every member (`root` `None`) or on the root alone.
+    fn reduce(
+        mpi: &MpiComm,
+        comm: &SimpleCommunicator,
+        at: (Option<u64>, ReduceOp),
+        send: &[Self],
+        recv: &mut [Self],
+        what: &dyn Fn() -> String,
+    );
+    /// Member m's block of the member-major `packed`, combined over `comm`, into member m's `recv`.
+    fn reduce_scatter(
+        mpi: &MpiComm,
+        comm: &SimpleCommunicator,
+        op: ReduceOp,
+        packed: &[Self],
+        recv: &mut [Self],
+        what: &dyn Fn() -> String,
+    );
+}
+
+impl Wire for f32 {
+    fn reduce(
+        mpi: &MpiComm,
+        comm: &SimpleCommunicator,
+        (root, op): (Option<u64>, ReduceOp),
+        send: &[f32],
+        recv: &mut [f32],
+        what: &dyn Fn() -> String,
+    ) {
+        let op = operation(op);
+        match root {
+            None => mpi::request::scope(|s| mpi.complete(comm.immediate_all_reduce_into(s, send, recv, op), what)),
+            Some(root) => {
+                let process = comm.process_at_rank(root as i32);
+                if comm.rank() as u64 == root {
+                    mpi::request::scope(|s| mpi.complete(process.immediate_reduce_into_root(s, send, recv, op), what));
+                } else {
+                    mpi::request::scope(|s| mpi.complete(process.immediate_reduce_into(s, send, op), what));
+                }
+            }
+        }
+    }
+
+    fn reduce_scatter(
+        mpi: &MpiComm,
+        comm: &SimpleCommunicator,
+        op: ReduceOp,
+        packed: &[f32],
+        recv: &mut [f32],
+        what: &dyn Fn() -> String,
+    ) {
+        let op = operation(op);
+        mpi::request::scope(|s| mpi.complete(comm.immediate_reduce_scatter_block_into(s, packed, recv, op), what));
+    }
+}
+
+impl Wire for u16 {
+    fn reduce(
+        mpi: &MpiComm,
+        comm: &SimpleCommunicator,
+        at: (Option<u64>, ReduceOp),
+        send: &[u16],
+        recv: &mut [u16],
+        what: &dyn Fn() -> String,
+    ) {
+        mpi.reduce_bf16(comm, at, send, recv, what);
+    }
+
+    fn reduce_scatter(
+        mpi: &MpiComm,
+        comm: &SimpleCommunicator,
+        op: ReduceOp,
+        packed: &[u16],
+        recv: &mut [u16],
+        what: &dyn Fn() -> String,
+    ) {
+        mpi.reduce_scatter_bf16(comm, op, packed, recv, what);
+    }
+}
+
+impl MpiComm {
+    /// One collective on elements of a wire type (see [`Wire`]).
+    fn run<E: Wire>(&self, spec: &CollectiveSpec<'_>, send: &[E], recv: &mut [E]) -> Result<(), CommError> {
+        let CollectiveSpec { kind, group, root, op, shard, full } = *spec;
+        let comm = self.group(group);
+        let (me, parts) = (comm.rank() as u64, comm.size() as u64);
+        let coords = self.coords;
+        let what = || format!("device {coords}'s {} over its {} group", kind.name(), group.name());
+        match kind {
+            CollectiveKind::Broadcast => {
+                let root = root.unwrap_or(0);
+                if me == root {
+                    same_len(send.len(), recv.len())?;
+                    recv.copy_from_slice(send);
+                }
+                let process = comm.process_at_rank(root as i32);
+                mpi::request::scope(|s| self.complete(process.immediate_broadcast_into(s, recv), &what));
+            }
+            CollectiveKind::Reduce => {
+                let root = root.unwrap_or(0);
+                if me == root {
+                    same_len(send.len(), recv.len())?;
+                }
+                E::reduce(self, comm, (Some(root), op), send, recv, &what);
+            }
+            CollectiveKind::AllReduce => {
+                same_len(send.len(), recv.len())?;
+                E::reduce(self, comm, (None, op), send, recv, &what);
+            }
+            CollectiveKind::AllGather => {
+                let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
+                same_len(full.iter().product::<u64>() as usize, recv.len())?;
+                let mut blocks = vec![E::default(); send.len() * parts as usize];
+                mpi::request::scope(|s| self.complete(comm.immediate_all_gather_into(s, send, &mut blocks[..]), &what));
+                unpack_gathered(full, shard, parts, &blocks, recv);
+            }
+            CollectiveKind::ReduceScatter => {
+                let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
+                same_len(send.len(), recv.len() * parts as usize)?;
+                let packed = pack_for_scatter(full, shard, parts, send, recv.len());
+                E::reduce_scatter(self, comm, op, &packed, recv, &what);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Communicator for &MpiComm {
     fn coords(&self) -> Coords {
         self.coords
@@ -418,117 +550,17 @@ impl Communicator for &MpiComm {
         self.mesh
     }
 
-    fn collective(
+    fn collective<T: Payload>(
         &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        root: Option<u64>,
-        op: ReduceOp,
-        shard: Option<Split>,
-        full: &[u64],
-        send: &[f32],
-        recv: &mut [f32],
+        spec: &CollectiveSpec<'_>,
+        send: &[T],
+        recv: &mut [T],
     ) -> Result<(), CommError> {
-        let comm = self.group(group);
-        let (me, parts) = (comm.rank() as u64, comm.size() as u64);
-        let coords = self.coords;
-        let what = || format!("device {coords}'s {} over its {} group", kind.name(), group.name());
-        let op = operation(op);
-        match kind {
-            CollectiveKind::Broadcast => {
-                let root = root.unwrap_or(0);
-                if me == root {
-                    same_len(send.len(), recv.len())?;
-                    recv.copy_from_slice(send);
-                }
-                let process = comm.process_at_rank(root as i32);
-                mpi::request::scope(|s| self.complete(process.immediate_broadcast_into(s, recv), &what));
-            }
-            CollectiveKind::Reduce => {
-                let process = comm.process_at_rank(root.unwrap_or(0) as i32);
-                if me == root.unwrap_or(0) {
-                    same_len(send.len(), recv.len())?;
-                    mpi::request::scope(|s| {
-                        self.complete(process.immediate_reduce_into_root(s, send, recv, op), &what)
-                    });
-                } else {
-                    mpi::request::scope(|s| self.complete(process.immediate_reduce_into(s, send, op), &what));
-                }
-            }
-            CollectiveKind::AllReduce => {
-                same_len(send.len(), recv.len())?;
-                mpi::request::scope(|s| self.complete(comm.immediate_all_reduce_into(s, send, recv, op), &what));
-            }
-            CollectiveKind::AllGather => {
-                let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
-                same_len(full.iter().product::<u64>() as usize, recv.len())?;
-                let mut blocks = vec![0.0f32; send.len() * parts as usize];
-                mpi::request::scope(|s| self.complete(comm.immediate_all_gather_into(s, send, &mut blocks[..]), &what));
-                unpack_gathered(full, shard, parts, &blocks, recv);
-            }
-            CollectiveKind::ReduceScatter => {
-                let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
-                same_len(send.len(), recv.len() * parts as usize)?;
-                let packed = pack_for_scatter(full, shard, parts, send, recv.len());
-                mpi::request::scope(|s| {
-                    self.complete(comm.immediate_reduce_scatter_block_into(s, &packed[..], recv, op), &what)
-                });
-            }
+        match (T::elements(send), T::elements_mut(recv)) {
+            (Elements::F32(send), ElementsMut::F32(recv)) => self.run(spec, send, recv),
+            (Elements::Bf16(send), ElementsMut::Bf16(recv)) => self.run(spec, send, recv),
+            _ => Err(CommError("a collective's send and receive blocks have different element types".into())),
         }
-        Ok(())
-    }
-
-    fn collective_bf16(
-        &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        root: Option<u64>,
-        op: ReduceOp,
-        shard: Option<Split>,
-        full: &[u64],
-        send: &[u16],
-        recv: &mut [u16],
-    ) -> Result<(), CommError> {
-        let comm = self.group(group);
-        let (me, parts) = (comm.rank() as u64, comm.size() as u64);
-        let coords = self.coords;
-        let what = || format!("device {coords}'s bf16 {} over its {} group", kind.name(), group.name());
-        match kind {
-            CollectiveKind::Broadcast => {
-                let root = root.unwrap_or(0);
-                if me == root {
-                    same_len(send.len(), recv.len())?;
-                    recv.copy_from_slice(send);
-                }
-                let process = comm.process_at_rank(root as i32);
-                mpi::request::scope(|s| self.complete(process.immediate_broadcast_into(s, recv), &what));
-            }
-            CollectiveKind::Reduce => {
-                let root = root.unwrap_or(0);
-                if me == root {
-                    same_len(send.len(), recv.len())?;
-                }
-                self.reduce_bf16(comm, (Some(root), op), send, recv, &what);
-            }
-            CollectiveKind::AllReduce => {
-                same_len(send.len(), recv.len())?;
-                self.reduce_bf16(comm, (None, op), send, recv, &what);
-            }
-            CollectiveKind::AllGather => {
-                let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
-                same_len(full.iter().product::<u64>() as usize, recv.len())?;
-                let mut blocks = vec![0u16; send.len() * parts as usize];
-                mpi::request::scope(|s| self.complete(comm.immediate_all_gather_into(s, send, &mut blocks[..]), &what));
-                unpack_gathered(full, shard, parts, &blocks, recv);
-            }
-            CollectiveKind::ReduceScatter => {
-                let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
-                same_len(send.len(), recv.len() * parts as usize)?;
-                let packed = pack_for_scatter(full, shard, parts, send, recv.len());
-                self.reduce_scatter_bf16(comm, op, &packed, recv, &what);
-            }
-        }
-        Ok(())
     }
 
     fn abort(&self, reason: &str) {

@@ -1,10 +1,9 @@
 //! The in-process communicator: one thread per device, collectives by rendezvous on shared memory.
 //! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
 
-use crate::plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
-use crate::runtime::comm::{CommError, Communicator, Payload, combine};
+use crate::plan::{CollectiveKind, Coords, Group, Mesh};
+use crate::runtime::comm::{CollectiveSpec, CommError, Communicator, Payload, combine};
 use crate::shard::layout::MESH_AXES;
-use crate::shard::layout::Placement;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -303,39 +302,6 @@ impl ThreadComm {
     }
 }
 
-impl ThreadComm {
-    /// One collective on elements of type `T`: every member deposits its send block (a broadcast's
-    /// root alone) and combines the others' in place into its result.
-    #[allow(clippy::too_many_arguments)]
-    fn run<T: Payload>(
-        &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        root: Option<u64>,
-        op: ReduceOp,
-        shard: Option<Placement>,
-        full: &[u64],
-        send: &[T],
-        recv: &mut [T],
-    ) -> Result<(), CommError> {
-        let mesh = self.fabric.mesh;
-        let size = mesh.group_size(group) as usize;
-        let me = group.member_index(self.coords, mesh);
-        // A broadcast only needs the root's block; the others deposit nothing.
-        let data = if kind == CollectiveKind::Broadcast && root != Some(me) { &send[..0] } else { send };
-        let fabric = Arc::clone(&self.fabric);
-        let r = fabric.rendezvous(group, self.coords);
-        let members = group.member_ranks(self.coords, mesh);
-        let device_of = |m: usize| match members.get(m) {
-            Some(&rank) => mesh.coords_of(rank).to_string(),
-            None => format!("member {m}"),
-        };
-        fabric.exchange(r, (me as usize, size), data, &device_of, |parts| {
-            combine(kind, root, op, shard, full, me, parts, recv)
-        })?
-    }
-}
-
 impl Communicator for ThreadComm {
     fn coords(&self) -> Coords {
         self.coords
@@ -345,33 +311,28 @@ impl Communicator for ThreadComm {
         self.fabric.mesh
     }
 
-    fn collective(
+    /// Every member deposits its send block (a broadcast's root alone) and combines the others' in place
+    /// into its result; bf16 blocks are deposited and read as bf16, reductions taken in f32 and rounded
+    /// once.
+    fn collective<T: Payload>(
         &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        root: Option<u64>,
-        op: ReduceOp,
-        shard: Option<Placement>,
-        full: &[u64],
-        send: &[f32],
-        recv: &mut [f32],
+        spec: &CollectiveSpec<'_>,
+        send: &[T],
+        recv: &mut [T],
     ) -> Result<(), CommError> {
-        self.run(kind, group, root, op, shard, full, send, recv)
-    }
-
-    /// bf16 blocks are deposited and read as bf16; reductions are taken in f32 and rounded once.
-    fn collective_bf16(
-        &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        root: Option<u64>,
-        op: ReduceOp,
-        shard: Option<Placement>,
-        full: &[u64],
-        send: &[u16],
-        recv: &mut [u16],
-    ) -> Result<(), CommError> {
-        self.run(kind, group, root, op, shard, full, send, recv)
+        let mesh = self.fabric.mesh;
+        let size = mesh.group_size(spec.group) as usize;
+        let me = spec.group.member_index(self.coords, mesh);
+        // A broadcast only needs the root's block; the others deposit nothing.
+        let data = if spec.kind == CollectiveKind::Broadcast && spec.root != Some(me) { &send[..0] } else { send };
+        let fabric = Arc::clone(&self.fabric);
+        let r = fabric.rendezvous(spec.group, self.coords);
+        let members = spec.group.member_ranks(self.coords, mesh);
+        let device_of = |m: usize| match members.get(m) {
+            Some(&rank) => mesh.coords_of(rank).to_string(),
+            None => format!("member {m}"),
+        };
+        fabric.exchange(r, (me as usize, size), data, &device_of, |parts| combine(spec, me, parts, recv))?
     }
 
     fn abort(&self, reason: &str) {
@@ -382,10 +343,11 @@ impl Communicator for ThreadComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::ReduceOp;
 
     fn all_reduce(comm: &mut ThreadComm, value: f32) -> Result<f32, CommError> {
         let mut out = [0.0f32];
-        comm.collective(CollectiveKind::AllReduce, Group::World, None, ReduceOp::Sum, None, &[1], &[value], &mut out)?;
+        comm.collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Sum, &[1]), &[value], &mut out)?;
         Ok(out[0])
     }
 
@@ -441,8 +403,13 @@ mod tests {
                         } else {
                             (CollectiveKind::Broadcast, Some(round % 4))
                         };
-                        comm.collective(kind, Group::World, root, ReduceOp::Sum, None, &[n as u64], &send, &mut recv)
-                            .expect("collective");
+                        let full = [n as u64];
+                        let spec = CollectiveSpec {
+                            kind,
+                            root,
+                            ..CollectiveSpec::all_reduce(Group::World, ReduceOp::Sum, &full)
+                        };
+                        comm.collective(&spec, &send, &mut recv).expect("collective");
                         send.fill(f32::NAN);
                         let want = match root {
                             None => (4 * round + 6) as f32,
@@ -476,28 +443,10 @@ mod tests {
                         let send: Vec<u16> = (0..n).map(|k| bf16_value(m, k)).collect();
                         let (mut sum, mut copy) = (vec![0u16; n], vec![0u16; n]);
                         let full = [n as u64];
-                        comm.collective_bf16(
-                            CollectiveKind::AllReduce,
-                            Group::Row,
-                            None,
-                            ReduceOp::Sum,
-                            None,
-                            &full,
-                            &send,
-                            &mut sum,
-                        )
-                        .expect("all-reduce");
-                        comm.collective_bf16(
-                            CollectiveKind::Broadcast,
-                            Group::Row,
-                            Some(2),
-                            ReduceOp::Sum,
-                            None,
-                            &full,
-                            &send,
-                            &mut copy,
-                        )
-                        .expect("broadcast");
+                        let sum_spec = CollectiveSpec::all_reduce(Group::Row, ReduceOp::Sum, &full);
+                        comm.collective(&sum_spec, &send, &mut sum).expect("all-reduce");
+                        let copy_spec = CollectiveSpec { kind: CollectiveKind::Broadcast, root: Some(2), ..sum_spec };
+                        comm.collective(&copy_spec, &send, &mut copy).expect("broadcast");
                         (sum, copy)
                     })
                 })
@@ -527,17 +476,8 @@ mod tests {
                 s.spawn(move || {
                     let mut comm = ThreadComm::new(fabric, Coords::new(i, 0, 0));
                     let (send, mut recv) = ([1.0f32; 10], [0.0f32; 10]);
-                    comm.collective(
-                        CollectiveKind::AllReduce,
-                        Group::Column,
-                        None,
-                        ReduceOp::Sum,
-                        None,
-                        &[10],
-                        &send,
-                        &mut recv,
-                    )
-                    .expect("all-reduce");
+                    let spec = CollectiveSpec::all_reduce(Group::Column, ReduceOp::Sum, &[10]);
+                    comm.collective(&spec, &send, &mut recv).expect("all-reduce");
                     assert_eq!(recv, [2.0; 10]);
                 });
             }
