@@ -381,7 +381,7 @@ fn the_cpu_arena_hands_bf16_collectives_their_bf16_buffers_as_they_are() {
                 other => panic!("a collective between {other:?}"),
             }
             let elementwise = matches!(c.kind, optimus::plan::CollectiveKind::AllReduce);
-            arena.exchange_typed(c.send, c.recv, elementwise, &mut recorder).expect("the exchange");
+            arena.exchange(c.send, c.recv, elementwise, &mut recorder).expect("the exchange");
         }
         // Every bf16 collective's payload is 2 bytes an element; only float32 buffers travel as f32.
         assert!(bf16_elements > 0, "{mesh:?}: the plan has bf16 collectives");

@@ -7,7 +7,7 @@
 //! (token ids) as i32, and bf16 buffers as two bf16 bit patterns per word, so that a buffer takes the
 //! bytes its dtype says and the arena matches the plan's memory figures.
 
-use super::backend::{Exchange, Exchanges};
+use super::backend::Exchanges;
 use super::bf16;
 use super::error::{RuntimeError, unreachable};
 use super::tensor::Tensor;
@@ -248,15 +248,15 @@ impl HostArena {
         })
     }
 
-    /// Lends `exchange` a collective's send block and receive buffer (both floating point). bf16
-    /// buffers are widened to f32 for the exchange, so sums are taken in f32 and rounded once into a
-    /// bf16 receive buffer.
-    pub fn exchange(
+    /// Lends `exchange` a collective's send block and receive buffer (both floating point) as f32: bf16
+    /// buffers are widened for the exchange, so sums are taken in f32 and rounded once into a bf16
+    /// receive buffer.
+    fn exchange_widened(
         &mut self,
         send: BufferId,
         recv: BufferId,
         elementwise: bool,
-        exchange: &mut Exchange<'_>,
+        exchange: &mut dyn Exchanges,
     ) -> Result<(), RuntimeError> {
         for id in [send, recv] {
             let r = self.region(id)?;
@@ -276,7 +276,7 @@ impl HostArena {
             let (Some(s), ViewMutData::F32(r)) = (s.first().and_then(|v| v.f32().ok()), &mut r.data) else {
                 return Err("a collective needs floating-point buffers".into());
             };
-            exchange(s, r).map_err(|e| {
+            exchange.f32(s, r).map_err(|e| {
                 comm_error = Some(e);
                 String::new()
             })
@@ -297,8 +297,8 @@ impl HostArena {
     /// Lends `exchange` a collective's send block and receive buffer in their element type: two bf16
     /// buffers go to [`Exchanges::bf16`] as they are (bf16 on the wire, no f32 copies), two f32
     /// buffers to [`Exchanges::f32`]; a bf16 buffer paired with an f32 one is widened as
-    /// [`HostArena::exchange`] does.
-    pub fn exchange_typed(
+    /// [`HostArena::exchange_widened`] does.
+    pub fn exchange(
         &mut self,
         send: BufferId,
         recv: BufferId,
@@ -307,7 +307,7 @@ impl HostArena {
     ) -> Result<(), RuntimeError> {
         let elems = (self.region(send)?.elem, self.region(recv)?.elem);
         if elems != (Elem::Bf16, Elem::Bf16) && elems != (Elem::F32, Elem::F32) {
-            return self.exchange(send, recv, elementwise, &mut |s, r| exchange.f32(s, r));
+            return self.exchange_widened(send, recv, elementwise, exchange);
         }
         let (ins, mut outs) = self.operands(&[send], &[recv])?;
         let (Some(send), Some(recv)) = (ins.first(), outs.first_mut()) else {

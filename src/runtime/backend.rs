@@ -18,9 +18,6 @@ pub struct UpdateBuffers {
     pub state2: BufferId,
 }
 
-/// A collective's data exchange, given this device's send block and receive buffer.
-pub type Exchange<'e> = dyn FnMut(&[f32], &mut [f32]) -> Result<(), CommError> + 'e;
-
 /// A collective's data exchange in the element type of its buffers: f32 blocks, or bf16 blocks as
 /// their bit patterns (which travel as bf16, 2 bytes an element).
 pub trait Exchanges {
@@ -83,32 +80,20 @@ pub trait Backend: Send {
     /// At the end of a run, before the final downloads: releases the storage of every buffer but
     /// `keep`, so that the host copies do not come on top of the whole arena.
     fn retain(&mut self, storage: &mut Self::Storage, keep: &[BufferId]) -> Result<(), RuntimeError>;
-    /// Lends `exchange` the `send` block and the `recv` buffer of one collective. A host communicator
-    /// takes host slices; a GPU communicator (NCCL) will take device storage through this method once
-    /// storage is device-resident.
-    /// `elementwise`: the collective combines element k of every member into element k (broadcast,
-    /// reduce, all-reduce), so a backend may run it on pieces of the buffers, one after another.
+    /// Lends `exchange` the `send` block and the `recv` buffer of one collective, in their element type:
+    /// f32 blocks, or bf16 blocks as they are (a bf16 buffer paired with an f32 one is widened). A
+    /// backend with a communicator of its own (device pointers) may run the collective itself from
+    /// [`Exchanges::spec`] instead. `elementwise`: the collective combines element k of every member
+    /// into element k (broadcast, reduce, all-reduce), so a backend may run it on pieces of the buffers,
+    /// one after another.
     fn collective(
         &mut self,
         storage: &mut Self::Storage,
         send: BufferId,
         recv: BufferId,
         elementwise: bool,
-        exchange: &mut Exchange<'_>,
-    ) -> Result<(), RuntimeError>;
-    /// As [`Backend::collective`], with an exchange that can also carry bf16: a backend whose storage
-    /// holds bf16 buffers hands them to [`Exchanges::bf16`] as they are. This default widens them to
-    /// f32 through [`Backend::collective`].
-    fn collective_typed(
-        &mut self,
-        storage: &mut Self::Storage,
-        send: BufferId,
-        recv: BufferId,
-        elementwise: bool,
         exchange: &mut dyn Exchanges,
-    ) -> Result<(), RuntimeError> {
-        self.collective(storage, send, recv, elementwise, &mut |s, r| exchange.f32(s, r))
-    }
+    ) -> Result<(), RuntimeError>;
 }
 
 /// A device of a run: its index among the devices of this process (what picks its GPU), and how a GPU

@@ -616,7 +616,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let mut exchange = PlanCollective { comm: &mut self.comm, c, full };
         let elementwise =
             matches!(c.kind, CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce);
-        self.backend.collective_typed(&mut self.storage, c.send, c.recv, elementwise, &mut exchange)
+        self.backend.collective(&mut self.storage, c.send, c.recv, elementwise, &mut exchange)
     }
 }
 

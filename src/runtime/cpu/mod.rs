@@ -10,7 +10,7 @@ pub mod vmath;
 use super::arena::{ArenaLayout, HostArena};
 #[cfg(feature = "cuda")]
 use super::backend::BackendKind;
-use super::backend::{Backend, DeviceSlot, Exchange, Exchanges, GpuLink, UpdateBuffers};
+use super::backend::{Backend, DeviceSlot, Exchanges, GpuLink, UpdateBuffers};
 use super::comm::Communicator;
 use super::error::{RuntimeError, unreachable};
 pub use super::exec::{Batches, DeviceBlocks, DeviceResult, RunConfig, RunOutput, StepRecord, assemble, run_device};
@@ -303,19 +303,8 @@ impl Backend for CpuBackend {
         send: BufferId,
         recv: BufferId,
         elementwise: bool,
-        exchange: &mut Exchange<'_>,
-    ) -> Result<(), RuntimeError> {
-        storage.exchange(send, recv, elementwise, exchange)
-    }
-
-    fn collective_typed(
-        &mut self,
-        storage: &mut HostArena,
-        send: BufferId,
-        recv: BufferId,
-        elementwise: bool,
         exchange: &mut dyn Exchanges,
     ) -> Result<(), RuntimeError> {
-        storage.exchange_typed(send, recv, elementwise, exchange)
+        storage.exchange(send, recv, elementwise, exchange)
     }
 }

@@ -19,9 +19,8 @@ pub mod ptx_cache;
 pub mod storage;
 
 use super::arena::ArenaLayout;
-use super::backend::{Backend, Exchange, Exchanges, GpuLink, UpdateBuffers};
+use super::backend::{Backend, Exchanges, GpuLink, UpdateBuffers};
 use super::comm::CollectiveSpec;
-use super::comm::CommError;
 use super::error::RuntimeError;
 use super::settings::{KernelContext, OptimizerSettings};
 use super::tensor::Tensor;
@@ -217,38 +216,11 @@ impl Backend for CudaBackend {
         send: BufferId,
         recv: BufferId,
         _elementwise: bool,
-        exchange: &mut Exchange<'_>,
-    ) -> Result<(), RuntimeError> {
-        storage.exchange(&self.stream, send, recv, &mut AsF32(exchange))
-    }
-
-    fn collective_typed(
-        &mut self,
-        storage: &mut DeviceArena,
-        send: BufferId,
-        recv: BufferId,
-        _elementwise: bool,
         exchange: &mut dyn Exchanges,
     ) -> Result<(), RuntimeError> {
         if self.collective_on_device(storage, send, recv, exchange)? {
             return Ok(());
         }
         storage.exchange(&self.stream, send, recv, exchange)
-    }
-}
-
-/// An f32-only exchange as [`Exchanges`]: bf16 blocks are widened, exchanged and rounded back.
-struct AsF32<'a, 'e>(&'a mut Exchange<'e>);
-
-impl Exchanges for AsF32<'_, '_> {
-    fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
-        (self.0)(send, recv)
-    }
-
-    fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), CommError> {
-        let mut wide = super::bf16::widen(recv);
-        (self.0)(&super::bf16::widen(send), &mut wide)?;
-        super::bf16::round_into(&wide, recv);
-        Ok(())
     }
 }
