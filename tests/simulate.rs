@@ -5,7 +5,7 @@
 use optimus::cost::collective::{ceil_log2, ring_time, tree_time};
 use optimus::cost::flows::{GroupLayout, collective_seconds};
 use optimus::cost::search::{self, Source};
-use optimus::cost::{Algorithm, Hardware, LinkKind, NodeMap, Options, Placement, collective_time, simulate};
+use optimus::cost::{Algorithm, Hardware, LinkKind, NodeMap, Options, RankPlacement, collective_time, simulate};
 use optimus::elab::Override;
 use optimus::plan::{CollectiveKind, Coords, Group, Mesh, Mode, Plan, Strategy};
 use optimus::shard::Target;
@@ -83,10 +83,10 @@ fn tree_times_match_the_alpha_beta_formulas() {
 #[test]
 fn placements_decide_which_link_a_group_crosses() {
     let mesh = Mesh::new(4, 4);
-    let row_major = NodeMap::new(mesh, 4, Placement::RowMajor);
+    let row_major = NodeMap::new(mesh, 4, RankPlacement::RowMajor);
     assert_eq!(row_major.link_kind(Group::Row), LinkKind::IntraNode);
     assert_eq!(row_major.link_kind(Group::Column), LinkKind::InterNode);
-    let blocks = NodeMap::new(mesh, 4, Placement::Blocks);
+    let blocks = NodeMap::new(mesh, 4, RankPlacement::Blocks);
     assert_eq!(blocks.block, Some((2, 2)));
     assert_eq!(
         (
@@ -100,13 +100,13 @@ fn placements_decide_which_link_a_group_crosses() {
     assert_eq!(blocks.link_kind(Group::Row), LinkKind::InterNode);
     assert_eq!(blocks.link_kind(Group::Column), LinkKind::InterNode);
     // A whole mesh on one node: every group is intra-node whatever the placement.
-    let small = NodeMap::new(Mesh::new(2, 2), 4, Placement::Blocks);
+    let small = NodeMap::new(Mesh::new(2, 2), 4, RankPlacement::Blocks);
     assert_eq!(small.link_kind(Group::World), LinkKind::IntraNode);
     assert_eq!(small.link_kind(Group::Column), LinkKind::IntraNode);
     // 8 per node on 8x8: blocks of 2x4.
-    assert_eq!(NodeMap::new(Mesh::new(8, 8), 8, Placement::Blocks).block, Some((2, 4)));
+    assert_eq!(NodeMap::new(Mesh::new(8, 8), 8, RankPlacement::Blocks).block, Some((2, 4)));
     // No block of 4 devices tiles a 1x6 mesh: row-major, with a note.
-    let odd = NodeMap::new(Mesh::new(1, 6), 4, Placement::Blocks);
+    let odd = NodeMap::new(Mesh::new(1, 6), 4, RankPlacement::Blocks);
     assert_eq!(odd.block, None);
     assert!(odd.note.is_some());
 }
@@ -132,7 +132,7 @@ fn group_times_in_a_plan_use_their_links() {
     let hw = profile(16.0);
     let report = optimus::plan::report::report(&plan);
     // Blocks of 2x2 per node: every row and column group crosses nodes.
-    for (placement, row_intra) in [(Placement::RowMajor, true), (Placement::Blocks, false)] {
+    for (placement, row_intra) in [(RankPlacement::RowMajor, true), (RankPlacement::Blocks, false)] {
         let options = Options { placement, algorithm: Some(Algorithm::Ring), overlap: false };
         let sim = simulate(&plan, &hw, &options);
         assert!(!sim.communication.is_empty());
@@ -147,7 +147,7 @@ fn group_times_in_a_plan_use_their_links() {
             } else {
                 let flows = match (entry.group.as_str(), placement) {
                     ("world", _) => 1.0,
-                    (_, Placement::RowMajor) => 4.0,
+                    (_, RankPlacement::RowMajor) => 4.0,
                     _ => 2.0,
                 };
                 optimus::cost::Link { bandwidth: 8e9 / flows, latency: 5e-6 }
@@ -370,9 +370,9 @@ fn rings_share_each_nic_among_the_groups_whose_flows_cross_it() {
     let hw = profile(16.0);
     let mesh = Mesh::new(8, 8);
     let layout = |map: &NodeMap, g| GroupLayout::of(map, g);
-    let row_major = NodeMap::new(mesh, 4, Placement::RowMajor);
-    let blocks = NodeMap::new(mesh, 4, Placement::Blocks);
-    let megatron = NodeMap::new(Mesh::new(1, 64), 4, Placement::RowMajor);
+    let row_major = NodeMap::new(mesh, 4, RankPlacement::RowMajor);
+    let blocks = NodeMap::new(mesh, 4, RankPlacement::Blocks);
+    let megatron = NodeMap::new(Mesh::new(1, 64), 4, RankPlacement::RowMajor);
     let per_node = |map: &NodeMap, g| layout(map, g).groups_per_node();
     assert_eq!((per_node(&row_major, Group::Row), per_node(&row_major, Group::Column)), (1, 4));
     assert_eq!((per_node(&blocks, Group::Row), per_node(&blocks, Group::Column)), (2, 2));
@@ -415,10 +415,10 @@ fn blocks_beat_row_major_for_summa_broadcasts_across_nodes() {
             .sum::<f64>()
     };
     assert!(
-        step(Placement::Blocks) < step(Placement::RowMajor),
+        step(RankPlacement::Blocks) < step(RankPlacement::RowMajor),
         "{} vs {}",
-        step(Placement::Blocks),
-        step(Placement::RowMajor)
+        step(RankPlacement::Blocks),
+        step(RankPlacement::RowMajor)
     );
 }
 

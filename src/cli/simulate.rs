@@ -5,7 +5,7 @@ use super::{ModeArg, TargetArgs};
 use clap::ValueEnum;
 use optimus::cost::planner::seconds;
 use optimus::cost::search::{self, MaxBatch, Source, SweepPoint};
-use optimus::cost::{Algorithm, Hardware, Options, Placement, Simulation, simulate};
+use optimus::cost::{Algorithm, Hardware, Options, RankPlacement, Simulation, simulate};
 use optimus::diag::group_digits;
 use optimus::plan::report::human_bytes;
 use optimus::plan::{Mode, Plan, Strategy};
@@ -61,10 +61,10 @@ pub enum PlacementArg {
 }
 
 impl PlacementArg {
-    pub fn placement(self) -> Placement {
+    pub fn placement(self) -> RankPlacement {
         match self {
-            PlacementArg::RowMajor => Placement::RowMajor,
-            PlacementArg::Blocks => Placement::Blocks,
+            PlacementArg::RowMajor => RankPlacement::RowMajor,
+            PlacementArg::Blocks => RankPlacement::Blocks,
         }
     }
 }

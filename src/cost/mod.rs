@@ -13,5 +13,5 @@ pub mod step;
 
 pub use collective::{Algorithm, collective_time};
 pub use hardware::{Hardware, Link};
-pub use placement::{LinkKind, NodeMap, Placement};
+pub use placement::{LinkKind, NodeMap, RankPlacement};
 pub use step::{Options, Simulation, simulate};

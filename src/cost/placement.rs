@@ -12,17 +12,17 @@ use serde::{Deserialize, Serialize};
 /// How ranks are placed on nodes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Placement {
+pub enum RankPlacement {
     #[default]
     RowMajor,
     Blocks,
 }
 
-impl Placement {
+impl RankPlacement {
     pub fn name(self) -> &'static str {
         match self {
-            Placement::RowMajor => "row-major",
-            Placement::Blocks => "blocks",
+            RankPlacement::RowMajor => "row-major",
+            RankPlacement::Blocks => "blocks",
         }
     }
 }
@@ -56,10 +56,10 @@ pub struct NodeMap {
 }
 
 impl NodeMap {
-    pub fn new(mesh: Mesh, gpus_per_node: u64, placement: Placement) -> NodeMap {
+    pub fn new(mesh: Mesh, gpus_per_node: u64, placement: RankPlacement) -> NodeMap {
         let g = gpus_per_node.max(1);
         let mut map = NodeMap { mesh, gpus_per_node: g, block: None, note: None };
-        if placement == Placement::Blocks && mesh.replica_devices() > g {
+        if placement == RankPlacement::Blocks && mesh.replica_devices() > g {
             map.block = block_shape(mesh, g);
             if map.block.is_none() {
                 map.note = Some(format!("no block of {g} devices tiles a {mesh} mesh; placed row-major"));
@@ -120,7 +120,7 @@ mod tests {
 
     #[test]
     fn ranks_fill_2x2_blocks_node_by_node() {
-        let map = NodeMap::new(Mesh::new(4, 4), 4, Placement::Blocks);
+        let map = NodeMap::new(Mesh::new(4, 4), 4, RankPlacement::Blocks);
         let devices: Vec<(u64, u64)> = map.devices_by_rank().iter().map(|c| (c.i(), c.j())).collect();
         assert_eq!(&devices[..8], &[(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]);
         for (rank, &(i, j)) in devices.iter().enumerate() {
@@ -130,7 +130,7 @@ mod tests {
 
     #[test]
     fn row_major_ranks_are_row_major_devices() {
-        let map = NodeMap::new(Mesh::new(3, 3), 4, Placement::Blocks);
+        let map = NodeMap::new(Mesh::new(3, 3), 4, RankPlacement::Blocks);
         assert!(map.note.is_some(), "no 4-device block tiles 3x3");
         let expected: Vec<Coords> = (0..9).map(|r| Coords::new(r / 3, r % 3, 0)).collect();
         assert_eq!(map.devices_by_rank(), expected);

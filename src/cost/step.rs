@@ -14,7 +14,7 @@
 use super::collective::Algorithm;
 use super::flows::{self, GroupLayout};
 use super::hardware::Hardware;
-use super::placement::{LinkKind, NodeMap, Placement};
+use super::placement::{LinkKind, NodeMap, RankPlacement};
 use crate::ir::DType;
 use crate::plan::report::{kernel_flops, report};
 use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mode, Plan, ReasonKind, SummaProduct};
@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 /// How to simulate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Options {
-    pub placement: Placement,
+    pub placement: RankPlacement,
     /// Overrides the profile's collective algorithm.
     pub algorithm: Option<Algorithm>,
     /// Whether SUMMA products are double-buffered (broadcasts of step t overlap the product of t-1).
@@ -33,7 +33,7 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Options {
-        Options { placement: Placement::RowMajor, algorithm: None, overlap: true }
+        Options { placement: RankPlacement::RowMajor, algorithm: None, overlap: true }
     }
 }
 
@@ -348,7 +348,7 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
         }
     }
     tally.wait_for_gradient_sums(None);
-    let placement = if nodes.note.is_some() { Placement::RowMajor } else { options.placement };
+    let placement = if nodes.note.is_some() { RankPlacement::RowMajor } else { options.placement };
     let header = Header {
         placement: placement.name().to_string(),
         placement_note: nodes.note.clone(),

@@ -8,7 +8,7 @@ use super::comm::{
 };
 use super::exec::{self, Batches, DeviceBlocks, RunConfig, RunOutput, StepRecord};
 use super::tensor::{Data, Tensor};
-use crate::cost::placement::{NodeMap, Placement};
+use crate::cost::placement::{NodeMap, RankPlacement};
 use crate::plan::{CollectiveKind, Coords, Group, Mesh, Plan, ReduceOp};
 use crate::shard::layout::MESH_AXES;
 #[cfg(feature = "cuda")]
@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, Debug)]
 pub struct JobOptions {
     /// Which rank runs which device.
-    pub placement: Placement,
+    pub placement: RankPlacement,
     /// Whether rank 0 gathers the final parameters, gradients and outputs (to save them); without it,
     /// the output holds the step records only.
     pub gather: bool,
@@ -104,7 +104,7 @@ impl MpiJob {
     }
 
     /// The device each rank runs, and a note when the placement could not be followed.
-    pub fn devices(&self, mesh: Mesh, placement: Placement) -> (Vec<Coords>, Option<String>) {
+    pub fn devices(&self, mesh: Mesh, placement: RankPlacement) -> (Vec<Coords>, Option<String>) {
         let map = NodeMap::new(mesh, self.ranks_per_node, placement);
         (map.devices_by_rank(), map.note)
     }
