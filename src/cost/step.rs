@@ -116,11 +116,11 @@ pub fn kernel_cost(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Ha
     };
     let flops = kernel_flops(kernel, inputs, output) as f64;
     let bytes = kernel_bytes(inputs, output) as f64;
-    let (flavor, kind) = (crate::runtime::profile::kernel_flavor(kernel), crate::runtime::profile::kernel_name(kernel));
+    let (flavor, kind) = (kernel.flavor(), kernel.name());
     let bf16 = touches_bf16(inputs, output);
     KernelCost {
-        seconds: measured.kernel_seconds(&flavor, &kind, bf16, bytes, flops),
-        overhead: measured.kernel_seconds(&flavor, &kind, bf16, 0.0, 0.0),
+        seconds: measured.kernel_seconds(&flavor, kind, bf16, bytes, flops),
+        overhead: measured.kernel_seconds(&flavor, kind, bf16, 0.0, 0.0),
     }
 }
 

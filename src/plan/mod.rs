@@ -527,6 +527,87 @@ pub enum Kernel {
 }
 
 impl Kernel {
+    /// The kernel's kind, as its variant is spelled (`MatMul`, `AttentionGrad`): what profiles and
+    /// calibrated fits name it by.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kernel::MatMul { .. } => "MatMul",
+            Kernel::BatchedMatMul => "BatchedMatMul",
+            Kernel::BiasAdd => "BiasAdd",
+            Kernel::Add => "Add",
+            Kernel::Mul => "Mul",
+            Kernel::Scale { .. } => "Scale",
+            Kernel::Gelu { .. } => "Gelu",
+            Kernel::Silu => "Silu",
+            Kernel::SiluGrad => "SiluGrad",
+            Kernel::GeluGrad { .. } => "GeluGrad",
+            Kernel::Softmax => "Softmax",
+            Kernel::SoftmaxGrad => "SoftmaxGrad",
+            Kernel::CausalMask => "CausalMask",
+            Kernel::CausalMaskGrad => "CausalMaskGrad",
+            Kernel::Dropout { .. } => "Dropout",
+            Kernel::DropoutGrad { .. } => "DropoutGrad",
+            Kernel::Reshape => "Reshape",
+            Kernel::Transpose { .. } => "Transpose",
+            Kernel::Select { .. } => "Select",
+            Kernel::SelectGrad { .. } => "SelectGrad",
+            Kernel::Attention { .. } => "Attention",
+            Kernel::AttentionGrad { .. } => "AttentionGrad",
+            Kernel::Rotary { .. } => "Rotary",
+            Kernel::RotaryGrad { .. } => "RotaryGrad",
+            Kernel::EmbeddingLookup { .. } => "EmbeddingLookup",
+            Kernel::EmbeddingGrad { .. } => "EmbeddingGrad",
+            Kernel::PositionLookup => "PositionLookup",
+            Kernel::PositionGrad => "PositionGrad",
+            Kernel::RowSum => "RowSum",
+            Kernel::RowCenteredSquareSum { .. } => "RowCenteredSquareSum",
+            Kernel::LayerNormApply { .. } => "LayerNormApply",
+            Kernel::LayerNormGradSums { .. } => "LayerNormGradSums",
+            Kernel::LayerNormGradInput { .. } => "LayerNormGradInput",
+            Kernel::LayerNormGradWeight { .. } => "LayerNormGradWeight",
+            Kernel::RowSquareSum => "RowSquareSum",
+            Kernel::RmsNormApply { .. } => "RmsNormApply",
+            Kernel::RmsNormGradSum => "RmsNormGradSum",
+            Kernel::RmsNormGradInput { .. } => "RmsNormGradInput",
+            Kernel::RmsNormGradWeight { .. } => "RmsNormGradWeight",
+            Kernel::SumToLast => "SumToLast",
+            Kernel::CrossEntropyMax { .. } => "CrossEntropyMax",
+            Kernel::CrossEntropyStats { .. } => "CrossEntropyStats",
+            Kernel::CrossEntropyCount => "CrossEntropyCount",
+            Kernel::CrossEntropyLoss => "CrossEntropyLoss",
+            Kernel::CrossEntropyGrad { .. } => "CrossEntropyGrad",
+            Kernel::Fill { .. } => "Fill",
+            Kernel::Cast => "Cast",
+            Kernel::SliceShard { .. } => "SliceShard",
+            Kernel::GradSquareSum => "GradSquareSum",
+            Kernel::OptimizerStep => "OptimizerStep",
+        }
+    }
+
+    /// The kind with the fields that choose another code path rather than scale the work
+    /// (`Gelu(approximate=false)`, `Attention(causal=true, fused=true)`): what a calibrated profile
+    /// keys its fits by. Sizes, rates, keys and offsets are left out.
+    pub fn flavor(&self) -> String {
+        let flags: Vec<(&str, bool)> = match *self {
+            Kernel::MatMul { transpose_a, transpose_b, accumulate } => {
+                vec![("transpose_a", transpose_a), ("transpose_b", transpose_b), ("accumulate", accumulate)]
+            }
+            Kernel::Gelu { approximate } | Kernel::GeluGrad { approximate } => vec![("approximate", approximate)],
+            Kernel::Attention { causal, fused, .. } | Kernel::AttentionGrad { causal, fused, .. } => {
+                vec![("causal", causal), ("fused", fused)]
+            }
+            Kernel::EmbeddingLookup { masked, .. } | Kernel::EmbeddingGrad { masked, .. } => vec![("masked", masked)],
+            _ => Vec::new(),
+        };
+        if flags.is_empty() {
+            return self.name().to_string();
+        }
+        let fields: Vec<String> = flags.iter().map(|(key, value)| format!("{key}={value}")).collect();
+        format!("{}({})", self.name(), fields.join(", "))
+    }
+}
+
+impl Kernel {
     /// Whether the kernel reads its output's previous contents (it accumulates into it). Every other
     /// kernel writes each element of its output, so a backend need not clear the output first.
     pub fn reads_its_output(&self) -> bool {

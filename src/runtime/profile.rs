@@ -115,28 +115,14 @@ pub fn instruction_kind(plan: &Plan, instr: &Instr) -> Option<InstrKind> {
     }
 }
 
-/// The kernel's variant name, as the plan's Rust type spells it (`MatMul`, `AttentionGrad`).
+/// The kernel's kind (see [`Kernel::name`]).
 pub fn kernel_name(kernel: &Kernel) -> String {
-    let debug = format!("{kernel:?}");
-    debug.split([' ', '{', '(']).next().unwrap_or_default().to_string()
+    kernel.name().to_string()
 }
 
-/// The kernel's name with the fields that choose a different code path rather than scale the work
-/// (`Gelu(approximate=false)`, `Attention(causal=true, fused=true)`): what a calibrated profile keys
-/// its fits by. Numeric fields (sizes, rates, keys) are left out.
+/// The kernel's kind with the fields that choose its code path (see [`Kernel::flavor`]).
 pub fn kernel_flavor(kernel: &Kernel) -> String {
-    let name = kernel_name(kernel);
-    let debug = format!("{kernel:?}");
-    let body = debug.strip_prefix(&name).unwrap_or_default().trim().trim_start_matches('{').trim_end_matches('}');
-    let fields: Vec<String> = body
-        .split(',')
-        .filter_map(|field| {
-            let (key, value) = field.split_once(':')?;
-            let value = value.trim();
-            value.chars().next()?.is_alphabetic().then(|| format!("{}={value}", key.trim()))
-        })
-        .collect();
-    if fields.is_empty() { name } else { format!("{name}({})", fields.join(", ")) }
+    kernel.flavor()
 }
 
 /// `all_reduce (row)`, `broadcast (column)`, ...
@@ -512,6 +498,15 @@ mod tests {
         assert_eq!(kernel_flavor(&Kernel::Gelu { approximate: false }), "Gelu(approximate=false)");
         let attention = Kernel::Attention { heads: 8, kv_heads: 2, causal: true, fused: false };
         assert_eq!(kernel_flavor(&attention), "Attention(causal=true, fused=false)");
+        // Offsets differ between devices and are not a code path: one flavor for every device.
+        let offset = crate::plan::Offset { axis: Some(1), block: 5 };
+        let lookup = Kernel::EmbeddingLookup { offset, masked: true };
+        assert_eq!(kernel_flavor(&lookup), "EmbeddingLookup(masked=true)");
+        let grad = Kernel::EmbeddingGrad { offset, masked: false, padding: Some(3) };
+        assert_eq!(kernel_flavor(&grad), "EmbeddingGrad(masked=false)");
+        for kernel in [lookup, grad, attention, Kernel::OptimizerStep, Kernel::Scale { factor: 2.0 }] {
+            assert!(format!("{kernel:?}").starts_with(kernel.name()), "{kernel:?} is named {}", kernel.name());
+        }
     }
 
     #[test]
