@@ -208,6 +208,16 @@ pub struct Outcome {
     pub groups: Vec<GroupTrace>,
 }
 
+/// Why a configuration was rejected, closest first: it compiled but did not fit, it did not compile, or
+/// its batch does not split over its replicas and rows (it never reached the compiler).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rejection {
+    Memory,
+    Compile,
+    Batch,
+}
+
 /// A configuration that was rejected, and why.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Rejected {
@@ -216,22 +226,22 @@ pub struct Rejected {
     /// Peak over capacity, for memory failures (how close it came).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub over_capacity: Option<f64>,
-    /// Whether the model compiled for it (memory failures) or at least got to the compiler.
+    /// What kind of failure it was.
     #[serde(skip)]
-    closeness: u8,
+    pub kind: Rejection,
 }
 
 impl Rejected {
     fn memory(what: String, reason: String, over: f64) -> Rejected {
-        Rejected { what, reason, over_capacity: Some(over), closeness: 0 }
+        Rejected { what, reason, over_capacity: Some(over), kind: Rejection::Memory }
     }
 
     fn compile(what: String, reason: String) -> Rejected {
-        Rejected { what, reason, over_capacity: None, closeness: 1 }
+        Rejected { what, reason, over_capacity: None, kind: Rejection::Compile }
     }
 
     fn batch(what: String, reason: String) -> Rejected {
-        Rejected { what, reason, over_capacity: None, closeness: 2 }
+        Rejected { what, reason, over_capacity: None, kind: Rejection::Batch }
     }
 }
 
@@ -798,9 +808,7 @@ fn finish(search: Search, started: Instant) -> Result<Outcome, Box<NoPlan>> {
     });
     if ranked.is_empty() {
         rejected.sort_by(|a, b| {
-            a.closeness
-                .cmp(&b.closeness)
-                .then(a.over_capacity.unwrap_or(0.0).total_cmp(&b.over_capacity.unwrap_or(0.0)))
+            a.kind.cmp(&b.kind).then(a.over_capacity.unwrap_or(0.0).total_cmp(&b.over_capacity.unwrap_or(0.0)))
         });
         let mut seen = std::collections::HashSet::new();
         rejected.retain(|r| seen.insert(r.what.clone()));
@@ -816,7 +824,7 @@ fn finish(search: Search, started: Instant) -> Result<Outcome, Box<NoPlan>> {
             counts.compiled,
             counts.compile_failures
         );
-        let batch_cut = rejected.iter().any(|r| r.reason.contains("batch"));
+        let batch_cut = rejected.iter().any(|r| r.kind == Rejection::Batch);
         let message = if batch_cut && counts.too_large == 0 {
             format!(
                 "{message}\nhelp: the model's `batch` ({global_batch} sequences) is the global batch of an update; every \
