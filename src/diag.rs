@@ -105,11 +105,24 @@ impl Code {
     }
 }
 
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A code compares equal to its text (`E0602`), for readers and tests that name codes as text.
+impl PartialEq<&str> for Code {
+    fn eq(&self, text: &&str) -> bool {
+        self.as_str() == *text
+    }
+}
+
 /// One reported problem: a stable code, a message, labelled spans, notes and an optional fix.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Diagnostic {
     pub severity: Severity,
-    pub code: &'static str,
+    pub code: Code,
     pub message: String,
     pub labels: Vec<Label>,
     pub notes: Vec<String>,
@@ -120,7 +133,7 @@ impl Diagnostic {
     pub fn error(code: Code, message: impl Into<String>) -> Diagnostic {
         Diagnostic {
             severity: Severity::Error,
-            code: code.as_str(),
+            code,
             message: message.into(),
             labels: Vec::new(),
             notes: Vec::new(),
@@ -181,7 +194,7 @@ impl Diagnostic {
             notes.push(format!("help: {}", printable_text(help)));
         }
         cs::Diagnostic::new(severity)
-            .with_code(self.code)
+            .with_code(self.code.as_str())
             .with_message(printable_text(&self.message))
             .with_labels(labels)
             .with_notes(notes)

@@ -23,7 +23,7 @@ fn overrides(sets: &[(&str, &str)]) -> Vec<Override> {
 /// primary label inside the source.
 fn assert_well_formed(src: &str, diagnostics: &[Diagnostic]) {
     for d in diagnostics.iter().filter(|d| d.is_error()) {
-        assert!(d.code.starts_with('E') && d.code.len() == 5, "bad code {:?}", d.code);
+        assert!(d.code.as_str().starts_with('E') && d.code.as_str().len() == 5, "bad code {:?}", d.code);
         assert!(!d.message.is_empty(), "{} has no message", d.code);
         for l in &d.labels {
             assert!(l.span.start <= l.span.end && l.span.end as usize <= src.len(), "{} label outside source", d.code);
@@ -36,7 +36,7 @@ fn assert_well_formed(src: &str, diagnostics: &[Diagnostic]) {
 /// Checks `src`, asserts the model is rejected with exactly the error codes `codes` (in order), and renders.
 fn render(src: &str, sets: &[(&str, &str)], codes: &[&str]) -> String {
     let checked = check_source(src, &overrides(sets));
-    let found: Vec<&str> = checked.diagnostics.iter().filter(|d| d.is_error()).map(|d| d.code).collect();
+    let found: Vec<&str> = checked.diagnostics.iter().filter(|d| d.is_error()).map(|d| d.code.as_str()).collect();
     assert_eq!(found, codes, "error codes for:\n{src}\n{}", render_plain("model.opt", src, &checked.diagnostics));
     assert!(checked.model.is_none(), "a model with errors must not be returned");
     assert_well_formed(src, &checked.diagnostics);
@@ -796,7 +796,7 @@ fn a_file_larger_than_the_old_parser_limit_parses() {
     // 4 MiB of `;` took about 150 million grammar-rule calls; the limit was 50 million.
     let src = format!("input x: f32[2]\nforward {{ output y = x }}\n{}", ";".repeat(4 << 20));
     let checked = check_source(&src, &[]);
-    let codes: Vec<&str> = checked.diagnostics.iter().map(|d| d.code).collect();
+    let codes: Vec<&str> = checked.diagnostics.iter().map(|d| d.code.as_str()).collect();
     assert_eq!(codes, Vec::<&str>::new());
     assert!(checked.model.is_some());
 }
@@ -831,7 +831,7 @@ fn two_unrelated_errors_are_both_reported() {
         "layer a = linear(hidden, 8, bais: true)\nlayer b = embedding(10, hiddn)\nforward {\n  output y = b(tokens)\n}\n"
     );
     let checked = check_source(src, &[]);
-    let codes: Vec<&str> = checked.diagnostics.iter().map(|d| d.code).collect();
+    let codes: Vec<&str> = checked.diagnostics.iter().map(|d| d.code.as_str()).collect();
     assert_eq!(codes, ["E0104", "E0101"]);
 }
 

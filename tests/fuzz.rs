@@ -101,7 +101,7 @@ fn run_and_validate(bytes: Vec<u8>, overrides: &[Override]) -> Result<Report, St
     let elapsed = start.elapsed();
 
     validate_diagnostics(&source.text, &diagnostics)?;
-    let errors: Vec<&'static str> = diagnostics.iter().filter(|d| d.is_error()).map(|d| d.code).collect();
+    let errors: Vec<&'static str> = diagnostics.iter().filter(|d| d.is_error()).map(|d| d.code.as_str()).collect();
     if parameters.is_none() && errors.is_empty() {
         return Err(format!("the model did not check, but no error says why: {diagnostics:#?}"));
     }
@@ -126,7 +126,7 @@ fn run_and_validate(bytes: Vec<u8>, overrides: &[Override]) -> Result<Report, St
 /// Every diagnostic has a code and a message, and every label lies within the source, on character boundaries.
 fn validate_diagnostics(text: &str, diagnostics: &[Diagnostic]) -> Result<(), String> {
     for d in diagnostics {
-        let code_ok = !d.code.is_empty() && d.code.chars().all(|c| c.is_ascii_alphanumeric());
+        let code_ok = !d.code.as_str().is_empty() && d.code.as_str().chars().all(|c| c.is_ascii_alphanumeric());
         if !code_ok || d.message.trim().is_empty() {
             return Err(format!("diagnostic without a code or message: {d:?}"));
         }

@@ -90,7 +90,7 @@ fn padding_past_the_limit_is_reported_by_the_shard_pass() {
         panic!("padding pushes wte past the limit; the compile must fail")
     };
     let rendered = optimus::diag::render_plain("tiny.opt", &source, &diagnostics);
-    let codes: Vec<&str> = diagnostics.iter().map(|d| d.code).collect();
+    let codes: Vec<&str> = diagnostics.iter().map(|d| d.code.as_str()).collect();
     assert_eq!(codes, ["E0202"], "{rendered}");
     assert!(rendered.contains("parameter `wte.weight` padded for the mesh is too large"), "{rendered}");
     assert!(rendered.contains("`vocab` is set to 11453246122 by `--set`"), "{rendered}");

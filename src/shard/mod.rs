@@ -46,7 +46,7 @@ pub fn compile(model: &Model, source_name: &str, source: &str, target: Target) -
     shapes::check_padded_sizes(model, &graph.graph, &shapes)?;
     let mut lower = Lowerer::new(model, &graph.graph, graph.like.clone(), source, target, shapes);
     lower.run(graph.forward_len, &graph.grads);
-    if lower.diagnostics.iter().any(|d| d.code == Code::E0602.as_str()) {
+    if lower.diagnostics.iter().any(|d| d.code == Code::E0602) {
         let meshes = meshes_that_compile(model, &graph, source_name, source, target);
         add_mesh_suggestions(&mut lower.diagnostics, target.strategy, &meshes);
     }
@@ -159,7 +159,7 @@ fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, mesh
         "meshes up to {SUGGESTED_MESH_DEVICES} devices on which this model compiles with the {} strategy: {list}",
         strategy.name()
     );
-    for d in diagnostics.iter_mut().filter(|d| d.code == Code::E0602.as_str()) {
+    for d in diagnostics.iter_mut().filter(|d| d.code == Code::E0602) {
         d.help = Some(help.clone());
     }
 }
@@ -333,7 +333,7 @@ impl<'a> Lowerer<'a> {
             // Keep going past dimensions that do not divide, to report them all and learn every split
             // size; stop at anything else.
             let stop = self.stop_at_first_error && !self.diagnostics.is_empty();
-            if stop || self.diagnostics.iter().any(|d| d.code != Code::E0602.as_str()) {
+            if stop || self.diagnostics.iter().any(|d| d.code != Code::E0602) {
                 return;
             }
             self.lower_node(n);
