@@ -135,11 +135,11 @@ fn on_host(comm: &mut ThreadComm, case: &Case, send: &[f32], recv_len: usize) ->
     if case.bf16 {
         let send: Vec<u16> = send.iter().map(|&x| bf16::round(x)).collect();
         let mut recv = vec![0u16; recv_len];
-        comm.collective(&case.spec(), &send, &mut recv).map_err(|e| e.0)?;
+        comm.collective(&case.spec(), &send, &mut recv).map_err(|e| e.to_string())?;
         Ok(recv.into_iter().map(u32::from).collect())
     } else {
         let mut recv = vec![0.0f32; recv_len];
-        comm.collective(&case.spec(), send, &mut recv).map_err(|e| e.0)?;
+        comm.collective(&case.spec(), send, &mut recv).map_err(|e| e.to_string())?;
         Ok(recv.into_iter().map(f32::to_bits).collect())
     }
 }

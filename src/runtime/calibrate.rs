@@ -272,7 +272,7 @@ fn one_collective(
         shard: Some(Placement::shard(0)),
         ..CollectiveSpec::all_reduce(Group::Row, ReduceOp::Sum, &full)
     };
-    comm.collective(&spec, send, recv).map_err(|e| e.0)
+    comm.collective(&spec, send, recv).map_err(|e| e.to_string())
 }
 
 /// Fits alpha and beta of one configuration from (payload bytes, seconds) pairs.

@@ -3,15 +3,47 @@
 use crate::plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
 use crate::shard::layout::Placement;
 
-/// A failed collective: a peer failed, or the group did not assemble in time.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CommError(pub String);
+/// A failed collective, with what a user needs to find the cause.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CommError {
+    /// Another device failed first; its report.
+    PeerFailed(String),
+    /// Not every member of the group arrived within `--timeout`: the devices still missing.
+    TimedOut { seconds: f64, missing: Vec<String>, members: usize },
+    /// A member's block does not have the size the collective needs.
+    SizeMismatch { sent: usize, expected: usize },
+    /// An all-gather or reduce-scatter whose collective says nothing of how the tensor is split.
+    NoPlacement(CollectiveKind),
+    /// A broadcast or reduce from a member the group does not have.
+    NoSuchRoot(u64),
+    /// The members (or a member's two buffers) hold different element types.
+    MixedElements,
+    /// The transport failed: MPI, NCCL or the GPU driver, in its own words.
+    Transport(String),
+}
 
 impl std::fmt::Display for CommError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            CommError::PeerFailed(report) => f.write_str(report),
+            CommError::TimedOut { seconds, missing, members } => write!(
+                f,
+                "collective timed out after {seconds:.1} s waiting for {} of {members} members: device {}",
+                missing.len(),
+                missing.join(", ")
+            ),
+            CommError::SizeMismatch { sent, expected } => {
+                write!(f, "collective size mismatch: {sent} elements sent, {expected} expected")
+            }
+            CommError::NoPlacement(kind) => write!(f, "{} without a placement", kind.name()),
+            CommError::NoSuchRoot(root) => write!(f, "a collective from member {root}, which the group does not have"),
+            CommError::MixedElements => f.write_str("the blocks of a collective have different element types"),
+            CommError::Transport(what) => f.write_str(what),
+        }
     }
 }
+
+impl std::error::Error for CommError {}
 
 /// What one collective of the plan does, for a communicator that works on a backend's own buffers
 /// (device pointers) rather than on host slices.
@@ -241,17 +273,14 @@ pub fn combine<T: Payload>(
 ) -> Result<(), CommError> {
     let CollectiveSpec { kind, root, op, shard, full, .. } = *spec;
     let n = parts.len() as u64;
-    let check = |a: usize, b: usize| {
-        if a == b {
-            Ok(())
-        } else {
-            Err(CommError(format!("collective size mismatch: {a} elements sent, {b} expected")))
-        }
+    let check = |sent: usize, expected: usize| {
+        if sent == expected { Ok(()) } else { Err(CommError::SizeMismatch { sent, expected }) }
     };
     let check_all = |len: usize| parts.iter().try_for_each(|p| check(p.len(), len));
     match kind {
         CollectiveKind::Broadcast => {
-            let src = parts.get(root.unwrap_or(0) as usize).ok_or_else(|| CommError("no such root".into()))?;
+            let root = root.unwrap_or(0);
+            let src = parts.get(root as usize).ok_or(CommError::NoSuchRoot(root))?;
             check(src.len(), recv.len())?;
             recv.copy_from_slice(src);
         }
@@ -266,7 +295,7 @@ pub fn combine<T: Payload>(
             reduce_into(parts, 0, recv, op);
         }
         CollectiveKind::AllGather => {
-            let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
+            let shard = shard.ok_or(CommError::NoPlacement(kind))?;
             check(full.iter().product::<u64>() as usize, recv.len())?;
             for (m, part) in parts.iter().enumerate() {
                 for (full_at, block_at, len) in block_runs(full, shard, n, m as u64) {
@@ -275,10 +304,11 @@ pub fn combine<T: Payload>(
             }
         }
         CollectiveKind::ReduceScatter => {
-            let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
+            let shard = shard.ok_or(CommError::NoPlacement(kind))?;
             for (full_at, block_at, len) in block_runs(full, shard, n, me) {
                 if parts.iter().any(|p| full_at + len > p.len()) || block_at + len > recv.len() {
-                    return Err(CommError(format!("collective size mismatch: a block of {len} at {full_at}")));
+                    let sent = parts.iter().map(|p| p.len()).min().unwrap_or(0);
+                    return Err(CommError::SizeMismatch { sent, expected: full_at + len });
                 }
                 reduce_into(parts, full_at, &mut recv[block_at..block_at + len], op);
             }

@@ -48,7 +48,7 @@ impl std::fmt::Display for RuntimeError {
                 write!(f, "buffer `{buffer}` is {want:?} on each device, not {got:?}")
             }
             RuntimeError::Storage(message) | RuntimeError::Kernel(message) => f.write_str(message),
-            RuntimeError::Comm(e) => f.write_str(&e.0),
+            RuntimeError::Comm(e) => write!(f, "{e}"),
         }
     }
 }

@@ -537,7 +537,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let mut first = [0f32];
         self.comm
             .collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Max, &[1]), &[mine], &mut first)
-            .map_err(|e| e.0)?;
+            .map_err(|e| e.to_string())?;
         Ok(describe_culprit(plan, first[0]))
     }
 
@@ -649,7 +649,7 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         let flag = [if mine { 1.0 } else { 0.0 }];
         self.comm
             .collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Max, &[1]), &flag, &mut any)
-            .map_err(|e| e.0)?;
+            .map_err(|e| e.to_string())?;
         Ok(any[0] > 0.0)
     }
 

@@ -404,11 +404,7 @@ fn operation(op: ReduceOp) -> SystemOperation {
 }
 
 fn same_len(send: usize, recv: usize) -> Result<(), CommError> {
-    if send == recv {
-        Ok(())
-    } else {
-        Err(CommError(format!("collective size mismatch: {send} elements sent, {recv} expected")))
-    }
+    if send == recv { Ok(()) } else { Err(CommError::SizeMismatch { sent: send, expected: recv }) }
 }
 
 /// How a payload type reduces over MPI: f32 with MPI's own operations; bf16 by an all-to-all whose
@@ -524,14 +520,14 @@ impl MpiComm {
                 E::reduce(self, comm, (None, op), send, recv, &what);
             }
             CollectiveKind::AllGather => {
-                let shard = shard.ok_or_else(|| CommError("all-gather without a placement".into()))?;
+                let shard = shard.ok_or(CommError::NoPlacement(kind))?;
                 same_len(full.iter().product::<u64>() as usize, recv.len())?;
                 let mut blocks = vec![E::default(); send.len() * parts as usize];
                 mpi::request::scope(|s| self.complete(comm.immediate_all_gather_into(s, send, &mut blocks[..]), &what));
                 unpack_gathered(full, shard, parts, &blocks, recv);
             }
             CollectiveKind::ReduceScatter => {
-                let shard = shard.ok_or_else(|| CommError("reduce-scatter without a placement".into()))?;
+                let shard = shard.ok_or(CommError::NoPlacement(kind))?;
                 same_len(send.len(), recv.len() * parts as usize)?;
                 let packed = pack_for_scatter(full, shard, parts, send, recv.len());
                 E::reduce_scatter(self, comm, op, &packed, recv, &what);
@@ -559,7 +555,7 @@ impl Communicator for &MpiComm {
         match (T::elements(send), T::elements_mut(recv)) {
             (Elements::F32(send), ElementsMut::F32(recv)) => self.run(spec, send, recv),
             (Elements::Bf16(send), ElementsMut::Bf16(recv)) => self.run(spec, send, recv),
-            _ => Err(CommError("a collective's send and receive blocks have different element types".into())),
+            _ => Err(CommError::MixedElements),
         }
     }
 

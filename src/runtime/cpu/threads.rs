@@ -185,7 +185,7 @@ impl Fabric {
         device_of: &dyn Fn(usize) -> String,
         read: impl FnOnce(&[&[T]]) -> R,
     ) -> Result<R, CommError> {
-        let poisoned = || CommError("a device thread failed while holding a lock".into());
+        let poisoned = || CommError::PeerFailed("a device thread failed while holding a lock".into());
         let mut s = r.state.lock().map_err(|_| poisoned())?;
         if s.deposits.len() != size {
             s.deposits = vec![None; size];
@@ -211,7 +211,7 @@ impl Fabric {
         while s.generation == generation {
             let now = Instant::now();
             let failure = if self.failed.load(Ordering::SeqCst) {
-                Some(CommError(self.failure().unwrap_or_else(|| "another device failed".into())))
+                Some(CommError::PeerFailed(self.failure().unwrap_or_else(|| "another device failed".into())))
             } else if now >= deadline {
                 Some(self.timed_out(&s, size, device_of))
             } else {
@@ -241,7 +241,7 @@ impl Fabric {
         while s.read < generation + 1 {
             s = r.ready.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
-        result.ok_or_else(|| CommError("the members of a collective sent different element types".into()))
+        result.ok_or(CommError::MixedElements)
     }
 
     /// Shares one descriptor per member of this device's `group` (where a GPU buffer is, which event
@@ -281,12 +281,7 @@ impl Fabric {
     fn timed_out(&self, s: &RoundState, size: usize, device_of: &dyn Fn(usize) -> String) -> CommError {
         let missing: Vec<String> =
             s.deposits.iter().enumerate().filter(|(_, d)| d.is_none()).map(|(m, _)| device_of(m)).collect();
-        CommError(format!(
-            "collective timed out after {:.1} s waiting for {} of {size} members: device {}",
-            self.timeout.as_secs_f64(),
-            size - s.arrived,
-            missing.join(", ")
-        ))
+        CommError::TimedOut { seconds: self.timeout.as_secs_f64(), missing, members: size }
     }
 }
 
@@ -498,7 +493,7 @@ mod tests {
                         let mut comm = ThreadComm::new(fabric, Coords::new(0, j, 0));
                         if j == 2 {
                             comm.abort("device (0, 2) failed: injected");
-                            return Err(CommError("injected".into()));
+                            return Err(CommError::Transport("injected".into()));
                         }
                         all_reduce(&mut comm, 1.0)
                     })
@@ -509,7 +504,7 @@ mod tests {
         assert!(start.elapsed() < Duration::from_secs(5), "peers waited {:?}", start.elapsed());
         for r in &results[..2] {
             let e = r.as_ref().expect_err("peers of a failed device fail");
-            assert!(e.0.contains("device (0, 2)"), "{e}");
+            assert!(matches!(e, CommError::PeerFailed(report) if report.contains("device (0, 2)")), "{e}");
         }
     }
 
@@ -519,6 +514,7 @@ mod tests {
         let fabric = Fabric::new(mesh, Duration::from_millis(300));
         let mut comm = ThreadComm::new(fabric, Coords::default());
         let e = all_reduce(&mut comm, 1.0).expect_err("nobody else arrives");
-        assert!(e.0.contains("timed out"), "{e}");
+        assert!(matches!(&e, CommError::TimedOut { missing, .. } if missing == &["(0, 1)"]), "{e}");
+        assert!(e.to_string().contains("timed out"), "{e}");
     }
 }

@@ -101,7 +101,8 @@ impl SharedGpuEndpoint {
         let shared =
             self.gpu.host.meet(group, self.coords, &mine, |parts| parts.iter().map(|p| p.first().copied()).collect());
         let shared: Option<Vec<D>> = shared.map_err(RuntimeError::Comm)?;
-        shared.ok_or_else(|| RuntimeError::Comm(CommError("a member shared nothing for a collective".into())))
+        shared
+            .ok_or_else(|| RuntimeError::Comm(CommError::Transport("a member shared nothing for a collective".into())))
     }
 }
 
@@ -125,7 +126,7 @@ fn wait(stream: &Arc<CudaStream>, event: EventHandle) -> Result<(), RuntimeError
 }
 
 fn gpu_error(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
-    move |e| RuntimeError::Comm(CommError(format!("{what}: {e}")))
+    move |e| RuntimeError::Comm(CommError::Transport(format!("{what}: {e}")))
 }
 
 fn group_slot(group: Group) -> usize {
@@ -165,7 +166,8 @@ impl DeviceCollectives for SharedGpuEndpoint {
             }
         }
         let sends: Vec<DeviceBuf> = offers.iter().map(|o| o.send).collect();
-        let combined = combine_on_gpu(kernels, spec, me, &sends, recv).map_err(|e| RuntimeError::Comm(CommError(e)));
+        let combined =
+            combine_on_gpu(kernels, spec, me, &sends, recv).map_err(|e| RuntimeError::Comm(CommError::Transport(e)));
         // Meet again even when combining failed, so that no peer waits for this device until timeout.
         record(self.done[slot], stream)?;
         let done = self.meet(spec.group, self.done[slot])?;

@@ -116,7 +116,7 @@ impl CudaBackend {
         let start = std::time::Instant::now();
         while !event.try_is_complete().map_err(gpu)? {
             if start.elapsed() > self.timeout {
-                return Err(RuntimeError::Comm(super::comm::CommError(format!(
+                return Err(RuntimeError::Comm(super::comm::CommError::Transport(format!(
                     "the GPU waited {:.0} s for this device's peers (--timeout); a peer has failed or stopped",
                     self.timeout.as_secs_f64()
                 ))));

@@ -207,7 +207,7 @@ impl DeviceCollectives for NcclDevice {
         }
         let coords = self.coords;
         let what = |e: String| {
-            RuntimeError::Comm(CommError(format!(
+            RuntimeError::Comm(CommError::Transport(format!(
                 "device {coords}'s {} over its {} group failed in NCCL: {e}",
                 spec.kind.name(),
                 spec.group.name()
