@@ -391,3 +391,22 @@ fn a_run_resumed_without_its_flags_continues_as_it_was_trained() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_ne!(records(&String::from_utf8_lossy(&out.stdout)), uninterrupted[3..], "the new rate is used");
 }
+
+/// The precision is recorded too: a bf16 run resumed without `--precision` goes on in bf16, and asking
+/// for f32 instead is refused unless `--allow-changes`.
+#[test]
+fn a_resumed_run_keeps_its_precision() {
+    let dir = scratch("precision");
+    let ckpt = dir.join("ckpt");
+    let bf16 = ["--precision", "bf16"];
+    let whole = train(TWO_BY_TWO, 4, &bf16);
+    train(TWO_BY_TWO, 4, &[&bf16[..], &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "2"]].concat());
+    let after_2 = ckpt.join("step-00000002");
+    let base = ["run", "examples/tiny.opt", "--json", "--mesh", "2x2", "--resume", text(&after_2)];
+    let resumed = optimusc(&[&base[..], &["--checkpoint-dir", text(&dir.join("again"))]].concat());
+    let stderr = String::from_utf8_lossy(&resumed.stderr);
+    assert!(resumed.status.success() && stderr.contains("--precision bf16"), "{stderr}");
+    assert_eq!(records(&String::from_utf8_lossy(&resumed.stdout)), whole[2..], "bf16 records bit for bit");
+    let f32 = optimusc(&[&base[..], &["--checkpoint-dir", text(&dir.join("f32")), "--precision", "f32"]].concat());
+    assert_eq!(f32.status.code(), Some(2), "{}", String::from_utf8_lossy(&f32.stderr));
+}

@@ -1,6 +1,6 @@
 //! The training flags a checkpoint records, so that `--resume` continues the same run without them: the
-//! data files, the optimizer and its settings, the schedule, clipping, the seed, accumulation and the
-//! `--set` values (and, as defaults only, --steps and the validation flags). A resumed run takes every
+//! data files, the optimizer and its settings, the schedule, clipping, the seed, accumulation, the
+//! `--set` values and the precision (and, as defaults only, --steps and the validation flags). A resumed run takes every
 //! recorded flag its command line leaves out, and refuses one it gives with another value (exit 2,
 //! naming both) unless `--allow-changes`.
 
@@ -31,6 +31,7 @@ const DEFINING: &[&str] = &[
     "seed",
     "accum",
     "set",
+    "precision",
 ];
 
 /// Flags a resumed run takes from the checkpoint when it gives none, and may change freely.

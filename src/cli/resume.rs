@@ -33,7 +33,7 @@ pub struct CheckpointArgs {
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// With --resume: let flags given on the command line differ from those the checkpoint recorded (the
-    /// data files, the optimizer and its settings, the schedule, clipping, --set values). Without it, a
+    /// data files, the optimizer and its settings, the schedule, clipping, --set values, --precision). Without it, a
     /// resumed run takes every recorded flag it does not give and refuses one it gives with another value.
     #[arg(long, requires = "resume")]
     pub allow_changes: bool,
