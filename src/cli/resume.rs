@@ -73,16 +73,16 @@ pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
     };
     let start_step = resume.as_ref().map_or(0, |c| c.step());
     let mut folder = checkpoint_folder(flags, resume.as_deref());
-    if let (Some(dir), None) = (&folder, &flags.checkpoint_dir) {
-        // The folder of the resumed checkpoint, implied: a read-only one means no checkpoints, not an error.
-        if let Err(why) = check_checkpoint_dir(dir) {
-            eprintln_safe!("warning: no checkpoints will be written: {}; give --checkpoint-dir DIR", why.message);
-            folder = None;
+    if let Some(Err(why)) = folder.as_deref().map(check_checkpoint_dir) {
+        if flags.checkpoint_dir.is_some() {
+            return Err(why);
         }
+        // The folder of the resumed checkpoint, implied: a read-only one means no checkpoints, not an error.
+        eprintln_safe!("warning: no checkpoints will be written: {}; give --checkpoint-dir DIR", why.message);
+        folder = None;
     }
     let mut lock = None;
     if let Some(dir) = &folder {
-        check_checkpoint_dir(dir)?;
         check_no_later_checkpoints(dir, start_step)?;
         // Under mpirun rank 0 commits every checkpoint, and holds the folder for the run.
         if optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0) {

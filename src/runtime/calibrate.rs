@@ -38,7 +38,7 @@ fn is_product(kernel: &Kernel) -> bool {
 
 /// The fits a call of `kernel` is a sample of.
 fn fits_of(kernel: &Kernel, bf16: bool) -> Vec<String> {
-    let (flavor, kind) = (super::profile::kernel_flavor(kernel), super::profile::kernel_name(kernel));
+    let (flavor, kind) = (kernel.flavor(), kernel.name().to_string());
     let mut fits = vec![fit_key(&flavor, bf16)];
     if flavor != kind {
         fits.push(fit_key(&kind, bf16));

@@ -99,7 +99,7 @@ pub fn instruction_kind(plan: &Plan, instr: &Instr) -> Option<InstrKind> {
         Instr::Kernel { kernel, inputs, output, .. } => {
             let shapes: Vec<&[u64]> = inputs.iter().map(|&b| plan.buffer(b).shape.as_slice()).collect();
             Some(InstrKind {
-                name: kernel_name(kernel),
+                name: kernel.name().to_string(),
                 category: Category::Compute,
                 flops: product_flops(kernel, &shapes, &plan.buffer(*output).shape),
                 bytes: None,
@@ -113,16 +113,6 @@ pub fn instruction_kind(plan: &Plan, instr: &Instr) -> Option<InstrKind> {
         }),
         Instr::Free { .. } => None,
     }
-}
-
-/// The kernel's kind (see [`Kernel::name`]).
-pub fn kernel_name(kernel: &Kernel) -> String {
-    kernel.name().to_string()
-}
-
-/// The kernel's kind with the fields that choose its code path (see [`Kernel::flavor`]).
-pub fn kernel_flavor(kernel: &Kernel) -> String {
-    kernel.flavor()
 }
 
 /// `all_reduce (row)`, `broadcast (column)`, ...
@@ -491,19 +481,19 @@ mod tests {
 
     #[test]
     fn kernel_names_are_variant_names() {
-        assert_eq!(kernel_name(&matmul(true, false)), "MatMul");
-        assert_eq!(kernel_name(&Kernel::BatchedMatMul), "BatchedMatMul");
-        assert_eq!(kernel_name(&Kernel::LayerNormApply { n: 4, eps: 1e-5 }), "LayerNormApply");
-        assert_eq!(kernel_flavor(&Kernel::LayerNormApply { n: 4, eps: 1e-5 }), "LayerNormApply");
-        assert_eq!(kernel_flavor(&Kernel::Gelu { approximate: false }), "Gelu(approximate=false)");
+        assert_eq!(matmul(true, false).name(), "MatMul");
+        assert_eq!(Kernel::BatchedMatMul.name(), "BatchedMatMul");
+        assert_eq!(Kernel::LayerNormApply { n: 4, eps: 1e-5 }.name(), "LayerNormApply");
+        assert_eq!(Kernel::LayerNormApply { n: 4, eps: 1e-5 }.flavor(), "LayerNormApply");
+        assert_eq!(Kernel::Gelu { approximate: false }.flavor(), "Gelu(approximate=false)");
         let attention = Kernel::Attention { heads: 8, kv_heads: 2, causal: true, fused: false };
-        assert_eq!(kernel_flavor(&attention), "Attention(causal=true, fused=false)");
+        assert_eq!(attention.flavor(), "Attention(causal=true, fused=false)");
         // Offsets differ between devices and are not a code path: one flavor for every device.
         let offset = crate::plan::Offset { axis: Some(1), block: 5 };
         let lookup = Kernel::EmbeddingLookup { offset, masked: true };
-        assert_eq!(kernel_flavor(&lookup), "EmbeddingLookup(masked=true)");
+        assert_eq!(lookup.flavor(), "EmbeddingLookup(masked=true)");
         let grad = Kernel::EmbeddingGrad { offset, masked: false, padding: Some(3) };
-        assert_eq!(kernel_flavor(&grad), "EmbeddingGrad(masked=false)");
+        assert_eq!(grad.flavor(), "EmbeddingGrad(masked=false)");
         for kernel in [lookup, grad, attention, Kernel::OptimizerStep, Kernel::Scale { factor: 2.0 }] {
             assert!(format!("{kernel:?}").starts_with(kernel.name()), "{kernel:?} is named {}", kernel.name());
         }

@@ -256,26 +256,26 @@ impl Fabric {
         mine: &D,
         read: impl FnOnce(&[&[D]]) -> R,
     ) -> Result<R, CommError> {
+        self.exchange_in_group(group, coords, std::slice::from_ref(mine), read)
+    }
+
+    /// [`Fabric::exchange`] at the meeting point of the device at `coords`' `group`, as its member; the
+    /// members are named (for a timeout) only when one is missing.
+    fn exchange_in_group<T: Copy, R>(
+        &self,
+        group: Group,
+        coords: Coords,
+        data: &[T],
+        read: impl FnOnce(&[&[T]]) -> R,
+    ) -> Result<R, CommError> {
         let mesh = self.mesh;
         let size = mesh.group_size(group) as usize;
         let me = group.member_index(coords, mesh) as usize;
-        let members = group.member_ranks(coords, mesh);
-        let device_of = |m: usize| match members.get(m) {
+        let device_of = |m: usize| match group.member_ranks(coords, mesh).get(m) {
             Some(&rank) => mesh.coords_of(rank).to_string(),
             None => format!("member {m}"),
         };
-        let r = self.rendezvous(group, coords);
-        self.exchange(r, (me, size), std::slice::from_ref(mine), &device_of, read)
-    }
-
-    /// Whether any device has failed.
-    pub fn has_failed(&self) -> bool {
-        self.failed.load(Ordering::SeqCst)
-    }
-
-    /// Reports a device's failure to every other device (what [`Communicator::abort`] does).
-    pub fn report_failure(&self, reason: &str) {
-        self.fail(reason);
+        self.exchange(self.rendezvous(group, coords), (me, size), data, &device_of, read)
     }
 
     fn timed_out(&self, s: &RoundState, size: usize, device_of: &dyn Fn(usize) -> String) -> CommError {
@@ -315,19 +315,12 @@ impl Communicator for ThreadComm {
         send: &[T],
         recv: &mut [T],
     ) -> Result<(), CommError> {
-        let mesh = self.fabric.mesh;
-        let size = mesh.group_size(spec.group) as usize;
-        let me = spec.group.member_index(self.coords, mesh);
+        let me = spec.group.member_index(self.coords, self.fabric.mesh);
         // A broadcast only needs the root's block; the others deposit nothing.
         let data = if spec.kind == CollectiveKind::Broadcast && spec.root != Some(me) { &send[..0] } else { send };
-        let fabric = Arc::clone(&self.fabric);
-        let r = fabric.rendezvous(spec.group, self.coords);
-        let members = spec.group.member_ranks(self.coords, mesh);
-        let device_of = |m: usize| match members.get(m) {
-            Some(&rank) => mesh.coords_of(rank).to_string(),
-            None => format!("member {m}"),
-        };
-        fabric.exchange(r, (me as usize, size), data, &device_of, |parts| combine(spec, me, parts, recv))?
+        let combined =
+            self.fabric.exchange_in_group(spec.group, self.coords, data, |parts| combine(spec, me, parts, recv));
+        combined?
     }
 
     fn abort(&self, reason: &str) {

@@ -24,9 +24,6 @@ use cudarc::driver::sys::{CUevent, CUevent_flags};
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::{Arc, Mutex};
 
-/// The groups a device belongs to, in the order of its event pairs.
-const GROUPS: [Group; 4] = [Group::Row, Group::Column, Group::Data, Group::World];
-
 /// What the devices of one run on one GPU share: the thread fabric they meet through, and every
 /// device's events (kept until the run ends).
 pub struct SharedGpu {
@@ -78,7 +75,7 @@ pub struct SharedGpuEndpoint {
     gpu: Arc<SharedGpu>,
     coords: Coords,
     mesh: Mesh,
-    /// Per group of [`GROUPS`]: the event after which this device's send buffer is ready, and the one
+    /// Per group (in the order of `group_slot`): the event after which this device's send buffer is ready, and the one
     /// after which its reads of the peers' buffers are done.
     ready: [EventHandle; 4],
     done: [EventHandle; 4],
@@ -129,8 +126,14 @@ fn gpu_error(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError
     move |e| RuntimeError::Comm(CommError::Transport(format!("{what}: {e}")))
 }
 
+/// The index of a group's event pair (see `SharedGpuEndpoint::ready`).
 fn group_slot(group: Group) -> usize {
-    GROUPS.iter().position(|&g| g == group).unwrap_or(GROUPS.len() - 1)
+    match group {
+        Group::Row => 0,
+        Group::Column => 1,
+        Group::Data => 2,
+        Group::World => 3,
+    }
 }
 
 /// Which members' send buffers member `reader` reads.

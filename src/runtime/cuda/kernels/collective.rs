@@ -45,11 +45,6 @@ impl DeviceBuf {
     pub fn bytes(&self) -> usize {
         self.len * self.element_bytes()
     }
-
-    /// The buffer of `len` elements starting `at` elements into this one.
-    pub fn part(&self, at: usize, len: usize) -> DeviceBuf {
-        DeviceBuf { ptr: self.ptr + (at * self.element_bytes()) as u64, len, bf16: self.bf16 }
-    }
 }
 
 /// The members' buffers as the kernels take them (by value, [`MAX_MEMBERS`] at most).
