@@ -30,14 +30,14 @@ echo "== rustfmt"
 cargo fmt --all -- --check
 
 echo "== clippy (-D warnings), default features and all features"
-cargo clippy --all-targets --locked -- -D warnings
-cargo clippy --all-targets --locked --all-features -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked --all-features -- -D warnings
 
 echo "== build with the cuda feature"
-cargo build --locked --features cuda
+cargo build --workspace --locked --features cuda
 
 echo "== tests (all features: MPI jobs of 4 and 9 processes, CUDA kernels to PTX)"
-cargo test --all-targets --locked --all-features
+cargo test --workspace --all-targets --locked --all-features
 
 echo "== Hugging Face GPT-2 comparison (installs torch and transformers once, into ~/.cache/optimus/venv-hf)"
 bash scripts/hf_compare.sh

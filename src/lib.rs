@@ -1,17 +1,16 @@
-//! optimus: a declarative sharding compiler for transformers.
+//! optimus: a declarative sharding compiler for transformers, and the runtimes that run its plans.
 //!
-//! Pipeline: `.opt` source --[`syntax::parse`]--> AST --[`elab::elaborate`]--> typed logical
-//! graph ([`ir::Model`]). Each stage reports [`diag::Diagnostic`]s carrying source spans.
+//! The workspace's crates, from the ground floor up (none depends on one above it):
+//! [`plan`] (the plan, layouts, shapes, verifier, host tensors), [`compiler`] (source to plan),
+//! [`runtime`] (executor, backends, communicators), [`io`] (checkpoints, data, weights, plans),
+//! [`cost`] (simulator, planner, calibration fits). This crate joins them for `optimusc`.
 
-pub mod autodiff;
-pub mod check;
-pub mod cost;
-pub mod diag;
-pub mod elab;
-pub mod io;
-pub mod ir;
-pub mod plan;
-pub mod runtime;
-pub mod shard;
-pub mod span;
-pub mod syntax;
+pub mod calibrate;
+
+pub use optimus_compiler as compiler;
+pub use optimus_compiler::{autodiff, check, diag, elab, ir, shard, syntax};
+pub use optimus_cost as cost;
+pub use optimus_io as io;
+pub use optimus_plan as plan;
+pub use optimus_plan::span;
+pub use optimus_runtime as runtime;

@@ -1,8 +1,8 @@
 //! The `optimusc` command line: the only place that prints.
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use optimus::diag::group_digits;
 use optimus::elab::Override;
+use optimus::plan::text::group_digits;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -10,7 +10,7 @@ use std::process::ExitCode;
 /// that come from files, plans or flags are escaped, so nothing printed can drive the terminal.
 macro_rules! eprintln_safe {
     ($($arg:tt)*) => {
-        eprintln!("{}", optimus::diag::printable_text(&format!($($arg)*)))
+        eprintln!("{}", optimus::plan::text::printable_text(&format!($($arg)*)))
     };
 }
 
@@ -196,7 +196,7 @@ fn compile(args: &CompileArgs) -> ExitCode {
         return e.exit();
     }
     let Some(plan) = cli::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
-    if let Err(e) = optimus::plan::io::write_plan(&plan, &args.output) {
+    if let Err(e) = optimus::io::plan_file::write_plan(&plan, &args.output) {
         eprintln_safe!("error: {e}");
         return ExitCode::from(1);
     }
@@ -241,7 +241,7 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>, me
     if let Some(Err(e)) = dot.map(|dot| cli::refuse_overwriting_input(dot, path, "--dot")) {
         return e.exit();
     }
-    let plan = match optimus::plan::io::read_plan(path) {
+    let plan = match optimus::io::plan_file::read_plan(path) {
         Ok(plan) => plan,
         Err(e) => {
             eprintln_safe!("error: {e}");

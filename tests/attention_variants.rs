@@ -4,8 +4,8 @@
 //! against finite differences, and tiny Llama-like models whose sharded plans `optimusc verify` checks
 //! against one device on every strategy.
 
+use optimus::plan::tensor::Tensor;
 use optimus::plan::{Kernel, Mesh};
-use optimus::runtime::tensor::Tensor;
 use std::process::Command;
 
 mod cpu_kernel;

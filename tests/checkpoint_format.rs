@@ -5,12 +5,11 @@
 use optimus::check::check_source;
 use optimus::elab::Override;
 use optimus::io::load_checkpoint;
-use optimus::io::shards::{
-    Checkpoint, CheckpointWriter, DeviceParamBlocks, complete_checkpoints, export_safetensors, state_key,
-};
+use optimus::io::shards::{Checkpoint, CheckpointWriter, complete_checkpoints, export_safetensors, state_key};
+use optimus::plan::init::{block_of, pad_to};
+use optimus::plan::stores::DeviceParamBlocks;
+use optimus::plan::tensor::Tensor;
 use optimus::plan::{Buffer, Coords, Mesh, Mode, Plan, Strategy};
-use optimus::runtime::init::{block_of, pad_to};
-use optimus::runtime::tensor::Tensor;
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -76,7 +75,7 @@ fn logical_tensors(plan: &Plan) -> BTreeMap<String, Tensor> {
 }
 
 fn value(stream: u64, index: u64) -> f32 {
-    let h = optimus::runtime::init::mix64(stream.wrapping_mul(0x9E37_79B9) ^ index);
+    let h = optimus::plan::init::mix64(stream.wrapping_mul(0x9E37_79B9) ^ index);
     (h >> 40) as f32 / (1u64 << 24) as f32 - 0.5
 }
 

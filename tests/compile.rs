@@ -752,7 +752,7 @@ fn cli_inspect_json_and_dot() {
         assert!(c["origin"]["reason"].as_str().is_some_and(|r| !r.is_empty()), "{c:#}");
     }
     // The JSON agrees with the library's report of the same plan.
-    let p = optimus::plan::io::read_plan(&out).expect("the plan reads back");
+    let p = optimus::io::plan_file::read_plan(&out).expect("the plan reads back");
     assert_eq!(comm.len(), report(&p).communication.len());
 
     let text = std::fs::read_to_string(&dot).expect("inspect --dot wrote the file");

@@ -8,7 +8,8 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{CudaContext, CudaStream};
-use optimus::ir::DType;
+use optimus::plan::layout::Placement;
+use optimus::plan::types::DType;
 use optimus::plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
 use optimus::runtime::bf16;
 use optimus::runtime::comm::{CollectiveSpec, Communicator};
@@ -17,7 +18,6 @@ use optimus::runtime::cuda::DeviceCollectives;
 use optimus::runtime::cuda::fabric::{SharedGpu, SharedGpuEndpoint};
 use optimus::runtime::cuda::kernels::{CudaKernels, DeviceBuf, DeviceTensor};
 use optimus::runtime::view::{Shape, View, ViewData};
-use optimus::shard::layout::Placement;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -8,7 +8,9 @@
 
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nvrtc::Ptx;
-use optimus::ir::DType;
+use optimus::plan::layout::{Layout, Placement};
+use optimus::plan::tensor::{Data, Tensor};
+use optimus::plan::types::DType;
 use optimus::plan::{Buffer, BufferId, Coords, IGNORE_INDEX, Kernel, Mesh, Offset, Role};
 use optimus::runtime::bf16;
 use optimus::runtime::cpu::kernels as cpu;
@@ -17,9 +19,7 @@ use optimus::runtime::cuda::kernels::{
     bf16_launcher, compile_ptx, launcher,
 };
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
-use optimus::runtime::tensor::{Data, Tensor};
 use optimus::runtime::view::{Shape, View, ViewData, ViewMut, ViewMutData};
-use optimus::shard::layout::{Layout, Placement};
 use std::collections::BTreeSet;
 use std::sync::{Arc, OnceLock};
 

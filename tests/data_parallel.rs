@@ -8,8 +8,8 @@ mod common;
 
 use common::{optimusc, read_weights, text};
 use optimus::check::check_source;
+use optimus::plan::layout::{DATA_AXIS, Placement};
 use optimus::plan::{CollectiveKind, Group, Instr, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Role, Strategy};
-use optimus::shard::layout::{DATA_AXIS, Placement};
 use optimus::shard::{Target, compile};
 use std::path::{Path, PathBuf};
 
@@ -250,7 +250,7 @@ fn each_replica_reads_its_own_contiguous_sequences() {
         let seq = meta.logical_shape[1];
         let mut by_replica = vec![std::collections::BTreeSet::new(); 2];
         for coords in plan.mesh.all_coords() {
-            let indices = optimus::runtime::logical::logical_indices(meta, coords, plan.mesh);
+            let indices = optimus::plan::logical::logical_indices(meta, coords, plan.mesh);
             assert!(!indices.is_empty());
             by_replica[coords.d() as usize].extend(indices.iter().map(|i| i / seq));
         }

@@ -6,7 +6,7 @@
 //! kernels themselves are checked against the CPU backend on a GPU by tests/cuda_kernels.rs.
 
 use optimus::plan::Kernel;
-use optimus::runtime::tensor::Tensor;
+use optimus::plan::tensor::Tensor;
 
 mod cpu_kernel;
 use cpu_kernel::eval;

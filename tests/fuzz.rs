@@ -114,7 +114,7 @@ fn run_and_validate(bytes: Vec<u8>, overrides: &[Override]) -> Result<Report, St
     for d in &diagnostics {
         // The rendering escapes control characters (a NUL in a quoted name shows as `\u{0}`).
         let first_line = d.message.lines().next().unwrap_or_default();
-        let header = format!("[{}]: {}", d.code, optimus::diag::printable_text(first_line));
+        let header = format!("[{}]: {}", d.code, optimus::plan::text::printable_text(first_line));
         if !rendered.contains(&header) {
             return Err(format!("the rendering lacks `{header}`:\n{rendered}"));
         }

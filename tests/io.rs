@@ -4,11 +4,11 @@
 use optimus::check::check_source;
 use optimus::elab::Override;
 use optimus::io::{TokenData, TokenDtype, check_inputs, load_checkpoint, random_batch, save_checkpoint};
+use optimus::plan::tensor::Tensor;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
-use optimus::runtime::cpu::run;
 use optimus::runtime::exec::RunConfig;
+use optimus::runtime::local::run;
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
-use optimus::runtime::tensor::Tensor;
 use optimus::shard::{Target, compile};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
@@ -561,4 +561,77 @@ fn gpt2_parameters_carry_the_hub_names_and_shapes() {
         plan.params.iter().map(|p| (p.checkpoint.clone(), p.shape.clone())).collect();
     ours.sort();
     assert_eq!(ours, hub);
+}
+
+/// An MLM head as BertForMaskedLM lays it out: a decoder tied to the embedding, with its own bias.
+const TIED_HEAD: &str = r#"model t(linear_orientation: "out_in")
+config { vocab = 6; hidden = 4 }
+input tokens: i32[2, 3]
+input targets: i32[2, 3]
+block Predictions {
+  layer decoder = linear(hidden, vocab, tied: "embed")
+  forward(x) { return decoder(x) }
+}
+block Cls {
+  layer predictions = Predictions()
+  forward(x) { return predictions(x) }
+}
+layer embed = embedding(vocab, hidden)
+layer cls = Cls()
+forward { output loss = cross_entropy(cls(embed(tokens)), targets) }
+"#;
+
+fn tied_head_plan() -> Plan {
+    let model = check_source(TIED_HEAD, &[]).model.expect("the model checks");
+    let target = Target {
+        mesh: Mesh::new(1, 1),
+        strategy: Strategy::None,
+        mode: Mode::Train,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
+    compile(&model, "t.opt", TIED_HEAD, target).unwrap_or_else(|_| panic!("the model compiles"))
+}
+
+/// Loads the named f32 tensors, written to a safetensors file, into `plan`.
+fn load_tied(plan: &Plan, tensors: &[(&str, Vec<usize>, Vec<f32>)]) -> Result<BTreeMap<String, Tensor>, String> {
+    let data: Vec<Vec<u8>> =
+        tensors.iter().map(|(_, _, values)| values.iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
+    let views: Vec<(&str, TensorView)> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((name, shape, _), bytes)| (*name, TensorView::new(Dtype::F32, shape.clone(), bytes).expect("a view")))
+        .collect();
+    let bytes = safetensors::serialize(views, None).expect("serializes");
+    let dir = std::env::temp_dir().join(format!("optimus-checkpoint-unit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(format!("t-{}.safetensors", tensors.len()));
+    std::fs::write(&path, bytes).expect("write");
+    let loaded = load_checkpoint(&path, plan, false);
+    let _ = std::fs::remove_file(&path);
+    loaded
+}
+
+fn bias_of(loaded: &BTreeMap<String, Tensor>) -> Vec<f32> {
+    loaded["cls.predictions.decoder.bias"].f32().expect("f32").to_vec()
+}
+
+#[test]
+fn a_tied_decoder_bias_is_read_from_its_parents_name_as_save_pretrained_writes_it() {
+    let plan = tied_head_plan();
+    let table = ("embed.weight", vec![6, 4], (0..24).map(|i| i as f32).collect::<Vec<_>>());
+    let parent = ("cls.predictions.bias", vec![6], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    let own = ("cls.predictions.decoder.bias", vec![6], vec![-1.0; 6]);
+
+    let loaded = load_tied(&plan, &[table.clone(), parent.clone()]).expect("the parent's name is accepted");
+    assert_eq!(bias_of(&loaded), parent.2);
+
+    let loaded = load_tied(&plan, &[table.clone(), own.clone()]).expect("the decoder's own name is accepted");
+    assert_eq!(bias_of(&loaded), own.2);
+
+    let both = load_tied(&plan, &[table.clone(), parent, own.clone()]).expect("both names: the tied tensor twice");
+    assert_eq!(bias_of(&both), own.2, "the decoder's own name wins");
+
+    let wrong = ("cls.predictions.bias", vec![5], vec![0.0; 5]);
+    let err = load_tied(&plan, &[table, wrong]).expect_err("a wrong shape is still an error");
+    assert!(err.contains("`cls.predictions.bias`: expected [6], found [5]"), "{err}");
 }

@@ -92,7 +92,7 @@ fn overrides_change_the_model() {
     let (model, _) = check_example("gpt3", &[("layers", "2")]);
     let layers = model.config.iter().find(|c| c.name == "layers").expect("gpt3 has `layers`");
     assert!(layers.overridden);
-    assert_eq!(layers.value, optimus::ir::Scalar::Int(2));
+    assert_eq!(layers.value, optimus::plan::types::Scalar::Int(2));
     // Two of the 96 layers: the embeddings and final norm are shared, each layer holds 12 * 12288^2 + 13 * 12288.
     let per_layer: u128 = 12 * 12288 * 12288 + 13 * 12288;
     let full = check_example("gpt3", &[]).0.parameter_count();

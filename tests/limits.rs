@@ -3,10 +3,11 @@
 //! printed only in part), and NaN weights given to `run`.
 
 use optimus::check::check_source;
-use optimus::diag::{Diagnostic, MAX_SHOWN_DIAGNOSTICS, printable, render_capped_to};
+use optimus::diag::{Diagnostic, MAX_SHOWN_DIAGNOSTICS, render_capped_to};
 use optimus::elab::Override;
+use optimus::plan::tensor::Tensor;
+use optimus::plan::text::printable;
 use optimus::plan::{Mesh, Mode, Strategy};
-use optimus::runtime::tensor::Tensor;
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

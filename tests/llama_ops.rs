@@ -5,10 +5,10 @@
 //! verifies on every strategy.
 
 use optimus::check::check_source;
+use optimus::plan::tensor::Tensor;
 use optimus::plan::{Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Strategy};
 use optimus::runtime::exec::RunConfig;
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
-use optimus::runtime::tensor::Tensor;
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -284,7 +284,7 @@ fn step(plan: &Plan, initial: &BTreeMap<String, Tensor>) -> Result<Step, String>
     let batches = move |_step: u64| {
         Ok(BTreeMap::from([("tokens".to_string(), tokens.clone()), ("targets".to_string(), targets.clone())]))
     };
-    let out = optimus::runtime::cpu::run(plan, &RunConfig::new(5, 1, frozen), &batches, initial, &|_| {})?;
+    let out = optimus::runtime::local::run(plan, &RunConfig::new(5, 1, frozen), &batches, initial, &|_| {})?;
     let loss = out.steps.first().and_then(|s| s.loss).ok_or("no loss")?;
     Ok((f64::from(loss), out.params, out.grads))
 }

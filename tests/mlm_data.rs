@@ -340,8 +340,7 @@ fn inputs_are_matched_by_name_and_an_unknown_name_is_refused() {
 fn mask_data_follows_berts_rule_and_is_deterministic() {
     let vocab = 30000u32;
     let n = 400_000usize;
-    let tokens: Vec<u16> =
-        (0..n as u64).map(|i| (optimus::runtime::init::mix64(i) % u64::from(vocab)) as u16).collect();
+    let tokens: Vec<u16> = (0..n as u64).map(|i| (optimus::plan::init::mix64(i) % u64::from(vocab)) as u16).collect();
     let input = write_u16("large.u16", &tokens);
     let mask = |seed: &str, prefix: &str| {
         let prefix = scratch(prefix);

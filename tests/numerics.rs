@@ -3,13 +3,13 @@
 
 use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::plan::init::mix64;
+use optimus::plan::tensor::Tensor;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::runtime::compare::relative_differences;
-use optimus::runtime::cpu::run;
 use optimus::runtime::exec::{RunConfig, RunOutput};
-use optimus::runtime::init::mix64;
+use optimus::runtime::local::run;
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
-use optimus::runtime::tensor::Tensor;
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -35,7 +35,7 @@ fn plan(file: &str, overrides: &[Override], mesh: (u64, u64), strategy: Strategy
 fn config_int(plan: &Plan, name: &str) -> u64 {
     let value = plan.config.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
     match value {
-        Some(optimus::ir::Scalar::Int(v)) => v as u64,
+        Some(optimus::plan::types::Scalar::Int(v)) => v as u64,
         other => panic!("config {name} is {other:?}"),
     }
 }

@@ -5,7 +5,7 @@
 
 use optimus::check::check_source;
 use optimus::elab::Override;
-use optimus::plan::io::{MAX_PLAN_BYTES, read_plan};
+use optimus::io::plan_file::{MAX_PLAN_BYTES, read_plan};
 use optimus::plan::verify::verify;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::runtime::limits::{MAX_DEVICE_THREADS, available_memory, check_host_can_run, peak_bytes_per_device};
@@ -524,7 +524,7 @@ fn every_example_verifies_after_a_round_trip_through_a_file() {
             for mode in [Mode::Train, Mode::Infer] {
                 let plan = try_compile(name, sets, strategy, mesh, mode).unwrap_or_else(|e| panic!("{e}"));
                 let path = dir.path().join("plan.json");
-                optimus::plan::io::write_plan(&plan, &path).expect("write the plan");
+                optimus::io::plan_file::write_plan(&plan, &path).expect("write the plan");
                 let back = read_plan(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
                 let same = serde_json::to_string(&back).ok() == serde_json::to_string(&plan).ok();
                 assert!(same, "{name} {} {mesh:?} {mode:?}: the plan changed on the way", strategy.name());
@@ -580,8 +580,8 @@ fn scalar_fields(kernel: &Value) -> Vec<(Vec<String>, Value)> {
 
 /// One training step of a plan, with panics caught (a panic is a failure of the verifier's promise).
 fn one_step(plan: &Plan) -> Result<optimus::runtime::exec::RunOutput, String> {
+    use optimus::plan::tensor::Tensor;
     use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
-    use optimus::runtime::tensor::Tensor;
     use std::collections::BTreeMap;
     let optimizer = OptimizerSettings {
         kind: OptimizerKind::Sgd,
@@ -605,7 +605,7 @@ fn one_step(plan: &Plan) -> Result<optimus::runtime::exec::RunOutput, String> {
         Ok(shapes.iter().map(|(name, shape)| (name.clone(), tensor(shape))).collect())
     };
     let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        optimus::runtime::cpu::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
+        optimus::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
     }));
     run.unwrap_or_else(|_| Err("panicked outside a device thread".into()))
 }

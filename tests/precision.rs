@@ -3,14 +3,15 @@
 //! several meshes, that `verify --precision bf16` passes, and that the Cast kernel rounds correctly.
 
 use optimus::check::check_source;
-use optimus::ir::DType;
+use optimus::plan::init::mix64;
 use optimus::plan::report::report;
+use optimus::plan::tensor::Tensor;
+use optimus::plan::types::DType;
 use optimus::plan::{Coords, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Role, Strategy};
-use optimus::runtime::cpu::run;
 use optimus::runtime::exec::{RunConfig, RunOutput};
-use optimus::runtime::init::mix64;
+use optimus::runtime::local::run;
 use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
-use optimus::runtime::tensor::Tensor;
+use optimus::runtime::view::TensorViews;
 use optimus::runtime::view::{Shape, ViewMut, ViewMutData};
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
@@ -117,7 +118,7 @@ fn bf16_halves_activation_memory_and_product_communication() {
 
 fn tokens(plan: &Plan) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + use<> {
     let int = |name: &str| match plan.config.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()) {
-        Some(optimus::ir::Scalar::Int(v)) => v as u64,
+        Some(optimus::plan::types::Scalar::Int(v)) => v as u64,
         other => panic!("config {name} is {other:?}"),
     };
     let (vocab, batch, seq) = (int("vocab"), int("batch"), int("seq"));
@@ -220,8 +221,8 @@ fn compile_and_inspect_report_bf16() {
 #[test]
 fn the_cast_kernel_rounds_to_nearest_even_and_keeps_nan_and_infinities() {
     use optimus::plan::Buffer;
+    use optimus::plan::layout::Layout;
     use optimus::runtime::bf16::{widen_one, with_widened};
-    use optimus::shard::layout::Layout;
     let values =
         [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, -0.0];
     let shape = vec![values.len() as u64];

@@ -112,8 +112,8 @@ fn an_index_that_disagrees_with_its_files_is_an_error() {
 #[test]
 fn device_blocks_read_from_mapped_files_equal_blocks_of_the_logical_tensors() {
     use optimus::check::check_source;
+    use optimus::plan::init::{block_of, pad_to};
     use optimus::plan::{Mesh, Mode, Strategy};
-    use optimus::runtime::init::{block_of, pad_to};
     use optimus::shard::{Target, compile};
     let dir = scratch("blocks");
     for (name, text) in [("gpt", std::fs::read_to_string(TINY).expect("tiny")), ("llama", llama_like())] {

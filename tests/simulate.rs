@@ -422,13 +422,13 @@ fn blocks_beat_row_major_for_summa_broadcasts_across_nodes() {
     );
 }
 
-fn buffer(shape: &[u64], dtype: optimus::ir::DType) -> optimus::plan::Buffer {
+fn buffer(shape: &[u64], dtype: optimus::plan::types::DType) -> optimus::plan::Buffer {
     optimus::plan::Buffer {
         id: optimus::plan::BufferId(0),
         name: "b".to_string(),
         dtype,
         logical_shape: shape.to_vec(),
-        layout: optimus::shard::layout::Layout::REPLICATED,
+        layout: optimus::plan::layout::Layout::REPLICATED,
         shape: shape.to_vec(),
         role: optimus::plan::Role::Workspace,
     }
@@ -437,8 +437,8 @@ fn buffer(shape: &[u64], dtype: optimus::ir::DType) -> optimus::plan::Buffer {
 #[test]
 fn kernels_cost_the_roofline() {
     use optimus::cost::step::kernel_time;
-    use optimus::ir::DType;
     use optimus::plan::Kernel;
+    use optimus::plan::types::DType;
     // 1 TFLOP/s and 100 GB/s at full efficiency, no launch cost.
     let hw = profile(16.0);
     // A [1000, 1000] x [1000, 1000] product: 2e9 FLOPs = 2 ms; 12 MB moved = 0.12 ms. Compute-bound.

@@ -2,12 +2,12 @@
 //! training runs of built-in models, collectives of the thread communicator on meshes of threads) and
 //! writes a hardware profile with a `[measured]` section for `simulate --hardware FILE`.
 
+use optimus::calibrate::{self as measure, COLLECTIVE_KINDS, COLLECTIVE_PAYLOADS, COLLECTIVE_SHAPES};
 use optimus::check::check_source;
 use optimus::cost::calibration::{DEFAULT_KERNEL, DispatchFit, Measured};
 use optimus::cost::hardware::{Collectives, Device, Hardware, InterNode, IntraNode, PeakTflops};
 use optimus::elab::Override;
 use optimus::plan::{CollectiveKind, Mesh, Mode, Plan, Precision, Strategy};
-use optimus::runtime::calibrate::{self as measure, COLLECTIVE_KINDS, COLLECTIVE_PAYLOADS, COLLECTIVE_SHAPES};
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::io::IsTerminal;

@@ -1,8 +1,8 @@
 //! `optimusc export`: one Hugging Face safetensors file from a sharded training checkpoint.
 
 use super::Failure;
-use optimus::diag::group_digits;
 use optimus::io::shards::{Checkpoint, export_safetensors};
+use optimus::plan::text::group_digits;
 use std::path::PathBuf;
 use std::process::ExitCode;
 

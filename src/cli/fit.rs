@@ -54,7 +54,7 @@ fn changed_config(plan: &Plan, text: &str) -> Result<Vec<Override>, String> {
 
 fn plan_int(plan: &Plan, name: &str) -> Option<u64> {
     plan.config.iter().find(|(n, _)| n == name).and_then(|(_, v)| match v {
-        optimus::ir::Scalar::Int(i) => u64::try_from(*i).ok(),
+        optimus::plan::types::Scalar::Int(i) => u64::try_from(*i).ok(),
         _ => None,
     })
 }

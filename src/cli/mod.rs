@@ -182,8 +182,8 @@ fn mode_name(mode: Mode) -> &'static str {
 }
 
 /// Whether a `--set` value's text denotes the plan's config value.
-fn same_value(value: &optimus::ir::Scalar, text: &str) -> bool {
-    use optimus::ir::Scalar;
+fn same_value(value: &optimus::plan::types::Scalar, text: &str) -> bool {
+    use optimus::plan::types::Scalar;
     match value {
         Scalar::Int(v) => text.parse::<i64>().is_ok_and(|t| t == *v),
         Scalar::Float(v) => text.parse::<f64>().is_ok_and(|t| t == *v),
@@ -319,7 +319,7 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
     if !is_plan {
         return compile_model(path, target).ok_or_else(Failure::reported);
     }
-    let plan = optimus::plan::io::read_plan(path)?;
+    let plan = optimus::io::plan_file::read_plan(path)?;
     if let Err(errors) = optimus::plan::verify::verify(&plan) {
         eprintln_safe!("error: `{}` failed verification:", path.display());
         for e in errors.iter().take(20) {
@@ -359,7 +359,7 @@ pub fn refuse_overwriting_input(output: &Path, input: &Path, flag: &str) -> Resu
 /// Writes text for people to standard output, with control characters in it escaped (names come from
 /// files and plans); a closed pipe (`optimusc ... | head`) ends the output quietly.
 pub fn stdout(text: &str) {
-    stdout_exact(&optimus::diag::printable_text(text));
+    stdout_exact(&optimus::plan::text::printable_text(text));
 }
 
 /// Prints `value` as pretty JSON on standard output (exit 0), or says why it cannot be serialised (exit 1).
@@ -382,7 +382,7 @@ pub fn print_json(value: &impl serde::Serialize) -> std::process::ExitCode {
 pub fn stdout_json(text: &str) {
     let mut escaped = String::with_capacity(text.len());
     for c in text.chars() {
-        if optimus::diag::reorders_text(c) {
+        if optimus::plan::text::reorders_text(c) {
             escaped.push_str(&format!("\\u{:04x}", u32::from(c)));
         } else {
             escaped.push(c);

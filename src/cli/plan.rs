@@ -6,9 +6,9 @@ use clap::ValueEnum;
 use optimus::cost::planner::{self, Config, NoPlan, Outcome, Request, Scored, seconds};
 use optimus::cost::search::Source;
 use optimus::cost::{Hardware, Options};
-use optimus::diag::group_digits;
 use optimus::elab::Override;
 use optimus::plan::report::human_bytes;
+use optimus::plan::text::group_digits;
 use optimus::plan::{Mode, Precision};
 use serde_json::json;
 use std::fmt::Write;
@@ -154,7 +154,7 @@ fn write_winner(source: &Source, outcome: &Outcome, mode: Mode, output: &std::pa
         eprintln_safe!("error: cannot compile the winning configuration: {e}");
         ExitCode::from(1)
     })?;
-    optimus::plan::io::write_plan(&plan, output).map_err(|e| {
+    optimus::io::plan_file::write_plan(&plan, output).map_err(|e| {
         eprintln_safe!("error: {e}");
         ExitCode::from(1)
     })
@@ -190,7 +190,7 @@ fn report_no_plan(args: &PlanArgs, no_plan: &NoPlan) -> ExitCode {
     for r in &no_plan.closest {
         let _ = writeln!(out, "  {}: {}", r.what, r.reason);
     }
-    eprint!("{}", optimus::diag::printable_text(&out));
+    eprint!("{}", optimus::plan::text::printable_text(&out));
     ExitCode::from(1)
 }
 

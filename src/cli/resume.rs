@@ -3,7 +3,7 @@
 
 use super::Failure;
 use super::run::RunArgs;
-use optimus::io::shards::{Checkpoint, lock_checkpoint_dir};
+use optimus::io::shards::{Checkpoint, CheckpointFolder, lock_checkpoint_dir};
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::Checkpointing;
 use std::path::PathBuf;
@@ -86,16 +86,12 @@ pub fn resumption(args: &RunArgs, plan: &Plan) -> Result<Resumption, Failure> {
         check_no_later_checkpoints(dir, start_step)?;
         // Under mpirun rank 0 commits every checkpoint, and holds the folder for the run.
         if optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0) {
-            lock =
-                Some(Arc::new(lock_checkpoint_dir(dir).map_err(|e| Failure::usage(format!("--checkpoint-dir: {e}")))?));
+            lock = Some(lock_checkpoint_dir(dir).map_err(|e| Failure::usage(format!("--checkpoint-dir: {e}")))?);
         }
     }
     let checkpoints = folder.map(|dir| Checkpointing {
-        dir,
         every: flags.checkpoint_every,
-        keep: flags.keep,
-        training: training.clone(),
-        lock,
+        sink: Arc::new(CheckpointFolder { dir, keep: flags.keep, training: training.clone(), lock }),
     });
     Ok(Resumption { checkpoints, resume, start_step })
 }

@@ -10,11 +10,12 @@ use optimus::io::metrics::{MetricsLog, check_appendable};
 use optimus::io::pretrained::{map_weights, pretrained_file};
 use optimus::io::shards::load_weights;
 use optimus::io::sources::{Objective, Sources};
+use optimus::plan::stores::{CheckpointSource, WeightSource};
+use optimus::plan::tensor::Tensor;
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::{Evaluation, RunConfig, RunOutput, StepRecord};
 use optimus::runtime::schedule::{Schedule, ScheduleKind};
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
-use optimus::runtime::tensor::Tensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -383,7 +384,7 @@ fn report(e: &str) {
 struct Prepared {
     plan: Plan,
     sources: Sources,
-    initial: BTreeMap<String, optimus::runtime::tensor::Tensor>,
+    initial: BTreeMap<String, optimus::plan::tensor::Tensor>,
     config: RunConfig,
 }
 
@@ -437,14 +438,14 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         clip_grad_norm: args.clip_grad_norm,
         start_step: 0,
         resume: None,
-        weights,
+        weights: weights.map(|w| w as Arc<dyn WeightSource>),
         checkpoints: None,
         stop: (plan.mode == Mode::Train).then_some(optimus::io::output::stop_requested as fn() -> bool),
     };
     let resumption = super::resume::resumption(args, &plan)?;
     let config = RunConfig {
         start_step: resumption.start_step,
-        resume: resumption.resume,
+        resume: resumption.resume.map(|c| c as Arc<dyn CheckpointSource>),
         checkpoints: resumption.checkpoints,
         ..config
     };
@@ -488,7 +489,7 @@ fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
         .starting_at(job.config.start_step);
     let batches = |step| job.sources.batch(&job.plan, step);
     stop_gracefully(job);
-    let output = optimus::runtime::cpu::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
+    let output = optimus::runtime::local::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output)
 }
 
@@ -525,7 +526,7 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
     if interrupted {
         let steps_done = last.map_or(0, |r| r.step + 1);
         let checkpoint = last.and_then(|r| r.checkpoint.as_deref());
-        let folder = job.config.checkpoints.as_ref().map(|c| c.dir.as_path());
+        let folder = job.config.checkpoints.as_ref().map(|c| c.sink.location());
         eprintln_safe!("{}", super::resume::interrupted_message(args, steps_done, checkpoint, folder));
         return Err(INTERRUPTED.into());
     }
@@ -557,7 +558,7 @@ fn print_profile(plan: &Plan, output: &RunOutput, progress: &Progress) {
     if (output.profiles.len() as u64) < plan.mesh.devices() {
         eprintln_safe!("note: --profile reports device (0, 0) only: under mpirun profiles are not gathered");
     }
-    eprint!("{}", optimus::diag::printable_text(&report.to_text()));
+    eprint!("{}", optimus::plan::text::printable_text(&report.to_text()));
     progress.emit(&serde_json::json!({ "profile": report }));
 }
 
@@ -570,7 +571,9 @@ mod multi_process {
 
     pub fn run(args: &RunArgs, _launch: &Launch) -> ExitCode {
         // A restart to find the CUDA libraries must come before MPI_Init.
-        args.backend.kind().find_libraries();
+        if let Some(warning) = args.backend.kind().find_libraries() {
+            eprintln!("warning: {}", optimus::plan::text::printable_text(&warning));
+        }
         let mpi = match MpiJob::init() {
             Ok(mpi) => mpi,
             Err(e) => {

@@ -3,9 +3,9 @@
 
 use super::run::{DataDtype, DataFiles, InputArgs, OptimizerArg, OptimizerArgs, open_sources, shortfall_warning};
 use super::{StrategyArg, TargetArgs, compile_for};
+use optimus::plan::tensor::Tensor;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::runtime::exec::{RunConfig, RunOutput};
-use optimus::runtime::tensor::Tensor;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -128,7 +128,7 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
     };
     let sources = open_sources(&files(args), args.inputs.objective, args.seed, "").map_err(|f| f.message)?;
     let batches = |step| sources.batch(plan, step);
-    optimus::runtime::cpu::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
+    optimus::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
 }
 
 /// Prints the comparison; returns whether everything is within tolerance.

@@ -1,12 +1,12 @@
 //! One CPU kernel run on a single device into a fresh f32 output: the reference the kernel-level tests
 //! (attention variants, Llama's operators, the flash tiling model) compare against.
 
-use optimus::ir::DType;
+use optimus::plan::layout::Layout;
+use optimus::plan::tensor::Tensor;
+use optimus::plan::types::DType;
 use optimus::plan::{Buffer, BufferId, Coords, Kernel, Mesh, Role};
 use optimus::runtime::cpu::kernels as cpu;
 use optimus::runtime::settings::KernelContext;
-use optimus::runtime::tensor::Tensor;
-use optimus::shard::layout::Layout;
 
 /// Runs `kernel` on `inputs` on a 1x1 mesh into a fresh f32 output of `shape`.
 pub fn eval(kernel: &Kernel, inputs: &[&Tensor], shape: &[u64]) -> Result<Tensor, String> {

@@ -1,0 +1,951 @@
+//! Sharding and lowering: turns the logical graph (forward, plus backward in train mode) into a
+//! per-device Plan for a strategy and mesh. Values carry layouts; each operator's rule asks for its
+//! operands in the layouts it needs, and the engine inserts the collectives that get them there.
+
+mod data;
+use optimus_plan::layout;
+mod recompute;
+mod rules;
+mod shapes;
+pub mod table;
+
+use crate::autodiff::differentiate;
+use crate::diag::{Code, Diagnostic};
+use crate::ir::{DType, Model, Node, Op, ParamId};
+use layout::{Layout, MESH_AXES, Placement};
+use optimus_plan::memory::{insert_frees, plan_memory};
+use optimus_plan::span::{LineIndex, Span};
+use optimus_plan::{
+    Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, MemoryOptions, Mesh, Mode,
+    OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Precision, Recompute, ReduceOp, Role, Strategy,
+};
+use optimus_plan::{Reason, ReasonKind};
+use petgraph::graph::{DiGraph, NodeIndex};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// What to compile for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub mesh: Mesh,
+    pub strategy: Strategy,
+    pub mode: Mode,
+    /// Recomputation and precision.
+    pub memory: MemoryOptions,
+}
+
+/// The largest mesh (in devices) that E0602's help considers when it lists meshes that compile.
+pub const SUGGESTED_MESH_DEVICES: u64 = 64;
+
+/// Compiles a checked model into a verified plan, or explains why it cannot be sharded so.
+pub fn compile(model: &Model, source_name: &str, source: &str, target: Target) -> Result<Plan, Vec<Diagnostic>> {
+    check_mesh(target)?;
+    let graph = LoweringGraph::new(model, target.mode)?;
+    let shapes = shapes::padded_shapes(model, &graph.graph, &graph.like, target);
+    shapes::check_padded_sizes(model, &graph.graph, &shapes)?;
+    let mut lower = Lowerer::new(model, &graph.graph, graph.like.clone(), source, target, shapes);
+    lower.run(graph.forward_len, &graph.grads);
+    if lower.diagnostics.iter().any(|d| d.code == Code::E0602) {
+        let meshes = meshes_that_compile(model, &graph, source_name, source, target);
+        add_mesh_suggestions(&mut lower.diagnostics, target.strategy, &meshes);
+    }
+    lower.finish(source_name)
+}
+
+/// The graph the lowering walks: the forward graph (infer), or forward and backward (train).
+struct LoweringGraph {
+    graph: DiGraph<Node, u8>,
+    forward_len: usize,
+    /// For each node, the forward node whose shape (and, for parameters, identity) it has.
+    like: Vec<Option<NodeIndex>>,
+    /// Gradient node of each parameter (train mode).
+    grads: Vec<Option<NodeIndex>>,
+}
+
+impl LoweringGraph {
+    fn new(model: &Model, mode: Mode) -> Result<LoweringGraph, Vec<Diagnostic>> {
+        Ok(match mode {
+            Mode::Train => {
+                let d = differentiate(model).map_err(|e| vec![e])?;
+                if let Some(problem) = crate::check::ir_problems(&d.graph, "autodiff") {
+                    return Err(vec![problem]);
+                }
+                LoweringGraph { graph: d.graph, forward_len: d.forward_len, like: d.like, grads: d.param_grads }
+            }
+            Mode::Infer => {
+                let n = model.graph.node_count();
+                let like = (0..n).map(|i| Some(NodeIndex::new(i))).collect();
+                LoweringGraph { graph: model.graph.clone(), forward_len: n, like, grads: Vec::new() }
+            }
+        })
+    }
+
+    /// A lowerer for `target`, with every node's shape padded for that target.
+    fn lowerer<'a>(&'a self, model: &'a Model, source: &'a str, target: Target) -> Lowerer<'a> {
+        let shapes = shapes::padded_shapes(model, &self.graph, &self.like, target);
+        Lowerer::new(model, &self.graph, self.like.clone(), source, target, shapes)
+    }
+}
+
+/// The meshes of the strategy, up to `SUGGESTED_MESH_DEVICES` devices, on which the model compiles:
+/// each candidate goes through the same sharding pass and plan verification as a real compile, so the
+/// list needs no second copy of the padding and divisibility rules. Candidates are tried on every core.
+fn meshes_that_compile(
+    model: &Model,
+    graph: &LoweringGraph,
+    source_name: &str,
+    source: &str,
+    failing: Target,
+) -> Vec<Mesh> {
+    let candidates: Vec<Mesh> = candidate_meshes(failing.strategy)
+        .into_iter()
+        .map(|m| m.with_data(failing.mesh.data))
+        .filter(|&m| m != failing.mesh)
+        .collect();
+    let compiles: Vec<AtomicBool> = candidates.iter().map(|_| AtomicBool::new(false)).collect();
+    let next = AtomicUsize::new(0);
+    let try_candidates = || {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let (Some(&mesh), Some(flag)) = (candidates.get(i), compiles.get(i)) else { break };
+            flag.store(compiles_on(model, graph, source_name, source, Target { mesh, ..failing }), Ordering::Relaxed);
+        }
+    };
+    let helpers = std::thread::available_parallelism().map_or(1, usize::from).min(candidates.len()).saturating_sub(1);
+    std::thread::scope(|scope| {
+        for _ in 0..helpers {
+            // A helper that cannot start leaves its candidates to the others and to this thread.
+            let _ = std::thread::Builder::new().stack_size(PROBE_STACK_BYTES).spawn_scoped(scope, try_candidates);
+        }
+        try_candidates();
+    });
+    candidates.into_iter().zip(compiles).filter(|(_, ok)| ok.load(Ordering::Relaxed)).map(|(m, _)| m).collect()
+}
+
+/// Stack for each thread that tries candidate meshes (as deep as the compiler's own worker's needs).
+const PROBE_STACK_BYTES: usize = 64 * 1024 * 1024;
+
+/// Every mesh shape the strategy accepts with at most `SUGGESTED_MESH_DEVICES` devices, smallest first.
+fn candidate_meshes(strategy: Strategy) -> Vec<Mesh> {
+    let bound = SUGGESTED_MESH_DEVICES;
+    match strategy {
+        Strategy::Optimus => (1..=bound).take_while(|q| q * q <= bound).map(|q| Mesh::new(q, q)).collect(),
+        Strategy::Megatron => (1..=bound).map(|p| Mesh::new(1, p)).collect(),
+        Strategy::None => vec![Mesh::new(1, 1)],
+    }
+}
+
+/// Whether the model compiles for `target`: lowering stops at its first error, and a clean lowering
+/// must also give a plan that verifies.
+fn compiles_on(model: &Model, graph: &LoweringGraph, source_name: &str, source: &str, target: Target) -> bool {
+    if check_mesh(target).is_err() {
+        return false;
+    }
+    let mut lower = graph.lowerer(model, source, target);
+    lower.stop_at_first_error = true;
+    lower.run(graph.forward_len, &graph.grads);
+    lower.diagnostics.is_empty() && lower.finish(source_name).is_ok()
+}
+
+/// Lists the meshes that compile in the help of every divisibility error, with the bound searched.
+fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, meshes: &[Mesh]) {
+    let list = if meshes.is_empty() {
+        "none".to_string()
+    } else {
+        meshes.iter().map(Mesh::to_string).collect::<Vec<_>>().join(", ")
+    };
+    let help = format!(
+        "meshes up to {SUGGESTED_MESH_DEVICES} devices on which this model compiles with the {} strategy: {list}",
+        strategy.name()
+    );
+    for d in diagnostics.iter_mut().filter(|d| d.code == Code::E0602) {
+        d.help = Some(help.clone());
+    }
+}
+
+/// Rejects meshes the strategy cannot use.
+fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
+    let Mesh { rows, cols, data } = target.mesh;
+    let problem = match target.strategy {
+        _ if rows == 0 || cols == 0 => Some("a mesh needs at least one row and one column".to_string()),
+        _ if data == 0 => Some("a mesh needs at least one data-parallel replica".to_string()),
+        _ if target.memory.zero > 1 => Some(format!("ZeRO stage {} is not supported (0 or 1)", target.memory.zero)),
+        Strategy::Optimus if rows != cols => {
+            Some(format!("the optimus strategy needs a square q x q mesh, not {rows}x{cols}"))
+        }
+        Strategy::Megatron if rows != 1 => Some(format!("the megatron strategy takes a 1 x p mesh, not {rows}x{cols}")),
+        Strategy::None if rows * cols != 1 => {
+            Some(format!("the none strategy runs each replica on one device (1x1), not {rows}x{cols}"))
+        }
+        _ => None,
+    };
+    match problem {
+        Some(p) => Err(vec![Diagnostic::error(Code::E0601, p).help(match target.strategy {
+            Strategy::Optimus => "use --mesh QxQ, e.g. --mesh 4x4, or DxQxQ for D data-parallel replicas",
+            Strategy::Megatron => "use --mesh 1xP, e.g. --mesh 1x8, or Dx1xP for D data-parallel replicas",
+            Strategy::None => "use --mesh 1x1, Dx1x1 for D data-parallel replicas, or another strategy",
+        })]),
+        None => Ok(()),
+    }
+}
+
+/// A sharded version of a logical value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Version {
+    pub layout: Layout,
+    pub buffer: BufferId,
+}
+
+/// The lowering state.
+pub(crate) struct Lowerer<'a> {
+    pub model: &'a Model,
+    pub graph: &'a DiGraph<Node, u8>,
+    /// For each backward node, the forward node whose shape (and, for parameters, identity) it has.
+    pub like: Vec<Option<NodeIndex>>,
+    lines: LineIndex<'a>,
+    pub target: Target,
+    /// Padded logical shape of every node.
+    pub shapes: Vec<Vec<u64>>,
+    pub buffers: Vec<Buffer>,
+    pub program: Vec<Instr>,
+    pub origins: Vec<OriginInfo>,
+    /// Origins already recorded, by node.
+    origin_ids: HashMap<NodeIndex, u32>,
+    pub reasons: Vec<Reason>,
+    reason_ids: HashMap<Reason, u32>,
+    /// Every sharded version made of each node, in the order they were made.
+    pub versions: HashMap<NodeIndex, Vec<Version>>,
+    pub param_buffers: HashMap<ParamId, Version>,
+    /// Statistics saved by a forward operator for its backward, keyed by the forward operand.
+    pub layernorm_stats: HashMap<NodeIndex, (BufferId, BufferId)>,
+    /// RMSNorm's all-reduced row sums of squares, keyed by the forward operand.
+    pub rms_norm_stats: HashMap<NodeIndex, BufferId>,
+    pub cross_entropy_stats: HashMap<NodeIndex, (BufferId, BufferId, BufferId)>,
+    /// The node being lowered, for origins.
+    pub current: NodeIndex,
+    pub forward_end: Option<usize>,
+    /// The buffer holding the squared global gradient norm (train plans).
+    grad_norm: Option<BufferId>,
+    /// The block instances `--recompute layers` recomputes (see `recompute`).
+    recompute_units: Vec<String>,
+    pub diagnostics: Vec<Diagnostic>,
+    reported_dims: HashSet<String>,
+    /// (size, label) of every dimension split across a mesh axis.
+    pub split_dims: BTreeSet<(u64, Option<String>)>,
+    /// Stop at the first error of any kind (when only whether the target compiles matters).
+    stop_at_first_error: bool,
+    pub inputs: Vec<PlanInput>,
+    pub plan_params: Vec<PlanParam>,
+    pub outputs: Vec<PlanOutput>,
+    /// Every node's relation to the data-parallel axis (see `data.rs`).
+    data_roles: Vec<data::DataRole>,
+    /// Whether layouts asked for get their data-axis placement from the node's role (while the rules
+    /// run; not for outputs and the optimizer, which ask for exactly what they want).
+    filling_data: bool,
+    /// The parameter whose complete gradient each gradient node is.
+    gradient_of: HashMap<NodeIndex, ParamId>,
+    /// Gradients complete but not yet reduced over the replicas, and their bytes.
+    open_bucket: Vec<(NodeIndex, ParamId)>,
+    open_bucket_bytes: u64,
+    /// The bucket whose reductions are being issued, for their reasons.
+    bucket: Option<u32>,
+    buckets_issued: u32,
+}
+
+impl<'a> Lowerer<'a> {
+    fn new(
+        model: &'a Model,
+        graph: &'a DiGraph<Node, u8>,
+        like: Vec<Option<NodeIndex>>,
+        source: &'a str,
+        target: Target,
+        shapes: Vec<Vec<u64>>,
+    ) -> Self {
+        Lowerer {
+            model,
+            graph,
+            like,
+            lines: LineIndex::new(source),
+            target,
+            shapes,
+            buffers: Vec::new(),
+            program: Vec::new(),
+            origins: Vec::new(),
+            origin_ids: HashMap::default(),
+            reasons: Vec::new(),
+            reason_ids: HashMap::default(),
+            versions: HashMap::default(),
+            param_buffers: HashMap::default(),
+            layernorm_stats: HashMap::default(),
+            rms_norm_stats: HashMap::default(),
+            cross_entropy_stats: HashMap::default(),
+            current: NodeIndex::new(0),
+            forward_end: None,
+            grad_norm: None,
+            recompute_units: Vec::new(),
+            diagnostics: Vec::new(),
+            reported_dims: HashSet::default(),
+            split_dims: BTreeSet::new(),
+            stop_at_first_error: false,
+            data_roles: data::data_roles(graph),
+            filling_data: false,
+            gradient_of: HashMap::default(),
+            open_bucket: Vec::new(),
+            open_bucket_bytes: 0,
+            bucket: None,
+            buckets_issued: 0,
+            inputs: Vec::new(),
+            plan_params: Vec::new(),
+            outputs: Vec::new(),
+        }
+    }
+
+    pub fn axes(&self) -> [u64; MESH_AXES] {
+        self.target.mesh.axes()
+    }
+
+    /// Canonicalises a layout for this mesh: on an axis of size 1 everything is replicated.
+    pub fn norm(&self, layout: Layout) -> Layout {
+        let axes = self.axes();
+        let mut l = layout;
+        for (p, size) in l.0.iter_mut().zip(axes) {
+            if size == 1 {
+                *p = Placement::Replicate;
+            }
+        }
+        l
+    }
+
+    fn run(&mut self, forward_len: usize, grads: &[Option<NodeIndex>]) {
+        self.gradient_of = grads
+            .iter()
+            .enumerate()
+            .filter_map(|(index, g)| g.map(|g| (g, ParamId(u32::try_from(index).unwrap_or(u32::MAX)))))
+            .collect();
+        self.filling_data = true;
+        for index in 0..self.graph.node_count() {
+            let n = NodeIndex::new(index);
+            if index == forward_len && self.forward_end.is_none() {
+                self.forward_end = Some(self.program.len());
+            }
+            self.current = n;
+            // Keep going past dimensions that do not divide, to report them all and learn every split
+            // size; stop at anything else.
+            let stop = self.stop_at_first_error && !self.diagnostics.is_empty();
+            if stop || self.diagnostics.iter().any(|d| d.code != Code::E0602) {
+                return;
+            }
+            self.lower_node(n);
+            self.gradient_done(n);
+        }
+        self.filling_data = false;
+        if self.stop_at_first_error && !self.diagnostics.is_empty() {
+            return;
+        }
+        if self.target.mode == Mode::Train {
+            self.forward_end.get_or_insert(self.program.len());
+        }
+        // Outputs before the updates: the runtime checks the loss before any weight changes.
+        self.collect_outputs();
+        if self.target.mode == Mode::Train {
+            self.optimizer(grads);
+        }
+    }
+
+    /// Records the model outputs, replicated where they were still pending sums.
+    fn collect_outputs(&mut self) {
+        for output in &self.model.outputs {
+            let Some(first) = self.versions.get(&output.node).and_then(|v| v.first()).copied() else { continue };
+            let mut wanted = first.layout;
+            for p in &mut wanted.0 {
+                if *p == Placement::Partial {
+                    *p = Placement::Replicate;
+                }
+            }
+            self.current = output.node;
+            let buffer = self.value(output.node, wanted);
+            self.outputs.push(PlanOutput {
+                name: output.name.clone(),
+                buffer,
+                is_loss: self.model.loss == Some(output.node),
+            });
+        }
+    }
+
+    /// Gradients in the parameters' layouts (summed over the devices that share them), then the squared
+    /// global gradient norm (for clipping and the records), then one optimizer step per parameter. The
+    /// updates come after every gradient is complete, since clipping scales all of them by one factor.
+    fn optimizer(&mut self, grads: &[Option<NodeIndex>]) {
+        self.reduce_open_bucket();
+        let mut updates = Vec::new();
+        for (index, grad) in grads.iter().enumerate() {
+            let id = ParamId(u32::try_from(index).unwrap_or(u32::MAX));
+            let (Some(grad), Some(param)) = (grad, self.param_buffers.get(&id).copied()) else { continue };
+            self.current = *grad;
+            let g = self.value(*grad, param.layout);
+            let name = format!("{}.grad", self.model.params[index].name);
+            let g = self.gradient_buffer(g, param.buffer, name);
+            updates.push((param.buffer, g));
+        }
+        if let Some(loss) = self.model.loss {
+            self.current = loss;
+        }
+        let grad_buffers: Vec<BufferId> = updates.iter().map(|&(_, g)| g).collect();
+        self.grad_norm = self.grad_norm_squared(&grad_buffers);
+        for (param, g) in updates {
+            let m = self.state_buffer(param, "exp_avg");
+            let v = self.state_buffer(param, "exp_avg_sq");
+            let reason = Reason::new(ReasonKind::Optimizer, "optimizer step on this device's shard");
+            self.kernel(Kernel::OptimizerStep, &[param, g, m, v], param, reason);
+            if let Some(p) = self.plan_params.iter_mut().find(|p| p.buffer == param) {
+                p.grad = Some(g);
+                p.state = vec![m, v];
+            }
+        }
+    }
+
+    /// The squared L2 norm of all gradients over the whole mesh: each device sums the squares of the
+    /// elements it alone is responsible for (a block replicated along a mesh axis counts only on that
+    /// axis's first member), then one all-reduce over every device adds the partial sums. Returns the
+    /// buffer that holds the total on every device.
+    fn grad_norm_squared(&mut self, grads: &[BufferId]) -> Option<BufferId> {
+        if grads.is_empty() {
+            return None;
+        }
+        let partial = Layout([Placement::Partial; MESH_AXES]);
+        let name = "grad_norm_sq".to_string();
+        let local = self.new_buffer(format!("{name}.partial"), DType::F32, vec![1], partial, Role::Workspace);
+        self.kernel(
+            Kernel::GradSquareSum,
+            grads,
+            local,
+            Reason::new(
+                ReasonKind::GradientNorm,
+                "gradient norm: sum of squares of the gradient elements this device owns (replicas counted once)",
+            ),
+        );
+        if self.target.mesh.devices() < 2 {
+            return Some(local);
+        }
+        let total = self.new_buffer(name, DType::F32, vec![1], Layout::REPLICATED, Role::Workspace);
+        self.collective(
+            CollectiveKind::AllReduce,
+            Group::World,
+            None,
+            Some(ReduceOp::Sum),
+            None,
+            local,
+            total,
+            Reason::new(ReasonKind::GradientNorm, "gradient norm: one all-reduce of every device's sum of squares"),
+        );
+        Some(total)
+    }
+
+    /// The buffer the optimizer reads a parameter's gradient from: the gradient value itself when it
+    /// has the parameter's element type, else a cast of it into a new buffer of that type (a bf16
+    /// gradient into the float32 buffer beside its float32 master weight).
+    fn gradient_buffer(&mut self, g: BufferId, param: BufferId, name: String) -> BufferId {
+        let (have, want) = (self.buffers[g.0 as usize].dtype, self.buffers[param.0 as usize].dtype);
+        if have == want {
+            self.buffers[g.0 as usize].role = Role::Gradient;
+            self.buffers[g.0 as usize].name = name;
+            return g;
+        }
+        let b = self.buffers[g.0 as usize].clone();
+        let out = self.new_buffer(name, want, b.logical_shape, b.layout, Role::Gradient);
+        let reason = Reason::new(ReasonKind::Cast, "gradient from bf16 into the float32 gradient buffer");
+        self.kernel(Kernel::Cast, &[g], out, reason);
+        out
+    }
+
+    fn state_buffer(&mut self, like: BufferId, what: &str) -> BufferId {
+        let b = self.buffers[like.0 as usize].clone();
+        let name = format!("{}.{what}", b.name);
+        self.new_buffer(name, b.dtype, b.logical_shape, b.layout, Role::OptimizerState)
+    }
+
+    fn finish(mut self, source_name: &str) -> Result<Plan, Vec<Diagnostic>> {
+        if !self.diagnostics.is_empty() {
+            return Err(self.diagnostics);
+        }
+        let forward_end = self.forward_end.unwrap_or(self.program.len());
+        let recompute = if self.target.mode == Mode::Train { self.recompute_mode() } else { Recompute::None };
+        self.recompute_for_backward(recompute, forward_end);
+        let keep: std::collections::HashSet<BufferId> = self
+            .outputs
+            .iter()
+            .map(|o| o.buffer)
+            .chain(self.plan_params.iter().filter_map(|p| p.grad))
+            .chain(self.grad_norm)
+            .collect();
+        let program = std::mem::take(&mut self.program);
+        let (program, forward_end) = insert_frees(program, &self.buffers, &keep, forward_end);
+        let memory = plan_memory(&program, &self.buffers, forward_end);
+        let plan = Plan {
+            format_version: FORMAT_VERSION,
+            model: self.model.name.clone(),
+            source: source_name.to_string(),
+            mesh: self.target.mesh,
+            strategy: self.target.strategy,
+            mode: self.target.mode,
+            config: self.model.config.iter().map(|c| (c.name.clone(), c.value.clone())).collect(),
+            padding: shapes::paddings(self.model, &self.shapes, self.graph),
+            params: self.plan_params,
+            inputs: self.inputs,
+            outputs: self.outputs,
+            buffers: self.buffers,
+            program,
+            origins: self.origins,
+            reasons: self.reasons,
+            memory,
+            checkpoint_prefix: self.model.checkpoint_prefix.clone(),
+            grad_norm: self.grad_norm,
+            recompute,
+            precision: self.target.memory.precision,
+            zero: self.target.memory.zero,
+        };
+        optimus_plan::verify::verify(&plan).map_err(|errors| {
+            errors
+                .into_iter()
+                .map(|e| Diagnostic::error(Code::E0699, format!("internal error: the plan failed verification: {e}")))
+                .collect::<Vec<_>>()
+        })?;
+        Ok(plan)
+    }
+
+    // ---- buffers, instructions and origins --------------------------------------------------
+
+    pub fn new_buffer(
+        &mut self,
+        name: String,
+        dtype: DType,
+        logical: Vec<u64>,
+        layout: Layout,
+        role: Role,
+    ) -> BufferId {
+        let layout = self.norm(layout);
+        let shape = layout.local_shape(&logical, self.axes());
+        let id = BufferId(u32::try_from(self.buffers.len()).unwrap_or(u32::MAX));
+        self.buffers.push(Buffer { id, name, dtype, logical_shape: logical, layout, shape, role });
+        id
+    }
+
+    /// A buffer for node `n` (or a statistic of it) in `layout`; checks that every split dimension divides.
+    pub fn node_buffer(&mut self, n: NodeIndex, layout: Layout, role: Role) -> BufferId {
+        let layout = self.norm(self.with_data(n, layout));
+        self.check_divisible(n, layout);
+        let node = &self.graph[n];
+        let name = describe_node(self.model, node, n);
+        let dtype = self.compute_dtype(n);
+        let role = if role == Role::Workspace && self.forward_end.is_none() { Role::Activation } else { role };
+        self.new_buffer(name, dtype, self.shapes[n.index()].clone(), layout, role)
+    }
+
+    /// The element type node `n` is computed in. In bf16 plans every floating-point value is bf16 but
+    /// the float32 master weights, the inputs, the loss and the loss's seed gradient (the statistics of
+    /// LayerNorm and cross-entropy get float32 buffers of their own in the rules).
+    fn compute_dtype(&self, n: NodeIndex) -> DType {
+        let node = &self.graph[n];
+        let stays_f32 = matches!(node.op, Op::Param { .. } | Op::Input { .. } | Op::CrossEntropy | Op::Fill { .. });
+        if self.target.memory.precision == Precision::Bf16 && node.ty.dtype == DType::F32 && !stays_f32 {
+            DType::Bf16
+        } else {
+            node.ty.dtype
+        }
+    }
+
+    /// A buffer for node `n` in `layout` with the element type of `like` (a value moved between
+    /// layouts keeps its type: a bf16 weight copy is communicated in bf16).
+    fn moved_buffer(&mut self, n: NodeIndex, layout: Layout, like: BufferId) -> BufferId {
+        let id = self.node_buffer(n, layout, Role::Workspace);
+        self.buffers[id.0 as usize].dtype = self.buffers[like.0 as usize].dtype;
+        id
+    }
+
+    /// Reports a split dimension that does not divide its mesh axis, at the config line that sized it.
+    fn check_divisible(&mut self, n: NodeIndex, layout: Layout) {
+        let axes = self.axes();
+        for (axis, p) in layout.0.iter().enumerate() {
+            let Placement::Shard { dim, outer, inner } = *p else { continue };
+            let dim = dim as usize;
+            let Some(&size) = self.shapes[n.index()].get(dim) else { continue };
+            let logical_dim = self.graph[n].ty.shape.get(dim);
+            let (split_size, label) = split_factor(logical_dim, size, outer, inner);
+            self.split_dims.insert((split_size, label.clone()));
+            // Plain splits of the same dimension by other axes nest: the parts multiply.
+            let parts: u64 = layout
+                .0
+                .iter()
+                .enumerate()
+                .filter(|&(a, q)| a == axis || (outer == 1 && inner == 1 && *q == Placement::shard(dim)))
+                .map(|(a, _)| axes[a].max(1))
+                .product();
+            if split_size % parts == 0 {
+                continue;
+            }
+            // A size already reported under its config name is not reported again unnamed.
+            let unnamed = self.first_report(&format!("size/{split_size}/{parts}"));
+            let named = self.first_report(&format!("{:?}/{split_size}/{parts}", label.as_deref()));
+            if named && (unnamed || label.is_some()) {
+                let d = self.divisibility_error(n, split_size, label, parts);
+                self.diagnostics.push(d);
+            }
+        }
+    }
+
+    /// Whether a divisibility problem (keyed by name, size and parts) is reported for the first time.
+    pub fn first_report(&mut self, key: &str) -> bool {
+        self.reported_dims.insert(key.to_string())
+    }
+
+    pub(crate) fn divisibility_error(&self, n: NodeIndex, size: u64, label: Option<String>, parts: u64) -> Diagnostic {
+        let what = label.clone().map_or_else(|| format!("a dimension of size {size}"), |l| format!("`{l}` ({size})"));
+        let mesh = self.target.mesh;
+        let mut d = Diagnostic::error(
+            Code::E0602,
+            format!(
+                "{what} cannot be split {parts} ways on a {mesh} mesh with the {} strategy",
+                self.target.strategy.name()
+            ),
+        );
+        let config = label.as_ref().and_then(|l| self.model.config.iter().find(|c| &c.name == l));
+        match config {
+            Some(c) => {
+                d = d.primary(c.span, format!("{size} is not a multiple of {parts}"));
+                d = d.secondary(self.graph[n].origin.span, "split here");
+                if c.overridden {
+                    d = d.note(format!("`{}` is {} from `--set {}={}`", c.name, c.value, c.name, c.value));
+                }
+            }
+            None => d = d.primary(self.graph[n].origin.span, format!("{size} is not a multiple of {parts}")),
+        }
+        d
+    }
+
+    /// The origin of the node being lowered, recorded once per node.
+    fn origin(&mut self) -> u32 {
+        if let Some(&id) = self.origin_ids.get(&self.current) {
+            return id;
+        }
+        let node = &self.graph[self.current];
+        let span: Span = node.origin.span;
+        let (line, col) = self.lines.line_col(span.start as usize);
+        let info = OriginInfo {
+            span,
+            line: u32::try_from(line).unwrap_or(u32::MAX),
+            col: u32::try_from(col).unwrap_or(u32::MAX),
+            scope: node.origin.scope.clone(),
+        };
+        let id = u32::try_from(self.origins.len()).unwrap_or(u32::MAX);
+        self.origins.push(info);
+        self.origin_ids.insert(self.current, id);
+        id
+    }
+
+    /// The index of a reason in the interned table.
+    fn reason(&mut self, reason: Reason) -> u32 {
+        if let Some(&id) = self.reason_ids.get(&reason) {
+            return id;
+        }
+        let id = u32::try_from(self.reasons.len()).unwrap_or(u32::MAX);
+        self.reasons.push(reason.clone());
+        self.reason_ids.insert(reason, id);
+        id
+    }
+
+    pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: Reason) {
+        let (origin, reason) = (self.origin(), self.reason(reason));
+        self.program.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), output, origin, reason });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        root: Option<u64>,
+        op: Option<ReduceOp>,
+        shard: Option<Placement>,
+        send: BufferId,
+        recv: BufferId,
+        reason: Reason,
+    ) {
+        let (origin, reason) = (self.origin(), self.reason(reason));
+        let collective = Collective { kind, group, root, op, shard, send, recv };
+        self.program.push(Instr::Collective { collective, origin, reason });
+    }
+
+    // ---- values and redistribution ----------------------------------------------------------
+
+    /// Records that node `n` is available in `layout` in `buffer`.
+    pub fn define(&mut self, n: NodeIndex, layout: Layout, buffer: BufferId) {
+        let layout = self.norm(self.with_data(n, layout));
+        self.versions.entry(n).or_default().push(Version { layout, buffer });
+    }
+
+    /// The layout node `n` was first produced in (its natural layout).
+    pub fn natural(&mut self, n: NodeIndex) -> Layout {
+        if let Some(v) = self.versions.get(&n).and_then(|v| v.first()) {
+            return v.layout;
+        }
+        Layout::REPLICATED
+    }
+
+    /// A version of `n` without pending sums if one exists already, else its natural layout: an operator
+    /// that accepts any layout then reuses a sum another consumer has paid for.
+    pub fn settled(&mut self, n: NodeIndex) -> Layout {
+        let complete = self.versions.get(&n).and_then(|vs| vs.iter().find(|v| !v.layout.has_partial()));
+        match complete {
+            Some(v) => v.layout,
+            None => self.natural(n),
+        }
+    }
+
+    /// Node `n` in `layout`, redistributing (and caching) if it is not there yet.
+    pub fn value(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
+        let layout = self.norm(self.with_data(n, layout));
+        if let Some(v) = self.versions.get(&n).and_then(|vs| vs.iter().find(|v| v.layout == layout)) {
+            return v.buffer;
+        }
+        let source = self.versions.get(&n).and_then(|vs| vs.first()).copied();
+        let Some(source) = source else {
+            return self.materialise_leaf(n, layout);
+        };
+        // Collectives that move a value are traced to the line that produced it.
+        let consumer = std::mem::replace(&mut self.current, n);
+        let buffer = self.redistribute(n, source, layout);
+        self.current = consumer;
+        self.define(n, layout, buffer);
+        buffer
+    }
+
+    /// Creates the buffer of a parameter or input the first time it is asked for.
+    fn materialise_leaf(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
+        match self.graph[n].op.clone() {
+            Op::Param { id } => {
+                let stored = self.norm(self.parameter_layout(n, layout));
+                let buffer = self.node_buffer(n, stored, Role::Parameter);
+                let p = &self.model.params[id.0 as usize];
+                self.buffers[buffer.0 as usize].name = p.name.clone();
+                self.param_buffers.insert(id, Version { layout: stored, buffer });
+                self.plan_params.push(PlanParam {
+                    name: p.name.clone(),
+                    checkpoint: p.checkpoint.clone(),
+                    shape: p.ty.sizes(),
+                    init: p.init,
+                    buffer,
+                    grad: None,
+                    state: Vec::new(),
+                    role: p.role,
+                    checkpoint_transposed: p.checkpoint_transposed,
+                });
+                let compute = self.compute_copy(buffer);
+                self.define(n, stored, compute);
+                if stored == layout { compute } else { self.value(n, layout) }
+            }
+            Op::Input { name } => {
+                let buffer = self.node_buffer(n, layout, Role::Input);
+                self.buffers[buffer.0 as usize].name = name.clone();
+                self.inputs.push(PlanInput { name, shape: self.graph[n].ty.sizes(), buffer });
+                self.define(n, layout, buffer);
+                buffer
+            }
+            _ => {
+                // Every other node defines itself when lowered; reaching here is a compiler bug.
+                self.diagnostics.push(Diagnostic::error(
+                    Code::E0699,
+                    format!("internal error: node %{} was used before it was lowered", n.index()),
+                ));
+                self.node_buffer(n, layout, Role::Workspace)
+            }
+        }
+    }
+
+    /// What the products read of a float32 master weight: the weight itself in float32 plans; in bf16
+    /// plans a bf16 copy made once per step where the weight is first used (freed after its last use,
+    /// in the backward pass), from which every other layout of the weight is then made.
+    fn compute_copy(&mut self, master: BufferId) -> BufferId {
+        if self.target.memory.precision != Precision::Bf16 {
+            return master;
+        }
+        let b = self.buffers[master.0 as usize].clone();
+        let copy = self.new_buffer(format!("{}.bf16", b.name), DType::Bf16, b.logical_shape, b.layout, Role::Workspace);
+        let reason = Reason::new(ReasonKind::Cast, "bf16 copy of the float32 master weight for this step");
+        self.kernel(Kernel::Cast, &[master], copy, reason);
+        copy
+    }
+
+    /// Moves a value between layouts one mesh axis at a time.
+    fn redistribute(&mut self, n: NodeIndex, from: Version, to: Layout) -> BufferId {
+        let mut current = from;
+        let axes = self.axes();
+        for axis in 0..MESH_AXES {
+            let (f, t) = (current.layout.0[axis], to.0[axis]);
+            if f == t {
+                continue;
+            }
+            let group = Group::along(axis);
+            let next = current.layout.with(axis, t);
+            let what = describe_node(self.model, &self.graph[n], n);
+            current = match (f, t) {
+                (Placement::Partial, Placement::Replicate) => {
+                    let recv = self.moved_buffer(n, next, current.buffer);
+                    let text = format!("sum the partial {what} over the {}", group.name());
+                    let reason = self.bucketed(group, ReasonKind::PartialSum { scatter: false }, text);
+                    self.collective(
+                        CollectiveKind::AllReduce,
+                        group,
+                        None,
+                        Some(ReduceOp::Sum),
+                        None,
+                        current.buffer,
+                        recv,
+                        reason,
+                    );
+                    Version { layout: next, buffer: recv }
+                }
+                (Placement::Partial, Placement::Shard { .. }) => {
+                    let recv = self.moved_buffer(n, next, current.buffer);
+                    let text = format!("sum the partial {what} and scatter its blocks over the {}", group.name());
+                    let reason = self.bucketed(group, ReasonKind::PartialSum { scatter: true }, text);
+                    self.collective(
+                        CollectiveKind::ReduceScatter,
+                        group,
+                        None,
+                        Some(ReduceOp::Sum),
+                        Some(next.block_placement(axis, axes)),
+                        current.buffer,
+                        recv,
+                        reason,
+                    );
+                    Version { layout: next, buffer: recv }
+                }
+                (Placement::Shard { .. }, _) => {
+                    let gathered = current.layout.with(axis, Placement::Replicate);
+                    let recv = self.moved_buffer(n, gathered, current.buffer);
+                    let reason = Reason::new(ReasonKind::Gather, format!("gather {what} over the {}", group.name()));
+                    self.collective(
+                        CollectiveKind::AllGather,
+                        group,
+                        None,
+                        None,
+                        Some(current.layout.block_placement(axis, axes)),
+                        current.buffer,
+                        recv,
+                        reason,
+                    );
+                    let v = Version { layout: gathered, buffer: recv };
+                    if t == Placement::Replicate { v } else { self.slice(n, v, axis, t) }
+                }
+                (Placement::Replicate, Placement::Shard { .. }) => self.slice(n, current, axis, t),
+                (Placement::Replicate, Placement::Partial) => self.share_out(n, current, axis),
+                (_, Placement::Partial) | (Placement::Replicate, Placement::Replicate) => {
+                    self.diagnostics.push(Diagnostic::error(
+                        Code::E0699,
+                        format!("internal error: cannot make {what} a partial sum from {}", current.layout),
+                    ));
+                    current
+                }
+            };
+        }
+        current.buffer
+    }
+
+    /// A value whole along `axis` as a pending sum over it: each of the axis's p members holds 1/p of
+    /// it, so that it can be added to another pending sum and both reduced once (no communication).
+    fn share_out(&mut self, n: NodeIndex, from: Version, axis: usize) -> Version {
+        let layout = from.layout.with(axis, Placement::Partial);
+        let out = self.moved_buffer(n, layout, from.buffer);
+        let parts = self.axes()[axis].max(1);
+        let text = format!(
+            "a 1/{parts} share of the whole value, to join a pending sum over the {}",
+            Group::along(axis).name()
+        );
+        self.kernel(
+            Kernel::Scale { factor: 1.0 / parts as f64 },
+            &[from.buffer],
+            out,
+            Reason::new(ReasonKind::Compute, text),
+        );
+        Version { layout, buffer: out }
+    }
+
+    fn slice(&mut self, n: NodeIndex, from: Version, axis: usize, placement: Placement) -> Version {
+        let layout = from.layout.with(axis, placement);
+        let out = self.moved_buffer(n, layout, from.buffer);
+        let axis_u8 = u8::try_from(axis).unwrap_or(0);
+        let placement = layout.block_placement(axis, self.axes());
+        let reason = Reason::new(ReasonKind::Slice, "take this device's block");
+        self.kernel(Kernel::SliceShard { axis: axis_u8, placement }, &[from.buffer], out, reason);
+        Version { layout, buffer: out }
+    }
+
+    /// The operands of node `n`, in order.
+    pub fn operands(&self, n: NodeIndex) -> Vec<NodeIndex> {
+        operands_of(self.graph, n)
+    }
+
+    /// The reason of a sum over `group`: of the kind given, or a data-parallel gradient reduction when
+    /// it sums over the replicas while a bucket is being reduced.
+    fn bucketed(&self, group: Group, kind: ReasonKind, text: String) -> Reason {
+        match self.bucket.filter(|_| group == Group::Data) {
+            Some(bucket) => Reason::new(
+                ReasonKind::DataParallelGradient { bucket },
+                format!("data-parallel gradient bucket {bucket}: {text}"),
+            ),
+            None => Reason::new(kind, text),
+        }
+    }
+}
+
+/// The operands of node `n` of `graph`, in order.
+pub(crate) fn operands_of(graph: &DiGraph<Node, u8>, n: NodeIndex) -> Vec<NodeIndex> {
+    use petgraph::visit::EdgeRef;
+    let mut edges: Vec<(u8, NodeIndex)> =
+        graph.edges_directed(n, petgraph::Direction::Incoming).map(|e| (*e.weight(), e.source())).collect();
+    edges.sort_unstable();
+    edges.into_iter().map(|(_, s)| s).collect()
+}
+
+/// The split factor of a dimension and its name: the whole dimension, or its middle factor.
+fn split_factor(dim: Option<&crate::ir::Dim>, size: u64, outer: u64, inner: u64) -> (u64, Option<String>) {
+    let whole = size / outer.max(1) / inner.max(1);
+    let label = dim.and_then(|d| {
+        if outer > 1 || inner > 1 {
+            d.factors.iter().find(|f| f.size == whole).and_then(|f| f.label.clone())
+        } else {
+            d.label.clone()
+        }
+    });
+    (whole, label)
+}
+
+/// A readable buffer name: the layer path and operator, e.g. `h.0.attn.c_attn/linear`.
+pub(crate) fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String {
+    match &node.op {
+        Op::Param { id } => model.params[id.0 as usize].name.clone(),
+        Op::Input { name } => name.clone(),
+        op if node.origin.scope.is_empty() => format!("{}%{}", op.name(), n.index()),
+        op => format!("{}/{}%{}", node.origin.scope, op.name(), n.index()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Mesh, SUGGESTED_MESH_DEVICES, Strategy, candidate_meshes};
+
+    fn names(meshes: &[Mesh]) -> Vec<String> {
+        meshes.iter().map(Mesh::to_string).collect()
+    }
+
+    #[test]
+    fn candidates_are_every_mesh_of_the_strategy_within_the_bound() {
+        assert_eq!(names(&candidate_meshes(Strategy::None)), ["1x1"]);
+        let optimus = names(&candidate_meshes(Strategy::Optimus));
+        assert_eq!(optimus, ["1x1", "2x2", "3x3", "4x4", "5x5", "6x6", "7x7", "8x8"]);
+        let megatron = candidate_meshes(Strategy::Megatron);
+        assert_eq!(megatron.len() as u64, SUGGESTED_MESH_DEVICES);
+        assert!(megatron.iter().zip(1..).all(|(m, p)| *m == Mesh::new(1, p)), "{megatron:?}");
+    }
+}

@@ -1,0 +1,1157 @@
+//! Per-operator sharding rules for the optimus (2D, SUMMA) and megatron (1D) strategies.
+//! Each rule asks for its operands in the layouts it needs and defines its result's layout. Where
+//! those layouts depend on the strategy, the rule reads its row of the table in `table.rs` and
+//! instantiates it for the node; the rule itself never branches on the strategy.
+
+use super::layout::{COLUMN_AXIS, DATA_AXIS, Layout, MESH_AXES, Placement};
+use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, on_dim};
+use super::{Lowerer, shapes};
+use crate::diag::{Code, Diagnostic};
+use crate::ir::Op;
+use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role};
+use optimus_plan::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
+use petgraph::graph::NodeIndex;
+
+const R: Placement = Placement::Replicate;
+
+/// An attention's query heads and key/value heads (equal unless grouped-query).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Heads {
+    query: u64,
+    kv: u64,
+}
+
+/// The SUMMA products that reduce partial output blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SummaReduced {
+    /// C = A B^T
+    Abt,
+    /// C = A^T B
+    Atb,
+}
+
+/// The reason of a kernel that works on this device's blocks alone.
+fn compute(text: impl Into<String>) -> Reason {
+    Reason::new(ReasonKind::Compute, text)
+}
+
+fn s(dim: usize) -> Placement {
+    Placement::shard(dim)
+}
+
+/// A pattern of the table laid out for a node: its tensor-parallel layout (`stored` for a parameter
+/// taken as stored). A derived pattern has no layout of its own; the rules never ask for one.
+fn laid(pattern: Pattern, dims: &Dims, stored: Layout) -> Layout {
+    pattern.layout(dims, stored).unwrap_or(Layout::REPLICATED)
+}
+
+impl Lowerer<'_> {
+    fn q(&self) -> u64 {
+        self.target.mesh.rows
+    }
+
+    fn rank(&self, n: NodeIndex) -> usize {
+        self.shapes[n.index()].len()
+    }
+
+    /// The case of `operator`'s row under this target's strategy that applies given `facts`.
+    fn rule_case(&mut self, operator: Operator, facts: &Facts) -> Option<&'static Case> {
+        let case = table::rule(operator, self.target.strategy).and_then(|r| r.case(facts));
+        if case.is_none() {
+            self.diagnostics.push(Diagnostic::error(
+                Code::E0699,
+                format!("internal error: no sharding rule for {operator:?} under {}", self.target.strategy.name()),
+            ));
+        }
+        case
+    }
+
+    /// Computes a row's product into `out`: its operands A and B are picked from `operands` (laid out
+    /// as the row's operand patterns say).
+    fn multiply(&mut self, product: Option<Product>, operands: &[BufferId], out: BufferId) {
+        let picked = product.and_then(|p| Some((p, *operands.get(p.a)?, *operands.get(p.b)?)));
+        let Some((p, a, b)) = picked else {
+            self.diagnostics.push(Diagnostic::error(Code::E0699, "internal error: a product rule without a product"));
+            return;
+        };
+        match p.kind {
+            ProductKind::SummaAb => self.summa_ab(a, b, out, p.what),
+            ProductKind::SummaAbt => self.summa_abt(a, b, out, p.what),
+            ProductKind::SummaAtb => self.summa_atb(a, b, out, p.what),
+            ProductKind::Local { transpose_a, transpose_b } => {
+                self.local_matmul(a, b, out, transpose_a, transpose_b, p.what)
+            }
+        }
+    }
+
+    /// Where the linear weight's output dimension is split: the heads factor of (3, heads, head).
+    fn out_split(&self, w: NodeIndex, dim: usize) -> Placement {
+        let ty = &self.graph[w].ty;
+        let out = if dim == 0 { ty.shape.first() } else { ty.shape.last() };
+        match out {
+            Some(d) if d.factors.len() == 3 => Placement::shard_factor(dim, d.factors[0].size, d.factors[2].size),
+            _ => s(dim),
+        }
+    }
+
+    fn param_layout(&mut self, w: NodeIndex) -> Option<Layout> {
+        match self.graph[w].op {
+            // The tensor-parallel layout: ZeRO's split over the replicas is the optimizer's business.
+            Op::Param { id } => self.param_buffers.get(&id).map(|v| v.layout.with(DATA_AXIS, R)),
+            _ => None,
+        }
+    }
+
+    fn workspace_like(&mut self, like: BufferId, what: &str) -> BufferId {
+        let b = self.buffers[like.0 as usize].clone();
+        self.new_buffer(format!("{}.{what}", b.name), b.dtype, b.logical_shape, b.layout, Role::Workspace)
+    }
+
+    /// A statistics buffer ([rows.., k]) for node `n`, kept for backward when made in the forward pass.
+    fn stat_buffer(&mut self, n: NodeIndex, rows_of: NodeIndex, k: u64, layout: Layout, what: &str) -> BufferId {
+        let mut shape = self.shapes[rows_of.index()].clone();
+        if let Some(last) = shape.last_mut() {
+            *last = k;
+        }
+        let role = if self.forward_end.is_none() { Role::Activation } else { Role::Workspace };
+        let name = format!("{}.{what}", super::describe_node(self.model, &self.graph[n], n));
+        let layout = self.with_data(rows_of, layout);
+        self.new_buffer(name, crate::ir::DType::F32, shape, layout, role)
+    }
+
+    /// Sums a buffer over the mesh axes where `layout` is partial; returns the summed buffer.
+    fn all_reduce_partials(
+        &mut self,
+        mut buffer: BufferId,
+        layout: Layout,
+        op: ReduceOp,
+        reason: Reason,
+    ) -> (BufferId, Layout) {
+        debug_assert_eq!(self.norm(layout).0[..DATA_AXIS], self.buffers[buffer.0 as usize].layout.0[..DATA_AXIS]);
+        // The buffer's own layout: the rules' layout with the data axis the lowering gave it.
+        let mut layout = self.buffers[buffer.0 as usize].layout;
+        for axis in 0..MESH_AXES {
+            if layout.0[axis] != Placement::Partial {
+                continue;
+            }
+            layout = layout.with(axis, R);
+            let b = self.buffers[buffer.0 as usize].clone();
+            let recv = self.new_buffer(format!("{}.reduced", b.name), b.dtype, b.logical_shape, layout, b.role);
+            let group = Group::along(axis);
+            self.collective(CollectiveKind::AllReduce, group, None, Some(op), None, buffer, recv, reason.clone());
+            buffer = recv;
+        }
+        (buffer, layout)
+    }
+
+    /// `layout` with the shards of the last dimension turned into pending sums (a row statistic).
+    fn rows_partial(&self, layout: Layout, rank: usize) -> Layout {
+        let mut l = layout;
+        for p in &mut l.0 {
+            if p.dim() == Some(rank - 1) {
+                *p = Placement::Partial;
+            }
+        }
+        self.norm(l)
+    }
+
+    pub(super) fn lower_node(&mut self, n: NodeIndex) {
+        let ops = self.operands(n);
+        match self.graph[n].op.clone() {
+            Op::Input { .. } | Op::Param { .. } => {}
+            Op::Embedding { .. } => self.embedding(n, ops[0], ops[1]),
+            Op::PositionEmbedding => self.position_embedding(n, ops[1]),
+            Op::Linear { bias, transpose_weight } => self.linear(n, &ops, bias, transpose_weight),
+            Op::LayerNorm { eps } => self.layernorm(n, &ops, eps),
+            Op::RmsNorm { eps } => self.rms_norm(n, &ops, eps),
+            Op::Gelu { approximate } => self.elementwise(n, &ops, Kernel::Gelu { approximate }, 0, false),
+            Op::Silu => self.elementwise(n, &ops, Kernel::Silu, 0, false),
+            Op::Softmax => self.elementwise(n, &ops, Kernel::Softmax, 1, false),
+            Op::CausalMask => self.elementwise(n, &ops, Kernel::CausalMask, 2, false),
+            Op::Dropout { p } => {
+                let key = u32::try_from(n.index()).unwrap_or(u32::MAX);
+                self.elementwise(n, &ops, Kernel::Dropout { p, key }, 0, false);
+            }
+            Op::Scale { factor } => self.elementwise(n, &ops, Kernel::Scale { factor }, 0, true),
+            Op::Add => self.add(n, ops[0], ops[1]),
+            Op::Mul => self.mul(n, ops[0], ops[1]),
+            Op::Attention { heads, kv_heads, causal, fused } => {
+                self.attention(n, &ops, Heads { query: heads, kv: kv_heads }, causal, fused)
+            }
+            Op::Rotary { heads, theta } => self.rotary(n, ops[0], heads, |heads| Kernel::Rotary { heads, theta }),
+            Op::RotaryGrad { heads, theta } => {
+                self.rotary(n, ops[0], heads, |heads| Kernel::RotaryGrad { heads, theta })
+            }
+            Op::CrossEntropy => self.cross_entropy(n, ops[0], ops[1]),
+            Op::MatMul => self.batched_matmul(n, ops[0], ops[1]),
+            Op::Reshape => self.reshape(n, ops[0]),
+            Op::Transpose { dim0, dim1 } => self.transpose(n, ops[0], dim0, dim1),
+            Op::Select { dim, index } => self.select(n, ops[0], dim, index),
+            Op::SelectGrad { dim, index } => self.select_grad(n, ops[0], dim, index),
+            Op::Fill { value } => {
+                let out = self.node_buffer(n, Layout::REPLICATED, Role::Workspace);
+                self.kernel(Kernel::Fill { value }, &[], out, compute("seed gradient of the loss"));
+                self.define(n, Layout::REPLICATED, out);
+            }
+            Op::LinearGradInput { transpose_weight } => self.linear_grad_input(n, ops[0], ops[1], transpose_weight),
+            Op::LinearGradWeight { transpose_weight } => self.linear_grad_weight(n, ops[0], ops[1], transpose_weight),
+            Op::SumToLast => self.sum_to_last(n, ops[0]),
+            Op::LayerNormGradInput { eps } => self.layernorm_grad_input(n, &ops, eps),
+            Op::LayerNormGradWeight { eps } => self.layernorm_grad_weight(n, &ops, eps),
+            Op::RmsNormGradInput { eps } => self.rms_norm_grad_input(n, &ops, eps),
+            Op::RmsNormGradWeight { eps } => self.rms_norm_grad_weight(n, &ops, eps),
+            Op::GeluGrad { approximate } => self.elementwise_grad(n, &ops, Kernel::GeluGrad { approximate }, 0),
+            Op::SiluGrad => self.elementwise_grad(n, &ops, Kernel::SiluGrad, 0),
+            Op::SoftmaxGrad => self.elementwise_grad(n, &ops, Kernel::SoftmaxGrad, 1),
+            Op::DropoutGrad { p, forward } => {
+                self.elementwise(n, &ops, Kernel::DropoutGrad { p, key: forward }, 0, true)
+            }
+            Op::CausalMaskGrad => self.elementwise(n, &ops, Kernel::CausalMaskGrad, 2, true),
+            Op::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
+                self.attention_grad(n, &ops, Heads { query: heads, kv: kv_heads }, causal, fused, wrt)
+            }
+            Op::EmbeddingGrad { padding } => self.embedding_grad(n, (ops[0], ops[1]), padding),
+            Op::PositionEmbeddingGrad => self.position_embedding_grad(n, ops[0]),
+            Op::CrossEntropyGrad => self.cross_entropy_grad(n, &ops),
+        }
+    }
+
+    // ---- SUMMA -------------------------------------------------------------------------------
+
+    /// C = A B on q x q blocks: broadcast A(i,t) along row i and B(t,j) along column j, accumulate.
+    fn summa_ab(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let q = self.q();
+        if q == 1 {
+            self.kernel(
+                Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: false },
+                &[a, b],
+                out,
+                Reason::new(ReasonKind::LocalProduct, what),
+            );
+            return;
+        }
+        let (wa, wb) = (self.workspace_like(a, "summa_a"), self.workspace_like(b, "summa_b"));
+        let sum = self.summa_accumulator(out);
+        for t in 0..q {
+            let step = |part| Reason::summa_step(what, SummaProduct::Ab, t + 1, q, part);
+            self.collective(
+                CollectiveKind::Broadcast,
+                Group::Row,
+                Some(t),
+                None,
+                None,
+                a,
+                wa,
+                step(SummaPart::BroadcastA),
+            );
+            self.collective(
+                CollectiveKind::Broadcast,
+                Group::Column,
+                Some(t),
+                None,
+                None,
+                b,
+                wb,
+                step(SummaPart::BroadcastB),
+            );
+            let k = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: t > 0 };
+            self.kernel(k, &[wa, wb], sum, step(SummaPart::MultiplyAccumulate));
+        }
+        if sum != out {
+            let reason = Reason::new(ReasonKind::Cast, format!("{what}: round the float32 SUMMA sum to bf16 once"));
+            self.kernel(Kernel::Cast, &[sum], out, reason);
+        }
+    }
+
+    /// Where the q steps of a SUMMA C += A_t B_t accumulate: the output itself, or for a bf16 output a
+    /// float32 workspace of its shape (rounded into the output once, after the last step), so that the
+    /// sum is not rounded to bf16 at every step.
+    fn summa_accumulator(&mut self, out: BufferId) -> BufferId {
+        let b = self.buffers[out.0 as usize].clone();
+        if b.dtype != crate::ir::DType::Bf16 {
+            return out;
+        }
+        let name = format!("{}.summa_sum", b.name);
+        self.new_buffer(name, crate::ir::DType::F32, b.logical_shape, b.layout, Role::Workspace)
+    }
+
+    /// C = A B^T: broadcast B(t,j) along column j, multiply, reduce the partial along row i to (i,t).
+    fn summa_abt(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        self.summa_reduced(SummaReduced::Abt, a, b, out, what);
+    }
+
+    /// C = A^T B: broadcast A(i,t) along row i, multiply, reduce the partial along column j to (t,j).
+    fn summa_atb(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        self.summa_reduced(SummaReduced::Atb, a, b, out, what);
+    }
+
+    /// The two SUMMA products whose output blocks are reduced: each step broadcasts one operand's block,
+    /// multiplies it with the local block of the other, and reduces the partial product to step t's root.
+    fn summa_reduced(&mut self, variant: SummaReduced, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let (ta, tb) = (variant == SummaReduced::Atb, variant == SummaReduced::Abt);
+        let q = self.q();
+        if q == 1 {
+            let reason = Reason::new(ReasonKind::LocalProduct, what);
+            self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, reason);
+            return;
+        }
+        // ABT moves B along the column and reduces along the row; ATB moves A along the row and reduces
+        // along the column.
+        let (moved, which, along, reduce_along, broadcast) = match variant {
+            SummaReduced::Abt => (b, "B", Group::Column, Group::Row, SummaPart::BroadcastB),
+            SummaReduced::Atb => (a, "A", Group::Row, Group::Column, SummaPart::BroadcastA),
+        };
+        let copy = self.workspace_like(moved, &format!("summa_{}", which.to_lowercase()));
+        let part = self.workspace_like(out, "summa_partial");
+        let product = if variant == SummaReduced::Abt { SummaProduct::Abt } else { SummaProduct::Atb };
+        for t in 0..q {
+            let step = |part| Reason::summa_step(what, product, t + 1, q, part);
+            self.collective(CollectiveKind::Broadcast, along, Some(t), None, None, moved, copy, step(broadcast));
+            let operands = if variant == SummaReduced::Abt { [a, copy] } else { [copy, b] };
+            let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
+            self.kernel(k, &operands, part, step(SummaPart::Multiply));
+            self.collective(
+                CollectiveKind::Reduce,
+                reduce_along,
+                Some(t),
+                Some(ReduceOp::Sum),
+                None,
+                part,
+                out,
+                step(SummaPart::ReduceC),
+            );
+        }
+    }
+
+    fn local_matmul(&mut self, a: BufferId, b: BufferId, out: BufferId, ta: bool, tb: bool, what: &str) {
+        let reason = Reason::new(ReasonKind::LocalProduct, what);
+        self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, reason);
+    }
+
+    // ---- embeddings ----------------------------------------------------------------------------
+
+    /// The case of the embedding row for `table`: split on its rows (vocabulary-parallel) or not.
+    fn table_case(&mut self, table: NodeIndex) -> Option<&'static Case> {
+        let vocab_parallel = match self.graph[table].op {
+            Op::Param { id } => shapes::vocab_parallel(self.model, id),
+            _ => false,
+        };
+        self.rule_case(Operator::Embedding, &Facts { vocab_parallel, ..Facts::default() })
+    }
+
+    /// The layout a lookup asks for its table in (operand 1 of the embedding row).
+    fn table_layout(&mut self, table: NodeIndex) -> Layout {
+        let dims = Dims::new(self.rank(table).saturating_sub(1));
+        self.table_case(table).map_or(Layout::REPLICATED, |case| laid(case.operands[1], &dims, Layout::REPLICATED))
+    }
+
+    /// The device offset of a table's rows, and whether lookups must be masked to them.
+    fn row_offset(&self, table_layout: Layout, local_rows: u64) -> (Offset, bool) {
+        match table_layout.axis_of(0) {
+            Some(axis) => (Offset { axis: Some(u8::try_from(axis).unwrap_or(0)), block: local_rows }, true),
+            None => (Offset::ZERO, false),
+        }
+    }
+
+    /// A lookup: where the table's rows are split each device looks up the ids it holds rows for (a
+    /// masked lookup, the result a pending sum); where its width is split, so is the result's.
+    fn embedding(&mut self, n: NodeIndex, ids: NodeIndex, table: NodeIndex) {
+        let Some(case) = self.table_case(table) else { return };
+        let dims = Dims::new(self.rank(n) - 1);
+        let tl = self.norm(laid(case.operands[1], &dims, Layout::REPLICATED));
+        let ids_layout = laid(case.operands[0], &dims, Layout::REPLICATED);
+        let out = laid(case.output, &dims, Layout::REPLICATED);
+        let tb = self.value(table, tl);
+        let ib = self.value(ids, ids_layout);
+        let (offset, masked) = self.row_offset(tl, self.buffers[tb.0 as usize].shape[0]);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        let reason = if masked { "vocab-parallel embedding: masked local lookup" } else { "embedding lookup" };
+        self.kernel(Kernel::EmbeddingLookup { offset, masked }, &[ib, tb], y, compute(reason));
+        self.define(n, out, y);
+    }
+
+    fn embedding_grad(&mut self, n: NodeIndex, (ids, dy): (NodeIndex, NodeIndex), padding: Option<u64>) {
+        let Some(table) = self.like_of(n) else { return };
+        let tl = match self.param_layout(table) {
+            Some(layout) => layout,
+            None => self.table_layout(table),
+        };
+        let (dy_layout, out) = self.table_grad_layouts(tl, dy);
+        let mut ids_layout = Layout::REPLICATED;
+        for (ids, d) in ids_layout.0.iter_mut().zip(dy_layout.0) {
+            *ids = if d == s(0) { s(0) } else { R };
+        }
+        let dyb = self.value(dy, dy_layout);
+        let ib = self.value(ids, ids_layout);
+        let local_rows = tl.local_shape(&self.shapes[table.index()], self.axes())[0];
+        let (offset, masked) = self.row_offset(self.norm(tl), local_rows);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(
+            Kernel::EmbeddingGrad { offset, masked, padding },
+            &[ib, dyb],
+            g,
+            compute("backward of embedding: scatter-add into this device's rows"),
+        );
+        self.define(n, out, g);
+    }
+
+    /// Layouts for a lookup table's gradient [rows, width] from dY [.., width], per mesh axis: where the
+    /// table's rows are split, dY is gathered whole and each device sums into its own rows; where its
+    /// width is split, dY's last dimension is split the same way; elsewhere dY keeps its batch split and
+    /// the table's gradient is a partial sum over the devices that share the table.
+    fn table_grad_layouts(&mut self, table: Layout, dy: NodeIndex) -> (Layout, Layout) {
+        let natural = self.natural(dy);
+        let last = self.rank(dy) - 1;
+        let (mut dy_layout, mut out) = (Layout::REPLICATED, Layout::REPLICATED);
+        for axis in 0..MESH_AXES {
+            (dy_layout.0[axis], out.0[axis]) = match table.0[axis] {
+                Placement::Shard { dim: 0, .. } => (R, s(0)),
+                Placement::Shard { .. } => (s(last), s(1)),
+                _ => match natural.0[axis] {
+                    Placement::Shard { dim: 0, .. } => (s(0), Placement::Partial),
+                    Placement::Partial => (Placement::Partial, Placement::Partial),
+                    _ => (R, R),
+                },
+            };
+        }
+        (dy_layout, out)
+    }
+
+    fn position_embedding(&mut self, n: NodeIndex, table: NodeIndex) {
+        let Some(case) = self.rule_case(Operator::PositionEmbedding, &Facts::default()) else { return };
+        let dims = Dims::new(self.rank(n) - 1);
+        let (tl, out) =
+            (laid(case.operands[0], &dims, Layout::REPLICATED), laid(case.output, &dims, Layout::REPLICATED));
+        let tb = self.value(table, tl);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::PositionLookup, &[tb], y, compute("position embedding lookup"));
+        self.define(n, out, y);
+    }
+
+    fn position_embedding_grad(&mut self, n: NodeIndex, dy: NodeIndex) {
+        let Some(table) = self.like_of(n) else { return };
+        let tl = self.param_layout(table).unwrap_or(Layout::REPLICATED);
+        let (dy_layout, out) = self.table_grad_layouts(tl, dy);
+        let dyb = self.value(dy, dy_layout);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::PositionGrad, &[dyb], g, compute("backward of position embedding: sum over the batch"));
+        self.define(n, out, g);
+    }
+
+    fn like_of(&mut self, n: NodeIndex) -> Option<NodeIndex> {
+        let like = self.like.get(n.index()).copied().flatten();
+        if like.is_none() {
+            self.diagnostics.push(Diagnostic::error(
+                Code::E0699,
+                format!("internal error: backward node %{} has no forward", n.index()),
+            ));
+        }
+        like
+    }
+
+    // ---- linear layers -------------------------------------------------------------------------
+
+    /// y = x W (+ b), or x E^T for a tied table: the row's product, then the bias once the result is
+    /// whole along every axis that splits its rows (a row-parallel result is summed first).
+    fn linear(&mut self, n: NodeIndex, ops: &[NodeIndex], bias: bool, tied: bool) {
+        let (x, w) = (ops[0], ops[1]);
+        let last = self.rank(n) - 1;
+        let operator = if tied { Operator::LinearTied } else { Operator::Linear };
+        let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(last);
+        let Some(case) = self.rule_case(operator, &Facts { input_split, ..Facts::default() }) else { return };
+        let dims = Dims { out: self.out_split(w, 1), ..Dims::new(last) };
+        let xb = self.value(x, laid(case.operands[0], &dims, Layout::REPLICATED));
+        let wb = self.value(w, laid(case.operands[1], &dims, Layout::REPLICATED));
+        let layout = self.norm(laid(case.output, &dims, Layout::REPLICATED));
+        let y = self.node_buffer(n, layout, Role::Workspace);
+        self.multiply(case.product, &[xb, wb], y);
+        if !bias {
+            self.define(n, layout, y);
+            return;
+        }
+        let reason =
+            Reason::new(ReasonKind::PartialSum { scatter: false }, "sum the row-parallel linear's partial outputs");
+        let (y, layout) = self.all_reduce_partials(y, layout, ReduceOp::Sum, reason);
+        let mut bias_layout = Layout::REPLICATED;
+        for axis in 0..MESH_AXES {
+            if layout.0[axis].dim() == Some(last) {
+                bias_layout.0[axis] = on_dim(layout.0[axis], 0);
+            }
+        }
+        let bb = self.value(ops[2], bias_layout);
+        let out = self.node_buffer(n, layout, Role::Workspace);
+        self.kernel(Kernel::BiasAdd, &[y, bb], out, compute("add bias"));
+        self.define(n, layout, out);
+    }
+
+    /// The case of a linear backward row for a weight stored as `wl`, and the dimensions its patterns
+    /// are read with: the weight's output split is the one it is stored with.
+    fn weight_case(&mut self, operator: Operator, wl: Layout, last: usize) -> Option<(&'static Case, Dims)> {
+        let facts = Facts { weight_cols: Some(wl.0[COLUMN_AXIS]), ..Facts::default() };
+        let case = self.rule_case(operator, &facts)?;
+        Some((case, Dims { out: wl.0[COLUMN_AXIS], ..Dims::new(last) }))
+    }
+
+    /// dX = dY W^T (dY E when tied), with W as stored.
+    fn linear_grad_input(&mut self, n: NodeIndex, dy: NodeIndex, w: NodeIndex, tied: bool) {
+        let last = self.rank(n) - 1;
+        let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
+        let operator = if tied { Operator::LinearGradInputTied } else { Operator::LinearGradInput };
+        let Some((case, dims)) = self.weight_case(operator, wl, last) else { return };
+        let wb = self.value(w, laid(case.operands[1], &dims, wl));
+        let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
+        let out = self.norm(laid(case.output, &dims, wl));
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.multiply(case.product, &[dyb, wb], g);
+        self.define(n, out, g);
+    }
+
+    /// dW = X^T dY (dE = dY^T X when tied), in the weight's stored layout.
+    fn linear_grad_weight(&mut self, n: NodeIndex, x: NodeIndex, dy: NodeIndex, tied: bool) {
+        let Some(w) = self.like_of(n) else { return };
+        let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
+        let last = self.rank(x) - 1;
+        let operator = if tied { Operator::LinearGradWeightTied } else { Operator::LinearGradWeight };
+        let Some((case, dims)) = self.weight_case(operator, wl, last) else { return };
+        let out = laid(case.output, &dims, wl);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        let xb = self.value(x, laid(case.operands[0], &dims, wl));
+        let dyb = self.value(dy, laid(case.operands[1], &dims, wl));
+        self.multiply(case.product, &[xb, dyb], g);
+        self.define(n, out, g);
+    }
+
+    fn missing_param(&mut self, n: NodeIndex) {
+        self.diagnostics.push(Diagnostic::error(
+            Code::E0699,
+            format!("internal error: the weight of %{} has no layout", n.index()),
+        ));
+    }
+
+    /// Sum over every dimension but the last (bias and beta gradients).
+    fn sum_to_last(&mut self, n: NodeIndex, dy: NodeIndex) {
+        let rank = self.rank(dy);
+        let l = self.settled(dy);
+        let out = self.summed_layout(l, rank);
+        let dyb = self.value(dy, l);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::SumToLast, &[dyb], g, compute("backward: sum over rows (bias gradient)"));
+        self.define(n, out, g);
+    }
+
+    /// The layout of a [last] vector summed from a tensor laid out as `l`.
+    fn summed_layout(&self, l: Layout, rank: usize) -> Layout {
+        let mut out = Layout::REPLICATED;
+        for axis in 0..MESH_AXES {
+            out.0[axis] = match l.0[axis] {
+                p @ Placement::Shard { dim, .. } if dim as usize == rank - 1 => on_dim(p, 0),
+                Placement::Shard { .. } | Placement::Partial => Placement::Partial,
+                Placement::Replicate => R,
+            };
+        }
+        self.norm(out)
+    }
+
+    // ---- LayerNorm -------------------------------------------------------------------------------
+
+    /// The layouts a normalisation works in (the norm row): its activations (and result) and its
+    /// weights (gamma, beta), split as the activations' last dimension is.
+    fn layernorm_layouts(&mut self, rank: usize) -> Option<(Layout, Layout)> {
+        let case = self.rule_case(Operator::Norm, &Facts::default())?;
+        let dims = Dims::new(rank - 1);
+        let x = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
+        Some((x, self.norm(laid(case.operands[1], &dims, Layout::REPLICATED))))
+    }
+
+    fn layernorm(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::LayerNorm }, text);
+        let x = ops[0];
+        let rank = self.rank(x);
+        let Some((xl, gl)) = self.layernorm_layouts(rank) else { return };
+        let full = self.shapes[x.index()][rank - 1];
+        let xb = self.value(x, xl);
+        let gb = self.value(ops[1], gl);
+        let bb = self.value(ops[2], gl);
+        let partial = self.rows_partial(xl, rank);
+        let s1 = self.stat_buffer(n, x, 1, partial, "sum");
+        self.kernel(Kernel::RowSum, &[xb], s1, stat("LayerNorm statistics: local sum"));
+        let (s1, _) =
+            self.all_reduce_partials(s1, partial, ReduceOp::Sum, stat("LayerNorm statistics: sum over the row"));
+        let s2 = self.stat_buffer(n, x, 1, partial, "sqsum");
+        self.kernel(
+            Kernel::RowCenteredSquareSum { n: full },
+            &[xb, s1],
+            s2,
+            stat("LayerNorm statistics: local centred squares"),
+        );
+        let (s2, _) =
+            self.all_reduce_partials(s2, partial, ReduceOp::Sum, stat("LayerNorm statistics: variance over the row"));
+        let y = self.node_buffer(n, xl, Role::Workspace);
+        self.kernel(Kernel::LayerNormApply { n: full, eps }, &[xb, s1, s2, gb, bb], y, compute("LayerNorm: normalise"));
+        self.layernorm_stats.insert(x, (s1, s2));
+        self.define(n, xl, y);
+    }
+
+    fn layernorm_grad_input(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::LayerNormGrad }, text);
+        let (dy, x, gamma) = (ops[0], ops[1], ops[2]);
+        let rank = self.rank(x);
+        let Some((xl, gl)) = self.layernorm_layouts(rank) else { return };
+        let full = self.shapes[x.index()][rank - 1];
+        let Some(&(s1, s2)) = self.layernorm_stats.get(&x) else { return self.missing_param(n) };
+        let dyb = self.value(dy, xl);
+        let xb = self.value(x, xl);
+        let gb = self.value(gamma, gl);
+        let partial = self.rows_partial(xl, rank);
+        let sums = self.stat_buffer(n, x, 2, partial, "grad_sums");
+        self.kernel(
+            Kernel::LayerNormGradSums { n: full, eps },
+            &[dyb, xb, gb, s1, s2],
+            sums,
+            stat("backward of LayerNorm: local sums"),
+        );
+        let (sums, _) =
+            self.all_reduce_partials(sums, partial, ReduceOp::Sum, stat("backward of LayerNorm: sums over the row"));
+        let dx = self.node_buffer(n, xl, Role::Workspace);
+        self.kernel(
+            Kernel::LayerNormGradInput { n: full, eps },
+            &[dyb, xb, gb, s1, s2, sums],
+            dx,
+            compute("backward of LayerNorm (dX)"),
+        );
+        self.define(n, xl, dx);
+    }
+
+    fn layernorm_grad_weight(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let (dy, x) = (ops[0], ops[1]);
+        let rank = self.rank(x);
+        let Some((xl, _)) = self.layernorm_layouts(rank) else { return };
+        let full = self.shapes[x.index()][rank - 1];
+        let Some(&(s1, s2)) = self.layernorm_stats.get(&x) else { return self.missing_param(n) };
+        let dyb = self.value(dy, xl);
+        let xb = self.value(x, xl);
+        let out = self.summed_layout(xl, rank);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(
+            Kernel::LayerNormGradWeight { n: full, eps },
+            &[dyb, xb, s1, s2],
+            g,
+            compute("backward of LayerNorm (dgamma)"),
+        );
+        self.define(n, out, g);
+    }
+
+    // ---- RMSNorm ---------------------------------------------------------------------------------
+    // Laid out as LayerNorm (its layouts, weight split as gamma); one row statistic, the sum of squares,
+    // partial where the last dimension is split and all-reduced along that mesh axis.
+
+    fn rms_norm(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::RmsNorm }, text);
+        let x = ops[0];
+        let rank = self.rank(x);
+        let Some((xl, wl)) = self.layernorm_layouts(rank) else { return };
+        let full = self.shapes[x.index()][rank - 1];
+        let xb = self.value(x, xl);
+        let wb = self.value(ops[1], wl);
+        let partial = self.rows_partial(xl, rank);
+        let sq = self.stat_buffer(n, x, 1, partial, "sqsum");
+        self.kernel(Kernel::RowSquareSum, &[xb], sq, stat("RMSNorm statistics: local sum of squares"));
+        let (sq, _) = self.all_reduce_partials(
+            sq,
+            partial,
+            ReduceOp::Sum,
+            stat("RMSNorm statistics: sum of squares over the row"),
+        );
+        let y = self.node_buffer(n, xl, Role::Workspace);
+        self.kernel(Kernel::RmsNormApply { n: full, eps }, &[xb, sq, wb], y, compute("RMSNorm: normalise"));
+        self.rms_norm_stats.insert(x, sq);
+        self.define(n, xl, y);
+    }
+
+    fn rms_norm_grad_input(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::RmsNormGrad }, text);
+        let (dy, x, w) = (ops[0], ops[1], ops[2]);
+        let rank = self.rank(x);
+        let Some((xl, wl)) = self.layernorm_layouts(rank) else { return };
+        let full = self.shapes[x.index()][rank - 1];
+        let Some(&sq) = self.rms_norm_stats.get(&x) else { return self.missing_param(n) };
+        let dyb = self.value(dy, xl);
+        let xb = self.value(x, xl);
+        let wb = self.value(w, wl);
+        let partial = self.rows_partial(xl, rank);
+        let dot = self.stat_buffer(n, x, 1, partial, "grad_sum");
+        self.kernel(Kernel::RmsNormGradSum, &[dyb, xb, wb], dot, stat("backward of RMSNorm: local sum of dy w x"));
+        let (dot, _) =
+            self.all_reduce_partials(dot, partial, ReduceOp::Sum, stat("backward of RMSNorm: sum over the row"));
+        let dx = self.node_buffer(n, xl, Role::Workspace);
+        self.kernel(
+            Kernel::RmsNormGradInput { n: full, eps },
+            &[dyb, xb, wb, sq, dot],
+            dx,
+            compute("backward of RMSNorm (dX)"),
+        );
+        self.define(n, xl, dx);
+    }
+
+    fn rms_norm_grad_weight(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
+        let (dy, x) = (ops[0], ops[1]);
+        let rank = self.rank(x);
+        let Some((xl, _)) = self.layernorm_layouts(rank) else { return };
+        let full = self.shapes[x.index()][rank - 1];
+        let Some(&sq) = self.rms_norm_stats.get(&x) else { return self.missing_param(n) };
+        let dyb = self.value(dy, xl);
+        let xb = self.value(x, xl);
+        let out = self.summed_layout(xl, rank);
+        let g = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(
+            Kernel::RmsNormGradWeight { n: full, eps },
+            &[dyb, xb, sq],
+            g,
+            compute("backward of RMSNorm (dweight)"),
+        );
+        self.define(n, out, g);
+    }
+
+    // ---- element-wise and shape operators -------------------------------------------------------
+
+    /// A layout with no pending sums (unless `partial_ok`) and the last `whole` dimensions unsplit.
+    fn local_layout(&mut self, x: NodeIndex, whole: usize, partial_ok: bool) -> Layout {
+        let rank = self.rank(x);
+        let mut l = self.natural(x);
+        for p in &mut l.0 {
+            let tail = p.dim().is_some_and(|d| d + whole >= rank);
+            if tail || (!partial_ok && *p == Placement::Partial) {
+                *p = R;
+            }
+        }
+        self.norm(l)
+    }
+
+    fn elementwise(&mut self, n: NodeIndex, ops: &[NodeIndex], kernel: Kernel, whole: usize, partial_ok: bool) {
+        let l = self.local_layout(ops[0], whole, partial_ok);
+        let xb = self.value(ops[0], l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        let reason = format!("{} (local)", self.graph[n].op.name());
+        self.kernel(kernel, &[xb], y, compute(reason));
+        self.define(n, l, y);
+    }
+
+    /// (dy, forward value) kernels: dy is brought to the forward value's layout.
+    fn elementwise_grad(&mut self, n: NodeIndex, ops: &[NodeIndex], kernel: Kernel, whole: usize) {
+        let l = self.local_layout(ops[1], whole, false);
+        let dyb = self.value(ops[0], l);
+        let xb = self.value(ops[1], l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        let reason = format!("{} (local)", self.graph[n].op.name());
+        self.kernel(kernel, &[dyb, xb], y, compute(reason));
+        self.define(n, l, y);
+    }
+
+    /// a + b in one layout. In the backward pass, pending sums that meet are added locally and reduced
+    /// once, later: where one operand is a pending sum and the other is whole along those axes (and laid
+    /// out alike elsewhere), the whole one joins the sum as 1/p shares, so that a chain of gradient
+    /// additions (a layer input's gradient from its residual path and its q, k and v products) costs
+    /// one reduction, not one per term. (In the forward pass a partial output is summed where its
+    /// product is, which costs the same and keeps the reduction with the layer that causes it.)
+    fn add(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
+        let (la, lb) = (self.natural(a), self.natural(b));
+        let backward = self.forward_end.is_some();
+        let joins = |partial: Layout, whole: Layout| {
+            backward
+                && partial.has_partial()
+                && !whole.has_partial()
+                && partial.0.iter().zip(whole.0).all(|(p, w)| *p == w || (*p == Placement::Partial && w == R))
+        };
+        let l = if joins(la, lb) || joins(lb, la) {
+            if la.has_partial() { la } else { lb }
+        } else if la.has_partial() && !lb.has_partial() {
+            lb
+        } else {
+            la
+        };
+        let ab = self.value(a, l);
+        let bb = self.value(b, l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        self.kernel(Kernel::Add, &[ab, bb], y, compute("add (local)"));
+        self.define(n, l, y);
+    }
+
+    /// a * b element-wise, both in one layout. A product is not linear in the pair, so pending sums are
+    /// completed first: the layout is that of an operand without any (reduce-scattering the other into
+    /// it), or, when both have them, the first's with its partial axes all-reduced.
+    fn mul(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
+        let (la, lb) = (self.settled(a), self.settled(b));
+        let chosen = if la.has_partial() && !lb.has_partial() { lb } else { la };
+        let mut l = chosen;
+        for p in &mut l.0 {
+            if *p == Placement::Partial {
+                *p = R;
+            }
+        }
+        let l = self.norm(l);
+        let ab = self.value(a, l);
+        let bb = self.value(b, l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        self.kernel(Kernel::Mul, &[ab, bb], y, compute("multiply (local)"));
+        self.define(n, l, y);
+    }
+
+    // ---- attention ---------------------------------------------------------------------------------
+
+    /// Layouts of attention's inputs and output (the attention row): whole heads on each device. A
+    /// rank-2 input [seq, width] has no batch dimension: its dimension 0 is the sequence, which stays
+    /// whole. A fused input is split on the heads factor of its (3, heads, head) last dimension.
+    fn attention_layouts(&mut self, width: u64, heads: u64, fused: bool, rank: usize) -> Option<(Layout, Layout)> {
+        let case = self.rule_case(Operator::Attention, &Facts::default())?;
+        let groups = if fused { (3, width / 3 / heads.max(1)) } else { (1, 1) };
+        let dims = Dims { batch: rank > 2, heads: groups, ..Dims::new(rank - 1) };
+        let input = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
+        Some((input, self.norm(laid(case.output, &dims, Layout::REPLICATED))))
+    }
+
+    /// How many of `heads` (sized by the config value `label`) each device holds when `input` splits
+    /// them on mesh axis 1; a count that does not divide is reported (the meshes that work are added).
+    fn local_heads(&mut self, n: NodeIndex, heads: u64, label: &str, input: Layout) -> u64 {
+        let split = input.0[1].dim().is_some();
+        let parts = if split { self.axes()[1] } else { 1 };
+        self.split_dims.insert((heads, Some(label.to_string())));
+        if heads.is_multiple_of(parts) {
+            return heads / parts;
+        }
+        if self.first_report(&format!("{:?}/{heads}/{parts}", Some(label))) {
+            let mut d = self.divisibility_error(n, heads, Some(label.to_string()), parts);
+            d.notes.push(match label {
+                "kv_heads" => "grouped-query attention keeps whole key/value heads on each device, with the query \
+                               heads that read them"
+                    .to_string(),
+                _ => "attention keeps whole heads on each device".to_string(),
+            });
+            self.diagnostics.push(d);
+        }
+        heads
+    }
+
+    /// The query and key/value heads each device holds: query heads [p H/P, (p+1) H/P) and kv heads
+    /// [p K/P, (p+1) K/P) on member p of axis 1, which are exactly the kv heads its query heads read.
+    fn local_attention_heads(&mut self, n: NodeIndex, heads: Heads, input: Layout) -> Heads {
+        let query = self.local_heads(n, heads.query, "heads", input);
+        let kv = if heads.kv == heads.query { query } else { self.local_heads(n, heads.kv, "kv_heads", input) };
+        Heads { query, kv }
+    }
+
+    fn attention(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: Heads, causal: bool, fused: bool) {
+        let rank = self.rank(n);
+        let width = *self.shapes[ops[0].index()].last().unwrap_or(&0);
+        let Some((il, ol)) = self.attention_layouts(width, heads.query, fused, rank) else { return };
+        let local = self.local_attention_heads(n, heads, il);
+        let inputs: Vec<BufferId> = ops.iter().map(|&o| self.value(o, il)).collect();
+        let y = self.node_buffer(n, ol, Role::Workspace);
+        self.kernel(
+            Kernel::Attention { heads: local.query, kv_heads: local.kv, causal, fused },
+            &inputs,
+            y,
+            compute("attention for this device's batch chunk and head group (no communication)"),
+        );
+        self.define(n, ol, y);
+    }
+
+    fn attention_grad(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: Heads, causal: bool, fused: bool, wrt: u8) {
+        let rank = self.rank(ops[0]);
+        let width = *self.shapes[ops[1].index()].last().unwrap_or(&0);
+        let Some((il, ol)) = self.attention_layouts(width, heads.query, fused, rank) else { return };
+        let local = self.local_attention_heads(n, heads, il);
+        let mut inputs = vec![self.value(ops[0], ol)];
+        for &o in &ops[1..] {
+            inputs.push(self.value(o, il));
+        }
+        let g = self.node_buffer(n, il, Role::Workspace);
+        self.kernel(
+            Kernel::AttentionGrad { heads: local.query, kv_heads: local.kv, causal, fused, wrt },
+            &inputs,
+            g,
+            compute("backward of attention (local; dk and dv summed over the query heads of each kv head)"),
+        );
+        self.define(n, il, g);
+    }
+
+    // ---- rotary position embedding ---------------------------------------------------------------
+
+    /// The layout rotary works in, from x's own: the sequence dimension (second to last) whole, so
+    /// that a row's local index along it is its global position, and the last dimension either whole
+    /// or split contiguously into whole heads. Anything else is gathered (never a wrong position).
+    /// Pending sums pass through: the rotation is linear.
+    fn rotary_layout(&mut self, x: NodeIndex, heads: u64) -> Layout {
+        let rank = self.rank(x);
+        let (seq, last) = (rank - 2, rank - 1);
+        let axes = self.axes();
+        let mut l = self.natural(x);
+        for (axis, p) in l.0.iter_mut().enumerate() {
+            let whole_heads = matches!(*p, Placement::Shard { outer: 1, .. }) && heads.is_multiple_of(axes[axis]);
+            match p.dim() {
+                Some(d) if d == seq => *p = R,
+                Some(d) if d == last && !whole_heads => *p = R,
+                _ => {}
+            }
+        }
+        self.norm(l)
+    }
+
+    /// Rotary embedding or its backward (`kernel` of the local head count) on one operand: local, no
+    /// communication, since every device holds whole sequences and whole heads.
+    fn rotary(&mut self, n: NodeIndex, x: NodeIndex, heads: u64, kernel: impl Fn(u64) -> Kernel) {
+        let l = self.rotary_layout(x, heads);
+        let last = self.rank(x) - 1;
+        let parts: u64 = l.0.iter().zip(self.axes()).filter(|(p, _)| p.dim() == Some(last)).map(|(_, a)| a).product();
+        let xb = self.value(x, l);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        let reason = format!("{} of this device's whole sequences and heads (local)", self.graph[n].op.name());
+        self.kernel(kernel(heads / parts.max(1)), &[xb], y, compute(reason));
+        self.define(n, l, y);
+    }
+
+    // ---- cross-entropy ---------------------------------------------------------------------------
+
+    /// Layouts of logits and targets (the cross-entropy row): the vocabulary split where the logits'
+    /// last dimension is, the batch where it is.
+    fn cross_entropy_layouts(&mut self, rank: usize) -> Option<(Layout, Layout)> {
+        let case = self.rule_case(Operator::CrossEntropy, &Facts::default())?;
+        let dims = Dims::new(rank - 1);
+        let logits = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
+        Some((logits, self.norm(laid(case.operands[1], &dims, Layout::REPLICATED))))
+    }
+
+    fn vocab_offset(&self, logits: Layout, local_vocab: u64) -> Offset {
+        // The vocabulary is the last dimension; whichever axis splits it gives the offset.
+        let axis = logits.0.iter().position(|p| matches!(p, Placement::Shard { dim, .. } if *dim != 0));
+        match axis {
+            Some(a) => Offset { axis: Some(u8::try_from(a).unwrap_or(0)), block: local_vocab },
+            None => Offset::ZERO,
+        }
+    }
+
+    fn cross_entropy(&mut self, n: NodeIndex, logits: NodeIndex, targets: NodeIndex) {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::CrossEntropy }, text);
+        let rank = self.rank(logits);
+        let Some((ll, tl)) = self.cross_entropy_layouts(rank) else { return };
+        // With the replicas' batch split, so that the loss and the count are pending sums over them.
+        let ll = self.with_data(logits, ll);
+        let lb = self.value(logits, ll);
+        let tb = self.value(targets, tl);
+        let valid = self.graph[logits].ty.shape.last().map_or(0, |d| d.size);
+        let local_vocab = *self.buffers[lb.0 as usize].shape.last().unwrap_or(&0);
+        let offset = self.vocab_offset(ll, local_vocab);
+        let partial = self.rows_partial(ll, rank);
+        let max = self.stat_buffer(n, logits, 1, partial, "max");
+        self.kernel(
+            Kernel::CrossEntropyMax { offset, valid },
+            &[lb],
+            max,
+            stat("cross-entropy: local max over the vocabulary"),
+        );
+        let (max, _) = self.all_reduce_partials(max, partial, ReduceOp::Max, stat("cross-entropy: max over the row"));
+        let stats = self.stat_buffer(n, logits, 2, partial, "stats");
+        self.kernel(
+            Kernel::CrossEntropyStats { offset, valid },
+            &[lb, tb, max],
+            stats,
+            stat("cross-entropy: target logit and sum of exponentials"),
+        );
+        let (stats, _) = self.all_reduce_partials(
+            stats,
+            partial,
+            ReduceOp::Sum,
+            stat("cross-entropy: target logit and sum of exponentials over the row"),
+        );
+        let mut loss_layout = Layout::REPLICATED;
+        for axis in 0..MESH_AXES {
+            if ll.0[axis].dim().is_some_and(|d| d < rank - 1) {
+                loss_layout.0[axis] = Placement::Partial;
+            }
+        }
+        let counted = self.count_not_ignored(n, tb, loss_layout);
+        let loss = self.node_buffer(n, loss_layout, Role::Workspace);
+        self.kernel(
+            Kernel::CrossEntropyLoss,
+            &[max, stats, tb, counted],
+            loss,
+            compute("cross-entropy: this batch chunk's share of the mean"),
+        );
+        self.cross_entropy_stats.insert(logits, (max, stats, counted));
+        self.define(n, loss_layout, loss);
+    }
+
+    /// The number of targets that are not ignored, over the whole batch: counted locally, then summed
+    /// over the mesh axes that hold different batch rows (where the loss is `partial`), so that every
+    /// device divides by the same global count.
+    fn count_not_ignored(&mut self, n: NodeIndex, targets: BufferId, partial: Layout) -> BufferId {
+        let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::CrossEntropy }, text);
+        let role = if self.forward_end.is_none() { Role::Activation } else { Role::Workspace };
+        let name = format!("{}.count", super::describe_node(self.model, &self.graph[n], n));
+        let local = self.new_buffer(name, crate::ir::DType::F32, vec![1], partial, role);
+        self.kernel(Kernel::CrossEntropyCount, &[targets], local, stat("cross-entropy: targets not ignored (local)"));
+        let reason = stat("cross-entropy: targets not ignored over the batch");
+        self.all_reduce_partials(local, partial, ReduceOp::Sum, reason).0
+    }
+
+    fn cross_entropy_grad(&mut self, n: NodeIndex, ops: &[NodeIndex]) {
+        let (logits, targets, dl) = (ops[0], ops[1], ops[2]);
+        let rank = self.rank(logits);
+        let Some((ll, tl)) = self.cross_entropy_layouts(rank) else { return };
+        let Some(&(max, stats, counted)) = self.cross_entropy_stats.get(&logits) else {
+            return self.missing_param(n);
+        };
+        let lb = self.value(logits, ll);
+        let tb = self.value(targets, tl);
+        let db = self.value(dl, Layout::REPLICATED);
+        let valid = self.graph[logits].ty.shape.last().map_or(0, |d| d.size);
+        let local_vocab = *self.buffers[lb.0 as usize].shape.last().unwrap_or(&0);
+        let offset = self.vocab_offset(ll, local_vocab);
+        let g = self.node_buffer(n, ll, Role::Workspace);
+        self.kernel(
+            Kernel::CrossEntropyGrad { offset, valid },
+            &[lb, tb, max, stats, db, counted],
+            g,
+            compute("backward of cross-entropy (local)"),
+        );
+        self.define(n, ll, g);
+    }
+
+    // ---- batched matmul, reshape, transpose, select --------------------------------------------
+
+    fn batched_matmul(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
+        let la = self.local_layout(a, 2, false);
+        let lb = la;
+        let ab = self.value(a, la);
+        let bb = self.value(b, lb);
+        let y = self.node_buffer(n, la, Role::Workspace);
+        let reason = Reason::new(ReasonKind::LocalProduct, "batched matmul (local)");
+        self.kernel(Kernel::BatchedMatMul, &[ab, bb], y, reason);
+        self.define(n, la, y);
+    }
+
+    fn transpose(&mut self, n: NodeIndex, x: NodeIndex, d0: usize, d1: usize) {
+        let l = self.natural(x);
+        let mut out = l;
+        for p in &mut out.0 {
+            match p.dim() {
+                Some(d) if d == d0 => *p = on_dim(*p, d1),
+                Some(d) if d == d1 => *p = on_dim(*p, d0),
+                _ => {}
+            }
+        }
+        let xb = self.value(x, l);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        let k = Kernel::Transpose { dim0: u8::try_from(d0).unwrap_or(0), dim1: u8::try_from(d1).unwrap_or(0) };
+        self.kernel(k, &[xb], y, compute("transpose (local)"));
+        self.define(n, out, y);
+    }
+
+    fn reshape(&mut self, n: NodeIndex, x: NodeIndex) {
+        let mut l = self.natural(x);
+        let mut out = Layout::REPLICATED;
+        let (from, to) = (self.shapes[x.index()].clone(), self.shapes[n.index()].clone());
+        for axis in 0..MESH_AXES {
+            match l.0[axis] {
+                Placement::Shard { dim, outer, inner } => match map_shard(&from, &to, dim as usize, outer, inner) {
+                    Some(p) => out.0[axis] = p,
+                    None => l.0[axis] = R,
+                },
+                p => out.0[axis] = p,
+            }
+        }
+        let xb = self.value(x, l);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::Reshape, &[xb], y, compute("reshape (local)"));
+        self.define(n, out, y);
+    }
+
+    fn select(&mut self, n: NodeIndex, x: NodeIndex, dim: usize, index: u64) {
+        let mut l = self.natural(x);
+        let mut out = l;
+        for axis in 0..MESH_AXES {
+            match l.0[axis].dim() {
+                Some(d) if d == dim => {
+                    l.0[axis] = R;
+                    out.0[axis] = R;
+                }
+                Some(d) if d > dim => out.0[axis] = on_dim(l.0[axis], d - 1),
+                _ => {}
+            }
+        }
+        let xb = self.value(x, l);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(Kernel::Select { dim: u8::try_from(dim).unwrap_or(0), index }, &[xb], y, compute("select (local)"));
+        self.define(n, out, y);
+    }
+
+    fn select_grad(&mut self, n: NodeIndex, dy: NodeIndex, dim: usize, index: u64) {
+        let l = self.natural(dy);
+        let mut out = l;
+        for axis in 0..MESH_AXES {
+            if let Some(d) = l.0[axis].dim().filter(|&d| d >= dim) {
+                out.0[axis] = on_dim(l.0[axis], d + 1);
+            }
+        }
+        let dyb = self.value(dy, l);
+        let y = self.node_buffer(n, out, Role::Workspace);
+        self.kernel(
+            Kernel::SelectGrad { dim: u8::try_from(dim).unwrap_or(0), index },
+            &[dyb],
+            y,
+            compute("backward of select (local)"),
+        );
+        self.define(n, out, y);
+    }
+}
+
+/// Where a split survives a reshape: the split sub-axis of `dim` (viewed as [outer, mid, inner]) must
+/// lie inside one output dimension, which is then viewed the same way.
+fn map_shard(from: &[u64], to: &[u64], dim: usize, outer: u64, inner: u64) -> Option<Placement> {
+    let size = *from.get(dim)?;
+    let mid = size / outer.max(1) / inner.max(1);
+    let after: u64 = from[dim + 1..].iter().product();
+    let stride = inner.max(1) * after;
+    for e in 0..to.len() {
+        let after_e: u64 = to[e + 1..].iter().product();
+        let block = after_e * to[e];
+        if after_e <= stride && stride.is_multiple_of(after_e) && block.is_multiple_of(stride * mid) {
+            return Some(Placement::shard_factor(e, block / (stride * mid), stride / after_e));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Placement, map_shard};
+
+    #[test]
+    fn a_heads_split_of_fused_qkv_survives_the_reshape_to_heads() {
+        // [b, s, (3, heads, head)] split on heads becomes [b, s, 3, heads, head] split on dim 3.
+        let (b, s, n, d) = (4, 8, 6, 5);
+        let p = map_shard(&[b, s, 3 * n * d], &[b, s, 3, n, d], 2, 3, d);
+        assert_eq!(p, Some(Placement::shard(3)));
+    }
+
+    #[test]
+    fn a_split_survives_merging_dimensions_as_the_outer_factor() {
+        // [b, s, heads, head] split on heads becomes [b, s, hidden] split contiguously (attention output).
+        assert_eq!(map_shard(&[2, 3, 4, 3], &[2, 3, 12], 2, 1, 1), Some(Placement::shard(2)));
+        // A batch split survives merging the sequence into the batch.
+        assert_eq!(map_shard(&[4, 3, 5], &[12, 5], 0, 1, 1), Some(Placement::shard(0)));
+    }
+
+    #[test]
+    fn a_split_of_a_dimension_that_is_cut_finer_falls_back_to_gathering() {
+        // [b, s, 12] split contiguously, reshaped to [b, s, 4, 3]: the split axis spans two output
+        // dimensions, which one placement cannot name; the rule gathers it instead (correct, slower).
+        assert_eq!(map_shard(&[2, 3, 12], &[2, 3, 4, 3], 2, 1, 1), None);
+    }
+
+    #[test]
+    fn a_split_that_straddles_output_dimensions_does_not_map() {
+        // Splitting the middle dimension of [2, 6, 2] cannot be expressed on [4, 6]: its chunks are
+        // not contiguous within either output dimension.
+        assert_eq!(map_shard(&[2, 6, 2], &[4, 6], 1, 1, 1), None);
+    }
+}

@@ -1,0 +1,368 @@
+//! Measured costs of one machine's runtime, as `optimusc calibrate` writes them into a hardware
+//! profile's `[measured]` section, and the predictions the simulator makes from them.
+//!
+//! A kernel of kind K costs `launch_us + bytes / gb_s + flops / gflop_s`, fitted by least squares over
+//! every instruction of profiled one-device runs (kinds never seen use the `default` fit). A collective
+//! costs `alpha_us + bytes * ns_per_byte`, fitted per kind, group size and devices running at once
+//! (the whole mesh, as in a step). When the node's devices share one engine (threads of one process on
+//! the same cores, or meshes sharing one GPU), their kernels queue one after another: a step's compute
+//! is the sum over the devices sharing it, with a dispatch cost per instruction and device in place of
+//! the launch cost, fitted by the number of devices sharing.
+
+use optimus_plan::CollectiveKind;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The `[measured]` section of a hardware profile.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Measured {
+    /// The runtime measured: `cpu` (threads) or `mpi`.
+    pub runtime: String,
+    /// Kernel workers of the process that was measured.
+    pub threads: u64,
+    /// Whether the devices of a node share one compute engine, so that their kernels run one after
+    /// another (CPU threads of one process; devices sharing a GPU).
+    pub shared_engine: bool,
+    /// Whether the runtime overlaps communication with compute (SUMMA double buffering, gradient sums
+    /// beside the backward pass).
+    pub overlap: bool,
+    /// On a shared engine with several devices: the engine's cost of each instruction of each device
+    /// beyond its kernel's work (handing it over, waking the device thread), in place of the
+    /// one-device launch cost, by the number of devices sharing it. Fitted on runs of that many.
+    #[serde(default)]
+    pub dispatch: Vec<DispatchFit>,
+    /// Per kernel kind (as `run --profile` names them), and `default` for the others.
+    pub kernels: BTreeMap<String, KernelFit>,
+    /// Per collective kind, group size and devices of the mesh.
+    #[serde(default)]
+    pub collectives: Vec<CollectiveFit>,
+}
+
+/// The cost of one kernel call: a fixed part plus its bytes and FLOPs at the fitted rates.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelFit {
+    pub launch_us: f64,
+    /// Bytes read and written per second (1e9); absent: bytes cost nothing beyond the FLOPs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gb_s: Option<f64>,
+    /// FLOPs per second (1e9); absent: FLOPs cost nothing beyond the bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gflop_s: Option<f64>,
+    /// Calls the fit was made from.
+    #[serde(default)]
+    pub samples: u64,
+}
+
+/// The shared engine's cost per instruction of each device when `devices` share it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DispatchFit {
+    pub devices: u64,
+    pub us: f64,
+}
+
+/// The cost of one collective: alpha + payload * beta, for a group of `members` while `devices`
+/// devices run the same collective in their own groups.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectiveFit {
+    /// all_reduce, all_gather, reduce_scatter, broadcast or reduce.
+    pub kind: CollectiveKindName,
+    pub members: u64,
+    pub devices: u64,
+    pub alpha_us: f64,
+    pub ns_per_byte: f64,
+}
+
+/// A collective kind as profiles spell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKindName {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Reduce,
+}
+
+impl From<CollectiveKind> for CollectiveKindName {
+    fn from(kind: CollectiveKind) -> CollectiveKindName {
+        match kind {
+            CollectiveKind::AllReduce => CollectiveKindName::AllReduce,
+            CollectiveKind::AllGather => CollectiveKindName::AllGather,
+            CollectiveKind::ReduceScatter => CollectiveKindName::ReduceScatter,
+            CollectiveKind::Broadcast => CollectiveKindName::Broadcast,
+            CollectiveKind::Reduce => CollectiveKindName::Reduce,
+        }
+    }
+}
+
+impl KernelFit {
+    /// Seconds for one call.
+    pub fn seconds(&self, bytes: f64, flops: f64) -> f64 {
+        let by_bytes = self.gb_s.map_or(0.0, |rate| bytes / (rate * 1e9));
+        let by_flops = self.gflop_s.map_or(0.0, |rate| flops / (rate * 1e9));
+        self.launch_us * 1e-6 + by_bytes + by_flops
+    }
+}
+
+impl Measured {
+    /// Seconds for one kernel of kind `kind` (its profile name) moving `bytes` and doing `flops`.
+    /// The fit used is the most specific there is: its flavor (`Gelu(approximate=false)`), then its
+    /// kind (`Gelu`), then `default`; a kernel that reads or writes bf16 tries the `@bf16` fits of
+    /// each first, where the calibration ran bf16 plans.
+    pub fn kernel_seconds(&self, flavor: &str, kind: &str, bf16: bool, bytes: f64, flops: f64) -> f64 {
+        let names = [flavor, kind, DEFAULT_KERNEL];
+        let bf16_fits = names.iter().map(|n| fit_key(n, true)).filter(|_| bf16);
+        let keys = bf16_fits.chain(names.iter().map(|n| n.to_string()));
+        keys.filter_map(|k| self.kernels.get(&k)).next().map_or(0.0, |f| f.seconds(bytes, flops))
+    }
+
+    /// Seconds for one collective of `members` with `bytes` of payload per member on a mesh of
+    /// `devices`: the fit of that kind and group size measured with the nearest number of devices (on
+    /// a log scale), else of the nearest group size. On a `shared` engine the latency (threads waiting
+    /// for each other) overlaps the other devices' kernels, so only the copying counts. `None` when no
+    /// collective of that kind was measured.
+    pub fn collective_seconds(
+        &self,
+        kind: CollectiveKind,
+        members: u64,
+        devices: u64,
+        bytes: f64,
+        shared: bool,
+    ) -> Option<f64> {
+        if members <= 1 {
+            return Some(0.0);
+        }
+        let name = CollectiveKindName::from(kind);
+        let distance = |fit: &CollectiveFit| {
+            let log = |x: u64| (x.max(1) as f64).log2();
+            ((log(fit.members) - log(members)).abs() * 4.0 + (log(fit.devices) - log(devices)).abs(), fit.members)
+        };
+        let best = self
+            .collectives
+            .iter()
+            .filter(|f| f.kind == name)
+            .min_by(|a, b| distance(a).partial_cmp(&distance(b)).unwrap_or(std::cmp::Ordering::Equal));
+        best.map(|f| if shared { 0.0 } else { f.alpha_us * 1e-6 } + bytes * f.ns_per_byte * 1e-9)
+    }
+
+    /// Seconds the shared engine spends on each instruction of each of `devices` devices: the fit
+    /// measured with the nearest number of devices (on a log scale; 0 when none was measured).
+    pub fn dispatch_seconds(&self, devices: u64) -> f64 {
+        let log = |x: u64| (x.max(1) as f64).log2();
+        let distance = |f: &&DispatchFit| (log(f.devices) - log(devices)).abs();
+        let nearest = self.dispatch.iter().min_by(|a, b| distance(a).total_cmp(&distance(b)));
+        nearest.map_or(0.0, |f| f.us * 1e-6)
+    }
+
+    /// Checks the numbers: rates positive, fixed costs zero or more, a `default` kernel fit present.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.kernels.contains_key(DEFAULT_KERNEL) {
+            return Err(format!("`measured.kernels` needs a `{DEFAULT_KERNEL}` entry for kernels not measured"));
+        }
+        for (kind, fit) in &self.kernels {
+            let rates = [("gb_s", fit.gb_s), ("gflop_s", fit.gflop_s)];
+            for (field, value) in rates {
+                if value.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                    return Err(format!("`measured.kernels.{kind}.{field}` must be a positive number"));
+                }
+            }
+            if !(fit.launch_us.is_finite() && fit.launch_us >= 0.0) {
+                return Err(format!("`measured.kernels.{kind}.launch_us` must be zero or more"));
+            }
+        }
+        if let Some(f) = self.dispatch.iter().find(|f| !(f.us.is_finite() && f.us >= 0.0) || f.devices < 2) {
+            return Err(format!(
+                "`measured.dispatch`: the entry for {} devices must have at least 2 devices and `us` zero or more",
+                f.devices
+            ));
+        }
+        for fit in &self.collectives {
+            let ok = fit.alpha_us.is_finite() && fit.alpha_us >= 0.0 && fit.ns_per_byte.is_finite();
+            if !ok || fit.ns_per_byte < 0.0 || fit.members < 2 || fit.devices < fit.members {
+                return Err(format!(
+                    "`measured.collectives`: an entry for {:?} of {} members on {} devices has invalid numbers",
+                    fit.kind, fit.members, fit.devices
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The kernel fit used for kinds the calibration never ran.
+pub const DEFAULT_KERNEL: &str = "default";
+
+/// The name a kernel kind's fit is kept under: `Kind`, or `Kind@bf16` for calls that read or write
+/// bf16 (on the CPU these widen to float32 and back, so they cost more, not less, than float32).
+pub fn fit_key(kind: &str, bf16: bool) -> String {
+    if bf16 { format!("{kind}@bf16") } else { kind.to_string() }
+}
+
+/// One observation for a fit: features (each multiplies a coefficient) and the measured seconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub features: Vec<f64>,
+    pub seconds: f64,
+}
+
+/// Non-negative least squares over few features, weighted by 1 / seconds (so that small kernels,
+/// which are many, count as well as large ones): every subset of features is solved by its normal
+/// equations and the best fit with no negative coefficient wins. Returns one coefficient per feature.
+pub fn fit_non_negative(samples: &[Sample]) -> Vec<f64> {
+    let width = samples.first().map_or(0, |s| s.features.len());
+    let mut best: (f64, Vec<f64>) = (f64::INFINITY, vec![0.0; width]);
+    for mask in 1u32..(1 << width) {
+        let used: Vec<usize> = (0..width).filter(|&k| mask & (1 << k) != 0).collect();
+        let Some(solution) = solve_subset(samples, &used) else { continue };
+        if solution.iter().any(|&c| c < 0.0 || !c.is_finite()) {
+            continue;
+        }
+        let mut coefficients = vec![0.0; width];
+        for (&k, &c) in used.iter().zip(&solution) {
+            coefficients[k] = c;
+        }
+        let error = weighted_error(samples, &coefficients);
+        if error < best.0 {
+            best = (error, coefficients);
+        }
+    }
+    best.1
+}
+
+fn weight(sample: &Sample) -> f64 {
+    1.0 / sample.seconds.max(1e-7)
+}
+
+fn weighted_error(samples: &[Sample], coefficients: &[f64]) -> f64 {
+    samples
+        .iter()
+        .map(|s| {
+            let predicted: f64 = s.features.iter().zip(coefficients).map(|(x, c)| x * c).sum();
+            weight(s) * (predicted - s.seconds).powi(2)
+        })
+        .sum()
+}
+
+/// The weighted least-squares coefficients of the features `used`, by Gaussian elimination on the
+/// normal equations; `None` when they are singular.
+fn solve_subset(samples: &[Sample], used: &[usize]) -> Option<Vec<f64>> {
+    let n = used.len();
+    // Scale each feature to unit size so the normal equations are well conditioned.
+    let scale: Vec<f64> =
+        used.iter().map(|&k| samples.iter().map(|s| s.features[k].abs()).fold(0.0, f64::max).max(1e-30)).collect();
+    let mut a = vec![vec![0.0; n + 1]; n];
+    for s in samples {
+        let w = weight(s);
+        let x: Vec<f64> = used.iter().zip(&scale).map(|(&k, sc)| s.features[k] / sc).collect();
+        for r in 0..n {
+            for c in 0..n {
+                a[r][c] += w * x[r] * x[c];
+            }
+            a[r][n] += w * x[r] * s.seconds;
+        }
+    }
+    for col in 0..n {
+        let pivot = (col..n).max_by(|&p, &q| a[p][col].abs().total_cmp(&a[q][col].abs()))?;
+        if a[pivot][col].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(col, pivot);
+        let pivot_row = a[col].clone();
+        for (r, row) in a.iter_mut().enumerate() {
+            if r != col {
+                let factor = row[col] / pivot_row[col];
+                for (x, p) in row.iter_mut().zip(&pivot_row).skip(col) {
+                    *x -= factor * p;
+                }
+            }
+        }
+    }
+    Some((0..n).map(|r| a[r][n] / a[r][r] / scale[r]).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fit_recovers_a_launch_cost_and_a_rate() {
+        // seconds = 5 µs + bytes / 10 GB/s, exactly.
+        let samples: Vec<Sample> = [1e3, 1e4, 1e5, 1e6, 1e7]
+            .iter()
+            .map(|&bytes| Sample { features: vec![1.0, bytes], seconds: 5e-6 + bytes / 1e10 })
+            .collect();
+        let c = fit_non_negative(&samples);
+        assert!((c[0] - 5e-6).abs() < 1e-9, "launch {}", c[0]);
+        assert!((c[1] - 1e-10).abs() < 1e-14, "seconds per byte {}", c[1]);
+    }
+
+    #[test]
+    fn the_fit_never_gives_a_negative_coefficient() {
+        // Time falls with the second feature: its best unconstrained coefficient is negative.
+        let samples: Vec<Sample> =
+            (1..6).map(|k| Sample { features: vec![1.0, k as f64], seconds: 1.0 / k as f64 }).collect();
+        let c = fit_non_negative(&samples);
+        assert!(c.iter().all(|&x| x >= 0.0), "{c:?}");
+    }
+
+    #[test]
+    fn collectives_use_the_nearest_measured_configuration() {
+        let fit = |members, devices, alpha_us| CollectiveFit {
+            kind: CollectiveKindName::Broadcast,
+            members,
+            devices,
+            alpha_us,
+            ns_per_byte: 0.0,
+        };
+        let m = Measured {
+            runtime: "cpu".into(),
+            threads: 2,
+            shared_engine: true,
+            overlap: false,
+            dispatch: Vec::new(),
+            kernels: BTreeMap::from([(
+                DEFAULT_KERNEL.to_string(),
+                KernelFit { launch_us: 1.0, gb_s: None, gflop_s: None, samples: 0 },
+            )]),
+            collectives: vec![fit(2, 2, 10.0), fit(2, 4, 20.0), fit(4, 16, 40.0)],
+        };
+        let t = |members, devices| {
+            m.collective_seconds(CollectiveKind::Broadcast, members, devices, 0.0, false).map_or(f64::NAN, |s| s * 1e6)
+        };
+        assert!((t(2, 4) - 20.0).abs() < 1e-9);
+        assert!((t(2, 8) - 20.0).abs() < 1e-9, "2 members on 8 devices: nearest is 4 devices");
+        assert!((t(4, 16) - 40.0).abs() < 1e-9);
+        assert_eq!(t(1, 16), 0.0, "a group of one communicates nothing");
+        assert_eq!(m.collective_seconds(CollectiveKind::AllReduce, 2, 2, 1e6, false), None, "no fit of that kind");
+    }
+
+    #[test]
+    fn bf16_calls_use_bf16_fits_where_there_are_some() {
+        let fit = |launch_us| KernelFit { launch_us, gb_s: None, gflop_s: None, samples: 1 };
+        let mut m = Measured {
+            runtime: "cpu".into(),
+            threads: 2,
+            shared_engine: false,
+            overlap: false,
+            dispatch: Vec::new(),
+            kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit(1.0)), ("Add".to_string(), fit(2.0))]),
+            collectives: Vec::new(),
+        };
+        let us = |m: &Measured, kind, bf16| m.kernel_seconds(kind, kind, bf16, 0.0, 0.0) * 1e6;
+        assert!((us(&m, "Add", true) - 2.0).abs() < 1e-9, "no bf16 fits: the float32 one");
+        m.kernels.insert(fit_key(DEFAULT_KERNEL, true), fit(3.0));
+        assert!((us(&m, "Add", true) - 3.0).abs() < 1e-9, "bf16 default before the float32 kind");
+        m.kernels.insert(fit_key("Add", true), fit(4.0));
+        assert!((us(&m, "Add", true) - 4.0).abs() < 1e-9);
+        assert!((us(&m, "Add", false) - 2.0).abs() < 1e-9, "float32 calls keep float32 fits");
+        assert!((us(&m, "Gelu", false) - 1.0).abs() < 1e-9);
+        m.kernels.insert("Add(x=y)".to_string(), fit(6.0));
+        let flavored = |m: &Measured, flavor| m.kernel_seconds(flavor, "Add", false, 0.0, 0.0) * 1e6;
+        assert!((flavored(&m, "Add(x=y)") - 6.0).abs() < 1e-9, "the flavor's own fit");
+        assert!((flavored(&m, "Add(x=z)") - 2.0).abs() < 1e-9, "an unseen flavor: its kind's fit");
+    }
+}

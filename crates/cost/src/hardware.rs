@@ -1,0 +1,258 @@
+//! Hardware profiles: one TOML file per cluster, built in (`hardware/*.toml`, embedded in the binary)
+//! or written by users and loaded by path.
+//!
+//! The format, in decimal units (1 GB/s = 1e9 B/s, 1 TFLOP/s = 1e12 FLOP/s):
+//!
+//! ```toml
+//! name = "my-cluster"
+//! description = "free text"
+//!
+//! [device]
+//! name = "GPU model"
+//! memory_gb = 16.0                # memory per device
+//! memory_bandwidth_gb_s = 448.0
+//! achievable_bandwidth = 0.8      # fraction of the bandwidth kernels reach, in (0, 1]
+//! achievable_compute = 0.7        # fraction of peak FLOP/s matrix products reach, in (0, 1]
+//! kernel_launch_us = 5.0          # optional, default 0
+//!
+//! [device.peak_tflops]            # peak matrix FLOP/s by element type; f32 is required,
+//! f32 = 11.2                      # a missing f16 or bf16 is costed at the f32 rate
+//! f16 = 89.2
+//!
+//! [intra_node]
+//! gpus_per_node = 4
+//! bandwidth_gb_s = 12.0           # per GPU, each direction
+//! latency_us = 10.0
+//!
+//! [inter_node]
+//! nic_bandwidth_gb_s = 12.5       # per node, shared by its GPUs
+//! latency_us = 5.0
+//! nics_per_node = 1               # optional, default 1; one per GPU (as DGX): gpus_per_node
+//!
+//! [collectives]                   # optional
+//! algorithm = "auto"              # ring, tree (hierarchical across nodes), or auto (the faster)
+//!
+//! [measured]                      # optional: written by `optimusc calibrate` (see cost::calibration)
+//! runtime = "cpu"
+//! threads = 2
+//! shared_engine = true            # the node's devices share one engine: kernels queue one by one
+//! overlap = false                 # the runtime does not overlap communication with compute
+//! [measured.kernels.MatMul]       # per kernel kind, and `default`
+//! launch_us = 12.0
+//! gflop_s = 180.0
+//! [[measured.collectives]]        # per kind, group size and devices of the mesh
+//! kind = "broadcast"
+//! members = 4
+//! devices = 16
+//! alpha_us = 40.0
+//! ns_per_byte = 0.3
+//! ```
+
+use optimus_plan::types::DType;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The built-in profiles: (name, TOML text).
+pub const BUILTIN: [(&str, &str); 3] = [
+    ("frontera-rtx5000", include_str!("../../../hardware/frontera-rtx5000.toml")),
+    ("dgx-a100", include_str!("../../../hardware/dgx-a100.toml")),
+    ("dgx-h100", include_str!("../../../hardware/dgx-h100.toml")),
+];
+
+/// A cluster: identical nodes of identical devices.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hardware {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub device: Device,
+    pub intra_node: IntraNode,
+    pub inter_node: InterNode,
+    #[serde(default)]
+    pub collectives: Collectives,
+    /// What `optimusc calibrate` measured of this machine's runtime; when present, kernels and
+    /// collectives are costed by it rather than by peaks and links.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured: Option<super::calibration::Measured>,
+}
+
+/// One accelerator.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    pub name: String,
+    pub memory_gb: f64,
+    pub memory_bandwidth_gb_s: f64,
+    pub achievable_bandwidth: f64,
+    pub achievable_compute: f64,
+    #[serde(default)]
+    pub kernel_launch_us: f64,
+    pub peak_tflops: PeakTflops,
+}
+
+/// Peak matrix-product rates by element type.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeakTflops {
+    pub f32: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f16: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16: Option<f64>,
+}
+
+/// The links between devices of one node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IntraNode {
+    pub gpus_per_node: u64,
+    pub bandwidth_gb_s: f64,
+    pub latency_us: f64,
+}
+
+/// The network between nodes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InterNode {
+    pub nic_bandwidth_gb_s: f64,
+    pub latency_us: f64,
+    /// NICs that share `nic_bandwidth_gb_s` (1: one NIC for the node's GPUs; gpus_per_node: one per
+    /// GPU, as DGX has). A flow leaving a node uses one NIC per member of its group there.
+    #[serde(default = "one")]
+    pub nics_per_node: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// How collectives are run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Collectives {
+    #[serde(default)]
+    pub algorithm: super::collective::Algorithm,
+}
+
+/// A point-to-point link in the alpha-beta model: time = latency + bytes / bandwidth.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    /// Bytes per second, each direction.
+    pub bandwidth: f64,
+    /// Seconds per message.
+    pub latency: f64,
+}
+
+impl Hardware {
+    /// A built-in profile by name, or a profile file by path.
+    pub fn load(name_or_path: &str) -> Result<Hardware, String> {
+        if let Some((_, text)) = BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
+            return Hardware::parse(text, name_or_path);
+        }
+        let path = Path::new(name_or_path);
+        if path.exists() || name_or_path.contains(['/', '\\']) || name_or_path.ends_with(".toml") {
+            return Hardware::from_path(path);
+        }
+        let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
+        Err(format!(
+            "unknown hardware `{name_or_path}`: built-in profiles are {}; or give the path of a .toml profile",
+            names.join(", ")
+        ))
+    }
+
+    /// A profile file: a regular file of at most 64 MiB of UTF-8 text.
+    pub fn from_path(path: &Path) -> Result<Hardware, String> {
+        let limit = optimus_io::files::HARDWARE_PROFILE_LIMIT;
+        let bytes = optimus_io::files::read_bounded(path, "hardware profile", limit)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| format!("cannot read hardware profile `{}`: not UTF-8 text ({e})", path.display()))?;
+        Hardware::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates a profile; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Hardware, String> {
+        let hw: Hardware = toml::from_str(text)
+            .map_err(|e| format!("invalid hardware profile `{origin}`: {}", e.to_string().trim()))?;
+        hw.validate().map_err(|e| format!("invalid hardware profile `{origin}`: {e}"))?;
+        Ok(hw)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let d = &self.device;
+        let positive = [
+            ("device.memory_gb", d.memory_gb),
+            ("device.memory_bandwidth_gb_s", d.memory_bandwidth_gb_s),
+            ("device.peak_tflops.f32", d.peak_tflops.f32),
+            ("device.peak_tflops.f16", d.peak_tflops.f16.unwrap_or(1.0)),
+            ("device.peak_tflops.bf16", d.peak_tflops.bf16.unwrap_or(1.0)),
+            ("intra_node.bandwidth_gb_s", self.intra_node.bandwidth_gb_s),
+            ("inter_node.nic_bandwidth_gb_s", self.inter_node.nic_bandwidth_gb_s),
+        ];
+        for (field, value) in positive {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!("`{field}` must be a positive number, found {value}"));
+            }
+        }
+        for (field, value) in [
+            ("device.achievable_bandwidth", d.achievable_bandwidth),
+            ("device.achievable_compute", d.achievable_compute),
+        ] {
+            if !(value > 0.0 && value <= 1.0) {
+                return Err(format!("`{field}` must be a fraction in (0, 1], found {value}"));
+            }
+        }
+        let latencies = [
+            ("device.kernel_launch_us", d.kernel_launch_us),
+            ("intra_node.latency_us", self.intra_node.latency_us),
+            ("inter_node.latency_us", self.inter_node.latency_us),
+        ];
+        for (field, value) in latencies {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!("`{field}` must be zero or more, found {value}"));
+            }
+        }
+        if self.inter_node.nics_per_node == 0 {
+            return Err("`inter_node.nics_per_node` must be at least 1".to_string());
+        }
+        if self.intra_node.gpus_per_node == 0 {
+            return Err("`intra_node.gpus_per_node` must be at least 1".to_string());
+        }
+        self.measured.as_ref().map_or(Ok(()), super::calibration::Measured::validate)
+    }
+
+    /// Device memory in bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        (self.device.memory_gb * 1e9) as u64
+    }
+
+    /// Peak matrix-product FLOP/s for an element type (f32's rate for types without their own).
+    pub fn peak_flops(&self, dtype: DType) -> f64 {
+        let p = &self.device.peak_tflops;
+        let tflops = match dtype {
+            DType::F16 => p.f16.unwrap_or(p.f32),
+            DType::Bf16 => p.bf16.unwrap_or(p.f32),
+            _ => p.f32,
+        };
+        tflops * 1e12
+    }
+
+    /// The link between two devices of one node.
+    pub fn intra_link(&self) -> Link {
+        Link { bandwidth: self.intra_node.bandwidth_gb_s * 1e9, latency: self.intra_node.latency_us * 1e-6 }
+    }
+
+    /// The network as one device sees it: its share of the node's NIC bandwidth, since every device
+    /// of an SPMD program communicates at once.
+    pub fn inter_link(&self) -> Link {
+        self.inter_link_shared(self.intra_node.gpus_per_node)
+    }
+
+    /// The network as one of `streams` concurrent flows leaving a node sees it: the NIC bandwidth over
+    /// the flows, and never more than the device's own link to the NIC.
+    pub fn inter_link_shared(&self, streams: u64) -> Link {
+        let share = self.inter_node.nic_bandwidth_gb_s * 1e9 / streams.max(1) as f64;
+        let share = share.min(self.intra_node.bandwidth_gb_s * 1e9);
+        Link { bandwidth: share, latency: self.inter_node.latency_us * 1e-6 }
+    }
+}

@@ -1,0 +1,217 @@
+//! Quiet compilation for the simulator's searches: the largest batch that fits in device memory, and
+//! the weak and strong scaling sweep. Failures are values (an infeasible point and its reason), never
+//! printed diagnostics.
+
+use super::hardware::Hardware;
+use super::step::{Options, Simulation, simulate};
+use optimus_compiler::check::check_source;
+use optimus_compiler::elab::Override;
+use optimus_compiler::shard::{Target, compile};
+use optimus_plan::types::Scalar;
+use optimus_plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
+use serde::Serialize;
+
+/// The largest batch tried: 2^24 sequences.
+const BATCH_LIMIT: u64 = 1 << 24;
+
+/// A model's source, compiled on demand with extra overrides.
+pub struct Source<'a> {
+    pub name: &'a str,
+    pub text: &'a str,
+    pub overrides: &'a [Override],
+}
+
+impl Source<'_> {
+    /// Compiles with `extra` overrides after the user's; the first error's message on failure.
+    pub fn compile(&self, target: Target, extra: &[Override]) -> Result<Plan, String> {
+        let mut overrides = self.overrides.to_vec();
+        overrides.extend_from_slice(extra);
+        let checked = check_source(self.text, &overrides);
+        let first_error = |ds: &[optimus_compiler::diag::Diagnostic]| {
+            ds.iter().find(|d| d.is_error()).map_or_else(|| "the model has errors".to_string(), |d| d.message.clone())
+        };
+        let model = match checked.model {
+            Some(m) if !checked.diagnostics.iter().any(|d| d.is_error()) => m,
+            _ => return Err(first_error(&checked.diagnostics)),
+        };
+        compile(&model, self.name, self.text, target).map_err(|ds| first_error(&ds))
+    }
+
+    /// A config value of the model (after the user's overrides), if it is an integer.
+    pub fn config_int(&self, name: &str) -> Option<u64> {
+        let model = check_source(self.text, self.overrides).model?;
+        match model.config_value(name)? {
+            Scalar::Int(v) => u64::try_from(*v).ok(),
+            _ => None,
+        }
+    }
+}
+
+/// `batch=N` as an override.
+pub fn batch_override(batch: u64) -> Override {
+    Override { name: "batch".to_string(), value: batch.to_string() }
+}
+
+/// The batch granularity of a target: every data-parallel replica takes its own share, which
+/// optimus splits again over the mesh rows.
+pub fn batch_multiple(target: Target) -> u64 {
+    let rows = if target.strategy == Strategy::Optimus { target.mesh.rows.max(1) } else { 1 };
+    rows * target.mesh.data.max(1)
+}
+
+/// The result of a max-batch search.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MaxBatch {
+    /// The largest batch that compiles and fits; 0 if none does.
+    pub max_batch: u64,
+    /// Batches tried are multiples of this.
+    pub multiple: u64,
+    pub compilations: u64,
+    /// Why the smallest batch does not fit, when it does not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The largest batch (a multiple of the target's granularity) whose plan fits in `capacity` bytes
+/// per device: doubling, then bisection.
+pub fn max_batch(source: &Source, target: Target, capacity: u64) -> MaxBatch {
+    let multiple = batch_multiple(target);
+    let mut compilations = 0;
+    let mut fits = |k: u64| -> Result<(), String> {
+        compilations += 1;
+        let plan = source.compile(target, &[batch_override(k * multiple)])?;
+        if plan.memory.peak_bytes <= capacity {
+            Ok(())
+        } else {
+            Err(format!("batch {} needs {} bytes per device", k * multiple, plan.memory.peak_bytes))
+        }
+    };
+    if let Err(reason) = fits(1) {
+        return MaxBatch { max_batch: 0, multiple, compilations: 1, reason: Some(reason) };
+    }
+    let (mut lo, mut hi) = (1u64, 2u64);
+    while hi * multiple <= BATCH_LIMIT && fits(hi).is_ok() {
+        lo = hi;
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if mid * multiple <= BATCH_LIMIT && fits(mid).is_ok() { lo = mid } else { hi = mid }
+    }
+    MaxBatch { max_batch: lo * multiple, multiple, compilations, reason: None }
+}
+
+/// The target of a strategy at a device count: q x q for optimus, 1 x p for megatron.
+pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOptions) -> Result<Target, String> {
+    let mesh = match strategy {
+        Strategy::Optimus => {
+            let q = integer_sqrt(devices).ok_or_else(|| format!("{devices} devices are not a square q x q mesh"))?;
+            Mesh::new(q, q)
+        }
+        Strategy::Megatron => Mesh::new(1, devices),
+        Strategy::None => Mesh::new(1, 1),
+    };
+    Ok(Target { mesh, strategy, mode, memory })
+}
+
+/// q with q * q = n, if there is one.
+pub fn integer_sqrt(n: u64) -> Option<u64> {
+    let q = (n as f64).sqrt().round() as u64;
+    (q * q == n).then_some(q)
+}
+
+/// Weak or strong scaling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scaling {
+    /// The same batch at every device count.
+    Strong,
+    /// The batch grows with the device count (batch x devices / first devices).
+    Weak,
+}
+
+/// One point of a sweep.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SweepPoint {
+    pub scaling: Scaling,
+    pub strategy: String,
+    pub devices: u64,
+    pub mesh: String,
+    pub batch: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub simulation: Option<Simulation>,
+    /// Parallel efficiency against the first feasible point of the same strategy and scaling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub efficiency: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub infeasible: Option<String>,
+}
+
+/// The device counts of a sweep.
+pub const SWEEP_DEVICES: [u64; 4] = [4, 16, 64, 256];
+
+/// Weak and strong scaling of optimus and megatron over [`SWEEP_DEVICES`].
+pub fn sweep(
+    source: &Source,
+    mode: Mode,
+    memory: MemoryOptions,
+    hw: &Hardware,
+    options: &Options,
+) -> Result<Vec<SweepPoint>, String> {
+    let base = source.config_int("batch").ok_or("the model has no integer `batch` config value to scale")?;
+    let mut points = Vec::new();
+    for scaling in [Scaling::Strong, Scaling::Weak] {
+        for strategy in [Strategy::Optimus, Strategy::Megatron] {
+            let mut first: Option<(u64, f64)> = None;
+            for devices in SWEEP_DEVICES {
+                let batch = if scaling == Scaling::Weak { base * devices / SWEEP_DEVICES[0] } else { base };
+                let mut point = sweep_point(source, strategy, devices, batch, (mode, memory), hw, options);
+                point.scaling = scaling;
+                if let Some(sim) = &point.simulation {
+                    let (d0, t0) = *first.get_or_insert((devices, sim.step_time_s));
+                    point.efficiency = Some(efficiency(scaling, d0, t0, devices, sim.step_time_s));
+                }
+                points.push(point);
+            }
+        }
+    }
+    Ok(points)
+}
+
+/// Strong: t0 d0 / (t d); weak: t0 / t.
+fn efficiency(scaling: Scaling, d0: u64, t0: f64, d: u64, t: f64) -> f64 {
+    match scaling {
+        Scaling::Strong => t0 * d0 as f64 / (t * d as f64),
+        Scaling::Weak => t0 / t,
+    }
+}
+
+fn sweep_point(
+    source: &Source,
+    strategy: Strategy,
+    devices: u64,
+    batch: u64,
+    (mode, memory): (Mode, MemoryOptions),
+    hw: &Hardware,
+    options: &Options,
+) -> SweepPoint {
+    let mut point = SweepPoint {
+        scaling: Scaling::Strong,
+        strategy: strategy.name().to_string(),
+        devices,
+        mesh: String::new(),
+        batch,
+        simulation: None,
+        efficiency: None,
+        infeasible: None,
+    };
+    let plan = target_for(strategy, devices, mode, memory).and_then(|target| {
+        point.mesh = target.mesh.to_string();
+        source.compile(target, &[batch_override(batch)])
+    });
+    match plan {
+        Ok(plan) => point.simulation = Some(simulate(&plan, hw, options)),
+        Err(reason) => point.infeasible = Some(reason),
+    }
+    point
+}

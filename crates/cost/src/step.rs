@@ -1,0 +1,487 @@
+//! The step-time model over a plan: kernels by roofline (or by a calibrated profile's fits),
+//! collectives at the flow level over the links and NICs their groups cross ([`super::flows`]), and
+//! SUMMA broadcasts hidden behind the previous step's product when double-buffered.
+//!
+//! Instructions run one after another on each device; communication is exposed (adds to the step)
+//! except where a double-buffered SUMMA issues step t's broadcasts during step t-1's product, which
+//! leaves max(0, broadcasts of step t - products of step t-1) exposed, and where the sums of gradient
+//! buckets over data-parallel replicas run on the communication stream beside the rest of the backward
+//! pass: the compute after a bucket's sums hides them, and what is left is exposed where the gradient
+//! norm (or the optimizer) first needs every gradient.
+//! An instruction's SUMMA product and step come from its reason's kind ([`ReasonKind::Summa`]), never
+//! from the reason's text.
+
+use super::collective::Algorithm;
+use super::flows::{self, GroupLayout};
+use super::hardware::Hardware;
+use optimus_plan::placement::{LinkKind, NodeMap, RankPlacement};
+use optimus_plan::report::{kernel_flops, report};
+use optimus_plan::types::DType;
+use optimus_plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mode, Plan, ReasonKind, SummaProduct};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// How to simulate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    pub placement: RankPlacement,
+    /// Overrides the profile's collective algorithm.
+    pub algorithm: Option<Algorithm>,
+    /// Whether SUMMA products are double-buffered (broadcasts of step t overlap the product of t-1).
+    pub overlap: bool,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options { placement: RankPlacement::RowMajor, algorithm: None, overlap: true }
+    }
+}
+
+/// Communication time of one (group, link, collective kind).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CommTime {
+    pub group: String,
+    pub link: String,
+    pub kind: String,
+    pub count: u64,
+    pub bytes: u64,
+    pub time_s: f64,
+    pub exposed_s: f64,
+}
+
+/// Device memory against capacity.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryFit {
+    pub peak_bytes_per_device: u64,
+    pub capacity_bytes: u64,
+    pub fits: bool,
+    pub utilisation: f64,
+}
+
+/// The predicted step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Simulation {
+    pub model: String,
+    pub hardware: String,
+    pub mesh: String,
+    pub devices: u64,
+    pub strategy: String,
+    pub mode: String,
+    pub placement: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement_note: Option<String>,
+    pub algorithm: String,
+    pub overlap: bool,
+    pub step_time_s: f64,
+    pub compute_s: f64,
+    /// The fixed part of `compute_s`: kernel launch and dispatch costs.
+    pub overhead_s: f64,
+    pub communication_s: f64,
+    pub exposed_communication_s: f64,
+    pub hidden_communication_s: f64,
+    pub communication: Vec<CommTime>,
+    pub memory: MemoryFit,
+    pub parameters: u64,
+    pub tokens_per_step: u64,
+    pub tokens_per_second: f64,
+    pub flops_per_device: u64,
+    pub model_flops_per_step: f64,
+    pub mfu: f64,
+}
+
+/// The element type whose peak a matrix product runs at: its operands' (bf16 operands use the tensor
+/// cores whether they accumulate into bf16 or into a float32 sum).
+pub fn product_dtype(inputs: &[&Buffer], output: &Buffer) -> DType {
+    inputs.first().map_or(output.dtype, |b| b.dtype)
+}
+
+/// Seconds for one kernel on one device: by the profile's measured fit of its kind when it has one
+/// (see [`crate::calibration`]), else by the roofline below.
+pub fn kernel_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> f64 {
+    kernel_cost(kernel, inputs, output, hw).seconds
+}
+
+/// A kernel's seconds and the fixed part of them (launch and dispatch).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KernelCost {
+    pub seconds: f64,
+    pub overhead: f64,
+}
+
+/// [`kernel_time`] with its fixed part.
+pub fn kernel_cost(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> KernelCost {
+    let Some(measured) = &hw.measured else {
+        let overhead = hw.device.kernel_launch_us * 1e-6;
+        return KernelCost { seconds: roofline_time(kernel, inputs, output, hw) + overhead, overhead };
+    };
+    let flops = kernel_flops(kernel, inputs, output) as f64;
+    let bytes = kernel_bytes(inputs, output) as f64;
+    let (flavor, kind) = (kernel.flavor(), kernel.name());
+    let bf16 = touches_bf16(inputs, output);
+    KernelCost {
+        seconds: measured.kernel_seconds(&flavor, kind, bf16, bytes, flops),
+        overhead: measured.kernel_seconds(&flavor, kind, bf16, 0.0, 0.0),
+    }
+}
+
+/// Whether a kernel reads or writes a bf16 buffer.
+pub fn touches_bf16(inputs: &[&Buffer], output: &Buffer) -> bool {
+    inputs.iter().chain([&output]).any(|b| b.dtype == DType::Bf16)
+}
+
+/// Bytes a kernel reads and writes: its inputs and its output, once each.
+pub fn kernel_bytes(inputs: &[&Buffer], output: &Buffer) -> u64 {
+    inputs.iter().map(|b| b.bytes()).sum::<u64>() + output.bytes()
+}
+
+/// Roofline seconds for one kernel on one device: max(FLOPs at the achievable rate, bytes at the
+/// achievable bandwidth), without the launch cost. Matrix products run at the peak of their operands' element type
+/// (bf16 operands use the tensor cores whether they accumulate into bf16 or into a float32 sum); other
+/// kernels at the f32 rate.
+fn roofline_time(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> f64 {
+    let flops = kernel_flops(kernel, inputs, output) as f64;
+    let bytes = kernel_bytes(inputs, output);
+    let is_matrix = matches!(
+        kernel,
+        Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. }
+    );
+    let peak = if is_matrix { hw.peak_flops(product_dtype(inputs, output)) } else { hw.peak_flops(DType::F32) };
+    let d = &hw.device;
+    let compute = flops / (peak * d.achievable_compute);
+    let memory = bytes as f64 / (d.memory_bandwidth_gb_s * 1e9 * d.achievable_bandwidth);
+    compute.max(memory)
+}
+
+/// A SUMMA step as the plan's reasons give it: the product and its step count, and the step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SummaStep {
+    product: SummaProduct,
+    steps: u64,
+    step: u64,
+}
+
+impl SummaStep {
+    /// The SUMMA step an instruction belongs to, if it belongs to one.
+    fn of(kind: Option<&ReasonKind>) -> Option<SummaStep> {
+        match kind {
+            Some(&ReasonKind::Summa { product, step, steps, .. }) => Some(SummaStep { product, steps, step }),
+            _ => None,
+        }
+    }
+
+    /// Whether `self` is the step right after `previous` of the same product. A product's steps run
+    /// 1 to q in program order, so the first step of the next product never follows the last of this one.
+    fn follows(self, previous: SummaStep) -> bool {
+        self.product == previous.product && self.steps == previous.steps && self.step == previous.step + 1
+    }
+}
+
+/// Tracks the SUMMA step in progress and how much of the previous step's compute is left to hide
+/// broadcasts behind.
+#[derive(Default)]
+struct Overlap {
+    current: Option<SummaStep>,
+    step_compute: f64,
+    budget: f64,
+}
+
+impl Overlap {
+    /// Moves to the SUMMA step of an instruction of kind `kind`; false when it is not part of one.
+    fn enter(&mut self, kind: Option<&ReasonKind>) -> bool {
+        let Some(step) = SummaStep::of(kind) else { return false };
+        if self.current != Some(step) {
+            let next = self.current.is_some_and(|previous| step.follows(previous));
+            self.budget = if next { self.step_compute } else { 0.0 };
+            self.step_compute = 0.0;
+            self.current = Some(step);
+        }
+        true
+    }
+
+    /// Hides what it can of a broadcast; returns the exposed part.
+    fn hide(&mut self, time: f64) -> f64 {
+        let hidden = time.min(self.budget);
+        self.budget -= hidden;
+        time - hidden
+    }
+}
+
+/// Running totals of one step, instruction by instruction.
+#[derive(Default)]
+struct Tally {
+    compute: f64,
+    /// The fixed part of `compute`: kernel launch and dispatch.
+    overhead: f64,
+    communication: f64,
+    exposed: f64,
+    by_group: BTreeMap<(String, LinkKind, String), CommTime>,
+    overlap: Overlap,
+    /// Whether SUMMA products are double-buffered and gradient sums over the replicas run beside the
+    /// backward pass.
+    double_buffered: bool,
+    /// Gradient sums over the replicas still running on the communication stream, oldest first: the
+    /// (group, link, kind) they are counted under and the seconds they have left.
+    background: std::collections::VecDeque<((String, LinkKind, String), f64)>,
+}
+
+impl Tally {
+    fn kernel(&mut self, cost: KernelCost, reason: Option<&ReasonKind>) {
+        let time = cost.seconds;
+        self.wait_for_gradient_sums(reason);
+        self.compute += time;
+        self.overhead += cost.overhead;
+        self.run_beside(time);
+        if self.double_buffered && self.overlap.enter(reason) {
+            self.overlap.step_compute += time;
+        }
+    }
+
+    /// Adds a collective of `time` seconds; SUMMA broadcasts hide behind the previous step's product.
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: Group,
+        link: LinkKind,
+        bytes: u64,
+        time: f64,
+        reason: Option<&ReasonKind>,
+    ) {
+        self.wait_for_gradient_sums(reason);
+        let in_summa = self.double_buffered && self.overlap.enter(reason);
+        let beside = self.double_buffered && matches!(reason, Some(ReasonKind::DataParallelGradient { .. }));
+        let shown = if in_summa && kind == CollectiveKind::Broadcast {
+            self.overlap.hide(time)
+        } else if beside {
+            0.0
+        } else {
+            time
+        };
+        self.communication += time;
+        self.exposed += shown;
+        let key = (group.name().to_string(), link, kind.name().to_string());
+        if beside {
+            self.background.push_back((key.clone(), time));
+        }
+        let e = self.by_group.entry(key).or_insert_with(|| CommTime {
+            group: group.name().to_string(),
+            link: link.name().to_string(),
+            kind: kind.name().to_string(),
+            count: 0,
+            bytes: 0,
+            time_s: 0.0,
+            exposed_s: 0.0,
+        });
+        e.count += 1;
+        e.bytes += bytes;
+        e.time_s += time;
+        e.exposed_s += shown;
+    }
+}
+
+impl Tally {
+    /// Compute of `time` seconds runs while the oldest gradient sums progress on the communication
+    /// stream.
+    fn run_beside(&mut self, mut time: f64) {
+        while let Some((_, left)) = self.background.front_mut() {
+            let done = left.min(time);
+            *left -= done;
+            time -= done;
+            if *left > 0.0 {
+                return;
+            }
+            self.background.pop_front();
+        }
+    }
+
+    /// The gradient norm and the optimizer need every gradient summed: what is left of the sums is
+    /// exposed there (and at the end of the step).
+    fn wait_for_gradient_sums(&mut self, reason: Option<&ReasonKind>) {
+        let needs_gradients = matches!(reason, None | Some(ReasonKind::GradientNorm | ReasonKind::Optimizer));
+        if !needs_gradients {
+            return;
+        }
+        for (key, left) in std::mem::take(&mut self.background) {
+            self.exposed += left;
+            if let Some(e) = self.by_group.get_mut(&key) {
+                e.exposed_s += left;
+            }
+        }
+    }
+}
+
+/// Simulates one step of a plan on a cluster.
+pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
+    let nodes = NodeMap::new(plan.mesh, hw.intra_node.gpus_per_node, options.placement);
+    let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
+    let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::World]
+        .into_iter()
+        .map(|g| (g, GroupLayout::of(&nodes, g)))
+        .collect();
+    // Plans repeat the same collectives layer after layer: each (group, kind, bytes) is costed once.
+    let mut costed: BTreeMap<(Group, &'static str, u64), (LinkKind, f64)> = BTreeMap::new();
+    let rep = report(plan);
+    let bytes_of: BTreeMap<usize, u64> = rep.communication.iter().map(|c| (c.instruction, c.bytes)).collect();
+    let measured = hw.measured.as_ref();
+    let overlap = options.overlap && measured.is_none_or(|m| m.overlap);
+    let engine = Engine::of(plan, hw);
+    let mut tally = Tally { double_buffered: overlap, ..Tally::default() };
+    for (index, instr) in plan.program.iter().enumerate() {
+        match instr {
+            Instr::Kernel { kernel, inputs, output, reason, .. } => {
+                let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
+                let cost = engine.kernel(kernel_cost(kernel, &ins, plan.buffer(*output), hw));
+                tally.kernel(cost, reason_kind(plan, *reason));
+            }
+            Instr::Collective { collective: c, reason, .. } => {
+                let bytes = bytes_of.get(&index).copied().unwrap_or(0);
+                let (link_kind, modelled) = *costed.entry((c.group, c.kind.name(), bytes)).or_insert_with(|| {
+                    flows::collective_seconds(c.kind, &layouts[&c.group], bytes as f64, hw, algorithm)
+                });
+                let members = plan.mesh.group_size(c.group);
+                let measured_time = measured.and_then(|m| {
+                    m.collective_seconds(c.kind, members, plan.mesh.devices(), bytes as f64, engine.shared)
+                });
+                let t = measured_time.unwrap_or(modelled) + engine.collective();
+                tally.collective(c.kind, c.group, link_kind, bytes, t, reason_kind(plan, *reason));
+            }
+            Instr::Free { .. } => {}
+        }
+    }
+    tally.wait_for_gradient_sums(None);
+    let placement = if nodes.note.is_some() { RankPlacement::RowMajor } else { options.placement };
+    let header = Header {
+        placement: placement.name().to_string(),
+        placement_note: nodes.note.clone(),
+        algorithm: algorithm.name().to_string(),
+    };
+    assemble(plan, hw, Options { overlap, ..*options }, header, tally, &rep)
+}
+
+/// The compute engine a device's kernels run on: its own, or one shared by the `devices` of its node
+/// (threads of one process on the same cores), on which each instruction of each device also costs
+/// `dispatch` seconds (handing it to the engine and waking the device when it is done).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Engine {
+    shared: bool,
+    devices: f64,
+    dispatch: f64,
+}
+
+impl Engine {
+    /// The engine of a plan's devices: shared when a calibrated profile says the node's devices share
+    /// one.
+    fn of(plan: &Plan, hw: &Hardware) -> Engine {
+        match &hw.measured {
+            Some(m) if m.shared_engine && plan.mesh.devices() > 1 => {
+                let devices = plan.mesh.devices().min(hw.intra_node.gpus_per_node).max(1);
+                Engine { shared: true, devices: devices as f64, dispatch: m.dispatch_seconds(devices) }
+            }
+            _ => Engine { shared: false, devices: 1.0, dispatch: 0.0 },
+        }
+    }
+
+    /// What a kernel adds to the step. On a shared engine every device's call queues on it, and the
+    /// one-device launch cost gives way to the shared engine's dispatch cost: with other devices' work
+    /// queued, the engine never idles waiting for a launch.
+    fn kernel(self, cost: KernelCost) -> KernelCost {
+        if !self.shared {
+            return cost;
+        }
+        let overhead = self.devices * self.dispatch;
+        KernelCost { seconds: self.devices * (cost.seconds - cost.overhead) + overhead, overhead }
+    }
+
+    /// What the dispatch of one collective on every device adds to the step.
+    fn collective(self) -> f64 {
+        if self.shared { self.devices * self.dispatch } else { 0.0 }
+    }
+}
+
+/// What the simulation was run with, as reported.
+struct Header {
+    placement: String,
+    placement_note: Option<String>,
+    algorithm: String,
+}
+
+fn assemble(
+    plan: &Plan,
+    hw: &Hardware,
+    options: Options,
+    header: Header,
+    tally: Tally,
+    rep: &optimus_plan::report::Report,
+) -> Simulation {
+    let step = tally.compute + tally.exposed;
+    let throughput = Throughput::of(plan, hw, step);
+    let capacity = hw.memory_bytes();
+    let peak = rep.memory.plan.peak_bytes;
+    Simulation {
+        model: plan.model.clone(),
+        hardware: hw.name.clone(),
+        mesh: plan.mesh.to_string(),
+        devices: plan.mesh.devices(),
+        strategy: plan.strategy.name().to_string(),
+        mode: if plan.mode == Mode::Train { "train" } else { "infer" }.to_string(),
+        placement: header.placement,
+        placement_note: header.placement_note,
+        algorithm: header.algorithm,
+        overlap: options.overlap,
+        step_time_s: step,
+        compute_s: tally.compute,
+        overhead_s: tally.overhead,
+        communication_s: tally.communication,
+        exposed_communication_s: tally.exposed,
+        hidden_communication_s: tally.communication - tally.exposed,
+        communication: tally.by_group.into_values().collect(),
+        memory: MemoryFit {
+            peak_bytes_per_device: peak,
+            capacity_bytes: capacity,
+            fits: peak <= capacity,
+            utilisation: peak as f64 / capacity as f64,
+        },
+        parameters: throughput.parameters,
+        tokens_per_step: throughput.tokens,
+        tokens_per_second: if step > 0.0 { throughput.tokens as f64 / step } else { 0.0 },
+        flops_per_device: rep.flops.per_device,
+        model_flops_per_step: throughput.model_flops,
+        mfu: throughput.mfu,
+    }
+}
+
+fn reason_kind(plan: &Plan, reason: u32) -> Option<&ReasonKind> {
+    plan.reasons.get(reason as usize).map(|r| &r.kind)
+}
+
+/// Tokens, parameters and model FLOP utilisation of a step.
+struct Throughput {
+    parameters: u64,
+    tokens: u64,
+    model_flops: f64,
+    mfu: f64,
+}
+
+impl Throughput {
+    /// Model FLOPs are 6 N T for training and 2 N T for inference (N parameters, T tokens), over the
+    /// peak of the dtype products run in on every device (bf16 in a bf16 plan, whose master weights are
+    /// float32; else the parameters' dtype).
+    fn of(plan: &Plan, hw: &Hardware, step: f64) -> Throughput {
+        let parameters: u64 = plan.params.iter().map(|p| p.shape.iter().product::<u64>()).sum();
+        let tokens = tokens_per_step(plan);
+        let factor = if plan.mode == Mode::Train { 6.0 } else { 2.0 };
+        let model_flops = factor * parameters as f64 * tokens as f64;
+        let dtype = match plan.precision {
+            optimus_plan::Precision::Bf16 => DType::Bf16,
+            optimus_plan::Precision::F32 => plan.params.first().map_or(DType::F32, |p| plan.buffer(p.buffer).dtype),
+        };
+        let capacity = hw.peak_flops(dtype) * plan.mesh.devices() as f64 * step;
+        let mfu = if capacity > 0.0 { model_flops / capacity } else { 0.0 };
+        Throughput { parameters, tokens, model_flops, mfu }
+    }
+}
+
+/// Tokens in one step: the logical size of the `tokens` input (else the first input).
+pub fn tokens_per_step(plan: &Plan) -> u64 {
+    let input = plan.inputs.iter().find(|i| i.name == "tokens").or(plan.inputs.first());
+    input.map_or(0, |i| i.shape.iter().product())
+}

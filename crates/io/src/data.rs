@@ -1,0 +1,224 @@
+//! Token data for training: nanoGPT-style files of little-endian u16 or u32 token ids, and random batches.
+//!
+//! Step k, sequence r of a batch reads the seq + 1 tokens that start at (k * batch + r) * seq, wrapping
+//! at the end of the file; the input is the first seq of them and the target the last seq, so every
+//! target is the token that follows its input.
+
+use super::files::open_regular;
+use memmap2::Mmap;
+use optimus_plan::init::mix64;
+use optimus_plan::tensor::Tensor;
+use optimus_plan::text::shape_text;
+use optimus_plan::types::DType;
+use optimus_plan::{Plan, PlanInput};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The element type of a token file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TokenDtype {
+    U16,
+    U32,
+}
+
+impl TokenDtype {
+    /// Bytes per token.
+    pub fn size(self) -> usize {
+        match self {
+            TokenDtype::U16 => 2,
+            TokenDtype::U32 => 4,
+        }
+    }
+
+    /// The id that marks an ignored position in a label file: the largest value of the dtype (65535 for
+    /// u16, 0xFFFFFFFF for u32), never a token id of a vocabulary that fits the file.
+    pub fn ignore_id(self) -> u32 {
+        match self {
+            TokenDtype::U16 => u32::from(u16::MAX),
+            TokenDtype::U32 => u32::MAX,
+        }
+    }
+}
+
+/// A token file, memory-mapped: a step reads only the pages its windows touch, so a 100 GB file opens
+/// as fast as a small one. Clones share the mapping.
+///
+/// Like every memory-mapped data loader, this assumes nobody truncates the file while it is mapped:
+/// reading a page past the new end would raise SIGBUS. Files that are only appended to, or replaced by
+/// renaming, are safe (the mapping keeps the old file's pages).
+#[derive(Clone, Debug)]
+pub struct TokenData {
+    path: String,
+    dtype: TokenDtype,
+    bytes: Arc<Mmap>,
+}
+
+impl TokenData {
+    /// Maps the file. Anything but a regular file (a device, FIFO, socket or directory) is refused before
+    /// it is opened; an empty file, or one whose length is not a whole number of tokens, is an error.
+    pub fn open(path: &Path, dtype: TokenDtype) -> Result<TokenData, String> {
+        let shown = path.display().to_string();
+        let (file, len) = open_regular(path, "token data")?;
+        if len == 0 {
+            return Err(format!("token data `{shown}` is empty"));
+        }
+        if len % dtype.size() as u64 != 0 {
+            return Err(format!(
+                "token data `{shown}` has {len} bytes, not a whole number of {}-byte {dtype:?} tokens",
+                dtype.size()
+            ));
+        }
+        // SAFETY: the map is read-only and the file is not truncated while mapped (see the type's docs).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map token data `{shown}`: {e}"))?;
+        Ok(TokenData { path: shown, dtype, bytes: Arc::new(map) })
+    }
+
+    /// The path, as given.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> TokenDtype {
+        self.dtype
+    }
+
+    /// The number of tokens in the file.
+    pub fn len(&self) -> u64 {
+        (self.bytes.len() / self.dtype.size()) as u64
+    }
+
+    /// Never true: [`TokenData::open`] rejects empty files.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// The token at `index` modulo the file's length.
+    pub fn token(&self, index: u64) -> u32 {
+        let size = self.dtype.size();
+        let at = (index % self.len()) as usize * size;
+        match self.bytes.get(at..at + size) {
+            Some(&[a, b]) => u32::from(u16::from_le_bytes([a, b])),
+            Some(&[a, b, c, d]) => u32::from_le_bytes([a, b, c, d]),
+            _ => 0,
+        }
+    }
+
+    /// A warning when the file holds fewer tokens than one step reads. Step k reads the batch * seq + 1
+    /// consecutive tokens from k * batch * seq (each sequence's seq + 1 window overlaps the next by one);
+    /// a shorter file makes the windows of a single step wrap around it, so the model sees the same
+    /// tokens several times in one batch.
+    pub fn shortfall_warning(&self, batch: u64, seq: u64) -> Option<String> {
+        let step_reads = u128::from(batch) * u128::from(seq) + 1;
+        (u128::from(self.len()) < step_reads).then(|| {
+            format!(
+                "token data `{}` holds {} tokens, fewer than the {step_reads} one step reads \
+                 ({batch} sequences x {seq} tokens, plus 1 for the last target), so every step wraps \
+                 around the file and trains on repeated tokens",
+                self.path,
+                self.len()
+            )
+        })
+    }
+
+    /// `tokens` and `targets` of step `step`, each i32 [batch, seq]; a token id >= `vocab` is an error.
+    pub fn batch(&self, step: u64, batch: u64, seq: u64, vocab: u64) -> Result<BTreeMap<String, Tensor>, String> {
+        check_vocab(vocab)?;
+        let n = u128::from(self.len());
+        let capacity = batch.saturating_mul(seq).min(1 << 24) as usize;
+        let (mut tokens, mut targets) = (Vec::with_capacity(capacity), Vec::with_capacity(capacity));
+        for r in 0..batch {
+            let start = ((u128::from(step) * u128::from(batch) + u128::from(r)) * u128::from(seq) % n) as u64;
+            let window = self.window(start, seq + 1, vocab)?;
+            tokens.extend_from_slice(&window[..window.len() - 1]);
+            targets.extend_from_slice(&window[1..]);
+        }
+        Ok(pair(batch, seq, tokens, targets))
+    }
+
+    /// `count` tokens from `start` (wrapping), each checked against the vocabulary.
+    fn window(&self, start: u64, count: u64, vocab: u64) -> Result<Vec<i32>, String> {
+        (0..count)
+            .map(|t| {
+                let index = (start + t) % self.len();
+                let id = self.token(index);
+                if u64::from(id) >= vocab {
+                    return Err(format!(
+                        "token data `{}`: token {id} at offset {index} (token index) is not below the vocabulary size {vocab}",
+                        self.path
+                    ));
+                }
+                Ok(id as i32)
+            })
+            .collect()
+    }
+}
+
+/// Random `tokens` and `targets` for step `step`: the token at row r, column t is a counter-based
+/// hash of (seed, step, r, t), and targets are the tokens shifted by one (the row has seq + 1 draws).
+/// A `vocab` of 0 gives zeros.
+pub fn random_batch(seed: u64, step: u64, batch: u64, seq: u64, vocab: u64) -> BTreeMap<String, Tensor> {
+    let capacity = batch.saturating_mul(seq).min(1 << 24) as usize;
+    let (mut tokens, mut targets) = (Vec::with_capacity(capacity), Vec::with_capacity(capacity));
+    let base = mix64(mix64(seed) ^ step);
+    for r in 0..batch {
+        let row = mix64(base ^ r);
+        let window: Vec<i32> =
+            (0..=seq).map(|t| mix64(row ^ mix64(t)).checked_rem(vocab).unwrap_or(0) as i32).collect();
+        tokens.extend_from_slice(&window[..window.len() - 1]);
+        targets.extend_from_slice(&window[1..]);
+    }
+    pair(batch, seq, tokens, targets)
+}
+
+/// (batch, seq) of the plan's `tokens` input, after checking that the plan has integer inputs
+/// `tokens` and targets (named `targets` or `labels`) with the same [batch, seq] shape (other inputs are
+/// checked by [`Sources::check`](super::sources::Sources::check)).
+pub fn check_inputs(plan: &Plan) -> Result<(u64, u64), String> {
+    let find = |names: &[&str]| plan.inputs.iter().find(|i| names.contains(&i.name.as_str()));
+    let fits = match (find(&["tokens"]), find(&["targets", "labels"])) {
+        (Some(tokens), Some(targets)) => {
+            let integer = [tokens, targets].iter().all(|i| dtype_of(plan, i).is_some_and(DType::is_integer));
+            let shaped = tokens.shape.len() == 2 && targets.shape == tokens.shape;
+            (integer && shaped).then(|| (tokens.shape[0], tokens.shape[1]))
+        }
+        _ => None,
+    };
+    fits.ok_or_else(|| {
+        format!(
+            "token data feeds two integer inputs, `tokens` and `targets` (or `labels`), each [batch, seq], but \
+             model `{}` has inputs {}",
+            plan.model,
+            input_list(plan)
+        )
+    })
+}
+
+/// The plan's inputs as "`tokens`: i32[8, 64], ...", or "none".
+pub(crate) fn input_list(plan: &Plan) -> String {
+    let listed: Vec<String> = plan
+        .inputs
+        .iter()
+        .map(|i| format!("`{}`: {}{}", i.name, dtype_of(plan, i).map_or("?", DType::name), shape_text(&i.shape)))
+        .collect();
+    if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+}
+
+pub(crate) fn dtype_of(plan: &Plan, input: &PlanInput) -> Option<DType> {
+    plan.buffers.get(input.buffer.0 as usize).map(|b| b.dtype)
+}
+
+pub(crate) fn check_vocab(vocab: u64) -> Result<(), String> {
+    if vocab > 1 << 31 {
+        return Err(format!("a vocabulary of {vocab} tokens does not fit i32 token ids"));
+    }
+    Ok(())
+}
+
+fn pair(batch: u64, seq: u64, tokens: Vec<i32>, targets: Vec<i32>) -> BTreeMap<String, Tensor> {
+    BTreeMap::from([
+        ("tokens".to_string(), Tensor::from_i32(&[batch, seq], tokens)),
+        ("targets".to_string(), Tensor::from_i32(&[batch, seq], targets)),
+    ])
+}

@@ -1,0 +1,135 @@
+//! BERT's masking of a token file (`optimusc mask-data`): the masked inputs and the labels of masked
+//! language modelling, written as two token files of the input's dtype.
+//!
+//! Each position is chosen with probability 15%; a chosen position is replaced by the mask id with
+//! probability 80%, by a random token id (uniform over the vocabulary) with probability 10%, and kept
+//! with probability 10%, as Hugging Face's DataCollatorForLanguageModeling does. Its label is the
+//! original token; every other position's label is the ignore id of the dtype (65535 for u16, 0xFFFFFFFF
+//! for u32). The draws at position i are a counter-based hash of (seed, i), so the output depends on
+//! the seed and the file alone.
+
+use super::data::{TokenData, TokenDtype};
+use optimus_plan::init::mix64;
+use std::path::{Path, PathBuf};
+
+/// How many positions each rule touched.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MaskCounts {
+    pub positions: u64,
+    /// Positions chosen for prediction (their label is the original token).
+    pub chosen: u64,
+    /// Chosen positions replaced by the mask id.
+    pub masked: u64,
+    /// Chosen positions replaced by a random token.
+    pub random: u64,
+    /// Chosen positions kept as they are.
+    pub kept: u64,
+}
+
+/// The masked token file and the label file, as bytes of the input's dtype.
+#[derive(Clone, Debug)]
+pub struct Masked {
+    pub inputs: Vec<u8>,
+    pub labels: Vec<u8>,
+    pub counts: MaskCounts,
+    /// The vocabulary random replacements were drawn from.
+    pub vocab: u64,
+}
+
+/// Chosen positions out of 2^24 (15%).
+const CHOSEN: u64 = (0.15 * (1u64 << 24) as f64) as u64;
+
+/// The two files `mask-data` writes for `prefix`: `PREFIX.tokens.bin` (the masked inputs, for `--data`)
+/// and `PREFIX.labels.bin` (for `--labels`).
+pub fn output_paths(prefix: &Path) -> (PathBuf, PathBuf) {
+    let with = |suffix: &str| {
+        let mut name = prefix.as_os_str().to_os_string();
+        name.push(suffix);
+        PathBuf::from(name)
+    };
+    (with(".tokens.bin"), with(".labels.bin"))
+}
+
+/// Masks `data` with `mask_id`, drawing from `seed`. The vocabulary is `vocab`, or without it the largest
+/// of the file's ids and the mask id, plus one. Errors: a mask id or token id outside the vocabulary,
+/// a token equal to the ignore id, a vocabulary the dtype cannot hold.
+pub fn mask_tokens(data: &TokenData, mask_id: u32, vocab: Option<u64>, seed: u64) -> Result<Masked, String> {
+    let dtype = data.dtype();
+    let ignore = dtype.ignore_id();
+    let largest = check_tokens(data, vocab)?;
+    let vocab = vocab.unwrap_or_else(|| u64::from(largest.max(mask_id)) + 1);
+    if u64::from(mask_id) >= vocab {
+        return Err(format!("--mask-id {mask_id} is outside the vocabulary of {vocab} tokens (ids 0..{vocab})"));
+    }
+    if vocab > u64::from(ignore) {
+        return Err(format!(
+            "a vocabulary of {vocab} tokens does not fit {dtype:?} files, whose largest value {ignore} marks \
+             ignored labels; use --data-dtype u32"
+        ));
+    }
+    let mut counts = MaskCounts { positions: data.len(), ..MaskCounts::default() };
+    let bytes = usize::try_from(data.len()).unwrap_or(usize::MAX).saturating_mul(dtype.size());
+    let (mut inputs, mut labels) = (Vec::with_capacity(bytes), Vec::with_capacity(bytes));
+    let base = mix64(seed ^ 0x6d61_736b_5f64_6174);
+    for i in 0..data.len() {
+        let token = data.token(i);
+        let draw = mix64(base ^ mix64(i));
+        let (input, label) = if draw >> 40 < CHOSEN {
+            counts.chosen += 1;
+            let action = mix64(draw);
+            let input = match action % 10 {
+                0..=7 => {
+                    counts.masked += 1;
+                    mask_id
+                }
+                8 => {
+                    counts.random += 1;
+                    (mix64(action) % vocab) as u32
+                }
+                _ => {
+                    counts.kept += 1;
+                    token
+                }
+            };
+            (input, token)
+        } else {
+            (token, ignore)
+        };
+        push(&mut inputs, dtype, input);
+        push(&mut labels, dtype, label);
+    }
+    Ok(Masked { inputs, labels, counts, vocab })
+}
+
+/// The largest token id of the file, after checking every id: below `vocab` when given, and never the
+/// ignore id (a label could not tell it from an ignored position).
+fn check_tokens(data: &TokenData, vocab: Option<u64>) -> Result<u32, String> {
+    let ignore = data.dtype().ignore_id();
+    let mut largest = 0;
+    for i in 0..data.len() {
+        let token = data.token(i);
+        if token == ignore {
+            return Err(format!(
+                "token data `{}` holds {token} at offset {i} (token index), the value that marks ignored labels \
+                 in {:?} files",
+                data.path(),
+                data.dtype()
+            ));
+        }
+        if let Some(v) = vocab.filter(|&v| u64::from(token) >= v) {
+            return Err(format!(
+                "token data `{}`: token {token} at offset {i} (token index) is not below --vocab {v}",
+                data.path()
+            ));
+        }
+        largest = largest.max(token);
+    }
+    Ok(largest)
+}
+
+fn push(out: &mut Vec<u8>, dtype: TokenDtype, value: u32) {
+    match dtype {
+        TokenDtype::U16 => out.extend_from_slice(&(value as u16).to_le_bytes()),
+        TokenDtype::U32 => out.extend_from_slice(&value.to_le_bytes()),
+    }
+}

@@ -1,0 +1,220 @@
+//! Hugging Face `save_pretrained` layouts: a directory holding `model.safetensors`, or shards
+//! `model-00001-of-00004.safetensors`... with `model.safetensors.index.json` naming each tensor's file.
+//!
+//! Loading maps every shard into memory and matches tensors to parameters exactly as for one file, after
+//! checking that the index and the files agree. Saving cuts the tensors into shards of at most
+//! `max_shard_bytes` in plan order (a tensor larger than that gets a shard of its own), as
+//! `save_pretrained(max_shard_size=...)` does, writing every file atomically and the index last.
+
+use super::checkpoint::{bullet_list, f32_tensors};
+use super::mapped::MappedWeights;
+use optimus_plan::Plan;
+use optimus_plan::tensor::Tensor;
+use optimus_plan::text::printable;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// The index file of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The one file of an unsharded checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Hugging Face's default `max_shard_size` ("5GB": decimal gigabytes).
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+/// An index larger than this is not an index.
+const MAX_INDEX_BYTES: u64 = 64 << 20;
+
+/// `model.safetensors.index.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct Index {
+    #[serde(default)]
+    metadata: serde_json::Map<String, serde_json::Value>,
+    weight_map: BTreeMap<String, String>,
+}
+
+/// The index or single file a `--weights` directory holds in the `save_pretrained` layout, if any.
+pub fn pretrained_file(dir: &Path) -> Option<PathBuf> {
+    [INDEX_FILE, SINGLE_FILE].iter().map(|name| dir.join(name)).find(|p| p.is_file())
+}
+
+/// Whether a path names an index file (`*.json`) rather than a safetensors file.
+pub fn is_index(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
+}
+
+/// Maps a checkpoint for reading by device blocks: one safetensors file, an index (`*.json`) and its
+/// shards, or a `save_pretrained` directory holding either. Every name, shape and dtype is checked, and
+/// (unless `allow_non_finite`) every value.
+pub fn map_weights(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<MappedWeights, String> {
+    if path.is_dir() {
+        let file = pretrained_file(path)
+            .ok_or_else(|| format!("`{}` holds neither {SINGLE_FILE} nor {INDEX_FILE}", path.display()))?;
+        return map_weights(&file, plan, allow_non_finite);
+    }
+    if !is_index(path) {
+        return MappedWeights::open(path, &[path.to_path_buf()], plan, allow_non_finite, &mut |_, _| Ok(()));
+    }
+    let index = read_index(path)?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut names: Vec<&String> = index.weight_map.values().collect();
+    names.sort();
+    names.dedup();
+    for name in &names {
+        check_shard_name(path, name)?;
+    }
+    let files: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
+    let mut listed: HashMap<&str, &str> = index.weight_map.iter().map(|(k, f)| (k.as_str(), f.as_str())).collect();
+    let mut in_index = |file: usize, key: &str| -> Result<(), String> {
+        let name = names[file].as_str();
+        match listed.remove(key) {
+            Some(f) if f == name => Ok(()),
+            Some(f) => Err(format!("`{}` is in `{name}` but the index puts it in `{}`", printable(key), printable(f))),
+            None => Err(format!("`{}` is in `{name}` but not in the index", printable(key))),
+        }
+    };
+    let mapped = MappedWeights::open(path, &files, plan, allow_non_finite, &mut in_index);
+    let mut unmatched: Vec<String> = listed
+        .into_iter()
+        .map(|(k, f)| format!("the index puts `{}` in `{}`, which does not hold it", printable(k), printable(f)))
+        .collect();
+    if unmatched.is_empty() {
+        return mapped;
+    }
+    unmatched.sort();
+    let listing = format!("`{}` does not match its files:\n{}", path.display(), bullet_list(&unmatched));
+    match mapped {
+        Err(e) => Err(format!("{e}\n{listing}")),
+        Ok(_) => Err(listing),
+    }
+}
+
+fn read_index(path: &Path) -> Result<Index, String> {
+    let bytes = super::files::read_bounded(path, "checkpoint index", MAX_INDEX_BYTES)?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        format!(
+            "`{}` is not a safetensors index (JSON with a `weight_map` of tensor names to files): {e}",
+            path.display()
+        )
+    })
+}
+
+/// A shard must be a file beside the index: a plain name, no directories.
+fn check_shard_name(index: &Path, name: &str) -> Result<(), String> {
+    let plain = !name.is_empty() && !name.contains(['/', '\\']) && name != "." && name != "..";
+    if plain {
+        return Ok(());
+    }
+    Err(format!(
+        "`{}` names the file `{}`; shard files must be plain names beside the index",
+        index.display(),
+        printable(name)
+    ))
+}
+
+/// What a save wrote: the files, in order.
+#[derive(Debug, PartialEq)]
+pub struct Saved {
+    pub files: Vec<String>,
+    pub bytes: u64,
+}
+
+/// Writes every parameter as F32 in the `save_pretrained` layout into `dir` (created if needed): one
+/// `model.safetensors` when everything fits in one shard, otherwise numbered shards and the index.
+pub fn save_pretrained(
+    dir: &Path,
+    plan: &Plan,
+    params: &BTreeMap<String, Tensor>,
+    max_shard_bytes: u64,
+) -> Result<Saved, String> {
+    let cannot = |e: String| format!("cannot save weights to `{}`: {e}", dir.display());
+    let tensors = f32_tensors(plan, params).map_err(|problems| cannot(format!("\n{}", bullet_list(&problems))))?;
+    std::fs::create_dir_all(dir).map_err(|e| cannot(e.to_string()))?;
+    // The old index goes first: from here on the folder never holds an index of an old set of shards.
+    remove_weight_files(dir, &[]).map_err(cannot)?;
+    let groups = shard_groups(tensors.iter().map(|(_, t)| t.byte_len()), max_shard_bytes);
+    let count = groups.len();
+    let name = |k: usize| {
+        if count == 1 { SINGLE_FILE.to_string() } else { format!("model-{:05}-of-{count:05}.safetensors", k + 1) }
+    };
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut weight_map = BTreeMap::new();
+    let mut files = Vec::with_capacity(count);
+    let mut total = 0u64;
+    for (k, range) in groups.into_iter().enumerate() {
+        let file = name(k);
+        let shard = &tensors[range];
+        for (key, t) in shard {
+            weight_map.insert(key.clone(), file.clone());
+            total += t.byte_len();
+        }
+        let views: Vec<(&str, &super::checkpoint::F32Bytes)> = shard.iter().map(|(k, t)| (k.as_str(), t)).collect();
+        let bytes = safetensors::serialize(views, Some(metadata.clone())).map_err(|e| cannot(e.to_string()))?;
+        super::output::write_file(&dir.join(&file), &bytes)
+            .map_err(|e| format!("cannot write `{}`: {}", e.path().display(), e.reason()))?;
+        files.push(file);
+    }
+    if count > 1 {
+        let mut meta = serde_json::Map::new();
+        meta.insert("total_size".to_string(), serde_json::Value::from(total));
+        let index = Index { metadata: meta, weight_map };
+        let text = serde_json::to_string_pretty(&index).map_err(|e| cannot(e.to_string()))?;
+        super::output::write_file(&dir.join(INDEX_FILE), format!("{text}\n").as_bytes())
+            .map_err(|e| format!("cannot write `{}`: {}", e.path().display(), e.reason()))?;
+        files.push(INDEX_FILE.to_string());
+    }
+    remove_weight_files(dir, &files).map_err(cannot)?;
+    Ok(Saved { files, bytes: total })
+}
+
+/// Whether a file name is one `save_pretrained` writes: `model.safetensors`, a numbered shard
+/// `model-00001-of-00004.safetensors`, or the index.
+fn is_weight_file(name: &str) -> bool {
+    let numbered = |rest: &str| {
+        let Some((k, n)) = rest.strip_suffix(".safetensors").and_then(|r| r.split_once("-of-")) else { return false };
+        [k, n].iter().all(|d| d.len() == 5 && d.bytes().all(|b| b.is_ascii_digit()))
+    };
+    name == SINGLE_FILE || name == INDEX_FILE || name.strip_prefix("model-").is_some_and(numbered)
+}
+
+/// Removes the weight files of an earlier save from `dir`, but those in `keep`: with no `keep`, only the
+/// index (so that no index names shards of two saves); after a save, every old shard and single file
+/// the new set does not name. A link is removed itself, never what it points to.
+fn remove_weight_files(dir: &Path, keep: &[String]) -> Result<(), String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| e.to_string())?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let stale = if keep.is_empty() { name == INDEX_FILE } else { is_weight_file(&name) && !keep.contains(&name) };
+        if stale && entry.file_type().is_ok_and(|t| !t.is_dir()) {
+            std::fs::remove_file(entry.path()).map_err(|e| format!("cannot remove the stale `{name}`: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Consecutive groups of tensors (by index) of at most `max` bytes each; a tensor larger than `max` alone.
+fn shard_groups(sizes: impl Iterator<Item = u64>, max: u64) -> Vec<std::ops::Range<usize>> {
+    let sizes: Vec<u64> = sizes.collect();
+    let mut groups = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (i, &size) in sizes.iter().enumerate() {
+        if i > start && bytes.saturating_add(size) > max {
+            groups.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes = bytes.saturating_add(size);
+    }
+    groups.push(start..sizes.len());
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_fill_up_to_the_limit_in_order_and_a_large_tensor_stands_alone() {
+        assert_eq!(shard_groups([4u64, 4, 4].into_iter(), 8), vec![0..2, 2..3]);
+        assert_eq!(shard_groups([4u64, 20, 4].into_iter(), 8), vec![0..1, 1..2, 2..3]);
+        assert_eq!(shard_groups([4u64, 4, 4].into_iter(), 100), vec![0..3]);
+    }
+}

@@ -1,0 +1,308 @@
+//! Feeding every input of a model from data: each input's role comes from its name, and each role
+//! from one source (the token file, the segment file, the label file, or the seed).
+//!
+//! | names                        | role        | source                                                          |
+//! |------------------------------|-------------|-----------------------------------------------------------------|
+//! | `tokens`                     | token ids   | `--data` (or drawn from the seed)                               |
+//! | `targets`, `labels`          | targets     | causal: the next token of `--data`; mlm: `--labels`             |
+//! | `segments`, `token_type_ids` | token types | `--segments` (drawn: sentence A then B, or zeros)               |
+//!
+//! Sequence r of batch k reads the files at offset o = (k * batch + r) * seq (wrapping at the end of
+//! the token file): tokens[t] = data[o + t]; under the causal objective targets[t] = data[o + t + 1];
+//! segments[t] = segments_file[o + t]; MLM labels[t] = labels_file[o + t] (not shifted), where the
+//! token file's ignore id (65535 in u16 files, 0xFFFFFFFF in u32 ones) becomes
+//! [`IGNORE_INDEX`](optimus_plan::IGNORE_INDEX), which cross-entropy leaves out of its mean.
+
+use super::data::{TokenData, check_vocab, dtype_of, input_list, random_batch};
+use optimus_plan::init::mix64;
+use optimus_plan::tensor::Tensor;
+use optimus_plan::{IGNORE_INDEX, Plan, PlanInput};
+use std::collections::BTreeMap;
+
+/// What a model input holds, known from its name (see the module's table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Tokens,
+    Targets,
+    Segments,
+}
+
+impl Role {
+    /// The role of an input named `name`, if it has one.
+    pub fn of(name: &str) -> Option<Role> {
+        match name {
+            "tokens" => Some(Role::Tokens),
+            "targets" | "labels" => Some(Role::Targets),
+            "segments" | "token_type_ids" => Some(Role::Segments),
+            _ => None,
+        }
+    }
+}
+
+/// What the targets of a training step are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Objective {
+    /// Next-token prediction: the targets are the tokens shifted by one.
+    #[default]
+    Causal,
+    /// Masked language modelling: the targets are labels read from their own file, not shifted, with
+    /// ignored positions.
+    Mlm,
+}
+
+/// Where every input of each step comes from.
+#[derive(Clone, Debug)]
+pub struct Sources {
+    /// The token file, or `None` to draw every input from `seed`.
+    pub tokens: Option<TokenData>,
+    /// The token-type file (`--segments`), aligned with the tokens.
+    pub segments: Option<TokenData>,
+    /// The MLM label file (`--labels`), aligned with the tokens.
+    pub labels: Option<TokenData>,
+    pub objective: Objective,
+    pub seed: u64,
+}
+
+/// A problem with what the flags give: the message names the flag to add or drop.
+pub type UsageError = String;
+
+impl Sources {
+    /// Checks the files against each other and the objective: segments and labels come with a token
+    /// file, hold as many tokens as it does and have its dtype; labels are given exactly with `mlm`.
+    /// `flag` prefixes the flag names (`""` for training, `"val-"` for validation).
+    pub fn new(
+        tokens: Option<TokenData>,
+        segments: Option<TokenData>,
+        labels: Option<TokenData>,
+        objective: Objective,
+        seed: u64,
+        flag: &str,
+    ) -> Result<Sources, UsageError> {
+        if objective == Objective::Causal && labels.is_some() {
+            return Err(format!(
+                "--{flag}labels are the targets of --objective mlm; the causal objective predicts the next token of --{flag}data"
+            ));
+        }
+        match &tokens {
+            None => {
+                for (given, name) in [(segments.is_some(), "segments"), (labels.is_some(), "labels")] {
+                    if given {
+                        return Err(format!(
+                            "--{flag}{name} is aligned with a token file: give --{flag}data FILE as well"
+                        ));
+                    }
+                }
+            }
+            Some(data) => {
+                if objective == Objective::Mlm && labels.is_none() {
+                    return Err(format!(
+                        "--objective mlm reads its targets from a label file: give --{flag}labels FILE \
+                         (`optimusc mask-data` writes one)"
+                    ));
+                }
+                for (file, name) in [(&segments, "segments"), (&labels, "labels")] {
+                    if let Some(file) = file {
+                        check_aligned(data, file, &format!("--{flag}{name}"), &format!("--{flag}data"))?;
+                    }
+                }
+            }
+        }
+        Ok(Sources { tokens, segments, labels, objective, seed })
+    }
+
+    /// Whether the tokens are drawn from the seed (no `--data`): random tokens, for checking a plan and
+    /// measuring speed, not for training a model.
+    pub fn drawn_from_seed(&self) -> bool {
+        self.tokens.is_none()
+    }
+
+    /// Checks that every input of `plan` has a role and a source, and that they are integer tensors of
+    /// the same [batch, seq] shape; returns (batch, seq).
+    pub fn check(&self, plan: &Plan, flag: &str) -> Result<(u64, u64), UsageError> {
+        let (batch, seq) = super::data::check_inputs(plan)?;
+        for input in &plan.inputs {
+            let role = Role::of(&input.name).ok_or_else(|| no_role(plan, input))?;
+            let integer = dtype_of(plan, input).is_some_and(optimus_plan::types::DType::is_integer);
+            if !integer || input.shape != [batch, seq] {
+                return Err(format!(
+                    "input `{}` is fed from data as the {}, so it must be an integer [batch, seq] tensor like \
+                     `tokens`; model `{}` has inputs {}",
+                    input.name,
+                    role_name(role),
+                    plan.model,
+                    input_list(plan)
+                ));
+            }
+            if role == Role::Segments && self.tokens.is_some() && self.segments.is_none() {
+                return Err(format!(
+                    "input `{}` holds token types, and nothing feeds it: give --{flag}segments FILE \
+                     (token type ids aligned with --{flag}data, same dtype)",
+                    input.name
+                ));
+            }
+        }
+        if self.segments.is_some() && !plan.inputs.iter().any(|i| Role::of(&i.name) == Some(Role::Segments)) {
+            return Err(format!(
+                "--{flag}segments feeds an input named `segments` or `token_type_ids`, and model `{}` has none \
+                 (its inputs are {})",
+                plan.model,
+                input_list(plan)
+            ));
+        }
+        Ok((batch, seq))
+    }
+
+    /// The logical inputs of batch `step` (see the module's docs for the windows).
+    pub fn batch(&self, plan: &Plan, step: u64) -> Result<BTreeMap<String, Tensor>, String> {
+        let (batch, seq) = self.check(plan, "")?;
+        let vocab = vocab(plan)?;
+        check_vocab(vocab)?;
+        let mut by_role: BTreeMap<&str, Tensor> = BTreeMap::new();
+        match &self.tokens {
+            Some(data) => {
+                let shifted = data.batch(step, batch, seq, vocab)?;
+                for (name, tensor) in shifted {
+                    by_role.insert(if name == "tokens" { "tokens" } else { "next" }, tensor);
+                }
+                if let Some(labels) = &self.labels {
+                    let values = aligned(labels, step, batch, seq, |t, at| label(labels, t, at, vocab))?;
+                    by_role.insert("labels", Tensor::from_i32(&[batch, seq], values));
+                }
+                if let Some(segments) = &self.segments {
+                    let values = aligned(segments, step, batch, seq, |t, at| segment(segments, t, at))?;
+                    by_role.insert("segments", Tensor::from_i32(&[batch, seq], values));
+                }
+            }
+            None => {
+                for (name, tensor) in random_batch(self.seed, step, batch, seq, vocab) {
+                    by_role.insert(if name == "tokens" { "tokens" } else { "next" }, tensor);
+                }
+                let labels = random_labels(self.seed, step, batch, seq, vocab);
+                by_role.insert("labels", Tensor::from_i32(&[batch, seq], labels));
+                let types = plan.config.iter().find(|(n, _)| n == "types");
+                let two_sentences = matches!(types, Some((_, optimus_plan::types::Scalar::Int(t))) if *t >= 2);
+                by_role.insert("segments", drawn_segments(batch, seq, two_sentences));
+            }
+        }
+        let mut inputs = BTreeMap::new();
+        for input in &plan.inputs {
+            let key = match (Role::of(&input.name), self.objective) {
+                (Some(Role::Tokens), _) => "tokens",
+                (Some(Role::Targets), Objective::Causal) => "next",
+                (Some(Role::Targets), Objective::Mlm) => "labels",
+                (Some(Role::Segments), _) => "segments",
+                (None, _) => return Err(no_role(plan, input)),
+            };
+            let tensor = by_role.get(key).ok_or_else(|| format!("no data for input `{}`", input.name))?;
+            inputs.insert(input.name.clone(), tensor.clone());
+        }
+        Ok(inputs)
+    }
+}
+
+/// The model's vocabulary size, from its `vocab` config value.
+pub fn vocab(plan: &Plan) -> Result<u64, String> {
+    match plan.config.iter().find(|(n, _)| n == "vocab") {
+        Some((_, optimus_plan::types::Scalar::Int(v))) if *v > 0 => Ok(*v as u64),
+        _ => Err("the model has no positive integer config value `vocab`, which token data needs".into()),
+    }
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Tokens => "token ids",
+        Role::Targets => "targets",
+        Role::Segments => "token types",
+    }
+}
+
+fn no_role(plan: &Plan, input: &PlanInput) -> UsageError {
+    format!(
+        "input `{}` of model `{}` has no data source: optimusc feeds inputs by name, `tokens` (--data), \
+         `targets` or `labels` (the next token, or --labels with --objective mlm), `segments` or \
+         `token_type_ids` (--segments); rename it to one of these",
+        input.name, plan.model
+    )
+}
+
+/// A file aligned with the token file holds as many tokens, of the same dtype.
+fn check_aligned(data: &TokenData, file: &TokenData, flag: &str, data_flag: &str) -> Result<(), UsageError> {
+    if file.len() != data.len() {
+        return Err(format!(
+            "{flag} `{}` holds {} tokens but {data_flag} `{}` holds {}: the files are read position by position, \
+             so they must be the same length",
+            file.path(),
+            file.len(),
+            data.path(),
+            data.len()
+        ));
+    }
+    Ok(())
+}
+
+/// The `seq` values of each row r of batch `step`, from offset (step * batch + r) * seq (wrapping), each
+/// converted by `convert(value, index)`.
+fn aligned(
+    file: &TokenData,
+    step: u64,
+    batch: u64,
+    seq: u64,
+    convert: impl Fn(u32, u64) -> Result<i32, String>,
+) -> Result<Vec<i32>, String> {
+    let n = u128::from(file.len());
+    let mut values = Vec::with_capacity(batch.saturating_mul(seq).min(1 << 24) as usize);
+    for r in 0..batch {
+        let start = ((u128::from(step) * u128::from(batch) + u128::from(r)) * u128::from(seq) % n) as u64;
+        for t in 0..seq {
+            let index = (start + t) % file.len();
+            values.push(convert(file.token(index), index)?);
+        }
+    }
+    Ok(values)
+}
+
+/// A label: the file's ignore id becomes [`IGNORE_INDEX`]; anything else must be a token id.
+fn label(file: &TokenData, value: u32, index: u64, vocab: u64) -> Result<i32, String> {
+    if value == file.dtype().ignore_id() {
+        return Ok(IGNORE_INDEX);
+    }
+    if u64::from(value) >= vocab {
+        return Err(format!(
+            "label file `{}`: label {value} at offset {index} (token index) is neither below the vocabulary size \
+             {vocab} nor the ignore id {}",
+            file.path(),
+            file.dtype().ignore_id()
+        ));
+    }
+    Ok(value as i32)
+}
+
+/// A token type id, as an i32 (the embedding it indexes checks its range).
+fn segment(file: &TokenData, value: u32, index: u64) -> Result<i32, String> {
+    i32::try_from(value).map_err(|_| {
+        format!("segment file `{}`: token type {value} at offset {index} (token index) does not fit i32", file.path())
+    })
+}
+
+/// Labels drawn from the seed (for runs and `verify` without files): each position is ignored with
+/// probability 1/2, and otherwise has a random token id, a hash of (seed, step, r, t).
+pub fn random_labels(seed: u64, step: u64, batch: u64, seq: u64, vocab: u64) -> Vec<i32> {
+    let base = mix64(mix64(seed ^ 0x6d6c_6d5f_6c61_6265) ^ step);
+    (0..batch)
+        .flat_map(|r| {
+            let row = mix64(base ^ r);
+            (0..seq).map(move |t| {
+                let draw = mix64(row ^ mix64(t));
+                if draw & 1 == 0 { IGNORE_INDEX } else { ((draw >> 1) % vocab.max(1)) as i32 }
+            })
+        })
+        .collect()
+}
+
+/// Token types without a file: sentence A (0) on the first half of each row and sentence B (1) on the
+/// rest when the model's `types` config value allows two, else zeros.
+fn drawn_segments(batch: u64, seq: u64, two_sentences: bool) -> Tensor {
+    let row = (0..seq).map(|t| i32::from(two_sentences && 2 * t >= seq));
+    let values: Vec<i32> = (0..batch).flat_map(|_| row.clone()).collect();
+    Tensor::from_i32(&[batch, seq], values)
+}

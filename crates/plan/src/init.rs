@@ -1,0 +1,128 @@
+//! Mesh-independent initial values: every element of a parameter is a function of the seed, the
+//! parameter's name and its logical index, so every mesh starts from the same logical model.
+
+use super::logical::logical_indices;
+use super::tensor::{Data, Tensor};
+use crate::types::Init;
+use crate::{Buffer, Coords, Mesh, PlanParam};
+
+/// SplitMix64: a fast, well-mixed 64-bit hash used as a counter-based generator.
+pub fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A stable 64-bit hash of a name (FNV-1a), so values do not depend on parameter order.
+pub fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// A standard normal sample for (seed, stream, index), by Box-Muller on two counter-based uniforms.
+pub fn normal(seed: u64, stream: u64, index: u64) -> f64 {
+    let base = mix64(seed ^ mix64(stream ^ mix64(index)));
+    let u1 = ((mix64(base) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let u2 = ((mix64(base ^ 0xD1B5_4A32_D192_ED03) >> 11) as f64) / (1u64 << 53) as f64;
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+/// The logical multi-index of a linear index in `shape`.
+fn unravel(mut index: u64, shape: &[u64]) -> Vec<u64> {
+    let mut out = vec![0; shape.len()];
+    for (d, &size) in shape.iter().enumerate().rev() {
+        let size = size.max(1);
+        out[d] = index % size;
+        index /= size;
+    }
+    out
+}
+
+/// The value of one element of a parameter, by its index in the unpadded logical shape.
+pub fn param_value(p: &PlanParam, seed: u64, unpadded_index: u64) -> f32 {
+    match p.init {
+        Init::Normal { std } => (std * normal(seed, name_hash(&p.name), unpadded_index)) as f32,
+        Init::Zeros => 0.0,
+        Init::Ones => 1.0,
+    }
+}
+
+/// The index in the unpadded `shape` of element `index` of a (padded) `logical` shape of the same rank,
+/// or `None` for a padding element.
+pub fn unpadded_index(index: u64, logical: &[u64], shape: &[u64]) -> Option<u64> {
+    let (mut rest, mut unpadded, mut stride) = (index, 0u64, 1u64);
+    for (&size, &real) in logical.iter().zip(shape).rev() {
+        let size = size.max(1);
+        let at = rest % size;
+        rest /= size;
+        if at >= real {
+            return None;
+        }
+        unpadded += at * stride;
+        stride *= real;
+    }
+    Some(unpadded)
+}
+
+/// This device's block of a logical tensor laid out as `meta` says.
+pub fn block_of(logical: &Tensor, meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, String> {
+    if logical.shape != meta.logical_shape {
+        return Err(format!("`{}` must be {:?}, not {:?}", meta.name, meta.logical_shape, logical.shape));
+    }
+    let indices = logical_indices(meta, coords, mesh);
+    let data = match &logical.data {
+        Data::F32(v) => Data::F32(indices.iter().map(|&k| v[k as usize]).collect()),
+        Data::I32(v) => Data::I32(indices.iter().map(|&k| v[k as usize]).collect()),
+    };
+    Ok(Tensor { shape: meta.shape.clone(), data })
+}
+
+/// Assembles a logical tensor from every device's block (blocks indexed by rank).
+pub fn gather_blocks(blocks: &[&Tensor], meta: &Buffer, mesh: Mesh) -> Result<Tensor, String> {
+    let total = meta.logical_shape.iter().product::<u64>() as usize;
+    let mut out = vec![0.0f32; total];
+    for (rank, block) in blocks.iter().enumerate() {
+        let coords = mesh.coords_of(rank as u64);
+        let values = block.f32()?;
+        for (local, index) in logical_indices(meta, coords, mesh).into_iter().enumerate() {
+            out[index as usize] = values[local];
+        }
+    }
+    Ok(Tensor::from_f32(&meta.logical_shape, out))
+}
+
+/// Drops the padding of a logical tensor: keeps the leading `shape` corner.
+pub fn unpad(t: &Tensor, shape: &[u64]) -> Tensor {
+    if t.shape == shape {
+        return t.clone();
+    }
+    let Ok(values) = t.f32() else { return t.clone() };
+    let total: u64 = shape.iter().product();
+    let out = (0..total)
+        .map(|k| {
+            let at = unravel(k, shape);
+            let index = at.iter().zip(&t.shape).fold(0u64, |acc, (a, s)| acc * s + a);
+            values[index as usize]
+        })
+        .collect();
+    Tensor::from_f32(shape, out)
+}
+
+/// Pads a logical tensor with zeros to a buffer's (padded) logical shape.
+pub fn pad_to(t: &Tensor, meta: &Buffer) -> Result<Tensor, String> {
+    if t.shape == meta.logical_shape {
+        return Ok(t.clone());
+    }
+    if t.shape.len() != meta.logical_shape.len() || t.shape.iter().zip(&meta.logical_shape).any(|(a, b)| a > b) {
+        return Err(format!("`{}` is {:?}, which does not fit {:?}", meta.name, t.shape, meta.logical_shape));
+    }
+    let values = t.f32()?;
+    let total: u64 = meta.logical_shape.iter().product();
+    let mut out = vec![0.0f32; total as usize];
+    for (k, v) in values.iter().enumerate() {
+        let at = unravel(k as u64, &t.shape);
+        let index = at.iter().zip(&meta.logical_shape).fold(0u64, |acc, (a, s)| acc * s + a);
+        out[index as usize] = *v;
+    }
+    Ok(Tensor::from_f32(&meta.logical_shape, out))
+}

@@ -1,0 +1,856 @@
+//! The Plan: one SPMD program for every device of a mesh, with buffers, kernels, collectives and frees.
+//!
+//! Every device runs the same instruction list. What differs per device (i, j) is only what the
+//! layouts imply: which block of each tensor it holds, which member of a group is the root, and the
+//! offsets of kernels that look at logical indices (vocabulary ranges, dropout masks).
+
+pub mod init;
+pub mod layout;
+pub mod logical;
+pub mod memory;
+pub mod placement;
+pub mod reason;
+pub mod report;
+pub mod rotary;
+pub mod shapes;
+pub mod span;
+pub mod stores;
+pub mod tensor;
+pub mod text;
+pub mod types;
+pub mod verify;
+
+use crate::layout::{COLUMN_AXIS, DATA_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
+use crate::span::Span;
+use crate::types::{DType, Init, Scalar};
+use serde::{Deserialize, Serialize};
+
+pub use reason::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
+
+/// Bumped whenever the JSON format changes incompatibly.
+/// Version 2 added `kv_heads` to the attention kernels. Version 3: cross-entropy ignores targets equal to [`IGNORE_INDEX`] (`CrossEntropyCount`, and the
+/// count of targets not ignored as an operand of `CrossEntropyLoss` and `CrossEntropyGrad`).
+/// Version 4: each reason is a [`Reason`], a kind (`summa` with its product and step, ...) beside the text,
+/// so that tools read what an instruction is instead of parsing its text.
+pub const FORMAT_VERSION: u32 = 4;
+
+/// The target id cross-entropy ignores, as PyTorch's `ignore_index` default: a position whose target is
+/// -100 adds nothing to the loss, gets a zero gradient, and is not counted in the mean.
+pub const IGNORE_INDEX: i32 = -100;
+
+/// How the model is split over devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// 2D: weights and activations split over a q x q mesh with SUMMA products.
+    Optimus,
+    /// 1D tensor parallelism over 1 x p devices.
+    Megatron,
+    /// One device.
+    None,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Optimus => "optimus",
+            Strategy::Megatron => "megatron",
+            Strategy::None => "none",
+        }
+    }
+}
+
+/// Which forward activations the backward pass recomputes instead of keeping (`compile --recompute`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation the backward pass reads.
+    #[default]
+    None,
+    /// Keep only each checkpointed block's input; recompute the block's forward before its backward.
+    Layers,
+    /// Recompute only what is cheap to recompute and large to keep (attention scores and
+    /// probabilities, GELU and SiLU outputs, RMSNorm outputs, gating products), as Korthikanti et al. 2022.
+    Selective,
+}
+
+impl Recompute {
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Layers => "layers",
+            Recompute::Selective => "selective",
+        }
+    }
+}
+
+/// The number format of activations, products and communication (`compile --precision`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in float32.
+    #[default]
+    F32,
+    /// bf16 activations, products and collectives with float32 accumulation; float32 master weights,
+    /// optimizer state, normalisation statistics, softmax and loss.
+    Bf16,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The memory levers of a compilation: what to recompute (`None`: what the model marks `checkpoint`)
+/// and the precision.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MemoryOptions {
+    pub recompute: Option<Recompute>,
+    pub precision: Precision,
+    /// ZeRO stage over the data-parallel axis: 0, or 1 (optimizer state and master weights sharded).
+    pub zero: u8,
+}
+
+impl MemoryOptions {
+    /// No recomputation beyond the model's own marks, float32.
+    pub const DEFAULT: MemoryOptions = MemoryOptions { recompute: None, precision: Precision::F32, zero: 0 };
+}
+
+/// Training (forward, backward, optimizer step) or inference (forward only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Train,
+    Infer,
+}
+
+/// A device mesh: `data` replicas of a rows x cols tensor-parallel mesh (written DATAxROWSxCOLS, or
+/// ROWSxCOLS when there is one replica). Device (d, i, j) has rank (d * rows + i) * cols + j, so the
+/// devices of one replica are consecutive ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Mesh {
+    pub rows: u64,
+    pub cols: u64,
+    /// Data-parallel replicas of the rows x cols mesh.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub data: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(n: &u64) -> bool {
+    *n == 1
+}
+
+impl Mesh {
+    /// One replica of a rows x cols mesh.
+    pub const fn new(rows: u64, cols: u64) -> Mesh {
+        Mesh { rows, cols, data: 1 }
+    }
+
+    /// This mesh's tensor-parallel shape replicated `data` times.
+    pub const fn with_data(self, data: u64) -> Mesh {
+        Mesh { data, ..self }
+    }
+
+    pub fn devices(self) -> u64 {
+        self.rows * self.cols * self.data
+    }
+
+    /// Devices of one replica (the tensor-parallel mesh).
+    pub fn replica_devices(self) -> u64 {
+        self.rows * self.cols
+    }
+
+    /// Sizes of the mesh axes, indexed as layouts index them (rows, columns, replicas).
+    pub fn axes(self) -> [u64; MESH_AXES] {
+        let mut sizes = [1; MESH_AXES];
+        sizes[ROW_AXIS] = self.rows;
+        sizes[COLUMN_AXIS] = self.cols;
+        sizes[DATA_AXIS] = self.data;
+        sizes
+    }
+
+    /// Size of a communication group.
+    pub fn group_size(self, group: Group) -> u64 {
+        match group {
+            Group::World => self.devices(),
+            Group::Row | Group::Column | Group::Data => self.axes()[group.axis().unwrap_or(0)],
+        }
+    }
+
+    /// The coordinates of the device with `rank`.
+    pub fn coords_of(self, rank: u64) -> Coords {
+        let cols = self.cols.max(1);
+        let rows = self.rows.max(1);
+        Coords::new(rank / cols % rows, rank % cols, rank / (cols * rows))
+    }
+
+    /// The rank of the device at `coords`.
+    pub fn rank_of(self, coords: Coords) -> u64 {
+        (coords.d() * self.rows + coords.i()) * self.cols + coords.j()
+    }
+
+    /// Every device's coordinates, in rank order.
+    pub fn all_coords(self) -> impl Iterator<Item = Coords> {
+        (0..self.devices()).map(move |rank| self.coords_of(rank))
+    }
+}
+
+impl std::fmt::Display for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.data != 1 {
+            write!(f, "{}x", self.data)?;
+        }
+        write!(f, "{}x{}", self.rows, self.cols)
+    }
+}
+
+/// A device's position on the mesh, one coordinate per mesh axis: the row index i, the column index j
+/// and the replica index d.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Coords(pub [u64; MESH_AXES]);
+
+/// Written `[i, j]`, or `[i, j, d]` on a replica other than the first.
+impl Serialize for Coords {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let written = if self.d() == 0 { &self.0[..DATA_AXIS] } else { &self.0[..] };
+        written.serialize(serializer)
+    }
+}
+
+impl Coords {
+    pub fn new(i: u64, j: u64, d: u64) -> Coords {
+        let mut c = [0; MESH_AXES];
+        c[ROW_AXIS] = i;
+        c[COLUMN_AXIS] = j;
+        c[DATA_AXIS] = d;
+        Coords(c)
+    }
+
+    /// The row index.
+    pub fn i(self) -> u64 {
+        self.0[ROW_AXIS]
+    }
+
+    /// The column index.
+    pub fn j(self) -> u64 {
+        self.0[COLUMN_AXIS]
+    }
+
+    /// The data-parallel replica index.
+    pub fn d(self) -> u64 {
+        self.0[DATA_AXIS]
+    }
+
+    /// The file-name form: `i-j`, or `d-i-j` on a replica other than the first.
+    pub fn file_stem(self) -> String {
+        if self.d() == 0 {
+            format!("{}-{}", self.i(), self.j())
+        } else {
+            format!("{}-{}-{}", self.d(), self.i(), self.j())
+        }
+    }
+
+    /// Whether the coordinates lie on `mesh`.
+    pub fn on(self, mesh: Mesh) -> bool {
+        self.0.iter().zip(mesh.axes()).all(|(c, size)| *c < size)
+    }
+
+    /// Whether this is the first device (0, 0) of the first replica.
+    pub fn is_origin(self) -> bool {
+        self == Coords::default()
+    }
+}
+
+impl std::fmt::Display for Coords {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.d() == 0 {
+            write!(f, "({}, {})", self.i(), self.j())
+        } else {
+            write!(f, "({}, {}, replica {})", self.i(), self.j(), self.d())
+        }
+    }
+}
+
+/// Index of a buffer in [`Plan::buffers`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BufferId(pub u32);
+
+/// What a buffer holds, for memory accounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Parameter,
+    Gradient,
+    OptimizerState,
+    Input,
+    /// A forward activation (kept for backward when it is still live there).
+    Activation,
+    /// A backward value or a communication / statistics temporary.
+    Workspace,
+}
+
+/// A per-device buffer: the block of a logical tensor that each device holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub id: BufferId,
+    pub name: String,
+    pub dtype: DType,
+    /// The logical tensor's shape (after vocabulary padding).
+    pub logical_shape: Vec<u64>,
+    pub layout: Layout,
+    /// The block each device holds.
+    pub shape: Vec<u64>,
+    pub role: Role,
+}
+
+impl Buffer {
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.elements() * self.dtype.bytes()
+    }
+}
+
+/// A device-dependent offset: `coordinate(axis) * block`, or 0 when `axis` is `None`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Offset {
+    pub axis: Option<u8>,
+    pub block: u64,
+}
+
+impl Offset {
+    pub const ZERO: Offset = Offset { axis: None, block: 0 };
+
+    /// The offset on the device at `coords` (saturating: the verifier bounds it for any plan that runs).
+    pub fn at(self, coords: Coords) -> u64 {
+        match self.axis {
+            Some(axis) => coords.0.get(usize::from(axis)).copied().unwrap_or(0).saturating_mul(self.block),
+            None => 0,
+        }
+    }
+}
+
+/// Local computations. Shapes come from the buffers; "rows" means all leading dimensions flattened.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Kernel {
+    /// out (+)= op(A) op(B) on matrices made by flattening each operand's leading dimensions.
+    MatMul {
+        transpose_a: bool,
+        transpose_b: bool,
+        accumulate: bool,
+    },
+    /// Batched product over the last two dimensions (leading dimensions equal).
+    BatchedMatMul,
+    /// out = x + b, b broadcast over the last dimension.
+    BiasAdd,
+    Add,
+    /// out = a * b element-wise.
+    Mul,
+    Scale {
+        factor: f64,
+    },
+    Gelu {
+        approximate: bool,
+    },
+    /// y = x * sigmoid(x).
+    Silu,
+    /// (dy, x) -> dy * (s + x s (1 - s)), s = sigmoid(x).
+    SiluGrad,
+    /// (dy, x) -> dx
+    GeluGrad {
+        approximate: bool,
+    },
+    Softmax,
+    /// (dy, y) -> dx
+    SoftmaxGrad,
+    CausalMask,
+    CausalMaskGrad,
+    /// Drops elements with probability p by a counter-based generator keyed on (seed, key, logical index).
+    Dropout {
+        p: f64,
+        key: u32,
+    },
+    /// Applies the same mask as `Dropout` with the same key.
+    DropoutGrad {
+        p: f64,
+        key: u32,
+    },
+    /// Copy with a new shape (same element order).
+    Reshape,
+    Transpose {
+        dim0: u8,
+        dim1: u8,
+    },
+    Select {
+        dim: u8,
+        index: u64,
+    },
+    SelectGrad {
+        dim: u8,
+        index: u64,
+    },
+    /// Local multi-head attention over `heads` query heads and `kv_heads` key/value heads (query head
+    /// h reads kv head h / (heads / kv_heads)); fused input is [.., seq, (3, heads, head)].
+    Attention {
+        heads: u64,
+        kv_heads: u64,
+        causal: bool,
+        fused: bool,
+    },
+    /// (dy, operands..) -> gradient of operand `wrt` (for k and v summed over the query heads sharing
+    /// each kv head).
+    AttentionGrad {
+        heads: u64,
+        kv_heads: u64,
+        causal: bool,
+        fused: bool,
+        wrt: u8,
+    },
+    /// Rotary position embedding of each of `heads` local heads of x [.., seq, heads * head]; the
+    /// position of a row is its index along the sequence dimension (second to last), which must be
+    /// whole on the device.
+    Rotary {
+        heads: u64,
+        theta: f64,
+    },
+    /// (dy) -> dx: dy rotated by the opposite angles.
+    RotaryGrad {
+        heads: u64,
+        theta: f64,
+    },
+    /// (ids, table) -> rows; ids outside [offset, offset + table rows) give zeros when `masked`.
+    EmbeddingLookup {
+        offset: Offset,
+        masked: bool,
+    },
+    /// (ids, dy) -> d table: scatter-add of dy rows whose id falls in this device's rows; the rows of
+    /// the padding id (a global id) get nothing.
+    EmbeddingGrad {
+        offset: Offset,
+        masked: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padding: Option<u64>,
+    },
+    /// (table) -> out[.., p, :] = table[p, :] for p < seq.
+    PositionLookup,
+    /// (dy) -> d table: sums dy over leading dimensions into rows 0..seq; other rows zero.
+    PositionGrad,
+    /// (x) -> [rows, 1]: local sum over the last dimension.
+    RowSum,
+    /// (x, sum) -> [rows, 1]: local sum of (x - sum / n)^2, n the full normalised size.
+    RowCenteredSquareSum {
+        n: u64,
+    },
+    /// (x, sum, sqsum, gamma, beta) -> y.
+    LayerNormApply {
+        n: u64,
+        eps: f64,
+    },
+    /// (dy, x, gamma, sum, sqsum) -> [rows, 2]: local sums of dy*gamma and dy*gamma*xhat.
+    LayerNormGradSums {
+        n: u64,
+        eps: f64,
+    },
+    /// (dy, x, gamma, sum, sqsum, gradsums) -> dx.
+    LayerNormGradInput {
+        n: u64,
+        eps: f64,
+    },
+    /// (dy, x, sum, sqsum) -> [last]: sum over rows of dy * xhat.
+    LayerNormGradWeight {
+        n: u64,
+        eps: f64,
+    },
+    /// (x) -> [rows, 1]: local sum of x^2 over the last dimension (RMSNorm statistics).
+    RowSquareSum,
+    /// (x, sqsum, weight) -> y = weight * x * r, r = 1 / sqrt(sqsum / n + eps).
+    RmsNormApply {
+        n: u64,
+        eps: f64,
+    },
+    /// (dy, x, weight) -> [rows, 1]: local sum of dy * weight * x.
+    RmsNormGradSum,
+    /// (dy, x, weight, sqsum, gradsum) -> dx = r * weight * dy - r^3 / n * x * gradsum.
+    RmsNormGradInput {
+        n: u64,
+        eps: f64,
+    },
+    /// (dy, x, sqsum) -> [last]: sum over rows of dy * x * r.
+    RmsNormGradWeight {
+        n: u64,
+        eps: f64,
+    },
+    /// (x) -> [last]: sum over rows.
+    SumToLast,
+    /// (logits) -> [rows, 1]: max over this device's valid vocabulary columns.
+    CrossEntropyMax {
+        offset: Offset,
+        valid: u64,
+    },
+    /// (logits, targets, max) -> [rows, 2]: target logit if the target is local (else 0), and the
+    /// sum of exp(logit - max) over valid columns. A row whose target is [`IGNORE_INDEX`] gets (0, sum).
+    CrossEntropyStats {
+        offset: Offset,
+        valid: u64,
+    },
+    /// (targets) -> [1]: how many of this device's targets are not [`IGNORE_INDEX`] (as f32); summed
+    /// over the devices holding other batch rows, it is the divisor of the mean.
+    CrossEntropyCount,
+    /// (max, stats, targets, counted) -> scalar: sum over the rows not ignored of
+    /// (max + ln(sumexp) - target logit) / max(counted, 1).
+    CrossEntropyLoss,
+    /// (logits, targets, max, stats, dloss, counted) -> dlogits = (softmax - onehot) * dloss / max(counted, 1)
+    /// on rows not ignored; 0 on ignored rows and on padding.
+    CrossEntropyGrad {
+        offset: Offset,
+        valid: u64,
+    },
+    Fill {
+        value: f64,
+    },
+    /// (x) -> x in the output's element type (float32 <-> bf16, rounding to nearest even), e.g. the
+    /// bf16 copy of a float32 master weight, or a bf16 gradient into its float32 gradient buffer.
+    Cast,
+    /// (x) -> this device's block of x along `axis` for the given placement.
+    SliceShard {
+        axis: u8,
+        placement: Placement,
+    },
+    /// (grads..) -> [1]: the sum of the squares of the gradient elements this device owns: an input
+    /// replicated along a mesh axis counts only on that axis's first member, so that the sum over all
+    /// devices counts every logical element once (padding elements of gradients are zero).
+    GradSquareSum,
+    /// (param, grad, state1, state2) -> param, in place: SGD with momentum or AdamW, chosen at run time.
+    OptimizerStep,
+}
+
+impl Kernel {
+    /// The kernel's kind, as its variant is spelled (`MatMul`, `AttentionGrad`): what profiles and
+    /// calibrated fits name it by.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kernel::MatMul { .. } => "MatMul",
+            Kernel::BatchedMatMul => "BatchedMatMul",
+            Kernel::BiasAdd => "BiasAdd",
+            Kernel::Add => "Add",
+            Kernel::Mul => "Mul",
+            Kernel::Scale { .. } => "Scale",
+            Kernel::Gelu { .. } => "Gelu",
+            Kernel::Silu => "Silu",
+            Kernel::SiluGrad => "SiluGrad",
+            Kernel::GeluGrad { .. } => "GeluGrad",
+            Kernel::Softmax => "Softmax",
+            Kernel::SoftmaxGrad => "SoftmaxGrad",
+            Kernel::CausalMask => "CausalMask",
+            Kernel::CausalMaskGrad => "CausalMaskGrad",
+            Kernel::Dropout { .. } => "Dropout",
+            Kernel::DropoutGrad { .. } => "DropoutGrad",
+            Kernel::Reshape => "Reshape",
+            Kernel::Transpose { .. } => "Transpose",
+            Kernel::Select { .. } => "Select",
+            Kernel::SelectGrad { .. } => "SelectGrad",
+            Kernel::Attention { .. } => "Attention",
+            Kernel::AttentionGrad { .. } => "AttentionGrad",
+            Kernel::Rotary { .. } => "Rotary",
+            Kernel::RotaryGrad { .. } => "RotaryGrad",
+            Kernel::EmbeddingLookup { .. } => "EmbeddingLookup",
+            Kernel::EmbeddingGrad { .. } => "EmbeddingGrad",
+            Kernel::PositionLookup => "PositionLookup",
+            Kernel::PositionGrad => "PositionGrad",
+            Kernel::RowSum => "RowSum",
+            Kernel::RowCenteredSquareSum { .. } => "RowCenteredSquareSum",
+            Kernel::LayerNormApply { .. } => "LayerNormApply",
+            Kernel::LayerNormGradSums { .. } => "LayerNormGradSums",
+            Kernel::LayerNormGradInput { .. } => "LayerNormGradInput",
+            Kernel::LayerNormGradWeight { .. } => "LayerNormGradWeight",
+            Kernel::RowSquareSum => "RowSquareSum",
+            Kernel::RmsNormApply { .. } => "RmsNormApply",
+            Kernel::RmsNormGradSum => "RmsNormGradSum",
+            Kernel::RmsNormGradInput { .. } => "RmsNormGradInput",
+            Kernel::RmsNormGradWeight { .. } => "RmsNormGradWeight",
+            Kernel::SumToLast => "SumToLast",
+            Kernel::CrossEntropyMax { .. } => "CrossEntropyMax",
+            Kernel::CrossEntropyStats { .. } => "CrossEntropyStats",
+            Kernel::CrossEntropyCount => "CrossEntropyCount",
+            Kernel::CrossEntropyLoss => "CrossEntropyLoss",
+            Kernel::CrossEntropyGrad { .. } => "CrossEntropyGrad",
+            Kernel::Fill { .. } => "Fill",
+            Kernel::Cast => "Cast",
+            Kernel::SliceShard { .. } => "SliceShard",
+            Kernel::GradSquareSum => "GradSquareSum",
+            Kernel::OptimizerStep => "OptimizerStep",
+        }
+    }
+
+    /// The kind with the fields that choose another code path rather than scale the work
+    /// (`Gelu(approximate=false)`, `Attention(causal=true, fused=true)`): what a calibrated profile
+    /// keys its fits by. Sizes, rates, keys and offsets are left out.
+    pub fn flavor(&self) -> String {
+        let flags: Vec<(&str, bool)> = match *self {
+            Kernel::MatMul { transpose_a, transpose_b, accumulate } => {
+                vec![("transpose_a", transpose_a), ("transpose_b", transpose_b), ("accumulate", accumulate)]
+            }
+            Kernel::Gelu { approximate } | Kernel::GeluGrad { approximate } => vec![("approximate", approximate)],
+            Kernel::Attention { causal, fused, .. } | Kernel::AttentionGrad { causal, fused, .. } => {
+                vec![("causal", causal), ("fused", fused)]
+            }
+            Kernel::EmbeddingLookup { masked, .. } | Kernel::EmbeddingGrad { masked, .. } => vec![("masked", masked)],
+            _ => Vec::new(),
+        };
+        if flags.is_empty() {
+            return self.name().to_string();
+        }
+        let fields: Vec<String> = flags.iter().map(|(key, value)| format!("{key}={value}")).collect();
+        format!("{}({})", self.name(), fields.join(", "))
+    }
+}
+
+impl Kernel {
+    /// Whether the kernel reads its output's previous contents (it accumulates into it). Every other
+    /// kernel writes each element of its output, so a backend need not clear the output first.
+    pub fn reads_its_output(&self) -> bool {
+        matches!(self, Kernel::MatMul { accumulate: true, .. })
+    }
+}
+
+/// Communication groups: the devices whose coordinates differ along one mesh axis only (a mesh row, a
+/// mesh column, the replicas of one tensor-parallel position), or all devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Group {
+    /// One mesh row of one replica: j varies.
+    Row,
+    /// One mesh column of one replica: i varies.
+    Column,
+    /// The same tensor-parallel position (i, j) in every replica: d varies.
+    Data,
+    World,
+}
+
+impl Group {
+    /// The group whose members differ along mesh `axis` (axis 0 = i varies = a column).
+    pub fn along(axis: usize) -> Group {
+        match axis {
+            ROW_AXIS => Group::Column,
+            COLUMN_AXIS => Group::Row,
+            _ => Group::Data,
+        }
+    }
+
+    /// The mesh axis along which members differ (`None` for the whole mesh).
+    pub fn axis(self) -> Option<usize> {
+        match self {
+            Group::Row => Some(COLUMN_AXIS),
+            Group::Column => Some(ROW_AXIS),
+            Group::Data => Some(DATA_AXIS),
+            Group::World => None,
+        }
+    }
+
+    /// The index of the device at `coords` within its group: its coordinate along the group's axis
+    /// (its rank for the whole mesh).
+    pub fn member_index(self, coords: Coords, mesh: Mesh) -> u64 {
+        match self.axis() {
+            Some(axis) => coords.0[axis],
+            None => mesh.rank_of(coords),
+        }
+    }
+
+    /// The ranks of the members of the group that contains the device at `coords`, in member order.
+    pub fn member_ranks(self, coords: Coords, mesh: Mesh) -> Vec<u64> {
+        match self.axis() {
+            Some(axis) => (0..mesh.axes()[axis])
+                .map(|m| {
+                    let mut c = coords;
+                    c.0[axis] = m;
+                    mesh.rank_of(c)
+                })
+                .collect(),
+            None => (0..mesh.devices()).collect(),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Row => "row",
+            Group::Column => "column",
+            Group::Data => "data",
+            Group::World => "world",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKind {
+    Broadcast,
+    Reduce,
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+}
+
+impl CollectiveKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Reduce => "reduce",
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+/// A collective. `root` is the member index within the group (the column index j for a row group, the
+/// row index i for a column group). Broadcast: the root's `send` lands in every member's `recv`.
+/// Reduce: the sum of every member's `send` lands in the root's `recv`. All-reduce: in place on `send`
+/// (`recv == send`). All-gather / reduce-scatter: along the placement `shard` of the gathered tensor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Collective {
+    pub kind: CollectiveKind,
+    pub group: Group,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<ReduceOp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<Placement>,
+    pub send: BufferId,
+    pub recv: BufferId,
+}
+
+/// One instruction of the SPMD program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "instr")]
+pub enum Instr {
+    Kernel { kernel: Kernel, inputs: Vec<BufferId>, output: BufferId, origin: u32, reason: u32 },
+    Collective { collective: Collective, origin: u32, reason: u32 },
+    Free { buffer: BufferId },
+}
+
+/// Where an instruction came from: the model source text (and layer path) that caused it. Each
+/// instruction also names its reason, an index into [`Plan::reasons`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct OriginInfo {
+    pub span: Span,
+    pub line: u32,
+    pub col: u32,
+    /// Layer path, e.g. `h.3.attn.c_attn`.
+    pub scope: String,
+}
+
+/// A trainable parameter and where its block, gradient and optimizer state live.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanParam {
+    pub name: String,
+    pub checkpoint: String,
+    /// The model's shape, before padding.
+    pub shape: Vec<u64>,
+    pub init: Init,
+    pub buffer: BufferId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad: Option<BufferId>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub state: Vec<BufferId>,
+    /// Whether it is a residual projection etc. is already folded into `init`.
+    pub role: crate::types::ParamRole,
+    /// Checkpoint files hold it transposed (`[out, in]`, as nn.Linear stores weights); `shape` is the model's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checkpoint_transposed: bool,
+}
+
+/// A model input and the buffer (one per layout in use) that receives its block.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanInput {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub buffer: BufferId,
+}
+
+/// A model output.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanOutput {
+    pub name: String,
+    pub buffer: BufferId,
+    pub is_loss: bool,
+}
+
+/// A dimension padded so that it divides the shard count.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Padding {
+    pub tensor: String,
+    pub dim: u8,
+    pub logical: u64,
+    pub padded: u64,
+}
+
+/// The compiled program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub format_version: u32,
+    pub model: String,
+    pub source: String,
+    pub mesh: Mesh,
+    pub strategy: Strategy,
+    pub mode: Mode,
+    pub config: Vec<(String, Scalar)>,
+    pub padding: Vec<Padding>,
+    pub params: Vec<PlanParam>,
+    pub inputs: Vec<PlanInput>,
+    pub outputs: Vec<PlanOutput>,
+    pub buffers: Vec<Buffer>,
+    pub program: Vec<Instr>,
+    pub origins: Vec<OriginInfo>,
+    /// Why each instruction exists: its kind and its text ("linear: SUMMA AB step 2 of 4: broadcast A
+    /// block along the row").
+    pub reasons: Vec<Reason>,
+    pub memory: memory::MemoryPlan,
+    /// Prefix that some checkpoints put before every checkpoint name (`transformer.` for GPT-2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_prefix: Option<String>,
+    /// The buffer that holds the squared L2 norm of all gradients, summed over the mesh with each
+    /// replicated element counted once (train plans; every optimizer step comes after it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<BufferId>,
+    /// The activation recomputation the plan does.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub recompute: Recompute,
+    /// The precision of its activations, products and communication.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub precision: Precision,
+    /// The ZeRO stage over the data-parallel axis (0: none; 1: optimizer state and master weights
+    /// sharded over the replicas).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub zero: u8,
+}
+
+/// Whether a value is its type's default (left out of plan files, so older plans read the same).
+fn is_default<T: Default + PartialEq>(value: &T) -> bool {
+    *value == T::default()
+}
+
+impl Plan {
+    pub fn buffer(&self, id: BufferId) -> &Buffer {
+        &self.buffers[id.0 as usize]
+    }
+}

@@ -1,0 +1,185 @@
+//! Mesh-independent element identities shared by every backend: the logical index of each local
+//! element of a buffer (from its layout), and the dropout mask drawn over those logical indices.
+
+use super::init::mix64;
+use super::shapes::{ensure, numel, same_shape};
+use crate::layout::{MAJOR_ORDER, Placement};
+use crate::{Buffer, Coords, Mesh};
+
+/// The keep decisions of one tensor: element `index` is the `index`-th output of a SplitMix64 stream
+/// whose start depends on (seed, key); it is kept when its top 53 bits, as a fraction, are >= p.
+pub struct DropoutMask {
+    pub base: u64,
+    pub threshold: f64,
+}
+
+impl DropoutMask {
+    pub fn new(seed: u64, key: u32, p: f64) -> DropoutMask {
+        let base = mix64(seed ^ mix64(u64::from(key) ^ 0xD1B5_4A32_D192_ED03));
+        DropoutMask { base, threshold: p * (1u64 << 53) as f64 }
+    }
+
+    pub fn keep(&self, index: u64) -> bool {
+        let h = mix64(self.base.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        (h >> 11) as f64 >= self.threshold
+    }
+}
+
+/// Counter-based dropout decision (mesh-independent): keep element `index` (its linear index in the
+/// tensor's *logical* shape) of the tensor identified by `key` under `seed`.
+pub fn dropout_keep(seed: u64, key: u32, index: u64, p: f64) -> bool {
+    DropoutMask::new(seed, key, p).keep(index)
+}
+
+/// For each local dimension, the logical coordinate of each local coordinate; and the logical strides.
+pub struct IndexMap {
+    maps: Vec<Vec<u64>>,
+    strides: Vec<u64>,
+}
+
+impl IndexMap {
+    pub fn new(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<IndexMap, String> {
+        let logical = &meta.logical_shape;
+        let rank = logical.len();
+        same_shape("the local shape's rank", &[meta.shape.len() as u64], &[rank as u64])?;
+        for p in meta.layout.0 {
+            if let Some(d) = p.dim() {
+                ensure(d < rank, || format!("layout {} splits dimension {d} of a rank-{rank} tensor", meta.layout))?;
+            }
+        }
+        let mut maps = Vec::with_capacity(rank);
+        for (d, &size) in logical.iter().enumerate() {
+            let splits = Split::of_dim(meta, d, coords, mesh);
+            // The extent after each split, checked before anything is allocated.
+            let mut extents = vec![size];
+            for split in &splits {
+                let parent = extents.last().copied().unwrap_or(size);
+                extents.push(split.local(parent)?);
+            }
+            let local = extents.last().copied().unwrap_or(size);
+            ensure(local == meta.shape[d], || {
+                format!("layout {} gives {local} local elements in dimension {d}, not {}", meta.layout, meta.shape[d])
+            })?;
+            let logical_coordinate =
+                |x: u64| splits.iter().zip(&extents).rev().fold(x, |x, (split, &parent)| split.coordinate(parent, x));
+            let map = (0..local).map(logical_coordinate).collect();
+            maps.push(map);
+        }
+        let mut strides = vec![1u64; rank];
+        for d in (0..rank.saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1].saturating_mul(logical[d + 1]);
+        }
+        Ok(IndexMap { maps, strides })
+    }
+
+    /// For each dimension, the logical coordinate of each local coordinate (increasing).
+    pub fn dimensions(&self) -> &[Vec<u64>] {
+        &self.maps
+    }
+
+    /// The logical coordinates of the local last dimension and its logical stride (none for a scalar).
+    pub fn last_dimension(&self) -> Option<(&[u64], u64)> {
+        Some((self.maps.last()?.as_slice(), *self.strides.last()?))
+    }
+
+    /// The logical linear index of the first element of local row `row` (rows run over every
+    /// dimension but the last), without the last dimension's part.
+    pub fn row_base(&self, row: usize) -> u64 {
+        let leading = self.maps.len().saturating_sub(1);
+        let mut rest = row;
+        let mut base = 0u64;
+        for d in (0..leading).rev() {
+            let map = &self.maps[d];
+            let extent = map.len().max(1);
+            base += map.get(rest % extent).copied().unwrap_or(0) * self.strides[d];
+            rest /= extent;
+        }
+        base
+    }
+
+    /// Calls `f(local linear index, logical linear index)` for every local element, in local order.
+    pub fn for_each(&self, mut f: impl FnMut(usize, u64)) {
+        let mut local = 0usize;
+        self.visit(0, 0, &mut local, &mut f);
+    }
+
+    fn visit(&self, d: usize, base: u64, local: &mut usize, f: &mut impl FnMut(usize, u64)) {
+        let Some(map) = self.maps.get(d) else {
+            f(*local, base);
+            *local += 1;
+            return;
+        };
+        let stride = self.strides[d];
+        if d + 1 == self.maps.len() {
+            for &m in map {
+                f(*local, base + m * stride);
+                *local += 1;
+            }
+        } else {
+            for &m in map {
+                self.visit(d + 1, base + m * stride, local, f);
+            }
+        }
+    }
+}
+
+/// One split of a dimension over a mesh axis: the dimension is viewed as `[outer, mid, inner]` and
+/// `mid` is cut into `parts` equal chunks, of which this device holds chunk `coord`.
+#[derive(Clone, Copy, Debug)]
+struct Split {
+    outer: u64,
+    inner: u64,
+    parts: u64,
+    coord: u64,
+}
+
+impl Split {
+    /// The splits of dimension `d` of a buffer on the device at `coords`, most significant first (see
+    /// [`MAJOR_ORDER`]: a dimension split over several axes is split by each within the chunk of the one
+    /// before).
+    fn of_dim(meta: &Buffer, d: usize, coords: Coords, mesh: Mesh) -> Vec<Split> {
+        let (coords, parts) = (coords.0, mesh.axes());
+        MAJOR_ORDER
+            .into_iter()
+            .filter_map(|axis| match meta.layout.0[axis] {
+                Placement::Shard { dim, outer, inner } if usize::from(dim) == d => {
+                    Some(Split { outer: outer.max(1), inner: inner.max(1), parts: parts[axis], coord: coords[axis] })
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The extent of this device's chunk of an extent of `size`, or why there is none.
+    fn local(&self, size: u64) -> Result<u64, String> {
+        let Split { outer, inner, parts, coord } = *self;
+        let mid = size / outer.saturating_mul(inner);
+        ensure(parts > 0 && coord < parts, || format!("mesh coordinate {coord} is outside an axis of {parts}"))?;
+        ensure(mid.saturating_mul(outer).saturating_mul(inner) == size && mid.is_multiple_of(parts), || {
+            format!("a dimension of {size} viewed as [{outer}, _, {inner}] cannot be split in {parts}")
+        })?;
+        Ok(outer * (mid / parts) * inner)
+    }
+
+    /// The coordinate within an extent of `size` of local coordinate `x` (`local(size)` succeeded).
+    fn coordinate(&self, size: u64, x: u64) -> u64 {
+        let mid = size / (self.outer * self.inner);
+        let run = mid / self.parts * self.inner;
+        (x / run) * mid * self.inner + self.coord * run + x % run
+    }
+}
+
+/// The logical linear index of each local element of a buffer on the device at `coords`, from its
+/// layout, or an error when the layout, the local shape and the logical shape disagree.
+pub fn try_logical_indices(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Vec<u64>, String> {
+    let map = IndexMap::new(meta, coords, mesh)?;
+    let mut out = Vec::with_capacity(numel(&meta.shape));
+    map.for_each(|_, logical| out.push(logical));
+    Ok(out)
+}
+
+/// The logical linear index of each local element of a buffer on the device at `coords`, from its
+/// layout. Empty when the buffer's layout and shapes disagree (see [`try_logical_indices`]).
+pub fn logical_indices(meta: &Buffer, coords: Coords, mesh: Mesh) -> Vec<u64> {
+    try_logical_indices(meta, coords, mesh).unwrap_or_default()
+}

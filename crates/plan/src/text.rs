@@ -1,0 +1,58 @@
+//! Text made safe to print and numbers made easy to read: what every layer that reports to a user shares.
+
+/// Formats a count with thousands separators: 124439808 -> "124,439,808".
+pub fn group_digits(n: u128) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A name from outside (a file's tensor key, say) made safe to print: control characters and the invisible
+/// characters that reorder text are written as escapes (`\u{1b}`), so no key can drive the terminal.
+pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
+    escape_where(name, needs_escape)
+}
+
+/// [`printable`] for whole messages and reports: line breaks and tabs are kept, every other control or
+/// reordering character is escaped. Everything the command line prints goes through it.
+pub fn printable_text(text: &str) -> std::borrow::Cow<'_, str> {
+    escape_where(text, |c| c != '\n' && c != '\t' && needs_escape(c))
+}
+
+fn escape_where(text: &str, escape: impl Fn(char) -> bool) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(&escape) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if escape(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Control characters, and the characters that reorder text.
+pub fn needs_escape(c: char) -> bool {
+    c.is_control() || reorders_text(c)
+}
+
+/// The bidirectional marks, embeddings, overrides and isolates: invisible, they change how a terminal
+/// orders the text around them.
+pub fn reorders_text(c: char) -> bool {
+    matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// A shape as `[a, b, c]`.
+pub fn shape_text<T: std::fmt::Display>(shape: &[T]) -> String {
+    let dims: Vec<String> = shape.iter().map(ToString::to_string).collect();
+    format!("[{}]", dims.join(", "))
+}

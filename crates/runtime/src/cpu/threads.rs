@@ -1,0 +1,513 @@
+//! The in-process communicator: one thread per device, collectives by rendezvous on shared memory.
+//! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
+
+use crate::comm::{CollectiveSpec, CommError, Communicator, Payload, combine};
+use optimus_plan::layout::MESH_AXES;
+use optimus_plan::{CollectiveKind, Coords, Group, Mesh};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// One group instance's meeting point: members deposit where their blocks are; once all have, each
+/// reads the others' blocks in place, and nobody leaves until everyone has read (so no block changes
+/// or goes away while a peer reads it). Nothing is copied but into each member's own result.
+#[derive(Default)]
+struct Rendezvous {
+    state: Mutex<RoundState>,
+    ready: Condvar,
+    /// Copies of the state's `generation` and `read`, for members that spin before they sleep.
+    published: AtomicU64,
+    finished: AtomicU64,
+}
+
+/// How long a member of a spinning fabric (see [`Fabric::spin_before_sleeping`]) polls before it sleeps.
+const SPIN: Duration = Duration::from_micros(200);
+
+impl Rendezvous {
+    /// Polls `counter` until it reaches `target`, for at most [`SPIN`] or until a device fails.
+    fn spin_until(&self, counter: &AtomicU64, target: u64, failed: &AtomicBool) {
+        let start = Instant::now();
+        while counter.load(Ordering::Acquire) < target && !failed.load(Ordering::Relaxed) && start.elapsed() < SPIN {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+/// Where one member's send block is, and its element size (f32 or bf16). The fabric reads it only
+/// between the moment every member has deposited and the moment every member has finished reading,
+/// while its owner waits inside [`Fabric::exchange`] holding the borrow it came from.
+#[derive(Clone, Copy)]
+struct Block {
+    ptr: *const u8,
+    len: usize,
+    bytes_per_element: usize,
+}
+
+// SAFETY: a `Block` is only dereferenced while its owner is blocked in `Fabric::exchange` with the
+// slice borrowed (see `Block`), so sending the address to the peer threads that read it is sound.
+unsafe impl Send for Block {}
+
+impl Block {
+    fn of<T: Copy>(data: &[T]) -> Block {
+        Block { ptr: data.as_ptr().cast(), len: data.len(), bytes_per_element: size_of::<T>() }
+    }
+
+    /// The block as a slice of `T`, or `None` when its owner deposited another element type.
+    ///
+    /// # Safety
+    /// Only while its owner is inside the round that published it (see [`Block`]).
+    unsafe fn slice<'a, T: Copy>(self) -> Option<&'a [T]> {
+        // SAFETY: the caller guarantees the owner's borrow is alive and unmodified; every member of a
+        // round deposits the same element type (a `Payload`, or one descriptor type of `meet`), so the
+        // same size means the same type.
+        (self.bytes_per_element == size_of::<T>())
+            .then(|| unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.len) })
+    }
+}
+
+#[derive(Default)]
+struct RoundState {
+    generation: u64,
+    deposits: Vec<Option<Block>>,
+    arrived: usize,
+    published: Vec<Block>,
+    /// Members of the published round still reading its blocks.
+    reading: usize,
+    /// The last round (generation) whose blocks every member has finished reading.
+    read: u64,
+}
+
+/// Decrements the count of readers when a member is done with a round, even if reading panicked,
+/// and wakes the others when it was the last.
+struct ReadDone<'r> {
+    rendezvous: &'r Rendezvous,
+    generation: u64,
+}
+
+impl Drop for ReadDone<'_> {
+    fn drop(&mut self) {
+        let mut s = match self.rendezvous.state.lock() {
+            Ok(s) => s,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        s.reading = s.reading.saturating_sub(1);
+        if s.reading == 0 {
+            s.read = self.generation;
+            self.rendezvous.finished.store(self.generation, Ordering::Release);
+            s.published.clear();
+            self.rendezvous.ready.notify_all();
+        }
+    }
+}
+
+/// Shared by all device threads of one run.
+pub struct Fabric {
+    mesh: Mesh,
+    /// One rendezvous per group along each mesh axis, indexed by the rank of the group's first member
+    /// (so most slots are unused; they are small).
+    axis_groups: [Vec<Rendezvous>; MESH_AXES],
+    world: Rendezvous,
+    failed: AtomicBool,
+    failure: Mutex<Option<String>>,
+    timeout: Duration,
+    /// Bytes of every block deposited so far (what a wire would have carried once per block).
+    deposited: AtomicU64,
+    /// Whether members poll briefly before they sleep (see [`Fabric::spin_before_sleeping`]).
+    spin: AtomicBool,
+}
+
+impl Fabric {
+    pub fn new(mesh: Mesh, timeout: Duration) -> Arc<Fabric> {
+        let make = |_| (0..mesh.devices()).map(|_| Rendezvous::default()).collect::<Vec<_>>();
+        Arc::new(Fabric {
+            mesh,
+            axis_groups: std::array::from_fn(make),
+            world: Rendezvous::default(),
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            timeout,
+            deposited: AtomicU64::new(0),
+            spin: AtomicBool::new(false),
+        })
+    }
+
+    /// Makes members poll for up to 200 µs before they sleep on a meeting point. For devices whose
+    /// threads only queue work for a GPU (devices sharing one GPU meet twice per collective, and the
+    /// GPU idles while they sleep and wake), not for CPU devices, whose waiting threads would take
+    /// cores from the others' kernels.
+    pub fn spin_before_sleeping(&self) {
+        self.spin.store(true, Ordering::Relaxed);
+    }
+
+    /// Bytes of the send blocks deposited by every member of every collective so far: 4 an element
+    /// for f32 buffers, 2 for bf16 (and the descriptors shared by [`Fabric::meet`]).
+    pub fn bytes_deposited(&self) -> u64 {
+        self.deposited.load(Ordering::Relaxed)
+    }
+
+    /// The first failure reported by any device, if any.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().ok().and_then(|f| f.clone())
+    }
+
+    fn fail(&self, reason: &str) {
+        if let Ok(mut f) = self.failure.lock() {
+            f.get_or_insert_with(|| reason.to_string());
+        }
+        self.failed.store(true, Ordering::SeqCst);
+        for r in self.axis_groups.iter().flatten().chain(std::iter::once(&self.world)) {
+            r.ready.notify_all();
+        }
+    }
+
+    fn rendezvous(&self, group: Group, coords: Coords) -> &Rendezvous {
+        match group.axis() {
+            Some(axis) => {
+                let mut first = coords;
+                first.0[axis] = 0;
+                &self.axis_groups[axis][self.mesh.rank_of(first) as usize]
+            }
+            None => &self.world,
+        }
+    }
+
+    /// Deposits `data` as member `me` of `size`, waits for every member's deposit, and calls `read`
+    /// with all blocks in member order. Returns once every member has finished its `read`, so `data`
+    /// is never read after this returns. `device_of` names a member's device, for the error when some
+    /// never arrive.
+    fn exchange<T: Copy, R>(
+        &self,
+        r: &Rendezvous,
+        (me, size): (usize, usize),
+        data: &[T],
+        device_of: &dyn Fn(usize) -> String,
+        read: impl FnOnce(&[&[T]]) -> R,
+    ) -> Result<R, CommError> {
+        let poisoned = || CommError::PeerFailed("a device thread failed while holding a lock".into());
+        let mut s = r.state.lock().map_err(|_| poisoned())?;
+        if s.deposits.len() != size {
+            s.deposits = vec![None; size];
+        }
+        let generation = s.generation;
+        s.deposits[me] = Some(Block::of(data));
+        self.deposited.fetch_add(std::mem::size_of_val(data) as u64, Ordering::Relaxed);
+        s.arrived += 1;
+        if s.arrived == size {
+            s.published = s.deposits.iter_mut().filter_map(Option::take).collect();
+            s.arrived = 0;
+            s.generation += 1;
+            r.published.store(s.generation, Ordering::Release);
+            s.reading = size;
+            r.ready.notify_all();
+        }
+        if s.generation == generation && self.spin.load(Ordering::Relaxed) {
+            drop(s);
+            r.spin_until(&r.published, generation + 1, &self.failed);
+            s = r.state.lock().map_err(|_| poisoned())?;
+        }
+        let deadline = Instant::now() + self.timeout;
+        while s.generation == generation {
+            let now = Instant::now();
+            let failure = if self.failed.load(Ordering::SeqCst) {
+                Some(CommError::PeerFailed(self.failure().unwrap_or_else(|| "another device failed".into())))
+            } else if now >= deadline {
+                Some(self.timed_out(&s, size, device_of))
+            } else {
+                None
+            };
+            if let Some(failure) = failure {
+                // Not published yet: take the deposit back, so that nobody ever reads `data`.
+                s.deposits[me] = None;
+                s.arrived -= 1;
+                return Err(failure);
+            }
+            s = r.ready.wait_timeout(s, (deadline - now).min(Duration::from_millis(100))).map_err(|_| poisoned())?.0;
+        }
+        let published = s.published.clone();
+        drop(s);
+        let result = {
+            let _done = ReadDone { rendezvous: r, generation: generation + 1 };
+            // SAFETY: every owner of a published block is inside this round until all members have
+            // finished reading (the wait below), so the blocks are alive and unchanged.
+            let blocks: Option<Vec<&[T]>> = published.iter().map(|b| unsafe { b.slice::<T>() }).collect();
+            blocks.map(|blocks| read(&blocks))
+        };
+        if self.spin.load(Ordering::Relaxed) {
+            r.spin_until(&r.finished, generation + 1, &self.failed);
+        }
+        let mut s = r.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while s.read < generation + 1 {
+            s = r.ready.wait(s).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        result.ok_or(CommError::MixedElements)
+    }
+
+    /// Shares one descriptor per member of this device's `group` (where a GPU buffer is, which event
+    /// marks it ready): waits for every member's, hands them to `read` in member order, and returns once
+    /// every member has read them. Rounds of `meet` and of the host collectives of [`ThreadComm`] share
+    /// the group's meeting point, so both must be issued in the same order by every member, as the plan's
+    /// instructions are.
+    pub fn meet<D: Copy, R>(
+        &self,
+        group: Group,
+        coords: Coords,
+        mine: &D,
+        read: impl FnOnce(&[&[D]]) -> R,
+    ) -> Result<R, CommError> {
+        self.exchange_in_group(group, coords, std::slice::from_ref(mine), read)
+    }
+
+    /// [`Fabric::exchange`] at the meeting point of the device at `coords`' `group`, as its member; the
+    /// members are named (for a timeout) only when one is missing.
+    fn exchange_in_group<T: Copy, R>(
+        &self,
+        group: Group,
+        coords: Coords,
+        data: &[T],
+        read: impl FnOnce(&[&[T]]) -> R,
+    ) -> Result<R, CommError> {
+        let mesh = self.mesh;
+        let size = mesh.group_size(group) as usize;
+        let me = group.member_index(coords, mesh) as usize;
+        let device_of = |m: usize| match group.member_ranks(coords, mesh).get(m) {
+            Some(&rank) => mesh.coords_of(rank).to_string(),
+            None => format!("member {m}"),
+        };
+        self.exchange(self.rendezvous(group, coords), (me, size), data, &device_of, read)
+    }
+
+    fn timed_out(&self, s: &RoundState, size: usize, device_of: &dyn Fn(usize) -> String) -> CommError {
+        let missing: Vec<String> =
+            s.deposits.iter().enumerate().filter(|(_, d)| d.is_none()).map(|(m, _)| device_of(m)).collect();
+        CommError::TimedOut { seconds: self.timeout.as_secs_f64(), missing, members: size }
+    }
+}
+
+/// One device's endpoint on a [`Fabric`].
+pub struct ThreadComm {
+    fabric: Arc<Fabric>,
+    coords: Coords,
+}
+
+impl ThreadComm {
+    pub fn new(fabric: Arc<Fabric>, coords: Coords) -> ThreadComm {
+        ThreadComm { fabric, coords }
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn coords(&self) -> Coords {
+        self.coords
+    }
+
+    fn mesh(&self) -> Mesh {
+        self.fabric.mesh
+    }
+
+    /// Every member deposits its send block (a broadcast's root alone) and combines the others' in place
+    /// into its result; bf16 blocks are deposited and read as bf16, reductions taken in f32 and rounded
+    /// once.
+    fn collective<T: Payload>(
+        &mut self,
+        spec: &CollectiveSpec<'_>,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<(), CommError> {
+        let me = spec.group.member_index(self.coords, self.fabric.mesh);
+        // A broadcast only needs the root's block; the others deposit nothing.
+        let data = if spec.kind == CollectiveKind::Broadcast && spec.root != Some(me) { &send[..0] } else { send };
+        let combined =
+            self.fabric.exchange_in_group(spec.group, self.coords, data, |parts| combine(spec, me, parts, recv));
+        combined?
+    }
+
+    fn abort(&self, reason: &str) {
+        self.fabric.fail(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use optimus_plan::ReduceOp;
+
+    fn all_reduce(comm: &mut ThreadComm, value: f32) -> Result<f32, CommError> {
+        let mut out = [0.0f32];
+        comm.collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Sum, &[1]), &[value], &mut out)?;
+        Ok(out[0])
+    }
+
+    #[test]
+    fn all_reduce_sums_over_the_world_many_times() {
+        all_reduce_many_times(false);
+    }
+
+    #[test]
+    fn members_that_spin_before_sleeping_sum_alike() {
+        all_reduce_many_times(true);
+    }
+
+    fn all_reduce_many_times(spin: bool) {
+        let mesh = Mesh::new(2, 2);
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        if spin {
+            fabric.spin_before_sleeping();
+        }
+        let sums: Vec<f32> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4u64)
+                .map(|rank| {
+                    let fabric = Arc::clone(&fabric);
+                    s.spawn(move || {
+                        let mut comm = ThreadComm::new(fabric, Coords::new(rank / 2, rank % 2, 0));
+                        (0..50).map(|k| all_reduce(&mut comm, (rank + k) as f32).expect("collective")).sum::<f32>()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        // Each round sums rank + k over 4 ranks: 6 + 4k; over 50 rounds: 300 + 4 * 1225.
+        assert!(sums.iter().all(|&s| s == 300.0 + 4.0 * 1225.0), "{sums:?}");
+    }
+
+    #[test]
+    fn blocks_read_in_place_are_never_read_after_their_owner_reuses_them() {
+        // Each member overwrites its send buffer as soon as a collective returns; a peer still reading
+        // it would see the garbage and sum wrongly.
+        let mesh = Mesh::new(2, 2);
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        let n = 4096;
+        std::thread::scope(|s| {
+            for rank in 0..4u64 {
+                let fabric = Arc::clone(&fabric);
+                s.spawn(move || {
+                    let mut comm = ThreadComm::new(fabric, Coords::new(rank / 2, rank % 2, 0));
+                    let (mut send, mut recv) = (vec![0.0f32; n], vec![0.0f32; n]);
+                    for round in 0..200u64 {
+                        send.fill((rank + round) as f32);
+                        let (kind, root) = if round % 2 == 0 {
+                            (CollectiveKind::AllReduce, None)
+                        } else {
+                            (CollectiveKind::Broadcast, Some(round % 4))
+                        };
+                        let full = [n as u64];
+                        let spec = CollectiveSpec {
+                            kind,
+                            root,
+                            ..CollectiveSpec::all_reduce(Group::World, ReduceOp::Sum, &full)
+                        };
+                        comm.collective(&spec, &send, &mut recv).expect("collective");
+                        send.fill(f32::NAN);
+                        let want = match root {
+                            None => (4 * round + 6) as f32,
+                            Some(r) => (r + round) as f32,
+                        };
+                        assert!(recv.iter().all(|&v| v == want), "rank {rank} round {round}: {} != {want}", recv[0]);
+                    }
+                });
+            }
+        });
+    }
+
+    /// Member m's bf16 contribution to element k: values near 1 whose sums rounded at every step
+    /// differ from the sum rounded once.
+    fn bf16_value(m: usize, k: usize) -> u16 {
+        crate::bf16::round(1.0 + ((m * 3 + k) % 11) as f32 * 2f32.powi(-7) - 2f32.powi(-6))
+    }
+
+    #[test]
+    fn bf16_collectives_carry_two_bytes_an_element_and_sum_in_f32_rounding_once() {
+        use crate::bf16::{round, widen_one};
+        let mesh = Mesh::new(1, 4);
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        let n = 3000;
+        let results: Vec<(Vec<u16>, Vec<u16>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4usize)
+                .map(|m| {
+                    let fabric = Arc::clone(&fabric);
+                    s.spawn(move || {
+                        let mut comm = ThreadComm::new(fabric, Coords::new(0, m as u64, 0));
+                        let send: Vec<u16> = (0..n).map(|k| bf16_value(m, k)).collect();
+                        let (mut sum, mut copy) = (vec![0u16; n], vec![0u16; n]);
+                        let full = [n as u64];
+                        let sum_spec = CollectiveSpec::all_reduce(Group::Row, ReduceOp::Sum, &full);
+                        comm.collective(&sum_spec, &send, &mut sum).expect("all-reduce");
+                        let copy_spec = CollectiveSpec { kind: CollectiveKind::Broadcast, root: Some(2), ..sum_spec };
+                        comm.collective(&copy_spec, &send, &mut copy).expect("broadcast");
+                        (sum, copy)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        // Four all-reduce blocks and the broadcast root's block, 2 bytes an element.
+        assert_eq!(fabric.bytes_deposited(), (5 * n * 2) as u64);
+        let once: Vec<u16> = (0..n).map(|k| round((0..4).map(|m| widen_one(bf16_value(m, k))).sum())).collect();
+        let stepwise: Vec<u16> = (0..n)
+            .map(|k| (1..4).fold(bf16_value(0, k), |acc, m| round(widen_one(acc) + widen_one(bf16_value(m, k)))))
+            .collect();
+        assert!(once.iter().zip(&stepwise).any(|(a, b)| a != b), "the values tell one rounding from several");
+        for (sum, copy) in &results {
+            assert_eq!(sum, &once, "the sum is taken in f32 and rounded once");
+            assert!(copy.iter().enumerate().all(|(k, &b)| b == bf16_value(2, k)), "the root's bits");
+        }
+    }
+
+    #[test]
+    fn f32_collectives_carry_four_bytes_an_element() {
+        let mesh = Mesh::new(2, 1);
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        std::thread::scope(|s| {
+            for i in 0..2u64 {
+                let fabric = Arc::clone(&fabric);
+                s.spawn(move || {
+                    let mut comm = ThreadComm::new(fabric, Coords::new(i, 0, 0));
+                    let (send, mut recv) = ([1.0f32; 10], [0.0f32; 10]);
+                    let spec = CollectiveSpec::all_reduce(Group::Column, ReduceOp::Sum, &[10]);
+                    comm.collective(&spec, &send, &mut recv).expect("all-reduce");
+                    assert_eq!(recv, [2.0; 10]);
+                });
+            }
+        });
+        assert_eq!(fabric.bytes_deposited(), 2 * 10 * 4);
+    }
+
+    #[test]
+    fn a_failed_device_ends_its_peers_waits_at_once() {
+        let mesh = Mesh::new(1, 3);
+        let fabric = Fabric::new(mesh, Duration::from_secs(60));
+        let start = Instant::now();
+        let results: Vec<Result<f32, CommError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3u64)
+                .map(|j| {
+                    let fabric = Arc::clone(&fabric);
+                    s.spawn(move || {
+                        let mut comm = ThreadComm::new(fabric, Coords::new(0, j, 0));
+                        if j == 2 {
+                            comm.abort("device (0, 2) failed: injected");
+                            return Err(CommError::Transport("injected".into()));
+                        }
+                        all_reduce(&mut comm, 1.0)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        assert!(start.elapsed() < Duration::from_secs(5), "peers waited {:?}", start.elapsed());
+        for r in &results[..2] {
+            let e = r.as_ref().expect_err("peers of a failed device fail");
+            assert!(matches!(e, CommError::PeerFailed(report) if report.contains("device (0, 2)")), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_missing_member_times_out() {
+        let mesh = Mesh::new(1, 2);
+        let fabric = Fabric::new(mesh, Duration::from_millis(300));
+        let mut comm = ThreadComm::new(fabric, Coords::default());
+        let e = all_reduce(&mut comm, 1.0).expect_err("nobody else arrives");
+        assert!(matches!(&e, CommError::TimedOut { missing, .. } if missing == &["(0, 1)"]), "{e}");
+        assert!(e.to_string().contains("timed out"), "{e}");
+    }
+}

@@ -1,0 +1,226 @@
+//! The CUDA backend: cuBLAS products and NVRTC-compiled kernels, one GPU per device.
+//!
+//! Buffers are device-resident: each device's storage is one GPU allocation laid out by the plan's
+//! arena layout ([`storage::DeviceArena`]), kernels and cuBLAS products run on it in place on the
+//! device's own stream, and data crosses to the host only for inputs, parameters at start, the loss,
+//! outputs and checkpoints. Collectives run on device pointers: between devices that share one GPU
+//! through [`fabric`] (each reads its peers' buffers in place), and between devices on GPUs of their own
+//! through NCCL ([`nccl`]). Where neither applies (devices spread over several GPUs of one process with
+//! more devices than GPUs), the send block comes to the host and the run's communicator exchanges it.
+//! bf16 buffers live on the GPU as bf16 (two bytes an element) and run bf16 kernels there (see
+//! [`kernels`]).
+
+pub mod fabric;
+pub mod kernels;
+pub mod libs;
+pub mod nccl;
+pub mod private;
+pub mod ptx_cache;
+pub mod storage;
+
+use super::arena::ArenaLayout;
+use super::backend::{Backend, Exchanges, GpuLink, UpdateBuffers};
+use super::comm::CollectiveSpec;
+use super::error::RuntimeError;
+use super::settings::{KernelContext, OptimizerSettings};
+use cudarc::driver::{CudaContext, CudaStream};
+use kernels::{CudaKernels, DeviceBuf};
+use optimus_plan::tensor::Tensor;
+use optimus_plan::{BufferId, Coords, Kernel, Mesh, Plan};
+use std::sync::Arc;
+use storage::DeviceArena;
+
+/// How many GPUs this process can use, or why it can use none. Never panics: the driver library is
+/// probed before cudarc touches it.
+pub fn probe() -> Result<usize, String> {
+    // SAFETY: only tries to load the driver library; no CUDA call is made if it is absent.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("--backend cuda needs an NVIDIA GPU and its driver, but the CUDA driver library \
+                    (libcuda.so) cannot be loaded on this machine; use --backend cpu"
+            .into());
+    }
+    // SAFETY: as above, for the runtime compiler and cuBLAS, which the backend loads at start.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err("--backend cuda needs NVRTC (libnvrtc, from CUDA 12.6 or later), which cannot be loaded: install the CUDA toolkit or the nvidia-cuda-nvrtc wheel, or put it on LD_LIBRARY_PATH".into());
+    }
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err("--backend cuda needs cuBLAS (libcublas, CUDA 12 or 13), which cannot be loaded: install the CUDA toolkit or the nvidia-cublas wheel, or put it on LD_LIBRARY_PATH".into());
+    }
+    let count = CudaContext::device_count().map_err(|e| format!("the CUDA driver reports no usable GPU: {e}"))?;
+    if count < 1 {
+        return Err("the CUDA driver is installed but this machine has no GPU; use --backend cpu".into());
+    }
+    Ok(count as usize)
+}
+
+/// A communicator that runs the plan's collectives on device buffers, ordered on the device's stream.
+pub trait DeviceCollectives: Send {
+    /// Queues one collective from `send` into `recv` (this device's buffers) after the work already on
+    /// `kernels`' stream. `Ok(false)`: this communicator does not take it (every member of the group
+    /// decides alike), and the backend stages it through the host instead.
+    fn run(
+        &mut self,
+        kernels: &CudaKernels,
+        spec: &CollectiveSpec<'_>,
+        send: DeviceBuf,
+        recv: DeviceBuf,
+    ) -> Result<bool, RuntimeError>;
+}
+
+/// Kernels on one GPU, on a stream of this device's own (devices sharing a GPU run side by side).
+pub struct CudaBackend {
+    kernels: CudaKernels,
+    stream: Arc<CudaStream>,
+    /// Wait for the GPU after every kernel (`OPTIMUS_CUDA_SYNC=1`), so that `--profile`, which times
+    /// instructions on the host, sees each kernel's own GPU time instead of the time of the next wait.
+    sync_each_kernel: bool,
+    /// Collectives on device pointers (`None`: host blocks through the run's communicator).
+    collectives: Option<Box<dyn DeviceCollectives>>,
+    /// How long a download waits for the GPU (whose queue may wait on peers) before the run fails.
+    timeout: std::time::Duration,
+}
+
+impl CudaBackend {
+    /// A backend on GPU `ordinal` (call [`probe`] first) for the device at `coords` of `mesh`, whose
+    /// collectives go as `link` says.
+    pub fn new(
+        ordinal: usize,
+        link: GpuLink,
+        (mesh, coords): (Mesh, Coords),
+        timeout: std::time::Duration,
+    ) -> Result<CudaBackend, String> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open GPU {ordinal}: {e}"))?;
+        // SAFETY: every buffer of this backend is used on its one stream only; the communicators order
+        // their own streams and their peers' reads by events of their own, so cudarc need not record
+        // events around each slice.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream on GPU {ordinal}: {e}"))?;
+        let kernels = CudaKernels::new(&ctx, Arc::clone(&stream))?;
+        let sync_each_kernel = std::env::var("OPTIMUS_CUDA_SYNC").is_ok_and(|v| v == "1");
+        let collectives: Option<Box<dyn DeviceCollectives>> = match link {
+            GpuLink::Host => None,
+            GpuLink::SharedGpu(gpu) => Some(Box::new(fabric::SharedGpuEndpoint::new(gpu, mesh, coords, &stream)?)),
+            GpuLink::Nccl(ids) => Some(Box::new(nccl::NcclDevice::new(&stream, mesh, coords, *ids)?)),
+        };
+        Ok(CudaBackend { kernels, stream, sync_each_kernel, collectives, timeout })
+    }
+
+    /// Waits until the GPU has run everything queued on this device's stream, at most the timeout: the
+    /// queue may wait on peers (their events, NCCL), and a peer that failed must fail this run, not hang it.
+    fn wait_for_queue(&self) -> Result<(), RuntimeError> {
+        if self.collectives.is_none() {
+            return Ok(());
+        }
+        let gpu = |e: cudarc::driver::DriverError| RuntimeError::Kernel(format!("waiting for the GPU: {e}"));
+        let event = self.stream.record_event(None).map_err(gpu)?;
+        let start = std::time::Instant::now();
+        while !event.try_is_complete().map_err(gpu)? {
+            if start.elapsed() > self.timeout {
+                return Err(RuntimeError::Comm(super::comm::CommError::Transport(format!(
+                    "the GPU waited {:.0} s for this device's peers (--timeout); a peer has failed or stopped",
+                    self.timeout.as_secs_f64()
+                ))));
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        Ok(())
+    }
+
+    /// Runs a collective on device pointers where this device has such a communicator and the executor
+    /// says what the collective is; `false` where the host must stage it.
+    fn collective_on_device(
+        &mut self,
+        storage: &DeviceArena,
+        send: BufferId,
+        recv: BufferId,
+        exchange: &dyn Exchanges,
+    ) -> Result<bool, RuntimeError> {
+        let (Some(collectives), Some(spec)) = (self.collectives.as_mut(), exchange.spec()) else { return Ok(false) };
+        let buf = |id| DeviceBuf::of(storage.tensor(id)?, &self.stream).map_err(RuntimeError::Storage);
+        let (send, recv) = (buf(send)?, buf(recv)?);
+        collectives.run(&self.kernels, &spec, send, recv)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Storage = DeviceArena;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<DeviceArena, RuntimeError> {
+        DeviceArena::new(&self.stream, plan, layout)
+    }
+
+    fn upload(&mut self, storage: &mut DeviceArena, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
+        storage.upload(&self.stream, id, tensor)
+    }
+
+    fn download(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Tensor, RuntimeError> {
+        self.wait_for_queue()?;
+        storage.download(&self.stream, id)
+    }
+
+    fn zero(&mut self, storage: &mut DeviceArena, id: BufferId) -> Result<(), RuntimeError> {
+        storage.zero(&self.stream, id)
+    }
+
+    /// The arena stays whole: the final downloads go to host memory, not on top of it.
+    fn retain(&mut self, _storage: &mut DeviceArena, _keep: &[BufferId]) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
+    fn first_non_finite(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
+        self.wait_for_queue()?;
+        let host = storage.download(&self.stream, id)?;
+        let first = |v: &[f32]| v.iter().position(|x| !x.is_finite()).map(|k| (k, v[k]));
+        Ok(host.f32().ok().and_then(first))
+    }
+
+    fn kernel(
+        &mut self,
+        storage: &mut DeviceArena,
+        kernel: &Kernel,
+        inputs: &[BufferId],
+        output: BufferId,
+        ctx: &KernelContext,
+    ) -> Result<(), RuntimeError> {
+        let (ins, out) = storage.operands(inputs, output)?;
+        self.kernels.run(kernel, &ins, out, ctx).map_err(RuntimeError::Kernel)?;
+        if self.sync_each_kernel {
+            self.stream.synchronize().map_err(|e| RuntimeError::Kernel(format!("waiting for the GPU: {e}")))?;
+        }
+        Ok(())
+    }
+
+    fn optimizer_step(
+        &mut self,
+        storage: &mut DeviceArena,
+        b: UpdateBuffers,
+        settings: &OptimizerSettings,
+        step: u64,
+    ) -> Result<(), RuntimeError> {
+        let [p, g, s1, s2] = storage.many_mut([b.param, b.grad, b.state1, b.state2])?;
+        self.kernels.optimizer_step(p, g, s1, s2, settings, step).map_err(RuntimeError::Kernel)
+    }
+
+    fn scale_in_place(&mut self, storage: &mut DeviceArena, id: BufferId, factor: f32) -> Result<(), RuntimeError> {
+        let [t] = storage.many_mut([id])?;
+        self.kernels.scale_in_place(t, factor).map_err(RuntimeError::Kernel)
+    }
+
+    fn collective(
+        &mut self,
+        storage: &mut DeviceArena,
+        send: BufferId,
+        recv: BufferId,
+        _elementwise: bool,
+        exchange: &mut dyn Exchanges,
+    ) -> Result<(), RuntimeError> {
+        if self.collective_on_device(storage, send, recv, exchange)? {
+            return Ok(());
+        }
+        storage.exchange(&self.stream, send, recv, exchange)
+    }
+}

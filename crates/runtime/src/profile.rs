@@ -1,0 +1,542 @@
+//! Where a run's time goes (`optimusc run --profile`): each device times every instruction of its
+//! steps into a [`Profile`]; [`report`] groups the times of all devices by kernel kind and by collective
+//! kind and group, with the FLOPs of products (achieved GFLOP/s against the measured peak) and the bytes
+//! of collectives (GB/s), and totals per device.
+
+use super::peak::Peak;
+use optimus_plan::shapes::{AttentionLayout, QUERY_TILE, batch_matrix, numel, split_last};
+use optimus_plan::{Collective, Coords, Instr, Kernel, Plan};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// How often one instruction ran, how long it took in all, and the times of its first runs.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Tally {
+    count: u64,
+    time: Duration,
+    first: Vec<Duration>,
+}
+
+/// Runs of one instruction whose times are kept one by one (for quantiles); the rest are only summed.
+const KEPT_RUNS: usize = 16;
+
+/// One device's instruction times over the profiled steps, by instruction index.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Profile {
+    pub device: Coords,
+    /// Steps accumulated (the warm-up step is not one of them).
+    pub steps: u64,
+    /// Wall time of those steps on this device, loading the inputs included.
+    pub wall: Duration,
+    /// Whether a first step was run and then dropped as warm-up.
+    pub warm_up_excluded: bool,
+    tallies: Vec<Tally>,
+}
+
+impl Profile {
+    pub fn new(plan: &Plan, device: Coords) -> Profile {
+        let tallies = vec![Tally::default(); plan.program.len()];
+        Profile { device, steps: 0, wall: Duration::ZERO, warm_up_excluded: false, tallies }
+    }
+
+    /// Adds one execution of instruction `index`.
+    pub fn record(&mut self, index: usize, elapsed: Duration) {
+        if let Some(tally) = self.tallies.get_mut(index) {
+            tally.count += 1;
+            tally.time += elapsed;
+            if tally.first.len() < KEPT_RUNS {
+                tally.first.push(elapsed);
+            }
+        }
+    }
+
+    /// The median of instruction `index`'s times over its first runs (up to 16), which a few slow
+    /// runs (another process taking the core) do not move as they move the mean.
+    pub fn median(&self, index: usize) -> Option<Duration> {
+        let mut times = self.tallies.get(index)?.first.clone();
+        times.sort();
+        times.get(times.len() / 2).copied()
+    }
+
+    /// Closes a step that took `wall` on this device; a warm-up step is dropped with all it recorded.
+    pub fn finish_step(&mut self, wall: Duration, warm_up: bool) {
+        if warm_up {
+            self.tallies.fill(Tally::default());
+            self.steps = 0;
+            self.wall = Duration::ZERO;
+            self.warm_up_excluded = true;
+        } else {
+            self.steps += 1;
+            self.wall += wall;
+        }
+    }
+}
+
+/// Whether a row's time is spent computing or communicating.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Category {
+    Compute,
+    Communication,
+}
+
+/// The row an instruction counts in, and what one execution of it does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InstrKind {
+    /// The kernel's kind (`MatMul`) or the collective's kind and group (`all_reduce (row)`).
+    pub name: String,
+    pub category: Category,
+    /// FLOPs of one execution, for products.
+    pub flops: Option<u64>,
+    /// Bytes of one execution (the larger of its send and receive buffers), for collectives.
+    pub bytes: Option<u64>,
+}
+
+/// The row of an instruction; `None` for a `Free`, which is left out of the table.
+pub fn instruction_kind(plan: &Plan, instr: &Instr) -> Option<InstrKind> {
+    match instr {
+        Instr::Kernel { kernel, inputs, output, .. } => {
+            let shapes: Vec<&[u64]> = inputs.iter().map(|&b| plan.buffer(b).shape.as_slice()).collect();
+            Some(InstrKind {
+                name: kernel.name().to_string(),
+                category: Category::Compute,
+                flops: product_flops(kernel, &shapes, &plan.buffer(*output).shape),
+                bytes: None,
+            })
+        }
+        Instr::Collective { collective, .. } => Some(InstrKind {
+            name: collective_name(collective),
+            category: Category::Communication,
+            flops: None,
+            bytes: Some(collective_bytes(plan, collective)),
+        }),
+        Instr::Free { .. } => None,
+    }
+}
+
+/// `all_reduce (row)`, `broadcast (column)`, ...
+pub fn collective_name(c: &Collective) -> String {
+    format!("{} ({})", c.kind.name(), c.group.name())
+}
+
+/// The bytes a collective moves per member: the larger of its send and receive buffers.
+fn collective_bytes(plan: &Plan, c: &Collective) -> u64 {
+    plan.buffer(c.send).bytes().max(plan.buffer(c.recv).bytes())
+}
+
+/// FLOPs of one execution of a product kernel (2 per multiply-add), from its input and output shapes as
+/// the kernel reads them; `None` for kernels that are not products, 0 for shapes it would refuse.
+///
+/// Attention counts the products the CPU kernels run: query tiles of [`QUERY_TILE`] rows, each against
+/// the keys it can see, so a causal attention counts about half of the full [sq, sk] products.
+pub fn product_flops(kernel: &Kernel, inputs: &[&[u64]], output: &[u64]) -> Option<u64> {
+    match kernel {
+        Kernel::MatMul { transpose_a, .. } => Some(matmul_flops(inputs, output, *transpose_a)),
+        Kernel::BatchedMatMul => Some(batched_matmul_flops(inputs, output)),
+        Kernel::Attention { heads, kv_heads, fused, causal } => {
+            Some(2 * attention_product_flops(inputs, (*heads, *kv_heads), *fused, *causal))
+        }
+        Kernel::AttentionGrad { heads, kv_heads, fused, wrt, causal } => {
+            let operands = inputs.get(1..).unwrap_or_default();
+            let per_product = attention_product_flops(operands, (*heads, *kv_heads), *fused, *causal);
+            Some(attention_grad_products(*fused, *wrt) * per_product)
+        }
+        _ => None,
+    }
+}
+
+/// out [m, n] = op(A) op(B) with A's leading dimensions flattened; k is A's columns, or its rows when
+/// A is transposed.
+fn matmul_flops(inputs: &[&[u64]], output: &[u64], transpose_a: bool) -> u64 {
+    let Some(a) = inputs.first() else { return 0 };
+    let (a_rows, a_cols) = split_last(a);
+    let k = if transpose_a { a_rows } else { a_cols };
+    let (m, n) = split_last(output);
+    2 * mul(&[m, n, k])
+}
+
+/// [.., m, k] x [.., k, n] -> [.., m, n] for every leading index.
+fn batched_matmul_flops(inputs: &[&[u64]], output: &[u64]) -> u64 {
+    let (Some(a), Ok((lead, m, n))) = (inputs.first(), batch_matrix(output, "the output")) else { return 0 };
+    let Ok((_, _, k)) = batch_matrix(a, "A") else { return 0 };
+    2 * mul(&[numel(lead), m, n, k])
+}
+
+/// FLOPs of one [sq, d] x [d, sk] product for every batch and head, as the tiles compute it:
+/// 2 * b * h * d * (sq * sk, or for a causal attention the sum over query tiles of rows x visible keys),
+/// h the query heads (each runs its own products, whichever kv head it reads).
+fn attention_product_flops(operands: &[&[u64]], (heads, kv_heads): (u64, u64), fused: bool, causal: bool) -> u64 {
+    let Ok(l) = AttentionLayout::new(operands, heads, kv_heads, fused) else { return 0 };
+    let (sq, sk) = (l.seq(0), l.seq(1));
+    let scores: usize = if causal {
+        (0..sq).step_by(QUERY_TILE).map(|start| QUERY_TILE.min(sq - start) * (start + QUERY_TILE).min(sq).min(sk)).sum()
+    } else {
+        sq.saturating_mul(sk)
+    };
+    2 * mul(&[l.batch, l.heads, l.d, scores])
+}
+
+/// Products an attention gradient runs per head: the scores again (q k^T), then p^T dy for v, dy v^T
+/// for q or k, and ds k for q or ds^T q for k; fused, all of them.
+fn attention_grad_products(fused: bool, wrt: u8) -> u64 {
+    match (fused, wrt) {
+        (true, _) => 5,
+        (false, 2) => 2,
+        (false, _) => 3,
+    }
+}
+
+fn mul(factors: &[usize]) -> u64 {
+    factors.iter().fold(1u64, |p, &f| p.saturating_mul(f as u64))
+}
+
+/// The profile of a whole run: one table summed over devices, and totals per device.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ProfileReport {
+    pub peak_gflops: f64,
+    pub peak_threads: usize,
+    pub peak_isa: String,
+    /// Steps in the table (per device).
+    pub steps_profiled: u64,
+    /// Whether the first step was left out as warm-up (it is when the run has more than one).
+    pub warm_up_excluded: bool,
+    /// By total time, largest first.
+    pub rows: Vec<ProfileRow>,
+    pub devices: Vec<DeviceTotals>,
+}
+
+/// One kernel kind or collective kind and group, summed over devices and profiled steps.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ProfileRow {
+    pub name: String,
+    pub category: Category,
+    pub count: u64,
+    pub total_ms: f64,
+    /// Share of the time of all rows.
+    pub share_pct: f64,
+    pub avg_us: f64,
+    /// Products: FLOPs in all, FLOPs per second of their own time, and that against the peak.
+    pub flops: Option<u64>,
+    pub gflops: Option<f64>,
+    pub peak_pct: Option<f64>,
+    /// Collectives: bytes in all and bytes per second of their own time.
+    pub bytes: Option<u64>,
+    pub gb_per_s: Option<f64>,
+}
+
+/// One device's time over the profiled steps.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DeviceTotals {
+    pub device: Coords,
+    pub compute_ms: f64,
+    /// Collectives, waiting for peers included.
+    pub communication_ms: f64,
+    /// The rest of the steps' wall time: loading inputs, releasing buffers, checking the loss.
+    pub other_ms: f64,
+    pub wall_ms: f64,
+}
+
+/// Sums of one row while it is built.
+#[derive(Clone, Copy, Debug)]
+struct RowSum {
+    category: Category,
+    count: u64,
+    time: Duration,
+    flops: Option<u64>,
+    bytes: Option<u64>,
+}
+
+/// Groups every device's profile of `plan` into one table and per-device totals.
+pub fn report(plan: &Plan, profiles: &[Profile], peak: &Peak) -> ProfileReport {
+    let kinds: Vec<Option<InstrKind>> = plan.program.iter().map(|i| instruction_kind(plan, i)).collect();
+    ProfileReport {
+        peak_gflops: peak.gflops,
+        peak_threads: peak.threads,
+        peak_isa: peak.isa.to_string(),
+        steps_profiled: profiles.first().map_or(0, |p| p.steps),
+        warm_up_excluded: profiles.iter().any(|p| p.warm_up_excluded),
+        rows: summed_rows(&kinds, profiles, peak.gflops),
+        devices: profiles.iter().map(|p| device_totals(&kinds, p)).collect(),
+    }
+}
+
+fn summed_rows(kinds: &[Option<InstrKind>], profiles: &[Profile], peak_gflops: f64) -> Vec<ProfileRow> {
+    let mut sums: BTreeMap<&str, RowSum> = BTreeMap::new();
+    for profile in profiles {
+        for (kind, tally) in kinds.iter().zip(&profile.tallies) {
+            let Some(kind) = kind else { continue };
+            let sum = sums.entry(&kind.name).or_insert(RowSum {
+                category: kind.category,
+                count: 0,
+                time: Duration::ZERO,
+                flops: kind.flops.map(|_| 0),
+                bytes: kind.bytes.map(|_| 0),
+            });
+            sum.count += tally.count;
+            sum.time += tally.time;
+            let add = |total: Option<u64>, each: Option<u64>| match (total, each) {
+                (Some(t), Some(e)) => Some(t.saturating_add(e.saturating_mul(tally.count))),
+                (total, _) => total,
+            };
+            sum.flops = add(sum.flops, kind.flops);
+            sum.bytes = add(sum.bytes, kind.bytes);
+        }
+    }
+    let all: Duration = sums.values().map(|s| s.time).sum();
+    let mut rows: Vec<ProfileRow> = sums.into_iter().map(|(name, s)| row(name, &s, all, peak_gflops)).collect();
+    rows.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms).then_with(|| a.name.cmp(&b.name)));
+    rows
+}
+
+fn row(name: &str, s: &RowSum, all: Duration, peak_gflops: f64) -> ProfileRow {
+    let seconds = s.time.as_secs_f64();
+    let per_second = |amount: u64| (seconds > 0.0).then(|| amount as f64 / seconds / 1e9);
+    let gflops = s.flops.and_then(per_second);
+    ProfileRow {
+        name: name.to_string(),
+        category: s.category,
+        count: s.count,
+        total_ms: seconds * 1e3,
+        share_pct: if all.is_zero() { 0.0 } else { 100.0 * seconds / all.as_secs_f64() },
+        avg_us: if s.count == 0 { 0.0 } else { seconds * 1e6 / s.count as f64 },
+        flops: s.flops,
+        gflops,
+        peak_pct: gflops.filter(|_| peak_gflops > 0.0).map(|g| 100.0 * g / peak_gflops),
+        bytes: s.bytes,
+        gb_per_s: s.bytes.and_then(per_second),
+    }
+}
+
+fn device_totals(kinds: &[Option<InstrKind>], profile: &Profile) -> DeviceTotals {
+    let mut spent = [Duration::ZERO; 2];
+    for (kind, tally) in kinds.iter().zip(&profile.tallies) {
+        match kind.as_ref().map(|k| k.category) {
+            Some(Category::Compute) => spent[0] += tally.time,
+            Some(Category::Communication) => spent[1] += tally.time,
+            None => {}
+        }
+    }
+    let other = profile.wall.saturating_sub(spent[0] + spent[1]);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    DeviceTotals {
+        device: profile.device,
+        compute_ms: ms(spent[0]),
+        communication_ms: ms(spent[1]),
+        other_ms: ms(other),
+        wall_ms: ms(profile.wall),
+    }
+}
+
+impl ProfileReport {
+    /// The report as text tables: a header with the peak, the summed table, then one line per device.
+    pub fn to_text(&self) -> String {
+        let mut text = self.header();
+        text.push_str(&self.rows_table());
+        text.push('\n');
+        text.push_str(&self.devices_table());
+        text
+    }
+
+    fn header(&self) -> String {
+        let plural = |n: u64, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+        let warm_up = if self.warm_up_excluded { " (step 0 left out as warm-up)" } else { "" };
+        let devices = self.devices.len() as u64;
+        let shared = if devices > 1 { format!("; the {devices} devices share it") } else { String::new() };
+        format!(
+            "profile: {}{warm_up} on {}, times summed over devices\n\
+             peak {:.1} GFLOP/s measured on {} ({}){shared}\n\n",
+            plural(self.steps_profiled, "step"),
+            plural(devices, "device"),
+            self.peak_gflops,
+            plural(self.peak_threads as u64, "thread"),
+            self.peak_isa
+        )
+    }
+
+    fn rows_table(&self) -> String {
+        let width = self.rows.iter().map(|r| r.name.chars().count()).max().unwrap_or(0).max(5);
+        let mut text = format!(
+            "{:<width$}  {:>7}  {:>10}  {:>7}  {:>9}  {:>8}  {:>6}  {:>7}\n",
+            "kind", "count", "total ms", "share %", "avg µs", "GFLOP/s", "% peak", "GB/s"
+        );
+        let blank = || "-".to_string();
+        for r in &self.rows {
+            text.push_str(&format!(
+                "{:<width$}  {:>7}  {:>10.2}  {:>7.1}  {:>9.1}  {:>8}  {:>6}  {:>7}\n",
+                r.name,
+                r.count,
+                r.total_ms,
+                r.share_pct,
+                r.avg_us,
+                r.gflops.map_or_else(blank, |g| format!("{g:.1}")),
+                r.peak_pct.map_or_else(blank, |p| format!("{p:.1}")),
+                r.gb_per_s.map_or_else(blank, |g| format!("{g:.3}")),
+            ));
+        }
+        let count: u64 = self.rows.iter().map(|r| r.count).sum();
+        let total: f64 = self.rows.iter().map(|r| r.total_ms).sum();
+        text.push_str(&format!("{:<width$}  {count:>7}  {total:>10.2}  {:>7.1}\n", "total", 100.0));
+        text
+    }
+
+    fn devices_table(&self) -> String {
+        let mut text = format!(
+            "{:<8}  {:>10}  {:>16}  {:>8}  {:>8}\n",
+            "device", "compute ms", "communication ms", "other ms", "wall ms"
+        );
+        for d in &self.devices {
+            text.push_str(&format!(
+                "{:<8}  {:>10.2}  {:>16.2}  {:>8.2}  {:>8.2}\n",
+                d.device.to_string(),
+                d.compute_ms,
+                d.communication_ms,
+                d.other_ms,
+                d.wall_ms
+            ));
+        }
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flops(kernel: Kernel, inputs: &[&[u64]], output: &[u64]) -> Option<u64> {
+        product_flops(&kernel, inputs, output)
+    }
+
+    fn matmul(transpose_a: bool, transpose_b: bool) -> Kernel {
+        Kernel::MatMul { transpose_a, transpose_b, accumulate: false }
+    }
+
+    #[test]
+    fn matmul_counts_two_m_n_k_with_leading_dimensions_flattened() {
+        // A [2, 3, 4] is 6 x 4; B [4, 5]; out [2, 3, 5] is 6 x 5.
+        assert_eq!(flops(matmul(false, false), &[&[2, 3, 4], &[4, 5]], &[2, 3, 5]), Some(2 * 6 * 5 * 4));
+        // B transposed: [5, 4] read as 4 x 5; k is still A's columns.
+        assert_eq!(flops(matmul(false, true), &[&[2, 3, 4], &[5, 4]], &[2, 3, 5]), Some(2 * 6 * 5 * 4));
+        // A transposed: [2, 3, 7] flattened is 6 x 7, read as 7 x 6, so k = 6 (the weight gradient x^T dy).
+        assert_eq!(flops(matmul(true, false), &[&[2, 3, 7], &[2, 3, 5]], &[7, 5]), Some(2 * 7 * 5 * 6));
+    }
+
+    #[test]
+    fn batched_matmul_counts_every_leading_index() {
+        assert_eq!(
+            flops(Kernel::BatchedMatMul, &[&[2, 3, 4, 5], &[2, 3, 5, 6]], &[2, 3, 4, 6]),
+            Some(2 * 6 * 4 * 6 * 5)
+        );
+    }
+
+    #[test]
+    fn attention_counts_scores_and_values_over_full_matrices() {
+        let (b, s, h, d) = (2u64, 8, 4, 16);
+        let per_product = 2 * b * h * s * s * d;
+        let fused: &[u64] = &[b, s, 3 * h * d];
+        for causal in [false, true] {
+            let kernel = Kernel::Attention { heads: h, kv_heads: h, causal, fused: true };
+            assert_eq!(flops(kernel, &[fused], &[b, s, h * d]), Some(2 * per_product));
+        }
+        // Separate q, k, v with a different key length.
+        let (q, kv): (&[u64], &[u64]) = (&[b, s, h * d], &[b, 2 * s, h * d]);
+        let kernel = Kernel::Attention { heads: h, kv_heads: h, causal: false, fused: false };
+        assert_eq!(flops(kernel, &[q, kv, kv], &[b, s, h * d]), Some(2 * 2 * per_product));
+    }
+
+    #[test]
+    fn causal_attention_counts_only_the_keys_each_query_tile_sees() {
+        let (b, s, h, d) = (1u64, 2 * QUERY_TILE as u64, 2, 8);
+        let tile = QUERY_TILE as u64;
+        // Tile 0 sees `tile` keys, tile 1 all `2 * tile`.
+        let scores = tile * tile + tile * 2 * tile;
+        let fused: &[u64] = &[b, s, 3 * h * d];
+        let causal = Kernel::Attention { heads: h, kv_heads: h, causal: true, fused: true };
+        assert_eq!(flops(causal, &[fused], &[b, s, h * d]), Some(2 * 2 * b * h * d * scores));
+        let full = Kernel::Attention { heads: h, kv_heads: h, causal: false, fused: true };
+        assert_eq!(flops(full, &[fused], &[b, s, h * d]), Some(2 * 2 * b * h * d * s * s));
+    }
+
+    #[test]
+    fn attention_grad_counts_the_products_it_runs() {
+        let (b, s, h, d) = (1u64, 4, 2, 8);
+        let per_product = 2 * b * h * s * s * d;
+        let dy: &[u64] = &[b, s, h * d];
+        let fused = Kernel::AttentionGrad { heads: h, kv_heads: h, causal: true, fused: true, wrt: 0 };
+        assert_eq!(flops(fused, &[dy, &[b, s, 3 * h * d]], &[b, s, 3 * h * d]), Some(5 * per_product));
+        for (wrt, products) in [(0, 3), (1, 3), (2, 2)] {
+            let kernel = Kernel::AttentionGrad { heads: h, kv_heads: h, causal: false, fused: false, wrt };
+            assert_eq!(flops(kernel, &[dy, dy, dy, dy], dy), Some(products * per_product), "wrt {wrt}");
+        }
+    }
+
+    #[test]
+    fn other_kernels_are_not_products_and_bad_shapes_count_nothing() {
+        assert_eq!(flops(Kernel::Softmax, &[&[4, 4]], &[4, 4]), None);
+        assert_eq!(flops(Kernel::OptimizerStep, &[&[4], &[4], &[4], &[4]], &[4]), None);
+        assert_eq!(flops(Kernel::BatchedMatMul, &[&[4]], &[4]), Some(0));
+        let attention = Kernel::Attention { heads: 3, kv_heads: 3, causal: false, fused: true };
+        assert_eq!(flops(attention, &[&[2, 4, 16]], &[2, 4, 16]), Some(0));
+    }
+
+    #[test]
+    fn kernel_names_are_variant_names() {
+        assert_eq!(matmul(true, false).name(), "MatMul");
+        assert_eq!(Kernel::BatchedMatMul.name(), "BatchedMatMul");
+        assert_eq!(Kernel::LayerNormApply { n: 4, eps: 1e-5 }.name(), "LayerNormApply");
+        assert_eq!(Kernel::LayerNormApply { n: 4, eps: 1e-5 }.flavor(), "LayerNormApply");
+        assert_eq!(Kernel::Gelu { approximate: false }.flavor(), "Gelu(approximate=false)");
+        let attention = Kernel::Attention { heads: 8, kv_heads: 2, causal: true, fused: false };
+        assert_eq!(attention.flavor(), "Attention(causal=true, fused=false)");
+        // Offsets differ between devices and are not a code path: one flavor for every device.
+        let offset = optimus_plan::Offset { axis: Some(1), block: 5 };
+        let lookup = Kernel::EmbeddingLookup { offset, masked: true };
+        assert_eq!(lookup.flavor(), "EmbeddingLookup(masked=true)");
+        let grad = Kernel::EmbeddingGrad { offset, masked: false, padding: Some(3) };
+        assert_eq!(grad.flavor(), "EmbeddingGrad(masked=false)");
+        for kernel in [lookup, grad, attention, Kernel::OptimizerStep, Kernel::Scale { factor: 2.0 }] {
+            assert!(format!("{kernel:?}").starts_with(kernel.name()), "{kernel:?} is named {}", kernel.name());
+        }
+    }
+
+    #[test]
+    fn the_warm_up_step_is_dropped_and_shares_add_up() {
+        let mut profile = Profile {
+            device: Coords::default(),
+            steps: 0,
+            wall: Duration::ZERO,
+            warm_up_excluded: false,
+            tallies: vec![Tally::default(); 2],
+        };
+        profile.record(0, Duration::from_millis(50));
+        profile.finish_step(Duration::from_millis(60), true);
+        assert_eq!((profile.steps, profile.tallies[0].count), (0, 0));
+        for _ in 0..2 {
+            profile.record(0, Duration::from_millis(3));
+            profile.record(1, Duration::from_millis(1));
+            profile.finish_step(Duration::from_millis(5), false);
+        }
+        let kinds = [
+            Some(InstrKind { name: "MatMul".into(), category: Category::Compute, flops: Some(4_000_000), bytes: None }),
+            Some(InstrKind {
+                name: "all_reduce (row)".into(),
+                category: Category::Communication,
+                flops: None,
+                bytes: Some(1_000),
+            }),
+        ];
+        let rows = summed_rows(&kinds, &[profile.clone(), profile.clone()], 10.0);
+        assert_eq!(
+            rows.iter().map(|r| (r.name.as_str(), r.count)).collect::<Vec<_>>(),
+            [("MatMul", 4), ("all_reduce (row)", 4)]
+        );
+        assert!((rows.iter().map(|r| r.share_pct).sum::<f64>() - 100.0).abs() < 1e-9);
+        assert_eq!(rows[0].flops, Some(16_000_000));
+        // 16 MFLOP in 12 ms is 1.33 GFLOP/s, 13.3% of a 10 GFLOP/s peak.
+        assert!((rows[0].gflops.unwrap_or_default() - 16e6 / 12e-3 / 1e9).abs() < 1e-9);
+        assert!((rows[0].peak_pct.unwrap_or_default() - 100.0 * 16e6 / 12e-3 / 1e10).abs() < 1e-9);
+        let totals = device_totals(&kinds, &profile);
+        assert_eq!((totals.compute_ms, totals.communication_ms, totals.wall_ms), (6.0, 2.0, 10.0));
+        assert!((totals.other_ms - 2.0).abs() < 1e-9);
+    }
+}

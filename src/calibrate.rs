@@ -1,0 +1,295 @@
+//! What `optimusc calibrate` measures: kernel costs from profiled one-device training runs of built-in
+//! models at several sizes, and the collectives of the thread communicator on meshes of threads, each
+//! fitted into the profile's `[measured]` section (see [`crate::cost::calibration`]).
+
+use crate::cost::calibration::{CollectiveFit, DEFAULT_KERNEL, KernelFit, Sample, fit_key, fit_non_negative};
+use crate::io::sources::{Objective, Sources};
+use crate::plan::layout::Placement;
+use crate::plan::report::kernel_flops;
+use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mesh, Plan, ReduceOp};
+use crate::runtime::comm::{CollectiveSpec, Communicator};
+use crate::runtime::cpu::threads::{Fabric, ThreadComm};
+use crate::runtime::exec::{RunConfig, RunOutput};
+use crate::runtime::settings::{OptimizerKind, OptimizerSettings};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+/// One kernel instruction of a profiled run: its kind, what it moves and computes, and its time (the
+/// median of its steps).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelSample {
+    /// The fits it belongs to: its flavor's and (when that differs) its kind's, `@bf16` for bf16 calls.
+    pub fits: Vec<String>,
+    /// The `default` fit of its precision.
+    pub default: String,
+    pub bytes: f64,
+    pub flops: f64,
+    pub seconds: f64,
+}
+
+/// Kinds whose cost is mostly FLOPs: fitted on FLOPs as well as bytes.
+fn is_product(kernel: &Kernel) -> bool {
+    matches!(
+        kernel,
+        Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. }
+    )
+}
+
+/// The fits a call of `kernel` is a sample of.
+fn fits_of(kernel: &Kernel, bf16: bool) -> Vec<String> {
+    let (flavor, kind) = (kernel.flavor(), kernel.name().to_string());
+    let mut fits = vec![fit_key(&flavor, bf16)];
+    if flavor != kind {
+        fits.push(fit_key(&kind, bf16));
+    }
+    fits
+}
+
+/// Trains a one-device plan for `steps` steps (the first is left out as warm-up) with every
+/// instruction timed; returns a sample per kernel instruction, and whether it is a product.
+pub fn profile_kernels(plan: &Plan, steps: u64, seed: u64) -> Result<Vec<(KernelSample, bool)>, String> {
+    if plan.mesh.devices() != 1 {
+        return Err("kernel calibration runs one-device plans".into());
+    }
+    let output = run_profiled(plan, steps.max(2), seed)?;
+    let profile = output.profiles.first().ok_or("the calibration run returned no profile")?;
+    let mut samples = Vec::new();
+    for (index, instr) in plan.program.iter().enumerate() {
+        let Instr::Kernel { kernel, inputs, output, .. } = instr else { continue };
+        let Some(typical) = profile.median(index) else { continue };
+        let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
+        let out = plan.buffer(*output);
+        let bf16 = crate::cost::step::touches_bf16(&ins, out);
+        let sample = KernelSample {
+            fits: fits_of(kernel, bf16),
+            default: fit_key(DEFAULT_KERNEL, bf16),
+            bytes: crate::cost::step::kernel_bytes(&ins, out) as f64,
+            flops: kernel_flops(kernel, &ins, out) as f64,
+            seconds: typical.as_secs_f64(),
+        };
+        samples.push((sample, is_product(kernel)));
+    }
+    Ok(samples)
+}
+
+/// The median wall time of a plan's training steps after the first (unprofiled), on threads.
+pub fn median_step(plan: &Plan, steps: u64, seed: u64) -> Result<f64, String> {
+    let times = std::sync::Mutex::new(Vec::new());
+    let record = |r: &crate::runtime::exec::StepRecord| {
+        if let Ok(mut t) = times.lock() {
+            t.push(r.elapsed.as_secs_f64());
+        }
+    };
+    let config = RunConfig::new(seed, steps.max(2), optimizer());
+    let sources = Sources::new(None, None, None, Objective::Causal, seed, "")?;
+    let batches = |step| sources.batch(plan, step);
+    crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &record)?;
+    let mut t = times.into_inner().map_err(|_| "a step record was lost".to_string())?;
+    // One record per step (every device reports the same step once).
+    let mut after_first: Vec<f64> = t.drain(..).skip(1).collect();
+    after_first.sort_by(f64::total_cmp);
+    after_first.get(after_first.len() / 2).copied().ok_or_else(|| "no step was timed".to_string())
+}
+
+fn optimizer() -> OptimizerSettings {
+    OptimizerSettings {
+        kind: OptimizerKind::AdamW,
+        lr: 1e-3,
+        weight_decay: 0.01,
+        momentum: 0.0,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    }
+}
+
+/// Passes over the same plans merged: each instruction (same position in every pass) keeps the
+/// median of its times, which one slow pass does not move.
+pub fn median_of(passes: Vec<Vec<(KernelSample, bool)>>) -> Vec<(KernelSample, bool)> {
+    let mut passes = passes.into_iter();
+    let Some(mut merged) = passes.next() else { return Vec::new() };
+    let mut times: Vec<Vec<f64>> = merged.iter().map(|(s, _)| vec![s.seconds]).collect();
+    for pass in passes {
+        for (((kept, _), times), (other, _)) in merged.iter().zip(&mut times).zip(pass) {
+            if other.fits == kept.fits && other.bytes == kept.bytes {
+                times.push(other.seconds);
+            }
+        }
+    }
+    for ((kept, _), mut times) in merged.iter_mut().zip(times) {
+        times.sort_by(f64::total_cmp);
+        kept.seconds = times[times.len() / 2];
+    }
+    merged
+}
+
+fn run_profiled(plan: &Plan, steps: u64, seed: u64) -> Result<RunOutput, String> {
+    let config = RunConfig { profile: true, ..RunConfig::new(seed, steps, optimizer()) };
+    let sources = Sources::new(None, None, None, Objective::Causal, seed, "")?;
+    let batches = |step| sources.batch(plan, step);
+    crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
+}
+
+/// Fits every kind seen: products on (1, bytes, FLOPs), the others on (1, bytes); `default` is the fit
+/// of every non-product sample of the same precision together (`default`, `default@bf16`).
+pub fn fit_kernels(samples: &[(KernelSample, bool)]) -> BTreeMap<String, KernelFit> {
+    let mut by_kind: BTreeMap<&str, Vec<Sample>> = BTreeMap::new();
+    let mut others: BTreeMap<String, Vec<Sample>> = BTreeMap::new();
+    for (s, product) in samples {
+        let features = if *product { vec![1.0, s.bytes, s.flops] } else { vec![1.0, s.bytes] };
+        let sample = Sample { features, seconds: s.seconds };
+        if !product {
+            others.entry(s.default.clone()).or_default().push(sample.clone());
+        }
+        for fit in &s.fits {
+            by_kind.entry(fit).or_default().push(sample.clone());
+        }
+    }
+    let mut fits: BTreeMap<String, KernelFit> =
+        by_kind.into_iter().map(|(kind, samples)| (kind.to_string(), kernel_fit(&samples))).collect();
+    fits.extend(others.into_iter().map(|(key, samples)| (key, kernel_fit(&samples))));
+    fits
+}
+
+/// A fit of (launch, seconds per byte[, seconds per FLOP]) as a [`KernelFit`].
+fn kernel_fit(samples: &[Sample]) -> KernelFit {
+    let c = fit_non_negative(samples);
+    let rate = |k: usize| c.get(k).copied().filter(|&x| x > 0.0).map(|seconds| 1e-9 / seconds);
+    KernelFit {
+        launch_us: c.first().copied().unwrap_or(0.0) * 1e6,
+        gb_s: rate(1),
+        gflop_s: rate(2),
+        samples: samples.len() as u64,
+    }
+}
+
+/// The collective configurations calibrated: (members, devices) with devices a multiple of members,
+/// for meshes of up to 16 devices.
+pub const COLLECTIVE_SHAPES: [(u64, u64); 10] =
+    [(2, 2), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8), (2, 16), (4, 16), (8, 16), (16, 16)];
+
+/// Payloads per member, in bytes, that each collective is timed at.
+pub const COLLECTIVE_PAYLOADS: [u64; 3] = [16 << 10, 256 << 10, 2 << 20];
+
+/// A member's send and receive buffers up to this size are reused every round, in cache: in a step
+/// such a block was just written by the kernel before the collective, and is still in the core's
+/// cache.
+const HOT_BYTES: u64 = 1 << 20;
+
+/// Larger buffers are cycled so that the buffers of one timing span this much over all threads:
+/// twice a large last-level cache, so that each round finds its buffers out of cache, as a step does.
+const COLD_BYTES: u64 = 64 << 20;
+
+/// The collective kinds, in the order they are calibrated.
+pub const COLLECTIVE_KINDS: [CollectiveKind; 5] = [
+    CollectiveKind::Broadcast,
+    CollectiveKind::Reduce,
+    CollectiveKind::AllReduce,
+    CollectiveKind::AllGather,
+    CollectiveKind::ReduceScatter,
+];
+
+/// Seconds per collective of `kind` over groups of `members` on a mesh of `devices` threads, every
+/// group running it at once, with `bytes` of payload per member (as `inspect` counts it: the gathered
+/// buffer of an all-gather, the unscattered one of a reduce-scatter): the slowest thread's mean over
+/// `repeats` after two warm-up rounds.
+pub fn time_collective(
+    kind: CollectiveKind,
+    members: u64,
+    devices: u64,
+    bytes: u64,
+    repeats: u64,
+) -> Result<f64, String> {
+    if members < 2 || !devices.is_multiple_of(members) {
+        return Err(format!("cannot time {members}-member groups on {devices} devices"));
+    }
+    let mesh = Mesh::new(devices / members, members);
+    let fabric = Fabric::new(mesh, Duration::from_secs(60));
+    let barrier = Arc::new(Barrier::new(devices as usize));
+    let elements = (bytes / 4).max(members) / members * members;
+    let copies =
+        if 8 * elements <= HOT_BYTES { 1 } else { (COLD_BYTES / (devices * 8 * elements).max(1)).clamp(1, 64) };
+    let times: Vec<Result<f64, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..devices)
+            .map(|rank| {
+                let (fabric, barrier) = (Arc::clone(&fabric), Arc::clone(&barrier));
+                scope.spawn(move || {
+                    let mut comm = ThreadComm::new(fabric, mesh.coords_of(rank));
+                    // Buffers live across rounds, as a plan's arena does, so no allocation is timed; and
+                    // rounds cycle through enough of them that, as in a step, they are not in cache.
+                    let mut pairs: Vec<(Vec<f32>, Vec<f32>)> =
+                        (0..copies).map(|_| buffers(kind, members, elements)).collect();
+                    let mut next = 0;
+                    let mut round = || {
+                        next = (next + 1) % pairs.len();
+                        let (send, recv) = &mut pairs[next];
+                        one_collective(&mut comm, kind, members, elements, send, recv)
+                    };
+                    for _ in 0..2 {
+                        round()?;
+                    }
+                    barrier.wait();
+                    let start = Instant::now();
+                    for _ in 0..repeats {
+                        round()?;
+                    }
+                    Ok(start.elapsed().as_secs_f64() / repeats.max(1) as f64)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a calibration thread panicked".into()))).collect()
+    });
+    times.into_iter().try_fold(0.0f64, |worst, t| Ok(worst.max(t?)))
+}
+
+/// A member's send and receive buffers for one collective of `elements` f32 of payload.
+fn buffers(kind: CollectiveKind, members: u64, elements: u64) -> (Vec<f32>, Vec<f32>) {
+    let (n, block) = (elements as usize, (elements / members) as usize);
+    // Filled with non-zeros so that every page is written now (zeros would be mapped lazily, and the
+    // first collective to write them would time page faults).
+    match kind {
+        CollectiveKind::AllGather => (vec![1.0; block], vec![0.5; n]),
+        CollectiveKind::ReduceScatter => (vec![1.0; n], vec![0.5; block]),
+        _ => (vec![1.0; n], vec![0.5; n]),
+    }
+}
+
+/// One collective of `kind` over this thread's row group.
+fn one_collective(
+    comm: &mut ThreadComm,
+    kind: CollectiveKind,
+    members: u64,
+    elements: u64,
+    send: &[f32],
+    recv: &mut [f32],
+) -> Result<(), String> {
+    let full = [members, elements / members];
+    let root = matches!(kind, CollectiveKind::Broadcast | CollectiveKind::Reduce).then_some(0);
+    let spec = CollectiveSpec {
+        kind,
+        root,
+        shard: Some(Placement::shard(0)),
+        ..CollectiveSpec::all_reduce(Group::Row, ReduceOp::Sum, &full)
+    };
+    comm.collective(&spec, send, recv).map_err(|e| e.to_string())
+}
+
+/// Fits alpha and beta of one configuration from (payload bytes, seconds) pairs.
+pub fn fit_collective(kind: CollectiveKind, members: u64, devices: u64, points: &[(u64, f64)]) -> CollectiveFit {
+    let samples: Vec<Sample> =
+        points.iter().map(|&(bytes, seconds)| Sample { features: vec![1.0, bytes as f64], seconds }).collect();
+    let c = fit_non_negative(&samples);
+    CollectiveFit {
+        kind: kind.into(),
+        members,
+        devices,
+        alpha_us: c.first().copied().unwrap_or(0.0) * 1e6,
+        ns_per_byte: c.get(1).copied().unwrap_or(0.0) * 1e9,
+    }
+}
+
+/// Repeats that make one timing take about `budget` given a first guess of one collective's time.
+pub fn repeats_for(guess: Duration, budget: Duration) -> u64 {
+    (budget.as_secs_f64() / guess.as_secs_f64().max(1e-6)).clamp(3.0, 200.0) as u64
+}
