@@ -1,4 +1,4 @@
-//! A CPU model of the CUDA flash attention's tiling (src/runtime/cuda/flash.cu), checked against the CPU
+//! A CPU model of the CUDA flash attention's tiling (crates/runtime/src/cuda/flash.cu), checked against the CPU
 //! backend's attention and its gradients: 64-row query blocks walking 64-key blocks with an online
 //! softmax in the log2 domain, causal blocks skipped, a log-sum-exp per row kept for the backward pass,
 //! and the backward pass per 64-key block over every query head of a kv head's group, with

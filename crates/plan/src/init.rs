@@ -7,6 +7,7 @@ use crate::types::Init;
 use crate::{Buffer, Coords, Mesh, PlanParam};
 
 /// SplitMix64: a fast, well-mixed 64-bit hash used as a counter-based generator.
+#[inline]
 pub fn mix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

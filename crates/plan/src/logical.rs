@@ -19,6 +19,7 @@ impl DropoutMask {
         DropoutMask { base, threshold: p * (1u64 << 53) as f64 }
     }
 
+    #[inline]
     pub fn keep(&self, index: u64) -> bool {
         let h = mix64(self.base.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
         (h >> 11) as f64 >= self.threshold
@@ -84,6 +85,7 @@ impl IndexMap {
 
     /// The logical linear index of the first element of local row `row` (rows run over every
     /// dimension but the last), without the last dimension's part.
+    #[inline]
     pub fn row_base(&self, row: usize) -> u64 {
         let leading = self.maps.len().saturating_sub(1);
         let mut rest = row;

@@ -160,7 +160,7 @@ pub enum Op {
         index: u64,
     },
 
-    // ---- operators made by autodiff (src/autodiff.rs); never written by users ----
+    // ---- operators made by autodiff (`crate::autodiff`); never written by users ----
     /// A scalar constant (the seed gradient of the loss).
     Fill {
         value: f64,
