@@ -153,7 +153,10 @@ fn bad_measured_sections_are_refused_with_the_field() {
         let bad = good.replacen(from, to, 1);
         match Hardware::parse(&bad, "bad.toml") {
             Ok(_) => panic!("accepted a profile with `{to}`"),
-            Err(e) => assert!(e.contains(named) && e.contains("bad.toml"), "{e}"),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.contains(named) && e.contains("bad.toml"), "{e}");
+            }
         }
     }
 }

@@ -241,7 +241,7 @@ fn render_max_batch(found: &MaxBatch) -> String {
 struct Side {
     strategy: Strategy,
     mesh: String,
-    result: Result<Simulation, String>,
+    result: Result<Simulation, search::SearchError>,
     found: Option<MaxBatch>,
 }
 
@@ -300,7 +300,7 @@ fn compare_json(hw: &Hardware, devices: u64, mode: Mode, sides: &[Side]) -> Valu
                 entry.insert("simulation".to_string(), serde_json::to_value(sim).unwrap_or(Value::Null));
             }
             Err(reason) => {
-                entry.insert("infeasible".to_string(), json!(reason));
+                entry.insert("infeasible".to_string(), json!(reason.to_string()));
             }
         }
         if let Some(found) = &s.found {

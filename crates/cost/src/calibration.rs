@@ -159,37 +159,81 @@ impl Measured {
     }
 
     /// Checks the numbers: rates positive, fixed costs zero or more, a `default` kernel fit present.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), MeasuredProblem> {
         if !self.kernels.contains_key(DEFAULT_KERNEL) {
-            return Err(format!("`measured.kernels` needs a `{DEFAULT_KERNEL}` entry for kernels not measured"));
+            return Err(MeasuredProblem::NoDefaultKernel);
         }
         for (kind, fit) in &self.kernels {
             let rates = [("gb_s", fit.gb_s), ("gflop_s", fit.gflop_s)];
             for (field, value) in rates {
                 if value.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
-                    return Err(format!("`measured.kernels.{kind}.{field}` must be a positive number"));
+                    return Err(MeasuredProblem::KernelRate { kind: kind.clone(), field });
                 }
             }
             if !(fit.launch_us.is_finite() && fit.launch_us >= 0.0) {
-                return Err(format!("`measured.kernels.{kind}.launch_us` must be zero or more"));
+                return Err(MeasuredProblem::KernelLaunch { kind: kind.clone() });
             }
         }
         if let Some(f) = self.dispatch.iter().find(|f| !(f.us.is_finite() && f.us >= 0.0) || f.devices < 2) {
-            return Err(format!(
-                "`measured.dispatch`: the entry for {} devices must have at least 2 devices and `us` zero or more",
-                f.devices
-            ));
+            return Err(MeasuredProblem::Dispatch { devices: f.devices });
         }
         for fit in &self.collectives {
             let ok = fit.alpha_us.is_finite() && fit.alpha_us >= 0.0 && fit.ns_per_byte.is_finite();
             if !ok || fit.ns_per_byte < 0.0 || fit.members < 2 || fit.devices < fit.members {
-                return Err(format!(
-                    "`measured.collectives`: an entry for {:?} of {} members on {} devices has invalid numbers",
-                    fit.kind, fit.members, fit.devices
-                ));
+                let what = format!("{:?}", fit.kind);
+                return Err(MeasuredProblem::Collective { kind: what, members: fit.members, devices: fit.devices });
             }
         }
         Ok(())
+    }
+}
+
+/// What is wrong with a profile's `[measured]` numbers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MeasuredProblem {
+    NoDefaultKernel,
+    /// A kernel fit's rate (`gb_s` or `gflop_s`) is not a positive number.
+    KernelRate {
+        kind: String,
+        field: &'static str,
+    },
+    /// A kernel fit's launch time is negative or not a number.
+    KernelLaunch {
+        kind: String,
+    },
+    /// A dispatch entry has fewer than 2 devices or a negative time.
+    Dispatch {
+        devices: u64,
+    },
+    /// A collective fit has invalid numbers.
+    Collective {
+        kind: String,
+        members: u64,
+        devices: u64,
+    },
+}
+
+impl std::fmt::Display for MeasuredProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MeasuredProblem::NoDefaultKernel => {
+                write!(f, "`measured.kernels` needs a `{DEFAULT_KERNEL}` entry for kernels not measured")
+            }
+            MeasuredProblem::KernelRate { kind, field } => {
+                write!(f, "`measured.kernels.{kind}.{field}` must be a positive number")
+            }
+            MeasuredProblem::KernelLaunch { kind } => {
+                write!(f, "`measured.kernels.{kind}.launch_us` must be zero or more")
+            }
+            MeasuredProblem::Dispatch { devices } => write!(
+                f,
+                "`measured.dispatch`: the entry for {devices} devices must have at least 2 devices and `us` zero or more"
+            ),
+            MeasuredProblem::Collective { kind, members, devices } => write!(
+                f,
+                "`measured.collectives`: an entry for {kind} of {members} members on {devices} devices has invalid numbers"
+            ),
+        }
     }
 }
 

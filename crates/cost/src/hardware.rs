@@ -48,6 +48,7 @@
 //! ns_per_byte = 0.3
 //! ```
 
+use super::calibration::MeasuredProblem;
 use optimus_plan::types::DType;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -146,7 +147,7 @@ pub struct Link {
 
 impl Hardware {
     /// A built-in profile by name, or a profile file by path.
-    pub fn load(name_or_path: &str) -> Result<Hardware, String> {
+    pub fn load(name_or_path: &str) -> Result<Hardware, HardwareError> {
         if let Some((_, text)) = BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
             return Hardware::parse(text, name_or_path);
         }
@@ -154,31 +155,29 @@ impl Hardware {
         if path.exists() || name_or_path.contains(['/', '\\']) || name_or_path.ends_with(".toml") {
             return Hardware::from_path(path);
         }
-        let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
-        Err(format!(
-            "unknown hardware `{name_or_path}`: built-in profiles are {}; or give the path of a .toml profile",
-            names.join(", ")
-        ))
+        Err(HardwareError::Unknown { name: name_or_path.to_string() })
     }
 
     /// A profile file: a regular file of at most 64 MiB of UTF-8 text.
-    pub fn from_path(path: &Path) -> Result<Hardware, String> {
+    pub fn from_path(path: &Path) -> Result<Hardware, HardwareError> {
         let limit = optimus_io::files::HARDWARE_PROFILE_LIMIT;
-        let bytes = optimus_io::files::read_bounded(path, "hardware profile", limit)?;
+        let bytes = optimus_io::files::read_bounded(path, "hardware profile", limit)
+            .map_err(|e| HardwareError::Unreadable(e.to_string()))?;
         let text = String::from_utf8(bytes)
-            .map_err(|e| format!("cannot read hardware profile `{}`: not UTF-8 text ({e})", path.display()))?;
+            .map_err(|e| HardwareError::NotText { path: path.to_path_buf(), why: e.utf8_error() })?;
         Hardware::parse(&text, &path.display().to_string())
     }
 
     /// Parses and validates a profile; `origin` names it in errors.
-    pub fn parse(text: &str, origin: &str) -> Result<Hardware, String> {
-        let hw: Hardware = toml::from_str(text)
-            .map_err(|e| format!("invalid hardware profile `{origin}`: {}", e.to_string().trim()))?;
-        hw.validate().map_err(|e| format!("invalid hardware profile `{origin}`: {e}"))?;
+    pub fn parse(text: &str, origin: &str) -> Result<Hardware, HardwareError> {
+        let invalid = |problem| HardwareError::Invalid { origin: origin.to_string(), problem };
+        let hw: Hardware =
+            toml::from_str(text).map_err(|e| invalid(ProfileProblem::Syntax(e.to_string().trim().to_string())))?;
+        hw.validate().map_err(invalid)?;
         Ok(hw)
     }
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ProfileProblem> {
         let d = &self.device;
         let positive = [
             ("device.memory_gb", d.memory_gb),
@@ -189,36 +188,31 @@ impl Hardware {
             ("intra_node.bandwidth_gb_s", self.intra_node.bandwidth_gb_s),
             ("inter_node.nic_bandwidth_gb_s", self.inter_node.nic_bandwidth_gb_s),
         ];
-        for (field, value) in positive {
-            if !(value.is_finite() && value > 0.0) {
-                return Err(format!("`{field}` must be a positive number, found {value}"));
-            }
+        if let Some((field, value)) = positive.into_iter().find(|&(_, v)| !(v.is_finite() && v > 0.0)) {
+            return Err(ProfileProblem::NotPositive { field, value });
         }
-        for (field, value) in [
+        let fractions = [
             ("device.achievable_bandwidth", d.achievable_bandwidth),
             ("device.achievable_compute", d.achievable_compute),
-        ] {
-            if !(value > 0.0 && value <= 1.0) {
-                return Err(format!("`{field}` must be a fraction in (0, 1], found {value}"));
-            }
+        ];
+        if let Some((field, value)) = fractions.into_iter().find(|&(_, v)| !(v > 0.0 && v <= 1.0)) {
+            return Err(ProfileProblem::NotFraction { field, value });
         }
         let latencies = [
             ("device.kernel_launch_us", d.kernel_launch_us),
             ("intra_node.latency_us", self.intra_node.latency_us),
             ("inter_node.latency_us", self.inter_node.latency_us),
         ];
-        for (field, value) in latencies {
-            if !(value.is_finite() && value >= 0.0) {
-                return Err(format!("`{field}` must be zero or more, found {value}"));
-            }
+        if let Some((field, value)) = latencies.into_iter().find(|&(_, v)| !(v.is_finite() && v >= 0.0)) {
+            return Err(ProfileProblem::Negative { field, value });
         }
         if self.inter_node.nics_per_node == 0 {
-            return Err("`inter_node.nics_per_node` must be at least 1".to_string());
+            return Err(ProfileProblem::NoneOf("inter_node.nics_per_node"));
         }
         if self.intra_node.gpus_per_node == 0 {
-            return Err("`intra_node.gpus_per_node` must be at least 1".to_string());
+            return Err(ProfileProblem::NoneOf("intra_node.gpus_per_node"));
         }
-        self.measured.as_ref().map_or(Ok(()), super::calibration::Measured::validate)
+        self.measured.as_ref().map_or(Ok(()), |m| m.validate().map_err(ProfileProblem::Measured))
     }
 
     /// Device memory in bytes.
@@ -256,3 +250,78 @@ impl Hardware {
         Link { bandwidth: share, latency: self.inter_node.latency_us * 1e-6 }
     }
 }
+
+/// Why a hardware profile could not be loaded.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HardwareError {
+    /// Neither a built-in profile nor a path.
+    Unknown { name: String },
+    /// The file could not be read (the reader's own words).
+    Unreadable(String),
+    /// The file is not UTF-8 text.
+    NotText { path: std::path::PathBuf, why: std::str::Utf8Error },
+    /// The profile named `origin` is not a valid profile.
+    Invalid { origin: String, problem: ProfileProblem },
+}
+
+/// What is wrong inside a hardware profile.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ProfileProblem {
+    /// Not TOML of the profile's form (the parser's words).
+    Syntax(String),
+    NotPositive {
+        field: &'static str,
+        value: f64,
+    },
+    NotFraction {
+        field: &'static str,
+        value: f64,
+    },
+    Negative {
+        field: &'static str,
+        value: f64,
+    },
+    /// A count that must be at least 1 is 0.
+    NoneOf(&'static str),
+    /// The `[measured]` section's numbers.
+    Measured(MeasuredProblem),
+}
+
+impl std::fmt::Display for HardwareError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HardwareError::Unknown { name } => {
+                let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
+                write!(
+                    f,
+                    "unknown hardware `{name}`: built-in profiles are {}; or give the path of a .toml profile",
+                    names.join(", ")
+                )
+            }
+            HardwareError::Unreadable(why) => f.write_str(why),
+            HardwareError::NotText { path, why } => {
+                write!(f, "cannot read hardware profile `{}`: not UTF-8 text ({why})", path.display())
+            }
+            HardwareError::Invalid { origin, problem } => write!(f, "invalid hardware profile `{origin}`: {problem}"),
+        }
+    }
+}
+
+impl std::fmt::Display for ProfileProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProfileProblem::Syntax(why) => f.write_str(why),
+            ProfileProblem::NotPositive { field, value } => {
+                write!(f, "`{field}` must be a positive number, found {value}")
+            }
+            ProfileProblem::NotFraction { field, value } => {
+                write!(f, "`{field}` must be a fraction in (0, 1], found {value}")
+            }
+            ProfileProblem::Negative { field, value } => write!(f, "`{field}` must be zero or more, found {value}"),
+            ProfileProblem::NoneOf(field) => write!(f, "`{field}` must be at least 1"),
+            ProfileProblem::Measured(problem) => write!(f, "{problem}"),
+        }
+    }
+}
+
+impl std::error::Error for HardwareError {}

@@ -18,7 +18,7 @@
 //! - a layout whose parameters and optimizer state alone overflow the memory is not compiled again.
 
 use super::hardware::Hardware;
-use super::search::{Source, batch_multiple, batch_override, integer_sqrt};
+use super::search::{SearchError, Source, batch_multiple, batch_override, integer_sqrt};
 use super::step::{Options, Simulation, kernel_time, simulate};
 use optimus_compiler::shard::Target;
 use optimus_plan::report::kernel_flops;
@@ -255,7 +255,7 @@ pub struct NoPlan {
 }
 
 /// Compiles one configuration: the plan of the whole mesh (every replica) for one micro step.
-pub fn compile_candidate(source: &Source, config: &Config, mode: Mode) -> Result<Plan, String> {
+pub fn compile_candidate(source: &Source, config: &Config, mode: Mode) -> Result<Plan, SearchError> {
     source.compile(config.target(mode), &[batch_override(config.step_batch())])
 }
 
@@ -392,22 +392,42 @@ fn divisors(n: u64) -> Vec<u64> {
 
 /// The micro-batches of a layout: divisors of the per-replica batch that the strategy can split;
 /// or why there are none.
-fn micro_batches(p: &Parallelism, global_batch: u64, mode: Mode) -> Result<Vec<u64>, String> {
+fn micro_batches(p: &Parallelism, global_batch: u64, mode: Mode) -> Result<Vec<u64>, BatchSplit> {
     if !global_batch.is_multiple_of(p.data) {
-        return Err(format!("the global batch {global_batch} does not split over {} replicas", p.data));
+        return Err(BatchSplit::OverReplicas { global_batch, replicas: p.data });
     }
     let per_replica = global_batch / p.data;
     let target = Target { mesh: p.mesh, strategy: p.strategy, mode, memory: MemoryOptions::DEFAULT };
     let multiple = batch_multiple(target);
     let ms: Vec<u64> = divisors(per_replica).into_iter().filter(|m| m.is_multiple_of(multiple)).collect();
     if ms.is_empty() {
-        return Err(format!(
-            "the per-replica batch {per_replica} is not a multiple of {multiple} (the {} mesh splits the batch over \
-             its rows)",
-            p.mesh
-        ));
+        return Err(BatchSplit::OverRows { per_replica, multiple, mesh: p.mesh });
     }
     Ok(ms)
+}
+
+/// Why a layout has no micro-batch: the global batch does not split over it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum BatchSplit {
+    /// Not over the data-parallel replicas.
+    OverReplicas { global_batch: u64, replicas: u64 },
+    /// A replica's share not over the mesh rows that split it again.
+    OverRows { per_replica: u64, multiple: u64, mesh: optimus_plan::Mesh },
+}
+
+impl std::fmt::Display for BatchSplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BatchSplit::OverReplicas { global_batch, replicas } => {
+                write!(f, "the global batch {global_batch} does not split over {replicas} replicas")
+            }
+            BatchSplit::OverRows { per_replica, multiple, mesh } => write!(
+                f,
+                "the per-replica batch {per_replica} is not a multiple of {multiple} (the {mesh} mesh splits the batch \
+                 over its rows)"
+            ),
+        }
+    }
 }
 
 /// Every configuration the planner enumerates whose batch splits (the search's space before pruning):
@@ -433,12 +453,12 @@ pub fn configurations(devices: u64, global_batch: u64, mode: Mode, precisions: &
 
 /// Compiles, fits and scores one configuration on its own, without the search: what the search
 /// reports for it, or why it does not compile or fit.
-pub fn evaluate(request: &Request, config: &Config) -> Result<Scored, String> {
+pub fn evaluate(request: &Request, config: &Config) -> Result<Scored, SearchError> {
     let plan = compile_candidate(request.source, config, request.mode)?;
     let compiled = summarise(&plan, request.hardware, config.micro_batch);
     let peak = compiled.peak_bytes;
     if peak > request.capacity {
-        return Err(format!("needs {peak} bytes per device, more than {}", request.capacity));
+        return Err(SearchError::TooLarge { needs: peak, capacity: request.capacity });
     }
     let sim = simulate(&plan, request.hardware, &request.options);
     Ok(score(&compiled, &sim, config, request))
@@ -461,7 +481,7 @@ fn zero_stages(p: &Parallelism, mode: Mode) -> &'static [u8] {
 struct Search<'a> {
     request: &'a Request<'a>,
     global_batch: u64,
-    cache: HashMap<Config, Result<Compiled, String>>,
+    cache: HashMap<Config, Result<Compiled, SearchError>>,
     scored: HashMap<Config, Scored>,
     best_s: f64,
     counts: Counts,
@@ -495,7 +515,7 @@ enum GroupEnd {
     /// The lower bound lost to the best found; nothing above `from` was decided.
     Bounded,
     /// The layout does not compile.
-    Illegal(String),
+    Illegal(SearchError),
 }
 
 impl<'a> Search<'a> {
@@ -513,7 +533,7 @@ impl<'a> Search<'a> {
     }
 
     /// Compiles (once per compile key) and, when it may fit, simulates.
-    fn compiled(&mut self, config: &Config) -> Result<Compiled, String> {
+    fn compiled(&mut self, config: &Config) -> Result<Compiled, SearchError> {
         let key = config.compile_key();
         if let Some(done) = self.cache.get(&key) {
             return done.clone();
@@ -536,7 +556,7 @@ impl<'a> Search<'a> {
     }
 
     /// Whether a configuration fits; records a fitting one's score, and a failing one's reason.
-    fn fits(&mut self, config: &Config) -> Result<bool, String> {
+    fn fits(&mut self, config: &Config) -> Result<bool, SearchError> {
         let compiled = self.compiled(config)?;
         let peak = compiled.peak_bytes;
         if peak > self.request.capacity {
@@ -608,7 +628,7 @@ impl<'a> Search<'a> {
                 Ok(false) => hi = index,
                 Err(reason) if first && first_of_layout => return GroupEnd::Illegal(reason),
                 Err(reason) => {
-                    self.rejected.push(Rejected::compile(config.label(), reason));
+                    self.rejected.push(Rejected::compile(config.label(), reason.to_string()));
                     hi = index;
                 }
             }
@@ -665,7 +685,7 @@ impl<'a> Search<'a> {
     }
 
     /// Searches every group of a layout in one precision.
-    fn search_layout(&mut self, p: &Parallelism, ms: &[u64], precision: Precision) -> Result<(), String> {
+    fn search_layout(&mut self, p: &Parallelism, ms: &[u64], precision: Precision) -> Result<(), SearchError> {
         let mode = self.request.mode;
         let zeros = zero_stages(p, mode);
         let levels = recompute_levels(mode);
@@ -776,7 +796,7 @@ pub fn plan(request: &Request) -> Result<Outcome, Box<NoPlan>> {
                 let n = per_layout(&p, 1);
                 search.counts.enumerated += n;
                 search.counts.illegal += n;
-                search.rejected.push(Rejected::batch(p.label(), reason));
+                search.rejected.push(Rejected::batch(p.label(), reason.to_string()));
             }
         }
     }
@@ -788,7 +808,7 @@ pub fn plan(request: &Request) -> Result<Outcome, Box<NoPlan>> {
                 continue;
             }
             if let Err(reason) = search.search_layout(p, ms, precision) {
-                search.rejected.push(Rejected::compile(p.label(), reason));
+                search.rejected.push(Rejected::compile(p.label(), reason.to_string()));
                 illegal.push(*p);
             }
         }

@@ -5,6 +5,7 @@
 use super::hardware::Hardware;
 use super::step::{Options, Simulation, simulate};
 use optimus_compiler::check::check_source;
+use optimus_compiler::diag::Diagnostic;
 use optimus_compiler::elab::Override;
 use optimus_compiler::shard::{Target, compile};
 use optimus_plan::types::Scalar;
@@ -22,14 +23,13 @@ pub struct Source<'a> {
 }
 
 impl Source<'_> {
-    /// Compiles with `extra` overrides after the user's; the first error's message on failure.
-    pub fn compile(&self, target: Target, extra: &[Override]) -> Result<Plan, String> {
+    /// Compiles with `extra` overrides after the user's; the first error on failure.
+    pub fn compile(&self, target: Target, extra: &[Override]) -> Result<Plan, SearchError> {
         let mut overrides = self.overrides.to_vec();
         overrides.extend_from_slice(extra);
         let checked = check_source(self.text, &overrides);
-        let first_error = |ds: &[optimus_compiler::diag::Diagnostic]| {
-            ds.iter().find(|d| d.is_error()).map_or_else(|| "the model has errors".to_string(), |d| d.message.clone())
-        };
+        let first_error =
+            |ds: &[Diagnostic]| SearchError::NotCompiled(ds.iter().find(|d| d.is_error()).cloned().map(Box::new));
         let model = match checked.model {
             Some(m) if !checked.diagnostics.iter().any(|d| d.is_error()) => m,
             _ => return Err(first_error(&checked.diagnostics)),
@@ -46,6 +46,38 @@ impl Source<'_> {
         }
     }
 }
+
+/// Why a search point, or a planner candidate, has no plan.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SearchError {
+    /// The model does not compile for it: its first error, if the front end gave one.
+    NotCompiled(Option<Box<Diagnostic>>),
+    /// Optimus needs a square q x q mesh, and the device count is not a square.
+    NotSquare { devices: u64 },
+    /// The plan of `batch` sequences needs `needs` bytes per device, more than there are.
+    BatchTooLarge { batch: u64, needs: u64 },
+    /// The plan needs `needs` bytes per device, more than `capacity`.
+    TooLarge { needs: u64, capacity: u64 },
+    /// A scaling sweep needs the model's `batch` as an integer config value.
+    NoBatchToScale,
+}
+
+impl std::fmt::Display for SearchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SearchError::NotCompiled(Some(first)) => f.write_str(&first.message),
+            SearchError::NotCompiled(None) => f.write_str("the model has errors"),
+            SearchError::NotSquare { devices } => write!(f, "{devices} devices are not a square q x q mesh"),
+            SearchError::BatchTooLarge { batch, needs } => write!(f, "batch {batch} needs {needs} bytes per device"),
+            SearchError::TooLarge { needs, capacity } => {
+                write!(f, "needs {needs} bytes per device, more than {capacity}")
+            }
+            SearchError::NoBatchToScale => f.write_str("the model has no integer `batch` config value to scale"),
+        }
+    }
+}
+
+impl std::error::Error for SearchError {}
 
 /// `batch=N` as an override.
 pub fn batch_override(batch: u64) -> Override {
@@ -77,17 +109,17 @@ pub struct MaxBatch {
 pub fn max_batch(source: &Source, target: Target, capacity: u64) -> MaxBatch {
     let multiple = batch_multiple(target);
     let mut compilations = 0;
-    let mut fits = |k: u64| -> Result<(), String> {
+    let mut fits = |k: u64| -> Result<(), SearchError> {
         compilations += 1;
         let plan = source.compile(target, &[batch_override(k * multiple)])?;
         if plan.memory.peak_bytes <= capacity {
             Ok(())
         } else {
-            Err(format!("batch {} needs {} bytes per device", k * multiple, plan.memory.peak_bytes))
+            Err(SearchError::BatchTooLarge { batch: k * multiple, needs: plan.memory.peak_bytes })
         }
     };
     if let Err(reason) = fits(1) {
-        return MaxBatch { max_batch: 0, multiple, compilations: 1, reason: Some(reason) };
+        return MaxBatch { max_batch: 0, multiple, compilations: 1, reason: Some(reason.to_string()) };
     }
     let (mut lo, mut hi) = (1u64, 2u64);
     while hi * multiple <= BATCH_LIMIT && fits(hi).is_ok() {
@@ -102,10 +134,10 @@ pub fn max_batch(source: &Source, target: Target, capacity: u64) -> MaxBatch {
 }
 
 /// The target of a strategy at a device count: q x q for optimus, 1 x p for megatron.
-pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOptions) -> Result<Target, String> {
+pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOptions) -> Result<Target, SearchError> {
     let mesh = match strategy {
         Strategy::Optimus => {
-            let q = integer_sqrt(devices).ok_or_else(|| format!("{devices} devices are not a square q x q mesh"))?;
+            let q = integer_sqrt(devices).ok_or(SearchError::NotSquare { devices })?;
             Mesh::new(q, q)
         }
         Strategy::Megatron => Mesh::new(1, devices),
@@ -157,8 +189,8 @@ pub fn sweep(
     memory: MemoryOptions,
     hw: &Hardware,
     options: &Options,
-) -> Result<Vec<SweepPoint>, String> {
-    let base = source.config_int("batch").ok_or("the model has no integer `batch` config value to scale")?;
+) -> Result<Vec<SweepPoint>, SearchError> {
+    let base = source.config_int("batch").ok_or(SearchError::NoBatchToScale)?;
     let mut points = Vec::new();
     for scaling in [Scaling::Strong, Scaling::Weak] {
         for strategy in [Strategy::Optimus, Strategy::Megatron] {
@@ -211,7 +243,7 @@ fn sweep_point(
     });
     match plan {
         Ok(plan) => point.simulation = Some(simulate(&plan, hw, options)),
-        Err(reason) => point.infeasible = Some(reason),
+        Err(reason) => point.infeasible = Some(reason.to_string()),
     }
     point
 }
