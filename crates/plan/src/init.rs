@@ -1,7 +1,7 @@
 //! Mesh-independent initial values: every element of a parameter is a function of the seed, the
 //! parameter's name and its logical index, so every mesh starts from the same logical model.
 
-use super::logical::logical_indices;
+use super::logical::{BlockError, logical_indices};
 use super::tensor::{Data, Tensor};
 use crate::types::Init;
 use crate::{Buffer, Coords, Mesh, PlanParam};
@@ -66,9 +66,10 @@ pub fn unpadded_index(index: u64, logical: &[u64], shape: &[u64]) -> Option<u64>
 }
 
 /// This device's block of a logical tensor laid out as `meta` says.
-pub fn block_of(logical: &Tensor, meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, String> {
+pub fn block_of(logical: &Tensor, meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, BlockError> {
     if logical.shape != meta.logical_shape {
-        return Err(format!("`{}` must be {:?}, not {:?}", meta.name, meta.logical_shape, logical.shape));
+        let (name, want, got) = (meta.name.clone(), meta.logical_shape.clone(), logical.shape.clone());
+        return Err(BlockError::LogicalShape { name, want, got });
     }
     let indices = logical_indices(meta, coords, mesh);
     let data = match &logical.data {
@@ -79,12 +80,12 @@ pub fn block_of(logical: &Tensor, meta: &Buffer, coords: Coords, mesh: Mesh) -> 
 }
 
 /// Assembles a logical tensor from every device's block (blocks indexed by rank).
-pub fn gather_blocks(blocks: &[&Tensor], meta: &Buffer, mesh: Mesh) -> Result<Tensor, String> {
+pub fn gather_blocks(blocks: &[&Tensor], meta: &Buffer, mesh: Mesh) -> Result<Tensor, BlockError> {
     let total = meta.logical_shape.iter().product::<u64>() as usize;
     let mut out = vec![0.0f32; total];
     for (rank, block) in blocks.iter().enumerate() {
         let coords = mesh.coords_of(rank as u64);
-        let values = block.f32()?;
+        let values = block.f32().map_err(|_| BlockError::Integers)?;
         for (local, index) in logical_indices(meta, coords, mesh).into_iter().enumerate() {
             out[index as usize] = values[local];
         }
@@ -110,14 +111,15 @@ pub fn unpad(t: &Tensor, shape: &[u64]) -> Tensor {
 }
 
 /// Pads a logical tensor with zeros to a buffer's (padded) logical shape.
-pub fn pad_to(t: &Tensor, meta: &Buffer) -> Result<Tensor, String> {
+pub fn pad_to(t: &Tensor, meta: &Buffer) -> Result<Tensor, BlockError> {
     if t.shape == meta.logical_shape {
         return Ok(t.clone());
     }
     if t.shape.len() != meta.logical_shape.len() || t.shape.iter().zip(&meta.logical_shape).any(|(a, b)| a > b) {
-        return Err(format!("`{}` is {:?}, which does not fit {:?}", meta.name, t.shape, meta.logical_shape));
+        let (name, shape, logical) = (meta.name.clone(), t.shape.clone(), meta.logical_shape.clone());
+        return Err(BlockError::DoesNotFit { name, shape, logical });
     }
-    let values = t.f32()?;
+    let values = t.f32().map_err(|_| BlockError::Integers)?;
     let total: u64 = meta.logical_shape.iter().product();
     let mut out = vec![0.0f32; total as usize];
     for (k, v) in values.iter().enumerate() {

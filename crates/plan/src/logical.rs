@@ -2,7 +2,7 @@
 //! element of a buffer (from its layout), and the dropout mask drawn over those logical indices.
 
 use super::init::mix64;
-use super::shapes::{ensure, numel, same_shape};
+use super::shapes::numel;
 use crate::layout::{MAJOR_ORDER, Placement};
 use crate::{Buffer, Coords, Mesh};
 
@@ -39,14 +39,14 @@ pub struct IndexMap {
 }
 
 impl IndexMap {
-    pub fn new(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<IndexMap, String> {
+    pub fn new(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<IndexMap, BlockError> {
         let logical = &meta.logical_shape;
         let rank = logical.len();
-        same_shape("the local shape's rank", &[meta.shape.len() as u64], &[rank as u64])?;
-        for p in meta.layout.0 {
-            if let Some(d) = p.dim() {
-                ensure(d < rank, || format!("layout {} splits dimension {d} of a rank-{rank} tensor", meta.layout))?;
-            }
+        if meta.shape.len() != rank {
+            return Err(BlockError::Rank { local: meta.shape.len(), logical: rank });
+        }
+        if let Some(dim) = meta.layout.0.iter().filter_map(|p| p.dim()).find(|&d| d >= rank) {
+            return Err(BlockError::NoDimension { layout: meta.layout.to_string(), dim, rank });
         }
         let mut maps = Vec::with_capacity(rank);
         for (d, &size) in logical.iter().enumerate() {
@@ -58,9 +58,10 @@ impl IndexMap {
                 extents.push(split.local(parent)?);
             }
             let local = extents.last().copied().unwrap_or(size);
-            ensure(local == meta.shape[d], || {
-                format!("layout {} gives {local} local elements in dimension {d}, not {}", meta.layout, meta.shape[d])
-            })?;
+            if local != meta.shape[d] {
+                let layout = meta.layout.to_string();
+                return Err(BlockError::LocalSize { layout, dim: d, local, shape: meta.shape[d] });
+            }
             let logical_coordinate =
                 |x: u64| splits.iter().zip(&extents).rev().fold(x, |x, (split, &parent)| split.coordinate(parent, x));
             let map = (0..local).map(logical_coordinate).collect();
@@ -153,13 +154,15 @@ impl Split {
     }
 
     /// The extent of this device's chunk of an extent of `size`, or why there is none.
-    fn local(&self, size: u64) -> Result<u64, String> {
+    fn local(&self, size: u64) -> Result<u64, BlockError> {
         let Split { outer, inner, parts, coord } = *self;
         let mid = size / outer.saturating_mul(inner);
-        ensure(parts > 0 && coord < parts, || format!("mesh coordinate {coord} is outside an axis of {parts}"))?;
-        ensure(mid.saturating_mul(outer).saturating_mul(inner) == size && mid.is_multiple_of(parts), || {
-            format!("a dimension of {size} viewed as [{outer}, _, {inner}] cannot be split in {parts}")
-        })?;
+        if parts == 0 || coord >= parts {
+            return Err(BlockError::Coordinate { coord, parts });
+        }
+        if mid.saturating_mul(outer).saturating_mul(inner) != size || !mid.is_multiple_of(parts) {
+            return Err(BlockError::Indivisible { size, outer, inner, parts });
+        }
         Ok(outer * (mid / parts) * inner)
     }
 
@@ -173,7 +176,7 @@ impl Split {
 
 /// The logical linear index of each local element of a buffer on the device at `coords`, from its
 /// layout, or an error when the layout, the local shape and the logical shape disagree.
-pub fn try_logical_indices(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Vec<u64>, String> {
+pub fn try_logical_indices(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Vec<u64>, BlockError> {
     let map = IndexMap::new(meta, coords, mesh)?;
     let mut out = Vec::with_capacity(numel(&meta.shape));
     map.for_each(|_, logical| out.push(logical));
@@ -184,4 +187,61 @@ pub fn try_logical_indices(meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<
 /// layout. Empty when the buffer's layout and shapes disagree (see [`try_logical_indices`]).
 pub fn logical_indices(meta: &Buffer, coords: Coords, mesh: Mesh) -> Vec<u64> {
     try_logical_indices(meta, coords, mesh).unwrap_or_default()
+}
+
+/// Why a device's block of a buffer cannot be laid out, cut or joined: the buffer's layout, its local
+/// shape and its logical shape disagree, or a tensor does not match the buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BlockError {
+    /// The local shape's rank is not the logical shape's.
+    Rank { local: usize, logical: usize },
+    /// The layout splits a dimension the tensor does not have.
+    NoDimension { layout: String, dim: usize, rank: usize },
+    /// The layout gives another local size of dimension `dim` than the buffer's local shape.
+    LocalSize { layout: String, dim: usize, local: u64, shape: u64 },
+    /// A mesh coordinate outside its axis of `parts` devices.
+    Coordinate { coord: u64, parts: u64 },
+    /// A dimension of `size`, viewed as [outer, _, inner], does not split in `parts`.
+    Indivisible { size: u64, outer: u64, inner: u64, parts: u64 },
+    /// A logical tensor for buffer `name` has another shape than its logical shape.
+    LogicalShape { name: String, want: Vec<u64>, got: Vec<u64> },
+    /// A tensor for buffer `name` is larger than its (padded) logical shape in some dimension.
+    DoesNotFit { name: String, shape: Vec<u64>, logical: Vec<u64> },
+    /// Integers where floating-point values are needed.
+    Integers,
+}
+
+impl std::fmt::Display for BlockError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BlockError::Rank { local, logical } => {
+                write!(f, "the local shape's rank is {:?}, expected {:?}", [local], [logical])
+            }
+            BlockError::NoDimension { layout, dim, rank } => {
+                write!(f, "layout {layout} splits dimension {dim} of a rank-{rank} tensor")
+            }
+            BlockError::LocalSize { layout, dim, local, shape } => {
+                write!(f, "layout {layout} gives {local} local elements in dimension {dim}, not {shape}")
+            }
+            BlockError::Coordinate { coord, parts } => {
+                write!(f, "mesh coordinate {coord} is outside an axis of {parts}")
+            }
+            BlockError::Indivisible { size, outer, inner, parts } => {
+                write!(f, "a dimension of {size} viewed as [{outer}, _, {inner}] cannot be split in {parts}")
+            }
+            BlockError::LogicalShape { name, want, got } => write!(f, "`{name}` must be {want:?}, not {got:?}"),
+            BlockError::DoesNotFit { name, shape, logical } => {
+                write!(f, "`{name}` is {shape:?}, which does not fit {logical:?}")
+            }
+            BlockError::Integers => f.write_str("expected a floating-point tensor, found integers"),
+        }
+    }
+}
+
+impl std::error::Error for BlockError {}
+
+impl From<BlockError> for String {
+    fn from(e: BlockError) -> String {
+        e.to_string()
+    }
 }
