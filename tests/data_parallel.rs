@@ -359,3 +359,23 @@ fn the_largest_batch_that_fits_counts_every_replicas_share() {
     assert!(one.max_batch > 0, "{one:?}");
     assert_eq!(two.max_batch, 2 * one.max_batch, "each replica holds what one mesh holds: {one:?} {two:?}");
 }
+
+#[test]
+fn the_plan_says_which_collectives_are_gradient_sums_and_where_the_updates_begin() {
+    use optimus::plan::phases::{Phase, StepPhases};
+    for (mesh, strategy) in [(Mesh::new(2, 2).with_data(2), Strategy::Optimus), (Mesh::new(1, 2), Strategy::Megatron)] {
+        let plan = small_gpt2(mesh, strategy, 0);
+        let phases = StepPhases::of(&plan);
+        let of = |p: Phase| (0..plan.program.len()).filter(|&i| phases.phase(i) == p).collect::<Vec<_>>();
+        let updates = of(Phase::Update);
+        assert_eq!(updates.len(), plan.params.len(), "{mesh}: one update per parameter");
+        assert_eq!(phases.updates_begin(), *updates.iter().chain(&of(Phase::GradientNorm)).min().expect("updates"));
+        let sums = of(Phase::GradientSum);
+        for &i in &sums {
+            let Instr::Collective { reason, .. } = &plan.program[i] else { panic!("{mesh}: {i} is not a collective") };
+            assert!(matches!(plan.reasons[*reason as usize].kind, ReasonKind::DataParallelGradient { .. }));
+            assert!(i < phases.updates_begin(), "{mesh}: gradient sums come before the updates");
+        }
+        assert_eq!(sums.is_empty(), mesh.data == 1, "{mesh}: gradient sums exactly where there are replicas");
+    }
+}

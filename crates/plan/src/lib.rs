@@ -8,6 +8,7 @@ pub mod init;
 pub mod layout;
 pub mod logical;
 pub mod memory;
+pub mod phases;
 pub mod placement;
 pub mod reason;
 pub mod report;
