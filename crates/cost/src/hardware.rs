@@ -164,7 +164,7 @@ impl Hardware {
     /// A profile file: a regular file of at most 64 MiB of UTF-8 text.
     pub fn from_path(path: &Path) -> Result<Hardware, String> {
         let limit = optimus_io::files::HARDWARE_PROFILE_LIMIT;
-        let bytes = optimus_io::files::read_bounded(path, "hardware profile", limit)?;
+        let bytes = optimus_io::files::read_bounded(path, "hardware profile", limit).map_err(|e| e.to_string())?;
         let text = String::from_utf8(bytes)
             .map_err(|e| format!("cannot read hardware profile `{}`: not UTF-8 text ({e})", path.display()))?;
         Hardware::parse(&text, &path.display().to_string())
