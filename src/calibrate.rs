@@ -82,8 +82,8 @@ pub fn median_step(plan: &Plan, steps: u64, seed: u64) -> Result<f64, String> {
         }
     };
     let config = RunConfig::new(seed, steps.max(2), optimizer());
-    let sources = Sources::new(None, None, None, Objective::Causal, seed, "")?;
-    let batches = |step| sources.batch(plan, step);
+    let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
+    let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
     crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &record)?;
     let mut t = times.into_inner().map_err(|_| "a step record was lost".to_string())?;
     // One record per step (every device reports the same step once).
@@ -126,8 +126,8 @@ pub fn median_of(passes: Vec<Vec<(KernelSample, bool)>>) -> Vec<(KernelSample, b
 
 fn run_profiled(plan: &Plan, steps: u64, seed: u64) -> Result<RunOutput, String> {
     let config = RunConfig { profile: true, ..RunConfig::new(seed, steps, optimizer()) };
-    let sources = Sources::new(None, None, None, Objective::Causal, seed, "")?;
-    let batches = |step| sources.batch(plan, step);
+    let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
+    let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
     crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
 }
 

@@ -113,12 +113,12 @@ fn the_ignore_id_of_u32_label_files_is_the_largest_u32() {
     let labels = TokenData::open(&labels, TokenDtype::U32).expect("opens");
     let sources = Sources::new(Some(tokens), Some(segments), Some(labels), Objective::Mlm, 0, "").expect("ok");
     // 65535 is an ordinary label in a u32 file, and outside this 50-token vocabulary.
-    let e = sources.batch(&plan, 0).expect_err("65535 is not below 50");
+    let e = sources.batch(&plan, 0).expect_err("65535 is not below 50").to_string();
     assert!(e.contains("label 65535 at offset 3") && e.contains("ignore id 4294967295"), "{e}");
     let labels = TokenData::open(&write_u32("u32.labels2", &[u32::MAX, 7, u32::MAX, 49]), TokenDtype::U32);
     let tokens = TokenData::open(&write_u32("u32.tokens", &[1, 2, 3, 4]), TokenDtype::U32).expect("opens");
     let sources = Sources::new(Some(tokens), None, Some(labels.expect("opens")), Objective::Mlm, 0, "");
-    let e = sources.expect("consistent").check(&plan, "").expect_err("segments have no source");
+    let e = sources.expect("consistent").check(&plan, "").expect_err("segments have no source").to_string();
     assert!(e.contains("input `segments` holds token types") && e.contains("--segments FILE"), "{e}");
 }
 

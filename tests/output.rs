@@ -148,7 +148,7 @@ fn a_directory_is_an_error_naming_it() {
     let dir = scratch();
     let error = write_file(dir.path(), b"x").expect_err("a directory is refused").to_string();
     assert!(error.contains(&dir.path().display().to_string()) && error.contains("is a directory"), "{error}");
-    let checked = check_writable(dir.path()).expect_err("a directory is refused");
+    let checked = check_writable(dir.path()).expect_err("a directory is refused").to_string();
     assert!(checked.contains("is a directory"), "{checked}");
 }
 
@@ -213,7 +213,8 @@ fn check_writable_accepts_good_paths_and_leaves_nothing_behind() {
 #[test]
 fn check_writable_names_a_missing_directory() {
     let dir = scratch();
-    let error = check_writable(&dir.path().join("absent/weights.safetensors")).expect_err("no such directory");
+    let error =
+        check_writable(&dir.path().join("absent/weights.safetensors")).expect_err("no such directory").to_string();
     assert!(error.contains("absent`") && error.contains("does not exist"), "{error}");
 }
 
@@ -227,7 +228,7 @@ fn check_writable_rejects_a_read_only_directory() {
     let locked = dir.path().join("read-only");
     fs::create_dir(&locked).expect("a directory");
     fs::set_permissions(&locked, fs::Permissions::from_mode(0o555)).expect("making it read-only");
-    let error = check_writable(&locked.join("w.safetensors")).expect_err("a read-only directory");
+    let error = check_writable(&locked.join("w.safetensors")).expect_err("a read-only directory").to_string();
     let _ = fs::set_permissions(&locked, fs::Permissions::from_mode(0o755));
     assert!(error.contains("read-only`") && error.contains("Permission denied"), "{error}");
 }

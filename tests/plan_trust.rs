@@ -439,7 +439,7 @@ fn inspect_refuses_a_device_a_fifo_and_a_directory_quickly() {
         let start = Instant::now();
         assert_clean_failure(&optimusc(&["inspect", path], Duration::from_secs(20)), needle);
         assert!(start.elapsed() < Duration::from_secs(20), "{path} took {:?}", start.elapsed());
-        let e = read_plan(Path::new(path)).expect_err("not a plan");
+        let e = read_plan(Path::new(path)).expect_err("not a plan").to_string();
         assert!(e.contains(needle), "{e}");
     }
 }
@@ -451,7 +451,7 @@ fn an_oversized_plan_file_is_refused_without_reading_it() {
     let file = std::fs::File::create(&path).expect("create");
     file.set_len(MAX_PLAN_BYTES + 1).expect("a sparse file");
     drop(file);
-    let e = read_plan(&path).expect_err("too large");
+    let e = read_plan(&path).expect_err("too large").to_string();
     assert!(e.contains(&format!("more than the {MAX_PLAN_BYTES} bytes")), "{e}");
     let out = optimusc(&["inspect", path.to_str().expect("UTF-8")], Duration::from_secs(20));
     assert_clean_failure(&out, "more than the");
@@ -469,12 +469,12 @@ fn floats_round_trip_exactly() {
 fn another_format_version_is_named_even_when_the_rest_does_not_parse() {
     let dir = scratch("version");
     let path = write_json(dir.path(), "old.json", &json!({ "format_version": 7, "model": 5 }));
-    let e = read_plan(&path).expect_err("version 7");
+    let e = read_plan(&path).expect_err("version 7").to_string();
     assert!(e.contains("plan format version 7") && e.contains("recompile"), "{e}");
     let path = write_json(dir.path(), "none.json", &json!({ "model": "m" }));
-    assert!(read_plan(&path).expect_err("no version").contains("version none"));
+    assert!(read_plan(&path).expect_err("no version").to_string().contains("version none"));
     std::fs::write(dir.path().join("bad.json"), b"{\"format_version\": 1, ").expect("write");
-    let e = read_plan(&dir.path().join("bad.json")).expect_err("invalid JSON");
+    let e = read_plan(&dir.path().join("bad.json")).expect_err("invalid JSON").to_string();
     assert!(e.contains("invalid JSON"), "{e}");
 }
 
@@ -490,7 +490,7 @@ fn a_plan_with_text_reasons_is_refused_by_its_version() {
     plan["reasons"] = Value::Array(texts);
     plan["format_version"] = json!(3);
     let path = write_json(dir.path(), "v3.json", &plan);
-    let e = read_plan(&path).expect_err("version 3");
+    let e = read_plan(&path).expect_err("version 3").to_string();
     assert!(e.contains("plan format version 3") && e.contains("reads version 4") && e.contains("recompile"), "{e}");
     let file = path.to_str().expect("UTF-8");
     for args in
@@ -500,7 +500,7 @@ fn a_plan_with_text_reasons_is_refused_by_its_version() {
     }
     plan["format_version"] = json!(4);
     let path = write_json(dir.path(), "v4_text.json", &plan);
-    let e = read_plan(&path).expect_err("reasons without kinds");
+    let e = read_plan(&path).expect_err("reasons without kinds").to_string();
     assert!(e.contains("is not a valid plan"), "{e}");
 }
 

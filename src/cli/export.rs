@@ -51,9 +51,9 @@ fn refuse_writing_into(output: &std::path::Path, checkpoint: &std::path::Path) -
 }
 
 fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
-    let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    let checkpoint = Checkpoint::open(&args.checkpoint).map_err(|e| e.to_string())?;
     refuse_writing_into(&args.output, checkpoint.dir())?;
-    let summary = export_safetensors(&checkpoint, &args.output)?;
+    let summary = export_safetensors(&checkpoint, &args.output).map_err(|e| e.to_string())?;
     eprintln_safe!(
         "exported step {} of `{}` ({} tensors, {} parameters) to {}",
         summary.step,

@@ -62,8 +62,8 @@ fn mask_file(args: &MaskDataArgs) -> Result<(), Failure> {
         super::refuse_overwriting_input(output, &args.tokens, "-o")?;
     }
     let dtype = if args.data_dtype == DataDtype::U32 { TokenDtype::U32 } else { TokenDtype::U16 };
-    let data = TokenData::open(&args.tokens, dtype)?;
-    let masked = mask_tokens(&data, args.mask_id, args.vocab, args.seed).map_err(Failure::usage)?;
+    let data = TokenData::open(&args.tokens, dtype).map_err(|e| e.to_string())?;
+    let masked = mask_tokens(&data, args.mask_id, args.vocab, args.seed).map_err(|e| Failure::usage(e.to_string()))?;
     for (path, bytes) in [(&inputs, &masked.inputs), (&labels, &masked.labels)] {
         write_file(path, bytes).map_err(|e| e.to_string())?;
     }

@@ -319,7 +319,7 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
     if !is_plan {
         return compile_model(path, target).ok_or_else(Failure::reported);
     }
-    let plan = optimus::io::plan_file::read_plan(path)?;
+    let plan = optimus::io::plan_file::read_plan(path).map_err(|e| e.to_string())?;
     if let Err(errors) = optimus::plan::verify::verify(&plan) {
         eprintln_safe!("error: `{}` failed verification:", path.display());
         for e in errors.iter().take(20) {

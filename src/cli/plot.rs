@@ -58,7 +58,7 @@ pub fn plot(args: &PlotArgs) -> ExitCode {
 /// Reads the log, draws it and writes the SVG; returns a summary line.
 fn plot_log(args: &PlotArgs) -> Result<String, Failure> {
     super::refuse_overwriting_input(&args.output, &args.log, "-o")?;
-    let metrics = read_metrics(&args.log)?;
+    let metrics = read_metrics(&args.log).map_err(|e| e.to_string())?;
     if metrics.is_empty() {
         return Err(Failure::from(format!(
             "`{}` has no record to plot: expected lines such as {{\"step\": 0, \"loss\": 4.2, \"tokens_per_s\": 900}} \

@@ -195,7 +195,7 @@ fn evaluation(args: &RunArgs, plan: &Plan) -> Result<Option<Evaluation>, Failure
         dtype: args.data_dtype,
     };
     let sources = open_sources(&files, args.inputs.objective, args.seed, "val-")?;
-    sources.check(plan, "val-").map_err(Failure::usage)?;
+    sources.check(plan, "val-").map_err(|e| Failure::usage(e.to_string()))?;
     // Every evaluation reads batches 0..N: read them now, so that an id above the vocabulary is a usage
     // error before step 0, not a failure after the training.
     let batches = args.eval_batches.unwrap_or(1);
@@ -206,7 +206,7 @@ fn evaluation(args: &RunArgs, plan: &Plan) -> Result<Option<Evaluation>, Failure
     Ok(Some(Evaluation {
         every: args.eval_every.unwrap_or(args.steps),
         batches,
-        data: std::sync::Arc::new(move |v| sources.batch(&plan, v)),
+        data: std::sync::Arc::new(move |v| sources.batch(&plan, v).map_err(|e| e.to_string())),
     }))
 }
 
@@ -262,15 +262,16 @@ pub fn open_sources(files: &DataFiles<'_>, objective: ObjectiveArg, seed: u64, f
     let dtype = if files.dtype == DataDtype::U32 { TokenDtype::U32 } else { TokenDtype::U16 };
     let open = |path: Option<&PathBuf>, name: &str| {
         path.map(|p| {
-            TokenData::open(p, dtype)
-                .map_err(|e| if flag.is_empty() && name == "data" { e } else { format!("--{flag}{name}: {e}") })
+            TokenData::open(p, dtype).map_err(|e| {
+                if flag.is_empty() && name == "data" { e.to_string() } else { format!("--{flag}{name}: {e}") }
+            })
         })
         .transpose()
     };
     let tokens = open(files.data, "data")?;
     let segments = open(files.segments, "segments")?;
     let labels = open(files.labels, "labels")?;
-    Sources::new(tokens, segments, labels, objective.objective(), seed, flag).map_err(Failure::usage)
+    Sources::new(tokens, segments, labels, objective.objective(), seed, flag).map_err(|e| Failure::usage(e.to_string()))
 }
 
 /// A warning when the token file is shorter than one step of `plan` reads (see
@@ -409,7 +410,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         dtype: args.data_dtype,
     };
     let sources = open_sources(&files, args.inputs.objective, args.seed, "")?;
-    sources.check(&plan, "").map_err(Failure::usage)?;
+    sources.check(&plan, "").map_err(|e| Failure::usage(e.to_string()))?;
     if sources.drawn_from_seed() && leader {
         let what = if plan.mode == Mode::Train { "training on" } else { "running" };
         eprintln_safe!(
@@ -487,7 +488,7 @@ fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
         .with_micro_batches(args.accum)
         .with_log(open_log(args)?)
         .starting_at(job.config.start_step);
-    let batches = |step| job.sources.batch(&job.plan, step);
+    let batches = |step| job.sources.batch(&job.plan, step).map_err(|e| e.to_string());
     stop_gracefully(job);
     let output = optimus::runtime::local::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output)
@@ -607,7 +608,7 @@ mod multi_process {
             .with_micro_batches(args.accum)
             .with_log(log)
             .starting_at(job.config.start_step);
-        let batches = |step| job.sources.batch(&job.plan, step);
+        let batches = |step| job.sources.batch(&job.plan, step).map_err(|e| e.to_string());
         let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
         stop_gracefully(&job);
@@ -695,7 +696,7 @@ impl Progress {
         let Some(log) = self.log.as_ref().filter(|_| self.log_failed.get().is_none()) else { return };
         if let Err(e) = log.append(record) {
             eprintln_safe!("warning: --log: {e}; no further records are logged");
-            let _ = self.log_failed.set(e);
+            let _ = self.log_failed.set(e.to_string());
         }
     }
 
@@ -800,8 +801,10 @@ fn initial_weights(args: &RunArgs, plan: &Plan) -> Result<InitialWeights, String
     let allow = args.allow_non_finite_weights;
     match &args.weights {
         None => Ok((BTreeMap::new(), None)),
-        Some(path) if path.is_dir() && pretrained_file(path).is_none() => Ok((load_weights(path, plan, allow)?, None)),
-        Some(path) => Ok((BTreeMap::new(), Some(Arc::new(map_weights(path, plan, allow)?)))),
+        Some(path) if path.is_dir() && pretrained_file(path).is_none() => {
+            Ok((load_weights(path, plan, allow).map_err(|e| e.to_string())?, None))
+        }
+        Some(path) => Ok((BTreeMap::new(), Some(Arc::new(map_weights(path, plan, allow).map_err(|e| e.to_string())?)))),
     }
 }
 
@@ -810,10 +813,10 @@ fn initial_weights(args: &RunArgs, plan: &Plan) -> Result<InitialWeights, String
 fn check_weights_destination(path: &Path) -> Result<(), String> {
     let fail = |e: String| format!("--save-weights: {e}");
     if !saves_a_directory(path) {
-        return optimus::io::check_writable(path).map_err(fail);
+        return optimus::io::check_writable(path).map_err(|e| fail(e.to_string()));
     }
     std::fs::create_dir_all(path).map_err(|e| fail(format!("cannot create directory `{}`: {e}", path.display())))?;
-    optimus::io::check_writable(&path.join(optimus::io::pretrained::SINGLE_FILE)).map_err(fail)
+    optimus::io::check_writable(&path.join(optimus::io::pretrained::SINGLE_FILE)).map_err(|e| fail(e.to_string()))
 }
 
 /// Whether `--save-weights` names a directory (the `save_pretrained` layout) rather than one file.
@@ -824,11 +827,12 @@ fn saves_a_directory(path: &Path) -> bool {
 /// Writes the final weights to one file, or in the `save_pretrained` layout into a directory.
 fn save_weights(path: &Path, max_shard: u64, job: &Prepared, output: &RunOutput) -> Result<(), String> {
     if !saves_a_directory(path) {
-        save_checkpoint(path, &job.plan, &output.params)?;
+        save_checkpoint(path, &job.plan, &output.params).map_err(|e| e.to_string())?;
         eprintln_safe!("saved weights to {}", path.display());
         return Ok(());
     }
-    let saved = optimus::io::pretrained::save_pretrained(path, &job.plan, &output.params, max_shard)?;
+    let saved = optimus::io::pretrained::save_pretrained(path, &job.plan, &output.params, max_shard)
+        .map_err(|e| e.to_string())?;
     eprintln_safe!("saved weights to {} ({} files: {})", path.display(), saved.files.len(), saved.files.join(", "));
     Ok(())
 }

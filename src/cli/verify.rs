@@ -94,7 +94,7 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
         args.steps
     );
     let sources = open_sources(&files(args), args.inputs.objective, args.seed, "").map_err(|f| f.message)?;
-    sources.check(&sharded, "")?;
+    sources.check(&sharded, "").map_err(|e| e.to_string())?;
     if let Some(warning) = shortfall_warning(&sources, &sharded) {
         eprintln_safe!("warning: {warning}");
     }
@@ -127,7 +127,7 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
         ..RunConfig::new(args.seed, args.steps.max(1), optimizer.settings())
     };
     let sources = open_sources(&files(args), args.inputs.objective, args.seed, "").map_err(|f| f.message)?;
-    let batches = |step| sources.batch(plan, step);
+    let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
     optimus::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
 }
 

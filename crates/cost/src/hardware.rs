@@ -161,8 +161,8 @@ impl Hardware {
     /// A profile file: a regular file of at most 64 MiB of UTF-8 text.
     pub fn from_path(path: &Path) -> Result<Hardware, HardwareError> {
         let limit = optimus_io::files::HARDWARE_PROFILE_LIMIT;
-        let bytes = optimus_io::files::read_bounded(path, "hardware profile", limit)
-            .map_err(|e| HardwareError::Unreadable(e.to_string()))?;
+        let bytes =
+            optimus_io::files::read_bounded(path, "hardware profile", limit).map_err(HardwareError::Unreadable)?;
         let text = String::from_utf8(bytes)
             .map_err(|e| HardwareError::NotText { path: path.to_path_buf(), why: e.utf8_error() })?;
         Hardware::parse(&text, &path.display().to_string())
@@ -252,12 +252,12 @@ impl Hardware {
 }
 
 /// Why a hardware profile could not be loaded.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug)]
 pub enum HardwareError {
     /// Neither a built-in profile nor a path.
     Unknown { name: String },
-    /// The file could not be read (the reader's own words).
-    Unreadable(String),
+    /// The file could not be read.
+    Unreadable(optimus_io::files::FileError),
     /// The file is not UTF-8 text.
     NotText { path: std::path::PathBuf, why: std::str::Utf8Error },
     /// The profile named `origin` is not a valid profile.
@@ -298,7 +298,7 @@ impl std::fmt::Display for HardwareError {
                     names.join(", ")
                 )
             }
-            HardwareError::Unreadable(why) => f.write_str(why),
+            HardwareError::Unreadable(why) => write!(f, "{why}"),
             HardwareError::NotText { path, why } => {
                 write!(f, "cannot read hardware profile `{}`: not UTF-8 text ({why})", path.display())
             }

@@ -7,21 +7,266 @@
 //! BertForMaskedLM's `save_pretrained` writes it), takes the first rows of a longer position table, and
 //! reads F32, F16, BF16 and F64. Every mismatch is reported at once, and nothing is returned or written unless all is well.
 
+use super::files::FileError;
+use super::output::OutputError;
+use super::pretrained::{INDEX_FILE, IndexProblem, SINGLE_FILE};
+use super::shards::{CheckpointError, LayoutError};
 use optimus_plan::tensor::Tensor;
 use optimus_plan::text::printable;
 use optimus_plan::text::shape_text;
 use optimus_plan::types::ParamRole;
 use optimus_plan::{Plan, PlanParam};
 use safetensors::tensor::TensorView;
-use safetensors::{Dtype, View};
+use safetensors::{Dtype, SafeTensorError, View};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// One way a tensor and a model's parameter disagree: a file's tensor on loading, a value on saving,
+/// a checkpoint's record on resuming. Errors list every one found. Names are kept as printed (file keys
+/// with their control characters escaped).
+#[derive(Clone, Debug, PartialEq)]
+pub enum TensorProblem {
+    /// Nothing holds the parameter; `want` is its shape, `[out, in]` when `transposed`.
+    Missing { name: String, want: Vec<u64>, transposed: bool },
+    /// A tensor of shape `got` where `want` was expected.
+    Shape { name: String, want: Vec<u64>, transposed: bool, got: Vec<u64> },
+    /// A tensor of a dtype that cannot be read.
+    Dtype { name: String, dtype: Dtype },
+    /// A file tensor with fewer values than its shape says.
+    Short { name: String },
+    /// The parameter stored under `checkpoint` is in the file twice, under the keys `first` and `second`.
+    Twice { checkpoint: String, first: String, second: String },
+    /// A file tensor of shape `got` that belongs to no parameter.
+    Unexpected { name: String, got: Vec<u64> },
+    /// Two parameters would be stored under one key.
+    SharedKey { key: String },
+    /// A value that is not a floating-point tensor; `why` is the tensor's own message.
+    Values { name: String, why: String },
+    /// A value whose number of elements is not its shape's.
+    Count { name: String, shape: Vec<u64>, needs: u64, found: usize },
+    /// A checkpoint's parameter with another number of optimizer states than the optimizer keeps.
+    States { name: String, want: usize, got: usize },
+    /// A checkpoint's parameter the model does not have.
+    NoSuchParam { name: String },
+}
+
+impl fmt::Display for TensorProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TensorProblem::Missing { name, want, transposed } => {
+                write!(f, "missing `{name}`: expected {}{}", shape_text(want), orientation_note(*transposed))
+            }
+            TensorProblem::Shape { name, want, transposed, got } => write!(
+                f,
+                "`{name}`: expected {}{}, found {}",
+                shape_text(want),
+                orientation_note(*transposed),
+                shape_text(got)
+            ),
+            TensorProblem::Dtype { name, dtype } => {
+                write!(f, "`{name}`: dtype {dtype:?} cannot be read (F32, F16, BF16 and F64 can)")
+            }
+            TensorProblem::Short { name } => write!(f, "`{name}`: the file holds fewer values than its shape says"),
+            TensorProblem::Twice { checkpoint, first, second } => {
+                write!(f, "`{checkpoint}` appears twice, as `{first}` and as `{second}`")
+            }
+            TensorProblem::Unexpected { name, got } => write!(f, "unexpected `{name}`: found {}", shape_text(got)),
+            TensorProblem::SharedKey { key } => write!(f, "two parameters are stored under `{key}`"),
+            TensorProblem::Values { name, why } => write!(f, "`{name}`: {why}"),
+            TensorProblem::Count { name, shape, needs, found } => {
+                write!(f, "`{name}`: shape {} needs {needs} values, found {found}", shape_text(shape))
+            }
+            TensorProblem::States { name, want, got } => write!(
+                f,
+                "`{name}`: the optimizer keeps {want} state tensors, the checkpoint {got} (was it written with \
+                 another optimizer?)"
+            ),
+            TensorProblem::NoSuchParam { name } => write!(f, "unexpected `{name}`: the model has no such parameter"),
+        }
+    }
+}
+
+/// The first NaN or infinite value of a tensor: which element, and whether it was an F64 narrowed to f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NonFiniteValue {
+    /// The tensor's name, as printed.
+    pub tensor: String,
+    pub value: f32,
+    pub index: usize,
+    pub narrowed: bool,
+}
+
+impl fmt::Display for NonFiniteValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let cast = if self.narrowed { " (as f32)" } else { "" };
+        write!(f, "tensor `{}` holds {}{cast} at element {}", self.tensor, non_finite_name(self.value), self.index)
+    }
+}
+
+/// Why weights could not be loaded: a safetensors file, a `save_pretrained` directory or index, or a
+/// checkpoint directory. Every message names the file.
+#[derive(Debug)]
+pub enum WeightsError {
+    /// The operating system refused to look at, open or map the file.
+    Unreadable { path: PathBuf, source: std::io::Error },
+    /// A device, FIFO or directory where a safetensors file was expected.
+    NotRegular { path: PathBuf },
+    /// The file's bytes are not safetensors.
+    NotSafetensors { path: PathBuf, source: SafeTensorError },
+    /// The file's tensors do not fit the model's parameters; `prefix` is the model's checkpoint prefix.
+    Mismatch { path: PathBuf, model: String, prefix: Option<String>, problems: Vec<TensorProblem> },
+    /// Tensors holding NaN or infinite values.
+    NonFinite { path: PathBuf, tensors: Vec<NonFiniteValue> },
+    /// A parameter the weights were not loaded for.
+    NotLoaded { name: String },
+    /// A device's block of a parameter cannot be located.
+    Layout(LayoutError),
+    /// A `save_pretrained` directory without its files.
+    NoWeightFile { dir: PathBuf },
+    /// The index file cannot be read.
+    Index(FileError),
+    /// The index file is not JSON with a `weight_map`.
+    NotAnIndex { path: PathBuf, source: serde_json::Error },
+    /// The index names a shard file that is not a plain name beside it (`name` as printed).
+    ShardName { index: PathBuf, name: String },
+    /// The index and the shard files disagree.
+    IndexMismatch { index: PathBuf, problems: Vec<IndexProblem> },
+    /// Two failures of one load, reported together.
+    Both(Box<WeightsError>, Box<WeightsError>),
+    /// A checkpoint directory that cannot be read.
+    Checkpoint(CheckpointError),
+}
+
+impl fmt::Display for WeightsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WeightsError::Unreadable { path, source } => {
+                write!(f, "cannot read checkpoint `{}`: {source}", path.display())
+            }
+            WeightsError::NotRegular { path } => write!(
+                f,
+                "cannot read checkpoint `{}`: it is not a regular file (a device, FIFO or directory)",
+                path.display()
+            ),
+            WeightsError::NotSafetensors { path, source } => {
+                write!(f, "`{}` is not a valid safetensors file: {source}", path.display())
+            }
+            WeightsError::Mismatch { path, model, prefix, problems } => {
+                let names = match prefix.as_deref() {
+                    Some(prefix) if !prefix.is_empty() => {
+                        format!(" (names are looked up bare and with the prefix `{prefix}`)")
+                    }
+                    _ => String::new(),
+                };
+                write!(
+                    f,
+                    "checkpoint `{}` does not match the parameters of model `{model}`{names}:\n{}",
+                    path.display(),
+                    capped_list(problems)
+                )
+            }
+            WeightsError::NonFinite { path, tensors } => {
+                match tensors.as_slice() {
+                    [one] => write!(f, "weights `{}`: {one}", path.display())?,
+                    _ => write!(
+                        f,
+                        "weights `{}`: {} tensors hold NaN or infinite values:\n{}",
+                        path.display(),
+                        tensors.len(),
+                        capped_list(tensors)
+                    )?,
+                }
+                f.write_str("\nhelp: pass `--allow-non-finite-weights` to load them anyway")
+            }
+            WeightsError::NotLoaded { name } => write!(f, "`{name}` is not in the checkpoint"),
+            WeightsError::Layout(e) => write!(f, "{e}"),
+            WeightsError::NoWeightFile { dir } => {
+                write!(f, "`{}` holds neither {SINGLE_FILE} nor {INDEX_FILE}", dir.display())
+            }
+            WeightsError::Index(e) => write!(f, "{e}"),
+            WeightsError::NotAnIndex { path, source } => write!(
+                f,
+                "`{}` is not a safetensors index (JSON with a `weight_map` of tensor names to files): {source}",
+                path.display()
+            ),
+            WeightsError::ShardName { index, name } => write!(
+                f,
+                "`{}` names the file `{name}`; shard files must be plain names beside the index",
+                index.display()
+            ),
+            WeightsError::IndexMismatch { index, problems } => {
+                write!(f, "`{}` does not match its files:\n{}", index.display(), bullet_list(problems))
+            }
+            WeightsError::Both(first, then) => write!(f, "{first}\n{then}"),
+            WeightsError::Checkpoint(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for WeightsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            WeightsError::Unreadable { source, .. } => Some(source),
+            WeightsError::NotSafetensors { source, .. } => Some(source),
+            WeightsError::Layout(e) => Some(e),
+            WeightsError::Index(e) => Some(e),
+            WeightsError::NotAnIndex { source, .. } => Some(source),
+            WeightsError::Both(first, _) => Some(first.as_ref()),
+            WeightsError::Checkpoint(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<CheckpointError> for WeightsError {
+    fn from(e: CheckpointError) -> WeightsError {
+        WeightsError::Checkpoint(e)
+    }
+}
+
+/// Why a model's parameters could not be saved as one safetensors file.
+#[derive(Debug)]
+pub enum SaveError {
+    /// Values that do not fit the parameters.
+    Tensors { path: PathBuf, problems: Vec<TensorProblem> },
+    /// The tensors could not be serialized.
+    Serialize { path: PathBuf, source: SafeTensorError },
+    /// Writing the file failed.
+    Write(OutputError),
+}
+
+impl fmt::Display for SaveError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SaveError::Tensors { path, problems } => {
+                write!(f, "cannot save checkpoint `{}`:\n{}", path.display(), bullet_list(problems))
+            }
+            SaveError::Serialize { path, source } => write!(f, "cannot save checkpoint `{}`: {source}", path.display()),
+            SaveError::Write(e) => write!(f, "cannot write checkpoint `{}`: {}", e.path().display(), e.reason()),
+        }
+    }
+}
+
+impl std::error::Error for SaveError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SaveError::Tensors { .. } => None,
+            SaveError::Serialize { source, .. } => Some(source),
+            SaveError::Write(e) => Some(e),
+        }
+    }
+}
 
 /// Reads a safetensors file (or an index and its shards) and returns every plan parameter's logical tensor,
 /// by parameter name. A NaN or infinite weight is an error naming the tensor and the first bad element,
 /// unless `allow_non_finite`.
-pub fn load_checkpoint(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<BTreeMap<String, Tensor>, String> {
+pub fn load_checkpoint(
+    path: &Path,
+    plan: &Plan,
+    allow_non_finite: bool,
+) -> Result<BTreeMap<String, Tensor>, WeightsError> {
     let mapped = match super::pretrained::is_index(path) {
         true => super::pretrained::map_weights(path, plan, allow_non_finite)?,
         false => {
@@ -32,17 +277,15 @@ pub fn load_checkpoint(path: &Path, plan: &Plan, allow_non_finite: bool) -> Resu
 }
 
 /// "missing `NAME`: expected [SHAPE]", for a parameter no file tensor matches.
-pub(super) fn missing(p: &PlanParam) -> String {
-    format!("missing `{}`: expected {}{}", p.checkpoint, shape_text(&stored_shape(p)), orientation_note(p))
+pub(super) fn missing(p: &PlanParam) -> TensorProblem {
+    TensorProblem::Missing { name: p.checkpoint.clone(), want: stored_shape(p), transposed: is_transposed(p) }
 }
 
 /// Maps a checkpoint file into memory, so a large file is read page by page rather than copied whole. Anything
 /// but a regular file (a device such as `/dev/zero`, a FIFO, a directory) is refused before it is opened.
-pub(super) fn map_checkpoint(path: &Path) -> Result<memmap2::Mmap, String> {
-    let cannot = |e: std::io::Error| format!("cannot read checkpoint `{}`: {e}", path.display());
-    let not_regular = || {
-        format!("cannot read checkpoint `{}`: it is not a regular file (a device, FIFO or directory)", path.display())
-    };
+pub(super) fn map_checkpoint(path: &Path) -> Result<memmap2::Mmap, WeightsError> {
+    let cannot = |source: std::io::Error| WeightsError::Unreadable { path: path.to_path_buf(), source };
+    let not_regular = || WeightsError::NotRegular { path: path.to_path_buf() };
     if !std::fs::metadata(path).map_err(cannot)?.is_file() {
         return Err(not_regular());
     }
@@ -57,15 +300,14 @@ pub(super) fn map_checkpoint(path: &Path) -> Result<memmap2::Mmap, String> {
 }
 
 /// Writes every parameter as F32 under its prefixed checkpoint name, atomically, with `format: pt`.
-pub fn save_checkpoint(path: &Path, plan: &Plan, params: &BTreeMap<String, Tensor>) -> Result<(), String> {
-    let tensors = f32_tensors(plan, params)
-        .map_err(|problems| format!("cannot save checkpoint `{}`:\n{}", path.display(), bullet_list(&problems)))?;
+pub fn save_checkpoint(path: &Path, plan: &Plan, params: &BTreeMap<String, Tensor>) -> Result<(), SaveError> {
+    let tensors =
+        f32_tensors(plan, params).map_err(|problems| SaveError::Tensors { path: path.to_path_buf(), problems })?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let views: Vec<(&str, &F32Bytes)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
     let bytes = safetensors::serialize(views, Some(metadata))
-        .map_err(|e| format!("cannot save checkpoint `{}`: {e}", path.display()))?;
-    super::output::write_file(path, &bytes)
-        .map_err(|e| format!("cannot write checkpoint `{}`: {}", e.path().display(), e.reason()))
+        .map_err(|source| SaveError::Serialize { path: path.to_path_buf(), source })?;
+    super::output::write_file(path, &bytes).map_err(SaveError::Write)
 }
 
 /// File tensors assigned to parameters, and what did not fit.
@@ -73,9 +315,9 @@ pub(super) struct Matching<'p, 'd> {
     /// By parameter name: the file's key and tensor.
     pub found: HashMap<&'p str, (String, TensorView<'d>)>,
     /// Duplicates and other problems found while matching.
-    pub problems: Vec<String>,
+    pub problems: Vec<TensorProblem>,
     /// Tensors that belong to no parameter and are not ignorable.
-    pub extras: Vec<String>,
+    pub extras: Vec<TensorProblem>,
 }
 
 /// Assigns each file tensor to the parameter whose checkpoint name it carries, bare or prefixed.
@@ -102,20 +344,19 @@ pub(super) fn match_tensors<'p, 'd>(plan: &'p Plan, file: &[(String, TensorView<
         match param {
             Some(p) => {
                 if let Some((first, _)) = matching.found.get(p.name.as_str()) {
-                    matching.problems.push(format!(
-                        "`{}` appears twice, as `{}` and as `{}`",
-                        p.checkpoint,
-                        printable(first),
-                        printable(&key)
-                    ));
+                    matching.problems.push(TensorProblem::Twice {
+                        checkpoint: p.checkpoint.clone(),
+                        first: printable(first).into_owned(),
+                        second: printable(&key).into_owned(),
+                    });
                 } else {
                     matching.found.insert(p.name.as_str(), (key, view));
                 }
             }
             None if ignorable(plan, prefix, &key, view.shape()) => {}
-            None => {
-                matching.extras.push(format!("unexpected `{}`: found {}", printable(&key), shape_text(view.shape())))
-            }
+            None => matching
+                .extras
+                .push(TensorProblem::Unexpected { name: printable(&key).into_owned(), got: u64_shape(view.shape()) }),
         }
     }
     // Read only where the decoder's own name is absent: a file holding both holds the one tied tensor twice.
@@ -147,21 +388,27 @@ fn ignorable(plan: &Plan, prefix: &str, key: &str, shape: &[usize]) -> bool {
 
 /// How many leading elements of the file tensor make the parameter (its shape checked, the first rows of a
 /// longer position table), once its dtype is known to be readable.
-pub(super) fn check_view(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<usize, String> {
-    let key = printable(key);
+pub(super) fn check_view(p: &PlanParam, key: &str, view: &TensorView<'_>) -> Result<usize, TensorProblem> {
+    let name = printable(key).into_owned();
     let stored = stored_shape(p);
-    let count = elements_to_take(p, &stored, view.shape()).ok_or_else(|| {
-        format!("`{key}`: expected {}{}, found {}", shape_text(&stored), orientation_note(p), shape_text(view.shape()))
-    })?;
+    let Some(count) = elements_to_take(p, &stored, view.shape()) else {
+        let got = u64_shape(view.shape());
+        return Err(TensorProblem::Shape { name, want: stored, transposed: is_transposed(p), got });
+    };
     if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::BF16) {
-        return Err(format!("`{key}`: dtype {:?} cannot be read (F32, F16, BF16 and F64 can)", view.dtype()));
+        return Err(TensorProblem::Dtype { name, dtype: view.dtype() });
     }
     let needed = count.checked_mul(view.dtype().bitsize() / 8).filter(|&n| n <= view.data().len());
-    needed.map(|_| count).ok_or_else(|| format!("`{key}`: the file holds fewer values than its shape says"))
+    needed.map(|_| count).ok_or(TensorProblem::Short { name })
 }
 
-/// A description of the first NaN or infinite value among the first `count` elements of a file tensor.
-pub(super) fn first_non_finite_in(key: &str, dtype: Dtype, data: &[u8], count: usize) -> Option<String> {
+/// A shape of file dimensions as plan dimensions.
+fn u64_shape(shape: &[usize]) -> Vec<u64> {
+    shape.iter().map(|&d| d as u64).collect()
+}
+
+/// The first NaN or infinite value among the first `count` elements of a file tensor.
+pub(super) fn first_non_finite_in(key: &str, dtype: Dtype, data: &[u8], count: usize) -> Option<NonFiniteValue> {
     let width = dtype.bitsize() / 8;
     let value = |k: usize| -> f32 {
         let b = &data[k * width..k * width + width];
@@ -173,8 +420,8 @@ pub(super) fn first_non_finite_in(key: &str, dtype: Dtype, data: &[u8], count: u
         }
     };
     let index = (0..count.min(data.len() / width.max(1))).find(|&k| !value(k).is_finite())?;
-    let cast = if dtype == Dtype::F64 { " (as f32)" } else { "" };
-    Some(format!("tensor `{}` holds {}{cast} at element {index}", printable(key), non_finite_name(value(index))))
+    let tensor = printable(key).into_owned();
+    Some(NonFiniteValue { tensor, value: value(index), index, narrowed: dtype == Dtype::F64 })
 }
 
 /// The index and value of the first NaN or infinite value.
@@ -210,9 +457,14 @@ fn stored_shape(p: &PlanParam) -> Vec<u64> {
     shape
 }
 
+/// Whether checkpoint files store the parameter `[out, in]`, the model's shape reversed.
+fn is_transposed(p: &PlanParam) -> bool {
+    transposed_dims(p).is_some()
+}
+
 /// Says why a transposed parameter's expected shape is the model's reversed.
-fn orientation_note(p: &PlanParam) -> &'static str {
-    if transposed_dims(p).is_some() { " ([out, in], as the model declares `out_in`)" } else { "" }
+fn orientation_note(transposed: bool) -> &'static str {
+    if transposed { " ([out, in], as the model declares `out_in`)" } else { "" }
 }
 
 /// A row-major `[rows, cols]` matrix as row-major `[cols, rows]`.
@@ -242,24 +494,11 @@ fn elements_to_take(p: &PlanParam, expected: &[u64], found: &[usize]) -> Option<
     longer_table.then_some(count)
 }
 
-pub(super) fn non_finite_message(path: &Path, problems: &[String]) -> String {
-    let head = match problems {
-        [one] => format!("weights `{}`: {one}", path.display()),
-        _ => format!(
-            "weights `{}`: {} tensors hold NaN or infinite values:\n{}",
-            path.display(),
-            problems.len(),
-            capped_list(problems)
-        ),
-    };
-    format!("{head}\nhelp: pass `--allow-non-finite-weights` to load them anyway")
-}
-
 /// Most problems listed in one checkpoint error; the rest are counted.
 pub const MAX_LISTED_PROBLEMS: usize = 20;
 
 /// A bullet list of the first [`MAX_LISTED_PROBLEMS`] lines, then "... and N more".
-pub(super) fn capped_list(lines: &[String]) -> String {
+pub(super) fn capped_list(lines: &[impl fmt::Display]) -> String {
     let shown = lines.len().min(MAX_LISTED_PROBLEMS);
     let mut list = bullet_list(&lines[..shown]);
     if lines.len() > shown {
@@ -268,20 +507,7 @@ pub(super) fn capped_list(lines: &[String]) -> String {
     list
 }
 
-pub(super) fn mismatch_message(path: &Path, plan: &Plan, problems: &[String]) -> String {
-    let names = match plan.checkpoint_prefix.as_deref() {
-        Some(prefix) if !prefix.is_empty() => format!(" (names are looked up bare and with the prefix `{prefix}`)"),
-        _ => String::new(),
-    };
-    format!(
-        "checkpoint `{}` does not match the parameters of model `{}`{names}:\n{}",
-        path.display(),
-        plan.model,
-        capped_list(problems)
-    )
-}
-
-pub(super) fn bullet_list(lines: &[String]) -> String {
+pub(super) fn bullet_list(lines: &[impl fmt::Display]) -> String {
     lines.iter().map(|l| format!("  - {l}")).collect::<Vec<_>>().join("\n")
 }
 
@@ -320,7 +546,7 @@ impl View for &F32Bytes {
 pub(super) fn f32_tensors(
     plan: &Plan,
     params: &BTreeMap<String, Tensor>,
-) -> Result<Vec<(String, F32Bytes)>, Vec<String>> {
+) -> Result<Vec<(String, F32Bytes)>, Vec<TensorProblem>> {
     let prefix = plan.checkpoint_prefix.as_deref().unwrap_or("");
     let mut out: Vec<(String, F32Bytes)> = Vec::new();
     let mut problems = Vec::new();
@@ -328,7 +554,7 @@ pub(super) fn f32_tensors(
     for p in &plan.params {
         let key = format!("{prefix}{}", p.checkpoint);
         if !keys.insert(key.clone()) {
-            problems.push(format!("two parameters are stored under `{key}`"));
+            problems.push(TensorProblem::SharedKey { key: key.clone() });
         }
         match param_bytes(p, params.get(&p.name)) {
             Ok(bytes) => out.push((key, bytes)),
@@ -338,16 +564,17 @@ pub(super) fn f32_tensors(
     if problems.is_empty() { Ok(out) } else { Err(problems) }
 }
 
-fn param_bytes(p: &PlanParam, tensor: Option<&Tensor>) -> Result<F32Bytes, String> {
-    let expected = shape_text(&p.shape);
-    let t = tensor.ok_or_else(|| format!("missing `{}`: expected {expected}", p.name))?;
+fn param_bytes(p: &PlanParam, tensor: Option<&Tensor>) -> Result<F32Bytes, TensorProblem> {
+    let name = || p.name.clone();
+    let want = || p.shape.clone();
+    let t = tensor.ok_or_else(|| TensorProblem::Missing { name: name(), want: want(), transposed: false })?;
     if t.shape != p.shape {
-        return Err(format!("`{}`: expected {expected}, found {}", p.name, shape_text(&t.shape)));
+        return Err(TensorProblem::Shape { name: name(), want: want(), transposed: false, got: t.shape.clone() });
     }
-    let values = t.f32().map_err(|e| format!("`{}`: {e}", p.name))?;
+    let values = t.f32().map_err(|why| TensorProblem::Values { name: name(), why })?;
     let count: u64 = p.shape.iter().product();
     if values.len() as u64 != count {
-        return Err(format!("`{}`: shape {expected} needs {count} values, found {}", p.name, values.len()));
+        return Err(TensorProblem::Count { name: name(), shape: want(), needs: count, found: values.len() });
     }
     let stored = stored_shape(p);
     let bytes = match transposed_dims(p) {

@@ -4,7 +4,7 @@
 //! at the end of the file; the input is the first seq of them and the target the last seq, so every
 //! target is the token that follows its input.
 
-use super::files::open_regular;
+use super::files::{FileError, open_regular};
 use memmap2::Mmap;
 use optimus_plan::init::mix64;
 use optimus_plan::tensor::Tensor;
@@ -12,8 +12,73 @@ use optimus_plan::text::shape_text;
 use optimus_plan::types::DType;
 use optimus_plan::{Plan, PlanInput};
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
+
+/// Why token data cannot be opened or read for a model; every message names the file or the model.
+#[derive(Debug)]
+pub enum DataError {
+    /// The file cannot be opened, or is not a regular file.
+    File(FileError),
+    /// The file holds no token.
+    Empty { path: String },
+    /// The file's `len` bytes are not a whole number of tokens.
+    Ragged { path: String, len: u64, dtype: TokenDtype },
+    /// The file cannot be mapped into memory.
+    Map { path: String, source: std::io::Error },
+    /// A token id at token index `offset` is not below the vocabulary size.
+    OutsideVocab { path: String, token: u32, offset: u64, vocab: u64 },
+    /// A vocabulary larger than i32 token ids can number.
+    VocabTooLarge { vocab: u64 },
+    /// The model lacks integer `tokens` and `targets` inputs of one [batch, seq] shape; `inputs` lists
+    /// those it has.
+    Inputs { model: String, inputs: String },
+}
+
+impl fmt::Display for DataError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DataError::File(e) => write!(f, "{e}"),
+            DataError::Empty { path } => write!(f, "token data `{path}` is empty"),
+            DataError::Ragged { path, len, dtype } => write!(
+                f,
+                "token data `{path}` has {len} bytes, not a whole number of {}-byte {dtype:?} tokens",
+                dtype.size()
+            ),
+            DataError::Map { path, source } => write!(f, "cannot map token data `{path}`: {source}"),
+            DataError::OutsideVocab { path, token, offset, vocab } => write!(
+                f,
+                "token data `{path}`: token {token} at offset {offset} (token index) is not below the vocabulary \
+                 size {vocab}"
+            ),
+            DataError::VocabTooLarge { vocab } => {
+                write!(f, "a vocabulary of {vocab} tokens does not fit i32 token ids")
+            }
+            DataError::Inputs { model, inputs } => write!(
+                f,
+                "token data feeds two integer inputs, `tokens` and `targets` (or `labels`), each [batch, seq], but \
+                 model `{model}` has inputs {inputs}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for DataError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            DataError::File(e) => Some(e),
+            DataError::Map { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+impl From<FileError> for DataError {
+    fn from(e: FileError) -> DataError {
+        DataError::File(e)
+    }
+}
 
 /// The element type of a token file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -57,20 +122,17 @@ pub struct TokenData {
 impl TokenData {
     /// Maps the file. Anything but a regular file (a device, FIFO, socket or directory) is refused before
     /// it is opened; an empty file, or one whose length is not a whole number of tokens, is an error.
-    pub fn open(path: &Path, dtype: TokenDtype) -> Result<TokenData, String> {
+    pub fn open(path: &Path, dtype: TokenDtype) -> Result<TokenData, DataError> {
         let shown = path.display().to_string();
         let (file, len) = open_regular(path, "token data")?;
         if len == 0 {
-            return Err(format!("token data `{shown}` is empty"));
+            return Err(DataError::Empty { path: shown });
         }
         if len % dtype.size() as u64 != 0 {
-            return Err(format!(
-                "token data `{shown}` has {len} bytes, not a whole number of {}-byte {dtype:?} tokens",
-                dtype.size()
-            ));
+            return Err(DataError::Ragged { path: shown, len, dtype });
         }
         // SAFETY: the map is read-only and the file is not truncated while mapped (see the type's docs).
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map token data `{shown}`: {e}"))?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|source| DataError::Map { path: shown.clone(), source })?;
         Ok(TokenData { path: shown, dtype, bytes: Arc::new(map) })
     }
 
@@ -123,7 +185,7 @@ impl TokenData {
     }
 
     /// `tokens` and `targets` of step `step`, each i32 [batch, seq]; a token id >= `vocab` is an error.
-    pub fn batch(&self, step: u64, batch: u64, seq: u64, vocab: u64) -> Result<BTreeMap<String, Tensor>, String> {
+    pub fn batch(&self, step: u64, batch: u64, seq: u64, vocab: u64) -> Result<BTreeMap<String, Tensor>, DataError> {
         check_vocab(vocab)?;
         let n = u128::from(self.len());
         let capacity = batch.saturating_mul(seq).min(1 << 24) as usize;
@@ -138,18 +200,15 @@ impl TokenData {
     }
 
     /// `count` tokens from `start` (wrapping), each checked against the vocabulary.
-    fn window(&self, start: u64, count: u64, vocab: u64) -> Result<Vec<i32>, String> {
+    fn window(&self, start: u64, count: u64, vocab: u64) -> Result<Vec<i32>, DataError> {
         (0..count)
             .map(|t| {
-                let index = (start + t) % self.len();
-                let id = self.token(index);
-                if u64::from(id) >= vocab {
-                    return Err(format!(
-                        "token data `{}`: token {id} at offset {index} (token index) is not below the vocabulary size {vocab}",
-                        self.path
-                    ));
+                let offset = (start + t) % self.len();
+                let token = self.token(offset);
+                if u64::from(token) >= vocab {
+                    return Err(DataError::OutsideVocab { path: self.path.clone(), token, offset, vocab });
                 }
-                Ok(id as i32)
+                Ok(token as i32)
             })
             .collect()
     }
@@ -175,7 +234,7 @@ pub fn random_batch(seed: u64, step: u64, batch: u64, seq: u64, vocab: u64) -> B
 /// (batch, seq) of the plan's `tokens` input, after checking that the plan has integer inputs
 /// `tokens` and targets (named `targets` or `labels`) with the same [batch, seq] shape (other inputs are
 /// checked by [`Sources::check`](super::sources::Sources::check)).
-pub fn check_inputs(plan: &Plan) -> Result<(u64, u64), String> {
+pub fn check_inputs(plan: &Plan) -> Result<(u64, u64), DataError> {
     let find = |names: &[&str]| plan.inputs.iter().find(|i| names.contains(&i.name.as_str()));
     let fits = match (find(&["tokens"]), find(&["targets", "labels"])) {
         (Some(tokens), Some(targets)) => {
@@ -185,14 +244,7 @@ pub fn check_inputs(plan: &Plan) -> Result<(u64, u64), String> {
         }
         _ => None,
     };
-    fits.ok_or_else(|| {
-        format!(
-            "token data feeds two integer inputs, `tokens` and `targets` (or `labels`), each [batch, seq], but \
-             model `{}` has inputs {}",
-            plan.model,
-            input_list(plan)
-        )
-    })
+    fits.ok_or_else(|| DataError::Inputs { model: plan.model.clone(), inputs: input_list(plan) })
 }
 
 /// The plan's inputs as "`tokens`: i32[8, 64], ...", or "none".
@@ -209,9 +261,9 @@ pub(crate) fn dtype_of(plan: &Plan, input: &PlanInput) -> Option<DType> {
     plan.buffers.get(input.buffer.0 as usize).map(|b| b.dtype)
 }
 
-pub(crate) fn check_vocab(vocab: u64) -> Result<(), String> {
+pub(crate) fn check_vocab(vocab: u64) -> Result<(), DataError> {
     if vocab > 1 << 31 {
-        return Err(format!("a vocabulary of {vocab} tokens does not fit i32 token ids"));
+        return Err(DataError::VocabTooLarge { vocab });
     }
     Ok(())
 }

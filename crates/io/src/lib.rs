@@ -14,6 +14,13 @@
 //! [`pretrained`] reads and writes Hugging Face's `save_pretrained` layout: shards and their index.
 //! [`output`] is the one way any output file is written: atomically for files, in place for devices
 //! and pipes, never leaving temporary files.
+//!
+//! Each module reports failures as its own error type, which says what failed (the file, the tensor, the
+//! shape expected and found) and whose `Display` is the message a user reads: [`files::FileError`],
+//! [`data::DataError`], [`sources::SourceError`], [`mask::MaskError`], [`metrics::MetricsError`],
+//! [`plan_file::PlanFileError`], [`checkpoint::WeightsError`] and [`checkpoint::SaveError`],
+//! [`pretrained::SaveError`], [`shards::CheckpointError`] and [`output::OutputError`]. The parameter-store
+//! traits of `optimus_plan::stores` still carry strings: their implementations here render these errors.
 
 pub mod checkpoint;
 pub mod data;

@@ -5,9 +5,8 @@
 //! Opening checks everything loading whole tensors checks (names, shapes, dtypes, and NaN or infinite
 //! values, scanned in place) and reports every mismatch at once.
 
-use super::checkpoint::{
-    Matching, bullet_list, first_non_finite_in, map_checkpoint, match_tensors, mismatch_message, missing,
-};
+use super::checkpoint::{Matching, WeightsError, first_non_finite_in, map_checkpoint, match_tensors, missing};
+use super::pretrained::IndexProblem;
 use optimus_plan::stores::WeightSource;
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{Buffer, Coords, Mesh, Plan, PlanParam};
@@ -44,14 +43,14 @@ impl MappedWeights {
         files: &[PathBuf],
         plan: &Plan,
         allow_non_finite: bool,
-        check: &mut dyn FnMut(usize, &str) -> Result<(), String>,
-    ) -> Result<MappedWeights, String> {
+        check: &mut dyn FnMut(usize, &str) -> Result<(), IndexProblem>,
+    ) -> Result<MappedWeights, WeightsError> {
         let maps = files.iter().map(|f| map_checkpoint(f)).collect::<Result<Vec<_>, _>>()?;
         let mut parsed = Vec::with_capacity(maps.len());
         for (file, map) in files.iter().zip(&maps) {
             parsed.push(
                 SafeTensors::deserialize(map)
-                    .map_err(|e| format!("`{}` is not a valid safetensors file: {e}", file.display()))?,
+                    .map_err(|source| WeightsError::NotSafetensors { path: file.clone(), source })?,
             );
         }
         let mut tensors = Vec::new();
@@ -65,7 +64,7 @@ impl MappedWeights {
             }
         }
         if !problems.is_empty() {
-            return Err(format!("`{}` does not match its files:\n{}", path.display(), bullet_list(&problems)));
+            return Err(WeightsError::IndexMismatch { index: path.to_path_buf(), problems });
         }
         let listed: Vec<(String, safetensors::tensor::TensorView<'_>)> =
             tensors.iter().map(|(_, key, view)| (key.clone(), view.clone())).collect();
@@ -100,10 +99,11 @@ impl MappedWeights {
         }
         problems.append(&mut extras);
         if !problems.is_empty() {
-            return Err(mismatch_message(path, plan, &problems));
+            let (model, prefix) = (plan.model.clone(), plan.checkpoint_prefix.clone());
+            return Err(WeightsError::Mismatch { path: path.to_path_buf(), model, prefix, problems });
         }
         if !non_finite.is_empty() {
-            return Err(super::checkpoint::non_finite_message(path, &non_finite));
+            return Err(WeightsError::NonFinite { path: path.to_path_buf(), tensors: non_finite });
         }
         Ok(MappedWeights { path: path.to_path_buf(), maps, entries })
     }
@@ -114,9 +114,9 @@ impl MappedWeights {
     }
 
     /// Device (i, j)'s block of parameter `p`, laid out as its buffer `meta` (padding zero).
-    pub fn block(&self, p: &PlanParam, meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, String> {
-        let entry = self.entries.get(&p.name).ok_or_else(|| format!("`{}` is not in the checkpoint", p.name))?;
-        let axes = super::shards::block_coordinates(meta, coords, mesh)?;
+    pub fn block(&self, p: &PlanParam, meta: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, WeightsError> {
+        let entry = self.entries.get(&p.name).ok_or_else(|| WeightsError::NotLoaded { name: p.name.clone() })?;
+        let axes = super::shards::block_coordinates(meta, coords, mesh).map_err(WeightsError::Layout)?;
         Ok(Tensor::from_f32(&meta.shape, self.grid(entry, &axes)))
     }
 
@@ -188,6 +188,6 @@ fn advance(at: &mut [usize], axes: &[Vec<u64>]) {
 
 impl WeightSource for MappedWeights {
     fn block(&self, param: &PlanParam, buffer: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, String> {
-        MappedWeights::block(self, param, buffer, coords, mesh)
+        MappedWeights::block(self, param, buffer, coords, mesh).map_err(|e| e.to_string())
     }
 }

@@ -10,7 +10,51 @@
 
 use super::data::{TokenData, TokenDtype};
 use optimus_plan::init::mix64;
+use std::fmt;
 use std::path::{Path, PathBuf};
+
+/// Why a token file cannot be masked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MaskError {
+    /// `--mask-id` is not a token id of the vocabulary.
+    MaskIdOutside { mask_id: u32, vocab: u64 },
+    /// The vocabulary reaches the dtype's ignore id, which labels reserve.
+    VocabTooLarge { vocab: u64, dtype: TokenDtype },
+    /// The token file holds the ignore id itself, at token index `offset`.
+    HoldsIgnoreId { path: String, dtype: TokenDtype, offset: u64 },
+    /// A token at `offset` is not below `--vocab`.
+    OutsideVocab { path: String, token: u32, offset: u64, vocab: u64 },
+}
+
+impl fmt::Display for MaskError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MaskError::MaskIdOutside { mask_id, vocab } => {
+                write!(f, "--mask-id {mask_id} is outside the vocabulary of {vocab} tokens (ids 0..{vocab})")
+            }
+            MaskError::VocabTooLarge { vocab, dtype } => write!(
+                f,
+                "a vocabulary of {vocab} tokens does not fit {dtype:?} files, whose largest value {} marks \
+                 ignored labels; use --data-dtype u32",
+                dtype.ignore_id()
+            ),
+            MaskError::HoldsIgnoreId { path, dtype, offset } => write!(
+                f,
+                "token data `{path}` holds {} at offset {offset} (token index), the value that marks ignored labels \
+                 in {dtype:?} files",
+                dtype.ignore_id()
+            ),
+            MaskError::OutsideVocab { path, token, offset, vocab } => {
+                write!(
+                    f,
+                    "token data `{path}`: token {token} at offset {offset} (token index) is not below --vocab {vocab}"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for MaskError {}
 
 /// How many positions each rule touched.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,19 +97,16 @@ pub fn output_paths(prefix: &Path) -> (PathBuf, PathBuf) {
 /// Masks `data` with `mask_id`, drawing from `seed`. The vocabulary is `vocab`, or without it the largest
 /// of the file's ids and the mask id, plus one. Errors: a mask id or token id outside the vocabulary,
 /// a token equal to the ignore id, a vocabulary the dtype cannot hold.
-pub fn mask_tokens(data: &TokenData, mask_id: u32, vocab: Option<u64>, seed: u64) -> Result<Masked, String> {
+pub fn mask_tokens(data: &TokenData, mask_id: u32, vocab: Option<u64>, seed: u64) -> Result<Masked, MaskError> {
     let dtype = data.dtype();
     let ignore = dtype.ignore_id();
     let largest = check_tokens(data, vocab)?;
     let vocab = vocab.unwrap_or_else(|| u64::from(largest.max(mask_id)) + 1);
     if u64::from(mask_id) >= vocab {
-        return Err(format!("--mask-id {mask_id} is outside the vocabulary of {vocab} tokens (ids 0..{vocab})"));
+        return Err(MaskError::MaskIdOutside { mask_id, vocab });
     }
     if vocab > u64::from(ignore) {
-        return Err(format!(
-            "a vocabulary of {vocab} tokens does not fit {dtype:?} files, whose largest value {ignore} marks \
-             ignored labels; use --data-dtype u32"
-        ));
+        return Err(MaskError::VocabTooLarge { vocab, dtype });
     }
     let mut counts = MaskCounts { positions: data.len(), ..MaskCounts::default() };
     let bytes = usize::try_from(data.len()).unwrap_or(usize::MAX).saturating_mul(dtype.size());
@@ -103,24 +144,16 @@ pub fn mask_tokens(data: &TokenData, mask_id: u32, vocab: Option<u64>, seed: u64
 
 /// The largest token id of the file, after checking every id: below `vocab` when given, and never the
 /// ignore id (a label could not tell it from an ignored position).
-fn check_tokens(data: &TokenData, vocab: Option<u64>) -> Result<u32, String> {
+fn check_tokens(data: &TokenData, vocab: Option<u64>) -> Result<u32, MaskError> {
     let ignore = data.dtype().ignore_id();
     let mut largest = 0;
     for i in 0..data.len() {
         let token = data.token(i);
         if token == ignore {
-            return Err(format!(
-                "token data `{}` holds {token} at offset {i} (token index), the value that marks ignored labels \
-                 in {:?} files",
-                data.path(),
-                data.dtype()
-            ));
+            return Err(MaskError::HoldsIgnoreId { path: data.path().to_string(), dtype: data.dtype(), offset: i });
         }
-        if let Some(v) = vocab.filter(|&v| u64::from(token) >= v) {
-            return Err(format!(
-                "token data `{}`: token {token} at offset {i} (token index) is not below --vocab {v}",
-                data.path()
-            ));
+        if let Some(vocab) = vocab.filter(|&v| u64::from(token) >= v) {
+            return Err(MaskError::OutsideVocab { path: data.path().to_string(), token, offset: i, vocab });
         }
         largest = largest.max(token);
     }

@@ -8,16 +8,97 @@
 //! that is not a JSON object is an error naming its line number, records without a known field are
 //! skipped, and a step that appears again (a resumed run) takes its latest values.
 
+use super::files::FileError;
+use super::output::OutputError;
 use std::collections::BTreeMap;
+use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
+/// Why a metrics log cannot be appended to or read; every message names the file.
+#[derive(Debug)]
+pub enum MetricsError {
+    /// The log's path cannot be written at all.
+    Output(OutputError),
+    /// The log cannot be opened for appending, or an append failed.
+    Append { path: PathBuf, source: std::io::Error },
+    /// The log cannot be created or opened for appending.
+    Open { path: PathBuf, source: std::io::Error },
+    /// The log to read cannot be opened, or is not a regular file.
+    File(FileError),
+    /// A line of the log to read is not a record.
+    Line { path: PathBuf, error: LineError },
+}
+
+impl fmt::Display for MetricsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MetricsError::Output(e) => write!(f, "{e}"),
+            MetricsError::Append { path, source } => write!(f, "cannot append to `{}`: {source}", path.display()),
+            MetricsError::Open { path, source } => {
+                write!(f, "cannot open `{}` for appending: {source}", path.display())
+            }
+            MetricsError::File(e) => write!(f, "{e}"),
+            MetricsError::Line { path, error } => write!(f, "`{}`: {error}", path.display()),
+        }
+    }
+}
+
+impl std::error::Error for MetricsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            MetricsError::Output(e) => Some(e),
+            MetricsError::Append { source, .. } | MetricsError::Open { source, .. } => Some(source),
+            MetricsError::File(e) => Some(e),
+            MetricsError::Line { error, .. } => Some(error),
+        }
+    }
+}
+
+/// Why a line of a metrics log is not a record; `line` counts from 1.
+#[derive(Debug)]
+pub enum LineError {
+    /// Reading the line failed.
+    Unreadable { line: usize, source: std::io::Error },
+    /// JSON, but not an object.
+    NotAnObject { line: usize },
+    /// Not JSON.
+    NotJson { line: usize, source: serde_json::Error },
+}
+
+impl fmt::Display for LineError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LineError::Unreadable { line, source } => write!(f, "line {line}: cannot read it: {source}"),
+            LineError::NotAnObject { line } => {
+                write!(f, "line {line}: expected a JSON object such as {{\"step\": 0, \"loss\": 4.2}}")
+            }
+            LineError::NotJson { line, source } => {
+                // serde's message ends with its own position, whose line is always 1 here.
+                let message = source.to_string();
+                let message = message.rsplit_once(" at line ").map_or(message.as_str(), |(m, _)| m);
+                write!(f, "line {line}, column {}: not JSON: {message}", source.column())
+            }
+        }
+    }
+}
+
+impl std::error::Error for LineError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            LineError::Unreadable { source, .. } => Some(source),
+            LineError::NotJson { source, .. } => Some(source),
+            LineError::NotAnObject { .. } => None,
+        }
+    }
+}
+
 /// Tells before a run whether `path` can be appended to, without changing it or leaving anything
 /// behind: an existing file must open for appending, a new one must be creatable in its directory.
-pub fn check_appendable(path: &Path) -> Result<(), String> {
-    super::output::check_writable(path)?;
+pub fn check_appendable(path: &Path) -> Result<(), MetricsError> {
+    super::output::check_writable(path).map_err(MetricsError::Output)?;
     if Sink::standard(path).is_some() {
         return Ok(());
     }
@@ -25,7 +106,7 @@ pub fn check_appendable(path: &Path) -> Result<(), String> {
         OpenOptions::new()
             .append(true)
             .open(path)
-            .map_err(|e| format!("cannot append to `{}`: {e}", path.display()))?;
+            .map_err(|source| MetricsError::Append { path: path.to_path_buf(), source })?;
     }
     Ok(())
 }
@@ -71,7 +152,7 @@ impl Sink {
 
 impl MetricsLog {
     /// Opens `path` for appending, creating it if it does not exist; its contents are kept.
-    pub fn append_to(path: &Path) -> Result<MetricsLog, String> {
+    pub fn append_to(path: &Path) -> Result<MetricsLog, MetricsError> {
         let sink = match Sink::standard(path) {
             Some(stream) => stream,
             None => Sink::File(
@@ -79,17 +160,17 @@ impl MetricsLog {
                     .append(true)
                     .create(true)
                     .open(path)
-                    .map_err(|e| format!("cannot open `{}` for appending: {e}", path.display()))?,
+                    .map_err(|source| MetricsError::Open { path: path.to_path_buf(), source })?,
             ),
         };
         Ok(MetricsLog { path: path.to_path_buf(), sink: Mutex::new(sink) })
     }
 
     /// Appends `record` as one line, in a single write, and flushes it.
-    pub fn append(&self, record: &serde_json::Value) -> Result<(), String> {
+    pub fn append(&self, record: &serde_json::Value) -> Result<(), MetricsError> {
         let line = format!("{record}\n");
         let mut sink = self.sink.lock().unwrap_or_else(PoisonError::into_inner);
-        sink.write_line(line.as_bytes()).map_err(|e| format!("cannot append to `{}`: {e}", self.path.display()))
+        sink.write_line(line.as_bytes()).map_err(|source| MetricsError::Append { path: self.path.clone(), source })
     }
 }
 
@@ -125,31 +206,24 @@ impl Metrics {
 }
 
 /// Reads a metrics log (a regular file); see the module documentation. Blank lines are skipped.
-pub fn read_metrics(path: &Path) -> Result<Metrics, String> {
-    let (file, _) = super::files::open_regular(path, "metrics log")?;
-    parse_metrics(BufReader::new(file)).map_err(|e| format!("`{}`: {e}", path.display()))
+pub fn read_metrics(path: &Path) -> Result<Metrics, MetricsError> {
+    let (file, _) = super::files::open_regular(path, "metrics log").map_err(MetricsError::File)?;
+    parse_metrics(BufReader::new(file)).map_err(|error| MetricsError::Line { path: path.to_path_buf(), error })
 }
 
 /// [`read_metrics`] on any reader; errors name the line (from 1).
-pub fn parse_metrics(reader: impl BufRead) -> Result<Metrics, String> {
+pub fn parse_metrics(reader: impl BufRead) -> Result<Metrics, LineError> {
     let mut metrics = Metrics::default();
     for (index, line) in reader.lines().enumerate() {
-        let number = index + 1;
-        let line = line.map_err(|e| format!("line {number}: cannot read it: {e}"))?;
-        if line.trim().is_empty() {
+        let line_number = index + 1;
+        let text = line.map_err(|source| LineError::Unreadable { line: line_number, source })?;
+        if text.trim().is_empty() {
             continue;
         }
-        match serde_json::from_str::<serde_json::Value>(&line) {
+        match serde_json::from_str::<serde_json::Value>(&text) {
             Ok(serde_json::Value::Object(record)) => metrics.add(&record),
-            Ok(_) => {
-                return Err(format!("line {number}: expected a JSON object such as {{\"step\": 0, \"loss\": 4.2}}"));
-            }
-            Err(e) => {
-                // serde's message ends with its own position, whose line is always 1 here.
-                let message = e.to_string();
-                let message = message.rsplit_once(" at line ").map_or(message.as_str(), |(m, _)| m);
-                return Err(format!("line {number}, column {}: not JSON: {message}", e.column()));
-            }
+            Ok(_) => return Err(LineError::NotAnObject { line: line_number }),
+            Err(source) => return Err(LineError::NotJson { line: line_number, source }),
         }
     }
     Ok(metrics)

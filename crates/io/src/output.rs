@@ -147,13 +147,12 @@ pub fn is_standard_error(path: &Path) -> bool {
 
 /// Tells whether [`write_file`] could write `path`, without writing it or leaving anything behind:
 /// the directory must exist and take new files, a path must not be a directory or a link to nothing.
-pub fn check_writable(path: &Path) -> Result<(), String> {
-    let checked = match destination(path).map_err(|e| e.to_string())? {
+pub fn check_writable(path: &Path) -> Result<(), OutputError> {
+    match destination(path)? {
         Destination::Stdout | Destination::Stderr => Ok(()),
         Destination::InPlace(target) => open_in_place(&target).map_err(|e| OutputError::io(path, &e).through(&target)),
         Destination::Replace { target, .. } => probe_directory(&target).map_err(|e| e.relabel(path).through(&target)),
-    };
-    checked.map_err(|e| e.to_string())
+    }
 }
 
 /// Removes every temporary file being written now; returns how many were removed.

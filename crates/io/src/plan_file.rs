@@ -1,15 +1,82 @@
 //! Reading and writing plans: deterministic JSON, written atomically so that a failure leaves no file.
 
-use crate::output::write_file;
+use crate::output::{OutputError, write_file};
 use optimus_plan::{FORMAT_VERSION, Plan};
+use std::fmt;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Why a plan file could not be read or written; every message names the file.
+#[derive(Debug)]
+pub enum PlanFileError {
+    /// The plan could not be turned into JSON.
+    Serialize { path: PathBuf, source: serde_json::Error },
+    /// Writing the file failed.
+    Write(OutputError),
+    /// The operating system refused to look at or open the file.
+    Unreadable { path: PathBuf, source: std::io::Error },
+    /// A directory, device, pipe or socket where a plan file was expected.
+    NotAFile { path: PathBuf, directory: bool },
+    /// A file of `bytes` bytes, more than [`MAX_PLAN_BYTES`].
+    TooLarge { path: PathBuf, bytes: u64 },
+    /// A plan of another format version (`None`: the file names none).
+    Version { path: PathBuf, found: Option<u64> },
+    /// The JSON could not be read or parsed as a plan; its category says which.
+    Parse { path: PathBuf, source: serde_json::Error },
+}
+
+impl fmt::Display for PlanFileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PlanFileError::Serialize { path, source } => {
+                write!(f, "cannot serialise the plan for `{}`: {source}", path.display())
+            }
+            PlanFileError::Write(e) => write!(f, "{e}"),
+            PlanFileError::Unreadable { path, source } => write!(f, "cannot read `{}`: {source}", path.display()),
+            PlanFileError::NotAFile { path, directory } => {
+                let what = if *directory { "a directory" } else { "not a regular file (a device, pipe or socket)" };
+                write!(f, "`{}` is {what}; a plan is a JSON file written by `optimusc compile`", path.display())
+            }
+            PlanFileError::TooLarge { path, bytes } => write!(
+                f,
+                "`{}` is {bytes} bytes, more than the {MAX_PLAN_BYTES} bytes a plan may have; it is not a plan \
+                 written by `optimusc compile`",
+                path.display()
+            ),
+            PlanFileError::Version { path, found } => write!(
+                f,
+                "`{}` has plan format version {}, but this optimusc reads version {FORMAT_VERSION}; recompile the \
+                 model",
+                path.display(),
+                found.map_or("none".to_string(), |v| v.to_string())
+            ),
+            PlanFileError::Parse { path, source } => match source.classify() {
+                serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+                    write!(f, "`{}` is not a plan (invalid JSON: {source})", path.display())
+                }
+                serde_json::error::Category::Io => write!(f, "cannot read `{}`: {source}", path.display()),
+                serde_json::error::Category::Data => write!(f, "`{}` is not a valid plan: {source}", path.display()),
+            },
+        }
+    }
+}
+
+impl std::error::Error for PlanFileError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            PlanFileError::Serialize { source, .. } | PlanFileError::Parse { source, .. } => Some(source),
+            PlanFileError::Write(e) => Some(e),
+            PlanFileError::Unreadable { source, .. } => Some(source),
+            PlanFileError::NotAFile { .. } | PlanFileError::TooLarge { .. } | PlanFileError::Version { .. } => None,
+        }
+    }
+}
 
 /// Serialises a plan (compact, deterministic JSON) and writes it with [`crate::output::write_file`].
-pub fn write_plan(plan: &Plan, path: &Path) -> Result<(), String> {
+pub fn write_plan(plan: &Plan, path: &Path) -> Result<(), PlanFileError> {
     let json =
-        serde_json::to_vec(plan).map_err(|e| format!("cannot serialise the plan for `{}`: {e}", path.display()))?;
-    write_file(path, &json).map_err(|e| e.to_string())
+        serde_json::to_vec(plan).map_err(|source| PlanFileError::Serialize { path: path.to_path_buf(), source })?;
+    write_file(path, &json).map_err(PlanFileError::Write)
 }
 
 /// The one output writer, under the name earlier callers used.
@@ -21,45 +88,39 @@ pub const MAX_PLAN_BYTES: u64 = 1 << 30;
 /// Reads a plan, streaming: refuses anything but a regular file of at most [`MAX_PLAN_BYTES`] before
 /// opening it, parses straight into the typed plan (no intermediate JSON tree), and reports another
 /// format version as such even when the rest of the file does not parse.
-pub fn read_plan(path: &Path) -> Result<Plan, String> {
+pub fn read_plan(path: &Path) -> Result<Plan, PlanFileError> {
     let file = open_plan_file(path)?;
     let reader = std::io::BufReader::new(file.take(MAX_PLAN_BYTES + 1));
+    let version_error = |found| PlanFileError::Version { path: path.to_path_buf(), found };
     match serde_json::from_reader::<_, Plan>(reader) {
         Ok(plan) if plan.format_version == FORMAT_VERSION => Ok(plan),
-        Ok(plan) => Err(version_error(path, Some(u64::from(plan.format_version)))),
-        Err(e) => Err(match read_version(path) {
-            Some(version) if version != Some(u64::from(FORMAT_VERSION)) => version_error(path, version),
-            _ if e.is_syntax() || e.is_eof() => format!("`{}` is not a plan (invalid JSON: {e})", path.display()),
-            _ if e.is_io() => format!("cannot read `{}`: {e}", path.display()),
-            _ => format!("`{}` is not a valid plan: {e}", path.display()),
+        Ok(plan) => Err(version_error(Some(u64::from(plan.format_version)))),
+        Err(source) => Err(match read_version(path) {
+            Some(version) if version != Some(u64::from(FORMAT_VERSION)) => version_error(version),
+            _ => PlanFileError::Parse { path: path.to_path_buf(), source },
         }),
     }
 }
 
 /// Opens `path` only if it is a regular file within the size cap (a FIFO, a device such as
 /// /dev/zero or a directory is refused without opening it, so nothing blocks or reads forever).
-fn open_plan_file(path: &Path) -> Result<std::fs::File, String> {
-    let metadata = std::fs::metadata(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+fn open_plan_file(path: &Path) -> Result<std::fs::File, PlanFileError> {
+    let cannot = |source| PlanFileError::Unreadable { path: path.to_path_buf(), source };
+    let metadata = std::fs::metadata(path).map_err(cannot)?;
     check_plan_metadata(path, &metadata)?;
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
-    let opened = file.metadata().map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+    let file = std::fs::File::open(path).map_err(cannot)?;
+    let opened = file.metadata().map_err(cannot)?;
     check_plan_metadata(path, &opened)?;
     Ok(file)
 }
 
-fn check_plan_metadata(path: &Path, metadata: &std::fs::Metadata) -> Result<(), String> {
+fn check_plan_metadata(path: &Path, metadata: &std::fs::Metadata) -> Result<(), PlanFileError> {
     let kind = metadata.file_type();
     if !kind.is_file() {
-        let what = if kind.is_dir() { "a directory" } else { "not a regular file (a device, pipe or socket)" };
-        return Err(format!("`{}` is {what}; a plan is a JSON file written by `optimusc compile`", path.display()));
+        return Err(PlanFileError::NotAFile { path: path.to_path_buf(), directory: kind.is_dir() });
     }
     if metadata.len() > MAX_PLAN_BYTES {
-        return Err(format!(
-            "`{}` is {} bytes, more than the {} bytes a plan may have; it is not a plan written by `optimusc compile`",
-            path.display(),
-            metadata.len(),
-            MAX_PLAN_BYTES
-        ));
+        return Err(PlanFileError::TooLarge { path: path.to_path_buf(), bytes: metadata.len() });
     }
     Ok(())
 }
@@ -78,12 +139,4 @@ fn read_version(path: &Path) -> Option<Option<u64>> {
     let reader = std::io::BufReader::new(file.take(MAX_PLAN_BYTES + 1));
     let probe: VersionProbe = serde_json::from_reader(reader).ok()?;
     Some(probe.format_version.as_ref().and_then(serde_json::Value::as_u64))
-}
-
-fn version_error(path: &Path, version: Option<u64>) -> String {
-    format!(
-        "`{}` has plan format version {}, but this optimusc reads version {FORMAT_VERSION}; recompile the model",
-        path.display(),
-        version.map_or("none".to_string(), |v| v.to_string())
-    )
 }

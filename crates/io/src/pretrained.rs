@@ -6,13 +6,16 @@
 //! `max_shard_bytes` in plan order (a tensor larger than that gets a shard of its own), as
 //! `save_pretrained(max_shard_size=...)` does, writing every file atomically and the index last.
 
-use super::checkpoint::{bullet_list, f32_tensors};
+use super::checkpoint::{TensorProblem, WeightsError, bullet_list, f32_tensors};
 use super::mapped::MappedWeights;
+use super::output::OutputError;
 use optimus_plan::Plan;
 use optimus_plan::tensor::Tensor;
 use optimus_plan::text::printable;
+use safetensors::SafeTensorError;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// The index file of a sharded checkpoint.
@@ -23,6 +26,90 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 /// An index larger than this is not an index.
 const MAX_INDEX_BYTES: u64 = 64 << 20;
+
+/// One way an index and its shard files disagree; names are kept as printed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IndexProblem {
+    /// Shard `file` holds `key`, which the index puts in `indexed`.
+    Elsewhere { key: String, file: String, indexed: String },
+    /// Shard `file` holds `key`, which the index does not name.
+    NotIndexed { key: String, file: String },
+    /// The index puts `key` in `file`, which does not hold it.
+    NotHeld { key: String, file: String },
+}
+
+impl fmt::Display for IndexProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IndexProblem::Elsewhere { key, file, indexed } => {
+                write!(f, "`{key}` is in `{file}` but the index puts it in `{indexed}`")
+            }
+            IndexProblem::NotIndexed { key, file } => write!(f, "`{key}` is in `{file}` but not in the index"),
+            IndexProblem::NotHeld { key, file } => {
+                write!(f, "the index puts `{key}` in `{file}`, which does not hold it")
+            }
+        }
+    }
+}
+
+/// Why weights could not be saved in the `save_pretrained` layout; every message names the directory
+/// or the file.
+#[derive(Debug)]
+pub enum SaveError {
+    /// Values that do not fit the parameters.
+    Tensors { dir: PathBuf, problems: Vec<TensorProblem> },
+    /// The directory could not be created or listed.
+    Directory { dir: PathBuf, source: std::io::Error },
+    /// A weight file of an earlier save could not be removed.
+    RemoveStale { dir: PathBuf, name: String, source: std::io::Error },
+    /// A shard could not be serialized.
+    Serialize { dir: PathBuf, source: SafeTensorError },
+    /// The index could not be serialized.
+    Index { dir: PathBuf, source: serde_json::Error },
+    /// Writing a file failed.
+    Write(OutputError),
+}
+
+impl fmt::Display for SaveError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let cannot = |f: &mut fmt::Formatter<'_>, dir: &Path| write!(f, "cannot save weights to `{}`: ", dir.display());
+        match self {
+            SaveError::Tensors { dir, problems } => {
+                cannot(f, dir)?;
+                write!(f, "\n{}", bullet_list(problems))
+            }
+            SaveError::Directory { dir, source } => {
+                cannot(f, dir)?;
+                write!(f, "{source}")
+            }
+            SaveError::RemoveStale { dir, name, source } => {
+                cannot(f, dir)?;
+                write!(f, "cannot remove the stale `{name}`: {source}")
+            }
+            SaveError::Serialize { dir, source } => {
+                cannot(f, dir)?;
+                write!(f, "{source}")
+            }
+            SaveError::Index { dir, source } => {
+                cannot(f, dir)?;
+                write!(f, "{source}")
+            }
+            SaveError::Write(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for SaveError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SaveError::Tensors { .. } => None,
+            SaveError::Directory { source, .. } | SaveError::RemoveStale { source, .. } => Some(source),
+            SaveError::Serialize { source, .. } => Some(source),
+            SaveError::Index { source, .. } => Some(source),
+            SaveError::Write(e) => Some(e),
+        }
+    }
+}
 
 /// `model.safetensors.index.json`.
 #[derive(Debug, Serialize, Deserialize)]
@@ -45,10 +132,9 @@ pub fn is_index(path: &Path) -> bool {
 /// Maps a checkpoint for reading by device blocks: one safetensors file, an index (`*.json`) and its
 /// shards, or a `save_pretrained` directory holding either. Every name, shape and dtype is checked, and
 /// (unless `allow_non_finite`) every value.
-pub fn map_weights(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<MappedWeights, String> {
+pub fn map_weights(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<MappedWeights, WeightsError> {
     if path.is_dir() {
-        let file = pretrained_file(path)
-            .ok_or_else(|| format!("`{}` holds neither {SINGLE_FILE} nor {INDEX_FILE}", path.display()))?;
+        let file = pretrained_file(path).ok_or_else(|| WeightsError::NoWeightFile { dir: path.to_path_buf() })?;
         return map_weights(&file, plan, allow_non_finite);
     }
     if !is_index(path) {
@@ -64,51 +150,45 @@ pub fn map_weights(path: &Path, plan: &Plan, allow_non_finite: bool) -> Result<M
     }
     let files: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
     let mut listed: HashMap<&str, &str> = index.weight_map.iter().map(|(k, f)| (k.as_str(), f.as_str())).collect();
-    let mut in_index = |file: usize, key: &str| -> Result<(), String> {
+    let mut in_index = |file: usize, key: &str| -> Result<(), IndexProblem> {
         let name = names[file].as_str();
+        let (key_text, file_text) = (printable(key).into_owned(), name.to_string());
         match listed.remove(key) {
             Some(f) if f == name => Ok(()),
-            Some(f) => Err(format!("`{}` is in `{name}` but the index puts it in `{}`", printable(key), printable(f))),
-            None => Err(format!("`{}` is in `{name}` but not in the index", printable(key))),
+            Some(f) => {
+                Err(IndexProblem::Elsewhere { key: key_text, file: file_text, indexed: printable(f).into_owned() })
+            }
+            None => Err(IndexProblem::NotIndexed { key: key_text, file: file_text }),
         }
     };
     let mapped = MappedWeights::open(path, &files, plan, allow_non_finite, &mut in_index);
-    let mut unmatched: Vec<String> = listed
+    let mut unmatched: Vec<IndexProblem> = listed
         .into_iter()
-        .map(|(k, f)| format!("the index puts `{}` in `{}`, which does not hold it", printable(k), printable(f)))
+        .map(|(k, f)| IndexProblem::NotHeld { key: printable(k).into_owned(), file: printable(f).into_owned() })
         .collect();
     if unmatched.is_empty() {
         return mapped;
     }
-    unmatched.sort();
-    let listing = format!("`{}` does not match its files:\n{}", path.display(), bullet_list(&unmatched));
+    unmatched.sort_by_key(ToString::to_string);
+    let listing = WeightsError::IndexMismatch { index: path.to_path_buf(), problems: unmatched };
     match mapped {
-        Err(e) => Err(format!("{e}\n{listing}")),
+        Err(e) => Err(WeightsError::Both(Box::new(e), Box::new(listing))),
         Ok(_) => Err(listing),
     }
 }
 
-fn read_index(path: &Path) -> Result<Index, String> {
-    let bytes = super::files::read_bounded(path, "checkpoint index", MAX_INDEX_BYTES)?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        format!(
-            "`{}` is not a safetensors index (JSON with a `weight_map` of tensor names to files): {e}",
-            path.display()
-        )
-    })
+fn read_index(path: &Path) -> Result<Index, WeightsError> {
+    let bytes = super::files::read_bounded(path, "checkpoint index", MAX_INDEX_BYTES).map_err(WeightsError::Index)?;
+    serde_json::from_slice(&bytes).map_err(|source| WeightsError::NotAnIndex { path: path.to_path_buf(), source })
 }
 
 /// A shard must be a file beside the index: a plain name, no directories.
-fn check_shard_name(index: &Path, name: &str) -> Result<(), String> {
+fn check_shard_name(index: &Path, name: &str) -> Result<(), WeightsError> {
     let plain = !name.is_empty() && !name.contains(['/', '\\']) && name != "." && name != "..";
     if plain {
         return Ok(());
     }
-    Err(format!(
-        "`{}` names the file `{}`; shard files must be plain names beside the index",
-        index.display(),
-        printable(name)
-    ))
+    Err(WeightsError::ShardName { index: index.to_path_buf(), name: printable(name).into_owned() })
 }
 
 /// What a save wrote: the files, in order.
@@ -125,12 +205,12 @@ pub fn save_pretrained(
     plan: &Plan,
     params: &BTreeMap<String, Tensor>,
     max_shard_bytes: u64,
-) -> Result<Saved, String> {
-    let cannot = |e: String| format!("cannot save weights to `{}`: {e}", dir.display());
-    let tensors = f32_tensors(plan, params).map_err(|problems| cannot(format!("\n{}", bullet_list(&problems))))?;
-    std::fs::create_dir_all(dir).map_err(|e| cannot(e.to_string()))?;
+) -> Result<Saved, SaveError> {
+    let dir_path = || dir.to_path_buf();
+    let tensors = f32_tensors(plan, params).map_err(|problems| SaveError::Tensors { dir: dir_path(), problems })?;
+    std::fs::create_dir_all(dir).map_err(|source| SaveError::Directory { dir: dir_path(), source })?;
     // The old index goes first: from here on the folder never holds an index of an old set of shards.
-    remove_weight_files(dir, &[]).map_err(cannot)?;
+    remove_weight_files(dir, &[])?;
     let groups = shard_groups(tensors.iter().map(|(_, t)| t.byte_len()), max_shard_bytes);
     let count = groups.len();
     let name = |k: usize| {
@@ -148,21 +228,21 @@ pub fn save_pretrained(
             total += t.byte_len();
         }
         let views: Vec<(&str, &super::checkpoint::F32Bytes)> = shard.iter().map(|(k, t)| (k.as_str(), t)).collect();
-        let bytes = safetensors::serialize(views, Some(metadata.clone())).map_err(|e| cannot(e.to_string()))?;
-        super::output::write_file(&dir.join(&file), &bytes)
-            .map_err(|e| format!("cannot write `{}`: {}", e.path().display(), e.reason()))?;
+        let bytes = safetensors::serialize(views, Some(metadata.clone()))
+            .map_err(|source| SaveError::Serialize { dir: dir_path(), source })?;
+        super::output::write_file(&dir.join(&file), &bytes).map_err(SaveError::Write)?;
         files.push(file);
     }
     if count > 1 {
         let mut meta = serde_json::Map::new();
         meta.insert("total_size".to_string(), serde_json::Value::from(total));
         let index = Index { metadata: meta, weight_map };
-        let text = serde_json::to_string_pretty(&index).map_err(|e| cannot(e.to_string()))?;
-        super::output::write_file(&dir.join(INDEX_FILE), format!("{text}\n").as_bytes())
-            .map_err(|e| format!("cannot write `{}`: {}", e.path().display(), e.reason()))?;
+        let text =
+            serde_json::to_string_pretty(&index).map_err(|source| SaveError::Index { dir: dir_path(), source })?;
+        super::output::write_file(&dir.join(INDEX_FILE), format!("{text}\n").as_bytes()).map_err(SaveError::Write)?;
         files.push(INDEX_FILE.to_string());
     }
-    remove_weight_files(dir, &files).map_err(cannot)?;
+    remove_weight_files(dir, &files)?;
     Ok(Saved { files, bytes: total })
 }
 
@@ -179,13 +259,17 @@ fn is_weight_file(name: &str) -> bool {
 /// Removes the weight files of an earlier save from `dir`, but those in `keep`: with no `keep`, only the
 /// index (so that no index names shards of two saves); after a save, every old shard and single file
 /// the new set does not name. A link is removed itself, never what it points to.
-fn remove_weight_files(dir: &Path, keep: &[String]) -> Result<(), String> {
-    let entries = std::fs::read_dir(dir).map_err(|e| e.to_string())?;
+fn remove_weight_files(dir: &Path, keep: &[String]) -> Result<(), SaveError> {
+    let entries = std::fs::read_dir(dir).map_err(|source| SaveError::Directory { dir: dir.to_path_buf(), source })?;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let stale = if keep.is_empty() { name == INDEX_FILE } else { is_weight_file(&name) && !keep.contains(&name) };
         if stale && entry.file_type().is_ok_and(|t| !t.is_dir()) {
-            std::fs::remove_file(entry.path()).map_err(|e| format!("cannot remove the stale `{name}`: {e}"))?;
+            std::fs::remove_file(entry.path()).map_err(|source| SaveError::RemoveStale {
+                dir: dir.to_path_buf(),
+                name: name.clone(),
+                source,
+            })?;
         }
     }
     Ok(())

@@ -13,11 +13,12 @@
 //! token file's ignore id (65535 in u16 files, 0xFFFFFFFF in u32 ones) becomes
 //! [`IGNORE_INDEX`](optimus_plan::IGNORE_INDEX), which cross-entropy leaves out of its mean.
 
-use super::data::{TokenData, check_vocab, dtype_of, input_list, random_batch};
+use super::data::{DataError, TokenData, check_vocab, dtype_of, input_list, random_batch};
 use optimus_plan::init::mix64;
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{IGNORE_INDEX, Plan, PlanInput};
 use std::collections::BTreeMap;
+use std::fmt;
 
 /// What a model input holds, known from its name (see the module's table).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,8 +64,114 @@ pub struct Sources {
     pub seed: u64,
 }
 
-/// A problem with what the flags give: the message names the flag to add or drop.
-pub type UsageError = String;
+/// Why the data flags cannot feed a model, or a batch cannot be read; a message about the flags
+/// names the flag to add or drop. `flag` is the flags' prefix (`""` for training, `"val-"` for
+/// validation).
+#[derive(Debug)]
+pub enum SourceError {
+    /// `--labels` given for the causal objective, whose targets come from the token file.
+    LabelsWithCausal { flag: String },
+    /// `--segments` or `--labels` (`name`) without the token file they are aligned with.
+    AlignedWithoutData { flag: String, name: &'static str },
+    /// `--objective mlm` without its label file.
+    MlmWithoutLabels { flag: String },
+    /// An aligned file (given by `file_flag`) whose length differs from the token file's.
+    Misaligned { file_flag: String, file: String, len: u64, data_flag: String, data: String, data_len: u64 },
+    /// The token data or the model's `tokens` and `targets` inputs.
+    Data(DataError),
+    /// An input fed from data as `role` that is not an integer [batch, seq] tensor; `inputs` lists the
+    /// model's.
+    InputShape { input: String, role: Role, model: String, inputs: String },
+    /// An input holding token types while only a token file is given.
+    NoSegments { input: String, flag: String },
+    /// `--segments` for a model without a token-type input; `inputs` lists the model's.
+    UnusedSegments { flag: String, model: String, inputs: String },
+    /// An input whose name gives it no role.
+    NoRole { input: String, model: String },
+    /// The model has no positive integer `vocab` config value.
+    NoVocab,
+    /// A label at token index `offset` that is neither a token id nor the ignore id.
+    Label { path: String, label: u32, offset: u64, vocab: u64, ignore: u32 },
+    /// A token type at token index `offset` beyond i32.
+    Segment { path: String, value: u32, offset: u64 },
+    /// Nothing in the batch feeds this input.
+    Unfed { input: String },
+}
+
+impl fmt::Display for SourceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SourceError::LabelsWithCausal { flag } => write!(
+                f,
+                "--{flag}labels are the targets of --objective mlm; the causal objective predicts the next token of \
+                 --{flag}data"
+            ),
+            SourceError::AlignedWithoutData { flag, name } => {
+                write!(f, "--{flag}{name} is aligned with a token file: give --{flag}data FILE as well")
+            }
+            SourceError::MlmWithoutLabels { flag } => write!(
+                f,
+                "--objective mlm reads its targets from a label file: give --{flag}labels FILE \
+                 (`optimusc mask-data` writes one)"
+            ),
+            SourceError::Misaligned { file_flag, file, len, data_flag, data, data_len } => write!(
+                f,
+                "{file_flag} `{file}` holds {len} tokens but {data_flag} `{data}` holds {data_len}: the files are \
+                 read position by position, so they must be the same length"
+            ),
+            SourceError::Data(e) => write!(f, "{e}"),
+            SourceError::InputShape { input, role, model, inputs } => write!(
+                f,
+                "input `{input}` is fed from data as the {}, so it must be an integer [batch, seq] tensor like \
+                 `tokens`; model `{model}` has inputs {inputs}",
+                role_name(*role)
+            ),
+            SourceError::NoSegments { input, flag } => write!(
+                f,
+                "input `{input}` holds token types, and nothing feeds it: give --{flag}segments FILE \
+                 (token type ids aligned with --{flag}data, same dtype)"
+            ),
+            SourceError::UnusedSegments { flag, model, inputs } => write!(
+                f,
+                "--{flag}segments feeds an input named `segments` or `token_type_ids`, and model `{model}` has none \
+                 (its inputs are {inputs})"
+            ),
+            SourceError::NoRole { input, model } => write!(
+                f,
+                "input `{input}` of model `{model}` has no data source: optimusc feeds inputs by name, `tokens` \
+                 (--data), `targets` or `labels` (the next token, or --labels with --objective mlm), `segments` or \
+                 `token_type_ids` (--segments); rename it to one of these"
+            ),
+            SourceError::NoVocab => {
+                f.write_str("the model has no positive integer config value `vocab`, which token data needs")
+            }
+            SourceError::Label { path, label, offset, vocab, ignore } => write!(
+                f,
+                "label file `{path}`: label {label} at offset {offset} (token index) is neither below the \
+                 vocabulary size {vocab} nor the ignore id {ignore}"
+            ),
+            SourceError::Segment { path, value, offset } => {
+                write!(f, "segment file `{path}`: token type {value} at offset {offset} (token index) does not fit i32")
+            }
+            SourceError::Unfed { input } => write!(f, "no data for input `{input}`"),
+        }
+    }
+}
+
+impl std::error::Error for SourceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SourceError::Data(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<DataError> for SourceError {
+    fn from(e: DataError) -> SourceError {
+        SourceError::Data(e)
+    }
+}
 
 impl Sources {
     /// Checks the files against each other and the objective: segments and labels come with a token
@@ -77,28 +184,21 @@ impl Sources {
         objective: Objective,
         seed: u64,
         flag: &str,
-    ) -> Result<Sources, UsageError> {
+    ) -> Result<Sources, SourceError> {
         if objective == Objective::Causal && labels.is_some() {
-            return Err(format!(
-                "--{flag}labels are the targets of --objective mlm; the causal objective predicts the next token of --{flag}data"
-            ));
+            return Err(SourceError::LabelsWithCausal { flag: flag.to_string() });
         }
         match &tokens {
             None => {
                 for (given, name) in [(segments.is_some(), "segments"), (labels.is_some(), "labels")] {
                     if given {
-                        return Err(format!(
-                            "--{flag}{name} is aligned with a token file: give --{flag}data FILE as well"
-                        ));
+                        return Err(SourceError::AlignedWithoutData { flag: flag.to_string(), name });
                     }
                 }
             }
             Some(data) => {
                 if objective == Objective::Mlm && labels.is_none() {
-                    return Err(format!(
-                        "--objective mlm reads its targets from a label file: give --{flag}labels FILE \
-                         (`optimusc mask-data` writes one)"
-                    ));
+                    return Err(SourceError::MlmWithoutLabels { flag: flag.to_string() });
                 }
                 for (file, name) in [(&segments, "segments"), (&labels, "labels")] {
                     if let Some(file) = file {
@@ -118,42 +218,35 @@ impl Sources {
 
     /// Checks that every input of `plan` has a role and a source, and that they are integer tensors of
     /// the same [batch, seq] shape; returns (batch, seq).
-    pub fn check(&self, plan: &Plan, flag: &str) -> Result<(u64, u64), UsageError> {
+    pub fn check(&self, plan: &Plan, flag: &str) -> Result<(u64, u64), SourceError> {
         let (batch, seq) = super::data::check_inputs(plan)?;
         for input in &plan.inputs {
             let role = Role::of(&input.name).ok_or_else(|| no_role(plan, input))?;
             let integer = dtype_of(plan, input).is_some_and(optimus_plan::types::DType::is_integer);
             if !integer || input.shape != [batch, seq] {
-                return Err(format!(
-                    "input `{}` is fed from data as the {}, so it must be an integer [batch, seq] tensor like \
-                     `tokens`; model `{}` has inputs {}",
-                    input.name,
-                    role_name(role),
-                    plan.model,
-                    input_list(plan)
-                ));
+                return Err(SourceError::InputShape {
+                    input: input.name.clone(),
+                    role,
+                    model: plan.model.clone(),
+                    inputs: input_list(plan),
+                });
             }
             if role == Role::Segments && self.tokens.is_some() && self.segments.is_none() {
-                return Err(format!(
-                    "input `{}` holds token types, and nothing feeds it: give --{flag}segments FILE \
-                     (token type ids aligned with --{flag}data, same dtype)",
-                    input.name
-                ));
+                return Err(SourceError::NoSegments { input: input.name.clone(), flag: flag.to_string() });
             }
         }
         if self.segments.is_some() && !plan.inputs.iter().any(|i| Role::of(&i.name) == Some(Role::Segments)) {
-            return Err(format!(
-                "--{flag}segments feeds an input named `segments` or `token_type_ids`, and model `{}` has none \
-                 (its inputs are {})",
-                plan.model,
-                input_list(plan)
-            ));
+            return Err(SourceError::UnusedSegments {
+                flag: flag.to_string(),
+                model: plan.model.clone(),
+                inputs: input_list(plan),
+            });
         }
         Ok((batch, seq))
     }
 
     /// The logical inputs of batch `step` (see the module's docs for the windows).
-    pub fn batch(&self, plan: &Plan, step: u64) -> Result<BTreeMap<String, Tensor>, String> {
+    pub fn batch(&self, plan: &Plan, step: u64) -> Result<BTreeMap<String, Tensor>, SourceError> {
         let (batch, seq) = self.check(plan, "")?;
         let vocab = vocab(plan)?;
         check_vocab(vocab)?;
@@ -193,7 +286,7 @@ impl Sources {
                 (Some(Role::Segments), _) => "segments",
                 (None, _) => return Err(no_role(plan, input)),
             };
-            let tensor = by_role.get(key).ok_or_else(|| format!("no data for input `{}`", input.name))?;
+            let tensor = by_role.get(key).ok_or_else(|| SourceError::Unfed { input: input.name.clone() })?;
             inputs.insert(input.name.clone(), tensor.clone());
         }
         Ok(inputs)
@@ -201,10 +294,10 @@ impl Sources {
 }
 
 /// The model's vocabulary size, from its `vocab` config value.
-pub fn vocab(plan: &Plan) -> Result<u64, String> {
+pub fn vocab(plan: &Plan) -> Result<u64, SourceError> {
     match plan.config.iter().find(|(n, _)| n == "vocab") {
         Some((_, optimus_plan::types::Scalar::Int(v))) if *v > 0 => Ok(*v as u64),
-        _ => Err("the model has no positive integer config value `vocab`, which token data needs".into()),
+        _ => Err(SourceError::NoVocab),
     }
 }
 
@@ -216,26 +309,21 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
-fn no_role(plan: &Plan, input: &PlanInput) -> UsageError {
-    format!(
-        "input `{}` of model `{}` has no data source: optimusc feeds inputs by name, `tokens` (--data), \
-         `targets` or `labels` (the next token, or --labels with --objective mlm), `segments` or \
-         `token_type_ids` (--segments); rename it to one of these",
-        input.name, plan.model
-    )
+fn no_role(plan: &Plan, input: &PlanInput) -> SourceError {
+    SourceError::NoRole { input: input.name.clone(), model: plan.model.clone() }
 }
 
 /// A file aligned with the token file holds as many tokens, of the same dtype.
-fn check_aligned(data: &TokenData, file: &TokenData, flag: &str, data_flag: &str) -> Result<(), UsageError> {
+fn check_aligned(data: &TokenData, file: &TokenData, flag: &str, data_flag: &str) -> Result<(), SourceError> {
     if file.len() != data.len() {
-        return Err(format!(
-            "{flag} `{}` holds {} tokens but {data_flag} `{}` holds {}: the files are read position by position, \
-             so they must be the same length",
-            file.path(),
-            file.len(),
-            data.path(),
-            data.len()
-        ));
+        return Err(SourceError::Misaligned {
+            file_flag: flag.to_string(),
+            file: file.path().to_string(),
+            len: file.len(),
+            data_flag: data_flag.to_string(),
+            data: data.path().to_string(),
+            data_len: data.len(),
+        });
     }
     Ok(())
 }
@@ -247,8 +335,8 @@ fn aligned(
     step: u64,
     batch: u64,
     seq: u64,
-    convert: impl Fn(u32, u64) -> Result<i32, String>,
-) -> Result<Vec<i32>, String> {
+    convert: impl Fn(u32, u64) -> Result<i32, SourceError>,
+) -> Result<Vec<i32>, SourceError> {
     let n = u128::from(file.len());
     let mut values = Vec::with_capacity(batch.saturating_mul(seq).min(1 << 24) as usize);
     for r in 0..batch {
@@ -262,26 +350,20 @@ fn aligned(
 }
 
 /// A label: the file's ignore id becomes [`IGNORE_INDEX`]; anything else must be a token id.
-fn label(file: &TokenData, value: u32, index: u64, vocab: u64) -> Result<i32, String> {
-    if value == file.dtype().ignore_id() {
+fn label(file: &TokenData, value: u32, index: u64, vocab: u64) -> Result<i32, SourceError> {
+    let ignore = file.dtype().ignore_id();
+    if value == ignore {
         return Ok(IGNORE_INDEX);
     }
     if u64::from(value) >= vocab {
-        return Err(format!(
-            "label file `{}`: label {value} at offset {index} (token index) is neither below the vocabulary size \
-             {vocab} nor the ignore id {}",
-            file.path(),
-            file.dtype().ignore_id()
-        ));
+        return Err(SourceError::Label { path: file.path().to_string(), label: value, offset: index, vocab, ignore });
     }
     Ok(value as i32)
 }
 
 /// A token type id, as an i32 (the embedding it indexes checks its range).
-fn segment(file: &TokenData, value: u32, index: u64) -> Result<i32, String> {
-    i32::try_from(value).map_err(|_| {
-        format!("segment file `{}`: token type {value} at offset {index} (token index) does not fit i32", file.path())
-    })
+fn segment(file: &TokenData, value: u32, index: u64) -> Result<i32, SourceError> {
+    i32::try_from(value).map_err(|_| SourceError::Segment { path: file.path().to_string(), value, offset: index })
 }
 
 /// Labels drawn from the seed (for runs and `verify` without files): each position is ignored with
