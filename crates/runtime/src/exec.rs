@@ -863,7 +863,7 @@ impl DeviceRun<'_> {
         let device_index = plan.mesh.rank_of(coords);
         for step in config.start_step..config.steps {
             if let Some(fault) = &config.fault {
-                fault.trigger(device_index, step)?;
+                fault.trigger(device_index, step).map_err(|e| e.to_string())?;
             }
             let start = Instant::now();
             let optimizer = config.optimizer_at(step);

@@ -23,7 +23,7 @@ pub fn run(
     initial: &BTreeMap<String, Tensor>,
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<RunOutput, String> {
-    super::limits::check_host_can_run(plan, plan.mesh.devices())?;
+    super::limits::check_host_can_run(plan, plan.mesh.devices()).map_err(|e| e.to_string())?;
     return_freed_memory_promptly();
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();

@@ -122,7 +122,7 @@ impl MpiJob {
         on_step: &(dyn Fn(&StepRecord) + Sync),
     ) -> Result<Option<RunOutput>, String> {
         let placement = options.placement;
-        super::limits::check_host_can_run(plan, self.ranks_per_node).unwrap_or_else(|e| self.abort(&e));
+        super::limits::check_host_can_run(plan, self.ranks_per_node).unwrap_or_else(|e| self.abort(&e.to_string()));
         if self.size != plan.mesh.devices() {
             return Err(format!(
                 "the plan's {} mesh has {} devices but the job has {} processes; start it with -np {}",
