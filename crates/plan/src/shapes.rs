@@ -442,3 +442,24 @@ impl Swap {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed errors print the messages the checks printed as strings.
+    #[test]
+    fn messages_read_as_before() {
+        let rank = batch_matrix(&[3], "A").map(|_| ()).expect_err("one dimension");
+        assert_eq!(rank.to_string(), "A must have at least two dimensions, not [3]");
+        let select = select_runs(&[2, 3], &[3], 0, 5).expect_err("index past the dimension");
+        assert_eq!(select.to_string(), "index 5 is outside dimension 0 of [2, 3]");
+        let swap = transpose_swap(&[2, 3], &[3, 2], 0, 2).expect_err("no dimension 2");
+        assert_eq!(swap.to_string(), "cannot swap dimensions 0 and 2 of [2, 3]");
+        let width = AttentionLayout::new(&[&[2, 6], &[2, 6], &[2, 6]], 4, 4, false).expect_err("6 / 4 heads");
+        assert_eq!(width.to_string(), "width 6 is not a multiple of 4 heads");
+        let length = same_len("the output", 3, 4).expect_err("3 != 4");
+        assert_eq!(length.to_string(), "the output has 3 elements, expected 4");
+        assert_eq!(String::from(ensure(false, || "as written".into()).expect_err("false")), "as written");
+    }
+}

@@ -461,3 +461,84 @@ impl From<RuntimeError> for String {
 pub fn unreachable(what: &'static str) -> RuntimeError {
     RuntimeError::Storage(StorageError::Unexpected(what))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Typed errors print exactly the messages the runtime printed as strings.
+    #[test]
+    fn messages_read_as_before() {
+        let f32_from_ints = ElementError::Type { want: DType::F32, found: DType::I32 };
+        let cases = [
+            (
+                KernelError::in_kernel(&Kernel::Softmax, ShapeError::Operands { want: 1, got: 2 }.into()),
+                "Softmax: expects 1 inputs, got 2",
+            ),
+            (KernelError::operand("x", f32_from_ints), "x: expected a floating-point tensor, found integers"),
+            (
+                KernelError::operand("the ids", ElementError::Type { want: DType::I32, found: DType::Bf16 }),
+                "the ids: expected an integer tensor, found floating point",
+            ),
+            (
+                KernelError::operand("A", ElementError::Type { want: DType::F32, found: DType::Bf16 }),
+                "A: expected f32 elements, found bf16",
+            ),
+            (
+                ElementError::Unwidened.into(),
+                "expected an f32 tensor, found bf16 (bf16 buffers are widened to f32 before a kernel reads them)",
+            ),
+            (KernelError::Holds { what: "dy".into(), len: 5, shape: vec![2, 3] }, "dy holds 5 elements, not [2, 3]"),
+            (KernelError::Product { lhs: [2, 3], rhs: [4, 5], out: [2, 5] }, "cannot multiply 2x3 by 4x5 into 2x5"),
+            (
+                KernelError::TokenOutsideRows { id: 9, base: 4, rows: 3 },
+                "token id 9 is outside this device's embedding rows [4, 7)",
+            ),
+            (
+                KernelError::TargetOutsideVocabulary { target: 50, valid: 40 },
+                "target 50 is outside the vocabulary [0, 40) and is not the ignored id -100",
+            ),
+            (KernelError::DropProbability(1.5), "the drop probability 1.5 is not in [0, 1]"),
+            (KernelError::Internal("no scratch buffer".into()), "internal error: no scratch buffer"),
+            (
+                KernelError::Unsupported {
+                    kernel: "the optimizer step",
+                    why: "is applied by `optimizer_step`, not `run`",
+                },
+                "the optimizer step is applied by `optimizer_step`, not `run`",
+            ),
+        ];
+        for (error, want) in cases {
+            assert_eq!(error.to_string(), want, "{error:?}");
+        }
+    }
+
+    #[test]
+    fn storage_and_runtime_messages_read_as_before() {
+        let cases = [
+            (
+                RuntimeError::Storage(StorageError::NoPlace(BufferId(7))),
+                "buffer 7 has no place in this device's storage",
+            ),
+            (
+                RuntimeError::Storage(StorageError::Misfit { tensor: vec![2], buffer: vec![3], name: None }),
+                "a [2] tensor does not fit a [3] buffer",
+            ),
+            (unreachable("one output"), "internal error: expected one output"),
+            (
+                RuntimeError::Instruction {
+                    instruction: "`y` (m.opt:3)".into(),
+                    error: Box::new(RuntimeError::NotAlive { buffer: "x".into() }),
+                },
+                "computing `y` (m.opt:3): buffer `x` is not alive",
+            ),
+            (
+                RuntimeError::CheckpointNotAlive { name: "w".into(), state: true },
+                "the optimizer state of `w` is not alive",
+            ),
+        ];
+        for (error, want) in cases {
+            assert_eq!(error.to_string(), want, "{error:?}");
+        }
+    }
+}

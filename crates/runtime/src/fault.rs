@@ -106,6 +106,11 @@ mod tests {
         assert!(parse("boom:1:1").is_err());
         assert!(parse("error:x:1").is_err());
         assert!(parse("error:1").is_err());
+        let malformed = parse("boom:1:1").expect_err("no such kind").to_string();
+        assert_eq!(
+            malformed,
+            "OPTIMUS_INJECT_FAULT is `boom:1:1`, not KIND:DEVICE:STEP (KIND error, panic, hang or kill)"
+        );
     }
 
     #[test]
@@ -113,6 +118,7 @@ mod tests {
         let fault = Fault { kind: FaultKind::Error, device: 1, step: 2 };
         assert!(fault.trigger(0, 2).is_ok());
         assert!(fault.trigger(1, 1).is_ok());
-        assert!(fault.trigger(1, 2).is_err());
+        assert_eq!(fault.trigger(1, 2), Err(FaultError::Injected { step: 2 }));
+        assert_eq!(FaultError::Injected { step: 2 }.to_string(), "injected error at step 2");
     }
 }
