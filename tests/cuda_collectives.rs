@@ -150,8 +150,10 @@ fn device_buffer(stream: &Arc<CudaStream>, values: &[f32], bf16_elements: bool) 
     if bf16_elements {
         let bits: Vec<u16> = values.iter().map(|&x| bf16::round(x)).collect();
         DeviceTensor::upload_view(stream, &View { shape: Shape(&shape), data: ViewData::Bf16(&bits) })
+            .map_err(String::from)
     } else {
         DeviceTensor::upload_view(stream, &View { shape: Shape(&shape), data: ViewData::F32(values) })
+            .map_err(String::from)
     }
 }
 

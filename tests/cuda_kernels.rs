@@ -358,7 +358,7 @@ const NATIVE_IN_BF16_PLANS: [&str; 37] = [
 /// The PTX, compiled once for all tests.
 fn ptx() -> Result<Ptx, String> {
     static PTX: OnceLock<Result<Ptx, String>> = OnceLock::new();
-    PTX.get_or_init(compile_ptx).clone()
+    PTX.get_or_init(|| compile_ptx().map_err(String::from)).clone()
 }
 
 struct Gpu {
@@ -516,7 +516,7 @@ impl Case {
         let ctx = KernelContext { coords: Coords::new(i, j, 0), mesh, seed: 1234, inputs: &[], output: &self.out };
         let mut want = self.initial();
         let refs: Vec<&Tensor> = self.inputs.iter().collect();
-        let result = cpu::run(&self.kernel, &refs, &mut want, &ctx).map(|()| want);
+        let result = cpu::run(&self.kernel, &refs, &mut want, &ctx).map(|()| want).map_err(String::from);
         match (&result, self.fails) {
             (Ok(_), true) => Err(format!("{}: the CPU accepts a case meant to fail", self.describe())),
             (Err(e), false) => Err(format!("{}: the CPU fails: {e}", self.describe())),
@@ -548,7 +548,7 @@ fn close(got: &Tensor, want: &Tensor, tol: f64) -> R {
 
 impl Gpu {
     fn upload(&self, t: &Tensor) -> Result<DeviceTensor, String> {
-        DeviceTensor::upload(&self.stream, t)
+        DeviceTensor::upload(&self.stream, t).map_err(String::from)
     }
 
     /// Runs a case on the CPU and the GPU: both succeed with close outputs, or both fail with the same error.
@@ -559,7 +559,7 @@ impl Gpu {
         let dev: Vec<DeviceTensor> = case.inputs.iter().map(|t| self.upload(t)).collect::<Result<_, _>>()?;
         let dev_refs: Vec<&DeviceTensor> = dev.iter().collect();
         let mut got = self.upload(&case.initial())?;
-        let gpu_result = self.kernels.run(&case.kernel, &dev_refs, &mut got, &ctx);
+        let gpu_result = self.kernels.run(&case.kernel, &dev_refs, &mut got, &ctx).map_err(String::from);
         match (cpu_result, gpu_result) {
             (Ok(want), Ok(())) => {
                 close(&got.download(&self.stream)?, &want, case.tol).map_err(|e| format!("{}: {e}", case.describe()))

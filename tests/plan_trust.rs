@@ -383,7 +383,7 @@ fn a_plan_needing_more_memory_than_available_is_refused_even_with_an_edited_summ
     assert_clean_failure(&out, "the plan needs 1 device x");
 
     plan.memory.peak_bytes = 0;
-    let e = check_host_can_run(&plan, 1).expect_err("refused");
+    let e = check_host_can_run(&plan, 1).expect_err("refused").to_string();
     assert!(e.contains("the plan needs 1 device x") && e.contains("available"), "{e}");
     assert!(e.contains("OPTIMUS_SKIP_MEMORY_CHECK=1"), "{e}");
     // And the verifier refuses the edited summary, which `inspect` and `simulate` would show.
@@ -407,7 +407,7 @@ fn meshes_beyond_the_thread_cap_are_refused_before_any_thread_starts() {
     for side in [64u64, 1024] {
         plan.mesh = Mesh::new(side, side);
         let devices = side * side;
-        let e = check_host_can_run(&plan, devices).expect_err("over the cap");
+        let e = check_host_can_run(&plan, devices).expect_err("over the cap").to_string();
         assert!(e.contains(&format!("{devices} devices")) && e.contains(&MAX_DEVICE_THREADS.to_string()), "{e}");
         assert!(e.contains(&format!("mpirun -np {devices}")) && e.contains("srun"), "{e}");
     }

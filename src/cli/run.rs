@@ -430,7 +430,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         steps: args.steps,
         optimizer: args.optimizer.settings(),
         timeout: Duration::from_secs_f64(args.timeout),
-        fault: optimus::runtime::fault::from_env()?,
+        fault: optimus::runtime::fault::from_env().map_err(|e| e.to_string())?,
         backend: args.backend.kind(),
         profile: args.profile,
         schedule: (schedule.kind != ScheduleKind::Constant || schedule.warmup > 0).then_some(schedule),

@@ -7,6 +7,44 @@
 //! f64) and rounded to f32 once, so it is the correctly rounded float32 result; the CUDA kernel does
 //! the same in double precision.
 
+/// Why rotary position embeddings cannot run on a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RotaryError {
+    /// More heads than this machine can count.
+    TooManyHeads(u64),
+    /// A head count that does not divide the width.
+    Heads { heads: usize, width: usize },
+    /// A head size that is zero or odd (rotary turns pairs).
+    OddHeadSize { width: usize, heads: usize, d: usize },
+    /// A table of more elements than this machine can count.
+    TableTooLarge,
+    /// A table whose memory the allocator refused.
+    TableAllocation,
+}
+
+impl std::fmt::Display for RotaryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            RotaryError::TooManyHeads(heads) => write!(f, "{heads} heads is too many"),
+            RotaryError::Heads { heads, width } => write!(f, "{heads} heads do not divide the width {width}"),
+            RotaryError::OddHeadSize { width, heads, d } => {
+                write!(f, "rotary needs an even head size, but {width} / {heads} heads is {d}")
+            }
+            RotaryError::TableTooLarge => f.write_str("the rotary table is too large"),
+            RotaryError::TableAllocation => f.write_str("cannot allocate the rotary table"),
+        }
+    }
+}
+
+impl std::error::Error for RotaryError {}
+
+/// For callers whose errors are still messages (the verifier): the same text.
+impl From<RotaryError> for String {
+    fn from(e: RotaryError) -> String {
+        e.to_string()
+    }
+}
+
 /// The inverse frequency of pair i of a head of size d: 1 / theta^(2i / d), rounded as float32.
 pub fn inv_freq(theta: f64, d: usize, i: usize) -> f32 {
     let exponent = (2 * i) as f32 / d as f32;
@@ -32,13 +70,13 @@ pub struct Table {
 }
 
 impl Table {
-    pub fn new(seq: usize, d: usize, theta: f64) -> Result<Table, String> {
+    pub fn new(seq: usize, d: usize, theta: f64) -> Result<Table, RotaryError> {
         let half = d / 2;
         let inv: Vec<f32> = (0..half).map(|i| inv_freq(theta, d, i)).collect();
-        let n = seq.checked_mul(half).ok_or("the rotary table is too large")?;
+        let n = seq.checked_mul(half).ok_or(RotaryError::TableTooLarge)?;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        cos.try_reserve_exact(n).map_err(|_| "cannot allocate the rotary table")?;
-        sin.try_reserve_exact(n).map_err(|_| "cannot allocate the rotary table")?;
+        cos.try_reserve_exact(n).map_err(|_| RotaryError::TableAllocation)?;
+        sin.try_reserve_exact(n).map_err(|_| RotaryError::TableAllocation)?;
         for position in 0..seq {
             angles_at(position, &inv, &mut cos, &mut sin);
         }
@@ -53,14 +91,14 @@ impl Table {
 }
 
 /// The head size of x [.., seq, heads * d] for rotary: d must be a positive even number.
-pub fn head_size(width: usize, heads: u64) -> Result<usize, String> {
-    let heads = usize::try_from(heads).map_err(|_| format!("{heads} heads is too many"))?;
+pub fn head_size(width: usize, heads: u64) -> Result<usize, RotaryError> {
+    let heads = usize::try_from(heads).map_err(|_| RotaryError::TooManyHeads(heads))?;
     if heads == 0 || !width.is_multiple_of(heads) {
-        return Err(format!("{heads} heads do not divide the width {width}"));
+        return Err(RotaryError::Heads { heads, width });
     }
     let d = width / heads;
     if d == 0 || !d.is_multiple_of(2) {
-        return Err(format!("rotary needs an even head size, but {width} / {heads} heads is {d}"));
+        return Err(RotaryError::OddHeadSize { width, heads, d });
     }
     Ok(d)
 }

@@ -1,8 +1,108 @@
 //! Shape checks and data-movement plans shared by every backend's kernels: a backend decides how to
-//! copy, these decide what goes where, so the CPU and GPU kernels cannot drift apart.
+//! copy, these decide what goes where, so the CPU and GPU kernels cannot drift apart. What a check
+//! finds wrong is a [`ShapeError`], whose message is the same whichever backend (or the verifier) asks.
 
 use crate::layout::{MESH_AXES, Placement};
 use crate::{Coords, Mesh};
+
+/// What a shape check finds wrong. `Display` gives the message every backend and the verifier print.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShapeError {
+    /// An operand has another element count than the check wants ([`same_len`]).
+    Length { what: String, got: usize, want: usize },
+    /// An operand has another shape than the check wants ([`same_shape`]).
+    Shape { what: String, got: Vec<u64>, want: Vec<u64> },
+    /// An operand has fewer dimensions than `at_least` ([`batch_matrix`]).
+    Rank { what: String, shape: Vec<u64>, at_least: usize },
+    /// A dimension past the rank of `shape`.
+    NoDimension { dim: usize, shape: Vec<u64> },
+    /// An index outside the dimension it selects from.
+    Index { index: u64, dim: usize, shape: Vec<u64> },
+    /// Two dimensions to swap, one of them past the rank of `shape`.
+    Swap { dim0: usize, dim1: usize, shape: Vec<u64> },
+    /// Another number of operands than a kernel takes.
+    Operands { want: usize, got: usize },
+    /// A mesh axis a mesh does not have.
+    NoMeshAxis(usize),
+    /// Dimension `dim` of `shape`, viewed as [outer, _, inner], does not split into `parts` blocks.
+    Split { dim: usize, shape: Vec<u64>, outer: usize, inner: usize, parts: u64 },
+    /// A slice of a tensor that is a pending sum.
+    PendingSum,
+    /// An attention without heads.
+    NoHeads,
+    /// Query heads that do not group evenly over the key/value heads.
+    HeadGroups { heads: usize, kv_heads: usize },
+    /// A fused attention input whose key/value heads are not its query heads.
+    FusedHeads { heads: usize, kv_heads: usize },
+    /// An attention width that does not split into `heads` heads (three times over when `fused`).
+    Width { width: usize, heads: usize, fused: bool },
+    /// q and k whose leading dimensions or head sizes differ.
+    QueryKey { q: Vec<u64>, heads: usize, k: Vec<u64>, kv_heads: usize },
+    /// Runs that do not fit their source and destination (a bug).
+    RunsOutside(Runs),
+    /// A check's own message ([`ensure`]).
+    Invalid(String),
+}
+
+/// A count as a word, as the messages write small ones.
+fn count_word(n: usize) -> String {
+    match n {
+        1 => "one".into(),
+        2 => "two".into(),
+        3 => "three".into(),
+        n => n.to_string(),
+    }
+}
+
+impl std::fmt::Display for ShapeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ShapeError::Length { what, got, want } => write!(f, "{what} has {got} elements, expected {want}"),
+            ShapeError::Shape { what, got, want } => write!(f, "{what} is {got:?}, expected {want:?}"),
+            ShapeError::Rank { what, shape, at_least } => {
+                write!(f, "{what} must have at least {} dimensions, not {shape:?}", count_word(*at_least))
+            }
+            ShapeError::NoDimension { dim, shape } => write!(f, "dimension {dim} does not exist in {shape:?}"),
+            ShapeError::Index { index, dim, shape } => {
+                write!(f, "index {index} is outside dimension {dim} of {shape:?}")
+            }
+            ShapeError::Swap { dim0, dim1, shape } => {
+                write!(f, "cannot swap dimensions {dim0} and {dim1} of {shape:?}")
+            }
+            ShapeError::Operands { want, got } => write!(f, "expects {want} inputs, got {got}"),
+            ShapeError::NoMeshAxis(axis) => write!(f, "mesh axis {axis} does not exist"),
+            ShapeError::Split { dim, shape, outer, inner, parts } => {
+                write!(f, "dimension {dim} of {shape:?} viewed as [{outer}, _, {inner}] cannot be split in {parts}")
+            }
+            ShapeError::PendingSum => f.write_str("cannot slice into a pending sum"),
+            ShapeError::NoHeads => f.write_str("attention needs at least one head"),
+            ShapeError::HeadGroups { heads, kv_heads } => {
+                write!(f, "{heads} query heads cannot be grouped over {kv_heads} key/value heads")
+            }
+            ShapeError::FusedHeads { heads, kv_heads } => {
+                write!(f, "a fused input has {heads} key/value heads, not {kv_heads}")
+            }
+            ShapeError::Width { width, heads, fused: true } => write!(f, "width {width} is not 3 x {heads} heads"),
+            ShapeError::Width { width, heads, fused: false } => {
+                write!(f, "width {width} is not a multiple of {heads} heads")
+            }
+            ShapeError::QueryKey { q, heads, k, kv_heads } => {
+                write!(f, "q {q:?} ({heads} heads) and k {k:?} ({kv_heads} heads) do not match")
+            }
+            ShapeError::RunsOutside(runs) => write!(f, "internal error: {runs:?} does not fit"),
+            ShapeError::Invalid(message) => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for ShapeError {}
+
+/// For callers whose errors are still messages (the verifier): the same text.
+impl From<ShapeError> for String {
+    fn from(e: ShapeError) -> String {
+        e.to_string()
+    }
+}
 
 /// The element count of a shape (saturating, so that absurd shapes fail the length checks instead).
 pub fn numel(shape: &[u64]) -> usize {
@@ -17,29 +117,35 @@ pub fn split_last(shape: &[u64]) -> (usize, usize) {
     }
 }
 
-pub fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<(), String> {
-    if ok { Ok(()) } else { Err(message()) }
+/// `Ok` when `ok` holds, else the check's own message.
+pub fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<(), ShapeError> {
+    if ok { Ok(()) } else { Err(ShapeError::Invalid(message())) }
 }
 
-pub fn same_len(what: &str, got: usize, want: usize) -> Result<(), String> {
-    ensure(got == want, || format!("{what} has {got} elements, expected {want}"))
+/// `Ok` when `ok` holds, else the error `error` makes.
+fn require(ok: bool, error: impl FnOnce() -> ShapeError) -> Result<(), ShapeError> {
+    if ok { Ok(()) } else { Err(error()) }
 }
 
-pub fn same_shape(what: &str, got: &[u64], want: &[u64]) -> Result<(), String> {
-    ensure(got == want, || format!("{what} is {got:?}, expected {want:?}"))
+pub fn same_len(what: &str, got: usize, want: usize) -> Result<(), ShapeError> {
+    require(got == want, || ShapeError::Length { what: what.to_string(), got, want })
+}
+
+pub fn same_shape(what: &str, got: &[u64], want: &[u64]) -> Result<(), ShapeError> {
+    require(got == want, || ShapeError::Shape { what: what.to_string(), got: got.to_vec(), want: want.to_vec() })
 }
 
 /// (leading dimensions, rows, columns) of a batch of matrices.
-pub fn batch_matrix<'s>(shape: &'s [u64], what: &str) -> Result<(&'s [u64], usize, usize), String> {
+pub fn batch_matrix<'s>(shape: &'s [u64], what: &str) -> Result<(&'s [u64], usize, usize), ShapeError> {
     match shape {
         [lead @ .., r, c] => Ok((lead, *r as usize, *c as usize)),
-        _ => Err(format!("{what} must have at least two dimensions, not {shape:?}")),
+        _ => Err(ShapeError::Rank { what: what.to_string(), shape: shape.to_vec(), at_least: 2 }),
     }
 }
 
 /// (before, size, after) of dimension `dim`.
-fn around(shape: &[u64], dim: usize) -> Result<(usize, usize, usize), String> {
-    ensure(dim < shape.len(), || format!("dimension {dim} does not exist in {shape:?}"))?;
+fn around(shape: &[u64], dim: usize) -> Result<(usize, usize, usize), ShapeError> {
+    require(dim < shape.len(), || ShapeError::NoDimension { dim, shape: shape.to_vec() })?;
     Ok((numel(&shape[..dim]), shape[dim] as usize, numel(&shape[dim + 1..])))
 }
 
@@ -88,16 +194,16 @@ pub struct Swap {
 }
 
 /// A copy with a new shape (same element order).
-pub fn reshape_runs(x: &[u64], out: &[u64]) -> Result<Runs, String> {
+pub fn reshape_runs(x: &[u64], out: &[u64]) -> Result<Runs, ShapeError> {
     let n = numel(x);
     same_len("the output", numel(out), n)?;
     Ok(Runs::whole(n))
 }
 
 /// out = x[.., index, ..] along `dim`.
-pub fn select_runs(x: &[u64], out: &[u64], dim: usize, index: u64) -> Result<Runs, String> {
+pub fn select_runs(x: &[u64], out: &[u64], dim: usize, index: u64) -> Result<Runs, ShapeError> {
     let (before, size, after) = around(x, dim)?;
-    ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {x:?}"))?;
+    require((index as usize) < size, || ShapeError::Index { index, dim, shape: x.to_vec() })?;
     same_shape("the output", out, &without(x, dim))?;
     Ok(Runs {
         count: before,
@@ -111,9 +217,9 @@ pub fn select_runs(x: &[u64], out: &[u64], dim: usize, index: u64) -> Result<Run
 }
 
 /// out = zeros with dy placed at `index` along `dim` (the gradient of [`select_runs`]).
-pub fn select_grad_runs(dy: &[u64], out: &[u64], dim: usize, index: u64) -> Result<Runs, String> {
+pub fn select_grad_runs(dy: &[u64], out: &[u64], dim: usize, index: u64) -> Result<Runs, ShapeError> {
     let (before, size, after) = around(out, dim)?;
-    ensure((index as usize) < size, || format!("index {index} is outside dimension {dim} of {out:?}"))?;
+    require((index as usize) < size, || ShapeError::Index { index, dim, shape: out.to_vec() })?;
     same_shape("dy", dy, &without(out, dim))?;
     Ok(Runs {
         count: before,
@@ -127,9 +233,9 @@ pub fn select_grad_runs(dy: &[u64], out: &[u64], dim: usize, index: u64) -> Resu
 }
 
 /// The swap that transposes dimensions `dim0` and `dim1` of `x` into `out`.
-pub fn transpose_swap(x: &[u64], out: &[u64], dim0: usize, dim1: usize) -> Result<Swap, String> {
+pub fn transpose_swap(x: &[u64], out: &[u64], dim0: usize, dim1: usize) -> Result<Swap, ShapeError> {
     let rank = x.len();
-    ensure(dim0 < rank && dim1 < rank, || format!("cannot swap dimensions {dim0} and {dim1} of {x:?}"))?;
+    require(dim0 < rank && dim1 < rank, || ShapeError::Swap { dim0, dim1, shape: x.to_vec() })?;
     let mut swapped = x.to_vec();
     swapped.swap(dim0, dim1);
     same_shape("the output", out, &swapped)?;
@@ -152,20 +258,24 @@ pub fn slice_shard_runs(
     coords: Coords,
     axis: usize,
     p: Placement,
-) -> Result<Runs, String> {
+) -> Result<Runs, ShapeError> {
     let Placement::Shard { dim, outer, inner } = p else {
-        ensure(p == Placement::Replicate, || "cannot slice into a pending sum".to_string())?;
+        require(p == Placement::Replicate, || ShapeError::PendingSum)?;
         return reshape_runs(x, out);
     };
-    ensure(axis < MESH_AXES, || format!("mesh axis {axis} does not exist"))?;
+    require(axis < MESH_AXES, || ShapeError::NoMeshAxis(axis))?;
     let (parts, coord) = (mesh.axes()[axis], coords.0[axis]);
     let dim = usize::from(dim);
     let (before, size, after) = around(x, dim)?;
     let (outer, inner) = (outer.max(1) as usize, inner.max(1) as usize);
     let mid = size / outer.saturating_mul(inner);
     let whole = mid.saturating_mul(outer).saturating_mul(inner) == size;
-    ensure(parts > 0 && coord < parts && whole && mid.is_multiple_of(parts as usize), || {
-        format!("dimension {dim} of {x:?} viewed as [{outer}, _, {inner}] cannot be split in {parts}")
+    require(parts > 0 && coord < parts && whole && mid.is_multiple_of(parts as usize), || ShapeError::Split {
+        dim,
+        shape: x.to_vec(),
+        outer,
+        inner,
+        parts,
     })?;
     let chunk = mid / parts as usize;
     let mut want = x.to_vec();
@@ -219,18 +329,16 @@ pub struct AttentionLayout {
 
 impl AttentionLayout {
     /// Checks the operand shapes (one when `fused`, else q, k, v) against `heads` and `kv_heads`.
-    pub fn new(shapes: &[&[u64]], heads: u64, kv_heads: u64, fused: bool) -> Result<AttentionLayout, String> {
+    pub fn new(shapes: &[&[u64]], heads: u64, kv_heads: u64, fused: bool) -> Result<AttentionLayout, ShapeError> {
         let (heads, kv_heads) = (heads as usize, kv_heads as usize);
-        ensure(heads > 0 && kv_heads > 0, || "attention needs at least one head".to_string())?;
-        ensure(heads.is_multiple_of(kv_heads), || {
-            format!("{heads} query heads cannot be grouped over {kv_heads} key/value heads")
-        })?;
+        require(heads > 0 && kv_heads > 0, || ShapeError::NoHeads)?;
+        require(heads.is_multiple_of(kv_heads), || ShapeError::HeadGroups { heads, kv_heads })?;
         let expected = if fused { 1 } else { 3 };
-        ensure(shapes.len() == expected, || format!("expects {expected} inputs, got {}", shapes.len()))?;
+        require(shapes.len() == expected, || ShapeError::Operands { want: expected, got: shapes.len() })?;
         if fused {
-            ensure(kv_heads == heads, || format!("a fused input has {heads} key/value heads, not {kv_heads}"))?;
+            require(kv_heads == heads, || ShapeError::FusedHeads { heads, kv_heads })?;
             let (lead, s, w) = batch_matrix(shapes[0], "the fused input")?;
-            ensure(w.is_multiple_of(heads.saturating_mul(3)), || format!("width {w} is not 3 x {heads} heads"))?;
+            require(w.is_multiple_of(heads.saturating_mul(3)), || ShapeError::Width { width: w, heads, fused })?;
             let d = w / (3 * heads);
             let pack = |k: usize| Packing { seq: s, row: w, part: k * heads * d };
             let packing = [pack(0), pack(1), pack(2)];
@@ -241,10 +349,13 @@ impl AttentionLayout {
         let (lq, sq, w) = batch_matrix(q, "q")?;
         let (lk, sk, wk) = batch_matrix(k, "k")?;
         same_shape("v", v, k)?;
-        ensure(w.is_multiple_of(heads), || format!("width {w} is not a multiple of {heads} heads"))?;
+        require(w.is_multiple_of(heads), || ShapeError::Width { width: w, heads, fused })?;
         let d = w / heads;
-        ensure(lq == lk && wk == kv_heads * d, || {
-            format!("q {q:?} ({heads} heads) and k {k:?} ({kv_heads} heads) do not match")
+        require(lq == lk && wk == kv_heads * d, || ShapeError::QueryKey {
+            q: q.to_vec(),
+            heads,
+            k: k.to_vec(),
+            kv_heads,
         })?;
         let packing = [
             Packing { seq: sq, row: w, part: 0 },
@@ -290,8 +401,8 @@ impl AttentionLayout {
 
 impl Runs {
     /// Copies the runs from `src` into `dst`.
-    pub fn apply<T: Copy + Default>(&self, src: &[T], dst: &mut [T]) -> Result<(), String> {
-        ensure(self.fits(src.len(), dst.len()), || format!("internal error: {self:?} does not fit"))?;
+    pub fn apply<T: Copy + Default>(&self, src: &[T], dst: &mut [T]) -> Result<(), ShapeError> {
+        require(self.fits(src.len(), dst.len()), || ShapeError::RunsOutside(*self))?;
         if self.zero_first {
             dst.fill(T::default());
         }
@@ -329,5 +440,26 @@ impl Swap {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed errors print the messages the checks printed as strings.
+    #[test]
+    fn messages_read_as_before() {
+        let rank = batch_matrix(&[3], "A").map(|_| ()).expect_err("one dimension");
+        assert_eq!(rank.to_string(), "A must have at least two dimensions, not [3]");
+        let select = select_runs(&[2, 3], &[3], 0, 5).expect_err("index past the dimension");
+        assert_eq!(select.to_string(), "index 5 is outside dimension 0 of [2, 3]");
+        let swap = transpose_swap(&[2, 3], &[3, 2], 0, 2).expect_err("no dimension 2");
+        assert_eq!(swap.to_string(), "cannot swap dimensions 0 and 2 of [2, 3]");
+        let width = AttentionLayout::new(&[&[2, 6], &[2, 6], &[2, 6]], 4, 4, false).expect_err("6 / 4 heads");
+        assert_eq!(width.to_string(), "width 6 is not a multiple of 4 heads");
+        let length = same_len("the output", 3, 4).expect_err("3 != 4");
+        assert_eq!(length.to_string(), "the output has 3 elements, expected 4");
+        assert_eq!(String::from(ensure(false, || "as written".into()).expect_err("false")), "as written");
     }
 }

@@ -9,7 +9,7 @@
 
 use super::backend::Exchanges;
 use super::bf16;
-use super::error::{RuntimeError, unreachable};
+use super::error::{RuntimeError, StorageError, unreachable};
 use super::view::{Shape, View, ViewData, ViewMut, ViewMutData};
 use crate::view::TensorViews;
 use optimus_plan::memory::{persistent, touched};
@@ -181,7 +181,7 @@ impl HostArena {
             })
             .collect::<Vec<_>>();
         if let Some(r) = regions.iter().flatten().find(|r| r.offset + r.len > layout.total) {
-            return Err(RuntimeError::Storage(format!("the arena layout puts `{}` past its end", r.name)));
+            return Err(StorageError::PastEnd { buffer: r.name.clone() }.into());
         }
         Ok(HostArena { words: vec![0.0; layout.total], regions })
     }
@@ -211,16 +211,14 @@ impl HostArena {
     pub fn write(&mut self, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
         let mut view = self.view_mut(id)?;
         if view.shape.as_slice() != tensor.shape.as_slice() {
-            return Err(RuntimeError::Storage(format!(
-                "a {:?} tensor does not fit a {:?} buffer",
-                tensor.shape, view.shape
-            )));
+            let (tensor, buffer) = (tensor.shape.clone(), view.shape.to_vec());
+            return Err(StorageError::Misfit { tensor, buffer, name: None }.into());
         }
         match (&mut view.data, tensor.view().data) {
             (ViewMutData::F32(dst), ViewData::F32(src)) => dst.copy_from_slice(src),
             (ViewMutData::I32(dst), ViewData::I32(src)) => dst.copy_from_slice(src),
             (ViewMutData::Bf16(dst), ViewData::F32(src)) => bf16::round_into(src, dst),
-            _ => return Err(RuntimeError::Storage("a tensor's element type does not match its buffer's".into())),
+            _ => return Err(StorageError::ElementType { name: None }.into()),
         }
         Ok(())
     }
@@ -262,36 +260,25 @@ impl HostArena {
         for id in [send, recv] {
             let r = self.region(id)?;
             if r.elem == Elem::I32 {
-                return Err(RuntimeError::Storage(format!(
-                    "only floating-point buffers are communicated, not `{}`",
-                    r.name
-                )));
+                return Err(StorageError::NotFloat { name: Some(r.name.clone()) }.into());
             }
         }
         let (ins, mut outs) = self.operands(&[send], &[recv])?;
         let (Some(send), Some(recv)) = (ins.first(), outs.first_mut()) else {
             return Err(unreachable("one send and one receive buffer"));
         };
-        let mut comm_error = None;
-        let mut exchange_f32 = |s: &[&super::view::View], r: &mut ViewMut| -> Result<(), String> {
+        let mut exchange_f32 = |s: &[&super::view::View], r: &mut ViewMut| -> Result<(), RuntimeError> {
             let (Some(s), ViewMutData::F32(r)) = (s.first().and_then(|v| v.f32().ok()), &mut r.data) else {
-                return Err("a collective needs floating-point buffers".into());
+                return Err(StorageError::CollectiveNeedsFloats.into());
             };
-            exchange.f32(s, r).map_err(|e| {
-                comm_error = Some(e);
-                String::new()
-            })
+            Ok(exchange.f32(s, r)?)
         };
         // bf16 buffers are exchanged as f32 values: a piece at a time when the collective allows it, so
         // the widened copies stay small.
         let in_pieces = elementwise.then(|| bf16::exchange_in_pieces(send, recv, &mut exchange_f32)).flatten();
-        let done = match in_pieces {
+        match in_pieces {
             Some(result) => result,
             None => bf16::with_widened(&[send], recv, true, &mut exchange_f32),
-        };
-        match done {
-            Ok(()) => Ok(()),
-            Err(message) => Err(comm_error.map_or(RuntimeError::Storage(message), RuntimeError::Comm)),
         }
     }
 
@@ -369,7 +356,7 @@ impl HostArena {
         }
         let spans =
             distinct.iter().map(|&id| self.region(id).map(|r| (r.offset, r.len))).collect::<Result<Vec<_>, _>>()?;
-        let mut slices = carve(&mut self.words, &spans).map_err(RuntimeError::Storage)?.into_iter();
+        let mut slices = carve(&mut self.words, &spans)?.into_iter();
         let region = |id: BufferId| region_of(&self.regions, id);
         let mut outs = Vec::with_capacity(writes.len());
         for &id in writes {
@@ -388,10 +375,7 @@ impl HostArena {
 }
 
 fn region_of(regions: &[Option<Region>], id: BufferId) -> Result<&Region, RuntimeError> {
-    regions
-        .get(id.0 as usize)
-        .and_then(Option::as_ref)
-        .ok_or_else(|| RuntimeError::Storage(format!("buffer {} has no place in this device's storage", id.0)))
+    regions.get(id.0 as usize).and_then(Option::as_ref).ok_or(RuntimeError::Storage(StorageError::NoPlace(id)))
 }
 
 fn shared_view<'a>(r: &'a Region, words: &'a [f32]) -> View<'a> {
@@ -414,7 +398,7 @@ fn writable_view<'a>(r: &'a Region, words: &'a mut [f32]) -> ViewMut<'a> {
 
 /// Splits `words` into the regions `(offset, len)` (in the order given), or says which overlap.
 /// Empty regions get empty slices wherever they are placed.
-pub fn carve<'a>(words: &'a mut [f32], regions: &[(usize, usize)]) -> Result<Vec<&'a mut [f32]>, String> {
+pub fn carve<'a>(words: &'a mut [f32], regions: &[(usize, usize)]) -> Result<Vec<&'a mut [f32]>, StorageError> {
     let mut by_offset: Vec<usize> = (0..regions.len()).filter(|&k| regions[k].1 > 0).collect();
     by_offset.sort_by_key(|&k| regions[k].0);
     let mut out: Vec<Option<&'a mut [f32]>> = (0..regions.len()).map(|_| None).collect();
@@ -422,10 +406,10 @@ pub fn carve<'a>(words: &'a mut [f32], regions: &[(usize, usize)]) -> Result<Vec
     for k in by_offset {
         let (offset, len) = regions[k];
         if offset < cursor {
-            return Err(format!("storage regions overlap: words {offset}..{} start before {cursor}", offset + len));
+            return Err(StorageError::Overlap { start: offset, end: offset + len, before: cursor });
         }
         if offset + len - cursor > rest.len() {
-            return Err(format!("storage region {offset}..{} lies past the end of the arena", offset + len));
+            return Err(StorageError::PastArena { start: offset, end: offset + len });
         }
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(offset - cursor);
         let (slice, tail) = tail.split_at_mut(len);
@@ -443,7 +427,7 @@ mod tests {
     #[test]
     fn carve_hands_out_disjoint_regions_in_the_order_asked() -> Result<(), String> {
         let mut words: Vec<f32> = (0..10).map(|x| x as f32).collect();
-        let slices = carve(&mut words, &[(6, 3), (0, 2), (4, 0), (2, 1)])?;
+        let slices = carve(&mut words, &[(6, 3), (0, 2), (4, 0), (2, 1)]).map_err(|e| e.to_string())?;
         let got: Vec<Vec<f32>> = slices.iter().map(|s| s.to_vec()).collect();
         assert_eq!(got, vec![vec![6.0, 7.0, 8.0], vec![0.0, 1.0], vec![], vec![2.0]]);
         Ok(())

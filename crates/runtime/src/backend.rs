@@ -73,7 +73,7 @@ pub trait Backend: Send {
     /// goes through a host copy; a backend whose storage is not host memory runs it where the buffer is.
     fn scale_in_place(&mut self, storage: &mut Self::Storage, id: BufferId, factor: f32) -> Result<(), RuntimeError> {
         let t = self.download(storage, id)?;
-        let scaled: Vec<f32> = t.f32().map_err(RuntimeError::Kernel)?.iter().map(|&x| x * factor).collect();
+        let scaled: Vec<f32> = t.f32()?.iter().map(|&x| x * factor).collect();
         self.upload(storage, id, &Tensor::from_f32(&t.shape, scaled))
     }
     /// At the end of a run, before the final downloads: releases the storage of every buffer but
@@ -152,7 +152,7 @@ impl BackendKind {
                 let warning = self.find_libraries();
                 super::cuda::probe().map(|_| ()).map_err(|e| match warning {
                     Some(warning) => format!("{e} ({warning})"),
-                    None => e,
+                    None => e.to_string(),
                 })
             }
             #[cfg(not(feature = "cuda"))]

@@ -8,6 +8,7 @@
 //! (see `runtime::comm`); the widening helpers for collectives here serve backends that exchange f32.
 
 use super::view::{Shape, View, ViewData, ViewMut, ViewMutData};
+use crate::error::KernelError;
 use crate::view::TensorViews;
 use half::bf16;
 use optimus_plan::tensor::Tensor;
@@ -56,25 +57,26 @@ pub fn scratch_for(out: &ViewMut, keep: bool) -> Option<Tensor> {
 }
 
 /// Rounds an f32 scratch into the bf16 output it stands for.
-pub fn store(scratch: &Tensor, out: &mut ViewMut) -> Result<(), String> {
+pub fn store(scratch: &Tensor, out: &mut ViewMut) -> Result<(), KernelError> {
     let values = scratch.f32()?;
     match &mut out.data {
         ViewMutData::Bf16(bits) if bits.len() == values.len() => {
             round_into(values, bits);
             Ok(())
         }
-        _ => Err("a bf16 scratch does not match its output".into()),
+        _ => Err(KernelError::Invalid("a bf16 scratch does not match its output".into())),
     }
 }
 
 /// Runs `f` (an f32 kernel) on `inputs` and `out`, widening bf16 operands to f32 and rounding a bf16
-/// result once at the end. Operands without bf16 go straight through.
-pub fn with_widened<R>(
+/// result once at the end. Operands without bf16 go straight through. `f`'s errors are of any type a
+/// kernel's convert into.
+pub fn with_widened<R, E: From<KernelError>>(
     inputs: &[&View],
     out: &mut ViewMut,
     out_is_read: bool,
-    f: impl FnOnce(&[&View], &mut ViewMut) -> Result<R, String>,
-) -> Result<R, String> {
+    f: impl FnOnce(&[&View], &mut ViewMut) -> Result<R, E>,
+) -> Result<R, E> {
     let wide: Vec<Option<Tensor>> = inputs.iter().map(|v| widened(v)).collect();
     let views: Vec<View> = inputs.iter().zip(&wide).map(|(v, w)| w.as_ref().map_or(**v, Tensor::view)).collect();
     let refs: Vec<&View> = views.iter().collect();
@@ -89,7 +91,7 @@ pub fn with_widened<R>(
 }
 
 /// An f32 matrix product on (A, B, out) views, accumulating into `out` when told.
-pub type Product<'k> = dyn Fn(&[&View], &mut ViewMut, bool) -> Result<(), String> + 'k;
+pub type Product<'k> = dyn Fn(&[&View], &mut ViewMut, bool) -> Result<(), KernelError> + 'k;
 
 /// The scratch budget of the piecewise emulation: a piece of an operand widened to f32 holds at most
 /// this many elements (128 Ki: 512 KiB of f32), whatever the tensor's size, unless one unit of the
@@ -167,15 +169,18 @@ impl std::ops::DerefMut for Scratch {
 
 /// `rows` x `cols` rows `first..first + rows` of a floating-point view, as f32 (borrowed when the view
 /// is f32 already).
-fn rows_f32<'v>(view: &'v View, first: usize, rows: usize, cols: usize) -> Result<Cow<'v, [f32]>, String> {
+fn rows_f32<'v>(view: &'v View, first: usize, rows: usize, cols: usize) -> Result<Cow<'v, [f32]>, KernelError> {
     let range = first * cols..(first + rows) * cols;
     match view.data {
         ViewData::F32(v) => v.get(range).map(Cow::Borrowed),
         ViewData::Bf16(v) => v.get(range).map(|b| Cow::Owned(widen(b))),
         ViewData::I32(_) => None,
     }
-    .ok_or_else(|| "a product operand is not a floating-point block of its shape".to_string())
+    .ok_or(KernelError::NotBlock(PRODUCT_OPERAND))
 }
+
+/// What a piece of a product's operand is called in an error.
+const PRODUCT_OPERAND: &str = "a product operand";
 
 /// `first` and the number of rows of each piece of `rows` rows of `cols` elements.
 fn pieces(rows: usize, cols: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -196,8 +201,8 @@ fn block_f32(
     cols: usize,
     r: &std::ops::Range<usize>,
     c: &std::ops::Range<usize>,
-) -> Result<Scratch, String> {
-    let missing = || "a product operand is not a floating-point block of its shape".to_string();
+) -> Result<Scratch, KernelError> {
+    let missing = || KernelError::NotBlock(PRODUCT_OPERAND);
     let mut out = Scratch::with_capacity(r.len() * c.len());
     for row in r.clone() {
         let range = row * cols + c.start..row * cols + c.end;
@@ -218,7 +223,7 @@ fn write_block(
     r: &std::ops::Range<usize>,
     c: &std::ops::Range<usize>,
     block: &[f32],
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     for (k, row) in r.clone().enumerate() {
         write_rows(out, row * cols + c.start, &block[k * c.len()..(k + 1) * c.len()])?;
     }
@@ -236,7 +241,7 @@ pub fn product_in_pieces(
     out: &mut ViewMut,
     (ta, tb, accumulate): (bool, bool, bool),
     run: &Product,
-) -> Option<Result<(), String>> {
+) -> Option<Result<(), KernelError>> {
     let [a, b] = *inputs else { return None };
     let (cols_a, rows_a) = last_and_rows(a.shape.as_slice());
     let (cols_b, rows_b) = last_and_rows(b.shape.as_slice());
@@ -252,7 +257,7 @@ pub fn product_in_pieces(
     let kk = if k <= 1024 { k.max(1) } else { (PIECE_ELEMENTS / m.max(n).max(1)).max(1024) / 1024 * 1024 };
     let nn = n.min(PIECE_ELEMENTS / kk).max(1);
     let mm = m.min(PIECE_ELEMENTS / kk.max(nn)).max(1);
-    let tile = |rm: std::ops::Range<usize>, rn: std::ops::Range<usize>, out: &mut ViewMut| -> Result<(), String> {
+    let tile = |rm: std::ops::Range<usize>, rn: std::ops::Range<usize>, out: &mut ViewMut| -> Result<(), KernelError> {
         let mut sum =
             if accumulate { block_f32(&out.as_view(), n, &rm, &rn)? } else { Scratch::zeros(rm.len() * rn.len()) };
         let sum_shape = [rm.len() as u64, rn.len() as u64];
@@ -280,10 +285,10 @@ fn last_and_rows(shape: &[u64]) -> (usize, usize) {
 }
 
 /// An f32 kernel on views.
-pub type KernelOnViews<'k> = dyn Fn(&[&View], &mut ViewMut) -> Result<(), String> + 'k;
+pub type KernelOnViews<'k> = dyn Fn(&[&View], &mut ViewMut) -> Result<(), KernelError> + 'k;
 
-/// An f32 collective on a send view and a receive view.
-pub type ExchangeOnViews<'k> = dyn FnMut(&[&View], &mut ViewMut) -> Result<(), String> + 'k;
+/// An f32 collective on a send view and a receive view, failing with errors of type `E`.
+pub type ExchangeOnViews<'k, E> = dyn FnMut(&[&View], &mut ViewMut) -> Result<(), E> + 'k;
 
 /// The inputs a row-separable kernel reads row by row (`true`) or whole (`false`): each output row
 /// depends only on the same rows of the former. `None` for the kernels that are not split this way
@@ -314,12 +319,17 @@ pub fn row_split(kernel: &optimus_plan::Kernel) -> Option<&'static [bool]> {
 /// each bf16 operand and rounding each piece of a bf16 output, so that the CPU emulation of bf16 needs
 /// little more memory than the plan. `None` when the operands are not whole rows of the output's row
 /// count (the caller then widens them whole).
-pub fn by_rows(inputs: &[&View], out: &mut ViewMut, split: &[bool], run: &KernelOnViews) -> Option<Result<(), String>> {
+pub fn by_rows(
+    inputs: &[&View],
+    out: &mut ViewMut,
+    split: &[bool],
+    run: &KernelOnViews,
+) -> Option<Result<(), KernelError>> {
     by_rows_at(inputs, out, split, &|ins, out, _| run(ins, out))
 }
 
 /// An f32 kernel on a piece of rows of its operands, told the index of the piece's first row.
-pub type KernelOnRows<'k> = dyn Fn(&[&View], &mut ViewMut, usize) -> Result<(), String> + 'k;
+pub type KernelOnRows<'k> = dyn Fn(&[&View], &mut ViewMut, usize) -> Result<(), KernelError> + 'k;
 
 /// [`by_rows`] for a kernel that needs to know where its piece starts (dropout, whose mask depends on
 /// the logical index of each element).
@@ -328,7 +338,7 @@ pub fn by_rows_at(
     out: &mut ViewMut,
     split: &[bool],
     run: &KernelOnRows,
-) -> Option<Result<(), String>> {
+) -> Option<Result<(), KernelError>> {
     let (width, rows) = last_and_rows(out.shape.as_slice());
     if rows < 2 || split.len() != inputs.len() {
         return None;
@@ -384,7 +394,7 @@ fn matrices(shape: &[u64]) -> Option<(usize, u64, u64)> {
 /// budget, at least one), each operand's piece shaped [count, rows, columns], widening only that piece
 /// of each bf16 operand and rounding each piece of a bf16 output. `None` when an operand does not have
 /// the output's number of matrices.
-pub fn by_matrices(inputs: &[&View], out: &mut ViewMut, run: &KernelOnViews) -> Option<Result<(), String>> {
+pub fn by_matrices(inputs: &[&View], out: &mut ViewMut, run: &KernelOnViews) -> Option<Result<(), KernelError>> {
     let (units, out_r, out_c) = matrices(out.shape.as_slice())?;
     if units < 2 {
         return None;
@@ -413,13 +423,13 @@ pub fn by_matrices(inputs: &[&View], out: &mut ViewMut, run: &KernelOnViews) -> 
 }
 
 /// Adds every row's contribution to a range of output elements into an f32 accumulator of that range.
-type AddToRange<'k> = dyn Fn(std::ops::Range<usize>, &mut [f32]) -> Result<(), String> + 'k;
+type AddToRange<'k> = dyn Fn(std::ops::Range<usize>, &mut [f32]) -> Result<(), KernelError> + 'k;
 
 /// Sums over rows into a bf16 (or f32) output `out`, a bounded piece of the output at a time:
 /// `add(elements, acc)` adds, in row order, every row's contribution to those elements of the output
 /// into the f32 accumulator `acc` (zeroed first), which is then rounded once into the output. The order
 /// of the additions is the whole kernel's, so the result is too.
-fn sum_into_columns(out: &mut ViewMut, add: &AddToRange) -> Result<(), String> {
+fn sum_into_columns(out: &mut ViewMut, add: &AddToRange) -> Result<(), KernelError> {
     let n = out.len();
     ranges(n, PIECE_ELEMENTS).try_for_each(|columns| {
         let mut acc = Scratch::zeros(columns.len());
@@ -429,22 +439,22 @@ fn sum_into_columns(out: &mut ViewMut, add: &AddToRange) -> Result<(), String> {
 }
 
 /// One element of a floating-point view as f32.
-fn at(view: &View, k: usize) -> Result<f32, String> {
+fn at(view: &View, k: usize) -> Result<f32, KernelError> {
     match view.data {
         ViewData::F32(v) => v.get(k).copied(),
         ViewData::Bf16(v) => v.get(k).map(|&b| widen_one(b)),
         ViewData::I32(_) => None,
     }
-    .ok_or_else(|| "an operand is not a floating-point block of its shape".to_string())
+    .ok_or(KernelError::NotBlock("an operand"))
 }
 
 /// `SumToLast` (x) -> [last]: the sum over rows, a bounded piece of columns at a time, in row order.
-pub fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
-    let [x] = inputs else { return Err("sum_to_last takes one input".into()) };
+pub fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
+    let [x] = inputs else { return Err(KernelError::Takes { kernel: "sum_to_last", inputs: "one input" }) };
     let width = out.len();
     let (x_width, rows) = last_and_rows(x.shape.as_slice());
     if x_width != width {
-        return Err(format!("an input of {x_width} columns does not sum into {width}"));
+        return Err(KernelError::Invalid(format!("an input of {x_width} columns does not sum into {width}")));
     }
     sum_into_columns(out, &|columns, acc| {
         for row in 0..rows {
@@ -458,13 +468,17 @@ pub fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
 
 /// `PositionGrad` (dy [.., seq, width]) -> d table [context, width]: the sum of dy over the leading
 /// dimensions into the table's first `seq` rows (the others zero), a bounded piece at a time.
-pub fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
-    let [dy] = inputs else { return Err("position_grad takes one input".into()) };
-    let (blocks, s, w) = matrices(dy.shape.as_slice()).ok_or("dy must have two dimensions or more")?;
+pub fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
+    let [dy] = inputs else { return Err(KernelError::Takes { kernel: "position_grad", inputs: "one input" }) };
+    let (blocks, s, w) = matrices(dy.shape.as_slice())
+        .ok_or_else(|| KernelError::Invalid("dy must have two dimensions or more".into()))?;
     let block = (s * w) as usize;
     let (table_w, table_rows) = last_and_rows(out.shape.as_slice());
     if table_w as u64 != w || (table_rows as u64) < s {
-        return Err(format!("a table {:?} cannot take the gradient of {:?}", out.shape, dy.shape));
+        return Err(KernelError::Invalid(format!(
+            "a table {:?} cannot take the gradient of {:?}",
+            out.shape, dy.shape
+        )));
     }
     sum_into_columns(out, &|columns, acc| {
         for b in 0..blocks {
@@ -479,15 +493,19 @@ pub fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> 
 /// `LayerNormGradWeight` (dy, x, sum, sqsum) -> [last]: the sum over rows of dy * (x - mean) * rstd (the
 /// kernel's formula, mean and rstd from the all-reduced sums as it takes them), a bounded piece of
 /// columns at a time, in row order.
-pub fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
-    let [dy, x, sum, sqsum] = inputs else { return Err("layer_norm_grad_weight takes dy, x and two sums".into()) };
+pub fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), KernelError> {
+    let [dy, x, sum, sqsum] = inputs else {
+        return Err(KernelError::Takes { kernel: "layer_norm_grad_weight", inputs: "dy, x and two sums" });
+    };
     let width = out.len();
     let (x_width, rows) = last_and_rows(x.shape.as_slice());
     if x_width != width || dy.len() != x.len() || sum.len() != rows || sqsum.len() != rows || n == 0 {
-        return Err(format!("layer norm weight gradient operands do not match an output of {width}"));
+        return Err(KernelError::Invalid(format!(
+            "layer norm weight gradient operands do not match an output of {width}"
+        )));
     }
     let nf = n as f64;
-    let stats = |row: usize| -> Result<(f32, f32), String> {
+    let stats = |row: usize| -> Result<(f32, f32), KernelError> {
         let (mean, var) = (f64::from(at(sum, row)?) / nf, f64::from(at(sqsum, row)?) / nf);
         Ok((mean as f32, (1.0 / (var + eps).sqrt()) as f32))
     };
@@ -512,19 +530,16 @@ pub fn embedding_grad(
     out: &mut ViewMut,
     (base, masked): (u64, bool),
     padding: Option<u64>,
-) -> Result<(), String> {
-    let [ids, dy] = inputs else { return Err("embedding_grad takes ids and dy".into()) };
+) -> Result<(), KernelError> {
+    let [ids, dy] = inputs else { return Err(KernelError::Takes { kernel: "embedding_grad", inputs: "ids and dy" }) };
     let ids = ids.i32()?;
     let (w, rows) = last_and_rows(out.shape.as_slice());
     if dy.len() != ids.len() * w {
-        return Err(format!("dy {:?} is not one row of {w} per id", dy.shape));
+        return Err(KernelError::Invalid(format!("dy {:?} is not one row of {w} per id", dy.shape)));
     }
     let local = |id: i32| usize::try_from(i64::from(id) - base as i64).ok().filter(|&r| r < rows);
-    if let Some(id) = ids.iter().find(|&&id| local(id).is_none()).filter(|_| !masked) {
-        return Err(format!(
-            "token id {id} is outside this device's embedding rows [{base}, {})",
-            base.saturating_add(rows as u64)
-        ));
+    if let Some(&id) = ids.iter().find(|&&id| local(id).is_none()).filter(|_| !masked) {
+        return Err(KernelError::TokenOutsideRows { id, base, rows });
     }
     sum_into_columns(out, &|elements, acc| {
         let kept = ids.iter().enumerate().filter(|(_, id)| !super::cpu::kernels::is_padding(**id, padding));
@@ -542,20 +557,25 @@ pub fn embedding_grad(
 /// An element-by-element collective (`f` on f32 send and receive slices) run a piece at a time on
 /// buffers of which one at least is bf16: each piece of the send buffer is widened, the receive piece
 /// widened (a member that receives nothing keeps its contents), and the result rounded back. `None`
-/// when neither buffer is bf16 or their sizes differ (the caller handles those whole).
-pub fn exchange_in_pieces(send: &View, recv: &mut ViewMut, f: &mut ExchangeOnViews) -> Option<Result<(), String>> {
+/// when neither buffer is bf16 or their sizes differ (the caller handles those whole). `f`'s errors are
+/// of any type a kernel's convert into.
+pub fn exchange_in_pieces<E: From<KernelError>>(
+    send: &View,
+    recv: &mut ViewMut,
+    f: &mut ExchangeOnViews<E>,
+) -> Option<Result<(), E>> {
     let any_bf16 = matches!(send.data, ViewData::Bf16(_)) || matches!(recv.data, ViewMutData::Bf16(_));
     if !any_bf16 || send.len() != recv.len() {
         return None;
     }
     let len = send.len();
-    Some(pieces(len, 1).try_for_each(|(first, count)| {
+    Some(pieces(len, 1).try_for_each(|(first, count)| -> Result<(), E> {
         let s = rows_f32(send, first, count, 1)?;
         let mut r = rows_f32(&recv.as_view(), first, count, 1)?.into_owned();
         let shape = [count as u64];
         let s_view = View { shape: Shape(&shape), data: ViewData::F32(&s) };
         f(&[&s_view], &mut ViewMut { shape: Shape(&shape), data: ViewMutData::F32(&mut r) })?;
-        write_rows(recv, first, &r)
+        Ok(write_rows(recv, first, &r)?)
     }))
 }
 
@@ -573,9 +593,15 @@ enum PartData<'v> {
 
 impl<'v> Part<'v> {
     /// Rows `first..first + count` of `width` elements each, shaped `shape`.
-    fn rows(view: &View<'v>, first: usize, count: usize, width: usize, shape: Vec<u64>) -> Result<Part<'v>, String> {
+    fn rows(
+        view: &View<'v>,
+        first: usize,
+        count: usize,
+        width: usize,
+        shape: Vec<u64>,
+    ) -> Result<Part<'v>, KernelError> {
         let range = first * width..(first + count) * width;
-        let missing = || "an operand is not whole rows of its shape".to_string();
+        let missing = || KernelError::NotRows;
         let data = match view.data {
             ViewData::F32(v) => PartData::Borrowed(v.get(range).ok_or_else(missing)?),
             ViewData::Bf16(v) => PartData::Widened(Scratch::widened(v.get(range).ok_or_else(missing)?)),
@@ -595,14 +621,14 @@ impl<'v> Part<'v> {
 }
 
 /// Stores f32 values into an output from element `at` on, rounding where the output is bf16.
-fn write_rows(out: &mut ViewMut, at: usize, values: &[f32]) -> Result<(), String> {
+fn write_rows(out: &mut ViewMut, at: usize, values: &[f32]) -> Result<(), KernelError> {
     let range = at..at + values.len();
     match &mut out.data {
         ViewMutData::Bf16(bits) => bits.get_mut(range).map(|b| round_into(values, b)),
         ViewMutData::F32(v) => v.get_mut(range).map(|v| v.copy_from_slice(values)),
         ViewMutData::I32(_) => None,
     }
-    .ok_or_else(|| "a product's output is not a floating-point block of its shape".to_string())
+    .ok_or(KernelError::NotBlock("a product's output"))
 }
 
 #[cfg(test)]
@@ -633,8 +659,8 @@ mod tests {
     }
 
     /// A plain f32 product on views, for checking the piecewise one.
-    fn naive(ins: &[&View], out: &mut ViewMut, accumulate: bool, (ta, tb): (bool, bool)) -> Result<(), String> {
-        let [a, b] = ins else { return Err("two inputs".into()) };
+    fn naive(ins: &[&View], out: &mut ViewMut, accumulate: bool, (ta, tb): (bool, bool)) -> Result<(), KernelError> {
+        let [a, b] = ins else { return Err(KernelError::Invalid("two inputs".into())) };
         let (av, bv) = (a.f32()?, b.f32()?);
         let ((ca, ra), (cb, _)) = (last_and_rows(a.shape.as_slice()), last_and_rows(b.shape.as_slice()));
         let (n, m) = last_and_rows(out.shape.as_slice());

@@ -262,12 +262,12 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     }
 
     /// Loads each input's block from the logical input tensors (by input name).
-    pub fn load_inputs(&mut self, inputs: &std::collections::BTreeMap<String, Tensor>) -> Result<(), String> {
+    pub fn load_inputs(&mut self, inputs: &std::collections::BTreeMap<String, Tensor>) -> Result<(), RuntimeError> {
         let coords = self.coords();
         for input in &self.plan.inputs {
-            let logical = inputs.get(&input.name).ok_or_else(|| format!("no data for input `{}`", input.name))?;
+            let logical = inputs.get(&input.name).ok_or_else(|| RuntimeError::NoInput { name: input.name.clone() })?;
             let meta = self.plan.buffer(input.buffer);
-            let block = init::block_of(logical, meta, coords, self.plan.mesh)?;
+            let block = init::block_of(logical, meta, coords, self.plan.mesh).map_err(blocks_error)?;
             self.write(input.buffer, block)?;
         }
         Ok(())
@@ -288,8 +288,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         self.begin_step();
         self.grad_norm = None;
         let updates_begin = updates_begin(plan);
-        let failed =
-            |index: usize| move |e: RuntimeError| StepError::Failed(in_instruction(plan, index, &e.to_string()));
+        let failed = |index: usize| move |e: RuntimeError| StepError::Failed(at_instruction(plan, index)(e));
         for (index, instr) in plan.program.iter().enumerate() {
             if index == updates_begin {
                 self.check_loss()?;
@@ -342,7 +341,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         match update {
             Update::Accumulate => {
                 let term = self.read(c.send)?.ok_or(RuntimeError::OptimizerNotAlive)?;
-                let values = term.f32().map_err(RuntimeError::Kernel)?;
+                let values = term.f32()?;
                 let kept = self.deferred_sums.entry(c.send).or_insert_with(|| vec![0.0; values.len()]);
                 kept.iter_mut().zip(values).for_each(|(k, &v)| *k += v);
                 let recv = plan.buffer(c.recv);
@@ -352,7 +351,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             Update::ApplyMean(..) => {
                 if let Some(kept) = self.deferred_sums.remove(&c.send) {
                     let term = self.read(c.send)?.ok_or(RuntimeError::OptimizerNotAlive)?;
-                    let mut values = term.f32().map_err(RuntimeError::Kernel)?.to_vec();
+                    let mut values = term.f32()?.to_vec();
                     values.iter_mut().zip(&kept).for_each(|(v, k)| *v += k);
                     self.write(c.send, Tensor::from_f32(&term.shape, values))?;
                 }
@@ -385,12 +384,12 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// The mean loss of the validation batches of `evaluation` with the current weights: the program up
     /// to the first update, with dropout off and no update, once per batch. Every device must call it at
     /// the same point, since the program communicates.
-    pub fn evaluate(&mut self, evaluation: &Evaluation) -> Result<f32, String> {
+    pub fn evaluate(&mut self, evaluation: &Evaluation) -> Result<f32, RuntimeError> {
         let plan = self.plan;
-        let loss = plan.outputs.iter().find(|o| o.is_loss).ok_or("the model has no loss output to validate")?;
+        let loss = plan.outputs.iter().find(|o| o.is_loss).ok_or(RuntimeError::NoLoss)?;
         let mut total = 0.0f64;
         for v in 0..evaluation.batches {
-            self.load_inputs(&(evaluation.data)(v)?)?;
+            self.load_inputs(&(evaluation.data)(v).map_err(RuntimeError::Data)?)?;
             self.begin_step();
             for (index, instr) in plan.program.iter().enumerate().take(forward_len(plan)) {
                 let result = match instr {
@@ -399,10 +398,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                     }
                     _ => self.execute(instr, None),
                 };
-                result.map_err(|e| in_instruction(plan, index, &e.to_string()))?;
+                result.map_err(at_instruction(plan, index))?;
             }
             let value = self.read(loss.buffer)?.and_then(|t| t.f32().ok()?.first().copied());
-            total += f64::from(value.ok_or("the loss was not computed")?);
+            total += f64::from(value.ok_or(RuntimeError::LossNotComputed)?);
         }
         Ok((total / evaluation.batches.max(1) as f64) as f32)
     }
@@ -453,10 +452,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     fn accumulate(&mut self, inputs: &[BufferId], mean_of: Option<u64>) -> Result<(), RuntimeError> {
         let [_, grad, _, _] = *inputs else { return Err(RuntimeError::OptimizerOperands) };
         let g = self.read(grad)?.ok_or(RuntimeError::OptimizerNotAlive)?;
-        let values = g.f32().map_err(RuntimeError::Kernel)?;
+        let values = g.f32()?;
         let sum = self.grad_sums.entry(grad).or_insert_with(|| vec![0.0; values.len()]);
         if sum.len() != values.len() {
-            return Err(RuntimeError::Kernel("a gradient changed size between micro-batches".into()));
+            return Err(RuntimeError::GradientResized);
         }
         sum.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
         let Some(count) = mean_of else { return Ok(()) };
@@ -487,7 +486,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// A non-finite loss (on this device's copy of it) stops the step.
     fn check_loss(&mut self) -> Result<(), StepError> {
         let Some(loss) = self.plan.outputs.iter().find(|o| o.is_loss).map(|o| o.buffer) else { return Ok(()) };
-        match self.non_finite_in(loss).map_err(|e| StepError::Failed(e.to_string()))? {
+        match self.non_finite_in(loss).map_err(StepError::Failed)? {
             Some((_, value)) => Err(StepError::NonFiniteLoss(value)),
             None => Ok(()),
         }
@@ -505,7 +504,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// inputs must have been loaded again) and finds, over the whole mesh, the first tensor that holds a
     /// NaN or an infinity: a parameter (in plan order), else the output of the earliest instruction.
     /// Every device must call it at the same point, since the replay and the agreement communicate.
-    pub fn first_non_finite(&mut self) -> Result<String, String> {
+    pub fn first_non_finite(&mut self) -> Result<String, RuntimeError> {
         let plan = self.plan;
         let mut local = None;
         for (k, p) in plan.params.iter().enumerate() {
@@ -515,7 +514,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         }
         self.begin_step();
         for (index, instr) in plan.program.iter().enumerate().take(updates_begin(plan)) {
-            self.execute(instr, None).map_err(|e| in_instruction(plan, index, &e.to_string()))?;
+            self.execute(instr, None).map_err(at_instruction(plan, index))?;
             let written = match instr {
                 Instr::Kernel { output, .. } => Some(*output),
                 Instr::Collective { collective, .. } => Some(collective.recv),
@@ -530,9 +529,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         // The mesh-wide first is the smallest index; an all-reduce of the negated index finds it.
         let mine = local.map_or(f32::MIN, |k| -(k as f32));
         let mut first = [0f32];
-        self.comm
-            .collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Max, &[1]), &[mine], &mut first)
-            .map_err(|e| e.to_string())?;
+        self.comm.collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Max, &[1]), &[mine], &mut first)?;
         Ok(describe_culprit(plan, first[0]))
     }
 
@@ -639,21 +636,19 @@ impl<C: Communicator> super::backend::Exchanges for PlanCollective<'_, C> {
 
 impl<B: Backend, C: Communicator> Device<'_, B, C> {
     /// Whether `mine` holds on any device (every device must call it at the same point).
-    pub fn any_device(&mut self, mine: bool) -> Result<bool, String> {
+    pub fn any_device(&mut self, mine: bool) -> Result<bool, RuntimeError> {
         let mut any = [0f32];
         let flag = [if mine { 1.0 } else { 0.0 }];
-        self.comm
-            .collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Max, &[1]), &flag, &mut any)
-            .map_err(|e| e.to_string())?;
+        self.comm.collective(&CollectiveSpec::all_reduce(Group::World, ReduceOp::Max, &[1]), &flag, &mut any)?;
         Ok(any[0] > 0.0)
     }
 
     /// Replaces this device's parameter blocks, and its optimizer state in a train plan, by those of a
     /// checkpoint (written on any mesh).
-    pub fn load_checkpoint(&mut self, checkpoint: &dyn CheckpointSource) -> Result<(), String> {
+    pub fn load_checkpoint(&mut self, checkpoint: &dyn CheckpointSource) -> Result<(), RuntimeError> {
         let plan = self.plan;
         let train = plan.mode == optimus_plan::Mode::Train;
-        let blocks = checkpoint.device_blocks(plan, self.coords(), train)?;
+        let blocks = checkpoint.device_blocks(plan, self.coords(), train).map_err(checkpoint_error)?;
         for (p, (param, states)) in plan.params.iter().zip(blocks) {
             self.write(p.buffer, param)?;
             if train {
@@ -672,20 +667,21 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         checkpoints: &Checkpointing,
         step: u64,
         micro_batches: u64,
-    ) -> Result<Option<std::path::PathBuf>, String> {
+    ) -> Result<Option<std::path::PathBuf>, RuntimeError> {
         let plan = self.plan;
         // Device (0, 0) makes a fresh staging directory; every device writes into it once it exists.
         let prepared = if self.coords().is_origin() { checkpoints.sink.prepare(step) } else { Ok(()) };
         if self.any_device(prepared.is_err())? {
-            prepared?;
-            return Err("device (0, 0) could not prepare the checkpoint".into());
+            prepared.map_err(checkpoint_error)?;
+            return Err(RuntimeError::CheckpointNotPrepared);
         }
+        let not_alive = |name: &str, state: bool| RuntimeError::CheckpointNotAlive { name: name.to_string(), state };
         let mut tensors = Vec::with_capacity(plan.params.len());
         for p in &plan.params {
-            let param = self.read(p.buffer)?.ok_or_else(|| format!("`{}` is not alive", p.name))?;
+            let param = self.read(p.buffer)?.ok_or_else(|| not_alive(&p.name, false))?;
             let mut states = Vec::with_capacity(p.state.len());
             for &id in &p.state {
-                states.push(self.read(id)?.ok_or_else(|| format!("the optimizer state of `{}` is not alive", p.name))?);
+                states.push(self.read(id)?.ok_or_else(|| not_alive(&p.name, true))?);
             }
             tensors.push((param, states));
         }
@@ -693,12 +689,12 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
             .iter()
             .map(|(param, states)| DeviceParamBlocks { param, states: states.iter().collect() })
             .collect();
-        checkpoints.sink.write_device(plan, step, self.coords(), &blocks)?;
+        checkpoints.sink.write_device(plan, step, self.coords(), &blocks).map_err(checkpoint_error)?;
         // Every device's file is complete before the manifest is written; every device waits for the
         // commit, so that no device races ahead into the next checkpoint while this one is moved.
         self.any_device(false)?;
         let committed = if self.coords().is_origin() {
-            Some(checkpoints.sink.commit(plan, step, step * micro_batches)?)
+            Some(checkpoints.sink.commit(plan, step, step * micro_batches).map_err(checkpoint_error)?)
         } else {
             None
         };
@@ -713,7 +709,23 @@ pub enum StepError {
     /// The loss came out NaN or infinite; no parameter has been updated in this step.
     NonFiniteLoss(f32),
     /// Anything else, in the user's terms.
-    Failed(String),
+    Failed(RuntimeError),
+}
+
+/// A checkpoint's error, in its own words.
+fn checkpoint_error(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Checkpoint(e.to_string())
+}
+
+/// An error of the plan's block arithmetic (cutting a logical tensor into a device's block, or joining
+/// the blocks), in its words.
+fn blocks_error(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Blocks(e.to_string())
+}
+
+/// Wraps an error of instruction `index` in what the instruction computes (see [`in_instruction`]).
+fn at_instruction(plan: &Plan, index: usize) -> impl Fn(RuntimeError) -> RuntimeError + '_ {
+    move |error| RuntimeError::Instruction { instruction: describe_instruction(plan, index), error: Box::new(error) }
 }
 
 /// The index of the first instruction that needs every gradient (the gradient norm, else the first
@@ -851,7 +863,7 @@ impl DeviceRun<'_> {
         let device_index = plan.mesh.rank_of(coords);
         for step in config.start_step..config.steps {
             if let Some(fault) = &config.fault {
-                fault.trigger(device_index, step)?;
+                fault.trigger(device_index, step).map_err(|e| e.to_string())?;
             }
             let start = Instant::now();
             let optimizer = config.optimizer_at(step);
@@ -953,7 +965,7 @@ fn final_blocks<B: Backend, C: Communicator>(mut device: Device<'_, B, C>) -> Re
 }
 
 /// Assembles logical tensors from every device's blocks (in row-major device order).
-pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, String> {
+pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, RuntimeError> {
     let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
     let mut out = RunOutput {
         steps,
@@ -964,19 +976,20 @@ pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -
     };
     for (k, p) in plan.params.iter().enumerate() {
         let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.0[k]).collect();
-        let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh)?;
+        let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh).map_err(blocks_error)?;
         out.params.insert(p.name.clone(), init::unpad(&full, &p.shape));
         if let Some(g) = p.grad {
             let blocks: Option<Vec<&Tensor>> = per_device.iter().map(|d| d.1.1[k].as_ref()).collect();
             if let Some(blocks) = blocks {
-                let full = gather_blocks(&blocks, plan.buffer(g), plan.mesh)?;
+                let full = gather_blocks(&blocks, plan.buffer(g), plan.mesh).map_err(blocks_error)?;
                 out.grads.insert(p.name.clone(), init::unpad(&full, &p.shape));
             }
         }
     }
     for (k, o) in plan.outputs.iter().enumerate() {
         let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.2[k]).collect();
-        out.outputs.insert(o.name.clone(), gather_blocks(&blocks, plan.buffer(o.buffer), plan.mesh)?);
+        let full = gather_blocks(&blocks, plan.buffer(o.buffer), plan.mesh).map_err(blocks_error)?;
+        out.outputs.insert(o.name.clone(), full);
     }
     Ok(out)
 }

@@ -4,7 +4,42 @@
 
 use optimus_plan::memory::{persistent, touched};
 use optimus_plan::report::human_bytes;
-use optimus_plan::{Instr, Plan};
+use optimus_plan::{Instr, Mesh, Plan};
+
+/// Why this machine cannot run a plan's devices, with the numbers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LimitError {
+    /// More device threads than one process starts: the plan's `mesh` would put `devices` here.
+    Threads { mesh: Mesh, devices: u64 },
+    /// `devices` devices of `per_device` bytes each need more than the `available` bytes.
+    Memory { devices: u64, per_device: u64, available: u64 },
+}
+
+impl std::fmt::Display for LimitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            LimitError::Threads { mesh, devices: _ } => write!(
+                f,
+                "the plan's {mesh} mesh has {all} devices, but one process runs at most {MAX_DEVICE_THREADS} device \
+                 threads; run one process per device with `mpirun -np {all} optimusc run ...` or `srun -n {all} \
+                 optimusc run ...` (see docs/clusters.md)",
+                all = mesh.devices()
+            ),
+            LimitError::Memory { devices, per_device, available } => write!(
+                f,
+                "the plan needs {devices} device{} x {} = {} but this machine has {} available; run fewer devices \
+                 per machine (mpirun or srun, see docs/clusters.md), shrink the model or batch, or set \
+                 {SKIP_MEMORY_CHECK}=1 to try anyway",
+                if devices == 1 { "" } else { "s" },
+                human_bytes(per_device),
+                human_bytes(per_device.saturating_mul(devices)),
+                human_bytes(available)
+            ),
+        }
+    }
+}
+
+impl std::error::Error for LimitError {}
 
 /// The most device threads one process starts; larger meshes run one process per device (MPI).
 pub const MAX_DEVICE_THREADS: u64 = 1024;
@@ -15,7 +50,7 @@ pub const SKIP_MEMORY_CHECK: &str = "OPTIMUS_SKIP_MEMORY_CHECK";
 /// Refuses a plan whose `devices_here` devices (run by this process, or sharing this machine's memory)
 /// exceed the thread cap or the memory available. The memory need is computed from the plan's
 /// buffers and program, not read from its memory summary, so editing the summary cannot bypass it.
-pub fn check_host_can_run(plan: &Plan, devices_here: u64) -> Result<(), String> {
+pub fn check_host_can_run(plan: &Plan, devices_here: u64) -> Result<(), LimitError> {
     check_thread_count(plan, devices_here)?;
     if std::env::var(SKIP_MEMORY_CHECK).is_ok_and(|v| v == "1") {
         return Ok(());
@@ -24,36 +59,21 @@ pub fn check_host_can_run(plan: &Plan, devices_here: u64) -> Result<(), String> 
 }
 
 /// At most [`MAX_DEVICE_THREADS`] devices in one process.
-pub fn check_thread_count(plan: &Plan, devices_here: u64) -> Result<(), String> {
+pub fn check_thread_count(plan: &Plan, devices_here: u64) -> Result<(), LimitError> {
     if devices_here <= MAX_DEVICE_THREADS {
         return Ok(());
     }
-    let all = plan.mesh.devices();
-    Err(format!(
-        "the plan's {} mesh has {all} devices, but one process runs at most {MAX_DEVICE_THREADS} device threads; \
-         run one process per device with `mpirun -np {all} optimusc run ...` or `srun -n {all} optimusc run ...` \
-         (see docs/clusters.md)",
-        plan.mesh
-    ))
+    Err(LimitError::Threads { mesh: plan.mesh, devices: devices_here })
 }
 
 /// Refuses when `devices` devices of `per_device` bytes each need more than `available` bytes
 /// (skipped when the available memory is unknown).
-pub fn check_memory(per_device: u64, devices: u64, available: Option<u64>) -> Result<(), String> {
+pub fn check_memory(per_device: u64, devices: u64, available: Option<u64>) -> Result<(), LimitError> {
     let Some(available) = available else { return Ok(()) };
-    let need = per_device.saturating_mul(devices);
-    if need <= available {
+    if per_device.saturating_mul(devices) <= available {
         return Ok(());
     }
-    Err(format!(
-        "the plan needs {devices} device{} x {} = {} but this machine has {} available; run fewer devices per \
-         machine (mpirun or srun, see docs/clusters.md), shrink the model or batch, or set \
-         {SKIP_MEMORY_CHECK}=1 to try anyway",
-        if devices == 1 { "" } else { "s" },
-        human_bytes(per_device),
-        human_bytes(need),
-        human_bytes(available)
-    ))
+    Err(LimitError::Memory { devices, per_device, available })
 }
 
 /// The most bytes one device holds at once: persistent buffers plus every buffer from its first use
@@ -131,7 +151,7 @@ mod tests {
     #[test]
     fn memory_need_is_refused_with_the_numbers() {
         let gib = 1u64 << 30;
-        let err = check_memory(3 * gib + gib / 5, 4, Some(5 * gib)).expect_err("12.8 GiB > 5 GiB");
+        let err = check_memory(3 * gib + gib / 5, 4, Some(5 * gib)).expect_err("12.8 GiB > 5 GiB").to_string();
         assert!(err.contains("4 devices x 3.20 GiB = 12.80 GiB"), "{err}");
         assert!(err.contains("5.00 GiB available") && err.contains(SKIP_MEMORY_CHECK), "{err}");
         assert_eq!(check_memory(gib, 4, Some(5 * gib)), Ok(()));

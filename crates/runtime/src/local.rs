@@ -7,6 +7,7 @@ use super::backend::{DeviceSlot, GpuLink};
 use super::comm::Communicator;
 use super::cpu::return_freed_memory_promptly;
 use super::cpu::threads::{Fabric, ThreadComm};
+use super::error::RuntimeError;
 use super::exec::{Batches, DeviceResult, RunConfig, RunOutput, StepRecord, assemble, run_device};
 use optimus_plan::Plan;
 use optimus_plan::tensor::Tensor;
@@ -22,7 +23,7 @@ pub fn run(
     initial: &BTreeMap<String, Tensor>,
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<RunOutput, String> {
-    super::limits::check_host_can_run(plan, plan.mesh.devices())?;
+    super::limits::check_host_can_run(plan, plan.mesh.devices()).map_err(|e| e.to_string())?;
     return_freed_memory_promptly();
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();
@@ -73,7 +74,7 @@ fn gpu_links(
     mesh: optimus_plan::Mesh,
     config: &RunConfig,
     fabric: &std::sync::Arc<Fabric>,
-) -> Result<Vec<GpuLink>, String> {
+) -> Result<Vec<GpuLink>, RuntimeError> {
     let devices = mesh.devices() as usize;
     #[cfg(feature = "cuda")]
     if config.backend == BackendKind::Cuda && devices > 1 {
@@ -100,11 +101,11 @@ const STOP_GRACE: Duration = Duration::from_secs(3);
 /// Joins every device thread. Once the run has failed, a thread that has not stopped within
 /// [`STOP_GRACE`] (hung in a kernel, say) is reported through [`super::watchdog`], naming its device,
 /// so that the command line can end the process instead of waiting for it forever.
-fn join_or_abandon<T>(
-    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<T, String>>>,
+fn join_or_abandon<T, E: From<&'static str>>(
+    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<T, E>>>,
     fabric: &Fabric,
     mesh: optimus_plan::Mesh,
-) -> Vec<Result<T, String>> {
+) -> Vec<Result<T, E>> {
     let mut failed_at = None;
     while !handles.iter().all(|h| h.is_finished()) {
         if let Some(failure) = fabric.failure() {

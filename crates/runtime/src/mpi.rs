@@ -122,7 +122,7 @@ impl MpiJob {
         on_step: &(dyn Fn(&StepRecord) + Sync),
     ) -> Result<Option<RunOutput>, String> {
         let placement = options.placement;
-        super::limits::check_host_can_run(plan, self.ranks_per_node).unwrap_or_else(|e| self.abort(&e));
+        super::limits::check_host_can_run(plan, self.ranks_per_node).unwrap_or_else(|e| self.abort(&e.to_string()));
         if self.size != plan.mesh.devices() {
             return Err(format!(
                 "the plan's {} mesh has {} devices but the job has {} processes; start it with -np {}",
@@ -139,7 +139,8 @@ impl MpiJob {
         let coords = devices[self.rank as usize];
         install_panic_hook(format!("rank {} (device {coords})", self.rank));
         super::cpu::return_freed_memory_promptly();
-        let comm = MpiComm::new(&self.world, plan.mesh, coords, config.timeout, self.rank)?;
+        let comm =
+            MpiComm::new(&self.world, plan.mesh, coords, config.timeout, self.rank).map_err(|e| e.to_string())?;
         let link = match config.backend {
             #[cfg(feature = "cuda")]
             crate::backend::BackendKind::Cuda => crate::backend::GpuLink::Nccl(Box::new(self.nccl_ids(&comm))),
@@ -164,7 +165,7 @@ impl MpiJob {
             };
             return Ok((self.rank == 0).then_some(empty));
         }
-        let gathered = gather_blocks(&comm.mesh_world, blocks)?;
+        let gathered = gather_blocks(&comm.mesh_world, blocks).map_err(|e| e.to_string())?;
         match gathered {
             Some(per_device) => {
                 let mut all: Vec<(Vec<StepRecord>, DeviceBlocks)> =
@@ -172,7 +173,8 @@ impl MpiJob {
                 if let Some(first) = all.first_mut() {
                     first.0 = records;
                 }
-                exec::assemble(plan, all).map(|output| Some(RunOutput { profiles, ..output }))
+                let output = exec::assemble(plan, all)?;
+                Ok(Some(RunOutput { profiles, ..output }))
             }
             None => Ok(None),
         }
@@ -189,7 +191,7 @@ impl MpiJob {
         let share = |group: &SimpleCommunicator| -> IdBytes {
             let mut id: IdBytes = [0; 128];
             if group.rank() == 0 {
-                id = new_id().unwrap_or_else(|e| self.abort(&e));
+                id = new_id().unwrap_or_else(|e| self.abort(&e.to_string()));
             }
             group.process_at_rank(0).broadcast_into(&mut id[..]);
             id
@@ -241,11 +243,11 @@ impl MpiComm {
         coords: Coords,
         timeout: Duration,
         world_rank: u64,
-    ) -> Result<MpiComm, String> {
+    ) -> Result<MpiComm, CommError> {
         let split = |color: u64, key: u64| {
             world
                 .split_by_color_with_key(Color::with_value(color as i32), key as i32)
-                .ok_or_else(|| "MPI could not split the world communicator".to_string())
+                .ok_or_else(|| CommError::Transport("MPI could not split the world communicator".to_string()))
         };
         // The group along an axis is named by the rank of its first member (coordinate 0 on the axis).
         let along = |axis: usize| {
@@ -564,7 +566,10 @@ impl Communicator for &MpiComm {
 }
 
 /// Gathers every device's final blocks on mesh rank 0, in row-major device order.
-fn gather_blocks(mesh_world: &SimpleCommunicator, blocks: DeviceBlocks) -> Result<Option<Vec<DeviceBlocks>>, String> {
+fn gather_blocks(
+    mesh_world: &SimpleCommunicator,
+    blocks: DeviceBlocks,
+) -> Result<Option<Vec<DeviceBlocks>>, CommError> {
     let devices = mesh_world.size() as usize;
     let (params, grads, outputs) = blocks;
     let gather_all = |tensors: &[Tensor]| -> Vec<Option<Vec<Tensor>>> {
@@ -577,7 +582,7 @@ fn gather_blocks(mesh_world: &SimpleCommunicator, blocks: DeviceBlocks) -> Resul
     if mesh_world.rank() != 0 {
         return Ok(None);
     }
-    let missing = || "a gathered block is missing on rank 0".to_string();
+    let missing = || CommError::Transport("a gathered block is missing on rank 0".to_string());
     let mut per_device: Vec<DeviceBlocks> = (0..devices).map(|_| (Vec::new(), Vec::new(), Vec::new())).collect();
     for p in params {
         for (d, t) in p.ok_or_else(missing)?.into_iter().enumerate() {

@@ -2,7 +2,9 @@
 //! or a host [`Tensor`]). Kernels read [`View`]s and write one [`ViewMut`]; the accessors are named as
 //! on [`Tensor`], so a kernel reads the same either way.
 
+use crate::error::ElementError;
 use optimus_plan::tensor::{Data, Tensor};
+use optimus_plan::types::DType;
 
 /// A view's shape, borrowed: reads like the `Vec<u64>` of a [`Tensor`] (`&view.shape` is a
 /// `&[u64]`), so kernels written against tensors read the same against views.
@@ -60,16 +62,12 @@ pub struct ViewMut<'a> {
     pub data: ViewMutData<'a>,
 }
 
-fn expected_floats() -> String {
-    "expected a floating-point tensor, found integers".into()
-}
+/// f32 asked of a view of integers.
+const EXPECTED_FLOATS: ElementError = ElementError::Type { want: DType::F32, found: DType::I32 };
 
-fn expected_integers() -> String {
-    "expected an integer tensor, found floating point".into()
-}
-
-fn unwidened() -> String {
-    "expected an f32 tensor, found bf16 (bf16 buffers are widened to f32 before a kernel reads them)".into()
+/// i32 asked of a view of floating-point elements (f32 or bf16).
+fn expected_integers(found: DType) -> ElementError {
+    ElementError::Type { want: DType::I32, found }
 }
 
 impl<'a> View<'a> {
@@ -86,18 +84,19 @@ impl<'a> View<'a> {
     }
 
     /// The f32 elements, or an error naming what was found instead.
-    pub fn f32(&self) -> Result<&'a [f32], String> {
+    pub fn f32(&self) -> Result<&'a [f32], ElementError> {
         match self.data {
             ViewData::F32(v) => Ok(v),
-            ViewData::I32(_) => Err(expected_floats()),
-            ViewData::Bf16(_) => Err(unwidened()),
+            ViewData::I32(_) => Err(EXPECTED_FLOATS),
+            ViewData::Bf16(_) => Err(ElementError::Unwidened),
         }
     }
 
-    pub fn i32(&self) -> Result<&'a [i32], String> {
+    pub fn i32(&self) -> Result<&'a [i32], ElementError> {
         match self.data {
             ViewData::I32(v) => Ok(v),
-            ViewData::F32(_) | ViewData::Bf16(_) => Err(expected_integers()),
+            ViewData::F32(_) => Err(expected_integers(DType::F32)),
+            ViewData::Bf16(_) => Err(expected_integers(DType::Bf16)),
         }
     }
 
@@ -135,33 +134,35 @@ impl ViewMut<'_> {
         self.len() == 0
     }
 
-    pub fn f32(&self) -> Result<&[f32], String> {
+    pub fn f32(&self) -> Result<&[f32], ElementError> {
         match &self.data {
             ViewMutData::F32(v) => Ok(v),
-            ViewMutData::I32(_) => Err(expected_floats()),
-            ViewMutData::Bf16(_) => Err(unwidened()),
+            ViewMutData::I32(_) => Err(EXPECTED_FLOATS),
+            ViewMutData::Bf16(_) => Err(ElementError::Unwidened),
         }
     }
 
-    pub fn f32_mut(&mut self) -> Result<&mut [f32], String> {
+    pub fn f32_mut(&mut self) -> Result<&mut [f32], ElementError> {
         match &mut self.data {
             ViewMutData::F32(v) => Ok(v),
-            ViewMutData::I32(_) => Err(expected_floats()),
-            ViewMutData::Bf16(_) => Err(unwidened()),
+            ViewMutData::I32(_) => Err(EXPECTED_FLOATS),
+            ViewMutData::Bf16(_) => Err(ElementError::Unwidened),
         }
     }
 
-    pub fn i32(&self) -> Result<&[i32], String> {
+    pub fn i32(&self) -> Result<&[i32], ElementError> {
         match &self.data {
             ViewMutData::I32(v) => Ok(v),
-            ViewMutData::F32(_) | ViewMutData::Bf16(_) => Err(expected_integers()),
+            ViewMutData::F32(_) => Err(expected_integers(DType::F32)),
+            ViewMutData::Bf16(_) => Err(expected_integers(DType::Bf16)),
         }
     }
 
-    pub fn i32_mut(&mut self) -> Result<&mut [i32], String> {
+    pub fn i32_mut(&mut self) -> Result<&mut [i32], ElementError> {
         match &mut self.data {
             ViewMutData::I32(v) => Ok(v),
-            ViewMutData::F32(_) | ViewMutData::Bf16(_) => Err(expected_integers()),
+            ViewMutData::F32(_) => Err(expected_integers(DType::F32)),
+            ViewMutData::Bf16(_) => Err(expected_integers(DType::Bf16)),
         }
     }
 }

@@ -3,10 +3,18 @@
 //! hand-edited plan is refused before it can read out of bounds or compute a wrong answer.
 
 use crate::layout::{Layout, MESH_AXES, Placement};
-use crate::shapes::{
-    AttentionLayout, ensure, reshape_runs, same_shape, select_grad_runs, select_runs, slice_shard_runs, transpose_swap,
-};
+use crate::shapes::{AttentionLayout, reshape_runs, select_grad_runs, select_runs, slice_shard_runs, transpose_swap};
 use crate::{Buffer, BufferId, Coords, Kernel, Mesh, Offset, Plan};
+
+/// [`crate::shapes::ensure`] with the message as the error, as the verifier reports it.
+fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<(), String> {
+    crate::shapes::ensure(ok, message).map_err(String::from)
+}
+
+/// [`crate::shapes::same_shape`] with the message as the error, as the verifier reports it.
+fn same_shape(what: &str, got: &[u64], want: &[u64]) -> Result<(), String> {
+    crate::shapes::same_shape(what, got, want).map_err(String::from)
+}
 
 /// The buffers one kernel instruction reads and writes (all known to exist).
 struct Operands<'p> {

@@ -3,6 +3,7 @@
 
 use super::par;
 use super::vmath::{self, vectorized};
+use crate::error::{KernelError, require};
 pub use crate::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use crate::view::TensorViews;
 use crate::view::{View, ViewData, ViewMut, ViewMutData};
@@ -12,8 +13,8 @@ use optimus_plan::layout::Placement;
 use optimus_plan::logical::IndexMap;
 pub use optimus_plan::logical::{DropoutMask, dropout_keep, logical_indices, try_logical_indices};
 use optimus_plan::shapes::{
-    QUERY_TILE, Runs, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs, select_runs,
-    slice_shard_runs, split_last, transpose_swap,
+    QUERY_TILE, Runs, ShapeError, batch_matrix, numel, reshape_runs, same_len, same_shape, select_grad_runs,
+    select_runs, slice_shard_runs, split_last, transpose_swap,
 };
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{IGNORE_INDEX, Kernel, Offset};
@@ -22,19 +23,19 @@ use rayon::prelude::*;
 mod rms_norm;
 
 /// Runs one kernel. `out` is preallocated with the output buffer's local shape (zeros on first write;
-/// it holds the previous contents when the kernel accumulates). Errors are messages, never panics.
-pub fn run(kernel: &Kernel, inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelContext) -> Result<(), String> {
+/// it holds the previous contents when the kernel accumulates). Errors are typed, never panics.
+pub fn run(kernel: &Kernel, inputs: &[&Tensor], out: &mut Tensor, ctx: &KernelContext) -> Result<(), KernelError> {
     let views: Vec<View> = inputs.iter().map(|t| t.view()).collect();
     let refs: Vec<&View> = views.iter().collect();
     run_views(kernel, &refs, &mut out.view_mut(), ctx)
 }
 
 /// [`run`] on views of any storage (the host arena): the entry point of the CPU backend.
-pub fn run_views(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), String> {
-    dispatch(kernel, inputs, out, ctx).map_err(|e| format!("{kernel:?}: {e}"))
+pub fn run_views(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), KernelError> {
+    dispatch(kernel, inputs, out, ctx).map_err(|e| KernelError::in_kernel(kernel, e))
 }
 
-fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), String> {
+fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), KernelError> {
     match *kernel {
         Kernel::MatMul { transpose_a, transpose_b, accumulate } => {
             matmul_kernel(inputs, out, transpose_a, transpose_b, accumulate)
@@ -98,36 +99,44 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         Kernel::Cast => map_unary(inputs, out, |x| x),
         Kernel::SliceShard { axis, placement } => slice_shard(inputs, out, ctx, axis.into(), placement),
         Kernel::GradSquareSum => grad_square_sum(inputs, out, ctx),
-        Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),
+        Kernel::OptimizerStep => Err(KernelError::Unsupported {
+            kernel: "the optimizer step",
+            why: "is applied by `optimizer_step`, not `run`",
+        }),
     }
 }
 
 // ---- helpers ---------------------------------------------------------------------------------------
 
 /// Exactly `N` inputs.
-fn args<'t, 'v, const N: usize>(inputs: &[&'t View<'v>]) -> Result<[&'t View<'v>; N], String> {
-    <[&'t View<'v>; N]>::try_from(inputs).map_err(|_| format!("expects {N} inputs, got {}", inputs.len()))
+fn args<'t, 'v, const N: usize>(inputs: &[&'t View<'v>]) -> Result<[&'t View<'v>; N], KernelError> {
+    <[&'t View<'v>; N]>::try_from(inputs).map_err(|_| ShapeError::Operands { want: N, got: inputs.len() }.into())
 }
 
 /// The f32 elements of an input, checked against its shape.
-fn floats<'t>(t: &'t View, what: &str) -> Result<&'t [f32], String> {
-    let v = t.f32().map_err(|e| format!("{what}: {e}"))?;
-    ensure(v.len() == numel(&t.shape), || format!("{what} holds {} elements, not {:?}", v.len(), t.shape))?;
+fn floats<'t>(t: &'t View, what: &str) -> Result<&'t [f32], KernelError> {
+    let v = t.f32().map_err(|e| KernelError::operand(what, e))?;
+    require(v.len() == numel(&t.shape), || holds(what, v.len(), &t.shape))?;
     Ok(v)
 }
 
+/// An operand `what` of `len` elements whose shape is `shape`.
+fn holds(what: &str, len: usize, shape: &[u64]) -> KernelError {
+    KernelError::Holds { what: what.to_string(), len, shape: shape.to_vec() }
+}
+
 /// The i32 elements of an input, checked against its shape.
-fn ints<'t>(t: &'t View, what: &str) -> Result<&'t [i32], String> {
-    let v = t.i32().map_err(|e| format!("{what}: {e}"))?;
-    ensure(v.len() == numel(&t.shape), || format!("{what} holds {} elements, not {:?}", v.len(), t.shape))?;
+fn ints<'t>(t: &'t View, what: &str) -> Result<&'t [i32], KernelError> {
+    let v = t.i32().map_err(|e| KernelError::operand(what, e))?;
+    require(v.len() == numel(&t.shape), || holds(what, v.len(), &t.shape))?;
     Ok(v)
 }
 
 /// The f32 elements of the output, checked against its shape.
-fn floats_mut<'t>(t: &'t mut ViewMut) -> Result<&'t mut [f32], String> {
+fn floats_mut<'t>(t: &'t mut ViewMut) -> Result<&'t mut [f32], KernelError> {
     let n = numel(&t.shape);
-    let v = t.f32_mut().map_err(|e| format!("output: {e}"))?;
-    ensure(v.len() == n, || format!("the output holds {} elements, not {n}", v.len()))?;
+    let v = t.f32_mut().map_err(|e| KernelError::operand("output", e))?;
+    require(v.len() == n, || KernelError::HoldsCount { what: "the output".into(), len: v.len(), want: n })?;
     Ok(v)
 }
 
@@ -183,17 +192,13 @@ fn gemm(
     rhs: MatRef<'_, f32>,
     accumulate: bool,
     alpha: f32,
-) -> Result<(), String> {
-    ensure(dst.nrows() == lhs.nrows() && dst.ncols() == rhs.ncols() && lhs.ncols() == rhs.nrows(), || {
-        format!(
-            "cannot multiply {}x{} by {}x{} into {}x{}",
-            lhs.nrows(),
-            lhs.ncols(),
-            rhs.nrows(),
-            rhs.ncols(),
-            dst.nrows(),
-            dst.ncols()
-        )
+) -> Result<(), KernelError> {
+    require(dst.nrows() == lhs.nrows() && dst.ncols() == rhs.ncols() && lhs.ncols() == rhs.nrows(), || {
+        KernelError::Product {
+            lhs: [lhs.nrows(), lhs.ncols()],
+            rhs: [rhs.nrows(), rhs.ncols()],
+            out: [dst.nrows(), dst.ncols()],
+        }
     })?;
     let accum = if accumulate { Accum::Add } else { Accum::Replace };
     let mut dst = dst;
@@ -245,14 +250,14 @@ fn split_product(
     }
 }
 
-fn check_view(len: usize, start: usize, rows: usize, cols: usize, stride: usize) -> Result<(), String> {
+fn check_view(len: usize, start: usize, rows: usize, cols: usize, stride: usize) -> Result<(), KernelError> {
     let fits =
         if rows == 0 || cols == 0 { start <= len } else { stride >= cols && start + (rows - 1) * stride + cols <= len };
-    ensure(fits, || format!("a {rows}x{cols} block (row stride {stride}) at {start} does not fit in {len} elements"))
+    require(fits, || KernelError::BlockOutside { rows, cols, stride, start, len })
 }
 
 /// A row-major `rows x cols` view starting at `start` whose rows are `stride` apart.
-fn view(data: &[f32], start: usize, rows: usize, cols: usize, stride: usize) -> Result<MatRef<'_, f32>, String> {
+fn view(data: &[f32], start: usize, rows: usize, cols: usize, stride: usize) -> Result<MatRef<'_, f32>, KernelError> {
     check_view(data.len(), start, rows, cols, stride)?;
     Ok(MatRef::from_row_major_slice_with_stride(&data[start..], rows, cols, stride))
 }
@@ -263,13 +268,13 @@ fn view_mut(
     rows: usize,
     cols: usize,
     stride: usize,
-) -> Result<MatMut<'_, f32>, String> {
+) -> Result<MatMut<'_, f32>, KernelError> {
     check_view(data.len(), start, rows, cols, stride)?;
     // Not `from_row_major_slice_with_stride_mut`: in faer 0.24 it builds a column-major view.
     Ok(MatMut::from_column_major_slice_with_stride_mut(&mut data[start..], cols, rows, stride).transpose_mut())
 }
 
-fn matmul_kernel(inputs: &[&View], out: &mut ViewMut, ta: bool, tb: bool, accumulate: bool) -> Result<(), String> {
+fn matmul_kernel(inputs: &[&View], out: &mut ViewMut, ta: bool, tb: bool, accumulate: bool) -> Result<(), KernelError> {
     let [a, b] = args(inputs)?;
     let ((ar, ac), (br, bc)) = (split_last(&a.shape), split_last(&b.shape));
     let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
@@ -282,13 +287,17 @@ fn matmul_kernel(inputs: &[&View], out: &mut ViewMut, ta: bool, tb: bool, accumu
     gemm(MatMut::from_row_major_slice_mut(y, m, n), a, b, accumulate, 1.0)
 }
 
-fn batched_matmul(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn batched_matmul(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [a, b] = args(inputs)?;
     let (la, m, k) = batch_matrix(&a.shape, "A")?;
     let (lb, k2, n) = batch_matrix(&b.shape, "B")?;
     let (lo, m2, n2) = batch_matrix(&out.shape, "the output")?;
-    ensure(la == lb && la == lo, || format!("leading dimensions differ: {la:?}, {lb:?} and {lo:?}"))?;
-    ensure(k == k2 && m == m2 && n == n2, || format!("cannot multiply {m}x{k} by {k2}x{n} into {m2}x{n2}"))?;
+    require(la == lb && la == lo, || KernelError::LeadingDimensions {
+        a: la.to_vec(),
+        b: lb.to_vec(),
+        out: lo.to_vec(),
+    })?;
+    require(k == k2 && m == m2 && n == n2, || KernelError::Product { lhs: [m, k], rhs: [k2, n], out: [m2, n2] })?;
     let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
     let y = floats_mut(out)?;
     par::costed_row_blocks(y, m * n, m * n * k, |first, y| {
@@ -303,7 +312,7 @@ fn batched_matmul(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
 
 // ---- elementwise ----------------------------------------------------------------------------------
 
-fn map_unary(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32) -> f32 + Sync) -> Result<(), String> {
+fn map_unary(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32) -> f32 + Sync) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let x = floats(x, "the input")?;
     let y = floats_mut(out)?;
@@ -317,11 +326,11 @@ fn map_unary(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32) -> f32 + Sync)
                 }
             },
         );
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn map_binary(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<(), String> {
+fn map_binary(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<(), KernelError> {
     let [a, b] = args(inputs)?;
     let (a, b) = (floats(a, "the first input")?, floats(b, "the second input")?);
     same_len("the second input", b.len(), a.len())?;
@@ -336,11 +345,11 @@ fn map_binary(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32, f32) -> f32 +
                 }
             },
         );
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn bias_add(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn bias_add(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [x, b] = args(inputs)?;
     let (_, n) = split_last(&x.shape);
     let (xv, bv) = (floats(x, "x")?, floats(b, "the bias")?);
@@ -353,7 +362,7 @@ fn bias_add(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
                 *y = x + b;
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
@@ -399,7 +408,7 @@ fn gelu_gate_exps(x: &[f32], y: &mut [f32]) {
     vmath::libm_exp_in_place(y);
 }
 
-fn gelu_tanh_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn gelu_tanh_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let x = floats(x, "the input")?;
     let y = floats_mut(out)?;
@@ -411,11 +420,11 @@ fn gelu_tanh_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
             #[inline(always)]
             || y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu_tanh_from(x, *y)),
         );
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn gelu_tanh_grad_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn gelu_tanh_grad_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [dy, x] = args(inputs)?;
     let (dy, x) = (floats(dy, "dy")?, floats(x, "x")?);
     same_len("x", x.len(), dy.len())?;
@@ -432,7 +441,7 @@ fn gelu_tanh_grad_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), Stri
                 }
             },
         );
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
@@ -463,7 +472,7 @@ fn softmax_in_place(row: &mut [f32]) {
     vmath::softmax_row(row);
 }
 
-fn softmax(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn softmax(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let (_, n) = split_last(&x.shape);
     let xv = floats(x, "the input")?;
@@ -472,11 +481,11 @@ fn softmax(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
     par::row_blocks(y, n, |first, y| {
         y.copy_from_slice(&xv[first * n..first * n + y.len()]);
         rows_of_mut(y, n).for_each(softmax_in_place);
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn softmax_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn softmax_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [dy, y] = args(inputs)?;
     let (_, n) = split_last(&y.shape);
     let (dyv, yv) = (floats(dy, "dy")?, floats(y, "y")?);
@@ -491,12 +500,12 @@ fn softmax_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
                 *dx = y * (dy - dot);
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
 /// Copies x, replacing entries above the diagonal of each trailing matrix by `fill`.
-fn causal_mask(inputs: &[&View], out: &mut ViewMut, fill: f32) -> Result<(), String> {
+fn causal_mask(inputs: &[&View], out: &mut ViewMut, fill: f32) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let (_, rows, cols) = batch_matrix(&x.shape, "the input")?;
     let xv = floats(x, "the input")?;
@@ -511,17 +520,17 @@ fn causal_mask(inputs: &[&View], out: &mut ViewMut, fill: f32) -> Result<(), Str
                 yr[keep..].fill(fill);
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
 // ---- dropout and logical indices ------------------------------------------------------------------
 
 /// Dropout and its gradient: the mask depends only on (seed, key, logical index).
-fn dropout(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext, p: f64, key: u32) -> Result<(), String> {
+fn dropout(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext, p: f64, key: u32) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let xv = floats(x, "the input")?;
-    ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not in [0, 1]"))?;
+    require((0.0..=1.0).contains(&p), || KernelError::DropProbability(p))?;
     same_shape("the output", &out.shape, &ctx.output.shape)?;
     let y = floats_mut(out)?;
     dropout_rows(xv, y, ctx, (p, key), 0)
@@ -537,8 +546,8 @@ pub fn dropout_rows(
     ctx: &KernelContext,
     (p, key): (f64, u32),
     first_row: usize,
-) -> Result<(), String> {
-    ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not in [0, 1]"))?;
+) -> Result<(), KernelError> {
+    require((0.0..=1.0).contains(&p), || KernelError::DropProbability(p))?;
     same_len("the output", y.len(), xv.len())?;
     if p == 0.0 {
         y.copy_from_slice(xv);
@@ -550,9 +559,11 @@ pub fn dropout_rows(
     }
     let mask = DropoutMask::new(ctx.seed, key, p);
     let scale = (1.0 / (1.0 - p)) as f32;
-    let map = IndexMap::new(ctx.output, ctx.coords, ctx.mesh)?;
+    let map = IndexMap::new(ctx.output, ctx.coords, ctx.mesh).map_err(|e| KernelError::Layout(e.to_string()))?;
     let Some((last, last_stride)) = map.last_dimension() else {
-        ensure(first_row == 0, || "a dropout without dimensions cannot start past its first row".to_string())?;
+        require(first_row == 0, || {
+            KernelError::Invalid("a dropout without dimensions cannot start past its first row".into())
+        })?;
         map.for_each(|local, logical| y[local] = if mask.keep(logical) { xv[local] * scale } else { 0.0 });
         return Ok(());
     };
@@ -563,42 +574,42 @@ pub fn dropout_rows(
                 *y = if mask.keep(base + m * last_stride) { x * scale } else { 0.0 };
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
 // ---- data movement --------------------------------------------------------------------------------
 
 /// Applies `runs` from `x` to `out` for either element type (both must match).
-fn move_runs(x: &View, out: &mut ViewMut, runs: Runs) -> Result<(), String> {
+fn move_runs(x: &View, out: &mut ViewMut, runs: Runs) -> Result<(), KernelError> {
     let (src_n, dst_n) = (numel(&x.shape), numel(&out.shape));
     match (&x.data, &mut out.data) {
-        (ViewData::F32(s), ViewMutData::F32(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
-        (ViewData::I32(s), ViewMutData::I32(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
-        (ViewData::Bf16(s), ViewMutData::Bf16(d)) if s.len() == src_n && d.len() == dst_n => runs.apply(s, d),
+        (ViewData::F32(s), ViewMutData::F32(d)) if s.len() == src_n && d.len() == dst_n => Ok(runs.apply(s, d)?),
+        (ViewData::I32(s), ViewMutData::I32(d)) if s.len() == src_n && d.len() == dst_n => Ok(runs.apply(s, d)?),
+        (ViewData::Bf16(s), ViewMutData::Bf16(d)) if s.len() == src_n && d.len() == dst_n => Ok(runs.apply(s, d)?),
         (ViewData::F32(_), ViewMutData::F32(_))
         | (ViewData::I32(_), ViewMutData::I32(_))
-        | (ViewData::Bf16(_), ViewMutData::Bf16(_)) => Err("a tensor's element count does not match its shape".into()),
-        _ => Err("the input and output element types differ".into()),
+        | (ViewData::Bf16(_), ViewMutData::Bf16(_)) => Err(KernelError::CountNotShape),
+        _ => Err(KernelError::ElementTypesDiffer),
     }
 }
 
-fn reshape(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn reshape(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     move_runs(x, out, reshape_runs(&x.shape, &out.shape)?)
 }
 
-fn select(inputs: &[&View], out: &mut ViewMut, dim: usize, index: u64) -> Result<(), String> {
+fn select(inputs: &[&View], out: &mut ViewMut, dim: usize, index: u64) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     move_runs(x, out, select_runs(&x.shape, &out.shape, dim, index)?)
 }
 
-fn select_grad(inputs: &[&View], out: &mut ViewMut, dim: usize, index: u64) -> Result<(), String> {
+fn select_grad(inputs: &[&View], out: &mut ViewMut, dim: usize, index: u64) -> Result<(), KernelError> {
     let [dy] = args(inputs)?;
     move_runs(dy, out, select_grad_runs(&dy.shape, &out.shape, dim, index)?)
 }
 
-fn transpose(inputs: &[&View], out: &mut ViewMut, dim0: usize, dim1: usize) -> Result<(), String> {
+fn transpose(inputs: &[&View], out: &mut ViewMut, dim0: usize, dim1: usize) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let swap = transpose_swap(&x.shape, &out.shape, dim0, dim1)?;
     let n = numel(&x.shape);
@@ -606,7 +617,7 @@ fn transpose(inputs: &[&View], out: &mut ViewMut, dim0: usize, dim1: usize) -> R
         (ViewData::F32(src), ViewMutData::F32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
         (ViewData::I32(src), ViewMutData::I32(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
         (ViewData::Bf16(src), ViewMutData::Bf16(dst)) if src.len() == n && dst.len() == n => swap.apply(src, dst),
-        _ => return Err("the input and output must have the same element type and element count".into()),
+        _ => return Err(KernelError::TransposeOperands),
     }
     Ok(())
 }
@@ -618,12 +629,12 @@ fn slice_shard(
     ctx: &KernelContext,
     axis: usize,
     p: Placement,
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, ctx.coords, axis, p)?)
 }
 
-fn fill(inputs: &[&View], out: &mut ViewMut, value: f64) -> Result<(), String> {
+fn fill(inputs: &[&View], out: &mut ViewMut, value: f64) -> Result<(), KernelError> {
     args::<0>(inputs)?;
     match &mut out.data {
         ViewMutData::F32(v) => v.fill(value as f32),
@@ -645,7 +656,7 @@ enum Rotation {
 /// x [.., seq, heads * d] -> each head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin),
 /// the angle of row r being (r mod seq) * inv_freq (Hugging Face Llama's `rotate_half`). Backward
 /// turns the other way: (dy1 cos + dy2 sin, dy2 cos - dy1 sin).
-fn rotary(inputs: &[&View], out: &mut ViewMut, heads: u64, theta: f64, rotation: Rotation) -> Result<(), String> {
+fn rotary(inputs: &[&View], out: &mut ViewMut, heads: u64, theta: f64, rotation: Rotation) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     same_shape("the output", &out.shape, &x.shape)?;
     let (_, seq, width) = batch_matrix(&x.shape, "x")?;
@@ -668,7 +679,7 @@ fn rotary(inputs: &[&View], out: &mut ViewMut, heads: u64, theta: f64, rotation:
                 }
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
@@ -678,13 +689,20 @@ fn rotary(inputs: &[&View], out: &mut ViewMut, heads: u64, theta: f64, rotation:
 type Qkv<'a> = crate::qkv::Qkv<'a, [f32]>;
 
 impl<'a> Qkv<'a> {
-    fn of(operands: &[&'a View], heads: (u64, u64), fused: bool) -> Result<Qkv<'a>, String> {
+    fn of(operands: &[&'a View], heads: (u64, u64), fused: bool) -> Result<Qkv<'a>, KernelError> {
         Qkv::new(operands, |t| t.shape.as_slice(), floats, heads, fused)
     }
 
     /// Rows [start, start + rows) of the [seq, d] block of `operand` for batch b that query head h
     /// reads (its kv head for k and v).
-    fn rows(&self, operand: usize, b: usize, h: usize, start: usize, rows: usize) -> Result<MatRef<'a, f32>, String> {
+    fn rows(
+        &self,
+        operand: usize,
+        b: usize,
+        h: usize,
+        start: usize,
+        rows: usize,
+    ) -> Result<MatRef<'a, f32>, KernelError> {
         let p = self.packing[operand];
         view(self.data[operand], p.start(b, self.head_of(operand, h), self.d) + start * p.row, rows, self.d, p.row)
     }
@@ -699,7 +717,7 @@ impl<'a> Qkv<'a> {
         h: usize,
         start: usize,
         rows: usize,
-    ) -> Result<MatMut<'g, f32>, String> {
+    ) -> Result<MatMut<'g, f32>, KernelError> {
         let p = self.packing[operand];
         view_mut(g, p.start(0, self.head_of(operand, h), self.d) + start * p.row, rows, self.d, p.row)
     }
@@ -715,9 +733,16 @@ impl<'a> Qkv<'a> {
 
     /// The softmax(q k^T / sqrt(d)) probabilities of one tile of batch b, head h, into `probs`
     /// ([rows, keys]); entries a causal row cannot see are 0.
-    fn probabilities(&self, b: usize, h: usize, causal: bool, tile: Tile, probs: &mut [f32]) -> Result<(), String> {
+    fn probabilities(
+        &self,
+        b: usize,
+        h: usize,
+        causal: bool,
+        tile: Tile,
+        probs: &mut [f32],
+    ) -> Result<(), KernelError> {
         let Tile { start, rows, keys } = tile;
-        let probs = probs.get_mut(..rows * keys).ok_or("the attention scratch is too small")?;
+        let probs = probs.get_mut(..rows * keys).ok_or(KernelError::AttentionScratch)?;
         let dst = view_mut(probs, 0, rows, keys, keys)?;
         gemm(dst, self.rows(0, b, h, start, rows)?, self.rows(1, b, h, 0, keys)?.transpose(), false, self.scale())?;
         for (r, row) in rows_of_mut(probs, keys).enumerate() {
@@ -739,17 +764,23 @@ struct Tile {
 }
 
 /// A zeroed [rows, cols] scratch matrix, or an error when it cannot be allocated.
-fn scratch(rows: usize, cols: usize) -> Result<Vec<f32>, String> {
-    let n = rows.checked_mul(cols).ok_or_else(|| format!("a {rows}x{cols} scratch matrix is too large"))?;
+fn scratch(rows: usize, cols: usize) -> Result<Vec<f32>, KernelError> {
+    let n = rows.checked_mul(cols).ok_or(KernelError::ScratchTooLarge { rows, cols })?;
     let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| format!("cannot allocate a {rows}x{cols} scratch matrix"))?;
+    v.try_reserve_exact(n).map_err(|_| KernelError::ScratchAllocation { rows, cols })?;
     v.resize(n, 0.0f32);
     Ok(v)
 }
 
 /// Each batch's attention is independent: batches run in parallel, each with its own scratch (one
 /// tile of scores), and write their own rows of the output.
-fn attention(inputs: &[&View], out: &mut ViewMut, heads: (u64, u64), causal: bool, fused: bool) -> Result<(), String> {
+fn attention(
+    inputs: &[&View],
+    out: &mut ViewMut,
+    heads: (u64, u64),
+    causal: bool,
+    fused: bool,
+) -> Result<(), KernelError> {
     let qkv = Qkv::of(inputs, heads, fused)?;
     same_shape("the output", &out.shape, &qkv.out_shape())?;
     let (sq, sk, d, width) = (qkv.seq(0), qkv.seq(1), qkv.d, qkv.heads * qkv.d);
@@ -780,11 +811,11 @@ fn attention_grad(
     causal: bool,
     fused: bool,
     wrt: u8,
-) -> Result<(), String> {
-    let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
+) -> Result<(), KernelError> {
+    let (dy, operands) = inputs.split_first().ok_or(KernelError::NoAttentionGradient)?;
     let qkv = Qkv::of(operands, heads, fused)?;
     let wrt = usize::from(wrt);
-    ensure(wrt < if fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
+    require(wrt < if fused { 1 } else { 3 }, || KernelError::NoOperand(wrt))?;
     let want = |operand: usize| fused || operand == wrt;
     let out_shape = qkv.shapes[wrt];
     same_shape("dy", &dy.shape, &qkv.out_shape())?;
@@ -827,7 +858,7 @@ impl AttentionHead<'_, '_> {
         want: &impl Fn(usize) -> bool,
         probs: &mut [f32],
         dprobs: &mut [f32],
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let (qkv, h) = (self.qkv, self.h);
         let first_of_group = h.is_multiple_of(qkv.group().max(1));
         for operand in [1, 2].into_iter().filter(|&o| want(o) && first_of_group) {
@@ -847,7 +878,7 @@ impl AttentionHead<'_, '_> {
         want: &impl Fn(usize) -> bool,
         probs: &mut [f32],
         dprobs: &mut [f32],
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let (qkv, b, h) = (self.qkv, self.b, self.h);
         let Tile { start, rows, keys } = tile;
         let (d, width, scale) = (qkv.d, qkv.heads * qkv.d, qkv.scale());
@@ -861,7 +892,7 @@ impl AttentionHead<'_, '_> {
             return Ok(());
         }
         // dS = P * (dP - rowsum(dP * P)), with dP = dO V^T; masked entries have P = 0.
-        let dprobs = dprobs.get_mut(..rows * keys).ok_or("the attention scratch is too small")?;
+        let dprobs = dprobs.get_mut(..rows * keys).ok_or(KernelError::AttentionScratch)?;
         gemm(view_mut(dprobs, 0, rows, keys, keys)?, dout, qkv.rows(2, b, h, 0, keys)?.transpose(), false, 1.0)?;
         for (dpr, pr) in rows_of_mut(dprobs, keys).zip(rows_of(&probs[..rows * keys], keys)) {
             let dot = sum_by2(dpr, pr, |a, b| a * b);
@@ -888,18 +919,14 @@ fn local_row(id: i32, base: u64, rows: usize) -> Option<usize> {
     usize::try_from(row).ok().filter(|&r| r < rows)
 }
 
-fn out_of_range(id: i32, base: u64, rows: usize) -> String {
-    format!("token id {id} is outside this device's embedding rows [{base}, {})", base.saturating_add(rows as u64))
-}
-
-fn table_dims(t: &View, what: &str) -> Result<(usize, usize), String> {
+fn table_dims(t: &View, what: &str) -> Result<(usize, usize), KernelError> {
     match t.shape[..] {
         [rows, w] => Ok((rows as usize, w as usize)),
-        _ => Err(format!("{what} must be [rows, width], not {:?}", t.shape)),
+        _ => Err(KernelError::NotTable { what: what.to_string(), shape: t.shape.to_vec() }),
     }
 }
 
-fn embedding_lookup(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) -> Result<(), String> {
+fn embedding_lookup(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool) -> Result<(), KernelError> {
     let [ids, table] = args(inputs)?;
     let (rows, w) = table_dims(table, "the table")?;
     let idv = ints(ids, "the ids")?;
@@ -911,7 +938,7 @@ fn embedding_lookup(inputs: &[&View], out: &mut ViewMut, base: u64, masked: bool
         (ViewData::F32(t), ViewMutData::F32(y)) => lookup_rows(idv, t, y, at),
         // bf16 rows are moved as they are (widening and rounding back would give the same bits).
         (ViewData::Bf16(t), ViewMutData::Bf16(y)) => lookup_rows(idv, t, y, at),
-        _ => Err("the table and the output must be both float32 or both bf16".into()),
+        _ => Err(KernelError::TableAndOutput),
     }
 }
 
@@ -922,13 +949,13 @@ fn lookup_rows<T: Copy + Default>(
     tv: &[T],
     y: &mut [T],
     (rows, w, base, masked): (usize, usize, u64, bool),
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     same_len("the table", tv.len(), rows * w)?;
     for (dst, &id) in y.chunks_exact_mut(w.max(1)).zip(idv) {
         match local_row(id, base, rows) {
             Some(r) => dst.copy_from_slice(&tv[r * w..(r + 1) * w]),
             None if masked => dst.fill(T::default()),
-            None => return Err(out_of_range(id, base, rows)),
+            None => return Err(KernelError::TokenOutsideRows { id, base, rows }),
         }
     }
     Ok(())
@@ -940,7 +967,7 @@ fn embedding_grad(
     out: &mut ViewMut,
     (base, masked): (u64, bool),
     padding: Option<u64>,
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     let [ids, dy] = args(inputs)?;
     let (rows, w) = table_dims(&out.as_view(), "the output")?;
     let (idv, dyv) = (ints(ids, "the ids")?, floats(dy, "dy")?);
@@ -960,7 +987,7 @@ fn embedding_grad(
                 }
             }
             None if masked => {}
-            None => return Err(out_of_range(id, base, rows)),
+            None => return Err(KernelError::TokenOutsideRows { id, base, rows }),
         }
     }
     Ok(())
@@ -972,19 +999,20 @@ pub fn is_padding(id: i32, padding: Option<u64>) -> bool {
 }
 
 /// (seq, width) of a [.., seq, width] tensor whose positions come from a [ctx, width] table.
-fn position_dims(table: &[u64], seq_shape: &[u64], what: &str) -> Result<(usize, usize), String> {
+fn position_dims(table: &[u64], seq_shape: &[u64], what: &str) -> Result<(usize, usize), KernelError> {
     let (_, s, w) = batch_matrix(seq_shape, what)?;
-    ensure(table.len() == 2 && table[1] as usize == w && s as u64 <= table[0], || {
-        format!("a table {table:?} cannot give positions of {seq_shape:?}")
+    require(table.len() == 2 && table[1] as usize == w && s as u64 <= table[0], || KernelError::Positions {
+        table: table.to_vec(),
+        seq: seq_shape.to_vec(),
     })?;
     Ok((s, w))
 }
 
-fn position_lookup(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn position_lookup(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [table] = args(inputs)?;
     let (s, w) = position_dims(&table.shape, &out.shape, "the output")?;
-    fn repeat<T: Copy>(tv: &[T], y: &mut [T], n: usize) -> Result<(), String> {
-        let first = tv.get(..n).ok_or("the table is smaller than its shape")?;
+    fn repeat<T: Copy>(tv: &[T], y: &mut [T], n: usize) -> Result<(), KernelError> {
+        let first = tv.get(..n).ok_or_else(|| KernelError::Invalid("the table is smaller than its shape".into()))?;
         for block in y.chunks_exact_mut(n.max(1)) {
             block.copy_from_slice(first);
         }
@@ -994,11 +1022,11 @@ fn position_lookup(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
         (ViewData::F32(t), ViewMutData::F32(y)) => repeat(t, y, s * w),
         // bf16 rows are moved as they are.
         (ViewData::Bf16(t), ViewMutData::Bf16(y)) => repeat(t, y, s * w),
-        _ => Err("the table and the output must be both float32 or both bf16".into()),
+        _ => Err(KernelError::TableAndOutput),
     }
 }
 
-fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [dy] = args(inputs)?;
     let (s, w) = position_dims(&out.shape, &dy.shape, "dy")?;
     let dyv = floats(dy, "dy")?;
@@ -1015,15 +1043,15 @@ fn position_grad(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
 // ---- layer norm -----------------------------------------------------------------------------------
 
 /// Per-row column statistics: `count` rows of `width` values each.
-fn per_row<'t>(t: &'t View, rows: usize, width: usize, what: &str) -> Result<&'t [f32], String> {
+fn per_row<'t>(t: &'t View, rows: usize, width: usize, what: &str) -> Result<&'t [f32], KernelError> {
     let v = floats(t, what)?;
     same_len(what, v.len(), rows * width)?;
     Ok(v)
 }
 
 /// (mean, 1 / sqrt(var + eps)) of each row from the all-reduced sums.
-fn mean_rstd(sum: &[f32], sqsum: &[f32], n: u64, eps: f64) -> Result<Vec<(f32, f32)>, String> {
-    ensure(n > 0, || "the normalised size is 0".to_string())?;
+fn mean_rstd(sum: &[f32], sqsum: &[f32], n: u64, eps: f64) -> Result<Vec<(f32, f32)>, KernelError> {
+    require(n > 0, || KernelError::EmptyNorm)?;
     let n = n as f64;
     let stats = sum.iter().zip(sqsum).map(|(&s, &q)| {
         let (mean, var) = (f64::from(s) / n, f64::from(q) / n);
@@ -1032,13 +1060,17 @@ fn mean_rstd(sum: &[f32], sqsum: &[f32], n: u64, eps: f64) -> Result<Vec<(f32, f
     Ok(stats.collect())
 }
 
-fn row_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn row_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     row_sum_of(inputs, out, |v| v)
 }
 
 /// (x) -> [rows, 1]: the sum of f(v) over each row of x (RowSum with f the identity, RMSNorm's sum of
 /// squares with f(v) = v^2).
-pub(super) fn row_sum_of(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32) -> f32 + Sync) -> Result<(), String> {
+pub(super) fn row_sum_of(
+    inputs: &[&View],
+    out: &mut ViewMut,
+    f: impl Fn(f32) -> f32 + Sync,
+) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let (rows, n) = split_last(&x.shape);
     let xv = floats(x, "x")?;
@@ -1049,14 +1081,14 @@ pub(super) fn row_sum_of(inputs: &[&View], out: &mut ViewMut, f: impl Fn(f32) ->
         for (y, row) in y.iter_mut().zip(rows_of(&xv[first * n..], n)) {
             *y = sum_by(row, &f);
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
 /// The sum of the squares of every input this device counts (see [`optimus_plan::Kernel::GradSquareSum`]),
 /// accumulated in f64.
-fn grad_square_sum(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), String> {
-    ensure(inputs.len() == ctx.inputs.len(), || "the inputs and their layouts differ in number".to_string())?;
+fn grad_square_sum(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> Result<(), KernelError> {
+    require(inputs.len() == ctx.inputs.len(), || KernelError::InputLayouts)?;
     let mut total = 0.0f64;
     for (k, (x, meta)) in inputs.iter().zip(ctx.inputs).enumerate() {
         if meta.layout.counts_block_at(ctx.coords.0) {
@@ -1082,9 +1114,9 @@ fn square_sum(v: &[f32]) -> f64 {
     acc.iter().sum::<f64>() + tail
 }
 
-fn row_centered_square_sum(inputs: &[&View], out: &mut ViewMut, n: u64) -> Result<(), String> {
+fn row_centered_square_sum(inputs: &[&View], out: &mut ViewMut, n: u64) -> Result<(), KernelError> {
     let [x, sum] = args(inputs)?;
-    ensure(n > 0, || "the normalised size is 0".to_string())?;
+    require(n > 0, || KernelError::EmptyNorm)?;
     let (rows, width) = split_last(&x.shape);
     let (xv, sv) = (floats(x, "x")?, per_row(sum, rows, 1, "the sum")?);
     let y = floats_mut(out)?;
@@ -1095,11 +1127,11 @@ fn row_centered_square_sum(inputs: &[&View], out: &mut ViewMut, n: u64) -> Resul
             let mean = (f64::from(s) / n as f64) as f32;
             *y = sum_by(row, |v| (v - mean) * (v - mean));
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn layer_norm_apply(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
+fn layer_norm_apply(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), KernelError> {
     let [x, sum, sqsum, gamma, beta] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let xv = floats(x, "x")?;
@@ -1115,11 +1147,11 @@ fn layer_norm_apply(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Re
                 *y = (x - mean) * rstd * g + b;
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn layer_norm_grad_sums(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
+fn layer_norm_grad_sums(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), KernelError> {
     let [dy, x, gamma, sum, sqsum] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -1138,11 +1170,11 @@ fn layer_norm_grad_sums(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -
             pair[0] = sum_by(&scaled, |v| v);
             pair[1] = sum_by2(&scaled, xr, |s, x| s * (x - mean) * rstd);
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn layer_norm_grad_input(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
+fn layer_norm_grad_input(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), KernelError> {
     let [dy, x, gamma, sum, sqsum, sums] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -1163,11 +1195,11 @@ fn layer_norm_grad_input(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) 
                 *dx = rstd * (dy * g - a - xhat * b);
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
+fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), KernelError> {
     let [dy, x, sum, sqsum] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -1182,11 +1214,11 @@ fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64)
                 *g += dy * (x - mean) * rstd;
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let (_, width) = split_last(&x.shape);
     let xv = floats(x, "x")?;
@@ -1200,7 +1232,7 @@ fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
                 *g += v;
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
@@ -1224,13 +1256,16 @@ impl Vocab {
     }
 
     /// The global column of a target, checked; `None` for an ignored target ([`IGNORE_INDEX`]).
-    fn target(&self, t: i32) -> Result<Option<u64>, String> {
+    fn target(&self, t: i32) -> Result<Option<u64>, KernelError> {
         if t == IGNORE_INDEX {
             return Ok(None);
         }
-        u64::try_from(t).ok().filter(|&t| t < self.valid).map(Some).ok_or_else(|| {
-            format!("target {t} is outside the vocabulary [0, {}) and is not the ignored id {IGNORE_INDEX}", self.valid)
-        })
+        let valid = self.valid;
+        u64::try_from(t)
+            .ok()
+            .filter(|&t| t < valid)
+            .map(Some)
+            .ok_or(KernelError::TargetOutsideVocabulary { target: t, valid })
     }
 
     /// The local column of a global one, if this device holds it.
@@ -1239,7 +1274,7 @@ impl Vocab {
     }
 }
 
-fn cross_entropy_max(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), String> {
+fn cross_entropy_max(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), KernelError> {
     let [logits] = args(inputs)?;
     let (rows, width) = split_last(&logits.shape);
     let lv = floats(logits, "the logits")?;
@@ -1251,11 +1286,11 @@ fn cross_entropy_max(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Resul
         for (y, row) in y.iter_mut().zip(rows_of(&lv[first * width..], width)) {
             *y = max_of(&row[..live]);
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
-fn cross_entropy_stats(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), String> {
+fn cross_entropy_stats(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), KernelError> {
     let [logits, targets, max] = args(inputs)?;
     let (rows, width) = split_last(&logits.shape);
     let lv = floats(logits, "the logits")?;
@@ -1278,7 +1313,7 @@ fn cross_entropy_stats(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Res
 }
 
 /// The number of targets that are not [`IGNORE_INDEX`], as f32.
-fn cross_entropy_count(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn cross_entropy_count(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [targets] = args(inputs)?;
     let tv = ints(targets, "the targets")?;
     let y = floats_mut(out)?;
@@ -1289,12 +1324,12 @@ fn cross_entropy_count(inputs: &[&View], out: &mut ViewMut) -> Result<(), String
 
 /// The divisor of the mean: the global count of targets not ignored, at least 1 (a batch with every
 /// target ignored has loss 0 and zero gradients, where PyTorch gives NaN).
-fn divisor(counted: &View) -> Result<f64, String> {
+fn divisor(counted: &View) -> Result<f64, KernelError> {
     let c = per_row(counted, 1, 1, "the count")?;
     Ok(f64::from(c[0]).max(1.0))
 }
 
-fn cross_entropy_loss(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+fn cross_entropy_loss(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [max, stats, targets, counted] = args(inputs)?;
     let mv = floats(max, "the max")?;
     let sv = per_row(stats, mv.len(), 2, "the stats")?;
@@ -1314,7 +1349,7 @@ fn cross_entropy_loss(inputs: &[&View], out: &mut ViewMut) -> Result<(), String>
     Ok(())
 }
 
-fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), String> {
+fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Result<(), KernelError> {
     let [logits, targets, max, stats, dloss, counted] = args(inputs)?;
     let (rows, width) = split_last(&logits.shape);
     let lv = floats(logits, "the logits")?;
@@ -1370,7 +1405,7 @@ pub fn optimizer_step(
     state2: &mut Tensor,
     settings: &OptimizerSettings,
     step: u64,
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     let (mut state1, mut state2) = (state1.view_mut(), state2.view_mut());
     optimizer_step_views(&mut param.view_mut(), &grad.view(), &mut state1, &mut state2, settings, step)
 }
@@ -1383,8 +1418,8 @@ pub fn optimizer_step_views(
     state2: &mut ViewMut,
     settings: &OptimizerSettings,
     step: u64,
-) -> Result<(), String> {
-    ensure(step >= 1, || "optimizer steps count from 1".to_string())?;
+) -> Result<(), KernelError> {
+    require(step >= 1, || KernelError::StepZero)?;
     let g = floats(grad, "the gradient")?;
     let p = floats_mut(param)?;
     same_len("the gradient", g.len(), p.len())?;
@@ -1461,6 +1496,7 @@ mod tests {
     use super::*;
     use optimus_plan::init::mix64 as splitmix64;
     use optimus_plan::layout::Layout;
+    use optimus_plan::shapes::ensure;
     use optimus_plan::tensor::Data;
     use optimus_plan::types::DType;
     use optimus_plan::{Buffer, Coords, Mesh};

@@ -9,7 +9,7 @@ pub mod vmath;
 
 use super::arena::{ArenaLayout, HostArena};
 use super::backend::{Backend, Exchanges, UpdateBuffers};
-use super::error::{RuntimeError, unreachable};
+use super::error::{KernelError, RuntimeError, unreachable};
 use super::settings::{KernelContext, OptimizerSettings};
 use super::view::{View, ViewData, ViewMut, ViewMutData};
 use optimus_plan::tensor::Tensor;
@@ -71,7 +71,7 @@ fn bf16_in_pieces(
     refs: &[&View],
     out: &mut ViewMut,
     ctx: &KernelContext,
-) -> Option<Result<(), String>> {
+) -> Option<Result<(), KernelError>> {
     use super::bf16;
     let run = |ins: &[&View], out: &mut ViewMut| kernels::run_views(kernel, ins, out, ctx);
     match kernel {
@@ -85,7 +85,7 @@ fn bf16_in_pieces(
         }
         Kernel::Dropout { p, key } | Kernel::DropoutGrad { p, key } => {
             let rows = |ins: &[&View], out: &mut ViewMut, first: usize| {
-                let x = ins.first().ok_or("dropout takes one input")?.f32()?;
+                let x = ins.first().ok_or(KernelError::Takes { kernel: "dropout", inputs: "one input" })?.f32()?;
                 kernels::dropout_rows(x, out.f32_mut()?, ctx, (*p, *key), first)
             };
             bf16::by_rows_at(refs, out, &[true], &rows)

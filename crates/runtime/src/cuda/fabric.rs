@@ -15,6 +15,7 @@
 //! a peer may still queue a wait on it.
 
 use super::DeviceCollectives;
+use super::error::{DeviceError, driver};
 use super::kernels::{CudaKernels, DeviceBuf, MAX_MEMBERS};
 use crate::comm::{BlockGeometry, CollectiveSpec, CommError};
 use crate::cpu::threads::Fabric;
@@ -38,13 +39,14 @@ impl SharedGpu {
     }
 
     /// A new event on `stream`'s context, owned by the run (no timing: only ordering).
-    fn event(&self, stream: &Arc<CudaStream>) -> Result<CUevent, String> {
+    fn event(&self, stream: &Arc<CudaStream>) -> Result<CUevent, DeviceError> {
         let event = stream
             .context()
             .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(|e| format!("cannot create a CUDA event: {e}"))?;
+            .map_err(driver("cannot create a CUDA event"))?;
         let raw = event.cu_event();
-        self.events.lock().map_err(|_| "a device failed while holding the event list".to_string())?.push(event);
+        let poisoned = |_| DeviceError::Poisoned("a device failed while holding the event list");
+        self.events.lock().map_err(poisoned)?.push(event);
         Ok(raw)
     }
 }
@@ -87,7 +89,7 @@ unsafe impl Send for SharedGpuEndpoint {}
 
 impl SharedGpuEndpoint {
     /// The endpoint of the device at `coords`, whose kernels run on `stream`.
-    pub fn new(gpu: Arc<SharedGpu>, mesh: Mesh, coords: Coords, stream: &Arc<CudaStream>) -> Result<Self, String> {
+    pub fn new(gpu: Arc<SharedGpu>, mesh: Mesh, coords: Coords, stream: &Arc<CudaStream>) -> Result<Self, DeviceError> {
         let make = || gpu.event(stream).map(EventHandle::of);
         let ready = [make()?, make()?, make()?, make()?];
         let done = [make()?, make()?, make()?, make()?];
@@ -169,8 +171,7 @@ impl DeviceCollectives for SharedGpuEndpoint {
             }
         }
         let sends: Vec<DeviceBuf> = offers.iter().map(|o| o.send).collect();
-        let combined =
-            combine_on_gpu(kernels, spec, me, &sends, recv).map_err(|e| RuntimeError::Comm(CommError::Transport(e)));
+        let combined = combine_on_gpu(kernels, spec, me, &sends, recv).map_err(RuntimeError::Comm);
         // Meet again even when combining failed, so that no peer waits for this device until timeout.
         record(self.done[slot], stream)?;
         let done = self.meet(spec.group, self.done[slot])?;
@@ -192,21 +193,23 @@ fn combine_on_gpu(
     me: u64,
     sends: &[DeviceBuf],
     recv: DeviceBuf,
-) -> Result<(), String> {
+) -> Result<(), CommError> {
     let max = spec.op == ReduceOp::Max;
     let geometry = || {
-        let shard = spec.shard.ok_or_else(|| format!("{} without a placement", spec.kind.name()))?;
+        let shard = spec.shard.ok_or(CommError::NoPlacement(spec.kind))?;
         BlockGeometry::of(spec.full, shard, sends.len() as u64)
-            .ok_or_else(|| format!("{} over a placement that is not a split", spec.kind.name()))
+            .ok_or_else(|| CommError::Transport(format!("{} over a placement that is not a split", spec.kind.name())))
     };
-    match spec.kind {
+    let launched = match spec.kind {
         CollectiveKind::Broadcast => {
-            let src = sends.get(spec.root.unwrap_or(0) as usize).ok_or("a broadcast from no such root")?;
+            let root = sends.get(spec.root.unwrap_or(0) as usize);
+            let src = root.ok_or_else(|| CommError::Transport("a broadcast from no such root".into()))?;
             kernels.copy_buffer(*src, recv)
         }
         CollectiveKind::Reduce if spec.root.unwrap_or(0) != me => Ok(()),
         CollectiveKind::Reduce | CollectiveKind::AllReduce => kernels.reduce_members(sends, recv, max, None),
         CollectiveKind::AllGather => kernels.gather_members(sends, recv, &geometry()?),
         CollectiveKind::ReduceScatter => kernels.reduce_members(sends, recv, max, Some((geometry()?, me))),
-    }
+    };
+    launched.map_err(|e| CommError::Transport(e.to_string()))
 }

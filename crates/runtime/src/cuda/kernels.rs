@@ -10,6 +10,8 @@
 //! bf16 entry points of the kernels (f32 arithmetic, one rounding on store) and cuBLAS `gemmEx` products
 //! with bf16 operands and f32 accumulation.
 
+use super::error::{DeviceError, driver};
+use crate::error::{KernelError, require};
 use crate::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use crate::view::{View, ViewData, ViewMut, ViewMutData};
 use cudarc::cublas::sys::cublasOperation_t;
@@ -22,7 +24,7 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use optimus_plan::layout::{Layout, Placement};
 use optimus_plan::logical::try_logical_indices;
 use optimus_plan::shapes::{
-    Packing, Runs, Swap, batch_matrix, ensure, numel, reshape_runs, same_len, same_shape, select_grad_runs,
+    Packing, Runs, ShapeError, Swap, batch_matrix, numel, reshape_runs, same_len, same_shape, select_grad_runs,
     select_runs, slice_shard_runs, split_last, transpose_swap,
 };
 use optimus_plan::tensor::{Data, Tensor};
@@ -236,37 +238,37 @@ pub fn arch_of(major: i32, minor: i32) -> &'static str {
 }
 
 /// Compiles [`SOURCE`] to PTX for [`PORTABLE_ARCH`], or says why not (no libnvrtc, or the compiler's log).
-pub fn compile_ptx() -> Result<Ptx, String> {
+pub fn compile_ptx() -> Result<Ptx, DeviceError> {
     compile_ptx_for(PORTABLE_ARCH)
 }
 
 /// Compiles [`SOURCE`] to PTX for the virtual architecture `arch` (`compute_90`, say).
-pub fn compile_ptx_for(arch: &'static str) -> Result<Ptx, String> {
+pub fn compile_ptx_for(arch: &'static str) -> Result<Ptx, DeviceError> {
     // SAFETY: only tries to open the shared library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err("NVRTC (libnvrtc.so) cannot be loaded: install the CUDA runtime compiler or put it on \
-                    LD_LIBRARY_PATH"
-            .into());
+        return Err(DeviceError::Unavailable(
+            "NVRTC (libnvrtc.so) cannot be loaded: install the CUDA runtime compiler or put it on LD_LIBRARY_PATH",
+        ));
     }
     compile_ptx_with_opts(SOURCE, compile_options(arch)).map_err(|e| match e {
         CompileError::CompileError { nvrtc, log, .. } => {
-            format!("NVRTC failed to compile kernels.cu for {arch} ({nvrtc:?}):\n{}", log.to_string_lossy())
+            DeviceError::Compile { target: arch.to_string(), code: nvrtc, log: log.to_string_lossy().into_owned() }
         }
-        other => format!("NVRTC failed: {other:?}"),
+        other => DeviceError::CompileFailed(other),
     })
 }
 
 /// The machine code of the kernels for `sm_{sm}` (a CUBIN from NVRTC, which runs ptxas itself), so that
 /// the driver need not translate PTX when the module loads or a kernel first runs (about 3 s for these
 /// kernels; the driver's own cache of such translations is not always kept between runs).
-pub fn compile_cubin_for(sm: u32) -> Result<Vec<u8>, String> {
+pub fn compile_cubin_for(sm: u32) -> Result<Vec<u8>, DeviceError> {
     use cudarc::nvrtc::{result, sys};
     // SAFETY: only tries to open the shared library.
     if !unsafe { sys::is_culib_present() } {
-        return Err("NVRTC (libnvrtc.so) cannot be loaded".into());
+        return Err(DeviceError::Unavailable("NVRTC (libnvrtc.so) cannot be loaded"));
     }
-    let source = std::ffi::CString::new(SOURCE).map_err(|_| "kernels.cu holds a NUL byte".to_string())?;
-    let program = result::create_program(&source, Some(c"kernels.cu")).map_err(|e| format!("NVRTC: {e:?}"))?;
+    let source = std::ffi::CString::new(SOURCE).map_err(|_| DeviceError::NulInSource)?;
+    let program = result::create_program(&source, Some(c"kernels.cu")).map_err(DeviceError::Nvrtc)?;
     let options = [format!("--gpu-architecture=sm_{sm}"), "--fmad=false".to_string()];
     // SAFETY: `program` was created above and is destroyed once, below; the CUBIN buffer has the size
     // NVRTC reports for it.
@@ -274,19 +276,20 @@ pub fn compile_cubin_for(sm: u32) -> Result<Vec<u8>, String> {
         let compiled = result::compile_program(program, &options).map_err(|e| {
             let log = result::get_program_log(program).unwrap_or_default();
             let text: Vec<u8> = log.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
-            format!("NVRTC failed to compile kernels.cu for sm_{sm} ({e:?}):\n{}", String::from_utf8_lossy(&text))
+            let log = String::from_utf8_lossy(&text).into_owned();
+            DeviceError::Compile { target: format!("sm_{sm}"), code: e, log }
         });
         let image = compiled.and_then(|()| {
             let mut size = 0usize;
-            sys::nvrtcGetCUBINSize(program, &mut size).result().map_err(|e| format!("NVRTC: {e:?}"))?;
+            sys::nvrtcGetCUBINSize(program, &mut size).result().map_err(DeviceError::Nvrtc)?;
             let mut image = vec![0u8; size];
-            sys::nvrtcGetCUBIN(program, image.as_mut_ptr().cast()).result().map_err(|e| format!("NVRTC: {e:?}"))?;
+            sys::nvrtcGetCUBIN(program, image.as_mut_ptr().cast()).result().map_err(DeviceError::Nvrtc)?;
             Ok(image)
         });
         let _ = result::destroy_program(program);
         image
     }?;
-    ensure(cubin.starts_with(b"\x7fELF"), || format!("NVRTC gave no machine code for sm_{sm}"))?;
+    require(cubin.starts_with(b"\x7fELF"), || DeviceError::NoMachineCode(sm))?;
     Ok(cubin)
 }
 
@@ -368,17 +371,19 @@ pub struct DeviceTensor {
     pub data: DeviceData,
 }
 
-fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
-    move |e| format!("{what}: {e}")
-}
+/// What an error calls a product block that starts past its buffer (a bug).
+const BLOCK_PAST_BUFFER: &str = "a product block starts past its buffer";
 
 /// A zeroed allocation of `n` elements (at least one).
-fn alloc<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>, String> {
-    stream.alloc_zeros::<T>(n.max(1)).map_err(driver("allocating GPU memory"))
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>, KernelError> {
+    Ok(stream.alloc_zeros::<T>(n.max(1)).map_err(driver("allocating GPU memory"))?)
 }
 
 /// A device copy of host values.
-fn upload_slice<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, v: &[T]) -> Result<CudaSlice<T>, String> {
+fn upload_slice<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    v: &[T],
+) -> Result<CudaSlice<T>, KernelError> {
     let mut dst = alloc::<T>(stream, v.len())?;
     if !v.is_empty() {
         stream.memcpy_htod(v, &mut dst).map_err(driver("copying to the GPU"))?;
@@ -387,28 +392,28 @@ fn upload_slice<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, v: &[
 }
 
 /// The first `dst.len()` elements of a device buffer into host memory (waits for the stream).
-fn download_to<T: DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>, dst: &mut [T]) -> Result<(), String> {
+fn download_to<T: DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>, dst: &mut [T]) -> Result<(), KernelError> {
     let n = dst.len();
     if n == 0 {
         return Ok(());
     }
-    let view = s.try_slice(..n).ok_or_else(|| format!("a buffer of {} elements holds fewer than {n}", s.len()))?;
+    let view = s.try_slice(..n).ok_or(DeviceError::ShortBuffer { len: s.len(), want: n })?;
     stream.memcpy_dtoh(&view, dst).map_err(driver("copying from the GPU"))?;
-    stream.synchronize().map_err(driver("waiting for the GPU"))
+    Ok(stream.synchronize().map_err(driver("waiting for the GPU"))?)
 }
 
 /// The first `n` elements of a device buffer (waits for the stream).
-fn download_slice<T: DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>, String> {
+fn download_slice<T: DeviceRepr>(stream: &Arc<CudaStream>, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>, KernelError> {
     if n == 0 {
         return Ok(Vec::new());
     }
-    let view = s.try_slice(..n).ok_or_else(|| format!("a buffer of {} elements holds fewer than {n}", s.len()))?;
-    stream.clone_dtoh(&view).map_err(driver("copying from the GPU"))
+    let view = s.try_slice(..n).ok_or(DeviceError::ShortBuffer { len: s.len(), want: n })?;
+    Ok(stream.clone_dtoh(&view).map_err(driver("copying from the GPU"))?)
 }
 
 impl DeviceTensor {
     /// A zero-filled tensor of the given element type and shape.
-    pub fn zeros(stream: &Arc<CudaStream>, dtype: DType, shape: &[u64]) -> Result<DeviceTensor, String> {
+    pub fn zeros(stream: &Arc<CudaStream>, dtype: DType, shape: &[u64]) -> Result<DeviceTensor, KernelError> {
         let n = numel(shape);
         let data = match dtype {
             DType::Bf16 => DeviceData::Bf16(alloc(stream, n)?),
@@ -419,9 +424,11 @@ impl DeviceTensor {
     }
 
     /// A device copy of a host view in its own element type (bf16 stays bf16: two bytes an element).
-    pub fn upload_view(stream: &Arc<CudaStream>, v: &View) -> Result<DeviceTensor, String> {
+    pub fn upload_view(stream: &Arc<CudaStream>, v: &View) -> Result<DeviceTensor, KernelError> {
         let n = numel(&v.shape);
-        ensure(v.len() == n, || format!("a view of shape {:?} holds {} elements", v.shape, v.len()))?;
+        require(v.len() == n, || {
+            KernelError::Invalid(format!("a view of shape {:?} holds {} elements", v.shape, v.len()))
+        })?;
         let data = match v.data {
             ViewData::F32(x) => DeviceData::F32(upload_slice(stream, x)?),
             ViewData::I32(x) => DeviceData::I32(upload_slice(stream, x)?),
@@ -431,21 +438,28 @@ impl DeviceTensor {
     }
 
     /// Copies this tensor into a host view of the same element type and length (waits for the stream).
-    pub fn download_into(&self, stream: &Arc<CudaStream>, out: &mut ViewMut) -> Result<(), String> {
+    pub fn download_into(&self, stream: &Arc<CudaStream>, out: &mut ViewMut) -> Result<(), KernelError> {
         let n = numel(&self.shape);
-        ensure(out.len() == n, || format!("a host buffer of {} elements cannot take {:?}", out.len(), self.shape))?;
+        require(out.len() == n, || {
+            KernelError::Invalid(format!("a host buffer of {} elements cannot take {:?}", out.len(), self.shape))
+        })?;
         match (&self.data, &mut out.data) {
             (DeviceData::F32(s), ViewMutData::F32(d)) => download_to(stream, s, d),
             (DeviceData::I32(s), ViewMutData::I32(d)) => download_to(stream, s, d),
             (DeviceData::Bf16(s), ViewMutData::Bf16(d)) => download_to(stream, s, d),
-            (s, _) => Err(format!("a {:?} GPU tensor cannot be copied into a host buffer of another type", s.dtype())),
+            (s, _) => Err(KernelError::Invalid(format!(
+                "a {:?} GPU tensor cannot be copied into a host buffer of another type",
+                s.dtype()
+            ))),
         }
     }
 
     /// A device copy of a host tensor.
-    pub fn upload(stream: &Arc<CudaStream>, t: &Tensor) -> Result<DeviceTensor, String> {
+    pub fn upload(stream: &Arc<CudaStream>, t: &Tensor) -> Result<DeviceTensor, KernelError> {
         let n = numel(&t.shape);
-        ensure(t.len() == n, || format!("a tensor of shape {:?} holds {} elements", t.shape, t.len()))?;
+        require(t.len() == n, || {
+            KernelError::Invalid(format!("a tensor of shape {:?} holds {} elements", t.shape, t.len()))
+        })?;
         let data = match &t.data {
             Data::F32(v) => DeviceData::F32(upload_slice(stream, v)?),
             Data::I32(v) => DeviceData::I32(upload_slice(stream, v)?),
@@ -455,7 +469,7 @@ impl DeviceTensor {
 
     /// A host copy (waits for the stream's pending work); bf16 elements come back widened to f32, as
     /// from a host view.
-    pub fn download(&self, stream: &Arc<CudaStream>) -> Result<Tensor, String> {
+    pub fn download(&self, stream: &Arc<CudaStream>) -> Result<Tensor, KernelError> {
         let n = numel(&self.shape);
         let data = match &self.data {
             DeviceData::F32(s) => Data::F32(download_slice(stream, s, n)?),
@@ -478,59 +492,60 @@ impl DeviceTensor {
 // ---- checks (as in the CPU kernels) ---------------------------------------------------------------
 
 /// Exactly `N` inputs.
-fn args<'t, const N: usize>(inputs: &[&'t DeviceTensor]) -> Result<[&'t DeviceTensor; N], String> {
-    <[&'t DeviceTensor; N]>::try_from(inputs).map_err(|_| format!("expects {N} inputs, got {}", inputs.len()))
+fn args<'t, const N: usize>(inputs: &[&'t DeviceTensor]) -> Result<[&'t DeviceTensor; N], KernelError> {
+    <[&'t DeviceTensor; N]>::try_from(inputs).map_err(|_| ShapeError::Operands { want: N, got: inputs.len() }.into())
 }
 
 /// The f32 storage of an input, checked against its shape.
-fn floats<'t>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<f32>, String> {
+fn floats<'t>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<f32>, KernelError> {
     elems::<f32>(t, what)
 }
 
-/// What an operand of the wrong element type is called in an error.
-fn wrong_type(found: DType, want: DType, what: &str) -> String {
-    match (found.is_integer(), want.is_integer()) {
-        (true, false) => format!("{what}: expected a floating-point tensor, found integers"),
-        (false, true) => format!("{what}: expected an integer tensor, found floating point"),
-        _ => format!("{what}: expected {} elements, found {}", want.name(), found.name()),
-    }
+/// Operand `what`, of element type `found`, read as `want`.
+fn wrong_type(found: DType, want: DType, what: &str) -> KernelError {
+    KernelError::operand(what, crate::error::ElementError::Type { want, found })
+}
+
+/// Operand `what`, of `len` elements, whose shape is `shape`.
+fn holds(what: &str, len: usize, shape: &[u64]) -> KernelError {
+    KernelError::Holds { what: what.to_string(), len, shape: shape.to_vec() }
 }
 
 /// The storage of a floating-point input of element type `T`, checked against its shape.
-fn elems<'t, T: Elem>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<T>, String> {
+fn elems<'t, T: Elem>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<T>, KernelError> {
     match T::of(&t.data) {
         Some(s) if s.len() >= t.len() => Ok(s),
-        Some(s) => Err(format!("{what} holds {} elements, not {:?}", s.len(), t.shape)),
+        Some(s) => Err(holds(what, s.len(), &t.shape)),
         None => Err(wrong_type(t.data.dtype(), T::DTYPE, what)),
     }
 }
 
 /// The storage of a floating-point tensor of element type `T` written in place, checked against its shape.
-fn elems_mut<'t, T: Elem>(t: &'t mut DeviceTensor, what: &str) -> Result<&'t mut CudaSlice<T>, String> {
+fn elems_mut<'t, T: Elem>(t: &'t mut DeviceTensor, what: &str) -> Result<&'t mut CudaSlice<T>, KernelError> {
     let (n, capacity, dtype) = (t.len(), t.data.capacity(), t.data.dtype());
     match T::of_mut(&mut t.data) {
-        Some(_) if capacity < n => Err(format!("{what} holds {capacity} elements, not {n}")),
+        Some(_) if capacity < n => Err(KernelError::HoldsCount { what: what.to_string(), len: capacity, want: n }),
         Some(s) => Ok(s),
         None => Err(wrong_type(dtype, T::DTYPE, what)),
     }
 }
 
 /// The i32 storage of an input, checked against its shape.
-fn ints<'t>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<i32>, String> {
+fn ints<'t>(t: &'t DeviceTensor, what: &str) -> Result<&'t CudaSlice<i32>, KernelError> {
     match &t.data {
         DeviceData::I32(s) if s.len() >= t.len() => Ok(s),
-        DeviceData::I32(s) => Err(format!("{what} holds {} elements, not {:?}", s.len(), t.shape)),
+        DeviceData::I32(s) => Err(holds(what, s.len(), &t.shape)),
         other => Err(wrong_type(other.dtype(), DType::I32, what)),
     }
 }
 
 /// The f32 storage of a tensor written in place, checked against its shape.
-fn floats_mut<'t>(t: &'t mut DeviceTensor, what: &str) -> Result<&'t mut CudaSlice<f32>, String> {
+fn floats_mut<'t>(t: &'t mut DeviceTensor, what: &str) -> Result<&'t mut CudaSlice<f32>, KernelError> {
     elems_mut::<f32>(t, what)
 }
 
 /// An f32 input of exactly `rows * width` elements (per-row statistics, vectors).
-fn per_row<'t>(t: &'t DeviceTensor, rows: usize, width: usize, what: &str) -> Result<&'t CudaSlice<f32>, String> {
+fn per_row<'t>(t: &'t DeviceTensor, rows: usize, width: usize, what: &str) -> Result<&'t CudaSlice<f32>, KernelError> {
     per_row_of::<f32>(t, rows, width, what)
 }
 
@@ -540,7 +555,7 @@ fn per_row_of<'t, T: Elem>(
     rows: usize,
     width: usize,
     what: &str,
-) -> Result<&'t CudaSlice<T>, String> {
+) -> Result<&'t CudaSlice<T>, KernelError> {
     let s = elems::<T>(t, what)?;
     same_len(what, t.len(), rows * width)?;
     Ok(s)
@@ -579,12 +594,12 @@ fn single_block() -> Option<LaunchConfig> {
     Some(config((1, 1), (THREADS, 1)))
 }
 
-fn blas_dim(x: usize) -> Result<i32, String> {
-    i32::try_from(x).map_err(|_| format!("dimension {x} is too large for cuBLAS"))
+fn blas_dim(x: usize) -> Result<i32, KernelError> {
+    i32::try_from(x).map_err(|_| DeviceError::BlasRange { what: "dimension", value: x }.into())
 }
 
-fn blas_stride(x: usize) -> Result<i64, String> {
-    i64::try_from(x).map_err(|_| format!("stride {x} is too large for cuBLAS"))
+fn blas_stride(x: usize) -> Result<i64, KernelError> {
+    i64::try_from(x).map_err(|_| DeviceError::BlasRange { what: "stride", value: x }.into())
 }
 
 // ---- the device: stream, functions, cuBLAS --------------------------------------------------------
@@ -603,7 +618,9 @@ macro_rules! launch {
                 $( builder.arg($arg); )*
                 // SAFETY: the arguments match the kernel's parameters (pointers, u64 counts, f32/f64
                 // scalars), and the caller checked that every buffer holds the elements it indexes.
-                unsafe { builder.launch(cfg) }.map(|_| ()).map_err(|e| format!("launching `{name}`: {e}"))
+                unsafe { builder.launch(cfg) }
+                    .map(|_| ())
+                    .map_err(|error| KernelError::from(DeviceError::Launch { function: name.to_string(), error }))
             }
         }
     }};
@@ -704,14 +721,16 @@ enum Work {
 
 impl<T> Product<'_, T> {
     /// Checks the dimensions and extents of the product against an output buffer of `c_len` elements.
-    fn check(&self, c_len: usize) -> Result<Work, String> {
+    fn check(&self, c_len: usize) -> Result<Work, KernelError> {
         let (Product { a, b, c: cb, batches, .. }, (m, k), (k2, n)) = (self, self.a.dims(), self.b.dims());
-        ensure(cb.rows == m && cb.cols == n && k == k2, || {
-            format!("cannot multiply {m}x{k} by {k2}x{n} into {}x{}", cb.rows, cb.cols)
+        require(cb.rows == m && cb.cols == n && k == k2, || KernelError::Product {
+            lhs: [m, k],
+            rhs: [k2, n],
+            out: [cb.rows, cb.cols],
         })?;
         let fits =
             a.block.fits(*batches, a.data.len()) && b.block.fits(*batches, b.data.len()) && cb.fits(*batches, c_len);
-        ensure(fits, || format!("internal error: a {m}x{k} by {k}x{n} product does not fit its buffers"))?;
+        require(fits, || KernelError::Internal(format!("a {m}x{k} by {k}x{n} product does not fit its buffers")))?;
         Ok(match (*batches == 0 || m == 0 || n == 0, k == 0) {
             (true, _) => Work::Nothing,
             (false, true) if self.accumulate => Work::Nothing,
@@ -722,17 +741,17 @@ impl<T> Product<'_, T> {
 }
 
 impl Device {
-    fn function(&self, name: &str) -> Result<&CudaFunction, String> {
-        self.functions.get(name).ok_or_else(|| format!("kernel `{name}` is not loaded"))
+    fn function(&self, name: &str) -> Result<&CudaFunction, KernelError> {
+        self.functions.get(name).ok_or_else(|| DeviceError::NotLoaded(name.to_string()).into())
     }
 
-    fn zero<T: DeviceRepr + ValidAsZeroBits>(&self, s: &mut CudaSlice<T>) -> Result<(), String> {
-        self.stream.memset_zeros(s).map_err(driver("zeroing GPU memory"))
+    fn zero<T: DeviceRepr + ValidAsZeroBits>(&self, s: &mut CudaSlice<T>) -> Result<(), KernelError> {
+        Ok(self.stream.memset_zeros(s).map_err(driver("zeroing GPU memory"))?)
     }
 
     /// Runs a product after checking its dimensions and extents (row-major C = op(A) op(B) is computed
     /// by column-major cuBLAS as C^T = op(B)^T op(A)^T).
-    fn gemm(&self, c: &mut CudaSlice<f32>, p: Product) -> Result<(), String> {
+    fn gemm(&self, c: &mut CudaSlice<f32>, p: Product) -> Result<(), KernelError> {
         match p.check(c.len())? {
             Work::Nothing => Ok(()),
             Work::Zero => self.zero_blocks(c, p.c, p.batches),
@@ -740,7 +759,7 @@ impl Device {
         }
     }
 
-    fn cublas(&self, c: &mut CudaSlice<f32>, p: &Product, (m, n, k): (usize, usize, usize)) -> Result<(), String> {
+    fn cublas(&self, c: &mut CudaSlice<f32>, p: &Product, (m, n, k): (usize, usize, usize)) -> Result<(), KernelError> {
         let gemm = GemmConfig {
             transa: p.b.op(),
             transb: p.a.op(),
@@ -753,7 +772,7 @@ impl Device {
             beta: if p.accumulate { 1.0 } else { 0.0 },
             ldc: blas_dim(p.c.ld.max(1))?,
         };
-        let missing = || "internal error: a product block starts past its buffer".to_string();
+        let missing = || KernelError::Internal(BLOCK_PAST_BUFFER.into());
         let av = p.a.data.try_slice(p.a.block.start..).ok_or_else(missing)?;
         let bv = p.b.data.try_slice(p.b.block.start..).ok_or_else(missing)?;
         let mut cv = c.try_slice_mut(p.c.start..).ok_or_else(missing)?;
@@ -772,12 +791,13 @@ impl Device {
             // SAFETY: as above, for every batch.
             unsafe { self.blas.gemm_strided_batched(cfg, &bv, &av, &mut cv) }
         };
-        result.map_err(|e| format!("cuBLAS sgemm: {e}"))
+        result.map_err(|error| DeviceError::Blas { call: "sgemm", error }.into())
     }
 
     /// Zeroes `batches` blocks of `c` (an empty product).
-    fn zero_blocks<T: Elem>(&self, c: &mut CudaSlice<T>, b: Block, batches: usize) -> Result<(), String> {
-        let mut view = c.try_slice_mut(b.start..).ok_or("internal error: a block starts past its buffer")?;
+    fn zero_blocks<T: Elem>(&self, c: &mut CudaSlice<T>, b: Block, batches: usize) -> Result<(), KernelError> {
+        let mut view =
+            c.try_slice_mut(b.start..).ok_or_else(|| KernelError::Internal("a block starts past its buffer".into()))?;
         let (batches, rows, cols, ld, stride) =
             (batches as u64, b.rows as u64, b.cols as u64, b.ld as u64, b.stride as u64);
         let cfg = elementwise(numel(&[batches, rows, cols]));
@@ -795,7 +815,7 @@ impl Device {
         ta: bool,
         tb: bool,
         acc: bool,
-    ) -> Result<(), String>
+    ) -> Result<(), KernelError>
     where
         Device: Multiply<T, C>,
     {
@@ -815,7 +835,11 @@ impl Device {
         self.multiply(y, product)
     }
 
-    fn batched_matmul<T: Elem, C: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String>
+    fn batched_matmul<T: Elem, C: Elem>(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+    ) -> Result<(), KernelError>
     where
         Device: Multiply<T, C>,
     {
@@ -823,8 +847,12 @@ impl Device {
         let (la, m, k) = batch_matrix(&a.shape, "A")?;
         let (lb, k2, n) = batch_matrix(&b.shape, "B")?;
         let (lo, m2, n2) = batch_matrix(&out.shape, "the output")?;
-        ensure(la == lb && la == lo, || format!("leading dimensions differ: {la:?}, {lb:?} and {lo:?}"))?;
-        ensure(k == k2 && m == m2 && n == n2, || format!("cannot multiply {m}x{k} by {k2}x{n} into {m2}x{n2}"))?;
+        require(la == lb && la == lo, || KernelError::LeadingDimensions {
+            a: la.to_vec(),
+            b: lb.to_vec(),
+            out: lo.to_vec(),
+        })?;
+        require(k == k2 && m == m2 && n == n2, || KernelError::Product { lhs: [m, k], rhs: [k2, n], out: [m2, n2] })?;
         let batches = numel(la);
         let (av, bv) = (elems::<T>(a, "A")?, elems::<T>(b, "B")?);
         let y = elems_mut::<C>(out, "the output")?;
@@ -843,11 +871,11 @@ impl Device {
 /// A product with operands of element type `T` into an output of element type `C`: cuBLAS sgemm for
 /// f32, gemmEx for bf16 operands (see [`bf16`]).
 trait Multiply<T, C> {
-    fn multiply(&self, c: &mut CudaSlice<C>, p: Product<T>) -> Result<(), String>;
+    fn multiply(&self, c: &mut CudaSlice<C>, p: Product<T>) -> Result<(), KernelError>;
 }
 
 impl Multiply<f32, f32> for Device {
-    fn multiply(&self, c: &mut CudaSlice<f32>, p: Product) -> Result<(), String> {
+    fn multiply(&self, c: &mut CudaSlice<f32>, p: Product) -> Result<(), KernelError> {
         self.gemm(c, p)
     }
 }
@@ -860,7 +888,7 @@ impl Device {
         name: &'static str,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let xv = elems::<T>(x, "the input")?;
         same_len("the output", out.len(), x.len())?;
@@ -874,7 +902,7 @@ impl Device {
         name: &'static str,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [a, b] = args(inputs)?;
         let (av, bv) = (elems::<T>(a, "the first input")?, elems::<T>(b, "the second input")?);
         same_len("the second input", b.len(), a.len())?;
@@ -884,7 +912,7 @@ impl Device {
         launch!(self, variant::<T>(name)?, elementwise(a.len()), [y, av, bv, &n])
     }
 
-    fn scale<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, factor: f64) -> Result<(), String> {
+    fn scale<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, factor: f64) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let xv = elems::<T>(x, "the input")?;
         same_len("the output", out.len(), x.len())?;
@@ -893,7 +921,7 @@ impl Device {
         launch!(self, variant::<T>(SCALE)?, elementwise(x.len()), [y, xv, &factor, &n])
     }
 
-    fn bias_add<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn bias_add<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [x, b] = args(inputs)?;
         let (_, width) = split_last(&x.shape);
         let (xv, bv) = (elems::<T>(x, "x")?, elems::<T>(b, "the bias")?);
@@ -904,7 +932,7 @@ impl Device {
         launch!(self, variant::<T>(BIAS_ADD)?, elementwise(x.len()), [y, xv, bv, &n, &width])
     }
 
-    fn softmax<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn softmax<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let xv = elems::<T>(x, "the input")?;
@@ -915,7 +943,7 @@ impl Device {
         launch!(self, variant::<T>(SOFTMAX)?, cfg, [y, xv, &rows, &width])
     }
 
-    fn softmax_grad<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn softmax_grad<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [dy, y] = args(inputs)?;
         let (rows, width) = split_last(&y.shape);
         let (dyv, yv) = (elems::<T>(dy, "dy")?, elems::<T>(y, "y")?);
@@ -927,7 +955,12 @@ impl Device {
         launch!(self, variant::<T>(SOFTMAX_GRAD)?, cfg, [dx, dyv, yv, &rows, &width])
     }
 
-    fn causal_mask<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, fill: f32) -> Result<(), String> {
+    fn causal_mask<T: Elem>(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        fill: f32,
+    ) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let (_, rows, cols) = batch_matrix(&x.shape, "the input")?;
         let xv = elems::<T>(x, "the input")?;
@@ -937,10 +970,12 @@ impl Device {
         launch!(self, variant::<T>(CAUSAL_MASK)?, elementwise(x.len()), [y, xv, &n, &rows, &cols, &fill])
     }
 
-    fn fill(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, value: f64) -> Result<(), String> {
+    fn fill(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, value: f64) -> Result<(), KernelError> {
         args::<0>(inputs)?;
         let n = out.len();
-        ensure(out.data.capacity() >= n, || "the output holds fewer elements than its shape".to_string())?;
+        require(out.data.capacity() >= n, || {
+            KernelError::Invalid("the output holds fewer elements than its shape".into())
+        })?;
         let (cfg, count) = (elementwise(n), n as u64);
         match &mut out.data {
             DeviceData::F32(s) => {
@@ -951,7 +986,7 @@ impl Device {
                 let bits = (value as i32) as u32;
                 launch!(self, FILL_BITS, cfg, [s, &bits, &count])
             }
-            DeviceData::Bf16(_) => Err("internal error: a bf16 fill reached the f32 kernel".into()),
+            DeviceData::Bf16(_) => Err(KernelError::Internal("a bf16 fill reached the f32 kernel".into())),
         }
     }
 }
@@ -989,7 +1024,7 @@ enum Pair<'a> {
     Bf16(&'a CudaSlice<u16>, &'a mut CudaSlice<u16>),
 }
 
-fn pair<'a>(x: &'a DeviceTensor, out: &'a mut DeviceTensor) -> Result<Pair<'a>, String> {
+fn pair<'a>(x: &'a DeviceTensor, out: &'a mut DeviceTensor) -> Result<Pair<'a>, KernelError> {
     let fits = x.data.capacity() >= x.len() && out.data.capacity() >= out.len();
     match (&x.data, &mut out.data) {
         (DeviceData::F32(_), DeviceData::F32(_))
@@ -997,12 +1032,12 @@ fn pair<'a>(x: &'a DeviceTensor, out: &'a mut DeviceTensor) -> Result<Pair<'a>, 
         | (DeviceData::Bf16(_), DeviceData::Bf16(_))
             if !fits =>
         {
-            Err("a tensor's element count does not match its shape".into())
+            Err(KernelError::CountNotShape)
         }
         (DeviceData::F32(s), DeviceData::F32(d)) => Ok(Pair::F32(s, d)),
         (DeviceData::I32(s), DeviceData::I32(d)) => Ok(Pair::I32(s, d)),
         (DeviceData::Bf16(s), DeviceData::Bf16(d)) => Ok(Pair::Bf16(s, d)),
-        _ => Err("the input and output element types differ".into()),
+        _ => Err(KernelError::ElementTypesDiffer),
     }
 }
 
@@ -1014,17 +1049,18 @@ impl Device {
         dst: &mut CudaSlice<T>,
         (src_n, dst_n): (usize, usize),
         runs: Runs,
-    ) -> Result<(), String> {
-        ensure(runs.fits(src_n, dst_n), || format!("internal error: {runs:?} does not fit"))?;
+    ) -> Result<(), KernelError> {
+        require(runs.fits(src_n, dst_n), || ShapeError::RunsOutside(runs))?;
         if runs.zero_first {
             self.stream.memset_zeros(dst).map_err(driver("zeroing GPU memory"))?;
         }
         if runs.count == 1 && runs.len > 0 {
             // One contiguous run (a reshape, a dropout that keeps everything): a device-to-device copy.
             let (from, to) = (runs.src_offset, runs.dst_offset);
-            let src = src.try_slice(from..from + runs.len).ok_or("internal error: a run is past its buffer")?;
-            let mut dst = dst.try_slice_mut(to..to + runs.len).ok_or("internal error: a run is past its buffer")?;
-            return self.stream.memcpy_dtod(&src, &mut dst).map_err(driver("copying on the GPU"));
+            let past = || KernelError::Internal("a run is past its buffer".into());
+            let src = src.try_slice(from..from + runs.len).ok_or_else(past)?;
+            let mut dst = dst.try_slice_mut(to..to + runs.len).ok_or_else(past)?;
+            return Ok(self.stream.memcpy_dtod(&src, &mut dst).map_err(driver("copying on the GPU"))?);
         }
         let cfg = elementwise(runs.count.saturating_mul(runs.len));
         let r = [runs.count, runs.len, runs.src_stride, runs.src_offset, runs.dst_stride, runs.dst_offset]
@@ -1032,7 +1068,7 @@ impl Device {
         launch!(self, words::<T>(COPY_RUNS)?, cfg, [dst, src, &r[0], &r[1], &r[2], &r[3], &r[4], &r[5]])
     }
 
-    fn move_runs(&self, x: &DeviceTensor, out: &mut DeviceTensor, runs: Runs) -> Result<(), String> {
+    fn move_runs(&self, x: &DeviceTensor, out: &mut DeviceTensor, runs: Runs) -> Result<(), KernelError> {
         let counts = (x.len(), out.len());
         match pair(x, out)? {
             Pair::F32(s, d) => self.copy_runs(s, d, counts, runs),
@@ -1041,12 +1077,18 @@ impl Device {
         }
     }
 
-    fn reshape(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn reshape(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         self.move_runs(x, out, reshape_runs(&x.shape, &out.shape)?)
     }
 
-    fn select(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, dim: usize, index: u64) -> Result<(), String> {
+    fn select(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        dim: usize,
+        index: u64,
+    ) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         self.move_runs(x, out, select_runs(&x.shape, &out.shape, dim, index)?)
     }
@@ -1057,7 +1099,7 @@ impl Device {
         out: &mut DeviceTensor,
         dim: usize,
         index: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [dy] = args(inputs)?;
         self.move_runs(dy, out, select_grad_runs(&dy.shape, &out.shape, dim, index)?)
     }
@@ -1068,17 +1110,17 @@ impl Device {
         out: &mut DeviceTensor,
         dim0: usize,
         dim1: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let swap = transpose_swap(&x.shape, &out.shape, dim0, dim1)?;
-        match pair(x, out).map_err(|_| "the input and output must have the same element type and element count")? {
+        match pair(x, out).map_err(|_| KernelError::TransposeOperands)? {
             Pair::F32(src, dst) => self.swap(src, dst, swap),
             Pair::I32(src, dst) => self.swap(src, dst, swap),
             Pair::Bf16(src, dst) => self.swap(src, dst, swap),
         }
     }
 
-    fn swap<T>(&self, src: &CudaSlice<T>, dst: &mut CudaSlice<T>, s: Swap) -> Result<(), String> {
+    fn swap<T>(&self, src: &CudaSlice<T>, dst: &mut CudaSlice<T>, s: Swap) -> Result<(), KernelError> {
         let n = numel(&[s.a, s.p, s.b, s.q, s.c].map(|v| v as u64));
         let d = [s.a, s.p, s.b, s.q, s.c].map(|v| v as u64);
         launch!(self, words::<T>(TRANSPOSE)?, elementwise(n), [dst, src, &d[0], &d[1], &d[2], &d[3], &d[4]])
@@ -1091,7 +1133,7 @@ impl Device {
         ctx: &KernelContext,
         axis: usize,
         p: Placement,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         self.move_runs(x, out, slice_shard_runs(&x.shape, &out.shape, ctx.mesh, ctx.coords, axis, p)?)
     }
@@ -1115,7 +1157,7 @@ fn heads_from(packing: &Packing, b: usize, d: usize, first: usize, step: usize) 
 type Qkv<'a, T = f32> = crate::qkv::Qkv<'a, CudaSlice<T>>;
 
 impl<'a, T: Elem> Qkv<'a, T> {
-    fn of(operands: &[&'a DeviceTensor], heads: (u64, u64), fused: bool) -> Result<Qkv<'a, T>, String> {
+    fn of(operands: &[&'a DeviceTensor], heads: (u64, u64), fused: bool) -> Result<Qkv<'a, T>, KernelError> {
         Qkv::new(operands, |t| t.shape.as_slice(), elems::<T>, heads, fused)
     }
 
@@ -1158,12 +1200,12 @@ fn grow<'s, T: Elem>(
     slot: &'s mut Option<CudaSlice<T>>,
     stream: &Arc<CudaStream>,
     n: usize,
-) -> Result<&'s mut CudaSlice<T>, String> {
+) -> Result<&'s mut CudaSlice<T>, KernelError> {
     if slot.as_ref().is_none_or(|s| s.len() < n) {
         *slot = None;
         *slot = Some(alloc(stream, n)?);
     }
-    slot.as_mut().ok_or_else(|| "internal error: no scratch buffer".to_string())
+    slot.as_mut().ok_or_else(|| KernelError::Internal("no scratch buffer".into()))
 }
 
 impl Device {
@@ -1174,7 +1216,7 @@ impl Device {
         b: usize,
         causal: bool,
         probs: &mut CudaSlice<f32>,
-    ) -> Result<(), String>
+    ) -> Result<(), KernelError>
     where
         Device: Multiply<T, f32>,
     {
@@ -1202,7 +1244,7 @@ impl Device {
         out: &mut DeviceTensor,
         a: AttentionArgs,
         probs: &mut Option<CudaSlice<f32>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let qkv = Qkv::<f32>::of(inputs, (a.heads, a.kv_heads), a.fused)?;
         same_shape("the output", &out.shape, &qkv.out_shape())?;
         let (sq, sk) = (qkv.seq(0), qkv.seq(1));
@@ -1232,11 +1274,11 @@ impl Device {
         out: &mut DeviceTensor,
         a: AttentionArgs,
         scratch: &mut [Option<CudaSlice<f32>>; 2],
-    ) -> Result<(), String> {
-        let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
+    ) -> Result<(), KernelError> {
+        let (dy, operands) = inputs.split_first().ok_or(KernelError::NoAttentionGradient)?;
         let qkv = Qkv::<f32>::of(operands, (a.heads, a.kv_heads), a.fused)?;
         let wrt = usize::from(a.wrt);
-        ensure(wrt < if a.fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
+        require(wrt < if a.fused { 1 } else { 3 }, || KernelError::NoOperand(wrt))?;
         same_shape("dy", &dy.shape, &qkv.out_shape())?;
         same_shape("the output", &out.shape, qkv.shapes[wrt])?;
         let dyv = floats(dy, "dy")?;
@@ -1261,7 +1303,7 @@ impl Device {
         g: &mut CudaSlice<f32>,
         probs: &CudaSlice<f32>,
         dprobs: &mut CudaSlice<f32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let (qkv, b) = (s.qkv, s.b);
         let (sq, sk) = (qkv.seq(0), qkv.seq(1));
         let dout = |r| Operand { data: s.dy, block: qkv.out_block(b, r), transpose: false };
@@ -1332,7 +1374,7 @@ impl Device {
         heads: u64,
         theta: f64,
         sign: f32,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let (_, seq, width) = batch_matrix(&x.shape, "x")?;
         let d = optimus_plan::rotary::head_size(width, heads)?;
@@ -1348,22 +1390,19 @@ impl Device {
 
 // ---- embeddings -----------------------------------------------------------------------------------
 
-fn out_of_range(id: i32, base: u64, rows: usize) -> String {
-    format!("token id {id} is outside this device's embedding rows [{base}, {})", base.saturating_add(rows as u64))
-}
-
-fn table_dims(shape: &[u64], what: &str) -> Result<(usize, usize), String> {
+fn table_dims(shape: &[u64], what: &str) -> Result<(usize, usize), KernelError> {
     match shape[..] {
         [rows, w] => Ok((rows as usize, w as usize)),
-        _ => Err(format!("{what} must be [rows, width], not {shape:?}")),
+        _ => Err(KernelError::NotTable { what: what.to_string(), shape: shape.to_vec() }),
     }
 }
 
 /// (seq, width) of a [.., seq, width] tensor whose positions come from a [ctx, width] table.
-fn position_dims(table: &[u64], seq_shape: &[u64], what: &str) -> Result<(usize, usize), String> {
+fn position_dims(table: &[u64], seq_shape: &[u64], what: &str) -> Result<(usize, usize), KernelError> {
     let (_, s, w) = batch_matrix(seq_shape, what)?;
-    ensure(table.len() == 2 && table[1] as usize == w && s as u64 <= table[0], || {
-        format!("a table {table:?} cannot give positions of {seq_shape:?}")
+    require(table.len() == 2 && table[1] as usize == w && s as u64 <= table[0], || KernelError::Positions {
+        table: table.to_vec(),
+        seq: seq_shape.to_vec(),
     })?;
     Ok((s, w))
 }
@@ -1385,28 +1424,29 @@ fn read_one<T: DeviceRepr + Default + Copy>(
     stream: &Arc<CudaStream>,
     s: &CudaSlice<T>,
     index: usize,
-) -> Result<T, String> {
-    let view =
-        s.try_slice(index..index + 1).ok_or_else(|| format!("index {index} is outside a buffer of {}", s.len()))?;
+) -> Result<T, KernelError> {
+    let view = s.try_slice(index..index + 1).ok_or(DeviceError::IndexOutside { index, len: s.len() })?;
     let v = stream.clone_dtoh(&view).map_err(driver("copying from the GPU"))?;
     Ok(v.first().copied().unwrap_or_default())
 }
 
 impl Device {
     /// The smallest index flagged by the last kernel that used `flag`, if any (waits for the stream).
-    fn flagged(&self, flag: &CudaSlice<u64>) -> Result<Option<usize>, String> {
+    fn flagged(&self, flag: &CudaSlice<u64>) -> Result<Option<usize>, KernelError> {
         let f = read_one(&self.stream, flag, 0)?;
         Ok((f != 0).then_some(!f as usize))
     }
 
-    fn clear_flag(&self, flag: &mut CudaSlice<u64>) -> Result<(), String> {
-        self.stream.memset_zeros(flag).map_err(driver("zeroing GPU memory"))
+    fn clear_flag(&self, flag: &mut CudaSlice<u64>) -> Result<(), KernelError> {
+        Ok(self.stream.memset_zeros(flag).map_err(driver("zeroing GPU memory"))?)
     }
 
     /// The CPU's error for the first id a kernel flagged as outside this device's rows, if any.
-    fn check_ids(&self, flag: &CudaSlice<u64>, ids: &CudaSlice<i32>, r: Rows, rows: usize) -> Result<(), String> {
+    fn check_ids(&self, flag: &CudaSlice<u64>, ids: &CudaSlice<i32>, r: Rows, rows: usize) -> Result<(), KernelError> {
         match self.flagged(flag)? {
-            Some(t) if !r.masked => Err(out_of_range(read_one(&self.stream, ids, t)?, r.base, rows)),
+            Some(t) if !r.masked => {
+                Err(KernelError::TokenOutsideRows { id: read_one(&self.stream, ids, t)?, base: r.base, rows })
+            }
             _ => Ok(()),
         }
     }
@@ -1417,7 +1457,7 @@ impl Device {
         out: &mut DeviceTensor,
         r: Rows,
         flag: &mut CudaSlice<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [ids, table] = args(inputs)?;
         let (rows, w) = table_dims(&table.shape, "the table")?;
         let (idv, tv) = (ints(ids, "the ids")?, elems::<T>(table, "the table")?);
@@ -1439,7 +1479,7 @@ impl Device {
         out: &mut DeviceTensor,
         (r, padding): (Rows, Option<u64>),
         flag: &mut CudaSlice<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [ids, dy] = args(inputs)?;
         let (rows, w) = table_dims(&out.shape, "the output")?;
         let (idv, dyv) = (ints(ids, "the ids")?, elems::<T>(dy, "dy")?);
@@ -1457,7 +1497,7 @@ impl Device {
         if r.masked { Ok(()) } else { self.check_ids(flag, idv, r, rows) }
     }
 
-    fn position_lookup<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn position_lookup<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [table] = args(inputs)?;
         let (s, w) = position_dims(&table.shape, &out.shape, "the output")?;
         let tv = elems::<T>(table, "the table")?;
@@ -1468,7 +1508,7 @@ impl Device {
         launch!(self, variant::<T>(POSITION_LOOKUP)?, cfg, [y, tv, &n, &block])
     }
 
-    fn position_grad<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn position_grad<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [dy] = args(inputs)?;
         let (s, w) = position_dims(&out.shape, &dy.shape, "dy")?;
         let dyv = elems::<T>(dy, "dy")?;
@@ -1491,8 +1531,8 @@ struct Norm {
 }
 
 impl Norm {
-    fn check(&self) -> Result<(), String> {
-        ensure(self.n > 0, || "the normalised size is 0".to_string())
+    fn check(&self) -> Result<(), KernelError> {
+        require(self.n > 0, || KernelError::EmptyNorm)
     }
 }
 
@@ -1502,14 +1542,14 @@ fn row_stats<'t>(
     sqsum: &'t DeviceTensor,
     rows: usize,
     norm: Norm,
-) -> Result<[&'t CudaSlice<f32>; 2], String> {
+) -> Result<[&'t CudaSlice<f32>; 2], KernelError> {
     let stats = [per_row(sum, rows, 1, "the sum")?, per_row(sqsum, rows, 1, "the square sum")?];
     norm.check()?;
     Ok(stats)
 }
 
 impl Device {
-    fn row_sum<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn row_sum<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let (rows, n) = split_last(&x.shape);
         let xv = elems::<T>(x, "x")?;
@@ -1525,9 +1565,9 @@ impl Device {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         n: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [x, sum] = args(inputs)?;
-        ensure(n > 0, || "the normalised size is 0".to_string())?;
+        require(n > 0, || KernelError::EmptyNorm)?;
         let (rows, width) = split_last(&x.shape);
         let (xv, sv) = (elems::<T>(x, "x")?, per_row(sum, rows, 1, "the sum")?);
         same_len("the output", out.len(), rows)?;
@@ -1542,7 +1582,7 @@ impl Device {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         norm: Norm,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [x, sum, sqsum, gamma, beta] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let xv = elems::<T>(x, "x")?;
@@ -1560,7 +1600,7 @@ impl Device {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         norm: Norm,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [dy, x, gamma, sum, sqsum] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
@@ -1583,7 +1623,7 @@ impl Device {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         norm: Norm,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [dy, x, gamma, sum, sqsum, sums] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
@@ -1608,7 +1648,7 @@ impl Device {
         out: &mut DeviceTensor,
         norm: Norm,
         scratch: &mut Option<CudaSlice<f32>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [dy, x, sum, sqsum] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
@@ -1627,7 +1667,7 @@ impl Device {
         )
     }
 
-    fn sum_to_last<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn sum_to_last<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let xv = elems::<T>(x, "x")?;
@@ -1642,14 +1682,14 @@ impl Device {
 // ---- RMSNorm --------------------------------------------------------------------------------------
 
 /// The all-reduced square sums of a row-normalising kernel, checked.
-fn square_sums(sqsum: &DeviceTensor, rows: usize, norm: Norm) -> Result<&CudaSlice<f32>, String> {
+fn square_sums(sqsum: &DeviceTensor, rows: usize, norm: Norm) -> Result<&CudaSlice<f32>, KernelError> {
     let sq = per_row(sqsum, rows, 1, "the square sum")?;
     norm.check()?;
     Ok(sq)
 }
 
 impl Device {
-    fn row_square_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn row_square_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let (rows, n) = split_last(&x.shape);
         let xv = floats(x, "x")?;
@@ -1660,7 +1700,7 @@ impl Device {
         launch!(self, ROW_SQUARE_SUM, cfg, [y, xv, &rows, &n])
     }
 
-    fn rms_norm_apply(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), String> {
+    fn rms_norm_apply(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), KernelError> {
         let [x, sqsum, weight] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let xv = floats(x, "x")?;
@@ -1673,7 +1713,7 @@ impl Device {
         launch!(self, RMS_NORM_APPLY, cfg, [y, xv, qv, wv, &rows, &width, &norm.n, &norm.eps])
     }
 
-    fn rms_norm_grad_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn rms_norm_grad_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [dy, x, weight] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -1685,7 +1725,12 @@ impl Device {
         launch!(self, RMS_NORM_GRAD_SUM, cfg, [y, dyv, xv, wv, &rows, &width])
     }
 
-    fn rms_norm_grad_input(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), String> {
+    fn rms_norm_grad_input(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        norm: Norm,
+    ) -> Result<(), KernelError> {
         let [dy, x, weight, sqsum, sums] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -1705,7 +1750,7 @@ impl Device {
         out: &mut DeviceTensor,
         norm: Norm,
         scratch: &mut Option<CudaSlice<f32>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [dy, x, sqsum] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
         let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -1749,7 +1794,7 @@ struct Logits<'t, T = f32> {
 }
 
 impl<'t, T: Elem> Logits<'t, T> {
-    fn new(logits: &'t DeviceTensor, targets: &'t DeviceTensor) -> Result<Logits<'t, T>, String> {
+    fn new(logits: &'t DeviceTensor, targets: &'t DeviceTensor) -> Result<Logits<'t, T>, KernelError> {
         let (rows, width) = split_last(&logits.shape);
         let lv = elems::<T>(logits, "the logits")?;
         let tv = ints(targets, "the targets")?;
@@ -1760,11 +1805,11 @@ impl<'t, T: Elem> Logits<'t, T> {
 
 impl Device {
     /// The CPU's error for the first row a kernel flagged as having a target outside the vocabulary.
-    fn check_targets(&self, flag: &CudaSlice<u64>, targets: &CudaSlice<i32>, valid: u64) -> Result<(), String> {
+    fn check_targets(&self, flag: &CudaSlice<u64>, targets: &CudaSlice<i32>, valid: u64) -> Result<(), KernelError> {
         match self.flagged(flag)? {
             Some(r) => {
                 let t = read_one(&self.stream, targets, r)?;
-                Err(format!("target {t} is outside the vocabulary [0, {valid}) and is not the ignored id -100"))
+                Err(KernelError::TargetOutsideVocabulary { target: t, valid })
             }
             None => Ok(()),
         }
@@ -1775,7 +1820,7 @@ impl Device {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         vocab: Vocab,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [logits] = args(inputs)?;
         let (rows, width) = split_last(&logits.shape);
         let lv = elems::<T>(logits, "the logits")?;
@@ -1793,7 +1838,7 @@ impl Device {
         out: &mut DeviceTensor,
         vocab: Vocab,
         flag: &mut CudaSlice<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [logits, targets, max] = args(inputs)?;
         let l = Logits::<T>::new(logits, targets)?;
         let mv = per_row(max, l.rows, 1, "the max")?;
@@ -1815,7 +1860,7 @@ impl Device {
         self.check_targets(flag, l.targets, vocab.valid)
     }
 
-    fn cross_entropy_count(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn cross_entropy_count(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [targets] = args(inputs)?;
         let tv = ints(targets, "the targets")?;
         same_len("the output", out.len(), 1)?;
@@ -1824,7 +1869,7 @@ impl Device {
         launch!(self, CROSS_ENTROPY_COUNT, single_block(), [y, tv, &rows])
     }
 
-    fn cross_entropy_loss(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+    fn cross_entropy_loss(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [max, stats, targets, count] = args(inputs)?;
         let mv = floats(max, "the max")?;
         let rows = max.len();
@@ -1844,8 +1889,8 @@ impl Device {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         ctx: &KernelContext,
-    ) -> Result<(), String> {
-        ensure(inputs.len() == ctx.inputs.len(), || "the inputs and their layouts differ in number".to_string())?;
+    ) -> Result<(), KernelError> {
+        require(inputs.len() == ctx.inputs.len(), || KernelError::InputLayouts)?;
         same_len("the output", out.len(), 1)?;
         let y = floats_mut(out, "the output")?;
         self.zero(y)?;
@@ -1854,7 +1899,8 @@ impl Device {
                 let xv = floats(x, &format!("gradient {k}"))?;
                 let n = x.len() as u64;
                 let blocks = x.len().div_ceil(THREADS as usize).clamp(1, SQUARE_SUM_GRID);
-                let partials = &mut *self.partials.lock().map_err(|_| "the partial sums are poisoned".to_string())?;
+                let partials =
+                    &mut *self.partials.lock().map_err(|_| KernelError::Poisoned("the partial sums are poisoned"))?;
                 launch!(self, SQUARE_SUM_PARTIAL, Some(config((blocks, 1), (THREADS, 1))), [&mut *partials, xv, &n])?;
                 let blocks = blocks as u64;
                 launch!(self, SQUARE_SUM_BLOCKS, single_block(), [&mut *y, &*partials, &blocks])?;
@@ -1869,7 +1915,7 @@ impl Device {
         out: &mut DeviceTensor,
         vocab: Vocab,
         flag: &mut CudaSlice<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let [logits, targets, max, stats, dloss, count] = args(inputs)?;
         let l = Logits::<T>::new(logits, targets)?;
         let (mv, sv) = (per_row(max, l.rows, 1, "the max")?, per_row(stats, l.rows, 2, "the stats")?);
@@ -1920,13 +1966,13 @@ struct Update<'a> {
 }
 
 impl Device {
-    fn sgd(&self, u: Update, s: &OptimizerSettings, step: u64) -> Result<(), String> {
+    fn sgd(&self, u: Update, s: &OptimizerSettings, step: u64) -> Result<(), KernelError> {
         let (n, first) = (u.n as u64, i32::from(step == 1));
         let cfg = elementwise(u.n);
         launch!(self, SGD_STEP, cfg, [u.param, u.grad, u.state1, &n, &s.lr, &s.weight_decay, &s.momentum, &first])
     }
 
-    fn adamw(&self, u: Update, v: &mut CudaSlice<f32>, s: &OptimizerSettings, step: u64) -> Result<(), String> {
+    fn adamw(&self, u: Update, v: &mut CudaSlice<f32>, s: &OptimizerSettings, step: u64) -> Result<(), KernelError> {
         let k = adamw_scalars(s, step);
         let n = u.n as u64;
         let cfg = elementwise(u.n);
@@ -1967,11 +2013,11 @@ impl CudaKernels {
     /// Compiles the kernels (NVRTC) and loads them into `ctx`; `stream` (of `ctx`) runs everything.
     /// The PTX is compiled for the GPU's own architecture (or [`PORTABLE_ARCH`] where this NVRTC does not
     /// know it).
-    pub fn new(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<CudaKernels, String> {
+    pub fn new(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<CudaKernels, KernelError> {
         let (major, minor) = ctx.compute_capability().map_err(driver("reading the GPU's compute capability"))?;
         // Machine code for this GPU where NVRTC can make it; PTX for the driver to translate otherwise.
         if let Some(sm) = real_arch(major, minor) {
-            let image = super::ptx_cache::compile_cubin_cached(sm);
+            let image = super::ptx_cache::compile_cubin_cached(sm).map_err(KernelError::from);
             let module = image
                 .and_then(|cubin| CudaKernels::with_module(ctx, stream.clone(), Ptx::from_binary(cubin), Some(sm)));
             if let Ok(kernels) = module {
@@ -1984,7 +2030,7 @@ impl CudaKernels {
     }
 
     /// As [`CudaKernels::new`], with PTX compiled earlier by [`compile_ptx`].
-    pub fn with_ptx(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>, ptx: Ptx) -> Result<CudaKernels, String> {
+    pub fn with_ptx(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>, ptx: Ptx) -> Result<CudaKernels, KernelError> {
         let arch = flash::ptx_target(&ptx.to_src());
         CudaKernels::with_module(ctx, stream, ptx, arch)
     }
@@ -1996,21 +2042,25 @@ impl CudaKernels {
         stream: Arc<CudaStream>,
         ptx: Ptx,
         arch: Option<u32>,
-    ) -> Result<CudaKernels, String> {
-        ensure(stream.context().as_ref() == ctx.as_ref(), || "the stream belongs to another CUDA context".into())?;
+    ) -> Result<CudaKernels, KernelError> {
+        require(stream.context().as_ref() == ctx.as_ref(), || DeviceError::ForeignStream)?;
         // SAFETY: only tries to open the shared library.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-            return Err("cuBLAS (libcublas.so) cannot be loaded: install CUDA or put it on LD_LIBRARY_PATH".into());
+            return Err(DeviceError::Unavailable(
+                "cuBLAS (libcublas.so) cannot be loaded: install CUDA or put it on LD_LIBRARY_PATH",
+            )
+            .into());
         }
         let module = ctx.load_module(ptx).map_err(driver("loading the kernels' PTX"))?;
         let mut functions = HashMap::new();
         for &name in
             KERNEL_NAMES.iter().chain(BF16_KERNEL_NAMES).chain(FLASH_KERNEL_NAMES).chain(COLLECTIVE_KERNEL_NAMES)
         {
-            let f = module.load_function(name).map_err(|e| format!("loading kernel `{name}`: {e}"))?;
+            let f =
+                module.load_function(name).map_err(|error| DeviceError::Load { function: name.to_string(), error })?;
             functions.insert(name, f);
         }
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("creating a cuBLAS handle: {e}"))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(DeviceError::BlasHandle)?;
         let flag = alloc::<u64>(&stream, 1)?;
         let partials = std::sync::Mutex::new(alloc::<f64>(&stream, SQUARE_SUM_GRID)?);
         let flash = flash::enable(&functions, arch);
@@ -2038,13 +2088,13 @@ impl CudaKernels {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         ctx: &KernelContext,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let result = if bf16::involved(inputs, out) {
             bf16::run(self, kernel, inputs, out, ctx)
         } else {
             self.dispatch(kernel, inputs, out, ctx)
         };
-        result.map_err(|e| format!("{kernel:?}: {e}"))
+        result.map_err(|e| KernelError::in_kernel(kernel, e))
     }
 
     fn dispatch(
@@ -2053,7 +2103,7 @@ impl CudaKernels {
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
         ctx: &KernelContext,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let CudaKernels { dev, logical, scratch, flag, .. } = self;
         let dev = &*dev;
         match *kernel {
@@ -2132,12 +2182,15 @@ impl CudaKernels {
             Kernel::Cast => dev.scale::<f32>(inputs, out, 1.0),
             Kernel::SliceShard { axis, placement } => dev.slice_shard(inputs, out, ctx, axis.into(), placement),
             Kernel::GradSquareSum => dev.grad_square_sum(inputs, out, ctx),
-            Kernel::OptimizerStep => Err("the optimizer step is applied by `optimizer_step`, not `run`".into()),
+            Kernel::OptimizerStep => Err(KernelError::Unsupported {
+                kernel: "the optimizer step",
+                why: "is applied by `optimizer_step`, not `run`",
+            }),
         }
     }
 
     /// Multiplies an f32 tensor by `factor` in place (the clipping of a gradient).
-    pub fn scale_in_place(&mut self, t: &mut DeviceTensor, factor: f32) -> Result<(), String> {
+    pub fn scale_in_place(&mut self, t: &mut DeviceTensor, factor: f32) -> Result<(), KernelError> {
         let n = t.len();
         let s = floats_mut(t, "the scaled buffer")?;
         let (ptr, _record) = s.device_ptr_mut(&self.dev.stream);
@@ -2156,8 +2209,8 @@ impl CudaKernels {
         state2: &mut DeviceTensor,
         settings: &OptimizerSettings,
         step: u64,
-    ) -> Result<(), String> {
-        ensure(step >= 1, || "optimizer steps count from 1".to_string())?;
+    ) -> Result<(), KernelError> {
+        require(step >= 1, || KernelError::StepZero)?;
         let g = floats(grad, "the gradient")?;
         let (n, m_len) = (param.len(), state1.len());
         let p = floats_mut(param, "the parameter")?;
@@ -2182,13 +2235,14 @@ fn logical_indices<'c>(
     dev: &Device,
     cache: &'c mut HashMap<IndexKey, CudaSlice<u64>>,
     ctx: &KernelContext,
-) -> Result<&'c CudaSlice<u64>, String> {
+) -> Result<&'c CudaSlice<u64>, KernelError> {
     let key = IndexKey::of(ctx);
     if !cache.contains_key(&key) {
-        let map = try_logical_indices(ctx.output, ctx.coords, ctx.mesh)?;
+        let map =
+            try_logical_indices(ctx.output, ctx.coords, ctx.mesh).map_err(|e| KernelError::Layout(e.to_string()))?;
         cache.insert(key.clone(), upload_slice(&dev.stream, &map)?);
     }
-    cache.get(&key).ok_or_else(|| "internal error: no logical index map".to_string())
+    cache.get(&key).ok_or_else(|| KernelError::Internal("no logical index map".into()))
 }
 
 /// Dropout and its gradient: the mask depends only on (seed, key, logical index).
@@ -2200,10 +2254,10 @@ fn dropout<T: Elem>(
     ctx: &KernelContext,
     p: f64,
     key: u32,
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let xv = elems::<T>(x, "the input")?;
-    ensure((0.0..=1.0).contains(&p), || format!("the drop probability {p} is not in [0, 1]"))?;
+    require((0.0..=1.0).contains(&p), || KernelError::DropProbability(p))?;
     same_shape("the output", &out.shape, &ctx.output.shape)?;
     let n = x.len();
     same_len("the output", out.len(), n)?;
@@ -2215,7 +2269,9 @@ fn dropout<T: Elem>(
         return dev.zero(y);
     }
     let logical = logical_indices(dev, cache, ctx)?;
-    ensure(logical.len() >= n, || format!("internal error: {} logical indices for {n} elements", logical.len()))?;
+    require(logical.len() >= n, || {
+        KernelError::Internal(format!("{} logical indices for {n} elements", logical.len()))
+    })?;
     let mask = DropoutParams::new(ctx.seed, key, p);
     let (scale, count) = ((1.0 / (1.0 - p)) as f32, n as u64);
     launch!(dev, variant::<T>(DROPOUT)?, elementwise(n), [y, xv, logical, &count, &mask.base, &mask.threshold, &scale])

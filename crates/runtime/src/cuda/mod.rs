@@ -10,6 +10,7 @@
 //! bf16 buffers live on the GPU as bf16 (two bytes an element) and run bf16 kernels there (see
 //! [`kernels`]).
 
+pub mod error;
 pub mod fabric;
 pub mod kernels;
 pub mod libs;
@@ -24,6 +25,8 @@ use super::comm::CollectiveSpec;
 use super::error::RuntimeError;
 use super::settings::{KernelContext, OptimizerSettings};
 use cudarc::driver::{CudaContext, CudaStream};
+pub use error::DeviceError;
+use error::driver;
 use kernels::{CudaKernels, DeviceBuf};
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{BufferId, Coords, Kernel, Mesh, Plan};
@@ -32,23 +35,30 @@ use storage::DeviceArena;
 
 /// How many GPUs this process can use, or why it can use none. Never panics: the driver library is
 /// probed before cudarc touches it.
-pub fn probe() -> Result<usize, String> {
+pub fn probe() -> Result<usize, DeviceError> {
     // SAFETY: only tries to load the driver library; no CUDA call is made if it is absent.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err("--backend cuda needs an NVIDIA GPU and its driver, but the CUDA driver library \
-                    (libcuda.so) cannot be loaded on this machine; use --backend cpu"
-            .into());
+        return Err(DeviceError::Unavailable(
+            "--backend cuda needs an NVIDIA GPU and its driver, but the CUDA driver library \
+             (libcuda.so) cannot be loaded on this machine; use --backend cpu",
+        ));
     }
     // SAFETY: as above, for the runtime compiler and cuBLAS, which the backend loads at start.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err("--backend cuda needs NVRTC (libnvrtc, from CUDA 12.6 or later), which cannot be loaded: install the CUDA toolkit or the nvidia-cuda-nvrtc wheel, or put it on LD_LIBRARY_PATH".into());
+        return Err(DeviceError::Unavailable(
+            "--backend cuda needs NVRTC (libnvrtc, from CUDA 12.6 or later), which cannot be loaded: install the \
+             CUDA toolkit or the nvidia-cuda-nvrtc wheel, or put it on LD_LIBRARY_PATH",
+        ));
     }
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-        return Err("--backend cuda needs cuBLAS (libcublas, CUDA 12 or 13), which cannot be loaded: install the CUDA toolkit or the nvidia-cublas wheel, or put it on LD_LIBRARY_PATH".into());
+        return Err(DeviceError::Unavailable(
+            "--backend cuda needs cuBLAS (libcublas, CUDA 12 or 13), which cannot be loaded: install the CUDA \
+             toolkit or the nvidia-cublas wheel, or put it on LD_LIBRARY_PATH",
+        ));
     }
-    let count = CudaContext::device_count().map_err(|e| format!("the CUDA driver reports no usable GPU: {e}"))?;
+    let count = CudaContext::device_count().map_err(driver("the CUDA driver reports no usable GPU"))?;
     if count < 1 {
-        return Err("the CUDA driver is installed but this machine has no GPU; use --backend cpu".into());
+        return Err(DeviceError::NoGpu);
     }
     Ok(count as usize)
 }
@@ -88,13 +98,13 @@ impl CudaBackend {
         link: GpuLink,
         (mesh, coords): (Mesh, Coords),
         timeout: std::time::Duration,
-    ) -> Result<CudaBackend, String> {
-        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open GPU {ordinal}: {e}"))?;
+    ) -> Result<CudaBackend, RuntimeError> {
+        let ctx = CudaContext::new(ordinal).map_err(driver(&format!("cannot open GPU {ordinal}")))?;
         // SAFETY: every buffer of this backend is used on its one stream only; the communicators order
         // their own streams and their peers' reads by events of their own, so cudarc need not record
         // events around each slice.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream on GPU {ordinal}: {e}"))?;
+        let stream = ctx.new_stream().map_err(driver(&format!("cannot create a stream on GPU {ordinal}")))?;
         let kernels = CudaKernels::new(&ctx, Arc::clone(&stream))?;
         let sync_each_kernel = std::env::var("OPTIMUS_CUDA_SYNC").is_ok_and(|v| v == "1");
         let collectives: Option<Box<dyn DeviceCollectives>> = match link {
@@ -111,7 +121,7 @@ impl CudaBackend {
         if self.collectives.is_none() {
             return Ok(());
         }
-        let gpu = |e: cudarc::driver::DriverError| RuntimeError::Kernel(format!("waiting for the GPU: {e}"));
+        let gpu = |e| RuntimeError::Device(driver("waiting for the GPU")(e));
         let event = self.stream.record_event(None).map_err(gpu)?;
         let start = std::time::Instant::now();
         while !event.try_is_complete().map_err(gpu)? {
@@ -189,7 +199,7 @@ impl Backend for CudaBackend {
         let (ins, out) = storage.operands(inputs, output)?;
         self.kernels.run(kernel, &ins, out, ctx).map_err(RuntimeError::Kernel)?;
         if self.sync_each_kernel {
-            self.stream.synchronize().map_err(|e| RuntimeError::Kernel(format!("waiting for the GPU: {e}")))?;
+            self.stream.synchronize().map_err(driver("waiting for the GPU"))?;
         }
         Ok(())
     }

@@ -6,6 +6,7 @@
 //! blocks, packed and unpacked on the GPU by the kernels of `collectives.cu`.
 
 use super::DeviceCollectives;
+use super::error::{DeviceError, driver};
 use super::kernels::{CudaKernels, DeviceBuf};
 use crate::comm::{BlockGeometry, CollectiveSpec, CommError};
 use crate::error::RuntimeError;
@@ -19,12 +20,14 @@ use std::sync::Arc;
 pub type IdBytes = [std::ffi::c_char; 128];
 
 /// A new NCCL unique id (made by one member of a group and shared with the others).
-pub fn new_id() -> Result<IdBytes, String> {
+pub fn new_id() -> Result<IdBytes, DeviceError> {
     // SAFETY: only tries to load the library.
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        return Err("--backend cuda needs NCCL (libnccl.so), which cannot be loaded; see docs/clusters.md".into());
+        return Err(DeviceError::Unavailable(
+            "--backend cuda needs NCCL (libnccl.so), which cannot be loaded; see docs/clusters.md",
+        ));
     }
-    Id::new().map(|id| *id.internal()).map_err(|e| format!("NCCL could not create a unique id: {e:?}"))
+    Id::new().map(|id| *id.internal()).map_err(DeviceError::NcclId)
 }
 
 /// The unique ids of the groups one device belongs to.
@@ -38,18 +41,14 @@ pub struct GroupIds {
 
 /// Ids for every device of a mesh run as threads of this process (device k on GPU k), after checking
 /// that there is a GPU for each device.
-pub fn ids_for_threads(mesh: Mesh) -> Result<Vec<GroupIds>, String> {
+pub fn ids_for_threads(mesh: Mesh) -> Result<Vec<GroupIds>, DeviceError> {
     let gpus = super::probe()? as u64;
     if mesh.devices() > gpus {
-        return Err(format!(
-            "--backend cuda runs one device per GPU: the {mesh} mesh has {} devices and this machine {gpus} GPUs; \
-             run across machines with mpirun or srun (docs/clusters.md)",
-            mesh.devices()
-        ));
+        return Err(DeviceError::TooFewGpus { mesh, gpus });
     }
     // One id per group instance, keyed by the rank of the instance's first member.
     let mut by_first = std::collections::BTreeMap::new();
-    let mut id_of = |group: Group, coords: Coords| -> Result<IdBytes, String> {
+    let mut id_of = |group: Group, coords: Coords| -> Result<IdBytes, DeviceError> {
         let first = group.member_ranks(coords, mesh).first().copied().unwrap_or(0);
         if let Some(id) = by_first.get(&(group, first)) {
             return Ok(*id);
@@ -81,13 +80,13 @@ impl Drop for RawComm {
 }
 
 /// Joins group `id` as member `rank` of `size` (NCCL waits for every member to join).
-fn join(id: IdBytes, rank: u64, size: u64) -> Result<RawComm, String> {
+fn join(id: IdBytes, rank: u64, size: u64) -> Result<RawComm, DeviceError> {
     let mut comm = std::mem::MaybeUninit::uninit();
     let (size, rank) =
-        (i32::try_from(size).map_err(|e| e.to_string())?, i32::try_from(rank).map_err(|e| e.to_string())?);
+        (i32::try_from(size).map_err(DeviceError::OutOfRange)?, i32::try_from(rank).map_err(DeviceError::OutOfRange)?);
     // SAFETY: `comm` is written by NCCL before it is read; the id is the group's 128 bytes.
     unsafe { cudarc::nccl::result::comm_init_rank(comm.as_mut_ptr(), size, sys::ncclUniqueId { internal: id }, rank) }
-        .map_err(|e| format!("{e:?}"))?;
+        .map_err(DeviceError::Nccl)?;
     // SAFETY: initialised by the successful call above.
     Ok(RawComm(unsafe { comm.assume_init() }))
 }
@@ -116,17 +115,16 @@ impl NcclDevice {
     /// Joins the row, column, data and mesh communicators of the device at `coords`, whose kernels run on
     /// `stream`. Every member of a group must call this with the same ids (NCCL's initialisation waits
     /// for all of them).
-    pub fn new(stream: &Arc<CudaStream>, mesh: Mesh, coords: Coords, ids: GroupIds) -> Result<Self, String> {
+    pub fn new(stream: &Arc<CudaStream>, mesh: Mesh, coords: Coords, ids: GroupIds) -> Result<Self, DeviceError> {
         let ctx = stream.context();
-        ctx.bind_to_thread().map_err(|e| format!("cannot bind the GPU: {e}"))?;
-        let comm_stream = ctx.new_stream().map_err(|e| format!("cannot create a communication stream: {e}"))?;
+        ctx.bind_to_thread().map_err(driver("cannot bind the GPU"))?;
+        let comm_stream = ctx.new_stream().map_err(driver("cannot create a communication stream"))?;
         let event = || {
             ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .map_err(|e| format!("cannot create a CUDA event: {e}"))
+                .map_err(driver("cannot create a CUDA event"))
         };
-        let joined = |id: IdBytes, rank: u64, size: u64, what: &str| {
-            join(id, rank, size)
-                .map_err(|e| format!("device {coords} could not join its NCCL {what} communicator: {e}"))
+        let joined = |id: IdBytes, rank: u64, size: u64, group: &'static str| {
+            join(id, rank, size).map_err(|e| DeviceError::NcclJoin { coords, group, error: Box::new(e) })
         };
         Ok(NcclDevice {
             coords,
@@ -152,13 +150,14 @@ impl NcclDevice {
     }
 
     /// Scratch of at least `bytes` (grown as needed), ordered on the device's stream.
-    fn scratch(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<u64, String> {
-        if self.scratch.as_ref().is_none_or(|s| s.len() < bytes) {
-            self.scratch =
-                Some(stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| format!("allocating on the GPU: {e}"))?);
-        }
-        let scratch = self.scratch.as_ref().ok_or("no scratch")?;
-        Ok(scratch.device_ptr(stream).0)
+    fn scratch(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<u64, DeviceError> {
+        let scratch = match self.scratch.take().filter(|s| s.len() >= bytes) {
+            Some(scratch) => scratch,
+            None => stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver("allocating on the GPU"))?,
+        };
+        let at = scratch.device_ptr(stream).0;
+        self.scratch = Some(scratch);
+        Ok(at)
     }
 
     /// Queues one NCCL call on the communication stream.
@@ -168,7 +167,7 @@ impl NcclDevice {
         send: DeviceBuf,
         recv: DeviceBuf,
         (scratch, n): (u64, usize),
-    ) -> Result<(), String> {
+    ) -> Result<(), DeviceError> {
         let comm = self.group(spec.group);
         let s = self.comm_stream.cu_stream() as sys::cudaStream_t;
         let dtype = if send.bf16 { sys::ncclDataType_t::ncclBfloat16 } else { sys::ncclDataType_t::ncclFloat32 };
@@ -176,7 +175,7 @@ impl NcclDevice {
             ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
             ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
         };
-        let root = i32::try_from(spec.root.unwrap_or(0)).map_err(|e| e.to_string())?;
+        let root = i32::try_from(spec.root.unwrap_or(0)).map_err(DeviceError::OutOfRange)?;
         let (sp, rp, kp) = (send.ptr as *const c_void, recv.ptr as *mut c_void, scratch as *mut c_void);
         use cudarc::nccl::result as nccl;
         // SAFETY: the buffers are live device allocations of this GPU holding the counts given (checked
@@ -190,7 +189,7 @@ impl NcclDevice {
                 CollectiveKind::ReduceScatter => nccl::reduce_scatter(kp as *const c_void, rp, n, dtype, op, comm, s),
             }
         };
-        called.map(|_| ()).map_err(|e| format!("{e:?}"))
+        called.map(|_| ()).map_err(DeviceError::Nccl)
     }
 }
 
@@ -206,7 +205,7 @@ impl DeviceCollectives for NcclDevice {
             return Ok(false);
         }
         let coords = self.coords;
-        let what = |e: String| {
+        let what = |e: &dyn std::fmt::Display| {
             RuntimeError::Comm(CommError::Transport(format!(
                 "device {coords}'s {} over its {} group failed in NCCL: {e}",
                 spec.kind.name(),
@@ -216,45 +215,45 @@ impl DeviceCollectives for NcclDevice {
         let parts = self.mesh.group_size(spec.group);
         let stream = kernels.stream();
         let geometry = || {
-            let shard = spec.shard.ok_or_else(|| "a collective without a placement".to_string())?;
-            BlockGeometry::of(spec.full, shard, parts).ok_or_else(|| "a placement that is not a split".to_string())
+            let shard = spec.shard.ok_or_else(|| what(&"a collective without a placement"))?;
+            BlockGeometry::of(spec.full, shard, parts).ok_or_else(|| what(&"a placement that is not a split"))
         };
-        let equal = |a: usize, b: usize| {
-            (a == b).then_some(()).ok_or_else(|| format!("collective size mismatch: {a} elements sent, {b} expected"))
+        let equal = |sent: usize, expected: usize| {
+            (sent == expected).then_some(()).ok_or_else(|| what(&CommError::SizeMismatch { sent, expected }))
         };
         let scratch = match spec.kind {
             CollectiveKind::AllReduce | CollectiveKind::Broadcast => {
-                equal(send.len, recv.len).map_err(what)?;
+                equal(send.len, recv.len)?;
                 (0, 0)
             }
             CollectiveKind::Reduce => (0, 0),
             CollectiveKind::AllGather => {
-                let g = geometry().map_err(what)?;
-                equal(send.len, g.block_len() as usize).map_err(what)?;
-                (self.scratch(stream, send.bytes() * parts as usize).map_err(what)?, 0)
+                let g = geometry()?;
+                equal(send.len, g.block_len() as usize)?;
+                (self.scratch(stream, send.bytes() * parts as usize).map_err(|e| what(&e))?, 0)
             }
             CollectiveKind::ReduceScatter => {
-                let g = geometry().map_err(what)?;
-                equal(recv.len, g.block_len() as usize).map_err(what)?;
-                let at = self.scratch(stream, recv.bytes() * parts as usize).map_err(what)?;
+                let g = geometry()?;
+                equal(recv.len, g.block_len() as usize)?;
+                let at = self.scratch(stream, recv.bytes() * parts as usize).map_err(|e| what(&e))?;
                 let packed = DeviceBuf { ptr: at, len: recv.len * parts as usize, bf16: send.bf16 };
-                kernels.pack_members(send, packed, &g, parts).map_err(what)?;
+                kernels.pack_members(send, packed, &g, parts).map_err(|e| what(&e))?;
                 (at, recv.len)
             }
         };
-        let order = |e: cudarc::driver::DriverError| what(format!("ordering the streams: {e}"));
+        let order = |e| what(&driver("ordering the streams")(e));
         self.before.record(stream).map_err(order)?;
         self.comm_stream.wait(&self.before).map_err(order)?;
-        self.call(spec, send, recv, scratch).map_err(what)?;
+        self.call(spec, send, recv, scratch).map_err(|e| what(&e))?;
         self.after.record(&self.comm_stream).map_err(order)?;
         stream.wait(&self.after).map_err(order)?;
         if spec.kind == CollectiveKind::AllGather {
-            let g = geometry().map_err(what)?;
+            let g = geometry()?;
             let n = send.len;
             let blocks: Vec<DeviceBuf> = (0..parts as usize)
                 .map(|k| DeviceBuf { ptr: scratch.0 + (k * n * send.element_bytes()) as u64, len: n, bf16: send.bf16 })
                 .collect();
-            kernels.gather_members(&blocks, recv, &g).map_err(what)?;
+            kernels.gather_members(&blocks, recv, &g).map_err(|e| what(&e))?;
         }
         Ok(true)
     }

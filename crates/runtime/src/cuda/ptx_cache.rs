@@ -9,6 +9,7 @@
 //! created private (mode 0700), and a folder or entry that is a symlink, belongs to another user, or
 //! that others may write is not used. `OPTIMUS_PTX_CACHE=off` turns the cache off.
 
+use super::error::DeviceError;
 use super::kernels::{SOURCE, compile_cubin_for, compile_ptx_for};
 use super::private::{cache_base, is_own_file, is_private_folder as private_folder, private_folder as make_private};
 use cudarc::nvrtc::Ptx;
@@ -27,12 +28,12 @@ const BINARY_CHECKSUM: &[u8] = b"\n// optimus-cubin-sha256 ";
 const MAX_ENTRY: u64 = 64 << 20;
 
 /// The PTX of the kernels for `arch`, from the cache when an earlier run compiled it.
-pub fn compile_ptx_cached(arch: &'static str) -> Result<Ptx, String> {
+pub fn compile_ptx_cached(arch: &'static str) -> Result<Ptx, DeviceError> {
     compile_ptx_cached_in(cache_dir().as_deref(), arch)
 }
 
 /// As [`compile_ptx_cached`], with the cache in `dir` (`None`: compile, keep nothing).
-pub fn compile_ptx_cached_in(dir: Option<&Path>, arch: &'static str) -> Result<Ptx, String> {
+pub fn compile_ptx_cached_in(dir: Option<&Path>, arch: &'static str) -> Result<Ptx, DeviceError> {
     let Some(dir) = dir.filter(|d| private_folder(d)) else { return compile_ptx_for(arch) };
     let path = dir.join(format!("{}.ptx", entry_key(arch)));
     if let Some(text) = read_entry(&path) {
@@ -45,12 +46,12 @@ pub fn compile_ptx_cached_in(dir: Option<&Path>, arch: &'static str) -> Result<P
 }
 
 /// The machine code of the kernels for `sm_{sm}`, from the cache when an earlier run compiled it.
-pub fn compile_cubin_cached(sm: u32) -> Result<Vec<u8>, String> {
+pub fn compile_cubin_cached(sm: u32) -> Result<Vec<u8>, DeviceError> {
     compile_cubin_cached_in(cache_dir().as_deref(), sm)
 }
 
 /// As [`compile_cubin_cached`], with the cache in `dir` (`None`: compile, keep nothing).
-pub fn compile_cubin_cached_in(dir: Option<&Path>, sm: u32) -> Result<Vec<u8>, String> {
+pub fn compile_cubin_cached_in(dir: Option<&Path>, sm: u32) -> Result<Vec<u8>, DeviceError> {
     let Some(dir) = dir.filter(|d| private_folder(d)) else { return compile_cubin_for(sm) };
     let path = dir.join(format!("{}.cubin", entry_key(&format!("sm_{sm} cubin"))));
     if let Some(image) = read_binary_entry(&path) {

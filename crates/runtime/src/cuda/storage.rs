@@ -8,7 +8,7 @@ use super::kernels::{DeviceData, DeviceTensor};
 use crate::arena::{ALIGN_WORDS, ArenaLayout, words};
 use crate::backend::Exchanges;
 use crate::bf16;
-use crate::error::RuntimeError;
+use crate::error::{RuntimeError, StorageError};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use optimus_plan::tensor::{Data, Tensor};
 use optimus_plan::types::DType;
@@ -46,7 +46,7 @@ pub struct DeviceArena {
 }
 
 fn storage_error(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
-    move |e| RuntimeError::Storage(format!("{what}: {e}"))
+    move |e| RuntimeError::Storage(StorageError::Device(super::error::driver(what)(e)))
 }
 
 /// A typed slice of `len` elements (at least one) at byte address `at` of an allocation.
@@ -64,12 +64,8 @@ impl DeviceArena {
     pub fn new(stream: &Arc<CudaStream>, plan: &Plan, layout: &ArenaLayout) -> Result<DeviceArena, RuntimeError> {
         // Slack past the end, so that a zero-length buffer's one-element alias stays inside.
         let total = layout.total + ALIGN_WORDS;
-        let arena = stream.alloc_zeros::<f32>(total).map_err(|e| {
-            RuntimeError::Storage(format!(
-                "cannot allocate this device's {:.2} GiB on the GPU: {e}",
-                (total * 4) as f64 / (1u64 << 30) as f64
-            ))
-        })?;
+        let arena =
+            stream.alloc_zeros::<f32>(total).map_err(|error| StorageError::Allocation { bytes: total * 4, error })?;
         let base = {
             let (ptr, _record) = arena.device_ptr(stream);
             ptr
@@ -81,7 +77,7 @@ impl DeviceArena {
                 continue;
             };
             if offset + words(b) > layout.total {
-                return Err(RuntimeError::Storage(format!("the arena layout puts `{}` past its end", b.name)));
+                return Err(StorageError::PastEnd { buffer: b.name.clone() }.into());
             }
             let (at, n) = (base + 4 * offset as u64, b.elements() as usize);
             // SAFETY: the region lies inside `arena` (checked above; the slack covers n = 0), which the
@@ -100,10 +96,7 @@ impl DeviceArena {
     }
 
     fn slot(&self, id: BufferId) -> Result<&Slot, RuntimeError> {
-        self.slots
-            .get(id.0 as usize)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| RuntimeError::Storage(format!("buffer {} has no place in this device's storage", id.0)))
+        self.slots.get(id.0 as usize).and_then(Option::as_ref).ok_or(RuntimeError::Storage(StorageError::NoPlace(id)))
     }
 
     /// A buffer's tensor.
@@ -139,8 +132,8 @@ impl DeviceArena {
                 }
             }
         }
-        let out = out.ok_or_else(|| RuntimeError::Storage("the written buffer has no place".into()))?;
-        let ins = ins.into_iter().map(|t| t.ok_or_else(|| RuntimeError::Storage("a read buffer has no place".into())));
+        let out = out.ok_or(StorageError::Unplaced("the written buffer"))?;
+        let ins = ins.into_iter().map(|t| t.ok_or(StorageError::Unplaced("a read buffer")));
         Ok((ins.collect::<Result<Vec<_>, _>>()?, out))
     }
 
@@ -159,7 +152,7 @@ impl DeviceArena {
             }
         }
         let all: Vec<&mut DeviceTensor> = found.into_iter().flatten().collect();
-        all.try_into().map_err(|_| RuntimeError::Storage("an optimizer buffer has no place".into()))
+        all.try_into().map_err(|_| StorageError::Unplaced("an optimizer buffer").into())
     }
 
     /// Zero-fills a buffer.
@@ -181,10 +174,8 @@ impl DeviceArena {
         let slot = self.slots.get_mut(id.0 as usize).and_then(Option::as_mut).ok_or_else(|| missing(id))?;
         let dst = &mut *slot.alias.0;
         if dst.shape != tensor.shape {
-            return Err(RuntimeError::Storage(format!(
-                "a {:?} tensor does not fit the {:?} buffer `{}`",
-                tensor.shape, dst.shape, slot.name
-            )));
+            let (tensor, buffer, name) = (tensor.shape.clone(), dst.shape.clone(), Some(slot.name.clone()));
+            return Err(StorageError::Misfit { tensor, buffer, name }.into());
         }
         match (&mut dst.data, &tensor.data) {
             (DeviceData::F32(d), Data::F32(s)) => copy_in(stream, s, d),
@@ -192,13 +183,13 @@ impl DeviceArena {
             (DeviceData::Bf16(d), Data::F32(s)) => {
                 copy_in(stream, &s.iter().map(|&x| bf16::round(x)).collect::<Vec<_>>(), d)
             }
-            _ => Err(RuntimeError::Storage(format!("a tensor's element type does not match `{}`'s", slot.name))),
+            _ => Err(StorageError::ElementType { name: Some(slot.name.clone()) }.into()),
         }
     }
 
     /// A host copy of a buffer (bf16 widened to f32); waits for the GPU.
     pub fn download(&self, stream: &Arc<CudaStream>, id: BufferId) -> Result<Tensor, RuntimeError> {
-        self.tensor(id)?.download(stream).map_err(RuntimeError::Storage)
+        Ok(self.tensor(id)?.download(stream).map_err(StorageError::Transfer)?)
     }
 
     /// Lends `exchange` a collective's send and receive blocks through host copies: bf16 pairs travel as
@@ -222,9 +213,7 @@ impl DeviceArena {
                 exchange.bf16(&sent, &mut got).map_err(RuntimeError::Comm)?;
                 self.write_back(stream, recv, HostBlock::Bf16(got))
             }
-            (DeviceData::I32(_), _) | (_, DeviceData::I32(_)) => {
-                Err(RuntimeError::Storage("only floating-point buffers are communicated".into()))
-            }
+            (DeviceData::I32(_), _) | (_, DeviceData::I32(_)) => Err(StorageError::NotFloat { name: None }.into()),
             (s, r) => {
                 let sent = widened(stream, s, n_send)?;
                 let mut got = widened(stream, r, n_recv)?;
@@ -242,7 +231,7 @@ impl DeviceArena {
             (DeviceData::Bf16(d), HostBlock::F32(v)) => {
                 copy_in(stream, &v.iter().map(|&x| bf16::round(x)).collect::<Vec<_>>(), d)
             }
-            _ => Err(RuntimeError::Storage("a collective's result does not match its buffer".into())),
+            _ => Err(StorageError::ResultMismatch.into()),
         }
     }
 }
@@ -254,7 +243,7 @@ enum HostBlock {
 }
 
 fn missing(id: BufferId) -> RuntimeError {
-    RuntimeError::Storage(format!("buffer {} has no place in this device's storage", id.0))
+    RuntimeError::Storage(StorageError::NoPlace(id))
 }
 
 fn copy_in<T: DeviceRepr + ValidAsZeroBits>(
@@ -265,9 +254,7 @@ fn copy_in<T: DeviceRepr + ValidAsZeroBits>(
     if src.is_empty() {
         return Ok(());
     }
-    let mut head = dst
-        .try_slice_mut(..src.len())
-        .ok_or_else(|| RuntimeError::Storage("a host block is larger than its GPU buffer".into()))?;
+    let mut head = dst.try_slice_mut(..src.len()).ok_or(RuntimeError::Storage(StorageError::HostBlockTooLarge))?;
     stream.memcpy_htod(src, &mut head).map_err(storage_error("copying to the GPU"))
 }
 
@@ -280,8 +267,7 @@ fn copy_out<T: DeviceRepr + ValidAsZeroBits + Default + Clone>(
     if n == 0 {
         return Ok(out);
     }
-    let head =
-        src.try_slice(..n).ok_or_else(|| RuntimeError::Storage("a GPU buffer is shorter than its shape".into()))?;
+    let head = src.try_slice(..n).ok_or(RuntimeError::Storage(StorageError::GpuBufferShort))?;
     stream.memcpy_dtoh(&head, &mut out).map_err(storage_error("copying from the GPU"))?;
     stream.synchronize().map_err(storage_error("waiting for the GPU"))?;
     Ok(out)
@@ -292,6 +278,6 @@ fn widened(stream: &Arc<CudaStream>, data: &DeviceData, n: usize) -> Result<Vec<
     match data {
         DeviceData::F32(s) => copy_out(stream, s, n),
         DeviceData::Bf16(s) => Ok(bf16::widen(&copy_out(stream, s, n)?)),
-        DeviceData::I32(_) => Err(RuntimeError::Storage("only floating-point buffers are communicated".into())),
+        DeviceData::I32(_) => Err(StorageError::NotFloat { name: None }.into()),
     }
 }

@@ -2,23 +2,24 @@
 //! backward pieces; row statistics are all-reduced between them where the last dimension is split.
 
 use super::{args, floats, floats_mut, par, per_row, rows_of, rows_of_mut, sum_by2};
+use crate::error::{KernelError, require};
 use crate::view::{View, ViewMut};
-use optimus_plan::shapes::{ensure, same_len, split_last};
+use optimus_plan::shapes::{same_len, split_last};
 
 /// 1 / sqrt(sqsum / n + eps) of each row from its all-reduced sum of squares, in f64 as LayerNorm's.
-fn inverse_rms(sqsum: &[f32], n: u64, eps: f64) -> Result<Vec<f32>, String> {
-    ensure(n > 0, || "the normalised size is 0".to_string())?;
+fn inverse_rms(sqsum: &[f32], n: u64, eps: f64) -> Result<Vec<f32>, KernelError> {
+    require(n > 0, || KernelError::EmptyNorm)?;
     let n = n as f64;
     Ok(sqsum.iter().map(|&q| (1.0 / (f64::from(q) / n + eps).sqrt()) as f32).collect())
 }
 
 /// (x) -> [rows, 1]: the local sum of x^2 of each row.
-pub(super) fn row_square_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+pub(super) fn row_square_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     super::row_sum_of(inputs, out, |v| v * v)
 }
 
 /// (x, sqsum, weight) -> weight * x * r.
-pub(super) fn apply(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
+pub(super) fn apply(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), KernelError> {
     let [x, sqsum, weight] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let xv = floats(x, "x")?;
@@ -32,12 +33,12 @@ pub(super) fn apply(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Re
                 *y = x * r * w;
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
 /// (dy, x, weight) -> [rows, 1]: the local sum of dy * weight * x of each row.
-pub(super) fn grad_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String> {
+pub(super) fn grad_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [dy, x, weight] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -54,12 +55,12 @@ pub(super) fn grad_sum(inputs: &[&View], out: &mut ViewMut) -> Result<(), String
             }
             *y = sum_by2(&scaled, xr, |s, x| s * x);
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
 /// (dy, x, weight, sqsum, gradsum) -> dx = r * weight * dy - r^3 / n * x * gradsum.
-pub(super) fn grad_input(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
+pub(super) fn grad_input(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), KernelError> {
     let [dy, x, weight, sqsum, gradsum] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -85,12 +86,12 @@ pub(super) fn grad_input(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) 
                 *dx = r * w * dy - c * x;
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }
 
 /// (dy, x, sqsum) -> [last]: the sum over rows of dy * x * r.
-pub(super) fn grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), String> {
+pub(super) fn grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Result<(), KernelError> {
     let [dy, x, sqsum] = args(inputs)?;
     let (rows, width) = split_last(&x.shape);
     let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
@@ -105,6 +106,6 @@ pub(super) fn grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64)
                 *g += dy * x * r;
             }
         }
-        Ok::<(), String>(())
+        Ok::<(), KernelError>(())
     })
 }

@@ -103,24 +103,26 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
 ];
 
 /// The entry point of kernel `name` for tensors of element type `T`.
-pub(super) fn variant<T: Elem>(name: &'static str) -> Result<&'static str, String> {
+pub(super) fn variant<T: Elem>(name: &'static str) -> Result<&'static str, KernelError> {
     if T::DTYPE != DType::Bf16 {
         return Ok(name);
     }
     let found = ENTRY_POINTS.iter().find(|(f32_name, _)| *f32_name == name);
-    found.map(|&(_, bf16_name)| bf16_name).ok_or_else(|| format!("internal error: `{name}` has no bf16 entry point"))
+    found
+        .map(|&(_, bf16_name)| bf16_name)
+        .ok_or_else(|| KernelError::Internal(format!("`{name}` has no bf16 entry point")))
 }
 
 /// The copy kernel `name` (of 32-bit words) for elements of `T`'s size.
-pub(super) fn words<T>(name: &'static str) -> Result<&'static str, String> {
+pub(super) fn words<T>(name: &'static str) -> Result<&'static str, KernelError> {
     match std::mem::size_of::<T>() {
         4 => Ok(name),
         2 => WORD_COPIES
             .iter()
             .find(|(wide, _)| *wide == name)
             .map(|&(_, narrow)| narrow)
-            .ok_or_else(|| format!("internal error: `{name}` has no 16-bit version")),
-        size => Err(format!("internal error: no copy kernel moves {size}-byte elements")),
+            .ok_or_else(|| KernelError::Internal(format!("`{name}` has no 16-bit version"))),
+        size => Err(KernelError::Internal(format!("no copy kernel moves {size}-byte elements"))),
     }
 }
 
@@ -277,7 +279,7 @@ pub(super) fn run(
     inputs: &[&DeviceTensor],
     out: &mut DeviceTensor,
     ctx: &KernelContext,
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     if rounding_cast(kernel, inputs, out) {
         let [x] = args(inputs)?;
         same_len("the output", out.len(), x.len())?;
@@ -299,7 +301,7 @@ fn run_native(
     inputs: &[&DeviceTensor],
     out: &mut DeviceTensor,
     ctx: &KernelContext,
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     type B = u16;
     let CudaKernels { dev, logical, scratch, flag, half } = k;
     let dev = &*dev;
@@ -371,14 +373,14 @@ fn run_native(
             dev.cross_entropy_grad::<B>(inputs, out, Vocab::new(offset, valid, ctx), flag)
         }
         Kernel::Cast => cast_from_bf16(dev, inputs, out),
-        _ => Err(format!("internal error: {kernel:?} has no bf16 kernel")),
+        _ => Err(KernelError::Internal(format!("{kernel:?} has no bf16 kernel"))),
     }
 }
 
 // ---- casts and the widened fallback ---------------------------------------------------------------
 
 /// An f32 copy of a bf16 tensor, or `None` for a tensor of another type.
-fn widen(dev: &Device, t: &DeviceTensor) -> Result<Option<DeviceTensor>, String> {
+fn widen(dev: &Device, t: &DeviceTensor) -> Result<Option<DeviceTensor>, KernelError> {
     let src = match &t.data {
         DeviceData::Bf16(_) => elems::<u16>(t, "a bf16 operand")?,
         _ => return Ok(None),
@@ -391,7 +393,7 @@ fn widen(dev: &Device, t: &DeviceTensor) -> Result<Option<DeviceTensor>, String>
 }
 
 /// Rounds an f32 tensor into a bf16 one of the same length (to nearest, ties to even).
-fn round_into(dev: &Device, wide: &DeviceTensor, out: &mut DeviceTensor) -> Result<(), String> {
+fn round_into(dev: &Device, wide: &DeviceTensor, out: &mut DeviceTensor) -> Result<(), KernelError> {
     let x = floats(wide, "the f32 result")?;
     same_len("the bf16 output", out.len(), wide.len())?;
     let n = wide.len() as u64;
@@ -401,7 +403,7 @@ fn round_into(dev: &Device, wide: &DeviceTensor, out: &mut DeviceTensor) -> Resu
 }
 
 /// A cast from bf16: widened into an f32 output, copied into a bf16 one.
-fn cast_from_bf16(dev: &Device, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), String> {
+fn cast_from_bf16(dev: &Device, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let src = elems::<u16>(x, "the input")?;
     same_len("the output", out.len(), x.len())?;
@@ -419,8 +421,8 @@ fn cast_from_bf16(dev: &Device, inputs: &[&DeviceTensor], out: &mut DeviceTensor
 fn through_f32(
     dev: &Device,
     out: &mut DeviceTensor,
-    f: impl FnOnce(&mut DeviceTensor) -> Result<(), String>,
-) -> Result<(), String> {
+    f: impl FnOnce(&mut DeviceTensor) -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
     let mut wide = DeviceTensor::zeros(&dev.stream, DType::F32, &out.shape)?;
     f(&mut wide)?;
     round_into(dev, &wide, out)
@@ -434,7 +436,7 @@ fn widened(
     inputs: &[&DeviceTensor],
     out: &mut DeviceTensor,
     ctx: &KernelContext,
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     let wide: Vec<Option<DeviceTensor>> = inputs.iter().map(|t| widen(&k.dev, t)).collect::<Result<_, _>>()?;
     let refs: Vec<&DeviceTensor> = inputs.iter().zip(&wide).map(|(&t, w)| w.as_ref().unwrap_or(t)).collect();
     if ty(&out.data) != H {
@@ -464,7 +466,7 @@ impl BlasOut for u16 {
 }
 
 impl<C: BlasOut + Realignable> Multiply<u16, C> for Device {
-    fn multiply(&self, c: &mut CudaSlice<C>, p: Product<u16>) -> Result<(), String> {
+    fn multiply(&self, c: &mut CudaSlice<C>, p: Product<u16>) -> Result<(), KernelError> {
         match p.check(c.len())? {
             Work::Nothing => Ok(()),
             Work::Zero => self.zero_blocks(c, p.c, p.batches),
@@ -484,13 +486,13 @@ impl Device {
         c: &mut CudaSlice<C>,
         p: &Product<u16>,
         (m, n, k): (usize, usize, usize),
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let dims = [blas_dim(n)?, blas_dim(m)?, blas_dim(k)?];
         let (ldb, lda, ldc) =
             (blas_dim(p.b.block.ld.max(1))?, blas_dim(p.a.block.ld.max(1))?, blas_dim(p.c.ld.max(1))?);
         let (stride_b, stride_a) = (blas_stride(p.b.block.stride)?, blas_stride(p.a.block.stride)?);
         let (stride_c, batches) = (blas_stride(p.c.stride)?, blas_dim(p.batches)?);
-        let missing = || "internal error: a product block starts past its buffer".to_string();
+        let missing = || KernelError::Internal(BLOCK_PAST_BUFFER.into());
         let av = p.a.data.try_slice(p.a.block.start..).ok_or_else(missing)?;
         let bv = p.b.data.try_slice(p.b.block.start..).ok_or_else(missing)?;
         let mut cv = c.try_slice_mut(p.c.start..).ok_or_else(missing)?;
@@ -559,7 +561,7 @@ impl Device {
                 )
             }
         };
-        result.map_err(|e| format!("cuBLAS gemmEx (bf16): {e}"))
+        result.map_err(|error| DeviceError::Blas { call: "gemmEx (bf16)", error }.into())
     }
 }
 
@@ -576,8 +578,8 @@ pub(super) struct Scratch {
 
 impl Device {
     /// Rounds the first `n` elements of an f32 scratch into a bf16 one.
-    fn round_scratch(&self, wide: &CudaSlice<f32>, narrow: &mut CudaSlice<u16>, n: usize) -> Result<(), String> {
-        ensure(wide.len() >= n && narrow.len() >= n, || "internal error: a scratch is too small".to_string())?;
+    fn round_scratch(&self, wide: &CudaSlice<f32>, narrow: &mut CudaSlice<u16>, n: usize) -> Result<(), KernelError> {
+        require(wide.len() >= n && narrow.len() >= n, || KernelError::Internal("a scratch is too small".into()))?;
         let count = n as u64;
         launch!(self, CAST_F32_TO_BF16, elementwise(n), [narrow, wide, &count])
     }
@@ -591,7 +593,7 @@ impl Device {
         a: AttentionArgs,
         probs: &mut Option<CudaSlice<f32>>,
         half: &mut Option<CudaSlice<u16>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let qkv = Qkv::<u16>::of(inputs, (a.heads, a.kv_heads), a.fused)?;
         same_shape("the output", &out.shape, &qkv.out_shape())?;
         let (sq, sk) = (qkv.seq(0), qkv.seq(1));
@@ -623,11 +625,11 @@ impl Device {
         a: AttentionArgs,
         scratch: &mut [Option<CudaSlice<f32>>; 2],
         half: &mut Scratch,
-    ) -> Result<(), String> {
-        let (dy, operands) = inputs.split_first().ok_or("expects dy and the attention's operands")?;
+    ) -> Result<(), KernelError> {
+        let (dy, operands) = inputs.split_first().ok_or(KernelError::NoAttentionGradient)?;
         let qkv = Qkv::<u16>::of(operands, (a.heads, a.kv_heads), a.fused)?;
         let wrt = usize::from(a.wrt);
-        ensure(wrt < if a.fused { 1 } else { 3 }, || format!("the attention has no operand {wrt}"))?;
+        require(wrt < if a.fused { 1 } else { 3 }, || KernelError::NoOperand(wrt))?;
         same_shape("dy", &dy.shape, &qkv.out_shape())?;
         same_shape("the output", &out.shape, qkv.shapes[wrt])?;
         let dyv = elems::<u16>(dy, "dy")?;
@@ -657,7 +659,7 @@ impl Device {
         g: &mut CudaSlice<u16>,
         [probs, dprobs]: [&mut CudaSlice<f32>; 2],
         half: &mut CudaSlice<u16>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let (qkv, b) = (s.qkv, s.b);
         let (sq, sk, heads, kv) = (qkv.seq(0), qkv.seq(1), qkv.heads, qkv.kv_heads);
         let n = heads * sq * sk;

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::comm::BlockGeometry;
+use crate::error::StorageError;
 use cudarc::driver::DevicePtr;
 
 const REDUCE_MEMBERS: &str = "reduce_members";
@@ -27,12 +28,12 @@ pub struct DeviceBuf {
 
 impl DeviceBuf {
     /// The address of a tensor's elements (f32 or bf16; integer tensors are never communicated).
-    pub fn of(t: &DeviceTensor, stream: &Arc<CudaStream>) -> Result<DeviceBuf, String> {
+    pub fn of(t: &DeviceTensor, stream: &Arc<CudaStream>) -> Result<DeviceBuf, StorageError> {
         let len = t.len();
         match &t.data {
             DeviceData::F32(s) => Ok(DeviceBuf { ptr: s.device_ptr(stream).0, len, bf16: false }),
             DeviceData::Bf16(s) => Ok(DeviceBuf { ptr: s.device_ptr(stream).0, len, bf16: true }),
-            DeviceData::I32(_) => Err("only floating-point buffers are communicated".into()),
+            DeviceData::I32(_) => Err(StorageError::NotFloat { name: None }),
         }
     }
 
@@ -58,9 +59,12 @@ struct Members {
 unsafe impl DeviceRepr for Members {}
 
 impl Members {
-    fn of(bufs: &[DeviceBuf]) -> Result<(Members, u32), String> {
-        ensure(!bufs.is_empty() && bufs.len() <= MAX_MEMBERS, || {
-            format!("a collective on a shared GPU takes 1 to {MAX_MEMBERS} members, not {}", bufs.len())
+    fn of(bufs: &[DeviceBuf]) -> Result<(Members, u32), KernelError> {
+        require(!bufs.is_empty() && bufs.len() <= MAX_MEMBERS, || {
+            KernelError::Invalid(format!(
+                "a collective on a shared GPU takes 1 to {MAX_MEMBERS} members, not {}",
+                bufs.len()
+            ))
         })?;
         let mut ptr = [0u64; MAX_MEMBERS];
         ptr.iter_mut().zip(bufs).for_each(|(p, b)| *p = b.ptr);
@@ -123,31 +127,31 @@ impl CudaKernels {
         out: DeviceBuf,
         max: bool,
         block: Option<(BlockGeometry, u64)>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let (table, count) = Members::of(members)?;
         let in_bf16 = members[0].bf16;
         let (runs, n, extent) = match block {
             None => (Runs::whole(out.len), out.len, out.len as u64),
             Some((g, m)) => (Runs::of(&g, m), g.block_len() as usize, gathered_extent(&g, m + 1)),
         };
-        ensure(out.len == n, || format!("collective size mismatch: a block of {n} into {} elements", out.len))?;
-        ensure(members.iter().all(|b| b.bf16 == in_bf16 && b.len as u64 >= extent), || {
-            format!("collective size mismatch: members' buffers {:?} for {extent} elements", lens(members))
+        require(out.len == n, || size_mismatch(format!("a block of {n} into {} elements", out.len)))?;
+        require(members.iter().all(|b| b.bf16 == in_bf16 && b.len as u64 >= extent), || {
+            size_mismatch(format!("members' buffers {:?} for {extent} elements", lens(members)))
         })?;
         let (i, o, op, elements) = (u32_flag(in_bf16), u32_flag(out.bf16), u32_flag(max), n as u64);
         launch!(&self.dev, REDUCE_MEMBERS, elementwise(n), [&table, &count, &i, &o, &op, &runs, &out.ptr, &elements])
     }
 
     /// Member k's buffer (its block, of geometry `g`) into its runs of the gathered `out`, for every k.
-    pub fn gather_members(&self, members: &[DeviceBuf], out: DeviceBuf, g: &BlockGeometry) -> Result<(), String> {
+    pub fn gather_members(&self, members: &[DeviceBuf], out: DeviceBuf, g: &BlockGeometry) -> Result<(), KernelError> {
         let (table, count) = Members::of(members)?;
         let n = g.block_len();
         let in_bf16 = members[0].bf16;
-        ensure(members.iter().all(|b| b.bf16 == in_bf16 && b.len as u64 == n), || {
-            format!("collective size mismatch: blocks {:?} where {n} elements were expected", lens(members))
+        require(members.iter().all(|b| b.bf16 == in_bf16 && b.len as u64 == n), || {
+            size_mismatch(format!("blocks {:?} where {n} elements were expected", lens(members)))
         })?;
-        ensure(gathered_extent(g, count as u64) <= out.len as u64, || {
-            format!("collective size mismatch: {count} blocks of {n} do not fit {} elements", out.len)
+        require(gathered_extent(g, count as u64) <= out.len as u64, || {
+            size_mismatch(format!("{count} blocks of {n} do not fit {} elements", out.len))
         })?;
         let (i, o, runs) = (u32_flag(in_bf16), u32_flag(out.bf16), Runs::of(g, 0));
         let cfg = elementwise(n as usize * count as usize);
@@ -156,20 +160,28 @@ impl CudaKernels {
 
     /// Member k's runs of `full` into block k of `out`, member-major, for k < `parts` (what NCCL's
     /// reduce-scatter takes).
-    pub fn pack_members(&self, full: DeviceBuf, out: DeviceBuf, g: &BlockGeometry, parts: u64) -> Result<(), String> {
+    pub fn pack_members(
+        &self,
+        full: DeviceBuf,
+        out: DeviceBuf,
+        g: &BlockGeometry,
+        parts: u64,
+    ) -> Result<(), KernelError> {
         let n = g.block_len();
-        ensure(full.bf16 == out.bf16 && gathered_extent(g, parts) <= full.len as u64, || {
-            format!("collective size mismatch: {parts} blocks of {n} from {} elements", full.len)
+        require(full.bf16 == out.bf16 && gathered_extent(g, parts) <= full.len as u64, || {
+            size_mismatch(format!("{parts} blocks of {n} from {} elements", full.len))
         })?;
-        ensure(n * parts <= out.len as u64, || format!("{parts} blocks of {n} do not fit {} elements", out.len))?;
+        require(n * parts <= out.len as u64, || {
+            KernelError::Invalid(format!("{parts} blocks of {n} do not fit {} elements", out.len))
+        })?;
         let (bf16, runs, count) = (u32_flag(full.bf16), Runs::of(g, 0), parts as u32);
         let cfg = elementwise((n * parts) as usize);
         launch!(&self.dev, PACK_MEMBERS, cfg, [&full.ptr, &bf16, &runs, &g.member_stride, &out.ptr, &n, &count])
     }
 
     /// `dst` = `src` (as many elements), bits as they are for one element type, converted otherwise.
-    pub fn copy_buffer(&self, src: DeviceBuf, dst: DeviceBuf) -> Result<(), String> {
-        ensure(src.len == dst.len, || format!("collective size mismatch: {} elements into {}", src.len, dst.len))?;
+    pub fn copy_buffer(&self, src: DeviceBuf, dst: DeviceBuf) -> Result<(), KernelError> {
+        require(src.len == dst.len, || size_mismatch(format!("{} elements into {}", src.len, dst.len)))?;
         if src.bf16 != dst.bf16 {
             return self.reduce_members(&[src], dst, false, None);
         }
@@ -181,8 +193,13 @@ impl CudaKernels {
         // SAFETY: both ranges lie in live allocations of this context (their owners checked the lengths
         // against their buffers), and the copy is ordered on this device's stream.
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst.ptr, src.ptr, src.bytes(), stream.cu_stream()) }
-            .map_err(driver("copying between GPU buffers"))
+            .map_err(|e| driver("copying between GPU buffers")(e).into())
     }
+}
+
+/// A collective whose buffers do not fit each other (`what` says how).
+fn size_mismatch(what: String) -> KernelError {
+    KernelError::Invalid(format!("collective size mismatch: {what}"))
 }
 
 fn lens(bufs: &[DeviceBuf]) -> Vec<usize> {

@@ -202,18 +202,18 @@ impl Device {
         qkv: &Qkv<u16>,
         causal: bool,
         y: &mut CudaSlice<u16>,
-    ) -> Option<Result<(), String>> {
+    ) -> Option<Result<(), KernelError>> {
         let g = self.flash_geometry(qkv, causal)?;
         Some(self.flash_forward(qkv, g, y))
     }
 
-    fn flash_forward(&self, qkv: &Qkv<u16>, g: Geometry, y: &mut CudaSlice<u16>) -> Result<(), String> {
+    fn flash_forward(&self, qkv: &Qkv<u16>, g: Geometry, y: &mut CudaSlice<u16>) -> Result<(), KernelError> {
         let (out, _record) = y.device_ptr_mut(&self.stream);
         self.launch_forward(qkv, &g, ForwardTargets { out, lse: NULL, delta: NULL, dout: NULL })
     }
 
     /// The forward kernel into `targets` (the output, or each row's log-sum-exp and D).
-    fn launch_forward(&self, qkv: &Qkv<u16>, g: &Geometry, targets: ForwardTargets) -> Result<(), String> {
+    fn launch_forward(&self, qkv: &Qkv<u16>, g: &Geometry, targets: ForwardTargets) -> Result<(), KernelError> {
         let [q, k, v] = qkv.data;
         let ForwardTargets { out, lse, delta, dout } = targets;
         launch!(
@@ -253,7 +253,7 @@ impl Device {
         dy: &CudaSlice<u16>,
         grad: &mut CudaSlice<u16>,
         scratch: &mut Scratch,
-    ) -> Option<Result<(), String>> {
+    ) -> Option<Result<(), KernelError>> {
         let g = self.flash_geometry(qkv, a.causal)?;
         Some(self.flash_grad_with(qkv, a, g, dy, grad, scratch))
     }
@@ -266,7 +266,7 @@ impl Device {
         dy: &CudaSlice<u16>,
         grad: &mut CudaSlice<u16>,
         scratch: &mut Scratch,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let want = |operand: u8| a.fused || a.wrt == operand;
         let lse = grow(&mut scratch.lse, &self.stream, g.rows())?;
         let delta = grow(&mut scratch.delta, &self.stream, g.rows())?;

@@ -61,7 +61,7 @@ impl Device {
         dst: &mut CudaViewMut<T>,
         (rows, cols): (usize, usize),
         (src_ld, dst_ld): (usize, usize),
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let (rows64, cols64, src64, dst64) = (rows as u64, cols as u64, src_ld as u64, dst_ld as u64);
         launch!(self, T::COPY_ROWS, per_rows(rows, cols), [dst, src, &rows64, &cols64, &src64, &dst64])
     }
@@ -73,7 +73,7 @@ impl Device {
         op: &Operand<'s, u16>,
         dims: (usize, usize),
         slot: &'s mut Option<CudaSlice<u16>>,
-    ) -> Result<Operand<'s, u16>, String> {
+    ) -> Result<Operand<'s, u16>, KernelError> {
         let b = op.block;
         if aligned(op.data, &b, &self.stream) && (b.rows, b.cols) == dims {
             return Ok(*op);
@@ -82,7 +82,7 @@ impl Device {
         let scratch = grow(slot, &self.stream, rows * ld)?;
         let mut view = scratch.slice_mut(0..rows * ld);
         self.stream.memset_zeros(&mut view).map_err(driver("zeroing a padded operand"))?;
-        let src = op.data.try_slice(b.start..).ok_or("internal error: a product block starts past its buffer")?;
+        let src = op.data.try_slice(b.start..).ok_or_else(|| KernelError::Internal(BLOCK_PAST_BUFFER.into()))?;
         self.copy_rows(&src, &mut view, (b.rows, b.cols), (b.ld, ld))?;
         let block = Block { start: 0, rows, cols: ld, ld, stride: rows * ld };
         Ok(Operand { data: &*scratch, block, transpose: op.transpose })
@@ -97,14 +97,15 @@ impl Device {
         c: &mut CudaSlice<C>,
         p: &Product<u16>,
         (m, n, k): (usize, usize, usize),
-    ) -> Result<Option<()>, String> {
+    ) -> Result<Option<()>, KernelError> {
         let out_aligned = aligned(c, &p.c, &self.stream);
         let inputs_aligned = aligned(p.a.data, &p.a.block, &self.stream) && aligned(p.b.data, &p.b.block, &self.stream);
         if p.batches != 1 || (out_aligned && inputs_aligned) {
             return Ok(None);
         }
         let (m2, n2, k2) = (pad(m), pad(n), pad(k));
-        let mut guard = self.realign.lock().map_err(|_| "the realignment scratch is poisoned".to_string())?;
+        let mut guard =
+            self.realign.lock().map_err(|_| KernelError::Poisoned("the realignment scratch is poisoned"))?;
         let mut out_slot = C::output_slot(&mut guard).take();
         let Realign { a, b, .. } = &mut *guard;
         let a_dims = if p.a.transpose { (k2, m2) } else { (m2, k2) };
@@ -134,11 +135,11 @@ impl Device {
         mut product: Product<u16>,
         (m2, n2, k2): (usize, usize, usize),
         slot: &mut Option<CudaSlice<C>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let target = product.c;
         let (rows, cols) = (target.rows, target.cols);
         let scratch = grow(slot, &self.stream, m2 * n2)?;
-        let missing = || "internal error: a product block starts past its buffer".to_string();
+        let missing = || KernelError::Internal(BLOCK_PAST_BUFFER.into());
         if product.accumulate {
             let old = c.try_slice(target.start..).ok_or_else(missing)?;
             self.copy_rows(&old, &mut scratch.slice_mut(..), (rows, cols), (target.ld, n2))?;
