@@ -43,7 +43,7 @@ pub enum TensorProblem {
     /// Two parameters would be stored under one key.
     SharedKey { key: String },
     /// A value that is not a floating-point tensor; `why` is the tensor's own message.
-    Values { name: String, why: String },
+    Values { name: String, why: optimus_plan::tensor::TensorError },
     /// A value whose number of elements is not its shape's.
     Count { name: String, shape: Vec<u64>, needs: u64, found: usize },
     /// A checkpoint's parameter with another number of optimizer states than the optimizer keeps.

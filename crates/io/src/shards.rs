@@ -83,7 +83,7 @@ pub enum CheckpointError {
     /// Blocks given for another number of optimizer states than a parameter's.
     StateCount { param: String, want: usize, got: usize },
     /// A block that is not a floating-point tensor; `why` is the tensor's own message.
-    Values { tensor: String, why: String },
+    Values { tensor: String, why: optimus_plan::tensor::TensorError },
     /// A block of another shape or size than its buffer's.
     BlockShape { tensor: String, want: Vec<u64>, got: Vec<u64>, values: usize },
     /// A tensor of `shape` larger than its buffer's logical shape; `stored` when the shape is the
