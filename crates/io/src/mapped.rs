@@ -7,7 +7,7 @@
 
 use super::checkpoint::{Matching, WeightsError, first_non_finite_in, map_checkpoint, match_tensors, missing};
 use super::pretrained::IndexProblem;
-use optimus_plan::stores::WeightSource;
+use optimus_plan::stores::{StoreError, WeightSource};
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{Buffer, Coords, Mesh, Plan, PlanParam};
 use safetensors::{Dtype, SafeTensors};
@@ -187,7 +187,7 @@ fn advance(at: &mut [usize], axes: &[Vec<u64>]) {
 }
 
 impl WeightSource for MappedWeights {
-    fn block(&self, param: &PlanParam, buffer: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, String> {
-        MappedWeights::block(self, param, buffer, coords, mesh).map_err(|e| e.to_string())
+    fn block(&self, param: &PlanParam, buffer: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, StoreError> {
+        MappedWeights::block(self, param, buffer, coords, mesh).map_err(StoreError::from)
     }
 }

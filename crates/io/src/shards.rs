@@ -14,7 +14,7 @@ use super::files::FileError;
 use super::output::OutputError;
 use optimus_plan::layout::{Layout, Placement};
 use optimus_plan::logical::IndexMap;
-use optimus_plan::stores::{CheckpointSink, CheckpointSource, DeviceParamBlocks};
+use optimus_plan::stores::{CheckpointSink, CheckpointSource, DeviceParamBlocks, StoreError};
 use optimus_plan::tensor::Tensor;
 use optimus_plan::text::printable;
 use optimus_plan::text::shape_text;
@@ -1221,17 +1221,23 @@ impl CheckpointSink for CheckpointFolder {
         &self.dir
     }
 
-    fn prepare(&self, step: u64) -> Result<(), String> {
-        CheckpointWriter::prepare(&self.dir, step).map_err(|e| e.to_string())
+    fn prepare(&self, step: u64) -> Result<(), StoreError> {
+        CheckpointWriter::prepare(&self.dir, step).map_err(StoreError::from)
     }
 
-    fn write_device(&self, plan: &Plan, step: u64, coords: Coords, blocks: &[DeviceParamBlocks]) -> Result<(), String> {
+    fn write_device(
+        &self,
+        plan: &Plan,
+        step: u64,
+        coords: Coords,
+        blocks: &[DeviceParamBlocks],
+    ) -> Result<(), StoreError> {
         CheckpointWriter::begin(&self.dir, step)
             .and_then(|writer| writer.write_device(plan, coords, blocks))
-            .map_err(|e| e.to_string())
+            .map_err(StoreError::from)
     }
 
-    fn commit(&self, plan: &Plan, step: u64, micro_batches_done: u64) -> Result<PathBuf, String> {
+    fn commit(&self, plan: &Plan, step: u64, micro_batches_done: u64) -> Result<PathBuf, StoreError> {
         let mut training = self.training.clone();
         if let Some(fields) = training.as_object_mut() {
             fields.insert("step".into(), step.into());
@@ -1239,7 +1245,7 @@ impl CheckpointSink for CheckpointFolder {
         }
         CheckpointWriter::begin(&self.dir, step)
             .and_then(|writer| writer.commit(plan, training, self.keep))
-            .map_err(|e| e.to_string())
+            .map_err(StoreError::from)
     }
 }
 
@@ -1251,8 +1257,8 @@ impl CheckpointSource for Checkpoint {
         plan: &Plan,
         coords: Coords,
         with_state: bool,
-    ) -> Result<Vec<(Tensor, Vec<Tensor>)>, String> {
-        Checkpoint::device_blocks(self, plan, coords, with_state).map_err(|e| e.to_string())
+    ) -> Result<Vec<(Tensor, Vec<Tensor>)>, StoreError> {
+        Checkpoint::device_blocks(self, plan, coords, with_state).map_err(StoreError::from)
     }
 }
 

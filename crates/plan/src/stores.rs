@@ -6,6 +6,10 @@ use crate::tensor::Tensor;
 use crate::{Buffer, Coords, Mesh, Plan, PlanParam};
 use std::path::PathBuf;
 
+/// Why a store failed, as the implementation's own error (an io crate error, say): callers show it or
+/// downcast it.
+pub type StoreError = Box<dyn std::error::Error + Send + Sync>;
+
 /// One parameter's blocks on a device: the parameter and its optimizer states, in `PlanParam.state` order.
 pub struct DeviceParamBlocks<'a> {
     pub param: &'a Tensor,
@@ -21,13 +25,13 @@ pub trait CheckpointSource: Send + Sync + std::fmt::Debug {
         plan: &Plan,
         coords: Coords,
         with_state: bool,
-    ) -> Result<Vec<(Tensor, Vec<Tensor>)>, String>;
+    ) -> Result<Vec<(Tensor, Vec<Tensor>)>, StoreError>;
 }
 
 /// Pretrained weights a run starts from, read block by block.
 pub trait WeightSource: Send + Sync + std::fmt::Debug {
     /// Device `coords`' block of parameter `param`, whose buffer is `buffer`.
-    fn block(&self, param: &PlanParam, buffer: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, String>;
+    fn block(&self, param: &PlanParam, buffer: &Buffer, coords: Coords, mesh: Mesh) -> Result<Tensor, StoreError>;
 }
 
 /// Where a training run commits its periodic checkpoints. Every device of the mesh calls
@@ -37,9 +41,15 @@ pub trait CheckpointSink: Send + Sync + std::fmt::Debug {
     /// Where the checkpoints go (a folder), to name to the user.
     fn location(&self) -> &std::path::Path;
     /// Makes a fresh place for checkpoint `step` (after `step` updates).
-    fn prepare(&self, step: u64) -> Result<(), String>;
+    fn prepare(&self, step: u64) -> Result<(), StoreError>;
     /// Writes device `coords`' blocks of checkpoint `step`.
-    fn write_device(&self, plan: &Plan, step: u64, coords: Coords, blocks: &[DeviceParamBlocks]) -> Result<(), String>;
+    fn write_device(
+        &self,
+        plan: &Plan,
+        step: u64,
+        coords: Coords,
+        blocks: &[DeviceParamBlocks],
+    ) -> Result<(), StoreError>;
     /// Completes checkpoint `step`, `micro_batches_done` micro-batches into the data, and returns where it lies.
-    fn commit(&self, plan: &Plan, step: u64, micro_batches_done: u64) -> Result<PathBuf, String>;
+    fn commit(&self, plan: &Plan, step: u64, micro_batches_done: u64) -> Result<PathBuf, StoreError>;
 }

@@ -13,9 +13,10 @@ use super::schedule::Schedule;
 use super::settings::{KernelContext, OptimizerSettings};
 use optimus_plan::init::{self, gather_blocks};
 use optimus_plan::memory::persistent;
+use optimus_plan::phases::{Phase, StepPhases};
 use optimus_plan::stores::{CheckpointSink, CheckpointSource, DeviceParamBlocks, WeightSource};
 use optimus_plan::tensor::Tensor;
-use optimus_plan::{Buffer, BufferId, CollectiveKind, Coords, Group, Instr, Kernel, Plan, ReasonKind, ReduceOp, Role};
+use optimus_plan::{Buffer, BufferId, CollectiveKind, Coords, Group, Instr, Kernel, Plan, ReduceOp, Role};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -182,6 +183,8 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     /// This replica's own gradient terms of the update's earlier micro-batches, by the buffer a sum
     /// over the replicas sends: with `--accum`, gradients cross the replicas once per update.
     deferred_sums: BTreeMap<BufferId, Vec<f32>>,
+    /// What each instruction is for in the step (the plan's policy, read once).
+    phases: StepPhases,
     /// Clip the gradients to this global norm before updating (`--clip-grad-norm`).
     pub clip_grad_norm: Option<f32>,
     /// The global gradient norm of the last update (before clipping) and the factor it scaled the
@@ -218,6 +221,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             profile: None,
             grad_sums: BTreeMap::new(),
             deferred_sums: BTreeMap::new(),
+            phases: StepPhases::of(plan),
             clip_grad_norm: None,
             grad_norm: None,
         };
@@ -287,13 +291,14 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         self.step_seed = init::mix64(self.seed ^ init::mix64(draw));
         self.begin_step();
         self.grad_norm = None;
-        let updates_begin = updates_begin(plan);
+        let updates_begin = self.phases.updates_begin();
         let failed = |index: usize| move |e: RuntimeError| StepError::Failed(at_instruction(plan, index)(e));
         for (index, instr) in plan.program.iter().enumerate() {
             if index == updates_begin {
                 self.check_loss()?;
             }
-            if is_kernel(instr, Kernel::GradSquareSum) && !matches!(update, Update::Apply(..)) {
+            let phase = self.phases.phase(index);
+            if phase == Phase::GradientNorm && !matches!(update, Update::Apply(..)) {
                 // With --accum the norm is that of the mean gradient, which the last micro-batch forms here.
                 let mean_of = match update {
                     Update::ApplyMean(_, _, count) => Some(count),
@@ -305,12 +310,14 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 }
             }
             if let Some(norm_buffer) = plan.grad_norm.filter(|_| self.grad_norm.is_none())
-                && is_kernel(instr, Kernel::OptimizerStep)
+                && phase == Phase::Update
             {
                 self.grad_norm = Some(self.clip_factor(norm_buffer).map_err(failed(index))?);
             }
             let started = self.profile.is_some().then(Instant::now);
-            if !self.defer_gradient_sum(instr, update).map_err(failed(index))? {
+            let deferred =
+                phase == Phase::GradientSum && self.defer_gradient_sum(instr, update).map_err(failed(index))?;
+            if !deferred {
                 self.execute_with(instr, update).map_err(failed(index))?;
             }
             if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
@@ -328,16 +335,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// the sum would land, so its accumulated gradient adds nothing), and the last adds the kept terms
     /// to its own before the sum. The result is the same sum over micro-batches and replicas, with a
     /// micro-batch's worth of traffic per update. Returns whether the instruction was handled here.
+    /// `instr` is a [`Phase::GradientSum`].
     fn defer_gradient_sum(&mut self, instr: &Instr, update: Update<'_>) -> Result<bool, RuntimeError> {
-        let Instr::Collective { collective: c, reason, .. } = instr else { return Ok(false) };
+        let Instr::Collective { collective: c, .. } = instr else { return Ok(false) };
         let plan = self.plan;
-        let is_gradient_sum = matches!(
-            plan.reasons.get(*reason as usize).map(|r| &r.kind),
-            Some(ReasonKind::DataParallelGradient { .. })
-        );
-        if !is_gradient_sum {
-            return Ok(false);
-        }
         match update {
             Update::Accumulate => {
                 let term = self.read(c.send)?.ok_or(RuntimeError::OptimizerNotAlive)?;
@@ -513,7 +514,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             }
         }
         self.begin_step();
-        for (index, instr) in plan.program.iter().enumerate().take(updates_begin(plan)) {
+        for (index, instr) in plan.program.iter().enumerate().take(self.phases.updates_begin()) {
             self.execute(instr, None).map_err(at_instruction(plan, index))?;
             let written = match instr {
                 Instr::Kernel { output, .. } => Some(*output),
@@ -728,19 +729,10 @@ fn at_instruction(plan: &Plan, index: usize) -> impl Fn(RuntimeError) -> Runtime
     move |error| RuntimeError::Instruction { instruction: describe_instruction(plan, index), error: Box::new(error) }
 }
 
-/// The index of the first instruction that needs every gradient (the gradient norm, else the first
-/// optimizer step); the program's length if it has none.
-fn updates_begin(plan: &Plan) -> usize {
-    plan.program
-        .iter()
-        .position(|i| is_kernel(i, Kernel::GradSquareSum) || is_kernel(i, Kernel::OptimizerStep))
-        .unwrap_or(plan.program.len())
-}
-
 /// The instructions of the forward pass: up to the last one that writes the loss (the whole program up
 /// to the updates when there is no loss).
 fn forward_len(plan: &Plan) -> usize {
-    let begin = updates_begin(plan);
+    let begin = StepPhases::of(plan).updates_begin();
     let Some(loss) = plan.outputs.iter().find(|o| o.is_loss).map(|o| o.buffer) else { return begin };
     let writes_loss = |instr: &Instr| match instr {
         Instr::Kernel { output, .. } => *output == loss,
@@ -748,11 +740,6 @@ fn forward_len(plan: &Plan) -> usize {
         Instr::Free { .. } => false,
     };
     plan.program[..begin].iter().rposition(writes_loss).map_or(begin, |k| k + 1)
-}
-
-/// Whether an instruction runs this kernel.
-fn is_kernel(instr: &Instr, wanted: Kernel) -> bool {
-    matches!(instr, Instr::Kernel { kernel, .. } if *kernel == wanted)
 }
 
 /// An error of instruction `index`, in the user's terms: the tensor it computes and the source line.
@@ -855,7 +842,10 @@ impl DeviceRun<'_> {
                     init::block_of(&init::pad_to(t, plan.buffer(p.buffer))?, plan.buffer(p.buffer), coords, plan.mesh)?;
                 device.write(p.buffer, block)?;
             } else if let Some(weights) = &config.weights {
-                device.write(p.buffer, weights.block(p, plan.buffer(p.buffer), coords, plan.mesh)?)?;
+                device.write(
+                    p.buffer,
+                    weights.block(p, plan.buffer(p.buffer), coords, plan.mesh).map_err(checkpoint_error)?,
+                )?;
             }
         }
         super::startup::mark("parameters written");
