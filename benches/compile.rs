@@ -5,7 +5,7 @@
 //! which is the whole command's work but for reading and writing files. The target is under 100 ms.
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use optimus::check::check_source;
+use optimus::front::check_source;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::shard::{Target, compile};
 use std::hint::black_box;

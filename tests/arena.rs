@@ -1,8 +1,8 @@
 //! The arena layout of every example plan: buffers alive at the same time never share words (checked
 //! by an independent sweep of the program), and the arena is within 10% of the plan's memory peak.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::plan::memory::persistent;
 use optimus::plan::{Instr, Mesh, Mode, Plan, Strategy};
 use optimus::runtime::arena::{self, ArenaLayout};

@@ -408,7 +408,7 @@ fn attention_and_rotary_over_an_unbatched_sequence_keep_it_whole() {
 fn llama_like_2x2_plan() -> serde_json::Value {
     use optimus::shard::{Target, compile};
     let text = llama_like(8, 4);
-    let model = optimus::check::check_source(&text, &[]).model.expect("the model checks");
+    let model = optimus::front::check_source(&text, &[]).model.expect("the model checks");
     let target = Target {
         mesh: Mesh::new(2, 2),
         strategy: optimus::plan::Strategy::Optimus,

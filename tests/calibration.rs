@@ -11,7 +11,7 @@ use std::process::Command;
 const TINY: &str = include_str!("../examples/tiny.opt");
 
 fn plan(mesh: Mesh, strategy: Strategy, mode: Mode) -> Plan {
-    let checked = optimus::check::check_source(TINY, &[]);
+    let checked = optimus::front::check_source(TINY, &[]);
     let Some(model) = checked.model else { panic!("tiny.opt does not check") };
     let target = Target { mesh, strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT };
     match optimus::shard::compile(&model, "tiny", TINY, target) {

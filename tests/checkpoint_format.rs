@@ -2,8 +2,8 @@
 //! and strategy exactly (padding and fused qkv included), exported as one Hugging Face file, and
 //! loaded by `run --weights DIR`; corrupt, truncated, unfinished and old checkpoints are handled.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::io::load_checkpoint;
 use optimus::io::shards::{Checkpoint, CheckpointWriter, complete_checkpoints, export_safetensors, state_key};
 use optimus::plan::init::{block_of, pad_to};

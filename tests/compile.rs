@@ -2,9 +2,9 @@
 //! Megatron communication volumes, memory per device, golden plans, divisibility errors, determinism,
 //! an acceptance sweep over every example, and the `compile` / `inspect` command line.
 
-use optimus::check::check_source;
 use optimus::diag::Diagnostic;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::ir::{Model, Scalar};
 use optimus::plan::report::{CommEntry, Report, render_text, report};
 use optimus::plan::{Instr, Mesh, Mode, Plan, Strategy};

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{optimusc, read_weights, text};
-use optimus::check::check_source;
+use optimus::front::check_source;
 use optimus::plan::layout::{DATA_AXIS, Placement};
 use optimus::plan::{CollectiveKind, Group, Instr, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Role, Strategy};
 use optimus::shard::{Target, compile};

@@ -4,9 +4,9 @@
 //! renumbered error) fails even when the snapshots are updated blindly. The source of each case is stored
 //! as the snapshot's description, next to its rendering.
 
-use optimus::check::{check_source, decode};
 use optimus::diag::{Diagnostic, render_plain};
 use optimus::elab::Override;
+use optimus::front::{check_source, decode};
 
 /// A small valid header: a model, sizes, and one input of token ids (`tokens: i32[2, 4]`).
 macro_rules! prelude {

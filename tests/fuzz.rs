@@ -8,9 +8,9 @@
 //! time limit, if a label lies outside the source, if rendering drops a diagnostic, or if the checker fails
 //! without saying why (no model and no error). `PROPTEST_CASES` overrides the number of cases per property.
 
-use optimus::check::{check_source, decode};
 use optimus::diag::{Diagnostic, render_plain};
 use optimus::elab::Override;
+use optimus::front::{check_source, decode};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::TestCaseError;

@@ -1,8 +1,8 @@
 //! Checkpoints and token data: safetensors round trips, Hugging Face GPT-2 key styles and buffers,
 //! error reports, dtypes, and the data-window rule of token files.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::io::{TokenData, TokenDtype, check_inputs, load_checkpoint, random_batch, save_checkpoint};
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};

@@ -1,7 +1,7 @@
 //! IR snapshots of every example (gpt3 at two layers) and the parameter counts of the full-size models.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::ir::Model;
 use optimus::ir::print::print_model;
 

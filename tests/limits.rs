@@ -2,9 +2,9 @@
 //! behind them, never as an internal error), repeats too large to build, floods of diagnostics (fast, and
 //! printed only in part), and NaN weights given to `run`.
 
-use optimus::check::check_source;
 use optimus::diag::{Diagnostic, MAX_SHOWN_DIAGNOSTICS, render_capped_to};
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::plan::tensor::Tensor;
 use optimus::plan::text::printable;
 use optimus::plan::{Mesh, Mode, Strategy};

@@ -2,8 +2,8 @@
 //! reduces of the seven bias-free linears on optimus q x q, and Megatron's four all-reduces of b*s*h on
 //! 1 x p, with grouped-query attention (kv_heads < heads) and rotary embeddings adding nothing.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::plan::report::{CommEntry, Report, report};
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::shard::{Target, compile};

@@ -4,7 +4,7 @@
 //! including `y * y`, whose two gradient contributions must add up); and a tiny Llama-style model that
 //! verifies on every strategy.
 
-use optimus::check::check_source;
+use optimus::front::check_source;
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Strategy};
 use optimus::runtime::exec::RunConfig;

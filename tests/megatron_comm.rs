@@ -4,8 +4,8 @@
 //! gradient from q, k and v, and the MLP input's), the partial input gradients that meet in an add
 //! summed locally before one reduction, as Megatron-LM does.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::plan::report::{CommEntry, Report, report};
 use optimus::plan::{Mesh, Mode, Strategy};
 use optimus::shard::{Target, compile};

@@ -2,7 +2,7 @@
 //! `inspect --memory SIZE` finds the largest batch that fits (the next one does not), which recomputation
 //! raises.
 
-use optimus::check::check_source;
+use optimus::front::check_source;
 use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Recompute, Strategy};
 use optimus::shard::{Target, compile};
 use std::process::Command;

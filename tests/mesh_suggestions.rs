@@ -1,9 +1,9 @@
 //! E0602's help names exactly the meshes that compile: for several models and failing meshes, every
 //! mesh it suggests compiles, and every other mesh of the strategy within the bound it states does not.
 
-use optimus::check::check_source;
 use optimus::diag::Diagnostic;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::ir::Model;
 use optimus::plan::{Mesh, Mode, Strategy};
 use optimus::shard::{Target, compile};

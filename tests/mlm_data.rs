@@ -2,8 +2,8 @@
 //! label files, the MLM objective end to end (loss over the positions not ignored, sharded plans that
 //! verify), `optimusc mask-data`, and the usage errors for inputs without a source.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::io::data::{TokenData, TokenDtype};
 use optimus::io::sources::{Objective, Sources};
 use optimus::plan::{IGNORE_INDEX, Mesh, Mode, Plan, Strategy};

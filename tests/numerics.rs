@@ -1,8 +1,8 @@
 //! Sharded plans compute what the unsharded model computes: the loss, every parameter's gradient, and
 //! the parameters after several optimizer steps, on several optimus and megatron meshes.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::plan::init::mix64;
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};

@@ -3,8 +3,8 @@
 //! run (too many device threads, too much memory) is refused before it starts, and `read_plan` refuses
 //! files that are not plans (devices, FIFOs, directories, oversized files) without reading them.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::io::plan_file::{MAX_PLAN_BYTES, read_plan};
 use optimus::plan::verify::verify;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};

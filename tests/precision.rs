@@ -2,7 +2,7 @@
 //! activation memory and communication bytes halve, that bf16 training tracks float32 training on
 //! several meshes, that `verify --precision bf16` passes, and that the Cast kernel rounds correctly.
 
-use optimus::check::check_source;
+use optimus::front::check_source;
 use optimus::plan::init::mix64;
 use optimus::plan::report::report;
 use optimus::plan::tensor::Tensor;

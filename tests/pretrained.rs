@@ -111,7 +111,7 @@ fn an_index_that_disagrees_with_its_files_is_an_error() {
 /// tensor, on meshes that pad and split the vocabulary, for [in, out] and [out, in] linears.
 #[test]
 fn device_blocks_read_from_mapped_files_equal_blocks_of_the_logical_tensors() {
-    use optimus::check::check_source;
+    use optimus::front::check_source;
     use optimus::plan::init::{block_of, pad_to};
     use optimus::plan::{Mesh, Mode, Strategy};
     use optimus::shard::{Target, compile};

@@ -3,9 +3,9 @@
 //! local products, recomputed copies keep their kind, and the simulator's SUMMA overlap reads the kind,
 //! never the text.
 
-use optimus::check::check_source;
 use optimus::cost::{Hardware, Options, simulate};
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::plan::{
     CollectiveKind, Group, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Reason, ReasonKind, Recompute,
     Strategy, SummaPart, SummaProduct,

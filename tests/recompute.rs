@@ -3,8 +3,8 @@
 //! `layers` costs exactly one extra forward per repeated block in the plan's FLOP count and cuts the kept
 //! activations of GPT-2 small by more than 3x, and every recomputed instruction says so in the plan.
 
-use optimus::check::check_source;
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::plan::report::kernel_flops;
 use optimus::plan::{Instr, MemoryOptions, Mesh, Mode, Plan, Recompute, Strategy};
 use optimus::shard::{Target, compile};

@@ -3,10 +3,10 @@
 //! writes a hardware profile with a `[measured]` section for `simulate --hardware FILE`.
 
 use optimus::calibrate::{self as measure, COLLECTIVE_KINDS, COLLECTIVE_PAYLOADS, COLLECTIVE_SHAPES};
-use optimus::check::check_source;
 use optimus::cost::calibration::{DEFAULT_KERNEL, DispatchFit, Measured};
 use optimus::cost::hardware::{Collectives, Device, Hardware, InterNode, IntraNode, PeakTflops};
 use optimus::elab::Override;
+use optimus::front::check_source;
 use optimus::plan::{CollectiveKind, Mesh, Mode, Plan, Precision, Strategy};
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;

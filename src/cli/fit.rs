@@ -40,7 +40,7 @@ pub fn largest_batch(plan: &Plan, capacity: u64) -> Result<Fit, String> {
 /// The config values the plan was compiled with that differ from the model file's own: the `--set`
 /// overrides of its compilation (batch excepted, which the search sets).
 fn changed_config(plan: &Plan, text: &str) -> Result<Vec<Override>, String> {
-    let checked = optimus::check::check_source(text, &[]);
+    let checked = optimus::front::check_source(text, &[]);
     let model = checked.model.ok_or_else(|| format!("the plan's model `{}` no longer checks", plan.source))?;
     let mut overrides = Vec::new();
     for (name, value) in &plan.config {

@@ -15,9 +15,9 @@ pub mod simulate;
 pub mod verify;
 
 use clap::ValueEnum;
-use optimus::check::{Checked, Source, check_source, decode};
 use optimus::diag;
 use optimus::elab::Override;
+use optimus::front::{Checked, Source, check_source, decode};
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use std::path::Path;
 
@@ -217,7 +217,7 @@ pub fn read_model_text(path: &Path, why: &str) -> Option<String> {
         return None;
     }
     let bytes = read_model(path)?;
-    let (source, bad) = optimus::check::decode(&path.display().to_string(), bytes);
+    let (source, bad) = optimus::front::decode(&path.display().to_string(), bytes);
     if bad.is_some() {
         eprintln_safe!("error: `{}` is not valid UTF-8", path.display());
         return None;

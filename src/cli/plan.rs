@@ -132,7 +132,7 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
 
 /// The model must check before the search: its errors are printed once, with their spans.
 fn check_model(source: &Source, overrides: &[Override]) -> Option<ExitCode> {
-    let checked = optimus::check::check_source(source.text, overrides);
+    let checked = optimus::front::check_source(source.text, overrides);
     let errors = checked.diagnostics.iter().filter(|d| d.is_error()).count();
     if checked.model.is_some() && errors == 0 {
         return None;

@@ -3,9 +3,9 @@
 //! [`optimus_plan::Plan`]. Each stage reports [`diag::Diagnostic`]s carrying source spans.
 
 pub mod autodiff;
-pub mod check;
 pub mod diag;
 pub mod elab;
+pub mod front;
 pub mod ir;
 pub mod shard;
 pub mod syntax;

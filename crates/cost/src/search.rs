@@ -4,9 +4,9 @@
 
 use super::hardware::Hardware;
 use super::step::{Options, Simulation, simulate};
-use optimus_compiler::check::check_source;
 use optimus_compiler::diag::Diagnostic;
 use optimus_compiler::elab::Override;
+use optimus_compiler::front::check_source;
 use optimus_compiler::shard::{Target, compile};
 use optimus_plan::types::Scalar;
 use optimus_plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};

@@ -2,8 +2,8 @@
 //!
 //! Node indices are in topological order: the elaborator only ever adds a node after its operands.
 
-pub mod check;
 pub mod print;
+pub mod validate;
 
 use optimus_plan::span::Span;
 pub use optimus_plan::types::{DType, Init, ParamRole, Scalar};

@@ -68,7 +68,7 @@ impl LoweringGraph {
         Ok(match mode {
             Mode::Train => {
                 let d = differentiate(model).map_err(|e| vec![e])?;
-                if let Some(problem) = crate::check::ir_problems(&d.graph, "autodiff") {
+                if let Some(problem) = crate::front::ir_problems(&d.graph, "autodiff") {
                     return Err(vec![problem]);
                 }
                 LoweringGraph { graph: d.graph, forward_len: d.forward_len, like: d.like, grads: d.param_grads }

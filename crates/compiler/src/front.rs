@@ -36,9 +36,9 @@ pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
     }
 }
 
-/// An internal error for an IR graph that fails [`crate::ir::check::check_graph`] after `stage`.
+/// An internal error for an IR graph that fails [`crate::ir::validate::validate_graph`] after `stage`.
 pub fn ir_problems(graph: &petgraph::graph::DiGraph<crate::ir::Node, u8>, stage: &str) -> Option<Diagnostic> {
-    let problems = crate::ir::check::check_graph(graph);
+    let problems = crate::ir::validate::validate_graph(graph);
     let first = problems.first()?;
     let more = problems.len() - 1;
     let tail = if more > 0 { format!(" (and {more} more)") } else { String::new() };

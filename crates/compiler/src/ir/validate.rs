@@ -68,7 +68,7 @@ fn fits(kind: Kind, dtype: DType) -> bool {
 }
 
 /// The problems of a graph's nodes (none when it is well-formed), each naming the node.
-pub fn check_graph(graph: &DiGraph<Node, u8>) -> Vec<String> {
+pub fn validate_graph(graph: &DiGraph<Node, u8>) -> Vec<String> {
     let mut problems = Vec::new();
     for n in graph.node_indices() {
         let node = &graph[n];
@@ -117,7 +117,7 @@ mod tests {
         let loss = g.add_node(node(Op::CrossEntropy, DType::F32));
         g.add_edge(logits, loss, 0);
         g.add_edge(targets, loss, 1);
-        assert!(check_graph(&g).is_empty(), "{:?}", check_graph(&g));
+        assert!(validate_graph(&g).is_empty(), "{:?}", validate_graph(&g));
     }
 
     #[test]
@@ -129,7 +129,7 @@ mod tests {
         let loss = g.add_node(node(Op::CrossEntropy, DType::F32));
         g.add_edge(x, loss, 0);
         g.add_edge(x, loss, 1);
-        let problems = check_graph(&g);
+        let problems = validate_graph(&g);
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert!(problems[0].contains("add") && problems[0].contains("1 operands, not 2"), "{problems:?}");
         assert!(problems[1].contains("cross_entropy") && problems[1].contains("operand 1 is f32"), "{problems:?}");
