@@ -377,5 +377,15 @@ fn the_plan_says_which_collectives_are_gradient_sums_and_where_the_updates_begin
             assert!(i < phases.updates_begin(), "{mesh}: gradient sums come before the updates");
         }
         assert_eq!(sums.is_empty(), mesh.data == 1, "{mesh}: gradient sums exactly where there are replicas");
+        let loss = plan.outputs.iter().find(|o| o.is_loss).expect("a loss").buffer;
+        let end = phases.forward_end();
+        assert!(end <= phases.updates_begin(), "{mesh}: the forward pass ends before the updates");
+        let writes_loss = |i: &Instr| match i {
+            Instr::Kernel { output, .. } => *output == loss,
+            Instr::Collective { collective, .. } => collective.recv == loss,
+            Instr::Free { .. } => false,
+        };
+        assert!(writes_loss(&plan.program[end - 1]), "{mesh}: the forward pass ends with the loss");
+        assert!(!plan.program[end..phases.updates_begin()].iter().any(writes_loss), "{mesh}: the last loss write");
     }
 }

@@ -24,10 +24,11 @@ pub enum Phase {
     Update,
 }
 
-/// Every instruction's phase, and where the update phase begins.
+/// Every instruction's phase, where the forward pass ends and where the update phase begins.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepPhases {
     phases: Vec<Phase>,
+    forward_end: usize,
     updates_begin: usize,
 }
 
@@ -37,12 +38,18 @@ impl StepPhases {
         let phases: Vec<Phase> = plan.program.iter().map(|instr| phase_of(plan, instr)).collect();
         let updates_begin =
             phases.iter().position(|p| matches!(p, Phase::GradientNorm | Phase::Update)).unwrap_or(phases.len());
-        StepPhases { phases, updates_begin }
+        StepPhases { phases, forward_end: forward_end(plan, updates_begin), updates_begin }
     }
 
     /// The phase of instruction `index` ([`Phase::Compute`] past the end).
     pub fn phase(&self, index: usize) -> Phase {
         self.phases.get(index).copied().unwrap_or(Phase::Compute)
+    }
+
+    /// The end of the forward pass: one past the last instruction before the updates that writes the
+    /// loss (where the updates begin when there is no loss). Validation runs the program this far.
+    pub fn forward_end(&self) -> usize {
+        self.forward_end
     }
 
     /// The first instruction of the update phase (the gradient norm or the first update): the loss is
@@ -62,4 +69,15 @@ fn phase_of(plan: &Plan, instr: &Instr) -> Phase {
         },
         _ => Phase::Compute,
     }
+}
+
+/// One past the last instruction before `updates_begin` that writes the loss; `updates_begin` when none does.
+fn forward_end(plan: &Plan, updates_begin: usize) -> usize {
+    let Some(loss) = plan.outputs.iter().find(|o| o.is_loss).map(|o| o.buffer) else { return updates_begin };
+    let writes_loss = |instr: &Instr| match instr {
+        Instr::Kernel { output, .. } => *output == loss,
+        Instr::Collective { collective, .. } => collective.recv == loss,
+        Instr::Free { .. } => false,
+    };
+    plan.program[..updates_begin].iter().rposition(writes_loss).map_or(updates_begin, |k| k + 1)
 }

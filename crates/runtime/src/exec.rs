@@ -392,7 +392,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         for v in 0..evaluation.batches {
             self.load_inputs(&(evaluation.data)(v).map_err(RuntimeError::Data)?)?;
             self.begin_step();
-            for (index, instr) in plan.program.iter().enumerate().take(forward_len(plan)) {
+            for (index, instr) in plan.program.iter().enumerate().take(self.phases.forward_end()) {
                 let result = match instr {
                     Instr::Kernel { kernel: Kernel::Dropout { key, .. }, inputs, output, .. } => {
                         self.kernel(&Kernel::Dropout { p: 0.0, key: *key }, inputs, *output)
@@ -649,7 +649,7 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
     pub fn load_checkpoint(&mut self, checkpoint: &dyn CheckpointSource) -> Result<(), RuntimeError> {
         let plan = self.plan;
         let train = plan.mode == optimus_plan::Mode::Train;
-        let blocks = checkpoint.device_blocks(plan, self.coords(), train).map_err(checkpoint_error)?;
+        let blocks = checkpoint.device_blocks(plan, self.coords(), train).map_err(store_error)?;
         for (p, (param, states)) in plan.params.iter().zip(blocks) {
             self.write(p.buffer, param)?;
             if train {
@@ -673,7 +673,7 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         // Device (0, 0) makes a fresh staging directory; every device writes into it once it exists.
         let prepared = if self.coords().is_origin() { checkpoints.sink.prepare(step) } else { Ok(()) };
         if self.any_device(prepared.is_err())? {
-            prepared.map_err(checkpoint_error)?;
+            prepared.map_err(store_error)?;
             return Err(RuntimeError::CheckpointNotPrepared);
         }
         let not_alive = |name: &str, state: bool| RuntimeError::CheckpointNotAlive { name: name.to_string(), state };
@@ -690,12 +690,12 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
             .iter()
             .map(|(param, states)| DeviceParamBlocks { param, states: states.iter().collect() })
             .collect();
-        checkpoints.sink.write_device(plan, step, self.coords(), &blocks).map_err(checkpoint_error)?;
+        checkpoints.sink.write_device(plan, step, self.coords(), &blocks).map_err(store_error)?;
         // Every device's file is complete before the manifest is written; every device waits for the
         // commit, so that no device races ahead into the next checkpoint while this one is moved.
         self.any_device(false)?;
         let committed = if self.coords().is_origin() {
-            Some(checkpoints.sink.commit(plan, step, step * micro_batches).map_err(checkpoint_error)?)
+            Some(checkpoints.sink.commit(plan, step, step * micro_batches).map_err(store_error)?)
         } else {
             None
         };
@@ -713,8 +713,8 @@ pub enum StepError {
     Failed(RuntimeError),
 }
 
-/// A checkpoint's error, in its own words.
-fn checkpoint_error(e: impl std::fmt::Display) -> RuntimeError {
+/// A parameter store's error (a checkpoint's or a weight file's), in its own words.
+fn store_error(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Checkpoint(e.to_string())
 }
 
@@ -727,19 +727,6 @@ fn blocks_error(e: impl std::fmt::Display) -> RuntimeError {
 /// Wraps an error of instruction `index` in what the instruction computes (see [`in_instruction`]).
 fn at_instruction(plan: &Plan, index: usize) -> impl Fn(RuntimeError) -> RuntimeError + '_ {
     move |error| RuntimeError::Instruction { instruction: describe_instruction(plan, index), error: Box::new(error) }
-}
-
-/// The instructions of the forward pass: up to the last one that writes the loss (the whole program up
-/// to the updates when there is no loss).
-fn forward_len(plan: &Plan) -> usize {
-    let begin = StepPhases::of(plan).updates_begin();
-    let Some(loss) = plan.outputs.iter().find(|o| o.is_loss).map(|o| o.buffer) else { return begin };
-    let writes_loss = |instr: &Instr| match instr {
-        Instr::Kernel { output, .. } => *output == loss,
-        Instr::Collective { collective, .. } => collective.recv == loss,
-        Instr::Free { .. } => false,
-    };
-    plan.program[..begin].iter().rposition(writes_loss).map_or(begin, |k| k + 1)
 }
 
 /// An error of instruction `index`, in the user's terms: the tensor it computes and the source line.
@@ -844,7 +831,7 @@ impl DeviceRun<'_> {
             } else if let Some(weights) = &config.weights {
                 device.write(
                     p.buffer,
-                    weights.block(p, plan.buffer(p.buffer), coords, plan.mesh).map_err(checkpoint_error)?,
+                    weights.block(p, plan.buffer(p.buffer), coords, plan.mesh).map_err(store_error)?,
                 )?;
             }
         }
