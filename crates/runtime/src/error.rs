@@ -18,6 +18,26 @@ pub fn require<E>(ok: bool, error: impl FnOnce() -> E) -> Result<(), E> {
     if ok { Ok(()) } else { Err(error()) }
 }
 
+/// The sizes of a batched product `out[l] = a[l] b[l]` from its three shapes, each
+/// `[leading..., rows, columns]`: (the leading dimensions, m, k, n), or why the shapes do not multiply.
+/// Every backend's batched matmul checks its operands here.
+pub fn batched_product<'s>(
+    a: &'s [u64],
+    b: &[u64],
+    out: &[u64],
+) -> Result<(&'s [u64], usize, usize, usize), KernelError> {
+    let (la, m, k) = optimus_plan::shapes::batch_matrix(a, "A")?;
+    let (lb, k2, n) = optimus_plan::shapes::batch_matrix(b, "B")?;
+    let (lo, m2, n2) = optimus_plan::shapes::batch_matrix(out, "the output")?;
+    require(la == lb && la == lo, || KernelError::LeadingDimensions {
+        a: la.to_vec(),
+        b: lb.to_vec(),
+        out: lo.to_vec(),
+    })?;
+    require(k == k2 && m == m2 && n == n2, || KernelError::Product { lhs: [m, k], rhs: [k2, n], out: [m2, n2] })?;
+    Ok((la, m, k, n))
+}
+
 /// Why an operand's elements cannot be read as a kernel reads them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ElementError {

@@ -3,7 +3,7 @@
 
 use super::par;
 use super::vmath::{self, vectorized};
-use crate::error::{KernelError, require};
+use crate::error::{KernelError, batched_product, require};
 pub use crate::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use crate::view::TensorViews;
 use crate::view::{View, ViewData, ViewMut, ViewMutData};
@@ -289,15 +289,7 @@ fn matmul_kernel(inputs: &[&View], out: &mut ViewMut, ta: bool, tb: bool, accumu
 
 fn batched_matmul(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [a, b] = args(inputs)?;
-    let (la, m, k) = batch_matrix(&a.shape, "A")?;
-    let (lb, k2, n) = batch_matrix(&b.shape, "B")?;
-    let (lo, m2, n2) = batch_matrix(&out.shape, "the output")?;
-    require(la == lb && la == lo, || KernelError::LeadingDimensions {
-        a: la.to_vec(),
-        b: lb.to_vec(),
-        out: lo.to_vec(),
-    })?;
-    require(k == k2 && m == m2 && n == n2, || KernelError::Product { lhs: [m, k], rhs: [k2, n], out: [m2, n2] })?;
+    let (_, m, k, n) = batched_product(&a.shape, &b.shape, &out.shape)?;
     let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
     let y = floats_mut(out)?;
     par::costed_row_blocks(y, m * n, m * n * k, |first, y| {

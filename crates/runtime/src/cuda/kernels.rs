@@ -11,7 +11,7 @@
 //! with bf16 operands and f32 accumulation.
 
 use super::error::{DeviceError, driver};
-use crate::error::{KernelError, require};
+use crate::error::{KernelError, batched_product, require};
 use crate::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use crate::view::{View, ViewData, ViewMut, ViewMutData};
 use cudarc::cublas::sys::cublasOperation_t;
@@ -844,15 +844,7 @@ impl Device {
         Device: Multiply<T, C>,
     {
         let [a, b] = args(inputs)?;
-        let (la, m, k) = batch_matrix(&a.shape, "A")?;
-        let (lb, k2, n) = batch_matrix(&b.shape, "B")?;
-        let (lo, m2, n2) = batch_matrix(&out.shape, "the output")?;
-        require(la == lb && la == lo, || KernelError::LeadingDimensions {
-            a: la.to_vec(),
-            b: lb.to_vec(),
-            out: lo.to_vec(),
-        })?;
-        require(k == k2 && m == m2 && n == n2, || KernelError::Product { lhs: [m, k], rhs: [k2, n], out: [m2, n2] })?;
+        let (la, m, k, n) = batched_product(&a.shape, &b.shape, &out.shape)?;
         let batches = numel(la);
         let (av, bv) = (elems::<T>(a, "A")?, elems::<T>(b, "B")?);
         let y = elems_mut::<C>(out, "the output")?;
