@@ -245,3 +245,65 @@ impl From<BlockError> for String {
         e.to_string()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::{block_of, gather_blocks, pad_to};
+    use crate::layout::Layout;
+    use crate::tensor::Tensor;
+    use crate::types::DType;
+    use crate::{BufferId, Role};
+
+    fn buffer(logical: &[u64], layout: Layout, shape: &[u64]) -> Buffer {
+        let (id, name, dtype, role) = (BufferId(0), "w".to_string(), DType::F32, Role::Parameter);
+        Buffer { id, name, dtype, logical_shape: logical.to_vec(), layout, shape: shape.to_vec(), role }
+    }
+
+    fn index_error(b: &Buffer, coords: Coords, mesh: Mesh) -> String {
+        IndexMap::new(b, coords, mesh).err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_layout_that_cannot_place_a_block_says_what_disagrees() {
+        let rows = Layout::new(Placement::shard(0), Placement::Replicate);
+        let mesh = Mesh::new(2, 1);
+        let origin = Coords::default();
+        assert_eq!(
+            index_error(&buffer(&[4, 3], rows, &[2]), origin, mesh),
+            "the local shape's rank is [1], expected [2]"
+        );
+        assert_eq!(
+            index_error(&buffer(&[4], Layout::new(Placement::shard(1), Placement::Replicate), &[2]), origin, mesh),
+            "layout (S(1), R) splits dimension 1 of a rank-1 tensor"
+        );
+        assert_eq!(
+            index_error(&buffer(&[4, 3], rows, &[3, 3]), origin, mesh),
+            "layout (S(0), R) gives 2 local elements in dimension 0, not 3"
+        );
+        assert_eq!(
+            index_error(&buffer(&[5, 3], rows, &[2, 3]), origin, mesh),
+            "a dimension of 5 viewed as [1, _, 1] cannot be split in 2"
+        );
+        let outside = Coords::new(2, 0, 0);
+        assert_eq!(
+            index_error(&buffer(&[4, 3], rows, &[2, 3]), outside, mesh),
+            "mesh coordinate 2 is outside an axis of 2"
+        );
+    }
+
+    #[test]
+    fn a_tensor_that_does_not_match_its_buffer_is_refused_by_name() {
+        let whole = buffer(&[2, 3], Layout::REPLICATED, &[2, 3]);
+        let mesh = Mesh::new(1, 1);
+        let wrong = Tensor::from_f32(&[3, 2], vec![0.0; 6]);
+        let cut = block_of(&wrong, &whole, Coords::default(), mesh).err().map(|e| e.to_string());
+        assert_eq!(cut.as_deref(), Some("`w` must be [2, 3], not [3, 2]"));
+        let larger = Tensor::from_f32(&[3, 3], vec![0.0; 9]);
+        let padded = pad_to(&larger, &whole).err().map(|e| e.to_string());
+        assert_eq!(padded.as_deref(), Some("`w` is [3, 3], which does not fit [2, 3]"));
+        let integers = Tensor::from_i32(&[2, 3], vec![0; 6]);
+        let joined = gather_blocks(&[&integers], &whole, mesh).err().map(|e| e.to_string());
+        assert_eq!(joined.as_deref(), Some("expected a floating-point tensor, found integers"));
+    }
+}
