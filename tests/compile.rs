@@ -396,6 +396,7 @@ fn structure(plan: &Plan) -> String {
                     shape(c.recv)
                 )
             }
+            Instr::Wait { recv, .. } => format!("wait {}", shape(*recv)),
             Instr::Free { .. } => continue,
         };
         let _ = writeln!(out, "{n:>4} {}", line.trim_end());

@@ -383,7 +383,7 @@ fn the_plan_says_which_collectives_are_gradient_sums_and_where_the_updates_begin
         let writes_loss = |i: &Instr| match i {
             Instr::Kernel { output, .. } => *output == loss,
             Instr::Collective { collective, .. } => collective.recv == loss,
-            Instr::Free { .. } => false,
+            Instr::Free { .. } | Instr::Wait { .. } => false,
         };
         assert!(writes_loss(&plan.program[end - 1]), "{mesh}: the forward pass ends with the loss");
         assert!(!plan.program[end..phases.updates_begin()].iter().any(writes_loss), "{mesh}: the last loss write");

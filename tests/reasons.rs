@@ -51,7 +51,7 @@ fn explained(plan: &Plan) -> Vec<(&Instr, &Reason)> {
             Instr::Kernel { reason, .. } | Instr::Collective { reason, .. } => {
                 Some((instr, &plan.reasons[*reason as usize]))
             }
-            Instr::Free { .. } => None,
+            Instr::Free { .. } | Instr::Wait { .. } => None,
         })
         .collect()
 }

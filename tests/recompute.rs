@@ -40,7 +40,7 @@ fn scope(plan: &Plan, instr: &Instr) -> String {
         Instr::Kernel { origin, .. } | Instr::Collective { origin, .. } => {
             plan.origins.get(*origin as usize).map(|o| o.scope.clone()).unwrap_or_default()
         }
-        Instr::Free { .. } => String::new(),
+        Instr::Free { .. } | Instr::Wait { .. } => String::new(),
     }
 }
 
@@ -82,7 +82,7 @@ fn layers_costs_one_extra_forward_per_repeated_block() {
                 Instr::Kernel { reason, .. } | Instr::Collective { reason, .. } => {
                     layers.reasons[*reason as usize].recompute.as_ref().is_some_and(|unit| unit.starts_with("h."))
                 }
-                Instr::Free { .. } => false,
+                Instr::Free { .. } | Instr::Wait { .. } => false,
             })
             .count();
         let count = |p: &Plan| p.program.iter().filter(|i| !matches!(i, Instr::Free { .. })).count();

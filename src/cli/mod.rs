@@ -57,6 +57,15 @@ pub struct TargetArgs {
     /// used [default: 0].
     #[arg(long = "zero", value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=1))]
     pub zero: Option<u8>,
+    /// Run collectives beside computation: each starts as early as its operands allow (SUMMA's next
+    /// broadcasts during the current product, double-buffered; data-parallel gradient sums during the
+    /// rest of the backward pass; ZeRO-1 weight gathers ahead of their layer) and is waited for just
+    /// before its result is needed. The plan records every start and wait (`inspect` lists them, the
+    /// memory plan counts the second buffers, `simulate` follows them); on threads each device gets a
+    /// communication thread, elsewhere collectives still run where they start. Results are
+    /// bit-identical to a run without it. Also applies to a plan file.
+    #[arg(long = "overlap")]
+    pub overlap: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -262,7 +271,26 @@ pub fn load_checked(path: &Path, overrides: &[Override]) -> Option<(optimus::ir:
 
 /// Checks and compiles a model for a target, printing diagnostics on failure.
 pub fn compile_model(path: &Path, target: &TargetArgs) -> Option<Plan> {
-    compile_for(path, &target.set, target.target())
+    let mut plan = compile_for(path, &target.set, target.target())?;
+    if target.overlap && !overlapped(&mut plan) {
+        return None;
+    }
+    Some(plan)
+}
+
+/// Applies `--overlap` to a plan and verifies the result (an internal error, printed, if it fails).
+fn overlapped(plan: &mut Plan) -> bool {
+    optimus::plan::overlap::overlap_collectives(plan);
+    match optimus::plan::verify::verify(plan) {
+        Ok(()) => true,
+        Err(errors) => {
+            eprintln_safe!("error: internal error: the plan with --overlap failed verification (please report it):");
+            for e in errors.iter().take(20) {
+                eprintln_safe!("  {e}");
+            }
+            false
+        }
+    }
 }
 
 /// Checks and compiles a model for an explicit target.
@@ -335,6 +363,10 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
             path.display(),
             conflicts.join(", ")
         )));
+    }
+    let mut plan = plan;
+    if target.overlap && !overlapped(&mut plan) {
+        return Err(Failure::reported());
     }
     Ok(plan)
 }

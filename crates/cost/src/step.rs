@@ -17,7 +17,9 @@ use super::hardware::Hardware;
 use optimus_plan::placement::{LinkKind, NodeMap, RankPlacement};
 use optimus_plan::report::{kernel_flops, report};
 use optimus_plan::types::DType;
-use optimus_plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mode, Plan, ReasonKind, SummaProduct};
+use optimus_plan::{
+    Buffer, BufferId, Collective, CollectiveKind, Group, Instr, Kernel, Mode, Plan, ReasonKind, SummaProduct,
+};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -222,11 +224,31 @@ struct Tally {
     /// Gradient sums over the replicas still running on the communication stream, oldest first: the
     /// (group, link, kind) they are counted under and the seconds they have left.
     background: std::collections::VecDeque<((String, LinkKind, String), f64)>,
+    /// The plan's own schedule of overlapped collectives, when it has one (`--overlap`): followed
+    /// instead of the double-buffering and gradient-sum models above.
+    stream: Option<Stream>,
+}
+
+/// A device's compute and communication streams, for a plan whose collectives say where they start
+/// and where they are waited for: collectives run one after another on the communication stream,
+/// each from when it is started (and the stream is free); computation waits only at a collective's
+/// wait, or for a collective that is not overlapped.
+#[derive(Default)]
+struct Stream {
+    /// Seconds into the step on the compute stream.
+    now: f64,
+    /// When the communication stream is next free.
+    free: f64,
+    /// Overlapped collectives in flight: their receive buffer, when they end, and their row.
+    in_flight: Vec<(BufferId, f64, (String, LinkKind, String))>,
 }
 
 impl Tally {
     fn kernel(&mut self, cost: KernelCost, reason: Option<&ReasonKind>) {
         let time = cost.seconds;
+        if let Some(stream) = self.stream.as_mut() {
+            stream.now += time;
+        }
         self.wait_for_gradient_sums(reason);
         self.compute += time;
         self.overhead += cost.overhead;
@@ -237,31 +259,17 @@ impl Tally {
     }
 
     /// Adds a collective of `time` seconds; SUMMA broadcasts hide behind the previous step's product.
-    fn collective(
-        &mut self,
-        kind: CollectiveKind,
-        group: Group,
-        link: LinkKind,
-        bytes: u64,
-        time: f64,
-        reason: Option<&ReasonKind>,
-    ) {
+    fn collective(&mut self, c: &Collective, link: LinkKind, bytes: u64, time: f64, reason: Option<&ReasonKind>) {
+        let (kind, group) = (c.kind, c.group);
+        let overlapped = c.overlapped.then_some(c.recv);
         self.wait_for_gradient_sums(reason);
-        let in_summa = self.double_buffered && self.overlap.enter(reason);
-        let beside = self.double_buffered && matches!(reason, Some(ReasonKind::DataParallelGradient { .. }));
-        let shown = if in_summa && kind == CollectiveKind::Broadcast {
-            self.overlap.hide(time)
-        } else if beside {
-            0.0
-        } else {
-            time
+        let key = (group.name().to_string(), link, kind.name().to_string());
+        let shown = match self.stream.as_mut() {
+            Some(stream) => stream.start(time, overlapped, key.clone()),
+            None => self.modelled_exposure(kind, time, reason, &key),
         };
         self.communication += time;
         self.exposed += shown;
-        let key = (group.name().to_string(), link, kind.name().to_string());
-        if beside {
-            self.background.push_back((key.clone(), time));
-        }
         let e = self.by_group.entry(key).or_insert_with(|| CommTime {
             group: group.name().to_string(),
             link: link.name().to_string(),
@@ -275,6 +283,71 @@ impl Tally {
         e.bytes += bytes;
         e.time_s += time;
         e.exposed_s += shown;
+    }
+
+    /// The exposed part of a collective under the runtime model (SUMMA broadcasts hide behind the
+    /// previous step's product; gradient sums run beside the backward pass).
+    fn modelled_exposure(
+        &mut self,
+        kind: CollectiveKind,
+        time: f64,
+        reason: Option<&ReasonKind>,
+        key: &(String, LinkKind, String),
+    ) -> f64 {
+        let in_summa = self.double_buffered && self.overlap.enter(reason);
+        let beside = self.double_buffered && matches!(reason, Some(ReasonKind::DataParallelGradient { .. }));
+        let shown = if in_summa && kind == CollectiveKind::Broadcast {
+            self.overlap.hide(time)
+        } else if beside {
+            0.0
+        } else {
+            time
+        };
+        if beside {
+            self.background.push_back((key.clone(), time));
+        }
+        shown
+    }
+
+    /// The wait for the overlapped collective into `recv`: the compute stream stops until it ends.
+    fn wait(&mut self, recv: BufferId) {
+        let Some(stream) = self.stream.as_mut() else { return };
+        let Some(k) = stream.in_flight.iter().position(|(r, _, _)| *r == recv) else { return };
+        let (_, end, key) = stream.in_flight.remove(k);
+        let shown = (end - stream.now).max(0.0);
+        stream.now += shown;
+        self.exposed += shown;
+        if let Some(e) = self.by_group.get_mut(&key) {
+            e.exposed_s += shown;
+        }
+    }
+
+    /// Waits for every overlapped collective still in flight (the end of the step).
+    fn finish_stream(&mut self) {
+        let pending: Vec<BufferId> = self.stream.iter().flat_map(|s| s.in_flight.iter().map(|f| f.0)).collect();
+        for recv in pending {
+            self.wait(recv);
+        }
+    }
+}
+
+impl Stream {
+    /// Starts a collective of `time` seconds on the communication stream; returns the part the compute
+    /// stream waits for now (all of what is left of it when it is not overlapped, nothing when it is).
+    fn start(&mut self, time: f64, overlapped: Option<BufferId>, key: (String, LinkKind, String)) -> f64 {
+        let end = self.now.max(self.free) + time;
+        self.free = end;
+        match overlapped {
+            Some(recv) => {
+                self.in_flight.push((recv, end, key));
+                0.0
+            }
+            None => {
+                let shown = end - self.now;
+                self.now = end;
+                shown
+            }
+        }
     }
 }
 
@@ -324,7 +397,14 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
     let measured = hw.measured.as_ref();
     let overlap = options.overlap && measured.is_none_or(|m| m.overlap);
     let engine = Engine::of(plan, hw);
-    let mut tally = Tally { double_buffered: overlap, ..Tally::default() };
+    // A plan that says what overlaps is followed as it says, where the engine can run communication
+    // beside computation (not one whose cores the devices share: their copies take the same cores).
+    let scheduled = plan.overlap && overlap && !engine.shared;
+    let mut tally = Tally {
+        double_buffered: overlap && !plan.overlap,
+        stream: scheduled.then(Stream::default),
+        ..Tally::default()
+    };
     for (index, instr) in plan.program.iter().enumerate() {
         match instr {
             Instr::Kernel { kernel, inputs, output, reason, .. } => {
@@ -342,11 +422,13 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
                     m.collective_seconds(c.kind, members, plan.mesh.devices(), bytes as f64, engine.shared)
                 });
                 let t = measured_time.unwrap_or(modelled) + engine.collective();
-                tally.collective(c.kind, c.group, link_kind, bytes, t, reason_kind(plan, *reason));
+                tally.collective(c, link_kind, bytes, t, reason_kind(plan, *reason));
             }
+            Instr::Wait { recv, .. } => tally.wait(*recv),
             Instr::Free { .. } => {}
         }
     }
+    tally.finish_stream();
     tally.wait_for_gradient_sums(None);
     let placement = if nodes.note.is_some() { RankPlacement::RowMajor } else { options.placement };
     let header = Header {

@@ -8,6 +8,7 @@ pub mod init;
 pub mod layout;
 pub mod logical;
 pub mod memory;
+pub mod overlap;
 pub mod phases;
 pub mod placement;
 pub mod reason;
@@ -738,15 +739,40 @@ pub struct Collective {
     pub shard: Option<Placement>,
     pub send: BufferId,
     pub recv: BufferId,
+    /// Started here and finished at the [`Instr::Wait`] that names its buffers, running beside the
+    /// instructions between (`--overlap`); otherwise it completes here. Between its start and its wait
+    /// nothing touches `recv` (but a later collective that sends it) or writes or frees `send` (the
+    /// verifier checks it). A device runs its collectives one after another in program order, the same
+    /// on every device, so the members of a group meet in one order.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub overlapped: bool,
 }
 
 /// One instruction of the SPMD program.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "instr")]
 pub enum Instr {
-    Kernel { kernel: Kernel, inputs: Vec<BufferId>, output: BufferId, origin: u32, reason: u32 },
-    Collective { collective: Collective, origin: u32, reason: u32 },
-    Free { buffer: BufferId },
+    Kernel {
+        kernel: Kernel,
+        inputs: Vec<BufferId>,
+        output: BufferId,
+        origin: u32,
+        reason: u32,
+    },
+    Collective {
+        collective: Collective,
+        origin: u32,
+        reason: u32,
+    },
+    Free {
+        buffer: BufferId,
+    },
+    /// Waits for the overlapped collective that sends `send` and receives `recv` to finish: after it,
+    /// `recv` holds the result and `send` may be written or freed again.
+    Wait {
+        send: BufferId,
+        recv: BufferId,
+    },
 }
 
 /// Where an instruction came from: the model source text (and layer path) that caused it. Each
@@ -843,6 +869,9 @@ pub struct Plan {
     /// sharded over the replicas).
     #[serde(default, skip_serializing_if = "is_default")]
     pub zero: u8,
+    /// Whether collectives overlap computation ([`overlap::overlap_collectives`], `--overlap`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub overlap: bool,
 }
 
 /// Whether a value is its type's default (left out of plan files, so older plans read the same).

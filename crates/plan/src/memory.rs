@@ -88,6 +88,8 @@ pub fn touched(instr: &Instr) -> Vec<BufferId> {
         }
         Instr::Collective { collective, .. } => vec![collective.send, collective.recv],
         Instr::Free { buffer } => vec![*buffer],
+        // An overlapped collective's buffers stay alive (and in place) until it is waited for.
+        Instr::Wait { send, recv } => vec![*send, *recv],
     }
 }
 

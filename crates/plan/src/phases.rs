@@ -77,7 +77,7 @@ fn forward_end(plan: &Plan, updates_begin: usize) -> usize {
     let writes_loss = |instr: &Instr| match instr {
         Instr::Kernel { output, .. } => *output == loss,
         Instr::Collective { collective, .. } => collective.recv == loss,
-        Instr::Free { .. } => false,
+        Instr::Free { .. } | Instr::Wait { .. } => false,
     };
     plan.program[..updates_begin].iter().rposition(writes_loss).map_or(updates_begin, |k| k + 1)
 }

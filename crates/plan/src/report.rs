@@ -40,6 +40,10 @@ pub struct CommEntry {
     pub elements: u64,
     pub bytes: u64,
     pub origin: OriginRef,
+    /// Where an overlapped collective (`--overlap`) is waited for: it runs beside the instructions
+    /// from `instruction` to this one. Absent for a collective that completes where it starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waited_at: Option<usize>,
 }
 
 /// Totals per (kind, group).
@@ -50,6 +54,13 @@ pub struct CommTotal {
     pub count: u64,
     pub elements: u64,
     pub bytes: u64,
+    /// How many of them are overlapped with computation (`--overlap`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub overlapped: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Per-device memory by category (the plan's memory figures) and the source of the peak.
@@ -120,10 +131,13 @@ pub fn report(plan: &Plan) -> Report {
             count: 0,
             elements: 0,
             bytes: 0,
+            overlapped: 0,
         });
         t.count += 1;
         t.elements += elements;
         t.bytes += bytes;
+        let waited_at = c.overlapped.then(|| wait_of(plan, index, c.recv)).flatten();
+        t.overlapped += u64::from(waited_at.is_some());
         communication.push(CommEntry {
             instruction: index,
             kind,
@@ -131,6 +145,7 @@ pub fn report(plan: &Plan) -> Report {
             elements,
             bytes,
             origin: origin_ref(plan, *origin, *reason),
+            waited_at,
         });
     }
     let m = &plan.memory;
@@ -154,6 +169,12 @@ pub fn report(plan: &Plan) -> Report {
         communication_totals: totals.into_values().collect(),
         padding: plan.padding.clone(),
     }
+}
+
+/// The position of the `Wait` for the overlapped collective at `start` that receives `recv`.
+fn wait_of(plan: &Plan, start: usize, recv: super::BufferId) -> Option<usize> {
+    let later = plan.program.iter().enumerate().skip(start + 1);
+    later.filter_map(|(k, i)| matches!(i, Instr::Wait { recv: r, .. } if *r == recv).then_some(k)).next()
 }
 
 /// Floating-point operations of one kernel on one device (multiply-adds count as two).
@@ -347,6 +368,7 @@ peak by category (alive at the peak instruction; they add up to the peak):"
     if r.communication_totals.is_empty() {
         let _ = writeln!(out, "  none");
     }
+    render_overlap(&mut out, plan, r);
     render_by_line(&mut out, r);
     let _ = writeln!(
         out,
@@ -354,6 +376,29 @@ peak by category (alive at the peak instruction; they add up to the peak):"
         r.flops.per_device as f64, r.flops.total as f64
     );
     out
+}
+
+/// For an overlapped plan: how many collectives run beside computation, over how many instructions,
+/// and the buffers doubled for it.
+fn render_overlap(out: &mut String, plan: &Plan, r: &Report) {
+    if !plan.overlap {
+        return;
+    }
+    let overlapped: Vec<&CommEntry> = r.communication.iter().filter(|c| c.waited_at.is_some()).collect();
+    let spans: usize = overlapped.iter().filter_map(|c| Some(c.waited_at? - c.instruction)).sum();
+    let doubled = plan.buffers.iter().filter(|b| b.name.ends_with(" (second buffer)")).count();
+    let _ = writeln!(
+        out,
+        "
+overlap: {} of {} collectives run beside computation (each from its start to its wait, {:.1} \
+         instructions on average); {doubled} buffers doubled so that SUMMA steps overlap",
+        overlapped.len(),
+        r.communication.len(),
+        if overlapped.is_empty() { 0.0 } else { spans as f64 / overlapped.len() as f64 },
+    );
+    for t in r.communication_totals.iter().filter(|t| t.overlapped > 0) {
+        let _ = writeln!(out, "  {:<15} {:<7} {:>5} of {:>5} overlapped", t.kind, t.group, t.overlapped, t.count);
+    }
 }
 
 /// Communication grouped by responsible source line, largest first.
@@ -391,10 +436,11 @@ pub fn render_dot(plan: &Plan) -> String {
             Instr::Collective { collective: c, .. } => {
                 let shape = &plan.buffer(c.send).shape;
                 let root = c.root.map_or(String::new(), |r| format!(" root {r}"));
-                let label = format!("{} {}{root}\\n{shape:?}", c.kind.name(), c.group.name());
+                let started = if c.overlapped { " (overlapped)" } else { "" };
+                let label = format!("{} {}{root}{started}\\n{shape:?}", c.kind.name(), c.group.name());
                 (label, ", style=filled, fillcolor=lightblue", vec![c.send], c.recv)
             }
-            Instr::Free { .. } => continue,
+            Instr::Free { .. } | Instr::Wait { .. } => continue,
         };
         let _ = writeln!(out, "  i{index} [label=\"{label}\"{style}];");
         for b in inputs {

@@ -4,6 +4,7 @@
 
 mod declarations;
 mod kernels;
+mod overlap;
 
 pub use declarations::checked_bytes;
 
@@ -34,9 +35,10 @@ pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
                 check_kernel(plan, index, kernel, inputs, *output, &mut errors)
             }
             Instr::Collective { collective, .. } => check_collective(plan, index, collective, &mut errors),
-            Instr::Free { .. } => {}
+            Instr::Free { .. } | Instr::Wait { .. } => {}
         }
     }
+    overlap::check_overlap(plan, &mut errors);
     check_group_order(plan, &mut errors);
     check_memory_summary(plan, &mut errors);
     if errors.is_empty() { Ok(()) } else { Err(errors) }
@@ -111,6 +113,7 @@ fn check_structure(plan: &Plan, errors: &mut Vec<String>) {
                 check_origin(plan, *origin, *reason, errors);
             }
             Instr::Free { buffer } => referenced.push(*buffer),
+            Instr::Wait { send, recv } => referenced.extend([*send, *recv]),
         }
     }
     for p in &plan.params {
@@ -145,6 +148,8 @@ fn check_lifetimes(plan: &Plan, errors: &mut Vec<String>) {
                 (reads, vec![*output])
             }
             Instr::Collective { collective: c, .. } => (vec![c.send], vec![c.recv]),
+            // Its collective wrote `recv` at its start; the wait keeps both buffers in use until here.
+            Instr::Wait { send, recv } => (vec![*send, *recv], Vec::new()),
             Instr::Free { buffer } => {
                 match freed.get_mut(buffer.0 as usize) {
                     Some(f) if *f => errors.push(format!("instruction {index}: buffer {} is freed twice", buffer.0)),

@@ -309,6 +309,14 @@ impl HostArena {
         .map_err(RuntimeError::Comm)
     }
 
+    /// Whether [`HostArena::exchange`] lends these buffers in place (two f32 buffers, or two bf16
+    /// ones) rather than widened copies. The words never move while the arena lives (until
+    /// [`HostArena::retain`] at the end of a run), so a communicator may keep such blocks past the call.
+    pub fn lends_in_place(&self, send: BufferId, recv: BufferId) -> bool {
+        let elem = |id| self.region(id).map(|r| r.elem).ok();
+        matches!((elem(send), elem(recv)), (Some(Elem::F32), Some(Elem::F32)) | (Some(Elem::Bf16), Some(Elem::Bf16)))
+    }
+
     /// Keeps only the buffers `keep` (disjoint), moved to the front, and gives the rest of the
     /// allocation back; every other buffer loses its place.
     pub fn retain(&mut self, keep: &[BufferId]) -> Result<(), RuntimeError> {

@@ -93,6 +93,14 @@ pub trait Backend: Send {
         elementwise: bool,
         exchange: &mut dyn Exchanges,
     ) -> Result<(), RuntimeError>;
+    /// Whether [`Backend::collective`] lends `exchange` the buffers themselves, where they stay until
+    /// the run ends (no widened or staged copies), so that a communicator may keep using them after
+    /// the call, for an overlapped collective. When not, an overlapped collective runs to the end
+    /// where it starts.
+    fn lends_in_place(&self, storage: &Self::Storage, send: BufferId, recv: BufferId) -> bool {
+        let _ = (storage, send, recv);
+        false
+    }
 }
 
 /// A device of a run: its index among the devices of this process (what picks its GPU), and how a GPU

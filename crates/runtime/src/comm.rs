@@ -88,8 +88,44 @@ pub trait Communicator {
         send: &[T],
         recv: &mut [T],
     ) -> Result<(), CommError>;
+    /// Starts a collective that may run beside what the caller does next (an overlapped collective of
+    /// the plan); [`Communicator::finish`] waits for it. Collectives run in the order they are started
+    /// or called. This default runs it to the end at once, so a communicator without a thread of its
+    /// own (MPI, NCCL through the backend) still follows a plan that overlaps.
+    ///
+    /// # Safety
+    /// `send` and `recv` must stay allocated, with `send` unwritten and `recv` neither read nor written
+    /// by anyone else, until [`Communicator::finish`] returns for it or the communicator is dropped.
+    unsafe fn start<T: Payload>(
+        &mut self,
+        spec: &CollectiveSpec<'_>,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<Started, CommError> {
+        let began = std::time::Instant::now();
+        self.collective(spec, send, recv)?;
+        Ok(Started::Done(began.elapsed()))
+    }
+    /// Waits for a started collective to finish; returns how long it ran where it ran (on the
+    /// communicator's own thread, or inside [`Communicator::start`]).
+    fn finish(&mut self, started: Started) -> Result<std::time::Duration, CommError> {
+        match started {
+            Started::Done(took) => Ok(took),
+            Started::Queued(n) => Err(CommError::Transport(format!("collective {n} was never queued here"))),
+        }
+    }
     /// Tells every peer that this device failed, so that none waits for it.
     fn abort(&self, reason: &str);
+}
+
+/// A collective [`Communicator::start`] has started.
+#[derive(Debug)]
+#[must_use = "a started collective must be finished before its buffers are used"]
+pub enum Started {
+    /// It ran to the end inside `start`, taking this long.
+    Done(std::time::Duration),
+    /// Queued on the communicator's own thread as its n-th collective.
+    Queued(u64),
 }
 
 /// A payload's elements as their concrete type.

@@ -167,6 +167,8 @@ pub type DeviceResult = (Vec<StepRecord>, DeviceBlocks, Option<Profile>);
 pub struct Device<'p, B: Backend, C: Communicator> {
     pub plan: &'p Plan,
     pub backend: B,
+    /// Declared before `storage`, so that it is dropped first: a communicator with a thread of its own
+    /// joins it when dropped, and that thread may still hold blocks of the storage.
     pub comm: C,
     pub seed: u64,
     /// The seed kernels see during the current step: the run's seed mixed with the step, so that
@@ -190,6 +192,33 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     /// The global gradient norm of the last update (before clipping) and the factor it scaled the
     /// gradients by.
     grad_norm: Option<(f32, f32)>,
+    /// Overlapped collectives started and not yet waited for, in the order started.
+    in_flight: Vec<InFlight>,
+    /// The program position being executed (what an overlapped collective's profile row is).
+    position: usize,
+    /// The collective the last `Wait` finished, for the profile.
+    last_wait: Option<Waited>,
+}
+
+/// An overlapped collective in flight on the communicator's own thread.
+#[derive(Debug)]
+struct InFlight {
+    /// Its program position.
+    index: usize,
+    recv: BufferId,
+    started: super::comm::Started,
+    /// Time the start itself took on this device's thread.
+    issued: Duration,
+}
+
+/// What waiting for an overlapped collective found: where it started, how long this device's thread
+/// waited for it, and how much of its run went on beside this thread's work (its run time less the
+/// time this thread spent starting and waiting for it).
+#[derive(Clone, Copy, Debug)]
+struct Waited {
+    index: usize,
+    blocked: Duration,
+    hidden: Duration,
 }
 
 /// What a step does at its optimizer instructions.
@@ -224,6 +253,9 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             phases: StepPhases::of(plan),
             clip_grad_norm: None,
             grad_norm: None,
+            in_flight: Vec::new(),
+            position: 0,
+            last_wait: None,
         };
         let coords = device.coords();
         for p in &plan.params {
@@ -241,8 +273,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         self.comm.coords()
     }
 
-    /// A host copy of a buffer's contents, if it is alive.
+    /// A host copy of a buffer's contents, if it is alive (after the overlapped collective writing it,
+    /// if one is in flight).
     pub fn read(&mut self, id: BufferId) -> Result<Option<Tensor>, RuntimeError> {
+        self.wait(id)?;
         if !self.is_alive(id) {
             return Ok(None);
         }
@@ -255,6 +289,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
 
     /// Replaces a buffer's contents (loading inputs or checkpoint shards).
     pub fn write(&mut self, id: BufferId, tensor: Tensor) -> Result<(), RuntimeError> {
+        self.wait(id)?;
         let meta = self.plan.buffer(id);
         if tensor.shape != meta.shape {
             let (buffer, want, got) = (meta.name.clone(), meta.shape.clone(), tensor.shape);
@@ -294,7 +329,9 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let updates_begin = self.phases.updates_begin();
         let failed = |index: usize| move |e: RuntimeError| StepError::Failed(at_instruction(plan, index)(e));
         for (index, instr) in plan.program.iter().enumerate() {
+            self.position = index;
             if index == updates_begin {
+                self.finish_in_flight().map_err(failed(index))?;
                 self.check_loss()?;
             }
             let phase = self.phases.phase(index);
@@ -304,6 +341,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                     Update::ApplyMean(_, _, count) => Some(count),
                     _ => None,
                 };
+                self.finish_in_flight().map_err(failed(index))?;
                 self.accumulate_all(mean_of).map_err(failed(index))?;
                 if mean_of.is_none() {
                     return Ok(());
@@ -312,6 +350,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             if let Some(norm_buffer) = plan.grad_norm.filter(|_| self.grad_norm.is_none())
                 && phase == Phase::Update
             {
+                self.finish_in_flight().map_err(failed(index))?;
                 self.grad_norm = Some(self.clip_factor(norm_buffer).map_err(failed(index))?);
             }
             let started = self.profile.is_some().then(Instant::now);
@@ -321,12 +360,40 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 self.execute_with(instr, update).map_err(failed(index))?;
             }
             if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
-                profile.record(index, started.elapsed());
+                match (instr, self.last_wait.take()) {
+                    (Instr::Wait { .. }, Some(w)) => profile.record_wait(w.index, w.blocked, w.hidden),
+                    _ => profile.record(index, started.elapsed()),
+                }
             }
         }
+        self.finish_in_flight().map_err(failed(plan.program.len()))?;
         if updates_begin == plan.program.len() {
             self.check_loss()?;
         }
+        Ok(())
+    }
+
+    /// Waits for every overlapped collective still in flight (where a partial pass of the program
+    /// ends, or before the executor reads what one may be writing).
+    fn finish_in_flight(&mut self) -> Result<(), RuntimeError> {
+        while let Some(f) = self.in_flight.first() {
+            let recv = f.recv;
+            self.wait(recv)?;
+        }
+        self.last_wait = None;
+        Ok(())
+    }
+
+    /// Waits for the overlapped collective into `recv`, if one is in flight (it is not when the
+    /// collective ran where it started, or a micro-batch deferred it); notes it for the profile.
+    fn wait(&mut self, recv: BufferId) -> Result<(), RuntimeError> {
+        let Some(k) = self.in_flight.iter().position(|f| f.recv == recv) else { return Ok(()) };
+        let f = self.in_flight.remove(k);
+        let began = Instant::now();
+        let ran = self.comm.finish(f.started)?;
+        let blocked = began.elapsed();
+        let hidden = ran.saturating_sub(f.issued + blocked);
+        self.last_wait = Some(Waited { index: f.index, blocked, hidden });
         Ok(())
     }
 
@@ -393,6 +460,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             self.load_inputs(&(evaluation.data)(v).map_err(RuntimeError::Data)?)?;
             self.begin_step();
             for (index, instr) in plan.program.iter().enumerate().take(self.phases.forward_end()) {
+                self.position = index;
                 let result = match instr {
                     Instr::Kernel { kernel: Kernel::Dropout { key, .. }, inputs, output, .. } => {
                         self.kernel(&Kernel::Dropout { p: 0.0, key: *key }, inputs, *output)
@@ -401,6 +469,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 };
                 result.map_err(at_instruction(plan, index))?;
             }
+            self.finish_in_flight()?;
             let value = self.read(loss.buffer)?.and_then(|t| t.f32().ok()?.first().copied());
             total += f64::from(value.ok_or(RuntimeError::LossNotComputed)?);
         }
@@ -475,6 +544,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             },
             Instr::Kernel { kernel, inputs, output, .. } => self.kernel(kernel, inputs, *output),
             Instr::Collective { collective: c, .. } => self.collective(c),
+            Instr::Wait { recv, .. } => self.wait(*recv),
             Instr::Free { buffer } => {
                 if self.plan.buffer(*buffer).role != Role::Parameter {
                     self.alive[buffer.0 as usize] = false;
@@ -515,11 +585,14 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         }
         self.begin_step();
         for (index, instr) in plan.program.iter().enumerate().take(self.phases.updates_begin()) {
+            self.position = index;
             self.execute(instr, None).map_err(at_instruction(plan, index))?;
             let written = match instr {
                 Instr::Kernel { output, .. } => Some(*output),
-                Instr::Collective { collective, .. } => Some(collective.recv),
-                Instr::Free { .. } => None,
+                // An overlapped collective's result is complete (and checked) at its wait.
+                Instr::Collective { collective, .. } if !collective.overlapped => Some(collective.recv),
+                Instr::Wait { recv, .. } => Some(*recv),
+                Instr::Collective { .. } | Instr::Free { .. } => None,
             };
             if let Some(b) = written.filter(|_| local.is_none())
                 && self.non_finite_in(b)?.is_some()
@@ -527,6 +600,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 local = Some(plan.params.len() + index);
             }
         }
+        self.finish_in_flight()?;
         // The mesh-wide first is the smallest index; an all-reduce of the negated index finds it.
         let mine = local.map_or(f32::MIN, |k| -(k as f32));
         let mut first = [0f32];
@@ -606,10 +680,16 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         }
         self.require_alive(&[c.send])?;
         self.prepare_output(c.recv, true)?;
-        let mut exchange = PlanCollective { comm: &mut self.comm, c, full };
+        let start = c.overlapped && self.backend.lends_in_place(&self.storage, c.send, c.recv);
+        let began = Instant::now();
+        let mut exchange = PlanCollective { comm: &mut self.comm, c, full, start, started: None };
         let elementwise =
             matches!(c.kind, CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce);
-        self.backend.collective(&mut self.storage, c.send, c.recv, elementwise, &mut exchange)
+        self.backend.collective(&mut self.storage, c.send, c.recv, elementwise, &mut exchange)?;
+        if let Some(started) = exchange.started.take() {
+            self.in_flight.push(InFlight { index: self.position, recv: c.recv, started, issued: began.elapsed() });
+        }
+        Ok(())
     }
 }
 
@@ -619,15 +699,36 @@ struct PlanCollective<'a, C> {
     comm: &'a mut C,
     c: &'a optimus_plan::Collective,
     full: &'a [u64],
+    /// Start the collective and leave it in flight (an overlapped collective whose buffers the backend
+    /// lends in place) instead of running it to the end.
+    start: bool,
+    /// What the start returned.
+    started: Option<super::comm::Started>,
+}
+
+impl<C: Communicator> PlanCollective<'_, C> {
+    fn run<T: super::comm::Payload>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), super::comm::CommError> {
+        let spec = CollectiveSpec::of(self.c, self.full);
+        if !self.start {
+            return self.comm.collective(&spec, send, recv);
+        }
+        // SAFETY: `start` is set only when the backend lends the buffers themselves, which stay where
+        // they are while the device lives (`Backend::lends_in_place`); the verified plan neither
+        // touches `recv` nor writes or frees `send` before the collective's `Wait`, and the executor
+        // waits for every collective still in flight before it returns from a pass of the program. The
+        // communicator, dropped before the storage, joins its thread first.
+        self.started = Some(unsafe { self.comm.start(&spec, send, recv)? });
+        Ok(())
+    }
 }
 
 impl<C: Communicator> super::backend::Exchanges for PlanCollective<'_, C> {
     fn f32(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), super::comm::CommError> {
-        self.comm.collective(&CollectiveSpec::of(self.c, self.full), send, recv)
+        self.run(send, recv)
     }
 
     fn bf16(&mut self, send: &[u16], recv: &mut [u16]) -> Result<(), super::comm::CommError> {
-        self.comm.collective(&CollectiveSpec::of(self.c, self.full), send, recv)
+        self.run(send, recv)
     }
 
     fn spec(&self) -> Option<CollectiveSpec<'_>> {
@@ -749,6 +850,7 @@ pub fn describe_instruction(plan: &Plan, index: usize) -> String {
             Some(*origin),
         ),
         Instr::Free { buffer } => (format!("the release of `{}`", plan.buffer(*buffer).name), None),
+        Instr::Wait { recv, .. } => (format!("`{}` (the wait for its collective)", plan.buffer(*recv).name), None),
     };
     match origin.and_then(|o| plan.origins.get(o as usize)) {
         Some(o) if o.scope.is_empty() => format!("{what} ({}:{})", plan.source, o.line),
@@ -814,9 +916,28 @@ struct DeviceRun<'r> {
 impl DeviceRun<'_> {
     /// The step loop of one device on `backend`.
     fn on<B: Backend, C: Communicator>(&self, backend: B, comm: C) -> Result<DeviceResult, String> {
-        let DeviceRun { plan, config, batches, initial, on_step } = *self;
+        let DeviceRun { plan, config, .. } = *self;
         super::startup::mark("backend open");
         let mut device = Device::new(plan, backend, comm, config.seed)?;
+        match self.drive(&mut device) {
+            Ok((records, profile)) => Ok((records, final_blocks(device)?, profile)),
+            Err(e) => {
+                // Peers may be waiting on collectives this device has in flight: tell them why it
+                // stopped before its communicator is dropped (which would only say that it did).
+                if !device.in_flight.is_empty() {
+                    device.comm.abort(&failure_report(device.coords(), &e));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Loads the device's weights and runs its steps; its records and profile.
+    fn drive<B: Backend, C: Communicator>(
+        &self,
+        device: &mut Device<'_, B, C>,
+    ) -> Result<(Vec<StepRecord>, Option<Profile>), String> {
+        let DeviceRun { plan, config, batches, initial, on_step } = *self;
         device.clip_grad_norm = config.clip_grad_norm;
         if let Some(checkpoint) = &config.resume {
             device.load_checkpoint(checkpoint.as_ref())?;
@@ -912,8 +1033,13 @@ impl DeviceRun<'_> {
             }
         }
         let profile = device.profile.take();
-        Ok((records, final_blocks(device)?, profile))
+        Ok((records, profile))
     }
+}
+
+/// What a device's failure tells its peers and the user: `device (i, j) failed: ...`.
+pub fn failure_report(coords: Coords, error: &str) -> String {
+    format!("device {coords} failed: {error}")
 }
 
 /// A device's blocks at the end of a run: parameters, last gradients and outputs (host copies). The

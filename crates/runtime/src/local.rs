@@ -44,7 +44,7 @@ pub fn run(
                         Err(_) => Err("a kernel panicked (an internal error)".to_string()),
                     };
                     result.map_err(|e| {
-                        let message = format!("device {coords} failed: {e}");
+                        let message = super::exec::failure_report(coords, &e);
                         ThreadComm::new(fabric, coords).abort(&message);
                         message
                     })

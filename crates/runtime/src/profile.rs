@@ -14,8 +14,12 @@ use std::time::Duration;
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Tally {
     count: u64,
+    /// Time the device's own thread spent on it: for an overlapped collective, starting it and
+    /// waiting for it (its exposed time).
     time: Duration,
     first: Vec<Duration>,
+    /// Overlapped collectives: the part of their run that went on beside the device's other work.
+    hidden: Duration,
 }
 
 /// Runs of one instruction whose times are kept one by one (for quantiles); the rest are only summed.
@@ -48,6 +52,15 @@ impl Profile {
             if tally.first.len() < KEPT_RUNS {
                 tally.first.push(elapsed);
             }
+        }
+    }
+
+    /// Adds the wait for overlapped collective `index` (started and recorded earlier in the step): the
+    /// time the device's thread was `blocked` waiting, and the `hidden` rest of its run.
+    pub fn record_wait(&mut self, index: usize, blocked: Duration, hidden: Duration) {
+        if let Some(tally) = self.tallies.get_mut(index) {
+            tally.time += blocked;
+            tally.hidden += hidden;
         }
     }
 
@@ -111,7 +124,7 @@ pub fn instruction_kind(plan: &Plan, instr: &Instr) -> Option<InstrKind> {
             flops: None,
             bytes: Some(collective_bytes(plan, collective)),
         }),
-        Instr::Free { .. } => None,
+        Instr::Free { .. } | Instr::Wait { .. } => None,
     }
 }
 
@@ -223,6 +236,9 @@ pub struct ProfileRow {
     /// Collectives: bytes in all and bytes per second of their own time.
     pub bytes: Option<u64>,
     pub gb_per_s: Option<f64>,
+    /// Collectives: the time their run went on beside computation (overlapped collectives), which
+    /// `total_ms` (the time the devices' threads spent on them: exposed) leaves out.
+    pub hidden_ms: Option<f64>,
 }
 
 /// One device's time over the profiled steps.
@@ -230,8 +246,10 @@ pub struct ProfileRow {
 pub struct DeviceTotals {
     pub device: Coords,
     pub compute_ms: f64,
-    /// Collectives, waiting for peers included.
+    /// Collectives, waiting for peers included (exposed: what the device's thread spent on them).
     pub communication_ms: f64,
+    /// Communication that ran beside computation (overlapped collectives), not in `communication_ms`.
+    pub hidden_communication_ms: f64,
     /// The rest of the steps' wall time: loading inputs, releasing buffers, checking the loss.
     pub other_ms: f64,
     pub wall_ms: f64,
@@ -243,6 +261,7 @@ struct RowSum {
     category: Category,
     count: u64,
     time: Duration,
+    hidden: Duration,
     flops: Option<u64>,
     bytes: Option<u64>,
 }
@@ -270,11 +289,13 @@ fn summed_rows(kinds: &[Option<InstrKind>], profiles: &[Profile], peak_gflops: f
                 category: kind.category,
                 count: 0,
                 time: Duration::ZERO,
+                hidden: Duration::ZERO,
                 flops: kind.flops.map(|_| 0),
                 bytes: kind.bytes.map(|_| 0),
             });
             sum.count += tally.count;
             sum.time += tally.time;
+            sum.hidden += tally.hidden;
             let add = |total: Option<u64>, each: Option<u64>| match (total, each) {
                 (Some(t), Some(e)) => Some(t.saturating_add(e.saturating_mul(tally.count))),
                 (total, _) => total,
@@ -305,17 +326,20 @@ fn row(name: &str, s: &RowSum, all: Duration, peak_gflops: f64) -> ProfileRow {
         peak_pct: gflops.filter(|_| peak_gflops > 0.0).map(|g| 100.0 * g / peak_gflops),
         bytes: s.bytes,
         gb_per_s: s.bytes.and_then(per_second),
+        hidden_ms: (s.category == Category::Communication).then_some(s.hidden.as_secs_f64() * 1e3),
     }
 }
 
 fn device_totals(kinds: &[Option<InstrKind>], profile: &Profile) -> DeviceTotals {
     let mut spent = [Duration::ZERO; 2];
+    let mut hidden = Duration::ZERO;
     for (kind, tally) in kinds.iter().zip(&profile.tallies) {
         match kind.as_ref().map(|k| k.category) {
             Some(Category::Compute) => spent[0] += tally.time,
             Some(Category::Communication) => spent[1] += tally.time,
             None => {}
         }
+        hidden += tally.hidden;
     }
     let other = profile.wall.saturating_sub(spent[0] + spent[1]);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -323,6 +347,7 @@ fn device_totals(kinds: &[Option<InstrKind>], profile: &Profile) -> DeviceTotals
         device: profile.device,
         compute_ms: ms(spent[0]),
         communication_ms: ms(spent[1]),
+        hidden_communication_ms: ms(hidden),
         other_ms: ms(other),
         wall_ms: ms(profile.wall),
     }
@@ -357,13 +382,13 @@ impl ProfileReport {
     fn rows_table(&self) -> String {
         let width = self.rows.iter().map(|r| r.name.chars().count()).max().unwrap_or(0).max(5);
         let mut text = format!(
-            "{:<width$}  {:>7}  {:>10}  {:>7}  {:>9}  {:>8}  {:>6}  {:>7}\n",
-            "kind", "count", "total ms", "share %", "avg µs", "GFLOP/s", "% peak", "GB/s"
+            "{:<width$}  {:>7}  {:>10}  {:>7}  {:>9}  {:>8}  {:>6}  {:>7}  {:>9}\n",
+            "kind", "count", "total ms", "share %", "avg µs", "GFLOP/s", "% peak", "GB/s", "hidden ms"
         );
         let blank = || "-".to_string();
         for r in &self.rows {
             text.push_str(&format!(
-                "{:<width$}  {:>7}  {:>10.2}  {:>7.1}  {:>9.1}  {:>8}  {:>6}  {:>7}\n",
+                "{:<width$}  {:>7}  {:>10.2}  {:>7.1}  {:>9.1}  {:>8}  {:>6}  {:>7}  {:>9}\n",
                 r.name,
                 r.count,
                 r.total_ms,
@@ -372,6 +397,7 @@ impl ProfileReport {
                 r.gflops.map_or_else(blank, |g| format!("{g:.1}")),
                 r.peak_pct.map_or_else(blank, |p| format!("{p:.1}")),
                 r.gb_per_s.map_or_else(blank, |g| format!("{g:.3}")),
+                r.hidden_ms.map_or_else(blank, |h| format!("{h:.2}")),
             ));
         }
         let count: u64 = self.rows.iter().map(|r| r.count).sum();
@@ -382,19 +408,24 @@ impl ProfileReport {
 
     fn devices_table(&self) -> String {
         let mut text = format!(
-            "{:<8}  {:>10}  {:>16}  {:>8}  {:>8}\n",
-            "device", "compute ms", "communication ms", "other ms", "wall ms"
+            "{:<8}  {:>10}  {:>16}  {:>9}  {:>8}  {:>8}\n",
+            "device", "compute ms", "communication ms", "hidden ms", "other ms", "wall ms"
         );
         for d in &self.devices {
             text.push_str(&format!(
-                "{:<8}  {:>10.2}  {:>16.2}  {:>8.2}  {:>8.2}\n",
+                "{:<8}  {:>10.2}  {:>16.2}  {:>9.2}  {:>8.2}  {:>8.2}\n",
                 d.device.to_string(),
                 d.compute_ms,
                 d.communication_ms,
+                d.hidden_communication_ms,
                 d.other_ms,
                 d.wall_ms
             ));
         }
+        text.push_str(
+            "(a collective's total and communication ms are what the device's thread spent on it: exposed; \
+             hidden ms ran beside computation, with --overlap)\n",
+        );
         text
     }
 }

@@ -504,6 +504,7 @@ impl<'a> Lowerer<'a> {
             recompute,
             precision: self.target.memory.precision,
             zero: self.target.memory.zero,
+            overlap: false,
         };
         optimus_plan::verify::verify(&plan).map_err(|errors| {
             errors
@@ -672,7 +673,7 @@ impl<'a> Lowerer<'a> {
         reason: Reason,
     ) {
         let (origin, reason) = (self.origin(), self.reason(reason));
-        let collective = Collective { kind, group, root, op, shard, send, recv };
+        let collective = Collective { kind, group, root, op, shard, send, recv, overlapped: false };
         self.program.push(Instr::Collective { collective, origin, reason });
     }
 

@@ -30,6 +30,7 @@ fn reads(instr: &Instr) -> Vec<BufferId> {
         }
         Instr::Collective { collective, .. } => vec![collective.send],
         Instr::Free { .. } => Vec::new(),
+        Instr::Wait { send, recv } => vec![*send, *recv],
     }
 }
 
@@ -38,7 +39,7 @@ fn writes(instr: &Instr) -> Option<BufferId> {
     match instr {
         Instr::Kernel { output, .. } => Some(*output),
         Instr::Collective { collective, .. } => Some(collective.recv),
-        Instr::Free { .. } => None,
+        Instr::Free { .. } | Instr::Wait { .. } => None,
     }
 }
 
@@ -91,7 +92,7 @@ impl Lowerer<'_> {
     fn unit_of(&self, instr: &Instr, mode: Recompute) -> Option<String> {
         let origin = match instr {
             Instr::Kernel { origin, .. } | Instr::Collective { origin, .. } => *origin,
-            Instr::Free { .. } => return None,
+            Instr::Free { .. } | Instr::Wait { .. } => return None,
         };
         let scope = &self.origins.get(origin as usize)?.scope;
         let block = self
@@ -247,6 +248,7 @@ impl Lowerer<'_> {
                 Instr::Collective { collective: c, origin: *origin, reason }
             }
             Instr::Free { buffer } => Instr::Free { buffer: swap(buffer) },
+            Instr::Wait { send, recv } => Instr::Wait { send: swap(send), recv: swap(recv) },
         }
     }
 }
@@ -302,6 +304,10 @@ fn splice(
                     }
                 }
                 Instr::Collective { collective, .. } => swap(&mut collective.send),
+                Instr::Wait { send, recv } => {
+                    swap(send);
+                    swap(recv);
+                }
                 Instr::Free { .. } => {}
             }
         }

@@ -187,4 +187,8 @@ impl Backend for CpuBackend {
     ) -> Result<(), RuntimeError> {
         storage.exchange(send, recv, elementwise, exchange)
     }
+
+    fn lends_in_place(&self, storage: &HostArena, send: BufferId, recv: BufferId) -> bool {
+        storage.lends_in_place(send, recv)
+    }
 }

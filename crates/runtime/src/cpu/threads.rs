@@ -1,9 +1,9 @@
 //! The in-process communicator: one thread per device, collectives by rendezvous on shared memory.
 //! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
 
-use crate::comm::{CollectiveSpec, CommError, Communicator, Payload, combine};
-use optimus_plan::layout::MESH_AXES;
-use optimus_plan::{CollectiveKind, Coords, Group, Mesh};
+use crate::comm::{CollectiveSpec, CommError, Communicator, Payload, Started, combine};
+use optimus_plan::layout::{MESH_AXES, Placement};
+use optimus_plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -285,16 +285,40 @@ impl Fabric {
     }
 }
 
-/// One device's endpoint on a [`Fabric`].
+/// One device's endpoint on a [`Fabric`], with a communication thread of its own once the plan
+/// overlaps a collective with computation.
 pub struct ThreadComm {
     fabric: Arc<Fabric>,
     coords: Coords,
+    /// Started on the first overlapped collective; from then on every collective of this device runs
+    /// on it, in the order started, so the device meets its peers in program order.
+    worker: Option<Worker>,
 }
 
 impl ThreadComm {
     pub fn new(fabric: Arc<Fabric>, coords: Coords) -> ThreadComm {
-        ThreadComm { fabric, coords }
+        ThreadComm { fabric, coords, worker: None }
     }
+
+    /// Collectives started and not yet finished.
+    pub fn in_flight(&self) -> usize {
+        self.worker.as_ref().map_or(0, Worker::unfinished)
+    }
+}
+
+/// Runs one collective of this device on the fabric: every member deposits its send block (a
+/// broadcast's root alone) and combines the others' in place into its result.
+fn exchange_on<T: Payload>(
+    fabric: &Fabric,
+    coords: Coords,
+    spec: &CollectiveSpec<'_>,
+    send: &[T],
+    recv: &mut [T],
+) -> Result<(), CommError> {
+    let me = spec.group.member_index(coords, fabric.mesh);
+    // A broadcast only needs the root's block; the others deposit nothing.
+    let data = if spec.kind == CollectiveKind::Broadcast && spec.root != Some(me) { &send[..0] } else { send };
+    fabric.exchange_in_group(spec.group, coords, data, |parts| combine(spec, me, parts, recv))?
 }
 
 impl Communicator for ThreadComm {
@@ -308,23 +332,220 @@ impl Communicator for ThreadComm {
 
     /// Every member deposits its send block (a broadcast's root alone) and combines the others' in place
     /// into its result; bf16 blocks are deposited and read as bf16, reductions taken in f32 and rounded
-    /// once.
+    /// once. Behind overlapped collectives still in flight, it waits its turn on the device's
+    /// communication thread.
     fn collective<T: Payload>(
         &mut self,
         spec: &CollectiveSpec<'_>,
         send: &[T],
         recv: &mut [T],
     ) -> Result<(), CommError> {
-        let me = spec.group.member_index(self.coords, self.fabric.mesh);
-        // A broadcast only needs the root's block; the others deposit nothing.
-        let data = if spec.kind == CollectiveKind::Broadcast && spec.root != Some(me) { &send[..0] } else { send };
-        let combined =
-            self.fabric.exchange_in_group(spec.group, self.coords, data, |parts| combine(spec, me, parts, recv));
-        combined?
+        if self.worker.is_none() {
+            return exchange_on(&self.fabric, self.coords, spec, send, recv);
+        }
+        // SAFETY: both slices stay borrowed (and so untouched by anyone else) until `finish` returns.
+        let started = unsafe { self.start(spec, send, recv)? };
+        self.finish(started).map(|_| ())
+    }
+
+    /// Queues the collective on this device's communication thread (started on first use).
+    unsafe fn start<T: Payload>(
+        &mut self,
+        spec: &CollectiveSpec<'_>,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<Started, CommError> {
+        let (fabric, coords) = (Arc::clone(&self.fabric), self.coords);
+        let owned = OwnedSpec::of(spec);
+        let (send, recv) = (Lent::of(send), LentMut::of(recv));
+        let job = Box::new(move || {
+            // SAFETY: the caller of `start` keeps both blocks allocated and otherwise untouched until
+            // `finish` returns for this collective, or until the worker is joined when the endpoint is
+            // dropped (see `Worker`), which is after this job has ended.
+            let (send, recv) = unsafe { (send.slice(), recv.slice()) };
+            exchange_on(&fabric, coords, &owned.spec(), send, recv)
+        });
+        let worker = match &mut self.worker {
+            Some(worker) => worker,
+            None => self.worker.insert(Worker::spawn(self.coords)?),
+        };
+        worker.queue(job).map(Started::Queued)
+    }
+
+    fn finish(&mut self, started: Started) -> Result<Duration, CommError> {
+        match (started, self.worker.as_mut()) {
+            (Started::Done(took), _) => Ok(took),
+            (Started::Queued(n), Some(worker)) => worker.finish(n),
+            (Started::Queued(n), None) => {
+                Err(CommError::Transport(format!("collective {n} was finished on an endpoint that never queued it")))
+            }
+        }
     }
 
     fn abort(&self, reason: &str) {
         self.fabric.fail(reason);
+    }
+}
+
+impl Drop for ThreadComm {
+    /// A device that stops with collectives in flight (a failure the executor did not report first)
+    /// ends its peers' waits, so that its communication thread finishes and can be joined before the
+    /// blocks it reads and writes go away.
+    fn drop(&mut self) {
+        if self.in_flight() > 0 {
+            self.fabric.fail(&format!("device {} stopped with collectives in flight", self.coords));
+        }
+    }
+}
+
+/// A collective's description without borrowed parts, for the communication thread.
+struct OwnedSpec {
+    kind: CollectiveKind,
+    group: Group,
+    root: Option<u64>,
+    op: ReduceOp,
+    shard: Option<Placement>,
+    full: Vec<u64>,
+}
+
+impl OwnedSpec {
+    fn of(spec: &CollectiveSpec<'_>) -> OwnedSpec {
+        let CollectiveSpec { kind, group, root, op, shard, full } = *spec;
+        OwnedSpec { kind, group, root, op, shard, full: full.to_vec() }
+    }
+
+    fn spec(&self) -> CollectiveSpec<'_> {
+        let OwnedSpec { kind, group, root, op, shard, .. } = *self;
+        CollectiveSpec { kind, group, root, op, shard, full: &self.full }
+    }
+}
+
+/// A block lent to the communication thread (see [`Communicator::start`]'s contract).
+struct Lent<T> {
+    ptr: *const T,
+    len: usize,
+}
+
+/// A result block lent to the communication thread.
+struct LentMut<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: the blocks are payload elements (plain numbers) that only the communication thread uses
+// while lent, by `Communicator::start`'s contract.
+unsafe impl<T: Payload> Send for Lent<T> {}
+unsafe impl<T: Payload> Send for LentMut<T> {}
+
+impl<T> Lent<T> {
+    fn of(data: &[T]) -> Lent<T> {
+        Lent { ptr: data.as_ptr(), len: data.len() }
+    }
+
+    /// # Safety
+    /// Only while the lender keeps the block allocated and unwritten.
+    unsafe fn slice<'a>(self) -> &'a [T] {
+        // SAFETY: by the caller's guarantee.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl<T> LentMut<T> {
+    fn of(data: &mut [T]) -> LentMut<T> {
+        LentMut { ptr: data.as_mut_ptr(), len: data.len() }
+    }
+
+    /// # Safety
+    /// Only while the lender keeps the block allocated and does not touch it.
+    unsafe fn slice<'a>(self) -> &'a mut [T] {
+        // SAFETY: by the caller's guarantee.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// One collective queued on a communication thread.
+type Job = Box<dyn FnOnce() -> Result<(), CommError> + Send>;
+
+/// What a communication thread reports for each collective: its number, its outcome, and how long it
+/// ran there.
+type Outcome = (u64, Result<(), CommError>, Duration);
+
+/// A device's communication thread: runs queued collectives one after another, in order. It is joined
+/// when the endpoint is dropped, after its queue has drained, so no lent block outlives its owner's
+/// borrow.
+struct Worker {
+    jobs: Option<std::sync::mpsc::Sender<(u64, Job)>>,
+    outcomes: std::sync::mpsc::Receiver<Outcome>,
+    /// Outcomes received before they were asked for.
+    finished: std::collections::BTreeMap<u64, (Result<(), CommError>, Duration)>,
+    queued: u64,
+    waited: u64,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Worker {
+    fn spawn(coords: Coords) -> Result<Worker, CommError> {
+        let (jobs, queue) = std::sync::mpsc::channel::<(u64, Job)>();
+        let (report, outcomes) = std::sync::mpsc::channel::<Outcome>();
+        let thread = std::thread::Builder::new()
+            .name(format!("comm {coords}"))
+            .spawn(move || {
+                for (n, job) in queue {
+                    let began = Instant::now();
+                    let outcome = job();
+                    if report.send((n, outcome, began.elapsed())).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| {
+                CommError::Transport(format!("cannot start the communication thread of device {coords}: {e}"))
+            })?;
+        Ok(Worker {
+            jobs: Some(jobs),
+            outcomes,
+            finished: Default::default(),
+            queued: 0,
+            waited: 0,
+            thread: Some(thread),
+        })
+    }
+
+    fn unfinished(&self) -> usize {
+        (self.queued - self.waited) as usize
+    }
+
+    fn queue(&mut self, job: Job) -> Result<u64, CommError> {
+        let n = self.queued;
+        let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send((n, job)).is_ok());
+        if !sent {
+            return Err(CommError::Transport("the communication thread has stopped".into()));
+        }
+        self.queued += 1;
+        Ok(n)
+    }
+
+    /// Waits for collective `n`; how long it ran on the communication thread.
+    fn finish(&mut self, n: u64) -> Result<Duration, CommError> {
+        while !self.finished.contains_key(&n) {
+            let (k, outcome, took) = self
+                .outcomes
+                .recv()
+                .map_err(|_| CommError::Transport("the communication thread stopped with collectives queued".into()))?;
+            self.finished.insert(k, (outcome, took));
+        }
+        let (outcome, took) = self.finished.remove(&n).unwrap_or((Ok(()), Duration::ZERO));
+        self.waited += 1;
+        outcome.map(|()| took)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 
@@ -471,6 +692,70 @@ mod tests {
             }
         });
         assert_eq!(fabric.bytes_deposited(), 2 * 10 * 4);
+    }
+
+    #[test]
+    fn started_collectives_run_in_order_beside_the_caller_and_equal_plain_ones() {
+        let mesh = Mesh::new(1, 3);
+        let fabric = Fabric::new(mesh, Duration::from_secs(60));
+        let results: Vec<Result<(f32, f32, f32), CommError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3u64)
+                .map(|j| {
+                    let fabric = Arc::clone(&fabric);
+                    s.spawn(move || {
+                        let mut comm = ThreadComm::new(fabric, Coords::new(0, j, 0));
+                        let spec = CollectiveSpec::all_reduce(Group::World, ReduceOp::Sum, &[1]);
+                        let (mine, mut first, mut second) = ([j as f32 + 1.0], [0.0f32], [0.0f32]);
+                        // SAFETY: every block stays borrowed here, untouched, until its `finish`.
+                        let a = unsafe { comm.start(&spec, &mine, &mut first)? };
+                        // The second sends the first's result: it runs after the first, on the same thread.
+                        let first_ptr: *const [f32] = &first;
+                        // SAFETY: `first` is only read by the communication thread until both finish.
+                        let b = unsafe { comm.start(&spec, &*first_ptr, &mut second)? };
+                        assert_eq!(comm.in_flight(), 2);
+                        comm.finish(b)?;
+                        comm.finish(a)?;
+                        let plain = all_reduce(&mut comm, 1.0)?;
+                        Ok((first[0], second[0], plain))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        for r in results {
+            assert_eq!(r.expect("no failure"), (6.0, 18.0, 3.0));
+        }
+    }
+
+    #[test]
+    fn a_device_dropped_with_collectives_in_flight_ends_its_peers_waits() {
+        let mesh = Mesh::new(1, 2);
+        let fabric = Fabric::new(mesh, Duration::from_secs(60));
+        let began = Instant::now();
+        let peer = std::thread::scope(|s| {
+            let lone = Arc::clone(&fabric);
+            s.spawn(move || {
+                let mut comm = ThreadComm::new(lone, Coords::new(0, 0, 0));
+                let spec = CollectiveSpec::all_reduce(Group::World, ReduceOp::Sum, &[1]);
+                let (mine, mut out) = ([1.0f32], [0.0f32]);
+                // SAFETY: the blocks outlive `comm`, whose drop joins the thread that uses them.
+                let _started = unsafe { comm.start(&spec, &mine, &mut out) };
+                drop(comm);
+            });
+            let other = Arc::clone(&fabric);
+            s.spawn(move || {
+                // The peer arrives at a different collective, which never meets the dropped device's.
+                std::thread::sleep(Duration::from_millis(50));
+                let mut comm = ThreadComm::new(other, Coords::new(0, 1, 0));
+                let mut out = [0.0f32];
+                let spec = CollectiveSpec::all_reduce(Group::Row, ReduceOp::Max, &[1]);
+                comm.collective(&spec, &[1.0], &mut out)
+            })
+            .join()
+            .expect("thread")
+        });
+        assert!(began.elapsed() < Duration::from_secs(5), "waited {:?}", began.elapsed());
+        assert!(fabric.failure().is_some_and(|f| f.contains("stopped with collectives in flight")), "{peer:?}");
     }
 
     #[test]
