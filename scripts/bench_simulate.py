@@ -4,11 +4,15 @@ beside `optimusc run` (CPU threads) over a grid of meshes, strategies, sizes and
 
 Usage: python3 scripts/bench_simulate.py [--profile FILE.toml] [--optimusc PATH] [--full]
                                          [--steps N] [--repeats R] [--model FILE.opt] [--layers L]
-                                         [--batch B] [--vocab V]
+                                         [--batch B] [--vocab V] [--overlap] [--jsonl FILE]
 
 Without --profile it runs `optimusc calibrate` first. Prints one line per grid point (predicted,
 measured, error) and the mean and worst absolute error. The measured step time is the median of the
-steps after the first (warm-up), the fastest of --repeats rounds over the whole grid. Not part of the test suite: timings need a quiet machine.
+steps after the first (warm-up), the fastest of --repeats rounds over the whole grid. With --overlap,
+every point is compiled with `--overlap` for both the prediction and the run, and also run without
+it in the same round, side by side (the last column is the overlapped step over the plain one).
+--jsonl writes one JSON record per point (raw results). Not part of the test suite: timings need a
+quiet machine.
 """
 
 import argparse
@@ -64,6 +68,19 @@ def predicted_step(args, target):
     return sim["step_time_s"], sim["compute_s"], sim["exposed_communication_s"]
 
 
+def cpu_name():
+    """The CPU's model name and its widest vector extension, from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "unknown")
+    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
+    width = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
+    return f"{name} ({width})"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +93,8 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--overlap", action="store_true", help="predict and run with --overlap, beside plain runs")
+    p.add_argument("--jsonl", help="write one JSON record per point to this file")
     args = p.parse_args()
     if not os.path.exists(args.optimusc):
         sys.exit(f"no optimusc at {args.optimusc}: build it with `cargo build --release`")
@@ -83,24 +102,45 @@ def main():
         args.profile = os.path.join(tempfile.mkdtemp(), "calibrated.toml")
         subprocess.run([args.optimusc, "calibrate", "-o", args.profile], check=True)
     points = grid(args.full)
-    targets = [["--mesh", mesh, "--strategy", strategy, "--mode", mode, *overrides(args, hidden, seq)]
-               for (mesh, strategy), hidden, seq, mode in points]
+    plain = [["--mesh", mesh, "--strategy", strategy, "--mode", mode, *overrides(args, hidden, seq)]
+             for (mesh, strategy), hidden, seq, mode in points]
+    targets = [t + ["--overlap"] for t in plain] if args.overlap else plain
     predicted = [predicted_step(args, t) for t in targets]
     # Rounds over the whole grid, minutes apart: each point keeps its fastest round, so a slow spell
     # of a shared machine (another process, a noisy neighbour) during one run does not count.
     measured = [float("inf")] * len(points)
+    without = [float("inf")] * len(points)
     for round_ in range(args.repeats):
         print(f"measuring: round {round_ + 1} of {args.repeats} over {len(points)} points", file=sys.stderr)
         for k, target in enumerate(targets):
             measured[k] = min(measured[k], one_run(args, target))
+            if args.overlap:
+                without[k] = min(without[k], one_run(args, plain[k]))
+    extra = "   plain     overlap/plain" if args.overlap else ""
     print(f"{'mesh':<5} {'strategy':<9} {'hidden':>6} {'seq':>4} {'mode':<5} "
-          f"{'predicted':>10} {'measured':>10} {'error':>7}   compute / exposed comm")
+          f"{'predicted':>10} {'measured':>10} {'error':>7}   compute / exposed comm{extra}")
     errors = []
-    for ((mesh, strategy), hidden, seq, mode), (step, compute, comm), real in zip(points, predicted, measured):
+    records = []
+    for k, (((mesh, strategy), hidden, seq, mode), (step, compute, comm), real) in enumerate(
+            zip(points, predicted, measured)):
         error = step / real - 1.0
         errors.append(error)
-        print(f"{mesh:<5} {strategy:<9} {hidden:>6} {seq:>4} {mode:<5} {1e3 * step:>8.1f}ms "
-              f"{1e3 * real:>8.1f}ms {100 * error:>+6.1f}%   {1e3 * compute:.1f} / {1e3 * comm:.1f} ms")
+        line = (f"{mesh:<5} {strategy:<9} {hidden:>6} {seq:>4} {mode:<5} {1e3 * step:>8.1f}ms "
+                f"{1e3 * real:>8.1f}ms {100 * error:>+6.1f}%   {1e3 * compute:.1f} / {1e3 * comm:.1f} ms")
+        if args.overlap:
+            line += f"   {1e3 * without[k]:>8.1f}ms  {real / without[k]:.3f}"
+        print(line)
+        records.append({"mesh": mesh, "strategy": strategy, "hidden": hidden, "seq": seq, "mode": mode,
+                        "layers": args.layers, "batch": args.batch, "vocab": args.vocab,
+                        "overlap": args.overlap, "predicted_s": step, "predicted_compute_s": compute,
+                        "predicted_exposed_comm_s": comm, "measured_s": real,
+                        "measured_without_overlap_s": without[k] if args.overlap else None,
+                        "steps": args.steps, "repeats": args.repeats, "cpu": cpu_name(),
+                        "threads": os.cpu_count()})
+    if args.jsonl:
+        with open(args.jsonl, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
     worst = max(errors, key=abs)
     mean = statistics.mean(abs(e) for e in errors)
     print(f"\n{len(errors)} points: mean |error| {100 * mean:.1f}%, worst {100 * worst:+.1f}%")

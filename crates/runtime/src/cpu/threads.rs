@@ -333,14 +333,16 @@ impl Communicator for ThreadComm {
     /// Every member deposits its send block (a broadcast's root alone) and combines the others' in place
     /// into its result; bf16 blocks are deposited and read as bf16, reductions taken in f32 and rounded
     /// once. Behind overlapped collectives still in flight, it waits its turn on the device's
-    /// communication thread.
+    /// communication thread; with none in flight it runs on the caller's thread.
     fn collective<T: Payload>(
         &mut self,
         spec: &CollectiveSpec<'_>,
         send: &[T],
         recv: &mut [T],
     ) -> Result<(), CommError> {
-        if self.worker.is_none() {
+        // With nothing queued on the communication thread, running it here keeps the order and saves
+        // two hand-overs between threads.
+        if self.in_flight() == 0 {
             return exchange_on(&self.fabric, self.coords, spec, send, recv);
         }
         // SAFETY: both slices stay borrowed (and so untouched by anyone else) until `finish` returns.
