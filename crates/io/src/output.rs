@@ -121,17 +121,56 @@ enum Destination {
 
 /// Writes `bytes` to `path` as the module documentation describes; the error names `path`.
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
+    write_with(path, &mut |out: &mut dyn Write| out.write_all(bytes))
+}
+
+/// [`write_file`] for contents that `content` writes as it produces them (through a buffer), so that
+/// a large text need not be built in memory first. A regular file is still replaced whole or not at
+/// all; a stream or device may have received part of it when `content` fails.
+pub fn write_with(path: &Path, content: &mut dyn FnMut(&mut dyn Write) -> io::Result<()>) -> Result<(), OutputError> {
+    write_replacing(path, Durability::Synced, content)
+}
+
+/// [`write_with`] for a file that can be made again (a compiled plan): replaced whole or not at all
+/// like any other, but not synced to disk before the rename, which on a slow disk costs more than
+/// writing it. After a power failure it may be missing or empty, never partly written.
+pub fn write_regenerable(
+    path: &Path,
+    content: &mut dyn FnMut(&mut dyn Write) -> io::Result<()>,
+) -> Result<(), OutputError> {
+    write_replacing(path, Durability::Regenerable, content)
+}
+
+/// Whether a replaced file is synced to disk before it takes its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Durability {
+    Synced,
+    Regenerable,
+}
+
+fn write_replacing(
+    path: &Path,
+    durability: Durability,
+    content: &mut dyn FnMut(&mut dyn Write) -> io::Result<()>,
+) -> Result<(), OutputError> {
     install_interrupt_cleanup();
     match destination(path)? {
-        Destination::Stdout => write_stream(path, &mut io::stdout().lock(), bytes),
-        Destination::Stderr => write_stream(path, &mut io::stderr().lock(), bytes),
+        Destination::Stdout => write_stream(path, &mut io::stdout().lock(), content),
+        Destination::Stderr => write_stream(path, &mut io::stderr().lock(), content),
         Destination::InPlace(target) => {
-            write_in_place(&target, bytes).map_err(|e| OutputError::io(path, &e).through(&target))
+            write_in_place(&target, content).map_err(|e| OutputError::io(path, &e).through(&target))
         }
         Destination::Replace { target, permissions } => {
-            replace(&target, permissions, bytes).map_err(|e| e.relabel(path).through(&target))
+            replace(&target, permissions, durability, content).map_err(|e| e.relabel(path).through(&target))
         }
     }
+}
+
+/// Runs `content` into `sink` through a buffer, and flushes it.
+fn buffered(sink: &mut dyn Write, content: &mut dyn FnMut(&mut dyn Write) -> io::Result<()>) -> io::Result<()> {
+    let mut out = io::BufWriter::with_capacity(1 << 16, sink);
+    content(&mut out)?;
+    out.flush()
 }
 
 /// Whether `path` names the process's standard output, where a command should not also print its
@@ -278,8 +317,12 @@ fn directory_of(path: &Path) -> &Path {
 }
 
 /// Writes to one of the process's streams.
-fn write_stream(path: &Path, stream: &mut impl Write, bytes: &[u8]) -> Result<(), OutputError> {
-    stream.write_all(bytes).and_then(|()| stream.flush()).map_err(|e| OutputError::io(path, &e))
+fn write_stream(
+    path: &Path,
+    stream: &mut impl Write,
+    content: &mut dyn FnMut(&mut dyn Write) -> io::Result<()>,
+) -> Result<(), OutputError> {
+    buffered(stream, content).map_err(|e| OutputError::io(path, &e))
 }
 
 /// Opens an existing file for writing without creating, truncating or replacing it; a FIFO is not
@@ -292,14 +335,18 @@ fn open_in_place(target: &Path) -> io::Result<()> {
 }
 
 /// Writes an existing device, FIFO, socket or open descriptor where it is.
-fn write_in_place(target: &Path, bytes: &[u8]) -> io::Result<()> {
+fn write_in_place(target: &Path, content: &mut dyn FnMut(&mut dyn Write) -> io::Result<()>) -> io::Result<()> {
     let mut file = OpenOptions::new().write(true).open(target)?;
-    file.write_all(bytes)?;
-    file.flush()
+    buffered(&mut file, content)
 }
 
 /// Replaces a regular (or new) file through an exclusive temporary sibling, synced, then renamed.
-fn replace(target: &Path, permissions: Option<Permissions>, bytes: &[u8]) -> Result<(), OutputError> {
+fn replace(
+    target: &Path,
+    permissions: Option<Permissions>,
+    durability: Durability,
+    content: &mut dyn FnMut(&mut dyn Write) -> io::Result<()>,
+) -> Result<(), OutputError> {
     let dir = directory_of(target);
     let name = file_name_text(target)?;
     remove_stale_temp_files(dir, &name);
@@ -310,12 +357,17 @@ fn replace(target: &Path, permissions: Option<Permissions>, bytes: &[u8]) -> Res
         if let Some(exact) = permissions {
             temp.as_file().set_permissions(exact)?;
         }
-        temp.write_all(bytes)?;
-        temp.as_file().sync_all()
+        buffered(temp.as_file_mut(), content)?;
+        if durability == Durability::Synced {
+            temp.as_file().sync_all()?;
+        }
+        Ok(())
     })();
     written.map_err(|e| OutputError::io(target, &e))?;
     temp.persist(target).map_err(|e| OutputError::io(target, &e.error))?;
-    sync_directory(dir);
+    if durability == Durability::Synced {
+        sync_directory(dir);
+    }
     Ok(())
 }
 
@@ -412,4 +464,32 @@ fn plain_message(error: &io::Error) -> String {
     }
     let inner = error.get_ref().and_then(|e| std::error::Error::source(e));
     inner.map_or_else(|| error.to_string(), ToString::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streamed_contents_replace_a_file_whole_or_not_at_all() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join("plan.json");
+        for write in [write_with, write_regenerable] {
+            fs::write(&path, b"old").expect("the old file");
+            let failed = write(&path, &mut |out: &mut dyn Write| {
+                out.write_all(&[b'x'; 100_000])?;
+                Err(io::Error::other("the serializer failed"))
+            });
+            assert!(failed.is_err());
+            assert_eq!(fs::read(&path).expect("still there"), b"old", "a failed write leaves the old file");
+            let names: Vec<_> = fs::read_dir(dir.path()).expect("listing").collect();
+            assert_eq!(names.len(), 1, "no temporary file is left behind");
+            write(&path, &mut |out: &mut dyn Write| {
+                (0..1000).try_for_each(|k| out.write_all(format!("{k},").as_bytes()))
+            })
+            .expect("written");
+            let text = fs::read_to_string(&path).expect("the new file");
+            assert!(text.starts_with("0,1,2,") && text.ends_with("998,999,"), "every piece, in order");
+        }
+    }
 }

@@ -1,6 +1,6 @@
 //! Reading and writing plans: deterministic JSON, written atomically so that a failure leaves no file.
 
-use crate::output::{OutputError, write_file};
+use crate::output::OutputError;
 use optimus_plan::{FORMAT_VERSION, Plan};
 use std::fmt;
 use std::io::Read;
@@ -72,11 +72,26 @@ impl std::error::Error for PlanFileError {
     }
 }
 
-/// Serialises a plan (compact, deterministic JSON) and writes it with [`crate::output::write_file`].
+/// Serialises a plan (compact, deterministic JSON) and writes it with [`crate::output::write_regenerable`].
 pub fn write_plan(plan: &Plan, path: &Path) -> Result<(), PlanFileError> {
-    let json =
-        serde_json::to_vec(plan).map_err(|source| PlanFileError::Serialize { path: path.to_path_buf(), source })?;
-    write_file(path, &json).map_err(PlanFileError::Write)
+    // Streamed to the file as it is produced: a large plan's text (8 MB for GPT-3 on 8x8) is never
+    // held in memory whole. A plan can be compiled again, so it is not synced to disk (replaced whole
+    // or not at all all the same). A serialization error is kept apart from the writer's own.
+    let mut failed: Option<serde_json::Error> = None;
+    let written = crate::output::write_regenerable(path, &mut |out| {
+        // A concrete buffer in front of the writer, so that the serializer's many small writes inline.
+        let mut out = std::io::BufWriter::with_capacity(1 << 16, out);
+        serde_json::to_writer(&mut out, plan).map_err(|e| {
+            let io = std::io::Error::other(e.to_string());
+            failed = Some(e);
+            io
+        })?;
+        std::io::Write::flush(&mut out)
+    });
+    match (written, failed) {
+        (_, Some(source)) if !source.is_io() => Err(PlanFileError::Serialize { path: path.to_path_buf(), source }),
+        (result, _) => result.map_err(PlanFileError::Write),
+    }
 }
 
 /// The one output writer, under the name earlier callers used.
