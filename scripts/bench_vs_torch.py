@@ -1,4 +1,4 @@
-"""Training throughput of `optimusc run` against PyTorch eager, side by side in one run.
+"""Training throughput of `optimusc run` against PyTorch eager and `torch.compile`, side by side in one run.
 
 For each GPT-2-shaped config, trains Hugging Face's GPT2LMHeadModel (float32, AdamW, dropout off,
 eager attention) and `optimusc run examples/gpt2.opt` with the same sizes on several meshes, all on the
@@ -42,7 +42,22 @@ def custom_config(text: str) -> tuple[str, tuple[int, ...]]:
 MESHES = [("none", "1x1"), ("optimus", "2x2"), ("megatron", "1x2"), ("megatron", "1x4")]
 
 
-def torch_tokens_per_s(sizes: tuple[int, ...], steps: int, warmup: int, threads: int) -> float:
+def cpu_description() -> str:
+    """The CPU's model name and the widest vector instructions it has (AVX-512, AVX2), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "unknown CPU"
+    name = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), "unknown CPU")
+    flags = next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), [])
+    width = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name}, {width}"
+
+
+def torch_tokens_per_s(sizes: tuple[int, ...], steps: int, warmup: int, threads: int, compiled: bool = False) -> float:
+    """Median training tokens/s of GPT2LMHeadModel in eager mode, or under `torch.compile` (whose
+    compilation happens in the warm-up steps, which are not timed)."""
     layers, hidden, heads, vocab, seq, batch = sizes
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -59,11 +74,12 @@ def torch_tokens_per_s(sizes: tuple[int, ...], steps: int, warmup: int, threads:
     config._attn_implementation = "eager"
     model = GPT2LMHeadModel(config).float().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    forward = torch.compile(model) if compiled else model
     rates = []
     for step in range(warmup + steps):
         tokens = torch.randint(0, vocab, (batch, seq + 1))
         start = time.perf_counter()
-        logits = model(tokens[:, :-1]).logits
+        logits = forward(tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,7 +125,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both (default: all cores)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="leave out torch.compile (its compilation takes minutes on 2 cores)"
+    )
     args = parser.parse_args()
+    if not args.no_compile and args.warmup < 1:
+        parser.error("torch.compile needs --warmup 1 or more (it compiles during the first step)")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     for name, sizes in args.config:
@@ -117,27 +138,41 @@ def main() -> int:
         names.append(name)
     if unknown or args.steps < 1 or args.warmup < 0 or args.threads < 1:
         parser.error(f"unknown configs {unknown}" if unknown else "steps >= 1, warmup >= 0, threads >= 1")
-    header = "config      layers hidden heads vocab  seq batch  torch tok/s  " + "  ".join(
+    compile_column = "" if args.no_compile else "torch.compile  "
+    header = f"config      layers hidden heads vocab  seq batch  torch tok/s  {compile_column}" + "  ".join(
         f"{s} {m}".ljust(13) for s, m in MESHES
     )
+    cpu = cpu_description()
     if not args.json:
-        print(f"threads: {args.threads}; ratios are optimusc tokens/s over torch eager tokens/s, measured in this run")
+        print(f"CPU: {cpu}; threads: {args.threads}; ratios are tokens/s over torch eager tokens/s, measured in this run")
         print(header)
         print("-" * len(header))
     for name in names:
         sizes = CONFIGS[name]
         reference = torch_tokens_per_s(sizes, args.steps, args.warmup, args.threads)
+        compiled: float | str | None = None
+        if not args.no_compile:
+            try:
+                compiled = torch_tokens_per_s(sizes, args.steps, args.warmup, args.threads, compiled=True)
+            except Exception as error:  # torch.compile needs a C++ compiler; say why it failed
+                compiled = f"failed: {str(error).splitlines()[0][:60] if str(error) else type(error).__name__}"
         results = {}
         for strategy, mesh in MESHES:
             results[f"{strategy} {mesh}"] = optimusc_tokens_per_s(
                 args.optimusc, sizes, strategy, mesh, args.steps, args.warmup, args.threads
             )
         if args.json:
-            print(json.dumps({"config": name, "sizes": sizes, "torch_tokens_per_s": reference, "optimusc": results}))
+            record = {"config": name, "sizes": sizes, "cpu": cpu, "threads": args.threads}
+            record.update({"torch_tokens_per_s": reference, "torch_compile_tokens_per_s": compiled, "optimusc": results})
+            print(json.dumps(record))
             continue
-        cells = [f"{v / reference:.2f}x ({v:.0f})" if isinstance(v, float) else v for v in results.values()]
+        def cell(v: float | str) -> str:
+            return f"{v / reference:.2f}x ({v:.0f})" if isinstance(v, float) else str(v)
+
+        cells = [cell(v) for v in results.values()]
+        compile_cell = "" if compiled is None else cell(compiled).ljust(13) + "  "
         sizes_text = "{:>6} {:>6} {:>5} {:>5} {:>4} {:>5}".format(*sizes)
-        print(f"{name:<11} {sizes_text}  {reference:>11.0f}  " + "  ".join(c.ljust(13) for c in cells))
+        print(f"{name:<11} {sizes_text}  {reference:>11.0f}  {compile_cell}" + "  ".join(c.ljust(13) for c in cells))
         sys.stdout.flush()
     return 0
 
