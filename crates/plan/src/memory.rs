@@ -80,16 +80,28 @@ pub fn persistent(role: Role) -> bool {
 
 /// Buffers an instruction reads or writes.
 pub fn touched(instr: &Instr) -> Vec<BufferId> {
+    let mut ids = Vec::new();
+    for_each_touched(instr, |id| ids.push(id));
+    ids
+}
+
+/// Calls `visit` with every buffer [`touched`] lists, in the same order, without allocating.
+pub fn for_each_touched(instr: &Instr, mut visit: impl FnMut(BufferId)) {
     match instr {
         Instr::Kernel { inputs, output, .. } => {
-            let mut v = inputs.clone();
-            v.push(*output);
-            v
+            inputs.iter().for_each(|&id| visit(id));
+            visit(*output);
         }
-        Instr::Collective { collective, .. } => vec![collective.send, collective.recv],
-        Instr::Free { buffer } => vec![*buffer],
+        Instr::Collective { collective, .. } => {
+            visit(collective.send);
+            visit(collective.recv);
+        }
+        Instr::Free { buffer } => visit(*buffer),
         // An overlapped collective's buffers stay alive (and in place) until it is waited for.
-        Instr::Wait { send, recv } => vec![*send, *recv],
+        Instr::Wait { send, recv } => {
+            visit(*send);
+            visit(*recv);
+        }
     }
 }
 
@@ -103,11 +115,11 @@ pub fn insert_frees(
 ) -> (Vec<Instr>, usize) {
     let mut last_use: Vec<Option<usize>> = vec![None; buffers.len()];
     for (i, instr) in program.iter().enumerate() {
-        for b in touched(instr) {
+        for_each_touched(instr, |b| {
             if let Some(slot) = last_use.get_mut(b.0 as usize) {
                 *slot = Some(i);
             }
-        }
+        });
     }
     let mut frees_after: Vec<Vec<BufferId>> = vec![Vec::new(); program.len()];
     for (index, last) in last_use.iter().enumerate() {
@@ -169,7 +181,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
                 }
             }
             _ => {
-                for id in touched(instr) {
+                for_each_touched(instr, |id| {
                     if !std::mem::replace(&mut live[id.0 as usize], true) {
                         let b = &buffers[id.0 as usize];
                         current += b.bytes();
@@ -178,7 +190,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
                             temporaries += b.bytes();
                         }
                     }
-                }
+                });
             }
         }
         if current > plan.peak_bytes {

@@ -19,7 +19,7 @@ use optimus_plan::{
     Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, MemoryOptions, Mesh, Mode,
     OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Precision, Recompute, ReduceOp, Role, Strategy,
 };
-use optimus_plan::{Reason, ReasonKind};
+use optimus_plan::{Reason, ReasonKind, SummaPart, SummaProduct};
 use petgraph::graph::{DiGraph, NodeIndex};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::collections::BTreeSet;
@@ -214,6 +214,8 @@ pub(crate) struct Lowerer<'a> {
     origin_ids: HashMap<NodeIndex, u32>,
     pub reasons: Vec<Reason>,
     reason_ids: HashMap<Reason, u32>,
+    /// SUMMA step reasons by what the product computes, then by step.
+    summa_reasons: HashMap<String, HashMap<SummaStepKey, u32>>,
     /// Every sharded version made of each node, in the order they were made.
     pub versions: HashMap<NodeIndex, Vec<Version>>,
     pub param_buffers: HashMap<ParamId, Version>,
@@ -275,6 +277,7 @@ impl<'a> Lowerer<'a> {
             origin_ids: HashMap::default(),
             reasons: Vec::new(),
             reason_ids: HashMap::default(),
+            summa_reasons: HashMap::default(),
             versions: HashMap::default(),
             param_buffers: HashMap::default(),
             layernorm_stats: HashMap::default(),
@@ -655,8 +658,28 @@ impl<'a> Lowerer<'a> {
         id
     }
 
-    pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: Reason) {
-        let (origin, reason) = (self.origin(), self.reason(reason));
+    /// The interned reason of SUMMA step `step` of `steps`, part `part`, of a `product` computing
+    /// `what`: formatted once per distinct step (a large model repeats the same steps layer after layer).
+    pub fn summa_reason(&mut self, what: &str, product: SummaProduct, step: u64, steps: u64, part: SummaPart) -> u32 {
+        let key = (product, step, steps, part);
+        if let Some(&id) = self.summa_reasons.get(what).and_then(|ids| ids.get(&key)) {
+            return id;
+        }
+        let id = self.reason(Reason::summa_step(what, product, step, steps, part));
+        self.summa_reasons.entry(what.to_string()).or_default().insert(key, id);
+        id
+    }
+
+    /// The id of a reason given whole or already interned.
+    fn reason_id(&mut self, reason: impl Into<Because>) -> u32 {
+        match reason.into() {
+            Because::Reason(reason) => self.reason(reason),
+            Because::Interned(id) => id,
+        }
+    }
+
+    pub fn kernel(&mut self, kernel: Kernel, inputs: &[BufferId], output: BufferId, reason: impl Into<Because>) {
+        let (origin, reason) = (self.origin(), self.reason_id(reason));
         self.program.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), output, origin, reason });
     }
 
@@ -670,9 +693,9 @@ impl<'a> Lowerer<'a> {
         shard: Option<Placement>,
         send: BufferId,
         recv: BufferId,
-        reason: Reason,
+        reason: impl Into<Because>,
     ) {
-        let (origin, reason) = (self.origin(), self.reason(reason));
+        let (origin, reason) = (self.origin(), self.reason_id(reason));
         let collective = Collective { kind, group, root, op, shard, send, recv, overlapped: false };
         self.program.push(Instr::Collective { collective, origin, reason });
     }
@@ -929,6 +952,27 @@ pub(crate) fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String 
         Op::Input { name } => name.clone(),
         op if node.origin.scope.is_empty() => format!("{}%{}", op.name(), n.index()),
         op => format!("{}/{}%{}", node.origin.scope, op.name(), n.index()),
+    }
+}
+
+/// A SUMMA step's reason without its text: (product, step, steps, part).
+type SummaStepKey = (SummaProduct, u64, u64, SummaPart);
+
+/// Why an instruction exists: a reason to intern, or one interned already.
+pub enum Because {
+    Reason(Reason),
+    Interned(u32),
+}
+
+impl From<Reason> for Because {
+    fn from(reason: Reason) -> Because {
+        Because::Reason(reason)
+    }
+}
+
+impl From<u32> for Because {
+    fn from(id: u32) -> Because {
+        Because::Interned(id)
     }
 }
 

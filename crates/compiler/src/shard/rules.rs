@@ -233,29 +233,13 @@ impl Lowerer<'_> {
         let (wa, wb) = (self.workspace_like(a, "summa_a"), self.workspace_like(b, "summa_b"));
         let sum = self.summa_accumulator(out);
         for t in 0..q {
-            let step = |part| Reason::summa_step(what, SummaProduct::Ab, t + 1, q, part);
-            self.collective(
-                CollectiveKind::Broadcast,
-                Group::Row,
-                Some(t),
-                None,
-                None,
-                a,
-                wa,
-                step(SummaPart::BroadcastA),
-            );
-            self.collective(
-                CollectiveKind::Broadcast,
-                Group::Column,
-                Some(t),
-                None,
-                None,
-                b,
-                wb,
-                step(SummaPart::BroadcastB),
-            );
+            let step = |this: &mut Self, part| this.summa_reason(what, SummaProduct::Ab, t + 1, q, part);
+            let reasons = [SummaPart::BroadcastA, SummaPart::BroadcastB, SummaPart::MultiplyAccumulate];
+            let [broadcast_a, broadcast_b, multiply] = reasons.map(|part| step(self, part));
+            self.collective(CollectiveKind::Broadcast, Group::Row, Some(t), None, None, a, wa, broadcast_a);
+            self.collective(CollectiveKind::Broadcast, Group::Column, Some(t), None, None, b, wb, broadcast_b);
             let k = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: t > 0 };
-            self.kernel(k, &[wa, wb], sum, step(SummaPart::MultiplyAccumulate));
+            self.kernel(k, &[wa, wb], sum, multiply);
         }
         if sum != out {
             let reason = Reason::new(ReasonKind::Cast, format!("{what}: round the float32 SUMMA sum to bf16 once"));
@@ -305,11 +289,12 @@ impl Lowerer<'_> {
         let part = self.workspace_like(out, "summa_partial");
         let product = if variant == SummaReduced::Abt { SummaProduct::Abt } else { SummaProduct::Atb };
         for t in 0..q {
-            let step = |part| Reason::summa_step(what, product, t + 1, q, part);
-            self.collective(CollectiveKind::Broadcast, along, Some(t), None, None, moved, copy, step(broadcast));
+            let step = |this: &mut Self, part| this.summa_reason(what, product, t + 1, q, part);
+            let [sent, multiply, reduced] = [broadcast, SummaPart::Multiply, SummaPart::ReduceC].map(|p| step(self, p));
+            self.collective(CollectiveKind::Broadcast, along, Some(t), None, None, moved, copy, sent);
             let operands = if variant == SummaReduced::Abt { [a, copy] } else { [copy, b] };
             let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
-            self.kernel(k, &operands, part, step(SummaPart::Multiply));
+            self.kernel(k, &operands, part, multiply);
             self.collective(
                 CollectiveKind::Reduce,
                 reduce_along,
@@ -318,7 +303,7 @@ impl Lowerer<'_> {
                 None,
                 part,
                 out,
-                step(SummaPart::ReduceC),
+                reduced,
             );
         }
     }
