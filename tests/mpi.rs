@@ -114,6 +114,15 @@ fn with<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
 }
 
 #[test]
+fn an_overlapped_plan_runs_under_mpirun_with_the_losses_of_threads() {
+    // Under MPI a started collective completes where it starts; the losses are those of threads.
+    let base = ["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "3", "--json", "--seed", "7"];
+    let thread = losses(&threads(&base));
+    let (mpi, _) = mpirun(4, &with(&base, &["--overlap"]), &[]);
+    assert_close(&losses(&mpi), &thread);
+}
+
+#[test]
 fn four_processes_give_the_thread_backends_losses() {
     let base = ["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "4", "--json", "--seed", "11"];
     let thread = losses(&threads(&base));
