@@ -296,8 +296,10 @@ impl Schedule {
 /// or the wait (at `waits`) of an earlier collective that a member conflicts with.
 fn runs_of(program: &[Instr], boundaries: &[usize], waits: &[usize], early: &[Option<usize>]) -> Vec<Run> {
     let mut runs: Vec<Run> = Vec::new();
-    // Earlier collectives whose wait may come after the current run's earliest start.
+    // Earlier collectives (in runs or started early) whose wait may come after the current run's
+    // earliest start, and how far the program has been scanned for them.
     let mut pending: Vec<usize> = Vec::new();
+    let mut scanned = 0;
     let in_run = |k: usize| collective(&program[k]).is_some() && early[k].is_none();
     let mut i = 0;
     while i < program.len() {
@@ -316,6 +318,8 @@ fn runs_of(program: &[Instr], boundaries: &[usize], waits: &[usize], early: &[Op
             (0..members.len()).all(|k| (k + 1..members.len()).all(|l| !conflicts(&program[first + l], members[k])));
         let after_previous = runs.last().map_or(0, |r| r.last + 1);
         let boundary = boundaries.iter().copied().filter(|&b| b <= first).max().unwrap_or(0);
+        pending.extend((scanned..first).filter(|&k| collective(&program[k]).is_some()));
+        scanned = first;
         pending.retain(|&d| waits[d] > after_previous.max(boundary));
         let member_conflicts = |d: usize| {
             collective(&program[d]).is_some_and(|earlier| (first..=last).any(|m| conflicts(&program[m], earlier)))
@@ -327,7 +331,6 @@ fn runs_of(program: &[Instr], boundaries: &[usize], waits: &[usize], early: &[Op
             slot -= 1;
         }
         runs.push(Run { first, last, slot, moves: independent && slot < first });
-        pending.extend(first..=last);
         i += 1;
     }
     runs
