@@ -181,8 +181,8 @@ fn check_lifetimes(plan: &Plan, errors: &mut Vec<String>) {
     }
 }
 
-fn shape(plan: &Plan, id: BufferId) -> Vec<u64> {
-    if valid(plan, id) { plan.buffer(id).shape.clone() } else { Vec::new() }
+fn shape(plan: &Plan, id: BufferId) -> &[u64] {
+    if valid(plan, id) { &plan.buffer(id).shape } else { &[] }
 }
 
 /// (rows, cols) of a buffer viewed as a matrix: leading dimensions flattened.
@@ -237,7 +237,7 @@ fn check_kernel(
     errors: &mut Vec<String>,
 ) {
     let out = shape(plan, output);
-    let ins: Vec<Vec<u64>> = inputs.iter().map(|&b| shape(plan, b)).collect();
+    let ins: Vec<&[u64]> = inputs.iter().map(|&b| shape(plan, b)).collect();
     let mut fail = |what: String| errors.push(format!("{}: {what}", describe(plan, index, kernel)));
     if let Err(what) = kernels::check_parameters(plan, kernel, inputs, output) {
         return fail(what);
@@ -249,7 +249,7 @@ fn check_kernel(
             let (br, bc) = matrix(b);
             let (m, k) = if *transpose_a { (ac, ar) } else { (ar, ac) };
             let (k2, n) = if *transpose_b { (bc, br) } else { (br, bc) };
-            let (or, oc) = matrix(&out);
+            let (or, oc) = matrix(out);
             if k != k2 || or * oc != m * n || oc != n {
                 fail(format!("[{m}x{k}] x [{k2}x{n}] does not give {out:?}"));
             }
@@ -273,9 +273,7 @@ fn check_kernel(
         {
             fail(format!("operands {ins:?} do not all match the output {out:?}"));
         }
-        Kernel::BiasAdd
-            if ins.first() != Some(&out) || ins.get(1).map(Vec::as_slice) != out.last().map(std::slice::from_ref) =>
-        {
+        Kernel::BiasAdd if ins.first() != Some(&out) || ins.get(1).copied() != out.last().map(std::slice::from_ref) => {
             fail(format!("bias add of {ins:?} into {out:?}"));
         }
         Kernel::Reshape => {
