@@ -85,6 +85,16 @@ pub fn touched(instr: &Instr) -> Vec<BufferId> {
     ids
 }
 
+/// Buffers an instruction writes or gives up: a kernel's output, a collective's result, a freed buffer.
+pub fn written(instr: &Instr) -> Vec<BufferId> {
+    match instr {
+        Instr::Kernel { output, .. } => vec![*output],
+        Instr::Collective { collective, .. } => vec![collective.recv],
+        Instr::Free { buffer } => vec![*buffer],
+        Instr::Wait { .. } => Vec::new(),
+    }
+}
+
 /// Calls `visit` with every buffer [`touched`] lists, in the same order, without allocating.
 pub fn for_each_touched(instr: &Instr, mut visit: impl FnMut(BufferId)) {
     match instr {

@@ -19,7 +19,7 @@
 //! members of every group still meet in one order, and a device's collectives run one after another
 //! in the order started, so a collective may send the result of one still in flight.
 
-use crate::memory::{plan_memory, touched};
+use crate::memory::{plan_memory, touched, written};
 use crate::phases::{Phase, StepPhases};
 use crate::{BufferId, Collective, CollectiveKind, Instr, Plan, Role};
 
@@ -60,7 +60,7 @@ fn double_buffer(plan: &mut Plan) -> usize {
     let mut fills_whole = vec![true; plan.buffers.len()];
     let mut freed_at: Vec<Option<usize>> = vec![None; plan.buffers.len()];
     for (k, instr) in plan.program.iter().enumerate() {
-        for b in writes(instr) {
+        for b in written(instr) {
             let Some(slot) = writers.get_mut(b.0 as usize) else { continue };
             match instr {
                 Instr::Free { .. } => freed_at[b.0 as usize] = Some(k),
@@ -156,25 +156,15 @@ fn phase_boundaries(plan: &Plan) -> (Vec<usize>, Vec<usize>) {
     (bounds, updates)
 }
 
-/// Buffers an instruction writes (a free counts: the buffer's memory is given up).
-fn writes(instr: &Instr) -> Vec<BufferId> {
-    match instr {
-        Instr::Kernel { output, .. } => vec![*output],
-        Instr::Collective { collective, .. } => vec![collective.recv],
-        Instr::Free { buffer } => vec![*buffer],
-        Instr::Wait { .. } => Vec::new(),
-    }
-}
-
 /// Whether `instr` must not run while `c` is in flight: it writes or frees what `c` sends, or touches
 /// what `c` receives.
 fn conflicts(instr: &Instr, c: &Collective) -> bool {
-    writes(instr).contains(&c.send) || touched(instr).contains(&c.recv)
+    written(instr).contains(&c.send) || touched(instr).contains(&c.recv)
 }
 
 /// Whether `instr` is a collective that sends what `c` receives, and touches nothing else of `c`:
 /// collectives run one after another in the order started, so it may start while `c` is in flight.
-fn streams_from(instr: &Instr, c: &Collective) -> bool {
+pub(crate) fn streams_from(instr: &Instr, c: &Collective) -> bool {
     collective(instr).is_some_and(|d| d.send == c.recv && d.recv != c.recv && d.recv != c.send)
 }
 

@@ -2,24 +2,14 @@
 //! wait nothing touches what it receives (but a later collective that sends it, since collectives run
 //! in the order started) or writes or frees what it sends.
 
-use crate::memory::touched;
-use crate::{BufferId, Instr, Plan};
+use crate::memory::{touched, written};
+use crate::overlap::streams_from;
+use crate::{BufferId, Collective, Instr, Plan};
 
-/// An overlapped collective in flight: where it started and its buffers.
-struct InFlight {
+/// An overlapped collective in flight: where it started, and the collective.
+struct InFlight<'p> {
     start: usize,
-    send: BufferId,
-    recv: BufferId,
-}
-
-/// Buffers an instruction writes or gives up (a free, or an accumulating product's output).
-fn written(instr: &Instr) -> Vec<BufferId> {
-    match instr {
-        Instr::Kernel { output, .. } => vec![*output],
-        Instr::Collective { collective, .. } => vec![collective.recv],
-        Instr::Free { buffer } => vec![*buffer],
-        Instr::Wait { .. } => Vec::new(),
-    }
+    collective: &'p Collective,
 }
 
 pub(super) fn check_overlap(plan: &Plan, errors: &mut Vec<String>) {
@@ -27,7 +17,7 @@ pub(super) fn check_overlap(plan: &Plan, errors: &mut Vec<String>) {
     let mut in_flight: Vec<InFlight> = Vec::new();
     for (index, instr) in plan.program.iter().enumerate() {
         if let Instr::Wait { send, recv } = instr {
-            match in_flight.iter().position(|f| f.recv == *recv && f.send == *send) {
+            match in_flight.iter().position(|f| f.collective.recv == *recv && f.collective.send == *send) {
                 Some(k) => drop(in_flight.remove(k)),
                 None => errors.push(format!(
                     "instruction {index}: waits for a collective from `{}` into `{}` that is not in flight",
@@ -39,12 +29,11 @@ pub(super) fn check_overlap(plan: &Plan, errors: &mut Vec<String>) {
         }
         for f in &in_flight {
             // A collective may send an in-flight collective's result: collectives run in the order started.
-            let streams = matches!(instr, Instr::Collective { collective: c, .. }
-                if c.send == f.recv && c.recv != f.recv && c.recv != f.send);
-            let reads_result = touched(instr).contains(&f.recv) && !streams;
-            let overwrites_source = written(instr).contains(&f.send);
+            let reads_result = touched(instr).contains(&f.collective.recv) && !streams_from(instr, f.collective);
+            let overwrites_source = written(instr).contains(&f.collective.send);
             if reads_result || overwrites_source {
-                let (what, buffer) = if reads_result { ("uses", f.recv) } else { ("writes or frees", f.send) };
+                let (what, buffer) =
+                    if reads_result { ("uses", f.collective.recv) } else { ("writes or frees", f.collective.send) };
                 errors.push(format!(
                     "instruction {index} {what} `{}` while the collective started at instruction {} is in flight \
                      (wait for it first)",
@@ -56,14 +45,14 @@ pub(super) fn check_overlap(plan: &Plan, errors: &mut Vec<String>) {
         if let Instr::Collective { collective: c, .. } = instr
             && c.overlapped
         {
-            in_flight.push(InFlight { start: index, send: c.send, recv: c.recv });
+            in_flight.push(InFlight { start: index, collective: c });
         }
     }
     for f in in_flight {
         errors.push(format!(
             "the collective started at instruction {} (into `{}`) is never waited for",
             f.start,
-            name(f.recv)
+            name(f.collective.recv)
         ));
     }
 }

@@ -2,8 +2,8 @@
 //! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
 
 use crate::comm::{CollectiveSpec, CommError, Communicator, Payload, Started, combine};
-use optimus_plan::layout::{MESH_AXES, Placement};
-use optimus_plan::{CollectiveKind, Coords, Group, Mesh, ReduceOp};
+use optimus_plan::layout::MESH_AXES;
+use optimus_plan::{CollectiveKind, Coords, Group, Mesh};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -400,25 +400,20 @@ impl Drop for ThreadComm {
     }
 }
 
-/// A collective's description without borrowed parts, for the communication thread.
+/// A collective's description without borrowed parts, for the communication thread: the spec with
+/// an empty shape, and the shape beside it.
 struct OwnedSpec {
-    kind: CollectiveKind,
-    group: Group,
-    root: Option<u64>,
-    op: ReduceOp,
-    shard: Option<Placement>,
+    head: CollectiveSpec<'static>,
     full: Vec<u64>,
 }
 
 impl OwnedSpec {
     fn of(spec: &CollectiveSpec<'_>) -> OwnedSpec {
-        let CollectiveSpec { kind, group, root, op, shard, full } = *spec;
-        OwnedSpec { kind, group, root, op, shard, full: full.to_vec() }
+        OwnedSpec { head: CollectiveSpec { full: &[], ..*spec }, full: spec.full.to_vec() }
     }
 
     fn spec(&self) -> CollectiveSpec<'_> {
-        let OwnedSpec { kind, group, root, op, shard, .. } = *self;
-        CollectiveSpec { kind, group, root, op, shard, full: &self.full }
+        CollectiveSpec { full: &self.full, ..self.head }
     }
 }
 
