@@ -6,8 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-echo "== system packages for the mpi feature (Open MPI, libclang)"
-APT_PACKAGES=(libopenmpi-dev openmpi-bin libclang1-14 libclang-common-14-dev)
+echo "== system packages: Open MPI and libclang for the mpi feature, OpenBLAS for the CPU products"
+APT_PACKAGES=(libopenmpi-dev openmpi-bin libclang1-14 libclang-common-14-dev libopenblas0-pthread)
 if ! dpkg -s "${APT_PACKAGES[@]}" >/dev/null 2>&1; then
     SUDO=""
     if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi

@@ -125,3 +125,46 @@ fn the_profile_counts_every_instruction_and_the_flops_of_every_matmul() {
         assert!(as_u64(&row["bytes"]) > 0 && row["gflops"].is_null(), "{row}");
     }
 }
+
+/// Per-step losses of `run --json` on a 2x2 mesh with the given `OPTIMUS_BLAS`, and the profile's library.
+fn losses_with_products(blas: Option<&str>) -> (Vec<f64>, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_optimusc"));
+    command.args(["run", "examples/gpt2.opt", "--mesh", "2x2", "--steps", "3", "--profile", "--json"]);
+    command.args(["--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=512"]);
+    command.args(["--set", "seq=64", "--set", "context=64", "--set", "batch=8"]);
+    match blas {
+        Some(choice) => command.env("OPTIMUS_BLAS", choice),
+        None => command.env_remove("OPTIMUS_BLAS"),
+    };
+    let out = command.output().expect("optimusc runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let records: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    let losses = records.iter().filter_map(|r| r["loss"].as_f64()).collect();
+    let library = records.last().and_then(|r| r["profile"]["cpu_products"].as_str()).expect("a library").to_string();
+    (losses, library)
+}
+
+#[test]
+fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() {
+    let (faer_losses, faer) = losses_with_products(Some("faer"));
+    assert_eq!(faer, "faer");
+    let (default_losses, default) = losses_with_products(None);
+    assert!(default == "faer" || default.starts_with("OpenBLAS"), "{default}");
+    assert_eq!(faer_losses.len(), 3);
+    for (a, b) in faer_losses.iter().zip(&default_losses) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "faer {faer_losses:?} against {default} {default_losses:?}");
+    }
+    // A library that cannot be loaded is said on standard error, and the run goes on with faer.
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(["run", "examples/tiny.opt", "--steps", "1", "--profile"])
+        .env("OPTIMUS_BLAS", "/nonexistent/libopenblas.so")
+        .output()
+        .expect("optimusc runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("OPTIMUS_BLAS=/nonexistent/libopenblas.so: cannot load it") && stderr.contains("by faer"),
+        "{stderr}"
+    );
+}

@@ -368,6 +368,11 @@ pub fn run(args: &RunArgs) -> ExitCode {
         Ok(job) => job,
         Err(failure) => return failure.exit(),
     };
+    if args.backend == Backend::Cpu
+        && let Some(warning) = optimus::runtime::cpu::blas::load_failure()
+    {
+        eprintln_safe!("warning: {}", optimus::plan::text::printable_text(&warning));
+    }
     match run_on_threads(args, &job) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => failure_status(&e),

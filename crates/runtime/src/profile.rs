@@ -210,6 +210,8 @@ pub struct ProfileReport {
     pub peak_gflops: f64,
     pub peak_threads: usize,
     pub peak_isa: String,
+    /// What the CPU kernels multiply matrices with ("OpenBLAS (...)" or "faer").
+    pub cpu_products: String,
     /// Steps in the table (per device).
     pub steps_profiled: u64,
     /// Whether the first step was left out as warm-up (it is when the run has more than one).
@@ -273,6 +275,7 @@ pub fn report(plan: &Plan, profiles: &[Profile], peak: &Peak) -> ProfileReport {
         peak_gflops: peak.gflops,
         peak_threads: peak.threads,
         peak_isa: peak.isa.to_string(),
+        cpu_products: super::cpu::blas::product_library(),
         steps_profiled: profiles.first().map_or(0, |p| p.steps),
         warm_up_excluded: profiles.iter().any(|p| p.warm_up_excluded),
         rows: summed_rows(&kinds, profiles, peak.gflops),
@@ -370,12 +373,13 @@ impl ProfileReport {
         let shared = if devices > 1 { format!("; the {devices} devices share it") } else { String::new() };
         format!(
             "profile: {}{warm_up} on {}, times summed over devices\n\
-             peak {:.1} GFLOP/s measured on {} ({}){shared}\n\n",
+             peak {:.1} GFLOP/s measured on {} ({}){shared}; CPU products by {}\n\n",
             plural(self.steps_profiled, "step"),
             plural(devices, "device"),
             self.peak_gflops,
             plural(self.peak_threads as u64, "thread"),
-            self.peak_isa
+            self.peak_isa,
+            self.cpu_products
         )
     }
 

@@ -1,6 +1,7 @@
 //! CPU kernels: the reference implementation of every plan [`Kernel`] on host tensors, the optimizer
 //! update, and the counter-based dropout mask. Matrix products go through `faer`.
 
+use super::blas::{self, Blas};
 use super::par;
 use super::vmath::{self, vectorized};
 use crate::error::{KernelError, batched_product, require};
@@ -185,13 +186,26 @@ fn max_of(v: &[f32]) -> f32 {
 /// whole on one worker.
 const PARALLEL_WORK: usize = 1 << 22;
 
-/// dst (+)= alpha * lhs * rhs, after checking the dimensions (faer panics on a mismatch).
+/// dst (+)= alpha * lhs * rhs in faer: attention's small per-head products, which run on whichever
+/// pool worker takes them and so must not depend on a thread's choice of library.
 fn gemm(
     dst: MatMut<'_, f32>,
     lhs: MatRef<'_, f32>,
     rhs: MatRef<'_, f32>,
     accumulate: bool,
     alpha: f32,
+) -> Result<(), KernelError> {
+    gemm_by(None, dst, lhs, rhs, (accumulate, alpha))
+}
+
+/// dst (+)= alpha * lhs * rhs in `blas` (faer when `None`), after checking the dimensions (faer panics
+/// on a mismatch). Product kernels read `blas` on the thread that starts them.
+fn gemm_by(
+    blas: Option<&Blas>,
+    dst: MatMut<'_, f32>,
+    lhs: MatRef<'_, f32>,
+    rhs: MatRef<'_, f32>,
+    (accumulate, alpha): (bool, f32),
 ) -> Result<(), KernelError> {
     require(dst.nrows() == lhs.nrows() && dst.ncols() == rhs.ncols() && lhs.ncols() == rhs.nrows(), || {
         KernelError::Product {
@@ -210,7 +224,7 @@ fn gemm(
     }
     let work = dst.nrows() * dst.ncols() * lhs.ncols();
     let parts = if work >= PARALLEL_WORK { par::threads() } else { 1 };
-    split_product(dst, lhs, rhs, accum, alpha, parts);
+    split_product(blas, dst, lhs, rhs, (accum, alpha), parts);
     Ok(())
 }
 
@@ -221,33 +235,50 @@ const SPLIT_ALIGN: usize = 16;
 /// (or of columns, when it is wider than tall), each a sequential faer product. Measured on this
 /// project's shapes, this beats faer's own parallel product, which splits the inner dimension too.
 fn split_product(
+    blas: Option<&Blas>,
     dst: MatMut<'_, f32>,
     lhs: MatRef<'_, f32>,
     rhs: MatRef<'_, f32>,
-    accum: Accum,
-    alpha: f32,
+    (accum, alpha): (Accum, f32),
     parts: usize,
 ) {
     let (m, n) = (dst.nrows(), dst.ncols());
     let left = parts / 2;
     let cut = |len: usize| (len * left / parts.max(1)).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
     if parts <= 1 || (m < 2 * SPLIT_ALIGN && n < 2 * SPLIT_ALIGN) {
-        matmul(dst, accum, lhs, rhs, alpha, Par::Seq);
+        sequential_product(blas, dst, lhs, rhs, (accum, alpha));
     } else if m >= n {
         let at = cut(m).min(m);
         let ((d0, d1), (l0, l1)) = (dst.split_at_row_mut(at), lhs.split_at_row(at));
         rayon::join(
-            || split_product(d0, l0, rhs, accum, alpha, left),
-            || split_product(d1, l1, rhs, accum, alpha, parts - left),
+            || split_product(blas, d0, l0, rhs, (accum, alpha), left),
+            || split_product(blas, d1, l1, rhs, (accum, alpha), parts - left),
         );
     } else {
         let at = cut(n).min(n);
         let ((d0, d1), (r0, r1)) = (dst.split_at_col_mut(at), rhs.split_at_col(at));
         rayon::join(
-            || split_product(d0, lhs, r0, accum, alpha, left),
-            || split_product(d1, lhs, r1, accum, alpha, parts - left),
+            || split_product(blas, d0, lhs, r0, (accum, alpha), left),
+            || split_product(blas, d1, lhs, r1, (accum, alpha), parts - left),
         );
     }
+}
+
+/// dst (+)= alpha * lhs * rhs on this thread: in `blas` where given (OpenBLAS), else faer.
+fn sequential_product(
+    blas: Option<&Blas>,
+    dst: MatMut<'_, f32>,
+    lhs: MatRef<'_, f32>,
+    rhs: MatRef<'_, f32>,
+    (accum, alpha): (Accum, f32),
+) {
+    let mut dst = dst;
+    if let Some(blas) = blas
+        && blas.product(dst.as_mut(), lhs, rhs, matches!(accum, Accum::Add), alpha)
+    {
+        return;
+    }
+    matmul(dst, accum, lhs, rhs, alpha, Par::Seq);
 }
 
 fn check_view(len: usize, start: usize, rows: usize, cols: usize, stride: usize) -> Result<(), KernelError> {
@@ -284,7 +315,7 @@ fn matmul_kernel(inputs: &[&View], out: &mut ViewMut, ta: bool, tb: bool, accumu
     let b = MatRef::from_row_major_slice(bv, br, bc);
     let a = if ta { a.transpose() } else { a };
     let b = if tb { b.transpose() } else { b };
-    gemm(MatMut::from_row_major_slice_mut(y, m, n), a, b, accumulate, 1.0)
+    gemm_by(blas::for_this_thread(), MatMut::from_row_major_slice_mut(y, m, n), a, b, (accumulate, 1.0))
 }
 
 fn batched_matmul(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
@@ -292,11 +323,12 @@ fn batched_matmul(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError
     let (_, m, k, n) = batched_product(&a.shape, &b.shape, &out.shape)?;
     let (av, bv) = (floats(a, "A")?, floats(b, "B")?);
     let y = floats_mut(out)?;
+    let blas = blas::for_this_thread();
     par::costed_row_blocks(y, m * n, m * n * k, |first, y| {
         for (t, y) in rows_of_mut(y, m * n).enumerate().map(|(t, y)| (first + t, y)) {
             let lhs = view(av, t * m * k, m, k, k)?;
             let rhs = view(bv, t * k * n, k, n, n)?;
-            gemm(view_mut(y, 0, m, n, n)?, lhs, rhs, false, 1.0)?;
+            gemm_by(blas, view_mut(y, 0, m, n, n)?, lhs, rhs, (false, 1.0))?;
         }
         Ok(())
     })

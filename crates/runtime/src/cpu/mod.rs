@@ -2,6 +2,7 @@
 
 #[cfg(test)]
 mod bf16_pieces_tests;
+pub mod blas;
 pub mod kernels;
 pub mod par;
 pub mod threads;
@@ -154,11 +155,13 @@ impl Backend for CpuBackend {
         if has_bf16 && runs_on_bf16_bits(kernel, &refs, out) {
             return par::on_pool(|| kernels::run_views(kernel, &refs, out, ctx)).map_err(RuntimeError::Kernel);
         }
-        if has_bf16 && let Some(done) = par::on_pool(|| bf16_in_pieces(kernel, &refs, out, ctx)) {
+        // The emulation's products stay in faer, whose tiles give the whole product's bits.
+        if has_bf16 && let Some(done) = par::on_pool(|| blas::faer_only(|| bf16_in_pieces(kernel, &refs, out, ctx))) {
             return done.map_err(RuntimeError::Kernel);
         }
         let run = |ins: &[&View], out: &mut ViewMut| kernels::run_views(kernel, ins, out, ctx);
-        par::on_pool(|| super::bf16::with_widened(&refs, out, kernel.reads_its_output(), run))
+        let reads = kernel.reads_its_output();
+        par::on_pool(|| blas::faer_only(|| super::bf16::with_widened(&refs, out, reads, run)))
             .map_err(RuntimeError::Kernel)
     }
 

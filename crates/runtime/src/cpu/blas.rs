@@ -1,0 +1,228 @@
+//! OpenBLAS for the CPU kernels' float32 products, loaded at run time when the machine has it (Debian:
+//! `libopenblas0`), else faer. Measured on a 2-core AVX2 EPYC (bench: `scripts/bench_products.sh`),
+//! OpenBLAS's products match faer's on plain shapes and are 1.4-2.3x faster on the weight gradients'
+//! (a transposed left operand), which faer runs at 30-60% of the peak. Nothing is needed at build time:
+//! a binary built anywhere uses OpenBLAS where it finds one and faer elsewhere.
+//!
+//! OpenBLAS is held to one thread per call: the kernel pool splits large products itself, by blocks
+//! of output rows, so results depend only on the pool's size, as with faer, and concurrent calls from
+//! the pool's workers do not fight over OpenBLAS's own threads. `OPTIMUS_BLAS=faer` turns it off;
+//! `OPTIMUS_BLAS=PATH` loads that library instead of searching for `libopenblas.so.0`. The bf16
+//! emulation's products stay in faer ([`faer_only`]).
+
+use faer::{MatMut, MatRef};
+use std::cell::Cell;
+use std::ffi::{CStr, c_char, c_int};
+use std::sync::OnceLock;
+
+thread_local! {
+    /// Set while this thread runs a kernel whose products must be faer's (see [`faer_only`]).
+    static FAER_ONLY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with this thread's products in faer. The CPU's bf16 emulation needs it: it cuts products
+/// into tiles that must give the whole product's bits, which faer's fixed blocking does and OpenBLAS's
+/// edge kernels do not. Products read this where they start (the split parts inherit it).
+pub fn faer_only<R>(f: impl FnOnce() -> R) -> R {
+    let before = FAER_ONLY.with(|flag| flag.replace(true));
+    let result = f();
+    FAER_ONLY.with(|flag| flag.set(before));
+    result
+}
+
+/// The OpenBLAS a product started on this thread may use: none inside [`faer_only`].
+pub fn for_this_thread() -> Option<&'static Blas> {
+    if FAER_ONLY.with(Cell::get) { None } else { loaded() }
+}
+
+/// `cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)`.
+type Sgemm = unsafe extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    f32,
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    f32,
+    *mut f32,
+    c_int,
+);
+
+const ROW_MAJOR: c_int = 101;
+const NO_TRANS: c_int = 111;
+const TRANS: c_int = 112;
+
+/// Library names tried in order when `OPTIMUS_BLAS` does not name one.
+const SEARCHED: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
+
+/// A loaded OpenBLAS: its product and what it calls itself.
+pub struct Blas {
+    sgemm: Sgemm,
+    description: String,
+    /// Keeps the library mapped for as long as `sgemm` may be called (the process's life).
+    _library: libloading::Library,
+}
+
+/// What the CPU kernels multiply matrices with: "OpenBLAS 0.3.21 ..." or "faer".
+pub fn product_library() -> String {
+    match loaded() {
+        Some(blas) => blas.description.clone(),
+        None => "faer".to_string(),
+    }
+}
+
+/// The process's OpenBLAS, loaded on first use; `None` where there is none or it is turned off.
+pub fn loaded() -> Option<&'static Blas> {
+    state().as_ref().ok().and_then(Option::as_ref)
+}
+
+/// Why the library `OPTIMUS_BLAS` names could not be loaded (the products then use faer), for the
+/// command line to say; `None` when it loaded or none was named.
+pub fn load_failure() -> Option<String> {
+    state().as_ref().err().map(|e| format!("OPTIMUS_BLAS={e}; the CPU products use faer"))
+}
+
+/// The library chosen by `OPTIMUS_BLAS` or found on the machine (`Ok(None)`: faer), or the named
+/// library and why it did not load.
+fn state() -> &'static Result<Option<Blas>, String> {
+    static BLAS: OnceLock<Result<Option<Blas>, String>> = OnceLock::new();
+    BLAS.get_or_init(|| match std::env::var("OPTIMUS_BLAS") {
+        Ok(choice) if choice == "faer" || choice == "off" || choice == "none" => Ok(None),
+        Ok(path) if !path.is_empty() => load(&path).map(Some).map_err(|e| format!("{path}: {e}")),
+        _ => Ok(SEARCHED.iter().find_map(|name| load(name).ok())),
+    })
+}
+
+/// Loads `name`, checks that it is OpenBLAS (it must say how many threads to use) and holds it to one.
+fn load(name: &str) -> Result<Blas, String> {
+    // SAFETY: loading runs the library's initialisers; OpenBLAS's only set up its buffers and threads.
+    let library = unsafe { libloading::Library::new(name) }.map_err(|e| format!("cannot load it ({e})"))?;
+    // SAFETY: the symbols are looked up with the signatures OpenBLAS's cblas.h gives them.
+    unsafe {
+        let sgemm = *library.get::<Sgemm>(b"cblas_sgemm\0").map_err(|e| format!("no cblas_sgemm ({e})"))?;
+        let set_threads = *library
+            .get::<unsafe extern "C" fn(c_int)>(b"openblas_set_num_threads\0")
+            .map_err(|e| format!("not OpenBLAS: no openblas_set_num_threads ({e})"))?;
+        set_threads(1);
+        let config = library.get::<unsafe extern "C" fn() -> *const c_char>(b"openblas_get_config\0").ok();
+        let description = match config.map(|get| get()) {
+            Some(text) if !text.is_null() => CStr::from_ptr(text).to_string_lossy().trim().to_string(),
+            _ => "OpenBLAS".to_string(),
+        };
+        Ok(Blas { sgemm, description, _library: library })
+    }
+}
+
+/// How cblas reads a matrix: transposed or not, and its leading dimension; `None` when neither of its
+/// strides is one (faer takes those).
+fn cblas_layout(rows: usize, cols: usize, row_stride: isize, col_stride: isize) -> Option<(c_int, c_int)> {
+    let leading = |stride: isize, at_least: usize| {
+        usize::try_from(stride).ok().map(|s| s.max(at_least.max(1))).and_then(|s| c_int::try_from(s).ok())
+    };
+    if col_stride == 1 || cols <= 1 {
+        leading(row_stride, cols).map(|ld| (NO_TRANS, ld))
+    } else if row_stride == 1 || rows <= 1 {
+        leading(col_stride, rows).map(|ld| (TRANS, ld))
+    } else {
+        None
+    }
+}
+
+impl Blas {
+    /// dst = alpha * lhs * rhs (+ dst when `accumulate`) on one thread; `false` (nothing done) when a
+    /// layout or size is one cblas cannot take, so the caller uses faer. The dimensions match (checked
+    /// by the caller) and are non-zero.
+    pub fn product(
+        &self,
+        dst: MatMut<'_, f32>,
+        lhs: MatRef<'_, f32>,
+        rhs: MatRef<'_, f32>,
+        accumulate: bool,
+        alpha: f32,
+    ) -> bool {
+        let (m, n, k) = (dst.nrows(), dst.ncols(), lhs.ncols());
+        let sizes = (c_int::try_from(m), c_int::try_from(n), c_int::try_from(k));
+        let (Ok(mi), Ok(ni), Ok(ki)) = sizes else { return false };
+        let out = match cblas_layout(m, n, dst.row_stride(), dst.col_stride()) {
+            Some((NO_TRANS, ldc)) => Some(ldc),
+            _ => None,
+        };
+        let a = cblas_layout(m, k, lhs.row_stride(), lhs.col_stride());
+        let b = cblas_layout(k, n, rhs.row_stride(), rhs.col_stride());
+        let (Some(ldc), Some((ta, lda)), Some((tb, ldb))) = (out, a, b) else { return false };
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        // SAFETY: each view's elements lie within its slice (faer checked that when it was made) and
+        // the layouts describe exactly those elements; dst is the only mutable view and alone in its
+        // rows and columns; OpenBLAS runs on this thread only (held to one thread at load).
+        unsafe {
+            (self.sgemm)(
+                ROW_MAJOR,
+                ta,
+                tb,
+                mi,
+                ni,
+                ki,
+                alpha,
+                lhs.as_ptr(),
+                lda,
+                rhs.as_ptr(),
+                ldb,
+                beta,
+                dst.as_ptr_mut(),
+                ldc,
+            );
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_name_the_unit_stride() {
+        assert_eq!(cblas_layout(4, 3, 3, 1), Some((NO_TRANS, 3)));
+        assert_eq!(cblas_layout(4, 3, 1, 4), Some((TRANS, 4)));
+        assert_eq!(cblas_layout(4, 3, 6, 2), None);
+        assert_eq!(cblas_layout(4, 3, -3, 1), None);
+    }
+
+    #[test]
+    fn products_equal_faer_where_openblas_is_present() {
+        let Some(blas) = loaded() else { return };
+        let (m, k, n) = (37, 53, 29);
+        let a: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 17) as f32 / 17.0 - 0.5).collect();
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let lhs = if ta {
+                MatRef::from_row_major_slice(&a, k, m).transpose()
+            } else {
+                MatRef::from_row_major_slice(&a, m, k)
+            };
+            let rhs = if tb {
+                MatRef::from_row_major_slice(&b, n, k).transpose()
+            } else {
+                MatRef::from_row_major_slice(&b, k, n)
+            };
+            let mut expected = vec![1.0f32; m * n];
+            let mut got = expected.clone();
+            faer::linalg::matmul::matmul(
+                MatMut::from_row_major_slice_mut(&mut expected, m, n),
+                faer::Accum::Add,
+                lhs,
+                rhs,
+                0.5,
+                faer::Par::Seq,
+            );
+            assert!(blas.product(MatMut::from_row_major_slice_mut(&mut got, m, n), lhs, rhs, true, 0.5));
+            let worst = expected.iter().zip(&got).map(|(e, g)| (e - g).abs()).fold(0.0f32, f32::max);
+            assert!(worst < 1e-5, "ta={ta} tb={tb}: differs by {worst}");
+        }
+    }
+}
