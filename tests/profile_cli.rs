@@ -126,10 +126,20 @@ fn the_profile_counts_every_instruction_and_the_flops_of_every_matmul() {
     }
 }
 
-/// Per-step losses of `run --json` on a 2x2 mesh with the given `OPTIMUS_BLAS`, and the profile's library.
-fn losses_with_products(blas: Option<&str>) -> (Vec<f64>, String) {
+/// What one profiled run on a 2x2 mesh says about its products.
+struct ProductsRun {
+    losses: Vec<f64>,
+    library: String,
+    openblas_calls: u64,
+    faer_calls: u64,
+}
+
+/// Per-step losses of `run --json` on a 2x2 mesh with the given `OPTIMUS_BLAS` and extra flags, and
+/// the profile's library and product calls.
+fn losses_with_products(blas: Option<&str>, extra: &[&str]) -> ProductsRun {
     let mut command = Command::new(env!("CARGO_BIN_EXE_optimusc"));
     command.args(["run", "examples/gpt2.opt", "--mesh", "2x2", "--steps", "3", "--profile", "--json"]);
+    command.args(extra);
     command.args(["--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=512"]);
     command.args(["--set", "seq=64", "--set", "context=64", "--set", "batch=8"]);
     match blas {
@@ -141,19 +151,35 @@ fn losses_with_products(blas: Option<&str>) -> (Vec<f64>, String) {
     let records: Vec<Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
     let losses = records.iter().filter_map(|r| r["loss"].as_f64()).collect();
-    let library = records.last().and_then(|r| r["profile"]["cpu_products"].as_str()).expect("a library").to_string();
-    (losses, library)
+    let profile = &records.last().expect("a profile record")["profile"];
+    let library = profile["cpu_products"].as_str().expect("a library").to_string();
+    let calls = &profile["cpu_product_calls"];
+    ProductsRun { losses, library, openblas_calls: as_u64(&calls["openblas"]), faer_calls: as_u64(&calls["faer"]) }
 }
 
 #[test]
 fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() {
-    let (faer_losses, faer) = losses_with_products(Some("faer"));
-    assert_eq!(faer, "faer");
-    let (default_losses, default) = losses_with_products(None);
-    assert!(default == "faer" || default.starts_with("OpenBLAS"), "{default}");
-    assert_eq!(faer_losses.len(), 3);
-    for (a, b) in faer_losses.iter().zip(&default_losses) {
-        assert!((a - b).abs() <= 1e-5 * a.abs(), "faer {faer_losses:?} against {default} {default_losses:?}");
+    let faer = losses_with_products(Some("faer"), &[]);
+    assert_eq!((faer.library.as_str(), faer.openblas_calls), ("faer", 0));
+    assert!(faer.faer_calls > 0);
+    let default = losses_with_products(None, &[]);
+    assert_eq!(faer.losses.len(), 3);
+    for (a, b) in faer.losses.iter().zip(&default.losses) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "faer {:?} against {:?}", faer.losses, default.losses);
+    }
+    if default.library.starts_with("OpenBLAS") {
+        // The linears' products ran in OpenBLAS; attention's stay in faer.
+        assert!(
+            default.openblas_calls > 0 && default.faer_calls > 0,
+            "{} / {}",
+            default.openblas_calls,
+            default.faer_calls
+        );
+        // The bf16 emulation's products are faer's alone.
+        let bf16 = losses_with_products(None, &["--precision", "bf16"]);
+        assert_eq!(bf16.openblas_calls, 0, "bf16 products in OpenBLAS");
+    } else {
+        assert_eq!((default.library.as_str(), default.openblas_calls), ("faer", 0));
     }
     // A library that cannot be loaded is said on standard error, and the run goes on with faer.
     let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
@@ -164,7 +190,8 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("OPTIMUS_BLAS=/nonexistent/libopenblas.so: cannot load it") && stderr.contains("by faer"),
+        stderr.contains("OPTIMUS_BLAS=/nonexistent/libopenblas.so: cannot load it")
+            && stderr.contains("CPU products: library faer; 0 of"),
         "{stderr}"
     );
 }

@@ -212,6 +212,9 @@ pub struct ProfileReport {
     pub peak_isa: String,
     /// What the CPU kernels multiply matrices with ("OpenBLAS (...)" or "faer").
     pub cpu_products: String,
+    /// The sequential product calls each library ran in this process (products split over the pool
+    /// count once per part; attention's and the bf16 emulation's are faer's).
+    pub cpu_product_calls: super::cpu::blas::Calls,
     /// Steps in the table (per device).
     pub steps_profiled: u64,
     /// Whether the first step was left out as warm-up (it is when the run has more than one).
@@ -276,6 +279,7 @@ pub fn report(plan: &Plan, profiles: &[Profile], peak: &Peak) -> ProfileReport {
         peak_threads: peak.threads,
         peak_isa: peak.isa.to_string(),
         cpu_products: super::cpu::blas::product_library(),
+        cpu_product_calls: super::cpu::blas::calls(),
         steps_profiled: profiles.first().map_or(0, |p| p.steps),
         warm_up_excluded: profiles.iter().any(|p| p.warm_up_excluded),
         rows: summed_rows(&kinds, profiles, peak.gflops),
@@ -371,15 +375,19 @@ impl ProfileReport {
         let warm_up = if self.warm_up_excluded { " (step 0 left out as warm-up)" } else { "" };
         let devices = self.devices.len() as u64;
         let shared = if devices > 1 { format!("; the {devices} devices share it") } else { String::new() };
+        let calls = self.cpu_product_calls;
         format!(
             "profile: {}{warm_up} on {}, times summed over devices\n\
-             peak {:.1} GFLOP/s measured on {} ({}){shared}; CPU products by {}\n\n",
+             peak {:.1} GFLOP/s measured on {} ({}){shared}\n\
+             CPU products: library {}; {} of {} product calls ran in OpenBLAS, the rest in faer\n\n",
             plural(self.steps_profiled, "step"),
             plural(devices, "device"),
             self.peak_gflops,
             plural(self.peak_threads as u64, "thread"),
             self.peak_isa,
-            self.cpu_products
+            self.cpu_products,
+            calls.openblas,
+            calls.openblas + calls.faer,
         )
     }
 

@@ -14,6 +14,29 @@ use faer::{MatMut, MatRef};
 use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_int};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Sequential product calls OpenBLAS ran and faer ran, since the process started (see [`calls`]).
+static BLAS_CALLS: AtomicU64 = AtomicU64::new(0);
+static FAER_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// How many of the CPU kernels' sequential products (the parts a product is split into) OpenBLAS and
+/// faer ran since the process started: `run --profile` shows it, so that a run says which library did
+/// its products, not only which was found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Calls {
+    pub openblas: u64,
+    pub faer: u64,
+}
+
+pub fn calls() -> Calls {
+    Calls { openblas: BLAS_CALLS.load(Ordering::Relaxed), faer: FAER_CALLS.load(Ordering::Relaxed) }
+}
+
+/// Counts one sequential product in faer.
+pub fn count_faer_call() {
+    FAER_CALLS.fetch_add(1, Ordering::Relaxed);
+}
 
 thread_local! {
     /// Set while this thread runs a kernel whose products must be faer's (see [`faer_only`]).
@@ -68,7 +91,7 @@ pub struct Blas {
     _library: libloading::Library,
 }
 
-/// What the CPU kernels multiply matrices with: "OpenBLAS 0.3.21 ..." or "faer".
+/// The library the CPU kernels' products may use: "OpenBLAS 0.3.21 ..." or "faer" (none found).
 pub fn product_library() -> String {
     match loaded() {
         Some(blas) => blas.description.clone(),
@@ -177,6 +200,7 @@ impl Blas {
                 ldc,
             );
         }
+        BLAS_CALLS.fetch_add(1, Ordering::Relaxed);
         true
     }
 }

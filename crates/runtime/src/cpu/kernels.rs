@@ -278,6 +278,7 @@ fn sequential_product(
     {
         return;
     }
+    blas::count_faer_call();
     matmul(dst, accum, lhs, rhs, alpha, Par::Seq);
 }
 

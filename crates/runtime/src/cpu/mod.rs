@@ -160,9 +160,9 @@ impl Backend for CpuBackend {
             return done.map_err(RuntimeError::Kernel);
         }
         let run = |ins: &[&View], out: &mut ViewMut| kernels::run_views(kernel, ins, out, ctx);
-        let reads = kernel.reads_its_output();
-        par::on_pool(|| blas::faer_only(|| super::bf16::with_widened(&refs, out, reads, run)))
-            .map_err(RuntimeError::Kernel)
+        let widened = || super::bf16::with_widened(&refs, out, kernel.reads_its_output(), run);
+        let done = if has_bf16 { par::on_pool(|| blas::faer_only(widened)) } else { par::on_pool(widened) };
+        done.map_err(RuntimeError::Kernel)
     }
 
     fn optimizer_step(
