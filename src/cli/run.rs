@@ -118,7 +118,9 @@ pub struct RunArgs {
     /// kind and by collective kind and group, summed over devices (count, total ms, share, average µs,
     /// achieved GFLOP/s of products and their % of this CPU's peak, GB/s of collectives), then compute,
     /// communication and other time per device. The first step is left out as warm-up when there are more;
-    /// the peak is measured after the run (about 0.2 s). With --json, a last `{"profile": ...}` record.
+    /// the peak is measured after the run (about 0.2 s). The header also names the library of the CPU
+    /// products (OpenBLAS where the machine has it, else faer; OPTIMUS_BLAS=faer keeps faer) and how many
+    /// product calls each ran. With --json, a last `{"profile": ...}` record.
     #[arg(long)]
     pub profile: bool,
     /// Seconds a collective waits for its peers before the run fails (and, under MPI, aborts the job).
