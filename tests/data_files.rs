@@ -3,7 +3,7 @@
 //! batches are exactly the documented windows, and data shorter than one step draws a warning.
 #![cfg(unix)]
 
-use optimus::io::{TokenData, TokenDtype};
+use optimus::io::{Order, TokenData, TokenDtype};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -152,7 +152,7 @@ fn batches_are_the_documented_windows_including_wrap_around() {
         let (batch, seq) = (3, 4);
         // 37 tokens, 12 per step: steps 3 and later start past the end and wrap.
         for step in [0, 1, 2, 3, 4, 7, 36, 1_000_003] {
-            let got = data.batch(step, batch, seq, vocab).expect("in the vocabulary");
+            let got = data.batch(Order::Sequential, step, (batch, seq), vocab).expect("in the vocabulary");
             let (tokens, targets) = reference_batch(&bytes, size, step, batch, seq);
             assert_eq!(got["tokens"].i32().expect("i32"), &tokens[..], "{dtype:?} step {step} tokens");
             assert_eq!(got["targets"].i32().expect("i32"), &targets[..], "{dtype:?} step {step} targets");

@@ -3,7 +3,7 @@
 
 use optimus::elab::Override;
 use optimus::front::check_source;
-use optimus::io::{TokenData, TokenDtype, check_inputs, load_checkpoint, random_batch, save_checkpoint};
+use optimus::io::{Order, TokenData, TokenDtype, check_inputs, load_checkpoint, random_batch, save_checkpoint};
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::runtime::exec::RunConfig;
@@ -433,14 +433,14 @@ fn windows_follow_the_step_rule_and_wrap() {
     assert_eq!(data.len(), 10);
 
     // batch 2, seq 3: step 0 reads from 0 and 3, step 1 from 6 and 9 (which wraps to 0, 1, 2).
-    let step0 = data.batch(0, 2, 3, 1000).expect("step 0");
+    let step0 = data.batch(Order::Sequential, 0, (2, 3), 1000).expect("step 0");
     assert_eq!(ids(&step0, "tokens"), vec![100, 101, 102, 103, 104, 105]);
     assert_eq!(ids(&step0, "targets"), vec![101, 102, 103, 104, 105, 106]);
-    let step1 = data.batch(1, 2, 3, 1000).expect("step 1");
+    let step1 = data.batch(Order::Sequential, 1, (2, 3), 1000).expect("step 1");
     assert_eq!(ids(&step1, "tokens"), vec![106, 107, 108, 109, 100, 101]);
     assert_eq!(ids(&step1, "targets"), vec![107, 108, 109, 100, 101, 102]);
     // Step 5 starts at 30, which is 0 modulo 10.
-    assert_eq!(data.batch(5, 2, 3, 1000).expect("step 5"), step0);
+    assert_eq!(data.batch(Order::Sequential, 5, (2, 3), 1000).expect("step 5"), step0);
 }
 
 #[test]
@@ -450,10 +450,10 @@ fn u32_files_hold_large_ids() {
     std::fs::write(&path, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).expect("writes");
     let data = TokenData::open(&path, TokenDtype::U32).expect("opens");
     assert_eq!(data.len(), 4);
-    let b = data.batch(0, 1, 2, 100_000).expect("batch");
+    let b = data.batch(Order::Sequential, 0, (1, 2), 100_000).expect("batch");
     assert_eq!(b["tokens"].i32().expect("i32"), &[70_000, 1]);
     assert_eq!(b["targets"].i32().expect("i32"), &[1, 99_999]);
-    let b = data.batch(1, 1, 2, 100_000).expect("batch");
+    let b = data.batch(Order::Sequential, 1, (1, 2), 100_000).expect("batch");
     assert_eq!(b["tokens"].i32().expect("i32"), &[99_999, 65_536]);
     assert_eq!(b["targets"].i32().expect("i32"), &[65_536, 70_000]);
 }
@@ -463,8 +463,8 @@ fn a_token_outside_the_vocabulary_gives_its_offset() {
     let path = scratch("vocab").join("train.bin");
     write_u16(&path, &[1, 2, 3, 4, 500, 6, 7, 8]);
     let data = TokenData::open(&path, TokenDtype::U16).expect("opens");
-    data.batch(0, 1, 3, 100).expect("tokens 0..=3 are in the vocabulary");
-    let e = data.batch(1, 1, 3, 100).expect_err("token 4 is 500").to_string();
+    data.batch(Order::Sequential, 0, (1, 3), 100).expect("tokens 0..=3 are in the vocabulary");
+    let e = data.batch(Order::Sequential, 1, (1, 3), 100).expect_err("token 4 is 500").to_string();
     assert!(e.contains("token 500 at offset 4"), "{e}");
 }
 

@@ -14,6 +14,7 @@ use std::ffi::OsString;
 const DEFINING: &[&str] = &[
     "data",
     "data_dtype",
+    "shuffle",
     "segments",
     "labels",
     "objective",

@@ -37,6 +37,13 @@ pub struct RunArgs {
     /// Token file (nanoGPT style: flat little-endian integers). Without it, tokens are drawn from the seed.
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
+    /// Read --data's windows (seq + 1 tokens, seq apart) in an order drawn from --seed anew each epoch,
+    /// every whole window once per epoch, instead of one after another. The order depends only on the
+    /// seed, the epoch and the step, so --resume continues it exactly. `--shuffle false` (the default)
+    /// reads in order. Either way a note says when a step starts a new pass over the file.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", default_value_t = false,
+          action = clap::ArgAction::Set)]
+    pub shuffle: bool,
     /// Element type of --data, and of --segments, --labels and the validation files.
     #[arg(long, value_enum, default_value_t = DataDtype::U16)]
     pub data_dtype: DataDtype,
@@ -416,8 +423,17 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         labels: args.inputs.labels.as_ref(),
         dtype: args.data_dtype,
     };
-    let sources = open_sources(&files, args.inputs.objective, args.seed, "")?;
+    let mut sources = open_sources(&files, args.inputs.objective, args.seed, "")?;
     sources.check(&plan, "").map_err(|e| Failure::usage(e.to_string()))?;
+    if args.shuffle {
+        if sources.drawn_from_seed() {
+            return Err(Failure::usage(
+                "--shuffle orders the windows of --data; without --data every token is drawn from the seed already"
+                    .into(),
+            ));
+        }
+        sources.order = optimus::io::Order::Shuffled { seed: args.seed };
+    }
     if sources.drawn_from_seed() && leader {
         let what = if plan.mode == Mode::Train { "training on" } else { "running" };
         eprintln_safe!(
@@ -495,10 +511,40 @@ fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
         .with_micro_batches(args.accum)
         .with_log(open_log(args)?)
         .starting_at(job.config.start_step);
-    let batches = |step| job.sources.batch(&job.plan, step).map_err(|e| e.to_string());
+    let epochs = EpochNotes::new(&job.sources, &job.plan, job.config.start_step * args.accum, args.accum);
+    let batches = |index| {
+        epochs.note(&job.sources, &job.plan, index);
+        job.sources.batch(&job.plan, index).map_err(|e| e.to_string())
+    };
     stop_gracefully(job);
     let output = optimus::runtime::local::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output)
+}
+
+/// The note a run prints when a step starts a new pass over --data, once whichever device loads it.
+pub struct EpochNotes {
+    /// The epoch of the last batch announced (or of the first batch of the run).
+    announced: std::sync::atomic::AtomicU64,
+    accum: u64,
+}
+
+impl EpochNotes {
+    /// Starting at batch `first` (the first of the run, or of the resumed part), `accum` batches a step.
+    pub fn new(sources: &optimus::io::sources::Sources, plan: &Plan, first: u64, accum: u64) -> EpochNotes {
+        let epoch = sources.epoch(plan, first).unwrap_or(0);
+        EpochNotes { announced: std::sync::atomic::AtomicU64::new(epoch), accum: accum.max(1) }
+    }
+
+    /// Prints the note if batch `index` is the first of an epoch not announced yet.
+    pub fn note(&self, sources: &optimus::io::sources::Sources, plan: &Plan, index: u64) {
+        let Some(epoch) = sources.epoch(plan, index) else { return };
+        if self.announced.fetch_max(epoch, std::sync::atomic::Ordering::Relaxed) >= epoch {
+            return;
+        }
+        if let Some(text) = sources.epoch_text(plan, epoch) {
+            eprintln_safe!("note: step {} starts epoch {} of {text}", index / self.accum, epoch + 1);
+        }
+    }
 }
 
 /// Makes the first Ctrl-C or SIGTERM of a training run finish the current step (and write a checkpoint)
@@ -615,7 +661,13 @@ mod multi_process {
             .with_micro_batches(args.accum)
             .with_log(log)
             .starting_at(job.config.start_step);
-        let batches = |step| job.sources.batch(&job.plan, step).map_err(|e| e.to_string());
+        let epochs = EpochNotes::new(&job.sources, &job.plan, job.config.start_step * args.accum, args.accum);
+        let batches = |index| {
+            if leader {
+                epochs.note(&job.sources, &job.plan, index);
+            }
+            job.sources.batch(&job.plan, index).map_err(|e| e.to_string())
+        };
         let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
         stop_gracefully(&job);

@@ -2,7 +2,11 @@
 //!
 //! Step k, sequence r of a batch reads the seq + 1 tokens that start at (k * batch + r) * seq, wrapping
 //! at the end of the file; the input is the first seq of them and the target the last seq, so every
-//! target is the token that follows its input.
+//! target is the token that follows its input. With [`Order::Shuffled`] the file's whole windows
+//! (seq + 1 tokens, seq apart) are read in a seeded order that changes every epoch: row k * batch + r
+//! is window `permuted(i)` of epoch e, for e and i its quotient and remainder by the number of
+//! windows. The order is a pure function of the seed, the epoch and the row, so a resumed run reads
+//! exactly what an uninterrupted one would.
 
 use super::files::{FileError, open_regular};
 use memmap2::Mmap;
@@ -15,6 +19,16 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
+
+/// The order in which a run reads its token file's windows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Order {
+    /// One after another from the start, wrapping at the end of the file.
+    #[default]
+    Sequential,
+    /// Every whole window once per epoch, in an order drawn from `seed` and the epoch.
+    Shuffled { seed: u64 },
+}
 
 /// Why token data cannot be opened or read for a model; every message names the file or the model.
 #[derive(Debug)]
@@ -184,14 +198,52 @@ impl TokenData {
         })
     }
 
-    /// `tokens` and `targets` of step `step`, each i32 [batch, seq]; a token id >= `vocab` is an error.
-    pub fn batch(&self, step: u64, batch: u64, seq: u64, vocab: u64) -> Result<BTreeMap<String, Tensor>, DataError> {
+    /// The windows of seq + 1 tokens, seq apart, that fit whole in the file: what one shuffled epoch
+    /// reads (0 when the file is shorter than one window; a shuffled run then reads in order).
+    pub fn windows(&self, seq: u64) -> u64 {
+        self.len().saturating_sub(1).checked_div(seq).unwrap_or(0)
+    }
+
+    /// Where sequence `row` of step `step` starts, in `order`.
+    pub fn window_start(&self, order: Order, step: u64, batch: u64, row: u64, seq: u64) -> u64 {
+        let global = u128::from(step) * u128::from(batch) + u128::from(row);
+        let windows = u128::from(self.windows(seq));
+        match order {
+            Order::Shuffled { seed } if windows > 0 => {
+                let (epoch, index) = ((global / windows) as u64, (global % windows) as u64);
+                permuted(index, windows as u64, seed, epoch) * seq
+            }
+            _ => (global * u128::from(seq) % u128::from(self.len())) as u64,
+        }
+    }
+
+    /// The pass over the file (0 for the first) that step `step`'s last sequence belongs to, so a new
+    /// epoch is counted from the step in which it begins: shuffled, the epoch of its window; in order,
+    /// how many times the reading has wrapped past the file's end when that sequence starts.
+    pub fn epoch(&self, order: Order, step: u64, batch: u64, seq: u64) -> u64 {
+        let last_row = u128::from(step) * u128::from(batch) + u128::from(batch.saturating_sub(1));
+        let windows = u128::from(self.windows(seq));
+        let epoch = match order {
+            Order::Shuffled { .. } if windows > 0 => last_row / windows,
+            _ => last_row * u128::from(seq) / u128::from(self.len()),
+        };
+        u64::try_from(epoch).unwrap_or(u64::MAX)
+    }
+
+    /// `tokens` and `targets` of step `step`, each i32 [batch, seq], read in `order`; a token id >=
+    /// `vocab` is an error.
+    pub fn batch(
+        &self,
+        order: Order,
+        step: u64,
+        (batch, seq): (u64, u64),
+        vocab: u64,
+    ) -> Result<BTreeMap<String, Tensor>, DataError> {
         check_vocab(vocab)?;
-        let n = u128::from(self.len());
         let capacity = batch.saturating_mul(seq).min(1 << 24) as usize;
         let (mut tokens, mut targets) = (Vec::with_capacity(capacity), Vec::with_capacity(capacity));
         for r in 0..batch {
-            let start = ((u128::from(step) * u128::from(batch) + u128::from(r)) * u128::from(seq) % n) as u64;
+            let start = self.window_start(order, step, batch, r, seq);
             let window = self.window(start, seq + 1, vocab)?;
             tokens.extend_from_slice(&window[..window.len() - 1]);
             targets.extend_from_slice(&window[1..]);
@@ -211,6 +263,32 @@ impl TokenData {
                 Ok(token as i32)
             })
             .collect()
+    }
+}
+
+/// Index `index` of 0..n under the permutation of 0..n drawn from `seed` and `epoch`: a balanced
+/// Feistel network on the smallest even power of two that holds n, walked until it lands below n (a
+/// permutation of the larger range restricted to 0..n stays a permutation; fewer than four steps are
+/// expected). Constant memory, whatever the number of windows.
+fn permuted(index: u64, n: u64, seed: u64, epoch: u64) -> u64 {
+    if n <= 1 {
+        return 0;
+    }
+    let bits = (64 - (n - 1).leading_zeros()).max(2).next_multiple_of(2);
+    let half = bits / 2;
+    let mask = (1u64 << half) - 1;
+    let key = mix64(seed ^ mix64(epoch.wrapping_add(0x9E37_79B9_7F4A_7C15)));
+    let mut x = index;
+    loop {
+        let (mut left, mut right) = (x >> half, x & mask);
+        for round in 0..4u64 {
+            let f = mix64(key ^ mix64(right ^ (round << 56))) & mask;
+            (left, right) = (right, left ^ f);
+        }
+        x = (left << half) | right;
+        if x < n {
+            return x;
+        }
     }
 }
 
@@ -273,4 +351,24 @@ fn pair(batch: u64, seq: u64, tokens: Vec<i32>, targets: Vec<i32>) -> BTreeMap<S
         ("tokens".to_string(), Tensor::from_i32(&[batch, seq], tokens)),
         ("targets".to_string(), Tensor::from_i32(&[batch, seq], targets)),
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_epoch_is_a_permutation_and_epochs_differ() {
+        for n in [1u64, 2, 3, 5, 16, 17, 1000, 4097] {
+            let order = |epoch| (0..n).map(|i| permuted(i, n, 7, epoch)).collect::<Vec<_>>();
+            let mut seen = order(0);
+            seen.sort_unstable();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>(), "n = {n}");
+            if n >= 16 {
+                assert_ne!(order(0), order(1), "n = {n}: epochs 0 and 1 read in one order");
+                assert_ne!(order(0), (0..n).collect::<Vec<_>>(), "n = {n}: not shuffled");
+            }
+        }
+        assert_ne!(permuted(3, 1000, 1, 0), permuted(3, 1000, 2, 0), "the seed changes the order");
+    }
 }

@@ -35,5 +35,5 @@ pub mod shards;
 pub mod sources;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};
-pub use data::{TokenData, TokenDtype, check_inputs, random_batch};
+pub use data::{Order, TokenData, TokenDtype, check_inputs, random_batch};
 pub use output::{OutputError, check_writable, write_file};

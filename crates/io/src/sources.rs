@@ -13,7 +13,7 @@
 //! token file's ignore id (65535 in u16 files, 0xFFFFFFFF in u32 ones) becomes
 //! [`IGNORE_INDEX`](optimus_plan::IGNORE_INDEX), which cross-entropy leaves out of its mean.
 
-use super::data::{DataError, TokenData, check_vocab, dtype_of, input_list, random_batch};
+use super::data::{DataError, Order, TokenData, check_vocab, dtype_of, input_list, random_batch};
 use optimus_plan::init::mix64;
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{IGNORE_INDEX, Plan, PlanInput};
@@ -62,6 +62,8 @@ pub struct Sources {
     pub labels: Option<TokenData>,
     pub objective: Objective,
     pub seed: u64,
+    /// The order the token file's windows are read in (the aligned files follow it).
+    pub order: Order,
 }
 
 /// Why the data flags cannot feed a model, or a batch cannot be read; a message about the flags
@@ -207,7 +209,7 @@ impl Sources {
                 }
             }
         }
-        Ok(Sources { tokens, segments, labels, objective, seed })
+        Ok(Sources { tokens, segments, labels, objective, seed, order: Order::Sequential })
     }
 
     /// Whether the tokens are drawn from the seed (no `--data`): random tokens, for checking a plan and
@@ -246,6 +248,34 @@ impl Sources {
     }
 
     /// The logical inputs of batch `step` (see the module's docs for the windows).
+    /// The pass over the token file (0 for the first) that batch `step` starts in; `None` without a
+    /// token file or with a plan that takes no tokens.
+    pub fn epoch(&self, plan: &Plan, step: u64) -> Option<u64> {
+        let (batch, seq) = self.check(plan, "").ok()?;
+        Some(self.tokens.as_ref()?.epoch(self.order, step, batch, seq))
+    }
+
+    /// What an epoch is for this run's token file, for a note: its name, and how it is read.
+    pub fn epoch_text(&self, plan: &Plan, epoch: u64) -> Option<String> {
+        let (_, seq) = self.check(plan, "").ok()?;
+        let data = self.tokens.as_ref()?;
+        let windows = data.windows(seq);
+        Some(match self.order {
+            Order::Shuffled { .. } if windows > 0 => format!(
+                "`{}` ({windows} windows of {} tokens, in the order drawn for epoch {})",
+                data.path(),
+                seq + 1,
+                epoch + 1
+            ),
+            _ => format!(
+                "`{}` ({} tokens): the reading wrapped past its end and goes on from its start{}",
+                data.path(),
+                data.len(),
+                if windows > 0 { "; --shuffle reads every window once per epoch in a new order" } else { "" }
+            ),
+        })
+    }
+
     pub fn batch(&self, plan: &Plan, step: u64) -> Result<BTreeMap<String, Tensor>, SourceError> {
         let (batch, seq) = self.check(plan, "")?;
         let vocab = vocab(plan)?;
@@ -253,16 +283,16 @@ impl Sources {
         let mut by_role: BTreeMap<&str, Tensor> = BTreeMap::new();
         match &self.tokens {
             Some(data) => {
-                let shifted = data.batch(step, batch, seq, vocab)?;
+                let shifted = data.batch(self.order, step, (batch, seq), vocab)?;
                 for (name, tensor) in shifted {
                     by_role.insert(if name == "tokens" { "tokens" } else { "next" }, tensor);
                 }
                 if let Some(labels) = &self.labels {
-                    let values = aligned(labels, step, batch, seq, |t, at| label(labels, t, at, vocab))?;
+                    let values = aligned(labels, self.order, step, (batch, seq), |t, at| label(labels, t, at, vocab))?;
                     by_role.insert("labels", Tensor::from_i32(&[batch, seq], values));
                 }
                 if let Some(segments) = &self.segments {
-                    let values = aligned(segments, step, batch, seq, |t, at| segment(segments, t, at))?;
+                    let values = aligned(segments, self.order, step, (batch, seq), |t, at| segment(segments, t, at))?;
                     by_role.insert("segments", Tensor::from_i32(&[batch, seq], values));
                 }
             }
@@ -332,15 +362,14 @@ fn check_aligned(data: &TokenData, file: &TokenData, flag: &str, data_flag: &str
 /// converted by `convert(value, index)`.
 fn aligned(
     file: &TokenData,
+    order: Order,
     step: u64,
-    batch: u64,
-    seq: u64,
+    (batch, seq): (u64, u64),
     convert: impl Fn(u32, u64) -> Result<i32, SourceError>,
 ) -> Result<Vec<i32>, SourceError> {
-    let n = u128::from(file.len());
     let mut values = Vec::with_capacity(batch.saturating_mul(seq).min(1 << 24) as usize);
     for r in 0..batch {
-        let start = ((u128::from(step) * u128::from(batch) + u128::from(r)) * u128::from(seq) % n) as u64;
+        let start = file.window_start(order, step, batch, r, seq);
         for t in 0..seq {
             let index = (start + t) % file.len();
             values.push(convert(file.token(index), index)?);
