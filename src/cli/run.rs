@@ -547,6 +547,18 @@ impl EpochNotes {
     }
 }
 
+/// Seconds as a person reads a wait: "0.4 s", "38 s", "3 min 20 s", "2 h 05 min".
+fn duration_text(seconds: f64) -> String {
+    let seconds = if seconds.is_finite() { seconds.max(0.0) } else { 0.0 };
+    let whole = seconds.round() as u64;
+    match whole {
+        0..10 => format!("{seconds:.1} s"),
+        10..60 => format!("{whole} s"),
+        60..3600 => format!("{} min {:02} s", whole / 60, whole % 60),
+        _ => format!("{} h {:02} min", whole / 3600, whole % 3600 / 60),
+    }
+}
+
 /// Makes the first Ctrl-C or SIGTERM of a training run finish the current step (and write a checkpoint)
 /// rather than kill it; a second one stops at once.
 fn stop_gracefully(job: &Prepared) {
@@ -734,6 +746,9 @@ struct Progress {
     json: bool,
     bar: Option<indicatif::ProgressBar>,
     start: Instant,
+    /// The run's last step (`--steps`) and the step it started at (later when resumed), for the ETA.
+    steps: u64,
+    first_step: u64,
     train: bool,
     log: Option<MetricsLog>,
     /// The first record `--log` could not append; no more are tried after it.
@@ -767,11 +782,21 @@ impl Progress {
     }
 
     /// A resumed run: the bar starts at the checkpoint's step.
-    fn starting_at(self, step: u64) -> Progress {
+    fn starting_at(mut self, step: u64) -> Progress {
         if let Some(bar) = &self.bar {
             bar.set_position(step);
+            bar.reset_eta();
         }
+        self.first_step = step;
         self
+    }
+
+    /// The time the steps after `step` should take at the pace of the steps this process has run so
+    /// far; `None` after the last step.
+    fn eta(&self, step: u64) -> Option<String> {
+        let done = (step + 1).saturating_sub(self.first_step);
+        let left = self.steps.saturating_sub(step + 1);
+        (done > 0 && left > 0).then(|| duration_text(self.start.elapsed().as_secs_f64() / done as f64 * left as f64))
     }
 
     /// Counts the tokens of `n` micro-batches in each step's throughput.
@@ -785,7 +810,7 @@ impl Progress {
         let tokens_per_step = check_inputs(plan).map_or(0, |(b, s)| b * s);
         let bar = (!json && std::io::stderr().is_terminal()).then(|| {
             let bar = indicatif::ProgressBar::new(steps);
-            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}") {
+            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}") {
                 bar.set_style(style);
             }
             bar
@@ -795,6 +820,8 @@ impl Progress {
             json,
             bar,
             start: Instant::now(),
+            steps,
+            first_step: 0,
             train: plan.mode == Mode::Train,
             log: None,
             log_failed: std::sync::OnceLock::new(),
@@ -817,7 +844,11 @@ impl Progress {
                 bar.inc(1);
             }
             None => {
-                super::stdout(&format!("step {}: loss {loss}  {tokens_per_s:.0} tokens/s  {elapsed:.2} s\n", r.step))
+                let eta = self.eta(r.step).map_or_else(String::new, |left| format!("  ETA {left}"));
+                super::stdout(&format!(
+                    "step {}: loss {loss}  {tokens_per_s:.0} tokens/s  {elapsed:.2} s{eta}\n",
+                    r.step
+                ))
             }
         }
         if let Some(val) = r.val_loss {
@@ -894,4 +925,19 @@ fn save_weights(path: &Path, max_shard: u64, job: &Prepared, output: &RunOutput)
         .map_err(|e| e.to_string())?;
     eprintln_safe!("saved weights to {} ({} files: {})", path.display(), saved.files.len(), saved.files.join(", "));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::duration_text;
+
+    #[test]
+    fn waits_read_in_the_largest_sensible_units() {
+        assert_eq!(duration_text(0.04), "0.0 s");
+        assert_eq!(duration_text(3.26), "3.3 s");
+        assert_eq!(duration_text(38.4), "38 s");
+        assert_eq!(duration_text(200.0), "3 min 20 s");
+        assert_eq!(duration_text(7500.0), "2 h 05 min");
+        assert_eq!(duration_text(f64::NAN), "0.0 s");
+    }
 }
