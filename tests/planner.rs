@@ -66,10 +66,19 @@ fn check_against_brute_force(devices: u64, precisions: &[Precision]) {
         precisions,
         options: Options::default(),
     };
-    let outcome = match planner::plan(&request) {
+    let calls = std::cell::RefCell::new(Vec::new());
+    let record = |p: planner::SearchProgress| calls.borrow_mut().push((p.done, p.total, p.next.to_string()));
+    let outcome = match planner::plan_with_progress(&request, &record) {
         Ok(o) => o,
         Err(e) => panic!("{}", e.message),
     };
+    // Progress: one call before each layout search, counting up, and a last one when all are done.
+    let calls = calls.into_inner();
+    let total = calls.first().map_or(0, |c| c.1);
+    assert!(total > 0 && calls.len() == total + 1, "{calls:?}");
+    for (k, (done, of, next)) in calls.iter().enumerate() {
+        assert_eq!((*done, *of, next.is_empty()), (k, total, k == total), "{calls:?}");
+    }
     let best = &outcome.ranked[0];
     for (config, step, peak) in &everything {
         if *peak <= capacity {

@@ -114,7 +114,19 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
         precisions: args.precision.precisions(),
         options: Options::default(),
     };
-    let outcome = match planner::plan(&request) {
+    let bar = search_bar(args.json);
+    let show = |p: planner::SearchProgress| {
+        if let Some(bar) = &bar {
+            bar.set_length(p.total as u64);
+            bar.set_position(p.done as u64);
+            bar.set_message(p.next.to_string());
+        }
+    };
+    let outcome = planner::plan_with_progress(&request, &show);
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(no_plan) => return report_no_plan(args, &no_plan),
     };
@@ -128,6 +140,19 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
     }
     super::stdout(&render(args, &hw, &outcome));
     ExitCode::SUCCESS
+}
+
+/// A progress bar on standard error while the search runs, when that is a terminal and the output is
+/// not JSON: layouts searched of all, the one being searched, and the time left.
+fn search_bar(json: bool) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    (!json && std::io::stderr().is_terminal()).then(|| {
+        let bar = indicatif::ProgressBar::new(0);
+        if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} layouts  {msg}  ETA {eta}") {
+            bar.set_style(style);
+        }
+        bar
+    })
 }
 
 /// The model must check before the search: its errors are printed once, with their spans.

@@ -767,6 +767,21 @@ impl<'a> Search<'a> {
 
 /// Plans: every legal configuration is enumerated and either pruned or compiled, checked and scored.
 pub fn plan(request: &Request) -> Result<Outcome, Box<NoPlan>> {
+    plan_with_progress(request, &|_| {})
+}
+
+/// Where a search stands, for a progress display: `done` of `total` layout searches (a layout in one
+/// precision: its micro-batch cuts, recompute levels and ZeRO stages) have finished, and `next` is the
+/// one starting (empty once all are done).
+#[derive(Clone, Copy, Debug)]
+pub struct SearchProgress<'a> {
+    pub done: usize,
+    pub total: usize,
+    pub next: &'a str,
+}
+
+/// [`plan`], calling `on_progress` before each layout search and once when all are done.
+pub fn plan_with_progress(request: &Request, on_progress: &dyn Fn(SearchProgress)) -> Result<Outcome, Box<NoPlan>> {
     let started = Instant::now();
     let no_plan = |message: String, counts: Counts| Box::new(NoPlan { message, closest: Vec::new(), counts });
     if request.devices == 0 || request.devices > MAX_DEVICES {
@@ -801,8 +816,13 @@ pub fn plan(request: &Request) -> Result<Outcome, Box<NoPlan>> {
         }
     }
     let mut illegal: Vec<Parallelism> = Vec::new();
+    let total = legal.len() * request.precisions.len();
+    let mut done = 0;
     for &precision in request.precisions {
         for (p, ms) in &legal {
+            let label = p.label();
+            on_progress(SearchProgress { done, total, next: &label });
+            done += 1;
             if illegal.contains(p) {
                 search.counts.illegal += per_layout(p, ms.len() as u64) / request.precisions.len() as u64;
                 continue;
@@ -813,6 +833,7 @@ pub fn plan(request: &Request) -> Result<Outcome, Box<NoPlan>> {
             }
         }
     }
+    on_progress(SearchProgress { done, total, next: "" });
     finish(search, started)
 }
 
