@@ -411,28 +411,43 @@ fn memory_gb() -> f64 {
 /// A bar on a terminal; a line per phase otherwise.
 struct Progress {
     bar: Option<indicatif::ProgressBar>,
+    /// Runs in all, those finished, and when the first started: the ETA of the lines without a bar.
+    total: u64,
+    done: std::sync::atomic::AtomicU64,
+    start: std::time::Instant,
 }
 
 impl Progress {
     fn new(total: u64) -> Progress {
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = indicatif::ProgressBar::new(total);
-            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len}  {msg}") {
+            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len}  {msg}  ETA {eta}") {
                 bar.set_style(style);
             }
             bar
         });
-        Progress { bar }
+        Progress { bar, total, done: std::sync::atomic::AtomicU64::new(0), start: std::time::Instant::now() }
     }
 
     fn phase(&self, what: &str) {
         match &self.bar {
             Some(bar) => bar.set_message(what.to_string()),
-            None => eprintln_safe!("calibrate: {what}"),
+            None => eprintln_safe!("calibrate: {what}{}", self.eta()),
         }
     }
 
+    /// "  (ETA 40 s)" at the pace of the runs so far; empty before the first has finished.
+    fn eta(&self) -> String {
+        let done = self.done.load(std::sync::atomic::Ordering::Relaxed);
+        if done == 0 || done >= self.total {
+            return String::new();
+        }
+        let left = self.start.elapsed().as_secs_f64() / done as f64 * (self.total - done) as f64;
+        format!("  (ETA {})", super::run::duration_text(left))
+    }
+
     fn advance(&self) {
+        self.done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Some(bar) = &self.bar {
             bar.inc(1);
         }

@@ -548,7 +548,7 @@ impl EpochNotes {
 }
 
 /// Seconds as a person reads a wait: "0.4 s", "38 s", "3 min 20 s", "2 h 05 min".
-fn duration_text(seconds: f64) -> String {
+pub(super) fn duration_text(seconds: f64) -> String {
     let seconds = if seconds.is_finite() { seconds.max(0.0) } else { 0.0 };
     let whole = seconds.round() as u64;
     match whole {
