@@ -1,8 +1,9 @@
 //! OpenBLAS for the CPU kernels' float32 products, loaded at run time when the machine has it (Debian:
-//! `libopenblas0`), else faer. Measured on a 2-core AVX2 EPYC (bench: `scripts/bench_products.sh`),
-//! OpenBLAS's products match faer's on plain shapes and are 1.4-2.3x faster on the weight gradients'
-//! (a transposed left operand), which faer runs at 30-60% of the peak. Nothing is needed at build time:
-//! a binary built anywhere uses OpenBLAS where it finds one and faer elsewhere.
+//! `libopenblas0`), else faer. Measured on a 2-core AVX2 EPYC, OpenBLAS's products match faer's on
+//! plain shapes and are faster on the weight gradients' (a transposed left operand), which faer runs at
+//! 25-60% of the peak: the tied head's (8192x1024x256) ran at 43-53 GFLOP/s in faer and 113-127 in
+//! OpenBLAS, and whole steps ran 1.05-1.41x faster (`scripts/bench_products.sh`). Nothing is needed at
+//! build time: a binary built anywhere uses OpenBLAS where it finds one and faer elsewhere.
 //!
 //! OpenBLAS is held to one thread per call: the kernel pool splits large products itself, by blocks
 //! of output rows, so results depend only on the pool's size, as with faer, and concurrent calls from
