@@ -6,9 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS="${1:-3}"
-R=target/release/optimusc
-[ -x "$R" ] || { echo "build it first: cargo build --release" >&2; exit 1; }
-CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//') ($(grep -q avx512f /proc/cpuinfo && echo AVX-512 || echo AVX2))"
+# shellcheck source=scripts/bench_cpu.sh
+source scripts/bench_cpu.sh
 sizes() { local heads=$(( $1 / 64 > 4 ? $1 / 64 : 4 )); echo "--set layers=2 --set hidden=$1 --set heads=$heads --set seq=$2 --set batch=8 --set vocab=2048 --set context=$2"; }
 median_step() {
     python3 -c "

@@ -74,6 +74,24 @@ fn every_epoch_reads_each_whole_window_once_in_its_own_order() {
 }
 
 #[test]
+fn a_file_shorter_than_one_window_is_read_in_order_even_when_shuffled() {
+    let dir = TempDir::new().expect("a scratch folder");
+    let path = dir.path().join("short.u16");
+    let tokens: Vec<u8> = (0u16..20).flat_map(u16::to_le_bytes).collect();
+    std::fs::write(&path, tokens).expect("written");
+    let data = TokenData::open(&path, TokenDtype::U16).expect("opens");
+    assert_eq!(data.windows(32), 0);
+    let shuffled = Order::Shuffled { seed: 3 };
+    for step in 0..4 {
+        for row in 0..3 {
+            let start = data.window_start(shuffled, step, 3, row, 32);
+            assert_eq!(start, data.window_start(Order::Sequential, step, 3, row, 32));
+        }
+        assert_eq!(data.epoch(shuffled, step, 3, 32), data.epoch(Order::Sequential, step, 3, 32));
+    }
+}
+
+#[test]
 fn a_resumed_shuffled_run_reads_what_an_uninterrupted_one_reads() {
     let straight = run(&["--data", DATA, "--shuffle", "--steps", "24", "--json"]);
     let in_order = run(&["--data", DATA, "--steps", "24", "--json"]);

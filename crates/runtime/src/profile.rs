@@ -376,18 +376,22 @@ impl ProfileReport {
         let devices = self.devices.len() as u64;
         let shared = if devices > 1 { format!("; the {devices} devices share it") } else { String::new() };
         let calls = self.cpu_product_calls;
+        let products = match calls.openblas + calls.faer {
+            // No CPU kernel multiplied (a CUDA run): nothing to say about the CPU's library.
+            0 => String::new(),
+            all => format!(
+                "CPU products: library {}; {} of {all} product calls ran in OpenBLAS, the rest in faer\n",
+                self.cpu_products, calls.openblas
+            ),
+        };
         format!(
             "profile: {}{warm_up} on {}, times summed over devices\n\
-             peak {:.1} GFLOP/s measured on {} ({}){shared}\n\
-             CPU products: library {}; {} of {} product calls ran in OpenBLAS, the rest in faer\n\n",
+             peak {:.1} GFLOP/s measured on {} ({}){shared}\n{products}\n",
             plural(self.steps_profiled, "step"),
             plural(devices, "device"),
             self.peak_gflops,
             plural(self.peak_threads as u64, "thread"),
             self.peak_isa,
-            self.cpu_products,
-            calls.openblas,
-            calls.openblas + calls.faer,
         )
     }
 
@@ -452,6 +456,32 @@ mod tests {
 
     fn matmul(transpose_a: bool, transpose_b: bool) -> Kernel {
         Kernel::MatMul { transpose_a, transpose_b, accumulate: false }
+    }
+
+    fn report_with_calls(openblas: u64, faer: u64) -> ProfileReport {
+        ProfileReport {
+            peak_gflops: 100.0,
+            peak_threads: 2,
+            peak_isa: "AVX2 FMA".into(),
+            cpu_products: if openblas > 0 { "OpenBLAS 0.3.21".into() } else { "faer".into() },
+            cpu_product_calls: super::super::cpu::blas::Calls { openblas, faer },
+            steps_profiled: 1,
+            warm_up_excluded: false,
+            rows: Vec::new(),
+            devices: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_header_says_which_library_ran_the_cpu_products_and_nothing_when_none_ran() {
+        let header = report_with_calls(3, 5).header();
+        assert!(
+            header.contains("CPU products: library OpenBLAS 0.3.21; 3 of 8 product calls ran in OpenBLAS"),
+            "{header}"
+        );
+        let header = report_with_calls(0, 0).header();
+        assert!(!header.contains("CPU products"), "a run with no CPU product (CUDA): {header}");
+        assert!(header.ends_with(")\n\n"), "{header:?}");
     }
 
     #[test]

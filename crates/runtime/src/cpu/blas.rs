@@ -116,7 +116,7 @@ pub fn load_failure() -> Option<String> {
 fn state() -> &'static Result<Option<Blas>, String> {
     static BLAS: OnceLock<Result<Option<Blas>, String>> = OnceLock::new();
     BLAS.get_or_init(|| match std::env::var("OPTIMUS_BLAS") {
-        Ok(choice) if choice == "faer" || choice == "off" || choice == "none" => Ok(None),
+        Ok(choice) if choice == "faer" => Ok(None),
         Ok(path) if !path.is_empty() => load(&path).map(Some).map_err(|e| format!("{path}: {e}")),
         _ => Ok(SEARCHED.iter().find_map(|name| load(name).ok())),
     })

@@ -214,7 +214,6 @@ fn gemm_by(
             out: [dst.nrows(), dst.ncols()],
         }
     })?;
-    let accum = if accumulate { Accum::Add } else { Accum::Replace };
     let mut dst = dst;
     if lhs.ncols() == 0 {
         if !accumulate {
@@ -224,7 +223,7 @@ fn gemm_by(
     }
     let work = dst.nrows() * dst.ncols() * lhs.ncols();
     let parts = if work >= PARALLEL_WORK { par::threads() } else { 1 };
-    split_product(blas, dst, lhs, rhs, (accum, alpha), parts);
+    split_product(blas, dst, lhs, rhs, (accumulate, alpha), parts);
     Ok(())
 }
 
@@ -232,53 +231,55 @@ fn gemm_by(
 const SPLIT_ALIGN: usize = 16;
 
 /// dst (+)= alpha * lhs * rhs over `parts` workers: the output is split into `parts` blocks of rows
-/// (or of columns, when it is wider than tall), each a sequential faer product. Measured on this
+/// (or of columns, when it is wider than tall), each a [`sequential_product`]. Measured on this
 /// project's shapes, this beats faer's own parallel product, which splits the inner dimension too.
 fn split_product(
     blas: Option<&Blas>,
     dst: MatMut<'_, f32>,
     lhs: MatRef<'_, f32>,
     rhs: MatRef<'_, f32>,
-    (accum, alpha): (Accum, f32),
+    scale: (bool, f32),
     parts: usize,
 ) {
     let (m, n) = (dst.nrows(), dst.ncols());
     let left = parts / 2;
     let cut = |len: usize| (len * left / parts.max(1)).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
     if parts <= 1 || (m < 2 * SPLIT_ALIGN && n < 2 * SPLIT_ALIGN) {
-        sequential_product(blas, dst, lhs, rhs, (accum, alpha));
+        sequential_product(blas, dst, lhs, rhs, scale);
     } else if m >= n {
         let at = cut(m).min(m);
         let ((d0, d1), (l0, l1)) = (dst.split_at_row_mut(at), lhs.split_at_row(at));
         rayon::join(
-            || split_product(blas, d0, l0, rhs, (accum, alpha), left),
-            || split_product(blas, d1, l1, rhs, (accum, alpha), parts - left),
+            || split_product(blas, d0, l0, rhs, scale, left),
+            || split_product(blas, d1, l1, rhs, scale, parts - left),
         );
     } else {
         let at = cut(n).min(n);
         let ((d0, d1), (r0, r1)) = (dst.split_at_col_mut(at), rhs.split_at_col(at));
         rayon::join(
-            || split_product(blas, d0, lhs, r0, (accum, alpha), left),
-            || split_product(blas, d1, lhs, r1, (accum, alpha), parts - left),
+            || split_product(blas, d0, lhs, r0, scale, left),
+            || split_product(blas, d1, lhs, r1, scale, parts - left),
         );
     }
 }
 
-/// dst (+)= alpha * lhs * rhs on this thread: in `blas` where given (OpenBLAS), else faer.
+/// dst (+)= alpha * lhs * rhs (dst + that when `accumulate`) on this thread: in `blas` where given
+/// (OpenBLAS) and it takes the layouts, else faer.
 fn sequential_product(
     blas: Option<&Blas>,
     dst: MatMut<'_, f32>,
     lhs: MatRef<'_, f32>,
     rhs: MatRef<'_, f32>,
-    (accum, alpha): (Accum, f32),
+    (accumulate, alpha): (bool, f32),
 ) {
     let mut dst = dst;
     if let Some(blas) = blas
-        && blas.product(dst.as_mut(), lhs, rhs, matches!(accum, Accum::Add), alpha)
+        && blas.product(dst.as_mut(), lhs, rhs, accumulate, alpha)
     {
         return;
     }
     blas::count_faer_call();
+    let accum = if accumulate { Accum::Add } else { Accum::Replace };
     matmul(dst, accum, lhs, rhs, alpha, Par::Seq);
 }
 
