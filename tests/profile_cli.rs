@@ -195,3 +195,32 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
         "{stderr}"
     );
 }
+
+/// Per-step losses and the saved final weights of `run` on `mesh` with `OPTIMUS_DEVICE_KERNELS=mode`.
+fn losses_and_weights_with_device_kernels(mode: &str, mesh: &str, strategy: &str) -> (String, Vec<u8>) {
+    let weights = scratch(&format!("{mode}-{mesh}-{strategy}.safetensors"));
+    let weights_arg = weights.to_string_lossy().into_owned();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_optimusc"));
+    command.args(["run", "examples/gpt2.opt", "--mesh", mesh, "--strategy", strategy, "--steps", "3", "--json"]);
+    command.args(["--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=512"]);
+    command.args(["--set", "seq=64", "--set", "context=64", "--set", "batch=8", "--save-weights", &weights_arg]);
+    let out = command.env("OPTIMUS_DEVICE_KERNELS", mode).output().expect("optimusc runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let losses: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|r| r.get("loss").map(Value::to_string))
+        .collect();
+    assert_eq!(losses.len(), 3, "{losses:?}");
+    (losses.join(" "), std::fs::read(&weights).expect("the saved weights"))
+}
+
+#[test]
+fn device_threads_running_their_own_kernels_compute_the_pools_bits() {
+    for (mesh, strategy) in [("2x2", "optimus"), ("1x4", "megatron"), ("4x4", "optimus")] {
+        let pool = losses_and_weights_with_device_kernels("pool", mesh, strategy);
+        let inline = losses_and_weights_with_device_kernels("inline", mesh, strategy);
+        assert_eq!(pool.0, inline.0, "losses on {strategy} {mesh}");
+        assert!(pool.1 == inline.1, "final weights on {strategy} {mesh} differ");
+    }
+}

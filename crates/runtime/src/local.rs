@@ -1,9 +1,7 @@
 //! A run in one process: a thread per device of the mesh, each on its backend (the CPU's, or a GPU's),
 //! exchanging collectives through the thread fabric, NCCL, or device pointers on a shared GPU.
 
-#[cfg(feature = "cuda")]
-use super::backend::BackendKind;
-use super::backend::{DeviceSlot, GpuLink};
+use super::backend::{BackendKind, DeviceSlot, GpuLink};
 use super::comm::Communicator;
 use super::cpu::return_freed_memory_promptly;
 use super::cpu::threads::{Fabric, ThreadComm};
@@ -28,6 +26,7 @@ pub fn run(
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();
     let links = gpu_links(plan.mesh, config, &fabric)?;
+    let inline = config.backend == BackendKind::Cpu && super::cpu::par::devices_run_kernels_inline(devices as usize);
     let results: Vec<Result<DeviceResult, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {
@@ -37,7 +36,8 @@ pub fn run(
                     let coords = plan.mesh.coords_of(rank);
                     let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), coords);
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run_device(plan, comm, slot, config, batches, initial, on_step)
+                        let device = || run_device(plan, comm, slot, config, batches, initial, on_step);
+                        if inline { super::cpu::par::run_inline(device) } else { device() }
                     }));
                     let result = match outcome {
                         Ok(r) => r,

@@ -249,14 +249,14 @@ fn split_product(
     } else if m >= n {
         let at = cut(m).min(m);
         let ((d0, d1), (l0, l1)) = (dst.split_at_row_mut(at), lhs.split_at_row(at));
-        rayon::join(
+        par::join(
             || split_product(blas, d0, l0, rhs, scale, left),
             || split_product(blas, d1, l1, rhs, scale, parts - left),
         );
     } else {
         let at = cut(n).min(n);
         let ((d0, d1), (r0, r1)) = (dst.split_at_col_mut(at), rhs.split_at_col(at));
-        rayon::join(
+        par::join(
             || split_product(blas, d0, lhs, r0, scale, left),
             || split_product(blas, d1, lhs, r1, scale, parts - left),
         );
@@ -1466,6 +1466,9 @@ pub fn optimizer_step_views(
 }
 
 fn sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], s: &OptimizerSettings, step: u64) {
+    if par::runs_inline() {
+        return sgd_chunk(p, g, buf, s, step);
+    }
     let per_task = par::items_per_task(p.len(), 1);
     p.par_chunks_mut(per_task).zip(g.par_chunks(per_task)).zip(buf.par_chunks_mut(per_task)).for_each(
         |((p, g), buf)| {
@@ -1499,9 +1502,7 @@ fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &OptimizerSe
     let bias2_sqrt = (1.0 - beta2.powi(step)).sqrt() as f32;
     let (w1, w2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
     let (beta2, eps) = (s.beta2, s.eps);
-    let per_task = par::items_per_task(p.len(), 1);
-    let chunks = p.par_chunks_mut(per_task).zip(g.par_chunks(per_task));
-    chunks.zip(m.par_chunks_mut(per_task)).zip(v.par_chunks_mut(per_task)).for_each(|(((p, g), m), v)| {
+    let chunk = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
         vectorized(
             #[inline(always)]
             || {
@@ -1514,7 +1515,16 @@ fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &OptimizerSe
                 }
             },
         )
-    });
+    };
+    if par::runs_inline() {
+        return chunk(p, g, m, v);
+    }
+    let per_task = par::items_per_task(p.len(), 1);
+    let chunks = p.par_chunks_mut(per_task).zip(g.par_chunks(per_task));
+    chunks
+        .zip(m.par_chunks_mut(per_task))
+        .zip(v.par_chunks_mut(per_task))
+        .for_each(|(((p, g), m), v)| chunk(p, g, m, v));
 }
 
 #[cfg(test)]

@@ -6,7 +6,44 @@
 
 use rayon::prelude::*;
 use rayon::{ThreadPool, ThreadPoolBuilder};
+use std::cell::Cell;
 use std::sync::OnceLock;
+
+thread_local! {
+    /// Whether this thread runs its kernels itself, one task after another (see [`run_inline`]).
+    static INLINE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with every kernel it starts on this thread done here, its tasks one after another in the
+/// order the pool would have split them (so the results are bit for bit the pool's), rather than handed
+/// to the pool. For device threads that are at least as many as the pool's workers: they keep the cores
+/// busy themselves, and handing each kernel over (two thread switches) costs more than it gains.
+pub fn run_inline<R>(f: impl FnOnce() -> R) -> R {
+    let before = INLINE.with(|inline| inline.replace(true));
+    let result = f();
+    INLINE.with(|inline| inline.set(before));
+    result
+}
+
+/// Whether kernels started on this thread run on it (see [`run_inline`]).
+pub fn runs_inline() -> bool {
+    INLINE.with(Cell::get)
+}
+
+/// Whether device threads of a run should run their kernels themselves ([`run_inline`]): when there are
+/// at least as many of them as the pool has workers. `OPTIMUS_DEVICE_KERNELS=pool` or `=inline` decides.
+pub fn devices_run_kernels_inline(devices: usize) -> bool {
+    match std::env::var("OPTIMUS_DEVICE_KERNELS").as_deref() {
+        Ok("pool") => false,
+        Ok("inline") => true,
+        _ => devices > 1 && devices >= threads(),
+    }
+}
+
+/// `(a(), b())`, in parallel on the pool unless this thread runs its kernels inline.
+pub fn join<A: Send, B: Send>(a: impl FnOnce() -> A + Send, b: impl FnOnce() -> B + Send) -> (A, B) {
+    if runs_inline() { (a(), b()) } else { rayon::join(a, b) }
+}
 
 /// Elements a task should have at least: below this, splitting costs more than it gains.
 pub const GRAIN: usize = 1 << 14;
@@ -49,7 +86,7 @@ pub fn threads() -> usize {
 /// products included, use the pool's workers and no others.
 pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     match pool() {
-        Some(pool) if pool.current_thread_index().is_none() => pool.install(f),
+        Some(pool) if pool.current_thread_index().is_none() && !runs_inline() => pool.install(f),
         _ => f(),
     }
 }
@@ -85,6 +122,9 @@ pub fn costed_row_blocks<E: Send>(
     if per_task >= rows {
         return f(0, y);
     }
+    if runs_inline() {
+        return y.chunks_mut(per_task * width).enumerate().try_for_each(|(k, block)| f(k * per_task, block));
+    }
     y.par_chunks_mut(per_task * width).enumerate().try_for_each(|(k, block)| f(k * per_task, block))
 }
 
@@ -105,6 +145,9 @@ pub fn column_blocks<E: Send>(
     let per_task = items_per_task(width, rows).max(16);
     if per_task >= width {
         return f(0, g);
+    }
+    if runs_inline() {
+        return g.chunks_mut(per_task).enumerate().try_for_each(|(k, block)| f(k * per_task, block));
     }
     g.par_chunks_mut(per_task).enumerate().try_for_each(|(k, block)| f(k * per_task, block))
 }
@@ -141,6 +184,28 @@ mod tests {
         })
         .expect("no error");
         assert!(g.iter().enumerate().all(|(c, &v)| v == c as f32));
+    }
+
+    #[test]
+    fn inline_kernels_run_every_task_on_the_calling_thread_in_the_pools_blocks() {
+        let caller = std::thread::current().id();
+        let mut y = vec![0.0f32; 1 << 20];
+        let blocks = std::sync::Mutex::new(Vec::new());
+        run_inline(|| {
+            on_pool(|| {
+                row_blocks(&mut y, 4, |first, block| {
+                    assert_eq!(std::thread::current().id(), caller);
+                    blocks.lock().map_err(|_| ())?.push((first, block.len()));
+                    Ok::<(), ()>(())
+                })
+            })
+        })
+        .expect("no error");
+        let blocks = blocks.into_inner().expect("no poisoned lock");
+        let per_task = items_per_task((1 << 20) / 4, 4);
+        assert_eq!(blocks.len(), (1usize << 18).div_ceil(per_task));
+        assert!(blocks.windows(2).all(|w| w[1].0 == w[0].0 + w[0].1 / 4), "in order: {blocks:?}");
+        assert!(!runs_inline(), "the flag is this thread's only while `run_inline` runs");
     }
 
     #[test]
