@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by hf_compare.sh and bench_vs_torch.sh: makes (or reuses) the virtualenv with torch,
+# Sourced by hf_compare.sh and bench_vs_torch.sh: makes (or reuses) the virtualenv with torch, tiktoken,
 # transformers, safetensors and numpy, installing only what does not import yet, and sets PY to its
 # interpreter. See hf_compare.sh for why the ordinary PyPI torch is installed.
 #
@@ -18,7 +18,7 @@ PY="$VENV/bin/python"
 
 # Which of the needed modules do not import yet?
 missing=()
-for mod in torch transformers safetensors numpy; do
+for mod in torch transformers safetensors numpy tiktoken; do
   if ! "$PY" -c "import $mod" >/dev/null 2>&1; then
     missing+=("$mod")
   fi

@@ -14,3 +14,4 @@ pub use optimus_io as io;
 pub use optimus_plan as plan;
 pub use optimus_plan::span;
 pub use optimus_runtime as runtime;
+pub use optimus_text as text;

@@ -88,6 +88,16 @@ enum Command {
     /// assembles each parameter's logical tensor without padding, and writes it as F32 under its
     /// checkpoint name. Exit status: 0 on success, 1 on errors, 2 on usage errors.
     Export(cli::export::ExportArgs),
+    /// Turn text into the token files `run --data` reads: GPT-2's BPE built in, or any Hugging Face
+    /// tokenizer.json.
+    ///
+    /// Reads the corpus in pieces of about 1 MB, cut only where the tokenizer would split the text
+    /// anyway, so a corpus of any size takes bounded memory and gives the ids of the whole text;
+    /// documents (files, or the lines of a .jsonl file) are joined with the end-of-text token.
+    /// Example: `optimusc tokenize book.txt -o data/book --val-fraction 0.1`, then `optimusc run
+    /// examples/gpt2.opt --data data/book.u16 --val-data data/book.val.u16 --eval-every 50`.
+    /// Exit status: 0 on success, 1 on errors, 2 on usage errors.
+    Tokenize(cli::tokenize::TokenizeArgs),
     /// Mask a token file for BERT's masked language modelling: write OUT_PREFIX.tokens.bin (15% of
     /// positions chosen; of those 80% become --mask-id, 10% a random token, 10% stay) and
     /// OUT_PREFIX.labels.bin (the original token at chosen positions, the ignore id elsewhere), for
@@ -177,6 +187,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Plot(args) => cli::plot::plot(&args),
         Command::Export(args) => cli::export::export(&args),
         Command::MaskData(args) => cli::mask::mask_data(&args),
+        Command::Tokenize(args) => cli::tokenize::tokenize(&args),
         Command::Inspect { plan, json, dot, memory } => inspect(&plan, json, dot.as_deref(), memory),
     }
 }

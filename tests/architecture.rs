@@ -16,6 +16,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("runtime", &["optimus-plan"]),
     ("io", &["optimus-plan"]),
     ("cost", &["optimus-plan", "optimus-compiler", "optimus-io"]),
+    ("text", &[]),
 ];
 
 /// Outside crates that belong to one layer only: (crate, the only workspace crate that may use it).
@@ -29,6 +30,8 @@ const OWNED_DEPENDENCIES: &[(&str, &str)] = &[
     ("faer", "runtime"),
     ("safetensors", "io"),
     ("memmap2", "io"),
+    ("tiktoken-rs", "text"),
+    ("tokenizers", "text"),
 ];
 
 /// Every dependency a manifest names, normal, dev and build alike.

@@ -34,7 +34,7 @@ pub struct MaskDataArgs {
 
 /// The output prefix must end in a file name (`out/corpus`, not `out/`, which would write the hidden
 /// `out/.tokens.bin`).
-fn check_output_prefix(prefix: &std::path::Path) -> Result<(), Failure> {
+pub(super) fn check_output_prefix(prefix: &std::path::Path) -> Result<(), Failure> {
     let text = prefix.as_os_str().to_string_lossy();
     let named = prefix.file_name().is_some() && !text.ends_with('/') && !prefix.is_dir();
     if named {

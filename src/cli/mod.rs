@@ -12,6 +12,7 @@ pub mod recorded;
 pub mod resume;
 pub mod run;
 pub mod simulate;
+pub mod tokenize;
 pub mod verify;
 
 use clap::ValueEnum;

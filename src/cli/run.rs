@@ -277,10 +277,33 @@ pub fn open_sources(files: &DataFiles<'_>, objective: ObjectiveArg, seed: u64, f
         })
         .transpose()
     };
+    for (path, name) in [(files.data, "data"), (files.segments, "segments"), (files.labels, "labels")] {
+        if let Some(path) = path {
+            check_named_dtype(path, files.dtype, &format!("--{flag}{name}"))?;
+        }
+    }
     let tokens = open(files.data, "data")?;
     let segments = open(files.segments, "segments")?;
     let labels = open(files.labels, "labels")?;
     Sources::new(tokens, segments, labels, objective.objective(), seed, flag).map_err(|e| Failure::usage(e.to_string()))
+}
+
+/// Refuses a file whose name ends in the other dtype (`.u32` read as u16, `.u16` as u32), as
+/// `optimusc tokenize` names them: read with the wrong width, every id would be garbage.
+fn check_named_dtype(path: &std::path::Path, dtype: DataDtype, flag: &str) -> Result<(), Failure> {
+    let named = match path.extension().and_then(|e| e.to_str()) {
+        Some("u16") => DataDtype::U16,
+        Some("u32") => DataDtype::U32,
+        _ => return Ok(()),
+    };
+    if named == dtype {
+        return Ok(());
+    }
+    let (said, given) = if named == DataDtype::U32 { ("u32", "u16") } else { ("u16", "u32") };
+    Err(Failure::usage(format!(
+        "{flag} `{}` is named a {said} file, but --data-dtype is {given}: give --data-dtype {said}",
+        path.display()
+    )))
 }
 
 /// A warning when the token file is shorter than one step of `plan` reads (see

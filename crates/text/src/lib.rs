@@ -1,0 +1,241 @@
+//! Text for optimus: tokenizers (GPT-2's byte-level BPE built in, any Hugging Face `tokenizer.json`)
+//! and corpora read in pieces that tokenize exactly as the whole text would, in bounded memory.
+
+pub mod corpus;
+
+use sha2::{Digest, Sha256};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Why text could not be tokenized or read.
+#[derive(Debug)]
+pub enum TextError {
+    /// A `tokenizer.json` that could not be read or parsed.
+    TokenizerFile { path: PathBuf, reason: String },
+    /// A tokenizer named neither `gpt2` nor a file.
+    UnknownTokenizer { name: String },
+    /// No end-of-text token could be found, and none was named.
+    NoEndOfText { tokenizer: String },
+    /// The end-of-text token named is not in the vocabulary.
+    UnknownToken { tokenizer: String, token: String },
+    /// The tokenizer failed on some text.
+    Encode { reason: String },
+    /// Ids that cannot be turned back into text.
+    Decode { reason: String },
+    /// A corpus file that could not be read.
+    Read { path: PathBuf, reason: String },
+    /// A corpus file whose text is not UTF-8.
+    NotUtf8 { path: PathBuf, offset: u64 },
+    /// A JSON Lines corpus line without a string `text` field.
+    BadJsonLine { path: PathBuf, line: u64, reason: String },
+    /// Text with no place to split it for this long (see [`corpus::MAX_PIECE`]).
+    NoBreak { path: PathBuf, offset: u64, bytes: usize },
+}
+
+impl fmt::Display for TextError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TextError::TokenizerFile { path, reason } => {
+                write!(f, "cannot load the tokenizer `{}`: {reason}", path.display())
+            }
+            TextError::UnknownTokenizer { name } => write!(
+                f,
+                "unknown tokenizer `{name}`: give `gpt2` (GPT-2's byte-level BPE, built in) or the path of a \
+                 Hugging Face tokenizer.json"
+            ),
+            TextError::NoEndOfText { tokenizer } => write!(
+                f,
+                "the tokenizer {tokenizer} has no end-of-text token that optimusc knows (<|endoftext|>, \
+                 <|end_of_text|>, </s>, [SEP], <eos>); name the token that separates documents with --eot TOKEN"
+            ),
+            TextError::UnknownToken { tokenizer, token } => {
+                write!(f, "`{token}` is not a token of the tokenizer {tokenizer}")
+            }
+            TextError::Encode { reason } => write!(f, "the tokenizer failed: {reason}"),
+            TextError::Decode { reason } => write!(f, "cannot turn these ids into text: {reason}"),
+            TextError::Read { path, reason } => write!(f, "cannot read `{}`: {reason}", path.display()),
+            TextError::NotUtf8 { path, offset } => {
+                write!(f, "`{}` is not UTF-8 text: invalid bytes at byte {offset}", path.display())
+            }
+            TextError::BadJsonLine { path, line, reason } => {
+                write!(
+                    f,
+                    "`{}` line {line}: {reason} (a .jsonl corpus has one {{\"text\": ...}} object per line)",
+                    path.display()
+                )
+            }
+            TextError::NoBreak { path, offset, bytes } => write!(
+                f,
+                "`{}` has {bytes} bytes from byte {offset} without a line break or a space before a letter or \
+                 digit, where a long text can be split without changing its tokens",
+                path.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for TextError {}
+
+/// The end-of-text tokens looked for, in order, when none is named.
+const END_OF_TEXT_NAMES: &[&str] = &["<|endoftext|>", "<|end_of_text|>", "</s>", "[SEP]", "<eos>"];
+
+/// GPT-2's end-of-text token and id.
+const GPT2_END_OF_TEXT: (&str, u32) = ("<|endoftext|>", 50256);
+
+/// GPT-2's vocabulary: 50,000 merges, 256 bytes and the end-of-text token.
+const GPT2_VOCAB: u32 = 50257;
+
+enum Engine {
+    /// GPT-2's BPE (tiktoken's `r50k_base`), encoding text as ordinary text (tiktoken's
+    /// `encode_ordinary`: a literal `<|endoftext|>` in the text is seven ordinary tokens).
+    Gpt2(tiktoken_rs::CoreBPE),
+    /// A Hugging Face tokenizer, encoding as `encode(text, add_special_tokens=False)`.
+    HuggingFace(Box<tokenizers::Tokenizer>),
+}
+
+/// A tokenizer, with what the token files it makes record: its name, vocabulary size and the token that
+/// separates documents.
+pub struct Tokenizer {
+    engine: Engine,
+    name: String,
+    vocab: u32,
+    end_of_text: Option<(String, u32)>,
+}
+
+impl Tokenizer {
+    /// `gpt2` (built in) or the path of a Hugging Face `tokenizer.json`.
+    pub fn load(name: &str) -> Result<Tokenizer, TextError> {
+        if name == "gpt2" {
+            return Tokenizer::gpt2();
+        }
+        let path = Path::new(name);
+        if !path.exists() {
+            return Err(TextError::UnknownTokenizer { name: name.to_string() });
+        }
+        Tokenizer::from_file(path)
+    }
+
+    /// GPT-2's byte-level BPE, built in.
+    pub fn gpt2() -> Result<Tokenizer, TextError> {
+        let bpe = tiktoken_rs::r50k_base().map_err(|e| TextError::Encode { reason: e.to_string() })?;
+        let (eot, id) = GPT2_END_OF_TEXT;
+        Ok(Tokenizer {
+            engine: Engine::Gpt2(bpe),
+            name: "gpt2".into(),
+            vocab: GPT2_VOCAB,
+            end_of_text: Some((eot.into(), id)),
+        })
+    }
+
+    /// A Hugging Face `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Tokenizer, TextError> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| TextError::TokenizerFile { path: path.to_path_buf(), reason: e.to_string() })?;
+        let hf = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| TextError::TokenizerFile { path: path.to_path_buf(), reason: e.to_string() })?;
+        let vocab = hf.get_vocab(true).values().max().map_or(0, |&id| id.saturating_add(1));
+        let end_of_text =
+            END_OF_TEXT_NAMES.iter().find_map(|&name| hf.token_to_id(name).map(|id| (name.to_string(), id)));
+        let digest = Sha256::digest(&bytes);
+        let short: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+        Ok(Tokenizer {
+            engine: Engine::HuggingFace(Box::new(hf)),
+            name: format!("{} (sha256 {short}…)", path.display()),
+            vocab,
+            end_of_text,
+        })
+    }
+
+    /// How the tokenizer is named in messages and sidecars: `gpt2`, or its file with a digest.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// One more than the largest token id: the vocabulary a model must have to take these tokens.
+    pub fn vocab_size(&self) -> u32 {
+        self.vocab
+    }
+
+    /// The token that ends a document, and its id, if the tokenizer has one optimusc knows.
+    pub fn end_of_text(&self) -> Option<(&str, u32)> {
+        self.end_of_text.as_ref().map(|(name, id)| (name.as_str(), *id))
+    }
+
+    /// The id of the token written `token` (a special token such as `</s>`).
+    pub fn token_id(&self, token: &str) -> Result<u32, TextError> {
+        let unknown = || TextError::UnknownToken { tokenizer: self.name.clone(), token: token.to_string() };
+        match &self.engine {
+            Engine::Gpt2(_) if token == GPT2_END_OF_TEXT.0 => Ok(GPT2_END_OF_TEXT.1),
+            Engine::Gpt2(bpe) => match bpe.encode_with_special_tokens(token).as_slice() {
+                [id] => Ok(*id),
+                _ => Err(unknown()),
+            },
+            Engine::HuggingFace(hf) => hf.token_to_id(token).ok_or_else(unknown),
+        }
+    }
+
+    /// The token that separates documents: `named` if given, else [`Tokenizer::end_of_text`].
+    pub fn separator(&self, named: Option<&str>) -> Result<u32, TextError> {
+        match named {
+            Some(token) => self.token_id(token),
+            None => self.end_of_text().map(|(_, id)| id).ok_or(TextError::NoEndOfText { tokenizer: self.name.clone() }),
+        }
+    }
+
+    /// The ids of `text`, as ordinary text (no special tokens added around it).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        match &self.engine {
+            Engine::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
+            Engine::HuggingFace(hf) => hf
+                .encode_fast(text, false)
+                .map(|encoding| encoding.get_ids().to_vec())
+                .map_err(|e| TextError::Encode { reason: e.to_string() }),
+        }
+    }
+
+    /// The text of `ids` (special tokens included, as text). Bytes that do not make whole UTF-8
+    /// characters (a sequence cut inside one) become U+FFFD, as Hugging Face's `decode` does.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TextError> {
+        match &self.engine {
+            Engine::Gpt2(bpe) => {
+                let bytes = bpe.decode_bytes(ids).map_err(|e| TextError::Decode { reason: e.to_string() })?;
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+            Engine::HuggingFace(hf) => hf.decode(ids, false).map_err(|e| TextError::Decode { reason: e.to_string() }),
+        }
+    }
+
+    /// The ids of each text, tokenized in parallel, in order.
+    pub fn encode_all(&self, texts: &[String]) -> Result<Vec<Vec<u32>>, TextError> {
+        use rayon::prelude::*;
+        texts.par_iter().map(|text| self.encode(text)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_encodes_as_tiktoken_and_decodes_back() -> Result<(), TextError> {
+        let gpt2 = Tokenizer::gpt2()?;
+        // "Hello world" is [15496, 995] in every GPT-2 tokenizer.
+        assert_eq!(gpt2.encode("Hello world")?, vec![15496, 995]);
+        let text = "naïve café — 東京\n\n  tabs\there <|endoftext|>";
+        assert_eq!(gpt2.decode(&gpt2.encode(text)?)?, text);
+        // A literal end-of-text marker in a corpus is ordinary text, not the separator.
+        assert!(!gpt2.encode("<|endoftext|>")?.contains(&50256));
+        assert_eq!(gpt2.separator(None)?, 50256);
+        assert_eq!(gpt2.vocab_size(), 50257);
+        Ok(())
+    }
+
+    #[test]
+    fn an_unknown_tokenizer_or_token_is_an_error_that_says_what_to_give() -> Result<(), TextError> {
+        let error = Tokenizer::load("/nonexistent/tokenizer.json").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(error.contains("give `gpt2`"), "{error}");
+        let error = Tokenizer::gpt2()?.separator(Some("<|nope|>")).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(error.contains("not a token"), "{error}");
+        Ok(())
+    }
+}

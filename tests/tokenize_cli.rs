@@ -1,0 +1,128 @@
+//! `optimusc tokenize` end to end: the files and sidecar it writes, the separator between documents, the
+//! validation share, a hand-written tokenizer.json, and bad input refused without leaving a file behind.
+//! (The ids against tiktoken and Hugging Face tokenizers on large and awkward texts are checked by
+//! scripts/hf_tokenize_compare.py.)
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn optimusc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
+}
+
+fn text(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).expect("written");
+    text(&path)
+}
+
+fn u16s(path: &Path) -> Vec<u16> {
+    std::fs::read(path).expect("a token file").chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()
+}
+
+fn sidecar(prefix: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(prefix.with_extension("json")).expect("a sidecar")).expect("JSON")
+}
+
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> =
+        std::fs::read_dir(dir).expect("a folder").map(|e| e.expect("an entry").path()).collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn gpt2_documents_are_joined_with_end_of_text_and_the_tail_goes_to_validation() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let a = write(dir.path(), "a.txt", b"Hello world");
+    let b = write(dir.path(), "b.jsonl", b"{\"text\": \"Hello world\"}\n\n{\"text\": \"Hello world\"}\n");
+    let prefix = dir.path().join("corpus");
+    let out = optimusc(&["tokenize", &a, &b, "-o", &text(&prefix), "--val-fraction", "0.25"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // "Hello world" is [15496, 995] in GPT-2; three documents, two separators: 8 tokens, 2 to validation.
+    let mut ids = u16s(&dir.path().join("corpus.u16"));
+    ids.extend(u16s(&dir.path().join("corpus.val.u16")));
+    assert_eq!(ids, [15496, 995, 50256, 15496, 995, 50256, 15496, 995]);
+    assert_eq!(u16s(&dir.path().join("corpus.val.u16")).len(), 2);
+    let side = sidecar(&prefix);
+    assert_eq!(
+        (side["tokenizer"].as_str(), side["vocab_size"].as_u64(), side["dtype"].as_str()),
+        (Some("gpt2"), Some(50257), Some("u16"))
+    );
+    assert_eq!((side["documents"].as_u64(), side["tokens"].as_u64()), (Some(3), Some(8)));
+    assert_eq!((side["train"]["tokens"].as_u64(), side["val"]["tokens"].as_u64()), (Some(6), Some(2)));
+    assert_eq!(side["separator"]["id"].as_u64(), Some(50256));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("next: optimusc run MODEL.opt --set vocab=50257 --data"), "{stderr}");
+}
+
+/// A WordLevel tokenizer.json written by hand: whitespace pre-tokenizer, five tokens.
+const WORD_LEVEL: &str = r#"{"version": "1.0", "truncation": null, "padding": null,
+  "added_tokens": [{"id": 4, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false,
+                    "normalized": false, "special": true}],
+  "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+  "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "again": 3, "</s>": 4},
+            "unk_token": "[UNK]"}}"#;
+
+#[test]
+fn a_tokenizer_json_encodes_its_own_vocabulary_with_its_end_of_text() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let json = write(dir.path(), "tokenizer.json", WORD_LEVEL.as_bytes());
+    let a = write(dir.path(), "a.txt", b"hello world\nworld  again");
+    let b = write(dir.path(), "b.txt", b"hello unknown");
+    let prefix = dir.path().join("words");
+    let out = optimusc(&["tokenize", &a, &b, "--tokenizer", &json, "-o", &text(&prefix)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(u16s(&dir.path().join("words.u16")), [1, 2, 2, 3, 4, 1, 0]);
+    let side = sidecar(&prefix);
+    assert_eq!((side["vocab_size"].as_u64(), side["separator"]["token"].as_str()), (Some(5), Some("</s>")));
+    assert!(side["val"].is_null());
+    // Another separator, named.
+    let out = optimusc(&["tokenize", &a, &b, "--tokenizer", &json, "--eot", "again", "-o", &text(&prefix)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(u16s(&dir.path().join("words.u16")), [1, 2, 2, 3, 3, 1, 0]);
+}
+
+#[test]
+fn bad_input_is_refused_and_leaves_no_file() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let good = write(dir.path(), "good.txt", b"Hello world");
+    let latin1 = write(dir.path(), "latin1.txt", b"caf\xe9");
+    let empty = write(dir.path(), "empty.txt", b"");
+    // A corpus that `-o notes` would overwrite with its sidecar.
+    let notes = write(dir.path(), "notes.json", b"a JSON-named text");
+    let prefix = text(&dir.path().join("out"));
+    let before = files_in(dir.path());
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["tokenize", &good, "-o", &prefix, "--val-fraction", "1"], 2, "--val-fraction 1 is not in [0, 1)"),
+        (&["tokenize", &good, "-o", &prefix, "--tokenizer", "bert"], 2, "unknown tokenizer `bert`"),
+        (&["tokenize", &good, "-o", &prefix, "--eot", "<|nope|>"], 2, "is not a token"),
+        (&["tokenize", &good, "-o", &format!("{}/", dir.path().display())], 2, "names a folder"),
+        (&["tokenize", &good, &latin1, "-o", &prefix], 1, "is not UTF-8 text: invalid bytes at byte 3"),
+        (&["tokenize", &empty, "-o", &prefix], 1, "the corpus has no tokens"),
+        (&["tokenize", &good, "-o", &prefix, "--val-fraction", "0.1"], 2, "each needs at least one"),
+        (&["tokenize", &notes, "-o", &text(&dir.path().join("notes"))], 2, "notes.json"),
+    ];
+    for (args, status, message) in cases {
+        let out = optimusc(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(*status), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert_eq!(files_in(dir.path()), before, "{args:?} left a file");
+    }
+}
+
+#[test]
+fn run_refuses_a_file_named_for_the_other_width() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let wide = write(dir.path(), "tokens.u32", &[1, 0, 0, 0, 2, 0, 0, 0]);
+    let out = optimusc(&["run", "examples/tiny.opt", "--data", &wide, "--steps", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("give --data-dtype u32"), "{stderr}");
+}
