@@ -178,3 +178,45 @@ fn llama_like() -> String {
     }
     out
 }
+
+/// `config.json` of a `--save-weights DIR/` run of `model` with the small config values.
+fn saved_config(test: &str, model: &str, extra: &[&str]) -> (serde_json::Value, String, PathBuf) {
+    let dir = scratch(test);
+    let out = format!("{}/", dir.join("export").display());
+    let mut args = vec!["run", model, "--steps", "1", "--save-weights", &out];
+    args.extend(["--set", "layers=3", "--set", "hidden=32", "--set", "heads=4", "--set", "ffn=48"]);
+    args.extend(["--set", "vocab=101", "--set", "seq=8", "--set", "context=16", "--set", "batch=4"]);
+    args.extend(extra);
+    let (ok, text) = optimusc(&args);
+    assert!(ok, "{text}");
+    let config = std::fs::read(dir.join("export/config.json"))
+        .map(|bytes| serde_json::from_slice(&bytes).expect("JSON"))
+        .unwrap_or(serde_json::Value::Null);
+    (config, text, dir.join("export"))
+}
+
+#[test]
+fn a_saved_folder_holds_the_config_from_pretrained_needs() {
+    let (gpt2, text, dir) = saved_config("config_gpt2", "examples/gpt2.opt", &["--set", "eps=0.001"]);
+    assert!(text.contains("model.safetensors, config.json, generation_config.json"), "{text}");
+    let expected = [("n_layer", 3.0), ("n_embd", 32.0), ("n_head", 4.0), ("n_inner", 48.0), ("vocab_size", 101.0)];
+    for (key, value) in expected.into_iter().chain([("n_positions", 16.0), ("layer_norm_epsilon", 0.001)]) {
+        assert_eq!(gpt2[key].as_f64(), Some(value), "{key}: {gpt2}");
+    }
+    assert_eq!((gpt2["activation_function"].as_str(), gpt2["eos_token_id"].as_u64()), (Some("gelu_new"), None));
+    assert!(dir.join("generation_config.json").is_file());
+    let (llama, ..) = saved_config("config_llama", "examples/llama.opt", &["--set", "kv_heads=2"]);
+    assert_eq!((llama["num_key_value_heads"].as_u64(), llama["head_dim"].as_u64()), (Some(2), Some(8)));
+    assert_eq!((llama["intermediate_size"].as_u64(), llama["tie_word_embeddings"].as_bool()), (Some(48), Some(false)));
+    let (bert, ..) = saved_config("config_bert", "examples/bert.opt", &[]);
+    assert_eq!(
+        (bert["architectures"][0].as_str(), bert["type_vocab_size"].as_u64()),
+        (Some("BertForMaskedLM"), Some(2))
+    );
+    // A model of none of these architectures gets its weights and a note, no config.
+    let dir = scratch("config_none");
+    let out = format!("{}/", dir.join("export").display());
+    let (ok, text) = optimusc(&["run", TINY, "--steps", "1", "--save-weights", &out]);
+    assert!(ok && text.contains("note: no config.json: the parameters are not named as GPT-2's"), "{text}");
+    assert!(dir.join("export/model.safetensors").is_file() && !dir.join("export/config.json").exists());
+}

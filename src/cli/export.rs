@@ -13,8 +13,11 @@ pub struct ExportArgs {
     pub checkpoint: PathBuf,
     /// The safetensors file to write: every parameter as F32 under its Hugging Face name (with the
     /// model's checkpoint prefix, as `run --save-weights` writes), tied weights once, metadata
-    /// format=pt. Written atomically; `-` writes to standard output.
-    #[arg(short = 'o', long = "output", value_name = "FILE.safetensors")]
+    /// format=pt. Written atomically; `-` writes to standard output. A directory (an existing one, or a
+    /// path ending in `/`) gets what `from_pretrained` opens: `model.safetensors`, and for GPT-2, Llama
+    /// and BERT models `config.json` (and `generation_config.json`) from the model the checkpoint was
+    /// trained as.
+    #[arg(short = 'o', long = "output", value_name = "FILE.safetensors|DIR/")]
     pub output: PathBuf,
 }
 
@@ -53,7 +56,15 @@ fn refuse_writing_into(output: &std::path::Path, checkpoint: &std::path::Path) -
 fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
     let checkpoint = Checkpoint::open(&args.checkpoint).map_err(|e| e.to_string())?;
     refuse_writing_into(&args.output, checkpoint.dir())?;
-    let summary = export_safetensors(&checkpoint, &args.output).map_err(|e| e.to_string())?;
+    let folder = args.output.as_os_str() != "-" && super::run::saves_a_directory(&args.output);
+    let weights = if folder { args.output.join("model.safetensors") } else { args.output.clone() };
+    if folder {
+        std::fs::create_dir_all(&args.output).map_err(|e| format!("cannot create `{}`: {e}", args.output.display()))?;
+    }
+    let summary = export_safetensors(&checkpoint, &weights).map_err(|e| e.to_string())?;
+    if folder {
+        write_hugging_face_config(&checkpoint, &args.output)?;
+    }
     eprintln_safe!(
         "exported step {} of `{}` ({} tensors, {} parameters) to {}",
         summary.step,
@@ -62,5 +73,21 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
         group_digits(u128::from(summary.elements)),
         args.output.display()
     );
+    Ok(())
+}
+
+/// Writes the config the checkpoint's manifest keeps beside the exported weights, or says why there is
+/// none (a model that is not GPT-2, Llama or BERT, or a checkpoint written before manifests kept it).
+fn write_hugging_face_config(checkpoint: &Checkpoint, dir: &std::path::Path) -> Result<(), Failure> {
+    let kept = checkpoint.manifest().hugging_face.as_ref().and_then(optimus::io::hf_config::HfConfig::from_json);
+    match kept {
+        Some(config) => {
+            optimus::io::pretrained::write_configs(dir, &config).map_err(|e| e.to_string())?;
+        }
+        None => eprintln_safe!(
+            "note: no config.json: the checkpoint's manifest holds none (its model is not GPT-2, Llama or BERT, \
+             or an older optimusc wrote it); from_pretrained needs one beside the weights"
+        ),
+    }
     Ok(())
 }

@@ -933,7 +933,7 @@ fn check_weights_destination(path: &Path) -> Result<(), String> {
 }
 
 /// Whether `--save-weights` names a directory (the `save_pretrained` layout) rather than one file.
-fn saves_a_directory(path: &Path) -> bool {
+pub(super) fn saves_a_directory(path: &Path) -> bool {
     path.is_dir() || path.as_os_str().to_string_lossy().ends_with(['/', std::path::MAIN_SEPARATOR])
 }
 
@@ -947,6 +947,9 @@ fn save_weights(path: &Path, max_shard: u64, job: &Prepared, output: &RunOutput)
     let saved = optimus::io::pretrained::save_pretrained(path, &job.plan, &output.params, max_shard)
         .map_err(|e| e.to_string())?;
     eprintln_safe!("saved weights to {} ({} files: {})", path.display(), saved.files.len(), saved.files.join(", "));
+    if let Some(why) = saved.no_config {
+        eprintln_safe!("note: {why}; from_pretrained needs one beside the weights");
+    }
     Ok(())
 }
 

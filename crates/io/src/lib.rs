@@ -25,6 +25,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod files;
+pub mod hf_config;
 pub mod mapped;
 pub mod mask;
 pub mod metrics;

@@ -196,6 +196,8 @@ fn check_shard_name(index: &Path, name: &str) -> Result<(), WeightsError> {
 pub struct Saved {
     pub files: Vec<String>,
     pub bytes: u64,
+    /// Why no `config.json` was written (the model is not GPT-2, Llama or BERT, or lacks a value).
+    pub no_config: Option<String>,
 }
 
 /// Writes every parameter as F32 in the `save_pretrained` layout into `dir` (created if needed): one
@@ -243,7 +245,28 @@ pub fn save_pretrained(
         files.push(INDEX_FILE.to_string());
     }
     remove_weight_files(dir, &files)?;
-    Ok(Saved { files, bytes: total })
+    let no_config = match super::hf_config::hugging_face_config(plan) {
+        Ok(config) => {
+            files.extend(write_configs(dir, &config)?);
+            None
+        }
+        Err(why) => Some(why),
+    };
+    Ok(Saved { files, bytes: total, no_config })
+}
+
+/// Writes `config.json` and, for a model that generates, `generation_config.json`; returns their names.
+pub fn write_configs(dir: &Path, config: &super::hf_config::HfConfig) -> Result<Vec<String>, SaveError> {
+    let mut written = Vec::new();
+    for (name, value) in [("config.json", Some(&config.config)), ("generation_config.json", config.generation.as_ref())]
+    {
+        let Some(value) = value else { continue };
+        let text = serde_json::to_string_pretty(value)
+            .map_err(|source| SaveError::Index { dir: dir.to_path_buf(), source })?;
+        super::output::write_file(&dir.join(name), format!("{text}\n").as_bytes()).map_err(SaveError::Write)?;
+        written.push(name.to_string());
+    }
+    Ok(written)
 }
 
 /// Whether a file name is one `save_pretrained` writes: `model.safetensors`, a numbered shard

@@ -471,6 +471,10 @@ pub struct Manifest {
     pub tensors: BTreeMap<String, TensorRecord>,
     /// Every data file by name.
     pub files: BTreeMap<String, FileRecord>,
+    /// What `from_pretrained` needs beside the exported weights, for GPT-2, Llama and BERT models:
+    /// `{"architecture", "config", "generation"}` (see [`super::hf_config`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugging_face: Option<serde_json::Value>,
 }
 
 /// A parameter: its name, Hugging Face name and number of optimizer states.
@@ -1008,6 +1012,7 @@ fn build_manifest(
         params,
         tensors,
         files,
+        hugging_face: super::hf_config::hugging_face_config(plan).ok().map(|c| c.to_json()),
     })
 }
 
@@ -1798,6 +1803,7 @@ mod tests {
             params: Vec::new(),
             tensors: BTreeMap::new(),
             files: BTreeMap::new(),
+            hugging_face: None,
         }
     }
 
