@@ -88,6 +88,13 @@ enum Command {
     /// assembles each parameter's logical tensor without padding, and writes it as F32 under its
     /// checkpoint name. Exit status: 0 on success, 1 on errors, 2 on usage errors.
     Export(cli::export::ExportArgs),
+    /// The loss and perplexity of a model over a whole token file, on any mesh and strategy.
+    ///
+    /// Reads the file in windows of the model's seq tokens, `--stride` apart (seq by default), every
+    /// token after the first predicted once, batch windows per forward pass; prints the mean loss over
+    /// every predicted token and its exponential. Example: `optimusc eval examples/gpt2.opt --weights
+    /// model/ --data book.val.u16 --mesh 2x2`. Exit status: 0 on success, 1 on errors, 2 on usage errors.
+    Eval(cli::eval::EvalArgs),
     /// Turn text into the token files `run --data` reads: GPT-2's BPE built in, or any Hugging Face
     /// tokenizer.json.
     ///
@@ -188,6 +195,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Export(args) => cli::export::export(&args),
         Command::MaskData(args) => cli::mask::mask_data(&args),
         Command::Tokenize(args) => cli::tokenize::tokenize(&args),
+        Command::Eval(args) => cli::eval::eval(&args),
         Command::Inspect { plan, json, dot, memory } => inspect(&plan, json, dot.as_deref(), memory),
     }
 }

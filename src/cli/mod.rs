@@ -2,6 +2,7 @@
 //! and writing to standard output.
 
 pub mod calibrate;
+pub mod eval;
 pub mod export;
 pub mod fit;
 pub mod flags;

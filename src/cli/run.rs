@@ -911,8 +911,12 @@ type InitialWeights = (BTreeMap<String, Tensor>, Option<Arc<MappedWeights>>);
 /// The `--weights` a run starts from: a sharded training checkpoint's logical tensors, or Hugging Face files
 /// kept mapped, from which every device reads only its blocks.
 fn initial_weights(args: &RunArgs, plan: &Plan) -> Result<InitialWeights, String> {
-    let allow = args.allow_non_finite_weights;
-    match &args.weights {
+    weights_for(args.weights.as_ref(), args.allow_non_finite_weights, plan)
+}
+
+/// The weights at `path` (as `--weights` reads them) for `plan`: see [`initial_weights`].
+pub(super) fn weights_for(path: Option<&PathBuf>, allow: bool, plan: &Plan) -> Result<InitialWeights, String> {
+    match path {
         None => Ok((BTreeMap::new(), None)),
         Some(path) if path.is_dir() && pretrained_file(path).is_none() => {
             Ok((load_weights(path, plan, allow).map_err(|e| e.to_string())?, None))

@@ -252,7 +252,7 @@ impl TokenData {
     }
 
     /// `count` tokens from `start` (wrapping), each checked against the vocabulary.
-    fn window(&self, start: u64, count: u64, vocab: u64) -> Result<Vec<i32>, DataError> {
+    pub(crate) fn window(&self, start: u64, count: u64, vocab: u64) -> Result<Vec<i32>, DataError> {
         (0..count)
             .map(|t| {
                 let offset = (start + t) % self.len();

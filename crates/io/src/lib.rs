@@ -34,6 +34,7 @@ pub mod plan_file;
 pub mod pretrained;
 pub mod shards;
 pub mod sources;
+pub mod windows;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint};
 pub use data::{Order, TokenData, TokenDtype, check_inputs, random_batch};
