@@ -5,7 +5,8 @@
 # examples/bert.opt against BertForMaskedLM in float64 (scripts/hf_bert_compare.py: the MLM objective with
 # token types and ignored labels, the tied decoder, square and non-square linears, SGD and AdamW, four meshes),
 # what `--save-weights DIR/` writes against from_pretrained (scripts/hf_export_check.py), `optimusc eval`'s
-# perplexity against Hugging Face's (scripts/hf_eval_check.py), and `optimusc
+# perplexity against Hugging Face's (scripts/hf_eval_check.py), `optimusc generate`'s greedy tokens against
+# Hugging Face's generate (scripts/hf_generate_check.py), and `optimusc
 # tokenize` against tiktoken's and Hugging Face tokenizers' ids (scripts/hf_tokenize_compare.py).
 #
 # 1. Makes (or reuses) a virtualenv (see HF_VENV) and pip-installs torch,
@@ -49,6 +50,8 @@ echo "== comparing examples/bert.opt with BertForMaskedLM (float64)"
 "$PY" scripts/hf_bert_compare.py --optimusc "$OPTIMUSC" || status=$?
 echo "== opening --save-weights DIR/ with from_pretrained (GPT-2, Llama, BERT)"
 "$PY" scripts/hf_export_check.py --optimusc "$OPTIMUSC" || status=$?
+echo "== comparing optimusc generate with Hugging Face generate (greedy, float64)"
+"$PY" scripts/hf_generate_check.py --optimusc "$OPTIMUSC" || status=$?
 echo "== comparing optimusc eval with Hugging Face perplexity (float64)"
 "$PY" scripts/hf_eval_check.py --optimusc "$OPTIMUSC" || status=$?
 echo "== comparing optimusc tokenize with tiktoken and Hugging Face tokenizers"

@@ -88,6 +88,15 @@ enum Command {
     /// assembles each parameter's logical tensor without padding, and writes it as F32 under its
     /// checkpoint name. Exit status: 0 on success, 1 on errors, 2 on usage errors.
     Export(cli::export::ExportArgs),
+    /// Continue prompts with a causal language model on any mesh and strategy: greedy, or sampled
+    /// (temperature, top-k, top-p) with a seed.
+    ///
+    /// Prompts are text (tokenized by --tokenizer, GPT-2's by default) or token ids; several prompts
+    /// are generated together. Each new token reruns the forward pass over the sequence so far (no
+    /// key/value cache yet). Example: `optimusc generate examples/gpt2.opt --weights model/ --prompt
+    /// "The mesh" --max-new-tokens 20 --mesh 2x2`. Exit status: 0 on success, 1 on errors, 2 on usage
+    /// errors.
+    Generate(cli::generate::GenerateArgs),
     /// The loss and perplexity of a model over a whole token file, on any mesh and strategy.
     ///
     /// Reads the file in windows of the model's seq tokens, `--stride` apart (seq by default), every
@@ -196,6 +205,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::MaskData(args) => cli::mask::mask_data(&args),
         Command::Tokenize(args) => cli::tokenize::tokenize(&args),
         Command::Eval(args) => cli::eval::eval(&args),
+        Command::Generate(args) => cli::generate::generate(&args),
         Command::Inspect { plan, json, dot, memory } => inspect(&plan, json, dot.as_deref(), memory),
     }
 }

@@ -140,6 +140,7 @@ fn evaluate(args: &EvalArgs) -> Result<(), Failure> {
         weights: weights.map(|w| w as std::sync::Arc<dyn optimus::plan::stores::WeightSource>),
         checkpoints: None,
         stop: None,
+        step_outputs: None,
     };
     let batches = |step: u64| {
         let (tokens, targets) = window_batch(&data, &all, step, (batch, seq), vocab).map_err(|e| e.to_string())?;

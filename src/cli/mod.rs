@@ -6,6 +6,7 @@ pub mod eval;
 pub mod export;
 pub mod fit;
 pub mod flags;
+pub mod generate;
 pub mod mask;
 pub mod plan;
 pub mod plot;

@@ -488,6 +488,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         weights: weights.map(|w| w as Arc<dyn WeightSource>),
         checkpoints: None,
         stop: (plan.mode == Mode::Train).then_some(optimus::io::output::stop_requested as fn() -> bool),
+        step_outputs: None,
     };
     let resumption = super::resume::resumption(args, &plan)?;
     let config = RunConfig {

@@ -58,6 +58,15 @@ pub struct RunConfig {
     /// Asked after every step; when it says yes on any device, every device stops after that step (and
     /// writes a checkpoint, if checkpointing): the interrupt of `optimusc run`.
     pub stop: Option<fn() -> bool>,
+    /// Receives every device's output blocks after each step, for runs whose next inputs depend on
+    /// this step's outputs (generation).
+    pub step_outputs: Option<std::sync::Arc<dyn StepOutputs>>,
+}
+
+/// Takes the output blocks (plan order) of device `rank` after batch `index`. Every device deposits
+/// after every batch, before it asks for the next one.
+pub trait StepOutputs: Send + Sync + std::fmt::Debug {
+    fn deposit(&self, index: u64, rank: u64, blocks: Vec<Tensor>);
 }
 
 /// Where and how often a run writes checkpoints.
@@ -109,6 +118,7 @@ impl RunConfig {
             weights: None,
             checkpoints: None,
             stop: None,
+            step_outputs: None,
         }
     }
 
@@ -904,6 +914,23 @@ pub fn run_device<C: Communicator>(
     }
 }
 
+/// Hands the device's output blocks after batch `index` to [`RunConfig::step_outputs`], if set.
+fn deposit_outputs<B: Backend, C: Communicator>(
+    config: &RunConfig,
+    device: &mut Device<'_, B, C>,
+    index: u64,
+) -> Result<(), String> {
+    let Some(sink) = &config.step_outputs else { return Ok(()) };
+    let plan = device.plan;
+    let mut blocks = Vec::with_capacity(plan.outputs.len());
+    for o in &plan.outputs {
+        let block = device.read(o.buffer)?.ok_or_else(|| format!("output `{}` was not computed", o.name))?;
+        blocks.push(block);
+    }
+    sink.deposit(index, plan.mesh.rank_of(device.coords()), blocks);
+    Ok(())
+}
+
 /// What one device's run needs besides its backend and communicator.
 struct DeviceRun<'r> {
     plan: &'r Plan,
@@ -977,7 +1004,7 @@ impl DeviceRun<'_> {
                 };
                 device.load_inputs(&batches(index)?)?;
                 match device.step_with(update, index + 1) {
-                    Ok(()) => {}
+                    Ok(()) => deposit_outputs(config, device, index)?,
                     Err(StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
                     Err(StepError::NonFiniteLoss(value)) => {
                         device.load_inputs(&batches(index)?)?;

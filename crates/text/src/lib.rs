@@ -102,6 +102,12 @@ pub struct Tokenizer {
     end_of_text: Option<(String, u32)>,
 }
 
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer").field("name", &self.name).field("vocab", &self.vocab).finish_non_exhaustive()
+    }
+}
+
 impl Tokenizer {
     /// `gpt2` (built in) or the path of a Hugging Face `tokenizer.json`.
     pub fn load(name: &str) -> Result<Tokenizer, TextError> {
