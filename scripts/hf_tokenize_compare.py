@@ -7,6 +7,9 @@
   GPT-2's encoder.json and vocab.bpe), after checking r50k_base.tiktoken's and vocab.bpe's SHA-256
   against the hashes tiktoken itself expects of OpenAI's downloads (the same files, not copies of our
   own), and that encoder.json with vocab.bpe gives those ranks.
+- `run --save-weights DIR/ --tokenizer gpt2`: the tokenizer.json written there holds GPT-2's vocabulary and
+  merges (as Hugging Face builds them from the original files), and AutoTokenizer.from_pretrained(DIR)
+  encodes as tiktoken.
 - Any tokenizer.json: GPT-2's as Hugging Face saves it; a WordPiece tokenizer (BERT's normaliser and
   pre-tokeniser, [SEP] between documents); and a byte-level BPE with Llama 3's pre-tokenising pattern
   and more than 65,535 tokens (a u32 file). Each must equal `Tokenizer.encode(text,
@@ -26,11 +29,13 @@ import random
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks, load_tiktoken_bpe
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer
 
 # What tiktoken expects of OpenAI's downloads (tiktoken_ext/openai_public.py).
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -41,6 +46,7 @@ LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+REPO = Path(__file__).resolve().parent.parent
 FAILURES = []
 
 
@@ -153,6 +159,22 @@ def gpt2_checks(optimusc, assets, directory):
     hf.save(json_path)
     compare_documents(optimusc, directory, "gpt2-json", texts + big[:1], lambda t: hf.encode(t).ids, 50256,
                       ["--tokenizer", json_path])
+    # `run --save-weights DIR/ --tokenizer gpt2`: AutoTokenizer opens the folder, with GPT-2's own vocabulary and
+    # merges, and encodes as tiktoken.
+    model_dir = os.path.join(directory, "gpt2-model")
+    small = ["--set", "layers=1", "--set", "hidden=16", "--set", "heads=2", "--set", "vocab=50257", "--set", "seq=8",
+             "--set", "context=16", "--set", "batch=2"]
+    subprocess.run([optimusc, "run", str(REPO / "examples" / "gpt2.opt"), *small, "--steps", "1", "--save-weights",
+                    model_dir + "/", "--tokenizer", "gpt2"], check=True, capture_output=True)
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
+        ours = json.load(f)["model"]
+    reference = json.loads(hf.to_str())["model"]
+    check(ours["vocab"] == reference["vocab"], "saved gpt2 tokenizer.json: GPT-2's vocabulary")
+    as_pairs = lambda merges: [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]  # noqa: E731
+    check(as_pairs(ours["merges"]) == as_pairs(reference["merges"]), "saved gpt2 tokenizer.json: GPT-2's 50,000 merges in order")
+    auto = AutoTokenizer.from_pretrained(model_dir)
+    check(all(auto.encode(t) == enc.encode_ordinary(t) for t in texts), "AutoTokenizer on the saved folder encodes as tiktoken")
+    check(auto.eos_token == "<|endoftext|>", "the saved folder's end-of-text token")
 
 
 def gpt2_hugging_face(encoder_json, vocab_bpe):

@@ -220,3 +220,28 @@ fn a_saved_folder_holds_the_config_from_pretrained_needs() {
     assert!(ok && text.contains("note: no config.json: the parameters are not named as GPT-2's"), "{text}");
     assert!(dir.join("export/model.safetensors").is_file() && !dir.join("export/config.json").exists());
 }
+
+#[test]
+fn a_saved_folder_gets_the_tokenizer_named_and_a_tokenizer_the_model_cannot_hold_is_refused() {
+    let dir = scratch("tokenizer");
+    let out = format!("{}/", dir.join("export").display());
+    let small =
+        ["--set", "layers=1", "--set", "hidden=16", "--set", "heads=2", "--set", "seq=8", "--set", "context=16"];
+    let mut args = vec!["run", "examples/gpt2.opt", "--steps", "1", "--set", "vocab=50257", "--set", "batch=2"];
+    args.extend(small);
+    let (ok, text) = optimusc(&[&args[..], &["--save-weights", &out, "--tokenizer", "gpt2"]].concat());
+    assert!(ok && text.contains("saved the tokenizer gpt2"), "{text}");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("export/tokenizer_config.json")).expect("written"))
+            .expect("JSON");
+    assert_eq!((config["eos_token"].as_str(), config["model_max_length"].as_u64()), (Some("<|endoftext|>"), Some(16)));
+    assert!(dir.join("export/tokenizer.json").is_file());
+    // Before any step: a vocabulary smaller than the tokenizer's, or no folder to write into.
+    let mut small_vocab = vec!["run", "examples/gpt2.opt", "--steps", "1", "--set", "vocab=1000", "--set", "batch=2"];
+    small_vocab.extend(small);
+    let (ok, text) = optimusc(&[&small_vocab[..], &["--save-weights", &out, "--tokenizer", "gpt2"]].concat());
+    assert!(!ok && text.contains("give --set vocab=50257 or more") && !text.contains("step 0"), "{text}");
+    let file = dir.join("w.safetensors").display().to_string();
+    let (ok, text) = optimusc(&[&args[..], &["--save-weights", &file, "--tokenizer", "gpt2"]].concat());
+    assert!(!ok && text.contains("give a folder"), "{text}");
+}

@@ -19,6 +19,10 @@ pub struct ExportArgs {
     /// trained as.
     #[arg(short = 'o', long = "output", value_name = "FILE.safetensors|DIR/")]
     pub output: PathBuf,
+    /// With `-o DIR/`: also write this tokenizer's `tokenizer.json` and `tokenizer_config.json` (`gpt2`,
+    /// or a Hugging Face tokenizer.json), so that `AutoTokenizer.from_pretrained(DIR)` opens the folder.
+    #[arg(long, value_name = "gpt2|PATH/tokenizer.json")]
+    pub tokenizer: Option<String>,
 }
 
 /// Runs `optimusc export`.
@@ -57,6 +61,15 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
     let checkpoint = Checkpoint::open(&args.checkpoint).map_err(|e| e.to_string())?;
     refuse_writing_into(&args.output, checkpoint.dir())?;
     let folder = args.output.as_os_str() != "-" && super::run::saves_a_directory(&args.output);
+    if args.tokenizer.is_some() && !folder {
+        return Err(Failure::usage("--tokenizer writes the tokenizer's files into -o DIR/: give a folder".into()));
+    }
+    let tokenizer = args
+        .tokenizer
+        .as_deref()
+        .map(optimus::text::Tokenizer::load)
+        .transpose()
+        .map_err(|e| Failure::usage(format!("--tokenizer: {e}")))?;
     let weights = if folder { args.output.join("model.safetensors") } else { args.output.clone() };
     if folder {
         std::fs::create_dir_all(&args.output).map_err(|e| format!("cannot create `{}`: {e}", args.output.display()))?;
@@ -64,6 +77,11 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
     let summary = export_safetensors(&checkpoint, &weights).map_err(|e| e.to_string())?;
     if folder {
         write_hugging_face_config(&checkpoint, &args.output)?;
+    }
+    if let Some(tokenizer) = &tokenizer {
+        for (name, text) in tokenizer.hub_files(None).map_err(|e| e.to_string())? {
+            optimus::io::write_file(&args.output.join(name), text.as_bytes()).map_err(|e| e.to_string())?;
+        }
     }
     eprintln_safe!(
         "exported step {} of `{}` ({} tensors, {} parameters) to {}",

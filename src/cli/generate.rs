@@ -26,8 +26,12 @@ pub struct GenerateArgs {
     pub target: TargetArgs,
     /// The weights, as `run --weights` reads them (a safetensors file, a `save_pretrained` folder, a
     /// training checkpoint) [default: none: the weights drawn from --seed].
-    #[arg(long, value_name = "FILE.safetensors|DIR")]
+    #[arg(long, value_name = "FILE.safetensors|DIR", conflicts_with = "resume")]
     pub weights: Option<PathBuf>,
+    /// Generate with the parameters of a training checkpoint (`run --checkpoint-dir`): a checkpoint, or
+    /// a folder of them, of which the latest complete one.
+    #[arg(long, value_name = "CHECKPOINT")]
+    pub resume: Option<PathBuf>,
     /// A prompt, as text (tokenized by --tokenizer). Repeatable: the prompts are generated together, one
     /// batch row each.
     #[arg(long = "prompt", value_name = "TEXT")]
@@ -214,8 +218,12 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
     if let Some(id) = prompts.iter().flatten().find(|&&id| u64::from(id) >= vocab) {
         return Err(Failure::usage(format!("prompt token {id} is not below the model's vocabulary size {vocab}")));
     }
-    let (initial, weights) = super::run::weights_for(args.weights.as_ref(), false, &plan)?;
-    if args.weights.is_none() {
+    if let Some(checkpoint) = args.resume.as_ref().filter(|c| !c.is_dir()) {
+        return Err(Failure::usage(format!("--resume `{}` is not a checkpoint folder", checkpoint.display())));
+    }
+    let source = args.weights.as_ref().or(args.resume.as_ref());
+    let (initial, weights) = super::run::weights_for(source, false, &plan)?;
+    if source.is_none() {
         eprintln_safe!("note: no --weights: generating with the weights drawn from seed {}", args.seed);
     }
     let tokenizer = tokenizer.map(Arc::new);

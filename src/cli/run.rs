@@ -62,6 +62,11 @@ pub struct RunArgs {
     /// `model.safetensors`, or shards of at most --max-shard-size and `model.safetensors.index.json`.
     #[arg(long, value_name = "FILE.safetensors|DIR/")]
     pub save_weights: Option<PathBuf>,
+    /// The tokenizer the data was made with (`gpt2`, or a Hugging Face tokenizer.json): `--save-weights
+    /// DIR/` then also writes `tokenizer.json` and `tokenizer_config.json`, so that
+    /// `AutoTokenizer.from_pretrained(DIR)` opens the folder too.
+    #[arg(long, value_name = "gpt2|PATH/tokenizer.json")]
+    pub tokenizer: Option<String>,
     /// The largest shard `--save-weights DIR/` writes, as `save_pretrained(max_shard_size=...)`: a size
     /// such as 5GB (decimal units, Hugging Face's default) or 512MiB. A larger tensor gets a shard of its own.
     #[arg(long, value_name = "SIZE", value_parser = super::flags::memory_size, default_value = "5GB")]
@@ -421,6 +426,8 @@ fn report(e: &str) {
 /// Everything a run needs, read and checked before any device starts.
 struct Prepared {
     plan: Plan,
+    /// `--tokenizer`, loaded and checked against the model's vocabulary.
+    tokenizer: Option<optimus::text::Tokenizer>,
     sources: Sources,
     initial: BTreeMap<String, optimus::plan::tensor::Tensor>,
     config: RunConfig,
@@ -505,7 +512,46 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
             "--clip-grad-norm: this plan was compiled before optimusc computed gradient norms; compile it again".into(),
         ));
     }
-    Ok(Prepared { plan, sources, initial, config })
+    let tokenizer = args.tokenizer.as_deref().map(|name| checked_tokenizer(name, args, &plan)).transpose()?;
+    Ok(Prepared { plan, tokenizer, sources, initial, config })
+}
+
+/// `--tokenizer`, refused unless it goes with `--save-weights DIR/` and the model's vocabulary holds its ids.
+pub(super) fn checked_tokenizer(name: &str, args: &RunArgs, plan: &Plan) -> Result<optimus::text::Tokenizer, Failure> {
+    if !args.save_weights.as_deref().is_some_and(saves_a_directory) {
+        return Err(Failure::usage(
+            "--tokenizer writes the tokenizer's files beside --save-weights DIR/: give a folder".into(),
+        ));
+    }
+    let tokenizer = optimus::text::Tokenizer::load(name).map_err(|e| Failure::usage(format!("--tokenizer: {e}")))?;
+    let vocab = optimus::io::sources::vocab(plan).map_err(|e| Failure::usage(e.to_string()))?;
+    if u64::from(tokenizer.vocab_size()) > vocab {
+        return Err(Failure::usage(format!(
+            "--tokenizer {} makes ids up to {}, and the model's vocab is {vocab}: give --set vocab={} or more",
+            tokenizer.name(),
+            tokenizer.vocab_size() - 1,
+            tokenizer.vocab_size()
+        )));
+    }
+    Ok(tokenizer)
+}
+
+/// Writes the tokenizer's files into the `--save-weights` folder.
+fn save_tokenizer(dir: &Path, tokenizer: &optimus::text::Tokenizer, plan: &Plan) -> Result<(), String> {
+    let context = plan.config.iter().find(|(n, _)| n == "context").and_then(|(_, v)| match v {
+        optimus::plan::types::Scalar::Int(c) => u64::try_from(*c).ok(),
+        _ => None,
+    });
+    let files = tokenizer.hub_files(context).map_err(|e| e.to_string())?;
+    for (name, text) in &files {
+        optimus::io::write_file(&dir.join(name), text.as_bytes()).map_err(|e| e.to_string())?;
+    }
+    eprintln_safe!(
+        "saved the tokenizer {} to {} (tokenizer.json, tokenizer_config.json)",
+        tokenizer.name(),
+        dir.display()
+    );
+    Ok(())
 }
 
 /// An output of the run (--save-weights, --log) that is one of its inputs (the model, a data file,
@@ -608,6 +654,9 @@ fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutpu
     let interrupted = last.is_some_and(|r| r.step + 1 < args.steps);
     if let Some(path) = &args.save_weights {
         save_weights(path, args.max_shard_size, job, output)?;
+        if let Some(tokenizer) = &job.tokenizer {
+            save_tokenizer(path, tokenizer, &job.plan)?;
+        }
     }
     if args.profile {
         print_profile(&job.plan, output, progress);

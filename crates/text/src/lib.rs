@@ -2,6 +2,7 @@
 //! and corpora read in pieces that tokenize exactly as the whole text would, in bounded memory.
 
 pub mod corpus;
+pub mod hub;
 
 use sha2::{Digest, Sha256};
 use std::fmt;
@@ -89,8 +90,9 @@ enum Engine {
     /// GPT-2's BPE (tiktoken's `r50k_base`), encoding text as ordinary text (tiktoken's
     /// `encode_ordinary`: a literal `<|endoftext|>` in the text is seven ordinary tokens).
     Gpt2(tiktoken_rs::CoreBPE),
-    /// A Hugging Face tokenizer, encoding as `encode(text, add_special_tokens=False)`.
-    HuggingFace(Box<tokenizers::Tokenizer>),
+    /// A Hugging Face tokenizer, encoding as `encode(text, add_special_tokens=False)`, and the
+    /// `tokenizer.json` it was read from.
+    HuggingFace(Box<tokenizers::Tokenizer>, String),
 }
 
 /// A tokenizer, with what the token files it makes record: its name, vocabulary size and the token that
@@ -142,10 +144,12 @@ impl Tokenizer {
         let vocab = hf.get_vocab(true).values().max().map_or(0, |&id| id.saturating_add(1));
         let end_of_text =
             END_OF_TEXT_NAMES.iter().find_map(|&name| hf.token_to_id(name).map(|id| (name.to_string(), id)));
+        let text = String::from_utf8(bytes.clone())
+            .map_err(|_| TextError::TokenizerFile { path: path.to_path_buf(), reason: "not UTF-8".into() })?;
         let digest = Sha256::digest(&bytes);
         let short: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
         Ok(Tokenizer {
-            engine: Engine::HuggingFace(Box::new(hf)),
+            engine: Engine::HuggingFace(Box::new(hf), text),
             name: format!("{} (sha256 {short}…)", path.display()),
             vocab,
             end_of_text,
@@ -176,7 +180,7 @@ impl Tokenizer {
                 [id] => Ok(*id),
                 _ => Err(unknown()),
             },
-            Engine::HuggingFace(hf) => hf.token_to_id(token).ok_or_else(unknown),
+            Engine::HuggingFace(hf, _) => hf.token_to_id(token).ok_or_else(unknown),
         }
     }
 
@@ -192,7 +196,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
         match &self.engine {
             Engine::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
-            Engine::HuggingFace(hf) => hf
+            Engine::HuggingFace(hf, _) => hf
                 .encode_fast(text, false)
                 .map(|encoding| encoding.get_ids().to_vec())
                 .map_err(|e| TextError::Encode { reason: e.to_string() }),
@@ -207,8 +211,44 @@ impl Tokenizer {
                 let bytes = bpe.decode_bytes(ids).map_err(|e| TextError::Decode { reason: e.to_string() })?;
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
-            Engine::HuggingFace(hf) => hf.decode(ids, false).map_err(|e| TextError::Decode { reason: e.to_string() }),
+            Engine::HuggingFace(hf, _) => {
+                hf.decode(ids, false).map_err(|e| TextError::Decode { reason: e.to_string() })
+            }
         }
+    }
+
+    /// The tokenizer as Hugging Face's `tokenizer.json`: the file it was read from, or GPT-2's made from
+    /// its ranks (see [`hub`]).
+    pub fn hugging_face_json(&self) -> Result<String, TextError> {
+        match &self.engine {
+            Engine::HuggingFace(_, text) => Ok(text.clone()),
+            Engine::Gpt2(bpe) => {
+                let (eot, id) = GPT2_END_OF_TEXT;
+                let tokens = (0..id)
+                    .map(|rank| bpe.decode_bytes(&[rank]).map_err(|e| TextError::Decode { reason: e.to_string() }))
+                    .collect::<Result<Vec<_>, _>>()?;
+                hub::gpt2_tokenizer_json(&tokens, eot)
+            }
+        }
+    }
+
+    /// The files `AutoTokenizer.from_pretrained` reads from a model folder: `tokenizer.json` and a
+    /// `tokenizer_config.json` naming the end-of-text token and the longest sequence (`context`).
+    pub fn hub_files(&self, context: Option<u64>) -> Result<Vec<(&'static str, String)>, TextError> {
+        let mut config =
+            serde_json::json!({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": false});
+        if let Some((eot, _)) = self.end_of_text() {
+            config["eos_token"] = eot.into();
+            // GPT-2 starts texts with its end-of-text token too; others have a beginning of their own.
+            if eot == GPT2_END_OF_TEXT.0 {
+                config["bos_token"] = eot.into();
+            }
+        }
+        if let Some(context) = context {
+            config["model_max_length"] = context.into();
+        }
+        let config = serde_json::to_string_pretty(&config).map_err(|e| TextError::Encode { reason: e.to_string() })?;
+        Ok(vec![("tokenizer.json", self.hugging_face_json()?), ("tokenizer_config.json", format!("{config}\n"))])
     }
 
     /// The ids of each text, tokenized in parallel, in order.
