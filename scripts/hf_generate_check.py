@@ -3,7 +3,8 @@
 tokens of `model.generate(do_sample=False)` (float64) for GPT-2 and Llama with grouped-query attention,
 several prompts of different lengths generated together, on one device, optimus 2x2 and 4x4 and
 megatron 1x4; and sampling with a seed
-must give the same tokens on every mesh. Weights are drawn 15 times wider than Hugging Face's default,
+must give the same tokens on every mesh. The logit of every generated token must be within 1e-4 of
+Hugging Face's float64 logit. Weights are drawn 15 times wider than Hugging Face's default,
 so that the predictions are peaked and far from ties.
 
 Usage: hf_generate_check.py --optimusc PATH
@@ -57,11 +58,15 @@ def llama():
 
 
 def reference(model, prompt):
+    """Hugging Face's greedy tokens (prompt and new) and the float64 logit of each new token."""
     model = model.double().eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0].tolist()
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             output_logits=True, return_dict_in_generate=True)
+    ids = out.sequences[0].tolist()
+    logits = [step[0, ids[len(prompt) + k]].item() for k, step in enumerate(out.logits)]
+    return ids, logits
 
 
 def ours(binary, name, weights, flags, mesh, strategy, extra=()):
@@ -73,7 +78,8 @@ def ours(binary, name, weights, flags, mesh, strategy, extra=()):
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         return None, result.stderr.strip()
-    return [json.loads(line)["ids"] for line in result.stdout.splitlines()], None
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    return [(r["ids"], r["logits"]) for r in records], None
 
 
 def main():
@@ -85,16 +91,23 @@ def main():
             weights = Path(work) / f"{name}.safetensors"
             save_file(state, str(weights))
             expected = [reference(model, p) for p in PROMPTS]
+            expected_ids = [ids for ids, _ in expected]
             sampled = {}
             for strategy, mesh in [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", megatron)]:
                 got, error = ours(args.optimusc, name, weights, flags, mesh, strategy)
-                check(got == expected, f"{name} {strategy} {mesh}: greedy tokens equal Hugging Face generate"
-                      + (f" ({error})" if error else "" if got == expected else f": {got} against {expected}"))
+                got_ids = [ids for ids, _ in got or []]
+                check(got_ids == expected_ids, f"{name} {strategy} {mesh}: greedy tokens equal Hugging Face generate"
+                      + (f" ({error})" if error else "" if got_ids == expected_ids else f": {got_ids} against {expected_ids}"))
+                worst = max((abs(a - b) for (_, ours_l), (_, ref_l) in zip(got or [], expected)
+                             for a, b in zip(ours_l, ref_l)), default=float("inf"))
+                check(worst <= 1e-4, f"{name} {strategy} {mesh}: every step's logit within 1e-4 of float64 "
+                      f"(worst {worst:.1e})")
                 sample = ["--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--seed", "11"]
                 sampled[mesh], error = ours(args.optimusc, name, weights, flags, mesh, strategy, sample)
                 check(error is None, f"{name} {strategy} {mesh}: sampled" + (f" ({error})" if error else ""))
             first = next(iter(sampled.values()))
-            check(all(s == first for s in sampled.values()) and first != expected,
+            check(all(s is not None and [i for i, _ in s] == [i for i, _ in first] for s in sampled.values())
+                  and [i for i, _ in first] != expected_ids,
                   f"{name}: seeded sampling gives the same tokens on every mesh, and not the greedy ones")
     print(f"{'FAILED' if FAILURES else 'passed'}: generate against Hugging Face")
     sys.exit(1 if FAILURES else 0)

@@ -63,8 +63,9 @@ pub struct GenerateArgs {
     /// without a tokenizer].
     #[arg(long, value_name = "ID")]
     pub eos: Option<u32>,
-    /// Print one JSON record per prompt: `ids` (prompt and generated), `generated`, `text` (with a
-    /// tokenizer), `finish` (`eos` or `length`), and timings.
+    /// Print one JSON record per prompt: `ids` (prompt and generated), `generated`, `logits` (the
+    /// logit of each generated token), `text` (with a tokenizer), `finish` (`eos` or `length`), and
+    /// timings.
     #[arg(long)]
     pub json: bool,
     /// Where kernels run: cpu (threads) or cuda.
@@ -354,6 +355,8 @@ struct Generation {
 #[derive(Debug)]
 struct State {
     rows: Vec<Vec<u32>>,
+    /// The logit of each generated token, as the model computed it (before temperature).
+    logits: Vec<Vec<f32>>,
     prompt_lens: Vec<usize>,
     ended: Vec<bool>,
     /// Blocks deposited per batch index, per device rank.
@@ -381,6 +384,7 @@ impl Generation {
         let prompts_len = prompts.len();
         let state = State {
             prompt_lens: prompts.iter().map(Vec::len).collect(),
+            logits: vec![Vec::new(); prompts.len()],
             ended: vec![false; prompts.len()],
             rows: prompts,
             deposits: BTreeMap::new(),
@@ -453,6 +457,7 @@ impl Generation {
             let at = (r * seq + position) * vocab;
             let token = self.sampling.choose(&values[at..at + vocab], r as u64, step);
             state.rows[r].push(token);
+            state.logits[r].push(values[at + token as usize]);
             let new = state.rows[r].len() - state.prompt_lens[r];
             state.ended[r] = Some(token) == self.eos || new as u64 >= self.max_new_tokens;
         }
@@ -481,7 +486,8 @@ impl Generation {
             if args.json {
                 let record = serde_json::json!({
                     "prompt": k, "ids": row, "generated": new, "text": text, "finish": finish,
-                    "new_tokens": new.len(), "seconds": took.as_secs_f64(), "tokens_per_s": rate,
+                    "new_tokens": new.len(), "logits": state.logits[k], "seconds": took.as_secs_f64(),
+                    "tokens_per_s": rate,
                 });
                 super::stdout_json(&format!("{record}\n"));
             } else if self.stream.is_none() {
