@@ -47,12 +47,18 @@ fn fits_of(kernel: &Kernel, bf16: bool) -> Vec<String> {
 }
 
 /// Trains a one-device plan for `steps` steps (the first is left out as warm-up) with every
-/// instruction timed; returns a sample per kernel instruction, and whether it is a product.
-pub fn profile_kernels(plan: &Plan, steps: u64, seed: u64) -> Result<Vec<(KernelSample, bool)>, String> {
+/// instruction timed, its kernels split over the pool or, with `single_thread`, run on the device's
+/// own thread; returns a sample per kernel instruction, and whether it is a product.
+pub fn profile_kernels(
+    plan: &Plan,
+    steps: u64,
+    seed: u64,
+    single_thread: bool,
+) -> Result<Vec<(KernelSample, bool)>, String> {
     if plan.mesh.devices() != 1 {
         return Err("kernel calibration runs one-device plans".into());
     }
-    let output = run_profiled(plan, steps.max(2), seed)?;
+    let output = run_profiled(plan, steps.max(2), seed, single_thread)?;
     let profile = output.profiles.first().ok_or("the calibration run returned no profile")?;
     let mut samples = Vec::new();
     for (index, instr) in plan.program.iter().enumerate() {
@@ -124,8 +130,9 @@ pub fn median_of(passes: Vec<Vec<(KernelSample, bool)>>) -> Vec<(KernelSample, b
     merged
 }
 
-fn run_profiled(plan: &Plan, steps: u64, seed: u64) -> Result<RunOutput, String> {
-    let config = RunConfig { profile: true, ..RunConfig::new(seed, steps, optimizer()) };
+fn run_profiled(plan: &Plan, steps: u64, seed: u64, single_thread: bool) -> Result<RunOutput, String> {
+    let config =
+        RunConfig { profile: true, kernels_inline: Some(single_thread), ..RunConfig::new(seed, steps, optimizer()) };
     let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
     let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
     crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})

@@ -117,6 +117,33 @@ fn devices_sharing_an_engine_add_up_and_trade_launch_for_dispatch() {
 }
 
 #[test]
+fn devices_running_their_own_kernels_cost_single_thread_fits_on_the_engines_threads() {
+    // The profile's 2 threads, 4 devices: every device thread runs its own kernels, two at once, at the
+    // single-thread fits (here three times the pool's costs), with the same dispatch.
+    let p = plan(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
+    let (launch, dispatch) = (5.0, 3.0);
+    let mut hw = measured_profile(true, dispatch, launch);
+    let pool = hw.measured.as_ref().map(|m| m.kernels.clone()).unwrap_or_default();
+    let slower = |f: &optimus::cost::calibration::KernelFit| optimus::cost::calibration::KernelFit {
+        launch_us: f.launch_us,
+        gb_s: f.gb_s.map(|r| r / 3.0),
+        gflop_s: f.gflop_s.map(|r| r / 3.0),
+        samples: f.samples,
+    };
+    if let Some(m) = hw.measured.as_mut() {
+        m.single_thread_kernels = pool.iter().map(|(k, f)| (k.clone(), slower(f))).collect();
+    }
+    let (one_device, kernels) = kernel_seconds(&p, launch);
+    let work = one_device - launch * 1e-6 * kernels as f64;
+    let expected_compute = 4.0 / 2.0 * 3.0 * work + 4.0 * dispatch * 1e-6 * kernels as f64;
+    let sim = simulate(&p, &hw, &Options::default());
+    assert!(close(sim.compute_s, expected_compute), "{} against {expected_compute}", sim.compute_s);
+    // One device keeps the pool's fits.
+    let one = simulate(&plan(Mesh::new(1, 1), Strategy::None, Mode::Train), &hw, &Options::default());
+    assert!(close(one.compute_s, kernel_seconds(&plan(Mesh::new(1, 1), Strategy::None, Mode::Train), launch).0));
+}
+
+#[test]
 fn measured_collectives_cost_their_copies_on_a_shared_engine_and_alpha_beta_otherwise() {
     let p = plan(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
     let report = optimus::plan::report::report(&p);

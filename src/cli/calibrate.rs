@@ -172,7 +172,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
     let meshes: &[(Mesh, Strategy)] = if args.quick { &SHARED_MESHES[..1] } else { &SHARED_MESHES };
     let runs: Vec<(&Workload, Precision)> =
         PRECISIONS.iter().flat_map(|&p| workloads.iter().map(move |&w| (w, p))).collect();
-    let progress = Progress::new(KERNEL_PASSES * runs.len() as u64 + timings + meshes.len() as u64);
+    let progress = Progress::new((KERNEL_PASSES + 1) * runs.len() as u64 + timings + meshes.len() as u64);
     let plans: Vec<Plan> = runs.iter().map(|&(w, p)| one_device_plan(w, p)).collect::<Result<_, _>>()?;
     // Passes over the workloads, seconds apart: an instruction keeps the median of its times, so
     // that a slow spell of a shared machine during one run does not set the fit.
@@ -182,13 +182,22 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         for (&(w, precision), plan) in runs.iter().zip(&plans) {
             let what = format!("{} {} {}", w.model, precision.name(), w.set.join(" "));
             progress.phase(&format!("kernels (pass {pass} of {KERNEL_PASSES}): {what}"));
-            samples.extend(measure::profile_kernels(plan, w.steps, 1)?);
+            samples.extend(measure::profile_kernels(plan, w.steps, 1, false)?);
             progress.advance();
         }
         passes.push(samples);
     }
     let samples = measure::median_of(passes);
     let kernels = measure::fit_kernels(&samples);
+    // The same kernels on one thread, as a device thread runs its own on a mesh of at least as many
+    // devices as the pool has workers (one pass: the shared engine's runs below check the sum).
+    let mut single = Vec::new();
+    for (&(w, precision), plan) in runs.iter().zip(&plans) {
+        progress.phase(&format!("kernels on one thread: {} {} {}", w.model, precision.name(), w.set.join(" ")));
+        single.extend(measure::profile_kernels(plan, w.steps, 1, true)?);
+        progress.advance();
+    }
+    let single_thread_kernels = measure::fit_kernels(&single);
     let mut collectives = Vec::new();
     for &(members, devices) in &shapes {
         for kind in COLLECTIVE_KINDS {
@@ -204,6 +213,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         overlap: false,
         dispatch: Vec::new(),
         kernels,
+        single_thread_kernels,
         collectives,
     };
     let mut hw = assemble(args, measured);
@@ -235,7 +245,7 @@ fn rounded(mut hw: Hardware) -> Hardware {
         for fit in &mut m.dispatch {
             fit.us = r(fit.us);
         }
-        for fit in m.kernels.values_mut() {
+        for fit in m.kernels.values_mut().chain(m.single_thread_kernels.values_mut()) {
             (fit.launch_us, fit.gb_s, fit.gflop_s) = (r(fit.launch_us), fit.gb_s.map(r), fit.gflop_s.map(r));
         }
         for fit in &mut m.collectives {

@@ -141,6 +141,7 @@ fn evaluate(args: &EvalArgs) -> Result<(), Failure> {
         checkpoints: None,
         stop: None,
         step_outputs: None,
+        kernels_inline: None,
     };
     let batches = |step: u64| {
         let (tokens, targets) = window_batch(&data, &all, step, (batch, seq), vocab).map_err(|e| e.to_string())?;

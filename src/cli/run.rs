@@ -496,6 +496,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         checkpoints: None,
         stop: (plan.mode == Mode::Train).then_some(optimus::io::output::stop_requested as fn() -> bool),
         step_outputs: None,
+        kernels_inline: None,
     };
     let resumption = super::resume::resumption(args, &plan)?;
     let config = RunConfig {

@@ -34,9 +34,26 @@ pub struct Measured {
     pub dispatch: Vec<DispatchFit>,
     /// Per kernel kind (as `run --profile` names them), and `default` for the others.
     pub kernels: BTreeMap<String, KernelFit>,
+    /// The same fits for a kernel run on one thread: how each device thread runs its own kernels when
+    /// a mesh has at least `threads` devices. Empty in profiles measured before the runtime did so.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub single_thread_kernels: BTreeMap<String, KernelFit>,
     /// Per collective kind, group size and devices of the mesh.
     #[serde(default)]
     pub collectives: Vec<CollectiveFit>,
+}
+
+/// Seconds by the most specific of `fits` (see [`Measured::kernel_seconds`]).
+fn fit_seconds(
+    fits: &BTreeMap<String, KernelFit>,
+    [flavor, kind]: [&str; 2],
+    bf16: bool,
+    (bytes, flops): (f64, f64),
+) -> f64 {
+    let names = [flavor, kind, DEFAULT_KERNEL];
+    let bf16_fits = names.iter().map(|n| fit_key(n, true)).filter(|_| bf16);
+    let keys = bf16_fits.chain(names.iter().map(|n| n.to_string()));
+    keys.filter_map(|k| fits.get(&k)).next().map_or(0.0, |f| f.seconds(bytes, flops))
 }
 
 /// The cost of one kernel call: a fixed part plus its bytes and FLOPs at the fitted rates.
@@ -114,10 +131,16 @@ impl Measured {
     /// kind (`Gelu`), then `default`; a kernel that reads or writes bf16 tries the `@bf16` fits of
     /// each first, where the calibration ran bf16 plans.
     pub fn kernel_seconds(&self, flavor: &str, kind: &str, bf16: bool, bytes: f64, flops: f64) -> f64 {
-        let names = [flavor, kind, DEFAULT_KERNEL];
-        let bf16_fits = names.iter().map(|n| fit_key(n, true)).filter(|_| bf16);
-        let keys = bf16_fits.chain(names.iter().map(|n| n.to_string()));
-        keys.filter_map(|k| self.kernels.get(&k)).next().map_or(0.0, |f| f.seconds(bytes, flops))
+        fit_seconds(&self.kernels, [flavor, kind], bf16, (bytes, flops))
+    }
+
+    /// [`Measured::kernel_seconds`] on one thread, from [`Measured::single_thread_kernels`] (the pool's
+    /// fits when there are none).
+    pub fn single_thread_kernel_seconds(&self, flavor: &str, kind: &str, bf16: bool, bytes: f64, flops: f64) -> f64 {
+        if self.single_thread_kernels.is_empty() {
+            return self.kernel_seconds(flavor, kind, bf16, bytes, flops);
+        }
+        fit_seconds(&self.single_thread_kernels, [flavor, kind], bf16, (bytes, flops))
     }
 
     /// Seconds for one collective of `members` with `bytes` of payload per member on a mesh of
@@ -372,6 +395,7 @@ mod tests {
                 DEFAULT_KERNEL.to_string(),
                 KernelFit { launch_us: 1.0, gb_s: None, gflop_s: None, samples: 0 },
             )]),
+            single_thread_kernels: BTreeMap::new(),
             collectives: vec![fit(2, 2, 10.0), fit(2, 4, 20.0), fit(4, 16, 40.0)],
         };
         let t = |members, devices| {
@@ -394,6 +418,7 @@ mod tests {
             overlap: false,
             dispatch: Vec::new(),
             kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit(1.0)), ("Add".to_string(), fit(2.0))]),
+            single_thread_kernels: BTreeMap::new(),
             collectives: Vec::new(),
         };
         let us = |m: &Measured, kind, bf16| m.kernel_seconds(kind, kind, bf16, 0.0, 0.0) * 1e6;

@@ -40,6 +40,9 @@
 //! [measured.kernels.MatMul]       # per kernel kind, and `default`
 //! launch_us = 12.0
 //! gflop_s = 180.0
+//! [measured.single_thread_kernels.MatMul]  # optional: the same on one thread (meshes of >= threads devices)
+//! launch_us = 6.0
+//! gflop_s = 95.0
 //! [[measured.collectives]]        # per kind, group size and devices of the mesh
 //! kind = "broadcast"
 //! members = 4

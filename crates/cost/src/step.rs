@@ -112,6 +112,16 @@ pub struct KernelCost {
 
 /// [`kernel_time`] with its fixed part.
 pub fn kernel_cost(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> KernelCost {
+    kernel_cost_on(kernel, (inputs, output), hw, false)
+}
+
+/// [`kernel_cost`], on one thread when `single_thread` (a device thread running its own kernels).
+fn kernel_cost_on(
+    kernel: &Kernel,
+    (inputs, output): (&[&Buffer], &Buffer),
+    hw: &Hardware,
+    single_thread: bool,
+) -> KernelCost {
     let Some(measured) = &hw.measured else {
         let overhead = hw.device.kernel_launch_us * 1e-6;
         return KernelCost { seconds: roofline_time(kernel, inputs, output, hw) + overhead, overhead };
@@ -120,10 +130,11 @@ pub fn kernel_cost(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Ha
     let bytes = kernel_bytes(inputs, output) as f64;
     let (flavor, kind) = (kernel.flavor(), kernel.name());
     let bf16 = touches_bf16(inputs, output);
-    KernelCost {
-        seconds: measured.kernel_seconds(&flavor, kind, bf16, bytes, flops),
-        overhead: measured.kernel_seconds(&flavor, kind, bf16, 0.0, 0.0),
-    }
+    let seconds = |bytes, flops| match single_thread {
+        true => measured.single_thread_kernel_seconds(&flavor, kind, bf16, bytes, flops),
+        false => measured.kernel_seconds(&flavor, kind, bf16, bytes, flops),
+    };
+    KernelCost { seconds: seconds(bytes, flops), overhead: seconds(0.0, 0.0) }
 }
 
 /// Whether a kernel reads or writes a bf16 buffer.
@@ -409,7 +420,8 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
         match instr {
             Instr::Kernel { kernel, inputs, output, reason, .. } => {
                 let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
-                let cost = engine.kernel(kernel_cost(kernel, &ins, plan.buffer(*output), hw));
+                let one = kernel_cost_on(kernel, (&ins, plan.buffer(*output)), hw, engine.single_thread());
+                let cost = engine.kernel(one);
                 tally.kernel(cost, reason_kind(plan, *reason));
             }
             Instr::Collective { collective: c, reason, .. } => {
@@ -447,6 +459,10 @@ struct Engine {
     shared: bool,
     devices: f64,
     dispatch: f64,
+    /// Kernels that run at once on the shared engine: its threads, when every device thread runs its
+    /// own kernels (a mesh of at least as many devices as the profile's threads), else 1 (the devices'
+    /// kernels queue on the pool one by one).
+    lanes: f64,
 }
 
 impl Engine {
@@ -456,9 +472,11 @@ impl Engine {
         match &hw.measured {
             Some(m) if m.shared_engine && plan.mesh.devices() > 1 => {
                 let devices = plan.mesh.devices().min(hw.intra_node.gpus_per_node).max(1);
-                Engine { shared: true, devices: devices as f64, dispatch: m.dispatch_seconds(devices) }
+                let inline = devices >= m.threads.max(1) && !m.single_thread_kernels.is_empty();
+                let lanes = if inline { m.threads.max(1) as f64 } else { 1.0 };
+                Engine { shared: true, devices: devices as f64, dispatch: m.dispatch_seconds(devices), lanes }
             }
-            _ => Engine { shared: false, devices: 1.0, dispatch: 0.0 },
+            _ => Engine { shared: false, devices: 1.0, dispatch: 0.0, lanes: 1.0 },
         }
     }
 
@@ -470,7 +488,12 @@ impl Engine {
             return cost;
         }
         let overhead = self.devices * self.dispatch;
-        KernelCost { seconds: self.devices * (cost.seconds - cost.overhead) + overhead, overhead }
+        KernelCost { seconds: self.devices / self.lanes * (cost.seconds - cost.overhead) + overhead, overhead }
+    }
+
+    /// Whether a kernel's cost is its cost on one thread (each device thread running its own).
+    fn single_thread(self) -> bool {
+        self.lanes > 1.0
     }
 
     /// What the dispatch of one collective on every device adds to the step.

@@ -61,6 +61,10 @@ pub struct RunConfig {
     /// Receives every device's output blocks after each step, for runs whose next inputs depend on
     /// this step's outputs (generation).
     pub step_outputs: Option<std::sync::Arc<dyn StepOutputs>>,
+    /// On the CPU backend: whether each device thread runs its own kernels (`Some(true)`), hands them
+    /// to the kernel pool (`Some(false)`), or `None`: as [`crate::cpu::par::devices_run_kernels_inline`]
+    /// decides (calibration measures both).
+    pub kernels_inline: Option<bool>,
 }
 
 /// Takes the output blocks (plan order) of device `rank` after batch `index`. Every device deposits
@@ -119,6 +123,7 @@ impl RunConfig {
             checkpoints: None,
             stop: None,
             step_outputs: None,
+            kernels_inline: None,
         }
     }
 

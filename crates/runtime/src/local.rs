@@ -26,7 +26,8 @@ pub fn run(
     let fabric = Fabric::new(plan.mesh, config.timeout);
     let devices = plan.mesh.devices();
     let links = gpu_links(plan.mesh, config, &fabric)?;
-    let inline = config.backend == BackendKind::Cpu && super::cpu::par::devices_run_kernels_inline(devices as usize);
+    let inline = config.backend == BackendKind::Cpu
+        && config.kernels_inline.unwrap_or_else(|| super::cpu::par::devices_run_kernels_inline(devices as usize));
     let results: Vec<Result<DeviceResult, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {
