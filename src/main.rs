@@ -64,7 +64,7 @@ enum Command {
     ///
     /// Profiles short one-device training runs of built-in models (every kernel kind, products from
     /// small shards to whole layers) and times the thread communicator's collectives on meshes of up
-    /// to 16 threads; fits a cost per kernel kind and per collective. Takes under a minute.
+    /// to 16 threads; fits a cost per kernel kind and per collective. Takes one to two minutes on 2 cores (`--quick`: less).
     /// Example: `optimusc calibrate -o here.toml && optimusc simulate examples/gpt2.opt --hardware
     /// here.toml --mesh 2x2`. Exit status: 0 on success, 1 on errors, 2 on usage errors.
     Calibrate(cli::calibrate::CalibrateArgs),
