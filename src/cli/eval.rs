@@ -6,7 +6,6 @@ use optimus::io::data::{TokenData, TokenDtype, check_inputs};
 use optimus::io::windows::{Window, counted, window_batch, windows};
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::{RunConfig, StepRecord};
-use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -116,32 +115,10 @@ fn evaluate(args: &EvalArgs) -> Result<(), Failure> {
         eprintln_safe!("note: no --weights: evaluating the weights drawn from seed {}", args.seed);
     }
     let config = RunConfig {
-        seed: args.seed,
-        steps,
-        optimizer: OptimizerSettings {
-            kind: OptimizerKind::Sgd,
-            lr: 0.0,
-            weight_decay: 0.0,
-            momentum: 0.0,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        },
         timeout: Duration::from_secs_f64(args.timeout),
-        fault: None,
         backend: args.backend.kind(),
-        profile: false,
-        schedule: None,
-        evaluation: None,
-        accumulation: 1,
-        clip_grad_norm: None,
-        start_step: 0,
-        resume: None,
         weights: weights.map(|w| w as std::sync::Arc<dyn optimus::plan::stores::WeightSource>),
-        checkpoints: None,
-        stop: None,
-        step_outputs: None,
-        kernels_inline: None,
+        ..RunConfig::new(args.seed, steps, super::generate::no_optimizer())
     };
     let batches = |step: u64| {
         let (tokens, targets) = window_batch(&data, &all, step, (batch, seq), vocab).map_err(|e| e.to_string())?;

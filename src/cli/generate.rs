@@ -252,7 +252,7 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
 }
 
 /// SGD with a zero rate: an inference plan has no update, but a run wants settings.
-fn no_optimizer() -> OptimizerSettings {
+pub(super) fn no_optimizer() -> OptimizerSettings {
     OptimizerSettings {
         kind: OptimizerKind::Sgd,
         lr: 0.0,
