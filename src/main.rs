@@ -82,11 +82,13 @@ enum Command {
     /// naming it; a log with nothing to plot is an error. Exit status: 0 on success, 1 on errors, 2 on
     /// usage errors.
     Plot(cli::plot::PlotArgs),
-    /// Write one Hugging Face safetensors file from a sharded training checkpoint (any mesh).
+    /// Write a sharded training checkpoint (any mesh) as Hugging Face files: one safetensors file, or
+    /// with `-o DIR/` a folder that `from_pretrained` opens.
     ///
     /// Reads the checkpoint's manifest and every device file (checking their sizes and SHA-256),
     /// assembles each parameter's logical tensor without padding, and writes it as F32 under its
-    /// checkpoint name. Exit status: 0 on success, 1 on errors, 2 on usage errors.
+    /// checkpoint name; a folder also gets `config.json` (GPT-2, Llama and BERT models) and, with
+    /// `--tokenizer`, the tokenizer's files. Exit status: 0 on success, 1 on errors, 2 on usage errors.
     Export(cli::export::ExportArgs),
     /// Continue prompts with a causal language model on any mesh and strategy: greedy, or sampled
     /// (temperature, top-k, top-p) with a seed.
