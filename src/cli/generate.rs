@@ -65,7 +65,8 @@ pub struct GenerateArgs {
     pub eos: Option<u32>,
     /// Print one JSON record per prompt: `ids` (prompt and generated), `generated`, `logits` (the
     /// logit of each generated token), `text` (with a tokenizer), `finish` (`eos` or `length`), and
-    /// timings.
+    /// timings (`seconds` in all, `decode_seconds` after the weights were loaded, `tokens_per_s` of
+    /// those).
     #[arg(long)]
     pub json: bool,
     /// Where kernels run: cpu (threads) or cuda.
@@ -349,6 +350,8 @@ struct Generation {
     eos: Option<u32>,
     state: Mutex<State>,
     decided: Condvar,
+    /// When the first step asked for its inputs: the weights were loaded by then.
+    first_step: Mutex<Option<Instant>>,
     stream: Option<Streamer>,
 }
 
@@ -402,6 +405,7 @@ impl Generation {
             eos,
             state: Mutex::new(state),
             decided: Condvar::new(),
+            first_step: Mutex::new(None),
             stream,
         })
     }
@@ -414,6 +418,9 @@ impl Generation {
     /// The inputs of step `step`: every sequence so far, padded with token 0, targets ignored. Waits
     /// until the tokens of the step before have been chosen.
     fn inputs(&self, plan: &Plan, step: u64, timeout: Duration) -> Result<BTreeMap<String, Tensor>, String> {
+        if let Ok(mut first) = self.first_step.lock() {
+            first.get_or_insert_with(Instant::now);
+        }
         let deadline = Instant::now() + timeout;
         let mut state = self.state.lock().map_err(|_| "a device thread failed while generating".to_string())?;
         while state.steps_done < step && state.failure.is_none() {
@@ -445,19 +452,21 @@ impl Generation {
     /// Chooses the next token of every prompt that has not ended, from the assembled logits.
     fn decide(&self, state: &mut State, step: u64, blocks: &[Option<Tensor>]) -> Result<(), String> {
         let blocks: Vec<&Tensor> = blocks.iter().flatten().collect();
-        let full = optimus::plan::init::gather_blocks(&blocks, &self.buffer, self.mesh).map_err(|e| e.to_string())?;
-        let logits = optimus::plan::init::unpad(&full, &self.shape);
-        let values = logits.f32().map_err(|e| e.to_string())?;
-        let [_, seq, vocab] = self.shape.map(|d| d as usize);
-        for r in 0..state.rows.len() {
+        // Only the last position of each sequence matters: its row of the (padded) logits.
+        let padded_seq = self.buffer.logical_shape.get(1).copied().unwrap_or(1);
+        let wanted: Vec<u64> =
+            state.rows.iter().enumerate().map(|(r, row)| r as u64 * padded_seq + row.len() as u64 - 1).collect();
+        let rows =
+            optimus::plan::init::gather_rows(&blocks, &self.buffer, self.mesh, &wanted).map_err(|e| e.to_string())?;
+        let vocab = self.shape[2] as usize;
+        for (r, logits) in rows.iter().enumerate() {
             if state.ended[r] {
                 continue;
             }
-            let position = state.rows[r].len() - 1;
-            let at = (r * seq + position) * vocab;
-            let token = self.sampling.choose(&values[at..at + vocab], r as u64, step);
+            let values = &logits[..vocab];
+            let token = self.sampling.choose(values, r as u64, step);
             state.rows[r].push(token);
-            state.logits[r].push(values[at + token as usize]);
+            state.logits[r].push(values[token as usize]);
             let new = state.rows[r].len() - state.prompt_lens[r];
             state.ended[r] = Some(token) == self.eos || new as u64 >= self.max_new_tokens;
         }
@@ -478,7 +487,9 @@ impl Generation {
         }
         let rows = &state.rows[..self.asked];
         let generated: usize = rows.iter().zip(&state.prompt_lens).map(|(r, p)| r.len() - p).sum();
-        let rate = generated as f64 / took.as_secs_f64().max(1e-9);
+        // Tokens per second of the steps themselves, after the model was compiled and its weights loaded.
+        let decoding = self.first_step.lock().ok().and_then(|f| *f).map_or(took, |f| f.elapsed().min(took));
+        let rate = generated as f64 / decoding.as_secs_f64().max(1e-9);
         for (k, row) in rows.iter().enumerate() {
             let new = &row[state.prompt_lens[k]..];
             let finish = if new.last().copied() == self.eos && self.eos.is_some() { "eos" } else { "length" };
@@ -487,7 +498,7 @@ impl Generation {
                 let record = serde_json::json!({
                     "prompt": k, "ids": row, "generated": new, "text": text, "finish": finish,
                     "new_tokens": new.len(), "logits": state.logits[k], "seconds": took.as_secs_f64(),
-                    "tokens_per_s": rate,
+                    "decode_seconds": decoding.as_secs_f64(), "tokens_per_s": rate,
                 });
                 super::stdout_json(&format!("{record}\n"));
             } else if self.stream.is_none() {
@@ -499,8 +510,9 @@ impl Generation {
         }
         if !args.json {
             eprintln_safe!(
-                "generated {generated} tokens in {:.2} s ({rate:.1} tokens/s, no key/value cache)",
-                took.as_secs_f64()
+                "generated {generated} tokens in {:.2} s after {:.2} s of loading ({rate:.1} tokens/s, no key/value cache)",
+                decoding.as_secs_f64(),
+                (took - decoding).as_secs_f64()
             );
         }
         Ok(())

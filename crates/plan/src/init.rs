@@ -1,7 +1,7 @@
 //! Mesh-independent initial values: every element of a parameter is a function of the seed, the
 //! parameter's name and its logical index, so every mesh starts from the same logical model.
 
-use super::logical::{BlockError, logical_indices};
+use super::logical::{BlockError, IndexMap, logical_indices};
 use super::tensor::{Data, Tensor};
 use crate::types::Init;
 use crate::{Buffer, Coords, Mesh, PlanParam};
@@ -79,34 +79,95 @@ pub fn block_of(logical: &Tensor, meta: &Buffer, coords: Coords, mesh: Mesh) -> 
     Ok(Tensor { shape: meta.shape.clone(), data })
 }
 
-/// Assembles a logical tensor from every device's block (blocks indexed by rank).
+/// Assembles a logical tensor from every device's block (blocks indexed by rank), a local row of the
+/// last dimension at a time (one copy where the row's logical coordinates are consecutive).
 pub fn gather_blocks(blocks: &[&Tensor], meta: &Buffer, mesh: Mesh) -> Result<Tensor, BlockError> {
     let total = meta.logical_shape.iter().product::<u64>() as usize;
     let mut out = vec![0.0f32; total];
     for (rank, block) in blocks.iter().enumerate() {
         let coords = mesh.coords_of(rank as u64);
         let values = block.f32().map_err(|_| BlockError::Integers)?;
-        for (local, index) in logical_indices(meta, coords, mesh).into_iter().enumerate() {
-            out[index as usize] = values[local];
+        let map = IndexMap::new(meta, coords, mesh)?;
+        let local: usize = map.dimensions().iter().map(Vec::len).product();
+        if values.len() != local {
+            let got = block.shape.clone();
+            return Err(BlockError::LogicalShape { name: meta.name.clone(), want: meta.shape.clone(), got });
         }
+        scatter_rows(&map, values, &mut out);
     }
     Ok(Tensor::from_f32(&meta.logical_shape, out))
 }
 
-/// Drops the padding of a logical tensor: keeps the leading `shape` corner.
+/// Rows of the last dimension of a logical tensor, from every device's block (blocks indexed by
+/// rank) without assembling the rest: for each wanted row (its index over every dimension but the
+/// last, in the logical shape), its values, padding included. What one wants from a large output of
+/// which a few rows matter (the logits of the last position of each sequence).
+pub fn gather_rows(blocks: &[&Tensor], meta: &Buffer, mesh: Mesh, wanted: &[u64]) -> Result<Vec<Vec<f32>>, BlockError> {
+    let width = meta.logical_shape.last().copied().unwrap_or(1).max(1);
+    let mut out = vec![vec![0.0f32; width as usize]; wanted.len()];
+    for (rank, block) in blocks.iter().enumerate() {
+        let values = block.f32().map_err(|_| BlockError::Integers)?;
+        let map = IndexMap::new(meta, mesh.coords_of(rank as u64), mesh)?;
+        let local: usize = map.dimensions().iter().map(Vec::len).product();
+        let Some((last, stride)) = map.last_dimension().filter(|_| values.len() == local) else {
+            let got = block.shape.clone();
+            return Err(BlockError::LogicalShape { name: meta.name.clone(), want: meta.shape.clone(), got });
+        };
+        for (row, chunk) in values.chunks_exact(last.len().max(1)).enumerate() {
+            let logical_row = map.row_base(row) / (width * stride).max(1);
+            for (k, _) in wanted.iter().enumerate().filter(|&(_, &w)| w == logical_row) {
+                for (v, &m) in chunk.iter().zip(last) {
+                    out[k][m as usize] = *v;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Writes a device's `values` (local order) to their places in the logical `out`.
+fn scatter_rows(map: &IndexMap, values: &[f32], out: &mut [f32]) {
+    let Some((last, stride)) = map.last_dimension() else {
+        map.for_each(|local, index| out[index as usize] = values[local]);
+        return;
+    };
+    let width = last.len();
+    if width == 0 {
+        return;
+    }
+    let consecutive = stride == 1 && last.windows(2).all(|w| w[1] == w[0] + 1);
+    for (row, chunk) in values.chunks_exact(width).enumerate() {
+        let base = map.row_base(row) as usize;
+        if consecutive {
+            let start = base + last[0] as usize;
+            out[start..start + width].copy_from_slice(chunk);
+        } else {
+            for (v, &m) in chunk.iter().zip(last) {
+                out[base + (m * stride) as usize] = *v;
+            }
+        }
+    }
+}
+
+/// Drops the padding of a logical tensor: keeps the leading `shape` corner, a row of the last
+/// dimension at a time.
 pub fn unpad(t: &Tensor, shape: &[u64]) -> Tensor {
     if t.shape == shape {
         return t.clone();
     }
     let Ok(values) = t.f32() else { return t.clone() };
+    let (Some((&width, rows_shape)), Some(&from_width)) = (shape.split_last(), t.shape.last()) else {
+        return t.clone();
+    };
     let total: u64 = shape.iter().product();
-    let out = (0..total)
-        .map(|k| {
-            let at = unravel(k, shape);
-            let index = at.iter().zip(&t.shape).fold(0u64, |acc, (a, s)| acc * s + a);
-            values[index as usize]
-        })
-        .collect();
+    let mut out = Vec::with_capacity(total as usize);
+    let rows: u64 = rows_shape.iter().product();
+    for row in 0..rows {
+        let at = unravel(row, rows_shape);
+        let from_row = at.iter().zip(&t.shape).fold(0u64, |acc, (a, s)| acc * s + a);
+        let start = (from_row * from_width) as usize;
+        out.extend_from_slice(&values[start..start + width as usize]);
+    }
     Tensor::from_f32(shape, out)
 }
 

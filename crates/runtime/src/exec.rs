@@ -251,7 +251,19 @@ pub enum Update<'a> {
 impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// A device with its parameter shards initialised from the seed and zeroed optimizer state; all
     /// of its storage is allocated here, once.
-    pub fn new(plan: &'p Plan, mut backend: B, comm: C, seed: u64) -> Result<Device<'p, B, C>, RuntimeError> {
+    pub fn new(plan: &'p Plan, backend: B, comm: C, seed: u64) -> Result<Device<'p, B, C>, RuntimeError> {
+        Device::with_parameters(plan, backend, comm, seed, &|_| true)
+    }
+
+    /// [`Device::new`], drawing from the seed only the parameters `drawn` says (the others are written
+    /// before the first step: from `--weights`, say, where drawing them first would only cost time).
+    pub fn with_parameters(
+        plan: &'p Plan,
+        mut backend: B,
+        comm: C,
+        seed: u64,
+        drawn: &dyn Fn(&optimus_plan::PlanParam) -> bool,
+    ) -> Result<Device<'p, B, C>, RuntimeError> {
         let storage = backend.allocate(plan, &arena::layout(plan))?;
         let alive = vec![false; plan.buffers.len()];
         let mut device = Device {
@@ -275,7 +287,9 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let coords = device.coords();
         for p in &plan.params {
             let meta = plan.buffer(p.buffer);
-            device.write(p.buffer, super::draw::param_block(p, meta, coords, plan.mesh, seed))?;
+            if drawn(p) {
+                device.write(p.buffer, super::draw::param_block(p, meta, coords, plan.mesh, seed))?;
+            }
             for s in &p.state {
                 device.backend.zero(&mut device.storage, *s)?;
                 device.alive[s.0 as usize] = true;
@@ -952,7 +966,9 @@ impl DeviceRun<'_> {
     fn on<B: Backend, C: Communicator>(&self, backend: B, comm: C) -> Result<DeviceResult, String> {
         let DeviceRun { plan, config, .. } = *self;
         super::startup::mark("backend open");
-        let mut device = Device::new(plan, backend, comm, config.seed)?;
+        // Parameters given whole or by `--weights` are written before the first step (see `drive`).
+        let given = |p: &optimus_plan::PlanParam| self.initial.contains_key(&p.name) || config.weights.is_some();
+        let mut device = Device::with_parameters(plan, backend, comm, config.seed, &|p| !given(p))?;
         match self.drive(&mut device) {
             Ok((records, profile)) => Ok((records, final_blocks(device)?, profile)),
             Err(e) => {
