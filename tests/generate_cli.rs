@@ -92,6 +92,7 @@ fn bad_requests_are_usage_errors() {
         (&["--prompt", "x", "--max-new-tokens", "30"], "generate at most 24 new tokens"),
         (&["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
         (&["--prompt", "x", "--mode", "train"], "drop --mode train"),
+        (&["--prompt", "x", "--timeout", "0"], "--timeout 0 is not a positive number of seconds"),
     ];
     for (extra, message) in cases {
         let mut args = SMALL.to_vec();
@@ -100,5 +101,22 @@ fn bad_requests_are_usage_errors() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
         assert!(stderr.contains(message), "{extra:?}: {stderr}");
+    }
+}
+
+#[test]
+fn generate_and_eval_refuse_to_start_under_mpirun() {
+    for command in [SMALL, &["eval", "examples/gpt2.opt", "--data", "examples/data/paragraph.u16"]] {
+        let mut args = command.to_vec();
+        args.extend(["--prompt", "x"].iter().filter(|_| command[0] == "generate"));
+        let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+            .args(&args)
+            .env("OMPI_COMM_WORLD_SIZE", "2")
+            .env("OMPI_COMM_WORLD_RANK", "0")
+            .output()
+            .expect("optimusc runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("start it without mpirun or srun"), "{args:?}: {stderr}");
     }
 }

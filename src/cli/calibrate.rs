@@ -10,7 +10,6 @@ use optimus::front::check_source;
 use optimus::plan::{CollectiveKind, Mesh, Mode, Plan, Precision, Strategy};
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -429,13 +428,7 @@ struct Progress {
 
 impl Progress {
     fn new(total: u64) -> Progress {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = indicatif::ProgressBar::new(total);
-            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len}  {msg}  ETA {eta}") {
-                bar.set_style(style);
-            }
-            bar
-        });
+        let bar = super::terminal_bar(total, "{bar:30} {pos}/{len}  {msg}  ETA {eta}", false);
         Progress { bar, total, done: std::sync::atomic::AtomicU64::new(0), start: std::time::Instant::now() }
     }
 

@@ -83,14 +83,7 @@ fn infer_plan(args: &EvalArgs) -> Result<Plan, Failure> {
 }
 
 fn evaluate(args: &EvalArgs) -> Result<(), Failure> {
-    if args.timeout.is_nan() || args.timeout <= 0.0 {
-        return Err(Failure::usage(format!("--timeout {} is not a positive number of seconds", args.timeout)));
-    }
-    if optimus::runtime::launch::detect().is_some_and(|launch| launch.is_multi_process()) {
-        return Err(Failure::usage(
-            "eval runs every device of the mesh as a thread of one process: start it without mpirun or srun".into(),
-        ));
-    }
+    super::check_threads_only("eval", args.timeout)?;
     args.backend.kind().check_available()?;
     let plan = infer_plan(args)?;
     let (batch, seq) = check_inputs(&plan).map_err(|e| Failure::usage(e.to_string()))?;
@@ -122,7 +115,7 @@ fn evaluate(args: &EvalArgs) -> Result<(), Failure> {
     };
     let batches = |step: u64| {
         let (tokens, targets) = window_batch(&data, &all, step, (batch, seq), vocab).map_err(|e| e.to_string())?;
-        Ok(inputs(&plan, tokens, targets))
+        Ok(causal_inputs(&plan, tokens, targets))
     };
     let losses = Mutex::new(BTreeMap::new());
     let progress = Progress::new(steps, args.json);
@@ -141,8 +134,9 @@ fn evaluate(args: &EvalArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The plan's inputs by name: `tokens`, and the targets under the plan's name for them.
-fn inputs(
+/// A causal language model's inputs by name: `tokens`, and the targets under the plan's name for them
+/// (`targets` or `labels`).
+pub(super) fn causal_inputs(
     plan: &Plan,
     tokens: optimus::plan::tensor::Tensor,
     targets: optimus::plan::tensor::Tensor,
@@ -212,14 +206,7 @@ struct Progress {
 
 impl Progress {
     fn new(steps: u64, json: bool) -> Progress {
-        use std::io::IsTerminal;
-        let bar = (!json && std::io::stderr().is_terminal()).then(|| {
-            let bar = indicatif::ProgressBar::new(steps);
-            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} batches  ETA {eta}") {
-                bar.set_style(style);
-            }
-            bar
-        });
+        let bar = super::terminal_bar(steps, "{bar:30} {pos}/{len} batches  ETA {eta}", json);
         Progress { bar }
     }
 

@@ -179,12 +179,7 @@ fn all_ended() -> bool {
 }
 
 fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
-    if args.timeout.is_nan() || args.timeout <= 0.0 {
-        return Err(Failure::usage(format!("--timeout {} is not a positive number of seconds", args.timeout)));
-    }
-    if optimus::runtime::launch::detect().is_some_and(|launch| launch.is_multi_process()) {
-        return Err(Failure::usage("generate runs the mesh as threads of one process: start it without mpirun".into()));
-    }
+    super::check_threads_only("generate", args.timeout)?;
     if args.max_new_tokens == 0 {
         return Err(Failure::usage("--max-new-tokens 0 generates nothing".into()));
     }
@@ -234,7 +229,7 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         .filter(|_| prompts.len() == 1 && !args.json)
         .map(|t| Streamer::start(Arc::clone(t), &prompts[0]));
     let limits = (vocab, seq, args.max_new_tokens);
-    let generation = Arc::new(Generation::new(&plan, prompts, limits, sampling, eos, stream)?.reporting(asked));
+    let generation = Arc::new(Generation::new(&plan, (prompts, asked), limits, (sampling, eos), stream)?);
     let config = RunConfig {
         timeout: Duration::from_secs_f64(args.timeout),
         backend: args.backend.kind(),
@@ -372,10 +367,9 @@ struct State {
 impl Generation {
     fn new(
         plan: &Plan,
-        prompts: Vec<Vec<u32>>,
+        (prompts, asked): (Vec<Vec<u32>>, usize),
         (vocab, seq, max_new_tokens): (u64, u64, u64),
-        sampling: Sampling,
-        eos: Option<u32>,
+        (sampling, eos): (Sampling, Option<u32>),
         stream: Option<Streamer>,
     ) -> Result<Generation, Failure> {
         let logits = plan
@@ -384,7 +378,6 @@ impl Generation {
             .position(|o| o.name == "logits")
             .ok_or_else(|| "the plan has no logits output".to_string())?;
         let batch = prompts.len() as u64;
-        let prompts_len = prompts.len();
         let state = State {
             prompt_lens: prompts.iter().map(Vec::len).collect(),
             logits: vec![Vec::new(); prompts.len()],
@@ -400,7 +393,7 @@ impl Generation {
             mesh: plan.mesh,
             shape: [batch, seq, vocab],
             max_new_tokens,
-            asked: prompts_len,
+            asked,
             sampling,
             eos,
             state: Mutex::new(state),
@@ -408,11 +401,6 @@ impl Generation {
             first_step: Mutex::new(None),
             stream,
         })
-    }
-
-    /// Reports only the first `asked` rows.
-    fn reporting(self, asked: usize) -> Generation {
-        Generation { asked, ..self }
     }
 
     /// The inputs of step `step`: every sequence so far, padded with token 0, targets ignored. Waits
@@ -442,11 +430,7 @@ impl Generation {
         }
         let targets = vec![IGNORE_INDEX; (batch * seq) as usize];
         let (tokens, targets) = (Tensor::from_i32(&[batch, seq], tokens), Tensor::from_i32(&[batch, seq], targets));
-        Ok(plan
-            .inputs
-            .iter()
-            .map(|i| (i.name.clone(), if i.name == "tokens" { tokens.clone() } else { targets.clone() }))
-            .collect())
+        Ok(super::eval::causal_inputs(plan, tokens, targets))
     }
 
     /// Chooses the next token of every prompt that has not ended, from the assembled logits.

@@ -309,6 +309,34 @@ pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::
     }
 }
 
+/// A progress bar of `len` units drawn with `template` on standard error, when that is a terminal and
+/// the command was not asked to be `quiet` (JSON on standard output); `None` otherwise.
+pub fn terminal_bar(len: u64, template: &str, quiet: bool) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    (!quiet && std::io::stderr().is_terminal()).then(|| {
+        let bar = indicatif::ProgressBar::new(len);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
+            bar.set_style(style);
+        }
+        bar
+    })
+}
+
+/// Refuses what a command that runs the whole mesh as threads of this process cannot do: a timeout
+/// that is not a positive number of seconds, or a start under mpirun or srun (every rank would run
+/// the whole mesh).
+pub fn check_threads_only(command: &str, timeout: f64) -> Result<(), Failure> {
+    if timeout.is_nan() || timeout <= 0.0 {
+        return Err(Failure::usage(format!("--timeout {timeout} is not a positive number of seconds")));
+    }
+    if optimus::runtime::launch::detect().is_some_and(|launch| launch.is_multi_process()) {
+        return Err(Failure::usage(format!(
+            "{command} runs every device of the mesh as a thread of one process: start it without mpirun or srun"
+        )));
+    }
+    Ok(())
+}
+
 /// Why a command failed: a message still to print (empty when it has been printed already) and the
 /// exit status (1 for errors in the inputs, 2 for usage errors).
 #[derive(Debug)]

@@ -145,14 +145,7 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
 /// A progress bar on standard error while the search runs, when that is a terminal and the output is
 /// not JSON: layouts searched of all, the one being searched, and the time left.
 fn search_bar(json: bool) -> Option<indicatif::ProgressBar> {
-    use std::io::IsTerminal;
-    (!json && std::io::stderr().is_terminal()).then(|| {
-        let bar = indicatif::ProgressBar::new(0);
-        if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} layouts  {msg}  ETA {eta}") {
-            bar.set_style(style);
-        }
-        bar
-    })
+    super::terminal_bar(0, "{bar:30} {pos}/{len} layouts  {msg}  ETA {eta}", json)
 }
 
 /// The model must check before the search: its errors are printed once, with their spans.

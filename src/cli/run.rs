@@ -880,15 +880,8 @@ impl Progress {
     }
 
     fn new(plan: &Plan, steps: u64, json: bool) -> Progress {
-        use std::io::IsTerminal;
         let tokens_per_step = check_inputs(plan).map_or(0, |(b, s)| b * s);
-        let bar = (!json && std::io::stderr().is_terminal()).then(|| {
-            let bar = indicatif::ProgressBar::new(steps);
-            if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}") {
-                bar.set_style(style);
-            }
-            bar
-        });
+        let bar = super::terminal_bar(steps, "{bar:30} {pos}/{len} steps  {msg}  ETA {eta}", json);
         Progress {
             tokens_per_step,
             json,

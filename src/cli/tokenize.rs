@@ -300,15 +300,8 @@ const LINE_EVERY: Duration = Duration::from_secs(10);
 
 impl Progress {
     fn new(total: u64) -> Progress {
-        use std::io::IsTerminal;
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = indicatif::ProgressBar::new(total);
-            let template = "{bar:30} {bytes}/{total_bytes}  {bytes_per_sec}  {msg}  ETA {eta}";
-            if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
-                bar.set_style(style);
-            }
-            bar
-        });
+        let template = "{bar:30} {bytes}/{total_bytes}  {bytes_per_sec}  {msg}  ETA {eta}";
+        let bar = super::terminal_bar(total, template, false);
         Progress { total, bar, started: Instant::now(), last_line: Instant::now() }
     }
 

@@ -293,6 +293,29 @@ mod tests {
     }
 
     #[test]
+    fn rows_gathered_alone_and_unpadded_equal_those_of_the_whole_tensor() {
+        use crate::init::{gather_rows, unpad};
+        // [2, 4, 6] split: dimension 1 over the rows of a 2x2 mesh, dimension 2 over its columns.
+        let meta = buffer(&[2, 4, 6], Layout::new(Placement::shard(1), Placement::shard(2)), &[2, 2, 3]);
+        let mesh = Mesh::new(2, 2);
+        let whole = Tensor::from_f32(&[2, 4, 6], (0..48).map(|v| v as f32).collect());
+        let blocks: Vec<Tensor> =
+            (0..4).map(|rank| block_of(&whole, &meta, mesh.coords_of(rank), mesh).expect("a block")).collect();
+        let refs: Vec<&Tensor> = blocks.iter().collect();
+        assert_eq!(gather_blocks(&refs, &meta, mesh).expect("gathered"), whole);
+        let rows = gather_rows(&refs, &meta, mesh, &[7, 0, 5]).expect("rows");
+        let values = whole.f32().expect("floats");
+        for (row, want) in rows.iter().zip([7usize, 0, 5]) {
+            assert_eq!(row.as_slice(), &values[want * 6..want * 6 + 6], "row {want}");
+        }
+        // The leading [2, 3, 4] corner, row by row.
+        let corner = unpad(&whole, &[2, 3, 4]);
+        let expected: Vec<f32> =
+            (0..2).flat_map(|b| (0..3).flat_map(move |s| (0..4).map(move |v| (b * 24 + s * 6 + v) as f32))).collect();
+        assert_eq!(corner, Tensor::from_f32(&[2, 3, 4], expected));
+    }
+
+    #[test]
     fn a_tensor_that_does_not_match_its_buffer_is_refused_by_name() {
         let whole = buffer(&[2, 3], Layout::REPLICATED, &[2, 3]);
         let mesh = Mesh::new(1, 1);
