@@ -2,8 +2,9 @@
 """Checks `optimusc generate` against Hugging Face's `generate`: greedy decoding must give exactly the
 tokens of `model.generate(do_sample=False)` (float64) for GPT-2 and Llama with grouped-query attention,
 several prompts of different lengths generated together, on one device, optimus 2x2 and 4x4 and
-megatron 1x4; and sampling with a seed
-must give the same tokens on every mesh. The logit of every generated token must be within 1e-4 of
+megatron 1x4, with the key/value cache (the default) and without it (`--no-cache`, on 2x2); and
+sampling with a seed must give the same tokens on every mesh. GPT-2's model keeps its dropout of 0.1,
+which inference must leave out as Hugging Face's eval mode does. The logit of every generated token must be within 1e-4 of
 Hugging Face's float64 logit. Weights are drawn 15 times wider than Hugging Face's default,
 so that the predictions are peaked and far from ties.
 
@@ -41,7 +42,7 @@ def gpt2():
     model = GPT2LMHeadModel(config)
     state = {f"transformer.{k}": v.contiguous() for k, v in model.transformer.state_dict().items()
              if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    flags = {"layers": 2, "hidden": 32, "heads": 4, "ffn": 128, "pdrop": 0}
+    flags = {"layers": 2, "hidden": 32, "heads": 4, "ffn": 128, "pdrop": 0.1}
     return "gpt2.opt", model, state, flags, "1x4"
 
 
@@ -93,8 +94,11 @@ def main():
             expected = [reference(model, p) for p in PROMPTS]
             expected_ids = [ids for ids, _ in expected]
             sampled = {}
-            for strategy, mesh in [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", megatron)]:
-                got, error = ours(args.optimusc, name, weights, flags, mesh, strategy)
+            runs = [("none", "1x1", ()), ("optimus", "2x2", ()), ("optimus", "4x4", ()), ("megatron", megatron, ()),
+                    ("optimus", "2x2", ("--no-cache",))]
+            for strategy, mesh, cache in runs:
+                got, error = ours(args.optimusc, name, weights, flags, mesh, strategy, cache)
+                mesh = f"{mesh}{' --no-cache' if cache else ''}"
                 got_ids = [ids for ids, _ in got or []]
                 check(got_ids == expected_ids, f"{name} {strategy} {mesh}: greedy tokens equal Hugging Face generate"
                       + (f" ({error})" if error else "" if got_ids == expected_ids else f": {got_ids} against {expected_ids}"))
@@ -103,7 +107,8 @@ def main():
                 check(worst <= 1e-4, f"{name} {strategy} {mesh}: every step's logit within 1e-4 of float64 "
                       f"(worst {worst:.1e})")
                 sample = ["--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--seed", "11"]
-                sampled[mesh], error = ours(args.optimusc, name, weights, flags, mesh, strategy, sample)
+                sampled[mesh], error = ours(args.optimusc, name, weights, flags, mesh.split()[0], strategy,
+                                            (*cache, *sample))
                 check(error is None, f"{name} {strategy} {mesh}: sampled" + (f" ({error})" if error else ""))
             first = next(iter(sampled.values()))
             check(all(s is not None and [i for i, _ in s] == [i for i, _ in first] for s in sampled.values())

@@ -8,7 +8,7 @@
 pub mod calibrate;
 
 pub use optimus_compiler as compiler;
-pub use optimus_compiler::{autodiff, diag, elab, front, ir, shard, syntax};
+pub use optimus_compiler::{autodiff, decode, diag, elab, front, ir, shard, syntax};
 pub use optimus_cost as cost;
 pub use optimus_io as io;
 pub use optimus_plan as plan;

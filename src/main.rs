@@ -150,6 +150,11 @@ struct CompileArgs {
     /// Where to write the plan (JSON).
     #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
     output: PathBuf,
+    /// Compile one decoding step of a causal language model with key/value caches of N positions
+    /// (inference; `--set seq=1` for the decode program, the prompt's length for prefill). The caches
+    /// live on each device as the attention's keys and values do; `inspect` counts them.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    max_context: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -232,7 +237,11 @@ fn compile(args: &CompileArgs) -> ExitCode {
     if let Err(e) = cli::refuse_overwriting_input(&args.output, &args.model, "-o") {
         return e.exit();
     }
-    let Some(plan) = cli::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
+    let compiled = match args.max_context {
+        Some(context) => cli::compile_decoding(&args.model, &args.target, context),
+        None => cli::compile_model(&args.model, &args.target),
+    };
+    let Some(plan) = compiled else { return ExitCode::from(1) };
     if let Err(e) = optimus::io::plan_file::write_plan(&plan, &args.output) {
         eprintln_safe!("error: {e}");
         return ExitCode::from(1);
@@ -251,7 +260,11 @@ fn compile(args: &CompileArgs) -> ExitCode {
         plan.source,
         plan.strategy.name(),
         plan.mesh,
-        if plan.mode == optimus::plan::Mode::Train { "train" } else { "infer" },
+        match (plan.mode, args.max_context) {
+            (optimus::plan::Mode::Train, _) => "train".to_string(),
+            (_, Some(context)) => format!("decoding step, key/value caches of {context} positions"),
+            _ => "infer".to_string(),
+        },
         plan.program.len(),
         optimus::plan::report::human_bytes(plan.memory.peak_bytes),
         args.output.display()

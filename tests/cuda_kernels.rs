@@ -198,6 +198,10 @@ fn samples() -> Vec<Kernel> {
         Kernel::GradSquareSum,
         Kernel::OptimizerStep,
         Kernel::Cast,
+        Kernel::RotaryAt { heads: 2, theta: 10000.0 },
+        Kernel::PositionLookupAt,
+        Kernel::CacheWrite { part: 1, parts: 3 },
+        Kernel::CachedAttention { heads: 2, kv_heads: 2, fused: true },
     ]
 }
 
@@ -254,10 +258,14 @@ fn variant(kernel: &Kernel) -> usize {
         Kernel::Rotary { .. } => 47,
         Kernel::RotaryGrad { .. } => 48,
         Kernel::CrossEntropyCount => 49,
+        Kernel::RotaryAt { .. } => 50,
+        Kernel::PositionLookupAt => 51,
+        Kernel::CacheWrite { .. } => 52,
+        Kernel::CachedAttention { .. } => 53,
     }
 }
 
-const VARIANTS: usize = 50;
+const VARIANTS: usize = 54;
 
 #[test]
 fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
@@ -267,6 +275,11 @@ fn every_plan_kernel_has_a_launcher_and_every_function_a_user() {
     let mut used = BTreeSet::new();
     for kernel in &samples {
         let l = launcher(kernel);
+        // The key/value cache's kernels run on the CPU only: they have no launcher, and say so.
+        if optimus::runtime::cuda::kernels::cpu_only(kernel) {
+            assert!(l.functions.is_empty() && !l.cublas, "{kernel:?} is CPU-only but launches");
+            continue;
+        }
         assert!(l.cublas || !l.functions.is_empty(), "{kernel:?} has no launcher");
         for f in l.functions {
             assert!(KERNEL_NAMES.contains(f), "{kernel:?} uses `{f}`, which KERNEL_NAMES does not list");

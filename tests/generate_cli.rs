@@ -93,6 +93,11 @@ fn bad_requests_are_usage_errors() {
         (&["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
         (&["--prompt", "x", "--mode", "train"], "drop --mode train"),
         (&["--prompt", "x", "--timeout", "0"], "--timeout 0 is not a positive number of seconds"),
+        (&["--prompt", "x", "--max-context", "30"], "--max-context 30 is more than the model's context 24"),
+        (
+            &["--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--max-context", "6"],
+            "--max-context 6 holds fewer positions than the longest prompt and --max-new-tokens 5 need (7)",
+        ),
     ];
     for (extra, message) in cases {
         let mut args = SMALL.to_vec();
@@ -119,4 +124,176 @@ fn generate_and_eval_refuse_to_start_under_mpirun() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains("start it without mpirun or srun"), "{args:?}: {stderr}");
     }
+}
+
+/// Token ids and logits of every record.
+fn ids_and_logits(rs: &[Value]) -> (Vec<Value>, Vec<Vec<f64>>) {
+    let logits = |r: &Value| r["logits"].as_array().expect("logits").iter().filter_map(Value::as_f64).collect();
+    (rs.iter().map(|r| r["ids"].clone()).collect(), rs.iter().map(logits).collect())
+}
+
+/// The key/value cache decodes what recomputing the whole sequence does: the same tokens and logits
+/// within float32 rounding, for prompts of different lengths (rows inside their prompt take its next
+/// token while others generate), on every mesh, GPT-2 (fused attention, position table, dropout in
+/// the model and off at inference) and Llama (grouped-query, rotary) sampled with a seed.
+#[test]
+fn the_cache_decodes_as_recomputing_the_sequence_does() {
+    let gpt2 = [
+        "--set",
+        "pdrop=0.1",
+        "--prompt-ids",
+        "11,12",
+        "--prompt-ids",
+        "464,2068,7586,21831,3",
+        "--max-new-tokens",
+        "7",
+    ];
+    let llama: &[&str] = &[
+        "generate",
+        "examples/llama.opt",
+        "--set",
+        "layers=2",
+        "--set",
+        "hidden=32",
+        "--set",
+        "heads=4",
+        "--set",
+        "kv_heads=2",
+        "--set",
+        "ffn=64",
+        "--set",
+        "vocab=97",
+        "--set",
+        "context=20",
+        "--prompt-ids",
+        "5,6,7",
+        "--prompt-ids",
+        "9",
+        "--prompt-ids",
+        "1,2,3,4,5,6",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+        "--json",
+    ];
+    let meshes: [&[&str]; 4] =
+        [&[], &["--mesh", "2x2"], &["--mesh", "1x2", "--strategy", "megatron"], &["--mesh", "2x1x1"]];
+    for mesh in meshes {
+        let cached = records(&[&gpt2[..], mesh].concat());
+        let recomputed = records(&[&gpt2[..], mesh, &["--no-cache"]].concat());
+        assert_same_generation(&cached, &recomputed, mesh);
+        let run = |extra: &[&str]| {
+            let out = optimusc(&[llama, mesh, extra].concat());
+            assert!(out.status.success(), "{mesh:?}: {}", String::from_utf8_lossy(&out.stderr));
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            text.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect::<Vec<Value>>()
+        };
+        assert_same_generation(&run(&[]), &run(&["--no-cache"]), mesh);
+    }
+}
+
+fn assert_same_generation(cached: &[Value], recomputed: &[Value], mesh: &[&str]) {
+    let ((ids, logits), (want_ids, want_logits)) = (ids_and_logits(cached), ids_and_logits(recomputed));
+    assert_eq!(ids, want_ids, "{mesh:?}");
+    for (got, want) in logits.iter().flatten().zip(want_logits.iter().flatten()) {
+        assert!((got - want).abs() < 1e-5, "{mesh:?}: logit {got} against {want}");
+    }
+    assert_eq!(logits.concat().len(), want_logits.concat().len());
+}
+
+/// `compile --max-context` plans a decoding step whose caches `inspect` counts: two per layer, each
+/// this device's batch rows x every position x its kv heads' columns in float32.
+#[test]
+fn a_decoding_step_plan_counts_its_caches() {
+    let dir = std::env::temp_dir().join(format!("optimus-decode-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let plan = dir.join("decode.json");
+    let plan_path = plan.to_str().expect("a UTF-8 path");
+    let (layers, batch, context, kv_width) = (3u64, 4u64, 40u64, 16u64);
+    let compile = optimusc(&[
+        "compile",
+        "examples/llama.opt",
+        "--set",
+        "layers=3",
+        "--set",
+        "hidden=32",
+        "--set",
+        "heads=4",
+        "--set",
+        "kv_heads=2",
+        "--set",
+        "ffn=64",
+        "--set",
+        "vocab=97",
+        "--set",
+        "context=64",
+        "--set",
+        "seq=1",
+        "--set",
+        "batch=4",
+        "--mesh",
+        "2x2",
+        "--max-context",
+        "40",
+        "-o",
+        plan_path,
+    ]);
+    assert!(compile.status.success(), "{}", String::from_utf8_lossy(&compile.stderr));
+    let inspect = optimusc(&["inspect", plan_path, "--json"]);
+    assert!(inspect.status.success(), "{}", String::from_utf8_lossy(&inspect.stderr));
+    let report: Value = serde_json::from_slice(&inspect.stdout).expect("JSON");
+    let cache = &report["memory"]["cache"];
+    // kv_heads * head = 2 * 8 = 16 columns; 2x2 splits the batch over rows and the heads over columns.
+    assert_eq!(cache.as_u64(), Some(layers * 2 * (batch / 2) * context * (kv_width / 2) * 4), "{report}");
+    let text = optimusc(&["inspect", plan_path]);
+    assert!(String::from_utf8_lossy(&text.stdout).contains("key/value caches"));
+    let too_long =
+        optimusc(&["compile", "examples/gpt2.opt", "--set", "seq=16", "--max-context", "8", "-o", plan_path]);
+    assert!(String::from_utf8_lossy(&too_long.stderr).contains("does not fit caches of --max-context 8"));
+    let bert = optimusc(&["compile", "examples/bert.opt", "--max-context", "8", "-o", plan_path]);
+    assert!(
+        String::from_utf8_lossy(&bert.stderr).contains("is not causal"),
+        "{}",
+        String::from_utf8_lossy(&bert.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A plan stands for its model, config values, mesh and strategy: generating from it gives what
+/// generating from the model with the same flags gives; flags that disagree with it are refused.
+#[test]
+fn a_plan_generates_as_its_model_does() {
+    let dir = std::env::temp_dir().join(format!("optimus-generate-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let plan = dir.join("plan.json");
+    let plan_path = plan.to_str().expect("a UTF-8 path");
+    let sets =
+        ["--set", "layers=2", "--set", "hidden=32", "--set", "heads=4", "--set", "vocab=101", "--set", "context=20"];
+    let compile = optimusc(
+        &[
+            &["compile", "examples/gpt2.opt", "--set", "seq=8"][..],
+            &sets,
+            &["--mesh", "1x2", "--strategy", "megatron", "-o", plan_path],
+        ]
+        .concat(),
+    );
+    assert!(compile.status.success(), "{}", String::from_utf8_lossy(&compile.stderr));
+    let prompt = ["--prompt-ids", "3,4,5", "--max-new-tokens", "5", "--json"];
+    let from_plan = optimusc(&[&["generate", plan_path][..], &prompt].concat());
+    let from_model = optimusc(
+        &[&["generate", "examples/gpt2.opt"][..], &sets, &["--mesh", "1x2", "--strategy", "megatron"], &prompt]
+            .concat(),
+    );
+    assert!(from_plan.status.success(), "{}", String::from_utf8_lossy(&from_plan.stderr));
+    let ids = |out: &Output| -> Value { serde_json::from_slice::<Value>(&out.stdout).expect("JSON")["ids"].clone() };
+    assert_eq!(ids(&from_plan), ids(&from_model));
+    let conflicting = optimusc(&["generate", plan_path, "--mesh", "2x2", "--prompt-ids", "3"]);
+    assert_eq!(conflicting.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&conflicting.stderr).contains("--mesh 2x2 (the plan is for a 1x2 mesh)"));
+    let _ = std::fs::remove_dir_all(&dir);
 }

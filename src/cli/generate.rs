@@ -1,6 +1,8 @@
 //! `optimusc generate`: text (or token ids) continued by a causal language model on any mesh, greedy or
-//! sampled with a seed. Each new token reruns the forward pass over the whole sequence so far (there is
-//! no key/value cache yet); the model is compiled with its logits as an output.
+//! sampled with a seed. The model is compiled with its logits as an output, as a prefill program over
+//! the prompts and a decode program of one token per step that keeps the keys and values of every
+//! position in caches sharded like the attention (`optimus::decode`); a model the cache cannot serve
+//! reruns its forward pass over the whole sequence for each new token.
 
 use super::run::Backend;
 use super::{Failure, ModeArg, TargetArgs};
@@ -10,7 +12,7 @@ use optimus::plan::{IGNORE_INDEX, Plan};
 use optimus::runtime::exec::{RunConfig, StepOutputs};
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
 use optimus::text::Tokenizer;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,7 +22,10 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct GenerateArgs {
-    /// The model (.opt): a causal language model whose loss is `cross_entropy(logits, targets)`.
+    /// The model (.opt): a causal language model whose loss is `cross_entropy(logits, targets)`; or a
+    /// plan (.json) compiled from one, whose model file, config values, mesh, strategy and precision
+    /// generate then uses (it compiles its own prefill and decode programs from them).
+    #[arg(value_name = "MODEL.opt|PLAN.json")]
     pub model: PathBuf,
     #[command(flatten)]
     pub target: TargetArgs,
@@ -69,7 +74,16 @@ pub struct GenerateArgs {
     /// those).
     #[arg(long)]
     pub json: bool,
-    /// Where kernels run: cpu (threads) or cuda.
+    /// Positions each key/value cache holds [default: the longest prompt and --max-new-tokens]; at
+    /// most the model's `context`. The caches' memory grows with it (`inspect` of `compile
+    /// --max-context` shows it).
+    #[arg(long, value_name = "N")]
+    pub max_context: Option<u64>,
+    /// Recompute the whole sequence at every step instead of keeping a key/value cache (what a model
+    /// whose attention is not the `self_attention` operator does anyway).
+    #[arg(long)]
+    pub no_cache: bool,
+    /// Where kernels run: cpu (threads) or cuda (which has no key/value cache yet).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     pub backend: Backend,
     /// Seconds a collective waits for its peers before generation fails.
@@ -87,10 +101,68 @@ fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
 
 /// Runs `optimusc generate`.
 pub fn generate(args: &GenerateArgs) -> ExitCode {
+    let from_plan;
+    let args = if is_plan(&args.model) {
+        from_plan = match args_of_plan(args) {
+            Ok(a) => a,
+            Err(e) => return e.exit(),
+        };
+        &from_plan
+    } else {
+        args
+    };
     match generate_text(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => e.exit(),
     }
+}
+
+fn is_plan(path: &std::path::Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
+}
+
+/// The arguments a plan stands for: its model file and config values (but `batch` and `seq`, which
+/// generate sets), its mesh, strategy and precision; flags given beside it must agree with it.
+fn args_of_plan(args: &GenerateArgs) -> Result<GenerateArgs, Failure> {
+    use super::{PrecisionArg, StrategyArg};
+    let plan = optimus::io::plan_file::read_plan(&args.model).map_err(|e| Failure::usage(e.to_string()))?;
+    let conflicts = args.target.conflicts_with(&plan);
+    if !conflicts.is_empty() {
+        return Err(Failure::usage(format!(
+            "`{}` fixes what these flags would change: {}",
+            args.model.display(),
+            conflicts.join(", ")
+        )));
+    }
+    let model = PathBuf::from(&plan.source);
+    if !model.is_file() {
+        return Err(Failure::usage(format!(
+            "`{}` was compiled from `{}`, which is not here: generate compiles its own programs from the model \
+             (run it where the plan was compiled, or give the .opt file)",
+            args.model.display(),
+            plan.source
+        )));
+    }
+    let mut given = args.clone();
+    given.model = model;
+    let mut sets = Vec::new();
+    for (name, value) in plan.config.iter().filter(|(name, _)| name != "batch" && name != "seq") {
+        sets.push(format!("{name}={value}").parse::<Override>().map_err(|e| format!("{e:?}"))?);
+    }
+    sets.extend(args.target.set.iter().cloned());
+    given.target.set = sets;
+    given.target.mesh_flag = Some(plan.mesh);
+    given.target.strategy_flag = Some(match plan.strategy {
+        optimus::plan::Strategy::Optimus => StrategyArg::Optimus,
+        optimus::plan::Strategy::Megatron => StrategyArg::Megatron,
+        optimus::plan::Strategy::None => StrategyArg::None,
+    });
+    given.target.precision = Some(match plan.precision {
+        optimus::plan::Precision::Bf16 => PrecisionArg::Bf16,
+        _ => PrecisionArg::F32,
+    });
+    given.target.mode_flag = None;
+    Ok(given)
 }
 
 /// How the next token is chosen.
@@ -199,8 +271,6 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         return Err(Failure::usage("give at least one non-empty --prompt TEXT or --prompt-ids ID,ID,...".into()));
     }
     let eos = args.eos.or_else(|| tokenizer.as_ref().and_then(|t| t.end_of_text().map(|(_, id)| id)));
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1) as u64;
-    let seq = longest + args.max_new_tokens - 1;
     let asked = prompts.len();
     // Rows the mesh splits the batch over (replicas, and optimus's grid rows) must divide it: the
     // prompts are padded with copies of the first, generated and left out.
@@ -211,7 +281,8 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
     while (prompts.len() as u64) < batch {
         prompts.push(prompts[0].clone());
     }
-    let (plan, vocab) = logits_plan(args, batch, seq)?;
+    let programs = Programs::compile(args, &prompts)?;
+    let vocab = programs.vocab;
     if let Some(id) = prompts.iter().flatten().find(|&&id| u64::from(id) >= vocab) {
         return Err(Failure::usage(format!("prompt token {id} is not below the model's vocabulary size {vocab}")));
     }
@@ -219,7 +290,7 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         return Err(Failure::usage(format!("--resume `{}` is not a checkpoint folder", checkpoint.display())));
     }
     let source = args.weights.as_ref().or(args.resume.as_ref());
-    let (initial, weights) = super::run::weights_for(source, false, &plan)?;
+    let (initial, weights) = super::run::weights_for(source, false, programs.first())?;
     if source.is_none() {
         eprintln_safe!("note: no --weights: generating with the weights drawn from seed {}", args.seed);
     }
@@ -228,21 +299,23 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         .as_ref()
         .filter(|_| prompts.len() == 1 && !args.json)
         .map(|t| Streamer::start(Arc::clone(t), &prompts[0]));
-    let limits = (vocab, seq, args.max_new_tokens);
-    let generation = Arc::new(Generation::new(&plan, (prompts, asked), limits, (sampling, eos), stream)?);
+    let steps = programs.steps(args.max_new_tokens);
+    let generation =
+        Arc::new(Generation::new(&programs, (prompts, asked), args.max_new_tokens, (sampling, eos), stream)?);
     let config = RunConfig {
         timeout: Duration::from_secs_f64(args.timeout),
         backend: args.backend.kind(),
         weights: weights.map(|w| w as Arc<dyn optimus::plan::stores::WeightSource>),
         stop: Some(all_ended),
         step_outputs: Some(Arc::clone(&generation) as Arc<dyn StepOutputs>),
-        ..RunConfig::new(args.seed, args.max_new_tokens, no_optimizer())
+        prefill: programs.prefill.clone().map(Arc::new),
+        ..RunConfig::new(args.seed, steps, no_optimizer())
     };
     args.backend.kind().check_available()?;
     ALL_ENDED.store(false, Ordering::Relaxed);
     let started = Instant::now();
-    let batches = |step: u64| generation.inputs(&plan, step, config.timeout);
-    optimus::runtime::local::run(&plan, &config, &batches, &initial, &|_| {})?;
+    let batches = |step: u64| generation.inputs(&programs, step, config.timeout);
+    optimus::runtime::local::run(&programs.main, &config, &batches, &initial, &|_| {})?;
     let took = started.elapsed();
     generation.report(args, tokenizer.as_deref(), took)
 }
@@ -260,24 +333,110 @@ pub(super) fn no_optimizer() -> OptimizerSettings {
     }
 }
 
-/// The model compiled for inference over `batch` rows of `seq` tokens, with its logits (the first
-/// operand of its cross-entropy loss) as an output named `logits`; and its vocabulary size.
-fn logits_plan(args: &GenerateArgs, batch: u64, seq: u64) -> Result<(Plan, u64), Failure> {
-    if args.model.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
-        return Err(Failure::usage(
-            "generate compiles the model itself (with its logits as an output): give the .opt file".into(),
-        ));
+/// The compiled programs of a generation. With a key/value cache: the prefill program runs the
+/// shortest prompt's positions at once (step 0), then the decode program one position per step,
+/// rows still inside their prompt taking their prompt's next token. Without: one program over the
+/// whole padded sequence, run again for every new token.
+#[derive(Debug)]
+struct Programs {
+    /// What every step after the first runs (every step without a cache).
+    main: Plan,
+    prefill: Option<Plan>,
+    /// Positions the first step processes: the shortest prompt's (cache), the padded sequence (none).
+    first_len: u64,
+    /// Positions the whole generation needs: the longest prompt and the new tokens but the last.
+    positions: u64,
+    vocab: u64,
+}
+
+impl Programs {
+    fn compile(args: &GenerateArgs, prompts: &[Vec<u32>]) -> Result<Programs, Failure> {
+        if args.target.mode_flag == Some(ModeArg::Train) {
+            return Err(Failure::usage("generate runs the forward pass only: drop --mode train".into()));
+        }
+        let batch = prompts.len() as u64;
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(1) as u64;
+        let shortest = prompts.iter().map(Vec::len).min().unwrap_or(1) as u64;
+        let positions = longest + args.max_new_tokens - 1;
+        check_context(args, positions.max(args.max_context.unwrap_or(0)))?;
+        let context = args.max_context.unwrap_or(positions);
+        if context < positions {
+            return Err(Failure::usage(format!(
+                "--max-context {context} holds fewer positions than the longest prompt and --max-new-tokens {} \
+                 need ({positions})",
+                args.max_new_tokens
+            )));
+        }
+        if let Some(why) = cache_refused(args)? {
+            eprintln_safe!("note: {why}; generating without a key/value cache (each step recomputes the sequence)");
+            let (main, vocab) = logits_plan(args, (batch, positions), None)?;
+            return Ok(Programs { main, prefill: None, first_len: positions, positions, vocab });
+        }
+        let (prefill, vocab) = logits_plan(args, (batch, shortest), Some(context))?;
+        let (main, _) = logits_plan(args, (batch, 1), Some(context))?;
+        Ok(Programs { main, prefill: Some(prefill), first_len: shortest, positions, vocab })
     }
-    if args.target.mode_flag == Some(ModeArg::Train) {
-        return Err(Failure::usage("generate runs the forward pass only: drop --mode train".into()));
+
+    fn cached(&self) -> bool {
+        self.prefill.is_some()
     }
-    check_context(args, seq)?;
+
+    /// The plan step 0 runs.
+    fn first(&self) -> &Plan {
+        self.prefill.as_ref().unwrap_or(&self.main)
+    }
+
+    fn plan_of(&self, step: u64) -> &Plan {
+        if step == 0 { self.first() } else { &self.main }
+    }
+
+    /// Steps that generate `max_new_tokens` after every prompt (fewer when all end early).
+    fn steps(&self, max_new_tokens: u64) -> u64 {
+        if self.cached() { 1 + self.positions - self.first_len } else { max_new_tokens }
+    }
+
+    /// The first position and the number of positions step `step` processes.
+    fn positions_of(&self, step: u64) -> (u64, u64) {
+        match (self.cached(), step) {
+            (true, 0) => (0, self.first_len),
+            (true, s) => (self.first_len + s - 1, 1),
+            (false, _) => (0, self.positions),
+        }
+    }
+}
+
+/// Why the cache cannot serve this generation, if it cannot: asked off, a backend without its
+/// kernels, or a model whose attention it cannot reproduce.
+fn cache_refused(args: &GenerateArgs) -> Result<Option<String>, Failure> {
+    if args.no_cache {
+        return Ok(Some("--no-cache".into()));
+    }
+    if args.backend == Backend::Cuda {
+        return Ok(Some("the key/value cache runs on the CPU backend only".into()));
+    }
+    // One position fits any table: this pass only reads the operators.
+    let mut overrides = args.target.set.clone();
+    overrides.push("seq=1".parse::<Override>().map_err(|e| format!("{e:?}"))?);
+    let (model, _) = super::load_checked(&args.model, &overrides).ok_or_else(Failure::reported)?;
+    Ok(optimus::decode::with_cache(&model, 1)
+        .err()
+        .map(|e| format!("`{}` cannot keep a key/value cache: {e}", args.model.display())))
+}
+
+/// The model compiled for inference over `batch` rows of `seq` tokens (as a decoding step with
+/// caches of `cache` positions, when given), with its logits (the first operand of its
+/// cross-entropy loss) as an output named `logits`; and its vocabulary size.
+fn logits_plan(args: &GenerateArgs, (batch, seq): (u64, u64), cache: Option<u64>) -> Result<(Plan, u64), Failure> {
     let mut overrides = args.target.set.clone();
     for (name, value) in [("batch", batch), ("seq", seq)] {
         let given = format!("{name}={value}").parse::<Override>().map_err(|e| format!("{e:?}"))?;
         overrides.push(given);
     }
-    let (mut model, source) = super::load_checked(&args.model, &overrides).ok_or_else(Failure::reported)?;
+    let (model, source) = super::load_checked(&args.model, &overrides).ok_or_else(Failure::reported)?;
+    let mut model = match cache {
+        Some(context) => optimus::decode::with_cache(&model, context).map_err(|e| Failure::usage(e.to_string()))?,
+        None => model,
+    };
     let cross_entropy = model.loss.filter(|&l| matches!(model.graph[l].op, optimus::ir::Op::CrossEntropy));
     let Some(logits) = cross_entropy.and_then(|l| model.operands(l).first().copied()) else {
         return Err(Failure::usage(format!(
@@ -298,8 +457,12 @@ fn logits_plan(args: &GenerateArgs, batch: u64, seq: u64) -> Result<(Plan, u64),
         optimus::diag::render_stderr(&source.name, &source.text, &diagnostics);
         Failure::from(format!("{}: cannot compile for a {} mesh", source.name, target.mesh()))
     })?;
-    let inputs: Vec<&str> = plan.inputs.iter().map(|i| i.name.as_str()).collect();
-    if inputs.len() != 2 || !inputs.contains(&"tokens") {
+    let inputs: BTreeSet<&str> = plan.inputs.iter().map(|i| i.name.as_str()).collect();
+    let wanted: BTreeSet<&str> = match cache {
+        Some(_) => ["tokens", "targets", optimus::decode::POSITION_INPUT].into(),
+        None => ["tokens", "targets"].into(),
+    };
+    if inputs != wanted {
         return Err(Failure::usage(format!(
             "generate feeds causal language models (inputs `tokens` and `targets`); this model has {inputs:?}"
         )));
@@ -319,6 +482,10 @@ fn check_context(args: &GenerateArgs, seq: u64) -> Result<(), Failure> {
         _ => None,
     });
     match context {
+        Some(context) if args.max_context.is_some_and(|m| m > context) => Err(Failure::usage(format!(
+            "--max-context {} is more than the model's context {context}",
+            args.max_context.unwrap_or_default()
+        ))),
         Some(context) if seq > context => Err(Failure::usage(format!(
             "the longest prompt and --max-new-tokens {} need {seq} positions, and the model's context is {context}: \
              generate at most {} new tokens, or shorten the prompt",
@@ -335,9 +502,10 @@ fn check_context(args: &GenerateArgs, seq: u64) -> Result<(), Failure> {
 #[derive(Debug)]
 struct Generation {
     logits: usize,
-    buffer: optimus::plan::Buffer,
+    /// The logits buffer of step 0's plan, and of the later steps'.
+    buffers: [optimus::plan::Buffer; 2],
     mesh: optimus::plan::Mesh,
-    shape: [u64; 3],
+    vocab: u64,
     max_new_tokens: u64,
     /// Prompts asked for (the rows after them pad the batch).
     asked: usize,
@@ -348,6 +516,10 @@ struct Generation {
     /// When the first step asked for its inputs: the weights were loaded by then.
     first_step: Mutex<Option<Instant>>,
     stream: Option<Streamer>,
+    /// The first position and count of positions of each step.
+    positions: Vec<(u64, u64)>,
+    /// Whether the steps after the first decode with a key/value cache.
+    cached: bool,
 }
 
 #[derive(Debug)]
@@ -366,18 +538,22 @@ struct State {
 
 impl Generation {
     fn new(
-        plan: &Plan,
+        programs: &Programs,
         (prompts, asked): (Vec<Vec<u32>>, usize),
-        (vocab, seq, max_new_tokens): (u64, u64, u64),
+        max_new_tokens: u64,
         (sampling, eos): (Sampling, Option<u32>),
         stream: Option<Streamer>,
     ) -> Result<Generation, Failure> {
-        let logits = plan
-            .outputs
-            .iter()
-            .position(|o| o.name == "logits")
-            .ok_or_else(|| "the plan has no logits output".to_string())?;
-        let batch = prompts.len() as u64;
+        let logits_buffer = |plan: &Plan| {
+            let index = plan.outputs.iter().position(|o| o.name == "logits");
+            index.map(|k| (k, plan.buffer(plan.outputs[k].buffer).clone()))
+        };
+        let (Some((logits, first)), Some((_, later))) =
+            (logits_buffer(programs.first()), logits_buffer(&programs.main))
+        else {
+            return Err("the plan has no logits output".to_string().into());
+        };
+        let steps = programs.steps(max_new_tokens);
         let state = State {
             prompt_lens: prompts.iter().map(Vec::len).collect(),
             logits: vec![Vec::new(); prompts.len()],
@@ -389,9 +565,9 @@ impl Generation {
         };
         Ok(Generation {
             logits,
-            buffer: plan.buffer(plan.outputs[logits].buffer).clone(),
-            mesh: plan.mesh,
-            shape: [batch, seq, vocab],
+            buffers: [first, later],
+            mesh: programs.main.mesh,
+            vocab: programs.vocab,
             max_new_tokens,
             asked,
             sampling,
@@ -400,12 +576,15 @@ impl Generation {
             decided: Condvar::new(),
             first_step: Mutex::new(None),
             stream,
+            positions: (0..steps).map(|s| programs.positions_of(s)).collect(),
+            cached: programs.cached(),
         })
     }
 
-    /// The inputs of step `step`: every sequence so far, padded with token 0, targets ignored. Waits
-    /// until the tokens of the step before have been chosen.
-    fn inputs(&self, plan: &Plan, step: u64, timeout: Duration) -> Result<BTreeMap<String, Tensor>, String> {
+    /// The inputs of step `step`: each row's tokens at the step's positions (padded with token 0),
+    /// targets ignored, and the step's first position when the plan reads it. Waits until the
+    /// tokens of the step before have been chosen.
+    fn inputs(&self, programs: &Programs, step: u64, timeout: Duration) -> Result<BTreeMap<String, Tensor>, String> {
         if let Ok(mut first) = self.first_step.lock() {
             first.get_or_insert_with(Instant::now);
         }
@@ -421,38 +600,50 @@ impl Generation {
         if let Some(failure) = &state.failure {
             return Err(failure.clone());
         }
-        let [batch, seq, _] = self.shape;
-        let mut tokens = vec![0i32; (batch * seq) as usize];
+        let (start, count) = programs.positions_of(step);
+        let batch = state.rows.len() as u64;
+        let mut tokens = vec![0i32; (batch * count) as usize];
         for (r, row) in state.rows.iter().enumerate() {
-            for (t, &id) in row.iter().take(seq as usize).enumerate() {
-                tokens[r * seq as usize + t] = id as i32;
+            let known = row.iter().skip(start as usize).take(count as usize);
+            for (t, &id) in known.enumerate() {
+                tokens[r * count as usize + t] = id as i32;
             }
         }
-        let targets = vec![IGNORE_INDEX; (batch * seq) as usize];
-        let (tokens, targets) = (Tensor::from_i32(&[batch, seq], tokens), Tensor::from_i32(&[batch, seq], targets));
-        Ok(super::eval::causal_inputs(plan, tokens, targets))
+        let targets = vec![IGNORE_INDEX; (batch * count) as usize];
+        let (tokens, targets) = (Tensor::from_i32(&[batch, count], tokens), Tensor::from_i32(&[batch, count], targets));
+        let plan = programs.plan_of(step);
+        let mut inputs = super::eval::causal_inputs(plan, tokens, targets);
+        if plan.inputs.iter().any(|i| i.name == optimus::decode::POSITION_INPUT) {
+            let position = Tensor::from_i32(&[1], vec![i32::try_from(start).map_err(|e| e.to_string())?]);
+            inputs.insert(optimus::decode::POSITION_INPUT.to_string(), position);
+        }
+        Ok(inputs)
     }
 
-    /// Chooses the next token of every prompt that has not ended, from the assembled logits.
+    /// Chooses the next token of every prompt that has not ended and whose next token is not its
+    /// prompt's, from the logits of the last position step `step` processed.
     fn decide(&self, state: &mut State, step: u64, blocks: &[Option<Tensor>]) -> Result<(), String> {
         let blocks: Vec<&Tensor> = blocks.iter().flatten().collect();
-        // Only the last position of each sequence matters: its row of the (padded) logits.
-        let padded_seq = self.buffer.logical_shape.get(1).copied().unwrap_or(1);
+        let (start, count) = self.positions.get(step as usize).copied().ok_or("a step past the last")?;
+        let buffer = &self.buffers[usize::from(step > 0)];
+        let padded_count = buffer.logical_shape.get(1).copied().unwrap_or(1);
+        // A row chooses when its last known token is at the step's last position (or, recomputing
+        // the whole sequence, at any position).
+        let choosing: Vec<usize> = (0..state.rows.len())
+            .filter(|&r| !state.ended[r])
+            .filter(|&r| !self.cached || state.rows[r].len() as u64 == start + count)
+            .collect();
         let wanted: Vec<u64> =
-            state.rows.iter().enumerate().map(|(r, row)| r as u64 * padded_seq + row.len() as u64 - 1).collect();
-        let rows =
-            optimus::plan::init::gather_rows(&blocks, &self.buffer, self.mesh, &wanted).map_err(|e| e.to_string())?;
-        let vocab = self.shape[2] as usize;
-        for (r, logits) in rows.iter().enumerate() {
-            if state.ended[r] {
-                continue;
-            }
+            choosing.iter().map(|&r| r as u64 * padded_count + state.rows[r].len() as u64 - 1 - start).collect();
+        let rows = optimus::plan::init::gather_rows(&blocks, buffer, self.mesh, &wanted).map_err(|e| e.to_string())?;
+        let vocab = self.vocab as usize;
+        for (&r, logits) in choosing.iter().zip(&rows) {
             let values = &logits[..vocab];
-            let token = self.sampling.choose(values, r as u64, step);
+            let new = (state.rows[r].len() - state.prompt_lens[r]) as u64;
+            let token = self.sampling.choose(values, r as u64, new);
             state.rows[r].push(token);
             state.logits[r].push(values[token as usize]);
-            let new = state.rows[r].len() - state.prompt_lens[r];
-            state.ended[r] = Some(token) == self.eos || new as u64 >= self.max_new_tokens;
+            state.ended[r] = Some(token) == self.eos || new + 1 >= self.max_new_tokens;
         }
         if state.ended.iter().all(|&e| e) {
             ALL_ENDED.store(true, Ordering::Relaxed);
@@ -494,9 +685,10 @@ impl Generation {
         }
         if !args.json {
             eprintln_safe!(
-                "generated {generated} tokens in {:.2} s after {:.2} s of loading ({rate:.1} tokens/s, no key/value cache)",
+                "generated {generated} tokens in {:.2} s after {:.2} s of loading ({rate:.1} tokens/s, {})",
                 decoding.as_secs_f64(),
-                (took - decoding).as_secs_f64()
+                (took - decoding).as_secs_f64(),
+                if self.cached { "key/value cache" } else { "no key/value cache" }
             );
         }
         Ok(())

@@ -281,6 +281,45 @@ pub fn compile_model(path: &Path, target: &TargetArgs) -> Option<Plan> {
     Some(plan)
 }
 
+/// Checks and compiles one decoding step of a model with key/value caches of `context` positions
+/// (`compile --max-context`): inference only.
+pub fn compile_decoding(path: &Path, target: &TargetArgs, context: u64) -> Option<Plan> {
+    if target.mode_flag == Some(ModeArg::Train) {
+        eprintln_safe!("error: --max-context compiles a decoding step, which does not train: drop --mode train");
+        return None;
+    }
+    let mut target = target.clone();
+    target.mode_flag = Some(ModeArg::Infer);
+    let (model, source) = load_checked(path, &target.set)?;
+    let model = match optimus::decode::with_cache(&model, context) {
+        Ok(model) => model,
+        Err(e) => {
+            eprintln_safe!("error: {}: cannot keep a key/value cache: {e}", source.name);
+            return None;
+        }
+    };
+    if let Some(seq) = model.config_value("seq").and_then(|v| match v {
+        optimus::plan::types::Scalar::Int(seq) => u64::try_from(*seq).ok(),
+        _ => None,
+    }) && seq > context
+    {
+        eprintln_safe!("error: a step of seq = {seq} tokens does not fit caches of --max-context {context} positions");
+        return None;
+    }
+    let mut plan = match optimus::shard::compile(&model, &source.name, &source.text, target.target()) {
+        Ok(plan) => plan,
+        Err(diagnostics) => {
+            diag::render_stderr(&source.name, &source.text, &diagnostics);
+            eprintln_safe!("error: {}: cannot compile for a {} mesh; no plan written", source.name, target.mesh());
+            return None;
+        }
+    };
+    if target.overlap && !overlapped(&mut plan) {
+        return None;
+    }
+    Some(plan)
+}
+
 /// Applies `--overlap` to a plan and verifies the result (an internal error, printed, if it fails).
 fn overlapped(plan: &mut Plan) -> bool {
     optimus::plan::overlap::overlap_collectives(plan);

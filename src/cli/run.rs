@@ -497,6 +497,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         stop: (plan.mode == Mode::Train).then_some(optimus::io::output::stop_requested as fn() -> bool),
         step_outputs: None,
         kernels_inline: None,
+        prefill: None,
     };
     let resumption = super::resume::resumption(args, &plan)?;
     let config = RunConfig {

@@ -3,6 +3,7 @@
 //! [`optimus_plan::Plan`]. Each stage reports [`diag::Diagnostic`]s carrying source spans.
 
 pub mod autodiff;
+pub mod decode;
 pub mod diag;
 pub mod elab;
 pub mod front;

@@ -298,6 +298,9 @@ pub enum Role {
     Activation,
     /// A backward value or a communication / statistics temporary.
     Workspace,
+    /// A key/value cache of a decoding plan: kept from one step to the next (zeros at first), written
+    /// in place by [`Kernel::CacheWrite`], never in checkpoints.
+    Cache,
 }
 
 /// A per-device buffer: the block of a logical tensor that each device holds.
@@ -427,6 +430,12 @@ pub enum Kernel {
         heads: u64,
         theta: f64,
     },
+    /// (x, position) -> [`Kernel::Rotary`] with the rows' positions counted from `position` (an i32
+    /// [1] input: the position of the first row of the step), as a decoding step needs.
+    RotaryAt {
+        heads: u64,
+        theta: f64,
+    },
     /// (dy) -> dx: dy rotated by the opposite angles.
     RotaryGrad {
         heads: u64,
@@ -447,8 +456,29 @@ pub enum Kernel {
     },
     /// (table) -> out[.., p, :] = table[p, :] for p < seq.
     PositionLookup,
+    /// (table, position) -> out[.., p, :] = table[position + p, :] for p < seq (`position` an i32 [1]
+    /// input); a position past the table is an error.
+    PositionLookupAt,
     /// (dy) -> d table: sums dy over leading dimensions into rows 0..seq; other rows zero.
     PositionGrad,
+    /// (x [.., seq, parts * w], position) -> cache [.., context, w], in place: for every leading index,
+    /// rows position..position + seq of the cache take chunk `part` of x's last dimension (cut into
+    /// `parts` equal chunks: the keys or the values of a fused (3, heads, head) qkv block, whose local
+    /// heads are contiguous within each chunk). The other rows keep what they held.
+    CacheWrite {
+        part: u8,
+        parts: u8,
+    },
+    /// (q, k cache [.., context, kv_heads * d], v cache, position) -> y [.., seq, heads * d]: causal
+    /// attention of the seq query rows, at positions position..position + seq, over the cache rows up
+    /// to each query's own position (the cache already holds this step's keys and values). With
+    /// `fused`, q is chunk 0 of a fused [.., seq, (3, heads, head)] block. Query head h reads kv head
+    /// h / (heads / kv_heads).
+    CachedAttention {
+        heads: u64,
+        kv_heads: u64,
+        fused: bool,
+    },
     /// (x) -> [rows, 1]: local sum over the last dimension.
     RowSum,
     /// (x, sum) -> [rows, 1]: local sum of (x - sum / n)^2, n the full normalised size.
@@ -567,6 +597,10 @@ impl Kernel {
             Kernel::AttentionGrad { .. } => "AttentionGrad",
             Kernel::Rotary { .. } => "Rotary",
             Kernel::RotaryGrad { .. } => "RotaryGrad",
+            Kernel::RotaryAt { .. } => "RotaryAt",
+            Kernel::PositionLookupAt => "PositionLookupAt",
+            Kernel::CacheWrite { .. } => "CacheWrite",
+            Kernel::CachedAttention { .. } => "CachedAttention",
             Kernel::EmbeddingLookup { .. } => "EmbeddingLookup",
             Kernel::EmbeddingGrad { .. } => "EmbeddingGrad",
             Kernel::PositionLookup => "PositionLookup",
@@ -608,6 +642,7 @@ impl Kernel {
             Kernel::Attention { causal, fused, .. } | Kernel::AttentionGrad { causal, fused, .. } => {
                 vec![("causal", causal), ("fused", fused)]
             }
+            Kernel::CachedAttention { fused, .. } => vec![("fused", fused)],
             Kernel::EmbeddingLookup { masked, .. } | Kernel::EmbeddingGrad { masked, .. } => vec![("masked", masked)],
             _ => Vec::new(),
         };
@@ -623,7 +658,7 @@ impl Kernel {
     /// Whether the kernel reads its output's previous contents (it accumulates into it). Every other
     /// kernel writes each element of its output, so a backend need not clear the output first.
     pub fn reads_its_output(&self) -> bool {
-        matches!(self, Kernel::MatMul { accumulate: true, .. })
+        matches!(self, Kernel::MatMul { accumulate: true, .. } | Kernel::CacheWrite { .. })
     }
 }
 

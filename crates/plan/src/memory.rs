@@ -12,6 +12,9 @@ pub struct MemoryPlan {
     pub gradients: u64,
     pub optimizer_state: u64,
     pub inputs: u64,
+    /// The key/value caches of a decoding plan.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cache: u64,
     /// Forward activations still alive when the backward pass starts.
     pub activations_kept_for_backward: u64,
     /// The largest total of workspace buffers (communication blocks, partial products, statistics and
@@ -35,6 +38,9 @@ pub struct PeakBreakdown {
     pub gradients: u64,
     pub optimizer_state: u64,
     pub inputs: u64,
+    /// Key/value caches.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cache: u64,
     /// Forward activations (kept for the backward pass, or not yet dead).
     pub activations: u64,
     /// Buffers that a collective sends or receives.
@@ -51,6 +57,7 @@ impl PeakBreakdown {
             Role::Gradient => &mut self.gradients,
             Role::OptimizerState => &mut self.optimizer_state,
             Role::Input => &mut self.inputs,
+            Role::Cache => &mut self.cache,
             Role::Activation => &mut self.activations,
             Role::Workspace if communicates => &mut self.communication,
             Role::Workspace => &mut self.workspace,
@@ -75,7 +82,11 @@ fn communicating(program: &[Instr], buffers: &[Buffer]) -> Vec<bool> {
 
 /// Whether a buffer lives for the whole program.
 pub fn persistent(role: Role) -> bool {
-    matches!(role, Role::Parameter | Role::OptimizerState | Role::Input)
+    matches!(role, Role::Parameter | Role::OptimizerState | Role::Input | Role::Cache)
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 /// Buffers an instruction reads or writes.
@@ -168,6 +179,7 @@ pub fn plan_memory(program: &[Instr], buffers: &[Buffer], forward_end: usize) ->
         match b.role {
             Role::Parameter => plan.parameters += b.bytes(),
             Role::OptimizerState => plan.optimizer_state += b.bytes(),
+            Role::Cache => plan.cache += b.bytes(),
             _ => plan.inputs += b.bytes(),
         }
     }

@@ -200,8 +200,15 @@ pub fn kernel_flops(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer) -> u64
             let counted = if matches!(kernel, Kernel::AttentionGrad { fused: false, .. }) { x.elements() } else { out };
             4 * counted * seq * scale
         }
+        // At a full cache (a step at position p attends over p + 1 rows: at most `context`).
+        Kernel::CachedAttention { .. } => {
+            let context = inputs.get(1).and_then(|k| k.shape.iter().rev().nth(1).copied()).unwrap_or(1);
+            4 * out * context
+        }
+        // A copy of one chunk of the step's rows.
+        Kernel::CacheWrite { parts, .. } => inputs.first().map_or(0, |x| x.elements() / u64::from((*parts).max(1))),
         // Two multiplies and an add per element (the angles are a [seq, head / 2] table).
-        Kernel::Rotary { .. } | Kernel::RotaryGrad { .. } => 3 * out,
+        Kernel::Rotary { .. } | Kernel::RotaryGrad { .. } | Kernel::RotaryAt { .. } => 3 * out,
         Kernel::Gelu { .. } | Kernel::GeluGrad { .. } => 8 * out,
         Kernel::Silu => 4 * out,
         Kernel::Mul => out,
@@ -316,15 +323,20 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
     }
     let m = &r.memory.plan;
     let _ = writeln!(out, "\nmemory per device (every device holds blocks of the same shapes):");
+    let caches = (m.cache > 0).then_some(("key/value caches (all positions)", m.cache));
     for (name, bytes) in [
         ("parameters", m.parameters),
         ("gradients", m.gradients),
         ("optimizer state (2 per parameter)", m.optimizer_state),
         ("inputs", m.inputs),
+    ]
+    .into_iter()
+    .chain(caches)
+    .chain([
         ("activations kept for backward", m.activations_kept_for_backward),
         ("workspace (largest at once)", m.workspace_peak),
         ("peak", m.peak_bytes),
-    ] {
+    ]) {
         let _ = writeln!(out, "  {name:<36} {:>12}  ({bytes} B)", human_bytes(bytes));
     }
     if let Some(o) = &r.memory.peak_origin {
@@ -340,15 +352,20 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
         "
 peak by category (alive at the peak instruction; they add up to the peak):"
     );
+    let caches = (p.cache > 0).then_some(("key/value caches", p.cache));
     for (name, bytes) in [
         ("parameters", p.parameters),
         ("gradients", p.gradients),
         ("optimizer state", p.optimizer_state),
         ("inputs", p.inputs),
+    ]
+    .into_iter()
+    .chain(caches)
+    .chain([
         ("activations", p.activations),
         ("communication buffers", p.communication),
         ("other workspace", p.workspace),
-    ] {
+    ]) {
         let share = if m.peak_bytes > 0 { 100.0 * bytes as f64 / m.peak_bytes as f64 } else { 0.0 };
         let _ = writeln!(out, "  {name:<36} {:>12}  {share:5.1}%", human_bytes(bytes));
     }

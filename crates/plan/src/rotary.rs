@@ -71,13 +71,18 @@ pub struct Table {
 
 impl Table {
     pub fn new(seq: usize, d: usize, theta: f64) -> Result<Table, RotaryError> {
+        Table::from_position(0, seq, d, theta)
+    }
+
+    /// The table of positions start..start + seq (a decoding step's): row r holds position start + r.
+    pub fn from_position(start: usize, seq: usize, d: usize, theta: f64) -> Result<Table, RotaryError> {
         let half = d / 2;
         let inv: Vec<f32> = (0..half).map(|i| inv_freq(theta, d, i)).collect();
         let n = seq.checked_mul(half).ok_or(RotaryError::TableTooLarge)?;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         cos.try_reserve_exact(n).map_err(|_| RotaryError::TableAllocation)?;
         sin.try_reserve_exact(n).map_err(|_| RotaryError::TableAllocation)?;
-        for position in 0..seq {
+        for position in start..start.checked_add(seq).ok_or(RotaryError::TableTooLarge)? {
             angles_at(position, &inv, &mut cos, &mut sin);
         }
         Ok(Table { half, cos, sin })

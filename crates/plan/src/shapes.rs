@@ -463,3 +463,99 @@ mod tests {
         assert_eq!(String::from(ensure(false, || "as written".into()).expect_err("false")), "as written");
     }
 }
+
+/// The shapes of a [`crate::Kernel::CacheWrite`]: x [lead.., seq, parts * width] into a cache
+/// [lead.., context, width].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheWriteLayout {
+    /// The leading dimensions flattened (batch rows).
+    pub rows: usize,
+    pub seq: usize,
+    pub context: usize,
+    /// One chunk's width: the cache's row.
+    pub width: usize,
+    /// Where chunk `part` starts in a row of x, and x's row.
+    pub part_start: usize,
+    pub x_row: usize,
+}
+
+impl CacheWriteLayout {
+    pub fn new(x: &[u64], cache: &[u64], part: u8, parts: u8) -> Result<CacheWriteLayout, ShapeError> {
+        let (lead, seq, x_row) = batch_matrix(x, "x")?;
+        let (cache_lead, context, width) = batch_matrix(cache, "the cache")?;
+        ensure(parts >= 1 && part < parts, || format!("chunk {part} of {parts} does not exist"))?;
+        ensure(lead == cache_lead, || format!("x {x:?} and the cache {cache:?} have other leading dimensions"))?;
+        ensure(x_row == width * usize::from(parts), || {
+            format!("x's rows ({x_row}) are not {parts} chunks of the cache's rows ({width})")
+        })?;
+        ensure(seq <= context, || format!("{seq} rows do not fit a cache of {context}"))?;
+        let part_start = usize::from(part) * width;
+        Ok(CacheWriteLayout { rows: numel(lead), seq, context, width, part_start, x_row })
+    }
+}
+
+/// The shapes of a [`crate::Kernel::CachedAttention`]: q [lead.., seq, heads * d] (the fused
+/// [lead.., seq, 3 * heads * d] when `fused`), caches [lead.., context, kv_heads * d].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedAttentionLayout {
+    pub rows: usize,
+    pub seq: usize,
+    pub context: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub d: usize,
+    /// q's row (the fused row when fused); q's heads start at its beginning.
+    pub q_row: usize,
+}
+
+impl CachedAttentionLayout {
+    pub fn new(
+        q: &[u64],
+        k_cache: &[u64],
+        v_cache: &[u64],
+        (heads, kv_heads): (u64, u64),
+        fused: bool,
+    ) -> Result<CachedAttentionLayout, ShapeError> {
+        let (heads, kv_heads) = (heads as usize, kv_heads as usize);
+        require(heads > 0 && kv_heads > 0, || ShapeError::NoHeads)?;
+        require(heads.is_multiple_of(kv_heads), || ShapeError::HeadGroups { heads, kv_heads })?;
+        require(!fused || kv_heads == heads, || ShapeError::FusedHeads { heads, kv_heads })?;
+        same_shape("the value cache", v_cache, k_cache)?;
+        let (lead, seq, q_row) = batch_matrix(q, "q")?;
+        let (cache_lead, context, kv_row) = batch_matrix(k_cache, "the key cache")?;
+        let width = if fused { 3 * heads } else { heads };
+        require(q_row.is_multiple_of(width), || ShapeError::Width { width: q_row, heads, fused })?;
+        let d = q_row / width;
+        require(lead == cache_lead && kv_row == kv_heads * d, || ShapeError::QueryKey {
+            q: q.to_vec(),
+            heads,
+            k: k_cache.to_vec(),
+            kv_heads,
+        })?;
+        ensure(seq <= context, || format!("{seq} query rows do not fit a cache of {context}"))?;
+        Ok(CachedAttentionLayout { rows: numel(lead), seq, context, heads, kv_heads, d, q_row })
+    }
+
+    /// The output's shape: [lead.., seq, heads * d].
+    pub fn out_shape(&self, q: &[u64]) -> Vec<u64> {
+        let mut shape = q.to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = (self.heads * self.d) as u64;
+        }
+        shape
+    }
+}
+
+/// The step's first position from a `position` operand's elements (an i32 [1] input), checked so that
+/// `seq` rows from it fit `context` positions.
+pub fn step_position(values: &[i32], seq: usize, context: usize) -> Result<usize, ShapeError> {
+    let [position] = values else {
+        return Err(ShapeError::Invalid(format!("the position operand has {} elements, not one", values.len())));
+    };
+    let start =
+        usize::try_from(*position).map_err(|_| ShapeError::Invalid(format!("the position {position} is negative")))?;
+    ensure(start.checked_add(seq).is_some_and(|end| end <= context), || {
+        format!("positions {start}..{} do not fit the {context} the cache or table holds", start.saturating_add(seq))
+    })?;
+    Ok(start)
+}

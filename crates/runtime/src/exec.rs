@@ -61,6 +61,10 @@ pub struct RunConfig {
     /// Receives every device's output blocks after each step, for runs whose next inputs depend on
     /// this step's outputs (generation).
     pub step_outputs: Option<std::sync::Arc<dyn StepOutputs>>,
+    /// A plan that runs step 0 instead of the run's plan (generation's prefill program): each device
+    /// then hands its parameters and its key/value caches over, block for block by name, to the run's
+    /// plan, which runs the later steps. Both plans must lay those buffers out alike.
+    pub prefill: Option<std::sync::Arc<Plan>>,
     /// On the CPU backend: whether each device thread runs its own kernels (`Some(true)`), hands them
     /// to the kernel pool (`Some(false)`), or `None`: as [`crate::cpu::par::devices_run_kernels_inline`]
     /// decides (calibration measures both).
@@ -124,6 +128,7 @@ impl RunConfig {
             stop: None,
             step_outputs: None,
             kernels_inline: None,
+            prefill: None,
         }
     }
 
@@ -249,8 +254,8 @@ pub enum Update<'a> {
 }
 
 impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
-    /// A device with its parameter shards initialised from the seed and zeroed optimizer state; all
-    /// of its storage is allocated here, once.
+    /// A device with its parameter shards initialised from the seed, and zeroed optimizer state and
+    /// key/value caches; all of its storage is allocated here, once.
     pub fn new(plan: &'p Plan, backend: B, comm: C, seed: u64) -> Result<Device<'p, B, C>, RuntimeError> {
         Device::with_parameters(plan, backend, comm, seed, &|_| true)
     }
@@ -294,6 +299,11 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 device.backend.zero(&mut device.storage, *s)?;
                 device.alive[s.0 as usize] = true;
             }
+        }
+        // Key/value caches hold zeros until a step writes their rows, and live from one step to the next.
+        for b in plan.buffers.iter().filter(|b| b.role == Role::Cache) {
+            device.backend.zero(&mut device.storage, b.id)?;
+            device.alive[b.id.0 as usize] = true;
         }
         Ok(device)
     }
@@ -574,8 +584,9 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             Instr::Kernel { kernel, inputs, output, .. } => self.kernel(kernel, inputs, *output),
             Instr::Collective { collective: c, .. } => self.collective(c),
             Instr::Wait { recv, .. } => self.wait(*recv),
+            // Parameters and key/value caches outlive any release (a plan never releases them).
             Instr::Free { buffer } => {
-                if self.plan.buffer(*buffer).role != Role::Parameter {
+                if !matches!(self.plan.buffer(*buffer).role, Role::Parameter | Role::Cache) {
                     self.alive[buffer.0 as usize] = false;
                 }
                 Ok(())
@@ -962,18 +973,72 @@ struct DeviceRun<'r> {
 }
 
 impl DeviceRun<'_> {
-    /// The step loop of one device on `backend`.
+    /// The step loop of one device on `backend` (after the prefill plan's step, when there is one).
     fn on<B: Backend, C: Communicator>(&self, backend: B, comm: C) -> Result<DeviceResult, String> {
         let DeviceRun { plan, config, .. } = *self;
         super::startup::mark("backend open");
+        if let Some(prefill) = config.prefill.as_deref() {
+            return self.on_after_prefill(prefill, backend, comm);
+        }
         // Parameters given whole or by `--weights` are written before the first step (see `drive`).
-        let given = |p: &optimus_plan::PlanParam| self.initial.contains_key(&p.name) || config.weights.is_some();
-        let mut device = Device::with_parameters(plan, backend, comm, config.seed, &|p| !given(p))?;
-        match self.drive(&mut device) {
-            Ok((records, profile)) => Ok((records, final_blocks(device)?, profile)),
+        let mut device = Device::with_parameters(plan, backend, comm, config.seed, &|p| !self.given(p))?;
+        device.profile = config.profile.then(|| Profile::new(plan, device.coords()));
+        let outcome = self.load_parameters(&mut device).and_then(|()| self.steps(&mut device, config.start_step));
+        self.finish(device, outcome.map(|(records, _)| records))
+    }
+
+    /// Whether a parameter's block is written before the first step rather than drawn from the seed.
+    fn given(&self, p: &optimus_plan::PlanParam) -> bool {
+        self.initial.contains_key(&p.name) || self.config.weights.is_some()
+    }
+
+    /// Step 0 on the prefill plan, then the run's plan from step 1 with the prefill device's
+    /// parameters and caches.
+    fn on_after_prefill<B: Backend, C: Communicator>(
+        &self,
+        prefill: &Plan,
+        backend: B,
+        comm: C,
+    ) -> Result<DeviceResult, String> {
+        let DeviceRun { plan, config, .. } = *self;
+        let mut first = Device::with_parameters(prefill, backend, comm, config.seed, &|p| !self.given(p))?;
+        let outcome = self.load_parameters(&mut first).and_then(|()| {
+            let sub = DeviceRun { plan: prefill, ..*self };
+            sub.steps_upto(&mut first, 0, 1)
+        });
+        let (records, stopped) = match outcome {
+            Ok(done) => done,
+            Err(e) => return self.finish(first, Err(e)),
+        };
+        let carried = match carried_blocks(&mut first) {
+            Ok(blocks) => blocks,
+            Err(e) => return self.finish(first, Err(e.to_string())),
+        };
+        let Device { backend, comm, .. } = first;
+        let mut device = Device::with_parameters(plan, backend, comm, config.seed, &|_| false)?;
+        let outcome = place_carried(&mut device, carried).map_err(|e| e.to_string()).and_then(|()| {
+            if stopped {
+                return Ok(records);
+            }
+            let (later, _) = self.steps(&mut device, 1)?;
+            Ok(records.into_iter().chain(later).collect())
+        });
+        self.finish(device, outcome)
+    }
+
+    /// The device's result, or its failure told to its peers first: they may be waiting on collectives
+    /// it has in flight, and would otherwise only learn that it stopped when its communicator drops.
+    fn finish<B: Backend, C: Communicator>(
+        &self,
+        mut device: Device<'_, B, C>,
+        outcome: Result<Vec<StepRecord>, String>,
+    ) -> Result<DeviceResult, String> {
+        match outcome {
+            Ok(records) => {
+                let profile = device.profile.take();
+                Ok((records, final_blocks(device)?, profile))
+            }
             Err(e) => {
-                // Peers may be waiting on collectives this device has in flight: tell them why it
-                // stopped before its communicator is dropped (which would only say that it did).
                 if !device.in_flight.is_empty() {
                     device.comm.abort(&failure_report(device.coords(), &e));
                 }
@@ -982,18 +1047,15 @@ impl DeviceRun<'_> {
         }
     }
 
-    /// Loads the device's weights and runs its steps; its records and profile.
-    fn drive<B: Backend, C: Communicator>(
-        &self,
-        device: &mut Device<'_, B, C>,
-    ) -> Result<(Vec<StepRecord>, Option<Profile>), String> {
-        let DeviceRun { plan, config, batches, initial, on_step } = *self;
+    /// Loads the checkpoint being resumed, and the parameters given whole or by `--weights`.
+    fn load_parameters<B: Backend, C: Communicator>(&self, device: &mut Device<'_, B, C>) -> Result<(), String> {
+        let DeviceRun { config, initial, .. } = *self;
+        let plan = device.plan;
         device.clip_grad_norm = config.clip_grad_norm;
         if let Some(checkpoint) = &config.resume {
             device.load_checkpoint(checkpoint.as_ref())?;
         }
         let coords = device.coords();
-        device.profile = config.profile.then(|| Profile::new(plan, coords));
         for p in &plan.params {
             if let Some(t) = initial.get(&p.name) {
                 let block =
@@ -1007,9 +1069,31 @@ impl DeviceRun<'_> {
             }
         }
         super::startup::mark("parameters written");
+        Ok(())
+    }
+
+    /// Runs steps `from..` up to the configured count (or until asked to stop); the records and
+    /// whether the run was asked to stop.
+    fn steps<B: Backend, C: Communicator>(
+        &self,
+        device: &mut Device<'_, B, C>,
+        from: u64,
+    ) -> Result<(Vec<StepRecord>, bool), String> {
+        self.steps_upto(device, from, self.config.steps)
+    }
+
+    /// Runs steps `from..to` (or until asked to stop); the records and whether the run was asked to stop.
+    fn steps_upto<B: Backend, C: Communicator>(
+        &self,
+        device: &mut Device<'_, B, C>,
+        from: u64,
+        to: u64,
+    ) -> Result<(Vec<StepRecord>, bool), String> {
+        let DeviceRun { plan, config, batches, on_step, .. } = *self;
+        let coords = device.coords();
         let mut records = Vec::new();
         let device_index = plan.mesh.rank_of(coords);
-        for step in config.start_step..config.steps {
+        for step in from..to {
             if let Some(fault) = &config.fault {
                 fault.trigger(device_index, step).map_err(|e| e.to_string())?;
             }
@@ -1079,12 +1163,48 @@ impl DeviceRun<'_> {
             }
             records.push(record);
             if stop {
-                break;
+                return Ok((records, true));
             }
         }
-        let profile = device.profile.take();
-        Ok((records, profile))
+        Ok((records, false))
     }
+}
+
+/// The blocks a prefill device hands to the run's plan: every parameter's and every key/value
+/// cache's, by buffer name.
+fn carried_blocks<B: Backend, C: Communicator>(
+    device: &mut Device<'_, B, C>,
+) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    let plan = device.plan;
+    let carried = plan.buffers.iter().filter(|b| b.role == Role::Cache).map(|b| b.id);
+    let ids: Vec<BufferId> = plan.params.iter().map(|p| p.buffer).chain(carried).collect();
+    let mut blocks = Vec::with_capacity(ids.len());
+    for id in ids {
+        let name = plan.buffer(id).name.clone();
+        let block =
+            device.read(id)?.ok_or_else(|| RuntimeError::NotKept { what: "carried buffer", name: name.clone() })?;
+        blocks.push((name, block));
+    }
+    Ok(blocks)
+}
+
+/// Writes carried blocks into the buffers of the same name (parameters and caches) of the run's plan;
+/// every one of those must be given.
+fn place_carried<B: Backend, C: Communicator>(
+    device: &mut Device<'_, B, C>,
+    carried: Vec<(String, Tensor)>,
+) -> Result<(), RuntimeError> {
+    let plan = device.plan;
+    let mut by_name: BTreeMap<String, Tensor> = carried.into_iter().collect();
+    let wanted =
+        plan.params.iter().map(|p| p.buffer).chain(plan.buffers.iter().filter(|b| b.role == Role::Cache).map(|b| b.id));
+    for id in wanted.collect::<Vec<_>>() {
+        let name = &plan.buffer(id).name;
+        let block =
+            by_name.remove(name).ok_or_else(|| RuntimeError::NotKept { what: "carried buffer", name: name.clone() })?;
+        device.write(id, block)?;
+    }
+    Ok(())
 }
 
 /// What a device's failure tells its peers and the user: `device (i, j) failed: ...`.

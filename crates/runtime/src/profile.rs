@@ -142,7 +142,9 @@ fn collective_bytes(plan: &Plan, c: &Collective) -> u64 {
 /// the kernel reads them; `None` for kernels that are not products, 0 for shapes it would refuse.
 ///
 /// Attention counts the products the CPU kernels run: query tiles of [`QUERY_TILE`] rows, each against
-/// the keys it can see, so a causal attention counts about half of the full [sq, sk] products.
+/// the keys it can see, so a causal attention counts about half of the full [sq, sk] products. An
+/// attention over a key/value cache ([`Kernel::CachedAttention`]) counts nothing: its work depends on
+/// the step's position, which the shapes do not say.
 pub fn product_flops(kernel: &Kernel, inputs: &[&[u64]], output: &[u64]) -> Option<u64> {
     match kernel {
         Kernel::MatMul { transpose_a, .. } => Some(matmul_flops(inputs, output, *transpose_a)),
@@ -550,6 +552,8 @@ mod tests {
         assert_eq!(flops(Kernel::BatchedMatMul, &[&[4]], &[4]), Some(0));
         let attention = Kernel::Attention { heads: 3, kv_heads: 3, causal: false, fused: true };
         assert_eq!(flops(attention, &[&[2, 4, 16]], &[2, 4, 16]), Some(0));
+        let cached = Kernel::CachedAttention { heads: 2, kv_heads: 2, fused: false };
+        assert_eq!(flops(cached, &[&[1, 1, 8], &[1, 16, 8], &[1, 16, 8], &[1]], &[1, 1, 8]), None);
     }
 
     #[test]

@@ -99,6 +99,9 @@ pub enum Op {
     },
     /// Rows 0..seq of a position table: operands (ids [.., seq], table [context, width]).
     PositionEmbedding,
+    /// Rows position..position + seq of a position table, for a decoding step: operands (ids [.., seq],
+    /// table [context, width], position i32 [1]).
+    PositionEmbeddingAt,
     /// x W (+ b): operands (x, weight, bias?). With `transpose_weight`, W is stored [out, in] (a tied embedding).
     Linear {
         bias: bool,
@@ -133,6 +136,21 @@ pub enum Op {
     Rotary {
         heads: u64,
         theta: f64,
+    },
+    /// [`Op::Rotary`] with the positions counted from a decoding step's first: operands (x, position
+    /// i32 [1]).
+    RotaryAt {
+        heads: u64,
+        theta: f64,
+    },
+    /// Causal self-attention of a decoding step over a key/value cache of `context` positions, which
+    /// this step's keys and values are written into first: operands (qkv or q, k, v; then position
+    /// i32 [1]). Made from [`Op::Attention`] by `decode::with_cache`.
+    CachedAttention {
+        heads: u64,
+        kv_heads: u64,
+        fused: bool,
+        context: u64,
     },
     Add,
     /// Element-wise product of two same-shaped tensors (the SwiGLU gate).
@@ -244,6 +262,9 @@ impl Op {
             Op::Param { .. } => "param",
             Op::Embedding { .. } => "embedding",
             Op::PositionEmbedding => "position_embedding",
+            Op::PositionEmbeddingAt => "position_embedding_at",
+            Op::RotaryAt { .. } => "rotary_at",
+            Op::CachedAttention { .. } => "cached_self_attention",
             Op::Linear { .. } => "linear",
             Op::LayerNorm { .. } => "layernorm",
             Op::RmsNorm { .. } => "rms_norm",

@@ -59,7 +59,12 @@ fn show_attrs(op: &Op) -> String {
         Op::Attention { heads, kv_heads, causal, fused } => {
             format!(" {{heads={heads}{}, causal={causal}, fused={fused}}}", kv_heads_attr(*heads, *kv_heads))
         }
-        Op::Rotary { heads, theta } | Op::RotaryGrad { heads, theta } => format!(" {{heads={heads}, theta={theta}}}"),
+        Op::Rotary { heads, theta } | Op::RotaryGrad { heads, theta } | Op::RotaryAt { heads, theta } => {
+            format!(" {{heads={heads}, theta={theta}}}")
+        }
+        Op::CachedAttention { heads, kv_heads, fused, context } => {
+            format!(" {{heads={heads}{}, fused={fused}, context={context}}}", kv_heads_attr(*heads, *kv_heads))
+        }
         Op::Dropout { p } => format!(" {{p={p}}}"),
         Op::Transpose { dim0, dim1 } => format!(" {{{dim0}, {dim1}}}"),
         Op::Scale { factor } => format!(" {{{factor}}}"),

@@ -24,6 +24,13 @@ fn operands(op: &Op) -> Vec<Kind> {
     match op {
         Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => vec![],
         Op::Embedding { .. } | Op::PositionEmbedding => vec![Integer, Float],
+        Op::PositionEmbeddingAt => vec![Integer, Float, Integer],
+        Op::RotaryAt { .. } => vec![Float, Integer],
+        Op::CachedAttention { fused, .. } => {
+            let mut kinds = vec![Float; if *fused { 1 } else { 3 }];
+            kinds.push(Integer);
+            kinds
+        }
         Op::Linear { bias, .. } => {
             if *bias {
                 vec![Float; 3]

@@ -42,6 +42,8 @@ pub(crate) fn data_roles(graph: &DiGraph<Node, u8>) -> Vec<DataRole> {
         });
         let summed = operands.iter().any(|m| of(m) == DataRole::Summed);
         let role = match (&graph[n].op, batch) {
+            // A decoding step's position is the same for every row.
+            (Op::Input { name }, _) if name == crate::decode::POSITION_INPUT => DataRole::Shared,
             (Op::Input { .. }, _) => DataRole::Batch(0),
             (Op::Param { .. } | Op::Fill { .. }, _) => DataRole::Shared,
             (op, Some(_)) if sums_over_the_batch(op) => DataRole::Summed,

@@ -160,7 +160,8 @@ impl Lowerer<'_> {
         match self.graph[n].op.clone() {
             Op::Input { .. } | Op::Param { .. } => {}
             Op::Embedding { .. } => self.embedding(n, ops[0], ops[1]),
-            Op::PositionEmbedding => self.position_embedding(n, ops[1]),
+            Op::PositionEmbedding => self.position_embedding(n, ops[1], None),
+            Op::PositionEmbeddingAt => self.position_embedding(n, ops[1], Some(ops[2])),
             Op::Linear { bias, transpose_weight } => self.linear(n, &ops, bias, transpose_weight),
             Op::LayerNorm { eps } => self.layernorm(n, &ops, eps),
             Op::RmsNorm { eps } => self.rms_norm(n, &ops, eps),
@@ -168,6 +169,8 @@ impl Lowerer<'_> {
             Op::Silu => self.elementwise(n, &ops, Kernel::Silu, 0, false),
             Op::Softmax => self.elementwise(n, &ops, Kernel::Softmax, 1, false),
             Op::CausalMask => self.elementwise(n, &ops, Kernel::CausalMask, 2, false),
+            // Inference is evaluation: dropout passes its input through, as in torch's eval mode.
+            Op::Dropout { .. } if self.target.mode == optimus_plan::Mode::Infer => self.pass_through(n, ops[0]),
             Op::Dropout { p } => {
                 let key = u32::try_from(n.index()).unwrap_or(u32::MAX);
                 self.elementwise(n, &ops, Kernel::Dropout { p, key }, 0, false);
@@ -179,6 +182,10 @@ impl Lowerer<'_> {
                 self.attention(n, &ops, Heads { query: heads, kv: kv_heads }, causal, fused)
             }
             Op::Rotary { heads, theta } => self.rotary(n, ops[0], heads, |heads| Kernel::Rotary { heads, theta }),
+            Op::RotaryAt { heads, theta } => self.rotary_at(n, (ops[0], ops[1]), heads, theta),
+            Op::CachedAttention { heads, kv_heads, fused, context } => {
+                self.cached_attention(n, &ops, Heads { query: heads, kv: kv_heads }, fused, context)
+            }
             Op::RotaryGrad { heads, theta } => {
                 self.rotary(n, ops[0], heads, |heads| Kernel::RotaryGrad { heads, theta })
             }
@@ -402,14 +409,30 @@ impl Lowerer<'_> {
         (dy_layout, out)
     }
 
-    fn position_embedding(&mut self, n: NodeIndex, table: NodeIndex) {
+    /// Node `n` is its operand `x`, in the layout `x` has: no instruction.
+    fn pass_through(&mut self, n: NodeIndex, x: NodeIndex) {
+        let layout = self.natural(x);
+        let buffer = self.value(x, layout);
+        self.define(n, layout, buffer);
+    }
+
+    /// Rows of the position table: from row 0, or from a decoding step's `position` (a whole i32
+    /// on every device) when given.
+    fn position_embedding(&mut self, n: NodeIndex, table: NodeIndex, position: Option<NodeIndex>) {
         let Some(case) = self.rule_case(Operator::PositionEmbedding, &Facts::default()) else { return };
         let dims = Dims::new(self.rank(n) - 1);
         let (tl, out) =
             (laid(case.operands[0], &dims, Layout::REPLICATED), laid(case.output, &dims, Layout::REPLICATED));
-        let tb = self.value(table, tl);
+        let mut inputs = vec![self.value(table, tl)];
         let y = self.node_buffer(n, out, Role::Workspace);
-        self.kernel(Kernel::PositionLookup, &[tb], y, compute("position embedding lookup"));
+        let (kernel, what) = match position {
+            Some(position) => {
+                inputs.push(self.value(position, Layout::REPLICATED));
+                (Kernel::PositionLookupAt, "position embedding lookup from the step's position")
+            }
+            None => (Kernel::PositionLookup, "position embedding lookup"),
+        };
+        self.kernel(kernel, &inputs, y, compute(what));
         self.define(n, out, y);
     }
 
@@ -859,6 +882,50 @@ impl Lowerer<'_> {
         self.define(n, il, g);
     }
 
+    /// Attention of a decoding step over its key/value caches, which live on each device in the
+    /// attention output's layout with `context` positions: this device's batch rows and kv heads,
+    /// every position. The step's keys and values are written into them, then its queries attend
+    /// over them; nothing is communicated.
+    fn cached_attention(&mut self, n: NodeIndex, ops: &[NodeIndex], heads: Heads, fused: bool, context: u64) {
+        let Some((&position, sources)) = ops.split_last() else { return };
+        let rank = self.rank(n);
+        let width = *self.shapes[sources[0].index()].last().unwrap_or(&0);
+        let Some((il, ol)) = self.attention_layouts(width, heads.query, fused, rank) else { return };
+        let local = self.local_attention_heads(n, heads, il);
+        let inputs: Vec<BufferId> = sources.iter().map(|&o| self.value(o, il)).collect();
+        let pos = self.value(position, Layout::REPLICATED);
+        let out_shape = self.shapes[n.index()].clone();
+        let head = out_shape[rank - 1] / heads.query.max(1);
+        let mut cache_shape = out_shape;
+        cache_shape[rank - 2] = context;
+        cache_shape[rank - 1] = heads.kv * head;
+        let (layout, dtype) = (self.with_data(n, ol), self.buffers[inputs[0].0 as usize].dtype);
+        let scope = self.graph[n].origin.scope.clone();
+        let scope = if scope.is_empty() { format!("%{}", n.index()) } else { scope };
+        let mut caches = Vec::new();
+        for (k, what) in [(1u8, "keys"), (2, "values")] {
+            let cache = self.new_buffer(
+                format!("{scope}.{}_cache", &what[..1]),
+                dtype,
+                cache_shape.clone(),
+                layout,
+                Role::Cache,
+            );
+            let (source, part, parts) = if fused { (inputs[0], k, 3) } else { (inputs[usize::from(k)], 0, 1) };
+            let reason = format!("append this step's {what} to the {what} cache (this device's batch rows and heads)");
+            self.kernel(Kernel::CacheWrite { part, parts }, &[source, pos], cache, compute(reason));
+            caches.push(cache);
+        }
+        let y = self.node_buffer(n, ol, Role::Workspace);
+        self.kernel(
+            Kernel::CachedAttention { heads: local.query, kv_heads: local.kv, fused },
+            &[inputs[0], caches[0], caches[1], pos],
+            y,
+            compute("attention of this step's queries over the cached keys and values (local)"),
+        );
+        self.define(n, ol, y);
+    }
+
     // ---- rotary position embedding ---------------------------------------------------------------
 
     /// The layout rotary works in, from x's own: the sequence dimension (second to last) whole, so
@@ -891,6 +958,24 @@ impl Lowerer<'_> {
         let y = self.node_buffer(n, l, Role::Workspace);
         let reason = format!("{} of this device's whole sequences and heads (local)", self.graph[n].op.name());
         self.kernel(kernel(heads / parts.max(1)), &[xb], y, compute(reason));
+        self.define(n, l, y);
+    }
+
+    /// Rotary embedding of a decoding step: positions counted from the step's `position`.
+    fn rotary_at(&mut self, n: NodeIndex, (x, position): (NodeIndex, NodeIndex), heads: u64, theta: f64) {
+        let l = self.rotary_layout(x, heads);
+        let last = self.rank(x) - 1;
+        let parts: u64 = l.0.iter().zip(self.axes()).filter(|(p, _)| p.dim() == Some(last)).map(|(_, a)| a).product();
+        let xb = self.value(x, l);
+        let pos = self.value(position, Layout::REPLICATED);
+        let y = self.node_buffer(n, l, Role::Workspace);
+        let kernel = Kernel::RotaryAt { heads: heads / parts.max(1), theta };
+        self.kernel(
+            kernel,
+            &[xb, pos],
+            y,
+            compute("rotary from the step's position, of this device's whole heads (local)"),
+        );
         self.define(n, l, y);
     }
 

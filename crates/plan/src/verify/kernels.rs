@@ -100,6 +100,17 @@ pub(super) fn check_parameters(
         }
         Kernel::Rotary { heads, theta } | Kernel::RotaryGrad { heads, theta } => check_rotary(&ops, heads, theta),
         Kernel::PositionLookup => check_positions(ops.input(0)?, ops.output),
+        Kernel::PositionLookupAt => {
+            check_position_input(ops.input(1)?)?;
+            check_positions(ops.input(0)?, ops.output)
+        }
+        Kernel::RotaryAt { heads, theta } => {
+            check_position_input(ops.input(1)?)?;
+            let x_only = Operands { plan, inputs: vec![ops.input(0)?], output: ops.output };
+            check_rotary(&x_only, heads, theta)
+        }
+        Kernel::CacheWrite { part, parts } => check_cache_write(&ops, part, parts),
+        Kernel::CachedAttention { heads, kv_heads, fused } => check_cached_attention(&ops, (heads, kv_heads), fused),
         Kernel::PositionGrad => check_positions(ops.output, ops.input(0)?),
         Kernel::MatMul { .. }
         | Kernel::BatchedMatMul
@@ -145,7 +156,11 @@ fn expected_inputs(kernel: &Kernel) -> usize {
         | Kernel::RmsNormApply { .. }
         | Kernel::RmsNormGradSum
         | Kernel::RmsNormGradWeight { .. } => 3,
-        Kernel::LayerNormGradWeight { .. } | Kernel::OptimizerStep | Kernel::CrossEntropyLoss => 4,
+        Kernel::PositionLookupAt | Kernel::RotaryAt { .. } | Kernel::CacheWrite { .. } => 2,
+        Kernel::LayerNormGradWeight { .. }
+        | Kernel::OptimizerStep
+        | Kernel::CrossEntropyLoss
+        | Kernel::CachedAttention { .. } => 4,
         Kernel::LayerNormApply { .. } | Kernel::LayerNormGradSums { .. } | Kernel::RmsNormGradInput { .. } => 5,
         Kernel::LayerNormGradInput { .. } | Kernel::CrossEntropyGrad { .. } => 6,
         _ => 1,
@@ -509,6 +524,54 @@ fn check_rotary(ops: &Operands, heads: u64, theta: f64) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A step's position: one i32, the same on every device.
+fn check_position_input(position: &Buffer) -> Result<(), String> {
+    ensure(position.dtype == crate::types::DType::I32 && position.elements() == 1, || {
+        format!("the position operand `{}` is not one i32 ({:?} {:?})", position.name, position.dtype, position.shape)
+    })?;
+    ensure(position.layout.0.iter().all(|p| *p == Placement::Replicate), || {
+        format!("the position operand `{}` is laid out {}, not whole on every device", position.name, position.layout)
+    })
+}
+
+/// A cache is a [`crate::Role::Cache`] buffer whose positions (second to last dimension) are whole on
+/// every device, laid out along its other dimensions as `like` (this step's rows) is.
+fn check_cache_buffer(cache: &Buffer, like: &Buffer) -> Result<(), String> {
+    ensure(cache.role == crate::Role::Cache, || format!("`{}` is not a key/value cache", cache.name))?;
+    let rank = cache.shape.len();
+    ensure(rank >= 2 && cache.layout.axis_of(rank - 2).is_none(), || {
+        format!("the cache `{}` is laid out {}, which splits its positions", cache.name, cache.layout)
+    })?;
+    ensure(like.shape.len() == rank && like.layout.axis_of(rank - 2).is_none(), || {
+        format!("`{}` is laid out {}, which splits the sequence", like.name, like.layout)
+    })?;
+    for dim in 0..rank - 2 {
+        ensure(cache.layout.axis_of(dim) == like.layout.axis_of(dim), || {
+            format!(
+                "the cache `{}` ({}) and `{}` ({}) split their rows differently",
+                cache.name, cache.layout, like.name, like.layout
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn check_cache_write(ops: &Operands, part: u8, parts: u8) -> Result<(), String> {
+    let (x, cache) = (ops.input(0)?, ops.output);
+    check_position_input(ops.input(1)?)?;
+    crate::shapes::CacheWriteLayout::new(&x.shape, &cache.shape, part, parts)?;
+    check_cache_buffer(cache, x)
+}
+
+fn check_cached_attention(ops: &Operands, heads: (u64, u64), fused: bool) -> Result<(), String> {
+    let (q, k, v) = (ops.input(0)?, ops.input(1)?, ops.input(2)?);
+    check_position_input(ops.input(3)?)?;
+    let layout = crate::shapes::CachedAttentionLayout::new(&q.shape, &k.shape, &v.shape, heads, fused)?;
+    check_cache_buffer(k, q)?;
+    check_cache_buffer(v, q)?;
+    same_shape("the output", &ops.output.shape, &layout.out_shape(&q.shape))
 }
 
 /// Position tables: [context, width] rows 0..seq, never split by rows, width laid out like the sequence.

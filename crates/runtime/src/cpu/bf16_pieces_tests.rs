@@ -188,3 +188,25 @@ fn row_kernels_split_as_before() {
     same_bits(&Kernel::Gelu { approximate: true }, &[bf16_of(27, &shape)], &shape, 0);
     same_bits(&Kernel::Softmax, &[bf16_of(28, &shape)], &shape, 0);
 }
+
+#[test]
+fn cache_kernels_on_bf16_read_and_write_only_the_steps_rows_and_agree() {
+    let (rows, context, heads, kv_heads, head) = (3u64, 40u64, 4u64, 2u64, 8u64);
+    let at = || Operand::I32(vec![1], vec![17]);
+    let (q_width, kv_width) = (heads * head, kv_heads * head);
+    let cache = [rows, context, kv_width];
+    // A prompt of 5 rows at position 17, and a decoding step of one.
+    for seq in [5u64, 1] {
+        let grouped = Kernel::CachedAttention { heads, kv_heads, fused: false };
+        let q = bf16_of(40 + seq, &[rows, seq, q_width]);
+        same_bits(&grouped, &[q, bf16_of(41, &cache), bf16_of(42, &cache), at()], &[rows, seq, q_width], 0);
+        let fused = Kernel::CachedAttention { heads: kv_heads, kv_heads, fused: true };
+        let qkv = bf16_of(43 + seq, &[rows, seq, 3 * kv_width]);
+        same_bits(&fused, &[qkv, bf16_of(44, &cache), bf16_of(45, &cache), at()], &[rows, seq, kv_width], 0);
+        // A cache write keeps the cache's other rows: bf16 bits moved, or f32 rows rounded.
+        let write = Kernel::CacheWrite { part: 2, parts: 3 };
+        same_bits(&write, &[bf16_of(46, &[rows, seq, 3 * kv_width]), at()], &cache, bf16::round(0.75));
+        let wide = f32_of(&[rows, seq, 3 * kv_width], values(47, (rows * seq * 3 * kv_width) as usize));
+        same_bits(&write, &[wide, at()], &cache, bf16::round(-0.5));
+    }
+}

@@ -21,7 +21,10 @@ use optimus_plan::tensor::Tensor;
 use optimus_plan::{IGNORE_INDEX, Kernel, Offset};
 use rayon::prelude::*;
 
+mod cache;
 mod rms_norm;
+
+pub use cache::cached_attention_on_prefix;
 
 /// Runs one kernel. `out` is preallocated with the output buffer's local shape (zeros on first write;
 /// it holds the previous contents when the kernel accumulates). Errors are typed, never panics.
@@ -72,11 +75,17 @@ fn dispatch(kernel: &Kernel, inputs: &[&View], out: &mut ViewMut, ctx: &KernelCo
         }
         Kernel::Rotary { heads, theta } => rotary(inputs, out, heads, theta, Rotation::Forward),
         Kernel::RotaryGrad { heads, theta } => rotary(inputs, out, heads, theta, Rotation::Backward),
+        Kernel::RotaryAt { heads, theta } => cache::rotary_at(inputs, out, heads, theta),
         Kernel::EmbeddingLookup { offset, masked } => embedding_lookup(inputs, out, offset.at(ctx.coords), masked),
         Kernel::EmbeddingGrad { offset, masked, padding } => {
             embedding_grad(inputs, out, (offset.at(ctx.coords), masked), padding)
         }
         Kernel::PositionLookup => position_lookup(inputs, out),
+        Kernel::PositionLookupAt => cache::position_lookup_at(inputs, out),
+        Kernel::CacheWrite { part, parts } => cache::cache_write(inputs, out, part, parts),
+        Kernel::CachedAttention { heads, kv_heads, fused } => {
+            cache::cached_attention(inputs, out, (heads, kv_heads), fused)
+        }
         Kernel::PositionGrad => position_grad(inputs, out),
         Kernel::RowSum => row_sum(inputs, out),
         Kernel::RowCenteredSquareSum { n } => row_centered_square_sum(inputs, out, n),
@@ -684,10 +693,26 @@ enum Rotation {
 /// turns the other way: (dy1 cos + dy2 sin, dy2 cos - dy1 sin).
 fn rotary(inputs: &[&View], out: &mut ViewMut, heads: u64, theta: f64, rotation: Rotation) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
+    rotate(x, out, heads, rotation, |seq, d| Ok(optimus_plan::rotary::Table::new(seq, d, theta)?))
+}
+
+/// [`rotary`] of x with the angles of `table(seq, d)`: row r of each sequence turns by the table's row
+/// r mod seq (positions 0..seq for [`Kernel::Rotary`], a decoding step's positions for
+/// [`Kernel::RotaryAt`]).
+fn rotate(
+    x: &View,
+    out: &mut ViewMut,
+    heads: u64,
+    rotation: Rotation,
+    table: impl FnOnce(usize, usize) -> Result<optimus_plan::rotary::Table, KernelError>,
+) -> Result<(), KernelError> {
     same_shape("the output", &out.shape, &x.shape)?;
     let (_, seq, width) = batch_matrix(&x.shape, "x")?;
     let d = optimus_plan::rotary::head_size(width, heads)?;
-    let table = optimus_plan::rotary::Table::new(seq, d, theta)?;
+    let table = table(seq, d)?;
+    require(table.cos.len() == seq * table.half && table.sin.len() == table.cos.len(), || {
+        KernelError::Internal(format!("a rotary table of {} angles for {seq} rows", table.cos.len()))
+    })?;
     let sign = if rotation == Rotation::Forward { 1.0f32 } else { -1.0 };
     let xv = floats(x, "x")?;
     let y = floats_mut(out)?;
@@ -1036,18 +1061,25 @@ fn position_dims(table: &[u64], seq_shape: &[u64], what: &str) -> Result<(usize,
 
 fn position_lookup(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [table] = args(inputs)?;
+    position_rows(table, out, 0)
+}
+
+/// out[.., p, :] = table[start + p, :] for p < seq (f32 or bf16 rows, moved as they are).
+fn position_rows(table: &View, out: &mut ViewMut, start: usize) -> Result<(), KernelError> {
     let (s, w) = position_dims(&table.shape, &out.shape, "the output")?;
-    fn repeat<T: Copy>(tv: &[T], y: &mut [T], n: usize) -> Result<(), KernelError> {
-        let first = tv.get(..n).ok_or_else(|| KernelError::Invalid("the table is smaller than its shape".into()))?;
+    fn repeat<T: Copy>(tv: &[T], y: &mut [T], (start, n): (usize, usize)) -> Result<(), KernelError> {
+        let rows = start.checked_add(n).and_then(|end| tv.get(start..end));
+        let rows = rows.ok_or_else(|| KernelError::Invalid("the table is smaller than its shape".into()))?;
         for block in y.chunks_exact_mut(n.max(1)) {
-            block.copy_from_slice(first);
+            block.copy_from_slice(rows);
         }
         Ok(())
     }
+    let at = (start.saturating_mul(w), s * w);
     match (table.data, &mut out.data) {
-        (ViewData::F32(t), ViewMutData::F32(y)) => repeat(t, y, s * w),
+        (ViewData::F32(t), ViewMutData::F32(y)) => repeat(t, y, at),
         // bf16 rows are moved as they are.
-        (ViewData::Bf16(t), ViewMutData::Bf16(y)) => repeat(t, y, s * w),
+        (ViewData::Bf16(t), ViewMutData::Bf16(y)) => repeat(t, y, at),
         _ => Err(KernelError::TableAndOutput),
     }
 }

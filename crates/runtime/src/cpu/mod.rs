@@ -45,8 +45,9 @@ pub fn return_freed_memory_promptly() {
 }
 
 /// Whether a kernel runs on bf16 buffers as they are: kernels that only move elements (reshape,
-/// transpose, select, slice, the embedding and position lookups) move their bits between bf16 buffers
-/// without widening them to f32 and back (which is exact anyway), and a fill writes bf16 directly.
+/// transpose, select, slice, the embedding and position lookups, a decoding step's included) move
+/// their bits between bf16 buffers without widening them to f32 and back (which is exact anyway), and
+/// a fill writes bf16 directly.
 fn runs_on_bf16_bits(kernel: &Kernel, inputs: &[&View], out: &ViewMut) -> bool {
     let moves = matches!(
         kernel,
@@ -57,6 +58,7 @@ fn runs_on_bf16_bits(kernel: &Kernel, inputs: &[&View], out: &ViewMut) -> bool {
             | Kernel::SliceShard { .. }
             | Kernel::EmbeddingLookup { .. }
             | Kernel::PositionLookup
+            | Kernel::PositionLookupAt
             | Kernel::Fill { .. }
     );
     let floats_are_bf16 = inputs.iter().all(|v| matches!(v.data, ViewData::Bf16(_) | ViewData::I32(_)));
@@ -92,6 +94,11 @@ fn bf16_in_pieces(
             bf16::by_rows_at(refs, out, &[true], &rows)
         }
         Kernel::SumToLast => Some(bf16::sum_to_last(refs, out)),
+        // A cache write rounds, widens or moves each element of the step's rows itself: widening the
+        // whole cache would cost its every row, each step.
+        Kernel::CacheWrite { .. } => Some(run(refs, out)),
+        // Only the cache rows the step attends to are widened.
+        Kernel::CachedAttention { .. } => Some(kernels::cached_attention_on_prefix(refs, out, &run)),
         Kernel::PositionGrad => Some(bf16::position_grad(refs, out)),
         Kernel::LayerNormGradWeight { n, eps } => Some(bf16::layer_norm_grad_weight(refs, out, *n, *eps)),
         Kernel::EmbeddingGrad { offset, masked, padding } => {

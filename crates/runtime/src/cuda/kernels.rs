@@ -160,9 +160,31 @@ impl Launcher {
     }
 }
 
-/// The launcher of each plan kernel (an exhaustive match: a new [`Kernel`] does not compile without one).
+/// Whether a plan kernel runs on the CPU backend only (the key/value cache kernels of text generation):
+/// it has no launcher here, and [`CudaKernels::run`] refuses it.
+pub fn cpu_only(kernel: &Kernel) -> bool {
+    matches!(
+        kernel,
+        Kernel::RotaryAt { .. } | Kernel::PositionLookupAt | Kernel::CacheWrite { .. } | Kernel::CachedAttention { .. }
+    )
+}
+
+/// The error of a [`cpu_only`] kernel.
+pub fn cpu_only_error(kernel: &Kernel) -> KernelError {
+    KernelError::Unsupported {
+        kernel: kernel.name(),
+        why: "has no CUDA kernel: the key/value cache of text generation runs on the CPU backend only (`--backend cpu`)",
+    }
+}
+
+/// The launcher of each plan kernel (an exhaustive match: a new [`Kernel`] does not compile without one);
+/// none for the [`cpu_only`] kernels.
 pub fn launcher(kernel: &Kernel) -> Launcher {
     match kernel {
+        Kernel::RotaryAt { .. }
+        | Kernel::PositionLookupAt
+        | Kernel::CacheWrite { .. }
+        | Kernel::CachedAttention { .. } => Launcher::kernels(&[]),
         Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO_BLOCKS]),
         Kernel::BiasAdd => Launcher::kernels(&[BIAS_ADD]),
         Kernel::Add => Launcher::kernels(&[ADD]),
@@ -2081,7 +2103,9 @@ impl CudaKernels {
         out: &mut DeviceTensor,
         ctx: &KernelContext,
     ) -> Result<(), KernelError> {
-        let result = if bf16::involved(inputs, out) {
+        let result = if cpu_only(kernel) {
+            Err(cpu_only_error(kernel))
+        } else if bf16::involved(inputs, out) {
             bf16::run(self, kernel, inputs, out, ctx)
         } else {
             self.dispatch(kernel, inputs, out, ctx)
@@ -2178,6 +2202,10 @@ impl CudaKernels {
                 kernel: "the optimizer step",
                 why: "is applied by `optimizer_step`, not `run`",
             }),
+            Kernel::RotaryAt { .. }
+            | Kernel::PositionLookupAt
+            | Kernel::CacheWrite { .. }
+            | Kernel::CachedAttention { .. } => Err(cpu_only_error(kernel)),
         }
     }
 
@@ -2273,6 +2301,24 @@ fn dropout<T: Elem>(
 mod tests {
     use super::*;
     use optimus_plan::logical::dropout_keep;
+
+    #[test]
+    fn the_key_value_cache_kernels_have_no_launcher_and_say_they_run_on_the_cpu() {
+        let kernels = [
+            Kernel::RotaryAt { heads: 2, theta: 10_000.0 },
+            Kernel::PositionLookupAt,
+            Kernel::CacheWrite { part: 1, parts: 3 },
+            Kernel::CachedAttention { heads: 4, kv_heads: 2, fused: false },
+        ];
+        for kernel in &kernels {
+            assert!(cpu_only(kernel));
+            let l = launcher(kernel);
+            assert!(l.functions.is_empty() && !l.cublas, "{kernel:?} has a launcher");
+            let message = KernelError::in_kernel(kernel, cpu_only_error(kernel)).to_string();
+            assert!(message.contains("runs on the CPU backend only"), "{message}");
+        }
+        assert!(!cpu_only(&Kernel::Rotary { heads: 2, theta: 10_000.0 }) && !cpu_only(&Kernel::PositionLookup));
+    }
 
     #[test]
     fn dropout_params_take_the_cpus_decisions() {

@@ -22,14 +22,14 @@ pub mod storage;
 use super::arena::ArenaLayout;
 use super::backend::{Backend, Exchanges, GpuLink, UpdateBuffers};
 use super::comm::CollectiveSpec;
-use super::error::RuntimeError;
+use super::error::{KernelError, RuntimeError};
 use super::settings::{KernelContext, OptimizerSettings};
 use cudarc::driver::{CudaContext, CudaStream};
 pub use error::DeviceError;
 use error::driver;
 use kernels::{CudaKernels, DeviceBuf};
 use optimus_plan::tensor::Tensor;
-use optimus_plan::{BufferId, Coords, Kernel, Mesh, Plan};
+use optimus_plan::{BufferId, Coords, Instr, Kernel, Mesh, Plan};
 use std::sync::Arc;
 use storage::DeviceArena;
 
@@ -159,7 +159,16 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    /// Refuses a plan with a kernel that runs on the CPU backend only (the key/value cache of text
+    /// generation) before allocating anything.
     fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<DeviceArena, RuntimeError> {
+        let cpu_only = plan.program.iter().find_map(|instr| match instr {
+            Instr::Kernel { kernel, .. } if kernels::cpu_only(kernel) => Some(kernel),
+            _ => None,
+        });
+        if let Some(kernel) = cpu_only {
+            return Err(RuntimeError::Kernel(KernelError::in_kernel(kernel, kernels::cpu_only_error(kernel))));
+        }
         DeviceArena::new(&self.stream, plan, layout)
     }
 
