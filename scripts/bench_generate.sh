@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# optimusc generate against Hugging Face generate (PyTorch eager, with its key/value cache), greedy, on the
+# optimusc generate (with its key/value cache) against Hugging Face generate (PyTorch eager, with its cache), greedy, on the
 # same threads: tokens/s of 64 new tokens after prompts of 8, 64 and 192 tokens, GPT-2 shaped
 # (layers/hidden/heads 4/256/8, vocab 50257, context 256), one JSON line per run, ROUNDS rounds.
 # Usage: scripts/bench_generate.sh [ROUNDS] > results.jsonl (not part of the test suite).
@@ -38,7 +38,7 @@ import json, sys
 ours, theirs, prompt, round_, cpu, threads, date, _ = sys.argv[1:]
 ours = json.loads(ours)
 rate, ids = theirs.split()
-print(json.dumps({"prompt_tokens": int(prompt), "new_tokens": 64, "round": int(round_), "cpu": cpu, "threads": int(threads),
+print(json.dumps({"prompt_tokens": int(prompt), "new_tokens": 64, "kv_cache": True, "round": int(round_), "cpu": cpu, "threads": int(threads),
                   "date": date, "optimusc_tokens_per_s": ours["tokens_per_s"], "hf_tokens_per_s": float(rate),
                   "same_tokens": ",".join(map(str, ours["ids"])) == ids}))
 PY
