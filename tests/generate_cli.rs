@@ -297,3 +297,16 @@ fn a_plan_generates_as_its_model_does() {
     assert!(String::from_utf8_lossy(&conflicting.stderr).contains("--mesh 2x2 (the plan is for a 1x2 mesh)"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// One new token after prompts of one length is one forward pass (no cache to keep); and an
+/// end-of-text token chosen by the prefill ends the run after one decode step that chooses nothing.
+#[test]
+fn one_new_token_and_an_end_of_text_first_token_end_the_run() {
+    let one = records(&["--prompt-ids", "464,2068,7586", "--max-new-tokens", "1"]);
+    let more = records(&["--prompt-ids", "464,2068,7586", "--max-new-tokens", "3"]);
+    assert_eq!(one[0]["generated"].as_array().map(Vec::len), Some(1));
+    assert_eq!(one[0]["generated"][0], more[0]["generated"][0]);
+    let first = more[0]["generated"][0].as_u64().expect("an id").to_string();
+    let stopped = records(&["--prompt-ids", "464,2068,7586", "--max-new-tokens", "3", "--eos", &first]);
+    assert_eq!((stopped[0]["new_tokens"].as_u64(), stopped[0]["finish"].as_str()), (Some(1), Some("eos")));
+}

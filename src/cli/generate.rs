@@ -367,8 +367,12 @@ impl Programs {
                 args.max_new_tokens
             )));
         }
-        if let Some(why) = cache_refused(args)? {
+        // One position to run in all (one new token after prompts of one length): one forward pass.
+        let one_pass = positions == shortest;
+        if let Some(why) = cache_refused(args)?.filter(|_| !one_pass) {
             eprintln_safe!("note: {why}; generating without a key/value cache (each step recomputes the sequence)");
+        }
+        if one_pass || cache_refused(args)?.is_some() {
             let (main, vocab) = logits_plan(args, (batch, positions), None)?;
             return Ok(Programs { main, prefill: None, first_len: positions, positions, vocab });
         }
@@ -645,7 +649,9 @@ impl Generation {
             state.logits[r].push(values[token as usize]);
             state.ended[r] = Some(token) == self.eos || new + 1 >= self.max_new_tokens;
         }
-        if state.ended.iter().all(|&e| e) {
+        // The prefill step never ends the run: its device hands over to the decode program, which
+        // runs at least once (a step whose rows have all ended chooses nothing).
+        if state.ended.iter().all(|&e| e) && (step > 0 || !self.cached) {
             ALL_ENDED.store(true, Ordering::Relaxed);
         }
         Ok(())
