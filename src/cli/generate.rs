@@ -438,7 +438,11 @@ fn logits_plan(args: &GenerateArgs, (batch, seq): (u64, u64), cache: Option<u64>
     }
     let (model, source) = super::load_checked(&args.model, &overrides).ok_or_else(Failure::reported)?;
     let mut model = match cache {
-        Some(context) => optimus::decode::with_cache(&model, context).map_err(|e| Failure::usage(e.to_string()))?,
+        Some(context) => {
+            let step = optimus::decode::with_cache(&model, context).map_err(|e| Failure::usage(e.to_string()))?;
+            // The prefill chooses from its last position alone: the head runs on that one.
+            optimus::decode::last_position_head(&step).unwrap_or(step)
+        }
         None => model,
     };
     let cross_entropy = model.loss.filter(|&l| matches!(model.graph[l].op, optimus::ir::Op::CrossEntropy));
@@ -450,7 +454,7 @@ fn logits_plan(args: &GenerateArgs, (batch, seq): (u64, u64), cache: Option<u64>
     };
     let sizes = model.graph[logits].ty.sizes();
     let vocab = match sizes.as_slice() {
-        [b, s, v] if *b == batch && *s == seq => *v,
+        [b, s, v] if *b == batch && (*s == seq || (*s == 1 && cache.is_some())) => *v,
         _ => return Err(Failure::usage(format!("the logits have shape {sizes:?}, not [batch, seq, vocabulary]"))),
     };
     let span = model.outputs.first().map(|o| o.span).unwrap_or_default();
@@ -637,8 +641,10 @@ impl Generation {
             .filter(|&r| !state.ended[r])
             .filter(|&r| !self.cached || state.rows[r].len() as u64 == start + count)
             .collect();
+        // The logits hold the step's last `padded_count` positions (all of them, or the last one).
+        let first_held = start + count - padded_count.min(count);
         let wanted: Vec<u64> =
-            choosing.iter().map(|&r| r as u64 * padded_count + state.rows[r].len() as u64 - 1 - start).collect();
+            choosing.iter().map(|&r| r as u64 * padded_count + state.rows[r].len() as u64 - 1 - first_held).collect();
         let rows = optimus::plan::init::gather_rows(&blocks, buffer, self.mesh, &wanted).map_err(|e| e.to_string())?;
         let vocab = self.vocab as usize;
         for (&r, logits) in choosing.iter().zip(&rows) {

@@ -116,3 +116,71 @@ fn first_input_origin(model: &Model) -> Origin {
         .find(|n| matches!(n.op, Op::Input { .. }))
         .map_or_else(|| Origin { span: Default::default(), scope: String::new() }, |n| n.origin.clone())
 }
+
+/// The model with its language-model head applied to the last of the step's positions only: the
+/// loss `cross_entropy(head(x), targets)` becomes `cross_entropy(head(x[.., last, :]), targets[..,
+/// last])`, each kept as a sequence of one position. What a prefill step needs: only the last
+/// position's logits choose the next token, and the head over every position (vocabulary x hidden
+/// per position) would cost more than the rest of a short model. `None` when the loss is not a
+/// cross-entropy of a linear's output that nothing else reads, or the step has one position.
+pub fn last_position_head(model: &Model) -> Option<Model> {
+    let loss = model.loss.filter(|&l| model.graph[l].op == Op::CrossEntropy)?;
+    let [logits, targets] = model.operands(loss)[..] else { return None };
+    let Op::Linear { .. } = model.graph[logits].op else { return None };
+    let readers = |n: NodeIndex| model.graph.neighbors_directed(n, petgraph::Direction::Outgoing).count();
+    let outputs_read = |n: NodeIndex| model.outputs.iter().any(|o| o.node == n);
+    if readers(logits) != 1 || readers(loss) != 0 || outputs_read(logits) {
+        return None;
+    }
+    let head_operands = model.operands(logits);
+    let x = *head_operands.first()?;
+    let x_shape = &model.graph[x].ty.shape;
+    let rank = x_shape.len();
+    let seq = x_shape.get(rank.checked_sub(2)?)?.size;
+    if seq <= 1 || model.graph[targets].ty.shape.len() != rank - 1 {
+        return None;
+    }
+    let mut graph: DiGraph<Node, u8> = DiGraph::with_capacity(model.graph.node_count() + 4, 0);
+    let mut map: Vec<Option<NodeIndex>> = vec![None; model.graph.node_count()];
+    for old in model.graph.node_indices().filter(|&n| n != logits && n != loss) {
+        let new = graph.add_node(model.graph[old].clone());
+        for (k, operand) in model.operands(old).iter().enumerate() {
+            graph.add_edge(map[operand.index()]?, new, u8::try_from(k).ok()?);
+        }
+        map[old.index()] = Some(new);
+    }
+    let last = |graph: &mut DiGraph<Node, u8>, of: NodeIndex| -> Option<NodeIndex> {
+        let node = &model.graph[of];
+        let dim = node.ty.shape.len() - if node.ty.shape.len() == rank { 2 } else { 1 };
+        let mut selected = node.ty.clone();
+        selected.shape.remove(dim);
+        let select = Op::Select { dim, index: seq - 1 };
+        let s = graph.add_node(Node { op: select, ty: selected, origin: model.graph[logits].origin.clone() });
+        graph.add_edge(map[of.index()]?, s, 0);
+        let mut kept = node.ty.clone();
+        kept.shape[dim] = Dim::new(1, None);
+        let r = graph.add_node(Node { op: Op::Reshape, ty: kept, origin: model.graph[logits].origin.clone() });
+        graph.add_edge(s, r, 0);
+        Some(r)
+    };
+    let x_last = last(&mut graph, x)?;
+    let targets_last = last(&mut graph, targets)?;
+    let mut head = model.graph[logits].clone();
+    head.ty.shape[rank - 2] = Dim::new(1, None);
+    let new_logits = graph.add_node(head);
+    graph.add_edge(x_last, new_logits, 0);
+    for (k, operand) in head_operands.iter().enumerate().skip(1) {
+        graph.add_edge(map[operand.index()]?, new_logits, u8::try_from(k).ok()?);
+    }
+    let new_loss = graph.add_node(model.graph[loss].clone());
+    graph.add_edge(new_logits, new_loss, 0);
+    graph.add_edge(targets_last, new_loss, 1);
+    map[loss.index()] = Some(new_loss);
+    let mut step = model.clone();
+    step.graph = graph;
+    for output in &mut step.outputs {
+        output.node = map[output.node.index()]?;
+    }
+    step.loss = Some(new_loss);
+    Some(step)
+}

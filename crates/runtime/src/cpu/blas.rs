@@ -77,6 +77,15 @@ type Sgemm = unsafe extern "C" fn(
     c_int,
 );
 
+/// `cblas_sgemv(order, trans, m, n, alpha, a, lda, x, incx, beta, y, incy)`.
+type Sgemv =
+    unsafe extern "C" fn(c_int, c_int, c_int, c_int, f32, *const f32, c_int, *const f32, c_int, f32, *mut f32, c_int);
+
+/// Products of at most this many rows go through matrix-vector products, one per row: sgemm packs
+/// the whole right operand first, which for one row (a decoding step's LM head: its weight, 50 MB for
+/// GPT-2's vocabulary) costs more than the product.
+const GEMV_ROWS: usize = 2;
+
 const ROW_MAJOR: c_int = 101;
 const NO_TRANS: c_int = 111;
 const TRANS: c_int = 112;
@@ -87,6 +96,7 @@ const SEARCHED: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
 /// A loaded OpenBLAS: its product and what it calls itself.
 pub struct Blas {
     sgemm: Sgemm,
+    sgemv: Option<Sgemv>,
     description: String,
     /// Keeps the library mapped for as long as `sgemm` may be called (the process's life).
     _library: libloading::Library,
@@ -129,6 +139,7 @@ fn load(name: &str) -> Result<Blas, String> {
     // SAFETY: the symbols are looked up with the signatures OpenBLAS's cblas.h gives them.
     unsafe {
         let sgemm = *library.get::<Sgemm>(b"cblas_sgemm\0").map_err(|e| format!("no cblas_sgemm ({e})"))?;
+        let sgemv = library.get::<Sgemv>(b"cblas_sgemv\0").ok().map(|f| *f);
         let set_threads = *library
             .get::<unsafe extern "C" fn(c_int)>(b"openblas_set_num_threads\0")
             .map_err(|e| format!("not OpenBLAS: no openblas_set_num_threads ({e})"))?;
@@ -138,7 +149,7 @@ fn load(name: &str) -> Result<Blas, String> {
             Some(text) if !text.is_null() => CStr::from_ptr(text).to_string_lossy().trim().to_string(),
             _ => "OpenBLAS".to_string(),
         };
-        Ok(Blas { sgemm, description, _library: library })
+        Ok(Blas { sgemm, sgemv, description, _library: library })
     }
 }
 
@@ -180,6 +191,13 @@ impl Blas {
         let b = cblas_layout(k, n, rhs.row_stride(), rhs.col_stride());
         let (Some(ldc), Some((ta, lda)), Some((tb, ldb))) = (out, a, b) else { return false };
         let beta = if accumulate { 1.0 } else { 0.0 };
+        if m <= GEMV_ROWS
+            && let Some(sgemv) = self.sgemv
+            && rows_by_gemv(sgemv, (&dst, lhs, rhs), (tb, ldb), (alpha, beta))
+        {
+            BLAS_CALLS.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
         // SAFETY: each view's elements lie within its slice (faer checked that when it was made) and
         // the layouts describe exactly those elements; dst is the only mutable view and alone in its
         // rows and columns; OpenBLAS runs on this thread only (held to one thread at load).
@@ -206,6 +224,33 @@ impl Blas {
     }
 }
 
+/// dst = alpha * lhs * rhs + beta * dst, one row at a time as y = rhs^T x (rhs laid out `tb` with
+/// leading dimension `ldb`); `false` (nothing done) when a row or column stride is not a positive
+/// number cblas takes.
+fn rows_by_gemv(
+    sgemv: Sgemv,
+    (dst, lhs, rhs): (&MatMut<'_, f32>, MatRef<'_, f32>, MatRef<'_, f32>),
+    (tb, ldb): (c_int, c_int),
+    (alpha, beta): (f32, f32),
+) -> bool {
+    let (k, n) = (rhs.nrows(), rhs.ncols());
+    let positive = |stride: isize| c_int::try_from(stride).ok().filter(|&s| s > 0);
+    let (Some(incx), Some(incy)) = (positive(lhs.col_stride()), positive(dst.col_stride())) else { return false };
+    let (Ok(ki), Ok(ni)) = (c_int::try_from(k), c_int::try_from(n)) else { return false };
+    // Row-major [k, n] read transposed gives rhs^T x; its transpose stored [n, k] is read as it is.
+    let (trans, rows, cols) = if tb == NO_TRANS { (TRANS, ki, ni) } else { (NO_TRANS, ni, ki) };
+    let Ok(rows_out) = isize::try_from(dst.nrows()) else { return false };
+    for row in 0..rows_out {
+        let x = lhs.as_ptr().wrapping_offset(row * lhs.row_stride());
+        let y = dst.as_ptr_mut().wrapping_offset(row * dst.row_stride());
+        // SAFETY: as for `product`: the views' elements lie within their slices, rhs's layout (tb,
+        // ldb) and the rows' strides describe exactly those elements, and `dst` is the only view
+        // written, one row at a time on this thread.
+        unsafe { sgemv(ROW_MAJOR, trans, rows, cols, alpha, rhs.as_ptr(), ldb, x, incx, beta, y, incy) };
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,7 +266,14 @@ mod tests {
     #[test]
     fn products_equal_faer_where_openblas_is_present() {
         let Some(blas) = loaded() else { return };
-        let (m, k, n) = (37, 53, 29);
+        // 37 rows go through sgemm, 1 and 2 through a matrix-vector product per row.
+        for m in [37, 1, 2] {
+            products_equal_faer(blas, m);
+        }
+    }
+
+    fn products_equal_faer(blas: &Blas, m: usize) {
+        let (k, n) = (53, 29);
         let a: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5).collect();
         let b: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 17) as f32 / 17.0 - 0.5).collect();
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -247,7 +299,7 @@ mod tests {
             );
             assert!(blas.product(MatMut::from_row_major_slice_mut(&mut got, m, n), lhs, rhs, true, 0.5));
             let worst = expected.iter().zip(&got).map(|(e, g)| (e - g).abs()).fold(0.0f32, f32::max);
-            assert!(worst < 1e-5, "ta={ta} tb={tb}: differs by {worst}");
+            assert!(worst < 1e-5, "m={m} ta={ta} tb={tb}: differs by {worst}");
         }
     }
 }
