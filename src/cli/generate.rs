@@ -309,6 +309,7 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         stop: Some(all_ended),
         step_outputs: Some(Arc::clone(&generation) as Arc<dyn StepOutputs>),
         prefill: programs.prefill.clone().map(Arc::new),
+        final_state: false,
         ..RunConfig::new(args.seed, steps, no_optimizer())
     };
     args.backend.kind().check_available()?;

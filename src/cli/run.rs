@@ -498,6 +498,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         step_outputs: None,
         kernels_inline: None,
         prefill: None,
+        final_state: true,
     };
     let resumption = super::resume::resumption(args, &plan)?;
     let config = RunConfig {

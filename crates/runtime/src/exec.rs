@@ -65,6 +65,10 @@ pub struct RunConfig {
     /// then hands its parameters and its key/value caches over, block for block by name, to the run's
     /// plan, which runs the later steps. Both plans must lay those buffers out alike.
     pub prefill: Option<std::sync::Arc<Plan>>,
+    /// Whether the run hands back its final parameters, gradients and outputs, assembled into logical
+    /// tensors (every device's copied out and gathered: a model's size of copies). Generation, which
+    /// reads its outputs step by step, does without.
+    pub final_state: bool,
     /// On the CPU backend: whether each device thread runs its own kernels (`Some(true)`), hands them
     /// to the kernel pool (`Some(false)`), or `None`: as [`crate::cpu::par::devices_run_kernels_inline`]
     /// decides (calibration measures both).
@@ -129,6 +133,7 @@ impl RunConfig {
             step_outputs: None,
             kernels_inline: None,
             prefill: None,
+            final_state: true,
         }
     }
 
@@ -1010,17 +1015,22 @@ impl DeviceRun<'_> {
             Ok(done) => done,
             Err(e) => return self.finish(first, Err(e)),
         };
+        super::startup::mark("prefill step done");
         let carried = match carried_blocks(&mut first) {
             Ok(blocks) => blocks,
             Err(e) => return self.finish(first, Err(e.to_string())),
         };
+        super::startup::mark("parameters and caches read");
         let Device { backend, comm, .. } = first;
         let mut device = Device::with_parameters(plan, backend, comm, config.seed, &|_| false)?;
+        super::startup::mark("decode device made");
         let outcome = place_carried(&mut device, carried).map_err(|e| e.to_string()).and_then(|()| {
+            super::startup::mark("parameters and caches handed over");
             if stopped {
                 return Ok(records);
             }
             let (later, _) = self.steps(&mut device, 1)?;
+            super::startup::mark("decode steps done");
             Ok(records.into_iter().chain(later).collect())
         });
         self.finish(device, outcome)
@@ -1036,7 +1046,8 @@ impl DeviceRun<'_> {
         match outcome {
             Ok(records) => {
                 let profile = device.profile.take();
-                Ok((records, final_blocks(device)?, profile))
+                let blocks = if self.config.final_state { final_blocks(device)? } else { Default::default() };
+                Ok((records, blocks, profile))
             }
             Err(e) => {
                 if !device.in_flight.is_empty() {
@@ -1237,7 +1248,8 @@ fn final_blocks<B: Backend, C: Communicator>(mut device: Device<'_, B, C>) -> Re
     Ok((params, grads, outputs))
 }
 
-/// Assembles logical tensors from every device's blocks (in row-major device order).
+/// Assembles logical tensors from every device's blocks (in row-major device order); the step records
+/// alone when the devices kept no blocks ([`RunConfig::final_state`] off).
 pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, RuntimeError> {
     let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
     let mut out = RunOutput {
@@ -1247,6 +1259,11 @@ pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -
         outputs: BTreeMap::new(),
         profiles: Vec::new(),
     };
+    let kept =
+        |d: &(Vec<StepRecord>, DeviceBlocks)| d.1.0.len() == plan.params.len() && d.1.2.len() == plan.outputs.len();
+    if !per_device.iter().all(kept) {
+        return Ok(out);
+    }
     for (k, p) in plan.params.iter().enumerate() {
         let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.0[k]).collect();
         let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh).map_err(blocks_error)?;

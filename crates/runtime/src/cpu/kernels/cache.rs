@@ -105,6 +105,9 @@ pub(super) fn cached_attention(
     let layout = CachedAttentionLayout::new(&q.shape, &k.shape, &v.shape, heads, fused)?;
     same_shape("the output", &out.shape, &layout.out_shape(&q.shape))?;
     let start = start_of(position, layout.seq, layout.context)?;
+    if start == 0 && layout.seq > 1 {
+        return prefill(q, (k, v), out, heads, &layout);
+    }
     let step =
         Step { layout, start, q: floats(q, "q")?, k: floats(k, "the key cache")?, v: floats(v, "the value cache")? };
     let y = floats_mut(out)?;
@@ -117,6 +120,27 @@ pub(super) fn cached_attention(
         }
         Ok(())
     })
+}
+
+/// A step of several rows from position 0 (a prefill): the cache holds exactly its keys and values in
+/// rows 0..seq, and causal attention of q over the whole cache, top-left aligned, never reads a row
+/// past a query's own. It runs as [`super::attention`] does, in tiles of products, instead of a dot
+/// product per query row and head. A fused q is copied out of its qkv rows first.
+fn prefill(
+    q: &View,
+    (k, v): (&View, &View),
+    out: &mut ViewMut,
+    heads: (u64, u64),
+    layout: &CachedAttentionLayout,
+) -> Result<(), KernelError> {
+    let width = layout.heads * layout.d;
+    if layout.q_row == width {
+        return super::attention(&[q, k, v], out, heads, true, false);
+    }
+    let rows = floats(q, "q")?;
+    let queries: Vec<f32> = rows.chunks_exact(layout.q_row).flat_map(|row| &row[..width]).copied().collect();
+    let queries = Tensor::from_f32(&layout.out_shape(&q.shape), queries);
+    super::attention(&[&queries.view(), k, v], out, heads, true, false)
 }
 
 /// A cached attention's operands (checked against its layout) and the step's first position.
