@@ -86,3 +86,46 @@ fn live_buffers_never_share_words_and_the_arena_is_within_ten_percent_of_the_pea
     }
     println!("worst ratio {worst:.4}");
 }
+
+/// A decoding step of `seq` positions with caches of `context`, compiled as generate compiles its
+/// prefill (`seq` > 1, the head on the last position) and decode (`seq` = 1) programs.
+fn decoding_plan(file: &str, seq: u64, mesh: (u64, u64), strategy: Strategy) -> Plan {
+    let source = std::fs::read_to_string(file).expect("example exists");
+    let seq = seq.to_string();
+    let mut values = vec![("layers", "2"), ("hidden", "64"), ("heads", "4"), ("vocab", "97"), ("batch", "4")];
+    values.extend([("seq", seq.as_str()), ("context", "64")]);
+    if file.contains("llama") {
+        values.extend([("kv_heads", "2"), ("ffn", "96")]);
+    }
+    let overrides: Vec<Override> =
+        values.into_iter().map(|(name, value)| Override { name: name.into(), value: value.into() }).collect();
+    let checked = check_source(&source, &overrides);
+    let model = checked.model.unwrap_or_else(|| panic!("{file}: {:?}", checked.diagnostics));
+    let step = optimus::decode::with_cache(&model, 40).expect("a causal model");
+    let step = optimus::decode::last_position_head(&step).unwrap_or(step);
+    let target = Target {
+        mesh: Mesh::new(mesh.0, mesh.1),
+        strategy,
+        mode: Mode::Infer,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+    };
+    compile(&step, file, &source, target)
+        .unwrap_or_else(|d| panic!("{}", optimus::diag::render_plain(file, &source, &d)))
+}
+
+/// generate's prefill and decode programs place every parameter and cache at the same offsets, so a
+/// device's storage passes from one to the other without a copy; plans on another mesh do not.
+#[test]
+fn prefill_and_decode_programs_place_parameters_and_caches_alike() {
+    for file in ["examples/gpt2.opt", "examples/llama.opt"] {
+        for (mesh, strategy) in [((1, 1), Strategy::None), ((2, 2), Strategy::Optimus), ((1, 2), Strategy::Megatron)] {
+            let (prefill, decode) = (decoding_plan(file, 7, mesh, strategy), decoding_plan(file, 1, mesh, strategy));
+            let (pl, dl) = (arena::layout(&prefill), arena::layout(&decode));
+            assert!(arena::places_alike((&prefill, &pl), (&decode, &dl)), "{file} {mesh:?}");
+            assert!(prefill.buffers.iter().any(|b| b.role == optimus::plan::Role::Cache));
+        }
+        let (one, four) =
+            (decoding_plan(file, 1, (1, 1), Strategy::None), decoding_plan(file, 1, (2, 2), Strategy::Optimus));
+        assert!(!arena::places_alike((&one, &arena::layout(&one)), (&four, &arena::layout(&four))), "{file}");
+    }
+}

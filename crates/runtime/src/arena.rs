@@ -107,7 +107,7 @@ pub fn layout(plan: &Plan) -> ArenaLayout {
     let spans = lifetimes(plan);
     let mut offsets = vec![None; plan.buffers.len()];
     let mut base = 0;
-    for b in plan.buffers.iter().filter(|b| persistent(b.role)) {
+    for b in persistent_in_order(plan) {
         offsets[b.id.0 as usize] = Some(base);
         base += aligned(words(b));
     }
@@ -128,6 +128,40 @@ pub fn layout(plan: &Plan) -> ArenaLayout {
         total = total.max(offset + size);
     }
     ArenaLayout { offsets, total }
+}
+
+/// The persistent buffers in the order the arena places them: the parameters (in the plan's order),
+/// then the key/value caches, then the rest (optimizer state, inputs), each in buffer order. Two plans
+/// of one model on one mesh (a generation's prefill and decode programs) thus place their parameters
+/// and caches at the same offsets, and a device's storage can pass from one to the other whole
+/// ([`HostArena::relayout`]).
+fn persistent_in_order(plan: &Plan) -> Vec<&Buffer> {
+    let mut order: Vec<&Buffer> = plan.params.iter().map(|p| plan.buffer(p.buffer)).collect();
+    let placed: std::collections::HashSet<_> = order.iter().map(|b| b.id).collect();
+    let rest = plan.buffers.iter().filter(|b| persistent(b.role) && !placed.contains(&b.id));
+    let (caches, others): (Vec<&Buffer>, Vec<&Buffer>) = rest.partition(|b| b.role == optimus_plan::Role::Cache);
+    order.extend(caches);
+    order.extend(others);
+    order
+}
+
+/// Whether `to` places every parameter and key/value cache of `from` (matched by name) at the same
+/// offset, with the same size and element type: then `from`'s storage serves `to` as it is.
+pub fn places_alike(from: (&Plan, &ArenaLayout), to: (&Plan, &ArenaLayout)) -> bool {
+    let carried = |plan: &Plan| -> Vec<BufferId> {
+        let caches = plan.buffers.iter().filter(|b| b.role == optimus_plan::Role::Cache).map(|b| b.id);
+        plan.params.iter().map(|p| p.buffer).chain(caches).collect()
+    };
+    let placed = |(plan, layout): (&Plan, &ArenaLayout), id: BufferId| {
+        let b = plan.buffer(id);
+        (b.name.clone(), layout.offsets.get(id.0 as usize).copied().flatten(), words(b), Elem::of(b.dtype))
+    };
+    let (ours, theirs) = (carried(from.0), carried(to.0));
+    ours.len() == theirs.len()
+        && ours.iter().zip(&theirs).all(|(&a, &b)| {
+            let (a, b) = (placed(from, a), placed(to, b));
+            a.1.is_some() && a == b
+        })
 }
 
 /// The start of the smallest gap of at least `size` words above `base` among the regions of `placed`
@@ -171,6 +205,12 @@ pub struct HostArena {
 impl HostArena {
     /// Allocates the arena (zeroed) for `plan` as `layout` places its buffers.
     pub fn new(plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, RuntimeError> {
+        let regions = HostArena::regions(plan, layout)?;
+        Ok(HostArena { words: vec![0.0; layout.total], regions })
+    }
+
+    /// Every buffer's region as `layout` places it, each checked to end within the arena.
+    fn regions(plan: &Plan, layout: &ArenaLayout) -> Result<Vec<Option<Region>>, RuntimeError> {
         let regions = plan
             .buffers
             .iter()
@@ -183,7 +223,17 @@ impl HostArena {
         if let Some(r) = regions.iter().flatten().find(|r| r.offset + r.len > layout.total) {
             return Err(StorageError::PastEnd { buffer: r.name.clone() }.into());
         }
-        Ok(HostArena { words: vec![0.0; layout.total], regions })
+        Ok(regions)
+    }
+
+    /// The arena laid out for another plan, keeping its words: the buffers both plans place alike
+    /// ([`places_alike`]) keep their contents; the arena grows (zero-filled) or shrinks to the new
+    /// total.
+    pub fn relayout(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<(), RuntimeError> {
+        let fresh = HostArena::regions(plan, layout)?;
+        self.regions = fresh;
+        self.words.resize(layout.total, 0.0);
+        Ok(())
     }
 
     /// Words allocated.

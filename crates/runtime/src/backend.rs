@@ -42,6 +42,18 @@ pub trait Backend: Send {
     fn name(&self) -> &'static str;
     /// Allocates one device's storage for `plan`, laid out as `layout` says (zero-filled).
     fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<Self::Storage, RuntimeError>;
+    /// Lays `storage` out for another plan in place, keeping the contents of the buffers both plans
+    /// place alike ([`crate::arena::places_alike`]); `false` (nothing done) where the backend cannot,
+    /// and the caller copies instead.
+    fn relayout(
+        &mut self,
+        storage: &mut Self::Storage,
+        plan: &Plan,
+        layout: &ArenaLayout,
+    ) -> Result<bool, RuntimeError> {
+        let _ = (storage, plan, layout);
+        Ok(false)
+    }
     /// Copies a host tensor into a buffer.
     fn upload(&mut self, storage: &mut Self::Storage, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError>;
     /// A host copy of a buffer.

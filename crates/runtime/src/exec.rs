@@ -62,8 +62,8 @@ pub struct RunConfig {
     /// this step's outputs (generation).
     pub step_outputs: Option<std::sync::Arc<dyn StepOutputs>>,
     /// A plan that runs step 0 instead of the run's plan (generation's prefill program): each device
-    /// then hands its parameters and its key/value caches over, block for block by name, to the run's
-    /// plan, which runs the later steps. Both plans must lay those buffers out alike.
+    /// then passes its storage, parameters and key/value caches in place, to the run's plan, which
+    /// runs the later steps. Both plans must place those buffers alike (`arena::places_alike`).
     pub prefill: Option<std::sync::Arc<Plan>>,
     /// Whether the run hands back its final parameters, gradients and outputs, assembled into logical
     /// tensors (every device's copied out and gathered: a model's size of copies). Generation, which
@@ -275,25 +275,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         drawn: &dyn Fn(&optimus_plan::PlanParam) -> bool,
     ) -> Result<Device<'p, B, C>, RuntimeError> {
         let storage = backend.allocate(plan, &arena::layout(plan))?;
-        let alive = vec![false; plan.buffers.len()];
-        let mut device = Device {
-            plan,
-            backend,
-            comm,
-            seed,
-            step_seed: seed,
-            storage,
-            alive,
-            profile: None,
-            grad_sums: BTreeMap::new(),
-            deferred_sums: BTreeMap::new(),
-            phases: StepPhases::of(plan),
-            clip_grad_norm: None,
-            grad_norm: None,
-            in_flight: Vec::new(),
-            position: 0,
-            last_wait: None,
-        };
+        let mut device = Device::on_storage(plan, backend, comm, seed, storage);
         let coords = device.coords();
         for p in &plan.params {
             let meta = plan.buffer(p.buffer);
@@ -311,6 +293,49 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             device.alive[b.id.0 as usize] = true;
         }
         Ok(device)
+    }
+
+    /// A device of `plan` on storage already laid out for it, with no buffer alive.
+    fn on_storage(plan: &'p Plan, backend: B, comm: C, seed: u64, storage: B::Storage) -> Device<'p, B, C> {
+        Device {
+            plan,
+            backend,
+            comm,
+            seed,
+            step_seed: seed,
+            storage,
+            alive: vec![false; plan.buffers.len()],
+            profile: None,
+            grad_sums: BTreeMap::new(),
+            deferred_sums: BTreeMap::new(),
+            phases: StepPhases::of(plan),
+            clip_grad_norm: None,
+            grad_norm: None,
+            in_flight: Vec::new(),
+            position: 0,
+            last_wait: None,
+        }
+    }
+
+    /// This device's storage passed whole to `next`, a plan that places every parameter and key/value
+    /// cache as this one does (a generation's decode program after its prefill): those buffers keep
+    /// their contents and stay alive, nothing is copied. `Err(self)` where the plans place them
+    /// differently or the backend cannot lay its storage out again (the caller copies instead).
+    pub fn succeeded_by<'q>(mut self, next: &'q Plan) -> Result<Result<Device<'q, B, C>, Self>, RuntimeError> {
+        let layout = arena::layout(next);
+        if !arena::places_alike((self.plan, &arena::layout(self.plan)), (next, &layout))
+            || !self.in_flight.is_empty()
+            || !self.backend.relayout(&mut self.storage, next, &layout)?
+        {
+            return Ok(Err(self));
+        }
+        let Device { backend, comm, seed, storage, .. } = self;
+        let mut device = Device::on_storage(next, backend, comm, seed, storage);
+        let caches = next.buffers.iter().filter(|b| b.role == Role::Cache).map(|b| b.id);
+        for id in next.params.iter().map(|p| p.buffer).chain(caches) {
+            device.alive[id.0 as usize] = true;
+        }
+        Ok(Ok(device))
     }
 
     pub fn coords(&self) -> Coords {
@@ -997,8 +1022,8 @@ impl DeviceRun<'_> {
         self.initial.contains_key(&p.name) || self.config.weights.is_some()
     }
 
-    /// Step 0 on the prefill plan, then the run's plan from step 1 with the prefill device's
-    /// parameters and caches.
+    /// Step 0 on the prefill plan, then the run's plan from step 1 on the same storage: the two plans
+    /// place the parameters and caches alike, so they pass on without a copy.
     fn on_after_prefill<B: Backend, C: Communicator>(
         &self,
         prefill: &Plan,
@@ -1016,24 +1041,23 @@ impl DeviceRun<'_> {
             Err(e) => return self.finish(first, Err(e)),
         };
         super::startup::mark("prefill step done");
-        let carried = match carried_blocks(&mut first) {
-            Ok(blocks) => blocks,
-            Err(e) => return self.finish(first, Err(e.to_string())),
-        };
-        super::startup::mark("parameters and caches read");
-        let Device { backend, comm, .. } = first;
-        let mut device = Device::with_parameters(plan, backend, comm, config.seed, &|_| false)?;
-        super::startup::mark("decode device made");
-        let outcome = place_carried(&mut device, carried).map_err(|e| e.to_string()).and_then(|()| {
-            super::startup::mark("parameters and caches handed over");
-            if stopped {
-                return Ok(records);
+        match first.succeeded_by(plan) {
+            Ok(Ok(mut device)) => {
+                super::startup::mark("storage passed to the decode program");
+                let outcome = if stopped {
+                    Ok(records)
+                } else {
+                    self.steps(&mut device, 1).map(|(later, _)| records.into_iter().chain(later).collect())
+                };
+                self.finish(device, outcome)
             }
-            let (later, _) = self.steps(&mut device, 1)?;
-            super::startup::mark("decode steps done");
-            Ok(records.into_iter().chain(later).collect())
-        });
-        self.finish(device, outcome)
+            Ok(Err(first)) => {
+                let why = "the decode program does not place the parameters and caches as the prefill program does, \
+                           or the backend cannot pass its storage on (an internal error)";
+                self.finish(first, Err(why.to_string()))
+            }
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// The device's result, or its failure told to its peers first: they may be waiting on collectives
@@ -1179,43 +1203,6 @@ impl DeviceRun<'_> {
         }
         Ok((records, false))
     }
-}
-
-/// The blocks a prefill device hands to the run's plan: every parameter's and every key/value
-/// cache's, by buffer name.
-fn carried_blocks<B: Backend, C: Communicator>(
-    device: &mut Device<'_, B, C>,
-) -> Result<Vec<(String, Tensor)>, RuntimeError> {
-    let plan = device.plan;
-    let carried = plan.buffers.iter().filter(|b| b.role == Role::Cache).map(|b| b.id);
-    let ids: Vec<BufferId> = plan.params.iter().map(|p| p.buffer).chain(carried).collect();
-    let mut blocks = Vec::with_capacity(ids.len());
-    for id in ids {
-        let name = plan.buffer(id).name.clone();
-        let block =
-            device.read(id)?.ok_or_else(|| RuntimeError::NotKept { what: "carried buffer", name: name.clone() })?;
-        blocks.push((name, block));
-    }
-    Ok(blocks)
-}
-
-/// Writes carried blocks into the buffers of the same name (parameters and caches) of the run's plan;
-/// every one of those must be given.
-fn place_carried<B: Backend, C: Communicator>(
-    device: &mut Device<'_, B, C>,
-    carried: Vec<(String, Tensor)>,
-) -> Result<(), RuntimeError> {
-    let plan = device.plan;
-    let mut by_name: BTreeMap<String, Tensor> = carried.into_iter().collect();
-    let wanted =
-        plan.params.iter().map(|p| p.buffer).chain(plan.buffers.iter().filter(|b| b.role == Role::Cache).map(|b| b.id));
-    for id in wanted.collect::<Vec<_>>() {
-        let name = &plan.buffer(id).name;
-        let block =
-            by_name.remove(name).ok_or_else(|| RuntimeError::NotKept { what: "carried buffer", name: name.clone() })?;
-        device.write(id, block)?;
-    }
-    Ok(())
 }
 
 /// What a device's failure tells its peers and the user: `device (i, j) failed: ...`.

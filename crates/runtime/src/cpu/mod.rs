@@ -124,6 +124,11 @@ impl Backend for CpuBackend {
         HostArena::new(plan, layout)
     }
 
+    fn relayout(&mut self, storage: &mut HostArena, plan: &Plan, layout: &ArenaLayout) -> Result<bool, RuntimeError> {
+        storage.relayout(plan, layout)?;
+        Ok(true)
+    }
+
     fn upload(&mut self, storage: &mut HostArena, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
         storage.write(id, tensor)
     }
