@@ -255,6 +255,9 @@ fn a_decoding_step_plan_counts_its_caches() {
     let too_long =
         optimusc(&["compile", "examples/gpt2.opt", "--set", "seq=16", "--max-context", "8", "-o", plan_path]);
     assert!(String::from_utf8_lossy(&too_long.stderr).contains("does not fit caches of --max-context 8"));
+    let run = optimusc(&["run", plan_path, "--steps", "1"]);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("is a decoding step with key/value caches"));
     let bert = optimusc(&["compile", "examples/bert.opt", "--max-context", "8", "-o", plan_path]);
     assert!(
         String::from_utf8_lossy(&bert.stderr).contains("is not causal"),

@@ -447,6 +447,15 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         check_appendable(path).map_err(|e| Failure::usage(format!("--log: {e}")))?;
     }
     let plan = plan_from(&args.input, &args.target)?;
+    if plan.buffers.iter().any(|b| b.role == optimus::plan::Role::Cache) {
+        return Err(Failure::usage(format!(
+            "`{}` is a decoding step with key/value caches (compile --max-context), whose `{}` input and caches \
+             follow a generation: run it with `optimusc generate {}`",
+            args.input.display(),
+            optimus::decode::POSITION_INPUT,
+            args.input.display()
+        )));
+    }
     let files = DataFiles {
         data: args.data.as_ref(),
         segments: args.inputs.segments.as_ref(),
