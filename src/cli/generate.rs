@@ -370,10 +370,11 @@ impl Programs {
         }
         // One position to run in all (one new token after prompts of one length): one forward pass.
         let one_pass = positions == shortest;
-        if let Some(why) = cache_refused(args)?.filter(|_| !one_pass) {
+        let refused = if one_pass { None } else { cache_refused(args)? };
+        if let Some(why) = &refused {
             eprintln_safe!("note: {why}; generating without a key/value cache (each step recomputes the sequence)");
         }
-        if one_pass || cache_refused(args)?.is_some() {
+        if one_pass || refused.is_some() {
             let (main, vocab) = logits_plan(args, (batch, positions), None)?;
             return Ok(Programs { main, prefill: None, first_len: positions, positions, vocab });
         }

@@ -184,3 +184,74 @@ pub fn last_position_head(model: &Model) -> Option<Model> {
     step.loss = Some(new_loss);
     Some(step)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::elab::Override;
+    use crate::ir::validate::validate_graph;
+
+    fn model(source: &str, seq: u64) -> Model {
+        let sets = [("layers", "2".to_string()), ("seq", seq.to_string()), ("context", "32".to_string())];
+        let overrides: Vec<Override> =
+            sets.into_iter().map(|(name, value)| Override { name: name.into(), value }).collect();
+        crate::front::check_source(source, &overrides).model.expect("the example checks")
+    }
+
+    const GPT2: &str = include_str!("../../../examples/gpt2.opt");
+    const LLAMA: &str = include_str!("../../../examples/llama.opt");
+
+    /// Every causal attention reads the position and caches `context` positions; position tables and
+    /// rotary embeddings read it too; the graph stays well formed and topologically ordered.
+    #[test]
+    fn a_step_reads_its_position_wherever_positions_matter() {
+        for source in [GPT2, LLAMA] {
+            let step = with_cache(&model(source, 4), 24).expect("a causal model");
+            assert!(validate_graph(&step.graph).is_empty(), "{:?}", validate_graph(&step.graph));
+            let position =
+                step.graph.node_indices().find(|&n| step.graph[n].op == Op::Input { name: POSITION_INPUT.into() });
+            let position = position.expect("a position input");
+            let mut cached = 0;
+            for n in step.graph.node_indices() {
+                let reads = step.operands(n).contains(&position);
+                match step.graph[n].op {
+                    Op::CachedAttention { context, .. } => {
+                        assert!(reads && context == 24);
+                        cached += 1;
+                    }
+                    Op::PositionEmbeddingAt | Op::RotaryAt { .. } => assert!(reads),
+                    Op::Attention { .. } | Op::PositionEmbedding | Op::Rotary { .. } => panic!("left uncached"),
+                    _ => assert!(!reads),
+                }
+                assert!(step.operands(n).iter().all(|o| o.index() < n.index()), "not in topological order");
+            }
+            assert_eq!(cached, 2);
+        }
+    }
+
+    /// The prefill's head reads the last position only, and so does its loss; a one-position step is
+    /// left as it is.
+    #[test]
+    fn the_prefill_head_reads_the_last_position() {
+        let step = with_cache(&model(GPT2, 5), 16).expect("a causal model");
+        let last = last_position_head(&step).expect("an LM head");
+        assert!(validate_graph(&last.graph).is_empty());
+        let loss = last.loss.expect("a loss");
+        let logits = last.operands(loss)[0];
+        assert_eq!(last.graph[logits].ty.sizes()[1], 1);
+        let selects: Vec<_> =
+            last.graph.node_indices().filter(|&n| last.graph[n].op == Op::Select { dim: 1, index: 4 }).collect();
+        assert_eq!(selects.len(), 2, "the head's input and the targets");
+        assert!(last_position_head(&with_cache(&model(GPT2, 1), 16).expect("a causal model")).is_none());
+    }
+
+    #[test]
+    fn models_a_cache_cannot_serve_are_refused_with_the_reason() {
+        let bert = include_str!("../../../examples/bert.opt");
+        let refusal = with_cache(&model(bert, 4), 8).expect_err("BERT is not causal");
+        assert!(refusal.to_string().contains("is not causal"), "{refusal}");
+        let manual = include_str!("../../../examples/gpt2_manual_attention.opt");
+        let refusal = with_cache(&model(manual, 4), 8).expect_err("no self_attention");
+        assert!(refusal.to_string().contains("causal_mask"), "{refusal}");
+    }
+}
