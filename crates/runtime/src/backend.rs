@@ -43,8 +43,8 @@ pub trait Backend: Send {
     /// Allocates one device's storage for `plan`, laid out as `layout` says (zero-filled).
     fn allocate(&mut self, plan: &Plan, layout: &ArenaLayout) -> Result<Self::Storage, RuntimeError>;
     /// Lays `storage` out for another plan in place, keeping the contents of the buffers both plans
-    /// place alike ([`crate::arena::places_alike`]); `false` (nothing done) where the backend cannot,
-    /// and the caller copies instead.
+    /// place alike ([`crate::arena::places_alike`]); `false` (nothing done) where the backend cannot
+    /// (the GPU backends: the key/value cache runs on the CPU only).
     fn relayout(
         &mut self,
         storage: &mut Self::Storage,

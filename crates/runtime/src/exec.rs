@@ -319,15 +319,15 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
 
     /// This device's storage passed whole to `next`, a plan that places every parameter and key/value
     /// cache as this one does (a generation's decode program after its prefill): those buffers keep
-    /// their contents and stay alive, nothing is copied. `Err(self)` where the plans place them
-    /// differently or the backend cannot lay its storage out again (the caller copies instead).
-    pub fn succeeded_by<'q>(mut self, next: &'q Plan) -> Result<Result<Device<'q, B, C>, Self>, RuntimeError> {
+    /// their contents and stay alive, nothing is copied. An internal error where the plans place them
+    /// differently, a collective is still in flight, or the backend cannot lay its storage out again.
+    pub fn succeeded_by<'q>(mut self, next: &'q Plan) -> Result<Device<'q, B, C>, RuntimeError> {
         let layout = arena::layout(next);
-        if !arena::places_alike((self.plan, &arena::layout(self.plan)), (next, &layout))
-            || !self.in_flight.is_empty()
-            || !self.backend.relayout(&mut self.storage, next, &layout)?
-        {
-            return Ok(Err(self));
+        let alike = arena::places_alike((self.plan, &arena::layout(self.plan)), (next, &layout));
+        if !alike || !self.in_flight.is_empty() || !self.backend.relayout(&mut self.storage, next, &layout)? {
+            let why = "the decode program cannot take over the prefill program's storage: they place the \
+                       parameters and caches differently, or the backend cannot lay its storage out again";
+            return Err(RuntimeError::Kernel(super::error::KernelError::Internal(why.into())));
         }
         let Device { backend, comm, seed, storage, .. } = self;
         let mut device = Device::on_storage(next, backend, comm, seed, storage);
@@ -335,7 +335,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         for id in next.params.iter().map(|p| p.buffer).chain(caches) {
             device.alive[id.0 as usize] = true;
         }
-        Ok(Ok(device))
+        Ok(device)
     }
 
     pub fn coords(&self) -> Coords {
@@ -1041,23 +1041,14 @@ impl DeviceRun<'_> {
             Err(e) => return self.finish(first, Err(e)),
         };
         super::startup::mark("prefill step done");
-        match first.succeeded_by(plan) {
-            Ok(Ok(mut device)) => {
-                super::startup::mark("storage passed to the decode program");
-                let outcome = if stopped {
-                    Ok(records)
-                } else {
-                    self.steps(&mut device, 1).map(|(later, _)| records.into_iter().chain(later).collect())
-                };
-                self.finish(device, outcome)
-            }
-            Ok(Err(first)) => {
-                let why = "the decode program does not place the parameters and caches as the prefill program does, \
-                           or the backend cannot pass its storage on (an internal error)";
-                self.finish(first, Err(why.to_string()))
-            }
-            Err(e) => Err(e.to_string()),
-        }
+        let mut device = first.succeeded_by(plan)?;
+        super::startup::mark("storage passed to the decode program");
+        let outcome = if stopped {
+            Ok(records)
+        } else {
+            self.steps(&mut device, 1).map(|(later, _)| records.into_iter().chain(later).collect())
+        };
+        self.finish(device, outcome)
     }
 
     /// The device's result, or its failure told to its peers first: they may be waiting on collectives
@@ -1070,6 +1061,7 @@ impl DeviceRun<'_> {
         match outcome {
             Ok(records) => {
                 let profile = device.profile.take();
+                // Without final state the run's output is its step records alone (`local::run`).
                 let blocks = if self.config.final_state { final_blocks(device)? } else { Default::default() };
                 Ok((records, blocks, profile))
             }
@@ -1235,22 +1227,17 @@ fn final_blocks<B: Backend, C: Communicator>(mut device: Device<'_, B, C>) -> Re
     Ok((params, grads, outputs))
 }
 
-/// Assembles logical tensors from every device's blocks (in row-major device order); the step records
-/// alone when the devices kept no blocks ([`RunConfig::final_state`] off).
+impl RunOutput {
+    /// A run's step records (and profiles) without its final tensors.
+    pub fn of_steps(steps: Vec<StepRecord>, profiles: Vec<Profile>) -> RunOutput {
+        RunOutput { steps, params: BTreeMap::new(), grads: BTreeMap::new(), outputs: BTreeMap::new(), profiles }
+    }
+}
+
+/// Assembles logical tensors from every device's blocks (in row-major device order).
 pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -> Result<RunOutput, RuntimeError> {
     let steps = per_device.first().map(|d| d.0.clone()).unwrap_or_default();
-    let mut out = RunOutput {
-        steps,
-        params: BTreeMap::new(),
-        grads: BTreeMap::new(),
-        outputs: BTreeMap::new(),
-        profiles: Vec::new(),
-    };
-    let kept =
-        |d: &(Vec<StepRecord>, DeviceBlocks)| d.1.0.len() == plan.params.len() && d.1.2.len() == plan.outputs.len();
-    if !per_device.iter().all(kept) {
-        return Ok(out);
-    }
+    let mut out = RunOutput::of_steps(steps, Vec::new());
     for (k, p) in plan.params.iter().enumerate() {
         let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.0[k]).collect();
         let full = gather_blocks(&blocks, plan.buffer(p.buffer), plan.mesh).map_err(blocks_error)?;

@@ -64,6 +64,10 @@ pub fn run(
         per_device.push((records, blocks));
         profiles.extend(profile);
     }
+    if !config.final_state {
+        let steps = per_device.into_iter().next().map(|d| d.0).unwrap_or_default();
+        return Ok(RunOutput::of_steps(steps, profiles));
+    }
     Ok(RunOutput { profiles, ..assemble(plan, per_device)? })
 }
 

@@ -156,13 +156,7 @@ impl MpiJob {
         let profiles: Vec<_> = profile.into_iter().collect();
         if !options.gather {
             let steps = if self.rank == 0 { records } else { Vec::new() };
-            let empty = RunOutput {
-                steps,
-                params: BTreeMap::new(),
-                grads: BTreeMap::new(),
-                outputs: BTreeMap::new(),
-                profiles,
-            };
+            let empty = RunOutput::of_steps(steps, profiles);
             return Ok((self.rank == 0).then_some(empty));
         }
         let gathered = gather_blocks(&comm.mesh_world, blocks).map_err(|e| e.to_string())?;
