@@ -295,6 +295,17 @@ fn a_plan_generates_as_its_model_does() {
     assert!(from_plan.status.success(), "{}", String::from_utf8_lossy(&from_plan.stderr));
     let ids = |out: &Output| -> Value { serde_json::from_slice::<Value>(&out.stdout).expect("JSON")["ids"].clone() };
     assert_eq!(ids(&from_plan), ids(&from_model));
+    // A plan whose model file is gone says so.
+    let moved = dir.join("gpt2.opt");
+    std::fs::copy("examples/gpt2.opt", &moved).expect("a copy of the model");
+    let moved_plan = dir.join("moved.json");
+    let moved_args = [&["compile", moved.to_str().expect("a UTF-8 path"), "--set", "seq=8"][..], &sets];
+    let compiled = optimusc(&[&moved_args.concat()[..], &["-o", moved_plan.to_str().expect("a UTF-8 path")]].concat());
+    assert!(compiled.status.success(), "{}", String::from_utf8_lossy(&compiled.stderr));
+    std::fs::remove_file(&moved).expect("the copy is removed");
+    let orphan = optimusc(&["generate", moved_plan.to_str().expect("a UTF-8 path"), "--prompt-ids", "3"]);
+    assert_eq!(orphan.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&orphan.stderr).contains("which is not here"));
     let conflicting = optimusc(&["generate", plan_path, "--mesh", "2x2", "--prompt-ids", "3"]);
     assert_eq!(conflicting.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&conflicting.stderr).contains("--mesh 2x2 (the plan is for a 1x2 mesh)"));

@@ -299,9 +299,8 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         .as_ref()
         .filter(|_| prompts.len() == 1 && !args.json)
         .map(|t| Streamer::start(Arc::clone(t), &prompts[0]));
-    let steps = programs.steps(args.max_new_tokens);
-    let generation =
-        Arc::new(Generation::new(&programs, (prompts, asked), args.max_new_tokens, (sampling, eos), stream)?);
+    let steps = programs.schedule.steps();
+    let generation = Arc::new(Generation::new(&programs, (prompts, asked), (sampling, eos), stream)?);
     let config = RunConfig {
         timeout: Duration::from_secs_f64(args.timeout),
         backend: args.backend.kind(),
@@ -343,11 +342,36 @@ struct Programs {
     /// What every step after the first runs (every step without a cache).
     main: Plan,
     prefill: Option<Plan>,
+    schedule: Schedule,
+    vocab: u64,
+}
+
+/// Which positions each step of a generation runs.
+#[derive(Clone, Copy, Debug)]
+struct Schedule {
+    /// Whether the steps after the first decode one position each with a key/value cache.
+    cached: bool,
     /// Positions the first step processes: the shortest prompt's (cache), the padded sequence (none).
     first_len: u64,
     /// Positions the whole generation needs: the longest prompt and the new tokens but the last.
     positions: u64,
-    vocab: u64,
+    max_new_tokens: u64,
+}
+
+impl Schedule {
+    /// Steps that generate `max_new_tokens` after every prompt (fewer when all end early).
+    fn steps(self) -> u64 {
+        if self.cached { 1 + self.positions - self.first_len } else { self.max_new_tokens }
+    }
+
+    /// The first position and the number of positions step `step` processes.
+    fn positions_of(self, step: u64) -> (u64, u64) {
+        match (self.cached, step) {
+            (true, 0) => (0, self.first_len),
+            (true, s) => (self.first_len + s - 1, 1),
+            (false, _) => (0, self.positions),
+        }
+    }
 }
 
 impl Programs {
@@ -359,7 +383,8 @@ impl Programs {
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(1) as u64;
         let shortest = prompts.iter().map(Vec::len).min().unwrap_or(1) as u64;
         let positions = longest + args.max_new_tokens - 1;
-        check_context(args, positions.max(args.max_context.unwrap_or(0)))?;
+        let probe = probe_model(args)?;
+        check_context(args, &probe, positions.max(args.max_context.unwrap_or(0)))?;
         let context = args.max_context.unwrap_or(positions);
         if context < positions {
             return Err(Failure::usage(format!(
@@ -370,21 +395,20 @@ impl Programs {
         }
         // One position to run in all (one new token after prompts of one length): one forward pass.
         let one_pass = positions == shortest;
-        let refused = if one_pass { None } else { cache_refused(args)? };
+        let refused = if one_pass { None } else { cache_refused(args, &probe) };
         if let Some(why) = &refused {
             eprintln_safe!("note: {why}; generating without a key/value cache (each step recomputes the sequence)");
         }
         if one_pass || refused.is_some() {
             let (main, vocab) = logits_plan(args, (batch, positions), None)?;
-            return Ok(Programs { main, prefill: None, first_len: positions, positions, vocab });
+            let schedule =
+                Schedule { cached: false, first_len: positions, positions, max_new_tokens: args.max_new_tokens };
+            return Ok(Programs { main, prefill: None, schedule, vocab });
         }
         let (prefill, vocab) = logits_plan(args, (batch, shortest), Some(context))?;
         let (main, _) = logits_plan(args, (batch, 1), Some(context))?;
-        Ok(Programs { main, prefill: Some(prefill), first_len: shortest, positions, vocab })
-    }
-
-    fn cached(&self) -> bool {
-        self.prefill.is_some()
+        let schedule = Schedule { cached: true, first_len: shortest, positions, max_new_tokens: args.max_new_tokens };
+        Ok(Programs { main, prefill: Some(prefill), schedule, vocab })
     }
 
     /// The plan step 0 runs.
@@ -395,38 +419,27 @@ impl Programs {
     fn plan_of(&self, step: u64) -> &Plan {
         if step == 0 { self.first() } else { &self.main }
     }
-
-    /// Steps that generate `max_new_tokens` after every prompt (fewer when all end early).
-    fn steps(&self, max_new_tokens: u64) -> u64 {
-        if self.cached() { 1 + self.positions - self.first_len } else { max_new_tokens }
-    }
-
-    /// The first position and the number of positions step `step` processes.
-    fn positions_of(&self, step: u64) -> (u64, u64) {
-        match (self.cached(), step) {
-            (true, 0) => (0, self.first_len),
-            (true, s) => (self.first_len + s - 1, 1),
-            (false, _) => (0, self.positions),
-        }
-    }
 }
 
 /// Why the cache cannot serve this generation, if it cannot: asked off, a backend without its
 /// kernels, or a model whose attention it cannot reproduce.
-fn cache_refused(args: &GenerateArgs) -> Result<Option<String>, Failure> {
+fn cache_refused(args: &GenerateArgs, probe: &optimus::ir::Model) -> Option<String> {
     if args.no_cache {
-        return Ok(Some("--no-cache".into()));
+        return Some("--no-cache".into());
     }
     if args.backend == Backend::Cuda {
-        return Ok(Some("the key/value cache runs on the CPU backend only".into()));
+        return Some("the key/value cache runs on the CPU backend only".into());
     }
-    // One position fits any table: this pass only reads the operators.
+    let refusal = optimus::decode::with_cache(probe, 1).err();
+    refusal.map(|e| format!("`{}` cannot keep a key/value cache: {e}", args.model.display()))
+}
+
+/// The model with a sequence of one position (which any position table fits), read before the
+/// programs are compiled for its `context` and for whether its attention can keep a cache.
+fn probe_model(args: &GenerateArgs) -> Result<optimus::ir::Model, Failure> {
     let mut overrides = args.target.set.clone();
     overrides.push("seq=1".parse::<Override>().map_err(|e| format!("{e:?}"))?);
-    let (model, _) = super::load_checked(&args.model, &overrides).ok_or_else(Failure::reported)?;
-    Ok(optimus::decode::with_cache(&model, 1)
-        .err()
-        .map(|e| format!("`{}` cannot keep a key/value cache: {e}", args.model.display())))
+    Ok(super::load_checked(&args.model, &overrides).ok_or_else(Failure::reported)?.0)
 }
 
 /// The model compiled for inference over `batch` rows of `seq` tokens (as a decoding step with
@@ -482,11 +495,7 @@ fn logits_plan(args: &GenerateArgs, (batch, seq): (u64, u64), cache: Option<u64>
 
 /// Refuses, with what to change, prompts and new tokens that need more positions than the model's
 /// `context` config value (its position table, or the rotary table's length) has.
-fn check_context(args: &GenerateArgs, seq: u64) -> Result<(), Failure> {
-    // One position fits any table: this pass only reads the config.
-    let mut overrides = args.target.set.clone();
-    overrides.push("seq=1".parse::<Override>().map_err(|e| format!("{e:?}"))?);
-    let (model, _) = super::load_checked(&args.model, &overrides).ok_or_else(Failure::reported)?;
+fn check_context(args: &GenerateArgs, model: &optimus::ir::Model, seq: u64) -> Result<(), Failure> {
     let context = model.config.iter().find(|c| c.name == "context").and_then(|c| match c.value {
         optimus::plan::types::Scalar::Int(v) => u64::try_from(v).ok(),
         _ => None,
@@ -516,7 +525,6 @@ struct Generation {
     buffers: [optimus::plan::Buffer; 2],
     mesh: optimus::plan::Mesh,
     vocab: u64,
-    max_new_tokens: u64,
     /// Prompts asked for (the rows after them pad the batch).
     asked: usize,
     sampling: Sampling,
@@ -526,10 +534,7 @@ struct Generation {
     /// When the first step asked for its inputs: the weights were loaded by then.
     first_step: Mutex<Option<Instant>>,
     stream: Option<Streamer>,
-    /// The first position and count of positions of each step.
-    positions: Vec<(u64, u64)>,
-    /// Whether the steps after the first decode with a key/value cache.
-    cached: bool,
+    schedule: Schedule,
 }
 
 #[derive(Debug)]
@@ -550,7 +555,6 @@ impl Generation {
     fn new(
         programs: &Programs,
         (prompts, asked): (Vec<Vec<u32>>, usize),
-        max_new_tokens: u64,
         (sampling, eos): (Sampling, Option<u32>),
         stream: Option<Streamer>,
     ) -> Result<Generation, Failure> {
@@ -563,7 +567,6 @@ impl Generation {
         else {
             return Err("the plan has no logits output".to_string().into());
         };
-        let steps = programs.steps(max_new_tokens);
         let state = State {
             prompt_lens: prompts.iter().map(Vec::len).collect(),
             logits: vec![Vec::new(); prompts.len()],
@@ -578,7 +581,6 @@ impl Generation {
             buffers: [first, later],
             mesh: programs.main.mesh,
             vocab: programs.vocab,
-            max_new_tokens,
             asked,
             sampling,
             eos,
@@ -586,8 +588,7 @@ impl Generation {
             decided: Condvar::new(),
             first_step: Mutex::new(None),
             stream,
-            positions: (0..steps).map(|s| programs.positions_of(s)).collect(),
-            cached: programs.cached(),
+            schedule: programs.schedule,
         })
     }
 
@@ -610,7 +611,7 @@ impl Generation {
         if let Some(failure) = &state.failure {
             return Err(failure.clone());
         }
-        let (start, count) = programs.positions_of(step);
+        let (start, count) = self.schedule.positions_of(step);
         let batch = state.rows.len() as u64;
         let mut tokens = vec![0i32; (batch * count) as usize];
         for (r, row) in state.rows.iter().enumerate() {
@@ -634,14 +635,14 @@ impl Generation {
     /// prompt's, from the logits of the last position step `step` processed.
     fn decide(&self, state: &mut State, step: u64, blocks: &[Option<Tensor>]) -> Result<(), String> {
         let blocks: Vec<&Tensor> = blocks.iter().flatten().collect();
-        let (start, count) = self.positions.get(step as usize).copied().ok_or("a step past the last")?;
+        let (start, count) = self.schedule.positions_of(step);
         let buffer = &self.buffers[usize::from(step > 0)];
         let padded_count = buffer.logical_shape.get(1).copied().unwrap_or(1);
         // A row chooses when its last known token is at the step's last position (or, recomputing
         // the whole sequence, at any position).
         let choosing: Vec<usize> = (0..state.rows.len())
             .filter(|&r| !state.ended[r])
-            .filter(|&r| !self.cached || state.rows[r].len() as u64 == start + count)
+            .filter(|&r| !self.schedule.cached || state.rows[r].len() as u64 == start + count)
             .collect();
         // The logits hold the step's last `padded_count` positions (all of them, or the last one).
         let first_held = start + count - padded_count.min(count);
@@ -655,11 +656,11 @@ impl Generation {
             let token = self.sampling.choose(values, r as u64, new);
             state.rows[r].push(token);
             state.logits[r].push(values[token as usize]);
-            state.ended[r] = Some(token) == self.eos || new + 1 >= self.max_new_tokens;
+            state.ended[r] = Some(token) == self.eos || new + 1 >= self.schedule.max_new_tokens;
         }
         // The prefill step never ends the run: its device hands over to the decode program, which
         // runs at least once (a step whose rows have all ended chooses nothing).
-        if state.ended.iter().all(|&e| e) && (step > 0 || !self.cached) {
+        if state.ended.iter().all(|&e| e) && (step > 0 || !self.schedule.cached) {
             ALL_ENDED.store(true, Ordering::Relaxed);
         }
         Ok(())
@@ -702,7 +703,7 @@ impl Generation {
                 "generated {generated} tokens in {:.2} s after {:.2} s of loading ({rate:.1} tokens/s, {})",
                 decoding.as_secs_f64(),
                 (took - decoding).as_secs_f64(),
-                if self.cached { "key/value cache" } else { "no key/value cache" }
+                if self.schedule.cached { "key/value cache" } else { "no key/value cache" }
             );
         }
         Ok(())

@@ -306,14 +306,7 @@ pub fn compile_decoding(path: &Path, target: &TargetArgs, context: u64) -> Optio
         eprintln_safe!("error: a step of seq = {seq} tokens does not fit caches of --max-context {context} positions");
         return None;
     }
-    let mut plan = match optimus::shard::compile(&model, &source.name, &source.text, target.target()) {
-        Ok(plan) => plan,
-        Err(diagnostics) => {
-            diag::render_stderr(&source.name, &source.text, &diagnostics);
-            eprintln_safe!("error: {}: cannot compile for a {} mesh; no plan written", source.name, target.mesh());
-            return None;
-        }
-    };
+    let mut plan = compile_checked(&model, &source, target.target())?;
     if target.overlap && !overlapped(&mut plan) {
         return None;
     }
@@ -338,7 +331,12 @@ fn overlapped(plan: &mut Plan) -> bool {
 /// Checks and compiles a model for an explicit target.
 pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::Target) -> Option<Plan> {
     let (model, source) = load_checked(path, overrides)?;
-    match optimus::shard::compile(&model, &source.name, &source.text, target) {
+    compile_checked(&model, &source, target)
+}
+
+/// Compiles a checked model for a target, printing diagnostics on failure.
+fn compile_checked(model: &optimus::ir::Model, source: &Source, target: optimus::shard::Target) -> Option<Plan> {
+    match optimus::shard::compile(model, &source.name, &source.text, target) {
         Ok(plan) => Some(plan),
         Err(diagnostics) => {
             diag::render_stderr(&source.name, &source.text, &diagnostics);

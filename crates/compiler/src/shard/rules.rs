@@ -903,14 +903,8 @@ impl Lowerer<'_> {
         let scope = self.graph[n].origin.scope.clone();
         let scope = if scope.is_empty() { format!("%{}", n.index()) } else { scope };
         let mut caches = Vec::new();
-        for (k, what) in [(1u8, "keys"), (2, "values")] {
-            let cache = self.new_buffer(
-                format!("{scope}.{}_cache", &what[..1]),
-                dtype,
-                cache_shape.clone(),
-                layout,
-                Role::Cache,
-            );
+        for (k, what, name) in [(1u8, "keys", "k_cache"), (2, "values", "v_cache")] {
+            let cache = self.new_buffer(format!("{scope}.{name}"), dtype, cache_shape.clone(), layout, Role::Cache);
             let (source, part, parts) = if fused { (inputs[0], k, 3) } else { (inputs[usize::from(k)], 0, 1) };
             let reason = format!("append this step's {what} to the {what} cache (this device's batch rows and heads)");
             self.kernel(Kernel::CacheWrite { part, parts }, &[source, pos], cache, compute(reason));
