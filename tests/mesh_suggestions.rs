@@ -80,9 +80,14 @@ fn suggestion(diagnostics: &[Diagnostic], case: &str) -> (u64, Vec<Mesh>) {
     (bound.parse().expect("a numeric bound"), meshes)
 }
 
+/// `RxC`, or `DxRxC` for D depth layers (the suggestions list only tensor-parallel meshes).
 fn parse_mesh(text: &str) -> Option<Mesh> {
-    let (rows, cols) = text.split_once('x')?;
-    Some(Mesh::new(rows.parse().ok()?, cols.parse().ok()?))
+    let sizes: Vec<u64> = text.split('x').map(str::parse).collect::<Result<_, _>>().ok()?;
+    match sizes[..] {
+        [rows, cols] => Some(Mesh::new(rows, cols)),
+        [depth, rows, cols] => Some(Mesh::new(rows, cols).with_depth(depth)),
+        _ => None,
+    }
 }
 
 /// Every mesh the strategy accepts with at most `bound` devices.
@@ -90,13 +95,16 @@ fn meshes_within(strategy: Strategy, bound: u64) -> Vec<Mesh> {
     let mut meshes = Vec::new();
     for rows in 1..=bound {
         for cols in 1..=bound / rows {
-            let fits = match strategy {
-                Strategy::Optimus => rows == cols,
-                Strategy::Megatron => rows == 1,
-                Strategy::None => rows * cols == 1,
-            };
-            if fits {
-                meshes.push(Mesh::new(rows, cols));
+            for depth in 1..=bound / (rows * cols) {
+                let fits = match strategy {
+                    Strategy::Optimus => rows == cols && depth == 1,
+                    Strategy::Tesseract => rows == cols,
+                    Strategy::Megatron => rows == 1 && depth == 1,
+                    Strategy::None => rows * cols == 1 && depth == 1,
+                };
+                if fits {
+                    meshes.push(Mesh::new(rows, cols).with_depth(depth));
+                }
             }
         }
     }

@@ -151,12 +151,8 @@ fn args_of_plan(args: &GenerateArgs) -> Result<GenerateArgs, Failure> {
     }
     sets.extend(args.target.set.iter().cloned());
     given.target.set = sets;
-    given.target.mesh_flag = Some(plan.mesh);
-    given.target.strategy_flag = Some(match plan.strategy {
-        optimus::plan::Strategy::Optimus => StrategyArg::Optimus,
-        optimus::plan::Strategy::Megatron => StrategyArg::Megatron,
-        optimus::plan::Strategy::None => StrategyArg::None,
-    });
+    given.target.mesh_flag = Some(super::MeshArg::of(plan.mesh));
+    given.target.strategy_flag = Some(StrategyArg::of(plan.strategy));
     given.target.precision = Some(match plan.precision {
         optimus::plan::Precision::Bf16 => PrecisionArg::Bf16,
         _ => PrecisionArg::F32,
@@ -272,11 +268,9 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
     }
     let eos = args.eos.or_else(|| tokenizer.as_ref().and_then(|t| t.end_of_text().map(|(_, id)| id)));
     let asked = prompts.len();
-    // Rows the mesh splits the batch over (replicas, and optimus's grid rows) must divide it: the
-    // prompts are padded with copies of the first, generated and left out.
-    let mesh = args.target.target().mesh;
-    let split =
-        mesh.data * if args.target.target().strategy == optimus::plan::Strategy::Optimus { mesh.rows } else { 1 };
+    // Rows the mesh splits the batch over (replicas, depth layers, and the grid rows of optimus and
+    // tesseract) must divide it: the prompts are padded with copies of the first, generated and left out.
+    let split = optimus::cost::search::batch_multiple(args.target.target());
     let batch = (asked as u64).div_ceil(split.max(1)) * split.max(1);
     while (prompts.len() as u64) < batch {
         prompts.push(prompts[0].clone());

@@ -31,11 +31,12 @@ use std::path::Path;
 pub struct TargetArgs {
     /// The device mesh, ROWSxCOLS or REPLICASxROWSxCOLS: QxQ for optimus, 1xP for megatron, 1x1 for
     /// none; a leading REPLICAS runs that many data-parallel copies of the mesh, each on its share of
-    /// the batch (e.g. 4x2x2: 16 devices) [default: 1x1].
-    #[arg(long = "mesh", value_name = "[REPLICASx]ROWSxCOLS", value_parser = parse_mesh)]
-    pub mesh_flag: Option<Mesh>,
-    /// How to split the model: optimus (2D, SUMMA), megatron (1D tensor parallel) or none (one device)
-    /// [default: optimus].
+    /// the batch (e.g. 4x2x2: 16 devices). Tesseract takes DEPTHxQxQ (DEPTH layers of a QxQ grid, e.g.
+    /// 2x2x2) or REPLICASxDEPTHxQxQ [default: 1x1].
+    #[arg(long = "mesh", value_name = "[REPLICASx][DEPTHx]ROWSxCOLS", value_parser = parse_mesh)]
+    pub mesh_flag: Option<MeshArg>,
+    /// How to split the model: optimus (2D, SUMMA), megatron (1D tensor parallel), tesseract (2.5D:
+    /// depth layers of a SUMMA grid, the batch split over them) or none (one device) [default: optimus].
     #[arg(long = "strategy", value_enum, value_name = "STRATEGY")]
     pub strategy_flag: Option<StrategyArg>,
     /// train: forward, backward and optimizer step; infer: forward only [default: train].
@@ -88,7 +89,52 @@ pub enum PrecisionArg {
 pub enum StrategyArg {
     Optimus,
     Megatron,
+    Tesseract,
     None,
+}
+
+impl StrategyArg {
+    pub fn strategy(self) -> Strategy {
+        match self {
+            StrategyArg::Optimus => Strategy::Optimus,
+            StrategyArg::Megatron => Strategy::Megatron,
+            StrategyArg::Tesseract => Strategy::Tesseract,
+            StrategyArg::None => Strategy::None,
+        }
+    }
+
+    pub fn of(strategy: Strategy) -> StrategyArg {
+        match strategy {
+            Strategy::Optimus => StrategyArg::Optimus,
+            Strategy::Megatron => StrategyArg::Megatron,
+            Strategy::Tesseract => StrategyArg::Tesseract,
+            Strategy::None => StrategyArg::None,
+        }
+    }
+}
+
+/// `--mesh` as written, read once the strategy is known: three sizes are REPLICASxROWSxCOLS, except
+/// under tesseract, whose three sizes are DEPTHxROWSxCOLS; four are REPLICASxDEPTHxROWSxCOLS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MeshArg {
+    /// Replicas, depth, rows and columns, with the three-size form's first size as replicas.
+    mesh: Mesh,
+    three_sizes: bool,
+}
+
+impl MeshArg {
+    /// A mesh given whole (all four sizes).
+    pub fn of(mesh: Mesh) -> MeshArg {
+        MeshArg { mesh, three_sizes: false }
+    }
+
+    /// The mesh under `strategy`.
+    pub fn mesh(self, strategy: Strategy) -> Mesh {
+        match (self.three_sizes, strategy) {
+            (true, Strategy::Tesseract) => self.mesh.with_depth(self.mesh.data).with_data(1),
+            _ => self.mesh,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -98,9 +144,9 @@ pub enum ModeArg {
 }
 
 impl TargetArgs {
-    /// The mesh asked for, 1x1 by default.
+    /// The mesh asked for, read under the strategy asked for, 1x1 by default.
     pub fn mesh(&self) -> Mesh {
-        self.mesh_flag.unwrap_or(Mesh::new(1, 1))
+        self.mesh_flag.map_or(Mesh::new(1, 1), |m| m.mesh(self.strategy().strategy()))
     }
 
     /// The strategy asked for, optimus by default.
@@ -116,11 +162,7 @@ impl TargetArgs {
     pub fn target(&self) -> optimus::shard::Target {
         optimus::shard::Target {
             mesh: self.mesh(),
-            strategy: match self.strategy() {
-                StrategyArg::Optimus => Strategy::Optimus,
-                StrategyArg::Megatron => Strategy::Megatron,
-                StrategyArg::None => Strategy::None,
-            },
+            strategy: self.strategy().strategy(),
             mode: match self.mode() {
                 ModeArg::Train => Mode::Train,
                 ModeArg::Infer => Mode::Infer,
@@ -151,8 +193,10 @@ impl TargetArgs {
     pub fn conflicts_with(&self, plan: &Plan) -> Vec<String> {
         let target = self.target();
         let mut conflicts = Vec::new();
-        if self.mesh_flag.is_some_and(|m| m != plan.mesh) {
-            conflicts.push(format!("--mesh {} (the plan is for a {} mesh)", target.mesh, plan.mesh));
+        // A mesh given without a strategy is read as the plan's strategy reads it.
+        let strategy = self.strategy_flag.map_or(plan.strategy, StrategyArg::strategy);
+        if let Some(mesh) = self.mesh_flag.map(|m| m.mesh(strategy)).filter(|&m| m != plan.mesh) {
+            conflicts.push(format!("--mesh {mesh} (the plan is for a {} mesh)", plan.mesh));
         }
         if self.strategy_flag.is_some() && target.strategy != plan.strategy {
             conflicts.push(format!(
@@ -204,21 +248,28 @@ fn same_value(value: &optimus::plan::types::Scalar, text: &str) -> bool {
     }
 }
 
-pub fn parse_mesh(s: &str) -> Result<Mesh, String> {
-    let bad = || format!("expected ROWSxCOLS or REPLICASxROWSxCOLS such as 4x4, 1x8 or 2x2x2, found `{s}`");
+pub fn parse_mesh(s: &str) -> Result<MeshArg, String> {
+    let bad = || {
+        format!(
+            "expected ROWSxCOLS, REPLICASxROWSxCOLS (DEPTHxQxQ for tesseract) or REPLICASxDEPTHxQxQ, such as 4x4, \
+             1x8, 2x2x2 or 2x2x2x2, found `{s}`"
+        )
+    };
     let sides: Vec<u64> = s.split(['x', 'X']).map(|n| n.trim().parse().map_err(|_| bad())).collect::<Result<_, _>>()?;
-    let (data, rows, cols) = match sides[..] {
-        [rows, cols] => (1, rows, cols),
-        [data, rows, cols] => (data, rows, cols),
+    let (data, depth, rows, cols) = match sides[..] {
+        [rows, cols] => (1, 1, rows, cols),
+        [data, rows, cols] => (data, 1, rows, cols),
+        [data, depth, rows, cols] => (data, depth, rows, cols),
         _ => return Err(bad()),
     };
-    if [data, rows, cols].iter().any(|&n| n == 0 || n > 1024) {
+    if sides.iter().any(|&n| n == 0 || n > 1024) {
         return Err(format!("mesh sides must be between 1 and 1024, found `{s}`"));
     }
-    if data * rows * cols > 65_536 {
-        return Err(format!("a mesh has at most 65536 devices, found `{s}` ({})", data * rows * cols));
+    let devices: u64 = sides.iter().product();
+    if devices > 65_536 {
+        return Err(format!("a mesh has at most 65536 devices, found `{s}` ({devices})"));
     }
-    Ok(Mesh::new(rows, cols).with_data(data))
+    Ok(MeshArg { mesh: Mesh::new(rows, cols).with_data(data).with_depth(depth), three_sizes: sides.len() == 3 })
 }
 
 /// The text of a model file for a command that compiles it again and again (`why`): a plan (.json) is

@@ -54,6 +54,8 @@ pub enum SearchError {
     NotCompiled(Option<Box<Diagnostic>>),
     /// Optimus needs a square q x q mesh, and the device count is not a square.
     NotSquare { devices: u64 },
+    /// Tesseract needs d q x q grids with d >= 2, and the device count is not such a product.
+    NoDepth { devices: u64 },
     /// The plan of `batch` sequences needs `needs` bytes per device, more than there are.
     BatchTooLarge { batch: u64, needs: u64 },
     /// The plan needs `needs` bytes per device, more than `capacity`.
@@ -68,6 +70,9 @@ impl std::fmt::Display for SearchError {
             SearchError::NotCompiled(Some(first)) => f.write_str(&first.message),
             SearchError::NotCompiled(None) => f.write_str("the model has errors"),
             SearchError::NotSquare { devices } => write!(f, "{devices} devices are not a square q x q mesh"),
+            SearchError::NoDepth { devices } => {
+                write!(f, "{devices} devices are not two or more depth layers of a q x q grid (d x q x q)")
+            }
             SearchError::BatchTooLarge { batch, needs } => write!(f, "batch {batch} needs {needs} bytes per device"),
             SearchError::TooLarge { needs, capacity } => {
                 write!(f, "needs {needs} bytes per device, more than {capacity}")
@@ -85,10 +90,13 @@ pub fn batch_override(batch: u64) -> Override {
 }
 
 /// The batch granularity of a target: every data-parallel replica takes its own share, which
-/// optimus splits again over the mesh rows.
+/// tesseract splits again over its depth layers, and optimus and tesseract over the grid rows.
 pub fn batch_multiple(target: Target) -> u64 {
-    let rows = if target.strategy == Strategy::Optimus { target.mesh.rows.max(1) } else { 1 };
-    rows * target.mesh.data.max(1)
+    let rows = match target.strategy {
+        Strategy::Optimus | Strategy::Tesseract => target.mesh.rows.max(1),
+        Strategy::Megatron | Strategy::None => 1,
+    };
+    rows * target.mesh.data.max(1) * target.mesh.depth.max(1)
 }
 
 /// The result of a max-batch search.
@@ -133,12 +141,21 @@ pub fn max_batch(source: &Source, target: Target, capacity: u64) -> MaxBatch {
     MaxBatch { max_batch: lo * multiple, multiple, compilations, reason: None }
 }
 
-/// The target of a strategy at a device count: q x q for optimus, 1 x p for megatron.
+/// The target of a strategy at a device count: q x q for optimus, 1 x p for megatron, and for
+/// tesseract the largest q x q grid of which the devices make two or more depth layers.
 pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOptions) -> Result<Target, SearchError> {
     let mesh = match strategy {
         Strategy::Optimus => {
             let q = integer_sqrt(devices).ok_or(SearchError::NotSquare { devices })?;
             Mesh::new(q, q)
+        }
+        Strategy::Tesseract => {
+            let q = (1..=devices / 2)
+                .take_while(|q| 2 * q * q <= devices)
+                .filter(|q| devices.is_multiple_of(q * q))
+                .last()
+                .ok_or(SearchError::NoDepth { devices })?;
+            Mesh::new(q, q).with_depth(devices / (q * q))
         }
         Strategy::Megatron => Mesh::new(1, devices),
         Strategy::None => Mesh::new(1, 1),

@@ -51,10 +51,11 @@ impl std::fmt::Display for Placement {
     }
 }
 
-/// How many mesh axes a layout describes: axis 0 splits over the rows of a tensor-parallel mesh (the
-/// row index i), axis 1 over its columns (the column index j), axis 2 over data-parallel replicas of
-/// that mesh (the replica index d). A mesh of fewer axes has size 1 along the others.
-pub const MESH_AXES: usize = 3;
+/// How many mesh axes a layout describes: axis 0 splits over the rows of a tensor-parallel grid (the
+/// row index i), axis 1 over its columns (the column index j), axis 2 over data-parallel replicas (the
+/// replica index d), axis 3 over the depth layers of a 2.5D (Tesseract) mesh (the depth index k), each
+/// layer a q x q grid. A mesh of fewer axes has size 1 along the others.
+pub const MESH_AXES: usize = 4;
 
 /// The mesh axis of the row index i.
 pub const ROW_AXIS: usize = 0;
@@ -62,10 +63,17 @@ pub const ROW_AXIS: usize = 0;
 pub const COLUMN_AXIS: usize = 1;
 /// The mesh axis of the data-parallel replica index d.
 pub const DATA_AXIS: usize = 2;
+/// The mesh axis of the depth index k (Tesseract's depth layers).
+pub const DEPTH_AXIS: usize = 3;
 
 /// The order in which mesh axes that split one tensor dimension nest, most significant first: a
-/// replica holds a contiguous range of the batch, which its rows split further, then its columns.
-pub const MAJOR_ORDER: [usize; MESH_AXES] = [DATA_AXIS, ROW_AXIS, COLUMN_AXIS];
+/// replica holds a contiguous range of the batch, which its depth layers split further, then its
+/// rows, then its columns (Tesseract: device (k, i, j) holds row block k q + i).
+pub const MAJOR_ORDER: [usize; MESH_AXES] = [DATA_AXIS, DEPTH_AXIS, ROW_AXIS, COLUMN_AXIS];
+
+/// The mesh axes that split the batch and hold whole weights (whose gradients are summed over them):
+/// data-parallel replicas and Tesseract's depth layers.
+pub const BATCH_AXES: [usize; 2] = [DATA_AXIS, DEPTH_AXIS];
 
 /// One placement per mesh axis (see [`MESH_AXES`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -76,7 +84,7 @@ impl Layout {
 
     /// A layout over the tensor-parallel axes, replicated over data-parallel replicas.
     pub fn new(axis0: Placement, axis1: Placement) -> Layout {
-        Layout([axis0, axis1, Placement::Replicate])
+        Layout([axis0, axis1, Placement::Replicate, Placement::Replicate])
     }
 
     /// The local block shape on any device of a mesh with the given axis sizes.
@@ -134,10 +142,18 @@ impl Layout {
         self
     }
 
-    /// The placements written out: the data axis only when it is not replicated, so that a
-    /// tensor-parallel plan reads as it did before meshes had a data axis.
+    /// The placements written out: the data and depth axes only when one of them is not replicated
+    /// (the depth axis only when it is not), so that a plan without them reads as it did before meshes
+    /// had those axes.
     fn written(&self) -> &[Placement] {
-        if self.0[DATA_AXIS] == Placement::Replicate { &self.0[..DATA_AXIS] } else { &self.0 }
+        let end = if self.0[DEPTH_AXIS] != Placement::Replicate {
+            MESH_AXES
+        } else if self.0[DATA_AXIS] != Placement::Replicate {
+            DATA_AXIS + 1
+        } else {
+            DATA_AXIS
+        };
+        &self.0[..end]
     }
 }
 
@@ -152,7 +168,7 @@ impl<'de> Deserialize<'de> for Layout {
         let placements = Vec::<Placement>::deserialize(deserializer)?;
         if !(DATA_AXIS..=MESH_AXES).contains(&placements.len()) {
             return Err(serde::de::Error::custom(format!(
-                "a layout has {DATA_AXIS} or {MESH_AXES} placements, found {}",
+                "a layout has {DATA_AXIS} to {MESH_AXES} placements, found {}",
                 placements.len()
             )));
         }
@@ -167,6 +183,9 @@ impl std::fmt::Display for Layout {
         write!(f, "({}, {}", self.0[ROW_AXIS], self.0[COLUMN_AXIS])?;
         if self.0[DATA_AXIS] != Placement::Replicate {
             write!(f, "; data {}", self.0[DATA_AXIS])?;
+        }
+        if self.0[DEPTH_AXIS] != Placement::Replicate {
+            write!(f, "; depth {}", self.0[DEPTH_AXIS])?;
         }
         write!(f, ")")
     }

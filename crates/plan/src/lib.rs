@@ -22,7 +22,7 @@ pub mod text;
 pub mod types;
 pub mod verify;
 
-use crate::layout::{COLUMN_AXIS, DATA_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
+use crate::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
 use crate::span::Span;
 use crate::types::{DType, Init, Scalar};
 use serde::{Deserialize, Serialize};
@@ -48,6 +48,9 @@ pub enum Strategy {
     Optimus,
     /// 1D tensor parallelism over 1 x p devices.
     Megatron,
+    /// 2.5D (Tesseract): d depth layers of a q x q SUMMA grid, the batch split over the layers and
+    /// the weights replicated over them (their gradients summed over the depth).
+    Tesseract,
     /// One device.
     None,
 }
@@ -57,6 +60,7 @@ impl Strategy {
         match self {
             Strategy::Optimus => "optimus",
             Strategy::Megatron => "megatron",
+            Strategy::Tesseract => "tesseract",
             Strategy::None => "none",
         }
     }
@@ -130,9 +134,10 @@ pub enum Mode {
     Infer,
 }
 
-/// A device mesh: `data` replicas of a rows x cols tensor-parallel mesh (written DATAxROWSxCOLS, or
-/// ROWSxCOLS when there is one replica). Device (d, i, j) has rank (d * rows + i) * cols + j, so the
-/// devices of one replica are consecutive ranks.
+/// A device mesh: `data` replicas of `depth` layers of a rows x cols tensor-parallel grid (written
+/// DATAxROWSxCOLS, DATAxDEPTHxROWSxCOLS, or without the leading sizes that are 1; a Tesseract mesh
+/// always shows its depth). Device (d, k, i, j) has rank ((d * depth + k) * rows + i) * cols + j, so
+/// the devices of one replica, and of one depth layer, are consecutive ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Mesh {
     pub rows: u64,
@@ -140,6 +145,9 @@ pub struct Mesh {
     /// Data-parallel replicas of the rows x cols mesh.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub data: u64,
+    /// Depth layers of the rows x cols grid in each replica (Tesseract's d; 1 otherwise).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub depth: u64,
 }
 
 fn one() -> u64 {
@@ -153,7 +161,12 @@ fn is_one(n: &u64) -> bool {
 impl Mesh {
     /// One replica of a rows x cols mesh.
     pub const fn new(rows: u64, cols: u64) -> Mesh {
-        Mesh { rows, cols, data: 1 }
+        Mesh { rows, cols, data: 1, depth: 1 }
+    }
+
+    /// This mesh with `depth` layers of its rows x cols grid.
+    pub const fn with_depth(self, depth: u64) -> Mesh {
+        Mesh { depth, ..self }
     }
 
     /// This mesh's tensor-parallel shape replicated `data` times.
@@ -162,12 +175,12 @@ impl Mesh {
     }
 
     pub fn devices(self) -> u64 {
-        self.rows * self.cols * self.data
+        self.rows * self.cols * self.data * self.depth
     }
 
-    /// Devices of one replica (the tensor-parallel mesh).
+    /// Devices of one replica (the tensor-parallel mesh, every depth layer of it).
     pub fn replica_devices(self) -> u64 {
-        self.rows * self.cols
+        self.rows * self.cols * self.depth
     }
 
     /// Sizes of the mesh axes, indexed as layouts index them (rows, columns, replicas).
@@ -176,6 +189,7 @@ impl Mesh {
         sizes[ROW_AXIS] = self.rows;
         sizes[COLUMN_AXIS] = self.cols;
         sizes[DATA_AXIS] = self.data;
+        sizes[DEPTH_AXIS] = self.depth;
         sizes
     }
 
@@ -183,20 +197,20 @@ impl Mesh {
     pub fn group_size(self, group: Group) -> u64 {
         match group {
             Group::World => self.devices(),
-            Group::Row | Group::Column | Group::Data => self.axes()[group.axis().unwrap_or(0)],
+            Group::Row | Group::Column | Group::Data | Group::Depth => self.axes()[group.axis().unwrap_or(0)],
         }
     }
 
     /// The coordinates of the device with `rank`.
     pub fn coords_of(self, rank: u64) -> Coords {
-        let cols = self.cols.max(1);
-        let rows = self.rows.max(1);
-        Coords::new(rank / cols % rows, rank % cols, rank / (cols * rows))
+        let (cols, rows, depth) = (self.cols.max(1), self.rows.max(1), self.depth.max(1));
+        let layer = rank / (cols * rows);
+        Coords::new(rank / cols % rows, rank % cols, layer / depth).at_depth(layer % depth)
     }
 
     /// The rank of the device at `coords`.
     pub fn rank_of(self, coords: Coords) -> u64 {
-        (coords.d() * self.rows + coords.i()) * self.cols + coords.j()
+        ((coords.d() * self.depth + coords.k()) * self.rows + coords.i()) * self.cols + coords.j()
     }
 
     /// Every device's coordinates, in rank order.
@@ -210,19 +224,29 @@ impl std::fmt::Display for Mesh {
         if self.data != 1 {
             write!(f, "{}x", self.data)?;
         }
+        if self.depth != 1 {
+            write!(f, "{}x", self.depth)?;
+        }
         write!(f, "{}x{}", self.rows, self.cols)
     }
 }
 
-/// A device's position on the mesh, one coordinate per mesh axis: the row index i, the column index j
-/// and the replica index d.
+/// A device's position on the mesh, one coordinate per mesh axis: the row index i, the column index j,
+/// the replica index d and the depth index k.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Coords(pub [u64; MESH_AXES]);
 
-/// Written `[i, j]`, or `[i, j, d]` on a replica other than the first.
+/// Written `[i, j]`, `[i, j, d]` on a replica other than the first, and `[i, j, d, k]` on a depth
+/// layer other than the first.
 impl Serialize for Coords {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let written = if self.d() == 0 { &self.0[..DATA_AXIS] } else { &self.0[..] };
+        let written = if self.k() != 0 {
+            &self.0[..]
+        } else if self.d() != 0 {
+            &self.0[..=DATA_AXIS]
+        } else {
+            &self.0[..DATA_AXIS]
+        };
         written.serialize(serializer)
     }
 }
@@ -251,9 +275,23 @@ impl Coords {
         self.0[DATA_AXIS]
     }
 
-    /// The file-name form: `i-j`, or `d-i-j` on a replica other than the first.
+    /// The depth index (Tesseract's depth layer).
+    pub fn k(self) -> u64 {
+        self.0[DEPTH_AXIS]
+    }
+
+    /// These coordinates on depth layer `k`.
+    pub fn at_depth(mut self, k: u64) -> Coords {
+        self.0[DEPTH_AXIS] = k;
+        self
+    }
+
+    /// The file-name form: `i-j`, `d-i-j` on a replica other than the first, and `d-k-i-j` on a depth
+    /// layer other than the first.
     pub fn file_stem(self) -> String {
-        if self.d() == 0 {
+        if self.k() != 0 {
+            format!("{}-{}-{}-{}", self.d(), self.k(), self.i(), self.j())
+        } else if self.d() == 0 {
             format!("{}-{}", self.i(), self.j())
         } else {
             format!("{}-{}-{}", self.d(), self.i(), self.j())
@@ -273,11 +311,14 @@ impl Coords {
 
 impl std::fmt::Display for Coords {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.d() == 0 {
-            write!(f, "({}, {})", self.i(), self.j())
-        } else {
-            write!(f, "({}, {}, replica {})", self.i(), self.j(), self.d())
+        write!(f, "({}, {}", self.i(), self.j())?;
+        if self.k() != 0 {
+            write!(f, ", depth {}", self.k())?;
         }
+        if self.d() != 0 {
+            write!(f, ", replica {}", self.d())?;
+        }
+        write!(f, ")")
     }
 }
 
@@ -673,6 +714,8 @@ pub enum Group {
     Column,
     /// The same tensor-parallel position (i, j) in every replica: d varies.
     Data,
+    /// The same grid position (i, j) in every depth layer of one replica: k varies.
+    Depth,
     World,
 }
 
@@ -682,6 +725,7 @@ impl Group {
         match axis {
             ROW_AXIS => Group::Column,
             COLUMN_AXIS => Group::Row,
+            DEPTH_AXIS => Group::Depth,
             _ => Group::Data,
         }
     }
@@ -692,6 +736,7 @@ impl Group {
             Group::Row => Some(COLUMN_AXIS),
             Group::Column => Some(ROW_AXIS),
             Group::Data => Some(DATA_AXIS),
+            Group::Depth => Some(DEPTH_AXIS),
             Group::World => None,
         }
     }
@@ -724,6 +769,7 @@ impl Group {
             Group::Row => "row",
             Group::Column => "column",
             Group::Data => "data",
+            Group::Depth => "depth",
             Group::World => "world",
         }
     }

@@ -59,7 +59,7 @@ impl NodeMap {
     pub fn new(mesh: Mesh, gpus_per_node: u64, placement: RankPlacement) -> NodeMap {
         let g = gpus_per_node.max(1);
         let mut map = NodeMap { mesh, gpus_per_node: g, block: None, note: None };
-        if placement == RankPlacement::Blocks && mesh.replica_devices() > g {
+        if placement == RankPlacement::Blocks && mesh.rows * mesh.cols > g {
             map.block = block_shape(mesh, g);
             if map.block.is_none() {
                 map.note = Some(format!("no block of {g} devices tiles a {mesh} mesh; placed row-major"));
@@ -68,13 +68,15 @@ impl NodeMap {
         map
     }
 
-    /// The node holding the device at `c`. Replicas fill nodes one after another; within a replica,
-    /// nodes hold blocks of the mesh when placing by blocks, else consecutive ranks.
+    /// The node holding the device at `c`. Replicas, and the depth layers of each, fill nodes one after
+    /// another; within a layer's grid, nodes hold blocks of it when placing by blocks, else consecutive
+    /// ranks.
     pub fn node_of(&self, c: Coords) -> u64 {
         match self.block {
             Some((a, b)) => {
-                let per_replica = (self.mesh.rows / a) * (self.mesh.cols / b);
-                c.d() * per_replica + (c.i() / a) * (self.mesh.cols / b) + c.j() / b
+                let per_layer = (self.mesh.rows / a) * (self.mesh.cols / b);
+                let layer = c.d() * self.mesh.depth.max(1) + c.k();
+                layer * per_layer + (c.i() / a) * (self.mesh.cols / b) + c.j() / b
             }
             None => self.mesh.rank_of(c) / self.gpus_per_node,
         }

@@ -312,6 +312,13 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
         r.mode,
         plan.program.len()
     );
+    if plan.mesh.depth > 1 {
+        let (depth, q) = (plan.mesh.depth, plan.mesh.rows);
+        let _ = writeln!(
+            out,
+            "depth: {depth} layers of the {q}x{q} grid, each on 1/{depth} of each replica's batch with the same weights; weight gradients summed over the depth"
+        );
+    }
     if plan.mesh.data > 1 {
         let _ = writeln!(out, "{}", data_parallel_line(plan));
     }

@@ -15,7 +15,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use optimus_plan::layout::MESH_AXES;
 #[cfg(feature = "cuda")]
-use optimus_plan::layout::{COLUMN_AXIS, DATA_AXIS, ROW_AXIS};
+use optimus_plan::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, ROW_AXIS};
 use optimus_plan::placement::{NodeMap, RankPlacement};
 use optimus_plan::tensor::{Data, Tensor};
 use optimus_plan::{CollectiveKind, Coords, Group, Mesh, Plan, ReduceOp};
@@ -194,6 +194,7 @@ impl MpiJob {
             row: share(&comm.axes[COLUMN_AXIS]),
             column: share(&comm.axes[ROW_AXIS]),
             data: share(&comm.axes[DATA_AXIS]),
+            depth: share(&comm.axes[DEPTH_AXIS]),
             world: share(&comm.mesh_world),
         }
     }
@@ -252,7 +253,7 @@ impl MpiComm {
         Ok(MpiComm {
             coords,
             mesh,
-            axes: [along(0)?, along(1)?, along(2)?],
+            axes: [along(0)?, along(1)?, along(2)?, along(3)?],
             mesh_world: split(0, mesh.rank_of(coords))?,
             timeout,
             world_rank,

@@ -10,7 +10,7 @@
 //! pending sum until the optimizer (or the output) asks for it whole.
 
 use super::Lowerer;
-use super::layout::{DATA_AXIS, Layout, MAJOR_ORDER, Placement};
+use super::layout::{BATCH_AXES, DATA_AXIS, Layout, MAJOR_ORDER, Placement};
 use crate::ir::{Node, Op};
 use petgraph::graph::{DiGraph, NodeIndex};
 
@@ -87,25 +87,37 @@ impl Lowerer<'_> {
         self.target.mesh.data > 1
     }
 
-    /// `layout` (as the tensor-parallel rules give it) with node `n`'s placement on the data axis,
-    /// unless that axis is already set. Outside the rules (outputs, the optimizer) a replicated data
-    /// axis is what the caller asks for and is kept.
+    /// Whether some mesh axis splits the batch with the weights whole: more than one replica, or more
+    /// than one depth layer (Tesseract). The depth axis follows the data axis's rule: each layer holds
+    /// its own share of the replica's batch, and weight gradients are summed over the layers.
+    pub(crate) fn batch_split(&self) -> bool {
+        BATCH_AXES.iter().any(|&axis| self.axes()[axis] > 1)
+    }
+
+    /// `layout` (as the tensor-parallel rules give it) with node `n`'s placement on each axis that
+    /// splits the batch (see [`BATCH_AXES`]), unless that axis is already set. Outside the rules
+    /// (outputs, the optimizer) a replicated batch axis is what the caller asks for and is kept.
     pub(crate) fn with_data(&self, n: NodeIndex, layout: Layout) -> Layout {
-        if !self.data_parallel() || !self.filling_data || layout.0[DATA_AXIS] != Placement::Replicate {
+        if !self.filling_data {
             return layout;
         }
-        match self.data_roles.get(n.index()) {
-            Some(DataRole::Batch(d)) => layout.with(DATA_AXIS, Placement::shard(*d)),
-            Some(DataRole::Summed) => layout.with(DATA_AXIS, Placement::Partial),
-            _ => layout,
-        }
+        let placement = match self.data_roles.get(n.index()) {
+            Some(DataRole::Batch(d)) => Placement::shard(*d),
+            Some(DataRole::Summed) => Placement::Partial,
+            _ => return layout,
+        };
+        let axes = self.axes();
+        BATCH_AXES
+            .iter()
+            .filter(|&&axis| axes[axis] > 1 && layout.0[axis] == Placement::Replicate)
+            .fold(layout, |l, &axis| l.with(axis, placement))
     }
 
     /// Called after node `n` is lowered: when it completes a parameter's gradient, the gradient joins
     /// the open bucket, and a bucket that has reached [`BUCKET_BYTES`] is reduced over the replicas at
     /// once, so that its communication can overlap the rest of the backward pass.
     pub(crate) fn gradient_done(&mut self, n: NodeIndex) {
-        if !self.data_parallel() {
+        if !self.batch_split() {
             return;
         }
         let Some(&param) = self.gradient_of.get(&n) else { return };

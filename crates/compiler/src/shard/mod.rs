@@ -132,6 +132,10 @@ fn candidate_meshes(strategy: Strategy) -> Vec<Mesh> {
     match strategy {
         Strategy::Optimus => (1..=bound).take_while(|q| q * q <= bound).map(|q| Mesh::new(q, q)).collect(),
         Strategy::Megatron => (1..=bound).map(|p| Mesh::new(1, p)).collect(),
+        Strategy::Tesseract => (1..=bound)
+            .take_while(|q| q * q <= bound)
+            .flat_map(|q| (1..=bound / (q * q)).map(move |d| Mesh::new(q, q).with_depth(d)))
+            .collect(),
         Strategy::None => vec![Mesh::new(1, 1)],
     }
 }
@@ -166,13 +170,18 @@ fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, mesh
 
 /// Rejects meshes the strategy cannot use.
 fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
-    let Mesh { rows, cols, data } = target.mesh;
+    let Mesh { rows, cols, data, depth } = target.mesh;
     let problem = match target.strategy {
         _ if rows == 0 || cols == 0 => Some("a mesh needs at least one row and one column".to_string()),
         _ if data == 0 => Some("a mesh needs at least one data-parallel replica".to_string()),
+        _ if depth == 0 => Some("a mesh needs at least one depth layer".to_string()),
+        Strategy::Optimus | Strategy::Megatron | Strategy::None if depth != 1 => Some(format!(
+            "only the tesseract strategy has depth layers; the {} strategy cannot use a depth of {depth}",
+            target.strategy.name()
+        )),
         _ if target.memory.zero > 1 => Some(format!("ZeRO stage {} is not supported (0 or 1)", target.memory.zero)),
-        Strategy::Optimus if rows != cols => {
-            Some(format!("the optimus strategy needs a square q x q mesh, not {rows}x{cols}"))
+        Strategy::Optimus | Strategy::Tesseract if rows != cols => {
+            Some(format!("the {} strategy needs a square q x q mesh, not {rows}x{cols}", target.strategy.name()))
         }
         Strategy::Megatron if rows != 1 => Some(format!("the megatron strategy takes a 1 x p mesh, not {rows}x{cols}")),
         Strategy::None if rows * cols != 1 => {
@@ -184,6 +193,9 @@ fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
         Some(p) => Err(vec![Diagnostic::error(Code::E0601, p).help(match target.strategy {
             Strategy::Optimus => "use --mesh QxQ, e.g. --mesh 4x4, or DxQxQ for D data-parallel replicas",
             Strategy::Megatron => "use --mesh 1xP, e.g. --mesh 1x8, or Dx1xP for D data-parallel replicas",
+            Strategy::Tesseract => {
+                "use --mesh DxQxQ (D depth layers of a q x q grid), e.g. --mesh 2x2x2, or RxDxQxQ for R data-parallel replicas"
+            }
             Strategy::None => "use --mesh 1x1, Dx1x1 for D data-parallel replicas, or another strategy",
         })]),
         None => Ok(()),
@@ -913,10 +925,13 @@ impl<'a> Lowerer<'a> {
     /// The reason of a sum over `group`: of the kind given, or a data-parallel gradient reduction when
     /// it sums over the replicas while a bucket is being reduced.
     fn bucketed(&self, group: Group, kind: ReasonKind, text: String) -> Reason {
-        match self.bucket.filter(|_| group == Group::Data) {
+        match self.bucket.filter(|_| matches!(group, Group::Data | Group::Depth)) {
             Some(bucket) => Reason::new(
                 ReasonKind::DataParallelGradient { bucket },
-                format!("data-parallel gradient bucket {bucket}: {text}"),
+                match group {
+                    Group::Depth => format!("gradient bucket {bucket} over the depth layers: {text}"),
+                    _ => format!("data-parallel gradient bucket {bucket}: {text}"),
+                },
             ),
             None => Reason::new(kind, text),
         }

@@ -255,9 +255,13 @@ impl Rule {
     }
 }
 
-/// The row of `operator` under `strategy` (one device reads optimus's rows).
+/// The row of `operator` under `strategy` (one device, and each depth layer of a tesseract mesh, read
+/// optimus's rows: the depth axis splits the batch as the data axis does, see `data.rs`).
 pub fn rule(operator: Operator, strategy: Strategy) -> Option<&'static Rule> {
-    let strategy = if strategy == Strategy::None { Strategy::Optimus } else { strategy };
+    let strategy = match strategy {
+        Strategy::None | Strategy::Tesseract => Strategy::Optimus,
+        s => s,
+    };
     RULES.iter().find(|r| r.operator == operator && r.strategy == strategy)
 }
 

@@ -79,8 +79,8 @@ pub struct SharedGpuEndpoint {
     mesh: Mesh,
     /// Per group (in the order of `group_slot`): the event after which this device's send buffer is ready, and the one
     /// after which its reads of the peers' buffers are done.
-    ready: [EventHandle; 4],
-    done: [EventHandle; 4],
+    ready: [EventHandle; GROUP_SLOTS],
+    done: [EventHandle; GROUP_SLOTS],
 }
 
 // SAFETY: the raw events are handles of the run's own context, used only through the driver API,
@@ -91,8 +91,8 @@ impl SharedGpuEndpoint {
     /// The endpoint of the device at `coords`, whose kernels run on `stream`.
     pub fn new(gpu: Arc<SharedGpu>, mesh: Mesh, coords: Coords, stream: &Arc<CudaStream>) -> Result<Self, DeviceError> {
         let make = || gpu.event(stream).map(EventHandle::of);
-        let ready = [make()?, make()?, make()?, make()?];
-        let done = [make()?, make()?, make()?, make()?];
+        let ready = [make()?, make()?, make()?, make()?, make()?];
+        let done = [make()?, make()?, make()?, make()?, make()?];
         Ok(SharedGpuEndpoint { gpu, coords, mesh, ready, done })
     }
 
@@ -134,9 +134,13 @@ fn group_slot(group: Group) -> usize {
         Group::Row => 0,
         Group::Column => 1,
         Group::Data => 2,
-        Group::World => 3,
+        Group::Depth => 3,
+        Group::World => 4,
     }
 }
+
+/// How many kinds of group a device belongs to (see `group_slot`).
+const GROUP_SLOTS: usize = 5;
 
 /// Which members' send buffers member `reader` reads.
 fn reads(kind: CollectiveKind, root: u64, reader: u64, member: u64) -> bool {

@@ -36,6 +36,7 @@ pub struct GroupIds {
     pub row: IdBytes,
     pub column: IdBytes,
     pub data: IdBytes,
+    pub depth: IdBytes,
     pub world: IdBytes,
 }
 
@@ -63,6 +64,7 @@ pub fn ids_for_threads(mesh: Mesh) -> Result<Vec<GroupIds>, DeviceError> {
                 row: id_of(Group::Row, c)?,
                 column: id_of(Group::Column, c)?,
                 data: id_of(Group::Data, c)?,
+                depth: id_of(Group::Depth, c)?,
                 world: id_of(Group::World, c)?,
             })
         })
@@ -100,6 +102,7 @@ pub struct NcclDevice {
     row: RawComm,
     column: RawComm,
     data: RawComm,
+    depth: RawComm,
     world: RawComm,
     /// Recorded on the device's stream before a collective, and on the communication stream after it.
     before: CudaEvent,
@@ -112,7 +115,7 @@ pub struct NcclDevice {
 unsafe impl Send for NcclDevice {}
 
 impl NcclDevice {
-    /// Joins the row, column, data and mesh communicators of the device at `coords`, whose kernels run on
+    /// Joins the row, column, data, depth and mesh communicators of the device at `coords`, whose kernels run on
     /// `stream`. Every member of a group must call this with the same ids (NCCL's initialisation waits
     /// for all of them).
     pub fn new(stream: &Arc<CudaStream>, mesh: Mesh, coords: Coords, ids: GroupIds) -> Result<Self, DeviceError> {
@@ -132,6 +135,7 @@ impl NcclDevice {
             row: joined(ids.row, coords.j(), mesh.cols, "row")?,
             column: joined(ids.column, coords.i(), mesh.rows, "column")?,
             data: joined(ids.data, coords.d(), mesh.data, "data")?,
+            depth: joined(ids.depth, coords.k(), mesh.depth, "depth")?,
             world: joined(ids.world, mesh.rank_of(coords), mesh.devices(), "mesh")?,
             before: event()?,
             after: event()?,
@@ -145,6 +149,7 @@ impl NcclDevice {
             Group::Row => self.row.0,
             Group::Column => self.column.0,
             Group::Data => self.data.0,
+            Group::Depth => self.depth.0,
             Group::World => self.world.0,
         }
     }
