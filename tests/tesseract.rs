@@ -1,0 +1,261 @@
+//! Tesseract (2.5D, `--strategy tesseract --mesh DxQxQ`, `RxDxQxQ` with replicas) end to end:
+//! training on depth 2 and 4 with q = 2, with and without replicas and ZeRO-1, gives one device's
+//! losses and final weights; GPT-2, BERT and Llama verify there (with recompute and bf16); the SUMMA
+//! traffic per device, the sum over the depth and the memory per device equal closed formulas; the
+//! mesh is read with the strategy, and meshes that do not fit are clear errors.
+
+mod common;
+
+use common::{optimusc, read_weights, text};
+use optimus::front::check_source;
+use optimus::plan::{CollectiveKind, Group, Instr, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Role, Strategy};
+use optimus::shard::{Target, compile};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("optimus-tesseract-{}", std::process::id())).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Two layers of width 32 (4 heads), a vocabulary of 101 (padded on every sharded mesh), batches of 16
+/// sequences of 8 tokens: every mesh here (up to 8 batch splits) divides them.
+const SMALL: [&str; 16] = [
+    "--set",
+    "layers=2",
+    "--set",
+    "hidden=32",
+    "--set",
+    "heads=4",
+    "--set",
+    "ffn=64",
+    "--set",
+    "vocab=101",
+    "--set",
+    "seq=8",
+    "--set",
+    "context=16",
+    "--set",
+    "batch=16",
+];
+
+/// Dropout on, AdamW with clipping and two micro-batches, so that every part of the update crosses
+/// the depth layers.
+const TRAINING: [&str; 10] =
+    ["--set", "pdrop=0.1", "--seed", "7", "--eps", "0.0001", "--clip-grad-norm", "0.5", "--accum", "2"];
+
+type Training = (Vec<f64>, Vec<(String, Vec<f32>)>);
+
+/// Trains the small GPT-2 for 3 steps with `flags`; returns the losses and the saved weights.
+fn train(flags: &[&str], dir: &Path, name: &str) -> Training {
+    let weights = dir.join(format!("{name}.safetensors"));
+    let head = ["run", "examples/gpt2.opt", "--steps", "3", "--json", "--save-weights", text(&weights)];
+    let args = [&head[..], &SMALL, &TRAINING, flags].concat();
+    let out = optimusc(&args);
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let losses = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON line"))
+        .filter_map(|r| r.get("loss").and_then(serde_json::Value::as_f64))
+        .collect();
+    (losses, read_weights(&weights))
+}
+
+fn assert_same_training(what: &str, got: &Training, want: &Training) {
+    assert_eq!(got.0.len(), want.0.len(), "{what}: steps");
+    for (step, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
+        assert!((a - b).abs() / b.abs().max(1e-3) <= 1e-4, "{what}: step {step} loss {a} vs one device {b}");
+    }
+    assert_eq!(got.1.len(), want.1.len(), "{what}: tensors");
+    for ((name, a), (other, b)) in got.1.iter().zip(&want.1) {
+        assert_eq!((name, a.len()), (other, b.len()), "{what}");
+        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-2)).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-4, "{what}: `{name}` differs from one device's by {worst:.2e} (relative)");
+    }
+}
+
+#[test]
+fn training_on_tesseract_meshes_equals_one_device_with_the_whole_batch() {
+    let dir = scratch("equal");
+    let one = train(&["--mesh", "1x1", "--strategy", "none"], &dir, "one");
+    assert_eq!(one.0.len(), 3);
+    for (mesh, zero) in [("2x2x2", "0"), ("4x2x2", "0"), ("2x2x2x2", "0"), ("2x2x2x2", "1")] {
+        let name = format!("{mesh}-zero{zero}");
+        let got = train(&["--strategy", "tesseract", "--mesh", mesh, "--zero", zero], &dir, &name);
+        assert_same_training(&name, &got, &one);
+    }
+}
+
+/// `verify` on `mesh` under tesseract, with the small sizes and `extra` flags.
+fn verifies(model: &str, mesh: &str, extra: &[&str]) {
+    let mut args = vec!["verify", model, "--strategy", "tesseract", "--mesh", mesh];
+    args.extend_from_slice(&SMALL);
+    if model.contains("llama") {
+        args.extend_from_slice(&["--set", "kv_heads=2"]);
+    }
+    args.extend_from_slice(extra);
+    let out = optimusc(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("verified"),
+        "{args:?}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn gpt2_bert_and_llama_verify_on_depth_2_and_4_with_and_without_replicas() {
+    for model in ["examples/gpt2.opt", "examples/bert.opt", "examples/llama.opt"] {
+        for mesh in ["2x2x2", "4x2x2", "2x2x2x2"] {
+            verifies(model, mesh, &[]);
+        }
+    }
+}
+
+#[test]
+fn recompute_bf16_and_zero_1_verify_on_tesseract() {
+    verifies("examples/llama.opt", "2x2x2", &["--recompute", "selective"]);
+    verifies("examples/gpt2.opt", "4x2x2", &["--recompute", "layers"]);
+    let bf16 = ["--precision", "bf16", "--recompute", "layers", "--zero", "1", "--tolerance", "2e-2"];
+    verifies("examples/llama.opt", "2x2x2x2", &bf16);
+}
+
+const LAYERS: u64 = 2;
+const HIDDEN: u64 = 32;
+const FFN: u64 = 64;
+const VOCAB: u64 = 101;
+const CONTEXT: u64 = 16;
+const SEQ: u64 = 8;
+
+/// The small GPT-2 (sizes above, dropout off) compiled for training on `mesh` with `batch` sequences.
+fn gpt2(mesh: Mesh, strategy: Strategy, batch: u64) -> Plan {
+    let source = std::fs::read_to_string("examples/gpt2.opt").expect("reads");
+    let sets = [
+        ("layers", LAYERS),
+        ("hidden", HIDDEN),
+        ("heads", 4),
+        ("ffn", FFN),
+        ("vocab", VOCAB),
+        ("seq", SEQ),
+        ("context", CONTEXT),
+        ("batch", batch),
+    ];
+    let mut overrides: Vec<_> =
+        sets.iter().map(|(k, v)| optimus::elab::Override { name: (*k).to_string(), value: v.to_string() }).collect();
+    overrides.push(optimus::elab::Override { name: "pdrop".into(), value: "0.0".into() });
+    let model = check_source(&source, &overrides).model.expect("checks");
+    let target = Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
+    compile(&model, "gpt2.opt", &source, target).expect("compiles")
+}
+
+/// Elements a device moves per step, by (group, collective), over the collectives `keep` selects.
+fn moved(plan: &Plan, keep: impl Fn(&ReasonKind) -> bool) -> BTreeMap<(Group, CollectiveKind), u64> {
+    let mut by = BTreeMap::new();
+    for instr in &plan.program {
+        let Instr::Collective { collective: c, reason, .. } = instr else { continue };
+        if keep(&plan.reasons[*reason as usize].kind) {
+            let block = if c.kind == CollectiveKind::AllGather { c.recv } else { c.send };
+            *by.entry((c.group, c.kind)).or_default() += plan.buffer(block).elements();
+        }
+    }
+    by
+}
+
+/// The vocabulary padded to a multiple of q.
+fn padded_vocab(q: u64) -> u64 {
+    VOCAB.div_ceil(q) * q
+}
+
+/// Parameter elements per device: weights 1/q^2 (the tied table too), biases, norms and the position
+/// table 1/q (split over the columns only), the same on every depth layer.
+fn parameter_elements(q: u64) -> u64 {
+    let (h, f) = (HIDDEN, FFN);
+    let weights = 4 * h * h + 2 * h * f;
+    // c_attn and c_proj biases, c_fc and the MLP's c_proj biases, two norms of weight and bias.
+    let vectors = 3 * h + h + f + h + 4 * h;
+    LAYERS * (weights / (q * q) + vectors / q) + padded_vocab(q) * h / (q * q) + CONTEXT * h / q + 2 * h / q
+}
+
+#[test]
+fn summa_traffic_the_depth_sum_and_memory_equal_the_closed_formulas() {
+    let batch = 16;
+    let tokens = batch * SEQ;
+    for (depth, q) in [(2, 2), (4, 2), (2, 4)] {
+        let mesh = Mesh::new(q, q).with_depth(depth);
+        let plan = gpt2(mesh, Strategy::Tesseract, batch);
+        let (h, f, v) = (HIDDEN, FFN, padded_vocab(q));
+        // Per layer, the linears' input widths and their in x out products.
+        let (inputs, products) = (LAYERS * (3 * h + f), LAYERS * (4 * h * h + 2 * h * f));
+        // Forward A blocks and dW's A blocks along the row, the tied head's dY twice; each device takes
+        // q blocks of tokens / (d q) rows per product.
+        let rows = tokens / (depth * q);
+        let want = BTreeMap::from([
+            ((Group::Row, CollectiveKind::Broadcast), 2 * rows * (inputs + v)),
+            ((Group::Column, CollectiveKind::Broadcast), 2 * (products + v * h) / q),
+            ((Group::Row, CollectiveKind::Reduce), rows * (inputs + v)),
+            ((Group::Column, CollectiveKind::Reduce), (products + v * h) / q),
+        ]);
+        let summa = moved(&plan, |k| matches!(k, ReasonKind::Summa { .. }));
+        assert_eq!(summa, want, "{mesh}: SUMMA elements per device per step");
+        // Over the depth: every gradient once, and the loss with its count of targets.
+        let depth_sums =
+            moved(&plan, |_| true).into_iter().filter(|((g, _), _)| *g == Group::Depth).collect::<Vec<_>>();
+        let grads = parameter_elements(q);
+        assert_eq!(depth_sums, [((Group::Depth, CollectiveKind::AllReduce), grads + 2)], "{mesh}: over the depth");
+        // Weights 1/q^2 whatever the depth; AdamW's two moments; activations 1/(d q^2).
+        let m = &plan.memory;
+        assert_eq!((m.parameters, m.gradients, m.optimizer_state), (4 * grads, 4 * grads, 8 * grads), "{mesh}");
+        // What the backward keeps scales with the batch, but for the count of targets the loss divides
+        // by (two float32 scalars kept by every device: its partial count and the count summed).
+        let flat = gpt2(Mesh::new(q, q), Strategy::Optimus, batch);
+        let counts = 2 * 4;
+        let kept = m.activations_kept_for_backward - counts;
+        assert_eq!(kept * depth, flat.memory.activations_kept_for_backward - counts, "{mesh}: activations");
+        // Each depth layer reads its share of the batch: the token ids whole over its grid (for the
+        // vocabulary-parallel lookup), the targets split over the grid rows.
+        let read: u64 = plan.buffers.iter().filter(|b| b.role == Role::Input).map(|b| b.bytes()).sum();
+        assert_eq!(
+            read,
+            4 * tokens / depth + 4 * tokens / (depth * q),
+            "{mesh}: the tokens and targets a device reads"
+        );
+    }
+}
+
+#[test]
+fn three_sizes_are_depth_for_tesseract_and_replicas_for_the_others() {
+    let dir = scratch("mesh");
+    let plan_of = |flags: &[&str]| -> serde_json::Value {
+        let out_path = dir.join("plan.json");
+        let args = [&["compile", "examples/tiny.opt", "-o", text(&out_path)][..], flags].concat();
+        let out = optimusc(&args);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&std::fs::read(&out_path).expect("plan")).expect("JSON")
+    };
+    let tesseract = plan_of(&["--strategy", "tesseract", "--mesh", "2x2x2"]);
+    assert_eq!((tesseract["mesh"]["depth"].as_u64(), tesseract["mesh"]["data"].as_u64()), (Some(2), None));
+    let replicas = plan_of(&["--strategy", "tesseract", "--mesh", "3x2x2x2", "--set", "batch=24"]);
+    assert_eq!((replicas["mesh"]["depth"].as_u64(), replicas["mesh"]["data"].as_u64()), (Some(2), Some(3)));
+    let optimus = plan_of(&["--mesh", "2x2x2"]);
+    assert_eq!((optimus["mesh"]["depth"].as_u64(), optimus["mesh"]["data"].as_u64()), (None, Some(2)));
+}
+
+#[test]
+fn meshes_tesseract_cannot_use_are_clear_errors() {
+    let cases: [(&[&str], &str); 3] = [
+        (&["--mesh", "2x2x4"], "the tesseract strategy needs a square q x q mesh"),
+        (&["--mesh", "2x3x3", "--set", "batch=4"], "cannot be split 6 ways"),
+        (&["--mesh", "0x2x2"], "mesh sides must be between 1 and 1024"),
+    ];
+    for (flags, expected) in cases {
+        let args =
+            [&["compile", "examples/tiny.opt", "-o", "/dev/null", "--strategy", "tesseract"][..], flags].concat();
+        let out = optimusc(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} must fail");
+        assert!(stderr.contains(expected), "{flags:?}: expected `{expected}` in\n{stderr}");
+        assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
+    }
+}
