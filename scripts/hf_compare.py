@@ -112,7 +112,7 @@ VOCAB, CONTEXT, SEQ, BATCH, LAYERS, HEADS, HIDDEN = 333, 32, 16, 4, 2, 4, 64
 EPS_LN = 1e-5
 
 # (strategy, mesh) pairs to run.
-MESHES = [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", "1x4")]
+MESHES = [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", "1x4"), ("tesseract", "2x2x2")]
 
 
 @dataclass
@@ -518,6 +518,7 @@ def print_table(results: list[Result], tol: float):
 
 
 def main() -> int:
+    global BATCH
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--optimusc", type=Path, default=REPO / "target" / "release" / "optimusc")
     parser.add_argument("--steps", type=int, default=4)
@@ -536,11 +537,18 @@ def main() -> int:
         default=",".join(f"{s}:{m}" for s, m in MESHES),
         help="comma-separated STRATEGY:MESH pairs (default: %(default)s)",
     )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=BATCH,
+        help="sequences per batch (default %(default)s; 8 lets tesseract 4x2x2 and 2x2x2x2 split it)",
+    )
     parser.add_argument("--keep", type=Path, help="keep the files (weights, tokens, outputs) in this directory")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one optimusc run may take")
     parser.add_argument("--details", action="store_true", help="print every tensor's difference")
     parser.add_argument("-v", "--verbose", action="store_true", help="print the optimusc commands")
     args = parser.parse_args()
+    BATCH = args.batch
 
     if not args.optimusc.exists():
         print(f"error: {args.optimusc} does not exist (cargo build --release)", file=sys.stderr)

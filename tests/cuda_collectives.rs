@@ -101,7 +101,7 @@ fn program() -> Vec<Case> {
     let heads = Some(Placement::Shard { dim: 2, outer: 3, inner: 2 });
     let mut cases = Vec::new();
     for bf16 in [false, true] {
-        for group in [Group::Row, Group::Column, Group::Data, Group::World] {
+        for group in [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World] {
             let case = |kind, root, op, shard, full| Case { kind, group, root, op, shard, full, bf16 };
             use CollectiveKind::*;
             cases.extend([

@@ -1,5 +1,5 @@
 //! Multi-process runs under Open MPI's mpirun (feature `mpi`): 4 and 9 processes give the thread
-//! backend's losses and weights, 8 processes on data-parallel meshes give one device's, and a rank
+//! backend's losses and weights, 8 processes on data-parallel and tesseract meshes give one device's, and a rank
 //! that errs, panics, hangs or is killed ends the whole job with an error naming it, within seconds. Each run is its own mpirun job, so MPI is initialised
 //! once per process.
 #![cfg(feature = "mpi")]
@@ -179,17 +179,22 @@ fn nine_processes_give_the_thread_backends_losses_and_weights() {
 }
 
 #[test]
-fn eight_processes_on_data_parallel_meshes_give_one_devices_losses_and_weights() {
-    // Two replicas of a 2x2 optimus mesh and of a 1x4 megatron mesh, with and without ZeRO-1: every
-    // process runs one device, and the losses and final weights are one device's with the whole batch.
+fn eight_processes_on_data_parallel_and_tesseract_meshes_give_one_devices_losses_and_weights() {
+    // Two replicas of a 2x2 optimus mesh and of a 1x4 megatron mesh, with and without ZeRO-1, and two
+    // tesseract depth layers of a 2x2 grid: every process runs one device, and the losses and final
+    // weights are one device's with the whole batch.
     let base =
         ["run", "examples/tiny.opt", "--steps", "3", "--json", "--seed", "7", "--optimizer", "sgd", "--lr", "0.1"];
     let one_weights = scratch("one-device.safetensors");
     let single = with(&base, &["--mesh", "1x1", "--strategy", "none", "--save-weights", text(&one_weights)]);
     let one = losses(&threads(&single));
-    for (name, mesh) in [("2x2x2", &["--mesh", "2x2x2"][..]), ("2x1x4", &["--mesh", "2x1x4", "--strategy", "megatron"])]
-    {
-        for zero in ["0", "1"] {
+    let meshes: [(&str, &[&str], &[&str]); 3] = [
+        ("2x2x2", &["--mesh", "2x2x2"], &["0", "1"]),
+        ("2x1x4", &["--mesh", "2x1x4", "--strategy", "megatron"], &["0", "1"]),
+        ("tesseract-2x2x2", &["--mesh", "2x2x2", "--strategy", "tesseract"], &["0"]),
+    ];
+    for (name, mesh, zeros) in meshes {
+        for &zero in zeros {
             let weights = scratch(&format!("dp-{name}-zero{zero}.safetensors"));
             let args = with(&with(&base, mesh), &["--zero", zero, "--save-weights", text(&weights)]);
             let mpi = losses(&mpirun(8, &args, &[]).0);

@@ -105,9 +105,13 @@ fn a_checkpoint_resumes_on_other_meshes_and_strategies() {
     let ckpt = dir.join("ckpt");
     train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "3"]);
     let after_3 = ckpt.join("step-00000003");
-    for mesh in
-        [&["--mesh", "4x4"][..], &["--mesh", "1x4", "--strategy", "megatron"], &["--mesh", "1x1", "--strategy", "none"]]
-    {
+    let meshes: [&[&str]; 4] = [
+        &["--mesh", "4x4"],
+        &["--mesh", "1x4", "--strategy", "megatron"],
+        &["--mesh", "1x1", "--strategy", "none"],
+        &["--mesh", "2x2x2", "--strategy", "tesseract"],
+    ];
+    for mesh in meshes {
         let out = dir.join(format!("resumed-{}.safetensors", mesh[1]));
         let folder = dir.join(format!("resumed-{}", mesh[1]));
         let rest = train(
@@ -124,6 +128,36 @@ fn a_checkpoint_resumes_on_other_meshes_and_strategies() {
             let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
             assert!(diff <= 1e-5 * scale, "{mesh:?}: {name} differs by {diff} (scale {scale})");
         }
+    }
+}
+
+#[test]
+fn a_tesseract_checkpoint_resumes_on_a_flat_grid() {
+    let dir = scratch("tesseract");
+    let tesseract: &[&str] = &["--mesh", "2x2x2", "--strategy", "tesseract"];
+    let whole = dir.join("whole.safetensors");
+    let uninterrupted = train(TWO_BY_TWO, 5, &["--save-weights", text(&whole)]);
+    let ckpt = dir.join("ckpt");
+    let first = train(tesseract, 5, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "2"]);
+    for ((_, a), (_, b)) in first.iter().zip(&uninterrupted) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "tesseract {first:?} vs 2x2 {uninterrupted:?}");
+    }
+    let resumed = dir.join("resumed.safetensors");
+    let again = dir.join("again");
+    let after_2 = ckpt.join("step-00000002");
+    let rest = train(
+        TWO_BY_TWO,
+        5,
+        &["--resume", text(&after_2), "--checkpoint-dir", text(&again), "--save-weights", text(&resumed)],
+    );
+    assert_eq!(rest.iter().map(|r| r.0).collect::<Vec<_>>(), vec![2, 3, 4]);
+    for ((_, a), (_, b)) in rest.iter().zip(&uninterrupted[2..]) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "resumed {rest:?} vs {uninterrupted:?}");
+    }
+    for ((name, a), (_, b)) in read_weights(&resumed).iter().zip(&read_weights(&whole)) {
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+        let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= 1e-5 * scale, "{name} differs by {diff} (scale {scale})");
     }
 }
 

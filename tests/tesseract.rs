@@ -259,3 +259,43 @@ fn meshes_tesseract_cannot_use_are_clear_errors() {
         assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
     }
 }
+
+/// The planner searches 2.5D as optimus with the depth layers as replicas. Without replicas the two
+/// plans have the same instructions (kinds, group sizes and payloads), memory and simulated step; with
+/// r replicas tesseract sums each gradient over the depth and then over the replicas, where optimus
+/// sums it once over d r replicas, so optimus's step is never longer.
+#[test]
+fn a_tesseract_plan_is_the_optimus_plan_with_its_depth_layers_as_replicas() {
+    use optimus::cost::hardware::Hardware;
+    use optimus::cost::step::{Options, simulate};
+    let hw = Hardware::load("dgx-a100").expect("profile");
+    let shape = |plan: &Plan| -> Vec<String> {
+        plan.program
+            .iter()
+            .map(|instr| match instr {
+                Instr::Collective { collective: c, .. } => format!(
+                    "{} over {} of {} bytes",
+                    c.kind.name(),
+                    plan.mesh.group_size(c.group),
+                    plan.buffer(c.send).bytes()
+                ),
+                Instr::Kernel { kernel, output, .. } => format!("{kernel:?} into {:?}", plan.buffer(*output).shape),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    };
+    let step = |plan: &Plan| simulate(plan, &hw, &Options::default()).step_time_s;
+    for (depth, q, replicas) in [(2, 2, 1), (4, 2, 1), (2, 2, 2), (2, 2, 4)] {
+        let tesseract = gpt2(Mesh::new(q, q).with_depth(depth).with_data(replicas), Strategy::Tesseract, 32);
+        let optimus = gpt2(Mesh::new(q, q).with_data(depth * replicas), Strategy::Optimus, 32);
+        let what = format!("tesseract {depth}x{q}x{q} with {replicas} replicas");
+        assert_eq!(tesseract.memory.peak_bytes, optimus.memory.peak_bytes, "{what}");
+        if replicas == 1 {
+            assert_eq!(shape(&tesseract), shape(&optimus), "{what}");
+            assert_eq!(tesseract.memory, optimus.memory, "{what}");
+            assert_eq!(step(&tesseract), step(&optimus), "{what}");
+        } else {
+            assert!(step(&optimus) <= step(&tesseract), "{what}: {} > {}", step(&optimus), step(&tesseract));
+        }
+    }
+}

@@ -239,6 +239,7 @@ fn render(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> String {
         c.simulated,
         c.scored
     );
+    let _ = writeln!(out, "{}\n", optimus::cost::planner::TESSERACT_COVERED);
     if args.trace {
         render_trace(&mut out, outcome);
     }

@@ -355,6 +355,13 @@ fn lower_bound_s(compiled: &Compiled, config: &Config) -> f64 {
 
 /// The layouts of `devices`: every tensor-device count t dividing it, as optimus q x q (q >= 2),
 /// megatron 1 x t (t >= 2) and none (t = 1), replicated devices / t times.
+///
+/// Tesseract's d x q x q with r replicas is not enumerated apart: depth layers hold the same weights
+/// and split the batch as replicas do, on the same ranks, so with one replica its plan is optimus
+/// q x q's with d replicas, instruction for instruction. With r replicas tesseract sums each gradient
+/// over the depth and then over the replicas where optimus with d r replicas sums it once, and ZeRO-1
+/// splits over d r replicas where tesseract's splits over r: the optimus layout matches or beats it
+/// (see [`TESSERACT_COVERED`]; tests/tesseract.rs checks both).
 pub fn layouts(devices: u64) -> Vec<Parallelism> {
     let mut out = Vec::new();
     for t in divisors(devices).into_iter().rev() {
@@ -371,6 +378,10 @@ pub fn layouts(devices: u64) -> Vec<Parallelism> {
     }
     out
 }
+
+/// What the planner says of 2.5D (see [`layouts`]).
+pub const TESSERACT_COVERED: &str = "2.5D (tesseract d x q x q with r replicas) is searched as optimus q x q with d r \
+     replicas: the same plan with its depth layers as replicas, each gradient summed once over all of them";
 
 /// The divisors of n, ascending (trial division up to the square root).
 fn divisors(n: u64) -> Vec<u64> {

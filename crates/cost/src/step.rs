@@ -397,7 +397,7 @@ impl Tally {
 pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
     let nodes = NodeMap::new(plan.mesh, hw.intra_node.gpus_per_node, options.placement);
     let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
-    let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::World]
+    let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World]
         .into_iter()
         .map(|g| (g, GroupLayout::of(&nodes, g)))
         .collect();

@@ -274,8 +274,8 @@ fn recompute_line(plan: &Plan) -> Option<String> {
 fn data_parallel_line(plan: &Plan) -> String {
     let replicas = plan.mesh.data;
     let head = format!(
-        "data parallelism: {replicas} replicas of the {}x{} mesh, each on 1/{replicas} of the batch; gradients summed over the replicas",
-        plan.mesh.rows, plan.mesh.cols
+        "data parallelism: {replicas} replicas of the {} mesh, each on 1/{replicas} of the batch; gradients summed over the replicas",
+        plan.mesh.with_data(1)
     );
     if plan.zero == 0 {
         return head;

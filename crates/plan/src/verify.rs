@@ -367,12 +367,12 @@ fn sequence(plan: &Plan, group: Group) -> Vec<(CollectiveKind, Option<u64>, u64)
         .collect()
 }
 
-/// Every member of every row, column, data and world group must issue the same collectives in the same order,
+/// Every member of every row, column, data, depth and world group must issue the same collectives in the same order,
 /// with the same payload sizes and valid roots. The program is SPMD without per-device branches, so
 /// each member's sequence is the program's own; what can still differ is the size each member sends,
 /// which the layouts fix to the same block shape on every device. This checks both facts.
 fn check_group_order(plan: &Plan, errors: &mut Vec<String>) {
-    for group in [Group::Row, Group::Column, Group::Data, Group::World] {
+    for group in [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World] {
         let members = plan.mesh.group_size(group);
         for (kind, root, bytes) in sequence(plan, group) {
             if bytes == 0 {
