@@ -457,3 +457,36 @@ fn kernels_cost_the_roofline() {
     close(kernel_time(&matmul, &[&a16, &b16], &c16, &hw), 2e-3);
     close(kernel_time(&Kernel::Add, &[&a16, &b16], &c16, &hw), 0.6e-4);
 }
+
+#[test]
+fn compare_takes_any_set_of_strategies_and_marks_those_the_devices_do_not_fit() {
+    let model = examples().join("tiny.opt").to_string_lossy().into_owned();
+    let base = ["simulate", &model, "--hardware", "dgx-a100", "--set", "batch=16"];
+    // 8 devices: no square grid for optimus; tesseract takes 2 depth layers of 2x2.
+    let mut args = base.to_vec();
+    args.extend(["--mesh", "2x4", "--strategy", "megatron", "--compare=optimus,tesseract,megatron", "--json"]);
+    let (ok, text, err) = optimusc(&args);
+    assert!(ok, "{err}");
+    let v = json(&text);
+    assert!(v["optimus"]["infeasible"].as_str().is_some_and(|r| r.contains("not a square")), "{text}");
+    assert_eq!(v["tesseract"]["mesh"], "2x2x2", "{text}");
+    assert!(v["tesseract"]["step_time_s"].as_f64().is_some_and(|t| t > 0.0), "{text}");
+    assert!(v["megatron"]["step_time_s"].as_f64().is_some_and(|t| t > 0.0), "{text}");
+    // The table marks the fastest and states each other's ratio to it.
+    let mut args = base.to_vec();
+    args.extend(["--mesh", "4x4", "--compare=tesseract,optimus"]);
+    let (ok, text, err) = optimusc(&args);
+    assert!(ok && text.contains("tesseract 4x2x2") && text.contains("1.00x"), "{text}{err}");
+    assert!(!text.contains("speedup (megatron"), "no megatron, no megatron ratio: {text}");
+    // A set of fewer than two strategies, none, or a device count nothing fits is a usage error.
+    for (compare, mesh, expected) in [
+        ("--compare=optimus", "4x4", "two strategies or more"),
+        ("--compare=none,optimus", "4x4", "none runs one device"),
+        ("--compare=optimus,tesseract", "1x3", "no strategy compared fits 3 devices"),
+    ] {
+        let mut args = base.to_vec();
+        args.extend(["--mesh", mesh, "--strategy", "megatron", compare]);
+        let (ok, _, err) = optimusc(&args);
+        assert!(!ok && err.contains(expected), "{compare} on {mesh}: {err}");
+    }
+}

@@ -1,7 +1,7 @@
 //! `optimusc simulate`: predicted step time, memory, throughput and MFU of a plan on a named cluster;
 //! the largest batch that fits; optimus against megatron at the same device count; scaling sweeps.
 
-use super::{ModeArg, TargetArgs};
+use super::{ModeArg, StrategyArg, TargetArgs};
 use clap::ValueEnum;
 use optimus::cost::planner::seconds;
 use optimus::cost::search::{self, MaxBatch, Source, SweepPoint};
@@ -40,9 +40,21 @@ pub struct SimulateArgs {
     /// Also find the largest batch that fits in device memory (re-compiling with --set batch=N).
     #[arg(long)]
     pub max_batch: bool,
-    /// Compare optimus on q x q with megatron on 1 x q^2 (the mesh gives the device count).
-    #[arg(long, conflicts_with = "sweep")]
-    pub compare: bool,
+    /// Compare strategies at the mesh's device count: `--compare` sets optimus on q x q against
+    /// megatron on 1 x q^2; `--compare=optimus,megatron,tesseract` takes any of the three (tesseract on
+    /// the largest q x q grid with two or more depth layers). A strategy the device count does not fit
+    /// is shown as infeasible, with the reason.
+    #[arg(
+        long,
+        conflicts_with = "sweep",
+        value_enum,
+        value_name = "STRATEGY,...",
+        num_args = 0..=1,
+        require_equals = true,
+        value_delimiter = ',',
+        default_missing_value = "optimus,megatron"
+    )]
+    pub compare: Option<Vec<StrategyArg>>,
     /// Weak and strong scaling of both strategies over 4, 16, 64 and 256 devices.
     #[arg(long)]
     pub sweep: bool,
@@ -103,7 +115,7 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let searching = args.max_batch || args.compare || args.sweep;
+    let searching = args.max_batch || args.compare.is_some() || args.sweep;
     if !searching {
         let plan = match super::plan_from(&args.model, &args.target) {
             Ok(plan) => plan,
@@ -117,8 +129,8 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
     if args.sweep {
         return sweep(args, &hw, &source);
     }
-    if args.compare {
-        return compare(args, &hw, &source);
+    if let Some(strategies) = &args.compare {
+        return compare(args, &hw, &source, strategies);
     }
     let Some(plan) = super::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
     let found = search::max_batch(&source, args.target.target(), hw.memory_bytes());
@@ -245,14 +257,31 @@ struct Side {
     found: Option<MaxBatch>,
 }
 
-fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
+fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source, asked: &[StrategyArg]) -> ExitCode {
     let devices = args.target.mesh().devices();
-    if search::integer_sqrt(devices).is_none() {
-        eprintln_safe!("error: --compare needs a square device count (q x q against 1 x q^2); the mesh has {devices}");
+    let mut strategies: Vec<Strategy> = Vec::new();
+    for strategy in asked.iter().map(|s| s.strategy()) {
+        if strategy == Strategy::None {
+            eprintln_safe!("error: --compare takes optimus, megatron and tesseract (none runs one device)");
+            return ExitCode::from(2);
+        }
+        if !strategies.contains(&strategy) {
+            strategies.push(strategy);
+        }
+    }
+    if strategies.len() < 2 {
+        eprintln_safe!("error: --compare needs two strategies or more, e.g. --compare=optimus,tesseract");
         return ExitCode::from(2);
     }
-    let sides: Vec<Side> =
-        [Strategy::Optimus, Strategy::Megatron].into_iter().map(|s| side(args, hw, source, s, devices)).collect();
+    let sides: Vec<Side> = strategies.into_iter().map(|s| side(args, hw, source, s, devices)).collect();
+    if sides.iter().all(|s| s.result.is_err()) {
+        let reasons: Vec<String> = sides
+            .iter()
+            .filter_map(|s| s.result.as_ref().err().map(|e| format!("{}: {e}", s.strategy.name())))
+            .collect();
+        eprintln_safe!("error: no strategy compared fits {devices} devices ({})", reasons.join("; "));
+        return ExitCode::from(2);
+    }
     if args.json {
         return super::print_json(&compare_json(hw, devices, args.mode(), &sides));
     }
@@ -275,8 +304,11 @@ fn step_of(side: &Side) -> Option<f64> {
     side.result.as_ref().ok().map(|s| s.step_time_s)
 }
 
+/// Megatron's step time over optimus's, and optimus's largest batch over megatron's, when both were
+/// compared.
 fn ratios(sides: &[Side]) -> (Option<f64>, Option<f64>) {
-    let (Some(o), Some(m)) = (sides.first(), sides.get(1)) else { return (None, None) };
+    let of = |strategy: Strategy| sides.iter().find(|s| s.strategy == strategy);
+    let (Some(o), Some(m)) = (of(Strategy::Optimus), of(Strategy::Megatron)) else { return (None, None) };
     let speedup = step_of(m).zip(step_of(o)).map(|(m, o)| m / o);
     let batch = |s: &Side| s.found.as_ref().map(|f| f.max_batch);
     let ratio = batch(o).zip(batch(m)).filter(|&(_, m)| m > 0).map(|(o, m)| o as f64 / m as f64);
@@ -320,35 +352,40 @@ fn render_compare(hw: &Hardware, devices: u64, sides: &[Side]) -> String {
     let mut out = format!("compare on {} with {devices} devices:\n", hw.name);
     let _ = writeln!(
         out,
-        "  {:<9} {:<6} {:>12} {:>12} {:>14} {:>7} {:>10}",
-        "strategy", "mesh", "step time", "peak/device", "tokens/s", "MFU", "max batch"
+        "  {:<9} {:<8} {:>12} {:>12} {:>14} {:>7} {:>10} {:>10}",
+        "strategy", "mesh", "step time", "peak/device", "tokens/s", "MFU", "max batch", "vs fastest"
     );
+    let fastest = sides.iter().filter_map(step_of).fold(f64::INFINITY, f64::min);
     for s in sides {
         let batch = s.found.as_ref().map_or_else(|| "-".to_string(), |f| f.max_batch.to_string());
         match &s.result {
             Ok(sim) => {
                 let _ = writeln!(
                     out,
-                    "  {:<9} {:<6} {:>12} {:>12} {:>14} {:>6.1}% {:>10}",
+                    "  {:<9} {:<8} {:>12} {:>12} {:>14} {:>6.1}% {:>10} {:>9.2}x",
                     s.strategy.name(),
                     s.mesh,
                     seconds(sim.step_time_s),
                     human_bytes(sim.memory.peak_bytes_per_device),
                     group_digits(sim.tokens_per_second.round() as u128),
                     100.0 * sim.mfu,
-                    batch
+                    batch,
+                    sim.step_time_s / fastest
                 );
             }
             Err(reason) => {
-                let _ = writeln!(out, "  {:<9} {:<6} infeasible: {reason}", s.strategy.name(), s.mesh);
+                let _ = writeln!(out, "  {:<9} {:<8} infeasible: {reason}", s.strategy.name(), s.mesh);
             }
         }
     }
-    let (speedup, ratio) = ratios(sides);
-    let show = |v: Option<f64>| v.map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}x"));
-    let _ = writeln!(out, "speedup (megatron step time / optimus step time): {}", show(speedup));
-    if sides.iter().any(|s| s.found.is_some()) {
-        let _ = writeln!(out, "max batch ratio (optimus / megatron): {}", show(ratio));
+    let has = |strategy: Strategy| sides.iter().any(|s| s.strategy == strategy);
+    if has(Strategy::Optimus) && has(Strategy::Megatron) {
+        let (speedup, ratio) = ratios(sides);
+        let show = |v: Option<f64>| v.map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}x"));
+        let _ = writeln!(out, "speedup (megatron step time / optimus step time): {}", show(speedup));
+        if sides.iter().any(|s| s.found.is_some()) {
+            let _ = writeln!(out, "max batch ratio (optimus / megatron): {}", show(ratio));
+        }
     }
     out
 }
