@@ -51,6 +51,8 @@ fn cases() -> Vec<Case> {
         case("bert", ONE_LAYER, Strategy::Megatron, (1, 5), Mode::Infer),
         case("tiny", ODD_SIZES, Strategy::Optimus, (5, 5), Mode::Train),
         case("tiny", ODD_SIZES, Strategy::Megatron, (1, 5), Mode::Train),
+        case("tiny", &[], Strategy::Tesseract, (3, 3), Mode::Train),
+        case("tiny", ODD_SIZES, Strategy::Tesseract, (5, 5), Mode::Train),
     ]
 }
 
@@ -125,7 +127,9 @@ fn suggested_meshes_are_exactly_those_that_compile() {
             let listed = suggested.contains(&mesh);
             assert_eq!(listed, compiles, "{name}: {mesh} listed {listed} but compiles {compiles}");
         }
-        assert!(suggested.windows(2).all(|w| w[0].devices() < w[1].devices()), "{name}: smallest first");
+        // Tesseract has several meshes of one size (4x1x1 and 2x2): by devices, then grid side.
+        let order = |m: &Mesh| (m.devices(), m.rows);
+        assert!(suggested.windows(2).all(|w| order(&w[0]) < order(&w[1])), "{name}: smallest first");
     }
 }
 

@@ -126,16 +126,21 @@ fn meshes_that_compile(
 /// Stack for each thread that tries candidate meshes (as deep as the compiler's own worker's needs).
 const PROBE_STACK_BYTES: usize = 64 * 1024 * 1024;
 
-/// Every mesh shape the strategy accepts with at most `SUGGESTED_MESH_DEVICES` devices, smallest first.
+/// Every mesh shape the strategy accepts with at most `SUGGESTED_MESH_DEVICES` devices, smallest first
+/// (by devices, then grid side).
 fn candidate_meshes(strategy: Strategy) -> Vec<Mesh> {
     let bound = SUGGESTED_MESH_DEVICES;
     match strategy {
         Strategy::Optimus => (1..=bound).take_while(|q| q * q <= bound).map(|q| Mesh::new(q, q)).collect(),
         Strategy::Megatron => (1..=bound).map(|p| Mesh::new(1, p)).collect(),
-        Strategy::Tesseract => (1..=bound)
-            .take_while(|q| q * q <= bound)
-            .flat_map(|q| (1..=bound / (q * q)).map(move |d| Mesh::new(q, q).with_depth(d)))
-            .collect(),
+        Strategy::Tesseract => {
+            let mut meshes: Vec<Mesh> = (1..=bound)
+                .take_while(|q| q * q <= bound)
+                .flat_map(|q| (1..=bound / (q * q)).map(move |d| Mesh::new(q, q).with_depth(d)))
+                .collect();
+            meshes.sort_by_key(|m| (m.devices(), m.rows));
+            meshes
+        }
         Strategy::None => vec![Mesh::new(1, 1)],
     }
 }
