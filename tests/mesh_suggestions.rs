@@ -101,6 +101,7 @@ fn meshes_within(strategy: Strategy, bound: u64) -> Vec<Mesh> {
                 let fits = match strategy {
                     Strategy::Optimus => rows == cols && depth == 1,
                     Strategy::Tesseract => rows == cols,
+                    Strategy::ThreeD => rows == cols && cols == depth,
                     Strategy::Megatron => rows == 1 && depth == 1,
                     Strategy::None => rows * cols == 1 && depth == 1,
                 };

@@ -90,6 +90,8 @@ pub enum StrategyArg {
     Optimus,
     Megatron,
     Tesseract,
+    #[value(name = "3d")]
+    ThreeD,
     None,
 }
 
@@ -99,6 +101,7 @@ impl StrategyArg {
             StrategyArg::Optimus => Strategy::Optimus,
             StrategyArg::Megatron => Strategy::Megatron,
             StrategyArg::Tesseract => Strategy::Tesseract,
+            StrategyArg::ThreeD => Strategy::ThreeD,
             StrategyArg::None => Strategy::None,
         }
     }
@@ -108,6 +111,7 @@ impl StrategyArg {
             Strategy::Optimus => StrategyArg::Optimus,
             Strategy::Megatron => StrategyArg::Megatron,
             Strategy::Tesseract => StrategyArg::Tesseract,
+            Strategy::ThreeD => StrategyArg::ThreeD,
             Strategy::None => StrategyArg::None,
         }
     }
@@ -131,7 +135,7 @@ impl MeshArg {
     /// The mesh under `strategy`.
     pub fn mesh(self, strategy: Strategy) -> Mesh {
         match (self.three_sizes, strategy) {
-            (true, Strategy::Tesseract) => self.mesh.with_depth(self.mesh.data).with_data(1),
+            (true, Strategy::Tesseract | Strategy::ThreeD) => self.mesh.with_depth(self.mesh.data).with_data(1),
             _ => self.mesh,
         }
     }

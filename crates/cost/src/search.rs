@@ -56,6 +56,8 @@ pub enum SearchError {
     NotSquare { devices: u64 },
     /// Tesseract needs d q x q grids with d >= 2, and the device count is not such a product.
     NoDepth { devices: u64 },
+    /// 3D needs a q x q x q cube, and the device count is not a cube.
+    NotCube { devices: u64 },
     /// The plan of `batch` sequences needs `needs` bytes per device, more than there are.
     BatchTooLarge { batch: u64, needs: u64 },
     /// The plan needs `needs` bytes per device, more than `capacity`.
@@ -70,6 +72,7 @@ impl std::fmt::Display for SearchError {
             SearchError::NotCompiled(Some(first)) => f.write_str(&first.message),
             SearchError::NotCompiled(None) => f.write_str("the model has errors"),
             SearchError::NotSquare { devices } => write!(f, "{devices} devices are not a square q x q mesh"),
+            SearchError::NotCube { devices } => write!(f, "{devices} devices are not a q x q x q cube"),
             SearchError::NoDepth { devices } => {
                 write!(f, "{devices} devices are not two or more depth layers of a q x q grid (d x q x q)")
             }
@@ -94,9 +97,12 @@ pub fn batch_override(batch: u64) -> Override {
 pub fn batch_multiple(target: Target) -> u64 {
     let rows = match target.strategy {
         Strategy::Optimus | Strategy::Tesseract => target.mesh.rows.max(1),
+        // Activations split the batch over the rows and one of the other two axes.
+        Strategy::ThreeD => target.mesh.rows.max(1) * target.mesh.cols.max(1),
         Strategy::Megatron | Strategy::None => 1,
     };
-    rows * target.mesh.data.max(1) * target.mesh.depth.max(1)
+    let depth = if target.strategy == Strategy::Tesseract { target.mesh.depth.max(1) } else { 1 };
+    rows * target.mesh.data.max(1) * depth
 }
 
 /// The result of a max-batch search.
@@ -156,6 +162,11 @@ pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOp
                 .last()
                 .ok_or(SearchError::NoDepth { devices })?;
             Mesh::new(q, q).with_depth(devices / (q * q))
+        }
+        Strategy::ThreeD => {
+            let q = (1..=devices).take_while(|q| q * q * q <= devices).last().filter(|q| q * q * q == devices);
+            let q = q.ok_or(SearchError::NotCube { devices })?;
+            Mesh::new(q, q).with_depth(q)
         }
         Strategy::Megatron => Mesh::new(1, devices),
         Strategy::None => Mesh::new(1, 1),

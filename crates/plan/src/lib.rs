@@ -51,6 +51,10 @@ pub enum Strategy {
     /// 2.5D (Tesseract): d depth layers of a q x q SUMMA grid, the batch split over the layers and
     /// the weights replicated over them (their gradients summed over the depth).
     Tesseract,
+    /// 3D: a q x q x q cube (rows, columns, depth); every product gathers its operands over two axes,
+    /// multiplies locally and reduce-scatters over the third, and nothing is replicated.
+    #[serde(rename = "3d")]
+    ThreeD,
     /// One device.
     None,
 }
@@ -61,6 +65,7 @@ impl Strategy {
             Strategy::Optimus => "optimus",
             Strategy::Megatron => "megatron",
             Strategy::Tesseract => "tesseract",
+            Strategy::ThreeD => "3d",
             Strategy::None => "none",
         }
     }

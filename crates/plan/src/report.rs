@@ -312,7 +312,15 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
         r.mode,
         plan.program.len()
     );
-    if plan.mesh.depth > 1 {
+    if plan.strategy == super::Strategy::ThreeD {
+        let q = plan.mesh.rows;
+        let _ = writeln!(
+            out,
+            "3d: a {q}x{q}x{q} cube; activations split {} ways, matrices {} ways where their first dimension divides; each product gathers its operands and reduce-scatters its result",
+            q * q,
+            q * q * q
+        );
+    } else if plan.mesh.depth > 1 {
         let (depth, q) = (plan.mesh.depth, plan.mesh.rows);
         let _ = writeln!(
             out,

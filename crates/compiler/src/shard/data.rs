@@ -10,7 +10,7 @@
 //! pending sum until the optimizer (or the output) asks for it whole.
 
 use super::Lowerer;
-use super::layout::{BATCH_AXES, DATA_AXIS, Layout, MAJOR_ORDER, Placement};
+use super::layout::{BATCH_AXES, COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MAJOR_ORDER, Placement, ROW_AXIS};
 use crate::ir::{Node, Op};
 use petgraph::graph::{DiGraph, NodeIndex};
 
@@ -91,7 +91,16 @@ impl Lowerer<'_> {
     /// than one depth layer (Tesseract). The depth axis follows the data axis's rule: each layer holds
     /// its own share of the replica's batch, and weight gradients are summed over the layers.
     pub(crate) fn batch_split(&self) -> bool {
-        BATCH_AXES.iter().any(|&axis| self.axes()[axis] > 1)
+        self.batch_axes().iter().any(|&axis| self.axes()[axis] > 1)
+    }
+
+    /// The mesh axes that split the batch with the weights whole under this target's strategy: the
+    /// data axis, and the depth axis for tesseract (3D splits tensors over its depth axis instead).
+    pub(crate) fn batch_axes(&self) -> &'static [usize] {
+        match self.target.strategy {
+            optimus_plan::Strategy::Tesseract => &BATCH_AXES,
+            _ => &BATCH_AXES[..1],
+        }
     }
 
     /// `layout` (as the tensor-parallel rules give it) with node `n`'s placement on each axis that
@@ -107,7 +116,7 @@ impl Lowerer<'_> {
             _ => return layout,
         };
         let axes = self.axes();
-        BATCH_AXES
+        self.batch_axes()
             .iter()
             .filter(|&&axis| axes[axis] > 1 && layout.0[axis] == Placement::Replicate)
             .fold(layout, |l, &axis| l.with(axis, placement))
@@ -158,6 +167,7 @@ impl Lowerer<'_> {
     /// more than one replica, split over the replicas along the first dimension whose block divides
     /// among them (a parameter with no such dimension stays whole on every replica).
     pub(crate) fn parameter_layout(&self, n: NodeIndex, layout: Layout) -> Layout {
+        let layout = self.rows_split_3d(n, layout);
         if !self.data_parallel() || self.target.memory.zero == 0 {
             return layout;
         }
@@ -181,5 +191,38 @@ impl Lowerer<'_> {
             }
         }
         layout
+    }
+
+    /// 3D stores a matrix (a weight, a table) split once more over the rows, along dimension 0 within
+    /// the columns' or the depth's split of it, so that no two devices hold the same elements; the
+    /// rules ask for it gathered over the rows, which costs an all-gather before each product (and its
+    /// gradient a reduce-scatter back). A matrix whose dimension 0 does not divide stays whole over
+    /// the rows.
+    fn rows_split_3d(&self, n: NodeIndex, layout: Layout) -> Layout {
+        let shape = &self.shapes[n.index()];
+        if self.target.strategy != optimus_plan::Strategy::ThreeD || shape.len() != 2 {
+            return layout;
+        }
+        let axes = self.axes();
+        let position = |axis: usize| MAJOR_ORDER.iter().position(|&a| a == axis);
+        let (mut parts, mut within) = (1, 1);
+        for axis in [COLUMN_AXIS, DEPTH_AXIS] {
+            match layout.0[axis] {
+                Placement::Shard { dim: 0, outer: 1, inner: 1 } => {
+                    parts *= axes[axis];
+                    // The rows' split nests inside the splits of less significant axes.
+                    if position(axis) > position(ROW_AXIS) {
+                        within *= axes[axis];
+                    }
+                }
+                Placement::Shard { dim: 0, .. } => return layout,
+                _ => {}
+            }
+        }
+        let rows = axes[ROW_AXIS];
+        if rows <= 1 || layout.0[ROW_AXIS] != Placement::Replicate || !shape[0].is_multiple_of(parts * rows) {
+            return layout;
+        }
+        layout.with(ROW_AXIS, Placement::shard_factor(0, within, 1))
     }
 }

@@ -12,7 +12,7 @@ pub mod table;
 use crate::autodiff::differentiate;
 use crate::diag::{Code, Diagnostic};
 use crate::ir::{DType, Model, Node, Op, ParamId};
-use layout::{Layout, MESH_AXES, Placement};
+use layout::{Layout, MAJOR_ORDER, MESH_AXES, Placement};
 use optimus_plan::memory::{insert_frees, plan_memory};
 use optimus_plan::span::{LineIndex, Span};
 use optimus_plan::{
@@ -141,6 +141,9 @@ fn candidate_meshes(strategy: Strategy) -> Vec<Mesh> {
             meshes.sort_by_key(|m| (m.devices(), m.rows));
             meshes
         }
+        Strategy::ThreeD => {
+            (1..=bound).take_while(|q| q * q * q <= bound).map(|q| Mesh::new(q, q).with_depth(q)).collect()
+        }
         Strategy::None => vec![Mesh::new(1, 1)],
     }
 }
@@ -181,9 +184,12 @@ fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
         _ if data == 0 => Some("a mesh needs at least one data-parallel replica".to_string()),
         _ if depth == 0 => Some("a mesh needs at least one depth layer".to_string()),
         Strategy::Optimus | Strategy::Megatron | Strategy::None if depth != 1 => Some(format!(
-            "only the tesseract strategy has depth layers; the {} strategy cannot use a depth of {depth}",
+            "only the tesseract and 3d strategies have a depth axis; the {} strategy cannot use a depth of {depth}",
             target.strategy.name()
         )),
+        Strategy::ThreeD if rows != cols || cols != depth => {
+            Some(format!("the 3d strategy needs a q x q x q cube, not {depth}x{rows}x{cols}"))
+        }
         _ if target.memory.zero > 1 => Some(format!("ZeRO stage {} is not supported (0 or 1)", target.memory.zero)),
         Strategy::Optimus | Strategy::Tesseract if rows != cols => {
             Some(format!("the {} strategy needs a square q x q mesh, not {rows}x{cols}", target.strategy.name()))
@@ -201,6 +207,7 @@ fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
             Strategy::Tesseract => {
                 "use --mesh DxQxQ (D depth layers of a q x q grid), e.g. --mesh 2x2x2, or RxDxQxQ for R data-parallel replicas"
             }
+            Strategy::ThreeD => "use --mesh QxQxQ, e.g. --mesh 2x2x2, or RxQxQxQ for R data-parallel replicas",
             Strategy::None => "use --mesh 1x1, Dx1x1 for D data-parallel replicas, or another strategy",
         })]),
         None => Ok(()),
@@ -817,11 +824,30 @@ impl<'a> Lowerer<'a> {
         copy
     }
 
-    /// Moves a value between layouts one mesh axis at a time.
+    /// Moves a value between layouts one mesh axis at a time, in axis order. Under 3D, where two axes
+    /// split one dimension, the order matters: every split that changes is first gathered, the less
+    /// significant (see `MAJOR_ORDER`) first so that each gathered block is contiguous; then sums and
+    /// new splits follow, the more significant first, so that each nests inside those already taken.
     fn redistribute(&mut self, n: NodeIndex, from: Version, to: Layout) -> BufferId {
+        if self.target.strategy != Strategy::ThreeD {
+            return self.move_axes(n, from, to, &(0..MESH_AXES).collect::<Vec<_>>()).buffer;
+        }
+        let gathered: Vec<usize> = MAJOR_ORDER
+            .iter()
+            .rev()
+            .copied()
+            .filter(|&a| from.layout.0[a] != to.0[a] && from.layout.0[a].dim().is_some())
+            .collect();
+        let whole = gathered.iter().fold(from.layout, |l, &a| l.with(a, Placement::Replicate));
+        let mid = self.move_axes(n, from, whole, &gathered);
+        self.move_axes(n, mid, to, &MAJOR_ORDER).buffer
+    }
+
+    /// [`Lowerer::redistribute`]'s steps, one mesh axis at a time in `order`.
+    fn move_axes(&mut self, n: NodeIndex, from: Version, to: Layout, order: &[usize]) -> Version {
         let mut current = from;
         let axes = self.axes();
-        for axis in 0..MESH_AXES {
+        for &axis in order {
             let (f, t) = (current.layout.0[axis], to.0[axis]);
             if f == t {
                 continue;
@@ -890,7 +916,7 @@ impl<'a> Lowerer<'a> {
                 }
             };
         }
-        current.buffer
+        current
     }
 
     /// A value whole along `axis` as a pending sum over it: each of the axis's p members holds 1/p of

@@ -3,12 +3,12 @@
 //! those layouts depend on the strategy, the rule reads its row of the table in `table.rs` and
 //! instantiates it for the node; the rule itself never branches on the strategy.
 
-use super::layout::{COLUMN_AXIS, DATA_AXIS, Layout, MESH_AXES, Placement};
+use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
 use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, on_dim};
 use super::{Lowerer, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
-use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role};
+use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
 use optimus_plan::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
 use petgraph::graph::NodeIndex;
 
@@ -81,7 +81,46 @@ impl Lowerer<'_> {
             ProductKind::Local { transpose_a, transpose_b } => {
                 self.local_matmul(a, b, out, transpose_a, transpose_b, p.what)
             }
+            ProductKind::Scattered { transpose_a, transpose_b, axis } => {
+                self.scattered_matmul((a, b), out, (transpose_a, transpose_b), axis, p.what)
+            }
         }
+    }
+
+    /// 3D: the local product of gathered blocks as a pending sum over `axis`, reduce-scattered over
+    /// that axis into `out` (which `axis` splits as the output's layout says).
+    fn scattered_matmul(
+        &mut self,
+        (a, b): (BufferId, BufferId),
+        out: BufferId,
+        t: (bool, bool),
+        axis: usize,
+        what: &str,
+    ) {
+        let o = self.buffers[out.0 as usize].clone();
+        let layout = o.layout.with(axis, Placement::Partial);
+        let name = format!("{}.partial", o.name);
+        let part = self.new_buffer(name, o.dtype, o.logical_shape.clone(), layout, Role::Workspace);
+        self.local_matmul(a, b, part, t.0, t.1, what);
+        let shard = o.layout.block_placement(axis, self.axes());
+        let group = Group::along(axis);
+        let text = format!("{what}: sum the partial products and scatter their blocks over the {}", group.name());
+        let reason = Reason::new(ReasonKind::PartialSum { scatter: true }, text);
+        self.collective(
+            CollectiveKind::ReduceScatter,
+            group,
+            None,
+            Some(ReduceOp::Sum),
+            Some(shard),
+            part,
+            out,
+            reason,
+        );
+    }
+
+    /// Dimensions of a node whose activations' last dimension is `last`, on this mesh.
+    fn dims(&self, last: usize) -> Dims {
+        Dims { rows: self.q(), ..Dims::new(last) }
     }
 
     /// Where the linear weight's output dimension is split: the heads factor of (3, heads, head).
@@ -96,8 +135,12 @@ impl Lowerer<'_> {
 
     fn param_layout(&mut self, w: NodeIndex) -> Option<Layout> {
         match self.graph[w].op {
-            // The tensor-parallel layout: ZeRO's split over the replicas is the optimizer's business.
-            Op::Param { id } => self.param_buffers.get(&id).map(|v| v.layout.with(DATA_AXIS, R)),
+            // The tensor-parallel layout: ZeRO's split over the replicas is the optimizer's business, and
+            // so is 3D's split of a weight over the rows (gathered before each product, see `data.rs`).
+            Op::Param { id } => self.param_buffers.get(&id).map(|v| {
+                let layout = v.layout.with(DATA_AXIS, R);
+                if self.target.strategy == Strategy::ThreeD { layout.with(ROW_AXIS, R) } else { layout }
+            }),
             _ => None,
         }
     }
@@ -333,7 +376,7 @@ impl Lowerer<'_> {
 
     /// The layout a lookup asks for its table in (operand 1 of the embedding row).
     fn table_layout(&mut self, table: NodeIndex) -> Layout {
-        let dims = Dims::new(self.rank(table).saturating_sub(1));
+        let dims = self.dims(self.rank(table).saturating_sub(1));
         self.table_case(table).map_or(Layout::REPLICATED, |case| laid(case.operands[1], &dims, Layout::REPLICATED))
     }
 
@@ -349,7 +392,7 @@ impl Lowerer<'_> {
     /// masked lookup, the result a pending sum); where its width is split, so is the result's.
     fn embedding(&mut self, n: NodeIndex, ids: NodeIndex, table: NodeIndex) {
         let Some(case) = self.table_case(table) else { return };
-        let dims = Dims::new(self.rank(n) - 1);
+        let dims = self.dims(self.rank(n) - 1);
         let tl = self.norm(laid(case.operands[1], &dims, Layout::REPLICATED));
         let ids_layout = laid(case.operands[0], &dims, Layout::REPLICATED);
         let out = laid(case.output, &dims, Layout::REPLICATED);
@@ -420,7 +463,7 @@ impl Lowerer<'_> {
     /// on every device) when given.
     fn position_embedding(&mut self, n: NodeIndex, table: NodeIndex, position: Option<NodeIndex>) {
         let Some(case) = self.rule_case(Operator::PositionEmbedding, &Facts::default()) else { return };
-        let dims = Dims::new(self.rank(n) - 1);
+        let dims = self.dims(self.rank(n) - 1);
         let (tl, out) =
             (laid(case.operands[0], &dims, Layout::REPLICATED), laid(case.output, &dims, Layout::REPLICATED));
         let mut inputs = vec![self.value(table, tl)];
@@ -467,7 +510,7 @@ impl Lowerer<'_> {
         let operator = if tied { Operator::LinearTied } else { Operator::Linear };
         let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(last);
         let Some(case) = self.rule_case(operator, &Facts { input_split, ..Facts::default() }) else { return };
-        let dims = Dims { out: self.out_split(w, 1), ..Dims::new(last) };
+        let dims = Dims { out: self.out_split(w, 1), ..self.dims(last) };
         let xb = self.value(x, laid(case.operands[0], &dims, Layout::REPLICATED));
         let wb = self.value(w, laid(case.operands[1], &dims, Layout::REPLICATED));
         let layout = self.norm(laid(case.output, &dims, Layout::REPLICATED));
@@ -497,7 +540,10 @@ impl Lowerer<'_> {
     fn weight_case(&mut self, operator: Operator, wl: Layout, last: usize) -> Option<(&'static Case, Dims)> {
         let facts = Facts { weight_cols: Some(wl.0[COLUMN_AXIS]), ..Facts::default() };
         let case = self.rule_case(operator, &facts)?;
-        Some((case, Dims { out: wl.0[COLUMN_AXIS], ..Dims::new(last) }))
+        // A 3D weight whose input features the columns split has its output features on the depth.
+        let three_d_in = self.target.strategy == Strategy::ThreeD && wl.0[COLUMN_AXIS].dim() == Some(0);
+        let out = if three_d_in { wl.0[DEPTH_AXIS] } else { wl.0[COLUMN_AXIS] };
+        Some((case, Dims { out, ..self.dims(last) }))
     }
 
     /// dX = dY W^T (dY E when tied), with W as stored.
@@ -564,9 +610,12 @@ impl Lowerer<'_> {
 
     /// The layouts a normalisation works in (the norm row): its activations (and result) and its
     /// weights (gamma, beta), split as the activations' last dimension is.
-    fn layernorm_layouts(&mut self, rank: usize) -> Option<(Layout, Layout)> {
-        let case = self.rule_case(Operator::Norm, &Facts::default())?;
-        let dims = Dims::new(rank - 1);
+    fn layernorm_layouts(&mut self, x: NodeIndex) -> Option<(Layout, Layout)> {
+        let rank = self.rank(x);
+        // 3D normalises either activation layout: its features on the depth, or on the columns.
+        let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(rank - 1);
+        let case = self.rule_case(Operator::Norm, &Facts { input_split, ..Facts::default() })?;
+        let dims = self.dims(rank - 1);
         let x = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
         Some((x, self.norm(laid(case.operands[1], &dims, Layout::REPLICATED))))
     }
@@ -575,7 +624,7 @@ impl Lowerer<'_> {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::LayerNorm }, text);
         let x = ops[0];
         let rank = self.rank(x);
-        let Some((xl, gl)) = self.layernorm_layouts(rank) else { return };
+        let Some((xl, gl)) = self.layernorm_layouts(x) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let xb = self.value(x, xl);
         let gb = self.value(ops[1], gl);
@@ -604,7 +653,7 @@ impl Lowerer<'_> {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::LayerNormGrad }, text);
         let (dy, x, gamma) = (ops[0], ops[1], ops[2]);
         let rank = self.rank(x);
-        let Some((xl, gl)) = self.layernorm_layouts(rank) else { return };
+        let Some((xl, gl)) = self.layernorm_layouts(x) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let Some(&(s1, s2)) = self.layernorm_stats.get(&x) else { return self.missing_param(n) };
         let dyb = self.value(dy, xl);
@@ -633,7 +682,7 @@ impl Lowerer<'_> {
     fn layernorm_grad_weight(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
         let (dy, x) = (ops[0], ops[1]);
         let rank = self.rank(x);
-        let Some((xl, _)) = self.layernorm_layouts(rank) else { return };
+        let Some((xl, _)) = self.layernorm_layouts(x) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let Some(&(s1, s2)) = self.layernorm_stats.get(&x) else { return self.missing_param(n) };
         let dyb = self.value(dy, xl);
@@ -657,7 +706,7 @@ impl Lowerer<'_> {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::RmsNorm }, text);
         let x = ops[0];
         let rank = self.rank(x);
-        let Some((xl, wl)) = self.layernorm_layouts(rank) else { return };
+        let Some((xl, wl)) = self.layernorm_layouts(x) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let xb = self.value(x, xl);
         let wb = self.value(ops[1], wl);
@@ -680,7 +729,7 @@ impl Lowerer<'_> {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::RmsNormGrad }, text);
         let (dy, x, w) = (ops[0], ops[1], ops[2]);
         let rank = self.rank(x);
-        let Some((xl, wl)) = self.layernorm_layouts(rank) else { return };
+        let Some((xl, wl)) = self.layernorm_layouts(x) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let Some(&sq) = self.rms_norm_stats.get(&x) else { return self.missing_param(n) };
         let dyb = self.value(dy, xl);
@@ -704,7 +753,7 @@ impl Lowerer<'_> {
     fn rms_norm_grad_weight(&mut self, n: NodeIndex, ops: &[NodeIndex], eps: f64) {
         let (dy, x) = (ops[0], ops[1]);
         let rank = self.rank(x);
-        let Some((xl, _)) = self.layernorm_layouts(rank) else { return };
+        let Some((xl, _)) = self.layernorm_layouts(x) else { return };
         let full = self.shapes[x.index()][rank - 1];
         let Some(&sq) = self.rms_norm_stats.get(&x) else { return self.missing_param(n) };
         let dyb = self.value(dy, xl);
@@ -812,7 +861,7 @@ impl Lowerer<'_> {
     fn attention_layouts(&mut self, width: u64, heads: u64, fused: bool, rank: usize) -> Option<(Layout, Layout)> {
         let case = self.rule_case(Operator::Attention, &Facts::default())?;
         let groups = if fused { (3, width / 3 / heads.max(1)) } else { (1, 1) };
-        let dims = Dims { batch: rank > 2, heads: groups, ..Dims::new(rank - 1) };
+        let dims = Dims { batch: rank > 2, heads: groups, ..self.dims(rank - 1) };
         let input = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
         Some((input, self.norm(laid(case.output, &dims, Layout::REPLICATED))))
     }
@@ -979,7 +1028,7 @@ impl Lowerer<'_> {
     /// last dimension is, the batch where it is.
     fn cross_entropy_layouts(&mut self, rank: usize) -> Option<(Layout, Layout)> {
         let case = self.rule_case(Operator::CrossEntropy, &Facts::default())?;
-        let dims = Dims::new(rank - 1);
+        let dims = self.dims(rank - 1);
         let logits = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
         Some((logits, self.norm(laid(case.operands[1], &dims, Layout::REPLICATED))))
     }

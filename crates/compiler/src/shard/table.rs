@@ -9,7 +9,7 @@
 //! rule creates, from the value's role (batch, shared or summed). A new strategy is new rows; a new
 //! tensor-parallel axis is a new column of the patterns.
 
-use super::layout::{COLUMN_AXIS, Layout, Placement, ROW_AXIS};
+use super::layout::{COLUMN_AXIS, DEPTH_AXIS, Layout, Placement, ROW_AXIS};
 use optimus_plan::Strategy;
 
 /// The operator families whose layouts depend on the strategy. The operands of each row are listed
@@ -64,7 +64,7 @@ impl Operator {
 
 /// The strategies that have rows of their own. One device (`Strategy::None`) runs the 2D rules on a
 /// 1 x 1 mesh, where every split is whole.
-pub const STRATEGIES: [Strategy; 2] = [Strategy::Optimus, Strategy::Megatron];
+pub const STRATEGIES: [Strategy; 3] = [Strategy::Optimus, Strategy::Megatron, Strategy::ThreeD];
 
 /// A placement along one tensor-parallel axis, symbolically: [`Sym::place`] makes it a [`Placement`]
 /// for a node's rank and weight.
@@ -76,6 +76,9 @@ pub enum Sym {
     Partial,
     /// An activation's batch (dimension 0) split; replicated when it has no batch dimension.
     Batch,
+    /// The batch split within each block of the rows' split (3D's depth axis, which splits the batch
+    /// after the rows have): a factor split of dimension 0 over the rows' parts.
+    BatchInner,
     /// An activation's last dimension split.
     Last,
     /// A weight's or table's dimension 0 (its input features, or its rows) split.
@@ -103,12 +106,14 @@ pub struct Dims {
     pub out: Placement,
     /// The last dimension viewed as (outer, heads, inner), whose heads [`Sym::Heads`] splits.
     pub heads: (u64, u64),
+    /// Parts of the mesh rows, which [`Sym::BatchInner`] splits within.
+    pub rows: u64,
 }
 
 impl Dims {
     /// Activations of rank `last + 1` with a batch dimension, a contiguous output split and heads.
     pub fn new(last: usize) -> Dims {
-        Dims { last, batch: true, out: Placement::shard(1), heads: (1, 1) }
+        Dims { last, batch: true, out: Placement::shard(1), heads: (1, 1), rows: 1 }
     }
 }
 
@@ -128,6 +133,8 @@ impl Sym {
             Sym::Partial => Placement::Partial,
             Sym::Batch if dims.batch => Placement::shard(0),
             Sym::Batch => Placement::Replicate,
+            Sym::BatchInner if dims.batch => Placement::shard_factor(0, dims.rows, 1),
+            Sym::BatchInner => Placement::Replicate,
             Sym::Last => Placement::shard(dims.last),
             Sym::Dim0 => Placement::shard(0),
             Sym::Dim1 => Placement::shard(1),
@@ -143,6 +150,8 @@ impl Sym {
 pub enum Pattern {
     /// One symbolic placement per tensor-parallel axis: (rows, columns).
     Axes(Sym, Sym),
+    /// One symbolic placement per axis of a 3D cube: (rows, columns, depth).
+    Axes3(Sym, Sym, Sym),
     /// A parameter's layout as it is stored (chosen where the parameter was first used).
     Stored,
     /// Follows from the operands' layouts, as the rule's documentation says (the loss of
@@ -156,6 +165,9 @@ impl Pattern {
     pub fn layout(self, dims: &Dims, stored: Layout) -> Option<Layout> {
         match self {
             Pattern::Axes(rows, cols) => Some(Layout::new(rows.place(dims), cols.place(dims))),
+            Pattern::Axes3(rows, cols, depth) => {
+                Some(Layout::new(rows.place(dims), cols.place(dims)).with(DEPTH_AXIS, depth.place(dims)))
+            }
             Pattern::Stored => Some(stored),
             Pattern::Derived => None,
         }
@@ -164,8 +176,9 @@ impl Pattern {
     /// The symbol along tensor-parallel `axis`, if this pattern names one.
     pub fn along(self, axis: usize) -> Option<Sym> {
         match (self, axis) {
-            (Pattern::Axes(rows, _), ROW_AXIS) => Some(rows),
-            (Pattern::Axes(_, cols), COLUMN_AXIS) => Some(cols),
+            (Pattern::Axes(rows, _) | Pattern::Axes3(rows, _, _), ROW_AXIS) => Some(rows),
+            (Pattern::Axes(_, cols) | Pattern::Axes3(_, cols, _), COLUMN_AXIS) => Some(cols),
+            (Pattern::Axes3(_, _, depth), DEPTH_AXIS) => Some(depth),
             _ => None,
         }
     }
@@ -182,6 +195,9 @@ pub enum ProductKind {
     SummaAtb,
     /// One local matmul of the blocks (a split contracted dimension leaves the result partial).
     Local { transpose_a: bool, transpose_b: bool },
+    /// 3D: one local matmul of the gathered blocks into a pending sum over mesh axis `axis` (which
+    /// splits the contracted dimension), reduce-scattered over that axis into the output's layout.
+    Scattered { transpose_a: bool, transpose_b: bool, axis: usize },
 }
 
 /// The product a row computes: its kind, which operands are A and B, and what it is called in the
@@ -265,8 +281,8 @@ pub fn rule(operator: Operator, strategy: Strategy) -> Option<&'static Rule> {
     RULES.iter().find(|r| r.operator == operator && r.strategy == strategy)
 }
 
-use Pattern::{Axes, Derived, Stored};
-use Sym::{Batch, Dim0, Dim1, Heads, Last, Out, OutLast, Partial, Rep};
+use Pattern::{Axes, Axes3, Derived, Stored};
+use Sym::{Batch, BatchInner, Dim0, Dim1, Heads, Last, Out, OutLast, Partial, Rep};
 
 const fn product(kind: ProductKind, a: usize, b: usize, what: &'static str) -> Option<Product> {
     Some(Product { kind, a, b, what })
@@ -291,7 +307,20 @@ const WHOLE: Pattern = Axes(Rep, Rep);
 
 use Operator as Op;
 use ProductKind::{SummaAb, SummaAbt, SummaAtb};
-use Strategy::{Megatron, Optimus};
+use Strategy::{Megatron, Optimus, ThreeD};
+
+/// 3D's two activation layouts. `L1`: the batch over the rows and the columns, the features over the
+/// depth (the residual stream, the norms' inputs). `L2`: the batch over the rows and, within them, the
+/// depth, the features over the columns (attention, the MLP's hidden layer, the logits). A linear on
+/// L1 gives L2 and one on L2 gives L1; each gathers its input over the axis that splits its batch
+/// besides the rows, gathers its weight over the rows (see `data.rs`), multiplies locally into a
+/// pending sum over the axis of the contracted features, and reduce-scatters it over that axis.
+const L1: Pattern = Axes3(Batch, Batch, Last);
+const L2: Pattern = Axes3(Batch, Last, BatchInner);
+
+const fn scattered(transpose_a: bool, transpose_b: bool, axis: usize) -> ProductKind {
+    ProductKind::Scattered { transpose_a, transpose_b, axis }
+}
 
 /// The table. Optimus splits activations (batch on the rows, features on the columns) and weights
 /// (input features on the rows, output features on the columns) over a q x q mesh and multiplies by
@@ -369,6 +398,52 @@ pub const RULES: &[Rule] = &[
     row(Op::Attention, Megatron, &[always(&[Axes(Rep, Heads)], Axes(Rep, Last), None)]),
     row(Op::CrossEntropy, Optimus, &[always(&[Axes(Batch, Last), Axes(Batch, Rep)], Derived, None)]),
     row(Op::CrossEntropy, Megatron, &[always(&[Axes(Rep, Last), WHOLE], Derived, None)]),
+    // ---- 3D: q x q x q, the two activation layouts L1 and L2 (see above) ----
+    row(Op::Linear, ThreeD, &[
+        case(When::InputSplit, &[Axes3(Batch, Last, Rep), Axes3(Rep, Dim0, Out)], Axes3(Batch, Batch, OutLast),
+            product(scattered(false, false, COLUMN_AXIS), 0, 1, "3D linear (L2 to L1)")),
+        always(&[Axes3(Batch, Rep, Last), Axes3(Rep, Out, Dim0)], Axes3(Batch, OutLast, BatchInner),
+            product(scattered(false, false, DEPTH_AXIS), 0, 1, "3D linear (L1 to L2)")),
+    ]),
+    row(Op::LinearTied, ThreeD, &[
+        // An input in L2 (BERT's MLM transform) is gathered whole over the columns, so that the logits
+        // come out in L2 as cross-entropy takes them, with the vocabulary over the columns.
+        case(When::InputSplit, &[Axes3(Batch, Rep, BatchInner), Axes3(Rep, Dim0, Rep)], Axes3(Batch, Last, BatchInner),
+            product(LOCAL_BT, 0, 1, "3D tied linear (logits = X E^T) on an input in L2")),
+        always(&[Axes3(Batch, Rep, Last), Axes3(Rep, Dim0, Dim1)], Axes3(Batch, Last, BatchInner),
+            product(scattered(false, true, DEPTH_AXIS), 0, 1, "3D tied linear (logits = X E^T)")),
+    ]),
+    row(Op::LinearGradInput, ThreeD, &[
+        case(When::WeightSplitIn, &[Axes3(Batch, Rep, OutLast), Stored], L2,
+            product(scattered(false, true, DEPTH_AXIS), 0, 1, "backward of 3D linear (dX = dY W^T)")),
+        always(&[Axes3(Batch, OutLast, Rep), Stored], L1,
+            product(scattered(false, true, COLUMN_AXIS), 0, 1, "backward of 3D linear (dX = dY W^T)")),
+    ]),
+    row(Op::LinearGradInputTied, ThreeD, &[
+        always(&[Axes3(Batch, Last, Rep), Stored], L1,
+            product(scattered(false, false, COLUMN_AXIS), 0, 1, "backward of 3D tied linear (dX = dY E)")),
+    ]),
+    row(Op::LinearGradWeight, ThreeD, &[
+        case(When::WeightSplitIn, &[Axes3(Batch, Last, Rep), Axes3(Batch, Rep, OutLast)], Axes3(Partial, Dim0, Out),
+            product(LOCAL_AT, 0, 1, "backward of 3D linear (dW = X^T dY)")),
+        always(&[Axes3(Batch, Rep, Last), Axes3(Batch, OutLast, Rep)], Axes3(Partial, Out, Dim0),
+            product(LOCAL_AT, 0, 1, "backward of 3D linear (dW = X^T dY)")),
+    ]),
+    row(Op::LinearGradWeightTied, ThreeD, &[
+        always(&[Axes3(Batch, Rep, Last), Axes3(Batch, Last, Rep)], Axes3(Partial, Dim0, Dim1),
+            product(LOCAL_AT, 1, 0, "backward of 3D tied linear (dE = dY^T X)")),
+    ]),
+    row(Op::Embedding, ThreeD, &[
+        case(When::VocabParallel, &[Axes3(Batch, Rep, Rep), Axes3(Rep, Dim0, Dim1)], Axes3(Batch, Partial, Last), None),
+        always(&[Axes3(Batch, Batch, Rep), Axes3(Rep, Rep, Dim1)], L1, None),
+    ]),
+    row(Op::PositionEmbedding, ThreeD, &[always(&[Axes3(Rep, Rep, Dim1)], L1, None)]),
+    row(Op::Norm, ThreeD, &[
+        case(When::InputSplit, &[L2, Axes3(Rep, Dim0, Rep)], L2, None),
+        always(&[L1, Axes3(Rep, Rep, Dim0)], L1, None),
+    ]),
+    row(Op::Attention, ThreeD, &[always(&[Axes3(Batch, Heads, BatchInner)], L2, None)]),
+    row(Op::CrossEntropy, ThreeD, &[always(&[L2, Axes3(Batch, Rep, BatchInner)], Derived, None)]),
 ];
 
 #[cfg(test)]
