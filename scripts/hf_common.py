@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file as load_numpy
 
-ALL_MESHES = [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", "1x4"), ("tesseract", "2x2x2")]
+ALL_MESHES = [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", "1x4"), ("tesseract", "2x2x2"), ("3d", "2x2x2")]
 
 
 @dataclass

@@ -112,7 +112,7 @@ VOCAB, CONTEXT, SEQ, BATCH, LAYERS, HEADS, HIDDEN = 333, 32, 16, 4, 2, 4, 64
 EPS_LN = 1e-5
 
 # (strategy, mesh) pairs to run.
-MESHES = [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", "1x4"), ("tesseract", "2x2x2")]
+MESHES = [("none", "1x1"), ("optimus", "2x2"), ("optimus", "4x4"), ("megatron", "1x4"), ("tesseract", "2x2x2"), ("3d", "2x2x2")]
 
 
 @dataclass

@@ -16,7 +16,7 @@
 # 3. Runs scripts/hf_compare.py, which trains the same small GPT-2 from the
 #    same weights on the same tokens in PyTorch and in `optimusc run` (SGD with
 #    momentum and AdamW with weight decay; meshes none 1x1, optimus 2x2 and
-#    4x4, megatron 1x4, tesseract 2x2x2, and at batch 8 tesseract 4x2x2 and 2x2x2x2) and compares every step's loss and every updated weight.
+#    4x4, megatron 1x4, tesseract 2x2x2 and 3d 2x2x2, and at batch 8 tesseract 4x2x2 and 2x2x2x2 and 3d 2x2x2x2) and compares every step's loss and every updated weight.
 #
 # Idempotent: a second run installs nothing. Extra arguments go to
 # hf_compare.py (try --help). The exit code is non-zero if either comparison fails.
@@ -44,9 +44,9 @@ OPTIMUSC="${CARGO_TARGET_DIR:-target}/release/optimusc"
 echo "== comparing examples/gpt2.opt with GPT2LMHeadModel"
 status=0
 "$PY" scripts/hf_compare.py --optimusc "$OPTIMUSC" "$@" || status=$?
-echo "== examples/gpt2.opt against GPT2LMHeadModel on tesseract depth 4 and with replicas (batch 8)"
+echo "== examples/gpt2.opt against GPT2LMHeadModel on tesseract depth 4 and 3d with replicas (batch 8)"
 "$PY" scripts/hf_compare.py --optimusc "$OPTIMUSC" --batch 8 --optimizers sgd,adamw-all \
-    --meshes none:1x1,tesseract:4x2x2,tesseract:2x2x2x2 || status=$?
+    --meshes none:1x1,tesseract:4x2x2,tesseract:2x2x2x2,3d:2x2x2x2 || status=$?
 echo "== comparing examples/llama.opt with LlamaForCausalLM (float64)"
 "$PY" scripts/hf_llama_compare.py --optimusc "$OPTIMUSC" || status=$?
 echo "== comparing examples/bert.opt with BertForMaskedLM (float64)"

@@ -1,5 +1,5 @@
 //! Multi-process runs under Open MPI's mpirun (feature `mpi`): 4 and 9 processes give the thread
-//! backend's losses and weights, 8 processes on data-parallel and tesseract meshes give one device's, and a rank
+//! backend's losses and weights, 8 processes on data-parallel, tesseract and 3d meshes give one device's, and a rank
 //! that errs, panics, hangs or is killed ends the whole job with an error naming it, within seconds. Each run is its own mpirun job, so MPI is initialised
 //! once per process.
 #![cfg(feature = "mpi")]
@@ -179,7 +179,7 @@ fn nine_processes_give_the_thread_backends_losses_and_weights() {
 }
 
 #[test]
-fn eight_processes_on_data_parallel_and_tesseract_meshes_give_one_devices_losses_and_weights() {
+fn eight_processes_on_data_parallel_tesseract_and_3d_meshes_give_one_devices_losses_and_weights() {
     // Two replicas of a 2x2 optimus mesh and of a 1x4 megatron mesh, with and without ZeRO-1, and two
     // tesseract depth layers of a 2x2 grid: every process runs one device, and the losses and final
     // weights are one device's with the whole batch.
@@ -188,10 +188,11 @@ fn eight_processes_on_data_parallel_and_tesseract_meshes_give_one_devices_losses
     let one_weights = scratch("one-device.safetensors");
     let single = with(&base, &["--mesh", "1x1", "--strategy", "none", "--save-weights", text(&one_weights)]);
     let one = losses(&threads(&single));
-    let meshes: [(&str, &[&str], &[&str]); 3] = [
+    let meshes: [(&str, &[&str], &[&str]); 4] = [
         ("2x2x2", &["--mesh", "2x2x2"], &["0", "1"]),
         ("2x1x4", &["--mesh", "2x1x4", "--strategy", "megatron"], &["0", "1"]),
         ("tesseract-2x2x2", &["--mesh", "2x2x2", "--strategy", "tesseract"], &["0"]),
+        ("3d-2x2x2", &["--mesh", "2x2x2", "--strategy", "3d"], &["0"]),
     ];
     for (name, mesh, zeros) in meshes {
         for &zero in zeros {

@@ -105,15 +105,17 @@ fn a_checkpoint_resumes_on_other_meshes_and_strategies() {
     let ckpt = dir.join("ckpt");
     train(TWO_BY_TWO, 6, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "3"]);
     let after_3 = ckpt.join("step-00000003");
-    let meshes: [&[&str]; 4] = [
+    let meshes: [&[&str]; 5] = [
         &["--mesh", "4x4"],
         &["--mesh", "1x4", "--strategy", "megatron"],
         &["--mesh", "1x1", "--strategy", "none"],
         &["--mesh", "2x2x2", "--strategy", "tesseract"],
+        &["--mesh", "2x2x2", "--strategy", "3d"],
     ];
     for mesh in meshes {
-        let out = dir.join(format!("resumed-{}.safetensors", mesh[1]));
-        let folder = dir.join(format!("resumed-{}", mesh[1]));
+        let name = format!("{}-{}", mesh[1], mesh[mesh.len() - 1]);
+        let out = dir.join(format!("resumed-{name}.safetensors"));
+        let folder = dir.join(format!("resumed-{name}"));
         let rest = train(
             mesh,
             6,

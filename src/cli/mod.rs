@@ -32,11 +32,12 @@ pub struct TargetArgs {
     /// The device mesh, ROWSxCOLS or REPLICASxROWSxCOLS: QxQ for optimus, 1xP for megatron, 1x1 for
     /// none; a leading REPLICAS runs that many data-parallel copies of the mesh, each on its share of
     /// the batch (e.g. 4x2x2: 16 devices). Tesseract takes DEPTHxQxQ (DEPTH layers of a QxQ grid, e.g.
-    /// 2x2x2) or REPLICASxDEPTHxQxQ [default: 1x1].
+    /// 2x2x2) or REPLICASxDEPTHxQxQ; 3d takes a cube QxQxQ or REPLICASxQxQxQ [default: 1x1].
     #[arg(long = "mesh", value_name = "[REPLICASx][DEPTHx]ROWSxCOLS", value_parser = parse_mesh)]
     pub mesh_flag: Option<MeshArg>,
     /// How to split the model: optimus (2D, SUMMA), megatron (1D tensor parallel), tesseract (2.5D:
-    /// depth layers of a SUMMA grid, the batch split over them) or none (one device) [default: optimus].
+    /// depth layers of a SUMMA grid, the batch split over them), 3d (a q x q x q cube: products gather
+    /// their operands and reduce-scatter their results) or none (one device) [default: optimus].
     #[arg(long = "strategy", value_enum, value_name = "STRATEGY")]
     pub strategy_flag: Option<StrategyArg>,
     /// train: forward, backward and optimizer step; infer: forward only [default: train].

@@ -41,9 +41,9 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub max_batch: bool,
     /// Compare strategies at the mesh's device count: `--compare` sets optimus on q x q against
-    /// megatron on 1 x q^2; `--compare=optimus,megatron,tesseract` takes any of the three (tesseract on
-    /// the largest q x q grid with two or more depth layers). A strategy the device count does not fit
-    /// is shown as infeasible, with the reason.
+    /// megatron on 1 x q^2; `--compare=optimus,megatron,tesseract,3d` takes any of the four (tesseract
+    /// on the largest q x q grid with two or more depth layers, 3d on a q x q x q cube). A strategy the
+    /// device count does not fit is shown as infeasible, with the reason.
     #[arg(
         long,
         conflicts_with = "sweep",
@@ -262,7 +262,7 @@ fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source, asked: &[Strateg
     let mut strategies: Vec<Strategy> = Vec::new();
     for strategy in asked.iter().map(|s| s.strategy()) {
         if strategy == Strategy::None {
-            eprintln_safe!("error: --compare takes optimus, megatron and tesseract (none runs one device)");
+            eprintln_safe!("error: --compare takes optimus, megatron, tesseract and 3d (none runs one device)");
             return ExitCode::from(2);
         }
         if !strategies.contains(&strategy) {

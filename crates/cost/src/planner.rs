@@ -354,7 +354,7 @@ fn lower_bound_s(compiled: &Compiled, config: &Config) -> f64 {
 }
 
 /// The layouts of `devices`: every tensor-device count t dividing it, as optimus q x q (q >= 2),
-/// megatron 1 x t (t >= 2) and none (t = 1), replicated devices / t times.
+/// 3d q x q x q (q >= 2), megatron 1 x t (t >= 2) and none (t = 1), replicated devices / t times.
 ///
 /// Tesseract's d x q x q with r replicas is not enumerated apart: depth layers hold the same weights
 /// and split the batch as replicas do, on the same ranks, so with one replica its plan is optimus
@@ -369,6 +369,9 @@ pub fn layouts(devices: u64) -> Vec<Parallelism> {
         if let Some(q) = integer_sqrt(t).filter(|&q| q >= 2) {
             out.push(Parallelism { strategy: Strategy::Optimus, mesh: Mesh::new(q, q), data });
         }
+        if let Some(q) = integer_cbrt(t).filter(|&q| q >= 2) {
+            out.push(Parallelism { strategy: Strategy::ThreeD, mesh: Mesh::new(q, q).with_depth(q), data });
+        }
         if t >= 2 {
             out.push(Parallelism { strategy: Strategy::Megatron, mesh: Mesh::new(1, t), data });
         }
@@ -382,6 +385,12 @@ pub fn layouts(devices: u64) -> Vec<Parallelism> {
 /// What the planner says of 2.5D (see [`layouts`]).
 pub const TESSERACT_COVERED: &str = "2.5D (tesseract d x q x q with r replicas) is searched as optimus q x q with d r \
      replicas: the same plan with its depth layers as replicas, each gradient summed once over all of them";
+
+/// q with q * q * q = n, if there is one.
+fn integer_cbrt(n: u64) -> Option<u64> {
+    let q = (n as f64).cbrt().round() as u64;
+    (q * q * q == n).then_some(q)
+}
 
 /// The divisors of n, ascending (trial division up to the square root).
 fn divisors(n: u64) -> Vec<u64> {
@@ -990,6 +999,7 @@ mod tests {
             [
                 "optimus 4x4 DP 1",
                 "megatron 1x16 DP 1",
+                "3d 2x2x2 DP 2",
                 "megatron 1x8 DP 2",
                 "optimus 2x2 DP 4",
                 "megatron 1x4 DP 4",
