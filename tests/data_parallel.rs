@@ -303,7 +303,7 @@ fn bad_data_parallel_meshes_and_stages_are_clear_errors() {
     let cases: [(&[&str], &str); 6] = [
         (&["--mesh", "0x2x2"], "mesh sides must be between 1 and 1024"),
         (&["--mesh", "2x2x2x2x2"], "expected ROWSxCOLS, REPLICASxROWSxCOLS"),
-        (&["--mesh", "2x2x2x2"], "only the tesseract strategy has depth layers"),
+        (&["--mesh", "2x2x2x2"], "only the tesseract and 3d strategies have a depth axis"),
         (&["--mesh", "2x2x2", "--zero", "2"], "--zero"),
         (&["--mesh", "2x4x4", "--set", "batch=4"], "`batch` (4) cannot be split 8 ways"),
         (&["--mesh", "2x3x1", "--strategy", "none"], "the none strategy runs each replica on one device"),

@@ -5,121 +5,40 @@
 //! mesh is read with the strategy, and meshes that do not fit are clear errors.
 
 mod common;
+mod family;
 
-use common::{optimusc, read_weights, text};
-use optimus::front::check_source;
-use optimus::plan::{CollectiveKind, Group, Instr, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Role, Strategy};
-use optimus::shard::{Target, compile};
+use common::optimusc;
+use family::{SMALL, Training, assert_same_training, scratch, train, verifies};
+use optimus::plan::{CollectiveKind, Group, Instr, Mesh, Plan, ReasonKind, Role, Strategy};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-tesseract-{}", std::process::id())).join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-/// Two layers of width 32 (4 heads), a vocabulary of 101 (padded on every sharded mesh), batches of 16
-/// sequences of 8 tokens: every mesh here (up to 8 batch splits) divides them.
-const SMALL: [&str; 16] = [
-    "--set",
-    "layers=2",
-    "--set",
-    "hidden=32",
-    "--set",
-    "heads=4",
-    "--set",
-    "ffn=64",
-    "--set",
-    "vocab=101",
-    "--set",
-    "seq=8",
-    "--set",
-    "context=16",
-    "--set",
-    "batch=16",
-];
-
-/// Dropout on, AdamW with clipping and two micro-batches, so that every part of the update crosses
-/// the depth layers.
-const TRAINING: [&str; 10] =
-    ["--set", "pdrop=0.1", "--seed", "7", "--eps", "0.0001", "--clip-grad-norm", "0.5", "--accum", "2"];
-
-type Training = (Vec<f64>, Vec<(String, Vec<f32>)>);
-
-/// Trains the small GPT-2 for 3 steps with `flags`; returns the losses and the saved weights.
-fn train(flags: &[&str], dir: &Path, name: &str) -> Training {
-    let weights = dir.join(format!("{name}.safetensors"));
-    let head = ["run", "examples/gpt2.opt", "--steps", "3", "--json", "--save-weights", text(&weights)];
-    let args = [&head[..], &SMALL, &TRAINING, flags].concat();
-    let out = optimusc(&args);
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    let losses = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON line"))
-        .filter_map(|r| r.get("loss").and_then(serde_json::Value::as_f64))
-        .collect();
-    (losses, read_weights(&weights))
-}
-
-fn assert_same_training(what: &str, got: &Training, want: &Training) {
-    assert_eq!(got.0.len(), want.0.len(), "{what}: steps");
-    for (step, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
-        assert!((a - b).abs() / b.abs().max(1e-3) <= 1e-4, "{what}: step {step} loss {a} vs one device {b}");
-    }
-    assert_eq!(got.1.len(), want.1.len(), "{what}: tensors");
-    for ((name, a), (other, b)) in got.1.iter().zip(&want.1) {
-        assert_eq!((name, a.len()), (other, b.len()), "{what}");
-        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-2)).fold(0.0f32, f32::max);
-        assert!(worst <= 1e-4, "{what}: `{name}` differs from one device's by {worst:.2e} (relative)");
-    }
-}
 
 #[test]
 fn training_on_tesseract_meshes_equals_one_device_with_the_whole_batch() {
-    let dir = scratch("equal");
-    let one = train(&["--mesh", "1x1", "--strategy", "none"], &dir, "one");
+    let dir = scratch("tesseract", "equal");
+    let one: Training = train(&["--mesh", "1x1", "--strategy", "none", "--seed", "7"], &dir, "one");
     assert_eq!(one.0.len(), 3);
     for (mesh, zero) in [("2x2x2", "0"), ("4x2x2", "0"), ("2x2x2x2", "0"), ("2x2x2x2", "1")] {
         let name = format!("{mesh}-zero{zero}");
-        let got = train(&["--strategy", "tesseract", "--mesh", mesh, "--zero", zero], &dir, &name);
+        let got = train(&["--strategy", "tesseract", "--mesh", mesh, "--zero", zero, "--seed", "7"], &dir, &name);
         assert_same_training(&name, &got, &one);
     }
-}
-
-/// `verify` on `mesh` under tesseract, with the small sizes and `extra` flags.
-fn verifies(model: &str, mesh: &str, extra: &[&str]) {
-    let mut args = vec!["verify", model, "--strategy", "tesseract", "--mesh", mesh];
-    args.extend_from_slice(&SMALL);
-    if model.contains("llama") {
-        args.extend_from_slice(&["--set", "kv_heads=2"]);
-    }
-    args.extend_from_slice(extra);
-    let out = optimusc(&args);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("verified"),
-        "{args:?}: {stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]
 fn gpt2_bert_and_llama_verify_on_depth_2_and_4_with_and_without_replicas() {
     for model in ["examples/gpt2.opt", "examples/bert.opt", "examples/llama.opt"] {
         for mesh in ["2x2x2", "4x2x2", "2x2x2x2"] {
-            verifies(model, mesh, &[]);
+            verifies("tesseract", model, mesh, &SMALL, &[]);
         }
     }
 }
 
 #[test]
 fn recompute_bf16_and_zero_1_verify_on_tesseract() {
-    verifies("examples/llama.opt", "2x2x2", &["--recompute", "selective"]);
-    verifies("examples/gpt2.opt", "4x2x2", &["--recompute", "layers"]);
+    verifies("tesseract", "examples/llama.opt", "2x2x2", &SMALL, &["--recompute", "selective"]);
+    verifies("tesseract", "examples/gpt2.opt", "4x2x2", &SMALL, &["--recompute", "layers"]);
     let bf16 = ["--precision", "bf16", "--recompute", "layers", "--zero", "1", "--tolerance", "2e-2"];
-    verifies("examples/llama.opt", "2x2x2x2", &bf16);
+    verifies("tesseract", "examples/llama.opt", "2x2x2x2", &SMALL, &bf16);
 }
 
 const LAYERS: u64 = 2;
@@ -131,7 +50,6 @@ const SEQ: u64 = 8;
 
 /// The small GPT-2 (sizes above, dropout off) compiled for training on `mesh` with `batch` sequences.
 fn gpt2(mesh: Mesh, strategy: Strategy, batch: u64) -> Plan {
-    let source = std::fs::read_to_string("examples/gpt2.opt").expect("reads");
     let sets = [
         ("layers", LAYERS),
         ("hidden", HIDDEN),
@@ -142,12 +60,7 @@ fn gpt2(mesh: Mesh, strategy: Strategy, batch: u64) -> Plan {
         ("context", CONTEXT),
         ("batch", batch),
     ];
-    let mut overrides: Vec<_> =
-        sets.iter().map(|(k, v)| optimus::elab::Override { name: (*k).to_string(), value: v.to_string() }).collect();
-    overrides.push(optimus::elab::Override { name: "pdrop".into(), value: "0.0".into() });
-    let model = check_source(&source, &overrides).model.expect("checks");
-    let target = Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
-    compile(&model, "gpt2.opt", &source, target).expect("compiles")
+    family::gpt2(&sets, mesh, strategy)
 }
 
 /// Elements a device moves per step, by (group, collective), over the collectives `keep` selects.
@@ -226,10 +139,10 @@ fn summa_traffic_the_depth_sum_and_memory_equal_the_closed_formulas() {
 
 #[test]
 fn three_sizes_are_depth_for_tesseract_and_replicas_for_the_others() {
-    let dir = scratch("mesh");
+    let dir = scratch("tesseract", "mesh");
     let plan_of = |flags: &[&str]| -> serde_json::Value {
         let out_path = dir.join("plan.json");
-        let args = [&["compile", "examples/tiny.opt", "-o", text(&out_path)][..], flags].concat();
+        let args = [&["compile", "examples/tiny.opt", "-o", common::text(&out_path)][..], flags].concat();
         let out = optimusc(&args);
         assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&std::fs::read(&out_path).expect("plan")).expect("JSON")
