@@ -156,3 +156,28 @@ fn meshes_3d_cannot_use_are_clear_errors() {
         assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
     }
 }
+
+/// Placed by blocks on 8-GPU nodes, a 4x4x4 cube keeps its depth groups (which carry most of 3D's
+/// bytes) inside a node: each node holds 4 depth layers of 2 devices of the grid. Tesseract's depth
+/// groups carry only gradient sums, so its nodes keep holding blocks of one layer.
+#[test]
+fn blocks_placement_keeps_the_heaviest_groups_inside_a_node() {
+    use optimus::plan::placement::{NodeMap, RankPlacement};
+    let cube = gpt2(Mesh::new(4, 4).with_depth(4), 101, 16);
+    let map = NodeMap::of_plan(&cube, 8, RankPlacement::Blocks);
+    assert_eq!(map.depth_block, 4, "{:?}", map.note);
+    assert_eq!(map.block.map(|(a, b)| a * b), Some(2), "with 2 devices of one layer's grid");
+    assert!(!map.spans_nodes(Group::Depth), "depth groups inside a node");
+    let mut per_node = BTreeMap::new();
+    for c in cube.mesh.all_coords() {
+        *per_node.entry(map.node_of(c)).or_insert(0) += 1;
+    }
+    assert_eq!(per_node.len(), 8, "64 devices on 8 nodes");
+    assert!(per_node.values().all(|&n| n == 8), "{per_node:?}");
+    let sets = [("layers", 2), ("hidden", 32), ("heads", 4), ("ffn", 64), ("vocab", 101), ("seq", 8), ("context", 16)];
+    let tesseract =
+        family::gpt2(&[&sets[..], &[("batch", 16)]].concat(), Mesh::new(4, 4).with_depth(4), Strategy::Tesseract);
+    let map = NodeMap::of_plan(&tesseract, 8, RankPlacement::Blocks);
+    assert_eq!(map.depth_block, 1, "tesseract: blocks of one layer");
+    assert_eq!(map.block, NodeMap::new(tesseract.mesh, 8, RankPlacement::Blocks).block);
+}

@@ -395,7 +395,7 @@ impl Tally {
 
 /// Simulates one step of a plan on a cluster.
 pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
-    let nodes = NodeMap::new(plan.mesh, hw.intra_node.gpus_per_node, options.placement);
+    let nodes = NodeMap::of_plan(plan, hw.intra_node.gpus_per_node, options.placement);
     let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
     let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World]
         .into_iter()

@@ -4,7 +4,9 @@
 //! - Row-major: rank i * cols + j, and consecutive ranks share a node (node = rank / g).
 //! - Blocks: each node holds an a x b block of the mesh with a * b = g, as square as the mesh allows
 //!   (2 x 2 for 4 GPUs per node, as the Optimus code's rank rearrangement does). When no block shape
-//!   divides the mesh, placement falls back to row-major and says so.
+//!   divides the mesh, placement falls back to row-major and says so. A mesh with depth layers
+//!   (tesseract, 3d) placed for a plan ([`NodeMap::of_plan`]) may hold several depth layers of a
+//!   smaller block per node, whichever leaves the fewest of the plan's bytes crossing nodes.
 
 use crate::{Coords, Group, Mesh};
 use serde::{Deserialize, Serialize};
@@ -51,6 +53,9 @@ pub struct NodeMap {
     pub gpus_per_node: u64,
     /// The block (rows, cols) each node holds, when placing by blocks.
     pub block: Option<(u64, u64)>,
+    /// How many depth layers of that block a node holds (1 but for [`NodeMap::of_plan`] on a mesh
+    /// whose depth groups carry more than its rows or columns).
+    pub depth_block: u64,
     /// Why the requested placement was not used, if it was not.
     pub note: Option<String>,
 }
@@ -58,7 +63,7 @@ pub struct NodeMap {
 impl NodeMap {
     pub fn new(mesh: Mesh, gpus_per_node: u64, placement: RankPlacement) -> NodeMap {
         let g = gpus_per_node.max(1);
-        let mut map = NodeMap { mesh, gpus_per_node: g, block: None, note: None };
+        let mut map = NodeMap { mesh, gpus_per_node: g, block: None, depth_block: 1, note: None };
         if placement == RankPlacement::Blocks && mesh.rows * mesh.cols > g {
             map.block = block_shape(mesh, g);
             if map.block.is_none() {
@@ -68,15 +73,44 @@ impl NodeMap {
         map
     }
 
-    /// The node holding the device at `c`. Replicas, and the depth layers of each, fill nodes one after
-    /// another; within a layer's grid, nodes hold blocks of it when placing by blocks, else consecutive
-    /// ranks.
+    /// The node map of a plan's mesh: as [`NodeMap::new`], except that placing by blocks a mesh with
+    /// depth layers (tesseract, 3d), each node holds the block of rows x columns x depth layers whose
+    /// groups that cross nodes carry the fewest of the plan's bytes (3d's depth groups carry most of
+    /// its traffic; tesseract's only the gradient sums).
+    pub fn of_plan(plan: &crate::Plan, gpus_per_node: u64, placement: RankPlacement) -> NodeMap {
+        let mut map = NodeMap::new(plan.mesh, gpus_per_node, placement);
+        let mesh = plan.mesh;
+        if placement != RankPlacement::Blocks || mesh.depth <= 1 || mesh.replica_devices() <= map.gpus_per_node {
+            return map;
+        }
+        let bytes = group_bytes(plan);
+        let crossing = |(a, b, c): (u64, u64, u64)| -> u64 {
+            [(Group::Column, a < mesh.rows), (Group::Row, b < mesh.cols), (Group::Depth, c < mesh.depth)]
+                .iter()
+                .filter(|(_, crosses)| *crosses)
+                .map(|(group, _)| bytes.get(group).copied().unwrap_or(0))
+                .sum()
+        };
+        let g = map.gpus_per_node;
+        let best = (1..=g.min(mesh.depth))
+            .filter(|&c| g.is_multiple_of(c) && mesh.depth.is_multiple_of(c))
+            .filter_map(|c| block_shape(mesh, g / c).map(|(a, b)| (a, b, c)))
+            .min_by_key(|&(a, b, c)| (crossing((a, b, c)), c, a.abs_diff(b), a));
+        if let Some((a, b, c)) = best {
+            (map.block, map.depth_block, map.note) = (Some((a, b)), c, None);
+        }
+        map
+    }
+
+    /// The node holding the device at `c`. Replicas fill nodes one after another; within a replica,
+    /// nodes hold blocks of `depth_block` layers of an a x b block of the grid when placing by blocks,
+    /// else consecutive ranks.
     pub fn node_of(&self, c: Coords) -> u64 {
         match self.block {
             Some((a, b)) => {
-                let per_layer = (self.mesh.rows / a) * (self.mesh.cols / b);
-                let layer = c.d() * self.mesh.depth.max(1) + c.k();
-                layer * per_layer + (c.i() / a) * (self.mesh.cols / b) + c.j() / b
+                let per_layers = (self.mesh.rows / a) * (self.mesh.cols / b);
+                let layers = c.d() * (self.mesh.depth.max(1) / self.depth_block) + c.k() / self.depth_block;
+                layers * per_layers + (c.i() / a) * (self.mesh.cols / b) + c.j() / b
             }
             None => self.mesh.rank_of(c) / self.gpus_per_node,
         }
@@ -105,6 +139,17 @@ impl NodeMap {
     pub fn link_kind(&self, group: Group) -> LinkKind {
         if self.spans_nodes(group) { LinkKind::InterNode } else { LinkKind::IntraNode }
     }
+}
+
+/// Bytes each device sends per step over each group (the send block of every collective).
+fn group_bytes(plan: &crate::Plan) -> std::collections::BTreeMap<Group, u64> {
+    let mut bytes = std::collections::BTreeMap::new();
+    for instr in &plan.program {
+        if let crate::Instr::Collective { collective: c, .. } = instr {
+            *bytes.entry(c.group).or_default() += plan.buffer(c.send).bytes();
+        }
+    }
+    bytes
 }
 
 /// The most nearly square a x b = g block that tiles the mesh.

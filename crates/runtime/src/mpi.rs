@@ -104,8 +104,8 @@ impl MpiJob {
     }
 
     /// The device each rank runs, and a note when the placement could not be followed.
-    pub fn devices(&self, mesh: Mesh, placement: RankPlacement) -> (Vec<Coords>, Option<String>) {
-        let map = NodeMap::new(mesh, self.ranks_per_node, placement);
+    pub fn devices(&self, plan: &Plan, placement: RankPlacement) -> (Vec<Coords>, Option<String>) {
+        let map = NodeMap::of_plan(plan, self.ranks_per_node, placement);
         (map.devices_by_rank(), map.note)
     }
 
@@ -132,7 +132,7 @@ impl MpiJob {
                 plan.mesh.devices()
             ));
         }
-        let (devices, note) = self.devices(plan.mesh, placement);
+        let (devices, note) = self.devices(plan, placement);
         if let (Some(note), 0) = (note, self.rank) {
             eprintln!("note: {note}");
         }
