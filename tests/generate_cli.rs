@@ -181,8 +181,14 @@ fn the_cache_decodes_as_recomputing_the_sequence_does() {
         "7",
         "--json",
     ];
-    let meshes: [&[&str]; 4] =
-        [&[], &["--mesh", "2x2"], &["--mesh", "1x2", "--strategy", "megatron"], &["--mesh", "2x1x1"]];
+    let meshes: [&[&str]; 6] = [
+        &[],
+        &["--mesh", "2x2"],
+        &["--mesh", "1x2", "--strategy", "megatron"],
+        &["--mesh", "2x1x1"],
+        &["--mesh", "2x2x2", "--strategy", "tesseract"],
+        &["--mesh", "2x2x2", "--strategy", "3d"],
+    ];
     for mesh in meshes {
         let cached = records(&[&gpt2[..], mesh].concat());
         let recomputed = records(&[&gpt2[..], mesh, &["--no-cache"]].concat());
