@@ -135,8 +135,8 @@ fn ids_and_logits(rs: &[Value]) -> (Vec<Value>, Vec<Vec<f64>>) {
 /// The key/value cache decodes what recomputing the whole sequence does: the same tokens and logits
 /// within float32 rounding, for prompts of different lengths (rows inside their prompt take its next
 /// token while others generate), on every strategy's mesh (tesseract and 3d too), GPT-2 (fused
-/// attention, position table, dropout in
-/// the model and off at inference) and Llama (grouped-query, rotary) sampled with a seed.
+/// attention, position table, dropout in the model and off at inference) and Llama (grouped-query,
+/// rotary) sampled with a seed.
 #[test]
 fn the_cache_decodes_as_recomputing_the_sequence_does() {
     let gpt2 = [
