@@ -464,7 +464,7 @@ fn compare_takes_any_set_of_strategies_and_marks_those_the_devices_do_not_fit() 
     let base = ["simulate", &model, "--hardware", "dgx-a100", "--set", "batch=16"];
     // 8 devices: no square grid for optimus; tesseract takes 2 depth layers of 2x2.
     let mut args = base.to_vec();
-    args.extend(["--mesh", "2x4", "--strategy", "megatron", "--compare=optimus,tesseract,megatron", "--json"]);
+    args.extend(["--mesh", "2x4", "--strategy", "megatron", "--compare=optimus,tesseract,megatron,3d", "--json"]);
     let (ok, text, err) = optimusc(&args);
     assert!(ok, "{err}");
     let v = json(&text);
@@ -472,6 +472,14 @@ fn compare_takes_any_set_of_strategies_and_marks_those_the_devices_do_not_fit() 
     assert_eq!(v["tesseract"]["mesh"], "2x2x2", "{text}");
     assert!(v["tesseract"]["step_time_s"].as_f64().is_some_and(|t| t > 0.0), "{text}");
     assert!(v["megatron"]["step_time_s"].as_f64().is_some_and(|t| t > 0.0), "{text}");
+    assert_eq!(v["3d"]["mesh"], "2x2x2", "{text}");
+    assert!(v["3d"]["step_time_s"].as_f64().is_some_and(|t| t > 0.0), "{text}");
+    // 16 devices are no cube.
+    let mut args = base.to_vec();
+    args.extend(["--mesh", "4x4", "--compare=optimus,3d", "--json"]);
+    let (ok, text, err) = optimusc(&args);
+    assert!(ok, "{err}");
+    assert!(json(&text)["3d"]["infeasible"].as_str().is_some_and(|r| r.contains("not a q x q x q cube")), "{text}");
     // The table marks the fastest and states each other's ratio to it.
     let mut args = base.to_vec();
     args.extend(["--mesh", "4x4", "--compare=tesseract,optimus"]);

@@ -8,7 +8,9 @@ mod common;
 mod family;
 
 use common::optimusc;
-use family::{SMALL, Training, assert_same_training, scratch, train, verifies};
+use family::{
+    CONTEXT, FFN, HIDDEN, LAYERS, SEQ, SMALL, Training, assert_same_training, scratch, small_gpt2, train, verifies,
+};
 use optimus::plan::{CollectiveKind, Group, Instr, Mesh, Plan, ReasonKind, Role, Strategy};
 use std::collections::BTreeMap;
 
@@ -41,26 +43,10 @@ fn recompute_bf16_and_zero_1_verify_on_tesseract() {
     verifies("tesseract", "examples/llama.opt", "2x2x2x2", &SMALL, &bf16);
 }
 
-const LAYERS: u64 = 2;
-const HIDDEN: u64 = 32;
-const FFN: u64 = 64;
 const VOCAB: u64 = 101;
-const CONTEXT: u64 = 16;
-const SEQ: u64 = 8;
 
-/// The small GPT-2 (sizes above, dropout off) compiled for training on `mesh` with `batch` sequences.
 fn gpt2(mesh: Mesh, strategy: Strategy, batch: u64) -> Plan {
-    let sets = [
-        ("layers", LAYERS),
-        ("hidden", HIDDEN),
-        ("heads", 4),
-        ("ffn", FFN),
-        ("vocab", VOCAB),
-        ("seq", SEQ),
-        ("context", CONTEXT),
-        ("batch", batch),
-    ];
-    family::gpt2(&sets, mesh, strategy)
+    small_gpt2(mesh, strategy, VOCAB, batch)
 }
 
 /// Elements a device moves per step, by (group, collective), over the collectives `keep` selects.
@@ -153,6 +139,33 @@ fn three_sizes_are_depth_for_tesseract_and_replicas_for_the_others() {
     assert_eq!((replicas["mesh"]["depth"].as_u64(), replicas["mesh"]["data"].as_u64()), (Some(2), Some(3)));
     let optimus = plan_of(&["--mesh", "2x2x2"]);
     assert_eq!((optimus["mesh"]["depth"].as_u64(), optimus["mesh"]["data"].as_u64()), (None, Some(2)));
+}
+
+/// A plan's strategy reads a `--mesh` given with it: 2x2x2 is the tesseract plan's own mesh, and
+/// under another strategy the same sizes are replicas, which the refusal spells out.
+#[test]
+fn a_mesh_given_with_a_plan_is_read_as_its_strategy_reads_it() {
+    let dir = scratch("tesseract", "plan-mesh");
+    let plan = dir.join("plan.json");
+    let out = optimusc(&[
+        "compile",
+        "examples/tiny.opt",
+        "--strategy",
+        "tesseract",
+        "--mesh",
+        "2x2x2",
+        "-o",
+        common::text(&plan),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let run = |flags: &[&str]| optimusc(&[&["run", common::text(&plan), "--steps", "1"][..], flags].concat());
+    let same = run(&["--mesh", "2x2x2"]);
+    assert!(same.status.success(), "{}", String::from_utf8_lossy(&same.stderr));
+    let other = run(&["--mesh", "2x2x2", "--strategy", "optimus"]);
+    let stderr = String::from_utf8_lossy(&other.stderr);
+    assert!(!other.status.success(), "{stderr}");
+    let expected = "--mesh 2x2x2 (2 replicas of a 2x2 grid; the plan is for 2 depth layers of a 2x2 grid)";
+    assert!(stderr.contains(expected), "{stderr}");
 }
 
 #[test]

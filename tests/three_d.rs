@@ -7,7 +7,7 @@ mod common;
 mod family;
 
 use common::optimusc;
-use family::{SMALL, assert_same_training, scratch, train, verifies};
+use family::{CONTEXT, FFN, HIDDEN, LAYERS, SEQ, SMALL, assert_same_training, scratch, small_gpt2, train, verifies};
 use optimus::plan::{CollectiveKind, Group, Instr, Mesh, Plan, ReasonKind, Strategy};
 use std::collections::BTreeMap;
 
@@ -60,25 +60,8 @@ fn recompute_bf16_and_zero_1_verify_on_3d() {
     verifies("3d", "examples/llama.opt", "2x2x2x2", &SMALL, &bf16);
 }
 
-const LAYERS: u64 = 2;
-const HIDDEN: u64 = 32;
-const FFN: u64 = 64;
-const CONTEXT: u64 = 16;
-const SEQ: u64 = 8;
-
-/// The small GPT-2 (dropout off) on `mesh` with a vocabulary of `vocab` and `batch` sequences.
 fn gpt2(mesh: Mesh, vocab: u64, batch: u64) -> Plan {
-    let sets = [
-        ("layers", LAYERS),
-        ("hidden", HIDDEN),
-        ("heads", 4),
-        ("ffn", FFN),
-        ("vocab", vocab),
-        ("seq", SEQ),
-        ("context", CONTEXT),
-        ("batch", batch),
-    ];
-    family::gpt2(&sets, mesh, Strategy::ThreeD)
+    small_gpt2(mesh, Strategy::ThreeD, vocab, batch)
 }
 
 /// Elements each device sends per step in the products' reduce-scatters, by group.
@@ -174,9 +157,7 @@ fn blocks_placement_keeps_the_heaviest_groups_inside_a_node() {
     }
     assert_eq!(per_node.len(), 8, "64 devices on 8 nodes");
     assert!(per_node.values().all(|&n| n == 8), "{per_node:?}");
-    let sets = [("layers", 2), ("hidden", 32), ("heads", 4), ("ffn", 64), ("vocab", 101), ("seq", 8), ("context", 16)];
-    let tesseract =
-        family::gpt2(&[&sets[..], &[("batch", 16)]].concat(), Mesh::new(4, 4).with_depth(4), Strategy::Tesseract);
+    let tesseract = small_gpt2(Mesh::new(4, 4).with_depth(4), Strategy::Tesseract, 101, 16);
     let map = NodeMap::of_plan(&tesseract, 8, RankPlacement::Blocks);
     assert_eq!(map.depth_block, 1, "tesseract: blocks of one layer");
     assert_eq!(map.block, NodeMap::new(tesseract.mesh, 8, RankPlacement::Blocks).block);

@@ -201,7 +201,12 @@ impl TargetArgs {
         // A mesh given without a strategy is read as the plan's strategy reads it.
         let strategy = self.strategy_flag.map_or(plan.strategy, StrategyArg::strategy);
         if let Some(mesh) = self.mesh_flag.map(|m| m.mesh(strategy)).filter(|&m| m != plan.mesh) {
-            conflicts.push(format!("--mesh {mesh} (the plan is for a {} mesh)", plan.mesh));
+            // Sizes written alike can mean replicas or depth layers: then say which.
+            conflicts.push(if mesh.to_string() == plan.mesh.to_string() {
+                format!("--mesh {mesh} ({}; the plan is for {})", mesh.parts(), plan.mesh.parts())
+            } else {
+                format!("--mesh {mesh} (the plan is for a {} mesh)", plan.mesh)
+            });
         }
         if self.strategy_flag.is_some() && target.strategy != plan.strategy {
             conflicts.push(format!(

@@ -91,9 +91,27 @@ pub fn verifies(strategy: &str, model: &str, mesh: &str, sets: &[&str], extra: &
     );
 }
 
-/// examples/gpt2.opt with `sets` and dropout off, compiled for training on `mesh` under `strategy`.
-pub fn gpt2(sets: &[(&str, u64)], mesh: Mesh, strategy: Strategy) -> Plan {
+/// The sizes of [`SMALL`] that the formula tests compute with.
+pub const LAYERS: u64 = 2;
+pub const HIDDEN: u64 = 32;
+pub const FFN: u64 = 64;
+pub const CONTEXT: u64 = 16;
+pub const SEQ: u64 = 8;
+
+/// The small GPT-2 (the sizes above, 4 heads, dropout off) with a vocabulary of `vocab` and `batch`
+/// sequences, compiled for training on `mesh` under `strategy`.
+pub fn small_gpt2(mesh: Mesh, strategy: Strategy, vocab: u64, batch: u64) -> Plan {
     let source = std::fs::read_to_string("examples/gpt2.opt").expect("reads");
+    let sets = [
+        ("layers", LAYERS),
+        ("hidden", HIDDEN),
+        ("heads", 4),
+        ("ffn", FFN),
+        ("vocab", vocab),
+        ("seq", SEQ),
+        ("context", CONTEXT),
+        ("batch", batch),
+    ];
     let mut overrides: Vec<_> =
         sets.iter().map(|(k, v)| optimus::elab::Override { name: (*k).to_string(), value: v.to_string() }).collect();
     overrides.push(optimus::elab::Override { name: "pdrop".into(), value: "0.0".into() });

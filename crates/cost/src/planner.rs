@@ -18,7 +18,7 @@
 //! - a layout whose parameters and optimizer state alone overflow the memory is not compiled again.
 
 use super::hardware::Hardware;
-use super::search::{SearchError, Source, batch_multiple, batch_override, integer_sqrt};
+use super::search::{SearchError, Source, batch_multiple, batch_override, integer_cbrt, integer_sqrt};
 use super::step::{Options, Simulation, kernel_time, simulate};
 use optimus_compiler::shard::Target;
 use optimus_plan::report::kernel_flops;
@@ -385,12 +385,6 @@ pub fn layouts(devices: u64) -> Vec<Parallelism> {
 /// What the planner says of 2.5D (see [`layouts`]).
 pub const TESSERACT_COVERED: &str = "2.5D (tesseract d x q x q with r replicas) is searched as optimus q x q with d r \
      replicas: the same plan with its depth layers as replicas, each gradient summed once over all of them";
-
-/// q with q * q * q = n, if there is one.
-fn integer_cbrt(n: u64) -> Option<u64> {
-    let q = (n as f64).cbrt().round() as u64;
-    (q * q * q == n).then_some(q)
-}
 
 /// The divisors of n, ascending (trial division up to the square root).
 fn divisors(n: u64) -> Vec<u64> {

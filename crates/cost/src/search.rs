@@ -164,14 +164,19 @@ pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOp
             Mesh::new(q, q).with_depth(devices / (q * q))
         }
         Strategy::ThreeD => {
-            let q = (1..=devices).take_while(|q| q * q * q <= devices).last().filter(|q| q * q * q == devices);
-            let q = q.ok_or(SearchError::NotCube { devices })?;
+            let q = integer_cbrt(devices).ok_or(SearchError::NotCube { devices })?;
             Mesh::new(q, q).with_depth(q)
         }
         Strategy::Megatron => Mesh::new(1, devices),
         Strategy::None => Mesh::new(1, 1),
     };
     Ok(Target { mesh, strategy, mode, memory })
+}
+
+/// q with q * q * q = n, if there is one.
+pub fn integer_cbrt(n: u64) -> Option<u64> {
+    let q = (n as f64).cbrt().round() as u64;
+    (q * q * q == n).then_some(q)
 }
 
 /// q with q * q = n, if there is one.

@@ -224,6 +224,21 @@ impl Mesh {
     }
 }
 
+impl Mesh {
+    /// The mesh in words: its grid, with its depth layers and replicas where it has more than one
+    /// ("2 replicas of 2 depth layers of a 2x2 grid").
+    pub fn parts(self) -> String {
+        let mut words = format!("a {}x{} grid", self.rows, self.cols);
+        if self.depth != 1 {
+            words = format!("{} depth layers of {words}", self.depth);
+        }
+        if self.data != 1 {
+            words = format!("{} replicas of {words}", self.data);
+        }
+        words
+    }
+}
+
 impl std::fmt::Display for Mesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.data != 1 {

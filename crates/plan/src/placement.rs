@@ -141,12 +141,13 @@ impl NodeMap {
     }
 }
 
-/// Bytes each device sends per step over each group (the send block of every collective).
+/// Bytes of each group's collectives per device per step (their payloads, as `inspect` counts them).
 fn group_bytes(plan: &crate::Plan) -> std::collections::BTreeMap<Group, u64> {
     let mut bytes = std::collections::BTreeMap::new();
     for instr in &plan.program {
         if let crate::Instr::Collective { collective: c, .. } = instr {
-            *bytes.entry(c.group).or_default() += plan.buffer(c.send).bytes();
+            let (send, recv) = (plan.buffer(c.send), plan.buffer(c.recv));
+            *bytes.entry(c.group).or_default() += crate::report::payload(c.kind, send, recv) * send.dtype.bytes();
         }
     }
     bytes

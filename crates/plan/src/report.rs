@@ -108,7 +108,7 @@ fn origin_ref(plan: &Plan, origin: u32, reason: u32) -> OriginRef {
 }
 
 /// The payload of a collective on one device.
-fn payload(kind: CollectiveKind, send: &Buffer, recv: &Buffer) -> u64 {
+pub(crate) fn payload(kind: CollectiveKind, send: &Buffer, recv: &Buffer) -> u64 {
     match kind {
         CollectiveKind::AllGather => recv.elements(),
         _ => send.elements(),

@@ -99,7 +99,7 @@ impl Lowerer<'_> {
     pub(crate) fn batch_axes(&self) -> &'static [usize] {
         match self.target.strategy {
             optimus_plan::Strategy::Tesseract => &BATCH_AXES,
-            _ => &BATCH_AXES[..1],
+            _ => &[DATA_AXIS],
         }
     }
 
@@ -191,6 +191,18 @@ impl Lowerer<'_> {
             }
         }
         layout
+    }
+
+    /// The layout the rules asked a parameter for, from the layout it is stored in: without ZeRO-1's
+    /// split over the replicas and 3D's over the rows (see [`Lowerer::parameter_layout`]), which the
+    /// optimizer and the gathers before each use take care of.
+    pub(crate) fn rules_layout(&self, stored: Layout) -> Layout {
+        let layout = stored.with(DATA_AXIS, Placement::Replicate);
+        if self.target.strategy == optimus_plan::Strategy::ThreeD {
+            layout.with(ROW_AXIS, Placement::Replicate)
+        } else {
+            layout
+        }
     }
 
     /// 3D stores a matrix (a weight, a table) split once more over the rows, along dimension 0 within

@@ -828,6 +828,10 @@ impl<'a> Lowerer<'a> {
     /// split one dimension, the order matters: every split that changes is first gathered, the less
     /// significant (see `MAJOR_ORDER`) first so that each gathered block is contiguous; then sums and
     /// new splits follow, the more significant first, so that each nests inside those already taken.
+    /// The other strategies keep axis order, which is correct for them (no split they gather nests
+    /// inside another) and cheaper: ZeRO-1's gradients are reduce-scattered over the rows before the
+    /// replicas, so the data axis (often between nodes) carries a q times smaller block; the 3D order
+    /// would do the replicas first (measured with scripts/plans_identical.sh: every ZeRO-1 plan moved).
     fn redistribute(&mut self, n: NodeIndex, from: Version, to: Layout) -> BufferId {
         if self.target.strategy != Strategy::ThreeD {
             return self.move_axes(n, from, to, &(0..MESH_AXES).collect::<Vec<_>>()).buffer;

@@ -3,12 +3,12 @@
 //! those layouts depend on the strategy, the rule reads its row of the table in `table.rs` and
 //! instantiates it for the node; the rule itself never branches on the strategy.
 
-use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
+use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement};
 use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, on_dim};
 use super::{Lowerer, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
-use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
+use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role};
 use optimus_plan::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
 use petgraph::graph::NodeIndex;
 
@@ -135,12 +135,8 @@ impl Lowerer<'_> {
 
     fn param_layout(&mut self, w: NodeIndex) -> Option<Layout> {
         match self.graph[w].op {
-            // The tensor-parallel layout: ZeRO's split over the replicas is the optimizer's business, and
-            // so is 3D's split of a weight over the rows (gathered before each product, see `data.rs`).
-            Op::Param { id } => self.param_buffers.get(&id).map(|v| {
-                let layout = v.layout.with(DATA_AXIS, R);
-                if self.target.strategy == Strategy::ThreeD { layout.with(ROW_AXIS, R) } else { layout }
-            }),
+            // The layout the rules asked for: what `parameter_layout` added is not theirs to see.
+            Op::Param { id } => self.param_buffers.get(&id).map(|v| self.rules_layout(v.layout)),
             _ => None,
         }
     }
@@ -540,10 +536,10 @@ impl Lowerer<'_> {
     fn weight_case(&mut self, operator: Operator, wl: Layout, last: usize) -> Option<(&'static Case, Dims)> {
         let facts = Facts { weight_cols: Some(wl.0[COLUMN_AXIS]), ..Facts::default() };
         let case = self.rule_case(operator, &facts)?;
-        // A 3D weight whose input features the columns split has its output features on the depth.
-        let three_d_in = self.target.strategy == Strategy::ThreeD && wl.0[COLUMN_AXIS].dim() == Some(0);
-        let out = if three_d_in { wl.0[DEPTH_AXIS] } else { wl.0[COLUMN_AXIS] };
-        Some((case, Dims { out, ..self.dims(last) }))
+        // The output features' split: the columns' or (a 3D weight on L2 inputs) the depth's split of
+        // dimension 1, else the columns' placement as the rows that do not read it take it.
+        let splits_out = [wl.0[COLUMN_AXIS], wl.0[DEPTH_AXIS]].into_iter().find(|p| p.dim() == Some(1));
+        Some((case, Dims { out: splits_out.unwrap_or(wl.0[COLUMN_AXIS]), ..self.dims(last) }))
     }
 
     /// dX = dY W^T (dY E when tied), with W as stored.
