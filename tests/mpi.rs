@@ -82,10 +82,15 @@ fn assert_close(mpi: &[f64], thread: &[f64]) {
     }
 }
 
+/// A fresh path for `name`: whatever an earlier run whose process had the same id left there is
+/// removed first, so that a stale checkpoint folder never meets a new run.
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("optimus-mpi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    dir.join(name)
+    let path = dir.join(name);
+    let _ = std::fs::remove_dir_all(&path);
+    let _ = std::fs::remove_file(&path);
+    path
 }
 
 /// A small GPT-2 that every mesh up to 3x3 divides.
