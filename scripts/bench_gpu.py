@@ -110,6 +110,9 @@ def main() -> int:
     parser.add_argument("--reference-attention", action="store_true",
                         help="also run each optimusc mesh with OPTIMUS_CUDA_ATTENTION=reference (the cuBLAS attention "
                              "that materialises the scores), beside the flash attention")
+    parser.add_argument("--scalar-kernels", action="store_true",
+                        help="also run each optimusc mesh with OPTIMUS_CUDA_VECTOR=off (bf16 elementwise kernels one "
+                             "element a thread, as before the eight-wide ones), beside the default")
     parser.add_argument("--only-optimusc", action="store_true", help="skip the PyTorch rows")
     parser.add_argument("--jsonl", metavar="PATH",
                         help="append one JSON line per system (system, config, tokens/s, TFLOP/s, MFU, GPU, driver, "
@@ -138,6 +141,10 @@ def main() -> int:
         if args.reference_attention:
             env = dict(os.environ, OPTIMUS_CUDA_ATTENTION="reference")
             rows[f"optimusc {strategy} {mesh} ref-attn"], _ = optimusc_rate(
+                args.optimusc, sizes, strategy, mesh, args.precision, args.steps, args.warmup, env)
+        if args.scalar_kernels:
+            env = dict(os.environ, OPTIMUS_CUDA_VECTOR="off")
+            rows[f"optimusc {strategy} {mesh} scalar"], _ = optimusc_rate(
                 args.optimusc, sizes, strategy, mesh, args.precision, args.steps, args.warmup, env)
     if args.jsonl:
         write_jsonl(args, rows, sizes, flops_per_token)

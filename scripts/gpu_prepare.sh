@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 cargo build --release --locked --features cuda
-tests=$(cargo test --release --locked --features cuda --no-run --message-format=json 2>/dev/null \
+tests=$(cargo test --release --locked --features cuda --test cuda_kernels --test cuda_run --test cuda_collectives --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)

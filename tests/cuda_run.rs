@@ -79,7 +79,34 @@ fn gpu_bf16_runs_track_the_cpu_backends_bf16_losses() {
     compare_runs("bf16 runs of tiny.opt on the GPU against the CPU backend's bf16", &bf16, &["1x1", "2x2"], 2e-2);
 }
 
-/// Three steps on the CPU and the GPU on each mesh (optimus where it is square, else megatron): every
+/// Tesseract (2.5D) and 3D plans on one GPU: their depth groups run on the shared-GPU fabric too.
+#[test]
+fn gpu_tesseract_and_3d_runs_give_the_cpu_backends_losses() {
+    let model = [
+        "--model",
+        "examples/gpt2.opt",
+        "--set",
+        "layers=2",
+        "--set",
+        "hidden=64",
+        "--set",
+        "heads=4",
+        "--set",
+        "vocab=512",
+        "--set",
+        "context=32",
+        "--set",
+        "seq=32",
+        "--set",
+        "batch=8",
+        "--optimizer",
+        "adamw",
+    ];
+    let meshes = ["tesseract:2x2x2", "3d:2x2x2", "tesseract:2x2x2x2"];
+    compare_runs("tesseract and 3d runs on the GPU against the CPU backend", &model, &meshes, 1e-4);
+}
+
+/// Three steps on the CPU and the GPU on each mesh (`STRATEGY:MESH`, or optimus where it is square, else megatron): every
 /// loss within `tol`, relative. Devices share
 /// the GPUs where the mesh has more devices than the machine has GPUs. `extra` may start with
 /// `--model PATH` (default examples/tiny.opt, three SGD steps).
@@ -92,9 +119,14 @@ fn compare_runs(what: &str, extra: &[&str], meshes: &[&str], tol: f64) {
         _ => ("examples/tiny.opt", extra),
     };
     let optimizer: &[&str] = if extra.contains(&"--optimizer") { &[] } else { &["--optimizer", "sgd"] };
-    for &mesh in meshes {
-        let sides: Vec<&str> = mesh.rsplit('x').take(2).collect();
-        let strategy = if sides[0] == sides[1] { "optimus" } else { "megatron" };
+    for &target in meshes {
+        let (strategy, mesh) = match target.split_once(':') {
+            Some((strategy, mesh)) => (strategy, mesh),
+            None => {
+                let sides: Vec<&str> = target.rsplit('x').take(2).collect();
+                (if sides[0] == sides[1] { "optimus" } else { "megatron" }, target)
+            }
+        };
         let base = ["run", model, "--mesh", mesh, "--strategy", strategy, "--steps", "3", "--json"];
         let args = [&base[..], optimizer, extra].concat();
         let cpu = losses(&optimusc(&args));

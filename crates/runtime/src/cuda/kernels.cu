@@ -303,6 +303,151 @@ extern "C" __global__ void gelu_erf_grad_bf16(bf16* dx, const bf16* dy, const bf
     map2_t(dx, dy, x, n, GeluErfGrad());
 }
 
+// ---- bf16 elementwise, eight elements a thread ----------------------------------------------------
+// Where every operand starts 16-byte aligned and n is a multiple of 8 (the host checks both), the bf16
+// elementwise kernels move eight elements as one 16-byte word (the `_bf16x8` entry points): one wide
+// access where the scalar kernels make eight 2-byte ones. Each element's arithmetic is the scalar
+// kernel's, so the results are bit-identical.
+
+struct alignas(16) Words16 {
+    u32 w[4];
+};
+
+struct alignas(16) Floats4 {
+    float f[4];
+};
+
+// Elements 8 chunk .. 8 chunk + 7 of a tensor as f32 (bf16 element 2k is the low half of word k).
+__device__ __forceinline__ void load8(const bf16* p, u64 chunk, float v[8]) {
+    const Words16 words = reinterpret_cast<const Words16*>(p)[chunk];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[2 * k] = __uint_as_float(words.w[k] << 16);
+        v[2 * k + 1] = __uint_as_float(words.w[k] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void load8(const float* p, u64 chunk, float v[8]) {
+    const Floats4 lo = reinterpret_cast<const Floats4*>(p)[2 * chunk];
+    const Floats4 hi = reinterpret_cast<const Floats4*>(p)[2 * chunk + 1];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[k] = lo.f[k];
+        v[4 + k] = hi.f[k];
+    }
+}
+
+// Stores eight f32 results into elements 8 chunk .. 8 chunk + 7 (each rounded once into bf16 storage).
+__device__ __forceinline__ void store8(bf16* p, u64 chunk, const float v[8]) {
+    Words16 words;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        words.w[k] = (u32)round_bf16(v[2 * k]).bits | ((u32)round_bf16(v[2 * k + 1]).bits << 16);
+    }
+    reinterpret_cast<Words16*>(p)[chunk] = words;
+}
+
+__device__ __forceinline__ void store8(float* p, u64 chunk, const float v[8]) {
+    Floats4 lo, hi;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        lo.f[k] = v[k];
+        hi.f[k] = v[4 + k];
+    }
+    reinterpret_cast<Floats4*>(p)[2 * chunk] = lo;
+    reinterpret_cast<Floats4*>(p)[2 * chunk + 1] = hi;
+}
+
+// y = f(x), eight elements a thread.
+template <class Y, class X, class F>
+__device__ void map8_t(Y* y, const X* x, u64 n, F f) {
+    GRID_STRIDE(c, n / 8) {
+        float v[8];
+        load8(x, c, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = f(v[k]);
+        store8(y, c, v);
+    }
+}
+
+// y = f(a, b), eight elements a thread.
+template <class F>
+__device__ void map2_8_t(bf16* y, const bf16* a, const bf16* b, u64 n, F f) {
+    GRID_STRIDE(c, n / 8) {
+        float u[8], v[8];
+        load8(a, c, u);
+        load8(b, c, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) u[k] = f(u[k], v[k]);
+        store8(y, c, u);
+    }
+}
+
+struct Same {
+    __device__ float operator()(float v) const { return v; }
+};
+
+struct Scaled {
+    float factor;
+    __device__ float operator()(float v) const { return v * factor; }
+};
+
+struct Sum {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+struct Product {
+    __device__ float operator()(float a, float b) const { return a * b; }
+};
+
+extern "C" __global__ void add_bf16x8(bf16* y, const bf16* a, const bf16* b, u64 n) { map2_8_t(y, a, b, n, Sum()); }
+
+extern "C" __global__ void multiply_bf16x8(bf16* y, const bf16* a, const bf16* b, u64 n) {
+    map2_8_t(y, a, b, n, Product());
+}
+
+extern "C" __global__ void scale_bf16x8(bf16* y, const bf16* x, float factor, u64 n) {
+    map8_t(y, x, n, Scaled{factor});
+}
+
+extern "C" __global__ void gelu_tanh_bf16x8(bf16* y, const bf16* x, u64 n) { map8_t(y, x, n, GeluTanh()); }
+
+extern "C" __global__ void gelu_erf_bf16x8(bf16* y, const bf16* x, u64 n) { map8_t(y, x, n, GeluErf()); }
+
+extern "C" __global__ void silu_bf16x8(bf16* y, const bf16* x, u64 n) { map8_t(y, x, n, Silu()); }
+
+extern "C" __global__ void silu_grad_bf16x8(bf16* dx, const bf16* dy, const bf16* x, u64 n) {
+    map2_8_t(dx, dy, x, n, SiluGrad());
+}
+
+extern "C" __global__ void gelu_tanh_grad_bf16x8(bf16* dx, const bf16* dy, const bf16* x, u64 n) {
+    map2_8_t(dx, dy, x, n, GeluTanhGrad());
+}
+
+extern "C" __global__ void gelu_erf_grad_bf16x8(bf16* dx, const bf16* dy, const bf16* x, u64 n) {
+    map2_8_t(dx, dy, x, n, GeluErfGrad());
+}
+
+extern "C" __global__ void cast_f32_to_bf16x8(bf16* y, const float* x, u64 n) { map8_t(y, x, n, Same()); }
+
+extern "C" __global__ void cast_bf16_to_f32x8(float* y, const bf16* x, u64 n) { map8_t(y, x, n, Same()); }
+
+// y = x + b[column], with width a multiple of 8 (so eight elements never straddle a row): the bias's
+// eight columns are one 16-byte load too. The column is found in 32-bit arithmetic where it fits.
+extern "C" __global__ void bias_add_bf16x8(bf16* y, const bf16* x, const bf16* b, u64 n, u64 width) {
+    const u64 chunks_per_row = width / 8;
+    const bool narrow = n / 8 <= 0xffffffffull;
+    GRID_STRIDE(c, n / 8) {
+        const u64 column = narrow ? (u64)((u32)c % (u32)chunks_per_row) : c % chunks_per_row;
+        float u[8], v[8];
+        load8(x, c, u);
+        load8(b, column, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) u[k] = u[k] + v[k];
+        store8(y, c, u);
+    }
+}
+
 // Copies x, replacing entries above the diagonal of each trailing [rows, cols] matrix by `fill`.
 template <class T>
 __device__ void causal_mask_t(T* y, const T* x, u64 n, u64 rows, u64 cols, float fill) {
@@ -843,6 +988,56 @@ extern "C" __global__ void sum_to_last_bf16(float* g, const bf16* x, u64 rows, u
     sum_to_last_t(g, x, rows, width);
 }
 
+// The column sums of a bf16 [rows, width] matrix into a bf16 [width], in two passes and without atomics
+// (the bias gradients of bf16 plans; width a multiple of 8 and x 16-byte aligned, which the host checks).
+// Pass one: blocks of (32, 8) threads sum `span` rows of 256 columns, eight columns a thread (one 16-byte
+// load a row), into part[chunk, width] (f32). Pass two adds the chunks of each column in a fixed order
+// and rounds once. The same shape gives the same bits on every run.
+extern "C" __global__ void column_partials_bf16x8(float* part, const bf16* x, u64 rows, u64 width, u64 span) {
+    __shared__ float lanes[8][256];
+    const u64 chunks_per_row = width / 8, group = (u64)blockIdx.x * 32 + threadIdx.x;
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
+    if (group < chunks_per_row) {
+        const u64 first = (u64)blockIdx.y * span, end = first + span < rows ? first + span : rows;
+        for (u64 r = first + threadIdx.y; r < end; r += 8) {
+            float v[8];
+            load8(x, r * chunks_per_row + group, v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] += v[k];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) lanes[threadIdx.y][threadIdx.x * 8 + k] = acc[k];
+    __syncthreads();
+    const u32 t = threadIdx.y * 32 + threadIdx.x;
+    const u64 column = (u64)blockIdx.x * 256 + t;
+    if (column < width) {
+        float s = 0.0f;
+        for (int j = 0; j < 8; ++j) s += lanes[j][t];
+        part[(u64)blockIdx.y * width + column] = s;
+    }
+}
+
+// Pass two: blocks of (32, 8) threads over 32 columns; thread row j adds chunks j, j + 8, ...; the eight
+// row sums are added in order.
+extern "C" __global__ void column_totals_bf16(bf16* y, const float* part, u64 chunks, u64 width) {
+    __shared__ float lanes[8][33];
+    const u64 column = (u64)blockIdx.x * 32 + threadIdx.x;
+    float s = 0.0f;
+    if (column < width) {
+        for (u64 k = threadIdx.y; k < chunks; k += 8) s += part[k * width + column];
+    }
+    lanes[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && column < width) {
+        float total = 0.0f;
+        for (int j = 0; j < 8; ++j) total += lanes[j][threadIdx.x];
+        y[column] = round_bf16(total);
+    }
+}
+
 // ---- cross-entropy --------------------------------------------------------------------------------
 // `live` local columns are real vocabulary; global column = offset + local column; targets must lie
 // in [0, valid) (else the row is flagged) or be IGNORE_INDEX (the row is ignored).
@@ -930,24 +1125,44 @@ extern "C" __global__ void cross_entropy_loss(float* y, const float* max, const 
     if (threadIdx.x == 0) y[0] = (float)(total / fmax((double)count[0], 1.0));
 }
 
-// y[0] += the sum of squares of x (in f64): one term of the gradient norm. One block, launched once per
-// gradient this device counts, in order, on one stream.
-// The sum of squares of x in f64, in two launches: each block of the grid sums a grid-stride share
-// into partial[block], then square_sum_blocks adds the partials in block order to y[0] (so the result
-// does not depend on timing).
-extern "C" __global__ void square_sum_partial(double* partial, const float* x, u64 n) {
+// The gradient norm's sum of squares over many tensors in three launches, whatever their number.
+// spans[3 t], spans[3 t + 1], spans[3 t + 2] are tensor t's address, length and first block; blocks are
+// numbered across the tensors in order, each covering `per_block` elements of one tensor.
+// square_sum_spans: block b sums the squares of its elements in f64 into partial[b].
+extern "C" __global__ void square_sum_spans(double* partial, const u64* spans, u64 tensors, u64 per_block) {
+    const u64 b = blockIdx.x;
+    u64 lo = 0, hi = tensors;
+    while (hi - lo > 1) {
+        const u64 mid = (lo + hi) / 2;
+        if (spans[3 * mid + 2] <= b) lo = mid; else hi = mid;
+    }
+    const float* x = (const float*)spans[3 * lo];
+    const u64 n = spans[3 * lo + 1], begin = (b - spans[3 * lo + 2]) * per_block;
+    const u64 end = begin + per_block < n ? begin + per_block : n;
     double total = 0.0;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) total += (double)x[k] * (double)x[k];
+    for (u64 k = begin + threadIdx.x; k < end; k += blockDim.x) total += (double)x[k] * (double)x[k];
     total = block_sum_f64(total);
-    if (threadIdx.x == 0) partial[blockIdx.x] = total;
+    if (threadIdx.x == 0) partial[b] = total;
 }
 
-extern "C" __global__ void square_sum_blocks(float* y, const double* partial, u64 blocks) {
-    double total = 0.0;
-    for (u64 k = threadIdx.x; k < blocks; k += blockDim.x) total += partial[k];
-    total = block_sum_f64(total);
-    if (threadIdx.x == 0) y[0] = (float)((double)y[0] + total);
+// square_sum_tensors: block t adds tensor t's partials (in block order) into total[t].
+extern "C" __global__ void square_sum_tensors(double* total, const double* partial, const u64* spans, u64 tensors,
+                                              u64 blocks) {
+    const u64 t = blockIdx.x;
+    const u64 first = spans[3 * t + 2], last = t + 1 < tensors ? spans[3 * (t + 1) + 2] : blocks;
+    double sum = 0.0;
+    for (u64 k = first + threadIdx.x; k < last; k += blockDim.x) sum += partial[k];
+    sum = block_sum_f64(sum);
+    if (threadIdx.x == 0) total[t] = sum;
+}
+
+// square_sum_fold: y[0] += each tensor's total in tensor order, rounding to f32 after each as the CPU
+// adds one gradient at a time (one thread).
+extern "C" __global__ void square_sum_fold(float* y, const double* total, u64 tensors) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    float acc = y[0];
+    for (u64 t = 0; t < tensors; ++t) acc = (float)((double)acc + total[t]);
+    y[0] = acc;
 }
 
 // dlogits = (softmax - onehot) dloss / max(count, 1) on live columns, 0 on padding and ignored rows.
@@ -1034,4 +1249,13 @@ extern "C" __global__ void copy_rows(u32* dst, const u32* src, u64 rows, u64 col
 
 extern "C" __global__ void copy_rows_u16(u16* dst, const u16* src, u64 rows, u64 cols, u64 src_ld, u64 dst_ld) {
     copy_rows_t(dst, src, rows, cols, src_ld, dst_ld);
+}
+
+// A padded product operand written whole in one pass: dst [dst_rows, dst_ld] holds src's [rows, cols]
+// block (rows src_ld apart) in its corner and zeros elsewhere. One block per destination row.
+extern "C" __global__ void pad_rows_u16(u16* dst, const u16* src, u64 rows, u64 cols, u64 src_ld, u64 dst_rows,
+                                        u64 dst_ld) {
+    BLOCK_ROWS(r, dst_rows) {
+        ROW_COLUMNS(c, dst_ld) dst[r * dst_ld + c] = r < rows && c < cols ? src[r * src_ld + c] : (u16)0;
+    }
 }

@@ -82,8 +82,9 @@ mod names {
     pub const CROSS_ENTROPY_STATS: &str = "cross_entropy_stats";
     pub const CROSS_ENTROPY_COUNT: &str = "cross_entropy_count";
     pub const CROSS_ENTROPY_LOSS: &str = "cross_entropy_loss";
-    pub const SQUARE_SUM_PARTIAL: &str = "square_sum_partial";
-    pub const SQUARE_SUM_BLOCKS: &str = "square_sum_blocks";
+    pub const SQUARE_SUM_SPANS: &str = "square_sum_spans";
+    pub const SQUARE_SUM_TENSORS: &str = "square_sum_tensors";
+    pub const SQUARE_SUM_FOLD: &str = "square_sum_fold";
     pub const CROSS_ENTROPY_GRAD: &str = "cross_entropy_grad";
     pub const SGD_STEP: &str = "sgd_step";
     pub const ADAMW_STEP: &str = "adamw_step";
@@ -136,8 +137,9 @@ pub const KERNEL_NAMES: &[&str] = &[
     CROSS_ENTROPY_STATS,
     CROSS_ENTROPY_COUNT,
     CROSS_ENTROPY_LOSS,
-    SQUARE_SUM_PARTIAL,
-    SQUARE_SUM_BLOCKS,
+    SQUARE_SUM_SPANS,
+    SQUARE_SUM_TENSORS,
+    SQUARE_SUM_FOLD,
     CROSS_ENTROPY_GRAD,
     SGD_STEP,
     ADAMW_STEP,
@@ -229,7 +231,7 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::CrossEntropyLoss => Launcher::kernels(&[CROSS_ENTROPY_LOSS]),
         Kernel::CrossEntropyGrad { .. } => Launcher::kernels(&[CROSS_ENTROPY_GRAD]),
         Kernel::Fill { .. } => Launcher::kernels(&[FILL_BITS]),
-        Kernel::GradSquareSum => Launcher::kernels(&[SQUARE_SUM_PARTIAL, SQUARE_SUM_BLOCKS]),
+        Kernel::GradSquareSum => Launcher::kernels(&[SQUARE_SUM_SPANS, SQUARE_SUM_TENSORS, SQUARE_SUM_FOLD]),
         Kernel::OptimizerStep => Launcher::kernels(&[SGD_STEP, ADAMW_STEP]),
     }
 }
@@ -601,6 +603,15 @@ fn elementwise(n: usize) -> Option<LaunchConfig> {
     (n > 0).then(|| config((n.div_ceil(THREADS as usize).min(MAX_BLOCKS), 1), (THREADS, 1)))
 }
 
+/// The launch of elementwise kernel `name` over `n` elements: one thread per element, or per eight for
+/// the `_bf16x8` entry points (see [`bf16::by_eights`]).
+fn elementwise_by(name: &str, n: usize) -> Option<LaunchConfig> {
+    match name.ends_with("x8") {
+        true if n > 0 => elementwise(n / 8),
+        _ => elementwise(n),
+    }
+}
+
 /// One block per row, of 32 to 256 threads depending on the width.
 fn per_rows(rows: usize, width: usize) -> Option<LaunchConfig> {
     let threads = (width.div_ceil(32).clamp(1, 8) * 32) as u32;
@@ -653,16 +664,27 @@ struct Device {
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
     blas: CudaBlas,
-    /// One f64 per block of the first pass of a sum of squares.
-    partials: std::sync::Mutex<CudaSlice<f64>>,
+    /// The gradient norm's scratch (see [`SquareSums`]).
+    partials: std::sync::Mutex<SquareSums>,
     /// Whether bf16 attention runs on the flash kernels (see [`flash`]).
     flash: bool,
     /// Padded copies of bf16 product operands whose rows are not 16-byte aligned.
     realign: std::sync::Mutex<bf16::Realign>,
 }
 
-/// Blocks of the first pass of a sum of squares (enough to fill any current GPU several times over).
-const SQUARE_SUM_GRID: usize = 1024;
+/// Elements of one tensor that one block of the gradient norm's first pass sums.
+const SQUARE_SUM_SPAN: usize = 16 * THREADS as usize;
+
+/// The gradient norm's scratch, grown as needed: the span table on the GPU (address, length, first block
+/// per tensor) with the host copy it was last written from (the arena does not move, so the table is
+/// written once), one f64 per block and one per tensor.
+#[derive(Default)]
+struct SquareSums {
+    table: Vec<u64>,
+    spans: Option<CudaSlice<u64>>,
+    partials: Option<CudaSlice<f64>>,
+    totals: Option<CudaSlice<f64>>,
+}
 
 /// A row-major matrix inside a buffer: `rows x cols` at `start`, rows `ld` apart, and one such block
 /// every `stride` elements when batched.
@@ -765,6 +787,12 @@ impl<T> Product<'_, T> {
 impl Device {
     fn function(&self, name: &str) -> Result<&CudaFunction, KernelError> {
         self.functions.get(name).ok_or_else(|| DeviceError::NotLoaded(name.to_string()).into())
+    }
+
+    /// The device address where `s` starts (for alignment checks).
+    fn start<T>(&self, s: &CudaSlice<T>) -> u64 {
+        use cudarc::driver::DevicePtr;
+        s.device_ptr(&self.stream).0
     }
 
     fn zero<T: DeviceRepr + ValidAsZeroBits>(&self, s: &mut CudaSlice<T>) -> Result<(), KernelError> {
@@ -907,8 +935,9 @@ impl Device {
         let xv = elems::<T>(x, "the input")?;
         same_len("the output", out.len(), x.len())?;
         let y = elems_mut::<T>(out, "the output")?;
+        let name = by_eights(variant::<T>(name)?, x.len(), &[self.start(xv), self.start(y)]);
         let n = x.len() as u64;
-        launch!(self, variant::<T>(name)?, elementwise(x.len()), [y, xv, &n])
+        launch!(self, name, elementwise_by(name, x.len()), [y, xv, &n])
     }
 
     fn map_binary<T: Elem>(
@@ -922,8 +951,9 @@ impl Device {
         same_len("the second input", b.len(), a.len())?;
         same_len("the output", out.len(), a.len())?;
         let y = elems_mut::<T>(out, "the output")?;
+        let name = by_eights(variant::<T>(name)?, a.len(), &[self.start(av), self.start(bv), self.start(y)]);
         let n = a.len() as u64;
-        launch!(self, variant::<T>(name)?, elementwise(a.len()), [y, av, bv, &n])
+        launch!(self, name, elementwise_by(name, a.len()), [y, av, bv, &n])
     }
 
     fn scale<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, factor: f64) -> Result<(), KernelError> {
@@ -931,8 +961,9 @@ impl Device {
         let xv = elems::<T>(x, "the input")?;
         same_len("the output", out.len(), x.len())?;
         let y = elems_mut::<T>(out, "the output")?;
+        let name = by_eights(variant::<T>(SCALE)?, x.len(), &[self.start(xv), self.start(y)]);
         let (factor, n) = (factor as f32, x.len() as u64);
-        launch!(self, variant::<T>(SCALE)?, elementwise(x.len()), [y, xv, &factor, &n])
+        launch!(self, name, elementwise_by(name, x.len()), [y, xv, &factor, &n])
     }
 
     fn bias_add<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
@@ -942,8 +973,14 @@ impl Device {
         same_len("the bias", b.len(), width)?;
         same_len("the output", out.len(), x.len())?;
         let y = elems_mut::<T>(out, "the output")?;
+        let starts = [self.start(xv), self.start(bv), self.start(y)];
+        // Eight elements of a thread must lie in one row: the width too is a multiple of 8.
+        let name = match in_eights(width, &[]) {
+            true => by_eights(variant::<T>(BIAS_ADD)?, x.len(), &starts),
+            false => variant::<T>(BIAS_ADD)?,
+        };
         let (n, width) = (x.len() as u64, width as u64);
-        launch!(self, variant::<T>(BIAS_ADD)?, elementwise(x.len()), [y, xv, bv, &n, &width])
+        launch!(self, name, elementwise_by(name, x.len()), [y, xv, bv, &n, &width])
     }
 
     fn softmax<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
@@ -1210,7 +1247,7 @@ fn scratch_operand<T>(data: &CudaSlice<T>, block: Block, transpose: bool) -> Ope
 }
 
 /// `slot` with room for at least `n` elements (reallocated when too small).
-fn grow<'s, T: Elem>(
+fn grow<'s, T: DeviceRepr + ValidAsZeroBits>(
     slot: &'s mut Option<CudaSlice<T>>,
     stream: &Arc<CudaStream>,
     n: usize,
@@ -1908,19 +1945,32 @@ impl Device {
         same_len("the output", out.len(), 1)?;
         let y = floats_mut(out, "the output")?;
         self.zero(y)?;
+        let mut table = Vec::new();
+        let mut blocks = 0usize;
         for (k, (x, meta)) in inputs.iter().zip(ctx.inputs).enumerate() {
-            if meta.layout.counts_block_at(ctx.coords.0) {
+            if meta.layout.counts_block_at(ctx.coords.0) && !x.is_empty() {
                 let xv = floats(x, &format!("gradient {k}"))?;
-                let n = x.len() as u64;
-                let blocks = x.len().div_ceil(THREADS as usize).clamp(1, SQUARE_SUM_GRID);
-                let partials =
-                    &mut *self.partials.lock().map_err(|_| KernelError::Poisoned("the partial sums are poisoned"))?;
-                launch!(self, SQUARE_SUM_PARTIAL, Some(config((blocks, 1), (THREADS, 1))), [&mut *partials, xv, &n])?;
-                let blocks = blocks as u64;
-                launch!(self, SQUARE_SUM_BLOCKS, single_block(), [&mut *y, &*partials, &blocks])?;
+                table.extend([self.start(xv), x.len() as u64, blocks as u64]);
+                blocks += x.len().div_ceil(SQUARE_SUM_SPAN);
             }
         }
-        Ok(())
+        let tensors = table.len() / 3;
+        if tensors == 0 {
+            return Ok(());
+        }
+        let sums = &mut *self.partials.lock().map_err(|_| KernelError::Poisoned("the partial sums are poisoned"))?;
+        if sums.table != table || sums.spans.is_none() {
+            sums.spans = Some(upload_slice(&self.stream, &table)?);
+            sums.table = table;
+        }
+        let spans = sums.spans.as_ref().ok_or_else(|| KernelError::Internal("no span table".into()))?;
+        let partials = grow(&mut sums.partials, &self.stream, blocks)?;
+        let (t, b, per) = (tensors as u64, blocks as u64, SQUARE_SUM_SPAN as u64);
+        launch!(self, SQUARE_SUM_SPANS, Some(config((blocks, 1), (THREADS, 1))), [&mut *partials, spans, &t, &per])?;
+        let totals = grow(&mut sums.totals, &self.stream, tensors)?;
+        let per_tensor = Some(config((tensors, 1), (THREADS, 1)));
+        launch!(self, SQUARE_SUM_TENSORS, per_tensor, [&mut *totals, &*partials, spans, &t, &b])?;
+        launch!(self, SQUARE_SUM_FOLD, Some(config((1, 1), (32, 1))), [y, &*totals, &t])
     }
 
     fn cross_entropy_grad<T: Elem>(
@@ -2004,7 +2054,7 @@ mod collective;
 mod flash;
 
 pub use bf16::{BF16_KERNEL_NAMES, bf16_launcher};
-use bf16::{variant, words};
+use bf16::{by_eights, in_eights, variant, words};
 pub use collective::{COLLECTIVE_KERNEL_NAMES, DeviceBuf, MAX_MEMBERS};
 pub use flash::FLASH_KERNEL_NAMES;
 
@@ -2076,7 +2126,7 @@ impl CudaKernels {
         }
         let blas = CudaBlas::new(stream.clone()).map_err(DeviceError::BlasHandle)?;
         let flag = alloc::<u64>(&stream, 1)?;
-        let partials = std::sync::Mutex::new(alloc::<f64>(&stream, SQUARE_SUM_GRID)?);
+        let partials = std::sync::Mutex::new(SquareSums::default());
         let flash = flash::enable(&functions, arch);
         let realign = std::sync::Mutex::new(bf16::Realign::default());
         let dev = Device { stream, functions, blas, partials, flash, realign };

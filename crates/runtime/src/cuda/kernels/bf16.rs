@@ -19,7 +19,7 @@ use super::*;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 pub(crate) use realign::Realign;
-use realign::{COPY_ROWS_F32, COPY_ROWS_U16, Realignable};
+use realign::{COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16, Realignable};
 use std::ffi::c_void;
 
 /// The bf16 entry points of kernels.cu, next to the f32 kernel each stands for.
@@ -100,7 +100,65 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
     CAST_BF16_TO_F32,
     COPY_ROWS_F32,
     COPY_ROWS_U16,
+    PAD_ROWS_U16,
+    "add_bf16x8",
+    "multiply_bf16x8",
+    "scale_bf16x8",
+    "gelu_tanh_bf16x8",
+    "gelu_erf_bf16x8",
+    "silu_bf16x8",
+    "silu_grad_bf16x8",
+    "gelu_tanh_grad_bf16x8",
+    "gelu_erf_grad_bf16x8",
+    "bias_add_bf16x8",
+    CAST_F32_TO_BF16_X8,
+    CAST_BF16_TO_F32_X8,
+    COLUMN_PARTIALS,
+    COLUMN_TOTALS,
 ];
+
+const CAST_F32_TO_BF16_X8: &str = "cast_f32_to_bf16x8";
+const CAST_BF16_TO_F32_X8: &str = "cast_bf16_to_f32x8";
+const COLUMN_PARTIALS: &str = "column_partials_bf16x8";
+const COLUMN_TOTALS: &str = "column_totals_bf16";
+
+/// The bf16 elementwise kernels that also move eight elements a thread (`_bf16x8`), next to the scalar
+/// entry point each stands for.
+const BY_EIGHTS: &[(&str, &str)] = &[
+    ("add_bf16", "add_bf16x8"),
+    ("multiply_bf16", "multiply_bf16x8"),
+    ("scale_bf16", "scale_bf16x8"),
+    ("gelu_tanh_bf16", "gelu_tanh_bf16x8"),
+    ("gelu_erf_bf16", "gelu_erf_bf16x8"),
+    ("silu_bf16", "silu_bf16x8"),
+    ("silu_grad_bf16", "silu_grad_bf16x8"),
+    ("gelu_tanh_grad_bf16", "gelu_tanh_grad_bf16x8"),
+    ("gelu_erf_grad_bf16", "gelu_erf_grad_bf16x8"),
+    ("bias_add_bf16", "bias_add_bf16x8"),
+    (CAST_F32_TO_BF16, CAST_F32_TO_BF16_X8),
+    (CAST_BF16_TO_F32, CAST_BF16_TO_F32_X8),
+];
+
+/// Whether the eight-at-a-time kernels may run: always, unless `OPTIMUS_CUDA_VECTOR=off` (to measure
+/// what they gain; both give the same bits).
+fn eights_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("OPTIMUS_CUDA_VECTOR").map_or(true, |v| v != "off"))
+}
+
+/// Whether `n` elements of operands starting at device addresses `starts` split into whole 16-byte words
+/// of each: n a multiple of 8 and every start 16-byte aligned.
+pub(super) fn in_eights(n: usize, starts: &[u64]) -> bool {
+    eights_enabled() && n > 0 && n.is_multiple_of(8) && starts.iter().all(|s| s.is_multiple_of(16))
+}
+
+/// The eight-at-a-time entry point of elementwise kernel `name` where [`in_eights`] holds, else `name`.
+pub(super) fn by_eights(name: &'static str, n: usize, starts: &[u64]) -> &'static str {
+    if !in_eights(n, starts) {
+        return name;
+    }
+    BY_EIGHTS.iter().find(|(one, _)| *one == name).map_or(name, |&(_, eight)| eight)
+}
 
 /// The entry point of kernel `name` for tensors of element type `T`.
 pub(super) fn variant<T: Elem>(name: &'static str) -> Result<&'static str, KernelError> {
@@ -133,8 +191,12 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
     native(kernel)?;
     let kernels = Launcher::kernels;
     Some(match kernel {
-        Kernel::Cast => kernels(&[CAST_F32_TO_BF16, CAST_BF16_TO_F32, COPY_RUNS_U16]),
-        Kernel::MatMul { .. } | Kernel::BatchedMatMul => Launcher::product(&[ZERO, COPY_ROWS_F32, COPY_ROWS_U16]),
+        Kernel::Cast => {
+            kernels(&[CAST_F32_TO_BF16, CAST_BF16_TO_F32, CAST_F32_TO_BF16_X8, CAST_BF16_TO_F32_X8, COPY_RUNS_U16])
+        }
+        Kernel::MatMul { .. } | Kernel::BatchedMatMul => {
+            Launcher::product(&[ZERO, COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16])
+        }
         Kernel::Attention { .. } => Launcher::product(&[
             ATTENTION_SOFTMAX,
             CAST_F32_TO_BF16,
@@ -160,20 +222,22 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
         Kernel::Transpose { .. } => kernels(&[TRANSPOSE_U16]),
         Kernel::EmbeddingGrad { .. } => kernels(&["embedding_grad_bf16", CAST_F32_TO_BF16]),
         Kernel::PositionGrad => kernels(&["position_grad_bf16", CAST_F32_TO_BF16]),
-        Kernel::SumToLast => kernels(&["sum_to_last_bf16", CAST_F32_TO_BF16]),
+        Kernel::SumToLast => {
+            kernels(&["sum_to_last_bf16", CAST_F32_TO_BF16, CAST_F32_TO_BF16_X8, COLUMN_PARTIALS, COLUMN_TOTALS])
+        }
         Kernel::LayerNormGradWeight { .. } => {
             kernels(&[LAYER_NORM_STATS, "layer_norm_grad_weight_bf16", CAST_F32_TO_BF16])
         }
-        Kernel::BiasAdd => kernels(&["bias_add_bf16"]),
-        Kernel::Add => kernels(&["add_bf16"]),
-        Kernel::Mul => kernels(&["multiply_bf16"]),
-        Kernel::Scale { .. } => kernels(&["scale_bf16"]),
-        Kernel::Gelu { approximate: true } => kernels(&["gelu_tanh_bf16"]),
-        Kernel::Gelu { approximate: false } => kernels(&["gelu_erf_bf16"]),
-        Kernel::GeluGrad { approximate: true } => kernels(&["gelu_tanh_grad_bf16"]),
-        Kernel::GeluGrad { approximate: false } => kernels(&["gelu_erf_grad_bf16"]),
-        Kernel::Silu => kernels(&["silu_bf16"]),
-        Kernel::SiluGrad => kernels(&["silu_grad_bf16"]),
+        Kernel::BiasAdd => kernels(&["bias_add_bf16", "bias_add_bf16x8"]),
+        Kernel::Add => kernels(&["add_bf16", "add_bf16x8"]),
+        Kernel::Mul => kernels(&["multiply_bf16", "multiply_bf16x8"]),
+        Kernel::Scale { .. } => kernels(&["scale_bf16", "scale_bf16x8"]),
+        Kernel::Gelu { approximate: true } => kernels(&["gelu_tanh_bf16", "gelu_tanh_bf16x8"]),
+        Kernel::Gelu { approximate: false } => kernels(&["gelu_erf_bf16", "gelu_erf_bf16x8"]),
+        Kernel::GeluGrad { approximate: true } => kernels(&["gelu_tanh_grad_bf16", "gelu_tanh_grad_bf16x8"]),
+        Kernel::GeluGrad { approximate: false } => kernels(&["gelu_erf_grad_bf16", "gelu_erf_grad_bf16x8"]),
+        Kernel::Silu => kernels(&["silu_bf16", "silu_bf16x8"]),
+        Kernel::SiluGrad => kernels(&["silu_grad_bf16", "silu_grad_bf16x8"]),
         Kernel::Softmax => kernels(&["softmax_bf16"]),
         Kernel::SoftmaxGrad => kernels(&["softmax_grad_bf16"]),
         Kernel::CausalMask | Kernel::CausalMaskGrad => kernels(&["causal_mask_bf16"]),
@@ -362,7 +426,10 @@ fn run_native(
         Kernel::LayerNormGradWeight { n, eps } => through_f32(dev, out, |wide| {
             dev.layer_norm_grad_weight::<B>(inputs, wide, Norm { n, eps }, &mut scratch[0])
         }),
-        Kernel::SumToLast => through_f32(dev, out, |wide| dev.sum_to_last::<B>(inputs, wide)),
+        Kernel::SumToLast => match dev.column_sums_bf16(inputs, out, &mut half.columns)? {
+            true => Ok(()),
+            false => through_f32(dev, out, |wide| dev.sum_to_last::<B>(inputs, wide)),
+        },
         Kernel::CrossEntropyMax { offset, valid } => {
             dev.cross_entropy_max::<B>(inputs, out, Vocab::new(offset, valid, ctx))
         }
@@ -388,7 +455,8 @@ fn widen(dev: &Device, t: &DeviceTensor) -> Result<Option<DeviceTensor>, KernelE
     let mut wide = DeviceTensor::zeros(&dev.stream, DType::F32, &t.shape)?;
     let n = t.len() as u64;
     let y = floats_mut(&mut wide, "the widened copy")?;
-    launch!(dev, CAST_BF16_TO_F32, elementwise(t.len()), [y, src, &n])?;
+    let name = by_eights(CAST_BF16_TO_F32, t.len(), &[dev.start(src), dev.start(y)]);
+    launch!(dev, name, elementwise_by(name, t.len()), [y, src, &n])?;
     Ok(Some(wide))
 }
 
@@ -397,9 +465,9 @@ fn round_into(dev: &Device, wide: &DeviceTensor, out: &mut DeviceTensor) -> Resu
     let x = floats(wide, "the f32 result")?;
     same_len("the bf16 output", out.len(), wide.len())?;
     let n = wide.len() as u64;
-    let cfg = elementwise(wide.len());
     let y = elems_mut::<u16>(out, "the bf16 output")?;
-    launch!(dev, CAST_F32_TO_BF16, cfg, [y, x, &n])
+    let name = by_eights(CAST_F32_TO_BF16, wide.len(), &[dev.start(x), dev.start(y)]);
+    launch!(dev, name, elementwise_by(name, wide.len()), [y, x, &n])
 }
 
 /// A cast from bf16: widened into an f32 output, copied into a bf16 one.
@@ -413,7 +481,8 @@ fn cast_from_bf16(dev: &Device, inputs: &[&DeviceTensor], out: &mut DeviceTensor
     }
     let y = floats_mut(out, "the output")?;
     let count = n as u64;
-    launch!(dev, CAST_BF16_TO_F32, elementwise(n), [y, src, &count])
+    let name = by_eights(CAST_BF16_TO_F32, n, &[dev.start(src), dev.start(y)]);
+    launch!(dev, name, elementwise_by(name, n), [y, src, &count])
 }
 
 /// Runs `f` into an f32 scratch of the output's shape and rounds the result into the bf16 output once
@@ -565,6 +634,51 @@ impl Device {
     }
 }
 
+// ---- column sums ----------------------------------------------------------------------------------
+
+/// About how many blocks the first pass of the column sums gives the GPU (four a multiprocessor on a
+/// 132-multiprocessor H100 or H200).
+const COLUMN_BLOCKS: usize = 528;
+
+/// The rows each block of the column sums' first pass sums (a multiple of 8, the block's height), and how
+/// many such chunks the rows make: blocks of 256 columns across, chunks down, about [`COLUMN_BLOCKS`]
+/// blocks in all.
+fn column_chunks(rows: usize, width: usize) -> (usize, usize) {
+    let across = width.div_ceil(256).max(1);
+    let chunks = (COLUMN_BLOCKS / across).clamp(1, rows.div_ceil(8).max(1));
+    let span = rows.div_ceil(chunks).next_multiple_of(8);
+    (span, rows.div_ceil(span).max(1))
+}
+
+impl Device {
+    /// SumToLast of a bf16 [rows, width] into a bf16 [width] in two passes without atomics (kernels.cu's
+    /// `column_partials_bf16x8` and `column_totals_bf16`), where the width is a multiple of 8 and x
+    /// 16-byte aligned; `false`, with nothing run, otherwise.
+    fn column_sums_bf16(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        part: &mut Option<CudaSlice<f32>>,
+    ) -> Result<bool, KernelError> {
+        let [x] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let xv = elems::<u16>(x, "x")?;
+        if ty(&out.data) != H || rows == 0 || !in_eights(width, &[self.start(xv)]) {
+            return Ok(false);
+        }
+        same_len("the output", out.len(), width)?;
+        let (span, chunks) = column_chunks(rows, width);
+        let part = grow(part, &self.stream, chunks * width)?;
+        let y = elems_mut::<u16>(out, "the output")?;
+        let (r, w, sp, ch) = (rows as u64, width as u64, span as u64, chunks as u64);
+        let first = config((width.div_ceil(256), chunks), (32, 8));
+        launch!(self, COLUMN_PARTIALS, Some(first), [&mut *part, xv, &r, &w, &sp])?;
+        let second = config((width.div_ceil(32), 1), (32, 8));
+        launch!(self, COLUMN_TOTALS, Some(second), [y, &*part, &ch, &w])?;
+        Ok(true)
+    }
+}
+
 // ---- attention ------------------------------------------------------------------------------------
 
 /// The bf16 scratch of the kernels: attention probabilities (and their gradient) rounded to bf16 as
@@ -572,6 +686,8 @@ impl Device {
 #[derive(Debug, Default)]
 pub(super) struct Scratch {
     probs: Option<CudaSlice<u16>>,
+    /// The per-chunk column sums of [`Device::column_sums_bf16`].
+    columns: Option<CudaSlice<f32>>,
     /// The log-sum-exp, D and dQ sums of the flash attention's backward pass.
     flash: super::flash::Scratch,
 }
@@ -581,7 +697,8 @@ impl Device {
     fn round_scratch(&self, wide: &CudaSlice<f32>, narrow: &mut CudaSlice<u16>, n: usize) -> Result<(), KernelError> {
         require(wide.len() >= n && narrow.len() >= n, || KernelError::Internal("a scratch is too small".into()))?;
         let count = n as u64;
-        launch!(self, CAST_F32_TO_BF16, elementwise(n), [narrow, wide, &count])
+        let name = by_eights(CAST_F32_TO_BF16, n, &[self.start(wide), self.start(narrow)]);
+        launch!(self, name, elementwise_by(name, n), [narrow, wide, &count])
     }
 
     /// softmax(q k^T / sqrt(d)) v per head, with bf16 q, k, v and output: the scores and probabilities are
@@ -715,15 +832,38 @@ mod tests {
 
     #[test]
     fn every_bf16_entry_point_is_listed_once() {
-        for (_, name) in ENTRY_POINTS.iter().chain(WORD_COPIES) {
+        for (_, name) in ENTRY_POINTS.iter().chain(WORD_COPIES).chain(BY_EIGHTS) {
             assert_eq!(BF16_KERNEL_NAMES.iter().filter(|n| *n == name).count(), 1, "`{name}`");
         }
-        let besides = 4;
+        let besides = 7;
         assert_eq!(
             BF16_KERNEL_NAMES.len(),
-            ENTRY_POINTS.len() + WORD_COPIES.len() + besides,
-            "two casts, two row copies"
+            ENTRY_POINTS.len() + WORD_COPIES.len() + BY_EIGHTS.len() + besides,
+            "two casts, three row copies, two column-sum passes"
         );
+    }
+
+    #[test]
+    fn eight_at_a_time_only_on_whole_aligned_words() {
+        assert_eq!(by_eights("add_bf16", 64, &[0x1000, 0x2010]), "add_bf16x8");
+        assert_eq!(by_eights(CAST_F32_TO_BF16, 8, &[0x1000]), CAST_F32_TO_BF16_X8);
+        assert_eq!(by_eights("add_bf16", 60, &[0x1000]), "add_bf16", "n not a multiple of 8");
+        assert_eq!(by_eights("add_bf16", 64, &[0x1000, 0x2008]), "add_bf16", "a start off 16 bytes");
+        assert_eq!(by_eights("add_bf16", 0, &[]), "add_bf16", "nothing to do");
+        assert_eq!(by_eights("softmax_bf16", 64, &[0x1000]), "softmax_bf16", "no eight-wide version");
+        assert_eq!(by_eights("add", 64, &[0x1000]), "add", "f32 keeps its kernel");
+    }
+
+    #[test]
+    fn column_chunks_cover_every_row_once_and_fill_the_gpu() {
+        for (rows, width) in [(8192, 768), (8192, 3072), (8192, 2304), (1, 8), (7, 16), (100_000, 8), (33, 50_264)] {
+            let (span, chunks) = column_chunks(rows, width);
+            assert!(span.is_multiple_of(8) && span > 0, "{rows}x{width}: span {span}");
+            assert!(span * chunks >= rows && span * (chunks - 1) < rows, "{rows}x{width}: {chunks} chunks of {span}");
+            assert!(chunks <= 65_535, "{rows}x{width}: the grid's second dimension");
+        }
+        let (_, chunks) = column_chunks(8192, 768);
+        assert!(chunks * 3 >= COLUMN_BLOCKS / 2, "GPT-2's bias gradients fill the GPU: {chunks} chunks");
     }
 
     #[test]

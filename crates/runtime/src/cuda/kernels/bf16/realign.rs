@@ -45,6 +45,7 @@ impl Realignable for f32 {
 
 pub(super) const COPY_ROWS_F32: &str = "copy_rows";
 pub(super) const COPY_ROWS_U16: &str = "copy_rows_u16";
+pub(super) const PAD_ROWS_U16: &str = "pad_rows_u16";
 
 /// Whether a (single) block of `data` can be read by cuBLAS's aligned kernels.
 fn aligned<T>(data: &CudaSlice<T>, block: &Block, stream: &CudaStream) -> bool {
@@ -81,9 +82,11 @@ impl Device {
         let (rows, ld) = dims;
         let scratch = grow(slot, &self.stream, rows * ld)?;
         let mut view = scratch.slice_mut(0..rows * ld);
-        self.stream.memset_zeros(&mut view).map_err(driver("zeroing a padded operand"))?;
         let src = op.data.try_slice(b.start..).ok_or_else(|| KernelError::Internal(BLOCK_PAST_BUFFER.into()))?;
-        self.copy_rows(&src, &mut view, (b.rows, b.cols), (b.ld, ld))?;
+        require(b.rows <= rows && b.cols <= ld, || KernelError::Internal("a padded operand shrinks".into()))?;
+        // The copy writes the padding's zeros too: no separate pass over the whole scratch.
+        let (r, c, src_ld, dst_rows, dst_ld) = (b.rows as u64, b.cols as u64, b.ld as u64, rows as u64, ld as u64);
+        launch!(self, PAD_ROWS_U16, per_rows(rows, ld), [&mut view, &src, &r, &c, &src_ld, &dst_rows, &dst_ld])?;
         let block = Block { start: 0, rows, cols: ld, ld, stride: rows * ld };
         Ok(Operand { data: &*scratch, block, transpose: op.transpose })
     }
