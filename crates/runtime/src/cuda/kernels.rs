@@ -618,6 +618,15 @@ fn per_rows(rows: usize, width: usize) -> Option<LaunchConfig> {
     (rows > 0).then(|| config((rows.min(MAX_ROW_BLOCKS), 1), (threads, 1)))
 }
 
+/// The launch of row kernel `name` over [rows, width]: one warp a row (eight a block) for the eight-wide
+/// `_bf16x8` entry points (see [`bf16::by_eights`]), else one block a row.
+fn rows_by(name: &str, rows: usize, width: usize) -> Option<LaunchConfig> {
+    match name.ends_with("x8") {
+        true => (rows > 0).then(|| config((rows.div_ceil(8).min(MAX_ROW_BLOCKS), 1), (THREADS, 1))),
+        false => per_rows(rows, width),
+    }
+}
+
 /// Blocks of (32 columns, 8 rows) for `column_sum`, with enough row chunks to fill the GPU.
 fn columns(rows: usize, width: usize) -> Option<LaunchConfig> {
     (rows > 0 && width > 0).then(|| config((width.div_ceil(32), rows.div_ceil(8 * 16).clamp(1, 1024)), (32, 8)))
@@ -1606,9 +1615,10 @@ impl Device {
         let xv = elems::<T>(x, "x")?;
         same_len("the output", out.len(), rows)?;
         let y = floats_mut(out, "the output")?;
-        let cfg = per_rows(rows, n);
+        let name = by_eights(variant::<T>(ROW_SUM)?, n, &[self.start(xv)]);
+        let cfg = rows_by(name, rows, n);
         let (rows, n) = (rows as u64, n as u64);
-        launch!(self, variant::<T>(ROW_SUM)?, cfg, [y, xv, &rows, &n])
+        launch!(self, name, cfg, [y, xv, &rows, &n])
     }
 
     fn row_centered_square_sum<T: Elem>(
@@ -1623,9 +1633,10 @@ impl Device {
         let (xv, sv) = (elems::<T>(x, "x")?, per_row(sum, rows, 1, "the sum")?);
         same_len("the output", out.len(), rows)?;
         let y = floats_mut(out, "the output")?;
-        let cfg = per_rows(rows, width);
+        let name = by_eights(variant::<T>(ROW_CENTERED_SQUARE_SUM)?, width, &[self.start(xv)]);
+        let cfg = rows_by(name, rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, variant::<T>(ROW_CENTERED_SQUARE_SUM)?, cfg, [y, xv, sv, &rows, &width, &n])
+        launch!(self, name, cfg, [y, xv, sv, &rows, &width, &n])
     }
 
     fn layer_norm_apply<T: Elem>(
@@ -1641,9 +1652,11 @@ impl Device {
         let (gv, bv) = (per_row_of::<T>(gamma, 1, width, "gamma")?, per_row_of::<T>(beta, 1, width, "beta")?);
         same_len("the output", out.len(), x.len())?;
         let y = elems_mut::<T>(out, "the output")?;
-        let cfg = per_rows(rows, width);
+        let starts = [self.start(xv), self.start(gv), self.start(bv), self.start(y)];
+        let name = by_eights(variant::<T>(LAYER_NORM_APPLY)?, width, &starts);
+        let cfg = rows_by(name, rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, variant::<T>(LAYER_NORM_APPLY)?, cfg, [y, xv, sv, qv, gv, bv, &rows, &width, &norm.n, &norm.eps])
+        launch!(self, name, cfg, [y, xv, sv, qv, gv, bv, &rows, &width, &norm.n, &norm.eps])
     }
 
     fn layer_norm_grad_sums<T: Elem>(
@@ -1659,14 +1672,11 @@ impl Device {
         let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
         same_len("the output", out.len(), rows * 2)?;
         let y = floats_mut(out, "the output")?;
-        let cfg = per_rows(rows, width);
+        let starts = [self.start(dyv), self.start(xv), self.start(gv)];
+        let name = by_eights(variant::<T>(LAYER_NORM_GRAD_SUMS)?, width, &starts);
+        let cfg = rows_by(name, rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(
-            self,
-            variant::<T>(LAYER_NORM_GRAD_SUMS)?,
-            cfg,
-            [y, dyv, xv, gv, sv, qv, &rows, &width, &norm.n, &norm.eps]
-        )
+        launch!(self, name, cfg, [y, dyv, xv, gv, sv, qv, &rows, &width, &norm.n, &norm.eps])
     }
 
     fn layer_norm_grad_input<T: Elem>(
@@ -1683,14 +1693,11 @@ impl Device {
         let pairs = per_row(sums, rows, 2, "the gradient sums")?;
         same_len("the output", out.len(), x.len())?;
         let dx = elems_mut::<T>(out, "the output")?;
-        let cfg = per_rows(rows, width);
+        let starts = [self.start(dyv), self.start(xv), self.start(gv), self.start(dx)];
+        let name = by_eights(variant::<T>(LAYER_NORM_GRAD_INPUT)?, width, &starts);
+        let cfg = rows_by(name, rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(
-            self,
-            variant::<T>(LAYER_NORM_GRAD_INPUT)?,
-            cfg,
-            [dx, dyv, xv, gv, sv, qv, pairs, &rows, &width, &norm.n, &norm.eps]
-        )
+        launch!(self, name, cfg, [dx, dyv, xv, gv, sv, qv, pairs, &rows, &width, &norm.n, &norm.eps])
     }
 
     fn layer_norm_grad_weight<T: Elem>(
@@ -1880,7 +1887,7 @@ impl Device {
         let live = vocab.live(width);
         let cfg = per_rows(rows, live);
         let (rows, width, live) = (rows as u64, width as u64, live as u64);
-        launch!(self, variant::<T>(CROSS_ENTROPY_MAX)?, cfg, [y, lv, &rows, &width, &live])
+        launch!(self, any_eights(variant::<T>(CROSS_ENTROPY_MAX)?), cfg, [y, lv, &rows, &width, &live])
     }
 
     fn cross_entropy_stats<T: Elem>(
@@ -1904,7 +1911,7 @@ impl Device {
         let args = [rows, width, live, vocab.offset, vocab.valid];
         launch!(
             self,
-            variant::<T>(CROSS_ENTROPY_STATS)?,
+            any_eights(variant::<T>(CROSS_ENTROPY_STATS)?),
             cfg,
             [y, l.logits, l.targets, mv, &args[0], &args[1], &args[2], &args[3], &args[4], &mut *flag]
         )?;
@@ -2054,7 +2061,7 @@ mod collective;
 mod flash;
 
 pub use bf16::{BF16_KERNEL_NAMES, bf16_launcher};
-use bf16::{by_eights, in_eights, variant, words};
+use bf16::{any_eights, by_eights, in_eights, variant, words};
 pub use collective::{COLLECTIVE_KERNEL_NAMES, DeviceBuf, MAX_MEMBERS};
 pub use flash::FLASH_KERNEL_NAMES;
 

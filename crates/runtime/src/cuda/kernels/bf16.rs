@@ -19,7 +19,7 @@ use super::*;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 pub(crate) use realign::Realign;
-use realign::{COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16, Realignable};
+use realign::{COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16, PAD_ROWS_U16_X8, Realignable};
 use std::ffi::c_void;
 
 /// The bf16 entry points of kernels.cu, next to the f32 kernel each stands for.
@@ -101,6 +101,7 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
     COPY_ROWS_F32,
     COPY_ROWS_U16,
     PAD_ROWS_U16,
+    PAD_ROWS_U16_X8,
     "add_bf16x8",
     "multiply_bf16x8",
     "scale_bf16x8",
@@ -115,7 +116,17 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
     CAST_BF16_TO_F32_X8,
     COLUMN_PARTIALS,
     COLUMN_TOTALS,
+    "row_sum_bf16x8",
+    "row_centered_square_sum_bf16x8",
+    "layer_norm_apply_bf16x8",
+    "layer_norm_grad_sums_bf16x8",
+    "layer_norm_grad_input_bf16x8",
+    LAYER_NORM_WEIGHT_PARTIALS,
+    "cross_entropy_max_bf16x8",
+    "cross_entropy_stats_bf16x8",
 ];
+
+const LAYER_NORM_WEIGHT_PARTIALS: &str = "layer_norm_weight_partials_bf16x8";
 
 const CAST_F32_TO_BF16_X8: &str = "cast_f32_to_bf16x8";
 const CAST_BF16_TO_F32_X8: &str = "cast_bf16_to_f32x8";
@@ -137,6 +148,12 @@ const BY_EIGHTS: &[(&str, &str)] = &[
     ("bias_add_bf16", "bias_add_bf16x8"),
     (CAST_F32_TO_BF16, CAST_F32_TO_BF16_X8),
     (CAST_BF16_TO_F32, CAST_BF16_TO_F32_X8),
+    // Row kernels: one warp a row, eight columns a lane (width a multiple of 8).
+    ("row_sum_bf16", "row_sum_bf16x8"),
+    ("row_centered_square_sum_bf16", "row_centered_square_sum_bf16x8"),
+    ("layer_norm_apply_bf16", "layer_norm_apply_bf16x8"),
+    ("layer_norm_grad_sums_bf16", "layer_norm_grad_sums_bf16x8"),
+    ("layer_norm_grad_input_bf16", "layer_norm_grad_input_bf16x8"),
 ];
 
 /// Whether the eight-at-a-time kernels may run: always, unless `OPTIMUS_CUDA_VECTOR=off` (to measure
@@ -147,9 +164,27 @@ fn eights_enabled() -> bool {
 }
 
 /// Whether `n` elements of operands starting at device addresses `starts` split into whole 16-byte words
-/// of each: n a multiple of 8 and every start 16-byte aligned.
+/// of each: n a multiple of 8 and every start 16-byte aligned. Row kernels pass the row's width as `n`:
+/// then every row of every operand starts on a whole word too.
 pub(super) fn in_eights(n: usize, starts: &[u64]) -> bool {
     eights_enabled() && n > 0 && n.is_multiple_of(8) && starts.iter().all(|s| s.is_multiple_of(16))
+}
+
+/// The bf16 kernels that read eight elements at a time whatever their alignment (two aligned words,
+/// shifted), next to the one-element kernel each stands for: the cross-entropy's max and sums, whose rows
+/// are the vocabulary's width (50,257 for GPT-2) and rarely start on a 16-byte word.
+const ANY_EIGHTS: &[(&str, &str)] = &[
+    ("cross_entropy_max_bf16", "cross_entropy_max_bf16x8"),
+    ("cross_entropy_stats_bf16", "cross_entropy_stats_bf16x8"),
+];
+
+/// The eight-at-a-time entry point of kernel `name` that reads any alignment (see [`ANY_EIGHTS`]), else
+/// `name`.
+pub(super) fn any_eights(name: &'static str) -> &'static str {
+    match eights_enabled() {
+        true => ANY_EIGHTS.iter().find(|(one, _)| *one == name).map_or(name, |&(_, eight)| eight),
+        false => name,
+    }
 }
 
 /// The eight-at-a-time entry point of elementwise kernel `name` where [`in_eights`] holds, else `name`.
@@ -195,7 +230,7 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
             kernels(&[CAST_F32_TO_BF16, CAST_BF16_TO_F32, CAST_F32_TO_BF16_X8, CAST_BF16_TO_F32_X8, COPY_RUNS_U16])
         }
         Kernel::MatMul { .. } | Kernel::BatchedMatMul => {
-            Launcher::product(&[ZERO, COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16])
+            Launcher::product(&[ZERO, COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16, PAD_ROWS_U16_X8])
         }
         Kernel::Attention { .. } => Launcher::product(&[
             ATTENTION_SOFTMAX,
@@ -225,9 +260,14 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
         Kernel::SumToLast => {
             kernels(&["sum_to_last_bf16", CAST_F32_TO_BF16, CAST_F32_TO_BF16_X8, COLUMN_PARTIALS, COLUMN_TOTALS])
         }
-        Kernel::LayerNormGradWeight { .. } => {
-            kernels(&[LAYER_NORM_STATS, "layer_norm_grad_weight_bf16", CAST_F32_TO_BF16])
-        }
+        Kernel::LayerNormGradWeight { .. } => kernels(&[
+            LAYER_NORM_STATS,
+            "layer_norm_grad_weight_bf16",
+            CAST_F32_TO_BF16,
+            CAST_F32_TO_BF16_X8,
+            LAYER_NORM_WEIGHT_PARTIALS,
+            COLUMN_TOTALS,
+        ]),
         Kernel::BiasAdd => kernels(&["bias_add_bf16", "bias_add_bf16x8"]),
         Kernel::Add => kernels(&["add_bf16", "add_bf16x8"]),
         Kernel::Mul => kernels(&["multiply_bf16", "multiply_bf16x8"]),
@@ -243,13 +283,15 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
         Kernel::CausalMask | Kernel::CausalMaskGrad => kernels(&["causal_mask_bf16"]),
         Kernel::EmbeddingLookup { .. } => kernels(&["embedding_lookup_bf16"]),
         Kernel::PositionLookup => kernels(&["position_lookup_bf16"]),
-        Kernel::RowSum => kernels(&["row_sum_bf16"]),
-        Kernel::RowCenteredSquareSum { .. } => kernels(&["row_centered_square_sum_bf16"]),
-        Kernel::LayerNormApply { .. } => kernels(&["layer_norm_apply_bf16"]),
-        Kernel::LayerNormGradSums { .. } => kernels(&["layer_norm_grad_sums_bf16"]),
-        Kernel::LayerNormGradInput { .. } => kernels(&["layer_norm_grad_input_bf16"]),
-        Kernel::CrossEntropyMax { .. } => kernels(&["cross_entropy_max_bf16"]),
-        Kernel::CrossEntropyStats { .. } => kernels(&["cross_entropy_stats_bf16"]),
+        Kernel::RowSum => kernels(&["row_sum_bf16", "row_sum_bf16x8"]),
+        Kernel::RowCenteredSquareSum { .. } => {
+            kernels(&["row_centered_square_sum_bf16", "row_centered_square_sum_bf16x8"])
+        }
+        Kernel::LayerNormApply { .. } => kernels(&["layer_norm_apply_bf16", "layer_norm_apply_bf16x8"]),
+        Kernel::LayerNormGradSums { .. } => kernels(&["layer_norm_grad_sums_bf16", "layer_norm_grad_sums_bf16x8"]),
+        Kernel::LayerNormGradInput { .. } => kernels(&["layer_norm_grad_input_bf16", "layer_norm_grad_input_bf16x8"]),
+        Kernel::CrossEntropyMax { .. } => kernels(&["cross_entropy_max_bf16", "cross_entropy_max_bf16x8"]),
+        Kernel::CrossEntropyStats { .. } => kernels(&["cross_entropy_stats_bf16", "cross_entropy_stats_bf16x8"]),
         Kernel::CrossEntropyGrad { .. } => kernels(&["cross_entropy_grad_bf16"]),
         _ => return None,
     })
@@ -423,9 +465,15 @@ fn run_native(
         Kernel::LayerNormApply { n, eps } => dev.layer_norm_apply::<B>(inputs, out, Norm { n, eps }),
         Kernel::LayerNormGradSums { n, eps } => dev.layer_norm_grad_sums::<B>(inputs, out, Norm { n, eps }),
         Kernel::LayerNormGradInput { n, eps } => dev.layer_norm_grad_input::<B>(inputs, out, Norm { n, eps }),
-        Kernel::LayerNormGradWeight { n, eps } => through_f32(dev, out, |wide| {
-            dev.layer_norm_grad_weight::<B>(inputs, wide, Norm { n, eps }, &mut scratch[0])
-        }),
+        Kernel::LayerNormGradWeight { n, eps } => {
+            let [stats, _] = scratch;
+            match dev.layer_norm_weight_bf16(inputs, out, Norm { n, eps }, stats, &mut half.columns)? {
+                true => Ok(()),
+                false => {
+                    through_f32(dev, out, |wide| dev.layer_norm_grad_weight::<B>(inputs, wide, Norm { n, eps }, stats))
+                }
+            }
+        }
         Kernel::SumToLast => match dev.column_sums_bf16(inputs, out, &mut half.columns)? {
             true => Ok(()),
             false => through_f32(dev, out, |wide| dev.sum_to_last::<B>(inputs, wide)),
@@ -679,6 +727,41 @@ impl Device {
     }
 }
 
+impl Device {
+    /// LayerNormGradWeight of bf16 dy and x into a bf16 [width] by the column sums' two passes (the rows'
+    /// mean and rstd first, as the f32 kernel takes them), where the width is a multiple of 8 and dy and
+    /// x 16-byte aligned; `false`, with nothing run, otherwise.
+    fn layer_norm_weight_bf16(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        norm: Norm,
+        stats: &mut Option<CudaSlice<f32>>,
+        part: &mut Option<CudaSlice<f32>>,
+    ) -> Result<bool, KernelError> {
+        let [dy, x, sum, sqsum] = args(inputs)?;
+        let (rows, width) = split_last(&x.shape);
+        let (dyv, xv) = (per_row_of::<u16>(dy, rows, width, "dy")?, elems::<u16>(x, "x")?);
+        if ty(&out.data) != H || rows == 0 || !in_eights(width, &[self.start(dyv), self.start(xv)]) {
+            return Ok(false);
+        }
+        let [sv, qv] = row_stats(sum, sqsum, rows, norm)?;
+        same_len("the output", out.len(), width)?;
+        let stats = grow(stats, &self.stream, 2 * rows)?;
+        let (r, w) = (rows as u64, width as u64);
+        launch!(self, LAYER_NORM_STATS, elementwise(rows), [&mut *stats, sv, qv, &r, &norm.n, &norm.eps])?;
+        let (span, chunks) = column_chunks(rows, width);
+        let part = grow(part, &self.stream, chunks * width)?;
+        let (sp, ch) = (span as u64, chunks as u64);
+        let first = config((width.div_ceil(256), chunks), (32, 8));
+        launch!(self, LAYER_NORM_WEIGHT_PARTIALS, Some(first), [&mut *part, dyv, xv, &*stats, &r, &w, &sp])?;
+        let y = elems_mut::<u16>(out, "the output")?;
+        let second = config((width.div_ceil(32), 1), (32, 8));
+        launch!(self, COLUMN_TOTALS, Some(second), [y, &*part, &ch, &w])?;
+        Ok(true)
+    }
+}
+
 // ---- attention ------------------------------------------------------------------------------------
 
 /// The bf16 scratch of the kernels: attention probabilities (and their gradient) rounded to bf16 as
@@ -832,14 +915,14 @@ mod tests {
 
     #[test]
     fn every_bf16_entry_point_is_listed_once() {
-        for (_, name) in ENTRY_POINTS.iter().chain(WORD_COPIES).chain(BY_EIGHTS) {
+        for (_, name) in ENTRY_POINTS.iter().chain(WORD_COPIES).chain(BY_EIGHTS).chain(ANY_EIGHTS) {
             assert_eq!(BF16_KERNEL_NAMES.iter().filter(|n| *n == name).count(), 1, "`{name}`");
         }
-        let besides = 7;
+        let besides = 9;
         assert_eq!(
             BF16_KERNEL_NAMES.len(),
-            ENTRY_POINTS.len() + WORD_COPIES.len() + BY_EIGHTS.len() + besides,
-            "two casts, three row copies, two column-sum passes"
+            ENTRY_POINTS.len() + WORD_COPIES.len() + BY_EIGHTS.len() + ANY_EIGHTS.len() + besides,
+            "two casts, four row copies, three column-sum passes"
         );
     }
 
