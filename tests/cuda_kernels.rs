@@ -642,20 +642,10 @@ fn product_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
 }
 
 fn elementwise_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
-    let (x, y, s) = (rng.scaled(&[7, 45], 4.0), rng.tensor(&[7, 45]), [7, 45]);
+    let (x, s) = (rng.scaled(&[7, 45], 4.0), [7, 45]);
     let int4 = meta_with(&[4], &[4], Layout::REPLICATED, DType::I32);
-    Ok(vec![
-        Case::new(Kernel::BiasAdd, vec![x.clone(), rng.tensor(&[45])], &s),
-        Case::new(Kernel::Add, vec![x.clone(), y.clone()], &s),
-        Case::new(Kernel::Scale { factor: 0.3 }, vec![x.clone()], &s),
-        Case::new(Kernel::Cast, vec![x.clone()], &s),
-        Case::new(Kernel::Gelu { approximate: true }, vec![x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::Gelu { approximate: false }, vec![x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::GeluGrad { approximate: true }, vec![y.clone(), x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::GeluGrad { approximate: false }, vec![y.clone(), x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::Silu, vec![x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::SiluGrad, vec![y.clone(), x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::Mul, vec![x.clone(), y], &s),
+    let mut cases = pointwise_cases(rng, &x);
+    cases.extend([
         Case::new(Kernel::Mul, vec![x.clone(), rng.tensor(&[7, 44])], &s).fails(),
         Case::new(Kernel::CausalMask, vec![rng.tensor(&[2, 5, 5])], &[2, 5, 5]),
         Case::new(Kernel::CausalMask, vec![rng.tensor(&[3, 4, 6])], &[3, 4, 6]),
@@ -666,19 +656,26 @@ fn elementwise_cases(rng: &mut Rng) -> Result<Vec<Case>, String> {
         Case::new(Kernel::BiasAdd, vec![x, rng.tensor(&[44])], &s).fails(),
         // More elements than one grid-stride pass covers.
         Case::new(Kernel::Scale { factor: -1.5 }, vec![rng.tensor(&[5_000_001])], &[5_000_001]),
-    ]
-    .into_iter()
-    .chain(eight_wide_cases(rng))
-    .collect())
+    ]);
+    // Counts and widths that are multiples of 8: on bf16 buffers (fresh allocations, 16-byte aligned)
+    // these run the eight-at-a-time kernels (`_bf16x8`).
+    let aligned = rng.scaled(&[16, 48], 4.0);
+    cases.extend(pointwise_cases(rng, &aligned));
+    cases.extend([
+        Case::new(Kernel::BiasAdd, vec![rng.tensor(&[9, 40]), rng.tensor(&[40])], &[9, 40]),
+        // More eight-element words than one grid-stride pass covers (16384 blocks of 256 threads).
+        Case::new(Kernel::Scale { factor: -1.5 }, vec![rng.tensor(&[34_000_000])], &[34_000_000]),
+    ]);
+    Ok(cases)
 }
 
-/// Elementwise cases whose element counts and widths are multiples of 8, so that on bf16 buffers (fresh
-/// allocations, 16-byte aligned) they run the eight-at-a-time kernels (`_bf16x8`).
-fn eight_wide_cases(rng: &mut Rng) -> Vec<Case> {
-    let (x, y, s) = (rng.scaled(&[16, 48], 4.0), rng.tensor(&[16, 48]), [16, 48]);
+/// Every one-element-in, one-element-out kernel on `x` (a [rows, width] matrix): bias add, add, multiply,
+/// scale, cast, the activations and their gradients.
+fn pointwise_cases(rng: &mut Rng, x: &Tensor) -> Vec<Case> {
+    let s = x.shape.clone();
+    let (y, width) = (rng.tensor(&s), s[s.len() - 1]);
     vec![
-        Case::new(Kernel::BiasAdd, vec![x.clone(), rng.tensor(&[48])], &s),
-        Case::new(Kernel::BiasAdd, vec![rng.tensor(&[9, 40]), rng.tensor(&[40])], &[9, 40]),
+        Case::new(Kernel::BiasAdd, vec![x.clone(), rng.tensor(&[width])], &s),
         Case::new(Kernel::Add, vec![x.clone(), y.clone()], &s),
         Case::new(Kernel::Mul, vec![x.clone(), y.clone()], &s),
         Case::new(Kernel::Scale { factor: 0.3 }, vec![x.clone()], &s),
@@ -688,9 +685,7 @@ fn eight_wide_cases(rng: &mut Rng) -> Vec<Case> {
         Case::new(Kernel::GeluGrad { approximate: true }, vec![y.clone(), x.clone()], &s).tol(1e-4),
         Case::new(Kernel::GeluGrad { approximate: false }, vec![y.clone(), x.clone()], &s).tol(1e-4),
         Case::new(Kernel::Silu, vec![x.clone()], &s).tol(1e-4),
-        Case::new(Kernel::SiluGrad, vec![y, x], &s).tol(1e-4),
-        // More eight-element words than one grid-stride pass covers (16384 blocks of 256 threads).
-        Case::new(Kernel::Scale { factor: -1.5 }, vec![rng.tensor(&[34_000_000])], &[34_000_000]),
+        Case::new(Kernel::SiluGrad, vec![y, x.clone()], &s).tol(1e-4),
     ]
 }
 

@@ -45,30 +45,17 @@ fn gpu_runs_give_the_cpu_backends_losses() {
 /// devices share the GPUs: every loss as the CPU backend's.
 #[test]
 fn gpu_training_with_adamw_dropout_and_replicas_gives_the_cpu_backends_losses() {
-    let model = [
-        "--model",
-        "examples/gpt2.opt",
-        "--set",
-        "layers=2",
-        "--set",
-        "hidden=64",
-        "--set",
-        "heads=4",
-        "--set",
-        "vocab=512",
-        "--set",
-        "context=32",
-        "--set",
-        "seq=32",
-        "--set",
-        "batch=4",
-        "--optimizer",
-        "adamw",
-        "--clip-grad-norm",
-        "1.0",
-    ];
+    let model = [&small_gpt2("batch=4")[..], &["--clip-grad-norm", "1.0"]].concat();
     let meshes = ["1x1", "2x2", "2x2x2", "2x1x2"];
     compare_runs("GPT-2-shaped AdamW runs on the GPU against the CPU backend", &model, &meshes, 1e-4);
+}
+
+/// A two-layer GPT-2 of hidden size 64 (vocabulary 512, sequence 32) trained with AdamW, at `batch`
+/// (`batch=N`), as `compare_runs` takes it.
+fn small_gpt2(batch: &'static str) -> Vec<&'static str> {
+    let sizes = ["layers=2", "hidden=64", "heads=4", "vocab=512", "context=32", "seq=32", batch];
+    let sets = sizes.iter().flat_map(|s| ["--set", s]);
+    ["--model", "examples/gpt2.opt"].into_iter().chain(sets).chain(["--optimizer", "adamw"]).collect()
 }
 
 /// bf16 plans on the GPU (bf16 kernels, gemmEx products) track the CPU backend's bf16 run: the two differ
@@ -82,26 +69,7 @@ fn gpu_bf16_runs_track_the_cpu_backends_bf16_losses() {
 /// Tesseract (2.5D) and 3D plans on one GPU: their depth groups run on the shared-GPU fabric too.
 #[test]
 fn gpu_tesseract_and_3d_runs_give_the_cpu_backends_losses() {
-    let model = [
-        "--model",
-        "examples/gpt2.opt",
-        "--set",
-        "layers=2",
-        "--set",
-        "hidden=64",
-        "--set",
-        "heads=4",
-        "--set",
-        "vocab=512",
-        "--set",
-        "context=32",
-        "--set",
-        "seq=32",
-        "--set",
-        "batch=8",
-        "--optimizer",
-        "adamw",
-    ];
+    let model = small_gpt2("batch=8");
     let meshes = ["tesseract:2x2x2", "3d:2x2x2", "tesseract:2x2x2x2"];
     compare_runs("tesseract and 3d runs on the GPU against the CPU backend", &model, &meshes, 1e-4);
 }
