@@ -133,7 +133,7 @@ fn group_times_in_a_plan_use_their_links() {
     let report = optimus::plan::report::report(&plan);
     // Blocks of 2x2 per node: every row and column group crosses nodes.
     for (placement, row_intra) in [(RankPlacement::RowMajor, true), (RankPlacement::Blocks, false)] {
-        let options = Options { placement, algorithm: Some(Algorithm::Ring), overlap: false };
+        let options = Options { placement, algorithm: Some(Algorithm::Ring), overlap: false, ..Options::default() };
         let sim = simulate(&plan, &hw, &options);
         assert!(!sim.communication.is_empty());
         for entry in &sim.communication {

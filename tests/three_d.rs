@@ -162,3 +162,32 @@ fn blocks_placement_keeps_the_heaviest_groups_inside_a_node() {
     assert_eq!(map.depth_block, 1, "tesseract: blocks of one layer");
     assert_eq!(map.block, NodeMap::new(tesseract.mesh, 8, RankPlacement::Blocks).block);
 }
+
+/// `simulate --placement auto` (the default) simulates both placements of a mesh that spans nodes and
+/// keeps the faster, saying so: blocks for the 3D cube (its depth groups stay inside nodes), and the same
+/// step as the better fixed placement for every strategy.
+#[test]
+fn auto_placement_keeps_the_faster_of_row_major_and_blocks() {
+    use optimus::cost::{Hardware, Options, RankPlacement, simulate};
+    let hw = Hardware::load("dgx-a100").expect("a built-in profile");
+    let plans = [
+        small_gpt2(Mesh::new(4, 4).with_depth(4), Strategy::ThreeD, 101, 16),
+        small_gpt2(Mesh::new(4, 4).with_depth(4), Strategy::Tesseract, 101, 16),
+        small_gpt2(Mesh::new(4, 4), Strategy::Optimus, 101, 16),
+    ];
+    for plan in &plans {
+        let fixed = |placement| simulate(plan, &hw, &Options { placement, ..Options::default() });
+        let (row_major, blocks) = (fixed(RankPlacement::RowMajor), fixed(RankPlacement::Blocks));
+        let auto = simulate(plan, &hw, &Options { auto_placement: true, ..Options::default() });
+        let best = if blocks.step_time_s < row_major.step_time_s { &blocks } else { &row_major };
+        assert_eq!(auto.step_time_s, best.step_time_s, "{}: {}", plan.mesh, auto.placement);
+        assert_eq!(auto.placement, format!("{} (auto)", best.placement));
+        let note = auto.placement_note.as_deref().unwrap_or_default();
+        assert!(note.contains("row-major") && note.contains("blocks"), "{}: {note}", plan.mesh);
+    }
+    let cube = simulate(&plans[0], &hw, &Options { auto_placement: true, ..Options::default() });
+    assert_eq!(cube.placement, "blocks (auto)", "{:?}", cube.placement_note);
+    let one_node = small_gpt2(Mesh::new(2, 2).with_depth(2), Strategy::ThreeD, 101, 16);
+    let auto = simulate(&one_node, &hw, &Options { auto_placement: true, ..Options::default() });
+    assert_eq!((auto.placement.as_str(), auto.placement_note), ("row-major (auto)", None), "8 devices fit one node");
+}

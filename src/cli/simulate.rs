@@ -24,10 +24,11 @@ pub struct SimulateArgs {
     /// A built-in hardware profile (frontera-rtx5000, dgx-a100, dgx-h100) or the path of a .toml profile.
     #[arg(long, value_name = "NAME|FILE")]
     pub hardware: String,
-    /// How ranks sit on nodes: row-major (consecutive ranks share a node) or blocks (each node holds a
-    /// near-square block of the mesh, as the Optimus code arranges ranks).
-    #[arg(long, value_enum, default_value_t = PlacementArg::RowMajor)]
-    pub placement: PlacementArg,
+    /// How ranks sit on nodes: row-major (consecutive ranks share a node), blocks (each node holds a
+    /// near-square block of the mesh, as the Optimus code arranges ranks; meshes with depth layers may
+    /// hold several layers of a smaller block), or auto (both simulated, the faster kept and named).
+    #[arg(long, value_enum, default_value_t = SimulatedPlacement::Auto)]
+    pub placement: SimulatedPlacement,
     /// Collective algorithm for groups that span nodes: ring (ordered by node: one flow per group
     /// leaves each node), tree (hierarchical: inside each node, then a tree between nodes, then inside
     /// each node again), or auto (the faster for each collective, as NCCL picks by size). Default: the
@@ -66,6 +67,15 @@ pub struct SimulateArgs {
     pub json: bool,
 }
 
+/// `simulate --placement`: either placement, or the faster of the two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SimulatedPlacement {
+    RowMajor,
+    Blocks,
+    Auto,
+}
+
+/// `run --placement` (how `mpirun` ranks map to devices).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PlacementArg {
     RowMajor,
@@ -73,6 +83,8 @@ pub enum PlacementArg {
 }
 
 impl PlacementArg {
+    /// Only `mpirun` runs (feature `mpi`) place ranks.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub fn placement(self) -> RankPlacement {
         match self {
             PlacementArg::RowMajor => RankPlacement::RowMajor,
@@ -90,8 +102,13 @@ pub enum AlgorithmArg {
 
 impl SimulateArgs {
     fn options(&self) -> Options {
+        let placement = match self.placement {
+            SimulatedPlacement::Blocks => RankPlacement::Blocks,
+            SimulatedPlacement::RowMajor | SimulatedPlacement::Auto => RankPlacement::RowMajor,
+        };
         Options {
-            placement: self.placement.placement(),
+            placement,
+            auto_placement: self.placement == SimulatedPlacement::Auto,
             algorithm: self.algorithm.map(|a| match a {
                 AlgorithmArg::Ring => Algorithm::Ring,
                 AlgorithmArg::Tree => Algorithm::Tree,
@@ -352,7 +369,7 @@ fn render_compare(hw: &Hardware, devices: u64, sides: &[Side]) -> String {
     let mut out = format!("compare on {} with {devices} devices:\n", hw.name);
     let _ = writeln!(
         out,
-        "  {:<9} {:<8} {:>12} {:>12} {:>14} {:>7} {:>10} {:>10}",
+        "  {:<9} {:<8} {:>12} {:>12} {:>14} {:>7} {:>10} {:>10}  placement",
         "strategy", "mesh", "step time", "peak/device", "tokens/s", "MFU", "max batch", "vs fastest"
     );
     let fastest = sides.iter().filter_map(step_of).fold(f64::INFINITY, f64::min);
@@ -362,7 +379,7 @@ fn render_compare(hw: &Hardware, devices: u64, sides: &[Side]) -> String {
             Ok(sim) => {
                 let _ = writeln!(
                     out,
-                    "  {:<9} {:<8} {:>12} {:>12} {:>14} {:>6.1}% {:>10} {:>9.2}x",
+                    "  {:<9} {:<8} {:>12} {:>12} {:>14} {:>6.1}% {:>10} {:>9.2}x  {}",
                     s.strategy.name(),
                     s.mesh,
                     seconds(sim.step_time_s),
@@ -370,7 +387,8 @@ fn render_compare(hw: &Hardware, devices: u64, sides: &[Side]) -> String {
                     group_digits(sim.tokens_per_second.round() as u128),
                     100.0 * sim.mfu,
                     batch,
-                    sim.step_time_s / fastest
+                    sim.step_time_s / fastest,
+                    sim.placement
                 );
             }
             Err(reason) => {

@@ -27,6 +27,9 @@ use std::collections::BTreeMap;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Options {
     pub placement: RankPlacement,
+    /// Simulate both placements (row-major and blocks) where the mesh spans nodes, and keep the faster
+    /// (`simulate --placement auto`); `placement` is then not used.
+    pub auto_placement: bool,
     /// Overrides the profile's collective algorithm.
     pub algorithm: Option<Algorithm>,
     /// Whether SUMMA products are double-buffered (broadcasts of step t overlap the product of t-1).
@@ -35,7 +38,7 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Options {
-        Options { placement: RankPlacement::RowMajor, algorithm: None, overlap: true }
+        Options { placement: RankPlacement::RowMajor, auto_placement: false, algorithm: None, overlap: true }
     }
 }
 
@@ -393,8 +396,40 @@ impl Tally {
     }
 }
 
-/// Simulates one step of a plan on a cluster.
+/// Simulates one step of a plan on a cluster. With `auto_placement`, on a mesh that spans nodes, both
+/// placements are simulated and the faster kept (row-major on a tie); its `placement` then ends in
+/// "(auto)" and its note gives the other's step.
 pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
+    let placed = |placement| simulate_placed(plan, hw, &Options { placement, auto_placement: false, ..*options });
+    if !options.auto_placement {
+        return placed(options.placement);
+    }
+    let row_major = placed(RankPlacement::RowMajor);
+    let spans_nodes = plan.mesh.devices() > hw.intra_node.gpus_per_node.max(1);
+    let blocks = spans_nodes.then(|| placed(RankPlacement::Blocks)).filter(|b| b.placement_note.is_none());
+    let (mut best, other) = match blocks {
+        Some(b) if b.step_time_s < row_major.step_time_s => (b, Some(row_major)),
+        Some(b) => (row_major, Some(b)),
+        None => (row_major, None),
+    };
+    if let Some(other) = other {
+        let (ms, other_ms) = (best.step_time_s * 1e3, other.step_time_s * 1e3);
+        best.placement_note = Some(match other_ms - ms > 1e-6 * ms {
+            true => format!(
+                "--placement auto: {} ({ms:.1} ms a step) is faster than {} ({other_ms:.1} ms)",
+                best.placement, other.placement
+            ),
+            false => {
+                format!("--placement auto: {} and {} give the same step ({ms:.1} ms)", best.placement, other.placement)
+            }
+        });
+    }
+    best.placement = format!("{} (auto)", best.placement);
+    best
+}
+
+/// Simulates one step of a plan with its ranks placed as `options.placement` says.
+fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
     let nodes = NodeMap::of_plan(plan, hw.intra_node.gpus_per_node, options.placement);
     let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
     let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World]
