@@ -28,16 +28,13 @@ fn dgx() -> Hardware {
 }
 
 /// Every configuration of tiny.opt on `devices`, scored on its own with unlimited memory.
-fn brute_force(source: &Source, hw: &Hardware, devices: u64, precisions: &[Precision]) -> Vec<(Config, f64, u64)> {
-    let request = Request {
-        source,
-        devices,
-        hardware: hw,
-        capacity: u64::MAX,
-        mode: Mode::Train,
-        precisions,
-        options: Options::default(),
-    };
+fn brute_force(
+    source: &Source,
+    hw: &Hardware,
+    (devices, precisions): (u64, &[Precision]),
+    options: Options,
+) -> Vec<(Config, f64, u64)> {
+    let request = Request { source, devices, hardware: hw, capacity: u64::MAX, mode: Mode::Train, precisions, options };
     let all = planner::configurations(devices, 8, Mode::Train, precisions);
     assert!(!all.is_empty());
     all.iter()
@@ -45,27 +42,20 @@ fn brute_force(source: &Source, hw: &Hardware, devices: u64, precisions: &[Preci
         .collect()
 }
 
-/// The search, with memory tight enough that some configurations do not fit, against brute force.
-fn check_against_brute_force(devices: u64, precisions: &[Precision]) {
+/// The search, with memory tight enough that some configurations do not fit, against brute force, both
+/// simulating with `options`.
+fn check_against_brute_force(devices: u64, precisions: &[Precision], options: Options) {
     let text = tiny_text();
     let name = example("tiny.opt").display().to_string();
     let source = Source { name: &name, text: &text, overrides: &[] };
     let hw = dgx();
-    let everything = brute_force(&source, &hw, devices, precisions);
+    let everything = brute_force(&source, &hw, (devices, precisions), options);
     assert!(everything.len() >= 4, "too few configurations compile: {}", everything.len());
     // The median peak as capacity: about half of the configurations fit.
     let mut peaks: Vec<u64> = everything.iter().map(|e| e.2).collect();
     peaks.sort_unstable();
     let capacity = peaks[peaks.len() / 2];
-    let request = Request {
-        source: &source,
-        devices,
-        hardware: &hw,
-        capacity,
-        mode: Mode::Train,
-        precisions,
-        options: Options::default(),
-    };
+    let request = Request { source: &source, devices, hardware: &hw, capacity, mode: Mode::Train, precisions, options };
     let calls = std::cell::RefCell::new(Vec::new());
     let record = |p: planner::SearchProgress| calls.borrow_mut().push((p.done, p.total, p.next.to_string()));
     let outcome = match planner::plan_with_progress(&request, &record) {
@@ -98,6 +88,7 @@ fn check_against_brute_force(devices: u64, precisions: &[Precision]) {
         let alone = everything.iter().find(|e| e.0 == s.config).map(|e| (e.1, e.2));
         assert_eq!(alone, Some((s.step_time_s, s.peak_bytes_per_device)), "{}", s.config.label());
         assert_eq!(s.config.parallelism.data * s.config.micro_batch * s.config.accumulation, 8);
+        assert_eq!(s.placement.ends_with("(auto)"), options.auto_placement, "{}", s.placement);
     }
     for pair in outcome.ranked.windows(2) {
         assert!(pair[0].step_time_s <= pair[1].step_time_s);
@@ -115,12 +106,19 @@ fn check_against_brute_force(devices: u64, precisions: &[Precision]) {
 
 #[test]
 fn the_best_is_at_least_as_fast_as_every_configuration_on_4_devices() {
-    check_against_brute_force(4, &[Precision::F32]);
+    check_against_brute_force(4, &[Precision::F32], Options::default());
 }
 
 #[test]
 fn the_best_is_at_least_as_fast_as_every_configuration_on_16_devices_in_either_precision() {
-    check_against_brute_force(16, &[Precision::Bf16, Precision::F32]);
+    check_against_brute_force(16, &[Precision::Bf16, Precision::F32], Options::default());
+}
+
+/// As `optimusc plan` searches: every configuration at its faster placement (16 devices span two
+/// 8-GPU nodes), the best still at least as fast as each of them.
+#[test]
+fn the_best_is_at_least_as_fast_as_every_configuration_at_its_faster_placement() {
+    check_against_brute_force(16, &[Precision::F32], Options { auto_placement: true, ..Options::default() });
 }
 
 fn optimusc(args: &[&str]) -> (i32, String, String) {

@@ -112,7 +112,8 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
         capacity: args.memory.unwrap_or_else(|| hw.memory_bytes()),
         mode,
         precisions: args.precision.precisions(),
-        options: Options::default(),
+        // Each candidate at its faster placement, as `simulate` (default --placement auto) shows it.
+        options: Options { auto_placement: true, ..Options::default() },
     };
     let bar = search_bar(args.json);
     let show = |p: planner::SearchProgress| {
@@ -245,7 +246,7 @@ fn render(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> String {
     }
     render_table(&mut out, outcome, args.top);
     if let Some(best) = outcome.ranked.first() {
-        let _ = writeln!(out, "\nbest: {}", best.config.label());
+        let _ = writeln!(out, "\nbest: {}, placement {}", best.config.label(), best.placement);
     }
     if let Some(why) = &outcome.why {
         let _ = writeln!(out, "why: {}", why.text);

@@ -145,6 +145,8 @@ pub struct Scored {
     pub mfu: f64,
     pub peak_bytes_per_device: u64,
     pub capacity_bytes: u64,
+    /// How its ranks sit on nodes in the simulation (with `auto_placement`, the faster of the two).
+    pub placement: String,
 }
 
 /// How many configurations went where. Every enumerated configuration is counted in exactly one of
@@ -342,6 +344,7 @@ fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Reque
         mfu: if step_time_s > 0.0 { micro_flops * a / step_time_s } else { 0.0 },
         peak_bytes_per_device: compiled.peak_bytes,
         capacity_bytes: request.capacity,
+        placement: sim.placement.clone(),
     }
 }
 
