@@ -5,6 +5,7 @@ pub mod calibration;
 pub mod collective;
 pub mod flows;
 pub mod hardware;
+pub mod pipeline;
 pub mod planner;
 pub mod plot;
 pub mod search;

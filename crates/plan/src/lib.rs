@@ -10,6 +10,7 @@ pub mod logical;
 pub mod memory;
 pub mod overlap;
 pub mod phases;
+pub mod pipeline;
 pub mod placement;
 pub mod reason;
 pub mod report;
