@@ -242,7 +242,8 @@ mod tests {
         slow[2] = StageCost::uniform(1, 2.0, 4.0);
         let uneven = time_schedule(Schedule::OneFOneB, 8, &slow, 0.0).expect("valid");
         assert!(uneven.step_s >= 8.0 * 6.0, "the slowest stage bounds the step: {}", uneven.step_s);
-        let wrong = time_schedule(Schedule::Interleaved { chunks: 2 }, 8, &even, 0.0).unwrap_err();
+        let wrong = time_schedule(Schedule::Interleaved { chunks: 2 }, 8, &even, 0.0)
+            .expect_err("one time a stage for two chunks");
         assert_eq!(wrong, TimelineError::Costs { stages: 4, chunks: 2 });
     }
 }

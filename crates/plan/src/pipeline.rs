@@ -197,7 +197,8 @@ mod tests {
         assert_eq!(stage_order(Schedule::GPipe, 0, 4, 0), Err(ScheduleError::NoStages));
         assert_eq!(stage_order(Schedule::OneFOneB, 2, 0, 0), Err(ScheduleError::NoMicroBatches));
         assert_eq!(stage_order(Schedule::Interleaved { chunks: 1 }, 2, 4, 0), Err(ScheduleError::TooFewChunks(1)));
-        let uneven = stage_order(Schedule::Interleaved { chunks: 2 }, 4, 6, 0).unwrap_err();
+        let uneven =
+            stage_order(Schedule::Interleaved { chunks: 2 }, 4, 6, 0).expect_err("6 micro-batches on 4 stages");
         assert!(uneven.to_string().contains("not a multiple of 4"), "{uneven}");
     }
 }
