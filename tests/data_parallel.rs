@@ -13,11 +13,9 @@ use optimus::plan::{CollectiveKind, Group, Instr, MemoryOptions, Mesh, Mode, Pla
 use optimus::shard::{Target, compile};
 use std::path::{Path, PathBuf};
 
+/// A fresh folder for one test's files.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-dp-{}", std::process::id())).join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+    common::scratch("dp", name)
 }
 
 /// Every example shrunk: two layers of width 32 (4 heads), a vocabulary of 101, batches of 8

@@ -12,11 +12,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+/// A fresh folder for one test's files.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-resume-{}", std::process::id())).join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+    common::scratch("resume", name)
 }
 
 /// Settings every run of a comparison shares: dropout on, AdamW with a cosine schedule and warm-up,

@@ -1,8 +1,18 @@
 //! Helpers shared by the end-to-end tests that run `optimusc` and compare saved weights.
 
 use safetensors::SafeTensors;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+/// A fresh, empty folder `name` for one test's files, under a folder of `suite` and this process (so
+/// that nothing an earlier run left, even one whose process had the same id, meets this one).
+#[allow(dead_code)] // not every suite that shares these helpers writes files
+pub fn scratch(suite: &str, name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("optimus-{suite}-{}", std::process::id())).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
 
 /// Runs the built `optimusc` with `args`.
 pub fn optimusc(args: &[&str]) -> Output {

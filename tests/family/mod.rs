@@ -6,15 +6,9 @@ use super::common::{optimusc, read_weights, text};
 use optimus::front::check_source;
 use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
 use optimus::shard::{Target, compile};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// A fresh folder for one test's files.
-pub fn scratch(suite: &str, name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-{suite}-{}", std::process::id())).join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
+pub use super::common::scratch;
 
 /// Two layers of width 32 (4 heads), a vocabulary of 101 (padded on every sharded mesh), batches of 16
 /// sequences of 8 tokens: every mesh of these tests (up to 8 batch splits) divides them.

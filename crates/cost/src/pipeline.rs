@@ -85,7 +85,7 @@ pub fn time_schedule(
         .map(|s| stage_order(schedule, stages, micro_batches, s))
         .collect::<Result<_, _>>()
         .map_err(TimelineError::Schedule)?;
-    let ends = run(&orders, costs, stages, p2p_s)?;
+    let ends = run(&orders, costs, stages * chunks, p2p_s)?;
     let step_s = ends.values().copied().fold(0.0, f64::max);
     let busy_s: Vec<f64> = costs
         .iter()
@@ -101,14 +101,14 @@ pub fn time_schedule(
 type PassKey = (Pass, u64, u64);
 
 /// Runs every stage's passes in order, each as early as its stage and its input allow: the end time
-/// of every pass, keyed by (pass, virtual stage, micro-batch).
+/// of every pass, keyed by (pass, virtual stage, micro-batch). `virtual_stages` is stages x chunks.
 fn run(
     orders: &[Vec<Op>],
     costs: &[StageCost],
-    stages: u64,
+    virtual_stages: u64,
     p2p_s: f64,
 ) -> Result<HashMap<PassKey, f64>, TimelineError> {
-    let last_virtual = stages * orders.first().map_or(1, |o| o.iter().map(|op| op.chunk + 1).max().unwrap_or(1)) - 1;
+    let (stages, last_virtual) = (orders.len() as u64, virtual_stages - 1);
     let mut ends: HashMap<PassKey, f64> = HashMap::new();
     let mut next = vec![0usize; orders.len()];
     let mut free = vec![0.0f64; orders.len()];

@@ -67,6 +67,11 @@ pub enum ScheduleError {
         micro_batches: u64,
         stages: u64,
     },
+    /// A stage the pipeline does not have.
+    NoSuchStage {
+        stage: u64,
+        stages: u64,
+    },
 }
 
 impl fmt::Display for ScheduleError {
@@ -76,6 +81,9 @@ impl fmt::Display for ScheduleError {
             ScheduleError::NoMicroBatches => write!(f, "a pipeline needs at least one micro-batch"),
             ScheduleError::TooFewChunks(v) => {
                 write!(f, "the interleaved schedule needs 2 or more virtual stages per device, not {v}")
+            }
+            ScheduleError::NoSuchStage { stage, stages } => {
+                write!(f, "stage {stage} of a pipeline of {stages} stages (they are numbered from 0)")
             }
             ScheduleError::MicroBatchesNotMultiple { micro_batches, stages } => write!(
                 f,
@@ -91,7 +99,10 @@ impl std::error::Error for ScheduleError {}
 /// The passes stage `stage` of `stages` runs, in order, for `micro_batches` micro-batches.
 pub fn stage_order(schedule: Schedule, stages: u64, micro_batches: u64, stage: u64) -> Result<Vec<Op>, ScheduleError> {
     check(schedule, stages, micro_batches)?;
-    let (p, m, s) = (stages, micro_batches, stage.min(stages - 1));
+    if stage >= stages {
+        return Err(ScheduleError::NoSuchStage { stage, stages });
+    }
+    let (p, m, s) = (stages, micro_batches, stage);
     let op = |pass, micro_batch, chunk| Op { pass, micro_batch, chunk };
     Ok(match schedule {
         Schedule::GPipe => {
@@ -197,6 +208,7 @@ mod tests {
         assert_eq!(stage_order(Schedule::GPipe, 0, 4, 0), Err(ScheduleError::NoStages));
         assert_eq!(stage_order(Schedule::OneFOneB, 2, 0, 0), Err(ScheduleError::NoMicroBatches));
         assert_eq!(stage_order(Schedule::Interleaved { chunks: 1 }, 2, 4, 0), Err(ScheduleError::TooFewChunks(1)));
+        assert_eq!(stage_order(Schedule::OneFOneB, 4, 8, 4), Err(ScheduleError::NoSuchStage { stage: 4, stages: 4 }));
         let uneven =
             stage_order(Schedule::Interleaved { chunks: 2 }, 4, 6, 0).expect_err("6 micro-batches on 4 stages");
         assert!(uneven.to_string().contains("not a multiple of 4"), "{uneven}");

@@ -674,7 +674,7 @@ struct Device {
     functions: HashMap<&'static str, CudaFunction>,
     blas: CudaBlas,
     /// The gradient norm's scratch (see [`SquareSums`]).
-    partials: std::sync::Mutex<SquareSums>,
+    square_sums: std::sync::Mutex<SquareSums>,
     /// Whether bf16 attention runs on the flash kernels (see [`flash`]).
     flash: bool,
     /// Padded copies of bf16 product operands whose rows are not 16-byte aligned.
@@ -1965,7 +1965,7 @@ impl Device {
         if tensors == 0 {
             return Ok(());
         }
-        let sums = &mut *self.partials.lock().map_err(|_| KernelError::Poisoned("the partial sums are poisoned"))?;
+        let sums = &mut *self.square_sums.lock().map_err(|_| KernelError::Poisoned("the square sums are poisoned"))?;
         if sums.table != table || sums.spans.is_none() {
             sums.spans = Some(upload_slice(&self.stream, &table)?);
             sums.table = table;
@@ -2133,10 +2133,10 @@ impl CudaKernels {
         }
         let blas = CudaBlas::new(stream.clone()).map_err(DeviceError::BlasHandle)?;
         let flag = alloc::<u64>(&stream, 1)?;
-        let partials = std::sync::Mutex::new(SquareSums::default());
+        let square_sums = std::sync::Mutex::new(SquareSums::default());
         let flash = flash::enable(&functions, arch);
         let realign = std::sync::Mutex::new(bf16::Realign::default());
-        let dev = Device { stream, functions, blas, partials, flash, realign };
+        let dev = Device { stream, functions, blas, square_sums, flash, realign };
         Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag, half: bf16::Scratch::default() })
     }
 

@@ -688,19 +688,20 @@ impl Device {
 /// 132-multiprocessor H100 or H200).
 const COLUMN_BLOCKS: usize = 528;
 
-/// The rows each block of the column sums' first pass sums (a multiple of 8, the block's height), and how
-/// many such chunks the rows make: blocks of 256 columns across, chunks down, about [`COLUMN_BLOCKS`]
-/// blocks in all.
-fn column_chunks(rows: usize, width: usize) -> (usize, usize) {
+/// The first pass of the column sums over [rows, width]: its launch (blocks of 256 columns across,
+/// chunks of rows down, about [`COLUMN_BLOCKS`] blocks in all), the rows each block sums (a multiple of
+/// 8, the block's height) and how many chunks the rows make.
+fn column_chunks(rows: usize, width: usize) -> (LaunchConfig, usize, usize) {
     let across = width.div_ceil(256).max(1);
     let chunks = (COLUMN_BLOCKS / across).clamp(1, rows.div_ceil(8).max(1));
     let span = rows.div_ceil(chunks).next_multiple_of(8);
-    (span, rows.div_ceil(span).max(1))
+    let chunks = rows.div_ceil(span).max(1);
+    (config((across, chunks), (32, 8)), span, chunks)
 }
 
 impl Device {
     /// SumToLast of a bf16 [rows, width] into a bf16 [width] in two passes without atomics (kernels.cu's
-    /// `column_partials_bf16x8` and `column_totals_bf16`), where the width is a multiple of 8 and x
+    /// `column_partials_bf16x8`, then [`Device::column_totals`]), where the width is a multiple of 8 and x
     /// 16-byte aligned; `false`, with nothing run, otherwise.
     fn column_sums_bf16(
         &self,
@@ -715,19 +716,14 @@ impl Device {
             return Ok(false);
         }
         same_len("the output", out.len(), width)?;
-        let (span, chunks) = column_chunks(rows, width);
+        let (first, span, chunks) = column_chunks(rows, width);
         let part = grow(part, &self.stream, chunks * width)?;
-        let y = elems_mut::<u16>(out, "the output")?;
-        let (r, w, sp, ch) = (rows as u64, width as u64, span as u64, chunks as u64);
-        let first = config((width.div_ceil(256), chunks), (32, 8));
+        let (r, w, sp) = (rows as u64, width as u64, span as u64);
         launch!(self, COLUMN_PARTIALS, Some(first), [&mut *part, xv, &r, &w, &sp])?;
-        let second = config((width.div_ceil(32), 1), (32, 8));
-        launch!(self, COLUMN_TOTALS, Some(second), [y, &*part, &ch, &w])?;
+        self.column_totals(out, part, chunks, width)?;
         Ok(true)
     }
-}
 
-impl Device {
     /// LayerNormGradWeight of bf16 dy and x into a bf16 [width] by the column sums' two passes (the rows'
     /// mean and rstd first, as the f32 kernel takes them), where the width is a multiple of 8 and dy and
     /// x 16-byte aligned; `false`, with nothing run, otherwise.
@@ -750,15 +746,26 @@ impl Device {
         let stats = grow(stats, &self.stream, 2 * rows)?;
         let (r, w) = (rows as u64, width as u64);
         launch!(self, LAYER_NORM_STATS, elementwise(rows), [&mut *stats, sv, qv, &r, &norm.n, &norm.eps])?;
-        let (span, chunks) = column_chunks(rows, width);
+        let (first, span, chunks) = column_chunks(rows, width);
         let part = grow(part, &self.stream, chunks * width)?;
-        let (sp, ch) = (span as u64, chunks as u64);
-        let first = config((width.div_ceil(256), chunks), (32, 8));
+        let sp = span as u64;
         launch!(self, LAYER_NORM_WEIGHT_PARTIALS, Some(first), [&mut *part, dyv, xv, &*stats, &r, &w, &sp])?;
-        let y = elems_mut::<u16>(out, "the output")?;
-        let second = config((width.div_ceil(32), 1), (32, 8));
-        launch!(self, COLUMN_TOTALS, Some(second), [y, &*part, &ch, &w])?;
+        self.column_totals(out, part, chunks, width)?;
         Ok(true)
+    }
+
+    /// The column sums' second pass: each column's `chunks` partial sums in `part` added in order and
+    /// rounded once into the bf16 output.
+    fn column_totals(
+        &self,
+        out: &mut DeviceTensor,
+        part: &CudaSlice<f32>,
+        chunks: usize,
+        width: usize,
+    ) -> Result<(), KernelError> {
+        let y = elems_mut::<u16>(out, "the output")?;
+        let (ch, w) = (chunks as u64, width as u64);
+        launch!(self, COLUMN_TOTALS, Some(config((width.div_ceil(32), 1), (32, 8))), [y, part, &ch, &w])
     }
 }
 
@@ -940,12 +947,13 @@ mod tests {
     #[test]
     fn column_chunks_cover_every_row_once_and_fill_the_gpu() {
         for (rows, width) in [(8192, 768), (8192, 3072), (8192, 2304), (1, 8), (7, 16), (100_000, 8), (33, 50_264)] {
-            let (span, chunks) = column_chunks(rows, width);
+            let (launch, span, chunks) = column_chunks(rows, width);
+            assert_eq!(launch.grid_dim, (width.div_ceil(256) as u32, chunks as u32, 1), "{rows}x{width}");
             assert!(span.is_multiple_of(8) && span > 0, "{rows}x{width}: span {span}");
             assert!(span * chunks >= rows && span * (chunks - 1) < rows, "{rows}x{width}: {chunks} chunks of {span}");
             assert!(chunks <= 65_535, "{rows}x{width}: the grid's second dimension");
         }
-        let (_, chunks) = column_chunks(8192, 768);
+        let (_, _, chunks) = column_chunks(8192, 768);
         assert!(chunks * 3 >= COLUMN_BLOCKS / 2, "GPT-2's bias gradients fill the GPU: {chunks} chunks");
     }
 

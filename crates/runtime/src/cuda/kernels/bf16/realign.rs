@@ -9,7 +9,7 @@
 //! zeros along k add nothing), the output computed in scratch and its m x n corner copied back.
 
 use super::*;
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr};
+use cudarc::driver::{CudaView, CudaViewMut};
 
 /// The bytes every row start must be a multiple of.
 const ALIGN: usize = 16;
@@ -49,9 +49,9 @@ pub(super) const PAD_ROWS_U16: &str = "pad_rows_u16";
 pub(super) const PAD_ROWS_U16_X8: &str = "pad_rows_u16x8";
 
 /// Whether a (single) block of `data` can be read by cuBLAS's aligned kernels.
-fn aligned<T>(data: &CudaSlice<T>, block: &Block, stream: &CudaStream) -> bool {
+fn aligned<T>(dev: &Device, data: &CudaSlice<T>, block: &Block) -> bool {
     let size = std::mem::size_of::<T>();
-    let start = data.device_ptr(stream).0 as usize + block.start * size;
+    let start = dev.start(data) as usize + block.start * size;
     start.is_multiple_of(ALIGN) && (block.ld * size).is_multiple_of(ALIGN)
 }
 
@@ -77,7 +77,7 @@ impl Device {
         slot: &'s mut Option<CudaSlice<u16>>,
     ) -> Result<Operand<'s, u16>, KernelError> {
         let b = op.block;
-        if aligned(op.data, &b, &self.stream) && (b.rows, b.cols) == dims {
+        if aligned(self, op.data, &b) && (b.rows, b.cols) == dims {
             return Ok(*op);
         }
         let (rows, ld) = dims;
@@ -109,8 +109,8 @@ impl Device {
         p: &Product<u16>,
         (m, n, k): (usize, usize, usize),
     ) -> Result<Option<()>, KernelError> {
-        let out_aligned = aligned(c, &p.c, &self.stream);
-        let inputs_aligned = aligned(p.a.data, &p.a.block, &self.stream) && aligned(p.b.data, &p.b.block, &self.stream);
+        let out_aligned = aligned(self, c, &p.c);
+        let inputs_aligned = aligned(self, p.a.data, &p.a.block) && aligned(self, p.b.data, &p.b.block);
         if p.batches != 1 || (out_aligned && inputs_aligned) {
             return Ok(None);
         }
