@@ -8,6 +8,7 @@ pub mod fit;
 pub mod flags;
 pub mod generate;
 pub mod mask;
+pub mod pipeline;
 pub mod plan;
 pub mod plot;
 pub mod recorded;

@@ -5,6 +5,7 @@ use super::{ModeArg, StrategyArg, TargetArgs};
 use clap::ValueEnum;
 use optimus::cost::planner::seconds;
 use optimus::cost::search::{self, MaxBatch, Source, SweepPoint};
+use optimus::cost::staged::simulate_pipeline;
 use optimus::cost::{Algorithm, Hardware, Options, RankPlacement, Simulation, simulate};
 use optimus::plan::report::human_bytes;
 use optimus::plan::text::group_digits;
@@ -62,6 +63,8 @@ pub struct SimulateArgs {
     /// With --sweep: also write an SVG plot of efficiency against devices to this file.
     #[arg(long, value_name = "FILE.svg", requires = "sweep")]
     pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub pipeline: super::pipeline::PipelineArgs,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -133,6 +136,9 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
         }
     };
     let searching = args.max_batch || args.compare.is_some() || args.sweep;
+    if args.pipeline.requested() {
+        return pipelined(args, &hw, searching);
+    }
     if !searching {
         let plan = match super::plan_from(&args.model, &args.target) {
             Ok(plan) => plan,
@@ -152,6 +158,39 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
     let Some(plan) = super::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
     let found = search::max_batch(&source, args.target.target(), hw.memory_bytes());
     single(args, &hw, &plan, Some(found))
+}
+
+/// `simulate --pipeline`: the whole model compiled for one stage's grid, cut into stages and timed
+/// under the schedule.
+fn pipelined(args: &SimulateArgs, hw: &Hardware, searching: bool) -> ExitCode {
+    if searching {
+        eprintln_safe!(
+            "error: --pipeline and --accum simulate one configuration: they do not go with --max-batch, --compare or --sweep"
+        );
+        return ExitCode::from(2);
+    }
+    let pipeline = match args.pipeline.pipeline() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln_safe!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let plan = match super::plan_from(&args.model, &args.target) {
+        Ok(plan) => plan,
+        Err(failure) => return failure.exit(),
+    };
+    match simulate_pipeline(&plan, hw, &args.options(), pipeline) {
+        Ok(sim) if args.json => super::print_json(&sim),
+        Ok(sim) => {
+            super::stdout(&super::pipeline::render_pipeline(&sim));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln_safe!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
 }
 
 /// The text of a model file; searches re-compile it, so plans (.json) are refused.

@@ -9,6 +9,7 @@ pub mod pipeline;
 pub mod planner;
 pub mod plot;
 pub mod search;
+pub mod staged;
 pub mod step;
 
 pub use collective::{Algorithm, collective_time};

@@ -396,20 +396,35 @@ impl Tally {
     }
 }
 
+/// One instruction's part in a simulated step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct InstrCost {
+    /// What it adds to the step: its kernel's time, or the exposed part of its collective (a wait
+    /// adds what is left of the collective it waits for).
+    pub step_s: f64,
+    /// Its kernel's or its collective's whole time, hidden or not.
+    pub busy_s: f64,
+}
+
 /// Simulates one step of a plan on a cluster. With `auto_placement`, on a mesh that spans nodes, both
 /// placements are simulated and the faster kept (row-major on a tie); its `placement` then ends in
 /// "(auto)" and its note gives the other's step.
 pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
+    simulate_costed(plan, hw, options).0
+}
+
+/// [`simulate`], with each instruction's part in the step (one per instruction of the program).
+pub fn simulate_costed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation, Vec<InstrCost>) {
     let placed = |placement| simulate_placed(plan, hw, &Options { placement, auto_placement: false, ..*options });
     if !options.auto_placement {
         return placed(options.placement);
     }
     let row_major = placed(RankPlacement::RowMajor);
     let spans_nodes = plan.mesh.devices() > hw.intra_node.gpus_per_node.max(1);
-    let blocks = spans_nodes.then(|| placed(RankPlacement::Blocks)).filter(|b| b.placement_note.is_none());
-    let (mut best, other) = match blocks {
-        Some(b) if b.step_time_s < row_major.step_time_s => (b, Some(row_major)),
-        Some(b) => (row_major, Some(b)),
+    let blocks = spans_nodes.then(|| placed(RankPlacement::Blocks)).filter(|b| b.0.placement_note.is_none());
+    let ((mut best, costs), other) = match blocks {
+        Some(b) if b.0.step_time_s < row_major.0.step_time_s => (b, Some(row_major.0)),
+        Some(b) => (row_major, Some(b.0)),
         None => (row_major, None),
     };
     if let Some(other) = other {
@@ -425,11 +440,11 @@ pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
         });
     }
     best.placement = format!("{} (auto)", best.placement);
-    best
+    (best, costs)
 }
 
 /// Simulates one step of a plan with its ranks placed as `options.placement` says.
-fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
+fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation, Vec<InstrCost>) {
     let nodes = NodeMap::of_plan(plan, hw.intra_node.gpus_per_node, options.placement);
     let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
     let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World]
@@ -451,12 +466,16 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation 
         stream: scheduled.then(Stream::default),
         ..Tally::default()
     };
+    let mut costs = Vec::with_capacity(plan.program.len());
     for (index, instr) in plan.program.iter().enumerate() {
+        let before = tally.compute + tally.exposed;
+        let mut busy_s = 0.0;
         match instr {
             Instr::Kernel { kernel, inputs, output, reason, .. } => {
                 let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
                 let one = kernel_cost_on(kernel, (&ins, plan.buffer(*output)), hw, engine.single_thread());
                 let cost = engine.kernel(one);
+                busy_s = cost.seconds;
                 tally.kernel(cost, reason_kind(plan, *reason));
             }
             Instr::Collective { collective: c, reason, .. } => {
@@ -469,11 +488,13 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation 
                     m.collective_seconds(c.kind, members, plan.mesh.devices(), bytes as f64, engine.shared)
                 });
                 let t = measured_time.unwrap_or(modelled) + engine.collective();
+                busy_s = t;
                 tally.collective(c, link_kind, bytes, t, reason_kind(plan, *reason));
             }
             Instr::Wait { recv, .. } => tally.wait(*recv),
             Instr::Free { .. } => {}
         }
+        costs.push(InstrCost { step_s: tally.compute + tally.exposed - before, busy_s });
     }
     tally.finish_stream();
     tally.wait_for_gradient_sums(None);
@@ -483,7 +504,7 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation 
         placement_note: nodes.note.clone(),
         algorithm: algorithm.name().to_string(),
     };
-    assemble(plan, hw, Options { overlap, ..*options }, header, tally, &rep)
+    (assemble(plan, hw, Options { overlap, ..*options }, header, tally, &rep), costs)
 }
 
 /// The compute engine a device's kernels run on: its own, or one shared by the `devices` of its node
@@ -610,14 +631,20 @@ impl Throughput {
         let tokens = tokens_per_step(plan);
         let factor = if plan.mode == Mode::Train { 6.0 } else { 2.0 };
         let model_flops = factor * parameters as f64 * tokens as f64;
-        let dtype = match plan.precision {
-            optimus_plan::Precision::Bf16 => DType::Bf16,
-            optimus_plan::Precision::F32 => plan.params.first().map_or(DType::F32, |p| plan.buffer(p.buffer).dtype),
-        };
-        let capacity = hw.peak_flops(dtype) * plan.mesh.devices() as f64 * step;
+        let capacity = device_peak_flops(plan, hw) * plan.mesh.devices() as f64 * step;
         let mfu = if capacity > 0.0 { model_flops / capacity } else { 0.0 };
         Throughput { parameters, tokens, model_flops, mfu }
     }
+}
+
+/// The FLOP/s one device's model FLOP utilisation is measured against: the peak of the element type
+/// its products run in (bf16 in a bf16 plan, whose master weights are float32; else the parameters').
+pub fn device_peak_flops(plan: &Plan, hw: &Hardware) -> f64 {
+    let dtype = match plan.precision {
+        optimus_plan::Precision::Bf16 => DType::Bf16,
+        optimus_plan::Precision::F32 => plan.params.first().map_or(DType::F32, |p| plan.buffer(p.buffer).dtype),
+    };
+    hw.peak_flops(dtype)
 }
 
 /// Tokens in one step: the logical size of the `tokens` input (else the first input).

@@ -1,0 +1,685 @@
+//! A pipeline simulated from the plan of one stage's grid: the whole model compiled for one stage's
+//! mesh (its data-parallel replicas included) is cut into pieces (what runs before the first repeated
+//! layer, each repeated layer, what runs after the last), the pieces are grouped into contiguous stages
+//! balanced by their simulated time, and the schedule is timed over the stages with the point-to-point
+//! transfers between them ([`crate::pipeline::time_schedule`]).
+//!
+//! Every figure is read off the plan: each instruction's share of the simulated step (its kernel, or
+//! the exposed part of its collective), the bytes of the activations that cross each cut, the
+//! parameters, gradients and optimizer state each stage holds, and the activations each piece keeps
+//! for its backward pass, times the micro-batches the schedule keeps alive on that stage.
+//!
+//! An update is the schedule's forwards and backwards of every micro-batch, then on each stage the
+//! sums of its gradients over the data-parallel replicas, the gradient norm and the optimizer steps of
+//! its parameters (after the pipeline drains, as Megatron-LM does), and the sum of a tied parameter's
+//! gradient between the stages that hold a copy (GPT-2's embedding and LM head).
+
+use crate::hardware::Hardware;
+use crate::pipeline::{StageCost, Timeline, TimelineError, time_schedule};
+use crate::step::{InstrCost, Options, Simulation, device_peak_flops, simulate_costed};
+use optimus_plan::memory::for_each_touched;
+use optimus_plan::phases::{Phase, StepPhases};
+use optimus_plan::pipeline::Schedule;
+use optimus_plan::{BufferId, Instr, Mode, Plan, Role};
+use serde::Serialize;
+use std::collections::{BTreeSet, HashMap};
+
+/// A pipeline: stages, schedule and the micro-batches of an update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pipeline {
+    pub stages: u64,
+    pub schedule: Schedule,
+    pub micro_batches: u64,
+}
+
+/// Why a plan cannot be simulated as a pipeline.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PipelineError {
+    /// Pipelines are simulated for training plans.
+    NotTraining,
+    /// Every virtual stage needs a repeated layer of its own.
+    TooFewLayers {
+        layers: usize,
+        virtual_stages: u64,
+    },
+    Timeline(TimelineError),
+}
+
+impl std::fmt::Display for PipelineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PipelineError::NotTraining => write!(f, "a pipeline is simulated for training plans (`--mode train`)"),
+            PipelineError::TooFewLayers { layers, virtual_stages } => write!(
+                f,
+                "{virtual_stages} pipeline stages (stages x virtual stages) need at least {virtual_stages} repeated \
+                 layers, one a stage; the model has {layers}"
+            ),
+            PipelineError::Timeline(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for PipelineError {}
+
+/// One stage of a simulated pipeline.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StageReport {
+    pub stage: u64,
+    /// The repeated layers it holds, per chunk (`h.0..h.11`), the first stage with what runs before
+    /// them and the last with what runs after.
+    pub layers: Vec<String>,
+    /// One micro-batch's forward and backward through all its chunks.
+    pub forward_s: f64,
+    pub backward_s: f64,
+    /// After the last micro-batch: its gradients summed over the replicas, the gradient norm and the
+    /// optimizer steps of its parameters.
+    pub update_s: f64,
+    /// Elements of the parameters it holds (a tied parameter counts on each stage that holds it).
+    pub parameters: u64,
+    /// Micro-batch chunks of activations it keeps at most (the schedule's), and their bytes each.
+    pub in_flight: u64,
+    pub kept_bytes_per_micro_batch: u64,
+    /// Parameters, gradients, optimizer state and inputs, plus `in_flight` times the kept activations,
+    /// plus the plan's largest workspace.
+    pub peak_bytes: u64,
+}
+
+/// A simulated pipeline update.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PipelineSimulation {
+    pub stages: u64,
+    pub schedule: String,
+    pub virtual_stages: u64,
+    pub micro_batches: u64,
+    /// Devices of one stage (its grid and replicas) and of the whole pipeline.
+    pub stage_devices: u64,
+    pub devices: u64,
+    pub per_stage: Vec<StageReport>,
+    /// What each device sends to its peer in the next stage per micro-batch (the activations' block;
+    /// their gradients come back the same size), and the time of one transfer.
+    pub p2p_bytes: u64,
+    pub p2p_s: f64,
+    /// The sum of tied parameters' gradients between the stages that hold a copy, once per update.
+    pub tied_sync_s: f64,
+    /// The schedule's forwards and backwards, from the first forward to the last backward.
+    pub pipeline_s: f64,
+    pub bubble_fraction: f64,
+    /// The whole update: `pipeline_s`, then the slowest stage's update, then the tied sums.
+    pub step_time_s: f64,
+    pub tokens_per_step: u64,
+    pub tokens_per_second: f64,
+    pub mfu: f64,
+    pub peak_bytes_per_device: u64,
+    pub capacity_bytes: u64,
+    pub fits: bool,
+    /// One micro step of the whole model on one stage's grid, as `simulate` gives it without a pipeline.
+    pub unpipelined: Simulation,
+}
+
+/// The plan cut into pieces (0: before the first repeated layer; 1..=L: the layers; L + 1: after the
+/// last), with what each costs and holds per micro-batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pieces {
+    /// The repeated layers' names (`h.3`), in forward order.
+    pub layers: Vec<String>,
+    pub forward_s: Vec<f64>,
+    pub backward_s: Vec<f64>,
+    /// Activation bytes each piece keeps for its backward pass.
+    pub kept_bytes: Vec<u64>,
+    /// Bytes (per device) that a cut after piece c sends forward: activations written at or before it
+    /// and read after it.
+    pub crossing_bytes: Vec<u64>,
+    pub params: Vec<ParamShare>,
+    /// Update work tied to no parameter (the gradient norm's sum over the mesh): on every stage.
+    pub shared_update_s: f64,
+    pub input_bytes: u64,
+    pub workspace_bytes: u64,
+}
+
+/// One parameter: the pieces that read it, and what it costs and holds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamShare {
+    pub pieces: BTreeSet<usize>,
+    pub elements: u64,
+    /// Its block, gradient and optimizer state, per device.
+    pub bytes: u64,
+    pub gradient_bytes: u64,
+    /// Its gradient sums over the replicas, its share of the gradient norm and its optimizer step.
+    pub update_s: f64,
+}
+
+/// The repeated layer a scope is inside: `h.3.attn.c_attn` is in `h.3` (the scope up to its first
+/// all-digit part after the first).
+pub fn layer_of(scope: &str) -> Option<&str> {
+    let mut end = 0;
+    for (i, part) in scope.split('.').enumerate() {
+        end += part.len() + usize::from(i > 0);
+        if i > 0 && !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            return Some(&scope[..end]);
+        }
+    }
+    None
+}
+
+/// The scope of an instruction ("" for waits, frees and unscoped ones).
+fn scope_of<'p>(plan: &'p Plan, instr: &Instr) -> &'p str {
+    let origin = match instr {
+        Instr::Kernel { origin, .. } | Instr::Collective { origin, .. } => *origin,
+        Instr::Free { .. } | Instr::Wait { .. } => return "",
+    };
+    plan.origins.get(origin as usize).map_or("", |o| o.scope.as_str())
+}
+
+/// Which piece each forward and backward instruction belongs to. In the forward pass an instruction
+/// outside the repeated layers belongs to the first piece until a layer has run, and to the last after;
+/// in the backward pass the other way round, unless its scope's first part was placed in the forward
+/// pass (`ln_f`, `wte`).
+struct Assigner {
+    layers: Vec<String>,
+    index: HashMap<String, usize>,
+    named: HashMap<String, usize>,
+    seen_forward: bool,
+    seen_backward: bool,
+}
+
+impl Assigner {
+    fn new() -> Assigner {
+        Assigner {
+            layers: Vec::new(),
+            index: HashMap::new(),
+            named: HashMap::new(),
+            seen_forward: false,
+            seen_backward: false,
+        }
+    }
+
+    fn layer_piece(&mut self, layer: &str) -> usize {
+        if let Some(&k) = self.index.get(layer) {
+            return k + 1;
+        }
+        self.layers.push(layer.to_string());
+        self.index.insert(layer.to_string(), self.layers.len() - 1);
+        self.layers.len()
+    }
+
+    /// The piece of an instruction with scope `scope`; `forward` says which pass it is in. The last
+    /// piece's index is only known at the end: `usize::MAX` stands for it until then.
+    fn piece(&mut self, scope: &str, forward: bool) -> usize {
+        if let Some(layer) = layer_of(scope) {
+            if forward {
+                self.seen_forward = true;
+            } else {
+                self.seen_backward = true;
+            }
+            return self.layer_piece(layer);
+        }
+        let name = scope.split('.').next().filter(|n| !n.is_empty());
+        if forward {
+            let piece = if self.seen_forward { usize::MAX } else { 0 };
+            if let Some(name) = name {
+                self.named.entry(name.to_string()).or_insert(piece);
+            }
+            return piece;
+        }
+        match name.and_then(|n| self.named.get(n)) {
+            Some(&piece) => piece,
+            None if self.seen_backward => 0,
+            None => usize::MAX,
+        }
+    }
+}
+
+/// Cuts a plan into pieces, with each instruction's share of the simulated step (`costs`, one per
+/// instruction).
+pub fn pieces(plan: &Plan, costs: &[InstrCost]) -> Pieces {
+    let phases = StepPhases::of(plan);
+    // The memory plan's end of the forward pass is the first backward instruction (the phases' is
+    // where the loss is written, which a plan may do late).
+    let (forward_end, updates_begin) = (plan.memory.forward_end.min(phases.updates_begin()), phases.updates_begin());
+    let mut assigner = Assigner::new();
+    let mut piece_of: Vec<usize> = Vec::with_capacity(plan.program.len());
+    for (i, instr) in plan.program.iter().enumerate() {
+        let piece = if i < updates_begin { assigner.piece(scope_of(plan, instr), i < forward_end) } else { 0 };
+        piece_of.push(piece);
+    }
+    let tail = assigner.layers.len() + 1;
+    for piece in &mut piece_of {
+        if *piece == usize::MAX {
+            *piece = tail;
+        }
+    }
+    let n = tail + 1;
+    let owner = update_owners(plan, param_owners(plan), forward_end);
+    let mut out = Pieces {
+        layers: assigner.layers,
+        forward_s: vec![0.0; n],
+        backward_s: vec![0.0; n],
+        kept_bytes: vec![0; n],
+        crossing_bytes: vec![0; n],
+        params: plan
+            .params
+            .iter()
+            .map(|p| ParamShare {
+                pieces: BTreeSet::new(),
+                elements: p.shape.iter().product(),
+                bytes: plan.buffer(p.buffer).bytes() + p.state.iter().map(|&s| plan.buffer(s).bytes()).sum::<u64>(),
+                gradient_bytes: p.grad.map_or(0, |g| plan.buffer(g).bytes()),
+                update_s: 0.0,
+            })
+            .collect(),
+        shared_update_s: 0.0,
+        input_bytes: plan.memory.inputs,
+        workspace_bytes: plan.memory.workspace_peak,
+    };
+    let gradient_sums = gradient_sum_receivers(plan, &phases);
+    let mut first_piece: Vec<Option<usize>> = vec![None; plan.buffers.len()];
+    let mut last_forward_piece: Vec<usize> = vec![0; plan.buffers.len()];
+    let mut kept = vec![false; plan.buffers.len()];
+    let from_inputs = input_dependent(plan, forward_end);
+    for (i, instr) in plan.program.iter().enumerate() {
+        let (piece, cost) = (piece_of[i], costs.get(i).copied().unwrap_or_default());
+        let real = matches!(instr, Instr::Kernel { .. } | Instr::Collective { .. });
+        if i < forward_end {
+            out.forward_s[piece] += cost.step_s;
+            if real {
+                for_each_touched(instr, |b| {
+                    let k = b.0 as usize;
+                    first_piece[k].get_or_insert(piece);
+                    last_forward_piece[k] = last_forward_piece[k].max(piece);
+                    if let Some(&p) = owner.get(&b) {
+                        out.params[p].pieces.insert(piece);
+                    }
+                });
+            }
+        } else {
+            if real {
+                for_each_touched(instr, |b| kept[b.0 as usize] = true);
+            }
+            let params = touched_params(instr, &owner);
+            if i >= updates_begin || phases.phase(i) == Phase::GradientSum {
+                charge_update(&mut out, &params, cost.busy_s);
+            } else if !matches!(instr, Instr::Wait { recv, .. } if gradient_sums.contains(recv)) {
+                out.backward_s[piece] += cost.step_s;
+            }
+        }
+    }
+    for (k, buffer) in plan.buffers.iter().enumerate() {
+        let Some(first) = first_piece[k] else { continue };
+        if buffer.role == Role::Activation && kept[k] {
+            out.kept_bytes[first] += buffer.bytes();
+        }
+        if matches!(buffer.role, Role::Activation | Role::Workspace) && from_inputs[k] {
+            for cut in first..last_forward_piece[k] {
+                out.crossing_bytes[cut] += buffer.bytes();
+            }
+        }
+    }
+    home_pieces(plan, &mut out);
+    out
+}
+
+/// Where each parameter lives: a repeated layer's parameter (`h.3.ln_1.weight`) in that layer's piece,
+/// though a fused kernel of the layer before may read it; any other in the first and last pieces that
+/// read it (both, for a tied embedding and LM head), or the first piece when none does.
+fn home_pieces(plan: &Plan, out: &mut Pieces) {
+    let index: HashMap<&str, usize> = out.layers.iter().enumerate().map(|(k, l)| (l.as_str(), k + 1)).collect();
+    let tail = out.layers.len() + 1;
+    for (param, share) in plan.params.iter().zip(&mut out.params) {
+        if let Some(&piece) = layer_of(&param.name).and_then(|l| index.get(l)) {
+            share.pieces = BTreeSet::from([piece]);
+            continue;
+        }
+        let ends: BTreeSet<usize> = share.pieces.iter().copied().filter(|&k| k == 0 || k == tail).collect();
+        share.pieces = if ends.is_empty() { BTreeSet::from([0]) } else { ends };
+    }
+}
+
+/// Which buffers the forward pass computes from the model's inputs: only those cross a cut between
+/// stages (a stage makes its own copies of what it computes from parameters alone, such as a tied
+/// weight's bf16 copy).
+fn input_dependent(plan: &Plan, forward_end: usize) -> Vec<bool> {
+    let mut depends: Vec<bool> = plan.buffers.iter().map(|b| b.role == Role::Input).collect();
+    for instr in &plan.program[..forward_end.min(plan.program.len())] {
+        match instr {
+            Instr::Kernel { inputs, output, .. } => {
+                if inputs.iter().any(|b| depends[b.0 as usize]) {
+                    depends[output.0 as usize] = true;
+                }
+            }
+            Instr::Collective { collective, .. } => {
+                if depends[collective.send.0 as usize] {
+                    depends[collective.recv.0 as usize] = true;
+                }
+            }
+            Instr::Free { .. } | Instr::Wait { .. } => {}
+        }
+    }
+    depends
+}
+
+/// Every buffer of a parameter (its block, gradient and state), to the parameter's index.
+fn param_owners(plan: &Plan) -> HashMap<BufferId, usize> {
+    let mut owner = HashMap::new();
+    for (k, p) in plan.params.iter().enumerate() {
+        owner.insert(p.buffer, k);
+        if let Some(g) = p.grad {
+            owner.insert(g, k);
+        }
+        for &s in &p.state {
+            owner.insert(s, k);
+        }
+    }
+    owner
+}
+
+/// [`param_owners`], with the buffers the backward pass and the update write a parameter's buffers
+/// from (a gradient's bf16 sum over the replicas before its cast) given to that parameter: walked
+/// backwards from the end, each instruction that writes a parameter's buffer gives its operands to
+/// the parameter, unless they have one already.
+fn update_owners(plan: &Plan, mut owner: HashMap<BufferId, usize>, forward_end: usize) -> HashMap<BufferId, usize> {
+    for instr in plan.program.get(forward_end..).unwrap_or_default().iter().rev() {
+        match instr {
+            Instr::Kernel { inputs, output, .. } => {
+                if let Some(&p) = owner.get(output) {
+                    for &input in inputs {
+                        owner.entry(input).or_insert(p);
+                    }
+                }
+            }
+            Instr::Collective { collective, .. } => {
+                if let Some(&p) = owner.get(&collective.recv) {
+                    owner.entry(collective.send).or_insert(p);
+                }
+            }
+            Instr::Free { .. } | Instr::Wait { .. } => {}
+        }
+    }
+    owner
+}
+
+fn touched_params(instr: &Instr, owner: &HashMap<BufferId, usize>) -> Vec<usize> {
+    let mut params = Vec::new();
+    if matches!(instr, Instr::Kernel { .. } | Instr::Collective { .. }) {
+        for_each_touched(instr, |b| {
+            if let Some(&p) = owner.get(&b)
+                && !params.contains(&p)
+            {
+                params.push(p);
+            }
+        });
+    }
+    params
+}
+
+/// Charges update work to the parameters it touches (split evenly), or to every stage.
+fn charge_update(out: &mut Pieces, params: &[usize], seconds: f64) {
+    if params.is_empty() {
+        out.shared_update_s += seconds;
+        return;
+    }
+    for &p in params {
+        out.params[p].update_s += seconds / params.len() as f64;
+    }
+}
+
+/// The receive buffers of the gradient sums over the replicas (their waits are update work).
+fn gradient_sum_receivers(plan: &Plan, phases: &StepPhases) -> BTreeSet<BufferId> {
+    plan.program
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| phases.phase(*i) == Phase::GradientSum)
+        .filter_map(|(_, instr)| match instr {
+            Instr::Collective { collective, .. } => Some(collective.recv),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Splits `layers` layers into `groups` contiguous non-empty runs minimising the slowest run's time,
+/// where run g's time is the sum of `time[1 + layer]` over its layers, plus `time[0]` for the first run
+/// and `time[layers + 1]` for the last: the first layer of each run, in order.
+pub fn balance(time: &[f64], groups: usize) -> Vec<usize> {
+    let layers = time.len().saturating_sub(2);
+    if groups == 0 || layers < groups {
+        return Vec::new();
+    }
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(time[1..=layers].iter().scan(0.0, |sum, &t| {
+            *sum += t;
+            Some(*sum)
+        }))
+        .collect();
+    let run = |from: usize, to: usize, g: usize| {
+        let extra = if g == 0 { time[0] } else { 0.0 } + if g == groups - 1 { time[layers + 1] } else { 0.0 };
+        prefix[to] - prefix[from] + extra
+    };
+    // best[g][j]: the slowest run when the first j layers make g + 1 runs; from[g][j]: where the last starts.
+    let mut best = vec![vec![f64::INFINITY; layers + 1]; groups];
+    let mut from = vec![vec![0usize; layers + 1]; groups];
+    for (j, first_run) in best[0].iter_mut().enumerate().skip(1) {
+        *first_run = run(0, j, 0);
+    }
+    for g in 1..groups {
+        for j in (g + 1)..=layers {
+            for i in g..j {
+                let t = best[g - 1][i].max(run(i, j, g));
+                if t < best[g][j] - 1e-15 {
+                    best[g][j] = t;
+                    from[g][j] = i;
+                }
+            }
+        }
+    }
+    let mut starts = vec![0usize; groups];
+    let mut j = layers;
+    for g in (1..groups).rev() {
+        starts[g] = from[g][j];
+        j = starts[g];
+    }
+    starts
+}
+
+/// Seconds for each device of a stage of `stage_devices` devices to send `bytes` to its peer in the
+/// next stage, all at once: over the node's links when both stages share a node, else through the
+/// node's NICs, which the node's sending devices share.
+pub fn p2p_seconds(bytes: u64, stage_devices: u64, hw: &Hardware) -> f64 {
+    if bytes == 0 {
+        return 0.0;
+    }
+    let per_node = hw.intra_node.gpus_per_node.max(1);
+    if 2 * stage_devices <= per_node {
+        let link = &hw.intra_node;
+        return link.latency_us * 1e-6 + bytes as f64 / (link.bandwidth_gb_s * 1e9);
+    }
+    let net = &hw.inter_node;
+    let senders = stage_devices.min(per_node);
+    let nics = net.nics_per_node.max(1);
+    let usable = net.nic_bandwidth_gb_s * 1e9 * senders.min(nics) as f64 / nics as f64;
+    net.latency_us * 1e-6 + bytes as f64 * senders as f64 / usable
+}
+
+/// Simulates `pipeline` over `plan`, the whole model compiled for one stage's grid at one micro-batch.
+pub fn simulate_pipeline(
+    plan: &Plan,
+    hw: &Hardware,
+    options: &Options,
+    pipeline: Pipeline,
+) -> Result<PipelineSimulation, PipelineError> {
+    if plan.mode != Mode::Train {
+        return Err(PipelineError::NotTraining);
+    }
+    let (unpipelined, costs) = simulate_costed(plan, hw, options);
+    let cut = pieces(plan, &costs);
+    pipeline_of_pieces(plan, hw, &cut, unpipelined, pipeline)
+}
+
+/// The stages of `pieces`: which pieces each virtual stage holds (`chunk * stages + stage`).
+fn virtual_stage_pieces(pieces: &Pieces, virtual_stages: u64) -> Result<Vec<std::ops::Range<usize>>, PipelineError> {
+    let layers = pieces.layers.len();
+    let time: Vec<f64> = pieces.forward_s.iter().zip(&pieces.backward_s).map(|(f, b)| f + b).collect();
+    let starts = balance(&time, virtual_stages as usize);
+    if starts.is_empty() {
+        return Err(PipelineError::TooFewLayers { layers, virtual_stages });
+    }
+    Ok((0..starts.len())
+        .map(|g| {
+            let from = if g == 0 { 0 } else { starts[g] + 1 };
+            let to = if g + 1 == starts.len() { layers + 2 } else { starts[g + 1] + 1 };
+            from..to
+        })
+        .collect())
+}
+
+/// [`simulate_pipeline`] from a plan already cut into pieces.
+pub fn pipeline_of_pieces(
+    plan: &Plan,
+    hw: &Hardware,
+    pieces: &Pieces,
+    unpipelined: Simulation,
+    pipeline: Pipeline,
+) -> Result<PipelineSimulation, PipelineError> {
+    let (p, v) = (pipeline.stages.max(1), pipeline.schedule.chunks());
+    let groups = virtual_stage_pieces(pieces, p * v)?;
+    let stage_of_piece = |piece: usize| groups.iter().position(|r| r.contains(&piece)).unwrap_or(0) as u64 % p;
+    let sum = |values: &[f64], range: &std::ops::Range<usize>| values[range.clone()].iter().sum::<f64>();
+    let costs: Vec<StageCost> = (0..p)
+        .map(|s| {
+            let chunk = |c: u64| &groups[(c * p + s) as usize];
+            StageCost {
+                forward_s: (0..v).map(|c| sum(&pieces.forward_s, chunk(c))).collect(),
+                backward_s: (0..v).map(|c| sum(&pieces.backward_s, chunk(c))).collect(),
+            }
+        })
+        .collect();
+    let stage_devices = plan.mesh.devices();
+    let p2p_bytes = groups.iter().take(groups.len() - 1).map(|r| pieces.crossing_bytes[r.end - 1]).max().unwrap_or(0);
+    let p2p_s = p2p_seconds(p2p_bytes, stage_devices, hw);
+    let timeline: Timeline =
+        time_schedule(pipeline.schedule, pipeline.micro_batches, &costs, p2p_s).map_err(PipelineError::Timeline)?;
+    let holders: Vec<BTreeSet<u64>> =
+        pieces.params.iter().map(|share| share.pieces.iter().map(|&k| stage_of_piece(k)).collect()).collect();
+    let per_stage: Vec<StageReport> = (0..p)
+        .map(|s| {
+            let mine = || pieces.params.iter().zip(&holders).filter(move |(_, h)| h.contains(&s)).map(|(sh, _)| sh);
+            let chunks: Vec<&std::ops::Range<usize>> = (0..v).map(|c| &groups[(c * p + s) as usize]).collect();
+            let kept = chunks.iter().map(|r| pieces.kept_bytes[(*r).clone()].iter().sum::<u64>()).max().unwrap_or(0);
+            let in_flight = timeline.peak_in_flight[s as usize];
+            let held: u64 = mine().map(|sh| sh.bytes + sh.gradient_bytes).sum();
+            StageReport {
+                stage: s,
+                layers: chunks.iter().map(|r| describe(pieces, r)).collect(),
+                forward_s: costs[s as usize].forward_s.iter().sum(),
+                backward_s: costs[s as usize].backward_s.iter().sum(),
+                update_s: mine().map(|sh| sh.update_s).sum::<f64>() + pieces.shared_update_s,
+                parameters: mine().map(|sh| sh.elements).sum(),
+                in_flight,
+                kept_bytes_per_micro_batch: kept,
+                peak_bytes: held + pieces.input_bytes + in_flight * kept + pieces.workspace_bytes,
+            }
+        })
+        .collect();
+    let tied_sync_s = pieces
+        .params
+        .iter()
+        .zip(&holders)
+        .filter(|(_, h)| h.len() > 1)
+        .map(|(sh, _)| p2p_seconds(sh.gradient_bytes, stage_devices, hw))
+        .sum::<f64>();
+    let slowest_update = per_stage.iter().map(|s| s.update_s).fold(0.0, f64::max);
+    let step_time_s = timeline.step_s + slowest_update + tied_sync_s;
+    let tokens_per_step = unpipelined.tokens_per_step * pipeline.micro_batches;
+    let devices = stage_devices * p;
+    let capacity_flops = device_peak_flops(plan, hw) * devices as f64 * step_time_s;
+    let model_flops = unpipelined.model_flops_per_step * pipeline.micro_batches as f64;
+    let peak = per_stage.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
+    let capacity = hw.memory_bytes();
+    Ok(PipelineSimulation {
+        stages: p,
+        schedule: schedule_name(pipeline.schedule).to_string(),
+        virtual_stages: v,
+        micro_batches: pipeline.micro_batches,
+        stage_devices,
+        devices,
+        per_stage,
+        p2p_bytes,
+        p2p_s,
+        tied_sync_s,
+        pipeline_s: timeline.step_s,
+        bubble_fraction: timeline.bubble_fraction,
+        step_time_s,
+        tokens_per_step,
+        tokens_per_second: if step_time_s > 0.0 { tokens_per_step as f64 / step_time_s } else { 0.0 },
+        mfu: if capacity_flops > 0.0 { model_flops / capacity_flops } else { 0.0 },
+        peak_bytes_per_device: peak,
+        capacity_bytes: capacity,
+        fits: peak <= capacity,
+        unpipelined,
+    })
+}
+
+/// "gpipe", "1f1b" or "interleaved".
+pub fn schedule_name(schedule: Schedule) -> &'static str {
+    match schedule {
+        Schedule::GPipe => "gpipe",
+        Schedule::OneFOneB => "1f1b",
+        Schedule::Interleaved { .. } => "interleaved",
+    }
+}
+
+/// "embedding + h.0..h.5", "h.6..h.11", "h.12 + head".
+fn describe(pieces: &Pieces, range: &std::ops::Range<usize>) -> String {
+    let layers = pieces.layers.len();
+    let first_layer = range.start.max(1);
+    let last_layer = (range.end - 1).min(layers);
+    let mut text = String::new();
+    if range.start == 0 {
+        text.push_str("embedding + ");
+    }
+    let name = |piece: usize| pieces.layers[piece - 1].as_str();
+    if first_layer == last_layer {
+        text.push_str(name(first_layer));
+    } else {
+        text.push_str(&format!("{}..{}", name(first_layer), name(last_layer)));
+    }
+    if range.end == layers + 2 {
+        text.push_str(" + head");
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_is_the_scope_up_to_its_first_index() {
+        assert_eq!(layer_of("h.3.attn.c_attn"), Some("h.3"));
+        assert_eq!(layer_of("encoder.layer.11.output"), Some("encoder.layer.11"));
+        assert_eq!(layer_of("h.12"), Some("h.12"));
+        assert_eq!(layer_of("ln_f"), None);
+        assert_eq!(layer_of("3.x"), None);
+        assert_eq!(layer_of(""), None);
+    }
+
+    #[test]
+    fn balancing_puts_the_head_and_tail_costs_with_the_end_runs() {
+        // Eight layers of 1 s, an embedding of 2 s and a head of 2 s, in four runs: the end runs get
+        // fewer layers.
+        let mut time = vec![2.0];
+        time.extend([1.0; 8]);
+        time.push(2.0);
+        let starts = balance(&time, 4);
+        assert_eq!(starts, vec![0, 1, 4, 7]);
+        assert!(balance(&time, 9).is_empty(), "more runs than layers");
+        assert_eq!(balance(&time, 1), vec![0]);
+    }
+
+    #[test]
+    fn even_layers_split_evenly() {
+        let mut time = vec![0.0];
+        time.extend([1.0; 12]);
+        time.push(0.0);
+        assert_eq!(balance(&time, 4), vec![0, 3, 6, 9]);
+        assert_eq!(balance(&time, 3), vec![0, 4, 8]);
+    }
+}

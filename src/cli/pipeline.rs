@@ -1,0 +1,154 @@
+//! `optimusc simulate --pipeline P`: the flags of a pipeline over the mesh (stages, schedule, virtual
+//! stages, micro-batches) and the rendering of its simulated update, stage by stage.
+
+use clap::ValueEnum;
+use optimus::cost::planner::seconds;
+use optimus::cost::staged::{Pipeline, PipelineSimulation};
+use optimus::plan::pipeline::Schedule;
+use optimus::plan::report::human_bytes;
+use optimus::plan::text::group_digits;
+use std::fmt::Write;
+
+/// The pipeline flags of `optimusc simulate`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PipelineArgs {
+    /// Pipeline stages: the model's repeated layers cut into P contiguous stages balanced by their
+    /// simulated time (the embedding with the first, the head with the last), each stage on its own
+    /// copy of the --mesh grid and replicas, so P times the mesh's devices in all. Activations go from
+    /// each device to its peer in the next stage; a tied weight's gradient is summed between the two
+    /// stages that hold it [default: 1, no pipeline].
+    #[arg(long, value_name = "P", value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub pipeline: Option<u64>,
+    /// gpipe (every forward, then every backward: all micro-batches' activations alive at once), 1f1b
+    /// (after P - s - 1 forwards, one forward and one backward in turn: stage s keeps at most P - s
+    /// micro-batches of activations) or interleaved (1F1B over --virtual-stages chunks a stage, as
+    /// Megatron-LM: the bubble shrinks V times, the transfers grow V times) [default: 1f1b].
+    #[arg(long, value_enum, value_name = "SCHEDULE")]
+    pub pipeline_schedule: Option<ScheduleArg>,
+    /// Model chunks on each stage for the interleaved schedule (2 or more) [default: 2].
+    #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=1024))]
+    pub virtual_stages: Option<u64>,
+    /// Micro-batches per update (gradient accumulation): the model's `batch` is one micro-batch of the
+    /// whole mesh, and an update runs ACCUM of them (through the pipeline's schedule) before the
+    /// gradients are summed over the replicas and the optimizer steps [default: 1].
+    #[arg(long, value_name = "ACCUM", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub accum: Option<u64>,
+}
+
+/// `--pipeline-schedule`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScheduleArg {
+    Gpipe,
+    #[value(name = "1f1b")]
+    OneFOneB,
+    Interleaved,
+}
+
+impl PipelineArgs {
+    /// Whether any pipeline flag was given.
+    pub fn requested(&self) -> bool {
+        self.pipeline.is_some()
+            || self.pipeline_schedule.is_some()
+            || self.virtual_stages.is_some()
+            || self.accum.is_some()
+    }
+
+    /// The pipeline the flags describe, or why they contradict each other.
+    pub fn pipeline(&self) -> Result<Pipeline, String> {
+        let stages = self.pipeline.unwrap_or(1);
+        let schedule = match (self.pipeline_schedule.unwrap_or(ScheduleArg::OneFOneB), self.virtual_stages) {
+            (ScheduleArg::Interleaved, v) => Schedule::Interleaved { chunks: v.unwrap_or(2) },
+            (_, Some(v)) => {
+                return Err(format!(
+                    "--virtual-stages {v} is for --pipeline-schedule interleaved (gpipe and 1f1b hold one chunk a stage)"
+                ));
+            }
+            (ScheduleArg::Gpipe, None) => Schedule::GPipe,
+            (ScheduleArg::OneFOneB, None) => Schedule::OneFOneB,
+        };
+        if stages == 1 && matches!(schedule, Schedule::Interleaved { .. }) {
+            return Err("the interleaved schedule needs --pipeline 2 or more".to_string());
+        }
+        Ok(Pipeline { stages, schedule, micro_batches: self.accum.unwrap_or(1) })
+    }
+}
+
+/// The human-readable pipelined update.
+pub fn render_pipeline(s: &PipelineSimulation) -> String {
+    let u = &s.unpipelined;
+    let mut out = String::new();
+    let chunks = if s.virtual_stages > 1 { format!(", {} chunks a stage", s.virtual_stages) } else { String::new() };
+    let _ = writeln!(
+        out,
+        "simulate: model {} on {}: pipeline of {} stages ({} schedule{chunks}), each a {} {} mesh ({} devices), {} \
+         devices in all; {} micro-batches an update",
+        u.model, u.hardware, s.stages, s.schedule, u.strategy, u.mesh, s.stage_devices, s.devices, s.micro_batches
+    );
+    let _ = writeln!(out, "  placement {}, collectives {}", u.placement, u.algorithm);
+    let _ = writeln!(
+        out,
+        "\n  {:>5}  {:<28} {:>11} {:>11} {:>11} {:>15} {:>9} {:>11}",
+        "stage", "layers", "forward", "backward", "update", "parameters", "in flight", "peak"
+    );
+    for st in &s.per_stage {
+        let _ = writeln!(
+            out,
+            "  {:>5}  {:<28} {:>11} {:>11} {:>11} {:>15} {:>9} {:>11}",
+            st.stage,
+            st.layers.join(", "),
+            seconds(st.forward_s),
+            seconds(st.backward_s),
+            seconds(st.update_s),
+            group_digits(u128::from(st.parameters)),
+            st.in_flight,
+            human_bytes(st.peak_bytes)
+        );
+    }
+    let _ = writeln!(out, "  (forward and backward: one micro-batch through the stage's chunks)");
+    let (p, m) = (s.stages as f64, s.micro_batches as f64);
+    let _ = writeln!(out, "\nupdate time             {:>12}", seconds(s.step_time_s));
+    let _ = writeln!(out, "  pipeline              {:>12}  (first forward to last backward)", seconds(s.pipeline_s));
+    let _ = writeln!(
+        out,
+        "  slowest stage update  {:>12}  (gradient sums over replicas, norm, optimizer)",
+        seconds(s.per_stage.iter().map(|st| st.update_s).fold(0.0, f64::max))
+    );
+    if s.tied_sync_s > 0.0 {
+        let _ = writeln!(
+            out,
+            "  tied gradients        {:>12}  (summed between the stages that hold them)",
+            seconds(s.tied_sync_s)
+        );
+    }
+    let ideal = (p - 1.0) / (s.virtual_stages as f64 * m + p - 1.0);
+    let _ = writeln!(
+        out,
+        "bubble                  {:.1}% of the stages' time ((P-1)/(V m+P-1) = {:.1}% for equal stages)",
+        100.0 * s.bubble_fraction,
+        100.0 * ideal
+    );
+    let _ = writeln!(
+        out,
+        "point-to-point          {} a device per transfer, {} each; a micro-batch crosses {} cuts each way",
+        human_bytes(s.p2p_bytes),
+        seconds(s.p2p_s),
+        s.virtual_stages * s.stages - 1
+    );
+    let worst = s.per_stage.iter().max_by_key(|st| st.peak_bytes).map_or(0, |st| st.stage);
+    let _ = writeln!(
+        out,
+        "\nmemory per device       {} of {} ({:.1}%, stage {worst}): {}",
+        human_bytes(s.peak_bytes_per_device),
+        human_bytes(s.capacity_bytes),
+        100.0 * s.peak_bytes_per_device as f64 / s.capacity_bytes.max(1) as f64,
+        if s.fits { "fits" } else { "DOES NOT FIT" }
+    );
+    let _ = writeln!(
+        out,
+        "throughput              {} tokens/s ({} tokens per update)",
+        group_digits(s.tokens_per_second.round() as u128),
+        group_digits(u128::from(s.tokens_per_step))
+    );
+    let _ = writeln!(out, "model FLOP utilisation  {:.1}%", 100.0 * s.mfu);
+    out
+}

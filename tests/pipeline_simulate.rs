@@ -1,0 +1,173 @@
+//! `optimusc simulate --pipeline`: a whole-model plan cut into pipeline stages accounts for every
+//! instruction once, one stage is the plain simulation, the bubble is never below the schedule's
+//! formula, the stages hold every parameter (a tied one twice), 1F1B keeps at most P micro-batches on
+//! the first stage where GPipe keeps them all, and bad flags are clear errors.
+
+use optimus::cost::search::Source;
+use optimus::cost::staged::{Pipeline, PipelineSimulation, simulate_pipeline};
+use optimus::cost::{Hardware, Options, simulate};
+use optimus::plan::pipeline::Schedule;
+use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
+use optimus::shard::Target;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn example(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples").join(name)
+}
+
+fn dgx() -> Hardware {
+    Hardware::load("dgx-a100").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// GPT-2 with `layers` layers and a small batch, compiled for `mesh` with `strategy`.
+fn gpt2(layers: u64, mesh: Mesh, strategy: Strategy) -> Plan {
+    let text = std::fs::read_to_string(example("gpt2.opt")).unwrap_or_else(|e| panic!("gpt2.opt: {e}"));
+    let overrides: Vec<_> = [format!("layers={layers}"), "batch=4".to_string(), "seq=256".to_string()]
+        .iter()
+        .map(|s| s.parse().unwrap_or_else(|e| panic!("{s}: {e:?}")))
+        .collect();
+    let source = Source { name: "gpt2.opt", text: &text, overrides: &overrides };
+    let target = Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
+    source.compile(target, &[]).unwrap_or_else(|e| panic!("{mesh} {strategy:?}: {e}"))
+}
+
+fn pipelined(plan: &Plan, stages: u64, schedule: Schedule, micro_batches: u64) -> PipelineSimulation {
+    let pipeline = Pipeline { stages, schedule, micro_batches };
+    simulate_pipeline(plan, &dgx(), &Options::default(), pipeline).unwrap_or_else(|e| panic!("{pipeline:?}: {e}"))
+}
+
+fn meshes() -> Vec<(Mesh, Strategy)> {
+    vec![
+        (Mesh::new(1, 1), Strategy::None),
+        (Mesh::new(2, 2), Strategy::Optimus),
+        (Mesh::new(1, 2), Strategy::Megatron),
+        (Mesh::new(1, 2).with_data(2), Strategy::Megatron),
+    ]
+}
+
+#[test]
+fn one_stage_and_one_micro_batch_is_the_plain_simulation_without_replicas() {
+    for (mesh, strategy) in meshes() {
+        let plan = gpt2(4, mesh, strategy);
+        let plain = simulate(&plan, &dgx(), &Options::default());
+        let one = pipelined(&plan, 1, Schedule::OneFOneB, 1);
+        let close = (one.step_time_s - plain.step_time_s).abs() <= 1e-9 * plain.step_time_s;
+        if mesh.data == 1 {
+            assert!(close, "{mesh}: {} against {}", one.step_time_s, plain.step_time_s);
+        } else {
+            // Replicas' gradient sums run after the last micro-batch, not beside its backward pass.
+            assert!(one.step_time_s >= plain.step_time_s * (1.0 - 1e-9), "{mesh}");
+        }
+        assert_eq!(one.bubble_fraction, 0.0);
+        assert_eq!(one.devices, mesh.devices());
+    }
+}
+
+#[test]
+fn the_stages_share_out_every_instruction_and_every_parameter() {
+    for (mesh, strategy) in meshes() {
+        let plan = gpt2(8, mesh, strategy);
+        let one = pipelined(&plan, 1, Schedule::OneFOneB, 1);
+        let passes: f64 = one.per_stage.iter().map(|s| s.forward_s + s.backward_s).sum();
+        let update: f64 = one.per_stage.iter().map(|s| s.update_s).sum();
+        let total_params: u64 = plan.params.iter().map(|p| p.shape.iter().product::<u64>()).sum();
+        for stages in [2u64, 4, 8] {
+            let s = pipelined(&plan, stages, Schedule::OneFOneB, 8);
+            assert_eq!(s.per_stage.len() as u64, stages);
+            assert_eq!(s.devices, stages * mesh.devices());
+            let compute: f64 = s.per_stage.iter().map(|s| s.forward_s + s.backward_s).sum();
+            assert!((compute - passes).abs() <= 1e-9 * passes, "{mesh} P={stages}: {compute} against {passes}");
+            // Every stage updates its own parameters (a tied one on both stages that hold it), and each
+            // runs the norm's sum over the mesh.
+            let updates: f64 = s.per_stage.iter().map(|s| s.update_s).sum();
+            assert!(updates >= update * (1.0 - 1e-9), "{mesh} P={stages}: {updates} against {update}");
+            let slowest = s.per_stage.iter().map(|s| s.update_s).fold(0.0, f64::max);
+            assert!(slowest < update, "{mesh} P={stages}: a stage updates less than the whole model");
+            // The tied embedding and LM head: the first and the last stage both hold wte.
+            let wte: u64 =
+                plan.params.iter().find(|p| p.name.starts_with("wte")).map_or(0, |p| p.shape.iter().product());
+            let held: u64 = s.per_stage.iter().map(|s| s.parameters).sum();
+            assert_eq!(held, total_params + wte, "{mesh} P={stages}");
+            assert!(s.tied_sync_s > 0.0);
+            assert!(s.p2p_bytes > 0 && s.p2p_s > 0.0);
+            let layers: usize = s.per_stage.iter().map(|st| st.layers.len()).sum();
+            assert_eq!(layers as u64, stages);
+        }
+    }
+}
+
+#[test]
+fn the_bubble_is_never_below_the_schedules_formula() {
+    let plan = gpt2(8, Mesh::new(2, 2), Strategy::Optimus);
+    for (stages, m) in [(2u64, 1u64), (2, 8), (4, 4), (4, 16), (8, 8)] {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            let s = pipelined(&plan, stages, schedule, m);
+            let formula = (stages - 1) as f64 / (m + stages - 1) as f64;
+            assert!(s.bubble_fraction >= formula - 1e-9, "{schedule:?} P={stages} m={m}: {}", s.bubble_fraction);
+            assert!(s.bubble_fraction < 1.0);
+            assert!(s.step_time_s >= s.pipeline_s);
+        }
+        if stages * 2 <= 8 && m % stages == 0 {
+            let interleaved = pipelined(&plan, stages, Schedule::Interleaved { chunks: 2 }, m);
+            let formula = (stages - 1) as f64 / (2 * m + stages - 1) as f64;
+            assert!(interleaved.bubble_fraction >= formula - 1e-9);
+            assert_eq!(interleaved.per_stage[0].layers.len(), 2, "two chunks a stage");
+        }
+    }
+}
+
+#[test]
+fn one_f_one_b_keeps_at_most_p_micro_batches_where_gpipe_keeps_them_all() {
+    let plan = gpt2(8, Mesh::new(1, 2), Strategy::Megatron);
+    let (p, m) = (4u64, 12u64);
+    let one_f_one_b = pipelined(&plan, p, Schedule::OneFOneB, m);
+    let gpipe = pipelined(&plan, p, Schedule::GPipe, m);
+    for (s, (a, b)) in one_f_one_b.per_stage.iter().zip(&gpipe.per_stage).enumerate() {
+        assert_eq!(a.in_flight, p - s as u64);
+        assert_eq!(b.in_flight, m);
+        assert!(a.kept_bytes_per_micro_batch > 0);
+        assert!(a.peak_bytes < b.peak_bytes, "stage {s}: 1F1B {} against GPipe {}", a.peak_bytes, b.peak_bytes);
+    }
+    // The same passes, in another order: GPipe's update is no faster.
+    assert!(gpipe.step_time_s >= one_f_one_b.step_time_s * (1.0 - 1e-9));
+    // More micro-batches shrink the bubble.
+    let more = pipelined(&plan, p, Schedule::OneFOneB, 4 * m);
+    assert!(more.bubble_fraction < one_f_one_b.bubble_fraction);
+    assert!(more.tokens_per_second > one_f_one_b.tokens_per_second);
+}
+
+fn optimusc(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().unwrap_or_else(|e| panic!("{e}"));
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn the_command_line_simulates_a_pipeline_and_refuses_contradictions() {
+    let model = example("gpt2.opt");
+    let model = model.to_str().unwrap_or_default();
+    let base = ["simulate", model, "--mesh", "2x2", "--hardware", "dgx-a100", "--set", "layers=4"];
+    let (ok, out, err) = optimusc(&[&base[..], &["--pipeline", "2", "--accum", "4"]].concat());
+    assert!(ok, "{err}");
+    assert!(out.contains("pipeline of 2 stages (1f1b schedule)"), "{out}");
+    assert!(out.contains("embedding + h.0"), "{out}");
+    assert!(out.contains("+ head"), "{out}");
+    let (ok, out, err) = optimusc(&[&base[..], &["--pipeline", "2", "--accum", "4", "--json"]].concat());
+    assert!(ok, "{err}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(json["stages"], 2);
+    assert_eq!(json["devices"], 8);
+    for (flags, expected) in [
+        (vec!["--pipeline", "4", "--virtual-stages", "2"], "--virtual-stages 2 is for --pipeline-schedule interleaved"),
+        (vec!["--pipeline", "2", "--pipeline-schedule", "interleaved", "--accum", "3"], "not a multiple of 2 stages"),
+        (vec!["--pipeline", "5"], "need at least 5 repeated layers"),
+        (vec!["--pipeline", "2", "--mode", "infer"], "training plans"),
+        (vec!["--pipeline", "2", "--max-batch"], "do not go with --max-batch"),
+        (vec!["--pipeline", "0"], "0 is not in 1..="),
+    ] {
+        let (ok, _, err) = optimusc(&[&base[..], &flags[..]].concat());
+        assert!(!ok, "{flags:?} should fail");
+        assert!(err.contains(expected), "{flags:?}: {err}");
+        assert!(!err.contains("panicked"), "{flags:?}: {err}");
+    }
+}
