@@ -15,7 +15,7 @@ use super::collective::Algorithm;
 use super::flows::{self, GroupLayout};
 use super::hardware::Hardware;
 use optimus_plan::placement::{LinkKind, NodeMap, RankPlacement};
-use optimus_plan::report::{kernel_flops, report};
+use optimus_plan::report::{collective_bytes, flops, kernel_flops};
 use optimus_plan::types::DType;
 use optimus_plan::{
     Buffer, BufferId, Collective, CollectiveKind, Group, Instr, Kernel, Mode, Plan, ReasonKind, SummaProduct,
@@ -453,8 +453,6 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation
         .collect();
     // Plans repeat the same collectives layer after layer: each (group, kind, bytes) is costed once.
     let mut costed: BTreeMap<(Group, &'static str, u64), (LinkKind, f64)> = BTreeMap::new();
-    let rep = report(plan);
-    let bytes_of: BTreeMap<usize, u64> = rep.communication.iter().map(|c| (c.instruction, c.bytes)).collect();
     let measured = hw.measured.as_ref();
     let overlap = options.overlap && measured.is_none_or(|m| m.overlap);
     let engine = Engine::of(plan, hw);
@@ -467,7 +465,7 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation
         ..Tally::default()
     };
     let mut costs = Vec::with_capacity(plan.program.len());
-    for (index, instr) in plan.program.iter().enumerate() {
+    for instr in &plan.program {
         let before = tally.compute + tally.exposed;
         let mut busy_s = 0.0;
         match instr {
@@ -479,7 +477,7 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation
                 tally.kernel(cost, reason_kind(plan, *reason));
             }
             Instr::Collective { collective: c, reason, .. } => {
-                let bytes = bytes_of.get(&index).copied().unwrap_or(0);
+                let bytes = collective_bytes(plan, c);
                 let (link_kind, modelled) = *costed.entry((c.group, c.kind.name(), bytes)).or_insert_with(|| {
                     flows::collective_seconds(c.kind, &layouts[&c.group], bytes as f64, hw, algorithm)
                 });
@@ -504,7 +502,7 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation
         placement_note: nodes.note.clone(),
         algorithm: algorithm.name().to_string(),
     };
-    (assemble(plan, hw, Options { overlap, ..*options }, header, tally, &rep), costs)
+    (assemble(plan, hw, Options { overlap, ..*options }, header, tally), costs)
 }
 
 /// The compute engine a device's kernels run on: its own, or one shared by the `devices` of its node
@@ -565,18 +563,11 @@ struct Header {
     algorithm: String,
 }
 
-fn assemble(
-    plan: &Plan,
-    hw: &Hardware,
-    options: Options,
-    header: Header,
-    tally: Tally,
-    rep: &optimus_plan::report::Report,
-) -> Simulation {
+fn assemble(plan: &Plan, hw: &Hardware, options: Options, header: Header, tally: Tally) -> Simulation {
     let step = tally.compute + tally.exposed;
     let throughput = Throughput::of(plan, hw, step);
     let capacity = hw.memory_bytes();
-    let peak = rep.memory.plan.peak_bytes;
+    let peak = plan.memory.peak_bytes;
     Simulation {
         model: plan.model.clone(),
         hardware: hw.name.clone(),
@@ -604,7 +595,7 @@ fn assemble(
         parameters: throughput.parameters,
         tokens_per_step: throughput.tokens,
         tokens_per_second: if step > 0.0 { throughput.tokens as f64 / step } else { 0.0 },
-        flops_per_device: rep.flops.per_device,
+        flops_per_device: flops(plan),
         model_flops_per_step: throughput.model_flops,
         mfu: throughput.mfu,
     }

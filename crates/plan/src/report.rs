@@ -115,6 +115,12 @@ pub(crate) fn payload(kind: CollectiveKind, send: &Buffer, recv: &Buffer) -> u64
     }
 }
 
+/// The bytes one device sends in a collective (an all-gather's: its gathered result).
+pub fn collective_bytes(plan: &Plan, c: &super::Collective) -> u64 {
+    let send = plan.buffer(c.send);
+    payload(c.kind, send, plan.buffer(c.recv)) * send.dtype.bytes()
+}
+
 /// Builds the report of a plan.
 pub fn report(plan: &Plan) -> Report {
     let mut communication = Vec::new();

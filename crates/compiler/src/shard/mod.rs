@@ -40,17 +40,41 @@ pub const SUGGESTED_MESH_DEVICES: u64 = 64;
 
 /// Compiles a checked model into a verified plan, or explains why it cannot be sharded so.
 pub fn compile(model: &Model, source_name: &str, source: &str, target: Target) -> Result<Plan, Vec<Diagnostic>> {
+    compile_with(model, (source_name, source), target, true)
+}
+
+/// [`compile`], for searches that compile many targets to cost them and read only the first error:
+/// without the meshes that would compile where a dimension does not split (finding them compiles
+/// other meshes), and without verifying the plan (a search does not run its plans; the plan it
+/// writes is compiled again with [`compile`]).
+pub fn compile_quietly(
+    model: &Model,
+    source_name: &str,
+    source: &str,
+    target: Target,
+) -> Result<Plan, Vec<Diagnostic>> {
+    compile_with(model, (source_name, source), target, false)
+}
+
+/// `checked`: suggest meshes on a dimension that does not split, and verify the plan.
+fn compile_with(
+    model: &Model,
+    (source_name, source): (&str, &str),
+    target: Target,
+    checked: bool,
+) -> Result<Plan, Vec<Diagnostic>> {
+    let suggest_meshes = checked;
     check_mesh(target)?;
     let graph = LoweringGraph::new(model, target.mode)?;
     let shapes = shapes::padded_shapes(model, &graph.graph, &graph.like, target);
     shapes::check_padded_sizes(model, &graph.graph, &shapes)?;
     let mut lower = Lowerer::new(model, &graph.graph, graph.like.clone(), source, target, shapes);
     lower.run(graph.forward_len, &graph.grads);
-    if lower.diagnostics.iter().any(|d| d.code == Code::E0602) {
+    if suggest_meshes && lower.diagnostics.iter().any(|d| d.code == Code::E0602) {
         let meshes = meshes_that_compile(model, &graph, source_name, source, target);
         add_mesh_suggestions(&mut lower.diagnostics, target.strategy, &meshes);
     }
-    lower.finish(source_name)
+    lower.finish(source_name, checked)
 }
 
 /// The graph the lowering walks: the forward graph (infer), or forward and backward (train).
@@ -157,7 +181,7 @@ fn compiles_on(model: &Model, graph: &LoweringGraph, source_name: &str, source: 
     let mut lower = graph.lowerer(model, source, target);
     lower.stop_at_first_error = true;
     lower.run(graph.forward_len, &graph.grads);
-    lower.diagnostics.is_empty() && lower.finish(source_name).is_ok()
+    lower.diagnostics.is_empty() && lower.finish(source_name, true).is_ok()
 }
 
 /// Lists the meshes that compile in the help of every divisibility error, with the bound searched.
@@ -492,7 +516,8 @@ impl<'a> Lowerer<'a> {
         self.new_buffer(name, b.dtype, b.logical_shape, b.layout, Role::OptimizerState)
     }
 
-    fn finish(mut self, source_name: &str) -> Result<Plan, Vec<Diagnostic>> {
+    /// The plan, verified when `verify` says so.
+    fn finish(mut self, source_name: &str, verify: bool) -> Result<Plan, Vec<Diagnostic>> {
         if !self.diagnostics.is_empty() {
             return Err(self.diagnostics);
         }
@@ -533,6 +558,9 @@ impl<'a> Lowerer<'a> {
             zero: self.target.memory.zero,
             overlap: false,
         };
+        if !verify {
+            return Ok(plan);
+        }
         optimus_plan::verify::verify(&plan).map_err(|errors| {
             errors
                 .into_iter()

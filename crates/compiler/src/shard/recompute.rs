@@ -16,7 +16,7 @@
 
 use super::Lowerer;
 use optimus_plan::{BufferId, Instr, Kernel, Recompute, Role};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// The buffers an instruction reads (an accumulating kernel reads its output).
 fn reads(instr: &Instr) -> Vec<BufferId> {
@@ -64,44 +64,67 @@ fn is_cheap(instr: &Instr) -> bool {
     )
 }
 
-/// Who writes and reads each buffer, by instruction index.
+/// Who writes and reads each buffer, by instruction index (indexed by buffer id).
 #[derive(Default)]
 struct Uses {
-    writers: BTreeMap<BufferId, Vec<usize>>,
-    readers: BTreeMap<BufferId, Vec<usize>>,
+    writers: Vec<Vec<usize>>,
+    readers: Vec<Vec<usize>>,
 }
 
 impl Uses {
     fn of(program: &[Instr]) -> Uses {
         let mut uses = Uses::default();
+        let slot = |table: &mut Vec<Vec<usize>>, b: BufferId| -> usize {
+            let i = b.0 as usize;
+            if table.len() <= i {
+                table.resize_with(i + 1, Vec::new);
+            }
+            i
+        };
         for (k, instr) in program.iter().enumerate() {
             if let Some(b) = writes(instr) {
-                uses.writers.entry(b).or_default().push(k);
+                let i = slot(&mut uses.writers, b);
+                uses.writers[i].push(k);
             }
             for b in reads(instr) {
-                uses.readers.entry(b).or_default().push(k);
+                let i = slot(&mut uses.readers, b);
+                uses.readers[i].push(k);
             }
         }
         uses
+    }
+
+    /// The instructions that write `b`, in program order.
+    fn writers_of(&self, b: BufferId) -> &[usize] {
+        self.writers.get(b.0 as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// The instructions that read `b`, in program order.
+    fn readers_of(&self, b: BufferId) -> &[usize] {
+        self.readers.get(b.0 as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// Every written buffer with its writers, by buffer id.
+    fn written(&self) -> impl Iterator<Item = (BufferId, &[usize])> {
+        self.writers.iter().enumerate().filter(|(_, w)| !w.is_empty()).map(|(i, w)| (BufferId(i as u32), w.as_slice()))
     }
 }
 
 impl Lowerer<'_> {
     /// The unit an instruction belongs to: the repeated block instance its origin lies in, or (for
     /// `selective`, which needs no block) its own layer scope; `None` outside any block for `layers`.
-    fn unit_of(&self, instr: &Instr, mode: Recompute) -> Option<String> {
+    /// `units` holds the names of `self.recompute_units`.
+    fn unit_of(&self, instr: &Instr, mode: Recompute, units: &HashSet<&str>) -> Option<String> {
         let origin = match instr {
             Instr::Kernel { origin, .. } | Instr::Collective { origin, .. } => *origin,
             Instr::Free { .. } | Instr::Wait { .. } => return None,
         };
         let scope = &self.origins.get(origin as usize)?.scope;
-        let block = self
-            .recompute_units
-            .iter()
-            .filter(|b| scope == *b || scope.strip_prefix(b.as_str()).is_some_and(|rest| rest.starts_with('.')))
-            .max_by_key(|b| b.len());
+        // The longest unit that is the scope or a prefix of it ending before a `.`.
+        let ends = scope.match_indices('.').map(|(i, _)| i).chain(std::iter::once(scope.len()));
+        let block = ends.rev().find_map(|end| units.get(&scope[..end]).copied());
         match (block, mode) {
-            (Some(b), _) => Some(b.clone()),
+            (Some(b), _) => Some(b.to_string()),
             (None, Recompute::Selective) => Some(scope.clone()),
             (None, _) => None,
         }
@@ -129,14 +152,14 @@ impl Lowerer<'_> {
             return;
         }
         let program = std::mem::take(&mut self.program);
-        let units: Vec<Option<String>> = program.iter().map(|i| self.unit_of(i, mode)).collect();
+        let unit_names: HashSet<&str> = self.recompute_units.iter().map(String::as_str).collect();
+        let units: Vec<Option<String>> = program.iter().map(|i| self.unit_of(i, mode, &unit_names)).collect();
         let candidates = self.candidates(&program, &units, mode, forward_end);
         let uses = Uses::of(&program);
         // Per unit: the candidates the backward pass reads, and where the first such read is.
         let mut needed: BTreeMap<String, (usize, BTreeSet<BufferId>)> = BTreeMap::new();
         for (&b, unit) in &candidates {
-            let backward: Vec<usize> =
-                uses.readers.get(&b).into_iter().flatten().copied().filter(|&k| k >= forward_end).collect();
+            let backward: Vec<usize> = uses.readers_of(b).iter().copied().filter(|&k| k >= forward_end).collect();
             if let Some(&first) = backward.iter().min() {
                 let entry = needed.entry(unit.clone()).or_insert((first, BTreeSet::new()));
                 entry.0 = entry.0.min(first);
@@ -182,7 +205,7 @@ impl Lowerer<'_> {
             .chain(self.plan_params.iter().map(|p| p.buffer))
             .collect();
         let mut out = BTreeMap::new();
-        for (&b, writers) in &uses.writers {
+        for (b, writers) in uses.written() {
             let role = self.buffers[b.0 as usize].role;
             if kept.contains(&b) || !matches!(role, Role::Activation | Role::Workspace) {
                 continue;
@@ -193,7 +216,7 @@ impl Lowerer<'_> {
                 continue;
             }
             let eligible = match mode {
-                Recompute::Layers => uses.readers.get(&b).into_iter().flatten().all(in_unit),
+                Recompute::Layers => uses.readers_of(b).iter().all(in_unit),
                 Recompute::Selective => writers.iter().all(|&k| is_cheap(&program[k])),
                 Recompute::None => false,
             };
@@ -268,7 +291,7 @@ fn closure(
         if !seen.insert(b) {
             continue;
         }
-        for &k in uses.writers.get(&b).into_iter().flatten() {
+        for &k in uses.writers_of(b) {
             if instrs.insert(k) {
                 stack.extend(reads(&program[k]).into_iter().filter(|r| candidates.contains_key(r)));
             }
