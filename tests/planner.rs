@@ -33,9 +33,19 @@ fn brute_force(
     hw: &Hardware,
     (devices, precisions): (u64, &[Precision]),
     options: Options,
+    max_pipeline: u64,
 ) -> Vec<(Config, f64, u64)> {
-    let request = Request { source, devices, hardware: hw, capacity: u64::MAX, mode: Mode::Train, precisions, options };
-    let all = planner::configurations(devices, 8, Mode::Train, precisions);
+    let request = Request {
+        source,
+        devices,
+        hardware: hw,
+        capacity: u64::MAX,
+        mode: Mode::Train,
+        precisions,
+        options,
+        max_pipeline,
+    };
+    let all = planner::configurations(devices, 8, Mode::Train, precisions, (2, max_pipeline));
     assert!(!all.is_empty());
     all.iter()
         .filter_map(|c| planner::evaluate(&request, c).ok().map(|s| (*c, s.step_time_s, s.peak_bytes_per_device)))
@@ -44,18 +54,27 @@ fn brute_force(
 
 /// The search, with memory tight enough that some configurations do not fit, against brute force, both
 /// simulating with `options`.
-fn check_against_brute_force(devices: u64, precisions: &[Precision], options: Options) {
+fn check_against_brute_force(devices: u64, precisions: &[Precision], options: Options, max_pipeline: u64) {
     let text = tiny_text();
     let name = example("tiny.opt").display().to_string();
     let source = Source { name: &name, text: &text, overrides: &[] };
     let hw = dgx();
-    let everything = brute_force(&source, &hw, (devices, precisions), options);
+    let everything = brute_force(&source, &hw, (devices, precisions), options, max_pipeline);
     assert!(everything.len() >= 4, "too few configurations compile: {}", everything.len());
     // The median peak as capacity: about half of the configurations fit.
     let mut peaks: Vec<u64> = everything.iter().map(|e| e.2).collect();
     peaks.sort_unstable();
     let capacity = peaks[peaks.len() / 2];
-    let request = Request { source: &source, devices, hardware: &hw, capacity, mode: Mode::Train, precisions, options };
+    let request = Request {
+        source: &source,
+        devices,
+        hardware: &hw,
+        capacity,
+        mode: Mode::Train,
+        precisions,
+        options,
+        max_pipeline,
+    };
     let calls = std::cell::RefCell::new(Vec::new());
     let record = |p: planner::SearchProgress| calls.borrow_mut().push((p.done, p.total, p.next.to_string()));
     let outcome = match planner::plan_with_progress(&request, &record) {
@@ -88,6 +107,7 @@ fn check_against_brute_force(devices: u64, precisions: &[Precision], options: Op
         let alone = everything.iter().find(|e| e.0 == s.config).map(|e| (e.1, e.2));
         assert_eq!(alone, Some((s.step_time_s, s.peak_bytes_per_device)), "{}", s.config.label());
         assert_eq!(s.config.parallelism.data * s.config.micro_batch * s.config.accumulation, 8);
+        assert_eq!(s.config.parallelism.devices(), devices);
         assert_eq!(s.placement.ends_with("(auto)"), options.auto_placement, "{}", s.placement);
     }
     for pair in outcome.ranked.windows(2) {
@@ -106,19 +126,28 @@ fn check_against_brute_force(devices: u64, precisions: &[Precision], options: Op
 
 #[test]
 fn the_best_is_at_least_as_fast_as_every_configuration_on_4_devices() {
-    check_against_brute_force(4, &[Precision::F32], Options::default());
+    check_against_brute_force(4, &[Precision::F32], Options::default(), 1);
+}
+
+/// With pipelines of tiny.opt's 2 layers: 2-stage layouts beside the rest, the best still at least as
+/// fast as each of them.
+#[test]
+fn the_best_with_pipelines_is_at_least_as_fast_as_every_configuration() {
+    for devices in [4, 16] {
+        check_against_brute_force(devices, &[Precision::F32], Options::default(), 2);
+    }
 }
 
 #[test]
 fn the_best_is_at_least_as_fast_as_every_configuration_on_16_devices_in_either_precision() {
-    check_against_brute_force(16, &[Precision::Bf16, Precision::F32], Options::default());
+    check_against_brute_force(16, &[Precision::Bf16, Precision::F32], Options::default(), 1);
 }
 
 /// As `optimusc plan` searches: every configuration at its faster placement (16 devices span two
 /// 8-GPU nodes), the best still at least as fast as each of them.
 #[test]
 fn the_best_is_at_least_as_fast_as_every_configuration_at_its_faster_placement() {
-    check_against_brute_force(16, &[Precision::F32], Options { auto_placement: true, ..Options::default() });
+    check_against_brute_force(16, &[Precision::F32], Options { auto_placement: true, ..Options::default() }, 1);
 }
 
 fn optimusc(args: &[&str]) -> (i32, String, String) {
@@ -255,4 +284,37 @@ fn giant_sizes_are_diagnostics_not_crashes() {
         assert_eq!(code, 1, "--set {set}: {err}");
         assert!(err.contains("error[E"), "--set {set}: {err}");
     }
+}
+
+/// `--max-pipeline`: pipelined layouts ranked beside the rest (each on all the devices), and refused
+/// with -o, whose plan `run` must execute.
+#[test]
+fn max_pipeline_ranks_pipelines_and_is_refused_with_o() {
+    let tiny = example("tiny.opt");
+    let tiny = tiny.to_string_lossy();
+    let base = ["plan", &tiny, "--devices", "8", "--hardware", "dgx-a100", "--top", "1000"];
+    let (code, out, err) = optimusc(&[&base[..], &["--max-pipeline", "2", "--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let listing: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+    let configs = listing["configurations"].as_array().cloned().unwrap_or_default();
+    let piped: Vec<&serde_json::Value> = configs.iter().filter(|c| c["pipeline"] == 2).collect();
+    assert!(!piped.is_empty(), "no 2-stage pipeline ranked: {out}");
+    for c in &configs {
+        let mesh: u64 = c["mesh"].as_str().unwrap_or("0").split('x').filter_map(|n| n.parse::<u64>().ok()).product();
+        let devices = mesh * c["data"].as_u64().unwrap_or(0) * c["pipeline"].as_u64().unwrap_or(0);
+        assert_eq!(devices, 8, "{c}");
+    }
+    for c in &piped {
+        let bubble = c["bubble_fraction"].as_f64().unwrap_or(-1.0);
+        assert!((0.0..1.0).contains(&bubble), "{c}");
+    }
+    let (code, out, err) = optimusc(&[&base[..], &["--max-pipeline", "1", "--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("\"pipeline\":2"), "--max-pipeline 1 searches no pipelines");
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let plan = dir.path().join("plan.json");
+    let (code, _, err) = optimusc(&[&base[..], &["--max-pipeline", "2", "-o", &plan.to_string_lossy()]].concat());
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("does not run pipelines yet"), "{err}");
+    assert!(!plan.exists(), "nothing written");
 }

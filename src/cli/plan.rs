@@ -51,6 +51,15 @@ pub struct PlanArgs {
     /// Rows of the table (configurations in the JSON list).
     #[arg(long, value_name = "K", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub top: u64,
+    /// Also search pipelines of up to P stages: layouts that cut the model's repeated layers into P
+    /// contiguous stages (every P that divides the devices and is at most the layer count; 1F1B, and
+    /// interleaved with 2 chunks a stage where the layers split into 2 P equal runs), each stage a
+    /// copy of the tensor mesh and its replicas, simulated as `simulate --pipeline` does, with the
+    /// micro-batches of an update as the pipeline's. Each stage grid compiles the whole model, so the
+    /// search takes several times longer. Not with -o: `run` does not run pipelines yet
+    /// [default: 1, no pipelines].
+    #[arg(long, value_name = "P", value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub max_pipeline: Option<u64>,
 }
 
 /// The precisions the planner may choose from.
@@ -105,6 +114,14 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
         return code;
     }
     let mode = if args.mode == ModeArg::Train { Mode::Train } else { Mode::Infer };
+    let max_pipeline = args.max_pipeline.unwrap_or(1);
+    if max_pipeline > 1 && args.output.is_some() {
+        eprintln_safe!(
+            "error: -o writes a plan for `optimusc run`, which does not run pipelines yet: drop --max-pipeline \
+             {max_pipeline}, or drop -o to see pipelined configurations ranked"
+        );
+        return ExitCode::from(2);
+    }
     let request = Request {
         source: &source,
         devices: args.devices,
@@ -114,6 +131,7 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
         precisions: args.precision.precisions(),
         // Each candidate at its faster placement, as `simulate` (default --placement auto) shows it.
         options: Options { auto_placement: true, ..Options::default() },
+        max_pipeline,
     };
     let bar = search_bar(args.json);
     let show = |p: planner::SearchProgress| {
@@ -169,7 +187,7 @@ fn read_source(path: &std::path::Path) -> Option<String> {
 /// Compiles the winning configuration and writes its plan (atomically, as `compile -o`).
 fn write_winner(source: &Source, outcome: &Outcome, mode: Mode, output: &std::path::Path) -> Result<(), ExitCode> {
     let Some(best) = outcome.ranked.first() else { return Ok(()) };
-    let plan = planner::compile_candidate(source, &best.config, mode).map_err(|e| {
+    let plan = planner::compile_winner(source, &best.config, mode).map_err(|e| {
         eprintln_safe!("error: cannot compile the winning configuration: {e}");
         ExitCode::from(1)
     })?;
@@ -281,11 +299,12 @@ fn run_hint(path: &std::path::Path, best: &Config) -> String {
 fn render_table(out: &mut String, outcome: &Outcome, top: u64) {
     let _ = writeln!(
         out,
-        "{:>4}  {:<9} {:<7} {:>4} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>14} {:>6} {:>11}",
+        "{:>4}  {:<9} {:<7} {:>4} {:>5} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>11} {:>14} {:>6} {:>11}",
         "rank",
         "strategy",
         "mesh",
         "DP",
+        "PP",
         "micro x acc",
         "recompute",
         "prec",
@@ -294,6 +313,7 @@ fn render_table(out: &mut String, outcome: &Outcome, top: u64) {
         "compute",
         "exposed comm",
         "of it DP",
+        "bubble",
         "tokens/s",
         "MFU",
         "peak/device"
@@ -306,11 +326,12 @@ fn render_table(out: &mut String, outcome: &Outcome, top: u64) {
 fn row(rank: usize, s: &Scored) -> String {
     let c = &s.config;
     format!(
-        "{:>4}  {:<9} {:<7} {:>4} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>14} {:>5.1}% {:>11}",
+        "{:>4}  {:<9} {:<7} {:>4} {:>5} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>11} {:>14} {:>5.1}% {:>11}",
         rank,
         c.parallelism.strategy.name(),
         c.parallelism.mesh.to_string(),
         c.parallelism.data,
+        c.parallelism.pipeline_text(),
         format!("{} x {}", c.micro_batch, c.accumulation),
         c.recompute.name(),
         c.precision.name(),
@@ -319,6 +340,7 @@ fn row(rank: usize, s: &Scored) -> String {
         seconds(s.compute_s),
         seconds(s.exposed_communication_s),
         seconds(s.data_parallel_s),
+        s.bubble_s.map_or_else(|| "-".to_string(), seconds),
         group_digits(s.tokens_per_second.round() as u128),
         100.0 * s.mfu,
         human_bytes(s.peak_bytes_per_device)

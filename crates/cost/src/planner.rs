@@ -16,23 +16,35 @@
 //! - a group whose compute lower bound (its matrix-product FLOPs at the peak rate) already loses to
 //!   the best step found is skipped;
 //! - a layout whose parameters and optimizer state alone overflow the memory is not compiled again.
+//!
+//! Pipelines ([`Request::max_pipeline`] above 1): a layout may also cut the model into P stages (1F1B,
+//! or interleaved with 2 chunks a stage where the layers split that way), each stage a copy of the
+//! tensor mesh and its replicas. Its memory and step come from the plan of one stage's grid for the
+//! whole model, cut into stages by [`crate::staged`]; that plan is compiled once for every pipeline
+//! depth that uses the same grid. A pipelined layout whose compute lower bound (the stage grid's
+//! matrix products, known from any plan of the same tensor mesh, divided by P) already loses to the
+//! best step is skipped without compiling.
 
 use super::hardware::Hardware;
 use super::search::{SearchError, Source, batch_multiple, batch_override, integer_cbrt, integer_sqrt};
-use super::step::{Options, Simulation, kernel_time, simulate};
+use super::staged::{self, Pieces, Pipeline, PipelineSimulation};
+use super::step::{Options, Simulation, kernel_time, simulate, simulate_costed};
 use optimus_compiler::shard::Target;
+use optimus_plan::pipeline::Schedule;
 use optimus_plan::report::kernel_flops;
 use optimus_plan::{
     Buffer, CollectiveKind, Group, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Recompute, Strategy,
 };
 use serde::{Serialize, Serializer};
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::Instant;
 
 /// The most devices the planner takes.
 pub const MAX_DEVICES: u64 = 1 << 20;
 
-/// How a model is split over the devices: a tensor-parallel mesh, replicated `data` times.
+/// How a model is split over the devices: a tensor-parallel mesh, replicated `data` times, in each of
+/// `pipeline` stages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Parallelism {
     pub strategy: Strategy,
@@ -40,6 +52,10 @@ pub struct Parallelism {
     pub mesh: Mesh,
     /// The data-parallel degree: how many replicas of the tensor mesh.
     pub data: u64,
+    /// Pipeline stages (1: no pipeline), each with its own tensor mesh and replicas.
+    pub pipeline: u64,
+    /// Model chunks on each stage: 1 for the 1F1B schedule, 2 or more for the interleaved one.
+    pub chunks: u64,
 }
 
 fn mesh_text<S: Serializer>(mesh: &Mesh, s: S) -> Result<S::Ok, S::Error> {
@@ -47,14 +63,41 @@ fn mesh_text<S: Serializer>(mesh: &Mesh, s: S) -> Result<S::Ok, S::Error> {
 }
 
 impl Parallelism {
+    /// A tensor mesh replicated `data` times, without a pipeline.
+    pub fn tensor(strategy: Strategy, mesh: Mesh, data: u64) -> Parallelism {
+        Parallelism { strategy, mesh, data, pipeline: 1, chunks: 1 }
+    }
+
     /// Devices of one replica.
     pub fn tensor_devices(&self) -> u64 {
         self.mesh.devices()
     }
 
-    /// "optimus 8x8 DP 2".
+    /// Every device: stages x replicas x the tensor mesh.
+    pub fn devices(&self) -> u64 {
+        self.pipeline * self.data * self.mesh.devices()
+    }
+
+    /// The pipeline's schedule.
+    pub fn schedule(&self) -> Schedule {
+        if self.chunks > 1 { Schedule::Interleaved { chunks: self.chunks } } else { Schedule::OneFOneB }
+    }
+
+    /// "1", "16" or "8x2" (8 stages of 2 interleaved chunks).
+    pub fn pipeline_text(&self) -> String {
+        if self.chunks > 1 { format!("{}x{}", self.pipeline, self.chunks) } else { self.pipeline.to_string() }
+    }
+
+    /// "optimus 8x8 DP 2", "megatron 1x8 DP 8 PP 16", "optimus 4x4 DP 4 PP 8x2 interleaved".
     pub fn label(&self) -> String {
-        format!("{} {} DP {}", self.strategy.name(), self.mesh, self.data)
+        let mut text = format!("{} {} DP {}", self.strategy.name(), self.mesh, self.data);
+        if self.pipeline > 1 {
+            text.push_str(&format!(" PP {}", self.pipeline_text()));
+            if self.chunks > 1 {
+                text.push_str(" interleaved");
+            }
+        }
+        text
     }
 }
 
@@ -106,6 +149,22 @@ impl Config {
     fn compile_key(&self) -> Config {
         Config { accumulation: 0, ..*self }
     }
+
+    /// The configuration of one stage's grid: the plan every pipeline depth over it cuts into stages.
+    fn stage_key(&self) -> Config {
+        let parallelism = Parallelism { pipeline: 1, chunks: 1, ..self.parallelism };
+        Config { accumulation: 0, parallelism, ..*self }
+    }
+
+    /// The pipeline of a pipelined configuration: its micro-batches are the accumulation steps.
+    fn pipeline(&self) -> Option<Pipeline> {
+        let p = &self.parallelism;
+        (p.pipeline > 1).then(|| Pipeline {
+            stages: p.pipeline,
+            schedule: p.schedule(),
+            micro_batches: self.accumulation,
+        })
+    }
 }
 
 /// What to plan.
@@ -119,6 +178,8 @@ pub struct Request<'a> {
     /// The precisions allowed, in the order they are searched.
     pub precisions: &'a [Precision],
     pub options: Options,
+    /// The most pipeline stages searched (1: none).
+    pub max_pipeline: u64,
 }
 
 /// A configuration that fits, with its predicted step.
@@ -147,6 +208,12 @@ pub struct Scored {
     pub capacity_bytes: u64,
     /// How its ranks sit on nodes in the simulation (with `auto_placement`, the faster of the two).
     pub placement: String,
+    /// A pipeline's bubble: the time its busiest stage waits (for the pipeline to fill and drain, and
+    /// for transfers), and that as a share of all stages' time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bubble_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bubble_fraction: Option<f64>,
 }
 
 /// How many configurations went where. Every enumerated configuration is counted in exactly one of
@@ -261,6 +328,11 @@ pub fn compile_candidate(source: &Source, config: &Config, mode: Mode) -> Result
     source.compile(config.target(mode), &[batch_override(config.step_batch())])
 }
 
+/// [`compile_candidate`], verified: the plan to write (`plan -o`).
+pub fn compile_winner(source: &Source, config: &Config, mode: Mode) -> Result<Plan, SearchError> {
+    source.compile_verified(config.target(mode), &[batch_override(config.step_batch())])
+}
+
 /// What the search keeps of a compiled plan (plans are large; they are not kept).
 #[derive(Clone, Debug)]
 struct Compiled {
@@ -273,6 +345,40 @@ struct Compiled {
     matrix_s_per_sequence: f64,
     optimizer_s: f64,
     simulation: Option<Simulation>,
+    /// A pipelined configuration's simulated update (its memory figures are the stages' largest).
+    pipeline: Option<PipelineSimulation>,
+}
+
+/// The plan of one stage's grid cut into pieces, with what the search keeps of it.
+struct StagePlan {
+    summary: Compiled,
+    pieces: Pieces,
+    unpipelined: Simulation,
+}
+
+/// A pipelined configuration from the plan of its stage's grid.
+fn pipelined(stage: &StagePlan, hw: &Hardware, pipeline: Pipeline) -> Result<Compiled, SearchError> {
+    let sim = staged::pipeline_of_pieces(hw, &stage.pieces, stage.unpipelined.clone(), pipeline)
+        .map_err(|e| SearchError::Pipeline(e.to_string()))?;
+    let held = sim.per_stage.iter().map(|s| s.held_bytes).max().unwrap_or(0);
+    Ok(Compiled {
+        peak_bytes: sim.peak_bytes_per_device,
+        persistent_bytes: held,
+        gradient_bytes: 0,
+        matrix_s_per_sequence: stage.summary.matrix_s_per_sequence / pipeline.stages as f64,
+        optimizer_s: stage.summary.optimizer_s / pipeline.stages as f64,
+        simulation: Some(stage.unpipelined.clone()),
+        pipeline: Some(sim),
+    })
+}
+
+/// Compiles one stage's grid for a pipelined configuration and cuts it into pieces.
+fn stage_plan(request: &Request, config: &Config) -> Result<StagePlan, SearchError> {
+    let plan = compile_candidate(request.source, config, request.mode)?;
+    let summary = summarise(&plan, request.hardware, config.micro_batch);
+    let (unpipelined, costs) = simulate_costed(&plan, request.hardware, &request.options);
+    let pieces = staged::pieces(&plan, request.hardware, &costs);
+    Ok(StagePlan { summary, pieces, unpipelined })
 }
 
 fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
@@ -302,6 +408,7 @@ fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
         matrix_s_per_sequence: matrix_s / micro_batch.max(1) as f64,
         optimizer_s,
         simulation: None,
+        pipeline: None,
     }
 }
 
@@ -319,6 +426,9 @@ fn gradient_sums_exposed_s(sim: &Simulation) -> f64 {
 /// Scores a configuration from its compiled plan's simulation: `accumulation` micro steps of the whole
 /// mesh, with the gradient sums over the replicas and the optimizer step once.
 fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Request) -> Scored {
+    if let Some(pipe) = &compiled.pipeline {
+        return score_pipeline(pipe, compiled, config, request);
+    }
     let a = config.accumulation as f64;
     let optimizer_s = compiled.optimizer_s;
     let compute_s = a * (sim.compute_s - optimizer_s) + optimizer_s;
@@ -345,6 +455,31 @@ fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Reque
         peak_bytes_per_device: compiled.peak_bytes,
         capacity_bytes: request.capacity,
         placement: sim.placement.clone(),
+        bubble_s: None,
+        bubble_fraction: None,
+    }
+}
+
+/// Scores a pipelined configuration from its simulated update.
+fn score_pipeline(pipe: &PipelineSimulation, compiled: &Compiled, config: &Config, request: &Request) -> Scored {
+    let busiest = pipe.per_stage.iter().map(|s| s.forward_s + s.backward_s).fold(0.0, f64::max);
+    Scored {
+        config: *config,
+        devices: pipe.devices,
+        step_time_s: pipe.step_time_s,
+        micro_step_s: busiest,
+        compute_s: pipe.compute_s,
+        exposed_communication_s: pipe.exposed_communication_s,
+        data_parallel_s: pipe.data_parallel_s,
+        optimizer_s: compiled.optimizer_s,
+        tokens_per_step: pipe.tokens_per_step,
+        tokens_per_second: pipe.tokens_per_second,
+        mfu: pipe.mfu,
+        peak_bytes_per_device: pipe.peak_bytes_per_device,
+        capacity_bytes: request.capacity,
+        placement: pipe.unpipelined.placement.clone(),
+        bubble_s: Some(pipe.bubble_s),
+        bubble_fraction: Some(pipe.bubble_fraction),
     }
 }
 
@@ -353,7 +488,19 @@ fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Reque
 /// only adds to them. (Communication is left out: how much of it the backward pass hides depends on
 /// the micro-batch.)
 fn lower_bound_s(compiled: &Compiled, config: &Config) -> f64 {
-    compiled.matrix_s_per_sequence * (config.micro_batch * config.accumulation) as f64
+    let p = &config.parallelism;
+    compiled.matrix_s_per_sequence
+        * (config.micro_batch * config.accumulation) as f64
+        * fill_and_drain(p.pipeline, p.chunks, config.accumulation)
+}
+
+/// The least a pipeline of `stages` stages of `chunks` chunks takes over m micro-batches, in units
+/// of one stage's work for all of them: 1 + (P - 1) / (V m). A stage runs its m micro-batches after
+/// the first one's forward has passed the stages before it, and the last one's backward still has the
+/// stages before it to pass: (m V + P - 1) chunk passes at least on the critical path, each at least
+/// the average chunk's time (balanced stages meet it).
+fn fill_and_drain(stages: u64, chunks: u64, micro_batches: u64) -> f64 {
+    1.0 + stages.saturating_sub(1) as f64 / (chunks.max(1) * micro_batches.max(1)) as f64
 }
 
 /// The layouts of `devices`: every tensor-device count t dividing it, as optimus q x q (q >= 2),
@@ -370,19 +517,56 @@ pub fn layouts(devices: u64) -> Vec<Parallelism> {
     for t in divisors(devices).into_iter().rev() {
         let data = devices / t;
         if let Some(q) = integer_sqrt(t).filter(|&q| q >= 2) {
-            out.push(Parallelism { strategy: Strategy::Optimus, mesh: Mesh::new(q, q), data });
+            out.push(Parallelism::tensor(Strategy::Optimus, Mesh::new(q, q), data));
         }
         if let Some(q) = integer_cbrt(t).filter(|&q| q >= 2) {
-            out.push(Parallelism { strategy: Strategy::ThreeD, mesh: Mesh::new(q, q).with_depth(q), data });
+            out.push(Parallelism::tensor(Strategy::ThreeD, Mesh::new(q, q).with_depth(q), data));
         }
         if t >= 2 {
-            out.push(Parallelism { strategy: Strategy::Megatron, mesh: Mesh::new(1, t), data });
+            out.push(Parallelism::tensor(Strategy::Megatron, Mesh::new(1, t), data));
         }
         if t == 1 {
-            out.push(Parallelism { strategy: Strategy::None, mesh: Mesh::new(1, 1), data });
+            out.push(Parallelism::tensor(Strategy::None, Mesh::new(1, 1), data));
         }
     }
     out
+}
+
+/// The pipelined layouts of `devices` for a model of `layers` repeated layers: every stage count P
+/// from 2 to `max_pipeline` that divides both the devices and the layers (stages of equal layer
+/// counts, as Megatron-LM requires), over each layout of devices / P ([`layouts`]), with the 1F1B
+/// schedule and, where the layers split into 2 P runs of equal count, the interleaved schedule with 2
+/// chunks a stage. Fewest stages first.
+pub fn pipelined_layouts(devices: u64, layers: u64, max_pipeline: u64) -> Vec<Parallelism> {
+    let mut out = Vec::new();
+    let stage_counts = divisors(devices).into_iter().filter(|&p| p >= 2 && p <= max_pipeline);
+    for p in stage_counts.filter(|&p| layers.is_multiple_of(p)) {
+        for base in layouts(devices / p) {
+            out.push(Parallelism { pipeline: p, chunks: 1, ..base });
+            if layers.is_multiple_of(2 * p) {
+                out.push(Parallelism { pipeline: p, chunks: 2, ..base });
+            }
+        }
+    }
+    out
+}
+
+/// The repeated layers of the model (the most pipeline stages it can have): counted in a one-device
+/// inference plan of one sequence.
+pub fn repeated_layers(source: &Source) -> Result<u64, SearchError> {
+    let target =
+        Target { mesh: Mesh::new(1, 1), strategy: Strategy::None, mode: Mode::Infer, memory: MemoryOptions::DEFAULT };
+    let plan = source.compile(target, &[batch_override(1)])?;
+    let layers: std::collections::BTreeSet<&str> = plan
+        .program
+        .iter()
+        .filter_map(|instr| match instr {
+            Instr::Kernel { origin, .. } | Instr::Collective { origin, .. } => plan.origins.get(*origin as usize),
+            _ => None,
+        })
+        .filter_map(|o| staged::layer_of(&o.scope))
+        .collect();
+    Ok(layers.len() as u64)
 }
 
 /// What the planner says of 2.5D (see [`layouts`]).
@@ -416,7 +600,12 @@ fn micro_batches(p: &Parallelism, global_batch: u64, mode: Mode) -> Result<Vec<u
     let per_replica = global_batch / p.data;
     let target = Target { mesh: p.mesh, strategy: p.strategy, mode, memory: MemoryOptions::DEFAULT };
     let multiple = batch_multiple(target);
-    let ms: Vec<u64> = divisors(per_replica).into_iter().filter(|m| m.is_multiple_of(multiple)).collect();
+    // The interleaved schedule takes the micro-batches P at a time.
+    let steps_multiple = if p.chunks > 1 { p.pipeline } else { 1 };
+    let ms: Vec<u64> = divisors(per_replica)
+        .into_iter()
+        .filter(|m| m.is_multiple_of(multiple) && (per_replica / m).is_multiple_of(steps_multiple))
+        .collect();
     if ms.is_empty() {
         return Err(BatchSplit::OverRows { per_replica, multiple, mesh: p.mesh });
     }
@@ -447,11 +636,19 @@ impl std::fmt::Display for BatchSplit {
     }
 }
 
-/// Every configuration the planner enumerates whose batch splits (the search's space before pruning):
-/// the reference a brute-force check walks.
-pub fn configurations(devices: u64, global_batch: u64, mode: Mode, precisions: &[Precision]) -> Vec<Config> {
+/// Every configuration the planner enumerates whose batch splits (the search's space before pruning),
+/// with pipelines of up to `max_pipeline` stages for a model of `layers` repeated layers: the reference
+/// a brute-force check walks.
+pub fn configurations(
+    devices: u64,
+    global_batch: u64,
+    mode: Mode,
+    precisions: &[Precision],
+    (layers, max_pipeline): (u64, u64),
+) -> Vec<Config> {
     let mut out = Vec::new();
-    for parallelism in layouts(devices) {
+    let pipelines = if mode == Mode::Train { pipelined_layouts(devices, layers, max_pipeline) } else { Vec::new() };
+    for parallelism in layouts(devices).into_iter().chain(pipelines) {
         let Ok(ms) = micro_batches(&parallelism, global_batch, mode) else { continue };
         let per_replica = global_batch / parallelism.data;
         for &precision in precisions {
@@ -471,6 +668,14 @@ pub fn configurations(devices: u64, global_batch: u64, mode: Mode, precisions: &
 /// Compiles, fits and scores one configuration on its own, without the search: what the search
 /// reports for it, or why it does not compile or fit.
 pub fn evaluate(request: &Request, config: &Config) -> Result<Scored, SearchError> {
+    if let Some(pipeline) = config.pipeline() {
+        let stage = stage_plan(request, config)?;
+        let compiled = pipelined(&stage, request.hardware, pipeline)?;
+        if compiled.peak_bytes > request.capacity {
+            return Err(SearchError::TooLarge { needs: compiled.peak_bytes, capacity: request.capacity });
+        }
+        return Ok(score(&compiled, &stage.unpipelined, config, request));
+    }
     let plan = compile_candidate(request.source, config, request.mode)?;
     let compiled = summarise(&plan, request.hardware, config.micro_batch);
     let peak = compiled.peak_bytes;
@@ -499,6 +704,12 @@ struct Search<'a> {
     request: &'a Request<'a>,
     global_batch: u64,
     cache: HashMap<Config, Result<Compiled, SearchError>>,
+    /// Plans of stage grids, cut into pieces, shared by every pipeline depth over the same grid.
+    stages: HashMap<Config, Result<Rc<StagePlan>, SearchError>>,
+    /// Matrix-product seconds per sequence of a replica on one device, by strategy, tensor mesh,
+    /// precision and recompute level (whatever the replicas and the pipeline), for bounds on groups
+    /// before they compile.
+    matrix_rates: HashMap<(Strategy, Mesh, Precision, Recompute), f64>,
     scored: HashMap<Config, Scored>,
     best_s: f64,
     counts: Counts,
@@ -510,6 +721,8 @@ struct Search<'a> {
 struct SearchGroup<'m> {
     base: Config,
     ms: &'m [u64],
+    /// Sequences of a replica per update: `micro_batch x accumulation`.
+    per_replica: u64,
 }
 
 impl SearchGroup<'_> {
@@ -520,8 +733,7 @@ impl SearchGroup<'_> {
 
     fn at(&self, index: usize) -> Config {
         let m = self.ms[index];
-        let per_replica = self.ms.last().copied().unwrap_or(m);
-        Config { micro_batch: m, accumulation: per_replica / m, ..self.base }
+        Config { micro_batch: m, accumulation: self.per_replica / m.max(1), ..self.base }
     }
 }
 
@@ -541,6 +753,8 @@ impl<'a> Search<'a> {
             request,
             global_batch,
             cache: HashMap::new(),
+            stages: HashMap::new(),
+            matrix_rates: HashMap::new(),
             scored: HashMap::new(),
             best_s: f64::INFINITY,
             counts: Counts::default(),
@@ -555,21 +769,94 @@ impl<'a> Search<'a> {
         if let Some(done) = self.cache.get(&key) {
             return done.clone();
         }
-        self.counts.compiled += 1;
         let request = self.request;
-        let result = compile_candidate(request.source, config, request.mode).map(|plan| {
-            let mut c = summarise(&plan, request.hardware, config.micro_batch);
-            if c.peak_bytes <= request.capacity {
-                self.counts.simulated += 1;
-                c.simulation = Some(simulate(&plan, request.hardware, &request.options));
+        let result = match config.pipeline() {
+            Some(pipeline) => self.stage(config).and_then(|stage| pipelined(&stage, request.hardware, pipeline)),
+            None => {
+                self.counts.compiled += 1;
+                let result = compile_candidate(request.source, config, request.mode).map(|plan| {
+                    let mut c = summarise(&plan, request.hardware, config.micro_batch);
+                    if c.peak_bytes <= request.capacity {
+                        self.counts.simulated += 1;
+                        c.simulation = Some(simulate(&plan, request.hardware, &request.options));
+                    }
+                    c
+                });
+                if result.is_err() {
+                    self.counts.compile_failures += 1;
+                }
+                result
             }
-            c
-        });
-        if result.is_err() {
-            self.counts.compile_failures += 1;
+        };
+        if let Ok(c) = &result {
+            let p = &config.parallelism;
+            let rate = c.matrix_s_per_sequence * p.pipeline as f64;
+            let key = (p.strategy, p.mesh, config.precision, config.recompute);
+            let known = self.matrix_rates.entry(key).or_insert(rate);
+            *known = known.min(rate);
         }
         self.cache.insert(key, result.clone());
         result
+    }
+
+    /// The plan of a pipelined configuration's stage grid, cut into pieces (compiled and simulated once).
+    fn stage(&mut self, config: &Config) -> Result<Rc<StagePlan>, SearchError> {
+        let key = config.stage_key();
+        if let Some(done) = self.stages.get(&key) {
+            return done.clone();
+        }
+        self.counts.compiled += 1;
+        let result = stage_plan(self.request, config).map(Rc::new);
+        match &result {
+            Ok(_) => self.counts.simulated += 1,
+            Err(_) => self.counts.compile_failures += 1,
+        }
+        self.stages.insert(key, result.clone());
+        result
+    }
+
+    /// A lower bound on a pipelined layout's update from the matrix products of its tensor mesh in any
+    /// plan compiled so far: a stage runs at least 1 / P of every sequence's products.
+    fn pipeline_bound_s(&self, p: &Parallelism, precision: Precision, smallest_micro_batch: u64) -> Option<f64> {
+        // Recompute only adds products: the cheapest level's rate bounds them all.
+        let rate = self.group_rate(p, precision, Recompute::None)?;
+        let per_replica = self.global_batch / p.data.max(1);
+        let most_micro_batches = per_replica / smallest_micro_batch.max(1);
+        let fill = fill_and_drain(p.pipeline, p.chunks, most_micro_batches);
+        Some(rate * per_replica as f64 / p.pipeline as f64 * fill)
+    }
+
+    /// The matrix-product rate of a tensor mesh at a recompute level, or at a cheaper one (recompute only
+    /// adds products).
+    fn group_rate(&self, p: &Parallelism, precision: Precision, recompute: Recompute) -> Option<f64> {
+        recompute_levels(self.request.mode)
+            .iter()
+            .filter(|&&r| recompute_rank(r) <= recompute_rank(recompute))
+            .filter_map(|&r| self.matrix_rates.get(&(p.strategy, p.mesh, precision, r)).copied())
+            .reduce(f64::max)
+    }
+
+    /// A lower bound on every configuration of a group from micro-batch `smallest` up, before it
+    /// compiles: its tensor mesh's matrix products for a replica's sequences, a stage's share of them,
+    /// filling and draining the pipeline (see [`lower_bound_s`]).
+    fn group_bound_s(&self, base: &Config, smallest: u64) -> Option<f64> {
+        let p = &base.parallelism;
+        let rate = self.group_rate(p, base.precision, base.recompute)?;
+        let per_replica = self.global_batch / p.data.max(1);
+        let fill = fill_and_drain(p.pipeline, p.chunks, per_replica / smallest.max(1));
+        Some(rate * per_replica as f64 / p.pipeline as f64 * fill)
+    }
+
+    /// The first micro-batch index (from `from`) whose lower bound already loses to the best step: a
+    /// pipeline's bound grows with the micro-batch (fewer micro-batches fill and drain it less
+    /// well), so none from there on can win. The group's length when none is known to lose.
+    fn pipeline_cap(&self, base: &Config, ms: &[u64], from: usize) -> usize {
+        if base.parallelism.pipeline == 1 {
+            return ms.len();
+        }
+        (from..ms.len())
+            .find(|&i| self.group_bound_s(base, ms[i]).is_some_and(|b| b >= self.best_s))
+            .unwrap_or(ms.len())
     }
 
     /// Whether a configuration fits; records a fitting one's score, and a failing one's reason.
@@ -630,12 +917,12 @@ impl<'a> Search<'a> {
     fn search_group(
         &mut self,
         group: &SearchGroup,
-        from: usize,
+        (from, cap): (usize, usize),
         known_fit: Option<usize>,
         first_of_layout: bool,
     ) -> GroupEnd {
         let mut lo: Option<usize> = known_fit.filter(|&k| k >= from);
-        let mut hi = group.ms.len();
+        let mut hi = cap;
         let mut first = true;
         while lo.map_or(from, |l| l + 1) < hi {
             let index = self.guess(group, from, lo, hi);
@@ -701,12 +988,52 @@ impl<'a> Search<'a> {
         })
     }
 
+    /// Searches one layout in one precision, unless an earlier precision found it illegal; counts it done.
+    fn search_one(
+        &mut self,
+        p: &Parallelism,
+        ms: &[u64],
+        precision: Precision,
+        (illegal, done, total): (&mut Vec<Parallelism>, &mut usize, usize),
+        on_progress: &dyn Fn(SearchProgress),
+    ) {
+        let label = p.label();
+        on_progress(SearchProgress { done: *done, total, next: &label });
+        *done += 1;
+        let precisions = self.request.precisions.len() as u64;
+        if illegal.contains(p) {
+            self.counts.illegal += layout_size(self.request, p, ms.len() as u64) / precisions;
+            return;
+        }
+        if let Err(reason) = self.search_layout(p, ms, precision) {
+            self.rejected.push(Rejected::compile(p.label(), reason.to_string()));
+            illegal.push(*p);
+        }
+    }
+
     /// Searches every group of a layout in one precision.
     fn search_layout(&mut self, p: &Parallelism, ms: &[u64], precision: Precision) -> Result<(), SearchError> {
         let mode = self.request.mode;
         let zeros = zero_stages(p, mode);
         let levels = recompute_levels(mode);
         let n = ms.len() as u64;
+        let smallest = ms.first().copied().unwrap_or(1);
+        let bound = self.pipeline_bound_s(p, precision, smallest);
+        if let Some(bound) = bound.filter(|&b| p.pipeline > 1 && b >= self.best_s) {
+            self.counts.bounded += n * levels.len() as u64 * zeros.len() as u64;
+            self.groups.push(GroupTrace {
+                group: format!("{}, {}", p.label(), precision.name()),
+                micro_batches: ms.to_vec(),
+                result: format!(
+                    "bounded before compiling: its tensor mesh's products alone take {} a stage, no better than the \
+                     best step, {:.3} s",
+                    seconds(bound),
+                    self.best_s
+                ),
+                compilations: 0,
+            });
+            return Ok(());
+        }
         // Per ZeRO stage: how many micro-batches (from the bottom) a cheaper level already fits.
         let mut fitted: Vec<usize> = vec![0; zeros.len()];
         // A bounded group's heavier recompute levels are bounded too: they only add products.
@@ -717,7 +1044,7 @@ impl<'a> Search<'a> {
             let mut level_fit: Vec<Option<usize>> = vec![None; zeros.len()];
             for (zi, &zero) in zeros.iter().enumerate() {
                 let base = Config { parallelism: *p, micro_batch: 0, accumulation: 0, recompute, precision, zero };
-                let group = SearchGroup { base, ms };
+                let group = SearchGroup { base, ms, per_replica: self.global_batch / p.data.max(1) };
                 let from = fitted[zi];
                 self.counts.dominated_recompute += from as u64;
                 let left = n - from as u64;
@@ -729,6 +1056,15 @@ impl<'a> Search<'a> {
                 } else if let Some(reason) = self.persistent_too_large(&base) {
                     self.counts.too_large += left;
                     Some(reason)
+                } else if let Some(bound) = self.group_bound_s(&base, ms[from]).filter(|&b| b >= self.best_s) {
+                    self.counts.bounded += left;
+                    bounded[zi] = true;
+                    Some(format!(
+                        "bounded before compiling: its tensor mesh's products take at least {}, no better than the \
+                         best step, {:.3} s",
+                        seconds(bound),
+                        self.best_s
+                    ))
                 } else {
                     None
                 };
@@ -737,9 +1073,10 @@ impl<'a> Search<'a> {
                     continue;
                 }
                 // ZeRO-1 needs no more memory than ZeRO-0: what ZeRO-0 fits at this level, it fits.
-                let known_fit = if zi > 0 { level_fit[zi - 1] } else { None };
+                let cap = self.pipeline_cap(&base, ms, from);
+                let known_fit = if zi > 0 { level_fit[zi - 1].filter(|&k| k < cap) } else { None };
                 let compiled_before = self.counts.compiled;
-                let end = match self.search_group(&group, from, known_fit, first_of_layout) {
+                let end = match self.search_group(&group, (from, cap), known_fit, first_of_layout) {
                     GroupEnd::Fits(Some(top)) => self.confirm_top(&group, top),
                     other => other,
                 };
@@ -763,13 +1100,15 @@ impl<'a> Search<'a> {
                         )
                     }
                     GroupEnd::Fits(None) => {
-                        self.counts.too_large += left - scored;
+                        self.counts.too_large += (cap - from) as u64 - scored;
+                        self.counts.bounded += n - cap as u64;
                         "none fits".to_string()
                     }
                     GroupEnd::Fits(Some(top)) => {
                         let fitting = (top + 1 - from) as u64;
                         self.counts.dominated_micro_batch += fitting - scored;
-                        self.counts.too_large += n - 1 - top as u64;
+                        self.counts.too_large += (cap - 1 - top) as u64;
+                        self.counts.bounded += n - cap as u64;
                         fitted[zi] = top + 1;
                         level_fit[zi] = Some(top);
                         format!("largest fitting micro-batch {} ({scored} simulated)", ms[top])
@@ -797,6 +1136,17 @@ pub struct SearchProgress<'a> {
     pub next: &'a str,
 }
 
+/// A layout whose batch splits, with its micro-batches.
+type LegalLayout = (Parallelism, Vec<u64>);
+
+/// The configurations of a layout with `n` micro-batches: over its recompute levels, ZeRO stages and
+/// the precisions asked for.
+fn layout_size(request: &Request, p: &Parallelism, n: u64) -> u64 {
+    n * recompute_levels(request.mode).len() as u64
+        * zero_stages(p, request.mode).len() as u64
+        * request.precisions.len() as u64
+}
+
 /// [`plan`], calling `on_progress` before each layout search and once when all are done.
 pub fn plan_with_progress(request: &Request, on_progress: &dyn Fn(SearchProgress)) -> Result<Outcome, Box<NoPlan>> {
     let started = Instant::now();
@@ -811,13 +1161,18 @@ pub fn plan_with_progress(request: &Request, on_progress: &dyn Fn(SearchProgress
         ));
     };
     let mut search = Search::new(request, global_batch);
-    let per_layout = |p: &Parallelism, n: u64| {
-        n * recompute_levels(request.mode).len() as u64
-            * zero_stages(p, request.mode).len() as u64
-            * request.precisions.len() as u64
-    };
-    let mut legal: Vec<(Parallelism, Vec<u64>)> = Vec::new();
-    for p in layouts(request.devices) {
+    let per_layout = |p: &Parallelism, n: u64| layout_size(request, p, n);
+    let mut legal: Vec<LegalLayout> = Vec::new();
+    let pipelines =
+        match (request.max_pipeline > 1 && request.mode == Mode::Train).then(|| repeated_layers(request.source)) {
+            Some(Ok(layers)) => pipelined_layouts(request.devices, layers, request.max_pipeline),
+            Some(Err(reason)) => {
+                search.rejected.push(Rejected::compile("pipelines".to_string(), reason.to_string()));
+                Vec::new()
+            }
+            None => Vec::new(),
+        };
+    for p in layouts(request.devices).into_iter().chain(pipelines) {
         match micro_batches(&p, global_batch, request.mode) {
             Ok(ms) => {
                 search.counts.enumerated += per_layout(&p, ms.len() as u64);
@@ -836,18 +1191,19 @@ pub fn plan_with_progress(request: &Request, on_progress: &dyn Fn(SearchProgress
     let total = legal.len() * request.precisions.len();
     let mut done = 0;
     for &precision in request.precisions {
-        for (p, ms) in &legal {
-            let label = p.label();
-            on_progress(SearchProgress { done, total, next: &label });
-            done += 1;
-            if illegal.contains(p) {
-                search.counts.illegal += per_layout(p, ms.len() as u64) / request.precisions.len() as u64;
-                continue;
-            }
-            if let Err(reason) = search.search_layout(p, ms, precision) {
-                search.rejected.push(Rejected::compile(p.label(), reason.to_string()));
-                illegal.push(*p);
-            }
+        let (flat, mut piped): (Vec<&LegalLayout>, Vec<&LegalLayout>) =
+            legal.iter().partition(|(p, _)| p.pipeline == 1);
+        for (p, ms) in flat {
+            search.search_one(p, ms, precision, (&mut illegal, &mut done, total), on_progress);
+        }
+        // Pipelines after the layouts without, the lowest bound first (from the tensor meshes' products
+        // just seen), so that the best step found early bounds the rest before they compile.
+        let bound = |search: &Search, (p, ms): &LegalLayout| {
+            search.pipeline_bound_s(p, precision, ms.first().copied().unwrap_or(1)).unwrap_or(f64::INFINITY)
+        };
+        piped.sort_by(|a, b| bound(&search, a).total_cmp(&bound(&search, b)));
+        for (p, ms) in piped {
+            search.search_one(p, ms, precision, (&mut illegal, &mut done, total), on_progress);
         }
     }
     on_progress(SearchProgress { done, total, next: "" });
@@ -1008,7 +1364,7 @@ mod tests {
 
     #[test]
     fn micro_batches_respect_the_replicas_and_the_mesh_rows() {
-        let optimus = |q, data| Parallelism { strategy: Strategy::Optimus, mesh: Mesh::new(q, q), data };
+        let optimus = |q, data| Parallelism::tensor(Strategy::Optimus, Mesh::new(q, q), data);
         assert_eq!(micro_batches(&optimus(2, 2), 24, Mode::Train), Ok(vec![2, 4, 6, 12]));
         assert!(micro_batches(&optimus(4, 4), 8, Mode::Train).is_err(), "a replica's 2 sequences do not split 4 ways");
         assert!(micro_batches(&optimus(2, 3), 8, Mode::Train).is_err(), "8 sequences do not split over 3 replicas");

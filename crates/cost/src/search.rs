@@ -7,10 +7,14 @@ use super::step::{Options, Simulation, simulate};
 use optimus_compiler::diag::Diagnostic;
 use optimus_compiler::elab::Override;
 use optimus_compiler::front::check_source;
-use optimus_compiler::shard::{Target, compile};
+use optimus_compiler::ir::Model;
+use optimus_compiler::shard::{Target, compile, compile_quietly};
 use optimus_plan::types::Scalar;
 use optimus_plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
 use serde::Serialize;
+
+/// A compiler entry point: [`compile`] or [`compile_quietly`].
+type Compiler = fn(&Model, &str, &str, Target) -> Result<Plan, Vec<Diagnostic>>;
 
 /// The largest batch tried: 2^24 sequences.
 const BATCH_LIMIT: u64 = 1 << 24;
@@ -23,8 +27,18 @@ pub struct Source<'a> {
 }
 
 impl Source<'_> {
-    /// Compiles with `extra` overrides after the user's; the first error on failure.
+    /// Compiles with `extra` overrides after the user's; the first error on failure. The plan is not
+    /// verified (see [`compile_quietly`]): [`Source::compile_verified`] gives one to write or run.
     pub fn compile(&self, target: Target, extra: &[Override]) -> Result<Plan, SearchError> {
+        self.compile_with(target, extra, compile_quietly)
+    }
+
+    /// [`Source::compile`], verified, for a plan that is written or run.
+    pub fn compile_verified(&self, target: Target, extra: &[Override]) -> Result<Plan, SearchError> {
+        self.compile_with(target, extra, compile)
+    }
+
+    fn compile_with(&self, target: Target, extra: &[Override], compiler: Compiler) -> Result<Plan, SearchError> {
         let mut overrides = self.overrides.to_vec();
         overrides.extend_from_slice(extra);
         let checked = check_source(self.text, &overrides);
@@ -34,7 +48,7 @@ impl Source<'_> {
             Some(m) if !checked.diagnostics.iter().any(|d| d.is_error()) => m,
             _ => return Err(first_error(&checked.diagnostics)),
         };
-        compile(&model, self.name, self.text, target).map_err(|ds| first_error(&ds))
+        compiler(&model, self.name, self.text, target).map_err(|ds| first_error(&ds))
     }
 
     /// A config value of the model (after the user's overrides), if it is an integer.
@@ -64,6 +78,8 @@ pub enum SearchError {
     TooLarge { needs: u64, capacity: u64 },
     /// A scaling sweep needs the model's `batch` as an integer config value.
     NoBatchToScale,
+    /// The plan cannot be cut into the pipeline asked for: why.
+    Pipeline(String),
 }
 
 impl std::fmt::Display for SearchError {
@@ -81,6 +97,7 @@ impl std::fmt::Display for SearchError {
                 write!(f, "needs {needs} bytes per device, more than {capacity}")
             }
             SearchError::NoBatchToScale => f.write_str("the model has no integer `batch` config value to scale"),
+            SearchError::Pipeline(why) => f.write_str(why),
         }
     }
 }

@@ -71,11 +71,17 @@ pub struct StageReport {
     /// One micro-batch's forward and backward through all its chunks.
     pub forward_s: f64,
     pub backward_s: f64,
+    /// The exposed communication inside `forward_s + backward_s` (the rest is kernels).
+    pub communication_s: f64,
     /// After the last micro-batch: its gradients summed over the replicas, the gradient norm and the
     /// optimizer steps of its parameters.
     pub update_s: f64,
+    /// The gradient sums over the replicas in `update_s`.
+    pub sums_s: f64,
     /// Elements of the parameters it holds (a tied parameter counts on each stage that holds it).
     pub parameters: u64,
+    /// Their blocks, gradients and optimizer state, per device.
+    pub held_bytes: u64,
     /// Micro-batch chunks of activations it keeps at most (the schedule's), and their bytes each.
     pub in_flight: u64,
     pub kept_bytes_per_micro_batch: u64,
@@ -106,6 +112,13 @@ pub struct PipelineSimulation {
     pub bubble_fraction: f64,
     /// The whole update: `pipeline_s`, then the slowest stage's update, then the tied sums.
     pub step_time_s: f64,
+    /// The update of the busiest stage (the most work), split: its kernels, its exposed communication
+    /// (with its gradient sums over the replicas, `data_parallel_s`, and the tied sums), and the rest of
+    /// the update, in which it waits (the bubble and the transfers).
+    pub compute_s: f64,
+    pub exposed_communication_s: f64,
+    pub data_parallel_s: f64,
+    pub bubble_s: f64,
     pub tokens_per_step: u64,
     pub tokens_per_second: f64,
     pub mfu: f64,
@@ -124,6 +137,8 @@ pub struct Pieces {
     pub layers: Vec<String>,
     pub forward_s: Vec<f64>,
     pub backward_s: Vec<f64>,
+    /// The part of `forward_s + backward_s` that is exposed communication (the rest is kernels).
+    pub communication_s: Vec<f64>,
     /// Activation bytes each piece keeps for its backward pass.
     pub kept_bytes: Vec<u64>,
     /// Bytes (per device) that a cut after piece c sends forward: activations written at or before it
@@ -134,6 +149,10 @@ pub struct Pieces {
     pub shared_update_s: f64,
     pub input_bytes: u64,
     pub workspace_bytes: u64,
+    /// Devices of one stage (the plan's mesh with its replicas), and the FLOP/s each device's model
+    /// FLOP utilisation is measured against.
+    pub stage_devices: u64,
+    pub device_peak_flops: f64,
 }
 
 /// One parameter: the pieces that read it, and what it costs and holds.
@@ -146,6 +165,8 @@ pub struct ParamShare {
     pub gradient_bytes: u64,
     /// Its gradient sums over the replicas, its share of the gradient norm and its optimizer step.
     pub update_s: f64,
+    /// The part of `update_s` that is its gradient sums over the replicas.
+    pub sums_s: f64,
 }
 
 /// The repeated layer a scope is inside: `h.3.attn.c_attn` is in `h.3` (the scope up to its first
@@ -231,7 +252,7 @@ impl Assigner {
 
 /// Cuts a plan into pieces, with each instruction's share of the simulated step (`costs`, one per
 /// instruction).
-pub fn pieces(plan: &Plan, costs: &[InstrCost]) -> Pieces {
+pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
     let phases = StepPhases::of(plan);
     // The memory plan's end of the forward pass is the first backward instruction (the phases' is
     // where the loss is written, which a plan may do late).
@@ -254,6 +275,7 @@ pub fn pieces(plan: &Plan, costs: &[InstrCost]) -> Pieces {
         layers: assigner.layers,
         forward_s: vec![0.0; n],
         backward_s: vec![0.0; n],
+        communication_s: vec![0.0; n],
         kept_bytes: vec![0; n],
         crossing_bytes: vec![0; n],
         params: plan
@@ -265,11 +287,14 @@ pub fn pieces(plan: &Plan, costs: &[InstrCost]) -> Pieces {
                 bytes: plan.buffer(p.buffer).bytes() + p.state.iter().map(|&s| plan.buffer(s).bytes()).sum::<u64>(),
                 gradient_bytes: p.grad.map_or(0, |g| plan.buffer(g).bytes()),
                 update_s: 0.0,
+                sums_s: 0.0,
             })
             .collect(),
         shared_update_s: 0.0,
         input_bytes: plan.memory.inputs,
         workspace_bytes: plan.memory.workspace_peak,
+        stage_devices: plan.mesh.devices(),
+        device_peak_flops: device_peak_flops(plan, hw),
     };
     let gradient_sums = gradient_sum_receivers(plan, &phases);
     let mut first_piece: Vec<Option<usize>> = vec![None; plan.buffers.len()];
@@ -279,8 +304,12 @@ pub fn pieces(plan: &Plan, costs: &[InstrCost]) -> Pieces {
     for (i, instr) in plan.program.iter().enumerate() {
         let (piece, cost) = (piece_of[i], costs.get(i).copied().unwrap_or_default());
         let real = matches!(instr, Instr::Kernel { .. } | Instr::Collective { .. });
+        let communicates = matches!(instr, Instr::Collective { .. } | Instr::Wait { .. });
         if i < forward_end {
             out.forward_s[piece] += cost.step_s;
+            if communicates {
+                out.communication_s[piece] += cost.step_s;
+            }
             if real {
                 for_each_touched(instr, |b| {
                     let k = b.0 as usize;
@@ -296,10 +325,14 @@ pub fn pieces(plan: &Plan, costs: &[InstrCost]) -> Pieces {
                 for_each_touched(instr, |b| kept[b.0 as usize] = true);
             }
             let params = touched_params(instr, &owner);
-            if i >= updates_begin || phases.phase(i) == Phase::GradientSum {
-                charge_update(&mut out, &params, cost.busy_s);
+            let sum = phases.phase(i) == Phase::GradientSum;
+            if i >= updates_begin || sum {
+                charge_update(&mut out, &params, cost.busy_s, sum);
             } else if !matches!(instr, Instr::Wait { recv, .. } if gradient_sums.contains(recv)) {
                 out.backward_s[piece] += cost.step_s;
+                if communicates {
+                    out.communication_s[piece] += cost.step_s;
+                }
             }
         }
     }
@@ -411,14 +444,19 @@ fn touched_params(instr: &Instr, owner: &HashMap<BufferId, usize>) -> Vec<usize>
     params
 }
 
-/// Charges update work to the parameters it touches (split evenly), or to every stage.
-fn charge_update(out: &mut Pieces, params: &[usize], seconds: f64) {
+/// Charges update work to the parameters it touches (split evenly), or to every stage; `sum`: it is a
+/// gradient sum over the replicas.
+fn charge_update(out: &mut Pieces, params: &[usize], seconds: f64, sum: bool) {
     if params.is_empty() {
         out.shared_update_s += seconds;
         return;
     }
     for &p in params {
-        out.params[p].update_s += seconds / params.len() as f64;
+        let share = &mut out.params[p];
+        share.update_s += seconds / params.len() as f64;
+        if sum {
+            share.sums_s += seconds / params.len() as f64;
+        }
     }
 }
 
@@ -509,8 +547,8 @@ pub fn simulate_pipeline(
         return Err(PipelineError::NotTraining);
     }
     let (unpipelined, costs) = simulate_costed(plan, hw, options);
-    let cut = pieces(plan, &costs);
-    pipeline_of_pieces(plan, hw, &cut, unpipelined, pipeline)
+    let cut = pieces(plan, hw, &costs);
+    pipeline_of_pieces(hw, &cut, unpipelined, pipeline)
 }
 
 /// The stages of `pieces`: which pieces each virtual stage holds (`chunk * stages + stage`).
@@ -532,7 +570,6 @@ fn virtual_stage_pieces(pieces: &Pieces, virtual_stages: u64) -> Result<Vec<std:
 
 /// [`simulate_pipeline`] from a plan already cut into pieces.
 pub fn pipeline_of_pieces(
-    plan: &Plan,
     hw: &Hardware,
     pieces: &Pieces,
     unpipelined: Simulation,
@@ -551,7 +588,7 @@ pub fn pipeline_of_pieces(
             }
         })
         .collect();
-    let stage_devices = plan.mesh.devices();
+    let stage_devices = pieces.stage_devices;
     let p2p_bytes = groups.iter().take(groups.len() - 1).map(|r| pieces.crossing_bytes[r.end - 1]).max().unwrap_or(0);
     let p2p_s = p2p_seconds(p2p_bytes, stage_devices, hw);
     let timeline: Timeline =
@@ -570,8 +607,11 @@ pub fn pipeline_of_pieces(
                 layers: chunks.iter().map(|r| describe(pieces, r)).collect(),
                 forward_s: costs[s as usize].forward_s.iter().sum(),
                 backward_s: costs[s as usize].backward_s.iter().sum(),
+                communication_s: chunks.iter().map(|r| pieces.communication_s[(*r).clone()].iter().sum::<f64>()).sum(),
                 update_s: mine().map(|sh| sh.update_s).sum::<f64>() + pieces.shared_update_s,
+                sums_s: mine().map(|sh| sh.sums_s).sum(),
                 parameters: mine().map(|sh| sh.elements).sum(),
+                held_bytes: held,
                 in_flight,
                 kept_bytes_per_micro_batch: kept,
                 peak_bytes: held + pieces.input_bytes + in_flight * kept + pieces.workspace_bytes,
@@ -587,9 +627,16 @@ pub fn pipeline_of_pieces(
         .sum::<f64>();
     let slowest_update = per_stage.iter().map(|s| s.update_s).fold(0.0, f64::max);
     let step_time_s = timeline.step_s + slowest_update + tied_sync_s;
+    let m = pipeline.micro_batches as f64;
+    let work = |st: &StageReport| m * (st.forward_s + st.backward_s) + st.update_s;
+    let busiest = per_stage.iter().max_by(|a, b| work(a).total_cmp(&work(b)));
+    let (compute_s, exposed_communication_s, data_parallel_s) = busiest.map_or((0.0, 0.0, 0.0), |st| {
+        let kernels = m * (st.forward_s + st.backward_s - st.communication_s) + st.update_s - st.sums_s;
+        (kernels, m * st.communication_s + st.sums_s + tied_sync_s, st.sums_s)
+    });
     let tokens_per_step = unpipelined.tokens_per_step * pipeline.micro_batches;
     let devices = stage_devices * p;
-    let capacity_flops = device_peak_flops(plan, hw) * devices as f64 * step_time_s;
+    let capacity_flops = pieces.device_peak_flops * devices as f64 * step_time_s;
     let model_flops = unpipelined.model_flops_per_step * pipeline.micro_batches as f64;
     let peak = per_stage.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
     let capacity = hw.memory_bytes();
@@ -607,6 +654,10 @@ pub fn pipeline_of_pieces(
         pipeline_s: timeline.step_s,
         bubble_fraction: timeline.bubble_fraction,
         step_time_s,
+        compute_s,
+        exposed_communication_s,
+        data_parallel_s,
+        bubble_s: (step_time_s - compute_s - exposed_communication_s).max(0.0),
         tokens_per_step,
         tokens_per_second: if step_time_s > 0.0 { tokens_per_step as f64 / step_time_s } else { 0.0 },
         mfu: if capacity_flops > 0.0 { model_flops / capacity_flops } else { 0.0 },
