@@ -73,8 +73,11 @@ impl PipelineArgs {
     }
 }
 
-/// The human-readable pipelined update.
+/// The human-readable pipelined update (or accumulated update, on one stage).
 pub fn render_pipeline(s: &PipelineSimulation) -> String {
+    if s.stages == 1 {
+        return render_accumulated(s);
+    }
     let u = &s.unpipelined;
     let mut out = String::new();
     let chunks = if s.virtual_stages > 1 { format!(", {} chunks a stage", s.virtual_stages) } else { String::new() };
@@ -142,6 +145,48 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
         human_bytes(s.capacity_bytes),
         100.0 * s.peak_bytes_per_device as f64 / s.capacity_bytes.max(1) as f64,
         if s.fits { "fits" } else { "DOES NOT FIT" }
+    );
+    let _ = writeln!(
+        out,
+        "throughput              {} tokens/s ({} tokens per update)",
+        group_digits(s.tokens_per_second.round() as u128),
+        group_digits(u128::from(s.tokens_per_step))
+    );
+    let _ = writeln!(out, "model FLOP utilisation  {:.1}%", 100.0 * s.mfu);
+    out
+}
+
+/// `--accum` without a pipeline: the update of several micro steps of the mesh.
+fn render_accumulated(s: &PipelineSimulation) -> String {
+    let u = &s.unpipelined;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "simulate: model {} on {}: {} strategy, {} mesh ({} devices), {} micro-batches an update",
+        u.model, u.hardware, u.strategy, u.mesh, s.devices, s.micro_batches
+    );
+    let _ = writeln!(out, "  placement {}, collectives {}", u.placement, u.algorithm);
+    let _ = writeln!(
+        out,
+        "\nupdate time             {:>12}  ({} micro steps of {}; the optimizer steps once)",
+        seconds(s.step_time_s),
+        s.micro_batches,
+        seconds(u.step_time_s)
+    );
+    let _ = writeln!(out, "  compute               {:>12}", seconds(s.compute_s));
+    let _ = writeln!(out, "  exposed communication {:>12}", seconds(s.exposed_communication_s));
+    let _ = writeln!(
+        out,
+        "    of it gradient sums {:>12}  (over the replicas, once an update, beside the last backward pass)",
+        seconds(s.data_parallel_s)
+    );
+    let _ = writeln!(
+        out,
+        "\nmemory per device       {} of {} ({:.1}%): {}",
+        human_bytes(u.memory.peak_bytes_per_device),
+        human_bytes(s.capacity_bytes),
+        100.0 * u.memory.peak_bytes_per_device as f64 / s.capacity_bytes.max(1) as f64,
+        if u.memory.fits { "fits" } else { "DOES NOT FIT" }
     );
     let _ = writeln!(
         out,

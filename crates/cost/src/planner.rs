@@ -28,13 +28,11 @@
 use super::hardware::Hardware;
 use super::search::{SearchError, Source, batch_multiple, batch_override, integer_cbrt, integer_sqrt};
 use super::staged::{self, Pieces, Pipeline, PipelineSimulation};
-use super::step::{Options, Simulation, kernel_time, simulate, simulate_costed};
+use super::step::{Options, Simulation, gradient_sums_exposed_s, kernel_time, simulate, simulate_costed};
 use optimus_compiler::shard::Target;
 use optimus_plan::pipeline::Schedule;
 use optimus_plan::report::kernel_flops;
-use optimus_plan::{
-    Buffer, CollectiveKind, Group, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Recompute, Strategy,
-};
+use optimus_plan::{Buffer, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Recompute, Strategy};
 use serde::{Serialize, Serializer};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -410,17 +408,6 @@ fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
         simulation: None,
         pipeline: None,
     }
-}
-
-/// Exposed seconds of one micro step's gradient sums over the replicas: the all-reduces (or ZeRO-1's
-/// reduce-scatters) of the data group, which `run --accum` issues once per update. ZeRO-1's
-/// all-gathers of the weights happen in every micro step and are left with the rest.
-fn gradient_sums_exposed_s(sim: &Simulation) -> f64 {
-    let summed = |kind: &str| kind == CollectiveKind::AllReduce.name() || kind == CollectiveKind::ReduceScatter.name();
-    sim.communication
-        .iter()
-        .filter(|c| c.group == Group::Data.name() && summed(&c.kind))
-        .fold(0.0, |sum, c| sum + c.exposed_s)
 }
 
 /// Scores a configuration from its compiled plan's simulation: `accumulation` micro steps of the whole

@@ -16,11 +16,13 @@
 
 use crate::hardware::Hardware;
 use crate::pipeline::{StageCost, Timeline, TimelineError, time_schedule};
-use crate::step::{InstrCost, Options, Simulation, device_peak_flops, simulate_costed};
+use crate::step::{
+    InstrCost, Options, Simulation, device_peak_flops, gradient_sums_exposed_s, kernel_time, simulate_costed,
+};
 use optimus_plan::memory::for_each_touched;
 use optimus_plan::phases::{Phase, StepPhases};
 use optimus_plan::pipeline::Schedule;
-use optimus_plan::{BufferId, Instr, Mode, Plan, Role};
+use optimus_plan::{Buffer, BufferId, Instr, Kernel, Mode, Plan, Role};
 use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
 
@@ -149,6 +151,8 @@ pub struct Pieces {
     pub shared_update_s: f64,
     pub input_bytes: u64,
     pub workspace_bytes: u64,
+    /// The optimizer steps' kernels, as the planner costs them.
+    pub optimizer_s: f64,
     /// Devices of one stage (the plan's mesh with its replicas), and the FLOP/s each device's model
     /// FLOP utilisation is measured against.
     pub stage_devices: u64,
@@ -293,6 +297,7 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
         shared_update_s: 0.0,
         input_bytes: plan.memory.inputs,
         workspace_bytes: plan.memory.workspace_peak,
+        optimizer_s: optimizer_seconds(plan, hw),
         stage_devices: plan.mesh.devices(),
         device_peak_flops: device_peak_flops(plan, hw),
     };
@@ -365,6 +370,31 @@ fn home_pieces(plan: &Plan, out: &mut Pieces) {
         let ends: BTreeSet<usize> = share.pieces.iter().copied().filter(|&k| k == 0 || k == tail).collect();
         share.pieces = if ends.is_empty() { BTreeSet::from([0]) } else { ends };
     }
+}
+
+/// The optimizer steps' kernel seconds (each at its kernel time, as the planner counts them).
+fn optimizer_seconds(plan: &Plan, hw: &Hardware) -> f64 {
+    plan.program
+        .iter()
+        .filter_map(|instr| match instr {
+            Instr::Kernel { kernel: kernel @ Kernel::OptimizerStep, inputs, output, .. } => {
+                let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
+                Some(kernel_time(kernel, &ins, plan.buffer(*output), hw))
+            }
+            _ => None,
+        })
+        .sum()
+}
+
+/// One stage, without a pipeline: `m` micro steps of the plain simulation, with the optimizer step
+/// and the replicas' gradient sums once (overlapping the last micro step's backward pass as in the
+/// plain simulation), as `run --accum` runs them and `plan` scores them: (step, compute, exposed
+/// communication, of it the gradient sums).
+fn accumulated(unpipelined: &Simulation, optimizer_s: f64, m: f64) -> (f64, f64, f64, f64) {
+    let sums = gradient_sums_exposed_s(unpipelined);
+    let compute = m * (unpipelined.compute_s - optimizer_s) + optimizer_s;
+    let exposed = m * (unpipelined.exposed_communication_s - sums) + sums;
+    (compute + exposed, compute, exposed, sums)
 }
 
 /// Which buffers the forward pass computes from the model's inputs: only those cross a cut between
@@ -626,14 +656,18 @@ pub fn pipeline_of_pieces(
         .map(|(sh, _)| p2p_seconds(sh.gradient_bytes, stage_devices, hw))
         .sum::<f64>();
     let slowest_update = per_stage.iter().map(|s| s.update_s).fold(0.0, f64::max);
-    let step_time_s = timeline.step_s + slowest_update + tied_sync_s;
     let m = pipeline.micro_batches as f64;
     let work = |st: &StageReport| m * (st.forward_s + st.backward_s) + st.update_s;
     let busiest = per_stage.iter().max_by(|a, b| work(a).total_cmp(&work(b)));
-    let (compute_s, exposed_communication_s, data_parallel_s) = busiest.map_or((0.0, 0.0, 0.0), |st| {
-        let kernels = m * (st.forward_s + st.backward_s - st.communication_s) + st.update_s - st.sums_s;
-        (kernels, m * st.communication_s + st.sums_s + tied_sync_s, st.sums_s)
-    });
+    let (step_time_s, compute_s, exposed_communication_s, data_parallel_s) = match busiest {
+        _ if p * v == 1 => accumulated(&unpipelined, pieces.optimizer_s, m),
+        Some(st) => {
+            let kernels = m * (st.forward_s + st.backward_s - st.communication_s) + st.update_s - st.sums_s;
+            let exposed = m * st.communication_s + st.sums_s + tied_sync_s;
+            (timeline.step_s + slowest_update + tied_sync_s, kernels, exposed, st.sums_s)
+        }
+        None => (0.0, 0.0, 0.0, 0.0),
+    };
     let tokens_per_step = unpipelined.tokens_per_step * pipeline.micro_batches;
     let devices = stage_devices * p;
     let capacity_flops = pieces.device_peak_flops * devices as f64 * step_time_s;

@@ -638,6 +638,17 @@ pub fn device_peak_flops(plan: &Plan, hw: &Hardware) -> f64 {
     hw.peak_flops(dtype)
 }
 
+/// Exposed seconds of one micro step's gradient sums over the replicas: the all-reduces (or ZeRO-1's
+/// reduce-scatters) of the data group, which `run --accum` issues once per update. ZeRO-1's
+/// all-gathers of the weights happen in every micro step and are left with the rest.
+pub fn gradient_sums_exposed_s(sim: &Simulation) -> f64 {
+    let summed = |kind: &str| kind == CollectiveKind::AllReduce.name() || kind == CollectiveKind::ReduceScatter.name();
+    sim.communication
+        .iter()
+        .filter(|c| c.group == Group::Data.name() && summed(&c.kind))
+        .fold(0.0, |sum, c| sum + c.exposed_s)
+}
+
 /// Tokens in one step: the logical size of the `tokens` input (else the first input).
 pub fn tokens_per_step(plan: &Plan) -> u64 {
     let input = plan.inputs.iter().find(|i| i.name == "tokens").or(plan.inputs.first());
