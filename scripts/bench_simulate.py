@@ -8,9 +8,11 @@ Usage: python3 scripts/bench_simulate.py [--profile FILE.toml] [--optimusc PATH]
 
 Without --profile it runs `optimusc calibrate` first. Prints one line per grid point (predicted,
 measured, error) and the mean and worst absolute error. The measured step time is the median of the
-steps after the first (warm-up), the fastest of --repeats rounds over the whole grid. With --overlap,
-every point is compiled with `--overlap` for both the prediction and the run, and also run without
-it in the same round, side by side (the last column is the overlapped step over the plain one).
+second half of a point's steps (at least --steps, and enough for about --seconds of them: small steps
+take a few to warm up), the fastest of --repeats rounds over the whole grid. (Before 2026-11-27 it was
+the median of the steps after the first, with a fixed step count.) With --overlap, every point is
+compiled with `--overlap` for both the prediction and the run, and also run without it in the same
+round, side by side (the last column is the overlapped step over the plain one).
 --jsonl writes one JSON record per point (raw results). Not part of the test suite: timings need a
 quiet machine.
 """
@@ -45,18 +47,26 @@ def overrides(args, hidden, seq):
     return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
 
 
-def one_run(args, target):
-    """The median wall time of the steps after the first, from `run --json` records."""
-    cmd = [args.optimusc, "run", args.model, *target, "--steps", str(args.steps), "--json"]
+def steps_for(args, predicted_s):
+    """Steps to run a point for: at least --steps, and enough for about --seconds of steady state
+    (small steps warm up over their first few: lazily started threads and first-touched memory), at
+    most 400."""
+    wanted = int(args.seconds / max(predicted_s, 1e-4))
+    return max(args.steps, min(400, 2 * wanted))
+
+
+def one_run(args, target, steps):
+    """The median wall time of the second half of the steps, from `run --json` records."""
+    cmd = [args.optimusc, "run", args.model, *target, "--steps", str(steps), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
     elapsed = [json.loads(line)["elapsed_s"] for line in out.stdout.splitlines()
                if line.startswith("{") and "elapsed_s" in line]
-    steps = [b - a for a, b in zip(elapsed, elapsed[1:])]
-    if not steps:
+    times = [b - a for a, b in zip(elapsed, elapsed[1:])]
+    if not times:
         raise RuntimeError("run printed too few steps to time")
-    return statistics.median(steps)
+    return statistics.median(times[len(times) // 2:])
 
 
 def predicted_step(args, target):
@@ -89,6 +99,8 @@ def main():
     p.add_argument("--model", default=os.path.join(root, "examples", "gpt2.opt"))
     p.add_argument("--full", action="store_true", help="every mesh x hidden x seq x mode (120 points)")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=1.0,
+                   help="steady-state seconds to time per point (more steps for small ones; default 1)")
     p.add_argument("--repeats", type=int, default=2, help="rounds over the grid; each point's fastest counts")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
@@ -113,9 +125,10 @@ def main():
     for round_ in range(args.repeats):
         print(f"measuring: round {round_ + 1} of {args.repeats} over {len(points)} points", file=sys.stderr)
         for k, target in enumerate(targets):
-            measured[k] = min(measured[k], one_run(args, target))
+            steps = steps_for(args, predicted[k][0])
+            measured[k] = min(measured[k], one_run(args, target, steps))
             if args.overlap:
-                without[k] = min(without[k], one_run(args, plain[k]))
+                without[k] = min(without[k], one_run(args, plain[k], steps))
     extra = "   plain     overlap/plain" if args.overlap else ""
     print(f"{'mesh':<5} {'strategy':<9} {'hidden':>6} {'seq':>4} {'mode':<5} "
           f"{'predicted':>10} {'measured':>10} {'error':>7}   compute / exposed comm{extra}")
@@ -135,7 +148,7 @@ def main():
                         "overlap": args.overlap, "predicted_s": step, "predicted_compute_s": compute,
                         "predicted_exposed_comm_s": comm, "measured_s": real,
                         "measured_without_overlap_s": without[k] if args.overlap else None,
-                        "steps": args.steps, "repeats": args.repeats, "cpu": cpu_name(),
+                        "steps": steps_for(args, step), "repeats": args.repeats, "cpu": cpu_name(),
                         "threads": os.cpu_count()})
     if args.jsonl:
         with open(args.jsonl, "w") as f:
