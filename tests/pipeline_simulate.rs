@@ -147,6 +147,21 @@ fn the_command_line_simulates_a_pipeline_and_refuses_contradictions() {
     assert!(out.contains("pipeline of 2 stages (1f1b schedule)"), "{out}");
     assert!(out.contains("embedding + h.0"), "{out}");
     assert!(out.contains("+ head"), "{out}");
+    let (ok, out, err) = optimusc(&[&base[..], &["--pipeline", "2", "--accum", "4", "--timeline"]].concat());
+    assert!(ok, "{err}");
+    let rows: Vec<&str> = out.lines().filter(|l| l.trim_start().starts_with("stage ") && l.ends_with('|')).collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    for row in &rows {
+        let chart = row.split('|').nth(1).unwrap_or_default();
+        assert_eq!(chart.chars().count(), 100, "{row}");
+        // Every micro-batch's forward and backward shows on every stage.
+        for k in ['0', '1', '2', '3', 'a', 'b', 'c', 'd'] {
+            assert!(chart.contains(k), "{k} missing in {row}");
+        }
+    }
+    // The first stage starts at once; the last waits for the first forward to reach it.
+    assert!(rows[0].split('|').nth(1).is_some_and(|c| c.starts_with('0')), "{out}");
+    assert!(rows[1].split('|').nth(1).is_some_and(|c| c.starts_with('.')), "{out}");
     let (ok, out, err) = optimusc(&[&base[..], &["--pipeline", "2", "--accum", "4", "--json"]].concat());
     assert!(ok, "{err}");
     let json: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
@@ -159,6 +174,7 @@ fn the_command_line_simulates_a_pipeline_and_refuses_contradictions() {
         (vec!["--pipeline", "2", "--mode", "infer"], "training plans"),
         (vec!["--pipeline", "2", "--max-batch"], "do not go with --max-batch"),
         (vec!["--pipeline", "0"], "0 is not in 1..="),
+        (vec!["--timeline"], "--pipeline"),
     ] {
         let (ok, _, err) = optimusc(&[&base[..], &flags[..]].concat());
         assert!(!ok, "{flags:?} should fail");

@@ -4,7 +4,7 @@
 use clap::ValueEnum;
 use optimus::cost::planner::seconds;
 use optimus::cost::staged::{Pipeline, PipelineSimulation};
-use optimus::plan::pipeline::Schedule;
+use optimus::plan::pipeline::{Pass, Schedule};
 use optimus::plan::report::human_bytes;
 use optimus::plan::text::group_digits;
 use std::fmt::Write;
@@ -33,6 +33,10 @@ pub struct PipelineArgs {
     /// gradients are summed over the replicas and the optimizer steps [default: 1].
     #[arg(long, value_name = "ACCUM", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub accum: Option<u64>,
+    /// With --pipeline: also draw the schedule, one row per stage over the pipeline's time: a digit
+    /// is the forward of micro-batch k (k mod 10), a letter a-j its backward, a dot idle.
+    #[arg(long, requires = "pipeline")]
+    pub timeline: bool,
 }
 
 /// `--pipeline-schedule`.
@@ -153,6 +157,37 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
         group_digits(u128::from(s.tokens_per_step))
     );
     let _ = writeln!(out, "model FLOP utilisation  {:.1}%", 100.0 * s.mfu);
+    out
+}
+
+/// Columns of `--timeline`'s chart.
+const CHART_COLUMNS: usize = 100;
+
+/// The schedule as a chart: per stage, what runs at the middle of each of [`CHART_COLUMNS`] equal
+/// slices of the pipeline's time.
+pub fn render_timeline(s: &PipelineSimulation) -> String {
+    let mut out = String::new();
+    let slice = s.pipeline_s / CHART_COLUMNS as f64;
+    let _ = writeln!(
+        out,
+        "\nschedule, {} a column (digit: forward of micro-batch k mod 10, letter a-j: its backward, dot: idle)",
+        seconds(slice)
+    );
+    for (stage, passes) in s.passes.iter().enumerate() {
+        let row: String = (0..CHART_COLUMNS)
+            .map(|c| {
+                let t = (c as f64 + 0.5) * slice;
+                passes.iter().find(|p| p.start_s <= t && t < p.end_s).map_or('.', |p| {
+                    let k = (p.op.micro_batch % 10) as u8;
+                    match p.op.pass {
+                        Pass::Forward => char::from(b'0' + k),
+                        Pass::Backward => char::from(b'a' + k),
+                    }
+                })
+            })
+            .collect();
+        let _ = writeln!(out, "  stage {stage:>3} |{row}|");
+    }
     out
 }
 

@@ -183,7 +183,11 @@ fn pipelined(args: &SimulateArgs, hw: &Hardware, searching: bool) -> ExitCode {
     match simulate_pipeline(&plan, hw, &args.options(), pipeline) {
         Ok(sim) if args.json => super::print_json(&sim),
         Ok(sim) => {
-            super::stdout(&super::pipeline::render_pipeline(&sim));
+            let mut text = super::pipeline::render_pipeline(&sim);
+            if args.pipeline.timeline {
+                text.push_str(&super::pipeline::render_timeline(&sim));
+            }
+            super::stdout(&text);
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -32,6 +32,16 @@ pub struct Timeline {
     pub bubble_fraction: f64,
     /// Each stage's most micro-batch chunks of activations alive at once (forwarded, not yet backward).
     pub peak_in_flight: Vec<u64>,
+    /// Each stage's passes in the order it runs them, with when each starts and ends.
+    pub passes: Vec<Vec<TimedPass>>,
+}
+
+/// One pass of a stage, placed in time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimedPass {
+    pub op: Op,
+    pub start_s: f64,
+    pub end_s: f64,
 }
 
 /// Why a schedule cannot be timed.
@@ -94,7 +104,26 @@ pub fn time_schedule(
     let busy: f64 = busy_s.iter().sum();
     let bubble_fraction = if step_s > 0.0 { 1.0 - busy / (stages as f64 * step_s) } else { 0.0 };
     let peak_in_flight = orders.iter().map(|order| peak_alive(order)).collect();
-    Ok(Timeline { step_s, busy_s, bubble_fraction, peak_in_flight })
+    let passes = orders
+        .iter()
+        .enumerate()
+        .map(|(s, order)| {
+            order
+                .iter()
+                .map(|&op| {
+                    let end_s =
+                        ends.get(&(op.pass, op.chunk * stages + s as u64, op.micro_batch)).copied().unwrap_or(0.0);
+                    let cost = &costs[s];
+                    let took = match op.pass {
+                        Pass::Forward => cost.forward_s[op.chunk as usize],
+                        Pass::Backward => cost.backward_s[op.chunk as usize],
+                    };
+                    TimedPass { op, start_s: end_s - took, end_s }
+                })
+                .collect()
+        })
+        .collect();
+    Ok(Timeline { step_s, busy_s, bubble_fraction, peak_in_flight, passes })
 }
 
 /// A pass of virtual stage `virtual_stage` on micro-batch `micro_batch`.

@@ -15,7 +15,7 @@
 //! gradient between the stages that hold a copy (GPT-2's embedding and LM head).
 
 use crate::hardware::Hardware;
-use crate::pipeline::{StageCost, Timeline, TimelineError, time_schedule};
+use crate::pipeline::{StageCost, TimedPass, Timeline, TimelineError, time_schedule};
 use crate::step::{
     InstrCost, Options, Simulation, device_peak_flops, gradient_sums_exposed_s, kernel_time, simulate_costed,
 };
@@ -129,6 +129,9 @@ pub struct PipelineSimulation {
     pub fits: bool,
     /// One micro step of the whole model on one stage's grid, as `simulate` gives it without a pipeline.
     pub unpipelined: Simulation,
+    /// Each stage's passes placed in time (`simulate --timeline` draws them).
+    #[serde(skip)]
+    pub passes: Vec<Vec<TimedPass>>,
 }
 
 /// The plan cut into pieces (0: before the first repeated layer; 1..=L: the layers; L + 1: after the
@@ -687,6 +690,7 @@ pub fn pipeline_of_pieces(
         tied_sync_s,
         pipeline_s: timeline.step_s,
         bubble_fraction: timeline.bubble_fraction,
+        passes: timeline.passes,
         step_time_s,
         compute_s,
         exposed_communication_s,
