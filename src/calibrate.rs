@@ -2,7 +2,9 @@
 //! models at several sizes, and the collectives of the thread communicator on meshes of threads, each
 //! fitted into the profile's `[measured]` section (see [`crate::cost::calibration`]).
 
-use crate::cost::calibration::{CollectiveFit, DEFAULT_KERNEL, KernelFit, Sample, fit_key, fit_non_negative};
+use crate::cost::calibration::{
+    CollectiveFit, DEFAULT_KERNEL, KernelFit, Sample, fit_key, fit_non_negative, inference_key,
+};
 use crate::io::sources::{Objective, Sources};
 use crate::plan::layout::Placement;
 use crate::plan::report::kernel_flops;
@@ -46,8 +48,8 @@ fn fits_of(kernel: &Kernel, bf16: bool) -> Vec<String> {
     fits
 }
 
-/// Trains a one-device plan for `steps` steps (the first is left out as warm-up) with every
-/// instruction timed, its kernels split over the pool or, with `single_thread`, run on the device's
+/// Runs a one-device plan (training, or inference whose samples go to the `@infer` fits) for `steps`
+/// steps (the first is left out as warm-up) with every instruction timed, its kernels split over the pool or, with `single_thread`, run on the device's
 /// own thread; returns a sample per kernel instruction, and whether it is a product.
 pub fn profile_kernels(
     plan: &Plan,
@@ -59,6 +61,8 @@ pub fn profile_kernels(
         return Err("kernel calibration runs one-device plans".into());
     }
     let output = run_profiled(plan, steps.max(2), seed, single_thread)?;
+    let infer = plan.mode == crate::plan::Mode::Infer;
+    let key = |k: String| if infer { inference_key(&k) } else { k };
     let profile = output.profiles.first().ok_or("the calibration run returned no profile")?;
     let mut samples = Vec::new();
     for (index, instr) in plan.program.iter().enumerate() {
@@ -68,8 +72,8 @@ pub fn profile_kernels(
         let out = plan.buffer(*output);
         let bf16 = crate::cost::step::touches_bf16(&ins, out);
         let sample = KernelSample {
-            fits: fits_of(kernel, bf16),
-            default: fit_key(DEFAULT_KERNEL, bf16),
+            fits: fits_of(kernel, bf16).into_iter().map(key).collect(),
+            default: key(fit_key(DEFAULT_KERNEL, bf16)),
             bytes: crate::cost::step::kernel_bytes(&ins, out) as f64,
             flops: kernel_flops(kernel, &ins, out) as f64,
             seconds: typical.as_secs_f64(),

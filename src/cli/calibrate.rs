@@ -169,18 +169,26 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
     let shapes: Vec<(u64, u64)> = if args.quick { COLLECTIVE_SHAPES[..2].to_vec() } else { COLLECTIVE_SHAPES.to_vec() };
     let timings = (shapes.len() * COLLECTIVE_KINDS.len()) as u64;
     let meshes: &[(Mesh, Strategy)] = if args.quick { &SHARED_MESHES[..1] } else { &SHARED_MESHES };
-    let runs: Vec<(&Workload, Precision)> =
-        PRECISIONS.iter().flat_map(|&p| workloads.iter().map(move |&w| (w, p))).collect();
+    // Every workload in each precision, trained and (under the `@infer` fits) run for inference.
+    let mut runs: Vec<(&Workload, Precision, Mode)> = Vec::new();
+    for mode in [Mode::Train, Mode::Infer] {
+        for precision in PRECISIONS {
+            runs.extend(workloads.iter().map(|&w| (w, precision, mode)));
+        }
+    }
     let progress = Progress::new((KERNEL_PASSES + 1) * runs.len() as u64 + timings + meshes.len() as u64);
-    let plans: Vec<Plan> = runs.iter().map(|&(w, p)| one_device_plan(w, p)).collect::<Result<_, _>>()?;
+    let plans: Vec<Plan> = runs.iter().map(|&(w, p, m)| one_device_plan(w, p, m)).collect::<Result<_, _>>()?;
+    let what = |w: &Workload, precision: Precision, mode: Mode| {
+        let mode = if mode == Mode::Infer { " infer" } else { "" };
+        format!("{} {}{mode} {}", w.model, precision.name(), w.set.join(" "))
+    };
     // Passes over the workloads, seconds apart: an instruction keeps the median of its times, so
     // that a slow spell of a shared machine during one run does not set the fit.
     let mut passes = Vec::new();
     for pass in 1..=KERNEL_PASSES {
         let mut samples = Vec::new();
-        for (&(w, precision), plan) in runs.iter().zip(&plans) {
-            let what = format!("{} {} {}", w.model, precision.name(), w.set.join(" "));
-            progress.phase(&format!("kernels (pass {pass} of {KERNEL_PASSES}): {what}"));
+        for (&(w, precision, mode), plan) in runs.iter().zip(&plans) {
+            progress.phase(&format!("kernels (pass {pass} of {KERNEL_PASSES}): {}", what(w, precision, mode)));
             samples.extend(measure::profile_kernels(plan, w.steps, 1, false)?);
             progress.advance();
         }
@@ -191,8 +199,8 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
     // The same kernels on one thread, as a device thread runs its own on a mesh of at least as many
     // devices as the pool has workers (one pass: the shared engine's runs below check the sum).
     let mut single = Vec::new();
-    for (&(w, precision), plan) in runs.iter().zip(&plans) {
-        progress.phase(&format!("kernels on one thread: {} {} {}", w.model, precision.name(), w.set.join(" ")));
+    for (&(w, precision, mode), plan) in runs.iter().zip(&plans) {
+        progress.phase(&format!("kernels on one thread: {}", what(w, precision, mode)));
         single.extend(measure::profile_kernels(plan, w.steps, 1, true)?);
         progress.advance();
     }
@@ -291,7 +299,7 @@ struct SharedRun {
 }
 
 fn shared_run(hw: &Hardware, mesh: Mesh, strategy: Strategy) -> Result<SharedRun, String> {
-    let plan = plan_for(&SHARED_WORKLOAD, mesh, strategy, Precision::F32)?;
+    let plan = plan_for(&SHARED_WORKLOAD, (mesh, strategy), Precision::F32, Mode::Train)?;
     let measured = measure::median_step(&plan, SHARED_WORKLOAD.steps, 1)?;
     let predicted = optimus::cost::simulate(&plan, hw, &optimus::cost::Options::default()).step_time_s;
     let per_device = plan.program.iter().filter(|i| !matches!(i, optimus::plan::Instr::Free { .. })).count();
@@ -320,17 +328,22 @@ fn fit_dispatch(runs: &[SharedRun]) -> Vec<DispatchFit> {
 }
 
 /// A workload compiled for one device, training.
-fn one_device_plan(w: &Workload, precision: Precision) -> Result<Plan, String> {
-    plan_for(w, Mesh::new(1, 1), Strategy::None, precision)
+fn one_device_plan(w: &Workload, precision: Precision, mode: Mode) -> Result<Plan, String> {
+    plan_for(w, (Mesh::new(1, 1), Strategy::None), precision, mode)
 }
 
-/// A workload compiled for a mesh and strategy, training.
-fn plan_for(w: &Workload, mesh: Mesh, strategy: Strategy, precision: Precision) -> Result<Plan, String> {
+/// A workload compiled for a mesh and strategy.
+fn plan_for(
+    w: &Workload,
+    (mesh, strategy): (Mesh, Strategy),
+    precision: Precision,
+    mode: Mode,
+) -> Result<Plan, String> {
     let overrides: Vec<Override> = w.set.iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
     let checked = check_source(w.source, &overrides);
     let model = checked.model.ok_or_else(|| format!("the built-in {} model does not check", w.model))?;
     let memory = optimus::plan::MemoryOptions { precision, ..optimus::plan::MemoryOptions::DEFAULT };
-    let target = Target { mesh, strategy, mode: Mode::Train, memory };
+    let target = Target { mesh, strategy, mode, memory };
     compile(&model, w.model, w.source, target)
         .map_err(|_| format!("the built-in {} model does not compile for {mesh} {}", w.model, strategy.name()))
 }

@@ -115,15 +115,16 @@ pub struct KernelCost {
 
 /// [`kernel_time`] with its fixed part.
 pub fn kernel_cost(kernel: &Kernel, inputs: &[&Buffer], output: &Buffer, hw: &Hardware) -> KernelCost {
-    kernel_cost_on(kernel, (inputs, output), hw, false)
+    kernel_cost_on(kernel, (inputs, output), hw, (false, false))
 }
 
-/// [`kernel_cost`], on one thread when `single_thread` (a device thread running its own kernels).
+/// [`kernel_cost`], on one thread when `single_thread` (a device thread running its own kernels), in
+/// an inference plan when `infer` (a calibrated profile's `@infer` fits where it has them).
 fn kernel_cost_on(
     kernel: &Kernel,
     (inputs, output): (&[&Buffer], &Buffer),
     hw: &Hardware,
-    single_thread: bool,
+    (single_thread, infer): (bool, bool),
 ) -> KernelCost {
     let Some(measured) = &hw.measured else {
         let overhead = hw.device.kernel_launch_us * 1e-6;
@@ -134,8 +135,8 @@ fn kernel_cost_on(
     let (flavor, kind) = (kernel.flavor(), kernel.name());
     let bf16 = touches_bf16(inputs, output);
     let seconds = |bytes, flops| match single_thread {
-        true => measured.single_thread_kernel_seconds(&flavor, kind, bf16, bytes, flops),
-        false => measured.kernel_seconds(&flavor, kind, bf16, bytes, flops),
+        true => measured.single_thread_kernel_seconds(&flavor, kind, (bf16, infer), bytes, flops),
+        false => measured.kernel_seconds(&flavor, kind, (bf16, infer), bytes, flops),
     };
     KernelCost { seconds: seconds(bytes, flops), overhead: seconds(0.0, 0.0) }
 }
@@ -471,7 +472,8 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation
         match instr {
             Instr::Kernel { kernel, inputs, output, reason, .. } => {
                 let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
-                let one = kernel_cost_on(kernel, (&ins, plan.buffer(*output)), hw, engine.single_thread());
+                let on = (engine.single_thread(), plan.mode == Mode::Infer);
+                let one = kernel_cost_on(kernel, (&ins, plan.buffer(*output)), hw, on);
                 let cost = engine.kernel(one);
                 busy_s = cost.seconds;
                 tally.kernel(cost, reason_kind(plan, *reason));
