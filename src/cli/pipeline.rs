@@ -142,13 +142,19 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
         s.virtual_stages * s.stages - 1
     );
     let worst = s.per_stage.iter().max_by_key(|st| st.peak_bytes).map_or(0, |st| st.stage);
+    render_fit_and_rate(&mut out, s, (s.peak_bytes_per_device, &format!(", stage {worst}")));
+    out
+}
+
+/// The memory line (peak per device, with `where` it is reached), then throughput and MFU.
+fn render_fit_and_rate(out: &mut String, s: &PipelineSimulation, (peak, place): (u64, &str)) {
     let _ = writeln!(
         out,
-        "\nmemory per device       {} of {} ({:.1}%, stage {worst}): {}",
-        human_bytes(s.peak_bytes_per_device),
+        "\nmemory per device       {} of {} ({:.1}%{place}): {}",
+        human_bytes(peak),
         human_bytes(s.capacity_bytes),
-        100.0 * s.peak_bytes_per_device as f64 / s.capacity_bytes.max(1) as f64,
-        if s.fits { "fits" } else { "DOES NOT FIT" }
+        100.0 * peak as f64 / s.capacity_bytes.max(1) as f64,
+        if peak <= s.capacity_bytes { "fits" } else { "DOES NOT FIT" }
     );
     let _ = writeln!(
         out,
@@ -157,7 +163,6 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
         group_digits(u128::from(s.tokens_per_step))
     );
     let _ = writeln!(out, "model FLOP utilisation  {:.1}%", 100.0 * s.mfu);
-    out
 }
 
 /// Columns of `--timeline`'s chart.
@@ -215,20 +220,6 @@ fn render_accumulated(s: &PipelineSimulation) -> String {
         "    of it gradient sums {:>12}  (over the replicas, once an update, beside the last backward pass)",
         seconds(s.data_parallel_s)
     );
-    let _ = writeln!(
-        out,
-        "\nmemory per device       {} of {} ({:.1}%): {}",
-        human_bytes(u.memory.peak_bytes_per_device),
-        human_bytes(s.capacity_bytes),
-        100.0 * u.memory.peak_bytes_per_device as f64 / s.capacity_bytes.max(1) as f64,
-        if u.memory.fits { "fits" } else { "DOES NOT FIT" }
-    );
-    let _ = writeln!(
-        out,
-        "throughput              {} tokens/s ({} tokens per update)",
-        group_digits(s.tokens_per_second.round() as u128),
-        group_digits(u128::from(s.tokens_per_step))
-    );
-    let _ = writeln!(out, "model FLOP utilisation  {:.1}%", 100.0 * s.mfu);
+    render_fit_and_rate(&mut out, s, (u.memory.peak_bytes_per_device, ""));
     out
 }
