@@ -67,7 +67,7 @@ impl std::error::Error for PipelineError {}
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StageReport {
     pub stage: u64,
-    /// The repeated layers it holds, per chunk (`h.0..h.11`), the first stage with what runs before
+    /// The repeated layers it holds, per chunk (`h.0..11`), the first stage with what runs before
     /// them and the last with what runs after.
     pub layers: Vec<String>,
     /// One micro-batch's forward and backward through all its chunks.
@@ -715,7 +715,7 @@ pub fn schedule_name(schedule: Schedule) -> &'static str {
     }
 }
 
-/// "embedding + h.0..h.5", "h.6..h.11", "h.12 + head".
+/// "embedding + h.0..5", "h.6..11", "h.12 + head".
 fn describe(pieces: &Pieces, range: &std::ops::Range<usize>) -> String {
     let layers = pieces.layers.len();
     let first_layer = range.start.max(1);
@@ -728,7 +728,7 @@ fn describe(pieces: &Pieces, range: &std::ops::Range<usize>) -> String {
     if first_layer == last_layer {
         text.push_str(name(first_layer));
     } else {
-        text.push_str(&format!("{}..{}", name(first_layer), name(last_layer)));
+        text.push_str(&layer_range(name(first_layer), name(last_layer)));
     }
     if range.end == layers + 2 {
         text.push_str(" + head");
@@ -736,9 +736,24 @@ fn describe(pieces: &Pieces, range: &std::ops::Range<usize>) -> String {
     text
 }
 
+/// "h.0..11" for layers `h.0` to `h.11` (their common prefix once), else "a..b".
+fn layer_range(first: &str, last: &str) -> String {
+    match (first.rsplit_once('.'), last.rsplit_once('.')) {
+        (Some((prefix, from)), Some((same, to))) if prefix == same => format!("{prefix}.{from}..{to}"),
+        _ => format!("{first}..{last}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_of_layers_names_its_prefix_once() {
+        assert_eq!(layer_range("h.0", "h.11"), "h.0..11");
+        assert_eq!(layer_range("bert.encoder.layer.3", "bert.encoder.layer.12"), "bert.encoder.layer.3..12");
+        assert_eq!(layer_range("enc.5", "dec.0"), "enc.5..dec.0");
+    }
 
     #[test]
     fn a_layer_is_the_scope_up_to_its_first_index() {
