@@ -230,16 +230,22 @@ impl Assigner {
         self.layers.len()
     }
 
+    /// Notes that an instruction of a repeated layer ran in the forward (or backward) pass.
+    fn inside_layer(&mut self, forward: bool) {
+        if forward {
+            self.seen_forward = true;
+        } else {
+            self.seen_backward = true;
+        }
+    }
+
     /// The piece of an instruction with scope `scope`; `forward` says which pass it is in. The last
     /// piece's index is only known at the end: `usize::MAX` stands for it until then.
     fn piece(&mut self, scope: &str, forward: bool) -> usize {
         if let Some(layer) = layer_of(scope) {
-            if forward {
-                self.seen_forward = true;
-            } else {
-                self.seen_backward = true;
-            }
-            return self.layer_piece(layer);
+            let piece = self.layer_piece(layer);
+            self.inside_layer(forward);
+            return piece;
         }
         let name = scope.split('.').next().filter(|n| !n.is_empty());
         if forward {
@@ -266,8 +272,30 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
     let (forward_end, updates_begin) = (plan.memory.forward_end.min(phases.updates_begin()), phases.updates_begin());
     let mut assigner = Assigner::new();
     let mut piece_of: Vec<usize> = Vec::with_capacity(plan.program.len());
+    // Each origin's layer piece, found once (None inside: an origin outside the repeated layers).
+    let mut layer_piece: Vec<Option<Option<usize>>> = vec![None; plan.origins.len()];
     for (i, instr) in plan.program.iter().enumerate() {
-        let piece = if i < updates_begin { assigner.piece(scope_of(plan, instr), i < forward_end) } else { 0 };
+        if i >= updates_begin {
+            piece_of.push(0);
+            continue;
+        }
+        let forward = i < forward_end;
+        let origin = match instr {
+            Instr::Kernel { origin, .. } | Instr::Collective { origin, .. } => Some(*origin as usize),
+            Instr::Free { .. } | Instr::Wait { .. } => None,
+        };
+        let scope = scope_of(plan, instr);
+        let layer = match origin.and_then(|o| layer_piece.get_mut(o)) {
+            Some(slot) => *slot.get_or_insert_with(|| layer_of(scope).map(|l| assigner.layer_piece(l))),
+            None => None,
+        };
+        let piece = match layer {
+            Some(piece) => {
+                assigner.inside_layer(forward);
+                piece
+            }
+            None => assigner.piece(scope, forward),
+        };
         piece_of.push(piece);
     }
     let tail = assigner.layers.len() + 1;
@@ -323,7 +351,7 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
                     let k = b.0 as usize;
                     first_piece[k].get_or_insert(piece);
                     last_forward_piece[k] = last_forward_piece[k].max(piece);
-                    if let Some(&p) = owner.get(&b) {
+                    if let Some(p) = owner.of(b) {
                         out.params[p].pieces.insert(piece);
                     }
                 });
@@ -424,37 +452,59 @@ fn input_dependent(plan: &Plan, forward_end: usize) -> Vec<bool> {
 }
 
 /// Every buffer of a parameter (its block, gradient and state), to the parameter's index.
-fn param_owners(plan: &Plan) -> HashMap<BufferId, usize> {
-    let mut owner = HashMap::new();
+fn param_owners(plan: &Plan) -> Owners {
+    let mut owner = Owners(vec![None; plan.buffers.len()]);
     for (k, p) in plan.params.iter().enumerate() {
-        owner.insert(p.buffer, k);
+        owner.set(p.buffer, k);
         if let Some(g) = p.grad {
-            owner.insert(g, k);
+            owner.set(g, k);
         }
         for &s in &p.state {
-            owner.insert(s, k);
+            owner.set(s, k);
         }
     }
     owner
+}
+
+/// The parameter each buffer belongs to, by buffer id.
+struct Owners(Vec<Option<usize>>);
+
+impl Owners {
+    fn of(&self, b: BufferId) -> Option<usize> {
+        self.0.get(b.0 as usize).copied().flatten()
+    }
+
+    fn set(&mut self, b: BufferId, param: usize) {
+        if let Some(slot) = self.0.get_mut(b.0 as usize) {
+            *slot = Some(param);
+        }
+    }
+
+    /// Gives `b` to `param` unless it has a parameter already.
+    fn claim(&mut self, b: BufferId, param: usize) {
+        if let Some(slot @ None) = self.0.get_mut(b.0 as usize) {
+            *slot = Some(param);
+        }
+    }
 }
 
 /// [`param_owners`], with the buffers the backward pass and the update write a parameter's buffers
 /// from (a gradient's bf16 sum over the replicas before its cast) given to that parameter: walked
 /// backwards from the end, each instruction that writes a parameter's buffer gives its operands to
 /// the parameter, unless they have one already.
-fn update_owners(plan: &Plan, mut owner: HashMap<BufferId, usize>, forward_end: usize) -> HashMap<BufferId, usize> {
+fn update_owners(plan: &Plan, mut owner: Owners, forward_end: usize) -> Owners {
     for instr in plan.program.get(forward_end..).unwrap_or_default().iter().rev() {
         match instr {
             Instr::Kernel { inputs, output, .. } => {
-                if let Some(&p) = owner.get(output) {
+                if let Some(p) = owner.of(*output) {
                     for &input in inputs {
-                        owner.entry(input).or_insert(p);
+                        owner.claim(input, p);
                     }
                 }
             }
             Instr::Collective { collective, .. } => {
-                if let Some(&p) = owner.get(&collective.recv) {
-                    owner.entry(collective.send).or_insert(p);
+                if let Some(p) = owner.of(collective.recv) {
+                    owner.claim(collective.send, p);
                 }
             }
             Instr::Free { .. } | Instr::Wait { .. } => {}
@@ -463,11 +513,11 @@ fn update_owners(plan: &Plan, mut owner: HashMap<BufferId, usize>, forward_end: 
     owner
 }
 
-fn touched_params(instr: &Instr, owner: &HashMap<BufferId, usize>) -> Vec<usize> {
+fn touched_params(instr: &Instr, owner: &Owners) -> Vec<usize> {
     let mut params = Vec::new();
     if matches!(instr, Instr::Kernel { .. } | Instr::Collective { .. }) {
         for_each_touched(instr, |b| {
-            if let Some(&p) = owner.get(&b)
+            if let Some(p) = owner.of(b)
                 && !params.contains(&p)
             {
                 params.push(p);

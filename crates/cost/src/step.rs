@@ -223,6 +223,9 @@ impl Overlap {
     }
 }
 
+/// What communication time is counted under: (group, link, collective kind).
+type CommKey = (&'static str, LinkKind, &'static str);
+
 /// Running totals of one step, instruction by instruction.
 #[derive(Default)]
 struct Tally {
@@ -231,14 +234,14 @@ struct Tally {
     overhead: f64,
     communication: f64,
     exposed: f64,
-    by_group: BTreeMap<(String, LinkKind, String), CommTime>,
+    by_group: BTreeMap<CommKey, CommTime>,
     overlap: Overlap,
     /// Whether SUMMA products are double-buffered and gradient sums over the replicas run beside the
     /// backward pass.
     double_buffered: bool,
     /// Gradient sums over the replicas still running on the communication stream, oldest first: the
     /// (group, link, kind) they are counted under and the seconds they have left.
-    background: std::collections::VecDeque<((String, LinkKind, String), f64)>,
+    background: std::collections::VecDeque<(CommKey, f64)>,
     /// The plan's own schedule of overlapped collectives, when it has one (`--overlap`): followed
     /// instead of the double-buffering and gradient-sum models above.
     stream: Option<Stream>,
@@ -255,7 +258,7 @@ struct Stream {
     /// When the communication stream is next free.
     free: f64,
     /// Overlapped collectives in flight: their receive buffer, when they end, and their row.
-    in_flight: Vec<(BufferId, f64, (String, LinkKind, String))>,
+    in_flight: Vec<(BufferId, f64, CommKey)>,
 }
 
 impl Tally {
@@ -278,9 +281,9 @@ impl Tally {
         let (kind, group) = (c.kind, c.group);
         let overlapped = c.overlapped.then_some(c.recv);
         self.wait_for_gradient_sums(reason);
-        let key = (group.name().to_string(), link, kind.name().to_string());
+        let key = (group.name(), link, kind.name());
         let shown = match self.stream.as_mut() {
-            Some(stream) => stream.start(time, overlapped, key.clone()),
+            Some(stream) => stream.start(time, overlapped, key),
             None => self.modelled_exposure(kind, time, reason, &key),
         };
         self.communication += time;
@@ -307,7 +310,7 @@ impl Tally {
         kind: CollectiveKind,
         time: f64,
         reason: Option<&ReasonKind>,
-        key: &(String, LinkKind, String),
+        key: &CommKey,
     ) -> f64 {
         let in_summa = self.double_buffered && self.overlap.enter(reason);
         let beside = self.double_buffered && matches!(reason, Some(ReasonKind::DataParallelGradient { .. }));
@@ -319,7 +322,7 @@ impl Tally {
             time
         };
         if beside {
-            self.background.push_back((key.clone(), time));
+            self.background.push_back((*key, time));
         }
         shown
     }
@@ -349,7 +352,7 @@ impl Tally {
 impl Stream {
     /// Starts a collective of `time` seconds on the communication stream; returns the part the compute
     /// stream waits for now (all of what is left of it when it is not overlapped, nothing when it is).
-    fn start(&mut self, time: f64, overlapped: Option<BufferId>, key: (String, LinkKind, String)) -> f64 {
+    fn start(&mut self, time: f64, overlapped: Option<BufferId>, key: CommKey) -> f64 {
         let end = self.now.max(self.free) + time;
         self.free = end;
         match overlapped {
