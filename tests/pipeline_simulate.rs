@@ -102,6 +102,8 @@ fn the_bubble_is_never_below_the_schedules_formula() {
             assert!(s.bubble_fraction >= formula - 1e-9, "{schedule:?} P={stages} m={m}: {}", s.bubble_fraction);
             assert!(s.bubble_fraction < 1.0);
             assert!(s.step_time_s >= s.pipeline_s);
+            // The busiest stage idles no more than the stages on average.
+            assert!(s.bottleneck_bubble_fraction <= s.bubble_fraction + 1e-12, "{schedule:?} P={stages} m={m}");
         }
         if stages * 2 <= 8 && m % stages == 0 {
             let interleaved = pipelined(&plan, stages, Schedule::Interleaved { chunks: 2 }, m);
@@ -233,5 +235,35 @@ fn accumulation_on_one_stage_is_what_the_planner_scores() {
         assert!(same(sim.compute_s, scored.compute_s), "{}", config.label());
         assert!(same(sim.data_parallel_s, scored.data_parallel_s), "{}", config.label());
         assert_eq!(sim.tokens_per_step, scored.tokens_per_step);
+    }
+}
+
+/// With stages of nearly equal time (a small vocabulary: embedding and head cost little beside the
+/// layers), the busiest stage idles what the formula says, (P - 1) / (V m + P - 1).
+#[test]
+fn nearly_equal_stages_idle_as_the_formula_says() {
+    let text = std::fs::read_to_string(example("gpt2.opt")).unwrap_or_else(|e| panic!("{e}"));
+    let overrides: Vec<_> = ["layers=8", "vocab=256", "batch=4", "seq=256"]
+        .iter()
+        .map(|s| s.parse().unwrap_or_else(|e| panic!("{e:?}")))
+        .collect();
+    let source = Source { name: "gpt2.opt", text: &text, overrides: &overrides };
+    let target = Target {
+        mesh: Mesh::new(2, 2),
+        strategy: Strategy::Optimus,
+        mode: Mode::Train,
+        memory: MemoryOptions::DEFAULT,
+    };
+    let plan = source.compile(target, &[]).unwrap_or_else(|e| panic!("{e}"));
+    for (schedule, v) in [(Schedule::OneFOneB, 1u64), (Schedule::Interleaved { chunks: 2 }, 2)] {
+        for m in [4u64, 8, 16] {
+            let s = pipelined(&plan, 4, schedule, m);
+            let times: Vec<f64> = s.per_stage.iter().map(|st| st.forward_s + st.backward_s).collect();
+            let (low, high) = times.iter().fold((f64::INFINITY, 0.0f64), |(l, h), &t| (l.min(t), h.max(t)));
+            assert!(high <= 1.1 * low, "stages should be nearly equal: {times:?}");
+            let formula = 3.0 / (v * m + 3) as f64;
+            let got = s.bottleneck_bubble_fraction;
+            assert!((got - formula).abs() <= 0.03, "{schedule:?} m={m}: {got} against {formula}");
+        }
     }
 }

@@ -130,8 +130,10 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
     let ideal = (p - 1.0) / (s.virtual_stages as f64 * m + p - 1.0);
     let _ = writeln!(
         out,
-        "bubble                  {:.1}% of the stages' time ((P-1)/(V m+P-1) = {:.1}% for equal stages)",
+        "bubble                  {:.1}% of the stages' time; the busiest stage idles {:.1}% of the pipeline's \
+         ((P-1)/(V m+P-1) = {:.1}%, both, with equal stages)",
         100.0 * s.bubble_fraction,
+        100.0 * s.bottleneck_bubble_fraction,
         100.0 * ideal
     );
     let _ = writeln!(

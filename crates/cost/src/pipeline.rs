@@ -30,6 +30,10 @@ pub struct Timeline {
     pub busy_s: Vec<f64>,
     /// 1 - (the stages' busy time) / (stages x step): the share of the pipeline's time it idles.
     pub bubble_fraction: f64,
+    /// 1 - (the busiest stage's busy time) / step: how much of the pipeline's time its bottleneck
+    /// stage idles, filling and draining; (P - 1) / (V m + P - 1) with equal stages, like
+    /// `bubble_fraction`, which unequal stages raise and this one does not.
+    pub bottleneck_bubble_fraction: f64,
     /// Each stage's most micro-batch chunks of activations alive at once (forwarded, not yet backward).
     pub peak_in_flight: Vec<u64>,
     /// Each stage's passes in the order it runs them, with when each starts and ends.
@@ -103,6 +107,8 @@ pub fn time_schedule(
         .collect();
     let busy: f64 = busy_s.iter().sum();
     let bubble_fraction = if step_s > 0.0 { 1.0 - busy / (stages as f64 * step_s) } else { 0.0 };
+    let busiest = busy_s.iter().copied().fold(0.0, f64::max);
+    let bottleneck_bubble_fraction = if step_s > 0.0 { 1.0 - busiest / step_s } else { 0.0 };
     let peak_in_flight = orders.iter().map(|order| peak_alive(order)).collect();
     let passes = orders
         .iter()
@@ -123,7 +129,7 @@ pub fn time_schedule(
                 .collect()
         })
         .collect();
-    Ok(Timeline { step_s, busy_s, bubble_fraction, peak_in_flight, passes })
+    Ok(Timeline { step_s, busy_s, bubble_fraction, bottleneck_bubble_fraction, peak_in_flight, passes })
 }
 
 /// A pass of virtual stage `virtual_stage` on micro-batch `micro_batch`.
@@ -218,6 +224,7 @@ mod tests {
                     assert!(close(t.step_s, (mf + pf - 1.0) * 3.0), "{schedule:?} P={p} m={m}: {}", t.step_s);
                     let formula = (pf - 1.0) / (mf + pf - 1.0);
                     assert!(close(t.bubble_fraction, formula), "{schedule:?} P={p} m={m}: {}", t.bubble_fraction);
+                    assert!(close(t.bottleneck_bubble_fraction, formula), "{schedule:?} P={p} m={m}");
                 }
             }
         }
@@ -250,6 +257,7 @@ mod tests {
                     );
                     let formula = (pf - 1.0) / (vf * mf + pf - 1.0);
                     assert!(close(t.bubble_fraction, formula), "V={v} P={p} m={m}: {}", t.bubble_fraction);
+                    assert!(close(t.bottleneck_bubble_fraction, formula), "V={v} P={p} m={m}");
                     // Megatron's warm-up: 2 (P - s - 1) + (V - 1) P forwards, then one more before the
                     // first backward.
                     for s in 0..p {

@@ -112,6 +112,8 @@ pub struct PipelineSimulation {
     /// The schedule's forwards and backwards, from the first forward to the last backward.
     pub pipeline_s: f64,
     pub bubble_fraction: f64,
+    /// The busiest stage's idle share of `pipeline_s` (see [`Timeline::bottleneck_bubble_fraction`]).
+    pub bottleneck_bubble_fraction: f64,
     /// The whole update: `pipeline_s`, then the slowest stage's update, then the tied sums.
     pub step_time_s: f64,
     /// The update of the busiest stage (the most work), split: its kernels, its exposed communication
@@ -740,6 +742,7 @@ pub fn pipeline_of_pieces(
         tied_sync_s,
         pipeline_s: timeline.step_s,
         bubble_fraction: timeline.bubble_fraction,
+        bottleneck_bubble_fraction: timeline.bottleneck_bubble_fraction,
         passes: timeline.passes,
         step_time_s,
         compute_s,
