@@ -103,6 +103,26 @@ fn one_device_steps_are_the_sum_of_the_fitted_kernel_costs() {
     }
 }
 
+/// Inference plans take the profile's `@infer` fits (`calibrate` fits inference runs' kernels apart:
+/// they write memory still in cache); training plans keep the training fits.
+#[test]
+fn inference_plans_use_the_inference_fits() {
+    let base = measured_profile(false, 0.0, 5.0);
+    let Some(mut measured) = base.measured.clone() else { panic!("a measured section") };
+    for kind in ["default", "MatMul"] {
+        let Some(fit) = measured.kernels.get(kind).copied() else { panic!("no {kind} fit") };
+        let faster = optimus::cost::calibration::KernelFit { launch_us: 2.0, ..fit };
+        measured.kernels.insert(optimus::cost::calibration::inference_key(kind), faster);
+    }
+    let hw = Hardware { measured: Some(measured), ..base };
+    for (mode, launch_us) in [(Mode::Infer, 2.0), (Mode::Train, 5.0)] {
+        let p = plan(Mesh::new(1, 1), Strategy::None, mode);
+        let sim = simulate(&p, &hw, &Options::default());
+        let (expected, _) = kernel_seconds(&p, launch_us);
+        assert!(close(sim.step_time_s, expected), "{mode:?}: {} against {expected}", sim.step_time_s);
+    }
+}
+
 #[test]
 fn devices_sharing_an_engine_add_up_and_trade_launch_for_dispatch() {
     let p = plan(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
@@ -210,9 +230,12 @@ fn calibrate_writes_a_profile_that_simulate_reads() {
     };
     assert_eq!(hw.name, "test-host");
     let m = hw.measured.as_ref().expect("a [measured] section");
-    for kind in ["MatMul", "default", "LayerNormApply", "Attention"] {
-        let fit = m.kernels.get(kind).unwrap_or_else(|| panic!("no fit for {kind}:\n{text}"));
+    let inference = |kind: &str| optimus::cost::calibration::inference_key(kind);
+    let kinds = ["MatMul", "default", "LayerNormApply", "Attention"];
+    for kind in kinds.iter().map(|k| k.to_string()).chain(kinds.iter().map(|k| inference(k))) {
+        let fit = m.kernels.get(&kind).unwrap_or_else(|| panic!("no fit for {kind}:\n{text}"));
         assert!(fit.samples > 0 && (fit.gb_s.is_some() || fit.gflop_s.is_some() || fit.launch_us > 0.0), "{kind}");
+        assert!(m.single_thread_kernels.contains_key(&kind), "no one-thread fit for {kind}");
     }
     assert_eq!(m.collectives.len(), 10, "five kinds on two shapes");
     let model = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tiny.opt");

@@ -24,7 +24,7 @@ pub struct PipelineArgs {
     /// micro-batches of activations) or interleaved (1F1B over --virtual-stages chunks a stage, as
     /// Megatron-LM: the bubble shrinks V times, the transfers grow V times) [default: 1f1b].
     #[arg(long, value_enum, value_name = "SCHEDULE")]
-    pub pipeline_schedule: Option<ScheduleArg>,
+    pub pipeline_schedule: Option<PipelineScheduleArg>,
     /// Model chunks on each stage for the interleaved schedule (2 or more) [default: 2].
     #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=1024))]
     pub virtual_stages: Option<u64>,
@@ -41,7 +41,7 @@ pub struct PipelineArgs {
 
 /// `--pipeline-schedule`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ScheduleArg {
+pub enum PipelineScheduleArg {
     Gpipe,
     #[value(name = "1f1b")]
     OneFOneB,
@@ -60,15 +60,15 @@ impl PipelineArgs {
     /// The pipeline the flags describe, or why they contradict each other.
     pub fn pipeline(&self) -> Result<Pipeline, String> {
         let stages = self.pipeline.unwrap_or(1);
-        let schedule = match (self.pipeline_schedule.unwrap_or(ScheduleArg::OneFOneB), self.virtual_stages) {
-            (ScheduleArg::Interleaved, v) => Schedule::Interleaved { chunks: v.unwrap_or(2) },
+        let schedule = match (self.pipeline_schedule.unwrap_or(PipelineScheduleArg::OneFOneB), self.virtual_stages) {
+            (PipelineScheduleArg::Interleaved, v) => Schedule::Interleaved { chunks: v.unwrap_or(2) },
             (_, Some(v)) => {
                 return Err(format!(
                     "--virtual-stages {v} is for --pipeline-schedule interleaved (gpipe and 1f1b hold one chunk a stage)"
                 ));
             }
-            (ScheduleArg::Gpipe, None) => Schedule::GPipe,
-            (ScheduleArg::OneFOneB, None) => Schedule::OneFOneB,
+            (PipelineScheduleArg::Gpipe, None) => Schedule::GPipe,
+            (PipelineScheduleArg::OneFOneB, None) => Schedule::OneFOneB,
         };
         if stages == 1 && matches!(schedule, Schedule::Interleaved { .. }) {
             return Err("the interleaved schedule needs --pipeline 2 or more".to_string());

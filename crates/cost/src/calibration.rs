@@ -51,11 +51,11 @@ fn fit_seconds(
     (bytes, flops): (f64, f64),
 ) -> f64 {
     let names = [flavor, kind, DEFAULT_KERNEL];
-    let bf16_fits = names.iter().map(|n| fit_key(n, true)).filter(|_| bf16);
-    let keys: Vec<String> = bf16_fits.chain(names.iter().map(|n| n.to_string())).collect();
-    let inference = keys.iter().map(|k| inference_key(k)).filter(|_| infer);
-    let all = inference.chain(keys.iter().cloned());
-    all.filter_map(|k| fits.get(&k)).next().map_or(0.0, |f| f.seconds(bytes, flops))
+    // Most specific first; a key is only built where its kind of fit is wanted.
+    let keys =
+        || names.iter().filter(move |_| bf16).map(|n| fit_key(n, true)).chain(names.iter().map(|n| n.to_string()));
+    let inference = keys().filter(|_| infer).map(|k| inference_key(&k));
+    inference.chain(keys()).find_map(|k| fits.get(&k)).map_or(0.0, |f| f.seconds(bytes, flops))
 }
 
 /// The name of a fit measured in inference plans: `Kind@infer`, `Kind@bf16@infer`. An inference

@@ -28,7 +28,7 @@
 use super::hardware::Hardware;
 use super::search::{SearchError, Source, batch_multiple, batch_override, integer_cbrt, integer_sqrt};
 use super::staged::{self, Pieces, Pipeline, PipelineSimulation};
-use super::step::{Options, Simulation, gradient_sums_exposed_s, kernel_time, simulate, simulate_costed};
+use super::step::{Accumulated, Options, Simulation, accumulate, optimizer_seconds, simulate, simulate_costed};
 use optimus_compiler::shard::Target;
 use optimus_plan::pipeline::Schedule;
 use optimus_plan::report::kernel_flops;
@@ -373,30 +373,30 @@ fn pipelined(stage: &StagePlan, hw: &Hardware, pipeline: Pipeline) -> Result<Com
 /// Compiles one stage's grid for a pipelined configuration and cuts it into pieces.
 fn stage_plan(request: &Request, config: &Config) -> Result<StagePlan, SearchError> {
     let plan = compile_candidate(request.source, config, request.mode)?;
-    let summary = summarise(&plan, request.hardware, config.micro_batch);
     let (unpipelined, costs) = simulate_costed(&plan, request.hardware, &request.options);
     let pieces = staged::pieces(&plan, request.hardware, &costs);
+    let summary = summarise(&plan, request.hardware, (config.micro_batch, pieces.optimizer_s));
     Ok(StagePlan { summary, pieces, unpipelined })
 }
 
-fn summarise(plan: &Plan, hw: &Hardware, micro_batch: u64) -> Compiled {
+/// What the search keeps of a plan compiled at `micro_batch`, whose optimizer steps take `optimizer_s`
+/// ([`optimizer_seconds`]).
+fn summarise(plan: &Plan, hw: &Hardware, (micro_batch, optimizer_s): (u64, f64)) -> Compiled {
     let m = &plan.memory;
     let mut matrix_s = 0.0;
-    let mut optimizer_s = 0.0;
     for instr in &plan.program {
         let Instr::Kernel { kernel, inputs, output, .. } = instr else { continue };
         let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
         let out = plan.buffer(*output);
-        match kernel {
-            Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. } => {
-                // At the operands' peak, as the simulator costs it: bf16 SUMMA steps summed in float32
-                // still run on the tensor cores (the output's float32 would overstate the bound and
-                // prune bf16 optimus layouts that win).
-                let rate = hw.peak_flops(crate::step::product_dtype(&ins, out)) * hw.device.achievable_compute;
-                matrix_s += kernel_flops(kernel, &ins, out) as f64 / rate;
-            }
-            Kernel::OptimizerStep => optimizer_s += kernel_time(kernel, &ins, out, hw),
-            _ => {}
+        if matches!(
+            kernel,
+            Kernel::MatMul { .. } | Kernel::BatchedMatMul | Kernel::Attention { .. } | Kernel::AttentionGrad { .. }
+        ) {
+            // At the operands' peak, as the simulator costs it: bf16 SUMMA steps summed in float32
+            // still run on the tensor cores (the output's float32 would overstate the bound and
+            // prune bf16 optimus layouts that win).
+            let rate = hw.peak_flops(crate::step::product_dtype(&ins, out)) * hw.device.achievable_compute;
+            matrix_s += kernel_flops(kernel, &ins, out) as f64 / rate;
         }
     }
     Compiled {
@@ -418,12 +418,10 @@ fn score(compiled: &Compiled, sim: &Simulation, config: &Config, request: &Reque
     }
     let a = config.accumulation as f64;
     let optimizer_s = compiled.optimizer_s;
-    let compute_s = a * (sim.compute_s - optimizer_s) + optimizer_s;
     // Gradients cross the replicas once per update (`run` defers the sums of earlier micro-batches to
     // the last one); the rest of the communication happens in every micro step.
-    let data_parallel_s = gradient_sums_exposed_s(sim);
-    let exposed_communication_s = a * (sim.exposed_communication_s - data_parallel_s) + data_parallel_s;
-    let step_time_s = compute_s + exposed_communication_s;
+    let Accumulated { step_s: step_time_s, compute_s, exposed_communication_s, data_parallel_s } =
+        accumulate(sim, optimizer_s, config.accumulation);
     let tokens_per_step = sim.tokens_per_step * config.accumulation;
     let micro_flops = sim.mfu * sim.step_time_s;
     Scored {
@@ -664,7 +662,7 @@ pub fn evaluate(request: &Request, config: &Config) -> Result<Scored, SearchErro
         return Ok(score(&compiled, &stage.unpipelined, config, request));
     }
     let plan = compile_candidate(request.source, config, request.mode)?;
-    let compiled = summarise(&plan, request.hardware, config.micro_batch);
+    let compiled = summarise(&plan, request.hardware, (config.micro_batch, optimizer_seconds(&plan, request.hardware)));
     let peak = compiled.peak_bytes;
     if peak > request.capacity {
         return Err(SearchError::TooLarge { needs: peak, capacity: request.capacity });
@@ -762,7 +760,11 @@ impl<'a> Search<'a> {
             None => {
                 self.counts.compiled += 1;
                 let result = compile_candidate(request.source, config, request.mode).map(|plan| {
-                    let mut c = summarise(&plan, request.hardware, config.micro_batch);
+                    let mut c = summarise(
+                        &plan,
+                        request.hardware,
+                        (config.micro_batch, optimizer_seconds(&plan, request.hardware)),
+                    );
                     if c.peak_bytes <= request.capacity {
                         self.counts.simulated += 1;
                         c.simulation = Some(simulate(&plan, request.hardware, &request.options));
@@ -802,17 +804,6 @@ impl<'a> Search<'a> {
         result
     }
 
-    /// A lower bound on a pipelined layout's update from the matrix products of its tensor mesh in any
-    /// plan compiled so far: a stage runs at least 1 / P of every sequence's products.
-    fn pipeline_bound_s(&self, p: &Parallelism, precision: Precision, smallest_micro_batch: u64) -> Option<f64> {
-        // Recompute only adds products: the cheapest level's rate bounds them all.
-        let rate = self.group_rate(p, precision, Recompute::None)?;
-        let per_replica = self.global_batch / p.data.max(1);
-        let most_micro_batches = per_replica / smallest_micro_batch.max(1);
-        let fill = fill_and_drain(p.pipeline, p.chunks, most_micro_batches);
-        Some(rate * per_replica as f64 / p.pipeline as f64 * fill)
-    }
-
     /// The matrix-product rate of a tensor mesh at a recompute level, or at a cheaper one (recompute only
     /// adds products).
     fn group_rate(&self, p: &Parallelism, precision: Precision, recompute: Recompute) -> Option<f64> {
@@ -823,12 +814,17 @@ impl<'a> Search<'a> {
             .reduce(f64::max)
     }
 
-    /// A lower bound on every configuration of a group from micro-batch `smallest` up, before it
-    /// compiles: its tensor mesh's matrix products for a replica's sequences, a stage's share of them,
-    /// filling and draining the pipeline (see [`lower_bound_s`]).
-    fn group_bound_s(&self, base: &Config, smallest: u64) -> Option<f64> {
-        let p = &base.parallelism;
-        let rate = self.group_rate(p, base.precision, base.recompute)?;
+    /// A lower bound on every configuration of a layout at a recompute level (and heavier ones) from
+    /// micro-batch `smallest` up, before it compiles: its tensor mesh's matrix products (known from any
+    /// plan of that mesh) for a replica's sequences, a stage's share of them, filling and draining the
+    /// pipeline (see [`lower_bound_s`]).
+    fn group_bound_s(
+        &self,
+        p: &Parallelism,
+        (precision, recompute): (Precision, Recompute),
+        smallest: u64,
+    ) -> Option<f64> {
+        let rate = self.group_rate(p, precision, recompute)?;
         let per_replica = self.global_batch / p.data.max(1);
         let fill = fill_and_drain(p.pipeline, p.chunks, per_replica / smallest.max(1));
         Some(rate * per_replica as f64 / p.pipeline as f64 * fill)
@@ -842,7 +838,10 @@ impl<'a> Search<'a> {
             return ms.len();
         }
         (from..ms.len())
-            .find(|&i| self.group_bound_s(base, ms[i]).is_some_and(|b| b >= self.best_s))
+            .find(|&i| {
+                let bound = self.group_bound_s(&base.parallelism, (base.precision, base.recompute), ms[i]);
+                bound.is_some_and(|b| b >= self.best_s)
+            })
             .unwrap_or(ms.len())
     }
 
@@ -1004,23 +1003,6 @@ impl<'a> Search<'a> {
         let zeros = zero_stages(p, mode);
         let levels = recompute_levels(mode);
         let n = ms.len() as u64;
-        let smallest = ms.first().copied().unwrap_or(1);
-        let bound = self.pipeline_bound_s(p, precision, smallest);
-        if let Some(bound) = bound.filter(|&b| p.pipeline > 1 && b >= self.best_s) {
-            self.counts.bounded += n * levels.len() as u64 * zeros.len() as u64;
-            self.groups.push(GroupTrace {
-                group: format!("{}, {}", p.label(), precision.name()),
-                micro_batches: ms.to_vec(),
-                result: format!(
-                    "bounded before compiling: its tensor mesh's products alone take {} a stage, no better than the \
-                     best step, {:.3} s",
-                    seconds(bound),
-                    self.best_s
-                ),
-                compilations: 0,
-            });
-            return Ok(());
-        }
         // Per ZeRO stage: how many micro-batches (from the bottom) a cheaper level already fits.
         let mut fitted: Vec<usize> = vec![0; zeros.len()];
         // A bounded group's heavier recompute levels are bounded too: they only add products.
@@ -1043,7 +1025,9 @@ impl<'a> Search<'a> {
                 } else if let Some(reason) = self.persistent_too_large(&base) {
                     self.counts.too_large += left;
                     Some(reason)
-                } else if let Some(bound) = self.group_bound_s(&base, ms[from]).filter(|&b| b >= self.best_s) {
+                } else if let Some(bound) =
+                    self.group_bound_s(p, (precision, recompute), ms[from]).filter(|&b| b >= self.best_s)
+                {
                     self.counts.bounded += left;
                     bounded[zi] = true;
                     Some(format!(
@@ -1186,7 +1170,8 @@ pub fn plan_with_progress(request: &Request, on_progress: &dyn Fn(SearchProgress
         // Pipelines after the layouts without, the lowest bound first (from the tensor meshes' products
         // just seen), so that the best step found early bounds the rest before they compile.
         let bound = |search: &Search, (p, ms): &LegalLayout| {
-            search.pipeline_bound_s(p, precision, ms.first().copied().unwrap_or(1)).unwrap_or(f64::INFINITY)
+            let smallest = ms.first().copied().unwrap_or(1);
+            search.group_bound_s(p, (precision, Recompute::None), smallest).unwrap_or(f64::INFINITY)
         };
         piped.sort_by(|a, b| bound(&search, a).total_cmp(&bound(&search, b)));
         for (p, ms) in piped {

@@ -16,13 +16,11 @@
 
 use crate::hardware::Hardware;
 use crate::pipeline::{StageCost, TimedPass, Timeline, TimelineError, time_schedule};
-use crate::step::{
-    InstrCost, Options, Simulation, device_peak_flops, gradient_sums_exposed_s, kernel_time, simulate_costed,
-};
+use crate::step::{InstrCost, Options, Simulation, accumulate, device_peak_flops, optimizer_seconds, simulate_costed};
 use optimus_plan::memory::for_each_touched;
 use optimus_plan::phases::{Phase, StepPhases};
 use optimus_plan::pipeline::Schedule;
-use optimus_plan::{Buffer, BufferId, Instr, Kernel, Mode, Plan, Role};
+use optimus_plan::{BufferId, Instr, Mode, Plan, Role};
 use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
 
@@ -241,14 +239,10 @@ impl Assigner {
         }
     }
 
-    /// The piece of an instruction with scope `scope`; `forward` says which pass it is in. The last
-    /// piece's index is only known at the end: `usize::MAX` stands for it until then.
-    fn piece(&mut self, scope: &str, forward: bool) -> usize {
-        if let Some(layer) = layer_of(scope) {
-            let piece = self.layer_piece(layer);
-            self.inside_layer(forward);
-            return piece;
-        }
+    /// The piece of an instruction outside the repeated layers with scope `scope`; `forward` says
+    /// which pass it is in. The last piece's index is only known at the end: `usize::MAX` stands for
+    /// it until then.
+    fn outside_layers(&mut self, scope: &str, forward: bool) -> usize {
         let name = scope.split('.').next().filter(|n| !n.is_empty());
         if forward {
             let piece = if self.seen_forward { usize::MAX } else { 0 };
@@ -296,7 +290,7 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
                 assigner.inside_layer(forward);
                 piece
             }
-            None => assigner.piece(scope, forward),
+            None => assigner.outside_layers(scope, forward),
         };
         piece_of.push(piece);
     }
@@ -308,8 +302,9 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
     }
     let n = tail + 1;
     let owner = update_owners(plan, param_owners(plan), forward_end);
+    let Assigner { layers, index: layer_index, .. } = assigner;
     let mut out = Pieces {
-        layers: assigner.layers,
+        layers,
         forward_s: vec![0.0; n],
         backward_s: vec![0.0; n],
         communication_s: vec![0.0; n],
@@ -385,49 +380,24 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
             }
         }
     }
-    home_pieces(plan, &mut out);
+    home_pieces(plan, &layer_index, &mut out);
     out
 }
 
 /// Where each parameter lives: a repeated layer's parameter (`h.3.ln_1.weight`) in that layer's piece,
 /// though a fused kernel of the layer before may read it; any other in the first and last pieces that
 /// read it (both, for a tied embedding and LM head), or the first piece when none does.
-fn home_pieces(plan: &Plan, out: &mut Pieces) {
-    let index: HashMap<&str, usize> = out.layers.iter().enumerate().map(|(k, l)| (l.as_str(), k + 1)).collect();
+/// `layer_index`: each repeated layer's position in `out.layers`.
+fn home_pieces(plan: &Plan, layer_index: &HashMap<String, usize>, out: &mut Pieces) {
     let tail = out.layers.len() + 1;
     for (param, share) in plan.params.iter().zip(&mut out.params) {
-        if let Some(&piece) = layer_of(&param.name).and_then(|l| index.get(l)) {
-            share.pieces = BTreeSet::from([piece]);
+        if let Some(&k) = layer_of(&param.name).and_then(|l| layer_index.get(l)) {
+            share.pieces = BTreeSet::from([k + 1]);
             continue;
         }
         let ends: BTreeSet<usize> = share.pieces.iter().copied().filter(|&k| k == 0 || k == tail).collect();
         share.pieces = if ends.is_empty() { BTreeSet::from([0]) } else { ends };
     }
-}
-
-/// The optimizer steps' kernel seconds (each at its kernel time, as the planner counts them).
-fn optimizer_seconds(plan: &Plan, hw: &Hardware) -> f64 {
-    plan.program
-        .iter()
-        .filter_map(|instr| match instr {
-            Instr::Kernel { kernel: kernel @ Kernel::OptimizerStep, inputs, output, .. } => {
-                let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
-                Some(kernel_time(kernel, &ins, plan.buffer(*output), hw))
-            }
-            _ => None,
-        })
-        .sum()
-}
-
-/// One stage, without a pipeline: `m` micro steps of the plain simulation, with the optimizer step
-/// and the replicas' gradient sums once (overlapping the last micro step's backward pass as in the
-/// plain simulation), as `run --accum` runs them and `plan` scores them: (step, compute, exposed
-/// communication, of it the gradient sums).
-fn accumulated(unpipelined: &Simulation, optimizer_s: f64, m: f64) -> (f64, f64, f64, f64) {
-    let sums = gradient_sums_exposed_s(unpipelined);
-    let compute = m * (unpipelined.compute_s - optimizer_s) + optimizer_s;
-    let exposed = m * (unpipelined.exposed_communication_s - sums) + sums;
-    (compute + exposed, compute, exposed, sums)
 }
 
 /// Which buffers the forward pass computes from the model's inputs: only those cross a cut between
@@ -715,7 +685,10 @@ pub fn pipeline_of_pieces(
     let work = |st: &StageReport| m * (st.forward_s + st.backward_s) + st.update_s;
     let busiest = per_stage.iter().max_by(|a, b| work(a).total_cmp(&work(b)));
     let (step_time_s, compute_s, exposed_communication_s, data_parallel_s) = match busiest {
-        _ if p * v == 1 => accumulated(&unpipelined, pieces.optimizer_s, m),
+        _ if p * v == 1 => {
+            let a = accumulate(&unpipelined, pieces.optimizer_s, pipeline.micro_batches);
+            (a.step_s, a.compute_s, a.exposed_communication_s, a.data_parallel_s)
+        }
         Some(st) => {
             let kernels = m * (st.forward_s + st.backward_s - st.communication_s) + st.update_s - st.sums_s;
             let exposed = m * st.communication_s + st.sums_s + tied_sync_s;
@@ -731,7 +704,7 @@ pub fn pipeline_of_pieces(
     let capacity = hw.memory_bytes();
     Ok(PipelineSimulation {
         stages: p,
-        schedule: schedule_name(pipeline.schedule).to_string(),
+        schedule: pipeline.schedule.name().to_string(),
         virtual_stages: v,
         micro_batches: pipeline.micro_batches,
         stage_devices,
@@ -757,15 +730,6 @@ pub fn pipeline_of_pieces(
         fits: peak <= capacity,
         unpipelined,
     })
-}
-
-/// "gpipe", "1f1b" or "interleaved".
-pub fn schedule_name(schedule: Schedule) -> &'static str {
-    match schedule {
-        Schedule::GPipe => "gpipe",
-        Schedule::OneFOneB => "1f1b",
-        Schedule::Interleaved { .. } => "interleaved",
-    }
 }
 
 /// "embedding + h.0..5", "h.6..11", "h.12 + head".

@@ -643,6 +643,42 @@ pub fn device_peak_flops(plan: &Plan, hw: &Hardware) -> f64 {
     hw.peak_flops(dtype)
 }
 
+/// An update of several micro steps of a simulated plan, as `run --accum` runs it: every micro step's
+/// kernels and communication but the optimizer steps and the replicas' gradient sums, which run once
+/// (the sums beside the last micro step's backward pass, exposed as in the plain simulation).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Accumulated {
+    pub step_s: f64,
+    pub compute_s: f64,
+    pub exposed_communication_s: f64,
+    /// The exposed gradient sums over the replicas, in `exposed_communication_s`.
+    pub data_parallel_s: f64,
+}
+
+/// `micro_steps` micro steps of `sim` with the optimizer (`optimizer_s` of its kernels) and the
+/// replicas' gradient sums once ([`Accumulated`]).
+pub fn accumulate(sim: &Simulation, optimizer_s: f64, micro_steps: u64) -> Accumulated {
+    let a = micro_steps as f64;
+    let data_parallel_s = gradient_sums_exposed_s(sim);
+    let compute_s = a * (sim.compute_s - optimizer_s) + optimizer_s;
+    let exposed_communication_s = a * (sim.exposed_communication_s - data_parallel_s) + data_parallel_s;
+    Accumulated { step_s: compute_s + exposed_communication_s, compute_s, exposed_communication_s, data_parallel_s }
+}
+
+/// The seconds of a plan's optimizer steps, each at its kernel time.
+pub fn optimizer_seconds(plan: &Plan, hw: &Hardware) -> f64 {
+    plan.program
+        .iter()
+        .filter_map(|instr| match instr {
+            Instr::Kernel { kernel: kernel @ Kernel::OptimizerStep, inputs, output, .. } => {
+                let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
+                Some(kernel_time(kernel, &ins, plan.buffer(*output), hw))
+            }
+            _ => None,
+        })
+        .sum()
+}
+
 /// Exposed seconds of one micro step's gradient sums over the replicas: the all-reduces (or ZeRO-1's
 /// reduce-scatters) of the data group, which `run --accum` issues once per update. ZeRO-1's
 /// all-gathers of the weights happen in every micro step and are left with the rest.

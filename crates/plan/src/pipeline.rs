@@ -30,6 +30,15 @@ pub enum Schedule {
 }
 
 impl Schedule {
+    /// "gpipe", "1f1b" or "interleaved", as `--pipeline-schedule` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::GPipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+            Schedule::Interleaved { .. } => "interleaved",
+        }
+    }
+
     /// Model chunks on every stage (V).
     pub fn chunks(self) -> u64 {
         match self {

@@ -63,14 +63,13 @@ fn compile_with(
     target: Target,
     checked: bool,
 ) -> Result<Plan, Vec<Diagnostic>> {
-    let suggest_meshes = checked;
     check_mesh(target)?;
     let graph = LoweringGraph::new(model, target.mode)?;
     let shapes = shapes::padded_shapes(model, &graph.graph, &graph.like, target);
     shapes::check_padded_sizes(model, &graph.graph, &shapes)?;
     let mut lower = Lowerer::new(model, &graph.graph, graph.like.clone(), source, target, shapes);
     lower.run(graph.forward_len, &graph.grads);
-    if suggest_meshes && lower.diagnostics.iter().any(|d| d.code == Code::E0602) {
+    if checked && lower.diagnostics.iter().any(|d| d.code == Code::E0602) {
         let meshes = meshes_that_compile(model, &graph, source_name, source, target);
         add_mesh_suggestions(&mut lower.diagnostics, target.strategy, &meshes);
     }
