@@ -414,12 +414,18 @@ pub struct InstrCost {
 /// placements are simulated and the faster kept (row-major on a tie); its `placement` then ends in
 /// "(auto)" and its note gives the other's step.
 pub fn simulate(plan: &Plan, hw: &Hardware, options: &Options) -> Simulation {
-    simulate_costed(plan, hw, options).0
+    simulate_recording(plan, hw, options, false).0
 }
 
 /// [`simulate`], with each instruction's part in the step (one per instruction of the program).
 pub fn simulate_costed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation, Vec<InstrCost>) {
-    let placed = |placement| simulate_placed(plan, hw, &Options { placement, auto_placement: false, ..*options });
+    simulate_recording(plan, hw, options, true)
+}
+
+/// [`simulate`], with each instruction's part in the step when `record` (else none).
+fn simulate_recording(plan: &Plan, hw: &Hardware, options: &Options, record: bool) -> (Simulation, Vec<InstrCost>) {
+    let placed =
+        |placement| simulate_placed(plan, hw, &Options { placement, auto_placement: false, ..*options }, record);
     if !options.auto_placement {
         return placed(options.placement);
     }
@@ -448,7 +454,7 @@ pub fn simulate_costed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simula
 }
 
 /// Simulates one step of a plan with its ranks placed as `options.placement` says.
-fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation, Vec<InstrCost>) {
+fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options, record: bool) -> (Simulation, Vec<InstrCost>) {
     let nodes = NodeMap::of_plan(plan, hw.intra_node.gpus_per_node, options.placement);
     let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
     let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World]
@@ -468,7 +474,7 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation
         stream: scheduled.then(Stream::default),
         ..Tally::default()
     };
-    let mut costs = Vec::with_capacity(plan.program.len());
+    let mut costs = Vec::with_capacity(if record { plan.program.len() } else { 0 });
     for instr in &plan.program {
         let before = tally.compute + tally.exposed;
         let mut busy_s = 0.0;
@@ -497,7 +503,9 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options) -> (Simulation
             Instr::Wait { recv, .. } => tally.wait(*recv),
             Instr::Free { .. } => {}
         }
-        costs.push(InstrCost { step_s: tally.compute + tally.exposed - before, busy_s });
+        if record {
+            costs.push(InstrCost { step_s: tally.compute + tally.exposed - before, busy_s });
+        }
     }
     tally.finish_stream();
     tally.wait_for_gradient_sums(None);
