@@ -20,6 +20,8 @@ use crate::step::{InstrCost, Options, Simulation, accumulate, device_peak_flops,
 use optimus_plan::memory::for_each_touched;
 use optimus_plan::phases::{Phase, StepPhases};
 use optimus_plan::pipeline::Schedule;
+pub use optimus_plan::stages::layer_of;
+use optimus_plan::stages::{InstructionPieces, instruction_pieces, ranges_of_starts};
 use optimus_plan::{BufferId, Instr, Mode, Plan, Role};
 use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
@@ -176,133 +178,16 @@ pub struct ParamShare {
     pub sums_s: f64,
 }
 
-/// The repeated layer a scope is inside: `h.3.attn.c_attn` is in `h.3` (the scope up to its first
-/// all-digit part after the first).
-pub fn layer_of(scope: &str) -> Option<&str> {
-    let mut end = 0;
-    for (i, part) in scope.split('.').enumerate() {
-        end += part.len() + usize::from(i > 0);
-        if i > 0 && !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
-            return Some(&scope[..end]);
-        }
-    }
-    None
-}
-
-/// The scope of an instruction ("" for waits, frees and unscoped ones).
-fn scope_of<'p>(plan: &'p Plan, instr: &Instr) -> &'p str {
-    let origin = match instr {
-        Instr::Kernel { origin, .. } | Instr::Collective { origin, .. } => *origin,
-        Instr::Free { .. } | Instr::Wait { .. } => return "",
-    };
-    plan.origins.get(origin as usize).map_or("", |o| o.scope.as_str())
-}
-
-/// Which piece each forward and backward instruction belongs to. In the forward pass an instruction
-/// outside the repeated layers belongs to the first piece until a layer has run, and to the last after;
-/// in the backward pass the other way round, unless its scope's first part was placed in the forward
-/// pass (`ln_f`, `wte`).
-struct Assigner {
-    layers: Vec<String>,
-    index: HashMap<String, usize>,
-    named: HashMap<String, usize>,
-    seen_forward: bool,
-    seen_backward: bool,
-}
-
-impl Assigner {
-    fn new() -> Assigner {
-        Assigner {
-            layers: Vec::new(),
-            index: HashMap::new(),
-            named: HashMap::new(),
-            seen_forward: false,
-            seen_backward: false,
-        }
-    }
-
-    fn layer_piece(&mut self, layer: &str) -> usize {
-        if let Some(&k) = self.index.get(layer) {
-            return k + 1;
-        }
-        self.layers.push(layer.to_string());
-        self.index.insert(layer.to_string(), self.layers.len() - 1);
-        self.layers.len()
-    }
-
-    /// Notes that an instruction of a repeated layer ran in the forward (or backward) pass.
-    fn inside_layer(&mut self, forward: bool) {
-        if forward {
-            self.seen_forward = true;
-        } else {
-            self.seen_backward = true;
-        }
-    }
-
-    /// The piece of an instruction outside the repeated layers with scope `scope`; `forward` says
-    /// which pass it is in. The last piece's index is only known at the end: `usize::MAX` stands for
-    /// it until then.
-    fn outside_layers(&mut self, scope: &str, forward: bool) -> usize {
-        let name = scope.split('.').next().filter(|n| !n.is_empty());
-        if forward {
-            let piece = if self.seen_forward { usize::MAX } else { 0 };
-            if let Some(name) = name {
-                self.named.entry(name.to_string()).or_insert(piece);
-            }
-            return piece;
-        }
-        match name.and_then(|n| self.named.get(n)) {
-            Some(&piece) => piece,
-            None if self.seen_backward => 0,
-            None => usize::MAX,
-        }
-    }
-}
-
 /// Cuts a plan into pieces, with each instruction's share of the simulated step (`costs`, one per
 /// instruction).
 pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
     let phases = StepPhases::of(plan);
-    // The memory plan's end of the forward pass is the first backward instruction (the phases' is
-    // where the loss is written, which a plan may do late).
-    let (forward_end, updates_begin) = (plan.memory.forward_end.min(phases.updates_begin()), phases.updates_begin());
-    let mut assigner = Assigner::new();
-    let mut piece_of: Vec<usize> = Vec::with_capacity(plan.program.len());
-    // Each origin's layer piece, found once (None inside: an origin outside the repeated layers).
-    let mut layer_piece: Vec<Option<Option<usize>>> = vec![None; plan.origins.len()];
-    for (i, instr) in plan.program.iter().enumerate() {
-        if i >= updates_begin {
-            piece_of.push(0);
-            continue;
-        }
-        let forward = i < forward_end;
-        let origin = match instr {
-            Instr::Kernel { origin, .. } | Instr::Collective { origin, .. } => Some(*origin as usize),
-            Instr::Free { .. } | Instr::Wait { .. } => None,
-        };
-        let scope = scope_of(plan, instr);
-        let layer = match origin.and_then(|o| layer_piece.get_mut(o)) {
-            Some(slot) => *slot.get_or_insert_with(|| layer_of(scope).map(|l| assigner.layer_piece(l))),
-            None => None,
-        };
-        let piece = match layer {
-            Some(piece) => {
-                assigner.inside_layer(forward);
-                piece
-            }
-            None => assigner.outside_layers(scope, forward),
-        };
-        piece_of.push(piece);
-    }
-    let tail = assigner.layers.len() + 1;
-    for piece in &mut piece_of {
-        if *piece == usize::MAX {
-            *piece = tail;
-        }
-    }
+    let cut = instruction_pieces(plan);
+    let (forward_end, updates_begin, tail) = (cut.forward_end, cut.updates_begin, cut.tail());
+    let InstructionPieces { layers, piece_of, .. } = cut;
+    let layer_index: HashMap<String, usize> = layers.iter().enumerate().map(|(k, l)| (l.clone(), k)).collect();
     let n = tail + 1;
     let owner = update_owners(plan, param_owners(plan), forward_end);
-    let Assigner { layers, index: layer_index, .. } = assigner;
     let mut out = Pieces {
         layers,
         forward_s: vec![0.0; n],
@@ -614,13 +499,7 @@ fn virtual_stage_pieces(pieces: &Pieces, virtual_stages: u64) -> Result<Vec<std:
     if starts.is_empty() {
         return Err(PipelineError::TooFewLayers { layers, virtual_stages });
     }
-    Ok((0..starts.len())
-        .map(|g| {
-            let from = if g == 0 { 0 } else { starts[g] + 1 };
-            let to = if g + 1 == starts.len() { layers + 2 } else { starts[g + 1] + 1 };
-            from..to
-        })
-        .collect())
+    Ok(ranges_of_starts(&starts, layers))
 }
 
 /// [`simulate_pipeline`] from a plan already cut into pieces.

@@ -3,6 +3,8 @@
 //! the step loop of one device and [`assemble`] joins every device's blocks into logical tensors.
 
 use super::arena;
+
+mod stage;
 use super::backend::{Backend, BackendKind, UpdateBuffers};
 use super::comm::{CollectiveSpec, Communicator};
 use super::cpu::CpuBackend;
@@ -17,6 +19,7 @@ use optimus_plan::phases::{Phase, StepPhases};
 use optimus_plan::stores::{CheckpointSink, CheckpointSource, DeviceParamBlocks, WeightSource};
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{Buffer, BufferId, CollectiveKind, Coords, Group, Instr, Kernel, Plan, ReduceOp, Role};
+pub use stage::Stash;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

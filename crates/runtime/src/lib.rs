@@ -20,6 +20,7 @@ pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod peak;
+pub mod pipeline;
 pub mod profile;
 pub mod qkv;
 pub mod schedule;

@@ -1,0 +1,552 @@
+//! A pipeline run in one process: every stage's grid of devices on threads, each stage's devices
+//! exchanging their collectives through a fabric of their own, and the stages passing activations,
+//! their gradients and tied gradients point to point through mailboxes, under a schedule (GPipe, 1F1B,
+//! interleaved 1F1B) over the update's micro-batches.
+//!
+//! Each device runs its stage's program ([`optimus_plan::pipeline_cut`]) one pass at a time, in the
+//! order [`optimus_plan::pipeline::stage_order`] gives its stage; a forward pass's activations are kept
+//! aside (host copies) until the micro-batch's backward pass, so the activations in flight are the
+//! schedule's. Once every micro-batch is done: the gradients' means, the tied gradients sent to the
+//! stages holding a copy, the gradient norm summed over the stages, the optimizer steps. The arithmetic
+//! of every pass is the unpipelined plan's, so losses and weights equal an unpipelined run with as many
+//! accumulated micro-batches (to the rounding of the gradient norm's sum, which the stages split).
+
+use super::comm::Communicator;
+use super::cpu::CpuBackend;
+use super::cpu::threads::{Fabric, ThreadComm};
+use super::exec::{Batches, Device, DeviceBlocks, RunConfig, RunOutput, StepRecord, Update, assemble};
+use super::settings::OptimizerSettings;
+use optimus_plan::Plan;
+use optimus_plan::init;
+use optimus_plan::pipeline::{Pass, Schedule, stage_order};
+use optimus_plan::pipeline_cut::{Action, PipelineProgram, StageProgram};
+use optimus_plan::tensor::Tensor;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// The micro-batch number of what is sent once an update (the summed tied gradients).
+const UPDATE: u64 = u64::MAX;
+/// The micro-batch number of the gradient norm's shares.
+const NORM: u64 = u64::MAX - 1;
+
+/// Who sends what to whom: the stages, the devices' rank in their stage's grid, the step, the micro-batch
+/// and the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Key {
+    from: u64,
+    to: u64,
+    rank: u64,
+    step: u64,
+    micro_batch: u64,
+    buffer: u32,
+}
+
+/// The point-to-point transfers between stages on threads: a queue per key, a receiver waiting until
+/// its block is there, the run's failure, or the timeout.
+pub struct Mailboxes {
+    state: Mutex<MailState>,
+    arrived: Condvar,
+    timeout: Duration,
+}
+
+#[derive(Default)]
+struct MailState {
+    boxes: HashMap<Key, VecDeque<Tensor>>,
+    failure: Option<String>,
+    /// Bytes sent, for the report.
+    bytes: u64,
+}
+
+impl Mailboxes {
+    pub fn new(timeout: Duration) -> Mailboxes {
+        Mailboxes { state: Mutex::new(MailState::default()), arrived: Condvar::new(), timeout }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MailState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn send(&self, key: Key, block: Tensor) {
+        let mut state = self.lock();
+        state.bytes += 4 * block.len() as u64;
+        state.boxes.entry(key).or_default().push_back(block);
+        self.arrived.notify_all();
+    }
+
+    fn receive(&self, key: Key, what: &dyn Fn() -> String) -> Result<Tensor, String> {
+        let deadline = Instant::now() + self.timeout;
+        let mut state = self.lock();
+        loop {
+            if let Some(failure) = &state.failure {
+                return Err(format!("stopped waiting for {}: {failure}", what()));
+            }
+            if let Some(block) = state.boxes.get_mut(&key).and_then(VecDeque::pop_front) {
+                return Ok(block);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "timed out after {:.0} s waiting for {} from stage {} (a stage stopped or hung)",
+                    self.timeout.as_secs_f64(),
+                    what(),
+                    key.from
+                ));
+            }
+            state =
+                self.arrived.wait_timeout(state, deadline - now).map(|(s, _)| s).unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    /// Marks the run failed: every receiver stops waiting.
+    pub fn fail(&self, why: &str) {
+        let mut state = self.lock();
+        state.failure.get_or_insert_with(|| why.to_string());
+        self.arrived.notify_all();
+    }
+
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failure.clone()
+    }
+
+    /// Bytes sent between stages so far.
+    pub fn bytes_sent(&self) -> u64 {
+        self.lock().bytes
+    }
+}
+
+/// What the schedule asks of a pipelined run.
+#[derive(Clone, Copy, Debug)]
+pub struct PipelineRun<'a> {
+    pub program: &'a PipelineProgram,
+    pub schedule: Schedule,
+}
+
+/// One stage device's measured memory: its storage, and the most bytes of activations it kept aside at
+/// once for backward passes to come.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageMemory {
+    pub storage_bytes: u64,
+    pub peak_kept_bytes: u64,
+    pub peak_in_flight: u64,
+}
+
+/// A pipelined run's output: the whole model's (as an unpipelined run's) and each stage's memory (its
+/// device of rank 0).
+#[derive(Debug)]
+pub struct PipelineOutput {
+    pub run: RunOutput,
+    pub stages: Vec<StageMemory>,
+    pub bytes_between_stages: u64,
+}
+
+/// Runs `plan` (the whole model for one stage's grid) as the pipeline `run`, on the CPU, one thread
+/// per device of every stage. `on_step` is called by the loss stage's first device after every update.
+pub fn run_on_threads(
+    plan: &Plan,
+    pipe: PipelineRun<'_>,
+    config: &RunConfig,
+    batches: &Batches<'_>,
+    initial: &BTreeMap<String, Tensor>,
+    on_step: &(dyn Fn(&StepRecord) + Sync),
+) -> Result<PipelineOutput, String> {
+    let stages = pipe.program.stages.len() as u64;
+    let devices = plan.mesh.devices();
+    super::limits::check_host_can_run(plan, devices * stages).map_err(|e| e.to_string())?;
+    let mail = Mailboxes::new(config.timeout);
+    let fabrics: Vec<Arc<Fabric>> = (0..stages).map(|_| Fabric::new(plan.mesh, config.timeout)).collect();
+    let inline = config
+        .kernels_inline
+        .unwrap_or_else(|| super::cpu::par::devices_run_kernels_inline((devices * stages) as usize));
+    type Outcome = Result<(Vec<StepRecord>, DeviceBlocks, StageMemory), String>;
+    let results: Vec<Vec<Outcome>> = std::thread::scope(|scope| {
+        let handles: Vec<Vec<_>> = pipe
+            .program
+            .stages
+            .iter()
+            .zip(&fabrics)
+            .map(|(stage, fabric)| {
+                (0..devices)
+                    .map(|rank| {
+                        let (fabric, mail) = (Arc::clone(fabric), &mail);
+                        scope.spawn(move || {
+                            let coords = plan.mesh.coords_of(rank);
+                            let comm = ThreadComm::new(Arc::clone(&fabric), coords);
+                            let worker = StageWorker { pipe, stage, rank, mail, config, batches, initial, on_step };
+                            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                let device = || worker.run(comm);
+                                if inline { super::cpu::par::run_inline(device) } else { device() }
+                            }));
+                            let result =
+                                outcome.unwrap_or_else(|_| Err("a kernel panicked (an internal error)".into()));
+                            result.map_err(|e| {
+                                let message =
+                                    format!("stage {} {}", stage.stage, super::exec::failure_report(coords, &e));
+                                mail.fail(&message);
+                                ThreadComm::new(fabric, coords).abort(&message);
+                                message
+                            })
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|stage| {
+                stage.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
+            })
+            .collect()
+    });
+    if let Some(first) = mail.failure() {
+        return Err(first);
+    }
+    let mut per_stage = Vec::with_capacity(results.len());
+    for stage in results {
+        per_stage.push(stage.into_iter().collect::<Result<Vec<_>, String>>()?);
+    }
+    let memory: Vec<StageMemory> = per_stage.iter().map(|s| s.first().map(|d| d.2).unwrap_or_default()).collect();
+    let loss_stage =
+        pipe.program.stages.iter().position(|s| s.computes_loss).unwrap_or(per_stage.len().saturating_sub(1));
+    let steps = per_stage.get(loss_stage).and_then(|s| s.first()).map(|d| d.0.clone()).unwrap_or_default();
+    let run = if config.final_state {
+        let merged = merge_blocks(plan, pipe.program, &per_stage)?;
+        RunOutput {
+            steps,
+            ..assemble(plan, merged.into_iter().map(|b| (Vec::new(), b)).collect()).map_err(|e| e.to_string())?
+        }
+    } else {
+        RunOutput::of_steps(steps, Vec::new())
+    };
+    Ok(PipelineOutput { run, stages: memory, bytes_between_stages: mail.bytes_sent() })
+}
+
+/// Every device's blocks of the whole plan, from the stages that hold them: a parameter from the first
+/// stage holding it, a gradient from the stage that computes it, an output from the stage writing it.
+fn merge_blocks(
+    plan: &Plan,
+    program: &PipelineProgram,
+    per_stage: &[Vec<(Vec<StepRecord>, DeviceBlocks, StageMemory)>],
+) -> Result<Vec<DeviceBlocks>, String> {
+    let devices = plan.mesh.devices() as usize;
+    let mut merged = Vec::with_capacity(devices);
+    for rank in 0..devices {
+        let blocks: Vec<&DeviceBlocks> = per_stage
+            .iter()
+            .map(|stage| stage.get(rank).map(|d| &d.1))
+            .collect::<Option<_>>()
+            .ok_or("a stage device handed back no blocks")?;
+        let mut params = Vec::with_capacity(plan.params.len());
+        let mut grads = Vec::with_capacity(plan.params.len());
+        for (k, p) in plan.params.iter().enumerate() {
+            let held: Vec<(usize, usize)> = program
+                .stages
+                .iter()
+                .enumerate()
+                .filter_map(|(s, stage)| stage.params.iter().position(|&q| q == k).map(|j| (s, j)))
+                .collect();
+            let &(s, j) = held.first().ok_or_else(|| format!("no stage holds the parameter `{}`", p.name))?;
+            params.push(blocks[s].0[j].clone());
+            let computed =
+                held.iter().find(|&&(s, _)| p.grad.is_some_and(|g| program.stages[s].gradients.contains(&g)));
+            let &(gs, gj) = computed.unwrap_or(&(s, j));
+            grads.push(blocks[gs].1[gj].clone());
+        }
+        let mut outputs = Vec::with_capacity(plan.outputs.len());
+        for o in &plan.outputs {
+            let found = program.stages.iter().enumerate().find_map(|(s, stage)| {
+                let j = stage.plan.outputs.iter().position(|q| q.buffer == o.buffer)?;
+                Some(blocks[s].2[j].clone())
+            });
+            outputs.push(found.ok_or_else(|| format!("no stage computes the output `{}`", o.name))?);
+        }
+        merged.push((params, grads, outputs));
+    }
+    Ok(merged)
+}
+
+/// One device of one stage and what its run needs.
+struct StageWorker<'r> {
+    pipe: PipelineRun<'r>,
+    stage: &'r StageProgram,
+    rank: u64,
+    mail: &'r Mailboxes,
+    config: &'r RunConfig,
+    batches: &'r Batches<'r>,
+    initial: &'r BTreeMap<String, Tensor>,
+    on_step: &'r (dyn Fn(&StepRecord) + Sync),
+}
+
+/// What an update's passes computed: the micro-batches' losses (summed, in micro-batch order as they
+/// complete), the first that was not finite, and the last micro-batch's outputs.
+struct Results<'o> {
+    losses: f64,
+    bad_loss: Option<f32>,
+    /// The micro-batches whose loss is counted.
+    noted: Vec<u64>,
+    outputs: &'o mut Vec<(optimus_plan::BufferId, Tensor)>,
+}
+
+impl Results<'_> {
+    /// Takes micro-batch `micro_batch`'s loss and (for the last) outputs once they are computed: after
+    /// its forward pass, or after its backward pass where the plan sums the loss over the mesh late.
+    fn note<C: Communicator>(
+        &mut self,
+        device: &mut Device<'_, CpuBackend, C>,
+        micro_batch: u64,
+        last: bool,
+    ) -> Result<(), String> {
+        if self.noted.contains(&micro_batch) {
+            return Ok(());
+        }
+        let Some(loss) = device.loss_value()? else { return Ok(()) };
+        if !loss.is_finite() {
+            self.bad_loss.get_or_insert(loss);
+        }
+        self.losses += f64::from(loss);
+        self.noted.push(micro_batch);
+        if last {
+            self.outputs.extend(device.computed_outputs()?);
+        }
+        Ok(())
+    }
+}
+
+/// Where a pass is: its step and micro-batch.
+#[derive(Clone, Copy)]
+struct At {
+    step: u64,
+    micro_batch: u64,
+}
+
+impl StageWorker<'_> {
+    fn run<C: Communicator>(&self, comm: C) -> Result<(Vec<StepRecord>, DeviceBlocks, StageMemory), String> {
+        let plan = &self.stage.plan;
+        let config = self.config;
+        let given = |p: &optimus_plan::PlanParam| self.initial.contains_key(&p.name) || config.weights.is_some();
+        let mut device = Device::with_parameters(plan, CpuBackend, comm, config.seed, &|p| !given(p))?;
+        self.load_parameters(&mut device)?;
+        let mut memory = StageMemory { storage_bytes: device.storage_bytes(), ..StageMemory::default() };
+        let (mut records, mut outputs) = (Vec::new(), Vec::new());
+        for step in config.start_step..config.steps {
+            let record =
+                self.update(&mut device, step, &mut memory, &mut outputs).map_err(|e| format!("step {step}: {e}"))?;
+            if self.stage.computes_loss && device.coords().is_origin() {
+                (self.on_step)(&record);
+            }
+            records.push(record);
+        }
+        let blocks = if config.final_state { device.into_blocks(outputs)? } else { Default::default() };
+        Ok((records, blocks, memory))
+    }
+
+    /// The parameters given whole or by `--weights`.
+    fn load_parameters<C: Communicator>(&self, device: &mut Device<'_, CpuBackend, C>) -> Result<(), String> {
+        let plan = device.plan;
+        let coords = device.coords();
+        device.clip_grad_norm = self.config.clip_grad_norm;
+        for p in &plan.params {
+            let meta = plan.buffer(p.buffer);
+            if let Some(t) = self.initial.get(&p.name) {
+                let block = init::block_of(&init::pad_to(t, meta)?, meta, coords, plan.mesh)?;
+                device.write(p.buffer, block)?;
+            } else if let Some(weights) = &self.config.weights {
+                device.write(p.buffer, weights.block(p, meta, coords, plan.mesh).map_err(|e| e.to_string())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One update: the schedule's passes over the micro-batches, then the update itself.
+    fn update<C: Communicator>(
+        &self,
+        device: &mut Device<'_, CpuBackend, C>,
+        step: u64,
+        memory: &mut StageMemory,
+        outputs: &mut Vec<(optimus_plan::BufferId, Tensor)>,
+    ) -> Result<StepRecord, String> {
+        let started = Instant::now();
+        let config = self.config;
+        let optimizer = config.optimizer_at(step);
+        let m = config.accumulation.max(1);
+        let stages = self.pipe.program.stages.len() as u64;
+        let order = stage_order(self.pipe.schedule, stages, m, self.stage.stage).map_err(|e| e.to_string())?;
+        let last_chunk = self.pipe.program.chunks.saturating_sub(1);
+        device.begin_update();
+        let mut results = Results { losses: 0.0, bad_loss: None, noted: Vec::new(), outputs };
+        results.outputs.clear();
+        let mut kept: HashMap<(u64, u64), super::exec::Stash> = HashMap::new();
+        let mut kept_bytes = 0u64;
+        for op in order {
+            let at = At { step, micro_batch: op.micro_batch };
+            let index = step * m + op.micro_batch;
+            let mode = match (m, op.micro_batch + 1 == m) {
+                (1, _) => Update::Apply(&optimizer, step + 1),
+                (_, false) => Update::Accumulate,
+                (n, true) => Update::ApplyMean(&optimizer, step + 1, n),
+            };
+            let chunk = op.chunk as usize;
+            match op.pass {
+                Pass::Forward => {
+                    if !device.plan.inputs.is_empty() {
+                        device.load_inputs(&(self.batches)(index)?)?;
+                    }
+                    device.begin_pass(index + 1);
+                    self.run_actions(device, &self.stage.forward[chunk], at, mode)?;
+                    if op.chunk == last_chunk {
+                        results.note(device, op.micro_batch, op.micro_batch + 1 == m)?;
+                    }
+                    let stash = device.stash()?;
+                    kept_bytes += stash.bytes;
+                    memory.peak_kept_bytes = memory.peak_kept_bytes.max(kept_bytes);
+                    kept.insert((op.chunk, op.micro_batch), stash);
+                    memory.peak_in_flight = memory.peak_in_flight.max(kept.len() as u64);
+                }
+                Pass::Backward => {
+                    let stash = kept.remove(&(op.chunk, op.micro_batch)).ok_or("a backward pass before its forward")?;
+                    kept_bytes -= stash.bytes;
+                    device.restore(stash)?;
+                    device.begin_pass(index + 1);
+                    self.run_actions(device, &self.stage.backward[chunk], at, mode)?;
+                    if op.chunk == last_chunk {
+                        results.note(device, op.micro_batch, op.micro_batch + 1 == m)?;
+                    }
+                    device.add_gradients(&self.stage.gradients)?;
+                }
+            }
+        }
+        if self.stage.computes_loss && results.noted.len() as u64 != m {
+            return Err("the loss was not computed for every micro-batch".into());
+        }
+        self.apply(device, step, &optimizer, results.bad_loss)?;
+        let loss = self.stage.computes_loss.then(|| (results.losses / m as f64) as f32);
+        Ok(StepRecord {
+            step,
+            loss,
+            elapsed: started.elapsed(),
+            lr: optimizer.lr,
+            val_loss: None,
+            grad_norm: device.grad_norm(),
+            checkpoint: None,
+        })
+    }
+
+    /// The update after the micro-batches: mean gradients, tied gradients to the stages holding a copy,
+    /// the gradient norm over the stages, the optimizer steps. A non-finite loss on the loss stage stops
+    /// every stage here, before any weight changes.
+    fn apply<C: Communicator>(
+        &self,
+        device: &mut Device<'_, CpuBackend, C>,
+        step: u64,
+        optimizer: &OptimizerSettings,
+        bad_loss: Option<f32>,
+    ) -> Result<(), String> {
+        let m = self.config.accumulation.max(1);
+        device.write_mean_gradients(&self.stage.gradients, m)?;
+        let at = At { step, micro_batch: UPDATE };
+        for &(buffer, to) in &self.stage.gradient_sends {
+            let block = device.read(buffer)?.ok_or("a summed gradient to send is not alive")?;
+            self.mail.send(self.key(self.stage.stage, to, at, buffer.0), block);
+        }
+        let mut norm_taken = false;
+        for &action in &self.stage.update {
+            if let Action::Run(k) = action
+                && !norm_taken
+                && device.is_optimizer_step(k)
+            {
+                self.total_norm(device, step, bad_loss)?;
+                norm_taken = true;
+            }
+            self.run_action(device, action, at, Update::Apply(optimizer, step + 1))?;
+        }
+        if !norm_taken {
+            self.total_norm(device, step, bad_loss)?;
+        }
+        Ok(())
+    }
+
+    /// Sums the stages' shares of the squared gradient norm (in stage order, the same sum on every
+    /// stage) and whether any stage's loss was not finite.
+    fn total_norm<C: Communicator>(
+        &self,
+        device: &mut Device<'_, CpuBackend, C>,
+        step: u64,
+        bad_loss: Option<f32>,
+    ) -> Result<(), String> {
+        let stages = self.pipe.program.stages.len() as u64;
+        let me = self.stage.stage;
+        let share = Tensor::from_f32(&[2], vec![device.norm_share()?, bad_loss.unwrap_or(0.0)]);
+        let at = At { step, micro_batch: NORM };
+        for to in (0..stages).filter(|&t| t != me) {
+            self.mail.send(self.key(me, to, at, 0), share.clone());
+        }
+        let (mut squares, mut bad) = (0.0f32, None);
+        for from in 0..stages {
+            let block = if from == me {
+                share.clone()
+            } else {
+                self.mail.receive(self.key(from, me, at, 0), &|| "the gradient norm's share".to_string())?
+            };
+            let values = block.f32().map_err(|e| e.to_string())?;
+            squares += values.first().copied().unwrap_or(0.0);
+            if let Some(&loss) = values.get(1).filter(|v| **v != 0.0) {
+                bad.get_or_insert(loss);
+            }
+        }
+        if let Some(value) = bad {
+            return Err(format!(
+                "the loss is {value}, so the run stops before updating any weight (none are saved); run without \
+                 --pipeline to find the first tensor that holds a NaN or an infinity"
+            ));
+        }
+        device.set_norm(squares)?;
+        Ok(())
+    }
+
+    fn key(&self, from: u64, to: u64, at: At, buffer: u32) -> Key {
+        Key { from, to, rank: self.rank, step: at.step, micro_batch: at.micro_batch, buffer }
+    }
+
+    fn run_actions<C: Communicator>(
+        &self,
+        device: &mut Device<'_, CpuBackend, C>,
+        actions: &[Action],
+        at: At,
+        mode: Update<'_>,
+    ) -> Result<(), String> {
+        for &action in actions {
+            self.run_action(device, action, at, mode)?;
+        }
+        Ok(())
+    }
+
+    fn run_action<C: Communicator>(
+        &self,
+        device: &mut Device<'_, CpuBackend, C>,
+        action: Action,
+        at: At,
+        mode: Update<'_>,
+    ) -> Result<(), String> {
+        let me = self.stage.stage;
+        match action {
+            Action::Run(k) => {
+                let plan = device.plan;
+                device.run_instruction(k, mode).map_err(|e| super::exec::in_instruction(plan, k, &e.to_string()))
+            }
+            Action::Receive { buffer, from } => {
+                let name = || format!("`{}`", device.plan.buffer(buffer).name);
+                let name = name();
+                let block = self.mail.receive(self.key(from, me, at, buffer.0), &|| name.clone())?;
+                device.write(buffer, block).map_err(|e| e.to_string())
+            }
+            Action::Send { buffer, to } => {
+                let plan = device.plan;
+                let block = device
+                    .read(buffer)?
+                    .ok_or_else(|| format!("`{}` is not alive when stage {me} sends it", plan.buffer(buffer).name))?;
+                self.mail.send(self.key(me, to, at, buffer.0), block);
+                Ok(())
+            }
+        }
+    }
+}
