@@ -47,6 +47,10 @@ status=0
 echo "== examples/gpt2.opt against GPT2LMHeadModel on tesseract depth 4 and 3d with replicas (batch 8)"
 "$PY" scripts/hf_compare.py --optimusc "$OPTIMUSC" --batch 8 --optimizers sgd,adamw-all \
     --meshes none:1x1,tesseract:4x2x2,tesseract:2x2x2x2,3d:2x2x2x2 || status=$?
+echo "== examples/gpt2.opt against GPT2LMHeadModel as pipelines (4 layers: GPipe, 1F1B, interleaved; meshes, replicas)"
+"$PY" scripts/hf_compare.py --optimusc "$OPTIMUSC" --layers 4 --optimizers adamw-all,sgd-accum2 \
+    --meshes none:1x1:pp4-gpipe,optimus:2x2:pp2-1f1b,megatron:1x2:pp2-interleaved,none:2x1x1:pp2-1f1b,optimus:2x2x2:pp4-1f1b,megatron:2x1x2:pp2-gpipe \
+    || status=$?
 echo "== comparing examples/llama.opt with LlamaForCausalLM (float64)"
 "$PY" scripts/hf_llama_compare.py --optimusc "$OPTIMUSC" || status=$?
 echo "== comparing examples/bert.opt with BertForMaskedLM (float64)"

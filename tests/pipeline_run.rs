@@ -137,3 +137,71 @@ fn stages_of_meshes_with_replicas_equal_accumulation() {
         assert_same_run(&format!("{strategy:?} {mesh:?} {stages} stages {schedule:?}"), &want, &got.run, 5e-6);
     }
 }
+
+fn optimusc(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
+}
+
+/// The `{"pipeline": ...}` record of a `run --pipeline --json`, and the losses of its steps.
+fn pipeline_record(args: &[&str]) -> (serde_json::Value, Vec<f64>) {
+    let out = optimusc(args);
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let records: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON record")).collect();
+    let losses = records.iter().filter_map(|r| r.get("loss")?.as_f64()).collect();
+    let pipeline = records.iter().find_map(|r| r.get("pipeline").cloned()).expect("a pipeline record");
+    (pipeline, losses)
+}
+
+#[test]
+fn the_command_line_runs_pipelines_and_reports_what_each_stage_kept() {
+    let base =
+        ["run", "examples/tiny.opt", "--set", "layers=4", "--steps", "2", "--accum", "4", "--json", "--seed", "3"];
+    let plain = optimusc(&base);
+    assert!(plain.status.success());
+    let want: Vec<f64> = String::from_utf8_lossy(&plain.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("loss")?.as_f64())
+        .collect();
+    for (stages, schedule) in [(4u64, "1f1b"), (2, "1f1b"), (4, "gpipe"), (2, "gpipe")] {
+        let p = stages.to_string();
+        let args: Vec<&str> = base.iter().copied().chain(["--pipeline", &p, "--pipeline-schedule", schedule]).collect();
+        let (record, losses) = pipeline_record(&args);
+        assert_eq!(losses.len(), want.len());
+        for (a, b) in want.iter().zip(&losses) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "{stages} {schedule}: loss {b} vs {a}");
+        }
+        let per_stage = record["stages"].as_array().expect("stages");
+        assert_eq!(per_stage.len() as u64, stages);
+        // 1F1B keeps P - s micro-batches in flight on stage s (at most m = 4); GPipe all m everywhere.
+        for (s, stage) in per_stage.iter().enumerate() {
+            let in_flight = stage["peak_in_flight"].as_u64().expect("a count");
+            let expected = if schedule == "gpipe" { 4 } else { (stages - s as u64).min(4) };
+            assert_eq!(in_flight, expected, "{stages} {schedule} stage {s}");
+            assert!(stage["peak_kept_bytes"].as_u64().expect("bytes") > 0);
+        }
+    }
+}
+
+#[test]
+fn pipeline_flags_that_do_not_fit_are_usage_errors() {
+    let run = ["run", "examples/tiny.opt", "--steps", "1"];
+    for (extra, says) in [
+        (&["--pipeline", "3"][..], "need at least 3 repeated layers"),
+        (&["--pipeline", "2", "--pipeline-schedule", "interleaved", "--accum", "3"][..], "multiple"),
+        (&["--pipeline", "2", "--virtual-stages", "2"][..], "interleaved"),
+        (&["--pipeline", "2", "--pipeline-split", "1,2"][..], "2 layers in all"),
+        (&["--pipeline", "2", "--pipeline-split", "2"][..], "gives 1 runs"),
+        (&["--pipeline", "2", "--checkpoint-every", "1", "--checkpoint-dir", "/nonexistent/x"][..], "checkpoints"),
+        (&["--pipeline", "2", "--mode", "infer"][..], "training plan"),
+    ] {
+        let args: Vec<&str> = run.iter().chain(extra).copied().collect();
+        let out = optimusc(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(stderr.contains(says), "{extra:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{extra:?}: {stderr}");
+    }
+    let out = optimusc(&["run", "examples/tiny.opt", "--pipeline-schedule", "gpipe"]);
+    assert_eq!(out.status.code(), Some(2), "--pipeline-schedule needs --pipeline");
+}

@@ -9,6 +9,7 @@ pub mod flags;
 pub mod generate;
 pub mod mask;
 pub mod pipeline;
+pub mod pipeline_run;
 pub mod plan;
 pub mod plot;
 pub mod recorded;

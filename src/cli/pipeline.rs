@@ -225,3 +225,75 @@ fn render_accumulated(s: &PipelineSimulation) -> String {
     render_fit_and_rate(&mut out, s, (u.memory.peak_bytes_per_device, ""));
     out
 }
+
+/// The pipeline flags of `optimusc run` (the micro-batches are `--accum`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RunPipelineArgs {
+    /// Run the model as a pipeline of P stages, each on its own copy of the plan's grid (mesh and
+    /// replicas; P times its devices in all, one thread each): the repeated layers are cut into P
+    /// contiguous runs (the embedding with the first, the head with the last), each stage runs its
+    /// layers' forward and backward passes for --accum micro-batches under --pipeline-schedule, passes
+    /// activations forward and their gradients back to its neighbours point to point, and every stage
+    /// updates its own parameters once the micro-batches are done (a tied embedding and LM head: the
+    /// gradient summed between the two stages holding a copy). Losses and weights equal the run
+    /// without --pipeline and the same --accum. [default: 1, no pipeline]
+    #[arg(long, value_name = "P", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub pipeline: Option<u64>,
+    /// gpipe (every forward, then every backward: all micro-batches' activations kept at once), 1f1b
+    /// (stage s keeps at most P - s micro-batches' activations) or interleaved (1F1B over
+    /// --virtual-stages chunks a stage; --accum a multiple of P) [default: 1f1b].
+    #[arg(long, value_enum, value_name = "SCHEDULE", requires = "pipeline")]
+    pub pipeline_schedule: Option<PipelineScheduleArg>,
+    /// Model chunks on each stage for the interleaved schedule (2 or more) [default: 2].
+    #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=64), requires = "pipeline")]
+    pub virtual_stages: Option<u64>,
+    /// Repeated layers of each virtual stage, in order (P x V counts, e.g. 3,3,2), instead of the even
+    /// split (each run of layers as long as the others, the earlier ones one longer).
+    #[arg(long, value_name = "N,N,...", value_delimiter = ',', requires = "pipeline")]
+    pub pipeline_split: Option<Vec<u64>>,
+}
+
+impl RunPipelineArgs {
+    /// Whether the run is a pipeline (of any number of stages).
+    pub fn requested(&self) -> bool {
+        self.pipeline.is_some()
+    }
+
+    /// The stages and schedule, or why the flags contradict each other.
+    pub fn stages_and_schedule(&self) -> Result<(u64, Schedule), String> {
+        let flags = PipelineArgs {
+            pipeline: self.pipeline,
+            pipeline_schedule: self.pipeline_schedule,
+            virtual_stages: self.virtual_stages,
+            ..PipelineArgs::default()
+        };
+        let p = flags.pipeline()?;
+        Ok((p.stages, p.schedule))
+    }
+
+    /// The pieces of each virtual stage that --pipeline-split gives, for a model of `layers` repeated
+    /// layers cut into `virtual_stages` runs; `None` without the flag.
+    pub fn split(&self, layers: usize, virtual_stages: u64) -> Result<Option<Vec<std::ops::Range<usize>>>, String> {
+        let Some(counts) = &self.pipeline_split else { return Ok(None) };
+        if counts.len() as u64 != virtual_stages {
+            return Err(format!(
+                "--pipeline-split gives {} runs of layers; the pipeline has {virtual_stages} (stages x virtual stages)",
+                counts.len()
+            ));
+        }
+        let total: u64 = counts.iter().sum();
+        if counts.contains(&0) || total != layers as u64 {
+            return Err(format!(
+                "--pipeline-split must give every virtual stage at least one layer and {layers} layers in all (the \
+                 model's repeated layers); it gives {total}"
+            ));
+        }
+        let mut starts = Vec::with_capacity(counts.len());
+        let mut next = 0usize;
+        for &n in counts {
+            starts.push(next);
+            next += n as usize;
+        }
+        Ok(Some(optimus::plan::stages::ranges_of_starts(&starts, layers)))
+    }
+}

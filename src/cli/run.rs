@@ -100,6 +100,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "X", value_parser = super::flags::positive)]
     pub clip_grad_norm: Option<f32>,
     #[command(flatten)]
+    pub pipeline: super::pipeline::RunPipelineArgs,
+    #[command(flatten)]
     pub checkpoint: super::resume::CheckpointArgs,
     /// Validation token file (same format as --data): after every --eval-every-th update, the mean loss
     /// of --eval-batches batches of it, with dropout off and no update; batch v reads the sequences at
@@ -399,7 +401,18 @@ pub fn run(args: &RunArgs) -> ExitCode {
         Err(failure) => return failure.exit(),
     };
     if let Some(launch) = optimus::runtime::launch::detect().filter(|l| l.is_multi_process()) {
+        if args.pipeline.requested() {
+            return Failure::usage(
+                "--pipeline runs its stages on threads in one process; under mpirun or srun, run without it".into(),
+            )
+            .exit();
+        }
         return multi_process::run(args, &launch);
+    }
+    if args.pipeline.requested()
+        && let Err(failure) = super::pipeline_run::refuse_unsupported(args)
+    {
+        return failure.exit();
     }
     let job = match prepare(args) {
         Ok(job) => job,
@@ -410,7 +423,16 @@ pub fn run(args: &RunArgs) -> ExitCode {
     {
         eprintln_safe!("warning: {}", optimus::plan::text::printable_text(&warning));
     }
-    match run_on_threads(args, &job) {
+    let ran = if args.pipeline.requested() {
+        let cut = match super::pipeline_run::program_of(args, &job.plan) {
+            Ok(cut) => cut,
+            Err(failure) => return failure.exit(),
+        };
+        super::pipeline_run::run_pipelined(args, &job, cut)
+    } else {
+        run_on_threads(args, &job)
+    };
+    match ran {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => failure_status(&e),
     }
@@ -424,13 +446,13 @@ fn report(e: &str) {
 }
 
 /// Everything a run needs, read and checked before any device starts.
-struct Prepared {
-    plan: Plan,
+pub(super) struct Prepared {
+    pub(super) plan: Plan,
     /// `--tokenizer`, loaded and checked against the model's vocabulary.
-    tokenizer: Option<optimus::text::Tokenizer>,
-    sources: Sources,
-    initial: BTreeMap<String, optimus::plan::tensor::Tensor>,
-    config: RunConfig,
+    pub(super) tokenizer: Option<optimus::text::Tokenizer>,
+    pub(super) sources: Sources,
+    pub(super) initial: BTreeMap<String, optimus::plan::tensor::Tensor>,
+    pub(super) config: RunConfig,
 }
 
 fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
@@ -654,13 +676,13 @@ fn stop_gracefully(job: &Prepared) {
 }
 
 /// The `--log` file opened for appending, on the one process that reports.
-fn open_log(args: &RunArgs) -> Result<Option<MetricsLog>, String> {
+pub(super) fn open_log(args: &RunArgs) -> Result<Option<MetricsLog>, String> {
     args.log.as_deref().map(|path| MetricsLog::append_to(path).map_err(|e| format!("--log: {e}"))).transpose()
 }
 
 /// Reports the run and saves the weights (on the one process that prints); a record `--log` could not
 /// append fails the run after the weights are saved.
-fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutput) -> Result<(), String> {
+pub(super) fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output: &RunOutput) -> Result<(), String> {
     progress.finish(output);
     let last = output.steps.last();
     let interrupted = last.is_some_and(|r| r.step + 1 < args.steps);
@@ -826,7 +848,7 @@ fn step_records(r: &StepRecord, tokens_per_s: f64, elapsed_s: f64) -> Vec<serde_
 }
 
 /// Per-step reporting: JSON lines, a progress bar on a terminal, or plain lines; and the `--log` file.
-struct Progress {
+pub(super) struct Progress {
     tokens_per_step: u64,
     json: bool,
     bar: Option<indicatif::ProgressBar>,
@@ -842,13 +864,13 @@ struct Progress {
 
 impl Progress {
     /// Appends every record to `log` as well.
-    fn with_log(mut self, log: Option<MetricsLog>) -> Progress {
+    pub(super) fn with_log(mut self, log: Option<MetricsLog>) -> Progress {
         self.log = log;
         self
     }
 
     /// Prints a record with `--json` and appends it to the `--log` file: every record goes through here.
-    fn emit(&self, record: &serde_json::Value) {
+    pub(super) fn emit(&self, record: &serde_json::Value) {
         if self.json {
             super::stdout_json(&format!("{record}\n"));
         }
@@ -867,7 +889,7 @@ impl Progress {
     }
 
     /// A resumed run: the bar starts at the checkpoint's step.
-    fn starting_at(mut self, step: u64) -> Progress {
+    pub(super) fn starting_at(mut self, step: u64) -> Progress {
         if let Some(bar) = &self.bar {
             bar.set_position(step);
             bar.reset_eta();
@@ -885,12 +907,12 @@ impl Progress {
     }
 
     /// Counts the tokens of `n` micro-batches in each step's throughput.
-    fn with_micro_batches(mut self, n: u64) -> Progress {
+    pub(super) fn with_micro_batches(mut self, n: u64) -> Progress {
         self.tokens_per_step = self.tokens_per_step.saturating_mul(n);
         self
     }
 
-    fn new(plan: &Plan, steps: u64, json: bool) -> Progress {
+    pub(super) fn new(plan: &Plan, steps: u64, json: bool) -> Progress {
         let tokens_per_step = check_inputs(plan).map_or(0, |(b, s)| b * s);
         let bar = super::terminal_bar(steps, "{bar:30} {pos}/{len} steps  {msg}  ETA {eta}", json);
         Progress {
@@ -906,7 +928,7 @@ impl Progress {
         }
     }
 
-    fn step(&self, r: &StepRecord) {
+    pub(super) fn step(&self, r: &StepRecord) {
         let tokens_per_s = self.tokens_per_step as f64 / r.elapsed.as_secs_f64().max(1e-9);
         let elapsed = self.start.elapsed().as_secs_f64();
         for record in step_records(r, tokens_per_s, elapsed) {
@@ -938,7 +960,7 @@ impl Progress {
     }
 
     /// A line of its own under the progress bar, or on standard output without one.
-    fn note(&self, line: String) {
+    pub(super) fn note(&self, line: String) {
         match &self.bar {
             Some(bar) => bar.println(line),
             None => super::stdout(&format!("{line}\n")),

@@ -1,0 +1,101 @@
+//! `optimusc run --pipeline P`: the plan (the whole model for one stage's grid) cut into stages and run
+//! on threads under the chosen schedule, with each stage's measured memory reported at the end.
+
+use super::Failure;
+use super::run::{EpochNotes, Prepared, Progress, RunArgs, finish, open_log};
+use optimus::plan::pipeline::Schedule;
+use optimus::plan::pipeline_cut::{PipelineProgram, cut};
+use optimus::plan::report::human_bytes;
+use optimus::plan::{Mode, Plan};
+use optimus::runtime::pipeline::{PipelineOutput, PipelineRun, run_on_threads};
+use serde_json::json;
+
+/// Cuts the plan as the flags say and runs it; what `run` does after, as without a pipeline.
+pub(super) fn run_pipelined(
+    args: &RunArgs,
+    job: &Prepared,
+    (program, schedule): (PipelineProgram, Schedule),
+) -> Result<(), String> {
+    let progress = Progress::new(&job.plan, args.steps, args.json)
+        .with_micro_batches(args.accum)
+        .with_log(open_log(args)?)
+        .starting_at(job.config.start_step);
+    let epochs = EpochNotes::new(&job.sources, &job.plan, job.config.start_step * args.accum, args.accum);
+    let batches = |index| {
+        epochs.note(&job.sources, &job.plan, index);
+        job.sources.batch(&job.plan, index).map_err(|e| e.to_string())
+    };
+    let pipe = PipelineRun { program: &program, schedule };
+    let output = run_on_threads(&job.plan, pipe, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
+    finish(args, job, &progress, &output.run)?;
+    report_stages(args, &program, schedule.name(), &output, &progress);
+    Ok(())
+}
+
+/// The stage programs the flags ask for, or a usage error naming what does not fit.
+pub(super) fn program_of(args: &RunArgs, plan: &Plan) -> Result<(PipelineProgram, Schedule), Failure> {
+    if plan.mode != Mode::Train {
+        return Err(Failure::usage("--pipeline runs a training plan; this plan infers".into()));
+    }
+    let (stages, schedule) = args.pipeline.stages_and_schedule().map_err(Failure::usage)?;
+    optimus::plan::pipeline::stage_order(schedule, stages, args.accum, 0)
+        .map_err(|e| Failure::usage(format!("--pipeline {stages} with --accum {}: {e}", args.accum)))?;
+    let layers = optimus::plan::stages::instruction_pieces(plan).layers.len();
+    let split = args.pipeline.split(layers, stages * schedule.chunks()).map_err(Failure::usage)?;
+    let program = cut(plan, stages, schedule.chunks(), split.as_deref()).map_err(|e| Failure::usage(e.to_string()))?;
+    Ok((program, schedule))
+}
+
+/// What a pipelined run does not do yet, refused before anything is read or written.
+pub(super) fn refuse_unsupported(args: &RunArgs) -> Result<(), Failure> {
+    let refused = [
+        (args.backend != super::run::Backend::Cpu, "--backend cuda"),
+        (args.profile, "--profile"),
+        (args.val_data.is_some(), "--val-data"),
+        (args.checkpoint.checkpoint_dir.is_some() || args.checkpoint.checkpoint_every.is_some(), "checkpoints"),
+        (args.checkpoint.resume.is_some(), "--resume"),
+    ];
+    if let Some((_, flag)) = refused.iter().find(|(given, _)| *given) {
+        return Err(Failure::usage(format!(
+            "--pipeline does not go with {flag} yet: pipelines run on the CPU, on threads, and save their final \
+             weights with --save-weights"
+        )));
+    }
+    Ok(())
+}
+
+/// One line per stage on standard error (a `{"pipeline": ...}` record with --json or --log): its layers,
+/// its storage and the most activations it kept for backward passes to come, and how many micro-batches'.
+fn report_stages(
+    args: &RunArgs,
+    program: &PipelineProgram,
+    schedule: &str,
+    output: &PipelineOutput,
+    progress: &Progress,
+) {
+    let mut stages = Vec::new();
+    for (s, memory) in output.stages.iter().enumerate() {
+        let layers = program.describe_stage(s as u64);
+        if !args.json {
+            eprintln_safe!(
+                "pipeline stage {s} ({layers}): storage {}, activations kept {} at most ({} micro-batches in flight)",
+                human_bytes(memory.storage_bytes),
+                human_bytes(memory.peak_kept_bytes),
+                memory.peak_in_flight
+            );
+        }
+        stages.push(json!({
+            "stage": s,
+            "layers": layers,
+            "storage_bytes": memory.storage_bytes,
+            "peak_kept_bytes": memory.peak_kept_bytes,
+            "peak_in_flight": memory.peak_in_flight,
+        }));
+    }
+    progress.emit(&json!({"pipeline": {
+        "schedule": schedule,
+        "stages": stages,
+        "micro_batches": args.accum,
+        "bytes_between_stages": output.bytes_between_stages,
+    }}));
+}
