@@ -2,7 +2,7 @@
 //! on threads under the chosen schedule, with each stage's measured memory reported at the end.
 
 use super::Failure;
-use super::run::{EpochNotes, Prepared, Progress, RunArgs, finish, open_log};
+use super::run::{Prepared, Progress, RunArgs, finish, progress_of};
 use optimus::plan::pipeline::Schedule;
 use optimus::plan::pipeline_cut::{PipelineProgram, cut};
 use optimus::plan::report::human_bytes;
@@ -16,15 +16,8 @@ pub(super) fn run_pipelined(
     job: &Prepared,
     (program, schedule): (PipelineProgram, Schedule),
 ) -> Result<(), String> {
-    let progress = Progress::new(&job.plan, args.steps, args.json)
-        .with_micro_batches(args.accum)
-        .with_log(open_log(args)?)
-        .starting_at(job.config.start_step);
-    let epochs = EpochNotes::new(&job.sources, &job.plan, job.config.start_step * args.accum, args.accum);
-    let batches = |index| {
-        epochs.note(&job.sources, &job.plan, index);
-        job.sources.batch(&job.plan, index).map_err(|e| e.to_string())
-    };
+    let (progress, epochs) = progress_of(args, job)?;
+    let batches = |index| epochs.batch(job, index);
     let pipe = PipelineRun { program: &program, schedule };
     let output = run_on_threads(&job.plan, pipe, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output.run)?;

@@ -611,18 +611,21 @@ fn refuse_outputs_onto_inputs(args: &RunArgs) -> Result<(), Failure> {
 }
 
 fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
+    let (progress, epochs) = progress_of(args, job)?;
+    let batches = |index| epochs.batch(job, index);
+    stop_gracefully(job);
+    let output = optimus::runtime::local::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
+    finish(args, job, &progress, &output)
+}
+
+/// The progress lines (and log) of a run on threads, and its epoch notes.
+pub(super) fn progress_of(args: &RunArgs, job: &Prepared) -> Result<(Progress, EpochNotes), String> {
     let progress = Progress::new(&job.plan, args.steps, args.json)
         .with_micro_batches(args.accum)
         .with_log(open_log(args)?)
         .starting_at(job.config.start_step);
     let epochs = EpochNotes::new(&job.sources, &job.plan, job.config.start_step * args.accum, args.accum);
-    let batches = |index| {
-        epochs.note(&job.sources, &job.plan, index);
-        job.sources.batch(&job.plan, index).map_err(|e| e.to_string())
-    };
-    stop_gracefully(job);
-    let output = optimus::runtime::local::run(&job.plan, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
-    finish(args, job, &progress, &output)
+    Ok((progress, epochs))
 }
 
 /// The note a run prints when a step starts a new pass over --data, once whichever device loads it.
@@ -640,6 +643,16 @@ impl EpochNotes {
     }
 
     /// Prints the note if batch `index` is the first of an epoch not announced yet.
+    /// Batch `index` of the job's data, with the note when it starts an epoch.
+    pub(super) fn batch(
+        &self,
+        job: &Prepared,
+        index: u64,
+    ) -> Result<BTreeMap<String, optimus::plan::tensor::Tensor>, String> {
+        self.note(&job.sources, &job.plan, index);
+        job.sources.batch(&job.plan, index).map_err(|e| e.to_string())
+    }
+
     pub fn note(&self, sources: &optimus::io::sources::Sources, plan: &Plan, index: u64) {
         let Some(epoch) = sources.epoch(plan, index) else { return };
         if self.announced.fetch_max(epoch, std::sync::atomic::Ordering::Relaxed) >= epoch {

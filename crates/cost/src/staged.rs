@@ -51,11 +51,10 @@ impl std::fmt::Display for PipelineError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             PipelineError::NotTraining => write!(f, "a pipeline is simulated for training plans (`--mode train`)"),
-            PipelineError::TooFewLayers { layers, virtual_stages } => write!(
-                f,
-                "{virtual_stages} pipeline stages (stages x virtual stages) need at least {virtual_stages} repeated \
-                 layers, one a stage; the model has {layers}"
-            ),
+            PipelineError::TooFewLayers { layers, virtual_stages } => {
+                let (layers, virtual_stages) = (*layers, *virtual_stages);
+                write!(f, "{}", optimus_plan::pipeline_cut::CutError::TooFewLayers { layers, virtual_stages })
+            }
             PipelineError::Timeline(e) => write!(f, "{e}"),
         }
     }

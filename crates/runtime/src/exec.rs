@@ -996,6 +996,26 @@ fn deposit_outputs<B: Backend, C: Communicator>(
     Ok(())
 }
 
+/// Writes the parameters given whole (`initial`, logical tensors by name) or by a weight file over
+/// those the device drew from the seed.
+pub(crate) fn write_given_parameters<B: Backend, C: Communicator>(
+    device: &mut Device<'_, B, C>,
+    initial: &BTreeMap<String, Tensor>,
+    weights: Option<&dyn WeightSource>,
+) -> Result<(), String> {
+    let plan = device.plan;
+    let coords = device.coords();
+    for p in &plan.params {
+        let meta = plan.buffer(p.buffer);
+        if let Some(t) = initial.get(&p.name) {
+            device.write(p.buffer, init::block_of(&init::pad_to(t, meta)?, meta, coords, plan.mesh)?)?;
+        } else if let Some(weights) = weights {
+            device.write(p.buffer, weights.block(p, meta, coords, plan.mesh).map_err(store_error)?)?;
+        }
+    }
+    Ok(())
+}
+
 /// What one device's run needs besides its backend and communicator.
 struct DeviceRun<'r> {
     plan: &'r Plan,
@@ -1080,24 +1100,11 @@ impl DeviceRun<'_> {
     /// Loads the checkpoint being resumed, and the parameters given whole or by `--weights`.
     fn load_parameters<B: Backend, C: Communicator>(&self, device: &mut Device<'_, B, C>) -> Result<(), String> {
         let DeviceRun { config, initial, .. } = *self;
-        let plan = device.plan;
         device.clip_grad_norm = config.clip_grad_norm;
         if let Some(checkpoint) = &config.resume {
             device.load_checkpoint(checkpoint.as_ref())?;
         }
-        let coords = device.coords();
-        for p in &plan.params {
-            if let Some(t) = initial.get(&p.name) {
-                let block =
-                    init::block_of(&init::pad_to(t, plan.buffer(p.buffer))?, plan.buffer(p.buffer), coords, plan.mesh)?;
-                device.write(p.buffer, block)?;
-            } else if let Some(weights) = &config.weights {
-                device.write(
-                    p.buffer,
-                    weights.block(p, plan.buffer(p.buffer), coords, plan.mesh).map_err(store_error)?,
-                )?;
-            }
-        }
+        write_given_parameters(device, initial, config.weights.as_deref())?;
         super::startup::mark("parameters written");
         Ok(())
     }

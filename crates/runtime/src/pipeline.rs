@@ -17,7 +17,6 @@ use super::cpu::threads::{Fabric, ThreadComm};
 use super::exec::{Batches, Device, DeviceBlocks, RunConfig, RunOutput, StepRecord, Update, assemble};
 use super::settings::OptimizerSettings;
 use optimus_plan::Plan;
-use optimus_plan::init;
 use optimus_plan::pipeline::{Pass, Schedule, stage_order};
 use optimus_plan::pipeline_cut::{Action, PipelineProgram, StageProgram};
 use optimus_plan::tensor::Tensor;
@@ -340,21 +339,10 @@ impl StageWorker<'_> {
         Ok((records, blocks, memory))
     }
 
-    /// The parameters given whole or by `--weights`.
+    /// The parameters given whole or by `--weights`, and the clipping.
     fn load_parameters<C: Communicator>(&self, device: &mut Device<'_, CpuBackend, C>) -> Result<(), String> {
-        let plan = device.plan;
-        let coords = device.coords();
         device.clip_grad_norm = self.config.clip_grad_norm;
-        for p in &plan.params {
-            let meta = plan.buffer(p.buffer);
-            if let Some(t) = self.initial.get(&p.name) {
-                let block = init::block_of(&init::pad_to(t, meta)?, meta, coords, plan.mesh)?;
-                device.write(p.buffer, block)?;
-            } else if let Some(weights) = &self.config.weights {
-                device.write(p.buffer, weights.block(p, meta, coords, plan.mesh).map_err(|e| e.to_string())?)?;
-            }
-        }
-        Ok(())
+        super::exec::write_given_parameters(device, self.initial, self.config.weights.as_deref())
     }
 
     /// One update: the schedule's passes over the micro-batches, then the update itself.
