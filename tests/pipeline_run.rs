@@ -3,15 +3,16 @@
 //! computes with as many accumulated micro-batches (the same losses, final weights and gradients), and
 //! each stage keeps the activations its schedule says it does.
 
+mod common;
+
+use common::optimusc;
 use optimus::front::check_source;
-use optimus::plan::init::mix64;
 use optimus::plan::pipeline::Schedule;
 use optimus::plan::pipeline_cut::{PipelineProgram, cut};
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
 use optimus::runtime::exec::{RunConfig, RunOutput};
 use optimus::runtime::pipeline::{PipelineOutput, PipelineRun, run_on_threads};
-use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -29,49 +30,24 @@ fn plan(layers: u64, mesh: Mesh, strategy: Strategy) -> Plan {
     }
 }
 
-fn tokens(plan: &Plan) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + use<> {
-    let int = |name: &str| match plan.config.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()) {
-        Some(optimus::plan::types::Scalar::Int(v)) => v as u64,
-        other => panic!("config {name} is {other:?}"),
-    };
-    let (vocab, batch, seq) = (int("vocab"), int("batch"), int("seq"));
-    move |index| {
-        let mut out = BTreeMap::new();
-        for (k, name) in ["targets", "tokens"].iter().enumerate() {
-            let ids = (0..batch * seq)
-                .map(|n| ((n % 7) * 13 + mix64((index * 8 + k as u64) ^ n) % 5) as i32 % vocab as i32)
-                .collect();
-            out.insert(name.to_string(), Tensor::from_i32(&[batch, seq], ids));
-        }
-        Ok(out)
-    }
-}
-
 fn config(steps: u64, micro_batches: u64, clip: Option<f32>) -> RunConfig {
-    let optimizer = OptimizerSettings {
-        kind: OptimizerKind::AdamW,
-        lr: 3e-3,
-        weight_decay: 0.01,
-        momentum: 0.9,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-    };
     RunConfig {
         timeout: Duration::from_secs(60),
         accumulation: micro_batches,
         clip_grad_norm: clip,
-        ..RunConfig::new(7, steps, optimizer)
+        ..RunConfig::new(7, steps, common::adamw())
     }
 }
 
 fn unpipelined(plan: &Plan, config: &RunConfig) -> RunOutput {
-    optimus::runtime::local::run(plan, config, &tokens(plan), &BTreeMap::new(), &|_| {}).expect("the unpipelined run")
+    optimus::runtime::local::run(plan, config, &common::pattern_batches(plan, 5), &BTreeMap::new(), &|_| {})
+        .expect("the unpipelined run")
 }
 
 fn pipelined(plan: &Plan, program: &PipelineProgram, schedule: Schedule, config: &RunConfig) -> PipelineOutput {
     let pipe = PipelineRun { program, schedule };
-    run_on_threads(plan, pipe, config, &tokens(plan), &BTreeMap::new(), &|_| {}).expect("the pipelined run")
+    run_on_threads(plan, pipe, config, &common::pattern_batches(plan, 5), &BTreeMap::new(), &|_| {})
+        .expect("the pipelined run")
 }
 
 fn largest_difference(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f32 {
@@ -138,10 +114,6 @@ fn stages_of_meshes_with_replicas_equal_accumulation() {
     }
 }
 
-fn optimusc(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
-}
-
 /// The `{"pipeline": ...}` record of a `run --pipeline --json`, and the losses of its steps.
 fn pipeline_record(args: &[&str]) -> (serde_json::Value, Vec<f64>) {
     let out = optimusc(args);
@@ -204,4 +176,64 @@ fn pipeline_flags_that_do_not_fit_are_usage_errors() {
     }
     let out = optimusc(&["run", "examples/tiny.opt", "--pipeline-schedule", "gpipe"]);
     assert_eq!(out.status.code(), Some(2), "--pipeline-schedule needs --pipeline");
+}
+
+#[test]
+fn a_given_split_is_the_stages_layers_and_computes_the_same() {
+    let plan = plan(4, Mesh::new(1, 2), Strategy::Megatron);
+    let config = config(2, 2, None);
+    let want = unpipelined(&plan, &config);
+    let split = optimus::plan::stages::ranges_of_starts(&[0, 3], 4);
+    let program = cut(&plan, 2, 1, Some(&split)).expect("a cut");
+    assert_eq!(program.describe_stage(0), "embedding + h.0..2");
+    assert_eq!(program.describe_stage(1), "h.3 + head");
+    let got = pipelined(&plan, &program, Schedule::OneFOneB, &config);
+    assert_same_run("megatron 1x2, layers 3 + 1", &want, &got.run, 5e-6);
+    let out = optimusc(&[
+        "run",
+        "examples/tiny.opt",
+        "--set",
+        "layers=4",
+        "--steps",
+        "1",
+        "--accum",
+        "2",
+        "--pipeline",
+        "2",
+        "--pipeline-split",
+        "1,3",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("pipeline stage 0 (embedding + h.0)") && stderr.contains("stage 1 (h.1..3 + head)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_loss_that_is_not_finite_stops_every_stage_before_any_update() {
+    // A rate of 1e30 makes the weights overflow after the first update, so the second step's loss is NaN.
+    let out = optimusc(&[
+        "run",
+        "examples/tiny.opt",
+        "--set",
+        "layers=4",
+        "--steps",
+        "3",
+        "--accum",
+        "2",
+        "--pipeline",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "1e30",
+        "--timeout",
+        "30",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("step 1: the loss is NaN, so the run stops before updating any weight"), "{stderr}");
+    assert!(!stderr.contains("panicked") && !stderr.contains("timed out"), "{stderr}");
 }

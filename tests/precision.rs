@@ -2,6 +2,8 @@
 //! activation memory and communication bytes halve, that bf16 training tracks float32 training on
 //! several meshes, that `verify --precision bf16` passes, and that the Cast kernel rounds correctly.
 
+mod common;
+
 use optimus::front::check_source;
 use optimus::plan::init::mix64;
 use optimus::plan::report::report;
@@ -10,7 +12,7 @@ use optimus::plan::types::DType;
 use optimus::plan::{Coords, Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, Precision, Role, Strategy};
 use optimus::runtime::exec::{RunConfig, RunOutput};
 use optimus::runtime::local::run;
-use optimus::runtime::settings::{KernelContext, OptimizerKind, OptimizerSettings};
+use optimus::runtime::settings::KernelContext;
 use optimus::runtime::view::TensorViews;
 use optimus::runtime::view::{Shape, ViewMut, ViewMutData};
 use optimus::shard::{Target, compile};
@@ -116,40 +118,9 @@ fn bf16_halves_activation_memory_and_product_communication() {
     }
 }
 
-fn tokens(plan: &Plan) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + use<> {
-    let int = |name: &str| match plan.config.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()) {
-        Some(optimus::plan::types::Scalar::Int(v)) => v as u64,
-        other => panic!("config {name} is {other:?}"),
-    };
-    let (vocab, batch, seq) = (int("vocab"), int("batch"), int("seq"));
-    move |step| {
-        let mut out = BTreeMap::new();
-        for (k, name) in ["targets", "tokens"].iter().enumerate() {
-            // A repeating pattern the model can learn, so that the loss falls over the steps.
-            let ids = (0..batch * seq)
-                .map(|n| ((n % 7) * 13 + mix64((step * 8 + k as u64) ^ n) % 2) as i32 % vocab as i32)
-                .collect();
-            out.insert(name.to_string(), Tensor::from_i32(&[batch, seq], ids));
-        }
-        Ok(out)
-    }
-}
-
-fn adamw() -> OptimizerSettings {
-    OptimizerSettings {
-        kind: OptimizerKind::AdamW,
-        lr: 3e-3,
-        weight_decay: 0.01,
-        momentum: 0.9,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-    }
-}
-
 fn train(plan: &Plan, steps: u64) -> RunOutput {
-    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(3, steps, adamw()) };
-    run(plan, &config, &tokens(plan), &BTreeMap::new(), &|_| {}).expect("run succeeds")
+    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(3, steps, common::adamw()) };
+    run(plan, &config, &common::pattern_batches(plan, 2), &BTreeMap::new(), &|_| {}).expect("run succeeds")
 }
 
 #[test]
@@ -321,7 +292,7 @@ fn summa_products_accumulate_in_float32_and_round_once() {
     let x: Vec<f32> = (0..rows * hidden).map(|k| (mix64(k as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.3).collect();
     let inputs =
         |_: u64| Ok(BTreeMap::from([("x".to_string(), Tensor::from_f32(&[rows as u64, hidden as u64], x.clone()))]));
-    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(5, 1, adamw()) };
+    let config = RunConfig { timeout: Duration::from_secs(60), ..RunConfig::new(5, 1, common::adamw()) };
     let run_out = run(&p, &config, &inputs, &BTreeMap::new(), &|_| {}).expect("the bf16 run");
     let y = run_out.outputs.get("y").expect("the output").f32().expect("float values").to_vec();
     let w = run_out.params.get("fc.weight").expect("the weight").f32().expect("float32 weights").to_vec();

@@ -70,8 +70,9 @@ fn report_stages(
     for (s, memory) in output.stages.iter().enumerate() {
         let layers = program.describe_stage(s as u64);
         if !args.json {
+            let passes = if program.chunks > 1 { "forward passes of chunks" } else { "micro-batches" };
             eprintln_safe!(
-                "pipeline stage {s} ({layers}): storage {}, activations kept {} at most ({} micro-batches in flight)",
+                "pipeline stage {s} ({layers}): storage {}, activations kept {} at most ({} {passes} in flight)",
                 human_bytes(memory.storage_bytes),
                 human_bytes(memory.peak_kept_bytes),
                 memory.peak_in_flight

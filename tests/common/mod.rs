@@ -1,12 +1,17 @@
 //! Helpers shared by the end-to-end tests that run `optimusc` and compare saved weights.
 
+// Not every suite that shares these helpers uses each of them.
+#![allow(dead_code)]
+
+use optimus::plan::Plan;
+use optimus::plan::tensor::Tensor;
 use safetensors::SafeTensors;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// A fresh, empty folder `name` for one test's files, under a folder of `suite` and this process (so
 /// that nothing an earlier run left, even one whose process had the same id, meets this one).
-#[allow(dead_code)] // not every suite that shares these helpers writes files
 pub fn scratch(suite: &str, name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("optimus-{suite}-{}", std::process::id())).join(name);
     let _ = std::fs::remove_dir_all(&dir);
@@ -38,4 +43,40 @@ pub fn read_weights(path: &Path) -> Vec<(String, Vec<f32>)> {
         .collect();
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
+}
+
+/// Batch `index` of `tokens` and `targets` for a plan's `batch x seq` inputs: a repeating pattern the
+/// model can learn (so that the loss falls over the steps), each id moved by up to `noise` - 1 drawn
+/// from the index.
+pub fn pattern_batches(
+    plan: &Plan,
+    noise: u64,
+) -> impl Fn(u64) -> Result<BTreeMap<String, Tensor>, String> + Sync + use<> {
+    let int = |name: &str| match plan.config.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()) {
+        Some(optimus::plan::types::Scalar::Int(v)) => v as u64,
+        other => panic!("config {name} is {other:?}"),
+    };
+    let (vocab, batch, seq) = (int("vocab"), int("batch"), int("seq"));
+    move |index| {
+        let mut out = BTreeMap::new();
+        for (k, name) in ["targets", "tokens"].iter().enumerate() {
+            let draw = |n: u64| optimus::plan::init::mix64((index * 8 + k as u64) ^ n) % noise;
+            let ids = (0..batch * seq).map(|n| ((n % 7) * 13 + draw(n)) as i32 % vocab as i32).collect();
+            out.insert(name.to_string(), Tensor::from_i32(&[batch, seq], ids));
+        }
+        Ok(out)
+    }
+}
+
+/// AdamW at rate 3e-3 with weight decay 0.01 and PyTorch's betas and epsilon.
+pub fn adamw() -> optimus::runtime::settings::OptimizerSettings {
+    optimus::runtime::settings::OptimizerSettings {
+        kind: optimus::runtime::settings::OptimizerKind::AdamW,
+        lr: 3e-3,
+        weight_decay: 0.01,
+        momentum: 0.9,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    }
 }

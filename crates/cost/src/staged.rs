@@ -21,7 +21,7 @@ use optimus_plan::memory::for_each_touched;
 use optimus_plan::phases::{Phase, StepPhases};
 use optimus_plan::pipeline::Schedule;
 pub use optimus_plan::stages::layer_of;
-use optimus_plan::stages::{InstructionPieces, instruction_pieces, ranges_of_starts};
+use optimus_plan::stages::{InstructionPieces, ParameterOwners, describe_pieces, instruction_pieces, ranges_of_starts};
 use optimus_plan::{BufferId, Instr, Mode, Plan, Role};
 use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
@@ -186,7 +186,7 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
     let InstructionPieces { layers, piece_of, .. } = cut;
     let layer_index: HashMap<String, usize> = layers.iter().enumerate().map(|(k, l)| (l.clone(), k)).collect();
     let n = tail + 1;
-    let owner = update_owners(plan, param_owners(plan), forward_end);
+    let owner = ParameterOwners::of_plan(plan, forward_end);
     let mut out = Pieces {
         layers,
         forward_s: vec![0.0; n],
@@ -307,69 +307,7 @@ fn input_dependent(plan: &Plan, forward_end: usize) -> Vec<bool> {
     depends
 }
 
-/// Every buffer of a parameter (its block, gradient and state), to the parameter's index.
-fn param_owners(plan: &Plan) -> Owners {
-    let mut owner = Owners(vec![None; plan.buffers.len()]);
-    for (k, p) in plan.params.iter().enumerate() {
-        owner.set(p.buffer, k);
-        if let Some(g) = p.grad {
-            owner.set(g, k);
-        }
-        for &s in &p.state {
-            owner.set(s, k);
-        }
-    }
-    owner
-}
-
-/// The parameter each buffer belongs to, by buffer id.
-struct Owners(Vec<Option<usize>>);
-
-impl Owners {
-    fn of(&self, b: BufferId) -> Option<usize> {
-        self.0.get(b.0 as usize).copied().flatten()
-    }
-
-    fn set(&mut self, b: BufferId, param: usize) {
-        if let Some(slot) = self.0.get_mut(b.0 as usize) {
-            *slot = Some(param);
-        }
-    }
-
-    /// Gives `b` to `param` unless it has a parameter already.
-    fn claim(&mut self, b: BufferId, param: usize) {
-        if let Some(slot @ None) = self.0.get_mut(b.0 as usize) {
-            *slot = Some(param);
-        }
-    }
-}
-
-/// [`param_owners`], with the buffers the backward pass and the update write a parameter's buffers
-/// from (a gradient's bf16 sum over the replicas before its cast) given to that parameter: walked
-/// backwards from the end, each instruction that writes a parameter's buffer gives its operands to
-/// the parameter, unless they have one already.
-fn update_owners(plan: &Plan, mut owner: Owners, forward_end: usize) -> Owners {
-    for instr in plan.program.get(forward_end..).unwrap_or_default().iter().rev() {
-        match instr {
-            Instr::Kernel { inputs, output, .. } => {
-                if let Some(p) = owner.of(*output) {
-                    for &input in inputs {
-                        owner.claim(input, p);
-                    }
-                }
-            }
-            Instr::Collective { collective, .. } => {
-                if let Some(p) = owner.of(collective.recv) {
-                    owner.claim(collective.send, p);
-                }
-            }
-            Instr::Free { .. } | Instr::Wait { .. } => {}
-        }
-    }
-    owner
-}
-
-fn touched_params(instr: &Instr, owner: &Owners) -> Vec<usize> {
+fn touched_params(instr: &Instr, owner: &ParameterOwners) -> Vec<usize> {
     let mut params = Vec::new();
     if matches!(instr, Instr::Kernel { .. } | Instr::Collective { .. }) {
         for_each_touched(instr, |b| {
@@ -537,7 +475,7 @@ pub fn pipeline_of_pieces(
             let held: u64 = mine().map(|sh| sh.bytes + sh.gradient_bytes).sum();
             StageReport {
                 stage: s,
-                layers: chunks.iter().map(|r| describe(pieces, r)).collect(),
+                layers: chunks.iter().map(|r| describe_pieces(&pieces.layers, r)).collect(),
                 forward_s: costs[s as usize].forward_s.iter().sum(),
                 backward_s: costs[s as usize].backward_s.iter().sum(),
                 communication_s: chunks.iter().map(|r| pieces.communication_s[(*r).clone()].iter().sum::<f64>()).sum(),
@@ -610,45 +548,9 @@ pub fn pipeline_of_pieces(
     })
 }
 
-/// "embedding + h.0..5", "h.6..11", "h.12 + head".
-fn describe(pieces: &Pieces, range: &std::ops::Range<usize>) -> String {
-    let layers = pieces.layers.len();
-    let first_layer = range.start.max(1);
-    let last_layer = (range.end - 1).min(layers);
-    let mut text = String::new();
-    if range.start == 0 {
-        text.push_str("embedding + ");
-    }
-    let name = |piece: usize| pieces.layers[piece - 1].as_str();
-    if first_layer == last_layer {
-        text.push_str(name(first_layer));
-    } else {
-        text.push_str(&layer_range(name(first_layer), name(last_layer)));
-    }
-    if range.end == layers + 2 {
-        text.push_str(" + head");
-    }
-    text
-}
-
-/// "h.0..11" for layers `h.0` to `h.11` (their common prefix once), else "a..b".
-fn layer_range(first: &str, last: &str) -> String {
-    match (first.rsplit_once('.'), last.rsplit_once('.')) {
-        (Some((prefix, from)), Some((same, to))) if prefix == same => format!("{prefix}.{from}..{to}"),
-        _ => format!("{first}..{last}"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_run_of_layers_names_its_prefix_once() {
-        assert_eq!(layer_range("h.0", "h.11"), "h.0..11");
-        assert_eq!(layer_range("bert.encoder.layer.3", "bert.encoder.layer.12"), "bert.encoder.layer.3..12");
-        assert_eq!(layer_range("enc.5", "dec.0"), "enc.5..dec.0");
-    }
 
     #[test]
     fn a_layer_is_the_scope_up_to_its_first_index() {

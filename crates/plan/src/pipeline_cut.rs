@@ -21,7 +21,7 @@
 //! optimizer step).
 
 use crate::memory::persistent;
-use crate::stages::{even_split, instruction_pieces, layer_of};
+use crate::stages::{InstructionPieces, ParameterOwners, describe_pieces, even_split, instruction_pieces, layer_of};
 use crate::{BufferId, Instr, Kernel, Plan, Role};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
@@ -43,7 +43,8 @@ pub struct StageProgram {
     pub stage: u64,
     /// The whole plan cut to this stage: its instructions, parameters, inputs and outputs. Buffers the
     /// stage never touches keep their ids but get no storage (persistent ones are given the workspace
-    /// role, which is laid out only where an instruction touches it).
+    /// role, which is laid out only where an instruction touches it). Its `memory` is still the whole
+    /// plan's: the stage's own storage is its arena layout's.
     pub plan: Plan,
     /// The index in the whole plan's `params` of each of `plan.params`.
     pub params: Vec<usize>,
@@ -76,7 +77,7 @@ pub struct PipelineProgram {
 }
 
 impl PipelineProgram {
-    /// "h.0-h.3" for each stage's chunks, `+ embeddings` and `+ head` where they go.
+    /// Stage `stage`'s chunks in words: "embedding + h.0..1", or "h.1, h.3 + head" for two chunks.
     pub fn describe_stage(&self, stage: u64) -> String {
         let p = self.stages.len() as u64;
         let parts: Vec<String> = (0..self.chunks)
@@ -85,23 +86,6 @@ impl PipelineProgram {
             .collect();
         parts.join(", ")
     }
-}
-
-fn describe_pieces(layers: &[String], pieces: &Range<usize>) -> String {
-    let tail = layers.len() + 1;
-    let inner: Vec<&String> = (pieces.start.max(1)..pieces.end.min(tail)).filter_map(|k| layers.get(k - 1)).collect();
-    let mut text = match (inner.first(), inner.last()) {
-        (Some(a), Some(b)) if a == b => a.to_string(),
-        (Some(a), Some(b)) => format!("{a}..{b}"),
-        _ => String::new(),
-    };
-    if pieces.start == 0 {
-        text = format!("embeddings + {text}");
-    }
-    if pieces.end > tail {
-        text.push_str(" + head");
-    }
-    text
 }
 
 /// Why a plan cannot be cut into stages.
@@ -142,7 +126,7 @@ enum Pass {
     Update,
 }
 
-/// What a buffer's last writer was: its instruction, stage and pass.
+/// A buffer's last writer in the forward and backward passes: its instruction and stage.
 #[derive(Clone, Copy, Debug)]
 struct Writer {
     index: usize,
@@ -177,7 +161,7 @@ pub fn cut(
             vstage_of_piece[piece] = v as u64;
         }
     }
-    let cutter = Cutter::new(plan, stages.max(1), &cut, &vstage_of_piece);
+    let cutter = Cutter::new(plan, (stages.max(1), chunks.max(1)), &cut, &vstage_of_piece);
     let programs = cutter.programs()?;
     Ok(PipelineProgram { stages: programs, chunks: chunks.max(1), layers: cut.layers, pieces: ranges })
 }
@@ -241,13 +225,18 @@ struct Cutter<'a> {
     grad_stage: Vec<Option<u64>>,
     /// The parameter each buffer belongs to (its block, gradient, state, and what the update derives
     /// them from).
-    owner: Vec<Option<usize>>,
+    owner: ParameterOwners,
     /// Each gradient buffer's parameter.
     grad_of: HashMap<BufferId, usize>,
 }
 
 impl<'a> Cutter<'a> {
-    fn new(plan: &'a Plan, stages: u64, cut: &crate::stages::InstructionPieces, vstage_of_piece: &[u64]) -> Cutter<'a> {
+    fn new(
+        plan: &'a Plan,
+        (stages, chunks): (u64, u64),
+        cut: &InstructionPieces,
+        vstage_of_piece: &[u64],
+    ) -> Cutter<'a> {
         let (forward_end, updates_begin) = (cut.forward_end, cut.updates_begin);
         let mut vstage = vec![None; plan.program.len()];
         let mut collective_vstage: HashMap<BufferId, u64> = HashMap::new();
@@ -266,39 +255,22 @@ impl<'a> Cutter<'a> {
         let mut cutter = Cutter {
             plan,
             stages,
-            chunks: vstage_of_piece.iter().max().map_or(1, |v| v / stages + 1),
+            chunks,
             forward_end,
             updates_begin,
             vstage,
             holders: vec![BTreeSet::new(); plan.params.len()],
             grad_stage: vec![None; plan.params.len()],
-            owner: vec![None; plan.buffers.len()],
+            owner: ParameterOwners::of_plan(plan, updates_begin),
             grad_of: plan.params.iter().enumerate().filter_map(|(k, p)| Some((p.grad?, k))).collect(),
         };
-        cutter.find_owners();
         cutter.find_holders(cut, vstage_of_piece);
         cutter
     }
 
-    fn find_owners(&mut self) {
-        for (k, p) in self.plan.params.iter().enumerate() {
-            for b in std::iter::once(p.buffer).chain(p.grad).chain(p.state.iter().copied()) {
-                self.owner[b.0 as usize] = Some(k);
-            }
-        }
-        // The update's operands belong to the parameter whose buffer they write (a gradient's bf16 sum
-        // over the replicas before its cast, say), walking back from the end.
-        for instr in self.plan.program[self.updates_begin..].iter().rev() {
-            let (reads, writes) = reads_writes(instr);
-            if let Some(p) = writes.iter().find_map(|w| self.owner[w.0 as usize]) {
-                for r in reads {
-                    self.owner[r.0 as usize].get_or_insert(p);
-                }
-            }
-        }
-    }
-
-    fn find_holders(&mut self, cut: &crate::stages::InstructionPieces, vstage_of_piece: &[u64]) {
+    /// Each parameter's stages (those whose passes read or write it; its layer's, or the stage computing its
+    /// gradient, when none does) and the stage computing its gradient.
+    fn find_holders(&mut self, cut: &InstructionPieces, vstage_of_piece: &[u64]) {
         let param_of: HashMap<BufferId, usize> =
             self.plan.params.iter().enumerate().map(|(k, p)| (p.buffer, k)).collect();
         for (i, instr) in self.plan.program.iter().enumerate().take(self.updates_begin) {
@@ -321,7 +293,7 @@ impl<'a> Cutter<'a> {
             if self.holders[k].is_empty() {
                 let home = layer_of(&p.name)
                     .and_then(|l| layer_index.get(l))
-                    .map(|&k| vstage_of_piece.get(k + 1).copied().unwrap_or(0) % self.stages);
+                    .map(|&layer| vstage_of_piece.get(layer + 1).copied().unwrap_or(0) % self.stages);
                 self.holders[k].insert(self.grad_stage[k].or(home).unwrap_or(0));
             }
         }
@@ -333,7 +305,7 @@ impl<'a> Cutter<'a> {
         let (reads, writes) = reads_writes(instr);
         let mut stages = BTreeSet::new();
         for b in reads.iter().chain(&writes) {
-            if let Some(k) = self.owner[b.0 as usize] {
+            if let Some(k) = self.owner.of(*b) {
                 stages.extend(self.holders[k].iter().copied());
             }
         }
@@ -343,7 +315,7 @@ impl<'a> Cutter<'a> {
     /// The stage whose share of the gradient norm counts the buffer (a gradient on the stage computing
     /// it; anything else on the first stage holding its parameter, or stage 0).
     fn norm_stage(&self, b: BufferId) -> u64 {
-        match self.owner[b.0 as usize] {
+        match self.owner.of(b) {
             Some(k) => self.grad_stage[k].or_else(|| self.holders[k].first().copied()).unwrap_or(0),
             None => 0,
         }

@@ -3,7 +3,7 @@
 //! stages to time them, and [`crate::pipeline_cut`] groups them to give each stage its own program.
 
 use crate::phases::StepPhases;
-use crate::{Instr, Plan};
+use crate::{BufferId, Instr, Plan};
 use std::collections::HashMap;
 
 /// The repeated layer a scope is inside: `h.3.attn.c_attn` is in `h.3` (the scope up to its first
@@ -176,6 +176,81 @@ impl Assigner {
     }
 }
 
+/// The parameter each buffer belongs to, by buffer id: every parameter's block, gradient and state, and
+/// the buffers that the program from instruction `from` on writes them from (a gradient's bf16 sum over
+/// the replicas before its cast): walked backwards from the end, an instruction that writes a
+/// parameter's buffer gives its operands to that parameter, unless they have one already.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParameterOwners(Vec<Option<usize>>);
+
+impl ParameterOwners {
+    pub fn of_plan(plan: &Plan, from: usize) -> ParameterOwners {
+        let mut owners = ParameterOwners(vec![None; plan.buffers.len()]);
+        for (k, p) in plan.params.iter().enumerate() {
+            for b in std::iter::once(p.buffer).chain(p.grad).chain(p.state.iter().copied()) {
+                owners.claim(b, k);
+            }
+        }
+        for instr in plan.program.get(from..).unwrap_or_default().iter().rev() {
+            match instr {
+                Instr::Kernel { inputs, output, .. } => {
+                    if let Some(p) = owners.of(*output) {
+                        inputs.iter().for_each(|&input| owners.claim(input, p));
+                    }
+                }
+                Instr::Collective { collective, .. } => {
+                    if let Some(p) = owners.of(collective.recv) {
+                        owners.claim(collective.send, p);
+                    }
+                }
+                Instr::Free { .. } | Instr::Wait { .. } => {}
+            }
+        }
+        owners
+    }
+
+    /// The parameter (its index in the plan's `params`) that buffer `b` belongs to.
+    pub fn of(&self, b: BufferId) -> Option<usize> {
+        self.0.get(b.0 as usize).copied().flatten()
+    }
+
+    /// Gives `b` to `param` unless it has a parameter already.
+    fn claim(&mut self, b: BufferId, param: usize) {
+        if let Some(slot @ None) = self.0.get_mut(b.0 as usize) {
+            *slot = Some(param);
+        }
+    }
+}
+
+/// A virtual stage's pieces in words: "embedding + h.0..5", "h.6..11", "h.90..95 + head".
+pub fn describe_pieces(layers: &[String], pieces: &std::ops::Range<usize>) -> String {
+    let count = layers.len();
+    let first_layer = pieces.start.max(1);
+    let last_layer = pieces.end.saturating_sub(1).min(count);
+    let mut text = String::new();
+    if pieces.start == 0 {
+        text.push_str("embedding + ");
+    }
+    let name = |piece: usize| layers.get(piece.wrapping_sub(1)).map_or("", String::as_str);
+    if first_layer == last_layer {
+        text.push_str(name(first_layer));
+    } else {
+        text.push_str(&layer_range(name(first_layer), name(last_layer)));
+    }
+    if pieces.end == count + 2 {
+        text.push_str(" + head");
+    }
+    text
+}
+
+/// "h.0..11" for layers `h.0` to `h.11` (their common prefix once), else "a..b".
+fn layer_range(first: &str, last: &str) -> String {
+    match (first.rsplit_once('.'), last.rsplit_once('.')) {
+        (Some((prefix, from)), Some((same, to))) if prefix == same => format!("{prefix}.{from}..{to}"),
+        _ => format!("{first}..{last}"),
+    }
+}
+
 /// Splits `layers` repeated layers into `groups` contiguous runs of sizes as equal as possible (the
 /// earlier runs one longer): the pieces each run holds, the first run with piece 0 and the last with
 /// piece `layers + 1`. Empty when there are fewer layers than runs.
@@ -208,6 +283,17 @@ mod tests {
         assert_eq!(layer_of("model.layers.12.mlp"), Some("model.layers.12"));
         assert_eq!(layer_of("ln_f"), None);
         assert_eq!(layer_of("3.x"), None);
+    }
+
+    #[test]
+    fn a_run_of_layers_names_its_prefix_once() {
+        assert_eq!(layer_range("h.0", "h.11"), "h.0..11");
+        assert_eq!(layer_range("bert.encoder.layer.3", "bert.encoder.layer.12"), "bert.encoder.layer.3..12");
+        assert_eq!(layer_range("enc.5", "dec.0"), "enc.5..dec.0");
+        let layers: Vec<String> = (0..4).map(|k| format!("h.{k}")).collect();
+        assert_eq!(describe_pieces(&layers, &(0..3)), "embedding + h.0..1");
+        assert_eq!(describe_pieces(&layers, &(3..4)), "h.2");
+        assert_eq!(describe_pieces(&layers, &(4..6)), "h.3 + head");
     }
 
     #[test]

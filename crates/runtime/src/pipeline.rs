@@ -122,7 +122,8 @@ pub struct PipelineRun<'a> {
 }
 
 /// One stage device's measured memory: its storage, and the most bytes of activations it kept aside at
-/// once for backward passes to come.
+/// once for backward passes to come, in how many forward passes (micro-batches; with interleaving,
+/// micro-batch and chunk pairs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StageMemory {
     pub storage_bytes: u64,
@@ -227,39 +228,39 @@ fn merge_blocks(
     program: &PipelineProgram,
     per_stage: &[Vec<(Vec<StepRecord>, DeviceBlocks, StageMemory)>],
 ) -> Result<Vec<DeviceBlocks>, String> {
-    let devices = plan.mesh.devices() as usize;
-    let mut merged = Vec::with_capacity(devices);
-    for rank in 0..devices {
+    // Where each parameter's block and gradient come from: (stage, index in that stage's parameters).
+    let mut sources = Vec::with_capacity(plan.params.len());
+    for (k, p) in plan.params.iter().enumerate() {
+        let held: Vec<(usize, usize)> = program
+            .stages
+            .iter()
+            .enumerate()
+            .filter_map(|(s, stage)| stage.params.iter().position(|&q| q == k).map(|j| (s, j)))
+            .collect();
+        let &first = held.first().ok_or_else(|| format!("no stage holds the parameter `{}`", p.name))?;
+        let computes = |&&(s, _): &&(usize, usize)| p.grad.is_some_and(|g| program.stages[s].gradients.contains(&g));
+        sources.push((first, held.iter().find(computes).copied().unwrap_or(first)));
+    }
+    let mut outputs = Vec::with_capacity(plan.outputs.len());
+    for o in &plan.outputs {
+        let found = program
+            .stages
+            .iter()
+            .enumerate()
+            .find_map(|(s, stage)| Some((s, stage.plan.outputs.iter().position(|q| q.buffer == o.buffer)?)));
+        outputs.push(found.ok_or_else(|| format!("no stage computes the output `{}`", o.name))?);
+    }
+    let mut merged = Vec::with_capacity(plan.mesh.devices() as usize);
+    for rank in 0..plan.mesh.devices() as usize {
         let blocks: Vec<&DeviceBlocks> = per_stage
             .iter()
             .map(|stage| stage.get(rank).map(|d| &d.1))
             .collect::<Option<_>>()
             .ok_or("a stage device handed back no blocks")?;
-        let mut params = Vec::with_capacity(plan.params.len());
-        let mut grads = Vec::with_capacity(plan.params.len());
-        for (k, p) in plan.params.iter().enumerate() {
-            let held: Vec<(usize, usize)> = program
-                .stages
-                .iter()
-                .enumerate()
-                .filter_map(|(s, stage)| stage.params.iter().position(|&q| q == k).map(|j| (s, j)))
-                .collect();
-            let &(s, j) = held.first().ok_or_else(|| format!("no stage holds the parameter `{}`", p.name))?;
-            params.push(blocks[s].0[j].clone());
-            let computed =
-                held.iter().find(|&&(s, _)| p.grad.is_some_and(|g| program.stages[s].gradients.contains(&g)));
-            let &(gs, gj) = computed.unwrap_or(&(s, j));
-            grads.push(blocks[gs].1[gj].clone());
-        }
-        let mut outputs = Vec::with_capacity(plan.outputs.len());
-        for o in &plan.outputs {
-            let found = program.stages.iter().enumerate().find_map(|(s, stage)| {
-                let j = stage.plan.outputs.iter().position(|q| q.buffer == o.buffer)?;
-                Some(blocks[s].2[j].clone())
-            });
-            outputs.push(found.ok_or_else(|| format!("no stage computes the output `{}`", o.name))?);
-        }
-        merged.push((params, grads, outputs));
+        let params = sources.iter().map(|&((s, j), _)| blocks[s].0[j].clone()).collect();
+        let grads = sources.iter().map(|&(_, (s, j))| blocks[s].1[j].clone()).collect();
+        let outs = outputs.iter().map(|&(s, j)| blocks[s].2[j].clone()).collect();
+        merged.push((params, grads, outs));
     }
     Ok(merged)
 }
@@ -522,9 +523,10 @@ impl StageWorker<'_> {
                 device.run_instruction(k, mode).map_err(|e| super::exec::in_instruction(plan, k, &e.to_string()))
             }
             Action::Receive { buffer, from } => {
-                let name = || format!("`{}`", device.plan.buffer(buffer).name);
-                let name = name();
-                let block = self.mail.receive(self.key(from, me, at, buffer.0), &|| name.clone())?;
+                let plan = device.plan;
+                let block = self
+                    .mail
+                    .receive(self.key(from, me, at, buffer.0), &|| format!("`{}`", plan.buffer(buffer).name))?;
                 device.write(buffer, block).map_err(|e| e.to_string())
             }
             Action::Send { buffer, to } => {
