@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -403,11 +404,28 @@ def config_flags() -> list[str]:
 
 
 def pipeline_flags(pipeline: str | None) -> list[str]:
-    """`pp2-1f1b` -> --pipeline 2 --pipeline-schedule 1f1b (no flags without a pipeline)."""
+    """`pp2-1f1b` -> --pipeline 2 --pipeline-schedule 1f1b (no flags without a pipeline; a trailing
+    `-mpi` says where it runs, see `launcher`)."""
     if not pipeline:
         return []
-    stages, _, schedule = pipeline.removeprefix("pp").partition("-")
+    stages, _, schedule = pipeline.removeprefix("pp").removesuffix("-mpi").partition("-")
     return ["--pipeline", stages, "--pipeline-schedule", schedule or "1f1b"]
+
+
+def launcher(mesh: str, pipeline: str | None) -> tuple[list[str], dict[str, str]]:
+    """The command prefix and environment that start a run: none for threads; for a pipeline ending in
+    `-mpi` (`pp2-1f1b-mpi`), mpirun with one process per device of every stage."""
+    if not pipeline or not pipeline.endswith("-mpi"):
+        return [], {}
+    devices = math.prod(int(d) for d in mesh.split("x"))
+    stages = int(pipeline.removeprefix("pp").split("-")[0])
+    env = {
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "RAYON_NUM_THREADS": "1",
+    }
+    return ["mpirun", "-np", str(devices * stages), "--oversubscribe"], env
 
 
 def run_optimusc(args, strategy: str, mesh: str, opt: Optimizer, init: Path, workdir: Path, tag: str, pipeline=None):
@@ -415,7 +433,9 @@ def run_optimusc(args, strategy: str, mesh: str, opt: Optimizer, init: Path, wor
     (None for a pipeline, which does not validate), gradient norms)."""
     out = workdir / f"out_{tag}.safetensors"
     validation = [] if pipeline else ["--val-data", str(workdir / "val.bin"), "--eval-batches", str(VAL_BATCHES)]
+    prefix, env = launcher(mesh, pipeline)
     cmd = [
+        *prefix,
         str(args.optimusc), "run", str(MODEL),
         "--mesh", mesh, "--strategy", strategy,
         *config_flags(),
@@ -430,7 +450,7 @@ def run_optimusc(args, strategy: str, mesh: str, opt: Optimizer, init: Path, wor
     if args.verbose:
         print("  $ " + " ".join(cmd))
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout, env={**os.environ, **env})
     seconds = time.monotonic() - start
     if proc.returncode != 0:
         raise RuntimeError(f"optimusc exited {proc.returncode}:\n{proc.stderr.strip()}\n{proc.stdout.strip()}")
@@ -553,7 +573,8 @@ def main() -> int:
     parser.add_argument(
         "--meshes",
         default=",".join(f"{s}:{m}" for s, m in MESHES),
-        help="comma-separated STRATEGY:MESH pairs (default: %(default)s)",
+        help="comma-separated STRATEGY:MESH[:ppP-SCHEDULE[-mpi]] (a pipeline of P stages under GPipe, 1F1B or interleaved, "
+        "on threads or, with -mpi, under mpirun: optimusc built with --features mpi) (default: %(default)s)",
     )
     parser.add_argument(
         "--batch",

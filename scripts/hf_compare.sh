@@ -12,7 +12,7 @@
 # 1. Makes (or reuses) a virtualenv (see HF_VENV) and pip-installs torch,
 #    transformers, safetensors and numpy into it, each only if it does not
 #    import yet; prints how long that took and how large the venv is.
-# 2. Builds optimusc in release mode.
+# 2. Builds optimusc in release mode, with the mpi feature (Open MPI: scripts/test.sh installs it).
 # 3. Runs scripts/hf_compare.py, which trains the same small GPT-2 from the
 #    same weights on the same tokens in PyTorch and in `optimusc run` (SGD with
 #    momentum and AdamW with weight decay; meshes none 1x1, optimus 2x2 and
@@ -37,8 +37,8 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/hf_venv.sh
 source scripts/hf_venv.sh
 
-echo "== cargo build --release"
-cargo build --release --bin optimusc
+echo "== cargo build --release --features mpi (the pipelines under mpirun below need it)"
+cargo build --release --features mpi --bin optimusc
 
 OPTIMUSC="${CARGO_TARGET_DIR:-target}/release/optimusc"
 echo "== comparing examples/gpt2.opt with GPT2LMHeadModel"
@@ -50,6 +50,10 @@ echo "== examples/gpt2.opt against GPT2LMHeadModel on tesseract depth 4 and 3d w
 echo "== examples/gpt2.opt against GPT2LMHeadModel as pipelines (4 layers: GPipe, 1F1B, interleaved; meshes, replicas)"
 "$PY" scripts/hf_compare.py --optimusc "$OPTIMUSC" --layers 4 --optimizers adamw-all,sgd-accum2 \
     --meshes none:1x1:pp4-gpipe,optimus:2x2:pp2-1f1b,megatron:1x2:pp2-interleaved,none:2x1x1:pp2-1f1b,optimus:2x2x2:pp4-1f1b,megatron:2x1x2:pp2-gpipe \
+    || status=$?
+echo "== the same pipelines under mpirun, one process per device of every stage (4 to 16 processes)"
+"$PY" scripts/hf_compare.py --optimusc "$OPTIMUSC" --layers 4 --optimizers adamw-all,sgd-accum2 \
+    --meshes none:1x1:pp4-gpipe-mpi,optimus:2x2:pp2-1f1b-mpi,megatron:1x2:pp2-interleaved-mpi,none:2x1x1:pp2-1f1b-mpi,optimus:2x2x2:pp2-interleaved-mpi,megatron:2x1x2:pp4-gpipe-mpi \
     || status=$?
 echo "== comparing examples/llama.opt with LlamaForCausalLM (float64)"
 "$PY" scripts/hf_llama_compare.py --optimusc "$OPTIMUSC" || status=$?

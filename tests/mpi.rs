@@ -308,3 +308,115 @@ fn four_processes_write_a_checkpoint_that_threads_resume_on_another_mesh() {
     let rest = train_losses(&threads(&with(&resumed, &resuming)));
     assert_close(&rest, &mpi[2..]);
 }
+
+#[test]
+fn pipelines_under_mpirun_give_the_threads_losses_weights_and_stage_reports() {
+    // One process per device of every stage: 2 stages of optimus 2x2 (8 processes, 1F1B), 2 of megatron
+    // 1x2 interleaved (4), 4 of one device under GPipe (4) and 2 of two data-parallel replicas (4).
+    let base = [
+        "run",
+        "examples/tiny.opt",
+        "--set",
+        "layers=4",
+        "--steps",
+        "3",
+        "--json",
+        "--seed",
+        "5",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+    ];
+    let cases: [(&str, u32, &[&str]); 4] = [
+        ("optimus-2x2-1f1b", 8, &["--mesh", "2x2", "--pipeline", "2", "--accum", "4"]),
+        (
+            "megatron-1x2-interleaved",
+            4,
+            &[
+                "--mesh",
+                "1x2",
+                "--strategy",
+                "megatron",
+                "--pipeline",
+                "2",
+                "--pipeline-schedule",
+                "interleaved",
+                "--accum",
+                "4",
+            ],
+        ),
+        (
+            "none-1x1-pp4-gpipe",
+            4,
+            &["--mesh", "1x1", "--strategy", "none", "--pipeline", "4", "--pipeline-schedule", "gpipe", "--accum", "2"],
+        ),
+        (
+            "dp2-1f1b",
+            4,
+            &["--mesh", "2x1x1", "--strategy", "none", "--pipeline", "2", "--accum", "2", "--clip-grad-norm", "0.5"],
+        ),
+    ];
+    for (name, processes, flags) in cases {
+        let (mpi_weights, thread_weights) =
+            (scratch(&format!("pp-{name}-mpi.safetensors")), scratch(&format!("pp-{name}-threads.safetensors")));
+        let args = with(&base, flags);
+        let (out, _) = mpirun(processes, &with(&args, &["--save-weights", text(&mpi_weights)]), &[]);
+        let thread = threads(&with(&args, &["--save-weights", text(&thread_weights)]));
+        let (mpi_records, thread_records) = (records(&out), records(&thread));
+        let steps = |r: &[serde_json::Value]| -> Vec<f64> { r.iter().filter_map(|v| v["loss"].as_f64()).collect() };
+        assert_close(&steps(&mpi_records), &steps(&thread_records));
+        assert_same_weights(&mpi_weights, &thread_weights, 1e-5);
+        let report = |r: &[serde_json::Value]| r.iter().find(|v| v.get("pipeline").is_some()).cloned();
+        let (a, b) = (report(&mpi_records), report(&thread_records));
+        assert!(a.is_some(), "{name}: rank 0 prints the stages' report");
+        assert_eq!(a, b, "{name}: the same stages, memory and bytes between stages");
+    }
+}
+
+/// Every JSON line of a successful run's standard output.
+fn records(out: &Output) -> Vec<serde_json::Value> {
+    assert!(out.status.success(), "stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object a line"))
+        .collect()
+}
+
+#[test]
+fn a_pipeline_job_of_the_wrong_size_says_how_many_processes_it_needs() {
+    let args = ["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "1", "--accum", "2", "--pipeline", "2"];
+    let (out, _) = mpirun(4, &args, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(stderr.matches("has 4 devices in each of 2 stages but the job has 4 processes").count(), 1, "{stderr}");
+    assert!(stderr.contains("-np 8"), "{stderr}");
+}
+
+#[test]
+fn a_pipeline_whose_loss_is_not_finite_ends_the_job_naming_the_step() {
+    let args = [
+        "run",
+        "examples/tiny.opt",
+        "--set",
+        "layers=4",
+        "--steps",
+        "3",
+        "--accum",
+        "2",
+        "--pipeline",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "1e30",
+        "--timeout",
+        "20",
+    ];
+    let (out, elapsed) = mpirun(2, &args, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("step 1: the loss is NaN, so the run stops before updating any weight"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(elapsed < Duration::from_secs(20), "took {elapsed:?}");
+}

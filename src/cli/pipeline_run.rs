@@ -21,7 +21,7 @@ pub(super) fn run_pipelined(
     let pipe = PipelineRun { program: &program, schedule };
     let output = run_on_threads(&job.plan, pipe, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
     finish(args, job, &progress, &output.run)?;
-    report_stages(args, &program, schedule.name(), &output, &progress);
+    report_stages(args, (&program, schedule), &output, &progress);
     Ok(())
 }
 
@@ -50,8 +50,8 @@ pub(super) fn refuse_unsupported(args: &RunArgs) -> Result<(), Failure> {
     ];
     if let Some((_, flag)) = refused.iter().find(|(given, _)| *given) {
         return Err(Failure::usage(format!(
-            "--pipeline does not go with {flag} yet: pipelines run on the CPU, on threads, and save their final \
-             weights with --save-weights"
+            "--pipeline does not go with {flag} yet: pipelines run on the CPU (threads, or one process per \
+             device of every stage under mpirun) and save their final weights with --save-weights"
         )));
     }
     Ok(())
@@ -59,10 +59,9 @@ pub(super) fn refuse_unsupported(args: &RunArgs) -> Result<(), Failure> {
 
 /// One line per stage on standard error (a `{"pipeline": ...}` record with --json or --log): its layers,
 /// its storage and the most activations it kept for backward passes to come, and how many micro-batches'.
-fn report_stages(
+pub(super) fn report_stages(
     args: &RunArgs,
-    program: &PipelineProgram,
-    schedule: &str,
+    (program, schedule): (&PipelineProgram, Schedule),
     output: &PipelineOutput,
     progress: &Progress,
 ) {
@@ -87,7 +86,7 @@ fn report_stages(
         }));
     }
     progress.emit(&json!({"pipeline": {
-        "schedule": schedule,
+        "schedule": schedule.name(),
         "stages": stages,
         "micro_batches": args.accum,
         "bytes_between_stages": output.bytes_between_stages,

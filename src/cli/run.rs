@@ -400,19 +400,13 @@ pub fn run(args: &RunArgs) -> ExitCode {
         Ok(args) => args,
         Err(failure) => return failure.exit(),
     };
-    if let Some(launch) = optimus::runtime::launch::detect().filter(|l| l.is_multi_process()) {
-        if args.pipeline.requested() {
-            return Failure::usage(
-                "--pipeline runs its stages on threads in one process; under mpirun or srun, run without it".into(),
-            )
-            .exit();
-        }
-        return multi_process::run(args, &launch);
-    }
     if args.pipeline.requested()
         && let Err(failure) = super::pipeline_run::refuse_unsupported(args)
     {
         return failure.exit();
+    }
+    if let Some(launch) = optimus::runtime::launch::detect().filter(|l| l.is_multi_process()) {
+        return multi_process::run(args, &launch);
     }
     let job = match prepare(args) {
         Ok(job) => job,
@@ -752,8 +746,14 @@ fn print_profile(plan: &Plan, output: &RunOutput, progress: &Progress) {
 #[cfg(feature = "mpi")]
 mod multi_process {
     use super::*;
+    use optimus::plan::pipeline::Schedule;
+    use optimus::plan::pipeline_cut::PipelineProgram;
     use optimus::runtime::launch::Launch;
     use optimus::runtime::mpi::{JobOptions, MpiJob};
+    use optimus::runtime::pipeline::PipelineRun;
+
+    /// The stage programs and schedule of a pipelined job.
+    type Cut = (PipelineProgram, Schedule);
 
     pub fn run(args: &RunArgs, _launch: &Launch) -> ExitCode {
         // A restart to find the CUDA libraries must come before MPI_Init.
@@ -778,7 +778,7 @@ mod multi_process {
         }
         let prepared = first.unwrap_or_else(|| prepare_ranks(args, &mpi));
         let failures = mpi.failures(prepared.is_err());
-        let job = match prepared {
+        let (job, cut) = match prepared {
             Ok(job) if failures == 0 => job,
             Ok(_) => return ExitCode::from(1),
             Err(failure) => {
@@ -800,29 +800,58 @@ mod multi_process {
             }
             job.sources.batch(&job.plan, index).map_err(|e| e.to_string())
         };
-        let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
         let on_step = |r: &StepRecord| progress.step(r);
         stop_gracefully(&job);
-        let result = mpi.run(&job.plan, &job.config, &batches, &job.initial, options, &on_step);
-        match result.and_then(|output| output.map_or(Ok(()), |output| finish(args, &job, &progress, &output))) {
+        let result = match &cut {
+            Some((program, schedule)) => {
+                let pipe = PipelineRun { program, schedule: *schedule };
+                let gather = args.save_weights.is_some();
+                mpi.run_pipeline(&job.plan, pipe, &job.config, &batches, &job.initial, gather, &on_step).and_then(
+                    |output| match output {
+                        Some(output) => {
+                            finish(args, &job, &progress, &output.run)?;
+                            super::super::pipeline_run::report_stages(args, (program, *schedule), &output, &progress);
+                            Ok(())
+                        }
+                        None => Ok(()),
+                    },
+                )
+            }
+            None => {
+                let options = JobOptions { placement: args.placement.placement(), gather: args.save_weights.is_some() };
+                let result = mpi.run(&job.plan, &job.config, &batches, &job.initial, options, &on_step);
+                result.and_then(|output| output.map_or(Ok(()), |output| finish(args, &job, &progress, &output)))
+            }
+        };
+        match result {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) if e == INTERRUPTED => failure_status(&e),
             Err(e) => mpi.abort(&e),
         }
     }
 
-    /// [`prepare`], and a plan whose mesh has one device per process.
-    fn prepare_ranks(args: &RunArgs, mpi: &MpiJob) -> Result<Prepared, Failure> {
+    /// [`prepare`], a plan whose mesh has one device per process (of every stage, with --pipeline), and
+    /// the stage programs --pipeline asks for.
+    fn prepare_ranks(args: &RunArgs, mpi: &MpiJob) -> Result<(Prepared, Option<Cut>), Failure> {
         let job = prepare(args)?;
+        let cut = if args.pipeline.requested() {
+            Some(super::super::pipeline_run::program_of(args, &job.plan)?)
+        } else {
+            None
+        };
         let devices = job.plan.mesh.devices();
-        if devices != mpi.size() {
+        let stages = cut.as_ref().map_or(1, |(program, _)| program.stages.len() as u64);
+        if devices * stages != mpi.size() {
+            let per_stage = if stages > 1 { format!(" in each of {stages} stages") } else { String::new() };
             return Err(Failure::from(format!(
-                "the plan's {} mesh has {devices} devices but the job has {} processes; start one process per device",
+                "the plan's {} mesh has {devices} devices{per_stage} but the job has {} processes; start one process \
+                 per device (-np {})",
                 job.plan.mesh,
-                mpi.size()
+                mpi.size(),
+                devices * stages
             )));
         }
-        Ok(job)
+        Ok((job, cut))
     }
 }
 

@@ -22,6 +22,8 @@ use optimus_plan::{CollectiveKind, Coords, Group, Mesh, Plan, ReduceOp};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+mod stages;
+
 /// How a multi-process run is laid out and what it hands back.
 #[derive(Clone, Copy, Debug)]
 pub struct JobOptions {
@@ -42,6 +44,8 @@ pub struct MpiJob {
     ranks_per_node: u64,
     /// This rank's index among the ranks of its node.
     local_rank: u64,
+    /// What MPI lets threads do.
+    threading: mpi::Threading,
     // Dropped last: finalises MPI.
     _universe: Universe,
 }
@@ -50,7 +54,7 @@ impl MpiJob {
     /// Initialises MPI and installs a panic hook that aborts the whole job, so that a panicking rank
     /// never leaves the others waiting.
     pub fn init() -> Result<MpiJob, String> {
-        let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
             .ok_or("MPI was already initialised in this process")?;
         let world = universe.world();
         let rank = world.rank() as u64;
@@ -64,6 +68,7 @@ impl MpiJob {
             rank,
             ranks_per_node: fewest.max(1) as u64,
             local_rank: node.rank() as u64,
+            threading,
             world,
             _universe: universe,
         })

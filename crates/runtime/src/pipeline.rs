@@ -32,13 +32,22 @@ const NORM: u64 = u64::MAX - 1;
 /// Who sends what to whom: the stages, the devices' rank in their stage's grid, the step, the micro-batch
 /// and the buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct Key {
-    from: u64,
-    to: u64,
-    rank: u64,
-    step: u64,
-    micro_batch: u64,
-    buffer: u32,
+pub(crate) struct Key {
+    pub from: u64,
+    pub to: u64,
+    pub rank: u64,
+    pub step: u64,
+    pub micro_batch: u64,
+    pub buffer: u32,
+}
+
+/// How the devices of different stages reach each other: mailboxes in one process, MPI messages
+/// between processes.
+pub(crate) trait StageLink: Sync {
+    /// Sends `block` to the device the key names; never waits for it to be received.
+    fn send(&self, key: Key, block: Tensor) -> Result<(), String>;
+    /// The block sent under `key`, waiting for it until it comes, the run fails or the timeout passes.
+    fn receive(&self, key: Key, what: &dyn Fn() -> String) -> Result<Tensor, String>;
 }
 
 /// The point-to-point transfers between stages on threads: a queue per key, a receiver waiting until
@@ -66,14 +75,14 @@ impl Mailboxes {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn send(&self, key: Key, block: Tensor) {
+    pub(crate) fn deliver(&self, key: Key, block: Tensor) {
         let mut state = self.lock();
         state.bytes += 4 * block.len() as u64;
         state.boxes.entry(key).or_default().push_back(block);
         self.arrived.notify_all();
     }
 
-    fn receive(&self, key: Key, what: &dyn Fn() -> String) -> Result<Tensor, String> {
+    pub(crate) fn wait_for(&self, key: Key, what: &dyn Fn() -> String) -> Result<Tensor, String> {
         let deadline = Instant::now() + self.timeout;
         let mut state = self.lock();
         loop {
@@ -114,6 +123,17 @@ impl Mailboxes {
     }
 }
 
+impl StageLink for Mailboxes {
+    fn send(&self, key: Key, block: Tensor) -> Result<(), String> {
+        self.deliver(key, block);
+        Ok(())
+    }
+
+    fn receive(&self, key: Key, what: &dyn Fn() -> String) -> Result<Tensor, String> {
+        self.wait_for(key, what)
+    }
+}
+
 /// What the schedule asks of a pipelined run.
 #[derive(Clone, Copy, Debug)]
 pub struct PipelineRun<'a> {
@@ -140,8 +160,15 @@ pub struct PipelineOutput {
     pub bytes_between_stages: u64,
 }
 
+/// What one stage device hands back: its step records, its final blocks and its memory.
+pub(crate) struct StageResult {
+    pub records: Vec<StepRecord>,
+    pub blocks: DeviceBlocks,
+    pub memory: StageMemory,
+}
+
 /// Runs `plan` (the whole model for one stage's grid) as the pipeline `run`, on the CPU, one thread
-/// per device of every stage. `on_step` is called by the loss stage's first device after every update.
+/// per device of every stage. `on_step` is called by the first stage's first device after every update.
 pub fn run_on_threads(
     plan: &Plan,
     pipe: PipelineRun<'_>,
@@ -158,8 +185,7 @@ pub fn run_on_threads(
     let inline = config
         .kernels_inline
         .unwrap_or_else(|| super::cpu::par::devices_run_kernels_inline((devices * stages) as usize));
-    type Outcome = Result<(Vec<StepRecord>, DeviceBlocks, StageMemory), String>;
-    let results: Vec<Vec<Outcome>> = std::thread::scope(|scope| {
+    let results: Vec<Vec<Result<StageResult, String>>> = std::thread::scope(|scope| {
         let handles: Vec<Vec<_>> = pipe
             .program
             .stages
@@ -205,20 +231,29 @@ pub fn run_on_threads(
     for stage in results {
         per_stage.push(stage.into_iter().collect::<Result<Vec<_>, String>>()?);
     }
-    let memory: Vec<StageMemory> = per_stage.iter().map(|s| s.first().map(|d| d.2).unwrap_or_default()).collect();
-    let loss_stage =
-        pipe.program.stages.iter().position(|s| s.computes_loss).unwrap_or(per_stage.len().saturating_sub(1));
-    let steps = per_stage.get(loss_stage).and_then(|s| s.first()).map(|d| d.0.clone()).unwrap_or_default();
+    let memory: Vec<StageMemory> = per_stage.iter().map(|s| s.first().map(|d| d.memory).unwrap_or_default()).collect();
+    let steps = per_stage.first().and_then(|s| s.first()).map(|d| d.records.clone()).unwrap_or_default();
     let run = if config.final_state {
-        let merged = merge_blocks(plan, pipe.program, &per_stage)?;
-        RunOutput {
-            steps,
-            ..assemble(plan, merged.into_iter().map(|b| (Vec::new(), b)).collect()).map_err(|e| e.to_string())?
-        }
+        let blocks: Vec<Vec<DeviceBlocks>> =
+            per_stage.into_iter().map(|s| s.into_iter().map(|d| d.blocks).collect()).collect();
+        merged_output(plan, pipe.program, &blocks, steps)?
     } else {
         RunOutput::of_steps(steps, Vec::new())
     };
     Ok(PipelineOutput { run, stages: memory, bytes_between_stages: mail.bytes_sent() })
+}
+
+/// The whole model's output of a pipelined run, from every stage device's final blocks (by stage, then
+/// rank in the stage's grid) and the step records.
+pub(crate) fn merged_output(
+    plan: &Plan,
+    program: &PipelineProgram,
+    per_stage: &[Vec<DeviceBlocks>],
+    steps: Vec<StepRecord>,
+) -> Result<RunOutput, String> {
+    let merged = merge_blocks(plan, program, per_stage)?;
+    let output = assemble(plan, merged.into_iter().map(|b| (Vec::new(), b)).collect()).map_err(|e| e.to_string())?;
+    Ok(RunOutput { steps, ..output })
 }
 
 /// Every device's blocks of the whole plan, from the stages that hold them: a parameter from the first
@@ -226,7 +261,7 @@ pub fn run_on_threads(
 fn merge_blocks(
     plan: &Plan,
     program: &PipelineProgram,
-    per_stage: &[Vec<(Vec<StepRecord>, DeviceBlocks, StageMemory)>],
+    per_stage: &[Vec<DeviceBlocks>],
 ) -> Result<Vec<DeviceBlocks>, String> {
     // Where each parameter's block and gradient come from: (stage, index in that stage's parameters).
     let mut sources = Vec::with_capacity(plan.params.len());
@@ -254,7 +289,7 @@ fn merge_blocks(
     for rank in 0..plan.mesh.devices() as usize {
         let blocks: Vec<&DeviceBlocks> = per_stage
             .iter()
-            .map(|stage| stage.get(rank).map(|d| &d.1))
+            .map(|stage| stage.get(rank))
             .collect::<Option<_>>()
             .ok_or("a stage device handed back no blocks")?;
         let params = sources.iter().map(|&((s, j), _)| blocks[s].0[j].clone()).collect();
@@ -266,15 +301,17 @@ fn merge_blocks(
 }
 
 /// One device of one stage and what its run needs.
-struct StageWorker<'r> {
-    pipe: PipelineRun<'r>,
-    stage: &'r StageProgram,
-    rank: u64,
-    mail: &'r Mailboxes,
-    config: &'r RunConfig,
-    batches: &'r Batches<'r>,
-    initial: &'r BTreeMap<String, Tensor>,
-    on_step: &'r (dyn Fn(&StepRecord) + Sync),
+pub(crate) struct StageWorker<'r> {
+    pub pipe: PipelineRun<'r>,
+    pub stage: &'r StageProgram,
+    /// The device's rank in its stage's grid.
+    pub rank: u64,
+    pub mail: &'r dyn StageLink,
+    pub config: &'r RunConfig,
+    pub batches: &'r Batches<'r>,
+    pub initial: &'r BTreeMap<String, Tensor>,
+    /// Called by the first stage's first device after every update.
+    pub on_step: &'r (dyn Fn(&StepRecord) + Sync),
 }
 
 /// What an update's passes computed: the micro-batches' losses (summed, in micro-batch order as they
@@ -312,6 +349,14 @@ impl Results<'_> {
     }
 }
 
+/// An update's loss on the stage that computes it (the micro-batches' mean), and the first
+/// micro-batch loss that was not finite.
+#[derive(Clone, Copy)]
+struct Losses {
+    mean: Option<f32>,
+    bad: Option<f32>,
+}
+
 /// Where a pass is: its step and micro-batch.
 #[derive(Clone, Copy)]
 struct At {
@@ -320,7 +365,8 @@ struct At {
 }
 
 impl StageWorker<'_> {
-    fn run<C: Communicator>(&self, comm: C) -> Result<(Vec<StepRecord>, DeviceBlocks, StageMemory), String> {
+    /// Runs every step of the device's stage program.
+    pub(crate) fn run<C: Communicator>(&self, comm: C) -> Result<StageResult, String> {
         let plan = &self.stage.plan;
         let config = self.config;
         let given = |p: &optimus_plan::PlanParam| self.initial.contains_key(&p.name) || config.weights.is_some();
@@ -331,13 +377,13 @@ impl StageWorker<'_> {
         for step in config.start_step..config.steps {
             let record =
                 self.update(&mut device, step, &mut memory, &mut outputs).map_err(|e| format!("step {step}: {e}"))?;
-            if self.stage.computes_loss && device.coords().is_origin() {
+            if self.stage.stage == 0 && device.coords().is_origin() {
                 (self.on_step)(&record);
             }
             records.push(record);
         }
         let blocks = if config.final_state { device.into_blocks(outputs)? } else { Default::default() };
-        Ok((records, blocks, memory))
+        Ok(StageResult { records, blocks, memory })
     }
 
     /// The parameters given whole or by `--weights`, and the clipping.
@@ -407,8 +453,11 @@ impl StageWorker<'_> {
         if self.stage.computes_loss && results.noted.len() as u64 != m {
             return Err("the loss was not computed for every micro-batch".into());
         }
-        self.apply(device, step, &optimizer, results.bad_loss)?;
-        let loss = self.stage.computes_loss.then(|| (results.losses / m as f64) as f32);
+        let mine = Losses {
+            mean: self.stage.computes_loss.then(|| (results.losses / m as f64) as f32),
+            bad: results.bad_loss,
+        };
+        let loss = self.apply(device, step, &optimizer, mine)?;
         Ok(StepRecord {
             step,
             loss,
@@ -422,54 +471,56 @@ impl StageWorker<'_> {
 
     /// The update after the micro-batches: mean gradients, tied gradients to the stages holding a copy,
     /// the gradient norm over the stages, the optimizer steps. A non-finite loss on the loss stage stops
-    /// every stage here, before any weight changes.
+    /// every stage here, before any weight changes. Returns the update's loss, which every stage learns
+    /// with the norm.
     fn apply<C: Communicator>(
         &self,
         device: &mut Device<'_, CpuBackend, C>,
         step: u64,
         optimizer: &OptimizerSettings,
-        bad_loss: Option<f32>,
-    ) -> Result<(), String> {
+        losses: Losses,
+    ) -> Result<Option<f32>, String> {
         let m = self.config.accumulation.max(1);
         device.write_mean_gradients(&self.stage.gradients, m)?;
         let at = At { step, micro_batch: UPDATE };
         for &(buffer, to) in &self.stage.gradient_sends {
             let block = device.read(buffer)?.ok_or("a summed gradient to send is not alive")?;
-            self.mail.send(self.key(self.stage.stage, to, at, buffer.0), block);
+            self.mail.send(self.key(self.stage.stage, to, at, buffer.0), block)?;
         }
-        let mut norm_taken = false;
+        let mut loss = None;
         for &action in &self.stage.update {
             if let Action::Run(k) = action
-                && !norm_taken
+                && loss.is_none()
                 && device.is_optimizer_step(k)
             {
-                self.total_norm(device, step, bad_loss)?;
-                norm_taken = true;
+                loss = Some(self.total_norm(device, step, losses)?);
             }
             self.run_action(device, action, at, Update::Apply(optimizer, step + 1))?;
         }
-        if !norm_taken {
-            self.total_norm(device, step, bad_loss)?;
+        match loss {
+            Some(loss) => Ok(loss),
+            None => self.total_norm(device, step, losses),
         }
-        Ok(())
     }
 
     /// Sums the stages' shares of the squared gradient norm (in stage order, the same sum on every
-    /// stage) and whether any stage's loss was not finite.
+    /// stage), learns whether any stage's loss was not finite, and the update's loss from the stage that
+    /// computes it (which it returns).
     fn total_norm<C: Communicator>(
         &self,
         device: &mut Device<'_, CpuBackend, C>,
         step: u64,
-        bad_loss: Option<f32>,
-    ) -> Result<(), String> {
+        losses: Losses,
+    ) -> Result<Option<f32>, String> {
         let stages = self.pipe.program.stages.len() as u64;
         let me = self.stage.stage;
-        let share = Tensor::from_f32(&[2], vec![device.norm_share()?, bad_loss.unwrap_or(0.0)]);
+        let mean = losses.mean.unwrap_or(f32::NAN);
+        let share = Tensor::from_f32(&[3], vec![device.norm_share()?, losses.bad.unwrap_or(0.0), mean]);
         let at = At { step, micro_batch: NORM };
         for to in (0..stages).filter(|&t| t != me) {
-            self.mail.send(self.key(me, to, at, 0), share.clone());
+            self.mail.send(self.key(me, to, at, 0), share.clone())?;
         }
-        let (mut squares, mut bad) = (0.0f32, None);
+        let (mut squares, mut bad, mut loss) = (0.0f32, None, None);
         for from in 0..stages {
             let block = if from == me {
                 share.clone()
@@ -478,8 +529,11 @@ impl StageWorker<'_> {
             };
             let values = block.f32().map_err(|e| e.to_string())?;
             squares += values.first().copied().unwrap_or(0.0);
-            if let Some(&loss) = values.get(1).filter(|v| **v != 0.0) {
-                bad.get_or_insert(loss);
+            if let Some(&value) = values.get(1).filter(|v| **v != 0.0) {
+                bad.get_or_insert(value);
+            }
+            if self.pipe.program.stages.get(from as usize).is_some_and(|s| s.computes_loss) {
+                loss = values.get(2).copied();
             }
         }
         if let Some(value) = bad {
@@ -489,7 +543,7 @@ impl StageWorker<'_> {
             ));
         }
         device.set_norm(squares)?;
-        Ok(())
+        Ok(loss)
     }
 
     fn key(&self, from: u64, to: u64, at: At, buffer: u32) -> Key {
@@ -534,8 +588,7 @@ impl StageWorker<'_> {
                 let block = device
                     .read(buffer)?
                     .ok_or_else(|| format!("`{}` is not alive when stage {me} sends it", plan.buffer(buffer).name))?;
-                self.mail.send(self.key(me, to, at, buffer.0), block);
-                Ok(())
+                self.mail.send(self.key(me, to, at, buffer.0), block)
             }
         }
     }
