@@ -420,3 +420,42 @@ fn a_pipeline_whose_loss_is_not_finite_ends_the_job_naming_the_step() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(elapsed < Duration::from_secs(20), "took {elapsed:?}");
 }
+
+#[test]
+fn a_pipeline_under_mpirun_writes_the_checkpoint_threads_write_and_resumes_at_another_depth() {
+    let base = [
+        "run",
+        "examples/tiny.opt",
+        "--set",
+        "layers=4",
+        "--steps",
+        "4",
+        "--accum",
+        "4",
+        "--json",
+        "--seed",
+        "3",
+        "--eps",
+        "0.0001",
+        "--lr",
+        "0.01",
+        "--checkpoint-every",
+        "2",
+    ];
+    let (mpi_dir, thread_dir, resumed_dir) =
+        (scratch("pp-ckpt-mpi"), scratch("pp-ckpt-threads"), scratch("pp-ckpt-resumed"));
+    let pipeline = ["--mesh", "2x2", "--pipeline", "2"];
+    let (out, _) = mpirun(8, &with(&with(&base, &pipeline), &["--checkpoint-dir", text(&mpi_dir)]), &[]);
+    let mpi = train_losses(&out);
+    let thread = train_losses(&threads(&with(&with(&base, &pipeline), &["--checkpoint-dir", text(&thread_dir)])));
+    assert_close(&mpi, &thread);
+    for device in ["0-0", "0-1", "1-0", "1-1"] {
+        let file = format!("step-00000002/device-{device}.safetensors");
+        assert_same_weights(&mpi_dir.join(&file), &thread_dir.join(&file), 1e-6);
+    }
+    let first = mpi_dir.join("step-00000002");
+    let resume = ["--mesh", "1x2", "--strategy", "megatron", "--pipeline", "4", "--resume", text(&first)];
+    let resumed = with(&with(&base, &resume), &["--checkpoint-dir", text(&resumed_dir)]);
+    let (out, _) = mpirun(8, &resumed, &[]);
+    assert_close(&train_losses(&out), &thread[2..]);
+}

@@ -164,7 +164,7 @@ fn pipeline_flags_that_do_not_fit_are_usage_errors() {
         (&["--pipeline", "2", "--virtual-stages", "2"][..], "interleaved"),
         (&["--pipeline", "2", "--pipeline-split", "1,2"][..], "2 layers in all"),
         (&["--pipeline", "2", "--pipeline-split", "2"][..], "gives 1 runs"),
-        (&["--pipeline", "2", "--checkpoint-every", "1", "--checkpoint-dir", "/nonexistent/x"][..], "checkpoints"),
+        (&["--pipeline", "2", "--val-data", "/nonexistent/x"][..], "--val-data"),
         (&["--pipeline", "2", "--mode", "infer"][..], "training plan"),
     ] {
         let args: Vec<&str> = run.iter().chain(extra).copied().collect();

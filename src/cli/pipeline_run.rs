@@ -17,6 +17,7 @@ pub(super) fn run_pipelined(
     (program, schedule): (PipelineProgram, Schedule),
 ) -> Result<(), String> {
     let (progress, epochs) = progress_of(args, job)?;
+    super::run::stop_gracefully(job);
     let batches = |index| epochs.batch(job, index);
     let pipe = PipelineRun { program: &program, schedule };
     let output = run_on_threads(&job.plan, pipe, &job.config, &batches, &job.initial, &|r| progress.step(r))?;
@@ -45,13 +46,11 @@ pub(super) fn refuse_unsupported(args: &RunArgs) -> Result<(), Failure> {
         (args.backend != super::run::Backend::Cpu, "--backend cuda"),
         (args.profile, "--profile"),
         (args.val_data.is_some(), "--val-data"),
-        (args.checkpoint.checkpoint_dir.is_some() || args.checkpoint.checkpoint_every.is_some(), "checkpoints"),
-        (args.checkpoint.resume.is_some(), "--resume"),
     ];
     if let Some((_, flag)) = refused.iter().find(|(given, _)| *given) {
         return Err(Failure::usage(format!(
             "--pipeline does not go with {flag} yet: pipelines run on the CPU (threads, or one process per \
-             device of every stage under mpirun) and save their final weights with --save-weights"
+             device of every stage under mpirun)"
         )));
     }
     Ok(())

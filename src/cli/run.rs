@@ -672,7 +672,7 @@ pub(super) fn duration_text(seconds: f64) -> String {
 
 /// Makes the first Ctrl-C or SIGTERM of a training run finish the current step (and write a checkpoint)
 /// rather than kill it; a second one stops at once.
-fn stop_gracefully(job: &Prepared) {
+pub(super) fn stop_gracefully(job: &Prepared) {
     if job.config.stop.is_none() {
         return;
     }

@@ -1257,13 +1257,14 @@ impl CheckpointSink for CheckpointFolder {
 // ---- reading -------------------------------------------------------------------------------------
 
 impl CheckpointSource for Checkpoint {
-    fn device_blocks(
+    fn device_blocks_of(
         &self,
         plan: &Plan,
         coords: Coords,
         with_state: bool,
+        params: &[usize],
     ) -> Result<Vec<(Tensor, Vec<Tensor>)>, StoreError> {
-        Checkpoint::device_blocks(self, plan, coords, with_state).map_err(StoreError::from)
+        Checkpoint::device_blocks_of(self, plan, coords, with_state, params).map_err(StoreError::from)
     }
 }
 
@@ -1350,12 +1351,29 @@ impl Checkpoint {
         coords: Coords,
         with_state: bool,
     ) -> Result<Vec<(Tensor, Vec<Tensor>)>, CheckpointError> {
+        let every: Vec<usize> = (0..plan.params.len()).collect();
+        self.device_blocks_of(plan, coords, with_state, &every)
+    }
+
+    /// [`Checkpoint::device_blocks`] of parameters `params` alone (indices into `plan.params`, in that
+    /// order): what a pipeline stage holds. The plan is checked against the checkpoint as a whole.
+    pub fn device_blocks_of(
+        &self,
+        plan: &Plan,
+        coords: Coords,
+        with_state: bool,
+        params: &[usize],
+    ) -> Result<Vec<(Tensor, Vec<Tensor>)>, CheckpointError> {
         if !coords.on(plan.mesh) {
             return Err(CheckpointError::OffMesh { coords, mesh: plan.mesh });
         }
         self.check_plan(plan, with_state)?;
+        let chosen: Vec<&optimus_plan::PlanParam> = params
+            .iter()
+            .map(|&k| plan.params.get(k).ok_or(CheckpointError::MissingBlock))
+            .collect::<Result<_, _>>()?;
         let mut targets = Vec::new();
-        for p in &plan.params {
+        for p in &chosen {
             let states = if with_state { p.state.len() } else { 0 };
             let names = std::iter::once((p.name.clone(), p.buffer))
                 .chain(p.state.iter().take(states).enumerate().map(|(k, &id)| (state_key(&p.name, k), id)));
@@ -1364,8 +1382,8 @@ impl Checkpoint {
             }
         }
         let mut filled = self.fill(&targets)?.into_iter();
-        let mut out = Vec::with_capacity(plan.params.len());
-        for p in &plan.params {
+        let mut out = Vec::with_capacity(chosen.len());
+        for p in &chosen {
             let param = filled.next().ok_or(CheckpointError::MissingBlock)?;
             let states = if with_state { filled.by_ref().take(p.state.len()).collect() } else { Vec::new() };
             out.push((param, states));

@@ -18,14 +18,27 @@ pub struct DeviceParamBlocks<'a> {
 
 /// A checkpoint to resume from (written on any mesh).
 pub trait CheckpointSource: Send + Sync + std::fmt::Debug {
-    /// Device `coords`' blocks of every parameter of `plan`, in `plan.params` order, each with its
-    /// optimizer-state blocks when `with_state`.
+    /// Device `coords`' blocks of parameters `params` of `plan` (indices into `plan.params`, which
+    /// must match the checkpoint's as a whole), in that order, each with its optimizer-state blocks
+    /// when `with_state`. A pipeline stage asks for the parameters it holds.
+    fn device_blocks_of(
+        &self,
+        plan: &Plan,
+        coords: Coords,
+        with_state: bool,
+        params: &[usize],
+    ) -> Result<Vec<(Tensor, Vec<Tensor>)>, StoreError>;
+
+    /// Device `coords`' blocks of every parameter of `plan`, in `plan.params` order.
     fn device_blocks(
         &self,
         plan: &Plan,
         coords: Coords,
         with_state: bool,
-    ) -> Result<Vec<(Tensor, Vec<Tensor>)>, StoreError>;
+    ) -> Result<Vec<(Tensor, Vec<Tensor>)>, StoreError> {
+        let every: Vec<usize> = (0..plan.params.len()).collect();
+        self.device_blocks_of(plan, coords, with_state, &every)
+    }
 }
 
 /// Pretrained weights a run starts from, read block by block.

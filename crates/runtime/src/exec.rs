@@ -846,21 +846,40 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         micro_batches: u64,
     ) -> Result<Option<std::path::PathBuf>, RuntimeError> {
         let plan = self.plan;
-        // Device (0, 0) makes a fresh staging directory; every device writes into it once it exists.
-        let prepared = if self.coords().is_origin() { checkpoints.sink.prepare(step) } else { Ok(()) };
-        if self.any_device(prepared.is_err())? {
-            prepared.map_err(store_error)?;
-            return Err(RuntimeError::CheckpointNotPrepared);
-        }
+        let tensors = self.checkpoint_tensors((0..plan.params.len()).collect::<Vec<_>>().as_slice())?;
+        self.commit_checkpoint(checkpoints, (plan, step, micro_batches), &tensors)
+    }
+
+    /// This device's blocks of parameters `params` (indices into its plan's) and their optimizer states.
+    pub(crate) fn checkpoint_tensors(&mut self, params: &[usize]) -> Result<Vec<(Tensor, Vec<Tensor>)>, RuntimeError> {
+        let plan = self.plan;
         let not_alive = |name: &str, state: bool| RuntimeError::CheckpointNotAlive { name: name.to_string(), state };
-        let mut tensors = Vec::with_capacity(plan.params.len());
-        for p in &plan.params {
+        let mut tensors = Vec::with_capacity(params.len());
+        for p in params.iter().filter_map(|&k| plan.params.get(k)) {
             let param = self.read(p.buffer)?.ok_or_else(|| not_alive(&p.name, false))?;
             let mut states = Vec::with_capacity(p.state.len());
             for &id in &p.state {
                 states.push(self.read(id)?.ok_or_else(|| not_alive(&p.name, true))?);
             }
             tensors.push((param, states));
+        }
+        Ok(tensors)
+    }
+
+    /// Writes checkpoint `step` of `plan` (this device's, or the whole model a pipeline stage belongs
+    /// to) from `tensors` (every parameter of `plan` with its states, in order), with the devices of this
+    /// device's mesh: device (0, 0) prepares and commits it.
+    pub(crate) fn commit_checkpoint(
+        &mut self,
+        checkpoints: &Checkpointing,
+        (plan, step, micro_batches): (&Plan, u64, u64),
+        tensors: &[(Tensor, Vec<Tensor>)],
+    ) -> Result<Option<std::path::PathBuf>, RuntimeError> {
+        // Device (0, 0) makes a fresh staging directory; every device writes into it once it exists.
+        let prepared = if self.coords().is_origin() { checkpoints.sink.prepare(step) } else { Ok(()) };
+        if self.any_device(prepared.is_err())? {
+            prepared.map_err(store_error)?;
+            return Err(RuntimeError::CheckpointNotPrepared);
         }
         let blocks: Vec<DeviceParamBlocks> = tensors
             .iter()

@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 const UPDATE: u64 = u64::MAX;
 /// The micro-batch number of the gradient norm's shares.
 const NORM: u64 = u64::MAX - 1;
+/// The micro-batch number of the parameter blocks sent to the first stage for a checkpoint.
+const CHECKPOINT: u64 = u64::MAX - 2;
 
 /// Who sends what to whom: the stages, the devices' rank in their stage's grid, the step, the micro-batch
 /// and the buffer.
@@ -198,7 +200,8 @@ pub fn run_on_threads(
                         scope.spawn(move || {
                             let coords = plan.mesh.coords_of(rank);
                             let comm = ThreadComm::new(Arc::clone(&fabric), coords);
-                            let worker = StageWorker { pipe, stage, rank, mail, config, batches, initial, on_step };
+                            let worker =
+                                StageWorker { whole: plan, pipe, stage, rank, mail, config, batches, initial, on_step };
                             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                                 let device = || worker.run(comm);
                                 if inline { super::cpu::par::run_inline(device) } else { device() }
@@ -302,6 +305,8 @@ fn merge_blocks(
 
 /// One device of one stage and what its run needs.
 pub(crate) struct StageWorker<'r> {
+    /// The whole model's plan (for one stage's grid), whose checkpoints the stages write together.
+    pub whole: &'r Plan,
     pub pipe: PipelineRun<'r>,
     pub stage: &'r StageProgram,
     /// The device's rank in its stage's grid.
@@ -357,6 +362,13 @@ struct Losses {
     bad: Option<f32>,
 }
 
+/// What every stage learns with the gradient norm: the update's loss, and whether to stop after it.
+#[derive(Clone, Copy)]
+struct Shared {
+    loss: Option<f32>,
+    stop: bool,
+}
+
 /// Where a pass is: its step and micro-batch.
 #[derive(Clone, Copy)]
 struct At {
@@ -375,31 +387,96 @@ impl StageWorker<'_> {
         let mut memory = StageMemory { storage_bytes: device.storage_bytes(), ..StageMemory::default() };
         let (mut records, mut outputs) = (Vec::new(), Vec::new());
         for step in config.start_step..config.steps {
-            let record =
+            let (mut record, stop) =
                 self.update(&mut device, step, &mut memory, &mut outputs).map_err(|e| format!("step {step}: {e}"))?;
+            if let Some(checkpoints) = &config.checkpoints {
+                let due = checkpoints.every.is_some_and(|c| (step + 1) % c.max(1) == 0);
+                if due || stop || step + 1 == config.steps {
+                    record.checkpoint = self
+                        .checkpoint(&mut device, checkpoints, step + 1)
+                        .map_err(|e| format!("checkpoint after step {step}: {e}"))?;
+                }
+            }
             if self.stage.stage == 0 && device.coords().is_origin() {
                 (self.on_step)(&record);
             }
             records.push(record);
+            if stop {
+                break;
+            }
         }
         let blocks = if config.final_state { device.into_blocks(outputs)? } else { Default::default() };
         Ok(StageResult { records, blocks, memory })
     }
 
-    /// The parameters given whole or by `--weights`, and the clipping.
+    /// The checkpoint resumed (this stage's parameters and optimizer states of it), the parameters
+    /// given whole or by `--weights`, and the clipping.
     fn load_parameters<C: Communicator>(&self, device: &mut Device<'_, CpuBackend, C>) -> Result<(), String> {
         device.clip_grad_norm = self.config.clip_grad_norm;
+        if let Some(checkpoint) = &self.config.resume {
+            device.load_stage_checkpoint(checkpoint.as_ref(), self.whole, &self.stage.params)?;
+        }
         super::exec::write_given_parameters(device, self.initial, self.config.weights.as_deref())
     }
 
-    /// One update: the schedule's passes over the micro-batches, then the update itself.
+    /// Checkpoint `done` (the updates done) of the whole model: every stage sends the parameters it is
+    /// the first to hold (with their optimizer states) to the device at its grid coordinates in the
+    /// first stage, whose devices write the checkpoint the unpipelined plan would. Returns its path on
+    /// the first stage's first device.
+    fn checkpoint<C: Communicator>(
+        &self,
+        device: &mut Device<'_, CpuBackend, C>,
+        checkpoints: &super::exec::Checkpointing,
+        done: u64,
+    ) -> Result<Option<std::path::PathBuf>, String> {
+        let program = self.pipe.program;
+        let me = self.stage.stage;
+        let first_holder = |k: usize| program.stages.iter().position(|s| s.params.contains(&k)).map(|s| s as u64);
+        let at = At { step: done, micro_batch: CHECKPOINT };
+        if me != 0 {
+            for (j, &k) in self.stage.params.iter().enumerate() {
+                if first_holder(k) != Some(me) {
+                    continue;
+                }
+                let p = &device.plan.params[j];
+                let ids: Vec<_> = std::iter::once(p.buffer).chain(p.state.iter().copied()).collect();
+                let tensors = device.checkpoint_tensors(&[j])?;
+                for (id, tensor) in ids.iter().zip(tensors.into_iter().flat_map(|(p, s)| std::iter::once(p).chain(s))) {
+                    self.mail.send(self.key(me, 0, at, id.0), tensor)?;
+                }
+            }
+            return Ok(None);
+        }
+        let whole = self.whole;
+        let mut tensors = Vec::with_capacity(whole.params.len());
+        for (k, p) in whole.params.iter().enumerate() {
+            if let Some(j) = self.stage.params.iter().position(|&q| q == k) {
+                tensors.extend(device.checkpoint_tensors(&[j])?);
+                continue;
+            }
+            let from = first_holder(k).ok_or_else(|| format!("no stage holds the parameter `{}`", p.name))?;
+            let what = || format!("`{}` for the checkpoint", p.name);
+            let param = self.mail.receive(self.key(from, 0, at, p.buffer.0), &what)?;
+            let states = p
+                .state
+                .iter()
+                .map(|id| self.mail.receive(self.key(from, 0, at, id.0), &what))
+                .collect::<Result<_, _>>()?;
+            tensors.push((param, states));
+        }
+        let micro_batches = self.config.accumulation.max(1);
+        Ok(device.commit_checkpoint(checkpoints, (whole, done, micro_batches), &tensors)?)
+    }
+
+    /// One update: the schedule's passes over the micro-batches, then the update itself. Returns its
+    /// record and whether the run was asked to stop (agreed by every device of every stage).
     fn update<C: Communicator>(
         &self,
         device: &mut Device<'_, CpuBackend, C>,
         step: u64,
         memory: &mut StageMemory,
         outputs: &mut Vec<(optimus_plan::BufferId, Tensor)>,
-    ) -> Result<StepRecord, String> {
+    ) -> Result<(StepRecord, bool), String> {
         let started = Instant::now();
         let config = self.config;
         let optimizer = config.optimizer_at(step);
@@ -457,29 +534,29 @@ impl StageWorker<'_> {
             mean: self.stage.computes_loss.then(|| (results.losses / m as f64) as f32),
             bad: results.bad_loss,
         };
-        let loss = self.apply(device, step, &optimizer, mine)?;
-        Ok(StepRecord {
+        let shared = self.apply(device, step, &optimizer, mine)?;
+        let record = StepRecord {
             step,
-            loss,
+            loss: shared.loss,
             elapsed: started.elapsed(),
             lr: optimizer.lr,
             val_loss: None,
             grad_norm: device.grad_norm(),
             checkpoint: None,
-        })
+        };
+        Ok((record, shared.stop))
     }
 
     /// The update after the micro-batches: mean gradients, tied gradients to the stages holding a copy,
     /// the gradient norm over the stages, the optimizer steps. A non-finite loss on the loss stage stops
-    /// every stage here, before any weight changes. Returns the update's loss, which every stage learns
-    /// with the norm.
+    /// every stage here, before any weight changes. Returns what every stage learns with the norm.
     fn apply<C: Communicator>(
         &self,
         device: &mut Device<'_, CpuBackend, C>,
         step: u64,
         optimizer: &OptimizerSettings,
         losses: Losses,
-    ) -> Result<Option<f32>, String> {
+    ) -> Result<Shared, String> {
         let m = self.config.accumulation.max(1);
         device.write_mean_gradients(&self.stage.gradients, m)?;
         let at = At { step, micro_batch: UPDATE };
@@ -487,40 +564,47 @@ impl StageWorker<'_> {
             let block = device.read(buffer)?.ok_or("a summed gradient to send is not alive")?;
             self.mail.send(self.key(self.stage.stage, to, at, buffer.0), block)?;
         }
-        let mut loss = None;
+        let mut shared = None;
         for &action in &self.stage.update {
             if let Action::Run(k) = action
-                && loss.is_none()
+                && shared.is_none()
                 && device.is_optimizer_step(k)
             {
-                loss = Some(self.total_norm(device, step, losses)?);
+                shared = Some(self.total_norm(device, step, losses)?);
             }
             self.run_action(device, action, at, Update::Apply(optimizer, step + 1))?;
         }
-        match loss {
-            Some(loss) => Ok(loss),
+        match shared {
+            Some(shared) => Ok(shared),
             None => self.total_norm(device, step, losses),
         }
     }
 
     /// Sums the stages' shares of the squared gradient norm (in stage order, the same sum on every
-    /// stage), learns whether any stage's loss was not finite, and the update's loss from the stage that
-    /// computes it (which it returns).
+    /// stage), learns whether any stage's loss was not finite, the update's loss from the stage that
+    /// computes it, and whether any device was asked to stop (each stage's devices agree first).
     fn total_norm<C: Communicator>(
         &self,
         device: &mut Device<'_, CpuBackend, C>,
         step: u64,
         losses: Losses,
-    ) -> Result<Option<f32>, String> {
+    ) -> Result<Shared, String> {
         let stages = self.pipe.program.stages.len() as u64;
         let me = self.stage.stage;
         let mean = losses.mean.unwrap_or(f32::NAN);
-        let share = Tensor::from_f32(&[3], vec![device.norm_share()?, losses.bad.unwrap_or(0.0), mean]);
+        let stop_asked = match self.config.stop {
+            Some(asked) => device.any_device(asked()).map_err(|e| e.to_string())?,
+            None => false,
+        };
+        let share = Tensor::from_f32(
+            &[4],
+            vec![device.norm_share()?, losses.bad.unwrap_or(0.0), mean, if stop_asked { 1.0 } else { 0.0 }],
+        );
         let at = At { step, micro_batch: NORM };
         for to in (0..stages).filter(|&t| t != me) {
             self.mail.send(self.key(me, to, at, 0), share.clone())?;
         }
-        let (mut squares, mut bad, mut loss) = (0.0f32, None, None);
+        let (mut squares, mut bad, mut loss, mut stop) = (0.0f32, None, None, false);
         for from in 0..stages {
             let block = if from == me {
                 share.clone()
@@ -535,6 +619,7 @@ impl StageWorker<'_> {
             if self.pipe.program.stages.get(from as usize).is_some_and(|s| s.computes_loss) {
                 loss = values.get(2).copied();
             }
+            stop |= values.get(3).is_some_and(|&v| v != 0.0);
         }
         if let Some(value) = bad {
             return Err(format!(
@@ -543,7 +628,7 @@ impl StageWorker<'_> {
             ));
         }
         device.set_norm(squares)?;
-        Ok(loss)
+        Ok(Shared { loss, stop })
     }
 
     fn key(&self, from: u64, to: u64, at: At, buffer: u32) -> Key {

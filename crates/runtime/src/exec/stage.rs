@@ -155,6 +155,26 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         final_blocks(self)
     }
 
+    /// Loads this stage device's parameters and optimizer states from a checkpoint of the whole model
+    /// `whole` (written on any mesh, with or without a pipeline): the blocks of `params` (indices into
+    /// the whole plan's parameters, those its plan holds, in its order).
+    pub(crate) fn load_stage_checkpoint(
+        &mut self,
+        checkpoint: &dyn optimus_plan::stores::CheckpointSource,
+        whole: &optimus_plan::Plan,
+        params: &[usize],
+    ) -> Result<(), RuntimeError> {
+        let blocks = checkpoint.device_blocks_of(whole, self.coords(), true, params).map_err(super::store_error)?;
+        let plan = self.plan;
+        for (p, (param, states)) in plan.params.iter().zip(blocks) {
+            self.write(p.buffer, param)?;
+            for (&id, state) in p.state.iter().zip(states) {
+                self.write(id, state)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The bytes of storage the device's arena holds.
     pub(crate) fn storage_bytes(&self) -> u64 {
         super::arena::layout(self.plan).total as u64 * 4

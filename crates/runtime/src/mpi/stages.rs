@@ -218,7 +218,8 @@ impl MpiJob {
             MpiComm::new(&stage_world, plan.mesh, coords, config.timeout, self.rank).map_err(|e| e.to_string())?;
         let link = MpiLink::start(self.world.duplicate(), devices, config.timeout);
         let stage = &pipe.program.stages[seat.stage as usize];
-        let worker = StageWorker { pipe, stage, rank: seat.rank, mail: &link, config, batches, initial, on_step };
+        let worker =
+            StageWorker { whole: plan, pipe, stage, rank: seat.rank, mail: &link, config, batches, initial, on_step };
         let result = worker
             .run(&comm)
             .unwrap_or_else(|e| self.abort(&format!("stage {} {}", seat.stage, failure_report(coords, &e))));
