@@ -78,6 +78,29 @@ fn assert_same_run(what: &str, want: &RunOutput, got: &RunOutput, tolerance: f32
     assert!(grads <= tolerance, "{what}: gradients differ by {grads}");
 }
 
+/// Each stage's measured memory is its program's plan under the schedule: the activations kept and the
+/// gradient sums exactly, the storage (the arena, laid out with alignment and gaps) within 10% of the
+/// memory plan's peak, the whole within 10%; and the micro-batches in flight are the schedule's formula
+/// (1F1B: min(P - s, m) on stage s; GPipe: m).
+fn assert_memory_as_planned(what: &str, program: &PipelineProgram, schedule: Schedule, m: u64, got: &PipelineOutput) {
+    let planned = program.memory_plan(schedule, m).expect("a memory plan");
+    let p = program.stages.len() as u64;
+    for (s, (measured, plan)) in got.stages.iter().zip(&planned).enumerate() {
+        let what = format!("{what}: stage {s}");
+        assert_eq!(measured.peak_kept_bytes, plan.kept_bytes, "{what}: activations kept");
+        assert_eq!(measured.peak_in_flight, plan.in_flight, "{what}: in flight");
+        assert_eq!(measured.gradient_sum_bytes, plan.gradient_sum_bytes, "{what}: gradient sums");
+        assert!(measured.storage_bytes >= plan.storage_bytes, "{what}: the arena holds the plan's peak");
+        let ratio = measured.peak_bytes() as f64 / plan.peak_bytes as f64;
+        assert!((1.0..=1.1).contains(&ratio), "{what}: measured {measured:?} against {plan:?}");
+        match schedule {
+            Schedule::OneFOneB => assert_eq!(plan.in_flight, (p - s as u64).min(m), "{what}"),
+            Schedule::GPipe => assert_eq!(plan.in_flight, m, "{what}"),
+            Schedule::Interleaved { .. } => {}
+        }
+    }
+}
+
 #[test]
 fn every_schedule_on_one_device_stages_equals_accumulation() {
     let plan = plan(4, Mesh::new(1, 1), Strategy::None);
@@ -92,7 +115,9 @@ fn every_schedule_on_one_device_stages_equals_accumulation() {
         let want = unpipelined(&plan, &config);
         let program = cut(&plan, stages, schedule.chunks(), None).expect("a cut");
         let got = pipelined(&plan, &program, schedule, &config);
-        assert_same_run(&format!("{stages} stages {schedule:?} m={m}"), &want, &got.run, 2e-6);
+        let what = format!("{stages} stages {schedule:?} m={m}");
+        assert_same_run(&what, &want, &got.run, 2e-6);
+        assert_memory_as_planned(&what, &program, schedule, m, &got);
     }
 }
 
@@ -110,7 +135,9 @@ fn stages_of_meshes_with_replicas_equal_accumulation() {
         let want = unpipelined(&plan, &config);
         let program = cut(&plan, stages, schedule.chunks(), None).expect("a cut");
         let got = pipelined(&plan, &program, schedule, &config);
-        assert_same_run(&format!("{strategy:?} {mesh:?} {stages} stages {schedule:?}"), &want, &got.run, 5e-6);
+        let what = format!("{strategy:?} {mesh:?} {stages} stages {schedule:?}");
+        assert_same_run(&what, &want, &got.run, 5e-6);
+        assert_memory_as_planned(&what, &program, schedule, 4, &got);
     }
 }
 

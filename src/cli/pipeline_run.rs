@@ -57,21 +57,29 @@ pub(super) fn refuse_unsupported(args: &RunArgs) -> Result<(), Failure> {
 }
 
 /// One line per stage on standard error (a `{"pipeline": ...}` record with --json or --log): its layers,
-/// its storage and the most activations it kept for backward passes to come, and how many micro-batches'.
+/// the most memory it held (measured) beside its stage program's plan under the schedule, and what that
+/// was made of: storage, gradient sums, the activations kept for backward passes to come and how many
+/// micro-batches'.
 pub(super) fn report_stages(
     args: &RunArgs,
     (program, schedule): (&PipelineProgram, Schedule),
     output: &PipelineOutput,
     progress: &Progress,
 ) {
+    let planned = program.memory_plan(schedule, args.accum).unwrap_or_default();
     let mut stages = Vec::new();
     for (s, memory) in output.stages.iter().enumerate() {
         let layers = program.describe_stage(s as u64);
+        let plan = planned.get(s).copied().unwrap_or_default();
         if !args.json {
             let passes = if program.chunks > 1 { "forward passes of chunks" } else { "micro-batches" };
             eprintln_safe!(
-                "pipeline stage {s} ({layers}): storage {}, activations kept {} at most ({} {passes} in flight)",
+                "pipeline stage {s} ({layers}): memory {} at most (planned {}): storage {}, gradient sums {}, \
+                 activations kept {} ({} {passes} in flight)",
+                human_bytes(memory.peak_bytes()),
+                human_bytes(plan.peak_bytes),
                 human_bytes(memory.storage_bytes),
+                human_bytes(memory.gradient_sum_bytes),
                 human_bytes(memory.peak_kept_bytes),
                 memory.peak_in_flight
             );
@@ -79,9 +87,12 @@ pub(super) fn report_stages(
         stages.push(json!({
             "stage": s,
             "layers": layers,
+            "peak_bytes": memory.peak_bytes(),
             "storage_bytes": memory.storage_bytes,
+            "gradient_sum_bytes": memory.gradient_sum_bytes,
             "peak_kept_bytes": memory.peak_kept_bytes,
             "peak_in_flight": memory.peak_in_flight,
+            "planned": plan,
         }));
     }
     progress.emit(&json!({"pipeline": {

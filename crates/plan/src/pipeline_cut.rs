@@ -43,8 +43,8 @@ pub struct StageProgram {
     pub stage: u64,
     /// The whole plan cut to this stage: its instructions, parameters, inputs and outputs. Buffers the
     /// stage never touches keep their ids but get no storage (persistent ones are given the workspace
-    /// role, which is laid out only where an instruction touches it). Its `memory` is still the whole
-    /// plan's: the stage's own storage is its arena layout's.
+    /// role, which is laid out only where an instruction touches it). Its `memory` is the stage
+    /// program's own (one micro-batch through each of its chunks).
     pub plan: Plan,
     /// The index in the whole plan's `params` of each of `plan.params`.
     pub params: Vec<usize>,
@@ -76,7 +76,85 @@ pub struct PipelineProgram {
     pub pieces: Vec<Range<usize>>,
 }
 
+/// What a stage device holds at most under a schedule, as its program says: the figure `run --pipeline`
+/// measures against.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StageMemoryPlan {
+    /// The stage program's memory plan: parameters, gradients, optimizer state, inputs and one
+    /// micro-batch's working set at its peak.
+    pub storage_bytes: u64,
+    /// An update's gradient sums over its micro-batches (one copy of the gradients the stage computes).
+    pub gradient_sum_bytes: u64,
+    /// The most bytes of activations kept at once for backward passes to come, and in how many
+    /// forward passes (micro-batches; with interleaving, micro-batch and chunk pairs).
+    pub kept_bytes: u64,
+    pub in_flight: u64,
+    /// `storage_bytes + gradient_sum_bytes + kept_bytes`.
+    pub peak_bytes: u64,
+}
+
+impl StageProgram {
+    /// The bytes that chunk `chunk`'s forward pass leaves alive for its backward pass (what a device
+    /// keeps aside for it): every buffer written, received or loaded in the pass and not freed by its
+    /// end, but parameters, optimizer state and caches.
+    pub fn kept_bytes(&self, chunk: usize) -> u64 {
+        let plan = &self.plan;
+        let mut alive: HashSet<BufferId> = plan.inputs.iter().map(|i| i.buffer).collect();
+        for action in self.forward.get(chunk).into_iter().flatten() {
+            match *action {
+                Action::Run(k) => match plan.program.get(k) {
+                    Some(Instr::Free { buffer }) => {
+                        alive.remove(buffer);
+                    }
+                    Some(instr) => alive.extend(crate::memory::written(instr)),
+                    None => {}
+                },
+                Action::Receive { buffer, .. } => {
+                    alive.insert(buffer);
+                }
+                Action::Send { .. } => {}
+            }
+        }
+        let kept =
+            |b: &&BufferId| !matches!(plan.buffer(**b).role, Role::Parameter | Role::OptimizerState | Role::Cache);
+        alive.iter().filter(kept).map(|&b| plan.buffer(b).bytes()).sum()
+    }
+}
+
 impl PipelineProgram {
+    /// Each stage's memory under `schedule` over `micro_batches`: its program's storage, its gradient
+    /// sums, and the activations of the forward passes the schedule keeps in flight at its worst.
+    pub fn memory_plan(
+        &self,
+        schedule: crate::pipeline::Schedule,
+        micro_batches: u64,
+    ) -> Result<Vec<StageMemoryPlan>, crate::pipeline::ScheduleError> {
+        let stages = self.stages.len() as u64;
+        let mut out = Vec::with_capacity(self.stages.len());
+        for stage in &self.stages {
+            let kept: Vec<u64> = (0..self.chunks as usize).map(|c| stage.kept_bytes(c)).collect();
+            let (mut now, mut count, mut most, mut in_flight) = (0u64, 0u64, 0u64, 0u64);
+            for op in crate::pipeline::stage_order(schedule, stages, micro_batches, stage.stage)? {
+                let bytes = kept.get(op.chunk as usize).copied().unwrap_or(0);
+                match op.pass {
+                    crate::pipeline::Pass::Forward => (now, count) = (now + bytes, count + 1),
+                    crate::pipeline::Pass::Backward => (now, count) = (now - bytes, count - 1),
+                }
+                (most, in_flight) = (most.max(now), in_flight.max(count));
+            }
+            let storage = stage.plan.memory.peak_bytes;
+            let sums = stage.gradients.iter().map(|&g| stage.plan.buffer(g).bytes()).sum();
+            out.push(StageMemoryPlan {
+                storage_bytes: storage,
+                gradient_sum_bytes: sums,
+                kept_bytes: most,
+                in_flight,
+                peak_bytes: storage + sums + most,
+            });
+        }
+        Ok(out)
+    }
+
     /// Stage `stage`'s chunks in words: "embedding + h.0..1", or "h.1, h.3 + head" for two chunks.
     pub fn describe_stage(&self, stage: u64) -> String {
         let p = self.stages.len() as u64;
@@ -459,6 +537,8 @@ impl<'a> Cutter<'a> {
         let mut update = Vec::new();
         let mut program = Vec::with_capacity(build.entries.len());
         let mut sent: HashSet<(BufferId, u64)> = HashSet::new();
+        let forward_end =
+            build.entries.iter().position(|e| !matches!(e.pass, Pass::Forward(_))).unwrap_or(build.entries.len());
         for (k, entry) in build.entries.into_iter().enumerate() {
             let actions = match entry.pass {
                 Pass::Forward(c) => &mut forward[c as usize],
@@ -477,7 +557,7 @@ impl<'a> Cutter<'a> {
         let params: Vec<usize> = (0..self.plan.params.len()).filter(|&k| self.holders[k].contains(&s)).collect();
         let gradients: Vec<BufferId> =
             self.plan.params.iter().filter_map(|p| p.grad).filter(|g| build.gradients.contains(g)).collect();
-        let plan = self.stage_plan(program, &params);
+        let plan = self.stage_plan(program, &params, forward_end);
         let computes_loss = plan.outputs.iter().any(|o| o.is_loss);
         let mut gradient_sends = build.gradient_sends;
         gradient_sends.sort_by_key(|&(b, to)| (b.0, to));
@@ -487,7 +567,7 @@ impl<'a> Cutter<'a> {
 
     /// The whole plan with `program` for its program, `params` for its parameters, and its inputs and
     /// outputs cut to those the program touches.
-    fn stage_plan(&self, program: Vec<Instr>, params: &[usize]) -> Plan {
+    fn stage_plan(&self, program: Vec<Instr>, params: &[usize], forward_end: usize) -> Plan {
         let mut touched = vec![false; self.plan.buffers.len()];
         for instr in &program {
             crate::memory::for_each_touched(instr, |b| touched[b.0 as usize] = true);
@@ -510,6 +590,7 @@ impl<'a> Cutter<'a> {
                 b.role = Role::Workspace;
             }
         }
+        plan.memory = crate::memory::plan_memory(&program, &plan.buffers, forward_end);
         plan.program = program;
         plan
     }

@@ -143,14 +143,22 @@ pub struct PipelineRun<'a> {
     pub schedule: Schedule,
 }
 
-/// One stage device's measured memory: its storage, and the most bytes of activations it kept aside at
-/// once for backward passes to come, in how many forward passes (micro-batches; with interleaving,
-/// micro-batch and chunk pairs).
+/// One stage device's measured memory: its storage, its gradient sums over the micro-batches, and the
+/// most bytes of activations it kept aside at once for backward passes to come, in how many forward
+/// passes (micro-batches; with interleaving, micro-batch and chunk pairs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StageMemory {
     pub storage_bytes: u64,
+    pub gradient_sum_bytes: u64,
     pub peak_kept_bytes: u64,
     pub peak_in_flight: u64,
+}
+
+impl StageMemory {
+    /// The most the device held at once: storage, gradient sums and kept activations.
+    pub fn peak_bytes(&self) -> u64 {
+        self.storage_bytes + self.gradient_sum_bytes + self.peak_kept_bytes
+    }
 }
 
 /// A pipelined run's output: the whole model's (as an unpipelined run's) and each stage's memory (its
@@ -524,6 +532,7 @@ impl StageWorker<'_> {
                         results.note(device, op.micro_batch, op.micro_batch + 1 == m)?;
                     }
                     device.add_gradients(&self.stage.gradients)?;
+                    memory.gradient_sum_bytes = memory.gradient_sum_bytes.max(device.gradient_sum_bytes());
                 }
             }
         }

@@ -175,6 +175,11 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         Ok(())
     }
 
+    /// The bytes of the update's gradient sums so far.
+    pub(crate) fn gradient_sum_bytes(&self) -> u64 {
+        self.grad_sums.values().map(|sum| 4 * sum.len() as u64).sum()
+    }
+
     /// The bytes of storage the device's arena holds.
     pub(crate) fn storage_bytes(&self) -> u64 {
         super::arena::layout(self.plan).total as u64 * 4

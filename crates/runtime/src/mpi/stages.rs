@@ -30,6 +30,9 @@ const FINAL_PARAMS: u64 = 0;
 const FINAL_GRADS: u64 = 1;
 const FINAL_OUTPUTS: u64 = 2;
 
+/// The numbers each rank reports at the end: its memory's four and the bytes it sent.
+const FIELDS: usize = 5;
+
 /// The buffer number of the message saying which of a device's parameters have a gradient.
 const GRADIENTS_PRESENT: u32 = u32::MAX;
 
@@ -256,21 +259,28 @@ impl MpiJob {
         super::super::limits::check_host_can_run(plan, self.ranks_per_node).map_err(|e| e.to_string())
     }
 
-    /// Every stage's memory (that of its device of rank 0) and the bytes all sent, on rank 0.
+    /// Every stage's memory (that of its device of rank 0) and the bytes all sent, on rank 0 (each rank
+    /// sends `FIELDS` numbers).
     fn gather_memory(&self, stages: u64, memory: StageMemory, bytes: u64) -> Option<(Vec<StageMemory>, u64)> {
-        let mine = [memory.storage_bytes, memory.peak_kept_bytes, memory.peak_in_flight, bytes];
+        let mine =
+            [memory.storage_bytes, memory.gradient_sum_bytes, memory.peak_kept_bytes, memory.peak_in_flight, bytes];
         let root = self.world.process_at_rank(0);
         if self.rank != 0 {
             root.gather_into(&mine[..]);
             return None;
         }
-        let mut all = vec![0u64; 4 * self.size as usize];
+        let mut all = vec![0u64; FIELDS * self.size as usize];
         root.gather_into_root(&mine[..], &mut all[..]);
         let devices = self.size / stages.max(1);
-        let total = all.chunks_exact(4).map(|r| r[3]).sum();
-        let first_of_each_stage = all.chunks_exact(4).step_by(devices.max(1) as usize);
+        let total = all.chunks_exact(FIELDS).map(|r| r[4]).sum();
+        let first_of_each_stage = all.chunks_exact(FIELDS).step_by(devices.max(1) as usize);
         let memory = first_of_each_stage
-            .map(|r| StageMemory { storage_bytes: r[0], peak_kept_bytes: r[1], peak_in_flight: r[2] })
+            .map(|r| StageMemory {
+                storage_bytes: r[0],
+                gradient_sum_bytes: r[1],
+                peak_kept_bytes: r[2],
+                peak_in_flight: r[3],
+            })
             .collect();
         Some((memory, total))
     }
