@@ -118,6 +118,7 @@ impl SimulateArgs {
                 AlgorithmArg::Auto => Algorithm::Auto,
             }),
             overlap: !self.no_overlap,
+            engine_devices: None,
         }
     }
 

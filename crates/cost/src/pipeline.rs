@@ -186,6 +186,98 @@ fn run(
     }
 }
 
+/// Cores shared by every stage's devices: the threads of one process on one CPU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SharedCores {
+    /// Devices of each stage (threads, each running its own passes).
+    pub stage_devices: u64,
+    /// Kernels the cores run at once.
+    pub cores: u64,
+}
+
+/// The seconds of a pipeline's passes when every stage's devices share `shared.cores` cores: each
+/// pass costs core-seconds (the work of its stage's devices), every runnable device thread gets an
+/// equal share of the cores but never more than one, and a pass starts once its stage is free and its
+/// input has come (`p2p_s` after the pass that sends it). Stages then run side by side only as far as
+/// the cores allow: with more device threads than cores, a stage's bubble is another stage's time.
+pub fn time_shared_schedule(
+    schedule: Schedule,
+    micro_batches: u64,
+    costs: &[StageCost],
+    p2p_s: f64,
+    shared: SharedCores,
+) -> Result<f64, TimelineError> {
+    let stages = costs.len() as u64;
+    let chunks = schedule.chunks();
+    let orders: Vec<Vec<Op>> = (0..stages)
+        .map(|s| stage_order(schedule, stages, micro_batches, s))
+        .collect::<Result<_, _>>()
+        .map_err(TimelineError::Schedule)?;
+    let last_virtual = stages * chunks - 1;
+    let cost_of = |s: usize, op: &Op| {
+        let cost = &costs[s];
+        let chunk = op.chunk as usize;
+        let took = if op.pass == Pass::Forward { cost.forward_s.get(chunk) } else { cost.backward_s.get(chunk) };
+        took.copied().ok_or(TimelineError::Costs { stages: costs.len(), chunks })
+    };
+    let mut ends: HashMap<PassKey, f64> = HashMap::new();
+    let mut next = vec![0usize; orders.len()];
+    let mut running: Vec<Option<f64>> = vec![None; orders.len()];
+    let mut now = 0.0f64;
+    loop {
+        let mut wake = f64::INFINITY;
+        for (s, order) in orders.iter().enumerate() {
+            let Some(op) = order.get(next[s]).filter(|_| running[s].is_none()) else { continue };
+            let virtual_stage = op.chunk * stages + s as u64;
+            let input = match op.pass {
+                Pass::Forward if virtual_stage > 0 => Some((Pass::Forward, virtual_stage - 1)),
+                Pass::Backward if virtual_stage < last_virtual => Some((Pass::Backward, virtual_stage + 1)),
+                Pass::Backward => Some((Pass::Forward, virtual_stage)),
+                Pass::Forward => None,
+            };
+            let ready = match input {
+                None => Some(0.0),
+                Some((pass, from)) => ends
+                    .get(&(pass, from, op.micro_batch))
+                    .map(|&end| if from != virtual_stage { end + p2p_s } else { end }),
+            };
+            match ready {
+                Some(at) if at <= now => running[s] = Some(cost_of(s, op)?),
+                Some(at) => wake = wake.min(at),
+                None => {}
+            }
+        }
+        let active = running.iter().filter(|r| r.is_some()).count();
+        if active == 0 {
+            if wake.is_finite() {
+                now = wake;
+                continue;
+            }
+            let waiting = orders.iter().enumerate().find_map(|(s, order)| order.get(next[s]).map(|&pass| (s, pass)));
+            return match waiting {
+                Some((stage, pass)) => Err(TimelineError::Stuck { stage, pass }),
+                None => Ok(now),
+            };
+        }
+        // Core-seconds a second for each running stage.
+        let devices = shared.stage_devices.max(1) as f64;
+        let rate = devices * (shared.cores.max(1) as f64 / (devices * active as f64)).min(1.0);
+        let first_done = running.iter().flatten().map(|left| left / rate).fold(f64::INFINITY, f64::min);
+        let step = first_done.min(wake - now);
+        now += step;
+        for (s, slot) in running.iter_mut().enumerate() {
+            let Some(left) = slot.as_mut() else { continue };
+            *left -= rate * step;
+            if *left <= 1e-12 * rate.max(1.0) {
+                let op = orders[s][next[s]];
+                ends.insert((op.pass, op.chunk * stages + s as u64, op.micro_batch), now);
+                next[s] += 1;
+                *slot = None;
+            }
+        }
+    }
+}
+
 /// The most micro-batch chunks forwarded and not yet backward at any point of `order`.
 fn peak_alive(order: &[Op]) -> u64 {
     let mut alive = 0i64;
@@ -212,6 +304,40 @@ mod tests {
 
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+    }
+
+    fn shared(schedule: Schedule, stages: u64, m: u64, (f, b): (f64, f64), cores: SharedCores) -> f64 {
+        let v = schedule.chunks();
+        let costs = vec![StageCost::uniform(v, f / v as f64, b / v as f64); stages as usize];
+        match time_shared_schedule(schedule, m, &costs, 0.0, cores) {
+            Ok(t) => t,
+            Err(e) => panic!("{schedule:?} P={stages} m={m}: {e}"),
+        }
+    }
+
+    #[test]
+    fn stages_with_a_core_each_run_as_on_their_own_devices() {
+        // One device a stage and a core for each: the ordinary timeline, bubble included.
+        for (schedule, p, m) in [(Schedule::OneFOneB, 2, 4), (Schedule::GPipe, 4, 8), (Schedule::OneFOneB, 4, 4)] {
+            let alone = uniform(schedule, p, m, (1.0, 2.0)).step_s;
+            let cores = SharedCores { stage_devices: 1, cores: p };
+            assert!(close(shared(schedule, p, m, (1.0, 2.0), cores), alone), "{schedule:?} P={p} m={m}");
+        }
+    }
+
+    #[test]
+    fn stages_sharing_too_few_cores_take_their_work_over_the_cores() {
+        // 1F1B on 2 stages of one device each and one core: the work of both, one after the other.
+        let one = SharedCores { stage_devices: 1, cores: 1 };
+        assert!(close(shared(Schedule::OneFOneB, 2, 4, (1.0, 2.0), one), 2.0 * 4.0 * 3.0));
+        // Two stages of 2 devices on 2 cores: a pass alone runs at full speed (2 cores for its 2
+        // devices, half its core-seconds in seconds); the bubble leaves no core idle, so the step is the
+        // whole work over 2 cores.
+        let two = SharedCores { stage_devices: 2, cores: 2 };
+        assert!(close(shared(Schedule::OneFOneB, 2, 4, (1.0, 2.0), two), 2.0 * 4.0 * 3.0 / 2.0));
+        // Two one-device stages on two cores: as the ordinary timeline ((m + P - 1) (f + b)).
+        let pair = SharedCores { stage_devices: 1, cores: 2 };
+        assert!(close(shared(Schedule::OneFOneB, 2, 4, (1.0, 2.0), pair), 5.0 * 3.0));
     }
 
     #[test]

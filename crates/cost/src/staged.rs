@@ -15,7 +15,9 @@
 //! gradient between the stages that hold a copy (GPT-2's embedding and LM head).
 
 use crate::hardware::Hardware;
-use crate::pipeline::{StageCost, TimedPass, Timeline, TimelineError, time_schedule};
+use crate::pipeline::{
+    SharedCores, StageCost, TimedPass, Timeline, TimelineError, time_schedule, time_shared_schedule,
+};
 use crate::step::{InstrCost, Options, Simulation, accumulate, device_peak_flops, optimizer_seconds, simulate_costed};
 use optimus_plan::memory::for_each_touched;
 use optimus_plan::phases::{Phase, StepPhases};
@@ -161,6 +163,68 @@ pub struct Pieces {
     /// FLOP utilisation is measured against.
     pub stage_devices: u64,
     pub device_peak_flops: f64,
+    /// Where every stage's devices share one calibrated engine (threads of one process on a CPU): the
+    /// devices the costs above were made for and the kernels the engine runs at once.
+    pub shared_engine: Option<SharedEngine>,
+}
+
+/// A calibrated engine that a pipeline's stages share: `devices` device threads running `lanes`
+/// kernels at once. Costs made for it are the engine's seconds for every one of the devices running
+/// the instruction; one device's work is `seconds * lanes / devices` core-seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SharedEngine {
+    pub devices: u64,
+    pub lanes: u64,
+}
+
+impl SharedEngine {
+    /// Core-seconds of a stage of `stage_devices` devices for what costs `seconds` on the engine.
+    fn core_seconds(self, seconds: f64, stage_devices: u64) -> f64 {
+        seconds * (self.lanes * stage_devices) as f64 / self.devices.max(1) as f64
+    }
+}
+
+impl Pieces {
+    /// The pieces with every time as its stage takes it alone on `engine` (its devices' core-seconds
+    /// over the cores they can use), from the engine's seconds for all its devices.
+    fn alone_on(&self, engine: SharedEngine) -> Pieces {
+        let width = self.stage_devices.min(engine.lanes).max(1) as f64;
+        let factor = engine.core_seconds(1.0, self.stage_devices) / width;
+        let scale = |values: &[f64]| values.iter().map(|t| t * factor).collect();
+        Pieces {
+            forward_s: scale(&self.forward_s),
+            backward_s: scale(&self.backward_s),
+            communication_s: scale(&self.communication_s),
+            params: self
+                .params
+                .iter()
+                .map(|p| ParamShare { update_s: p.update_s * factor, sums_s: p.sums_s * factor, ..p.clone() })
+                .collect(),
+            shared_update_s: self.shared_update_s * factor,
+            optimizer_s: self.optimizer_s * factor,
+            ..self.clone()
+        }
+    }
+}
+
+/// The passes and the updates of a pipeline whose stages share one engine: the passes timed with the
+/// stages' device threads sharing its cores ([`time_shared_schedule`]), and every stage's update at
+/// once, their work over the cores all the devices can use. `costs` are seconds alone.
+fn shared_engine_step(
+    engine: SharedEngine,
+    stage_devices: u64,
+    (pipeline, costs, p2p_s): (Pipeline, &[StageCost], f64),
+    per_stage: &[StageReport],
+) -> Result<(f64, f64), PipelineError> {
+    let width = stage_devices.min(engine.lanes).max(1) as f64;
+    let core = |times: &[f64]| times.iter().map(|t| t * width).collect();
+    let work: Vec<StageCost> =
+        costs.iter().map(|c| StageCost { forward_s: core(&c.forward_s), backward_s: core(&c.backward_s) }).collect();
+    let cores = SharedCores { stage_devices, cores: engine.lanes };
+    let passes = time_shared_schedule(pipeline.schedule, pipeline.micro_batches, &work, p2p_s, cores)
+        .map_err(PipelineError::Timeline)?;
+    let all = (pipeline.stages * stage_devices).min(engine.lanes).max(1) as f64;
+    Ok((passes, per_stage.iter().map(|s| s.update_s).sum::<f64>() * width / all))
 }
 
 /// One parameter: the pieces that read it, and what it costs and holds.
@@ -212,6 +276,7 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
         optimizer_s: optimizer_seconds(plan, hw),
         stage_devices: plan.mesh.devices(),
         device_peak_flops: device_peak_flops(plan, hw),
+        shared_engine: None,
     };
     let gradient_sums = gradient_sum_receivers(plan, &phases);
     let mut first_piece: Vec<Option<usize>> = vec![None; plan.buffers.len()];
@@ -423,8 +488,17 @@ pub fn simulate_pipeline(
     if plan.mode != Mode::Train {
         return Err(PipelineError::NotTraining);
     }
-    let (unpipelined, costs) = simulate_costed(plan, hw, options);
-    let cut = pieces(plan, hw, &costs);
+    let devices = plan.mesh.devices() * pipeline.stages.max(1);
+    let lanes = crate::step::shared_engine_lanes(devices, hw).filter(|_| pipeline.stages > 1);
+    // On a shared engine the stages' devices all run on it: cost each instruction for that many.
+    let engine_devices = lanes.map(|_| devices);
+    let (unpipelined, costs) = simulate_costed(plan, hw, &Options { engine_devices, ..*options });
+    let mut cut = pieces(plan, hw, &costs);
+    cut.shared_engine = lanes.map(|lanes| SharedEngine { devices, lanes });
+    let unpipelined = match lanes {
+        Some(_) => simulate_costed(plan, hw, options).0,
+        None => unpipelined,
+    };
     pipeline_of_pieces(hw, &cut, unpipelined, pipeline)
 }
 
@@ -446,6 +520,14 @@ pub fn pipeline_of_pieces(
     unpipelined: Simulation,
     pipeline: Pipeline,
 ) -> Result<PipelineSimulation, PipelineError> {
+    let alone;
+    let pieces = match pieces.shared_engine {
+        Some(engine) => {
+            alone = pieces.alone_on(engine);
+            &alone
+        }
+        None => pieces,
+    };
     let (p, v) = (pipeline.stages.max(1), pipeline.schedule.chunks());
     let groups = virtual_stage_pieces(pieces, p * v)?;
     let stage_of_piece = |piece: usize| groups.iter().position(|r| r.contains(&piece)).unwrap_or(0) as u64 % p;
@@ -497,6 +579,10 @@ pub fn pipeline_of_pieces(
         .map(|(sh, _)| p2p_seconds(sh.gradient_bytes, stage_devices, hw))
         .sum::<f64>();
     let slowest_update = per_stage.iter().map(|s| s.update_s).fold(0.0, f64::max);
+    let (pipeline_s, updates_s) = match pieces.shared_engine {
+        Some(engine) => shared_engine_step(engine, pieces.stage_devices, (pipeline, &costs, p2p_s), &per_stage)?,
+        None => (timeline.step_s, slowest_update),
+    };
     let m = pipeline.micro_batches as f64;
     let work = |st: &StageReport| m * (st.forward_s + st.backward_s) + st.update_s;
     let busiest = per_stage.iter().max_by(|a, b| work(a).total_cmp(&work(b)));
@@ -508,7 +594,7 @@ pub fn pipeline_of_pieces(
         Some(st) => {
             let kernels = m * (st.forward_s + st.backward_s - st.communication_s) + st.update_s - st.sums_s;
             let exposed = m * st.communication_s + st.sums_s + tied_sync_s;
-            (timeline.step_s + slowest_update + tied_sync_s, kernels, exposed, st.sums_s)
+            (pipeline_s + updates_s + tied_sync_s, kernels, exposed, st.sums_s)
         }
         None => (0.0, 0.0, 0.0, 0.0),
     };
@@ -529,7 +615,7 @@ pub fn pipeline_of_pieces(
         p2p_bytes,
         p2p_s,
         tied_sync_s,
-        pipeline_s: timeline.step_s,
+        pipeline_s,
         bubble_fraction: timeline.bubble_fraction,
         bottleneck_bubble_fraction: timeline.bottleneck_bubble_fraction,
         passes: timeline.passes,

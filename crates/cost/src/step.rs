@@ -34,11 +34,20 @@ pub struct Options {
     pub algorithm: Option<Algorithm>,
     /// Whether SUMMA products are double-buffered (broadcasts of step t overlap the product of t-1).
     pub overlap: bool,
+    /// The devices that share a calibrated shared engine, where more than the plan's run on it at once
+    /// (a pipeline's stages, each a copy of the plan's mesh, on one CPU); `None`: the plan's devices.
+    pub engine_devices: Option<u64>,
 }
 
 impl Default for Options {
     fn default() -> Options {
-        Options { placement: RankPlacement::RowMajor, auto_placement: false, algorithm: None, overlap: true }
+        Options {
+            placement: RankPlacement::RowMajor,
+            auto_placement: false,
+            algorithm: None,
+            overlap: true,
+            engine_devices: None,
+        }
     }
 }
 
@@ -465,7 +474,7 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options, record: bool) 
     let mut costed: BTreeMap<(Group, &'static str, u64), (LinkKind, f64)> = BTreeMap::new();
     let measured = hw.measured.as_ref();
     let overlap = options.overlap && measured.is_none_or(|m| m.overlap);
-    let engine = Engine::of(plan, hw);
+    let engine = Engine::of(options.engine_devices.unwrap_or(plan.mesh.devices()), hw);
     // A plan that says what overlaps is followed as it says, where the engine can run communication
     // beside computation (not one whose cores the devices share: their copies take the same cores).
     let scheduled = plan.overlap && overlap && !engine.shared;
@@ -533,12 +542,12 @@ struct Engine {
 }
 
 impl Engine {
-    /// The engine of a plan's devices: shared when a calibrated profile says the node's devices share
-    /// one.
-    fn of(plan: &Plan, hw: &Hardware) -> Engine {
+    /// The engine of `devices` devices running at once: shared when a calibrated profile says the
+    /// node's devices share one.
+    fn of(devices: u64, hw: &Hardware) -> Engine {
         match &hw.measured {
-            Some(m) if m.shared_engine && plan.mesh.devices() > 1 => {
-                let devices = plan.mesh.devices().min(hw.intra_node.gpus_per_node).max(1);
+            Some(m) if m.shared_engine && devices > 1 => {
+                let devices = devices.min(hw.intra_node.gpus_per_node).max(1);
                 let inline = devices >= m.threads.max(1) && !m.single_thread_kernels.is_empty();
                 let lanes = if inline { m.threads.max(1) as f64 } else { 1.0 };
                 Engine { shared: true, devices: devices as f64, dispatch: m.dispatch_seconds(devices), lanes }
@@ -567,6 +576,14 @@ impl Engine {
     fn collective(self) -> f64 {
         if self.shared { self.devices * self.dispatch } else { 0.0 }
     }
+}
+
+/// How many kernels a calibrated shared engine runs at once when `devices` devices share it (its
+/// threads, when each device thread runs its own kernels; else 1, the devices' kernels queueing on its
+/// pool), or `None` when the devices do not share one engine.
+pub fn shared_engine_lanes(devices: u64, hw: &Hardware) -> Option<u64> {
+    let engine = Engine::of(devices, hw);
+    engine.shared.then_some(engine.lanes as u64)
 }
 
 /// What the simulation was run with, as reported.
