@@ -152,13 +152,7 @@ fn run(
         for (s, order) in orders.iter().enumerate() {
             while let Some(op) = order.get(next[s]) {
                 let virtual_stage = op.chunk * stages + s as u64;
-                let input = match op.pass {
-                    Pass::Forward if virtual_stage > 0 => Some((Pass::Forward, virtual_stage - 1)),
-                    Pass::Backward if virtual_stage < last_virtual => Some((Pass::Backward, virtual_stage + 1)),
-                    Pass::Backward => Some((Pass::Forward, virtual_stage)),
-                    Pass::Forward => None,
-                };
-                let ready = match input {
+                let ready = match input_of(op, virtual_stage, last_virtual) {
                     None => 0.0,
                     Some((pass, from)) => match ends.get(&(pass, from, op.micro_batch)) {
                         Some(&end) if from != virtual_stage => end + p2p_s,
@@ -183,6 +177,18 @@ fn run(
                 None => Ok(ends),
             };
         }
+    }
+}
+
+/// The pass whose output `op` (on `virtual_stage`) waits for: the forward of the virtual stage before,
+/// the backward of the one after, or (the last virtual stage's backward) its own forward; `None` for
+/// the first virtual stage's forward, which reads the inputs.
+fn input_of(op: &Op, virtual_stage: u64, last_virtual: u64) -> Option<(Pass, u64)> {
+    match op.pass {
+        Pass::Forward if virtual_stage > 0 => Some((Pass::Forward, virtual_stage - 1)),
+        Pass::Backward if virtual_stage < last_virtual => Some((Pass::Backward, virtual_stage + 1)),
+        Pass::Backward => Some((Pass::Forward, virtual_stage)),
+        Pass::Forward => None,
     }
 }
 
@@ -229,13 +235,7 @@ pub fn time_shared_schedule(
         for (s, order) in orders.iter().enumerate() {
             let Some(op) = order.get(next[s]).filter(|_| running[s].is_none()) else { continue };
             let virtual_stage = op.chunk * stages + s as u64;
-            let input = match op.pass {
-                Pass::Forward if virtual_stage > 0 => Some((Pass::Forward, virtual_stage - 1)),
-                Pass::Backward if virtual_stage < last_virtual => Some((Pass::Backward, virtual_stage + 1)),
-                Pass::Backward => Some((Pass::Forward, virtual_stage)),
-                Pass::Forward => None,
-            };
-            let ready = match input {
+            let ready = match input_of(op, virtual_stage, last_virtual) {
                 None => Some(0.0),
                 Some((pass, from)) => ends
                     .get(&(pass, from, op.micro_batch))
