@@ -267,3 +267,69 @@ fn nearly_equal_stages_idle_as_the_formula_says() {
         }
     }
 }
+
+/// A CPU profile as `optimusc calibrate` writes one, cut to a default fit: two threads whose devices
+/// share one engine.
+const SHARED_CPU: &str = r#"
+name = "two-core-cpu"
+description = "a 2-core CPU whose device threads share the cores"
+[device]
+name = "cpu"
+memory_gb = 24.0
+memory_bandwidth_gb_s = 20.0
+achievable_bandwidth = 1.0
+achievable_compute = 1.0
+kernel_launch_us = 14.0
+[device.peak_tflops]
+f32 = 0.35
+[intra_node]
+gpus_per_node = 1024
+bandwidth_gb_s = 15.0
+latency_us = 50.0
+[inter_node]
+nic_bandwidth_gb_s = 15.0
+latency_us = 50.0
+nics_per_node = 1
+[collectives]
+algorithm = "auto"
+[measured]
+runtime = "cpu"
+threads = 2
+shared_engine = true
+overlap = false
+[[measured.dispatch]]
+devices = 8
+us = 2.0
+[measured.kernels.default]
+launch_us = 10.0
+gb_s = 20.0
+gflop_s = 150.0
+[measured.single_thread_kernels.default]
+launch_us = 5.0
+gb_s = 12.0
+gflop_s = 80.0
+"#;
+
+#[test]
+fn stages_sharing_a_cpus_cores_take_their_work_over_those_cores() {
+    // Two stages of an optimus 2x2 grid are 8 device threads on 2 cores: the cores do the same work as
+    // without a pipeline (no stage has cores of its own), so the step is no shorter than the
+    // unpipelined run's with as many micro-batches. Timed as if each stage had the machine, it was half.
+    let cpu = Hardware::parse(SHARED_CPU, "test").unwrap_or_else(|e| panic!("{e}"));
+    let plan = gpt2(4, Mesh::new(2, 2), Strategy::Optimus);
+    let at = |stages| {
+        let pipeline = Pipeline { stages, schedule: Schedule::OneFOneB, micro_batches: 4 };
+        simulate_pipeline(&plan, &cpu, &Options::default(), pipeline).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let (alone, two) = (at(1), at(2));
+    assert!(
+        two.step_time_s >= 0.95 * alone.step_time_s,
+        "2 stages {} s against one {} s",
+        two.step_time_s,
+        alone.step_time_s
+    );
+    // On a profile whose devices have engines of their own the same pipeline is faster than one stage.
+    let gpus = pipelined(&plan, 2, Schedule::OneFOneB, 4);
+    let one = pipelined(&plan, 1, Schedule::OneFOneB, 4);
+    assert!(gpus.step_time_s < 0.8 * one.step_time_s, "{} against {}", gpus.step_time_s, one.step_time_s);
+}

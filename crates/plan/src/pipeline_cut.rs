@@ -122,6 +122,12 @@ impl StageProgram {
 }
 
 impl PipelineProgram {
+    /// The first stage holding parameter `k` (of the whole plan), and its index in that stage's
+    /// parameters: where the parameter's block is read from (a tied one's copies are equal).
+    pub fn first_holder(&self, k: usize) -> Option<(usize, usize)> {
+        self.stages.iter().enumerate().find_map(|(s, stage)| Some((s, stage.params.iter().position(|&q| q == k)?)))
+    }
+
     /// Each stage's memory under `schedule` over `micro_batches`: its program's storage, its gradient
     /// sums, and the activations of the forward passes the schedule keeps in flight at its worst.
     pub fn memory_plan(

@@ -277,15 +277,12 @@ fn merge_blocks(
     // Where each parameter's block and gradient come from: (stage, index in that stage's parameters).
     let mut sources = Vec::with_capacity(plan.params.len());
     for (k, p) in plan.params.iter().enumerate() {
-        let held: Vec<(usize, usize)> = program
-            .stages
-            .iter()
-            .enumerate()
-            .filter_map(|(s, stage)| stage.params.iter().position(|&q| q == k).map(|j| (s, j)))
-            .collect();
-        let &first = held.first().ok_or_else(|| format!("no stage holds the parameter `{}`", p.name))?;
-        let computes = |&&(s, _): &&(usize, usize)| p.grad.is_some_and(|g| program.stages[s].gradients.contains(&g));
-        sources.push((first, held.iter().find(computes).copied().unwrap_or(first)));
+        let first = program.first_holder(k).ok_or_else(|| format!("no stage holds the parameter `{}`", p.name))?;
+        let computes = |(s, stage): (usize, &StageProgram)| {
+            let j = stage.params.iter().position(|&q| q == k)?;
+            p.grad.is_some_and(|g| stage.gradients.contains(&g)).then_some((s, j))
+        };
+        sources.push((first, program.stages.iter().enumerate().find_map(computes).unwrap_or(first)));
     }
     let mut outputs = Vec::with_capacity(plan.outputs.len());
     for o in &plan.outputs {
@@ -439,7 +436,7 @@ impl StageWorker<'_> {
     ) -> Result<Option<std::path::PathBuf>, String> {
         let program = self.pipe.program;
         let me = self.stage.stage;
-        let first_holder = |k: usize| program.stages.iter().position(|s| s.params.contains(&k)).map(|s| s as u64);
+        let first_holder = |k: usize| program.first_holder(k).map(|(s, _)| s as u64);
         let at = At { step: done, micro_batch: CHECKPOINT };
         if me != 0 {
             for (j, &k) in self.stage.params.iter().enumerate() {

@@ -74,13 +74,13 @@ impl MpiLink {
 
     /// Sends `block` under `key` to the process of world rank `to` (blocking until MPI has taken it,
     /// which the receiver's postman does at once).
-    fn send_to(&self, to: u64, key: Key, block: &Tensor) {
+    fn send_to(&self, to: u64, key: Key, block: Tensor) {
         self.bytes_sent.fetch_add(4 * block.len() as u64, Ordering::Relaxed);
         if to == self.world_rank {
-            self.inbox.deliver(key, block.clone());
+            self.inbox.deliver(key, block);
             return;
         }
-        let message = encode(key, block);
+        let message = encode(key, &block);
         self.comm.0.process_at_rank(to as i32).send_with_tag(&message[..], STAGE_TAG);
     }
 
@@ -95,7 +95,7 @@ impl MpiLink {
 
 impl StageLink for MpiLink {
     fn send(&self, key: Key, block: Tensor) -> Result<(), String> {
-        self.send_to(key.to * self.devices + key.rank, key, &block);
+        self.send_to(key.to * self.devices + key.rank, key, block);
         Ok(())
     }
 
@@ -305,15 +305,15 @@ impl MpiJob {
         link.send_to(
             0,
             key(FINAL_GRADS, GRADIENTS_PRESENT as usize),
-            &Tensor::from_i32(&[present.len() as u64], present),
+            Tensor::from_i32(&[present.len() as u64], present),
         );
-        params.iter().enumerate().for_each(|(j, t)| link.send_to(0, key(FINAL_PARAMS, j), t));
+        params.into_iter().enumerate().for_each(|(j, t)| link.send_to(0, key(FINAL_PARAMS, j), t));
         grads
-            .iter()
+            .into_iter()
             .enumerate()
-            .filter_map(|(j, g)| Some((j, g.as_ref()?)))
+            .filter_map(|(j, g)| Some((j, g?)))
             .for_each(|(j, t)| link.send_to(0, key(FINAL_GRADS, j), t));
-        outputs.iter().enumerate().for_each(|(j, t)| link.send_to(0, key(FINAL_OUTPUTS, j), t));
+        outputs.into_iter().enumerate().for_each(|(j, t)| link.send_to(0, key(FINAL_OUTPUTS, j), t));
         if self.rank != 0 {
             return Ok(None);
         }
