@@ -1444,17 +1444,76 @@ __device__ __forceinline__ float lerp(float a, float b, float w) {
 
 // torch's single-tensor AdamW with the host's f64 scalars cast to f32 (decay = 1 - lr wd, step_size =
 // lr / (1 - beta1^t), bias2_sqrt = sqrt(1 - beta2^t), w1 = 1 - beta1, w2 = 1 - beta2).
+struct AdamwScalars {
+    float decay, step_size, bias2_sqrt, w1, w2, beta2, eps;
+};
+
+// One element's AdamW update from its gradient gi (shared by the one-tensor and the many-tensor launch,
+// so both round alike).
+__device__ __forceinline__ void adamw_one(float* p, float* m, float* v, u64 i, float gi, const AdamwScalars& k) {
+    const float mi = lerp(m[i], gi, k.w1);
+    const float vi = v[i] * k.beta2 + k.w2 * gi * gi;
+    const float denom = sqrtf(vi) / k.bias2_sqrt + k.eps;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] * k.decay + -k.step_size * mi / denom;
+}
+
 extern "C" __global__ void adamw_step(float* p, const float* g, float* m, float* v, u64 n, float decay,
                                       float step_size, float bias2_sqrt, float w1, float w2, float beta2, float eps) {
-    GRID_STRIDE(i, n) {
-        const float gi = g[i];
-        const float mi = lerp(m[i], gi, w1);
-        const float vi = v[i] * beta2 + w2 * gi * gi;
-        const float denom = sqrtf(vi) / bias2_sqrt + eps;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = p[i] * decay + -step_size * mi / denom;
+    const AdamwScalars k = {decay, step_size, bias2_sqrt, w1, w2, beta2, eps};
+    GRID_STRIDE(i, n) adamw_one(p, m, v, i, g[i], k);
+}
+
+// ---- many tensors in one launch ---------------------------------------------------------------------------
+//
+// A span table lists the tensors, `fields` u64 each: their addresses, their length, then the first block
+// of the launch that covers them (blocks are numbered across the tensors in order, each covering
+// `per_block` elements of one tensor). Block b finds its tensor by a binary search on the first blocks.
+
+// The index of the tensor that block b covers, and the first and past-the-last element it covers.
+__device__ __forceinline__ u64 span_of(const u64* spans, u64 fields, u64 tensors, u64 per_block, u64* begin,
+                                       u64* end) {
+    const u64 b = blockIdx.x, first = fields - 1, len = fields - 2;
+    u64 lo = 0, hi = tensors;
+    while (hi - lo > 1) {
+        const u64 mid = (lo + hi) / 2;
+        if (spans[fields * mid + first] <= b) lo = mid; else hi = mid;
     }
+    const u64 n = spans[fields * lo + len];
+    *begin = (b - spans[fields * lo + first]) * per_block;
+    *end = *begin + per_block < n ? *begin + per_block : n;
+    return lo;
+}
+
+// AdamW on many parameters: spans of 7 fields (parameter, gradient, first and second moment, the
+// gradient's scale as f32 bits in the low half with 1 in bit 32 when it applies, length, first block).
+// A scaled gradient is multiplied by its scale, written back (as `scale` would leave it) and used.
+extern "C" __global__ void adamw_spans(const u64* spans, u64 tensors, u64 per_block, float decay, float step_size,
+                                       float bias2_sqrt, float w1, float w2, float beta2, float eps) {
+    u64 begin, end;
+    const u64* s = spans + 7 * span_of(spans, 7, tensors, per_block, &begin, &end);
+    float *p = (float*)s[0], *g = (float*)s[1], *m = (float*)s[2], *v = (float*)s[3];
+    const bool scaled = (s[4] >> 32) != 0;
+    const float factor = __uint_as_float((u32)s[4]);
+    const AdamwScalars k = {decay, step_size, bias2_sqrt, w1, w2, beta2, eps};
+    for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        float gi = g[i];
+        if (scaled) {
+            gi = gi * factor;
+            g[i] = gi;
+        }
+        adamw_one(p, m, v, i, gi, k);
+    }
+}
+
+// Casts from bf16 to f32 of many tensors: spans of 4 fields (source, destination, length, first block).
+extern "C" __global__ void cast_bf16_to_f32_spans(const u64* spans, u64 tensors, u64 per_block) {
+    u64 begin, end;
+    const u64* s = spans + 4 * span_of(spans, 4, tensors, per_block, &begin, &end);
+    const bf16* x = (const bf16*)s[0];
+    float* y = (float*)s[1];
+    for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) y[i] = widen_bf16(x[i]);
 }
 
 // ---- row pitch changes (products on operands whose rows are not 16-byte aligned) -----------------------

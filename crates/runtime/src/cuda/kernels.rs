@@ -88,6 +88,7 @@ mod names {
     pub const CROSS_ENTROPY_GRAD: &str = "cross_entropy_grad";
     pub const SGD_STEP: &str = "sgd_step";
     pub const ADAMW_STEP: &str = "adamw_step";
+    pub const ADAMW_SPANS: &str = "adamw_spans";
 }
 
 use names::*;
@@ -143,6 +144,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     CROSS_ENTROPY_GRAD,
     SGD_STEP,
     ADAMW_STEP,
+    ADAMW_SPANS,
 ];
 
 /// What runs a plan kernel on the GPU: the `__global__` functions it may launch, and whether it calls cuBLAS.
@@ -232,7 +234,7 @@ pub fn launcher(kernel: &Kernel) -> Launcher {
         Kernel::CrossEntropyGrad { .. } => Launcher::kernels(&[CROSS_ENTROPY_GRAD]),
         Kernel::Fill { .. } => Launcher::kernels(&[FILL_BITS]),
         Kernel::GradSquareSum => Launcher::kernels(&[SQUARE_SUM_SPANS, SQUARE_SUM_TENSORS, SQUARE_SUM_FOLD]),
-        Kernel::OptimizerStep => Launcher::kernels(&[SGD_STEP, ADAMW_STEP]),
+        Kernel::OptimizerStep => Launcher::kernels(&[SGD_STEP, ADAMW_STEP, ADAMW_SPANS]),
     }
 }
 
@@ -2059,11 +2061,13 @@ impl Device {
 mod bf16;
 mod collective;
 mod flash;
+mod many;
 
 pub use bf16::{BF16_KERNEL_NAMES, bf16_launcher};
 use bf16::{any_eights, by_eights, in_eights, variant, words};
 pub use collective::{COLLECTIVE_KERNEL_NAMES, DeviceBuf, MAX_MEMBERS};
 pub use flash::FLASH_KERNEL_NAMES;
+pub use many::{AdamwJob, WidenJob};
 
 // ---- the kernel runner ----------------------------------------------------------------------------
 
@@ -2078,6 +2082,8 @@ pub struct CudaKernels {
     flag: CudaSlice<u64>,
     /// The scratch of the bf16 kernels (grown as needed).
     half: bf16::Scratch,
+    /// The span tables of the many-tensor launches.
+    spans: many::SpanTables,
 }
 
 impl CudaKernels {
@@ -2137,7 +2143,14 @@ impl CudaKernels {
         let flash = flash::enable(&functions, arch);
         let realign = std::sync::Mutex::new(bf16::Realign::default());
         let dev = Device { stream, functions, blas, square_sums, flash, realign };
-        Ok(CudaKernels { dev, logical: HashMap::new(), scratch: [None, None], flag, half: bf16::Scratch::default() })
+        Ok(CudaKernels {
+            dev,
+            logical: HashMap::new(),
+            scratch: [None, None],
+            flag,
+            half: bf16::Scratch::default(),
+            spans: many::SpanTables::default(),
+        })
     }
 
     /// Whether bf16 attention runs on the flash kernels here (an Ampere or newer GPU, PTX built for it,
@@ -2274,6 +2287,32 @@ impl CudaKernels {
         let n64 = n as u64;
         // The scale kernel reads and writes element i only, so it may run with its output as its input.
         launch!(&self.dev, SCALE, elementwise(n), [&ptr, &ptr, &factor, &n64])
+    }
+
+    /// Multiplies the `n` f32 elements at device address `ptr` by `factor` in place, as
+    /// [`CudaKernels::scale_in_place`] does (for a scale the backend queued by address).
+    pub fn scale_at(&mut self, ptr: u64, n: usize, factor: f32) -> Result<(), KernelError> {
+        let n64 = n as u64;
+        launch!(&self.dev, SCALE, elementwise(n), [&ptr, &ptr, &factor, &n64])
+    }
+
+    /// Runs many AdamW updates in one launch, each exactly as [`CudaKernels::optimizer_step`] after
+    /// [`CudaKernels::scale_in_place`] of its gradient by its `grad_scale`. No job's buffers may overlap
+    /// another's (the caller checks).
+    pub fn adamw_many(
+        &mut self,
+        jobs: &[AdamwJob],
+        settings: &OptimizerSettings,
+        step: u64,
+    ) -> Result<(), KernelError> {
+        require(step >= 1, || KernelError::StepZero)?;
+        self.dev.adamw_many(&mut self.spans, jobs, settings, step)
+    }
+
+    /// Casts many bf16 tensors to f32 in one launch, each as the plan's `Cast` kernel does. No job may
+    /// write where another reads or writes (the caller checks).
+    pub fn widen_many(&mut self, jobs: &[WidenJob]) -> Result<(), KernelError> {
+        self.dev.widen_many(&mut self.spans, jobs)
     }
 
     /// Updates one parameter shard in place, exactly as `cpu::kernels::optimizer_step` (SGD with momentum

@@ -10,6 +10,7 @@
 //! bf16 buffers live on the GPU as bf16 (two bytes an element) and run bf16 kernels there (see
 //! [`kernels`]).
 
+mod deferred;
 pub mod error;
 pub mod fabric;
 pub mod kernels;
@@ -23,11 +24,12 @@ use super::arena::ArenaLayout;
 use super::backend::{Backend, Exchanges, GpuLink, UpdateBuffers};
 use super::comm::CollectiveSpec;
 use super::error::{KernelError, RuntimeError};
-use super::settings::{KernelContext, OptimizerSettings};
+use super::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use cudarc::driver::{CudaContext, CudaStream};
+use deferred::{Deferred, ScaleJob};
 pub use error::DeviceError;
 use error::driver;
-use kernels::{CudaKernels, DeviceBuf};
+use kernels::{AdamwJob, CudaKernels, DeviceBuf, WidenJob};
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{BufferId, Coords, Instr, Kernel, Mesh, Plan};
 use std::sync::Arc;
@@ -88,6 +90,8 @@ pub struct CudaBackend {
     collectives: Option<Box<dyn DeviceCollectives>>,
     /// How long a download waits for the GPU (whose queue may wait on peers) before the run fails.
     timeout: std::time::Duration,
+    /// Updates and gradient casts held back to run many at a time (see [`deferred`]).
+    deferred: Deferred,
 }
 
 impl CudaBackend {
@@ -112,7 +116,28 @@ impl CudaBackend {
             GpuLink::SharedGpu(gpu) => Some(Box::new(fabric::SharedGpuEndpoint::new(gpu, mesh, coords, &stream)?)),
             GpuLink::Nccl(ids) => Some(Box::new(nccl::NcclDevice::new(&stream, mesh, coords, *ids)?)),
         };
-        Ok(CudaBackend { kernels, stream, sync_each_kernel, collectives, timeout })
+        // Profiles time each instruction alone: nothing is held back for them.
+        let deferred = Deferred::new(sync_each_kernel);
+        Ok(CudaBackend { kernels, stream, sync_each_kernel, collectives, timeout, deferred })
+    }
+
+    /// Runs the held-back work before anything else reaches the stream.
+    fn flush(&mut self) -> Result<(), RuntimeError> {
+        self.deferred.flush(&mut self.kernels)
+    }
+
+    /// The cast of a bf16 buffer into an f32 one of the same length, as a job to hold back.
+    fn widen_job(
+        storage: &DeviceArena,
+        kernel: &Kernel,
+        inputs: &[BufferId],
+        output: BufferId,
+        stream: &Arc<CudaStream>,
+    ) -> Option<WidenJob> {
+        let (Kernel::Cast, [input]) = (kernel, inputs) else { return None };
+        let src = DeviceBuf::of(storage.tensor(*input).ok()?, stream).ok()?;
+        let dst = DeviceBuf::of(storage.tensor(output).ok()?, stream).ok()?;
+        (src.bf16 && !dst.bf16 && src.len == dst.len).then_some(WidenJob { src: src.ptr, dst: dst.ptr, len: src.len })
     }
 
     /// Waits until the GPU has run everything queued on this device's stream, at most the timeout: the
@@ -169,28 +194,33 @@ impl Backend for CudaBackend {
         if let Some(kernel) = cpu_only {
             return Err(RuntimeError::Kernel(KernelError::in_kernel(kernel, kernels::cpu_only_error(kernel))));
         }
+        self.flush()?;
         DeviceArena::new(&self.stream, plan, layout)
     }
 
     fn upload(&mut self, storage: &mut DeviceArena, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
+        self.flush()?;
         storage.upload(&self.stream, id, tensor)
     }
 
     fn download(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Tensor, RuntimeError> {
+        self.flush()?;
         self.wait_for_queue()?;
         storage.download(&self.stream, id)
     }
 
     fn zero(&mut self, storage: &mut DeviceArena, id: BufferId) -> Result<(), RuntimeError> {
+        self.flush()?;
         storage.zero(&self.stream, id)
     }
 
     /// The arena stays whole: the final downloads go to host memory, not on top of it.
     fn retain(&mut self, _storage: &mut DeviceArena, _keep: &[BufferId]) -> Result<(), RuntimeError> {
-        Ok(())
+        self.flush()
     }
 
     fn first_non_finite(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
+        self.flush()?;
         self.wait_for_queue()?;
         let host = storage.download(&self.stream, id)?;
         let first = |v: &[f32]| v.iter().position(|x| !x.is_finite()).map(|k| (k, v[k]));
@@ -205,6 +235,12 @@ impl Backend for CudaBackend {
         output: BufferId,
         ctx: &KernelContext,
     ) -> Result<(), RuntimeError> {
+        if self.deferred.enabled()
+            && let Some(job) = CudaBackend::widen_job(storage, kernel, inputs, output, &self.stream)
+        {
+            return self.deferred.widen(&mut self.kernels, job);
+        }
+        self.flush()?;
         let (ins, out) = storage.operands(inputs, output)?;
         self.kernels.run(kernel, &ins, out, ctx).map_err(RuntimeError::Kernel)?;
         if self.sync_each_kernel {
@@ -220,11 +256,27 @@ impl Backend for CudaBackend {
         settings: &OptimizerSettings,
         step: u64,
     ) -> Result<(), RuntimeError> {
+        if self.deferred.enabled()
+            && settings.kind == OptimizerKind::AdamW
+            && step >= 1
+            && let Some(job) = adamw_job(storage, &b, &self.stream)
+        {
+            return self.deferred.update(&mut self.kernels, job, settings, step);
+        }
+        self.flush()?;
         let [p, g, s1, s2] = storage.many_mut([b.param, b.grad, b.state1, b.state2])?;
         self.kernels.optimizer_step(p, g, s1, s2, settings, step).map_err(RuntimeError::Kernel)
     }
 
     fn scale_in_place(&mut self, storage: &mut DeviceArena, id: BufferId, factor: f32) -> Result<(), RuntimeError> {
+        if self.deferred.enabled()
+            && let Ok(t) = storage.tensor(id)
+            && let Ok(buf) = DeviceBuf::of(t, &self.stream)
+            && !buf.bf16
+        {
+            return self.deferred.scale(&mut self.kernels, ScaleJob { ptr: buf.ptr, len: buf.len, factor });
+        }
+        self.flush()?;
         let [t] = storage.many_mut([id])?;
         self.kernels.scale_in_place(t, factor).map_err(RuntimeError::Kernel)
     }
@@ -237,9 +289,19 @@ impl Backend for CudaBackend {
         _elementwise: bool,
         exchange: &mut dyn Exchanges,
     ) -> Result<(), RuntimeError> {
+        self.flush()?;
         if self.collective_on_device(storage, send, recv, exchange)? {
             return Ok(());
         }
         storage.exchange(&self.stream, send, recv, exchange)
     }
+}
+
+/// An AdamW update of four f32 buffers of one length, as a job to hold back (`None`: run it where it is
+/// issued, which reports what is wrong with the buffers).
+fn adamw_job(storage: &DeviceArena, b: &UpdateBuffers, stream: &Arc<CudaStream>) -> Option<AdamwJob> {
+    let buf = |id| DeviceBuf::of(storage.tensor(id).ok()?, stream).ok().filter(|d| !d.bf16);
+    let [p, g, m, v] = [buf(b.param)?, buf(b.grad)?, buf(b.state1)?, buf(b.state2)?];
+    let same = [g.len, m.len, v.len].iter().all(|&n| n == p.len);
+    same.then_some(AdamwJob { param: p.ptr, grad: g.ptr, state1: m.ptr, state2: v.ptr, len: p.len, grad_scale: None })
 }

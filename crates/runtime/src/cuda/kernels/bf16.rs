@@ -124,12 +124,15 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
     LAYER_NORM_WEIGHT_PARTIALS,
     "cross_entropy_max_bf16x8",
     "cross_entropy_stats_bf16x8",
+    CAST_BF16_TO_F32_SPANS,
 ];
 
 const LAYER_NORM_WEIGHT_PARTIALS: &str = "layer_norm_weight_partials_bf16x8";
 
 const CAST_F32_TO_BF16_X8: &str = "cast_f32_to_bf16x8";
 const CAST_BF16_TO_F32_X8: &str = "cast_bf16_to_f32x8";
+/// Many casts from bf16 to f32 in one launch (see `super::many`).
+pub(super) const CAST_BF16_TO_F32_SPANS: &str = "cast_bf16_to_f32_spans";
 const COLUMN_PARTIALS: &str = "column_partials_bf16x8";
 const COLUMN_TOTALS: &str = "column_totals_bf16";
 
@@ -226,9 +229,14 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
     native(kernel)?;
     let kernels = Launcher::kernels;
     Some(match kernel {
-        Kernel::Cast => {
-            kernels(&[CAST_F32_TO_BF16, CAST_BF16_TO_F32, CAST_F32_TO_BF16_X8, CAST_BF16_TO_F32_X8, COPY_RUNS_U16])
-        }
+        Kernel::Cast => kernels(&[
+            CAST_F32_TO_BF16,
+            CAST_BF16_TO_F32,
+            CAST_F32_TO_BF16_X8,
+            CAST_BF16_TO_F32_X8,
+            CAST_BF16_TO_F32_SPANS,
+            COPY_RUNS_U16,
+        ]),
         Kernel::MatMul { .. } | Kernel::BatchedMatMul => {
             Launcher::product(&[ZERO, COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16, PAD_ROWS_U16_X8])
         }
@@ -409,7 +417,7 @@ fn run_native(
     ctx: &KernelContext,
 ) -> Result<(), KernelError> {
     type B = u16;
-    let CudaKernels { dev, logical, scratch, flag, half } = k;
+    let CudaKernels { dev, logical, scratch, flag, half, .. } = k;
     let dev = &*dev;
     let out_f32 = ty(&out.data) == F;
     match *kernel {
