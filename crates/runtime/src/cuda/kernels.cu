@@ -1420,6 +1420,55 @@ extern "C" __global__ void cross_entropy_stats_bf16x8(float* y, const bf16* logi
     }
 }
 
+// Rows of 16-bit elements written a 16-byte word a thread, for rows that need not start on a word: the
+// row's head (up to seven elements before its first word) and tail go one element a thread, every whole
+// word between them one word a thread, so a warp's stores cover 512 consecutive bytes. (Eight stores of
+// one element each from a lane put the warp's stores 16 bytes apart and ran at half the speed.)
+// `head_of` is the number of elements before the first word of a row starting at `row`, at most `width`.
+__device__ __forceinline__ u64 head_of(const void* row, u64 width) {
+    const u64 h = ((16 - ((u64)row & 15)) & 15) / 2;
+    return h < width ? h : width;
+}
+
+// The value of the cross-entropy gradient at column c of a row (as cross_entropy_grad_t computes it).
+__device__ __forceinline__ float cross_entropy_grad_at(float x, u64 c, u64 live, bool ignored, u64 target, float m,
+                                                       float inv, float factor) {
+    float v = c < live && !ignored ? expf(x - m) * inv * factor : 0.0f;
+    if (c == target) v -= factor;
+    return v;
+}
+
+// cross_entropy_grad_bf16 with the gradient written a word a thread; the logits' rows must sit at the same
+// place within a word as the gradient's (the host checks), so their words are aligned loads.
+extern "C" __global__ void cross_entropy_grad_bf16x8(bf16* g, const bf16* logits, const int* targets, const float* max,
+                                                     const float* stats, const float* dloss, const float* count,
+                                                     u64 rows, u64 width, u64 live, u64 offset, u64 valid,
+                                                     u64* invalid) {
+    const float factor = (float)((double)dloss[0] / fmax((double)count[0], 1.0));
+    BLOCK_ROWS(r, rows) {
+        const bool ignored = targets[r] == IGNORE_INDEX;
+        const u64 target = target_column(targets[r], r, offset, valid, width, invalid);
+        const float m = max[r], inv = 1.0f / stats[2 * r + 1];
+        bf16* out = g + r * width;
+        const bf16* in = logits + r * width;
+        const u64 head = head_of(out, width), words = (width - head) / 8, tail = head + 8 * words;
+        for (u64 c = threadIdx.x; c < head; c += blockDim.x) {
+            st(out, c, cross_entropy_grad_at(ld(in, c), c, live, ignored, target, m, inv, factor));
+        }
+        for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
+            const u64 c0 = head + 8 * w;
+            float v[8];
+            load8(in + head, w, v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = cross_entropy_grad_at(v[k], c0 + k, live, ignored, target, m, inv, factor);
+            store8(out + head, w, v);
+        }
+        for (u64 c = tail + threadIdx.x; c < width; c += blockDim.x) {
+            st(out, c, cross_entropy_grad_at(ld(in, c), c, live, ignored, target, m, inv, factor));
+        }
+    }
+}
+
 // ---- optimizer ------------------------------------------------------------------------------------
 
 // torch.optim.SGD: weight decay added to the gradient, momentum buffer set to the gradient on the first
@@ -1532,6 +1581,23 @@ extern "C" __global__ void copy_rows(u32* dst, const u32* src, u64 rows, u64 col
 
 extern "C" __global__ void copy_rows_u16(u16* dst, const u16* src, u64 rows, u64 cols, u64 src_ld, u64 dst_ld) {
     copy_rows_t(dst, src, rows, cols, src_ld, dst_ld);
+}
+
+// copy_rows_u16 with the destination written a word a thread (see head_of) and the source read as two
+// aligned words shifted (load8_at; `src_len` is the source's element count): for the copy of a padded
+// product's corner back into rows that do not start on a word (a 50,257-column output).
+extern "C" __global__ void copy_rows_u16x8(u16* dst, const u16* src, u64 src_len, u64 rows, u64 cols, u64 src_ld,
+                                           u64 dst_ld) {
+    BLOCK_ROWS(r, rows) {
+        u16* out = dst + r * dst_ld;
+        const u64 at = r * src_ld;
+        const u64 head = head_of(out, cols), words = (cols - head) / 8, tail = head + 8 * words;
+        for (u64 c = threadIdx.x; c < head; c += blockDim.x) out[c] = src[at + c];
+        for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
+            reinterpret_cast<Words16*>(out + head)[w] = load8_at(src, at + head + 8 * w, src_len);
+        }
+        for (u64 c = tail + threadIdx.x; c < cols; c += blockDim.x) out[c] = src[at + c];
+    }
 }
 
 // pad_rows_u16 sixteen bytes at a time, for a destination that starts 16-byte aligned with dst_ld a

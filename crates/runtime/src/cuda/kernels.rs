@@ -2000,11 +2000,18 @@ impl Device {
             return Ok(());
         }
         self.clear_flag(flag)?;
-        let cfg = per_rows(l.rows, l.width);
+        let mut name = variant::<T>(CROSS_ENTROPY_GRAD)?;
+        let mut cfg = per_rows(l.rows, l.width);
+        // bf16 rows a word a thread, where the logits' rows sit in their words as the gradient's do.
+        let same_place = self.start(g).abs_diff(self.start(l.logits)).is_multiple_of(16);
+        if name != CROSS_ENTROPY_GRAD && l.width >= 8 && same_place && bf16::eights_enabled() {
+            name = bf16::CROSS_ENTROPY_GRAD_X8;
+            cfg = per_rows(l.rows, l.width / 8);
+        }
         let args = [l.rows as u64, l.width as u64, vocab.live(l.width) as u64, vocab.offset, vocab.valid];
         launch!(
             self,
-            variant::<T>(CROSS_ENTROPY_GRAD)?,
+            name,
             cfg,
             [g, l.logits, l.targets, mv, sv, dl, cv, &args[0], &args[1], &args[2], &args[3], &args[4], &mut *flag]
         )?;

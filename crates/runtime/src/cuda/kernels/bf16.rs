@@ -19,7 +19,7 @@ use super::*;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 pub(crate) use realign::Realign;
-use realign::{COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16, PAD_ROWS_U16_X8, Realignable};
+use realign::{COPY_ROWS_F32, COPY_ROWS_U16, COPY_ROWS_U16_X8, PAD_ROWS_U16, PAD_ROWS_U16_X8, Realignable};
 use std::ffi::c_void;
 
 /// The bf16 entry points of kernels.cu, next to the f32 kernel each stands for.
@@ -100,6 +100,7 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
     CAST_BF16_TO_F32,
     COPY_ROWS_F32,
     COPY_ROWS_U16,
+    COPY_ROWS_U16_X8,
     PAD_ROWS_U16,
     PAD_ROWS_U16_X8,
     "add_bf16x8",
@@ -125,7 +126,11 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
     "cross_entropy_max_bf16x8",
     "cross_entropy_stats_bf16x8",
     CAST_BF16_TO_F32_SPANS,
+    CROSS_ENTROPY_GRAD_X8,
 ];
+
+/// The cross-entropy gradient written a 16-byte word a thread (see kernels.cu).
+pub(super) const CROSS_ENTROPY_GRAD_X8: &str = "cross_entropy_grad_bf16x8";
 
 const LAYER_NORM_WEIGHT_PARTIALS: &str = "layer_norm_weight_partials_bf16x8";
 
@@ -161,7 +166,7 @@ const BY_EIGHTS: &[(&str, &str)] = &[
 
 /// Whether the eight-at-a-time kernels may run: always, unless `OPTIMUS_CUDA_VECTOR=off` (to measure
 /// what they gain; both give the same bits).
-fn eights_enabled() -> bool {
+pub(super) fn eights_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ENABLED.get_or_init(|| std::env::var("OPTIMUS_CUDA_VECTOR").map_or(true, |v| v != "off"))
 }
@@ -238,7 +243,7 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
             COPY_RUNS_U16,
         ]),
         Kernel::MatMul { .. } | Kernel::BatchedMatMul => {
-            Launcher::product(&[ZERO, COPY_ROWS_F32, COPY_ROWS_U16, PAD_ROWS_U16, PAD_ROWS_U16_X8])
+            Launcher::product(&[ZERO, COPY_ROWS_F32, COPY_ROWS_U16, COPY_ROWS_U16_X8, PAD_ROWS_U16, PAD_ROWS_U16_X8])
         }
         Kernel::Attention { .. } => Launcher::product(&[
             ATTENTION_SOFTMAX,
@@ -300,7 +305,7 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
         Kernel::LayerNormGradInput { .. } => kernels(&["layer_norm_grad_input_bf16", "layer_norm_grad_input_bf16x8"]),
         Kernel::CrossEntropyMax { .. } => kernels(&["cross_entropy_max_bf16", "cross_entropy_max_bf16x8"]),
         Kernel::CrossEntropyStats { .. } => kernels(&["cross_entropy_stats_bf16", "cross_entropy_stats_bf16x8"]),
-        Kernel::CrossEntropyGrad { .. } => kernels(&["cross_entropy_grad_bf16"]),
+        Kernel::CrossEntropyGrad { .. } => kernels(&["cross_entropy_grad_bf16", CROSS_ENTROPY_GRAD_X8]),
         _ => return None,
     })
 }

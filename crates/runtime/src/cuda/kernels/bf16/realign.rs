@@ -45,6 +45,7 @@ impl Realignable for f32 {
 
 pub(super) const COPY_ROWS_F32: &str = "copy_rows";
 pub(super) const COPY_ROWS_U16: &str = "copy_rows_u16";
+pub(super) const COPY_ROWS_U16_X8: &str = "copy_rows_u16x8";
 pub(super) const PAD_ROWS_U16: &str = "pad_rows_u16";
 pub(super) const PAD_ROWS_U16_X8: &str = "pad_rows_u16x8";
 
@@ -65,6 +66,12 @@ impl Device {
         (src_ld, dst_ld): (usize, usize),
     ) -> Result<(), KernelError> {
         let (rows64, cols64, src64, dst64) = (rows as u64, cols as u64, src_ld as u64, dst_ld as u64);
+        if T::COPY_ROWS == COPY_ROWS_U16 && cols >= 8 && super::eights_enabled() {
+            // A word of the destination a thread (its rows may start anywhere in a word).
+            let len = src.len() as u64;
+            let cfg = per_rows(rows, cols / 8);
+            return launch!(self, COPY_ROWS_U16_X8, cfg, [dst, src, &len, &rows64, &cols64, &src64, &dst64]);
+        }
         launch!(self, T::COPY_ROWS, per_rows(rows, cols), [dst, src, &rows64, &cols64, &src64, &dst64])
     }
 
