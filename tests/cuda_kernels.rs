@@ -1388,6 +1388,59 @@ fn gpu_flash_attention_matches_the_cpu_backends_bf16() -> R {
     Ok(())
 }
 
+/// A non-fused attention's three gradients as a plan runs them (back to back, on the same device
+/// tensors, in any order): the first computes all three and keeps two, each equal to the CPU's; a kernel
+/// that writes an operand in between (here a fill of q) makes the next one compute afresh.
+#[test]
+fn gpu_flash_gradients_kept_for_the_next_attention_grad_are_the_cpus() -> R {
+    let Some(mut g) = gpu_with("the kept flash attention gradients", true)? else { return Ok(()) };
+    if !g.kernels.flash_attention() {
+        eprintln!("skipped: the flash attention is off on this GPU");
+        return Ok(());
+    }
+    let mut rng = Rng(13);
+    let (heads, kv_heads, d, sq, sk) = (4u64, 2u64, 64u64, 80u64, 80u64);
+    let q_shape = [2, sq, heads * d];
+    let kv = [2, sk, kv_heads * d];
+    let (dy, q, k, v) = (rng.tensor(&q_shape), rng.tensor(&q_shape), rng.tensor(&kv), rng.tensor(&kv));
+    let filled = Tensor::from_f32(&q_shape, vec![0.5; (2 * sq * heads * d) as usize]);
+    let case = |wrt: u8, q: &Tensor| {
+        let grad = Kernel::AttentionGrad { heads, kv_heads, causal: true, fused: false, wrt };
+        let shape = if wrt == 0 { q_shape } else { kv };
+        Case::new(grad, vec![dy.clone(), q.clone(), k.clone(), v.clone()], &shape)
+    };
+    let cases: Vec<Case> = [1u8, 0, 2].iter().map(|&w| case(w, &q)).collect();
+    let after_fill = [case(0, &filled), case(1, &filled)];
+    let plans: Vec<Bf16Case> =
+        cases.iter().chain(&after_fill).map(|c| Bf16Case::plan(c).ok_or("bf16")).collect::<Result<_, _>>()?;
+    let mut dev: Vec<DeviceTensor> =
+        plans[0].inputs.iter().map(|s| DeviceTensor::upload_view(&g.stream, &s.view())).collect::<Result<_, _>>()?;
+    for (n, plan) in plans.iter().enumerate() {
+        if n == 3 {
+            // A kernel writes q in place: what was kept for the old q must not be served.
+            let ctx = KernelContext {
+                coords: Coords::new(0, 0, 0),
+                mesh: Mesh::new(1, 1),
+                seed: 1,
+                inputs: &[],
+                output: &plan.case.out,
+            };
+            g.kernels.run(&Kernel::Fill { value: 0.5 }, &[], &mut dev[1], &ctx)?;
+        }
+        let (i, j, mesh) = plan.case.at;
+        let ctx = KernelContext { coords: Coords::new(i, j, 0), mesh, seed: 1234, inputs: &[], output: &plan.case.out };
+        let refs: Vec<&DeviceTensor> = dev.iter().collect();
+        let mut got = DeviceTensor::upload_view(&g.stream, &plan.init.view())?;
+        g.kernels.run(&plan.case.kernel, &refs, &mut got, &ctx)?;
+        let mut back = plan.init.clone();
+        got.download_into(&g.stream, &mut back.view_mut())?;
+        let want = plan.on_cpu()?;
+        close(&back.view().to_tensor(), &want.view().to_tensor(), BF16_TOL)
+            .map_err(|e| format!("{}: {e}", plan.describe()))?;
+    }
+    Ok(())
+}
+
 #[test]
 fn every_flash_case_runs_on_the_cpu_backends_bf16_path() -> R {
     for case in flash_cases(&mut Rng(11)) {

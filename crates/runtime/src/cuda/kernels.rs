@@ -2180,6 +2180,10 @@ impl CudaKernels {
         out: &mut DeviceTensor,
         ctx: &KernelContext,
     ) -> Result<(), KernelError> {
+        // Gradients kept for a non-fused attention's next `AttentionGrad` serve only the next ones.
+        if !matches!(kernel, Kernel::AttentionGrad { fused: false, .. }) {
+            self.half.forget_kept();
+        }
         let result = if cpu_only(kernel) {
             Err(cpu_only_error(kernel))
         } else if bf16::involved(inputs, out) {
@@ -2294,6 +2298,12 @@ impl CudaKernels {
         let n64 = n as u64;
         // The scale kernel reads and writes element i only, so it may run with its output as its input.
         launch!(&self.dev, SCALE, elementwise(n), [&ptr, &ptr, &factor, &n64])
+    }
+
+    /// Drops the attention gradients kept for a non-fused attention's next `AttentionGrad` (the backend
+    /// calls this before any work that is not a kernel: a transfer or a collective may write operands).
+    pub fn forget_kept(&mut self) {
+        self.half.forget_kept();
     }
 
     /// Multiplies the `n` f32 elements at device address `ptr` by `factor` in place, as

@@ -126,6 +126,13 @@ impl CudaBackend {
         self.deferred.flush(&mut self.kernels)
     }
 
+    /// Before work that is not a plan kernel (a transfer, a collective, an update): the held-back work
+    /// runs, and no attention gradient kept for the next kernel survives it.
+    fn before_other_work(&mut self) -> Result<(), RuntimeError> {
+        self.kernels.forget_kept();
+        self.flush()
+    }
+
     /// The cast of a bf16 buffer into an f32 one of the same length, as a job to hold back.
     fn widen_job(
         storage: &DeviceArena,
@@ -194,33 +201,33 @@ impl Backend for CudaBackend {
         if let Some(kernel) = cpu_only {
             return Err(RuntimeError::Kernel(KernelError::in_kernel(kernel, kernels::cpu_only_error(kernel))));
         }
-        self.flush()?;
+        self.before_other_work()?;
         DeviceArena::new(&self.stream, plan, layout)
     }
 
     fn upload(&mut self, storage: &mut DeviceArena, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
-        self.flush()?;
+        self.before_other_work()?;
         storage.upload(&self.stream, id, tensor)
     }
 
     fn download(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Tensor, RuntimeError> {
-        self.flush()?;
+        self.before_other_work()?;
         self.wait_for_queue()?;
         storage.download(&self.stream, id)
     }
 
     fn zero(&mut self, storage: &mut DeviceArena, id: BufferId) -> Result<(), RuntimeError> {
-        self.flush()?;
+        self.before_other_work()?;
         storage.zero(&self.stream, id)
     }
 
     /// The arena stays whole: the final downloads go to host memory, not on top of it.
     fn retain(&mut self, _storage: &mut DeviceArena, _keep: &[BufferId]) -> Result<(), RuntimeError> {
-        self.flush()
+        self.before_other_work()
     }
 
     fn first_non_finite(&mut self, storage: &DeviceArena, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {
-        self.flush()?;
+        self.before_other_work()?;
         self.wait_for_queue()?;
         let host = storage.download(&self.stream, id)?;
         let first = |v: &[f32]| v.iter().position(|x| !x.is_finite()).map(|k| (k, v[k]));
@@ -256,6 +263,7 @@ impl Backend for CudaBackend {
         settings: &OptimizerSettings,
         step: u64,
     ) -> Result<(), RuntimeError> {
+        self.kernels.forget_kept();
         if self.deferred.enabled()
             && settings.kind == OptimizerKind::AdamW
             && step >= 1
@@ -263,12 +271,13 @@ impl Backend for CudaBackend {
         {
             return self.deferred.update(&mut self.kernels, job, settings, step);
         }
-        self.flush()?;
+        self.before_other_work()?;
         let [p, g, s1, s2] = storage.many_mut([b.param, b.grad, b.state1, b.state2])?;
         self.kernels.optimizer_step(p, g, s1, s2, settings, step).map_err(RuntimeError::Kernel)
     }
 
     fn scale_in_place(&mut self, storage: &mut DeviceArena, id: BufferId, factor: f32) -> Result<(), RuntimeError> {
+        self.kernels.forget_kept();
         if self.deferred.enabled()
             && let Ok(t) = storage.tensor(id)
             && let Ok(buf) = DeviceBuf::of(t, &self.stream)
@@ -276,7 +285,7 @@ impl Backend for CudaBackend {
         {
             return self.deferred.scale(&mut self.kernels, ScaleJob { ptr: buf.ptr, len: buf.len, factor });
         }
-        self.flush()?;
+        self.before_other_work()?;
         let [t] = storage.many_mut([id])?;
         self.kernels.scale_in_place(t, factor).map_err(RuntimeError::Kernel)
     }
@@ -289,7 +298,7 @@ impl Backend for CudaBackend {
         _elementwise: bool,
         exchange: &mut dyn Exchanges,
     ) -> Result<(), RuntimeError> {
-        self.flush()?;
+        self.before_other_work()?;
         if self.collective_on_device(storage, send, recv, exchange)? {
             return Ok(());
         }

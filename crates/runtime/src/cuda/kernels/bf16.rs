@@ -795,6 +795,13 @@ pub(super) struct Scratch {
     flash: super::flash::Scratch,
 }
 
+impl Scratch {
+    /// Drops the attention gradients kept for the next `AttentionGrad` (see `flash::Kept`).
+    pub(super) fn forget_kept(&mut self) {
+        self.flash.forget();
+    }
+}
+
 impl Device {
     /// Rounds the first `n` elements of an f32 scratch into a bf16 one.
     fn round_scratch(&self, wide: &CudaSlice<f32>, narrow: &mut CudaSlice<u16>, n: usize) -> Result<(), KernelError> {

@@ -4,6 +4,9 @@
 //! The forward pass is one launch. The backward pass is three: the forward kernel again, writing only
 //! each query row's log-sum-exp and D = rowsum(dO * O) (the plan's `AttentionGrad` receives neither),
 //! the backward kernel (dK and dV in place, dQ summed in an f32 scratch), and the rounding of dQ.
+//! A non-fused attention (separate q, k and v: Llama) has three `AttentionGrad`s, one per operand, that
+//! the plan issues back to back with the same inputs: the first computes all three gradients and keeps
+//! the other two (see [`Kept`]), so the backward pass runs once a layer instead of three times.
 //! Head sizes 64 and 128 run here; other sizes, pre-Ampere GPUs, operands whose rows are not 16-byte
 //! aligned and `OPTIMUS_CUDA_ATTENTION=reference` take the cuBLAS path of [`super::bf16`], which
 //! materialises the scores in f32.
@@ -63,12 +66,36 @@ pub(super) fn enable(functions: &HashMap<&'static str, CudaFunction>, ptx_arch: 
     })
 }
 
-/// The f32 scratch of the backward pass (grown as needed).
+/// The f32 scratch of the backward pass (grown as needed), and the gradients kept for the next
+/// `AttentionGrad`s of a non-fused attention.
 #[derive(Debug, Default)]
 pub(super) struct Scratch {
     lse: Option<CudaSlice<f32>>,
     delta: Option<CudaSlice<f32>>,
     dq: Option<CudaSlice<f32>>,
+    kept: Kept,
+}
+
+/// The gradients of a non-fused attention computed at the first of its three `AttentionGrad`s: dQ as
+/// its f32 sum (in [`Scratch::dq`]), dK and dV in bf16 buffers of the operands' layout. They serve the
+/// next `AttentionGrad`s with the same operands (the same device pointers and geometry) and nothing
+/// in between: [`Scratch::forget`] runs before any other kernel or transfer, so no write can come
+/// between the computation and its use, and each gradient is served once.
+#[derive(Debug, Default)]
+pub(super) struct Kept {
+    /// The operands' pointers and geometry the gradients belong to.
+    key: Vec<u64>,
+    /// Which of dQ, dK, dV are kept and not yet served.
+    pending: [bool; 3],
+    dk: Option<CudaSlice<u16>>,
+    dv: Option<CudaSlice<u16>>,
+}
+
+impl Scratch {
+    /// Drops the kept gradients (their buffers stay for the next layer).
+    pub(super) fn forget(&mut self) {
+        self.kept.pending = [false; 3];
+    }
 }
 
 /// The geometry of one attention, as the kernels take it (element counts and strides).
@@ -130,6 +157,20 @@ impl Geometry {
             scale: qkv.scale(),
             scale_log2: qkv.scale() * std::f32::consts::LOG2_E,
         })
+    }
+
+    /// What identifies a non-fused attention's gradients: the operands' and dy's device pointers and
+    /// every number of the geometry.
+    fn key(&self, pointers: [u64; 4]) -> Vec<u64> {
+        let dims = [self.batch, self.heads, self.kv_heads, self.sq, self.sk, self.group].map(u64::from);
+        let rows = [self.d as u64, self.q_row, self.q_part, self.kv_row, self.k_part, self.v_part, self.o_row];
+        let flags = [self.causal as u64, u64::from(self.scale.to_bits())];
+        pointers.into_iter().chain(dims).chain(rows).chain(flags).collect()
+    }
+
+    /// Elements of the gradient of k (or v) of a non-fused attention: [batch, sk, kv_row].
+    fn kv_grad_len(&self) -> usize {
+        self.batch as usize * self.sk as usize * self.kv_row as usize
     }
 
     /// Query rows (one log-sum-exp and one D each).
@@ -267,7 +308,67 @@ impl Device {
         grad: &mut CudaSlice<u16>,
         scratch: &mut Scratch,
     ) -> Result<(), KernelError> {
-        let want = |operand: u8| a.fused || a.wrt == operand;
+        if a.fused {
+            return self.flash_backward(qkv, a, &g, dy, grad, scratch);
+        }
+        let [q, k, v] = qkv.data;
+        let pointers = [q, k, v, dy].map(|s| s.device_ptr(&self.stream).0);
+        let key = g.key(pointers);
+        let wrt = usize::from(a.wrt);
+        let kept = &mut scratch.kept;
+        if kept.key == key && kept.pending.get(wrt) == Some(&true) {
+            kept.pending[wrt] = false;
+            return self.serve_kept(&g, wrt, grad, scratch);
+        }
+        scratch.forget();
+        self.flash_backward(qkv, a, &g, dy, grad, scratch)?;
+        let kept = &mut scratch.kept;
+        kept.key = key;
+        kept.pending = [0, 1, 2].map(|operand| operand != wrt);
+        Ok(())
+    }
+
+    /// Writes a kept gradient of a non-fused attention into `grad`: dQ rounded from its sum, dK or dV
+    /// copied.
+    fn serve_kept(
+        &self,
+        g: &Geometry,
+        wrt: usize,
+        grad: &mut CudaSlice<u16>,
+        scratch: &Scratch,
+    ) -> Result<(), KernelError> {
+        let grad_len = grad.len();
+        let (grad_ptr, _record) = grad.device_ptr_mut(&self.stream);
+        if wrt == 0 {
+            let dq = scratch.dq.as_ref().ok_or_else(|| KernelError::Internal("no kept dQ sum".into()))?;
+            return self.store_dq(g, grad_ptr, g.q_row, dq);
+        }
+        let source = if wrt == 1 { &scratch.kept.dk } else { &scratch.kept.dv };
+        let n = g.kv_grad_len();
+        let source = source.as_ref().filter(|s| s.len() >= n && grad_len >= n);
+        let source = source.ok_or_else(|| KernelError::Internal("no kept dK or dV".into()))?;
+        let bytes = n * 2;
+        let (src_ptr, _src_record) = source.device_ptr(&self.stream);
+        // SAFETY: both ranges hold `n` bf16 elements (checked above) on this stream's device.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(grad_ptr, src_ptr, bytes, self.stream.cu_stream())
+                .map_err(driver("copying a kept attention gradient"))?;
+        }
+        Ok(())
+    }
+
+    /// The backward kernels: every gradient of a fused attention into `grad`; for a non-fused one, the
+    /// gradient of operand `a.wrt` into `grad` and the other two into the kept buffers.
+    fn flash_backward(
+        &self,
+        qkv: &Qkv<u16>,
+        a: AttentionArgs,
+        g: &Geometry,
+        dy: &CudaSlice<u16>,
+        grad: &mut CudaSlice<u16>,
+        scratch: &mut Scratch,
+    ) -> Result<(), KernelError> {
+        let g = *g;
         let lse = grow(&mut scratch.lse, &self.stream, g.rows())?;
         let delta = grow(&mut scratch.delta, &self.stream, g.rows())?;
         {
@@ -278,22 +379,25 @@ impl Device {
         }
         let [q, k, v] = qkv.data;
         let dq_len = g.rows() * g.d;
-        let mut dq = None;
-        if want(0) {
-            let sum = grow(&mut scratch.dq, &self.stream, dq_len)?;
-            self.stream.memset_zeros(&mut sum.slice_mut(0..dq_len)).map_err(driver("zeroing the dQ sum"))?;
-            dq = Some(sum);
-        }
-        let targets = if a.fused {
-            GradTargets { row: g.q_row, dk: Some(g.k_part), dv: Some(g.v_part) }
-        } else {
-            let row = if want(0) { g.q_row } else { g.kv_row };
-            GradTargets { row, dk: want(1).then_some(0), dv: want(2).then_some(0) }
-        };
+        // Every gradient is computed (a non-fused attention keeps the two it was not asked for).
+        let dq = grow(&mut scratch.dq, &self.stream, dq_len)?;
+        self.stream.memset_zeros(&mut dq.slice_mut(0..dq_len)).map_err(driver("zeroing the dQ sum"))?;
         let (grad_ptr, _record) = grad.device_ptr_mut(&self.stream);
-        let dq_ptr = dq.as_ref().map_or(NULL, |sum| sum.device_ptr(&self.stream).0);
-        let dk_ptr = if targets.dk.is_some() { grad_ptr } else { NULL };
-        let dv_ptr = if targets.dv.is_some() { grad_ptr } else { NULL };
+        let (dk_ptr, dv_ptr, targets) = if a.fused {
+            (grad_ptr, grad_ptr, GradTargets { row: g.q_row, dk: Some(g.k_part), dv: Some(g.v_part) })
+        } else {
+            let n = g.kv_grad_len();
+            let kept = |operand: u8, slot: &mut Option<CudaSlice<u16>>| -> Result<u64, KernelError> {
+                match a.wrt == operand {
+                    true => Ok(grad_ptr),
+                    false => Ok(grow(slot, &self.stream, n)?.device_ptr(&self.stream).0),
+                }
+            };
+            let dk_ptr = kept(1, &mut scratch.kept.dk)?;
+            let dv_ptr = kept(2, &mut scratch.kept.dv)?;
+            (dk_ptr, dv_ptr, GradTargets { row: g.kv_row, dk: Some(0), dv: Some(0) })
+        };
+        let dq_ptr = dq.device_ptr(&self.stream).0;
         let (dk_part, dv_part) = (targets.dk.unwrap_or(0), targets.dv.unwrap_or(0));
         launch!(
             self,
@@ -327,15 +431,18 @@ impl Device {
                 &g.scale
             ]
         )?;
-        let Some(dq) = dq else { return Ok(()) };
+        match a.fused || a.wrt == 0 {
+            true => self.store_dq(&g, grad_ptr, g.q_row, dq),
+            false => Ok(()),
+        }
+    }
+
+    /// dQ rounded from its f32 sum into rows `row` elements apart at `out` (from the q part of a fused row).
+    fn store_dq(&self, g: &Geometry, out: u64, row: u64, dq: &CudaSlice<f32>) -> Result<(), KernelError> {
+        let dq_len = g.rows() * g.d;
         let rows = g.batch as u64 * g.sq as u64;
         let (heads, d) = (g.heads as u64, g.d as u64);
-        launch!(
-            self,
-            DQ_STORE,
-            elementwise(dq_len),
-            [&grad_ptr, &*dq, &rows, &heads, &d, &targets.row, &g.q_part, &g.scale]
-        )
+        launch!(self, DQ_STORE, elementwise(dq_len), [&out, dq, &rows, &heads, &d, &row, &g.q_part, &g.scale])
     }
 }
 
