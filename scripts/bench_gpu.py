@@ -113,6 +113,12 @@ def main() -> int:
     parser.add_argument("--scalar-kernels", action="store_true",
                         help="also run each optimusc mesh with OPTIMUS_CUDA_VECTOR=off (bf16 elementwise kernels one "
                              "element a thread, as before the eight-wide ones), beside the default")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:VAR=VALUE",
+                        help="also run each optimusc mesh with environment variable VAR=VALUE, as row "
+                             "'optimusc STRATEGY MESH LABEL' (repeatable; e.g. batch-off:OPTIMUS_CUDA_BATCH=off)")
+    parser.add_argument("--baseline", metavar="PATH",
+                        help="also run each optimusc mesh with the optimusc at PATH (an older build, for a "
+                             "before/after measured in the same call), as row 'optimusc STRATEGY MESH baseline'")
     parser.add_argument("--only-optimusc", action="store_true", help="skip the PyTorch rows")
     parser.add_argument("--jsonl", metavar="PATH",
                         help="append one JSON line per system (system, config, tokens/s, TFLOP/s, MFU, GPU, driver, "
@@ -146,6 +152,15 @@ def main() -> int:
             env = dict(os.environ, OPTIMUS_CUDA_VECTOR="off")
             rows[f"optimusc {strategy} {mesh} scalar"], _ = optimusc_rate(
                 args.optimusc, sizes, strategy, mesh, args.precision, args.steps, args.warmup, env)
+        for variant in args.variant:
+            label, setting = variant.split(":", 1)
+            name, value = setting.split("=", 1)
+            env = dict(os.environ, **{name: value})
+            rows[f"optimusc {strategy} {mesh} {label}"], _ = optimusc_rate(
+                args.optimusc, sizes, strategy, mesh, args.precision, args.steps, args.warmup, env)
+        if args.baseline:
+            rows[f"optimusc {strategy} {mesh} baseline"], _ = optimusc_rate(
+                args.baseline, sizes, strategy, mesh, args.precision, args.steps, args.warmup)
     if args.jsonl:
         write_jsonl(args, rows, sizes, flops_per_token)
     eager = rows.get("torch eager")
