@@ -284,7 +284,42 @@ __device__ void flash_forward_t(const bf16* q, const bf16* k, const bf16* v, bf1
     }
 }
 
+// 4 bytes from global to shared memory, asynchronously; zeros when `valid` is false.
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
+    const int bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// The shared buffers of one query block of the backward pass: its Q and dO tiles, and each row's
+// log-sum-exp and D.
+struct FlashQueryTiles {
+    bf16* q;
+    bf16* dout;
+    float* lse;
+    float* delta;
+};
+
+// Starts copying query block q0 of head h of batch b into `tiles`: Q and dO rows (zeros past sq), and the
+// rows' log-sum-exp and D (zeros past sq, where every score is masked).
 template <int D>
+__device__ __forceinline__ void flash_query_load(const FlashQueryTiles& tiles, const bf16* q, const bf16* dout,
+                                                 const float* lse, const float* delta, u64 q_row, u64 q_part,
+                                                 u64 o_row, u32 b, u32 h, u32 sq, u32 heads, u32 q0) {
+    flash_load<D>(tiles.q, q + (u64)b * sq * q_row + q_part + (u64)h * D, q_row, q0, sq);
+    flash_load<D>(tiles.dout, dout + (u64)b * sq * o_row + (u64)h * D, o_row, q0, sq);
+    if (threadIdx.x < FLASH_ROWS) {
+        const u32 at = q0 + threadIdx.x;
+        const bool valid = at < sq;
+        const u64 row = ((u64)b * heads + h) * sq + (valid ? at : 0);
+        cp_async4(smem_addr(tiles.lse + threadIdx.x), lse + row, valid);
+        cp_async4(smem_addr(tiles.delta + threadIdx.x), delta + row, valid);
+    }
+}
+
+// STAGES query buffers: with 2, the next query block's tiles load while this one's products run (the
+// 64-wide kernel: 64 KiB of shared memory); with 1, each block loads, then computes (the 128-wide one,
+// which two buffers would take past the 99 KiB some Ampere GPUs allow a block).
+template <int D, int STAGES>
 __device__ void flash_backward_t(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                  const float* delta, float* dq, bf16* dk, bf16* dv, u64 q_row, u64 q_part,
                                  u64 kv_row, u64 k_part, u64 v_part, u64 o_row, u64 dkv_row, u64 dk_part,
@@ -295,11 +330,16 @@ __device__ void flash_backward_t(const bf16* q, const bf16* k, const bf16* v, co
     constexpr int LDS = FLASH_ROWS + FLASH_PAD;
     bf16* sk_tile = (bf16*)flash_smem;
     bf16* sv_tile = sk_tile + FLASH_ROWS * LD;
-    bf16* sq_tile = sv_tile + FLASH_ROWS * LD;
-    bf16* so_tile = sq_tile + FLASH_ROWS * LD;
-    bf16* sds = so_tile + FLASH_ROWS * LD;
-    float* s_lse = (float*)(sds + FLASH_ROWS * LDS);
-    float* s_delta = s_lse + FLASH_ROWS;
+    bf16* query_tiles = sv_tile + FLASH_ROWS * LD;
+    bf16* sds = query_tiles + 2 * STAGES * FLASH_ROWS * LD;
+    float* stats_rows = (float*)(sds + FLASH_ROWS * LDS);
+    FlashQueryTiles buffers[STAGES];
+    for (int s = 0; s < STAGES; ++s) {
+        buffers[s].q = query_tiles + 2 * s * FLASH_ROWS * LD;
+        buffers[s].dout = buffers[s].q + FLASH_ROWS * LD;
+        buffers[s].lse = stats_rows + 2 * s * FLASH_ROWS;
+        buffers[s].delta = buffers[s].lse + FLASH_ROWS;
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u32 kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const u32 k0 = kb * FLASH_ROWS;
@@ -307,7 +347,6 @@ __device__ void flash_backward_t(const bf16* q, const bf16* k, const bf16* v, co
     const bf16* vh = v + (u64)b * sk * kv_row + v_part + (u64)hk * D;
     flash_load<D>(sk_tile, kh, kv_row, k0, sk);
     flash_load<D>(sv_tile, vh, kv_row, k0, sk);
-    cp_async_commit();
 
     const u32 key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
     float acc_dk[D / 8][4], acc_dv[D / 8][4];
@@ -315,24 +354,40 @@ __device__ void flash_backward_t(const bf16* q, const bf16* k, const bf16* v, co
         for (int e = 0; e < 4; ++e) acc_dk[n][e] = acc_dv[n][e] = 0.0f;
     const u32 qblocks = (sq + FLASH_ROWS - 1) / FLASH_ROWS;
     const u32 first = causal ? kb : 0;
+    // Every (query head of the group, query block) pair in turn.
+    const u32 per_head = qblocks > first ? qblocks - first : 0, pairs = group * per_head;
+    if (pairs > 0) {
+        flash_query_load<D>(buffers[0], q, dout, lse, delta, q_row, q_part, o_row, b, hk * group, sq, heads,
+                            first * FLASH_ROWS);
+    }
+    cp_async_commit();
 
-    for (u32 r = 0; r < group; ++r) {
+    for (u32 pair = 0; pair < pairs; ++pair) {
+        const u32 r = pair / per_head, i = first + pair % per_head;
         const u32 h = hk * group + r;
-        const bf16* qh = q + (u64)b * sq * q_row + q_part + (u64)h * D;
-        const bf16* oh = dout + (u64)b * sq * o_row + (u64)h * D;
-        const u64 stats = ((u64)b * heads + h) * sq;
-        for (u32 i = first; i < qblocks; ++i) {
-            const u32 q0 = i * FLASH_ROWS;
-            flash_load<D>(sq_tile, qh, q_row, q0, sq);
-            flash_load<D>(so_tile, oh, o_row, q0, sq);
+        const u32 q0 = i * FLASH_ROWS;
+        const FlashQueryTiles& cur = buffers[STAGES == 2 ? (pair & 1) : 0];
+        if (STAGES == 2) {
+            if (pair + 1 < pairs) {
+                const u32 next_h = hk * group + (pair + 1) / per_head, next_i = first + (pair + 1) % per_head;
+                flash_query_load<D>(buffers[(pair + 1) & 1], q, dout, lse, delta, q_row, q_part, o_row, b, next_h,
+                                    sq, heads, next_i * FLASH_ROWS);
+            }
             cp_async_commit();
-            if (threadIdx.x < FLASH_ROWS) {
-                const u32 at = q0 + threadIdx.x;
-                s_lse[threadIdx.x] = at < sq ? lse[stats + at] : FLASH_INF;
-                s_delta[threadIdx.x] = at < sq ? delta[stats + at] : 0.0f;
+            cp_async_wait<1>();
+        } else {
+            if (pair > 0) {
+                flash_query_load<D>(cur, q, dout, lse, delta, q_row, q_part, o_row, b, h, sq, heads, q0);
+                cp_async_commit();
             }
             cp_async_wait<0>();
-            __syncthreads();
+        }
+        __syncthreads();
+        {
+            bf16* sq_tile = cur.q;
+            bf16* so_tile = cur.dout;
+            const float* s_lse = cur.lse;
+            const float* s_delta = cur.delta;
 
             // S^T = K Q^T and dP^T = V dO^T: 16 keys of this warp by the 64 queries.
             float s[8][4], dp[8][4];
@@ -405,9 +460,10 @@ __device__ void flash_backward_t(const bf16* q, const bf16* k, const bf16* v, co
                     }
                 }
             }
-            __syncthreads();
         }
+        __syncthreads();
     }
+    cp_async_wait<0>();
     for (int i = 0; i < 2; ++i) {
         if (key[i] >= sk) continue;
         const u64 at = ((u64)b * sk + key[i]) * dkv_row + (u64)hk * D + 2 * t;
@@ -434,10 +490,10 @@ extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_forward_d128(F
     flash_forward_t<128>(FLASH_FORWARD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_backward_d64(FLASH_BACKWARD_ARGS) {
-    flash_backward_t<64>(FLASH_BACKWARD_CALL);
+    flash_backward_t<64, 2>(FLASH_BACKWARD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_backward_d128(FLASH_BACKWARD_ARGS) {
-    flash_backward_t<128>(FLASH_BACKWARD_CALL);
+    flash_backward_t<128, 1>(FLASH_BACKWARD_CALL);
 }
 
 #else

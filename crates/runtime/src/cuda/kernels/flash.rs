@@ -1,7 +1,8 @@
 //! Flash attention on bf16 buffers (the kernels of `flash.cu`): attention and its gradients without the
 //! score matrix in device memory, on the tensor cores of Ampere and newer GPUs.
 //!
-//! The forward pass is one launch. The backward pass is three: the forward kernel again, writing only
+//! The forward pass is one launch. The backward pass (its 64-wide kernel loading the next query block
+//! while the current one computes) is three: the forward kernel again, writing only
 //! each query row's log-sum-exp and D = rowsum(dO * O) (the plan's `AttentionGrad` receives neither),
 //! the backward kernel (dK and dV in place, dQ summed in an f32 scratch), and the rounding of dQ.
 //! A non-fused attention (separate q, k and v: Llama) has three `AttentionGrad`s, one per operand, that
@@ -36,9 +37,17 @@ fn forward_smem(d: usize) -> usize {
     3 * ROWS * (d + PAD) * 2
 }
 
-/// Dynamic shared memory of a backward block: K, V, Q and dO tiles, dS^T, and two f32 rows.
+/// Query buffers of a backward block (flash.cu's `STAGES`): two for the 64-wide kernel, whose next
+/// query block loads while the current one computes; one for the 128-wide one.
+fn backward_stages(d: usize) -> usize {
+    if d == 64 { 2 } else { 1 }
+}
+
+/// Dynamic shared memory of a backward block: K and V tiles, Q and dO tiles and two f32 rows per query
+/// buffer, and dS^T.
 fn backward_smem(d: usize) -> usize {
-    4 * ROWS * (d + PAD) * 2 + ROWS * (ROWS + PAD) * 2 + 2 * ROWS * 4
+    let stages = backward_stages(d);
+    (2 + 2 * stages) * ROWS * (d + PAD) * 2 + ROWS * (ROWS + PAD) * 2 + 2 * stages * ROWS * 4
 }
 
 /// The head sizes the kernels are built for.
