@@ -264,3 +264,37 @@ fn a_loss_that_is_not_finite_stops_every_stage_before_any_update() {
     assert!(stderr.contains("step 1: the loss is NaN, so the run stops before updating any weight"), "{stderr}");
     assert!(!stderr.contains("panicked") && !stderr.contains("timed out"), "{stderr}");
 }
+
+/// A pipeline is refused before it allocates when its largest stage, with the activations its schedule
+/// keeps (GPipe: every micro-batch's), would not fit this machine, though the whole plan's one
+/// micro-batch peak does (the check used to take that peak for every stage device).
+#[test]
+fn a_pipeline_whose_kept_activations_do_not_fit_is_refused_before_it_runs() {
+    let args = ["run", "examples/gpt2.opt", "--pipeline", "2", "--pipeline-schedule", "gpipe", "--accum", "512"];
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args([&args[..], &["--steps", "1"]].concat())
+        .env_remove("OPTIMUS_SKIP_MEMORY_CHECK")
+        .output()
+        .expect("optimusc runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("TiB") && stderr.contains("OPTIMUS_SKIP_MEMORY_CHECK=1"), "{stderr}");
+    // The whole plan's peak for both stage devices would have passed: the refusal is the stages' own.
+    let whole = plan_of_gpt2();
+    let per_device = optimus::runtime::limits::peak_bytes_per_device(&whole);
+    assert!(per_device * 2 < 64 << 30, "the one-micro-batch peak is {per_device} bytes");
+}
+
+/// examples/gpt2.opt as `run` compiles it by default (1x1, training).
+fn plan_of_gpt2() -> Plan {
+    let file = "examples/gpt2.opt";
+    let source = std::fs::read_to_string(file).expect("example exists");
+    let model = check_source(&source, &[]).model.expect("example checks");
+    let target = Target {
+        mesh: Mesh::new(1, 1),
+        strategy: Strategy::Optimus,
+        mode: Mode::Train,
+        memory: MemoryOptions::DEFAULT,
+    };
+    compile(&model, file, &source, target).unwrap_or_else(|_| panic!("gpt2.opt compiles"))
+}

@@ -3,6 +3,8 @@
 //! available, refused with the numbers before any thread starts or any buffer is allocated.
 
 use optimus_plan::memory::{persistent, touched};
+use optimus_plan::pipeline::Schedule;
+use optimus_plan::pipeline_cut::PipelineProgram;
 use optimus_plan::report::human_bytes;
 use optimus_plan::{Instr, Mesh, Plan};
 
@@ -56,6 +58,28 @@ pub fn check_host_can_run(plan: &Plan, devices_here: u64) -> Result<(), LimitErr
         return Ok(());
     }
     check_memory(peak_bytes_per_device(plan), devices_here, available_memory())
+}
+
+/// As [`check_host_can_run`] for a pipeline of `program`'s stages under `schedule` with `micro_batches`
+/// per update, `devices_here` of whose stage devices share this machine: each device needs at most what
+/// the largest stage's memory plan says (its storage, the update's gradient sums and the activations its
+/// schedule keeps for backward passes to come), which may be well above the whole plan's one-micro-batch
+/// peak (GPipe keeps every micro-batch's) or well below it (a stage holds its layers only).
+pub fn check_pipeline_host_can_run(
+    plan: &Plan,
+    run: (&PipelineProgram, Schedule, u64),
+    devices_here: u64,
+) -> Result<(), LimitError> {
+    check_thread_count(plan, devices_here)?;
+    if std::env::var(SKIP_MEMORY_CHECK).is_ok_and(|v| v == "1") {
+        return Ok(());
+    }
+    let (program, schedule, micro_batches) = run;
+    let largest_stage = program
+        .memory_plan(schedule, micro_batches)
+        .map(|stages| stages.iter().map(|s| s.peak_bytes).max().unwrap_or(0))
+        .unwrap_or_else(|_| peak_bytes_per_device(plan));
+    check_memory(largest_stage, devices_here, available_memory())
 }
 
 /// At most [`MAX_DEVICE_THREADS`] devices in one process.

@@ -189,7 +189,8 @@ pub fn run_on_threads(
 ) -> Result<PipelineOutput, String> {
     let stages = pipe.program.stages.len() as u64;
     let devices = plan.mesh.devices();
-    super::limits::check_host_can_run(plan, devices * stages).map_err(|e| e.to_string())?;
+    let run = (pipe.program, pipe.schedule, config.accumulation.max(1));
+    super::limits::check_pipeline_host_can_run(plan, run, devices * stages).map_err(|e| e.to_string())?;
     let mail = Mailboxes::new(config.timeout);
     let fabrics: Vec<Arc<Fabric>> = (0..stages).map(|_| Fabric::new(plan.mesh, config.timeout)).collect();
     let inline = config

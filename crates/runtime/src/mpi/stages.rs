@@ -208,7 +208,7 @@ impl MpiJob {
         on_step: &(dyn Fn(&StepRecord) + Sync),
     ) -> Result<Option<PipelineOutput>, String> {
         let (stages, devices) = (pipe.program.stages.len() as u64, plan.mesh.devices());
-        self.check_pipeline_job(plan, stages)?;
+        self.check_pipeline_job(plan, (pipe, config.accumulation.max(1)))?;
         let seat = Seat { stage: self.rank / devices, rank: self.rank % devices };
         let coords = plan.mesh.coords_of(seat.rank);
         install_panic_hook(format!("rank {} (stage {}, device {coords})", self.rank, seat.stage));
@@ -238,7 +238,8 @@ impl MpiJob {
     }
 
     /// A job of one process per device of every stage, where MPI lets threads share it.
-    fn check_pipeline_job(&self, plan: &Plan, stages: u64) -> Result<(), String> {
+    fn check_pipeline_job(&self, plan: &Plan, (pipe, micro_batches): (PipelineRun<'_>, u64)) -> Result<(), String> {
+        let stages = pipe.program.stages.len() as u64;
         let wanted = stages * plan.mesh.devices();
         if self.size != wanted {
             return Err(format!(
@@ -256,7 +257,8 @@ impl MpiJob {
                 self.threading
             ));
         }
-        super::super::limits::check_host_can_run(plan, self.ranks_per_node).map_err(|e| e.to_string())
+        let run = (pipe.program, pipe.schedule, micro_batches);
+        super::super::limits::check_pipeline_host_can_run(plan, run, self.ranks_per_node).map_err(|e| e.to_string())
     }
 
     /// Every stage's memory (that of its device of rank 0) and the bytes all sent, on rank 0 (each rank
