@@ -4,6 +4,8 @@
 //! once per process.
 #![cfg(feature = "mpi")]
 
+mod common;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -395,24 +397,7 @@ fn a_pipeline_job_of_the_wrong_size_says_how_many_processes_it_needs() {
 
 #[test]
 fn a_pipeline_whose_loss_is_not_finite_ends_the_job_naming_the_step() {
-    let args = [
-        "run",
-        "examples/tiny.opt",
-        "--set",
-        "layers=4",
-        "--steps",
-        "3",
-        "--accum",
-        "2",
-        "--pipeline",
-        "2",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "1e30",
-        "--timeout",
-        "20",
-    ];
+    let args = [&common::NAN_LOSS_PIPELINE[..], &["--timeout", "20"]].concat();
     let (out, elapsed) = mpirun(2, &args, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");

@@ -5,11 +5,9 @@
 
 mod common;
 
-use common::{optimusc, read_weights, text};
+use common::{interrupt_after_first_step, optimusc, read_weights, text};
 use optimus::io::shards::Checkpoint;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 fn scratch(name: &str) -> PathBuf {
     common::scratch("pipeline-checkpoints", name)
@@ -137,23 +135,11 @@ fn an_interrupt_stops_every_stage_after_the_step_and_leaves_a_checkpoint() {
     train(&[&pipeline[..], &["--save-weights", text(&whole)]].concat());
     let args: Vec<&str> =
         ["run"].iter().chain(&TRAINING).chain(&pipeline).chain(&["--checkpoint-dir", text(&folder)]).copied().collect();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let first = lines.next().expect("a first record").expect("read");
-    assert!(first.contains("\"step\":0"), "{first}");
-    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().expect("kill");
-    assert!(status.success());
-    let rest: Vec<String> = lines.map_while(Result::ok).collect();
-    let output = child.wait_with_output().expect("wait");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    let run = interrupt_after_first_step(&args);
+    let stderr = &run.stderr;
+    assert_eq!(run.code, Some(130), "{stderr}");
     assert!(stderr.contains("--resume"), "{stderr}");
-    let done = records(&rest.join("\n")).last().map_or(1, |r| r.0 + 1);
+    let done = records(&run.rest).last().map_or(1, |r| r.0 + 1);
     assert!(done < 300, "the run stopped early ({done} updates)");
     let checkpoint = Checkpoint::open(&folder).expect("a checkpoint was written");
     assert_eq!(checkpoint.step(), done, "the checkpoint is after the last finished step");

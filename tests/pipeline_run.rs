@@ -240,25 +240,7 @@ fn a_given_split_is_the_stages_layers_and_computes_the_same() {
 
 #[test]
 fn a_loss_that_is_not_finite_stops_every_stage_before_any_update() {
-    // A rate of 1e30 makes the weights overflow after the first update, so the second step's loss is NaN.
-    let out = optimusc(&[
-        "run",
-        "examples/tiny.opt",
-        "--set",
-        "layers=4",
-        "--steps",
-        "3",
-        "--accum",
-        "2",
-        "--pipeline",
-        "2",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "1e30",
-        "--timeout",
-        "30",
-    ]);
+    let out = optimusc(&[&common::NAN_LOSS_PIPELINE[..], &["--timeout", "30"]].concat());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("step 1: the loss is NaN, so the run stops before updating any weight"), "{stderr}");

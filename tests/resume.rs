@@ -5,9 +5,8 @@
 
 mod common;
 
-use common::{optimusc, read_weights, text};
+use common::{interrupt_after_first_step, optimusc, read_weights, text};
 use optimus::io::shards::Checkpoint;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -170,23 +169,11 @@ fn an_interrupt_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume() {
     let mut args = vec!["run", "examples/tiny.opt", "--json", "--steps", "60", "--checkpoint-dir", text(&ckpt)];
     args.extend_from_slice(TWO_BY_TWO);
     args.extend_from_slice(&TRAINING);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let first = lines.next().expect("a first record").expect("read");
-    assert!(first.contains("\"step\":0"), "{first}");
-    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().expect("kill");
-    assert!(status.success());
-    let rest: Vec<String> = lines.map_while(Result::ok).collect();
-    let output = child.wait_with_output().expect("wait");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    let run = interrupt_after_first_step(&args);
+    let stderr = &run.stderr;
+    assert_eq!(run.code, Some(130), "{stderr}");
     assert!(stderr.contains("--resume"), "{stderr}");
-    let done = records(&rest.join("\n")).last().map_or(1, |r| r.0 + 1);
+    let done = records(&run.rest).last().map_or(1, |r| r.0 + 1);
     assert!(done < 60, "the run stopped early ({done} updates)");
     let checkpoint = Checkpoint::open(&ckpt).expect("a checkpoint was written");
     assert_eq!(checkpoint.step(), done, "the checkpoint is after the last finished step");

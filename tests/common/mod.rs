@@ -24,6 +24,54 @@ pub fn optimusc(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
 }
 
+/// What an `optimusc` interrupted by SIGINT after its first step record left: its exit code, its
+/// standard error, and the standard output it printed after that record.
+pub struct Interrupted {
+    pub code: Option<i32>,
+    pub stderr: String,
+    pub rest: String,
+}
+
+/// Runs `optimusc` with `args` (a run that prints a JSON record per step), sends it SIGINT once its
+/// first record (step 0) is out, and waits for it to end.
+pub fn interrupt_after_first_step(args: &[&str]) -> Interrupted {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let first = lines.next().expect("a first record").expect("read");
+    assert!(first.contains("\"step\":0"), "{first}");
+    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().expect("kill");
+    assert!(status.success());
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let output = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    Interrupted { code: output.status.code(), stderr, rest: rest.join("\n") }
+}
+
+/// `optimusc run` of a four-layer tiny.opt as a pipeline of 2 stages with 2 micro-batches, whose SGD
+/// rate of 1e30 makes the weights overflow after the first update, so that step 1's loss is NaN.
+pub const NAN_LOSS_PIPELINE: [&str; 14] = [
+    "run",
+    "examples/tiny.opt",
+    "--set",
+    "layers=4",
+    "--steps",
+    "3",
+    "--accum",
+    "2",
+    "--pipeline",
+    "2",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "1e30",
+];
+
 /// A path as a command-line argument.
 pub fn text(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")

@@ -639,16 +639,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_layer_is_the_scope_up_to_its_first_index() {
-        assert_eq!(layer_of("h.3.attn.c_attn"), Some("h.3"));
-        assert_eq!(layer_of("encoder.layer.11.output"), Some("encoder.layer.11"));
-        assert_eq!(layer_of("h.12"), Some("h.12"));
-        assert_eq!(layer_of("ln_f"), None);
-        assert_eq!(layer_of("3.x"), None);
-        assert_eq!(layer_of(""), None);
-    }
-
-    #[test]
     fn balancing_puts_the_head_and_tail_costs_with_the_end_runs() {
         // Eight layers of 1 s, an embedding of 2 s and a head of 2 s, in four runs: the end runs get
         // fewer layers.

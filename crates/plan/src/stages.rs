@@ -281,8 +281,11 @@ mod tests {
     fn layers_are_found_by_their_first_numbered_part() {
         assert_eq!(layer_of("h.3.attn.c_attn"), Some("h.3"));
         assert_eq!(layer_of("model.layers.12.mlp"), Some("model.layers.12"));
+        assert_eq!(layer_of("encoder.layer.11.output"), Some("encoder.layer.11"));
+        assert_eq!(layer_of("h.12"), Some("h.12"));
         assert_eq!(layer_of("ln_f"), None);
         assert_eq!(layer_of("3.x"), None);
+        assert_eq!(layer_of(""), None);
     }
 
     #[test]
