@@ -34,11 +34,15 @@ enum Queue {
     },
 }
 
-/// The bytes a job reads and writes.
+/// The bytes a job reads and writes (unused places hold [`NOTHING`]); fixed arrays, since the queue
+/// compares each new job with every queued one.
 struct Touches {
-    reads: Vec<Range<u64>>,
-    writes: Vec<Range<u64>>,
+    reads: [Range<u64>; 1],
+    writes: [Range<u64>; 4],
 }
+
+/// An empty range, which overlaps nothing.
+const NOTHING: Range<u64> = 0..0;
 
 fn bytes(ptr: u64, len: usize, element: u64) -> Range<u64> {
     ptr..ptr + len as u64 * element
@@ -50,20 +54,17 @@ fn overlap(a: &Range<u64>, b: &Range<u64>) -> bool {
 
 impl Touches {
     fn of_widen(j: &WidenJob) -> Touches {
-        Touches { reads: vec![bytes(j.src, j.len, 2)], writes: vec![bytes(j.dst, j.len, 4)] }
+        Touches { reads: [bytes(j.src, j.len, 2)], writes: [bytes(j.dst, j.len, 4), NOTHING, NOTHING, NOTHING] }
     }
 
     fn of_update(j: &AdamwJob) -> Touches {
         let f32s = |ptr| bytes(ptr, j.len, 4);
-        let mut writes = vec![f32s(j.param), f32s(j.state1), f32s(j.state2)];
-        if j.grad_scale.is_some() {
-            writes.push(f32s(j.grad));
-        }
-        Touches { reads: vec![f32s(j.grad)], writes }
+        let scaled_grad = if j.grad_scale.is_some() { f32s(j.grad) } else { NOTHING };
+        Touches { reads: [f32s(j.grad)], writes: [f32s(j.param), f32s(j.state1), f32s(j.state2), scaled_grad] }
     }
 
     fn of_scale(j: &ScaleJob) -> Touches {
-        Touches { reads: vec![], writes: vec![bytes(j.ptr, j.len, 4)] }
+        Touches { reads: [NOTHING], writes: [bytes(j.ptr, j.len, 4), NOTHING, NOTHING, NOTHING] }
     }
 
     /// Whether running `self` in one launch with `other` could race (a write against a read or a write).
@@ -81,7 +82,8 @@ pub(super) struct Deferred {
 }
 
 impl Deferred {
-    /// A queue, or none (every job runs where it is issued) with `OPTIMUS_CUDA_BATCH=off` or `off`.
+    /// A queue, or none (every job runs where it is issued) when `off` (profiles) or with
+    /// `OPTIMUS_CUDA_BATCH=off`.
     pub fn new(off: bool) -> Deferred {
         let env_off = std::env::var("OPTIMUS_CUDA_BATCH").is_ok_and(|v| v == "off" || v == "0");
         Deferred { enabled: !(off || env_off), queue: Queue::Empty }

@@ -2295,9 +2295,7 @@ impl CudaKernels {
         let n = t.len();
         let s = floats_mut(t, "the scaled buffer")?;
         let (ptr, _record) = s.device_ptr_mut(&self.dev.stream);
-        let n64 = n as u64;
-        // The scale kernel reads and writes element i only, so it may run with its output as its input.
-        launch!(&self.dev, SCALE, elementwise(n), [&ptr, &ptr, &factor, &n64])
+        self.scale_at(ptr, n, factor)
     }
 
     /// Drops the attention gradients kept for a non-fused attention's next `AttentionGrad` (the backend
@@ -2308,8 +2306,9 @@ impl CudaKernels {
 
     /// Multiplies the `n` f32 elements at device address `ptr` by `factor` in place, as
     /// [`CudaKernels::scale_in_place`] does (for a scale the backend queued by address).
-    pub fn scale_at(&mut self, ptr: u64, n: usize, factor: f32) -> Result<(), KernelError> {
+    pub fn scale_at(&self, ptr: u64, n: usize, factor: f32) -> Result<(), KernelError> {
         let n64 = n as u64;
+        // The scale kernel reads and writes element i only, so it may run with its output as its input.
         launch!(&self.dev, SCALE, elementwise(n), [&ptr, &ptr, &factor, &n64])
     }
 

@@ -90,10 +90,13 @@ pub(super) struct Scratch {
 /// next `AttentionGrad`s with the same operands (the same device pointers and geometry) and nothing
 /// in between: [`Scratch::forget`] runs before any other kernel or transfer, so no write can come
 /// between the computation and its use, and each gradient is served once.
+/// The device pointers of q, k, v and dy and every number of an attention's geometry.
+type KeptKey = [u64; 19];
+
 #[derive(Debug, Default)]
 pub(super) struct Kept {
     /// The operands' pointers and geometry the gradients belong to.
-    key: Vec<u64>,
+    key: KeptKey,
     /// Which of dQ, dK, dV are kept and not yet served.
     pending: [bool; 3],
     dk: Option<CudaSlice<u16>>,
@@ -170,11 +173,16 @@ impl Geometry {
 
     /// What identifies a non-fused attention's gradients: the operands' and dy's device pointers and
     /// every number of the geometry.
-    fn key(&self, pointers: [u64; 4]) -> Vec<u64> {
-        let dims = [self.batch, self.heads, self.kv_heads, self.sq, self.sk, self.group].map(u64::from);
-        let rows = [self.d as u64, self.q_row, self.q_part, self.kv_row, self.k_part, self.v_part, self.o_row];
-        let flags = [self.causal as u64, u64::from(self.scale.to_bits())];
-        pointers.into_iter().chain(dims).chain(rows).chain(flags).collect()
+    fn key(&self, [q, k, v, dy]: [u64; 4]) -> KeptKey {
+        let [batch, heads, kv_heads, sq, sk, group] =
+            [self.batch, self.heads, self.kv_heads, self.sq, self.sk, self.group].map(u64::from);
+        let (causal, scale) = (self.causal as u64, u64::from(self.scale.to_bits()));
+        let (d, rows) = (self.d as u64, [self.q_row, self.q_part, self.kv_row, self.k_part, self.v_part, self.o_row]);
+        let [q_row, q_part, kv_row, k_part, v_part, o_row] = rows;
+        [
+            q, k, v, dy, batch, heads, kv_heads, sq, sk, group, d, q_row, q_part, kv_row, k_part, v_part, o_row,
+            causal, scale,
+        ]
     }
 
     /// Elements of the gradient of k (or v) of a non-fused attention: [batch, sk, kv_row].
@@ -216,12 +224,14 @@ impl Geometry {
     }
 }
 
-/// Where the backward kernel writes dK and dV: the gradient buffer's rows and the offsets of the two
-/// within a row (`None`: not wanted).
+/// Where the backward kernel writes dK and dV: the addresses of their buffers (one packed buffer when
+/// fused), its rows and the offsets of the two within a row.
 struct GradTargets {
+    dk: u64,
+    dv: u64,
     row: u64,
-    dk: Option<u64>,
-    dv: Option<u64>,
+    dk_part: u64,
+    dv_part: u64,
 }
 
 /// A null device pointer, for the kernels' optional operands.
@@ -350,7 +360,7 @@ impl Device {
         let (grad_ptr, _record) = grad.device_ptr_mut(&self.stream);
         if wrt == 0 {
             let dq = scratch.dq.as_ref().ok_or_else(|| KernelError::Internal("no kept dQ sum".into()))?;
-            return self.store_dq(g, grad_ptr, g.q_row, dq);
+            return self.store_dq(g, grad_ptr, dq);
         }
         let source = if wrt == 1 { &scratch.kept.dk } else { &scratch.kept.dv };
         let n = g.kv_grad_len();
@@ -392,8 +402,8 @@ impl Device {
         let dq = grow(&mut scratch.dq, &self.stream, dq_len)?;
         self.stream.memset_zeros(&mut dq.slice_mut(0..dq_len)).map_err(driver("zeroing the dQ sum"))?;
         let (grad_ptr, _record) = grad.device_ptr_mut(&self.stream);
-        let (dk_ptr, dv_ptr, targets) = if a.fused {
-            (grad_ptr, grad_ptr, GradTargets { row: g.q_row, dk: Some(g.k_part), dv: Some(g.v_part) })
+        let targets = if a.fused {
+            GradTargets { dk: grad_ptr, dv: grad_ptr, row: g.q_row, dk_part: g.k_part, dv_part: g.v_part }
         } else {
             let n = g.kv_grad_len();
             let kept = |operand: u8, slot: &mut Option<CudaSlice<u16>>| -> Result<u64, KernelError> {
@@ -402,12 +412,10 @@ impl Device {
                     false => Ok(grow(slot, &self.stream, n)?.device_ptr(&self.stream).0),
                 }
             };
-            let dk_ptr = kept(1, &mut scratch.kept.dk)?;
-            let dv_ptr = kept(2, &mut scratch.kept.dv)?;
-            (dk_ptr, dv_ptr, GradTargets { row: g.kv_row, dk: Some(0), dv: Some(0) })
+            let (dk, dv) = (kept(1, &mut scratch.kept.dk)?, kept(2, &mut scratch.kept.dv)?);
+            GradTargets { dk, dv, row: g.kv_row, dk_part: 0, dv_part: 0 }
         };
         let dq_ptr = dq.device_ptr(&self.stream).0;
-        let (dk_part, dv_part) = (targets.dk.unwrap_or(0), targets.dv.unwrap_or(0));
         launch!(
             self,
             g.backward_kernel(),
@@ -420,8 +428,8 @@ impl Device {
                 &*lse,
                 &*delta,
                 &dq_ptr,
-                &dk_ptr,
-                &dv_ptr,
+                &targets.dk,
+                &targets.dv,
                 &g.q_row,
                 &g.q_part,
                 &g.kv_row,
@@ -429,8 +437,8 @@ impl Device {
                 &g.v_part,
                 &g.o_row,
                 &targets.row,
-                &dk_part,
-                &dv_part,
+                &targets.dk_part,
+                &targets.dv_part,
                 &g.sq,
                 &g.sk,
                 &g.heads,
@@ -441,17 +449,17 @@ impl Device {
             ]
         )?;
         match a.fused || a.wrt == 0 {
-            true => self.store_dq(&g, grad_ptr, g.q_row, dq),
+            true => self.store_dq(&g, grad_ptr, dq),
             false => Ok(()),
         }
     }
 
-    /// dQ rounded from its f32 sum into rows `row` elements apart at `out` (from the q part of a fused row).
-    fn store_dq(&self, g: &Geometry, out: u64, row: u64, dq: &CudaSlice<f32>) -> Result<(), KernelError> {
+    /// dQ rounded from its f32 sum into q's layout at `out` (rows of q, from its part of a fused row).
+    fn store_dq(&self, g: &Geometry, out: u64, dq: &CudaSlice<f32>) -> Result<(), KernelError> {
         let dq_len = g.rows() * g.d;
         let rows = g.batch as u64 * g.sq as u64;
         let (heads, d) = (g.heads as u64, g.d as u64);
-        launch!(self, DQ_STORE, elementwise(dq_len), [&out, dq, &rows, &heads, &d, &row, &g.q_part, &g.scale])
+        launch!(self, DQ_STORE, elementwise(dq_len), [&out, dq, &rows, &heads, &d, &g.q_row, &g.q_part, &g.scale])
     }
 }
 

@@ -54,9 +54,11 @@ pub(super) struct SpanTables {
     widen: SpanTable,
 }
 
-/// Appends each tensor's fields, its length and its first block; returns the blocks in all.
-fn spans<J>(jobs: &[J], fields: impl Fn(&J) -> (Vec<u64>, usize), table: &mut Vec<u64>) -> usize {
-    let mut blocks = 0usize;
+/// The span table of `jobs`: each non-empty tensor's `F` fields, its length and its first block; with
+/// the tensors and the blocks in all.
+fn spans<J, const F: usize>(jobs: &[J], fields: impl Fn(&J) -> ([u64; F], usize)) -> (Vec<u64>, u64, usize) {
+    let mut table = Vec::with_capacity(jobs.len() * (F + 2));
+    let (mut tensors, mut blocks) = (0u64, 0usize);
     for job in jobs {
         let (addresses, len) = fields(job);
         if len == 0 {
@@ -64,9 +66,10 @@ fn spans<J>(jobs: &[J], fields: impl Fn(&J) -> (Vec<u64>, usize), table: &mut Ve
         }
         table.extend(addresses);
         table.extend([len as u64, blocks as u64]);
+        tensors += 1;
         blocks += len.div_ceil(SQUARE_SUM_SPAN);
     }
-    blocks
+    (table, tensors, blocks)
 }
 
 /// A clipping factor as the kernel reads it: the f32 bits, and bit 32 set when it applies.
@@ -84,13 +87,11 @@ impl Device {
         s: &OptimizerSettings,
         step: u64,
     ) -> Result<(), KernelError> {
-        let mut table = Vec::with_capacity(jobs.len() * 7);
-        let row = |j: &AdamwJob| (vec![j.param, j.grad, j.state1, j.state2, scale_word(j.grad_scale)], j.len);
-        let blocks = spans(jobs, row, &mut table);
+        let row = |j: &AdamwJob| ([j.param, j.grad, j.state1, j.state2, scale_word(j.grad_scale)], j.len);
+        let (table, tensors, blocks) = spans(jobs, row);
         if blocks == 0 {
             return Ok(());
         }
-        let tensors = (table.len() / 7) as u64;
         let k = adamw_scalars(s, step);
         let spans = tables.adamw.device(self, table)?;
         let per = SQUARE_SUM_SPAN as u64;
@@ -105,12 +106,10 @@ impl Device {
 
     /// Widens every bf16 source of `jobs` into its f32 destination in one launch.
     pub(super) fn widen_many(&self, tables: &mut SpanTables, jobs: &[WidenJob]) -> Result<(), KernelError> {
-        let mut table = Vec::with_capacity(jobs.len() * 4);
-        let blocks = spans(jobs, |j| (vec![j.src, j.dst], j.len), &mut table);
+        let (table, tensors, blocks) = spans(jobs, |j| ([j.src, j.dst], j.len));
         if blocks == 0 {
             return Ok(());
         }
-        let tensors = (table.len() / 4) as u64;
         let spans = tables.widen.device(self, table)?;
         let per = SQUARE_SUM_SPAN as u64;
         let cfg = Some(config((blocks, 1), (THREADS, 1)));
@@ -129,9 +128,8 @@ mod tests {
             WidenJob { src: 30, dst: 40, len: 0 },
             WidenJob { src: 50, dst: 60, len: 3 },
         ];
-        let mut table = Vec::new();
-        let blocks = spans(&jobs, |j| (vec![j.src, j.dst], j.len), &mut table);
-        assert_eq!(blocks, 3);
+        let (table, tensors, blocks) = spans(&jobs, |j| ([j.src, j.dst], j.len));
+        assert_eq!((tensors, blocks), (2, 3));
         let span = SQUARE_SUM_SPAN as u64;
         assert_eq!(table, vec![10, 20, span + 1, 0, 50, 60, 3, 2]);
     }

@@ -26,11 +26,14 @@ pub(crate) struct Realign {
 /// An element type of a product operand, with its row copy kernel and its output scratch.
 pub(super) trait Realignable: Elem {
     const COPY_ROWS: &'static str;
+    /// The row copy that writes the destination a 16-byte word a thread, where there is one.
+    const COPY_ROWS_BY_WORDS: Option<&'static str>;
     fn output_slot(r: &mut Realign) -> &mut Option<CudaSlice<Self>>;
 }
 
 impl Realignable for u16 {
     const COPY_ROWS: &'static str = COPY_ROWS_U16;
+    const COPY_ROWS_BY_WORDS: Option<&'static str> = Some(COPY_ROWS_U16_X8);
     fn output_slot(r: &mut Realign) -> &mut Option<CudaSlice<u16>> {
         &mut r.c16
     }
@@ -38,6 +41,7 @@ impl Realignable for u16 {
 
 impl Realignable for f32 {
     const COPY_ROWS: &'static str = COPY_ROWS_F32;
+    const COPY_ROWS_BY_WORDS: Option<&'static str> = None;
     fn output_slot(r: &mut Realign) -> &mut Option<CudaSlice<f32>> {
         &mut r.c32
     }
@@ -66,11 +70,11 @@ impl Device {
         (src_ld, dst_ld): (usize, usize),
     ) -> Result<(), KernelError> {
         let (rows64, cols64, src64, dst64) = (rows as u64, cols as u64, src_ld as u64, dst_ld as u64);
-        if T::COPY_ROWS == COPY_ROWS_U16 && cols >= 8 && super::eights_enabled() {
+        if let Some(by_words) = T::COPY_ROWS_BY_WORDS.filter(|_| cols >= 8 && super::eights_enabled()) {
             // A word of the destination a thread (its rows may start anywhere in a word).
             let len = src.len() as u64;
             let cfg = per_rows(rows, cols / 8);
-            return launch!(self, COPY_ROWS_U16_X8, cfg, [dst, src, &len, &rows64, &cols64, &src64, &dst64]);
+            return launch!(self, by_words, cfg, [dst, src, &len, &rows64, &cols64, &src64, &dst64]);
         }
         launch!(self, T::COPY_ROWS, per_rows(rows, cols), [dst, src, &rows64, &cols64, &src64, &dst64])
     }
