@@ -53,11 +53,16 @@ pub const SKIP_MEMORY_CHECK: &str = "OPTIMUS_SKIP_MEMORY_CHECK";
 /// exceed the thread cap or the memory available. The memory need is computed from the plan's
 /// buffers and program, not read from its memory summary, so editing the summary cannot bypass it.
 pub fn check_host_can_run(plan: &Plan, devices_here: u64) -> Result<(), LimitError> {
+    check_host_for(plan, devices_here, || peak_bytes_per_device(plan))
+}
+
+/// The thread cap, then (unless [`SKIP_MEMORY_CHECK`]) `devices_here` devices of `per_device()` bytes.
+fn check_host_for(plan: &Plan, devices_here: u64, per_device: impl FnOnce() -> u64) -> Result<(), LimitError> {
     check_thread_count(plan, devices_here)?;
     if std::env::var(SKIP_MEMORY_CHECK).is_ok_and(|v| v == "1") {
         return Ok(());
     }
-    check_memory(peak_bytes_per_device(plan), devices_here, available_memory())
+    check_memory(per_device(), devices_here, available_memory())
 }
 
 /// As [`check_host_can_run`] for a pipeline of `program`'s stages under `schedule` with `micro_batches`
@@ -70,16 +75,14 @@ pub fn check_pipeline_host_can_run(
     run: (&PipelineProgram, Schedule, u64),
     devices_here: u64,
 ) -> Result<(), LimitError> {
-    check_thread_count(plan, devices_here)?;
-    if std::env::var(SKIP_MEMORY_CHECK).is_ok_and(|v| v == "1") {
-        return Ok(());
-    }
     let (program, schedule, micro_batches) = run;
-    let largest_stage = program
-        .memory_plan(schedule, micro_batches)
-        .map(|stages| stages.iter().map(|s| s.peak_bytes).max().unwrap_or(0))
-        .unwrap_or_else(|_| peak_bytes_per_device(plan));
-    check_memory(largest_stage, devices_here, available_memory())
+    let largest_stage = || {
+        program
+            .memory_plan(schedule, micro_batches)
+            .map(|stages| stages.iter().map(|s| s.peak_bytes).max().unwrap_or(0))
+            .unwrap_or_else(|_| peak_bytes_per_device(plan))
+    };
+    check_host_for(plan, devices_here, largest_stage)
 }
 
 /// At most [`MAX_DEVICE_THREADS`] devices in one process.
