@@ -39,14 +39,14 @@ run_step kernel_times 120 bash scripts/gpu_measurements/kernel_times.sh "$BIN/op
     > measurements.log 2>/dev/null;
     rm -f gpu.txt gemm_alignment.log startup.log tinyllama.log tinyllama_baseline.log tinyllama*.jsonl)
 echo "== bench"
-tail -n 12 "$OUT/bench.log"
+tail -n 12 "$OUT/bench.log" 2>/dev/null
 echo "== measurements"
 grep -h '^{' "$OUT/measurements.log" | cut -c1-160
 grep -h 'tokens/s' "$OUT/measurements.log" | tail -n 3
 grep -h '^startup:\|ptx$' "$OUT/measurements.log"
 echo "== kernels (GPU time of one 1x1 step)"
-head -n 16 "$OUT/kernel_times.log"
-grep -h '^step:' "$OUT/kernel_times.log"
+head -n 16 "$OUT/kernel_times.log" 2>/dev/null
+grep -h '^step:' "$OUT/kernel_times.log" 2>/dev/null
 echo "== summary"
 printf '%s\n' "${summary[@]}"
 exit $status
