@@ -304,3 +304,62 @@ pub fn fit_collective(kind: CollectiveKind, members: u64, devices: u64, points: 
 pub fn repeats_for(guess: Duration, budget: Duration) -> u64 {
     (budget.as_secs_f64() / guess.as_secs_f64().max(1e-6)).clamp(3.0, 200.0) as u64
 }
+
+/// Sizes of the buffers [`host_copies`] copies, in f32 elements: a mix like a pipeline stage's kept
+/// activations (many of a few MiB, a few as large as the logits).
+const HOST_COPY_ELEMENTS: [usize; 3] = [8 << 20, 1 << 20, 256 << 10];
+/// How many buffers of each size in [`HOST_COPY_ELEMENTS`].
+const HOST_COPY_COUNTS: [usize; 3] = [1, 8, 16];
+
+/// The host copies of the CPU runtime, on one thread as a device thread makes them: buffers copied out
+/// into new host vectors (a stash, or a gradient to be summed), the vectors added into sums, and copied
+/// back into the buffers (a restore); each rate the median of `rounds` rounds after one to warm up.
+pub fn host_copies(rounds: usize) -> crate::cost::calibration::HostCopies {
+    let sizes: Vec<usize> =
+        HOST_COPY_ELEMENTS.iter().zip(HOST_COPY_COUNTS).flat_map(|(&n, count)| std::iter::repeat_n(n, count)).collect();
+    let total: usize = sizes.iter().sum();
+    // The buffers, filled so that every page is present (as an arena's are after its first step).
+    let mut arena: Vec<f32> = (0..total).map(|i| (i % 1000) as f32 * 1e-3).collect();
+    let mut sums: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.0; n]).collect();
+    let bytes = (total * size_of::<f32>()) as f64;
+    let (mut out, mut add, mut back) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..=rounds.max(1) {
+        let start = Instant::now();
+        let mut copies = Vec::with_capacity(sizes.len());
+        let mut at = 0;
+        for &n in &sizes {
+            copies.push(arena[at..at + n].to_vec());
+            at += n;
+        }
+        let copied = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        for (sum, copy) in sums.iter_mut().zip(&copies) {
+            sum.iter_mut().zip(copy).for_each(|(s, &v)| *s += v);
+        }
+        let added = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let mut at = 0;
+        for copy in &copies {
+            arena[at..at + copy.len()].copy_from_slice(copy);
+            at += copy.len();
+        }
+        let restored = start.elapsed().as_secs_f64();
+        drop(std::hint::black_box(copies));
+        if round > 0 {
+            out.push(bytes / copied.max(1e-9) / 1e9);
+            add.push(bytes / added.max(1e-9) / 1e9);
+            back.push(bytes / restored.max(1e-9) / 1e9);
+        }
+    }
+    std::hint::black_box(&sums);
+    crate::cost::calibration::HostCopies {
+        copy_out_gb_s: median_rate(out),
+        copy_in_gb_s: median_rate(back),
+        add_gb_s: median_rate(add),
+    }
+}
+
+fn median_rate(mut rates: Vec<f64>) -> f64 {
+    rates.sort_by(f64::total_cmp);
+    rates.get(rates.len() / 2).copied().unwrap_or(1.0)
+}

@@ -63,6 +63,10 @@ members = 2
 devices = 4
 alpha_us = 7.0
 ns_per_byte = 2.0
+[measured.host_copies]
+copy_out_gb_s = 2.0
+copy_in_gb_s = 4.0
+add_gb_s = 8.0
 "#
     );
     match Hardware::parse(&text, "measured") {
@@ -194,6 +198,7 @@ fn bad_measured_sections_are_refused_with_the_field() {
         ("gb_s = 1.0\ngflop_s = 100.0", "gb_s = -1.0\ngflop_s = 100.0", "MatMul.gb_s"),
         ("devices = 4\nus = 1.0", "devices = 4\nus = -1.0", "measured.dispatch"),
         ("members = 2\ndevices = 4", "members = 2\ndevices = 1", "collectives"),
+        ("copy_in_gb_s = 4.0", "copy_in_gb_s = 0.0", "host_copies.copy_in_gb_s"),
     ];
     for (from, to, named) in cases {
         assert!(good.contains(from), "the profile has `{from}`:\n{good}");
@@ -238,6 +243,10 @@ fn calibrate_writes_a_profile_that_simulate_reads() {
         assert!(m.single_thread_kernels.contains_key(&kind), "no one-thread fit for {kind}");
     }
     assert_eq!(m.collectives.len(), 10, "five kinds on two shapes");
+    let copies = m.host_copies.expect("host copy rates");
+    for rate in [copies.copy_out_gb_s, copies.copy_in_gb_s, copies.add_gb_s] {
+        assert!(rate > 0.1 && rate < 1000.0, "a host copy rate of {rate} GB/s:\n{text}");
+    }
     let model = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tiny.opt");
     let out =
         Command::new(bin).args(["simulate", model, "--mesh", "2x2", "--hardware"]).arg(&path).arg("--json").output();

@@ -333,3 +333,71 @@ fn stages_sharing_a_cpus_cores_take_their_work_over_those_cores() {
     let one = pipelined(&plan, 1, Schedule::OneFOneB, 4);
     assert!(gpus.step_time_s < 0.8 * one.step_time_s, "{} against {}", gpus.step_time_s, one.step_time_s);
 }
+
+/// [`SHARED_CPU`] with the host copies `calibrate` measures: out at 2 GB/s, in at 4, sums at 8.
+fn shared_cpu_with_host_copies() -> Hardware {
+    let text = format!("{SHARED_CPU}[measured.host_copies]\ncopy_out_gb_s = 2.0\ncopy_in_gb_s = 4.0\nadd_gb_s = 8.0\n");
+    Hardware::parse(&text, "test").unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn close_to(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 + 1e-9 * b.abs()
+}
+
+#[test]
+fn a_cpu_stage_pays_for_its_host_copies_of_kept_activations_and_gradient_sums() {
+    // Each one-device stage copies what a forward pass keeps out (2 GB/s) after it and back in (4 GB/s)
+    // before its backward pass, then copies its gradients out and adds them to the sums (8 GB/s): the
+    // passes cost exactly that much more than on the same profile without host copy rates.
+    let (plain, copying) =
+        (Hardware::parse(SHARED_CPU, "test").unwrap_or_else(|e| panic!("{e}")), shared_cpu_with_host_copies());
+    let plan = gpt2(4, Mesh::new(1, 1), Strategy::None);
+    let at = |hw: &Hardware| {
+        let pipeline = Pipeline { stages: 2, schedule: Schedule::OneFOneB, micro_batches: 4 };
+        simulate_pipeline(&plan, hw, &Options::default(), pipeline).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let (without, with) = (at(&plain), at(&copying));
+    let gradient_bytes: u64 = plan.params.iter().filter_map(|p| p.grad).map(|g| plan.buffer(g).bytes()).sum();
+    let mut gradients_seen = 0u64;
+    for (a, b) in without.per_stage.iter().zip(&with.per_stage) {
+        let kept = b.kept_bytes_per_micro_batch as f64;
+        assert!(kept > 0.0, "stage {} keeps activations", b.stage);
+        assert!(
+            close_to(b.forward_s - a.forward_s, kept / 2e9),
+            "stage {}: {} against {}",
+            b.stage,
+            b.forward_s,
+            a.forward_s
+        );
+        let gradients = (b.backward_s - a.backward_s - kept / 4e9) / (1.0 / 2e9 + 1.0 / 8e9);
+        assert!(
+            gradients > 0.0 && (gradients - gradients.round()).abs() < 1e-3,
+            "stage {}: {gradients} gradient bytes",
+            b.stage
+        );
+        gradients_seen += gradients.round() as u64;
+        assert!(close_to(b.update_s - a.update_s, gradients.round() / 4e9), "the means written back");
+    }
+    // The tied embedding's gradient is summed on both stages that hold it; every other gradient once.
+    let tied =
+        plan.params.iter().find(|p| p.name == "wte.weight").and_then(|p| p.grad).map_or(0, |g| plan.buffer(g).bytes());
+    assert_eq!(gradients_seen, gradient_bytes + tied);
+    assert!(with.step_time_s > without.step_time_s);
+}
+
+#[test]
+fn an_accumulating_cpu_run_pays_for_its_gradient_sums_once_per_micro_batch() {
+    let (plain, copying) =
+        (Hardware::parse(SHARED_CPU, "test").unwrap_or_else(|e| panic!("{e}")), shared_cpu_with_host_copies());
+    let plan = gpt2(2, Mesh::new(1, 1), Strategy::None);
+    let at = |hw: &Hardware, micro_batches| {
+        let pipeline = Pipeline { stages: 1, schedule: Schedule::OneFOneB, micro_batches };
+        simulate_pipeline(&plan, hw, &Options::default(), pipeline).unwrap_or_else(|e| panic!("{e}")).step_time_s
+    };
+    let g: u64 = plan.params.iter().filter_map(|p| p.grad).map(|g| plan.buffer(g).bytes()).sum();
+    let g = g as f64;
+    let expected = 4.0 * (g / 2e9 + g / 8e9) + g / 4e9;
+    let (without, with) = (at(&plain, 4), at(&copying, 4));
+    assert!(close_to(with - without, expected), "{with} - {without} against {expected}");
+    assert!(close_to(at(&copying, 1), at(&plain, 1)), "one micro-batch sums nothing");
+}

@@ -222,6 +222,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         kernels,
         single_thread_kernels,
         collectives,
+        host_copies: Some(measure::host_copies(5)),
     };
     let mut hw = assemble(args, measured);
     let mut runs = Vec::new();
@@ -257,6 +258,9 @@ fn rounded(mut hw: Hardware) -> Hardware {
         }
         for fit in &mut m.collectives {
             (fit.alpha_us, fit.ns_per_byte) = (r(fit.alpha_us), r(fit.ns_per_byte));
+        }
+        if let Some(h) = m.host_copies.as_mut() {
+            (h.copy_out_gb_s, h.copy_in_gb_s, h.add_gb_s) = (r(h.copy_out_gb_s), r(h.copy_in_gb_s), r(h.add_gb_s));
         }
     }
     hw

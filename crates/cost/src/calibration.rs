@@ -41,6 +41,52 @@ pub struct Measured {
     /// Per collective kind, group size and devices of the mesh.
     #[serde(default)]
     pub collectives: Vec<CollectiveFit>,
+    /// The host copies of a run that accumulates micro-batches or runs as a pipeline, as one device
+    /// thread makes them. Absent in profiles measured before `calibrate` timed them: such copies
+    /// then cost nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_copies: Option<HostCopies>,
+}
+
+/// What the CPU runtime's host copies cost one device thread, as rates over the bytes copied: a
+/// pipeline stage copies every activation a forward pass keeps out to the host and back in before its
+/// backward pass, and every micro-batch's gradients out into the update's sums (as a run with
+/// `--accum` does).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostCopies {
+    /// A buffer copied out into a new host tensor, GB/s.
+    pub copy_out_gb_s: f64,
+    /// A host tensor copied back into its buffer, GB/s.
+    pub copy_in_gb_s: f64,
+    /// A host copy of a gradient added into its sum, GB/s of the copy.
+    pub add_gb_s: f64,
+}
+
+impl HostCopies {
+    /// Seconds to keep `bytes` of activations aside after a forward pass.
+    pub fn stash_s(&self, bytes: u64) -> f64 {
+        bytes as f64 / (self.copy_out_gb_s * 1e9)
+    }
+
+    /// Seconds to put `bytes` of kept activations (or of gradient means) back before they are read.
+    pub fn restore_s(&self, bytes: u64) -> f64 {
+        bytes as f64 / (self.copy_in_gb_s * 1e9)
+    }
+
+    /// Seconds to add `bytes` of one micro-batch's gradients into the update's sums.
+    pub fn gradient_sum_s(&self, bytes: u64) -> f64 {
+        bytes as f64 / (self.copy_out_gb_s * 1e9) + bytes as f64 / (self.add_gb_s * 1e9)
+    }
+
+    /// Seconds an update of `micro_batches` micro-batches spends on the host sums of `gradient_bytes`:
+    /// each micro-batch's gradients added, and their means written back once (none with one).
+    pub fn accumulation_s(&self, gradient_bytes: u64, micro_batches: u64) -> f64 {
+        if micro_batches <= 1 {
+            return 0.0;
+        }
+        micro_batches as f64 * self.gradient_sum_s(gradient_bytes) + self.restore_s(gradient_bytes)
+    }
 }
 
 /// Seconds by the most specific of `fits` (see [`Measured::kernel_seconds`]).
@@ -214,6 +260,13 @@ impl Measured {
                 return Err(MeasuredProblem::KernelLaunch { kind: kind.clone() });
             }
         }
+        if let Some(h) = &self.host_copies {
+            let rates =
+                [("copy_out_gb_s", h.copy_out_gb_s), ("copy_in_gb_s", h.copy_in_gb_s), ("add_gb_s", h.add_gb_s)];
+            if let Some((field, _)) = rates.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+                return Err(MeasuredProblem::HostCopyRate { field });
+            }
+        }
         if let Some(f) = self.dispatch.iter().find(|f| !(f.us.is_finite() && f.us >= 0.0) || f.devices < 2) {
             return Err(MeasuredProblem::Dispatch { devices: f.devices });
         }
@@ -241,6 +294,10 @@ pub enum MeasuredProblem {
     KernelLaunch {
         kind: String,
     },
+    /// A host copy rate is not a positive number.
+    HostCopyRate {
+        field: &'static str,
+    },
     /// A dispatch entry has fewer than 2 devices or a negative time.
     Dispatch {
         devices: u64,
@@ -264,6 +321,9 @@ impl std::fmt::Display for MeasuredProblem {
             }
             MeasuredProblem::KernelLaunch { kind } => {
                 write!(f, "`measured.kernels.{kind}.launch_us` must be zero or more")
+            }
+            MeasuredProblem::HostCopyRate { field } => {
+                write!(f, "`measured.host_copies.{field}` must be a positive number")
             }
             MeasuredProblem::Dispatch { devices } => write!(
                 f,
@@ -414,6 +474,7 @@ mod tests {
             )]),
             single_thread_kernels: BTreeMap::new(),
             collectives: vec![fit(2, 2, 10.0), fit(2, 4, 20.0), fit(4, 16, 40.0)],
+            host_copies: None,
         };
         let t = |members, devices| {
             m.collective_seconds(CollectiveKind::Broadcast, members, devices, 0.0, false).map_or(f64::NAN, |s| s * 1e6)
@@ -437,6 +498,7 @@ mod tests {
             kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit(1.0)), ("Add".to_string(), fit(2.0))]),
             single_thread_kernels: BTreeMap::new(),
             collectives: Vec::new(),
+            host_copies: None,
         };
         let us = |m: &Measured, kind, bf16| m.kernel_seconds(kind, kind, (bf16, false), 0.0, 0.0) * 1e6;
         assert!((us(&m, "Add", true) - 2.0).abs() < 1e-9, "no bf16 fits: the float32 one");

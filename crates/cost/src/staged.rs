@@ -14,6 +14,7 @@
 //! its parameters (after the pipeline drains, as Megatron-LM does), and the sum of a tied parameter's
 //! gradient between the stages that hold a copy (GPT-2's embedding and LM head).
 
+use crate::calibration::HostCopies;
 use crate::hardware::Hardware;
 use crate::pipeline::{
     SharedCores, StageCost, TimedPass, Timeline, TimelineError, time_schedule, time_shared_schedule,
@@ -478,6 +479,69 @@ pub fn p2p_seconds(bytes: u64, stage_devices: u64, hw: &Hardware) -> f64 {
     net.latency_us * 1e-6 + bytes as f64 * senders as f64 / usable
 }
 
+/// The host copies a CPU pipeline stage makes around its passes (see [`HostCopies`]), in seconds of
+/// the stage alone on the engine: every device thread of the stage copies its own blocks, the threads
+/// sharing the cores they may use. Nothing where the profile has no such rates or the stages do not
+/// share a calibrated engine.
+struct StageCopies<'a> {
+    rates: Option<(&'a HostCopies, f64)>,
+    pieces: &'a Pieces,
+}
+
+impl<'a> StageCopies<'a> {
+    fn of(hw: &'a Hardware, pieces: &'a Pieces) -> StageCopies<'a> {
+        let rates = host_copy_rates(hw, pieces.stage_devices, pieces.shared_engine.map(|e| e.lanes));
+        StageCopies { rates, pieces }
+    }
+
+    fn kept(&self, chunk: &std::ops::Range<usize>) -> u64 {
+        self.pieces.kept_bytes[chunk.clone()].iter().sum()
+    }
+
+    /// Gradient bytes of the parameters a chunk reads (its backward pass writes their gradients).
+    fn gradients(&self, chunk: &std::ops::Range<usize>) -> u64 {
+        let reads = |share: &&ParamShare| share.pieces.iter().any(|k| chunk.contains(k));
+        self.pieces.params.iter().filter(reads).map(|share| share.gradient_bytes).sum()
+    }
+
+    /// After a forward pass: its kept activations copied out.
+    fn forward_s(&self, chunk: &std::ops::Range<usize>) -> f64 {
+        self.rates.map_or(0.0, |(h, alone)| alone * h.stash_s(self.kept(chunk)))
+    }
+
+    /// Around a backward pass: the activations copied back, the gradients added into the sums.
+    fn backward_s(&self, chunk: &std::ops::Range<usize>) -> f64 {
+        self.rates
+            .map_or(0.0, |(h, alone)| alone * (h.restore_s(self.kept(chunk)) + h.gradient_sum_s(self.gradients(chunk))))
+    }
+
+    /// At the update: the gradients' means written back.
+    fn means_s(&self, gradient_bytes: u64) -> f64 {
+        self.rates.map_or(0.0, |(h, alone)| alone * h.restore_s(gradient_bytes))
+    }
+}
+
+/// The profile's host copy rates, with the factor from one device thread's seconds to its stage's
+/// seconds alone on a shared engine of `lanes` (its `devices` threads over at most that many cores).
+fn host_copy_rates(hw: &Hardware, devices: u64, lanes: Option<u64>) -> Option<(&HostCopies, f64)> {
+    let measured = hw.measured.as_ref()?;
+    let rates = measured.host_copies.as_ref()?;
+    // One device alone does not share the engine, but its thread still makes the copies.
+    let lanes = lanes.or_else(|| (measured.shared_engine && devices == 1).then_some(1))?;
+    Some((rates, devices as f64 / devices.min(lanes).max(1) as f64))
+}
+
+/// The host sums of an unpipelined run of `micro_batches` on a shared engine: every gradient added
+/// per micro-batch and its mean written back (see [`HostCopies::accumulation_s`]).
+fn accumulation_copies_s(hw: &Hardware, pieces: &Pieces, micro_batches: u64) -> f64 {
+    let devices = pieces.stage_devices;
+    let Some((h, alone)) = host_copy_rates(hw, devices, crate::step::shared_engine_lanes(devices, hw)) else {
+        return 0.0;
+    };
+    let gradients: u64 = pieces.params.iter().map(|share| share.gradient_bytes).sum();
+    alone * h.accumulation_s(gradients, micro_batches)
+}
+
 /// Simulates `pipeline` over `plan`, the whole model compiled for one stage's grid at one micro-batch.
 pub fn simulate_pipeline(
     plan: &Plan,
@@ -532,12 +596,13 @@ pub fn pipeline_of_pieces(
     let groups = virtual_stage_pieces(pieces, p * v)?;
     let stage_of_piece = |piece: usize| groups.iter().position(|r| r.contains(&piece)).unwrap_or(0) as u64 % p;
     let sum = |values: &[f64], range: &std::ops::Range<usize>| values[range.clone()].iter().sum::<f64>();
+    let copies = StageCopies::of(hw, pieces);
     let costs: Vec<StageCost> = (0..p)
         .map(|s| {
             let chunk = |c: u64| &groups[(c * p + s) as usize];
             StageCost {
-                forward_s: (0..v).map(|c| sum(&pieces.forward_s, chunk(c))).collect(),
-                backward_s: (0..v).map(|c| sum(&pieces.backward_s, chunk(c))).collect(),
+                forward_s: (0..v).map(|c| sum(&pieces.forward_s, chunk(c)) + copies.forward_s(chunk(c))).collect(),
+                backward_s: (0..v).map(|c| sum(&pieces.backward_s, chunk(c)) + copies.backward_s(chunk(c))).collect(),
             }
         })
         .collect();
@@ -561,7 +626,9 @@ pub fn pipeline_of_pieces(
                 forward_s: costs[s as usize].forward_s.iter().sum(),
                 backward_s: costs[s as usize].backward_s.iter().sum(),
                 communication_s: chunks.iter().map(|r| pieces.communication_s[(*r).clone()].iter().sum::<f64>()).sum(),
-                update_s: mine().map(|sh| sh.update_s).sum::<f64>() + pieces.shared_update_s,
+                update_s: mine().map(|sh| sh.update_s).sum::<f64>()
+                    + pieces.shared_update_s
+                    + copies.means_s(mine().map(|sh| sh.gradient_bytes).sum()),
                 sums_s: mine().map(|sh| sh.sums_s).sum(),
                 parameters: mine().map(|sh| sh.elements).sum(),
                 held_bytes: held,
@@ -589,7 +656,8 @@ pub fn pipeline_of_pieces(
     let (step_time_s, compute_s, exposed_communication_s, data_parallel_s) = match busiest {
         _ if p * v == 1 => {
             let a = accumulate(&unpipelined, pieces.optimizer_s, pipeline.micro_batches);
-            (a.step_s, a.compute_s, a.exposed_communication_s, a.data_parallel_s)
+            let sums_s = accumulation_copies_s(hw, pieces, pipeline.micro_batches);
+            (a.step_s + sums_s, a.compute_s + sums_s, a.exposed_communication_s, a.data_parallel_s)
         }
         Some(st) => {
             let kernels = m * (st.forward_s + st.backward_s - st.communication_s) + st.update_s - st.sums_s;
