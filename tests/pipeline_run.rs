@@ -280,3 +280,54 @@ fn plan_of_gpt2() -> Plan {
     };
     compile(&model, file, &source, target).unwrap_or_else(|_| panic!("gpt2.opt compiles"))
 }
+
+/// The layers of each stage that `run --pipeline` reported on standard error, stage by stage.
+fn stage_layers(stderr: &str) -> Vec<String> {
+    stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("pipeline stage "))
+        .filter_map(|l| Some(l.split_once(" (")?.1.split_once("): ")?.0.to_string()))
+        .collect()
+}
+
+#[test]
+fn without_a_split_the_stages_are_balanced_by_the_cost_model_as_simulate_cuts_them() {
+    // A vocabulary of 16384 on hidden 128: the head costs about three layers, so of 6 layers the
+    // last of 2 stages gets fewer, on the built-in rough CPU as on a profile simulate also reads.
+    let model = ["examples/gpt2.opt", "--set", "layers=6", "--set", "hidden=128", "--set", "heads=4"];
+    let sizes = ["--set", "vocab=16384", "--set", "seq=64", "--set", "context=64", "--set", "batch=4"];
+    let run = |extra: &[&str]| {
+        let args = [&["run"][..], &model, &sizes, &["--steps", "1", "--accum", "2", "--pipeline", "2"], extra].concat();
+        let out = optimusc(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        stage_layers(&stderr)
+    };
+    let rough = run(&[]);
+    assert_eq!(rough.len(), 2, "{rough:?}");
+    assert!(rough[0].starts_with("embedding + h.0..") && rough[1].ends_with(" + head"), "{rough:?}");
+    assert!(
+        rough[1].starts_with("h.4") || rough[1].starts_with("h.5"),
+        "the head's stage has fewer of the 6 layers: {rough:?}"
+    );
+    // With a profile, the run's stages are exactly the ones `simulate --pipeline` reports on it.
+    let on_a100 = run(&["--pipeline-hardware", "dgx-a100"]);
+    let sim = optimusc(
+        &[&["simulate"][..], &model, &sizes, &["--pipeline", "2", "--hardware", "dgx-a100", "--json"]].concat(),
+    );
+    assert!(sim.status.success(), "{}", String::from_utf8_lossy(&sim.stderr));
+    let value: serde_json::Value = serde_json::from_slice(&sim.stdout).expect("JSON");
+    let simulated: Vec<String> = value["per_stage"]
+        .as_array()
+        .expect("per_stage")
+        .iter()
+        .map(|s| s["layers"][0].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(on_a100, simulated);
+    // A split of the user's and a profile to balance by contradict each other.
+    let both = optimusc(
+        &[&["run"][..], &model, &["--pipeline", "2", "--pipeline-split", "3,3", "--pipeline-hardware", "dgx-a100"]]
+            .concat(),
+    );
+    assert_eq!(both.status.code(), Some(2), "{}", String::from_utf8_lossy(&both.stderr));
+}

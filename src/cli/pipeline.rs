@@ -247,11 +247,42 @@ pub struct RunPipelineArgs {
     /// Model chunks on each stage for the interleaved schedule (2 or more) [default: 2].
     #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=64), requires = "pipeline")]
     pub virtual_stages: Option<u64>,
-    /// Repeated layers of each virtual stage, in order (P x V counts, e.g. 3,3,2), instead of the even
-    /// split (each run of layers as long as the others, the earlier ones one longer).
+    /// Repeated layers of each virtual stage, in order (P x V counts, e.g. 3,3,2), instead of the
+    /// split balanced by the cost model (see --pipeline-hardware).
     #[arg(long, value_name = "N,N,...", value_delimiter = ',', requires = "pipeline")]
     pub pipeline_split: Option<Vec<u64>>,
+    /// The hardware profile whose simulated time per layer balances the stages when --pipeline-split
+    /// is not given, as `simulate --pipeline` cuts them: a built-in profile or a .toml, best this
+    /// machine's from `optimusc calibrate`. Without it, a rough CPU (0.3 TFLOP/s, 20 GB/s) weighs each
+    /// layer's FLOPs and bytes: the head of a large vocabulary makes the last stage's share of layers
+    /// smaller.
+    #[arg(long, value_name = "NAME|FILE", requires = "pipeline", conflicts_with = "pipeline_split")]
+    pub pipeline_hardware: Option<String>,
 }
+
+/// What `run --pipeline` balances its stages by without --pipeline-hardware: a CPU by its roofline
+/// (no calibrated kernel costs), only the ratio of its FLOP rate to its bandwidth mattering.
+const ROUGH_CPU: &str = r#"
+name = "rough-cpu"
+description = "a CPU by its roofline: what run --pipeline balances stages by without --pipeline-hardware"
+[device]
+name = "CPU"
+memory_gb = 16.0
+memory_bandwidth_gb_s = 20.0
+achievable_bandwidth = 1.0
+achievable_compute = 1.0
+kernel_launch_us = 10.0
+[device.peak_tflops]
+f32 = 0.3
+bf16 = 0.15
+[intra_node]
+gpus_per_node = 1024
+bandwidth_gb_s = 10.0
+latency_us = 50.0
+[inter_node]
+nic_bandwidth_gb_s = 10.0
+latency_us = 50.0
+"#;
 
 impl RunPipelineArgs {
     /// Whether the run is a pipeline (of any number of stages).
@@ -269,6 +300,25 @@ impl RunPipelineArgs {
         };
         let p = flags.pipeline()?;
         Ok((p.stages, p.schedule))
+    }
+
+    /// The repeated layers of each virtual stage: --pipeline-split's, else balanced by the cost model
+    /// on --pipeline-hardware (or [`ROUGH_CPU`]).
+    pub fn split_of(
+        &self,
+        plan: &optimus::plan::Plan,
+        (stages, virtual_stages): (u64, u64),
+    ) -> Result<Vec<std::ops::Range<usize>>, String> {
+        let layers = optimus::plan::stages::instruction_pieces(plan).layers.len();
+        if let Some(given) = self.split(layers, stages * virtual_stages)? {
+            return Ok(given);
+        }
+        let hw = match &self.pipeline_hardware {
+            Some(name) => optimus::cost::Hardware::load(name).map_err(|e| format!("--pipeline-hardware: {e}"))?,
+            None => optimus::cost::Hardware::parse(ROUGH_CPU, "rough-cpu").map_err(|e| e.to_string())?,
+        };
+        let options = optimus::cost::Options::default();
+        optimus::cost::staged::balanced_split(plan, &hw, &options, (stages, virtual_stages)).map_err(|e| e.to_string())
     }
 
     /// The pieces of each virtual stage that --pipeline-split gives, for a model of `layers` repeated

@@ -34,9 +34,8 @@ pub(super) fn program_of(args: &RunArgs, plan: &Plan) -> Result<(PipelineProgram
     let (stages, schedule) = args.pipeline.stages_and_schedule().map_err(Failure::usage)?;
     optimus::plan::pipeline::stage_order(schedule, stages, args.accum, 0)
         .map_err(|e| Failure::usage(format!("--pipeline {stages} with --accum {}: {e}", args.accum)))?;
-    let layers = optimus::plan::stages::instruction_pieces(plan).layers.len();
-    let split = args.pipeline.split(layers, stages * schedule.chunks()).map_err(Failure::usage)?;
-    let program = cut(plan, stages, schedule.chunks(), split.as_deref()).map_err(|e| Failure::usage(e.to_string()))?;
+    let split = args.pipeline.split_of(plan, (stages, schedule.chunks())).map_err(Failure::usage)?;
+    let program = cut(plan, stages, schedule.chunks(), Some(&split)).map_err(|e| Failure::usage(e.to_string()))?;
     Ok((program, schedule))
 }
 

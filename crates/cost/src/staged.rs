@@ -552,18 +552,42 @@ pub fn simulate_pipeline(
     if plan.mode != Mode::Train {
         return Err(PipelineError::NotTraining);
     }
-    let devices = plan.mesh.devices() * pipeline.stages.max(1);
-    let lanes = crate::step::shared_engine_lanes(devices, hw).filter(|_| pipeline.stages > 1);
+    let (cut, shared) = costed_pieces(plan, hw, options, pipeline.stages);
+    let unpipelined = match shared {
+        Some(_) => simulate_costed(plan, hw, options).0,
+        None => cut.1,
+    };
+    pipeline_of_pieces(hw, &cut.0, unpipelined, pipeline)
+}
+
+/// `plan` cut into pieces costed as `stages` stages of its grid run them: on a shared engine (a
+/// calibrated CPU), every stage's devices on it. With the simulation the costs came from, and the
+/// shared engine if any.
+fn costed_pieces(plan: &Plan, hw: &Hardware, options: &Options, stages: u64) -> ((Pieces, Simulation), Option<u64>) {
+    let devices = plan.mesh.devices() * stages.max(1);
+    let lanes = crate::step::shared_engine_lanes(devices, hw).filter(|_| stages > 1);
     // On a shared engine the stages' devices all run on it: cost each instruction for that many.
     let engine_devices = lanes.map(|_| devices);
-    let (unpipelined, costs) = simulate_costed(plan, hw, &Options { engine_devices, ..*options });
+    let (simulated, costs) = simulate_costed(plan, hw, &Options { engine_devices, ..*options });
     let mut cut = pieces(plan, hw, &costs);
     cut.shared_engine = lanes.map(|lanes| SharedEngine { devices, lanes });
-    let unpipelined = match lanes {
-        Some(_) => simulate_costed(plan, hw, options).0,
-        None => unpipelined,
-    };
-    pipeline_of_pieces(hw, &cut, unpipelined, pipeline)
+    ((cut, simulated), lanes)
+}
+
+/// The repeated layers of each of `stages * virtual_stages` virtual stages (`chunk * stages + stage`)
+/// balanced by their simulated time on `hw`, as [`simulate_pipeline`] cuts them: what `run --pipeline`
+/// runs without a split of the user's.
+pub fn balanced_split(
+    plan: &Plan,
+    hw: &Hardware,
+    options: &Options,
+    (stages, virtual_stages): (u64, u64),
+) -> Result<Vec<std::ops::Range<usize>>, PipelineError> {
+    if plan.mode != Mode::Train {
+        return Err(PipelineError::NotTraining);
+    }
+    let ((cut, _), _) = costed_pieces(plan, hw, options, stages);
+    virtual_stage_pieces(&cut, stages.max(1) * virtual_stages.max(1))
 }
 
 /// The stages of `pieces`: which pieces each virtual stage holds (`chunk * stages + stage`).
