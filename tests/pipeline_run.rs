@@ -331,3 +331,49 @@ fn without_a_split_the_stages_are_balanced_by_the_cost_model_as_simulate_cuts_th
     );
     assert_eq!(both.status.code(), Some(2), "{}", String::from_utf8_lossy(&both.stderr));
 }
+
+/// The `{"profile": ...}` record of an `optimusc run ... --json` (the last line that has one).
+fn profile_record(args: &[&str]) -> serde_json::Value {
+    let out = optimusc(args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().rev().find(|l| l.starts_with("{\"profile\"")).expect("a profile record");
+    serde_json::from_str::<serde_json::Value>(line).expect("JSON")["profile"].clone()
+}
+
+fn row_count(profile: &serde_json::Value, name: &str) -> Option<u64> {
+    profile["rows"].as_array()?.iter().find(|r| r["name"] == name)?["count"].as_u64()
+}
+
+#[test]
+fn a_profiled_pipeline_times_every_stage_device_and_its_own_work() {
+    let model = ["examples/tiny.opt", "--set", "layers=4", "--steps", "3", "--accum", "2", "--json", "--profile"];
+    let whole = profile_record(&[&["run"][..], &model, &["--mesh", "1x2", "--strategy", "megatron"]].concat());
+    let piped = profile_record(
+        &[
+            &["run"][..],
+            &model,
+            &["--mesh", "1x2", "--strategy", "megatron", "--pipeline", "2", "--pipeline-split", "2,2"],
+        ]
+        .concat(),
+    );
+    // Every device of both stages, named by stage, and the warm-up step left out as without a pipeline.
+    let devices = piped["devices"].as_array().expect("devices");
+    let stages: Vec<u64> = devices.iter().filter_map(|d| d["stage"].as_u64()).collect();
+    assert_eq!(stages, vec![0, 0, 1, 1], "{devices:?}");
+    assert_eq!(piped["steps_profiled"], 2);
+    assert_eq!(piped["warm_up_excluded"], true);
+    // Each product of the model runs on exactly one stage: the stages' products add up to the whole's.
+    assert_eq!(row_count(&piped, "MatMul"), row_count(&whole, "MatMul"));
+    assert!(row_count(&whole, "MatMul").is_some_and(|n| n > 0));
+    // The stages' own work: per device and profiled step, one receive a micro-batch on each stage
+    // (activations forward, gradients back), the kept activations out and back once a micro-batch.
+    for (name, at_least) in
+        [("receive (stage)", 4 * 2), ("send (stage)", 4 * 2), ("kept activations out (host)", 4 * 2 * 2)]
+    {
+        let count = row_count(&piped, name).unwrap_or(0);
+        assert!(count >= at_least, "{name}: {count}");
+    }
+    assert_eq!(row_count(&piped, "kept activations back (host)"), row_count(&piped, "kept activations out (host)"));
+    assert_eq!(row_count(&whole, "receive (stage)"), None);
+}

@@ -41,11 +41,8 @@ pub(super) fn program_of(args: &RunArgs, plan: &Plan) -> Result<(PipelineProgram
 
 /// What a pipelined run does not do yet, refused before anything is read or written.
 pub(super) fn refuse_unsupported(args: &RunArgs) -> Result<(), Failure> {
-    let refused = [
-        (args.backend != super::run::Backend::Cpu, "--backend cuda"),
-        (args.profile, "--profile"),
-        (args.val_data.is_some(), "--val-data"),
-    ];
+    let refused =
+        [(args.backend != super::run::Backend::Cpu, "--backend cuda"), (args.val_data.is_some(), "--val-data")];
     if let Some((_, flag)) = refused.iter().find(|(given, _)| *given) {
         return Err(Failure::usage(format!(
             "--pipeline does not go with {flag} yet: pipelines run on the CPU (threads, or one process per \
@@ -100,4 +97,26 @@ pub(super) fn report_stages(
         "micro_batches": args.accum,
         "bytes_between_stages": output.bytes_between_stages,
     }}));
+    if args.profile {
+        print_stage_profiles(program, output, progress);
+    }
+}
+
+/// `--profile` of a pipeline: one table over every stage device, each device's times those of its
+/// stage's program, with the stages' own work (messages between stages, the host copies around the
+/// passes) in rows of their own, and one line per device.
+fn print_stage_profiles(program: &PipelineProgram, output: &PipelineOutput, progress: &Progress) {
+    use optimus::runtime::{peak, profile};
+    let runs: Vec<(&Plan, &profile::Profile)> =
+        output.profiles.iter().filter_map(|p| Some((&program.stages.get(p.stage? as usize)?.plan, p))).collect();
+    if runs.is_empty() {
+        eprintln_safe!("note: --profile: no device profiled");
+        return;
+    }
+    let devices = program.stages.first().map_or(0, |s| s.plan.mesh.devices()) * program.stages.len() as u64;
+    if (runs.len() as u64) < devices {
+        eprintln_safe!("note: --profile reports stage 0's device (0, 0) only: under mpirun profiles are not gathered");
+    }
+    let peak = peak::measure_peak(peak::product_threads());
+    super::run::emit_profile(&profile::report_of_programs(&runs, &peak), progress);
 }

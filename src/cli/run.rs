@@ -699,7 +699,8 @@ pub(super) fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output
             save_tokenizer(path, tokenizer, &job.plan)?;
         }
     }
-    if args.profile {
+    // A pipeline's devices run their stages' programs: pipeline_run reports those.
+    if args.profile && !args.pipeline.requested() {
         print_profile(&job.plan, output, progress);
     }
     progress.log_failure()?;
@@ -738,6 +739,11 @@ fn print_profile(plan: &Plan, output: &RunOutput, progress: &Progress) {
     if (output.profiles.len() as u64) < plan.mesh.devices() {
         eprintln_safe!("note: --profile reports device (0, 0) only: under mpirun profiles are not gathered");
     }
+    emit_profile(&report, progress);
+}
+
+/// The profile's tables on standard error, and its record (with `--json` or `--log`).
+pub(super) fn emit_profile(report: &optimus::runtime::profile::ProfileReport, progress: &Progress) {
     eprint!("{}", optimus::plan::text::printable_text(&report.to_text()));
     progress.emit(&serde_json::json!({ "profile": report }));
 }

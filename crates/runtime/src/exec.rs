@@ -431,18 +431,24 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             if !deferred {
                 self.execute_with(instr, update).map_err(failed(index))?;
             }
-            if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
-                match (instr, self.last_wait.take()) {
-                    (Instr::Wait { .. }, Some(w)) => profile.record_wait(w.index, w.blocked, w.hidden),
-                    _ => profile.record(index, started.elapsed()),
-                }
-            }
+            self.note_profiled(index, instr, started);
         }
         self.finish_in_flight().map_err(failed(plan.program.len()))?;
         if updates_begin == plan.program.len() {
             self.check_loss()?;
         }
         Ok(())
+    }
+
+    /// Adds instruction `index`'s run (begun at `started`, `None` when not profiling) to the profile: a
+    /// `Wait` as the time blocked on the overlapped collective it waited for.
+    fn note_profiled(&mut self, index: usize, instr: &Instr, started: Option<Instant>) {
+        if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
+            match (instr, self.last_wait.take()) {
+                (Instr::Wait { .. }, Some(w)) => profile.record_wait(w.index, w.blocked, w.hidden),
+                _ => profile.record(index, started.elapsed()),
+            }
+        }
     }
 
     /// Waits for every overlapped collective still in flight (where a partial pass of the program

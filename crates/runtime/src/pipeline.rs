@@ -15,6 +15,7 @@ use super::comm::Communicator;
 use super::cpu::CpuBackend;
 use super::cpu::threads::{Fabric, ThreadComm};
 use super::exec::{Batches, Device, DeviceBlocks, RunConfig, RunOutput, StepRecord, Update, assemble};
+use super::profile::{Category, Profile};
 use super::settings::OptimizerSettings;
 use optimus_plan::Plan;
 use optimus_plan::pipeline::{Pass, Schedule, stage_order};
@@ -143,6 +144,14 @@ pub struct PipelineRun<'a> {
     pub schedule: Schedule,
 }
 
+/// `--profile`'s rows for a stage device's own work: waiting for and taking a message from another
+/// stage, sending one, and the host copies around its passes.
+const RECEIVE: &str = "receive (stage)";
+const SEND: &str = "send (stage)";
+const KEPT_OUT: &str = "kept activations out (host)";
+const KEPT_BACK: &str = "kept activations back (host)";
+const GRADIENT_SUMS: &str = "gradient sums (host)";
+
 /// One stage device's measured memory: its storage, its gradient sums over the micro-batches, and the
 /// most bytes of activations it kept aside at once for backward passes to come, in how many forward
 /// passes (micro-batches; with interleaving, micro-batch and chunk pairs).
@@ -168,6 +177,9 @@ pub struct PipelineOutput {
     pub run: RunOutput,
     pub stages: Vec<StageMemory>,
     pub bytes_between_stages: u64,
+    /// With `RunConfig::profile`: every stage device's profile of its stage program (on threads), or
+    /// rank 0's (under MPI).
+    pub profiles: Vec<Profile>,
 }
 
 /// What one stage device hands back: its step records, its final blocks and its memory.
@@ -175,6 +187,7 @@ pub(crate) struct StageResult {
     pub records: Vec<StepRecord>,
     pub blocks: DeviceBlocks,
     pub memory: StageMemory,
+    pub profile: Option<Profile>,
 }
 
 /// Runs `plan` (the whole model for one stage's grid) as the pipeline `run`, on the CPU, one thread
@@ -244,6 +257,7 @@ pub fn run_on_threads(
         per_stage.push(stage.into_iter().collect::<Result<Vec<_>, String>>()?);
     }
     let memory: Vec<StageMemory> = per_stage.iter().map(|s| s.first().map(|d| d.memory).unwrap_or_default()).collect();
+    let profiles: Vec<Profile> = per_stage.iter_mut().flatten().filter_map(|d| d.profile.take()).collect();
     let steps = per_stage.first().and_then(|s| s.first()).map(|d| d.records.clone()).unwrap_or_default();
     let run = if config.final_state {
         let blocks: Vec<Vec<DeviceBlocks>> =
@@ -252,7 +266,7 @@ pub fn run_on_threads(
     } else {
         RunOutput::of_steps(steps, Vec::new())
     };
-    Ok(PipelineOutput { run, stages: memory, bytes_between_stages: mail.bytes_sent() })
+    Ok(PipelineOutput { run, stages: memory, bytes_between_stages: mail.bytes_sent(), profiles })
 }
 
 /// The whole model's output of a pipelined run, from every stage device's final blocks (by stage, then
@@ -389,12 +403,17 @@ impl StageWorker<'_> {
         let config = self.config;
         let given = |p: &optimus_plan::PlanParam| self.initial.contains_key(&p.name) || config.weights.is_some();
         let mut device = Device::with_parameters(plan, CpuBackend, comm, config.seed, &|p| !given(p))?;
+        device.profile = config.profile.then(|| Profile::of_stage(plan, device.coords(), self.stage.stage));
         self.load_parameters(&mut device)?;
         let mut memory = StageMemory { storage_bytes: device.storage_bytes(), ..StageMemory::default() };
         let (mut records, mut outputs) = (Vec::new(), Vec::new());
         for step in config.start_step..config.steps {
             let (mut record, stop) =
                 self.update(&mut device, step, &mut memory, &mut outputs).map_err(|e| format!("step {step}: {e}"))?;
+            if let Some(profile) = device.profile.as_mut() {
+                let warm_up = step == config.start_step && config.steps > config.start_step + 1;
+                profile.finish_step(record.elapsed, warm_up);
+            }
             if let Some(checkpoints) = &config.checkpoints {
                 let due = checkpoints.every.is_some_and(|c| (step + 1) % c.max(1) == 0);
                 if due || stop || step + 1 == config.steps {
@@ -411,8 +430,9 @@ impl StageWorker<'_> {
                 break;
             }
         }
+        let profile = device.profile.take();
         let blocks = if config.final_state { device.into_blocks(outputs)? } else { Default::default() };
-        Ok(StageResult { records, blocks, memory })
+        Ok(StageResult { records, blocks, memory, profile })
     }
 
     /// The checkpoint resumed (this stage's parameters and optimizer states of it), the parameters
@@ -514,7 +534,7 @@ impl StageWorker<'_> {
                     if op.chunk == last_chunk {
                         results.note(device, op.micro_batch, op.micro_batch + 1 == m)?;
                     }
-                    let stash = device.stash()?;
+                    let stash = device.profiled(KEPT_OUT, Category::Host, |d| d.stash())?;
                     kept_bytes += stash.bytes;
                     memory.peak_kept_bytes = memory.peak_kept_bytes.max(kept_bytes);
                     kept.insert((op.chunk, op.micro_batch), stash);
@@ -523,13 +543,13 @@ impl StageWorker<'_> {
                 Pass::Backward => {
                     let stash = kept.remove(&(op.chunk, op.micro_batch)).ok_or("a backward pass before its forward")?;
                     kept_bytes -= stash.bytes;
-                    device.restore(stash)?;
+                    device.profiled(KEPT_BACK, Category::Host, |d| d.restore(stash))?;
                     device.begin_pass(index + 1);
                     self.run_actions(device, &self.stage.backward[chunk], at, mode)?;
                     if op.chunk == last_chunk {
                         results.note(device, op.micro_batch, op.micro_batch + 1 == m)?;
                     }
-                    device.add_gradients(&self.stage.gradients)?;
+                    device.profiled(GRADIENT_SUMS, Category::Host, |d| d.add_gradients(&self.stage.gradients))?;
                     memory.gradient_sum_bytes = memory.gradient_sum_bytes.max(device.gradient_sum_bytes());
                 }
             }
@@ -668,20 +688,20 @@ impl StageWorker<'_> {
                 let plan = device.plan;
                 device.run_instruction(k, mode).map_err(|e| super::exec::in_instruction(plan, k, &e.to_string()))
             }
-            Action::Receive { buffer, from } => {
+            Action::Receive { buffer, from } => device.profiled(RECEIVE, Category::Communication, |device| {
                 let plan = device.plan;
                 let block = self
                     .mail
                     .receive(self.key(from, me, at, buffer.0), &|| format!("`{}`", plan.buffer(buffer).name))?;
                 device.write(buffer, block).map_err(|e| e.to_string())
-            }
-            Action::Send { buffer, to } => {
+            }),
+            Action::Send { buffer, to } => device.profiled(SEND, Category::Communication, |device| {
                 let plan = device.plan;
                 let block = device
                     .read(buffer)?
                     .ok_or_else(|| format!("`{}` is not alive when stage {me} sends it", plan.buffer(buffer).name))?;
                 self.mail.send(self.key(me, to, at, buffer.0), block)
-            }
+            }),
         }
     }
 }

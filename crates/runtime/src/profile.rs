@@ -29,6 +29,8 @@ const KEPT_RUNS: usize = 16;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Profile {
     pub device: Coords,
+    /// The pipeline stage whose program the device runs (its instruction indices are that program's).
+    pub stage: Option<u64>,
     /// Steps accumulated (the warm-up step is not one of them).
     pub steps: u64,
     /// Wall time of those steps on this device, loading the inputs included.
@@ -36,12 +38,28 @@ pub struct Profile {
     /// Whether a first step was run and then dropped as warm-up.
     pub warm_up_excluded: bool,
     tallies: Vec<Tally>,
+    /// Work outside the program's instructions, by name: a pipeline stage's messages to and from the
+    /// other stages and its host copies.
+    extras: BTreeMap<&'static str, (Category, Tally)>,
 }
 
 impl Profile {
     pub fn new(plan: &Plan, device: Coords) -> Profile {
         let tallies = vec![Tally::default(); plan.program.len()];
-        Profile { device, steps: 0, wall: Duration::ZERO, warm_up_excluded: false, tallies }
+        let (steps, wall, extras) = (0, Duration::ZERO, BTreeMap::new());
+        Profile { device, stage: None, steps, wall, warm_up_excluded: false, tallies, extras }
+    }
+
+    /// The profile of a device running pipeline stage `stage`'s program.
+    pub fn of_stage(plan: &Plan, device: Coords, stage: u64) -> Profile {
+        Profile { stage: Some(stage), ..Profile::new(plan, device) }
+    }
+
+    /// Adds one run of work `name` outside the program's instructions.
+    pub fn record_extra(&mut self, name: &'static str, category: Category, elapsed: Duration) {
+        let (_, tally) = self.extras.entry(name).or_insert((category, Tally::default()));
+        tally.count += 1;
+        tally.time += elapsed;
     }
 
     /// Adds one execution of instruction `index`.
@@ -76,6 +94,7 @@ impl Profile {
     pub fn finish_step(&mut self, wall: Duration, warm_up: bool) {
         if warm_up {
             self.tallies.fill(Tally::default());
+            self.extras.clear();
             self.steps = 0;
             self.wall = Duration::ZERO;
             self.warm_up_excluded = true;
@@ -92,6 +111,9 @@ impl Profile {
 pub enum Category {
     Compute,
     Communication,
+    /// Copies between a device's storage and host memory that a pipeline stage makes around its passes
+    /// (counted in a device's other time).
+    Host,
 }
 
 /// The row an instruction counts in, and what one execution of it does.
@@ -252,6 +274,9 @@ pub struct ProfileRow {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DeviceTotals {
     pub device: Coords,
+    /// The pipeline stage the device belongs to, in a pipelined run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stage: Option<u64>,
     pub compute_ms: f64,
     /// Collectives, waiting for peers included (exposed: what the device's thread spent on them).
     pub communication_ms: f64,
@@ -275,23 +300,45 @@ struct RowSum {
 
 /// Groups every device's profile of `plan` into one table and per-device totals.
 pub fn report(plan: &Plan, profiles: &[Profile], peak: &Peak) -> ProfileReport {
-    let kinds: Vec<Option<InstrKind>> = plan.program.iter().map(|i| instruction_kind(plan, i)).collect();
+    let runs: Vec<(&Plan, &Profile)> = profiles.iter().map(|p| (plan, p)).collect();
+    report_of_programs(&runs, peak)
+}
+
+/// [`report`] over devices running programs of their own (a pipeline's stages): each profile with the
+/// plan whose instructions it timed.
+pub fn report_of_programs(runs: &[(&Plan, &Profile)], peak: &Peak) -> ProfileReport {
+    let kinds: Vec<(Vec<Option<InstrKind>>, &Profile)> = runs
+        .iter()
+        .map(|&(plan, profile)| (plan.program.iter().map(|i| instruction_kind(plan, i)).collect(), profile))
+        .collect();
     ProfileReport {
         peak_gflops: peak.gflops,
         peak_threads: peak.threads,
         peak_isa: peak.isa.to_string(),
         cpu_products: super::cpu::blas::product_library(),
         cpu_product_calls: super::cpu::blas::calls(),
-        steps_profiled: profiles.first().map_or(0, |p| p.steps),
-        warm_up_excluded: profiles.iter().any(|p| p.warm_up_excluded),
-        rows: summed_rows(&kinds, profiles, peak.gflops),
-        devices: profiles.iter().map(|p| device_totals(&kinds, p)).collect(),
+        steps_profiled: runs.first().map_or(0, |(_, p)| p.steps),
+        warm_up_excluded: runs.iter().any(|(_, p)| p.warm_up_excluded),
+        rows: summed_rows(&kinds, peak.gflops),
+        devices: kinds.iter().map(|(kinds, p)| device_totals(kinds, p)).collect(),
     }
 }
 
-fn summed_rows(kinds: &[Option<InstrKind>], profiles: &[Profile], peak_gflops: f64) -> Vec<ProfileRow> {
+fn summed_rows(runs: &[(Vec<Option<InstrKind>>, &Profile)], peak_gflops: f64) -> Vec<ProfileRow> {
     let mut sums: BTreeMap<&str, RowSum> = BTreeMap::new();
-    for profile in profiles {
+    for (kinds, profile) in runs {
+        for (&name, (category, tally)) in &profile.extras {
+            let sum = sums.entry(name).or_insert(RowSum {
+                category: *category,
+                count: 0,
+                time: Duration::ZERO,
+                hidden: Duration::ZERO,
+                flops: None,
+                bytes: None,
+            });
+            sum.count += tally.count;
+            sum.time += tally.time;
+        }
         for (kind, tally) in kinds.iter().zip(&profile.tallies) {
             let Some(kind) = kind else { continue };
             let sum = sums.entry(&kind.name).or_insert(RowSum {
@@ -342,11 +389,12 @@ fn row(name: &str, s: &RowSum, all: Duration, peak_gflops: f64) -> ProfileRow {
 fn device_totals(kinds: &[Option<InstrKind>], profile: &Profile) -> DeviceTotals {
     let mut spent = [Duration::ZERO; 2];
     let mut hidden = Duration::ZERO;
-    for (kind, tally) in kinds.iter().zip(&profile.tallies) {
-        match kind.as_ref().map(|k| k.category) {
+    let extras = profile.extras.values().map(|(category, tally)| (Some(*category), tally));
+    for (category, tally) in kinds.iter().map(|k| k.as_ref().map(|k| k.category)).zip(&profile.tallies).chain(extras) {
+        match category {
             Some(Category::Compute) => spent[0] += tally.time,
             Some(Category::Communication) => spent[1] += tally.time,
-            None => {}
+            Some(Category::Host) | None => {}
         }
         hidden += tally.hidden;
     }
@@ -354,6 +402,7 @@ fn device_totals(kinds: &[Option<InstrKind>], profile: &Profile) -> DeviceTotals
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     DeviceTotals {
         device: profile.device,
+        stage: profile.stage,
         compute_ms: ms(spent[0]),
         communication_ms: ms(spent[1]),
         hidden_communication_ms: ms(hidden),
@@ -430,14 +479,13 @@ impl ProfileReport {
             "device", "compute ms", "communication ms", "hidden ms", "other ms", "wall ms"
         );
         for d in &self.devices {
+            let device = match d.stage {
+                Some(stage) => format!("s{stage} {}", d.device),
+                None => d.device.to_string(),
+            };
             text.push_str(&format!(
                 "{:<8}  {:>10.2}  {:>16.2}  {:>9.2}  {:>8.2}  {:>8.2}\n",
-                d.device.to_string(),
-                d.compute_ms,
-                d.communication_ms,
-                d.hidden_communication_ms,
-                d.other_ms,
-                d.wall_ms
+                device, d.compute_ms, d.communication_ms, d.hidden_communication_ms, d.other_ms, d.wall_ms
             ));
         }
         text.push_str(

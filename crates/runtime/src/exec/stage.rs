@@ -7,6 +7,7 @@ use super::{Device, Update, final_blocks};
 use crate::backend::Backend;
 use crate::comm::Communicator;
 use crate::error::RuntimeError;
+use crate::profile::Category;
 use optimus_plan::init;
 use optimus_plan::phases::Phase;
 use optimus_plan::tensor::Tensor;
@@ -42,8 +43,29 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
             ))));
         };
         self.position = index;
+        let started = self.profile.is_some().then(std::time::Instant::now);
         let deferred = self.phases.phase(index) == Phase::GradientSum && self.defer_gradient_sum(instr, update)?;
-        if deferred { Ok(()) } else { self.execute_with(instr, update) }
+        if !deferred {
+            self.execute_with(instr, update)?;
+        }
+        self.note_profiled(index, instr, started);
+        Ok(())
+    }
+
+    /// Runs `work`, a pipeline stage's own (a message, a host copy), adding its time to the profile
+    /// under `name` when profiling.
+    pub(crate) fn profiled<R>(
+        &mut self,
+        name: &'static str,
+        category: Category,
+        work: impl FnOnce(&mut Self) -> R,
+    ) -> R {
+        let started = self.profile.is_some().then(std::time::Instant::now);
+        let result = work(self);
+        if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
+            profile.record_extra(name, category, started.elapsed());
+        }
+        result
     }
 
     /// Whether instruction `index` is an optimizer step.

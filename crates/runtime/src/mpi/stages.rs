@@ -234,7 +234,8 @@ impl MpiJob {
             Some(per_stage) => merged_output(plan, pipe.program, &per_stage, result.records)?,
             None => crate::exec::RunOutput::of_steps(result.records, Vec::new()),
         };
-        Ok(Some(PipelineOutput { run, stages: stages_memory, bytes_between_stages }))
+        let profiles = result.profile.into_iter().collect();
+        Ok(Some(PipelineOutput { run, stages: stages_memory, bytes_between_stages, profiles }))
     }
 
     /// A job of one process per device of every stage, where MPI lets threads share it.
