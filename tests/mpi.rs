@@ -329,6 +329,14 @@ fn pipelines_under_mpirun_give_the_threads_losses_weights_and_stage_reports() {
         "sgd",
         "--lr",
         "0.1",
+        "--set",
+        "vocab=333",
+        "--data",
+        "examples/data/paragraph.u16",
+        "--val-data",
+        "examples/data/paragraph.u16",
+        "--eval-every",
+        "2",
     ];
     let cases: [(&str, u32, &[&str]); 4] = [
         ("optimus-2x2-1f1b", 8, &["--mesh", "2x2", "--pipeline", "2", "--accum", "4"]),
@@ -368,6 +376,10 @@ fn pipelines_under_mpirun_give_the_threads_losses_weights_and_stage_reports() {
         let (mpi_records, thread_records) = (records(&out), records(&thread));
         let steps = |r: &[serde_json::Value]| -> Vec<f64> { r.iter().filter_map(|v| v["loss"].as_f64()).collect() };
         assert_close(&steps(&mpi_records), &steps(&thread_records));
+        let validated =
+            |r: &[serde_json::Value]| -> Vec<f64> { r.iter().filter_map(|v| v["val_loss"].as_f64()).collect() };
+        assert_eq!(validated(&thread_records).len(), 1, "{name}: validated after step 2 of 3");
+        assert_close(&validated(&mpi_records), &validated(&thread_records));
         assert_same_weights(&mpi_weights, &thread_weights, 1e-5);
         let report = |r: &[serde_json::Value]| r.iter().find(|v| v.get("pipeline").is_some()).cloned();
         let (a, b) = (report(&mpi_records), report(&thread_records));

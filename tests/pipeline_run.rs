@@ -191,7 +191,7 @@ fn pipeline_flags_that_do_not_fit_are_usage_errors() {
         (&["--pipeline", "2", "--virtual-stages", "2"][..], "interleaved"),
         (&["--pipeline", "2", "--pipeline-split", "1,2"][..], "2 layers in all"),
         (&["--pipeline", "2", "--pipeline-split", "2"][..], "gives 1 runs"),
-        (&["--pipeline", "2", "--val-data", "/nonexistent/x"][..], "--val-data"),
+        (&["--pipeline", "2", "--pipeline-hardware", "nope"][..], "unknown hardware `nope`"),
         (&["--pipeline", "2", "--mode", "infer"][..], "training plan"),
     ] {
         let args: Vec<&str> = run.iter().chain(extra).copied().collect();
@@ -376,4 +376,66 @@ fn a_profiled_pipeline_times_every_stage_device_and_its_own_work() {
     }
     assert_eq!(row_count(&piped, "kept activations back (host)"), row_count(&piped, "kept activations out (host)"));
     assert_eq!(row_count(&whole, "receive (stage)"), None);
+}
+
+/// The validation losses an `optimusc run ... --json` printed, in order.
+fn validation_losses(args: &[&str]) -> Vec<f64> {
+    let out = optimusc(args);
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|r| r.get("val_loss")?.as_f64())
+        .collect()
+}
+
+#[test]
+fn a_pipeline_validates_as_the_unpipelined_run_does() {
+    // GPT-2 with dropout (off in validation) and the tied head, validated after every second update.
+    let model = [
+        "run",
+        "examples/gpt2.opt",
+        "--set",
+        "layers=4",
+        "--set",
+        "hidden=64",
+        "--set",
+        "heads=4",
+        "--set",
+        "vocab=333",
+        "--set",
+        "seq=32",
+        "--set",
+        "batch=4",
+        "--data",
+        "examples/data/paragraph.u16",
+        "--val-data",
+        "examples/data/paragraph.u16",
+        "--eval-every",
+        "2",
+        "--steps",
+        "4",
+        "--accum",
+        "4",
+        "--json",
+    ];
+    for (mesh, strategy, pipeline) in [
+        ("1x1", "none", &["--pipeline", "2"][..]),
+        (
+            "2x2",
+            "optimus",
+            &["--pipeline", "2", "--pipeline-schedule", "interleaved", "--pipeline-split", "1,1,1,1"][..],
+        ),
+        ("2x1x2", "megatron", &["--pipeline", "4", "--pipeline-schedule", "gpipe"][..]),
+    ] {
+        let grid = ["--mesh", mesh, "--strategy", strategy];
+        let want = validation_losses(&[&model[..], &grid].concat());
+        let got = validation_losses(&[&model[..], &grid, pipeline].concat());
+        assert_eq!(want.len(), 2, "{mesh}: {want:?}");
+        assert_eq!(got.len(), want.len(), "{mesh} {pipeline:?}: {got:?}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{mesh} {pipeline:?}: {got:?} against {want:?}");
+        }
+    }
 }

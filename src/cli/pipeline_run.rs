@@ -41,13 +41,12 @@ pub(super) fn program_of(args: &RunArgs, plan: &Plan) -> Result<(PipelineProgram
 
 /// What a pipelined run does not do yet, refused before anything is read or written.
 pub(super) fn refuse_unsupported(args: &RunArgs) -> Result<(), Failure> {
-    let refused =
-        [(args.backend != super::run::Backend::Cpu, "--backend cuda"), (args.val_data.is_some(), "--val-data")];
-    if let Some((_, flag)) = refused.iter().find(|(given, _)| *given) {
-        return Err(Failure::usage(format!(
-            "--pipeline does not go with {flag} yet: pipelines run on the CPU (threads, or one process per \
+    if args.backend != super::run::Backend::Cpu {
+        return Err(Failure::usage(
+            "--pipeline does not go with --backend cuda yet: pipelines run on the CPU (threads, or one process per \
              device of every stage under mpirun)"
-        )));
+                .into(),
+        ));
     }
     Ok(())
 }

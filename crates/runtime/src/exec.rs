@@ -539,19 +539,23 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             self.begin_step();
             for (index, instr) in plan.program.iter().enumerate().take(self.phases.forward_end()) {
                 self.position = index;
-                let result = match instr {
-                    Instr::Kernel { kernel: Kernel::Dropout { key, .. }, inputs, output, .. } => {
-                        self.kernel(&Kernel::Dropout { p: 0.0, key: *key }, inputs, *output)
-                    }
-                    _ => self.execute(instr, None),
-                };
-                result.map_err(at_instruction(plan, index))?;
+                self.execute_for_validation(instr).map_err(at_instruction(plan, index))?;
             }
             self.finish_in_flight()?;
             let value = self.read(loss.buffer)?.and_then(|t| t.f32().ok()?.first().copied());
             total += f64::from(value.ok_or(RuntimeError::LossNotComputed)?);
         }
         Ok((total / evaluation.batches.max(1) as f64) as f32)
+    }
+
+    /// Runs a forward instruction as validation does: dropout off, no optimizer step.
+    fn execute_for_validation(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
+        match instr {
+            Instr::Kernel { kernel: Kernel::Dropout { key, .. }, inputs, output, .. } => {
+                self.kernel(&Kernel::Dropout { p: 0.0, key: *key }, inputs, *output)
+            }
+            _ => self.execute(instr, None),
+        }
     }
 
     /// Buffers kept from the previous step (never freed) die as a step starts: their regions may be

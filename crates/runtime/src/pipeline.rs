@@ -29,6 +29,8 @@ use std::time::{Duration, Instant};
 const UPDATE: u64 = u64::MAX;
 /// The micro-batch number of the gradient norm's shares.
 const NORM: u64 = u64::MAX - 1;
+/// Validation after step k exchanges its messages as step `VALIDATION + k`, apart from training's.
+const VALIDATION: u64 = 1 << 62;
 /// The micro-batch number of the parameter blocks sent to the first stage for a checkpoint.
 const CHECKPOINT: u64 = u64::MAX - 2;
 
@@ -410,6 +412,11 @@ impl StageWorker<'_> {
         for step in config.start_step..config.steps {
             let (mut record, stop) =
                 self.update(&mut device, step, &mut memory, &mut outputs).map_err(|e| format!("step {step}: {e}"))?;
+            if let Some(evaluation) = config.evaluation.as_ref().filter(|e| (step + 1) % e.every.max(1) == 0) {
+                record.val_loss = self
+                    .validate(&mut device, evaluation, step)
+                    .map_err(|e| format!("validation after step {step}: {e}"))?;
+            }
             if let Some(profile) = device.profile.as_mut() {
                 let warm_up = step == config.start_step && config.steps > config.start_step + 1;
                 profile.finish_step(record.elapsed, warm_up);
@@ -604,6 +611,72 @@ impl StageWorker<'_> {
         match shared {
             Some(shared) => Ok(shared),
             None => self.total_norm(device, step, losses),
+        }
+    }
+
+    /// The validation loss after step `step`: every stage runs its forward passes of each validation
+    /// batch (dropout off), batch by batch and chunk by chunk, with the activations going from stage to
+    /// stage as in training; the stage that computes the loss averages it over the batches and sends it
+    /// to the first stage, whose devices return it (the others `None`).
+    fn validate<C: Communicator>(
+        &self,
+        device: &mut Device<'_, CpuBackend, C>,
+        evaluation: &super::exec::Evaluation,
+        step: u64,
+    ) -> Result<Option<f32>, String> {
+        let me = self.stage.stage;
+        let mut total = 0.0f64;
+        for v in 0..evaluation.batches {
+            let at = At { step: VALIDATION + step, micro_batch: v };
+            if !device.plan.inputs.is_empty() {
+                device.load_inputs(&(evaluation.data)(v).map_err(|e| e.to_string())?)?;
+            }
+            for (c, chunk) in self.stage.forward.iter().enumerate() {
+                for &action in chunk {
+                    match action {
+                        Action::Run(k) => device
+                            .run_validation_instruction(k)
+                            .map_err(|e| super::exec::in_instruction(device.plan, k, &e.to_string()))?,
+                        other => self.run_action(device, other, at, Update::Accumulate)?,
+                    }
+                }
+                if self.stage.computes_loss && c + 1 == self.stage.forward.len() {
+                    // The loss's sum over the grid may sit among the backward pass's instructions.
+                    let later: Vec<usize> = self
+                        .stage
+                        .backward
+                        .get(c)
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|action| match action {
+                            Action::Run(k) => Some(*k),
+                            _ => None,
+                        })
+                        .collect();
+                    for k in device.loss_completion(&later) {
+                        device
+                            .run_validation_instruction(k)
+                            .map_err(|e| super::exec::in_instruction(device.plan, k, &e.to_string()))?;
+                    }
+                    total += f64::from(device.loss_value()?.ok_or("the validation loss was not computed")?);
+                }
+                // As in training, a chunk's buffers die before the next chunk's pass (they share storage).
+                device.end_validation_pass()?;
+            }
+        }
+        let loss_stage = self.pipe.program.stages.iter().position(|s| s.computes_loss).unwrap_or(0) as u64;
+        let at = At { step: VALIDATION + step, micro_batch: NORM };
+        let mean = (total / evaluation.batches.max(1) as f64) as f32;
+        if me == loss_stage && me != 0 {
+            self.mail.send(self.key(me, 0, at, 0), Tensor::from_f32(&[1], vec![mean]))?;
+        }
+        match me {
+            0 if loss_stage == 0 => Ok(Some(mean)),
+            0 => {
+                let block = self.mail.receive(self.key(loss_stage, 0, at, 0), &|| "the validation loss".to_string())?;
+                Ok(block.f32().map_err(|e| e.to_string())?.first().copied())
+            }
+            _ => Ok(None),
         }
     }
 

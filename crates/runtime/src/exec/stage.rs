@@ -68,6 +68,48 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         result
     }
 
+    /// Runs instruction `index` of a forward pass of validation (dropout off; not profiled).
+    pub(crate) fn run_validation_instruction(&mut self, index: usize) -> Result<(), RuntimeError> {
+        let plan = self.plan;
+        let instr = plan.program.get(index).ok_or_else(|| {
+            RuntimeError::Kernel(crate::error::KernelError::Internal(format!(
+                "a pipeline stage has no instruction {index}"
+            )))
+        })?;
+        self.position = index;
+        self.execute_for_validation(instr)
+    }
+
+    /// Of `later` (instruction indices in program order, a backward pass's), those the loss needs: a
+    /// plan may sum the loss over the grid and the replicas late, among the backward pass's
+    /// instructions. Walks back from the loss through what each instruction reads.
+    pub(crate) fn loss_completion(&self, later: &[usize]) -> Vec<usize> {
+        let Some(loss) = self.plan.outputs.iter().find(|o| o.is_loss).map(|o| o.buffer) else { return Vec::new() };
+        let mut needed: std::collections::BTreeSet<BufferId> = std::iter::once(loss).collect();
+        let mut chosen = Vec::new();
+        for &k in later.iter().rev() {
+            let (writes, reads): (Option<BufferId>, Vec<BufferId>) = match self.plan.program.get(k) {
+                Some(Instr::Kernel { output, inputs, .. }) => (Some(*output), inputs.clone()),
+                Some(Instr::Collective { collective, .. }) => (Some(collective.recv), vec![collective.send]),
+                Some(Instr::Wait { recv, .. }) => (Some(*recv), Vec::new()),
+                _ => (None, Vec::new()),
+            };
+            if writes.is_some_and(|w| needed.contains(&w)) {
+                chosen.push(k);
+                needed.extend(reads);
+            }
+        }
+        chosen.reverse();
+        chosen
+    }
+
+    /// Ends a pass of validation: everything but the persistent buffers dies.
+    pub(crate) fn end_validation_pass(&mut self) -> Result<(), RuntimeError> {
+        self.finish_in_flight()?;
+        self.begin_step();
+        Ok(())
+    }
+
     /// Whether instruction `index` is an optimizer step.
     pub(crate) fn is_optimizer_step(&self, index: usize) -> bool {
         matches!(self.plan.program.get(index), Some(Instr::Kernel { kernel: Kernel::OptimizerStep, .. }))
