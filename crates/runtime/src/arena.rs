@@ -285,6 +285,13 @@ impl HostArena {
         Ok(self.view(id)?.to_tensor())
     }
 
+    /// A host copy of a buffer into `into`, in the allocation `into` already has where it is large
+    /// enough (bf16 widened to f32, as [`HostArena::download`] does).
+    pub fn download_into(&self, id: BufferId, into: &mut Tensor) -> Result<(), RuntimeError> {
+        self.view(id)?.copy_into(into);
+        Ok(())
+    }
+
     /// The first NaN or infinity of a floating-point buffer, with its element index (`None` for an
     /// integer buffer).
     pub fn first_non_finite(&self, id: BufferId) -> Result<Option<(usize, f32)>, RuntimeError> {

@@ -58,6 +58,13 @@ pub trait Backend: Send {
     fn upload(&mut self, storage: &mut Self::Storage, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError>;
     /// A host copy of a buffer.
     fn download(&mut self, storage: &Self::Storage, id: BufferId) -> Result<Tensor, RuntimeError>;
+    /// A host copy of a buffer into `into`, reusing its allocation where the backend can (a pipeline
+    /// stage keeps activations aside once per micro-batch: fresh allocations would fault their pages in
+    /// every time).
+    fn download_into(&mut self, storage: &Self::Storage, id: BufferId, into: &mut Tensor) -> Result<(), RuntimeError> {
+        *into = self.download(storage, id)?;
+        Ok(())
+    }
     /// Zero-fills a buffer (what a buffer holds when it comes alive).
     fn zero(&mut self, storage: &mut Self::Storage, id: BufferId) -> Result<(), RuntimeError>;
     /// The first NaN or infinity of a floating-point buffer, with its element index.

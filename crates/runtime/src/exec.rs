@@ -20,7 +20,7 @@ use optimus_plan::stores::{CheckpointSink, CheckpointSource, DeviceParamBlocks, 
 use optimus_plan::tensor::Tensor;
 use optimus_plan::{Buffer, BufferId, CollectiveKind, Coords, Group, Instr, Kernel, Plan, ReduceOp, Role};
 pub use stage::Stash;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 /// How to run a plan.
@@ -226,6 +226,9 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     position: usize,
     /// The collective the last `Wait` finished, for the profile.
     last_wait: Option<Waited>,
+    /// Host tensors a pipeline stage's passes have finished with, by buffer, for the next pass to copy
+    /// into (see [`Device::stash`]).
+    spare: HashMap<BufferId, Vec<Tensor>>,
 }
 
 /// An overlapped collective in flight on the communicator's own thread.
@@ -317,6 +320,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             in_flight: Vec::new(),
             position: 0,
             last_wait: None,
+            spare: HashMap::new(),
         }
     }
 
@@ -361,13 +365,18 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
 
     /// Replaces a buffer's contents (loading inputs or checkpoint shards).
     pub fn write(&mut self, id: BufferId, tensor: Tensor) -> Result<(), RuntimeError> {
+        self.write_from(id, &tensor)
+    }
+
+    /// [`Device::write`] from a borrowed tensor.
+    pub(crate) fn write_from(&mut self, id: BufferId, tensor: &Tensor) -> Result<(), RuntimeError> {
         self.wait(id)?;
         let meta = self.plan.buffer(id);
         if tensor.shape != meta.shape {
-            let (buffer, want, got) = (meta.name.clone(), meta.shape.clone(), tensor.shape);
+            let (buffer, want, got) = (meta.name.clone(), meta.shape.clone(), tensor.shape.clone());
             return Err(RuntimeError::Shape { buffer, want, got });
         }
-        self.backend.upload(&mut self.storage, id, &tensor)?;
+        self.backend.upload(&mut self.storage, id, tensor)?;
         self.alive[id.0 as usize] = true;
         Ok(())
     }

@@ -109,6 +109,28 @@ impl<'a> View<'a> {
         };
         Tensor { shape: self.shape.0.to_vec(), data }
     }
+
+    /// What [`View::to_tensor`] gives, written into `into`'s allocation where its element type matches.
+    pub fn copy_into(&self, into: &mut Tensor) {
+        fn refill<T: Copy>(vec: &mut Vec<T>, values: &[T]) {
+            vec.clear();
+            vec.extend_from_slice(values);
+        }
+        match (self.data, &mut into.data) {
+            (ViewData::F32(v), Data::F32(out)) => refill(out, v),
+            (ViewData::I32(v), Data::I32(out)) => refill(out, v),
+            (ViewData::Bf16(v), Data::F32(out)) => {
+                out.clear();
+                out.extend(v.iter().map(|&b| super::bf16::widen_one(b)));
+            }
+            _ => {
+                *into = self.to_tensor();
+                return;
+            }
+        }
+        into.shape.clear();
+        into.shape.extend_from_slice(&self.shape.0);
+    }
 }
 
 impl ViewMut<'_> {

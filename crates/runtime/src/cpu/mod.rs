@@ -137,6 +137,10 @@ impl Backend for CpuBackend {
         storage.download(id)
     }
 
+    fn download_into(&mut self, storage: &HostArena, id: BufferId, into: &mut Tensor) -> Result<(), RuntimeError> {
+        storage.download_into(id, into)
+    }
+
     fn zero(&mut self, storage: &mut HostArena, id: BufferId) -> Result<(), RuntimeError> {
         storage.zero(id)
     }

@@ -124,7 +124,8 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         for b in &plan.buffers {
             let kept = !matches!(b.role, Role::Parameter | Role::OptimizerState | Role::Cache);
             if kept && self.is_alive(b.id) {
-                let tensor = self.backend.download(&self.storage, b.id)?;
+                let mut tensor = self.spare_tensor(b.id);
+                self.backend.download_into(&self.storage, b.id, &mut tensor)?;
                 stash.bytes += b.bytes();
                 stash.buffers.push((b.id, tensor));
             }
@@ -133,12 +134,19 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         Ok(stash)
     }
 
-    /// Writes back what [`Device::stash`] kept.
+    /// Writes back what [`Device::stash`] kept, and keeps its host tensors for later stashes (so that
+    /// a run's copies after its first few go into memory already paged in).
     pub(crate) fn restore(&mut self, stash: Stash) -> Result<(), RuntimeError> {
         for (id, tensor) in stash.buffers {
-            self.write(id, tensor)?;
+            self.write_from(id, &tensor)?;
+            self.spare.entry(id).or_default().push(tensor);
         }
         Ok(())
+    }
+
+    /// A host tensor an earlier pass finished with for buffer `id`, or an empty one.
+    fn spare_tensor(&mut self, id: BufferId) -> Tensor {
+        self.spare.get_mut(&id).and_then(Vec::pop).unwrap_or_else(|| Tensor::from_f32(&[0], Vec::new()))
     }
 
     /// Adds each of `gradients` that this pass wrote to the update's sums, then lets every
@@ -149,13 +157,15 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
             if !self.is_alive(g) {
                 continue;
             }
-            let values = self.backend.download(&self.storage, g)?;
-            let values = values.f32()?;
+            let mut copy = self.spare_tensor(g);
+            self.backend.download_into(&self.storage, g, &mut copy)?;
+            let values = copy.f32()?;
             let sum = self.grad_sums.entry(g).or_insert_with(|| vec![0.0; values.len()]);
             if sum.len() != values.len() {
                 return Err(RuntimeError::GradientResized);
             }
             sum.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
+            self.spare.entry(g).or_default().push(copy);
         }
         self.begin_step();
         Ok(())
