@@ -143,6 +143,12 @@ enum Command {
         /// (its `source`, which must still be there) at other batch sizes.
         #[arg(long, value_name = "SIZE", value_parser = cli::flags::memory_size)]
         memory: Option<u64>,
+        /// With --pipeline P: also the plan cut into P stages as `run --pipeline` cuts it (balanced by
+        /// --pipeline-hardware's simulated time, or --pipeline-split), what each stage device holds
+        /// under the schedule over --accum micro-batches and sends to its neighbours, and the schedule
+        /// drawn over the step simulated on that profile.
+        #[command(flatten)]
+        pipeline: cli::inspect_pipeline::InspectPipelineArgs,
     },
 }
 
@@ -219,7 +225,9 @@ fn run(cli: Cli) -> ExitCode {
         Command::Tokenize(args) => cli::tokenize::tokenize(&args),
         Command::Eval(args) => cli::eval::eval(&args),
         Command::Generate(args) => cli::generate::generate(&args),
-        Command::Inspect { plan, json, dot, memory } => inspect(&plan, json, dot.as_deref(), memory),
+        Command::Inspect { plan, json, dot, memory, pipeline } => {
+            inspect(&plan, (json, dot.as_deref()), memory, &pipeline)
+        }
     }
 }
 
@@ -288,15 +296,27 @@ fn compile(args: &CompileArgs) -> ExitCode {
 }
 
 /// The `inspect --json` document: the report, with the `--memory` search's answer as `max_batch`.
-fn report_json(report: &optimus::plan::report::Report, fit: Option<&cli::fit::Fit>) -> serde_json::Result<String> {
+fn report_json(
+    report: &optimus::plan::report::Report,
+    fit: Option<&cli::fit::Fit>,
+    pipeline: Option<&cli::inspect_pipeline::PipelineView>,
+) -> serde_json::Result<String> {
     let mut value = serde_json::to_value(report)?;
     if let (Some(fit), Some(object)) = (fit, value.as_object_mut()) {
         object.insert("max_batch".into(), serde_json::to_value(fit)?);
     }
+    if let (Some(pipeline), Some(object)) = (pipeline, value.as_object_mut()) {
+        object.insert("pipeline".into(), cli::inspect_pipeline::to_json(pipeline));
+    }
     serde_json::to_string_pretty(&value)
 }
 
-fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>, memory: Option<u64>) -> ExitCode {
+fn inspect(
+    path: &std::path::Path,
+    (json, dot): (bool, Option<&std::path::Path>),
+    memory: Option<u64>,
+    pipeline: &cli::inspect_pipeline::InspectPipelineArgs,
+) -> ExitCode {
     if let Some(Err(e)) = dot.map(|dot| cli::refuse_overwriting_input(dot, path, "--dot")) {
         return e.exit();
     }
@@ -329,8 +349,15 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>, me
             return ExitCode::from(1);
         }
     };
+    let piped = match pipeline.pipeline.requested().then(|| cli::inspect_pipeline::view(&plan, pipeline)).transpose() {
+        Ok(piped) => piped,
+        Err(e) => {
+            eprintln_safe!("error: --pipeline: {e}");
+            return ExitCode::from(2);
+        }
+    };
     if json {
-        match report_json(&report, fit.as_ref()) {
+        match report_json(&report, fit.as_ref(), piped.as_ref()) {
             Ok(text) => cli::stdout_json(&format!("{text}\n")),
             Err(e) => {
                 eprintln_safe!("error: cannot serialise the report: {e}");
@@ -341,6 +368,9 @@ fn inspect(path: &std::path::Path, json: bool, dot: Option<&std::path::Path>, me
         cli::stdout(&optimus::plan::report::render_text(&plan, &report));
         if let Some(fit) = &fit {
             cli::stdout(&cli::fit::render(fit));
+        }
+        if let Some(piped) = &piped {
+            cli::stdout(&cli::inspect_pipeline::render(piped));
         }
     }
     ExitCode::SUCCESS

@@ -439,3 +439,51 @@ fn a_pipeline_validates_as_the_unpipelined_run_does() {
         }
     }
 }
+
+#[test]
+fn inspect_shows_the_stages_memory_and_schedule_that_run_pipeline_runs() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let plan = dir.path().join("plan.json");
+    let plan_arg = plan.to_str().expect("a UTF-8 path");
+    let sizes = ["--set", "layers=4", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=4096", "--mesh", "2x2"];
+    let compiled = optimusc(&[&["compile", "examples/gpt2.opt"][..], &sizes, &["-o", plan_arg]].concat());
+    assert!(compiled.status.success(), "{}", String::from_utf8_lossy(&compiled.stderr));
+    for pipeline in [
+        &["--pipeline", "2", "--accum", "4"][..],
+        &["--pipeline", "2", "--accum", "4", "--pipeline-schedule", "interleaved"],
+    ] {
+        let inspected = optimusc(&[&["inspect", plan_arg, "--json"][..], pipeline].concat());
+        assert!(inspected.status.success(), "{}", String::from_utf8_lossy(&inspected.stderr));
+        let view: serde_json::Value = serde_json::from_slice(&inspected.stdout).expect("JSON");
+        let ran = optimusc(&[&["run", plan_arg, "--steps", "1", "--json"][..], pipeline].concat());
+        assert!(ran.status.success(), "{}", String::from_utf8_lossy(&ran.stderr));
+        let stdout = String::from_utf8_lossy(&ran.stdout);
+        let record: serde_json::Value = stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|r| r.get("pipeline").is_some())
+            .expect("a pipeline record")["pipeline"]
+            .clone();
+        let shown = view["pipeline"]["stages"].as_array().expect("stages");
+        let run_stages = record["stages"].as_array().expect("stages");
+        assert_eq!(shown.len(), run_stages.len());
+        for (a, b) in shown.iter().zip(run_stages) {
+            assert_eq!(a["layers"], b["layers"], "{pipeline:?}");
+            assert_eq!(a["memory"], b["planned"], "{pipeline:?}: the stage's memory is the plan run measures against");
+        }
+        // The drawn schedule: every stage runs each micro-batch's forward and backward once a chunk.
+        let passes = view["pipeline"]["simulated"]["passes"].as_array().expect("passes");
+        let chunks = if pipeline.contains(&"interleaved") { 2 } else { 1 };
+        for stage in passes {
+            assert_eq!(stage.as_array().map(Vec::len), Some(4 * 2 * chunks), "{stage:?}");
+        }
+    }
+    let text = optimusc(&["inspect", plan_arg, "--pipeline", "2", "--accum", "4"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("pipeline: 2 stages under 1f1b, 4 micro-batches") && text.contains("  stage   1 |"),
+        "{text}"
+    );
+    let bad = optimusc(&["inspect", plan_arg, "--pipeline", "9", "--accum", "4"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
+}

@@ -7,6 +7,7 @@ pub mod export;
 pub mod fit;
 pub mod flags;
 pub mod generate;
+pub mod inspect_pipeline;
 pub mod mask;
 pub mod pipeline;
 pub mod pipeline_run;

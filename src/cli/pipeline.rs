@@ -229,8 +229,8 @@ fn render_accumulated(s: &PipelineSimulation) -> String {
 /// The pipeline flags of `optimusc run` (the micro-batches are `--accum`).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct RunPipelineArgs {
-    /// Run the model as a pipeline of P stages, each on its own copy of the plan's grid (mesh and
-    /// replicas; P times its devices in all, one thread each): the repeated layers are cut into P
+    /// The model as a pipeline of P stages, each on its own copy of the plan's grid (mesh and
+    /// replicas; P times its devices in all, one thread each when run): the repeated layers are cut into P
     /// contiguous runs (the embedding with the first, the head with the last), each stage runs its
     /// layers' forward and backward passes for --accum micro-batches under --pipeline-schedule, passes
     /// activations forward and their gradients back to its neighbours point to point, and every stage
@@ -313,12 +313,17 @@ impl RunPipelineArgs {
         if let Some(given) = self.split(layers, stages * virtual_stages)? {
             return Ok(given);
         }
-        let hw = match &self.pipeline_hardware {
-            Some(name) => optimus::cost::Hardware::load(name).map_err(|e| format!("--pipeline-hardware: {e}"))?,
-            None => optimus::cost::Hardware::parse(ROUGH_CPU, "rough-cpu").map_err(|e| e.to_string())?,
-        };
+        let hw = self.balancing_hardware()?;
         let options = optimus::cost::Options::default();
         optimus::cost::staged::balanced_split(plan, &hw, &options, (stages, virtual_stages)).map_err(|e| e.to_string())
+    }
+
+    /// The profile whose simulated times balance the stages: --pipeline-hardware's, else [`ROUGH_CPU`].
+    pub fn balancing_hardware(&self) -> Result<optimus::cost::Hardware, String> {
+        match &self.pipeline_hardware {
+            Some(name) => optimus::cost::Hardware::load(name).map_err(|e| format!("--pipeline-hardware: {e}")),
+            None => optimus::cost::Hardware::parse(ROUGH_CPU, "rough-cpu").map_err(|e| e.to_string()),
+        }
     }
 
     /// The pieces of each virtual stage that --pipeline-split gives, for a model of `layers` repeated

@@ -48,6 +48,11 @@ pub enum PipelineError {
         virtual_stages: u64,
     },
     Timeline(TimelineError),
+    /// A split of the layers with another number of runs than virtual stages.
+    SplitMismatch {
+        given: usize,
+        virtual_stages: u64,
+    },
 }
 
 impl std::fmt::Display for PipelineError {
@@ -59,6 +64,9 @@ impl std::fmt::Display for PipelineError {
                 write!(f, "{}", optimus_plan::pipeline_cut::CutError::TooFewLayers { layers, virtual_stages })
             }
             PipelineError::Timeline(e) => write!(f, "{e}"),
+            PipelineError::SplitMismatch { given, virtual_stages } => {
+                write!(f, "a split into {given} runs of layers for {virtual_stages} virtual stages")
+            }
         }
     }
 }
@@ -552,12 +560,27 @@ pub fn simulate_pipeline(
     if plan.mode != Mode::Train {
         return Err(PipelineError::NotTraining);
     }
+    simulate_pipeline_split(plan, hw, options, pipeline, None)
+}
+
+/// [`simulate_pipeline`] with the repeated layers of each virtual stage given (`chunk * stages +
+/// stage`, as [`balanced_split`] gives them) instead of balanced by the simulated time.
+pub fn simulate_pipeline_split(
+    plan: &Plan,
+    hw: &Hardware,
+    options: &Options,
+    pipeline: Pipeline,
+    split: Option<&[std::ops::Range<usize>]>,
+) -> Result<PipelineSimulation, PipelineError> {
+    if plan.mode != Mode::Train {
+        return Err(PipelineError::NotTraining);
+    }
     let (cut, shared) = costed_pieces(plan, hw, options, pipeline.stages);
     let unpipelined = match shared {
         Some(_) => simulate_costed(plan, hw, options).0,
         None => cut.1,
     };
-    pipeline_of_pieces(hw, &cut.0, unpipelined, pipeline)
+    pipeline_of_split_pieces(hw, &cut.0, unpipelined, pipeline, split)
 }
 
 /// `plan` cut into pieces costed as `stages` stages of its grid run them: on a shared engine (a
@@ -608,6 +631,17 @@ pub fn pipeline_of_pieces(
     unpipelined: Simulation,
     pipeline: Pipeline,
 ) -> Result<PipelineSimulation, PipelineError> {
+    pipeline_of_split_pieces(hw, pieces, unpipelined, pipeline, None)
+}
+
+/// [`pipeline_of_pieces`] with the virtual stages' pieces given, or balanced where `None`.
+fn pipeline_of_split_pieces(
+    hw: &Hardware,
+    pieces: &Pieces,
+    unpipelined: Simulation,
+    pipeline: Pipeline,
+    split: Option<&[std::ops::Range<usize>]>,
+) -> Result<PipelineSimulation, PipelineError> {
     let alone;
     let pieces = match pieces.shared_engine {
         Some(engine) => {
@@ -617,7 +651,11 @@ pub fn pipeline_of_pieces(
         None => pieces,
     };
     let (p, v) = (pipeline.stages.max(1), pipeline.schedule.chunks());
-    let groups = virtual_stage_pieces(pieces, p * v)?;
+    let groups = match split {
+        Some(given) if given.len() as u64 == p * v => given.to_vec(),
+        Some(given) => return Err(PipelineError::SplitMismatch { given: given.len(), virtual_stages: p * v }),
+        None => virtual_stage_pieces(pieces, p * v)?,
+    };
     let stage_of_piece = |piece: usize| groups.iter().position(|r| r.contains(&piece)).unwrap_or(0) as u64 % p;
     let sum = |values: &[f64], range: &std::ops::Range<usize>| values[range.clone()].iter().sum::<f64>();
     let copies = StageCopies::of(hw, pieces);
