@@ -129,7 +129,7 @@ impl<'a> View<'a> {
             }
         }
         into.shape.clear();
-        into.shape.extend_from_slice(&self.shape.0);
+        into.shape.extend_from_slice(self.shape.0);
     }
 }
 
