@@ -628,10 +628,12 @@ mod tests {
     fn the_warm_up_step_is_dropped_and_shares_add_up() {
         let mut profile = Profile {
             device: Coords::default(),
+            stage: None,
             steps: 0,
             wall: Duration::ZERO,
             warm_up_excluded: false,
             tallies: vec![Tally::default(); 2],
+            extras: BTreeMap::new(),
         };
         profile.record(0, Duration::from_millis(50));
         profile.finish_step(Duration::from_millis(60), true);
@@ -650,7 +652,7 @@ mod tests {
                 bytes: Some(1_000),
             }),
         ];
-        let rows = summed_rows(&kinds, &[profile.clone(), profile.clone()], 10.0);
+        let rows = summed_rows(&[(kinds.to_vec(), &profile), (kinds.to_vec(), &profile)], 10.0);
         assert_eq!(
             rows.iter().map(|r| (r.name.as_str(), r.count)).collect::<Vec<_>>(),
             [("MatMul", 4), ("all_reduce (row)", 4)]
@@ -663,5 +665,36 @@ mod tests {
         let totals = device_totals(&kinds, &profile);
         assert_eq!((totals.compute_ms, totals.communication_ms, totals.wall_ms), (6.0, 2.0, 10.0));
         assert!((totals.other_ms - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_stages_own_work_gets_rows_and_its_host_copies_count_as_other_time() {
+        let mut profile = Profile {
+            device: Coords::default(),
+            stage: Some(1),
+            steps: 0,
+            wall: Duration::ZERO,
+            warm_up_excluded: false,
+            tallies: vec![Tally::default(); 1],
+            extras: BTreeMap::new(),
+        };
+        profile.record(0, Duration::from_millis(3));
+        profile.record_extra("receive (stage)", Category::Communication, Duration::from_millis(4));
+        profile.record_extra("kept activations out (host)", Category::Host, Duration::from_millis(2));
+        profile.record_extra("kept activations out (host)", Category::Host, Duration::from_millis(1));
+        profile.finish_step(Duration::from_millis(10), false);
+        let kinds =
+            vec![Some(InstrKind { name: "MatMul".into(), category: Category::Compute, flops: None, bytes: None })];
+        let rows = summed_rows(&[(kinds.clone(), &profile)], 10.0);
+        let row = |name: &str| rows.iter().find(|r| r.name == name).map(|r| (r.count, r.total_ms, r.category));
+        assert_eq!(row("receive (stage)"), Some((1, 4.0, Category::Communication)));
+        assert_eq!(row("kept activations out (host)"), Some((2, 3.0, Category::Host)));
+        assert_eq!(row("MatMul"), Some((1, 3.0, Category::Compute)));
+        let totals = device_totals(&kinds, &profile);
+        assert_eq!((totals.stage, totals.compute_ms, totals.communication_ms), (Some(1), 3.0, 4.0));
+        assert!((totals.other_ms - 3.0).abs() < 1e-9, "the host copies and the rest: {}", totals.other_ms);
+        let mut warm = profile.clone();
+        warm.finish_step(Duration::from_millis(10), true);
+        assert!(summed_rows(&[(kinds, &warm)], 10.0).iter().all(|r| r.count == 0), "the warm-up drops the extras too");
     }
 }
