@@ -331,13 +331,8 @@ fn pipelines_under_mpirun_give_the_threads_losses_weights_and_stage_reports() {
         "0.1",
         "--set",
         "vocab=333",
-        "--data",
-        "examples/data/paragraph.u16",
-        "--val-data",
-        "examples/data/paragraph.u16",
-        "--eval-every",
-        "2",
     ];
+    let base = [&base[..], &common::PARAGRAPH_VALIDATED_EVERY_2].concat();
     let cases: [(&str, u32, &[&str]); 4] = [
         ("optimus-2x2-1f1b", 8, &["--mesh", "2x2", "--pipeline", "2", "--accum", "4"]),
         (

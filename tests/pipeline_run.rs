@@ -408,12 +408,6 @@ fn a_pipeline_validates_as_the_unpipelined_run_does() {
         "seq=32",
         "--set",
         "batch=4",
-        "--data",
-        "examples/data/paragraph.u16",
-        "--val-data",
-        "examples/data/paragraph.u16",
-        "--eval-every",
-        "2",
         "--steps",
         "4",
         "--accum",
@@ -430,8 +424,9 @@ fn a_pipeline_validates_as_the_unpipelined_run_does() {
         ("2x1x2", "megatron", &["--pipeline", "4", "--pipeline-schedule", "gpipe"][..]),
     ] {
         let grid = ["--mesh", mesh, "--strategy", strategy];
-        let want = validation_losses(&[&model[..], &grid].concat());
-        let got = validation_losses(&[&model[..], &grid, pipeline].concat());
+        let validated = common::PARAGRAPH_VALIDATED_EVERY_2;
+        let want = validation_losses(&[&model[..], &validated, &grid].concat());
+        let got = validation_losses(&[&model[..], &validated, &grid, pipeline].concat());
         assert_eq!(want.len(), 2, "{mesh}: {want:?}");
         assert_eq!(got.len(), want.len(), "{mesh} {pipeline:?}: {got:?}");
         for (g, w) in got.iter().zip(&want) {

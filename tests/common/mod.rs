@@ -128,3 +128,8 @@ pub fn adamw() -> optimus::runtime::settings::OptimizerSettings {
         eps: 1e-8,
     }
 }
+
+/// Training on the example paragraph, validated on it after every second update (the vocabulary must
+/// hold its 333 token ids).
+pub const PARAGRAPH_VALIDATED_EVERY_2: [&str; 6] =
+    ["--data", "examples/data/paragraph.u16", "--val-data", "examples/data/paragraph.u16", "--eval-every", "2"];
