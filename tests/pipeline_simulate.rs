@@ -400,4 +400,14 @@ fn an_accumulating_cpu_run_pays_for_its_gradient_sums_once_per_micro_batch() {
     let (without, with) = (at(&plain, 4), at(&copying, 4));
     assert!(close_to(with - without, expected), "{with} - {without} against {expected}");
     assert!(close_to(at(&copying, 1), at(&plain, 1)), "one micro-batch sums nothing");
+    // With two replicas each device also keeps its terms of the sums over the replicas aside every
+    // micro-batch (copied out, added, the sum's buffer zeroed): two device threads on two cores.
+    let replicated = gpt2(2, Mesh { data: 2, ..Mesh::new(1, 1) }, Strategy::None);
+    let at = |hw: &Hardware| {
+        let pipeline = Pipeline { stages: 1, schedule: Schedule::OneFOneB, micro_batches: 4 };
+        simulate_pipeline(&replicated, hw, &Options::default(), pipeline).unwrap_or_else(|e| panic!("{e}")).step_time_s
+    };
+    let deferred = 4.0 * (g / 2e9 + g / 8e9 + g / 4e9);
+    let (without, with) = (at(&plain), at(&copying));
+    assert!(close_to(with - without, expected + deferred), "{with} - {without} against {}", expected + deferred);
 }

@@ -79,6 +79,13 @@ impl HostCopies {
         bytes as f64 / (self.copy_out_gb_s * 1e9) + bytes as f64 / (self.add_gb_s * 1e9)
     }
 
+    /// Seconds to keep one micro-batch's `bytes` of terms of the sums over data-parallel replicas
+    /// aside (copied out, added to the host's sum, the sum's buffer zeroed), as a run with `--accum`
+    /// does until the update's last micro-batch sums them over the replicas at once.
+    pub fn deferred_sum_s(&self, bytes: u64) -> f64 {
+        self.gradient_sum_s(bytes) + self.restore_s(bytes)
+    }
+
     /// Seconds an update of `micro_batches` micro-batches spends on the host sums of `gradient_bytes`:
     /// each micro-batch's gradients added, and their means written back once (none with one).
     pub fn accumulation_s(&self, gradient_bytes: u64, micro_batches: u64) -> f64 {

@@ -175,6 +175,9 @@ pub struct Pieces {
     /// Where every stage's devices share one calibrated engine (threads of one process on a CPU): the
     /// devices the costs above were made for and the kernels the engine runs at once.
     pub shared_engine: Option<SharedEngine>,
+    /// Whether the gradients are summed over data-parallel replicas: with several micro-batches the
+    /// runtime keeps each device's own terms on the host until the update's last micro-batch.
+    pub data_parallel: bool,
 }
 
 /// A calibrated engine that a pipeline's stages share: `devices` device threads running `lanes`
@@ -286,6 +289,7 @@ pub fn pieces(plan: &Plan, hw: &Hardware, costs: &[InstrCost]) -> Pieces {
         stage_devices: plan.mesh.devices(),
         device_peak_flops: device_peak_flops(plan, hw),
         shared_engine: None,
+        data_parallel: plan.mesh.data > 1,
     };
     let gradient_sums = gradient_sum_receivers(plan, &phases);
     let mut first_piece: Vec<Option<usize>> = vec![None; plan.buffers.len()];
@@ -517,10 +521,14 @@ impl<'a> StageCopies<'a> {
         self.rates.map_or(0.0, |(h, alone)| alone * h.stash_s(self.kept(chunk)))
     }
 
-    /// Around a backward pass: the activations copied back, the gradients added into the sums.
+    /// Around a backward pass: the activations copied back, the gradients added into the sums (and,
+    /// with replicas, this device's terms of their sums over the replicas kept aside).
     fn backward_s(&self, chunk: &std::ops::Range<usize>) -> f64 {
-        self.rates
-            .map_or(0.0, |(h, alone)| alone * (h.restore_s(self.kept(chunk)) + h.gradient_sum_s(self.gradients(chunk))))
+        self.rates.map_or(0.0, |(h, alone)| {
+            let gradients = self.gradients(chunk);
+            let deferred = if self.pieces.data_parallel { h.deferred_sum_s(gradients) } else { 0.0 };
+            alone * (h.restore_s(self.kept(chunk)) + h.gradient_sum_s(gradients) + deferred)
+        })
     }
 
     /// At the update: the gradients' means written back.
@@ -547,7 +555,12 @@ fn accumulation_copies_s(hw: &Hardware, pieces: &Pieces, micro_batches: u64) -> 
         return 0.0;
     };
     let gradients: u64 = pieces.params.iter().map(|share| share.gradient_bytes).sum();
-    alone * h.accumulation_s(gradients, micro_batches)
+    let deferred = if pieces.data_parallel && micro_batches > 1 {
+        micro_batches as f64 * h.deferred_sum_s(gradients)
+    } else {
+        0.0
+    };
+    alone * (h.accumulation_s(gradients, micro_batches) + deferred)
 }
 
 /// Simulates `pipeline` over `plan`, the whole model compiled for one stage's grid at one micro-batch.

@@ -492,15 +492,26 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// `instr` is a [`Phase::GradientSum`].
     fn defer_gradient_sum(&mut self, instr: &Instr, update: Update<'_>) -> Result<bool, RuntimeError> {
         let Instr::Collective { collective: c, .. } = instr else { return Ok(false) };
-        let plan = self.plan;
         match update {
             Update::Accumulate => {
-                let term = self.read(c.send)?.ok_or(RuntimeError::OptimizerNotAlive)?;
+                self.wait(c.send)?;
+                if !self.is_alive(c.send) {
+                    return Err(RuntimeError::OptimizerNotAlive);
+                }
+                // Into a host tensor an earlier micro-batch used, so that no copy faults fresh pages in.
+                let mut term = self
+                    .spare
+                    .get_mut(&c.send)
+                    .and_then(Vec::pop)
+                    .unwrap_or_else(|| Tensor::from_f32(&[0], Vec::new()));
+                self.backend.download_into(&self.storage, c.send, &mut term)?;
                 let values = term.f32()?;
                 let kept = self.deferred_sums.entry(c.send).or_insert_with(|| vec![0.0; values.len()]);
                 kept.iter_mut().zip(values).for_each(|(k, &v)| *k += v);
-                let recv = plan.buffer(c.recv);
-                self.write(c.recv, Tensor::from_f32(&recv.shape, vec![0.0; recv.elements() as usize]))?;
+                self.spare.entry(c.send).or_default().push(term);
+                self.wait(c.recv)?;
+                self.backend.zero(&mut self.storage, c.recv)?;
+                self.alive[c.recv.0 as usize] = true;
                 Ok(true)
             }
             Update::ApplyMean(..) => {
