@@ -494,21 +494,11 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let Instr::Collective { collective: c, .. } = instr else { return Ok(false) };
         match update {
             Update::Accumulate => {
-                self.wait(c.send)?;
-                if !self.is_alive(c.send) {
-                    return Err(RuntimeError::OptimizerNotAlive);
-                }
-                // Into a host tensor an earlier micro-batch used, so that no copy faults fresh pages in.
-                let mut term = self
-                    .spare
-                    .get_mut(&c.send)
-                    .and_then(Vec::pop)
-                    .unwrap_or_else(|| Tensor::from_f32(&[0], Vec::new()));
-                self.backend.download_into(&self.storage, c.send, &mut term)?;
+                let term = self.reused_host_copy(c.send)?.ok_or(RuntimeError::OptimizerNotAlive)?;
                 let values = term.f32()?;
                 let kept = self.deferred_sums.entry(c.send).or_insert_with(|| vec![0.0; values.len()]);
                 kept.iter_mut().zip(values).for_each(|(k, &v)| *k += v);
-                self.spare.entry(c.send).or_default().push(term);
+                self.give_back(c.send, term);
                 self.wait(c.recv)?;
                 self.backend.zero(&mut self.storage, c.recv)?;
                 self.alive[c.recv.0 as usize] = true;
@@ -623,18 +613,39 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// by the mean of the sum (in micro-batch order) over that many micro-batches, and clears the sum.
     fn accumulate(&mut self, inputs: &[BufferId], mean_of: Option<u64>) -> Result<(), RuntimeError> {
         let [_, grad, _, _] = *inputs else { return Err(RuntimeError::OptimizerOperands) };
-        let g = self.read(grad)?.ok_or(RuntimeError::OptimizerNotAlive)?;
+        let g = self.reused_host_copy(grad)?.ok_or(RuntimeError::OptimizerNotAlive)?;
         let values = g.f32()?;
         let sum = self.grad_sums.entry(grad).or_insert_with(|| vec![0.0; values.len()]);
         if sum.len() != values.len() {
             return Err(RuntimeError::GradientResized);
         }
         sum.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
+        let shape = g.shape.clone();
+        self.give_back(grad, g);
         let Some(count) = mean_of else { return Ok(()) };
         let total = self.grad_sums.remove(&grad).unwrap_or_default();
         let inv = count.max(1) as f32;
         let mean: Vec<f32> = total.iter().map(|&s| s / inv).collect();
-        self.write(grad, Tensor::from_f32(&g.shape, mean))
+        self.write(grad, Tensor::from_f32(&shape, mean))
+    }
+
+    /// A host copy of buffer `id` (`None` when it holds no value), in a tensor an earlier copy of it
+    /// gave back ([`Device::give_back`]) where there is one: copies made every micro-batch then reuse
+    /// memory already paged in.
+    pub(crate) fn reused_host_copy(&mut self, id: BufferId) -> Result<Option<Tensor>, RuntimeError> {
+        self.wait(id)?;
+        if !self.is_alive(id) {
+            return Ok(None);
+        }
+        let spare = self.spare.get_mut(&id).and_then(Vec::pop);
+        let mut copy = spare.unwrap_or_else(|| Tensor::from_f32(&[0], Vec::new()));
+        self.backend.download_into(&self.storage, id, &mut copy)?;
+        Ok(Some(copy))
+    }
+
+    /// Keeps a host copy of buffer `id` that is no longer needed for the next [`Device::reused_host_copy`].
+    pub(crate) fn give_back(&mut self, id: BufferId, copy: Tensor) {
+        self.spare.entry(id).or_default().push(copy);
     }
 
     /// Runs one instruction; `update` is `None` when optimizer steps must not run (a diagnosis replay).

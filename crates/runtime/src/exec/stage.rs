@@ -123,9 +123,7 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         let plan = self.plan;
         for b in &plan.buffers {
             let kept = !matches!(b.role, Role::Parameter | Role::OptimizerState | Role::Cache);
-            if kept && self.is_alive(b.id) {
-                let mut tensor = self.spare_tensor(b.id);
-                self.backend.download_into(&self.storage, b.id, &mut tensor)?;
+            if kept && let Some(tensor) = self.reused_host_copy(b.id)? {
                 stash.bytes += b.bytes();
                 stash.buffers.push((b.id, tensor));
             }
@@ -139,14 +137,9 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
     pub(crate) fn restore(&mut self, stash: Stash) -> Result<(), RuntimeError> {
         for (id, tensor) in stash.buffers {
             self.write_from(id, &tensor)?;
-            self.spare.entry(id).or_default().push(tensor);
+            self.give_back(id, tensor);
         }
         Ok(())
-    }
-
-    /// A host tensor an earlier pass finished with for buffer `id`, or an empty one.
-    fn spare_tensor(&mut self, id: BufferId) -> Tensor {
-        self.spare.get_mut(&id).and_then(Vec::pop).unwrap_or_else(|| Tensor::from_f32(&[0], Vec::new()))
     }
 
     /// Adds each of `gradients` that this pass wrote to the update's sums, then lets every
@@ -154,18 +147,14 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
     pub(crate) fn add_gradients(&mut self, gradients: &[BufferId]) -> Result<(), RuntimeError> {
         self.finish_in_flight()?;
         for &g in gradients {
-            if !self.is_alive(g) {
-                continue;
-            }
-            let mut copy = self.spare_tensor(g);
-            self.backend.download_into(&self.storage, g, &mut copy)?;
+            let Some(copy) = self.reused_host_copy(g)? else { continue };
             let values = copy.f32()?;
             let sum = self.grad_sums.entry(g).or_insert_with(|| vec![0.0; values.len()]);
             if sum.len() != values.len() {
                 return Err(RuntimeError::GradientResized);
             }
             sum.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
-            self.spare.entry(g).or_default().push(copy);
+            self.give_back(g, copy);
         }
         self.begin_step();
         Ok(())
