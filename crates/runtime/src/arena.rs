@@ -9,6 +9,7 @@
 
 use super::backend::Exchanges;
 use super::bf16;
+use super::comm::RawBlock;
 use super::error::{RuntimeError, StorageError, unreachable};
 use super::view::{Shape, View, ViewData, ViewMut, ViewMutData};
 use crate::view::TensorViews;
@@ -200,13 +201,16 @@ struct Region {
 pub struct HostArena {
     words: Vec<f32>,
     regions: Vec<Option<Region>>,
+    /// Buffers read, for now, from another block of this process (a broadcast read in place): their
+    /// reads see that block's words instead of their own region's.
+    borrowed: Vec<(BufferId, RawBlock)>,
 }
 
 impl HostArena {
     /// Allocates the arena (zeroed) for `plan` as `layout` places its buffers.
     pub fn new(plan: &Plan, layout: &ArenaLayout) -> Result<HostArena, RuntimeError> {
         let regions = HostArena::regions(plan, layout)?;
-        Ok(HostArena { words: vec![0.0; layout.total], regions })
+        Ok(HostArena { words: vec![0.0; layout.total], regions, borrowed: Vec::new() })
     }
 
     /// Every buffer's region as `layout` places it, each checked to end within the arena.
@@ -248,7 +252,51 @@ impl HostArena {
     /// A buffer's contents.
     pub fn view(&self, id: BufferId) -> Result<View<'_>, RuntimeError> {
         let r = self.region(id)?;
+        if let Some(words) = self.borrowed_words(id, r)? {
+            return Ok(shared_view(r, words));
+        }
         Ok(shared_view(r, &self.words[r.offset..r.offset + r.len]))
+    }
+
+    /// Where buffer `id`'s words are (a block of 4-byte words), for another device of this process to
+    /// read in place while this one waits.
+    pub fn raw_block(&self, id: BufferId) -> Result<RawBlock, RuntimeError> {
+        let r = self.region(id)?;
+        let words = &self.words[r.offset..r.offset + r.len];
+        Ok(RawBlock { ptr: words.as_ptr().cast(), bytes: std::mem::size_of_val(words) })
+    }
+
+    /// Makes buffer `id` read `block` (the same number of words) until [`HostArena::end_borrow`]; it
+    /// cannot be written meanwhile.
+    ///
+    /// # Safety
+    /// `block` must stay alive and unwritten until `end_borrow(id)` is called.
+    pub unsafe fn borrow(&mut self, id: BufferId, block: RawBlock) -> Result<(), RuntimeError> {
+        let r = self.region(id)?;
+        if block.bytes != r.len * size_of::<f32>() || !block.ptr.cast::<f32>().is_aligned() {
+            return Err(unreachable("a borrowed block of the buffer's size and alignment"));
+        }
+        self.borrowed.push((id, block));
+        Ok(())
+    }
+
+    /// Buffer `id` reads its own region again.
+    pub fn end_borrow(&mut self, id: BufferId) {
+        self.borrowed.retain(|(b, _)| *b != id);
+    }
+
+    /// The words buffer `id` borrows, if it does.
+    fn borrowed_words(&self, id: BufferId, r: &Region) -> Result<Option<&[f32]>, RuntimeError> {
+        let Some((_, block)) = self.borrowed.iter().find(|(b, _)| *b == id) else { return Ok(None) };
+        // SAFETY: `borrow`'s caller keeps the block alive and unwritten until `end_borrow`, and it
+        // holds `r.len` aligned words (checked there).
+        Ok(Some(unsafe { std::slice::from_raw_parts(block.ptr.cast::<f32>(), r.len) }))
+    }
+
+    /// Whether the regions of `a` and `b` share a word (a buffer's with itself: when it has any).
+    pub fn regions_overlap(&self, a: BufferId, b: BufferId) -> Result<bool, RuntimeError> {
+        let (a, b) = (self.region(a)?, self.region(b)?);
+        Ok(a.len > 0 && b.len > 0 && a.offset < b.offset + b.len && b.offset < a.offset + a.len)
     }
 
     /// A buffer's contents, writable.
@@ -411,11 +459,15 @@ impl HostArena {
         writes: &[BufferId],
     ) -> Result<(Vec<View<'_>>, Vec<ViewMut<'_>>), RuntimeError> {
         let mut distinct: Vec<BufferId> = writes.to_vec();
+        if self.borrowed.iter().any(|(b, _)| writes.contains(b)) {
+            return Err(unreachable("no write of a buffer that reads another device's block"));
+        }
         for id in reads {
             if writes.contains(id) {
                 return Err(RuntimeError::ReadAndWritten { buffer: self.region(*id)?.name.clone() });
             }
-            if !distinct.contains(id) {
+            let borrowed = self.borrowed.iter().any(|(b, _)| b == id);
+            if !borrowed && !distinct.contains(id) {
                 distinct.push(*id);
             }
         }
@@ -431,9 +483,16 @@ impl HostArena {
         let shared: Vec<&[f32]> = slices.map(|s| &*s).collect();
         let mut ins = Vec::with_capacity(reads.len());
         for id in reads {
+            let r = region(*id)?;
+            if let Some((_, block)) = self.borrowed.iter().find(|(b, _)| b == id) {
+                // SAFETY: as in `borrowed_words`: alive, unwritten and of the region's size until
+                // `end_borrow`.
+                ins.push(shared_view(r, unsafe { std::slice::from_raw_parts(block.ptr.cast::<f32>(), r.len) }));
+                continue;
+            }
             let at =
                 distinct[writes.len()..].iter().position(|d| d == id).ok_or_else(|| unreachable("every read kept"))?;
-            ins.push(shared_view(region(*id)?, shared[at]));
+            ins.push(shared_view(r, shared[at]));
         }
         Ok((ins, outs))
     }

@@ -2,7 +2,7 @@
 //! backend (in `cpu/`) is the reference; a GPU backend implements the same trait with device kernels.
 
 use super::arena::ArenaLayout;
-use super::comm::{CollectiveSpec, CommError};
+use super::comm::{CollectiveSpec, CommError, RawBlock};
 use super::error::RuntimeError;
 use super::settings::{KernelContext, OptimizerSettings};
 use optimus_plan::tensor::Tensor;
@@ -119,6 +119,40 @@ pub trait Backend: Send {
     fn lends_in_place(&self, storage: &Self::Storage, send: BufferId, recv: BufferId) -> bool {
         let _ = (storage, send, recv);
         false
+    }
+    /// Whether the devices of this process can read each other's blocks in place (host memory):
+    /// [`Backend::raw_block`] and [`Backend::borrow_block`] work.
+    fn reads_blocks_in_place(&self) -> bool {
+        false
+    }
+    /// Where a buffer's block is in memory the devices of this process share (host memory), for a
+    /// broadcast read in place; `None` where the backend's storage is not such memory.
+    fn raw_block(&self, storage: &Self::Storage, id: BufferId) -> Option<RawBlock> {
+        let _ = (storage, id);
+        None
+    }
+    /// Makes buffer `id` read `block` (another device's block of the same size) until
+    /// [`Backend::end_borrow`]; `false` (nothing done) where the backend cannot.
+    ///
+    /// # Safety
+    /// `block` must stay alive and unwritten until `end_borrow(id)`.
+    unsafe fn borrow_block(
+        &mut self,
+        storage: &mut Self::Storage,
+        id: BufferId,
+        block: RawBlock,
+    ) -> Result<bool, RuntimeError> {
+        let _ = (storage, id, block);
+        Ok(false)
+    }
+    /// Buffer `id` reads its own storage again.
+    fn end_borrow(&mut self, storage: &mut Self::Storage, id: BufferId) {
+        let _ = (storage, id);
+    }
+    /// Whether buffers `a` and `b` may share storage (true where the backend cannot tell).
+    fn may_overlap(&self, storage: &Self::Storage, a: BufferId, b: BufferId) -> bool {
+        let _ = (storage, a, b);
+        true
     }
 }
 

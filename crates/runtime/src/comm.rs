@@ -116,7 +116,40 @@ pub trait Communicator {
     }
     /// Tells every peer that this device failed, so that none waits for it.
     fn abort(&self, reason: &str);
+    /// Broadcasts whose members read the root's block in place, where the devices share one process;
+    /// `None` where every broadcast copies.
+    fn in_place_broadcasts(&self) -> Option<Box<dyn InPlaceBroadcasts>> {
+        None
+    }
 }
+
+/// A device's broadcasts read in place (see [`Communicator::in_place_broadcasts`]): an owned handle,
+/// so that whoever reads may use the device meanwhile.
+pub trait InPlaceBroadcasts {
+    /// A broadcast whose members run `read` on the root's block where it is instead of copying it
+    /// (`root_block` is the root's; what other members pass is ignored). The block stays alive and
+    /// unwritten until this returns, since the root returns only once every member's `read` has.
+    /// Two of these must not be nested in the same group.
+    fn broadcast_in_place(
+        &self,
+        spec: &CollectiveSpec<'_>,
+        root_block: Option<RawBlock>,
+        read: &mut dyn FnMut(RawBlock),
+    ) -> Result<(), CommError>;
+}
+
+/// Where a block of another device of this process is, for reading it in place while its owner
+/// waits (see [`Communicator::broadcast_in_place`]): its first byte and its length in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct RawBlock {
+    pub ptr: *const u8,
+    pub bytes: usize,
+}
+
+// SAFETY: a `RawBlock` is an address handed between the threads of one process; whoever dereferences
+// it must know the block alive and unwritten (see `Communicator::broadcast_in_place`).
+unsafe impl Send for RawBlock {}
+unsafe impl Sync for RawBlock {}
 
 /// A collective [`Communicator::start`] has started.
 #[derive(Debug)]

@@ -4,6 +4,7 @@
 
 use super::arena;
 
+mod in_place;
 mod stage;
 use super::backend::{Backend, BackendKind, UpdateBuffers};
 use super::comm::{CollectiveSpec, Communicator};
@@ -229,6 +230,8 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     /// Host tensors a pipeline stage's passes have finished with, by buffer, for the next pass to copy
     /// into (see [`Device::stash`]).
     spare: HashMap<BufferId, Vec<Tensor>>,
+    /// The groups of broadcasts read in place that start at each instruction (found on the first step).
+    in_place: Option<Vec<Option<in_place::InPlaceGroup>>>,
 }
 
 /// An overlapped collective in flight on the communicator's own thread.
@@ -321,6 +324,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
             position: 0,
             last_wait: None,
             spare: HashMap::new(),
+            in_place: None,
         }
     }
 
@@ -409,7 +413,17 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         self.grad_norm = None;
         let updates_begin = self.phases.updates_begin();
         let failed = |index: usize| move |e: RuntimeError| StepError::Failed(at_instruction(plan, index)(e));
+        let mut grouped_until = 0;
         for (index, instr) in plan.program.iter().enumerate() {
+            if index < grouped_until {
+                continue;
+            }
+            if let Some(group) = self.in_place_groups().get(index).cloned().flatten()
+                && self.run_in_place(&group).map_err(failed(index))?
+            {
+                grouped_until = group.kernel + 1;
+                continue;
+            }
             self.position = index;
             if index == updates_begin {
                 self.finish_in_flight().map_err(failed(index))?;

@@ -10,6 +10,7 @@ pub mod vmath;
 
 use super::arena::{ArenaLayout, HostArena};
 use super::backend::{Backend, Exchanges, UpdateBuffers};
+use super::comm::RawBlock;
 use super::error::{KernelError, RuntimeError, unreachable};
 use super::settings::{KernelContext, OptimizerSettings};
 use super::view::{View, ViewData, ViewMut, ViewMutData};
@@ -209,5 +210,32 @@ impl Backend for CpuBackend {
 
     fn lends_in_place(&self, storage: &HostArena, send: BufferId, recv: BufferId) -> bool {
         storage.lends_in_place(send, recv)
+    }
+
+    fn reads_blocks_in_place(&self) -> bool {
+        true
+    }
+
+    fn raw_block(&self, storage: &HostArena, id: BufferId) -> Option<RawBlock> {
+        storage.raw_block(id).ok()
+    }
+
+    unsafe fn borrow_block(
+        &mut self,
+        storage: &mut HostArena,
+        id: BufferId,
+        block: RawBlock,
+    ) -> Result<bool, RuntimeError> {
+        // SAFETY: passed on from the caller.
+        unsafe { storage.borrow(id, block)? };
+        Ok(true)
+    }
+
+    fn end_borrow(&mut self, storage: &mut HostArena, id: BufferId) {
+        storage.end_borrow(id);
+    }
+
+    fn may_overlap(&self, storage: &HostArena, a: BufferId, b: BufferId) -> bool {
+        storage.regions_overlap(a, b).unwrap_or(true)
     }
 }

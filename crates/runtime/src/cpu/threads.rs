@@ -1,7 +1,7 @@
 //! The in-process communicator: one thread per device, collectives by rendezvous on shared memory.
 //! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
 
-use crate::comm::{CollectiveSpec, CommError, Communicator, Payload, Started, combine};
+use crate::comm::{CollectiveSpec, CommError, Communicator, InPlaceBroadcasts, Payload, RawBlock, Started, combine};
 use optimus_plan::layout::MESH_AXES;
 use optimus_plan::{CollectiveKind, Coords, Group, Mesh};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -386,6 +386,39 @@ impl Communicator for ThreadComm {
 
     fn abort(&self, reason: &str) {
         self.fabric.fail(reason);
+    }
+
+    fn in_place_broadcasts(&self) -> Option<Box<dyn InPlaceBroadcasts>> {
+        let reader = InPlaceReader { fabric: Arc::clone(&self.fabric), coords: self.coords };
+        (self.in_flight() == 0).then(|| Box::new(reader) as Box<dyn InPlaceBroadcasts>)
+    }
+}
+
+/// A device's broadcasts read in place on a [`Fabric`].
+struct InPlaceReader {
+    fabric: Arc<Fabric>,
+    coords: Coords,
+}
+
+impl InPlaceBroadcasts for InPlaceReader {
+    /// The root deposits its block's address; every member runs `read` on it inside the round, which
+    /// no member leaves before all have finished reading, so the block stays put meanwhile.
+    fn broadcast_in_place(
+        &self,
+        spec: &CollectiveSpec<'_>,
+        root_block: Option<RawBlock>,
+        read: &mut dyn FnMut(RawBlock),
+    ) -> Result<(), CommError> {
+        let me = spec.group.member_index(self.coords, self.fabric.mesh);
+        let root = spec.root.unwrap_or(0);
+        let mine: Vec<RawBlock> = if me == root { root_block.into_iter().collect() } else { Vec::new() };
+        // What a wire would carry is the block, not its address.
+        let carried = mine.iter().map(|b| b.bytes.saturating_sub(size_of::<RawBlock>())).sum::<usize>();
+        self.fabric.deposited.fetch_add(carried as u64, Ordering::Relaxed);
+        self.fabric.exchange_in_group(spec.group, self.coords, &mine, |parts| {
+            let block = parts.get(root as usize).and_then(|p| p.first()).copied();
+            block.map(read).ok_or(CommError::NoSuchRoot(root))
+        })?
     }
 }
 
