@@ -7,7 +7,7 @@ use optimus::cost::Options;
 use optimus::cost::staged::{Pipeline, PipelineSimulation, simulate_pipeline_split};
 use optimus::plan::Plan;
 use optimus::plan::pipeline::{Pass, Schedule};
-use optimus::plan::pipeline_cut::{Action, StageMemoryPlan, StageProgram, cut};
+use optimus::plan::pipeline_cut::{Action, StageMemoryPlan, StageProgram};
 use optimus::plan::report::human_bytes;
 use serde_json::{Value, json};
 use std::fmt::Write;
@@ -43,18 +43,14 @@ pub struct PipelineView {
 
 /// Cuts `plan` as the flags say and simulates it, or says why it cannot.
 pub fn view(plan: &Plan, args: &InspectPipelineArgs) -> Result<PipelineView, String> {
-    let (stages, schedule) = args.pipeline.stages_and_schedule()?;
     let m = args.accum;
-    let chunks = schedule.chunks();
-    optimus::plan::pipeline::stage_order(schedule, stages, m, 0)
-        .map_err(|e| format!("--pipeline {stages} with --accum {m}: {e}"))?;
-    let split = args.pipeline.split_of(plan, (stages, chunks))?;
-    let program = cut(plan, stages, chunks, Some(&split)).map_err(|e| e.to_string())?;
-    let memory = program.memory_plan(schedule, m).map_err(|e| e.to_string())?;
     let hw = args.pipeline.balancing_hardware()?;
-    let pipeline = Pipeline { stages, schedule, micro_batches: m };
+    let (program, schedule) = args.pipeline.program(plan, m, &hw)?;
+    let memory = program.memory_plan(schedule, m).map_err(|e| e.to_string())?;
+    let pipeline = Pipeline { stages: program.stages.len() as u64, schedule, micro_batches: m };
+    let options = Options::default();
     let simulated =
-        simulate_pipeline_split(plan, &hw, &Options::default(), pipeline, Some(&split)).map_err(|e| e.to_string())?;
+        simulate_pipeline_split(plan, &hw, &options, pipeline, Some(&program.pieces)).map_err(|e| e.to_string())?;
     let views = program
         .stages
         .iter()

@@ -5,6 +5,7 @@ use clap::ValueEnum;
 use optimus::cost::planner::seconds;
 use optimus::cost::staged::{Pipeline, PipelineSimulation};
 use optimus::plan::pipeline::{Pass, Schedule};
+use optimus::plan::pipeline_cut::{PipelineProgram, cut};
 use optimus::plan::report::human_bytes;
 use optimus::plan::text::group_digits;
 use std::fmt::Write;
@@ -302,20 +303,33 @@ impl RunPipelineArgs {
         Ok((p.stages, p.schedule))
     }
 
-    /// The repeated layers of each virtual stage: --pipeline-split's, else balanced by the cost model
-    /// on --pipeline-hardware (or [`ROUGH_CPU`]).
-    pub fn split_of(
+    /// The training plan `plan` cut into the stages the flags ask for, each update running `accum`
+    /// micro-batches: the repeated layers as --pipeline-split gives them, else balanced by their
+    /// simulated time on `hw` (see [`RunPipelineArgs::balancing_hardware`]).
+    pub fn program(
         &self,
         plan: &optimus::plan::Plan,
-        (stages, virtual_stages): (u64, u64),
-    ) -> Result<Vec<std::ops::Range<usize>>, String> {
-        let layers = optimus::plan::stages::instruction_pieces(plan).layers.len();
-        if let Some(given) = self.split(layers, stages * virtual_stages)? {
-            return Ok(given);
+        accum: u64,
+        hw: &optimus::cost::Hardware,
+    ) -> Result<(PipelineProgram, Schedule), String> {
+        if plan.mode != optimus::plan::Mode::Train {
+            return Err("--pipeline runs a training plan; this plan infers".into());
         }
-        let hw = self.balancing_hardware()?;
-        let options = optimus::cost::Options::default();
-        optimus::cost::staged::balanced_split(plan, &hw, &options, (stages, virtual_stages)).map_err(|e| e.to_string())
+        let (stages, schedule) = self.stages_and_schedule()?;
+        optimus::plan::pipeline::stage_order(schedule, stages, accum, 0)
+            .map_err(|e| format!("--pipeline {stages} with --accum {accum}: {e}"))?;
+        let chunks = schedule.chunks();
+        let layers = optimus::plan::stages::instruction_pieces(plan).layers.len();
+        let split = match self.split(layers, stages * chunks)? {
+            Some(given) => given,
+            None => {
+                let options = optimus::cost::Options::default();
+                optimus::cost::staged::balanced_split(plan, hw, &options, (stages, chunks))
+                    .map_err(|e| e.to_string())?
+            }
+        };
+        let program = cut(plan, stages, chunks, Some(&split)).map_err(|e| e.to_string())?;
+        Ok((program, schedule))
     }
 
     /// The profile whose simulated times balance the stages: --pipeline-hardware's, else [`ROUGH_CPU`].

@@ -3,10 +3,10 @@
 
 use super::Failure;
 use super::run::{Prepared, Progress, RunArgs, finish, progress_of};
+use optimus::plan::Plan;
 use optimus::plan::pipeline::Schedule;
-use optimus::plan::pipeline_cut::{PipelineProgram, cut};
+use optimus::plan::pipeline_cut::PipelineProgram;
 use optimus::plan::report::human_bytes;
-use optimus::plan::{Mode, Plan};
 use optimus::runtime::pipeline::{PipelineOutput, PipelineRun, run_on_threads};
 use serde_json::json;
 
@@ -28,15 +28,8 @@ pub(super) fn run_pipelined(
 
 /// The stage programs the flags ask for, or a usage error naming what does not fit.
 pub(super) fn program_of(args: &RunArgs, plan: &Plan) -> Result<(PipelineProgram, Schedule), Failure> {
-    if plan.mode != Mode::Train {
-        return Err(Failure::usage("--pipeline runs a training plan; this plan infers".into()));
-    }
-    let (stages, schedule) = args.pipeline.stages_and_schedule().map_err(Failure::usage)?;
-    optimus::plan::pipeline::stage_order(schedule, stages, args.accum, 0)
-        .map_err(|e| Failure::usage(format!("--pipeline {stages} with --accum {}: {e}", args.accum)))?;
-    let split = args.pipeline.split_of(plan, (stages, schedule.chunks())).map_err(Failure::usage)?;
-    let program = cut(plan, stages, schedule.chunks(), Some(&split)).map_err(|e| Failure::usage(e.to_string()))?;
-    Ok((program, schedule))
+    let hw = args.pipeline.balancing_hardware().map_err(Failure::usage)?;
+    args.pipeline.program(plan, args.accum, &hw).map_err(Failure::usage)
 }
 
 /// What a pipelined run does not do yet, refused before anything is read or written.

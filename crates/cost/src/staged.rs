@@ -588,18 +588,19 @@ pub fn simulate_pipeline_split(
     if plan.mode != Mode::Train {
         return Err(PipelineError::NotTraining);
     }
-    let (cut, shared) = costed_pieces(plan, hw, options, pipeline.stages);
-    let unpipelined = match shared {
+    let (cut, simulated) = costed_pieces(plan, hw, options, pipeline.stages);
+    // Costed for a shared engine, the simulation is of every stage's devices on it: the unpipelined
+    // run has the plan's alone.
+    let unpipelined = match cut.shared_engine {
         Some(_) => simulate_costed(plan, hw, options).0,
-        None => cut.1,
+        None => simulated,
     };
-    pipeline_of_split_pieces(hw, &cut.0, unpipelined, pipeline, split)
+    pipeline_of_split_pieces(hw, &cut, unpipelined, pipeline, split)
 }
 
 /// `plan` cut into pieces costed as `stages` stages of its grid run them: on a shared engine (a
-/// calibrated CPU), every stage's devices on it. With the simulation the costs came from, and the
-/// shared engine if any.
-fn costed_pieces(plan: &Plan, hw: &Hardware, options: &Options, stages: u64) -> ((Pieces, Simulation), Option<u64>) {
+/// calibrated CPU), every stage's devices on it. With the simulation the costs came from.
+fn costed_pieces(plan: &Plan, hw: &Hardware, options: &Options, stages: u64) -> (Pieces, Simulation) {
     let devices = plan.mesh.devices() * stages.max(1);
     let lanes = crate::step::shared_engine_lanes(devices, hw).filter(|_| stages > 1);
     // On a shared engine the stages' devices all run on it: cost each instruction for that many.
@@ -607,7 +608,7 @@ fn costed_pieces(plan: &Plan, hw: &Hardware, options: &Options, stages: u64) -> 
     let (simulated, costs) = simulate_costed(plan, hw, &Options { engine_devices, ..*options });
     let mut cut = pieces(plan, hw, &costs);
     cut.shared_engine = lanes.map(|lanes| SharedEngine { devices, lanes });
-    ((cut, simulated), lanes)
+    (cut, simulated)
 }
 
 /// The repeated layers of each of `stages * virtual_stages` virtual stages (`chunk * stages + stage`)
@@ -622,7 +623,7 @@ pub fn balanced_split(
     if plan.mode != Mode::Train {
         return Err(PipelineError::NotTraining);
     }
-    let ((cut, _), _) = costed_pieces(plan, hw, options, stages);
+    let (cut, _) = costed_pieces(plan, hw, options, stages);
     virtual_stage_pieces(&cut, stages.max(1) * virtual_stages.max(1))
 }
 
