@@ -53,3 +53,45 @@ fn reading_broadcasts_in_place_changes_no_bit() {
         }
     }
 }
+
+#[test]
+fn every_summa_step_of_a_2x2_plan_is_read_in_place_unless_its_product_could_write_a_root_block() {
+    use optimus::plan::phases::StepPhases;
+    use optimus::plan::{CollectiveKind, Instr, MemoryOptions, Mesh, Mode, Strategy};
+    let source = include_str!("../examples/tiny.opt");
+    let checked = optimus::front::check_source(source, &[]);
+    let Some(model) = checked.model else { panic!("tiny.opt checks") };
+    let target = optimus::shard::Target {
+        mesh: Mesh::new(2, 2),
+        strategy: Strategy::Optimus,
+        mode: Mode::Train,
+        memory: MemoryOptions::DEFAULT,
+    };
+    let plan = optimus::shard::compile(&model, "tiny", source, target).unwrap_or_else(|e| panic!("{e:?}"));
+    let phases = StepPhases::of(&plan);
+    let groups = optimus::runtime::exec::in_place_groups(&plan, &phases, &|_, _| false);
+    let broadcasts: Vec<usize> = (0..plan.program.len())
+        .filter(|&k| matches!(&plan.program[k], Instr::Collective { collective: c, .. } if c.kind == CollectiveKind::Broadcast))
+        .collect();
+    assert!(!broadcasts.is_empty());
+    // Groups do not overlap, each ends with the product reading every broadcast's result, and every
+    // broadcast of the plan is in one (the SUMMA steps of tiny.opt's linears, forward and backward).
+    let mut grouped = Vec::new();
+    let mut next_free = 0;
+    for (start, group) in groups.iter().enumerate() {
+        let Some(group) = group else { continue };
+        if start < next_free {
+            continue;
+        }
+        let Instr::Kernel { inputs, .. } = &plan.program[group.kernel] else { panic!("a kernel ends a group") };
+        for &b in &group.broadcasts {
+            let Instr::Collective { collective: c, .. } = &plan.program[b] else { panic!("a broadcast") };
+            assert!(inputs.contains(&c.recv), "the product reads broadcast {b}'s result");
+        }
+        grouped.extend(group.broadcasts.iter().copied());
+        next_free = group.kernel + 1;
+    }
+    assert_eq!(grouped, broadcasts);
+    // A product that may write where a root's block is makes no group: those broadcasts copy.
+    assert!(optimus::runtime::exec::in_place_groups(&plan, &phases, &|_, _| true).iter().all(Option::is_none));
+}

@@ -481,4 +481,13 @@ fn inspect_shows_the_stages_memory_and_schedule_that_run_pipeline_runs() {
     );
     let bad = optimusc(&["inspect", plan_arg, "--pipeline", "9", "--accum", "4"]);
     assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
+    let inferring = dir.path().join("infer.json");
+    let infer_arg = inferring.to_str().expect("a UTF-8 path");
+    let compiled =
+        optimusc(&[&["compile", "examples/gpt2.opt"][..], &sizes, &["--mode", "infer", "-o", infer_arg]].concat());
+    assert!(compiled.status.success(), "{}", String::from_utf8_lossy(&compiled.stderr));
+    let refused = optimusc(&["inspect", infer_arg, "--pipeline", "2"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("training plan") && !stderr.contains("panicked"), "{stderr}");
 }

@@ -14,6 +14,7 @@ use super::fault::Fault;
 use super::profile::Profile;
 use super::schedule::Schedule;
 use super::settings::{KernelContext, OptimizerSettings};
+pub use in_place::{InPlaceGroup, in_place_groups};
 use optimus_plan::init::{self, gather_blocks};
 use optimus_plan::memory::persistent;
 use optimus_plan::phases::{Phase, StepPhases};
@@ -227,11 +228,11 @@ pub struct Device<'p, B: Backend, C: Communicator> {
     position: usize,
     /// The collective the last `Wait` finished, for the profile.
     last_wait: Option<Waited>,
-    /// Host tensors a pipeline stage's passes have finished with, by buffer, for the next pass to copy
-    /// into (see [`Device::stash`]).
+    /// Host copies the micro-batches have finished with, by buffer, for the next copy of the same
+    /// buffer to go into (see [`Device::reused_host_copy`]).
     spare: HashMap<BufferId, Vec<Tensor>>,
     /// The groups of broadcasts read in place that start at each instruction (found on the first step).
-    in_place: Option<Vec<Option<in_place::InPlaceGroup>>>,
+    in_place: Option<std::sync::Arc<[Option<in_place::InPlaceGroup>]>>,
 }
 
 /// An overlapped collective in flight on the communicator's own thread.
@@ -413,13 +414,14 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         self.grad_norm = None;
         let updates_begin = self.phases.updates_begin();
         let failed = |index: usize| move |e: RuntimeError| StepError::Failed(at_instruction(plan, index)(e));
+        let groups = self.in_place_groups();
         let mut grouped_until = 0;
         for (index, instr) in plan.program.iter().enumerate() {
             if index < grouped_until {
                 continue;
             }
-            if let Some(group) = self.in_place_groups().get(index).cloned().flatten()
-                && self.run_in_place(&group).map_err(failed(index))?
+            if let Some(group) = groups.get(index).and_then(Option::as_ref)
+                && self.run_in_place(group).map_err(failed(index))?
             {
                 grouped_until = group.kernel + 1;
                 continue;
@@ -509,10 +511,9 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         match update {
             Update::Accumulate => {
                 let term = self.reused_host_copy(c.send)?.ok_or(RuntimeError::OptimizerNotAlive)?;
-                let values = term.f32()?;
-                let kept = self.deferred_sums.entry(c.send).or_insert_with(|| vec![0.0; values.len()]);
-                kept.iter_mut().zip(values).for_each(|(k, &v)| *k += v);
+                let added = add_into(&mut self.deferred_sums, c.send, &term);
                 self.give_back(c.send, term);
+                added?;
                 self.wait(c.recv)?;
                 self.backend.zero(&mut self.storage, c.recv)?;
                 self.alive[c.recv.0 as usize] = true;
@@ -627,20 +628,22 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// by the mean of the sum (in micro-batch order) over that many micro-batches, and clears the sum.
     fn accumulate(&mut self, inputs: &[BufferId], mean_of: Option<u64>) -> Result<(), RuntimeError> {
         let [_, grad, _, _] = *inputs else { return Err(RuntimeError::OptimizerOperands) };
-        let g = self.reused_host_copy(grad)?.ok_or(RuntimeError::OptimizerNotAlive)?;
-        let values = g.f32()?;
-        let sum = self.grad_sums.entry(grad).or_insert_with(|| vec![0.0; values.len()]);
-        if sum.len() != values.len() {
-            return Err(RuntimeError::GradientResized);
+        if !self.add_to_gradient_sum(grad)? {
+            return Err(RuntimeError::OptimizerNotAlive);
         }
-        sum.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
-        let shape = g.shape.clone();
-        self.give_back(grad, g);
         let Some(count) = mean_of else { return Ok(()) };
         let total = self.grad_sums.remove(&grad).unwrap_or_default();
         let inv = count.max(1) as f32;
         let mean: Vec<f32> = total.iter().map(|&s| s / inv).collect();
-        self.write(grad, Tensor::from_f32(&shape, mean))
+        self.write(grad, Tensor::from_f32(&self.plan.buffer(grad).shape, mean))
+    }
+
+    /// Adds gradient `grad` to this update's sum of it; `false` (nothing added) when it holds no value.
+    pub(crate) fn add_to_gradient_sum(&mut self, grad: BufferId) -> Result<bool, RuntimeError> {
+        let Some(copy) = self.reused_host_copy(grad)? else { return Ok(false) };
+        let added = add_into(&mut self.grad_sums, grad, &copy);
+        self.give_back(grad, copy);
+        added.map(|()| true)
     }
 
     /// A host copy of buffer `id` (`None` when it holds no value), in a tensor an earlier copy of it
@@ -1279,6 +1282,17 @@ impl DeviceRun<'_> {
         }
         Ok((records, false))
     }
+}
+
+/// Adds a host copy of buffer `id` into its sum in `sums` (zeros the first time).
+fn add_into(sums: &mut BTreeMap<BufferId, Vec<f32>>, id: BufferId, copy: &Tensor) -> Result<(), RuntimeError> {
+    let values = copy.f32()?;
+    let sum = sums.entry(id).or_insert_with(|| vec![0.0; values.len()]);
+    if sum.len() != values.len() {
+        return Err(RuntimeError::GradientResized);
+    }
+    sum.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
+    Ok(())
 }
 
 /// What a device's failure tells its peers and the user: `device (i, j) failed: ...`.

@@ -624,17 +624,16 @@ mod tests {
         }
     }
 
+    /// A device's profile of a program of `instructions`, nothing recorded yet.
+    fn empty_profile(instructions: usize, stage: Option<u64>) -> Profile {
+        let tallies = vec![Tally::default(); instructions];
+        let (steps, wall, extras) = (0, Duration::ZERO, BTreeMap::new());
+        Profile { device: Coords::default(), stage, steps, wall, warm_up_excluded: false, tallies, extras }
+    }
+
     #[test]
     fn the_warm_up_step_is_dropped_and_shares_add_up() {
-        let mut profile = Profile {
-            device: Coords::default(),
-            stage: None,
-            steps: 0,
-            wall: Duration::ZERO,
-            warm_up_excluded: false,
-            tallies: vec![Tally::default(); 2],
-            extras: BTreeMap::new(),
-        };
+        let mut profile = empty_profile(2, None);
         profile.record(0, Duration::from_millis(50));
         profile.finish_step(Duration::from_millis(60), true);
         assert_eq!((profile.steps, profile.tallies[0].count), (0, 0));
@@ -669,15 +668,7 @@ mod tests {
 
     #[test]
     fn a_stages_own_work_gets_rows_and_its_host_copies_count_as_other_time() {
-        let mut profile = Profile {
-            device: Coords::default(),
-            stage: Some(1),
-            steps: 0,
-            wall: Duration::ZERO,
-            warm_up_excluded: false,
-            tallies: vec![Tally::default(); 1],
-            extras: BTreeMap::new(),
-        };
+        let mut profile = empty_profile(1, Some(1));
         profile.record(0, Duration::from_millis(3));
         profile.record_extra("receive (stage)", Category::Communication, Duration::from_millis(4));
         profile.record_extra("kept activations out (host)", Category::Host, Duration::from_millis(2));

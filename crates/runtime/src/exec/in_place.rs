@@ -11,12 +11,13 @@ use crate::error::RuntimeError;
 use optimus_plan::memory::persistent;
 use optimus_plan::phases::{Phase, StepPhases};
 use optimus_plan::{BufferId, CollectiveKind, Group, Instr, Plan};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A group the executor runs at once: broadcasts (at most one a mesh axis), releases, and the kernel
 /// that reads every broadcast's result, which nothing reads afterwards.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct InPlaceGroup {
+pub struct InPlaceGroup {
     pub broadcasts: Vec<usize>,
     pub frees: Vec<usize>,
     pub kernel: usize,
@@ -24,7 +25,7 @@ pub(crate) struct InPlaceGroup {
 
 /// The group starting at each instruction, where one does. `may_overlap(a, b)`: whether buffers `a`
 /// and `b` may share storage (the kernel must not write where a broadcast's root block is).
-pub(crate) fn in_place_groups(
+pub fn in_place_groups(
     plan: &Plan,
     phases: &StepPhases,
     may_overlap: &dyn Fn(BufferId, BufferId) -> bool,
@@ -115,9 +116,10 @@ fn read_later(plan: &Plan, buffer: BufferId, kernel: usize) -> bool {
 }
 
 impl<B: Backend, C: Communicator> Device<'_, B, C> {
-    /// The groups of this device's program, found once; empty where broadcasts cannot be read in place
-    /// (another communicator or backend, `OPTIMUS_BROADCAST_IN_PLACE=off`).
-    pub(super) fn in_place_groups(&mut self) -> &[Option<InPlaceGroup>] {
+    /// The groups of this device's program by the instruction each starts at, found once; empty where
+    /// broadcasts cannot be read in place (another communicator or backend,
+    /// `OPTIMUS_BROADCAST_IN_PLACE=off`).
+    pub(super) fn in_place_groups(&mut self) -> Arc<[Option<InPlaceGroup>]> {
         if self.in_place.is_none() {
             let plan = self.plan;
             let usable = std::env::var("OPTIMUS_BROADCAST_IN_PLACE").as_deref() != Ok("off")
@@ -129,9 +131,9 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
             } else {
                 Vec::new()
             };
-            self.in_place = Some(groups);
+            self.in_place = Some(groups.into());
         }
-        self.in_place.as_deref().unwrap_or_default()
+        self.in_place.clone().unwrap_or_else(|| Arc::new([]))
     }
 
     /// Runs `group`; with a profile, each broadcast's own time (its rounds, outside what it contains)

@@ -20,7 +20,7 @@ pub struct Stash {
     pub bytes: u64,
 }
 
-impl<B: Backend, C: Communicator> Device<'_, B, C> {
+impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     /// Starts a pass of micro-batch `draw` (counted from 1 over the run): dropout draws its masks.
     pub(crate) fn begin_pass(&mut self, draw: u64) {
         self.step_seed = init::mix64(self.seed ^ init::mix64(draw));
@@ -36,12 +36,7 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
     /// Runs instruction `index` of the device's program, with `update` deciding the sums over the
     /// replicas (deferred to an update's last micro-batch) and the optimizer steps.
     pub(crate) fn run_instruction(&mut self, index: usize, update: Update<'_>) -> Result<(), RuntimeError> {
-        let plan = self.plan;
-        let Some(instr) = plan.program.get(index) else {
-            return Err(RuntimeError::Kernel(crate::error::KernelError::Internal(format!(
-                "a pipeline stage has no instruction {index}"
-            ))));
-        };
+        let instr = self.stage_instruction(index)?;
         self.position = index;
         let started = self.profile.is_some().then(std::time::Instant::now);
         let deferred = self.phases.phase(index) == Phase::GradientSum && self.defer_gradient_sum(instr, update)?;
@@ -70,14 +65,18 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
 
     /// Runs instruction `index` of a forward pass of validation (dropout off; not profiled).
     pub(crate) fn run_validation_instruction(&mut self, index: usize) -> Result<(), RuntimeError> {
-        let plan = self.plan;
-        let instr = plan.program.get(index).ok_or_else(|| {
+        let instr = self.stage_instruction(index)?;
+        self.position = index;
+        self.execute_for_validation(instr)
+    }
+
+    /// Instruction `index` of the stage's program (an internal error where there is none).
+    fn stage_instruction(&self, index: usize) -> Result<&'p Instr, RuntimeError> {
+        self.plan.program.get(index).ok_or_else(|| {
             RuntimeError::Kernel(crate::error::KernelError::Internal(format!(
                 "a pipeline stage has no instruction {index}"
             )))
-        })?;
-        self.position = index;
-        self.execute_for_validation(instr)
+        })
     }
 
     /// Of `later` (instruction indices in program order, a backward pass's), those the loss needs: a
@@ -147,14 +146,7 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
     pub(crate) fn add_gradients(&mut self, gradients: &[BufferId]) -> Result<(), RuntimeError> {
         self.finish_in_flight()?;
         for &g in gradients {
-            let Some(copy) = self.reused_host_copy(g)? else { continue };
-            let values = copy.f32()?;
-            let sum = self.grad_sums.entry(g).or_insert_with(|| vec![0.0; values.len()]);
-            if sum.len() != values.len() {
-                return Err(RuntimeError::GradientResized);
-            }
-            sum.iter_mut().zip(values).for_each(|(s, &v)| *s += v);
-            self.give_back(g, copy);
+            self.add_to_gradient_sum(g)?;
         }
         self.begin_step();
         Ok(())
