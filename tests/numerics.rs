@@ -139,6 +139,39 @@ fn small_gpt2_optimus_2x2_and_megatron_1x4() {
     compare("examples/gpt2.opt", &o, (1, 4), Strategy::Megatron);
 }
 
+/// Whether an optimus plan's tied head keeps its table in place (moves the tokens' blocks instead).
+fn keeps_table_in_place(plan: &Plan) -> bool {
+    plan.reasons.iter().any(|r| r.text.contains("table in place"))
+}
+
+/// A tied head over fewer tokens than vocabulary rows keeps its table in place; over more it moves the
+/// table's blocks. Both ways compute what one device computes: the loss, every gradient (the table's
+/// too), and the weights after AdamW steps.
+#[test]
+fn tied_head_keeps_its_table_in_place_only_over_fewer_tokens_than_rows() {
+    let gpt2 = |vocab: &str, batch: &str| {
+        let pairs = [("layers", "1"), ("hidden", "48"), ("heads", "12"), ("context", "16"), ("seq", "8")];
+        let mut o = sets(&pairs);
+        o.extend(sets(&[("vocab", vocab), ("batch", batch), ("pdrop", "0.0")]));
+        o
+    };
+    // (vocabulary, batch of 8-token sequences, mesh, whether the table stays): 48 or 96 tokens.
+    let cases = [
+        ("301", "6", 3, true),
+        ("95", "12", 3, false),
+        ("200", "12", 2, true),
+        ("64", "12", 2, false),
+        ("96", "12", 4, false),
+        ("250", "8", 4, true),
+    ];
+    for (vocab, batch, q, in_place) in cases {
+        let o = gpt2(vocab, batch);
+        let sharded = plan("examples/gpt2.opt", &o, (q, q), Strategy::Optimus, Mode::Train);
+        assert_eq!(keeps_table_in_place(&sharded), in_place, "vocab {vocab}, batch {batch}, {q}x{q}");
+        compare("examples/gpt2.opt", &o, (q, q), Strategy::Optimus);
+    }
+}
+
 #[test]
 fn small_bert_optimus_2x2_and_megatron_1x2() {
     let o = sets(&[

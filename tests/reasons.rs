@@ -60,17 +60,21 @@ fn explained(plan: &Plan) -> Vec<(&Instr, &Reason)> {
 /// independent check of the kind the compiler gives it.
 fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
     let rest = &text[text.find(": SUMMA ")? + ": SUMMA ".len()..];
-    let mut words = rest.splitn(6, ' ');
-    let product = match words.next()? {
+    let (name, rest) = rest.split_at(rest.find(" step ")?);
+    let product = match name {
         "AB" => SummaProduct::Ab,
         "ABT" => SummaProduct::Abt,
         "ATB" => SummaProduct::Atb,
+        "ABT (B in place)" => SummaProduct::AbtKeepingB,
+        "AB (B in place)" => SummaProduct::AbKeepingB,
+        "ATB (accumulated)" => SummaProduct::AtbAccumulated,
         other => panic!("unknown product {other} in `{text}`"),
     };
+    let mut words = rest.trim_start().splitn(5, ' ');
     let (_, step, _, steps) = (words.next()?, words.next()?, words.next()?, words.next()?);
     let steps = steps.trim_end_matches(':');
     let part = match words.next()? {
-        "broadcast A block along the row" => SummaPart::BroadcastA,
+        "broadcast A block along the row" | "broadcast A block along the column" => SummaPart::BroadcastA,
         "broadcast B block along the column" => SummaPart::BroadcastB,
         "multiply" => SummaPart::Multiply,
         "multiply-accumulate" => SummaPart::MultiplyAccumulate,
@@ -81,23 +85,27 @@ fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
 }
 
 /// Checks that the instruction is the part of a SUMMA step its kind says: broadcasts of A along the
-/// row and of B along the column, rooted at the step's member; the product; the reduction of C.
+/// row (the column for ABT keeping B in place) and of B along the column, rooted at the step's member;
+/// the product; the reduction of C (along the column for ATB and AB keeping B in place).
 fn assert_instruction_is_its_part(instr: &Instr, product: SummaProduct, step: u64, part: SummaPart, text: &str) {
     let root = Some(step - 1);
+    let accumulated = matches!(product, SummaProduct::Ab | SummaProduct::AtbAccumulated);
     match (part, instr) {
         (SummaPart::BroadcastA | SummaPart::BroadcastB, Instr::Collective { collective: c, .. }) => {
-            let group = if part == SummaPart::BroadcastA { Group::Row } else { Group::Column };
+            let along_row = part == SummaPart::BroadcastA && product != SummaProduct::AbtKeepingB;
+            let group = if along_row { Group::Row } else { Group::Column };
             assert_eq!((c.kind, c.group, c.root), (CollectiveKind::Broadcast, group, root), "{text}");
         }
         (SummaPart::ReduceC, Instr::Collective { collective: c, .. }) => {
-            let group = if product == SummaProduct::Atb { Group::Column } else { Group::Row };
+            let along_column = matches!(product, SummaProduct::Atb | SummaProduct::AbKeepingB);
+            let group = if along_column { Group::Column } else { Group::Row };
             assert_eq!((c.kind, c.group, c.root), (CollectiveKind::Reduce, group, root), "{text}");
         }
         (SummaPart::Multiply, Instr::Kernel { kernel: Kernel::MatMul { accumulate, .. }, .. }) => {
-            assert!(!accumulate && product != SummaProduct::Ab, "{text}");
+            assert!(!accumulate && !accumulated, "{text}");
         }
         (SummaPart::MultiplyAccumulate, Instr::Kernel { kernel: Kernel::MatMul { accumulate, .. }, .. }) => {
-            assert!(*accumulate == (step > 1) && product == SummaProduct::Ab, "{text}");
+            assert!(*accumulate == (step > 1) && accumulated, "{text}");
         }
         _ => panic!("`{text}` explains {instr:?}"),
     }

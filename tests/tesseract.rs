@@ -79,9 +79,9 @@ fn parameter_elements(q: u64) -> u64 {
 
 #[test]
 fn summa_traffic_the_depth_sum_and_memory_equal_the_closed_formulas() {
-    let batch = 16;
-    let tokens = batch * SEQ;
-    for (depth, q) in [(2, 2), (4, 2), (2, 4)] {
+    // 16 sequences: fewer tokens a depth layer than vocabulary rows; 64: more.
+    for (batch, depth, q) in [(16, 2, 2), (16, 4, 2), (16, 2, 4), (64, 2, 2), (64, 4, 2)] {
+        let tokens = batch * SEQ;
         let mesh = Mesh::new(q, q).with_depth(depth);
         let plan = gpt2(mesh, Strategy::Tesseract, batch);
         let (h, f, v) = (HIDDEN, FFN, padded_vocab(q));
@@ -90,11 +90,15 @@ fn summa_traffic_the_depth_sum_and_memory_equal_the_closed_formulas() {
         // Forward A blocks and dW's A blocks along the row, the tied head's dY twice; each device takes
         // q blocks of tokens / (d q) rows per product.
         let rows = tokens / (depth * q);
+        // Along the column, the tied head moves its table's blocks (twice, and reduces its gradient),
+        // or, over fewer tokens a depth layer than vocabulary rows, keeps the table in place and moves
+        // the tokens' blocks of its input instead (twice, and reduces the input's gradient).
+        let head = if tokens / depth < v { rows * h } else { v * h / q };
         let want = BTreeMap::from([
             ((Group::Row, CollectiveKind::Broadcast), 2 * rows * (inputs + v)),
-            ((Group::Column, CollectiveKind::Broadcast), 2 * (products + v * h) / q),
+            ((Group::Column, CollectiveKind::Broadcast), 2 * (products / q + head)),
             ((Group::Row, CollectiveKind::Reduce), rows * (inputs + v)),
-            ((Group::Column, CollectiveKind::Reduce), (products + v * h) / q),
+            ((Group::Column, CollectiveKind::Reduce), products / q + head),
         ]);
         let summa = moved(&plan, |k| matches!(k, ReasonKind::Summa { .. }));
         assert_eq!(summa, want, "{mesh}: SUMMA elements per device per step");

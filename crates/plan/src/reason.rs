@@ -62,6 +62,17 @@ pub enum SummaProduct {
     Abt,
     /// C = A^T B: A broadcast along the row, the partial product reduced along the column.
     Atb,
+    /// C = A B^T with B kept in place: A broadcast along the column, the partial product reduced along
+    /// the row, so that C comes out with A's rows over the mesh columns and B's over the mesh rows (a
+    /// tied head's logits when the tokens are fewer than the vocabulary's rows).
+    AbtKeepingB,
+    /// C = A B with B kept in place, for an A whose columns lie over the mesh rows (the logits'
+    /// gradient as `AbtKeepingB` lays it out): A broadcast along the row, the partial product reduced
+    /// along the column.
+    AbKeepingB,
+    /// C = A^T B for an A whose rows lie over the mesh columns: A broadcast along the row and B along
+    /// the column, accumulated in place.
+    AtbAccumulated,
 }
 
 impl SummaProduct {
@@ -71,6 +82,9 @@ impl SummaProduct {
             SummaProduct::Ab => "AB",
             SummaProduct::Abt => "ABT",
             SummaProduct::Atb => "ATB",
+            SummaProduct::AbtKeepingB => "ABT (B in place)",
+            SummaProduct::AbKeepingB => "AB (B in place)",
+            SummaProduct::AtbAccumulated => "ATB (accumulated)",
         }
     }
 }
@@ -134,11 +148,12 @@ impl SummaPart {
     /// The words for this part of a step of `product`.
     fn text(self, product: SummaProduct) -> &'static str {
         match (self, product) {
+            (SummaPart::BroadcastA, SummaProduct::AbtKeepingB) => "broadcast A block along the column",
             (SummaPart::BroadcastA, _) => "broadcast A block along the row",
             (SummaPart::BroadcastB, _) => "broadcast B block along the column",
             (SummaPart::Multiply, _) => "multiply",
             (SummaPart::MultiplyAccumulate, _) => "multiply-accumulate",
-            (SummaPart::ReduceC, SummaProduct::Atb) => "reduce C block along the column",
+            (SummaPart::ReduceC, SummaProduct::Atb | SummaProduct::AbKeepingB) => "reduce C block along the column",
             (SummaPart::ReduceC, _) => "reduce C block along the row",
         }
     }
@@ -156,6 +171,12 @@ mod tests {
         assert_eq!(r.text, "backward of linear (dW = X^T dY): SUMMA ATB step 1 of 2: reduce C block along the column");
         let r = Reason::summa_step("tied linear", SummaProduct::Abt, 3, 3, SummaPart::ReduceC);
         assert_eq!(r.text, "tied linear: SUMMA ABT step 3 of 3: reduce C block along the row");
+        let r = Reason::summa_step("tied linear", SummaProduct::AbtKeepingB, 1, 2, SummaPart::BroadcastA);
+        assert_eq!(r.text, "tied linear: SUMMA ABT (B in place) step 1 of 2: broadcast A block along the column");
+        let r = Reason::summa_step("dX", SummaProduct::AbKeepingB, 2, 2, SummaPart::ReduceC);
+        assert_eq!(r.text, "dX: SUMMA AB (B in place) step 2 of 2: reduce C block along the column");
+        let r = Reason::summa_step("dE", SummaProduct::AtbAccumulated, 2, 2, SummaPart::BroadcastB);
+        assert_eq!(r.text, "dE: SUMMA ATB (accumulated) step 2 of 2: broadcast B block along the column");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! those layouts depend on the strategy, the rule reads its row of the table in `table.rs` and
 //! instantiates it for the node; the rule itself never branches on the strategy.
 
-use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement};
+use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
 use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, on_dim};
 use super::{Lowerer, shapes};
 use crate::diag::{Code, Diagnostic};
@@ -21,13 +21,36 @@ struct Heads {
     kv: u64,
 }
 
-/// The SUMMA products that reduce partial output blocks.
+/// A SUMMA product that reduces partial output blocks: each step broadcasts one operand's block along
+/// `along` (root: the step), multiplies it with the other's local block, and reduces the partial
+/// product along `reduce_along` to the step's root.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum SummaReduced {
-    /// C = A B^T
-    Abt,
-    /// C = A^T B
-    Atb,
+struct ReducedSumma {
+    product: SummaProduct,
+    moves_a: bool,
+    along: Group,
+    reduce_along: Group,
+    transpose_a: bool,
+    transpose_b: bool,
+}
+
+impl ReducedSumma {
+    /// C = A B^T: B(t,j) broadcast along column j, the partial reduced along row i to (i,t).
+    const ABT: ReducedSumma = ReducedSumma::new(SummaProduct::Abt, false, Group::Column, Group::Row, (false, true));
+    /// C = A^T B: A(i,t) broadcast along row i, the partial reduced along column j to (t,j).
+    const ATB: ReducedSumma = ReducedSumma::new(SummaProduct::Atb, true, Group::Row, Group::Column, (true, false));
+    /// C = A B^T keeping B in place: A(t,j) broadcast along column j, the partial A(t,j) B(i,j)^T
+    /// reduced along row i to (i,t), which holds C's block (t,i).
+    const ABT_KEEPING_B: ReducedSumma =
+        ReducedSumma::new(SummaProduct::AbtKeepingB, true, Group::Column, Group::Row, (false, true));
+    /// C = A B keeping B in place, A's block (k,i) holding A's rows i and columns k: A's block (k,t)
+    /// broadcast along row k, the partial A(k,t) B(k,j) reduced along column j to (t,j).
+    const AB_KEEPING_B: ReducedSumma =
+        ReducedSumma::new(SummaProduct::AbKeepingB, true, Group::Row, Group::Column, (false, false));
+
+    const fn new(product: SummaProduct, moves_a: bool, along: Group, reduce_along: Group, t: (bool, bool)) -> Self {
+        ReducedSumma { product, moves_a, along, reduce_along, transpose_a: t.0, transpose_b: t.1 }
+    }
 }
 
 /// The reason of a kernel that works on this device's blocks alone.
@@ -75,9 +98,12 @@ impl Lowerer<'_> {
             return;
         };
         match p.kind {
-            ProductKind::SummaAb => self.summa_ab(a, b, out, p.what),
-            ProductKind::SummaAbt => self.summa_abt(a, b, out, p.what),
-            ProductKind::SummaAtb => self.summa_atb(a, b, out, p.what),
+            ProductKind::SummaAb => self.summa_ab(SummaProduct::Ab, a, b, out, p.what),
+            ProductKind::SummaAtbAccumulated => self.summa_ab(SummaProduct::AtbAccumulated, a, b, out, p.what),
+            ProductKind::SummaAbt => self.summa_reduced(ReducedSumma::ABT, a, b, out, p.what),
+            ProductKind::SummaAtb => self.summa_reduced(ReducedSumma::ATB, a, b, out, p.what),
+            ProductKind::SummaAbtKeepingB => self.summa_reduced(ReducedSumma::ABT_KEEPING_B, a, b, out, p.what),
+            ProductKind::SummaAbKeepingB => self.summa_reduced(ReducedSumma::AB_KEEPING_B, a, b, out, p.what),
             ProductKind::Local { transpose_a, transpose_b } => {
                 self.local_matmul(a, b, out, transpose_a, transpose_b, p.what)
             }
@@ -264,12 +290,15 @@ impl Lowerer<'_> {
 
     // ---- SUMMA -------------------------------------------------------------------------------
 
-    /// C = A B on q x q blocks: broadcast A(i,t) along row i and B(t,j) along column j, accumulate.
-    fn summa_ab(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+    /// C = A B on q x q blocks: broadcast A(i,t) along row i and B(t,j) along column j, accumulate; or,
+    /// as `SummaProduct::AtbAccumulated`, C = A^T B the same way for an A whose rows lie over the mesh
+    /// columns (A's block (i,t) holds its columns i and rows t).
+    fn summa_ab(&mut self, product: SummaProduct, a: BufferId, b: BufferId, out: BufferId, what: &str) {
         let q = self.q();
+        let transpose_a = product == SummaProduct::AtbAccumulated;
         if q == 1 {
             self.kernel(
-                Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: false },
+                Kernel::MatMul { transpose_a, transpose_b: false, accumulate: false },
                 &[a, b],
                 out,
                 Reason::new(ReasonKind::LocalProduct, what),
@@ -279,12 +308,12 @@ impl Lowerer<'_> {
         let (wa, wb) = (self.workspace_like(a, "summa_a"), self.workspace_like(b, "summa_b"));
         let sum = self.summa_accumulator(out);
         for t in 0..q {
-            let step = |this: &mut Self, part| this.summa_reason(what, SummaProduct::Ab, t + 1, q, part);
+            let step = |this: &mut Self, part| this.summa_reason(what, product, t + 1, q, part);
             let reasons = [SummaPart::BroadcastA, SummaPart::BroadcastB, SummaPart::MultiplyAccumulate];
             let [broadcast_a, broadcast_b, multiply] = reasons.map(|part| step(self, part));
             self.collective(CollectiveKind::Broadcast, Group::Row, Some(t), None, None, a, wa, broadcast_a);
             self.collective(CollectiveKind::Broadcast, Group::Column, Some(t), None, None, b, wb, broadcast_b);
-            let k = Kernel::MatMul { transpose_a: false, transpose_b: false, accumulate: t > 0 };
+            let k = Kernel::MatMul { transpose_a, transpose_b: false, accumulate: t > 0 };
             self.kernel(k, &[wa, wb], sum, multiply);
         }
         if sum != out {
@@ -305,45 +334,30 @@ impl Lowerer<'_> {
         self.new_buffer(name, crate::ir::DType::F32, b.logical_shape, b.layout, Role::Workspace)
     }
 
-    /// C = A B^T: broadcast B(t,j) along column j, multiply, reduce the partial along row i to (i,t).
-    fn summa_abt(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
-        self.summa_reduced(SummaReduced::Abt, a, b, out, what);
-    }
-
-    /// C = A^T B: broadcast A(i,t) along row i, multiply, reduce the partial along column j to (t,j).
-    fn summa_atb(&mut self, a: BufferId, b: BufferId, out: BufferId, what: &str) {
-        self.summa_reduced(SummaReduced::Atb, a, b, out, what);
-    }
-
-    /// The two SUMMA products whose output blocks are reduced: each step broadcasts one operand's block,
+    /// A SUMMA product whose output blocks are reduced: each step broadcasts one operand's block,
     /// multiplies it with the local block of the other, and reduces the partial product to step t's root.
-    fn summa_reduced(&mut self, variant: SummaReduced, a: BufferId, b: BufferId, out: BufferId, what: &str) {
-        let (ta, tb) = (variant == SummaReduced::Atb, variant == SummaReduced::Abt);
+    fn summa_reduced(&mut self, summa: ReducedSumma, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let (ta, tb) = (summa.transpose_a, summa.transpose_b);
         let q = self.q();
         if q == 1 {
             let reason = Reason::new(ReasonKind::LocalProduct, what);
             self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, reason);
             return;
         }
-        // ABT moves B along the column and reduces along the row; ATB moves A along the row and reduces
-        // along the column.
-        let (moved, which, along, reduce_along, broadcast) = match variant {
-            SummaReduced::Abt => (b, "B", Group::Column, Group::Row, SummaPart::BroadcastB),
-            SummaReduced::Atb => (a, "A", Group::Row, Group::Column, SummaPart::BroadcastA),
-        };
-        let copy = self.workspace_like(moved, &format!("summa_{}", which.to_lowercase()));
+        let (moved, name, broadcast) =
+            if summa.moves_a { (a, "summa_a", SummaPart::BroadcastA) } else { (b, "summa_b", SummaPart::BroadcastB) };
+        let copy = self.workspace_like(moved, name);
         let part = self.workspace_like(out, "summa_partial");
-        let product = if variant == SummaReduced::Abt { SummaProduct::Abt } else { SummaProduct::Atb };
         for t in 0..q {
-            let step = |this: &mut Self, part| this.summa_reason(what, product, t + 1, q, part);
+            let step = |this: &mut Self, part| this.summa_reason(what, summa.product, t + 1, q, part);
             let [sent, multiply, reduced] = [broadcast, SummaPart::Multiply, SummaPart::ReduceC].map(|p| step(self, p));
-            self.collective(CollectiveKind::Broadcast, along, Some(t), None, None, moved, copy, sent);
-            let operands = if variant == SummaReduced::Abt { [a, copy] } else { [copy, b] };
+            self.collective(CollectiveKind::Broadcast, summa.along, Some(t), None, None, moved, copy, sent);
+            let operands = if summa.moves_a { [copy, b] } else { [a, copy] };
             let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
             self.kernel(k, &operands, part, multiply);
             self.collective(
                 CollectiveKind::Reduce,
-                reduce_along,
+                summa.reduce_along,
                 Some(t),
                 Some(ReduceOp::Sum),
                 None,
@@ -505,7 +519,10 @@ impl Lowerer<'_> {
         let last = self.rank(n) - 1;
         let operator = if tied { Operator::LinearTied } else { Operator::Linear };
         let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(last);
-        let Some(case) = self.rule_case(operator, &Facts { input_split, ..Facts::default() }) else { return };
+        let few_tokens = tied && self.fewer_tokens_than_rows(x, w);
+        let Some(case) = self.rule_case(operator, &Facts { input_split, few_tokens, ..Facts::default() }) else {
+            return;
+        };
         let dims = Dims { out: self.out_split(w, 1), ..self.dims(last) };
         let xb = self.value(x, laid(case.operands[0], &dims, Layout::REPLICATED));
         let wb = self.value(w, laid(case.operands[1], &dims, Layout::REPLICATED));
@@ -531,10 +548,36 @@ impl Lowerer<'_> {
         self.define(n, layout, out);
     }
 
+    /// Whether a tied head's input `x` has fewer tokens, per replica of the axes that split the batch,
+    /// than `table` has rows, on a mesh with more than one row. Its SUMMA products then move less by
+    /// keeping the table in place: 3 token x width blocks instead of 3 vocabulary x width ones a step
+    /// (the logits' blocks move either way).
+    fn fewer_tokens_than_rows(&self, x: NodeIndex, table: NodeIndex) -> bool {
+        let shape = &self.shapes[x.index()];
+        let tokens: u64 = shape[..shape.len().saturating_sub(1)].iter().product();
+        let replicas: u64 = self.batch_axes().iter().map(|&axis| self.axes()[axis].max(1)).product();
+        let rows = self.shapes[table.index()].first().copied().unwrap_or(0);
+        self.q() > 1 && tokens / replicas.max(1) < rows
+    }
+
+    /// Whether `n` (logits or their gradient) lies with its last dimension over the mesh rows.
+    fn vocab_on_rows(&mut self, n: NodeIndex) -> bool {
+        let last = self.rank(n).saturating_sub(1);
+        last > 0 && self.natural(n).0[ROW_AXIS].dim() == Some(last)
+    }
+
     /// The case of a linear backward row for a weight stored as `wl`, and the dimensions its patterns
-    /// are read with: the weight's output split is the one it is stored with.
-    fn weight_case(&mut self, operator: Operator, wl: Layout, last: usize) -> Option<(&'static Case, Dims)> {
-        let facts = Facts { weight_cols: Some(wl.0[COLUMN_AXIS]), ..Facts::default() };
+    /// are read with: the weight's output split is the one it is stored with. `dy`: the output's
+    /// gradient, whose layout picks a tied head's case.
+    fn weight_case(
+        &mut self,
+        operator: Operator,
+        wl: Layout,
+        last: usize,
+        dy: NodeIndex,
+    ) -> Option<(&'static Case, Dims)> {
+        let vocab_on_rows = self.vocab_on_rows(dy);
+        let facts = Facts { weight_cols: Some(wl.0[COLUMN_AXIS]), vocab_on_rows, ..Facts::default() };
         let case = self.rule_case(operator, &facts)?;
         // The output features' split: the columns' or (a 3D weight on L2 inputs) the depth's split of
         // dimension 1, else the columns' placement as the rows that do not read it take it.
@@ -547,7 +590,7 @@ impl Lowerer<'_> {
         let last = self.rank(n) - 1;
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
         let operator = if tied { Operator::LinearGradInputTied } else { Operator::LinearGradInput };
-        let Some((case, dims)) = self.weight_case(operator, wl, last) else { return };
+        let Some((case, dims)) = self.weight_case(operator, wl, last, dy) else { return };
         let wb = self.value(w, laid(case.operands[1], &dims, wl));
         let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
         let out = self.norm(laid(case.output, &dims, wl));
@@ -562,7 +605,7 @@ impl Lowerer<'_> {
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
         let last = self.rank(x) - 1;
         let operator = if tied { Operator::LinearGradWeightTied } else { Operator::LinearGradWeight };
-        let Some((case, dims)) = self.weight_case(operator, wl, last) else { return };
+        let Some((case, dims)) = self.weight_case(operator, wl, last, dy) else { return };
         let out = laid(case.output, &dims, wl);
         let g = self.node_buffer(n, out, Role::Workspace);
         let xb = self.value(x, laid(case.operands[0], &dims, wl));
@@ -1022,8 +1065,10 @@ impl Lowerer<'_> {
 
     /// Layouts of logits and targets (the cross-entropy row): the vocabulary split where the logits'
     /// last dimension is, the batch where it is.
-    fn cross_entropy_layouts(&mut self, rank: usize) -> Option<(Layout, Layout)> {
-        let case = self.rule_case(Operator::CrossEntropy, &Facts::default())?;
+    fn cross_entropy_layouts(&mut self, logits: NodeIndex) -> Option<(Layout, Layout)> {
+        let rank = self.rank(logits);
+        let facts = Facts { vocab_on_rows: self.vocab_on_rows(logits), ..Facts::default() };
+        let case = self.rule_case(Operator::CrossEntropy, &facts)?;
         let dims = self.dims(rank - 1);
         let logits = self.norm(laid(case.operands[0], &dims, Layout::REPLICATED));
         Some((logits, self.norm(laid(case.operands[1], &dims, Layout::REPLICATED))))
@@ -1041,7 +1086,7 @@ impl Lowerer<'_> {
     fn cross_entropy(&mut self, n: NodeIndex, logits: NodeIndex, targets: NodeIndex) {
         let stat = |text: &str| Reason::new(ReasonKind::Statistics { of: Statistic::CrossEntropy }, text);
         let rank = self.rank(logits);
-        let Some((ll, tl)) = self.cross_entropy_layouts(rank) else { return };
+        let Some((ll, tl)) = self.cross_entropy_layouts(logits) else { return };
         // With the replicas' batch split, so that the loss and the count are pending sums over them.
         let ll = self.with_data(logits, ll);
         let lb = self.value(logits, ll);
@@ -1104,8 +1149,7 @@ impl Lowerer<'_> {
 
     fn cross_entropy_grad(&mut self, n: NodeIndex, ops: &[NodeIndex]) {
         let (logits, targets, dl) = (ops[0], ops[1], ops[2]);
-        let rank = self.rank(logits);
-        let Some((ll, tl)) = self.cross_entropy_layouts(rank) else { return };
+        let Some((ll, tl)) = self.cross_entropy_layouts(logits) else { return };
         let Some(&(max, stats, counted)) = self.cross_entropy_stats.get(&logits) else {
             return self.missing_param(n);
         };

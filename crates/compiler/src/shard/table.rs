@@ -193,6 +193,15 @@ pub enum ProductKind {
     SummaAbt,
     /// C = A^T B by SUMMA: A broadcast along the rows, partial products reduced along the columns.
     SummaAtb,
+    /// C = A B^T by SUMMA keeping B in place: A broadcast along the columns, partial products reduced
+    /// along the rows; C has A's rows over the mesh columns and B's rows over the mesh rows.
+    SummaAbtKeepingB,
+    /// C = A B by SUMMA keeping B in place, for an A whose columns lie over the mesh rows: A broadcast
+    /// along the rows, partial products reduced along the columns.
+    SummaAbKeepingB,
+    /// C = A^T B by SUMMA for an A whose rows lie over the mesh columns: A broadcast along the rows, B
+    /// along the columns, accumulated.
+    SummaAtbAccumulated,
     /// One local matmul of the blocks (a split contracted dimension leaves the result partial).
     Local { transpose_a: bool, transpose_b: bool },
     /// 3D: one local matmul of the gathered blocks into a pending sum over mesh axis `axis` (which
@@ -223,6 +232,12 @@ pub enum When {
     WeightSplitOut,
     /// The embedding table is split on its rows (tied to a linear, or large).
     VocabParallel,
+    /// A tied head's input has fewer tokens (per batch-splitting replica) than its table has rows, on
+    /// a mesh with more than one row: moving the tokens' blocks instead of the table's costs less.
+    FewTokens,
+    /// The logits (or their gradient) lie with the vocabulary over the mesh rows and the batch over the
+    /// columns, as a tied head that keeps its table in place makes them.
+    VocabOnRows,
 }
 
 /// The facts about a node that the guards of its row read.
@@ -232,6 +247,8 @@ pub struct Facts {
     /// The stored weight's placement along the columns.
     pub weight_cols: Option<Placement>,
     pub vocab_parallel: bool,
+    pub few_tokens: bool,
+    pub vocab_on_rows: bool,
 }
 
 impl When {
@@ -242,6 +259,8 @@ impl When {
             When::WeightSplitIn => matches!(facts.weight_cols, Some(Placement::Shard { dim: 0, .. })),
             When::WeightSplitOut => matches!(facts.weight_cols, Some(Placement::Shard { dim, .. }) if dim != 0),
             When::VocabParallel => facts.vocab_parallel,
+            When::FewTokens => facts.few_tokens,
+            When::VocabOnRows => facts.vocab_on_rows,
         }
     }
 }
@@ -306,7 +325,7 @@ const LOCAL_BT: ProductKind = ProductKind::Local { transpose_a: false, transpose
 const WHOLE: Pattern = Axes(Rep, Rep);
 
 use Operator as Op;
-use ProductKind::{SummaAb, SummaAbt, SummaAtb};
+use ProductKind::{SummaAb, SummaAbKeepingB, SummaAbt, SummaAbtKeepingB, SummaAtb, SummaAtbAccumulated};
 use Strategy::{Megatron, Optimus, ThreeD};
 
 /// 3D's two activation layouts. `L1`: the batch over the rows and the columns, the features over the
@@ -338,7 +357,11 @@ pub const RULES: &[Rule] = &[
             product(LOCAL, 0, 1, "row-parallel linear")),
         always(&[WHOLE, Axes(Rep, Out)], Axes(Rep, OutLast), product(LOCAL, 0, 1, "column-parallel linear")),
     ]),
+    // A tied head over fewer tokens than vocabulary rows keeps the table in place: its forward and its
+    // gradients then move token-sized blocks and logit-sized ones, never the table (see 2d-parallelism.md).
     row(Op::LinearTied, Optimus, &[
+        case(When::FewTokens, &[Axes(Batch, Last), Axes(Dim0, Dim1)], Axes(Last, Batch),
+            product(SummaAbtKeepingB, 0, 1, "tied linear (logits = X E^T), table in place")),
         always(&[Axes(Batch, Last), Axes(Dim0, Dim1)], Axes(Batch, Last),
             product(SummaAbt, 0, 1, "tied linear (logits = X E^T)")),
     ]),
@@ -356,6 +379,8 @@ pub const RULES: &[Rule] = &[
         always(&[WHOLE, Stored], WHOLE, product(LOCAL_BT, 0, 1, "backward of linear (dX)")),
     ]),
     row(Op::LinearGradInputTied, Optimus, &[
+        case(When::VocabOnRows, &[Axes(Last, Batch), Stored], Axes(Batch, Last),
+            product(SummaAbKeepingB, 0, 1, "backward of tied linear (dX = dY E), table in place")),
         always(&[Axes(Batch, Last), Stored], Axes(Batch, Last),
             product(SummaAb, 0, 1, "backward of tied linear (dX = dY E)")),
     ]),
@@ -374,6 +399,8 @@ pub const RULES: &[Rule] = &[
         always(&[WHOLE, WHOLE], Stored, product(LOCAL_AT, 0, 1, "backward of linear (dW = X^T dY)")),
     ]),
     row(Op::LinearGradWeightTied, Optimus, &[
+        case(When::VocabOnRows, &[Axes(Batch, Last), Axes(Last, Batch)], Stored,
+            product(SummaAtbAccumulated, 1, 0, "backward of tied linear (dE = dY^T X), table in place")),
         always(&[Axes(Batch, Last), Axes(Batch, Last)], Stored,
             product(SummaAtb, 1, 0, "backward of tied linear (dE = dY^T X)")),
     ]),
@@ -396,7 +423,10 @@ pub const RULES: &[Rule] = &[
     row(Op::Norm, Megatron, &[always(&[WHOLE, WHOLE], WHOLE, None)]),
     row(Op::Attention, Optimus, &[always(&[Axes(Batch, Heads)], Axes(Batch, Last), None)]),
     row(Op::Attention, Megatron, &[always(&[Axes(Rep, Heads)], Axes(Rep, Last), None)]),
-    row(Op::CrossEntropy, Optimus, &[always(&[Axes(Batch, Last), Axes(Batch, Rep)], Derived, None)]),
+    row(Op::CrossEntropy, Optimus, &[
+        case(When::VocabOnRows, &[Axes(Last, Batch), Axes(Rep, Batch)], Derived, None),
+        always(&[Axes(Batch, Last), Axes(Batch, Rep)], Derived, None),
+    ]),
     row(Op::CrossEntropy, Megatron, &[always(&[Axes(Rep, Last), WHOLE], Derived, None)]),
     // ---- 3D: q x q x q, the two activation layouts L1 and L2 (see above) ----
     row(Op::Linear, ThreeD, &[
