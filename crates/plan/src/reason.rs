@@ -165,18 +165,20 @@ mod tests {
 
     #[test]
     fn a_summa_step_says_its_product_step_and_part() {
-        let r = Reason::summa_step("linear", SummaProduct::Ab, 2, 4, SummaPart::BroadcastA);
-        assert_eq!(r.text, "linear: SUMMA AB step 2 of 4: broadcast A block along the row");
-        let r = Reason::summa_step("backward of linear (dW = X^T dY)", SummaProduct::Atb, 1, 2, SummaPart::ReduceC);
-        assert_eq!(r.text, "backward of linear (dW = X^T dY): SUMMA ATB step 1 of 2: reduce C block along the column");
-        let r = Reason::summa_step("tied linear", SummaProduct::Abt, 3, 3, SummaPart::ReduceC);
-        assert_eq!(r.text, "tied linear: SUMMA ABT step 3 of 3: reduce C block along the row");
-        let r = Reason::summa_step("tied linear", SummaProduct::AbtKeepingB, 1, 2, SummaPart::BroadcastA);
-        assert_eq!(r.text, "tied linear: SUMMA ABT (B in place) step 1 of 2: broadcast A block along the column");
-        let r = Reason::summa_step("dX", SummaProduct::AbKeepingB, 2, 2, SummaPart::ReduceC);
-        assert_eq!(r.text, "dX: SUMMA AB (B in place) step 2 of 2: reduce C block along the column");
-        let r = Reason::summa_step("dE", SummaProduct::AtbAccumulated, 2, 2, SummaPart::BroadcastB);
-        assert_eq!(r.text, "dE: SUMMA ATB (accumulated) step 2 of 2: broadcast B block along the column");
+        use SummaPart::{BroadcastA, BroadcastB, ReduceC};
+        use SummaProduct::{Ab, AbKeepingB, Abt, AbtKeepingB, Atb, AtbAccumulated};
+        let cases = [
+            (Ab, [2, 4], BroadcastA, "AB step 2 of 4: broadcast A block along the row"),
+            (Atb, [1, 2], ReduceC, "ATB step 1 of 2: reduce C block along the column"),
+            (Abt, [3, 3], ReduceC, "ABT step 3 of 3: reduce C block along the row"),
+            (AbtKeepingB, [1, 2], BroadcastA, "ABT (B in place) step 1 of 2: broadcast A block along the column"),
+            (AbKeepingB, [2, 2], ReduceC, "AB (B in place) step 2 of 2: reduce C block along the column"),
+            (AtbAccumulated, [2, 2], BroadcastB, "ATB (accumulated) step 2 of 2: broadcast B block along the column"),
+        ];
+        for (product, [step, steps], part, text) in cases {
+            let reason = Reason::summa_step("tied linear", product, step, steps, part);
+            assert_eq!(reason.text, format!("tied linear: SUMMA {text}"));
+        }
     }
 
     #[test]
