@@ -188,15 +188,29 @@ fn measured_collectives_cost_their_copies_on_a_shared_engine_and_alpha_beta_othe
     let shared = simulate(&p, &measured_profile(true, 3.0, 0.0), &Options::default());
     let expected = bytes as f64 * 2e-9 + broadcasts.len() as f64 * 4.0 * 3e-6;
     assert!(close(time(&shared), expected), "copies and dispatch: {} against {expected}", time(&shared));
+    // With a rendezvous fit, collectives cost it in place of the dispatch; kernels keep the dispatch.
+    let met = simulate(&p, &with_rendezvous(measured_profile(true, 3.0, 0.0), 11.0), &Options::default());
+    let expected = bytes as f64 * 2e-9 + broadcasts.len() as f64 * 4.0 * 11e-6;
+    assert!(close(time(&met), expected), "copies and rendezvous: {} against {expected}", time(&met));
+    assert!(close(met.compute_s, shared.compute_s), "kernels: {} against {}", met.compute_s, shared.compute_s);
+}
+
+/// `hw` with a rendezvous cost of `us` per collective and device on 4 devices.
+fn with_rendezvous(mut hw: Hardware, us: f64) -> Hardware {
+    if let Some(m) = hw.measured.as_mut() {
+        m.rendezvous = vec![optimus::cost::calibration::DispatchFit { devices: 4, us }];
+    }
+    hw
 }
 
 #[test]
 fn bad_measured_sections_are_refused_with_the_field() {
-    let good = toml_of(&measured_profile(true, 1.0, 1.0));
+    let good = toml_of(&with_rendezvous(measured_profile(true, 1.0, 1.0), 2.0));
     let cases = [
         ("[measured.kernels.default]\nlaunch_us = 1.0\ngb_s = 1.0\ngflop_s = 10.0\nsamples = 0\n", "", "`default`"),
         ("gb_s = 1.0\ngflop_s = 100.0", "gb_s = -1.0\ngflop_s = 100.0", "MatMul.gb_s"),
         ("devices = 4\nus = 1.0", "devices = 4\nus = -1.0", "measured.dispatch"),
+        ("devices = 4\nus = 2.0", "devices = 1\nus = 2.0", "measured.rendezvous"),
         ("members = 2\ndevices = 4", "members = 2\ndevices = 1", "collectives"),
         ("copy_in_gb_s = 4.0", "copy_in_gb_s = 0.0", "host_copies.copy_in_gb_s"),
     ];

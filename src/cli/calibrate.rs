@@ -176,7 +176,8 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
             runs.extend(workloads.iter().map(|&w| (w, precision, mode)));
         }
     }
-    let progress = Progress::new((KERNEL_PASSES + 1) * runs.len() as u64 + timings + meshes.len() as u64);
+    let shared_runs = 2 * meshes.len() as u64;
+    let progress = Progress::new((KERNEL_PASSES + 1) * runs.len() as u64 + timings + shared_runs);
     let plans: Vec<Plan> = runs.iter().map(|&(w, p, m)| one_device_plan(w, p, m)).collect::<Result<_, _>>()?;
     let what = |w: &Workload, precision: Precision, mode: Mode| {
         let mode = if mode == Mode::Infer { " infer" } else { "" };
@@ -219,6 +220,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         shared_engine: true,
         overlap: false,
         dispatch: Vec::new(),
+        rendezvous: Vec::new(),
         kernels,
         single_thread_kernels,
         collectives,
@@ -226,14 +228,17 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
     };
     let mut hw = assemble(args, measured);
     let mut runs = Vec::new();
-    for &(mesh, strategy) in meshes {
-        progress.phase(&format!("shared engine: {} on {mesh}", strategy.name()));
-        runs.push(shared_run(&hw, mesh, strategy)?);
-        progress.advance();
+    for mode in [Mode::Train, Mode::Infer] {
+        for &(mesh, strategy) in meshes {
+            let infer = if mode == Mode::Infer { " infer" } else { "" };
+            progress.phase(&format!("shared engine: {} on {mesh}{infer}", strategy.name()));
+            runs.push(shared_run(&hw, (mesh, strategy), mode)?);
+            progress.advance();
+        }
     }
     progress.finish();
     if let Some(m) = hw.measured.as_mut() {
-        m.dispatch = fit_dispatch(&runs);
+        (m.dispatch, m.rendezvous) = fit_shared_engine(&runs);
     }
     Ok(rounded(hw))
 }
@@ -250,7 +255,7 @@ fn rounded(mut hw: Hardware) -> Hardware {
     (hw.inter_node.nic_bandwidth_gb_s, hw.inter_node.latency_us) =
         (r(hw.inter_node.nic_bandwidth_gb_s), r(hw.inter_node.latency_us));
     if let Some(m) = hw.measured.as_mut() {
-        for fit in &mut m.dispatch {
+        for fit in m.dispatch.iter_mut().chain(m.rendezvous.iter_mut()) {
             fit.us = r(fit.us);
         }
         for fit in m.kernels.values_mut().chain(m.single_thread_kernels.values_mut()) {
@@ -275,8 +280,8 @@ fn significant(x: f64) -> f64 {
     (x * scale).round() / scale
 }
 
-/// The meshes whose measured steps fit the shared engine's dispatch cost: 2, 4, 8 and 16 devices,
-/// both strategies at 4.
+/// The meshes whose measured steps (trained, and run for inference) fit the shared engine's costs of
+/// each kernel and each collective: 2, 4, 8 and 16 devices, both strategies at 4.
 const SHARED_MESHES: [(Mesh, Strategy); 5] = [
     (Mesh::new(2, 2), Strategy::Optimus),
     (Mesh::new(1, 2), Strategy::Megatron),
@@ -293,42 +298,73 @@ const SHARED_WORKLOAD: Workload = Workload {
     steps: STEPS,
 };
 
-/// One multi-device run: its devices, measured step, predicted step without dispatch costs, and
-/// instructions run on the engine per step (each device's kernels and collectives).
+/// One multi-device run: its devices, measured step, predicted step without the shared engine's
+/// costs, and the kernels and collectives run on the engine per step (summed over the devices).
 struct SharedRun {
     devices: u64,
     measured: f64,
     predicted: f64,
-    instructions: f64,
+    kernels: f64,
+    collectives: f64,
 }
 
-fn shared_run(hw: &Hardware, mesh: Mesh, strategy: Strategy) -> Result<SharedRun, String> {
-    let plan = plan_for(&SHARED_WORKLOAD, (mesh, strategy), Precision::F32, Mode::Train)?;
+fn shared_run(hw: &Hardware, (mesh, strategy): (Mesh, Strategy), mode: Mode) -> Result<SharedRun, String> {
+    let plan = plan_for(&SHARED_WORKLOAD, (mesh, strategy), Precision::F32, mode)?;
     let measured = measure::median_step(&plan, SHARED_WORKLOAD.steps, 1)?;
     let predicted = optimus::cost::simulate(&plan, hw, &optimus::cost::Options::default()).step_time_s;
-    let per_device = plan.program.iter().filter(|i| !matches!(i, optimus::plan::Instr::Free { .. })).count();
-    Ok(SharedRun {
-        devices: mesh.devices(),
-        measured,
-        predicted,
-        instructions: (per_device as u64 * mesh.devices()) as f64,
-    })
+    let count = |kernel: bool| {
+        let per_device = plan
+            .program
+            .iter()
+            .filter(|i| match i {
+                optimus::plan::Instr::Kernel { .. } => kernel,
+                optimus::plan::Instr::Collective { .. } => !kernel,
+                _ => false,
+            })
+            .count();
+        (per_device as u64 * mesh.devices()) as f64
+    };
+    Ok(SharedRun { devices: mesh.devices(), measured, predicted, kernels: count(true), collectives: count(false) })
 }
 
-/// Per number of devices, the seconds per instruction that best close the gap between its runs'
-/// measured and predicted steps (least squares through the origin), never negative.
-fn fit_dispatch(runs: &[SharedRun]) -> Vec<DispatchFit> {
-    let mut by_devices: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+/// Per number of devices, the seconds per kernel and per collective that best close the gap between
+/// its runs' measured and predicted steps (least squares, neither negative: where the joint fit
+/// would make one negative, it is 0 and the other is fitted alone).
+fn fit_shared_engine(runs: &[SharedRun]) -> (Vec<DispatchFit>, Vec<DispatchFit>) {
+    let mut by_devices: BTreeMap<u64, Vec<&SharedRun>> = BTreeMap::new();
     for r in runs {
-        let (num, den) = by_devices.entry(r.devices).or_default();
-        *num += (r.measured - r.predicted) * r.instructions;
-        *den += r.instructions * r.instructions;
+        by_devices.entry(r.devices).or_default().push(r);
     }
-    by_devices
-        .into_iter()
-        .filter(|(_, (_, den))| *den > 0.0)
-        .map(|(devices, (num, den))| DispatchFit { devices, us: (num / den).max(0.0) * 1e6 })
-        .collect()
+    let (mut dispatch, mut rendezvous) = (Vec::new(), Vec::new());
+    for (devices, runs) in by_devices {
+        let points: Vec<Point> = runs.iter().map(|r| ([r.kernels, r.collectives], r.measured - r.predicted)).collect();
+        let [per_kernel, per_collective] = nonnegative_least_squares(&points);
+        dispatch.push(DispatchFit { devices, us: per_kernel * 1e6 });
+        rendezvous.push(DispatchFit { devices, us: per_collective * 1e6 });
+    }
+    (dispatch, rendezvous)
+}
+
+/// A point of a two-variable fit: the variables and the value.
+type Point = ([f64; 2], f64);
+
+/// The `[a, b] >= 0` minimising the sum of `(y - a x0 - b x1)^2` over `points` (`(x, y)`).
+fn nonnegative_least_squares(points: &[Point]) -> [f64; 2] {
+    let sum = |f: &dyn Fn(&Point) -> f64| points.iter().map(f).sum::<f64>();
+    let (s00, s01, s11) = (sum(&|(x, _)| x[0] * x[0]), sum(&|(x, _)| x[0] * x[1]), sum(&|(x, _)| x[1] * x[1]));
+    let (s0y, s1y) = (sum(&|(x, y)| x[0] * y), sum(&|(x, y)| x[1] * y));
+    let alone = |sxy: f64, sxx: f64| if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+    let determinant = s00 * s11 - s01 * s01;
+    if determinant > 1e-9 * s00 * s11 {
+        let (a, b) = ((s0y * s11 - s1y * s01) / determinant, (s1y * s00 - s0y * s01) / determinant);
+        if a >= 0.0 && b >= 0.0 {
+            return [a, b];
+        }
+    }
+    // On the boundary: the better of the two one-variable fits.
+    let residual = |a: f64, b: f64| sum(&|(x, y)| (y - a * x[0] - b * x[1]).powi(2));
+    let (only_a, only_b) = (alone(s0y, s00), alone(s1y, s11));
+    if residual(only_a, 0.0) <= residual(0.0, only_b) { [only_a, 0.0] } else { [0.0, only_b] }
 }
 
 /// A workload compiled for one device, training.
@@ -477,5 +513,39 @@ impl Progress {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(devices: u64, kernels: f64, collectives: f64, gap: f64) -> SharedRun {
+        SharedRun { devices, measured: 0.01 + gap, predicted: 0.01, kernels, collectives }
+    }
+
+    #[test]
+    fn the_shared_engine_fit_recovers_a_cost_per_kernel_and_per_collective() {
+        // 4 devices: 2 us a kernel and 9 us a collective, from four runs of different mixes.
+        let mixes = [(600.0, 80.0), (700.0, 600.0), (200.0, 30.0), (250.0, 200.0)];
+        let mut runs: Vec<SharedRun> = mixes.iter().map(|&(k, c)| run(4, k, c, 2e-6 * k + 9e-6 * c)).collect();
+        // 16 devices: collectives alone explain the gaps.
+        runs.extend([(900.0, 400.0), (300.0, 150.0)].map(|(k, c)| run(16, k, c, 6e-6 * c)));
+        let (dispatch, rendezvous) = fit_shared_engine(&runs);
+        let us = |fits: &[DispatchFit], devices: u64| fits.iter().find(|f| f.devices == devices).map(|f| f.us);
+        let near = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-6);
+        assert!(near(us(&dispatch, 4), 2.0) && near(us(&rendezvous, 4), 9.0), "{dispatch:?} {rendezvous:?}");
+        assert!(near(us(&dispatch, 16), 0.0) && near(us(&rendezvous, 16), 6.0), "{dispatch:?} {rendezvous:?}");
+    }
+
+    #[test]
+    fn a_fit_that_would_go_negative_stays_at_zero() {
+        // The gaps fall as collectives grow: a negative cost per collective would fit best.
+        let points = [([100.0, 10.0], 4e-4), ([100.0, 50.0], 3e-4), ([300.0, 20.0], 1e-3)];
+        let [per_kernel, per_collective] = nonnegative_least_squares(&points);
+        assert!(per_kernel > 0.0 && per_collective == 0.0, "{per_kernel} {per_collective}");
+        // Measured faster than predicted everywhere: no cost at all.
+        let faster = [([100.0, 10.0], -1e-4), ([50.0, 40.0], -2e-4)];
+        assert_eq!(nonnegative_least_squares(&faster), [0.0, 0.0]);
     }
 }

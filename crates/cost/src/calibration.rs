@@ -29,9 +29,16 @@ pub struct Measured {
     pub overlap: bool,
     /// On a shared engine with several devices: the engine's cost of each instruction of each device
     /// beyond its kernel's work (handing it over, waking the device thread), in place of the
-    /// one-device launch cost, by the number of devices sharing it. Fitted on runs of that many.
+    /// one-device launch cost, by the number of devices sharing it. Fitted on runs of that many. In a
+    /// profile with `rendezvous` fits, this is each kernel's cost, and collectives cost theirs.
     #[serde(default)]
     pub dispatch: Vec<DispatchFit>,
+    /// On a shared engine with several devices: what each collective costs each device beyond moving
+    /// its bytes (its members meet, so threads that wait sleep and wake while the others take the
+    /// cores), by the number of devices sharing the engine. Fitted with `dispatch` on runs of that many
+    /// devices in both modes. Absent in profiles measured before: collectives then cost `dispatch`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rendezvous: Vec<DispatchFit>,
     /// Per kernel kind (as `run --profile` names them), and `default` for the others.
     pub kernels: BTreeMap<String, KernelFit>,
     /// The same fits for a kernel run on one thread: how each device thread runs its own kernels when
@@ -134,7 +141,16 @@ pub struct KernelFit {
     pub samples: u64,
 }
 
-/// The shared engine's cost per instruction of each device when `devices` share it.
+/// The seconds of the fit in `fits` measured with the number of devices nearest `devices` (on a log
+/// scale), if any.
+fn nearest_fit(fits: &[DispatchFit], devices: u64) -> Option<f64> {
+    let log = |x: u64| (x.max(1) as f64).log2();
+    let distance = |f: &&DispatchFit| (log(f.devices) - log(devices)).abs();
+    fits.iter().min_by(|a, b| distance(a).total_cmp(&distance(b))).map(|f| f.us * 1e-6)
+}
+
+/// The shared engine's cost per instruction (or per kernel, or per collective) of each device when
+/// `devices` share it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DispatchFit {
@@ -242,13 +258,18 @@ impl Measured {
         best.map(|f| if shared { 0.0 } else { f.alpha_us * 1e-6 } + bytes * f.ns_per_byte * 1e-9)
     }
 
-    /// Seconds the shared engine spends on each instruction of each of `devices` devices: the fit
-    /// measured with the nearest number of devices (on a log scale; 0 when none was measured).
+    /// Seconds the shared engine spends on each instruction of each of `devices` devices (on each
+    /// kernel, where the profile has rendezvous fits): the fit measured with the nearest number of
+    /// devices (on a log scale; 0 when none was measured).
     pub fn dispatch_seconds(&self, devices: u64) -> f64 {
-        let log = |x: u64| (x.max(1) as f64).log2();
-        let distance = |f: &&DispatchFit| (log(f.devices) - log(devices)).abs();
-        let nearest = self.dispatch.iter().min_by(|a, b| distance(a).total_cmp(&distance(b)));
-        nearest.map_or(0.0, |f| f.us * 1e-6)
+        nearest_fit(&self.dispatch, devices).unwrap_or(0.0)
+    }
+
+    /// Seconds each collective of each of `devices` devices costs the shared engine beyond its bytes:
+    /// the rendezvous fit of the nearest number of devices, or the dispatch cost in a profile without
+    /// rendezvous fits.
+    pub fn rendezvous_seconds(&self, devices: u64) -> f64 {
+        nearest_fit(&self.rendezvous, devices).unwrap_or_else(|| self.dispatch_seconds(devices))
     }
 
     /// Checks the numbers: rates positive, fixed costs zero or more, a `default` kernel fit present.
@@ -274,8 +295,12 @@ impl Measured {
                 return Err(MeasuredProblem::HostCopyRate { field });
             }
         }
-        if let Some(f) = self.dispatch.iter().find(|f| !(f.us.is_finite() && f.us >= 0.0) || f.devices < 2) {
-            return Err(MeasuredProblem::Dispatch { devices: f.devices });
+        let invalid = |f: &&DispatchFit| !(f.us.is_finite() && f.us >= 0.0) || f.devices < 2;
+        if let Some(f) = self.dispatch.iter().find(invalid) {
+            return Err(MeasuredProblem::Dispatch { field: "dispatch", devices: f.devices });
+        }
+        if let Some(f) = self.rendezvous.iter().find(invalid) {
+            return Err(MeasuredProblem::Dispatch { field: "rendezvous", devices: f.devices });
         }
         for fit in &self.collectives {
             let ok = fit.alpha_us.is_finite() && fit.alpha_us >= 0.0 && fit.ns_per_byte.is_finite();
@@ -305,8 +330,9 @@ pub enum MeasuredProblem {
     HostCopyRate {
         field: &'static str,
     },
-    /// A dispatch entry has fewer than 2 devices or a negative time.
+    /// A dispatch or rendezvous entry (`field`) has fewer than 2 devices or a negative time.
     Dispatch {
+        field: &'static str,
         devices: u64,
     },
     /// A collective fit has invalid numbers.
@@ -332,9 +358,9 @@ impl std::fmt::Display for MeasuredProblem {
             MeasuredProblem::HostCopyRate { field } => {
                 write!(f, "`measured.host_copies.{field}` must be a positive number")
             }
-            MeasuredProblem::Dispatch { devices } => write!(
+            MeasuredProblem::Dispatch { field, devices } => write!(
                 f,
-                "`measured.dispatch`: the entry for {devices} devices must have at least 2 devices and `us` zero or more"
+                "`measured.{field}`: the entry for {devices} devices must have at least 2 devices and `us` zero or more"
             ),
             MeasuredProblem::Collective { kind, members, devices } => write!(
                 f,
@@ -475,6 +501,7 @@ mod tests {
             shared_engine: true,
             overlap: false,
             dispatch: Vec::new(),
+            rendezvous: Vec::new(),
             kernels: BTreeMap::from([(
                 DEFAULT_KERNEL.to_string(),
                 KernelFit { launch_us: 1.0, gb_s: None, gflop_s: None, samples: 0 },
@@ -502,6 +529,7 @@ mod tests {
             shared_engine: false,
             overlap: false,
             dispatch: Vec::new(),
+            rendezvous: Vec::new(),
             kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit(1.0)), ("Add".to_string(), fit(2.0))]),
             single_thread_kernels: BTreeMap::new(),
             collectives: Vec::new(),

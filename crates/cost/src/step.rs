@@ -478,7 +478,8 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options, record: bool) 
     if let (Some(m), true) = (measured, engine.shared) {
         // Devices of other pipeline stages share the cores, but what an instruction costs a device
         // beyond its kernel (handing over, waiting on its group) is its own mesh's.
-        engine.dispatch = m.dispatch_seconds(plan.mesh.devices());
+        (engine.dispatch, engine.rendezvous) =
+            (m.dispatch_seconds(plan.mesh.devices()), m.rendezvous_seconds(plan.mesh.devices()));
     }
     // A plan that says what overlaps is followed as it says, where the engine can run communication
     // beside computation (not one whose cores the devices share: their copies take the same cores).
@@ -533,13 +534,15 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options, record: bool) 
 }
 
 /// The compute engine a device's kernels run on: its own, or one shared by the `devices` of its node
-/// (threads of one process on the same cores), on which each instruction of each device also costs
-/// `dispatch` seconds (handing it to the engine and waking the device when it is done).
+/// (threads of one process on the same cores), on which each kernel of each device also costs
+/// `dispatch` seconds (handing it to the engine and waking the device when it is done) and each
+/// collective `rendezvous` seconds (its members meet: the threads that wait sleep and wake).
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Engine {
     shared: bool,
     devices: f64,
     dispatch: f64,
+    rendezvous: f64,
     /// Kernels that run at once on the shared engine: its threads, when every device thread runs its
     /// own kernels (a mesh of at least as many devices as the profile's threads), else 1 (the devices'
     /// kernels queue on the pool one by one).
@@ -555,9 +558,10 @@ impl Engine {
                 let devices = devices.min(hw.intra_node.gpus_per_node).max(1);
                 let inline = devices >= m.threads.max(1) && !m.single_thread_kernels.is_empty();
                 let lanes = if inline { m.threads.max(1) as f64 } else { 1.0 };
-                Engine { shared: true, devices: devices as f64, dispatch: m.dispatch_seconds(devices), lanes }
+                let (dispatch, rendezvous) = (m.dispatch_seconds(devices), m.rendezvous_seconds(devices));
+                Engine { shared: true, devices: devices as f64, dispatch, rendezvous, lanes }
             }
-            _ => Engine { shared: false, devices: 1.0, dispatch: 0.0, lanes: 1.0 },
+            _ => Engine { shared: false, devices: 1.0, dispatch: 0.0, rendezvous: 0.0, lanes: 1.0 },
         }
     }
 
@@ -577,9 +581,9 @@ impl Engine {
         self.lanes > 1.0
     }
 
-    /// What the dispatch of one collective on every device adds to the step.
+    /// What the rendezvous of one collective on every device adds to the step.
     fn collective(self) -> f64 {
-        if self.shared { self.devices * self.dispatch } else { 0.0 }
+        if self.shared { self.devices * self.rendezvous } else { 0.0 }
     }
 }
 
