@@ -334,6 +334,29 @@ fn stages_sharing_a_cpus_cores_take_their_work_over_those_cores() {
     assert!(gpus.step_time_s < 0.8 * one.step_time_s, "{} against {}", gpus.step_time_s, one.step_time_s);
 }
 
+#[test]
+fn a_pipeline_on_shared_cores_takes_the_fits_of_all_its_stages_threads() {
+    // Two stages of an optimus 2x2 grid: 8 device threads share the cores, so each collective costs the
+    // rendezvous fitted on 8 devices, not the one fitted on the stage's 4.
+    let with = |four_us: f64, eight_us: f64| {
+        let fits = format!(
+            "[[measured.rendezvous]]\ndevices = 4\nus = {four_us}\n[[measured.rendezvous]]\ndevices = 8\nus = {eight_us}\n"
+        );
+        Hardware::parse(&format!("{SHARED_CPU}{fits}"), "test").unwrap_or_else(|e| panic!("{e}"))
+    };
+    let plan = gpt2(4, Mesh::new(2, 2), Strategy::Optimus);
+    let step = |hw: &Hardware, stages| {
+        let pipeline = Pipeline { stages, schedule: Schedule::OneFOneB, micro_batches: 4 };
+        simulate_pipeline(&plan, hw, &Options::default(), pipeline).unwrap_or_else(|e| panic!("{e}")).step_time_s
+    };
+    let base = step(&with(5.0, 10.0), 2);
+    assert!(close_to(step(&with(50.0, 10.0), 2), base), "the 4-device fit moved a pipeline of 8 threads");
+    assert!(step(&with(5.0, 20.0), 2) > base, "the 8-device fit did not move a pipeline of 8 threads");
+    // Unpipelined, the grid's 4 threads take the 4-device fit.
+    let alone = step(&with(5.0, 10.0), 1);
+    assert!(close_to(step(&with(5.0, 20.0), 1), alone) && step(&with(50.0, 10.0), 1) > alone);
+}
+
 /// [`SHARED_CPU`] with the host copies `calibrate` measures: out at 2 GB/s, in at 4, sums at 8.
 fn shared_cpu_with_host_copies() -> Hardware {
     let text = format!("{SHARED_CPU}[measured.host_copies]\ncopy_out_gb_s = 2.0\ncopy_in_gb_s = 4.0\nadd_gb_s = 8.0\n");

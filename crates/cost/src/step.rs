@@ -474,13 +474,10 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options, record: bool) 
     let mut costed: BTreeMap<(Group, &'static str, u64), (LinkKind, f64)> = BTreeMap::new();
     let measured = hw.measured.as_ref();
     let overlap = options.overlap && measured.is_none_or(|m| m.overlap);
-    let mut engine = Engine::of(options.engine_devices.unwrap_or(plan.mesh.devices()), hw);
-    if let (Some(m), true) = (measured, engine.shared) {
-        // Devices of other pipeline stages share the cores, but what an instruction costs a device
-        // beyond its kernel (handing over, waiting on its group) is its own mesh's.
-        (engine.dispatch, engine.rendezvous) =
-            (m.dispatch_seconds(plan.mesh.devices()), m.rendezvous_seconds(plan.mesh.devices()));
-    }
+    // A pipeline's stages share the cores: every device thread of every stage counts, for the work
+    // and for what each kernel and collective costs beyond it (a thread that waits at a collective is
+    // woken among all of them).
+    let engine = Engine::of(options.engine_devices.unwrap_or(plan.mesh.devices()), hw);
     // A plan that says what overlaps is followed as it says, where the engine can run communication
     // beside computation (not one whose cores the devices share: their copies take the same cores).
     let scheduled = plan.overlap && overlap && !engine.shared;
