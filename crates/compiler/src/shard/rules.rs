@@ -576,7 +576,8 @@ impl Lowerer<'_> {
         last: usize,
         dy: NodeIndex,
     ) -> Option<(&'static Case, Dims)> {
-        let vocab_on_rows = self.vocab_on_rows(dy);
+        let tied = matches!(operator, Operator::LinearGradInputTied | Operator::LinearGradWeightTied);
+        let vocab_on_rows = tied && self.vocab_on_rows(dy);
         let facts = Facts { weight_cols: Some(wl.0[COLUMN_AXIS]), vocab_on_rows, ..Facts::default() };
         let case = self.rule_case(operator, &facts)?;
         // The output features' split: the columns' or (a 3D weight on L2 inputs) the depth's split of
