@@ -174,6 +174,24 @@ fn verify_passes_in_bf16_against_the_float32_single_device_model() {
 }
 
 #[test]
+fn verify_defaults_to_a_bf16_tolerance_for_a_bf16_plan_and_says_which() {
+    let verify = |extra: &[&str]| {
+        let mut args = vec!["verify", "examples/tiny.opt", "--mesh", "2x2", "--set", "layers=1"];
+        args.extend_from_slice(extra);
+        let out = optimusc(&args);
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    };
+    let (passed, text) = verify(&["--precision", "bf16"]);
+    assert!(passed && text.contains("tolerance 2e-2"), "{text}");
+    // A tolerance given is the one used: bf16 rounding is well above float32's 1e-4.
+    let (passed, text) = verify(&["--precision", "bf16", "--tolerance", "1e-4"]);
+    assert!(!passed && text.contains("tolerance 1e-4") && text.contains("FAILED"), "{text}");
+    let (passed, text) = verify(&[]);
+    assert!(passed && text.contains("tolerance 1e-4"), "{text}");
+}
+
+#[test]
 fn compile_and_inspect_report_bf16() {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = dir.path().join("plan.json");
