@@ -570,9 +570,6 @@ pub fn simulate_pipeline(
     options: &Options,
     pipeline: Pipeline,
 ) -> Result<PipelineSimulation, PipelineError> {
-    if plan.mode != Mode::Train {
-        return Err(PipelineError::NotTraining);
-    }
     simulate_pipeline_split(plan, hw, options, pipeline, None)
 }
 
