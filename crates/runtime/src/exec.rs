@@ -6,6 +6,7 @@ use super::arena;
 
 mod in_place;
 mod stage;
+mod untouched;
 use super::backend::{Backend, BackendKind, UpdateBuffers};
 use super::comm::{CollectiveSpec, Communicator};
 use super::cpu::CpuBackend;
@@ -24,6 +25,7 @@ use optimus_plan::{Buffer, BufferId, CollectiveKind, Coords, Group, Instr, Kerne
 pub use stage::Stash;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
+pub use untouched::untouched_result_may_be_read;
 
 /// How to run a plan.
 #[derive(Clone, Debug)]
@@ -811,8 +813,15 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         }
         self.require_alive(&[c.send])?;
         // Every kind writes its whole result but a reduce, which leaves the non-roots' untouched: only
-        // that one needs zeros to start from (zeroing the others cost 2% of a 2x2 step's cycles).
-        self.prepare_output(c.recv, c.kind == CollectiveKind::Reduce)?;
+        // there may zeros be needed (zeroing the others cost 2% of a 2x2 step's cycles), and only where
+        // something may read them before the buffer is written whole. Otherwise an untouched result
+        // stays as it was, dead if it was, so that nothing (a diagnosis replay) reads stale contents.
+        let coords = self.comm.coords();
+        if c.kind != CollectiveKind::Reduce || untouched::is_root(plan, c, coords) {
+            self.prepare_output(c.recv, false)?;
+        } else if untouched::untouched_result_may_be_read(plan, c.recv, self.position, coords) {
+            self.prepare_output(c.recv, true)?;
+        }
         let start = c.overlapped && self.backend.lends_in_place(&self.storage, c.send, c.recv);
         let began = Instant::now();
         let mut exchange = PlanCollective { comm: &mut self.comm, c, full, start, started: None };

@@ -230,8 +230,10 @@ fn gemm_by(
         }
         return Ok(());
     }
+    // A thread that runs its kernels inline would do the parts one after another: each would pack the
+    // shared operand again for nothing (the results are the same bits either way).
     let work = dst.nrows() * dst.ncols() * lhs.ncols();
-    let parts = if work >= PARALLEL_WORK { par::threads() } else { 1 };
+    let parts = if work >= PARALLEL_WORK && !par::runs_inline() { par::threads() } else { 1 };
     split_product(blas, dst, lhs, rhs, (accumulate, alpha), parts);
     Ok(())
 }
