@@ -23,7 +23,9 @@ pub fn untouched_result_may_be_read(plan: &Plan, buffer: optimus_plan::BufferId,
                 if c.send == buffer || (c.recv == buffer && c.overlapped) {
                     return true;
                 }
-                if c.recv == buffer && !(c.kind == CollectiveKind::Reduce && !is_root(plan, c, coords)) {
+                // A write of all of it, unless it is another reduce that this device is not the root of.
+                let fills_it = c.kind != CollectiveKind::Reduce || is_root(plan, c, coords);
+                if c.recv == buffer && fills_it {
                     return false;
                 }
             }
