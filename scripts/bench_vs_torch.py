@@ -19,8 +19,37 @@ import subprocess
 import sys
 import time
 
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+# --isa NAME narrows both sides to the vector instructions of a narrower CPU, to measure on an AVX-512
+# machine what an AVX2 one does: PyTorch's own kernels, MKL and oneDNN read their caps when they load,
+# so the variables are set here, before torch is imported; optimusc inherits OPTIMUS_CPU_ISA.
+ISA_CAPS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "baseline": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
+
+
+def isa_cap_from_argv(argv: list[str]) -> str | None:
+    """The value of --isa (either `--isa X` or `--isa=X`), if given."""
+    for k, arg in enumerate(argv):
+        if arg == "--isa" and k + 1 < len(argv):
+            return argv[k + 1]
+        if arg.startswith("--isa="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+ISA_CAP = isa_cap_from_argv(sys.argv[1:])
+if ISA_CAP in ISA_CAPS:
+    os.environ.update(ISA_CAPS[ISA_CAP])
+    os.environ["OPTIMUS_CPU_ISA"] = ISA_CAP
+    # Inductor's cache of compiled kernels does not tell the caps apart: a kernel built without them
+    # failed under them. Each cap gets its own cache.
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor-{ISA_CAP}"))
+
+import torch  # noqa: E402  (after the caps above)
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 # name -> (layers, hidden, heads, vocab, seq, batch)
 CONFIGS = {
@@ -52,7 +81,8 @@ def cpu_description() -> str:
     name = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), "unknown CPU")
     flags = next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), [])
     width = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name}, {width}"
+    capped = f" capped to {ISA_CAP} (--isa)" if ISA_CAP in ISA_CAPS else ""
+    return f"{name}, {width}{capped}"
 
 
 def torch_tokens_per_s(sizes: tuple[int, ...], steps: int, warmup: int, threads: int, compiled: bool = False) -> float:
@@ -128,6 +158,12 @@ def main() -> int:
     parser.add_argument(
         "--no-compile", action="store_true", help="leave out torch.compile (its compilation takes minutes on 2 cores)"
     )
+    parser.add_argument(
+        "--isa",
+        choices=sorted(ISA_CAPS),
+        help="narrow both sides to these vector instructions (PyTorch, MKL and oneDNN by their own variables, "
+        "optimusc by OPTIMUS_CPU_ISA; faer's products in optimusc are not narrowed)",
+    )
     args = parser.parse_args()
     if not args.no_compile and args.warmup < 1:
         parser.error("torch.compile needs --warmup 1 or more (it compiles during the first step)")
@@ -163,6 +199,7 @@ def main() -> int:
             )
         if args.json:
             record = {"config": name, "sizes": sizes, "cpu": cpu, "threads": args.threads}
+            record["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
             record.update({"torch_tokens_per_s": reference, "torch_compile_tokens_per_s": compiled, "optimusc": results})
             print(json.dumps(record))
             continue

@@ -180,6 +180,10 @@ const STACK_BYTES: usize = 256 * 1024 * 1024;
 
 fn main() -> ExitCode {
     optimus::runtime::startup::mark("process started");
+    if let Err(message) = apply_cpu_isa_cap() {
+        eprintln_safe!("error: {message}");
+        return ExitCode::from(2);
+    }
     let matches = Cli::command().get_matches();
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let (Command::Run(args), Some(run)) = (&mut cli.command, matches.subcommand_matches("run")) {
@@ -203,6 +207,24 @@ fn main() -> ExitCode {
         }
     }
     worker.join().unwrap_or_else(|_| internal_error())
+}
+
+/// `OPTIMUS_CPU_ISA` narrows the instructions of the CPU kernels and of the measured peak (to measure
+/// on a wide CPU what a narrower one does): a value other than avx512, avx2 or baseline is a usage
+/// error, and a cap below AVX-512 also picks OpenBLAS's kernels of that width (`OPENBLAS_CORETYPE`,
+/// unless that is set). faer's products, which detect the CPU themselves, are not narrowed.
+fn apply_cpu_isa_cap() -> Result<(), String> {
+    use optimus::runtime::cpu::vmath;
+    let Some(cap) = vmath::isa_cap() else { return Ok(()) };
+    let variable = vmath::ISA_CAP_VARIABLE;
+    let cap = cap.map_err(|value| format!("{variable}={value:?}: expected avx512, avx2 or baseline"))?;
+    if let Some(core) = cap.openblas_core()
+        && std::env::var_os("OPENBLAS_CORETYPE").is_none()
+    {
+        // SAFETY: the first thing `main` does: no other thread exists yet to read the environment.
+        unsafe { std::env::set_var("OPENBLAS_CORETYPE", core) };
+    }
+    Ok(())
 }
 
 fn internal_error() -> ExitCode {

@@ -47,7 +47,8 @@ pub fn measure_peak(threads: usize) -> Peak {
     let iterations = trial_iterations(isa);
     let best = (0..TRIALS).map(|_| parallel_seconds(isa, threads, iterations)).fold(f64::INFINITY, f64::min);
     let flops = threads as f64 * iterations as f64 * (CHAINS * isa.lanes() * 2) as f64;
-    Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: isa.name() }
+    let capped = matches!(crate::cpu::vmath::isa_cap(), Some(Ok(_)));
+    Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: if capped { isa.capped_name() } else { isa.name() } }
 }
 
 /// Iterations of the chains that take about [`TRIAL`] on one thread.
@@ -101,17 +102,14 @@ enum Isa {
 }
 
 impl Isa {
+    /// The set the CPU kernels use ([`crate::cpu::vmath::isa`]: the widest the CPU has, no wider than
+    /// `OPTIMUS_CPU_ISA`).
     fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2Fma;
-            }
+        match crate::cpu::vmath::isa() {
+            crate::cpu::vmath::Isa::Avx512 => Isa::Avx512,
+            crate::cpu::vmath::Isa::Avx2Fma => Isa::Avx2Fma,
+            crate::cpu::vmath::Isa::Baseline => Isa::Baseline,
         }
-        Isa::Baseline
     }
 
     fn name(self) -> &'static str {
@@ -119,6 +117,15 @@ impl Isa {
             Isa::Avx512 => "AVX-512 FMA",
             Isa::Avx2Fma => "AVX2 FMA",
             Isa::Baseline => "baseline multiply-add, no FMA detected",
+        }
+    }
+
+    /// [`Isa::name`], saying that `OPTIMUS_CPU_ISA` chose it.
+    fn capped_name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "AVX-512 FMA, as OPTIMUS_CPU_ISA allows",
+            Isa::Avx2Fma => "AVX2 FMA, as OPTIMUS_CPU_ISA allows",
+            Isa::Baseline => "baseline multiply-add, as OPTIMUS_CPU_ISA allows",
         }
     }
 
@@ -134,7 +141,7 @@ impl Isa {
     /// Runs [`CHAINS`] independent chains of `iterations` multiply-adds of [`Isa::lanes`] lanes each.
     fn run(self, iterations: u64) {
         match self {
-            // SAFETY: `detect` chose these only where the CPU has the features they enable.
+            // SAFETY: `detect` (vmath::isa) chose these only where the CPU has the features they enable.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { x86::chains_avx512(iterations) },
             #[cfg(target_arch = "x86_64")]

@@ -237,7 +237,49 @@ pub enum Isa {
     Baseline,
 }
 
-/// The instruction set of this CPU that [`vectorized`] uses, detected on the first call and cached.
+impl Isa {
+    /// f32 lanes of a vector (baseline counts as one: its code is not assumed vectorised).
+    pub fn lanes(self) -> usize {
+        match self {
+            Isa::Avx512 => 16,
+            Isa::Avx2Fma => 8,
+            Isa::Baseline => 1,
+        }
+    }
+
+    /// What `OPTIMUS_CPU_ISA` calls it.
+    pub fn env_name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2Fma => "avx2",
+            Isa::Baseline => "baseline",
+        }
+    }
+
+    /// The OpenBLAS core (`OPENBLAS_CORETYPE`) whose kernels use no wider instructions than this set.
+    pub fn openblas_core(self) -> Option<&'static str> {
+        match self {
+            Isa::Avx512 => None,
+            Isa::Avx2Fma => Some("Haswell"),
+            Isa::Baseline => Some("Nehalem"),
+        }
+    }
+}
+
+/// The environment variable that narrows the instructions the CPU kernels and the measured peak use,
+/// to measure on a wide CPU what a narrower one does (`avx2` on an AVX-512 machine).
+pub const ISA_CAP_VARIABLE: &str = "OPTIMUS_CPU_ISA";
+
+/// The cap `OPTIMUS_CPU_ISA` sets (`avx512`, `avx2` or `baseline`), `None` when unset, and the value
+/// when it is none of those.
+pub fn isa_cap() -> Option<Result<Isa, String>> {
+    let value = std::env::var(ISA_CAP_VARIABLE).ok()?;
+    let cap = [Isa::Avx512, Isa::Avx2Fma, Isa::Baseline].into_iter().find(|isa| isa.env_name() == value.trim());
+    Some(cap.ok_or(value))
+}
+
+/// The instruction set of this CPU that [`vectorized`] uses, detected on the first call and cached
+/// (no wider than `OPTIMUS_CPU_ISA` where that is set).
 pub fn isa() -> Isa {
     detection::cached_isa()
 }
@@ -331,8 +373,17 @@ mod detection {
         isa
     }
 
-    #[cfg(target_arch = "x86_64")]
+    /// The widest set the CPU has, narrowed to [`super::isa_cap`] where one is set.
     fn detect() -> Isa {
+        let found = hardware();
+        match super::isa_cap() {
+            Some(Ok(cap)) if cap.lanes() < found.lanes() => cap,
+            _ => found,
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn hardware() -> Isa {
         let avx2_fma = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
         let avx512 = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl");
         match (avx2_fma, avx512) {
@@ -343,7 +394,7 @@ mod detection {
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    fn detect() -> Isa {
+    fn hardware() -> Isa {
         Isa::Baseline
     }
 }
