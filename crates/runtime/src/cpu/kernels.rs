@@ -436,15 +436,6 @@ fn gelu_tanh_grad_from(x: f32, exp_a: f32) -> f32 {
     s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
 }
 
-/// Writes e^a of the tanh-GELU gate for every x into `y` (the exps as libm computes them).
-fn gelu_gate_exps(x: &[f32], y: &mut [f32]) {
-    vectorized(
-        #[inline(always)]
-        || y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu_gate_exponent(x)),
-    );
-    vmath::libm_exp_in_place(y);
-}
-
 fn gelu_tanh_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let [x] = args(inputs)?;
     let x = floats(x, "the input")?;
@@ -452,10 +443,9 @@ fn gelu_tanh_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelErr
     same_len("the output", y.len(), x.len())?;
     par::chunks(y, |start, y| {
         let x = &x[start..start + y.len()];
-        gelu_gate_exps(x, y);
         vectorized(
             #[inline(always)]
-            || y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu_tanh_from(x, *y)),
+            || y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu_tanh_from(x, vmath::exp(gelu_gate_exponent(x)))),
         );
         Ok::<(), KernelError>(())
     })
@@ -469,12 +459,11 @@ fn gelu_tanh_grad_kernel(inputs: &[&View], out: &mut ViewMut) -> Result<(), Kern
     same_len("the output", y.len(), dy.len())?;
     par::chunks(y, |start, y| {
         let (dy, x) = (&dy[start..start + y.len()], &x[start..start + y.len()]);
-        gelu_gate_exps(x, y);
         vectorized(
             #[inline(always)]
             || {
                 for ((y, &dy), &x) in y.iter_mut().zip(dy).zip(x) {
-                    *y = dy * gelu_tanh_grad_from(x, *y);
+                    *y = dy * gelu_tanh_grad_from(x, vmath::exp(gelu_gate_exponent(x)));
                 }
             },
         );
@@ -1433,10 +1422,9 @@ fn cross_entropy_grad(inputs: &[&View], out: &mut ViewMut, vocab: Vocab) -> Resu
             let target = vocab.local(column, width);
             let inv = 1.0 / s[1];
             let (live_g, padding) = gr.split_at_mut(live);
-            vmath::libm_exp_shifted(&lr[..live], m, live_g);
             vectorized(
                 #[inline(always)]
-                || live_g.iter_mut().for_each(|g| *g = *g * inv * factor),
+                || live_g.iter_mut().zip(&lr[..live]).for_each(|(g, &x)| *g = vmath::exp(x - m) * inv * factor),
             );
             padding.fill(0.0);
             if let Some(c) = target {
