@@ -186,7 +186,7 @@ fn sum_by2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
 }
 
 fn max_of(v: &[f32]) -> f32 {
-    v.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    vmath::max_ignoring_nan(v)
 }
 
 // ---- matrix products ------------------------------------------------------------------------------
@@ -1150,8 +1150,16 @@ fn grad_square_sum(inputs: &[&View], out: &mut ViewMut, ctx: &KernelContext) -> 
     Ok(())
 }
 
-/// The sum of squares of `v` in f64, over four lanes.
+/// The sum of squares of `v` in f64, over four lanes (in vector code: the same bits, faster).
 fn square_sum(v: &[f32]) -> f64 {
+    vectorized(
+        #[inline(always)]
+        || square_sum_formula(v),
+    )
+}
+
+#[inline(always)]
+fn square_sum_formula(v: &[f32]) -> f64 {
     let mut acc = [0.0f64; 4];
     let mut chunks = v.chunks_exact(4);
     for c in &mut chunks {
