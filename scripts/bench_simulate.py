@@ -88,7 +88,9 @@ def cpu_name():
     name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "unknown")
     flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
     width = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
-    return f"{name} ({width})"
+    cap = os.environ.get("OPTIMUS_CPU_ISA")
+    capped = f", capped to {cap} by OPTIMUS_CPU_ISA" if cap else ""
+    return f"{name} ({width}{capped})"
 
 
 def main():
