@@ -394,11 +394,16 @@ fn bias_add(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let y = floats_mut(out)?;
     same_len("the output", y.len(), xv.len())?;
     par::row_blocks(y, n, |first, y| {
-        for (yr, xr) in rows_of_mut(y, n).zip(rows_of(&xv[first * n..], n)) {
-            for ((y, &x), &b) in yr.iter_mut().zip(xr).zip(bv) {
-                *y = x + b;
-            }
-        }
+        vectorized(
+            #[inline(always)]
+            || {
+                for (yr, xr) in rows_of_mut(y, n).zip(rows_of(&xv[first * n..], n)) {
+                    for ((y, &x), &b) in yr.iter_mut().zip(xr).zip(bv) {
+                        *y = x + b;
+                    }
+                }
+            },
+        );
         Ok::<(), KernelError>(())
     })
 }
@@ -1284,11 +1289,17 @@ fn sum_to_last(inputs: &[&View], out: &mut ViewMut) -> Result<(), KernelError> {
     let rows = xv.len() / width.max(1);
     par::column_blocks(g, rows, |first, g| {
         g.fill(0.0);
-        for row in rows_of(xv, width) {
-            for (g, &v) in g.iter_mut().zip(&row[first..]) {
-                *g += v;
-            }
-        }
+        // Each column summed over the rows in order, several columns at once in vector code.
+        vectorized(
+            #[inline(always)]
+            || {
+                for row in rows_of(xv, width) {
+                    for (g, &v) in g.iter_mut().zip(&row[first..]) {
+                        *g += v;
+                    }
+                }
+            },
+        );
         Ok::<(), KernelError>(())
     })
 }
