@@ -1202,13 +1202,18 @@ fn layer_norm_apply(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) -> Re
     let y = floats_mut(out)?;
     same_len("the output", y.len(), xv.len())?;
     par::row_blocks(y, width, |first, y| {
-        for ((yr, xr), &(mean, rstd)) in
-            rows_of_mut(y, width).zip(rows_of(&xv[first * width..], width)).zip(&stats[first..])
-        {
-            for (((y, &x), &g), &b) in yr.iter_mut().zip(xr).zip(gv).zip(bv) {
-                *y = (x - mean) * rstd * g + b;
-            }
-        }
+        vectorized(
+            #[inline(always)]
+            || {
+                for ((yr, xr), &(mean, rstd)) in
+                    rows_of_mut(y, width).zip(rows_of(&xv[first * width..], width)).zip(&stats[first..])
+                {
+                    for (((y, &x), &g), &b) in yr.iter_mut().zip(xr).zip(gv).zip(bv) {
+                        *y = (x - mean) * rstd * g + b;
+                    }
+                }
+            },
+        );
         Ok::<(), KernelError>(())
     })
 }
@@ -1250,13 +1255,18 @@ fn layer_norm_grad_input(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64) 
         let (dyv, xv) = (&dyv[first * width..], &xv[first * width..]);
         let rows_iter = rows_of_mut(dx, width).zip(rows_of(dyv, width)).zip(rows_of(xv, width));
         let per_row = stats[first..].iter().zip(sv[first * 2..].chunks_exact(2));
-        for (((dxr, dyr), xr), (&(mean, rstd), pair)) in rows_iter.zip(per_row) {
-            let (a, b) = (pair[0] * inv_n, pair[1] * inv_n);
-            for (((dx, &dy), &x), &g) in dxr.iter_mut().zip(dyr).zip(xr).zip(gv) {
-                let xhat = (x - mean) * rstd;
-                *dx = rstd * (dy * g - a - xhat * b);
-            }
-        }
+        vectorized(
+            #[inline(always)]
+            || {
+                for (((dxr, dyr), xr), (&(mean, rstd), pair)) in rows_iter.zip(per_row) {
+                    let (a, b) = (pair[0] * inv_n, pair[1] * inv_n);
+                    for (((dx, &dy), &x), &g) in dxr.iter_mut().zip(dyr).zip(xr).zip(gv) {
+                        let xhat = (x - mean) * rstd;
+                        *dx = rstd * (dy * g - a - xhat * b);
+                    }
+                }
+            },
+        );
         Ok::<(), KernelError>(())
     })
 }
@@ -1271,11 +1281,16 @@ fn layer_norm_grad_weight(inputs: &[&View], out: &mut ViewMut, n: u64, eps: f64)
     par::column_blocks(g, rows, |first, g| {
         g.fill(0.0);
         let columns = first..first + g.len();
-        for ((dyr, xr), &(mean, rstd)) in rows_of(dyv, width).zip(rows_of(xv, width)).zip(&stats) {
-            for ((g, &dy), &x) in g.iter_mut().zip(&dyr[columns.clone()]).zip(&xr[columns.clone()]) {
-                *g += dy * (x - mean) * rstd;
-            }
-        }
+        vectorized(
+            #[inline(always)]
+            || {
+                for ((dyr, xr), &(mean, rstd)) in rows_of(dyv, width).zip(rows_of(xv, width)).zip(&stats) {
+                    for ((g, &dy), &x) in g.iter_mut().zip(&dyr[columns.clone()]).zip(&xr[columns.clone()]) {
+                        *g += dy * (x - mean) * rstd;
+                    }
+                }
+            },
+        );
         Ok::<(), KernelError>(())
     })
 }
