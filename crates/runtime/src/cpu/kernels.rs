@@ -581,8 +581,10 @@ pub fn dropout_rows(
     require((0.0..=1.0).contains(&p), || KernelError::DropProbability(p))?;
     same_len("the output", y.len(), xv.len())?;
     if p == 0.0 {
-        y.copy_from_slice(xv);
-        return Ok(());
+        return par::chunks(y, |start, y| {
+            y.copy_from_slice(&xv[start..start + y.len()]);
+            Ok::<(), KernelError>(())
+        });
     }
     if p >= 1.0 {
         y.fill(0.0);
