@@ -196,7 +196,8 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
     );
 }
 
-/// Per-step losses and the saved final weights of `run` on `mesh` with `OPTIMUS_DEVICE_KERNELS=mode`.
+/// Per-step losses and the saved final weights of `run` on `mesh` with `OPTIMUS_DEVICE_KERNELS=mode`
+/// (`default`: unset).
 fn losses_and_weights_with_device_kernels(mode: &str, mesh: &str, strategy: &str) -> (String, Vec<u8>) {
     let weights = scratch(&format!("{mode}-{mesh}-{strategy}.safetensors"));
     let weights_arg = weights.to_string_lossy().into_owned();
@@ -204,7 +205,12 @@ fn losses_and_weights_with_device_kernels(mode: &str, mesh: &str, strategy: &str
     command.args(["run", "examples/gpt2.opt", "--mesh", mesh, "--strategy", strategy, "--steps", "3", "--json"]);
     command.args(["--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=512"]);
     command.args(["--set", "seq=64", "--set", "context=64", "--set", "batch=8", "--save-weights", &weights_arg]);
-    let out = command.env("OPTIMUS_DEVICE_KERNELS", mode).output().expect("optimusc runs");
+    if mode == "default" {
+        command.env_remove("OPTIMUS_DEVICE_KERNELS");
+    } else {
+        command.env("OPTIMUS_DEVICE_KERNELS", mode);
+    }
+    let out = command.output().expect("optimusc runs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let losses: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -223,4 +229,9 @@ fn device_threads_running_their_own_kernels_compute_the_pools_bits() {
         assert_eq!(pool.0, inline.0, "losses on {strategy} {mesh}");
         assert!(pool.1 == inline.1, "final weights on {strategy} {mesh} differ");
     }
+    // One device runs its whole program on a pool worker by default: the same bits as handing over.
+    let pool = losses_and_weights_with_device_kernels("pool", "1x1", "none");
+    let on_pool = losses_and_weights_with_device_kernels("default", "1x1", "none");
+    assert_eq!(pool.0, on_pool.0, "losses on 1x1");
+    assert!(pool.1 == on_pool.1, "final weights on 1x1 differ");
 }

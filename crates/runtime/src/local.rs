@@ -28,6 +28,10 @@ pub fn run(
     let links = gpu_links(plan.mesh, config, &fabric)?;
     let inline = config.backend == BackendKind::Cpu
         && config.kernels_inline.unwrap_or_else(|| super::cpu::par::devices_run_kernels_inline(devices as usize));
+    let whole_on_pool = config.backend == BackendKind::Cpu
+        && !inline
+        && config.kernels_inline.is_none()
+        && super::cpu::par::device_runs_on_pool(devices as usize);
     let results: Vec<Result<DeviceResult, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {
@@ -38,7 +42,13 @@ pub fn run(
                     let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), coords);
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         let device = || run_device(plan, comm, slot, config, batches, initial, on_step);
-                        if inline { super::cpu::par::run_inline(device) } else { device() }
+                        if inline {
+                            super::cpu::par::run_inline(device)
+                        } else if whole_on_pool {
+                            super::cpu::par::on_pool(device)
+                        } else {
+                            device()
+                        }
                     }));
                     let result = match outcome {
                         Ok(r) => r,
