@@ -19,8 +19,9 @@
 //! them into FMA), so every ISA gives bit-identical results.
 //!
 //! Speed needs an optimised build: at the test profile's opt-level 1 nothing is vectorised and these
-//! are slower than libm; in release, e^x over 8M floats is about 3x faster than `f32::exp` as a plain
-//! loop and about 8x inside [`vectorized`] on AVX-512.
+//! are slower than libm; in release (`speed_against_libm_over_8m_floats`, run by hand), e^x over 8M
+//! floats inside [`vectorized`] took 5.1 ms on AVX-512 against 19.8 ms for `f32::exp` (2026-11-27, a
+//! Sapphire Rapids core); as a plain loop it is as fast as libm.
 
 /// log2(e), to find the power of two nearest e^x.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
