@@ -816,10 +816,13 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         // there may zeros be needed (zeroing the others cost 2% of a 2x2 step's cycles), and only where
         // something may read them before the buffer is written whole. Otherwise an untouched result
         // stays as it was, dead if it was, so that nothing (a diagnosis replay) reads stale contents.
+        // (The forward scan runs only for a result that holds no value yet: an alive one keeps its
+        // contents whatever is read later.)
         let coords = self.comm.coords();
         if c.kind != CollectiveKind::Reduce || untouched::is_root(plan, c, coords) {
             self.prepare_output(c.recv, false)?;
-        } else if untouched::untouched_result_may_be_read(plan, c.recv, self.position, coords) {
+        } else if !self.is_alive(c.recv) && untouched::untouched_result_may_be_read(plan, c.recv, self.position, coords)
+        {
             self.prepare_output(c.recv, true)?;
         }
         let start = c.overlapped && self.backend.lends_in_place(&self.storage, c.send, c.recv);

@@ -2,6 +2,7 @@
 //! the pool that runs large products, in the widest vector instructions the CPU has. `optimusc run
 //! --profile` compares the FLOP/s its products achieve with this figure.
 
+use crate::cpu::vmath::{self, Isa};
 use serde::Serialize;
 use std::hint::black_box;
 use std::sync::Barrier;
@@ -27,7 +28,7 @@ pub struct Peak {
     pub gflops: f64,
     pub threads: usize,
     /// The instructions the chains ran ("AVX-512 FMA", "AVX2 FMA", or the baseline).
-    pub isa: &'static str,
+    pub isa: String,
 }
 
 /// The number of threads the CPU kernels' products use (the kernel pool's size).
@@ -43,16 +44,15 @@ pub fn measured_peak_gflops(threads: usize) -> f64 {
 /// Measures the peak on `threads` threads (at least one) with the widest FMA the CPU has.
 pub fn measure_peak(threads: usize) -> Peak {
     let threads = threads.max(1);
-    let isa = Isa::detect();
+    let isa = Chains::detect();
     let iterations = trial_iterations(isa);
     let best = (0..TRIALS).map(|_| parallel_seconds(isa, threads, iterations)).fold(f64::INFINITY, f64::min);
     let flops = threads as f64 * iterations as f64 * (CHAINS * isa.lanes() * 2) as f64;
-    let capped = matches!(crate::cpu::vmath::isa_cap(), Some(Ok(_)));
-    Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: if capped { isa.capped_name() } else { isa.name() } }
+    Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: isa.name() }
 }
 
 /// Iterations of the chains that take about [`TRIAL`] on one thread.
-fn trial_iterations(isa: Isa) -> u64 {
+fn trial_iterations(isa: Chains) -> u64 {
     let mut iterations: u64 = 1 << 10;
     loop {
         let start = Instant::now();
@@ -69,7 +69,7 @@ fn trial_iterations(isa: Isa) -> u64 {
 /// Wall seconds for `threads` threads that each run `iterations` of the chains, started together: from
 /// the first worker's start to the last one's end, both read by the workers themselves (a clock read by a
 /// waiting thread could start late and make the figure too high).
-fn parallel_seconds(isa: Isa, threads: usize, iterations: u64) -> f64 {
+fn parallel_seconds(isa: Chains, threads: usize, iterations: u64) -> f64 {
     let barrier = Barrier::new(threads);
     let spans: Vec<(Instant, Instant)> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
@@ -93,55 +93,41 @@ fn parallel_seconds(isa: Isa, threads: usize, iterations: u64) -> f64 {
     }
 }
 
-/// The vector instructions the chains run in.
+/// The vector instructions the chains run in: those the CPU kernels use ([`vmath::isa`], the widest the
+/// CPU has, no wider than `OPTIMUS_CPU_ISA`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
-    Avx512,
-    Avx2Fma,
-    Baseline,
-}
+struct Chains(Isa);
 
-impl Isa {
-    /// The set the CPU kernels use ([`crate::cpu::vmath::isa`]: the widest the CPU has, no wider than
-    /// `OPTIMUS_CPU_ISA`).
-    fn detect() -> Isa {
-        match crate::cpu::vmath::isa() {
-            crate::cpu::vmath::Isa::Avx512 => Isa::Avx512,
-            crate::cpu::vmath::Isa::Avx2Fma => Isa::Avx2Fma,
-            crate::cpu::vmath::Isa::Baseline => Isa::Baseline,
-        }
+impl Chains {
+    fn detect() -> Chains {
+        Chains(vmath::isa())
     }
 
-    fn name(self) -> &'static str {
-        match self {
+    /// What the profile calls them, saying so where `OPTIMUS_CPU_ISA` chose them.
+    fn name(self) -> String {
+        let capped = matches!(vmath::isa_cap(), Some(Ok(_)));
+        let name = match self.0 {
             Isa::Avx512 => "AVX-512 FMA",
             Isa::Avx2Fma => "AVX2 FMA",
+            Isa::Baseline if capped => "baseline multiply-add",
             Isa::Baseline => "baseline multiply-add, no FMA detected",
-        }
-    }
-
-    /// [`Isa::name`], saying that `OPTIMUS_CPU_ISA` chose it.
-    fn capped_name(self) -> &'static str {
-        match self {
-            Isa::Avx512 => "AVX-512 FMA, as OPTIMUS_CPU_ISA allows",
-            Isa::Avx2Fma => "AVX2 FMA, as OPTIMUS_CPU_ISA allows",
-            Isa::Baseline => "baseline multiply-add, as OPTIMUS_CPU_ISA allows",
-        }
+        };
+        if capped { format!("{name}, as {} allows", vmath::ISA_CAP_VARIABLE) } else { name.to_string() }
     }
 
     /// Float32 lanes per accumulator.
     fn lanes(self) -> usize {
-        match self {
+        match self.0 {
             Isa::Avx512 => 16,
             Isa::Avx2Fma => 8,
             Isa::Baseline => BASELINE_LANES,
         }
     }
 
-    /// Runs [`CHAINS`] independent chains of `iterations` multiply-adds of [`Isa::lanes`] lanes each.
+    /// Runs [`CHAINS`] independent chains of `iterations` multiply-adds of [`Chains::lanes`] lanes each.
     fn run(self, iterations: u64) {
-        match self {
-            // SAFETY: `detect` (vmath::isa) chose these only where the CPU has the features they enable.
+        match self.0 {
+            // SAFETY: vmath::isa chose these only where the CPU has the features they enable.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { x86::chains_avx512(iterations) },
             #[cfg(target_arch = "x86_64")]
@@ -260,7 +246,7 @@ mod tests {
             let avx2 = unsafe { x86::chains_avx2_fma(1000) } / (CHAINS * 8) as f32;
             assert!((avx2 - 1.0).abs() < 1e-3, "{avx2}");
         }
-        for isa in [Isa::detect(), Isa::Baseline] {
+        for isa in [Chains::detect(), Chains(Isa::Baseline)] {
             isa.run(0);
             isa.run(3);
         }

@@ -314,7 +314,7 @@ pub fn report_of_programs(runs: &[(&Plan, &Profile)], peak: &Peak) -> ProfileRep
     ProfileReport {
         peak_gflops: peak.gflops,
         peak_threads: peak.threads,
-        peak_isa: peak.isa.to_string(),
+        peak_isa: peak.isa.clone(),
         cpu_products: super::cpu::blas::product_library(),
         cpu_product_calls: super::cpu::blas::calls(),
         steps_profiled: runs.first().map_or(0, |(_, p)| p.steps),
