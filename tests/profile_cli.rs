@@ -132,13 +132,22 @@ struct ProductsRun {
     library: String,
     openblas_calls: u64,
     faer_calls: u64,
+    optimus_calls: u64,
 }
 
 /// Per-step losses of `run --json` on a 2x2 mesh with the given `OPTIMUS_BLAS` and extra flags, and
 /// the profile's library and product calls.
 fn losses_with_products(blas: Option<&str>, extra: &[&str]) -> ProductsRun {
+    losses_with_products_on("2x2", blas, extra, None)
+}
+
+/// As [`losses_with_products`], on `mesh` with `pool` kernel threads (`RAYON_NUM_THREADS`) if given.
+fn losses_with_products_on(mesh: &str, blas: Option<&str>, extra: &[&str], pool: Option<usize>) -> ProductsRun {
     let mut command = Command::new(env!("CARGO_BIN_EXE_optimusc"));
-    command.args(["run", "examples/gpt2.opt", "--mesh", "2x2", "--steps", "3", "--profile", "--json"]);
+    command.args(["run", "examples/gpt2.opt", "--mesh", mesh, "--steps", "3", "--profile", "--json"]);
+    if let Some(threads) = pool {
+        command.env("RAYON_NUM_THREADS", threads.to_string());
+    }
     command.args(extra);
     command.args(["--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=512"]);
     command.args(["--set", "seq=64", "--set", "context=64", "--set", "batch=8"]);
@@ -154,7 +163,37 @@ fn losses_with_products(blas: Option<&str>, extra: &[&str]) -> ProductsRun {
     let profile = &records.last().expect("a profile record")["profile"];
     let library = profile["cpu_products"].as_str().expect("a library").to_string();
     let calls = &profile["cpu_product_calls"];
-    ProductsRun { losses, library, openblas_calls: as_u64(&calls["openblas"]), faer_calls: as_u64(&calls["faer"]) }
+    ProductsRun {
+        losses,
+        library,
+        openblas_calls: as_u64(&calls["openblas"]),
+        faer_calls: as_u64(&calls["faer"]),
+        optimus_calls: as_u64(&calls["optimus"]),
+    }
+}
+
+#[test]
+fn our_avx2_kernel_trains_as_faer_does_with_the_same_bits_on_any_pool_size() {
+    let ours = losses_with_products_on("1x1", Some("optimus"), &[], Some(2));
+    if !ours.library.starts_with("optimus AVX2") {
+        // A CPU without AVX2 and FMA: the choice falls back to the other libraries.
+        assert_eq!(ours.optimus_calls, 0, "{}", ours.library);
+        return;
+    }
+    assert!(ours.optimus_calls > 0 && ours.openblas_calls == 0, "{} / {}", ours.optimus_calls, ours.openblas_calls);
+    let faer = losses_with_products_on("1x1", Some("faer"), &[], Some(2));
+    assert_eq!(ours.losses.len(), 3);
+    for (a, b) in faer.losses.iter().zip(&ours.losses) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "faer {:?} against ours {:?}", faer.losses, ours.losses);
+    }
+    // Products split over two workers give the bits of one worker's whole products.
+    let one_worker = losses_with_products_on("1x1", Some("optimus"), &[], Some(1));
+    assert_eq!(ours.losses, one_worker.losses, "2 pool threads against 1");
+    // On a mesh too, and the bf16 emulation's products stay in faer.
+    let mesh = losses_with_products_on("2x2", Some("optimus"), &[], Some(2));
+    assert!(mesh.optimus_calls > 0);
+    let bf16 = losses_with_products_on("2x2", Some("optimus"), &["--precision", "bf16"], Some(2));
+    assert_eq!(bf16.optimus_calls, 0, "bf16 products in our kernel");
 }
 
 #[test]
@@ -178,6 +217,11 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
         // The bf16 emulation's products are faer's alone.
         let bf16 = losses_with_products(None, &["--precision", "bf16"]);
         assert_eq!(bf16.openblas_calls, 0, "bf16 products in OpenBLAS");
+    } else if default.library.starts_with("optimus AVX2") {
+        // A CPU whose widest vectors are AVX2: the linears' products ran in our kernel.
+        assert!(default.optimus_calls > 0 && default.faer_calls > 0 && default.openblas_calls == 0);
+        let bf16 = losses_with_products(None, &["--precision", "bf16"]);
+        assert_eq!(bf16.optimus_calls, 0, "bf16 products in our kernel");
     } else {
         assert_eq!((default.library.as_str(), default.openblas_calls), ("faer", 0));
     }
@@ -191,7 +235,8 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
     assert!(out.status.success(), "{stderr}");
     assert!(
         stderr.contains("OPTIMUS_BLAS=/nonexistent/libopenblas.so: cannot load it")
-            && stderr.contains("CPU products: library faer; 0 of"),
+            && stderr.contains("CPU products: library faer; ")
+            && stderr.contains(" in faer\n"),
         "{stderr}"
     );
 }

@@ -427,12 +427,13 @@ impl ProfileReport {
         let devices = self.devices.len() as u64;
         let shared = if devices > 1 { format!("; the {devices} devices share it") } else { String::new() };
         let calls = self.cpu_product_calls;
-        let products = match calls.openblas + calls.faer {
+        let products = match calls.total() {
             // No CPU kernel multiplied (a CUDA run): nothing to say about the CPU's library.
             0 => String::new(),
             all => format!(
-                "CPU products: library {}; {} of {all} product calls ran in OpenBLAS, the rest in faer\n",
-                self.cpu_products, calls.openblas
+                "CPU products: library {}; {all} product calls: {}\n",
+                self.cpu_products,
+                calls_by_library(calls)
             ),
         };
         format!(
@@ -496,6 +497,15 @@ impl ProfileReport {
     }
 }
 
+/// "21504 in faer, 612 in OpenBLAS": each library that ran product calls, most calls first.
+fn calls_by_library(calls: super::cpu::blas::Calls) -> String {
+    let mut ran = [(calls.optimus, "our AVX2 kernel"), (calls.openblas, "OpenBLAS"), (calls.faer, "faer")];
+    ran.sort_by_key(|&(count, _)| std::cmp::Reverse(count));
+    let parts: Vec<String> =
+        ran.iter().filter(|(count, _)| *count > 0).map(|(count, name)| format!("{count} in {name}")).collect();
+    parts.join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -514,7 +524,7 @@ mod tests {
             peak_threads: 2,
             peak_isa: "AVX2 FMA".into(),
             cpu_products: if openblas > 0 { "OpenBLAS 0.3.21".into() } else { "faer".into() },
-            cpu_product_calls: super::super::cpu::blas::Calls { openblas, faer },
+            cpu_product_calls: super::super::cpu::blas::Calls { openblas, faer, optimus: 0 },
             steps_profiled: 1,
             warm_up_excluded: false,
             rows: Vec::new(),
@@ -526,7 +536,7 @@ mod tests {
     fn the_header_says_which_library_ran_the_cpu_products_and_nothing_when_none_ran() {
         let header = report_with_calls(3, 5).header();
         assert!(
-            header.contains("CPU products: library OpenBLAS 0.3.21; 3 of 8 product calls ran in OpenBLAS"),
+            header.contains("CPU products: library OpenBLAS 0.3.21; 8 product calls: 5 in faer, 3 in OpenBLAS"),
             "{header}"
         );
         let header = report_with_calls(0, 0).header();

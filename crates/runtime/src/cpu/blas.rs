@@ -1,15 +1,18 @@
-//! OpenBLAS for the CPU kernels' float32 products, loaded at run time when the machine has it (Debian:
-//! `libopenblas0`), else faer. Measured on a 2-core AVX2 EPYC, OpenBLAS's products match faer's on
-//! plain shapes and are faster on the weight gradients' (a transposed left operand), which faer runs at
-//! 25-60% of the peak: the tied head's (8192x1024x256) ran at 43-53 GFLOP/s in faer and 113-127 in
-//! OpenBLAS, and whole steps ran 1.05-1.41x faster (`scripts/bench_products.sh`). Nothing is needed at
-//! build time: a binary built anywhere uses OpenBLAS where it finds one and faer elsewhere.
+//! Which library runs the CPU kernels' float32 products: our own kernel ([`super::sgemm`]) on CPUs
+//! whose widest vectors are AVX2; else OpenBLAS, loaded at run time when the machine has it (Debian:
+//! `libopenblas0`); else faer. Measured on a 2-core AVX2 EPYC, OpenBLAS's products match faer's on
+//! plain shapes and are faster on the weight gradients' (a transposed left operand), which faer runs
+//! at 25-60% of the peak: the tied head's (8192x1024x256) ran at 43-53 GFLOP/s in faer and 113-127 in
+//! OpenBLAS, and whole steps ran 1.05-1.41x faster (`scripts/bench_products.sh`). Our kernel runs level
+//! with OpenBLAS's Haswell kernels or ahead of them on AVX2 (see its module); on AVX-512, OpenBLAS's
+//! 16-wide kernels are faster. Nothing is needed at build time.
 //!
 //! OpenBLAS is held to one thread per call: the kernel pool splits large products itself, by blocks
 //! of output rows, so results depend only on the pool's size, as with faer, and concurrent calls from
-//! the pool's workers do not fight over OpenBLAS's own threads. `OPTIMUS_BLAS=faer` turns it off;
-//! `OPTIMUS_BLAS=PATH` loads that library instead of searching for `libopenblas.so.0`. The bf16
-//! emulation's products stay in faer ([`faer_only`]).
+//! the pool's workers do not fight over OpenBLAS's own threads. `OPTIMUS_BLAS` chooses: `faer`;
+//! `openblas` (OpenBLAS where found, never our kernel); `optimus` (our kernel wherever the CPU has
+//! AVX2 and FMA, on AVX-512 too); a path (that OpenBLAS). The bf16 emulation's products stay in faer
+//! ([`faer_only`]).
 
 use faer::{MatMut, MatRef};
 use std::cell::Cell;
@@ -17,9 +20,10 @@ use std::ffi::{CStr, c_char, c_int};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Sequential product calls OpenBLAS ran and faer ran, since the process started (see [`calls`]).
+/// Sequential product calls OpenBLAS, faer and our kernel ran, since the process started (see [`calls`]).
 static BLAS_CALLS: AtomicU64 = AtomicU64::new(0);
 static FAER_CALLS: AtomicU64 = AtomicU64::new(0);
+static OWN_CALLS: AtomicU64 = AtomicU64::new(0);
 
 /// How many of the CPU kernels' sequential products (the parts a product is split into) OpenBLAS and
 /// faer ran since the process started: `run --profile` shows it, so that a run says which library did
@@ -28,10 +32,23 @@ static FAER_CALLS: AtomicU64 = AtomicU64::new(0);
 pub struct Calls {
     pub openblas: u64,
     pub faer: u64,
+    /// Our AVX2 kernel's ([`super::sgemm`]).
+    #[serde(default)]
+    pub optimus: u64,
+}
+
+impl Calls {
+    pub fn total(self) -> u64 {
+        self.openblas + self.faer + self.optimus
+    }
 }
 
 pub fn calls() -> Calls {
-    Calls { openblas: BLAS_CALLS.load(Ordering::Relaxed), faer: FAER_CALLS.load(Ordering::Relaxed) }
+    Calls {
+        openblas: BLAS_CALLS.load(Ordering::Relaxed),
+        faer: FAER_CALLS.load(Ordering::Relaxed),
+        optimus: OWN_CALLS.load(Ordering::Relaxed),
+    }
 }
 
 /// Counts one sequential product in faer.
@@ -54,9 +71,88 @@ pub fn faer_only<R>(f: impl FnOnce() -> R) -> R {
     result
 }
 
-/// The OpenBLAS a product started on this thread may use: none inside [`faer_only`].
-pub fn for_this_thread() -> Option<&'static Blas> {
-    if FAER_ONLY.with(Cell::get) { None } else { loaded() }
+/// The library a product runs in.
+#[derive(Clone, Copy)]
+pub enum Products {
+    /// Our AVX2 kernel ([`super::sgemm`]).
+    Optimus,
+    OpenBlas(&'static Blas),
+    Faer,
+}
+
+impl Products {
+    /// dst = alpha * lhs * rhs (+ dst when `accumulate`) on this thread, in this library where it takes
+    /// the layouts, else in faer; the dimensions match and are non-zero (the caller checked).
+    pub fn product(
+        self,
+        dst: MatMut<'_, f32>,
+        lhs: MatRef<'_, f32>,
+        rhs: MatRef<'_, f32>,
+        accumulate: bool,
+        alpha: f32,
+    ) {
+        let mut dst = dst;
+        let done = match self {
+            Products::Optimus => super::sgemm::product(dst.as_mut(), lhs, rhs, accumulate, alpha),
+            Products::OpenBlas(blas) => blas.product(dst.as_mut(), lhs, rhs, accumulate, alpha),
+            Products::Faer => false,
+        };
+        if done {
+            let count = if matches!(self, Products::Optimus) { &OWN_CALLS } else { &BLAS_CALLS };
+            count.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        count_faer_call();
+        let accum = if accumulate { faer::Accum::Add } else { faer::Accum::Replace };
+        faer::linalg::matmul::matmul(dst, accum, lhs, rhs, alpha, faer::Par::Seq);
+    }
+}
+
+/// The library a product started on this thread runs in: faer inside [`faer_only`]; else as
+/// [`Choice`] says.
+pub fn for_this_thread() -> Products {
+    if FAER_ONLY.with(Cell::get) {
+        return Products::Faer;
+    }
+    let ours = match choice() {
+        Choice::Best => super::sgemm::applies(false),
+        Choice::Optimus => super::sgemm::applies(true),
+        Choice::Faer | Choice::OpenBlas | Choice::Library(_) => false,
+    };
+    match (ours, loaded()) {
+        (true, _) => Products::Optimus,
+        (false, Some(blas)) => Products::OpenBlas(blas),
+        (false, None) => Products::Faer,
+    }
+}
+
+/// What `OPTIMUS_BLAS` asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Choice {
+    /// Unset: our kernel where the CPU's widest vectors are AVX2, else OpenBLAS where found, else faer.
+    Best,
+    Faer,
+    /// OpenBLAS where found (never our kernel), else faer.
+    OpenBlas,
+    /// Our kernel wherever the CPU has AVX2 and FMA (on AVX-512 too); as `Best` elsewhere.
+    Optimus,
+    /// The OpenBLAS-compatible library at this path.
+    Library(String),
+}
+
+fn choice() -> &'static Choice {
+    static CHOICE: OnceLock<Choice> = OnceLock::new();
+    CHOICE.get_or_init(|| choice_of(std::env::var("OPTIMUS_BLAS").ok().as_deref()))
+}
+
+fn choice_of(value: Option<&str>) -> Choice {
+    match value.map(str::trim) {
+        None | Some("") => Choice::Best,
+        Some("faer") => Choice::Faer,
+        Some("openblas") => Choice::OpenBlas,
+        Some("optimus") => Choice::Optimus,
+        Some(path) => Choice::Library(path.to_string()),
+    }
 }
 
 /// `cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)`.
@@ -102,11 +198,13 @@ pub struct Blas {
     _library: libloading::Library,
 }
 
-/// The library the CPU kernels' products may use: "OpenBLAS 0.3.21 ..." or "faer" (none found).
+/// The libraries the CPU kernels' products may use: "optimus AVX2 6x16", "OpenBLAS 0.3.21 ..." or
+/// "faer" (none found), as [`for_this_thread`] chooses outside the bf16 emulation.
 pub fn product_library() -> String {
-    match loaded() {
-        Some(blas) => blas.description.clone(),
-        None => "faer".to_string(),
+    match for_this_thread() {
+        Products::Optimus => super::sgemm::DESCRIPTION.to_string(),
+        Products::OpenBlas(blas) => blas.description.clone(),
+        Products::Faer => "faer".to_string(),
     }
 }
 
@@ -125,10 +223,10 @@ pub fn load_failure() -> Option<String> {
 /// library and why it did not load.
 fn state() -> &'static Result<Option<Blas>, String> {
     static BLAS: OnceLock<Result<Option<Blas>, String>> = OnceLock::new();
-    BLAS.get_or_init(|| match std::env::var("OPTIMUS_BLAS") {
-        Ok(choice) if choice == "faer" => Ok(None),
-        Ok(path) if !path.is_empty() => load(&path).map(Some).map_err(|e| format!("{path}: {e}")),
-        _ => Ok(SEARCHED.iter().find_map(|name| load(name).ok())),
+    BLAS.get_or_init(|| match choice() {
+        Choice::Faer => Ok(None),
+        Choice::Library(path) => load(path).map(Some).map_err(|e| format!("{path}: {e}")),
+        Choice::Best | Choice::OpenBlas | Choice::Optimus => Ok(SEARCHED.iter().find_map(|name| load(name).ok())),
     })
 }
 
@@ -254,6 +352,16 @@ fn rows_by_gemv(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_variable_names_a_library_or_a_path() {
+        assert_eq!(choice_of(None), Choice::Best);
+        assert_eq!(choice_of(Some(" ")), Choice::Best);
+        assert_eq!(choice_of(Some("faer")), Choice::Faer);
+        assert_eq!(choice_of(Some("openblas")), Choice::OpenBlas);
+        assert_eq!(choice_of(Some("optimus")), Choice::Optimus);
+        assert_eq!(choice_of(Some("/opt/lib/libopenblas.so")), Choice::Library("/opt/lib/libopenblas.so".into()));
+    }
 
     #[test]
     fn layouts_name_the_unit_stride() {

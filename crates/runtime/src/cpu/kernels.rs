@@ -1,15 +1,14 @@
 //! CPU kernels: the reference implementation of every plan [`Kernel`] on host tensors, the optimizer
 //! update, and the counter-based dropout mask. Matrix products go through `faer`.
 
-use super::blas::{self, Blas};
+use super::blas::{self, Products};
 use super::par;
 use super::vmath::{self, vectorized};
 use crate::error::{KernelError, batched_product, require};
 pub use crate::settings::{KernelContext, OptimizerKind, OptimizerSettings};
 use crate::view::TensorViews;
 use crate::view::{View, ViewData, ViewMut, ViewMutData};
-use faer::linalg::matmul::matmul;
-use faer::{Accum, MatMut, MatRef, Par};
+use faer::{MatMut, MatRef};
 use optimus_plan::layout::Placement;
 use optimus_plan::logical::IndexMap;
 pub use optimus_plan::logical::{DropoutMask, dropout_keep, logical_indices, try_logical_indices};
@@ -204,13 +203,13 @@ fn gemm(
     accumulate: bool,
     alpha: f32,
 ) -> Result<(), KernelError> {
-    gemm_by(None, dst, lhs, rhs, (accumulate, alpha))
+    gemm_by(Products::Faer, dst, lhs, rhs, (accumulate, alpha))
 }
 
-/// dst (+)= alpha * lhs * rhs in `blas` (faer when `None`), after checking the dimensions (faer panics
+/// dst (+)= alpha * lhs * rhs in `blas`'s library, after checking the dimensions (faer panics
 /// on a mismatch). Product kernels read `blas` on the thread that starts them.
 fn gemm_by(
-    blas: Option<&Blas>,
+    blas: Products,
     dst: MatMut<'_, f32>,
     lhs: MatRef<'_, f32>,
     rhs: MatRef<'_, f32>,
@@ -242,10 +241,10 @@ fn gemm_by(
 const SPLIT_ALIGN: usize = 16;
 
 /// dst (+)= alpha * lhs * rhs over `parts` workers: the output is split into `parts` blocks of rows
-/// (or of columns, when it is wider than tall), each a [`sequential_product`]. Measured on this
+/// (or of columns, when it is wider than tall), each a sequential product ([`Products::product`]). Measured on this
 /// project's shapes, this beats faer's own parallel product, which splits the inner dimension too.
 fn split_product(
-    blas: Option<&Blas>,
+    blas: Products,
     dst: MatMut<'_, f32>,
     lhs: MatRef<'_, f32>,
     rhs: MatRef<'_, f32>,
@@ -256,7 +255,7 @@ fn split_product(
     let left = parts / 2;
     let cut = |len: usize| (len * left / parts.max(1)).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
     if parts <= 1 || (m < 2 * SPLIT_ALIGN && n < 2 * SPLIT_ALIGN) {
-        sequential_product(blas, dst, lhs, rhs, scale);
+        blas.product(dst, lhs, rhs, scale.0, scale.1);
     } else if m >= n {
         let at = cut(m).min(m);
         let ((d0, d1), (l0, l1)) = (dst.split_at_row_mut(at), lhs.split_at_row(at));
@@ -272,26 +271,6 @@ fn split_product(
             || split_product(blas, d1, lhs, r1, scale, parts - left),
         );
     }
-}
-
-/// dst (+)= alpha * lhs * rhs (dst + that when `accumulate`) on this thread: in `blas` where given
-/// (OpenBLAS) and it takes the layouts, else faer.
-fn sequential_product(
-    blas: Option<&Blas>,
-    dst: MatMut<'_, f32>,
-    lhs: MatRef<'_, f32>,
-    rhs: MatRef<'_, f32>,
-    (accumulate, alpha): (bool, f32),
-) {
-    let mut dst = dst;
-    if let Some(blas) = blas
-        && blas.product(dst.as_mut(), lhs, rhs, accumulate, alpha)
-    {
-        return;
-    }
-    blas::count_faer_call();
-    let accum = if accumulate { Accum::Add } else { Accum::Replace };
-    matmul(dst, accum, lhs, rhs, alpha, Par::Seq);
 }
 
 fn check_view(len: usize, start: usize, rows: usize, cols: usize, stride: usize) -> Result<(), KernelError> {

@@ -1,0 +1,654 @@
+//! Our own float32 product for AVX2 + FMA machines: packed panels and a 6x16 register tile.
+//!
+//! On AVX2 CPUs (the 2-core EPYCs the issues measure on, or any CPU under `OPTIMUS_CPU_ISA=avx2`)
+//! OpenBLAS's Haswell kernels left the products of our plans at 77-82% of the measured peak. This
+//! product follows the usual blocked scheme (a KC-deep panel of the right operand packed into 16-column
+//! strips, a block of left-operand rows packed into 6-row strips, a micro-kernel that keeps a 6x16 tile
+//! of the result in twelve registers) and differs where our shapes gain:
+//!
+//! - with `beta = 0` the result is written once, never cleared first (OpenBLAS clears it, a pass over
+//!   the output as large as a logits tensor);
+//! - row-major and transposed operands are packed with 8x8 register transposes, not element by element.
+//!
+//! Each element of the result is one FMA chain over k within a panel, the panels taken in order, so
+//! the bits depend on neither the split of rows and columns over threads nor where a tile falls.
+//!
+//! Measured alone against OpenBLAS 0.3.21 (Haswell core) on a Xeon narrowed to AVX2, GPT-2 small's
+//! shapes, two threads each on half of the output, two rounds of the best of 20
+//! (`scripts/bench_sgemm.sh`, `bench/results/2026-11-27-own-sgemm/`): level on the 1x1 shapes (76.3%
+//! against 77.1% of the peak warm, 77.4% against 78.0% cold) and ahead on one 2x2 device's (74.9%
+//! against 72.5% warm, 68.0% against 62.5% cold). Inside training steps, three rounds: 1.02x faster
+//! steps on 1x1 and 2x2, the products at 77-78% of the peak against OpenBLAS's 75-78%.
+
+use faer::{MatMut, MatRef};
+
+/// How `run --profile` names this product.
+pub const DESCRIPTION: &str = "optimus AVX2 6x16";
+
+/// Rows of the register tile.
+const MR: usize = 6;
+/// Columns of the register tile: two 8-float vectors.
+const NR: usize = 16;
+/// Rows of the left operand packed per block (rounded to a multiple of MR, blocks balanced).
+const MC: usize = 144;
+/// Columns of the right operand packed per panel.
+const NC: usize = 1024;
+
+/// A strided read-only matrix: element (i, j) at `p + i * rs + j * cs`.
+#[derive(Clone, Copy)]
+struct Strided {
+    p: *const f32,
+    rs: isize,
+    cs: isize,
+}
+
+impl Strided {
+    fn of(m: MatRef<'_, f32>) -> Strided {
+        Strided { p: m.as_ptr(), rs: m.row_stride(), cs: m.col_stride() }
+    }
+
+    fn transposed(self) -> Strided {
+        Strided { p: self.p, rs: self.cs, cs: self.rs }
+    }
+
+    /// The element pointer of (i, j); the caller keeps (i, j) within the matrix.
+    fn at(self, i: usize, j: usize) -> *const f32 {
+        self.p.wrapping_offset(i as isize * self.rs + j as isize * self.cs)
+    }
+}
+
+/// The output: row-major with rows `rs` apart (unit column stride).
+#[derive(Clone, Copy)]
+struct Output {
+    p: *mut f32,
+    rs: isize,
+}
+
+impl Output {
+    fn at(self, i: usize, j: usize) -> Output {
+        Output { p: self.p.wrapping_offset(i as isize * self.rs + j as isize), rs: self.rs }
+    }
+}
+
+/// Whether this product runs here: AVX2 and FMA present and, unless `forced`, the CPU kernels' widest
+/// instruction set AVX2 (on AVX-512, OpenBLAS's and faer's 16-wide kernels are faster than this one).
+pub fn applies(forced: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let present = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+        present && (forced || super::vmath::isa() == super::vmath::Isa::Avx2Fma)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = forced;
+        false
+    }
+}
+
+/// dst = alpha * lhs * rhs (+ dst when `accumulate`) on this thread; `false` (nothing done) where the
+/// CPU lacks AVX2 or FMA, neither of dst's strides is one, or it has fewer than 6 rows (and columns).
+/// The dimensions match (the caller checked).
+pub fn product(dst: MatMut<'_, f32>, lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>, accumulate: bool, alpha: f32) -> bool {
+    if !applies(true) {
+        return false;
+    }
+    let (m, n, k) = (dst.nrows(), dst.ncols(), lhs.ncols());
+    if m == 0 || n == 0 {
+        return true;
+    }
+    let (a, b) = (Strided::of(lhs), Strided::of(rhs));
+    // A column-major output is the transposed product written row-major: dst^T = rhs^T lhs^T.
+    let (a, b, c, m, n) = if dst.col_stride() == 1 || n == 1 {
+        (a, b, Output { p: dst.as_ptr_mut(), rs: dst.row_stride() }, m, n)
+    } else if dst.row_stride() == 1 || m == 1 {
+        (b.transposed(), a.transposed(), Output { p: dst.as_ptr_mut(), rs: dst.col_stride() }, n, m)
+    } else {
+        return false;
+    };
+    if m < MR {
+        // Fewer rows than a tile (a decoding step's one row): packing the right operand would cost
+        // more than the product; faer's matrix-vector path does better.
+        return false;
+    }
+    // SAFETY: faer's views hold every element their dimensions and strides reach, `dst` is the only
+    // view written and the blocked loops read and write only elements within (m, n, k).
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        x86::blocked(Sizes { m, n, k }, a, b, c, (alpha, accumulate));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (a, b, c, k);
+    true
+}
+
+/// The product's dimensions: dst is m x n, the inner dimension k.
+#[derive(Clone, Copy)]
+struct Sizes {
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
+/// Steps of k packed per panel: a 16-column strip of 256 (16 KiB) and a 6-row strip (6 KiB) stay in
+/// a 32 KiB L1 beside the tile's output rows. 512 (for a 48 KiB L1) measured slower on every shape
+/// with k above 256: 70-80% of the peak against 78-85% on the weight gradients.
+const KC: usize = 256;
+
+thread_local! {
+    /// This thread's packing buffers (left block, right panel), kept between products.
+    static PANELS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Rows per block of the left operand: at most MC, a multiple of MR, the blocks about equal.
+fn block_rows(m: usize) -> usize {
+    let blocks = m.div_ceil(MC);
+    m.div_ceil(blocks).div_ceil(MR) * MR
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The AVX2 + FMA loops: blocking, packing and the 6x16 micro-kernel.
+
+    use super::{KC, MR, NC, NR, Output, PANELS, Sizes, Strided, block_rows};
+    use std::arch::x86_64::*;
+
+    /// c = alpha * a * b (+ c when accumulating), blocked: for each NC-column panel of b and each
+    /// KC-deep slice, pack the panel, then each block of a's rows, and run the micro-kernel over the tiles.
+    ///
+    /// # Safety
+    /// a is m x k, b is k x n and c is m x n, each element reachable through its strides; c is written only.
+    pub(super) unsafe fn blocked(sizes: Sizes, a: Strided, b: Strided, c: Output, (alpha, accumulate): (f32, bool)) {
+        let Sizes { m, n, k } = sizes;
+        let kc_max = KC;
+        let mc = block_rows(m);
+        PANELS.with_borrow_mut(|(left, right)| {
+            grow(left, mc.div_ceil(MR) * MR * kc_max + 8);
+            grow(right, n.min(NC).div_ceil(NR) * NR * kc_max);
+            for j0 in (0..n).step_by(NC) {
+                let nc = (n - j0).min(NC);
+                for k0 in (0..k).step_by(kc_max) {
+                    let kc = (k - k0).min(kc_max);
+                    let store = if accumulate || k0 > 0 { Store::Add } else { Store::Write };
+                    // SAFETY: the panel and blocks lie within b, a and c (the caller's contract).
+                    unsafe {
+                        pack_right(right, b, (k0, kc), (j0, nc));
+                        for i0 in (0..m).step_by(mc) {
+                            let rows = (m - i0).min(mc);
+                            pack_left(left, a, (i0, rows), (k0, kc));
+                            tiles(left, right, Sizes { m: rows, n: nc, k: kc }, c.at(i0, j0), (alpha, store));
+                        }
+                    }
+                }
+            }
+        });
+        if k == 0 && !accumulate {
+            // No panel ran: the product of empty operands is zero.
+            for i in 0..m {
+                // SAFETY: row i of c holds n elements.
+                unsafe { std::ptr::write_bytes(c.at(i, 0).p, 0, n) };
+            }
+        }
+    }
+
+    /// How a tile's sums reach the output.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Store {
+        /// c = alpha * sum.
+        Write,
+        /// c = alpha * sum + c, one FMA.
+        Add,
+    }
+
+    fn grow(v: &mut Vec<f32>, len: usize) {
+        if v.len() < len {
+            v.resize(len, 0.0);
+        }
+    }
+
+    /// Runs the micro-kernel over every 6x16 tile of the block: strips of the right panel outside (each
+    /// stays in L1 while the block's row strips stream past it), full tiles straight into c, edge tiles
+    /// through a scratch tile.
+    ///
+    /// # Safety
+    /// `left` and `right` hold the packed block and panel of these sizes; c holds sizes.m x sizes.n.
+    unsafe fn tiles(left: &[f32], right: &[f32], sizes: Sizes, c: Output, (alpha, store): (f32, Store)) {
+        let Sizes { m, n, k } = sizes;
+        let mut scratch = [0f32; MR * NR];
+        for q in 0..n.div_ceil(NR) {
+            let cols = (n - q * NR).min(NR);
+            let strip = right[q * NR * k..].as_ptr();
+            for p in 0..m.div_ceil(MR) {
+                let rows = (m - p * MR).min(MR);
+                let a = left[p * MR * k..].as_ptr();
+                let tile = c.at(p * MR, q * NR);
+                // SAFETY: the strips hold k steps each; a full tile lies within c.
+                unsafe {
+                    if rows == MR && cols == NR {
+                        micro(k, a, strip, tile, alpha, store);
+                    } else {
+                        let out = Output { p: scratch.as_mut_ptr(), rs: NR as isize };
+                        micro(k, a, strip, out, 1.0, Store::Write);
+                        for i in 0..rows {
+                            for j in 0..cols {
+                                let d = tile.at(i, j).p;
+                                let v = scratch[i * NR + j];
+                                *d = if store == Store::Add { alpha.mul_add(v, *d) } else { alpha * v };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// c[0..6][0..16] = alpha * sum_k a[k][0..6] x b[k][0..16] (+ c when `add`, one FMA per element), with
+    /// the tile in twelve registers; a and b are packed strips of k steps.
+    ///
+    /// # Safety
+    /// a holds 6k and b 16k floats; c's 6 rows of 16 are writable.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn micro(k: usize, a: *const f32, b: *const f32, c: Output, alpha: f32, store: Store) {
+        let zero = _mm256_setzero_ps();
+        let mut acc = [[zero; 2]; MR];
+        let (mut a, mut b) = (a, b);
+        for _ in 0..k {
+            // SAFETY: step k of each strip lies within it.
+            unsafe {
+                let b0 = _mm256_loadu_ps(b);
+                let b1 = _mm256_loadu_ps(b.add(8));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let ar = _mm256_broadcast_ss(&*a.add(r));
+                    row[0] = _mm256_fmadd_ps(ar, b0, row[0]);
+                    row[1] = _mm256_fmadd_ps(ar, b1, row[1]);
+                }
+                a = a.add(MR);
+                b = b.add(NR);
+            }
+        }
+        let scale = _mm256_set1_ps(alpha);
+        for (r, row) in acc.iter().enumerate() {
+            for (h, v) in row.iter().enumerate() {
+                let p = c.at(r, 8 * h).p;
+                // SAFETY: row r of the tile holds 16 floats.
+                unsafe {
+                    match store {
+                        Store::Write => _mm256_storeu_ps(p, _mm256_mul_ps(scale, *v)),
+                        Store::Add => _mm256_storeu_ps(p, _mm256_fmadd_ps(scale, *v, _mm256_loadu_ps(p))),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Packs rows i0.. of a, columns k0..k0+kc, into 6-row strips: strip p holds a[6p + r][k] at k*6 + r,
+    /// rows past the block zero.
+    ///
+    /// # Safety
+    /// The rows and columns lie within a; `dst` holds the strips and 8 floats more.
+    unsafe fn pack_left(dst: &mut [f32], a: Strided, (i0, rows): (usize, usize), (k0, kc): (usize, usize)) {
+        let d = dst.as_mut_ptr();
+        if a.rs == 1 {
+            // SAFETY: as below.
+            unsafe { left_columns(d, a, (i0, rows), (k0, kc)) };
+            return;
+        }
+        for p in 0..rows.div_ceil(MR) {
+            let strip = d.wrapping_add(p * MR * kc);
+            let height = (rows - p * MR).min(MR);
+            let first = a.at(i0 + p * MR, k0);
+            // SAFETY: strip p and its source rows lie within dst and a.
+            unsafe {
+                if height == MR && a.cs == 1 {
+                    left_rows(strip, first, a.rs, kc);
+                } else {
+                    for k in 0..kc {
+                        for r in 0..MR {
+                            let v = if r < height { *first.offset(r as isize * a.rs + k as isize * a.cs) } else { 0.0 };
+                            *strip.add(k * MR + r) = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`pack_left`] for a left operand of unit row stride (a transposed row-major matrix): step k of
+    /// every strip comes from one contiguous run, so the runs are read in order, each once.
+    ///
+    /// # Safety
+    /// As for [`pack_left`].
+    unsafe fn left_columns(d: *mut f32, a: Strided, (i0, rows): (usize, usize), (k0, kc): (usize, usize)) {
+        let full = rows / MR;
+        for k in 0..kc {
+            let run = a.at(i0, k0 + k);
+            prefetch(a.at(i0, k0 + k + AHEAD), rows);
+            // SAFETY: the run holds `rows` elements; strip p's step k lies within dst.
+            unsafe {
+                for p in 0..full {
+                    std::ptr::copy_nonoverlapping(run.add(p * MR), d.add(p * MR * kc + k * MR), MR);
+                }
+                if full * MR < rows {
+                    for r in 0..MR {
+                        let i = full * MR + r;
+                        *d.add(full * MR * kc + k * MR + r) = if i < rows { *run.add(i) } else { 0.0 };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Packs six rows of unit column stride, `rs` apart: dst[k*6 + r] = row r[k], eight k at a time by an
+    /// 8x8 transpose whose last two lanes the next store overwrites (the last spills into the slack).
+    ///
+    /// # Safety
+    /// The six rows hold kc floats each; dst holds 6kc + 2 floats.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn left_rows(dst: *mut f32, first: *const f32, rs: isize, kc: usize) {
+        let rows: [*const f32; MR] = std::array::from_fn(|r| first.wrapping_offset(r as isize * rs));
+        let zero = _mm256_setzero_ps();
+        let mut k = 0;
+        while k + 8 <= kc {
+            // SAFETY: k..k+8 lies within each row; the stores within dst's strip and slack.
+            unsafe {
+                let load = |r: usize| _mm256_loadu_ps(rows[r].add(k));
+                let cols = transpose8([load(0), load(1), load(2), load(3), load(4), load(5), zero, zero]);
+                for (i, col) in cols.iter().enumerate() {
+                    _mm256_storeu_ps(dst.add((k + i) * MR), *col);
+                }
+            }
+            k += 8;
+        }
+        for k in k..kc {
+            for (r, row) in rows.iter().enumerate() {
+                // SAFETY: as above, one element at a time.
+                unsafe { *dst.add(k * MR + r) = *row.add(k) };
+            }
+        }
+    }
+
+    /// Packs rows k0..k0+kc of b, columns j0..j0+nc, into 16-column strips: strip q holds b[k][16q + j]
+    /// at k*16 + j, columns past the panel zero.
+    ///
+    /// # Safety
+    /// The rows and columns lie within b; `dst` holds the strips.
+    unsafe fn pack_right(dst: &mut [f32], b: Strided, (k0, kc): (usize, usize), (j0, nc): (usize, usize)) {
+        let d = dst.as_mut_ptr();
+        for q in 0..nc.div_ceil(NR) {
+            let strip = d.wrapping_add(q * NR * kc);
+            let width = (nc - q * NR).min(NR);
+            let first = b.at(k0, j0 + q * NR);
+            // SAFETY: strip q and its source lie within dst and b.
+            unsafe {
+                if width == NR && b.rs == 1 {
+                    right_columns(strip, first, b.cs, kc);
+                } else if width == NR && b.cs == 1 {
+                    for k in 0..kc {
+                        prefetch(first.wrapping_offset((k + AHEAD) as isize * b.rs), NR);
+                        std::ptr::copy_nonoverlapping(first.offset(k as isize * b.rs), strip.add(k * NR), NR);
+                    }
+                } else {
+                    for k in 0..kc {
+                        for j in 0..NR {
+                            let v = if j < width { *first.offset(k as isize * b.rs + j as isize * b.cs) } else { 0.0 };
+                            *strip.add(k * NR + j) = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Packs sixteen columns of b stored as rows (unit stride along k, `cs` apart): dst[k*16 + j] =
+    /// column j[k], by two 8x8 transposes per eight k.
+    ///
+    /// # Safety
+    /// The sixteen columns hold kc floats each; dst holds 16kc floats.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn right_columns(dst: *mut f32, first: *const f32, cs: isize, kc: usize) {
+        let mut k = 0;
+        while k + 8 <= kc {
+            for half in 0..2 {
+                // SAFETY: k..k+8 lies within each column; the stores within dst.
+                unsafe {
+                    let column = |j: usize| first.wrapping_offset((half * 8 + j) as isize * cs).add(k);
+                    let cols = transpose8(std::array::from_fn(|j| _mm256_loadu_ps(column(j))));
+                    for (i, col) in cols.iter().enumerate() {
+                        _mm256_storeu_ps(dst.add((k + i) * NR + half * 8), *col);
+                    }
+                }
+            }
+            k += 8;
+        }
+        for k in k..kc {
+            for j in 0..NR {
+                // SAFETY: as above, one element at a time.
+                unsafe { *dst.add(k * NR + j) = *first.wrapping_offset(j as isize * cs).add(k) };
+            }
+        }
+    }
+
+    /// Rows ahead that packing asks the cache for: a strided walk the hardware prefetchers miss.
+    const AHEAD: usize = 8;
+
+    /// Asks for the cache lines of `len` floats from `p` (a hint: an address past the operand is
+    /// harmless, it is never read).
+    fn prefetch(p: *const f32, len: usize) {
+        for line in (0..len).step_by(16) {
+            // SAFETY: a prefetch does not access memory architecturally; any address is allowed.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast::<i8>()) };
+        }
+        // SAFETY: as above, for the last line the run reaches.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(len.saturating_sub(1)).cast::<i8>()) };
+    }
+
+    /// The columns of the 8x8 block whose rows are `r`: out[k] = [r[0][k], ..., r[7][k]].
+    #[target_feature(enable = "avx2,fma")]
+    fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t = [
+            _mm256_unpacklo_ps(r[0], r[1]),
+            _mm256_unpackhi_ps(r[0], r[1]),
+            _mm256_unpacklo_ps(r[2], r[3]),
+            _mm256_unpackhi_ps(r[2], r[3]),
+            _mm256_unpacklo_ps(r[4], r[5]),
+            _mm256_unpackhi_ps(r[4], r[5]),
+            _mm256_unpacklo_ps(r[6], r[7]),
+            _mm256_unpackhi_ps(r[6], r[7]),
+        ];
+        let s = [
+            _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+            _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+            _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+            _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+            _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+            _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+            _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+            _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+        ];
+        [
+            _mm256_permute2f128_ps::<0x20>(s[0], s[4]),
+            _mm256_permute2f128_ps::<0x20>(s[1], s[5]),
+            _mm256_permute2f128_ps::<0x20>(s[2], s[6]),
+            _mm256_permute2f128_ps::<0x20>(s[3], s[7]),
+            _mm256_permute2f128_ps::<0x31>(s[0], s[4]),
+            _mm256_permute2f128_ps::<0x31>(s[1], s[5]),
+            _mm256_permute2f128_ps::<0x31>(s[2], s[6]),
+            _mm256_permute2f128_ps::<0x31>(s[3], s[7]),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use faer::Mat;
+
+    /// Deterministic values in [-1, 1) with no pattern a blocking could hide behind.
+    fn values(seed: u64, len: usize) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// A `rows x cols` operand stored row-major (or, when `transposed`, as its transpose row-major), with
+    /// `pad` unused elements after each stored row.
+    struct Operand {
+        data: Vec<f32>,
+        rows: usize,
+        cols: usize,
+        transposed: bool,
+        pad: usize,
+    }
+
+    impl Operand {
+        fn new(seed: u64, (rows, cols): (usize, usize), transposed: bool, pad: usize) -> Operand {
+            let stored = if transposed { cols * (rows + pad) } else { rows * (cols + pad) };
+            Operand { data: values(seed, stored), rows, cols, transposed, pad }
+        }
+
+        fn view(&self) -> MatRef<'_, f32> {
+            if self.transposed {
+                MatRef::from_row_major_slice_with_stride(&self.data, self.cols, self.rows, self.rows + self.pad)
+                    .transpose()
+            } else {
+                MatRef::from_row_major_slice_with_stride(&self.data, self.rows, self.cols, self.cols + self.pad)
+            }
+        }
+    }
+
+    /// alpha * a * b (+ c0) in f64, and the bound on each element's f32 rounding: k ulps of the sum of
+    /// the magnitudes, generously.
+    fn reference(
+        a: MatRef<'_, f32>,
+        b: MatRef<'_, f32>,
+        c0: &Mat<f32>,
+        (alpha, accumulate): (f32, bool),
+    ) -> (Mat<f64>, Mat<f64>) {
+        let (m, n, k) = (a.nrows(), b.ncols(), a.ncols());
+        let mut exact = Mat::<f64>::zeros(m, n);
+        let mut bound = Mat::<f64>::zeros(m, n);
+        for i in 0..m {
+            for j in 0..n {
+                let (mut sum, mut magnitude) = (0.0f64, 0.0f64);
+                for l in 0..k {
+                    let term = f64::from(a[(i, l)]) * f64::from(b[(l, j)]);
+                    sum += term;
+                    magnitude += term.abs();
+                }
+                let base = if accumulate { f64::from(c0[(i, j)]) } else { 0.0 };
+                exact[(i, j)] = f64::from(alpha) * sum + base;
+                bound[(i, j)] =
+                    (k as f64 + 2.0) * f64::from(f32::EPSILON) * (f64::from(alpha.abs()) * magnitude + base.abs());
+            }
+        }
+        (exact, bound)
+    }
+
+    /// Runs our product on every layout of the operands and of the output and checks each element.
+    fn check(m: usize, n: usize, k: usize) {
+        for (case, (ta, tb, column_major_out)) in [
+            (false, false, false),
+            (true, false, false),
+            (false, true, false),
+            (true, true, true),
+            (false, false, true),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let seed = (m * 1_000_003 + n * 1009 + k * 7 + case) as u64;
+            let (a, b) = (Operand::new(seed, (m, k), ta, 3), Operand::new(seed + 1, (k, n), tb, 0));
+            for (alpha, accumulate) in [(1.0f32, false), (0.5, true)] {
+                let c0 = Mat::<f32>::from_fn(m, n, |i, j| ((i * 31 + j * 17) % 11) as f32 - 5.0);
+                let mut c = if column_major_out { c0.clone() } else { Mat::<f32>::zeros(n, m) };
+                let mut out = if column_major_out { c.as_mut() } else { c.as_mut().transpose_mut() };
+                if !column_major_out {
+                    out.copy_from(c0.as_ref());
+                }
+                // A column-major output is written as its transpose: n rows.
+                let tile_rows = if column_major_out { n } else { m };
+                let done = product(out.as_mut(), a.view(), b.view(), accumulate, alpha);
+                assert_eq!(done, tile_rows >= MR, "{m}x{n}x{k} case {case}");
+                if !done {
+                    continue;
+                }
+                let (exact, bound) = reference(a.view(), b.view(), &c0, (alpha, accumulate));
+                for i in 0..m {
+                    for j in 0..n {
+                        let error = (f64::from(out[(i, j)]) - exact[(i, j)]).abs();
+                        assert!(
+                            error <= bound[(i, j)] + 1e-30,
+                            "{m}x{n}x{k} case {case} alpha {alpha} accumulate {accumulate}: ({i}, {j}) off by {error:e}, bound {:e}",
+                            bound[(i, j)]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn products_match_the_f64_product_on_every_layout_and_edge() {
+        if !applies(true) {
+            return;
+        }
+        // Tiles of 6x16 with partial edges, a k deeper than the panel depth (several panels), an n wider
+        // than one packed panel (NC), and tiny and odd sizes.
+        for (m, n, k) in
+            [(6, 16, 1), (7, 17, 9), (13, 33, 64), (48, 32, 1030), (6, 2100, 20), (150, 40, 300), (31, 5, 17)]
+        {
+            check(m, n, k);
+        }
+    }
+
+    #[test]
+    fn fewer_rows_than_a_tile_are_left_to_the_caller() {
+        if !applies(true) {
+            return;
+        }
+        let (a, b) = (Operand::new(1, (5, 8), false, 0), Operand::new(2, (8, 4), false, 0));
+        let mut c = Mat::<f32>::zeros(4, 5);
+        // Row-major 5x4 output: 5 rows, fewer than a tile.
+        assert!(!product(c.as_mut().transpose_mut(), a.view(), b.view(), false, 1.0));
+    }
+
+    #[test]
+    fn the_bits_do_not_depend_on_how_rows_and_columns_are_split() {
+        if !applies(true) {
+            return;
+        }
+        let (m, n, k) = (61, 45, 700);
+        let (a, b) = (Operand::new(5, (m, k), false, 0), Operand::new(6, (k, n), true, 0));
+        let mut whole = Mat::<f32>::zeros(n, m);
+        assert!(product(whole.as_mut().transpose_mut(), a.view(), b.view(), false, 0.75));
+        for (rows, cols) in [(7, 45), (61, 19), (25, 33)] {
+            let mut parts = Mat::<f32>::zeros(n, m);
+            let mut out = parts.as_mut().transpose_mut();
+            for (r0, r1) in [(0, rows), (rows, m)] {
+                for (c0, c1) in [(0, cols), (cols, n)] {
+                    if r1 - r0 < MR || c1 == c0 {
+                        continue;
+                    }
+                    let dst = out.as_mut().submatrix_mut(r0, c0, r1 - r0, c1 - c0);
+                    let (lhs, rhs) = (a.view().subrows(r0, r1 - r0), b.view().subcols(c0, c1 - c0));
+                    assert!(product(dst, lhs, rhs, false, 0.75));
+                }
+            }
+            for i in 0..m {
+                for j in 0..n {
+                    let skipped = (i < rows && rows < MR) || (i >= rows && m - rows < MR);
+                    if !skipped {
+                        assert_eq!(
+                            out[(i, j)].to_bits(),
+                            whole[(j, i)].to_bits(),
+                            "split at row {rows}, column {cols}: ({i}, {j})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
