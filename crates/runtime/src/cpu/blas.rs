@@ -1,18 +1,18 @@
-//! Which library runs the CPU kernels' float32 products: our own kernel ([`super::sgemm`]) on CPUs
-//! whose widest vectors are AVX2; else OpenBLAS, loaded at run time when the machine has it (Debian:
-//! `libopenblas0`); else faer. Measured on a 2-core AVX2 EPYC, OpenBLAS's products match faer's on
-//! plain shapes and are faster on the weight gradients' (a transposed left operand), which faer runs
-//! at 25-60% of the peak: the tied head's (8192x1024x256) ran at 43-53 GFLOP/s in faer and 113-127 in
-//! OpenBLAS, and whole steps ran 1.05-1.41x faster (`scripts/bench_products.sh`). Our kernel runs level
-//! with OpenBLAS's Haswell kernels or ahead of them on AVX2 (see its module); on AVX-512, OpenBLAS's
-//! 16-wide kernels are faster. Nothing is needed at build time.
+//! Which library runs the CPU kernels' float32 products: OpenBLAS, loaded at run time when the
+//! machine has it (Debian: `libopenblas0`); else our own AVX2 kernel ([`super::sgemm`]) on CPUs whose
+//! widest vectors are AVX2; else faer. Measured on a 2-core AVX2 EPYC, OpenBLAS's products match
+//! faer's on plain shapes and are faster on the weight gradients' (a transposed left operand), which
+//! faer runs at 25-60% of the peak: the tied head's (8192x1024x256) ran at 43-53 GFLOP/s in faer and
+//! 113-127 in OpenBLAS, and whole steps ran 1.05-1.41x faster (`scripts/bench_products.sh`). Our
+//! kernel is level with OpenBLAS's Haswell kernels on hidden-256 shapes and slower on wider ones (see
+//! its module), so it runs only where OpenBLAS is missing, or when asked for. Nothing is needed at
+//! build time.
 //!
 //! OpenBLAS is held to one thread per call: the kernel pool splits large products itself, by blocks
 //! of output rows, so results depend only on the pool's size, as with faer, and concurrent calls from
 //! the pool's workers do not fight over OpenBLAS's own threads. `OPTIMUS_BLAS` chooses: `faer`;
-//! `openblas` (OpenBLAS where found, never our kernel); `optimus` (our kernel wherever the CPU has
-//! AVX2 and FMA, on AVX-512 too); a path (that OpenBLAS). The bf16 emulation's products stay in faer
-//! ([`faer_only`]).
+//! `optimus` (our kernel wherever the CPU has AVX2 and FMA, beside OpenBLAS and on AVX-512 too); a
+//! path (that OpenBLAS). The bf16 emulation's products stay in faer ([`faer_only`]).
 
 use faer::{MatMut, MatRef};
 use std::cell::Cell;
@@ -114,26 +114,46 @@ pub fn for_this_thread() -> Products {
     if FAER_ONLY.with(Cell::get) {
         return Products::Faer;
     }
-    let ours = match choice() {
-        Choice::Best => super::sgemm::applies(false),
-        Choice::Optimus => super::sgemm::applies(true),
-        Choice::Faer | Choice::OpenBlas | Choice::Library(_) => false,
-    };
-    match (ours, loaded()) {
-        (true, _) => Products::Optimus,
-        (false, Some(blas)) => Products::OpenBlas(blas),
-        (false, None) => Products::Faer,
+    let ours = Ours { present: super::sgemm::applies(true), widest: super::sgemm::applies(false) };
+    match (pick(choice(), loaded().is_some(), ours), loaded()) {
+        (Library::Optimus, _) => Products::Optimus,
+        (Library::OpenBlas, Some(blas)) => Products::OpenBlas(blas),
+        (Library::OpenBlas | Library::Faer, _) => Products::Faer,
+    }
+}
+
+/// Where our kernel can run: the CPU has AVX2 and FMA (`present`), and they are its widest vectors.
+#[derive(Clone, Copy)]
+struct Ours {
+    present: bool,
+    widest: bool,
+}
+
+/// A library, without its loaded handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Library {
+    Optimus,
+    OpenBlas,
+    Faer,
+}
+
+/// The library `choice` gives, with OpenBLAS loaded or not and our kernel able to run or not.
+fn pick(choice: &Choice, openblas: bool, ours: Ours) -> Library {
+    match choice {
+        Choice::Optimus if ours.present => Library::Optimus,
+        Choice::Faer => Library::Faer,
+        _ if openblas => Library::OpenBlas,
+        Choice::Best | Choice::Optimus if ours.widest => Library::Optimus,
+        _ => Library::Faer,
     }
 }
 
 /// What `OPTIMUS_BLAS` asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Choice {
-    /// Unset: our kernel where the CPU's widest vectors are AVX2, else OpenBLAS where found, else faer.
+    /// Unset: OpenBLAS where found, else our kernel where the CPU's widest vectors are AVX2, else faer.
     Best,
     Faer,
-    /// OpenBLAS where found (never our kernel), else faer.
-    OpenBlas,
     /// Our kernel wherever the CPU has AVX2 and FMA (on AVX-512 too); as `Best` elsewhere.
     Optimus,
     /// The OpenBLAS-compatible library at this path.
@@ -149,7 +169,6 @@ fn choice_of(value: Option<&str>) -> Choice {
     match value.map(str::trim) {
         None | Some("") => Choice::Best,
         Some("faer") => Choice::Faer,
-        Some("openblas") => Choice::OpenBlas,
         Some("optimus") => Choice::Optimus,
         Some(path) => Choice::Library(path.to_string()),
     }
@@ -226,7 +245,7 @@ fn state() -> &'static Result<Option<Blas>, String> {
     BLAS.get_or_init(|| match choice() {
         Choice::Faer => Ok(None),
         Choice::Library(path) => load(path).map(Some).map_err(|e| format!("{path}: {e}")),
-        Choice::Best | Choice::OpenBlas | Choice::Optimus => Ok(SEARCHED.iter().find_map(|name| load(name).ok())),
+        Choice::Best | Choice::Optimus => Ok(SEARCHED.iter().find_map(|name| load(name).ok())),
     })
 }
 
@@ -358,9 +377,27 @@ mod tests {
         assert_eq!(choice_of(None), Choice::Best);
         assert_eq!(choice_of(Some(" ")), Choice::Best);
         assert_eq!(choice_of(Some("faer")), Choice::Faer);
-        assert_eq!(choice_of(Some("openblas")), Choice::OpenBlas);
         assert_eq!(choice_of(Some("optimus")), Choice::Optimus);
         assert_eq!(choice_of(Some("/opt/lib/libopenblas.so")), Choice::Library("/opt/lib/libopenblas.so".into()));
+    }
+
+    #[test]
+    fn openblas_comes_first_then_our_kernel_on_avx2_then_faer() {
+        let avx2 = Ours { present: true, widest: true };
+        let avx512 = Ours { present: true, widest: false };
+        let neither = Ours { present: false, widest: false };
+        let path = Choice::Library("/opt/libopenblas.so".into());
+        assert_eq!(pick(&Choice::Best, true, avx2), Library::OpenBlas);
+        assert_eq!(pick(&Choice::Best, false, avx2), Library::Optimus);
+        assert_eq!(pick(&Choice::Best, false, avx512), Library::Faer);
+        assert_eq!(pick(&Choice::Best, false, neither), Library::Faer);
+        assert_eq!(pick(&Choice::Optimus, true, avx512), Library::Optimus);
+        assert_eq!(pick(&Choice::Optimus, true, neither), Library::OpenBlas);
+        assert_eq!(pick(&Choice::Optimus, false, neither), Library::Faer);
+        assert_eq!(pick(&Choice::Faer, true, avx2), Library::Faer);
+        assert_eq!(pick(&path, true, avx2), Library::OpenBlas);
+        // A path that did not load leaves faer, as the warning says.
+        assert_eq!(pick(&path, false, avx2), Library::Faer);
     }
 
     #[test]

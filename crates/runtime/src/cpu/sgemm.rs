@@ -18,7 +18,12 @@
 //! (`scripts/bench_sgemm.sh`, `bench/results/2026-11-27-own-sgemm/`): level on the 1x1 shapes (76.3%
 //! against 77.1% of the peak warm, 77.4% against 78.0% cold) and ahead on one 2x2 device's (74.9%
 //! against 72.5% warm, 68.0% against 62.5% cold). Inside training steps, three rounds: 1.02x faster
-//! steps on 1x1 and 2x2, the products at 77-78% of the peak against OpenBLAS's 75-78%.
+//! steps on 1x1 and 2x2, the products at 77-78% of the peak against OpenBLAS's 75-78%. On wider
+//! models it falls behind: hidden 512 (vocabulary 32768) 187 against 205 GFLOP/s in `run --profile`,
+//! hidden 768 (50257) 193 against 203; alone, 70-81% against 79-89% on their shapes with k above 256
+//! (several panels, each reading the output back) and on the 32768-column head. So OpenBLAS stays
+//! the default where it is installed, and this kernel replaces faer where it is not (faer ran our
+//! weight gradients at 25-60% of the peak on AVX2).
 
 use faer::{MatMut, MatRef};
 
@@ -70,8 +75,8 @@ impl Output {
     }
 }
 
-/// Whether this product runs here: AVX2 and FMA present and, unless `forced`, the CPU kernels' widest
-/// instruction set AVX2 (on AVX-512, OpenBLAS's and faer's 16-wide kernels are faster than this one).
+/// Whether this product can run here: AVX2 and FMA present and, unless `forced`, the CPU kernels' widest
+/// instruction set AVX2 (on AVX-512, faer's 16-wide kernels are faster than this one).
 pub fn applies(forced: bool) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
