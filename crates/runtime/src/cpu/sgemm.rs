@@ -135,8 +135,9 @@ struct Sizes {
 }
 
 /// Steps of k packed per panel: a 16-column strip of 256 (16 KiB) and a 6-row strip (6 KiB) stay in
-/// a 32 KiB L1 beside the tile's output rows. 512 (for a 48 KiB L1) measured slower on every shape
-/// with k above 256: 70-80% of the peak against 78-85% on the weight gradients.
+/// a 32 KiB L1 (an EPYC's) beside the tile's output rows. 512, tried on a 48 KiB L1, ran GPT-2 small's
+/// weight gradients slower (70-80% of the peak against 78-85%), though some hidden-512 shapes ran
+/// faster alone; deeper panels are what this kernel would need to catch OpenBLAS on wider models.
 const KC: usize = 256;
 
 thread_local! {
@@ -161,18 +162,18 @@ mod x86 {
     /// KC-deep slice, pack the panel, then each block of a's rows, and run the micro-kernel over the tiles.
     ///
     /// # Safety
-    /// a is m x k, b is k x n and c is m x n, each element reachable through its strides; c is written only.
+    /// a is m x k, b is k x n and c is m x n, each element reachable through its strides; c is the only
+    /// one written (and read back when accumulating).
     pub(super) unsafe fn blocked(sizes: Sizes, a: Strided, b: Strided, c: Output, (alpha, accumulate): (f32, bool)) {
         let Sizes { m, n, k } = sizes;
-        let kc_max = KC;
         let mc = block_rows(m);
         PANELS.with_borrow_mut(|(left, right)| {
-            grow(left, mc.div_ceil(MR) * MR * kc_max + 8);
-            grow(right, n.min(NC).div_ceil(NR) * NR * kc_max);
+            grow(left, mc.div_ceil(MR) * MR * KC + 8);
+            grow(right, n.min(NC).div_ceil(NR) * NR * KC);
             for j0 in (0..n).step_by(NC) {
                 let nc = (n - j0).min(NC);
-                for k0 in (0..k).step_by(kc_max) {
-                    let kc = (k - k0).min(kc_max);
+                for k0 in (0..k).step_by(KC) {
+                    let kc = (k - k0).min(KC);
                     let store = if accumulate || k0 > 0 { Store::Add } else { Store::Write };
                     // SAFETY: the panel and blocks lie within b, a and c (the caller's contract).
                     unsafe {
