@@ -539,6 +539,16 @@ mod tests {
             header.contains("CPU products: library OpenBLAS 0.3.21; 8 product calls: 5 in faer, 3 in OpenBLAS"),
             "{header}"
         );
+        let mut ours = report_with_calls(0, 5);
+        ours.cpu_product_calls.optimus = 12;
+        ours.cpu_products = "optimus AVX2 6x16".into();
+        let header = ours.header();
+        assert!(
+            header.contains(
+                "CPU products: library optimus AVX2 6x16; 17 product calls: 12 in our AVX2 kernel, 5 in faer\n"
+            ),
+            "{header}"
+        );
         let header = report_with_calls(0, 0).header();
         assert!(!header.contains("CPU products"), "a run with no CPU product (CUDA): {header}");
         assert!(header.ends_with(")\n\n"), "{header:?}");

@@ -23,10 +23,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Sequential product calls OpenBLAS, faer and our kernel ran, since the process started (see [`calls`]).
 static BLAS_CALLS: AtomicU64 = AtomicU64::new(0);
 static FAER_CALLS: AtomicU64 = AtomicU64::new(0);
-static OWN_CALLS: AtomicU64 = AtomicU64::new(0);
+static OPTIMUS_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// How many of the CPU kernels' sequential products (the parts a product is split into) OpenBLAS and
-/// faer ran since the process started: `run --profile` shows it, so that a run says which library did
+/// How many of the CPU kernels' sequential products (the parts a product is split into) OpenBLAS, faer
+/// and our kernel ran since the process started: `run --profile` shows it, so that a run says which library did
 /// its products, not only which was found.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Calls {
@@ -47,7 +47,7 @@ pub fn calls() -> Calls {
     Calls {
         openblas: BLAS_CALLS.load(Ordering::Relaxed),
         faer: FAER_CALLS.load(Ordering::Relaxed),
-        optimus: OWN_CALLS.load(Ordering::Relaxed),
+        optimus: OPTIMUS_CALLS.load(Ordering::Relaxed),
     }
 }
 
@@ -98,7 +98,7 @@ impl Products {
             Products::Faer => false,
         };
         if done {
-            let count = if matches!(self, Products::Optimus) { &OWN_CALLS } else { &BLAS_CALLS };
+            let count = if matches!(self, Products::Optimus) { &OPTIMUS_CALLS } else { &BLAS_CALLS };
             count.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -111,15 +111,21 @@ impl Products {
 /// The library a product started on this thread runs in: faer inside [`faer_only`]; else as
 /// [`Choice`] says.
 pub fn for_this_thread() -> Products {
-    if FAER_ONLY.with(Cell::get) {
-        return Products::Faer;
-    }
-    let ours = Ours { present: super::sgemm::applies(true), widest: super::sgemm::applies(false) };
-    match (pick(choice(), loaded().is_some(), ours), loaded()) {
-        (Library::Optimus, _) => Products::Optimus,
-        (Library::OpenBlas, Some(blas)) => Products::OpenBlas(blas),
-        (Library::OpenBlas | Library::Faer, _) => Products::Faer,
-    }
+    if FAER_ONLY.with(Cell::get) { Products::Faer } else { chosen() }
+}
+
+/// The library products run in outside [`faer_only`], decided once: the variable, the library found
+/// and the CPU do not change while the process runs, and every product kernel asks.
+fn chosen() -> Products {
+    static CHOSEN: OnceLock<Products> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let ours = Ours { present: super::sgemm::applies(true), widest: super::sgemm::applies(false) };
+        match (pick(choice(), loaded().is_some(), ours), loaded()) {
+            (Library::Optimus, _) => Products::Optimus,
+            (Library::OpenBlas, Some(blas)) => Products::OpenBlas(blas),
+            (Library::OpenBlas | Library::Faer, _) => Products::Faer,
+        }
+    })
 }
 
 /// Where our kernel can run: the CPU has AVX2 and FMA (`present`), and they are its widest vectors.

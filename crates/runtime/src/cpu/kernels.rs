@@ -1,5 +1,6 @@
 //! CPU kernels: the reference implementation of every plan [`Kernel`] on host tensors, the optimizer
-//! update, and the counter-based dropout mask. Matrix products go through `faer`.
+//! update, and the counter-based dropout mask. Matrix products go through the library [`blas`] chooses
+//! (OpenBLAS, our AVX2 kernel or faer); attention's per-head products and the bf16 emulation's through faer.
 
 use super::blas::{self, Products};
 use super::par;

@@ -327,7 +327,6 @@ mod x86 {
         let full = rows / MR;
         for k in 0..kc {
             let run = a.at(i0, k0 + k);
-            prefetch(a.at(i0, k0 + k + AHEAD), rows);
             // SAFETY: the run holds `rows` elements; strip p's step k lies within dst.
             unsafe {
                 for p in 0..full {
@@ -389,7 +388,6 @@ mod x86 {
                     right_columns(strip, first, b.cs, kc);
                 } else if width == NR && b.cs == 1 {
                     for k in 0..kc {
-                        prefetch(first.wrapping_offset((k + AHEAD) as isize * b.rs), NR);
                         std::ptr::copy_nonoverlapping(first.offset(k as isize * b.rs), strip.add(k * NR), NR);
                     }
                 } else {
@@ -431,20 +429,6 @@ mod x86 {
                 unsafe { *dst.add(k * NR + j) = *first.wrapping_offset(j as isize * cs).add(k) };
             }
         }
-    }
-
-    /// Rows ahead that packing asks the cache for: a strided walk the hardware prefetchers miss.
-    const AHEAD: usize = 8;
-
-    /// Asks for the cache lines of `len` floats from `p` (a hint: an address past the operand is
-    /// harmless, it is never read).
-    fn prefetch(p: *const f32, len: usize) {
-        for line in (0..len).step_by(16) {
-            // SAFETY: a prefetch does not access memory architecturally; any address is allowed.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast::<i8>()) };
-        }
-        // SAFETY: as above, for the last line the run reaches.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(len.saturating_sub(1)).cast::<i8>()) };
     }
 
     /// The columns of the 8x8 block whose rows are `r`: out[k] = [r[0][k], ..., r[7][k]].
@@ -607,6 +591,19 @@ mod tests {
             [(6, 16, 1), (7, 17, 9), (13, 33, 64), (48, 32, 1030), (6, 2100, 20), (150, 40, 300), (31, 5, 17)]
         {
             check(m, n, k);
+        }
+    }
+
+    #[test]
+    fn an_empty_inner_dimension_gives_zero_or_leaves_the_sum() {
+        if !applies(true) {
+            return;
+        }
+        let (a, b) = (Operand::new(3, (7, 0), false, 0), Operand::new(4, (0, 18), false, 0));
+        for (accumulate, expected) in [(false, 0.0f32), (true, 2.5)] {
+            let mut c = Mat::<f32>::from_fn(18, 7, |_, _| 2.5);
+            assert!(product(c.as_mut().transpose_mut(), a.view(), b.view(), accumulate, 1.0));
+            assert!(c.col_iter().all(|col| col.iter().all(|&x| x == expected)), "accumulate {accumulate}");
         }
     }
 
