@@ -9,6 +9,7 @@ use crate::io::sources::{Objective, Sources};
 use crate::plan::layout::Placement;
 use crate::plan::report::kernel_flops;
 use crate::plan::{Buffer, CollectiveKind, Group, Instr, Kernel, Mesh, Plan, ReduceOp};
+use crate::runtime::backend::BackendKind;
 use crate::runtime::comm::{CollectiveSpec, Communicator};
 use crate::runtime::cpu::threads::{Fabric, ThreadComm};
 use crate::runtime::exec::{RunConfig, RunOutput};
@@ -49,18 +50,19 @@ fn fits_of(kernel: &Kernel, bf16: bool) -> Vec<String> {
 }
 
 /// Runs a one-device plan (training, or inference whose samples go to the `@infer` fits) for `steps`
-/// steps (the first is left out as warm-up) with every instruction timed, its kernels split over the pool or, with `single_thread`, run on the device's
-/// own thread; returns a sample per kernel instruction, and whether it is a product.
+/// steps (the first is left out as warm-up) on `backend` with every instruction timed (on the CPU,
+/// its kernels split over the pool or, with `single_thread`, run on the device's own thread; on a GPU,
+/// each timed alone on the GPU); returns a sample per kernel instruction, and whether it is a product.
 pub fn profile_kernels(
     plan: &Plan,
-    steps: u64,
-    seed: u64,
+    (steps, seed): (u64, u64),
+    backend: BackendKind,
     single_thread: bool,
 ) -> Result<Vec<(KernelSample, bool)>, String> {
     if plan.mesh.devices() != 1 {
         return Err("kernel calibration runs one-device plans".into());
     }
-    let output = run_profiled(plan, steps.max(2), seed, single_thread)?;
+    let output = run_profiled(plan, (steps.max(2), seed), backend, single_thread)?;
     let infer = plan.mode == crate::plan::Mode::Infer;
     let key = |k: String| if infer { inference_key(&k) } else { k };
     let profile = output.profiles.first().ok_or("the calibration run returned no profile")?;
@@ -83,15 +85,16 @@ pub fn profile_kernels(
     Ok(samples)
 }
 
-/// The median wall time of a plan's training steps after the first (unprofiled), on threads.
-pub fn median_step(plan: &Plan, steps: u64, seed: u64) -> Result<f64, String> {
+/// The median wall time of a plan's steps after the first (unprofiled), a thread per device on
+/// `backend`.
+pub fn median_step(plan: &Plan, (steps, seed): (u64, u64), backend: BackendKind) -> Result<f64, String> {
     let times = std::sync::Mutex::new(Vec::new());
     let record = |r: &crate::runtime::exec::StepRecord| {
         if let Ok(mut t) = times.lock() {
             t.push(r.elapsed.as_secs_f64());
         }
     };
-    let config = RunConfig::new(seed, steps.max(2), optimizer());
+    let config = RunConfig { backend, ..RunConfig::new(seed, steps.max(2), optimizer()) };
     let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
     let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
     crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &record)?;
@@ -134,9 +137,15 @@ pub fn median_of(passes: Vec<Vec<(KernelSample, bool)>>) -> Vec<(KernelSample, b
     merged
 }
 
-fn run_profiled(plan: &Plan, steps: u64, seed: u64, single_thread: bool) -> Result<RunOutput, String> {
+fn run_profiled(
+    plan: &Plan,
+    (steps, seed): (u64, u64),
+    backend: BackendKind,
+    single_thread: bool,
+) -> Result<RunOutput, String> {
+    let inline = Some(single_thread);
     let config =
-        RunConfig { profile: true, kernels_inline: Some(single_thread), ..RunConfig::new(seed, steps, optimizer()) };
+        RunConfig { profile: true, kernels_inline: inline, backend, ..RunConfig::new(seed, steps, optimizer()) };
     let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
     let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
     crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})

@@ -142,3 +142,34 @@ fn held_back_updates_and_casts_change_no_bit() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--profile` on the GPU times each kernel on the GPU, alone (events around it, the stream held busy
+/// while the host queues it): the profiled run trains as the unprofiled one, bit for bit, and its
+/// profile has a positive GPU time for every kernel kind, adding up to less than the profiled wall time.
+#[test]
+fn a_gpu_profile_times_kernels_on_the_gpu_and_trains_as_an_unprofiled_run() {
+    let what = "the GPU-timed profile";
+    if gpus(what).is_none() {
+        return;
+    }
+    let model = small_gpt2("batch=8");
+    let base = ["run", model[1], "--steps", "3", "--json", "--backend", "cuda", "--precision", "bf16"];
+    let args = [&base[..], &model[2..]].concat();
+    let plain = optimusc(&args);
+    let profiled = optimusc(&[&args[..], &["--profile"]].concat());
+    assert!(profiled.status.success(), "{}", String::from_utf8_lossy(&profiled.stderr));
+    let stdout = String::from_utf8_lossy(&profiled.stdout);
+    let (steps, profile): (Vec<&str>, Vec<&str>) = stdout.lines().partition(|l| l.starts_with("{\"elapsed_s\""));
+    let loss = |l: &&str| serde_json::from_str::<serde_json::Value>(l).expect("JSON")["loss"].as_f64().expect("loss");
+    assert_eq!(losses(&plain), steps.iter().map(loss).collect::<Vec<_>>(), "{what}: losses");
+    let record: serde_json::Value = serde_json::from_str(profile.last().expect("a profile record")).expect("JSON");
+    let rows = record["profile"]["rows"].as_array().expect("profile rows");
+    assert!(rows.iter().any(|r| r["name"] == "MatMul"), "{what}: no MatMul row");
+    for row in rows.iter().filter(|r| r["category"] == "compute") {
+        assert!(row["total_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{what}: {row}");
+    }
+    let device = &record["profile"]["devices"][0];
+    let (compute, wall) = (device["compute_ms"].as_f64().expect("compute"), device["wall_ms"].as_f64().expect("wall"));
+    assert!(compute > 0.0 && compute < wall, "{what}: compute {compute} ms against wall {wall} ms");
+    eprintln!("{what}: losses equal, {} kernel kinds, {compute:.2} ms of GPU time in {wall:.2} ms", rows.len());
+}

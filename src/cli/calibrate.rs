@@ -8,11 +8,14 @@ use optimus::cost::hardware::{Collectives, Device, Hardware, InterNode, IntraNod
 use optimus::elab::Override;
 use optimus::front::check_source;
 use optimus::plan::{CollectiveKind, Mesh, Mode, Plan, Precision, Strategy};
+use optimus::runtime::backend::BackendKind;
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
+
+mod gpu;
 
 /// Flags of `optimusc calibrate`.
 #[derive(clap::Args, Debug, Clone)]
@@ -26,6 +29,10 @@ pub struct CalibrateArgs {
     /// Measure less (two model sizes, two collective shapes): a profile in a few seconds, for tests.
     #[arg(long)]
     pub quick: bool,
+    /// What to measure: `cpu`, this machine's thread runtime; `cuda`, the first GPU (its kernels, each
+    /// timed on the GPU, and meshes whose devices share it), for a build with `--features cuda`.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: super::run::Backend,
 }
 
 /// A built-in model the kernels are profiled on, at one size.
@@ -120,8 +127,21 @@ pub fn calibrate(args: &CalibrateArgs) -> ExitCode {
         eprintln_safe!("error: {e}");
         return ExitCode::from(2);
     }
+    if args.backend == super::run::Backend::Cuda {
+        if let Some(warning) = BackendKind::Cuda.find_libraries() {
+            eprintln_safe!("warning: {}", optimus::plan::text::printable_text(&warning));
+        }
+        if let Err(e) = BackendKind::Cuda.check_available() {
+            eprintln_safe!("error: calibrate --backend cuda: {}", optimus::plan::text::printable_text(&e));
+            return ExitCode::from(1);
+        }
+    }
     let started = Instant::now();
-    let hw = match measure_machine(args) {
+    let measured = match args.backend {
+        super::run::Backend::Cpu => measure_machine(args),
+        super::run::Backend::Cuda => gpu::measure_gpu(args),
+    };
+    let hw = match measured {
         Ok(hw) => hw,
         Err(e) => {
             eprintln_safe!("error: calibrate: {e}");
@@ -190,7 +210,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         let mut samples = Vec::new();
         for (&(w, precision, mode), plan) in runs.iter().zip(&plans) {
             progress.phase(&format!("kernels (pass {pass} of {KERNEL_PASSES}): {}", what(w, precision, mode)));
-            samples.extend(measure::profile_kernels(plan, w.steps, 1, false)?);
+            samples.extend(measure::profile_kernels(plan, (w.steps, 1), BackendKind::Cpu, false)?);
             progress.advance();
         }
         passes.push(samples);
@@ -202,7 +222,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
     let mut single = Vec::new();
     for (&(w, precision, mode), plan) in runs.iter().zip(&plans) {
         progress.phase(&format!("kernels on one thread: {}", what(w, precision, mode)));
-        single.extend(measure::profile_kernels(plan, w.steps, 1, true)?);
+        single.extend(measure::profile_kernels(plan, (w.steps, 1), BackendKind::Cpu, true)?);
         progress.advance();
     }
     let single_thread_kernels = measure::fit_kernels(&single);
@@ -232,7 +252,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         for &(mesh, strategy) in meshes {
             let infer = if mode == Mode::Infer { " infer" } else { "" };
             progress.phase(&format!("shared engine: {} on {mesh}{infer}", strategy.name()));
-            runs.push(shared_run(&hw, (mesh, strategy), mode)?);
+            runs.push(shared_run(&hw, (mesh, strategy), mode, &CPU_SHARED)?);
             progress.advance();
         }
     }
@@ -308,9 +328,25 @@ struct SharedRun {
     collectives: f64,
 }
 
-fn shared_run(hw: &Hardware, (mesh, strategy): (Mesh, Strategy), mode: Mode) -> Result<SharedRun, String> {
-    let plan = plan_for(&SHARED_WORKLOAD, (mesh, strategy), Precision::F32, mode)?;
-    let measured = measure::median_step(&plan, SHARED_WORKLOAD.steps, 1)?;
+/// What the shared engine's runs train: a model, in a precision, on a backend.
+struct SharedSetup {
+    workload: &'static Workload,
+    precision: Precision,
+    backend: BackendKind,
+}
+
+/// The CPU's shared engine: threads of this process.
+const CPU_SHARED: SharedSetup =
+    SharedSetup { workload: &SHARED_WORKLOAD, precision: Precision::F32, backend: BackendKind::Cpu };
+
+fn shared_run(
+    hw: &Hardware,
+    (mesh, strategy): (Mesh, Strategy),
+    mode: Mode,
+    setup: &SharedSetup,
+) -> Result<SharedRun, String> {
+    let plan = plan_for(setup.workload, (mesh, strategy), setup.precision, mode)?;
+    let measured = measure::median_step(&plan, (setup.workload.steps, 1), setup.backend)?;
     let predicted = optimus::cost::simulate(&plan, hw, &optimus::cost::Options::default()).step_time_s;
     let count = |kernel: bool| {
         let per_device = plan

@@ -154,6 +154,11 @@ pub trait Backend: Send {
         let _ = (storage, a, b);
         true
     }
+    /// When profiling: the device's own time for the last kernel, update or scaling, where the backend
+    /// measures it (a GPU's, by events), taken once; `None` where the host's clock is the measure.
+    fn take_device_time(&mut self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 /// A device of a run: its index among the devices of this process (what picks its GPU), and how a GPU
@@ -178,6 +183,16 @@ pub enum GpuLink {
     /// NCCL on device pointers, one GPU per device; the ids of the device's groups.
     #[cfg(feature = "cuda")]
     Nccl(Box<super::cuda::nccl::GroupIds>),
+}
+
+/// The first GPU's name and memory in bytes, for a measured profile's device; why not where this build
+/// has no CUDA backend or this machine no usable GPU.
+pub fn first_gpu() -> Result<(String, u64), String> {
+    BackendKind::Cuda.check_available()?;
+    #[cfg(feature = "cuda")]
+    return super::cuda::describe(0).map_err(|e| e.to_string());
+    #[cfg(not(feature = "cuda"))]
+    Err("this optimusc was built without the CUDA backend".into())
 }
 
 /// Which backend a run's devices use.

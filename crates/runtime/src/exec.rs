@@ -452,7 +452,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
                 self.finish_in_flight().map_err(failed(index))?;
                 self.grad_norm = Some(self.clip_factor(norm_buffer).map_err(failed(index))?);
             }
-            let started = self.profile.is_some().then(Instant::now);
+            let started = self.profile_start();
             let deferred =
                 phase == Phase::GradientSum && self.defer_gradient_sum(instr, update).map_err(failed(index))?;
             if !deferred {
@@ -467,13 +467,21 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         Ok(())
     }
 
+    /// When profiling, where an instruction's run begins: the host's clock now, with no device time
+    /// left over from work outside the plan's instructions (the clipping's scaling, say).
+    pub(crate) fn profile_start(&mut self) -> Option<Instant> {
+        self.profile.as_ref()?;
+        let _ = self.backend.take_device_time();
+        Some(Instant::now())
+    }
+
     /// Adds instruction `index`'s run (begun at `started`, `None` when not profiling) to the profile: a
     /// `Wait` as the time blocked on the overlapped collective it waited for.
     fn note_profiled(&mut self, index: usize, instr: &Instr, started: Option<Instant>) {
         if let (Some(profile), Some(started)) = (self.profile.as_mut(), started) {
             match (instr, self.last_wait.take()) {
                 (Instr::Wait { .. }, Some(w)) => profile.record_wait(w.index, w.blocked, w.hidden),
-                _ => profile.record(index, started.elapsed()),
+                _ => profile.record(index, self.backend.take_device_time().unwrap_or_else(|| started.elapsed())),
             }
         }
     }
@@ -1056,8 +1064,9 @@ pub fn run_device<C: Communicator>(
         BackendKind::Cuda => {
             let gpus = super::cuda::probe()? as u64;
             let (mesh, coords) = (plan.mesh, comm.coords());
-            let backend =
-                super::cuda::CudaBackend::new((slot.index % gpus) as usize, slot.link, (mesh, coords), config.timeout)?;
+            let ordinal = (slot.index % gpus) as usize;
+            let timing = (config.timeout, config.profile);
+            let backend = super::cuda::CudaBackend::new(ordinal, slot.link, (mesh, coords), timing)?;
             run.on(backend, comm)
         }
         #[cfg(not(feature = "cuda"))]

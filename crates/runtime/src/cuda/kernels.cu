@@ -184,6 +184,15 @@ __device__ void scale_t(T* y, const T* x, float factor, u64 n) {
 
 extern "C" __global__ void scale(float* y, const float* x, float factor, u64 n) { scale_t(y, x, factor, n); }
 
+// Keeps the stream busy for `cycles` SM clock cycles. A profile launches it before an instruction's
+// first event, so that the GPU is still busy while the host queues the instruction's launches and the
+// events around them time the GPU's work alone, not the host's queuing.
+extern "C" __global__ void hold_stream(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+}
+
 extern "C" __global__ void scale_bf16(bf16* y, const bf16* x, float factor, u64 n) { scale_t(y, x, factor, n); }
 
 // Casts between f32 and bf16 storage (the Cast kernel, and the widening of operands for kernels

@@ -43,6 +43,7 @@ mod names {
     pub const ADD: &str = "add";
     pub const MULTIPLY: &str = "multiply";
     pub const SCALE: &str = "scale";
+    pub const HOLD_STREAM: &str = "hold_stream";
     pub const GELU_TANH: &str = "gelu_tanh";
     pub const GELU_ERF: &str = "gelu_erf";
     pub const SILU: &str = "silu";
@@ -145,6 +146,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     SGD_STEP,
     ADAMW_STEP,
     ADAMW_SPANS,
+    HOLD_STREAM,
 ];
 
 /// What runs a plan kernel on the GPU: the `__global__` functions it may launch, and whether it calls cuBLAS.
@@ -2288,6 +2290,13 @@ impl CudaKernels {
             | Kernel::CacheWrite { .. }
             | Kernel::CachedAttention { .. } => Err(cpu_only_error(kernel)),
         }
+    }
+
+    /// Keeps the stream busy for about `cycles` SM clock cycles (one thread), so that work queued
+    /// behind it starts without waiting for the host (see the `hold_stream` kernel).
+    pub fn hold_stream(&self, cycles: i64) -> Result<(), KernelError> {
+        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+        launch!(&self.dev, HOLD_STREAM, Some(one), [&cycles])
     }
 
     /// Multiplies an f32 tensor by `factor` in place (the clipping of a gradient).

@@ -19,6 +19,7 @@ pub mod nccl;
 pub mod private;
 pub mod ptx_cache;
 pub mod storage;
+pub mod timer;
 
 use super::arena::ArenaLayout;
 use super::backend::{Backend, Exchanges, GpuLink, UpdateBuffers};
@@ -34,6 +35,7 @@ use optimus_plan::tensor::Tensor;
 use optimus_plan::{BufferId, Coords, Instr, Kernel, Mesh, Plan};
 use std::sync::Arc;
 use storage::DeviceArena;
+use timer::GpuTimer;
 
 /// How many GPUs this process can use, or why it can use none. Never panics: the driver library is
 /// probed before cudarc touches it.
@@ -65,6 +67,14 @@ pub fn probe() -> Result<usize, DeviceError> {
     Ok(count as usize)
 }
 
+/// The name of GPU `ordinal` and its memory in bytes (call [`probe`] first).
+pub fn describe(ordinal: usize) -> Result<(String, u64), DeviceError> {
+    let ctx = CudaContext::new(ordinal).map_err(driver(&format!("cannot open GPU {ordinal}")))?;
+    let name = ctx.name().map_err(driver("reading the GPU's name"))?;
+    let bytes = ctx.total_mem().map_err(driver("reading the GPU's memory size"))?;
+    Ok((name, bytes as u64))
+}
+
 /// A communicator that runs the plan's collectives on device buffers, ordered on the device's stream.
 pub trait DeviceCollectives: Send {
     /// Queues one collective from `send` into `recv` (this device's buffers) after the work already on
@@ -92,16 +102,19 @@ pub struct CudaBackend {
     timeout: std::time::Duration,
     /// Updates and gradient casts held back to run many at a time (see [`deferred`]).
     deferred: Deferred,
+    /// With `--profile`: each kernel, update and scaling timed on the GPU (see [`timer`]).
+    timer: Option<GpuTimer>,
 }
 
 impl CudaBackend {
     /// A backend on GPU `ordinal` (call [`probe`] first) for the device at `coords` of `mesh`, whose
-    /// collectives go as `link` says.
+    /// collectives go as `link` says; `timed`: every kernel instruction is timed on the GPU, alone
+    /// (`--profile`), and [`Backend::take_device_time`] gives its time.
     pub fn new(
         ordinal: usize,
         link: GpuLink,
         (mesh, coords): (Mesh, Coords),
-        timeout: std::time::Duration,
+        (timeout, timed): (std::time::Duration, bool),
     ) -> Result<CudaBackend, RuntimeError> {
         let ctx = CudaContext::new(ordinal).map_err(driver(&format!("cannot open GPU {ordinal}")))?;
         // SAFETY: every buffer of this backend is used on its one stream only; the communicators order
@@ -117,8 +130,25 @@ impl CudaBackend {
             GpuLink::Nccl(ids) => Some(Box::new(nccl::NcclDevice::new(&stream, mesh, coords, *ids)?)),
         };
         // Profiles time each instruction alone: nothing is held back for them.
-        let deferred = Deferred::new(sync_each_kernel);
-        Ok(CudaBackend { kernels, stream, sync_each_kernel, collectives, timeout, deferred })
+        let deferred = Deferred::new(sync_each_kernel || timed);
+        let timer = if timed { Some(GpuTimer::new(&stream)?) } else { None };
+        Ok(CudaBackend { kernels, stream, sync_each_kernel, collectives, timeout, deferred, timer })
+    }
+
+    /// Marks the start of a timed instruction (when profiling).
+    fn begin_timing(&mut self) -> Result<(), RuntimeError> {
+        match self.timer.as_mut() {
+            Some(timer) => timer.begin(&self.kernels, &self.stream),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the end of a timed instruction and waits for its time (when profiling).
+    fn end_timing(&mut self) -> Result<(), RuntimeError> {
+        match self.timer.as_mut() {
+            Some(timer) => timer.end(&self.stream),
+            None => Ok(()),
+        }
     }
 
     /// Runs the held-back work before anything else reaches the stream.
@@ -248,8 +278,10 @@ impl Backend for CudaBackend {
             return self.deferred.widen(&mut self.kernels, job);
         }
         self.flush()?;
+        self.begin_timing()?;
         let (ins, out) = storage.operands(inputs, output)?;
         self.kernels.run(kernel, &ins, out, ctx).map_err(RuntimeError::Kernel)?;
+        self.end_timing()?;
         if self.sync_each_kernel {
             self.stream.synchronize().map_err(driver("waiting for the GPU"))?;
         }
@@ -272,8 +304,10 @@ impl Backend for CudaBackend {
             return self.deferred.update(&mut self.kernels, job, settings, step);
         }
         self.before_other_work()?;
+        self.begin_timing()?;
         let [p, g, s1, s2] = storage.many_mut([b.param, b.grad, b.state1, b.state2])?;
-        self.kernels.optimizer_step(p, g, s1, s2, settings, step).map_err(RuntimeError::Kernel)
+        self.kernels.optimizer_step(p, g, s1, s2, settings, step).map_err(RuntimeError::Kernel)?;
+        self.end_timing()
     }
 
     fn scale_in_place(&mut self, storage: &mut DeviceArena, id: BufferId, factor: f32) -> Result<(), RuntimeError> {
@@ -286,8 +320,14 @@ impl Backend for CudaBackend {
             return self.deferred.scale(&mut self.kernels, ScaleJob { ptr: buf.ptr, len: buf.len, factor });
         }
         self.before_other_work()?;
+        self.begin_timing()?;
         let [t] = storage.many_mut([id])?;
-        self.kernels.scale_in_place(t, factor).map_err(RuntimeError::Kernel)
+        self.kernels.scale_in_place(t, factor).map_err(RuntimeError::Kernel)?;
+        self.end_timing()
+    }
+
+    fn take_device_time(&mut self) -> Option<std::time::Duration> {
+        self.timer.as_mut().and_then(GpuTimer::take)
     }
 
     fn collective(

@@ -38,7 +38,7 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
     pub(crate) fn run_instruction(&mut self, index: usize, update: Update<'_>) -> Result<(), RuntimeError> {
         let instr = self.stage_instruction(index)?;
         self.position = index;
-        let started = self.profile.is_some().then(std::time::Instant::now);
+        let started = self.profile_start();
         let deferred = self.phases.phase(index) == Phase::GradientSum && self.defer_gradient_sum(instr, update)?;
         if !deferred {
             self.execute_with(instr, update)?;

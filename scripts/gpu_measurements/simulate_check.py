@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Predicted against measured GPU steps: `optimusc simulate --hardware PROFILE` (a profile written by
+`optimusc calibrate --backend cuda` on this GPU) beside `optimusc run --backend cuda` on models and
+meshes the calibration did not run: GPT-2 small in bf16 and f32 on 1x1, GPT-2 small in bf16 on meshes
+whose devices share the GPU (optimus 2x2, with and without --overlap, optimus 2x2x2, megatron 1x4), a
+24-layer hidden-1024 GPT-2 and TinyLlama at sequence 2048 on 1x1.
+
+Usage: python3 scripts/gpu_measurements/simulate_check.py --optimusc PATH --profile GPU.toml
+                                                          [--jsonl FILE] [--steps N] [--warmup W]
+
+The measured step is the median of the differences of `run --json`'s `elapsed_s` after --warmup steps.
+Prints a line per point and the mean and worst absolute error; --jsonl appends one JSON record per
+point (raw results: system, model, mesh, precision, measured and predicted step, GPU, driver, date).
+Runs on a GPU machine; not part of the test suite.
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+
+GPT2_SMALL = {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "seq": 1024, "context": 1024,
+              "batch": 8, "pdrop": "0.0"}
+GPT2_WIDE = {"layers": 24, "hidden": 1024, "heads": 16, "vocab": 50257, "seq": 1024, "context": 1024,
+             "batch": 4, "pdrop": "0.0"}
+
+# (label, model file, overrides, strategy, mesh, precision, overlap)
+POINTS = [
+    ("gpt2-small bf16 1x1", "examples/gpt2.opt", GPT2_SMALL, "none", "1x1", "bf16", False),
+    ("gpt2-small f32 1x1", "examples/gpt2.opt", GPT2_SMALL, "none", "1x1", "f32", False),
+    ("gpt2-small bf16 optimus 2x2", "examples/gpt2.opt", GPT2_SMALL, "optimus", "2x2", "bf16", False),
+    ("gpt2-small bf16 optimus 2x2 overlap", "examples/gpt2.opt", GPT2_SMALL, "optimus", "2x2", "bf16", True),
+    ("gpt2-small bf16 optimus 2x2x2", "examples/gpt2.opt", GPT2_SMALL, "optimus", "2x2x2", "bf16", False),
+    ("gpt2-small bf16 megatron 1x4", "examples/gpt2.opt", GPT2_SMALL, "megatron", "1x4", "bf16", False),
+    ("gpt2-24x1024 bf16 1x1", "examples/gpt2.opt", GPT2_WIDE, "none", "1x1", "bf16", False),
+    ("tinyllama seq2048 bf16 1x1", "examples/tinyllama.opt", {"batch": 4}, "none", "1x1", "bf16", False),
+]
+
+
+def target(point):
+    _, model, sets, strategy, mesh, precision, overlap = point
+    args = [model, "--mesh", mesh, "--strategy", strategy, "--precision", precision]
+    for name, value in sets.items():
+        args += ["--set", f"{name}={value}"]
+    return args + (["--overlap"] if overlap else [])
+
+
+def measured_step(optimusc, point, steps, warmup):
+    command = [optimusc, "run", *target(point), "--backend", "cuda", "--steps", str(warmup + steps), "--json",
+               "--lr", "1e-4"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()[-400:]}")
+    elapsed = [json.loads(line)["elapsed_s"] for line in done.stdout.splitlines()
+               if line.startswith("{") and "elapsed_s" in line]
+    times = [b - a for a, b in zip(elapsed, elapsed[1:])][max(warmup - 1, 0):]
+    if not times:
+        raise RuntimeError("the run printed too few steps to time")
+    return statistics.median(times)
+
+
+def predicted_step(optimusc, point, profile):
+    command = [optimusc, "simulate", *target(point), "--hardware", profile, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()[-400:]}")
+    return json.loads(done.stdout)["step_time_s"]
+
+
+def gpu_and_driver():
+    done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True, check=False)
+    first = (done.stdout.strip().splitlines() or ["unknown, unknown"])[0]
+    name, _, driver = first.partition(",")
+    return name.strip(), driver.strip()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimusc", required=True)
+    parser.add_argument("--profile", required=True, help="a profile from `optimusc calibrate --backend cuda`")
+    parser.add_argument("--jsonl", help="append one JSON record per point here")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps a point (default 6)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    args = parser.parse_args()
+    gpu, driver = gpu_and_driver()
+    errors = []
+    for point in POINTS:
+        label, model, sets, strategy, mesh, precision, overlap = point
+        try:
+            predicted = predicted_step(args.optimusc, point, args.profile)
+            measured = measured_step(args.optimusc, point, args.steps, args.warmup)
+        except RuntimeError as e:
+            print(f"{label}: failed: {e}", flush=True)
+            continue
+        error = predicted / measured - 1.0
+        errors.append(abs(error))
+        print(f"{label:38} predicted {predicted * 1e3:9.2f} ms  measured {measured * 1e3:9.2f} ms  "
+              f"error {error * 100:+6.1f}%", flush=True)
+        if args.jsonl:
+            record = {"system": "optimusc simulate vs run", "point": label, "model": model, "sets": sets,
+                      "strategy": strategy, "mesh": mesh, "precision": precision, "overlap": overlap,
+                      "predicted_step_s": predicted, "measured_step_s": measured, "error": error,
+                      "gpu": gpu, "driver": driver, "date": datetime.date.today().isoformat()}
+            with open(args.jsonl, "a", encoding="utf-8") as out:
+                out.write(json.dumps(record) + "\n")
+    if errors:
+        print(f"mean |error| {statistics.mean(errors) * 100:.1f}%, worst {max(errors) * 100:.1f}% "
+              f"over {len(errors)} of {len(POINTS)} points")
+    return 0 if len(errors) == len(POINTS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+//! `optimusc calibrate --backend cuda`: the first GPU's kernels, each timed on the GPU in profiled
+//! one-device runs of built-in models at GPU sizes, and the cost of meshes whose devices share that GPU.
+
+use super::{
+    BERT, CalibrateArgs, GPT2, LLAMA, Progress, SharedRun, SharedSetup, Workload, fit_shared_engine, one_device_plan,
+    rounded, shared_run,
+};
+use optimus::calibrate as measure;
+use optimus::cost::calibration::{DEFAULT_KERNEL, KernelFit, Measured};
+use optimus::cost::hardware::{Collectives, Device, Hardware, InterNode, IntraNode, PeakTflops};
+use optimus::plan::{Mesh, Mode, Precision, Strategy};
+use optimus::runtime::backend::BackendKind;
+
+/// Steps of each GPU run: the first is warm-up, the others' median is kept.
+const STEPS: u64 = 4;
+
+/// Passes over the GPU workloads (each instruction keeps the larger of its two times): a GPU's kernel
+/// times vary far less than a shared CPU's.
+const GPU_PASSES: u64 = 2;
+
+/// The sizes profiled on the GPU: products from a few hundred to a few thousand wide, head sizes 64 and
+/// 128, vocabularies whose rows are 16-byte aligned and one (50,257) whose are not, grouped-query
+/// attention, and BERT's encoder.
+const WORKLOADS: [Workload; 6] = [
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["layers=1", "hidden=256", "heads=4", "seq=256", "batch=8", "vocab=8192"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["layers=1", "hidden=512", "heads=8", "seq=512", "batch=8", "vocab=16384"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["layers=1", "hidden=1024", "heads=16", "seq=1024", "batch=4", "vocab=50257"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["layers=1", "hidden=1536", "heads=12", "seq=1024", "batch=8", "vocab=32000"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "llama",
+        source: LLAMA,
+        set: &[
+            "layers=1",
+            "hidden=1024",
+            "heads=16",
+            "kv_heads=4",
+            "ffn=2816",
+            "seq=1024",
+            "batch=4",
+            "vocab=32000",
+            "context=1024",
+        ],
+        steps: STEPS,
+    },
+    Workload {
+        model: "bert",
+        source: BERT,
+        set: &["layers=1", "hidden=768", "heads=12", "seq=512", "batch=8", "vocab=30522", "context=512"],
+        steps: STEPS,
+    },
+];
+
+/// The model whose meshes on the one GPU fit the cost each device's kernels and collectives add when
+/// several devices share it.
+const SHARED_WORKLOAD: Workload = Workload {
+    model: "gpt2",
+    source: GPT2,
+    set: &["layers=2", "hidden=1024", "heads=16", "seq=512", "batch=8", "vocab=8192"],
+    steps: 5,
+};
+
+/// Devices sharing one GPU run bf16, as a GPU mesh trains.
+const GPU_SHARED: SharedSetup =
+    SharedSetup { workload: &SHARED_WORKLOAD, precision: Precision::Bf16, backend: BackendKind::Cuda };
+
+/// The meshes of devices sharing the GPU: 2, 4 and 8 devices, both strategies at 4.
+const SHARED_MESHES: [(Mesh, Strategy); 4] = [
+    (Mesh::new(1, 2), Strategy::Megatron),
+    (Mesh::new(2, 2), Strategy::Optimus),
+    (Mesh::new(1, 4), Strategy::Megatron),
+    (Mesh::new(1, 8), Strategy::Megatron),
+];
+
+/// Measures the GPU's kernels and shared meshes and assembles the profile.
+pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
+    let (gpu, memory_bytes) = optimus::runtime::backend::first_gpu()?;
+    let workloads: &[Workload] = if args.quick { &WORKLOADS[..2] } else { &WORKLOADS };
+    let meshes: &[(Mesh, Strategy)] = if args.quick { &SHARED_MESHES[1..2] } else { &SHARED_MESHES };
+    let passes = if args.quick { 1 } else { GPU_PASSES };
+    let mut runs: Vec<(&Workload, Precision, Mode)> = Vec::new();
+    for mode in [Mode::Train, Mode::Infer] {
+        for precision in [Precision::F32, Precision::Bf16] {
+            runs.extend(workloads.iter().map(|w| (w, precision, mode)));
+        }
+    }
+    let progress = Progress::new(passes * runs.len() as u64 + 2 * meshes.len() as u64);
+    let plans: Vec<_> = runs.iter().map(|&(w, p, m)| one_device_plan(w, p, m)).collect::<Result<_, _>>()?;
+    let mut all = Vec::new();
+    for pass in 1..=passes {
+        let mut samples = Vec::new();
+        for (&(w, precision, mode), plan) in runs.iter().zip(&plans) {
+            let infer = if mode == Mode::Infer { " infer" } else { "" };
+            let what = format!("{} {}{infer} {}", w.model, precision.name(), w.set.join(" "));
+            progress.phase(&format!("GPU kernels (pass {pass} of {passes}): {what}"));
+            samples.extend(measure::profile_kernels(plan, (w.steps, 1), BackendKind::Cuda, false)?);
+            progress.advance();
+        }
+        all.push(samples);
+    }
+    let kernels = measure::fit_kernels(&measure::median_of(all));
+    let measured = Measured {
+        runtime: "cuda".into(),
+        threads: 1,
+        shared_engine: true,
+        overlap: false,
+        dispatch: Vec::new(),
+        rendezvous: Vec::new(),
+        kernels,
+        single_thread_kernels: Default::default(),
+        collectives: Vec::new(),
+        host_copies: None,
+    };
+    let mut hw = assemble(args, (gpu, memory_bytes), measured);
+    let mut shared: Vec<SharedRun> = Vec::new();
+    for mode in [Mode::Train, Mode::Infer] {
+        for &(mesh, strategy) in meshes {
+            let infer = if mode == Mode::Infer { " infer" } else { "" };
+            progress.phase(&format!("devices sharing the GPU: {} on {mesh}{infer}", strategy.name()));
+            shared.push(shared_run(&hw, (mesh, strategy), mode, &GPU_SHARED)?);
+            progress.advance();
+        }
+    }
+    progress.finish();
+    if let Some(m) = hw.measured.as_mut() {
+        (m.dispatch, m.rendezvous) = fit_shared_engine(&shared);
+    }
+    Ok(rounded(hw))
+}
+
+/// The profile of the GPU: the measured section, and the classic fields filled from it. The peaks are
+/// the fitted product rates (what the GPU's products reached here, not its data sheet's), and the
+/// devices of a mesh on this GPU exchange their blocks at the rate of its element-wise kernels, which
+/// read one buffer and write another as a collective's copies do.
+fn assemble(args: &CalibrateArgs, (gpu, memory_bytes): (String, u64), measured: Measured) -> Hardware {
+    let fit = |key: &str| measured.kernels.get(key).copied();
+    let default = fit(DEFAULT_KERNEL).or_else(|| fit("default@bf16"));
+    let rate = |f: Option<KernelFit>| f.and_then(|f| f.gflop_s).map(|g| g / 1e3);
+    let copy_gb_s = default.and_then(|f| f.gb_s).unwrap_or(1000.0);
+    let launch_us = default.map_or(5.0, |f| f.launch_us);
+    Hardware {
+        name: args.name.clone().unwrap_or_else(|| format!("calibrated-{}", super::host_name())),
+        description: format!("{gpu} (one GPU; meshes share it), measured by optimusc calibrate --backend cuda"),
+        device: Device {
+            name: gpu,
+            memory_gb: memory_bytes as f64 / 1e9,
+            memory_bandwidth_gb_s: copy_gb_s,
+            achievable_bandwidth: 1.0,
+            achievable_compute: 1.0,
+            kernel_launch_us: launch_us,
+            peak_tflops: PeakTflops {
+                f32: rate(fit("MatMul")).unwrap_or(10.0),
+                f16: None,
+                bf16: rate(fit("MatMul@bf16")).map(super::significant),
+            },
+        },
+        intra_node: IntraNode {
+            gpus_per_node: optimus::runtime::limits::MAX_DEVICE_THREADS,
+            bandwidth_gb_s: copy_gb_s,
+            latency_us: launch_us,
+        },
+        inter_node: InterNode { nic_bandwidth_gb_s: copy_gb_s, latency_us: launch_us, nics_per_node: 1 },
+        collectives: Collectives::default(),
+        measured: Some(measured),
+    }
+}
