@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 /// One kernel instruction of a profiled run: its kind, what it moves and computes, and its time (the
 /// median of its steps).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct KernelSample {
     /// The fits it belongs to: its flavor's and (when that differs) its kind's, `@bf16` for bf16 calls.
     pub fits: Vec<String>,
@@ -67,9 +67,11 @@ pub fn profile_kernels(
     let key = |k: String| if infer { inference_key(&k) } else { k };
     let profile = output.profiles.first().ok_or("the calibration run returned no profile")?;
     let mut samples = Vec::new();
+    let mut positions = Vec::new();
     for (index, instr) in plan.program.iter().enumerate() {
         let Instr::Kernel { kernel, inputs, output, .. } = instr else { continue };
         let Some(typical) = profile.median(index) else { continue };
+        positions.push(index);
         let ins: Vec<&Buffer> = inputs.iter().map(|&b| plan.buffer(b)).collect();
         let out = plan.buffer(*output);
         let bf16 = crate::cost::step::touches_bf16(&ins, out);
@@ -82,7 +84,37 @@ pub fn profile_kernels(
         };
         samples.push((sample, is_product(kernel)));
     }
+    share_gradient_groups(plan, &positions, &mut samples);
     Ok(samples)
+}
+
+/// Gives each attention gradient of a group its share of the group's time. The gradients of one
+/// attention with respect to q, k and v are separate instructions with the same operands; where they
+/// follow one another (nothing but frees between), a backend may compute all three at the first and
+/// serve the others from what it kept (the CUDA backend does), so one instruction's time says nothing
+/// of its own cost, while the group's total is what a step pays. `positions[i]` is the program position
+/// of `samples[i]`.
+fn share_gradient_groups(plan: &Plan, positions: &[usize], samples: &mut [(KernelSample, bool)]) {
+    let operands = |index: usize| match &plan.program[index] {
+        Instr::Kernel { kernel: Kernel::AttentionGrad { .. }, inputs, .. } => Some(inputs),
+        _ => None,
+    };
+    let mut start = 0;
+    while start < positions.len() {
+        let mut end = start + 1;
+        if let Some(first) = operands(positions[start]) {
+            while end < positions.len()
+                && operands(positions[end]) == Some(first)
+                && plan.program[positions[end - 1] + 1..positions[end]].iter().all(|i| matches!(i, Instr::Free { .. }))
+            {
+                end += 1;
+            }
+        }
+        let group = &mut samples[start..end];
+        let mean = group.iter().map(|(s, _)| s.seconds).sum::<f64>() / group.len() as f64;
+        group.iter_mut().for_each(|(s, _)| s.seconds = mean);
+        start = end;
+    }
 }
 
 /// The median wall time of a plan's steps after the first (unprofiled), a thread per device on
@@ -151,8 +183,11 @@ fn run_profiled(
     crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
 }
 
-/// Fits every kind seen: products on (1, bytes, FLOPs), the others on (1, bytes); `default` is the fit
-/// of every non-product sample of the same precision together (`default`, `default@bf16`).
+/// Fits every kind seen at two sizes or more: products on (1, bytes, FLOPs), the others on (1, bytes);
+/// `default` is the fit of every non-product sample of the same precision together (`default`,
+/// `default@bf16`). A kind or flavor seen at one size only gets no fit of its own (one size says
+/// nothing of how its time grows, and such a fit would price it the same at any size): the next more
+/// general fit costs it.
 pub fn fit_kernels(samples: &[(KernelSample, bool)]) -> BTreeMap<String, KernelFit> {
     let mut by_kind: BTreeMap<&str, Vec<Sample>> = BTreeMap::new();
     let mut others: BTreeMap<String, Vec<Sample>> = BTreeMap::new();
@@ -166,10 +201,21 @@ pub fn fit_kernels(samples: &[(KernelSample, bool)]) -> BTreeMap<String, KernelF
             by_kind.entry(fit).or_default().push(sample.clone());
         }
     }
-    let mut fits: BTreeMap<String, KernelFit> =
-        by_kind.into_iter().map(|(kind, samples)| (kind.to_string(), kernel_fit(&samples))).collect();
-    fits.extend(others.into_iter().map(|(key, samples)| (key, kernel_fit(&samples))));
+    let sized = |samples: &Vec<Sample>| spans_sizes(samples);
+    let mut fits: BTreeMap<String, KernelFit> = by_kind
+        .into_iter()
+        .filter(|(_, samples)| sized(samples))
+        .map(|(kind, samples)| (kind.to_string(), kernel_fit(&samples)))
+        .collect();
+    fits.extend(others.into_iter().filter(|(_, samples)| sized(samples)).map(|(key, s)| (key, kernel_fit(&s))));
     fits
+}
+
+/// Whether samples come from at least two sizes (their bytes or FLOPs differ by more than 1%).
+fn spans_sizes(samples: &[Sample]) -> bool {
+    let size = |s: &Sample| s.features.iter().skip(1).copied().fold(0.0f64, f64::max);
+    let (low, high) = samples.iter().map(size).fold((f64::INFINITY, 0.0f64), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    high > low * 1.01
 }
 
 /// A fit of (launch, seconds per byte[, seconds per FLOP]) as a [`KernelFit`].
@@ -371,4 +417,55 @@ pub fn host_copies(rounds: usize) -> crate::cost::calibration::HostCopies {
 fn median_rate(mut rates: Vec<f64>) -> f64 {
     rates.sort_by(f64::total_cmp);
     rates.get(rates.len() / 2).copied().unwrap_or(1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-layer Llama (grouped-query attention, whose q, k and v gradients follow one another).
+    fn llama_plan() -> Plan {
+        let source = include_str!("../examples/llama.opt");
+        let sets = ["layers=1", "hidden=64", "heads=4", "kv_heads=2", "ffn=96", "seq=16", "batch=2", "vocab=128"];
+        let overrides: Vec<crate::elab::Override> = sets.iter().map(|s| s.parse().expect("an override")).collect();
+        let model = crate::front::check_source(source, &overrides).model.expect("llama.opt checks");
+        let memory = crate::plan::MemoryOptions::DEFAULT;
+        let target = crate::shard::Target {
+            mesh: Mesh::new(1, 1),
+            strategy: crate::plan::Strategy::None,
+            mode: crate::plan::Mode::Train,
+            memory,
+        };
+        crate::shard::compile(&model, "llama", source, target).ok().expect("llama.opt compiles")
+    }
+
+    #[test]
+    fn attention_gradients_that_follow_one_another_share_their_time() {
+        let plan = llama_plan();
+        let mut positions = Vec::new();
+        let mut samples = Vec::new();
+        let mut first_gradient = true;
+        for (index, instr) in plan.program.iter().enumerate() {
+            let Instr::Kernel { kernel, .. } = instr else { continue };
+            // As the CUDA backend times them: the first gradient 3 s (all three), the others nothing.
+            let seconds = match kernel {
+                Kernel::AttentionGrad { .. } if std::mem::take(&mut first_gradient) => 3.0,
+                Kernel::AttentionGrad { .. } => 0.0,
+                _ => 0.5,
+            };
+            let sample = KernelSample { fits: vec![], default: String::new(), bytes: 1.0, flops: 1.0, seconds };
+            positions.push(index);
+            samples.push((sample, false));
+        }
+        share_gradient_groups(&plan, &positions, &mut samples);
+        let attention: Vec<f64> = positions
+            .iter()
+            .zip(&samples)
+            .filter(|(i, _)| matches!(plan.program[**i], Instr::Kernel { kernel: Kernel::AttentionGrad { .. }, .. }))
+            .map(|(_, (s, _))| s.seconds)
+            .collect();
+        assert_eq!(attention, vec![1.0; 3], "the three gradients share the 3 s");
+        let others = samples.iter().filter(|(s, _)| s.seconds == 0.5).count();
+        assert_eq!(others, samples.len() - 3, "every other kernel keeps its own time");
+    }
 }

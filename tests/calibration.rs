@@ -282,3 +282,21 @@ fn calibrate_refuses_an_unwritable_destination_before_measuring() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent-dir/here.toml") && !err.contains("calibrate: kernels"), "{err}");
 }
+
+/// A kernel kind seen at one size gets no fit of its own (one size says nothing of how its time grows:
+/// the next more general fit costs it); seen at two sizes, it gets the line through them.
+#[test]
+fn a_kernel_kind_is_fitted_only_from_two_sizes_or_more() {
+    use optimus::calibrate::{KernelSample, fit_kernels};
+    let sample = |kind: &str, bytes: f64, seconds: f64| {
+        let fits = vec![kind.to_string()];
+        (KernelSample { fits, default: "default".into(), bytes, flops: 0.0, seconds }, false)
+    };
+    let samples = [sample("Once", 1e6, 1e-3), sample("Twice", 1e6, 1e-3), sample("Twice", 4e6, 3e-3)];
+    let fits = fit_kernels(&samples);
+    assert!(!fits.contains_key("Once"), "{fits:?}");
+    // 1 ms at 1 MB and 3 ms at 4 MB: 1/3 ms plus 2/3 ns a byte, so 5/3 ms at 2 MB.
+    let at_2mb = fits.get("Twice").map(|f| f.seconds(2e6, 0.0));
+    assert!(at_2mb.is_some_and(|s| (s - 5.0e-3 / 3.0).abs() < 1e-9), "{at_2mb:?}");
+    assert!(fits.contains_key("default"), "the default fit takes every size: {fits:?}");
+}

@@ -2,8 +2,9 @@
 """Predicted against measured GPU steps: `optimusc simulate --hardware PROFILE` (a profile written by
 `optimusc calibrate --backend cuda` on this GPU) beside `optimusc run --backend cuda` on models and
 meshes the calibration did not run: GPT-2 small in bf16 and f32 on 1x1, GPT-2 small in bf16 on meshes
-whose devices share the GPU (optimus 2x2, with and without --overlap, optimus 2x2x2, megatron 1x4), a
-24-layer hidden-1024 GPT-2 and TinyLlama at sequence 2048 on 1x1.
+whose devices share the GPU (optimus 2x2, with and without --overlap, optimus 2x2x2, megatron 1x4; 2x2
+in f32 too), a 24-layer hidden-1024 GPT-2, TinyLlama at sequence 2048, an 8-layer hidden-1536 Llama with
+grouped-query attention and BERT base on 1x1.
 
 Usage: python3 scripts/gpu_measurements/simulate_check.py --optimusc PATH --profile GPU.toml
                                                           [--jsonl FILE] [--steps N] [--warmup W]
@@ -25,6 +26,9 @@ GPT2_SMALL = {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "seq": 1
               "batch": 8, "pdrop": "0.0"}
 GPT2_WIDE = {"layers": 24, "hidden": 1024, "heads": 16, "vocab": 50257, "seq": 1024, "context": 1024,
              "batch": 4, "pdrop": "0.0"}
+LLAMA_MID = {"layers": 8, "hidden": 1536, "heads": 24, "kv_heads": 8, "ffn": 4096, "vocab": 32000, "seq": 1024,
+             "context": 1024, "batch": 4}
+BERT_BASE = {"layers": 12, "hidden": 768, "heads": 12, "vocab": 30522, "seq": 512, "context": 512, "batch": 8}
 
 # (label, model file, overrides, strategy, mesh, precision, overlap)
 POINTS = [
@@ -36,6 +40,9 @@ POINTS = [
     ("gpt2-small bf16 megatron 1x4", "examples/gpt2.opt", GPT2_SMALL, "megatron", "1x4", "bf16", False),
     ("gpt2-24x1024 bf16 1x1", "examples/gpt2.opt", GPT2_WIDE, "none", "1x1", "bf16", False),
     ("tinyllama seq2048 bf16 1x1", "examples/tinyllama.opt", {"batch": 4}, "none", "1x1", "bf16", False),
+    ("llama-8x1536 gqa bf16 1x1", "examples/llama.opt", LLAMA_MID, "none", "1x1", "bf16", False),
+    ("bert-12x768 seq512 bf16 1x1", "examples/bert.opt", BERT_BASE, "none", "1x1", "bf16", False),
+    ("gpt2-small f32 optimus 2x2", "examples/gpt2.opt", GPT2_SMALL, "optimus", "2x2", "f32", False),
 ]
 
 

@@ -29,6 +29,11 @@ pub struct CalibrateArgs {
     /// Measure less (two model sizes, two collective shapes): a profile in a few seconds, for tests.
     #[arg(long)]
     pub quick: bool,
+    /// Also write the raw measurements behind the fits here, as JSON lines: every timed kernel
+    /// instruction (its fits, bytes, FLOPs and median seconds) and every shared-engine run (its
+    /// devices, measured step and the step its kernels alone predict).
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub samples: Option<PathBuf>,
     /// What to measure: `cpu`, this machine's thread runtime; `cuda`, the first GPU (its kernels, each
     /// timed on the GPU, and meshes whose devices share it), for a build with `--features cuda`.
     #[arg(long, value_enum, default_value = "cpu")]
@@ -123,9 +128,12 @@ pub fn calibrate(args: &CalibrateArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     let destination = args.output.as_deref().filter(|p| !optimus::io::output::is_standard_output(p));
-    if let Some(Err(e)) = destination.map(optimus::io::check_writable) {
-        eprintln_safe!("error: {e}");
-        return ExitCode::from(2);
+    let samples = args.samples.as_deref().filter(|p| !optimus::io::output::is_standard_output(p));
+    for path in [destination, samples].into_iter().flatten() {
+        if let Err(e) = optimus::io::check_writable(path) {
+            eprintln_safe!("error: {e}");
+            return ExitCode::from(2);
+        }
     }
     if args.backend == super::run::Backend::Cuda {
         if let Some(warning) = BackendKind::Cuda.find_libraries() {
@@ -216,6 +224,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         passes.push(samples);
     }
     let samples = measure::median_of(passes);
+    let mut raw = RawSamples::kernels("pool", &samples);
     let kernels = measure::fit_kernels(&samples);
     // The same kernels on one thread, as a device thread runs its own on a mesh of at least as many
     // devices as the pool has workers (one pass: the shared engine's runs below check the sum).
@@ -225,6 +234,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         single.extend(measure::profile_kernels(plan, (w.steps, 1), BackendKind::Cpu, true)?);
         progress.advance();
     }
+    raw.extend(RawSamples::kernels("single thread", &single));
     let single_thread_kernels = measure::fit_kernels(&single);
     let mut collectives = Vec::new();
     for &(members, devices) in &shapes {
@@ -260,7 +270,45 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
     if let Some(m) = hw.measured.as_mut() {
         (m.dispatch, m.rendezvous) = fit_shared_engine(&runs);
     }
+    raw.extend(RawSamples::shared(&runs));
+    raw.write(args)?;
     Ok(rounded(hw))
+}
+
+/// The raw measurements behind a profile's fits, as JSON lines (`calibrate --samples`).
+struct RawSamples {
+    lines: Vec<String>,
+}
+
+impl RawSamples {
+    /// A line per timed kernel instruction, marked with how its kernels ran (`what`).
+    fn kernels(what: &str, samples: &[(measure::KernelSample, bool)]) -> RawSamples {
+        let line = |(s, product): &(measure::KernelSample, bool)| {
+            serde_json::json!({"kind": "kernel", "ran": what, "product": product, "sample": s}).to_string()
+        };
+        RawSamples { lines: samples.iter().map(line).collect() }
+    }
+
+    /// A line per shared-engine run.
+    fn shared(runs: &[SharedRun]) -> RawSamples {
+        let line = |r: &SharedRun| {
+            serde_json::json!({"kind": "shared", "devices": r.devices, "measured_s": r.measured,
+                "kernels_alone_s": r.predicted, "kernels": r.kernels, "collectives": r.collectives})
+            .to_string()
+        };
+        RawSamples { lines: runs.iter().map(line).collect() }
+    }
+
+    fn extend(&mut self, more: RawSamples) {
+        self.lines.extend(more.lines);
+    }
+
+    /// Writes the lines where `--samples` says (nothing without it).
+    fn write(&self, args: &CalibrateArgs) -> Result<(), String> {
+        let Some(path) = &args.samples else { return Ok(()) };
+        let text: String = self.lines.iter().map(|l| format!("{l}\n")).collect();
+        optimus::io::write_file(path, text.as_bytes()).map_err(|e| e.to_string())
+    }
 }
 
 /// The profile with every measured number to four significant digits (what the noise of a shared

@@ -2,8 +2,8 @@
 //! one-device runs of built-in models at GPU sizes, and the cost of meshes whose devices share that GPU.
 
 use super::{
-    BERT, CalibrateArgs, GPT2, LLAMA, Progress, SharedRun, SharedSetup, Workload, fit_shared_engine, one_device_plan,
-    rounded, shared_run,
+    BERT, CalibrateArgs, GPT2, LLAMA, Progress, RawSamples, SharedRun, SharedSetup, Workload, fit_shared_engine,
+    one_device_plan, rounded, shared_run,
 };
 use optimus::calibrate as measure;
 use optimus::cost::calibration::{DEFAULT_KERNEL, KernelFit, Measured};
@@ -20,8 +20,10 @@ const GPU_PASSES: u64 = 2;
 
 /// The sizes profiled on the GPU: products from a few hundred to a few thousand wide, head sizes 64 and
 /// 128, vocabularies whose rows are 16-byte aligned and one (50,257) whose are not, grouped-query
-/// attention, and BERT's encoder.
-const WORKLOADS: [Workload; 6] = [
+/// attention, and BERT's encoder; every model at two sizes at least, so that each kind's fit sees how
+/// its time grows, and sequences of 2,048 beside narrow layers, so that attention's FLOPs (which grow
+/// with the square of the sequence) and its bytes (which grow with the sequence) vary apart.
+const WORKLOADS: [Workload; 10] = [
     Workload {
         model: "gpt2",
         source: GPT2,
@@ -63,6 +65,50 @@ const WORKLOADS: [Workload; 6] = [
         steps: STEPS,
     },
     Workload {
+        model: "llama",
+        source: LLAMA,
+        set: &[
+            "layers=1",
+            "hidden=512",
+            "heads=8",
+            "kv_heads=2",
+            "ffn=1408",
+            "seq=512",
+            "batch=8",
+            "vocab=16384",
+            "context=512",
+        ],
+        steps: STEPS,
+    },
+    Workload {
+        model: "llama",
+        source: LLAMA,
+        set: &[
+            "layers=1",
+            "hidden=512",
+            "heads=8",
+            "kv_heads=2",
+            "ffn=1408",
+            "seq=2048",
+            "batch=2",
+            "vocab=16384",
+            "context=2048",
+        ],
+        steps: STEPS,
+    },
+    Workload {
+        model: "gpt2",
+        source: GPT2,
+        set: &["layers=1", "hidden=512", "heads=8", "seq=2048", "batch=2", "vocab=16384", "context=2048"],
+        steps: STEPS,
+    },
+    Workload {
+        model: "bert",
+        source: BERT,
+        set: &["layers=1", "hidden=512", "heads=8", "seq=256", "batch=16", "vocab=16384", "context=256"],
+        steps: STEPS,
+    },
+    Workload {
         model: "bert",
         source: BERT,
         set: &["layers=1", "hidden=768", "heads=12", "seq=512", "batch=8", "vocab=30522", "context=512"],
@@ -83,19 +129,22 @@ const SHARED_WORKLOAD: Workload = Workload {
 const GPU_SHARED: SharedSetup =
     SharedSetup { workload: &SHARED_WORKLOAD, precision: Precision::Bf16, backend: BackendKind::Cuda };
 
-/// The meshes of devices sharing the GPU: 2, 4 and 8 devices, both strategies at 4.
-const SHARED_MESHES: [(Mesh, Strategy); 4] = [
+/// The meshes of devices sharing the GPU: 2, 4 and 8 devices, each count with two kinds of
+/// collectives (tensor-parallel ones alone, and with data-parallel replicas' gradient sums).
+const SHARED_MESHES: [(Mesh, Strategy); 6] = [
     (Mesh::new(1, 2), Strategy::Megatron),
+    (Mesh::new(1, 1).with_data(2), Strategy::None),
     (Mesh::new(2, 2), Strategy::Optimus),
     (Mesh::new(1, 4), Strategy::Megatron),
     (Mesh::new(1, 8), Strategy::Megatron),
+    (Mesh::new(2, 2).with_data(2), Strategy::Optimus),
 ];
 
 /// Measures the GPU's kernels and shared meshes and assembles the profile.
 pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
     let (gpu, memory_bytes) = optimus::runtime::backend::first_gpu()?;
     let workloads: &[Workload] = if args.quick { &WORKLOADS[..2] } else { &WORKLOADS };
-    let meshes: &[(Mesh, Strategy)] = if args.quick { &SHARED_MESHES[1..2] } else { &SHARED_MESHES };
+    let meshes: &[(Mesh, Strategy)] = if args.quick { &SHARED_MESHES[2..3] } else { &SHARED_MESHES };
     let passes = if args.quick { 1 } else { GPU_PASSES };
     let mut runs: Vec<(&Workload, Precision, Mode)> = Vec::new();
     for mode in [Mode::Train, Mode::Infer] {
@@ -117,7 +166,9 @@ pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
         }
         all.push(samples);
     }
-    let kernels = measure::fit_kernels(&measure::median_of(all));
+    let samples = measure::median_of(all);
+    let mut raw = RawSamples::kernels("gpu", &samples);
+    let kernels = measure::fit_kernels(&samples);
     let measured = Measured {
         runtime: "cuda".into(),
         threads: 1,
@@ -136,7 +187,14 @@ pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
         for &(mesh, strategy) in meshes {
             let infer = if mode == Mode::Infer { " infer" } else { "" };
             progress.phase(&format!("devices sharing the GPU: {} on {mesh}{infer}", strategy.name()));
-            shared.push(shared_run(&hw, (mesh, strategy), mode, &GPU_SHARED)?);
+            let run = shared_run(&hw, (mesh, strategy), mode, &GPU_SHARED)?;
+            progress.phase(&format!(
+                "devices sharing the GPU: {} on {mesh}{infer}: {:.2} ms a step, {:.2} ms from the kernels alone",
+                strategy.name(),
+                run.measured * 1e3,
+                run.predicted * 1e3
+            ));
+            shared.push(run);
             progress.advance();
         }
     }
@@ -144,6 +202,8 @@ pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
     if let Some(m) = hw.measured.as_mut() {
         (m.dispatch, m.rendezvous) = fit_shared_engine(&shared);
     }
+    raw.extend(RawSamples::shared(&shared));
+    raw.write(args)?;
     Ok(rounded(hw))
 }
 
