@@ -327,7 +327,7 @@ fn every_bf16_function_has_a_user_and_the_bf16_plans_kernels_run_natively() {
 const WIDENED_IN_BF16_PLANS: [&str; 4] = ["CrossEntropyLoss", "Fill", "GradSquareSum", "OptimizerStep"];
 
 /// The kernels bf16 plans give bf16 operands (from compiling the examples with `--precision bf16`).
-const NATIVE_IN_BF16_PLANS: [&str; 37] = [
+const NATIVE_IN_BF16_PLANS: [&str; 44] = [
     "MatMul",
     "BatchedMatMul",
     "BiasAdd",
@@ -365,6 +365,13 @@ const NATIVE_IN_BF16_PLANS: [&str; 37] = [
     "CrossEntropyGrad",
     "SliceShard",
     "Cast",
+    "Rotary",
+    "RotaryGrad",
+    "RowSquareSum",
+    "RmsNormApply",
+    "RmsNormGradSum",
+    "RmsNormGradInput",
+    "RmsNormGradWeight",
 ];
 
 // ---- GPU harness ----------------------------------------------------------------------------------
@@ -1156,6 +1163,11 @@ fn bf16_roles(kernel: &Kernel, inputs: usize) -> Option<(Vec<bool>, bool)> {
         Kernel::LayerNormGradWeight { .. } => (vec![t, t, f, f], t),
         Kernel::CrossEntropyStats { .. } => (vec![t, f, f], f),
         Kernel::CrossEntropyGrad { .. } => (vec![t, f, f, f, f, f], t),
+        Kernel::RowSquareSum => (vec![t], f),
+        Kernel::RmsNormApply { .. } => (vec![t, f, t], t),
+        Kernel::RmsNormGradSum => (vec![t, t, t], f),
+        Kernel::RmsNormGradInput { .. } => (vec![t, t, t, f, f], t),
+        Kernel::RmsNormGradWeight { .. } => (vec![t, t, f], t),
         Kernel::CrossEntropyLoss | Kernel::CrossEntropyCount | Kernel::GradSquareSum | Kernel::OptimizerStep => {
             return None;
         }

@@ -66,6 +66,17 @@ fn gpu_bf16_runs_track_the_cpu_backends_bf16_losses() {
     compare_runs("bf16 runs of tiny.opt on the GPU against the CPU backend's bf16", &bf16, &["1x1", "2x2"], 2e-2);
 }
 
+/// A bf16 Llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU) on the GPU, whose norms and
+/// rotations run on their bf16 kernels, tracks the CPU backend's bf16 run on one device and on a 2x2 mesh.
+#[test]
+fn gpu_bf16_llama_runs_track_the_cpu_backends_bf16_losses() {
+    let sizes = ["layers=2", "hidden=64", "heads=4", "kv_heads=2", "ffn=96", "vocab=256", "seq=32", "context=32"];
+    let sets = sizes.iter().flat_map(|s| ["--set", s]);
+    let model: Vec<&str> =
+        ["--model", "examples/llama.opt"].into_iter().chain(sets).chain(["--precision", "bf16"]).collect();
+    compare_runs("bf16 Llama runs on the GPU against the CPU backend's bf16", &model, &["1x1", "2x2"], 2e-2);
+}
+
 /// Tesseract (2.5D) and 3D plans on one GPU: their depth groups run on the shared-GPU fabric too.
 #[test]
 fn gpu_tesseract_and_3d_runs_give_the_cpu_backends_losses() {

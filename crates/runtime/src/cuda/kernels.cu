@@ -279,8 +279,8 @@ extern "C" __global__ void silu_grad_bf16(bf16* dx, const bf16* dy, const bf16* 
 // at position r mod seq: pair i of each head turns by sign * pos * inv_freq(i), sign 1 forward and -1
 // for the backward. Each step of the angle is rounded to float32 as Hugging Face computes it, from a
 // double-precision result, as the CPU does (src/runtime/rotary.rs).
-extern "C" __global__ void rotary(float* y, const float* x, u64 rows, u64 seq, u64 width, u64 d, double theta,
-                                  float sign) {
+template <class T>
+__device__ void rotary_t(T* y, const T* x, u64 rows, u64 seq, u64 width, u64 d, double theta, float sign) {
     const u64 half = d / 2, per_row = width / 2;
     GRID_STRIDE(t, rows * per_row) {
         const u64 row = t / per_row, k = t % per_row, h = k / half, i = k % half;
@@ -290,10 +290,22 @@ extern "C" __global__ void rotary(float* y, const float* x, u64 rows, u64 seq, u
         const double angle = (double)((float)(row % seq) * inv_freq);
         const float c = (float)cos(angle), s = sign * (float)sin(angle);
         const u64 at = row * width + h * d + i;
-        const float x1 = x[at], x2 = x[at + half];
-        y[at] = x1 * c - x2 * s;
-        y[at + half] = x2 * c + x1 * s;
+        const float x1 = ld(x, at), x2 = ld(x, at + half);
+        st(y, at, x1 * c - x2 * s);
+        st(y, at + half, x2 * c + x1 * s);
     }
+}
+
+extern "C" __global__ void rotary(float* y, const float* x, u64 rows, u64 seq, u64 width, u64 d, double theta,
+                                  float sign) {
+    rotary_t(y, x, rows, seq, width, d, theta, sign);
+}
+
+// bf16 operands, each pair computed in float32 and rounded once: the same bits as the f32 kernel on the
+// widened operands followed by a rounding cast.
+extern "C" __global__ void rotary_bf16(bf16* y, const bf16* x, u64 rows, u64 seq, u64 width, u64 d, double theta,
+                                       float sign) {
+    rotary_t(y, x, rows, seq, width, d, theta, sign);
 }
 
 extern "C" __global__ void gelu_tanh_grad(float* dx, const float* dy, const float* x, u64 n) {
@@ -1044,11 +1056,16 @@ __device__ __forceinline__ float inverse_rms(float sqsum, u64 n, double eps) {
     return (float)(1.0 / sqrt((double)sqsum / (double)n + eps));
 }
 
-extern "C" __global__ void row_square_sum(float* y, const float* x, u64 rows, u64 width) {
+// The RMSNorm kernels take f32 or bf16 rows (x, dy, the weight and the normalised output); the row
+// statistics and sums stay f32. A bf16 entry point computes in float32 as the f32 one does, on the
+// exactly widened elements, and rounds its bf16 output once: the same bits as the f32 kernel on widened
+// operands followed by a rounding cast, without the widened copies.
+template <class T>
+__device__ void row_square_sum_t(float* y, const T* x, u64 rows, u64 width) {
     BLOCK_ROWS(r, rows) {
         float s = 0.0f;
         ROW_COLUMNS(c, width) {
-            const float v = x[r * width + c];
+            const float v = ld(x, r * width + c);
             s += v * v;
         }
         s = block_sum(s);
@@ -1056,43 +1073,84 @@ extern "C" __global__ void row_square_sum(float* y, const float* x, u64 rows, u6
     }
 }
 
-extern "C" __global__ void rms_norm_apply(float* y, const float* x, const float* sqsum, const float* weight, u64 rows,
-                                          u64 width, u64 n, double eps) {
+extern "C" __global__ void row_square_sum(float* y, const float* x, u64 rows, u64 width) {
+    row_square_sum_t(y, x, rows, width);
+}
+
+extern "C" __global__ void row_square_sum_bf16(float* y, const bf16* x, u64 rows, u64 width) {
+    row_square_sum_t(y, x, rows, width);
+}
+
+template <class T>
+__device__ void rms_norm_apply_t(T* y, const T* x, const float* sqsum, const T* weight, u64 rows, u64 width, u64 n,
+                                 double eps) {
     BLOCK_ROWS(r, rows) {
         const float inv = inverse_rms(sqsum[r], n, eps);
         ROW_COLUMNS(c, width) {
             const u64 i = r * width + c;
-            y[i] = x[i] * inv * weight[c];
+            st(y, i, ld(x, i) * inv * ld(weight, c));
         }
     }
 }
 
+extern "C" __global__ void rms_norm_apply(float* y, const float* x, const float* sqsum, const float* weight, u64 rows,
+                                          u64 width, u64 n, double eps) {
+    rms_norm_apply_t(y, x, sqsum, weight, rows, width, n, eps);
+}
+
+extern "C" __global__ void rms_norm_apply_bf16(bf16* y, const bf16* x, const float* sqsum, const bf16* weight,
+                                               u64 rows, u64 width, u64 n, double eps) {
+    rms_norm_apply_t(y, x, sqsum, weight, rows, width, n, eps);
+}
+
 // [rows]: the local sum of dy weight x of each row.
-extern "C" __global__ void rms_norm_grad_sum(float* y, const float* dy, const float* x, const float* weight, u64 rows,
-                                             u64 width) {
+template <class T>
+__device__ void rms_norm_grad_sum_t(float* y, const T* dy, const T* x, const T* weight, u64 rows, u64 width) {
     BLOCK_ROWS(r, rows) {
         float s = 0.0f;
         ROW_COLUMNS(c, width) {
             const u64 i = r * width + c;
-            s += dy[i] * weight[c] * x[i];
+            s += ld(dy, i) * ld(weight, c) * ld(x, i);
         }
         s = block_sum(s);
         if (threadIdx.x == 0) y[r] = s;
     }
 }
 
-extern "C" __global__ void rms_norm_grad_input(float* dx, const float* dy, const float* x, const float* weight,
-                                               const float* sqsum, const float* sums, u64 rows, u64 width, u64 n,
-                                               double eps) {
+extern "C" __global__ void rms_norm_grad_sum(float* y, const float* dy, const float* x, const float* weight, u64 rows,
+                                             u64 width) {
+    rms_norm_grad_sum_t(y, dy, x, weight, rows, width);
+}
+
+extern "C" __global__ void rms_norm_grad_sum_bf16(float* y, const bf16* dy, const bf16* x, const bf16* weight,
+                                                  u64 rows, u64 width) {
+    rms_norm_grad_sum_t(y, dy, x, weight, rows, width);
+}
+
+template <class T>
+__device__ void rms_norm_grad_input_t(T* dx, const T* dy, const T* x, const T* weight, const float* sqsum,
+                                      const float* sums, u64 rows, u64 width, u64 n, double eps) {
     BLOCK_ROWS(r, rows) {
         const float inv = inverse_rms(sqsum[r], n, eps);
         const double r64 = (double)inv;
         const float coefficient = (float)(r64 * r64 * r64 * (double)sums[r] / (double)n);
         ROW_COLUMNS(c, width) {
             const u64 i = r * width + c;
-            dx[i] = inv * weight[c] * dy[i] - coefficient * x[i];
+            st(dx, i, inv * ld(weight, c) * ld(dy, i) - coefficient * ld(x, i));
         }
     }
+}
+
+extern "C" __global__ void rms_norm_grad_input(float* dx, const float* dy, const float* x, const float* weight,
+                                               const float* sqsum, const float* sums, u64 rows, u64 width, u64 n,
+                                               double eps) {
+    rms_norm_grad_input_t(dx, dy, x, weight, sqsum, sums, rows, width, n, eps);
+}
+
+extern "C" __global__ void rms_norm_grad_input_bf16(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight,
+                                                    const float* sqsum, const float* sums, u64 rows, u64 width, u64 n,
+                                                    double eps) {
+    rms_norm_grad_input_t(dx, dy, x, weight, sqsum, sums, rows, width, n, eps);
 }
 
 // [rows]: 1 / rms of each row, for the column reduction below.
@@ -1100,13 +1158,23 @@ extern "C" __global__ void rms_norm_stats(float* stats, const float* sqsum, u64 
     GRID_STRIDE(r, rows) stats[r] = inverse_rms(sqsum[r], n, eps);
 }
 
-// [width]: the sum over rows of dy x / rms.
-extern "C" __global__ void rms_norm_grad_weight(float* g, const float* dy, const float* x, const float* stats, u64 rows,
-                                                u64 width) {
+// [width] (f32): the sum over rows of dy x / rms.
+template <class T>
+__device__ void rms_norm_grad_weight_t(float* g, const T* dy, const T* x, const float* stats, u64 rows, u64 width) {
     column_sum(g, rows, width, [=](u64 r, u64 c) {
         const u64 i = r * width + c;
-        return dy[i] * x[i] * stats[r];
+        return ld(dy, i) * ld(x, i) * stats[r];
     });
+}
+
+extern "C" __global__ void rms_norm_grad_weight(float* g, const float* dy, const float* x, const float* stats, u64 rows,
+                                                u64 width) {
+    rms_norm_grad_weight_t(g, dy, x, stats, rows, width);
+}
+
+extern "C" __global__ void rms_norm_grad_weight_bf16(float* g, const bf16* dy, const bf16* x, const float* stats,
+                                                     u64 rows, u64 width) {
+    rms_norm_grad_weight_t(g, dy, x, stats, rows, width);
 }
 
 extern "C" __global__ void sum_to_last(float* g, const float* x, u64 rows, u64 width) {

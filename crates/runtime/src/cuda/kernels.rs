@@ -1431,7 +1431,7 @@ struct GradStep<'a, T = f32> {
 impl Device {
     /// Rotary embedding of x [.., seq, heads * d] (`sign` 1) or its backward (`sign` -1), one thread
     /// per rotated pair.
-    fn rotary(
+    fn rotary<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1442,13 +1442,14 @@ impl Device {
         let [x] = args(inputs)?;
         let (_, seq, width) = batch_matrix(&x.shape, "x")?;
         let d = optimus_plan::rotary::head_size(width, heads)?;
-        let xv = floats(x, "x")?;
+        let xv = elems::<T>(x, "x")?;
         same_len("the output", out.len(), x.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let rows = x.len() / width.max(1);
         let pairs = rows * (width / 2);
         let (rows, seq, width, d) = (rows as u64, seq as u64, width as u64, d as u64);
-        launch!(self, ROTARY, elementwise(pairs), [y, xv, &rows, &seq, &width, &d, &theta, &sign])
+        let name = variant::<T>(ROTARY)?;
+        launch!(self, name, elementwise(pairs), [y, xv, &rows, &seq, &width, &d, &theta, &sign])
     }
 }
 
@@ -1751,43 +1752,48 @@ fn square_sums(sqsum: &DeviceTensor, rows: usize, norm: Norm) -> Result<&CudaSli
 }
 
 impl Device {
-    fn row_square_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
+    fn row_square_sum<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [x] = args(inputs)?;
         let (rows, n) = split_last(&x.shape);
-        let xv = floats(x, "x")?;
+        let xv = elems::<T>(x, "x")?;
         same_len("the output", out.len(), rows)?;
         let y = floats_mut(out, "the output")?;
         let cfg = per_rows(rows, n);
         let (rows, n) = (rows as u64, n as u64);
-        launch!(self, ROW_SQUARE_SUM, cfg, [y, xv, &rows, &n])
+        launch!(self, variant::<T>(ROW_SQUARE_SUM)?, cfg, [y, xv, &rows, &n])
     }
 
-    fn rms_norm_apply(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor, norm: Norm) -> Result<(), KernelError> {
+    fn rms_norm_apply<T: Elem>(
+        &self,
+        inputs: &[&DeviceTensor],
+        out: &mut DeviceTensor,
+        norm: Norm,
+    ) -> Result<(), KernelError> {
         let [x, sqsum, weight] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let xv = floats(x, "x")?;
+        let xv = elems::<T>(x, "x")?;
         let qv = square_sums(sqsum, rows, norm)?;
-        let wv = per_row(weight, 1, width, "the weight")?;
+        let wv = per_row_of::<T>(weight, 1, width, "the weight")?;
         same_len("the output", out.len(), x.len())?;
-        let y = floats_mut(out, "the output")?;
+        let y = elems_mut::<T>(out, "the output")?;
         let cfg = per_rows(rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, RMS_NORM_APPLY, cfg, [y, xv, qv, wv, &rows, &width, &norm.n, &norm.eps])
+        launch!(self, variant::<T>(RMS_NORM_APPLY)?, cfg, [y, xv, qv, wv, &rows, &width, &norm.n, &norm.eps])
     }
 
-    fn rms_norm_grad_sum(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
+    fn rms_norm_grad_sum<T: Elem>(&self, inputs: &[&DeviceTensor], out: &mut DeviceTensor) -> Result<(), KernelError> {
         let [dy, x, weight] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
-        let wv = per_row(weight, 1, width, "the weight")?;
+        let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
+        let wv = per_row_of::<T>(weight, 1, width, "the weight")?;
         same_len("the output", out.len(), rows)?;
         let y = floats_mut(out, "the output")?;
         let cfg = per_rows(rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, RMS_NORM_GRAD_SUM, cfg, [y, dyv, xv, wv, &rows, &width])
+        launch!(self, variant::<T>(RMS_NORM_GRAD_SUM)?, cfg, [y, dyv, xv, wv, &rows, &width])
     }
 
-    fn rms_norm_grad_input(
+    fn rms_norm_grad_input<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1795,18 +1801,20 @@ impl Device {
     ) -> Result<(), KernelError> {
         let [dy, x, weight, sqsum, sums] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
-        let wv = per_row(weight, 1, width, "the weight")?;
+        let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
+        let wv = per_row_of::<T>(weight, 1, width, "the weight")?;
         let qv = square_sums(sqsum, rows, norm)?;
         let sv = per_row(sums, rows, 1, "the gradient sum")?;
         same_len("the output", out.len(), x.len())?;
-        let dx = floats_mut(out, "the output")?;
+        let dx = elems_mut::<T>(out, "the output")?;
         let cfg = per_rows(rows, width);
         let (rows, width) = (rows as u64, width as u64);
-        launch!(self, RMS_NORM_GRAD_INPUT, cfg, [dx, dyv, xv, wv, qv, sv, &rows, &width, &norm.n, &norm.eps])
+        let name = variant::<T>(RMS_NORM_GRAD_INPUT)?;
+        launch!(self, name, cfg, [dx, dyv, xv, wv, qv, sv, &rows, &width, &norm.n, &norm.eps])
     }
 
-    fn rms_norm_grad_weight(
+    /// The weight's gradient into an f32 `out` (a bf16 plan's goes through an f32 copy and one rounding).
+    fn rms_norm_grad_weight<T: Elem>(
         &self,
         inputs: &[&DeviceTensor],
         out: &mut DeviceTensor,
@@ -1815,7 +1823,7 @@ impl Device {
     ) -> Result<(), KernelError> {
         let [dy, x, sqsum] = args(inputs)?;
         let (rows, width) = split_last(&x.shape);
-        let (dyv, xv) = (per_row(dy, rows, width, "dy")?, floats(x, "x")?);
+        let (dyv, xv) = (per_row_of::<T>(dy, rows, width, "dy")?, elems::<T>(x, "x")?);
         let qv = square_sums(sqsum, rows, norm)?;
         same_len("the output", out.len(), width)?;
         let g = floats_mut(out, "the output")?;
@@ -1823,7 +1831,8 @@ impl Device {
         let stats = grow(scratch, &self.stream, rows)?;
         let (nrows, nwidth) = (rows as u64, width as u64);
         launch!(self, RMS_NORM_STATS, elementwise(rows), [&mut *stats, qv, &nrows, &norm.n, &norm.eps])?;
-        launch!(self, RMS_NORM_GRAD_WEIGHT, columns(rows, width), [g, dyv, xv, &*stats, &nrows, &nwidth])
+        let name = variant::<T>(RMS_NORM_GRAD_WEIGHT)?;
+        launch!(self, name, columns(rows, width), [g, dyv, xv, &*stats, &nrows, &nwidth])
     }
 }
 
@@ -2238,8 +2247,8 @@ impl CudaKernels {
             Kernel::AttentionGrad { heads, kv_heads, causal, fused, wrt } => {
                 dev.attention_grad(inputs, out, AttentionArgs { heads, kv_heads, causal, fused, wrt }, scratch)
             }
-            Kernel::Rotary { heads, theta } => dev.rotary(inputs, out, heads, theta, 1.0),
-            Kernel::RotaryGrad { heads, theta } => dev.rotary(inputs, out, heads, theta, -1.0),
+            Kernel::Rotary { heads, theta } => dev.rotary::<f32>(inputs, out, heads, theta, 1.0),
+            Kernel::RotaryGrad { heads, theta } => dev.rotary::<f32>(inputs, out, heads, theta, -1.0),
             Kernel::EmbeddingLookup { offset, masked } => {
                 dev.embedding_lookup::<f32>(inputs, out, Rows { base: offset.at(ctx.coords), masked }, flag)
             }
@@ -2257,12 +2266,12 @@ impl CudaKernels {
             Kernel::LayerNormGradWeight { n, eps } => {
                 dev.layer_norm_grad_weight::<f32>(inputs, out, Norm { n, eps }, &mut scratch[0])
             }
-            Kernel::RowSquareSum => dev.row_square_sum(inputs, out),
-            Kernel::RmsNormApply { n, eps } => dev.rms_norm_apply(inputs, out, Norm { n, eps }),
-            Kernel::RmsNormGradSum => dev.rms_norm_grad_sum(inputs, out),
-            Kernel::RmsNormGradInput { n, eps } => dev.rms_norm_grad_input(inputs, out, Norm { n, eps }),
+            Kernel::RowSquareSum => dev.row_square_sum::<f32>(inputs, out),
+            Kernel::RmsNormApply { n, eps } => dev.rms_norm_apply::<f32>(inputs, out, Norm { n, eps }),
+            Kernel::RmsNormGradSum => dev.rms_norm_grad_sum::<f32>(inputs, out),
+            Kernel::RmsNormGradInput { n, eps } => dev.rms_norm_grad_input::<f32>(inputs, out, Norm { n, eps }),
             Kernel::RmsNormGradWeight { n, eps } => {
-                dev.rms_norm_grad_weight(inputs, out, Norm { n, eps }, &mut scratch[0])
+                dev.rms_norm_grad_weight::<f32>(inputs, out, Norm { n, eps }, &mut scratch[0])
             }
             Kernel::SumToLast => dev.sum_to_last::<f32>(inputs, out),
             Kernel::CrossEntropyMax { offset, valid } => {

@@ -53,6 +53,12 @@ const ENTRY_POINTS: &[(&str, &str)] = &[
     (CROSS_ENTROPY_MAX, "cross_entropy_max_bf16"),
     (CROSS_ENTROPY_STATS, "cross_entropy_stats_bf16"),
     (CROSS_ENTROPY_GRAD, "cross_entropy_grad_bf16"),
+    (ROTARY, "rotary_bf16"),
+    (ROW_SQUARE_SUM, "row_square_sum_bf16"),
+    (RMS_NORM_APPLY, "rms_norm_apply_bf16"),
+    (RMS_NORM_GRAD_SUM, "rms_norm_grad_sum_bf16"),
+    (RMS_NORM_GRAD_INPUT, "rms_norm_grad_input_bf16"),
+    (RMS_NORM_GRAD_WEIGHT, "rms_norm_grad_weight_bf16"),
 ];
 
 /// The copies of 16-bit words, next to the 32-bit copy each stands for.
@@ -127,6 +133,12 @@ pub const BF16_KERNEL_NAMES: &[&str] = &[
     "cross_entropy_stats_bf16x8",
     CAST_BF16_TO_F32_SPANS,
     CROSS_ENTROPY_GRAD_X8,
+    "rotary_bf16",
+    "row_square_sum_bf16",
+    "rms_norm_apply_bf16",
+    "rms_norm_grad_sum_bf16",
+    "rms_norm_grad_input_bf16",
+    "rms_norm_grad_weight_bf16",
 ];
 
 /// The cross-entropy gradient written a 16-byte word a thread (see kernels.cu).
@@ -306,6 +318,14 @@ pub fn bf16_launcher(kernel: &Kernel) -> Option<Launcher> {
         Kernel::CrossEntropyMax { .. } => kernels(&["cross_entropy_max_bf16", "cross_entropy_max_bf16x8"]),
         Kernel::CrossEntropyStats { .. } => kernels(&["cross_entropy_stats_bf16", "cross_entropy_stats_bf16x8"]),
         Kernel::CrossEntropyGrad { .. } => kernels(&["cross_entropy_grad_bf16", CROSS_ENTROPY_GRAD_X8]),
+        Kernel::Rotary { .. } | Kernel::RotaryGrad { .. } => kernels(&["rotary_bf16"]),
+        Kernel::RowSquareSum => kernels(&["row_square_sum_bf16"]),
+        Kernel::RmsNormApply { .. } => kernels(&["rms_norm_apply_bf16"]),
+        Kernel::RmsNormGradSum => kernels(&["rms_norm_grad_sum_bf16"]),
+        Kernel::RmsNormGradInput { .. } => kernels(&["rms_norm_grad_input_bf16"]),
+        Kernel::RmsNormGradWeight { .. } => {
+            kernels(&[RMS_NORM_STATS, "rms_norm_grad_weight_bf16", CAST_F32_TO_BF16, CAST_F32_TO_BF16_X8])
+        }
         _ => return None,
     })
 }
@@ -376,6 +396,12 @@ fn native(kernel: &Kernel) -> Option<(&'static [Ty], &'static [Ty])> {
         Kernel::LayerNormGradWeight { .. } => (&[H, H, F, F], BF16),
         Kernel::CrossEntropyStats { .. } => (&[H, I, F], STAT),
         Kernel::CrossEntropyGrad { .. } => (&[H, I, F, F, F, F], BF16),
+        Kernel::Rotary { .. } | Kernel::RotaryGrad { .. } => (&[H], BF16),
+        Kernel::RowSquareSum => (&[H], STAT),
+        Kernel::RmsNormApply { .. } => (&[H, F, H], BF16),
+        Kernel::RmsNormGradSum => (&[H, H, H], STAT),
+        Kernel::RmsNormGradInput { .. } => (&[H, H, H, F, F], BF16),
+        Kernel::RmsNormGradWeight { .. } => (&[H, H, F], BF16),
         _ => return None,
     })
 }
@@ -501,6 +527,16 @@ fn run_native(
             dev.cross_entropy_grad::<B>(inputs, out, Vocab::new(offset, valid, ctx), flag)
         }
         Kernel::Cast => cast_from_bf16(dev, inputs, out),
+        Kernel::Rotary { heads, theta } => dev.rotary::<B>(inputs, out, heads, theta, 1.0),
+        Kernel::RotaryGrad { heads, theta } => dev.rotary::<B>(inputs, out, heads, theta, -1.0),
+        Kernel::RowSquareSum => dev.row_square_sum::<B>(inputs, out),
+        Kernel::RmsNormApply { n, eps } => dev.rms_norm_apply::<B>(inputs, out, Norm { n, eps }),
+        Kernel::RmsNormGradSum => dev.rms_norm_grad_sum::<B>(inputs, out),
+        Kernel::RmsNormGradInput { n, eps } => dev.rms_norm_grad_input::<B>(inputs, out, Norm { n, eps }),
+        Kernel::RmsNormGradWeight { n, eps } => {
+            let [stats, _] = scratch;
+            through_f32(dev, out, |wide| dev.rms_norm_grad_weight::<B>(inputs, wide, Norm { n, eps }, stats))
+        }
         _ => Err(KernelError::Internal(format!("{kernel:?} has no bf16 kernel"))),
     }
 }
