@@ -8,6 +8,7 @@ grouped-query attention and BERT base on 1x1.
 
 Usage: python3 scripts/gpu_measurements/simulate_check.py --optimusc PATH --profile GPU.toml
                                                           [--jsonl FILE] [--steps N] [--warmup W]
+                                                          [--skip K,K...]
 
 The measured step is the median of the differences of `run --json`'s `elapsed_s` after --warmup steps.
 Prints a line per point and the mean and worst absolute error; --jsonl appends one JSON record per
@@ -91,10 +92,13 @@ def main():
     parser.add_argument("--jsonl", help="append one JSON record per point here")
     parser.add_argument("--steps", type=int, default=6, help="timed steps a point (default 6)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--skip", default="", help="comma-separated point numbers (from 1) to leave out")
     args = parser.parse_args()
+    skipped = {int(k) for k in args.skip.split(",") if k.strip()}
+    points = [p for k, p in enumerate(POINTS, 1) if k not in skipped]
     gpu, driver = gpu_and_driver()
     errors = []
-    for point in POINTS:
+    for point in points:
         label, model, sets, strategy, mesh, precision, overlap = point
         try:
             predicted = predicted_step(args.optimusc, point, args.profile)
@@ -115,8 +119,8 @@ def main():
                 out.write(json.dumps(record) + "\n")
     if errors:
         print(f"mean |error| {statistics.mean(errors) * 100:.1f}%, worst {max(errors) * 100:.1f}% "
-              f"over {len(errors)} of {len(POINTS)} points")
-    return 0 if len(errors) == len(POINTS) else 1
+              f"over {len(errors)} of {len(points)} points")
+    return 0 if len(errors) == len(points) else 1
 
 
 if __name__ == "__main__":

@@ -701,7 +701,7 @@ pub(super) fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output
     }
     // A pipeline's devices run their stages' programs: pipeline_run reports those.
     if args.profile && !args.pipeline.requested() {
-        print_profile(&job.plan, output, progress);
+        print_profile((&job.plan, job.config.backend), output, progress);
     }
     progress.log_failure()?;
     if interrupted {
@@ -728,13 +728,17 @@ fn failure_status(e: &str) -> ExitCode {
 }
 
 /// The `--profile` tables on standard error, and the profile record (with `--json` or `--log`).
-fn print_profile(plan: &Plan, output: &RunOutput, progress: &Progress) {
+fn print_profile(
+    (plan, backend): (&Plan, optimus::runtime::backend::BackendKind),
+    output: &RunOutput,
+    progress: &Progress,
+) {
     use optimus::runtime::{peak, profile};
     if output.profiles.is_empty() {
         eprintln_safe!("note: --profile: no device profiled");
         return;
     }
-    let peak = peak::measure_peak(peak::product_threads());
+    let peak = peak::of_backend(backend);
     let report = profile::report(plan, &output.profiles, &peak);
     if (output.profiles.len() as u64) < plan.mesh.devices() {
         eprintln_safe!("note: --profile reports device (0, 0) only: under mpirun profiles are not gathered");

@@ -31,6 +31,15 @@ pub struct Peak {
     pub isa: String,
 }
 
+/// What a profile's kernels are measured against: the CPU's measured float32 peak on the kernel pool's
+/// threads; on a GPU none (its kernels are timed on the GPU, and the CPU's peak says nothing of them).
+pub fn of_backend(backend: super::backend::BackendKind) -> Peak {
+    match backend {
+        super::backend::BackendKind::Cpu => measure_peak(product_threads()),
+        super::backend::BackendKind::Cuda => Peak { gflops: 0.0, threads: 0, isa: "GPU".into() },
+    }
+}
+
 /// The number of threads the CPU kernels' products use (the kernel pool's size).
 pub fn product_threads() -> usize {
     super::cpu::par::threads()

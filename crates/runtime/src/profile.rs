@@ -436,14 +436,20 @@ impl ProfileReport {
                 calls_by_library(calls)
             ),
         };
+        let peak = match self.peak_gflops > 0.0 {
+            true => format!(
+                "peak {:.1} GFLOP/s measured on {} ({})",
+                self.peak_gflops,
+                plural(self.peak_threads as u64, "thread"),
+                self.peak_isa
+            ),
+            // A GPU run: no CPU peak to measure its kernels against.
+            false => "each kernel timed on the GPU, alone (no peak: % peak is left out)".to_string(),
+        };
         format!(
-            "profile: {}{warm_up} on {}, times summed over devices\n\
-             peak {:.1} GFLOP/s measured on {} ({}){shared}\n{products}\n",
+            "profile: {}{warm_up} on {}, times summed over devices\n{peak}{shared}\n{products}\n",
             plural(self.steps_profiled, "step"),
             plural(devices, "device"),
-            self.peak_gflops,
-            plural(self.peak_threads as u64, "thread"),
-            self.peak_isa,
         )
     }
 
@@ -552,6 +558,23 @@ mod tests {
         let header = report_with_calls(0, 0).header();
         assert!(!header.contains("CPU products"), "a run with no CPU product (CUDA): {header}");
         assert!(header.ends_with(")\n\n"), "{header:?}");
+    }
+
+    #[test]
+    fn a_gpu_profile_names_no_cpu_peak() {
+        let gpu = super::super::peak::of_backend(crate::backend::BackendKind::Cuda);
+        let report = ProfileReport {
+            peak_gflops: gpu.gflops,
+            peak_threads: gpu.threads,
+            peak_isa: gpu.isa,
+            ..report_with_calls(0, 0)
+        };
+        let header = report.header();
+        assert!(header.contains("each kernel timed on the GPU, alone") && !header.contains("GFLOP/s"), "{header}");
+        let (time, flops) = (Duration::from_millis(2), Some(2_000_000_000));
+        let s = RowSum { category: Category::Compute, count: 1, time, hidden: Duration::ZERO, flops, bytes: None };
+        let matmul = row("MatMul", &s, time, report.peak_gflops);
+        assert_eq!((matmul.gflops, matmul.peak_pct), (Some(1000.0), None), "GFLOP/s measured, no % peak");
     }
 
     #[test]
