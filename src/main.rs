@@ -66,11 +66,14 @@ enum Command {
     ///
     /// Exit status: 0 on success, 1 on model or compile errors, 2 on usage errors (bad profiles).
     Simulate(cli::simulate::SimulateArgs),
-    /// Measure this machine's CPU runtime and write a hardware profile for `simulate --hardware FILE`.
+    /// Measure this machine's CPU runtime (or, with `--backend cuda`, its first GPU) and write a
+    /// hardware profile for `simulate --hardware FILE`.
     ///
     /// Profiles short one-device training runs of built-in models (every kernel kind, products from
     /// small shards to whole layers) and times the thread communicator's collectives on meshes of up
-    /// to 16 threads; fits a cost per kernel kind and per collective. Takes one to two minutes on 2 cores (`--quick`: less).
+    /// to 16 threads; fits a cost per kernel kind and per collective. Takes one to two minutes on 2
+    /// cores (`--quick`: less). On a GPU each kernel is timed on the GPU, and meshes whose devices
+    /// share it are measured as one engine (about a minute on an H100).
     /// Example: `optimusc calibrate -o here.toml && optimusc simulate examples/gpt2.opt --hardware
     /// here.toml --mesh 2x2`. Exit status: 0 on success, 1 on errors, 2 on usage errors.
     Calibrate(cli::calibrate::CalibrateArgs),
