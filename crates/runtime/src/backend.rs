@@ -185,12 +185,25 @@ pub enum GpuLink {
     Nccl(Box<super::cuda::nccl::GroupIds>),
 }
 
-/// The first GPU's name and memory in bytes, for a measured profile's device; why not where this build
-/// has no CUDA backend or this machine no usable GPU.
-pub fn first_gpu() -> Result<(String, u64), String> {
+/// The first GPU of this process, for a measured profile's device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FirstGpu {
+    pub name: String,
+    pub memory_bytes: u64,
+    /// How many GPUs this process sees (a mesh shares the first only where it sees one).
+    pub visible: usize,
+}
+
+/// The first GPU's name and memory, and how many GPUs there are; why not where this build has no CUDA
+/// backend or this machine no usable GPU.
+pub fn first_gpu() -> Result<FirstGpu, String> {
     BackendKind::Cuda.check_available()?;
     #[cfg(feature = "cuda")]
-    return super::cuda::describe(0).map_err(|e| e.to_string());
+    {
+        let visible = super::cuda::probe().map_err(|e| e.to_string())?;
+        let (name, memory_bytes) = super::cuda::describe(0).map_err(|e| e.to_string())?;
+        Ok(FirstGpu { name, memory_bytes, visible })
+    }
     #[cfg(not(feature = "cuda"))]
     Err("this optimusc was built without the CUDA backend".into())
 }

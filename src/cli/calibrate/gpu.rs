@@ -142,7 +142,14 @@ const SHARED_MESHES: [(Mesh, Strategy); 6] = [
 
 /// Measures the GPU's kernels and shared meshes and assembles the profile.
 pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
-    let (gpu, memory_bytes) = optimus::runtime::backend::first_gpu()?;
+    let gpu = optimus::runtime::backend::first_gpu()?;
+    if gpu.visible > 1 {
+        return Err(format!(
+            "--backend cuda measures one GPU and meshes whose devices share it, but this process sees {} GPUs \
+             (a mesh would take one each); run it on one, e.g. with CUDA_VISIBLE_DEVICES=0",
+            gpu.visible
+        ));
+    }
     let workloads: &[Workload] = if args.quick { &WORKLOADS[..2] } else { &WORKLOADS };
     let meshes: &[(Mesh, Strategy)] = if args.quick { &SHARED_MESHES[2..3] } else { &SHARED_MESHES };
     let passes = if args.quick { 1 } else { GPU_PASSES };
@@ -181,7 +188,7 @@ pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
         collectives: Vec::new(),
         host_copies: None,
     };
-    let mut hw = assemble(args, (gpu, memory_bytes), measured);
+    let mut hw = assemble(args, (gpu.name, gpu.memory_bytes), measured);
     let mut shared: Vec<SharedRun> = Vec::new();
     for mode in [Mode::Train, Mode::Infer] {
         for &(mesh, strategy) in meshes {
