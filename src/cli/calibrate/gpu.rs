@@ -24,97 +24,62 @@ const GPU_PASSES: u64 = 2;
 /// its time grows, and sequences of 2,048 beside narrow layers, so that attention's FLOPs (which grow
 /// with the square of the sequence) and its bytes (which grow with the sequence) vary apart.
 const WORKLOADS: [Workload; 10] = [
-    Workload {
-        model: "gpt2",
-        source: GPT2,
-        set: &["layers=1", "hidden=256", "heads=4", "seq=256", "batch=8", "vocab=8192"],
-        steps: STEPS,
-    },
-    Workload {
-        model: "gpt2",
-        source: GPT2,
-        set: &["layers=1", "hidden=512", "heads=8", "seq=512", "batch=8", "vocab=16384"],
-        steps: STEPS,
-    },
-    Workload {
-        model: "gpt2",
-        source: GPT2,
-        set: &["layers=1", "hidden=1024", "heads=16", "seq=1024", "batch=4", "vocab=50257"],
-        steps: STEPS,
-    },
-    Workload {
-        model: "gpt2",
-        source: GPT2,
-        set: &["layers=1", "hidden=1536", "heads=12", "seq=1024", "batch=8", "vocab=32000"],
-        steps: STEPS,
-    },
-    Workload {
-        model: "llama",
-        source: LLAMA,
-        set: &[
-            "layers=1",
-            "hidden=1024",
-            "heads=16",
-            "kv_heads=4",
-            "ffn=2816",
-            "seq=1024",
-            "batch=4",
-            "vocab=32000",
-            "context=1024",
-        ],
-        steps: STEPS,
-    },
-    Workload {
-        model: "llama",
-        source: LLAMA,
-        set: &[
-            "layers=1",
-            "hidden=512",
-            "heads=8",
-            "kv_heads=2",
-            "ffn=1408",
-            "seq=512",
-            "batch=8",
-            "vocab=16384",
-            "context=512",
-        ],
-        steps: STEPS,
-    },
-    Workload {
-        model: "llama",
-        source: LLAMA,
-        set: &[
-            "layers=1",
-            "hidden=512",
-            "heads=8",
-            "kv_heads=2",
-            "ffn=1408",
-            "seq=2048",
-            "batch=2",
-            "vocab=16384",
-            "context=2048",
-        ],
-        steps: STEPS,
-    },
-    Workload {
-        model: "gpt2",
-        source: GPT2,
-        set: &["layers=1", "hidden=512", "heads=8", "seq=2048", "batch=2", "vocab=16384", "context=2048"],
-        steps: STEPS,
-    },
-    Workload {
-        model: "bert",
-        source: BERT,
-        set: &["layers=1", "hidden=512", "heads=8", "seq=256", "batch=16", "vocab=16384", "context=256"],
-        steps: STEPS,
-    },
-    Workload {
-        model: "bert",
-        source: BERT,
-        set: &["layers=1", "hidden=768", "heads=12", "seq=512", "batch=8", "vocab=30522", "context=512"],
-        steps: STEPS,
-    },
+    gpt2(&["layers=1", "hidden=256", "heads=4", "seq=256", "batch=8", "vocab=8192"]),
+    gpt2(&["layers=1", "hidden=512", "heads=8", "seq=512", "batch=8", "vocab=16384"]),
+    gpt2(&["layers=1", "hidden=1024", "heads=16", "seq=1024", "batch=4", "vocab=50257"]),
+    gpt2(&["layers=1", "hidden=1536", "heads=12", "seq=1024", "batch=8", "vocab=32000"]),
+    llama(&[
+        "layers=1",
+        "hidden=1024",
+        "heads=16",
+        "kv_heads=4",
+        "ffn=2816",
+        "seq=1024",
+        "batch=4",
+        "vocab=32000",
+        "context=1024",
+    ]),
+    llama(&[
+        "layers=1",
+        "hidden=512",
+        "heads=8",
+        "kv_heads=2",
+        "ffn=1408",
+        "seq=512",
+        "batch=8",
+        "vocab=16384",
+        "context=512",
+    ]),
+    llama(&[
+        "layers=1",
+        "hidden=512",
+        "heads=8",
+        "kv_heads=2",
+        "ffn=1408",
+        "seq=2048",
+        "batch=2",
+        "vocab=16384",
+        "context=2048",
+    ]),
+    gpt2(&["layers=1", "hidden=512", "heads=8", "seq=2048", "batch=2", "vocab=16384", "context=2048"]),
+    bert(&["layers=1", "hidden=512", "heads=8", "seq=256", "batch=16", "vocab=16384", "context=256"]),
+    bert(&["layers=1", "hidden=768", "heads=12", "seq=512", "batch=8", "vocab=30522", "context=512"]),
 ];
+
+/// A GPT-2 workload of [`STEPS`] steps with overrides `set`.
+const fn gpt2(set: &'static [&'static str]) -> Workload {
+    Workload { model: "gpt2", source: GPT2, set, steps: STEPS }
+}
+
+/// A Llama workload of [`STEPS`] steps with overrides `set`.
+const fn llama(set: &'static [&'static str]) -> Workload {
+    Workload { model: "llama", source: LLAMA, set, steps: STEPS }
+}
+
+/// A BERT workload of [`STEPS`] steps with overrides `set`.
+const fn bert(set: &'static [&'static str]) -> Workload {
+    Workload { model: "bert", source: BERT, set, steps: STEPS }
+}
 
 /// The model whose meshes on the one GPU fit the cost each device's kernels and collectives add when
 /// several devices share it.
