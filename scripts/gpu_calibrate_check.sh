@@ -5,7 +5,7 @@
 # `simulate --hardware gpu.toml` against measured steps on models and meshes the calibration did not run
 # (scripts/gpu_measurements/simulate_check.py). Optional steps: PROFILE=1, GPU-timed profiles of bf16
 # GPT-2 small and TinyLlama steps; BASELINE=PATH, TinyLlama's step with an older optimusc beside this
-# one (scripts/gpu_measurements/steps_ab.py), which also takes over the calibration and the check if
+# one (scripts/steps_ab.py), which also takes over the calibration and the check if
 # this build's kernel tests fail. CUDA_RUN_FILTER picks run tests. Run scripts/gpu_prepare.sh first
 # where Rust is and bring .gpu/ along. Results go to $OUT: logs (the small ones in measurements.log),
 # gpu.toml, samples.jsonl, simulate.jsonl and ab.jsonl (the raw results to commit under bench/results/).
@@ -24,7 +24,7 @@ if [ -n "${BASELINE:-}" ] && ! grep -q "^test result: ok" "$OUT/cuda_kernels.log
 fi
 run_step cuda_run 240 "$BIN/cuda_run" --test-threads=2 ${CUDA_RUN_FILTER:-}
 if [ -n "${BASELINE:-}" ]; then
-    run_step tinyllama_ab 120 python3 scripts/gpu_measurements/steps_ab.py --new "$BIN/optimusc" --baseline "$BASELINE" \
+    run_step tinyllama_ab 120 python3 scripts/steps_ab.py --new "$BIN/optimusc" --baseline "$BASELINE" \
         --label tinyllama --jsonl "$OUT/ab.jsonl" -- examples/tinyllama.opt --backend cuda --precision bf16 \
         --set batch=4 --lr 1e-4
 fi

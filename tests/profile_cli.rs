@@ -143,7 +143,20 @@ fn losses_with_products(blas: Option<&str>, extra: &[&str]) -> ProductsRun {
 
 /// As [`losses_with_products`], on `mesh` with `pool` kernel threads (`RAYON_NUM_THREADS`) if given.
 fn losses_with_products_on(mesh: &str, blas: Option<&str>, extra: &[&str], pool: Option<usize>) -> ProductsRun {
+    losses_with_products_env(mesh, blas, extra, (pool, None))
+}
+
+/// As [`losses_with_products_on`], with the CPU's vectors capped at `isa` (`OPTIMUS_CPU_ISA`) if given.
+fn losses_with_products_env(
+    mesh: &str,
+    blas: Option<&str>,
+    extra: &[&str],
+    (pool, isa): (Option<usize>, Option<&str>),
+) -> ProductsRun {
     let mut command = Command::new(env!("CARGO_BIN_EXE_optimusc"));
+    if let Some(isa) = isa {
+        command.env("OPTIMUS_CPU_ISA", isa);
+    }
     command.args(["run", "examples/gpt2.opt", "--mesh", mesh, "--steps", "3", "--profile", "--json"]);
     if let Some(threads) = pool {
         command.env("RAYON_NUM_THREADS", threads.to_string());
@@ -194,6 +207,27 @@ fn our_avx2_kernel_trains_as_faer_does_with_the_same_bits_on_any_pool_size() {
     assert!(mesh.optimus_calls > 0);
     let bf16 = losses_with_products_on("2x2", Some("optimus"), &["--precision", "bf16"], Some(2));
     assert_eq!(bf16.optimus_calls, 0, "bf16 products in our kernel");
+}
+
+/// On a CPU whose widest vectors are AVX2 (here the cap) with OpenBLAS, the default runs each product
+/// in the library measured faster for its shape: one-panel products with a left operand read by rows
+/// in our kernel, the others (weight gradients among them) in OpenBLAS; it trains as faer does.
+#[test]
+fn on_avx2_openblas_and_our_kernel_share_the_products_and_train_as_faer_does() {
+    let mixed = losses_with_products_env("2x2", None, &[], (Some(2), Some("avx2")));
+    if !mixed.library.contains(" and optimus AVX2") {
+        // No OpenBLAS, or no AVX2 and FMA: one library (or faer) runs every product.
+        assert!(mixed.optimus_calls == 0 || mixed.openblas_calls == 0, "{}", mixed.library);
+        return;
+    }
+    assert!(mixed.library.starts_with("OpenBLAS"), "{}", mixed.library);
+    assert!(mixed.optimus_calls > 0 && mixed.openblas_calls > 0, "{} / {}", mixed.optimus_calls, mixed.openblas_calls);
+    let faer = losses_with_products_env("2x2", Some("faer"), &[], (Some(2), Some("avx2")));
+    for (a, b) in faer.losses.iter().zip(&mixed.losses) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "faer {:?} against {:?}", faer.losses, mixed.losses);
+    }
+    let again = losses_with_products_env("2x2", None, &[], (Some(2), Some("avx2")));
+    assert_eq!(mixed.losses, again.losses, "the same pool size gives the same bits");
 }
 
 #[test]

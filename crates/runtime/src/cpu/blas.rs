@@ -5,14 +5,15 @@
 //! faer runs at 25-60% of the peak: the tied head's (8192x1024x256) ran at 43-53 GFLOP/s in faer and
 //! 113-127 in OpenBLAS, and whole steps ran 1.05-1.41x faster (`scripts/bench_products.sh`). Our
 //! kernel is level with OpenBLAS's Haswell kernels on hidden-256 shapes and slower on wider ones (see
-//! its module), so it runs only where OpenBLAS is missing, or when asked for. Nothing is needed at
-//! build time.
+//! its module): beside OpenBLAS on a CPU whose widest vectors are AVX2 it takes only the products it
+//! was measured faster on ([`super::sgemm::outruns_openblas`]), and runs every product only where
+//! OpenBLAS is missing, or when asked for. Nothing is needed at build time.
 //!
 //! OpenBLAS is held to one thread per call: the kernel pool splits large products itself, by blocks
 //! of output rows, so results depend only on the pool's size, as with faer, and concurrent calls from
 //! the pool's workers do not fight over OpenBLAS's own threads. `OPTIMUS_BLAS` chooses: `faer`;
-//! `optimus` (our kernel wherever the CPU has AVX2 and FMA, beside OpenBLAS and on AVX-512 too); a
-//! path (that OpenBLAS). The bf16 emulation's products stay in faer ([`faer_only`]).
+//! `optimus` (our kernel for every product it runs, wherever the CPU has AVX2 and FMA, on AVX-512 too);
+//! a path (that OpenBLAS alone). The bf16 emulation's products stay in faer ([`faer_only`]).
 
 use faer::{MatMut, MatRef};
 use std::cell::Cell;
@@ -77,6 +78,8 @@ pub enum Products {
     /// Our AVX2 kernel ([`super::sgemm`]).
     Optimus,
     OpenBlas(&'static Blas),
+    /// OpenBLAS, with our kernel for the products it runs faster ([`super::sgemm::outruns_openblas`]).
+    Mixed(&'static Blas),
     Faer,
 }
 
@@ -92,14 +95,19 @@ impl Products {
         alpha: f32,
     ) {
         let mut dst = dst;
-        let done = match self {
-            Products::Optimus => super::sgemm::product(dst.as_mut(), lhs, rhs, accumulate, alpha),
-            Products::OpenBlas(blas) => blas.product(dst.as_mut(), lhs, rhs, accumulate, alpha),
-            Products::Faer => false,
+        let ours = match self {
+            Products::Optimus => true,
+            Products::Mixed(_) => super::sgemm::outruns_openblas(dst.as_ref(), lhs),
+            Products::OpenBlas(_) | Products::Faer => false,
         };
-        if done {
-            let count = if matches!(self, Products::Optimus) { &OPTIMUS_CALLS } else { &BLAS_CALLS };
-            count.fetch_add(1, Ordering::Relaxed);
+        if ours && super::sgemm::product(dst.as_mut(), lhs, rhs, accumulate, alpha) {
+            OPTIMUS_CALLS.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if let Products::OpenBlas(blas) | Products::Mixed(blas) = self
+            && blas.product(dst.as_mut(), lhs, rhs, accumulate, alpha)
+        {
+            BLAS_CALLS.fetch_add(1, Ordering::Relaxed);
             return;
         }
         count_faer_call();
@@ -123,7 +131,8 @@ fn chosen() -> Products {
         match (pick(choice(), loaded().is_some(), ours), loaded()) {
             (Library::Optimus, _) => Products::Optimus,
             (Library::OpenBlas, Some(blas)) => Products::OpenBlas(blas),
-            (Library::OpenBlas | Library::Faer, _) => Products::Faer,
+            (Library::Mixed, Some(blas)) => Products::Mixed(blas),
+            (Library::OpenBlas | Library::Mixed | Library::Faer, _) => Products::Faer,
         }
     })
 }
@@ -140,6 +149,8 @@ struct Ours {
 enum Library {
     Optimus,
     OpenBlas,
+    /// OpenBLAS and our kernel, each on the products it runs faster.
+    Mixed,
     Faer,
 }
 
@@ -148,6 +159,7 @@ fn pick(choice: &Choice, openblas: bool, ours: Ours) -> Library {
     match choice {
         Choice::Optimus if ours.present => Library::Optimus,
         Choice::Faer => Library::Faer,
+        Choice::Best if openblas && ours.widest => Library::Mixed,
         _ if openblas => Library::OpenBlas,
         Choice::Best | Choice::Optimus if ours.widest => Library::Optimus,
         _ => Library::Faer,
@@ -157,7 +169,8 @@ fn pick(choice: &Choice, openblas: bool, ours: Ours) -> Library {
 /// What `OPTIMUS_BLAS` asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Choice {
-    /// Unset: OpenBLAS where found, else our kernel where the CPU's widest vectors are AVX2, else faer.
+    /// Unset: OpenBLAS where found (beside our kernel where the CPU's widest vectors are AVX2), else our
+    /// kernel on such CPUs, else faer.
     Best,
     Faer,
     /// Our kernel wherever the CPU has AVX2 and FMA (on AVX-512 too); as `Best` elsewhere.
@@ -229,6 +242,7 @@ pub fn product_library() -> String {
     match for_this_thread() {
         Products::Optimus => super::sgemm::DESCRIPTION.to_string(),
         Products::OpenBlas(blas) => blas.description.clone(),
+        Products::Mixed(blas) => format!("{} and {}", blas.description, super::sgemm::DESCRIPTION),
         Products::Faer => "faer".to_string(),
     }
 }
@@ -388,12 +402,13 @@ mod tests {
     }
 
     #[test]
-    fn openblas_comes_first_then_our_kernel_on_avx2_then_faer() {
+    fn openblas_beside_our_kernel_on_avx2_then_openblas_then_our_kernel_then_faer() {
         let avx2 = Ours { present: true, widest: true };
         let avx512 = Ours { present: true, widest: false };
         let neither = Ours { present: false, widest: false };
         let path = Choice::Library("/opt/libopenblas.so".into());
-        assert_eq!(pick(&Choice::Best, true, avx2), Library::OpenBlas);
+        assert_eq!(pick(&Choice::Best, true, avx2), Library::Mixed);
+        assert_eq!(pick(&Choice::Best, true, avx512), Library::OpenBlas);
         assert_eq!(pick(&Choice::Best, false, avx2), Library::Optimus);
         assert_eq!(pick(&Choice::Best, false, avx512), Library::Faer);
         assert_eq!(pick(&Choice::Best, false, neither), Library::Faer);

@@ -126,6 +126,18 @@ pub fn product(dst: MatMut<'_, f32>, lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>,
     true
 }
 
+/// Whether this kernel runs the product into `dst` with left operand `lhs` faster than OpenBLAS's
+/// Haswell kernels (measured on GPT-2 shapes under the AVX2 cap): one panel deep (k at most [`KC`]),
+/// its left operand read by rows once the output is row-major, and a tile's rows at least. Deeper
+/// products read their output back between panels, and a left operand read by columns (a weight
+/// gradient's) costs this kernel's packing more than OpenBLAS's.
+pub fn outruns_openblas(dst: MatRef<'_, f32>, lhs: MatRef<'_, f32>) -> bool {
+    let (m, k) = (dst.nrows(), lhs.ncols());
+    // A column-major output would make rhs^T the left operand: those products stay in OpenBLAS.
+    let row_major_output = dst.col_stride() == 1 || dst.ncols() == 1;
+    row_major_output && lhs.col_stride() == 1 && k <= KC && m >= MR
+}
+
 /// The product's dimensions: dst is m x n, the inner dimension k.
 #[derive(Clone, Copy)]
 struct Sizes {
@@ -471,6 +483,28 @@ mod x86 {
 mod tests {
     use super::*;
     use faer::Mat;
+
+    /// A row-major [r, c] view of a column-major [c, r] matrix.
+    fn rows(m: &Mat<f32>) -> MatRef<'_, f32> {
+        m.as_ref().transpose()
+    }
+
+    #[test]
+    fn it_takes_one_panel_products_whose_left_operand_it_reads_by_rows() {
+        // faer's matrices are column-major: the transpose of a [c, r] one is a row-major [r, c] view.
+        let (out, out_by_columns) = (Mat::<f32>::zeros(32, 64), Mat::<f32>::zeros(64, 32));
+        let (a, a_by_columns) = (Mat::<f32>::zeros(KC, 64), Mat::<f32>::zeros(64, KC));
+        let (deep, short_out, short_a) =
+            (Mat::<f32>::zeros(KC + 1, 64), Mat::<f32>::zeros(32, MR - 1), Mat::<f32>::zeros(KC, MR - 1));
+        assert!(outruns_openblas(rows(&out), rows(&a)), "one panel, both by rows");
+        assert!(!outruns_openblas(rows(&out), rows(&deep)), "deeper than a panel");
+        assert!(
+            !outruns_openblas(rows(&out), a_by_columns.as_ref()),
+            "a left operand by columns (a weight gradient's)"
+        );
+        assert!(!outruns_openblas(out_by_columns.as_ref(), rows(&a)), "a column-major output");
+        assert!(!outruns_openblas(rows(&short_out), rows(&short_a)), "fewer rows than a tile");
+    }
 
     /// Deterministic values in [-1, 1) with no pattern a blocking could hide behind.
     fn values(seed: u64, len: usize) -> Vec<f32> {

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Step times of two optimusc builds on the same run, alternating, in one call: a before/after.
+"""Step times of two optimusc builds (or one build with and without an environment setting) on the same
+run, alternating, in one call: a before/after, on a GPU or the CPU.
 
-Usage: python3 scripts/gpu_measurements/steps_ab.py --new PATH --baseline PATH [--rounds 2] [--steps 6]
-           [--warmup 2] [--label NAME] [--jsonl FILE] -- RUN ARGS...
+Usage: python3 scripts/steps_ab.py --new PATH [--baseline PATH] [--baseline-env VAR=VALUE]
+           [--rounds 2] [--steps 6] [--warmup 2] [--label NAME] [--jsonl FILE] -- RUN ARGS...
 
-Runs `optimusc run RUN ARGS... --steps S --json` with each build, alternating, --rounds times; a run's
+Runs `optimusc run RUN ARGS... --steps S --json` with each build, alternating, --rounds times (the
+baseline is --baseline, else --new; --baseline-env settings apply to the baseline's runs only); a run's
 step time is the median of the differences of `elapsed_s` after --warmup steps. Prints one line per
 run and the faster round of each build; --jsonl appends one JSON record per run (raw results).
 """
@@ -12,14 +14,15 @@ run and the faster round of each build; --jsonl appends one JSON record per run 
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
 
 
-def step_time(optimusc, run_args, steps, warmup):
+def step_time(optimusc, run_args, steps, warmup, env=None):
     command = [optimusc, "run", *run_args, "--steps", str(warmup + steps), "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()[-400:]}")
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{\"elapsed_s\"")]
@@ -33,7 +36,9 @@ def step_time(optimusc, run_args, steps, warmup):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new", required=True)
-    parser.add_argument("--baseline", required=True)
+    parser.add_argument("--baseline", help="the older build (default: --new)")
+    parser.add_argument("--baseline-env", action="append", default=[], metavar="VAR=VALUE",
+                        help="set for the baseline's runs only (repeatable)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
@@ -42,11 +47,13 @@ def main():
     parser.add_argument("run_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
+    baseline_env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.baseline_env))
+    builds = (("baseline", args.baseline or args.new, baseline_env), ("new", args.new, None))
     best = {}
     for round_ in range(1, args.rounds + 1):
-        for build, path in (("baseline", args.baseline), ("new", args.new)):
+        for build, path, env in builds:
             try:
-                seconds, loss = step_time(path, run_args, args.steps, args.warmup)
+                seconds, loss = step_time(path, run_args, args.steps, args.warmup, env)
             except RuntimeError as e:
                 print(f"{args.label} {build} round {round_}: failed: {e}", flush=True)
                 continue
@@ -54,7 +61,9 @@ def main():
             print(f"{args.label} {build} round {round_}: {seconds * 1e3:.2f} ms a step, last loss {loss:.4f}",
                   flush=True)
             if args.jsonl:
-                record = {"system": f"optimusc {build}", "label": args.label, "args": run_args, "round": round_,
+                setting = args.baseline_env if build == "baseline" else []
+                record = {"system": f"optimusc {build}", "label": args.label, "args": run_args, "env": setting,
+                          "round": round_,
                           "step_s": seconds, "last_loss": loss, "date": datetime.date.today().isoformat()}
                 with open(args.jsonl, "a", encoding="utf-8") as out:
                     out.write(json.dumps(record) + "\n")
