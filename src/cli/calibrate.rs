@@ -256,13 +256,30 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         collectives,
         host_copies: Some(measure::host_copies(5)),
     };
-    let mut hw = assemble(args, measured);
+    let hw = assemble(args, measured);
+    finish_with_shared_engine(args, hw, (meshes, &CPU_SHARED, "shared engine"), &progress, raw)
+}
+
+/// The end of both backends' calibrations: the shared engine's runs on `meshes` (trained, then run
+/// for inference), its dispatch and rendezvous costs fitted into `hw`, and the raw measurements
+/// written (`--samples`). `what` names the runs in the progress lines.
+fn finish_with_shared_engine(
+    args: &CalibrateArgs,
+    mut hw: Hardware,
+    (meshes, setup, what): (&[(Mesh, Strategy)], &SharedSetup, &str),
+    progress: &Progress,
+    mut raw: RawSamples,
+) -> Result<Hardware, String> {
     let mut runs = Vec::new();
     for mode in [Mode::Train, Mode::Infer] {
         for &(mesh, strategy) in meshes {
             let infer = if mode == Mode::Infer { " infer" } else { "" };
-            progress.phase(&format!("shared engine: {} on {mesh}{infer}", strategy.name()));
-            runs.push(shared_run(&hw, (mesh, strategy), mode, &CPU_SHARED)?);
+            let name = format!("{what}: {} on {mesh}{infer}", strategy.name());
+            progress.phase(&name);
+            let run = shared_run(&hw, (mesh, strategy), mode, setup)?;
+            let (step, alone) = (run.measured * 1e3, run.predicted * 1e3);
+            progress.phase(&format!("{name}: {step:.2} ms a step, {alone:.2} ms from the kernels alone"));
+            runs.push(run);
             progress.advance();
         }
     }

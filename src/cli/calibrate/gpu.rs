@@ -2,8 +2,8 @@
 //! one-device runs of built-in models at GPU sizes, and the cost of meshes whose devices share that GPU.
 
 use super::{
-    BERT, CalibrateArgs, GPT2, LLAMA, Progress, RawSamples, SharedRun, SharedSetup, Workload, fit_shared_engine,
-    one_device_plan, rounded, shared_run,
+    BERT, CalibrateArgs, GPT2, LLAMA, Progress, RawSamples, SharedSetup, Workload, finish_with_shared_engine,
+    one_device_plan,
 };
 use optimus::calibrate as measure;
 use optimus::cost::calibration::{DEFAULT_KERNEL, KernelFit, Measured};
@@ -139,7 +139,7 @@ pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
         all.push(samples);
     }
     let samples = measure::median_of(all);
-    let mut raw = RawSamples::kernels("gpu", &samples);
+    let raw = RawSamples::kernels("gpu", &samples);
     let kernels = measure::fit_kernels(&samples);
     let measured = Measured {
         runtime: "cuda".into(),
@@ -153,30 +153,8 @@ pub fn measure_gpu(args: &CalibrateArgs) -> Result<Hardware, String> {
         collectives: Vec::new(),
         host_copies: None,
     };
-    let mut hw = assemble(args, (gpu.name, gpu.memory_bytes), measured);
-    let mut shared: Vec<SharedRun> = Vec::new();
-    for mode in [Mode::Train, Mode::Infer] {
-        for &(mesh, strategy) in meshes {
-            let infer = if mode == Mode::Infer { " infer" } else { "" };
-            progress.phase(&format!("devices sharing the GPU: {} on {mesh}{infer}", strategy.name()));
-            let run = shared_run(&hw, (mesh, strategy), mode, &GPU_SHARED)?;
-            progress.phase(&format!(
-                "devices sharing the GPU: {} on {mesh}{infer}: {:.2} ms a step, {:.2} ms from the kernels alone",
-                strategy.name(),
-                run.measured * 1e3,
-                run.predicted * 1e3
-            ));
-            shared.push(run);
-            progress.advance();
-        }
-    }
-    progress.finish();
-    if let Some(m) = hw.measured.as_mut() {
-        (m.dispatch, m.rendezvous) = fit_shared_engine(&shared);
-    }
-    raw.extend(RawSamples::shared(&shared));
-    raw.write(args)?;
-    Ok(rounded(hw))
+    let hw = assemble(args, (gpu.name, gpu.memory_bytes), measured);
+    finish_with_shared_engine(args, hw, (meshes, &GPU_SHARED, "devices sharing the GPU"), &progress, raw)
 }
 
 /// The profile of the GPU: the measured section, and the classic fields filled from it. The peaks are
