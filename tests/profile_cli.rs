@@ -240,6 +240,18 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
     for (a, b) in faer.losses.iter().zip(&default.losses) {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "faer {:?} against {:?}", faer.losses, default.losses);
     }
+    // Each sequential product is counted once, in the library that ran it: the same run splits its
+    // products alike whatever the library, so the calls add up to faer's.
+    assert_eq!(
+        default.openblas_calls + default.faer_calls + default.optimus_calls,
+        faer.faer_calls,
+        "{} calls ({} OpenBLAS, {} ours, {} faer) against faer's {}",
+        default.library,
+        default.openblas_calls,
+        default.optimus_calls,
+        default.faer_calls,
+        faer.faer_calls
+    );
     if default.library.starts_with("OpenBLAS") {
         // The linears' products ran in OpenBLAS; attention's stay in faer.
         assert!(

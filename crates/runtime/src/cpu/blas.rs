@@ -104,10 +104,10 @@ impl Products {
             OPTIMUS_CALLS.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        // `Blas::product` counts its own calls.
         if let Products::OpenBlas(blas) | Products::Mixed(blas) = self
             && blas.product(dst.as_mut(), lhs, rhs, accumulate, alpha)
         {
-            BLAS_CALLS.fetch_add(1, Ordering::Relaxed);
             return;
         }
         count_faer_call();
