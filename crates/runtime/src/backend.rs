@@ -195,9 +195,9 @@ pub struct FirstGpu {
 }
 
 /// The first GPU's name and memory, and how many GPUs there are; why not where this build has no CUDA
-/// backend or this machine no usable GPU.
+/// backend or this machine no usable GPU (as [`BackendKind::check_available`] says it, which a command
+/// calls first).
 pub fn first_gpu() -> Result<FirstGpu, String> {
-    BackendKind::Cuda.check_available()?;
     #[cfg(feature = "cuda")]
     {
         let visible = super::cuda::probe().map_err(|e| e.to_string())?;
@@ -205,7 +205,11 @@ pub fn first_gpu() -> Result<FirstGpu, String> {
         Ok(FirstGpu { name, memory_bytes, visible })
     }
     #[cfg(not(feature = "cuda"))]
-    Err("this optimusc was built without the CUDA backend".into())
+    {
+        // Says how to build one.
+        BackendKind::Cuda.check_available()?;
+        Err("this optimusc was built without the CUDA backend".into())
+    }
 }
 
 /// Which backend a run's devices use.

@@ -42,14 +42,14 @@ impl GpuTimer {
     pub fn begin(&mut self, kernels: &CudaKernels, stream: &CudaStream) -> Result<(), RuntimeError> {
         self.last = None;
         kernels.hold_stream(HOLD_CYCLES).map_err(RuntimeError::Kernel)?;
-        self.start.record(stream).map_err(|e| gpu(driver("recording the profile's start event")(e)))
+        Ok(self.start.record(stream).map_err(driver("recording the profile's start event"))?)
     }
 
     /// After the instruction's launches: marks its end, waits for the GPU to reach it, and keeps the
     /// time between the two marks.
     pub fn end(&mut self, stream: &CudaStream) -> Result<(), RuntimeError> {
-        self.stop.record(stream).map_err(|e| gpu(driver("recording the profile's stop event")(e)))?;
-        let ms = self.start.elapsed_ms(&self.stop).map_err(|e| gpu(driver("waiting for the profile's events")(e)))?;
+        self.stop.record(stream).map_err(driver("recording the profile's stop event"))?;
+        let ms = self.start.elapsed_ms(&self.stop).map_err(driver("waiting for the profile's events"))?;
         self.last = Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) * 1e-3));
         Ok(())
     }
@@ -58,8 +58,4 @@ impl GpuTimer {
     pub fn take(&mut self) -> Option<Duration> {
         self.last.take()
     }
-}
-
-fn gpu(error: DeviceError) -> RuntimeError {
-    RuntimeError::from(error)
 }
