@@ -239,9 +239,24 @@ fn calibrate_writes_a_profile_that_simulate_reads() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let path = dir.path().join("here.toml");
     let bin = env!("CARGO_BIN_EXE_optimusc");
-    let out = Command::new(bin).args(["calibrate", "--quick", "--name", "test-host", "-o"]).arg(&path).output();
+    let samples = dir.path().join("samples.jsonl");
+    let out = Command::new(bin)
+        .args(["calibrate", "--quick", "--name", "test-host", "-o"])
+        .arg(&path)
+        .arg("--samples")
+        .arg(&samples)
+        .output();
     let out = out.expect("optimusc runs");
     assert!(out.status.success(), "calibrate failed: {}", String::from_utf8_lossy(&out.stderr));
+    // The raw measurements: a line per timed kernel instruction and per shared-engine run.
+    let raw = std::fs::read_to_string(&samples).expect("the samples were written");
+    let lines: Vec<serde_json::Value> = raw.lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+    let kernels = lines.iter().filter(|l| l["kind"] == "kernel").count();
+    let shared: Vec<_> = lines.iter().filter(|l| l["kind"] == "shared").collect();
+    assert!(kernels > 100 && kernels + shared.len() == lines.len(), "{kernels} kernel lines of {}", lines.len());
+    assert!(lines.iter().filter(|l| l["kind"] == "kernel").all(|l| l["sample"]["seconds"].as_f64() > Some(0.0)));
+    assert_eq!(shared.len(), 2, "the quick shared-engine runs, trained and for inference");
+    assert!(shared.iter().all(|r| r["measured_s"].as_f64() > Some(0.0) && r["devices"] == 4), "{shared:?}");
     let text = std::fs::read_to_string(&path).expect("the profile was written");
     let hw = match Hardware::parse(&text, "here.toml") {
         Ok(hw) => hw,
@@ -281,6 +296,40 @@ fn calibrate_refuses_an_unwritable_destination_before_measuring() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent-dir/here.toml") && !err.contains("calibrate: kernels"), "{err}");
+    // The same for the raw measurements' file.
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(["calibrate", "--samples", "/nonexistent-dir/samples.jsonl", "-o"])
+        .arg(dir.path().join("here.toml"))
+        .output()
+        .expect("optimusc runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent-dir/samples.jsonl") && !err.contains("calibrate: kernels"), "{err}");
+}
+
+/// `calibrate --backend cuda` measures a GPU; on a machine or a build without one it says why (exit 1)
+/// before measuring anything, and writes nothing.
+#[test]
+fn calibrating_a_gpu_where_there_is_none_says_why_and_writes_nothing() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let (profile, samples) = (dir.path().join("gpu.toml"), dir.path().join("samples.jsonl"));
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(["calibrate", "--backend", "cuda", "--quick", "-o"])
+        .arg(&profile)
+        .arg("--samples")
+        .arg(&samples)
+        .output()
+        .expect("optimusc runs");
+    if out.status.success() {
+        // A machine with a GPU: it calibrated.
+        assert!(profile.exists() && samples.exists());
+        return;
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("error: calibrate --backend cuda:") && err.contains("CUDA"), "{err}");
+    assert!(!err.contains("GPU kernels") && !profile.exists() && !samples.exists(), "{err}");
 }
 
 /// A kernel kind seen at one size gets no fit of its own (one size says nothing of how its time grows:
