@@ -19,9 +19,13 @@ Runs on a GPU machine; not part of the test suite.
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from steps_ab import step_time  # noqa: E402  (scripts/steps_ab.py: the median step of a run)
 
 GPT2_SMALL = {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "seq": 1024, "context": 1024,
               "batch": 8, "pdrop": "0.0"}
@@ -56,17 +60,7 @@ def target(point):
 
 
 def measured_step(optimusc, point, steps, warmup):
-    command = [optimusc, "run", *target(point), "--backend", "cuda", "--steps", str(warmup + steps), "--json",
-               "--lr", "1e-4"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()[-400:]}")
-    elapsed = [json.loads(line)["elapsed_s"] for line in done.stdout.splitlines()
-               if line.startswith("{") and "elapsed_s" in line]
-    times = [b - a for a, b in zip(elapsed, elapsed[1:])][max(warmup - 1, 0):]
-    if not times:
-        raise RuntimeError("the run printed too few steps to time")
-    return statistics.median(times)
+    return step_time(optimusc, [*target(point), "--backend", "cuda", "--lr", "1e-4"], steps, warmup)[0]
 
 
 def predicted_step(optimusc, point, profile):
