@@ -223,26 +223,47 @@ const REDUCE_CHUNK: usize = 1024;
 
 /// `out` = `parts[..][at..at + out.len()]` combined by `op` in member order, in f32 (each element
 /// widened, summed or maxed in f32 from member 0 on, and narrowed once), through a fixed-size f32
-/// accumulator. For f32 elements this is the plain f32 reduction in member order.
+/// accumulator. For f32 elements this is the plain f32 reduction in member order. Every part must hold
+/// at least `at` elements (and, to fill `out`, `at + out.len()`).
 pub fn reduce_into<T: Payload>(parts: &[&[T]], at: usize, out: &mut [T], op: ReduceOp) {
-    let Some((first, rest)) = parts.split_first() else { return };
-    let mut acc = [0.0f32; REDUCE_CHUNK];
-    for (c, out) in out.chunks_mut(REDUCE_CHUNK).enumerate() {
-        let start = at + c * REDUCE_CHUNK;
-        let acc = &mut acc[..out.len()];
-        for (a, v) in acc.iter_mut().zip(&first[start..]) {
-            *a = v.widen();
-        }
-        for p in rest {
-            for (a, v) in acc.iter_mut().zip(&p[start..]) {
-                *a = match op {
-                    ReduceOp::Sum => *a + v.widen(),
-                    ReduceOp::Max => a.max(v.widen()),
-                };
+    match op {
+        ReduceOp::Sum => reduce_with(parts, at, out, |a, b| a + b),
+        ReduceOp::Max => reduce_with(parts, at, out, f32::max),
+    }
+}
+
+/// [`reduce_into`] with `combine(accumulated, next)`. Two parts take one pass (no accumulator), more
+/// take a pass per part over an accumulator chunk, the first two and the last fused into their
+/// neighbours' passes; the order of the operations per element is the same either way.
+fn reduce_with<T: Payload>(parts: &[&[T]], at: usize, out: &mut [T], combine: impl Fn(f32, f32) -> f32) {
+    match parts {
+        [] => {}
+        [only] => {
+            for (o, v) in out.iter_mut().zip(&only[at..]) {
+                *o = T::narrow(v.widen());
             }
         }
-        for (o, a) in out.iter_mut().zip(acc.iter()) {
-            *o = T::narrow(*a);
+        [first, second] => {
+            for ((o, a), b) in out.iter_mut().zip(&first[at..]).zip(&second[at..]) {
+                *o = T::narrow(combine(a.widen(), b.widen()));
+            }
+        }
+        [first, second, middle @ .., last] => {
+            let mut acc = [0.0f32; REDUCE_CHUNK];
+            for (c, out) in out.chunks_mut(REDUCE_CHUNK).enumerate() {
+                let (start, acc) = (at + c * REDUCE_CHUNK, &mut acc[..out.len()]);
+                for ((s, a), b) in acc.iter_mut().zip(&first[start..]).zip(&second[start..]) {
+                    *s = combine(a.widen(), b.widen());
+                }
+                for p in middle {
+                    for (s, v) in acc.iter_mut().zip(&p[start..]) {
+                        *s = combine(*s, v.widen());
+                    }
+                }
+                for ((o, s), v) in out.iter_mut().zip(acc.iter()).zip(&last[start..]) {
+                    *o = T::narrow(combine(*s, v.widen()));
+                }
+            }
         }
     }
 }
@@ -384,4 +405,50 @@ pub fn combine<T: Payload>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values with a fractional part that rounding cares about, different for each member.
+    fn member(m: usize, len: usize) -> Vec<f32> {
+        (0..len).map(|i| ((i * 37 + m * 101) % 997) as f32 / 7.0 - 60.0 + m as f32 * 0.3).collect()
+    }
+
+    /// The reduction as its contract says: widened, combined in member order, narrowed once.
+    fn folded<T: Payload>(parts: &[&[T]], at: usize, len: usize, op: ReduceOp) -> Vec<T> {
+        (at..at + len)
+            .map(|i| {
+                let mut acc = parts[0][i].widen();
+                for p in &parts[1..] {
+                    acc = match op {
+                        ReduceOp::Sum => acc + p[i].widen(),
+                        ReduceOp::Max => acc.max(p[i].widen()),
+                    };
+                }
+                T::narrow(acc)
+            })
+            .collect()
+    }
+
+    fn check<T: Payload + PartialEq + std::fmt::Debug>(of: impl Fn(f32) -> T) {
+        // Lengths across the accumulator's chunk boundary, from an offset, for one to five members.
+        let (len, at) = (2 * REDUCE_CHUNK + 37, 5);
+        for members in 1..=5 {
+            let owned: Vec<Vec<T>> = (0..members).map(|m| member(m, at + len).into_iter().map(&of).collect()).collect();
+            let parts: Vec<&[T]> = owned.iter().map(Vec::as_slice).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let mut out = vec![T::default(); len];
+                reduce_into(&parts, at, &mut out, op);
+                assert_eq!(out, folded(&parts, at, len, op), "{members} members, {op:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn reductions_combine_members_in_order_and_round_once() {
+        check(|x| x);
+        check(crate::bf16::round);
+    }
 }

@@ -1,7 +1,9 @@
 //! The in-process communicator: one thread per device, collectives by rendezvous on shared memory.
 //! Every wait has a timeout, and a failed device wakes all others, so a broken run never hangs.
 
-use crate::comm::{CollectiveSpec, CommError, Communicator, InPlaceBroadcasts, Payload, RawBlock, Started, combine};
+use crate::comm::{
+    CollectiveSpec, CommError, Communicator, InPlaceBroadcasts, Payload, RawBlock, Started, combine, reduce_into,
+};
 use optimus_plan::layout::MESH_AXES;
 use optimus_plan::{CollectiveKind, Coords, Group, Mesh};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -316,9 +318,85 @@ fn exchange_on<T: Payload>(
     recv: &mut [T],
 ) -> Result<(), CommError> {
     let me = spec.group.member_index(coords, fabric.mesh);
+    let members = fabric.mesh.group_size(spec.group) as usize;
+    if spec.kind == CollectiveKind::AllReduce && members > 1 && send.len() >= SPLIT_ALL_REDUCE_PER_MEMBER * members {
+        return all_reduce_split(fabric, coords, spec, send, recv);
+    }
     // A broadcast only needs the root's block; the others deposit nothing.
     let data = if spec.kind == CollectiveKind::Broadcast && spec.root != Some(me) { &send[..0] } else { send };
     fabric.exchange_in_group(spec.group, coords, data, |parts| combine(spec, me, parts, recv))?
+}
+
+/// All-reduces of at least this many elements a member are split (see [`all_reduce_split`]); smaller
+/// ones (LayerNorm statistics, a loss) are not worth the extra pointers and copies.
+const SPLIT_ALL_REDUCE_PER_MEMBER: usize = 4096;
+
+/// Where one member's blocks of a split all-reduce are, and their element size.
+#[derive(Clone, Copy)]
+struct SplitBlocks {
+    send: *const u8,
+    recv: *mut u8,
+    send_len: usize,
+    recv_len: usize,
+    bytes_per_element: usize,
+}
+
+/// An all-reduce in one round, split by range: member `m` combines range `m` of every member's send
+/// block (in member order, as [`combine`] does) into its own result and copies that range into every
+/// other member's. Each member reads `len` elements and writes `len`, instead of reading every
+/// member's whole block; each element is combined as in the unsplit reduction, so the bits are the
+/// same.
+fn all_reduce_split<T: Payload>(
+    fabric: &Fabric,
+    coords: Coords,
+    spec: &CollectiveSpec<'_>,
+    send: &[T],
+    recv: &mut [T],
+) -> Result<(), CommError> {
+    let me = spec.group.member_index(coords, fabric.mesh) as usize;
+    let len = recv.len();
+    let bytes_per_element = size_of::<T>();
+    let mine = SplitBlocks {
+        send: send.as_ptr().cast(),
+        recv: recv.as_mut_ptr().cast(),
+        send_len: send.len(),
+        recv_len: len,
+        bytes_per_element,
+    };
+    // What a wire would carry is the block, not its addresses.
+    let carried = size_of_val(send).saturating_sub(size_of::<SplitBlocks>());
+    fabric.deposited.fetch_add(carried as u64, Ordering::Relaxed);
+    fabric.exchange_in_group(spec.group, coords, std::slice::from_ref(&mine), |parts| {
+        let blocks: Vec<SplitBlocks> = parts.iter().filter_map(|p| p.first().copied()).collect();
+        if blocks.len() != parts.len() || blocks.iter().any(|b| b.bytes_per_element != bytes_per_element) {
+            return Err(CommError::MixedElements);
+        }
+        if let Some(b) = blocks.iter().find(|b| b.send_len != len || b.recv_len != len) {
+            let sent = if b.send_len != len { b.send_len } else { b.recv_len };
+            return Err(CommError::SizeMismatch { sent, expected: len });
+        }
+        let range = split_range(len, blocks.len(), me);
+        // SAFETY: every member stays inside this round, its blocks borrowed and otherwise untouched,
+        // until all have finished (see `Block`); send blocks are only read, and the members write
+        // disjoint ranges of the receive blocks, which no one reads during the round.
+        unsafe {
+            let sends: Vec<&[T]> = blocks.iter().map(|b| std::slice::from_raw_parts(b.send.cast::<T>(), len)).collect();
+            let out = std::slice::from_raw_parts_mut(mine.recv.cast::<T>().add(range.start), range.len());
+            reduce_into(&sends, range.start, out, spec.op);
+            for (_, b) in blocks.iter().enumerate().filter(|&(m, _)| m != me) {
+                std::ptr::copy_nonoverlapping(out.as_ptr(), b.recv.cast::<T>().add(range.start), range.len());
+            }
+        }
+        Ok(())
+    })?
+}
+
+/// Member `me`'s range of `len` elements split over `members`, in whole 16-element runs (cache lines
+/// of f32) where it can.
+fn split_range(len: usize, members: usize, me: usize) -> std::ops::Range<usize> {
+    let each = len.div_ceil(members.max(1)).next_multiple_of(16);
+    let start = (me * each).min(len);
+    start..(start + each).min(len)
 }
 
 impl Communicator for ThreadComm {
@@ -659,6 +737,76 @@ mod tests {
                 });
             }
         });
+    }
+
+    /// Member m's block of a large all-reduce in `round`: values whose f32 sum depends on the order.
+    fn large_block(m: usize, round: usize, n: usize) -> Vec<f32> {
+        (0..n).map(|k| ((k * 31 + m * 7 + round) % 1009) as f32 * 0.37 - 150.0 + m as f32 * 1e-3).collect()
+    }
+
+    /// All-reduces large enough to be split by range (and a length that no 16-element run divides)
+    /// give every member the reduction [`combine`] computes unsplit, bit for bit, round after round
+    /// with the send blocks overwritten as soon as each returns; a wire carries each block once.
+    fn split_all_reduce_matches_unsplit(mesh: Mesh, group: Group, op: ReduceOp) {
+        let members = mesh.devices() as usize;
+        let n = SPLIT_ALL_REDUCE_PER_MEMBER * members + 7;
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        let rounds = 20;
+        std::thread::scope(|s| {
+            for rank in 0..members {
+                let fabric = Arc::clone(&fabric);
+                s.spawn(move || {
+                    let mut comm = ThreadComm::new(fabric, mesh.coords_of(rank as u64));
+                    let me = group.member_index(comm.coords(), mesh) as usize;
+                    let full = [n as u64];
+                    let spec = CollectiveSpec::all_reduce(group, op, &full);
+                    let mut recv = vec![0.0f32; n];
+                    for round in 0..rounds {
+                        let mut send = large_block(me, round, n);
+                        comm.collective(&spec, &send, &mut recv).expect("all-reduce");
+                        send.fill(f32::NAN);
+                        let blocks: Vec<Vec<f32>> = (0..members).map(|m| large_block(m, round, n)).collect();
+                        let parts: Vec<&[f32]> = blocks.iter().map(Vec::as_slice).collect();
+                        let mut want = vec![0.0f32; n];
+                        combine(&spec, me as u64, &parts, &mut want).expect("unsplit");
+                        assert!(recv == want, "rank {rank} round {round}: split differs from unsplit");
+                    }
+                });
+            }
+        });
+        assert_eq!(fabric.bytes_deposited(), (rounds * members * n * 4) as u64);
+    }
+
+    #[test]
+    fn large_all_reduces_split_by_range_equal_the_unsplit_sum() {
+        split_all_reduce_matches_unsplit(Mesh::new(2, 2), Group::World, ReduceOp::Sum);
+        split_all_reduce_matches_unsplit(Mesh::new(1, 3), Group::Row, ReduceOp::Sum);
+        split_all_reduce_matches_unsplit(Mesh::new(2, 1), Group::Column, ReduceOp::Max);
+    }
+
+    #[test]
+    fn split_all_reduces_of_unequal_blocks_fail_on_every_member() {
+        let mesh = Mesh::new(1, 2);
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        let n = SPLIT_ALL_REDUCE_PER_MEMBER * 2;
+        let results: Vec<Result<(), CommError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2u64)
+                .map(|m| {
+                    let fabric = Arc::clone(&fabric);
+                    s.spawn(move || {
+                        let mut comm = ThreadComm::new(fabric, Coords::new(0, m, 0));
+                        let len = n + m as usize * 16;
+                        let full = [len as u64];
+                        let spec = CollectiveSpec::all_reduce(Group::Row, ReduceOp::Sum, &full);
+                        comm.collective(&spec, &vec![1.0f32; len], &mut vec![0.0f32; len])
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        for r in results {
+            assert!(matches!(r, Err(CommError::SizeMismatch { .. })), "{r:?}");
+        }
     }
 
     /// Member m's bf16 contribution to element k: values near 1 whose sums rounded at every step
