@@ -319,19 +319,20 @@ fn exchange_on<T: Payload>(
 ) -> Result<(), CommError> {
     let me = spec.group.member_index(coords, fabric.mesh);
     let members = fabric.mesh.group_size(spec.group) as usize;
-    if spec.kind == CollectiveKind::AllReduce && members > 1 && send.len() >= SPLIT_ALL_REDUCE_PER_MEMBER * members {
-        return all_reduce_split(fabric, coords, spec, send, recv);
+    let reduces = matches!(spec.kind, CollectiveKind::AllReduce | CollectiveKind::Reduce);
+    if reduces && members > 1 && send.len() >= SPLIT_REDUCTION_PER_MEMBER * members {
+        return split_reduction(fabric, coords, spec, send, recv);
     }
     // A broadcast only needs the root's block; the others deposit nothing.
     let data = if spec.kind == CollectiveKind::Broadcast && spec.root != Some(me) { &send[..0] } else { send };
     fabric.exchange_in_group(spec.group, coords, data, |parts| combine(spec, me, parts, recv))?
 }
 
-/// All-reduces of at least this many elements a member are split (see [`all_reduce_split`]); smaller
+/// Reductions of at least this many elements a member are split (see [`split_reduction`]); smaller
 /// ones (LayerNorm statistics, a loss) are not worth the extra pointers and copies.
-const SPLIT_ALL_REDUCE_PER_MEMBER: usize = 4096;
+const SPLIT_REDUCTION_PER_MEMBER: usize = 4096;
 
-/// Where one member's blocks of a split all-reduce are, and their element size.
+/// Where one member's blocks of a split reduction are, and their element size.
 #[derive(Clone, Copy)]
 struct SplitBlocks {
     send: *const u8,
@@ -341,12 +342,13 @@ struct SplitBlocks {
     bytes_per_element: usize,
 }
 
-/// An all-reduce in one round, split by range: member `m` combines range `m` of every member's send
-/// block (in member order, as [`combine`] does) into its own result and copies that range into every
-/// other member's. Each member reads `len` elements and writes `len`, instead of reading every
-/// member's whole block; each element is combined as in the unsplit reduction, so the bits are the
-/// same.
-fn all_reduce_split<T: Payload>(
+/// An all-reduce or a reduce in one round, split by range: member `m` combines range `m` of every
+/// member's send block (in member order, as [`combine`] does) into that range of the result, its own
+/// for an all-reduce (then copied into every other member's), the root's for a reduce. Each member
+/// reads `len` elements, instead of every member's whole block (an all-reduce) or the root alone
+/// reading them all (a reduce); each element is combined as in the unsplit reduction, so the bits are
+/// the same.
+fn split_reduction<T: Payload>(
     fabric: &Fabric,
     coords: Coords,
     spec: &CollectiveSpec<'_>,
@@ -354,13 +356,13 @@ fn all_reduce_split<T: Payload>(
     recv: &mut [T],
 ) -> Result<(), CommError> {
     let me = spec.group.member_index(coords, fabric.mesh) as usize;
-    let len = recv.len();
+    let len = send.len();
     let bytes_per_element = size_of::<T>();
     let mine = SplitBlocks {
         send: send.as_ptr().cast(),
         recv: recv.as_mut_ptr().cast(),
-        send_len: send.len(),
-        recv_len: len,
+        send_len: len,
+        recv_len: recv.len(),
         bytes_per_element,
     };
     // What a wire would carry is the block, not its addresses.
@@ -371,20 +373,28 @@ fn all_reduce_split<T: Payload>(
         if blocks.len() != parts.len() || blocks.iter().any(|b| b.bytes_per_element != bytes_per_element) {
             return Err(CommError::MixedElements);
         }
-        if let Some(b) = blocks.iter().find(|b| b.send_len != len || b.recv_len != len) {
-            let sent = if b.send_len != len { b.send_len } else { b.recv_len };
+        let receivers: Vec<usize> = match spec.kind {
+            CollectiveKind::Reduce => vec![spec.root.unwrap_or(0) as usize],
+            _ => (0..blocks.len()).collect(),
+        };
+        if let Some(&root) = receivers.iter().find(|&&r| r >= blocks.len()) {
+            return Err(CommError::NoSuchRoot(root as u64));
+        }
+        let short = blocks.iter().map(|b| b.send_len).chain(receivers.iter().map(|&r| blocks[r].recv_len));
+        if let Some(sent) = short.into_iter().find(|&l| l != len) {
             return Err(CommError::SizeMismatch { sent, expected: len });
         }
         let range = split_range(len, blocks.len(), me);
+        let home = if receivers.contains(&me) { me } else { receivers[0] };
         // SAFETY: every member stays inside this round, its blocks borrowed and otherwise untouched,
         // until all have finished (see `Block`); send blocks are only read, and the members write
         // disjoint ranges of the receive blocks, which no one reads during the round.
         unsafe {
             let sends: Vec<&[T]> = blocks.iter().map(|b| std::slice::from_raw_parts(b.send.cast::<T>(), len)).collect();
-            let out = std::slice::from_raw_parts_mut(mine.recv.cast::<T>().add(range.start), range.len());
+            let out = std::slice::from_raw_parts_mut(blocks[home].recv.cast::<T>().add(range.start), range.len());
             reduce_into(&sends, range.start, out, spec.op);
-            for (_, b) in blocks.iter().enumerate().filter(|&(m, _)| m != me) {
-                std::ptr::copy_nonoverlapping(out.as_ptr(), b.recv.cast::<T>().add(range.start), range.len());
+            for &r in receivers.iter().filter(|&&r| r != home) {
+                std::ptr::copy_nonoverlapping(out.as_ptr(), blocks[r].recv.cast::<T>().add(range.start), range.len());
             }
         }
         Ok(())
@@ -739,17 +749,18 @@ mod tests {
         });
     }
 
-    /// Member m's block of a large all-reduce in `round`: values whose f32 sum depends on the order.
+    /// Member m's block of a large reduction in `round`: values whose f32 sum depends on the order.
     fn large_block(m: usize, round: usize, n: usize) -> Vec<f32> {
         (0..n).map(|k| ((k * 31 + m * 7 + round) % 1009) as f32 * 0.37 - 150.0 + m as f32 * 1e-3).collect()
     }
 
-    /// All-reduces large enough to be split by range (and a length that no 16-element run divides)
-    /// give every member the reduction [`combine`] computes unsplit, bit for bit, round after round
-    /// with the send blocks overwritten as soon as each returns; a wire carries each block once.
-    fn split_all_reduce_matches_unsplit(mesh: Mesh, group: Group, op: ReduceOp) {
+    /// All-reduces and reduces (`root`) large enough to be split by range (and a length that no
+    /// 16-element run divides) give each member the result [`combine`] computes unsplit (a reduce's
+    /// other members keep theirs), bit for bit, round after round with the send blocks overwritten as
+    /// soon as each returns; a wire carries each block once.
+    fn split_reduction_matches_unsplit(mesh: Mesh, group: Group, op: ReduceOp, root: Option<u64>) {
         let members = mesh.devices() as usize;
-        let n = SPLIT_ALL_REDUCE_PER_MEMBER * members + 7;
+        let n = SPLIT_REDUCTION_PER_MEMBER * members + 7;
         let fabric = Fabric::new(mesh, Duration::from_secs(10));
         let rounds = 20;
         std::thread::scope(|s| {
@@ -759,17 +770,20 @@ mod tests {
                     let mut comm = ThreadComm::new(fabric, mesh.coords_of(rank as u64));
                     let me = group.member_index(comm.coords(), mesh) as usize;
                     let full = [n as u64];
-                    let spec = CollectiveSpec::all_reduce(group, op, &full);
-                    let mut recv = vec![0.0f32; n];
+                    let kind = if root.is_some() { CollectiveKind::Reduce } else { CollectiveKind::AllReduce };
+                    let spec = CollectiveSpec { kind, root, ..CollectiveSpec::all_reduce(group, op, &full) };
+                    let (mut recv, mut want) = (vec![-1.0f32; n], vec![-1.0f32; n]);
                     for round in 0..rounds {
                         let mut send = large_block(me, round, n);
-                        comm.collective(&spec, &send, &mut recv).expect("all-reduce");
+                        comm.collective(&spec, &send, &mut recv).expect("reduction");
                         send.fill(f32::NAN);
                         let blocks: Vec<Vec<f32>> = (0..members).map(|m| large_block(m, round, n)).collect();
                         let parts: Vec<&[f32]> = blocks.iter().map(Vec::as_slice).collect();
-                        let mut want = vec![0.0f32; n];
                         combine(&spec, me as u64, &parts, &mut want).expect("unsplit");
                         assert!(recv == want, "rank {rank} round {round}: split differs from unsplit");
+                    }
+                    if root.is_some_and(|r| r != me as u64) {
+                        assert!(recv.iter().all(|&v| v == -1.0), "a reduce wrote beside its root");
                     }
                 });
             }
@@ -778,17 +792,19 @@ mod tests {
     }
 
     #[test]
-    fn large_all_reduces_split_by_range_equal_the_unsplit_sum() {
-        split_all_reduce_matches_unsplit(Mesh::new(2, 2), Group::World, ReduceOp::Sum);
-        split_all_reduce_matches_unsplit(Mesh::new(1, 3), Group::Row, ReduceOp::Sum);
-        split_all_reduce_matches_unsplit(Mesh::new(2, 1), Group::Column, ReduceOp::Max);
+    fn large_reductions_split_by_range_equal_the_unsplit_ones() {
+        split_reduction_matches_unsplit(Mesh::new(2, 2), Group::World, ReduceOp::Sum, None);
+        split_reduction_matches_unsplit(Mesh::new(1, 3), Group::Row, ReduceOp::Sum, None);
+        split_reduction_matches_unsplit(Mesh::new(2, 1), Group::Column, ReduceOp::Max, None);
+        split_reduction_matches_unsplit(Mesh::new(2, 2), Group::World, ReduceOp::Sum, Some(2));
+        split_reduction_matches_unsplit(Mesh::new(1, 3), Group::Row, ReduceOp::Sum, Some(0));
     }
 
     #[test]
     fn split_all_reduces_of_unequal_blocks_fail_on_every_member() {
         let mesh = Mesh::new(1, 2);
         let fabric = Fabric::new(mesh, Duration::from_secs(10));
-        let n = SPLIT_ALL_REDUCE_PER_MEMBER * 2;
+        let n = SPLIT_REDUCTION_PER_MEMBER * 2;
         let results: Vec<Result<(), CommError>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..2u64)
                 .map(|m| {
