@@ -175,7 +175,9 @@ fn run_profiled(
     backend: BackendKind,
     single_thread: bool,
 ) -> Result<RunOutput, String> {
-    let inline = Some(single_thread);
+    // The pool's runs go as `run` runs one device (its whole program on a worker of the pool, no
+    // kernel handed over), so that the fits carry no hand-over such a run does not pay.
+    let inline = single_thread.then_some(true);
     let config =
         RunConfig { profile: true, kernels_inline: inline, backend, ..RunConfig::new(seed, steps, optimizer()) };
     let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
