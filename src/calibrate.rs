@@ -117,24 +117,59 @@ fn share_gradient_groups(plan: &Plan, positions: &[usize], samples: &mut [(Kerne
     }
 }
 
-/// The median wall time of a plan's steps after the first (unprofiled), a thread per device on
-/// `backend`.
-pub fn median_step(plan: &Plan, (steps, seed): (u64, u64), backend: BackendKind) -> Result<f64, String> {
+/// Seconds of steps a calibration run leaves out before it measures. A run's first steps are slower
+/// than the rest: on the 2-core development VM, a small GPT-2 on 2x2 ran 11.5 ms steps for its first
+/// 150 ms and 9.5 ms after (inference: 4.3 ms for 70 ms, then 2.8 ms), while a user's run repeats its
+/// step for minutes, and `simulate` predicts that steady step.
+const WARM_UP_S: f64 = 0.3;
+
+/// Seconds of steps [`median_step`] measures at least (more than `steps` where steps are small), so
+/// that a brief slow spell does not set the median.
+const MEASURED_S: f64 = 0.2;
+
+/// At most this many warm-up or measured steps.
+const MAX_TIMED_STEPS: u64 = 100;
+
+/// The wall time of each step of an unprofiled run of `plan` under `config`.
+fn step_times(plan: &Plan, config: &RunConfig) -> Result<Vec<f64>, String> {
     let times = std::sync::Mutex::new(Vec::new());
     let record = |r: &crate::runtime::exec::StepRecord| {
         if let Ok(mut t) = times.lock() {
             t.push(r.elapsed.as_secs_f64());
         }
     };
-    let config = RunConfig { backend, ..RunConfig::new(seed, steps.max(2), optimizer()) };
-    let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
+    let sources = Sources::new(None, None, None, Objective::Causal, config.seed, "").map_err(|e| e.to_string())?;
     let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
-    crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &record)?;
-    let mut t = times.into_inner().map_err(|_| "a step record was lost".to_string())?;
+    crate::runtime::local::run(plan, config, &batches, &BTreeMap::new(), &record)?;
     // One record per step (every device reports the same step once).
-    let mut after_first: Vec<f64> = t.drain(..).skip(1).collect();
-    after_first.sort_by(f64::total_cmp);
-    after_first.get(after_first.len() / 2).copied().ok_or_else(|| "no step was timed".to_string())
+    times.into_inner().map_err(|_| "a step record was lost".to_string())
+}
+
+/// The time of one step of an unprofiled one-step run like `config`'s (a first step: the slowest).
+fn first_step(plan: &Plan, config: &RunConfig) -> Result<f64, String> {
+    let probe = RunConfig { profile: false, steps: 1, ..config.clone() };
+    Ok(step_times(plan, &probe)?.first().copied().unwrap_or(0.0))
+}
+
+/// Steps that take about `seconds` at `step` seconds a step, at least `least`, at most
+/// [`MAX_TIMED_STEPS`].
+fn steps_for(seconds: f64, step: f64, least: u64) -> u64 {
+    let wanted = if step > 0.0 { (seconds / step).ceil() as u64 } else { 0 };
+    wanted.clamp(least, MAX_TIMED_STEPS.max(least))
+}
+
+/// The median wall time of a plan's steps (unprofiled), a thread per device on `backend`: at least
+/// `steps` - 1 of them and about [`MEASURED_S`], after about [`WARM_UP_S`] of warm-up steps (counted
+/// at the speed of a first step, the slowest, so if anything fewer).
+pub fn median_step(plan: &Plan, (steps, seed): (u64, u64), backend: BackendKind) -> Result<f64, String> {
+    let config = RunConfig { backend, ..RunConfig::new(seed, 1, optimizer()) };
+    let first = first_step(plan, &config)?;
+    let warm_up = steps_for(WARM_UP_S, first, 1);
+    let measured = steps_for(MEASURED_S, first, steps.max(2) - 1);
+    let config = RunConfig { steps: warm_up + measured, ..config };
+    let mut steady: Vec<f64> = step_times(plan, &config)?.into_iter().skip(warm_up as usize).collect();
+    steady.sort_by(f64::total_cmp);
+    steady.get(steady.len() / 2).copied().ok_or_else(|| "no step was timed".to_string())
 }
 
 fn optimizer() -> OptimizerSettings {
@@ -180,6 +215,8 @@ fn run_profiled(
     let inline = single_thread.then_some(true);
     let config =
         RunConfig { profile: true, kernels_inline: inline, backend, ..RunConfig::new(seed, steps, optimizer()) };
+    let warm_up = steps_for(WARM_UP_S, first_step(plan, &config)?, 1);
+    let config = RunConfig { steps: warm_up + steps - 1, profile_warm_up: warm_up, ..config };
     let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
     let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
     crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
@@ -424,6 +461,16 @@ fn median_rate(mut rates: Vec<f64>) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn warm_up_and_measured_steps_follow_the_time_asked_within_their_bounds() {
+        // 0.3 s at 10 ms a step; at 1 s a step the least; an unmeasured step the least; at 1 µs the cap.
+        assert_eq!(steps_for(0.3, 0.01, 1), 30);
+        assert_eq!(steps_for(0.3, 1.0, 1), 1);
+        assert_eq!(steps_for(0.2, 0.0, 5), 5);
+        assert_eq!(steps_for(0.3, 1e-6, 1), MAX_TIMED_STEPS);
+        assert_eq!(steps_for(0.2, 0.1, 5), 5);
+    }
 
     /// A one-layer Llama (grouped-query attention, whose q, k and v gradients follow one another).
     fn llama_plan() -> Plan {

@@ -512,6 +512,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         fault: optimus::runtime::fault::from_env().map_err(|e| e.to_string())?,
         backend: args.backend.kind(),
         profile: args.profile,
+        profile_warm_up: 1,
         schedule: (schedule.kind != ScheduleKind::Constant || schedule.warmup > 0).then_some(schedule),
         evaluation: evaluation(args, &plan)?,
         accumulation: args.accum,

@@ -39,9 +39,11 @@ pub struct RunConfig {
     pub fault: Option<Fault>,
     /// Where kernels run.
     pub backend: BackendKind,
-    /// Time every instruction of every device into [`RunOutput::profiles`] (the first step is left
-    /// out as warm-up when there are more).
+    /// Time every instruction of every device into [`RunOutput::profiles`] (the first
+    /// `profile_warm_up` steps are left out as warm-up when there are more).
     pub profile: bool,
+    /// Steps a profile leaves out as warm-up (at least one; never the last step).
+    pub profile_warm_up: u64,
     /// The learning rate of each update (`optimizer.lr` is replaced by its rate, step by step);
     /// `None` keeps `optimizer.lr` throughout.
     pub schedule: Option<Schedule>,
@@ -128,6 +130,7 @@ impl RunConfig {
             fault: None,
             backend: BackendKind::Cpu,
             profile: false,
+            profile_warm_up: 1,
             schedule: None,
             evaluation: None,
             accumulation: 1,
@@ -1279,7 +1282,8 @@ impl DeviceRun<'_> {
                 record.val_loss = Some(val);
             }
             if let Some(profile) = device.profile.as_mut() {
-                profile.finish_step(record.elapsed, step == 0 && config.steps > 1);
+                let warm_up = step < config.profile_warm_up.max(1) && step + 1 < config.steps;
+                profile.finish_step(record.elapsed, warm_up);
             }
             let stop = match config.stop {
                 Some(asked) => device.any_device(asked()).map_err(|e| format!("after step {step}: {e}"))?,
