@@ -801,6 +801,34 @@ mod tests {
     }
 
     #[test]
+    fn split_bf16_reductions_sum_in_f32_and_round_once_as_unsplit() {
+        let mesh = Mesh::new(1, 2);
+        let n = SPLIT_REDUCTION_PER_MEMBER * 2 + 5;
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        std::thread::scope(|s| {
+            for m in 0..2usize {
+                let fabric = Arc::clone(&fabric);
+                s.spawn(move || {
+                    let mut comm = ThreadComm::new(fabric, Coords::new(0, m as u64, 0));
+                    let full = [n as u64];
+                    let sum = CollectiveSpec::all_reduce(Group::Row, ReduceOp::Sum, &full);
+                    for spec in [sum, CollectiveSpec { kind: CollectiveKind::Reduce, root: Some(1), ..sum }] {
+                        let send: Vec<u16> = (0..n).map(|k| bf16_value(m, k)).collect();
+                        let mut recv = vec![0u16; n];
+                        comm.collective(&spec, &send, &mut recv).expect("bf16 reduction");
+                        let blocks: Vec<Vec<u16>> =
+                            (0..2).map(|p| (0..n).map(|k| bf16_value(p, k)).collect()).collect();
+                        let parts: Vec<&[u16]> = blocks.iter().map(Vec::as_slice).collect();
+                        let mut want = vec![0u16; n];
+                        combine(&spec, m as u64, &parts, &mut want).expect("unsplit");
+                        assert!(recv == want, "member {m}, {:?}: split differs from unsplit", spec.kind);
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
     fn split_all_reduces_of_unequal_blocks_fail_on_every_member() {
         let mesh = Mesh::new(1, 2);
         let fabric = Fabric::new(mesh, Duration::from_secs(10));
