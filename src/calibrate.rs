@@ -117,7 +117,7 @@ fn share_gradient_groups(plan: &Plan, positions: &[usize], samples: &mut [(Kerne
     }
 }
 
-/// Seconds of steps a calibration run leaves out before it measures. A run's first steps are slower
+/// Seconds of steps a CPU calibration run leaves out before it measures. A run's first steps are slower
 /// than the rest: on the 2-core development VM, a small GPT-2 on 2x2 ran 11.5 ms steps for its first
 /// 150 ms and 9.5 ms after (inference: 4.3 ms for 70 ms, then 2.8 ms), while a user's run repeats its
 /// step for minutes, and `simulate` predicts that steady step.
@@ -130,6 +130,17 @@ const MEASURED_S: f64 = 0.2;
 /// At most this many warm-up or measured steps.
 const MAX_TIMED_STEPS: u64 = 100;
 
+/// Runs `plan` under `config` on random tokens drawn from its seed, calling `on_step` after each step.
+fn run_plan(
+    plan: &Plan,
+    config: &RunConfig,
+    on_step: &(dyn Fn(&crate::runtime::exec::StepRecord) + Sync),
+) -> Result<RunOutput, String> {
+    let sources = Sources::new(None, None, None, Objective::Causal, config.seed, "").map_err(|e| e.to_string())?;
+    let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
+    crate::runtime::local::run(plan, config, &batches, &BTreeMap::new(), on_step)
+}
+
 /// The wall time of each step of an unprofiled run of `plan` under `config`.
 fn step_times(plan: &Plan, config: &RunConfig) -> Result<Vec<f64>, String> {
     let times = std::sync::Mutex::new(Vec::new());
@@ -138,17 +149,9 @@ fn step_times(plan: &Plan, config: &RunConfig) -> Result<Vec<f64>, String> {
             t.push(r.elapsed.as_secs_f64());
         }
     };
-    let sources = Sources::new(None, None, None, Objective::Causal, config.seed, "").map_err(|e| e.to_string())?;
-    let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
-    crate::runtime::local::run(plan, config, &batches, &BTreeMap::new(), &record)?;
+    run_plan(plan, &RunConfig { profile: false, ..config.clone() }, &record)?;
     // One record per step (every device reports the same step once).
     times.into_inner().map_err(|_| "a step record was lost".to_string())
-}
-
-/// The time of one step of an unprofiled one-step run like `config`'s (a first step: the slowest).
-fn first_step(plan: &Plan, config: &RunConfig) -> Result<f64, String> {
-    let probe = RunConfig { profile: false, steps: 1, ..config.clone() };
-    Ok(step_times(plan, &probe)?.first().copied().unwrap_or(0.0))
 }
 
 /// Steps that take about `seconds` at `step` seconds a step, at least `least`, at most
@@ -158,14 +161,23 @@ fn steps_for(seconds: f64, step: f64, least: u64) -> u64 {
     wanted.clamp(least, MAX_TIMED_STEPS.max(least))
 }
 
+/// The warm-up steps and the timed steps (at least `least`, and about `timed_s` of them) of a
+/// calibration run like `config`'s. On the CPU they follow the time of a one-step run's step (a first
+/// step, the slowest, so if anything fewer than asked): about [`WARM_UP_S`] of warm-up. On a GPU one
+/// warm-up step and `least`, as its calibration was measured and checked with.
+fn timed_steps(plan: &Plan, config: &RunConfig, least: u64, timed_s: f64) -> Result<(u64, u64), String> {
+    if config.backend != BackendKind::Cpu {
+        return Ok((1, least));
+    }
+    let first = step_times(plan, &RunConfig { steps: 1, ..config.clone() })?.first().copied().unwrap_or(0.0);
+    Ok((steps_for(WARM_UP_S, first, 1), steps_for(timed_s, first, least)))
+}
+
 /// The median wall time of a plan's steps (unprofiled), a thread per device on `backend`: at least
-/// `steps` - 1 of them and about [`MEASURED_S`], after about [`WARM_UP_S`] of warm-up steps (counted
-/// at the speed of a first step, the slowest, so if anything fewer).
+/// `steps` - 1 of them (and on the CPU about [`MEASURED_S`]) after the warm-up of [`timed_steps`].
 pub fn median_step(plan: &Plan, (steps, seed): (u64, u64), backend: BackendKind) -> Result<f64, String> {
     let config = RunConfig { backend, ..RunConfig::new(seed, 1, optimizer()) };
-    let first = first_step(plan, &config)?;
-    let warm_up = steps_for(WARM_UP_S, first, 1);
-    let measured = steps_for(MEASURED_S, first, steps.max(2) - 1);
+    let (warm_up, measured) = timed_steps(plan, &config, steps.max(2) - 1, MEASURED_S)?;
     let config = RunConfig { steps: warm_up + measured, ..config };
     let mut steady: Vec<f64> = step_times(plan, &config)?.into_iter().skip(warm_up as usize).collect();
     steady.sort_by(f64::total_cmp);
@@ -215,11 +227,9 @@ fn run_profiled(
     let inline = single_thread.then_some(true);
     let config =
         RunConfig { profile: true, kernels_inline: inline, backend, ..RunConfig::new(seed, steps, optimizer()) };
-    let warm_up = steps_for(WARM_UP_S, first_step(plan, &config)?, 1);
-    let config = RunConfig { steps: warm_up + steps - 1, profile_warm_up: warm_up, ..config };
-    let sources = Sources::new(None, None, None, Objective::Causal, seed, "").map_err(|e| e.to_string())?;
-    let batches = |step| sources.batch(plan, step).map_err(|e| e.to_string());
-    crate::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
+    let (warm_up, timed) = timed_steps(plan, &config, steps.max(2) - 1, 0.0)?;
+    let config = RunConfig { steps: warm_up + timed, profile_warm_up: warm_up, ..config };
+    run_plan(plan, &config, &|_| {})
 }
 
 /// Fits every kind seen at two sizes or more: products on (1, bytes, FLOPs), the others on (1, bytes);
@@ -470,6 +480,20 @@ mod tests {
         assert_eq!(steps_for(0.2, 0.0, 5), 5);
         assert_eq!(steps_for(0.3, 1e-6, 1), MAX_TIMED_STEPS);
         assert_eq!(steps_for(0.2, 0.1, 5), 5);
+    }
+
+    #[test]
+    fn a_profile_leaves_out_its_warm_up_steps_but_never_the_last() {
+        let plan = llama_plan();
+        let profiled = |steps, warm_up| {
+            let config = RunConfig { profile: true, profile_warm_up: warm_up, ..RunConfig::new(1, steps, optimizer()) };
+            let output = run_plan(&plan, &config, &|_| {}).expect("the run");
+            output.profiles.first().map(|p| (p.steps, p.warm_up_excluded)).expect("a profile")
+        };
+        assert_eq!(profiled(5, 3), (2, true));
+        assert_eq!(profiled(3, 1), (2, true));
+        assert_eq!(profiled(3, 5), (1, true));
+        assert_eq!(profiled(1, 1), (1, false));
     }
 
     /// A one-layer Llama (grouped-query attention, whose q, k and v gradients follow one another).
