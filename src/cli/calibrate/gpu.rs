@@ -90,9 +90,9 @@ const SHARED_WORKLOAD: Workload = Workload {
     steps: 5,
 };
 
-/// Devices sharing one GPU run bf16, as a GPU mesh trains.
+/// Devices sharing one GPU run bf16, as a GPU mesh trains; one pass, as device time is scarce.
 const GPU_SHARED: SharedSetup =
-    SharedSetup { workload: &SHARED_WORKLOAD, precision: Precision::Bf16, backend: BackendKind::Cuda };
+    SharedSetup { workload: &SHARED_WORKLOAD, precision: Precision::Bf16, backend: BackendKind::Cuda, passes: 1 };
 
 /// The meshes of devices sharing the GPU: 2, 4 and 8 devices, each count with two kinds of
 /// collectives (tensor-parallel ones alone, and with data-parallel replicas' gradient sums).
