@@ -498,3 +498,49 @@ fn compare_takes_any_set_of_strategies_and_marks_those_the_devices_do_not_fit() 
         assert!(!ok && err.contains(expected), "{compare} on {mesh}: {err}");
     }
 }
+
+#[test]
+fn by_kind_splits_the_step_compute_by_the_plans_kernels() {
+    let dir = std::env::temp_dir().join(format!("optimus-simulate-kinds-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let plan_path = dir.join("plan.json");
+    let model = examples().join("gpt2.opt");
+    let (model, plan_s) = (model.to_string_lossy(), plan_path.to_string_lossy());
+    for (mesh, strategy, hardware) in [("2x2", "optimus", "dgx-a100"), ("1x4", "megatron", "frontera-rtx5000")] {
+        let target = [&["--mesh", mesh, "--strategy", strategy][..], &SMALL[..]].concat();
+        let (ok, _, err) = optimusc(&[&["compile", &model, "-o", &plan_s][..], &target].concat());
+        assert!(ok, "{err}");
+        let text = std::fs::read_to_string(&plan_path).unwrap_or_default();
+        let plan: optimus::plan::Plan =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("the plan reads back: {e}"));
+        let args = [&["simulate", &model, "--hardware", hardware, "--by-kind", "--json"][..], &target].concat();
+        let (ok, out, err) = optimusc(&args);
+        assert!(ok, "{err}");
+        let sim = json(&out);
+        let rows = sim["by_kind"].as_array().cloned().unwrap_or_default();
+        // Every kernel kind of the plan once, with its count; the times add up to the step's compute.
+        let mut expected: std::collections::BTreeMap<&str, u64> = Default::default();
+        for instr in &plan.program {
+            if let optimus::plan::Instr::Kernel { kernel, .. } = instr {
+                *expected.entry(kernel.name()).or_default() += 1;
+            }
+        }
+        let got: std::collections::BTreeMap<&str, u64> =
+            rows.iter().map(|r| (r["kind"].as_str().unwrap_or("?"), r["count"].as_u64().unwrap_or(0))).collect();
+        assert_eq!(got, expected, "{mesh} {strategy}");
+        let total: f64 = rows.iter().map(|r| r["step_s"].as_f64().unwrap_or(f64::NAN)).sum();
+        let compute = sim["compute_s"].as_f64().unwrap_or(f64::NAN);
+        assert!((total - compute).abs() <= 1e-9 * compute.max(1.0), "{total} against {compute}");
+        let times: Vec<f64> = rows.iter().map(|r| r["step_s"].as_f64().unwrap_or(f64::NAN)).collect();
+        assert!(times.windows(2).all(|w| w[0] >= w[1]), "the largest first: {times:?}");
+        // The text gives the same table.
+        let text_args = [&["simulate", &model, "--hardware", hardware, "--by-kind"][..], &target].concat();
+        let (ok, text, _) = optimusc(&text_args);
+        assert!(ok && text.contains("compute by kernel kind (per device per step):"), "{text}");
+        assert!(rows.iter().all(|r| text.contains(r["kind"].as_str().unwrap_or("?"))), "{text}");
+    }
+    // It is refused beside the searches.
+    let (ok, _, err) = optimusc(&["simulate", &model, "--hardware", "dgx-a100", "--by-kind", "--sweep"]);
+    assert!(!ok && err.contains("--by-kind"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

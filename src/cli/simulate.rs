@@ -6,10 +6,11 @@ use clap::ValueEnum;
 use optimus::cost::planner::seconds;
 use optimus::cost::search::{self, MaxBatch, Source, SweepPoint};
 use optimus::cost::staged::simulate_pipeline;
+use optimus::cost::step::{InstrCost, simulate_costed};
 use optimus::cost::{Algorithm, Hardware, Options, RankPlacement, Simulation, simulate};
 use optimus::plan::report::human_bytes;
 use optimus::plan::text::group_digits;
-use optimus::plan::{Mode, Plan, Strategy};
+use optimus::plan::{Instr, Mode, Plan, Strategy};
 use serde_json::{Value, json};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -65,6 +66,11 @@ pub struct SimulateArgs {
     pub plot: Option<PathBuf>,
     #[command(flatten)]
     pub pipeline: super::pipeline::PipelineArgs,
+    /// Also give the step's compute by kernel kind: for each kind (named as `run --profile` names
+    /// them), its kernels per device and the time they add to the step. `run --profile` sums its rows
+    /// over the devices and the timed steps; divide by both to compare. (JSON: `by_kind`.)
+    #[arg(long, conflicts_with_all = ["compare", "sweep"])]
+    pub by_kind: bool,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -137,6 +143,10 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
         }
     };
     let searching = args.max_batch || args.compare.is_some() || args.sweep;
+    if args.pipeline.requested() && args.by_kind {
+        eprintln_safe!("error: --by-kind applies to a simulation without --pipeline");
+        return ExitCode::from(2);
+    }
     if args.pipeline.requested() {
         return pipelined(args, &hw, searching);
     }
@@ -204,20 +214,72 @@ fn read_source(path: &std::path::Path) -> Option<String> {
 }
 
 fn single(args: &SimulateArgs, hw: &Hardware, plan: &Plan, found: Option<MaxBatch>) -> ExitCode {
-    let sim = simulate(plan, hw, &args.options());
+    let (sim, costs) = simulate_costed(plan, hw, &args.options());
+    let kinds = args.by_kind.then(|| by_kind(plan, &costs));
     if args.json {
         let mut value = serde_json::to_value(&sim).unwrap_or(Value::Null);
-        if let (Some(found), Value::Object(map)) = (&found, &mut value) {
-            map.insert("max_batch".to_string(), serde_json::to_value(found).unwrap_or(Value::Null));
+        if let Value::Object(map) = &mut value {
+            if let Some(found) = &found {
+                map.insert("max_batch".to_string(), serde_json::to_value(found).unwrap_or(Value::Null));
+            }
+            if let Some(kinds) = &kinds {
+                let rows = kinds.iter().map(|k| json!({"kind": k.kind, "count": k.count, "step_s": k.step_s}));
+                map.insert("by_kind".to_string(), Value::Array(rows.collect()));
+            }
         }
         return super::print_json(&value);
     }
     let mut out = render_simulation(&sim);
+    if let Some(kinds) = &kinds {
+        out.push_str(&render_by_kind(kinds, sim.compute_s));
+    }
     if let Some(found) = &found {
         let _ = writeln!(out, "{}", render_max_batch(found));
     }
     super::stdout(&out);
     ExitCode::SUCCESS
+}
+
+/// One kernel kind's part in a simulated step.
+#[derive(Debug, Clone, PartialEq)]
+struct KindPart {
+    kind: &'static str,
+    /// Kernels of the kind in one device's step.
+    count: u64,
+    /// What they add to the step.
+    step_s: f64,
+}
+
+/// The kernels of `plan`'s program by kind, with what each kind adds to the step (`costs`: one per
+/// instruction), the largest first.
+fn by_kind(plan: &Plan, costs: &[InstrCost]) -> Vec<KindPart> {
+    let mut parts: Vec<KindPart> = Vec::new();
+    for (instr, cost) in plan.program.iter().zip(costs) {
+        let Instr::Kernel { kernel, .. } = instr else { continue };
+        match parts.iter_mut().find(|p| p.kind == kernel.name()) {
+            Some(part) => {
+                part.count += 1;
+                part.step_s += cost.step_s;
+            }
+            None => parts.push(KindPart { kind: kernel.name(), count: 1, step_s: cost.step_s }),
+        }
+    }
+    parts.sort_by(|a, b| b.step_s.total_cmp(&a.step_s).then(a.kind.cmp(b.kind)));
+    parts
+}
+
+fn render_by_kind(parts: &[KindPart], compute_s: f64) -> String {
+    let mut out = String::from(
+        "
+compute by kernel kind (per device per step):
+",
+    );
+    let _ = writeln!(out, "  {:<22} {:>7} {:>12} {:>8}", "kind", "count", "time", "share");
+    for p in parts {
+        let share = if compute_s > 0.0 { 100.0 * p.step_s / compute_s } else { 0.0 };
+        let _ = writeln!(out, "  {:<22} {:>7} {:>12} {:>7.1}%", p.kind, p.count, seconds(p.step_s), share);
+    }
+    out
 }
 
 /// The human-readable simulation.
