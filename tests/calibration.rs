@@ -153,6 +153,8 @@ fn devices_running_their_own_kernels_cost_single_thread_fits_on_the_engines_thre
         gb_s: f.gb_s.map(|r| r / 3.0),
         gflop_s: f.gflop_s.map(|r| r / 3.0),
         samples: f.samples,
+        cached_bytes: f.cached_bytes,
+        cached_gb_s: f.cached_gb_s.map(|r| r / 3.0),
     };
     if let Some(m) = hw.measured.as_mut() {
         m.single_thread_kernels = pool.iter().map(|(k, f)| (k.clone(), slower(f))).collect();

@@ -351,6 +351,7 @@ fn rounded(mut hw: Hardware) -> Hardware {
         }
         for fit in m.kernels.values_mut().chain(m.single_thread_kernels.values_mut()) {
             (fit.launch_us, fit.gb_s, fit.gflop_s) = (r(fit.launch_us), fit.gb_s.map(r), fit.gflop_s.map(r));
+            fit.cached_gb_s = fit.cached_gb_s.map(r);
         }
         for fit in &mut m.collectives {
             (fit.alpha_us, fit.ns_per_byte) = (r(fit.alpha_us), r(fit.ns_per_byte));

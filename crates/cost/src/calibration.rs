@@ -2,7 +2,9 @@
 //! profile's `[measured]` section, and the predictions the simulator makes from them.
 //!
 //! A kernel of kind K costs `launch_us + bytes / gb_s + flops / gflop_s`, fitted by least squares over
-//! every instruction of profiled one-device runs (kinds never seen use the `default` fit). A collective
+//! every instruction of profiled one-device runs (kinds never seen use the `default` fit); a kind whose
+//! small calls run markedly faster per byte (their blocks stay in cache) has its first `cached_bytes`
+//! at `cached_gb_s`. A collective
 //! costs `alpha_us + bytes * ns_per_byte`, fitted per kind, group size and devices running at once
 //! (the whole mesh, as in a step). When the node's devices share one engine (threads of one process on
 //! the same cores, or meshes sharing one GPU), their kernels queue one after another: a step's compute
@@ -139,6 +141,13 @@ pub struct KernelFit {
     /// Calls the fit was made from.
     #[serde(default)]
     pub samples: u64,
+    /// Bytes a call moves at `cached_gb_s` before the rest move at `gb_s`: a kernel whose blocks stay
+    /// in a core's cache runs at the cache's rate (absent: every byte at `gb_s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_bytes: Option<f64>,
+    /// The rate of a call's first `cached_bytes` bytes (1e9 bytes a second).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_gb_s: Option<f64>,
 }
 
 /// The seconds of the fit in `fits` measured with the number of devices nearest `devices` (on a log
@@ -197,7 +206,11 @@ impl From<CollectiveKind> for CollectiveKindName {
 impl KernelFit {
     /// Seconds for one call.
     pub fn seconds(&self, bytes: f64, flops: f64) -> f64 {
-        let by_bytes = self.gb_s.map_or(0.0, |rate| bytes / (rate * 1e9));
+        let (cached, rest) = match (self.cached_bytes, self.cached_gb_s) {
+            (Some(limit), Some(rate)) => (bytes.min(limit) / (rate * 1e9), (bytes - limit).max(0.0)),
+            _ => (0.0, bytes),
+        };
+        let by_bytes = cached + self.gb_s.map_or(0.0, |rate| rest / (rate * 1e9));
         let by_flops = self.gflop_s.map_or(0.0, |rate| flops / (rate * 1e9));
         self.launch_us * 1e-6 + by_bytes + by_flops
     }
@@ -278,7 +291,12 @@ impl Measured {
             return Err(MeasuredProblem::NoDefaultKernel);
         }
         for (kind, fit) in &self.kernels {
-            let rates = [("gb_s", fit.gb_s), ("gflop_s", fit.gflop_s)];
+            let rates = [
+                ("gb_s", fit.gb_s),
+                ("gflop_s", fit.gflop_s),
+                ("cached_gb_s", fit.cached_gb_s),
+                ("cached_bytes", fit.cached_bytes),
+            ];
             for (field, value) in rates {
                 if value.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
                     return Err(MeasuredProblem::KernelRate { kind: kind.clone(), field });
@@ -414,7 +432,8 @@ fn weight(sample: &Sample) -> f64 {
     1.0 / sample.seconds.max(1e-7)
 }
 
-fn weighted_error(samples: &[Sample], coefficients: &[f64]) -> f64 {
+/// The weighted squared error of `coefficients` over `samples`, as [`fit_non_negative`] weighs it.
+pub fn weighted_error(samples: &[Sample], coefficients: &[f64]) -> f64 {
     samples
         .iter()
         .map(|s| {
@@ -487,6 +506,39 @@ mod tests {
     }
 
     #[test]
+    fn a_cached_rate_prices_a_calls_first_bytes_and_must_be_positive() {
+        let fit = KernelFit {
+            launch_us: 1.0,
+            gb_s: Some(10.0),
+            gflop_s: None,
+            samples: 9,
+            cached_bytes: Some(1e6),
+            cached_gb_s: Some(40.0),
+        };
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(near(fit.seconds(5e5, 0.0), 1e-6 + 5e5 / 40e9));
+        assert!(near(fit.seconds(3e6, 0.0), 1e-6 + 1e6 / 40e9 + 2e6 / 10e9));
+        let plain = KernelFit { cached_bytes: None, cached_gb_s: None, ..fit };
+        assert!(near(plain.seconds(3e6, 0.0), 1e-6 + 3e6 / 10e9));
+        let mut m = Measured {
+            runtime: "cpu".into(),
+            threads: 2,
+            shared_engine: false,
+            overlap: false,
+            dispatch: Vec::new(),
+            rendezvous: Vec::new(),
+            kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit)]),
+            single_thread_kernels: BTreeMap::new(),
+            collectives: Vec::new(),
+            host_copies: None,
+        };
+        assert!(m.validate().is_ok());
+        m.kernels.insert("Add".into(), KernelFit { cached_gb_s: Some(-1.0), ..fit });
+        let problem = m.validate().err().map(|e| format!("{e:?}")).unwrap_or_default();
+        assert!(problem.contains("cached_gb_s"), "{problem}");
+    }
+
+    #[test]
     fn collectives_use_the_nearest_measured_configuration() {
         let fit = |members, devices, alpha_us| CollectiveFit {
             kind: CollectiveKindName::Broadcast,
@@ -504,7 +556,14 @@ mod tests {
             rendezvous: Vec::new(),
             kernels: BTreeMap::from([(
                 DEFAULT_KERNEL.to_string(),
-                KernelFit { launch_us: 1.0, gb_s: None, gflop_s: None, samples: 0 },
+                KernelFit {
+                    launch_us: 1.0,
+                    gb_s: None,
+                    gflop_s: None,
+                    samples: 0,
+                    cached_bytes: None,
+                    cached_gb_s: None,
+                },
             )]),
             single_thread_kernels: BTreeMap::new(),
             collectives: vec![fit(2, 2, 10.0), fit(2, 4, 20.0), fit(4, 16, 40.0)],
@@ -522,7 +581,14 @@ mod tests {
 
     #[test]
     fn bf16_calls_use_bf16_fits_where_there_are_some() {
-        let fit = |launch_us| KernelFit { launch_us, gb_s: None, gflop_s: None, samples: 1 };
+        let fit = |launch_us| KernelFit {
+            launch_us,
+            gb_s: None,
+            gflop_s: None,
+            samples: 1,
+            cached_bytes: None,
+            cached_gb_s: None,
+        };
         let mut m = Measured {
             runtime: "cpu".into(),
             threads: 2,
