@@ -505,6 +505,22 @@ mod tests {
         assert!(c.iter().all(|&x| x >= 0.0), "{c:?}");
     }
 
+    /// A CPU's measurements with these kernel fits and nothing else.
+    fn cpu_measured(kernels: BTreeMap<String, KernelFit>) -> Measured {
+        Measured {
+            runtime: "cpu".into(),
+            threads: 2,
+            shared_engine: false,
+            overlap: false,
+            dispatch: Vec::new(),
+            rendezvous: Vec::new(),
+            kernels,
+            single_thread_kernels: BTreeMap::new(),
+            collectives: Vec::new(),
+            host_copies: None,
+        }
+    }
+
     #[test]
     fn a_cached_rate_prices_a_calls_first_bytes_and_must_be_positive() {
         let fit = KernelFit {
@@ -520,18 +536,7 @@ mod tests {
         assert!(near(fit.seconds(3e6, 0.0), 1e-6 + 1e6 / 40e9 + 2e6 / 10e9));
         let plain = KernelFit { cached_bytes: None, cached_gb_s: None, ..fit };
         assert!(near(plain.seconds(3e6, 0.0), 1e-6 + 3e6 / 10e9));
-        let mut m = Measured {
-            runtime: "cpu".into(),
-            threads: 2,
-            shared_engine: false,
-            overlap: false,
-            dispatch: Vec::new(),
-            rendezvous: Vec::new(),
-            kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit)]),
-            single_thread_kernels: BTreeMap::new(),
-            collectives: Vec::new(),
-            host_copies: None,
-        };
+        let mut m = cpu_measured(BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit)]));
         assert!(m.validate().is_ok());
         m.kernels.insert("Add".into(), KernelFit { cached_gb_s: Some(-1.0), ..fit });
         let problem = m.validate().err().map(|e| format!("{e:?}")).unwrap_or_default();
@@ -589,18 +594,8 @@ mod tests {
             cached_bytes: None,
             cached_gb_s: None,
         };
-        let mut m = Measured {
-            runtime: "cpu".into(),
-            threads: 2,
-            shared_engine: false,
-            overlap: false,
-            dispatch: Vec::new(),
-            rendezvous: Vec::new(),
-            kernels: BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit(1.0)), ("Add".to_string(), fit(2.0))]),
-            single_thread_kernels: BTreeMap::new(),
-            collectives: Vec::new(),
-            host_copies: None,
-        };
+        let mut m =
+            cpu_measured(BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit(1.0)), ("Add".to_string(), fit(2.0))]));
         let us = |m: &Measured, kind, bf16| m.kernel_seconds(kind, kind, (bf16, false), 0.0, 0.0) * 1e6;
         assert!((us(&m, "Add", true) - 2.0).abs() < 1e-9, "no bf16 fits: the float32 one");
         m.kernels.insert(fit_key(DEFAULT_KERNEL, true), fit(3.0));
