@@ -282,10 +282,7 @@ fn kernel_fit(samples: &[Sample]) -> KernelFit {
         cached_gb_s: None,
     };
     let bytes_only = samples.iter().all(|s| s.features.len() == 2);
-    match bytes_only.then(|| cached_fit(samples, weighted_error(samples, &c))).flatten() {
-        Some(fit) => KernelFit { samples: samples.len() as u64, ..fit },
-        None => plain,
-    }
+    bytes_only.then(|| cached_fit(samples, weighted_error(samples, &c))).flatten().unwrap_or(plain)
 }
 
 /// Where a call's first bytes may run at a cache's rate: the sizes tried as [`KernelFit::cached_bytes`].
@@ -294,8 +291,9 @@ const CACHED_BYTES: [f64; 6] = [256e3, 512e3, 1e6, 2e6, 4e6, 8e6];
 /// A fit of `launch + min(bytes, T) / cached rate + max(bytes - T, 0) / rate` for the `T` of
 /// [`CACHED_BYTES`] that fits best, where it fits with at most [`CACHED_ERROR`] of the one-rate fit's
 /// error (`plain_error`), from at least [`CACHED_SIDE`] calls on each side of `T`, with the first
-/// bytes at least [`CACHED_SPEED_UP`] times faster. On the 2-core Xeon one-thread `BiasAdd@infer` calls ran at 50-85 GB/s up to 1 MB and
-/// 16-28 GB/s from 4 MB: one rate (25 GB/s) priced a 400 KB call at three times its time.
+/// bytes at least [`CACHED_SPEED_UP`] times faster. On the 2-core Xeon one-thread `BiasAdd@infer`
+/// calls ran at 50-85 GB/s up to 1 MB and 16-28 GB/s from 4 MB: one rate (25 GB/s) priced a 400 KB
+/// call at three times its time. `samples` are bytes-only (features `[1, bytes]`).
 fn cached_fit(samples: &[Sample], plain_error: f64) -> Option<KernelFit> {
     let mut best: Option<(f64, f64, Vec<f64>)> = None;
     for limit in CACHED_BYTES {

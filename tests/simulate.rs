@@ -539,8 +539,11 @@ fn by_kind_splits_the_step_compute_by_the_plans_kernels() {
         assert!(ok && text.contains("compute by kernel kind (per device per step):"), "{text}");
         assert!(rows.iter().all(|r| text.contains(r["kind"].as_str().unwrap_or("?"))), "{text}");
     }
-    // It is refused beside the searches.
-    let (ok, _, err) = optimusc(&["simulate", &model, "--hardware", "dgx-a100", "--by-kind", "--sweep"]);
-    assert!(!ok && err.contains("--by-kind"), "{err}");
+    // It is refused beside the searches and the pipelined simulations, with a line that says so.
+    for extra in [&["--sweep"][..], &["--pipeline", "2"], &["--accum", "2"]] {
+        let args = [&["simulate", &model, "--hardware", "dgx-a100", "--by-kind"][..], extra].concat();
+        let (ok, _, err) = optimusc(&args);
+        assert!(!ok && err.contains("--by-kind"), "{extra:?}: {err}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

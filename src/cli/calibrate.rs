@@ -272,11 +272,11 @@ fn finish_with_shared_engine(
 ) -> Result<Hardware, String> {
     let mut passes = Vec::new();
     for pass in 1..=setup.passes {
+        let of = if setup.passes > 1 { format!(" (pass {pass} of {})", setup.passes) } else { String::new() };
         let mut runs = Vec::new();
         for mode in [Mode::Train, Mode::Infer] {
             for &(mesh, strategy) in meshes {
                 let infer = if mode == Mode::Infer { " infer" } else { "" };
-                let of = if setup.passes > 1 { format!(" (pass {pass} of {})", setup.passes) } else { String::new() };
                 let name = format!("{what}{of}: {} on {mesh}{infer}", strategy.name());
                 progress.phase(&name);
                 let run = shared_run(&hw, (mesh, strategy), mode, setup)?;
@@ -422,14 +422,10 @@ const CPU_SHARED: SharedSetup =
 fn fastest_runs(passes: Vec<Vec<SharedRun>>) -> Vec<SharedRun> {
     let mut passes = passes.into_iter();
     let Some(mut runs) = passes.next() else { return Vec::new() };
-    let mut measured: Vec<Vec<f64>> = runs.iter().map(|r| vec![r.measured]).collect();
     for pass in passes {
-        for (times, run) in measured.iter_mut().zip(pass) {
-            times.push(run.measured);
+        for (run, again) in runs.iter_mut().zip(pass) {
+            run.measured = run.measured.min(again.measured);
         }
-    }
-    for (run, times) in runs.iter_mut().zip(measured) {
-        run.measured = times.into_iter().fold(f64::INFINITY, f64::min);
     }
     runs
 }

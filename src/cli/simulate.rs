@@ -144,7 +144,10 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
     };
     let searching = args.max_batch || args.compare.is_some() || args.sweep;
     if args.pipeline.requested() && args.by_kind {
-        eprintln_safe!("error: --by-kind applies to a simulation without --pipeline");
+        eprintln_safe!(
+            "error: --by-kind applies to a plain simulation, not with --pipeline, --pipeline-schedule, \
+             --virtual-stages or --accum"
+        );
         return ExitCode::from(2);
     }
     if args.pipeline.requested() {
@@ -269,11 +272,7 @@ fn by_kind(plan: &Plan, costs: &[InstrCost]) -> Vec<KindPart> {
 }
 
 fn render_by_kind(parts: &[KindPart], compute_s: f64) -> String {
-    let mut out = String::from(
-        "
-compute by kernel kind (per device per step):
-",
-    );
+    let mut out = String::from("\ncompute by kernel kind (per device per step):\n");
     let _ = writeln!(out, "  {:<22} {:>7} {:>12} {:>8}", "kind", "count", "time", "share");
     for p in parts {
         let share = if compute_s > 0.0 { 100.0 * p.step_s / compute_s } else { 0.0 };

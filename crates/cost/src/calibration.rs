@@ -203,7 +203,39 @@ impl From<CollectiveKind> for CollectiveKindName {
     }
 }
 
+/// What is wrong with one kernel fit's numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelFitProblem {
+    /// A rate or size (`gb_s`, `gflop_s`, `cached_gb_s`, `cached_bytes`) is not a positive number.
+    Rate(&'static str),
+    /// The launch time is negative or not a number.
+    Launch,
+    /// `cached_bytes` without `cached_gb_s`, or the other way round.
+    CachedPair,
+}
+
 impl KernelFit {
+    /// Checks the numbers: rates positive, the launch cost zero or more, a cached rate and its bytes
+    /// both given or neither.
+    pub fn validate(&self) -> Result<(), KernelFitProblem> {
+        let rates = [
+            ("gb_s", self.gb_s),
+            ("gflop_s", self.gflop_s),
+            ("cached_gb_s", self.cached_gb_s),
+            ("cached_bytes", self.cached_bytes),
+        ];
+        if let Some((field, _)) = rates.iter().find(|(_, v)| v.is_some_and(|v| !(v.is_finite() && v > 0.0))) {
+            return Err(KernelFitProblem::Rate(field));
+        }
+        if self.cached_bytes.is_some() != self.cached_gb_s.is_some() {
+            return Err(KernelFitProblem::CachedPair);
+        }
+        if !(self.launch_us.is_finite() && self.launch_us >= 0.0) {
+            return Err(KernelFitProblem::Launch);
+        }
+        Ok(())
+    }
+
     /// Seconds for one call.
     pub fn seconds(&self, bytes: f64, flops: f64) -> f64 {
         let (cached, rest) = match (self.cached_bytes, self.cached_gb_s) {
@@ -290,20 +322,10 @@ impl Measured {
         if !self.kernels.contains_key(DEFAULT_KERNEL) {
             return Err(MeasuredProblem::NoDefaultKernel);
         }
-        for (kind, fit) in &self.kernels {
-            let rates = [
-                ("gb_s", fit.gb_s),
-                ("gflop_s", fit.gflop_s),
-                ("cached_gb_s", fit.cached_gb_s),
-                ("cached_bytes", fit.cached_bytes),
-            ];
-            for (field, value) in rates {
-                if value.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
-                    return Err(MeasuredProblem::KernelRate { kind: kind.clone(), field });
-                }
-            }
-            if !(fit.launch_us.is_finite() && fit.launch_us >= 0.0) {
-                return Err(MeasuredProblem::KernelLaunch { kind: kind.clone() });
+        let sections = [("kernels", &self.kernels), ("single_thread_kernels", &self.single_thread_kernels)];
+        for (section, fits) in sections {
+            for (kind, fit) in fits {
+                fit.validate().map_err(|problem| MeasuredProblem::Kernel { section, kind: kind.clone(), problem })?;
             }
         }
         if let Some(h) = &self.host_copies {
@@ -335,14 +357,11 @@ impl Measured {
 #[derive(Clone, Debug, PartialEq)]
 pub enum MeasuredProblem {
     NoDefaultKernel,
-    /// A kernel fit's rate (`gb_s` or `gflop_s`) is not a positive number.
-    KernelRate {
+    /// A kernel fit of `measured.{section}` has invalid numbers.
+    Kernel {
+        section: &'static str,
         kind: String,
-        field: &'static str,
-    },
-    /// A kernel fit's launch time is negative or not a number.
-    KernelLaunch {
-        kind: String,
+        problem: KernelFitProblem,
     },
     /// A host copy rate is not a positive number.
     HostCopyRate {
@@ -367,12 +386,16 @@ impl std::fmt::Display for MeasuredProblem {
             MeasuredProblem::NoDefaultKernel => {
                 write!(f, "`measured.kernels` needs a `{DEFAULT_KERNEL}` entry for kernels not measured")
             }
-            MeasuredProblem::KernelRate { kind, field } => {
-                write!(f, "`measured.kernels.{kind}.{field}` must be a positive number")
-            }
-            MeasuredProblem::KernelLaunch { kind } => {
-                write!(f, "`measured.kernels.{kind}.launch_us` must be zero or more")
-            }
+            MeasuredProblem::Kernel { section, kind, problem } => match problem {
+                KernelFitProblem::Rate(field) => {
+                    write!(f, "`measured.{section}.{kind}.{field}` must be a positive number")
+                }
+                KernelFitProblem::Launch => write!(f, "`measured.{section}.{kind}.launch_us` must be zero or more"),
+                KernelFitProblem::CachedPair => write!(
+                    f,
+                    "`measured.{section}.{kind}`: `cached_bytes` and `cached_gb_s` go together (give both or neither)"
+                ),
+            },
             MeasuredProblem::HostCopyRate { field } => {
                 write!(f, "`measured.host_copies.{field}` must be a positive number")
             }
@@ -522,7 +545,7 @@ mod tests {
     }
 
     #[test]
-    fn a_cached_rate_prices_a_calls_first_bytes_and_must_be_positive() {
+    fn a_cached_rate_prices_a_calls_first_bytes_and_every_fit_is_checked() {
         let fit = KernelFit {
             launch_us: 1.0,
             gb_s: Some(10.0),
@@ -539,8 +562,16 @@ mod tests {
         let mut m = cpu_measured(BTreeMap::from([(DEFAULT_KERNEL.to_string(), fit)]));
         assert!(m.validate().is_ok());
         m.kernels.insert("Add".into(), KernelFit { cached_gb_s: Some(-1.0), ..fit });
-        let problem = m.validate().err().map(|e| format!("{e:?}")).unwrap_or_default();
-        assert!(problem.contains("cached_gb_s"), "{problem}");
+        let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(problem, "`measured.kernels.Add.cached_gb_s` must be a positive number");
+        m.kernels.insert("Add".into(), KernelFit { cached_gb_s: None, ..fit });
+        let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(problem.contains("`measured.kernels.Add`: `cached_bytes` and `cached_gb_s` go together"), "{problem}");
+        // The one-thread fits are checked as the pool's are.
+        m.kernels.remove("Add");
+        m.single_thread_kernels.insert("Gelu".into(), KernelFit { launch_us: -1.0, ..fit });
+        let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(problem, "`measured.single_thread_kernels.Gelu.launch_us` must be zero or more");
     }
 
     #[test]
