@@ -290,7 +290,12 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
 /// Per-step losses and the saved final weights of `run` on `mesh` with `OPTIMUS_DEVICE_KERNELS=mode`
 /// (`default`: unset).
 fn losses_and_weights_with_device_kernels(mode: &str, mesh: &str, strategy: &str) -> (String, Vec<u8>) {
-    let weights = scratch(&format!("{mode}-{mesh}-{strategy}.safetensors"));
+    losses_and_weights_with(mode, mesh, strategy, None)
+}
+
+/// As [`losses_and_weights_with_device_kernels`], with `OPTIMUS_PIN_DEVICES` set to `pin` (unset: `None`).
+fn losses_and_weights_with(mode: &str, mesh: &str, strategy: &str, pin: Option<&str>) -> (String, Vec<u8>) {
+    let weights = scratch(&format!("{mode}-{mesh}-{strategy}-{}.safetensors", pin.unwrap_or("default")));
     let weights_arg = weights.to_string_lossy().into_owned();
     let mut command = Command::new(env!("CARGO_BIN_EXE_optimusc"));
     command.args(["run", "examples/gpt2.opt", "--mesh", mesh, "--strategy", strategy, "--steps", "3", "--json"]);
@@ -301,6 +306,10 @@ fn losses_and_weights_with_device_kernels(mode: &str, mesh: &str, strategy: &str
     } else {
         command.env("OPTIMUS_DEVICE_KERNELS", mode);
     }
+    match pin {
+        Some(pin) => command.env("OPTIMUS_PIN_DEVICES", pin),
+        None => command.env_remove("OPTIMUS_PIN_DEVICES"),
+    };
     let out = command.output().expect("optimusc runs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let losses: Vec<String> = String::from_utf8_lossy(&out.stdout)
@@ -320,6 +329,12 @@ fn device_threads_running_their_own_kernels_compute_the_pools_bits() {
         assert_eq!(pool.0, inline.0, "losses on {strategy} {mesh}");
         assert!(pool.1 == inline.1, "final weights on {strategy} {mesh} differ");
     }
+    // Device threads that run their own kernels are pinned to cores where the mesh has a device a core
+    // or more (4x4 here on up to 16 cores): the same bits as left to the operating system.
+    let pinned = losses_and_weights_with("inline", "4x4", "optimus", None);
+    let unpinned = losses_and_weights_with("inline", "4x4", "optimus", Some("off"));
+    assert_eq!(pinned.0, unpinned.0, "losses on optimus 4x4, pinned");
+    assert!(pinned.1 == unpinned.1, "final weights on optimus 4x4 pinned and not differ");
     // One device runs its whole program on a pool worker by default: the same bits as handing over.
     let pool = losses_and_weights_with_device_kernels("pool", "1x1", "none");
     let on_pool = losses_and_weights_with_device_kernels("default", "1x1", "none");

@@ -5,6 +5,7 @@ mod bf16_pieces_tests;
 pub mod blas;
 pub mod kernels;
 pub mod par;
+pub mod pin;
 pub mod sgemm;
 pub mod threads;
 pub mod vmath;

@@ -8,7 +8,10 @@
 //!
 //! - with `beta = 0` the result is written once, never cleared first (OpenBLAS clears it, a pass over
 //!   the output as large as a logits tensor);
-//! - row-major and transposed operands are packed with 8x8 register transposes, not element by element.
+//! - row-major and transposed operands are packed with 8x8 register transposes, not element by element;
+//! - a tile's output lines are fetched into cache when the tile starts, so its stores do not wait on
+//!   memory (alone under the AVX2 cap: the tied head's 1024x8192x256 product from 77% to 87% of the
+//!   peak on one thread, 1024x256x1024 from 82% to 88%).
 //!
 //! Each element of the result is one FMA chain over k within a panel, the panels taken in order, so
 //! the bits depend on neither the split of rows and columns over threads nor where a tile falls.
@@ -266,6 +269,15 @@ mod x86 {
     /// a holds 6k and b 16k floats; c's 6 rows of 16 are writable.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn micro(k: usize, a: *const f32, b: *const f32, c: Output, alpha: f32, store: Store) {
+        // The tile's output lines, fetched now so that they are in cache when the sums are stored. A
+        // wide output (the tied head's logits, 32 MiB at GPT-2 small's 1x1) is not in any cache: its
+        // stores waited on memory, and the product ran at 76% of the peak against 91% for a
+        // 1024-column one.
+        for r in 0..MR {
+            let row = c.at(r, 0).p.cast_const().cast::<i8>();
+            _mm_prefetch::<_MM_HINT_T0>(row);
+            _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(4 * (NR - 1)));
+        }
         let zero = _mm256_setzero_ps();
         let mut acc = [[zero; 2]; MR];
         let (mut a, mut b) = (a, b);
