@@ -133,8 +133,9 @@ pub struct RunArgs {
     /// achieved GFLOP/s of products and their % of this CPU's peak, GB/s of collectives), then compute,
     /// communication and other time per device. The first step is left out as warm-up when there are more;
     /// the peak is measured after the run (about 0.2 s). The header also names the library of the CPU
-    /// products (OpenBLAS where the machine has it, beside optimus's own AVX2 kernel on AVX2 CPUs, else
-    /// that kernel, else faer; OPTIMUS_BLAS=faer, optimus or a path chooses) and how many product calls
+    /// products (optimus's own AVX2 kernel where the CPU's widest vectors are AVX2, with OpenBLAS where
+    /// the machine has it for products under 6 rows; else OpenBLAS; else faer; OPTIMUS_BLAS=faer,
+    /// optimus or a path chooses) and how many product calls
     /// each ran. On a GPU (--backend cuda) each kernel is timed on the GPU, alone, and no peak is named. With --json, a last `{"profile": ...}` record.
     #[arg(long)]
     pub profile: bool,

@@ -3,11 +3,11 @@
 //! widest vectors are AVX2; else faer. Measured on a 2-core AVX2 EPYC, OpenBLAS's products match
 //! faer's on plain shapes and are faster on the weight gradients' (a transposed left operand), which
 //! faer runs at 25-60% of the peak: the tied head's (8192x1024x256) ran at 43-53 GFLOP/s in faer and
-//! 113-127 in OpenBLAS, and whole steps ran 1.05-1.41x faster (`scripts/bench_products.sh`). Our
-//! kernel is level with OpenBLAS's Haswell kernels on hidden-256 shapes and slower on wider ones (see
-//! its module): beside OpenBLAS on a CPU whose widest vectors are AVX2 it takes only the products it
-//! was measured faster on ([`super::sgemm::outruns_openblas`]), and runs every product only where
-//! OpenBLAS is missing, or when asked for. Nothing is needed at build time.
+//! 113-127 in OpenBLAS, and whole steps ran 1.05-1.41x faster (`scripts/bench_products.sh`). On a CPU
+//! whose widest vectors are AVX2, our kernel runs every product it takes (all but those of fewer than
+//! six rows, a decoding step's, which go to OpenBLAS's matrix-vector path): since it prefetches its
+//! output it ran GPT-2 training steps 0.99-1.08x as fast as OpenBLAS's Haswell kernels under the AVX2
+//! cap, hidden 256 to 768 (see its module). Nothing is needed at build time.
 //!
 //! OpenBLAS is held to one thread per call: the kernel pool splits large products itself, by blocks
 //! of output rows, so results depend only on the pool's size, as with faer, and concurrent calls from
@@ -78,7 +78,7 @@ pub enum Products {
     /// Our AVX2 kernel ([`super::sgemm`]).
     Optimus,
     OpenBlas(&'static Blas),
-    /// OpenBLAS, with our kernel for the products it runs faster ([`super::sgemm::outruns_openblas`]).
+    /// Our kernel for every product it takes, OpenBLAS for the others (fewer than six rows).
     Mixed(&'static Blas),
     Faer,
 }
@@ -95,11 +95,7 @@ impl Products {
         alpha: f32,
     ) {
         let mut dst = dst;
-        let ours = match self {
-            Products::Optimus => true,
-            Products::Mixed(_) => super::sgemm::outruns_openblas(dst.as_ref(), lhs),
-            Products::OpenBlas(_) | Products::Faer => false,
-        };
+        let ours = matches!(self, Products::Optimus | Products::Mixed(_));
         if ours && super::sgemm::product(dst.as_mut(), lhs, rhs, accumulate, alpha) {
             OPTIMUS_CALLS.fetch_add(1, Ordering::Relaxed);
             return;
@@ -149,7 +145,7 @@ struct Ours {
 enum Library {
     Optimus,
     OpenBlas,
-    /// OpenBLAS and our kernel, each on the products it runs faster.
+    /// Our kernel, and OpenBLAS for the products it does not take.
     Mixed,
     Faer,
 }

@@ -17,16 +17,16 @@
 //! the bits depend on neither the split of rows and columns over threads nor where a tile falls.
 //!
 //! Measured alone against OpenBLAS 0.3.21 (Haswell core) on a Xeon narrowed to AVX2, GPT-2 small's
-//! shapes, two threads each on half of the output, two rounds of the best of 20
-//! (`scripts/bench_sgemm.sh`, `bench/results/2026-11-27-own-sgemm/`): level on the 1x1 shapes (76.3%
-//! against 77.1% of the peak warm, 77.4% against 78.0% cold) and ahead on one 2x2 device's (74.9%
-//! against 72.5% warm, 68.0% against 62.5% cold). Inside training steps, three rounds: 1.02x faster
-//! steps on 1x1 and 2x2, the products at 77-78% of the peak against OpenBLAS's 75-78%. On wider
-//! models it falls behind: hidden 512 (vocabulary 32768) 187 against 205 GFLOP/s in `run --profile`,
-//! hidden 768 (50257) 193 against 203; alone, 70-81% against 79-89% on their shapes with k above 256
-//! (several panels, each reading the output back) and on the 32768-column head. So OpenBLAS stays
-//! the default where it is installed, and this kernel replaces faer where it is not (faer ran our
-//! weight gradients at 25-60% of the peak on AVX2).
+//! shapes (`scripts/bench_sgemm.sh`): before the output prefetch, level on the 1x1 shapes and ahead on
+//! one 2x2 device's, behind on wider models' (k above 256, several panels each reading the output back:
+//! 70-81% against 79-89% of the peak; `bench/results/2026-11-27-own-sgemm/`), so it took only the
+//! one-panel products beside OpenBLAS. With the prefetch it is level or ahead on most shapes, 2-5 points
+//! behind on one thread on weight gradients of few rows (256x768x1024, 256x1024x1024, 128x512x512;
+//! `bench/results/2026-11-28-prefetch-pin/`), and GPT-2 training steps with it for every
+//! product, against OpenBLAS beside it for the one-panel products, ran 1.042x (1x1) and 1.076x (2x2)
+//! at hidden 768, 1.047x and 1.003x at hidden 512, 1.007x and 0.993x at hidden 256 and 1.013x on
+//! megatron 1x4: so where the CPU's widest vectors are AVX2 it runs every product it takes, OpenBLAS
+//! (or faer) the rest.
 
 use faer::{MatMut, MatRef};
 
@@ -127,18 +127,6 @@ pub fn product(dst: MatMut<'_, f32>, lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>,
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (a, b, c, k);
     true
-}
-
-/// Whether this kernel runs the product into `dst` with left operand `lhs` faster than OpenBLAS's
-/// Haswell kernels (measured on GPT-2 shapes under the AVX2 cap): one panel deep (k at most [`KC`]),
-/// its left operand read by rows once the output is row-major, and a tile's rows at least. Deeper
-/// products read their output back between panels, and a left operand read by columns (a weight
-/// gradient's) costs this kernel's packing more than OpenBLAS's.
-pub fn outruns_openblas(dst: MatRef<'_, f32>, lhs: MatRef<'_, f32>) -> bool {
-    let (m, k) = (dst.nrows(), lhs.ncols());
-    // A column-major output would make rhs^T the left operand: those products stay in OpenBLAS.
-    let row_major_output = dst.col_stride() == 1 || dst.ncols() == 1;
-    row_major_output && lhs.col_stride() == 1 && k <= KC && m >= MR
 }
 
 /// The product's dimensions: dst is m x n, the inner dimension k.
@@ -495,28 +483,6 @@ mod x86 {
 mod tests {
     use super::*;
     use faer::Mat;
-
-    /// A row-major [r, c] view of a column-major [c, r] matrix.
-    fn rows(m: &Mat<f32>) -> MatRef<'_, f32> {
-        m.as_ref().transpose()
-    }
-
-    #[test]
-    fn it_takes_one_panel_products_whose_left_operand_it_reads_by_rows() {
-        // faer's matrices are column-major: the transpose of a [c, r] one is a row-major [r, c] view.
-        let (out, out_by_columns) = (Mat::<f32>::zeros(32, 64), Mat::<f32>::zeros(64, 32));
-        let (a, a_by_columns) = (Mat::<f32>::zeros(KC, 64), Mat::<f32>::zeros(64, KC));
-        let (deep, short_out, short_a) =
-            (Mat::<f32>::zeros(KC + 1, 64), Mat::<f32>::zeros(32, MR - 1), Mat::<f32>::zeros(KC, MR - 1));
-        assert!(outruns_openblas(rows(&out), rows(&a)), "one panel, both by rows");
-        assert!(!outruns_openblas(rows(&out), rows(&deep)), "deeper than a panel");
-        assert!(
-            !outruns_openblas(rows(&out), a_by_columns.as_ref()),
-            "a left operand by columns (a weight gradient's)"
-        );
-        assert!(!outruns_openblas(out_by_columns.as_ref(), rows(&a)), "a column-major output");
-        assert!(!outruns_openblas(rows(&short_out), rows(&short_a)), "fewer rows than a tile");
-    }
 
     /// Deterministic values in [-1, 1) with no pattern a blocking could hide behind.
     fn values(seed: u64, len: usize) -> Vec<f32> {
