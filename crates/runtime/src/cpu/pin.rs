@@ -1,29 +1,33 @@
 //! Device threads of a CPU mesh pinned to cores, neighbours in rank order sharing one.
 //!
 //! When a mesh has at least as many devices as the kernel pool has workers (2x2 or 4x4 on two cores),
-//! each device thread runs its own kernels ([`super::par::run_inline`]) and the operating system
-//! places the threads. Left to it, the devices of one mesh row (which meet in every SUMMA step and
-//! sum the tied head's partial logits, 8 MiB a device at GPT-2 small's 2x2) ran on whichever core was
-//! free, so their blocks crossed between the cores' caches, and threads migrated. Pinned, devices of
-//! consecutive ranks (a mesh row first) share a core: under the AVX2 cap on the 2-core Xeon of these
-//! notes, GPT-2 4/256/8/8192 training steps ran 1.026x and 1.032x faster on optimus 2x2 and 1.083x on
-//! 4x4, megatron 1x2 and 1x4 0.999x and 1.008x (the VM's noise), and hidden 512 and 768 on 2x2 1.018x
-//! and 1.000x. The arithmetic is the same: where a thread runs changes no bits.
+//! each device thread runs its own kernels ([`super::par::run_inline`]), and the operating system put
+//! them wherever a core was free. Pinned, devices of consecutive ranks share a core: a mesh row first,
+//! whose devices meet in every SUMMA step and sum the tied head's partial logits (8 MiB a device at
+//! GPT-2 small's 2x2). Under the AVX2 cap on the 2-core Xeon of these notes, GPT-2 4/256/8/8192
+//! training steps ran 1.074x and 1.083x faster on optimus 4x4, 0.993x to 1.032x on 2x2 (four runs),
+//! 0.999x to 1.008x on megatron 1x2 and 1x4 (the VM's noise), and 1.018x and 1.000x on 2x2 at hidden
+//! 512 and 768; a mesh column on a core instead ran 2x2 0.988x. Where a thread runs changes no bits.
 //!
 //! Only where the pool's workers are as many as the cores this process may use (so the mesh has all
-//! of them to itself: not under `RAYON_NUM_THREADS` set lower, nor an MPI rank's share of a node).
-//! `OPTIMUS_PIN_DEVICES=off` leaves the threads to the operating system.
+//! of them to itself: not under `RAYON_NUM_THREADS` set lower, a CPU quota, nor an MPI rank's share of
+//! a node). `OPTIMUS_PIN_DEVICES=off` (or `0`, `false`, `no`) leaves the threads to the operating system.
 
 /// The cores (CPU numbers) that device threads should be pinned to, in order, for a mesh of `devices`
 /// device threads that run their own kernels: every core this process may use, when the kernel pool
 /// has one worker per core and the mesh has at least as many devices as cores; else none.
 pub fn device_cores(devices: u64) -> Vec<usize> {
-    if std::env::var("OPTIMUS_PIN_DEVICES").is_ok_and(|v| v.trim() == "off") {
+    if std::env::var("OPTIMUS_PIN_DEVICES").is_ok_and(|v| is_off(&v)) {
         return Vec::new();
     }
     let cores = allowed_cores();
     let usable = cores.len() >= 2 && cores.len() == super::par::threads() && devices >= cores.len() as u64;
     if usable { cores } else { Vec::new() }
+}
+
+/// Whether a value of `OPTIMUS_PIN_DEVICES` turns pinning off.
+fn is_off(value: &str) -> bool {
+    matches!(value.trim().to_ascii_lowercase().as_str(), "off" | "0" | "false" | "no")
 }
 
 /// The core of `cores` for the device of rank `rank` among `devices`: consecutive ranks in equal runs,
@@ -81,6 +85,16 @@ mod tests {
         assert_eq!(of(2), [Some(3), Some(5)]);
         assert_eq!(of(3), [Some(3), Some(3), Some(5)]);
         assert_eq!(core_for(0, 4, &[]), None);
+    }
+
+    #[test]
+    fn pinning_is_turned_off_by_the_usual_words_only() {
+        for off in ["off", "0", "false", "no", " OFF "] {
+            assert!(is_off(off), "{off:?}");
+        }
+        for on in ["on", "1", "", "yes"] {
+            assert!(!is_off(on), "{on:?}");
+        }
     }
 
     #[test]
