@@ -32,18 +32,14 @@ pub fn run(
         && !inline
         && config.kernels_inline.is_none()
         && super::cpu::par::device_runs_on_pool(devices as usize);
-    // Device threads that run their own kernels share the cores in runs of consecutive ranks.
-    let pinned_cores = if inline { super::cpu::pin::device_cores(devices) } else { Vec::new() };
-    let pinned_cores = &pinned_cores;
+    let pins = &super::cpu::pin::DevicePins::for_threads(devices, inline);
     let results: Vec<Result<DeviceResult, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|rank| {
                 let fabric = std::sync::Arc::clone(&fabric);
                 let slot = DeviceSlot { index: rank, link: links.get(rank as usize).cloned().unwrap_or_default() };
                 scope.spawn(move || {
-                    if let Some(core) = super::cpu::pin::core_for(rank, devices, pinned_cores) {
-                        super::cpu::pin::pin_this_thread(core);
-                    }
+                    pins.pin(rank);
                     let coords = plan.mesh.coords_of(rank);
                     let comm = ThreadComm::new(std::sync::Arc::clone(&fabric), coords);
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -12,17 +12,35 @@
 //! Only where the pool's workers are as many as the cores this process may use (so the mesh has all
 //! of them to itself: not under `RAYON_NUM_THREADS` set lower, a CPU quota, nor an MPI rank's share of
 //! a node). `OPTIMUS_PIN_DEVICES=off` (or `0`, `false`, `no`) leaves the threads to the operating system.
+//!
+//! Pipelined runs are not pinned: each stage's devices on cores of their own ran 0.81x (megatron 1x2)
+//! and 0.79x (optimus 2x2) with two stages, as a stage's core idles through its bubbles; each core
+//! holding a device of every stage ran 1.000x and 1.005x, no gain.
 
-/// The cores (CPU numbers) that device threads should be pinned to, in order, for a mesh of `devices`
-/// device threads that run their own kernels: every core this process may use, when the kernel pool
-/// has one worker per core and the mesh has at least as many devices as cores; else none.
-pub fn device_cores(devices: u64) -> Vec<usize> {
-    if std::env::var("OPTIMUS_PIN_DEVICES").is_ok_and(|v| is_off(&v)) {
-        return Vec::new();
+/// Where the device threads of one run go: thread `index` of `threads` to a core of `cores`, or
+/// nowhere in particular (no cores).
+pub struct DevicePins {
+    cores: Vec<usize>,
+    threads: u64,
+}
+
+impl DevicePins {
+    /// The pins for the `threads` device threads of a mesh: every core this process may use when the
+    /// threads run their own kernels (`inline`), the kernel pool has one worker per core, and there are
+    /// at least as many threads as cores; else none.
+    pub fn for_threads(threads: u64, inline: bool) -> DevicePins {
+        let off = std::env::var("OPTIMUS_PIN_DEVICES").is_ok_and(|v| is_off(&v));
+        let cores = if inline && !off { allowed_cores() } else { Vec::new() };
+        let usable = cores.len() >= 2 && cores.len() == super::par::threads() && threads >= cores.len() as u64;
+        DevicePins { cores: if usable { cores } else { Vec::new() }, threads }
     }
-    let cores = allowed_cores();
-    let usable = cores.len() >= 2 && cores.len() == super::par::threads() && devices >= cores.len() as u64;
-    if usable { cores } else { Vec::new() }
+
+    /// Pins the calling thread, device thread `index`, to its core (nothing without cores).
+    pub fn pin(&self, index: u64) {
+        if let Some(core) = core_for(index, self.threads, &self.cores) {
+            pin_this_thread(core);
+        }
+    }
 }
 
 /// Whether a value of `OPTIMUS_PIN_DEVICES` turns pinning off.
@@ -32,14 +50,14 @@ fn is_off(value: &str) -> bool {
 
 /// The core of `cores` for the device of rank `rank` among `devices`: consecutive ranks in equal runs,
 /// so that with as many devices as a multiple of the cores each core holds the same number.
-pub fn core_for(rank: u64, devices: u64, cores: &[usize]) -> Option<usize> {
+fn core_for(rank: u64, devices: u64, cores: &[usize]) -> Option<usize> {
     let index = (rank as u128 * cores.len() as u128 / devices.max(1) as u128) as usize;
     cores.get(index).copied()
 }
 
 /// Pins the calling thread to `core`; a failure (a core taken away since) leaves it where it was, as
 /// pinning only speeds a run up.
-pub fn pin_this_thread(core: usize) {
+fn pin_this_thread(core: usize) {
     #[cfg(target_os = "linux")]
     // SAFETY: the set is a plain bit mask on the stack, sized as the call is told.
     unsafe {
@@ -95,6 +113,12 @@ mod tests {
         for on in ["on", "1", "", "yes"] {
             assert!(!is_off(on), "{on:?}");
         }
+    }
+
+    #[test]
+    fn threads_that_hand_their_kernels_to_the_pool_or_are_fewer_than_the_cores_stay_unpinned() {
+        assert!(DevicePins::for_threads(1_000, false).cores.is_empty(), "not inline");
+        assert!(DevicePins::for_threads(1, true).cores.is_empty(), "one thread, fewer than two cores");
     }
 
     #[test]
