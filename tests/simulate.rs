@@ -290,13 +290,17 @@ const SMALL: [&str; 12] = [
     "batch=4",
 ];
 
+/// A scratch folder of this test (`tag`), `examples/gpt2.opt`, and the path of a plan in the folder.
+fn scratch_plan_for_gpt2(tag: &str) -> (PathBuf, String, String) {
+    let dir = std::env::temp_dir().join(format!("optimus-simulate-{tag}-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let plan = dir.join("plan.json").to_string_lossy().into_owned();
+    (dir, examples().join("gpt2.opt").to_string_lossy().into_owned(), plan)
+}
+
 #[test]
 fn memory_figures_are_inspects() {
-    let dir = std::env::temp_dir().join(format!("optimus-simulate-{}", std::process::id()));
-    let _ = std::fs::create_dir_all(&dir);
-    let plan = dir.join("plan.json");
-    let model = examples().join("gpt2.opt");
-    let (model, plan_s) = (model.to_string_lossy(), plan.to_string_lossy());
+    let (dir, model, plan_s) = scratch_plan_for_gpt2("memory");
     for strategy in ["optimus", "megatron"] {
         let mesh = if strategy == "optimus" { "2x2" } else { "1x4" };
         let mut compile = vec!["compile", &model, "--mesh", mesh, "--strategy", strategy, "-o", &plan_s];
@@ -501,16 +505,12 @@ fn compare_takes_any_set_of_strategies_and_marks_those_the_devices_do_not_fit() 
 
 #[test]
 fn by_kind_splits_the_step_compute_by_the_plans_kernels() {
-    let dir = std::env::temp_dir().join(format!("optimus-simulate-kinds-{}", std::process::id()));
-    let _ = std::fs::create_dir_all(&dir);
-    let plan_path = dir.join("plan.json");
-    let model = examples().join("gpt2.opt");
-    let (model, plan_s) = (model.to_string_lossy(), plan_path.to_string_lossy());
+    let (dir, model, plan_s) = scratch_plan_for_gpt2("kinds");
     for (mesh, strategy, hardware) in [("2x2", "optimus", "dgx-a100"), ("1x4", "megatron", "frontera-rtx5000")] {
         let target = [&["--mesh", mesh, "--strategy", strategy][..], &SMALL[..]].concat();
         let (ok, _, err) = optimusc(&[&["compile", &model, "-o", &plan_s][..], &target].concat());
         assert!(ok, "{err}");
-        let text = std::fs::read_to_string(&plan_path).unwrap_or_default();
+        let text = std::fs::read_to_string(&plan_s).unwrap_or_default();
         let plan: optimus::plan::Plan =
             serde_json::from_str(&text).unwrap_or_else(|e| panic!("the plan reads back: {e}"));
         let args = [&["simulate", &model, "--hardware", hardware, "--by-kind", "--json"][..], &target].concat();
