@@ -10,7 +10,9 @@ Without --profile it runs `optimusc calibrate` first. Prints one line per grid p
 measured, error) and the mean and worst absolute error. The measured step time is the median of the
 second half of a point's steps (at least --steps, and enough for about --seconds of them: small steps
 take a few to warm up), the fastest of --repeats rounds over the whole grid. (Before 2026-11-27 it was
-the median of the steps after the first, with a fixed step count.) With --overlap, every point is
+the median of the steps after the first, with a fixed step count.) Then how far apart each point's
+rounds were (each round's time is in --jsonl), with a warning where the median point's rounds are
+more than 10% apart: that is the machine's own noise, not the simulator's error. With --overlap, every point is
 compiled with `--overlap` for both the prediction and the run, and also run without it in the same
 round, side by side (the last column is the overlapped step over the plain one).
 --jsonl writes one JSON record per point (raw results). Not part of the test suite: timings need a
@@ -122,15 +124,16 @@ def main():
     predicted = [predicted_step(args, t) for t in targets]
     # Rounds over the whole grid, minutes apart: each point keeps its fastest round, so a slow spell
     # of a shared machine (another process, a noisy neighbour) during one run does not count.
-    measured = [float("inf")] * len(points)
+    rounds = [[] for _ in points]
     without = [float("inf")] * len(points)
     for round_ in range(args.repeats):
         print(f"measuring: round {round_ + 1} of {args.repeats} over {len(points)} points", file=sys.stderr)
         for k, target in enumerate(targets):
             steps = steps_for(args, predicted[k][0])
-            measured[k] = min(measured[k], one_run(args, target, steps))
+            rounds[k].append(one_run(args, target, steps))
             if args.overlap:
                 without[k] = min(without[k], one_run(args, plain[k], steps))
+    measured = [min(r) for r in rounds]
     extra = "   plain     overlap/plain" if args.overlap else ""
     print(f"{'mesh':<5} {'strategy':<9} {'hidden':>6} {'seq':>4} {'mode':<5} "
           f"{'predicted':>10} {'measured':>10} {'error':>7}   compute / exposed comm{extra}")
@@ -150,6 +153,7 @@ def main():
                         "overlap": args.overlap, "predicted_s": step, "predicted_compute_s": compute,
                         "predicted_exposed_comm_s": comm, "measured_s": real,
                         "measured_without_overlap_s": without[k] if args.overlap else None,
+                        "measured_rounds_s": rounds[k],
                         "steps": steps_for(args, step), "repeats": args.repeats, "cpu": cpu_name(),
                         "threads": os.cpu_count()})
     if args.jsonl:
@@ -159,6 +163,21 @@ def main():
     worst = max(errors, key=abs)
     mean = statistics.mean(abs(e) for e in errors)
     print(f"\n{len(errors)} points: mean |error| {100 * mean:.1f}%, worst {100 * worst:+.1f}%")
+    report_steadiness(rounds)
+
+
+def report_steadiness(rounds):
+    """How far apart each point's rounds were (slowest over fastest): a machine whose speed changes
+    between rounds measures its own noise, and errors up to that spread say nothing of the simulator."""
+    spreads = [max(r) / min(r) - 1.0 for r in rounds if len(r) > 1 and min(r) > 0]
+    if not spreads:
+        return
+    median, worst = statistics.median(spreads), max(spreads)
+    print(f"rounds apart: median {100 * median:.1f}%, worst {100 * worst:.1f}% (slowest round over fastest)")
+    if median > 0.10:
+        print("warning: this machine's speed changed between rounds by more than the simulator's 15% bar; "
+              "its errors measure the machine, not the simulator: measure again on a quiet machine",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

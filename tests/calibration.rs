@@ -260,6 +260,15 @@ fn calibrate_writes_a_profile_that_simulate_reads() {
     assert_eq!(shared.len(), 2, "the quick shared-engine runs, trained and for inference");
     assert!(shared.iter().all(|r| r["measured_s"].as_f64() > Some(0.0) && r["devices"] == 4), "{shared:?}");
     let text = std::fs::read_to_string(&path).expect("the profile was written");
+    // How steady the CPU's speed was: its peak measured at the start, after each phase and at the end,
+    // said atop the profile and, where the measurements are over 10% apart, warned of.
+    let speed = text.lines().find(|l| l.contains("the peak measured")).unwrap_or_else(|| panic!("{text}"));
+    let unsteady = speed.contains("changed while it was measured");
+    assert!(speed.starts_with("# ") && (unsteady || speed.contains("kept its speed")), "{speed}");
+    let times: usize = speed.split("measured ").nth(2).and_then(|t| t.split(' ').next()?.parse().ok()).unwrap_or(0);
+    assert!(times >= 5, "{speed}");
+    let warned = String::from_utf8_lossy(&out.stderr).contains("warning: calibrate: this machine's speed changed");
+    assert_eq!(unsteady, warned, "{speed}");
     let hw = match Hardware::parse(&text, "here.toml") {
         Ok(hw) => hw,
         Err(e) => panic!("{e}\n{text}"),

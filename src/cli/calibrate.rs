@@ -9,6 +9,7 @@ use optimus::elab::Override;
 use optimus::front::check_source;
 use optimus::plan::{CollectiveKind, Mesh, Mode, Plan, Precision, Strategy};
 use optimus::runtime::backend::BackendKind;
+use optimus::runtime::peak::Steadiness;
 use optimus::shard::{Target, compile};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -145,8 +146,9 @@ pub fn calibrate(args: &CalibrateArgs) -> ExitCode {
         }
     }
     let started = Instant::now();
+    let mut steadiness = Steadiness::default();
     let measured = match args.backend {
-        super::run::Backend::Cpu => measure_machine(args),
+        super::run::Backend::Cpu => measure_machine(args, &mut steadiness),
         super::run::Backend::Cuda => gpu::measure_gpu(args),
     };
     let hw = match measured {
@@ -157,12 +159,18 @@ pub fn calibrate(args: &CalibrateArgs) -> ExitCode {
         }
     };
     let text = match toml::to_string(&hw) {
-        Ok(body) => format!("{}{body}", header(&hw, started.elapsed())),
+        Ok(body) => format!("{}{body}", header(&hw, started.elapsed(), &steadiness)),
         Err(e) => {
             eprintln_safe!("error: calibrate: cannot write the profile as TOML: {e}");
             return ExitCode::from(1);
         }
     };
+    if steadiness.is_unsteady() {
+        eprintln_safe!(
+            "warning: calibrate: this machine's speed changed while it was measured ({}); the costs it fitted, and what `simulate` predicts from them, are no closer than that. Calibrate again when the machine is quiet (no other load on it or, for a virtual machine, on its host)",
+            steadiness.describe()
+        );
+    }
     let path = args.output.clone().unwrap_or_else(|| PathBuf::from("-"));
     if let Err(e) = optimus::io::write_file(&path, text.as_bytes()) {
         eprintln_safe!("error: {e}");
@@ -179,10 +187,20 @@ pub fn calibrate(args: &CalibrateArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// The comment atop the written profile.
-fn header(hw: &Hardware, took: Duration) -> String {
+/// The comment atop the written profile, with how steady the CPU's speed was where it was measured.
+fn header(hw: &Hardware, took: Duration, steadiness: &Steadiness) -> String {
+    let speed = match steadiness.variation() {
+        Some(_) if steadiness.is_unsteady() => {
+            format!(
+                "# The CPU's speed changed while it was measured ({}): trust these costs no closer.\n",
+                steadiness.describe()
+            )
+        }
+        Some(_) => format!("# The CPU kept its speed while it was measured ({}).\n", steadiness.describe()),
+        None => String::new(),
+    };
     format!(
-        "# Measured by `optimusc calibrate` ({} {}) in {:.1} s on {}.\n# Kernel and collective costs are in [measured]; see docs/calibration.md.\n\n",
+        "# Measured by `optimusc calibrate` ({} {}) in {:.1} s on {}.\n{speed}# Kernel and collective costs are in [measured]; see docs/calibration.md.\n\n",
         env!("CARGO_PKG_NAME"),
         env!("CARGO_PKG_VERSION"),
         took.as_secs_f64(),
@@ -190,8 +208,10 @@ fn header(hw: &Hardware, took: Duration) -> String {
     )
 }
 
-/// Measures kernels and collectives and assembles the profile.
-fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
+/// Measures kernels and collectives and assembles the profile; measures the CPU's peak into
+/// `steadiness` at the start, after each phase and at the end.
+fn measure_machine(args: &CalibrateArgs, steadiness: &mut Steadiness) -> Result<Hardware, String> {
+    steadiness.probe();
     let workloads: Vec<&Workload> =
         if args.quick { WORKLOADS.iter().take(2).collect() } else { WORKLOADS.iter().collect() };
     let shapes: Vec<(u64, u64)> = if args.quick { COLLECTIVE_SHAPES[..2].to_vec() } else { COLLECTIVE_SHAPES.to_vec() };
@@ -222,6 +242,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
             progress.advance();
         }
         passes.push(samples);
+        steadiness.probe();
     }
     let samples = measure::median_of(passes);
     let mut raw = RawSamples::kernels("pool", &samples);
@@ -234,6 +255,7 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         single.extend(measure::profile_kernels(plan, (w.steps, 1), BackendKind::Cpu, true)?);
         progress.advance();
     }
+    steadiness.probe();
     raw.extend(RawSamples::kernels("single thread", &single));
     let single_thread_kernels = measure::fit_kernels(&single);
     let mut collectives = Vec::new();
@@ -256,8 +278,11 @@ fn measure_machine(args: &CalibrateArgs) -> Result<Hardware, String> {
         collectives,
         host_copies: Some(measure::host_copies(5)),
     };
+    steadiness.probe();
     let hw = assemble(args, measured);
-    finish_with_shared_engine(args, hw, (meshes, &CPU_SHARED, "shared engine"), &progress, raw)
+    let hw = finish_with_shared_engine(args, hw, (meshes, &CPU_SHARED, "shared engine"), &progress, raw)?;
+    steadiness.probe();
+    Ok(hw)
 }
 
 /// The end of both backends' calibrations: the shared engine's runs on `meshes` (trained, then run

@@ -60,6 +60,64 @@ pub fn measure_peak(threads: usize) -> Peak {
     Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: isa.name() }
 }
 
+/// How far apart measurements of the peak may be before a long measurement (a calibration, a profiled
+/// run) warns that the machine's speed changed under it.
+pub const UNSTEADY: f64 = 0.10;
+
+/// The peak measured several times over a long measurement, to tell whether the machine kept its speed:
+/// a virtual machine whose host is shared can run 1.5x slower for seconds at a time, and then no timing
+/// taken during those seconds (a calibration's, a profile's) can be trusted closer than that.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Steadiness {
+    gflops: Vec<f64>,
+}
+
+impl Steadiness {
+    /// Measures the peak once more, on the kernel pool's threads (about 0.15 s).
+    pub fn probe(&mut self) {
+        self.add(measure_peak(product_threads()).gflops);
+    }
+
+    /// Adds a peak measured elsewhere.
+    pub fn add(&mut self, gflops: f64) {
+        if gflops.is_finite() && gflops > 0.0 {
+            self.gflops.push(gflops);
+        }
+    }
+
+    /// How far the fastest measurement is above the slowest (0.38: 38% faster); `None` below two.
+    pub fn variation(&self) -> Option<f64> {
+        let (slowest, fastest) = self.range()?;
+        Some(fastest / slowest - 1.0)
+    }
+
+    fn range(&self) -> Option<(f64, f64)> {
+        if self.gflops.len() < 2 {
+            return None;
+        }
+        let slowest = self.gflops.iter().copied().fold(f64::INFINITY, f64::min);
+        let fastest = self.gflops.iter().copied().fold(0.0, f64::max);
+        Some((slowest, fastest))
+    }
+
+    /// Whether the measurements are more than [`UNSTEADY`] apart.
+    pub fn is_unsteady(&self) -> bool {
+        self.variation().is_some_and(|v| v > UNSTEADY)
+    }
+
+    /// "the peak measured 6 times: 101.3 to 140.2 GFLOP/s, 38% apart".
+    pub fn describe(&self) -> String {
+        match (self.range(), self.variation()) {
+            (Some((slowest, fastest)), Some(variation)) => format!(
+                "the peak measured {} times: {slowest:.1} to {fastest:.1} GFLOP/s, {:.0}% apart",
+                self.gflops.len(),
+                100.0 * variation
+            ),
+            _ => format!("the peak measured {} time(s)", self.gflops.len()),
+        }
+    }
+}
+
 /// Iterations of the chains that take about [`TRIAL`] on one thread.
 fn trial_iterations(isa: Chains) -> u64 {
     let mut iterations: u64 = 1 << 10;
@@ -243,6 +301,22 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn steadiness_is_how_far_the_fastest_peak_is_above_the_slowest() {
+        let mut s = Steadiness::default();
+        assert_eq!(s.variation(), None);
+        s.add(100.0);
+        assert!(!s.is_unsteady(), "one measurement says nothing");
+        for g in [105.0, 109.0, f64::NAN, 0.0] {
+            s.add(g);
+        }
+        assert!((s.variation().unwrap_or_default() - 0.09).abs() < 1e-12, "{s:?}");
+        assert!(!s.is_unsteady());
+        s.add(138.0);
+        assert!(s.is_unsteady());
+        assert_eq!(s.describe(), "the peak measured 4 times: 100.0 to 138.0 GFLOP/s, 38% apart");
+    }
 
     #[test]
     fn the_chains_compute_what_they_claim() {
