@@ -98,6 +98,9 @@ fn the_profile_counts_every_instruction_and_the_flops_of_every_matmul() {
     assert_eq!(profile["steps_profiled"], 2, "the first of 3 steps is warm-up");
     assert_eq!(profile["warm_up_excluded"], true);
     assert!(profile["peak_gflops"].as_f64().expect("a peak") > 0.0);
+    // The peak measured before the run too, to tell whether the machine kept its speed.
+    assert!(profile["peak_before_run_gflops"].as_f64().is_some_and(|g| g > 0.0), "{profile}");
+    assert!(stderr.contains(" before it (") && stderr.contains("% apart)"), "{stderr}");
     assert_eq!(profile["devices"].as_array().expect("devices").len(), 4);
 
     let rows = profile["rows"].as_array().expect("rows");

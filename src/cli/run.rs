@@ -132,7 +132,8 @@ pub struct RunArgs {
     /// kind and by collective kind and group, summed over devices (count, total ms, share, average µs,
     /// achieved GFLOP/s of products and their % of this CPU's peak, GB/s of collectives), then compute,
     /// communication and other time per device. The first step is left out as warm-up when there are more;
-    /// the peak is measured after the run (about 0.2 s). The header also names the library of the CPU
+    /// the peak is measured before and after the run (about 0.2 s each; a note says where the two are over
+    /// 10% apart: the machine's speed changed under the run). The header also names the library of the CPU
     /// products (optimus's own AVX2 kernel where the CPU's widest vectors are AVX2, with OpenBLAS where
     /// the machine has it for products under 6 rows; else OpenBLAS; else faer; OPTIMUS_BLAS=faer,
     /// optimus or a path chooses) and how many product calls
@@ -544,6 +545,10 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         ));
     }
     let tokenizer = args.tokenizer.as_deref().map(|name| checked_tokenizer(name, args, &plan)).transpose()?;
+    if args.profile && args.backend == Backend::Cpu {
+        // Beside the peak measured after the run, to tell whether the machine kept its speed.
+        optimus::runtime::peak::measure_before_run();
+    }
     Ok(Prepared { plan, tokenizer, sources, initial, config })
 }
 

@@ -5,7 +5,7 @@
 use crate::cpu::vmath::{self, Isa};
 use serde::Serialize;
 use std::hint::black_box;
-use std::sync::Barrier;
+use std::sync::{Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Independent accumulators per thread: more than FMA latency (4 cycles) times FMA units (2), so that
@@ -58,6 +58,20 @@ pub fn measure_peak(threads: usize) -> Peak {
     let best = (0..TRIALS).map(|_| parallel_seconds(isa, threads, iterations)).fold(f64::INFINITY, f64::min);
     let flops = threads as f64 * iterations as f64 * (CHAINS * isa.lanes() * 2) as f64;
     Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: isa.name() }
+}
+
+/// The peak measured just before a profiled run began ([`measure_before_run`]), which its report
+/// compares with the one measured after it.
+static BEFORE_RUN: OnceLock<f64> = OnceLock::new();
+
+/// Measures the peak before a profiled run starts (about 0.15 s; once a process).
+pub fn measure_before_run() {
+    BEFORE_RUN.get_or_init(|| measure_peak(product_threads()).gflops);
+}
+
+/// The peak [`measure_before_run`] measured, if it ran.
+pub fn before_run() -> Option<f64> {
+    BEFORE_RUN.get().copied()
 }
 
 /// How far apart measurements of the peak may be before a long measurement (a calibration, a profiled

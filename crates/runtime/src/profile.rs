@@ -234,6 +234,10 @@ pub struct ProfileReport {
     pub peak_gflops: f64,
     pub peak_threads: usize,
     pub peak_isa: String,
+    /// The peak measured just before the run, where it was ([`super::peak::measure_before_run`]): a
+    /// machine whose speed changed during the run shows it here, against `peak_gflops` after it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_before_run_gflops: Option<f64>,
     /// What the CPU kernels multiply matrices with ("OpenBLAS (...)" or "faer").
     pub cpu_products: String,
     /// The sequential product calls each library ran in this process (products split over the pool
@@ -315,6 +319,7 @@ pub fn report_of_programs(runs: &[(&Plan, &Profile)], peak: &Peak) -> ProfileRep
         peak_gflops: peak.gflops,
         peak_threads: peak.threads,
         peak_isa: peak.isa.clone(),
+        peak_before_run_gflops: super::peak::before_run().filter(|_| peak.gflops > 0.0),
         cpu_products: super::cpu::blas::product_library(),
         cpu_product_calls: super::cpu::blas::calls(),
         steps_profiled: runs.first().map_or(0, |(_, p)| p.steps),
@@ -438,10 +443,11 @@ impl ProfileReport {
         };
         let peak = match self.peak_gflops > 0.0 {
             true => format!(
-                "peak {:.1} GFLOP/s measured on {} ({})",
+                "peak {:.1} GFLOP/s measured on {} ({}){}",
                 self.peak_gflops,
                 plural(self.peak_threads as u64, "thread"),
-                self.peak_isa
+                self.peak_isa,
+                self.speed_during_run()
             ),
             // A GPU run: no CPU peak to measure its kernels against.
             false => "each kernel timed on the GPU, alone (no peak: % peak is left out)".to_string(),
@@ -451,6 +457,22 @@ impl ProfileReport {
             plural(self.steps_profiled, "step"),
             plural(devices, "device"),
         )
+    }
+
+    /// The peak before the run beside the one after it, and a note where they are more than
+    /// [`super::peak::UNSTEADY`] apart (the machine's speed changed under the run).
+    fn speed_during_run(&self) -> String {
+        let Some(before) = self.peak_before_run_gflops else { return String::new() };
+        let mut steadiness = super::peak::Steadiness::default();
+        steadiness.add(before);
+        steadiness.add(self.peak_gflops);
+        let apart = 100.0 * steadiness.variation().unwrap_or(0.0);
+        let note = if steadiness.is_unsteady() {
+            "\nnote: this machine's speed changed during the run: its times and % peak are no closer than that"
+        } else {
+            ""
+        };
+        format!(" after the run, {before:.1} before it ({apart:.0}% apart){note}")
     }
 
     fn rows_table(&self) -> String {
@@ -529,6 +551,7 @@ mod tests {
             peak_gflops: 100.0,
             peak_threads: 2,
             peak_isa: "AVX2 FMA".into(),
+            peak_before_run_gflops: None,
             cpu_products: if openblas > 0 { "OpenBLAS 0.3.21".into() } else { "faer".into() },
             cpu_product_calls: super::super::cpu::blas::Calls { openblas, faer, optimus: 0 },
             steps_profiled: 1,
@@ -558,6 +581,26 @@ mod tests {
         let header = report_with_calls(0, 0).header();
         assert!(!header.contains("CPU products"), "a run with no CPU product (CUDA): {header}");
         assert!(header.ends_with(")\n\n"), "{header:?}");
+    }
+
+    #[test]
+    fn the_header_gives_the_peak_before_the_run_and_notes_a_change_of_speed() {
+        let steady = ProfileReport { peak_before_run_gflops: Some(104.0), ..report_with_calls(0, 0) };
+        let header = steady.header();
+        assert!(
+            header.contains(
+                "peak 100.0 GFLOP/s measured on 2 threads (AVX2 FMA) after the run, 104.0 before it (4% apart)\n"
+            ),
+            "{header}"
+        );
+        assert!(!header.contains("note:"), "{header}");
+        let unsteady = ProfileReport { peak_before_run_gflops: Some(140.0), ..report_with_calls(0, 0) };
+        let header = unsteady.header();
+        assert!(
+            header.contains("140.0 before it (40% apart)\nnote: this machine's speed changed during the run"),
+            "{header}"
+        );
+        assert!(!report_with_calls(0, 0).header().contains("before it"), "no peak measured before the run");
     }
 
     #[test]
