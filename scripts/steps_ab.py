@@ -8,7 +8,9 @@ Usage: python3 scripts/steps_ab.py --new PATH [--baseline PATH] [--baseline-env 
 Runs `optimusc run RUN ARGS... --steps S --json` with each build, alternating, --rounds times (the
 baseline is --baseline, else --new; --baseline-env settings apply to the baseline's runs only); a run's
 step time is the median of the differences of `elapsed_s` after --warmup steps. Prints one line per
-run and the faster round of each build; --jsonl appends one JSON record per run (raw results).
+run and the faster round of each build; --jsonl appends one JSON record per run (raw results). With
+two rounds or more it also prints how far apart each build's rounds were, and warns where they are
+more than the ratio's distance from 1: a difference smaller than the machine's own spread is noise.
 """
 
 import argparse
@@ -50,6 +52,7 @@ def main():
     baseline_env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.baseline_env))
     builds = (("baseline", args.baseline or args.new, baseline_env), ("new", args.new, None))
     best = {}
+    times = {"baseline": [], "new": []}
     for round_ in range(1, args.rounds + 1):
         for build, path, env in builds:
             try:
@@ -58,6 +61,7 @@ def main():
                 print(f"{args.label} {build} round {round_}: failed: {e}", flush=True)
                 continue
             best[build] = min(best.get(build, seconds), seconds)
+            times[build].append(seconds)
             print(f"{args.label} {build} round {round_}: {seconds * 1e3:.2f} ms a step, last loss {loss:.4f}",
                   flush=True)
             if args.jsonl:
@@ -70,7 +74,21 @@ def main():
     if len(best) == 2:
         print(f"{args.label}: new {best['new'] * 1e3:.2f} ms against baseline {best['baseline'] * 1e3:.2f} ms "
               f"(faster round each): {best['baseline'] / best['new']:.3f}x")
+        report_spread(args.label, times, best['baseline'] / best['new'])
     return 0 if len(best) == 2 else 1
+
+
+def report_spread(label, times, ratio):
+    """How far each build's slowest round is above its fastest; a warning where that spread is larger
+    than the measured difference (the ratio's distance from 1)."""
+    spreads = {b: max(t) / min(t) - 1.0 for b, t in times.items() if len(t) > 1 and min(t) > 0}
+    if not spreads:
+        return
+    print(f"{label}: rounds apart: " + ", ".join(f"{b} {100 * v:.1f}%" for b, v in sorted(spreads.items()))
+          + " (slowest round over fastest)")
+    if max(spreads.values()) > abs(ratio - 1.0):
+        print(f"{label}: warning: the rounds are further apart than the two builds: the ratio is within "
+              "this machine's noise; run more rounds or on a quieter machine", file=sys.stderr)
 
 
 if __name__ == "__main__":
