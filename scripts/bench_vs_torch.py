@@ -5,7 +5,9 @@ eager attention) and `optimusc run examples/gpt2.opt` with the same sizes on sev
 same number of threads, and prints tokens/s and each mesh's ratio to torch. A benchmark, not a test:
 absolute numbers drift on shared machines; quote the ratios of one run.
 
-Each measurement is the median of the per-step throughputs after `--warmup` untimed steps.
+Each measurement is the median of the per-step throughputs after `--warmup` untimed steps. Before and
+after each config a `torch.mm` times the machine's speed; where the two are more than 10% apart a
+warning says the config's ratios are within the machine's noise (`speed_probe_gflops` with --json).
 Run it through scripts/bench_vs_torch.sh, which provides torch and a release optimusc.
 """
 
@@ -85,6 +87,21 @@ def cpu_description() -> str:
     return f"{name}, {width}{capped}"
 
 
+def speed_probe(threads: int) -> float:
+    """This machine's speed now: float32 GFLOP/s of a 1024x1024x1024 `torch.mm`, the best of 5 (about
+    0.1 s), on the benchmark's threads. Taken before and after each config, so that a machine whose
+    speed changed between the measurements being compared says so."""
+    torch.set_num_threads(threads)
+    a, b = torch.rand(1024, 1024), torch.rand(1024, 1024)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1024**3 / best / 1e9
+
+
 def torch_tokens_per_s(sizes: tuple[int, ...], steps: int, warmup: int, threads: int, compiled: bool = False) -> float:
     """Median training tokens/s of GPT2LMHeadModel in eager mode, or under `torch.compile` (whose
     compilation happens in the warm-up steps, which are not timed)."""
@@ -139,6 +156,10 @@ def optimusc_tokens_per_s(
     return statistics.median(rates[warmup:])
 
 
+# How far apart the speed probes before and after a config may be before the ratios are called noise.
+UNSTEADY = 0.10
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--optimusc", required=True, help="path to a release optimusc")
@@ -185,6 +206,7 @@ def main() -> int:
         print("-" * len(header))
     for name in names:
         sizes = CONFIGS[name]
+        speed_before = speed_probe(args.threads)
         reference = torch_tokens_per_s(sizes, args.steps, args.warmup, args.threads)
         compiled: float | str | None = None
         if not args.no_compile:
@@ -197,8 +219,15 @@ def main() -> int:
             results[f"{strategy} {mesh}"] = optimusc_tokens_per_s(
                 args.optimusc, sizes, strategy, mesh, args.steps, args.warmup, args.threads
             )
+        speed = (speed_before, speed_probe(args.threads))
+        apart = max(speed) / max(min(speed), 1e-9) - 1.0
+        if apart > UNSTEADY:
+            print(f"warning: {name}: this machine's speed changed during the config's measurements (a torch.mm "
+                  f"at {speed[0]:.0f} GFLOP/s before, {speed[1]:.0f} after, {100 * apart:.0f}% apart): "
+                  "its ratios are no closer than that", file=sys.stderr)
         if args.json:
             record = {"config": name, "sizes": sizes, "cpu": cpu, "threads": args.threads}
+            record["speed_probe_gflops"] = {"before": speed[0], "after": speed[1], "apart": apart}
             record["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
             record.update({"torch_tokens_per_s": reference, "torch_compile_tokens_per_s": compiled, "optimusc": results})
             print(json.dumps(record))
