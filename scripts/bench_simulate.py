@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 
+from bench_noise import UNSTEADY, spread
+
 MESHES = [("1x1", "none"), ("1x2", "megatron"), ("1x4", "megatron"), ("2x2", "optimus"), ("4x4", "optimus")]
 HIDDEN = [128, 256, 512, 768]
 SEQ = [64, 128, 256]
@@ -169,12 +171,12 @@ def main():
 def report_steadiness(rounds):
     """How far apart each point's rounds were (slowest over fastest): a machine whose speed changes
     between rounds measures its own noise, and errors up to that spread say nothing of the simulator."""
-    spreads = [max(r) / min(r) - 1.0 for r in rounds if len(r) > 1 and min(r) > 0]
+    spreads = [spread(r) for r in rounds if len(r) > 1]
     if not spreads:
         return
     median, worst = statistics.median(spreads), max(spreads)
     print(f"rounds apart: median {100 * median:.1f}%, worst {100 * worst:.1f}% (slowest round over fastest)")
-    if median > 0.10:
+    if median > UNSTEADY:
         print("warning: this machine's speed changed between rounds by more than the simulator's 15% bar; "
               "its errors measure the machine, not the simulator: measure again on a quiet machine",
               file=sys.stderr)

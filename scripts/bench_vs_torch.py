@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from bench_noise import UNSTEADY, spread
+
 # --isa NAME narrows both sides to the vector instructions of a narrower CPU, to measure on an AVX-512
 # machine what an AVX2 one does: PyTorch's own kernels, MKL and oneDNN read their caps when they load,
 # so the variables are set here, before torch is imported; optimusc inherits OPTIMUS_CPU_ISA.
@@ -156,10 +158,6 @@ def optimusc_tokens_per_s(
     return statistics.median(rates[warmup:])
 
 
-# How far apart the speed probes before and after a config may be before the ratios are called noise.
-UNSTEADY = 0.10
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--optimusc", required=True, help="path to a release optimusc")
@@ -220,7 +218,7 @@ def main() -> int:
                 args.optimusc, sizes, strategy, mesh, args.steps, args.warmup, args.threads
             )
         speed = (speed_before, speed_probe(args.threads))
-        apart = max(speed) / max(min(speed), 1e-9) - 1.0
+        apart = spread(speed)
         if apart > UNSTEADY:
             print(f"warning: {name}: this machine's speed changed during the config's measurements (a torch.mm "
                   f"at {speed[0]:.0f} GFLOP/s before, {speed[1]:.0f} after, {100 * apart:.0f}% apart): "

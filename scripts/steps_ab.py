@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 
+from bench_noise import spread
+
 
 def step_time(optimusc, run_args, steps, warmup, env=None):
     command = [optimusc, "run", *run_args, "--steps", str(warmup + steps), "--json"]
@@ -81,7 +83,7 @@ def main():
 def report_spread(label, times, ratio):
     """How far each build's slowest round is above its fastest; a warning where that spread is larger
     than the measured difference (the ratio's distance from 1)."""
-    spreads = {b: max(t) / min(t) - 1.0 for b, t in times.items() if len(t) > 1 and min(t) > 0}
+    spreads = {b: spread(t) for b, t in times.items() if len(t) > 1}
     if not spreads:
         return
     print(f"{label}: rounds apart: " + ", ".join(f"{b} {100 * v:.1f}%" for b, v in sorted(spreads.items()))

@@ -363,6 +363,8 @@ fn a_profiled_pipeline_times_every_stage_device_and_its_own_work() {
     assert_eq!(stages, vec![0, 0, 1, 1], "{devices:?}");
     assert_eq!(piped["steps_profiled"], 2);
     assert_eq!(piped["warm_up_excluded"], true);
+    // The peak before the run beside the one after, as without a pipeline.
+    assert!(piped["peak_before_run_gflops"].as_f64().is_some_and(|g| g > 0.0), "{piped}");
     // Each product of the model runs on exactly one stage: the stages' products add up to the whole's.
     assert_eq!(row_count(&piped, "MatMul"), row_count(&whole, "MatMul"));
     assert!(row_count(&whole, "MatMul").is_some_and(|n| n > 0));

@@ -109,6 +109,7 @@ fn print_stage_profiles(program: &PipelineProgram, output: &PipelineOutput, prog
     if (runs.len() as u64) < devices {
         eprintln_safe!("note: --profile reports stage 0's device (0, 0) only: under mpirun profiles are not gathered");
     }
-    let peak = peak::measure_peak(peak::product_threads());
+    // Pipelines run on the CPU only (see `refuse_unsupported`).
+    let peak = peak::of_backend(optimus::runtime::backend::BackendKind::Cpu);
     super::run::emit_profile(&profile::report_of_programs(&runs, &peak), progress);
 }

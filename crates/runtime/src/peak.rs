@@ -29,14 +29,22 @@ pub struct Peak {
     pub threads: usize,
     /// The instructions the chains ran ("AVX-512 FMA", "AVX2 FMA", or the baseline).
     pub isa: String,
+    /// The peak measured before the run, where one was ([`measure_before_run`]): against `gflops`,
+    /// measured after it, whether the machine kept its speed through the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub before_run_gflops: Option<f64>,
 }
 
 /// What a profile's kernels are measured against: the CPU's measured float32 peak on the kernel pool's
 /// threads; on a GPU none (its kernels are timed on the GPU, and the CPU's peak says nothing of them).
 pub fn of_backend(backend: super::backend::BackendKind) -> Peak {
     match backend {
-        super::backend::BackendKind::Cpu => measure_peak(product_threads()),
-        super::backend::BackendKind::Cuda => Peak { gflops: 0.0, threads: 0, isa: "GPU".into() },
+        super::backend::BackendKind::Cpu => {
+            Peak { before_run_gflops: BEFORE_RUN.get().copied(), ..measure_peak(product_threads()) }
+        }
+        super::backend::BackendKind::Cuda => {
+            Peak { gflops: 0.0, threads: 0, isa: "GPU".into(), before_run_gflops: None }
+        }
     }
 }
 
@@ -57,21 +65,16 @@ pub fn measure_peak(threads: usize) -> Peak {
     let iterations = trial_iterations(isa);
     let best = (0..TRIALS).map(|_| parallel_seconds(isa, threads, iterations)).fold(f64::INFINITY, f64::min);
     let flops = threads as f64 * iterations as f64 * (CHAINS * isa.lanes() * 2) as f64;
-    Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: isa.name() }
+    Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: isa.name(), before_run_gflops: None }
 }
 
-/// The peak measured just before a profiled run began ([`measure_before_run`]), which its report
-/// compares with the one measured after it.
+/// The peak measured just before a profiled run began ([`measure_before_run`]), which [`of_backend`]
+/// gives beside the one it measures after the run.
 static BEFORE_RUN: OnceLock<f64> = OnceLock::new();
 
 /// Measures the peak before a profiled run starts (about 0.15 s; once a process).
 pub fn measure_before_run() {
     BEFORE_RUN.get_or_init(|| measure_peak(product_threads()).gflops);
-}
-
-/// The peak [`measure_before_run`] measured, if it ran.
-pub fn before_run() -> Option<f64> {
-    BEFORE_RUN.get().copied()
 }
 
 /// How far apart measurements of the peak may be before a long measurement (a calibration, a profiled
@@ -315,6 +318,16 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cpu_peak_carries_the_one_measured_before_the_run_and_a_gpu_none() {
+        use crate::backend::BackendKind;
+        measure_before_run();
+        let cpu = of_backend(BackendKind::Cpu);
+        assert!(cpu.before_run_gflops.is_some_and(|g| g > 0.0), "{cpu:?}");
+        assert_eq!(of_backend(BackendKind::Cuda).before_run_gflops, None);
+        assert_eq!(measure_peak(1).before_run_gflops, None, "a peak measured alone is alone");
+    }
 
     #[test]
     fn steadiness_is_how_far_the_fastest_peak_is_above_the_slowest() {

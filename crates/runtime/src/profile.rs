@@ -234,8 +234,8 @@ pub struct ProfileReport {
     pub peak_gflops: f64,
     pub peak_threads: usize,
     pub peak_isa: String,
-    /// The peak measured just before the run, where it was ([`super::peak::measure_before_run`]): a
-    /// machine whose speed changed during the run shows it here, against `peak_gflops` after it.
+    /// The peak measured just before the run, where it was ([`Peak::before_run_gflops`]): a machine
+    /// whose speed changed during the run shows it here, against `peak_gflops` after it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_before_run_gflops: Option<f64>,
     /// What the CPU kernels multiply matrices with ("OpenBLAS (...)" or "faer").
@@ -319,7 +319,7 @@ pub fn report_of_programs(runs: &[(&Plan, &Profile)], peak: &Peak) -> ProfileRep
         peak_gflops: peak.gflops,
         peak_threads: peak.threads,
         peak_isa: peak.isa.clone(),
-        peak_before_run_gflops: super::peak::before_run().filter(|_| peak.gflops > 0.0),
+        peak_before_run_gflops: peak.before_run_gflops,
         cpu_products: super::cpu::blas::product_library(),
         cpu_product_calls: super::cpu::blas::calls(),
         steps_profiled: runs.first().map_or(0, |(_, p)| p.steps),
