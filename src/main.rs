@@ -214,18 +214,25 @@ fn main() -> ExitCode {
 
 /// `OPTIMUS_CPU_ISA` narrows the instructions of the CPU kernels and of the measured peak (to measure
 /// on a wide CPU what a narrower one does): a value other than avx512, avx2 or baseline is a usage
-/// error, and a cap below AVX-512 also picks OpenBLAS's kernels of that width (`OPENBLAS_CORETYPE`,
-/// unless that is set). faer's products, which detect the CPU themselves, are not narrowed.
+/// error. Unless `OPENBLAS_CORETYPE` is set, it also picks OpenBLAS's kernels of the kernels' width: under
+/// a cap, those of the cap; on an AVX-512 CPU, SkylakeX's. An OpenBLAS older than its CPU does not know
+/// it and falls back to its SSE3 kernels (0.3.21 on an Emerald Rapids Xeon: Prescott, a quarter of the
+/// speed), which the variable, read when the library loads, prevents. faer's products, which detect the
+/// CPU themselves, are not narrowed.
 fn apply_cpu_isa_cap() -> Result<(), String> {
     use optimus::runtime::cpu::vmath;
-    let Some(cap) = vmath::isa_cap() else { return Ok(()) };
     let variable = vmath::ISA_CAP_VARIABLE;
-    let cap = cap.map_err(|value| format!("{variable}={value:?}: expected avx512, avx2 or baseline"))?;
-    if let Some(core) = cap.openblas_core()
-        && std::env::var_os("OPENBLAS_CORETYPE").is_none()
-    {
+    let capped = match vmath::isa_cap() {
+        Some(cap) => {
+            cap.map_err(|value| format!("{variable}={value:?}: expected avx512, avx2 or baseline"))?;
+            true
+        }
+        None => false,
+    };
+    let isa = vmath::isa();
+    if (capped || isa == vmath::Isa::Avx512) && std::env::var_os("OPENBLAS_CORETYPE").is_none() {
         // SAFETY: the first thing `main` does: no other thread exists yet to read the environment.
-        unsafe { std::env::set_var("OPENBLAS_CORETYPE", core) };
+        unsafe { std::env::set_var("OPENBLAS_CORETYPE", isa.openblas_core()) };
     }
     Ok(())
 }

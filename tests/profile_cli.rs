@@ -344,3 +344,51 @@ fn device_threads_running_their_own_kernels_compute_the_pools_bits() {
     assert_eq!(pool.0, on_pool.0, "losses on 1x1");
     assert!(pool.1 == on_pool.1, "final weights on 1x1 differ");
 }
+
+/// The profile record of a 1x1 run of a small GPT-2 under the machine's default products, with these
+/// environment variables set (and `OPTIMUS_BLAS`, `OPTIMUS_CPU_ISA` and `OPENBLAS_CORETYPE` otherwise unset).
+fn profile_with_env(vars: &[(&str, &str)]) -> Value {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_optimusc"));
+    for variable in ["OPTIMUS_BLAS", "OPTIMUS_CPU_ISA", "OPENBLAS_CORETYPE"] {
+        command.env_remove(variable);
+    }
+    command.envs(vars.iter().copied());
+    command.args(["run", "examples/gpt2.opt", "--steps", "2", "--profile", "--json"]);
+    command.args(["--set", "layers=1", "--set", "hidden=64", "--set", "heads=4", "--set", "vocab=512"]);
+    command.args(["--set", "seq=32", "--set", "context=32", "--set", "batch=8"]);
+    let out = command.output().expect("optimusc runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let records: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    records.last().expect("a profile record")["profile"].clone()
+}
+
+/// An OpenBLAS that does not know its CPU falls back to SSE3 kernels (Prescott), at a quarter of the
+/// speed on an AVX-512 Xeon: the run leaves such a library aside and says why, and by default asks
+/// OpenBLAS for kernels as wide as the CPU's.
+#[test]
+fn an_openblas_narrower_than_the_cpu_is_left_aside_and_by_default_it_runs_kernels_of_the_cpus_width() {
+    let narrowed = profile_with_env(&[("OPENBLAS_CORETYPE", "Prescott")]);
+    let library = narrowed["cpu_products"].as_str().expect("a library");
+    let vectors = narrowed["peak_isa"].as_str().expect("the peak's instructions");
+    let wide_cpu = vectors.starts_with("AVX");
+    match narrowed["cpu_products_left_aside"].as_str() {
+        Some(why) => {
+            assert!(wide_cpu, "left aside on a CPU without AVX2: {why}");
+            assert!(
+                why.contains("its Prescott kernels are narrower than the instructions of this CPU's kernels"),
+                "{why}"
+            );
+            assert!(!library.starts_with("OpenBLAS"), "{library}");
+            assert_eq!(as_u64(&narrowed["cpu_product_calls"]["openblas"]), 0);
+        }
+        // No OpenBLAS on the machine, or a CPU no wider than SSE3 (where Prescott's kernels fit).
+        None => assert!(!wide_cpu || !library.contains("Prescott"), "{library} on {vectors}"),
+    }
+    let default = profile_with_env(&[]);
+    let library = default["cpu_products"].as_str().expect("a library");
+    assert!(default["cpu_products_left_aside"].is_null(), "{default}");
+    if library.starts_with("OpenBLAS") && vectors.starts_with("AVX-512") {
+        assert!(library.contains("SkylakeX"), "{library}");
+    }
+}

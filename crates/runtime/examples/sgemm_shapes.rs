@@ -5,7 +5,10 @@
 //! on two (each thread a half of the output, as the kernel pool splits a product), in GFLOP/s and in %
 //! of the peak `run --profile` measures. `--cold` writes 64 MiB between calls, so the operands come
 //! from memory as they do inside a training step. `OPTIMUS_CPU_ISA=avx2` narrows OpenBLAS and the peak
-//! (set `OPENBLAS_CORETYPE=Haswell` too: the binary does it for `optimusc` only).
+//! (set `OPENBLAS_CORETYPE=Haswell` too, or `SkylakeX` uncapped on AVX-512: `optimusc` does it itself,
+//! and leaves aside an OpenBLAS whose kernels are narrower than the CPU's). The libraries take
+//! turns call by call, so a machine whose speed drifts (a shared VM's does, for seconds at a time)
+//! slows each alike instead of whichever ran during the slow spell.
 
 use faer::{MatMut, MatRef};
 use optimus_runtime::cpu::{blas, sgemm};
@@ -83,12 +86,13 @@ fn main() {
             MatRef::from_row_major_slice(&b, k, n)
         };
         let mut c = vec![0f32; m * n];
-        for library in [Library::Ours, Library::OpenBlas] {
-            if library == Library::OpenBlas && openblas.is_none() {
-                continue;
-            }
-            let mut best = [f64::INFINITY; 2];
-            for rep in 0..reps {
+        let libraries: Vec<Library> = [Library::Ours, Library::OpenBlas]
+            .into_iter()
+            .filter(|l| *l == Library::Ours || openblas.is_some())
+            .collect();
+        let mut best = vec![[f64::INFINITY; 2]; libraries.len()];
+        for rep in 0..reps {
+            for (&library, best) in libraries.iter().zip(best.iter_mut()) {
                 for (threads, best) in best.iter_mut().enumerate() {
                     if cold {
                         junk.iter_mut().for_each(|x| *x = rep as u8);
@@ -100,7 +104,9 @@ fn main() {
                     *best = best.min(start.elapsed().as_secs_f64());
                 }
             }
-            let gflops = |seconds: f64| 2.0 * (m * n * k) as f64 / seconds / 1e9;
+        }
+        let gflops = |seconds: f64| 2.0 * (m * n * k) as f64 / seconds / 1e9;
+        for (library, best) in libraries.iter().zip(&best) {
             println!(
                 "{{\"mesh\":\"{mesh}\",\"m\":{m},\"n\":{n},\"k\":{k},\"transposed_left\":{ta},\"transposed_right\":{tb},\"library\":\"{}\",\"gflops_1\":{:.1},\"peak_pct_1\":{:.1},\"gflops_2\":{:.1},\"peak_pct_2\":{:.1},\"cold\":{cold}}}",
                 library.name(),

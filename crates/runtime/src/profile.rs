@@ -240,6 +240,10 @@ pub struct ProfileReport {
     pub peak_before_run_gflops: Option<f64>,
     /// What the CPU kernels multiply matrices with ("OpenBLAS (...)" or "faer").
     pub cpu_products: String,
+    /// Why the machine's OpenBLAS was not used, where it was found and left aside
+    /// ([`super::cpu::blas::left_aside`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_products_left_aside: Option<String>,
     /// The sequential product calls each library ran in this process (products split over the pool
     /// count once per part; attention's and the bf16 emulation's are faer's).
     pub cpu_product_calls: super::cpu::blas::Calls,
@@ -321,6 +325,7 @@ pub fn report_of_programs(runs: &[(&Plan, &Profile)], peak: &Peak) -> ProfileRep
         peak_isa: peak.isa.clone(),
         peak_before_run_gflops: peak.before_run_gflops,
         cpu_products: super::cpu::blas::product_library(),
+        cpu_products_left_aside: super::cpu::blas::left_aside().map(str::to_string),
         cpu_product_calls: super::cpu::blas::calls(),
         steps_profiled: runs.first().map_or(0, |(_, p)| p.steps),
         warm_up_excluded: runs.iter().any(|(_, p)| p.warm_up_excluded),
@@ -436,9 +441,10 @@ impl ProfileReport {
             // No CPU kernel multiplied (a CUDA run): nothing to say about the CPU's library.
             0 => String::new(),
             all => format!(
-                "CPU products: library {}; {all} product calls: {}\n",
+                "CPU products: library {}; {all} product calls: {}\n{}",
                 self.cpu_products,
-                calls_by_library(calls)
+                calls_by_library(calls),
+                self.cpu_products_left_aside.as_ref().map(|why| format!("note: {why}\n")).unwrap_or_default()
             ),
         };
         let peak = match self.peak_gflops > 0.0 {
@@ -553,6 +559,7 @@ mod tests {
             peak_isa: "AVX2 FMA".into(),
             peak_before_run_gflops: None,
             cpu_products: if openblas > 0 { "OpenBLAS 0.3.21".into() } else { "faer".into() },
+            cpu_products_left_aside: None,
             cpu_product_calls: super::super::cpu::blas::Calls { openblas, faer, optimus: 0 },
             steps_profiled: 1,
             warm_up_excluded: false,
@@ -577,6 +584,18 @@ mod tests {
                 "CPU products: library optimus AVX2 6x16; 17 product calls: 12 in our AVX2 kernel, 5 in faer\n"
             ),
             "{header}"
+        );
+        let aside = ProfileReport {
+            cpu_products_left_aside: Some("OpenBLAS 0.3.21 left aside: its Prescott kernels are narrower".into()),
+            ..report_with_calls(0, 5)
+        };
+        assert!(
+            aside.header().contains(
+                "CPU products: library faer; 5 product calls: 5 in faer\n\
+                 note: OpenBLAS 0.3.21 left aside: its Prescott kernels are narrower\n"
+            ),
+            "{}",
+            aside.header()
         );
         let header = report_with_calls(0, 0).header();
         assert!(!header.contains("CPU products"), "a run with no CPU product (CUDA): {header}");

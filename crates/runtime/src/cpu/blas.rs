@@ -14,7 +14,15 @@
 //! the pool's workers do not fight over OpenBLAS's own threads. `OPTIMUS_BLAS` chooses: `faer`;
 //! `optimus` (our kernel for every product it runs, wherever the CPU has AVX2 and FMA, on AVX-512 too);
 //! a path (that OpenBLAS alone). The bf16 emulation's products stay in faer ([`faer_only`]).
+//!
+//! An OpenBLAS older than its CPU does not know it and falls back to its SSE3 kernels: Debian's 0.3.21
+//! on an Emerald Rapids Xeon chose Prescott's, and the products of a GPT-2 training step ran at 39
+//! GFLOP/s against 196-243 with its SkylakeX kernels. `optimusc` therefore asks OpenBLAS for the kernels
+//! of the CPU's width (`OPENBLAS_CORETYPE`, see its `main`), and one found whose kernels are still
+//! narrower than the CPU kernels' instructions is left aside ([`left_aside`]): faer or our kernel run
+//! its products.
 
+use super::vmath::{Isa, isa};
 use faer::{MatMut, MatRef};
 use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_int};
@@ -228,6 +236,8 @@ pub struct Blas {
     sgemm: Sgemm,
     sgemv: Option<Sgemv>,
     description: String,
+    /// The kernels it chose for this CPU (`openblas_get_corename`: "Haswell", "SkylakeX", "Prescott").
+    core: Option<String>,
     /// Keeps the library mapped for as long as `sgemm` may be called (the process's life).
     _library: libloading::Library,
 }
@@ -254,14 +264,52 @@ pub fn load_failure() -> Option<String> {
     state().as_ref().err().map(|e| format!("OPTIMUS_BLAS={e}; the CPU products use faer"))
 }
 
+/// Why the OpenBLAS found on the machine is not used, where it was found but left aside: its kernels
+/// are narrower than the CPU kernels' instructions (see [`narrower_than_the_cpu`]). `None` otherwise.
+pub fn left_aside() -> Option<&'static str> {
+    state();
+    LEFT_ASIDE.get().map(String::as_str)
+}
+
+static LEFT_ASIDE: OnceLock<String> = OnceLock::new();
+
 /// The library chosen by `OPTIMUS_BLAS` or found on the machine (`Ok(None)`: faer), or the named
-/// library and why it did not load.
+/// library and why it did not load. One found, not named, whose kernels are narrower than the CPU's
+/// instructions is left aside ([`left_aside`] says why): faer or our kernel run its products faster.
 fn state() -> &'static Result<Option<Blas>, String> {
     static BLAS: OnceLock<Result<Option<Blas>, String>> = OnceLock::new();
     BLAS.get_or_init(|| match choice() {
         Choice::Faer => Ok(None),
         Choice::Library(path) => load(path).map(Some).map_err(|e| format!("{path}: {e}")),
-        Choice::Best | Choice::Optimus => Ok(SEARCHED.iter().find_map(|name| load(name).ok())),
+        Choice::Best | Choice::Optimus => {
+            let found = SEARCHED.iter().find_map(|name| load(name).ok());
+            let core = |blas: &Blas| (blas.description.clone(), blas.core.clone());
+            match found.as_ref().map(core).and_then(|(lib, core)| narrower_than_the_cpu(&lib, core.as_deref(), isa())) {
+                Some(why) => {
+                    let _ = LEFT_ASIDE.set(why);
+                    Ok(None)
+                }
+                None => Ok(found),
+            }
+        }
+    })
+}
+
+/// Why the OpenBLAS `description`, whose kernels are those of `core`, should not run products on a
+/// CPU whose kernels use `isa`, if they are narrower (an OpenBLAS older than the CPU falls back to its
+/// SSE3 ones); `None` when they are as wide, or the core is unknown here.
+fn narrower_than_the_cpu(description: &str, core: Option<&str>, isa: Isa) -> Option<String> {
+    let core = core?;
+    let width = Isa::of_openblas_core(core)?;
+    (width.lanes() < isa.lanes()).then(|| {
+        format!(
+            "{} left aside: its {core} kernels are narrower than the instructions of this CPU's kernels ({}); \
+             an OpenBLAS that does not know its CPU falls back to such kernels, and OPENBLAS_CORETYPE={} \
+             picks its kernels of that width",
+            description,
+            isa.env_name(),
+            isa.openblas_core()
+        )
     })
 }
 
@@ -282,7 +330,12 @@ fn load(name: &str) -> Result<Blas, String> {
             Some(text) if !text.is_null() => CStr::from_ptr(text).to_string_lossy().trim().to_string(),
             _ => "OpenBLAS".to_string(),
         };
-        Ok(Blas { sgemm, sgemv, description, _library: library })
+        let corename = library.get::<unsafe extern "C" fn() -> *const c_char>(b"openblas_get_corename\0").ok();
+        let core = match corename.map(|get| get()) {
+            Some(text) if !text.is_null() => Some(CStr::from_ptr(text).to_string_lossy().trim().to_string()),
+            _ => None,
+        };
+        Ok(Blas { sgemm, sgemv, description, core, _library: library })
     }
 }
 
@@ -389,6 +442,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_openblas_whose_kernels_are_narrower_than_the_cpu_is_left_aside_and_says_why() {
+        let description = "OpenBLAS 0.3.21 DYNAMIC_ARCH Prescott";
+        let why = narrower_than_the_cpu(description, Some("Prescott"), Isa::Avx512).expect("left aside");
+        assert_eq!(
+            why,
+            "OpenBLAS 0.3.21 DYNAMIC_ARCH Prescott left aside: its Prescott kernels are narrower than the \
+             instructions of this CPU's kernels (avx512); an OpenBLAS that does not know its CPU falls back \
+             to such kernels, and OPENBLAS_CORETYPE=SkylakeX picks its kernels of that width"
+        );
+        assert!(narrower_than_the_cpu(description, Some("Sandybridge"), Isa::Avx2Fma).is_some());
+        assert!(narrower_than_the_cpu(description, Some("Haswell"), Isa::Avx512).is_some());
+        // As wide as the CPU's kernels (a cap narrows those), wider, or unknown here: kept.
+        for (core, isa) in [
+            ("SkylakeX", Isa::Avx512),
+            ("Cooperlake", Isa::Avx512),
+            ("Zen", Isa::Avx2Fma),
+            ("Haswell", Isa::Avx2Fma),
+            ("SkylakeX", Isa::Avx2Fma),
+            ("Nehalem", Isa::Baseline),
+            ("Zen5", Isa::Avx512),
+        ] {
+            assert_eq!(narrower_than_the_cpu(description, Some(core), isa), None, "{core} on {isa:?}");
+        }
+        assert_eq!(narrower_than_the_cpu(description, None, Isa::Avx512), None, "no core name given");
+    }
+
+    #[test]
     fn the_variable_names_a_library_or_a_path() {
         assert_eq!(choice_of(None), Choice::Best);
         assert_eq!(choice_of(Some(" ")), Choice::Best);
@@ -427,7 +507,9 @@ mod tests {
 
     #[test]
     fn products_equal_faer_where_openblas_is_present() {
-        let Some(blas) = loaded() else { return };
+        // Loaded here, not through `loaded()`, which leaves aside an OpenBLAS narrower than the CPU.
+        let Some(blas) = SEARCHED.iter().find_map(|name| load(name).ok()) else { return };
+        let blas = &blas;
         // 37 rows go through sgemm, 1 and 2 through a matrix-vector product per row.
         for m in [37, 1, 2] {
             products_equal_faer(blas, m);

@@ -203,12 +203,56 @@ impl Isa {
         }
     }
 
-    /// The OpenBLAS core (`OPENBLAS_CORETYPE`) whose kernels use no wider instructions than this set.
-    pub fn openblas_core(self) -> Option<&'static str> {
+    /// The OpenBLAS core (`OPENBLAS_CORETYPE`) whose kernels use this set and no wider: every AVX-512
+    /// core OpenBLAS names (SkylakeX, Cooperlake, SapphireRapids) runs SkylakeX's float32 products.
+    pub fn openblas_core(self) -> &'static str {
         match self {
-            Isa::Avx512 => None,
-            Isa::Avx2Fma => Some("Haswell"),
-            Isa::Baseline => Some("Nehalem"),
+            Isa::Avx512 => "SkylakeX",
+            Isa::Avx2Fma => "Haswell",
+            Isa::Baseline => "Nehalem",
+        }
+    }
+
+    /// The widest set of these whose instructions the kernels of the OpenBLAS core `name` (as
+    /// `openblas_get_corename` gives it) use; `None` for a name this does not know (a newer OpenBLAS's).
+    pub fn of_openblas_core(name: &str) -> Option<Isa> {
+        const AVX512: [&str; 3] = ["skylakex", "cooperlake", "sapphirerapids"];
+        const AVX2_FMA: [&str; 3] = ["haswell", "zen", "excavator"];
+        // SSE and AVX without FMA (Sandybridge, the Bulldozer family): below AVX2, as the baseline is.
+        const NARROWER: [&str; 23] = [
+            "katmai",
+            "coppermine",
+            "northwood",
+            "prescott",
+            "banias",
+            "atom",
+            "core2",
+            "penryn",
+            "dunnington",
+            "nehalem",
+            "athlon",
+            "opteron",
+            "opteron_sse3",
+            "barcelona",
+            "nano",
+            "sandybridge",
+            "bobcat",
+            "bulldozer",
+            "piledriver",
+            "steamroller",
+            "generic",
+            "unknown",
+            "prescott_sse3",
+        ];
+        let name = name.trim().to_ascii_lowercase();
+        if AVX512.contains(&name.as_str()) {
+            Some(Isa::Avx512)
+        } else if AVX2_FMA.contains(&name.as_str()) {
+            Some(Isa::Avx2Fma)
+        } else if NARROWER.contains(&name.as_str()) {
+            Some(Isa::Baseline)
+        } else {
+            None
         }
     }
 }
@@ -465,6 +509,17 @@ impl LaneSum {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_set_names_an_openblas_core_of_its_own_width() {
+        for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Baseline] {
+            assert_eq!(Isa::of_openblas_core(isa.openblas_core()), Some(isa), "{isa:?}");
+        }
+        assert_eq!(Isa::of_openblas_core(" Prescott "), Some(Isa::Baseline));
+        assert_eq!(Isa::of_openblas_core("ZEN"), Some(Isa::Avx2Fma));
+        assert_eq!(Isa::of_openblas_core("SapphireRapids"), Some(Isa::Avx512));
+        assert_eq!(Isa::of_openblas_core("Zen5"), None, "a core named after this was written");
+    }
 
     #[test]
     fn the_slice_functions_give_the_scalar_exps_bits() {
