@@ -283,8 +283,9 @@ fn state() -> &'static Result<Option<Blas>, String> {
         Choice::Library(path) => load(path).map(Some).map_err(|e| format!("{path}: {e}")),
         Choice::Best | Choice::Optimus => {
             let found = SEARCHED.iter().find_map(|name| load(name).ok());
-            let core = |blas: &Blas| (blas.description.clone(), blas.core.clone());
-            match found.as_ref().map(core).and_then(|(lib, core)| narrower_than_the_cpu(&lib, core.as_deref(), isa())) {
+            let narrower =
+                found.as_ref().and_then(|blas| narrower_than_the_cpu(&blas.description, blas.core.as_deref(), isa()));
+            match narrower {
                 Some(why) => {
                     let _ = LEFT_ASIDE.set(why);
                     Ok(None)
