@@ -250,6 +250,42 @@ fn a_split_that_does_not_divide_is_refused() {
     assert_refused(&plan, &["buffer `wte.weight`", "does not split evenly over 2 devices"]);
 }
 
+#[test]
+fn a_split_gathered_or_cut_around_another_axis_split_of_the_same_dimension_is_refused() {
+    let shard = |dim: u64| json!({ "kind": "shard", "dim": dim, "outer": 1, "inner": 1 });
+    // Gathering over the mesh rows (axis 0) a dimension that the columns (axis 1) also split: the
+    // gathered blocks would not be contiguous ranges of it.
+    let mut plan = tiny_2x2();
+    let program = plan["program"].as_array().expect("a program");
+    let gather = program
+        .iter()
+        .find(|i| {
+            i["instr"] == "collective"
+                && i["collective"]["kind"] == "all_gather"
+                && i["collective"]["group"] == "column"
+        })
+        .expect("a gather over the column");
+    let send = gather["collective"]["send"].as_u64().expect("a buffer id") as usize;
+    assert_eq!(plan["buffers"][send]["layout"][0], shard(0), "the rows split dimension 0");
+    assert_eq!(plan["buffers"][send]["logical_shape"], json!([8, 8, 32]));
+    plan["buffers"][send]["layout"] = json!([shard(0), shard(0)]);
+    plan["buffers"][send]["shape"] = json!([2, 8, 32]);
+    assert_refused(&plan, &["is split along mesh axis 0 around a split of the same dimension by mesh axis 1"]);
+    // Cutting along the rows a dimension that the columns already split.
+    let mut plan = manual_attention_2x2();
+    let program = plan["program"].as_array().expect("a program");
+    let at = program.iter().position(|i| i["kernel"]["kind"] == "slice_shard").expect("a slice");
+    let (input, output) = (program[at]["inputs"][0].as_u64(), program[at]["output"].as_u64());
+    let (input, output) = (input.expect("an input") as usize, output.expect("an output") as usize);
+    assert_eq!(plan["buffers"][input]["logical_shape"], json!([4, 4, 8, 8]));
+    plan["program"][at]["kernel"]["axis"] = json!(0);
+    plan["buffers"][input]["layout"] = json!([{ "kind": "replicate" }, shard(1)]);
+    plan["buffers"][input]["shape"] = json!([4, 2, 8, 8]);
+    plan["buffers"][output]["layout"] = json!([shard(1), shard(1)]);
+    plan["buffers"][output]["shape"] = json!([4, 1, 8, 8]);
+    assert_refused(&plan, &["is cut along mesh axis 0 where mesh axis 1 already splits the same dimension inside it"]);
+}
+
 // ---- other kernel parameters ----------------------------------------------------------------------
 
 #[test]

@@ -136,6 +136,22 @@ impl Layout {
         }
     }
 
+    /// A mesh axis less significant than `axis` (see [`MAJOR_ORDER`]) that splits, plainly, the
+    /// dimension that `placement` splits plainly along `axis`: that split then lies inside `axis`'s,
+    /// and gathering `axis`'s blocks or cutting new ones would not give contiguous blocks of the
+    /// dimension, nor the blocks this layout says. Factor splits (ZeRO's of a tensor-parallel block)
+    /// state their own nesting and never count.
+    pub fn split_inside(&self, axis: usize, placement: Placement) -> Option<usize> {
+        let plain = |p: Placement| match p {
+            Placement::Shard { dim, outer: 1, inner: 1 } => Some(dim),
+            _ => None,
+        };
+        let dim = plain(placement)?;
+        let position = |a: usize| MAJOR_ORDER.iter().position(|&m| m == a).unwrap_or(MESH_AXES);
+        (0..MESH_AXES)
+            .find(|&other| other != axis && position(other) > position(axis) && plain(self.0[other]) == Some(dim))
+    }
+
     /// This layout with `axis` set to `p`.
     pub fn with(mut self, axis: usize, p: Placement) -> Layout {
         self.0[axis] = p;
@@ -188,5 +204,31 @@ impl std::fmt::Display for Layout {
             write!(f, "; depth {}", self.0[DEPTH_AXIS])?;
         }
         write!(f, ")")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{COLUMN_AXIS, DATA_AXIS, Layout, Placement, ROW_AXIS};
+
+    #[test]
+    fn a_split_that_a_less_significant_axis_splits_inside_cannot_be_gathered_or_cut_in_axis_order() {
+        let (rows, cols) = (Placement::shard(0), Placement::shard(1));
+        // A tied table laid across the mesh in axis order: once the columns split its width, the rows
+        // can neither gather nor cut the width (the columns' split lies inside theirs); the columns can.
+        let width_on_columns = Layout::new(Placement::Replicate, cols);
+        assert_eq!(width_on_columns.split_inside(ROW_AXIS, cols), Some(COLUMN_AXIS));
+        assert_eq!(Layout::new(cols, cols).split_inside(ROW_AXIS, cols), Some(COLUMN_AXIS));
+        assert_eq!(Layout::new(cols, cols).split_inside(COLUMN_AXIS, cols), None);
+        // Other dimensions, replicated or summed axes, and the stored layout itself are free to move.
+        assert_eq!(Layout::new(rows, cols).split_inside(ROW_AXIS, rows), None);
+        assert_eq!(Layout::new(Placement::Partial, cols).split_inside(ROW_AXIS, Placement::Replicate), None);
+        // The data axis is the most significant: rows and columns split inside its block, never it inside theirs.
+        let zero = Layout::new(rows, cols).with(DATA_AXIS, Placement::shard(1));
+        assert_eq!(zero.split_inside(DATA_AXIS, Placement::shard(1)), Some(COLUMN_AXIS));
+        assert_eq!(zero.split_inside(COLUMN_AXIS, cols), None);
+        // A factor split states its own nesting (ZeRO's of a tensor-parallel block).
+        let factor = Placement::shard_factor(1, 2, 1);
+        assert_eq!(Layout::new(rows, cols).with(DATA_AXIS, factor).split_inside(DATA_AXIS, factor), None);
     }
 }

@@ -326,6 +326,13 @@ fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<
 fn check_gather_layout(plan: &Plan, c: &Collective, block: BufferId) -> Result<(), String> {
     let Some(axis) = c.group.axis() else { return Ok(()) };
     let b = plan.buffer(block);
+    if let Some(inside) = b.layout.split_inside(axis, b.layout.0[axis]) {
+        return Err(format!(
+            "`{}`, laid out {}, is split along mesh axis {axis} around a split of the same dimension by \
+             mesh axis {inside}: the blocks gathered or scattered would not be contiguous",
+            b.name, b.layout
+        ));
+    }
     match c.shard {
         Some(shard) if b.layout.block_placement(axis, plan.mesh.axes()) != shard => {
             Err(format!("the placement {shard} does not match `{}`, laid out {} (mesh axis {axis})", b.name, b.layout))

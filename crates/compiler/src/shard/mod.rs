@@ -886,7 +886,7 @@ impl<'a> Lowerer<'a> {
             let group = Group::along(axis);
             let next = current.layout.with(axis, t);
             let what = describe_node(self.model, &self.graph[n], n);
-            let interleaved = [f, t].into_iter().find_map(|p| split_inside(current.layout, axis, p));
+            let interleaved = [f, t].into_iter().find_map(|p| current.layout.split_inside(axis, p));
             if let Some(inner) = interleaved {
                 // Gathering or taking a plain split that a less significant axis already splits inside
                 // would move blocks that are not the layout's: a wrong plan, never written.
@@ -1014,21 +1014,6 @@ impl<'a> Lowerer<'a> {
     }
 }
 
-/// A mesh axis less significant than `axis` (see [`MAJOR_ORDER`]) that splits, plainly, the dimension
-/// that `placement` splits plainly along `axis` in `layout`: that split then lies inside `axis`'s, and
-/// gathering `axis`'s blocks or cutting new ones would not give contiguous blocks of the dimension.
-/// Factor splits (ZeRO's of a tensor-parallel block) say their nesting themselves and never count.
-fn split_inside(layout: Layout, axis: usize, placement: Placement) -> Option<usize> {
-    let plain = |p: Placement| match p {
-        Placement::Shard { dim, outer: 1, inner: 1 } => Some(dim),
-        _ => None,
-    };
-    let dim = plain(placement)?;
-    let position = |a: usize| MAJOR_ORDER.iter().position(|&m| m == a).unwrap_or(MESH_AXES);
-    (0..MESH_AXES)
-        .find(|&other| other != axis && position(other) > position(axis) && plain(layout.0[other]) == Some(dim))
-}
-
 /// The operands of node `n` of `graph`, in order.
 pub(crate) fn operands_of(graph: &DiGraph<Node, u8>, n: NodeIndex) -> Vec<NodeIndex> {
     use petgraph::visit::EdgeRef;
@@ -1084,29 +1069,7 @@ impl From<u32> for Because {
 
 #[cfg(test)]
 mod tests {
-    use super::{Layout, Mesh, Placement, SUGGESTED_MESH_DEVICES, Strategy, candidate_meshes, split_inside};
-    use optimus_plan::layout::{COLUMN_AXIS, DATA_AXIS, ROW_AXIS};
-
-    #[test]
-    fn a_split_that_a_less_significant_axis_splits_inside_cannot_be_gathered_or_cut_in_axis_order() {
-        let (rows, cols) = (Placement::shard(0), Placement::shard(1));
-        // A tied table laid across the mesh in axis order: once the columns split its width, the rows
-        // can neither gather nor cut the width (the columns' split lies inside theirs); the columns can.
-        let width_on_columns = Layout::new(Placement::Replicate, cols);
-        assert_eq!(split_inside(width_on_columns, ROW_AXIS, cols), Some(COLUMN_AXIS));
-        assert_eq!(split_inside(Layout::new(cols, cols), ROW_AXIS, cols), Some(COLUMN_AXIS));
-        assert_eq!(split_inside(Layout::new(cols, cols), COLUMN_AXIS, cols), None);
-        // Other dimensions, replicated or summed axes, and the stored layout itself are free to move.
-        assert_eq!(split_inside(Layout::new(rows, cols), ROW_AXIS, rows), None);
-        assert_eq!(split_inside(Layout::new(Placement::Partial, cols), ROW_AXIS, Placement::Replicate), None);
-        // The data axis is the most significant: rows and columns split inside its block, never it inside theirs.
-        let zero = Layout::new(rows, cols).with(DATA_AXIS, Placement::shard(1));
-        assert_eq!(split_inside(zero, DATA_AXIS, Placement::shard(1)), Some(COLUMN_AXIS));
-        assert_eq!(split_inside(zero, COLUMN_AXIS, cols), None);
-        // A factor split states its own nesting (ZeRO's of a tensor-parallel block).
-        let factor = Placement::shard_factor(1, 2, 1);
-        assert_eq!(split_inside(Layout::new(rows, cols).with(DATA_AXIS, factor), DATA_AXIS, factor), None);
-    }
+    use super::{Mesh, SUGGESTED_MESH_DEVICES, Strategy, candidate_meshes};
 
     fn names(meshes: &[Mesh]) -> Vec<String> {
         meshes.iter().map(Mesh::to_string).collect()

@@ -440,6 +440,18 @@ fn check_slice_shard(ops: &Operands, axis: usize, placement: Placement) -> Resul
     ensure(sizes[axis] == 1 || out.layout.block_placement(axis, sizes) == placement, || {
         format!("the output `{}` is laid out {}, not {placement} on mesh axis {axis}", out.name, out.layout)
     })?;
+    let inside = (sizes[axis] > 1).then(|| x.layout.split_inside(axis, out.layout.0[axis])).flatten();
+    ensure(inside.is_none(), || {
+        format!(
+            "`{}`, laid out {}, is cut along mesh axis {axis} where mesh axis {} already splits the same \
+             dimension inside it: its blocks would not be the ones `{}` ({}) says",
+            x.name,
+            x.layout,
+            inside.unwrap_or_default(),
+            out.name,
+            out.layout
+        )
+    })?;
     slice_shard_runs(&x.shape, &out.shape, ops.mesh(), Coords::default(), axis, placement)
         .map(|_| ())
         .map_err(|e| format!("slicing `{}`: {e}", x.name))
