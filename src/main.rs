@@ -183,7 +183,7 @@ const STACK_BYTES: usize = 256 * 1024 * 1024;
 
 fn main() -> ExitCode {
     optimus::runtime::startup::mark("process started");
-    if let Err(message) = apply_cpu_isa_cap() {
+    if let Err(message) = apply_cpu_isa_and_openblas_core() {
         eprintln_safe!("error: {message}");
         return ExitCode::from(2);
     }
@@ -219,7 +219,7 @@ fn main() -> ExitCode {
 /// it and falls back to its SSE3 kernels (0.3.21 on an Emerald Rapids Xeon: Prescott, a quarter of the
 /// speed), which the variable, read when the library loads, prevents. faer's products, which detect the
 /// CPU themselves, are not narrowed.
-fn apply_cpu_isa_cap() -> Result<(), String> {
+fn apply_cpu_isa_and_openblas_core() -> Result<(), String> {
     use optimus::runtime::cpu::vmath;
     let variable = vmath::ISA_CAP_VARIABLE;
     let capped = match vmath::isa_cap() {

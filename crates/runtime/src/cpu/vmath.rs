@@ -218,8 +218,10 @@ impl Isa {
     pub fn of_openblas_core(name: &str) -> Option<Isa> {
         const AVX512: [&str; 3] = ["skylakex", "cooperlake", "sapphirerapids"];
         const AVX2_FMA: [&str; 3] = ["haswell", "zen", "excavator"];
-        // SSE and AVX without FMA (Sandybridge, the Bulldozer family): below AVX2, as the baseline is.
-        const NARROWER: [&str; 23] = [
+        // The other names of OpenBLAS's `corename` table: SSE, and AVX without AVX2 (Sandybridge, the
+        // Bulldozer family), below AVX2 as the baseline is.
+        const NARROWER: [&str; 21] = [
+            "unknown",
             "katmai",
             "coppermine",
             "northwood",
@@ -240,9 +242,6 @@ impl Isa {
             "bulldozer",
             "piledriver",
             "steamroller",
-            "generic",
-            "unknown",
-            "prescott_sse3",
         ];
         let name = name.trim().to_ascii_lowercase();
         if AVX512.contains(&name.as_str()) {
