@@ -4,8 +4,9 @@
 # shape and library with the CPU, the ISA cap and the date. Usage:
 #   scripts/bench_sgemm.sh [avx2|avx512] [REPS] > results.jsonl
 # avx2 (the default) narrows OpenBLAS to its Haswell kernels and the peak to AVX2 FMA, as
-# OPTIMUS_CPU_ISA=avx2 does for optimusc; avx512 asks OpenBLAS for its SkylakeX kernels, as optimusc
-# does on an AVX-512 CPU (an OpenBLAS older than the CPU would fall back to SSE3 ones). Not part of the test suite: timings need a quiet machine.
+# OPTIMUS_CPU_ISA=avx2 does for optimusc; avx512 on an AVX-512 CPU asks OpenBLAS for its SkylakeX
+# kernels, as optimusc does (an OpenBLAS older than the CPU would fall back to SSE3 ones), unless
+# OPENBLAS_CORETYPE is set. Not part of the test suite: timings need a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ISA="${1:-avx2}"
@@ -14,7 +15,11 @@ cargo build --release --quiet --example sgemm_shapes -p optimus-runtime
 BIN=target/release/examples/sgemm_shapes
 CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//') ($(grep -q avx512f /proc/cpuinfo && echo AVX-512 || echo AVX2))"
 export OPTIMUS_CPU_ISA="$ISA"
-if [ "$ISA" = avx2 ]; then export OPENBLAS_CORETYPE=Haswell; else export OPENBLAS_CORETYPE=SkylakeX; fi
+if [ "$ISA" = avx2 ]; then
+    export OPENBLAS_CORETYPE=Haswell
+elif [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx512f /proc/cpuinfo; then
+    export OPENBLAS_CORETYPE=SkylakeX
+fi
 for mode in warm cold; do
     flag=""
     [ "$mode" = cold ] && flag="--cold"

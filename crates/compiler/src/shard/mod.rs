@@ -886,20 +886,6 @@ impl<'a> Lowerer<'a> {
             let group = Group::along(axis);
             let next = current.layout.with(axis, t);
             let what = describe_node(self.model, &self.graph[n], n);
-            let interleaved = [f, t].into_iter().find_map(|p| current.layout.split_inside(axis, p));
-            if let Some(inner) = interleaved {
-                // Gathering or taking a plain split that a less significant axis already splits inside
-                // would move blocks that are not the layout's: a wrong plan, never written.
-                self.diagnostics.push(Diagnostic::error(
-                    Code::E0699,
-                    format!(
-                        "internal error: moving {what} from {} to {to} changes the split along mesh axis \
-                         {axis} while mesh axis {inner} splits the same dimension inside it",
-                        current.layout
-                    ),
-                ));
-                return current;
-            }
             current = match (f, t) {
                 (Placement::Partial, Placement::Replicate) => {
                     let recv = self.moved_buffer(n, next, current.buffer);

@@ -255,42 +255,45 @@ pub fn product_library() -> String {
 
 /// The process's OpenBLAS, loaded on first use; `None` where there is none or it is turned off.
 pub fn loaded() -> Option<&'static Blas> {
-    state().as_ref().ok().and_then(Option::as_ref)
+    state().library.as_ref().ok().and_then(Option::as_ref)
 }
 
 /// Why the library `OPTIMUS_BLAS` names could not be loaded (the products then use faer), for the
 /// command line to say; `None` when it loaded or none was named.
 pub fn load_failure() -> Option<String> {
-    state().as_ref().err().map(|e| format!("OPTIMUS_BLAS={e}; the CPU products use faer"))
+    state().library.as_ref().err().map(|e| format!("OPTIMUS_BLAS={e}; the CPU products use faer"))
 }
 
 /// Why the OpenBLAS found on the machine is not used, where it was found but left aside: its kernels
 /// are narrower than the CPU kernels' instructions (see [`narrower_than_the_cpu`]). `None` otherwise.
 pub fn left_aside() -> Option<&'static str> {
-    state();
-    LEFT_ASIDE.get().map(String::as_str)
+    state().left_aside.as_deref()
 }
 
-static LEFT_ASIDE: OnceLock<String> = OnceLock::new();
+/// What the process found for its products, decided once.
+struct Found {
+    /// The library chosen by `OPTIMUS_BLAS` or found on the machine (`Ok(None)`: faer), or the named
+    /// library and why it did not load.
+    library: Result<Option<Blas>, String>,
+    /// Why the library found, not named, is not used: its kernels are narrower than the CPU's
+    /// instructions, and faer or our kernel run its products faster.
+    left_aside: Option<String>,
+}
 
-/// The library chosen by `OPTIMUS_BLAS` or found on the machine (`Ok(None)`: faer), or the named
-/// library and why it did not load. One found, not named, whose kernels are narrower than the CPU's
-/// instructions is left aside ([`left_aside`] says why): faer or our kernel run its products faster.
-fn state() -> &'static Result<Option<Blas>, String> {
-    static BLAS: OnceLock<Result<Option<Blas>, String>> = OnceLock::new();
-    BLAS.get_or_init(|| match choice() {
-        Choice::Faer => Ok(None),
-        Choice::Library(path) => load(path).map(Some).map_err(|e| format!("{path}: {e}")),
+fn state() -> &'static Found {
+    static FOUND: OnceLock<Found> = OnceLock::new();
+    FOUND.get_or_init(|| match choice() {
+        Choice::Faer => Found { library: Ok(None), left_aside: None },
+        Choice::Library(path) => {
+            Found { library: load(path).map(Some).map_err(|e| format!("{path}: {e}")), left_aside: None }
+        }
         Choice::Best | Choice::Optimus => {
             let found = SEARCHED.iter().find_map(|name| load(name).ok());
             let narrower =
                 found.as_ref().and_then(|blas| narrower_than_the_cpu(&blas.description, blas.core.as_deref(), isa()));
             match narrower {
-                Some(why) => {
-                    let _ = LEFT_ASIDE.set(why);
-                    Ok(None)
-                }
-                None => Ok(found),
+                Some(why) => Found { library: Ok(None), left_aside: Some(why) },
+                None => Found { library: Ok(found), left_aside: None },
             }
         }
     })
@@ -326,17 +329,23 @@ fn load(name: &str) -> Result<Blas, String> {
             .get::<unsafe extern "C" fn(c_int)>(b"openblas_set_num_threads\0")
             .map_err(|e| format!("not OpenBLAS: no openblas_set_num_threads ({e})"))?;
         set_threads(1);
-        let config = library.get::<unsafe extern "C" fn() -> *const c_char>(b"openblas_get_config\0").ok();
-        let description = match config.map(|get| get()) {
-            Some(text) if !text.is_null() => CStr::from_ptr(text).to_string_lossy().trim().to_string(),
-            _ => "OpenBLAS".to_string(),
-        };
-        let corename = library.get::<unsafe extern "C" fn() -> *const c_char>(b"openblas_get_corename\0").ok();
-        let core = match corename.map(|get| get()) {
-            Some(text) if !text.is_null() => Some(CStr::from_ptr(text).to_string_lossy().trim().to_string()),
-            _ => None,
-        };
+        let description = library_text(&library, b"openblas_get_config\0").unwrap_or_else(|| "OpenBLAS".to_string());
+        let core = library_text(&library, b"openblas_get_corename\0");
         Ok(Blas { sgemm, sgemv, description, core, _library: library })
+    }
+}
+
+/// The text an OpenBLAS function of no arguments returns (`openblas_get_config`, `openblas_get_corename`),
+/// trimmed; `None` where the library lacks it or returns none.
+///
+/// # Safety
+/// `symbol` (NUL-terminated) must name a function of that signature returning a C string or null.
+unsafe fn library_text(library: &libloading::Library, symbol: &[u8]) -> Option<String> {
+    // SAFETY: the caller names a function `() -> *const c_char`; its text is copied at once.
+    unsafe {
+        let get = library.get::<unsafe extern "C" fn() -> *const c_char>(symbol).ok()?;
+        let text = get();
+        (!text.is_null()).then(|| CStr::from_ptr(text).to_string_lossy().trim().to_string())
     }
 }
 
