@@ -286,6 +286,36 @@ fn a_split_gathered_or_cut_around_another_axis_split_of_the_same_dimension_is_re
     assert_refused(&plan, &["is cut along mesh axis 0 where mesh axis 1 already splits the same dimension inside it"]);
 }
 
+#[test]
+fn a_transpose_must_swap_the_grids_placements_over_mirror_groups() {
+    // 128 tokens over a 101-row table 32 wide: the tied head lays its table across the mesh.
+    let sets = [
+        ("vocab", "101"),
+        ("context", "16"),
+        ("seq", "16"),
+        ("batch", "8"),
+        ("layers", "1"),
+        ("heads", "4"),
+        ("hidden", "32"),
+    ];
+    let compiled = try_compile("gpt2", &sets, Strategy::Optimus, (2, 2), Mode::Train).expect("GPT-2 compiles on 2x2");
+    let plan = serde_json::to_value(compiled).expect("a plan serialises");
+    let program = plan["program"].as_array().expect("a program");
+    let at = program
+        .iter()
+        .position(|i| i["instr"] == "collective" && i["collective"]["kind"] == "transpose")
+        .expect("the table is transposed");
+    assert_eq!(program[at]["collective"]["group"], "mirror");
+    let send = program[at]["collective"]["send"].as_u64().expect("a buffer id") as usize;
+    let recv = program[at]["collective"]["recv"].as_u64().expect("a buffer id") as usize;
+    let mut over_rows = plan.clone();
+    over_rows["program"][at]["collective"]["group"] = json!("row");
+    assert_refused(&over_rows, &["a transpose runs over mirror groups"]);
+    let mut unswapped = plan.clone();
+    unswapped["buffers"][recv]["layout"] = plan["buffers"][send]["layout"].clone();
+    assert_refused(&unswapped, &["transpose over the mirror", "arrives laid out"]);
+}
+
 // ---- other kernel parameters ----------------------------------------------------------------------
 
 #[test]

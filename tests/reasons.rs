@@ -68,6 +68,9 @@ fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
         "ABT (B in place)" => SummaProduct::AbtKeepingB,
         "AB (B in place)" => SummaProduct::AbKeepingB,
         "ATB (accumulated)" => SummaProduct::AtbAccumulated,
+        "ABT (accumulated)" => SummaProduct::AbtAccumulated,
+        "AB (reduced)" => SummaProduct::AbReduced,
+        "ATB (B moving)" => SummaProduct::AtbMovingB,
         other => panic!("unknown product {other} in `{text}`"),
     };
     let mut words = rest.trim_start().splitn(5, ' ');
@@ -75,7 +78,7 @@ fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
     let steps = steps.trim_end_matches(':');
     let part = match words.next()? {
         "broadcast A block along the row" | "broadcast A block along the column" => SummaPart::BroadcastA,
-        "broadcast B block along the column" => SummaPart::BroadcastB,
+        "broadcast B block along the column" | "broadcast B block along the row" => SummaPart::BroadcastB,
         "multiply" => SummaPart::Multiply,
         "multiply-accumulate" => SummaPart::MultiplyAccumulate,
         "reduce C block along the row" | "reduce C block along the column" => SummaPart::ReduceC,
@@ -85,19 +88,24 @@ fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
 }
 
 /// Checks that the instruction is the part of a SUMMA step its kind says: broadcasts of A along the
-/// row (the column for ABT keeping B in place) and of B along the column, rooted at the step's member;
-/// the product; the reduction of C (along the column for ATB and AB keeping B in place).
+/// row (the column for ABT keeping B in place) and of B along the column (the row for ATB moving B),
+/// rooted at the step's member; the product; the reduction of C (along the column for ATB, AB keeping B
+/// in place and ATB moving B).
 fn assert_instruction_is_its_part(instr: &Instr, product: SummaProduct, step: u64, part: SummaPart, text: &str) {
     let root = Some(step - 1);
-    let accumulated = matches!(product, SummaProduct::Ab | SummaProduct::AtbAccumulated);
+    let accumulated = matches!(product, SummaProduct::Ab | SummaProduct::AtbAccumulated | SummaProduct::AbtAccumulated);
     match (part, instr) {
         (SummaPart::BroadcastA | SummaPart::BroadcastB, Instr::Collective { collective: c, .. }) => {
-            let along_row = part == SummaPart::BroadcastA && product != SummaProduct::AbtKeepingB;
+            let along_row = match part {
+                SummaPart::BroadcastA => product != SummaProduct::AbtKeepingB,
+                _ => product == SummaProduct::AtbMovingB,
+            };
             let group = if along_row { Group::Row } else { Group::Column };
             assert_eq!((c.kind, c.group, c.root), (CollectiveKind::Broadcast, group, root), "{text}");
         }
         (SummaPart::ReduceC, Instr::Collective { collective: c, .. }) => {
-            let along_column = matches!(product, SummaProduct::Atb | SummaProduct::AbKeepingB);
+            let along_column =
+                matches!(product, SummaProduct::Atb | SummaProduct::AbKeepingB | SummaProduct::AtbMovingB);
             let group = if along_column { Group::Column } else { Group::Row };
             assert_eq!((c.kind, c.group, c.root), (CollectiveKind::Reduce, group, root), "{text}");
         }

@@ -113,7 +113,11 @@ fn placements_decide_which_link_a_group_crosses() {
 
 /// Devices in a group of the 4x4 mesh: a row or a column has 4, the world (the gradient norm's) 16.
 fn group_size(group: &str) -> u64 {
-    if group == "world" { 16 } else { 4 }
+    match group {
+        "world" => 16,
+        "mirror" => 2,
+        _ => 4,
+    }
 }
 
 #[test]
@@ -141,12 +145,16 @@ fn group_times_in_a_plan_use_their_links() {
             assert_eq!(entry.link, if intra { "intra-node" } else { "inter-node" }, "{placement:?} {entry:?}");
             // Row-major: a node holds a row, so its NIC carries the 4 column groups' ring flows, 2 GB/s
             // each of the 8 GB/s. Blocks of 2x2: 2 groups of each kind cross each NIC, 4 GB/s each.
-            // The world is one group: one flow per NIC.
+            // The world is one group: one flow per NIC. The tied table's transposes pair (i, j) with
+            // (j, i): row-major, a node's NIC carries its 3 devices off the diagonal; blocks of 2x2,
+            // the 4 devices of a block off the diagonal (those on it keep their pairs inside).
             let link = if intra {
                 hw.intra_link()
             } else {
                 let flows = match (entry.group.as_str(), placement) {
                     ("world", _) => 1.0,
+                    ("mirror", RankPlacement::RowMajor) => 3.0,
+                    ("mirror", _) => 4.0,
                     (_, RankPlacement::RowMajor) => 4.0,
                     _ => 2.0,
                 };
@@ -178,6 +186,7 @@ fn kind_of(name: &str) -> CollectiveKind {
         "reduce" => CollectiveKind::Reduce,
         "all_reduce" => CollectiveKind::AllReduce,
         "all_gather" => CollectiveKind::AllGather,
+        "transpose" => CollectiveKind::Transpose,
         _ => CollectiveKind::ReduceScatter,
     }
 }

@@ -79,29 +79,48 @@ fn parameter_elements(q: u64) -> u64 {
 
 #[test]
 fn summa_traffic_the_depth_sum_and_memory_equal_the_closed_formulas() {
-    // 16 sequences: fewer tokens a depth layer than vocabulary rows; 64: more.
-    for (batch, depth, q) in [(16, 2, 2), (16, 4, 2), (16, 2, 4), (64, 2, 2), (64, 4, 2)] {
+    // 16 sequences: fewer tokens a depth layer than vocabulary rows; 64: more. The tied head keeps its
+    // table in place over 32 tokens a layer (16 sequences over 4 layers, 8 over 2), lays it across the
+    // mesh over more.
+    for (batch, depth, q) in [(16, 2, 2), (16, 4, 2), (16, 2, 4), (64, 2, 2), (64, 4, 2), (8, 2, 2)] {
         let tokens = batch * SEQ;
         let mesh = Mesh::new(q, q).with_depth(depth);
         let plan = gpt2(mesh, Strategy::Tesseract, batch);
         let (h, f, v) = (HIDDEN, FFN, padded_vocab(q));
         // Per layer, the linears' input widths and their in x out products.
         let (inputs, products) = (LAYERS * (3 * h + f), LAYERS * (4 * h * h + 2 * h * f));
-        // Forward A blocks and dW's A blocks along the row, the tied head's dY twice; each device takes
-        // q blocks of tokens / (d q) rows per product.
-        let rows = tokens / (depth * q);
-        // Along the column, the tied head moves its table's blocks (twice, and reduces its gradient),
-        // or, over fewer tokens a depth layer than vocabulary rows, keeps the table in place and moves
-        // the tokens' blocks of its input instead (twice, and reduces the input's gradient).
-        let head = if tokens / depth < v { rows * h } else { v * h / q };
-        let want = BTreeMap::from([
-            ((Group::Row, CollectiveKind::Broadcast), 2 * rows * (inputs + v)),
+        // Forward A blocks and dW's A blocks along the row; each device takes q blocks of tokens / (d q)
+        // rows per product.
+        let (t, rows) = (tokens / depth, tokens / (depth * q));
+        // The tied head, the way that moves least (see docs/2d-parallelism.md). Laid across the mesh
+        // (its table's block transposed for the forward and again for dX, its gradient's back), it moves its input's blocks
+        // along the row (forward and dE) and reduces dX's there, and moves the table's blocks along the
+        // column (forward and dX) and reduces dE's there. Otherwise it moves dY's blocks along the row
+        // twice and reduces the logits' there, and along the column moves its table's blocks (twice,
+        // and reduces its gradient), or, over fewer tokens a depth layer than vocabulary rows, keeps
+        // the table in place and moves the tokens' blocks of its input instead.
+        let across_moves = 3 * (t + v) * h * q + 3 * v * h;
+        let other_moves = if t < v { 3 * (t * v + t * h) * q } else { 3 * (t * v + v * h) * q };
+        let across = across_moves < other_moves;
+        let (along_row, head) = match (across, t < v) {
+            (true, _) => (h, v * h / q),
+            (false, true) => (v, rows * h),
+            (false, false) => (v, v * h / q),
+        };
+        let mut want = BTreeMap::from([
+            ((Group::Row, CollectiveKind::Broadcast), 2 * rows * (inputs + along_row)),
             ((Group::Column, CollectiveKind::Broadcast), 2 * (products / q + head)),
-            ((Group::Row, CollectiveKind::Reduce), rows * (inputs + v)),
+            ((Group::Row, CollectiveKind::Reduce), rows * (inputs + along_row)),
             ((Group::Column, CollectiveKind::Reduce), products / q + head),
         ]);
         let summa = moved(&plan, |k| matches!(k, ReasonKind::Summa { .. }));
         assert_eq!(summa, want, "{mesh}: SUMMA elements per device per step");
+        let transposed = moved(&plan, |k| matches!(k, ReasonKind::Transpose));
+        want.clear();
+        if across {
+            want.insert((Group::Mirror, CollectiveKind::Transpose), 3 * v * h / (q * q));
+        }
+        assert_eq!(transposed, want, "{mesh}: the table's transposes");
         // Over the depth: every gradient once, and the loss with its count of targets.
         let depth_sums =
             moved(&plan, |_| true).into_iter().filter(|((g, _), _)| *g == Group::Depth).collect::<Vec<_>>();

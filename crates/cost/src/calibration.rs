@@ -199,6 +199,9 @@ impl From<CollectiveKind> for CollectiveKindName {
             CollectiveKind::ReduceScatter => CollectiveKindName::ReduceScatter,
             CollectiveKind::Broadcast => CollectiveKindName::Broadcast,
             CollectiveKind::Reduce => CollectiveKindName::Reduce,
+            // A transpose moves one block between two devices, as a two-member broadcast does (each
+            // way at once): calibrate times broadcasts, and a transpose is costed as one.
+            CollectiveKind::Transpose => CollectiveKindName::Broadcast,
         }
     }
 }

@@ -63,7 +63,8 @@ pub fn ring_time(kind: CollectiveKind, p: u64, bytes: f64, link: Link) -> f64 {
     match kind {
         CollectiveKind::AllReduce => 2.0 * steps * alpha + 2.0 * fraction * bytes * beta,
         CollectiveKind::AllGather | CollectiveKind::ReduceScatter => steps * alpha + fraction * bytes * beta,
-        CollectiveKind::Broadcast | CollectiveKind::Reduce => steps * alpha + bytes * beta,
+        // A transpose's pair exchanges its blocks at once, both ways: one step.
+        CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::Transpose => steps * alpha + bytes * beta,
     }
 }
 
@@ -78,7 +79,9 @@ pub fn tree_time(kind: CollectiveKind, p: u64, bytes: f64, link: Link) -> f64 {
     match kind {
         CollectiveKind::AllReduce => 2.0 * rounds * (alpha + bytes * beta),
         CollectiveKind::AllGather | CollectiveKind::ReduceScatter => rounds * alpha + fraction * bytes * beta,
-        CollectiveKind::Broadcast | CollectiveKind::Reduce => rounds * (alpha + bytes * beta),
+        CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::Transpose => {
+            rounds * (alpha + bytes * beta)
+        }
     }
 }
 

@@ -126,7 +126,7 @@ impl Flows {
         let (fraction, steps) = match kind {
             CollectiveKind::AllReduce => (2.0 * (p - 1) as f64 / p as f64, 2 * (p - 1)),
             CollectiveKind::AllGather | CollectiveKind::ReduceScatter => ((p - 1) as f64 / p as f64, p - 1),
-            CollectiveKind::Broadcast | CollectiveKind::Reduce => (1.0, p - 1),
+            CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::Transpose => (1.0, p - 1),
         };
         let link_bytes = fraction * bytes;
         let cost = |g: &BTreeMap<u64, u64>| GroupCost {
@@ -149,7 +149,7 @@ impl Flows {
             let (link_bytes, nic_bytes, steps, inter_rounds) = match kind {
                 CollectiveKind::AllReduce => (2.0 * intra, 2.0 * inter, 2 * (k - 1), 2.0 * rounds),
                 CollectiveKind::AllGather | CollectiveKind::ReduceScatter => (intra, inter, k - 1, rounds),
-                CollectiveKind::Broadcast | CollectiveKind::Reduce => {
+                CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::Transpose => {
                     (if k > 1 { bytes } else { 0.0 }, if n > 1 { bytes } else { 0.0 }, k - 1, rounds)
                 }
             };

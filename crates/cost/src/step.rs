@@ -466,10 +466,8 @@ fn simulate_recording(plan: &Plan, hw: &Hardware, options: &Options, record: boo
 fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options, record: bool) -> (Simulation, Vec<InstrCost>) {
     let nodes = NodeMap::of_plan(plan, hw.intra_node.gpus_per_node, options.placement);
     let algorithm = options.algorithm.unwrap_or(hw.collectives.algorithm);
-    let layouts: BTreeMap<Group, GroupLayout> = [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World]
-        .into_iter()
-        .map(|g| (g, GroupLayout::of(&nodes, g)))
-        .collect();
+    let layouts: BTreeMap<Group, GroupLayout> =
+        Group::ALL.into_iter().map(|g| (g, GroupLayout::of(&nodes, g))).collect();
     // Plans repeat the same collectives layer after layer: each (group, kind, bytes) is costed once.
     let mut costed: BTreeMap<(Group, &'static str, u64), (LinkKind, f64)> = BTreeMap::new();
     let measured = hw.measured.as_ref();

@@ -152,6 +152,17 @@ impl Layout {
             .find(|&other| other != axis && position(other) > position(axis) && plain(self.0[other]) == Some(dim))
     }
 
+    /// This layout as a [`crate::CollectiveKind::Transpose`] leaves it: device (i, j) then holds what
+    /// (j, i) held, so the row and column placements swap. `None` where both split the same dimension:
+    /// the block a device receives is then not one of the swapped layout's.
+    pub fn mirrored(&self) -> Option<Layout> {
+        let (rows, cols) = (self.0[ROW_AXIS], self.0[COLUMN_AXIS]);
+        if rows.dim().is_some() && rows.dim() == cols.dim() {
+            return None;
+        }
+        Some(self.with(ROW_AXIS, cols).with(COLUMN_AXIS, rows))
+    }
+
     /// This layout with `axis` set to `p`.
     pub fn with(mut self, axis: usize, p: Placement) -> Layout {
         self.0[axis] = p;
@@ -230,5 +241,20 @@ mod tests {
         // A factor split states its own nesting (ZeRO's of a tensor-parallel block).
         let factor = Placement::shard_factor(1, 2, 1);
         assert_eq!(Layout::new(rows, cols).with(DATA_AXIS, factor).split_inside(DATA_AXIS, factor), None);
+    }
+
+    #[test]
+    fn a_transpose_swaps_the_row_and_column_placements_unless_both_split_one_dimension() {
+        let (rows, cols) = (Placement::shard(0), Placement::shard(1));
+        let stored = Layout::new(rows, cols).with(DATA_AXIS, Placement::shard_factor(1, 2, 1));
+        let across = Layout::new(cols, rows).with(DATA_AXIS, Placement::shard_factor(1, 2, 1));
+        assert_eq!(stored.mirrored(), Some(across));
+        assert_eq!(across.mirrored(), Some(stored));
+        assert_eq!(Layout::new(Placement::Partial, rows).mirrored(), Some(Layout::new(rows, Placement::Partial)));
+        assert_eq!(Layout::REPLICATED.mirrored(), Some(Layout::REPLICATED));
+        // Device (i, j) of a split of dimension 0 over both holds block i q + j; its mirror's, j q + i,
+        // is no block of any layout.
+        assert_eq!(Layout::new(rows, rows).mirrored(), None);
+        assert_eq!(Layout::new(rows, Placement::shard_factor(0, 2, 1)).mirrored(), None);
     }
 }

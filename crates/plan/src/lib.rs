@@ -201,11 +201,21 @@ impl Mesh {
         sizes
     }
 
-    /// Size of a communication group.
+    /// Size of a communication group (a mirror group's off the diagonal: on it, a device is alone).
     pub fn group_size(self, group: Group) -> u64 {
         match group {
             Group::World => self.devices(),
+            Group::Mirror => 2.min(self.rows * self.cols),
             Group::Row | Group::Column | Group::Data | Group::Depth => self.axes()[group.axis().unwrap_or(0)],
+        }
+    }
+
+    /// Size of the group of `group` that the device at `coords` belongs to: [`Mesh::group_size`], but
+    /// for a device on the diagonal, alone in its mirror group.
+    pub fn group_size_at(self, group: Group, coords: Coords) -> u64 {
+        match group {
+            Group::Mirror => group.member_ranks(coords, self).len() as u64,
+            _ => self.group_size(group),
         }
     }
 
@@ -301,6 +311,12 @@ impl Coords {
     /// The depth index (Tesseract's depth layer).
     pub fn k(self) -> u64 {
         self.0[DEPTH_AXIS]
+    }
+
+    /// The device across the grid's diagonal: (j, i), in the same replica and depth layer.
+    pub fn mirrored(mut self) -> Coords {
+        self.0.swap(ROW_AXIS, COLUMN_AXIS);
+        self
     }
 
     /// These coordinates on depth layer `k`.
@@ -727,7 +743,8 @@ impl Kernel {
 }
 
 /// Communication groups: the devices whose coordinates differ along one mesh axis only (a mesh row, a
-/// mesh column, the replicas of one tensor-parallel position), or all devices.
+/// mesh column, the replicas of one tensor-parallel position), a device and its mirror across the grid's
+/// diagonal, or all devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Group {
@@ -740,9 +757,15 @@ pub enum Group {
     /// The same grid position (i, j) in every depth layer of one replica: k varies.
     Depth,
     World,
+    /// A device and its mirror across the diagonal of a square grid: (i, j) and (j, i), in one replica
+    /// and depth layer; a device on the diagonal is alone. Only a [`CollectiveKind::Transpose`] uses it.
+    Mirror,
 }
 
 impl Group {
+    /// Every kind of group.
+    pub const ALL: [Group; 6] = [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World, Group::Mirror];
+
     /// The group whose members differ along mesh `axis` (axis 0 = i varies = a column).
     pub fn along(axis: usize) -> Group {
         match axis {
@@ -753,22 +776,23 @@ impl Group {
         }
     }
 
-    /// The mesh axis along which members differ (`None` for the whole mesh).
+    /// The mesh axis along which members differ (`None` for the whole mesh and for mirrors).
     pub fn axis(self) -> Option<usize> {
         match self {
             Group::Row => Some(COLUMN_AXIS),
             Group::Column => Some(ROW_AXIS),
             Group::Data => Some(DATA_AXIS),
             Group::Depth => Some(DEPTH_AXIS),
-            Group::World => None,
+            Group::World | Group::Mirror => None,
         }
     }
 
     /// The index of the device at `coords` within its group: its coordinate along the group's axis
-    /// (its rank for the whole mesh).
+    /// (its rank for the whole mesh; 0 or 1 among mirrors, the lower rank first).
     pub fn member_index(self, coords: Coords, mesh: Mesh) -> u64 {
         match self.axis() {
             Some(axis) => coords.0[axis],
+            None if self == Group::Mirror => u64::from(coords.i() > coords.j()),
             None => mesh.rank_of(coords),
         }
     }
@@ -783,6 +807,12 @@ impl Group {
                     mesh.rank_of(c)
                 })
                 .collect(),
+            None if self == Group::Mirror => {
+                let (mine, mirror) = (mesh.rank_of(coords), mesh.rank_of(coords.mirrored()));
+                let mut ranks = vec![mine.min(mirror), mine.max(mirror)];
+                ranks.dedup();
+                ranks
+            }
             None => (0..mesh.devices()).collect(),
         }
     }
@@ -794,6 +824,7 @@ impl Group {
             Group::Data => "data",
             Group::Depth => "depth",
             Group::World => "world",
+            Group::Mirror => "mirror",
         }
     }
 }
@@ -806,6 +837,9 @@ pub enum CollectiveKind {
     AllReduce,
     AllGather,
     ReduceScatter,
+    /// Over [`Group::Mirror`]: device (i, j) receives the block of device (j, i), which receives its
+    /// block; a device on the diagonal keeps its own. A value's row and column placements swap.
+    Transpose,
 }
 
 impl CollectiveKind {
@@ -816,6 +850,7 @@ impl CollectiveKind {
             CollectiveKind::AllReduce => "all_reduce",
             CollectiveKind::AllGather => "all_gather",
             CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::Transpose => "transpose",
         }
     }
 }
@@ -986,5 +1021,24 @@ fn is_default<T: Default + PartialEq>(value: &T) -> bool {
 impl Plan {
     pub fn buffer(&self, id: BufferId) -> &Buffer {
         &self.buffers[id.0 as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Coords, Group, Mesh};
+
+    #[test]
+    fn a_mirror_group_is_a_device_and_its_mirror_across_the_diagonal_or_a_diagonal_device_alone() {
+        let mesh = Mesh::new(3, 3).with_data(2);
+        for c in mesh.all_coords() {
+            let ranks = Group::Mirror.member_ranks(c, mesh);
+            let (mine, mirror) = (mesh.rank_of(c), mesh.rank_of(Coords::new(c.j(), c.i(), c.d())));
+            assert_eq!(ranks, if c.i() == c.j() { vec![mine] } else { vec![mine.min(mirror), mine.max(mirror)] });
+            assert_eq!(ranks[Group::Mirror.member_index(c, mesh) as usize], mine, "{c}");
+            assert_eq!(mesh.group_size_at(Group::Mirror, c), ranks.len() as u64, "{c}");
+            assert_eq!(c.mirrored().mirrored(), c);
+        }
+        assert_eq!(mesh.group_size(Group::Mirror), 2);
     }
 }

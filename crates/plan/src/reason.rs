@@ -34,6 +34,9 @@ pub enum ReasonKind {
     PartialSum { scatter: bool },
     /// Blocks of a value gathered over a mesh axis.
     Gather,
+    /// A value's block sent to the device across the grid's diagonal, whose block comes back: the
+    /// value's row and column splits swap.
+    Transpose,
     /// This device's block of a value that it holds whole (no communication).
     Slice,
     /// Row statistics of a normalisation or of cross-entropy: the local part, and its sum (or max) over
@@ -73,6 +76,16 @@ pub enum SummaProduct {
     /// C = A^T B for an A whose rows lie over the mesh columns: A broadcast along the row and B along
     /// the column, accumulated in place.
     AtbAccumulated,
+    /// C = A B^T for a B laid across the mesh (its rows over the mesh columns, its columns over the
+    /// mesh rows: a tied table transposed across the grid's diagonal): A broadcast along the row and B
+    /// along the column, accumulated in place. Neither moves C.
+    AbtAccumulated,
+    /// C = A B for a B laid across the mesh (as [`SummaProduct::AbtAccumulated`]'s): B broadcast along
+    /// the column, the partial product reduced along the row.
+    AbReduced,
+    /// C = A^T B with B moving: B broadcast along the row, the partial product reduced along the
+    /// column, so that C comes out laid across the mesh (a tied table's gradient, never moving logits).
+    AtbMovingB,
 }
 
 impl SummaProduct {
@@ -85,6 +98,9 @@ impl SummaProduct {
             SummaProduct::AbtKeepingB => "ABT (B in place)",
             SummaProduct::AbKeepingB => "AB (B in place)",
             SummaProduct::AtbAccumulated => "ATB (accumulated)",
+            SummaProduct::AbtAccumulated => "ABT (accumulated)",
+            SummaProduct::AbReduced => "AB (reduced)",
+            SummaProduct::AtbMovingB => "ATB (B moving)",
         }
     }
 }
@@ -150,10 +166,13 @@ impl SummaPart {
         match (self, product) {
             (SummaPart::BroadcastA, SummaProduct::AbtKeepingB) => "broadcast A block along the column",
             (SummaPart::BroadcastA, _) => "broadcast A block along the row",
+            (SummaPart::BroadcastB, SummaProduct::AtbMovingB) => "broadcast B block along the row",
             (SummaPart::BroadcastB, _) => "broadcast B block along the column",
             (SummaPart::Multiply, _) => "multiply",
             (SummaPart::MultiplyAccumulate, _) => "multiply-accumulate",
-            (SummaPart::ReduceC, SummaProduct::Atb | SummaProduct::AbKeepingB) => "reduce C block along the column",
+            (SummaPart::ReduceC, SummaProduct::Atb | SummaProduct::AbKeepingB | SummaProduct::AtbMovingB) => {
+                "reduce C block along the column"
+            }
             (SummaPart::ReduceC, _) => "reduce C block along the row",
         }
     }
@@ -166,7 +185,9 @@ mod tests {
     #[test]
     fn a_summa_step_says_its_product_step_and_part() {
         use SummaPart::{BroadcastA, BroadcastB, ReduceC};
-        use SummaProduct::{Ab, AbKeepingB, Abt, AbtKeepingB, Atb, AtbAccumulated};
+        use SummaProduct::{
+            Ab, AbKeepingB, AbReduced, Abt, AbtAccumulated, AbtKeepingB, Atb, AtbAccumulated, AtbMovingB,
+        };
         let cases = [
             (Ab, [2, 4], BroadcastA, "AB step 2 of 4: broadcast A block along the row"),
             (Atb, [1, 2], ReduceC, "ATB step 1 of 2: reduce C block along the column"),
@@ -174,6 +195,10 @@ mod tests {
             (AbtKeepingB, [1, 2], BroadcastA, "ABT (B in place) step 1 of 2: broadcast A block along the column"),
             (AbKeepingB, [2, 2], ReduceC, "AB (B in place) step 2 of 2: reduce C block along the column"),
             (AtbAccumulated, [2, 2], BroadcastB, "ATB (accumulated) step 2 of 2: broadcast B block along the column"),
+            (AbtAccumulated, [1, 3], BroadcastB, "ABT (accumulated) step 1 of 3: broadcast B block along the column"),
+            (AbReduced, [3, 3], ReduceC, "AB (reduced) step 3 of 3: reduce C block along the row"),
+            (AtbMovingB, [2, 4], BroadcastB, "ATB (B moving) step 2 of 4: broadcast B block along the row"),
+            (AtbMovingB, [4, 4], ReduceC, "ATB (B moving) step 4 of 4: reduce C block along the column"),
         ];
         for (product, [step, steps], part, text) in cases {
             let reason = Reason::summa_step("tied linear", product, step, steps, part);

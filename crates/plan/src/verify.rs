@@ -318,6 +318,38 @@ fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<
                 fail(what);
             }
         }
+        CollectiveKind::Transpose => {
+            if let Err(what) = check_transpose(plan, c) {
+                fail(what);
+            }
+        }
+    }
+    if (c.kind == CollectiveKind::Transpose) != (c.group == Group::Mirror) {
+        fail("a transpose runs over mirror groups, and only a transpose does".into());
+    }
+}
+
+/// A transpose swaps its value's row and column placements on a square grid: what device (j, i) sends
+/// is the block of (i, j) in the received layout. The blocks are of one shape.
+fn check_transpose(plan: &Plan, c: &Collective) -> Result<(), String> {
+    let (send, recv) = (plan.buffer(c.send), plan.buffer(c.recv));
+    if plan.mesh.rows != plan.mesh.cols {
+        return Err(format!("a {}x{} grid has no mirror across its diagonal", plan.mesh.rows, plan.mesh.cols));
+    }
+    if send.shape != recv.shape || send.logical_shape != recv.logical_shape {
+        return Err(format!("send {:?} and receive {:?} differ", send.shape, recv.shape));
+    }
+    match send.layout.mirrored() {
+        Some(mirrored) if mirrored == recv.layout => Ok(()),
+        Some(mirrored) => Err(format!(
+            "`{}`, laid out {}, arrives laid out {}, not {}",
+            send.name, send.layout, recv.layout, mirrored
+        )),
+        None => Err(format!(
+            "`{}`, laid out {}, is split along one dimension by both the rows and the columns: its mirror's \
+             block is not a block of any layout",
+            send.name, send.layout
+        )),
     }
 }
 
@@ -379,7 +411,7 @@ fn sequence(plan: &Plan, group: Group) -> Vec<(CollectiveKind, Option<u64>, u64)
 /// each member's sequence is the program's own; what can still differ is the size each member sends,
 /// which the layouts fix to the same block shape on every device. This checks both facts.
 fn check_group_order(plan: &Plan, errors: &mut Vec<String>) {
-    for group in [Group::Row, Group::Column, Group::Data, Group::Depth, Group::World] {
+    for group in Group::ALL {
         let members = plan.mesh.group_size(group);
         for (kind, root, bytes) in sequence(plan, group) {
             if bytes == 0 {

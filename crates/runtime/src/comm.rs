@@ -393,6 +393,13 @@ pub fn combine<T: Payload>(
                 }
             }
         }
+        CollectiveKind::Transpose => {
+            // The other member's block: the mirror's, or this device's own on the diagonal.
+            let src = parts.len().checked_sub(1 + me as usize).and_then(|m| parts.get(m));
+            let src = src.ok_or(CommError::NoSuchRoot(me))?;
+            check(src.len(), recv.len())?;
+            recv.copy_from_slice(src);
+        }
         CollectiveKind::ReduceScatter => {
             let shard = shard.ok_or(CommError::NoPlacement(kind))?;
             for (full_at, block_at, len) in block_runs(full, shard, n, me) {

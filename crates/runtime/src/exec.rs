@@ -839,8 +839,10 @@ impl<'p, B: Backend, C: Communicator> Device<'p, B, C> {
         let start = c.overlapped && self.backend.lends_in_place(&self.storage, c.send, c.recv);
         let began = Instant::now();
         let mut exchange = PlanCollective { comm: &mut self.comm, c, full, start, started: None };
-        let elementwise =
-            matches!(c.kind, CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce);
+        let elementwise = matches!(
+            c.kind,
+            CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce | CollectiveKind::Transpose
+        );
         self.backend.collective(&mut self.storage, c.send, c.recv, elementwise, &mut exchange)?;
         if let Some(started) = exchange.started.take() {
             self.in_flight.push(InFlight { index: self.position, recv: c.recv, started, issued: began.elapsed() });

@@ -532,7 +532,32 @@ impl MpiComm {
                 let packed = pack_for_scatter(full, shard, parts, send, recv.len());
                 E::reduce_scatter(self, comm, op, &packed, recv, &what);
             }
+            CollectiveKind::Transpose => self.exchange_with_mirror(send, recv, &what)?,
         }
+        Ok(())
+    }
+
+    /// A transpose: this device's block goes to its mirror (j, i) and the mirror's comes back, one
+    /// send and one receive on the mesh's communicator (whose ranks are the mesh's); a device on the
+    /// diagonal keeps its own.
+    fn exchange_with_mirror<E: Wire>(
+        &self,
+        send: &[E],
+        recv: &mut [E],
+        what: &dyn Fn() -> String,
+    ) -> Result<(), CommError> {
+        same_len(send.len(), recv.len())?;
+        let mirror = self.mesh.rank_of(self.coords.mirrored());
+        if mirror == self.mesh.rank_of(self.coords) {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        let peer = self.mesh_world.process_at_rank(mirror as i32);
+        mpi::request::scope(|s| {
+            let sent = peer.immediate_send(s, send);
+            self.complete(peer.immediate_receive_into(s, recv), what);
+            self.complete(sent, what);
+        });
         Ok(())
     }
 }

@@ -12,7 +12,7 @@ pub mod table;
 use crate::autodiff::differentiate;
 use crate::diag::{Code, Diagnostic};
 use crate::ir::{DType, Model, Node, Op, ParamId};
-use layout::{Layout, MAJOR_ORDER, MESH_AXES, Placement};
+use layout::{COLUMN_AXIS, Layout, MAJOR_ORDER, MESH_AXES, Placement, ROW_AXIS};
 use optimus_plan::memory::{insert_frees, plan_memory};
 use optimus_plan::span::{LineIndex, Span};
 use optimus_plan::{
@@ -795,6 +795,22 @@ impl<'a> Lowerer<'a> {
         buffer
     }
 
+    /// Node `n` (a parameter the forward pass already read in `layout`) made in `layout` again from the
+    /// version it was first made in, without keeping the result for later uses: a tied table laid
+    /// across the mesh is transposed again for the backward pass (one block each way), rather than
+    /// held twice from the forward pass to the backward.
+    pub fn value_afresh(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
+        let layout = self.norm(self.with_data(n, layout));
+        let Some(source) = self.versions.get(&n).and_then(|vs| vs.first()).copied() else {
+            return self.value(n, layout);
+        };
+        if source.layout == layout {
+            return source.buffer;
+        }
+        // Traced to the consumer, whose pipeline stage needs it (the head's, not the lookup's).
+        self.redistribute(n, source, layout)
+    }
+
     /// Creates the buffer of a parameter or input the first time it is asked for.
     fn materialise_leaf(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
         match self.graph[n].op.clone() {
@@ -861,6 +877,7 @@ impl<'a> Lowerer<'a> {
     /// would do the replicas first (measured with scripts/plans_identical.sh: every ZeRO-1 plan moved).
     fn redistribute(&mut self, n: NodeIndex, from: Version, to: Layout) -> BufferId {
         if self.target.strategy != Strategy::ThreeD {
+            let from = self.mirror(n, from, to).unwrap_or(from);
             return self.move_axes(n, from, to, &(0..MESH_AXES).collect::<Vec<_>>()).buffer;
         }
         let gathered: Vec<usize> = MAJOR_ORDER
@@ -872,6 +889,26 @@ impl<'a> Lowerer<'a> {
         let whole = gathered.iter().fold(from.layout, |l, &a| l.with(a, Placement::Replicate));
         let mid = self.move_axes(n, from, whole, &gathered);
         self.move_axes(n, mid, to, &MAJOR_ORDER).buffer
+    }
+
+    /// A value whose row and column placements `to` asks for swapped (a table laid across a square
+    /// mesh) is sent to the device across the grid's diagonal, one block each way: a gather and a
+    /// slice per axis would move q - 1 blocks and keep a whole row or column of them. `None` when the
+    /// grid's placements are not each other's, or are the same.
+    fn mirror(&mut self, n: NodeIndex, from: Version, to: Layout) -> Option<Version> {
+        let mesh = self.target.mesh;
+        let (rows, cols) = (from.layout.0[ROW_AXIS], from.layout.0[COLUMN_AXIS]);
+        let swapped = (to.0[ROW_AXIS], to.0[COLUMN_AXIS]) == (cols, rows);
+        if mesh.rows != mesh.cols || mesh.rows < 2 || rows == cols || !swapped {
+            return None;
+        }
+        let next = from.layout.mirrored()?;
+        let recv = self.moved_buffer(n, next, from.buffer);
+        let what = describe_node(self.model, &self.graph[n], n);
+        let text = format!("transpose {what} across the mesh's diagonal: its row and column splits swap");
+        let reason = Reason::new(ReasonKind::Transpose, text);
+        self.collective(CollectiveKind::Transpose, Group::Mirror, None, None, None, from.buffer, recv, reason);
+        Some(Version { layout: next, buffer: recv })
     }
 
     /// [`Lowerer::redistribute`]'s steps, one mesh axis at a time in `order`.

@@ -4,11 +4,11 @@
 //! instantiates it for the node; the rule itself never branches on the strategy.
 
 use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
-use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, on_dim};
+use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, When, on_dim};
 use super::{Lowerer, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
-use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role};
+use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
 use optimus_plan::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
 use petgraph::graph::NodeIndex;
 
@@ -47,6 +47,14 @@ impl ReducedSumma {
     /// broadcast along row k, the partial A(k,t) B(k,j) reduced along column j to (t,j).
     const AB_KEEPING_B: ReducedSumma =
         ReducedSumma::new(SummaProduct::AbKeepingB, true, Group::Row, Group::Column, (false, false));
+    /// C = A B for a B laid across the mesh, B's block (t,j) holding B's rows j and columns t: B(t,j)
+    /// broadcast along column j, the partial A(i,j) B(t,j) reduced along row i to (i,t).
+    const AB_REDUCED: ReducedSumma =
+        ReducedSumma::new(SummaProduct::AbReduced, false, Group::Column, Group::Row, (false, false));
+    /// C = A^T B moving B: B(i,t) broadcast along row i, the partial A(i,j)^T B(i,t) reduced along
+    /// column j to (t,j), which holds C's block of rows j and columns t (C laid across the mesh).
+    const ATB_MOVING_B: ReducedSumma =
+        ReducedSumma::new(SummaProduct::AtbMovingB, false, Group::Row, Group::Column, (true, false));
 
     const fn new(product: SummaProduct, moves_a: bool, along: Group, reduce_along: Group, t: (bool, bool)) -> Self {
         ReducedSumma { product, moves_a, along, reduce_along, transpose_a: t.0, transpose_b: t.1 }
@@ -100,6 +108,9 @@ impl Lowerer<'_> {
         match p.kind {
             ProductKind::SummaAb => self.summa_ab(SummaProduct::Ab, a, b, out, p.what),
             ProductKind::SummaAtbAccumulated => self.summa_ab(SummaProduct::AtbAccumulated, a, b, out, p.what),
+            ProductKind::SummaAbtAccumulated => self.summa_ab(SummaProduct::AbtAccumulated, a, b, out, p.what),
+            ProductKind::SummaAbReduced => self.summa_reduced(ReducedSumma::AB_REDUCED, a, b, out, p.what),
+            ProductKind::SummaAtbMovingB => self.summa_reduced(ReducedSumma::ATB_MOVING_B, a, b, out, p.what),
             ProductKind::SummaAbt => self.summa_reduced(ReducedSumma::ABT, a, b, out, p.what),
             ProductKind::SummaAtb => self.summa_reduced(ReducedSumma::ATB, a, b, out, p.what),
             ProductKind::SummaAbtKeepingB => self.summa_reduced(ReducedSumma::ABT_KEEPING_B, a, b, out, p.what),
@@ -292,13 +303,15 @@ impl Lowerer<'_> {
 
     /// C = A B on q x q blocks: broadcast A(i,t) along row i and B(t,j) along column j, accumulate; or,
     /// as `SummaProduct::AtbAccumulated`, C = A^T B the same way for an A whose rows lie over the mesh
-    /// columns (A's block (i,t) holds its columns i and rows t).
+    /// columns (A's block (i,t) holds its columns i and rows t); or, as `SummaProduct::AbtAccumulated`,
+    /// C = A B^T for a B laid across the mesh (B's block (t,j) holds its rows j and columns t).
     fn summa_ab(&mut self, product: SummaProduct, a: BufferId, b: BufferId, out: BufferId, what: &str) {
         let q = self.q();
         let transpose_a = product == SummaProduct::AtbAccumulated;
+        let transpose_b = product == SummaProduct::AbtAccumulated;
         if q == 1 {
             self.kernel(
-                Kernel::MatMul { transpose_a, transpose_b: false, accumulate: false },
+                Kernel::MatMul { transpose_a, transpose_b, accumulate: false },
                 &[a, b],
                 out,
                 Reason::new(ReasonKind::LocalProduct, what),
@@ -313,7 +326,7 @@ impl Lowerer<'_> {
             let [broadcast_a, broadcast_b, multiply] = reasons.map(|part| step(self, part));
             self.collective(CollectiveKind::Broadcast, Group::Row, Some(t), None, None, a, wa, broadcast_a);
             self.collective(CollectiveKind::Broadcast, Group::Column, Some(t), None, None, b, wb, broadcast_b);
-            let k = Kernel::MatMul { transpose_a, transpose_b: false, accumulate: t > 0 };
+            let k = Kernel::MatMul { transpose_a, transpose_b, accumulate: t > 0 };
             self.kernel(k, &[wa, wb], sum, multiply);
         }
         if sum != out {
@@ -520,7 +533,9 @@ impl Lowerer<'_> {
         let operator = if tied { Operator::LinearTied } else { Operator::Linear };
         let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(last);
         let few_tokens = tied && self.fewer_tokens_than_rows(x, w);
-        let Some(case) = self.rule_case(operator, &Facts { input_split, few_tokens, ..Facts::default() }) else {
+        let table_across = tied && self.table_across_moves_less(x, w);
+        let facts = Facts { input_split, few_tokens, table_across, ..Facts::default() };
+        let Some(case) = self.rule_case(operator, &facts) else {
             return;
         };
         let dims = Dims { out: self.out_split(w, 1), ..self.dims(last) };
@@ -553,11 +568,40 @@ impl Lowerer<'_> {
     /// keeping the table in place: 3 token x width blocks instead of 3 vocabulary x width ones a step
     /// (the logits' blocks move either way).
     fn fewer_tokens_than_rows(&self, x: NodeIndex, table: NodeIndex) -> bool {
+        let rows = self.shapes[table.index()].first().copied().unwrap_or(0);
+        self.q() > 1 && self.tokens_per_replica(x) < rows
+    }
+
+    /// Tokens of `x` (every dimension but the last) per replica of the axes that split the batch.
+    fn tokens_per_replica(&self, x: NodeIndex) -> u64 {
         let shape = &self.shapes[x.index()];
         let tokens: u64 = shape[..shape.len().saturating_sub(1)].iter().product();
         let replicas: u64 = self.batch_axes().iter().map(|&axis| self.axes()[axis].max(1)).product();
-        let rows = self.shapes[table.index()].first().copied().unwrap_or(0);
-        self.q() > 1 && tokens / replicas.max(1) < rows
+        tokens / replicas.max(1)
+    }
+
+    /// Whether a tied head over `x` (tokens T per replica, or the logits' gradient, which has as many)
+    /// and `table` ([V, H]) moves fewer elements a device with the table laid across a square q x q
+    /// mesh: per pass, T x H and V x H over q (the token and table blocks its SUMMA steps move), plus a
+    /// V x H / q^2 transpose of the table's block (in training three: the table's for the forward and
+    /// again for dX, and its gradient's back); against T x V over q (the logits' blocks) plus T x H over
+    /// q (table in place, fewer tokens than rows) or V x H over q. Three passes in training (forward,
+    /// dX, dE), one in inference. In training this holds once T passes about H (1 + 1/q).
+    fn table_across_moves_less(&self, x: NodeIndex, table: NodeIndex) -> bool {
+        let mesh = self.target.mesh;
+        let optimus_rows = matches!(self.target.strategy, Strategy::Optimus | Strategy::Tesseract);
+        if !optimus_rows || mesh.rows != mesh.cols || mesh.rows < 2 {
+            return false;
+        }
+        let (tokens, q) = (self.tokens_per_replica(x), self.q());
+        let table_shape = &self.shapes[table.index()];
+        let (Some(&rows), Some(&width)) = (table_shape.first(), table_shape.get(1)) else { return false };
+        let train = self.target.mode == optimus_plan::Mode::Train;
+        let (passes, transposes) = if train { (3, 3) } else { (1, 1) };
+        let other = if self.fewer_tokens_than_rows(x, table) { tokens } else { rows };
+        let in_place = passes * (tokens * rows + other * width) * q;
+        let across = passes * (tokens + rows) * width * q + transposes * rows * width;
+        across < in_place
     }
 
     /// Whether `n` (logits or their gradient) lies with its last dimension over the mesh rows.
@@ -568,17 +612,19 @@ impl Lowerer<'_> {
 
     /// The case of a linear backward row for a weight stored as `wl`, and the dimensions its patterns
     /// are read with: the weight's output split is the one it is stored with. `dy`: the output's
-    /// gradient, whose layout picks a tied head's case.
+    /// gradient, whose layout and token count pick a tied head's case with the weight `w`.
     fn weight_case(
         &mut self,
         operator: Operator,
         wl: Layout,
         last: usize,
-        dy: NodeIndex,
+        (dy, w): (NodeIndex, NodeIndex),
     ) -> Option<(&'static Case, Dims)> {
         let tied = matches!(operator, Operator::LinearGradInputTied | Operator::LinearGradWeightTied);
         let vocab_on_rows = tied && self.vocab_on_rows(dy);
-        let facts = Facts { weight_cols: Some(wl.0[COLUMN_AXIS]), vocab_on_rows, ..Facts::default() };
+        let table_across = tied && self.table_across_moves_less(dy, w);
+        let weight_cols = Some(wl.0[COLUMN_AXIS]);
+        let facts = Facts { weight_cols, vocab_on_rows, table_across, ..Facts::default() };
         let case = self.rule_case(operator, &facts)?;
         // The output features' split: the columns' or (a 3D weight on L2 inputs) the depth's split of
         // dimension 1, else the columns' placement as the rows that do not read it take it.
@@ -591,8 +637,9 @@ impl Lowerer<'_> {
         let last = self.rank(n) - 1;
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
         let operator = if tied { Operator::LinearGradInputTied } else { Operator::LinearGradInput };
-        let Some((case, dims)) = self.weight_case(operator, wl, last, dy) else { return };
-        let wb = self.value(w, laid(case.operands[1], &dims, wl));
+        let Some((case, dims)) = self.weight_case(operator, wl, last, (dy, w)) else { return };
+        let wl_asked = laid(case.operands[1], &dims, wl);
+        let wb = if case.when == When::TableAcross { self.value_afresh(w, wl_asked) } else { self.value(w, wl_asked) };
         let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
         let out = self.norm(laid(case.output, &dims, wl));
         let g = self.node_buffer(n, out, Role::Workspace);
@@ -606,7 +653,7 @@ impl Lowerer<'_> {
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
         let last = self.rank(x) - 1;
         let operator = if tied { Operator::LinearGradWeightTied } else { Operator::LinearGradWeight };
-        let Some((case, dims)) = self.weight_case(operator, wl, last, dy) else { return };
+        let Some((case, dims)) = self.weight_case(operator, wl, last, (dy, w)) else { return };
         let out = laid(case.output, &dims, wl);
         let g = self.node_buffer(n, out, Role::Workspace);
         let xb = self.value(x, laid(case.operands[0], &dims, wl));
@@ -859,7 +906,9 @@ impl Lowerer<'_> {
                 && !whole.has_partial()
                 && partial.0.iter().zip(whole.0).all(|(p, w)| *p == w || (*p == Placement::Partial && w == R))
         };
-        let l = if joins(la, lb) || joins(lb, la) {
+        let l = if let Some(stored) = self.term_laid_as_stored(n, la, lb) {
+            stored
+        } else if joins(la, lb) || joins(lb, la) {
             if la.has_partial() { la } else { lb }
         } else if la.has_partial() && !lb.has_partial() {
             lb
@@ -871,6 +920,19 @@ impl Lowerer<'_> {
         let y = self.node_buffer(n, l, Role::Workspace);
         self.kernel(Kernel::Add, &[ab, bb], y, compute("add (local)"));
         self.define(n, l, y);
+    }
+
+    /// Where `n` is a parameter's whole gradient summed from two terms laid out `la` and `lb` over the
+    /// grid (a tied table's, from its lookup and from its head laid across the mesh), neither a pending
+    /// sum over it, and one laid out over the grid as the parameter is stored: that term's layout. The
+    /// sum is then taken where the parameter is stored: only the other term moves, and the sum not again.
+    fn term_laid_as_stored(&self, n: NodeIndex, la: Layout, lb: Layout) -> Option<Layout> {
+        let stored = self.param_buffers.get(self.gradient_of.get(&n)?)?.layout;
+        let grid = |l: Layout| [l.0[ROW_AXIS], l.0[COLUMN_AXIS]];
+        if grid(la).contains(&Placement::Partial) || grid(lb).contains(&Placement::Partial) {
+            return None;
+        }
+        [la, lb].into_iter().find(|&l| grid(l) == grid(stored))
     }
 
     /// a * b element-wise, both in one layout. A product is not linear in the pair, so pending sums are

@@ -202,6 +202,15 @@ pub enum ProductKind {
     /// C = A^T B by SUMMA for an A whose rows lie over the mesh columns: A broadcast along the rows, B
     /// along the columns, accumulated.
     SummaAtbAccumulated,
+    /// C = A B^T by SUMMA for a B laid across the mesh (its rows over the mesh columns, its columns over
+    /// the rows): A broadcast along the rows, B along the columns, accumulated.
+    SummaAbtAccumulated,
+    /// C = A B by SUMMA for a B laid across the mesh: B broadcast along the columns, partial products
+    /// reduced along the rows.
+    SummaAbReduced,
+    /// C = A^T B by SUMMA moving B: B broadcast along the rows, partial products reduced along the
+    /// columns; C comes out laid across the mesh (A's columns over the mesh columns, B's over the rows).
+    SummaAtbMovingB,
     /// One local matmul of the blocks (a split contracted dimension leaves the result partial).
     Local { transpose_a: bool, transpose_b: bool },
     /// 3D: one local matmul of the gathered blocks into a pending sum over mesh axis `axis` (which
@@ -238,6 +247,9 @@ pub enum When {
     /// The logits (or their gradient) lie with the vocabulary over the mesh rows and the batch over the
     /// columns, as a tied head that keeps its table in place makes them.
     VocabOnRows,
+    /// A tied head moves less with its table laid across a square mesh (transposed across the grid's
+    /// diagonal): its products then move token and table blocks, never logits.
+    TableAcross,
 }
 
 /// The facts about a node that the guards of its row read.
@@ -249,6 +261,7 @@ pub struct Facts {
     pub vocab_parallel: bool,
     pub few_tokens: bool,
     pub vocab_on_rows: bool,
+    pub table_across: bool,
 }
 
 impl When {
@@ -261,6 +274,7 @@ impl When {
             When::VocabParallel => facts.vocab_parallel,
             When::FewTokens => facts.few_tokens,
             When::VocabOnRows => facts.vocab_on_rows,
+            When::TableAcross => facts.table_across,
         }
     }
 }
@@ -325,7 +339,14 @@ const LOCAL_BT: ProductKind = ProductKind::Local { transpose_a: false, transpose
 const WHOLE: Pattern = Axes(Rep, Rep);
 
 use Operator as Op;
-use ProductKind::{SummaAb, SummaAbKeepingB, SummaAbt, SummaAbtKeepingB, SummaAtb, SummaAtbAccumulated};
+use ProductKind::{
+    SummaAb, SummaAbKeepingB, SummaAbReduced, SummaAbt, SummaAbtAccumulated, SummaAbtKeepingB, SummaAtb,
+    SummaAtbAccumulated, SummaAtbMovingB,
+};
+
+/// A tied table laid across the mesh: its rows (the vocabulary) over the mesh columns, its width over
+/// the rows, so that device (t, j) holds block (t, j) of its transpose.
+const ACROSS: Pattern = Axes(Dim1, Dim0);
 use Strategy::{Megatron, Optimus, ThreeD};
 
 /// 3D's two activation layouts. `L1`: the batch over the rows and the columns, the features over the
@@ -359,7 +380,11 @@ pub const RULES: &[Rule] = &[
     ]),
     // A tied head over fewer tokens than vocabulary rows keeps the table in place: its forward and its
     // gradients then move token-sized blocks and logit-sized ones, never the table (see 2d-parallelism.md).
+    // Where the tokens outnumber the width enough, the table laid across the mesh (one transpose of its
+    // block) lets every product move token and table blocks, never logits.
     row(Op::LinearTied, Optimus, &[
+        case(When::TableAcross, &[Axes(Batch, Last), ACROSS], Axes(Batch, Last),
+            product(SummaAbtAccumulated, 0, 1, "tied linear (logits = X E^T), table across the mesh")),
         case(When::FewTokens, &[Axes(Batch, Last), Axes(Dim0, Dim1)], Axes(Last, Batch),
             product(SummaAbtKeepingB, 0, 1, "tied linear (logits = X E^T), table in place")),
         always(&[Axes(Batch, Last), Axes(Dim0, Dim1)], Axes(Batch, Last),
@@ -379,6 +404,8 @@ pub const RULES: &[Rule] = &[
         always(&[WHOLE, Stored], WHOLE, product(LOCAL_BT, 0, 1, "backward of linear (dX)")),
     ]),
     row(Op::LinearGradInputTied, Optimus, &[
+        case(When::TableAcross, &[Axes(Batch, Last), ACROSS], Axes(Batch, Last),
+            product(SummaAbReduced, 0, 1, "backward of tied linear (dX = dY E), table across the mesh")),
         case(When::VocabOnRows, &[Axes(Last, Batch), Stored], Axes(Batch, Last),
             product(SummaAbKeepingB, 0, 1, "backward of tied linear (dX = dY E), table in place")),
         always(&[Axes(Batch, Last), Stored], Axes(Batch, Last),
@@ -399,6 +426,8 @@ pub const RULES: &[Rule] = &[
         always(&[WHOLE, WHOLE], Stored, product(LOCAL_AT, 0, 1, "backward of linear (dW = X^T dY)")),
     ]),
     row(Op::LinearGradWeightTied, Optimus, &[
+        case(When::TableAcross, &[Axes(Batch, Last), Axes(Batch, Last)], ACROSS,
+            product(SummaAtbMovingB, 1, 0, "backward of tied linear (dE = dY^T X), table across the mesh")),
         case(When::VocabOnRows, &[Axes(Batch, Last), Axes(Last, Batch)], Stored,
             product(SummaAtbAccumulated, 1, 0, "backward of tied linear (dE = dY^T X), table in place")),
         always(&[Axes(Batch, Last), Axes(Batch, Last)], Stored,

@@ -110,6 +110,8 @@ pub struct Fabric {
     /// One rendezvous per group along each mesh axis, indexed by the rank of the group's first member
     /// (so most slots are unused; they are small).
     axis_groups: [Vec<Rendezvous>; MESH_AXES],
+    /// One rendezvous per mirror pair, indexed by the lower of its two ranks.
+    mirrors: Vec<Rendezvous>,
     world: Rendezvous,
     failed: AtomicBool,
     failure: Mutex<Option<String>>,
@@ -126,6 +128,7 @@ impl Fabric {
         Arc::new(Fabric {
             mesh,
             axis_groups: std::array::from_fn(make),
+            mirrors: make(0),
             world: Rendezvous::default(),
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
@@ -159,12 +162,16 @@ impl Fabric {
             f.get_or_insert_with(|| reason.to_string());
         }
         self.failed.store(true, Ordering::SeqCst);
-        for r in self.axis_groups.iter().flatten().chain(std::iter::once(&self.world)) {
+        for r in self.axis_groups.iter().flatten().chain(&self.mirrors).chain(std::iter::once(&self.world)) {
             r.ready.notify_all();
         }
     }
 
     fn rendezvous(&self, group: Group, coords: Coords) -> &Rendezvous {
+        if group == Group::Mirror {
+            let first = group.member_ranks(coords, self.mesh).first().copied().unwrap_or(0);
+            return &self.mirrors[first as usize];
+        }
         match group.axis() {
             Some(axis) => {
                 let mut first = coords;
@@ -271,7 +278,7 @@ impl Fabric {
         read: impl FnOnce(&[&[T]]) -> R,
     ) -> Result<R, CommError> {
         let mesh = self.mesh;
-        let size = mesh.group_size(group) as usize;
+        let size = mesh.group_size_at(group, coords) as usize;
         let me = group.member_index(coords, mesh) as usize;
         let device_of = |m: usize| match group.member_ranks(coords, mesh).get(m) {
             Some(&rank) => mesh.coords_of(rank).to_string(),
@@ -318,7 +325,7 @@ fn exchange_on<T: Payload>(
     recv: &mut [T],
 ) -> Result<(), CommError> {
     let me = spec.group.member_index(coords, fabric.mesh);
-    let members = fabric.mesh.group_size(spec.group) as usize;
+    let members = fabric.mesh.group_size_at(spec.group, coords) as usize;
     let reduces = matches!(spec.kind, CollectiveKind::AllReduce | CollectiveKind::Reduce);
     if reduces && members > 1 && send.len() >= SPLIT_REDUCTION_PER_MEMBER * members {
         return split_reduction(fabric, coords, spec, send, recv);
@@ -743,6 +750,39 @@ mod tests {
                             Some(r) => (r + round) as f32,
                         };
                         assert!(recv.iter().all(|&v| v == want), "rank {rank} round {round}: {} != {want}", recv[0]);
+                    }
+                });
+            }
+        });
+    }
+
+    /// A transpose on a 3x3 grid of two replicas: every device receives the block of its mirror (j, i)
+    /// of its own replica, a device on the diagonal its own, round after round, with the blocks of the
+    /// last round overwritten as soon as each returns and collectives of rows between them.
+    #[test]
+    fn a_transpose_hands_each_device_its_mirrors_block() {
+        let mesh = Mesh::new(3, 3).with_data(2);
+        let fabric = Fabric::new(mesh, Duration::from_secs(10));
+        let block = |c: Coords, round: usize| -> Vec<f32> {
+            (0..5).map(|k| (mesh.rank_of(c) * 100 + k) as f32 + round as f32 * 0.5).collect()
+        };
+        std::thread::scope(|s| {
+            for rank in 0..mesh.devices() {
+                let fabric = Arc::clone(&fabric);
+                s.spawn(move || {
+                    let c = mesh.coords_of(rank);
+                    let mut comm = ThreadComm::new(fabric, c);
+                    let spec = CollectiveSpec {
+                        kind: CollectiveKind::Transpose,
+                        ..CollectiveSpec::all_reduce(Group::Mirror, ReduceOp::Sum, &[5])
+                    };
+                    let row = CollectiveSpec::all_reduce(Group::Row, ReduceOp::Sum, &[1]);
+                    for round in 0..4 {
+                        let (mut send, mut recv) = (block(c, round), vec![0.0f32; 5]);
+                        comm.collective(&spec, &send, &mut recv).expect("transpose");
+                        send.fill(f32::NAN);
+                        assert_eq!(recv, block(c.mirrored(), round), "device {c}, round {round}");
+                        comm.collective(&row, &[1.0], &mut [0.0]).expect("a row's sum between");
                     }
                 });
             }

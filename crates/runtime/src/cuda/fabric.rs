@@ -91,8 +91,8 @@ impl SharedGpuEndpoint {
     /// The endpoint of the device at `coords`, whose kernels run on `stream`.
     pub fn new(gpu: Arc<SharedGpu>, mesh: Mesh, coords: Coords, stream: &Arc<CudaStream>) -> Result<Self, DeviceError> {
         let make = || gpu.event(stream).map(EventHandle::of);
-        let ready = [make()?, make()?, make()?, make()?, make()?];
-        let done = [make()?, make()?, make()?, make()?, make()?];
+        let ready = [make()?, make()?, make()?, make()?, make()?, make()?];
+        let done = [make()?, make()?, make()?, make()?, make()?, make()?];
         Ok(SharedGpuEndpoint { gpu, coords, mesh, ready, done })
     }
 
@@ -136,11 +136,12 @@ fn group_slot(group: Group) -> usize {
         Group::Data => 2,
         Group::Depth => 3,
         Group::World => 4,
+        Group::Mirror => 5,
     }
 }
 
 /// How many kinds of group a device belongs to (see `group_slot`).
-const GROUP_SLOTS: usize = 5;
+const GROUP_SLOTS: usize = 6;
 
 /// Which members' send buffers member `reader` reads.
 fn reads(kind: CollectiveKind, root: u64, reader: u64, member: u64) -> bool {
@@ -159,7 +160,7 @@ impl DeviceCollectives for SharedGpuEndpoint {
         send: DeviceBuf,
         recv: DeviceBuf,
     ) -> Result<bool, RuntimeError> {
-        let size = self.mesh.group_size(spec.group);
+        let size = self.mesh.group_size_at(spec.group, self.coords);
         if size as usize > MAX_MEMBERS {
             return Ok(false);
         }
@@ -214,6 +215,12 @@ fn combine_on_gpu(
         CollectiveKind::Reduce | CollectiveKind::AllReduce => kernels.reduce_members(sends, recv, max, None),
         CollectiveKind::AllGather => kernels.gather_members(sends, recv, &geometry()?),
         CollectiveKind::ReduceScatter => kernels.reduce_members(sends, recv, max, Some((geometry()?, me))),
+        CollectiveKind::Transpose => {
+            // The mirror's block, or this device's own on the diagonal (alone in its group).
+            let mirror = sends.len().checked_sub(1 + me as usize).and_then(|m| sends.get(m));
+            let src = mirror.ok_or_else(|| CommError::Transport("a transpose without its mirror's block".into()))?;
+            kernels.copy_buffer(*src, recv)
+        }
     };
     launched.map_err(|e| CommError::Transport(e.to_string()))
 }

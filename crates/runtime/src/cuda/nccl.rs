@@ -150,7 +150,8 @@ impl NcclDevice {
             Group::Column => self.column.0,
             Group::Data => self.data.0,
             Group::Depth => self.depth.0,
-            Group::World => self.world.0,
+            // A transpose's pair meets on the whole mesh's communicator, whose ranks are the mesh's.
+            Group::World | Group::Mirror => self.world.0,
         }
     }
 
@@ -192,6 +193,14 @@ impl NcclDevice {
                 CollectiveKind::AllReduce => nccl::all_reduce(sp, rp, recv.len, dtype, op, comm, s),
                 CollectiveKind::AllGather => nccl::all_gather(sp, kp, send.len, dtype, comm, s),
                 CollectiveKind::ReduceScatter => nccl::reduce_scatter(kp as *const c_void, rp, n, dtype, op, comm, s),
+                CollectiveKind::Transpose => {
+                    let mirror =
+                        i32::try_from(self.mesh.rank_of(self.coords.mirrored())).map_err(DeviceError::OutOfRange)?;
+                    nccl::group_start()
+                        .and_then(|_| nccl::send(sp, send.len, dtype, mirror, comm, s))
+                        .and_then(|_| nccl::recv(rp, recv.len, dtype, mirror, comm, s))
+                        .and(nccl::group_end())
+                }
             }
         };
         called.map(|_| ()).map_err(DeviceError::Nccl)
@@ -226,8 +235,14 @@ impl DeviceCollectives for NcclDevice {
         let equal = |sent: usize, expected: usize| {
             (sent == expected).then_some(()).ok_or_else(|| what(&CommError::SizeMismatch { sent, expected }))
         };
+        if spec.kind == CollectiveKind::Transpose && self.coords.mirrored() == self.coords {
+            // On the diagonal a device is its own mirror: its block stays.
+            equal(send.len, recv.len)?;
+            kernels.copy_buffer(send, recv).map_err(|e| what(&e))?;
+            return Ok(true);
+        }
         let scratch = match spec.kind {
-            CollectiveKind::AllReduce | CollectiveKind::Broadcast => {
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast | CollectiveKind::Transpose => {
                 equal(send.len, recv.len)?;
                 (0, 0)
             }
