@@ -616,6 +616,9 @@ mod tests {
         assert!((t(4, 16) - 40.0).abs() < 1e-9);
         assert_eq!(t(1, 16), 0.0, "a group of one communicates nothing");
         assert_eq!(m.collective_seconds(CollectiveKind::AllReduce, 2, 2, 1e6, false), None, "no fit of that kind");
+        // A transpose's pair is costed as the two-member broadcast measured nearest.
+        let transpose = m.collective_seconds(CollectiveKind::Transpose, 2, 4, 0.0, false);
+        assert!(transpose.is_some_and(|s| (s * 1e6 - 20.0).abs() < 1e-9), "{transpose:?}");
     }
 
     #[test]

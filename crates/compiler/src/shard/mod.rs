@@ -897,12 +897,11 @@ impl<'a> Lowerer<'a> {
     /// grid's placements are not each other's, or are the same.
     fn mirror(&mut self, n: NodeIndex, from: Version, to: Layout) -> Option<Version> {
         let mesh = self.target.mesh;
-        let (rows, cols) = (from.layout.0[ROW_AXIS], from.layout.0[COLUMN_AXIS]);
-        let swapped = (to.0[ROW_AXIS], to.0[COLUMN_AXIS]) == (cols, rows);
-        if mesh.rows != mesh.cols || mesh.rows < 2 || rows == cols || !swapped {
+        let grid = |l: Layout| [l.0[ROW_AXIS], l.0[COLUMN_AXIS]];
+        let next = from.layout.mirrored().filter(|m| grid(*m) == grid(to) && grid(*m) != grid(from.layout))?;
+        if mesh.rows != mesh.cols || mesh.rows < 2 {
             return None;
         }
-        let next = from.layout.mirrored()?;
         let recv = self.moved_buffer(n, next, from.buffer);
         let what = describe_node(self.model, &self.graph[n], n);
         let text = format!("transpose {what} across the mesh's diagonal: its row and column splits swap");

@@ -8,7 +8,7 @@ use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductK
 use super::{Lowerer, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
-use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role, Strategy};
+use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role};
 use optimus_plan::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
 use petgraph::graph::NodeIndex;
 
@@ -586,11 +586,11 @@ impl Lowerer<'_> {
     /// V x H / q^2 transpose of the table's block (in training three: the table's for the forward and
     /// again for dX, and its gradient's back); against T x V over q (the logits' blocks) plus T x H over
     /// q (table in place, fewer tokens than rows) or V x H over q. Three passes in training (forward,
-    /// dX, dE), one in inference. In training this holds once T passes about H (1 + 1/q).
+    /// dX, dE), one in inference. In training this holds once T passes about H (1 + 1/q). Only rows of
+    /// the table that have a case for it read it (optimus's, which tesseract's layers share).
     fn table_across_moves_less(&self, x: NodeIndex, table: NodeIndex) -> bool {
         let mesh = self.target.mesh;
-        let optimus_rows = matches!(self.target.strategy, Strategy::Optimus | Strategy::Tesseract);
-        if !optimus_rows || mesh.rows != mesh.cols || mesh.rows < 2 {
+        if mesh.rows != mesh.cols || mesh.rows < 2 {
             return false;
         }
         let (tokens, q) = (self.tokens_per_replica(x), self.q());
