@@ -49,13 +49,35 @@ fn summa_elements(r: &Report, l: u64) -> u64 {
         .sum()
 }
 
-/// The forward SUMMA payload of one layer per device: sum over the seven linears of (MK + KN)/q with
-/// M = b*s rows: q_proj and o_proj (h -> h), k_proj and v_proj (h -> kv), gate_proj and up_proj
-/// (h -> f), down_proj (f -> h); kv = kv_heads * h / heads.
+/// The forward SUMMA payload of one linear C[M, N] = A[M, K] B[K, N] per device on q x q: the A and B
+/// blocks, (MK + KN)/q, where K <= N; a weight with more input features than output ones is stored
+/// across the mesh and moves the output's blocks instead of the input's, (MN + KN)/q.
+fn summa_linear(m: u64, k: u64, n: u64, q: u64) -> u64 {
+    (m * k.min(n) + k * n) / q
+}
+
+/// The forward SUMMA payload of one layer per device: the seven linears, with M = b*s rows: q_proj
+/// and o_proj (h -> h), k_proj and v_proj (h -> kv, across the mesh where kv < h), gate_proj and
+/// up_proj (h -> f), down_proj (f -> h, across); kv = kv_heads * h / heads. With kv < h < f, as
+/// docs/llama.md writes it: [M(5h + 2kv) + 2h^2 + 2h kv + 3hf] / q.
 fn summa_forward(c: Config, q: u64) -> u64 {
     let (heads, kv_heads, h, f, b, s) = c;
     let (m, kv) = (b * s, kv_heads * h / heads);
-    (m * (6 * h + f) + 2 * h * h + 2 * h * kv + 3 * h * f) / q
+    let linears = [(h, h), (h, h), (h, kv), (h, kv), (h, f), (h, f), (f, h)];
+    linears.iter().map(|&(k, n)| summa_linear(m, k, n, q)).sum()
+}
+
+/// docs/llama.md's closed form, where kv < h < f.
+#[test]
+fn the_closed_form_is_the_sum_over_the_linears() {
+    for &c in CONFIGS {
+        let (heads, kv_heads, h, f, b, s) = c;
+        let (m, kv) = (b * s, kv_heads * h / heads);
+        if kv < h && h < f {
+            let closed = (m * (5 * h + 2 * kv) + 2 * h * h + 2 * h * kv + 3 * h * f) / 2;
+            assert_eq!(summa_forward(c, 2), closed, "{c:?}");
+        }
+    }
 }
 
 const CONFIGS: &[Config] = &[(8, 4, 64, 96, 4, 16), (8, 2, 128, 192, 4, 8), (4, 4, 64, 160, 8, 8)];

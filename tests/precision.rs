@@ -254,12 +254,15 @@ fn the_cast_kernel_rounds_to_nearest_even_and_keeps_nan_and_infinities() {
     assert_eq!(wide.f32().expect("f32")[1], 1.0 + 2f32.powi(-6));
 }
 
-/// One linear layer (y = x W, a SUMMA AB product on a q x q mesh) with a float32 input.
+/// One linear layer (y = x W, a SUMMA AB product on a q x q mesh) with a float32 input. It does not
+/// narrow its input, so its weight stays in place: a narrowing one is laid across the mesh, and its
+/// forward reduces each step's partial product (rounded to bf16, as the backward's reduced products
+/// and Megatron's row-parallel linears are) instead of accumulating.
 const SUMMA_MODEL: &str = "model summa
 config {
   rows   = 64
   hidden = 512
-  out    = 128
+  out    = 512
 }
 input x: f32[rows, hidden]
 layer fc = linear(hidden, out, bias: false)
@@ -306,7 +309,7 @@ fn summa_products_accumulate_in_float32_and_round_once() {
 
     // The bf16 product against the exact product of the same operands (the float32 input x and W
     // rounded to bf16), rounded once: every element is that nearest bf16, up to the float32 order of the sum.
-    let (rows, hidden, out) = (64usize, 512usize, 128usize);
+    let (rows, hidden, out) = (64usize, 512usize, 512usize);
     let x: Vec<f32> = (0..rows * hidden).map(|k| (mix64(k as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.3).collect();
     let inputs =
         |_: u64| Ok(BTreeMap::from([("x".to_string(), Tensor::from_f32(&[rows as u64, hidden as u64], x.clone()))]));

@@ -87,10 +87,12 @@ fn summa_traffic_the_depth_sum_and_memory_equal_the_closed_formulas() {
         let mesh = Mesh::new(q, q).with_depth(depth);
         let plan = gpt2(mesh, Strategy::Tesseract, batch);
         let (h, f, v) = (HIDDEN, FFN, padded_vocab(q));
-        // Per layer, the linears' input widths and their in x out products.
-        let (inputs, products) = (LAYERS * (3 * h + f), LAYERS * (4 * h * h + 2 * h * f));
-        // Forward A blocks and dW's A blocks along the row; each device takes q blocks of tokens / (d q)
-        // rows per product.
+        // Per layer, the narrower of each linear's input and output widths, and their in x out products:
+        // the three linears that widen or keep their input move its blocks; fc2 (f -> h) has its weight
+        // across the mesh and moves its output's blocks (and dY's) instead of its f-wide input's.
+        let (narrow, products) = (LAYERS * (3 * h + f.min(h)), LAYERS * (4 * h * h + 2 * h * f));
+        // Two activation blocks along the row for each linear's forward, dX and dW together, and one
+        // reduced there; each device takes q blocks of tokens / (d q) rows per product.
         let (t, rows) = (tokens / depth, tokens / (depth * q));
         // The tied head, the way that moves least (see docs/2d-parallelism.md). Laid across the mesh
         // (its table's block transposed for the forward and again for dX, its gradient's back), it moves its input's blocks
@@ -108,9 +110,9 @@ fn summa_traffic_the_depth_sum_and_memory_equal_the_closed_formulas() {
             (false, false) => (v, v * h / q),
         };
         let mut want = BTreeMap::from([
-            ((Group::Row, CollectiveKind::Broadcast), 2 * rows * (inputs + along_row)),
+            ((Group::Row, CollectiveKind::Broadcast), 2 * rows * (narrow + along_row)),
             ((Group::Column, CollectiveKind::Broadcast), 2 * (products / q + head)),
-            ((Group::Row, CollectiveKind::Reduce), rows * (inputs + along_row)),
+            ((Group::Row, CollectiveKind::Reduce), rows * (narrow + along_row)),
             ((Group::Column, CollectiveKind::Reduce), products / q + head),
         ]);
         let summa = moved(&plan, |k| matches!(k, ReasonKind::Summa { .. }));

@@ -61,6 +61,12 @@ impl ReducedSumma {
     }
 }
 
+/// Whether a weight stored as `stored` (as the rules asked for it) is laid across the mesh: its output
+/// features (dimension 1) over the mesh rows, its input features over the columns.
+fn stored_across(stored: Layout) -> bool {
+    stored.0[ROW_AXIS].dim() == Some(1) && stored.0[COLUMN_AXIS].dim() == Some(0)
+}
+
 /// The reason of a kernel that works on this device's blocks alone.
 fn compute(text: impl Into<String>) -> Reason {
     Reason::new(ReasonKind::Compute, text)
@@ -534,7 +540,8 @@ impl Lowerer<'_> {
         let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(last);
         let few_tokens = tied && self.fewer_tokens_than_rows(x, w);
         let table_across = tied && self.table_across_moves_less(x, w);
-        let facts = Facts { input_split, few_tokens, table_across, ..Facts::default() };
+        let weight_across = !tied && self.weight_across(w);
+        let facts = Facts { input_split, few_tokens, table_across, weight_across, ..Facts::default() };
         let Some(case) = self.rule_case(operator, &facts) else {
             return;
         };
@@ -604,6 +611,22 @@ impl Lowerer<'_> {
         across < in_place
     }
 
+    /// Whether the untied weight `w` is stored laid across the mesh (see [`When::WeightAcross`]): as it
+    /// is stored once a first use made it, else where it has more input features than output ones, on a
+    /// square mesh of more than one row. Its three products then move the output's blocks (T x out over
+    /// q a device) instead of the input's (T x in over q); the weight's blocks move either way, and it
+    /// needs no transpose, being stored so. Only rows of the table with a case for it read it
+    /// (optimus's, which tesseract's layers share).
+    fn weight_across(&mut self, w: NodeIndex) -> bool {
+        if let Some(stored) = self.param_layout(w) {
+            return stored_across(stored);
+        }
+        let mesh = self.target.mesh;
+        let shape = &self.shapes[w.index()];
+        let (Some(&fan_in), fan_out) = (shape.first(), shape.iter().skip(1).product::<u64>()) else { return false };
+        mesh.rows == mesh.cols && mesh.rows > 1 && shape.len() > 1 && fan_in > fan_out
+    }
+
     /// Whether `n` (logits or their gradient) lies with its last dimension over the mesh rows.
     fn vocab_on_rows(&mut self, n: NodeIndex) -> bool {
         let last = self.rank(n).saturating_sub(1);
@@ -623,12 +646,14 @@ impl Lowerer<'_> {
         let tied = matches!(operator, Operator::LinearGradInputTied | Operator::LinearGradWeightTied);
         let vocab_on_rows = tied && self.vocab_on_rows(dy);
         let table_across = tied && self.table_across_moves_less(dy, w);
+        let weight_across = !tied && stored_across(wl);
         let weight_cols = Some(wl.0[COLUMN_AXIS]);
-        let facts = Facts { weight_cols, vocab_on_rows, table_across, ..Facts::default() };
+        let facts = Facts { weight_cols, vocab_on_rows, table_across, weight_across, ..Facts::default() };
         let case = self.rule_case(operator, &facts)?;
-        // The output features' split: the columns' or (a 3D weight on L2 inputs) the depth's split of
-        // dimension 1, else the columns' placement as the rows that do not read it take it.
-        let splits_out = [wl.0[COLUMN_AXIS], wl.0[DEPTH_AXIS]].into_iter().find(|p| p.dim() == Some(1));
+        // The output features' split: the columns', (a 3D weight on L2 inputs) the depth's or (a weight
+        // laid across the mesh) the rows' split of dimension 1, else the columns' placement as the rows
+        // that do not read it take it.
+        let splits_out = [wl.0[COLUMN_AXIS], wl.0[DEPTH_AXIS], wl.0[ROW_AXIS]].into_iter().find(|p| p.dim() == Some(1));
         Some((case, Dims { out: splits_out.unwrap_or(wl.0[COLUMN_AXIS]), ..self.dims(last) }))
     }
 

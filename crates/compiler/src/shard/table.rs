@@ -250,6 +250,11 @@ pub enum When {
     /// A tied head moves less with its table laid across a square mesh (transposed across the grid's
     /// diagonal): its products then move token and table blocks, never logits.
     TableAcross,
+    /// The weight is (or, at its first use, will be) stored laid across a square mesh: its output
+    /// features over the mesh rows, its input features over the columns. Chosen for a weight with more
+    /// input features than output ones (an MLP's down projection), so that its three products keep the
+    /// wide activation in place and move the narrow one.
+    WeightAcross,
 }
 
 /// The facts about a node that the guards of its row read.
@@ -262,6 +267,7 @@ pub struct Facts {
     pub few_tokens: bool,
     pub vocab_on_rows: bool,
     pub table_across: bool,
+    pub weight_across: bool,
 }
 
 impl When {
@@ -275,6 +281,7 @@ impl When {
             When::FewTokens => facts.few_tokens,
             When::VocabOnRows => facts.vocab_on_rows,
             When::TableAcross => facts.table_across,
+            When::WeightAcross => facts.weight_across,
         }
     }
 }
@@ -347,6 +354,10 @@ use ProductKind::{
 /// A tied table laid across the mesh: its rows (the vocabulary) over the mesh columns, its width over
 /// the rows, so that device (t, j) holds block (t, j) of its transpose.
 const ACROSS: Pattern = Axes(Dim1, Dim0);
+/// A weight stored laid across the mesh: its output features over the mesh rows, its input features
+/// over the columns, so that device (t, j) holds block (j, t) of the weight (block (t, j) of its
+/// transpose).
+const WEIGHT_ACROSS: Pattern = Axes(Out, Dim0);
 use Strategy::{Megatron, Optimus, ThreeD};
 
 /// 3D's two activation layouts. `L1`: the batch over the rows and the columns, the features over the
@@ -370,7 +381,12 @@ const fn scattered(transpose_a: bool, transpose_b: bool, axis: usize) -> Product
 #[rustfmt::skip]
 pub const RULES: &[Rule] = &[
     // ---- linear products ----
+    // A weight with more input features than output ones is stored across the mesh, so that its products
+    // keep the wider activation (the input, or dX) in place: they move the output's and the weight's
+    // blocks, T x out + in x out over q a device, where the plain layout moves T x in + in x out.
     row(Op::Linear, Optimus, &[
+        case(When::WeightAcross, &[Axes(Batch, Last), WEIGHT_ACROSS], Axes(Batch, OutLast),
+            product(SummaAbReduced, 0, 1, "linear, weight across the mesh")),
         always(&[Axes(Batch, Last), Axes(Dim0, Out)], Axes(Batch, OutLast), product(SummaAb, 0, 1, "linear")),
     ]),
     row(Op::Linear, Megatron, &[
@@ -394,6 +410,8 @@ pub const RULES: &[Rule] = &[
         always(&[WHOLE, Axes(Rep, Dim0)], Axes(Rep, Last), product(LOCAL_BT, 0, 1, "tied linear, vocab-parallel")),
     ]),
     row(Op::LinearGradInput, Optimus, &[
+        case(When::WeightAcross, &[Axes(Batch, OutLast), Stored], Axes(Batch, Last),
+            product(SummaAbtAccumulated, 0, 1, "backward of linear (dX = dY W^T), weight across the mesh")),
         always(&[Axes(Batch, OutLast), Stored], Axes(Batch, Last),
             product(SummaAbt, 0, 1, "backward of linear (dX = dY W^T)")),
     ]),
@@ -415,6 +433,8 @@ pub const RULES: &[Rule] = &[
         always(&[Axes(Rep, Last), Stored], Axes(Rep, Partial), product(LOCAL, 0, 1, "backward of linear (dX)")),
     ]),
     row(Op::LinearGradWeight, Optimus, &[
+        case(When::WeightAcross, &[Axes(Batch, Last), Axes(Batch, OutLast)], Stored,
+            product(SummaAtbMovingB, 0, 1, "backward of linear (dW = X^T dY), weight across the mesh")),
         always(&[Axes(Batch, Last), Axes(Batch, OutLast)], Stored,
             product(SummaAtb, 0, 1, "backward of linear (dW = X^T dY)")),
     ]),
