@@ -71,6 +71,7 @@ fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
         "ABT (accumulated)" => SummaProduct::AbtAccumulated,
         "AB (reduced)" => SummaProduct::AbReduced,
         "ATB (B moving)" => SummaProduct::AtbMovingB,
+        "AB (B across, in place)" => SummaProduct::AbKeepingBAcross,
         other => panic!("unknown product {other} in `{text}`"),
     };
     let mut words = rest.trim_start().splitn(5, ' ');
@@ -88,7 +89,7 @@ fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
 }
 
 /// Checks that the instruction is the part of a SUMMA step its kind says: broadcasts of A along the
-/// row (the column for ABT keeping B in place) and of B along the column (the row for ATB moving B),
+/// row (the column for ABT keeping B in place and AB keeping a B across in place) and of B along the column (the row for ATB moving B),
 /// rooted at the step's member; the product; the reduction of C (along the column for ATB, AB keeping B
 /// in place and ATB moving B).
 fn assert_instruction_is_its_part(instr: &Instr, product: SummaProduct, step: u64, part: SummaPart, text: &str) {
@@ -97,7 +98,7 @@ fn assert_instruction_is_its_part(instr: &Instr, product: SummaProduct, step: u6
     match (part, instr) {
         (SummaPart::BroadcastA | SummaPart::BroadcastB, Instr::Collective { collective: c, .. }) => {
             let along_row = match part {
-                SummaPart::BroadcastA => product != SummaProduct::AbtKeepingB,
+                SummaPart::BroadcastA => !matches!(product, SummaProduct::AbtKeepingB | SummaProduct::AbKeepingBAcross),
                 _ => product == SummaProduct::AtbMovingB,
             };
             let group = if along_row { Group::Row } else { Group::Column };

@@ -86,6 +86,11 @@ pub enum SummaProduct {
     /// C = A^T B with B moving: B broadcast along the row, the partial product reduced along the
     /// column, so that C comes out laid across the mesh (a tied table's gradient, never moving logits).
     AtbMovingB,
+    /// C = A B keeping in place a B laid across the mesh (a weight stored so): A broadcast along the
+    /// column, the partial product reduced along the row, so that C comes out with B's columns over the
+    /// mesh rows and A's rows over the mesh columns (a decoding step's product of few tokens, which
+    /// moves their blocks instead of the weight's).
+    AbKeepingBAcross,
 }
 
 impl SummaProduct {
@@ -101,6 +106,7 @@ impl SummaProduct {
             SummaProduct::AbtAccumulated => "ABT (accumulated)",
             SummaProduct::AbReduced => "AB (reduced)",
             SummaProduct::AtbMovingB => "ATB (B moving)",
+            SummaProduct::AbKeepingBAcross => "AB (B across, in place)",
         }
     }
 }
@@ -164,7 +170,9 @@ impl SummaPart {
     /// The words for this part of a step of `product`.
     fn text(self, product: SummaProduct) -> &'static str {
         match (self, product) {
-            (SummaPart::BroadcastA, SummaProduct::AbtKeepingB) => "broadcast A block along the column",
+            (SummaPart::BroadcastA, SummaProduct::AbtKeepingB | SummaProduct::AbKeepingBAcross) => {
+                "broadcast A block along the column"
+            }
             (SummaPart::BroadcastA, _) => "broadcast A block along the row",
             (SummaPart::BroadcastB, SummaProduct::AtbMovingB) => "broadcast B block along the row",
             (SummaPart::BroadcastB, _) => "broadcast B block along the column",
@@ -186,7 +194,8 @@ mod tests {
     fn a_summa_step_says_its_product_step_and_part() {
         use SummaPart::{BroadcastA, BroadcastB, ReduceC};
         use SummaProduct::{
-            Ab, AbKeepingB, AbReduced, Abt, AbtAccumulated, AbtKeepingB, Atb, AtbAccumulated, AtbMovingB,
+            Ab, AbKeepingB, AbKeepingBAcross, AbReduced, Abt, AbtAccumulated, AbtKeepingB, Atb, AtbAccumulated,
+            AtbMovingB,
         };
         let cases = [
             (Ab, [2, 4], BroadcastA, "AB step 2 of 4: broadcast A block along the row"),
@@ -198,6 +207,13 @@ mod tests {
             (AbtAccumulated, [1, 3], BroadcastB, "ABT (accumulated) step 1 of 3: broadcast B block along the column"),
             (AbReduced, [3, 3], ReduceC, "AB (reduced) step 3 of 3: reduce C block along the row"),
             (AtbMovingB, [2, 4], BroadcastB, "ATB (B moving) step 2 of 4: broadcast B block along the row"),
+            (
+                AbKeepingBAcross,
+                [1, 2],
+                BroadcastA,
+                "AB (B across, in place) step 1 of 2: broadcast A block along the column",
+            ),
+            (AbKeepingBAcross, [2, 2], ReduceC, "AB (B across, in place) step 2 of 2: reduce C block along the row"),
             (AtbMovingB, [4, 4], ReduceC, "ATB (B moving) step 4 of 4: reduce C block along the column"),
         ];
         for (product, [step, steps], part, text) in cases {

@@ -147,7 +147,8 @@ fn persistent_in_order(plan: &Plan) -> Vec<&Buffer> {
 }
 
 /// Whether `to` places every parameter and key/value cache of `from` (matched by name) at the same
-/// offset, with the same size and element type: then `from`'s storage serves `to` as it is.
+/// offset, with the same size, element type and layout (the same block of the same tensor on every
+/// device): then `from`'s storage serves `to` as it is.
 pub fn places_alike(from: (&Plan, &ArenaLayout), to: (&Plan, &ArenaLayout)) -> bool {
     let carried = |plan: &Plan| -> Vec<BufferId> {
         let caches = plan.buffers.iter().filter(|b| b.role == optimus_plan::Role::Cache).map(|b| b.id);
@@ -155,7 +156,8 @@ pub fn places_alike(from: (&Plan, &ArenaLayout), to: (&Plan, &ArenaLayout)) -> b
     };
     let placed = |(plan, layout): (&Plan, &ArenaLayout), id: BufferId| {
         let b = plan.buffer(id);
-        (b.name.clone(), layout.offsets.get(id.0 as usize).copied().flatten(), words(b), Elem::of(b.dtype))
+        let at = layout.offsets.get(id.0 as usize).copied().flatten();
+        (b.name.clone(), at, words(b), Elem::of(b.dtype), b.layout)
     };
     let (ours, theirs) = (carried(from.0), carried(to.0));
     ours.len() == theirs.len()

@@ -5,7 +5,7 @@
 
 use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
 use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, When, on_dim};
-use super::{Lowerer, shapes};
+use super::{Lowerer, Version, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
 use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role};
@@ -56,10 +56,20 @@ impl ReducedSumma {
     const ATB_MOVING_B: ReducedSumma =
         ReducedSumma::new(SummaProduct::AtbMovingB, false, Group::Row, Group::Column, (true, false));
 
+    /// C = A B keeping a B laid across the mesh in place, B's block (t,j) holding B's rows j and columns
+    /// t: A(i,j) broadcast along column j, the partial A(i,j) B(t,j) reduced along row t to (t,i), which
+    /// holds C's block of rows i and columns t (C laid with B's columns over the mesh rows).
+    const AB_KEEPING_B_ACROSS: ReducedSumma =
+        ReducedSumma::new(SummaProduct::AbKeepingBAcross, true, Group::Column, Group::Row, (false, false));
+
     const fn new(product: SummaProduct, moves_a: bool, along: Group, reduce_along: Group, t: (bool, bool)) -> Self {
         ReducedSumma { product, moves_a, along, reduce_along, transpose_a: t.0, transpose_b: t.1 }
     }
 }
+
+/// What one collective more costs, in elements a device moves: a collective's start-up (some
+/// microseconds on NVLink or InfiniBand) takes as long as moving about this many float32 elements.
+const ONE_COLLECTIVE: u64 = 1 << 16;
 
 /// Whether a weight stored as `stored` (as the rules asked for it) is laid across the mesh: its output
 /// features (dimension 1) over the mesh rows, its input features over the columns.
@@ -121,6 +131,9 @@ impl Lowerer<'_> {
             ProductKind::SummaAtb => self.summa_reduced(ReducedSumma::ATB, a, b, out, p.what),
             ProductKind::SummaAbtKeepingB => self.summa_reduced(ReducedSumma::ABT_KEEPING_B, a, b, out, p.what),
             ProductKind::SummaAbKeepingB => self.summa_reduced(ReducedSumma::AB_KEEPING_B, a, b, out, p.what),
+            ProductKind::SummaAbKeepingBAcross => {
+                self.summa_reduced(ReducedSumma::AB_KEEPING_B_ACROSS, a, b, out, p.what)
+            }
             ProductKind::Local { transpose_a, transpose_b } => {
                 self.local_matmul(a, b, out, transpose_a, transpose_b, p.what)
             }
@@ -541,7 +554,8 @@ impl Lowerer<'_> {
         let few_tokens = tied && self.fewer_tokens_than_rows(x, w);
         let table_across = tied && self.table_across_moves_less(x, w);
         let weight_across = !tied && self.weight_across(w);
-        let facts = Facts { input_split, few_tokens, table_across, weight_across, ..Facts::default() };
+        let weight_stays = !tied && self.weight_stays(x, w, weight_across);
+        let facts = Facts { input_split, few_tokens, table_across, weight_across, weight_stays, ..Facts::default() };
         let Some(case) = self.rule_case(operator, &facts) else {
             return;
         };
@@ -551,6 +565,7 @@ impl Lowerer<'_> {
         let layout = self.norm(laid(case.output, &dims, Layout::REPLICATED));
         let y = self.node_buffer(n, layout, Role::Workspace);
         self.multiply(case.product, &[xb, wb], y);
+        let (y, layout) = if case.when == When::WeightStaysAcross { self.laid_back(n, y, layout) } else { (y, layout) };
         if !bias {
             self.define(n, layout, y);
             return;
@@ -625,6 +640,37 @@ impl Lowerer<'_> {
         let shape = &self.shapes[w.index()];
         let (Some(&fan_in), fan_out) = (shape.first(), shape.iter().skip(1).product::<u64>()) else { return false };
         mesh.rows == mesh.cols && mesh.rows > 1 && shape.len() > 1 && fan_in > fan_out
+    }
+
+    /// Whether an inference linear over `x` keeps its weight `w` in place and moves the tokens' blocks
+    /// instead (a decoding step's few tokens): on a square q x q mesh, per device, T x in over q^2 (the
+    /// transpose of the input's block, or of the output's for a weight across the mesh) plus T x in and
+    /// T x out over q (the input's blocks broadcast, the partial outputs reduced), plus the transpose's
+    /// start-up (one collective more, [`ONE_COLLECTIVE`]), against the way the weight moves: T x in (or
+    /// T x out, across) plus in x out over q. Training never takes it: its backward moves the weight's
+    /// blocks either way, and T is large.
+    fn weight_stays(&self, x: NodeIndex, w: NodeIndex, across: bool) -> bool {
+        let mesh = self.target.mesh;
+        if self.target.mode != optimus_plan::Mode::Infer || mesh.rows != mesh.cols || mesh.rows < 2 {
+            return false;
+        }
+        let (tokens, q) = (self.tokens_per_replica(x), self.q());
+        let shape = &self.shapes[w.index()];
+        let (Some(&fan_in), fan_out) = (shape.first(), shape.iter().skip(1).product::<u64>()) else { return false };
+        let transposed = if across { fan_out } else { fan_in };
+        let moving = if across { fan_out } else { fan_in };
+        let stays = tokens * transposed + tokens * (fan_in + fan_out) * q + ONE_COLLECTIVE * q * q;
+        let moves = (tokens * moving + fan_in * fan_out) * q;
+        stays < moves
+    }
+
+    /// `y`, laid across the mesh as `layout`, transposed across the grid's diagonal into the layout the
+    /// rest of the model takes (a weight kept in place across the mesh leaves its output so).
+    fn laid_back(&mut self, n: NodeIndex, y: BufferId, layout: Layout) -> (BufferId, Layout) {
+        let from = self.norm(self.with_data(n, layout));
+        let Some(to) = from.mirrored() else { return (y, layout) };
+        let to = self.norm(to);
+        (self.redistribute(n, Version { layout: from, buffer: y }, to), to)
     }
 
     /// Whether `n` (logits or their gradient) lies with its last dimension over the mesh rows.

@@ -211,6 +211,10 @@ pub enum ProductKind {
     /// C = A^T B by SUMMA moving B: B broadcast along the rows, partial products reduced along the
     /// columns; C comes out laid across the mesh (A's columns over the mesh columns, B's over the rows).
     SummaAtbMovingB,
+    /// C = A B by SUMMA keeping in place a B laid across the mesh: A broadcast along the columns,
+    /// partial products reduced along the rows; C has B's columns over the mesh rows and A's rows over
+    /// the mesh columns.
+    SummaAbKeepingBAcross,
     /// One local matmul of the blocks (a split contracted dimension leaves the result partial).
     Local { transpose_a: bool, transpose_b: bool },
     /// 3D: one local matmul of the gathered blocks into a pending sum over mesh axis `axis` (which
@@ -255,6 +259,13 @@ pub enum When {
     /// input features than output ones (an MLP's down projection), so that its three products keep the
     /// wide activation in place and move the narrow one.
     WeightAcross,
+    /// An inference over so few tokens that moving their blocks costs less than moving the weight's
+    /// (a decoding step): the weight, stored in place, stays; the input moves, laid with its features
+    /// over the mesh rows (one transpose of its block).
+    WeightStays,
+    /// As [`When::WeightStays`], for a weight stored across the mesh: the input moves as it lies, and
+    /// the output comes out laid across (one transpose of its block back).
+    WeightStaysAcross,
 }
 
 /// The facts about a node that the guards of its row read.
@@ -268,6 +279,7 @@ pub struct Facts {
     pub vocab_on_rows: bool,
     pub table_across: bool,
     pub weight_across: bool,
+    pub weight_stays: bool,
 }
 
 impl When {
@@ -282,6 +294,8 @@ impl When {
             When::VocabOnRows => facts.vocab_on_rows,
             When::TableAcross => facts.table_across,
             When::WeightAcross => facts.weight_across,
+            When::WeightStays => facts.weight_stays && !facts.weight_across,
+            When::WeightStaysAcross => facts.weight_stays && facts.weight_across,
         }
     }
 }
@@ -347,8 +361,8 @@ const WHOLE: Pattern = Axes(Rep, Rep);
 
 use Operator as Op;
 use ProductKind::{
-    SummaAb, SummaAbKeepingB, SummaAbReduced, SummaAbt, SummaAbtAccumulated, SummaAbtKeepingB, SummaAtb,
-    SummaAtbAccumulated, SummaAtbMovingB,
+    SummaAb, SummaAbKeepingB, SummaAbKeepingBAcross, SummaAbReduced, SummaAbt, SummaAbtAccumulated, SummaAbtKeepingB,
+    SummaAtb, SummaAtbAccumulated, SummaAtbMovingB,
 };
 
 /// A tied table laid across the mesh: its rows (the vocabulary) over the mesh columns, its width over
@@ -384,7 +398,13 @@ pub const RULES: &[Rule] = &[
     // A weight with more input features than output ones is stored across the mesh, so that its products
     // keep the wider activation (the input, or dX) in place: they move the output's and the weight's
     // blocks, T x out + in x out over q a device, where the plain layout moves T x in + in x out.
+    // An inference over fewer tokens than the weight's blocks hold (a decoding step) keeps the weight
+    // where it is stored and moves the tokens' blocks (and transposes one of them across the diagonal).
     row(Op::Linear, Optimus, &[
+        case(When::WeightStaysAcross, &[Axes(Batch, Last), WEIGHT_ACROSS], Axes(OutLast, Batch),
+            product(SummaAbKeepingBAcross, 0, 1, "linear, weight across the mesh and in place")),
+        case(When::WeightStays, &[Axes(Last, Batch), Axes(Dim0, Out)], Axes(Batch, OutLast),
+            product(SummaAbKeepingB, 0, 1, "linear, weight in place")),
         case(When::WeightAcross, &[Axes(Batch, Last), WEIGHT_ACROSS], Axes(Batch, OutLast),
             product(SummaAbReduced, 0, 1, "linear, weight across the mesh")),
         always(&[Axes(Batch, Last), Axes(Dim0, Out)], Axes(Batch, OutLast), product(SummaAb, 0, 1, "linear")),

@@ -1,0 +1,179 @@
+//! A decoding step's few tokens: its linears keep their weights where they are stored and move the
+//! tokens' blocks instead, wherever that moves less. Each linear's traffic equals its closed formula,
+//! and generation on such meshes gives one device's tokens and logits.
+
+use optimus::elab::Override;
+use optimus::front::check_source;
+use optimus::plan::report::report;
+use optimus::plan::{Mesh, Mode, Plan, Strategy};
+use optimus::shard::{Target, compile};
+use serde_json::Value;
+use std::process::Command;
+
+/// GPT-2's decoding step (one position, caches of 24) with `hidden` and `batch` on a q x q mesh.
+fn decode_plan(hidden: u64, batch: u64, q: u64) -> Plan {
+    let file = "examples/gpt2.opt";
+    let source = std::fs::read_to_string(file).expect("the example");
+    let values = [("layers", 1), ("hidden", hidden), ("heads", 4), ("vocab", 512), ("context", 24), ("seq", 1)];
+    let overrides: Vec<Override> = values
+        .iter()
+        .chain(&[("batch", batch)])
+        .map(|(name, value)| Override { name: name.to_string(), value: value.to_string() })
+        .collect();
+    let model = check_source(&source, &overrides).model.expect("the model checks");
+    let step = optimus::decode::with_cache(&model, 24).expect("GPT-2 decodes with a cache");
+    let target =
+        Target { mesh: Mesh::new(q, q), strategy: Strategy::Optimus, mode: Mode::Infer, memory: Default::default() };
+    compile(&step, file, &source, target)
+        .unwrap_or_else(|d| panic!("{}", optimus::diag::render_plain(file, &source, &d)))
+}
+
+/// Elements a device sends or receives in the SUMMA steps of the linear at `scope`.
+fn moved_by(plan: &Plan, scope: &str) -> u64 {
+    let r = report(plan);
+    r.communication
+        .iter()
+        .filter(|c| c.origin.scope == scope && c.origin.reason.contains("SUMMA"))
+        .map(|c| c.elements)
+        .sum()
+}
+
+/// Elements a device sends or receives in transposes across the diagonal (traced to the layer that
+/// made the value they move, not to the linear that asks for it).
+fn transposed(plan: &Plan) -> u64 {
+    report(plan).communication.iter().filter(|c| c.kind == "transpose").map(|c| c.elements).sum()
+}
+
+/// Where a linear C[T, N] = X[T, K] W[K, N] keeps its weight, per device on q x q, and what that costs in elements.
+#[derive(Clone, Copy, Debug)]
+enum Weight {
+    /// §3's SUMMA: the tokens' blocks and the weight's, (TK + KN)/q.
+    Moves,
+    /// The weight stays: the input's block transposed (TK/q^2), its blocks broadcast (TK/q), the
+    /// partial outputs reduced (TN/q).
+    Stays,
+    /// The weight stays, stored across the mesh (K > N): the input's blocks broadcast (TK/q), the
+    /// partial outputs reduced (TN/q), the output's block transposed back (TN/q^2).
+    StaysAcross,
+}
+
+/// The elements of a linear's SUMMA steps, and of its transpose.
+fn elements(way: Weight, (t, k, n): (u64, u64, u64), q: u64) -> (u64, u64) {
+    match way {
+        Weight::Moves => ((t * k + k * n) / q, 0),
+        Weight::Stays => ((t * k + t * n) / q, t * k / (q * q)),
+        Weight::StaysAcross => ((t * k + t * n) / q, t * n / (q * q)),
+    }
+}
+
+/// One GPT-2 layer's four linears in a decoding step: the wide ones (c_attn, c_fc, and the MLP's
+/// second, stored across the mesh) keep their weights in place; the attention's output projection,
+/// whose weight block is small next to a collective's start-up on these meshes, moves it.
+#[test]
+fn a_decoding_step_moves_the_tokens_blocks_where_the_weights_blocks_are_larger() {
+    for (hidden, batch, q) in [(256, 4, 2), (256, 8, 2), (512, 8, 4)] {
+        let plan = decode_plan(hidden, batch, q);
+        let (t, h) = (batch, hidden);
+        let linears = [
+            ("h.0.attn.c_attn", (t, h, 3 * h), Weight::Stays),
+            ("h.0.attn.c_proj", (t, h, h), Weight::Moves),
+            ("h.0.mlp.c_fc", (t, h, 4 * h), Weight::Stays),
+            ("h.0.mlp.c_proj", (t, 4 * h, h), Weight::StaysAcross),
+        ];
+        let case = format!("hidden {hidden} batch {batch} on {q}x{q}");
+        for (scope, dims, way) in linears {
+            assert_eq!(moved_by(&plan, scope), elements(way, dims, q).0, "{case}: {scope} {way:?}");
+        }
+        let transposes: u64 = linears.iter().map(|&(_, dims, way)| elements(way, dims, q).1).sum();
+        assert_eq!(transposed(&plan), transposes, "{case}: the transposes of three linears");
+        // Against §3's way for every linear, the step moves a fraction of the weights.
+        let all_moving: u64 = linears.iter().map(|&(_, dims, _)| elements(Weight::Moves, dims, q).0).sum();
+        let moved: u64 = linears.iter().map(|&(scope, _, _)| moved_by(&plan, scope)).sum::<u64>() + transposes;
+        assert!(moved * 2 < all_moving, "{case}: {moved} elements against {all_moving}");
+    }
+}
+
+fn records(args: &[&str]) -> Vec<Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect()
+}
+
+/// Every record's ids and the logit of every generated token.
+fn ids_and_logits(rs: &[Value]) -> Vec<(Value, Vec<f64>)> {
+    let logits = |r: &Value| r["logits"].as_array().expect("logits").iter().filter_map(Value::as_f64).collect();
+    rs.iter().map(|r| (r["ids"].clone(), logits(r))).collect()
+}
+
+/// Generation with the weights kept in place (GPT-2 and grouped-query Llama wide enough for it, on
+/// 2x2, with replicas, tesseract layers and on 4x4) gives one device's tokens, and its logits within
+/// float32 rounding of the sums' order.
+#[test]
+fn decoding_with_the_weights_in_place_gives_one_devices_tokens_and_logits() {
+    let gpt2 = [
+        "generate",
+        "examples/gpt2.opt",
+        "--set",
+        "layers=2",
+        "--set",
+        "heads=4",
+        "--set",
+        "vocab=512",
+        "--set",
+        "context=24",
+        "--prompt-ids",
+        "11,12",
+        "--prompt-ids",
+        "464,268,75,218,3",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ];
+    let llama = [
+        "generate",
+        "examples/llama.opt",
+        "--set",
+        "layers=2",
+        "--set",
+        "hidden=256",
+        "--set",
+        "heads=8",
+        "--set",
+        "kv_heads=2",
+        "--set",
+        "ffn=1024",
+        "--set",
+        "vocab=97",
+        "--set",
+        "context=20",
+        "--prompt-ids",
+        "5,6,7",
+        "--prompt-ids",
+        "9",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ];
+    let runs: [(&[&str], &str, &[&str]); 5] = [
+        (&gpt2, "hidden=256", &["--mesh", "2x2"]),
+        (&gpt2, "hidden=256", &["--mesh", "2x2x2"]),
+        (&gpt2, "hidden=256", &["--mesh", "2x2x2", "--strategy", "tesseract"]),
+        (&gpt2, "hidden=512", &["--mesh", "4x4"]),
+        (&llama, "layers=2", &["--mesh", "2x2"]),
+    ];
+    for (model, width, mesh) in runs {
+        let one = ids_and_logits(&records(&[model, &["--set", width]].concat()));
+        let meshed = ids_and_logits(&records(&[model, &["--set", width], mesh].concat()));
+        assert_eq!(one.len(), meshed.len(), "{mesh:?}");
+        for ((ids, logits), (want_ids, want_logits)) in meshed.iter().zip(&one) {
+            assert_eq!(ids, want_ids, "{width} {mesh:?}");
+            assert_eq!(logits.len(), want_logits.len(), "{width} {mesh:?}");
+            for (got, want) in logits.iter().zip(want_logits) {
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{width} {mesh:?}: logit {got} against {want}"
+                );
+            }
+        }
+    }
+}
