@@ -8,7 +8,7 @@ transposes, the peak and the activations kept for the backward pass. A table of 
 on standard error. Not part of the test suite. Usage:
 
     scripts/bench_communication.py --base OLD_OPTIMUSC --new NEW_OPTIMUSC [--label-base C] \
-        [--label-new C] [--jsonl FILE]
+        [--label-new C] [--configs train|decode] [--jsonl FILE]
 """
 
 import argparse
@@ -29,6 +29,16 @@ CONFIGS = [
     ("llama3-8b b64 x 2048 bf16", "examples/llama.opt", ["batch=64", "seq=2048"], "8x8",
      ["--precision", "bf16", "--recompute", "layers"]),
     ("gpt2-small tesseract", "examples/gpt2.opt", [], "2x4x4", ["--strategy", "tesseract"]),
+]
+
+# Decoding steps (`--set seq=1` with key/value caches), compiled in inference mode: `--configs decode`.
+DECODE_CONFIGS = [
+    ("gpt2-small decode, 4 prompts", "examples/gpt2.opt", ["seq=1", "batch=4"], "2x2", ["--max-context", "1024"]),
+    ("gpt2-small decode, 8 prompts", "examples/gpt2.opt", ["seq=1", "batch=8"], "4x4", ["--max-context", "1024"]),
+    ("llama3-8b decode bf16, 8 prompts", "examples/llama.opt", ["seq=1", "batch=8"], "8x8",
+     ["--max-context", "2048", "--precision", "bf16"]),
+    ("gpt2-small prefill 128, 4 prompts", "examples/gpt2.opt", ["seq=128", "batch=4"], "2x2",
+     ["--max-context", "1024"]),
 ]
 
 
@@ -62,11 +72,16 @@ def main():
     parser.add_argument("--label-base", default="base")
     parser.add_argument("--label-new", default="new")
     parser.add_argument("--mode", default="train")
+    parser.add_argument("--configs", choices=["train", "decode"], default="train",
+                        help="the training configs (in --mode), or decoding steps (in inference mode)")
     parser.add_argument("--jsonl")
     args = parser.parse_args()
     out = open(args.jsonl, "a") if args.jsonl else sys.stdout
     rows = []
-    for name, model, sets, mesh, extra in CONFIGS:
+    configs = CONFIGS if args.configs == "train" else DECODE_CONFIGS
+    if args.configs == "decode":
+        args.mode = "infer"
+    for name, model, sets, mesh, extra in configs:
         figures = {}
         for label, binary in ((args.label_base, args.base), (args.label_new, args.new)):
             got = measure(binary, model, sets, mesh, extra, args.mode)
