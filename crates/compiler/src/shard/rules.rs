@@ -657,10 +657,11 @@ impl Lowerer<'_> {
         let (tokens, q) = (self.tokens_per_replica(x), self.q());
         let shape = &self.shapes[w.index()];
         let (Some(&fan_in), fan_out) = (shape.first(), shape.iter().skip(1).product::<u64>()) else { return false };
-        let transposed = if across { fan_out } else { fan_in };
-        let moving = if across { fan_out } else { fan_in };
-        let stays = tokens * transposed + tokens * (fan_in + fan_out) * q + ONE_COLLECTIVE * q * q;
-        let moves = (tokens * moving + fan_in * fan_out) * q;
+        // The activation each way moves beside the weight or the other activation: the input, or for a
+        // weight across the mesh the output (transposed when the weight stays, moved when it moves).
+        let side = if across { fan_out } else { fan_in };
+        let stays = tokens * side + tokens * (fan_in + fan_out) * q + ONE_COLLECTIVE * q * q;
+        let moves = (tokens * side + fan_in * fan_out) * q;
         stays < moves
     }
 
