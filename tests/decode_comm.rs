@@ -99,6 +99,17 @@ fn records(args: &[&str]) -> Vec<Value> {
     String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect()
 }
 
+/// `generate MODEL --set NAME=VALUE... PROMPTS... --max-new-tokens 6 --json`.
+fn generate(model: &str, sets: &[(&str, &str)], prompts: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["generate", model].map(String::from).to_vec();
+    for (name, value) in sets {
+        args.extend(["--set".to_string(), format!("{name}={value}")]);
+    }
+    args.extend(prompts.iter().map(|p| p.to_string()));
+    args.extend(["--max-new-tokens", "6", "--json"].map(String::from));
+    args
+}
+
 /// Every record's ids and the logit of every generated token.
 fn ids_and_logits(rs: &[Value]) -> Vec<(Value, Vec<f64>)> {
     let logits = |r: &Value| r["logits"].as_array().expect("logits").iter().filter_map(Value::as_f64).collect();
@@ -110,50 +121,18 @@ fn ids_and_logits(rs: &[Value]) -> Vec<(Value, Vec<f64>)> {
 /// float32 rounding of the sums' order.
 #[test]
 fn decoding_with_the_weights_in_place_gives_one_devices_tokens_and_logits() {
-    let gpt2 = [
-        "generate",
+    let gpt2 = generate(
         "examples/gpt2.opt",
-        "--set",
-        "layers=2",
-        "--set",
-        "heads=4",
-        "--set",
-        "vocab=512",
-        "--set",
-        "context=24",
-        "--prompt-ids",
-        "11,12",
-        "--prompt-ids",
-        "464,268,75,218,3",
-        "--max-new-tokens",
-        "6",
-        "--json",
-    ];
-    let llama = [
-        "generate",
+        &[("layers", "2"), ("heads", "4"), ("vocab", "512"), ("context", "24")],
+        &["--prompt-ids", "11,12", "--prompt-ids", "464,268,75,218,3"],
+    );
+    let llama = generate(
         "examples/llama.opt",
-        "--set",
-        "layers=2",
-        "--set",
-        "hidden=256",
-        "--set",
-        "heads=8",
-        "--set",
-        "kv_heads=2",
-        "--set",
-        "ffn=1024",
-        "--set",
-        "vocab=97",
-        "--set",
-        "context=20",
-        "--prompt-ids",
-        "5,6,7",
-        "--prompt-ids",
-        "9",
-        "--max-new-tokens",
-        "6",
-        "--json",
-    ];
+        &[("layers", "2"), ("hidden", "256"), ("heads", "8"), ("kv_heads", "2"), ("ffn", "1024"), ("vocab", "97")],
+        &["--set", "context=20", "--prompt-ids", "5,6,7", "--prompt-ids", "9"],
+    );
+    let (gpt2, llama): (Vec<&str>, Vec<&str>) =
+        (gpt2.iter().map(String::as_str).collect(), llama.iter().map(String::as_str).collect());
     let runs: [(&[&str], &str, &[&str]); 5] = [
         (&gpt2, "hidden=256", &["--mesh", "2x2"]),
         (&gpt2, "hidden=256", &["--mesh", "2x2x2"]),
