@@ -642,16 +642,20 @@ impl Lowerer<'_> {
         mesh.rows == mesh.cols && mesh.rows > 1 && shape.len() > 1 && fan_in > fan_out
     }
 
-    /// Whether an inference linear over `x` keeps its weight `w` in place and moves the tokens' blocks
-    /// instead (a decoding step's few tokens): on a square q x q mesh, per device, T x in over q^2 (the
-    /// transpose of the input's block, or of the output's for a weight across the mesh) plus T x in and
-    /// T x out over q (the input's blocks broadcast, the partial outputs reduced), plus the transpose's
-    /// start-up (one collective more, [`ONE_COLLECTIVE`]), against the way the weight moves: T x in (or
-    /// T x out, across) plus in x out over q. Training never takes it: its backward moves the weight's
-    /// blocks either way, and T is large.
+    /// Whether a linear over `x` keeps its weight `w` in place and moves the tokens' blocks instead (a
+    /// decoding step's few tokens, or a small training batch of a wide model): on a square q x q mesh,
+    /// per device, what the tokens' way moves against what the weight's way moves ([`ONE_COLLECTIVE`]
+    /// stands for each transpose's start-up). In inference, one pass: T x side over q^2 (the input's
+    /// block transposed, or the output's for a weight across the mesh) plus T x (in + out) over q (the
+    /// input's blocks broadcast, the partial outputs reduced), against T x side plus in x out over q.
+    /// In training, three passes (forward; dX = dY W^T keeping W, dX transposed back; dW = X^T dY
+    /// accumulated in place from the forward's transposed input): 3 T (in + out) over q plus two
+    /// transposes of T x in over q^2, against 3 (T x in + in x out) over q. Training keeps a weight
+    /// across the mesh moving (its backward has no products keeping it in place yet).
     fn weight_stays(&self, x: NodeIndex, w: NodeIndex, across: bool) -> bool {
         let mesh = self.target.mesh;
-        if self.target.mode != optimus_plan::Mode::Infer || mesh.rows != mesh.cols || mesh.rows < 2 {
+        let train = self.target.mode == optimus_plan::Mode::Train;
+        if mesh.rows != mesh.cols || mesh.rows < 2 || (train && across) {
             return false;
         }
         let (tokens, q) = (self.tokens_per_replica(x), self.q());
@@ -660,8 +664,9 @@ impl Lowerer<'_> {
         // The activation each way moves beside the weight or the other activation: the input, or for a
         // weight across the mesh the output (transposed when the weight stays, moved when it moves).
         let side = if across { fan_out } else { fan_in };
-        let stays = tokens * side + tokens * (fan_in + fan_out) * q + ONE_COLLECTIVE * q * q;
-        let moves = (tokens * side + fan_in * fan_out) * q;
+        let (passes, transposes) = if train { (3, 2) } else { (1, 1) };
+        let stays = transposes * (tokens * side + ONE_COLLECTIVE * q * q) + passes * tokens * (fan_in + fan_out) * q;
+        let moves = passes * (tokens * side + fan_in * fan_out) * q;
         stays < moves
     }
 
@@ -694,8 +699,9 @@ impl Lowerer<'_> {
         let vocab_on_rows = tied && self.vocab_on_rows(dy);
         let table_across = tied && self.table_across_moves_less(dy, w);
         let weight_across = !tied && stored_across(wl);
+        let weight_stays = !tied && self.weight_stays(dy, w, weight_across);
         let weight_cols = Some(wl.0[COLUMN_AXIS]);
-        let facts = Facts { weight_cols, vocab_on_rows, table_across, weight_across, ..Facts::default() };
+        let facts = Facts { weight_cols, vocab_on_rows, table_across, weight_across, weight_stays, ..Facts::default() };
         let case = self.rule_case(operator, &facts)?;
         // The output features' split: the columns', (a 3D weight on L2 inputs) the depth's or (a weight
         // laid across the mesh) the rows' split of dimension 1, else the columns' placement as the rows
@@ -741,10 +747,19 @@ impl Lowerer<'_> {
         ));
     }
 
-    /// Sum over every dimension but the last (bias and beta gradients).
+    /// Sum over every dimension but the last (bias and beta gradients). Where `dy` came out with its
+    /// last dimension over the mesh rows (the dX of a weight kept in place) and a version with it over
+    /// the columns was made too (for the norm's backward), the sum reads that one: it is then split
+    /// over the columns, as the vectors are stored, instead of over the rows.
     fn sum_to_last(&mut self, n: NodeIndex, dy: NodeIndex) {
         let rank = self.rank(dy);
-        let l = self.settled(dy);
+        let settled = self.settled(dy);
+        let last_on_columns = |v: &&Version| !v.layout.has_partial() && v.layout.0[COLUMN_AXIS].dim() == Some(rank - 1);
+        let standard = self.versions.get(&dy).and_then(|vs| vs.iter().find(last_on_columns)).map(|v| v.layout);
+        let l = match standard {
+            Some(standard) if settled.0[ROW_AXIS].dim() == Some(rank - 1) => standard,
+            _ => settled,
+        };
         let out = self.summed_layout(l, rank);
         let dyb = self.value(dy, l);
         let g = self.node_buffer(n, out, Role::Workspace);

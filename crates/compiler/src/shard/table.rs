@@ -259,9 +259,10 @@ pub enum When {
     /// input features than output ones (an MLP's down projection), so that its three products keep the
     /// wide activation in place and move the narrow one.
     WeightAcross,
-    /// An inference over so few tokens that moving their blocks costs less than moving the weight's
-    /// (a decoding step): the weight, stored in place, stays; the input moves, laid with its features
-    /// over the mesh rows (one transpose of its block).
+    /// So few tokens that moving their blocks costs less than moving the weight's (a decoding step,
+    /// or training a wide model on a small batch): the weight, stored in place, stays; the input moves,
+    /// laid with its features over the mesh rows (one transpose of its block, which dW reads again),
+    /// and dX comes out so laid (one transpose back).
     WeightStays,
     /// As [`When::WeightStays`], for a weight stored across the mesh: the input moves as it lies, and
     /// the output comes out laid across (one transpose of its block back).
@@ -430,6 +431,8 @@ pub const RULES: &[Rule] = &[
         always(&[WHOLE, Axes(Rep, Dim0)], Axes(Rep, Last), product(LOCAL_BT, 0, 1, "tied linear, vocab-parallel")),
     ]),
     row(Op::LinearGradInput, Optimus, &[
+        case(When::WeightStays, &[Axes(Batch, OutLast), Stored], Axes(Last, Batch),
+            product(SummaAbtKeepingB, 0, 1, "backward of linear (dX = dY W^T), weight in place")),
         case(When::WeightAcross, &[Axes(Batch, OutLast), Stored], Axes(Batch, Last),
             product(SummaAbtAccumulated, 0, 1, "backward of linear (dX = dY W^T), weight across the mesh")),
         always(&[Axes(Batch, OutLast), Stored], Axes(Batch, Last),
@@ -453,6 +456,8 @@ pub const RULES: &[Rule] = &[
         always(&[Axes(Rep, Last), Stored], Axes(Rep, Partial), product(LOCAL, 0, 1, "backward of linear (dX)")),
     ]),
     row(Op::LinearGradWeight, Optimus, &[
+        case(When::WeightStays, &[Axes(Last, Batch), Axes(Batch, OutLast)], Stored,
+            product(SummaAtbAccumulated, 0, 1, "backward of linear (dW = X^T dY), weight in place")),
         case(When::WeightAcross, &[Axes(Batch, Last), Axes(Batch, OutLast)], Stored,
             product(SummaAtbMovingB, 0, 1, "backward of linear (dW = X^T dY), weight across the mesh")),
         always(&[Axes(Batch, Last), Axes(Batch, OutLast)], Stored,

@@ -1,6 +1,7 @@
-//! A decoding step's few tokens: its linears keep their weights where they are stored and move the
-//! tokens' blocks instead, wherever that moves less. Each linear's traffic equals its closed formula,
-//! and generation on such meshes gives one device's tokens and logits.
+//! Few tokens (a decoding step, a small training batch of a wide model): linears keep their weights
+//! where they are stored and move the tokens' blocks instead, wherever that moves less. Each linear's
+//! traffic equals its closed formula; generation on such meshes gives one device's tokens and logits,
+//! and training one device's gradients and updates.
 
 use optimus::elab::Override;
 use optimus::front::check_source;
@@ -10,21 +11,24 @@ use optimus::shard::{Target, compile};
 use serde_json::Value;
 use std::process::Command;
 
-/// GPT-2's decoding step (one position, caches of 24) with `hidden` and `batch` on a q x q mesh.
-fn decode_plan(hidden: u64, batch: u64, q: u64) -> Plan {
+/// GPT-2 with one layer of `hidden`, `batch` sequences of `seq` on a q x q mesh: a decoding step (one
+/// position, caches of 24) in inference, or a training step.
+fn gpt2_plan(hidden: u64, (batch, seq): (u64, u64), q: u64, mode: Mode) -> Plan {
     let file = "examples/gpt2.opt";
     let source = std::fs::read_to_string(file).expect("the example");
-    let values = [("layers", 1), ("hidden", hidden), ("heads", 4), ("vocab", 512), ("context", 24), ("seq", 1)];
+    let values = [("layers", 1), ("hidden", hidden), ("heads", 4), ("vocab", 512), ("context", 24), ("pdrop", 0)];
     let overrides: Vec<Override> = values
         .iter()
-        .chain(&[("batch", batch)])
+        .chain(&[("batch", batch), ("seq", seq)])
         .map(|(name, value)| Override { name: name.to_string(), value: value.to_string() })
         .collect();
     let model = check_source(&source, &overrides).model.expect("the model checks");
-    let step = optimus::decode::with_cache(&model, 24).expect("GPT-2 decodes with a cache");
-    let target =
-        Target { mesh: Mesh::new(q, q), strategy: Strategy::Optimus, mode: Mode::Infer, memory: Default::default() };
-    compile(&step, file, &source, target)
+    let model = match mode {
+        Mode::Infer => optimus::decode::with_cache(&model, 24).expect("GPT-2 decodes with a cache"),
+        Mode::Train => model,
+    };
+    let target = Target { mesh: Mesh::new(q, q), strategy: Strategy::Optimus, mode, memory: Default::default() };
+    compile(&model, file, &source, target)
         .unwrap_or_else(|d| panic!("{}", optimus::diag::render_plain(file, &source, &d)))
 }
 
@@ -72,7 +76,7 @@ fn elements(way: Weight, (t, k, n): (u64, u64, u64), q: u64) -> (u64, u64) {
 #[test]
 fn a_decoding_step_moves_the_tokens_blocks_where_the_weights_blocks_are_larger() {
     for (hidden, batch, q) in [(256, 4, 2), (256, 8, 2), (512, 8, 4)] {
-        let plan = decode_plan(hidden, batch, q);
+        let plan = gpt2_plan(hidden, (batch, 1), q, Mode::Infer);
         let (t, h) = (batch, hidden);
         let linears = [
             ("h.0.attn.c_attn", (t, h, 3 * h), Weight::Stays),
@@ -90,6 +94,66 @@ fn a_decoding_step_moves_the_tokens_blocks_where_the_weights_blocks_are_larger()
         let all_moving: u64 = linears.iter().map(|&(_, dims, _)| elements(Weight::Moves, dims, q).0).sum();
         let moved: u64 = linears.iter().map(|&(scope, _, _)| moved_by(&plan, scope)).sum::<u64>() + transposes;
         assert!(moved * 2 < all_moving, "{case}: {moved} elements against {all_moving}");
+    }
+}
+
+/// A training step over 16 tokens of a 512-wide layer on 2x2 (and 32 on 4x4): the three linears whose
+/// weights do not narrow keep them in place, each moving 3 T (in + out)/q a device (forward: the
+/// input's blocks and the partial outputs; dX = dY W^T keeping W: dY's blocks and the partial dX; dW
+/// accumulated in place: the forward's transposed input and dY's blocks) and two transposes of its
+/// input's block (the forward's, and dX's back); the MLP's second, stored across the mesh, moves its
+/// weight as in any training step, 3 (T out + in out)/q. §3's way would move 3 (T in + in out)/q each.
+#[test]
+fn a_small_training_batch_moves_the_tokens_blocks_where_the_weights_blocks_are_larger() {
+    for (batch, seq, q) in [(2, 8, 2), (4, 8, 4)] {
+        let plan = gpt2_plan(512, (batch, seq), q, Mode::Train);
+        let (t, h) = (batch * seq, 512);
+        let stays = |k: u64, n: u64| 3 * (t * k + t * n) / q;
+        let linears = [
+            ("h.0.attn.c_attn", stays(h, 3 * h)),
+            ("h.0.attn.c_proj", stays(h, h)),
+            ("h.0.mlp.c_fc", stays(h, 4 * h)),
+            ("h.0.mlp.c_proj", 3 * (t * h + 4 * h * h) / q),
+        ];
+        let case = format!("{batch} x {seq} tokens on {q}x{q}");
+        for (scope, want) in linears {
+            assert_eq!(moved_by(&plan, scope), want, "{case}: {scope}");
+        }
+        assert_eq!(transposed(&plan), 3 * 2 * t * h / (q * q), "{case}: two transposes of three inputs");
+    }
+}
+
+/// Training with the weights kept in place computes one device's loss, gradients and updates (GPT-2,
+/// BERT and grouped-query Llama; 2x2, 4x4, replicas with ZeRO-1 and overlap, tesseract, bf16 with
+/// recomputation), as `optimusc verify` checks.
+#[test]
+fn training_with_the_weights_in_place_verifies_against_one_device() {
+    let gpt2 =
+        ["examples/gpt2.opt", "--set", "layers=2", "--set", "hidden=512", "--set", "heads=8", "--set", "vocab=512"];
+    let gpt2 = [&gpt2[..], &["--set", "context=8", "--set", "seq=8", "--set", "pdrop=0.0"]].concat();
+    let llama =
+        ["examples/llama.opt", "--set", "layers=2", "--set", "hidden=512", "--set", "heads=8", "--set", "kv_heads=4"];
+    let llama =
+        [&llama[..], &["--set", "ffn=1024", "--set", "vocab=512", "--set", "seq=8", "--set", "batch=2"]].concat();
+    let bert = ["examples/bert.opt", "--set", "layers=2", "--set", "hidden=512", "--set", "heads=8", "--set", "seq=8"];
+    let runs: [(&[&str], &[&str]); 7] = [
+        (&gpt2, &["--set", "batch=2", "--mesh", "2x2"]),
+        (&gpt2, &["--set", "batch=4", "--mesh", "4x4"]),
+        (&gpt2, &["--set", "batch=4", "--mesh", "2x2x2", "--zero", "1", "--overlap"]),
+        (&gpt2, &["--set", "batch=4", "--mesh", "2x2x2", "--strategy", "tesseract"]),
+        (&gpt2, &["--set", "batch=2", "--mesh", "2x2", "--precision", "bf16", "--recompute", "layers"]),
+        (&llama, &["--mesh", "2x2"]),
+        (&bert, &["--set", "batch=2", "--mesh", "2x2"]),
+    ];
+    for (model, mesh) in runs {
+        let args = [&["verify"][..], model, mesh].concat();
+        let out = Command::new(env!("CARGO_BIN_EXE_optimusc")).args(&args).output().expect("optimusc runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("verified:"),
+            "{args:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
