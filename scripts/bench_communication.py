@@ -8,7 +8,7 @@ transposes, the peak and the activations kept for the backward pass. A table of 
 on standard error. Not part of the test suite. Usage:
 
     scripts/bench_communication.py --base OLD_OPTIMUSC --new NEW_OPTIMUSC [--label-base C] \
-        [--label-new C] [--configs train|decode] [--jsonl FILE]
+        [--label-new C] [--configs train|small-batch|decode] [--jsonl FILE]
 """
 
 import argparse
@@ -29,6 +29,14 @@ CONFIGS = [
     ("llama3-8b b64 x 2048 bf16", "examples/llama.opt", ["batch=64", "seq=2048"], "8x8",
      ["--precision", "bf16", "--recompute", "layers"]),
     ("gpt2-small tesseract", "examples/gpt2.opt", [], "2x4x4", ["--strategy", "tesseract"]),
+]
+
+# Training steps over a small batch of a wide model: `--configs small-batch`.
+SMALL_BATCH_CONFIGS = [
+    ("gpt2 2 x 512, 2 x 8 tokens", "examples/gpt2.opt",
+     ["layers=2", "hidden=512", "heads=8", "vocab=512", "context=8", "seq=8", "batch=2", "pdrop=0.0"], "2x2", []),
+    ("llama3-8b fine-tune, 8 x 256 tokens, bf16", "examples/llama.opt", ["batch=8", "seq=256"], "8x8",
+     ["--precision", "bf16", "--recompute", "layers"]),
 ]
 
 # Decoding steps (`--set seq=1` with key/value caches), compiled in inference mode: `--configs decode`.
@@ -72,13 +80,13 @@ def main():
     parser.add_argument("--label-base", default="base")
     parser.add_argument("--label-new", default="new")
     parser.add_argument("--mode", default="train")
-    parser.add_argument("--configs", choices=["train", "decode"], default="train",
+    parser.add_argument("--configs", choices=["train", "small-batch", "decode"], default="train",
                         help="the training configs (in --mode), or decoding steps (in inference mode)")
     parser.add_argument("--jsonl")
     args = parser.parse_args()
     out = open(args.jsonl, "a") if args.jsonl else sys.stdout
     rows = []
-    configs = CONFIGS if args.configs == "train" else DECODE_CONFIGS
+    configs = {"train": CONFIGS, "small-batch": SMALL_BATCH_CONFIGS, "decode": DECODE_CONFIGS}[args.configs]
     if args.configs == "decode":
         args.mode = "infer"
     for name, model, sets, mesh, extra in configs:
