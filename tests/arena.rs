@@ -129,3 +129,23 @@ fn prefill_and_decode_programs_place_parameters_and_caches_alike() {
         assert!(!arena::places_alike((&one, &arena::layout(&one)), (&four, &arena::layout(&four))), "{file}");
     }
 }
+
+/// Two plans that place a parameter at the same offset with the same size but lay it out differently
+/// (the same bytes hold another block of the tensor) do not place it alike: handing the storage over
+/// would silently swap blocks.
+#[test]
+fn a_parameter_laid_out_differently_is_not_placed_alike() {
+    let prefill = decoding_plan("examples/gpt2.opt", 7, (2, 2), Strategy::Optimus);
+    let mut transposed = prefill.clone();
+    let param = transposed.params.iter().map(|p| p.buffer).find(|&b| {
+        let layout = transposed.buffer(b).layout;
+        layout.mirrored().is_some_and(|m| m != layout)
+    });
+    let param = param.expect("a parameter split over the rows and the columns");
+    let buffer = &mut transposed.buffers[param.0 as usize];
+    buffer.layout = buffer.layout.mirrored().expect("a mirror");
+    let layout = arena::layout(&prefill);
+    assert_eq!(arena::layout(&transposed).offsets, layout.offsets, "the same offsets and sizes");
+    assert!(arena::places_alike((&prefill, &layout), (&prefill, &layout)));
+    assert!(!arena::places_alike((&prefill, &layout), (&transposed, &arena::layout(&transposed))));
+}

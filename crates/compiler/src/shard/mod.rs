@@ -896,10 +896,9 @@ impl<'a> Lowerer<'a> {
     /// slice per axis would move q - 1 blocks and keep a whole row or column of them. `None` when the
     /// grid's placements are not each other's, or are the same.
     fn mirror(&mut self, n: NodeIndex, from: Version, to: Layout) -> Option<Version> {
-        let mesh = self.target.mesh;
         let grid = |l: Layout| [l.0[ROW_AXIS], l.0[COLUMN_AXIS]];
         let next = from.layout.mirrored().filter(|m| grid(*m) == grid(to) && grid(*m) != grid(from.layout))?;
-        if mesh.rows != mesh.cols || mesh.rows < 2 {
+        if !self.square_grid() {
             return None;
         }
         let recv = self.moved_buffer(n, next, from.buffer);
@@ -908,6 +907,14 @@ impl<'a> Lowerer<'a> {
         let reason = Reason::new(ReasonKind::Transpose, text);
         self.collective(CollectiveKind::Transpose, Group::Mirror, None, None, None, from.buffer, recv, reason);
         Some(Version { layout: next, buffer: recv })
+    }
+
+    /// Whether the tensor-parallel grid is square and more than one device wide: the grids on which a
+    /// value can be sent across the diagonal, and so the only ones on which the layouts laid across it
+    /// (and the products that keep a weight in place) are considered.
+    pub(crate) fn square_grid(&self) -> bool {
+        let mesh = self.target.mesh;
+        mesh.rows == mesh.cols && mesh.rows > 1
     }
 
     /// [`Lowerer::redistribute`]'s steps, one mesh axis at a time in `order`.

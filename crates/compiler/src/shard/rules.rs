@@ -611,8 +611,7 @@ impl Lowerer<'_> {
     /// dX, dE), one in inference. In training this holds once T passes about H (1 + 1/q). Only rows of
     /// the table that have a case for it read it (optimus's, which tesseract's layers share).
     fn table_across_moves_less(&self, x: NodeIndex, table: NodeIndex) -> bool {
-        let mesh = self.target.mesh;
-        if mesh.rows != mesh.cols || mesh.rows < 2 {
+        if !self.square_grid() {
             return false;
         }
         let (tokens, q) = (self.tokens_per_replica(x), self.q());
@@ -636,10 +635,14 @@ impl Lowerer<'_> {
         if let Some(stored) = self.param_layout(w) {
             return stored_across(stored);
         }
-        let mesh = self.target.mesh;
+        self.square_grid() && self.fans(w).is_some_and(|(fan_in, fan_out)| fan_in > fan_out)
+    }
+
+    /// A weight's input features (dimension 0) and output features (the rest), if it is a matrix.
+    fn fans(&self, w: NodeIndex) -> Option<(u64, u64)> {
         let shape = &self.shapes[w.index()];
-        let (Some(&fan_in), fan_out) = (shape.first(), shape.iter().skip(1).product::<u64>()) else { return false };
-        mesh.rows == mesh.cols && mesh.rows > 1 && shape.len() > 1 && fan_in > fan_out
+        let (&fan_in, out) = shape.split_first().filter(|(_, out)| !out.is_empty())?;
+        Some((fan_in, out.iter().product()))
     }
 
     /// Whether a linear over `x` keeps its weight `w` in place and moves the tokens' blocks instead (a
@@ -653,14 +656,11 @@ impl Lowerer<'_> {
     /// transposes of T x in over q^2, against 3 (T x in + in x out) over q. Training keeps a weight
     /// across the mesh moving (its backward has no products keeping it in place yet).
     fn weight_stays(&self, x: NodeIndex, w: NodeIndex, across: bool) -> bool {
-        let mesh = self.target.mesh;
         let train = self.target.mode == optimus_plan::Mode::Train;
-        if mesh.rows != mesh.cols || mesh.rows < 2 || (train && across) {
+        let Some((fan_in, fan_out)) = self.fans(w).filter(|_| self.square_grid() && !(train && across)) else {
             return false;
-        }
+        };
         let (tokens, q) = (self.tokens_per_replica(x), self.q());
-        let shape = &self.shapes[w.index()];
-        let (Some(&fan_in), fan_out) = (shape.first(), shape.iter().skip(1).product::<u64>()) else { return false };
         // The activation each way moves beside the weight or the other activation: the input, or for a
         // weight across the mesh the output (transposed when the weight stays, moved when it moves).
         let side = if across { fan_out } else { fan_in };

@@ -399,8 +399,9 @@ pub const RULES: &[Rule] = &[
     // A weight with more input features than output ones is stored across the mesh, so that its products
     // keep the wider activation (the input, or dX) in place: they move the output's and the weight's
     // blocks, T x out + in x out over q a device, where the plain layout moves T x in + in x out.
-    // An inference over fewer tokens than the weight's blocks hold (a decoding step) keeps the weight
-    // where it is stored and moves the tokens' blocks (and transposes one of them across the diagonal).
+    // Over fewer tokens than the weight's blocks hold (a decoding step, or a small training batch of a
+    // wide model), a linear keeps the weight where it is stored and moves the tokens' blocks (and
+    // transposes one of them across the diagonal); its backward rows below keep it too.
     row(Op::Linear, Optimus, &[
         case(When::WeightStaysAcross, &[Axes(Batch, Last), WEIGHT_ACROSS], Axes(OutLast, Batch),
             product(SummaAbKeepingBAcross, 0, 1, "linear, weight across the mesh and in place")),
