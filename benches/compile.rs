@@ -17,6 +17,7 @@ const TARGET: Target = Target {
     strategy: Strategy::Optimus,
     mode: Mode::Train,
     memory: optimus::plan::MemoryOptions::DEFAULT,
+    layouts: optimus::plan::Layouts::Auto,
 };
 
 /// Checks and compiles the model; panics (failing the benchmark) if either step reports errors.

@@ -592,6 +592,7 @@ mod tests {
             strategy: crate::plan::Strategy::None,
             mode: crate::plan::Mode::Train,
             memory,
+            layouts: Default::default(),
         };
         match crate::shard::compile(&model, "llama", source, target) {
             Ok(plan) => plan,

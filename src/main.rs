@@ -310,7 +310,7 @@ fn compile(args: &CompileArgs) -> ExitCode {
             (optimus::plan::Mode::Train, _) => "train".to_string(),
             (_, Some(context)) => format!("decoding step, key/value caches of {context} positions"),
             _ => "infer".to_string(),
-        },
+        } + if plan.layouts == optimus::plan::Layouts::Paper { ", the paper's layouts" } else { "" },
         plan.program.len(),
         optimus::plan::report::human_bytes(plan.memory.peak_bytes),
         args.output.display()

@@ -414,6 +414,7 @@ fn llama_like_2x2_plan() -> serde_json::Value {
         strategy: optimus::plan::Strategy::Optimus,
         mode: optimus::plan::Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     let plan = compile(&model, "llama_like.opt", &text, target).expect("compiles on 2x2");
     serde_json::to_value(plan).expect("a plan serialises")

@@ -66,6 +66,7 @@ fn every_summa_step_of_a_2x2_plan_is_read_in_place_unless_its_product_could_writ
         strategy: Strategy::Optimus,
         mode: Mode::Train,
         memory: MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     let plan = optimus::shard::compile(&model, "tiny", source, target).unwrap_or_else(|e| panic!("{e:?}"));
     let phases = StepPhases::of(&plan);

@@ -7,7 +7,7 @@ use optimus::elab::Override;
 use optimus::front::check_source;
 use optimus::ir::{Model, Scalar};
 use optimus::plan::report::{CommEntry, Report, render_text, report};
-use optimus::plan::{Instr, Mesh, Mode, Plan, Strategy};
+use optimus::plan::{Instr, Layouts, Mesh, Mode, Plan, Strategy};
 use optimus::shard::{Target, compile};
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
@@ -39,7 +39,13 @@ fn checked(text: &str, sets: &[(&str, &str)]) -> Model {
 }
 
 fn target(strategy: Strategy, rows: u64, cols: u64, mode: Mode) -> Target {
-    Target { mesh: Mesh::new(rows, cols), strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT }
+    Target {
+        mesh: Mesh::new(rows, cols),
+        strategy,
+        mode,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
+    }
 }
 
 /// Checks and compiles `examples/<name>.opt`, returning the compiler's answer.
@@ -255,6 +261,45 @@ fn summa_layer_payload_matches_the_formula() {
             assert_eq!(layer(&ri), (4 * bsh + 12 * h2) / q, "{case}: forward (4bsh + 12h^2)/q");
             assert_eq!(layer(&rt), (12 * bsh + 36 * h2) / q, "{case}: forward + backward (12bsh + 36h^2)/q");
         }
+    }
+}
+
+/// `--layouts paper`: every weight and table in place, each SUMMA linear moving its input's and its
+/// weight's blocks, (MK + KN)/q a pass in 2q broadcasts forward, twice that backward; per layer §3's
+/// (7bsh + 12h^2)/q forward and (21bsh + 36h^2)/q a step. Nothing is transposed across the diagonal,
+/// and the plan records the choice (a plan of the default layouts has no such field, as before).
+#[test]
+fn the_papers_layouts_move_what_section_3_gives() {
+    for &(name, sets, q) in OPTIMUS_CASES {
+        let paper = |mode| Target { layouts: Layouts::Paper, ..target(Strategy::Optimus, q, q, mode) };
+        let (infer, train) = (plan(name, sets, paper(Mode::Infer)), plan(name, sets, paper(Mode::Train)));
+        let (ri, rt) = (report(&infer), report(&train));
+        let d = Dims::of(&infer);
+        let (bsh, h2) = (d.rows() * d.hidden, d.hidden * d.hidden);
+        let m = d.rows();
+        for l in 0..d.layers {
+            for (scope, k, n) in d.linears(l) {
+                let case = format!("{name} {sets:?} q={q} {scope} (M={m} K={k} N={n})");
+                let fwd = summa(&ri, &scope);
+                assert_eq!(fwd.len() as u64, 2 * q, "{case}: 2q collectives in the forward");
+                assert!(fwd.iter().all(|c| c.kind == "broadcast"), "{case}: broadcasts only: {fwd:#?}");
+                assert_eq!(elements(&fwd), (m * k + k * n) / q, "{case}: forward (MK + KN)/q");
+                assert_eq!(elements(&summa(&rt, &scope)), 3 * (m * k + k * n) / q, "{case}: a step 3(MK + KN)/q");
+            }
+            let layer =
+                |r: &Report| -> u64 { d.linears(l).iter().map(|(scope, _, _)| elements(&summa(r, scope))).sum() };
+            let case = format!("{name} {sets:?} q={q} layer {l}");
+            assert_eq!(layer(&ri), (7 * bsh + 12 * h2) / q, "{case}: forward (7bsh + 12h^2)/q");
+            assert_eq!(layer(&rt), (21 * bsh + 36 * h2) / q, "{case}: forward + backward (21bsh + 36h^2)/q");
+        }
+        for (r, mode) in [(&ri, "infer"), (&rt, "train")] {
+            assert!(r.communication.iter().all(|c| c.kind != "transpose"), "{name} {sets:?} q={q} {mode}: a transpose");
+        }
+        let json = serde_json::to_value(&train).expect("a plan serializes");
+        assert_eq!(json["layouts"], "paper", "{name}: the plan records its layouts");
+        let auto = plan(name, sets, target(Strategy::Optimus, q, q, Mode::Train));
+        let json = serde_json::to_value(&auto).expect("a plan serializes");
+        assert!(json.get("layouts").is_none(), "{name}: the default layouts are left out of the plan file");
     }
 }
 

@@ -6,14 +6,19 @@
 use optimus::elab::Override;
 use optimus::front::check_source;
 use optimus::plan::report::report;
-use optimus::plan::{Mesh, Mode, Plan, Strategy};
+use optimus::plan::{Layouts, Mesh, Mode, Plan, Strategy};
 use optimus::shard::{Target, compile};
 use serde_json::Value;
 use std::process::Command;
 
 /// GPT-2 with one layer of `hidden`, `batch` sequences of `seq` on a q x q mesh: a decoding step (one
 /// position, caches of 24) in inference, or a training step.
-fn gpt2_plan(hidden: u64, (batch, seq): (u64, u64), q: u64, mode: Mode) -> Plan {
+fn gpt2_plan(hidden: u64, tokens: (u64, u64), q: u64, mode: Mode) -> Plan {
+    gpt2_plan_laid(hidden, tokens, q, mode, Layouts::Auto)
+}
+
+/// [`gpt2_plan`] with its products laid out as `layouts` says.
+fn gpt2_plan_laid(hidden: u64, (batch, seq): (u64, u64), q: u64, mode: Mode, layouts: Layouts) -> Plan {
     let file = "examples/gpt2.opt";
     let source = std::fs::read_to_string(file).expect("the example");
     let values = [("layers", 1), ("hidden", hidden), ("heads", 4), ("vocab", 512), ("context", 24), ("pdrop", 0)];
@@ -27,7 +32,8 @@ fn gpt2_plan(hidden: u64, (batch, seq): (u64, u64), q: u64, mode: Mode) -> Plan 
         Mode::Infer => optimus::decode::with_cache(&model, 24).expect("GPT-2 decodes with a cache"),
         Mode::Train => model,
     };
-    let target = Target { mesh: Mesh::new(q, q), strategy: Strategy::Optimus, mode, memory: Default::default() };
+    let target =
+        Target { mesh: Mesh::new(q, q), strategy: Strategy::Optimus, mode, memory: Default::default(), layouts };
     compile(&model, file, &source, target)
         .unwrap_or_else(|d| panic!("{}", optimus::diag::render_plain(file, &source, &d)))
 }
@@ -94,6 +100,30 @@ fn a_decoding_step_moves_the_tokens_blocks_where_the_weights_blocks_are_larger()
         let all_moving: u64 = linears.iter().map(|&(_, dims, _)| elements(Weight::Moves, dims, q).0).sum();
         let moved: u64 = linears.iter().map(|&(scope, _, _)| moved_by(&plan, scope)).sum::<u64>() + transposes;
         assert!(moved * 2 < all_moving, "{case}: {moved} elements against {all_moving}");
+    }
+}
+
+/// With `--layouts paper` every linear moves its weight's blocks, as §3 of the design has it, over
+/// however few tokens: a decoding step and a small training batch move (T in + in out)/q a device per
+/// pass of each linear, three passes in training, and nothing is transposed.
+#[test]
+fn the_papers_layouts_move_the_weights_over_few_tokens_too() {
+    for (hidden, (batch, seq), q, mode) in
+        [(256, (4, 1), 2, Mode::Infer), (512, (8, 1), 4, Mode::Infer), (512, (2, 8), 2, Mode::Train)]
+    {
+        let plan = gpt2_plan_laid(hidden, (batch, seq), q, mode, Layouts::Paper);
+        let (t, h) = (batch * seq, hidden);
+        let passes = if mode == Mode::Train { 3 } else { 1 };
+        let case = format!("hidden {hidden}, {t} tokens on {q}x{q}, {mode:?}");
+        for (scope, dims) in [
+            ("h.0.attn.c_attn", (t, h, 3 * h)),
+            ("h.0.attn.c_proj", (t, h, h)),
+            ("h.0.mlp.c_fc", (t, h, 4 * h)),
+            ("h.0.mlp.c_proj", (t, 4 * h, h)),
+        ] {
+            assert_eq!(moved_by(&plan, scope), passes * elements(Weight::Moves, dims, q).0, "{case}: {scope}");
+        }
+        assert_eq!(transposed(&plan), 0, "{case}: the paper's layouts transpose nothing");
     }
 }
 
@@ -189,8 +219,8 @@ fn ids_and_logits(rs: &[Value]) -> Vec<(Value, Vec<f64>)> {
 }
 
 /// Generation with the weights kept in place (GPT-2 and grouped-query Llama wide enough for it, on
-/// 2x2, with replicas, tesseract layers and on 4x4) gives one device's tokens, and its logits within
-/// float32 rounding of the sums' order.
+/// 2x2, with replicas, tesseract layers and on 4x4), and with the paper's layouts that move them, gives
+/// one device's tokens, and its logits within float32 rounding of the sums' order.
 #[test]
 fn decoding_with_the_weights_in_place_gives_one_devices_tokens_and_logits() {
     let gpt2 = generate(
@@ -205,8 +235,9 @@ fn decoding_with_the_weights_in_place_gives_one_devices_tokens_and_logits() {
     );
     let (gpt2, llama): (Vec<&str>, Vec<&str>) =
         (gpt2.iter().map(String::as_str).collect(), llama.iter().map(String::as_str).collect());
-    let runs: [(&[&str], &str, &[&str]); 5] = [
+    let runs: [(&[&str], &str, &[&str]); 6] = [
         (&gpt2, "hidden=256", &["--mesh", "2x2"]),
+        (&gpt2, "hidden=256", &["--mesh", "2x2", "--layouts", "paper"]),
         (&gpt2, "hidden=256", &["--mesh", "2x2x2"]),
         (&gpt2, "hidden=256", &["--mesh", "2x2x2", "--strategy", "tesseract"]),
         (&gpt2, "hidden=512", &["--mesh", "4x4"]),

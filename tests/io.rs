@@ -28,6 +28,7 @@ fn plan(file: &str, sets: &[(&str, &str)], mesh: (u64, u64), strategy: Strategy)
         strategy,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     match compile(&model, file, &source, target) {
         Ok(p) => p,
@@ -588,6 +589,7 @@ fn tied_head_plan() -> Plan {
         strategy: Strategy::None,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     compile(&model, "t.opt", TIED_HEAD, target).unwrap_or_else(|_| panic!("the model compiles"))
 }

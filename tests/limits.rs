@@ -86,6 +86,7 @@ fn padding_past_the_limit_is_reported_by_the_shard_pass() {
         strategy: Strategy::Megatron,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     let Err(diagnostics) = compile(&model, "tiny.opt", &source, target) else {
         panic!("padding pushes wte past the limit; the compile must fail")
@@ -182,6 +183,7 @@ fn tiny_weights_with_a_nan(dir: &Path) -> PathBuf {
         strategy: Strategy::None,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     let plan = compile(&model, "tiny.opt", &source, target).expect("tiny compiles");
     let params: BTreeMap<String, Tensor> = plan

@@ -254,8 +254,13 @@ forward {
 fn train_plan(source: &str, mesh: (u64, u64), strategy: Strategy) -> Plan {
     let checked = check_source(source, &[]);
     let model = checked.model.expect("the model checks");
-    let target =
-        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
+    let target = Target {
+        mesh: Mesh::new(mesh.0, mesh.1),
+        strategy,
+        mode: Mode::Train,
+        memory: MemoryOptions::DEFAULT,
+        layouts: Default::default(),
+    };
     match compile(&model, "model.opt", source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("model.opt", source, &d)),

@@ -20,7 +20,13 @@ struct Case {
 
 impl Case {
     fn target(&self, mesh: Mesh) -> Target {
-        Target { mesh, strategy: self.strategy, mode: self.mode, memory: optimus::plan::MemoryOptions::DEFAULT }
+        Target {
+            mesh,
+            strategy: self.strategy,
+            mode: self.mode,
+            memory: optimus::plan::MemoryOptions::DEFAULT,
+            layouts: Default::default(),
+        }
     }
 
     fn failing(&self) -> Target {
@@ -148,6 +154,7 @@ fn the_examples_get_the_meshes_they_compile_on() {
             strategy,
             mode: Mode::Train,
             memory: optimus::plan::MemoryOptions::DEFAULT,
+            layouts: Default::default(),
         };
         let diagnostics = compile(&checked(&text, &[]), model, &text, target).expect_err(model);
         let help = format!(

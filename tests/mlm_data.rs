@@ -67,6 +67,7 @@ fn small_bert(batch: u64, seq: u64) -> Plan {
         strategy: Strategy::None,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     compile(&model, file, &source, target).unwrap_or_else(|_| panic!("{file} compiles"))
 }

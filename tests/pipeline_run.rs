@@ -23,7 +23,8 @@ fn plan(layers: u64, mesh: Mesh, strategy: Strategy) -> Plan {
     let source = std::fs::read_to_string(file).expect("example exists");
     let overrides = [format!("layers={layers}").parse().expect("an override")];
     let model = check_source(&source, &overrides).model.expect("example checks");
-    let target = Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
+    let target =
+        Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT, layouts: Default::default() };
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),
@@ -277,6 +278,7 @@ fn plan_of_gpt2() -> Plan {
         strategy: Strategy::Optimus,
         mode: Mode::Train,
         memory: MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     compile(&model, file, &source, target).unwrap_or_else(|_| panic!("gpt2.opt compiles"))
 }

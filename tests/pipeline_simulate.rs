@@ -28,7 +28,8 @@ fn gpt2(layers: u64, mesh: Mesh, strategy: Strategy) -> Plan {
         .map(|s| s.parse().unwrap_or_else(|e| panic!("{s}: {e:?}")))
         .collect();
     let source = Source { name: "gpt2.opt", text: &text, overrides: &overrides };
-    let target = Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
+    let target =
+        Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT, layouts: Default::default() };
     source.compile(target, &[]).unwrap_or_else(|e| panic!("{mesh} {strategy:?}: {e}"))
 }
 
@@ -253,6 +254,7 @@ fn nearly_equal_stages_idle_as_the_formula_says() {
         strategy: Strategy::Optimus,
         mode: Mode::Train,
         memory: MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     let plan = source.compile(target, &[]).unwrap_or_else(|e| panic!("{e}"));
     for (schedule, v) in [(Schedule::OneFOneB, 1u64), (Schedule::Interleaved { chunks: 2 }, 2)] {

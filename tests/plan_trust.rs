@@ -34,8 +34,13 @@ fn try_compile(
         sets.iter().map(|(k, v)| Override { name: (*k).to_string(), value: (*v).to_string() }).collect();
     let checked = check_source(&text, &overrides);
     let model = checked.model.ok_or_else(|| format!("{name} does not check: {:?}", checked.diagnostics))?;
-    let target =
-        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT };
+    let target = Target {
+        mesh: Mesh::new(mesh.0, mesh.1),
+        strategy,
+        mode,
+        memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
+    };
     compile(&model, &format!("examples/{name}.opt"), &text, target)
         .map_err(|d| format!("{name} {} {}x{} {mode:?}: {d:?}", strategy.name(), mesh.0, mesh.1))
 }

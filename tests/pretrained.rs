@@ -139,6 +139,7 @@ fn device_blocks_read_from_mapped_files_equal_blocks_of_the_logical_tensors() {
                 strategy,
                 mode: Mode::Train,
                 memory: optimus::plan::MemoryOptions::DEFAULT,
+                layouts: Default::default(),
             };
             let Ok(plan) = compile(&model, name, &text, target) else { continue };
             let mapped = optimus::io::pretrained::map_weights(&weights, &plan, false).expect("maps");

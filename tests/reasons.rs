@@ -36,7 +36,8 @@ fn compile_example(name: &str, mesh: (u64, u64), memory: MemoryOptions) -> Plan 
     let overrides = [Override { name: "layers".to_string(), value: "2".to_string() }];
     let model = check_source(&text, &overrides).model.expect("the example checks");
     let strategy = if mesh.0 == mesh.1 { Strategy::Optimus } else { Strategy::Megatron };
-    let target = Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory };
+    let target =
+        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory, layouts: Default::default() };
     match compile(&model, name, &text, target) {
         Ok(plan) => plan,
         Err(e) => panic!("{name} {mesh:?}: {e:?}"),

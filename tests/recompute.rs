@@ -19,7 +19,8 @@ fn compile_example(name: &str, sets: &[(&str, &str)], recompute: Recompute, mesh
     let model = check_source(&text, &overrides).model.expect("the example checks");
     let strategy = if mesh.0 == mesh.1 { Strategy::Optimus } else { Strategy::Megatron };
     let memory = MemoryOptions { recompute: Some(recompute), ..MemoryOptions::DEFAULT };
-    let target = Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory };
+    let target =
+        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory, layouts: Default::default() };
     compile(&model, name, &text, target).expect("compiles and verifies")
 }
 
@@ -141,7 +142,13 @@ fn tiny_with(edit: (&str, &str), recompute: Option<Recompute>) -> Plan {
     assert!(text.contains("checkpoint"), "the edit applies");
     let model = check_source(&text, &[]).model.expect("the edited model checks");
     let memory = MemoryOptions { recompute, ..MemoryOptions::DEFAULT };
-    let target = Target { mesh: Mesh::new(2, 2), strategy: Strategy::Optimus, mode: Mode::Train, memory };
+    let target = Target {
+        mesh: Mesh::new(2, 2),
+        strategy: Strategy::Optimus,
+        mode: Mode::Train,
+        memory,
+        layouts: Default::default(),
+    };
     compile(&model, "tiny.opt", &text, target).expect("compiles")
 }
 

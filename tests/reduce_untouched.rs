@@ -9,8 +9,13 @@ fn tiny_plan(mesh: Mesh) -> Plan {
     let source = include_str!("../examples/tiny.opt");
     let checked = optimus::front::check_source(source, &[]);
     let Some(model) = checked.model else { panic!("tiny.opt checks") };
-    let target =
-        optimus::shard::Target { mesh, strategy: Strategy::Optimus, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
+    let target = optimus::shard::Target {
+        mesh,
+        strategy: Strategy::Optimus,
+        mode: Mode::Train,
+        memory: MemoryOptions::DEFAULT,
+        layouts: Default::default(),
+    };
     optimus::shard::compile(&model, "tiny", source, target).unwrap_or_else(|e| panic!("{e:?}"))
 }
 

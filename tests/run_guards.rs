@@ -61,6 +61,7 @@ fn compile_flags_given_with_a_plan_must_agree_with_it() {
         &["--mode", "infer"],
         &["--set", "batch=4"],
         &["--set", "no_such_value=1"],
+        &["--layouts", "paper"],
     ] {
         let mut args = vec!["run", plan_arg, "--steps", "1"];
         args.extend_from_slice(flags);
@@ -82,6 +83,8 @@ fn compile_flags_given_with_a_plan_must_agree_with_it() {
         "train",
         "--set",
         "batch=8",
+        "--layouts",
+        "auto",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let out = optimusc(&["simulate", plan_arg, "--hardware", "dgx-a100", "--mesh", "1x4"]);

@@ -131,6 +131,7 @@ fn group_times_in_a_plan_use_their_links() {
             strategy: Strategy::Optimus,
             mode: Mode::Train,
             memory: optimus::plan::MemoryOptions::DEFAULT,
+            layouts: Default::default(),
         },
     );
     let hw = profile(16.0);
@@ -218,6 +219,7 @@ fn max_batch_is_monotone_in_device_memory() {
         strategy: Strategy::Optimus,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     let mut last = 0;
     for mb in [0.05, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0] {

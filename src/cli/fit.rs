@@ -31,7 +31,7 @@ pub fn largest_batch(plan: &Plan, capacity: u64) -> Result<Fit, String> {
     let overrides = changed_config(plan, &text)?;
     let source = Source { name: &plan.source, text: &text, overrides: &overrides };
     let memory = MemoryOptions { recompute: Some(plan.recompute), precision: plan.precision, zero: plan.zero };
-    let target = Target { mesh: plan.mesh, strategy: plan.strategy, mode: plan.mode, memory };
+    let target = Target { mesh: plan.mesh, strategy: plan.strategy, mode: plan.mode, memory, layouts: plan.layouts };
     let found = search::max_batch(&source, target, capacity);
     let plan_batch = plan_int(plan, "batch");
     Ok(Fit { memory_bytes: capacity, found, plan_batch, plan_fits: plan.memory.peak_bytes <= capacity })

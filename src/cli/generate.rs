@@ -157,6 +157,7 @@ fn args_of_plan(args: &GenerateArgs) -> Result<GenerateArgs, Failure> {
         optimus::plan::Precision::Bf16 => PrecisionArg::Bf16,
         _ => PrecisionArg::F32,
     });
+    given.target.layouts = Some(super::LayoutsArg::of(plan.layouts));
     given.target.mode_flag = None;
     Ok(given)
 }

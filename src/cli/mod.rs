@@ -24,7 +24,7 @@ use clap::ValueEnum;
 use optimus::diag;
 use optimus::elab::Override;
 use optimus::front::{Checked, Source, check_source, decode};
-use optimus::plan::{Mesh, Mode, Plan, Strategy};
+use optimus::plan::{Layouts, Mesh, Mode, Plan, Strategy};
 use std::path::Path;
 
 /// Flags that say what to compile a model for. Each is optional so that a plan given with a flag
@@ -74,6 +74,36 @@ pub struct TargetArgs {
     /// bit-identical to a run without it. Also applies to a plan file.
     #[arg(long = "overlap")]
     pub overlap: bool,
+    /// How optimus and tesseract lay out the weights of their SUMMA products: auto (per linear, what
+    /// moves least: a weight that narrows its input, such as an MLP's second, stored across the mesh;
+    /// a tied head's table across the mesh or in place by its token count; weights kept in place over
+    /// few tokens, as in decoding) or paper (every weight and table in place, each product moving both
+    /// operands' blocks as in the Optimus paper and its code; for reproducing its figures or comparing).
+    /// Recorded in the plan [default: auto].
+    #[arg(long = "layouts", value_enum, value_name = "CHOICE")]
+    pub layouts: Option<LayoutsArg>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LayoutsArg {
+    Auto,
+    Paper,
+}
+
+impl LayoutsArg {
+    pub fn layouts(self) -> Layouts {
+        match self {
+            LayoutsArg::Auto => Layouts::Auto,
+            LayoutsArg::Paper => Layouts::Paper,
+        }
+    }
+
+    pub fn of(layouts: Layouts) -> LayoutsArg {
+        match layouts {
+            Layouts::Auto => LayoutsArg::Auto,
+            Layouts::Paper => LayoutsArg::Paper,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -176,7 +206,13 @@ impl TargetArgs {
                 ModeArg::Infer => Mode::Infer,
             },
             memory: self.memory(),
+            layouts: self.layouts(),
         }
+    }
+
+    /// The layouts asked for, auto by default.
+    pub fn layouts(&self) -> Layouts {
+        self.layouts.map_or(Layouts::Auto, LayoutsArg::layouts)
     }
 
     /// The recomputation and precision asked for.
@@ -227,6 +263,10 @@ impl TargetArgs {
         if self.precision.is_some() && target.memory.precision != plan.precision {
             let (want, have) = (target.memory.precision.name(), plan.precision.name());
             conflicts.push(format!("--precision {want} (the plan's precision is {have})"));
+        }
+        if let Some(layouts) = self.layouts.map(LayoutsArg::layouts).filter(|&l| l != plan.layouts) {
+            let (want, have) = (layouts.name(), plan.layouts.name());
+            conflicts.push(format!("--layouts {want} (the plan's layouts are {have})"));
         }
         if let Some(zero) = self.zero.filter(|&z| z != plan.zero) {
             conflicts.push(format!("--zero {zero} (the plan's ZeRO stage is {})", plan.zero));

@@ -131,6 +131,11 @@ impl SimulateArgs {
     fn mode(&self) -> Mode {
         if self.target.mode() == ModeArg::Train { Mode::Train } else { Mode::Infer }
     }
+
+    /// What every plan a search compiles is asked for besides its strategy and mesh.
+    fn choices(&self) -> (Mode, optimus::plan::MemoryOptions, optimus::plan::Layouts) {
+        (self.mode(), self.target.memory(), self.target.layouts())
+    }
 }
 
 /// Runs `optimusc simulate`.
@@ -412,10 +417,10 @@ fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source, asked: &[Strateg
 }
 
 fn side(args: &SimulateArgs, hw: &Hardware, source: &Source, strategy: Strategy, devices: u64) -> Side {
-    let target = search::target_for(strategy, devices, args.mode(), args.target.memory());
+    let target = search::target_for(strategy, devices, args.choices());
     let mesh = target.as_ref().map_or_else(|_| "-".to_string(), |t| t.mesh.to_string());
     let result = target.and_then(|t| source.compile(t, &[])).map(|plan| simulate(&plan, hw, &args.options()));
-    let found = match (args.max_batch, search::target_for(strategy, devices, args.mode(), args.target.memory())) {
+    let found = match (args.max_batch, search::target_for(strategy, devices, args.choices())) {
         (true, Ok(t)) => Some(search::max_batch(source, t, hw.memory_bytes())),
         _ => None,
     };
@@ -514,7 +519,7 @@ fn render_compare(hw: &Hardware, devices: u64, sides: &[Side]) -> String {
 }
 
 fn sweep(args: &SimulateArgs, hw: &Hardware, source: &Source) -> ExitCode {
-    let points = match search::sweep(source, args.mode(), args.target.memory(), hw, &args.options()) {
+    let points = match search::sweep(source, args.choices(), hw, &args.options()) {
         Ok(points) => points,
         Err(e) => {
             eprintln_safe!("error: {e}");

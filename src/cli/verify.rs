@@ -86,6 +86,7 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
         strategy: Strategy::None,
         mode: Mode::Train,
         memory: optimus::plan::MemoryOptions::DEFAULT,
+        layouts: Default::default(),
     };
     let single = compile_for(&args.model, &args.target.set, single_target).ok_or("cannot compile for one device")?;
     let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };

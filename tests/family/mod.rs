@@ -110,6 +110,7 @@ pub fn small_gpt2(mesh: Mesh, strategy: Strategy, vocab: u64, batch: u64) -> Pla
         sets.iter().map(|(k, v)| optimus::elab::Override { name: (*k).to_string(), value: v.to_string() }).collect();
     overrides.push(optimus::elab::Override { name: "pdrop".into(), value: "0.0".into() });
     let model = check_source(&source, &overrides).model.expect("checks");
-    let target = Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT };
+    let target =
+        Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT, layouts: Default::default() };
     compile(&model, "gpt2.opt", &source, target).expect("compiles")
 }

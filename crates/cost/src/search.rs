@@ -10,7 +10,7 @@ use optimus_compiler::front::check_source;
 use optimus_compiler::ir::Model;
 use optimus_compiler::shard::{Target, compile, compile_quietly};
 use optimus_plan::types::Scalar;
-use optimus_plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
+use optimus_plan::{Layouts, MemoryOptions, Mesh, Mode, Plan, Strategy};
 use serde::Serialize;
 
 /// A compiler entry point: [`compile`] or [`compile_quietly`].
@@ -165,8 +165,13 @@ pub fn max_batch(source: &Source, target: Target, capacity: u64) -> MaxBatch {
 }
 
 /// The target of a strategy at a device count: q x q for optimus, 1 x p for megatron, and for
-/// tesseract the largest q x q grid of which the devices make two or more depth layers.
-pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOptions) -> Result<Target, SearchError> {
+/// tesseract the largest q x q grid of which the devices make two or more depth layers; its products
+/// laid out as `layouts` says.
+pub fn target_for(
+    strategy: Strategy,
+    devices: u64,
+    (mode, memory, layouts): (Mode, MemoryOptions, Layouts),
+) -> Result<Target, SearchError> {
     let mesh = match strategy {
         Strategy::Optimus => {
             let q = integer_sqrt(devices).ok_or(SearchError::NotSquare { devices })?;
@@ -187,7 +192,7 @@ pub fn target_for(strategy: Strategy, devices: u64, mode: Mode, memory: MemoryOp
         Strategy::Megatron => Mesh::new(1, devices),
         Strategy::None => Mesh::new(1, 1),
     };
-    Ok(Target { mesh, strategy, mode, memory })
+    Ok(Target { mesh, strategy, mode, memory, layouts })
 }
 
 /// q with q * q * q = n, if there is one.
@@ -235,8 +240,7 @@ pub const SWEEP_DEVICES: [u64; 4] = [4, 16, 64, 256];
 /// Weak and strong scaling of optimus and megatron over [`SWEEP_DEVICES`].
 pub fn sweep(
     source: &Source,
-    mode: Mode,
-    memory: MemoryOptions,
+    (mode, memory, layouts): (Mode, MemoryOptions, Layouts),
     hw: &Hardware,
     options: &Options,
 ) -> Result<Vec<SweepPoint>, SearchError> {
@@ -247,7 +251,7 @@ pub fn sweep(
             let mut first: Option<(u64, f64)> = None;
             for devices in SWEEP_DEVICES {
                 let batch = if scaling == Scaling::Weak { base * devices / SWEEP_DEVICES[0] } else { base };
-                let mut point = sweep_point(source, strategy, devices, batch, (mode, memory), hw, options);
+                let mut point = sweep_point(source, strategy, devices, batch, (mode, memory, layouts), hw, options);
                 point.scaling = scaling;
                 if let Some(sim) = &point.simulation {
                     let (d0, t0) = *first.get_or_insert((devices, sim.step_time_s));
@@ -273,7 +277,7 @@ fn sweep_point(
     strategy: Strategy,
     devices: u64,
     batch: u64,
-    (mode, memory): (Mode, MemoryOptions),
+    choices: (Mode, MemoryOptions, Layouts),
     hw: &Hardware,
     options: &Options,
 ) -> SweepPoint {
@@ -287,7 +291,7 @@ fn sweep_point(
         efficiency: None,
         infeasible: None,
     };
-    let plan = target_for(strategy, devices, mode, memory).and_then(|target| {
+    let plan = target_for(strategy, devices, choices).and_then(|target| {
         point.mesh = target.mesh.to_string();
         source.compile(target, &[batch_override(batch)])
     });

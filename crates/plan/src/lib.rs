@@ -119,6 +119,29 @@ impl Precision {
     }
 }
 
+/// How the compiler lays out the weights of SUMMA products (`compile --layouts`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layouts {
+    /// Per linear, what moves least: a weight that narrows its input laid across the mesh, a tied
+    /// head's table across the mesh or in place by the token count, a weight kept in place over few
+    /// tokens (see `docs/architecture.md`).
+    #[default]
+    Auto,
+    /// The paper's (§3 of `2d-parallelism.md`, what the authors' code runs): every weight and table
+    /// stored in place, input features over the mesh rows, and every product moving both operands.
+    Paper,
+}
+
+impl Layouts {
+    pub fn name(self) -> &'static str {
+        match self {
+            Layouts::Auto => "auto",
+            Layouts::Paper => "paper",
+        }
+    }
+}
+
 /// The memory levers of a compilation: what to recompute (`None`: what the model marks `checkpoint`)
 /// and the precision.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -1011,6 +1034,9 @@ pub struct Plan {
     /// Whether collectives overlap computation ([`overlap::overlap_collectives`], `--overlap`).
     #[serde(default, skip_serializing_if = "is_default")]
     pub overlap: bool,
+    /// How the weights of its SUMMA products were laid out (`--layouts`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub layouts: Layouts,
 }
 
 /// Whether a value is its type's default (left out of plan files, so older plans read the same).

@@ -82,6 +82,9 @@ pub struct Report {
     /// The plan's precision; left out for float32 plans (as in the plan file).
     #[serde(skip_serializing_if = "is_f32")]
     pub precision: super::Precision,
+    /// How its SUMMA products were laid out; left out for `auto` (as in the plan file).
+    #[serde(skip_serializing_if = "is_auto")]
+    pub layouts: super::Layouts,
     /// Floating-point operations per step: on one device, and on all devices together.
     pub flops: Flops,
     pub memory: MemoryReport,
@@ -169,6 +172,7 @@ pub fn report(plan: &Plan) -> Report {
         strategy: plan.strategy.name().to_string(),
         mode: if plan.mode == super::Mode::Train { "train" } else { "infer" }.to_string(),
         precision: plan.precision,
+        layouts: plan.layouts,
         flops: Flops { per_device, total: per_device * plan.mesh.devices() },
         memory: MemoryReport { plan: m.clone(), peak_origin },
         communication,
@@ -253,6 +257,10 @@ fn is_f32(precision: &super::Precision) -> bool {
     *precision == super::Precision::F32
 }
 
+fn is_auto(layouts: &super::Layouts) -> bool {
+    *layouts == super::Layouts::Auto
+}
+
 /// The human-readable report.
 /// What the plan recomputes in the backward pass: the mode, and how many instructions recompute which
 /// blocks (reasons that name the block they recompute); `None` when it recomputes nothing.
@@ -308,9 +316,13 @@ pub fn render_text(plan: &Plan, r: &Report) -> String {
         super::Precision::F32 => String::new(),
         p => format!(", {} precision (float32 master weights)", p.name()),
     };
+    let layouts = match r.layouts {
+        super::Layouts::Auto => "",
+        super::Layouts::Paper => ", the paper's layouts",
+    };
     let _ = writeln!(
         out,
-        "plan: model {}, {} strategy on a {} mesh ({} devices), {} mode{precision}, {} instructions",
+        "plan: model {}, {} strategy on a {} mesh ({} devices), {} mode{precision}{layouts}, {} instructions",
         r.model,
         r.strategy,
         r.mesh,

@@ -16,8 +16,8 @@ use layout::{COLUMN_AXIS, Layout, MAJOR_ORDER, MESH_AXES, Placement, ROW_AXIS};
 use optimus_plan::memory::{insert_frees, plan_memory};
 use optimus_plan::span::{LineIndex, Span};
 use optimus_plan::{
-    Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, MemoryOptions, Mesh, Mode,
-    OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Precision, Recompute, ReduceOp, Role, Strategy,
+    Buffer, BufferId, Collective, CollectiveKind, FORMAT_VERSION, Group, Instr, Kernel, Layouts, MemoryOptions, Mesh,
+    Mode, OriginInfo, Plan, PlanInput, PlanOutput, PlanParam, Precision, Recompute, ReduceOp, Role, Strategy,
 };
 use optimus_plan::{Reason, ReasonKind, SummaPart, SummaProduct};
 use petgraph::graph::{DiGraph, NodeIndex};
@@ -33,6 +33,8 @@ pub struct Target {
     pub mode: Mode,
     /// Recomputation and precision.
     pub memory: MemoryOptions,
+    /// Whether SUMMA products take the layouts that move least or the paper's.
+    pub layouts: Layouts,
 }
 
 /// The largest mesh (in devices) that E0602's help considers when it lists meshes that compile.
@@ -556,6 +558,7 @@ impl<'a> Lowerer<'a> {
             precision: self.target.memory.precision,
             zero: self.target.memory.zero,
             overlap: false,
+            layouts: self.target.layouts,
         };
         if !verify {
             return Ok(plan);

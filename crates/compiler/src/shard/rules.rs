@@ -8,7 +8,7 @@ use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductK
 use super::{Lowerer, Version, shapes};
 use crate::diag::{Code, Diagnostic};
 use crate::ir::Op;
-use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Offset, ReduceOp, Role};
+use optimus_plan::{BufferId, CollectiveKind, Group, Kernel, Layouts, Offset, ReduceOp, Role};
 use optimus_plan::{Reason, ReasonKind, Statistic, SummaPart, SummaProduct};
 use petgraph::graph::NodeIndex;
 
@@ -591,7 +591,14 @@ impl Lowerer<'_> {
     /// (the logits' blocks move either way).
     fn fewer_tokens_than_rows(&self, x: NodeIndex, table: NodeIndex) -> bool {
         let rows = self.shapes[table.index()].first().copied().unwrap_or(0);
-        self.q() > 1 && self.tokens_per_replica(x) < rows
+        self.target.layouts == Layouts::Auto && self.q() > 1 && self.tokens_per_replica(x) < rows
+    }
+
+    /// Whether this compilation lays each product's weight out as moves least (`--layouts auto`) and
+    /// the grid is one on which the layouts laid across the diagonal exist (square, more than one row);
+    /// `--layouts paper` keeps every weight and table in place, as §3 of the design has them.
+    fn chooses_layouts(&self) -> bool {
+        self.target.layouts == Layouts::Auto && self.square_grid()
     }
 
     /// Tokens of `x` (every dimension but the last) per replica of the axes that split the batch.
@@ -611,7 +618,7 @@ impl Lowerer<'_> {
     /// dX, dE), one in inference. In training this holds once T passes about H (1 + 1/q). Only rows of
     /// the table that have a case for it read it (optimus's, which tesseract's layers share).
     fn table_across_moves_less(&self, x: NodeIndex, table: NodeIndex) -> bool {
-        if !self.square_grid() {
+        if !self.chooses_layouts() {
             return false;
         }
         let (tokens, q) = (self.tokens_per_replica(x), self.q());
@@ -635,7 +642,7 @@ impl Lowerer<'_> {
         if let Some(stored) = self.param_layout(w) {
             return stored_across(stored);
         }
-        self.square_grid() && self.fans(w).is_some_and(|(fan_in, fan_out)| fan_in > fan_out)
+        self.chooses_layouts() && self.fans(w).is_some_and(|(fan_in, fan_out)| fan_in > fan_out)
     }
 
     /// A weight's input features (dimension 0) and output features (the rest), if it is a matrix.
@@ -657,7 +664,7 @@ impl Lowerer<'_> {
     /// across the mesh moving (its backward has no products keeping it in place yet).
     fn weight_stays(&self, x: NodeIndex, w: NodeIndex, across: bool) -> bool {
         let train = self.target.mode == optimus_plan::Mode::Train;
-        let Some((fan_in, fan_out)) = self.fans(w).filter(|_| self.square_grid() && !(train && across)) else {
+        let Some((fan_in, fan_out)) = self.fans(w).filter(|_| self.chooses_layouts() && !(train && across)) else {
             return false;
         };
         let (tokens, q) = (self.tokens_per_replica(x), self.q());
