@@ -73,6 +73,8 @@ fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
         "AB (reduced)" => SummaProduct::AbReduced,
         "ATB (B moving)" => SummaProduct::AtbMovingB,
         "AB (B across, in place)" => SummaProduct::AbKeepingBAcross,
+        "ABT (B across, in place)" => SummaProduct::AbtKeepingBAcross,
+        "ATB (accumulated across)" => SummaProduct::AtbAccumulatedAcross,
         other => panic!("unknown product {other} in `{text}`"),
     };
     let mut words = rest.trim_start().splitn(5, ' ');
@@ -95,19 +97,33 @@ fn summa_in_words(text: &str) -> Option<(SummaProduct, u64, u64, SummaPart)> {
 /// in place and ATB moving B).
 fn assert_instruction_is_its_part(instr: &Instr, product: SummaProduct, step: u64, part: SummaPart, text: &str) {
     let root = Some(step - 1);
-    let accumulated = matches!(product, SummaProduct::Ab | SummaProduct::AtbAccumulated | SummaProduct::AbtAccumulated);
+    let accumulated = matches!(
+        product,
+        SummaProduct::Ab
+            | SummaProduct::AtbAccumulated
+            | SummaProduct::AbtAccumulated
+            | SummaProduct::AtbAccumulatedAcross
+    );
     match (part, instr) {
         (SummaPart::BroadcastA | SummaPart::BroadcastB, Instr::Collective { collective: c, .. }) => {
             let along_row = match part {
-                SummaPart::BroadcastA => !matches!(product, SummaProduct::AbtKeepingB | SummaProduct::AbKeepingBAcross),
-                _ => product == SummaProduct::AtbMovingB,
+                SummaPart::BroadcastA => !matches!(
+                    product,
+                    SummaProduct::AbtKeepingB | SummaProduct::AbKeepingBAcross | SummaProduct::AtbAccumulatedAcross
+                ),
+                _ => matches!(product, SummaProduct::AtbMovingB | SummaProduct::AtbAccumulatedAcross),
             };
             let group = if along_row { Group::Row } else { Group::Column };
             assert_eq!((c.kind, c.group, c.root), (CollectiveKind::Broadcast, group, root), "{text}");
         }
         (SummaPart::ReduceC, Instr::Collective { collective: c, .. }) => {
-            let along_column =
-                matches!(product, SummaProduct::Atb | SummaProduct::AbKeepingB | SummaProduct::AtbMovingB);
+            let along_column = matches!(
+                product,
+                SummaProduct::Atb
+                    | SummaProduct::AbKeepingB
+                    | SummaProduct::AtbMovingB
+                    | SummaProduct::AbtKeepingBAcross
+            );
             let group = if along_column { Group::Column } else { Group::Row };
             assert_eq!((c.kind, c.group, c.root), (CollectiveKind::Reduce, group, root), "{text}");
         }
@@ -164,6 +180,37 @@ fn every_summa_step_of_every_example_says_its_product_step_and_part() {
             if let Instr::Kernel { kernel: Kernel::MatMul { .. } | Kernel::BatchedMatMul, .. } = instr {
                 assert_eq!(reason.kind, ReasonKind::LocalProduct, "{name} 1x4: `{}`", reason.text);
             }
+        }
+    }
+}
+
+/// A small training batch of a wide GPT-2 keeps its weights in place, those across the mesh too: every
+/// SUMMA step of those products is the part its reason names (on 2x2 and 4x4).
+#[test]
+fn every_summa_step_of_a_small_batch_keeping_the_weights_says_its_part() {
+    let text = std::fs::read_to_string(examples_dir().join("gpt2.opt")).expect("example");
+    let sets = [("layers", "1"), ("hidden", "512"), ("heads", "8"), ("vocab", "512"), ("context", "8"), ("seq", "8")];
+    for (q, batch) in [(2, "2"), (4, "4")] {
+        let overrides: Vec<Override> = sets
+            .iter()
+            .chain(&[("batch", batch)])
+            .map(|(name, value)| Override { name: name.to_string(), value: value.to_string() })
+            .collect();
+        let model = check_source(&text, &overrides).model.expect("the example checks");
+        let target = Target {
+            mesh: Mesh::new(q, q),
+            strategy: Strategy::Optimus,
+            mode: Mode::Train,
+            memory: MemoryOptions::DEFAULT,
+            layouts: Default::default(),
+        };
+        let plan = compile(&model, "gpt2", &text, target).unwrap_or_else(|e| panic!("{q}x{q}: {e:?}"));
+        assert!(check_summa_steps(&plan, q, &format!("gpt2 small batch {q}x{q}")) > 0);
+        for product in [SummaProduct::AbtKeepingBAcross, SummaProduct::AtbAccumulatedAcross] {
+            let used = explained(&plan)
+                .iter()
+                .any(|(_, r)| matches!(r.kind, ReasonKind::Summa { product: p, .. } if p == product));
+            assert!(used, "{q}x{q}: no {product:?} step");
         }
     }
 }

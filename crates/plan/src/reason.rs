@@ -91,6 +91,15 @@ pub enum SummaProduct {
     /// mesh rows and A's rows over the mesh columns (a decoding step's product of few tokens, which
     /// moves their blocks instead of the weight's).
     AbKeepingBAcross,
+    /// C = A B^T keeping in place a B laid across the mesh, for an A whose columns lie over the mesh
+    /// rows (an output gradient transposed across the diagonal): A broadcast along the row, the partial
+    /// product reduced along the column, so that C comes out with A's rows over the mesh rows (dX of a
+    /// weight stored across the mesh, over a small training batch).
+    AbtKeepingBAcross,
+    /// C = A^T B accumulated in place where C is laid across the mesh, for a B whose columns lie over
+    /// the mesh rows: A broadcast along the column and B along the row (dW of a weight stored across
+    /// the mesh, over a small training batch).
+    AtbAccumulatedAcross,
 }
 
 impl SummaProduct {
@@ -107,6 +116,8 @@ impl SummaProduct {
             SummaProduct::AbReduced => "AB (reduced)",
             SummaProduct::AtbMovingB => "ATB (B moving)",
             SummaProduct::AbKeepingBAcross => "AB (B across, in place)",
+            SummaProduct::AbtKeepingBAcross => "ABT (B across, in place)",
+            SummaProduct::AtbAccumulatedAcross => "ATB (accumulated across)",
         }
     }
 }
@@ -170,17 +181,24 @@ impl SummaPart {
     /// The words for this part of a step of `product`.
     fn text(self, product: SummaProduct) -> &'static str {
         match (self, product) {
-            (SummaPart::BroadcastA, SummaProduct::AbtKeepingB | SummaProduct::AbKeepingBAcross) => {
-                "broadcast A block along the column"
-            }
+            (
+                SummaPart::BroadcastA,
+                SummaProduct::AbtKeepingB | SummaProduct::AbKeepingBAcross | SummaProduct::AtbAccumulatedAcross,
+            ) => "broadcast A block along the column",
             (SummaPart::BroadcastA, _) => "broadcast A block along the row",
-            (SummaPart::BroadcastB, SummaProduct::AtbMovingB) => "broadcast B block along the row",
+            (SummaPart::BroadcastB, SummaProduct::AtbMovingB | SummaProduct::AtbAccumulatedAcross) => {
+                "broadcast B block along the row"
+            }
             (SummaPart::BroadcastB, _) => "broadcast B block along the column",
             (SummaPart::Multiply, _) => "multiply",
             (SummaPart::MultiplyAccumulate, _) => "multiply-accumulate",
-            (SummaPart::ReduceC, SummaProduct::Atb | SummaProduct::AbKeepingB | SummaProduct::AtbMovingB) => {
-                "reduce C block along the column"
-            }
+            (
+                SummaPart::ReduceC,
+                SummaProduct::Atb
+                | SummaProduct::AbKeepingB
+                | SummaProduct::AtbMovingB
+                | SummaProduct::AbtKeepingBAcross,
+            ) => "reduce C block along the column",
             (SummaPart::ReduceC, _) => "reduce C block along the row",
         }
     }
@@ -194,8 +212,8 @@ mod tests {
     fn a_summa_step_says_its_product_step_and_part() {
         use SummaPart::{BroadcastA, BroadcastB, ReduceC};
         use SummaProduct::{
-            Ab, AbKeepingB, AbKeepingBAcross, AbReduced, Abt, AbtAccumulated, AbtKeepingB, Atb, AtbAccumulated,
-            AtbMovingB,
+            Ab, AbKeepingB, AbKeepingBAcross, AbReduced, Abt, AbtAccumulated, AbtKeepingB, AbtKeepingBAcross, Atb,
+            AtbAccumulated, AtbAccumulatedAcross, AtbMovingB,
         };
         let cases = [
             (Ab, [2, 4], BroadcastA, "AB step 2 of 4: broadcast A block along the row"),
@@ -215,6 +233,30 @@ mod tests {
             ),
             (AbKeepingBAcross, [2, 2], ReduceC, "AB (B across, in place) step 2 of 2: reduce C block along the row"),
             (AtbMovingB, [4, 4], ReduceC, "ATB (B moving) step 4 of 4: reduce C block along the column"),
+            (
+                AbtKeepingBAcross,
+                [1, 2],
+                BroadcastA,
+                "ABT (B across, in place) step 1 of 2: broadcast A block along the row",
+            ),
+            (
+                AbtKeepingBAcross,
+                [2, 2],
+                ReduceC,
+                "ABT (B across, in place) step 2 of 2: reduce C block along the column",
+            ),
+            (
+                AtbAccumulatedAcross,
+                [1, 2],
+                BroadcastA,
+                "ATB (accumulated across) step 1 of 2: broadcast A block along the column",
+            ),
+            (
+                AtbAccumulatedAcross,
+                [2, 2],
+                BroadcastB,
+                "ATB (accumulated across) step 2 of 2: broadcast B block along the row",
+            ),
         ];
         for (product, [step, steps], part, text) in cases {
             let reason = Reason::summa_step("tied linear", product, step, steps, part);

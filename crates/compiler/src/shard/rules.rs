@@ -62,6 +62,13 @@ impl ReducedSumma {
     const AB_KEEPING_B_ACROSS: ReducedSumma =
         ReducedSumma::new(SummaProduct::AbKeepingBAcross, true, Group::Column, Group::Row, (false, false));
 
+    /// C = A B^T keeping a B laid across the mesh in place, A's block (t,i) holding A's rows i and
+    /// columns t (an output gradient transposed across the diagonal): A(t,i) broadcast along row t, the
+    /// partial A(t,i) B(t,j)^T reduced along column j to (i,j), which holds C's block of rows i and
+    /// columns j (C laid as A's transpose would be).
+    const ABT_KEEPING_B_ACROSS: ReducedSumma =
+        ReducedSumma::new(SummaProduct::AbtKeepingBAcross, true, Group::Row, Group::Column, (false, true));
+
     const fn new(product: SummaProduct, moves_a: bool, along: Group, reduce_along: Group, t: (bool, bool)) -> Self {
         ReducedSumma { product, moves_a, along, reduce_along, transpose_a: t.0, transpose_b: t.1 }
     }
@@ -133,6 +140,12 @@ impl Lowerer<'_> {
             ProductKind::SummaAbKeepingB => self.summa_reduced(ReducedSumma::AB_KEEPING_B, a, b, out, p.what),
             ProductKind::SummaAbKeepingBAcross => {
                 self.summa_reduced(ReducedSumma::AB_KEEPING_B_ACROSS, a, b, out, p.what)
+            }
+            ProductKind::SummaAbtKeepingBAcross => {
+                self.summa_reduced(ReducedSumma::ABT_KEEPING_B_ACROSS, a, b, out, p.what)
+            }
+            ProductKind::SummaAtbAccumulatedAcross => {
+                self.summa_ab(SummaProduct::AtbAccumulatedAcross, a, b, out, p.what)
             }
             ProductKind::Local { transpose_a, transpose_b } => {
                 self.local_matmul(a, b, out, transpose_a, transpose_b, p.what)
@@ -323,10 +336,18 @@ impl Lowerer<'_> {
     /// C = A B on q x q blocks: broadcast A(i,t) along row i and B(t,j) along column j, accumulate; or,
     /// as `SummaProduct::AtbAccumulated`, C = A^T B the same way for an A whose rows lie over the mesh
     /// columns (A's block (i,t) holds its columns i and rows t); or, as `SummaProduct::AbtAccumulated`,
-    /// C = A B^T for a B laid across the mesh (B's block (t,j) holds its rows j and columns t).
+    /// C = A B^T for a B laid across the mesh (B's block (t,j) holds its rows j and columns t); or, as
+    /// `SummaProduct::AtbAccumulatedAcross`, C = A^T B for a C laid across the mesh (C's block (t,j)
+    /// holds its rows j and columns t) and a B whose columns lie over the mesh rows (B's block (t,i)
+    /// holds its columns t and rows i): A(i,j) broadcast along column j and B(t,i) along row t.
     fn summa_ab(&mut self, product: SummaProduct, a: BufferId, b: BufferId, out: BufferId, what: &str) {
         let q = self.q();
-        let transpose_a = product == SummaProduct::AtbAccumulated;
+        let transpose_a = matches!(product, SummaProduct::AtbAccumulated | SummaProduct::AtbAccumulatedAcross);
+        let (a_along, b_along) = if product == SummaProduct::AtbAccumulatedAcross {
+            (Group::Column, Group::Row)
+        } else {
+            (Group::Row, Group::Column)
+        };
         let transpose_b = product == SummaProduct::AbtAccumulated;
         if q == 1 {
             self.kernel(
@@ -343,8 +364,8 @@ impl Lowerer<'_> {
             let step = |this: &mut Self, part| this.summa_reason(what, product, t + 1, q, part);
             let reasons = [SummaPart::BroadcastA, SummaPart::BroadcastB, SummaPart::MultiplyAccumulate];
             let [broadcast_a, broadcast_b, multiply] = reasons.map(|part| step(self, part));
-            self.collective(CollectiveKind::Broadcast, Group::Row, Some(t), None, None, a, wa, broadcast_a);
-            self.collective(CollectiveKind::Broadcast, Group::Column, Some(t), None, None, b, wb, broadcast_b);
+            self.collective(CollectiveKind::Broadcast, a_along, Some(t), None, None, a, wa, broadcast_a);
+            self.collective(CollectiveKind::Broadcast, b_along, Some(t), None, None, b, wb, broadcast_b);
             let k = Kernel::MatMul { transpose_a, transpose_b, accumulate: t > 0 };
             self.kernel(k, &[wa, wb], sum, multiply);
         }
@@ -660,11 +681,12 @@ impl Lowerer<'_> {
     /// input's blocks broadcast, the partial outputs reduced), against T x side plus in x out over q.
     /// In training, three passes (forward; dX = dY W^T keeping W, dX transposed back; dW = X^T dY
     /// accumulated in place from the forward's transposed input): 3 T (in + out) over q plus two
-    /// transposes of T x in over q^2, against 3 (T x in + in x out) over q. Training keeps a weight
-    /// across the mesh moving (its backward has no products keeping it in place yet).
+    /// transposes of T x in over q^2, against 3 (T x in + in x out) over q. A weight across the mesh
+    /// does the same with its output's side: the forward's output transposed back, dY transposed for dX
+    /// = dY W^T (which comes out as the input lies) and for dW = X^T dY accumulated across.
     fn weight_stays(&self, x: NodeIndex, w: NodeIndex, across: bool) -> bool {
         let train = self.target.mode == optimus_plan::Mode::Train;
-        let Some((fan_in, fan_out)) = self.fans(w).filter(|_| self.chooses_layouts() && !(train && across)) else {
+        let Some((fan_in, fan_out)) = self.fans(w).filter(|_| self.chooses_layouts()) else {
             return false;
         };
         let (tokens, q) = (self.tokens_per_replica(x), self.q());

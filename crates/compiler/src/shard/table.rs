@@ -215,6 +215,13 @@ pub enum ProductKind {
     /// partial products reduced along the rows; C has B's columns over the mesh rows and A's rows over
     /// the mesh columns.
     SummaAbKeepingBAcross,
+    /// C = A B^T by SUMMA keeping in place a B laid across the mesh, for an A whose columns lie over the
+    /// mesh rows: A broadcast along the rows, partial products reduced along the columns; C has A's rows
+    /// over the mesh rows.
+    SummaAbtKeepingBAcross,
+    /// C = A^T B by SUMMA for a C laid across the mesh and a B whose columns lie over the mesh rows: A
+    /// broadcast along the columns, B along the rows, accumulated where C is stored.
+    SummaAtbAccumulatedAcross,
     /// One local matmul of the blocks (a split contracted dimension leaves the result partial).
     Local { transpose_a: bool, transpose_b: bool },
     /// 3D: one local matmul of the gathered blocks into a pending sum over mesh axis `axis` (which
@@ -363,7 +370,7 @@ const WHOLE: Pattern = Axes(Rep, Rep);
 use Operator as Op;
 use ProductKind::{
     SummaAb, SummaAbKeepingB, SummaAbKeepingBAcross, SummaAbReduced, SummaAbt, SummaAbtAccumulated, SummaAbtKeepingB,
-    SummaAtb, SummaAtbAccumulated, SummaAtbMovingB,
+    SummaAbtKeepingBAcross, SummaAtb, SummaAtbAccumulated, SummaAtbAccumulatedAcross, SummaAtbMovingB,
 };
 
 /// A tied table laid across the mesh: its rows (the vocabulary) over the mesh columns, its width over
@@ -432,6 +439,8 @@ pub const RULES: &[Rule] = &[
         always(&[WHOLE, Axes(Rep, Dim0)], Axes(Rep, Last), product(LOCAL_BT, 0, 1, "tied linear, vocab-parallel")),
     ]),
     row(Op::LinearGradInput, Optimus, &[
+        case(When::WeightStaysAcross, &[Axes(OutLast, Batch), Stored], Axes(Batch, Last),
+            product(SummaAbtKeepingBAcross, 0, 1, "backward of linear (dX = dY W^T), weight across the mesh and in place")),
         case(When::WeightStays, &[Axes(Batch, OutLast), Stored], Axes(Last, Batch),
             product(SummaAbtKeepingB, 0, 1, "backward of linear (dX = dY W^T), weight in place")),
         case(When::WeightAcross, &[Axes(Batch, OutLast), Stored], Axes(Batch, Last),
@@ -457,6 +466,8 @@ pub const RULES: &[Rule] = &[
         always(&[Axes(Rep, Last), Stored], Axes(Rep, Partial), product(LOCAL, 0, 1, "backward of linear (dX)")),
     ]),
     row(Op::LinearGradWeight, Optimus, &[
+        case(When::WeightStaysAcross, &[Axes(Batch, Last), Axes(OutLast, Batch)], Stored,
+            product(SummaAtbAccumulatedAcross, 0, 1, "backward of linear (dW = X^T dY), weight across the mesh and in place")),
         case(When::WeightStays, &[Axes(Last, Batch), Axes(Batch, OutLast)], Stored,
             product(SummaAtbAccumulated, 0, 1, "backward of linear (dW = X^T dY), weight in place")),
         case(When::WeightAcross, &[Axes(Batch, Last), Axes(Batch, OutLast)], Stored,
