@@ -61,15 +61,24 @@ fn summa_linear(m: u64, k: u64, n: u64, q: u64) -> u64 {
     (m * k.min(n) + k * n) / q
 }
 
-/// The forward SUMMA payload of one layer per device: the seven linears, with M = b*s rows: q_proj
-/// and o_proj (h -> h), k_proj and v_proj (h -> kv, across the mesh where kv < h), gate_proj and
-/// up_proj (h -> f), down_proj (f -> h, across); kv = kv_heads * h / heads. With kv < h < f, as
-/// docs/llama.md writes it: [M(5h + 2kv) + 2h^2 + 2h kv + 3hf] / q.
-fn summa_forward(c: Config, q: u64) -> u64 {
+/// The SUMMA payload of one layer's seven linears per device, each alone: M = b*s rows, q_proj and
+/// o_proj (h -> h), k_proj and v_proj (h -> kv, across the mesh where kv < h), gate_proj and up_proj
+/// (h -> f), down_proj (f -> h, across); kv = kv_heads * h / heads. The backward moves twice this.
+fn summa_each(c: Config, q: u64) -> u64 {
     let (heads, kv_heads, h, f, b, s) = c;
     let (m, kv) = (b * s, kv_heads * h / heads);
     let linears = [(h, h), (h, h), (h, kv), (h, kv), (h, f), (h, f), (f, h)];
     linears.iter().map(|&(k, n)| summa_linear(m, k, n, q)).sum()
+}
+
+/// The forward SUMMA payload of one layer per device: [`summa_each`] less the input broadcasts that
+/// linears of one input with their weights in place share (each step's input block is broadcast once
+/// for them all): gate_proj's and up_proj's, and q_proj's with k_proj's and v_proj's where kv = h (all
+/// three in place). With kv < h < f, as docs/llama.md writes it: [M(4h + 2kv) + 2h^2 + 2h kv + 3hf] / q.
+fn summa_forward(c: Config, q: u64) -> u64 {
+    let (heads, kv_heads, h, _, b, s) = c;
+    let shared_by_attention = if kv_heads == heads { 2 } else { 0 };
+    summa_each(c, q) - (shared_by_attention + 1) * b * s * h / q
 }
 
 /// docs/llama.md's closed form, where kv < h < f.
@@ -79,7 +88,7 @@ fn the_closed_form_is_the_sum_over_the_linears() {
         let (heads, kv_heads, h, f, b, s) = c;
         let (m, kv) = (b * s, kv_heads * h / heads);
         if kv < h && h < f {
-            let closed = (m * (5 * h + 2 * kv) + 2 * h * h + 2 * h * kv + 3 * h * f) / 2;
+            let closed = (m * (4 * h + 2 * kv) + 2 * h * h + 2 * h * kv + 3 * h * f) / 2;
             assert_eq!(summa_forward(c, 2), closed, "{c:?}");
         }
     }
@@ -99,7 +108,8 @@ fn optimus_layer_payload_matches_the_formula() {
             for l in 0..2 {
                 let case = format!("{c:?} q={q} layer {l}");
                 assert_eq!(summa_elements(&infer, l), summa_forward(c, q), "{case}: forward");
-                assert_eq!(summa_elements(&train, l), 3 * summa_forward(c, q), "{case}: forward + backward");
+                let train_payload = summa_forward(c, q) + 2 * summa_each(c, q);
+                assert_eq!(summa_elements(&train, l), train_payload, "{case}: forward + backward");
                 // Besides SUMMA, only row statistics and norm-weight gradients travel: no collective
                 // moves an activation-sized block for rotary, grouped-query attention or the gate.
                 let m = c.4 * c.5;

@@ -294,6 +294,8 @@ pub(crate) struct Lowerer<'a> {
     /// Whether layouts asked for get their data-axis placement from the node's role (while the rules
     /// run; not for outputs and the optimizer, which ask for exactly what they want).
     filling_data: bool,
+    /// Nodes lowered ahead of their turn, with a sibling that shares their SUMMA broadcasts.
+    lowered_early: HashSet<NodeIndex>,
     /// The parameter whose complete gradient each gradient node is.
     gradient_of: HashMap<NodeIndex, ParamId>,
     /// Gradients complete but not yet reduced over the replicas, and their bytes.
@@ -342,6 +344,7 @@ impl<'a> Lowerer<'a> {
             stop_at_first_error: false,
             data_roles: data::data_roles(graph),
             filling_data: false,
+            lowered_early: HashSet::default(),
             gradient_of: HashMap::default(),
             open_bucket: Vec::new(),
             open_bucket_bytes: 0,
@@ -388,7 +391,9 @@ impl<'a> Lowerer<'a> {
             if stop || self.diagnostics.iter().any(|d| d.code != Code::E0602) {
                 return;
             }
-            self.lower_node(n);
+            if !self.lowered_early.contains(&n) {
+                self.lower_node(n);
+            }
             self.gradient_done(n);
         }
         self.filling_data = false;

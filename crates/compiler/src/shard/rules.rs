@@ -341,7 +341,21 @@ impl Lowerer<'_> {
     /// holds its rows j and columns t) and a B whose columns lie over the mesh rows (B's block (t,i)
     /// holds its columns t and rows i): A(i,j) broadcast along column j and B(t,i) along row t.
     fn summa_ab(&mut self, product: SummaProduct, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let current = self.current;
+        self.summa_ab_sharing_a(product, a, &[(current, b, out)], what);
+    }
+
+    /// [`Lowerer::summa_ab`] of one A with several (B, C), for the nodes given beside them: each step
+    /// broadcasts A's block once, then each B's block and multiplies it in, as that node's.
+    fn summa_ab_sharing_a(
+        &mut self,
+        product: SummaProduct,
+        a: BufferId,
+        products: &[(NodeIndex, BufferId, BufferId)],
+        what: &str,
+    ) {
         let q = self.q();
+        let first = self.current;
         let transpose_a = matches!(product, SummaProduct::AtbAccumulated | SummaProduct::AtbAccumulatedAcross);
         let (a_along, b_along) = if product == SummaProduct::AtbAccumulatedAcross {
             (Group::Column, Group::Row)
@@ -350,29 +364,40 @@ impl Lowerer<'_> {
         };
         let transpose_b = product == SummaProduct::AbtAccumulated;
         if q == 1 {
-            self.kernel(
-                Kernel::MatMul { transpose_a, transpose_b, accumulate: false },
-                &[a, b],
-                out,
-                Reason::new(ReasonKind::LocalProduct, what),
-            );
+            for &(node, b, out) in products {
+                self.current = node;
+                let reason = Reason::new(ReasonKind::LocalProduct, what);
+                self.kernel(Kernel::MatMul { transpose_a, transpose_b, accumulate: false }, &[a, b], out, reason);
+            }
+            self.current = first;
             return;
         }
-        let (wa, wb) = (self.workspace_like(a, "summa_a"), self.workspace_like(b, "summa_b"));
-        let sum = self.summa_accumulator(out);
+        let wa = self.workspace_like(a, "summa_a");
+        let moving: Vec<(NodeIndex, BufferId, BufferId, BufferId)> = products
+            .iter()
+            .map(|&(node, b, out)| (node, b, self.workspace_like(b, "summa_b"), self.summa_accumulator(out)))
+            .collect();
         for t in 0..q {
             let step = |this: &mut Self, part| this.summa_reason(what, product, t + 1, q, part);
             let reasons = [SummaPart::BroadcastA, SummaPart::BroadcastB, SummaPart::MultiplyAccumulate];
             let [broadcast_a, broadcast_b, multiply] = reasons.map(|part| step(self, part));
+            self.current = first;
             self.collective(CollectiveKind::Broadcast, a_along, Some(t), None, None, a, wa, broadcast_a);
-            self.collective(CollectiveKind::Broadcast, b_along, Some(t), None, None, b, wb, broadcast_b);
-            let k = Kernel::MatMul { transpose_a, transpose_b, accumulate: t > 0 };
-            self.kernel(k, &[wa, wb], sum, multiply);
+            for &(node, b, wb, sum) in &moving {
+                self.current = node;
+                self.collective(CollectiveKind::Broadcast, b_along, Some(t), None, None, b, wb, broadcast_b);
+                let k = Kernel::MatMul { transpose_a, transpose_b, accumulate: t > 0 };
+                self.kernel(k, &[wa, wb], sum, multiply);
+            }
         }
-        if sum != out {
-            let reason = Reason::new(ReasonKind::Cast, format!("{what}: round the float32 SUMMA sum to bf16 once"));
-            self.kernel(Kernel::Cast, &[sum], out, reason);
+        for (&(node, _, out), &(_, _, _, sum)) in products.iter().zip(&moving) {
+            if sum != out {
+                self.current = node;
+                let reason = Reason::new(ReasonKind::Cast, format!("{what}: round the float32 SUMMA sum to bf16 once"));
+                self.kernel(Kernel::Cast, &[sum], out, reason);
+            }
         }
+        self.current = first;
     }
 
     /// Where the q steps of a SUMMA C += A_t B_t accumulate: the output itself, or for a bf16 output a
@@ -566,10 +591,49 @@ impl Lowerer<'_> {
     // ---- linear layers -------------------------------------------------------------------------
 
     /// y = x W (+ b), or x E^T for a tied table: the row's product, then the bias once the result is
-    /// whole along every axis that splits its rows (a row-parallel result is summed first).
+    /// whole along every axis that splits its rows (a row-parallel result is summed first). Later
+    /// linears of the same input that take the same SUMMA product (Llama's gate and up projections)
+    /// are computed with it, each step's input block broadcast once for all of them.
     fn linear(&mut self, n: NodeIndex, ops: &[NodeIndex], bias: bool, tied: bool) {
         let (x, w) = (ops[0], ops[1]);
-        let last = self.rank(n) - 1;
+        let Some((case, dims)) = self.linear_case(x, w, tied) else { return };
+        let xb = self.value(x, laid(case.operands[0], &dims, Layout::REPLICATED));
+        let siblings = self.siblings_sharing_input(n, x, (case, &dims));
+        let wb = self.value(w, laid(case.operands[1], &dims, Layout::REPLICATED));
+        let layout = self.norm(laid(case.output, &dims, Layout::REPLICATED));
+        let y = self.node_buffer(n, layout, Role::Workspace);
+        if siblings.is_empty() {
+            self.multiply(case.product, &[xb, wb], y);
+            self.linear_output(n, (y, layout), case, bias.then(|| ops[2]));
+            return;
+        }
+        let mut products = vec![(n, wb, y)];
+        let mut outputs = Vec::new();
+        for (m, m_ops, m_bias) in siblings {
+            self.current = m;
+            let m_dims = Dims { out: self.out_split(m_ops[1], 1), ..dims };
+            let m_wb = self.value(m_ops[1], laid(case.operands[1], &m_dims, Layout::REPLICATED));
+            let m_layout = self.norm(laid(case.output, &m_dims, Layout::REPLICATED));
+            let m_y = self.node_buffer(m, m_layout, Role::Workspace);
+            products.push((m, m_wb, m_y));
+            outputs.push((m, m_layout, m_bias.then(|| m_ops[2])));
+        }
+        self.current = n;
+        let what = case.product.map_or("linear", |p| p.what);
+        self.summa_ab_sharing_a(SummaProduct::Ab, xb, &products, what);
+        self.linear_output(n, (y, layout), case, bias.then(|| ops[2]));
+        for ((m, m_layout, m_bias), &(_, _, m_y)) in outputs.into_iter().zip(&products[1..]) {
+            self.current = m;
+            self.linear_output(m, (m_y, m_layout), case, m_bias);
+            self.lowered_early.insert(m);
+        }
+        self.current = n;
+    }
+
+    /// The case of a linear's row for input `x` and weight `w`, and the dimensions its patterns are
+    /// read with.
+    fn linear_case(&mut self, x: NodeIndex, w: NodeIndex, tied: bool) -> Option<(&'static Case, Dims)> {
+        let last = self.rank(x) - 1;
         let operator = if tied { Operator::LinearTied } else { Operator::Linear };
         let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(last);
         let few_tokens = tied && self.fewer_tokens_than_rows(x, w);
@@ -577,20 +641,51 @@ impl Lowerer<'_> {
         let weight_across = !tied && self.weight_across(w);
         let weight_stays = !tied && self.weight_stays(x, w, weight_across);
         let facts = Facts { input_split, few_tokens, table_across, weight_across, weight_stays, ..Facts::default() };
-        let Some(case) = self.rule_case(operator, &facts) else {
-            return;
-        };
-        let dims = Dims { out: self.out_split(w, 1), ..self.dims(last) };
-        let xb = self.value(x, laid(case.operands[0], &dims, Layout::REPLICATED));
-        let wb = self.value(w, laid(case.operands[1], &dims, Layout::REPLICATED));
-        let layout = self.norm(laid(case.output, &dims, Layout::REPLICATED));
-        let y = self.node_buffer(n, layout, Role::Workspace);
-        self.multiply(case.product, &[xb, wb], y);
+        let case = self.rule_case(operator, &facts)?;
+        Some((case, Dims { out: self.out_split(w, 1), ..self.dims(last) }))
+    }
+
+    /// The later untied linears of input `x` (their nodes, operands and whether they add a bias) that
+    /// take the same plain SUMMA product as node `n`, with `x` laid out alike: on a mesh of more than
+    /// one row, their steps can share `x`'s broadcasts (not under `--layouts paper`, whose plans move
+    /// what the paper's code moves). Their operands are `x` and parameters, so they can be computed as
+    /// early as `n`.
+    fn siblings_sharing_input(
+        &mut self,
+        n: NodeIndex,
+        x: NodeIndex,
+        (case, dims): (&'static Case, &Dims),
+    ) -> Vec<(NodeIndex, Vec<NodeIndex>, bool)> {
+        let plain_ab = case.product.is_some_and(|p| p.kind == ProductKind::SummaAb && p.a == 0 && p.b == 1);
+        if !plain_ab || self.q() == 1 || self.target.layouts == Layouts::Paper {
+            return Vec::new();
+        }
+        let x_layout = laid(case.operands[0], dims, Layout::REPLICATED);
+        let mut siblings = Vec::new();
+        for index in n.index() + 1..self.graph.node_count() {
+            let m = NodeIndex::new(index);
+            let Op::Linear { bias, transpose_weight: false } = self.graph[m].op else { continue };
+            let m_ops = self.operands(m);
+            if m_ops.first() != Some(&x) || self.lowered_early.contains(&m) {
+                continue;
+            }
+            let Some((m_case, m_dims)) = self.linear_case(x, m_ops[1], false) else { continue };
+            if std::ptr::eq(m_case, case) && laid(m_case.operands[0], &m_dims, Layout::REPLICATED) == x_layout {
+                siblings.push((m, m_ops, bias));
+            }
+        }
+        siblings
+    }
+
+    /// A linear's product `y` (laid as `layout`) made its output: laid back where the case keeps a
+    /// weight across the mesh, then summed and given its bias where it has one (`bias`).
+    fn linear_output(&mut self, n: NodeIndex, (y, layout): (BufferId, Layout), case: &Case, bias: Option<NodeIndex>) {
         let (y, layout) = if case.when == When::WeightStaysAcross { self.laid_back(n, y, layout) } else { (y, layout) };
-        if !bias {
+        let Some(bias) = bias else {
             self.define(n, layout, y);
             return;
-        }
+        };
+        let last = self.rank(n) - 1;
         let reason =
             Reason::new(ReasonKind::PartialSum { scatter: false }, "sum the row-parallel linear's partial outputs");
         let (y, layout) = self.all_reduce_partials(y, layout, ReduceOp::Sum, reason);
@@ -600,7 +695,7 @@ impl Lowerer<'_> {
                 bias_layout.0[axis] = on_dim(layout.0[axis], 0);
             }
         }
-        let bb = self.value(ops[2], bias_layout);
+        let bb = self.value(bias, bias_layout);
         let out = self.node_buffer(n, layout, Role::Workspace);
         self.kernel(Kernel::BiasAdd, &[y, bb], out, compute("add bias"));
         self.define(n, layout, out);
