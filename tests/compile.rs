@@ -265,25 +265,28 @@ fn summa_layer_payload_matches_the_formula() {
 }
 
 /// Linears that read one input with their weights in place take one SUMMA product together: each
-/// step broadcasts the input's block once for all of them. BERT's query, key and value (h -> h) move
-/// 3 h^2/q of weights and M h/q of input a forward pass, where three products would move 3(Mh + h^2)/q;
-/// the backward moves each one's blocks as before, 2(Mh + h^2)/q apiece. The shared broadcasts are the
-/// query's, each product's weight broadcasts and multiplies its own (`inspect` traces them so).
+/// step broadcasts the input's block once for all of them, and so do their weight gradients (dW = X^T
+/// dY broadcasts X). BERT's query, key and value (h -> h) move 3 h^2/q of weights and M h/q of input a
+/// forward pass, where three products would move 3(Mh + h^2)/q; their dX move each one's blocks,
+/// (Mh + h^2)/q apiece, and their dW the input once beside their partial gradients, (Mh + 3h^2)/q.
+/// The forward's shared broadcasts are the query's (`inspect` traces each weight's own to its linear).
 #[test]
 fn linears_of_one_input_broadcast_it_once() {
     let sets = [("layers", "1"), ("hidden", "64"), ("heads", "4"), ("seq", "16"), ("batch", "4"), ("vocab", "100")];
     for q in [2, 4] {
-        let m = 4 * 16;
-        let h = 64;
+        let (m, h) = (4 * 16, 64);
         let scope = |name: &str| format!("bert.encoder.layer.0.attention.self.{name}");
         for mode in [Mode::Infer, Mode::Train] {
             let r = report(&plan("bert", &sets, target(Strategy::Optimus, q, q, mode)));
-            let each: Vec<u64> = ["query", "key", "value"].iter().map(|n| elements(&summa(&r, &scope(n)))).collect();
             let case = format!("bert on {q}x{q}, {mode:?}");
-            let backward = if mode == Mode::Train { 2 * (m * h + h * h) / q } else { 0 };
-            assert_eq!(each[0], (m * h + h * h) / q + backward, "{case}: the query's product broadcasts the input");
-            assert_eq!(each[1], h * h / q + backward, "{case}: the key's moves its weight alone forward");
-            assert_eq!(each[2], h * h / q + backward, "{case}: the value's moves its weight alone forward");
+            let forward: Vec<u64> = ["query", "key", "value"]
+                .iter()
+                .map(|n| elements(&summa(&r, &scope(n)).into_iter().filter(|c| !is_backward(c)).collect::<Vec<_>>()))
+                .collect();
+            assert_eq!(forward, [(m * h + h * h) / q, h * h / q, h * h / q], "{case}: the query's broadcasts the input");
+            let all: u64 = ["query", "key", "value"].iter().map(|n| elements(&summa(&r, &scope(n)))).sum();
+            let backward = if mode == Mode::Train { 3 * (m * h + h * h) / q + (m * h + 3 * h * h) / q } else { 0 };
+            assert_eq!(all, (m * h + 3 * h * h) / q + backward, "{case}: forward and backward");
         }
     }
 }

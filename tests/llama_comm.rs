@@ -71,14 +71,19 @@ fn summa_each(c: Config, q: u64) -> u64 {
     linears.iter().map(|&(k, n)| summa_linear(m, k, n, q)).sum()
 }
 
-/// The forward SUMMA payload of one layer per device: [`summa_each`] less the input broadcasts that
-/// linears of one input with their weights in place share (each step's input block is broadcast once
-/// for them all): gate_proj's and up_proj's, and q_proj's with k_proj's and v_proj's where kv = h (all
-/// three in place). With kv < h < f, as docs/llama.md writes it: [M(4h + 2kv) + 2h^2 + 2h kv + 3hf] / q.
-fn summa_forward(c: Config, q: u64) -> u64 {
+/// The input broadcasts that linears of one input with their weights in place share, in elements
+/// per device and pass (each step's input block is broadcast once for them all, forward and in dW):
+/// up_proj's with gate_proj's, and k_proj's and v_proj's with q_proj's where kv = h (all three in place).
+fn shared(c: Config, q: u64) -> u64 {
     let (heads, kv_heads, h, _, b, s) = c;
     let shared_by_attention = if kv_heads == heads { 2 } else { 0 };
-    summa_each(c, q) - (shared_by_attention + 1) * b * s * h / q
+    (shared_by_attention + 1) * b * s * h / q
+}
+
+/// The forward SUMMA payload of one layer per device: [`summa_each`] less what is [`shared`]. With
+/// kv < h < f, as docs/llama.md writes it: [M(4h + 2kv) + 2h^2 + 2h kv + 3hf] / q.
+fn summa_forward(c: Config, q: u64) -> u64 {
+    summa_each(c, q) - shared(c, q)
 }
 
 /// docs/llama.md's closed form, where kv < h < f.
@@ -108,7 +113,8 @@ fn optimus_layer_payload_matches_the_formula() {
             for l in 0..2 {
                 let case = format!("{c:?} q={q} layer {l}");
                 assert_eq!(summa_elements(&infer, l), summa_forward(c, q), "{case}: forward");
-                let train_payload = summa_forward(c, q) + 2 * summa_each(c, q);
+                // The backward: dX of each linear alone; dW sharing the input's broadcasts as forward.
+                let train_payload = 3 * summa_each(c, q) - 2 * shared(c, q);
                 assert_eq!(summa_elements(&train, l), train_payload, "{case}: forward + backward");
                 // Besides SUMMA, only row statistics and norm-weight gradients travel: no collective
                 // moves an activation-sized block for rotary, grouped-query attention or the gate.

@@ -296,6 +296,8 @@ pub(crate) struct Lowerer<'a> {
     filling_data: bool,
     /// Nodes lowered ahead of their turn, with a sibling that shares their SUMMA broadcasts.
     lowered_early: HashSet<NodeIndex>,
+    /// Weight gradients left for a later sibling's turn, to be lowered with it and share its broadcasts.
+    deferred: HashSet<NodeIndex>,
     /// The parameter whose complete gradient each gradient node is.
     gradient_of: HashMap<NodeIndex, ParamId>,
     /// Gradients complete but not yet reduced over the replicas, and their bytes.
@@ -345,6 +347,7 @@ impl<'a> Lowerer<'a> {
             data_roles: data::data_roles(graph),
             filling_data: false,
             lowered_early: HashSet::default(),
+            deferred: HashSet::default(),
             gradient_of: HashMap::default(),
             open_bucket: Vec::new(),
             open_bucket_bytes: 0,
@@ -394,7 +397,9 @@ impl<'a> Lowerer<'a> {
             if !self.lowered_early.contains(&n) {
                 self.lower_node(n);
             }
-            self.gradient_done(n);
+            if !self.deferred.contains(&n) {
+                self.gradient_done(n);
+            }
         }
         self.filling_data = false;
         if self.stop_at_first_error && !self.diagnostics.is_empty() {

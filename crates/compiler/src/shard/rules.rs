@@ -415,35 +415,54 @@ impl Lowerer<'_> {
     /// A SUMMA product whose output blocks are reduced: each step broadcasts one operand's block,
     /// multiplies it with the local block of the other, and reduces the partial product to step t's root.
     fn summa_reduced(&mut self, summa: ReducedSumma, a: BufferId, b: BufferId, out: BufferId, what: &str) {
+        let (moved, other) = if summa.moves_a { (a, b) } else { (b, a) };
+        let current = self.current;
+        self.summa_reduced_sharing(summa, moved, &[(current, other, out)], what);
+    }
+
+    /// [`Lowerer::summa_reduced`] of one moved operand with several (other operand, C), for the nodes
+    /// given beside them: each step broadcasts the moved block once, then multiplies and reduces each
+    /// product's partial, as that node's.
+    fn summa_reduced_sharing(
+        &mut self,
+        summa: ReducedSumma,
+        moved: BufferId,
+        products: &[(NodeIndex, BufferId, BufferId)],
+        what: &str,
+    ) {
         let (ta, tb) = (summa.transpose_a, summa.transpose_b);
         let q = self.q();
+        let first = self.current;
+        let operands = |moved: BufferId, other: BufferId| if summa.moves_a { [moved, other] } else { [other, moved] };
         if q == 1 {
-            let reason = Reason::new(ReasonKind::LocalProduct, what);
-            self.kernel(Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false }, &[a, b], out, reason);
+            for &(node, other, out) in products {
+                self.current = node;
+                let reason = Reason::new(ReasonKind::LocalProduct, what);
+                let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
+                self.kernel(k, &operands(moved, other), out, reason);
+            }
+            self.current = first;
             return;
         }
-        let (moved, name, broadcast) =
-            if summa.moves_a { (a, "summa_a", SummaPart::BroadcastA) } else { (b, "summa_b", SummaPart::BroadcastB) };
+        let (name, broadcast) =
+            if summa.moves_a { ("summa_a", SummaPart::BroadcastA) } else { ("summa_b", SummaPart::BroadcastB) };
         let copy = self.workspace_like(moved, name);
-        let part = self.workspace_like(out, "summa_partial");
+        let parts: Vec<BufferId> =
+            products.iter().map(|&(_, _, out)| self.workspace_like(out, "summa_partial")).collect();
         for t in 0..q {
             let step = |this: &mut Self, part| this.summa_reason(what, summa.product, t + 1, q, part);
             let [sent, multiply, reduced] = [broadcast, SummaPart::Multiply, SummaPart::ReduceC].map(|p| step(self, p));
+            self.current = first;
             self.collective(CollectiveKind::Broadcast, summa.along, Some(t), None, None, moved, copy, sent);
-            let operands = if summa.moves_a { [copy, b] } else { [a, copy] };
-            let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
-            self.kernel(k, &operands, part, multiply);
-            self.collective(
-                CollectiveKind::Reduce,
-                summa.reduce_along,
-                Some(t),
-                Some(ReduceOp::Sum),
-                None,
-                part,
-                out,
-                reduced,
-            );
+            for (&(node, other, out), &part) in products.iter().zip(&parts) {
+                self.current = node;
+                let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
+                self.kernel(k, &operands(copy, other), part, multiply);
+                let sum = Some(ReduceOp::Sum);
+                self.collective(CollectiveKind::Reduce, summa.reduce_along, Some(t), sum, None, part, out, reduced);
+            }
         }
+        self.current = first;
     }
 
     fn local_matmul(&mut self, a: BufferId, b: BufferId, out: BufferId, ta: bool, tb: bool, what: &str) {
@@ -662,8 +681,7 @@ impl Lowerer<'_> {
         }
         let x_layout = laid(case.operands[0], dims, Layout::REPLICATED);
         let mut siblings = Vec::new();
-        for index in n.index() + 1..self.graph.node_count() {
-            let m = NodeIndex::new(index);
+        for m in self.readers_of(x).into_iter().filter(|&m| m > n) {
             let Op::Linear { bias, transpose_weight: false } = self.graph[m].op else { continue };
             let m_ops = self.operands(m);
             if m_ops.first() != Some(&x) || self.lowered_early.contains(&m) {
@@ -675,6 +693,14 @@ impl Lowerer<'_> {
             }
         }
         siblings
+    }
+
+    /// The nodes that read `x`, in the order of the walk.
+    fn readers_of(&self, x: NodeIndex) -> Vec<NodeIndex> {
+        let mut readers: Vec<NodeIndex> = self.graph.neighbors_directed(x, petgraph::Direction::Outgoing).collect();
+        readers.sort_unstable();
+        readers.dedup();
+        readers
     }
 
     /// A linear's product `y` (laid as `layout`) made its output: laid back where the case keeps a
@@ -849,19 +875,113 @@ impl Lowerer<'_> {
         self.define(n, out, g);
     }
 
-    /// dW = X^T dY (dE = dY^T X when tied), in the weight's stored layout.
+    /// dW = X^T dY (dE = dY^T X when tied), in the weight's stored layout. Weight gradients of one
+    /// input that take the same SUMMA product (the gradients of linears that shared the input's
+    /// broadcasts forward) are lowered together at the last of them, each step broadcasting the
+    /// input's block once: the earlier ones wait for it ([`Lowerer::deferred`]).
     fn linear_grad_weight(&mut self, n: NodeIndex, x: NodeIndex, dy: NodeIndex, tied: bool) {
-        let Some(w) = self.like_of(n) else { return };
-        let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
+        let Some((case, dims, wl)) = self.weight_grad_case(n, x, dy, tied) else { return };
+        let x_layout = laid(case.operands[0], &dims, wl);
+        let shares = !tied && self.shares_input_broadcasts(case);
+        if shares && self.weight_gradients_sharing(x, (case, x_layout), |m| m > n).next().is_some() {
+            self.deferred.insert(n);
+            return;
+        }
+        let earlier: Vec<NodeIndex> = if shares {
+            let deferred: Vec<NodeIndex> = self.deferred.iter().copied().filter(|&m| m < n).collect();
+            let mut earlier: Vec<NodeIndex> =
+                self.weight_gradients_sharing(x, (case, x_layout), |m| deferred.contains(&m)).collect();
+            earlier.sort_unstable();
+            earlier
+        } else {
+            Vec::new()
+        };
+        let xb = self.value(x, x_layout);
+        let mut products = Vec::new();
+        let mut outputs = Vec::new();
+        for m in earlier.into_iter().chain([n]) {
+            self.current = m;
+            let ops = self.operands(m);
+            let Some((m_case, m_dims, m_wl)) = self.weight_grad_case(m, ops[0], ops[1], tied) else { return };
+            let out = laid(m_case.output, &m_dims, m_wl);
+            let g = self.node_buffer(m, out, Role::Workspace);
+            let dyb = self.value(ops[1], laid(m_case.operands[1], &m_dims, m_wl));
+            products.push((m, dyb, g));
+            outputs.push((m, out, g));
+        }
+        self.current = n;
+        if let [(_, dyb, g)] = products[..] {
+            self.multiply(case.product, &[xb, dyb], g);
+        } else {
+            let what = case.product.map_or("backward of linear (dW = X^T dY)", |p| p.what);
+            self.summa_reduced_sharing(ReducedSumma::ATB, xb, &products, what);
+        }
+        for (m, out, g) in outputs {
+            self.current = m;
+            self.define(m, out, g);
+            if m != n {
+                self.deferred.remove(&m);
+                self.gradient_done(m);
+            }
+        }
+        self.current = n;
+    }
+
+    /// The case of the weight gradient `n` = X^T dY, the dimensions its patterns are read with and its
+    /// weight's stored layout.
+    fn weight_grad_case(
+        &mut self,
+        n: NodeIndex,
+        x: NodeIndex,
+        dy: NodeIndex,
+        tied: bool,
+    ) -> Option<(&'static Case, Dims, Layout)> {
+        let w = self.like_of(n)?;
+        let Some(wl) = self.param_layout(w) else {
+            self.missing_param(n);
+            return None;
+        };
         let last = self.rank(x) - 1;
         let operator = if tied { Operator::LinearGradWeightTied } else { Operator::LinearGradWeight };
-        let Some((case, dims)) = self.weight_case(operator, wl, last, (dy, w)) else { return };
-        let out = laid(case.output, &dims, wl);
-        let g = self.node_buffer(n, out, Role::Workspace);
-        let xb = self.value(x, laid(case.operands[0], &dims, wl));
-        let dyb = self.value(dy, laid(case.operands[1], &dims, wl));
-        self.multiply(case.product, &[xb, dyb], g);
-        self.define(n, out, g);
+        let (case, dims) = self.weight_case(operator, wl, last, (dy, w))?;
+        Some((case, dims, wl))
+    }
+
+    /// Whether products of `case` can share their input's broadcasts with siblings: plain SUMMA A^T B,
+    /// the input the moved A, on a mesh of more than one row, with the layouts chosen per product.
+    fn shares_input_broadcasts(&self, case: &Case) -> bool {
+        let plain_atb = case.product.is_some_and(|p| p.kind == ProductKind::SummaAtb && p.a == 0 && p.b == 1);
+        plain_atb && self.q() > 1 && self.target.layouts == Layouts::Auto
+    }
+
+    /// The untied weight gradients among the nodes `picked` selects whose input is `x`, laid out as
+    /// `x_layout`, with the same case.
+    fn weight_gradients_sharing(
+        &mut self,
+        x: NodeIndex,
+        (case, x_layout): (&'static Case, Layout),
+        picked: impl Fn(NodeIndex) -> bool,
+    ) -> impl Iterator<Item = NodeIndex> {
+        let mut found = Vec::new();
+        for m in self.readers_of(x) {
+            if !picked(m) || !matches!(self.graph[m].op, Op::LinearGradWeight { transpose_weight: false }) {
+                continue;
+            }
+            let ops = self.operands(m);
+            if ops.first() != Some(&x) {
+                continue;
+            }
+            let Some(w) = self.like_of(m) else { continue };
+            let Some(wl) = self.param_layout(w) else { continue };
+            let last = self.rank(x) - 1;
+            let Some((m_case, m_dims)) = self.weight_case(Operator::LinearGradWeight, wl, last, (ops[1], w)) else {
+                continue;
+            };
+            if std::ptr::eq(m_case, case) && laid(m_case.operands[0], &m_dims, wl) == x_layout {
+                found.push(m);
+            }
+        }
+        found.into_iter()
     }
 
     fn missing_param(&mut self, n: NodeIndex) {
