@@ -283,7 +283,11 @@ fn linears_of_one_input_broadcast_it_once() {
                 .iter()
                 .map(|n| elements(&summa(&r, &scope(n)).into_iter().filter(|c| !is_backward(c)).collect::<Vec<_>>()))
                 .collect();
-            assert_eq!(forward, [(m * h + h * h) / q, h * h / q, h * h / q], "{case}: the query's broadcasts the input");
+            assert_eq!(
+                forward,
+                [(m * h + h * h) / q, h * h / q, h * h / q],
+                "{case}: the query's broadcasts the input"
+            );
             let all: u64 = ["query", "key", "value"].iter().map(|n| elements(&summa(&r, &scope(n)))).sum();
             let backward = if mode == Mode::Train { 3 * (m * h + h * h) / q + (m * h + 3 * h * h) / q } else { 0 };
             assert_eq!(all, (m * h + 3 * h * h) / q + backward, "{case}: forward and backward");

@@ -74,6 +74,16 @@ impl ReducedSumma {
     }
 }
 
+/// One term of a SUMMA product whose output is reduced, as node `node`'s: the operand each step
+/// broadcasts, the local one, and the output.
+#[derive(Clone, Copy)]
+struct SummaTerm {
+    node: NodeIndex,
+    moved: BufferId,
+    other: BufferId,
+    out: BufferId,
+}
+
 /// What one collective more costs, in elements a device moves: a collective's start-up (some
 /// microseconds on NVLink or InfiniBand) takes as long as moving about this many float32 elements.
 const ONE_COLLECTIVE: u64 = 1 << 16;
@@ -417,49 +427,77 @@ impl Lowerer<'_> {
     fn summa_reduced(&mut self, summa: ReducedSumma, a: BufferId, b: BufferId, out: BufferId, what: &str) {
         let (moved, other) = if summa.moves_a { (a, b) } else { (b, a) };
         let current = self.current;
-        self.summa_reduced_sharing(summa, moved, &[(current, other, out)], what);
+        self.summa_reduced_many(summa, &[SummaTerm { node: current, moved, other, out }], what);
     }
 
-    /// [`Lowerer::summa_reduced`] of one moved operand with several (other operand, C), for the nodes
-    /// given beside them: each step broadcasts the moved block once, then multiplies and reduces each
-    /// product's partial, as that node's.
-    fn summa_reduced_sharing(
-        &mut self,
-        summa: ReducedSumma,
-        moved: BufferId,
-        products: &[(NodeIndex, BufferId, BufferId)],
-        what: &str,
-    ) {
+    /// [`Lowerer::summa_reduced`] of several terms, each as its node's: terms that move the same operand
+    /// broadcast it once a step (weight gradients of one input), and terms into the same output sum
+    /// their partial products before one reduce a step (input gradients of one input, added).
+    fn summa_reduced_many(&mut self, summa: ReducedSumma, terms: &[SummaTerm], what: &str) {
         let (ta, tb) = (summa.transpose_a, summa.transpose_b);
         let q = self.q();
         let first = self.current;
         let operands = |moved: BufferId, other: BufferId| if summa.moves_a { [moved, other] } else { [other, moved] };
         if q == 1 {
-            for &(node, other, out) in products {
-                self.current = node;
+            for (i, term) in terms.iter().enumerate() {
+                self.current = term.node;
                 let reason = Reason::new(ReasonKind::LocalProduct, what);
-                let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
-                self.kernel(k, &operands(moved, other), out, reason);
+                let accumulate = terms[..i].iter().any(|t| t.out == term.out);
+                let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate };
+                self.kernel(k, &operands(term.moved, term.other), term.out, reason);
             }
             self.current = first;
             return;
         }
         let (name, broadcast) =
             if summa.moves_a { ("summa_a", SummaPart::BroadcastA) } else { ("summa_b", SummaPart::BroadcastB) };
-        let copy = self.workspace_like(moved, name);
-        let parts: Vec<BufferId> =
-            products.iter().map(|&(_, _, out)| self.workspace_like(out, "summa_partial")).collect();
+        let mut copies: Vec<(BufferId, BufferId)> = Vec::new();
+        let mut parts: Vec<(BufferId, BufferId)> = Vec::new();
+        for term in terms {
+            if !copies.iter().any(|&(moved, _)| moved == term.moved) {
+                copies.push((term.moved, self.workspace_like(term.moved, name)));
+            }
+            if !parts.iter().any(|&(out, _)| out == term.out) {
+                parts.push((term.out, self.workspace_like(term.out, "summa_partial")));
+            }
+        }
+        let find = |pairs: &[(BufferId, BufferId)], key: BufferId| pairs.iter().find(|p| p.0 == key).map(|p| p.1);
         for t in 0..q {
             let step = |this: &mut Self, part| this.summa_reason(what, summa.product, t + 1, q, part);
             let [sent, multiply, reduced] = [broadcast, SummaPart::Multiply, SummaPart::ReduceC].map(|p| step(self, p));
-            self.current = first;
-            self.collective(CollectiveKind::Broadcast, summa.along, Some(t), None, None, moved, copy, sent);
-            for (&(node, other, out), &part) in products.iter().zip(&parts) {
-                self.current = node;
-                let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate: false };
-                self.kernel(k, &operands(copy, other), part, multiply);
-                let sum = Some(ReduceOp::Sum);
-                self.collective(CollectiveKind::Reduce, summa.reduce_along, Some(t), sum, None, part, out, reduced);
+            let summed = terms.len() > 1;
+            let multiply_summed = if summed { step(self, SummaPart::MultiplyAccumulate) } else { multiply };
+            for (i, term) in terms.iter().enumerate() {
+                self.current = term.node;
+                let (Some(copy), Some(part)) = (find(&copies, term.moved), find(&parts, term.out)) else { continue };
+                if !terms[..i].iter().any(|earlier| earlier.moved == term.moved) {
+                    self.collective(
+                        CollectiveKind::Broadcast,
+                        summa.along,
+                        Some(t),
+                        None,
+                        None,
+                        term.moved,
+                        copy,
+                        sent,
+                    );
+                }
+                let accumulate = terms[..i].iter().any(|earlier| earlier.out == term.out);
+                let k = Kernel::MatMul { transpose_a: ta, transpose_b: tb, accumulate };
+                self.kernel(k, &operands(copy, term.other), part, if accumulate { multiply_summed } else { multiply });
+                if !terms[i + 1..].iter().any(|later| later.out == term.out) {
+                    let sum = Some(ReduceOp::Sum);
+                    self.collective(
+                        CollectiveKind::Reduce,
+                        summa.reduce_along,
+                        Some(t),
+                        sum,
+                        None,
+                        part,
+                        term.out,
+                        reduced,
+                    );
+                }
             }
         }
         self.current = first;
@@ -860,12 +898,18 @@ impl Lowerer<'_> {
         Some((case, Dims { out: splits_out.unwrap_or(wl.0[COLUMN_AXIS]), ..self.dims(last) }))
     }
 
-    /// dX = dY W^T (dY E when tied), with W as stored.
+    /// dX = dY W^T (dY E when tied), with W as stored. Two input gradients that are only added (of
+    /// linears that shared their input's broadcasts) wait for the sum, which computes both in one
+    /// product ([`Lowerer::summed_input_gradients`]).
     fn linear_grad_input(&mut self, n: NodeIndex, dy: NodeIndex, w: NodeIndex, tied: bool) {
         let last = self.rank(n) - 1;
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
         let operator = if tied { Operator::LinearGradInputTied } else { Operator::LinearGradInput };
         let Some((case, dims)) = self.weight_case(operator, wl, last, (dy, w)) else { return };
+        if !tied && self.summed_with_a_sibling(n).is_some() {
+            self.deferred.insert(n);
+            return;
+        }
         let wl_asked = laid(case.operands[1], &dims, wl);
         let wb = if case.when == When::TableAcross { self.value_afresh(w, wl_asked) } else { self.value(w, wl_asked) };
         let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
@@ -914,7 +958,9 @@ impl Lowerer<'_> {
             self.multiply(case.product, &[xb, dyb], g);
         } else {
             let what = case.product.map_or("backward of linear (dW = X^T dY)", |p| p.what);
-            self.summa_reduced_sharing(ReducedSumma::ATB, xb, &products, what);
+            let terms: Vec<SummaTerm> =
+                products.iter().map(|&(node, dyb, g)| SummaTerm { node, moved: xb, other: dyb, out: g }).collect();
+            self.summa_reduced_many(ReducedSumma::ATB, &terms, what);
         }
         for (m, out, g) in outputs {
             self.current = m;
@@ -982,6 +1028,65 @@ impl Lowerer<'_> {
             }
         }
         found.into_iter()
+    }
+
+    /// The sum `s` = `n` + `m` (its two operands, in order), where `n` and `m` are untied input
+    /// gradients that only `s` reads, both of the plain SUMMA A B^T case with the same output layout,
+    /// on a mesh of more than one row with the layouts chosen per product: their partial products can
+    /// be summed before one reduce a step.
+    fn summed_with_a_sibling(&mut self, n: NodeIndex) -> Option<(NodeIndex, [NodeIndex; 2])> {
+        if self.q() == 1 || self.target.layouts == Layouts::Paper {
+            return None;
+        }
+        let [s] = self.readers_of(n)[..] else { return None };
+        if !matches!(self.graph[s].op, Op::Add) {
+            return None;
+        }
+        let terms: [NodeIndex; 2] = self.operands(s).try_into().ok()?;
+        let mut layouts = Vec::new();
+        for term in terms {
+            let Op::LinearGradInput { transpose_weight: false } = self.graph[term].op else { return None };
+            if self.readers_of(term) != [s] {
+                return None;
+            }
+            let ops = self.operands(term);
+            let wl = self.param_layout(ops[1])?;
+            let last = self.rank(term) - 1;
+            let (case, dims) = self.weight_case(Operator::LinearGradInput, wl, last, (ops[0], ops[1]))?;
+            let plain_abt = case.product.is_some_and(|p| p.kind == ProductKind::SummaAbt && p.a == 0 && p.b == 1);
+            if !plain_abt {
+                return None;
+            }
+            layouts.push(laid(case.output, &dims, wl));
+        }
+        (terms[0] != terms[1] && layouts[0] == layouts[1]).then_some((s, terms))
+    }
+
+    /// The sum `s` of two input gradients that waited for it: each step broadcasts both weights' blocks,
+    /// multiplies both output gradients' blocks into one partial and reduces it once, into `s`.
+    fn summed_input_gradients(&mut self, s: NodeIndex, terms: [NodeIndex; 2]) {
+        let mut parts = Vec::new();
+        let mut layout = Layout::REPLICATED;
+        for term in terms {
+            self.current = term;
+            let ops = self.operands(term);
+            let (dy, w) = (ops[0], ops[1]);
+            let Some(wl) = self.param_layout(w) else { return self.missing_param(term) };
+            let last = self.rank(term) - 1;
+            let Some((case, dims)) = self.weight_case(Operator::LinearGradInput, wl, last, (dy, w)) else { return };
+            let wb = self.value(w, laid(case.operands[1], &dims, wl));
+            let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
+            layout = self.norm(laid(case.output, &dims, wl));
+            parts.push((term, wb, dyb, case.product.map_or("backward of linear (dX = dY W^T)", |p| p.what)));
+            self.deferred.remove(&term);
+        }
+        self.current = s;
+        let y = self.node_buffer(s, layout, Role::Workspace);
+        let terms: Vec<SummaTerm> =
+            parts.iter().map(|&(node, wb, dyb, _)| SummaTerm { node, moved: wb, other: dyb, out: y }).collect();
+        let what = parts.first().map_or("backward of linear (dX = dY W^T)", |p| p.3);
+        self.summa_reduced_many(ReducedSumma::ABT, &terms, what);
+        self.define(s, layout, y);
     }
 
     fn missing_param(&mut self, n: NodeIndex) {
@@ -1229,6 +1334,9 @@ impl Lowerer<'_> {
     /// one reduction, not one per term. (In the forward pass a partial output is summed where its
     /// product is, which costs the same and keeps the reduction with the layer that causes it.)
     fn add(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
+        if self.deferred.contains(&a) && self.deferred.contains(&b) {
+            return self.summed_input_gradients(n, [a, b]);
+        }
         let (la, lb) = (self.natural(a), self.natural(b));
         let backward = self.forward_end.is_some();
         let joins = |partial: Layout, whole: Layout| {
