@@ -926,7 +926,7 @@ impl Lowerer<'_> {
     fn linear_grad_weight(&mut self, n: NodeIndex, x: NodeIndex, dy: NodeIndex, tied: bool) {
         let Some((case, dims, wl)) = self.weight_grad_case(n, x, dy, tied) else { return };
         let x_layout = laid(case.operands[0], &dims, wl);
-        let shares = !tied && self.shares_input_broadcasts(case);
+        let shares = !tied && self.shares_input_broadcasts(case) && self.readers_of(n).is_empty();
         if shares && self.weight_gradients_sharing(x, (case, x_layout), |m| m > n).next().is_some() {
             self.deferred.insert(n);
             return;
@@ -1001,7 +1001,9 @@ impl Lowerer<'_> {
     }
 
     /// The untied weight gradients among the nodes `picked` selects whose input is `x`, laid out as
-    /// `x_layout`, with the same case.
+    /// `x_layout`, with the same case, and which no node reads: each a parameter's whole gradient, read
+    /// only by the optimizer after the walk, so that one can wait for a later one. (The terms of a
+    /// weight used twice are added by a node, which may come before the last of them.)
     fn weight_gradients_sharing(
         &mut self,
         x: NodeIndex,
@@ -1010,7 +1012,10 @@ impl Lowerer<'_> {
     ) -> impl Iterator<Item = NodeIndex> {
         let mut found = Vec::new();
         for m in self.readers_of(x) {
-            if !picked(m) || !matches!(self.graph[m].op, Op::LinearGradWeight { transpose_weight: false }) {
+            if !picked(m)
+                || !matches!(self.graph[m].op, Op::LinearGradWeight { transpose_weight: false })
+                || !self.readers_of(m).is_empty()
+            {
                 continue;
             }
             let ops = self.operands(m);
@@ -1334,7 +1339,10 @@ impl Lowerer<'_> {
     /// one reduction, not one per term. (In the forward pass a partial output is summed where its
     /// product is, which costs the same and keeps the reduction with the layer that causes it.)
     fn add(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
-        if self.deferred.contains(&a) && self.deferred.contains(&b) {
+        let waiting = |node: NodeIndex| {
+            self.deferred.contains(&node) && matches!(self.graph[node].op, Op::LinearGradInput { .. })
+        };
+        if waiting(a) && waiting(b) {
             return self.summed_input_gradients(n, [a, b]);
         }
         let (la, lb) = (self.natural(a), self.natural(b));
