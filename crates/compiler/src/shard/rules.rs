@@ -653,7 +653,7 @@ impl Lowerer<'_> {
     /// are computed with it, each step's input block broadcast once for all of them.
     fn linear(&mut self, n: NodeIndex, ops: &[NodeIndex], bias: bool, tied: bool) {
         let (x, w) = (ops[0], ops[1]);
-        let Some((case, dims)) = self.linear_case(x, w, tied) else { return };
+        let Some((case, dims)) = self.linear_case(n, (x, w), tied) else { return };
         let xb = self.value(x, laid(case.operands[0], &dims, Layout::REPLICATED));
         let siblings = self.siblings_sharing_input(n, x, (case, &dims));
         let wb = self.value(w, laid(case.operands[1], &dims, Layout::REPLICATED));
@@ -687,10 +687,15 @@ impl Lowerer<'_> {
         self.current = n;
     }
 
-    /// The case of a linear's row for input `x` and weight `w`, and the dimensions its patterns are
-    /// read with.
-    fn linear_case(&mut self, x: NodeIndex, w: NodeIndex, tied: bool) -> Option<(&'static Case, Dims)> {
-        let last = self.rank(x) - 1;
+    /// The case of the row of linear `n` of input `x` and weight `w`, and the dimensions its patterns
+    /// are read with.
+    fn linear_case(
+        &mut self,
+        n: NodeIndex,
+        (x, w): (NodeIndex, NodeIndex),
+        tied: bool,
+    ) -> Option<(&'static Case, Dims)> {
+        let last = self.rank(n) - 1;
         let operator = if tied { Operator::LinearTied } else { Operator::Linear };
         let input_split = self.natural(x).0[COLUMN_AXIS].dim() == Some(last);
         let few_tokens = tied && self.fewer_tokens_than_rows(x, w);
@@ -725,7 +730,7 @@ impl Lowerer<'_> {
             if m_ops.first() != Some(&x) || self.lowered_early.contains(&m) {
                 continue;
             }
-            let Some((m_case, m_dims)) = self.linear_case(x, m_ops[1], false) else { continue };
+            let Some((m_case, m_dims)) = self.linear_case(m, (x, m_ops[1]), false) else { continue };
             if std::ptr::eq(m_case, case) && laid(m_case.operands[0], &m_dims, Layout::REPLICATED) == x_layout {
                 siblings.push((m, m_ops, bias));
             }
