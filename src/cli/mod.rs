@@ -77,9 +77,10 @@ pub struct TargetArgs {
     /// How optimus and tesseract lay out the weights of their SUMMA products: auto (per linear, what
     /// moves least: a weight that narrows its input, such as an MLP's second, stored across the mesh;
     /// a tied head's table across the mesh or in place by its token count; weights kept in place over
-    /// few tokens, as in decoding) or paper (every weight and table in place, each product moving both
-    /// operands' blocks as in the Optimus paper and its code; for reproducing its figures or comparing).
-    /// Recorded in the plan [default: auto].
+    /// few tokens, as in decoding; linears of one input, such as Llama's gate and up, sharing its
+    /// broadcasts) or paper (every weight and table in place, each product moving both operands'
+    /// blocks on its own, as in the Optimus paper and its code; for reproducing its figures or
+    /// comparing). Recorded in the plan [default: auto].
     #[arg(long = "layouts", value_enum, value_name = "CHOICE")]
     pub layouts: Option<LayoutsArg>,
 }
