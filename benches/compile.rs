@@ -12,13 +12,7 @@ use std::hint::black_box;
 
 const NAME: &str = "examples/gpt3.opt";
 const SOURCE: &str = include_str!("../examples/gpt3.opt");
-const TARGET: Target = Target {
-    mesh: Mesh::new(8, 8),
-    strategy: Strategy::Optimus,
-    mode: Mode::Train,
-    memory: optimus::plan::MemoryOptions::DEFAULT,
-    layouts: optimus::plan::Layouts::Auto,
-};
+const TARGET: Target = Target::plain(Mesh::new(8, 8), Strategy::Optimus, Mode::Train);
 
 /// Checks and compiles the model; panics (failing the benchmark) if either step reports errors.
 fn check_and_compile(source: &str) -> Plan {

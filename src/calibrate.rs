@@ -586,14 +586,8 @@ mod tests {
         let sets = ["layers=1", "hidden=64", "heads=4", "kv_heads=2", "ffn=96", "seq=16", "batch=2", "vocab=128"];
         let overrides: Vec<crate::elab::Override> = sets.iter().map(|s| s.parse().expect("an override")).collect();
         let model = crate::front::check_source(source, &overrides).model.expect("llama.opt checks");
-        let memory = crate::plan::MemoryOptions::DEFAULT;
-        let target = crate::shard::Target {
-            mesh: Mesh::new(1, 1),
-            strategy: crate::plan::Strategy::None,
-            mode: crate::plan::Mode::Train,
-            memory,
-            layouts: Default::default(),
-        };
+        let target =
+            crate::shard::Target::plain(Mesh::new(1, 1), crate::plan::Strategy::None, crate::plan::Mode::Train);
         match crate::shard::compile(&model, "llama", source, target) {
             Ok(plan) => plan,
             Err(_) => panic!("llama.opt does not compile"),

@@ -23,13 +23,7 @@ fn plan(file: &str, mesh: (u64, u64), strategy: Strategy, mode: Mode) -> Plan {
     let source = std::fs::read_to_string(file).expect("example exists");
     let overrides = vec![Override { name: "layers".into(), value: "2".into() }];
     let model = check_source(&source, &overrides).model.expect("example checks");
-    let target = Target {
-        mesh: Mesh::new(mesh.0, mesh.1),
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(mesh.0, mesh.1), strategy, mode);
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("{file} does not compile: {}", optimus::diag::render_plain(file, &source, &d)),
@@ -108,13 +102,7 @@ fn decoding_plan(file: &str, seq: u64, mesh: (u64, u64), strategy: Strategy) -> 
     let model = checked.model.unwrap_or_else(|| panic!("{file}: {:?}", checked.diagnostics));
     let step = optimus::decode::with_cache(&model, 40).expect("a causal model");
     let step = optimus::decode::last_position_head(&step).unwrap_or(step);
-    let target = Target {
-        mesh: Mesh::new(mesh.0, mesh.1),
-        strategy,
-        mode: Mode::Infer,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(mesh.0, mesh.1), strategy, Mode::Infer);
     compile(&step, file, &source, target)
         .unwrap_or_else(|d| panic!("{}", optimus::diag::render_plain(file, &source, &d)))
 }

@@ -409,13 +409,7 @@ fn llama_like_2x2_plan() -> serde_json::Value {
     use optimus::shard::{Target, compile};
     let text = llama_like(8, 4);
     let model = optimus::front::check_source(&text, &[]).model.expect("the model checks");
-    let target = Target {
-        mesh: Mesh::new(2, 2),
-        strategy: optimus::plan::Strategy::Optimus,
-        mode: optimus::plan::Mode::Train,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(2, 2), optimus::plan::Strategy::Optimus, optimus::plan::Mode::Train);
     let plan = compile(&model, "llama_like.opt", &text, target).expect("compiles on 2x2");
     serde_json::to_value(plan).expect("a plan serialises")
 }

@@ -57,17 +57,11 @@ fn reading_broadcasts_in_place_changes_no_bit() {
 #[test]
 fn every_summa_step_of_a_2x2_plan_is_read_in_place_unless_its_product_could_write_a_root_block() {
     use optimus::plan::phases::StepPhases;
-    use optimus::plan::{CollectiveKind, Instr, MemoryOptions, Mesh, Mode, Strategy};
+    use optimus::plan::{CollectiveKind, Instr, Mesh, Mode, Strategy};
     let source = include_str!("../examples/tiny.opt");
     let checked = optimus::front::check_source(source, &[]);
     let Some(model) = checked.model else { panic!("tiny.opt checks") };
-    let target = optimus::shard::Target {
-        mesh: Mesh::new(2, 2),
-        strategy: Strategy::Optimus,
-        mode: Mode::Train,
-        memory: MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = optimus::shard::Target::plain(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
     let plan = optimus::shard::compile(&model, "tiny", source, target).unwrap_or_else(|e| panic!("{e:?}"));
     let phases = StepPhases::of(&plan);
     let groups = optimus::runtime::exec::in_place_groups(&plan, &phases, &|_, _| false);

@@ -13,8 +13,7 @@ const TINY: &str = include_str!("../examples/tiny.opt");
 fn plan(mesh: Mesh, strategy: Strategy, mode: Mode) -> Plan {
     let checked = optimus::front::check_source(TINY, &[]);
     let Some(model) = checked.model else { panic!("tiny.opt does not check") };
-    let target =
-        Target { mesh, strategy, mode, memory: optimus::plan::MemoryOptions::DEFAULT, layouts: Default::default() };
+    let target = Target::plain(mesh, strategy, mode);
     match optimus::shard::compile(&model, "tiny", TINY, target) {
         Ok(plan) => plan,
         Err(e) => panic!("tiny.opt does not compile for {mesh}: {e:?}"),

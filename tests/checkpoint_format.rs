@@ -30,13 +30,7 @@ fn plan_with(sets: &[(&str, &str)], mesh: (u64, u64), strategy: Strategy, mode: 
         .map(|(n, v)| Override { name: n.to_string(), value: v.to_string() })
         .collect();
     let model = check_source(&source, &overrides).model.expect("example checks");
-    let target = Target {
-        mesh: Mesh::new(mesh.0, mesh.1),
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(mesh.0, mesh.1), strategy, mode);
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),

@@ -39,13 +39,7 @@ fn checked(text: &str, sets: &[(&str, &str)]) -> Model {
 }
 
 fn target(strategy: Strategy, rows: u64, cols: u64, mode: Mode) -> Target {
-    Target {
-        mesh: Mesh::new(rows, cols),
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    }
+    Target::plain(Mesh::new(rows, cols), strategy, mode)
 }
 
 /// Checks and compiles `examples/<name>.opt`, returning the compiler's answer.

@@ -151,7 +151,7 @@ fn gpt2(sets: &[(&str, &str)], mesh: Mesh, strategy: Strategy, zero: u8) -> Plan
         .collect();
     let model = check_source(&source, &overrides).model.expect("checks");
     let memory = MemoryOptions { zero, ..MemoryOptions::DEFAULT };
-    let target = Target { mesh, strategy, mode: Mode::Train, memory, layouts: Default::default() };
+    let target = Target { memory, ..Target::plain(mesh, strategy, Mode::Train) };
     compile(&model, "gpt2.opt", &source, target).expect("compiles")
 }
 
@@ -349,13 +349,7 @@ fn the_largest_batch_that_fits_counts_every_replicas_share() {
     let overrides: Vec<_> =
         sets.iter().map(|(k, v)| optimus::elab::Override { name: (*k).to_string(), value: (*v).to_string() }).collect();
     let source = Source { name: "gpt2.opt", text: &text, overrides: &overrides };
-    let target = |mesh: Mesh| Target {
-        mesh,
-        strategy: Strategy::Optimus,
-        mode: Mode::Train,
-        memory: MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = |mesh: Mesh| Target::plain(mesh, Strategy::Optimus, Mode::Train);
     let capacity = 64 << 20;
     let one = max_batch(&source, target(Mesh::new(2, 2)), capacity);
     let two = max_batch(&source, target(Mesh::new(2, 2).with_data(2)), capacity);

@@ -32,8 +32,7 @@ fn gpt2_plan_laid(hidden: u64, (batch, seq): (u64, u64), q: u64, mode: Mode, lay
         Mode::Infer => optimus::decode::with_cache(&model, 24).expect("GPT-2 decodes with a cache"),
         Mode::Train => model,
     };
-    let target =
-        Target { mesh: Mesh::new(q, q), strategy: Strategy::Optimus, mode, memory: Default::default(), layouts };
+    let target = Target { layouts, ..Target::plain(Mesh::new(q, q), Strategy::Optimus, mode) };
     compile(&model, file, &source, target)
         .unwrap_or_else(|d| panic!("{}", optimus::diag::render_plain(file, &source, &d)))
 }

@@ -23,13 +23,7 @@ fn plan(file: &str, sets: &[(&str, &str)], mesh: (u64, u64), strategy: Strategy)
     let overrides: Vec<Override> =
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
     let model = check_source(&source, &overrides).model.expect("example checks");
-    let target = Target {
-        mesh: Mesh::new(mesh.0, mesh.1),
-        strategy,
-        mode: Mode::Train,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(mesh.0, mesh.1), strategy, Mode::Train);
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),
@@ -584,13 +578,7 @@ forward { output loss = cross_entropy(cls(embed(tokens)), targets) }
 
 fn tied_head_plan() -> Plan {
     let model = check_source(TIED_HEAD, &[]).model.expect("the model checks");
-    let target = Target {
-        mesh: Mesh::new(1, 1),
-        strategy: Strategy::None,
-        mode: Mode::Train,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Train);
     compile(&model, "t.opt", TIED_HEAD, target).unwrap_or_else(|_| panic!("the model compiles"))
 }
 

@@ -81,13 +81,7 @@ fn padding_past_the_limit_is_reported_by_the_shard_pass() {
     let overrides: Vec<Override> =
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
     let model = check_source(&source, &overrides).model.expect("the unpadded model fits");
-    let target = Target {
-        mesh: Mesh::new(1, 4),
-        strategy: Strategy::Megatron,
-        mode: Mode::Train,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(1, 4), Strategy::Megatron, Mode::Train);
     let Err(diagnostics) = compile(&model, "tiny.opt", &source, target) else {
         panic!("padding pushes wte past the limit; the compile must fail")
     };
@@ -178,13 +172,7 @@ fn printable_escapes_control_and_reordering_characters_only() {
 fn tiny_weights_with_a_nan(dir: &Path) -> PathBuf {
     let source = std::fs::read_to_string("examples/tiny.opt").expect("example exists");
     let model = check_source(&source, &[]).model.expect("tiny checks");
-    let target = Target {
-        mesh: Mesh::new(1, 1),
-        strategy: Strategy::None,
-        mode: Mode::Train,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Train);
     let plan = compile(&model, "tiny.opt", &source, target).expect("tiny compiles");
     let params: BTreeMap<String, Tensor> = plan
         .params

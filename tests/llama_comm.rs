@@ -28,13 +28,7 @@ fn plan(c: Config, strategy: Strategy, mesh: (u64, u64), mode: Mode) -> Plan {
     let overrides: Vec<Override> =
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
     let model = check_source(&text, &overrides).model.expect("the reduced Llama checks");
-    let target = Target {
-        mesh: Mesh::new(mesh.0, mesh.1),
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(mesh.0, mesh.1), strategy, mode);
     match compile(&model, "examples/llama.opt", &text, target) {
         Ok(p) => p,
         Err(d) => panic!("{c:?} on {mesh:?}: {:?}", d.iter().map(|d| &d.message).collect::<Vec<_>>()),

@@ -6,7 +6,7 @@
 
 use optimus::front::check_source;
 use optimus::plan::tensor::Tensor;
-use optimus::plan::{Instr, Kernel, MemoryOptions, Mesh, Mode, Plan, ReasonKind, Strategy};
+use optimus::plan::{Instr, Kernel, Mesh, Mode, Plan, ReasonKind, Strategy};
 use optimus::runtime::exec::RunConfig;
 use optimus::runtime::settings::{OptimizerKind, OptimizerSettings};
 use optimus::shard::{Target, compile};
@@ -254,13 +254,7 @@ forward {
 fn train_plan(source: &str, mesh: (u64, u64), strategy: Strategy) -> Plan {
     let checked = check_source(source, &[]);
     let model = checked.model.expect("the model checks");
-    let target = Target {
-        mesh: Mesh::new(mesh.0, mesh.1),
-        strategy,
-        mode: Mode::Train,
-        memory: MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(mesh.0, mesh.1), strategy, Mode::Train);
     match compile(&model, "model.opt", source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("model.opt", source, &d)),

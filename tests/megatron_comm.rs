@@ -32,8 +32,7 @@ fn megatron_report(example: &str, p: u64, mode: Mode) -> Report {
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.to_string() }).collect();
     let model = check_source(&text, &overrides).model.expect("the reduced model checks");
     let memory = optimus::plan::MemoryOptions::DEFAULT;
-    let target =
-        Target { mesh: Mesh::new(1, p), strategy: Strategy::Megatron, mode, memory, layouts: Default::default() };
+    let target = Target { memory, ..Target::plain(Mesh::new(1, p), Strategy::Megatron, mode) };
     report(&compile(&model, &path, &text, target).unwrap_or_else(|_| panic!("{example} compiles on 1x{p}")))
 }
 

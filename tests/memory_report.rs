@@ -13,7 +13,7 @@ fn plan(sets: &[(&str, &str)], strategy: Strategy, mesh: (u64, u64), mode: Mode,
         sets.iter().map(|(k, v)| optimus::elab::Override { name: (*k).to_string(), value: (*v).to_string() }).collect();
     let model = check_source(&text, &overrides).model.expect("checks");
     let memory = MemoryOptions { recompute: Some(recompute), ..MemoryOptions::DEFAULT };
-    let target = Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode, memory, layouts: Default::default() };
+    let target = Target { memory, ..Target::plain(Mesh::new(mesh.0, mesh.1), strategy, mode) };
     compile(&model, "examples/gpt2.opt", &text, target).expect("compiles")
 }
 

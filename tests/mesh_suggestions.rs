@@ -20,13 +20,7 @@ struct Case {
 
 impl Case {
     fn target(&self, mesh: Mesh) -> Target {
-        Target {
-            mesh,
-            strategy: self.strategy,
-            mode: self.mode,
-            memory: optimus::plan::MemoryOptions::DEFAULT,
-            layouts: Default::default(),
-        }
+        Target::plain(mesh, self.strategy, self.mode)
     }
 
     fn failing(&self) -> Target {
@@ -149,13 +143,7 @@ fn the_examples_get_the_meshes_they_compile_on() {
     ];
     for (model, strategy, (rows, cols), meshes) in expected {
         let text = source(model);
-        let target = Target {
-            mesh: Mesh::new(rows, cols),
-            strategy,
-            mode: Mode::Train,
-            memory: optimus::plan::MemoryOptions::DEFAULT,
-            layouts: Default::default(),
-        };
+        let target = Target::plain(Mesh::new(rows, cols), strategy, Mode::Train);
         let diagnostics = compile(&checked(&text, &[]), model, &text, target).expect_err(model);
         let help = format!(
             "meshes up to 64 devices on which this model compiles with the {} strategy: {meshes}",

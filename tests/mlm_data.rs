@@ -62,13 +62,7 @@ fn small_bert(batch: u64, seq: u64) -> Plan {
     let overrides: Vec<Override> =
         sets.iter().map(|(n, v)| Override { name: n.to_string(), value: v.clone() }).collect();
     let model = check_source(&source, &overrides).model.expect("example checks");
-    let target = Target {
-        mesh: Mesh::new(1, 1),
-        strategy: Strategy::None,
-        mode: Mode::Train,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Train);
     compile(&model, file, &source, target).unwrap_or_else(|_| panic!("{file} compiles"))
 }
 

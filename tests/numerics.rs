@@ -24,13 +24,7 @@ fn plan(file: &str, overrides: &[Override], mesh: (u64, u64), strategy: Strategy
     let source = std::fs::read_to_string(file).expect("example exists");
     let checked = check_source(&source, overrides);
     let model = checked.model.expect("example checks");
-    let target = Target {
-        mesh: Mesh::new(mesh.0, mesh.1),
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(mesh.0, mesh.1), strategy, mode);
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),

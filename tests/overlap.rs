@@ -44,7 +44,7 @@ fn compile_example(name: &str, mesh: Mesh, strategy: Strategy, mode: Mode, memor
         .map(|(k, v)| Override { name: (*k).to_string(), value: (*v).to_string() })
         .collect();
     let model = check_source(&source, &overrides).model.expect("the example checks");
-    compile(&model, name, &source, Target { mesh, strategy, mode, memory, layouts: Default::default() })
+    compile(&model, name, &source, Target { memory, ..Target::plain(mesh, strategy, mode) })
         .expect("compiles and verifies")
 }
 

@@ -10,7 +10,7 @@ use optimus::front::check_source;
 use optimus::plan::pipeline::Schedule;
 use optimus::plan::pipeline_cut::{PipelineProgram, cut};
 use optimus::plan::tensor::Tensor;
-use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
+use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::runtime::exec::{RunConfig, RunOutput};
 use optimus::runtime::pipeline::{PipelineOutput, PipelineRun, run_on_threads};
 use optimus::shard::{Target, compile};
@@ -23,8 +23,7 @@ fn plan(layers: u64, mesh: Mesh, strategy: Strategy) -> Plan {
     let source = std::fs::read_to_string(file).expect("example exists");
     let overrides = [format!("layers={layers}").parse().expect("an override")];
     let model = check_source(&source, &overrides).model.expect("example checks");
-    let target =
-        Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT, layouts: Default::default() };
+    let target = Target::plain(mesh, strategy, Mode::Train);
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),
@@ -273,13 +272,7 @@ fn plan_of_gpt2() -> Plan {
     let file = "examples/gpt2.opt";
     let source = std::fs::read_to_string(file).expect("example exists");
     let model = check_source(&source, &[]).model.expect("example checks");
-    let target = Target {
-        mesh: Mesh::new(1, 1),
-        strategy: Strategy::Optimus,
-        mode: Mode::Train,
-        memory: MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(1, 1), Strategy::Optimus, Mode::Train);
     compile(&model, file, &source, target).unwrap_or_else(|_| panic!("gpt2.opt compiles"))
 }
 

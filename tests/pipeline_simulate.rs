@@ -7,7 +7,7 @@ use optimus::cost::search::Source;
 use optimus::cost::staged::{Pipeline, PipelineSimulation, simulate_pipeline};
 use optimus::cost::{Hardware, Options, simulate};
 use optimus::plan::pipeline::Schedule;
-use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
+use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::shard::Target;
 use std::path::PathBuf;
 use std::process::Command;
@@ -28,8 +28,7 @@ fn gpt2(layers: u64, mesh: Mesh, strategy: Strategy) -> Plan {
         .map(|s| s.parse().unwrap_or_else(|e| panic!("{s}: {e:?}")))
         .collect();
     let source = Source { name: "gpt2.opt", text: &text, overrides: &overrides };
-    let target =
-        Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT, layouts: Default::default() };
+    let target = Target::plain(mesh, strategy, Mode::Train);
     source.compile(target, &[]).unwrap_or_else(|e| panic!("{mesh} {strategy:?}: {e}"))
 }
 
@@ -249,13 +248,7 @@ fn nearly_equal_stages_idle_as_the_formula_says() {
         .map(|s| s.parse().unwrap_or_else(|e| panic!("{e:?}")))
         .collect();
     let source = Source { name: "gpt2.opt", text: &text, overrides: &overrides };
-    let target = Target {
-        mesh: Mesh::new(2, 2),
-        strategy: Strategy::Optimus,
-        mode: Mode::Train,
-        memory: MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
     let plan = source.compile(target, &[]).unwrap_or_else(|e| panic!("{e}"));
     for (schedule, v) in [(Schedule::OneFOneB, 1u64), (Schedule::Interleaved { chunks: 2 }, 2)] {
         for m in [4u64, 8, 16] {

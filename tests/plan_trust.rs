@@ -34,13 +34,7 @@ fn try_compile(
         sets.iter().map(|(k, v)| Override { name: (*k).to_string(), value: (*v).to_string() }).collect();
     let checked = check_source(&text, &overrides);
     let model = checked.model.ok_or_else(|| format!("{name} does not check: {:?}", checked.diagnostics))?;
-    let target = Target {
-        mesh: Mesh::new(mesh.0, mesh.1),
-        strategy,
-        mode,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(mesh.0, mesh.1), strategy, mode);
     compile(&model, &format!("examples/{name}.opt"), &text, target)
         .map_err(|d| format!("{name} {} {}x{} {mode:?}: {d:?}", strategy.name(), mesh.0, mesh.1))
 }

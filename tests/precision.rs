@@ -25,8 +25,7 @@ fn plan(mesh: (u64, u64), strategy: Strategy, precision: Precision) -> Plan {
     let source = std::fs::read_to_string(file).expect("example exists");
     let model = check_source(&source, &[]).model.expect("example checks");
     let memory = MemoryOptions { precision, ..MemoryOptions::DEFAULT };
-    let target =
-        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory, layouts: Default::default() };
+    let target = Target { memory, ..Target::plain(Mesh::new(mesh.0, mesh.1), strategy, Mode::Train) };
     match compile(&model, file, &source, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain(file, &source, &d)),
@@ -276,8 +275,7 @@ fn summa_plan(mesh: u64, precision: Precision) -> Plan {
     let model = check_source(SUMMA_MODEL, &[]).model.expect("the model checks");
     let memory = MemoryOptions { precision, ..MemoryOptions::DEFAULT };
     let strategy = if mesh == 1 { Strategy::None } else { Strategy::Optimus };
-    let target =
-        Target { mesh: Mesh::new(mesh, mesh), strategy, mode: Mode::Infer, memory, layouts: Default::default() };
+    let target = Target { memory, ..Target::plain(Mesh::new(mesh, mesh), strategy, Mode::Infer) };
     match compile(&model, "summa.opt", SUMMA_MODEL, target) {
         Ok(p) => p,
         Err(d) => panic!("compile failed: {}", optimus::diag::render_plain("summa.opt", SUMMA_MODEL, &d)),

@@ -134,13 +134,7 @@ fn device_blocks_read_from_mapped_files_equal_blocks_of_the_logical_tensors() {
         let model = check_source(&text, &[]).model.expect("checks");
         for (rows, cols, strategy) in [(2, 2, Strategy::Optimus), (1, 4, Strategy::Megatron), (4, 4, Strategy::Optimus)]
         {
-            let target = Target {
-                mesh: Mesh::new(rows, cols),
-                strategy,
-                mode: Mode::Train,
-                memory: optimus::plan::MemoryOptions::DEFAULT,
-                layouts: Default::default(),
-            };
+            let target = Target::plain(Mesh::new(rows, cols), strategy, Mode::Train);
             let Ok(plan) = compile(&model, name, &text, target) else { continue };
             let mapped = optimus::io::pretrained::map_weights(&weights, &plan, false).expect("maps");
             let logical = mapped.logical_params(&plan);

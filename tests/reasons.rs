@@ -36,8 +36,7 @@ fn compile_example(name: &str, mesh: (u64, u64), memory: MemoryOptions) -> Plan 
     let overrides = [Override { name: "layers".to_string(), value: "2".to_string() }];
     let model = check_source(&text, &overrides).model.expect("the example checks");
     let strategy = if mesh.0 == mesh.1 { Strategy::Optimus } else { Strategy::Megatron };
-    let target =
-        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory, layouts: Default::default() };
+    let target = Target { memory, ..Target::plain(Mesh::new(mesh.0, mesh.1), strategy, Mode::Train) };
     match compile(&model, name, &text, target) {
         Ok(plan) => plan,
         Err(e) => panic!("{name} {mesh:?}: {e:?}"),
@@ -199,13 +198,7 @@ fn every_summa_step_of_a_small_batch_keeping_the_weights_says_its_part() {
             .map(|(name, value)| Override { name: name.to_string(), value: value.to_string() })
             .collect();
         let model = check_source(&text, &overrides).model.expect("the example checks");
-        let target = Target {
-            mesh: Mesh::new(q, q),
-            strategy: Strategy::Optimus,
-            mode: Mode::Train,
-            memory: MemoryOptions::DEFAULT,
-            layouts: Default::default(),
-        };
+        let target = Target::plain(Mesh::new(q, q), Strategy::Optimus, Mode::Train);
         let plan = compile(&model, "gpt2", &text, target).unwrap_or_else(|e| panic!("{q}x{q}: {e:?}"));
         assert!(check_summa_steps(&plan, q, &format!("gpt2 small batch {q}x{q}")) > 0);
         for product in [SummaProduct::AbtKeepingBAcross, SummaProduct::AtbAccumulatedAcross] {

@@ -19,8 +19,7 @@ fn compile_example(name: &str, sets: &[(&str, &str)], recompute: Recompute, mesh
     let model = check_source(&text, &overrides).model.expect("the example checks");
     let strategy = if mesh.0 == mesh.1 { Strategy::Optimus } else { Strategy::Megatron };
     let memory = MemoryOptions { recompute: Some(recompute), ..MemoryOptions::DEFAULT };
-    let target =
-        Target { mesh: Mesh::new(mesh.0, mesh.1), strategy, mode: Mode::Train, memory, layouts: Default::default() };
+    let target = Target { memory, ..Target::plain(Mesh::new(mesh.0, mesh.1), strategy, Mode::Train) };
     compile(&model, name, &text, target).expect("compiles and verifies")
 }
 
@@ -142,13 +141,7 @@ fn tiny_with(edit: (&str, &str), recompute: Option<Recompute>) -> Plan {
     assert!(text.contains("checkpoint"), "the edit applies");
     let model = check_source(&text, &[]).model.expect("the edited model checks");
     let memory = MemoryOptions { recompute, ..MemoryOptions::DEFAULT };
-    let target = Target {
-        mesh: Mesh::new(2, 2),
-        strategy: Strategy::Optimus,
-        mode: Mode::Train,
-        memory,
-        layouts: Default::default(),
-    };
+    let target = Target { memory, ..Target::plain(Mesh::new(2, 2), Strategy::Optimus, Mode::Train) };
     compile(&model, "tiny.opt", &text, target).expect("compiles")
 }
 

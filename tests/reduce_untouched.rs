@@ -2,20 +2,14 @@
 //! buffer only where something may read it before a write fills it. On a SUMMA plan nothing does (each
 //! member is the root of one of the q reduces into the same buffer); a read placed in between does.
 
-use optimus::plan::{CollectiveKind, Coords, Instr, MemoryOptions, Mesh, Mode, Plan, Strategy};
+use optimus::plan::{CollectiveKind, Coords, Instr, Mesh, Mode, Plan, Strategy};
 use optimus::runtime::exec::untouched_result_may_be_read;
 
 fn tiny_plan(mesh: Mesh) -> Plan {
     let source = include_str!("../examples/tiny.opt");
     let checked = optimus::front::check_source(source, &[]);
     let Some(model) = checked.model else { panic!("tiny.opt checks") };
-    let target = optimus::shard::Target {
-        mesh,
-        strategy: Strategy::Optimus,
-        mode: Mode::Train,
-        memory: MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = optimus::shard::Target::plain(mesh, Strategy::Optimus, Mode::Train);
     optimus::shard::compile(&model, "tiny", source, target).unwrap_or_else(|e| panic!("{e:?}"))
 }
 

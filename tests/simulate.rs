@@ -123,17 +123,7 @@ fn group_size(group: &str) -> u64 {
 #[test]
 fn group_times_in_a_plan_use_their_links() {
     // A 4x4 optimus plan with 4 per node. Row-major: row groups intra-node, column groups inter-node.
-    let plan = compile_example(
-        "tiny.opt",
-        &[],
-        Target {
-            mesh: Mesh::new(4, 4),
-            strategy: Strategy::Optimus,
-            mode: Mode::Train,
-            memory: optimus::plan::MemoryOptions::DEFAULT,
-            layouts: Default::default(),
-        },
-    );
+    let plan = compile_example("tiny.opt", &[], Target::plain(Mesh::new(4, 4), Strategy::Optimus, Mode::Train));
     let hw = profile(16.0);
     let report = optimus::plan::report::report(&plan);
     // Blocks of 2x2 per node: every row and column group crosses nodes.
@@ -214,13 +204,7 @@ fn compile_example(file: &str, set: &[(&str, &str)], target: Target) -> Plan {
 fn max_batch_is_monotone_in_device_memory() {
     let text = std::fs::read_to_string(examples().join("tiny.opt")).unwrap_or_default();
     let source = Source { name: "tiny.opt", text: &text, overrides: &[] };
-    let target = Target {
-        mesh: Mesh::new(2, 2),
-        strategy: Strategy::Optimus,
-        mode: Mode::Train,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
     let mut last = 0;
     for mb in [0.05, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0] {
         let hw = profile(mb / 1000.0);

@@ -535,7 +535,7 @@ fn plan_for(
     let checked = check_source(w.source, &overrides);
     let model = checked.model.ok_or_else(|| format!("the built-in {} model does not check", w.model))?;
     let memory = optimus::plan::MemoryOptions { precision, ..optimus::plan::MemoryOptions::DEFAULT };
-    let target = Target { mesh, strategy, mode, memory, layouts: Default::default() };
+    let target = Target { memory, ..Target::plain(mesh, strategy, mode) };
     compile(&model, w.model, w.source, target)
         .map_err(|_| format!("the built-in {} model does not compile for {mesh} {}", w.model, strategy.name()))
 }

@@ -81,13 +81,7 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
     }
     let sharded =
         compile_for(&args.model, &args.target.set, args.target.target()).ok_or("cannot compile for the mesh")?;
-    let single_target = optimus::shard::Target {
-        mesh: Mesh::new(1, 1),
-        strategy: Strategy::None,
-        mode: Mode::Train,
-        memory: optimus::plan::MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let single_target = optimus::shard::Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Train);
     let single = compile_for(&args.model, &args.target.set, single_target).ok_or("cannot compile for one device")?;
     let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };
     let tolerance = tolerance(args, sharded.precision);

@@ -4,7 +4,7 @@
 
 use super::common::{optimusc, read_weights, text};
 use optimus::front::check_source;
-use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Strategy};
+use optimus::plan::{Mesh, Mode, Plan, Strategy};
 use optimus::shard::{Target, compile};
 use std::path::Path;
 
@@ -110,7 +110,6 @@ pub fn small_gpt2(mesh: Mesh, strategy: Strategy, vocab: u64, batch: u64) -> Pla
         sets.iter().map(|(k, v)| optimus::elab::Override { name: (*k).to_string(), value: v.to_string() }).collect();
     overrides.push(optimus::elab::Override { name: "pdrop".into(), value: "0.0".into() });
     let model = check_source(&source, &overrides).model.expect("checks");
-    let target =
-        Target { mesh, strategy, mode: Mode::Train, memory: MemoryOptions::DEFAULT, layouts: Default::default() };
+    let target = Target::plain(mesh, strategy, Mode::Train);
     compile(&model, "gpt2.opt", &source, target).expect("compiles")
 }

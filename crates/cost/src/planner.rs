@@ -118,11 +118,8 @@ impl Config {
     /// What the compiler is asked for: the tensor mesh replicated `data` times, with the ZeRO stage.
     pub fn target(&self, mode: Mode) -> Target {
         Target {
-            mesh: self.parallelism.mesh.with_data(self.parallelism.data),
-            strategy: self.parallelism.strategy,
-            mode,
             memory: MemoryOptions { recompute: Some(self.recompute), precision: self.precision, zero: self.zero },
-            layouts: Default::default(),
+            ..Target::plain(self.parallelism.mesh.with_data(self.parallelism.data), self.parallelism.strategy, mode)
         }
     }
 
@@ -540,13 +537,7 @@ pub fn pipelined_layouts(devices: u64, layers: u64, max_pipeline: u64) -> Vec<Pa
 /// The repeated layers of the model (the most pipeline stages it can have): counted in a one-device
 /// inference plan of one sequence.
 pub fn repeated_layers(source: &Source) -> Result<u64, SearchError> {
-    let target = Target {
-        mesh: Mesh::new(1, 1),
-        strategy: Strategy::None,
-        mode: Mode::Infer,
-        memory: MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Infer);
     let plan = source.compile(target, &[batch_override(1)])?;
     let layers: std::collections::BTreeSet<&str> = plan
         .program
@@ -589,13 +580,7 @@ fn micro_batches(p: &Parallelism, global_batch: u64, mode: Mode) -> Result<Vec<u
         return Err(BatchSplit::OverReplicas { global_batch, replicas: p.data });
     }
     let per_replica = global_batch / p.data;
-    let target = Target {
-        mesh: p.mesh,
-        strategy: p.strategy,
-        mode,
-        memory: MemoryOptions::DEFAULT,
-        layouts: Default::default(),
-    };
+    let target = Target::plain(p.mesh, p.strategy, mode);
     let multiple = batch_multiple(target);
     // The interleaved schedule takes the micro-batches P at a time.
     let steps_multiple = if p.chunks > 1 { p.pipeline } else { 1 };

@@ -37,6 +37,14 @@ pub struct Target {
     pub layouts: Layouts,
 }
 
+impl Target {
+    /// `strategy` on `mesh` in `mode`, with the default memory options (what the model marks
+    /// `checkpoint` recomputed, float32, no ZeRO) and the layouts chosen per product.
+    pub const fn plain(mesh: Mesh, strategy: Strategy, mode: Mode) -> Target {
+        Target { mesh, strategy, mode, memory: MemoryOptions::DEFAULT, layouts: Layouts::Auto }
+    }
+}
+
 /// The largest mesh (in devices) that E0602's help considers when it lists meshes that compile.
 pub const SUGGESTED_MESH_DEVICES: u64 = 64;
 
