@@ -304,7 +304,8 @@ pub(crate) struct Lowerer<'a> {
     filling_data: bool,
     /// Nodes lowered ahead of their turn, with a sibling that shares their SUMMA broadcasts.
     lowered_early: HashSet<NodeIndex>,
-    /// Weight gradients left for a later sibling's turn, to be lowered with it and share its broadcasts.
+    /// Gradients left for a later node's turn: weight gradients waiting for a sibling's, to share its
+    /// input's broadcasts; input gradients waiting for the sum that alone reads them, to share a reduce.
     deferred: HashSet<NodeIndex>,
     /// The parameter whose complete gradient each gradient node is.
     gradient_of: HashMap<NodeIndex, ParamId>,

@@ -718,8 +718,7 @@ impl Lowerer<'_> {
         x: NodeIndex,
         (case, dims): (&'static Case, &Dims),
     ) -> Vec<(NodeIndex, Vec<NodeIndex>, bool)> {
-        let plain_ab = case.product.is_some_and(|p| p.kind == ProductKind::SummaAb && p.a == 0 && p.b == 1);
-        if !plain_ab || self.q() == 1 || self.target.layouts == Layouts::Paper {
+        if !self.shares_products(case, ProductKind::SummaAb) {
             return Vec::new();
         }
         let x_layout = laid(case.operands[0], dims, Layout::REPLICATED);
@@ -931,30 +930,29 @@ impl Lowerer<'_> {
     fn linear_grad_weight(&mut self, n: NodeIndex, x: NodeIndex, dy: NodeIndex, tied: bool) {
         let Some((case, dims, wl)) = self.weight_grad_case(n, x, dy, tied) else { return };
         let x_layout = laid(case.operands[0], &dims, wl);
-        let shares = !tied && self.shares_input_broadcasts(case) && self.readers_of(n).is_empty();
-        if shares && self.weight_gradients_sharing(x, (case, x_layout), |m| m > n).next().is_some() {
+        let shares = !tied && self.shares_products(case, ProductKind::SummaAtb) && self.readers_of(n).is_empty();
+        if shares && !self.weight_gradients_sharing(x, (case, x_layout), |m| m > n).is_empty() {
             self.deferred.insert(n);
             return;
         }
-        let earlier: Vec<NodeIndex> = if shares {
-            let deferred: Vec<NodeIndex> = self.deferred.iter().copied().filter(|&m| m < n).collect();
-            let mut earlier: Vec<NodeIndex> =
-                self.weight_gradients_sharing(x, (case, x_layout), |m| deferred.contains(&m)).collect();
-            earlier.sort_unstable();
-            earlier
-        } else {
-            Vec::new()
-        };
+        let mut earlier =
+            if shares { self.weight_gradients_sharing(x, (case, x_layout), |m| m < n) } else { Vec::new() };
+        earlier.retain(|m| self.deferred.contains(m));
+        let mut gradients = Vec::new();
+        for m in earlier {
+            let ops = self.operands(m);
+            let Some((m_case, m_dims, m_wl)) = self.weight_grad_case(m, ops[0], ops[1], tied) else { return };
+            gradients.push((m, ops[1], (m_case, m_dims, m_wl)));
+        }
+        gradients.push((n, dy, (case, dims, wl)));
         let xb = self.value(x, x_layout);
         let mut products = Vec::new();
         let mut outputs = Vec::new();
-        for m in earlier.into_iter().chain([n]) {
+        for (m, m_dy, (m_case, m_dims, m_wl)) in gradients {
             self.current = m;
-            let ops = self.operands(m);
-            let Some((m_case, m_dims, m_wl)) = self.weight_grad_case(m, ops[0], ops[1], tied) else { return };
             let out = laid(m_case.output, &m_dims, m_wl);
             let g = self.node_buffer(m, out, Role::Workspace);
-            let dyb = self.value(ops[1], laid(m_case.operands[1], &m_dims, m_wl));
+            let dyb = self.value(m_dy, laid(m_case.operands[1], &m_dims, m_wl));
             products.push((m, dyb, g));
             outputs.push((m, out, g));
         }
@@ -998,23 +996,24 @@ impl Lowerer<'_> {
         Some((case, dims, wl))
     }
 
-    /// Whether products of `case` can share their input's broadcasts with siblings: plain SUMMA A^T B,
-    /// the input the moved A, on a mesh of more than one row, with the layouts chosen per product.
-    fn shares_input_broadcasts(&self, case: &Case) -> bool {
-        let plain_atb = case.product.is_some_and(|p| p.kind == ProductKind::SummaAtb && p.a == 0 && p.b == 1);
-        plain_atb && self.q() > 1 && self.target.layouts == Layouts::Auto
+    /// Whether `case` computes the plain SUMMA product `kind` (A its operand 0, B its operand 1) in a
+    /// compilation where siblings share such products' collectives: on a mesh of more than one row,
+    /// with the layouts chosen per product (`--layouts paper` moves what the paper's code moves).
+    fn shares_products(&self, case: &Case, kind: ProductKind) -> bool {
+        let plain = case.product.is_some_and(|p| p.kind == kind && p.a == 0 && p.b == 1);
+        plain && self.q() > 1 && self.target.layouts == Layouts::Auto
     }
 
     /// The untied weight gradients among the nodes `picked` selects whose input is `x`, laid out as
-    /// `x_layout`, with the same case, and which no node reads: each a parameter's whole gradient, read
-    /// only by the optimizer after the walk, so that one can wait for a later one. (The terms of a
-    /// weight used twice are added by a node, which may come before the last of them.)
+    /// `x_layout`, with the same case, and which no node reads, in the walk's order: each a parameter's
+    /// whole gradient, read only by the optimizer after the walk, so that one can wait for a later one.
+    /// (The terms of a weight used twice are added by a node, which may come before the last of them.)
     fn weight_gradients_sharing(
         &mut self,
         x: NodeIndex,
         (case, x_layout): (&'static Case, Layout),
         picked: impl Fn(NodeIndex) -> bool,
-    ) -> impl Iterator<Item = NodeIndex> {
+    ) -> Vec<NodeIndex> {
         let mut found = Vec::new();
         for m in self.readers_of(x) {
             if !picked(m)
@@ -1037,7 +1036,7 @@ impl Lowerer<'_> {
                 found.push(m);
             }
         }
-        found.into_iter()
+        found
     }
 
     /// The sum `s` = `n` + `m` (its two operands, in order), where `n` and `m` are untied input
@@ -1045,9 +1044,6 @@ impl Lowerer<'_> {
     /// on a mesh of more than one row with the layouts chosen per product: their partial products can
     /// be summed before one reduce a step.
     fn summed_with_a_sibling(&mut self, n: NodeIndex) -> Option<(NodeIndex, [NodeIndex; 2])> {
-        if self.q() == 1 || self.target.layouts == Layouts::Paper {
-            return None;
-        }
         let [s] = self.readers_of(n)[..] else { return None };
         if !matches!(self.graph[s].op, Op::Add) {
             return None;
@@ -1063,8 +1059,7 @@ impl Lowerer<'_> {
             let wl = self.param_layout(ops[1])?;
             let last = self.rank(term) - 1;
             let (case, dims) = self.weight_case(Operator::LinearGradInput, wl, last, (ops[0], ops[1]))?;
-            let plain_abt = case.product.is_some_and(|p| p.kind == ProductKind::SummaAbt && p.a == 0 && p.b == 1);
-            if !plain_abt {
+            if !self.shares_products(case, ProductKind::SummaAbt) {
                 return None;
             }
             layouts.push(laid(case.output, &dims, wl));
