@@ -542,3 +542,47 @@ fn by_kind_splits_the_step_compute_by_the_plans_kernels() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--layouts paper` reaches every plan a search compiles: the optimus side of `--compare` and the
+/// optimus points of `--sweep` take the paper's layouts (their steps differ from the default's), the
+/// megatron ones are the same plans; `inspect` names the choice a plan records, in text and JSON.
+#[test]
+fn the_papers_layouts_reach_the_plans_a_search_compiles_and_inspect_names_them() {
+    let model = examples().join("gpt2.opt").to_string_lossy().into_owned();
+    let sets = ["layers=1", "hidden=256", "heads=4", "vocab=512", "context=64", "seq=64", "batch=8"];
+    let run = |extra: &[&str]| {
+        let mut args = vec!["simulate", model.as_str(), "--hardware", "dgx-a100", "--mesh", "2x2", "--json"];
+        args.extend(sets.iter().flat_map(|s| ["--set", *s]));
+        args.extend(extra);
+        let (ok, text, err) = optimusc(&args);
+        assert!(ok, "{args:?}: {err}");
+        json(&text)
+    };
+    let step = |v: &serde_json::Value, strategy: &str| v[strategy]["step_time_s"].as_f64();
+    let (auto, paper) = (run(&["--compare"]), run(&["--compare", "--layouts", "paper"]));
+    assert!(step(&auto, "optimus").is_some() && step(&auto, "optimus") != step(&paper, "optimus"), "{auto} {paper}");
+    assert_eq!(step(&auto, "megatron"), step(&paper, "megatron"));
+    let (auto, paper) = (run(&["--sweep"]), run(&["--sweep", "--layouts", "paper"]));
+    let steps = |v: &serde_json::Value, strategy: &str| -> Vec<Option<f64>> {
+        let points = v.as_array().cloned().unwrap_or_default();
+        points.iter().filter(|p| p["strategy"] == strategy).map(|p| p["simulation"]["step_time_s"].as_f64()).collect()
+    };
+    assert_ne!(steps(&auto, "optimus"), steps(&paper, "optimus"));
+    assert_eq!(steps(&auto, "megatron"), steps(&paper, "megatron"));
+    assert!(!steps(&auto, "megatron").is_empty());
+
+    let dir = std::env::temp_dir().join(format!("optimus-layouts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch folder");
+    for (layouts, named) in [("paper", true), ("auto", false)] {
+        let plan = dir.join(format!("{layouts}.json")).to_string_lossy().into_owned();
+        let tiny = examples().join("tiny.opt").to_string_lossy().into_owned();
+        let (ok, _, err) = optimusc(&["compile", &tiny, "--mesh", "2x2", "--layouts", layouts, "-o", &plan]);
+        assert!(ok, "{err}");
+        let (ok, text, err) = optimusc(&["inspect", &plan]);
+        assert!(ok && text.contains("the paper's layouts") == named, "{layouts}: {err}{text}");
+        let (ok, text, err) = optimusc(&["inspect", &plan, "--json"]);
+        assert!(ok, "{err}");
+        assert_eq!(json(&text)["layouts"] == "paper", named, "{layouts}: {text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
