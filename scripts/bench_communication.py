@@ -29,6 +29,8 @@ CONFIGS = [
     ("llama3-8b b64 x 2048 bf16", "examples/llama.opt", ["batch=64", "seq=2048"], "8x8",
      ["--precision", "bf16", "--recompute", "layers"]),
     ("gpt2-small tesseract", "examples/gpt2.opt", [], "2x4x4", ["--strategy", "tesseract"]),
+    ("bert-large", "examples/bert.opt", [], "4x4", []),
+    ("tinyllama", "examples/tinyllama.opt", [], "4x4", []),
 ]
 
 # Training steps over a small batch of a wide model: `--configs small-batch`.

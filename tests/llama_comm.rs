@@ -108,11 +108,11 @@ fn optimus_layer_payload_matches_the_formula() {
                 let case = format!("{c:?} q={q} layer {l}");
                 assert_eq!(summa_elements(&infer, l), summa_forward(c, q), "{case}: forward");
                 // The backward: dW sharing the input's broadcasts as forward; dX of each linear alone but
-                // for pairs only added to each other, whose partials are summed before one reduce a step:
-                // gate_proj's and up_proj's, and where kv = h the pair of q, k and v added first (their
-                // sum takes two additions; the second adds the first's result).
-                let summed_pairs = if c.0 == c.1 { 2 } else { 1 };
-                let summed = summed_pairs * c.4 * c.5 * c.2 / q;
+                // for input gradients only added to each other, whose partials are summed before one
+                // reduce a step: gate_proj's and up_proj's (one reduce of M h/q saved), and where kv = h
+                // q's, k's and v's (two saved).
+                let reduces_saved = if c.0 == c.1 { 3 } else { 1 };
+                let summed = reduces_saved * c.4 * c.5 * c.2 / q;
                 let train_payload = 3 * summa_each(c, q) - 2 * shared(c, q) - summed;
                 assert_eq!(summa_elements(&train, l), train_payload, "{case}: forward + backward");
                 // Besides SUMMA, only row statistics and norm-weight gradients travel: no collective

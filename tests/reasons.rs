@@ -131,7 +131,7 @@ fn assert_instruction_is_its_part(instr: &Instr, product: SummaProduct, step: u6
         }
         (SummaPart::MultiplyAccumulate, Instr::Kernel { kernel: Kernel::MatMul { accumulate, .. }, .. }) => {
             // Accumulated products add every step after the first; a product whose partials are reduced
-            // adds only a second term into the step's partial (input gradients summed before the reduce).
+            // adds only a later term into the step's partial (input gradients summed before the reduce).
             assert!(if accumulated { *accumulate == (step > 1) } else { *accumulate }, "{text}");
         }
         _ => panic!("`{text}` explains {instr:?}"),

@@ -84,6 +84,19 @@ struct SummaTerm {
     out: BufferId,
 }
 
+/// Input gradients that only a tree of additions reads (a layer input's from its q, k and v products,
+/// and from its residual path), computed at the tree's top in one SUMMA product, one reduce a step.
+struct GradientSum {
+    /// The addition at the tree's top, which computes the sum.
+    root: NodeIndex,
+    /// The input gradients, in the tree's order.
+    terms: Vec<NodeIndex>,
+    /// The additions below the top, which wait for it.
+    inner: Vec<NodeIndex>,
+    /// The tree's other operands, added once the terms' sum is reduced.
+    others: Vec<NodeIndex>,
+}
+
 /// What one collective more costs, in elements a device moves: a collective's start-up (some
 /// microseconds on NVLink or InfiniBand) takes as long as moving about this many float32 elements.
 const ONE_COLLECTIVE: u64 = 1 << 16;
@@ -902,15 +915,15 @@ impl Lowerer<'_> {
         Some((case, Dims { out: splits_out.unwrap_or(wl.0[COLUMN_AXIS]), ..self.dims(last) }))
     }
 
-    /// dX = dY W^T (dY E when tied), with W as stored. Two input gradients that are only added (of
-    /// linears that shared their input's broadcasts) wait for the sum, which computes both in one
-    /// product ([`Lowerer::summed_input_gradients`]).
+    /// dX = dY W^T (dY E when tied), with W as stored. Input gradients that only a tree of additions
+    /// reads (of linears that shared their input's broadcasts) wait for its top, which computes them
+    /// in one product ([`Lowerer::summed_input_gradients`]).
     fn linear_grad_input(&mut self, n: NodeIndex, dy: NodeIndex, w: NodeIndex, tied: bool) {
         let last = self.rank(n) - 1;
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
         let operator = if tied { Operator::LinearGradInputTied } else { Operator::LinearGradInput };
         let Some((case, dims)) = self.weight_case(operator, wl, last, (dy, w)) else { return };
-        if !tied && self.summed_with_a_sibling(n).is_some() {
+        if !tied && self.gradient_sum_of(n).is_some() {
             self.deferred.insert(n);
             return;
         }
@@ -1039,40 +1052,103 @@ impl Lowerer<'_> {
         found
     }
 
-    /// The sum `s` = `n` + `m` (its two operands, in order), where `n` and `m` are untied input
-    /// gradients that only `s` reads, both of the plain SUMMA A B^T case with the same output layout,
-    /// on a mesh of more than one row with the layouts chosen per product: their partial products can
-    /// be summed before one reduce a step.
-    fn summed_with_a_sibling(&mut self, n: NodeIndex) -> Option<(NodeIndex, [NodeIndex; 2])> {
-        let [s] = self.readers_of(n)[..] else { return None };
-        if !matches!(self.graph[s].op, Op::Add) {
-            return None;
-        }
-        let terms: [NodeIndex; 2] = self.operands(s).try_into().ok()?;
-        let mut layouts = Vec::new();
-        for term in terms {
-            let Op::LinearGradInput { transpose_weight: false } = self.graph[term].op else { return None };
-            if self.readers_of(term) != [s] {
-                return None;
-            }
-            let ops = self.operands(term);
-            let wl = self.param_layout(ops[1])?;
-            let last = self.rank(term) - 1;
-            let (case, dims) = self.weight_case(Operator::LinearGradInput, wl, last, (ops[0], ops[1]))?;
-            if !self.shares_products(case, ProductKind::SummaAbt) {
-                return None;
-            }
-            layouts.push(laid(case.output, &dims, wl));
-        }
-        (terms[0] != terms[1] && layouts[0] == layouts[1]).then_some((s, terms))
+    /// The output layout of `n` where it is an input gradient that can join a sum of input gradients:
+    /// untied, of the plain SUMMA A B^T case, on a mesh of more than one row with the layouts chosen
+    /// per product.
+    fn summable_input_gradient(&mut self, n: NodeIndex) -> Option<Layout> {
+        let Op::LinearGradInput { transpose_weight: false } = self.graph[n].op else { return None };
+        let ops = self.operands(n);
+        let wl = self.param_layout(*ops.get(1)?)?;
+        let last = self.rank(n) - 1;
+        let (case, dims) = self.weight_case(Operator::LinearGradInput, wl, last, (ops[0], ops[1]))?;
+        self.shares_products(case, ProductKind::SummaAbt).then(|| self.norm(laid(case.output, &dims, wl)))
     }
 
-    /// The sum `s` of two input gradients that waited for it: each step broadcasts both weights' blocks,
-    /// multiplies both output gradients' blocks into one partial and reduces it once, into `s`.
-    fn summed_input_gradients(&mut self, s: NodeIndex, terms: [NodeIndex; 2]) {
+    /// The sum of input gradients that the input gradient `n` joins, where it has at least one other
+    /// term: `n`'s only reader is an addition, and the additions above it (each read by the next alone)
+    /// add further input gradients laid out as `n`, read by them alone. The tree's other operands must
+    /// be lowered before its first term and laid out as the terms, without pending sums: they are
+    /// added to the sum once it is reduced.
+    fn gradient_sum_of(&mut self, n: NodeIndex) -> Option<GradientSum> {
+        let layout = self.summable_input_gradient(n)?;
+        let [mut top] = self.readers_of(n)[..] else { return None };
+        let mut best: Option<GradientSum> = None;
+        while matches!(self.graph[top].op, Op::Add) {
+            let tree = self.addition_tree(top, layout);
+            if tree.terms.len() > best.as_ref().map_or(1, |b| b.terms.len()) {
+                best = Some(tree);
+            }
+            let [reader] = self.readers_of(top)[..] else { break };
+            top = reader;
+        }
+        let sum = best?;
+        let first = sum.terms.iter().min().copied()?;
+        let mut distinct = sum.terms.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() != sum.terms.len() || !distinct.contains(&n) {
+            return None;
+        }
+        for &other in &sum.others {
+            if other >= first || self.natural(other) != layout {
+                return None;
+            }
+        }
+        Some(sum)
+    }
+
+    /// The input gradients laid out as `layout` that the addition `t` sums with the additions below it
+    /// read by nothing else, those additions, and the tree's other operands, in the walk's order.
+    fn addition_tree(&mut self, t: NodeIndex, layout: Layout) -> GradientSum {
+        let mut tree = GradientSum { root: t, terms: Vec::new(), inner: Vec::new(), others: Vec::new() };
+        for o in self.operands(t) {
+            let read_here_alone = self.readers_of(o) == [t];
+            if read_here_alone && self.summable_input_gradient(o) == Some(layout) {
+                tree.terms.push(o);
+                continue;
+            }
+            if read_here_alone && matches!(self.graph[o].op, Op::Add) {
+                let below = self.addition_tree(o, layout);
+                if !below.terms.is_empty() {
+                    tree.inner.push(o);
+                    tree.terms.extend(below.terms);
+                    tree.inner.extend(below.inner);
+                    tree.others.extend(below.others);
+                    continue;
+                }
+            }
+            tree.others.push(o);
+        }
+        tree
+    }
+
+    /// The addition `n` of a tree of additions with input gradients waiting below it: the sum's top
+    /// computes it ([`Lowerer::summed_input_gradients`]); an addition below the top waits too.
+    fn add_to_waiting_gradients(&mut self, n: NodeIndex, waiting: NodeIndex) {
+        let mut term = waiting;
+        while matches!(self.graph[term].op, Op::Add) {
+            let Some(&below) = self.operands(term).iter().find(|&&o| self.deferred.contains(&o)) else { break };
+            term = below;
+        }
+        match self.gradient_sum_of(term) {
+            Some(sum) if sum.root == n => self.summed_input_gradients(&sum),
+            Some(_) => {
+                self.deferred.insert(n);
+            }
+            None => self.diagnostics.push(Diagnostic::error(
+                Code::E0699,
+                format!("internal error: the input gradient %{} waits for a sum that is not found", term.index()),
+            )),
+        }
+    }
+
+    /// The sum of input gradients that waited for it: each step broadcasts every term's weight block,
+    /// multiplies the terms' output gradients' blocks into one partial and reduces it once; the tree's
+    /// other operands are then added.
+    fn summed_input_gradients(&mut self, sum: &GradientSum) {
         let mut parts = Vec::new();
         let mut layout = Layout::REPLICATED;
-        for term in terms {
+        for &term in &sum.terms {
             self.current = term;
             let ops = self.operands(term);
             let (dy, w) = (ops[0], ops[1]);
@@ -1085,12 +1161,22 @@ impl Lowerer<'_> {
             parts.push((term, wb, dyb, case.product.map_or("backward of linear (dX = dY W^T)", |p| p.what)));
             self.deferred.remove(&term);
         }
+        for inner in &sum.inner {
+            self.deferred.remove(inner);
+        }
+        let s = sum.root;
         self.current = s;
-        let y = self.node_buffer(s, layout, Role::Workspace);
+        let mut y = self.node_buffer(s, layout, Role::Workspace);
         let terms: Vec<SummaTerm> =
             parts.iter().map(|&(node, wb, dyb, _)| SummaTerm { node, moved: wb, other: dyb, out: y }).collect();
         let what = parts.first().map_or("backward of linear (dX = dY W^T)", |p| p.3);
         self.summa_reduced_many(ReducedSumma::ABT, &terms, what);
+        for &other in &sum.others {
+            let ob = self.value(other, layout);
+            let total = self.node_buffer(s, layout, Role::Workspace);
+            self.kernel(Kernel::Add, &[ob, y], total, compute("add (local)"));
+            y = total;
+        }
         self.define(s, layout, y);
     }
 
@@ -1340,10 +1426,10 @@ impl Lowerer<'_> {
     /// product is, which costs the same and keeps the reduction with the layer that causes it.)
     fn add(&mut self, n: NodeIndex, a: NodeIndex, b: NodeIndex) {
         let waiting = |node: NodeIndex| {
-            self.deferred.contains(&node) && matches!(self.graph[node].op, Op::LinearGradInput { .. })
+            self.deferred.contains(&node) && matches!(self.graph[node].op, Op::LinearGradInput { .. } | Op::Add)
         };
-        if waiting(a) && waiting(b) {
-            return self.summed_input_gradients(n, [a, b]);
+        if let Some(w) = [a, b].into_iter().find(|&o| waiting(o)) {
+            return self.add_to_waiting_gradients(n, w);
         }
         let (la, lb) = (self.natural(a), self.natural(b));
         let backward = self.forward_end.is_some();
