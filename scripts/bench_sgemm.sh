@@ -2,7 +2,8 @@
 # Our AVX2 product against OpenBLAS, alone, on GPT-2 small's product shapes (1x1 and one device of a
 # 2x2 mesh), warm and cold (operands evicted between calls), one and two threads: one JSON line per
 # shape and library with the CPU, the ISA cap and the date. Usage:
-#   scripts/bench_sgemm.sh [avx2|avx512] [REPS] > results.jsonl
+#   scripts/bench_sgemm.sh [avx2|avx512] [REPS] [--shape m,n,k,tl,tr ...] > results.jsonl
+# (--shape, repeatable, measures those shapes instead: tl, tr 1 for a transposed left or right operand)
 # avx2 (the default) narrows OpenBLAS to its Haswell kernels and the peak to AVX2 FMA, as
 # OPTIMUS_CPU_ISA=avx2 does for optimusc; avx512 on an AVX-512 CPU asks OpenBLAS for its SkylakeX
 # kernels, as optimusc does (an OpenBLAS older than the CPU would fall back to SSE3 ones), unless
@@ -24,7 +25,7 @@ for mode in warm cold; do
     flag=""
     [ "$mode" = cold ] && flag="--cold"
     # shellcheck disable=SC2086
-    "$BIN" --reps "$REPS" $flag | while read -r line; do
+    "$BIN" --reps "$REPS" $flag "${@:3}" | while read -r line; do
         printf '{"cpu":"%s","isa_cap":"%s","date":"%s",%s\n' "$CPU" "$ISA" "$(date -u +%F)" "${line#\{}"
     done
 done

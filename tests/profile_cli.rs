@@ -127,6 +127,60 @@ fn the_profile_counts_every_instruction_and_the_flops_of_every_matmul() {
     for row in rows.iter().filter(|r| r["category"] == "communication") {
         assert!(as_u64(&row["bytes"]) > 0 && row["gflops"].is_null(), "{row}");
     }
+    the_products_by_shape_break_the_matmul_row_down(&plan, profile, &stderr);
+}
+
+/// A step's matrix products of one device by (m, k, n, form), counted from the plan here.
+fn products_by_shape(plan: &Value) -> BTreeMap<(u64, u64, u64, String), u64> {
+    let mut shapes = BTreeMap::new();
+    for instr in plan["program"].as_array().expect("a program") {
+        if instr["instr"] != "kernel" || instr["kernel"]["kind"] != "mat_mul" {
+            continue;
+        }
+        let kernel = &instr["kernel"];
+        let (ta, tb) = (kernel["transpose_a"] == true, kernel["transpose_b"] == true);
+        let (a_rows, a_cols) = rows_and_last(&shape(plan, &instr["inputs"][0]));
+        let k = if ta { a_rows } else { a_cols };
+        let (m, n) = rows_and_last(&shape(plan, &instr["output"]));
+        let form = format!(
+            "{} {}{}",
+            if ta { "A^T" } else { "A" },
+            if tb { "B^T" } else { "B" },
+            if kernel["accumulate"] == true { " +=" } else { "" }
+        );
+        *shapes.entry((m, k, n, form)).or_insert(0) += 1;
+    }
+    shapes
+}
+
+/// The profile's products by shape: every `MatMul` of the plan under its shape and form, 4 devices x 2
+/// steps each, their times adding up to the `MatMul` row's, most time first, and the table printed.
+fn the_products_by_shape_break_the_matmul_row_down(plan: &Value, profile: &Value, stderr: &str) {
+    let products = profile["products"].as_array().expect("products by shape");
+    let listed: BTreeMap<(u64, u64, u64, String), u64> = products
+        .iter()
+        .map(|p| {
+            let form = p["form"].as_str().expect("a form").to_string();
+            ((as_u64(&p["m"]), as_u64(&p["k"]), as_u64(&p["n"]), form), as_u64(&p["count"]))
+        })
+        .collect();
+    let expected: BTreeMap<_, u64> = products_by_shape(plan).into_iter().map(|(shape, n)| (shape, n * 4 * 2)).collect();
+    assert_eq!(listed, expected, "each product shape, 4 devices x 2 steps");
+    let matmul = profile["rows"].as_array().expect("rows").iter().find(|r| r["name"] == "MatMul").expect("MatMul");
+    let total: f64 = products.iter().map(|p| p["total_ms"].as_f64().expect("ms")).sum();
+    let row_ms = matmul["total_ms"].as_f64().expect("ms");
+    assert!((total - row_ms).abs() <= 1e-6 * row_ms.max(1.0), "{total} ms by shape against {row_ms} in the row");
+    let times: Vec<f64> = products.iter().map(|p| p["total_ms"].as_f64().expect("ms")).collect();
+    assert!(times.windows(2).all(|w| w[0] >= w[1]), "most time first: {times:?}");
+    for p in products {
+        let flops = 2.0 * (as_u64(&p["m"]) * as_u64(&p["k"]) * as_u64(&p["n"]) * as_u64(&p["count"])) as f64;
+        let seconds = p["total_ms"].as_f64().expect("ms") / 1e3;
+        let gflops = p["gflops"].as_f64().expect("GFLOP/s");
+        assert!((gflops - flops / seconds / 1e9).abs() <= 1e-6 * gflops, "2mnk per second: {p}");
+        assert!(p["median_gflops"].as_f64().is_some_and(|g| g > 0.0), "{p}");
+        assert!(p["median_peak_pct"].as_f64().is_some_and(|g| g > 0.0), "{p}");
+    }
+    assert!(stderr.contains("products by shape") && stderr.contains("median % peak"), "{stderr}");
 }
 
 /// What one profiled run on a 2x2 mesh says about its products.

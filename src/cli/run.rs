@@ -130,8 +130,9 @@ pub struct RunArgs {
     pub log: Option<PathBuf>,
     /// After the run, print on standard error where the time went, as torch.profiler's table does: by kernel
     /// kind and by collective kind and group, summed over devices (count, total ms, share, average µs,
-    /// achieved GFLOP/s of products and their % of this CPU's peak, GB/s of collectives), then compute,
-    /// communication and other time per device. The first step is left out as warm-up when there are more;
+    /// achieved GFLOP/s of products and their % of this CPU's peak, GB/s of collectives), then the matrix
+    /// products by block shape and form (with each one's median call, which a shared machine's slow spells
+    /// move less), then compute, communication and other time per device. The first step is left out as warm-up when there are more;
     /// the peak is measured before and after the run (about 0.2 s each; a note says where the two are over
     /// 10% apart: the machine's speed changed under the run). The header also names the library of the CPU
     /// products (optimus's own AVX2 kernel where the CPU's widest vectors are AVX2, with OpenBLAS where

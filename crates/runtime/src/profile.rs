@@ -253,7 +253,31 @@ pub struct ProfileReport {
     pub warm_up_excluded: bool,
     /// By total time, largest first.
     pub rows: Vec<ProfileRow>,
+    /// The matrix products (`MatMul`) by shape and form, most time first.
+    pub products: Vec<ProductShapeRow>,
     pub devices: Vec<DeviceTotals>,
+}
+
+/// The matrix products of one shape and form, summed over devices and profiled steps: the row of
+/// `MatMul` broken down, as torch.profiler groups by input shape.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ProductShapeRow {
+    /// out [m, n] = op(A) [m, k] op(B) [k, n], a device's blocks.
+    pub m: u64,
+    pub k: u64,
+    pub n: u64,
+    /// `A B`, `A^T B`, `A B^T` or `A^T B^T`, with ` +=` where it adds into its output.
+    pub form: String,
+    pub count: u64,
+    pub total_ms: f64,
+    /// Share of all the products' time.
+    pub share_pct: f64,
+    pub gflops: f64,
+    pub peak_pct: Option<f64>,
+    /// FLOP/s of a typical call: each product instruction's median time over its first runs (up to
+    /// 16), which the slow spells of a shared machine move less than they move the mean.
+    pub median_gflops: f64,
+    pub median_peak_pct: Option<f64>,
 }
 
 /// One kernel kind or collective kind and group, summed over devices and profiled steps.
@@ -330,6 +354,7 @@ pub fn report_of_programs(runs: &[(&Plan, &Profile)], peak: &Peak) -> ProfileRep
         steps_profiled: runs.first().map_or(0, |(_, p)| p.steps),
         warm_up_excluded: runs.iter().any(|(_, p)| p.warm_up_excluded),
         rows: summed_rows(&kinds, peak.gflops),
+        products: products_by_shape(runs, peak.gflops),
         devices: kinds.iter().map(|(kinds, p)| device_totals(kinds, p)).collect(),
     }
 }
@@ -374,6 +399,85 @@ fn summed_rows(runs: &[(Vec<Option<InstrKind>>, &Profile)], peak_gflops: f64) ->
     let mut rows: Vec<ProfileRow> = sums.into_iter().map(|(name, s)| row(name, &s, all, peak_gflops)).collect();
     rows.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms).then_with(|| a.name.cmp(&b.name)));
     rows
+}
+
+/// A product's shape and form: (m, k, n, transpose_a, transpose_b, accumulate).
+type ProductShape = (u64, u64, u64, bool, bool, bool);
+
+/// Sums of one product shape while its row is built: calls, time, FLOPs, and FLOPs and median time of
+/// one call of each instruction.
+#[derive(Default)]
+struct ShapeSum {
+    count: u64,
+    time: Duration,
+    flops: u64,
+    typical_flops: u64,
+    typical_time: Duration,
+}
+
+/// The `MatMul` instructions of every device, grouped by shape and form, most time first.
+fn products_by_shape(runs: &[(&Plan, &Profile)], peak_gflops: f64) -> Vec<ProductShapeRow> {
+    let mut sums: BTreeMap<ProductShape, ShapeSum> = BTreeMap::new();
+    for &(plan, profile) in runs {
+        for (index, (instr, tally)) in plan.program.iter().zip(&profile.tallies).enumerate() {
+            let Some((shape, flops)) = product_shape(plan, instr) else { continue };
+            let Some(median) = profile.median(index) else { continue };
+            let sum = sums.entry(shape).or_default();
+            sum.count += tally.count;
+            sum.time += tally.time;
+            sum.flops = sum.flops.saturating_add(flops.saturating_mul(tally.count));
+            sum.typical_flops = sum.typical_flops.saturating_add(flops);
+            sum.typical_time += median;
+        }
+    }
+    let all: f64 = sums.values().map(|s| s.time.as_secs_f64()).sum();
+    let rate = |flops: u64, time: Duration| {
+        let seconds = time.as_secs_f64();
+        if seconds > 0.0 { flops as f64 / seconds / 1e9 } else { 0.0 }
+    };
+    let of_peak = |gflops: f64| (peak_gflops > 0.0).then(|| 100.0 * gflops / peak_gflops);
+    let mut rows: Vec<ProductShapeRow> = sums
+        .into_iter()
+        .map(|((m, k, n, ta, tb, accumulate), s)| {
+            let (gflops, median_gflops) = (rate(s.flops, s.time), rate(s.typical_flops, s.typical_time));
+            ProductShapeRow {
+                m,
+                k,
+                n,
+                form: product_form(ta, tb, accumulate),
+                count: s.count,
+                total_ms: s.time.as_secs_f64() * 1e3,
+                share_pct: if all > 0.0 { 100.0 * s.time.as_secs_f64() / all } else { 0.0 },
+                gflops,
+                peak_pct: of_peak(gflops),
+                median_gflops,
+                median_peak_pct: of_peak(median_gflops),
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+    rows
+}
+
+/// The shape and form of a `MatMul` instruction, and the FLOPs of one call; `None` for any other.
+fn product_shape(plan: &Plan, instr: &Instr) -> Option<(ProductShape, u64)> {
+    let Instr::Kernel { kernel: Kernel::MatMul { transpose_a, transpose_b, accumulate }, inputs, output, .. } = instr
+    else {
+        return None;
+    };
+    let a = &plan.buffer(*inputs.first()?).shape;
+    let (a_rows, a_cols) = split_last(a);
+    let k = if *transpose_a { a_rows } else { a_cols };
+    let (m, n) = split_last(&plan.buffer(*output).shape);
+    let flops = 2 * mul(&[m, n, k]);
+    Some(((m as u64, k as u64, n as u64, *transpose_a, *transpose_b, *accumulate), flops))
+}
+
+/// `A^T B +=` and the like.
+fn product_form(transpose_a: bool, transpose_b: bool, accumulate: bool) -> String {
+    let operand = |name: &str, transposed: bool| if transposed { format!("{name}^T") } else { name.to_string() };
+    let adds = if accumulate { " +=" } else { "" };
+    format!("{} {}{adds}", operand("A", transpose_a), operand("B", transpose_b))
 }
 
 fn row(name: &str, s: &RowSum, all: Duration, peak_gflops: f64) -> ProfileRow {
@@ -427,7 +531,46 @@ impl ProfileReport {
         let mut text = self.header();
         text.push_str(&self.rows_table());
         text.push('\n');
+        text.push_str(&self.products_table());
         text.push_str(&self.devices_table());
+        text
+    }
+
+    /// The product shapes that took the most time (all of them in the JSON record); empty without any.
+    fn products_table(&self) -> String {
+        if self.products.is_empty() {
+            return String::new();
+        }
+        let shown = self.products.len().min(SHAPES_SHOWN);
+        let heading = if shown < self.products.len() {
+            format!(
+                "products by shape, the {shown} of {} taking most time (all in the --json record):\n",
+                self.products.len()
+            )
+        } else {
+            "products by shape:\n".to_string()
+        };
+        let blank = || "-".to_string();
+        let mut text = heading;
+        text.push_str(&format!(
+            "{:<22}  {:<10}  {:>7}  {:>10}  {:>7}  {:>8}  {:>6}  {:>14}  {:>13}\n",
+            "m x k x n", "form", "count", "total ms", "share %", "GFLOP/s", "% peak", "median GFLOP/s", "median % peak"
+        ));
+        for p in &self.products[..shown] {
+            text.push_str(&format!(
+                "{:<22}  {:<10}  {:>7}  {:>10.2}  {:>7.1}  {:>8.1}  {:>6}  {:>14.1}  {:>13}\n",
+                format!("{} x {} x {}", p.m, p.k, p.n),
+                p.form,
+                p.count,
+                p.total_ms,
+                p.share_pct,
+                p.gflops,
+                p.peak_pct.map_or_else(blank, |v| format!("{v:.1}")),
+                p.median_gflops,
+                p.median_peak_pct.map_or_else(blank, |v| format!("{v:.1}")),
+            ));
+        }
+        text.push_str("(median: each product's median call, which slow spells of a shared machine move less)\n\n");
         text
     }
 
@@ -531,6 +674,9 @@ impl ProfileReport {
     }
 }
 
+/// Product shapes the text table shows.
+const SHAPES_SHOWN: usize = 10;
+
 /// "21504 in faer, 612 in OpenBLAS": each library that ran product calls, most calls first.
 fn calls_by_library(calls: super::cpu::blas::Calls) -> String {
     let mut ran = [(calls.optimus, "our AVX2 kernel"), (calls.openblas, "OpenBLAS"), (calls.faer, "faer")];
@@ -564,6 +710,7 @@ mod tests {
             steps_profiled: 1,
             warm_up_excluded: false,
             rows: Vec::new(),
+            products: Vec::new(),
             devices: Vec::new(),
         }
     }
@@ -600,6 +747,39 @@ mod tests {
         let header = report_with_calls(0, 0).header();
         assert!(!header.contains("CPU products"), "a run with no CPU product (CUDA): {header}");
         assert!(header.ends_with(")\n\n"), "{header:?}");
+    }
+
+    fn shape_row(m: u64, total_ms: f64) -> ProductShapeRow {
+        let (gflops, peak_pct) = (50.0, Some(50.0));
+        let form = product_form(true, false, true);
+        let (count, share_pct, median_gflops, median_peak_pct) = (2, 0.0, 60.0, Some(60.0));
+        ProductShapeRow {
+            m,
+            k: 3,
+            n: 4,
+            form,
+            count,
+            total_ms,
+            share_pct,
+            gflops,
+            peak_pct,
+            median_gflops,
+            median_peak_pct,
+        }
+    }
+
+    #[test]
+    fn the_products_table_shows_the_shapes_taking_most_time_and_says_how_many_it_leaves_out() {
+        let none = report_with_calls(0, 0).to_text();
+        assert!(!none.contains("products by shape"), "no products, no table: {none}");
+        let few = ProfileReport { products: vec![shape_row(7, 2.0)], ..report_with_calls(0, 1) }.to_text();
+        assert!(few.contains("products by shape:\n") && few.contains("7 x 3 x 4"), "{few}");
+        assert!(few.contains("A^T B +="), "{few}");
+        let rows = (0..12).map(|m| shape_row(m + 1, 12.0 - m as f64)).collect();
+        let many = ProfileReport { products: rows, ..report_with_calls(0, 1) }.to_text();
+        assert!(many.contains("the 10 of 12 taking most time"), "{many}");
+        assert!(many.contains("10 x 3 x 4") && !many.contains("11 x 3 x 4"), "{many}");
+        assert_eq!(product_form(false, true, false), "A B^T");
     }
 
     #[test]
