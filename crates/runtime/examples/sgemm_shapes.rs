@@ -3,8 +3,10 @@
 //!
 //! For each shape and library it prints one JSON line: the best of `--reps` calls on one thread and
 //! on two (each thread a half of the output, as the kernel pool splits a product), in GFLOP/s and in %
-//! of the peak `run --profile` measures. `--cold` writes 64 MiB between calls, so the operands come
-//! from memory as they do inside a training step. `OPTIMUS_CPU_ISA=avx2` narrows OpenBLAS and the peak
+//! of the peak `run --profile` measures, and the medians of the calls (`median_gflops_1`,
+//! `median_gflops_2`), to set beside the median calls of `run --profile`'s products by shape.
+//! `--cold` writes 64 MiB between calls, so the operands come from memory as they do inside a
+//! training step. `OPTIMUS_CPU_ISA=avx2` narrows OpenBLAS and the peak
 //! (set `OPENBLAS_CORETYPE=Haswell` too, or `SkylakeX` uncapped on AVX-512: `optimusc` does it itself,
 //! and leaves aside an OpenBLAS whose kernels are narrower than the CPU's). The libraries take
 //! turns call by call, so a machine whose speed drifts (a shared VM's does, for seconds at a time)
@@ -90,10 +92,10 @@ fn main() {
             .into_iter()
             .filter(|l| *l == Library::Ours || openblas.is_some())
             .collect();
-        let mut best = vec![[f64::INFINITY; 2]; libraries.len()];
+        let mut times = vec![[Vec::new(), Vec::new()]; libraries.len()];
         for rep in 0..reps {
-            for (&library, best) in libraries.iter().zip(best.iter_mut()) {
-                for (threads, best) in best.iter_mut().enumerate() {
+            for (&library, times) in libraries.iter().zip(times.iter_mut()) {
+                for (threads, times) in times.iter_mut().enumerate() {
                     if cold {
                         junk.iter_mut().for_each(|x| *x = rep as u8);
                         std::hint::black_box(&junk);
@@ -101,22 +103,33 @@ fn main() {
                     let dst = MatMut::from_row_major_slice_mut(&mut c, m, n);
                     let start = Instant::now();
                     split(library, openblas, dst, lhs, rhs, threads + 1);
-                    *best = best.min(start.elapsed().as_secs_f64());
+                    times.push(start.elapsed().as_secs_f64());
                 }
             }
         }
         let gflops = |seconds: f64| 2.0 * (m * n * k) as f64 / seconds / 1e9;
-        for (library, best) in libraries.iter().zip(&best) {
+        for (library, times) in libraries.iter().zip(&times) {
+            let [(best_1, median_1), (best_2, median_2)] = [&times[0], &times[1]].map(|t| best_and_median(t));
             println!(
-                "{{\"mesh\":\"{mesh}\",\"m\":{m},\"n\":{n},\"k\":{k},\"transposed_left\":{ta},\"transposed_right\":{tb},\"library\":\"{}\",\"gflops_1\":{:.1},\"peak_pct_1\":{:.1},\"gflops_2\":{:.1},\"peak_pct_2\":{:.1},\"cold\":{cold}}}",
+                "{{\"mesh\":\"{mesh}\",\"m\":{m},\"n\":{n},\"k\":{k},\"transposed_left\":{ta},\"transposed_right\":{tb},\"library\":\"{}\",\"gflops_1\":{:.1},\"peak_pct_1\":{:.1},\"gflops_2\":{:.1},\"peak_pct_2\":{:.1},\"median_gflops_1\":{:.1},\"median_gflops_2\":{:.1},\"cold\":{cold}}}",
                 library.name(),
-                gflops(best[0]),
-                100.0 * gflops(best[0]) / peaks[0],
-                gflops(best[1]),
-                100.0 * gflops(best[1]) / peaks[1],
+                gflops(best_1),
+                100.0 * gflops(best_1) / peaks[0],
+                gflops(best_2),
+                100.0 * gflops(best_2) / peaks[1],
+                gflops(median_1),
+                gflops(median_2),
             );
         }
     }
+}
+
+/// The fastest and the median of `times` (seconds; infinite when empty).
+fn best_and_median(times: &[f64]) -> (f64, f64) {
+    let mut sorted = times.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let best = sorted.first().copied().unwrap_or(f64::INFINITY);
+    (best, sorted.get(sorted.len() / 2).copied().unwrap_or(f64::INFINITY))
 }
 
 /// "m,n,k,tl,tr" as a shape of its own ("given").
