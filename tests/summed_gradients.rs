@@ -1,0 +1,109 @@
+//! Input gradients summed through a tree of additions: a block whose input feeds several linears, their
+//! outputs (through GELU or not) and the input itself added in a random tree, trains on a mesh as on
+//! one device (`optimusc verify`), and every linear's input gradient of the tree takes one reduce a
+//! SUMMA step together, whatever the tree's shape and order.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn optimusc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("optimus-summed-gradients-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+/// A small deterministic generator (64-bit LCG), so that every run tests the same trees.
+struct Draw(u64);
+
+impl Draw {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
+
+/// One branch of the tree: a linear of the block's input, through GELU or not; the same linear may
+/// appear twice.
+fn branch(d: &mut Draw, linears: usize) -> String {
+    let linear = format!("l{}(x)", d.below(linears));
+    if d.below(2) == 0 { format!("gelu({linear}, approx: \"tanh\")") } else { linear }
+}
+
+/// The block's forward expression: its terms added in a random binary tree.
+fn random_tree(d: &mut Draw, mut terms: Vec<String>) -> String {
+    while terms.len() > 1 {
+        let i = d.below(terms.len());
+        let a = terms.remove(i);
+        let j = d.below(terms.len());
+        let b = terms.remove(j);
+        terms.push(format!("({a} + {b})"));
+    }
+    terms.pop().unwrap_or_default()
+}
+
+/// examples/tiny.opt with its MLP replaced by a block of `linears` hidden -> hidden linears whose
+/// outputs `forward` combines, then a projection; returns the model's text.
+fn model_with(forward: &str, linears: usize) -> String {
+    let tiny = std::fs::read_to_string("examples/tiny.opt").expect("examples/tiny.opt");
+    let start = tiny.find("block Mlp {").expect("the MLP block");
+    let end = start + tiny[start..].find("\n}\n").expect("its end") + 3;
+    let layers: String = (0..linears).map(|i| format!("  layer l{i} = linear(hidden, hidden)\n")).collect();
+    let block = format!(
+        "block Mlp {{\n{layers}  layer c_proj = linear(hidden, hidden)\n\n  forward(x) {{\n    return c_proj({forward})\n  }}\n}}\n"
+    );
+    format!("{}{block}{}", &tiny[..start], &tiny[end..])
+}
+
+/// The reduces of input gradients (dX = dY W^T) in the MLPs of a compiled plan.
+fn mlp_input_gradient_reduces(plan: &Path) -> usize {
+    let inspected = optimusc(&["inspect", plan.to_str().expect("utf-8 path"), "--json"]);
+    assert!(inspected.status.success(), "{}", String::from_utf8_lossy(&inspected.stderr));
+    let report: Value = serde_json::from_slice(&inspected.stdout).expect("inspect's JSON");
+    let communication = report["communication"].as_array().expect("communication");
+    communication
+        .iter()
+        .filter(|c| c["kind"] == "reduce")
+        .filter(|c| c["origin"]["scope"].as_str().is_some_and(|s| s.contains(".mlp.")))
+        .filter(|c| c["origin"]["reason"].as_str().is_some_and(|r| r.contains("dX = dY W^T")))
+        .count()
+}
+
+#[test]
+fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_once() {
+    let mut d = Draw(20_261_129);
+    for case in 0..12 {
+        let linears = 2 + d.below(3);
+        let mut terms: Vec<String> = (0..2 + d.below(3)).map(|_| branch(&mut d, linears)).collect();
+        if d.below(2) == 0 {
+            terms.push("x".to_string());
+        }
+        let forward = random_tree(&mut d, terms);
+        let path = scratch(&format!("case-{case}.opt"));
+        std::fs::write(&path, model_with(&forward, linears)).expect("the model");
+        let model = path.to_str().expect("utf-8 path");
+        let q: u64 = if case % 3 == 2 { 4 } else { 2 };
+        let mesh = format!("{q}x{q}");
+        let what = format!("case {case} on {mesh}: c_proj({forward})");
+
+        let out = optimusc(&["verify", model, "--mesh", &mesh, "--set", "heads=4", "--steps", "2"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("verified"),
+            "{what}\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        let plan = scratch(&format!("case-{case}.json"));
+        let compiled =
+            optimusc(&["compile", model, "--mesh", &mesh, "--set", "heads=4", "-o", plan.to_str().expect("utf-8")]);
+        assert!(compiled.status.success(), "{what}\n{}", String::from_utf8_lossy(&compiled.stderr));
+        // Each of the two layers: c_proj's dX, and the tree's terms summed into one, a reduce each a
+        // step; one product for every term would reduce once per term.
+        assert_eq!(mlp_input_gradient_reduces(&plan), (2 * 2 * q) as usize, "{what}");
+    }
+}
