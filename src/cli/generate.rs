@@ -766,3 +766,47 @@ impl Streamer {
         super::stdout("\n");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{GenerateArgs, args_of_plan};
+    use crate::cli::LayoutsArg;
+    use clap::Parser;
+    use optimus::front::check_source;
+    use optimus::plan::{Layouts, Mesh, Mode, Strategy};
+    use optimus::shard::{Target, compile};
+
+    #[derive(Parser)]
+    struct Generate {
+        #[command(flatten)]
+        args: GenerateArgs,
+    }
+
+    /// A plan of examples/tiny.opt on 2x2 with `layouts`, written where `name` says; its path.
+    fn plan_with(layouts: Layouts, name: &str) -> std::path::PathBuf {
+        let text = std::fs::read_to_string("examples/tiny.opt").expect("examples/tiny.opt");
+        let model = check_source(&text, &[]).model.expect("tiny checks");
+        let target = Target { layouts, ..Target::plain(Mesh::new(2, 2), Strategy::Optimus, Mode::Train) };
+        let plan = compile(&model, "examples/tiny.opt", &text, target).expect("tiny compiles on 2x2");
+        let dir = std::env::temp_dir().join(format!("optimus-generate-args-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a scratch folder");
+        let path = dir.join(name);
+        optimus::io::plan_file::write_plan(&plan, &path).expect("the plan is written");
+        path
+    }
+
+    /// Generating from a plan compiles its prefill and decode programs with the plan's layouts: a
+    /// plan compiled with `--layouts paper` decodes with the paper's layouts too, not the default.
+    #[test]
+    fn a_plan_passes_its_layouts_to_the_programs_generate_compiles() {
+        for (layouts, expected) in [(Layouts::Paper, LayoutsArg::Paper), (Layouts::Auto, LayoutsArg::Auto)] {
+            let path = plan_with(layouts, &format!("{layouts:?}.json"));
+            let given = Generate::try_parse_from(["generate", path.to_str().expect("a UTF-8 path")])
+                .expect("the arguments parse")
+                .args;
+            let derived = args_of_plan(&given).unwrap_or_else(|e| panic!("{layouts:?}: {}", e.message));
+            assert_eq!(derived.target.layouts, Some(expected), "{layouts:?}");
+            assert_eq!(derived.target.target().layouts, layouts, "{layouts:?}: the target compiled");
+        }
+    }
+}
