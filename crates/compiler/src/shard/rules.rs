@@ -689,8 +689,12 @@ impl Lowerer<'_> {
             outputs.push((m, m_layout, m_bias.then(|| m_ops[2])));
         }
         self.current = n;
-        let what = case.product.map_or("linear", |p| p.what);
-        self.summa_ab_sharing_a(SummaProduct::Ab, xb, &products, what);
+        let what = format!(
+            "{}, one of {} linears sharing the input's broadcasts",
+            case.product.map_or("linear", |p| p.what),
+            products.len()
+        );
+        self.summa_ab_sharing_a(SummaProduct::Ab, xb, &products, &what);
         self.linear_output(n, (y, layout), case, bias.then(|| ops[2]));
         for ((m, m_layout, m_bias), &(_, _, m_y)) in outputs.into_iter().zip(&products[1..]) {
             self.current = m;
@@ -973,10 +977,14 @@ impl Lowerer<'_> {
         if let [(_, dyb, g)] = products[..] {
             self.multiply(case.product, &[xb, dyb], g);
         } else {
-            let what = case.product.map_or("backward of linear (dW = X^T dY)", |p| p.what);
+            let what = format!(
+                "{}, one of {} sharing X's broadcasts",
+                case.product.map_or("backward of linear (dW = X^T dY)", |p| p.what),
+                products.len()
+            );
             let terms: Vec<SummaTerm> =
                 products.iter().map(|&(node, dyb, g)| SummaTerm { node, moved: xb, other: dyb, out: g }).collect();
-            self.summa_reduced_many(ReducedSumma::ATB, &terms, what);
+            self.summa_reduced_many(ReducedSumma::ATB, &terms, &what);
         }
         for (m, out, g) in outputs {
             self.current = m;
@@ -1169,8 +1177,12 @@ impl Lowerer<'_> {
         let mut y = self.node_buffer(s, layout, Role::Workspace);
         let terms: Vec<SummaTerm> =
             parts.iter().map(|&(node, wb, dyb, _)| SummaTerm { node, moved: wb, other: dyb, out: y }).collect();
-        let what = parts.first().map_or("backward of linear (dX = dY W^T)", |p| p.3);
-        self.summa_reduced_many(ReducedSumma::ABT, &terms, what);
+        let what = format!(
+            "{}, one of {} summed before each reduce",
+            parts.first().map_or("backward of linear (dX = dY W^T)", |p| p.3),
+            parts.len()
+        );
+        self.summa_reduced_many(ReducedSumma::ABT, &terms, &what);
         for &other in &sum.others {
             let ob = self.value(other, layout);
             let total = self.node_buffer(s, layout, Role::Workspace);
