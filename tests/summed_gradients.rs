@@ -1,7 +1,8 @@
 //! Input gradients summed through a tree of additions: a block whose input feeds several linears, their
 //! outputs (through GELU or not) and the input itself added in a random tree, trains on a mesh as on
 //! one device (`optimusc verify`), and every linear's input gradient of the tree takes one reduce a
-//! SUMMA step together, whatever the tree's shape and order.
+//! SUMMA step together, whatever the tree's shape and order, with many tokens (products moving the
+//! weights) or few (products keeping each weight in place).
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -88,9 +89,18 @@ fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_
         let model = path.to_str().expect("utf-8 path");
         let q: u64 = if case % 3 == 2 { 4 } else { 2 };
         let mesh = format!("{q}x{q}");
-        let what = format!("case {case} on {mesh}: c_proj({forward})");
+        // Every other case is wide with few tokens, so that each weight stays in place and its
+        // products move the tokens' blocks instead (the products keeping B in place).
+        let few_tokens = case % 2 == 1;
+        let mut sets = vec!["heads=4".to_string()];
+        if few_tokens {
+            sets.extend(["hidden=512".to_string(), format!("batch={q}"), format!("seq={}", 8 / q)]);
+        }
+        let set_args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+        let what = format!("case {case} on {mesh} ({sets:?}): c_proj({forward})");
 
-        let out = optimusc(&["verify", model, "--mesh", &mesh, "--set", "heads=4", "--steps", "2"]);
+        let verify = [&["verify", model, "--mesh", &mesh, "--steps", "2"][..], &set_args].concat();
+        let out = optimusc(&verify);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success() && stdout.contains("verified"),
@@ -99,9 +109,12 @@ fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_
         );
 
         let plan = scratch(&format!("case-{case}.json"));
-        let compiled =
-            optimusc(&["compile", model, "--mesh", &mesh, "--set", "heads=4", "-o", plan.to_str().expect("utf-8")]);
+        let compile =
+            [&["compile", model, "--mesh", &mesh, "-o", plan.to_str().expect("utf-8")][..], &set_args].concat();
+        let compiled = optimusc(&compile);
         assert!(compiled.status.success(), "{what}\n{}", String::from_utf8_lossy(&compiled.stderr));
+        let text = std::fs::read_to_string(&plan).expect("the plan");
+        assert_eq!(text.contains("(B in place)"), few_tokens, "{what}: weights in place exactly with few tokens");
         // Each of the two layers: c_proj's dX, and the tree's terms summed into one, a reduce each a
         // step; one product for every term would reduce once per term.
         assert_eq!(mlp_input_gradient_reduces(&plan), (2 * 2 * q) as usize, "{what}");

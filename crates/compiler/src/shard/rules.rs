@@ -84,6 +84,42 @@ struct SummaTerm {
     out: BufferId,
 }
 
+/// The reduced SUMMA product (partial products reduced to the output's owner) of a product kind.
+fn reduced_summa(kind: ProductKind) -> Option<ReducedSumma> {
+    Some(match kind {
+        ProductKind::SummaAbReduced => ReducedSumma::AB_REDUCED,
+        ProductKind::SummaAtbMovingB => ReducedSumma::ATB_MOVING_B,
+        ProductKind::SummaAbt => ReducedSumma::ABT,
+        ProductKind::SummaAtb => ReducedSumma::ATB,
+        ProductKind::SummaAbtKeepingB => ReducedSumma::ABT_KEEPING_B,
+        ProductKind::SummaAbKeepingB => ReducedSumma::AB_KEEPING_B,
+        ProductKind::SummaAbKeepingBAcross => ReducedSumma::AB_KEEPING_B_ACROSS,
+        ProductKind::SummaAbtKeepingBAcross => ReducedSumma::ABT_KEEPING_B_ACROSS,
+        _ => return None,
+    })
+}
+
+/// The accumulated SUMMA product (both operands broadcast, summed where the output lies) of a kind.
+fn accumulated_summa(kind: ProductKind) -> Option<SummaProduct> {
+    Some(match kind {
+        ProductKind::SummaAb => SummaProduct::Ab,
+        ProductKind::SummaAtbAccumulated => SummaProduct::AtbAccumulated,
+        ProductKind::SummaAbtAccumulated => SummaProduct::AbtAccumulated,
+        ProductKind::SummaAtbAccumulatedAcross => SummaProduct::AtbAccumulatedAcross,
+        _ => return None,
+    })
+}
+
+/// Products whose A (a linear's input) several linears of that input can broadcast once a step.
+const FORWARD_SHARED: &[ProductKind] =
+    &[ProductKind::SummaAb, ProductKind::SummaAbKeepingB, ProductKind::SummaAbKeepingBAcross];
+/// Products of input gradients whose partials can be summed before one reduce a step.
+const INPUT_GRADIENTS_SUMMED: &[ProductKind] =
+    &[ProductKind::SummaAbt, ProductKind::SummaAbtKeepingB, ProductKind::SummaAbtKeepingBAcross];
+/// Products of weight gradients whose X (A) several gradients of one input can broadcast once a step.
+const WEIGHT_GRADIENTS_SHARED: &[ProductKind] =
+    &[ProductKind::SummaAtb, ProductKind::SummaAtbAccumulated, ProductKind::SummaAtbAccumulatedAcross];
+
 /// Input gradients that only a tree of additions reads (a layer input's from its q, k and v products,
 /// and from its residual path), computed at the tree's top in one SUMMA product, one reduce a step.
 struct GradientSum {
@@ -151,31 +187,20 @@ impl Lowerer<'_> {
             self.diagnostics.push(Diagnostic::error(Code::E0699, "internal error: a product rule without a product"));
             return;
         };
+        if let Some(summa) = reduced_summa(p.kind) {
+            return self.summa_reduced(summa, a, b, out, p.what);
+        }
+        if let Some(product) = accumulated_summa(p.kind) {
+            return self.summa_ab(product, a, b, out, p.what);
+        }
         match p.kind {
-            ProductKind::SummaAb => self.summa_ab(SummaProduct::Ab, a, b, out, p.what),
-            ProductKind::SummaAtbAccumulated => self.summa_ab(SummaProduct::AtbAccumulated, a, b, out, p.what),
-            ProductKind::SummaAbtAccumulated => self.summa_ab(SummaProduct::AbtAccumulated, a, b, out, p.what),
-            ProductKind::SummaAbReduced => self.summa_reduced(ReducedSumma::AB_REDUCED, a, b, out, p.what),
-            ProductKind::SummaAtbMovingB => self.summa_reduced(ReducedSumma::ATB_MOVING_B, a, b, out, p.what),
-            ProductKind::SummaAbt => self.summa_reduced(ReducedSumma::ABT, a, b, out, p.what),
-            ProductKind::SummaAtb => self.summa_reduced(ReducedSumma::ATB, a, b, out, p.what),
-            ProductKind::SummaAbtKeepingB => self.summa_reduced(ReducedSumma::ABT_KEEPING_B, a, b, out, p.what),
-            ProductKind::SummaAbKeepingB => self.summa_reduced(ReducedSumma::AB_KEEPING_B, a, b, out, p.what),
-            ProductKind::SummaAbKeepingBAcross => {
-                self.summa_reduced(ReducedSumma::AB_KEEPING_B_ACROSS, a, b, out, p.what)
-            }
-            ProductKind::SummaAbtKeepingBAcross => {
-                self.summa_reduced(ReducedSumma::ABT_KEEPING_B_ACROSS, a, b, out, p.what)
-            }
-            ProductKind::SummaAtbAccumulatedAcross => {
-                self.summa_ab(SummaProduct::AtbAccumulatedAcross, a, b, out, p.what)
-            }
             ProductKind::Local { transpose_a, transpose_b } => {
                 self.local_matmul(a, b, out, transpose_a, transpose_b, p.what)
             }
             ProductKind::Scattered { transpose_a, transpose_b, axis } => {
                 self.scattered_matmul((a, b), out, (transpose_a, transpose_b), axis, p.what)
             }
+            _ => self.diagnostics.push(Diagnostic::error(Code::E0699, "internal error: a SUMMA product without steps")),
         }
     }
 
@@ -679,9 +704,8 @@ impl Lowerer<'_> {
         }
         let mut products = vec![(n, wb, y)];
         let mut outputs = Vec::new();
-        for (m, m_ops, m_bias) in siblings {
+        for (m, m_ops, m_bias, m_dims) in siblings {
             self.current = m;
-            let m_dims = Dims { out: self.out_split(m_ops[1], 1), ..dims };
             let m_wb = self.value(m_ops[1], laid(case.operands[1], &m_dims, Layout::REPLICATED));
             let m_layout = self.norm(laid(case.output, &m_dims, Layout::REPLICATED));
             let m_y = self.node_buffer(m, m_layout, Role::Workspace);
@@ -694,7 +718,16 @@ impl Lowerer<'_> {
             case.product.map_or("linear", |p| p.what),
             products.len()
         );
-        self.summa_ab_sharing_a(SummaProduct::Ab, xb, &products, &what);
+        match case.product.and_then(|p| reduced_summa(p.kind)) {
+            // A few tokens' products keeping each weight in place: the input's block broadcast once a
+            // step, each partial output reduced on its own.
+            Some(summa) => {
+                let terms: Vec<SummaTerm> =
+                    products.iter().map(|&(node, wb, y)| SummaTerm { node, moved: xb, other: wb, out: y }).collect();
+                self.summa_reduced_many(summa, &terms, &what);
+            }
+            None => self.summa_ab_sharing_a(SummaProduct::Ab, xb, &products, &what),
+        }
         self.linear_output(n, (y, layout), case, bias.then(|| ops[2]));
         for ((m, m_layout, m_bias), &(_, _, m_y)) in outputs.into_iter().zip(&products[1..]) {
             self.current = m;
@@ -734,8 +767,8 @@ impl Lowerer<'_> {
         n: NodeIndex,
         x: NodeIndex,
         (case, dims): (&'static Case, &Dims),
-    ) -> Vec<(NodeIndex, Vec<NodeIndex>, bool)> {
-        if !self.shares_products(case, ProductKind::SummaAb) {
+    ) -> Vec<(NodeIndex, Vec<NodeIndex>, bool, Dims)> {
+        if !self.shares_products(case, FORWARD_SHARED) {
             return Vec::new();
         }
         let x_layout = laid(case.operands[0], dims, Layout::REPLICATED);
@@ -748,7 +781,7 @@ impl Lowerer<'_> {
             }
             let Some((m_case, m_dims)) = self.linear_case(m, (x, m_ops[1]), false) else { continue };
             if std::ptr::eq(m_case, case) && laid(m_case.operands[0], &m_dims, Layout::REPLICATED) == x_layout {
-                siblings.push((m, m_ops, bias));
+                siblings.push((m, m_ops, bias, m_dims));
             }
         }
         siblings
@@ -947,7 +980,7 @@ impl Lowerer<'_> {
     fn linear_grad_weight(&mut self, n: NodeIndex, x: NodeIndex, dy: NodeIndex, tied: bool) {
         let Some((case, dims, wl)) = self.weight_grad_case(n, x, dy, tied) else { return };
         let x_layout = laid(case.operands[0], &dims, wl);
-        let shares = !tied && self.shares_products(case, ProductKind::SummaAtb) && self.readers_of(n).is_empty();
+        let shares = !tied && self.shares_products(case, WEIGHT_GRADIENTS_SHARED) && self.readers_of(n).is_empty();
         if shares && !self.weight_gradients_sharing(x, (case, x_layout), |m| m > n).is_empty() {
             self.deferred.insert(n);
             return;
@@ -982,9 +1015,15 @@ impl Lowerer<'_> {
                 case.product.map_or("backward of linear (dW = X^T dY)", |p| p.what),
                 products.len()
             );
-            let terms: Vec<SummaTerm> =
-                products.iter().map(|&(node, dyb, g)| SummaTerm { node, moved: xb, other: dyb, out: g }).collect();
-            self.summa_reduced_many(ReducedSumma::ATB, &terms, &what);
+            let kind = case.product.map(|p| p.kind);
+            if let Some(product) = kind.and_then(accumulated_summa) {
+                // X's block broadcast once a step, each dY's beside it, summed where each dW lies.
+                self.summa_ab_sharing_a(product, xb, &products, &what);
+            } else {
+                let terms: Vec<SummaTerm> =
+                    products.iter().map(|&(node, dyb, g)| SummaTerm { node, moved: xb, other: dyb, out: g }).collect();
+                self.summa_reduced_many(ReducedSumma::ATB, &terms, &what);
+            }
         }
         for (m, out, g) in outputs {
             self.current = m;
@@ -1017,11 +1056,11 @@ impl Lowerer<'_> {
         Some((case, dims, wl))
     }
 
-    /// Whether `case` computes the plain SUMMA product `kind` (A its operand 0, B its operand 1) in a
+    /// Whether `case` computes one of the SUMMA products `kinds` (A its operand 0, B its operand 1) in a
     /// compilation where siblings share such products' collectives: on a mesh of more than one row,
     /// with the layouts chosen per product (`--layouts paper` moves what the paper's code moves).
-    fn shares_products(&self, case: &Case, kind: ProductKind) -> bool {
-        let plain = case.product.is_some_and(|p| p.kind == kind && p.a == 0 && p.b == 1);
+    fn shares_products(&self, case: &Case, kinds: &[ProductKind]) -> bool {
+        let plain = case.product.is_some_and(|p| kinds.contains(&p.kind) && p.a == 0 && p.b == 1);
         plain && self.q() > 1 && self.target.layouts == Layouts::Auto
     }
 
@@ -1060,16 +1099,17 @@ impl Lowerer<'_> {
         found
     }
 
-    /// The output layout of `n` where it is an input gradient that can join a sum of input gradients:
-    /// untied, of the plain SUMMA A B^T case, on a mesh of more than one row with the layouts chosen
-    /// per product.
-    fn summable_input_gradient(&mut self, n: NodeIndex) -> Option<Layout> {
+    /// The product and output layout of `n` where it is an input gradient that can join a sum of input
+    /// gradients: untied, of a SUMMA A B^T case whose partials are reduced, on a mesh of more than one
+    /// row with the layouts chosen per product. Terms of one sum take the same product into one layout.
+    fn summable_input_gradient(&mut self, n: NodeIndex) -> Option<(ProductKind, Layout)> {
         let Op::LinearGradInput { transpose_weight: false } = self.graph[n].op else { return None };
         let ops = self.operands(n);
         let wl = self.param_layout(*ops.get(1)?)?;
         let last = self.rank(n) - 1;
         let (case, dims) = self.weight_case(Operator::LinearGradInput, wl, last, (ops[0], ops[1]))?;
-        self.shares_products(case, ProductKind::SummaAbt).then(|| self.norm(laid(case.output, &dims, wl)))
+        let kind = case.product?.kind;
+        self.shares_products(case, INPUT_GRADIENTS_SUMMED).then(|| (kind, self.norm(laid(case.output, &dims, wl))))
     }
 
     /// The sum of input gradients that the input gradient `n` joins, where it has at least one other
@@ -1078,11 +1118,12 @@ impl Lowerer<'_> {
     /// be lowered before its first term and laid out as the terms, without pending sums: they are
     /// added to the sum once it is reduced.
     fn gradient_sum_of(&mut self, n: NodeIndex) -> Option<GradientSum> {
-        let layout = self.summable_input_gradient(n)?;
+        let term = self.summable_input_gradient(n)?;
+        let layout = term.1;
         let [mut top] = self.readers_of(n)[..] else { return None };
         let mut best: Option<GradientSum> = None;
         while matches!(self.graph[top].op, Op::Add) {
-            let tree = self.addition_tree(top, layout);
+            let tree = self.addition_tree(top, term);
             if tree.terms.len() > best.as_ref().map_or(1, |b| b.terms.len()) {
                 best = Some(tree);
             }
@@ -1105,18 +1146,18 @@ impl Lowerer<'_> {
         Some(sum)
     }
 
-    /// The input gradients laid out as `layout` that the addition `t` sums with the additions below it
-    /// read by nothing else, those additions, and the tree's other operands, in the walk's order.
-    fn addition_tree(&mut self, t: NodeIndex, layout: Layout) -> GradientSum {
+    /// The input gradients of product and layout `term` that the addition `t` sums with the additions
+    /// below it read by nothing else, those additions, and the tree's other operands, in walk order.
+    fn addition_tree(&mut self, t: NodeIndex, term: (ProductKind, Layout)) -> GradientSum {
         let mut tree = GradientSum { root: t, terms: Vec::new(), inner: Vec::new(), others: Vec::new() };
         for o in self.operands(t) {
             let read_here_alone = self.readers_of(o) == [t];
-            if read_here_alone && self.summable_input_gradient(o) == Some(layout) {
+            if read_here_alone && self.summable_input_gradient(o) == Some(term) {
                 tree.terms.push(o);
                 continue;
             }
             if read_here_alone && matches!(self.graph[o].op, Op::Add) {
-                let below = self.addition_tree(o, layout);
+                let below = self.addition_tree(o, term);
                 if !below.terms.is_empty() {
                     tree.inner.push(o);
                     tree.terms.extend(below.terms);
@@ -1156,6 +1197,7 @@ impl Lowerer<'_> {
     fn summed_input_gradients(&mut self, sum: &GradientSum) {
         let mut parts = Vec::new();
         let mut layout = Layout::REPLICATED;
+        let mut summa = ReducedSumma::ABT;
         for &term in &sum.terms {
             self.current = term;
             let ops = self.operands(term);
@@ -1163,10 +1205,12 @@ impl Lowerer<'_> {
             let Some(wl) = self.param_layout(w) else { return self.missing_param(term) };
             let last = self.rank(term) - 1;
             let Some((case, dims)) = self.weight_case(Operator::LinearGradInput, wl, last, (dy, w)) else { return };
+            let Some(product) = case.product else { return };
+            summa = reduced_summa(product.kind).unwrap_or(summa);
             let wb = self.value(w, laid(case.operands[1], &dims, wl));
             let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
             layout = self.norm(laid(case.output, &dims, wl));
-            parts.push((term, wb, dyb, case.product.map_or("backward of linear (dX = dY W^T)", |p| p.what)));
+            parts.push((term, wb, dyb, product.what));
             self.deferred.remove(&term);
         }
         for inner in &sum.inner {
@@ -1175,14 +1219,18 @@ impl Lowerer<'_> {
         let s = sum.root;
         self.current = s;
         let mut y = self.node_buffer(s, layout, Role::Workspace);
-        let terms: Vec<SummaTerm> =
-            parts.iter().map(|&(node, wb, dyb, _)| SummaTerm { node, moved: wb, other: dyb, out: y }).collect();
+        // A B^T moves B (the weight's blocks); the products keeping the weight in place move A (dY's).
+        let term = |(node, wb, dyb): (NodeIndex, BufferId, BufferId)| match summa.moves_a {
+            true => SummaTerm { node, moved: dyb, other: wb, out: y },
+            false => SummaTerm { node, moved: wb, other: dyb, out: y },
+        };
+        let terms: Vec<SummaTerm> = parts.iter().map(|&(node, wb, dyb, _)| term((node, wb, dyb))).collect();
         let what = format!(
             "{}, one of {} summed before each reduce",
             parts.first().map_or("backward of linear (dX = dY W^T)", |p| p.3),
             parts.len()
         );
-        self.summa_reduced_many(ReducedSumma::ABT, &terms, &what);
+        self.summa_reduced_many(summa, &terms, &what);
         for &other in &sum.others {
             let ob = self.value(other, layout);
             let total = self.node_buffer(s, layout, Role::Workspace);
