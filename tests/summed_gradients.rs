@@ -4,19 +4,11 @@
 //! SUMMA step together, whatever the tree's shape and order, with many tokens (products moving the
 //! weights) or few (products keeping each weight in place).
 
+mod common;
+
+use common::optimusc;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn optimusc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-summed-gradients-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir.join(name)
-}
+use std::path::Path;
 
 /// A small deterministic generator (64-bit LCG), so that every run tests the same trees.
 struct Draw(u64);
@@ -77,6 +69,7 @@ fn mlp_input_gradient_reduces(plan: &Path) -> usize {
 #[test]
 fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_once() {
     let mut d = Draw(20_261_129);
+    let dir = common::scratch("summed-gradients", "trees");
     for case in 0..12 {
         let linears = 2 + d.below(3);
         let mut terms: Vec<String> = (0..2 + d.below(3)).map(|_| branch(&mut d, linears)).collect();
@@ -84,7 +77,7 @@ fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_
             terms.push("x".to_string());
         }
         let forward = random_tree(&mut d, terms);
-        let path = scratch(&format!("case-{case}.opt"));
+        let path = dir.join(format!("case-{case}.opt"));
         std::fs::write(&path, model_with(&forward, linears)).expect("the model");
         let model = path.to_str().expect("utf-8 path");
         let q: u64 = if case % 3 == 2 { 4 } else { 2 };
@@ -108,7 +101,7 @@ fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_
             String::from_utf8_lossy(&out.stderr)
         );
 
-        let plan = scratch(&format!("case-{case}.json"));
+        let plan = dir.join(format!("case-{case}.json"));
         let compile =
             [&["compile", model, "--mesh", &mesh, "-o", plan.to_str().expect("utf-8")][..], &set_args].concat();
         let compiled = optimusc(&compile);
