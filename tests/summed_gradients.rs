@@ -2,7 +2,7 @@
 //! outputs (through GELU or not) and the input itself added in a random tree, trains on a mesh as on
 //! one device (`optimusc verify`), and every linear's input gradient of the tree takes one reduce a
 //! SUMMA step together, whatever the tree's shape and order, with many tokens (products moving the
-//! weights) or few (products keeping each weight in place).
+//! weights) or few (products keeping each weight in place), and in 3D.
 
 mod common;
 
@@ -52,7 +52,7 @@ fn model_with(forward: &str, linears: usize) -> String {
     format!("{}{block}{}", &tiny[..start], &tiny[end..])
 }
 
-/// The reduces of input gradients (dX = dY W^T) in the MLPs of a compiled plan.
+/// The reduces (and 3D's reduce-scatters) of input gradients (dX = dY W^T) in the MLPs of a plan.
 fn mlp_input_gradient_reduces(plan: &Path) -> usize {
     let inspected = optimusc(&["inspect", plan.to_str().expect("utf-8 path"), "--json"]);
     assert!(inspected.status.success(), "{}", String::from_utf8_lossy(&inspected.stderr));
@@ -60,7 +60,7 @@ fn mlp_input_gradient_reduces(plan: &Path) -> usize {
     let communication = report["communication"].as_array().expect("communication");
     communication
         .iter()
-        .filter(|c| c["kind"] == "reduce")
+        .filter(|c| c["kind"] == "reduce" || c["kind"] == "reduce_scatter")
         .filter(|c| c["origin"]["scope"].as_str().is_some_and(|s| s.contains(".mlp.")))
         .filter(|c| c["origin"]["reason"].as_str().is_some_and(|r| r.contains("dX = dY W^T")))
         .count()
@@ -80,10 +80,12 @@ fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_
         let path = dir.join(format!("case-{case}.opt"));
         std::fs::write(&path, model_with(&forward, linears)).expect("the model");
         let model = path.to_str().expect("utf-8 path");
+        // Every fourth case in 3D (2x2x2: local products, each reduce-scattered once); else optimus
+        // on 2x2 or 4x4, every other case wide with few tokens, so that each weight stays in place
+        // and its products move the tokens' blocks instead (the products keeping B in place).
+        let three_d = case % 4 == 0;
         let q: u64 = if case % 3 == 2 { 4 } else { 2 };
-        let mesh = format!("{q}x{q}");
-        // Every other case is wide with few tokens, so that each weight stays in place and its
-        // products move the tokens' blocks instead (the products keeping B in place).
+        let (mesh, strategy) = if three_d { ("2x2x2".to_string(), "3d") } else { (format!("{q}x{q}"), "optimus") };
         let few_tokens = case % 2 == 1;
         let mut sets = vec!["heads=4".to_string()];
         if few_tokens {
@@ -92,7 +94,8 @@ fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_
         let set_args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
         let what = format!("case {case} on {mesh} ({sets:?}): c_proj({forward})");
 
-        let verify = [&["verify", model, "--mesh", &mesh, "--steps", "2"][..], &set_args].concat();
+        let verify =
+            [&["verify", model, "--mesh", &mesh, "--strategy", strategy, "--steps", "2"][..], &set_args].concat();
         let out = optimusc(&verify);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
@@ -102,14 +105,15 @@ fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_
         );
 
         let plan = dir.join(format!("case-{case}.json"));
-        let compile =
-            [&["compile", model, "--mesh", &mesh, "-o", plan.to_str().expect("utf-8")][..], &set_args].concat();
+        let target = ["compile", model, "--mesh", &mesh, "--strategy", strategy];
+        let compile = [&target[..], &["-o", plan.to_str().expect("utf-8")], &set_args].concat();
         let compiled = optimusc(&compile);
         assert!(compiled.status.success(), "{what}\n{}", String::from_utf8_lossy(&compiled.stderr));
         let text = std::fs::read_to_string(&plan).expect("the plan");
         assert_eq!(text.contains("(B in place)"), few_tokens, "{what}: weights in place exactly with few tokens");
         // Each of the two layers: c_proj's dX, and the tree's terms summed into one, a reduce each a
-        // step; one product for every term would reduce once per term.
-        assert_eq!(mlp_input_gradient_reduces(&plan), (2 * 2 * q) as usize, "{what}");
+        // SUMMA step (in 3D one reduce-scatter); one product for every term would reduce per term.
+        let reductions_each = if three_d { 1 } else { q as usize };
+        assert_eq!(mlp_input_gradient_reduces(&plan), 2 * 2 * reductions_each, "{what}");
     }
 }

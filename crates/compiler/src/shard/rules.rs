@@ -110,15 +110,29 @@ fn accumulated_summa(kind: ProductKind) -> Option<SummaProduct> {
     })
 }
 
-/// Products whose A (a linear's input) several linears of that input can broadcast once a step.
-const FORWARD_SHARED: &[ProductKind] =
-    &[ProductKind::SummaAb, ProductKind::SummaAbKeepingB, ProductKind::SummaAbKeepingBAcross];
-/// Products of input gradients whose partials can be summed before one reduce a step.
-const INPUT_GRADIENTS_SUMMED: &[ProductKind] =
-    &[ProductKind::SummaAbt, ProductKind::SummaAbtKeepingB, ProductKind::SummaAbtKeepingBAcross];
-/// Products of weight gradients whose X (A) several gradients of one input can broadcast once a step.
-const WEIGHT_GRADIENTS_SHARED: &[ProductKind] =
-    &[ProductKind::SummaAtb, ProductKind::SummaAtbAccumulated, ProductKind::SummaAtbAccumulatedAcross];
+/// Whether linears of one input whose product is `kind` can broadcast that input's block (their A) once
+/// a step for all of them: the accumulated A B, or a product keeping each weight in place.
+fn shares_forward(kind: ProductKind) -> bool {
+    matches!(kind, ProductKind::SummaAb | ProductKind::SummaAbKeepingB | ProductKind::SummaAbKeepingBAcross)
+}
+
+/// Whether weight gradients of one input whose product is `kind` can broadcast X (their A) once a step.
+fn shares_weight_gradients(kind: ProductKind) -> bool {
+    matches!(kind, ProductKind::SummaAtb | ProductKind::SummaAtbAccumulated | ProductKind::SummaAtbAccumulatedAcross)
+}
+
+/// Whether input gradients of product `kind` into one output can be summed before their reduction:
+/// each SUMMA step's partials before its one reduce, or in 3D the local products before the one
+/// reduce-scatter.
+fn sums_input_gradients(kind: ProductKind) -> bool {
+    matches!(
+        kind,
+        ProductKind::SummaAbt
+            | ProductKind::SummaAbtKeepingB
+            | ProductKind::SummaAbtKeepingBAcross
+            | ProductKind::Scattered { .. }
+    )
+}
 
 /// Input gradients that only a tree of additions reads (a layer input's from its q, k and v products,
 /// and from its residual path), computed at the tree's top in one SUMMA product, one reduce a step.
@@ -214,11 +228,32 @@ impl Lowerer<'_> {
         axis: usize,
         what: &str,
     ) {
+        let current = self.current;
+        self.scattered_matmul_many(&[(current, a, b)], out, t, axis, what);
+    }
+
+    /// [`Lowerer::scattered_matmul`] of several products into one output, each as its node's: all
+    /// added into one pending sum, reduce-scattered once (input gradients of one input, added).
+    fn scattered_matmul_many(
+        &mut self,
+        products: &[(NodeIndex, BufferId, BufferId)],
+        out: BufferId,
+        t: (bool, bool),
+        axis: usize,
+        what: &str,
+    ) {
+        let first = self.current;
         let o = self.buffers[out.0 as usize].clone();
         let layout = o.layout.with(axis, Placement::Partial);
         let name = format!("{}.partial", o.name);
         let part = self.new_buffer(name, o.dtype, o.logical_shape.clone(), layout, Role::Workspace);
-        self.local_matmul(a, b, part, t.0, t.1, what);
+        for (i, &(node, a, b)) in products.iter().enumerate() {
+            self.current = node;
+            let reason = Reason::new(ReasonKind::LocalProduct, what);
+            let k = Kernel::MatMul { transpose_a: t.0, transpose_b: t.1, accumulate: i > 0 };
+            self.kernel(k, &[a, b], part, reason);
+        }
+        self.current = first;
         let shard = o.layout.block_placement(axis, self.axes());
         let group = Group::along(axis);
         let text = format!("{what}: sum the partial products and scatter their blocks over the {}", group.name());
@@ -768,7 +803,7 @@ impl Lowerer<'_> {
         x: NodeIndex,
         (case, dims): (&'static Case, &Dims),
     ) -> Vec<(NodeIndex, Vec<NodeIndex>, bool, Dims)> {
-        if !self.shares_products(case, FORWARD_SHARED) {
+        if !self.shares_products(case, shares_forward) {
             return Vec::new();
         }
         let x_layout = laid(case.operands[0], dims, Layout::REPLICATED);
@@ -980,7 +1015,7 @@ impl Lowerer<'_> {
     fn linear_grad_weight(&mut self, n: NodeIndex, x: NodeIndex, dy: NodeIndex, tied: bool) {
         let Some((case, dims, wl)) = self.weight_grad_case(n, x, dy, tied) else { return };
         let x_layout = laid(case.operands[0], &dims, wl);
-        let shares = !tied && self.shares_products(case, WEIGHT_GRADIENTS_SHARED) && self.readers_of(n).is_empty();
+        let shares = !tied && self.shares_products(case, shares_weight_gradients) && self.readers_of(n).is_empty();
         if shares && !self.weight_gradients_sharing(x, (case, x_layout), |m| m > n).is_empty() {
             self.deferred.insert(n);
             return;
@@ -1056,11 +1091,11 @@ impl Lowerer<'_> {
         Some((case, dims, wl))
     }
 
-    /// Whether `case` computes one of the SUMMA products `kinds` (A its operand 0, B its operand 1) in a
+    /// Whether `case` computes a product that `kinds` accepts (A its operand 0, B its operand 1) in a
     /// compilation where siblings share such products' collectives: on a mesh of more than one row,
     /// with the layouts chosen per product (`--layouts paper` moves what the paper's code moves).
-    fn shares_products(&self, case: &Case, kinds: &[ProductKind]) -> bool {
-        let plain = case.product.is_some_and(|p| kinds.contains(&p.kind) && p.a == 0 && p.b == 1);
+    fn shares_products(&self, case: &Case, kinds: fn(ProductKind) -> bool) -> bool {
+        let plain = case.product.is_some_and(|p| kinds(p.kind) && p.a == 0 && p.b == 1);
         plain && self.q() > 1 && self.target.layouts == Layouts::Auto
     }
 
@@ -1109,7 +1144,7 @@ impl Lowerer<'_> {
         let last = self.rank(n) - 1;
         let (case, dims) = self.weight_case(Operator::LinearGradInput, wl, last, (ops[0], ops[1]))?;
         let kind = case.product?.kind;
-        self.shares_products(case, INPUT_GRADIENTS_SUMMED).then(|| (kind, self.norm(laid(case.output, &dims, wl))))
+        self.shares_products(case, sums_input_gradients).then(|| (kind, self.norm(laid(case.output, &dims, wl))))
     }
 
     /// The sum of input gradients that the input gradient `n` joins, where it has at least one other
@@ -1197,7 +1232,7 @@ impl Lowerer<'_> {
     fn summed_input_gradients(&mut self, sum: &GradientSum) {
         let mut parts = Vec::new();
         let mut layout = Layout::REPLICATED;
-        let mut summa = ReducedSumma::ABT;
+        let mut kind = ProductKind::SummaAbt;
         for &term in &sum.terms {
             self.current = term;
             let ops = self.operands(term);
@@ -1206,7 +1241,7 @@ impl Lowerer<'_> {
             let last = self.rank(term) - 1;
             let Some((case, dims)) = self.weight_case(Operator::LinearGradInput, wl, last, (dy, w)) else { return };
             let Some(product) = case.product else { return };
-            summa = reduced_summa(product.kind).unwrap_or(summa);
+            kind = product.kind;
             let wb = self.value(w, laid(case.operands[1], &dims, wl));
             let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
             layout = self.norm(laid(case.output, &dims, wl));
@@ -1219,18 +1254,22 @@ impl Lowerer<'_> {
         let s = sum.root;
         self.current = s;
         let mut y = self.node_buffer(s, layout, Role::Workspace);
-        // A B^T moves B (the weight's blocks); the products keeping the weight in place move A (dY's).
-        let term = |(node, wb, dyb): (NodeIndex, BufferId, BufferId)| match summa.moves_a {
-            true => SummaTerm { node, moved: dyb, other: wb, out: y },
-            false => SummaTerm { node, moved: wb, other: dyb, out: y },
-        };
-        let terms: Vec<SummaTerm> = parts.iter().map(|&(node, wb, dyb, _)| term((node, wb, dyb))).collect();
-        let what = format!(
-            "{}, one of {} summed before each reduce",
-            parts.first().map_or("backward of linear (dX = dY W^T)", |p| p.3),
-            parts.len()
-        );
-        self.summa_reduced_many(summa, &terms, &what);
+        let base = parts.first().map_or("backward of linear (dX = dY W^T)", |p| p.3);
+        if let ProductKind::Scattered { transpose_a, transpose_b, axis } = kind {
+            let what = format!("{base}, one of {} summed before the reduce-scatter", parts.len());
+            let products: Vec<_> = parts.iter().map(|&(node, wb, dyb, _)| (node, dyb, wb)).collect();
+            self.scattered_matmul_many(&products, y, (transpose_a, transpose_b), axis, &what);
+        } else {
+            let summa = reduced_summa(kind).unwrap_or(ReducedSumma::ABT);
+            // A B^T moves B (the weight's blocks); the products keeping the weight in place move A (dY's).
+            let term = |(node, wb, dyb): (NodeIndex, BufferId, BufferId)| match summa.moves_a {
+                true => SummaTerm { node, moved: dyb, other: wb, out: y },
+                false => SummaTerm { node, moved: wb, other: dyb, out: y },
+            };
+            let terms: Vec<SummaTerm> = parts.iter().map(|&(node, wb, dyb, _)| term((node, wb, dyb))).collect();
+            let what = format!("{base}, one of {} summed before each reduce", parts.len());
+            self.summa_reduced_many(summa, &terms, &what);
+        }
         for &other in &sum.others {
             let ob = self.value(other, layout);
             let total = self.node_buffer(s, layout, Role::Workspace);
