@@ -135,7 +135,8 @@ fn sums_input_gradients(kind: ProductKind) -> bool {
 }
 
 /// Input gradients that only a tree of additions reads (a layer input's from its q, k and v products,
-/// and from its residual path), computed at the tree's top in one SUMMA product, one reduce a step.
+/// and from its residual path), computed at the tree's top in one product with one reduction: a reduce
+/// a SUMMA step, or in 3D one reduce-scatter.
 struct GradientSum {
     /// The addition at the tree's top, which computes the sum.
     root: NodeIndex,
