@@ -4,9 +4,10 @@
 #
 #   scripts/plans_identical.sh BASE_BIN NEW_BIN [EXAMPLE.opt ...]
 #
-# Meshes: optimus 2x2 and 4x4, megatron 1x4, none 1x1, and the data-parallel meshes 2x2x2 (optimus)
-# and 2x1x4 (megatron) with --zero 0 and --zero 1; each in train and infer mode, in f32 and bf16,
-# with --set layers=2. A configuration that fails to compile must fail the same way with both binaries
+# Meshes: optimus 2x2 and 4x4, megatron 1x4, none 1x1, the data-parallel meshes 2x2x2 (optimus)
+# and 2x1x4 (megatron) with --zero 0 and --zero 1, and 2x2x2 under 3d and tesseract; each in train
+# and infer mode, in f32 and bf16, with --set layers=2. Few tokens (the products keeping weights in
+# place): PLANS_EXTRA_ARGS="--set hidden=512 --set batch=2 --set seq=4". A configuration that fails to compile must fail the same way with both binaries
 # (same exit status and messages). Exit status 0 when every configuration agrees, 1 otherwise.
 # Extra compile arguments for every configuration may be given in PLANS_EXTRA_ARGS, e.g.
 # PLANS_EXTRA_ARGS="--recompute selective".
@@ -35,6 +36,8 @@ meshes=(
   "optimus|2x2x2|1"
   "megatron|2x1x4|0"
   "megatron|2x1x4|1"
+  "3d|2x2x2|0"
+  "tesseract|2x2x2|0"
 )
 
 compile() { # BIN OUT_PREFIX ARGS...
