@@ -140,6 +140,8 @@ fn sums_input_gradients(kind: ProductKind) -> bool {
 struct GradientSum {
     /// The addition at the tree's top, which computes the sum.
     root: NodeIndex,
+    /// The product every term takes and the layout it leaves them in.
+    term: (ProductKind, Layout),
     /// The input gradients, in the tree's order.
     terms: Vec<NodeIndex>,
     /// The additions below the top, which wait for it.
@@ -793,9 +795,9 @@ impl Lowerer<'_> {
         Some((case, Dims { out: self.out_split(w, 1), ..self.dims(last) }))
     }
 
-    /// The later untied linears of input `x` (their nodes, operands and whether they add a bias) that
-    /// take the same plain SUMMA product as node `n`, with `x` laid out alike: on a mesh of more than
-    /// one row, their steps can share `x`'s broadcasts (not under `--layouts paper`, whose plans move
+    /// The later untied linears of input `x` (their nodes, operands, whether they add a bias, and their
+    /// dimensions) that take the same SUMMA product as node `n` (one [`shares_forward`] accepts), with
+    /// `x` laid out alike: on a mesh of more than one row, their steps can share `x`'s broadcasts (not under `--layouts paper`, whose plans move
     /// what the paper's code moves). Their operands are `x` and parameters, so they can be computed as
     /// early as `n`.
     fn siblings_sharing_input(
@@ -989,8 +991,8 @@ impl Lowerer<'_> {
     }
 
     /// dX = dY W^T (dY E when tied), with W as stored. Input gradients that only a tree of additions
-    /// reads (of linears that shared their input's broadcasts) wait for its top, which computes them
-    /// in one product ([`Lowerer::summed_input_gradients`]).
+    /// reads (a layer input's from its q, k and v, say) wait for its top, which computes them in one
+    /// product with one reduction ([`Lowerer::summed_input_gradients`]).
     fn linear_grad_input(&mut self, n: NodeIndex, dy: NodeIndex, w: NodeIndex, tied: bool) {
         let last = self.rank(n) - 1;
         let Some(wl) = self.param_layout(w) else { return self.missing_param(n) };
@@ -1139,13 +1141,20 @@ impl Lowerer<'_> {
     /// gradients: untied, of a SUMMA A B^T case whose partials are reduced, on a mesh of more than one
     /// row with the layouts chosen per product. Terms of one sum take the same product into one layout.
     fn summable_input_gradient(&mut self, n: NodeIndex) -> Option<(ProductKind, Layout)> {
+        let (case, dims, wl) = self.input_grad_case(n)?;
+        let kind = case.product?.kind;
+        self.shares_products(case, sums_input_gradients).then(|| (kind, self.norm(laid(case.output, &dims, wl))))
+    }
+
+    /// The case of the untied input gradient `n` = dY W^T, the dimensions its patterns are read with
+    /// and its weight's stored layout; `None` for any other node.
+    fn input_grad_case(&mut self, n: NodeIndex) -> Option<(&'static Case, Dims, Layout)> {
         let Op::LinearGradInput { transpose_weight: false } = self.graph[n].op else { return None };
         let ops = self.operands(n);
         let wl = self.param_layout(*ops.get(1)?)?;
         let last = self.rank(n) - 1;
         let (case, dims) = self.weight_case(Operator::LinearGradInput, wl, last, (ops[0], ops[1]))?;
-        let kind = case.product?.kind;
-        self.shares_products(case, sums_input_gradients).then(|| (kind, self.norm(laid(case.output, &dims, wl))))
+        Some((case, dims, wl))
     }
 
     /// The sum of input gradients that the input gradient `n` joins, where it has at least one other
@@ -1185,7 +1194,7 @@ impl Lowerer<'_> {
     /// The input gradients of product and layout `term` that the addition `t` sums with the additions
     /// below it read by nothing else, those additions, and the tree's other operands, in walk order.
     fn addition_tree(&mut self, t: NodeIndex, term: (ProductKind, Layout)) -> GradientSum {
-        let mut tree = GradientSum { root: t, terms: Vec::new(), inner: Vec::new(), others: Vec::new() };
+        let mut tree = GradientSum { root: t, term, terms: Vec::new(), inner: Vec::new(), others: Vec::new() };
         for o in self.operands(t) {
             let read_here_alone = self.readers_of(o) == [t];
             if read_here_alone && self.summable_input_gradient(o) == Some(term) {
@@ -1227,26 +1236,19 @@ impl Lowerer<'_> {
         }
     }
 
-    /// The sum of input gradients that waited for it: each step broadcasts every term's weight block,
-    /// multiplies the terms' output gradients' blocks into one partial and reduces it once; the tree's
-    /// other operands are then added.
+    /// The sum of input gradients that waited for it, in one product of their kind: each SUMMA step
+    /// adds the terms' partial products before its one reduce (or, in 3D, the local products before the
+    /// one reduce-scatter); the tree's other operands are then added.
     fn summed_input_gradients(&mut self, sum: &GradientSum) {
+        let (kind, layout) = sum.term;
         let mut parts = Vec::new();
-        let mut layout = Layout::REPLICATED;
-        let mut kind = ProductKind::SummaAbt;
         for &term in &sum.terms {
             self.current = term;
+            let Some((case, dims, wl)) = self.input_grad_case(term) else { return self.missing_param(term) };
             let ops = self.operands(term);
-            let (dy, w) = (ops[0], ops[1]);
-            let Some(wl) = self.param_layout(w) else { return self.missing_param(term) };
-            let last = self.rank(term) - 1;
-            let Some((case, dims)) = self.weight_case(Operator::LinearGradInput, wl, last, (dy, w)) else { return };
-            let Some(product) = case.product else { return };
-            kind = product.kind;
-            let wb = self.value(w, laid(case.operands[1], &dims, wl));
-            let dyb = self.value(dy, laid(case.operands[0], &dims, wl));
-            layout = self.norm(laid(case.output, &dims, wl));
-            parts.push((term, wb, dyb, product.what));
+            let wb = self.value(ops[1], laid(case.operands[1], &dims, wl));
+            let dyb = self.value(ops[0], laid(case.operands[0], &dims, wl));
+            parts.push((term, dyb, wb, case.product.map_or("backward of linear (dX = dY W^T)", |p| p.what)));
             self.deferred.remove(&term);
         }
         for inner in &sum.inner {
@@ -1256,20 +1258,22 @@ impl Lowerer<'_> {
         self.current = s;
         let mut y = self.node_buffer(s, layout, Role::Workspace);
         let base = parts.first().map_or("backward of linear (dX = dY W^T)", |p| p.3);
+        let products: Vec<_> = parts.iter().map(|&(node, dyb, wb, _)| (node, dyb, wb)).collect();
         if let ProductKind::Scattered { transpose_a, transpose_b, axis } = kind {
             let what = format!("{base}, one of {} summed before the reduce-scatter", parts.len());
-            let products: Vec<_> = parts.iter().map(|&(node, wb, dyb, _)| (node, dyb, wb)).collect();
             self.scattered_matmul_many(&products, y, (transpose_a, transpose_b), axis, &what);
-        } else {
-            let summa = reduced_summa(kind).unwrap_or(ReducedSumma::ABT);
+        } else if let Some(summa) = reduced_summa(kind) {
             // A B^T moves B (the weight's blocks); the products keeping the weight in place move A (dY's).
-            let term = |(node, wb, dyb): (NodeIndex, BufferId, BufferId)| match summa.moves_a {
+            let term = |&(node, dyb, wb): &(NodeIndex, BufferId, BufferId)| match summa.moves_a {
                 true => SummaTerm { node, moved: dyb, other: wb, out: y },
                 false => SummaTerm { node, moved: wb, other: dyb, out: y },
             };
-            let terms: Vec<SummaTerm> = parts.iter().map(|&(node, wb, dyb, _)| term((node, wb, dyb))).collect();
+            let terms: Vec<SummaTerm> = products.iter().map(term).collect();
             let what = format!("{base}, one of {} summed before each reduce", parts.len());
             self.summa_reduced_many(summa, &terms, &what);
+        } else {
+            let text = "internal error: input gradients summed by a product that does not reduce";
+            return self.diagnostics.push(Diagnostic::error(Code::E0699, text));
         }
         for &other in &sum.others {
             let ob = self.value(other, layout);
