@@ -187,10 +187,15 @@ pub fn product_flops(kernel: &Kernel, inputs: &[&[u64]], output: &[u64]) -> Opti
 /// A is transposed.
 fn matmul_flops(inputs: &[&[u64]], output: &[u64], transpose_a: bool) -> u64 {
     let Some(a) = inputs.first() else { return 0 };
-    let (a_rows, a_cols) = split_last(a);
-    let k = if transpose_a { a_rows } else { a_cols };
-    let (m, n) = split_last(output);
+    let (m, k, n) = matmul_dims(a, output, transpose_a);
     2 * mul(&[m, n, k])
+}
+
+/// (m, k, n) of out [m, n] = op(A) [m, k] op(B) [k, n], from A's shape and the output's.
+fn matmul_dims(a: &[u64], output: &[u64], transpose_a: bool) -> (usize, usize, usize) {
+    let (a_rows, a_cols) = split_last(a);
+    let (m, n) = split_last(output);
+    (m, if transpose_a { a_rows } else { a_cols }, n)
 }
 
 /// [.., m, k] x [.., k, n] -> [.., m, n] for every leading index.
@@ -466,9 +471,7 @@ fn product_shape(plan: &Plan, instr: &Instr) -> Option<(ProductShape, u64)> {
         return None;
     };
     let a = &plan.buffer(*inputs.first()?).shape;
-    let (a_rows, a_cols) = split_last(a);
-    let k = if *transpose_a { a_rows } else { a_cols };
-    let (m, n) = split_last(&plan.buffer(*output).shape);
+    let (m, k, n) = matmul_dims(a, &plan.buffer(*output).shape, *transpose_a);
     let flops = 2 * mul(&[m, n, k]);
     Some(((m as u64, k as u64, n as u64, *transpose_a, *transpose_b, *accumulate), flops))
 }
