@@ -52,18 +52,25 @@ fn model_with(forward: &str, linears: usize) -> String {
     format!("{}{block}{}", &tiny[..start], &tiny[end..])
 }
 
-/// The reduces (and 3D's reduce-scatters) of input gradients (dX = dY W^T) in the MLPs of a plan.
-fn mlp_input_gradient_reduces(plan: &Path) -> usize {
+/// The collectives of a compiled plan's MLPs (`inspect --json`'s communication entries).
+fn mlp_collectives(plan: &Path) -> Vec<Value> {
     let inspected = optimusc(&["inspect", plan.to_str().expect("utf-8 path"), "--json"]);
     assert!(inspected.status.success(), "{}", String::from_utf8_lossy(&inspected.stderr));
     let report: Value = serde_json::from_slice(&inspected.stdout).expect("inspect's JSON");
     let communication = report["communication"].as_array().expect("communication");
-    communication
-        .iter()
-        .filter(|c| c["kind"] == "reduce" || c["kind"] == "reduce_scatter")
-        .filter(|c| c["origin"]["scope"].as_str().is_some_and(|s| s.contains(".mlp.")))
-        .filter(|c| c["origin"]["reason"].as_str().is_some_and(|r| r.contains("dX = dY W^T")))
-        .count()
+    let in_mlp = |c: &&Value| c["origin"]["scope"].as_str().is_some_and(|s| s.contains(".mlp."));
+    communication.iter().filter(in_mlp).cloned().collect()
+}
+
+/// How many of `collectives` are of a kind in `kinds` and give a reason that `reason` accepts.
+fn count(collectives: &[Value], kinds: &[&str], reason: impl Fn(&str) -> bool) -> usize {
+    let kind_listed = |c: &&Value| kinds.iter().any(|k| c["kind"] == *k);
+    collectives.iter().filter(kind_listed).filter(|c| c["origin"]["reason"].as_str().is_some_and(&reason)).count()
+}
+
+/// The linears of the block that `forward` calls exactly once (l0, l1, ...).
+fn linears_called_once(forward: &str, linears: usize) -> usize {
+    (0..linears).filter(|i| forward.matches(&format!("l{i}(x)")).count() == 1).count()
 }
 
 #[test]
@@ -111,9 +118,24 @@ fn random_trees_of_linears_of_one_input_verify_and_reduce_their_input_gradients_
         assert!(compiled.status.success(), "{what}\n{}", String::from_utf8_lossy(&compiled.stderr));
         let text = std::fs::read_to_string(&plan).expect("the plan");
         assert_eq!(text.contains("(B in place)"), few_tokens, "{what}: weights in place exactly with few tokens");
+        let collectives = mlp_collectives(&plan);
         // Each of the two layers: c_proj's dX, and the tree's terms summed into one, a reduce each a
         // SUMMA step (in 3D one reduce-scatter); one product for every term would reduce per term.
         let reductions_each = if three_d { 1 } else { q as usize };
-        assert_eq!(mlp_input_gradient_reduces(&plan), 2 * 2 * reductions_each, "{what}");
+        let reduced = count(&collectives, &["reduce", "reduce_scatter"], |r| r.contains("dX = dY W^T"));
+        assert_eq!(reduced, 2 * 2 * reductions_each, "{what}");
+        if three_d {
+            continue;
+        }
+        // Forward, with few tokens: only the inputs' blocks move, each step's broadcast once for the
+        // block's linears of x and once for c_proj (a broadcast per linear were they not shared).
+        if few_tokens {
+            let forward_broadcasts = count(&collectives, &["broadcast"], |r| r.starts_with("linear"));
+            assert_eq!(forward_broadcasts, 2 * 2 * q as usize, "{what}: forward broadcasts");
+        }
+        // The weight gradients of linears called once (each its parameter's whole gradient) share X's
+        // broadcasts, with many tokens or few.
+        let shared_dw = count(&collectives, &["broadcast"], |r| r.contains("sharing X's broadcasts"));
+        assert_eq!(shared_dw > 0, linears_called_once(&forward, linears) > 1, "{what}: dW sharing X");
     }
 }
