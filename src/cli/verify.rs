@@ -4,7 +4,7 @@
 use super::run::{DataDtype, DataFiles, InputArgs, OptimizerArg, OptimizerArgs, open_sources, shortfall_warning};
 use super::{StrategyArg, TargetArgs, compile_for};
 use optimus::plan::tensor::Tensor;
-use optimus::plan::{Mesh, Mode, Plan, Strategy};
+use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Precision, Strategy};
 use optimus::runtime::exec::{RunConfig, RunOutput};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -23,8 +23,10 @@ pub struct VerifyArgs {
     /// Largest relative difference accepted: max |sharded - single| / max |single| per tensor; a tensor
     /// that is numerically zero (below 1/1000 of the largest of its kind, such as attention's key-bias
     /// gradient, which is exactly zero in exact arithmetic) is measured against 1/1000 of the largest
-    /// [default: 1e-4; 2e-2 with --precision bf16, which rounds every product's inputs to 8 bits of
-    /// mantissa where the single-device reference keeps float32].
+    /// [default: 1e-4; with --precision bf16, which rounds every product's inputs and outputs to 8 bits
+    /// of mantissa where the single-device reference keeps float32, 2e-2, or, where that is less, 3
+    /// times the difference the same model in bf16 on one device makes (a third run, done only when
+    /// no tolerance is given)].
     #[arg(long, value_parser = super::flags::tolerance)]
     pub tolerance: Option<f64>,
     /// Seed for weights, tokens and dropout.
@@ -85,6 +87,7 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
     let single = compile_for(&args.model, &args.target.set, single_target).ok_or("cannot compile for one device")?;
     let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };
     let tolerance = tolerance(args, sharded.precision);
+    let against_bf16 = sharded.precision == Precision::Bf16 && args.tolerance.is_none();
     eprintln_safe!(
         "verifying {} on a {} mesh ({strategy}) against one device, {} steps, tolerance {tolerance:e}",
         sharded.model,
@@ -98,12 +101,23 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
     }
     let a = execute(&sharded, args)?;
     let b = execute(&single, args)?;
-    Ok(report(args, tolerance, &a, &b))
+    let bf16_single = if against_bf16 {
+        eprintln_safe!(
+            "and one device in bf16: a difference also passes within {BF16_MARGIN} times that run's own difference"
+        );
+        let memory = MemoryOptions { precision: Precision::Bf16, zero: 0, ..args.target.target().memory };
+        let target = optimus::shard::Target { memory, ..single_target };
+        let plan = compile_for(&args.model, &args.target.set, target).ok_or("cannot compile for one device in bf16")?;
+        Some(execute(&plan, args)?)
+    } else {
+        None
+    };
+    Ok(report(args, &Allowance { tolerance, bf16_single }, &a, &b))
 }
 
 /// The tolerance given, or the default for the plan's precision (the one `--help` states).
-fn tolerance(args: &VerifyArgs, precision: optimus::plan::Precision) -> f64 {
-    let default = if precision == optimus::plan::Precision::Bf16 { BF16_TOLERANCE } else { F32_TOLERANCE };
+fn tolerance(args: &VerifyArgs, precision: Precision) -> f64 {
+    let default = if precision == Precision::Bf16 { BF16_TOLERANCE } else { F32_TOLERANCE };
     args.tolerance.unwrap_or(default)
 }
 
@@ -140,37 +154,21 @@ fn execute(plan: &Plan, args: &VerifyArgs) -> Result<RunOutput, String> {
     optimus::runtime::local::run(plan, &config, &batches, &BTreeMap::new(), &|_| {})
 }
 
-/// Prints the comparison; returns whether everything is within `tolerance`.
-fn report(args: &VerifyArgs, tolerance: f64, sharded: &RunOutput, single: &RunOutput) -> bool {
-    let mut ok = true;
-    let mut line = |what: &str, worst: f64, name: &str, count: usize| {
-        let pass = worst <= tolerance;
-        ok &= pass;
-        let verdict = if pass { "ok" } else { "FAILED" };
-        super::stdout(&format!("{what:<16} {worst:>10.2e}  {verdict:<6} (worst of {count}: {name})\n"));
+/// Prints the comparison; returns whether every quantity is within its allowance.
+fn report(args: &VerifyArgs, allowance: &Allowance, sharded: &RunOutput, single: &RunOutput) -> bool {
+    let own = |of: &dyn Fn(&RunOutput) -> Vec<Difference>| -> BTreeMap<String, f64> {
+        allowance
+            .bf16_single
+            .as_ref()
+            .map(|r| of(r).into_iter().map(|d| (d.key, d.value)).collect())
+            .unwrap_or_default()
     };
-    let mut worst_loss = (0f64, String::new());
-    for (a, b) in sharded.steps.iter().zip(&single.steps) {
-        if let (Some(x), Some(y)) = (a.loss, b.loss) {
-            let finite = x.is_finite() && y.is_finite();
-            let d = if finite {
-                f64::from((x - y).abs()) / f64::from(y.abs()).max(f64::MIN_POSITIVE)
-            } else {
-                f64::INFINITY
-            };
-            if d >= worst_loss.0 {
-                worst_loss = (d, format!("step {}: {x} vs {y}", a.step));
-            }
-        }
-    }
-    line("loss", worst_loss.0, &worst_loss.1, sharded.steps.len());
-    for (what, a, b) in [
-        ("outputs", &sharded.outputs, &single.outputs),
-        ("gradients", &sharded.grads, &single.grads),
-        ("updated values", &sharded.params, &single.params),
-    ] {
-        let (worst, name) = compare(what, a, b, args.verbose);
-        line(what, worst, &name, b.len());
+    let losses = own(&|r| loss_differences(r, single));
+    let mut ok = judge("loss", &loss_differences(sharded, single), &losses, allowance.tolerance, false);
+    for (what, pick) in QUANTITIES {
+        let differences = tensor_differences(pick(sharded), pick(single));
+        let reference = own(&|r| tensor_differences(pick(r), pick(single)));
+        ok &= judge(what, &differences, &reference, allowance.tolerance, args.verbose);
     }
     super::stdout(&format!(
         "{}\n",
@@ -179,15 +177,136 @@ fn report(args: &VerifyArgs, tolerance: f64, sharded: &RunOutput, single: &RunOu
     ok
 }
 
-fn compare(what: &str, a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, verbose: bool) -> (f64, String) {
-    let mut worst = (0f64, String::from("-"));
-    for (name, d) in optimus::runtime::compare::relative_differences(a, b) {
-        if verbose {
-            super::stdout(&format!("  {what}: {name:<40} {d:.2e}\n"));
-        }
-        if d >= worst.0 {
-            worst = (d, name);
+/// The tensors compared besides the loss, by the name each line gives them.
+type Quantity = (&'static str, fn(&RunOutput) -> &BTreeMap<String, Tensor>);
+const QUANTITIES: [Quantity; 3] =
+    [("outputs", |r| &r.outputs), ("gradients", |r| &r.grads), ("updated values", |r| &r.params)];
+
+/// How far the sharded run may be from the float32 one-device run.
+struct Allowance {
+    /// Any difference up to this passes.
+    tolerance: f64,
+    /// For a bf16 plan verified at the default tolerance, the same model on one device in bf16: a
+    /// difference also passes within [`BF16_MARGIN`] times this run's own difference on the same
+    /// quantity (bf16's rounding on a tiny batch can exceed a fixed tolerance, on one device too).
+    bf16_single: Option<RunOutput>,
+}
+
+/// How much farther than one device in bf16 a bf16 plan may be from the float32 run. A sharded product
+/// rounds each device's partial sum to bf16 before the reduce adds them, one more rounding than one
+/// device makes: over 18 runs (Llama 2x2, GPT-2 4x4 and BERT 3D 2x2x2, six seeds each, 8-32 tokens),
+/// the tensor farthest from one device in bf16 was 1.5-2.5 times as far from the float32 run.
+const BF16_MARGIN: f64 = 3.0;
+/// The most that one device in bf16's difference can allow: a bf16 lowering wrong on one device and on
+/// the mesh alike would otherwise pass however far both were from float32.
+const BF16_CEILING: f64 = 5e-2;
+
+/// One compared quantity: its key (a tensor's name, or a step), its relative difference, and how a
+/// line names it.
+struct Difference {
+    key: String,
+    value: f64,
+    label: String,
+}
+
+/// The relative difference of each step's loss.
+fn loss_differences(candidate: &RunOutput, single: &RunOutput) -> Vec<Difference> {
+    let mut out = Vec::new();
+    for (a, b) in candidate.steps.iter().zip(&single.steps) {
+        if let (Some(x), Some(y)) = (a.loss, b.loss) {
+            let finite = x.is_finite() && y.is_finite();
+            let value = if finite {
+                f64::from((x - y).abs()) / f64::from(y.abs()).max(f64::MIN_POSITIVE)
+            } else {
+                f64::INFINITY
+            };
+            out.push(Difference {
+                key: format!("step {}", a.step),
+                value,
+                label: format!("step {}: {x} vs {y}", a.step),
+            });
         }
     }
-    worst
+    out
+}
+
+fn tensor_differences(candidate: &BTreeMap<String, Tensor>, single: &BTreeMap<String, Tensor>) -> Vec<Difference> {
+    optimus::runtime::compare::relative_differences(candidate, single)
+        .into_iter()
+        .map(|(name, value)| Difference { key: name.clone(), value, label: name })
+        .collect()
+}
+
+/// Prints one quantity's line (and, `verbose`, each of its tensors); returns whether each difference
+/// is within its allowance: `tolerance`, or [`BF16_MARGIN`] times `own` (the bf16 one-device run's
+/// difference, by key, in `reference`) up to [`BF16_CEILING`], whichever is more.
+fn judge(
+    what: &str,
+    differences: &[Difference],
+    reference: &BTreeMap<String, f64>,
+    tolerance: f64,
+    verbose: bool,
+) -> bool {
+    let allowed = |d: &Difference| match reference.get(&d.key) {
+        Some(own) => tolerance.max((BF16_MARGIN * own).min(BF16_CEILING)),
+        None => tolerance,
+    };
+    // The worst is the one closest to (or farthest past) its allowance.
+    let mut worst: Option<(&Difference, f64)> = None;
+    for d in differences {
+        if verbose {
+            let own = reference.get(&d.key).map_or(String::new(), |own| format!(" (one device in bf16: {own:.2e})"));
+            super::stdout(&format!("  {what}: {:<40} {:.2e}{own}\n", d.label, d.value));
+        }
+        let share = d.value / allowed(d);
+        if worst.is_none_or(|(_, s)| share >= s || share.is_nan()) {
+            worst = Some((d, share));
+        }
+    }
+    let pass = worst.is_none_or(|(_, share)| share <= 1.0);
+    let verdict = if pass { "ok" } else { "FAILED" };
+    let (value, label) = worst.map_or((0.0, "-".to_string()), |(d, _)| (d.value, d.label.clone()));
+    let own = worst
+        .and_then(|(d, _)| reference.get(&d.key))
+        .map_or(String::new(), |own| format!("; one device in bf16: {own:.2e}"));
+    super::stdout(&format!("{what:<16} {value:>10.2e}  {verdict:<6} (worst of {}: {label}{own})\n", differences.len()));
+    pass
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn difference(key: &str, value: f64) -> Difference {
+        Difference { key: key.into(), value, label: key.into() }
+    }
+
+    fn passes(value: f64, own: Option<f64>) -> bool {
+        let reference: BTreeMap<String, f64> = own.map(|own| ("w".to_string(), own)).into_iter().collect();
+        judge("gradients", &[difference("w", value)], &reference, BF16_TOLERANCE, false)
+    }
+
+    #[test]
+    fn a_bf16_difference_passes_within_the_tolerance_or_three_times_one_device_in_bf16_up_to_the_ceiling() {
+        // Without a bf16 one-device run, the tolerance alone.
+        assert!(passes(0.019, None) && !passes(0.021, None));
+        // One device in bf16 1e-2 away: up to 3e-2.
+        assert!(passes(0.029, Some(0.01)) && !passes(0.031, Some(0.01)));
+        // One device in bf16 closer than a third of the tolerance: the tolerance still holds.
+        assert!(passes(0.019, Some(0.001)) && !passes(0.021, Some(0.001)));
+        // One device in bf16 far off (a bf16 lowering wrong on both): never past the ceiling.
+        assert!(passes(0.049, Some(0.5)) && !passes(0.051, Some(0.5)));
+        // Not a number or infinite never passes.
+        assert!(!passes(f64::NAN, Some(0.01)) && !passes(f64::INFINITY, Some(0.01)));
+    }
+
+    #[test]
+    fn the_worst_is_the_tensor_nearest_its_allowance_and_any_one_past_it_fails() {
+        let reference: BTreeMap<String, f64> = [("a".to_string(), 0.015), ("b".to_string(), 0.001)].into();
+        // a is farther from float32 (0.03) but within 3 x 0.015; b (0.025) is past the 2e-2 tolerance.
+        let differences = [difference("a", 0.03), difference("b", 0.025)];
+        assert!(!judge("gradients", &differences, &reference, BF16_TOLERANCE, false));
+        assert!(judge("gradients", &differences[..1], &reference, BF16_TOLERANCE, false));
+        assert!(judge("gradients", &[], &reference, BF16_TOLERANCE, false));
+    }
 }
