@@ -1027,6 +1027,8 @@ fn config_integers_too_large_for_any_type_are_rejected() {
         "a = 9223372036854775807 * 2",
         "a = 4294967296 * 4294967296",
         "a = 1.7976931348623157e308 * 10",
+        // The one quotient of 64-bit integers that overflows (its remainder overflows too).
+        "a = (-9223372036854775807 - 1) / -1",
     ] {
         assert_rejected(&with_config(overflow), "E0203");
     }

@@ -185,7 +185,7 @@ impl Elab<'_> {
             BinOp::Sub => x.checked_sub(y),
             BinOp::Mul => x.checked_mul(y),
             BinOp::Div if y == 0 => return self.fail(division_by_zero(site.rhs.span)),
-            BinOp::Div if x % y != 0 => {
+            BinOp::Div if x.checked_rem(y).is_some_and(|r| r != 0) => {
                 return self.fail(with_operands(
                     Diagnostic::error(Code::E0203, format!("{x} / {y} is not a whole number"))
                         .primary(site.op_span, format!("{y} does not divide {x}"))
