@@ -239,6 +239,30 @@ fn inputs_padding_and_optimizer_state_must_agree_with_their_buffers() {
 }
 
 #[test]
+fn the_gradient_norm_and_the_optimizer_steps_must_name_what_the_plan_declares() {
+    // A gradient norm that is no buffer, or a buffer that is not one float32 value: `run` read it as
+    // the norm (and panicked on an index past the buffers).
+    let mut plan = tiny_2x2();
+    let buffers = plan["buffers"].as_array().expect("buffers").len();
+    plan["grad_norm"] = json!(buffers);
+    assert_refused(&plan, &[&format!("buffer {buffers} is referenced but does not exist")]);
+    for (id, what) in [(0, "F32 [51, 16]"), (1, "I32")] {
+        let mut plan = tiny_2x2();
+        plan["grad_norm"] = json!(id);
+        assert_refused(&plan, &["the gradient norm's buffer", "is not one float32 value", what]);
+    }
+    // An optimizer step whose parameter record lost its state: the run would never create the state.
+    let mut plan = tiny_2x2();
+    plan["params"][0]["state"] = json!([]);
+    assert_refused(&plan, &["(optimizer step) reads", "parameter `wte.weight`", "state []"]);
+    // A gradient of another element type names both types.
+    let mut plan = tiny_2x2();
+    let grad = plan["params"][0]["grad"].as_u64().expect("a gradient buffer") as usize;
+    plan["buffers"][grad]["dtype"] = json!("i32");
+    assert_refused(&plan, &["is not shaped like its buffer", "I32", "F32"]);
+}
+
+#[test]
 fn a_split_that_does_not_divide_is_refused() {
     let mut plan = tiny_2x2();
     // wte.weight is [102, 32] split (S(0), S(1)) into [51, 16]; 101 rows cannot be halved.

@@ -120,8 +120,22 @@ fn check_structure(plan: &Plan, errors: &mut Vec<String>) {
         referenced.extend(p.grad.iter().chain(&p.state).copied().chain([p.buffer]));
     }
     referenced.extend(plan.inputs.iter().map(|i| i.buffer).chain(plan.outputs.iter().map(|o| o.buffer)));
+    referenced.extend(plan.grad_norm);
     if let Some(bad) = referenced.iter().find(|id| !valid(plan, **id)) {
         errors.push(format!("buffer {} is referenced but does not exist", bad.0));
+    } else if let Some(norm) = plan.grad_norm {
+        check_grad_norm(plan, plan.buffer(norm), errors);
+    }
+}
+
+/// The gradient norm's buffer is the one float32 value the optimizer steps read their clipping from.
+fn check_grad_norm(plan: &Plan, norm: &crate::Buffer, errors: &mut Vec<String>) {
+    let elements = norm.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+    if plan.mode != crate::Mode::Train || norm.dtype != crate::types::DType::F32 || elements != Some(1) {
+        errors.push(format!(
+            "the gradient norm's buffer `{}` is not one float32 value of a training plan ({:?} {:?}, {:?} plan)",
+            norm.name, norm.dtype, norm.shape, plan.mode
+        ));
     }
 }
 

@@ -2,7 +2,7 @@
 //! and every parameter, input and padding record agrees with the buffer it names.
 
 use crate::layout::{MAJOR_ORDER, Placement};
-use crate::{Buffer, Mesh, Plan, PlanParam};
+use crate::{Buffer, Instr, Kernel, Mesh, Plan, PlanParam};
 
 /// The most bytes one tensor may have: what a Rust allocation can hold.
 const MAX_TENSOR_BYTES: u64 = isize::MAX as u64;
@@ -31,6 +31,31 @@ pub(super) fn check_declarations(plan: &Plan, errors: &mut Vec<String>) {
     for (k, pad) in plan.padding.iter().enumerate() {
         if let Err(e) = check_padding(plan, k) {
             errors.push(format!("padding record {k} (`{}` dimension {}): {e}", pad.tensor, pad.dim));
+        }
+    }
+    check_optimizer_steps(plan, errors);
+}
+
+/// Each optimizer step updates a parameter from the gradient and the two state buffers its record
+/// declares (the run creates and checkpoints a parameter's state from that record, so a step reading
+/// other buffers would read buffers nothing wrote).
+fn check_optimizer_steps(plan: &Plan, errors: &mut Vec<String>) {
+    for (index, instr) in plan.program.iter().enumerate() {
+        let Instr::Kernel { kernel: Kernel::OptimizerStep, inputs, .. } = instr else { continue };
+        let declared = plan.params.iter().find(|p| inputs.first() == Some(&p.buffer));
+        let agrees = declared
+            .is_some_and(|p| inputs.len() == 4 && p.grad == Some(inputs[1]) && p.state.as_slice() == &inputs[2..]);
+        if !agrees {
+            let names: Vec<&str> = inputs.iter().map(|&id| plan.buffer(id).name.as_str()).collect();
+            let record = declared.map_or("no parameter's buffer".to_string(), |p| {
+                let state: Vec<&str> = p.state.iter().map(|&id| plan.buffer(id).name.as_str()).collect();
+                let grad = p.grad.map_or("none", |g| plan.buffer(g).name.as_str());
+                format!("parameter `{}`, whose record declares gradient `{grad}` and state {state:?}", p.name)
+            });
+            errors.push(format!(
+                "instruction {index} (optimizer step) reads {names:?}: the first is {record}; a step reads \
+                 its parameter, gradient and two state buffers"
+            ));
         }
     }
 }
@@ -90,8 +115,8 @@ fn check_param(plan: &Plan, p: &PlanParam) -> Result<(), String> {
     for other in p.grad.iter().chain(&p.state).map(|&id| plan.buffer(id)) {
         if (&other.logical_shape, other.layout, other.dtype) != (&b.logical_shape, b.layout, b.dtype) {
             return Err(format!(
-                "`{}` ({:?} laid out {}) is not shaped like its buffer `{}` ({:?} laid out {})",
-                other.name, other.logical_shape, other.layout, b.name, b.logical_shape, b.layout
+                "`{}` ({:?} {:?} laid out {}) is not shaped like its buffer `{}` ({:?} {:?} laid out {})",
+                other.name, other.dtype, other.logical_shape, other.layout, b.name, b.dtype, b.logical_shape, b.layout
             ));
         }
     }
