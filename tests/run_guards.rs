@@ -330,3 +330,85 @@ fn saving_weights_again_into_a_folder_leaves_no_stale_shard() {
     assert!(second.status.success(), "{}", stderr(&second));
     assert_eq!(names(&dir), ["model.safetensors", "notes.txt"], "only the new set, and files that are not weights");
 }
+
+/// The file names in a folder, sorted (none when it does not exist).
+fn names_in(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Outputs of several files are all checked before any is written: one that cannot be (its name taken
+/// by a folder) fails the command with nothing of the others left behind.
+#[test]
+fn an_output_of_several_files_is_written_whole_or_not_at_all() {
+    // mask-data: the labels' name is a folder; the inputs' file was written before.
+    let data = scratch("whole.u16");
+    token_file(&data, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    let prefix = scratch("whole-masked");
+    std::fs::create_dir_all(prefix.with_extension("labels.bin")).expect("dir");
+    let out = optimusc(&[
+        "mask-data",
+        data.to_str().expect("utf-8"),
+        "--mask-id",
+        "3",
+        "-o",
+        prefix.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("labels.bin") && stderr(&out).contains("directory"), "{}", stderr(&out));
+    assert!(!prefix.with_extension("tokens.bin").exists(), "the inputs' file is not left behind");
+
+    // run --save-weights DIR/: the index's name, or the tokenizer's, is a folder; the shards were
+    // written before, and the tokenizer's files after the weights.
+    for (taken, extra) in [
+        ("model.safetensors.index.json", &["--max-shard-size", "1KB"][..]),
+        ("tokenizer_config.json", &["--tokenizer", "gpt2"]),
+    ] {
+        let dir = scratch(&format!("whole-{taken}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join(taken)).expect("dir");
+        let target = format!("{}/", dir.display());
+        let mut args = vec!["run", "examples/tiny.opt", "--steps", "5", "--save-weights", &target];
+        args.extend_from_slice(extra);
+        let out = optimusc(&args);
+        assert_eq!(out.status.code(), Some(1), "{taken}: {}", stderr(&out));
+        assert!(stderr(&out).contains("--save-weights") && stderr(&out).contains(taken), "{}", stderr(&out));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{taken}: no step ran");
+        assert_eq!(names_in(&dir), [taken], "{taken}: nothing written");
+    }
+
+    // export -o DIR/ --tokenizer: the tokenizer config's name is a folder.
+    let checkpoints = scratch("whole-checkpoints");
+    let _ = std::fs::remove_dir_all(&checkpoints);
+    let saved = optimusc(&[
+        "run",
+        "examples/tiny.opt",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        checkpoints.to_str().expect("utf-8"),
+    ]);
+    assert!(saved.status.success(), "{}", stderr(&saved));
+    let step = std::fs::read_dir(&checkpoints).expect("checkpoints").flatten().map(|e| e.path()).find(|p| p.is_dir());
+    let step = step.expect("a checkpoint folder");
+    let exported = scratch("whole-exported");
+    let _ = std::fs::remove_dir_all(&exported);
+    std::fs::create_dir_all(exported.join("tokenizer_config.json")).expect("dir");
+    let target = format!("{}/", exported.display());
+    let out = optimusc(&["export", step.to_str().expect("utf-8"), "-o", &target, "--tokenizer", "gpt2"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("tokenizer_config.json"), "{}", stderr(&out));
+    assert_eq!(names_in(&exported), ["tokenizer_config.json"], "nothing exported");
+}
+
+#[test]
+fn gradient_accumulation_above_a_million_micro_batches_is_a_usage_error() {
+    for accum in ["1000001", "18446744073709551615"] {
+        let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--accum", accum]);
+        assert_eq!(out.status.code(), Some(2), "{accum}: {}", stderr(&out));
+        assert!(stderr(&out).contains("--accum") && stderr(&out).contains("1..=1000000"), "{}", stderr(&out));
+    }
+}

@@ -70,9 +70,17 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
         .map(optimus::text::Tokenizer::load)
         .transpose()
         .map_err(|e| Failure::usage(format!("--tokenizer: {e}")))?;
-    let weights = if folder { args.output.join("model.safetensors") } else { args.output.clone() };
+    let weights = if folder { args.output.join(optimus::io::pretrained::SINGLE_FILE) } else { args.output.clone() };
     if folder {
-        std::fs::create_dir_all(&args.output).map_err(|e| format!("cannot create `{}`: {e}", args.output.display()))?;
+        // Every file the folder will hold is checked before any is written.
+        let tokenizer_files = if tokenizer.is_some() { &optimus::text::HUB_FILES[..] } else { &[] };
+        let names: Vec<String> = [optimus::io::pretrained::SINGLE_FILE]
+            .iter()
+            .chain(&optimus::io::pretrained::CONFIG_FILES)
+            .chain(tokenizer_files)
+            .map(|n| n.to_string())
+            .collect();
+        optimus::io::pretrained::check_all_writable(&args.output, &names).map_err(|e| e.to_string())?;
     }
     let summary = export_safetensors(&checkpoint, &weights).map_err(|e| e.to_string())?;
     if folder {

@@ -60,6 +60,8 @@ fn mask_file(args: &MaskDataArgs) -> Result<(), Failure> {
     let (inputs, labels) = output_paths(&args.output);
     for output in [&inputs, &labels] {
         super::refuse_overwriting_input(output, &args.tokens, "-o")?;
+        // Both checked before either is written: a failure leaves neither behind.
+        optimus::io::output::check_writable(output).map_err(|e| e.to_string())?;
     }
     let dtype = if args.data_dtype == DataDtype::U32 { TokenDtype::U32 } else { TokenDtype::U16 };
     let data = TokenData::open(&args.tokens, dtype).map_err(|e| e.to_string())?;

@@ -90,7 +90,8 @@ pub struct RunArgs {
     /// Micro-batches per update (gradient accumulation; at least 1): micro-batch m of step k reads the
     /// sequences at ((k * N + m) * batch + r) * seq, the update uses the mean of their gradients (one
     /// batch of N * batch sequences), the step's loss is their mean, and memory stays one micro-batch's.
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    /// At most 1000000, as for --pipeline's micro-batches (an interrupt ends the run at a step's end).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub accum: u64,
     /// Clip the gradients to this global L2 norm before each update (finite, > 0), as
     /// torch.nn.utils.clip_grad_norm_: every gradient is scaled by min(1, X / (norm + 1e-6)), where norm is
@@ -459,7 +460,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     args.backend.kind().check_available()?;
     // A path that cannot be written is found now, not after the whole run.
     if let Some(path) = &args.save_weights {
-        check_weights_destination(path)?;
+        check_weights_destination(path, args.tokenizer.is_some())?;
     }
     // Under mpirun every rank prepares; rank 0 alone warns and writes the log.
     let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
@@ -703,6 +704,11 @@ pub(super) fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output
     let last = output.steps.last();
     let interrupted = last.is_some_and(|r| r.step + 1 < args.steps);
     if let Some(path) = &args.save_weights {
+        if saves_a_directory(path) && job.tokenizer.is_some() {
+            // Checked again (the folder may have changed during the run) before any weight is written.
+            let names = optimus::text::HUB_FILES.map(String::from);
+            optimus::io::pretrained::check_all_writable(path, &names).map_err(|e| format!("--save-weights: {e}"))?;
+        }
         save_weights(path, args.max_shard_size, job, output)?;
         if let Some(tokenizer) = &job.tokenizer {
             save_tokenizer(path, tokenizer, &job.plan)?;
@@ -1064,14 +1070,21 @@ pub(super) fn weights_for(path: Option<&PathBuf>, allow: bool, plan: &Plan) -> R
 }
 
 /// Checks before step 0 that `--save-weights` can be written: the file, or (for a directory, created now if
-/// missing) a file in it.
-fn check_weights_destination(path: &Path) -> Result<(), String> {
+/// missing) the files it will hold, the tokenizer's too `with_tokenizer`.
+fn check_weights_destination(path: &Path, with_tokenizer: bool) -> Result<(), String> {
     let fail = |e: String| format!("--save-weights: {e}");
     if !saves_a_directory(path) {
         return optimus::io::check_writable(path).map_err(|e| fail(e.to_string()));
     }
-    std::fs::create_dir_all(path).map_err(|e| fail(format!("cannot create directory `{}`: {e}", path.display())))?;
-    optimus::io::check_writable(&path.join(optimus::io::pretrained::SINGLE_FILE)).map_err(|e| fail(e.to_string()))
+    optimus::io::pretrained::check_all_writable(path, &folder_files(with_tokenizer)).map_err(|e| fail(e.to_string()))
+}
+
+/// What a `save_pretrained` folder may hold once saved, but its numbered shards: the single file or
+/// the index, the configs and, `with_tokenizer`, the tokenizer's files.
+fn folder_files(with_tokenizer: bool) -> Vec<String> {
+    use optimus::io::pretrained::{CONFIG_FILES, INDEX_FILE, SINGLE_FILE};
+    let tokenizer = if with_tokenizer { &optimus::text::HUB_FILES[..] } else { &[] };
+    [SINGLE_FILE, INDEX_FILE].iter().chain(&CONFIG_FILES).chain(tokenizer).map(|n| n.to_string()).collect()
 }
 
 /// Whether `--save-weights` names a directory (the `save_pretrained` layout) rather than one file.

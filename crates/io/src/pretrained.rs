@@ -210,14 +210,19 @@ pub fn save_pretrained(
 ) -> Result<Saved, SaveError> {
     let dir_path = || dir.to_path_buf();
     let tensors = f32_tensors(plan, params).map_err(|problems| SaveError::Tensors { dir: dir_path(), problems })?;
-    std::fs::create_dir_all(dir).map_err(|source| SaveError::Directory { dir: dir_path(), source })?;
-    // The old index goes first: from here on the folder never holds an index of an old set of shards.
-    remove_weight_files(dir, &[])?;
     let groups = shard_groups(tensors.iter().map(|(_, t)| t.byte_len()), max_shard_bytes);
     let count = groups.len();
     let name = |k: usize| {
         if count == 1 { SINGLE_FILE.to_string() } else { format!("model-{:05}-of-{count:05}.safetensors", k + 1) }
     };
+    let mut names: Vec<String> = (0..count).map(name).collect();
+    if count > 1 {
+        names.push(INDEX_FILE.to_string());
+    }
+    names.extend(CONFIG_FILES.iter().map(|n| n.to_string()));
+    check_all_writable(dir, &names)?;
+    // The old index goes first: from here on the folder never holds an index of an old set of shards.
+    remove_weight_files(dir, &[])?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let mut weight_map = BTreeMap::new();
     let mut files = Vec::with_capacity(count);
@@ -255,11 +260,27 @@ pub fn save_pretrained(
     Ok(Saved { files, bytes: total, no_config })
 }
 
+/// The configuration files [`write_configs`] may write.
+pub const CONFIG_FILES: [&str; 2] = ["config.json", "generation_config.json"];
+
+/// Creates `dir` if needed and checks that each of `names` can be written there, before any is: a save
+/// that cannot finish (a name taken by a folder, a folder that cannot be written) leaves the folder as
+/// it was, and removes it again if it created it.
+pub fn check_all_writable(dir: &Path, names: &[String]) -> Result<(), SaveError> {
+    let existed = dir.exists();
+    std::fs::create_dir_all(dir).map_err(|source| SaveError::Directory { dir: dir.to_path_buf(), source })?;
+    let checked = names.iter().try_for_each(|n| super::output::check_writable(&dir.join(n)).map_err(SaveError::Write));
+    if checked.is_err() && !existed {
+        // Only an empty folder is removed: nothing was written into it.
+        let _ = std::fs::remove_dir(dir);
+    }
+    checked
+}
+
 /// Writes `config.json` and, for a model that generates, `generation_config.json`; returns their names.
 pub fn write_configs(dir: &Path, config: &super::hf_config::HfConfig) -> Result<Vec<String>, SaveError> {
     let mut written = Vec::new();
-    for (name, value) in [("config.json", Some(&config.config)), ("generation_config.json", config.generation.as_ref())]
-    {
+    for (name, value) in [(CONFIG_FILES[0], Some(&config.config)), (CONFIG_FILES[1], config.generation.as_ref())] {
         let Some(value) = value else { continue };
         let text = serde_json::to_string_pretty(value)
             .map_err(|source| SaveError::Index { dir: dir.to_path_buf(), source })?;

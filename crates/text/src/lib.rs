@@ -110,6 +110,13 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// The files [`Tokenizer::hub_files`] names, in its order.
+pub const HUB_FILES: [&str; 2] = ["tokenizer.json", "tokenizer_config.json"];
+
+/// The largest tokenizer.json read: Hugging Face's largest vocabularies (256k tokens with their
+/// merges) take tens of megabytes.
+const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
+
 impl Tokenizer {
     /// `gpt2` (built in) or the path of a Hugging Face `tokenizer.json`.
     pub fn load(name: &str) -> Result<Tokenizer, TextError> {
@@ -118,6 +125,10 @@ impl Tokenizer {
         }
         let path = Path::new(name);
         if !path.exists() {
+            if name.contains(['/', '.']) {
+                let reason = "there is no such file".to_string();
+                return Err(TextError::TokenizerFile { path: path.to_path_buf(), reason });
+            }
             return Err(TextError::UnknownTokenizer { name: name.to_string() });
         }
         Tokenizer::from_file(path)
@@ -137,8 +148,19 @@ impl Tokenizer {
 
     /// A Hugging Face `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Tokenizer, TextError> {
-        let bytes = std::fs::read(path)
-            .map_err(|e| TextError::TokenizerFile { path: path.to_path_buf(), reason: e.to_string() })?;
+        let error = |reason: String| TextError::TokenizerFile { path: path.to_path_buf(), reason };
+        // Not read unless a regular file of a sensible size: a FIFO would block the read forever.
+        let meta = std::fs::metadata(path).map_err(|e| error(e.to_string()))?;
+        if !meta.is_file() {
+            return Err(error("it is not a regular file (a directory, a FIFO or a device)".into()));
+        }
+        if meta.len() > MAX_TOKENIZER_BYTES {
+            return Err(error(format!(
+                "it is {} bytes, more than the {MAX_TOKENIZER_BYTES} a tokenizer.json may have",
+                meta.len()
+            )));
+        }
+        let bytes = std::fs::read(path).map_err(|e| error(e.to_string()))?;
         let hf = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| TextError::TokenizerFile { path: path.to_path_buf(), reason: e.to_string() })?;
         let vocab = hf.get_vocab(true).values().max().map_or(0, |&id| id.saturating_add(1));
@@ -248,7 +270,8 @@ impl Tokenizer {
             config["model_max_length"] = context.into();
         }
         let config = serde_json::to_string_pretty(&config).map_err(|e| TextError::Encode { reason: e.to_string() })?;
-        Ok(vec![("tokenizer.json", self.hugging_face_json()?), ("tokenizer_config.json", format!("{config}\n"))])
+        let [tokenizer, tokenizer_config] = HUB_FILES;
+        Ok(vec![(tokenizer, self.hugging_face_json()?), (tokenizer_config, format!("{config}\n"))])
     }
 
     /// The ids of each text, tokenized in parallel, in order.
@@ -261,6 +284,25 @@ impl Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tokenizer_path_that_is_missing_a_directory_or_a_fifo_is_refused_without_reading_it() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let fifo = dir.path().join("fifo.json");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success());
+        let mut cases = vec![(dir.path().to_path_buf(), "not a regular file")];
+        if made {
+            cases.push((fifo, "not a regular file"));
+        }
+        cases.push((dir.path().join("nope.json"), "no such file"));
+        for (path, needle) in cases {
+            let name = path.to_str().expect("a UTF-8 path");
+            let error = Tokenizer::load(name).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(error.contains(needle) && error.contains(name), "{name}: {error}");
+        }
+        let error = Tokenizer::load("nope").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(error.contains("unknown tokenizer `nope`"), "{error}");
+    }
 
     #[test]
     fn gpt2_encodes_as_tiktoken_and_decodes_back() -> Result<(), TextError> {
