@@ -90,6 +90,17 @@ fn bad_requests_are_usage_errors() {
             "prompt token 60000 is not below the model's vocabulary size 50257",
         ),
         (&["--prompt", "x", "--max-new-tokens", "30"], "generate at most 24 new tokens"),
+        // A count near 2^64 is refused as too many, not wrapped around into an internal error.
+        (&["--prompt-ids", "1,2", "--max-new-tokens", "18446744073709551615"], "generate at most 23 new tokens"),
+        (
+            &[
+                "--prompt-ids",
+                "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25",
+                "--max-new-tokens",
+                "1",
+            ],
+            "the longest prompt has 25 tokens, more than the model's context 24: shorten it",
+        ),
         (&["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 generates nothing"),
         (&["--prompt", "x", "--mode", "train"], "drop --mode train"),
         (&["--prompt", "x", "--timeout", "0"], "--timeout 0 is not a positive number of seconds"),
@@ -262,6 +273,18 @@ fn a_decoding_step_plan_counts_its_caches() {
     let too_long =
         optimusc(&["compile", "examples/gpt2.opt", "--set", "seq=16", "--max-context", "8", "-o", plan_path]);
     assert!(String::from_utf8_lossy(&too_long.stderr).contains("does not fit caches of --max-context 8"));
+    // Caches longer than the model's context (GPT-2's 1024 positions) would need positions it has no
+    // embedding for; 2^40 of them, a buffer no machine holds, was an internal error.
+    for context in ["1025", "1099511627776"] {
+        let longer = optimusc(&["compile", "examples/gpt2.opt", "--max-context", context, "-o", plan_path]);
+        let stderr = String::from_utf8_lossy(&longer.stderr);
+        assert!(
+            !longer.status.success()
+                && stderr.contains(&format!("--max-context {context} is more than the model's context 1024")),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("internal error"), "{stderr}");
+    }
     let run = optimusc(&["run", plan_path, "--steps", "1"]);
     assert_eq!(run.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&run.stderr).contains("is a decoding step with key/value caches"));

@@ -377,9 +377,10 @@ impl Programs {
         let batch = prompts.len() as u64;
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(1) as u64;
         let shortest = prompts.iter().map(Vec::len).min().unwrap_or(1) as u64;
-        let positions = longest + args.max_new_tokens - 1;
+        // Saturating: --max-new-tokens may be any u64; a sum past the context is refused just below.
+        let positions = longest.saturating_add(args.max_new_tokens.saturating_sub(1));
         let probe = probe_model(args)?;
-        check_context(args, &probe, positions.max(args.max_context.unwrap_or(0)))?;
+        check_context(args, &probe, longest, positions)?;
         let context = args.max_context.unwrap_or(positions);
         if context < positions {
             return Err(Failure::usage(format!(
@@ -489,25 +490,32 @@ fn logits_plan(args: &GenerateArgs, (batch, seq): (u64, u64), cache: Option<u64>
 }
 
 /// Refuses, with what to change, prompts and new tokens that need more positions than the model's
-/// `context` config value (its position table, or the rotary table's length) has.
-fn check_context(args: &GenerateArgs, model: &optimus::ir::Model, seq: u64) -> Result<(), Failure> {
+/// `context` config value (its position table, or the rotary table's length) has: `positions` for the
+/// `longest` prompt and --max-new-tokens.
+fn check_context(args: &GenerateArgs, model: &optimus::ir::Model, longest: u64, positions: u64) -> Result<(), Failure> {
     let context = model.config.iter().find(|c| c.name == "context").and_then(|c| match c.value {
         optimus::plan::types::Scalar::Int(v) => u64::try_from(v).ok(),
         _ => None,
     });
-    match context {
-        Some(context) if args.max_context.is_some_and(|m| m > context) => Err(Failure::usage(format!(
-            "--max-context {} is more than the model's context {context}",
-            args.max_context.unwrap_or_default()
-        ))),
-        Some(context) if seq > context => Err(Failure::usage(format!(
-            "the longest prompt and --max-new-tokens {} need {seq} positions, and the model's context is {context}: \
-             generate at most {} new tokens, or shorten the prompt",
-            args.max_new_tokens,
-            (context + args.max_new_tokens).saturating_sub(seq)
-        ))),
-        _ => Ok(()),
+    let Some(context) = context else { return Ok(()) };
+    if let Some(asked) = args.max_context.filter(|&m| m > context) {
+        return Err(Failure::usage(format!("--max-context {asked} is more than the model's context {context}")));
     }
+    if longest > context {
+        return Err(Failure::usage(format!(
+            "the longest prompt has {longest} tokens, more than the model's context {context}: shorten it"
+        )));
+    }
+    if positions > context {
+        let tokens = if longest == 1 { "1 token".to_string() } else { format!("{longest} tokens") };
+        return Err(Failure::usage(format!(
+            "the longest prompt ({tokens}) and --max-new-tokens {} need {positions} positions, and the \
+             model's context is {context}: generate at most {} new tokens, or shorten the prompt",
+            args.max_new_tokens,
+            context - longest + 1
+        )));
+    }
+    Ok(())
 }
 
 /// The sequences being generated, shared by the device threads: each device deposits its logits block

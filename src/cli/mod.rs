@@ -396,6 +396,17 @@ pub fn compile_decoding(path: &Path, target: &TargetArgs, context: u64) -> Optio
     let mut target = target.clone();
     target.mode_flag = Some(ModeArg::Infer);
     let (model, source) = load_checked(path, &target.set)?;
+    let int_config = |name: &str| {
+        model.config_value(name).and_then(|v| match v {
+            optimus::plan::types::Scalar::Int(v) => u64::try_from(*v).ok(),
+            _ => None,
+        })
+    };
+    if let Some(longest) = int_config("context").filter(|&longest| context > longest) {
+        // The positions past the model's own context have no position embedding or rotary angle.
+        eprintln_safe!("error: --max-context {context} is more than the model's context {longest}");
+        return None;
+    }
     let model = match optimus::decode::with_cache(&model, context) {
         Ok(model) => model,
         Err(e) => {
