@@ -191,6 +191,8 @@ fn pipeline_flags_that_do_not_fit_are_usage_errors() {
         (&["--pipeline", "2", "--virtual-stages", "2"][..], "interleaved"),
         (&["--pipeline", "2", "--pipeline-split", "1,2"][..], "2 layers in all"),
         (&["--pipeline", "2", "--pipeline-split", "2"][..], "gives 1 runs"),
+        // Counts whose sum passes 2^64 are too many, not wrapped around to a small sum.
+        (&["--pipeline", "2", "--pipeline-split", "18446744073709551615,3"][..], "gives more than 2^64"),
         (&["--pipeline", "2", "--pipeline-hardware", "nope"][..], "unknown hardware `nope`"),
         (&["--pipeline", "2", "--mode", "infer"][..], "training plan"),
     ] {

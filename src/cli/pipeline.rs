@@ -350,11 +350,12 @@ impl RunPipelineArgs {
                 counts.len()
             ));
         }
-        let total: u64 = counts.iter().sum();
-        if counts.contains(&0) || total != layers as u64 {
+        let total = counts.iter().try_fold(0u64, |sum, &n| sum.checked_add(n));
+        if counts.contains(&0) || total != Some(layers as u64) {
+            let given = total.map_or_else(|| "more than 2^64".to_string(), |t| t.to_string());
             return Err(format!(
                 "--pipeline-split must give every virtual stage at least one layer and {layers} layers in all (the \
-                 model's repeated layers); it gives {total}"
+                 model's repeated layers); it gives {given}"
             ));
         }
         let mut starts = Vec::with_capacity(counts.len());
