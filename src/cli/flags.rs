@@ -41,7 +41,8 @@ pub fn seconds(text: &str) -> Result<f64, String> {
 /// (powers of 1024), e.g. `24GiB`, `80GB`, `1.5TiB`, `4096`; above 0.
 pub fn memory_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    // The unit is the letters the text ends with: a number in exponent form (1e3GB) keeps its `e`.
+    let split = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len();
     let (number, unit) = (t[..split].trim(), t[split..].trim());
     let scale: f64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
@@ -57,6 +58,7 @@ pub fn memory_size(text: &str) -> Result<u64, String> {
     };
     match number.parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 && v * scale < 2f64.powi(63) => Ok((v * scale) as u64),
+        Ok(v) if v * scale >= 2f64.powi(63) => Err(format!("`{text}` is more than 8 EiB (2^63 bytes)")),
         _ => Err(format!("must be a size above 0 such as 24GiB or 80GB, not `{text}`")),
     }
 }
@@ -103,8 +105,16 @@ mod tests {
         assert_eq!(memory_size("80 GB"), Ok(80_000_000_000));
         assert_eq!(memory_size("1.5kib"), Ok(1536));
         assert_eq!(memory_size("4096"), Ok(4096));
-        for bad in ["0", "-1GiB", "GiB", "24XB", "nan", "inf", "1e30TiB"] {
+        // A number in exponent form keeps its `e`.
+        assert_eq!(memory_size("1e3GB"), Ok(1_000_000_000_000));
+        assert_eq!(memory_size("2.5e1 MiB"), Ok(25 << 20));
+        for bad in ["0", "-1GiB", "GiB", "24XB", "nan", "inf", "1e30TiB", "1GBB"] {
             assert!(memory_size(bad).is_err(), "{bad}");
+        }
+        // Too large says so, not that the size must be above 0.
+        for huge in ["18446744073709551616", "99999999999TB", "1e30GB"] {
+            let error = memory_size(huge).expect_err("too large");
+            assert!(error.contains("more than 8 EiB"), "{huge}: {error}");
         }
     }
 }
