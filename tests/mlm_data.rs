@@ -402,6 +402,10 @@ fn mask_data_refuses_what_it_cannot_mask() {
     let out = optimusc(&["mask-data", text(&odd), "--mask-id", "0", "-o", text(&prefix)]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("not a whole number of 2-byte U16 tokens"), "{}", stderr(&out));
+    // A .u16 file read as u32 (as `run --data` refuses it): every id would be two glued together.
+    let out = run(&["--mask-id", "1", "--data-dtype", "u32"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("is named a u16 file, but --data-dtype is u32"), "{}", stderr(&out));
     // Without --vocab the vocabulary is the largest id (or the mask id) plus one.
     let out = run(&["--mask-id", "7", "--seed", "2"]);
     assert!(out.status.success(), "{}", stderr(&out));

@@ -302,7 +302,7 @@ pub fn open_sources(files: &DataFiles<'_>, objective: ObjectiveArg, seed: u64, f
 
 /// Refuses a file whose name ends in the other dtype (`.u32` read as u16, `.u16` as u32), as
 /// `optimusc tokenize` names them: read with the wrong width, every id would be garbage.
-fn check_named_dtype(path: &std::path::Path, dtype: DataDtype, flag: &str) -> Result<(), Failure> {
+pub(super) fn check_named_dtype(path: &std::path::Path, dtype: DataDtype, flag: &str) -> Result<(), Failure> {
     let named = match path.extension().and_then(|e| e.to_str()) {
         Some("u16") => DataDtype::U16,
         Some("u32") => DataDtype::U32,
