@@ -41,9 +41,22 @@ impl GroupLayout {
     pub fn of(nodes: &NodeMap, group: Group) -> GroupLayout {
         let mesh = nodes.mesh;
         let mut groups: BTreeMap<Vec<u64>, BTreeMap<u64, u64>> = BTreeMap::new();
+        // The groups of a kind split the mesh: a device already in a group found is not asked again
+        // (asking each device listed the world's every member once per device, N^2 steps: a plan for
+        // 65536 devices ran for minutes).
+        let mut grouped = vec![false; usize::try_from(mesh.devices()).unwrap_or(0)];
         for c in mesh.all_coords() {
+            let rank = mesh.rank_of(c);
+            if grouped.get(rank as usize).copied().unwrap_or(false) {
+                continue;
+            }
             let members =
                 if group == Group::World { (0..mesh.devices()).collect() } else { group.member_ranks(c, mesh) };
+            for &member in &members {
+                if let Some(seen) = grouped.get_mut(member as usize) {
+                    *seen = true;
+                }
+            }
             groups.entry(members).or_insert_with_key(|members| {
                 let mut by_node = BTreeMap::new();
                 for &rank in members {
