@@ -215,6 +215,7 @@ fn bad_measured_sections_are_refused_with_the_field() {
         ("devices = 4\nus = 2.0", "devices = 1\nus = 2.0", "measured.rendezvous"),
         ("members = 2\ndevices = 4", "members = 2\ndevices = 1", "collectives"),
         ("copy_in_gb_s = 4.0", "copy_in_gb_s = 0.0", "host_copies.copy_in_gb_s"),
+        ("runtime = \"cpu\"", "runtime = \"abacus\"", "`measured.runtime` is `abacus`"),
     ];
     for (from, to, named) in cases {
         assert!(good.contains(from), "the profile has `{from}`:\n{good}");

@@ -230,6 +230,9 @@ fn bad_hardware_files_give_clear_errors() {
     assert!(Hardware::parse(&good, "dgx-a100").is_ok());
     let cases = [
         (good.replace("memory_gb = 80.0", "memory_gb = -1.0"), "device.memory_gb"),
+        // Positive but no device's: reports showed 1e300 GB as 16777216 TiB and 1e-300 as "0 B (inf%)".
+        (good.replace("memory_gb = 80.0", "memory_gb = 1e300"), "`device.memory_gb` is 1e300: give a device memory"),
+        (good.replace("memory_gb = 80.0", "memory_gb = 1e-300"), "`device.memory_gb` is 1e-300"),
         (good.replace("achievable_compute = 0.7", "achievable_compute = 1.5"), "achievable_compute"),
         (good.replace("latency_us = 3.0", "latency_us = 3.0\nspeed = 9"), "speed"),
         (good.replace("gpus_per_node = 8", ""), "gpus_per_node"),

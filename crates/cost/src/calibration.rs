@@ -15,11 +15,14 @@ use optimus_plan::CollectiveKind;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// The runtimes `optimusc calibrate` measures: CPU threads, MPI processes, CUDA devices.
+pub const RUNTIMES: [&str; 3] = ["cpu", "mpi", "cuda"];
+
 /// The `[measured]` section of a hardware profile.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Measured {
-    /// The runtime measured: `cpu` (threads) or `mpi`.
+    /// The runtime measured: `cpu` (threads), `mpi` or `cuda` (see [`RUNTIMES`]).
     pub runtime: String,
     /// Kernel workers of the process that was measured.
     pub threads: u64,
@@ -322,6 +325,9 @@ impl Measured {
 
     /// Checks the numbers: rates positive, fixed costs zero or more, a `default` kernel fit present.
     pub fn validate(&self) -> Result<(), MeasuredProblem> {
+        if !RUNTIMES.contains(&self.runtime.as_str()) {
+            return Err(MeasuredProblem::Runtime { runtime: self.runtime.clone() });
+        }
         if !self.kernels.contains_key(DEFAULT_KERNEL) {
             return Err(MeasuredProblem::NoDefaultKernel);
         }
@@ -359,6 +365,10 @@ impl Measured {
 /// What is wrong with a profile's `[measured]` numbers.
 #[derive(Clone, Debug, PartialEq)]
 pub enum MeasuredProblem {
+    /// `measured.runtime` is none of [`RUNTIMES`].
+    Runtime {
+        runtime: String,
+    },
     NoDefaultKernel,
     /// A kernel fit of `measured.{section}` has invalid numbers.
     Kernel {
@@ -386,6 +396,9 @@ pub enum MeasuredProblem {
 impl std::fmt::Display for MeasuredProblem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            MeasuredProblem::Runtime { runtime } => {
+                write!(f, "`measured.runtime` is `{runtime}`: calibrate measures one of {}", RUNTIMES.join(", "))
+            }
             MeasuredProblem::NoDefaultKernel => {
                 write!(f, "`measured.kernels` needs a `{DEFAULT_KERNEL}` entry for kernels not measured")
             }

@@ -215,6 +215,9 @@ impl Hardware {
         if self.intra_node.gpus_per_node == 0 {
             return Err(ProfileProblem::NoneOf("intra_node.gpus_per_node"));
         }
+        if !(MEMORY_GB_RANGE.0..=MEMORY_GB_RANGE.1).contains(&d.memory_gb) {
+            return Err(ProfileProblem::MemoryOutOfRange { value: d.memory_gb });
+        }
         self.measured.as_ref().map_or(Ok(()), |m| m.validate().map_err(ProfileProblem::Measured))
     }
 
@@ -288,7 +291,15 @@ pub enum ProfileProblem {
     NoneOf(&'static str),
     /// The `[measured]` section's numbers.
     Measured(MeasuredProblem),
+    /// `device.memory_gb` outside [`MEMORY_GB_RANGE`].
+    MemoryOutOfRange {
+        value: f64,
+    },
 }
+
+/// The device memories a profile may give, in GB: a kilobyte to a petabyte (what a plan's bytes and
+/// the reports' units can hold).
+pub const MEMORY_GB_RANGE: (f64, f64) = (1e-6, 1e6);
 
 impl std::fmt::Display for HardwareError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -323,6 +334,11 @@ impl std::fmt::Display for ProfileProblem {
             ProfileProblem::Negative { field, value } => write!(f, "`{field}` must be zero or more, found {value}"),
             ProfileProblem::NoneOf(field) => write!(f, "`{field}` must be at least 1"),
             ProfileProblem::Measured(problem) => write!(f, "{problem}"),
+            ProfileProblem::MemoryOutOfRange { value } => write!(
+                f,
+                "`device.memory_gb` is {value:e}: give a device memory from {:e} GB (a kilobyte) to {:e} GB (a petabyte)",
+                MEMORY_GB_RANGE.0, MEMORY_GB_RANGE.1
+            ),
         }
     }
 }
