@@ -812,6 +812,16 @@ fn invalid_utf8() {
     insta::assert_snapshot!(render_plain("model.opt", &source.text, &[error]));
 }
 
+#[test]
+fn a_leading_byte_order_mark_is_dropped() {
+    let (source, error) = decode("model.opt", b"\xEF\xBB\xBFmodel m\n".to_vec());
+    assert!(error.is_none());
+    assert_eq!(source.text, "model m\n");
+    // Only at the start: elsewhere U+FEFF is text like any other.
+    let (source, error) = decode("model.opt", "model m\n# \u{feff}\n".as_bytes().to_vec());
+    assert!(error.is_none() && source.text.contains('\u{feff}'));
+}
+
 // ---- several independent errors in one run -------------------------------------------------------------------
 
 golden!(

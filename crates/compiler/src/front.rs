@@ -17,8 +17,13 @@ pub struct Checked {
     pub diagnostics: Vec<Diagnostic>,
 }
 
-/// Decodes a file's bytes; invalid UTF-8 is an error located at the first bad byte.
+/// Decodes a file's bytes; invalid UTF-8 is an error located at the first bad byte. A leading
+/// byte-order mark (which editors on Windows write, and which no one sees) is dropped.
 pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
+    let bytes = match bytes.strip_prefix(UTF8_BOM) {
+        Some(rest) => rest.to_vec(),
+        None => bytes,
+    };
     match String::from_utf8(bytes) {
         Ok(text) => (Source { name: name.to_string(), text }, None),
         Err(e) => {
@@ -35,6 +40,9 @@ pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
         }
     }
 }
+
+/// UTF-8's byte-order mark, U+FEFF.
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
 /// An internal error for an IR graph that fails [`crate::ir::validate::validate_graph`] after `stage`.
 pub fn ir_problems(graph: &petgraph::graph::DiGraph<crate::ir::Node, u8>, stage: &str) -> Option<Diagnostic> {
