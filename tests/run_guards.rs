@@ -223,6 +223,14 @@ fn a_checkpoint_dir_that_cannot_be_made_fails_before_step_0() {
         assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{dir_text}: no step ran");
     }
     assert_eq!(std::fs::read(&file).expect("the file is kept"), b"x");
+    // A folder that takes no new files (on Linux, /proc takes none even as root): the message names
+    // that folder and the system's reason, not the probe file it tried.
+    if std::path::Path::new("/proc/self").exists() {
+        let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--checkpoint-dir", "/proc/optimus-x"]);
+        let text = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        assert!(text.contains("no new file can be made in `/proc`") && !text.contains("probe"), "{text}");
+    }
 }
 
 /// Little-endian u16 token ids.

@@ -140,11 +140,20 @@ fn check_checkpoint_dir(dir: &std::path::Path) -> Result<(), Failure> {
     if !existing.is_dir() {
         return Err(refuse(format!("cannot be created: `{}` is not a directory", existing.display())));
     }
-    let probe = tempfile::Builder::new().prefix(".optimus-checkpoint-probe").tempfile_in(existing);
-    probe.map(drop).map_err(|e| {
-        let what = if existing == dir { "cannot take new files".to_string() } else { "cannot be created".to_string() };
-        refuse(format!("{what}: `{}`: {e}", existing.display()))
-    })
+    // Our own probe file (not tempfile's, whose errors name the probe rather than the folder).
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let probe = existing.join(format!(".optimus-checkpoint-probe-{}-{nanos}", std::process::id()));
+    match std::fs::OpenOptions::new().write(true).create_new(true).open(&probe) {
+        Ok(file) => {
+            drop(file);
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => {
+            let what = if existing == dir { "cannot take new files" } else { "cannot be created" };
+            Err(refuse(format!("{what}: no new file can be made in `{}` ({e})", existing.display())))
+        }
+    }
 }
 
 /// What a checkpoint records about the run that wrote it (the runtime adds the step and the data
