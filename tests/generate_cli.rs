@@ -354,3 +354,11 @@ fn one_new_token_and_an_end_of_text_first_token_end_the_run() {
     let stopped = records(&["--prompt-ids", "464,2068,7586", "--max-new-tokens", "3", "--eos", &first]);
     assert_eq!((stopped[0]["new_tokens"].as_u64(), stopped[0]["finish"].as_str()), (Some(1), Some("eos")));
 }
+
+#[test]
+fn a_model_that_is_not_a_causal_language_model_is_refused_naming_its_inputs() {
+    let out = optimusc(&["generate", "examples/bert.opt", "--prompt-ids", "1,2", "--max-new-tokens", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("this model's inputs are `segments`, `targets`, `tokens`"), "{stderr}");
+}

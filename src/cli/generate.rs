@@ -482,8 +482,10 @@ fn logits_plan(args: &GenerateArgs, (batch, seq): (u64, u64), cache: Option<u64>
         None => ["tokens", "targets"].into(),
     };
     if inputs != wanted {
+        let listed: Vec<String> = inputs.iter().map(|name| format!("`{name}`")).collect();
         return Err(Failure::usage(format!(
-            "generate feeds causal language models (inputs `tokens` and `targets`); this model has {inputs:?}"
+            "generate feeds causal language models (inputs `tokens` and `targets`); this model's inputs are {}",
+            listed.join(", ")
         )));
     }
     Ok((plan, vocab))
