@@ -126,7 +126,9 @@ impl Tokenizer {
         let path = Path::new(name);
         if !path.exists() {
             if name.contains(['/', '.']) {
-                let reason = "there is no such file".to_string();
+                let reason =
+                    "there is no such file; give `gpt2` (built in) or the path of a Hugging Face tokenizer.json"
+                        .to_string();
                 return Err(TextError::TokenizerFile { path: path.to_path_buf(), reason });
             }
             return Err(TextError::UnknownTokenizer { name: name.to_string() });
