@@ -223,6 +223,24 @@ fn a_checkpoint_dir_that_cannot_be_made_fails_before_step_0() {
         assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{dir_text}: no step ran");
     }
     assert_eq!(std::fs::read(&file).expect("the file is kept"), b"x");
+    // A file of the user's named as a checkpoint: refused before step 0, and kept.
+    let dir = scratch("holds-a-step-file");
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("step-00000002"), b"mine").expect("a file");
+    let dir_text = dir.to_str().expect("utf-8 path");
+    let out = optimusc(&[
+        "run",
+        "examples/tiny.opt",
+        "--steps",
+        "3",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        dir_text,
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("holds a file named as a checkpoint"), "{}", stderr(&out));
+    assert_eq!(std::fs::read(dir.join("step-00000002")).expect("kept"), b"mine");
     // A folder that takes no new files (on Linux, /proc takes none even as root): the message names
     // that folder and the system's reason, not the probe file it tried.
     if std::path::Path::new("/proc/self").exists() {

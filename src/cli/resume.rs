@@ -135,6 +135,12 @@ fn check_checkpoint_dir(dir: &std::path::Path) -> Result<(), Failure> {
     if dir.exists() && !dir.is_dir() {
         return Err(refuse("exists and is not a directory".into()));
     }
+    if let Some((path, what)) = optimus::io::shards::foreign_step_entry(dir) {
+        return Err(refuse(format!(
+            "holds {what} named as a checkpoint, `{}`: a checkpoint of that step would not replace it; move it away",
+            path.display()
+        )));
+    }
     let existing = dir.ancestors().find(|a| a.as_os_str().is_empty() || a.exists()).unwrap_or(dir);
     let existing = if existing.as_os_str().is_empty() { std::path::Path::new(".") } else { existing };
     if !existing.is_dir() {

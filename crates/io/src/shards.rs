@@ -1098,6 +1098,28 @@ fn occupied(path: &Path) -> bool {
     std::fs::symlink_metadata(path).is_ok()
 }
 
+/// What is at `path` when it is there and neither a directory (a checkpoint is one) nor a link (a
+/// link named as a checkpoint is removed itself, never followed): "a file" or "a special file".
+fn foreign_entry(path: &Path) -> Option<&'static str> {
+    let kind = std::fs::symlink_metadata(path).ok()?.file_type();
+    match () {
+        _ if kind.is_dir() || kind.is_symlink() => None,
+        _ if kind.is_file() => Some("a file"),
+        _ => Some("a special file"),
+    }
+}
+
+/// The first entry of `dir` named as a checkpoint (`step-N`) that is not a directory, with what it
+/// is: a run would stop at that checkpoint rather than replace it, so it is found before step 0.
+pub fn foreign_step_entry(dir: &Path) -> Option<(PathBuf, &'static str)> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    entries.flatten().find_map(|entry| {
+        let named = entry.file_name().to_str().and_then(parse_step_dir).is_some();
+        let path = entry.path();
+        named.then(|| foreign_entry(&path).map(|what| (path.clone(), what))).flatten()
+    })
+}
+
 /// The entries of DIR named `step-N` + `suffix`, with their steps.
 fn step_entries(dir: &Path, suffix: &str) -> Vec<(u64, PathBuf)> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
@@ -1144,6 +1166,11 @@ fn install(staging: &Path, final_dir: &Path) -> Result<(), CheckpointError> {
         }
     }
     let parent = final_dir.parent().unwrap_or(Path::new("."));
+    if let Some(name) = foreign_entry(final_dir) {
+        // Not ours to replace: a file the user put where this checkpoint goes.
+        let why = format!("{name} holds this checkpoint's name; move it away");
+        return Err(cannot("install the checkpoint")(std::io::Error::new(std::io::ErrorKind::AlreadyExists, why)));
+    }
     if occupied(final_dir) {
         std::fs::rename(final_dir, &replaced).map_err(cannot("move away the checkpoint"))?;
         sync_dir(parent)?;
