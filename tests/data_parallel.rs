@@ -298,8 +298,10 @@ fn a_zero_1_checkpoint_resumes_on_one_device() {
 
 #[test]
 fn bad_data_parallel_meshes_and_stages_are_clear_errors() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--mesh", "0x2x2"], "mesh sides must be between 1 and 1024"),
+        // Digits past any integer are a side out of range too, not a malformed mesh.
+        (&["--mesh", "18446744073709551616x1"], "mesh sides must be between 1 and 1024"),
         (&["--mesh", "2x2x2x2x2"], "expected ROWSxCOLS, REPLICASxROWSxCOLS"),
         (&["--mesh", "2x2x2x2"], "only the tesseract and 3d strategies have a depth axis"),
         (&["--mesh", "2x2x2", "--zero", "2"], "--zero"),

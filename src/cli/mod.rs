@@ -309,7 +309,14 @@ pub fn parse_mesh(s: &str) -> Result<MeshArg, String> {
              1x8, 2x2x2 or 2x2x2x2, found `{s}`"
         )
     };
-    let sides: Vec<u64> = s.split(['x', 'X']).map(|n| n.trim().parse().map_err(|_| bad())).collect::<Result<_, _>>()?;
+    let out_of_range = || format!("mesh sides must be between 1 and 1024, found `{s}`");
+    let side = |n: &str| {
+        let n = n.trim();
+        // Digits too many for any integer are a side out of range, not a malformed mesh.
+        let digits = !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+        n.parse::<u64>().map_err(|_| if digits { out_of_range() } else { bad() })
+    };
+    let sides: Vec<u64> = s.split(['x', 'X']).map(side).collect::<Result<_, _>>()?;
     let (data, depth, rows, cols) = match sides[..] {
         [rows, cols] => (1, 1, rows, cols),
         [data, rows, cols] => (data, 1, rows, cols),
@@ -317,7 +324,7 @@ pub fn parse_mesh(s: &str) -> Result<MeshArg, String> {
         _ => return Err(bad()),
     };
     if sides.iter().any(|&n| n == 0 || n > 1024) {
-        return Err(format!("mesh sides must be between 1 and 1024, found `{s}`"));
+        return Err(out_of_range());
     }
     let devices: u64 = sides.iter().product();
     if devices > 65_536 {
