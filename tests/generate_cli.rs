@@ -85,6 +85,7 @@ fn bad_requests_are_usage_errors() {
         (&["--prompt", "x", "--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
         (&["--prompt", "x", "--top-k", "0"], "--top-k 0 leaves no token"),
         (&["--prompt-ids", "1,2,x"], "is not a comma-separated list of token ids"),
+        (&["--prompt-ids", "1,999999999999"], "token id 999999999999 is more than the largest, 4294967295"),
         (
             &["--prompt-ids", "1,60000", "--max-new-tokens", "4"],
             "prompt token 60000 is not below the model's vocabulary size 50257",

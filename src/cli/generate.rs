@@ -92,11 +92,17 @@ pub struct GenerateArgs {
 }
 
 fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
-    let ids: Result<Vec<u32>, _> = text.split(',').map(|id| id.trim().parse::<u32>()).collect();
-    match ids {
-        Ok(ids) if !ids.is_empty() => Ok(ids),
-        _ => Err(format!("`{text}` is not a comma-separated list of token ids")),
-    }
+    let not_a_list = || format!("`{text}` is not a comma-separated list of token ids");
+    let id = |id: &str| {
+        let id = id.trim();
+        let digits = !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit());
+        id.parse::<u32>().map_err(|_| {
+            // A number, but past any token id: say so rather than that the list is malformed.
+            if digits { format!("token id {id} is more than the largest, {}", u32::MAX) } else { not_a_list() }
+        })
+    };
+    let ids = text.split(',').map(id).collect::<Result<Vec<u32>, String>>()?;
+    if ids.is_empty() { Err(not_a_list()) } else { Ok(ids) }
 }
 
 /// Runs `optimusc generate`.
