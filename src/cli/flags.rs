@@ -29,6 +29,12 @@ pub fn beta(text: &str) -> Result<f32, String> {
     finite_f32(text, |v| (0.0..1.0).contains(&v), "a number in [0, 1)")
 }
 
+/// Whether `text` is a number written in digits alone: one that fails to parse is then too large for
+/// its type, an error of range rather than of form.
+pub fn digits_only(text: &str) -> bool {
+    !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit())
+}
+
 /// Seconds to wait: positive, finite and at most [`MAX_TIMEOUT_S`].
 pub fn seconds(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {

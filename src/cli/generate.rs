@@ -95,10 +95,13 @@ fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
     let not_a_list = || format!("`{text}` is not a comma-separated list of token ids");
     let id = |id: &str| {
         let id = id.trim();
-        let digits = !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit());
         id.parse::<u32>().map_err(|_| {
             // A number, but past any token id: say so rather than that the list is malformed.
-            if digits { format!("token id {id} is more than the largest, {}", u32::MAX) } else { not_a_list() }
+            if super::flags::digits_only(id) {
+                format!("token id {id} is more than the largest, {}", u32::MAX)
+            } else {
+                not_a_list()
+            }
         })
     };
     let ids = text.split(',').map(id).collect::<Result<Vec<u32>, String>>()?;
@@ -501,11 +504,7 @@ fn logits_plan(args: &GenerateArgs, (batch, seq): (u64, u64), cache: Option<u64>
 /// `context` config value (its position table, or the rotary table's length) has: `positions` for the
 /// `longest` prompt and --max-new-tokens.
 fn check_context(args: &GenerateArgs, model: &optimus::ir::Model, longest: u64, positions: u64) -> Result<(), Failure> {
-    let context = model.config.iter().find(|c| c.name == "context").and_then(|c| match c.value {
-        optimus::plan::types::Scalar::Int(v) => u64::try_from(v).ok(),
-        _ => None,
-    });
-    let Some(context) = context else { return Ok(()) };
+    let Some(context) = super::size_config(model, "context") else { return Ok(()) };
     if let Some(asked) = args.max_context.filter(|&m| m > context) {
         return Err(Failure::usage(format!("--max-context {asked} is more than the model's context {context}")));
     }

@@ -312,9 +312,7 @@ pub fn parse_mesh(s: &str) -> Result<MeshArg, String> {
     let out_of_range = || format!("mesh sides must be between 1 and 1024, found `{s}`");
     let side = |n: &str| {
         let n = n.trim();
-        // Digits too many for any integer are a side out of range, not a malformed mesh.
-        let digits = !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
-        n.parse::<u64>().map_err(|_| if digits { out_of_range() } else { bad() })
+        n.parse::<u64>().map_err(|_| if flags::digits_only(n) { out_of_range() } else { bad() })
     };
     let sides: Vec<u64> = s.split(['x', 'X']).map(side).collect::<Result<_, _>>()?;
     let (data, depth, rows, cols) = match sides[..] {
@@ -393,6 +391,14 @@ pub fn compile_model(path: &Path, target: &TargetArgs) -> Option<Plan> {
     Some(plan)
 }
 
+/// A model's config value `name` as a size: an integer of 0 or more; `None` where it has none.
+pub fn size_config(model: &optimus::ir::Model, name: &str) -> Option<u64> {
+    model.config_value(name).and_then(|v| match v {
+        optimus::plan::types::Scalar::Int(v) => u64::try_from(*v).ok(),
+        _ => None,
+    })
+}
+
 /// Checks and compiles one decoding step of a model with key/value caches of `context` positions
 /// (`compile --max-context`): inference only.
 pub fn compile_decoding(path: &Path, target: &TargetArgs, context: u64) -> Option<Plan> {
@@ -403,13 +409,7 @@ pub fn compile_decoding(path: &Path, target: &TargetArgs, context: u64) -> Optio
     let mut target = target.clone();
     target.mode_flag = Some(ModeArg::Infer);
     let (model, source) = load_checked(path, &target.set)?;
-    let int_config = |name: &str| {
-        model.config_value(name).and_then(|v| match v {
-            optimus::plan::types::Scalar::Int(v) => u64::try_from(*v).ok(),
-            _ => None,
-        })
-    };
-    if let Some(longest) = int_config("context").filter(|&longest| context > longest) {
+    if let Some(longest) = size_config(&model, "context").filter(|&longest| context > longest) {
         // The positions past the model's own context have no position embedding or rotary angle.
         eprintln_safe!("error: --max-context {context} is more than the model's context {longest}");
         return None;
@@ -421,11 +421,7 @@ pub fn compile_decoding(path: &Path, target: &TargetArgs, context: u64) -> Optio
             return None;
         }
     };
-    if let Some(seq) = model.config_value("seq").and_then(|v| match v {
-        optimus::plan::types::Scalar::Int(seq) => u64::try_from(*seq).ok(),
-        _ => None,
-    }) && seq > context
-    {
+    if let Some(seq) = size_config(&model, "seq").filter(|&seq| seq > context) {
         eprintln_safe!("error: a step of seq = {seq} tokens does not fit caches of --max-context {context} positions");
         return None;
     }

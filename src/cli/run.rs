@@ -1076,15 +1076,9 @@ fn check_weights_destination(path: &Path, with_tokenizer: bool) -> Result<(), St
     if !saves_a_directory(path) {
         return optimus::io::check_writable(path).map_err(|e| fail(e.to_string()));
     }
-    optimus::io::pretrained::check_all_writable(path, &folder_files(with_tokenizer)).map_err(|e| fail(e.to_string()))
-}
-
-/// What a `save_pretrained` folder may hold once saved, but its numbered shards: the single file or
-/// the index, the configs and, `with_tokenizer`, the tokenizer's files.
-fn folder_files(with_tokenizer: bool) -> Vec<String> {
-    use optimus::io::pretrained::{CONFIG_FILES, INDEX_FILE, SINGLE_FILE};
     let tokenizer = if with_tokenizer { &optimus::text::HUB_FILES[..] } else { &[] };
-    [SINGLE_FILE, INDEX_FILE].iter().chain(&CONFIG_FILES).chain(tokenizer).map(|n| n.to_string()).collect()
+    let names = optimus::io::pretrained::folder_files(tokenizer);
+    optimus::io::pretrained::check_all_writable(path, &names).map_err(|e| fail(e.to_string()))
 }
 
 /// Whether `--save-weights` names a directory (the `save_pretrained` layout) rather than one file.

@@ -263,6 +263,12 @@ pub fn save_pretrained(
 /// The configuration files [`write_configs`] may write.
 pub const CONFIG_FILES: [&str; 2] = ["config.json", "generation_config.json"];
 
+/// What a `save_pretrained` folder may hold once written, but numbered shards (whose names depend on
+/// the tensors' sizes): the single file or the index, the configs, and `extra` (a tokenizer's files).
+pub fn folder_files(extra: &[&str]) -> Vec<String> {
+    [SINGLE_FILE, INDEX_FILE].iter().chain(&CONFIG_FILES).chain(extra).map(|n| n.to_string()).collect()
+}
+
 /// Creates `dir` if needed and checks that each of `names` can be written there, before any is: a save
 /// that cannot finish (a name taken by a folder, a folder that cannot be written) leaves the folder as
 /// it was, and removes it again if it created it.
