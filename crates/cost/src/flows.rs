@@ -214,3 +214,43 @@ impl Flows {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use optimus_plan::Mesh;
+    use optimus_plan::placement::RankPlacement;
+    use std::collections::BTreeSet;
+
+    /// `GroupLayout::of` asks each group once, skipping devices already in one: the groups it finds are
+    /// the distinct groups of every device, asked one by one (the kinds split the mesh).
+    #[test]
+    fn a_layout_holds_each_devices_group_once() {
+        let meshes = [
+            Mesh::new(2, 2),
+            Mesh::new(3, 3),
+            Mesh::new(1, 8),
+            Mesh::new(4, 2).with_data(2),
+            Mesh::new(2, 2).with_depth(2).with_data(2),
+        ];
+        for mesh in meshes {
+            let nodes = NodeMap::new(mesh, 2, RankPlacement::RowMajor);
+            for group in Group::ALL {
+                let asked: BTreeSet<Vec<u64>> = mesh
+                    .all_coords()
+                    .map(|c| {
+                        if group == Group::World { (0..mesh.devices()).collect() } else { group.member_ranks(c, mesh) }
+                    })
+                    .collect();
+                let layout = GroupLayout::of(&nodes, group);
+                let members = |g: &BTreeMap<u64, u64>| g.values().sum::<u64>();
+                assert_eq!(layout.groups.len(), asked.len(), "{mesh} {group:?}");
+                let mut found: Vec<u64> = layout.groups.iter().map(members).collect();
+                found.sort_unstable();
+                let mut expected: Vec<u64> = asked.iter().map(|g| g.len() as u64).collect();
+                expected.sort_unstable();
+                assert_eq!(found, expected, "{mesh} {group:?}");
+            }
+        }
+    }
+}

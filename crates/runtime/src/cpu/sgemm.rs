@@ -218,7 +218,7 @@ mod x86 {
     /// strip's step is one line: where the allocator left a buffer 16 or 48 bytes off a line, one of
     /// each step's two loads straddled two lines, and products ran 0.4-4.6% slower (alone, on one
     /// thread under the AVX2 cap, nine shapes, paired call by call, two rounds).
-    fn aligned(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    pub(super) fn aligned(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
         let slack = LINE / size_of::<f32>();
         grow(v, len + slack);
         let first = v.as_ptr().align_offset(LINE).min(slack);
@@ -640,6 +640,20 @@ mod tests {
             [(6, 16, 1), (7, 17, 9), (13, 33, 64), (48, 32, 1030), (6, 2100, 20), (150, 40, 300), (31, 5, 17)]
         {
             check(m, n, k);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn packing_buffers_start_on_a_cache_line_whatever_the_allocator_gives() {
+        // Buffers of every length the allocator may place anywhere; each view starts on a 64-byte line.
+        for start in [0usize, 1, 7, 100, 4096] {
+            let mut v = vec![0f32; start];
+            for len in [1usize, 17, 6 * 256 + 8, 1 << 16] {
+                let view = x86::aligned(&mut v, len);
+                assert_eq!(view.len(), len);
+                assert_eq!(view.as_ptr() as usize % 64, 0, "start {start}, len {len}");
+            }
         }
     }
 
