@@ -812,6 +812,30 @@ fn invalid_utf8() {
     insta::assert_snapshot!(render_plain("model.opt", &source.text, &[error]));
 }
 
+/// A binary file is named as one, with no snippet (its "first line" would be noise, or escape
+/// sequences for the terminal); a NUL is enough even in valid UTF-8, a control character only beside
+/// bytes that are not UTF-8.
+#[test]
+fn a_binary_file_is_an_error_without_a_snippet() {
+    let cases: [(&[u8], usize, &str); 3] = [
+        (b"model m\n\x1b[2J\xff\xfe", 8, "0x1b"),
+        (b"model m\n\0\0\0", 8, "0x00"),
+        (b"\xEF\xBB\xBF\x7f\xc3", 0, "0x7f"),
+    ];
+    for (bytes, offset, byte) in cases {
+        let (source, error) = decode("model.bin", bytes.to_vec());
+        let error = error.expect("a binary file must be an error");
+        assert_eq!(error.code, "E0003");
+        assert!(error.primary_span().is_none());
+        let shown = render_plain("model.bin", &source.text, &[error]);
+        assert!(shown.contains(&format!("the file is binary, not a model: byte {byte} at offset {offset}")), "{shown}");
+        assert!(!shown.contains('\x1b') && !shown.contains("model m"), "{shown}");
+    }
+    // An escape character in a valid UTF-8 file is left to the parser, which points at it.
+    let (_, error) = decode("model.opt", b"model m # \x1b\n".to_vec());
+    assert!(error.is_none());
+}
+
 #[test]
 fn a_leading_byte_order_mark_is_dropped() {
     let (source, error) = decode("model.opt", b"\xEF\xBB\xBFmodel m\n".to_vec());

@@ -561,7 +561,14 @@ fn another_format_version_is_named_even_when_the_rest_does_not_parse() {
     let e = read_plan(&path).expect_err("version 7").to_string();
     assert!(e.contains("plan format version 7") && e.contains("recompile"), "{e}");
     let path = write_json(dir.path(), "none.json", &json!({ "model": "m" }));
-    assert!(read_plan(&path).expect_err("no version").to_string().contains("version none"));
+    let e = read_plan(&path).expect_err("no version").to_string();
+    assert!(e.contains("is not a plan: it has no `format_version`"), "{e}");
+    // An array is not a plan at all, though serde would read a struct from one.
+    for (name, text) in [("array.json", "[]"), ("spaced.json", " \n [ 4 ]"), ("number.json", "4")] {
+        std::fs::write(dir.path().join(name), text).expect("write");
+        let e = read_plan(&dir.path().join(name)).expect_err("not an object").to_string();
+        assert!(e.contains("is not a plan: it is JSON but not an object"), "{text}: {e}");
+    }
     std::fs::write(dir.path().join("bad.json"), b"{\"format_version\": 1, ").expect("write");
     let e = read_plan(&dir.path().join("bad.json")).expect_err("invalid JSON").to_string();
     assert!(e.contains("invalid JSON"), "{e}");

@@ -18,12 +18,17 @@ pub struct Checked {
 }
 
 /// Decodes a file's bytes; invalid UTF-8 is an error located at the first bad byte. A leading
-/// byte-order mark (which editors on Windows write, and which no one sees) is dropped.
+/// byte-order mark (which editors on Windows write, and which no one sees) is dropped. A binary file
+/// (a NUL byte, or bytes that are not UTF-8 beside control characters) is an error without a
+/// snippet: its "first line" would be noise, or escape sequences for the terminal.
 pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
     let bytes = match bytes.strip_prefix(UTF8_BOM) {
         Some(rest) => rest.to_vec(),
         None => bytes,
     };
+    if let Some(d) = binary_file(&bytes) {
+        return (Source { name: name.to_string(), text: String::new() }, Some(d));
+    }
     match String::from_utf8(bytes) {
         Ok(text) => (Source { name: name.to_string(), text }, None),
         Err(e) => {
@@ -39,6 +44,24 @@ pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
             (Source { name: name.to_string(), text }, Some(d))
         }
     }
+}
+
+/// How much of a file is looked at for signs that it is binary.
+const BINARY_PROBE_BYTES: usize = 8192;
+
+/// E0003 for a file that is binary: a NUL byte, or (in a file that is not UTF-8) a control character
+/// other than tab, line feed, form feed and carriage return, within its first [`BINARY_PROBE_BYTES`].
+fn binary_file(bytes: &[u8]) -> Option<Diagnostic> {
+    let head = &bytes[..bytes.len().min(BINARY_PROBE_BYTES)];
+    let is_text_control = |b: u8| matches!(b, b'\t' | b'\n' | b'\x0c' | b'\r');
+    let nul = head.iter().position(|&b| b == 0);
+    let control = || match std::str::from_utf8(bytes) {
+        Ok(_) => None,
+        Err(_) => head.iter().position(|&b| (b < 0x20 && !is_text_control(b)) || b == 0x7f),
+    };
+    let at = nul.or_else(control)?;
+    let message = format!("the file is binary, not a model: byte 0x{:02x} at offset {at}", head[at]);
+    Some(Diagnostic::error(Code::E0003, message).help("model files are UTF-8 text, as those in examples/ are"))
 }
 
 /// UTF-8's byte-order mark, U+FEFF.

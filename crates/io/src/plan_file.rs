@@ -21,6 +21,8 @@ pub enum PlanFileError {
     TooLarge { path: PathBuf, bytes: u64 },
     /// A plan of another format version (`None`: the file names none).
     Version { path: PathBuf, found: Option<u64> },
+    /// Valid JSON, but not an object (an array, a number, `null`...).
+    NotAnObject { path: PathBuf },
     /// The JSON could not be read or parsed as a plan; its category says which.
     Parse { path: PathBuf, source: serde_json::Error },
 }
@@ -43,12 +45,23 @@ impl fmt::Display for PlanFileError {
                  written by `optimusc compile`",
                 path.display()
             ),
-            PlanFileError::Version { path, found } => write!(
+            PlanFileError::Version { path, found: Some(found) } => write!(
                 f,
-                "`{}` has plan format version {}, but this optimusc reads version {FORMAT_VERSION}; recompile the \
-                 model",
-                path.display(),
-                found.map_or("none".to_string(), |v| v.to_string())
+                "`{}` has plan format version {found}, but this optimusc reads version {FORMAT_VERSION}; recompile \
+                 the model",
+                path.display()
+            ),
+            PlanFileError::Version { path, found: None } => write!(
+                f,
+                "`{}` is not a plan: it has no `format_version` number (a plan is the JSON object `optimusc \
+                 compile` writes, and this optimusc reads version {FORMAT_VERSION})",
+                path.display()
+            ),
+            PlanFileError::NotAnObject { path } => write!(
+                f,
+                "`{}` is not a plan: it is JSON but not an object (a plan is the JSON object `optimusc compile` \
+                 writes)",
+                path.display()
             ),
             PlanFileError::Parse { path, source } => match source.classify() {
                 serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
@@ -67,7 +80,10 @@ impl std::error::Error for PlanFileError {
             PlanFileError::Serialize { source, .. } | PlanFileError::Parse { source, .. } => Some(source),
             PlanFileError::Write(e) => Some(e),
             PlanFileError::Unreadable { source, .. } => Some(source),
-            PlanFileError::NotAFile { .. } | PlanFileError::TooLarge { .. } | PlanFileError::Version { .. } => None,
+            PlanFileError::NotAFile { .. }
+            | PlanFileError::TooLarge { .. }
+            | PlanFileError::Version { .. }
+            | PlanFileError::NotAnObject { .. } => None,
         }
     }
 }
@@ -112,6 +128,7 @@ pub fn read_plan(path: &Path) -> Result<Plan, PlanFileError> {
         Ok(plan) => Err(version_error(Some(u64::from(plan.format_version)))),
         Err(source) => Err(match read_version(path) {
             Some(version) if version != Some(u64::from(FORMAT_VERSION)) => version_error(version),
+            None if source.is_data() => PlanFileError::NotAnObject { path: path.to_path_buf() },
             _ => PlanFileError::Parse { path: path.to_path_buf(), source },
         }),
     }
@@ -148,10 +165,25 @@ struct VersionProbe {
 }
 
 /// The file's `format_version` (`Some(None)`: absent or not a number), or `None` when the file is not
-/// a JSON object at all.
+/// a JSON object at all (serde would read a struct from an array too, so the first byte is looked at).
 fn read_version(path: &Path) -> Option<Option<u64>> {
     let file = open_plan_file(path).ok()?;
-    let reader = std::io::BufReader::new(file.take(MAX_PLAN_BYTES + 1));
+    let mut reader = std::io::BufReader::new(file.take(MAX_PLAN_BYTES + 1));
+    if !starts_an_object(&mut reader) {
+        return None;
+    }
     let probe: VersionProbe = serde_json::from_reader(reader).ok()?;
     Some(probe.format_version.as_ref().and_then(serde_json::Value::as_u64))
+}
+
+/// Whether the first byte after any JSON whitespace is `{`; the bytes looked at stay in the reader.
+fn starts_an_object(reader: &mut impl std::io::BufRead) -> bool {
+    loop {
+        let Ok(buffer) = reader.fill_buf() else { return false };
+        let Some(&first) = buffer.first() else { return false };
+        if !matches!(first, b' ' | b'\t' | b'\n' | b'\r') {
+            return first == b'{';
+        }
+        reader.consume(1);
+    }
 }
