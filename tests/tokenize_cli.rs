@@ -94,6 +94,7 @@ fn bad_input_is_refused_and_leaves_no_file() {
     let good = write(dir.path(), "good.txt", b"Hello world");
     let latin1 = write(dir.path(), "latin1.txt", b"caf\xe9");
     let empty = write(dir.path(), "empty.txt", b"");
+    let blank_lines = write(dir.path(), "blank.jsonl", b"{\"text\": \"\"}\n{\"text\": \"\"}\n");
     // A corpus that `-o notes` would overwrite with its sidecar.
     let notes = write(dir.path(), "notes.json", b"a JSON-named text");
     let prefix = text(&dir.path().join("out"));
@@ -104,7 +105,8 @@ fn bad_input_is_refused_and_leaves_no_file() {
         (&["tokenize", &good, "-o", &prefix, "--eot", "<|nope|>"], 2, "is not a token"),
         (&["tokenize", &good, "-o", &format!("{}/", dir.path().display())], 2, "names a folder"),
         (&["tokenize", &good, &latin1, "-o", &prefix], 1, "is not UTF-8 text: invalid bytes at byte 3"),
-        (&["tokenize", &empty, "-o", &prefix], 1, "the corpus has no tokens"),
+        (&["tokenize", &empty, "-o", &prefix], 1, "the corpus has no tokens: every file is empty"),
+        (&["tokenize", &blank_lines, "-o", &prefix], 1, "the tokenizer made none of its 26 bytes"),
         (&["tokenize", &good, "-o", &prefix, "--val-fraction", "0.1"], 2, "each needs at least one"),
         (&["tokenize", &notes, "-o", &text(&dir.path().join("notes"))], 2, "notes.json"),
     ];

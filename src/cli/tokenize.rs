@@ -110,7 +110,7 @@ fn tokenize_corpus(args: &TokenizeArgs) -> Result<(), Failure> {
         progress.finish();
         counted
     };
-    let val_tokens = split_point(tokenized.tokens, args.val_fraction)?;
+    let val_tokens = split_point(&tokenized, args.val_fraction)?;
     let train_tokens = tokenized.tokens - val_tokens;
     let width = if wide { 4 } else { 2 };
     copy_range(&mut stream, (0, train_tokens * width), &outputs.train)?;
@@ -198,11 +198,16 @@ fn stream_tokens<W: Write>(
     }
 }
 
-/// How many of `tokens` go to validation: `fraction` of them, rounded, and at least one token on each
-/// side when a fraction is asked for.
-fn split_point(tokens: u64, fraction: f64) -> Result<u64, Failure> {
-    if tokens == 0 {
+/// How many of the tokens go to validation: `fraction` of them, rounded, and at least one token on
+/// each side when a fraction is asked for.
+fn split_point(tokenized: &Tokenized, fraction: f64) -> Result<u64, Failure> {
+    let tokens = tokenized.tokens;
+    if tokens == 0 && tokenized.bytes == 0 {
         return Err("the corpus has no tokens: every file is empty".to_string().into());
+    }
+    if tokens == 0 {
+        let bytes = tokenized.bytes;
+        return Err(format!("the corpus has no tokens: the tokenizer made none of its {bytes} bytes").into());
     }
     if fraction == 0.0 {
         return Ok(0);

@@ -80,6 +80,20 @@ impl std::error::Error for TextError {}
 /// The end-of-text tokens looked for, in order, when none is named.
 const END_OF_TEXT_NAMES: &[&str] = &["<|endoftext|>", "<|end_of_text|>", "</s>", "[SEP]", "<eos>"];
 
+/// Why `bytes` are not even the shape of a `tokenizer.json` (JSON, an object, with a `model`), so that
+/// a file of another kind is called that, not met with the tokenizer parser's words.
+fn check_tokenizer_json(bytes: &[u8]) -> Result<(), String> {
+    let json: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("it is not JSON ({e}); a tokenizer.json is"))?;
+    let Some(object) = json.as_object() else {
+        return Err("it is JSON but not an object, as a tokenizer.json is".into());
+    };
+    if !object.contains_key("model") {
+        return Err("it has no `model`, so it is not a Hugging Face tokenizer.json".into());
+    }
+    Ok(())
+}
+
 /// GPT-2's end-of-text token and id.
 const GPT2_END_OF_TEXT: (&str, u32) = ("<|endoftext|>", 50256);
 
@@ -163,9 +177,13 @@ impl Tokenizer {
             )));
         }
         let bytes = std::fs::read(path).map_err(|e| error(e.to_string()))?;
+        check_tokenizer_json(&bytes).map_err(error)?;
         let hf = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| TextError::TokenizerFile { path: path.to_path_buf(), reason: e.to_string() })?;
+            .map_err(|e| error(format!("it is not a Hugging Face tokenizer.json that optimusc can read ({e})")))?;
         let vocab = hf.get_vocab(true).values().max().map_or(0, |&id| id.saturating_add(1));
+        if vocab == 0 {
+            return Err(error("its vocabulary is empty: it has no token to make".into()));
+        }
         let end_of_text =
             END_OF_TEXT_NAMES.iter().find_map(|&name| hf.token_to_id(name).map(|id| (name.to_string(), id)));
         let text = String::from_utf8(bytes.clone())
@@ -318,6 +336,26 @@ mod tests {
         assert_eq!(gpt2.separator(None)?, 50256);
         assert_eq!(gpt2.vocab_size(), 50257);
         Ok(())
+    }
+
+    /// A file that is not a tokenizer.json is called what it is (not JSON, not an object, no model),
+    /// and a tokenizer without a vocabulary is refused, not let write a corpus of no tokens.
+    #[test]
+    fn a_file_that_is_not_a_tokenizer_says_why() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let cases = [
+            ("{\"a\": ", "it is not JSON"),
+            ("[1, 2]", "JSON but not an object"),
+            ("{\"a\": 1}", "has no `model`"),
+            ("{\"model\": 4}", "not a Hugging Face tokenizer.json that optimusc can read"),
+            ("{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}}", "vocabulary is empty"),
+        ];
+        for (i, (text, needle)) in cases.into_iter().enumerate() {
+            let path = dir.path().join(format!("t{i}.json"));
+            std::fs::write(&path, text).expect("write");
+            let error = Tokenizer::from_file(&path).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(error.contains(needle) && error.contains("cannot load the tokenizer"), "{text}: {error}");
+        }
     }
 
     #[test]
