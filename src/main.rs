@@ -187,7 +187,7 @@ fn main() -> ExitCode {
         eprintln_safe!("error: {message}");
         return ExitCode::from(2);
     }
-    let matches = Cli::command().get_matches();
+    let matches = negative_numbers_as_values(Cli::command()).try_get_matches().unwrap_or_else(|e| explain(e).exit());
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let (Command::Run(args), Some(run)) = (&mut cli.command, matches.subcommand_matches("run")) {
         args.given = cli::recorded::given_flags(run);
@@ -210,6 +210,40 @@ fn main() -> ExitCode {
         }
     }
     worker.join().unwrap_or_else(|_| internal_error())
+}
+
+/// Lets every subcommand take `-1` as a value (`--steps -1`), so that clap does not call it an unknown
+/// flag and suggest `-- -1`; the flag's parser or the command then says what is wrong with it.
+fn negative_numbers_as_values(command: clap::Command) -> clap::Command {
+    command.allow_negative_numbers(true).mut_subcommands(negative_numbers_as_values)
+}
+
+/// A flag's integer parser's own words ("invalid digit found in string", for `-1` or `1.5` given to a
+/// count or a seed) said as what the flag takes; every other parse error (a range's bounds among them)
+/// as clap words it.
+fn explain(error: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let text = |kind| match error.get(kind) {
+        Some(ContextValue::String(text)) => Some(text.clone()),
+        _ => None,
+    };
+    let (Some(value), Some(flag)) = (text(ContextKind::InvalidValue), text(ContextKind::InvalidArg)) else {
+        return error;
+    };
+    let reason = std::error::Error::source(&error).map(|e| e.to_string()).unwrap_or_default();
+    let takes = match reason.as_str() {
+        "invalid digit found in string" | "cannot parse integer from empty string" => {
+            "a whole number, in digits only (no sign, no decimal point)"
+        }
+        "number too large to fit in target type" => "a smaller whole number",
+        _ => return error,
+    };
+    if error.kind() != ErrorKind::ValueValidation {
+        return error;
+    }
+    let message =
+        format!("invalid value '{value}' for '{flag}': give {takes}\n\nFor more information, try '--help'.\n");
+    clap::Error::raw(ErrorKind::ValueValidation, message)
 }
 
 /// `OPTIMUS_CPU_ISA` narrows the instructions of the CPU kernels and of the measured peak (to measure

@@ -232,6 +232,35 @@ fn usage_errors_exit_2() {
     assert!(r.stderr.contains("expected NAME=VALUE"), "{}", r.stderr);
 }
 
+/// A negative number or a fraction given to an integer flag is a usage error that says the flag takes
+/// digits only, rather than clap calling `-1` an unknown flag and suggesting `-- -1`; a negative value
+/// for a flag of real numbers reaches that flag's own check; a range's bounds are still clap's words.
+#[test]
+fn a_negative_or_fractional_integer_flag_says_what_it_takes() {
+    let model = example("tiny");
+    let cases: [(&[&str], &str); 5] = [
+        (&["compile", &model, "--mesh", "1x1", "-o", "p.json", "--max-context", "-3"], "'-3' for '--max-context"),
+        (&["run", "plan.json", "--warmup-steps=-1"], "'-1' for '--warmup-steps"),
+        (&["run", "plan.json", "--seed", ""], "'' for '--seed"),
+        (&["generate", "plan.json", "--max-new-tokens", "2.5"], "'2.5' for '--max-new-tokens"),
+        (&["verify", &model, "--mesh", "2x2", "--steps", "-2"], "'-2' for '--steps"),
+    ];
+    for (args, value) in cases {
+        let r = run(args);
+        assert_eq!(r.code(), Some(2), "{args:?}: {}", r.stderr);
+        assert!(
+            r.stderr.contains(value) && r.stderr.contains("digits only (no sign, no decimal point)"),
+            "{args:?}: {}",
+            r.stderr
+        );
+        assert!(!r.stderr.contains("tip:"), "{args:?}: {}", r.stderr);
+    }
+    let r = run(&["plan", &model, "--devices", "4", "--top", "0"]);
+    assert!(r.code() == Some(2) && r.stderr.contains("0 is not in 1..=100000"), "{}", r.stderr);
+    let r = run(&["run", "plan.json", "--lr", "-1"]);
+    assert!(r.code() == Some(2) && r.stderr.contains("must be a finite number >= 0, not `-1`"), "{}", r.stderr);
+}
+
 // ---- plain output ---------------------------------------------------------------------------------------
 
 #[test]
