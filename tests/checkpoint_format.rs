@@ -326,6 +326,30 @@ fn unfinished_directories_are_never_checkpoints() {
     assert_eq!(Checkpoint::open(&root).expect("opens").step(), 4);
 }
 
+/// A folder whose latest checkpoint's manifest is damaged is not opened at an older one without a
+/// word: the error names the damage, that it is the latest, and the one before it (or that it is the
+/// only one).
+#[test]
+fn a_folder_whose_latest_checkpoint_is_damaged_names_the_one_before_it() {
+    let source = plan((1, 1), Strategy::None);
+    let logical = logical_tensors(&source);
+    let root = scratch("damaged-latest");
+    write(&source, &root, 3, &logical, None);
+    let latest = write(&source, &root, 5, &logical, None);
+    std::fs::write(latest.join("manifest.json"), b"garbage").expect("write");
+    let error = Checkpoint::open(&root).expect_err("the latest is damaged").to_string();
+    let earlier = root.join("step-00000003");
+    assert!(error.contains("does not begin with the `manifest_sha256`"), "{error}");
+    assert!(
+        error.contains("it is the latest checkpoint in") && error.contains(&earlier.display().to_string()),
+        "{error}"
+    );
+    assert_eq!(Checkpoint::open(&earlier).expect("the earlier one opens").step(), 3);
+    std::fs::remove_dir_all(&earlier).expect("remove");
+    let error = Checkpoint::open(&root).expect_err("the only one is damaged").to_string();
+    assert!(error.contains("it is the only checkpoint in"), "{error}");
+}
+
 #[test]
 fn retention_keeps_the_newest_and_a_step_is_replaced_whole() {
     let source = plan((2, 2), Strategy::Optimus);

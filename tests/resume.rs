@@ -367,6 +367,19 @@ fn checkpoints_of_two_histories_never_mix_and_resume_keeps_its_folder() {
         assert!(stderr.contains("later updates") && stderr.contains("update 4"), "{extra:?}: {stderr}");
     }
     assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 4, "nothing was written");
+    // The advice names a checkpoint that can be resumed: not the latest when its manifest is damaged.
+    let manifest = ckpt.join("step-00000004").join("manifest.json");
+    let kept = std::fs::read(&manifest).expect("read");
+    std::fs::write(&manifest, b"garbage").expect("damage");
+    let mut args = vec!["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "6"];
+    args.extend_from_slice(&TRAINING);
+    args.extend_from_slice(&["--checkpoint-dir", text(&ckpt)]);
+    let out = optimusc(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let earlier = format!("--resume {}", after_2.display());
+    assert!(stderr.contains(&earlier) && stderr.contains("the latest cannot be read"), "{stderr}");
+    std::fs::write(&manifest, kept).expect("restore");
     train(TWO_BY_TWO, 6, &["--resume", text(&ckpt)]);
     assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 6, "the resumed run checkpointed into its folder");
 }

@@ -118,12 +118,25 @@ fn check_no_later_checkpoints(dir: &std::path::Path, start_step: u64) -> Result<
     let from = if start_step == 0 { "from the start".to_string() } else { format!("from update {start_step}") };
     Err(Failure::usage(format!(
         "checkpoint folder `{}` holds {} checkpoint(s) of later updates (up to update {last}) than this run, which \
-         starts {from}, would write: give it another --checkpoint-dir, resume from the latest (`--resume {}`), or \
-         remove them",
+         starts {from}, would write: give it another --checkpoint-dir{}",
         dir.display(),
         later.len(),
-        dir.display()
+        resume_advice(dir)
     )))
+}
+
+/// The rest of the advice for a folder of later checkpoints: resume from the latest, from the one before
+/// it when the latest cannot be read, or, when none can be, why.
+fn resume_advice(dir: &std::path::Path) -> String {
+    use optimus::io::shards::CheckpointError;
+    match Checkpoint::open(dir) {
+        Ok(_) => format!(", resume from the latest (`--resume {}`), or remove them", dir.display()),
+        Err(CheckpointError::LatestUnreadable { earlier: Some(earlier), source, .. }) => format!(
+            ", resume from an earlier one (`--resume {}`: the latest cannot be read, {source}), or remove them",
+            earlier.display()
+        ),
+        Err(e) => format!(" or remove them (the latest cannot be resumed: {e})"),
+    }
 }
 
 /// Whether checkpoints could be written under `dir`, told before step 0 rather than at the first

@@ -105,6 +105,9 @@ pub enum CheckpointError {
     NoCheckpoint { path: PathBuf },
     /// The manifest's bytes are damaged.
     CorruptManifest { path: PathBuf, why: Corruption },
+    /// The latest checkpoint of a folder opened as the folder cannot be read (`earlier`: the one
+    /// before it, if any).
+    LatestUnreadable { folder: PathBuf, earlier: Option<PathBuf>, source: Box<CheckpointError> },
     /// The manifest's contents are inconsistent.
     InvalidManifest { path: PathBuf, why: ManifestProblem },
     /// The checkpoint's parameters do not fit the model's.
@@ -210,6 +213,15 @@ impl fmt::Display for CheckpointError {
                  checkpoint directories",
                 path.display()
             ),
+            CheckpointError::LatestUnreadable { folder, earlier: Some(earlier), source } => write!(
+                f,
+                "{source}; it is the latest checkpoint in `{}`: name an earlier one (`{}`), or move it away",
+                folder.display(),
+                earlier.display()
+            ),
+            CheckpointError::LatestUnreadable { folder, earlier: None, source } => {
+                write!(f, "{source}; it is the only checkpoint in `{}`", folder.display())
+            }
             CheckpointError::CorruptManifest { path, why } => {
                 write!(f, "checkpoint manifest `{}` is corrupt: {why}", path.display())
             }
@@ -283,6 +295,7 @@ impl std::error::Error for CheckpointError {
             | CheckpointError::ExportTensor { source, .. }
             | CheckpointError::ExportSerialize { source, .. } => Some(source),
             CheckpointError::Layout(e) => Some(e),
+            CheckpointError::LatestUnreadable { source, .. } => Some(source),
             CheckpointError::Write(e) => Some(e),
             _ => None,
         }
@@ -334,7 +347,9 @@ pub enum Corruption {
 impl fmt::Display for Corruption {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Corruption::Head => f.write_str("it does not begin as one"),
+            Corruption::Head => f.write_str(
+                "it does not begin with the `manifest_sha256` that every manifest optimusc writes begins with",
+            ),
             Corruption::Truncated => f.write_str("it is truncated"),
             Corruption::Checksum => f.write_str("its checksum is malformed"),
             Corruption::Mismatch => f.write_str("its SHA-256 does not match its `manifest_sha256`"),
@@ -1332,10 +1347,15 @@ impl Checkpoint {
             }
             return Checkpoint::read(path);
         }
-        match complete_checkpoints(path).pop() {
-            Some((_, latest)) => Checkpoint::read(&latest),
-            None => Err(CheckpointError::NoCheckpoint { path: path.to_path_buf() }),
-        }
+        let mut found = complete_checkpoints(path);
+        let Some((_, latest)) = found.pop() else {
+            return Err(CheckpointError::NoCheckpoint { path: path.to_path_buf() });
+        };
+        Checkpoint::read(&latest).map_err(|source| CheckpointError::LatestUnreadable {
+            folder: path.to_path_buf(),
+            earlier: found.pop().map(|(_, earlier)| earlier),
+            source: Box::new(source),
+        })
     }
 
     /// Reads and checks the manifest of a checkpoint directory.
