@@ -337,6 +337,13 @@ fn a_plan_generates_as_its_model_does() {
     let orphan = optimusc(&["generate", moved_plan.to_str().expect("a UTF-8 path"), "--prompt-ids", "3"]);
     assert_eq!(orphan.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&orphan.stderr).contains("which is not here"));
+    // A model file changed since (a config value renamed) is told as that, not as a `--set` never given.
+    let renamed = std::fs::read_to_string("examples/gpt2.opt").expect("the model").replace("pdrop", "p_drop");
+    std::fs::write(&moved, renamed).expect("the changed model");
+    let changed = optimusc(&["generate", moved_plan.to_str().expect("a UTF-8 path"), "--prompt-ids", "3"]);
+    let stderr = String::from_utf8_lossy(&changed.stderr);
+    assert_eq!(changed.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("config value `pdrop`, which its model") && !stderr.contains("--set"), "{stderr}");
     let conflicting = optimusc(&["generate", plan_path, "--mesh", "2x2", "--prompt-ids", "3"]);
     assert_eq!(conflicting.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&conflicting.stderr).contains("--mesh 2x2 (the plan is for a 1x2 mesh)"));

@@ -42,14 +42,7 @@ pub fn largest_batch(plan: &Plan, capacity: u64) -> Result<Fit, String> {
 fn changed_config(plan: &Plan, text: &str) -> Result<Vec<Override>, String> {
     let checked = optimus::front::check_source(text, &[]);
     let model = checked.model.ok_or_else(|| format!("the plan's model `{}` no longer checks", plan.source))?;
-    let mut overrides = Vec::new();
-    for (name, value) in &plan.config {
-        let same = model.config.iter().any(|c| c.name == *name && c.value == *value);
-        if !same && name != "batch" {
-            overrides.push(Override { name: name.clone(), value: value.to_string() });
-        }
-    }
-    Ok(overrides)
+    super::plan_overrides(plan, &model, &["batch"])
 }
 
 fn plan_int(plan: &Plan, name: &str) -> Option<u64> {

@@ -152,13 +152,11 @@ fn args_of_plan(args: &GenerateArgs) -> Result<GenerateArgs, Failure> {
             plan.source
         )));
     }
+    let (own, _) = super::load_checked(&model, &[]).ok_or_else(Failure::reported)?;
+    let mut sets = super::plan_overrides(&plan, &own, &["batch", "seq"]).map_err(Failure::usage)?;
+    sets.extend(args.target.set.iter().cloned());
     let mut given = args.clone();
     given.model = model;
-    let mut sets = Vec::new();
-    for (name, value) in plan.config.iter().filter(|(name, _)| name != "batch" && name != "seq") {
-        sets.push(format!("{name}={value}").parse::<Override>().map_err(|e| format!("{e:?}"))?);
-    }
-    sets.extend(args.target.set.iter().cloned());
     given.target.set = sets;
     given.target.mesh_flag = Some(super::MeshArg::of(plan.mesh));
     given.target.strategy_flag = Some(StrategyArg::of(plan.strategy));

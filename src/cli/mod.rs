@@ -391,6 +391,27 @@ pub fn compile_model(path: &Path, target: &TargetArgs) -> Option<Plan> {
     Some(plan)
 }
 
+/// The `--set` overrides that make `model` (a plan's `source` file as it reads now) the plan's model:
+/// each config value the plan was compiled with that differs from the file's own, less those named in
+/// `skip`. A value the file no longer has is an error: the file changed since the plan was compiled
+/// (or the plan names another file), and applying it would be blamed on a `--set` nobody gave.
+pub fn plan_overrides(plan: &Plan, model: &optimus::ir::Model, skip: &[&str]) -> Result<Vec<Override>, String> {
+    let mut overrides = Vec::new();
+    for (name, value) in plan.config.iter().filter(|(name, _)| !skip.contains(&name.as_str())) {
+        let Some(own) = model.config_value(name) else {
+            return Err(format!(
+                "the plan was compiled with config value `{name}`, which its model `{}` does not have: the file \
+                 changed since, or is another model; compile the plan again",
+                plan.source
+            ));
+        };
+        if own != value {
+            overrides.push(Override { name: name.clone(), value: value.to_string() });
+        }
+    }
+    Ok(overrides)
+}
+
 /// A model's config value `name` as a size: an integer of 0 or more; `None` where it has none.
 pub fn size_config(model: &optimus::ir::Model, name: &str) -> Option<u64> {
     model.config_value(name).and_then(|v| match v {
