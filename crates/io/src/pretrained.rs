@@ -68,6 +68,8 @@ pub enum SaveError {
     Index { dir: PathBuf, source: serde_json::Error },
     /// Writing a file failed.
     Write(OutputError),
+    /// An entry not a file or a link (a folder) named as a weights file: no save could replace it.
+    WeightNameTaken { path: PathBuf },
 }
 
 impl fmt::Display for SaveError {
@@ -95,6 +97,12 @@ impl fmt::Display for SaveError {
                 write!(f, "{source}")
             }
             SaveError::Write(e) => write!(f, "{e}"),
+            SaveError::WeightNameTaken { path } => write!(
+                f,
+                "cannot save weights: `{}` is a folder named as a weights file, which a save of another size \
+                 would have to replace; move it away",
+                path.display()
+            ),
         }
     }
 }
@@ -102,7 +110,7 @@ impl fmt::Display for SaveError {
 impl std::error::Error for SaveError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            SaveError::Tensors { .. } => None,
+            SaveError::Tensors { .. } | SaveError::WeightNameTaken { .. } => None,
             SaveError::Directory { source, .. } | SaveError::RemoveStale { source, .. } => Some(source),
             SaveError::Serialize { source, .. } => Some(source),
             SaveError::Index { source, .. } => Some(source),
@@ -275,12 +283,27 @@ pub fn folder_files(extra: &[&str]) -> Vec<String> {
 pub fn check_all_writable(dir: &Path, names: &[String]) -> Result<(), SaveError> {
     let existed = dir.exists();
     std::fs::create_dir_all(dir).map_err(|source| SaveError::Directory { dir: dir.to_path_buf(), source })?;
-    let checked = names.iter().try_for_each(|n| super::output::check_writable(&dir.join(n)).map_err(SaveError::Write));
+    let checked = no_folder_named_as_weights(dir).and_then(|()| {
+        names.iter().try_for_each(|n| super::output::check_writable(&dir.join(n)).map_err(SaveError::Write))
+    });
     if checked.is_err() && !existed {
         // Only an empty folder is removed: nothing was written into it.
         let _ = std::fs::remove_dir(dir);
     }
     checked
+}
+
+/// Refuses a folder in `dir` named as a weights file (a numbered shard among them, whose names depend
+/// on the tensors' sizes and so cannot be listed before the save): found before training, not after.
+fn no_folder_named_as_weights(dir: &Path) -> Result<(), SaveError> {
+    let entries = std::fs::read_dir(dir).map_err(|source| SaveError::Directory { dir: dir.to_path_buf(), source })?;
+    for entry in entries.flatten() {
+        let named_as_weights = is_weight_file(&entry.file_name().to_string_lossy());
+        if named_as_weights && entry.file_type().is_ok_and(|t| t.is_dir()) {
+            return Err(SaveError::WeightNameTaken { path: entry.path() });
+        }
+    }
+    Ok(())
 }
 
 /// Writes `config.json` and, for a model that generates, `generation_config.json`; returns their names.
