@@ -10,7 +10,7 @@ use std::process::ExitCode;
 /// that come from files, plans or flags are escaped, so nothing printed can drive the terminal.
 macro_rules! eprintln_safe {
     ($($arg:tt)*) => {
-        eprintln!("{}", optimus::plan::text::printable_text(&format!($($arg)*)))
+        optimus::plan::text::write_stderr(&format!("{}\n", format_args!($($arg)*)))
     };
 }
 
@@ -351,7 +351,7 @@ fn compile(args: &CompileArgs) -> ExitCode {
     );
     // With the plan on standard output, the summary goes to standard error so the JSON stays whole.
     if optimus::io::output::is_standard_output(&args.output) {
-        eprint!("{summary}");
+        optimus::plan::text::write_stderr(&summary);
     } else {
         cli::stdout(&summary);
     }

@@ -261,6 +261,33 @@ fn a_negative_or_fractional_integer_flag_says_what_it_takes() {
     assert!(r.code() == Some(2) && r.stderr.contains("must be a finite number >= 0, not `-1`"), "{}", r.stderr);
 }
 
+/// Standard error a pipe whose reader is gone (`optimusc ... 2>&1 | head -1`): the command runs to its
+/// own exit status, not a panic on the failed write (101, "failed printing to stderr").
+#[test]
+fn a_closed_standard_error_ends_no_command_in_a_panic() {
+    let tiny = example("tiny");
+    let plan = std::env::temp_dir().join(format!("optimus-closed-stderr-{}.json", std::process::id()));
+    let plan = plan.to_str().expect("a UTF-8 path").to_string();
+    let cases: [(&[&str], i32); 4] = [
+        (&["check", &tiny, "--set", "eps=0"], 1),
+        (&["compile", &tiny, "--mesh", "3x3", "-o", &plan], 1),
+        (&["run", &tiny, "--steps", "2"], 0),
+        (&["run", &tiny, "--steps", "-2"], 2),
+    ];
+    for (args, expected) in cases {
+        let (reader, writer) = std::io::pipe().expect("a pipe");
+        drop(reader);
+        let status = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(writer)
+            .status()
+            .expect("optimusc runs");
+        assert_eq!(status.code(), Some(expected), "{args:?}");
+    }
+    let _ = std::fs::remove_file(&plan);
+}
+
 // ---- plain output ---------------------------------------------------------------------------------------
 
 #[test]

@@ -227,7 +227,7 @@ fn report_no_plan(args: &PlanArgs, no_plan: &NoPlan) -> ExitCode {
     for r in &no_plan.closest {
         let _ = writeln!(out, "  {}: {}", r.what, r.reason);
     }
-    eprint!("{}", optimus::plan::text::printable_text(&out));
+    optimus::plan::text::write_stderr(&out);
     ExitCode::from(1)
 }
 

@@ -763,7 +763,7 @@ fn print_profile(
 
 /// The profile's tables on standard error, and its record (with `--json` or `--log`).
 pub(super) fn emit_profile(report: &optimus::runtime::profile::ProfileReport, progress: &Progress) {
-    eprint!("{}", optimus::plan::text::printable_text(&report.to_text()));
+    optimus::plan::text::write_stderr(&report.to_text());
     progress.emit(&serde_json::json!({ "profile": report }));
 }
 
@@ -783,7 +783,7 @@ mod multi_process {
     pub fn run(args: &RunArgs, _launch: &Launch) -> ExitCode {
         // A restart to find the CUDA libraries must come before MPI_Init.
         if let Some(warning) = args.backend.kind().find_libraries() {
-            eprintln!("warning: {}", optimus::plan::text::printable_text(&warning));
+            optimus::plan::text::write_stderr(&format!("warning: {warning}\n"));
         }
         let mpi = match MpiJob::init() {
             Ok(mpi) => mpi,

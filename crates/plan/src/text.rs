@@ -19,6 +19,15 @@ pub fn printable(name: &str) -> std::borrow::Cow<'_, str> {
     escape_where(name, needs_escape)
 }
 
+/// Writes `text` to standard error through [`printable_text`]. A failed write (standard error a pipe
+/// that was closed, as by `optimusc ... 2>&1 | head -1`) is ignored: there is nowhere left to report it,
+/// and it must not end the command as a panic.
+pub fn write_stderr(text: &str) {
+    use std::io::Write;
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(printable_text(text).as_bytes()).and_then(|()| err.flush());
+}
+
 /// [`printable`] for whole messages and reports: line breaks and tabs are kept, every other control or
 /// reordering character is escaped. Everything the command line prints goes through it.
 pub fn printable_text(text: &str) -> std::borrow::Cow<'_, str> {

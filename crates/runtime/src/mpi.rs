@@ -104,7 +104,7 @@ impl MpiJob {
 
     /// Prints the error with this rank's name and ends every process of the job.
     pub fn abort(&self, message: &str) -> ! {
-        eprintln!("error: rank {}: {}", self.rank, optimus_plan::text::printable_text(message));
+        optimus_plan::text::write_stderr(&format!("error: rank {}: {message}\n", self.rank));
         abort_world(1)
     }
 
@@ -139,7 +139,7 @@ impl MpiJob {
         }
         let (devices, note) = self.devices(plan, placement);
         if let (Some(note), 0) = (note, self.rank) {
-            eprintln!("note: {note}");
+            optimus_plan::text::write_stderr(&format!("note: {note}\n"));
         }
         let coords = devices[self.rank as usize];
         install_panic_hook(format!("rank {} (device {coords})", self.rank));
@@ -208,7 +208,7 @@ impl MpiJob {
 /// Makes a panic anywhere in this process print its message with `who` and abort the MPI job.
 fn install_panic_hook(who: String) {
     std::panic::set_hook(Box::new(move |info| {
-        eprintln!("error: {who} panicked: {}", optimus_plan::text::printable_text(&info.to_string()));
+        optimus_plan::text::write_stderr(&format!("error: {who} panicked: {info}\n"));
         abort_world(101)
     }));
 }
@@ -585,7 +585,7 @@ impl Communicator for &MpiComm {
     }
 
     fn abort(&self, reason: &str) {
-        eprintln!("error: rank {}: {}", self.world_rank, optimus_plan::text::printable_text(reason));
+        optimus_plan::text::write_stderr(&format!("error: rank {}: {reason}\n", self.world_rank));
         abort_world(1)
     }
 }

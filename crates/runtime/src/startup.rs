@@ -12,6 +12,6 @@ static START: OnceLock<Instant> = OnceLock::new();
 pub fn mark(what: &str) {
     let start = *START.get_or_init(Instant::now);
     if std::env::var("OPTIMUS_TRACE_STARTUP").is_ok_and(|v| v == "1") {
-        eprintln!("startup: {what} at {:.2} s", start.elapsed().as_secs_f64());
+        optimus_plan::text::write_stderr(&format!("startup: {what} at {:.2} s\n", start.elapsed().as_secs_f64()));
     }
 }
