@@ -257,6 +257,8 @@ fn a_negative_or_fractional_integer_flag_says_what_it_takes() {
     }
     let r = run(&["plan", &model, "--devices", "4", "--top", "0"]);
     assert!(r.code() == Some(2) && r.stderr.contains("0 is not in 1..=100000"), "{}", r.stderr);
+    let r = run(&["run", "plan.json", "--eval-batches", "1000001"]);
+    assert!(r.code() == Some(2) && r.stderr.contains("1000001 is not in 1..=1000000"), "{}", r.stderr);
     let r = run(&["run", "plan.json", "--lr", "-1"]);
     assert!(r.code() == Some(2) && r.stderr.contains("must be a finite number >= 0, not `-1`"), "{}", r.stderr);
 }

@@ -118,8 +118,8 @@ pub struct RunArgs {
     /// Validate after every E-th update (at least 1; default: after the last update only). Needs --val-data.
     #[arg(long, value_name = "E", value_parser = clap::value_parser!(u64).range(1..))]
     pub eval_every: Option<u64>,
-    /// Validation batches per evaluation (at least 1; default 1). Needs --val-data.
-    #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(1..))]
+    /// Validation batches per evaluation (1 to 1000000; default 1). Needs --val-data.
+    #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub eval_batches: Option<u64>,
     /// Print one JSON object per step on standard output.
     #[arg(long)]

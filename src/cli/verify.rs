@@ -256,7 +256,7 @@ fn judge(
             let own = reference.get(&d.key).map_or(String::new(), |own| format!(" (one device in bf16: {own:.2e})"));
             super::stdout(&format!("  {what}: {:<40} {:.2e}{own}\n", d.label, d.value));
         }
-        let share = d.value / allowed(d);
+        let share = share_of(d.value, allowed(d));
         if worst.is_none_or(|(_, s)| share >= s || share.is_nan()) {
             worst = Some((d, share));
         }
@@ -271,6 +271,17 @@ fn judge(
     pass
 }
 
+/// How much of its allowance a difference takes (1: all of it; NaN for a NaN difference, which fails).
+/// An allowance of 0 (`--tolerance 0`) is taken by nothing (0) or overrun (infinity), not 0 / 0.
+fn share_of(difference: f64, allowed: f64) -> f64 {
+    match allowed > 0.0 {
+        true => difference / allowed,
+        false if difference == 0.0 => 0.0,
+        false if difference.is_nan() => f64::NAN,
+        false => f64::INFINITY,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,6 +293,15 @@ mod tests {
     fn passes(value: f64, own: Option<f64>) -> bool {
         let reference: BTreeMap<String, f64> = own.map(|own| ("w".to_string(), own)).into_iter().collect();
         judge("gradients", &[difference("w", value)], &reference, BF16_TOLERANCE, false)
+    }
+
+    /// `--tolerance 0` passes bit-identical results, and nothing else.
+    #[test]
+    fn a_zero_tolerance_passes_no_difference_and_fails_any() {
+        assert_eq!(share_of(0.0, 0.0), 0.0);
+        assert_eq!(share_of(1e-30, 0.0), f64::INFINITY);
+        assert!(share_of(f64::NAN, 0.0).is_nan() && share_of(f64::NAN, 1e-4).is_nan());
+        assert_eq!(share_of(5e-5, 1e-4), 0.5);
     }
 
     #[test]
