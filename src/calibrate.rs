@@ -5,6 +5,7 @@
 use crate::cost::calibration::{
     CollectiveFit, DEFAULT_KERNEL, KernelFit, Sample, fit_key, fit_non_negative, inference_key, weighted_error,
 };
+use crate::cost::hardware::is_rate;
 use crate::io::sources::{Objective, Sources};
 use crate::plan::layout::Placement;
 use crate::plan::report::kernel_flops;
@@ -272,7 +273,8 @@ fn spans_sizes(samples: &[Sample]) -> bool {
 /// ([`cached_fit`]).
 fn kernel_fit(samples: &[Sample]) -> KernelFit {
     let c = fit_non_negative(samples);
-    let rate = |k: usize| c.get(k).copied().filter(|&x| x > 0.0).map(|seconds| 1e-9 / seconds);
+    // A coefficient so small that its rate passes what a profile may hold costs nothing: no rate.
+    let rate = |k: usize| c.get(k).copied().filter(|&x| x > 0.0).map(|seconds| 1e-9 / seconds).filter(|&r| is_rate(r));
     let plain = KernelFit {
         launch_us: c.first().copied().unwrap_or(0.0) * 1e6,
         gb_s: rate(1),
@@ -310,7 +312,8 @@ fn cached_fit(samples: &[Sample], plain_error: f64) -> Option<KernelFit> {
             .collect();
         let c = fit_non_negative(&split);
         let error = weighted_error(&split, &c);
-        let faster_first = c[1] > 0.0 && c[2] > 0.0 && c[1] * CACHED_SPEED_UP < c[2];
+        let rates = c[1] > 0.0 && c[2] > 0.0 && is_rate(1e-9 / c[1]) && is_rate(1e-9 / c[2]);
+        let faster_first = rates && c[1] * CACHED_SPEED_UP < c[2];
         if faster_first && best.as_ref().is_none_or(|b| error < b.0) {
             best = Some((error, limit, c));
         }

@@ -237,6 +237,11 @@ fn bad_hardware_files_give_clear_errors() {
         (good.replace("latency_us = 3.0", "latency_us = 3.0\nspeed = 9"), "speed"),
         (good.replace("gpus_per_node = 8", ""), "gpus_per_node"),
         ("not toml [".to_string(), "invalid hardware profile"),
+        // Positive or zero, but past any machine: step times came out infinite, NaN, or 300 digits long.
+        (good.replace("f32 = 19.5", "f32 = 5e-324"), "`device.peak_tflops.f32` must be a positive number from 1e-6"),
+        (good.replace("bandwidth_gb_s = 240.0", "bandwidth_gb_s = 1e300"), "found 1e300"),
+        (good.replace("latency_us = 3.0", "latency_us = 1e300"), "`intra_node.latency_us` must be from 0 to 1e9"),
+        (good.replace("kernel_launch_us = 5.0", "kernel_launch_us = 2e9"), "found 2e9"),
     ];
     for (text, needle) in cases {
         match Hardware::parse(&text, "bad.toml") {

@@ -230,13 +230,17 @@ impl KernelFit {
             ("cached_gb_s", self.cached_gb_s),
             ("cached_bytes", self.cached_bytes),
         ];
-        if let Some((field, _)) = rates.iter().find(|(_, v)| v.is_some_and(|v| !(v.is_finite() && v > 0.0))) {
+        let invalid = |field: &str, value: Option<f64>| match field {
+            "cached_bytes" => value.is_some_and(|v| !(v.is_finite() && v > 0.0)),
+            _ => value.is_some_and(|v| !super::hardware::is_rate(v)),
+        };
+        if let Some((field, _)) = rates.iter().find(|(field, value)| invalid(field, *value)) {
             return Err(KernelFitProblem::Rate(field));
         }
         if self.cached_bytes.is_some() != self.cached_gb_s.is_some() {
             return Err(KernelFitProblem::CachedPair);
         }
-        if !(self.launch_us.is_finite() && self.launch_us >= 0.0) {
+        if !super::hardware::is_fixed_cost(self.launch_us) {
             return Err(KernelFitProblem::Launch);
         }
         Ok(())
@@ -340,20 +344,24 @@ impl Measured {
         if let Some(h) = &self.host_copies {
             let rates =
                 [("copy_out_gb_s", h.copy_out_gb_s), ("copy_in_gb_s", h.copy_in_gb_s), ("add_gb_s", h.add_gb_s)];
-            if let Some((field, _)) = rates.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+            if let Some((field, _)) = rates.iter().find(|(_, v)| !super::hardware::is_rate(*v)) {
                 return Err(MeasuredProblem::HostCopyRate { field });
             }
         }
-        let invalid = |f: &&DispatchFit| !(f.us.is_finite() && f.us >= 0.0) || f.devices < 2;
-        if let Some(f) = self.dispatch.iter().find(invalid) {
-            return Err(MeasuredProblem::Dispatch { field: "dispatch", devices: f.devices });
+        if self.threads == 0 {
+            return Err(MeasuredProblem::NoThreads);
         }
-        if let Some(f) = self.rendezvous.iter().find(invalid) {
-            return Err(MeasuredProblem::Dispatch { field: "rendezvous", devices: f.devices });
+        for (field, fits) in [("dispatch", &self.dispatch), ("rendezvous", &self.rendezvous)] {
+            if let Some(f) = fits.iter().find(|f| f.devices < 2) {
+                return Err(MeasuredProblem::Dispatch { field, devices: f.devices, us: None });
+            }
+            if let Some(f) = fits.iter().find(|f| !super::hardware::is_fixed_cost(f.us)) {
+                return Err(MeasuredProblem::Dispatch { field, devices: f.devices, us: Some(f.us) });
+            }
         }
         for fit in &self.collectives {
-            let ok = fit.alpha_us.is_finite() && fit.alpha_us >= 0.0 && fit.ns_per_byte.is_finite();
-            if !ok || fit.ns_per_byte < 0.0 || fit.members < 2 || fit.devices < fit.members {
+            let ok = super::hardware::is_fixed_cost(fit.alpha_us) && super::hardware::is_fixed_cost(fit.ns_per_byte);
+            if !ok || fit.members < 2 || fit.devices < fit.members {
                 let what = format!("{:?}", fit.kind);
                 return Err(MeasuredProblem::Collective { kind: what, members: fit.members, devices: fit.devices });
             }
@@ -380,11 +388,15 @@ pub enum MeasuredProblem {
     HostCopyRate {
         field: &'static str,
     },
-    /// A dispatch or rendezvous entry (`field`) has fewer than 2 devices or a negative time.
+    /// A dispatch or rendezvous entry (`field`) has fewer than 2 devices (`us`: `None`), or a time
+    /// that is not a fixed cost (`us`: that time).
     Dispatch {
         field: &'static str,
         devices: u64,
+        us: Option<f64>,
     },
+    /// `measured.threads` is 0.
+    NoThreads,
     /// A collective fit has invalid numbers.
     Collective {
         kind: String,
@@ -404,21 +416,37 @@ impl std::fmt::Display for MeasuredProblem {
             }
             MeasuredProblem::Kernel { section, kind, problem } => match problem {
                 KernelFitProblem::Rate(field) => {
-                    write!(f, "`measured.{section}.{kind}.{field}` must be a positive number")
+                    write!(f, "`measured.{section}.{kind}.{field}` must be a positive number (rates at most 1e9)")
                 }
-                KernelFitProblem::Launch => write!(f, "`measured.{section}.{kind}.launch_us` must be zero or more"),
+                KernelFitProblem::Launch => write!(
+                    f,
+                    "`measured.{section}.{kind}.launch_us` must be from 0 to {:e} microseconds",
+                    super::hardware::MAX_FIXED_COST_US
+                ),
                 KernelFitProblem::CachedPair => write!(
                     f,
                     "`measured.{section}.{kind}`: `cached_bytes` and `cached_gb_s` go together (give both or neither)"
                 ),
             },
             MeasuredProblem::HostCopyRate { field } => {
-                write!(f, "`measured.host_copies.{field}` must be a positive number")
+                write!(
+                    f,
+                    "`measured.host_copies.{field}` must be a positive number from {:e} to {:e} GB/s",
+                    super::hardware::RATE_RANGE.0,
+                    super::hardware::RATE_RANGE.1
+                )
             }
-            MeasuredProblem::Dispatch { field, devices } => write!(
+            MeasuredProblem::Dispatch { field, devices, us: None } => write!(
                 f,
-                "`measured.{field}`: the entry for {devices} devices must have at least 2 devices and `us` zero or more"
+                "`measured.{field}`: an entry is for {devices} device(s); a cost of sharing the engine needs at least 2"
             ),
+            MeasuredProblem::Dispatch { field, devices, us: Some(us) } => write!(
+                f,
+                "`measured.{field}`: the entry for {devices} devices has `us` = {}; give 0 to {:e} microseconds",
+                super::hardware::shown(*us),
+                super::hardware::MAX_FIXED_COST_US
+            ),
+            MeasuredProblem::NoThreads => f.write_str("`measured.threads` must be at least 1"),
             MeasuredProblem::Collective { kind, members, devices } => write!(
                 f,
                 "`measured.collectives`: an entry for {kind} of {members} members on {devices} devices has invalid numbers"
@@ -579,7 +607,7 @@ mod tests {
         assert!(m.validate().is_ok());
         m.kernels.insert("Add".into(), KernelFit { cached_gb_s: Some(-1.0), ..fit });
         let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
-        assert_eq!(problem, "`measured.kernels.Add.cached_gb_s` must be a positive number");
+        assert_eq!(problem, "`measured.kernels.Add.cached_gb_s` must be a positive number (rates at most 1e9)");
         m.kernels.insert("Add".into(), KernelFit { cached_gb_s: None, ..fit });
         let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(problem.contains("`measured.kernels.Add`: `cached_bytes` and `cached_gb_s` go together"), "{problem}");
@@ -587,7 +615,26 @@ mod tests {
         m.kernels.remove("Add");
         m.single_thread_kernels.insert("Gelu".into(), KernelFit { launch_us: -1.0, ..fit });
         let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
-        assert_eq!(problem, "`measured.single_thread_kernels.Gelu.launch_us` must be zero or more");
+        assert_eq!(problem, "`measured.single_thread_kernels.Gelu.launch_us` must be from 0 to 1e9 microseconds");
+        m.single_thread_kernels.clear();
+        // A rate past any machine, no threads, and each way a dispatch entry can be wrong, named apart.
+        m.kernels.insert("Add".into(), KernelFit { gflop_s: Some(1e300), ..fit });
+        let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(problem, "`measured.kernels.Add.gflop_s` must be a positive number (rates at most 1e9)");
+        m.kernels.remove("Add");
+        assert_eq!(Measured { threads: 0, ..m.clone() }.validate(), Err(MeasuredProblem::NoThreads));
+        m.rendezvous = vec![DispatchFit { devices: 4, us: -6.7 }];
+        let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(
+            problem,
+            "`measured.rendezvous`: the entry for 4 devices has `us` = -6.7; give 0 to 1e9 microseconds"
+        );
+        m.rendezvous = vec![DispatchFit { devices: 1, us: 6.7 }];
+        let problem = m.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            problem.contains("an entry is for 1 device(s); a cost of sharing the engine needs at least 2"),
+            "{problem}"
+        );
     }
 
     #[test]

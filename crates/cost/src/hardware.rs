@@ -183,7 +183,6 @@ impl Hardware {
     fn validate(&self) -> Result<(), ProfileProblem> {
         let d = &self.device;
         let positive = [
-            ("device.memory_gb", d.memory_gb),
             ("device.memory_bandwidth_gb_s", d.memory_bandwidth_gb_s),
             ("device.peak_tflops.f32", d.peak_tflops.f32),
             ("device.peak_tflops.f16", d.peak_tflops.f16.unwrap_or(1.0)),
@@ -191,7 +190,7 @@ impl Hardware {
             ("intra_node.bandwidth_gb_s", self.intra_node.bandwidth_gb_s),
             ("inter_node.nic_bandwidth_gb_s", self.inter_node.nic_bandwidth_gb_s),
         ];
-        if let Some((field, value)) = positive.into_iter().find(|&(_, v)| !(v.is_finite() && v > 0.0)) {
+        if let Some((field, value)) = positive.into_iter().find(|&(_, v)| !is_rate(v)) {
             return Err(ProfileProblem::NotPositive { field, value });
         }
         let fractions = [
@@ -206,7 +205,7 @@ impl Hardware {
             ("intra_node.latency_us", self.intra_node.latency_us),
             ("inter_node.latency_us", self.inter_node.latency_us),
         ];
-        if let Some((field, value)) = latencies.into_iter().find(|&(_, v)| !(v.is_finite() && v >= 0.0)) {
+        if let Some((field, value)) = latencies.into_iter().find(|&(_, v)| !is_fixed_cost(v)) {
             return Err(ProfileProblem::Negative { field, value });
         }
         if self.inter_node.nics_per_node == 0 {
@@ -297,6 +296,30 @@ pub enum ProfileProblem {
     },
 }
 
+/// The rates a profile may give (GB/s, TFLOP/s, GFLOP/s): from a millionth to a billion of its unit,
+/// so that no step time it gives is infinite, zero or a 300-digit number.
+pub const RATE_RANGE: (f64, f64) = (1e-6, 1e9);
+
+/// The largest fixed cost a profile may give, in microseconds (a thousand seconds).
+pub const MAX_FIXED_COST_US: f64 = 1e9;
+
+/// A number as a message shows it: plainly where that is short, else in scientific notation (not
+/// 1e300's three hundred digits).
+pub fn shown(value: f64) -> String {
+    let plain = value == 0.0 || (1e-4..1e9).contains(&value.abs()) || !value.is_finite();
+    if plain { value.to_string() } else { format!("{value:e}") }
+}
+
+/// Whether `value` is a rate within [`RATE_RANGE`].
+pub fn is_rate(value: f64) -> bool {
+    (RATE_RANGE.0..=RATE_RANGE.1).contains(&value)
+}
+
+/// Whether `value` is a fixed cost in microseconds: from 0 to [`MAX_FIXED_COST_US`].
+pub fn is_fixed_cost(value: f64) -> bool {
+    (0.0..=MAX_FIXED_COST_US).contains(&value)
+}
+
 /// The device memories a profile may give, in GB: a kilobyte to a petabyte (what a plan's bytes and
 /// the reports' units can hold).
 pub const MEMORY_GB_RANGE: (f64, f64) = (1e-6, 1e6);
@@ -325,13 +348,19 @@ impl std::fmt::Display for ProfileProblem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ProfileProblem::Syntax(why) => f.write_str(why),
-            ProfileProblem::NotPositive { field, value } => {
-                write!(f, "`{field}` must be a positive number, found {value}")
-            }
+            ProfileProblem::NotPositive { field, value } => write!(
+                f,
+                "`{field}` must be a positive number from {:e} to {:e}, found {}",
+                RATE_RANGE.0,
+                RATE_RANGE.1,
+                shown(*value)
+            ),
             ProfileProblem::NotFraction { field, value } => {
                 write!(f, "`{field}` must be a fraction in (0, 1], found {value}")
             }
-            ProfileProblem::Negative { field, value } => write!(f, "`{field}` must be zero or more, found {value}"),
+            ProfileProblem::Negative { field, value } => {
+                write!(f, "`{field}` must be from 0 to {MAX_FIXED_COST_US:e} (microseconds), found {}", shown(*value))
+            }
             ProfileProblem::NoneOf(field) => write!(f, "`{field}` must be at least 1"),
             ProfileProblem::Measured(problem) => write!(f, "{problem}"),
             ProfileProblem::MemoryOutOfRange { value } => write!(
