@@ -289,6 +289,14 @@ fn a_decoding_step_plan_counts_its_caches() {
     let run = optimusc(&["run", plan_path, "--steps", "1"]);
     assert_eq!(run.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&run.stderr).contains("is a decoding step with key/value caches"));
+    // eval, which scores whole sequences, and inspect --memory, whose search compiles without caches,
+    // say what the plan is rather than blame its inputs or size it as a plain inference plan.
+    let eval = optimusc(&["eval", plan_path, "--data", plan_path]);
+    let stderr = String::from_utf8_lossy(&eval.stderr);
+    assert!(eval.status.code() == Some(2) && stderr.contains("eval scores whole sequences"), "{stderr}");
+    let sized = optimusc(&["inspect", plan_path, "--memory", "1GB"]);
+    let stderr = String::from_utf8_lossy(&sized.stderr);
+    assert!(sized.status.code() == Some(1) && stderr.contains("does not size a decoding step"), "{stderr}");
     let bert = optimusc(&["compile", "examples/bert.opt", "--max-context", "8", "-o", plan_path]);
     assert!(
         String::from_utf8_lossy(&bert.stderr).contains("is not causal"),

@@ -76,6 +76,13 @@ fn infer_plan(args: &EvalArgs) -> Result<Plan, Failure> {
             args.input.display()
         )));
     }
+    if super::is_decoding_step(&plan) {
+        return Err(Failure::usage(format!(
+            "`{}` is a decoding step with key/value caches (compile --max-context), which reads one position at a \
+             time; eval scores whole sequences: give it the model, or a plan compiled without --max-context",
+            args.input.display()
+        )));
+    }
     if !plan.outputs.iter().any(|o| o.is_loss) {
         return Err(Failure::usage("eval needs a model with a loss output".into()));
     }

@@ -21,6 +21,12 @@ pub struct Fit {
 /// Recompiles the plan's model (its `source` file, with the config values the plan was compiled with)
 /// at growing batch sizes on the plan's target.
 pub fn largest_batch(plan: &Plan, capacity: u64) -> Result<Fit, String> {
+    if super::is_decoding_step(plan) {
+        return Err("the search compiles the model at other batch sizes without key/value caches, so it does not \
+                    size a decoding step (compile --max-context): compile the step with --set batch=N to see that \
+                    batch's memory"
+            .to_string());
+    }
     let text = std::fs::read_to_string(&plan.source).map_err(|e| {
         format!(
             "the plan's model `{}` cannot be read ({e}); the search recompiles it at other batch sizes, so run \

@@ -412,6 +412,12 @@ pub fn plan_overrides(plan: &Plan, model: &optimus::ir::Model, skip: &[&str]) ->
     Ok(overrides)
 }
 
+/// Whether `plan` is one decoding step with key/value caches (`compile --max-context`), which only
+/// `generate` runs: its position input and caches follow a generation.
+pub fn is_decoding_step(plan: &Plan) -> bool {
+    plan.buffers.iter().any(|b| b.role == optimus::plan::Role::Cache)
+}
+
 /// A model's config value `name` as a size: an integer of 0 or more; `None` where it has none.
 pub fn size_config(model: &optimus::ir::Model, name: &str) -> Option<u64> {
     model.config_value(name).and_then(|v| match v {

@@ -468,7 +468,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         check_appendable(path).map_err(|e| Failure::usage(format!("--log: {e}")))?;
     }
     let plan = plan_from(&args.input, &args.target)?;
-    if plan.buffers.iter().any(|b| b.role == optimus::plan::Role::Cache) {
+    if super::is_decoding_step(&plan) {
         return Err(Failure::usage(format!(
             "`{}` is a decoding step with key/value caches (compile --max-context), whose `{}` input and caches \
              follow a generation: run it with `optimusc generate {}`",
