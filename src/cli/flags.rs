@@ -47,27 +47,39 @@ pub fn seconds(text: &str) -> Result<f64, String> {
 /// (powers of 1024), e.g. `24GiB`, `80GB`, `1.5TiB`, `4096`; above 0.
 pub fn memory_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    // The unit is the letters the text ends with: a number in exponent form (1e3GB) keeps its `e`.
-    let split = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len();
-    let (number, unit) = (t[..split].trim(), t[split..].trim());
-    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024f64.powi(2),
-        "gib" => 1024f64.powi(3),
-        "tib" => 1024f64.powi(4),
-        _ => return Err(format!("`{text}`: the unit must be B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")),
+    let lower = t.to_ascii_lowercase();
+    // The unit is a known one the text ends with (so that `nanGB` is a bad number, not a bad unit, and
+    // a number in exponent form, 1e3GB, keeps its `e`); letters after a number are an unknown unit.
+    let (number, scale) = match MEMORY_UNITS.iter().find(|(unit, _)| lower.ends_with(unit)) {
+        Some((unit, scale)) => (t[..t.len() - unit.len()].trim(), *scale),
+        None => (t, 1.0),
     };
+    let before_letters = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim();
+    if number.parse::<f64>().is_err() && before_letters.len() < t.len() && before_letters.parse::<f64>().is_ok() {
+        return Err(format!("`{text}`: the unit must be B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"));
+    }
     match number.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 && v * scale < 2f64.powi(63) => Ok((v * scale) as u64),
-        Ok(v) if v * scale >= 2f64.powi(63) => Err(format!("`{text}` is more than 8 EiB (2^63 bytes)")),
+        Ok(v) if v.is_finite() && v * scale >= 1.0 && v * scale < 2f64.powi(63) => Ok((v * scale) as u64),
+        Ok(v) if v.is_finite() && v * scale >= 2f64.powi(63) => {
+            Err(format!("`{text}` is more than 8 EiB (2^63 bytes)"))
+        }
+        Ok(v) if v.is_finite() && v > 0.0 => Err(format!("`{text}` is less than one byte")),
         _ => Err(format!("must be a size above 0 such as 24GiB or 80GB, not `{text}`")),
     }
 }
+
+/// The units of [`memory_size`], lower case, each before any unit that ends it (`kib` before `b`).
+const MEMORY_UNITS: [(&str, f64); 9] = [
+    ("kib", 1024.0),
+    ("mib", 1048576.0),
+    ("gib", 1073741824.0),
+    ("tib", 1099511627776.0),
+    ("kb", 1e3),
+    ("mb", 1e6),
+    ("gb", 1e9),
+    ("tb", 1e12),
+    ("b", 1.0),
+];
 
 /// A tolerance: finite and >= 0.
 pub fn tolerance(text: &str) -> Result<f64, String> {
@@ -114,9 +126,18 @@ mod tests {
         // A number in exponent form keeps its `e`.
         assert_eq!(memory_size("1e3GB"), Ok(1_000_000_000_000));
         assert_eq!(memory_size("2.5e1 MiB"), Ok(25 << 20));
-        for bad in ["0", "-1GiB", "GiB", "24XB", "nan", "inf", "1e30TiB", "1GBB"] {
+        for bad in ["0", "-1GiB", "GiB", "24XB", "nan", "inf", "1e30TiB", "1GBB", "nanGB", "infGB", "0.1B"] {
             assert!(memory_size(bad).is_err(), "{bad}");
         }
+        // The error names what is wrong: the unit, the number, or a size under one byte.
+        assert!(memory_size("24XB").is_err_and(|e| e.contains("the unit must be")));
+        assert!(memory_size("1GBB").is_err_and(|e| e.contains("the unit must be")));
+        for bad_number in ["nanGB", "infGB", "xGB", "-2MiB"] {
+            let error = memory_size(bad_number).expect_err("a bad number");
+            assert!(error.contains("must be a size above 0"), "{bad_number}: {error}");
+        }
+        assert!(memory_size("0.1B").is_err_and(|e| e.contains("less than one byte")));
+        assert_eq!(memory_size("1b"), Ok(1));
         // Too large says so, not that the size must be above 0.
         for huge in ["18446744073709551616", "99999999999TB", "1e30GB"] {
             let error = memory_size(huge).expect_err("too large");
