@@ -141,6 +141,20 @@ golden!(
     ),
     ["E0101"]
 );
+/// A `tied` path naming a layer whose own declaration failed says nothing more: the layer is declared,
+/// and the failure is already reported (a second error called it undeclared and suggested another).
+#[test]
+fn a_tied_path_to_a_failed_layer_adds_no_error() {
+    let src = concat!(
+        prelude!(),
+        "block E {\n  layer wte = embedding(10, hidden, padding_idx: 12)\n  forward(x) {\n    return wte(x)\n  }\n}\n",
+        "layer emb = E()\nlayer head = linear(hidden, 10, tied: \"emb.wte\")\n",
+        "forward {\n  output y = head(emb(tokens))\n}\n"
+    );
+    let shown = render(src, &[], &["E0202"]);
+    assert!(shown.contains("`padding_idx` must name one of the 10 rows"), "{shown}");
+}
+
 golden!(
     unknown_operator_suggests,
     concat!(prelude!(), "layer wte = embedding(10, hidden)\nforward {\n  output y = gleu(wte(tokens))\n}\n"),

@@ -50,7 +50,8 @@ const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 /// Default standard deviation of normally initialised weights (GPT-2, BERT).
 const DEFAULT_STD: f64 = 0.02;
 
-fn join(path: &str, name: &str) -> String {
+/// A layer's path: its module's path and its name.
+pub(super) fn join(path: &str, name: &str) -> String {
     if path.is_empty() { name.to_string() } else { format!("{path}.{name}") }
 }
 
@@ -567,6 +568,9 @@ impl<'f> Elab<'f> {
         let weight = format!("{path}.weight");
         let found = self.params.iter().position(|p| p.name == weight && p.role == ParamRole::Embedding);
         let Some(index) = found else {
+            if self.poisoned_layers.contains(path) {
+                return Err(Fail::Reported);
+            }
             let tables: Vec<&str> = self
                 .params
                 .iter()

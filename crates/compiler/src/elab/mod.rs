@@ -205,6 +205,9 @@ pub struct Elab<'f> {
     /// included), that override's name: only one error is reported for the override and everything computed
     /// from it.
     override_roots: HashMap<String, String>,
+    /// The paths of layers whose declaration failed (and was reported): a `tied` path naming one stays
+    /// silent rather than call it undeclared.
+    poisoned_layers: HashSet<String>,
 }
 
 /// Elaborates a parsed file with command-line overrides into a model; errors if any diagnostic is an error.
@@ -234,6 +237,7 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         clashing_inputs: HashSet::new(),
         clashing_layers: HashSet::new(),
         override_roots: HashMap::new(),
+        poisoned_layers: HashSet::new(),
     };
     let result = elab.run(overrides);
     let mut diags = std::mem::take(&mut elab.diags);
@@ -627,7 +631,11 @@ impl<'f> Elab<'f> {
             let layer = match self.instantiate_layer(module, decl) {
                 Ok(l) => l,
                 Err(Fail::Abort) => return Err(Fail::Abort),
-                Err(Fail::Reported) => Layer::Poison,
+                Err(Fail::Reported) => {
+                    let path = layers::join(&self.modules[module].path, &decl.name.name);
+                    self.poisoned_layers.insert(path);
+                    Layer::Poison
+                }
             };
             self.modules[module].push_layer(&decl.name.name, layer);
         }
