@@ -263,6 +263,23 @@ fn a_negative_or_fractional_integer_flag_says_what_it_takes() {
     assert!(r.code() == Some(2) && r.stderr.contains("must be a finite number >= 0, not `-1`"), "{}", r.stderr);
 }
 
+/// A failure's trailer restates the mesh as the strategy read it (a 3d cube with its depth of 1), and
+/// verify does not blame the mesh for an error in the model.
+#[test]
+fn a_failed_compile_names_the_mesh_it_read_and_only_that() {
+    let tiny = example("tiny");
+    let plan = std::env::temp_dir().join(format!("optimus-trailer-{}.json", std::process::id()));
+    let plan = plan.to_str().expect("a UTF-8 path");
+    for (mesh, shown) in [("2x2", "1x2x2"), ("1x2x3", "1x2x3"), ("2x1x2x3", "2x1x2x3")] {
+        let r = run(&["compile", &tiny, "--strategy", "3d", "--mesh", mesh, "-o", plan]);
+        assert_eq!(r.code(), Some(1), "{}", r.stderr);
+        assert!(r.stderr.contains(&format!("cannot compile for a {shown} mesh")), "{mesh}: {}", r.stderr);
+    }
+    let r = run(&["verify", &tiny, "--set", "heads=3", "--mesh", "1x1", "--strategy", "none"]);
+    assert_eq!(r.code(), Some(1), "{}", r.stderr);
+    assert!(r.stderr.contains("error[E0") && !r.stderr.contains("for the mesh"), "{}", r.stderr);
+}
+
 /// Standard error a pipe whose reader is gone (`optimusc ... 2>&1 | head -1`): the command runs to its
 /// own exit status, not a panic on the failed write (101, "failed printing to stderr").
 #[test]

@@ -486,10 +486,22 @@ fn compile_checked(model: &optimus::ir::Model, source: &Source, target: optimus:
         Ok(plan) => Some(plan),
         Err(diagnostics) => {
             diag::render_stderr(&source.name, &source.text, &diagnostics);
-            eprintln_safe!("error: {}: cannot compile for a {} mesh; no plan written", source.name, target.mesh);
+            let mesh = mesh_as_strategy_reads_it(&target);
+            eprintln_safe!("error: {}: cannot compile for a {mesh} mesh; no plan written", source.name);
             None
         }
     }
+}
+
+/// A target's mesh as its strategy reads it: a depth strategy's cube with its depth even where that is
+/// 1 (`--strategy 3d --mesh 2x2` is a 1x2x2 cube), every other mesh as it prints.
+pub fn mesh_as_strategy_reads_it(target: &optimus::shard::Target) -> String {
+    let mesh = target.mesh;
+    if !matches!(target.strategy, Strategy::ThreeD | Strategy::Tesseract) || mesh.depth != 1 {
+        return mesh.to_string();
+    }
+    let replicas = if mesh.data != 1 { format!("{}x", mesh.data) } else { String::new() };
+    format!("{replicas}1x{}x{}", mesh.rows, mesh.cols)
 }
 
 /// A progress bar of `len` units drawn with `template` on standard error, when that is a terminal and

@@ -81,10 +81,10 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
     if args.target.mode() != super::ModeArg::Train {
         return Err("verify compares training steps; drop --mode infer".into());
     }
-    let sharded =
-        compile_for(&args.model, &args.target.set, args.target.target()).ok_or("cannot compile for the mesh")?;
+    // compile_for has printed the model's errors, and the mesh its trailer names.
+    let sharded = compile_for(&args.model, &args.target.set, args.target.target()).ok_or("nothing verified")?;
     let single_target = optimus::shard::Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Train);
-    let single = compile_for(&args.model, &args.target.set, single_target).ok_or("cannot compile for one device")?;
+    let single = compile_for(&args.model, &args.target.set, single_target).ok_or("nothing verified")?;
     let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };
     let tolerance = tolerance(args, sharded.precision);
     let against_bf16 = sharded.precision == Precision::Bf16 && args.tolerance.is_none();
