@@ -389,9 +389,17 @@ fn mask_data_refuses_what_it_cannot_mask() {
     let out = run(&["--mask-id", "1", "--vocab", "5"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("token 5 at offset 4 (token index) is not below --vocab 5"), "{}", stderr(&out));
+    // The mask id that is the label files' ignore value is named as that, not as a vocabulary too large.
     let out = run(&["--mask-id", "65535"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("does not fit U16 files"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--mask-id 65535 is not below 65535, the value that marks ignored"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(&["--mask-id", "1", "--vocab", "65536"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("a vocabulary of 65536 tokens does not fit U16 files"), "{}", stderr(&out));
     assert!(!inputs.exists() && !labels.exists(), "nothing is written after an error");
     let ignored = write_u16("holds-ignore.u16", &[1, u16::MAX, 3]);
     let out = optimusc(&["mask-data", text(&ignored), "--mask-id", "0", "-o", text(&prefix)]);

@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 pub enum MaskError {
     /// `--mask-id` is not a token id of the vocabulary.
     MaskIdOutside { mask_id: u32, vocab: u64 },
+    /// The mask id is the dtype's ignore id (or past it), which labels reserve.
+    MaskIdIsIgnore { mask_id: u32, dtype: TokenDtype },
     /// The vocabulary reaches the dtype's ignore id, which labels reserve.
     VocabTooLarge { vocab: u64, dtype: TokenDtype },
     /// The token file holds the ignore id itself, at token index `offset`.
@@ -31,6 +33,18 @@ impl fmt::Display for MaskError {
         match self {
             MaskError::MaskIdOutside { mask_id, vocab } => {
                 write!(f, "--mask-id {mask_id} is outside the vocabulary of {vocab} tokens (ids 0..{vocab})")
+            }
+            MaskError::MaskIdIsIgnore { mask_id, dtype } => {
+                let wider = match dtype {
+                    TokenDtype::U16 => ", or a u32 token file (--data-dtype u32) for ids this large",
+                    TokenDtype::U32 => "",
+                };
+                write!(
+                    f,
+                    "--mask-id {mask_id} is not below {}, the value that marks ignored labels in {dtype:?} files; \
+                     give the tokenizer's mask id{wider}",
+                    dtype.ignore_id()
+                )
             }
             MaskError::VocabTooLarge { vocab, dtype } => write!(
                 f,
@@ -100,6 +114,9 @@ pub fn output_paths(prefix: &Path) -> (PathBuf, PathBuf) {
 pub fn mask_tokens(data: &TokenData, mask_id: u32, vocab: Option<u64>, seed: u64) -> Result<Masked, MaskError> {
     let dtype = data.dtype();
     let ignore = dtype.ignore_id();
+    if mask_id >= ignore {
+        return Err(MaskError::MaskIdIsIgnore { mask_id, dtype });
+    }
     let largest = check_tokens(data, vocab)?;
     let vocab = vocab.unwrap_or_else(|| u64::from(largest.max(mask_id)) + 1);
     if u64::from(mask_id) >= vocab {
