@@ -90,6 +90,10 @@ fn bad_requests_are_usage_errors() {
             &["--prompt-ids", "1,60000", "--max-new-tokens", "4"],
             "prompt token 60000 is not below the model's vocabulary size 50257",
         ),
+        (
+            &["--prompt-ids", "1,2", "--max-new-tokens", "4", "--eos", "50257"],
+            "--eos 50257 is not below the model's vocabulary size 50257",
+        ),
         (&["--prompt", "x", "--max-new-tokens", "30"], "generate at most 24 new tokens"),
         // A count near 2^64 is refused as too many, not wrapped around into an internal error.
         (&["--prompt-ids", "1,2", "--max-new-tokens", "18446744073709551615"], "generate at most 23 new tokens"),

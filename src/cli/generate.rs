@@ -288,6 +288,11 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
     if let Some(id) = prompts.iter().flatten().find(|&&id| u64::from(id) >= vocab) {
         return Err(Failure::usage(format!("prompt token {id} is not below the model's vocabulary size {vocab}")));
     }
+    if let Some(id) = args.eos.filter(|&id| u64::from(id) >= vocab) {
+        return Err(Failure::usage(format!(
+            "--eos {id} is not below the model's vocabulary size {vocab}: no token generated could end a row"
+        )));
+    }
     if let Some(checkpoint) = args.resume.as_ref().filter(|c| !c.is_dir()) {
         return Err(Failure::usage(format!("--resume `{}` is not a checkpoint folder", checkpoint.display())));
     }
