@@ -538,8 +538,8 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         checkpoints: resumption.checkpoints,
         ..config
     };
-    if config.clip_grad_norm.is_some() && plan.mode != Mode::Train {
-        return Err(Failure::usage("--clip-grad-norm clips the gradients of a training plan; this plan infers".into()));
+    if plan.mode != Mode::Train {
+        refuse_training_flags(args)?;
     }
     if config.clip_grad_norm.is_some() && plan.grad_norm.is_none() {
         return Err(Failure::usage(
@@ -552,6 +552,40 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         optimus::runtime::peak::measure_before_run();
     }
     Ok(Prepared { plan, tokenizer, sources, initial, config })
+}
+
+/// The flags that only set up training (the optimizer, its schedule, clipping): given to a run of an
+/// inference plan they would do nothing, and its records would show a learning rate nothing used.
+const TRAINING_ONLY_FLAGS: [&str; 11] = [
+    "lr",
+    "lr_schedule",
+    "warmup_steps",
+    "min_lr",
+    "clip_grad_norm",
+    "optimizer",
+    "weight_decay",
+    "momentum",
+    "beta1",
+    "beta2",
+    "eps",
+];
+
+/// Refuses, for a plan that infers, every training-only flag the command line gave.
+fn refuse_training_flags(args: &RunArgs) -> Result<(), Failure> {
+    let given: Vec<String> = TRAINING_ONLY_FLAGS
+        .iter()
+        .filter(|id| args.given.contains_key(**id))
+        .map(|id| format!("--{}", id.replace('_', "-")))
+        .collect();
+    if given.is_empty() {
+        return Ok(());
+    }
+    Err(Failure::usage(format!(
+        "{} {} up training, and this plan infers (no gradients, no updates): drop {}, or compile with --mode train",
+        given.join(", "),
+        if given.len() == 1 { "sets" } else { "set" },
+        if given.len() == 1 { "it" } else { "them" }
+    )))
 }
 
 /// `--tokenizer`, refused unless it goes with `--save-weights DIR/` and the model's vocabulary holds its ids.
