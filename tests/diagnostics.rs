@@ -141,6 +141,17 @@ golden!(
     ),
     ["E0101"]
 );
+/// A letter that is not ASCII where a name goes is said to be that, beside the parser's expectation.
+#[test]
+fn a_name_with_a_letter_that_is_not_ascii_says_names_are_ascii() {
+    let src = "model m\nconfig {\n  h\u{ef}dden = 32\n}\n";
+    let shown = render(src, &[], &["E0001"]);
+    assert!(shown.contains("`\u{ef}` is not ASCII: names are ASCII letters, digits and `_`"), "{shown}");
+    // Other syntax errors are not told about ASCII.
+    let shown = render("model m\nconfig {\n  hidden 32\n}\n", &[], &["E0001"]);
+    assert!(!shown.contains("ASCII"), "{shown}");
+}
+
 /// A `tied` path naming a layer whose own declaration failed says nothing more: the layer is declared,
 /// and the failure is already reported (a second error called it undeclared and suggested another).
 #[test]

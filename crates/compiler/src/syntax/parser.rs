@@ -271,6 +271,11 @@ fn expected_found(text: &str, pos: usize, phrases: &[String]) -> Diagnostic {
         None if expected.is_empty() => d.primary(found.span, "unexpected here"),
         None => d.primary(found.span, format!("expected {expected}")),
     };
+    let first = text.get(found.span.start as usize..).and_then(|rest| rest.chars().next());
+    let d = match first.filter(|c| c.is_alphanumeric() && !c.is_ascii()) {
+        Some(c) => d.help(format!("`{c}` is not ASCII: names are ASCII letters, digits and `_`")),
+        None => d,
+    };
     let Some((at, open)) = innermost else { return d };
     let close = expect::closer(open);
     let wanted = phrases.iter().any(|p| *p == format!("`{close}`"));
