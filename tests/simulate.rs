@@ -493,7 +493,7 @@ fn compare_takes_any_set_of_strategies_and_marks_those_the_devices_do_not_fit() 
     let (ok, text, err) = optimusc(&args);
     assert!(ok && text.contains("tesseract 4x2x2") && text.contains("1.00x"), "{text}{err}");
     assert!(!text.contains("speedup (megatron"), "no megatron, no megatron ratio: {text}");
-    // A set of fewer than two strategies, none, or a device count nothing fits is a usage error.
+    // A set of fewer than two strategies or none is a usage error; a device count nothing fits fails.
     for (compare, mesh, expected) in [
         ("--compare=optimus", "4x4", "two strategies or more"),
         ("--compare=none,optimus", "4x4", "none runs one device"),

@@ -333,18 +333,18 @@ pub fn parse_mesh(s: &str) -> Result<MeshArg, String> {
 
 /// The text of a model file for a command that compiles it again and again (`why`): a plan (.json) is
 /// refused, and so is text that is not UTF-8; prints the error and returns `None` then.
-pub fn read_model_text(path: &Path, why: &str) -> Option<String> {
+pub fn read_model_text(path: &Path, why: &str) -> Result<String, std::process::ExitCode> {
     if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
         eprintln_safe!("error: {why}: give the .opt file, not a plan");
-        return None;
+        return Err(std::process::ExitCode::from(2));
     }
-    let bytes = read_model(path)?;
+    let bytes = read_model(path).ok_or(std::process::ExitCode::from(1))?;
     let (source, bad) = optimus::front::decode(&path.display().to_string(), bytes);
-    if bad.is_some() {
-        eprintln_safe!("error: `{}` is not valid UTF-8", path.display());
-        return None;
+    if let Some(d) = bad {
+        diag::render_stderr(&source.name, &source.text, &[d]);
+        return Err(std::process::ExitCode::from(1));
     }
-    Some(source.text)
+    Ok(source.text)
 }
 
 /// Reads a model file (a regular file of at most 64 MiB); prints an error and returns `None` if it

@@ -107,7 +107,10 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let Some(text) = read_source(&args.model) else { return ExitCode::from(1) };
+    let text = match read_source(&args.model) {
+        Ok(text) => text,
+        Err(status) => return status,
+    };
     let name = args.model.display().to_string();
     let source = Source { name: &name, text: &text, overrides: &args.set };
     if let Some(code) = check_model(&source, &args.set) {
@@ -180,7 +183,7 @@ fn check_model(source: &Source, overrides: &[Override]) -> Option<ExitCode> {
 }
 
 /// The text of a model file (plans are refused: the planner recompiles).
-fn read_source(path: &std::path::Path) -> Option<String> {
+fn read_source(path: &std::path::Path) -> Result<String, ExitCode> {
     super::read_model_text(path, "plan compiles the model for many configurations")
 }
 

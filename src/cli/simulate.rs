@@ -165,7 +165,10 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
         };
         return single(args, &hw, &plan, None);
     }
-    let Some(text) = read_source(&args.model) else { return ExitCode::from(1) };
+    let text = match read_source(&args.model) {
+        Ok(text) => text,
+        Err(status) => return status,
+    };
     let name = args.model.display().to_string();
     let source = Source { name: &name, text: &text, overrides: &args.target.set };
     if args.sweep {
@@ -217,7 +220,7 @@ fn pipelined(args: &SimulateArgs, hw: &Hardware, searching: bool) -> ExitCode {
 }
 
 /// The text of a model file; searches re-compile it, so plans (.json) are refused.
-fn read_source(path: &std::path::Path) -> Option<String> {
+fn read_source(path: &std::path::Path) -> Result<String, ExitCode> {
     super::read_model_text(path, "--max-batch, --compare and --sweep re-compile the model")
 }
 
@@ -407,7 +410,7 @@ fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source, asked: &[Strateg
             .filter_map(|s| s.result.as_ref().err().map(|e| format!("{}: {e}", s.strategy.name())))
             .collect();
         eprintln_safe!("error: no strategy compared fits {devices} devices ({})", reasons.join("; "));
-        return ExitCode::from(2);
+        return ExitCode::from(1);
     }
     if args.json {
         return super::print_json(&compare_json(hw, devices, args.mode(), &sides));
