@@ -2,7 +2,6 @@
 //! plan's model with the plan's target at other batch sizes.
 
 use optimus::cost::search::{self, MaxBatch, Source};
-use optimus::elab::Override;
 use optimus::plan::{MemoryOptions, Plan};
 use optimus::shard::Target;
 use serde::Serialize;
@@ -34,21 +33,14 @@ pub fn largest_batch(plan: &Plan, capacity: u64) -> Result<Fit, String> {
             plan.source
         )
     })?;
-    let overrides = changed_config(plan, &text)?;
+    // The config values the plan was compiled with (but batch, which the search sets).
+    let overrides = super::plan_overrides(plan, &text, &["batch"])?;
     let source = Source { name: &plan.source, text: &text, overrides: &overrides };
     let memory = MemoryOptions { recompute: Some(plan.recompute), precision: plan.precision, zero: plan.zero };
     let target = Target { mesh: plan.mesh, strategy: plan.strategy, mode: plan.mode, memory, layouts: plan.layouts };
     let found = search::max_batch(&source, target, capacity);
     let plan_batch = plan_int(plan, "batch");
     Ok(Fit { memory_bytes: capacity, found, plan_batch, plan_fits: plan.memory.peak_bytes <= capacity })
-}
-
-/// The config values the plan was compiled with that differ from the model file's own: the `--set`
-/// overrides of its compilation (batch excepted, which the search sets).
-fn changed_config(plan: &Plan, text: &str) -> Result<Vec<Override>, String> {
-    let checked = optimus::front::check_source(text, &[]);
-    let model = checked.model.ok_or_else(|| format!("the plan's model `{}` no longer checks", plan.source))?;
-    super::plan_overrides(plan, &model, &["batch"])
 }
 
 fn plan_int(plan: &Plan, name: &str) -> Option<u64> {

@@ -152,8 +152,8 @@ fn args_of_plan(args: &GenerateArgs) -> Result<GenerateArgs, Failure> {
             plan.source
         )));
     }
-    let (own, _) = super::load_checked(&model, &[]).ok_or_else(Failure::reported)?;
-    let mut sets = super::plan_overrides(&plan, &own, &["batch", "seq"]).map_err(Failure::usage)?;
+    let text = super::read_model_text(&model, "generate compiles the plan's model").map_err(|_| Failure::reported())?;
+    let mut sets = super::plan_overrides(&plan, &text, &["batch", "seq"]).map_err(Failure::usage)?;
     sets.extend(args.target.set.iter().cloned());
     let mut given = args.clone();
     given.model = model;

@@ -391,11 +391,21 @@ pub fn compile_model(path: &Path, target: &TargetArgs) -> Option<Plan> {
     Some(plan)
 }
 
-/// The `--set` overrides that make `model` (a plan's `source` file as it reads now) the plan's model:
+/// The `--set` overrides that make a plan's `source` file, as it reads now, the plan's model:
 /// each config value the plan was compiled with that differs from the file's own, less those named in
 /// `skip`. A value the file no longer has is an error: the file changed since the plan was compiled
 /// (or the plan names another file), and applying it would be blamed on a `--set` nobody gave.
-pub fn plan_overrides(plan: &Plan, model: &optimus::ir::Model, skip: &[&str]) -> Result<Vec<Override>, String> {
+///
+/// `text` is the file's text: it is checked with its own config values, quietly (the command compiles
+/// it again with the overrides, and shows that compilation's diagnostics).
+pub fn plan_overrides(plan: &Plan, text: &str, skip: &[&str]) -> Result<Vec<Override>, String> {
+    let checked = check_source(text, &[]);
+    let model = checked.model.ok_or_else(|| {
+        format!(
+            "the plan's model `{}` no longer checks with its own config values; compile the plan again",
+            plan.source
+        )
+    })?;
     let mut overrides = Vec::new();
     for (name, value) in plan.config.iter().filter(|(name, _)| !skip.contains(&name.as_str())) {
         let Some(own) = model.config_value(name) else {

@@ -10,14 +10,14 @@ use clap::parser::ValueSource;
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 
-/// Flags that define the training: a resumed run that gives another value is refused.
-const DEFINING: &[&str] = &[
-    "data",
-    "data_dtype",
-    "shuffle",
-    "segments",
-    "labels",
-    "objective",
+/// Flags that define the training: a resumed run that gives another value is refused. These are its
+/// data, seed, accumulation, config values and precision; [`TRAINING_ONLY`] are the others.
+const DEFINING_DATA: [&str; 10] =
+    ["data", "data_dtype", "shuffle", "segments", "labels", "objective", "seed", "accum", "set", "precision"];
+
+/// The defining flags that only set up training (the optimizer, its schedule, clipping): a run of an
+/// inference plan refuses them.
+pub const TRAINING_ONLY: [&str; 11] = [
     "lr",
     "lr_schedule",
     "warmup_steps",
@@ -29,11 +29,17 @@ const DEFINING: &[&str] = &[
     "beta1",
     "beta2",
     "eps",
-    "seed",
-    "accum",
-    "set",
-    "precision",
 ];
+
+/// Whether `id` is a flag that defines the training.
+fn is_defining(id: &str) -> bool {
+    DEFINING_DATA.contains(&id) || TRAINING_ONLY.contains(&id)
+}
+
+/// The training-only flags `args`' command line gave, as spelled there (`--lr`).
+pub fn training_only_given(args: &RunArgs) -> Vec<String> {
+    TRAINING_ONLY.iter().filter(|id| args.given.contains_key(**id)).map(|id| flag(id)).collect()
+}
 
 /// Flags a resumed run takes from the checkpoint when it gives none, and may change freely.
 const DEFAULTED: &[&str] = &["steps", "val_data", "val_segments", "val_labels", "eval_every", "eval_batches"];
@@ -44,7 +50,7 @@ pub type GivenFlags = BTreeMap<String, Vec<String>>;
 /// The recorded kinds of flags that `matches` (of `optimusc run`) has from the command line.
 pub fn given_flags(matches: &clap::ArgMatches) -> GivenFlags {
     let mut given = GivenFlags::new();
-    for &id in DEFINING.iter().chain(DEFAULTED) {
+    for &id in DEFINING_DATA.iter().chain(&TRAINING_ONLY).chain(DEFAULTED) {
         if matches.value_source(id) != Some(ValueSource::CommandLine) {
             continue;
         }
@@ -104,7 +110,7 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
     }
     let missing: Vec<(&String, &Vec<String>)> = recorded
         .iter()
-        .filter(|(id, _)| DEFINING.contains(&id.as_str()) || DEFAULTED.contains(&id.as_str()))
+        .filter(|(id, _)| is_defining(id) || DEFAULTED.contains(&id.as_str()))
         .filter(|(id, _)| !args.given.contains_key(*id))
         .collect();
     if missing.is_empty() {
@@ -129,7 +135,7 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
 /// The defining flags given on this command line with another value than the checkpoint recorded.
 fn changed_flags(args: &RunArgs, recorded: &GivenFlags) -> Vec<String> {
     let mut changes = Vec::new();
-    for (id, theirs) in recorded.iter().filter(|(id, _)| DEFINING.contains(&id.as_str())) {
+    for (id, theirs) in recorded.iter().filter(|(id, _)| is_defining(id)) {
         let Some(mine) = args.given.get(id) else { continue };
         if parsed(args, id, mine) != parsed(args, id, theirs) {
             changes.push(format!("{} {} (the checkpoint has {})", flag(id), mine.join(" "), theirs.join(" ")));
@@ -138,7 +144,7 @@ fn changed_flags(args: &RunArgs, recorded: &GivenFlags) -> Vec<String> {
     if recorded.is_empty() {
         return changes;
     }
-    for (id, mine) in args.given.iter().filter(|(id, _)| DEFINING.contains(&id.as_str())) {
+    for (id, mine) in args.given.iter().filter(|(id, _)| is_defining(id)) {
         if !recorded.contains_key(id) && parsed(args, id, mine) != parsed(args, id, &[]) {
             changes.push(format!("{} {} (the checkpoint has the default)", flag(id), mine.join(" ")));
         }

@@ -554,29 +554,10 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     Ok(Prepared { plan, tokenizer, sources, initial, config })
 }
 
-/// The flags that only set up training (the optimizer, its schedule, clipping): given to a run of an
-/// inference plan they would do nothing, and its records would show a learning rate nothing used.
-const TRAINING_ONLY_FLAGS: [&str; 11] = [
-    "lr",
-    "lr_schedule",
-    "warmup_steps",
-    "min_lr",
-    "clip_grad_norm",
-    "optimizer",
-    "weight_decay",
-    "momentum",
-    "beta1",
-    "beta2",
-    "eps",
-];
-
-/// Refuses, for a plan that infers, every training-only flag the command line gave.
+/// Refuses, for a plan that infers, every training-only flag the command line gave: they would do
+/// nothing, and its records would show a learning rate nothing used.
 fn refuse_training_flags(args: &RunArgs) -> Result<(), Failure> {
-    let given: Vec<String> = TRAINING_ONLY_FLAGS
-        .iter()
-        .filter(|id| args.given.contains_key(**id))
-        .map(|id| format!("--{}", id.replace('_', "-")))
-        .collect();
+    let given = super::recorded::training_only_given(args);
     if given.is_empty() {
         return Ok(());
     }
