@@ -49,6 +49,23 @@ fn hyperparameters_out_of_range_are_usage_errors_naming_the_flag() {
     }
 }
 
+/// `--max-shard-size` without a folder to shard into (`--save-weights FILE`, or no --save-weights) is a
+/// usage error before step 0, rather than ignored.
+#[test]
+fn a_shard_size_without_a_folder_to_shard_is_refused() {
+    let file = scratch("one-file.safetensors");
+    let _ = std::fs::remove_file(&file);
+    let file_arg = file.to_str().expect("utf-8").to_string();
+    for extra in [&["--save-weights", &file_arg][..], &[]] {
+        let mut args = vec!["run", "examples/tiny.opt", "--steps", "1", "--max-shard-size", "1KB"];
+        args.extend_from_slice(extra);
+        let out = optimusc(&args);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains("--max-shard-size sizes the shards of --save-weights DIR/"), "{}", stderr(&out));
+        assert!(!file.exists(), "nothing saved");
+    }
+}
+
 #[test]
 fn compile_flags_given_with_a_plan_must_agree_with_it() {
     let plan = scratch("tiny-2x2.json");

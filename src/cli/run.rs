@@ -68,9 +68,10 @@ pub struct RunArgs {
     #[arg(long, value_name = "gpt2|PATH/tokenizer.json")]
     pub tokenizer: Option<String>,
     /// The largest shard `--save-weights DIR/` writes, as `save_pretrained(max_shard_size=...)`: a size
-    /// such as 5GB (decimal units, Hugging Face's default) or 512MiB. A larger tensor gets a shard of its own.
-    #[arg(long, value_name = "SIZE", value_parser = super::flags::memory_size, default_value = "5GB")]
-    pub max_shard_size: u64,
+    /// such as 5GB (decimal units; the default, as Hugging Face's) or 512MiB. A larger tensor gets a shard of
+    /// its own.
+    #[arg(long, value_name = "SIZE", value_parser = super::flags::memory_size)]
+    pub max_shard_size: Option<u64>,
     /// Seed for initial weights, random tokens and dropout masks.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -546,6 +547,13 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
             "--clip-grad-norm: this plan was compiled before optimusc computed gradient norms; compile it again".into(),
         ));
     }
+    if args.max_shard_size.is_some() && !args.save_weights.as_deref().is_some_and(saves_a_directory) {
+        return Err(Failure::usage(
+            "--max-shard-size sizes the shards of --save-weights DIR/ (a folder, as save_pretrained writes); \
+             without it there are no shards: drop the flag, or give a folder"
+                .into(),
+        ));
+    }
     let tokenizer = args.tokenizer.as_deref().map(|name| checked_tokenizer(name, args, &plan)).transpose()?;
     if args.profile && args.backend == Backend::Cpu {
         // Beside the peak measured after the run, to tell whether the machine kept its speed.
@@ -724,7 +732,7 @@ pub(super) fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output
             let names = optimus::text::HUB_FILES.map(String::from);
             optimus::io::pretrained::check_all_writable(path, &names).map_err(|e| format!("--save-weights: {e}"))?;
         }
-        save_weights(path, args.max_shard_size, job, output)?;
+        save_weights(path, args.max_shard_size.unwrap_or(DEFAULT_MAX_SHARD_BYTES), job, output)?;
         if let Some(tokenizer) = &job.tokenizer {
             save_tokenizer(path, tokenizer, &job.plan)?;
         }
@@ -743,6 +751,9 @@ pub(super) fn finish(args: &RunArgs, job: &Prepared, progress: &Progress, output
     }
     Ok(())
 }
+
+/// The shard size of `--save-weights DIR/` without `--max-shard-size`: 5GB, as `save_pretrained`'s.
+const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
 /// The error [`finish`] returns for a run stopped by a signal: reported already, exit status 130.
 const INTERRUPTED: &str = "\u{0}interrupted";
