@@ -66,6 +66,21 @@ fn a_shard_size_without_a_folder_to_shard_is_refused() {
     }
 }
 
+/// `--shuffle` on a token file shorter than one window says there is nothing to shuffle.
+#[test]
+fn shuffling_less_than_one_window_says_so() {
+    let data = scratch("eight.u16");
+    token_file(&data, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    let out =
+        optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--data", data.to_str().expect("utf-8"), "--shuffle"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("fewer than one window of 9 (seq + 1): there is nothing to shuffle"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn compile_flags_given_with_a_plan_must_agree_with_it() {
     let plan = scratch("tiny-2x2.json");

@@ -327,6 +327,22 @@ pub fn shortfall_warning(sources: &Sources, plan: &Plan) -> Option<String> {
     data.shortfall_warning(batch, seq)
 }
 
+/// Why `--shuffle` changes nothing, for a token file shorter than one window (seq + 1 tokens): it is
+/// read in order, wrapping, as without the flag.
+fn nothing_to_shuffle(sources: &Sources, plan: &Plan) -> Option<String> {
+    let data = sources.tokens.as_ref()?;
+    let (_, seq) = check_inputs(plan).ok()?;
+    (data.windows(seq) == 0).then(|| {
+        format!(
+            "--shuffle: `{}` holds {} tokens, fewer than one window of {} (seq + 1): there is nothing to shuffle, \
+             and it is read in order",
+            data.path(),
+            data.len(),
+            seq + 1
+        )
+    })
+}
+
 /// Optimizer flags; the defaults are PyTorch's.
 #[derive(clap::Args, Debug, Clone)]
 pub struct OptimizerArgs {
@@ -494,6 +510,9 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
             ));
         }
         sources.order = optimus::io::Order::Shuffled { seed: args.seed };
+        if let Some(note) = nothing_to_shuffle(&sources, &plan).filter(|_| leader) {
+            eprintln_safe!("warning: {note}");
+        }
     }
     if sources.drawn_from_seed() && leader {
         let what = if plan.mode == Mode::Train { "training on" } else { "running" };
