@@ -66,6 +66,53 @@ fn a_shard_size_without_a_folder_to_shard_is_refused() {
     }
 }
 
+/// Weights trained with another configuration of the same shapes (other `heads`) load with a warning
+/// naming what differs, from a checkpoint (its recorded config values) and from a saved folder (its
+/// config.json); the same configuration, or another dropout, loads without one.
+#[test]
+fn weights_trained_with_other_heads_load_with_a_warning() {
+    let dir = scratch("other-heads");
+    let _ = std::fs::remove_dir_all(&dir);
+    let (folder, checkpoints) = (format!("{}/w/", dir.display()), dir.join("ck"));
+    let checkpoints = checkpoints.to_str().expect("utf-8");
+    // GPT-2 small enough to train a step, so that the folder has a config.json.
+    let gpt2 = [
+        "run",
+        "examples/gpt2.opt",
+        "--steps",
+        "1",
+        "--set",
+        "layers=1",
+        "--set",
+        "hidden=32",
+        "--set",
+        "vocab=64",
+        "--set",
+        "context=16",
+        "--set",
+        "seq=8",
+        "--set",
+        "batch=2",
+    ];
+    let trained = optimusc(
+        &[&gpt2[..], &["--set", "heads=4", "--save-weights", &folder, "--checkpoint-dir", checkpoints]].concat(),
+    );
+    assert!(trained.status.success(), "{}", stderr(&trained));
+    let load = |from: &str, sets: &[&str]| {
+        let out = optimusc(&[&gpt2[..], &["--weights", from], sets].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        stderr(&out)
+    };
+    let warned = load(checkpoints, &["--set", "heads=2"]);
+    assert!(warned.contains("holds weights trained with heads 4 (this model: 2)"), "{warned}");
+    let warned = load(&folder, &["--set", "heads=2"]);
+    assert!(warned.contains("holds weights trained with n_head 4 (this model: 2)"), "{warned}");
+    for from in [checkpoints, &folder] {
+        let quiet = load(from, &["--set", "heads=4", "--set", "pdrop=0.2"]);
+        assert!(!quiet.contains("holds weights trained with"), "{quiet}");
+    }
+}
+
 /// `--shuffle` on a token file shorter than one window says there is nothing to shuffle.
 #[test]
 fn shuffling_less_than_one_window_says_so() {

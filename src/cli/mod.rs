@@ -19,6 +19,7 @@ pub mod run;
 pub mod simulate;
 pub mod tokenize;
 pub mod verify;
+pub mod weights_config;
 
 use clap::ValueEnum;
 use optimus::diag;

@@ -182,6 +182,8 @@ fn training_record(args: &RunArgs, plan: &Plan) -> serde_json::Value {
     serde_json::json!({
         "model": plan.model,
         "source": plan.source,
+        // The config values the weights were trained with: --weights and generate --resume compare them.
+        "config": plan.config.iter().map(|(name, value)| (name.clone(), serde_json::json!(value))).collect::<serde_json::Map<_, _>>(),
         "mesh": plan.mesh.to_string(),
         "strategy": plan.strategy.name(),
         "steps": args.steps,

@@ -1105,6 +1105,10 @@ fn initial_weights(args: &RunArgs, plan: &Plan) -> Result<InitialWeights, String
 
 /// The weights at `path` (as `--weights` reads them) for `plan`: see [`initial_weights`].
 pub(super) fn weights_for(path: Option<&PathBuf>, allow: bool, plan: &Plan) -> Result<InitialWeights, String> {
+    let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
+    if let Some(warning) = path.filter(|_| leader).and_then(|p| super::weights_config::warning(p, plan)) {
+        eprintln_safe!("warning: {warning}");
+    }
     match path {
         None => Ok((BTreeMap::new(), None)),
         Some(path) if path.is_dir() && pretrained_file(path).is_none() => {
