@@ -380,6 +380,11 @@ fn checkpoints_of_two_histories_never_mix_and_resume_keeps_its_folder() {
     let earlier = format!("--resume {}", after_2.display());
     assert!(stderr.contains(&earlier) && stderr.contains("the latest cannot be read"), "{stderr}");
     std::fs::write(&manifest, kept).expect("restore");
+    // A checkpoint resumed with another model file is told as that, not as other settings.
+    let other = optimusc(&["run", "examples/gpt2.opt", "--steps", "6", "--mesh", "2x2", "--resume", text(&ckpt)]);
+    let stderr = String::from_utf8_lossy(&other.stderr);
+    assert_eq!(other.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is a checkpoint of model `tiny`, and this run's model is `gpt2`"), "{stderr}");
     train(TWO_BY_TWO, 6, &["--resume", text(&ckpt)]);
     assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 6, "the resumed run checkpointed into its folder");
 }

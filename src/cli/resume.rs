@@ -211,6 +211,15 @@ fn training_record(args: &RunArgs, plan: &Plan) -> serde_json::Value {
 /// micro-batches, optimizer and batch shape, and steps left to run.
 fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json::Value) -> Result<Checkpoint, Failure> {
     let checkpoint = Checkpoint::open(path).map_err(|e| Failure::from(format!("--resume: {e}")))?;
+    let (model, trained) = (training["model"].as_str().unwrap_or_default(), &checkpoint.manifest().model);
+    if model != trained {
+        return Err(Failure::usage(format!(
+            "--resume: `{}` is a checkpoint of model `{trained}`, and this run's model is `{model}`: resume it with the \
+             model file it was trained from{}",
+            checkpoint.dir().display(),
+            checkpoint.training()["source"].as_str().map_or(String::new(), |source| format!(" (`{source}`)"))
+        )));
+    }
     let theirs = &checkpoint.training()["must_match"];
     let mut differences = Vec::new();
     if let Some(fields) = training["must_match"].as_object() {
