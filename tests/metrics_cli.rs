@@ -92,6 +92,20 @@ fn log_appends_the_records_json_prints_and_a_second_run_continues_it() {
     assert_eq!(logged[printed.len()..], printed_again[..]);
 }
 
+/// A log whose last line was cut short (a killed run) gets that line ended before the next run's
+/// records, which stay lines of their own.
+#[test]
+fn a_log_cut_short_is_continued_on_a_new_line() {
+    let log = scratch("cut-short.jsonl");
+    std::fs::write(&log, "{\"step\":0,\"loss\":1.0}\n{\"step\":5,\"lo").expect("write");
+    let run = tiny_run(&["--json", "--log", text(&log)]);
+    let printed = json_lines(&String::from_utf8_lossy(&run.stdout));
+    let written = std::fs::read_to_string(&log).expect("log kept");
+    let lines: Vec<&str> = written.lines().collect();
+    assert_eq!(lines[..2], ["{\"step\":0,\"loss\":1.0}", "{\"step\":5,\"lo"], "{written}");
+    assert_eq!(json_lines(&lines[2..].join("\n")), printed, "{written}");
+}
+
 #[test]
 fn log_works_without_json() {
     let log = scratch("quiet.jsonl");

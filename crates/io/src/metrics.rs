@@ -155,13 +155,17 @@ impl MetricsLog {
     pub fn append_to(path: &Path) -> Result<MetricsLog, MetricsError> {
         let sink = match Sink::standard(path) {
             Some(stream) => stream,
-            None => Sink::File(
-                OpenOptions::new()
-                    .append(true)
-                    .create(true)
-                    .open(path)
-                    .map_err(|source| MetricsError::Open { path: path.to_path_buf(), source })?,
-            ),
+            None => {
+                let open = |source| MetricsError::Open { path: path.to_path_buf(), source };
+                let mut file = OpenOptions::new().append(true).create(true).open(path).map_err(open)?;
+                // A log whose last line was cut short (a killed run, a full disk) gets the rest of that
+                // line ended first, so that the next record is a line of its own.
+                if !ends_a_line(path) {
+                    file.write_all(b"\n")
+                        .map_err(|source| MetricsError::Append { path: path.to_path_buf(), source })?;
+                }
+                Sink::File(file)
+            }
         };
         Ok(MetricsLog { path: path.to_path_buf(), sink: Mutex::new(sink) })
     }
@@ -172,6 +176,18 @@ impl MetricsLog {
         let mut sink = self.sink.lock().unwrap_or_else(PoisonError::into_inner);
         sink.write_line(line.as_bytes()).map_err(|source| MetricsError::Append { path: self.path.clone(), source })
     }
+}
+
+/// Whether the file at `path` is empty or ends with a line break (a file that cannot be read counts as
+/// ending one: nothing is added to it).
+fn ends_a_line(path: &Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else { return true };
+    if file.metadata().map_or(true, |m| m.len() == 0 || !m.is_file()) {
+        return true;
+    }
+    let mut last = [0u8; 1];
+    file.seek(SeekFrom::End(-1)).and_then(|_| file.read_exact(&mut last)).map_or(true, |()| last[0] == b'\n')
 }
 
 /// The curves of a metrics log, by step; a later record of a step replaced an earlier one.
