@@ -248,6 +248,16 @@ fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json:
     Ok(checkpoint)
 }
 
+/// `text` as one word of a POSIX shell command: as it is where it has only characters no shell reads
+/// specially, else in single quotes (a quote inside written `'\''`).
+fn shell_word(text: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_./:@%+=,-".contains(c);
+    if !text.is_empty() && text.chars().all(plain) {
+        return text.to_string();
+    }
+    format!("'{}'", text.replace('\'', "'\\''"))
+}
+
 /// What an interrupted run prints: where its state is and how to go on.
 pub fn interrupted_message(
     args: &RunArgs,
@@ -261,11 +271,32 @@ pub fn interrupted_message(
              with `--resume {}` (on any mesh)",
             args.steps,
             path.display(),
+            shell_word(&dir.display().to_string())
+        ),
+        (None, Some(dir)) => format!(
+            "interrupted after {steps_done} of {} updates, before this run wrote a checkpoint in `{}`: there is \
+             nothing of it to resume",
+            args.steps,
             dir.display()
         ),
         _ => format!(
             "interrupted after {steps_done} of {} updates; without --checkpoint-dir this run cannot be resumed",
             args.steps
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shell_word;
+
+    /// A path a shell would split or read specially is quoted, so that the advice pastes as it reads.
+    #[test]
+    fn a_path_is_one_shell_word() {
+        assert_eq!(shell_word("runs/ck-1"), "runs/ck-1");
+        assert_eq!(shell_word("sp dir/ck"), "'sp dir/ck'");
+        assert_eq!(shell_word("it's"), "'it'\\''s'");
+        assert_eq!(shell_word("a$b"), "'a$b'");
+        assert_eq!(shell_word(""), "''");
     }
 }
