@@ -183,7 +183,7 @@ const STACK_BYTES: usize = 256 * 1024 * 1024;
 
 fn main() -> ExitCode {
     optimus::runtime::startup::mark("process started");
-    if let Err(message) = apply_cpu_isa_and_openblas_core() {
+    if let Err(message) = apply_cpu_isa_and_openblas_core().and_then(|()| check_kernel_threads()) {
         eprintln_safe!("error: {message}");
         return ExitCode::from(2);
     }
@@ -244,6 +244,26 @@ fn explain(error: clap::Error) -> clap::Error {
     let message =
         format!("invalid value '{value}' for '{flag}': give {takes}\n\nFor more information, try '--help'.\n");
     clap::Error::raw(ErrorKind::ValueValidation, message)
+}
+
+/// The most kernel threads `RAYON_NUM_THREADS` may ask for: far more than any machine's cores, far
+/// fewer than the tens of thousands that took minutes to start (and could not be interrupted meanwhile).
+const MAX_KERNEL_THREADS: usize = 1024;
+
+/// Refuses a `RAYON_NUM_THREADS` above [`MAX_KERNEL_THREADS`] (a value that is not a number is left
+/// to rayon, which ignores it).
+fn check_kernel_threads() -> Result<(), String> {
+    let asked = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.trim().parse::<u128>().ok());
+    match asked {
+        Some(threads) if threads > MAX_KERNEL_THREADS as u128 => {
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            Err(format!(
+                "RAYON_NUM_THREADS={threads} asks for more than {MAX_KERNEL_THREADS} kernel threads (this machine \
+                 has {cores} cores): give at most {MAX_KERNEL_THREADS}, or unset it for one a core"
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// `OPTIMUS_CPU_ISA` narrows the instructions of the CPU kernels and of the measured peak (to measure

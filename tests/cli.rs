@@ -280,6 +280,17 @@ fn a_failed_compile_names_the_mesh_it_read_and_only_that() {
     assert!(r.stderr.contains("error[E0") && !r.stderr.contains("for the mesh"), "{}", r.stderr);
 }
 
+/// A kernel pool of tens of thousands of threads (minutes to start, deaf to signals meanwhile) is
+/// refused at once.
+#[test]
+fn a_kernel_pool_past_a_thousand_threads_is_refused() {
+    let r = run_env(&["check", &example("tiny")], &[("RAYON_NUM_THREADS", "20000")]);
+    assert_eq!(r.code(), Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("RAYON_NUM_THREADS=20000 asks for more than 1024 kernel threads"), "{}", r.stderr);
+    let r = run_env(&["check", &example("tiny")], &[("RAYON_NUM_THREADS", "3")]);
+    assert_eq!(r.code(), Some(0), "{}", r.stderr);
+}
+
 /// Standard error a pipe whose reader is gone (`optimusc ... 2>&1 | head -1`): the command runs to its
 /// own exit status, not a panic on the failed write (101, "failed printing to stderr").
 #[test]
