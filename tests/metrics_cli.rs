@@ -172,6 +172,17 @@ fn a_step_logged_again_takes_its_latest_values() {
     assert_eq!(metrics.tokens_per_s.into_iter().collect::<Vec<_>>(), vec![(0, 100.0), (1, 200.0), (2, 300.0)]);
 }
 
+/// A log's last record cut short (a killed run) is skipped; a record cut short before others is still
+/// an error naming its line.
+#[test]
+fn only_a_last_record_cut_short_is_skipped() {
+    let metrics = parse_metrics("{\"step\": 0, \"loss\": 1.0}\n{\"step\": 1, \"los".as_bytes()).expect("skipped");
+    assert_eq!(metrics.loss.into_iter().collect::<Vec<_>>(), vec![(0, 1.0)]);
+    let error =
+        parse_metrics("{\"step\": 0, \"lo\n{\"step\": 1, \"loss\": 2.0}\n".as_bytes()).expect_err("in the middle");
+    assert!(error.to_string().contains("line 1"), "{error}");
+}
+
 /// Values near the ends of f64 (a diverged run) make finite axes: the plot is drawn, and soon (an axis
 /// range of -1e308 to 1e308 used to make `plot` spin forever).
 #[test]

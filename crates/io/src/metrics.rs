@@ -230,15 +230,22 @@ pub fn read_metrics(path: &Path) -> Result<Metrics, MetricsError> {
 /// [`read_metrics`] on any reader; errors name the line (from 1).
 pub fn parse_metrics(reader: impl BufRead) -> Result<Metrics, LineError> {
     let mut metrics = Metrics::default();
+    // A record that ends before its JSON does: an error unless it is the log's last, which a killed run
+    // leaves cut short (that one is skipped).
+    let mut cut_short: Option<LineError> = None;
     for (index, line) in reader.lines().enumerate() {
         let line_number = index + 1;
         let text = line.map_err(|source| LineError::Unreadable { line: line_number, source })?;
         if text.trim().is_empty() {
             continue;
         }
+        if let Some(error) = cut_short.take() {
+            return Err(error);
+        }
         match serde_json::from_str::<serde_json::Value>(&text) {
             Ok(serde_json::Value::Object(record)) => metrics.add(&record),
             Ok(_) => return Err(LineError::NotAnObject { line: line_number }),
+            Err(source) if source.is_eof() => cut_short = Some(LineError::NotJson { line: line_number, source }),
             Err(source) => return Err(LineError::NotJson { line: line_number, source }),
         }
     }

@@ -260,10 +260,11 @@ impl Isa {
 /// to measure on a wide CPU what a narrower one does (`avx2` on an AVX-512 machine).
 pub const ISA_CAP_VARIABLE: &str = "OPTIMUS_CPU_ISA";
 
-/// The cap `OPTIMUS_CPU_ISA` sets (`avx512`, `avx2` or `baseline`), `None` when unset, and the value
+/// The cap `OPTIMUS_CPU_ISA` sets (`avx512`, `avx2` or `baseline`), `None` when unset or empty, and the value
 /// when it is none of those.
 pub fn isa_cap() -> Option<Result<Isa, String>> {
-    let value = std::env::var(ISA_CAP_VARIABLE).ok()?;
+    // Empty is unset, as for the other variables optimusc reads.
+    let value = std::env::var(ISA_CAP_VARIABLE).ok().filter(|v| !v.trim().is_empty())?;
     let cap = [Isa::Avx512, Isa::Avx2Fma, Isa::Baseline].into_iter().find(|isa| isa.env_name() == value.trim());
     Some(cap.ok_or(value))
 }
