@@ -4,6 +4,7 @@ use super::run::{Backend, DataDtype};
 use super::{Failure, ModeArg, TargetArgs};
 use optimus::io::data::{TokenData, TokenDtype, check_inputs};
 use optimus::io::windows::{Window, counted, window_batch, windows};
+use optimus::plan::text::plural;
 use optimus::plan::{Mode, Plan};
 use optimus::runtime::exec::{RunConfig, StepRecord};
 use std::collections::BTreeMap;
@@ -193,12 +194,11 @@ fn print_summary(args: &EvalArgs, s: &Summary, (seq, stride): (u64, u64), took: 
         super::stdout_json(&format!("{record}\n"));
     } else {
         super::stdout(&format!(
-            "eval `{}`: {} tokens predicted in {} windows of {seq} (stride {stride}), {} batches: loss {:.6}, \
-             perplexity {:.4} ({:.1} s)\n",
+            "eval `{}`: {} predicted in {} of {seq} (stride {stride}), {}: loss {:.6}, perplexity {:.4} ({:.1} s)\n",
             args.data.display(),
-            s.tokens,
-            s.windows,
-            s.batches,
+            plural(s.tokens, "token"),
+            plural(s.windows as u64, "window"),
+            plural(s.batches, "batch"),
             s.loss,
             perplexity,
             took.as_secs_f64()

@@ -3,6 +3,7 @@
 
 use super::Failure;
 use optimus::io::output::{check_writable, write_file, write_with};
+use optimus::plan::text::plural;
 use optimus::text::Tokenizer;
 use optimus::text::corpus::{Corpus, Piece};
 use std::fs::File;
@@ -263,11 +264,10 @@ fn report(outputs: &Outputs, tokenized: &Tokenized, (train, val): (u64, u64), to
     let rate = tokenized.bytes as f64 / took.as_secs_f64().max(1e-9) / 1e6;
     let per_token = tokenized.bytes as f64 / tokenized.tokens.max(1) as f64;
     let mut line = format!(
-        "tokenized {} documents, {} bytes, into {} tokens ({per_token:.2} bytes a token) in {:.1} s ({rate:.1} MB/s): \
-         {} ({train} tokens)",
-        tokenized.documents,
-        tokenized.bytes,
-        tokenized.tokens,
+        "tokenized {}, {}, into {} ({per_token:.2} bytes a token) in {:.1} s ({rate:.1} MB/s): {} ({train} tokens)",
+        plural(tokenized.documents, "document"),
+        plural(tokenized.bytes, "byte"),
+        plural(tokenized.tokens, "token"),
         took.as_secs_f64(),
         outputs.train.display(),
     );

@@ -1,5 +1,11 @@
 //! Text made safe to print and numbers made easy to read: what every layer that reports to a user shares.
 
+/// A count and its noun, singular for one: "1 window", "3 windows", "2 batches".
+pub fn plural(n: u64, noun: &str) -> String {
+    let ending = if ["ch", "sh", "s", "x"].iter().any(|e| noun.ends_with(e)) { "es" } else { "s" };
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}{ending}") }
+}
+
 /// Formats a count with thousands separators: 124439808 -> "124,439,808".
 pub fn group_digits(n: u128) -> String {
     let digits = n.to_string();
@@ -64,4 +70,18 @@ pub fn reorders_text(c: char) -> bool {
 pub fn shape_text<T: std::fmt::Display>(shape: &[T]) -> String {
     let dims: Vec<String> = shape.iter().map(ToString::to_string).collect();
     format!("[{}]", dims.join(", "))
+}
+
+#[cfg(test)]
+mod plural_tests {
+    use super::plural;
+
+    #[test]
+    fn one_is_singular_and_others_take_their_ending() {
+        assert_eq!(plural(1, "window"), "1 window");
+        assert_eq!(plural(0, "window"), "0 windows");
+        assert_eq!(plural(2, "batch"), "2 batches");
+        assert_eq!(plural(1, "batch"), "1 batch");
+        assert_eq!(plural(3, "token"), "3 tokens");
+    }
 }
