@@ -309,6 +309,11 @@ fn unfinished_directories_are_never_checkpoints() {
     let root = scratch("unfinished");
     let error = Checkpoint::open(&root).expect_err("an empty directory holds none").to_string();
     assert!(error.contains("no checkpoint"), "{error}");
+    // A folder holding only a checkpoint whose writing was stopped says so.
+    std::fs::create_dir_all(root.join("step-00000001.tmp")).expect("creates");
+    let error = Checkpoint::open(&root).expect_err("an unfinished one is none").to_string();
+    assert!(error.contains("step-00000001.tmp`, whose writing never finished"), "{error}");
+    std::fs::remove_dir(root.join("step-00000001.tmp")).expect("removes");
     let done = write(&source, &root, 2, &logical, None);
     // A later step still staged (with a manifest even), and a later one without a manifest.
     let staged = root.join("step-00000009.tmp");

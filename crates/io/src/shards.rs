@@ -101,8 +101,8 @@ pub enum CheckpointError {
     NotADirectory { path: PathBuf },
     /// A staging directory, written partly or abandoned.
     Unfinished { path: PathBuf },
-    /// A directory holding no checkpoint.
-    NoCheckpoint { path: PathBuf },
+    /// A directory holding no checkpoint (`unfinished`: the latest one whose writing never finished).
+    NoCheckpoint { path: PathBuf, unfinished: Option<PathBuf> },
     /// The manifest's bytes are damaged.
     CorruptManifest { path: PathBuf, why: Corruption },
     /// The latest checkpoint of a folder opened as the folder cannot be read (`earlier`: the one
@@ -207,11 +207,18 @@ impl fmt::Display for CheckpointError {
             CheckpointError::Unfinished { path } => {
                 write!(f, "`{}` is a checkpoint still being written (or abandoned)", path.display())
             }
-            CheckpointError::NoCheckpoint { path } => write!(
+            CheckpointError::NoCheckpoint { path, unfinished: None } => write!(
                 f,
                 "no checkpoint in `{}`: expected a directory with {MANIFEST}, or one holding step-NNNNNNNN/ \
                  checkpoint directories",
                 path.display()
+            ),
+            CheckpointError::NoCheckpoint { path, unfinished: Some(unfinished) } => write!(
+                f,
+                "no checkpoint in `{}`: it holds `{}`, whose writing never finished (its run was stopped while \
+                 writing it; the next checkpoint written there removes it)",
+                path.display(),
+                unfinished.display()
             ),
             CheckpointError::LatestUnreadable { folder, earlier: Some(earlier), source } => write!(
                 f,
@@ -1349,7 +1356,8 @@ impl Checkpoint {
         }
         let mut found = complete_checkpoints(path);
         let Some((_, latest)) = found.pop() else {
-            return Err(CheckpointError::NoCheckpoint { path: path.to_path_buf() });
+            let unfinished = step_entries(path, STAGING_SUFFIX).pop().map(|(_, staged)| staged);
+            return Err(CheckpointError::NoCheckpoint { path: path.to_path_buf(), unfinished });
         };
         Checkpoint::read(&latest).map_err(|source| CheckpointError::LatestUnreadable {
             folder: path.to_path_buf(),
