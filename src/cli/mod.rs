@@ -333,7 +333,8 @@ pub fn parse_mesh(s: &str) -> Result<MeshArg, String> {
 }
 
 /// The text of a model file for a command that compiles it again and again (`why`): a plan (.json) is
-/// refused, and so is text that is not UTF-8; prints the error and returns `None` then.
+/// refused (exit status 2), and so is a file that cannot be read or is not UTF-8 text (1); the error is
+/// printed, and the status returned.
 pub fn read_model_text(path: &Path, why: &str) -> Result<String, std::process::ExitCode> {
     if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
         eprintln_safe!("error: {why}: give the .opt file, not a plan");

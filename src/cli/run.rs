@@ -494,6 +494,17 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
             args.input.display()
         )));
     }
+    // Flags that cannot apply to this plan are refused before its data and weights are read.
+    if plan.mode != Mode::Train {
+        refuse_training_flags(args)?;
+    }
+    if args.max_shard_size.is_some() && !args.save_weights.as_deref().is_some_and(saves_a_directory) {
+        return Err(Failure::usage(
+            "--max-shard-size sizes the shards of --save-weights DIR/ (a folder, as save_pretrained writes); \
+             without it there are no shards: drop the flag, or give a folder"
+                .into(),
+        ));
+    }
     let files = DataFiles {
         data: args.data.as_ref(),
         segments: args.inputs.segments.as_ref(),
@@ -558,19 +569,9 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         checkpoints: resumption.checkpoints,
         ..config
     };
-    if plan.mode != Mode::Train {
-        refuse_training_flags(args)?;
-    }
     if config.clip_grad_norm.is_some() && plan.grad_norm.is_none() {
         return Err(Failure::usage(
             "--clip-grad-norm: this plan was compiled before optimusc computed gradient norms; compile it again".into(),
-        ));
-    }
-    if args.max_shard_size.is_some() && !args.save_weights.as_deref().is_some_and(saves_a_directory) {
-        return Err(Failure::usage(
-            "--max-shard-size sizes the shards of --save-weights DIR/ (a folder, as save_pretrained writes); \
-             without it there are no shards: drop the flag, or give a folder"
-                .into(),
         ));
     }
     let tokenizer = args.tokenizer.as_deref().map(|name| checked_tokenizer(name, args, &plan)).transpose()?;

@@ -26,6 +26,9 @@ const FUNCTION_KEYS: [&str; 9] = [
     "hidden_act",
 ];
 
+/// The largest `config.json` read (1 MiB): Hugging Face's are a few kilobytes.
+const CONFIG_LIMIT: u64 = 1 << 20;
+
 /// What differs between the configuration `path`'s weights were trained with and `plan`'s, as
 /// `heads 4 (this model: 2)`; empty when nothing differs or the weights do not record it.
 pub fn differences(path: &Path, plan: &Plan) -> Vec<String> {
@@ -55,8 +58,7 @@ fn checkpoint_differences(recorded: &serde_json::Value, plan: &Plan) -> Vec<Stri
 /// The function-defining keys of a saved folder's `config.json` against the config the plan would write.
 fn folder_differences(config: &Path, plan: &Plan) -> Vec<String> {
     let Ok(ours) = optimus::io::hf_config::hugging_face_config(plan) else { return Vec::new() };
-    let limit = optimus::io::files::HARDWARE_PROFILE_LIMIT;
-    let Ok(bytes) = optimus::io::files::read_bounded(config, "config.json", limit) else { return Vec::new() };
+    let Ok(bytes) = optimus::io::files::read_bounded(config, "config.json", CONFIG_LIMIT) else { return Vec::new() };
     let Ok(theirs) = serde_json::from_slice::<serde_json::Value>(&bytes) else { return Vec::new() };
     let mut found = Vec::new();
     for key in FUNCTION_KEYS {
@@ -69,7 +71,7 @@ fn folder_differences(config: &Path, plan: &Plan) -> Vec<String> {
 }
 
 /// Whether two JSON values are equal, numbers by value (`4` and `4.0` alike; floats to a part in 1e9,
-/// since a float may have been written through f32).
+/// so that a value another program printed with fewer digits still matches).
 fn same_number(a: &serde_json::Value, b: &serde_json::Value) -> bool {
     match (a.as_f64(), b.as_f64()) {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),

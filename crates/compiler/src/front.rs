@@ -26,12 +26,22 @@ pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
         Some(rest) => rest.to_vec(),
         None => bytes,
     };
-    if let Some(d) = binary_file(&bytes) {
-        return (Source { name: name.to_string(), text: String::new() }, Some(d));
-    }
+    let binary = |at: usize, byte: u8| {
+        let message = format!("the file is binary, not a model: byte 0x{byte:02x} at offset {at}");
+        let d = Diagnostic::error(Code::E0003, message).help("model files are UTF-8 text, as those in examples/ are");
+        (Source { name: name.to_string(), text: String::new() }, Some(d))
+    };
     match String::from_utf8(bytes) {
-        Ok(text) => (Source { name: name.to_string(), text }, None),
+        Ok(text) => match first_in_head(text.as_bytes(), |b| b == 0) {
+            Some((at, byte)) => binary(at, byte),
+            None => (Source { name: name.to_string(), text }, None),
+        },
         Err(e) => {
+            let is_text_control = |b: u8| matches!(b, b'\t' | b'\n' | b'\x0c' | b'\r');
+            let control = |b: u8| (b < 0x20 && !is_text_control(b)) || b == 0x7f;
+            if let Some((at, byte)) = first_in_head(e.as_bytes(), control) {
+                return binary(at, byte);
+            }
             let at = e.utf8_error().valid_up_to();
             let text = String::from_utf8_lossy(e.as_bytes()).into_owned();
             let d = Diagnostic::error(Code::E0003, "the file is not valid UTF-8")
@@ -46,22 +56,13 @@ pub fn decode(name: &str, bytes: Vec<u8>) -> (Source, Option<Diagnostic>) {
     }
 }
 
-/// How much of a file is looked at for signs that it is binary.
+/// How much of a file is looked at for signs that it is binary: a NUL byte, or, in a file that is not
+/// UTF-8, a control character other than tab, line feed, form feed and carriage return.
 const BINARY_PROBE_BYTES: usize = 8192;
 
-/// E0003 for a file that is binary: a NUL byte, or (in a file that is not UTF-8) a control character
-/// other than tab, line feed, form feed and carriage return, within its first [`BINARY_PROBE_BYTES`].
-fn binary_file(bytes: &[u8]) -> Option<Diagnostic> {
-    let head = &bytes[..bytes.len().min(BINARY_PROBE_BYTES)];
-    let is_text_control = |b: u8| matches!(b, b'\t' | b'\n' | b'\x0c' | b'\r');
-    let nul = head.iter().position(|&b| b == 0);
-    let control = || match std::str::from_utf8(bytes) {
-        Ok(_) => None,
-        Err(_) => head.iter().position(|&b| (b < 0x20 && !is_text_control(b)) || b == 0x7f),
-    };
-    let at = nul.or_else(control)?;
-    let message = format!("the file is binary, not a model: byte 0x{:02x} at offset {at}", head[at]);
-    Some(Diagnostic::error(Code::E0003, message).help("model files are UTF-8 text, as those in examples/ are"))
+/// The first of the first [`BINARY_PROBE_BYTES`] bytes that `wanted` picks, with its offset.
+fn first_in_head(bytes: &[u8], wanted: impl Fn(u8) -> bool) -> Option<(usize, u8)> {
+    bytes.iter().take(BINARY_PROBE_BYTES).copied().enumerate().find(|&(_, b)| wanted(b))
 }
 
 /// UTF-8's byte-order mark, U+FEFF.

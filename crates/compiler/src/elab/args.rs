@@ -42,7 +42,7 @@ impl<'a> Evaluated<'a> {
 
 /// Formats "1 argument" / "2 arguments".
 pub fn plural(n: usize, word: &str) -> String {
-    if n == 1 { format!("{n} {word}") } else { format!("{n} {word}s") }
+    optimus_plan::text::plural(n as u64, word)
 }
 
 /// Formats "1 was" / "2 were".
