@@ -11,6 +11,11 @@
 //! and leaves aside an OpenBLAS whose kernels are narrower than the CPU's). The libraries take
 //! turns call by call, so a machine whose speed drifts (a shared VM's does, for seconds at a time)
 //! slows each alike instead of whichever ran during the slow spell.
+//!
+//! `--against-peak` times our product alone against the peak's FMA chains instead, the two taking
+//! turns (about 10 ms each, the first of a turn alternating): per shape and thread count one JSON line
+//! with the median, quartiles and best over turns of the product's GFLOP/s over the chains' in the same
+//! turn, a figure a slow spell of the machine moves far less than a peak and a product timed apart.
 
 use faer::{MatMut, MatRef};
 use optimus_runtime::cpu::{blas, sgemm};
@@ -72,6 +77,12 @@ fn main() {
     let given: Vec<(&str, usize, usize, usize, bool, bool)> =
         args.windows(2).filter(|w| w[0] == "--shape").filter_map(|w| parse_shape(&w[1])).collect();
     let shapes = if given.is_empty() { SHAPES.to_vec() } else { given };
+    if args.iter().any(|a| a == "--against-peak") {
+        for &(mesh, m, n, k, ta, tb) in &shapes {
+            against_peak((mesh, m, n, k, ta, tb), reps.max(5));
+        }
+        return;
+    }
     let peaks = [peak::measured_peak_gflops(1), peak::measured_peak_gflops(2)];
     let mut junk = vec![0u8; if cold { 64 << 20 } else { 0 }];
     for &(mesh, m, n, k, ta, tb) in &shapes {
@@ -121,6 +132,52 @@ fn main() {
                 gflops(median_2),
             );
         }
+    }
+}
+
+/// Our product on one shape against the peak's chains, turn by turn, on one and on two threads: prints
+/// the product's share of the chains' GFLOP/s over `turns` turns (median, quartiles, best).
+fn against_peak((mesh, m, n, k, ta, tb): (&str, usize, usize, usize, bool, bool), turns: usize) {
+    let (a, b) = (stored(1, m * k), stored(2, k * n));
+    let lhs =
+        if ta { MatRef::from_row_major_slice(&a, k, m).transpose() } else { MatRef::from_row_major_slice(&a, m, k) };
+    let rhs =
+        if tb { MatRef::from_row_major_slice(&b, n, k).transpose() } else { MatRef::from_row_major_slice(&b, k, n) };
+    let mut c = vec![0f32; m * n];
+    let flops = 2.0 * (m * n * k) as f64;
+    for threads in [1, 2] {
+        let mut call = |calls: usize| {
+            let start = Instant::now();
+            for _ in 0..calls {
+                split(Library::Ours, None, MatMut::from_row_major_slice_mut(&mut c, m, n), lhs, rhs, threads);
+            }
+            start.elapsed().as_secs_f64()
+        };
+        call(1);
+        // Calls to a turn: about 10 ms of products.
+        let calls = ((0.010 / call(1).max(1e-7)) as usize).clamp(1, 10_000);
+        let mut shares: Vec<f64> = (0..turns)
+            .map(|turn| {
+                let (seconds, chains) = if turn % 2 == 0 {
+                    let seconds = call(calls);
+                    (seconds, peak::trial_gflops(threads, seconds))
+                } else {
+                    let chains = peak::trial_gflops(threads, 0.010);
+                    (call(calls), chains)
+                };
+                calls as f64 * flops / seconds / 1e9 / chains
+            })
+            .collect();
+        shares.sort_by(f64::total_cmp);
+        let at = |q: f64| shares[((shares.len() - 1) as f64 * q).round() as usize];
+        println!(
+            "{{\"mesh\":\"{mesh}\",\"m\":{m},\"n\":{n},\"k\":{k},\"transposed_left\":{ta},\"transposed_right\":{tb},\"library\":\"{}\",\"threads\":{threads},\"turns\":{turns},\"peak_share_median\":{:.3},\"peak_share_q1\":{:.3},\"peak_share_q3\":{:.3},\"peak_share_best\":{:.3}}}",
+            sgemm::DESCRIPTION,
+            at(0.5),
+            at(0.25),
+            at(0.75),
+            at(1.0),
+        );
     }
 }
 

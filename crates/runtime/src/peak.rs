@@ -68,6 +68,19 @@ pub fn measure_peak(threads: usize) -> Peak {
     Peak { gflops: flops / best.max(1e-9) / 1e9, threads, isa: isa.name(), before_run_gflops: None }
 }
 
+/// One short trial of the chains on `threads` threads (at least one), about `seconds` long: their
+/// GFLOP/s. A benchmark pairs it turn by turn with what it times, so that a machine whose speed drifts
+/// slows both alike (`examples/sgemm_shapes.rs --against-peak`).
+pub fn trial_gflops(threads: usize, seconds: f64) -> f64 {
+    static ITERATIONS: OnceLock<u64> = OnceLock::new();
+    let threads = threads.max(1);
+    let isa = Chains::detect();
+    let per_trial = *ITERATIONS.get_or_init(|| trial_iterations(isa));
+    let iterations = (per_trial as f64 * seconds / TRIAL.as_secs_f64()).max(1.0) as u64;
+    let flops = threads as f64 * iterations as f64 * (CHAINS * isa.lanes() * 2) as f64;
+    flops / parallel_seconds(isa, threads, iterations).max(1e-9) / 1e9
+}
+
 /// The peak measured just before a profiled run began ([`measure_before_run`]), which [`of_backend`]
 /// gives beside the one it measures after the run.
 static BEFORE_RUN: OnceLock<f64> = OnceLock::new();
@@ -154,6 +167,13 @@ fn trial_iterations(isa: Chains) -> u64 {
 /// the first worker's start to the last one's end, both read by the workers themselves (a clock read by a
 /// waiting thread could start late and make the figure too high).
 fn parallel_seconds(isa: Chains, threads: usize, iterations: u64) -> f64 {
+    if threads == 1 {
+        // On this thread, where a one-thread product it is paired with runs: a spawned thread could
+        // land on the other core, which a shared VM may run at another speed.
+        let start = Instant::now();
+        isa.run(black_box(iterations));
+        return start.elapsed().as_secs_f64();
+    }
     let barrier = Barrier::new(threads);
     let spans: Vec<(Instant, Instant)> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
