@@ -231,7 +231,12 @@ fn plot_errors_name_the_problem_and_write_nothing() {
     let cases = [
         ("not-object.jsonl", "{\"step\": 0, \"loss\": 4}\n[1, 2]\n", "line 2: expected a JSON object"),
         ("not-json.jsonl", "{\"step\": 0, \"loss\": 4}\n\n{\"step\": 1, \"loss\": }\n", "line 3, column"),
-        ("nothing.jsonl", "{\"profile\": {}}\n{\"step\": 1}\n", "no record to plot"),
+        ("nothing.jsonl", "{\"profile\": {}}\n{\"step\": 1}\n", "has 2 records but none with a whole-number `step`"),
+        (
+            "misspelled.jsonl",
+            "{\"step\": 0, \"los\": 4.2}\n{\"step\": 1, \"los\": 4.1}\n",
+            "(the fields it has: `los`, `step`)",
+        ),
         ("empty.jsonl", "", "no record to plot"),
     ];
     for (name, contents, says) in cases {

@@ -60,11 +60,7 @@ fn plot_log(args: &PlotArgs) -> Result<String, Failure> {
     super::refuse_overwriting_input(&args.output, &args.log, "-o")?;
     let metrics = read_metrics(&args.log).map_err(|e| e.to_string())?;
     if metrics.is_empty() {
-        return Err(Failure::from(format!(
-            "`{}` has no record to plot: expected lines such as {{\"step\": 0, \"loss\": 4.2, \"tokens_per_s\": 900}} \
-             or {{\"step\": 9, \"val_loss\": 4.1}}, as `optimusc run --log` writes",
-            args.log.display()
-        )));
+        return Err(Failure::from(nothing_to_plot(&args.log, &metrics)));
     }
     let title = format!("{}", args.log.display());
     let svg = curves_svg(&metrics, &title)?;
@@ -76,6 +72,25 @@ fn plot_log(args: &PlotArgs) -> Result<String, Failure> {
         metrics.val_loss.len(),
         metrics.tokens_per_s.len()
     ))
+}
+
+/// Why a log with no curve has none: no record at all, or records whose fields (named) hold no step
+/// with a finite `loss`, `val_loss` or `tokens_per_s` (a field spelled otherwise, say).
+fn nothing_to_plot(log: &std::path::Path, metrics: &Metrics) -> String {
+    let expected = "expected lines such as {\"step\": 0, \"loss\": 4.2, \"tokens_per_s\": 900} or {\"step\": 9, \"val_loss\": 4.1}, \
+                    as `optimusc run --log` writes";
+    if metrics.records == 0 {
+        return format!("`{}` has no record to plot: {expected}", log.display());
+    }
+    let fields: Vec<String> = metrics.fields.iter().take(12).map(|f| format!("`{f}`")).collect();
+    let more = if metrics.fields.len() > fields.len() { ", ..." } else { "" };
+    format!(
+        "`{}` has {} but none with a whole-number `step` and a finite `loss`, `val_loss` or `tokens_per_s` \
+         (the fields it has: {}{more}): {expected}",
+        log.display(),
+        optimus::plan::text::plural(metrics.records as u64, "record"),
+        fields.join(", ")
+    )
 }
 
 /// The two panels of `metrics` as an SVG document titled `title`.

@@ -199,6 +199,10 @@ pub struct Metrics {
     pub val_loss: BTreeMap<u64, f64>,
     /// Throughput (`tokens_per_s`).
     pub tokens_per_s: BTreeMap<u64, f64>,
+    /// Records read (JSON objects), whether or not they held anything to plot.
+    pub records: usize,
+    /// The field names those records had, so that a log with nothing to plot can say what it holds.
+    pub fields: std::collections::BTreeSet<String>,
 }
 
 impl Metrics {
@@ -210,6 +214,10 @@ impl Metrics {
     /// Takes the known fields of one record; a record without a step, or fields that are not finite
     /// numbers, add nothing.
     fn add(&mut self, record: &serde_json::Map<String, serde_json::Value>) {
+        self.records += 1;
+        if self.fields.len() < MAX_FIELDS_KEPT {
+            self.fields.extend(record.keys().take(MAX_FIELDS_KEPT).cloned());
+        }
         let Some(step) = record.get("step").and_then(serde_json::Value::as_u64) else { return };
         let series =
             [("loss", &mut self.loss), ("val_loss", &mut self.val_loss), ("tokens_per_s", &mut self.tokens_per_s)];
@@ -220,6 +228,9 @@ impl Metrics {
         }
     }
 }
+
+/// Field names [`Metrics::fields`] keeps at most (a log of arbitrary JSON could have millions).
+const MAX_FIELDS_KEPT: usize = 64;
 
 /// Reads a metrics log (a regular file); see the module documentation. Blank lines are skipped.
 pub fn read_metrics(path: &Path) -> Result<Metrics, MetricsError> {
