@@ -338,6 +338,8 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
     assert!(out.status.success(), "{stderr}");
     assert!(
         stderr.contains("OPTIMUS_BLAS=/nonexistent/libopenblas.so: cannot load it")
+            && stderr.contains("it takes `faer`, `optimus` or the path of an OpenBLAS (CBLAS) library")
+            && stderr.contains("trained 1 step: loss")
             && stderr.contains("CPU products: library faer; ")
             && stderr.contains(" in faer\n"),
         "{stderr}"

@@ -1090,7 +1090,8 @@ impl Progress {
         let losses: Vec<f32> = output.steps.iter().filter_map(|s| s.loss).collect();
         if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
             let what = if self.train { "trained" } else { "ran" };
-            eprintln_safe!("{what} {} steps: loss {first:.4} -> {last:.4}", output.steps.len());
+            let steps = optimus::plan::text::plural(output.steps.len() as u64, "step");
+            eprintln_safe!("{what} {steps}: loss {first:.4} -> {last:.4}");
         }
     }
 }

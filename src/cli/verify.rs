@@ -89,10 +89,10 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
     let tolerance = tolerance(args, sharded.precision);
     let against_bf16 = sharded.precision == Precision::Bf16 && args.tolerance.is_none();
     eprintln_safe!(
-        "verifying {} on a {} mesh ({strategy}) against one device, {} steps, tolerance {tolerance:e}",
+        "verifying {} on a {} mesh ({strategy}) against one device, {}, tolerance {tolerance:e}",
         sharded.model,
         sharded.mesh,
-        args.steps
+        optimus::plan::text::plural(args.steps, "step")
     );
     let sources = open_sources(&files(args), args.inputs.objective, args.seed, "").map_err(|f| f.message)?;
     sources.check(&sharded, "").map_err(|e| e.to_string())?;

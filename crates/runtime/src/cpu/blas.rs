@@ -261,7 +261,12 @@ pub fn loaded() -> Option<&'static Blas> {
 /// Why the library `OPTIMUS_BLAS` names could not be loaded (the products then use faer), for the
 /// command line to say; `None` when it loaded or none was named.
 pub fn load_failure() -> Option<String> {
-    state().library.as_ref().err().map(|e| format!("OPTIMUS_BLAS={e}; the CPU products use faer"))
+    state().library.as_ref().err().map(|e| {
+        format!(
+            "OPTIMUS_BLAS={e}; it takes `faer`, `optimus` or the path of an OpenBLAS (CBLAS) library; the CPU \
+             products use faer"
+        )
+    })
 }
 
 /// Why the OpenBLAS found on the machine is not used, where it was found but left aside: its kernels
