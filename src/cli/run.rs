@@ -711,17 +711,7 @@ impl EpochNotes {
     }
 }
 
-/// Seconds as a person reads a wait: "0.4 s", "38 s", "3 min 20 s", "2 h 05 min".
-pub(super) fn duration_text(seconds: f64) -> String {
-    let seconds = if seconds.is_finite() { seconds.max(0.0) } else { 0.0 };
-    let whole = seconds.round() as u64;
-    match whole {
-        0..10 => format!("{seconds:.1} s"),
-        10..60 => format!("{whole} s"),
-        60..3600 => format!("{} min {:02} s", whole / 60, whole % 60),
-        _ => format!("{} h {:02} min", whole / 3600, whole % 3600 / 60),
-    }
-}
+pub(super) use optimus::plan::text::duration_text;
 
 /// Makes the first Ctrl-C or SIGTERM of a training run finish the current step (and write a checkpoint)
 /// rather than kill it; a second one stops at once.
@@ -1146,24 +1136,10 @@ fn save_weights(path: &Path, max_shard: u64, job: &Prepared, output: &RunOutput)
     }
     let saved = optimus::io::pretrained::save_pretrained(path, &job.plan, &output.params, max_shard)
         .map_err(|e| e.to_string())?;
-    eprintln_safe!("saved weights to {} ({} files: {})", path.display(), saved.files.len(), saved.files.join(", "));
+    let files = optimus::plan::text::plural(saved.files.len() as u64, "file");
+    eprintln_safe!("saved weights to {} ({files}: {})", path.display(), saved.files.join(", "));
     if let Some(why) = saved.no_config {
         eprintln_safe!("note: {why}; from_pretrained needs one beside the weights");
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::duration_text;
-
-    #[test]
-    fn waits_read_in_the_largest_sensible_units() {
-        assert_eq!(duration_text(0.04), "0.0 s");
-        assert_eq!(duration_text(3.26), "3.3 s");
-        assert_eq!(duration_text(38.4), "38 s");
-        assert_eq!(duration_text(200.0), "3 min 20 s");
-        assert_eq!(duration_text(7500.0), "2 h 05 min");
-        assert_eq!(duration_text(f64::NAN), "0.0 s");
-    }
 }

@@ -6,6 +6,24 @@ pub fn plural(n: u64, noun: &str) -> String {
     if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}{ending}") }
 }
 
+/// Seconds as a person reads a wait or a limit: "0.25 s", "0.001 s" (two significant digits below a
+/// second, so that `--timeout 0.001` is not "0.0 s"), "3.3 s", "38 s", "3 min 20 s", "2 h 05 min".
+pub fn duration_text(seconds: f64) -> String {
+    let seconds = if seconds.is_finite() { seconds.max(0.0) } else { 0.0 };
+    let whole = seconds.round() as u64;
+    if seconds > 0.0 && seconds < 0.95 {
+        let decimals = ((-seconds.log10()).floor() as usize + 2).min(9);
+        let text = format!("{seconds:.decimals$}");
+        return format!("{} s", text.trim_end_matches('0'));
+    }
+    match whole {
+        0..10 => format!("{seconds:.1} s"),
+        10..60 => format!("{whole} s"),
+        60..3600 => format!("{} min {:02} s", whole / 60, whole % 60),
+        _ => format!("{} h {:02} min", whole / 3600, whole % 3600 / 60),
+    }
+}
+
 /// Formats a count with thousands separators: 124439808 -> "124,439,808".
 pub fn group_digits(n: u128) -> String {
     let digits = n.to_string();
@@ -83,5 +101,22 @@ mod plural_tests {
         assert_eq!(plural(2, "batch"), "2 batches");
         assert_eq!(plural(1, "batch"), "1 batch");
         assert_eq!(plural(3, "token"), "3 tokens");
+    }
+
+    #[test]
+    fn durations_read_as_a_person_says_them() {
+        use super::duration_text;
+        assert_eq!(duration_text(0.04), "0.04 s");
+        assert_eq!(duration_text(0.001), "0.001 s");
+        assert_eq!(duration_text(0.0015), "0.0015 s");
+        assert_eq!(duration_text(0.25), "0.25 s");
+        assert_eq!(duration_text(0.5), "0.5 s");
+        assert_eq!(duration_text(0.96), "1.0 s");
+        assert_eq!(duration_text(3.26), "3.3 s");
+        assert_eq!(duration_text(38.4), "38 s");
+        assert_eq!(duration_text(200.0), "3 min 20 s");
+        assert_eq!(duration_text(7500.0), "2 h 05 min");
+        assert_eq!(duration_text(0.0), "0.0 s");
+        assert_eq!(duration_text(f64::NAN), "0.0 s");
     }
 }

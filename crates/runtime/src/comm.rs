@@ -28,7 +28,8 @@ impl std::fmt::Display for CommError {
             CommError::PeerFailed(report) => f.write_str(report),
             CommError::TimedOut { seconds, missing, members } => write!(
                 f,
-                "collective timed out after {seconds:.1} s waiting for {} of {members} members: device {}",
+                "collective timed out after {} waiting for {} of {members} members: device {}",
+                optimus_plan::text::duration_text(*seconds),
                 missing.len(),
                 missing.join(", ")
             ),
@@ -417,6 +418,15 @@ pub fn combine<T: Payload>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_short_timeout_is_reported_as_given() {
+        let timed_out = CommError::TimedOut { seconds: 0.001, missing: vec!["(0, 1)".into()], members: 2 };
+        assert_eq!(
+            timed_out.to_string(),
+            "collective timed out after 0.001 s waiting for 1 of 2 members: device (0, 1)"
+        );
+    }
 
     /// Values with a fractional part that rounding cares about, different for each member.
     fn member(m: usize, len: usize) -> Vec<f32> {

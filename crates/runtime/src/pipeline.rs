@@ -100,8 +100,8 @@ impl Mailboxes {
             let now = Instant::now();
             if now >= deadline {
                 return Err(format!(
-                    "timed out after {:.0} s waiting for {} from stage {} (a stage stopped or hung)",
-                    self.timeout.as_secs_f64(),
+                    "timed out after {} waiting for {} from stage {} (a stage stopped or hung)",
+                    optimus_plan::text::duration_text(self.timeout.as_secs_f64()),
                     what(),
                     key.from
                 ));
