@@ -234,6 +234,22 @@ fn kill_9_at_any_moment_never_leaves_a_checkpoint_that_loads_wrongly() {
     assert!(loaded >= 3, "only {loaded} of the kills came after a checkpoint: the moments are too early");
 }
 
+/// A checkpoint's files are readable alike: the devices' safetensors files (which the safetensors crate
+/// writes through an owner-only temporary file) have the permissions of its manifest.
+fn every_file_has_the_manifests_permissions(step: &std::path::Path, files: &[PathBuf]) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |path: &std::path::Path| std::fs::metadata(path).expect("metadata").permissions().mode() & 0o777;
+        let manifest = mode(&step.join("manifest.json"));
+        for file in files {
+            assert_eq!(mode(file), manifest, "{}", file.display());
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (step, files);
+}
+
 #[test]
 fn a_flipped_byte_in_any_checkpoint_file_is_an_error_naming_it() {
     let dir = scratch("flipped");
@@ -243,6 +259,7 @@ fn a_flipped_byte_in_any_checkpoint_file_is_an_error_naming_it() {
     let other = dir.join("other");
     let files: Vec<PathBuf> = std::fs::read_dir(&step).expect("dir").flatten().map(|e| e.path()).collect();
     assert!(files.len() >= 2, "{files:?}");
+    every_file_has_the_manifests_permissions(&step, &files);
     for file in files {
         let original = std::fs::read(&file).expect("read");
         let mut flipped = original.clone();

@@ -799,6 +799,7 @@ impl CheckpointWriter {
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         safetensors::serialize_to_file(views, Some(metadata), &path)
             .map_err(|source| CheckpointError::WriteFile { path: path.clone(), source })?;
+        give_new_file_mode(&path)?;
         let record = hash_and_sync(&path)?;
         Ok((name, record))
     }
@@ -1061,6 +1062,29 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let mut file = options.open(path).map_err(&cannot)?;
     file.write_all(bytes).map_err(&cannot)?;
     file.sync_all().map_err(&cannot)
+}
+
+/// Gives a file safetensors wrote (through a temporary file, created owner-only) the permissions of
+/// the checkpoint's other files: those of any new file, 0666 less the umask.
+fn give_new_file_mode(path: &Path) -> Result<(), CheckpointError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = 0o666 & !process_umask();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_error("write", path))?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
+
+/// This process's umask, as Linux reports it in /proc/self/status (changing it to read it would race
+/// with the other threads creating files); 0o022, the usual one, where it cannot be read.
+#[cfg(unix)]
+fn process_umask() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = status.lines().find_map(|line| line.strip_prefix("Umask:"));
+    field.and_then(|value| u32::from_str_radix(value.trim(), 8).ok()).unwrap_or(0o022)
 }
 
 /// Syncs a written file to disk and returns its size and SHA-256.
