@@ -57,8 +57,33 @@ fn gpt2_documents_are_joined_with_end_of_text_and_the_tail_goes_to_validation() 
     assert_eq!((side["documents"].as_u64(), side["tokens"].as_u64()), (Some(3), Some(8)));
     assert_eq!((side["train"]["tokens"].as_u64(), side["val"]["tokens"].as_u64()), (Some(6), Some(2)));
     assert_eq!(side["separator"]["id"].as_u64(), Some(50256));
+    // The bytes of the documents' text (3 x 11), not of the .jsonl's JSON.
+    assert_eq!(side["bytes"].as_u64(), Some(33));
     let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("tokenized 3 documents, 33 bytes of text, into 8 tokens (4.12 bytes a token)"), "{stderr}");
     assert!(stderr.contains("next: optimusc run MODEL.opt --set vocab=50257 --data"), "{stderr}");
+    // Six training tokens and two to validate: the model's seq must be under 2.
+    assert!(
+        stderr.contains(
+            "note: the validation file holds 2 tokens: a run reads windows of seq + 1 tokens, so its \
+                         model's `seq` must be under 2"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("given 2 times"), "{stderr}");
+}
+
+#[test]
+fn a_file_given_twice_is_tokenized_twice_with_a_warning() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let a = write(dir.path(), "a.txt", b"Hello world");
+    let again = format!("{}/./a.txt", dir.path().display());
+    let prefix = dir.path().join("twice");
+    let out = optimusc(&["tokenize", &a, &again, "-o", &text(&prefix)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("warning: `") && stderr.contains("a.txt` is given 2 times"), "{stderr}");
+    assert_eq!(u16s(&dir.path().join("twice.u16")), [15496, 995, 50256, 15496, 995]);
 }
 
 /// A WordLevel tokenizer.json written by hand: whitespace pre-tokenizer, five tokens.
@@ -95,6 +120,9 @@ fn bad_input_is_refused_and_leaves_no_file() {
     let latin1 = write(dir.path(), "latin1.txt", b"caf\xe9");
     let empty = write(dir.path(), "empty.txt", b"");
     let blank_lines = write(dir.path(), "blank.jsonl", b"{\"text\": \"\"}\n{\"text\": \"\"}\n");
+    // Text a whitespace pre-tokenizer makes nothing of.
+    let spaces = write(dir.path(), "spaces.txt", b"   ");
+    let json = write(dir.path(), "tokenizer.json", WORD_LEVEL.as_bytes());
     // A corpus that `-o notes` would overwrite with its sidecar.
     let notes = write(dir.path(), "notes.json", b"a JSON-named text");
     let prefix = text(&dir.path().join("out"));
@@ -106,7 +134,12 @@ fn bad_input_is_refused_and_leaves_no_file() {
         (&["tokenize", &good, "-o", &format!("{}/", dir.path().display())], 2, "names a folder"),
         (&["tokenize", &good, &latin1, "-o", &prefix], 1, "is not UTF-8 text: invalid bytes at byte 3"),
         (&["tokenize", &empty, "-o", &prefix], 1, "the corpus has no tokens: every file is empty"),
-        (&["tokenize", &blank_lines, "-o", &prefix], 1, "the tokenizer made none of its 26 bytes"),
+        (&["tokenize", &blank_lines, "-o", &prefix], 1, "it has no text (every `text` of its .jsonl lines is empty)"),
+        (
+            &["tokenize", &spaces, "-o", &prefix, "--tokenizer", &json],
+            1,
+            "the tokenizer made none of its 3 bytes of text",
+        ),
         (&["tokenize", &good, "-o", &prefix, "--val-fraction", "0.1"], 2, "each needs at least one"),
         (&["tokenize", &notes, "-o", &text(&dir.path().join("notes"))], 2, "notes.json"),
     ];

@@ -76,7 +76,10 @@ impl Outputs {
 struct Tokenized {
     tokens: u64,
     documents: u64,
-    bytes: u64,
+    /// Bytes of the files read.
+    file_bytes: u64,
+    /// Bytes of the documents' text (a `.jsonl` file's `text` fields, not its JSON).
+    text_bytes: u64,
 }
 
 fn tokenize_corpus(args: &TokenizeArgs) -> Result<(), Failure> {
@@ -99,6 +102,7 @@ fn tokenize_corpus(args: &TokenizeArgs) -> Result<(), Failure> {
         check_writable(output).map_err(|e| e.to_string())?;
     }
     let corpus = Corpus::open(&args.corpus).map_err(|e| e.to_string())?;
+    warn_of_files_given_twice(&args.corpus);
     let directory = outputs.train.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut stream = tempfile::tempfile_in(directory)
         .map_err(|e| format!("cannot make a scratch file in `{}`: {e}", directory.display()))?;
@@ -163,6 +167,7 @@ fn stream_tokens<W: Write>(
 ) -> Result<Tokenized, Failure> {
     let mut pieces = corpus.pieces();
     let mut documents = 0u64;
+    let mut text_bytes = 0u64;
     loop {
         let mut batch: Vec<Piece> = Vec::new();
         let mut bytes = 0;
@@ -177,11 +182,13 @@ fn stream_tokens<W: Write>(
             }
         }
         if batch.is_empty() {
-            return Ok(Tokenized { tokens: writer.tokens, documents, bytes: corpus.total_bytes() });
+            let file_bytes = corpus.total_bytes();
+            return Ok(Tokenized { tokens: writer.tokens, documents, file_bytes, text_bytes });
         }
         let texts: Vec<String> = batch.iter().map(|p| p.text.clone()).collect();
         let ids = tokenizer.encode_all(&texts).map_err(|e| e.to_string())?;
         for (piece, ids) in batch.iter().zip(&ids) {
+            text_bytes += piece.text.len() as u64;
             if piece.starts_document {
                 documents += 1;
                 if documents > 1 {
@@ -203,12 +210,17 @@ fn stream_tokens<W: Write>(
 /// each side when a fraction is asked for.
 fn split_point(tokenized: &Tokenized, fraction: f64) -> Result<u64, Failure> {
     let tokens = tokenized.tokens;
-    if tokens == 0 && tokenized.bytes == 0 {
+    if tokens == 0 && tokenized.file_bytes == 0 {
         return Err("the corpus has no tokens: every file is empty".to_string().into());
     }
+    if tokens == 0 && tokenized.text_bytes == 0 {
+        return Err("the corpus has no tokens: it has no text (every `text` of its .jsonl lines is empty)"
+            .to_string()
+            .into());
+    }
     if tokens == 0 {
-        let bytes = tokenized.bytes;
-        return Err(format!("the corpus has no tokens: the tokenizer made none of its {bytes} bytes").into());
+        let bytes = plural(tokenized.text_bytes, "byte");
+        return Err(format!("the corpus has no tokens: the tokenizer made none of its {bytes} of text").into());
     }
     if fraction == 0.0 {
         return Ok(0);
@@ -253,7 +265,7 @@ fn sidecar(
         "separator": separator,
         "corpus": args.corpus.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
         "documents": tokenized.documents,
-        "bytes": tokenized.bytes,
+        "bytes": tokenized.text_bytes,
         "tokens": tokenized.tokens,
         "train": file(&outputs.train, train),
         "val": outputs.val.as_ref().map(|v| file(v, val)),
@@ -261,12 +273,12 @@ fn sidecar(
 }
 
 fn report(outputs: &Outputs, tokenized: &Tokenized, (train, val): (u64, u64), took: Duration, vocab: u32) {
-    let rate = tokenized.bytes as f64 / took.as_secs_f64().max(1e-9) / 1e6;
-    let per_token = tokenized.bytes as f64 / tokenized.tokens.max(1) as f64;
+    let rate = tokenized.file_bytes as f64 / took.as_secs_f64().max(1e-9) / 1e6;
+    let per_token = tokenized.text_bytes as f64 / tokenized.tokens.max(1) as f64;
     let mut line = format!(
-        "tokenized {}, {}, into {} ({per_token:.2} bytes a token) in {:.1} s ({rate:.1} MB/s): {} ({train} tokens)",
+        "tokenized {}, {} of text, into {} ({per_token:.2} bytes a token) in {:.1} s ({rate:.1} MB/s): {} ({train} tokens)",
         plural(tokenized.documents, "document"),
-        plural(tokenized.bytes, "byte"),
+        plural(tokenized.text_bytes, "byte"),
         plural(tokenized.tokens, "token"),
         took.as_secs_f64(),
         outputs.train.display(),
@@ -276,7 +288,46 @@ fn report(outputs: &Outputs, tokenized: &Tokenized, (train, val): (u64, u64), to
     }
     line.push_str(&format!(", {}", outputs.sidecar.display()));
     eprintln_safe!("{line}");
+    if let Some(note) = few_tokens_note(train, val) {
+        eprintln_safe!("note: {note}");
+    }
     eprintln_safe!("next: {}", run_hint(outputs, vocab));
+}
+
+/// Tokens a window of GPT-2's context takes (its `seq` of 1024, and the next token as the last target).
+const GPT2_WINDOW: u64 = 1025;
+
+/// What a corpus too short for a long context allows: a run reads windows of `seq + 1` tokens, so
+/// `seq` must stay under the tokens of the file it reads.
+fn few_tokens_note(train: u64, val: u64) -> Option<String> {
+    let fewest = if val > 0 { train.min(val) } else { train };
+    (fewest < GPT2_WINDOW).then(|| {
+        let which = if val > 0 && val < train { "the validation file" } else { "the training file" };
+        format!(
+            "{which} holds {}: a run reads windows of seq + 1 tokens, so its model's `seq` must be under {fewest} \
+             (`--set seq=N`), or give more text",
+            plural(fewest, "token")
+        )
+    })
+}
+
+/// Warns of a corpus file named more than once (its documents are then tokenized each time).
+fn warn_of_files_given_twice(corpus: &[PathBuf]) {
+    let mut seen: Vec<PathBuf> = Vec::new();
+    let mut warned: Vec<PathBuf> = Vec::new();
+    for path in corpus {
+        let same = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+        if seen.contains(&same) && !warned.contains(&same) {
+            let times = corpus.iter().filter(|p| std::fs::canonicalize(p).unwrap_or_else(|_| (*p).clone()) == same);
+            eprintln_safe!(
+                "warning: `{}` is given {} times: its documents are tokenized each time",
+                path.display(),
+                times.count()
+            );
+            warned.push(same.clone());
+        }
+        seen.push(same);
+    }
 }
 
 /// The `run` that trains on what was written (the model's vocabulary must hold every id).

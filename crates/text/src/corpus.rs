@@ -244,10 +244,12 @@ fn next_json_piece(open: &mut OpenFile, path: &Path, size: usize) -> Result<Opti
         if line.len() > MAX_PIECE && !line.ends_with(b"\n") {
             return Err(bad(format!("longer than {} MiB", MAX_PIECE >> 20)));
         }
+        // A byte order mark (Windows editors write one) is no part of the first line's JSON.
+        let line = if open.line == 1 { line.strip_prefix(UTF8_BOM).unwrap_or(&line) } else { &line[..] };
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let value: serde_json::Value = serde_json::from_slice(&line).map_err(|e| bad(e.to_string()))?;
+        let value: serde_json::Value = serde_json::from_slice(line).map_err(|e| bad(e.to_string()))?;
         let text = value
             .get("text")
             .and_then(serde_json::Value::as_str)
@@ -262,6 +264,9 @@ fn next_json_piece(open: &mut OpenFile, path: &Path, size: usize) -> Result<Opti
         return Ok(Some((first, true)));
     }
 }
+
+/// The UTF-8 byte order mark.
+const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
 
 /// `text` cut into pieces of about `size` bytes at the places [`last_cut`] allows (a piece is longer
 /// where there is none).
@@ -379,6 +384,18 @@ mod tests {
             corpus.pieces().map(|p| p.map(|p| (p.text, p.starts_document))).collect::<Result<_, _>>()?;
         let expected = [("plain file", true), ("first doc", true), ("second doc", true)];
         assert_eq!(pieces, expected.map(|(t, s)| (t.to_string(), s)));
+        Ok(())
+    }
+
+    #[test]
+    fn a_byte_order_mark_before_the_first_json_line_is_skipped() -> Result<(), TextError> {
+        let lines = "\u{feff}{\"text\": \"first\"}\n{\"text\": \"second\"}\n";
+        let (_dir, corpus) = corpus_of(&[("bom.jsonl", lines)]);
+        let texts: Vec<String> = corpus.pieces().map(|p| p.map(|p| p.text)).collect::<Result<_, _>>()?;
+        assert_eq!(texts, ["first", "second"]);
+        let (_dir, corpus) = corpus_of(&[("late.jsonl", "{\"text\": \"first\"}\n\u{feff}{\"text\": \"x\"}\n")]);
+        let error = corpus.pieces().find_map(Result::err).map(|e| e.to_string()).unwrap_or_default();
+        assert!(error.contains("line 2"), "a mark inside the file is an error: {error}");
         Ok(())
     }
 
