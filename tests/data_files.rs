@@ -231,3 +231,20 @@ fn a_missing_token_file_is_named() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains(&format!("cannot read token data `{}`", absent.display())), "{err}");
 }
+
+#[test]
+fn a_token_past_the_vocabulary_is_a_usage_error_before_step_0_in_training_as_in_validation_data() {
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("wide.u16");
+    let mut tokens = vec![1u16; 65];
+    tokens[3] = 5000;
+    write_u16(&path, &tokens);
+    for flag in ["--data", "--val-data"] {
+        let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", flag, text(&path)]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(err.contains(flag) && err.contains("token 5000 at offset 3"), "{flag}: {err}");
+        assert!(err.contains("is not below the vocabulary size 101"), "{flag}: {err}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0") && !err.contains("step 0"), "{flag}: {err}");
+    }
+}

@@ -232,7 +232,8 @@ fn a_save_weights_path_that_cannot_be_written_fails_before_step_0() {
     for path in [missing_dir.to_str().expect("utf-8 path"), under_file.as_str()] {
         let out = optimusc(&["run", "examples/tiny.opt", "--steps", "50", "--save-weights", path]);
         let text = stderr(&out);
-        assert_eq!(out.status.code(), Some(1), "{path}: {text}");
+        // Refused before any work, as an unwritable --log or --checkpoint-dir is: a usage error.
+        assert_eq!(out.status.code(), Some(2), "{path}: {text}");
         assert!(text.contains("--save-weights") && text.contains(path), "{path}: {text}");
         assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{path}: no step ran");
     }
@@ -462,7 +463,8 @@ fn an_output_of_several_files_is_written_whole_or_not_at_all() {
         "-o",
         prefix.to_str().expect("utf-8"),
     ]);
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    // Every output is checked before anything is written: a usage error (exit status 2).
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("labels.bin") && stderr(&out).contains("directory"), "{}", stderr(&out));
     assert!(!prefix.with_extension("tokens.bin").exists(), "the inputs' file is not left behind");
 
@@ -482,7 +484,7 @@ fn an_output_of_several_files_is_written_whole_or_not_at_all() {
         let mut args = vec!["run", "examples/tiny.opt", "--steps", "5", "--save-weights", &target];
         args.extend_from_slice(extra);
         let out = optimusc(&args);
-        assert_eq!(out.status.code(), Some(1), "{taken}: {}", stderr(&out));
+        assert_eq!(out.status.code(), Some(2), "{taken}: {}", stderr(&out));
         assert!(stderr(&out).contains("--save-weights") && stderr(&out).contains(taken), "{}", stderr(&out));
         assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{taken}: no step ran");
         assert_eq!(names_in(&dir), [taken], "{taken}: nothing written");
@@ -507,7 +509,7 @@ fn an_output_of_several_files_is_written_whole_or_not_at_all() {
     std::fs::create_dir_all(exported.join("tokenizer_config.json")).expect("dir");
     let target = format!("{}/", exported.display());
     let out = optimusc(&["export", step.to_str().expect("utf-8"), "-o", &target, "--tokenizer", "gpt2"]);
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("tokenizer_config.json"), "{}", stderr(&out));
     assert_eq!(names_in(&exported), ["tokenizer_config.json"], "nothing exported");
 }

@@ -75,7 +75,7 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
         // Every file the folder will hold is checked before any is written.
         let tokenizer_files = if tokenizer.is_some() { &optimus::text::HUB_FILES[..] } else { &[] };
         let names = optimus::io::pretrained::folder_files(tokenizer_files);
-        optimus::io::pretrained::check_all_writable(&args.output, &names).map_err(|e| e.to_string())?;
+        optimus::io::pretrained::check_all_writable(&args.output, &names).map_err(|e| Failure::usage(e.to_string()))?;
     }
     let summary = export_safetensors(&checkpoint, &weights).map_err(|e| e.to_string())?;
     if folder {

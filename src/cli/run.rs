@@ -477,7 +477,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
     args.backend.kind().check_available()?;
     // A path that cannot be written is found now, not after the whole run.
     if let Some(path) = &args.save_weights {
-        check_weights_destination(path, args.tokenizer.is_some())?;
+        check_weights_destination(path, args.tokenizer.is_some()).map_err(Failure::usage)?;
     }
     // Under mpirun every rank prepares; rank 0 alone warns and writes the log.
     let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
@@ -524,6 +524,11 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         if let Some(note) = nothing_to_shuffle(&sources, &plan).filter(|_| leader) {
             eprintln_safe!("warning: {note}");
         }
+    }
+    if !sources.drawn_from_seed() {
+        // The first batch read now, as --val-data's are: an id at or past the vocabulary is then a usage
+        // error before step 0, not a device's failure once the run has started.
+        sources.batch(&plan, 0).map_err(|e| Failure::usage(format!("--data: batch 0: {e}")))?;
     }
     if sources.drawn_from_seed() && leader {
         let what = if plan.mode == Mode::Train { "training on" } else { "running" };

@@ -99,7 +99,7 @@ fn tokenize_corpus(args: &TokenizeArgs) -> Result<(), Failure> {
         for input in &args.corpus {
             super::refuse_overwriting_input(output, input, "-o")?;
         }
-        check_writable(output).map_err(|e| e.to_string())?;
+        check_writable(output).map_err(|e| Failure::usage(e.to_string()))?;
     }
     let corpus = Corpus::open(&args.corpus).map_err(|e| e.to_string())?;
     warn_of_files_given_twice(&args.corpus);
