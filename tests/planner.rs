@@ -318,3 +318,42 @@ fn max_pipeline_ranks_pipelines_and_is_refused_with_o() {
     assert!(err.contains("does not run pipelines yet"), "{err}");
     assert!(!plan.exists(), "nothing written");
 }
+
+/// The ranking table keeps its columns whatever their width: a data-parallel degree of 16384 lines up
+/// under its header (the table once gave that column a fixed width of 4).
+#[test]
+fn the_table_aligns_wide_values_under_their_headers() {
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args([
+            "plan",
+            "examples/tiny.opt",
+            "--devices",
+            "16384",
+            "--hardware",
+            "dgx-a100",
+            "--set",
+            "batch=16384",
+            "--top",
+            "40",
+        ])
+        .output()
+        .expect("optimusc runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    let header = text.lines().find(|l| l.starts_with("rank")).expect("a table header");
+    // Right-aligned columns end where their header ends.
+    let end_of = |word: &str| header.find(word).map(|at| at + word.len());
+    let rows: Vec<&str> =
+        text.lines().skip_while(|l| !l.starts_with("rank")).skip(1).take_while(|l| !l.trim().is_empty()).collect();
+    assert!(rows.len() >= 3, "{text}");
+    assert!(rows.iter().any(|r| r.contains(" 16384 ")), "a degree of 16384 is shown: {text}");
+    for word in ["DP", "tokens/s", "peak/device"] {
+        for row in &rows {
+            let end = end_of(word).expect("a header");
+            let before = row[..end].chars().last();
+            let after = row[end..].chars().next();
+            assert!(before.is_some_and(|c| !c.is_whitespace()), "{word} ends at {end} in {row:?}\n{header}");
+            assert!(after.is_none_or(char::is_whitespace), "{word} ends at {end} in {row:?}\n{header}");
+        }
+    }
+}

@@ -299,53 +299,66 @@ fn run_hint(path: &std::path::Path, best: &Config) -> String {
     format!("run it with `optimusc run {}{accum}`", path.display())
 }
 
+/// The ranking table's columns: header, and whether the column is left-aligned (text) rather than
+/// right-aligned (numbers).
+const COLUMNS: [(&str, bool); 17] = [
+    ("rank", false),
+    ("strategy", true),
+    ("mesh", true),
+    ("DP", false),
+    ("PP", false),
+    ("micro x acc", false),
+    ("recompute", true),
+    ("prec", true),
+    ("zero", false),
+    ("step time", false),
+    ("compute", false),
+    ("exposed comm", false),
+    ("of it DP", false),
+    ("bubble", false),
+    ("tokens/s", false),
+    ("MFU", false),
+    ("peak/device", false),
+];
+
+/// The ranking as a table whose columns are as wide as their widest cell (a DP degree of 16384 or a
+/// 32x32x32 mesh keeps its column).
 fn render_table(out: &mut String, outcome: &Outcome, top: u64) {
-    let _ = writeln!(
-        out,
-        "{:>4}  {:<9} {:<7} {:>4} {:>5} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>11} {:>14} {:>6} {:>11}",
-        "rank",
-        "strategy",
-        "mesh",
-        "DP",
-        "PP",
-        "micro x acc",
-        "recompute",
-        "prec",
-        "zero",
-        "step time",
-        "compute",
-        "exposed comm",
-        "of it DP",
-        "bubble",
-        "tokens/s",
-        "MFU",
-        "peak/device"
-    );
-    for (rank, s) in outcome.ranked.iter().take(usize::try_from(top).unwrap_or(usize::MAX)).enumerate() {
-        let _ = writeln!(out, "{}", row(rank + 1, s));
+    let mut rows = vec![COLUMNS.map(|(header, _)| header.to_string())];
+    let shown = outcome.ranked.iter().take(usize::try_from(top).unwrap_or(usize::MAX));
+    rows.extend(shown.enumerate().map(|(rank, s)| row(rank + 1, s)));
+    let widths: Vec<usize> =
+        (0..COLUMNS.len()).map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0)).collect();
+    for cells in &rows {
+        let line: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .zip(COLUMNS)
+            .map(|((cell, &width), (_, left))| if left { format!("{cell:<width$}") } else { format!("{cell:>width$}") })
+            .collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
     }
 }
 
-fn row(rank: usize, s: &Scored) -> String {
+fn row(rank: usize, s: &Scored) -> [String; 17] {
     let c = &s.config;
-    format!(
-        "{:>4}  {:<9} {:<7} {:>4} {:>5} {:>11}  {:<9} {:<4} {:>4} {:>11} {:>11} {:>12} {:>11} {:>11} {:>14} {:>5.1}% {:>11}",
-        rank,
-        c.parallelism.strategy.name(),
+    [
+        rank.to_string(),
+        c.parallelism.strategy.name().to_string(),
         c.parallelism.mesh.to_string(),
-        c.parallelism.data,
+        c.parallelism.data.to_string(),
         c.parallelism.pipeline_text(),
         format!("{} x {}", c.micro_batch, c.accumulation),
-        c.recompute.name(),
-        c.precision.name(),
-        c.zero,
+        c.recompute.name().to_string(),
+        c.precision.name().to_string(),
+        c.zero.to_string(),
         seconds(s.step_time_s),
         seconds(s.compute_s),
         seconds(s.exposed_communication_s),
         seconds(s.data_parallel_s),
         s.bubble_s.map_or_else(|| "-".to_string(), seconds),
         group_digits(s.tokens_per_second.round() as u128),
-        100.0 * s.mfu,
-        human_bytes(s.peak_bytes_per_device)
-    )
+        format!("{:.1}%", 100.0 * s.mfu),
+        human_bytes(s.peak_bytes_per_device),
+    ]
 }

@@ -130,8 +130,9 @@ struct GroupCost {
 /// What one algorithm costs every group, and the NIC load of all groups together.
 struct Flows {
     per_group: Vec<GroupCost>,
-    /// Bytes through each node's NIC.
-    nic_load: BTreeMap<u64, f64>,
+    /// Bytes through each node's NIC, by node (a vector: a plan for 65536 devices costs each of its
+    /// collectives over 8192 nodes, for every configuration the planner tries).
+    nic_load: Vec<f64>,
 }
 
 impl Flows {
@@ -172,10 +173,11 @@ impl Flows {
     }
 
     fn with_load(per_group: Vec<GroupCost>, groups: &[BTreeMap<u64, u64>]) -> Flows {
-        let mut nic_load: BTreeMap<u64, f64> = BTreeMap::new();
+        let nodes = groups.iter().filter_map(|g| g.keys().next_back()).max().map_or(0, |&last| last as usize + 1);
+        let mut nic_load = vec![0.0; nodes];
         for (cost, g) in per_group.iter().zip(groups) {
             for &node in g.keys() {
-                *nic_load.entry(node).or_default() += cost.nic_bytes;
+                nic_load[node as usize] += cost.nic_bytes;
             }
         }
         Flows { per_group, nic_load }
@@ -194,7 +196,7 @@ impl Flows {
         let nics = hw.inter_node.nics_per_node.max(1) as f64;
         g.iter()
             .map(|(node, &members)| {
-                let shared = self.nic_load.get(node).copied().unwrap_or(0.0) / bandwidth;
+                let shared = self.nic_load.get(*node as usize).copied().unwrap_or(0.0) / bandwidth;
                 let own = nic_bytes / (bandwidth * (members as f64).min(nics) / nics);
                 shared.max(own)
             })
