@@ -448,6 +448,52 @@ fn a_run_resumed_without_its_flags_continues_as_it_was_trained() {
     assert_ne!(records(&String::from_utf8_lossy(&out.stdout)), uninterrupted[3..], "the new rate is used");
 }
 
+/// `--set` is compared name by name: a resumed run that sets a value the checkpoint left to the model
+/// file, to the value it had, keeps the checkpoint's other `--set`s (`pdrop=0.1`) and runs as the run
+/// that never stopped; another value is refused naming it, and with `--allow-changes` it changes that
+/// value alone. The seed, `--accum` and `--optimizer` are refused even with `--allow-changes`, and the
+/// refusal does not suggest it.
+#[test]
+fn set_values_are_compared_name_by_name_on_resume() {
+    let dir = scratch("sets");
+    let ckpt = dir.join("ckpt");
+    let uninterrupted = train(TWO_BY_TWO, 4, &[]);
+    train(TWO_BY_TWO, 4, &["--checkpoint-dir", text(&ckpt), "--checkpoint-every", "2"]);
+    let after_2 = ckpt.join("step-00000002");
+    let base = ["run", "examples/tiny.opt", "--json", "--mesh", "2x2", "--resume", text(&after_2)];
+    let run_with = |name: &str, extra: &[&str]| {
+        let folder = dir.join(name);
+        optimusc(&[&base[..], &["--checkpoint-dir", text(&folder)], extra].concat())
+    };
+    // tiny.opt's batch is 8 and its eps 0.00001: the same values, however spelled, change nothing.
+    let same = run_with("same", &["--set", "batch=8", "--set", "eps=1e-5"]);
+    let stderr = String::from_utf8_lossy(&same.stderr);
+    assert!(same.status.success(), "{stderr}");
+    assert!(stderr.contains("continuing with the checkpoint's") && stderr.contains("--set pdrop=0.1"), "{stderr}");
+    assert_eq!(records(&String::from_utf8_lossy(&same.stdout)), uninterrupted[2..], "records bit for bit");
+    // Another value of a name the checkpoint did not set, and of one it did.
+    for (set, says) in [
+        ("eps=0.001", "--set eps=0.001 (the checkpoint has eps=0.00001)"),
+        ("pdrop=0.2", "--set pdrop=0.2 (the checkpoint has pdrop=0.1)"),
+    ] {
+        let changed = run_with(set, &["--set", set]);
+        let stderr = String::from_utf8_lossy(&changed.stderr);
+        assert_eq!(changed.status.code(), Some(2), "{set}: {stderr}");
+        assert!(stderr.contains(says) && stderr.contains("--allow-changes"), "{set}: {stderr}");
+    }
+    let allowed = run_with("allowed", &["--set", "eps=0.001", "--allow-changes"]);
+    let stderr = String::from_utf8_lossy(&allowed.stderr);
+    assert!(allowed.status.success(), "{stderr}");
+    assert!(stderr.contains("--set pdrop=0.1"), "the other --set is kept: {stderr}");
+    for fixed in [&["--seed", "3"][..], &["--accum", "1"], &["--optimizer", "sgd"]] {
+        let refused = run_with("fixed", &[fixed, &["--allow-changes"]].concat());
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(2), "{fixed:?}: {stderr}");
+        assert!(stderr.contains(fixed[0]) && stderr.contains("must be those it was trained with"), "{stderr}");
+        assert!(stderr.contains("--allow-changes does not change them"), "{fixed:?}: {stderr}");
+    }
+}
+
 /// The precision is recorded too: a bf16 run resumed without `--precision` goes on in bf16, and asking
 /// for f32 instead is refused unless `--allow-changes`.
 #[test]

@@ -99,7 +99,19 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
     let Some(path) = &args.checkpoint.resume else { return Ok(args.clone()) };
     let Ok(checkpoint) = optimus::io::shards::Checkpoint::open(path) else { return Ok(args.clone()) };
     let recorded: GivenFlags = serde_json::from_value(checkpoint.training()["flags"].clone()).unwrap_or_default();
-    let changes = changed_flags(args, &recorded);
+    let trained_config = &checkpoint.training()["config"];
+    let (fixed, changes): (Vec<_>, Vec<_>) =
+        changed_flags(args, &recorded, trained_config).into_iter().partition(|(id, _)| FIXED.contains(&id.as_str()));
+    if !fixed.is_empty() {
+        let fixed: Vec<String> = fixed.into_iter().map(|(_, change)| change).collect();
+        return Err(Failure::usage(format!(
+            "--resume: `{}` was trained with other settings: {}; the seed, --accum and --optimizer give its state \
+             its meaning and must be those it was trained with (drop the flags; --allow-changes does not change them)",
+            checkpoint.dir().display(),
+            fixed.join(", ")
+        )));
+    }
+    let changes: Vec<String> = changes.into_iter().map(|(_, change)| change).collect();
     if !changes.is_empty() && !args.checkpoint.allow_changes {
         return Err(Failure::usage(format!(
             "--resume: `{}` was trained with other settings: {}; drop the flags to continue as it was trained, \
@@ -108,11 +120,17 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
             changes.join(", ")
         )));
     }
-    let missing: Vec<(&String, &Vec<String>)> = recorded
+    let recorded_sets = recorded.get("set").map(|sets| sets_not_given(args, sets)).unwrap_or_default();
+    let mut missing: Vec<(&String, &Vec<String>)> = recorded
         .iter()
         .filter(|(id, _)| is_defining(id) || DEFAULTED.contains(&id.as_str()))
         .filter(|(id, _)| !args.given.contains_key(*id))
         .collect();
+    // A --set given anew keeps the checkpoint's values of the other names.
+    let set_id = "set".to_string();
+    if args.given.contains_key("set") && !recorded_sets.is_empty() {
+        missing.push((&set_id, &recorded_sets));
+    }
     if missing.is_empty() {
         return Ok(args.clone());
     }
@@ -124,7 +142,9 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
         .map_err(|e| Failure::usage(format!("--resume: the flags the checkpoint recorded do not parse: {e}")))?;
     let mut resumed = line.args;
     resumed.given = args.given.clone();
-    resumed.given.extend(missing.iter().map(|(id, values)| ((*id).clone(), (*values).clone())));
+    for (id, values) in &missing {
+        resumed.given.entry((*id).clone()).or_default().extend(values.iter().cloned());
+    }
     let taken: Vec<String> = missing.iter().map(|(id, values)| format!("{} {}", flag(id), values.join(" "))).collect();
     if optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0) {
         eprintln_safe!("note: --resume: continuing with the checkpoint's {}", taken.join(", "));
@@ -132,21 +152,78 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
     Ok(resumed)
 }
 
-/// The defining flags given on this command line with another value than the checkpoint recorded.
-fn changed_flags(args: &RunArgs, recorded: &GivenFlags) -> Vec<String> {
+/// Defining flags that not even `--allow-changes` changes: the checkpoint's state means nothing without them.
+const FIXED: [&str; 3] = ["seed", "accum", "optimizer"];
+
+/// The name of a `--set NAME=VALUE`.
+fn set_name(set: &str) -> &str {
+    set.split_once('=').map_or(set, |(name, _)| name).trim()
+}
+
+/// The value of a `--set NAME=VALUE`.
+fn set_value(set: &str) -> &str {
+    set.split_once('=').map_or("", |(_, value)| value).trim()
+}
+
+/// Two spellings of one config value (`8`, `8.0`; `1e-5`, `0.00001`).
+fn same_set_value(a: &str, b: &str) -> bool {
+    match (a.parse::<f64>(), b.parse::<f64>()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    }
+}
+
+/// The recorded `--set`s whose names this command line does not set.
+fn sets_not_given(args: &RunArgs, recorded: &[String]) -> Vec<String> {
+    let given: Vec<&str> =
+        args.given.get("set").map(|sets| sets.iter().map(|s| set_name(s)).collect()).unwrap_or_default();
+    recorded.iter().filter(|set| !given.contains(&set_name(set))).cloned().collect()
+}
+
+/// The `--set`s given that change a config value the checkpoint was trained with: one it set otherwise,
+/// or one it left to the model file (its recorded config says which value that was, where it has one).
+fn changed_sets(given: &[String], recorded: &[String], trained_config: &serde_json::Value) -> Vec<String> {
     let mut changes = Vec::new();
-    for (id, theirs) in recorded.iter().filter(|(id, _)| is_defining(id)) {
+    for set in given {
+        let (name, value) = (set_name(set), set_value(set));
+        let theirs = recorded.iter().rev().find(|r| set_name(r) == name);
+        let trained =
+            Some(&trained_config[name]).filter(|v| !v.is_null()).map(|v| v.to_string().trim_matches('"').to_string());
+        let (unchanged, had) = match (theirs, trained) {
+            (Some(theirs), _) => (same_set_value(value, set_value(theirs)), theirs.clone()),
+            (None, Some(trained)) => (same_set_value(value, &trained), format!("{name}={trained}")),
+            (None, None) => (false, format!("{name} as the model file sets it")),
+        };
+        if !unchanged {
+            changes.push(format!("--set {name}={value} (the checkpoint has {had})"));
+        }
+    }
+    changes
+}
+
+/// The defining flags given on this command line with another value than the checkpoint recorded./// The defining flags given on this command line with another value than the checkpoint recorded.
+/// Each with its flag's id.
+fn changed_flags(args: &RunArgs, recorded: &GivenFlags, trained_config: &serde_json::Value) -> Vec<(String, String)> {
+    let mut changes = Vec::new();
+    if let Some(given) = args.given.get("set").filter(|_| !recorded.is_empty() || !trained_config.is_null()) {
+        let sets = changed_sets(given, recorded.get("set").map_or(&[][..], Vec::as_slice), trained_config);
+        changes.extend(sets.into_iter().map(|change| ("set".to_string(), change)));
+    }
+    for (id, theirs) in recorded.iter().filter(|(id, _)| is_defining(id) && id.as_str() != "set") {
         let Some(mine) = args.given.get(id) else { continue };
         if parsed(args, id, mine) != parsed(args, id, theirs) {
-            changes.push(format!("{} {} (the checkpoint has {})", flag(id), mine.join(" "), theirs.join(" ")));
+            changes.push((
+                id.clone(),
+                format!("{} {} (the checkpoint has {})", flag(id), mine.join(" "), theirs.join(" ")),
+            ));
         }
     }
     if recorded.is_empty() {
         return changes;
     }
-    for (id, mine) in args.given.iter().filter(|(id, _)| is_defining(id)) {
+    for (id, mine) in args.given.iter().filter(|(id, _)| is_defining(id) && id.as_str() != "set") {
         if !recorded.contains_key(id) && parsed(args, id, mine) != parsed(args, id, &[]) {
-            changes.push(format!("{} {} (the checkpoint has the default)", flag(id), mine.join(" ")));
+            changes.push((id.clone(), format!("{} {} (the checkpoint has the default)", flag(id), mine.join(" "))));
         }
     }
     changes

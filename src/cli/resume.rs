@@ -33,8 +33,9 @@ pub struct CheckpointArgs {
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// With --resume: let flags given on the command line differ from those the checkpoint recorded (the
-    /// data files, the optimizer and its settings, the schedule, clipping, --set values, --precision). Without it, a
-    /// resumed run takes every recorded flag it does not give and refuses one it gives with another value.
+    /// data files, the optimizer's settings, the schedule, clipping, --set values, --precision). Without it, a
+    /// resumed run takes every recorded flag it does not give (each --set name it does not set) and refuses
+    /// one it gives with another value. The seed, --accum, --optimizer and the batch shape must match always.
     #[arg(long, requires = "resume")]
     pub allow_changes: bool,
 }
