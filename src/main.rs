@@ -59,7 +59,8 @@ enum Command {
     /// Prove a plan right: run the model on the mesh and on one device from the same seed, and compare
     /// the loss, every output, and every parameter's gradient and updated value.
     ///
-    /// Exit status: 0 if every difference is within the tolerance, 1 otherwise.
+    /// Exit status: 0 if every difference is within the tolerance, 1 if one is not (or the model has
+    /// errors, or a run fails), 2 on usage errors (flags, or data that does not fit the model).
     Verify(cli::verify::VerifyArgs),
     /// Predict the step time, memory, throughput and MFU of a plan on a cluster (a hardware profile);
     /// optionally the largest batch that fits, optimus against megatron, or a scaling sweep.

@@ -233,18 +233,38 @@ fn a_missing_token_file_is_named() {
 }
 
 #[test]
-fn a_token_past_the_vocabulary_is_a_usage_error_before_step_0_in_training_as_in_validation_data() {
+fn a_token_past_the_vocabulary_is_a_usage_error_before_step_0_in_training_validation_and_verify() {
     let dir = TempDir::new().expect("temp dir");
     let path = dir.path().join("wide.u16");
     let mut tokens = vec![1u16; 65];
     tokens[3] = 5000;
     write_u16(&path, &tokens);
-    for flag in ["--data", "--val-data"] {
-        let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", flag, text(&path)]);
+    for (command, flag) in [("run", "--data"), ("run", "--val-data"), ("verify", "--data")] {
+        let out = optimusc(&[command, "examples/tiny.opt", "--steps", "1", flag, text(&path)]);
         let err = stderr(&out);
         assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
         assert!(err.contains(flag) && err.contains("token 5000 at offset 3"), "{flag}: {err}");
         assert!(err.contains("is not below the vocabulary size 101"), "{flag}: {err}");
         assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0") && !err.contains("step 0"), "{flag}: {err}");
+    }
+}
+
+/// `verify` refuses what `run` refuses before a step as usage errors (exit status 2), and the input
+/// nothing feeds among them.
+#[test]
+fn verify_refuses_bad_inputs_as_usage_errors() {
+    let dir = TempDir::new().expect("temp dir");
+    let wide = dir.path().join("wide.u32");
+    std::fs::write(&wide, [1u8, 0, 0, 0, 2, 0, 0, 0]).expect("writes");
+    let cases: [(&[&str], &str); 3] = [
+        (&["--data", text(&wide)], "--data-dtype u32"),
+        (&["--mode", "infer"], "drop --mode infer"),
+        (&["--labels", "examples/data/paragraph.u16"], "--labels"),
+    ];
+    for (extra, says) in cases {
+        let out = optimusc(&[&["verify", "examples/tiny.opt", "--mesh", "2x2", "--steps", "1"][..], extra].concat());
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
     }
 }

@@ -2,7 +2,7 @@
 //! unsharded on one device from the same seed and data, and compares everything they compute.
 
 use super::run::{DataDtype, DataFiles, InputArgs, OptimizerArg, OptimizerArgs, open_sources, shortfall_warning};
-use super::{StrategyArg, TargetArgs, compile_for};
+use super::{Failure, StrategyArg, TargetArgs, compile_for};
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Precision, Strategy};
 use optimus::runtime::exec::{RunConfig, RunOutput};
@@ -65,26 +65,29 @@ pub fn verify(args: &VerifyArgs) -> ExitCode {
     match verify_inner(args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
-        Err(e) => {
-            eprintln_safe!("error: {e}");
-            ExitCode::from(1)
-        }
+        Err(failure) => failure.exit(),
     }
 }
 
-fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
+/// A failure of the model (its errors printed already) or of a run: exit status 1.
+fn failed(message: &str) -> Failure {
+    Failure::from(message.to_string())
+}
+
+fn verify_inner(args: &VerifyArgs) -> Result<bool, Failure> {
     if args.model.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
-        return Err(
+        return Err(Failure::usage(
             "verify compiles the model twice (for the mesh and for one device): give the .opt file, not a plan".into(),
-        );
+        ));
     }
     if args.target.mode() != super::ModeArg::Train {
-        return Err("verify compares training steps; drop --mode infer".into());
+        return Err(Failure::usage("verify compares training steps; drop --mode infer".into()));
     }
     // compile_for has printed the model's errors, and the mesh its trailer names.
-    let sharded = compile_for(&args.model, &args.target.set, args.target.target()).ok_or("nothing verified")?;
+    let sharded =
+        compile_for(&args.model, &args.target.set, args.target.target()).ok_or_else(|| failed("nothing verified"))?;
     let single_target = optimus::shard::Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Train);
-    let single = compile_for(&args.model, &args.target.set, single_target).ok_or("nothing verified")?;
+    let single = compile_for(&args.model, &args.target.set, single_target).ok_or_else(|| failed("nothing verified"))?;
     let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };
     let tolerance = tolerance(args, sharded.precision);
     let against_bf16 = sharded.precision == Precision::Bf16 && args.tolerance.is_none();
@@ -94,21 +97,28 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, String> {
         sharded.mesh,
         optimus::plan::text::plural(args.steps, "step")
     );
-    let sources = open_sources(&files(args), args.inputs.objective, args.seed, "").map_err(|f| f.message)?;
-    sources.check(&sharded, "").map_err(|e| e.to_string())?;
+    let sources = open_sources(&files(args), args.inputs.objective, args.seed, "")?;
+    sources.check(&sharded, "").map_err(|e| Failure::usage(e.to_string()))?;
+    if !sources.drawn_from_seed() {
+        // Every batch the steps read, read now: a token past the vocabulary is a usage error, as in `run`.
+        for step in 0..args.steps.max(1) {
+            sources.batch(&sharded, step).map_err(|e| Failure::usage(format!("--data: batch {step}: {e}")))?;
+        }
+    }
     if let Some(warning) = shortfall_warning(&sources, &sharded) {
         eprintln_safe!("warning: {warning}");
     }
-    let a = execute(&sharded, args)?;
-    let b = execute(&single, args)?;
+    let a = execute(&sharded, args).map_err(Failure::from)?;
+    let b = execute(&single, args).map_err(Failure::from)?;
     let bf16_single = if against_bf16 {
         eprintln_safe!(
             "and one device in bf16: a difference also passes within {BF16_MARGIN} times that run's own difference"
         );
         let memory = MemoryOptions { precision: Precision::Bf16, zero: 0, ..args.target.target().memory };
         let target = optimus::shard::Target { memory, ..single_target };
-        let plan = compile_for(&args.model, &args.target.set, target).ok_or("cannot compile for one device in bf16")?;
-        Some(execute(&plan, args)?)
+        let plan = compile_for(&args.model, &args.target.set, target)
+            .ok_or_else(|| failed("cannot compile for one device in bf16"))?;
+        Some(execute(&plan, args).map_err(Failure::from)?)
     } else {
         None
     };
