@@ -53,7 +53,10 @@ fn a_token_outside_the_vocabulary_fails_naming_the_device_and_offset() {
     ]);
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("device (") && stderr.contains("offset 100"), "{stderr}");
+    assert!(
+        stderr.contains("device (") && stderr.contains("step 1: batch 1: ") && stderr.contains("offset 100"),
+        "{stderr}"
+    );
     assert!(!saved.exists(), "no weights are written after a failed run");
 }
 

@@ -1249,7 +1249,8 @@ impl DeviceRun<'_> {
                     (_, false) => Update::Accumulate,
                     (n, true) => Update::ApplyMean(&optimizer, step + 1, n),
                 };
-                device.load_inputs(&batches(index)?)?;
+                let batch = batches(index).map_err(|e| format!("step {step}: batch {index}: {e}"))?;
+                device.load_inputs(&batch)?;
                 match device.step_with(update, index + 1) {
                     Ok(()) => deposit_outputs(config, device, index)?,
                     Err(StepError::Failed(e)) => return Err(format!("step {step}: {e}")),
