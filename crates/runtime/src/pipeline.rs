@@ -534,7 +534,8 @@ impl StageWorker<'_> {
             match op.pass {
                 Pass::Forward => {
                     if !device.plan.inputs.is_empty() {
-                        device.load_inputs(&(self.batches)(index)?)?;
+                        let batch = (self.batches)(index).map_err(|e| format!("step {step}: batch {index}: {e}"))?;
+                        device.load_inputs(&batch)?;
                     }
                     device.begin_pass(index + 1);
                     self.run_actions(device, &self.stage.forward[chunk], at, mode)?;
