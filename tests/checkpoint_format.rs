@@ -236,6 +236,34 @@ fn the_command_line_exports_and_runs_from_a_checkpoint_directory() {
     }
 }
 
+/// `export --tokenizer` refuses a tokenizer whose ids the checkpoint's vocabulary cannot hold (GPT-2's
+/// 50,257 beside tiny.opt's 101), as `run --tokenizer` does, before writing anything.
+#[test]
+fn export_refuses_a_tokenizer_larger_than_the_vocabulary() {
+    let root = scratch("export-tokenizer");
+    let exe = env!("CARGO_BIN_EXE_optimusc");
+    let ckpt = root.join("ckpt");
+    let trained = Command::new(exe)
+        .args(["run", "examples/tiny.opt", "--steps", "1", "--checkpoint-dir"])
+        .arg(&ckpt)
+        .output()
+        .expect("runs");
+    assert!(trained.status.success(), "{}", String::from_utf8_lossy(&trained.stderr));
+    let exported = root.join("exported");
+    let out = Command::new(exe)
+        .arg("export")
+        .arg(&ckpt)
+        .arg("-o")
+        .arg(format!("{}/", exported.display()))
+        .args(["--tokenizer", "gpt2"])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("makes ids up to 50256") && stderr.contains("a vocabulary of 101"), "{stderr}");
+    assert!(!exported.exists(), "nothing written");
+}
+
 // ---- damage --------------------------------------------------------------------------------------
 
 /// Reads everything a 1x1 plan needs (every file) with optimizer state.

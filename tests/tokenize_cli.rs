@@ -63,13 +63,13 @@ fn gpt2_documents_are_joined_with_end_of_text_and_the_tail_goes_to_validation() 
     assert!(stderr.contains("tokenized 3 documents, 33 bytes of text, into 8 tokens (4.12 bytes a token)"), "{stderr}");
     assert!(stderr.contains("next: optimusc run MODEL.opt --set vocab=50257 --data"), "{stderr}");
     // Six training tokens and two to validate: the model's seq must be under 2.
-    assert!(
-        stderr.contains(
-            "note: the validation file holds 2 tokens: a run reads windows of seq + 1 tokens, so its \
-                         model's `seq` must be under 2"
-        ),
-        "{stderr}"
-    );
+    for (file, tokens) in [("training", 6), ("validation", 2)] {
+        let note = format!(
+            "note: the {file} file holds {tokens} tokens: a run reads windows of seq + 1 tokens, so the model's \
+             `seq` must be under {tokens} to read it"
+        );
+        assert!(stderr.contains(&note), "{note}: {stderr}");
+    }
     assert!(!stderr.contains("given 2 times"), "{stderr}");
 }
 

@@ -70,6 +70,9 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
         .map(optimus::text::Tokenizer::load)
         .transpose()
         .map_err(|e| Failure::usage(format!("--tokenizer: {e}")))?;
+    if let Some(tokenizer) = &tokenizer {
+        check_tokenizer_fits(tokenizer, &checkpoint)?;
+    }
     let weights = if folder { args.output.join(optimus::io::pretrained::SINGLE_FILE) } else { args.output.clone() };
     if folder {
         // Every file the folder will hold is checked before any is written.
@@ -95,6 +98,28 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
         args.output.display()
     );
     Ok(())
+}
+
+/// The vocabulary the checkpoint's model was trained with: its recorded `vocab` config value, or the
+/// Hugging Face config its manifest keeps; `None` for a checkpoint that records neither.
+fn checkpoint_vocab(checkpoint: &Checkpoint) -> Option<u64> {
+    let recorded = checkpoint.training()["config"]["vocab"].as_u64();
+    let hugging_face = || checkpoint.manifest().hugging_face.as_ref()?.get("vocab_size")?.as_u64();
+    recorded.or_else(hugging_face)
+}
+
+/// A tokenizer whose ids the checkpoint's embedding has no rows for is refused, as `run --tokenizer` is.
+fn check_tokenizer_fits(tokenizer: &optimus::text::Tokenizer, checkpoint: &Checkpoint) -> Result<(), Failure> {
+    match checkpoint_vocab(checkpoint) {
+        Some(vocab) if u64::from(tokenizer.vocab_size()) > vocab => Err(Failure::usage(format!(
+            "--tokenizer {} makes ids up to {}, and `{}` was trained with a vocabulary of {vocab}: its embedding \
+             has no row for the others",
+            tokenizer.name(),
+            tokenizer.vocab_size() - 1,
+            checkpoint.dir().display()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Writes the config the checkpoint's manifest keeps beside the exported weights, or says why there is

@@ -44,7 +44,8 @@ pub struct TargetArgs {
     /// their operands and reduce-scatter their results) or none (one device) [default: optimus].
     #[arg(long = "strategy", value_enum, value_name = "STRATEGY")]
     pub strategy_flag: Option<StrategyArg>,
-    /// train: forward, backward and optimizer step; infer: forward only [default: train].
+    /// train: forward, backward and optimizer step; infer: forward only [default: train; `eval` and
+    /// `generate` run infer only, `verify` train only].
     #[arg(long = "mode", value_enum, value_name = "MODE")]
     pub mode_flag: Option<ModeArg>,
     /// Override a config value, e.g. `--set batch=16`. Repeatable.

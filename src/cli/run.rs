@@ -50,9 +50,11 @@ pub struct RunArgs {
     #[command(flatten)]
     pub inputs: InputArgs,
     /// Start from these weights: a safetensors file (checkpoint names; Hugging Face GPT-2 files load into
-    /// gpt2.opt), or a sharded checkpoint directory (or a directory of them: the latest), whose
-    /// parameters load onto any mesh and strategy (optimizer state and training position are not restored).
-    #[arg(long, value_name = "FILE.safetensors|DIR")]
+    /// gpt2.opt); a `save_pretrained` folder (`model.safetensors`, or shards and their
+    /// `model.safetensors.index.json`) or that index; or a sharded checkpoint directory (or a directory of
+    /// them: the latest), whose parameters load onto any mesh and strategy (optimizer state and training
+    /// position are not restored).
+    #[arg(long, value_name = "FILE.safetensors|INDEX.json|DIR")]
     pub weights: Option<PathBuf>,
     /// Load `--weights` even if some are NaN or infinite (by default that is an error naming the tensor).
     #[arg(long)]
@@ -135,7 +137,7 @@ pub struct RunArgs {
     /// achieved GFLOP/s of products and their % of this CPU's peak, GB/s of collectives), then the matrix
     /// products by block shape and form (with each one's median call, which a shared machine's slow spells
     /// move less), then compute, communication and other time per device. The first step is left out as warm-up when there are more;
-    /// the peak is measured before and after the run (about 0.2 s each; a note says where the two are over
+    /// the peak is measured before and after the run (about 0.15 s each; a note says where the two are over
     /// 10% apart: the machine's speed changed under the run). The header also names the library of the CPU
     /// products (optimus's own AVX2 kernel where the CPU's widest vectors are AVX2, with OpenBLAS where
     /// the machine has it for products under 6 rows; else OpenBLAS; else faer; OPTIMUS_BLAS=faer,

@@ -288,7 +288,7 @@ fn report(outputs: &Outputs, tokenized: &Tokenized, (train, val): (u64, u64), to
     }
     line.push_str(&format!(", {}", outputs.sidecar.display()));
     eprintln_safe!("{line}");
-    if let Some(note) = few_tokens_note(train, val) {
+    for note in few_tokens_notes(train, outputs.val.as_ref().map(|_| val)) {
         eprintln_safe!("note: {note}");
     }
     eprintln_safe!("next: {}", run_hint(outputs, vocab));
@@ -297,18 +297,21 @@ fn report(outputs: &Outputs, tokenized: &Tokenized, (train, val): (u64, u64), to
 /// Tokens a window of GPT-2's context takes (its `seq` of 1024, and the next token as the last target).
 const GPT2_WINDOW: u64 = 1025;
 
-/// What a corpus too short for a long context allows: a run reads windows of `seq + 1` tokens, so
-/// `seq` must stay under the tokens of the file it reads.
-fn few_tokens_note(train: u64, val: u64) -> Option<String> {
-    let fewest = if val > 0 { train.min(val) } else { train };
-    (fewest < GPT2_WINDOW).then(|| {
-        let which = if val > 0 && val < train { "the validation file" } else { "the training file" };
-        format!(
-            "{which} holds {}: a run reads windows of seq + 1 tokens, so its model's `seq` must be under {fewest} \
-             (`--set seq=N`), or give more text",
-            plural(fewest, "token")
-        )
-    })
+/// What files too short for a long context allow: a run reads windows of `seq + 1` tokens, so `seq`
+/// must stay under the tokens of the file it reads. One note per such file.
+fn few_tokens_notes(train: u64, val: Option<u64>) -> Vec<String> {
+    let files = [("the training file", Some(train)), ("the validation file", val)];
+    files
+        .into_iter()
+        .filter_map(|(which, tokens)| tokens.filter(|&t| t < GPT2_WINDOW).map(|t| (which, t)))
+        .map(|(which, tokens)| {
+            format!(
+                "{which} holds {}: a run reads windows of seq + 1 tokens, so the model's `seq` must be under \
+                 {tokens} to read it (`--set seq=N`), or give more text",
+                plural(tokens, "token")
+            )
+        })
+        .collect()
 }
 
 /// Warns of a corpus file named more than once (its documents are then tokenized each time).
