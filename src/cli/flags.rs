@@ -54,11 +54,12 @@ pub fn memory_size(text: &str) -> Result<u64, String> {
         Some((unit, scale)) => (t[..t.len() - unit.len()].trim(), *scale),
         None => (t, 1.0),
     };
+    let parsed = number.parse::<f64>();
     let before_letters = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim();
-    if number.parse::<f64>().is_err() && before_letters.len() < t.len() && before_letters.parse::<f64>().is_ok() {
+    if parsed.is_err() && before_letters.len() < t.len() && before_letters.parse::<f64>().is_ok() {
         return Err(format!("`{text}`: the unit must be B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"));
     }
-    match number.parse::<f64>() {
+    match parsed {
         Ok(v) if v.is_finite() && v * scale >= 1.0 && v * scale < 2f64.powi(63) => Ok((v * scale) as u64),
         Ok(v) if v.is_finite() && v * scale >= 2f64.powi(63) => {
             Err(format!("`{text}` is more than 8 EiB (2^63 bytes)"))

@@ -1148,10 +1148,12 @@ fn occupied(path: &Path) -> bool {
 /// link named as a checkpoint is removed itself, never followed): "a file" or "a special file".
 fn foreign_entry(path: &Path) -> Option<&'static str> {
     let kind = std::fs::symlink_metadata(path).ok()?.file_type();
-    match () {
-        _ if kind.is_dir() || kind.is_symlink() => None,
-        _ if kind.is_file() => Some("a file"),
-        _ => Some("a special file"),
+    if kind.is_dir() || kind.is_symlink() {
+        None
+    } else if kind.is_file() {
+        Some("a file")
+    } else {
+        Some("a special file")
     }
 }
 
@@ -1162,7 +1164,7 @@ pub fn foreign_step_entry(dir: &Path) -> Option<(PathBuf, &'static str)> {
     entries.flatten().find_map(|entry| {
         let named = entry.file_name().to_str().and_then(parse_step_dir).is_some();
         let path = entry.path();
-        named.then(|| foreign_entry(&path).map(|what| (path.clone(), what))).flatten()
+        if named { foreign_entry(&path).map(|what| (path, what)) } else { None }
     })
 }
 
