@@ -180,11 +180,14 @@ fn check_checkpoint_dir(dir: &std::path::Path) -> Result<(), Failure> {
 /// position); the fields under `must_match` must be the same in a run that resumes from it.
 fn training_record(args: &RunArgs, plan: &Plan) -> serde_json::Value {
     let batch = optimus::io::check_inputs(plan).ok();
+    // The config values the weights were trained with: --weights, generate --resume and --resume's
+    // `--set` check compare them.
+    let config: serde_json::Map<String, serde_json::Value> =
+        plan.config.iter().map(|(name, value)| (name.clone(), serde_json::json!(value))).collect();
     serde_json::json!({
         "model": plan.model,
         "source": plan.source,
-        // The config values the weights were trained with: --weights and generate --resume compare them.
-        "config": plan.config.iter().map(|(name, value)| (name.clone(), serde_json::json!(value))).collect::<serde_json::Map<_, _>>(),
+        "config": config,
         "mesh": plan.mesh.to_string(),
         "strategy": plan.strategy.name(),
         "steps": args.steps,
