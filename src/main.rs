@@ -104,8 +104,9 @@ enum Command {
     /// (temperature, top-k, top-p) with a seed.
     ///
     /// Prompts are text (tokenized by --tokenizer, GPT-2's by default) or token ids; several prompts
-    /// are generated together. Each new token reruns the forward pass over the sequence so far (no
-    /// key/value cache yet). Example: `optimusc generate examples/gpt2.opt --weights model/ --prompt
+    /// are generated together. Each new token runs one decoding step over a key/value cache of the
+    /// sequence so far (the whole sequence again with --no-cache, on cuda, or for a model whose attention
+    /// is not `self_attention`). Example: `optimusc generate examples/gpt2.opt --weights model/ --prompt
     /// "The mesh" --max-new-tokens 20 --mesh 2x2`. Exit status: 0 on success, 1 on errors, 2 on usage
     /// errors.
     Generate(cli::generate::GenerateArgs),

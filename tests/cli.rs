@@ -331,6 +331,28 @@ fn output_is_plain_text_without_a_terminal() {
     }
 }
 
+/// On a terminal (a pseudo-terminal from `script`, util-linux's, in every Debian), diagnostics are in
+/// colour unless `NO_COLOR` is set to something or `TERM` is `dumb`: an empty `NO_COLOR` is unset, as
+/// no-color.org and language.md say.
+#[test]
+fn colour_on_a_terminal_follows_no_color_and_term() {
+    let file = TempModel::new("terminal", BROKEN.as_bytes());
+    let command = format!("'{}' check '{}'", env!("CARGO_BIN_EXE_optimusc"), file.path());
+    let cases = [(&[("NO_COLOR", "")][..], true), (&[("NO_COLOR", "1")], false), (&[("TERM", "dumb")], false)];
+    for (env, coloured) in cases {
+        let mut script = Command::new("script");
+        script.args(["-qec", &command, "/dev/null"]).stdin(Stdio::null()).env("TERM", "xterm-256color");
+        script.env_remove("NO_COLOR");
+        for (k, v) in env {
+            script.env(k, v);
+        }
+        let out = script.output().expect("script runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("E0101"), "{env:?}: {text}");
+        assert_eq!(text.contains('\u{1b}'), coloured, "{env:?}: {text:?}");
+    }
+}
+
 // ---- robustness -------------------------------------------------------------------------------------------
 
 /// Runs `check` on bytes and returns the run; it must end with 0 or 1 (not 101, not a signal) in time.

@@ -83,7 +83,8 @@ pub struct GenerateArgs {
     /// whose attention is not the `self_attention` operator does anyway).
     #[arg(long)]
     pub no_cache: bool,
-    /// Where kernels run: cpu (threads) or cuda (which has no key/value cache yet).
+    /// Where kernels run: cpu (threads) or cuda (which recomputes the whole sequence at every step: it
+    /// has no key/value cache kernels yet).
     #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     pub backend: Backend,
     /// Seconds a collective waits for its peers before generation fails.

@@ -24,8 +24,9 @@ pub struct TokenizeArgs {
     #[arg(long, default_value = "gpt2", value_name = "gpt2|PATH/tokenizer.json")]
     pub tokenizer: String,
     /// Writes PREFIX.u16 (PREFIX.u32 when the vocabulary has more than 65,535 tokens), PREFIX.val.u16
-    /// with --val-fraction, and PREFIX.json: the tokenizer, the vocabulary size, the separator, and
-    /// the documents, bytes and tokens of each file. Each file is replaced whole or not at all.
+    /// with --val-fraction, and PREFIX.json: the tokenizer, the vocabulary size, the separator, the
+    /// corpus files, their documents, bytes of text and tokens in all, and the tokens of each file
+    /// written. Each file is replaced whole or not at all.
     #[arg(short = 'o', long = "output", value_name = "PREFIX")]
     pub output: PathBuf,
     /// The share of the tokens, taken from the end of the corpus, written to PREFIX.val.* for

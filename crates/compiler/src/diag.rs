@@ -202,11 +202,14 @@ impl Diagnostic {
     }
 }
 
-/// Whether rendered output should use colour: never under `NO_COLOR` or when stderr is not a terminal.
+/// Whether rendered output should use colour: never under a non-empty `NO_COLOR` (an empty one is unset,
+/// as no-color.org says), with `TERM=dumb`, or when stderr is not a terminal. Decided here, not by
+/// termcolor's `Auto`, which takes an empty `NO_COLOR` as set.
 pub fn color_choice() -> ColorChoice {
     use std::io::IsTerminal;
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
-    if no_color || !std::io::stderr().is_terminal() { ColorChoice::Never } else { ColorChoice::Auto }
+    let dumb = std::env::var_os("TERM").is_some_and(|t| t == "dumb");
+    if no_color || dumb || !std::io::stderr().is_terminal() { ColorChoice::Never } else { ColorChoice::Always }
 }
 
 /// Renders diagnostics against one source file into any colour-aware writer.
