@@ -490,12 +490,15 @@ fn an_output_of_several_files_is_written_whole_or_not_at_all() {
         assert_eq!(names_in(&dir), [taken], "{taken}: nothing written");
     }
 
-    // export -o DIR/ --tokenizer: the tokenizer config's name is a folder.
+    // export -o DIR/ --tokenizer: the tokenizer config's name is a folder (the model's vocabulary holds
+    // GPT-2's ids, so the tokenizer itself is accepted).
     let checkpoints = scratch("whole-checkpoints");
     let _ = std::fs::remove_dir_all(&checkpoints);
     let saved = optimusc(&[
         "run",
         "examples/tiny.opt",
+        "--set",
+        "vocab=50257",
         "--steps",
         "1",
         "--checkpoint-dir",
