@@ -286,10 +286,10 @@ fn giant_sizes_are_diagnostics_not_crashes() {
     }
 }
 
-/// `--max-pipeline`: pipelined layouts ranked beside the rest (each on all the devices), and refused
-/// with -o, whose plan `run` must execute.
+/// `--max-pipeline`: pipelined layouts ranked beside the rest (each on all the devices); with -o, a
+/// pipelined winner's stage-grid plan is written and the hint runs it as that pipeline.
 #[test]
-fn max_pipeline_ranks_pipelines_and_is_refused_with_o() {
+fn max_pipeline_ranks_pipelines_and_o_writes_a_plan_the_hint_runs_as_the_pipeline() {
     let tiny = example("tiny.opt");
     let tiny = tiny.to_string_lossy();
     let base = ["plan", &tiny, "--devices", "8", "--hardware", "dgx-a100", "--top", "1000"];
@@ -311,12 +311,22 @@ fn max_pipeline_ranks_pipelines_and_is_refused_with_o() {
     let (code, out, err) = optimusc(&[&base[..], &["--max-pipeline", "1", "--json"]].concat());
     assert_eq!(code, 0, "{err}");
     assert!(!out.contains("\"pipeline\":2"), "--max-pipeline 1 searches no pipelines");
+    // Four layers on two devices: a 2-stage pipeline of 1x1 grids wins on dgx-a100.
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let plan = dir.path().join("plan.json");
-    let (code, _, err) = optimusc(&[&base[..], &["--max-pipeline", "2", "-o", &plan.to_string_lossy()]].concat());
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("does not run pipelines yet"), "{err}");
-    assert!(!plan.exists(), "nothing written");
+    let plan_text = plan.to_string_lossy().into_owned();
+    let args = ["plan", &tiny, "--devices", "2", "--hardware", "dgx-a100", "--set", "layers=4", "--max-pipeline", "2"];
+    let (code, out, err) = optimusc(&[&args[..], &["-o", &plan_text]].concat());
+    assert_eq!(code, 0, "{err}");
+    let text = format!("{out}{err}");
+    assert!(text.contains("best: none 1x1 DP 1 PP 2"), "{text}");
+    let hint = text.split("run it with `optimusc ").nth(1).and_then(|rest| rest.split('`').next()).expect("a hint");
+    assert!(hint.contains("--pipeline 2 --pipeline-schedule 1f1b --pipeline-hardware dgx-a100"), "{hint}");
+    let mut words: Vec<&str> = hint.split_whitespace().collect();
+    words.extend(["--steps", "1"]);
+    let (code, _, err) = optimusc(&words);
+    assert_eq!(code, 0, "the hint runs: {hint}: {err}");
+    assert!(err.contains("pipeline stage 1 (h.2..3 + head)"), "{err}");
 }
 
 /// The ranking table keeps its columns whatever their width: a data-parallel degree of 16384 lines up

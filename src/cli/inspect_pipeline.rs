@@ -97,19 +97,19 @@ pub fn render(v: &PipelineView) -> String {
         v.schedule.name(),
         v.micro_batches
     );
-    let passes = if v.simulated.virtual_stages > 1 { "chunk passes" } else { "micro-batches" };
+    let pass = if v.simulated.virtual_stages > 1 { "chunk pass" } else { "micro-batch" };
     for (s, stage) in v.stages.iter().enumerate() {
         let m = &stage.memory;
         let _ = writeln!(
             out,
-            "  stage {s} ({}): {} a device at most: storage {}, gradient sums {}, activations kept {} ({} {passes} \
+            "  stage {s} ({}): {} a device at most: storage {}, gradient sums {}, activations kept {} ({} \
              in flight); sends {} forward and {} back a micro-batch",
             stage.layers,
             human_bytes(m.peak_bytes),
             human_bytes(m.storage_bytes),
             human_bytes(m.gradient_sum_bytes),
             human_bytes(m.kept_bytes),
-            m.in_flight,
+            optimus::plan::text::plural(m.in_flight, pass),
             human_bytes(stage.sends.0),
             human_bytes(stage.sends.1),
         );

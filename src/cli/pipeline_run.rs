@@ -60,16 +60,16 @@ pub(super) fn report_stages(
         let layers = program.describe_stage(s as u64);
         let plan = planned.get(s).copied().unwrap_or_default();
         if !args.json {
-            let passes = if program.chunks > 1 { "forward passes of chunks" } else { "micro-batches" };
+            let pass = if program.chunks > 1 { "chunk pass" } else { "micro-batch" };
+            let in_flight = optimus::plan::text::plural(memory.peak_in_flight, pass);
             eprintln_safe!(
                 "pipeline stage {s} ({layers}): memory {} at most (planned {}): storage {}, gradient sums {}, \
-                 activations kept {} ({} {passes} in flight)",
+                 activations kept {} ({in_flight} in flight)",
                 human_bytes(memory.peak_bytes()),
                 human_bytes(plan.peak_bytes),
                 human_bytes(memory.storage_bytes),
                 human_bytes(memory.gradient_sum_bytes),
                 human_bytes(memory.peak_kept_bytes),
-                memory.peak_in_flight
             );
         }
         stages.push(json!({

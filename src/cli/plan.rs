@@ -56,7 +56,8 @@ pub struct PlanArgs {
     /// interleaved with 2 chunks a stage where the layers split into 2 P equal runs), each stage a
     /// copy of the tensor mesh and its replicas, simulated as `simulate --pipeline` does, with the
     /// micro-batches of an update as the pipeline's. Each stage grid compiles the whole model, so the
-    /// search takes several times longer. Not with -o: `run` does not run pipelines yet
+    /// search takes several times longer. With -o, a pipelined winner's plan is one stage grid's (the
+    /// whole model, as `run --pipeline` cuts it), and the hint printed runs it as that pipeline
     /// [default: 1, no pipelines].
     #[arg(long, value_name = "P", value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub max_pipeline: Option<u64>,
@@ -118,13 +119,6 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
     }
     let mode = if args.mode == ModeArg::Train { Mode::Train } else { Mode::Infer };
     let max_pipeline = args.max_pipeline.unwrap_or(1);
-    if max_pipeline > 1 && args.output.is_some() {
-        eprintln_safe!(
-            "error: -o writes a plan for `optimusc run`, which does not run pipelines yet: drop --max-pipeline \
-             {max_pipeline}, or drop -o to see pipelined configurations ranked"
-        );
-        return ExitCode::from(2);
-    }
     let request = Request {
         source: &source,
         devices: args.devices,
@@ -273,7 +267,7 @@ fn render(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> String {
         let _ = writeln!(out, "why: {}", why.text);
     }
     if let (Some(path), Some(best)) = (&args.output, outcome.ranked.first()) {
-        let _ = writeln!(out, "wrote {}: {}", path.display(), run_hint(path, &best.config));
+        let _ = writeln!(out, "wrote {}: {}", path.display(), run_hint(path, &best.config, &args.hardware));
     }
     out
 }
@@ -294,9 +288,19 @@ fn render_trace(out: &mut String, outcome: &Outcome) {
     out.push('\n');
 }
 
-fn run_hint(path: &std::path::Path, best: &Config) -> String {
+/// The `run` of the written plan as the winner runs: its micro-batches as --accum and, for a pipeline,
+/// its stages and schedule, balanced by the profile the search used (as the search cut them).
+fn run_hint(path: &std::path::Path, best: &Config, hardware: &str) -> String {
     let accum = if best.accumulation > 1 { format!(" --accum {}", best.accumulation) } else { String::new() };
-    format!("run it with `optimusc run {}{accum}`", path.display())
+    let p = &best.parallelism;
+    let pipeline = match (p.pipeline, p.chunks) {
+        (1, _) => String::new(),
+        (stages, 1) => format!(" --pipeline {stages} --pipeline-schedule 1f1b --pipeline-hardware {hardware}"),
+        (stages, chunks) => format!(
+            " --pipeline {stages} --pipeline-schedule interleaved --virtual-stages {chunks} --pipeline-hardware {hardware}"
+        ),
+    };
+    format!("run it with `optimusc run {}{accum}{pipeline}`", path.display())
 }
 
 /// The ranking table's columns: header, and whether the column is left-aligned (text) rather than
