@@ -268,3 +268,24 @@ fn verify_refuses_bad_inputs_as_usage_errors() {
         assert!(err.contains(says), "{extra:?}: {err}");
     }
 }
+
+/// A resumed run reads the batch it starts from before its first step, as a fresh run reads batch 0:
+/// a token past the vocabulary there is a usage error naming the batch.
+#[test]
+fn a_resumed_run_checks_the_batch_it_starts_from() {
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("late.u16");
+    // tiny.opt reads 8 x 8 tokens a step: batch 2 reads tokens 128..=192, batches 0 and 1 none past 128.
+    let mut tokens: Vec<u16> = (0..400).map(|i| (i % 100) as u16).collect();
+    tokens[130] = 5000;
+    write_u16(&path, &tokens);
+    let ckpt = dir.path().join("ckpt");
+    let first =
+        optimusc(&["run", "examples/tiny.opt", "--steps", "2", "--data", text(&path), "--checkpoint-dir", text(&ckpt)]);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let resumed = optimusc(&["run", "examples/tiny.opt", "--steps", "4", "--resume", text(&ckpt)]);
+    let err = stderr(&resumed);
+    assert_eq!(resumed.status.code(), Some(2), "{err}");
+    assert!(err.contains("--data: batch 2: ") && err.contains("token 5000 at offset 130"), "{err}");
+    assert!(!err.contains("step 2:"), "refused before its first step: {err}");
+}

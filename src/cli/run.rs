@@ -576,6 +576,11 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         checkpoints: resumption.checkpoints,
         ..config
     };
+    let first = config.start_step.saturating_mul(args.accum);
+    if first > 0 && !sources.drawn_from_seed() {
+        // A resumed run starts at a later batch: read it too, as batch 0 was above.
+        sources.batch(&plan, first).map_err(|e| Failure::usage(format!("--data: batch {first}: {e}")))?;
+    }
     if config.clip_grad_norm.is_some() && plan.grad_norm.is_none() {
         return Err(Failure::usage(
             "--clip-grad-norm: this plan was compiled before optimusc computed gradient norms; compile it again".into(),
