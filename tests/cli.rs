@@ -332,13 +332,18 @@ fn output_is_plain_text_without_a_terminal() {
 }
 
 /// On a terminal (a pseudo-terminal from `script`, util-linux's, in every Debian), diagnostics are in
-/// colour unless `NO_COLOR` is set to something or `TERM` is `dumb`: an empty `NO_COLOR` is unset, as
-/// no-color.org and language.md say.
+/// colour unless `NO_COLOR` is set to something or `TERM` is empty or `dumb`: an empty `NO_COLOR` is
+/// unset, as no-color.org and language.md say.
 #[test]
 fn colour_on_a_terminal_follows_no_color_and_term() {
     let file = TempModel::new("terminal", BROKEN.as_bytes());
     let command = format!("'{}' check '{}'", env!("CARGO_BIN_EXE_optimusc"), file.path());
-    let cases = [(&[("NO_COLOR", "")][..], true), (&[("NO_COLOR", "1")], false), (&[("TERM", "dumb")], false)];
+    let cases = [
+        (&[("NO_COLOR", "")][..], true),
+        (&[("NO_COLOR", "1")], false),
+        (&[("TERM", "dumb")], false),
+        (&[("TERM", "")], false),
+    ];
     for (env, coloured) in cases {
         let mut script = Command::new("script");
         script.args(["-qec", &command, "/dev/null"]).stdin(Stdio::null()).env("TERM", "xterm-256color");

@@ -239,11 +239,14 @@ fn a_token_past_the_vocabulary_is_a_usage_error_before_step_0_in_training_valida
     let mut tokens = vec![1u16; 65];
     tokens[3] = 5000;
     write_u16(&path, &tokens);
-    for (command, flag) in [("run", "--data"), ("run", "--val-data"), ("verify", "--data")] {
+    // The message names the batch and the file (and --val-data its flag).
+    let cases = [("run", "--data", "batch 0 of the data: "), ("run", "--val-data", "--val-data: validation batch 0: ")];
+    for (command, flag, says) in [&cases[..], &[("verify", "--data", "batch 0 of the data: ")]].concat() {
         let out = optimusc(&[command, "examples/tiny.opt", "--steps", "1", flag, text(&path)]);
         let err = stderr(&out);
         assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
-        assert!(err.contains(flag) && err.contains("token 5000 at offset 3"), "{flag}: {err}");
+        assert!(err.contains(says) && err.contains(&format!("`{}`", path.display())), "{flag}: {err}");
+        assert!(err.contains("token 5000 at offset 3"), "{flag}: {err}");
         assert!(err.contains("is not below the vocabulary size 101"), "{flag}: {err}");
         assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0") && !err.contains("step 0"), "{flag}: {err}");
     }
@@ -286,6 +289,15 @@ fn a_resumed_run_checks_the_batch_it_starts_from() {
     let resumed = optimusc(&["run", "examples/tiny.opt", "--steps", "4", "--resume", text(&ckpt)]);
     let err = stderr(&resumed);
     assert_eq!(resumed.status.code(), Some(2), "{err}");
-    assert!(err.contains("--data: batch 2: ") && err.contains("token 5000 at offset 130"), "{err}");
+    assert!(err.contains("batch 2 of the data: ") && err.contains("token 5000 at offset 130"), "{err}");
     assert!(!err.contains("step 2:"), "refused before its first step: {err}");
+    // Batch 0 is not read again: a bad token there does not stop a run resumed past it.
+    let early = dir.path().join("early.u16");
+    let mut tokens: Vec<u16> = (0..400).map(|i| (i % 100) as u16).collect();
+    tokens[10] = 5000;
+    write_u16(&early, &tokens);
+    let args = ["run", "examples/tiny.opt", "--steps", "3", "--resume", text(&ckpt), "--data", text(&early)];
+    let past =
+        optimusc(&[&args[..], &["--allow-changes", "--checkpoint-dir", text(&dir.path().join("again"))]].concat());
+    assert!(past.status.success(), "{}", stderr(&past));
 }

@@ -481,6 +481,13 @@ fn set_values_are_compared_name_by_name_on_resume() {
         assert_eq!(changed.status.code(), Some(2), "{set}: {stderr}");
         assert!(stderr.contains(says) && stderr.contains("--allow-changes"), "{set}: {stderr}");
     }
+    // The last --set of a name counts; a name the model does not have is the compiler's error to give.
+    let last = run_with("last", &["--set", "pdrop=0.2", "--set", "pdrop=0.1"]);
+    assert!(last.status.success(), "{}", String::from_utf8_lossy(&last.stderr));
+    let unknown = run_with("unknown", &["--set", "pdorp=0.1"]);
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    assert_eq!(unknown.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("pdrop") && !stderr.contains("--allow-changes"), "{stderr}");
     let allowed = run_with("allowed", &["--set", "eps=0.001", "--allow-changes"]);
     let stderr = String::from_utf8_lossy(&allowed.stderr);
     assert!(allowed.status.success(), "{stderr}");

@@ -161,3 +161,15 @@ fn run_refuses_a_file_named_for_the_other_width() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("give --data-dtype u32"), "{stderr}");
 }
+
+/// The `run` command tokenize suggests is one a shell runs as printed: a path with a space is quoted.
+#[test]
+fn the_suggested_run_quotes_paths_a_shell_would_split() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let a = write(dir.path(), "a.txt", b"Hello world, hello again");
+    let prefix = dir.path().join("out put");
+    let out = optimusc(&["tokenize", &a, "-o", &text(&prefix)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains(&format!("--data '{}.u16'", prefix.display())), "{stderr}");
+}

@@ -92,10 +92,10 @@ pub fn render(v: &PipelineView) -> String {
     };
     let _ = writeln!(
         out,
-        "\npipeline: {} stages under {}, {} micro-batches an update ({how})",
+        "\npipeline: {} stages under {}, {} an update ({how})",
         v.stages.len(),
         v.schedule.name(),
-        v.micro_batches
+        optimus::plan::text::plural(v.micro_batches, "micro-batch")
     );
     let pass = if v.simulated.virtual_stages > 1 { "chunk pass" } else { "micro-batch" };
     for (s, stage) in v.stages.iter().enumerate() {

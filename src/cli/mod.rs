@@ -670,3 +670,18 @@ fn stdout_exact(text: &str) {
         eprintln_safe!("error: cannot write to standard output: {e}");
     }
 }
+
+/// `text` as one word of a POSIX shell command: as it is where it has only characters no shell reads
+/// specially, else in single quotes (a quote inside written `'\''`).
+pub(crate) fn shell_word(text: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_./:@%+=,-".contains(c);
+    if !text.is_empty() && text.chars().all(plain) {
+        return text.to_string();
+    }
+    format!("'{}'", text.replace('\'', "'\\''"))
+}
+
+/// A path as one word of a POSIX shell command (see [`shell_word`]).
+pub(crate) fn shell_path(path: &Path) -> String {
+    shell_word(&path.display().to_string())
+}

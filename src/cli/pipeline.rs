@@ -89,8 +89,16 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
     let _ = writeln!(
         out,
         "simulate: model {} on {}: pipeline of {} stages ({} schedule{chunks}), each a {} {} mesh ({} devices), {} \
-         devices in all; {} micro-batches an update",
-        u.model, u.hardware, s.stages, s.schedule, u.strategy, u.mesh, s.stage_devices, s.devices, s.micro_batches
+         devices in all; {} an update",
+        u.model,
+        u.hardware,
+        s.stages,
+        s.schedule,
+        u.strategy,
+        u.mesh,
+        s.stage_devices,
+        s.devices,
+        optimus::plan::text::plural(s.micro_batches, "micro-batch")
     );
     let _ = writeln!(out, "  placement {}, collectives {}", u.placement, u.algorithm);
     let _ = writeln!(
@@ -205,8 +213,13 @@ fn render_accumulated(s: &PipelineSimulation) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "simulate: model {} on {}: {} strategy, {} mesh ({} devices), {} micro-batches an update",
-        u.model, u.hardware, u.strategy, u.mesh, s.devices, s.micro_batches
+        "simulate: model {} on {}: {} strategy, {} mesh ({} devices), {} an update",
+        u.model,
+        u.hardware,
+        u.strategy,
+        u.mesh,
+        s.devices,
+        optimus::plan::text::plural(s.micro_batches, "micro-batch")
     );
     let _ = writeln!(out, "  placement {}, collectives {}", u.placement, u.algorithm);
     let _ = writeln!(

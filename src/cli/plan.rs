@@ -291,16 +291,20 @@ fn render_trace(out: &mut String, outcome: &Outcome) {
 /// The `run` of the written plan as the winner runs: its micro-batches as --accum and, for a pipeline,
 /// its stages and schedule, balanced by the profile the search used (as the search cut them).
 fn run_hint(path: &std::path::Path, best: &Config, hardware: &str) -> String {
+    use super::shell_word;
     let accum = if best.accumulation > 1 { format!(" --accum {}", best.accumulation) } else { String::new() };
     let p = &best.parallelism;
     let pipeline = match (p.pipeline, p.chunks) {
         (1, _) => String::new(),
-        (stages, 1) => format!(" --pipeline {stages} --pipeline-schedule 1f1b --pipeline-hardware {hardware}"),
+        (stages, 1) => {
+            format!(" --pipeline {stages} --pipeline-schedule 1f1b --pipeline-hardware {}", shell_word(hardware))
+        }
         (stages, chunks) => format!(
-            " --pipeline {stages} --pipeline-schedule interleaved --virtual-stages {chunks} --pipeline-hardware {hardware}"
+            " --pipeline {stages} --pipeline-schedule interleaved --virtual-stages {chunks} --pipeline-hardware {}",
+            shell_word(hardware)
         ),
     };
-    format!("run it with `optimusc run {}{accum}{pipeline}`", path.display())
+    format!("run it with `optimusc run {}{accum}{pipeline}`", super::shell_path(path))
 }
 
 /// The ranking table's columns: header, and whether the column is left-aligned (text) rather than

@@ -184,8 +184,19 @@ fn sets_not_given(args: &RunArgs, recorded: &[String]) -> Vec<String> {
 /// or one it left to the model file (its recorded config says which value that was, where it has one).
 fn changed_sets(given: &[String], recorded: &[String], trained_config: &serde_json::Value) -> Vec<String> {
     let mut changes = Vec::new();
-    for set in given {
+    // The last `--set` of a name is the one that counts, as in compiling.
+    let last: Vec<&String> = given
+        .iter()
+        .enumerate()
+        .filter(|(i, set)| !given[i + 1..].iter().any(|later| set_name(later) == set_name(set)))
+        .map(|(_, set)| set)
+        .collect();
+    for set in last {
         let (name, value) = (set_name(set), set_value(set));
+        if trained_config.is_object() && trained_config[name].is_null() {
+            // Not a config value of the model: compiling says so, with the names it has.
+            continue;
+        }
         let theirs = recorded.iter().rev().find(|r| set_name(r) == name);
         let trained =
             Some(&trained_config[name]).filter(|v| !v.is_null()).map(|v| v.to_string().trim_matches('"').to_string());

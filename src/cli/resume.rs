@@ -252,16 +252,6 @@ fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json:
     Ok(checkpoint)
 }
 
-/// `text` as one word of a POSIX shell command: as it is where it has only characters no shell reads
-/// specially, else in single quotes (a quote inside written `'\''`).
-fn shell_word(text: &str) -> String {
-    let plain = |c: char| c.is_ascii_alphanumeric() || "_./:@%+=,-".contains(c);
-    if !text.is_empty() && text.chars().all(plain) {
-        return text.to_string();
-    }
-    format!("'{}'", text.replace('\'', "'\\''"))
-}
-
 /// What an interrupted run prints: where its state is and how to go on.
 pub fn interrupted_message(
     args: &RunArgs,
@@ -275,7 +265,7 @@ pub fn interrupted_message(
              with `--resume {}` (on any mesh)",
             args.steps,
             path.display(),
-            shell_word(&dir.display().to_string())
+            super::shell_word(&dir.display().to_string())
         ),
         (None, Some(dir)) => format!(
             "interrupted after {steps_done} of {} updates, before this run wrote a checkpoint in `{}`: there is \
@@ -292,7 +282,7 @@ pub fn interrupted_message(
 
 #[cfg(test)]
 mod tests {
-    use super::shell_word;
+    use super::super::shell_word;
 
     /// A path a shell would split or read specially is quoted, so that the advice pastes as it reads.
     #[test]

@@ -527,10 +527,11 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
             eprintln_safe!("warning: {note}");
         }
     }
-    if !sources.drawn_from_seed() {
+    if !sources.drawn_from_seed() && args.checkpoint.resume.is_none() {
         // The first batch read now, as --val-data's are: an id at or past the vocabulary is then a usage
-        // error before step 0, not a device's failure once the run has started.
-        sources.batch(&plan, 0).map_err(|e| Failure::usage(format!("--data: batch 0: {e}")))?;
+        // error before step 0, not a device's failure once the run has started. (A resumed run reads
+        // the batch it starts from, below, once its step is known.)
+        sources.batch(&plan, 0).map_err(|e| Failure::usage(format!("batch 0 of the data: {e}")))?;
     }
     if sources.drawn_from_seed() && leader {
         let what = if plan.mode == Mode::Train { "training on" } else { "running" };
@@ -577,9 +578,9 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         ..config
     };
     let first = config.start_step.saturating_mul(args.accum);
-    if first > 0 && !sources.drawn_from_seed() {
-        // A resumed run starts at a later batch: read it too, as batch 0 was above.
-        sources.batch(&plan, first).map_err(|e| Failure::usage(format!("--data: batch {first}: {e}")))?;
+    if args.checkpoint.resume.is_some() && !sources.drawn_from_seed() {
+        // A resumed run reads the batch it starts from first, as a fresh run reads batch 0 above.
+        sources.batch(&plan, first).map_err(|e| Failure::usage(format!("batch {first} of the data: {e}")))?;
     }
     if config.clip_grad_norm.is_some() && plan.grad_norm.is_none() {
         return Err(Failure::usage(

@@ -277,15 +277,16 @@ fn report(outputs: &Outputs, tokenized: &Tokenized, (train, val): (u64, u64), to
     let rate = tokenized.file_bytes as f64 / took.as_secs_f64().max(1e-9) / 1e6;
     let per_token = tokenized.text_bytes as f64 / tokenized.tokens.max(1) as f64;
     let mut line = format!(
-        "tokenized {}, {} of text, into {} ({per_token:.2} bytes a token) in {:.1} s ({rate:.1} MB/s): {} ({train} tokens)",
+        "tokenized {}, {} of text, into {} ({per_token:.2} bytes a token) in {:.1} s ({rate:.1} MB/s): {} ({})",
         plural(tokenized.documents, "document"),
         plural(tokenized.text_bytes, "byte"),
         plural(tokenized.tokens, "token"),
         took.as_secs_f64(),
         outputs.train.display(),
+        plural(train, "token"),
     );
     if let Some(path) = &outputs.val {
-        line.push_str(&format!(", {} ({val} tokens)", path.display()));
+        line.push_str(&format!(", {} ({})", path.display(), plural(val, "token")));
     }
     line.push_str(&format!(", {}", outputs.sidecar.display()));
     eprintln_safe!("{line}");
@@ -305,12 +306,17 @@ fn few_tokens_notes(train: u64, val: Option<u64>) -> Vec<String> {
     files
         .into_iter()
         .filter_map(|(which, tokens)| tokens.filter(|&t| t < GPT2_WINDOW).map(|t| (which, t)))
-        .map(|(which, tokens)| {
-            format!(
+        .map(|(which, tokens)| match tokens {
+            0 | 1 => format!(
+                "{which} holds {}: a run reads windows of seq + 1 tokens, at least 2, so no model can read it; \
+                 give more text",
+                plural(tokens, "token")
+            ),
+            _ => format!(
                 "{which} holds {}: a run reads windows of seq + 1 tokens, so the model's `seq` must be under \
                  {tokens} to read it (`--set seq=N`), or give more text",
                 plural(tokens, "token")
-            )
+            ),
         })
         .collect()
 }
@@ -336,9 +342,9 @@ fn warn_of_files_given_twice(corpus: &[PathBuf]) {
 
 /// The `run` that trains on what was written (the model's vocabulary must hold every id).
 fn run_hint(outputs: &Outputs, vocab: u32) -> String {
-    let mut hint = format!("optimusc run MODEL.opt --set vocab={vocab} --data {}", outputs.train.display());
+    let mut hint = format!("optimusc run MODEL.opt --set vocab={vocab} --data {}", super::shell_path(&outputs.train));
     if let Some(val) = &outputs.val {
-        hint.push_str(&format!(" --val-data {} --eval-every 100", val.display()));
+        hint.push_str(&format!(" --val-data {} --eval-every 100", super::shell_path(val)));
     }
     if vocab > u32::from(u16::MAX) {
         hint.push_str(" --data-dtype u32");

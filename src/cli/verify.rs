@@ -102,7 +102,7 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, Failure> {
     if !sources.drawn_from_seed() {
         // Every batch the steps read, read now: a token past the vocabulary is a usage error, as in `run`.
         for step in 0..args.steps.max(1) {
-            sources.batch(&sharded, step).map_err(|e| Failure::usage(format!("--data: batch {step}: {e}")))?;
+            sources.batch(&sharded, step).map_err(|e| Failure::usage(format!("batch {step} of the data: {e}")))?;
         }
     }
     if let Some(warning) = shortfall_warning(&sources, &sharded) {

@@ -203,12 +203,12 @@ impl Diagnostic {
 }
 
 /// Whether rendered output should use colour: never under a non-empty `NO_COLOR` (an empty one is unset,
-/// as no-color.org says), with `TERM=dumb`, or when stderr is not a terminal. Decided here, not by
-/// termcolor's `Auto`, which takes an empty `NO_COLOR` as set.
+/// as no-color.org says), with `TERM` unset, empty or `dumb`, or when stderr is not a terminal. Decided
+/// here, not by termcolor's `Auto` (which takes an empty `NO_COLOR` as set), with its rule for `TERM`.
 pub fn color_choice() -> ColorChoice {
     use std::io::IsTerminal;
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
-    let dumb = std::env::var_os("TERM").is_some_and(|t| t == "dumb");
+    let dumb = std::env::var_os("TERM").is_none_or(|t| t.is_empty() || t == "dumb");
     if no_color || dumb || !std::io::stderr().is_terminal() { ColorChoice::Never } else { ColorChoice::Always }
 }
 

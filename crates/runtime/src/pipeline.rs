@@ -534,7 +534,8 @@ impl StageWorker<'_> {
             match op.pass {
                 Pass::Forward => {
                     if !device.plan.inputs.is_empty() {
-                        let batch = (self.batches)(index).map_err(|e| format!("step {step}: batch {index}: {e}"))?;
+                        // The caller names the step.
+                        let batch = (self.batches)(index).map_err(|e| format!("batch {index}: {e}"))?;
                         device.load_inputs(&batch)?;
                     }
                     device.begin_pass(index + 1);
