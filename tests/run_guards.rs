@@ -525,3 +525,22 @@ fn gradient_accumulation_above_a_million_micro_batches_is_a_usage_error() {
         assert!(stderr(&out).contains("--accum") && stderr(&out).contains("1..=1000000"), "{}", stderr(&out));
     }
 }
+
+/// `--save-weights NEW/` is checked before the first step without leaving the folder behind: a run
+/// refused after the check (data that does not fit the model) writes nothing, and a run that trains
+/// makes the folder when it saves.
+#[test]
+fn a_save_weights_folder_is_not_left_behind_by_a_refused_run() {
+    let data = scratch("late-refusal.u16");
+    token_file(&data, &[5000; 80]);
+    let folder = scratch("never-made");
+    let _ = std::fs::remove_dir_all(&folder);
+    let target = format!("{}/", folder.display());
+    let data_arg = data.to_str().expect("utf-8");
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--data", data_arg, "--save-weights", &target]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(!folder.exists(), "no folder after a refused run");
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--save-weights", &target]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(folder.join("model.safetensors").exists(), "the folder is made when the weights are saved");
+}

@@ -74,11 +74,16 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
         check_tokenizer_fits(tokenizer, &checkpoint)?;
     }
     let weights = if folder { args.output.join(optimus::io::pretrained::SINGLE_FILE) } else { args.output.clone() };
+    if !folder && args.output.as_os_str() != "-" {
+        // Checked before the checkpoint's shards are read and gathered, as the folder's files are.
+        optimus::io::output::check_writable(&args.output).map_err(|e| Failure::usage(e.to_string()))?;
+    }
     if folder {
         // Every file the folder will hold is checked before any is written.
         let tokenizer_files = if tokenizer.is_some() { &optimus::text::HUB_FILES[..] } else { &[] };
         let names = optimus::io::pretrained::folder_files(tokenizer_files);
-        optimus::io::pretrained::check_all_writable(&args.output, &names).map_err(|e| Failure::usage(e.to_string()))?;
+        optimus::io::pretrained::make_writable_folder(&args.output, &names)
+            .map_err(|e| Failure::usage(e.to_string()))?;
     }
     let summary = export_safetensors(&checkpoint, &weights).map_err(|e| e.to_string())?;
     if folder {

@@ -228,7 +228,7 @@ pub fn save_pretrained(
         names.push(INDEX_FILE.to_string());
     }
     names.extend(CONFIG_FILES.iter().map(|n| n.to_string()));
-    check_all_writable(dir, &names)?;
+    make_writable_folder(dir, &names)?;
     // The old index goes first: from here on the folder never holds an index of an old set of shards.
     remove_weight_files(dir, &[])?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
@@ -277,16 +277,28 @@ pub fn folder_files(extra: &[&str]) -> Vec<String> {
     [SINGLE_FILE, INDEX_FILE].iter().chain(&CONFIG_FILES).chain(extra).map(|n| n.to_string()).collect()
 }
 
-/// Creates `dir` if needed and checks that each of `names` can be written there, before any is: a save
-/// that cannot finish (a name taken by a folder, a folder that cannot be written) leaves the folder as
-/// it was, and removes it again if it created it.
+/// Checks that each of `names` can be written into `dir` (made for the check if it does not exist), and
+/// leaves the file system as it was: a folder it made is removed again. For a check long before the
+/// writing (`run --save-weights DIR/` before its first step), so that a run refused or failed in
+/// between leaves no empty folder behind.
 pub fn check_all_writable(dir: &Path, names: &[String]) -> Result<(), SaveError> {
+    checked_folder(dir, names, false)
+}
+
+/// [`check_all_writable`], keeping the folder for the writing that follows at once: a save that cannot
+/// finish (a name taken by a folder, a folder that cannot be written) leaves the folder as it was, and
+/// removes it again if it made it.
+pub fn make_writable_folder(dir: &Path, names: &[String]) -> Result<(), SaveError> {
+    checked_folder(dir, names, true)
+}
+
+fn checked_folder(dir: &Path, names: &[String], keep: bool) -> Result<(), SaveError> {
     let existed = dir.exists();
     std::fs::create_dir_all(dir).map_err(|source| SaveError::Directory { dir: dir.to_path_buf(), source })?;
     let checked = no_folder_named_as_weights(dir).and_then(|()| {
         names.iter().try_for_each(|n| super::output::check_writable(&dir.join(n)).map_err(SaveError::Write))
     });
-    if checked.is_err() && !existed {
+    if !existed && (checked.is_err() || !keep) {
         // Only an empty folder is removed: nothing was written into it.
         let _ = std::fs::remove_dir(dir);
     }
