@@ -73,7 +73,8 @@ fn segments_and_labels_are_read_at_the_offsets_of_the_tokens_and_labels_are_not_
     let (batch, seq, n) = (2u64, 4u64, 40u64);
     let plan = small_bert(batch, seq);
     let tokens: Vec<u16> = (0..n as u16).map(|i| (i * 7) % 50).collect();
-    let segments: Vec<u16> = (0..n as u16).map(|i| i % 3).collect();
+    // BERT has 2 token types: 0 and 1.
+    let segments: Vec<u16> = (0..n as u16).map(|i| (i / 3) % 2).collect();
     let labels: Vec<u16> = (0..n as u16).map(|i| if i % 3 == 0 { u16::MAX } else { (i + 11) % 50 }).collect();
     let open = |name: &str, values: &[u16]| TokenData::open(&write_u16(name, values), TokenDtype::U16).expect("opens");
     let (t, s, l) = (open("w.tokens", &tokens), open("w.segments", &segments), open("w.labels", &labels));
@@ -285,6 +286,13 @@ fn an_input_without_a_source_is_a_usage_error_naming_it() {
         assert_eq!(status, Some(2), "{flags:?}: {err}");
         assert!(err.starts_with(want), "{flags:?}:\n{err}\nwant:\n{want}");
     }
+    // A token type the model's `types` (2) has no row for, before the first step, naming the file.
+    let mut types = vec![0u16; 4716];
+    types[5] = 7;
+    let wide = write_u16("wide.segments", &types);
+    let (status, err) = run_bert(&["--data", data, "--segments", text(&wide)]);
+    assert_eq!(status, Some(2), "{err}");
+    assert!(err.contains("token type 7 at offset 5 (token index) is not below the model's `types` (2)"), "{err}");
     let short = write_u16("short.segments", &[0; 10]);
     let (status, err) = run_bert(&["--data", data, "--segments", text(&short)]);
     assert_eq!(status, Some(2), "{err}");

@@ -94,8 +94,9 @@ pub enum SourceError {
     NoVocab,
     /// A label at token index `offset` that is neither a token id nor the ignore id.
     Label { path: String, label: u32, offset: u64, vocab: u64, ignore: u32 },
-    /// A token type at token index `offset` beyond i32.
-    Segment { path: String, value: u32, offset: u64 },
+    /// A token type at token index `offset` beyond i32, or (`types`: the model's `types` config value)
+    /// not below the model's number of types.
+    Segment { path: String, value: u32, offset: u64, types: Option<u64> },
     /// Nothing in the batch feeds this input.
     Unfed { input: String },
 }
@@ -152,7 +153,12 @@ impl fmt::Display for SourceError {
                 "label file `{path}`: label {label} at offset {offset} (token index) is neither below the \
                  vocabulary size {vocab} nor the ignore id {ignore}"
             ),
-            SourceError::Segment { path, value, offset } => {
+            SourceError::Segment { path, value, offset, types: Some(types) } => write!(
+                f,
+                "segment file `{path}`: token type {value} at offset {offset} (token index) is not below the \
+                 model's `types` ({types})"
+            ),
+            SourceError::Segment { path, value, offset, types: None } => {
                 write!(f, "segment file `{path}`: token type {value} at offset {offset} (token index) does not fit i32")
             }
             SourceError::Unfed { input } => write!(f, "no data for input `{input}`"),
@@ -292,7 +298,9 @@ impl Sources {
                     by_role.insert("labels", Tensor::from_i32(&[batch, seq], values));
                 }
                 if let Some(segments) = &self.segments {
-                    let values = aligned(segments, self.order, step, (batch, seq), |t, at| segment(segments, t, at))?;
+                    let types = token_types(plan);
+                    let values =
+                        aligned(segments, self.order, step, (batch, seq), |t, at| segment(segments, t, at, types))?;
                     by_role.insert("segments", Tensor::from_i32(&[batch, seq], values));
                 }
             }
@@ -391,8 +399,20 @@ fn label(file: &TokenData, value: u32, index: u64, vocab: u64) -> Result<i32, So
 }
 
 /// A token type id, as an i32 (the embedding it indexes checks its range).
-fn segment(file: &TokenData, value: u32, index: u64) -> Result<i32, SourceError> {
-    i32::try_from(value).map_err(|_| SourceError::Segment { path: file.path().to_string(), value, offset: index })
+fn segment(file: &TokenData, value: u32, index: u64, types: Option<u64>) -> Result<i32, SourceError> {
+    let error = |types| SourceError::Segment { path: file.path().to_string(), value, offset: index, types };
+    if types.is_some_and(|t| u64::from(value) >= t) {
+        return Err(error(types));
+    }
+    i32::try_from(value).map_err(|_| error(None))
+}
+
+/// The model's number of token types, from its `types` config value (BERT's), where it has one.
+fn token_types(plan: &Plan) -> Option<u64> {
+    match plan.config.iter().find(|(n, _)| n == "types") {
+        Some((_, optimus_plan::types::Scalar::Int(t))) if *t > 0 => Some(*t as u64),
+        _ => None,
+    }
 }
 
 /// Labels drawn from the seed (for runs and `verify` without files): each position is ignored with
