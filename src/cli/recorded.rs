@@ -212,8 +212,8 @@ fn changed_sets(given: &[String], recorded: &[String], trained_config: &serde_js
     changes
 }
 
-/// The defining flags given on this command line with another value than the checkpoint recorded./// The defining flags given on this command line with another value than the checkpoint recorded.
-/// Each with its flag's id.
+/// The defining flags given on this command line with another value than the checkpoint recorded,
+/// each with its flag's id.
 fn changed_flags(args: &RunArgs, recorded: &GivenFlags, trained_config: &serde_json::Value) -> Vec<(String, String)> {
     let mut changes = Vec::new();
     if let Some(given) = args.given.get("set").filter(|_| !recorded.is_empty() || !trained_config.is_null()) {
