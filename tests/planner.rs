@@ -327,6 +327,14 @@ fn max_pipeline_ranks_pipelines_and_o_writes_a_plan_the_hint_runs_as_the_pipelin
     let (code, _, err) = optimusc(&words);
     assert_eq!(code, 0, "the hint runs: {hint}: {err}");
     assert!(err.contains("pipeline stage 1 (h.2..3 + head)"), "{err}");
+    // The search estimates a stage's memory from the whole plan's pieces, below what the stage programs
+    // plan for themselves: the warning says so, and the inspect it names shows the same figure.
+    let warning = text.lines().find(|l| l.starts_with("warning: the stage programs of")).expect("a warning");
+    let most = warning.split("plan up to ").nth(1).and_then(|r| r.split(" a device").next()).expect("a figure");
+    let inspect = warning.split("(`optimusc ").nth(1).and_then(|r| r.split('`').next()).expect("a command");
+    let (code, out, err) = optimusc(&inspect.split_whitespace().collect::<Vec<_>>());
+    assert_eq!(code, 0, "{inspect}: {err}");
+    assert!(out.contains(&format!(": {most} a device at most")), "{most} in {out}");
 }
 
 /// The ranking table keeps its columns whatever their width: a data-parallel degree of 16384 lines up

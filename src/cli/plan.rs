@@ -146,10 +146,12 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
         Ok(outcome) => outcome,
         Err(no_plan) => return report_no_plan(args, &no_plan),
     };
-    if let Some(output) = &args.output
-        && let Err(code) = write_winner(&source, &outcome, mode, output)
-    {
-        return code;
+    if let Some(output) = &args.output {
+        match write_winner(&source, &outcome, mode, output) {
+            Ok(Some(plan)) => warn_of_stage_memory(args, &outcome, &plan, output),
+            Ok(None) => {}
+            Err(code) => return code,
+        }
     }
     if args.json {
         return super::print_json(&outcome_json(args, &hw, &outcome));
@@ -181,9 +183,15 @@ fn read_source(path: &std::path::Path) -> Result<String, ExitCode> {
     super::read_model_text(path, "plan compiles the model for many configurations")
 }
 
-/// Compiles the winning configuration and writes its plan (atomically, as `compile -o`).
-fn write_winner(source: &Source, outcome: &Outcome, mode: Mode, output: &std::path::Path) -> Result<(), ExitCode> {
-    let Some(best) = outcome.ranked.first() else { return Ok(()) };
+/// Compiles the winning configuration and writes its plan (atomically, as `compile -o`); returns the
+/// plan written, if any.
+fn write_winner(
+    source: &Source,
+    outcome: &Outcome,
+    mode: Mode,
+    output: &std::path::Path,
+) -> Result<Option<optimus::plan::Plan>, ExitCode> {
+    let Some(best) = outcome.ranked.first() else { return Ok(None) };
     let plan = planner::compile_winner(source, &best.config, mode).map_err(|e| {
         eprintln_safe!("error: cannot compile the winning configuration: {e}");
         ExitCode::from(1)
@@ -191,7 +199,64 @@ fn write_winner(source: &Source, outcome: &Outcome, mode: Mode, output: &std::pa
     optimus::io::plan_file::write_plan(&plan, output).map_err(|e| {
         eprintln_safe!("error: {e}");
         ExitCode::from(1)
-    })
+    })?;
+    Ok(Some(plan))
+}
+
+/// For a pipelined winner: where its stage programs, cut as the hint's `run --pipeline` cuts them,
+/// plan more memory a device than the search's estimate of the pipeline, a warning with both (the
+/// search estimates a stage's memory from the whole plan's pieces; the runtime plans each stage
+/// program's own storage, gradient sums and stashed activations, which can be more).
+fn warn_of_stage_memory(args: &PlanArgs, outcome: &Outcome, plan: &optimus::plan::Plan, output: &std::path::Path) {
+    use super::pipeline::{PipelineScheduleArg, RunPipelineArgs};
+    let Some(best) = outcome.ranked.first() else { return };
+    let p = &best.config.parallelism;
+    if p.pipeline <= 1 {
+        return;
+    }
+    let flags = RunPipelineArgs {
+        pipeline: Some(p.pipeline),
+        pipeline_schedule: Some(if p.chunks > 1 {
+            PipelineScheduleArg::Interleaved
+        } else {
+            PipelineScheduleArg::OneFOneB
+        }),
+        virtual_stages: (p.chunks > 1).then_some(p.chunks),
+        pipeline_split: None,
+        pipeline_hardware: Some(args.hardware.clone()),
+    };
+    let accum = best.config.accumulation;
+    let planned = flags
+        .balancing_hardware()
+        .and_then(|hw| flags.program(plan, accum, &hw))
+        .and_then(|(program, schedule)| program.memory_plan(schedule, accum).map_err(|e| e.to_string()));
+    let Ok(stages) = planned else { return };
+    let most = stages.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
+    let estimate = best.peak_bytes_per_device;
+    if most <= estimate {
+        return;
+    }
+    let over = if most > outcome.capacity_bytes {
+        format!(", over the {} a device the search planned for", human_bytes(outcome.capacity_bytes))
+    } else {
+        String::new()
+    };
+    let schedule = if p.chunks > 1 {
+        format!(" --pipeline-schedule interleaved --virtual-stages {}", p.chunks)
+    } else {
+        String::new()
+    };
+    eprintln_safe!(
+        "warning: the stage programs of `{}` plan up to {} a device under its schedule{over}, more than the search's \
+         estimate of {} (`optimusc inspect {} --pipeline {}{schedule} --accum {accum} --pipeline-hardware {}` breaks \
+         it down by stage)",
+        output.display(),
+        human_bytes(most),
+        human_bytes(estimate),
+        super::shell_path(output),
+        p.pipeline,
+        super::shell_word(&args.hardware)
+    );
 }
 
 fn outcome_json(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> serde_json::Value {
