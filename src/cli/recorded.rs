@@ -165,12 +165,10 @@ fn set_value(set: &str) -> &str {
     set.split_once('=').map_or("", |(_, value)| value).trim()
 }
 
-/// Two spellings of one config value (`8`, `8.0`; `1e-5`, `0.00001`).
-fn same_set_value(a: &str, b: &str) -> bool {
-    match (a.parse::<f64>(), b.parse::<f64>()) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => a == b,
-    }
+/// A `--set` value as the JSON value a checkpoint records for it (a number read as one, else text), so
+/// that two spellings of one value (`8`, `8.0`; `1e-5`, `0.00001`) compare equal.
+fn set_json(value: &str) -> serde_json::Value {
+    serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::String(value.to_string()))
 }
 
 /// The recorded `--set`s whose names this command line does not set.
@@ -198,11 +196,11 @@ fn changed_sets(given: &[String], recorded: &[String], trained_config: &serde_js
             continue;
         }
         let theirs = recorded.iter().rev().find(|r| set_name(r) == name);
-        let trained =
-            Some(&trained_config[name]).filter(|v| !v.is_null()).map(|v| v.to_string().trim_matches('"').to_string());
+        let trained = Some(&trained_config[name]).filter(|v| !v.is_null());
+        let same = |other: &serde_json::Value| super::weights_config::same_number(&set_json(value), other);
         let (unchanged, had) = match (theirs, trained) {
-            (Some(theirs), _) => (same_set_value(value, set_value(theirs)), theirs.clone()),
-            (None, Some(trained)) => (same_set_value(value, &trained), format!("{name}={trained}")),
+            (Some(theirs), _) => (same(&set_json(set_value(theirs))), theirs.clone()),
+            (None, Some(trained)) => (same(trained), format!("{name}={trained}")),
             (None, None) => (false, format!("{name} as the model file sets it")),
         };
         if !unchanged {

@@ -72,7 +72,7 @@ fn folder_differences(config: &Path, plan: &Plan) -> Vec<String> {
 
 /// Whether two JSON values are equal, numbers by value (`4` and `4.0` alike; floats to a part in 1e9,
 /// so that a value another program printed with fewer digits still matches).
-fn same_number(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+pub(super) fn same_number(a: &serde_json::Value, b: &serde_json::Value) -> bool {
     match (a.as_f64(), b.as_f64()) {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
         _ => a == b,
