@@ -241,21 +241,14 @@ fn warn_of_stage_memory(args: &PlanArgs, outcome: &Outcome, plan: &optimus::plan
     } else {
         String::new()
     };
-    let schedule = if p.chunks > 1 {
-        format!(" --pipeline-schedule interleaved --virtual-stages {}", p.chunks)
-    } else {
-        String::new()
-    };
     eprintln_safe!(
         "warning: the stage programs of `{}` plan up to {} a device under its schedule{over}, more than the search's \
-         estimate of {} (`optimusc inspect {} --pipeline {}{schedule} --accum {accum} --pipeline-hardware {}` breaks \
-         it down by stage)",
+         estimate of {} (`optimusc inspect {} --accum {accum}{}` breaks it down by stage)",
         output.display(),
         human_bytes(most),
         human_bytes(estimate),
         super::shell_path(output),
-        p.pipeline,
-        super::shell_word(&args.hardware)
+        pipeline_flags(&best.config, &args.hardware)
     );
 }
 
@@ -356,20 +349,22 @@ fn render_trace(out: &mut String, outcome: &Outcome) {
 /// The `run` of the written plan as the winner runs: its micro-batches as --accum and, for a pipeline,
 /// its stages and schedule, balanced by the profile the search used (as the search cut them).
 fn run_hint(path: &std::path::Path, best: &Config, hardware: &str) -> String {
-    use super::shell_word;
     let accum = if best.accumulation > 1 { format!(" --accum {}", best.accumulation) } else { String::new() };
+    format!("run it with `optimusc run {}{accum}{}`", super::shell_path(path), pipeline_flags(best, hardware))
+}
+
+/// The flags of `run --pipeline` and `inspect --pipeline` that cut a written plan into `best`'s stages
+/// under its schedule, balanced by the search's profile (as the search cut them); none without a pipeline.
+fn pipeline_flags(best: &Config, hardware: &str) -> String {
     let p = &best.parallelism;
-    let pipeline = match (p.pipeline, p.chunks) {
+    let hardware = super::shell_word(hardware);
+    match (p.pipeline, p.chunks) {
         (1, _) => String::new(),
-        (stages, 1) => {
-            format!(" --pipeline {stages} --pipeline-schedule 1f1b --pipeline-hardware {}", shell_word(hardware))
-        }
+        (stages, 1) => format!(" --pipeline {stages} --pipeline-schedule 1f1b --pipeline-hardware {hardware}"),
         (stages, chunks) => format!(
-            " --pipeline {stages} --pipeline-schedule interleaved --virtual-stages {chunks} --pipeline-hardware {}",
-            shell_word(hardware)
+            " --pipeline {stages} --pipeline-schedule interleaved --virtual-stages {chunks} --pipeline-hardware {hardware}"
         ),
-    };
-    format!("run it with `optimusc run {}{accum}{pipeline}`", super::shell_path(path))
+    }
 }
 
 /// The ranking table's columns: header, and whether the column is left-aligned (text) rather than
