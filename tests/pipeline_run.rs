@@ -490,3 +490,21 @@ fn inspect_shows_the_stages_memory_and_schedule_that_run_pipeline_runs() {
     assert_eq!(refused.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("training plan") && !stderr.contains("panicked"), "{stderr}");
 }
+
+/// A batch a pipeline cannot read (a token past the vocabulary, after the first batch, which is checked
+/// before step 0) names its step and batch once, with the file and offset.
+#[test]
+fn a_bad_batch_in_a_pipeline_names_its_step_and_batch_once() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let data = dir.path().join("late.u16");
+    // tiny.opt reads 8 x 8 tokens a step: token 100 is in batch 1 only.
+    let mut tokens: Vec<u16> = (0..400).map(|i| (i % 100) as u16).collect();
+    tokens[100] = 5000;
+    std::fs::write(&data, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).expect("write data");
+    let data = data.to_str().expect("utf-8 path");
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "3", "--pipeline", "2", "--data", data]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.matches("step 1: ").count(), 1, "{stderr}");
+    assert!(stderr.contains("step 1: batch 1: ") && stderr.contains("token 5000 at offset 100"), "{stderr}");
+}

@@ -685,3 +685,18 @@ pub(crate) fn shell_word(text: &str) -> String {
 pub(crate) fn shell_path(path: &Path) -> String {
     shell_word(&path.display().to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::shell_word;
+
+    /// A path a shell would split or read specially is quoted, so that the advice pastes as it reads.
+    #[test]
+    fn a_path_is_one_shell_word() {
+        assert_eq!(shell_word("runs/ck-1"), "runs/ck-1");
+        assert_eq!(shell_word("sp dir/ck"), "'sp dir/ck'");
+        assert_eq!(shell_word("it's"), "'it'\\''s'");
+        assert_eq!(shell_word("a$b"), "'a$b'");
+        assert_eq!(shell_word(""), "''");
+    }
+}
