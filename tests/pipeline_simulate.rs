@@ -3,6 +3,9 @@
 //! formula, the stages hold every parameter (a tied one twice), 1F1B keeps at most P micro-batches on
 //! the first stage where GPipe keeps them all, and bad flags are clear errors.
 
+mod common;
+
+use common::SHARED_CPU;
 use optimus::cost::search::Source;
 use optimus::cost::staged::{Pipeline, PipelineSimulation, simulate_pipeline};
 use optimus::cost::{Hardware, Options, simulate};
@@ -265,45 +268,6 @@ fn nearly_equal_stages_idle_as_the_formula_says() {
 
 /// A CPU profile as `optimusc calibrate` writes one, cut to a default fit: two threads whose devices
 /// share one engine.
-const SHARED_CPU: &str = r#"
-name = "two-core-cpu"
-description = "a 2-core CPU whose device threads share the cores"
-[device]
-name = "cpu"
-memory_gb = 24.0
-memory_bandwidth_gb_s = 20.0
-achievable_bandwidth = 1.0
-achievable_compute = 1.0
-kernel_launch_us = 14.0
-[device.peak_tflops]
-f32 = 0.35
-[intra_node]
-gpus_per_node = 1024
-bandwidth_gb_s = 15.0
-latency_us = 50.0
-[inter_node]
-nic_bandwidth_gb_s = 15.0
-latency_us = 50.0
-nics_per_node = 1
-[collectives]
-algorithm = "auto"
-[measured]
-runtime = "cpu"
-threads = 2
-shared_engine = true
-overlap = false
-[[measured.dispatch]]
-devices = 8
-us = 2.0
-[measured.kernels.default]
-launch_us = 10.0
-gb_s = 20.0
-gflop_s = 150.0
-[measured.single_thread_kernels.default]
-launch_us = 5.0
-gb_s = 12.0
-gflop_s = 80.0
-"#;
 
 #[test]
 fn stages_sharing_a_cpus_cores_take_their_work_over_those_cores() {
@@ -428,4 +392,37 @@ fn an_accumulating_cpu_run_pays_for_its_gradient_sums_once_per_micro_batch() {
     let deferred = 4.0 * (g / 2e9 + g / 8e9 + g / 4e9);
     let (without, with) = (at(&plain), at(&copying));
     assert!(close_to(with - without, expected + deferred), "{with} - {without} against {}", expected + deferred);
+}
+
+/// On a profile of our CPU runtime each stage's memory is what its stage program plans under the
+/// schedule (`run --pipeline` measures that figure), for every mesh and schedule; on an accelerator's
+/// profile it is the in-place estimate, which names no program.
+#[test]
+fn on_our_cpu_runtimes_profile_each_stage_holds_what_its_program_plans() {
+    let cpu = Hardware::parse(SHARED_CPU, "test").unwrap_or_else(|e| panic!("{e}"));
+    let schedules = [Schedule::OneFOneB, Schedule::GPipe, Schedule::Interleaved { chunks: 2 }];
+    for (mesh, strategy) in meshes() {
+        let plan = gpt2(4, mesh, strategy);
+        for schedule in schedules {
+            let (stages, micro_batches) = (2u64, 4u64);
+            let pipeline = Pipeline { stages, schedule, micro_batches };
+            let what = format!("{mesh} {schedule:?}");
+            let split =
+                optimus::cost::staged::balanced_split(&plan, &cpu, &Options::default(), (stages, schedule.chunks()))
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let program = optimus::plan::pipeline_cut::cut(&plan, stages, schedule.chunks(), Some(&split))
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let planned = program.memory_plan(schedule, micro_batches).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let on_cpu =
+                simulate_pipeline(&plan, &cpu, &Options::default(), pipeline).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let in_place = pipelined(&plan, stages, schedule, micro_batches);
+            for (s, (st, program)) in on_cpu.per_stage.iter().zip(&planned).enumerate() {
+                assert_eq!(st.program_memory, Some(*program), "{what} stage {s}");
+                assert_eq!((st.peak_bytes, st.in_flight), (program.peak_bytes, program.in_flight), "{what} stage {s}");
+                assert_eq!(in_place.per_stage[s].program_memory, None, "{what} stage {s}");
+            }
+            let most = planned.iter().map(|m| m.peak_bytes).max();
+            assert_eq!(Some(on_cpu.peak_bytes_per_device), most, "{what}");
+        }
+    }
 }

@@ -2,6 +2,8 @@
 //! enumerates (checked by compiling and scoring each one on its own), every configuration it returns
 //! fits, `-o` writes a plan that `run` accepts, JSON is best first, and bad inputs are clear errors.
 
+mod common;
+
 use optimus::cost::planner::{self, Config, Request};
 use optimus::cost::search::Source;
 use optimus::cost::{Hardware, Options};
@@ -335,6 +337,48 @@ fn max_pipeline_ranks_pipelines_and_o_writes_a_plan_the_hint_runs_as_the_pipelin
     let (code, out, err) = optimusc(&inspect.split_whitespace().collect::<Vec<_>>());
     assert_eq!(code, 0, "{inspect}: {err}");
     assert!(out.contains(&format!(": {most} a device at most")), "{most} in {out}");
+}
+
+/// On a profile of our CPU runtime the search fits a pipeline by its stage programs' own memory, the
+/// figure `run --pipeline` holds: the winner's peak is the one `inspect --pipeline` gives for the hint's
+/// split, `plan -o` has nothing to warn of, and a `--memory` just under that figure leaves the
+/// configuration out.
+#[test]
+fn on_a_cpu_profile_a_pipelines_memory_is_its_stage_programs() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let profile = dir.path().join("cpu.toml");
+    std::fs::write(&profile, common::SHARED_CPU).unwrap_or_else(|e| panic!("{e}"));
+    let (tiny, profile) = (example("tiny.opt"), profile.to_string_lossy().into_owned());
+    let tiny = tiny.to_string_lossy();
+    let plan = dir.path().join("plan.json").to_string_lossy().into_owned();
+    let base = ["plan", &tiny, "--devices", "2", "--hardware", &profile, "--set", "layers=4", "--max-pipeline", "2"];
+    let (code, out, err) = optimusc(&[&base[..], &["--json", "--top", "1000"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let listing: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+    let configs = listing["configurations"].as_array().cloned().unwrap_or_default();
+    let winner = configs.first().cloned().unwrap_or_default();
+    assert_eq!((winner["pipeline"].as_u64(), winner["micro_batch"].as_u64()), (Some(2), Some(8)), "{winner}");
+    let peak = winner["peak_bytes_per_device"].as_u64().unwrap_or(0);
+    let (code, out, err) = optimusc(&[&base[..], &["-o", &plan]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(!format!("{out}{err}").contains("warning: the stage programs of"), "{out}{err}");
+    let inspect = ["inspect", &plan, "--pipeline", "2", "--accum", "1", "--pipeline-hardware", &profile, "--json"];
+    let (code, out, err) = optimusc(&inspect);
+    assert_eq!(code, 0, "{err}");
+    let view: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+    let stages = view["pipeline"]["stages"].as_array().cloned().unwrap_or_default();
+    let most = stages.iter().filter_map(|s| s["memory"]["peak_bytes"].as_u64()).max();
+    assert_eq!(most, Some(peak), "{out}");
+    let tight = format!("{}B", peak - 1);
+    let (code, out, err) = optimusc(&[&base[..], &["--json", "--top", "1000", "--memory", &tight]].concat());
+    assert_eq!(code, 0, "{err}");
+    let listing: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+    let configs = listing["configurations"].as_array().cloned().unwrap_or_default();
+    let same = |c: &&serde_json::Value| {
+        ["strategy", "mesh", "data", "pipeline", "micro_batch", "recompute"].iter().all(|k| c[k] == winner[k])
+    };
+    assert!(!configs.iter().any(|c| same(&c)), "{winner} ranked under {tight}: {out}");
+    assert!(configs.iter().all(|c| c["peak_bytes_per_device"].as_u64() < Some(peak)), "{out}");
 }
 
 /// The ranking table keeps its columns whatever their width: a data-parallel degree of 16384 lines up

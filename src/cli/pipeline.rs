@@ -121,6 +121,7 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
         );
     }
     let _ = writeln!(out, "  (forward and backward: one micro-batch through the stage's chunks)");
+    let _ = writeln!(out, "  {}", peak_meaning(s));
     let (p, m) = (s.stages as f64, s.micro_batches as f64);
     let _ = writeln!(out, "\nupdate time             {:>12}", seconds(s.step_time_s));
     let _ = writeln!(out, "  pipeline              {:>12}  (first forward to last backward)", seconds(s.pipeline_s));
@@ -155,6 +156,17 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
     let worst = s.per_stage.iter().max_by_key(|st| st.peak_bytes).map_or(0, |st| st.stage);
     render_fit_and_rate(&mut out, s, (s.peak_bytes_per_device, &format!(", stage {worst}")));
     out
+}
+
+/// What a stage's peak counts, as a note under the stages' table.
+fn peak_meaning(s: &PipelineSimulation) -> &'static str {
+    if s.per_stage.iter().any(|st| st.program_memory.is_some()) {
+        "(peak: the stage program's arena, its gradient sums and the host copies of the activations in flight, \
+         as run --pipeline holds them)"
+    } else {
+        "(peak: parameters, gradients, optimizer state, inputs, the largest workspace and the activations in \
+         flight, kept in place)"
+    }
 }
 
 /// The memory line (peak per device, with `where` it is reached), then throughput and MFU.

@@ -204,9 +204,10 @@ fn write_winner(
 }
 
 /// For a pipelined winner: where its stage programs, cut as the hint's `run --pipeline` cuts them,
-/// plan more memory a device than the search's estimate of the pipeline, a warning with both (the
-/// search estimates a stage's memory from the whole plan's pieces; the runtime plans each stage
-/// program's own storage, gradient sums and stashed activations, which can be more).
+/// plan more memory a device than the search's estimate of the pipeline, a warning with both. On an
+/// accelerator's profile the search counts a stage's memory kept in place; the CPU runtime plans each
+/// stage program's own storage, gradient sums and host copies of kept activations, which can be more.
+/// On a profile of the CPU runtime the search counts those, so this warns only if the cuts differ.
 fn warn_of_stage_memory(args: &PlanArgs, outcome: &Outcome, plan: &optimus::plan::Plan, output: &std::path::Path) {
     use super::pipeline::{PipelineScheduleArg, RunPipelineArgs};
     let Some(best) = outcome.ranked.first() else { return };

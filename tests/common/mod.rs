@@ -133,3 +133,45 @@ pub fn adamw() -> optimus::runtime::settings::OptimizerSettings {
 /// hold its 333 token ids).
 pub const PARAGRAPH_VALIDATED_EVERY_2: [&str; 6] =
     ["--data", "examples/data/paragraph.u16", "--val-data", "examples/data/paragraph.u16", "--eval-every", "2"];
+
+/// A calibrated profile of our CPU runtime (threads on 2 shared cores), as `calibrate` writes one: the
+/// figures are round, not this machine's.
+pub const SHARED_CPU: &str = r#"
+name = "two-core-cpu"
+description = "a 2-core CPU whose device threads share the cores"
+[device]
+name = "cpu"
+memory_gb = 24.0
+memory_bandwidth_gb_s = 20.0
+achievable_bandwidth = 1.0
+achievable_compute = 1.0
+kernel_launch_us = 14.0
+[device.peak_tflops]
+f32 = 0.35
+[intra_node]
+gpus_per_node = 1024
+bandwidth_gb_s = 15.0
+latency_us = 50.0
+[inter_node]
+nic_bandwidth_gb_s = 15.0
+latency_us = 50.0
+nics_per_node = 1
+[collectives]
+algorithm = "auto"
+[measured]
+runtime = "cpu"
+threads = 2
+shared_engine = true
+overlap = false
+[[measured.dispatch]]
+devices = 8
+us = 2.0
+[measured.kernels.default]
+launch_us = 10.0
+gb_s = 20.0
+gflop_s = 150.0
+[measured.single_thread_kernels.default]
+launch_us = 5.0
+gb_s = 12.0
+gflop_s = 80.0
+"#;

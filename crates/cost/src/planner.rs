@@ -345,16 +345,18 @@ struct Compiled {
     pipeline: Option<PipelineSimulation>,
 }
 
-/// The plan of one stage's grid cut into pieces, with what the search keeps of it.
+/// The plan of one stage's grid cut into pieces, with what the search keeps of it: the plan itself
+/// only where the stages' memory is their programs' ([`staged::stages_hold_host_copies`]).
 struct StagePlan {
     summary: Compiled,
     pieces: Pieces,
     unpipelined: Simulation,
+    plan: Option<Plan>,
 }
 
 /// A pipelined configuration from the plan of its stage's grid.
 fn pipelined(stage: &StagePlan, hw: &Hardware, pipeline: Pipeline) -> Result<Compiled, SearchError> {
-    let sim = staged::pipeline_of_pieces(hw, &stage.pieces, stage.unpipelined.clone(), pipeline)
+    let sim = staged::pipeline_of_pieces(hw, (&stage.pieces, stage.plan.as_ref()), stage.unpipelined.clone(), pipeline)
         .map_err(|e| SearchError::Pipeline(e.to_string()))?;
     let held = sim.per_stage.iter().map(|s| s.held_bytes).max().unwrap_or(0);
     Ok(Compiled {
@@ -374,7 +376,8 @@ fn stage_plan(request: &Request, config: &Config) -> Result<StagePlan, SearchErr
     let (unpipelined, costs) = simulate_costed(&plan, request.hardware, &request.options);
     let pieces = staged::pieces(&plan, request.hardware, &costs);
     let summary = summarise(&plan, request.hardware, (config.micro_batch, pieces.optimizer_s));
-    Ok(StagePlan { summary, pieces, unpipelined })
+    let plan = staged::stages_hold_host_copies(request.hardware).then_some(plan);
+    Ok(StagePlan { summary, pieces, unpipelined, plan })
 }
 
 /// What the search keeps of a plan compiled at `micro_batch`, whose optimizer steps take `optimizer_s`

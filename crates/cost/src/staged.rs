@@ -23,6 +23,7 @@ use crate::step::{InstrCost, Options, Simulation, accumulate, device_peak_flops,
 use optimus_plan::memory::for_each_touched;
 use optimus_plan::phases::{Phase, StepPhases};
 use optimus_plan::pipeline::Schedule;
+use optimus_plan::pipeline_cut::{self, StageMemoryPlan};
 pub use optimus_plan::stages::layer_of;
 use optimus_plan::stages::{InstructionPieces, ParameterOwners, describe_pieces, instruction_pieces, ranges_of_starts};
 use optimus_plan::{BufferId, Instr, Mode, Plan, Role};
@@ -53,6 +54,8 @@ pub enum PipelineError {
         given: usize,
         virtual_stages: u64,
     },
+    /// The plan could not be cut into the stage programs whose memory a CPU stage holds.
+    Cut(String),
 }
 
 impl std::fmt::Display for PipelineError {
@@ -67,6 +70,7 @@ impl std::fmt::Display for PipelineError {
             PipelineError::SplitMismatch { given, virtual_stages } => {
                 write!(f, "a split into {given} runs of layers for {virtual_stages} virtual stages")
             }
+            PipelineError::Cut(e) => write!(f, "{e}"),
         }
     }
 }
@@ -94,12 +98,19 @@ pub struct StageReport {
     pub parameters: u64,
     /// Their blocks, gradients and optimizer state, per device.
     pub held_bytes: u64,
-    /// Micro-batch chunks of activations it keeps at most (the schedule's), and their bytes each.
+    /// Micro-batch chunks of activations it keeps at most (the schedule's), and their bytes each (the
+    /// largest chunk's).
     pub in_flight: u64,
     pub kept_bytes_per_micro_batch: u64,
-    /// Parameters, gradients, optimizer state and inputs, plus `in_flight` times the kept activations,
-    /// plus the plan's largest workspace.
+    /// What a device of the stage holds at most. In place (an accelerator's profile): parameters,
+    /// gradients, optimizer state and inputs, plus `in_flight` times the kept activations, plus the
+    /// plan's largest workspace. On our CPU runtime's profile: `program_memory`'s peak.
     pub peak_bytes: u64,
+    /// On a profile of our CPU runtime (`calibrate` on threads or under MPI), the stage program's own
+    /// memory plan under the schedule, the figure `run --pipeline` measures: its arena, its gradient
+    /// sums over the micro-batches and the host copies of the activations in flight. `None` elsewhere.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub program_memory: Option<StageMemoryPlan>,
 }
 
 /// A simulated pipeline update.
@@ -506,28 +517,24 @@ impl<'a> StageCopies<'a> {
         StageCopies { rates, pieces }
     }
 
-    fn kept(&self, chunk: &std::ops::Range<usize>) -> u64 {
-        self.pieces.kept_bytes[chunk.clone()].iter().sum()
-    }
-
     /// Gradient bytes of the parameters a chunk reads (its backward pass writes their gradients).
     fn gradients(&self, chunk: &std::ops::Range<usize>) -> u64 {
         let reads = |share: &&ParamShare| share.pieces.iter().any(|k| chunk.contains(k));
         self.pieces.params.iter().filter(reads).map(|share| share.gradient_bytes).sum()
     }
 
-    /// After a forward pass: its kept activations copied out.
-    fn forward_s(&self, chunk: &std::ops::Range<usize>) -> f64 {
-        self.rates.map_or(0.0, |(h, alone)| alone * h.stash_s(self.kept(chunk)))
+    /// After a forward pass: the `kept` bytes it keeps copied out.
+    fn forward_s(&self, kept: u64) -> f64 {
+        self.rates.map_or(0.0, |(h, alone)| alone * h.stash_s(kept))
     }
 
-    /// Around a backward pass: the activations copied back, the gradients added into the sums (and,
-    /// with replicas, this device's terms of their sums over the replicas kept aside).
-    fn backward_s(&self, chunk: &std::ops::Range<usize>) -> f64 {
+    /// Around a backward pass: the `kept` activations copied back, the gradients added into the sums
+    /// (and, with replicas, this device's terms of their sums over the replicas kept aside).
+    fn backward_s(&self, chunk: &std::ops::Range<usize>, kept: u64) -> f64 {
         self.rates.map_or(0.0, |(h, alone)| {
             let gradients = self.gradients(chunk);
             let deferred = if self.pieces.data_parallel { h.deferred_sum_s(gradients) } else { 0.0 };
-            alone * (h.restore_s(self.kept(chunk)) + h.gradient_sum_s(gradients) + deferred)
+            alone * (h.restore_s(kept) + h.gradient_sum_s(gradients) + deferred)
         })
     }
 
@@ -592,7 +599,33 @@ pub fn simulate_pipeline_split(
         Some(_) => simulate_costed(plan, hw, options).0,
         None => simulated,
     };
-    pipeline_of_split_pieces(hw, &cut, unpipelined, pipeline, split)
+    let runtime = stages_hold_host_copies(hw).then_some(plan);
+    pipeline_of_split_pieces(hw, (&cut, runtime), unpipelined, pipeline, split)
+}
+
+/// Whether `hw` is a profile of our CPU runtime (`calibrate` on threads or under MPI), whose pipeline
+/// stages keep host copies of what forward passes keep beside their program's arena: a stage's memory
+/// is then its program's memory plan (what `run --pipeline` measures), where an accelerator keeping
+/// activations in place holds less.
+pub fn stages_hold_host_copies(hw: &Hardware) -> bool {
+    hw.measured.as_ref().is_some_and(|m| matches!(m.runtime.as_str(), "cpu" | "mpi"))
+}
+
+/// What the stage programs of `plan` cut into `groups` (virtual stage `chunk * stages + stage`) hold
+/// under `pipeline`: each stage's memory plan, and the bytes each of its chunks keeps a micro-batch.
+fn program_memory(
+    plan: &Plan,
+    pipeline: Pipeline,
+    groups: &[std::ops::Range<usize>],
+) -> Result<(Vec<StageMemoryPlan>, Vec<Vec<u64>>), PipelineError> {
+    let chunks = pipeline.schedule.chunks();
+    let program = pipeline_cut::cut(plan, pipeline.stages.max(1), chunks, Some(groups))
+        .map_err(|e| PipelineError::Cut(e.to_string()))?;
+    let memory = program
+        .memory_plan(pipeline.schedule, pipeline.micro_batches)
+        .map_err(|e| PipelineError::Timeline(TimelineError::Schedule(e)))?;
+    let kept = program.stages.iter().map(|stage| (0..chunks as usize).map(|c| stage.kept_bytes(c)).collect()).collect();
+    Ok((memory, kept))
 }
 
 /// `plan` cut into pieces costed as `stages` stages of its grid run them: on a shared engine (a
@@ -635,20 +668,27 @@ fn virtual_stage_pieces(pieces: &Pieces, virtual_stages: u64) -> Result<Vec<std:
     Ok(ranges_of_starts(&starts, layers))
 }
 
-/// [`simulate_pipeline`] from a plan already cut into pieces.
+/// [`simulate_pipeline`] from `plan` already cut into pieces; `plan` is needed only where `hw` is our
+/// CPU runtime's ([`stages_hold_host_copies`]), whose stages hold what their programs plan.
 pub fn pipeline_of_pieces(
     hw: &Hardware,
-    pieces: &Pieces,
+    (pieces, plan): (&Pieces, Option<&Plan>),
     unpipelined: Simulation,
     pipeline: Pipeline,
 ) -> Result<PipelineSimulation, PipelineError> {
-    pipeline_of_split_pieces(hw, pieces, unpipelined, pipeline, None)
+    let runtime = if stages_hold_host_copies(hw) {
+        Some(plan.ok_or_else(|| PipelineError::Cut("the stage programs' memory needs the plan".into()))?)
+    } else {
+        None
+    };
+    pipeline_of_split_pieces(hw, (pieces, runtime), unpipelined, pipeline, None)
 }
 
-/// [`pipeline_of_pieces`] with the virtual stages' pieces given, or balanced where `None`.
+/// [`pipeline_of_pieces`] with the virtual stages' pieces given, or balanced where `None`; `runtime`:
+/// the plan whose stage programs give each stage's memory, `None` for memory kept in place.
 fn pipeline_of_split_pieces(
     hw: &Hardware,
-    pieces: &Pieces,
+    (pieces, runtime): (&Pieces, Option<&Plan>),
     unpipelined: Simulation,
     pipeline: Pipeline,
     split: Option<&[std::ops::Range<usize>]>,
@@ -669,13 +709,21 @@ fn pipeline_of_split_pieces(
     };
     let stage_of_piece = |piece: usize| groups.iter().position(|r| r.contains(&piece)).unwrap_or(0) as u64 % p;
     let sum = |values: &[f64], range: &std::ops::Range<usize>| values[range.clone()].iter().sum::<f64>();
+    let programs = runtime.map(|plan| program_memory(plan, pipeline, &groups)).transpose()?;
+    // What chunk c of stage s keeps a micro-batch: its stage program's, else its pieces'.
+    let kept_of = |s: u64, c: u64| match &programs {
+        Some((_, kept)) => kept[s as usize][c as usize],
+        None => pieces.kept_bytes[groups[(c * p + s) as usize].clone()].iter().sum(),
+    };
     let copies = StageCopies::of(hw, pieces);
     let costs: Vec<StageCost> = (0..p)
         .map(|s| {
             let chunk = |c: u64| &groups[(c * p + s) as usize];
             StageCost {
-                forward_s: (0..v).map(|c| sum(&pieces.forward_s, chunk(c)) + copies.forward_s(chunk(c))).collect(),
-                backward_s: (0..v).map(|c| sum(&pieces.backward_s, chunk(c)) + copies.backward_s(chunk(c))).collect(),
+                forward_s: (0..v).map(|c| sum(&pieces.forward_s, chunk(c)) + copies.forward_s(kept_of(s, c))).collect(),
+                backward_s: (0..v)
+                    .map(|c| sum(&pieces.backward_s, chunk(c)) + copies.backward_s(chunk(c), kept_of(s, c)))
+                    .collect(),
             }
         })
         .collect();
@@ -690,9 +738,16 @@ fn pipeline_of_split_pieces(
         .map(|s| {
             let mine = || pieces.params.iter().zip(&holders).filter(move |(_, h)| h.contains(&s)).map(|(sh, _)| sh);
             let chunks: Vec<&std::ops::Range<usize>> = (0..v).map(|c| &groups[(c * p + s) as usize]).collect();
-            let kept = chunks.iter().map(|r| pieces.kept_bytes[(*r).clone()].iter().sum::<u64>()).max().unwrap_or(0);
-            let in_flight = timeline.peak_in_flight[s as usize];
+            let kept = (0..v).map(|c| kept_of(s, c)).max().unwrap_or(0);
             let held: u64 = mine().map(|sh| sh.bytes + sh.gradient_bytes).sum();
+            let program_memory = programs.as_ref().map(|(memory, _)| memory[s as usize]);
+            let (in_flight, peak_bytes) = match program_memory {
+                Some(m) => (m.in_flight, m.peak_bytes),
+                None => {
+                    let in_flight = timeline.peak_in_flight[s as usize];
+                    (in_flight, held + pieces.input_bytes + in_flight * kept + pieces.workspace_bytes)
+                }
+            };
             StageReport {
                 stage: s,
                 layers: chunks.iter().map(|r| describe_pieces(&pieces.layers, r)).collect(),
@@ -707,7 +762,8 @@ fn pipeline_of_split_pieces(
                 held_bytes: held,
                 in_flight,
                 kept_bytes_per_micro_batch: kept,
-                peak_bytes: held + pieces.input_bytes + in_flight * kept + pieces.workspace_bytes,
+                peak_bytes,
+                program_memory,
             }
         })
         .collect();
