@@ -102,6 +102,36 @@ const GPT2_END_OF_TEXT: (&str, u32) = ("<|endoftext|>", 50256);
 /// GPT-2's vocabulary: 50,000 merges, 256 bytes and the end-of-text token.
 const GPT2_VOCAB: u32 = 50257;
 
+/// White space runs of at least this many bytes are cut before their last character for GPT-2's
+/// built-in BPE ([`gpt2_pieces`]): tiktoken's pattern takes such a run, when text follows it, with a
+/// lookahead that backtracks one character at a time (`\s+(?!\S)`), and its matcher runs out of stack
+/// from about a million characters on.
+const LONG_SPACE_RUN: usize = 1 << 16;
+
+/// `text` cut before the last character of every white space run of at least [`LONG_SPACE_RUN`] bytes
+/// that other text follows, so that tiktoken's pattern never backtracks through a long run: in the
+/// whole text the run but its last character is one pre-token (`\s+(?!\S)`), as it is at the end of a
+/// piece (`\s++$`, which needs no backtracking), and the last character starts the next pre-token
+/// either way (the pattern has no lookbehind). So the pieces' ids, one after another, are the text's.
+fn gpt2_pieces(text: &str) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    let (mut start, mut run) = (0usize, None::<usize>);
+    for (at, c) in text.char_indices() {
+        if c.is_whitespace() {
+            run.get_or_insert(at);
+            continue;
+        }
+        let Some(begin) = run.take() else { continue };
+        if at - begin >= LONG_SPACE_RUN {
+            let last = text[..at].chars().next_back().map_or(at, |c| at - c.len_utf8());
+            pieces.push(&text[start..last]);
+            start = last;
+        }
+    }
+    pieces.push(&text[start..]);
+    pieces
+}
+
 enum Engine {
     /// GPT-2's BPE (tiktoken's `r50k_base`), encoding text as ordinary text (tiktoken's
     /// `encode_ordinary`: a literal `<|endoftext|>` in the text is seven ordinary tokens).
@@ -239,7 +269,9 @@ impl Tokenizer {
     /// The ids of `text`, as ordinary text (no special tokens added around it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
         match &self.engine {
-            Engine::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
+            Engine::Gpt2(bpe) => {
+                Ok(gpt2_pieces(text).into_iter().flat_map(|piece| bpe.encode_ordinary(piece)).collect())
+            }
             Engine::HuggingFace(hf, _) => hf
                 .encode_fast(text, false)
                 .map(|encoding| encoding.get_ids().to_vec())
@@ -337,6 +369,32 @@ mod tests {
         assert!(!gpt2.encode("<|endoftext|>")?.contains(&50256));
         assert_eq!(gpt2.separator(None)?, 50256);
         assert_eq!(gpt2.vocab_size(), 50257);
+        Ok(())
+    }
+
+    /// Long white space runs are cut for GPT-2 where no pre-token straddles the cut: runs of every kind
+    /// just past the cutting length, before letters, digits, marks, other white space or the end, give
+    /// tiktoken's ids of the uncut text; and a run of millions, which tiktoken's pattern alone cannot
+    /// take (its matcher runs out of stack), gives ids that decode to the text.
+    #[test]
+    fn long_white_space_runs_give_the_uncut_texts_ids() -> Result<(), TextError> {
+        let gpt2 = Tokenizer::gpt2()?;
+        let Engine::Gpt2(bpe) = &gpt2.engine else { panic!("the built-in GPT-2 is tiktoken's") };
+        let runs = [" ", "\n", "\u{a0}", " \u{a0}", "\n\n\t", "\u{3000}"];
+        let after = ["x", " word", "7", "!", "\u{a0}x", "\n\nend", ""];
+        for run in runs {
+            let long = run.repeat(LONG_SPACE_RUN / run.len() + 3);
+            for tail in after {
+                let text = format!("a{long}{tail}");
+                let pieces = gpt2_pieces(&text);
+                assert_eq!(pieces.concat(), text);
+                assert_eq!(pieces.len(), if tail.trim().is_empty() { 1 } else { 2 }, "{run:?} before {tail:?}");
+                assert_eq!(gpt2.encode(&text)?, bpe.encode_ordinary(&text), "{run:?} before {tail:?}");
+            }
+        }
+        let text = format!("{}x{}", " ".repeat(3 << 20), "\n".repeat(3 << 20));
+        let ids = gpt2.encode(&text)?;
+        assert_eq!(gpt2.decode(&ids)?, text);
         Ok(())
     }
 
