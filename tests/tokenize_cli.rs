@@ -142,6 +142,8 @@ fn bad_input_is_refused_and_leaves_no_file() {
         ),
         (&["tokenize", &good, "-o", &prefix, "--val-fraction", "0.1"], 2, "each needs at least one"),
         (&["tokenize", &notes, "-o", &text(&dir.path().join("notes"))], 2, "notes.json"),
+        // The tokenizer is an input too: `-o tokenizer` would write its sidecar over tokenizer.json.
+        (&["tokenize", &good, "--tokenizer", &json, "-o", &text(&dir.path().join("tokenizer"))], 2, "is the input"),
     ];
     for (args, status, message) in cases {
         let out = optimusc(args);

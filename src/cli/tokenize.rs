@@ -97,7 +97,7 @@ fn tokenize_corpus(args: &TokenizeArgs) -> Result<(), Failure> {
     let extension = if wide { "u32" } else { "u16" };
     let outputs = Outputs::of(&args.output, extension, args.val_fraction > 0.0);
     for output in outputs.all() {
-        for input in &args.corpus {
+        for input in args.corpus.iter().chain([&PathBuf::from(&args.tokenizer)]) {
             super::refuse_overwriting_input(output, input, "-o")?;
         }
         check_writable(output).map_err(|e| Failure::usage(e.to_string()))?;
