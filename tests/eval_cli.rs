@@ -65,6 +65,10 @@ fn bad_evaluations_are_usage_errors() {
     let short = dir.path().join("short.u16");
     std::fs::write(&short, [1u8, 0, 2, 0, 3, 0]).expect("written");
     let short = short.to_string_lossy().into_owned();
+    // A file `tokenize` named for 32-bit ids, read with the default 16-bit ones.
+    let wide = dir.path().join("wide.u32");
+    std::fs::copy("examples/data/paragraph.u16", &wide).expect("copied");
+    let wide = wide.to_string_lossy().into_owned();
     let plan = dir.path().join("train.json").to_string_lossy().into_owned();
     let mut compile = vec!["compile", "examples/gpt2.opt", "-o", &plan];
     compile.extend(SMALL);
@@ -76,6 +80,7 @@ fn bad_evaluations_are_usage_errors() {
         (&["eval", "examples/gpt2.opt", "--data", paragraph, "--mode", "train"], "drop --mode train"),
         (&["eval", &plan, "--data", paragraph], "is a training plan"),
         (&["eval", "examples/gpt2.opt", "--data", paragraph, "--set", "vocab=100"], "token 116 at offset 2"),
+        (&["eval", "examples/gpt2.opt", "--data", &wide], "is named a u32 file, but --data-dtype is u16"),
     ];
     for (args, message) in cases {
         let mut args = args.to_vec();

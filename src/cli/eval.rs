@@ -93,6 +93,7 @@ fn infer_plan(args: &EvalArgs) -> Result<Plan, Failure> {
 fn evaluate(args: &EvalArgs) -> Result<(), Failure> {
     super::check_threads_only("eval", args.timeout)?;
     args.backend.kind().check_available()?;
+    super::run::check_named_dtype(&args.data, args.data_dtype, "--data")?;
     let plan = infer_plan(args)?;
     let (batch, seq) = check_inputs(&plan).map_err(|e| Failure::usage(e.to_string()))?;
     if plan.inputs.len() != 2 {
