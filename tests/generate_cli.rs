@@ -75,6 +75,11 @@ fn one_prompt_streams_the_text_of_its_record() {
     let text = format!("{}\n", record["text"].as_str().expect("a text"));
     assert_eq!(String::from_utf8_lossy(&streamed.stdout), text);
     assert!(text.starts_with("Hello world"));
+    // On meshes whose rows the one prompt is padded for, it streams the same text, unnumbered.
+    for mesh in [&["--mesh", "2x2"][..], &["--mesh", "2x1x1"]] {
+        let padded = generate(&[&["--prompt", "Hello world", "--max-new-tokens", "5"][..], mesh].concat());
+        assert_eq!(String::from_utf8_lossy(&padded.stdout), text, "{mesh:?}");
+    }
 }
 
 #[test]

@@ -303,10 +303,8 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         eprintln_safe!("note: no --weights: generating with the weights drawn from seed {}", args.seed);
     }
     let tokenizer = tokenizer.map(Arc::new);
-    let stream = tokenizer
-        .as_ref()
-        .filter(|_| prompts.len() == 1 && !args.json)
-        .map(|t| Streamer::start(Arc::clone(t), &prompts[0]));
+    let stream =
+        tokenizer.as_ref().filter(|_| asked == 1 && !args.json).map(|t| Streamer::start(Arc::clone(t), &prompts[0]));
     let steps = programs.schedule.steps();
     let generation = Arc::new(Generation::new(&programs, (prompts, asked), (sampling, eos), stream)?);
     let config = RunConfig {
