@@ -240,3 +240,77 @@ fn a_saved_folder_gets_the_tokenizer_named_and_a_tokenizer_the_model_cannot_hold
     let (ok, text) = optimusc(&[&args[..], &["--save-weights", &file, "--tokenizer", "gpt2"]].concat());
     assert!(!ok && text.contains("give a folder"), "{text}");
 }
+
+/// The names of the files in `dir`, sorted.
+fn file_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// `export CHECKPOINT -o DIR/ --tokenizer gpt2` makes the folder `run --save-weights DIR/ --tokenizer
+/// gpt2` makes at the same step, file for file and byte for byte, replaces an earlier sharded save in
+/// that folder (whose index `--weights DIR` would otherwise read instead), and a checkpoint that cannot
+/// be read leaves no folder behind, nested ones included.
+#[test]
+fn an_export_folder_is_the_save_weights_folder_and_replaces_an_earlier_save() {
+    let dir = scratch("export-folder");
+    let (checkpoints, saved, sharded) = (dir.join("ck"), dir.join("saved"), dir.join("sharded"));
+    let small = [
+        "run",
+        "examples/gpt2.opt",
+        "--steps",
+        "1",
+        "--set",
+        "vocab=50257",
+        "--set",
+        "batch=2",
+        "--set",
+        "layers=1",
+        "--set",
+        "hidden=16",
+        "--set",
+        "heads=2",
+        "--set",
+        "seq=8",
+        "--set",
+        "context=16",
+        "--tokenizer",
+        "gpt2",
+    ];
+    let path = |p: &Path| format!("{}/", p.display());
+    let checkpoint_dir = checkpoints.display().to_string();
+    let (ok, text) =
+        optimusc(&[&small[..], &["--checkpoint-dir", &checkpoint_dir, "--save-weights", &path(&saved)]].concat());
+    assert!(ok, "{text}");
+    let (ok, text) = optimusc(&[&small[..], &["--save-weights", &path(&sharded), "--max-shard-size", "1MB"]].concat());
+    assert!(ok, "{text}");
+    assert!(file_names(&sharded).contains(&"model.safetensors.index.json".to_string()), "{:?}", file_names(&sharded));
+    let (ok, text) = optimusc(&["export", &checkpoint_dir, "-o", &path(&sharded), "--tokenizer", "gpt2"]);
+    assert!(ok, "{text}");
+    assert_eq!(file_names(&sharded), file_names(&saved));
+    for name in file_names(&saved) {
+        let read = |d: &Path| std::fs::read(d.join(&name)).unwrap_or_default();
+        assert!(read(&sharded) == read(&saved), "{name} differs");
+    }
+    // A checkpoint cut short: no folder, however deep.
+    let broken = dir.join("broken");
+    let (ok, text) = optimusc(&["run", TINY, "--steps", "1", "--checkpoint-dir", &broken.display().to_string()]);
+    assert!(ok, "{text}");
+    let shard = std::fs::read_dir(&broken)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|step| std::fs::read_dir(step.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .expect("a device shard");
+    let bytes = std::fs::read(&shard).expect("read");
+    std::fs::write(&shard, &bytes[..bytes.len() / 2]).expect("cut short");
+    let nested = dir.join("new");
+    let (ok, text) = optimusc(&["export", &broken.display().to_string(), "-o", &path(&nested.join("a/b"))]);
+    assert!(!ok && text.contains("bytes"), "{text}");
+    assert!(!nested.exists(), "export left {} behind", nested.display());
+}

@@ -1,7 +1,7 @@
 //! `optimusc export`: one Hugging Face safetensors file from a sharded training checkpoint.
 
 use super::Failure;
-use optimus::io::shards::{Checkpoint, export_safetensors};
+use optimus::io::shards::{Checkpoint, ExportSummary, export_safetensors};
 use optimus::plan::text::group_digits;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -78,22 +78,21 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
         // Checked before the checkpoint's shards are read and gathered, as the folder's files are.
         optimus::io::output::check_writable(&args.output).map_err(|e| Failure::usage(e.to_string()))?;
     }
+    let mut made = Vec::new();
     if folder {
         // Every file the folder will hold is checked before any is written.
         let tokenizer_files = if tokenizer.is_some() { &optimus::text::HUB_FILES[..] } else { &[] };
         let names = optimus::io::pretrained::folder_files(tokenizer_files);
-        optimus::io::pretrained::make_writable_folder(&args.output, &names)
+        made = optimus::io::pretrained::make_writable_folder(&args.output, &names)
             .map_err(|e| Failure::usage(e.to_string()))?;
     }
-    let summary = export_safetensors(&checkpoint, &weights).map_err(|e| e.to_string())?;
-    if folder {
-        write_hugging_face_config(&checkpoint, &args.output)?;
+    let written = write_export(args, (&checkpoint, tokenizer.as_ref()), &weights, folder);
+    if written.is_err() {
+        // A checkpoint that cannot be read (a shard cut short, a checksum that differs) leaves no
+        // empty folder behind.
+        optimus::io::pretrained::remove_made_folders(&made);
     }
-    if let Some(tokenizer) = &tokenizer {
-        for (name, text) in tokenizer.hub_files(None).map_err(|e| e.to_string())? {
-            optimus::io::write_file(&args.output.join(name), text.as_bytes()).map_err(|e| e.to_string())?;
-        }
-    }
+    let summary = written?;
     eprintln_safe!(
         "exported step {} of `{}` ({} tensors, {} parameters) to {}",
         summary.step,
@@ -105,12 +104,43 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Writes the checkpoint's weights to `weights` and, into a folder, its config and the tokenizer's
+/// files, and removes the weight files of an earlier save there (an index and its shards, which
+/// `--weights DIR` would otherwise read instead of the new file).
+fn write_export(
+    args: &ExportArgs,
+    (checkpoint, tokenizer): (&Checkpoint, Option<&optimus::text::Tokenizer>),
+    weights: &std::path::Path,
+    folder: bool,
+) -> Result<ExportSummary, Failure> {
+    let summary = export_safetensors(checkpoint, weights).map_err(|e| e.to_string())?;
+    if !folder {
+        return Ok(summary);
+    }
+    let kept = [optimus::io::pretrained::SINGLE_FILE.to_string()];
+    optimus::io::pretrained::remove_weight_files(&args.output, &kept).map_err(|e| e.to_string())?;
+    write_hugging_face_config(checkpoint, &args.output)?;
+    if let Some(tokenizer) = tokenizer {
+        let context = checkpoint_context(checkpoint);
+        for (name, text) in tokenizer.hub_files(context).map_err(|e| e.to_string())? {
+            optimus::io::write_file(&args.output.join(name), text.as_bytes()).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(summary)
+}
+
 /// The vocabulary the checkpoint's model was trained with: its recorded `vocab` config value, or the
 /// Hugging Face config its manifest keeps; `None` for a checkpoint that records neither.
 fn checkpoint_vocab(checkpoint: &Checkpoint) -> Option<u64> {
     let recorded = checkpoint.training()["config"]["vocab"].as_u64();
     let hugging_face = || checkpoint.manifest().hugging_face.as_ref()?.get("vocab_size")?.as_u64();
     recorded.or_else(hugging_face)
+}
+
+/// The context the checkpoint's model was trained with (its `context` config value), which the
+/// tokenizer's config gives as `model_max_length`, as `run --save-weights` writes it.
+fn checkpoint_context(checkpoint: &Checkpoint) -> Option<u64> {
+    checkpoint.training()["config"]["context"].as_u64()
 }
 
 /// A tokenizer whose ids the checkpoint's embedding has no rows for is refused, as `run --tokenizer` is.

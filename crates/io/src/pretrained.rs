@@ -282,27 +282,49 @@ pub fn folder_files(extra: &[&str]) -> Vec<String> {
 /// writing (`run --save-weights DIR/` before its first step), so that a run refused or failed in
 /// between leaves no empty folder behind.
 pub fn check_all_writable(dir: &Path, names: &[String]) -> Result<(), SaveError> {
-    checked_folder(dir, names, false)
+    let made = checked_folder(dir, names)?;
+    remove_made_folders(&made);
+    Ok(())
 }
 
 /// [`check_all_writable`], keeping the folder for the writing that follows at once: a save that cannot
-/// finish (a name taken by a folder, a folder that cannot be written) leaves the folder as it was, and
-/// removes it again if it made it.
-pub fn make_writable_folder(dir: &Path, names: &[String]) -> Result<(), SaveError> {
-    checked_folder(dir, names, true)
+/// finish (a name taken by a folder, a folder that cannot be written) leaves the file system as it was.
+/// Returns the folders it made, deepest first, for a writer that fails later to remove again
+/// ([`remove_made_folders`]).
+pub fn make_writable_folder(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, SaveError> {
+    checked_folder(dir, names)
 }
 
-fn checked_folder(dir: &Path, names: &[String], keep: bool) -> Result<(), SaveError> {
-    let existed = dir.exists();
+/// Removes `made` (folders, deepest first, as [`make_writable_folder`] returns them) while each is
+/// empty: a folder something was written into stays, and so do those above it.
+pub fn remove_made_folders(made: &[PathBuf]) {
+    for folder in made {
+        if std::fs::remove_dir(folder).is_err() {
+            break;
+        }
+    }
+}
+
+/// Makes `dir` (and its missing ancestors) and checks that each of `names` can be written into it;
+/// returns the folders it made, deepest first, having removed them again if the check failed.
+fn checked_folder(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, SaveError> {
+    let made: Vec<PathBuf> = dir
+        .ancestors()
+        .filter(|p| !p.as_os_str().is_empty())
+        .take_while(|p| !p.exists())
+        .map(Path::to_path_buf)
+        .collect();
     std::fs::create_dir_all(dir).map_err(|source| SaveError::Directory { dir: dir.to_path_buf(), source })?;
     let checked = no_folder_named_as_weights(dir).and_then(|()| {
         names.iter().try_for_each(|n| super::output::check_writable(&dir.join(n)).map_err(SaveError::Write))
     });
-    if !existed && (checked.is_err() || !keep) {
-        // Only an empty folder is removed: nothing was written into it.
-        let _ = std::fs::remove_dir(dir);
+    match checked {
+        Ok(()) => Ok(made),
+        Err(e) => {
+            remove_made_folders(&made);
+            Err(e)
+        }
     }
-    checked
 }
 
 /// Refuses a folder in `dir` named as a weights file (a numbered shard among them, whose names depend
@@ -344,7 +366,7 @@ fn is_weight_file(name: &str) -> bool {
 /// Removes the weight files of an earlier save from `dir`, but those in `keep`: with no `keep`, only the
 /// index (so that no index names shards of two saves); after a save, every old shard and single file
 /// the new set does not name. A link is removed itself, never what it points to.
-fn remove_weight_files(dir: &Path, keep: &[String]) -> Result<(), SaveError> {
+pub fn remove_weight_files(dir: &Path, keep: &[String]) -> Result<(), SaveError> {
     let entries = std::fs::read_dir(dir).map_err(|source| SaveError::Directory { dir: dir.to_path_buf(), source })?;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
