@@ -73,6 +73,28 @@ fn gpt2_documents_are_joined_with_end_of_text_and_the_tail_goes_to_validation() 
     assert!(!stderr.contains("given 2 times"), "{stderr}");
 }
 
+/// Tokenizing again into a prefix removes the token files the earlier run's sidecar named and this run
+/// does not write (a validation split, the other width's file), saying so; a file of such a name that
+/// no sidecar named stays.
+#[test]
+fn a_second_tokenize_of_a_prefix_removes_the_files_only_the_first_wrote() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let a = write(dir.path(), "a.txt", b"Hello world. Hello world. Hello world.");
+    let prefix = dir.path().join("corpus");
+    let val = dir.path().join("corpus.val.u16");
+    let out = optimusc(&["tokenize", &a, "-o", &text(&prefix), "--val-fraction", "0.25"]);
+    assert!(out.status.success() && val.is_file(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = optimusc(&["tokenize", &a, "-o", &text(&prefix)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!val.exists() && stderr.contains("note: removed") && stderr.contains("corpus.val.u16"), "{stderr}");
+    assert!(sidecar(&prefix)["val"].is_null() && dir.path().join("corpus.u16").is_file());
+    // A file of that name that the sidecar never named is not this tool's to remove.
+    std::fs::write(&val, [1u8, 0]).expect("written");
+    let out = optimusc(&["tokenize", &a, "-o", &text(&prefix)]);
+    assert!(out.status.success() && val.is_file(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 #[test]
 fn a_file_given_twice_is_tokenized_twice_with_a_warning() {
     let dir = tempfile::tempdir().expect("a temporary directory");

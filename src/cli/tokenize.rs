@@ -71,6 +71,49 @@ impl Outputs {
     fn all(&self) -> impl Iterator<Item = &PathBuf> {
         std::iter::once(&self.train).chain(&self.val).chain(std::iter::once(&self.sidecar))
     }
+
+    /// The token files an earlier tokenize of this prefix wrote, as the sidecar there now names them,
+    /// that these outputs do not replace: a validation split, or the other width's files. Only the
+    /// names tokenize gives this prefix count, so nothing else is ever taken for one.
+    fn left_by_earlier_run(&self, prefix: &Path) -> Vec<PathBuf> {
+        let Ok(text) = std::fs::read_to_string(&self.sidecar) else { return Vec::new() };
+        let Ok(earlier) = serde_json::from_str::<serde_json::Value>(&text) else { return Vec::new() };
+        let named: Vec<&std::ffi::OsStr> = ["train", "val"]
+            .iter()
+            .filter_map(|split| earlier[split]["path"].as_str())
+            .filter_map(|path| Path::new(path).file_name())
+            .collect();
+        let ours: Vec<PathBuf> = self.all().cloned().collect();
+        ["u16", "u32"]
+            .iter()
+            .flat_map(|extension| {
+                let earlier = Outputs::of(prefix, extension, true);
+                std::iter::once(earlier.train).chain(earlier.val)
+            })
+            .filter(|path| !ours.contains(path) && path.is_file())
+            .filter(|path| path.file_name().is_some_and(|name| named.contains(&name)))
+            .collect()
+    }
+}
+
+/// Removes the token files an earlier tokenize of the prefix left ([`Outputs::left_by_earlier_run`]),
+/// once this run's are written, saying so: a stale validation split would be read as this corpus's.
+fn remove_earlier_outputs(stale: &[PathBuf], sidecar: &Path) {
+    for path in stale {
+        match std::fs::remove_file(path) {
+            Ok(()) => eprintln_safe!(
+                "note: removed `{}`, written by an earlier tokenize of this prefix ({} no longer names it)",
+                path.display(),
+                sidecar.display()
+            ),
+            Err(e) => eprintln_safe!(
+                "warning: `{}`, written by an earlier tokenize of this prefix, could not be removed ({e}); {} no \
+                 longer names it",
+                path.display(),
+                sidecar.display()
+            ),
+        }
+    }
 }
 
 /// What the stream of tokens held once the whole corpus was read.
@@ -104,6 +147,7 @@ fn tokenize_corpus(args: &TokenizeArgs) -> Result<(), Failure> {
     }
     let corpus = Corpus::open(&args.corpus).map_err(|e| e.to_string())?;
     warn_of_files_given_twice(&args.corpus);
+    let stale = outputs.left_by_earlier_run(&args.output);
     let directory = outputs.train.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut stream = tempfile::tempfile_in(directory)
         .map_err(|e| format!("cannot make a scratch file in `{}`: {e}", directory.display()))?;
@@ -126,6 +170,7 @@ fn tokenize_corpus(args: &TokenizeArgs) -> Result<(), Failure> {
     let sidecar = sidecar(args, &tokenizer, separator, &outputs, &tokenized, (train_tokens, val_tokens));
     let text = serde_json::to_string_pretty(&sidecar).map_err(|e| format!("cannot write the sidecar: {e}"))?;
     write_file(&outputs.sidecar, format!("{text}\n").as_bytes()).map_err(|e| e.to_string())?;
+    remove_earlier_outputs(&stale, &outputs.sidecar);
     report(&outputs, &tokenized, (train_tokens, val_tokens), started.elapsed(), tokenizer.vocab_size());
     Ok(())
 }
