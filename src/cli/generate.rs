@@ -41,7 +41,9 @@ pub struct GenerateArgs {
     /// batch row each.
     #[arg(long = "prompt", value_name = "TEXT")]
     pub prompts: Vec<String>,
-    /// A prompt as token ids, comma-separated (`--prompt-ids 464,2068,7586`). Repeatable.
+    /// A prompt as token ids, comma-separated (`--prompt-ids 464,2068,7586`). Repeatable. Prompts are
+    /// numbered (`[k]`, and `prompt` in --json) and take their batch rows (which sampling's draws depend
+    /// on) --prompt texts first, then --prompt-ids, each in the order given.
     #[arg(long = "prompt-ids", value_name = "ID,ID,...", value_parser = parse_ids)]
     pub prompt_ids: Vec<Vec<u32>>,
     /// `gpt2` (built in) or a Hugging Face tokenizer.json: encodes --prompt, decodes the output [default:
