@@ -118,4 +118,11 @@ fn inspect_memory_explains_what_it_cannot_do() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A source that is a device is refused, not read until memory runs out.
+    json["source"] = serde_json::Value::from("/dev/zero");
+    std::fs::write(&moved, json.to_string()).expect("write");
+    let out =
+        Command::new(bin).args(["inspect", moved.to_str().expect("utf-8"), "--memory", "1GiB"]).output().expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(1) && stderr.contains("not a regular file"), "{stderr}");
 }

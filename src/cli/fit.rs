@@ -26,13 +26,16 @@ pub fn largest_batch(plan: &Plan, capacity: u64) -> Result<Fit, String> {
                     batch's memory"
             .to_string());
     }
-    let text = std::fs::read_to_string(&plan.source).map_err(|e| {
+    // Bounded, and only a regular file: a plan can name any path (a device, a FIFO) as its source.
+    let limit = optimus::io::files::MODEL_SOURCE_LIMIT;
+    let bytes = optimus::io::files::read_bounded(std::path::Path::new(&plan.source), "", limit).map_err(|e| {
         format!(
-            "the plan's model `{}` cannot be read ({e}); the search recompiles it at other batch sizes, so run \
-             inspect where the plan was compiled",
-            plan.source
+            "the plan's model cannot be read ({e}); the search recompiles it at other batch sizes, so run inspect \
+             where the plan was compiled"
         )
     })?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| format!("the plan's model `{}` is not UTF-8 text; the search recompiles it", plan.source))?;
     // The config values the plan was compiled with (but batch, which the search sets).
     let overrides = super::plan_overrides(plan, &text, &["batch"])?;
     let source = Source { name: &plan.source, text: &text, overrides: &overrides };
