@@ -365,6 +365,11 @@ fn sweep_marks_points_that_do_not_divide_as_infeasible() {
     let infeasible = points.iter().filter(|p| p["infeasible"].is_string()).count();
     assert!(infeasible >= 4, "{text}");
     assert!(points.iter().any(|p| p["efficiency"].as_f64() == Some(1.0)));
+    // A model with errors shows them, with their spans, as without --sweep (it was said to have no batch).
+    for search in ["--sweep", "--compare"] {
+        let (ok, _, err) = optimusc(&["simulate", &model, "--hardware", "dgx-h100", search, "--set", "heads=7"]);
+        assert!(!ok && err.contains("error[E0203]") && !err.contains("no integer `batch`"), "{search}: {err}");
+    }
 }
 
 #[test]

@@ -171,6 +171,10 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
     };
     let name = args.model.display().to_string();
     let source = Source { name: &name, text: &text, overrides: &args.target.set };
+    // The model's own errors first, with their spans: a sweep would only see that it has no batch.
+    if super::load_checked(&args.model, &args.target.set).is_none() {
+        return ExitCode::from(1);
+    }
     if args.sweep {
         return sweep(args, &hw, &source);
     }
