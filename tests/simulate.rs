@@ -501,7 +501,7 @@ fn compare_takes_any_set_of_strategies_and_marks_those_the_devices_do_not_fit() 
     // A set of fewer than two strategies or none is a usage error; a device count nothing fits fails.
     for (compare, mesh, expected) in [
         ("--compare=optimus", "4x4", "two strategies or more"),
-        ("--compare=none,optimus", "4x4", "none runs one device"),
+        ("--compare=none,optimus", "4x4", "[possible values: optimus, megatron, tesseract, 3d]"),
         ("--compare=optimus,tesseract", "1x3", "no strategy compared fits 3 devices"),
     ] {
         let mut args = base.to_vec();

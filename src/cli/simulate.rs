@@ -50,7 +50,7 @@ pub struct SimulateArgs {
     #[arg(
         long,
         conflicts_with = "sweep",
-        value_enum,
+        value_parser = compared_strategy(),
         value_name = "STRATEGY,...",
         num_args = 0..=1,
         require_equals = true,
@@ -221,6 +221,13 @@ fn pipelined(args: &SimulateArgs, hw: &Hardware, searching: bool) -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// A strategy `--compare` takes: any but `none`, which runs one device.
+fn compared_strategy() -> impl clap::builder::TypedValueParser<Value = StrategyArg> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(["optimus", "megatron", "tesseract", "3d"])
+        .try_map(|name| <StrategyArg as clap::ValueEnum>::from_str(&name, false))
 }
 
 /// The text of a model file; searches re-compile it, so plans (.json) are refused.
@@ -394,11 +401,8 @@ struct Side {
 fn compare(args: &SimulateArgs, hw: &Hardware, source: &Source, asked: &[StrategyArg]) -> ExitCode {
     let devices = args.target.mesh().devices();
     let mut strategies: Vec<Strategy> = Vec::new();
+    // The parser took every strategy but none (which runs one device).
     for strategy in asked.iter().map(|s| s.strategy()) {
-        if strategy == Strategy::None {
-            eprintln_safe!("error: --compare takes optimus, megatron, tesseract and 3d (none runs one device)");
-            return ExitCode::from(2);
-        }
         if !strategies.contains(&strategy) {
             strategies.push(strategy);
         }
