@@ -407,8 +407,19 @@ fn mask_data_refuses_what_it_cannot_mask() {
     );
     let out = run(&["--mask-id", "1", "--vocab", "65536"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("a vocabulary of 65536 tokens does not fit U16 files"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("a vocabulary of 65536 tokens does not fit u16 files"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("use --data-dtype u32"), "{}", stderr(&out));
     assert!(!inputs.exists() && !labels.exists(), "nothing is written after an error");
+    // With u32 files already, there is no wider dtype to suggest.
+    let wide = write_u32("wide.u32", &[1, 2, 3]);
+    let wide_args = ["mask-data", text(&wide), "--mask-id", "3", "--vocab", "4294967296", "--data-dtype", "u32"];
+    let out = optimusc(&[&wide_args[..], &["-o", text(&prefix)]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("does not fit u32 files") && !stderr(&out).contains("use --data-dtype"),
+        "{}",
+        stderr(&out)
+    );
     let ignored = write_u16("holds-ignore.u16", &[1, u16::MAX, 3]);
     let out = optimusc(&["mask-data", text(&ignored), "--mask-id", "0", "-o", text(&prefix)]);
     assert_eq!(out.status.code(), Some(2));

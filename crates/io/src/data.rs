@@ -102,6 +102,14 @@ pub enum TokenDtype {
 }
 
 impl TokenDtype {
+    /// How files and flags name it: `u16`, `u32`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenDtype::U16 => "u16",
+            TokenDtype::U32 => "u32",
+        }
+    }
+
     /// Bytes per token.
     pub fn size(self) -> usize {
         match self {

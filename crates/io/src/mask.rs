@@ -46,12 +46,19 @@ impl fmt::Display for MaskError {
                     dtype.ignore_id()
                 )
             }
-            MaskError::VocabTooLarge { vocab, dtype } => write!(
-                f,
-                "a vocabulary of {vocab} tokens does not fit {dtype:?} files, whose largest value {} marks \
-                 ignored labels; use --data-dtype u32",
-                dtype.ignore_id()
-            ),
+            MaskError::VocabTooLarge { vocab, dtype } => {
+                let advice = match dtype {
+                    TokenDtype::U16 => "use --data-dtype u32",
+                    TokenDtype::U32 => "no token file holds a vocabulary this large",
+                };
+                write!(
+                    f,
+                    "a vocabulary of {vocab} tokens does not fit {} files, whose largest value {} marks ignored \
+                     labels; {advice}",
+                    dtype.name(),
+                    dtype.ignore_id()
+                )
+            }
             MaskError::HoldsIgnoreId { path, dtype, offset } => write!(
                 f,
                 "token data `{path}` holds {} at offset {offset} (token index), the value that marks ignored labels \
