@@ -313,6 +313,9 @@ fn max_pipeline_ranks_pipelines_and_o_writes_a_plan_the_hint_runs_as_the_pipelin
     let (code, out, err) = optimusc(&[&base[..], &["--max-pipeline", "1", "--json"]].concat());
     assert_eq!(code, 0, "{err}");
     assert!(!out.contains("\"pipeline\":2"), "--max-pipeline 1 searches no pipelines");
+    // Inference is not searched as a pipeline: the flag is refused, not ignored.
+    let (code, _, err) = optimusc(&[&base[..], &["--max-pipeline", "2", "--mode", "infer"]].concat());
+    assert!(code == 2 && err.contains("--max-pipeline searches pipelines of training steps"), "{err}");
     // Four layers on two devices: a 2-stage pipeline of 1x1 grids wins on dgx-a100.
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let plan = dir.path().join("plan.json");

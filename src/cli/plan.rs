@@ -51,7 +51,7 @@ pub struct PlanArgs {
     /// Rows of the table (configurations in the JSON list).
     #[arg(long, value_name = "K", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub top: u64,
-    /// Also search pipelines of up to P stages: layouts that cut the model's repeated layers into P
+    /// Also search pipelines of up to P stages (training only; refused with --mode infer): layouts that cut the model's repeated layers into P
     /// contiguous stages (every P that divides the devices and is at most the layer count; 1F1B, and
     /// interleaved with 2 chunks a stage where the layers split into 2 P equal runs), each stage a
     /// copy of the tensor mesh and its replicas, simulated as `simulate --pipeline` does, with the
@@ -92,6 +92,13 @@ fn devices(text: &str) -> Result<u64, String> {
 
 /// Runs `optimusc plan`.
 pub fn plan_command(args: &PlanArgs) -> ExitCode {
+    if args.mode != ModeArg::Train && args.max_pipeline.is_some_and(|p| p > 1) {
+        eprintln_safe!(
+            "error: --max-pipeline searches pipelines of training steps; drop it with --mode infer (a pipeline \
+             of inference steps is not searched)"
+        );
+        return ExitCode::from(2);
+    }
     let hw = match Hardware::load(&args.hardware) {
         Ok(hw) => hw,
         Err(e) => {
