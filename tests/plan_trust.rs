@@ -478,6 +478,16 @@ fn a_plan_needing_more_memory_than_available_is_refused_even_with_an_edited_summ
     // And the verifier refuses the edited summary, which `inspect` and `simulate` would show.
     let errors = verify(&plan).expect_err("an edited summary");
     assert!(errors.iter().any(|e| e.contains("memory summary does not match")), "{errors:#?}");
+    // The message names the field that differs, a nested one by its path, with both values.
+    plan.memory.peak_bytes = need;
+    plan.memory.at_peak.parameters += 1;
+    let errors = verify(&plan).expect_err("an edited breakdown");
+    let named = format!(
+        "memory.at_peak.parameters {} (recomputed {})",
+        plan.memory.at_peak.parameters,
+        plan.memory.at_peak.parameters - 1
+    );
+    assert!(errors.iter().any(|e| e.contains(&named) && !e.contains("memory.peak_bytes")), "{errors:#?}");
 }
 
 #[test]

@@ -62,10 +62,32 @@ fn check_memory_summary(plan: &Plan, errors: &mut Vec<String>) {
     let recomputed = super::memory::plan_memory(&plan.program, &plan.buffers, plan.memory.forward_end);
     if recomputed != plan.memory {
         errors.push(format!(
-            "the memory summary does not match the plan's buffers and program (peak_bytes {}, recomputed {}); recompile the model",
-            plan.memory.peak_bytes, recomputed.peak_bytes
+            "the memory summary does not match the plan's buffers and program ({}); recompile the model",
+            differing_fields(&plan.memory, &recomputed).join(", ")
         ));
     }
+}
+
+/// The fields in which a recorded memory summary differs from the recomputed one, as `memory.NAME
+/// recorded (recomputed VALUE)`, nested fields by their dotted path.
+fn differing_fields(recorded: &crate::memory::MemoryPlan, recomputed: &crate::memory::MemoryPlan) -> Vec<String> {
+    fn walk(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+        match (a, b) {
+            (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+                for (key, value) in a {
+                    walk(&format!("{path}.{key}"), value, b.get(key).unwrap_or(&serde_json::Value::Null), out);
+                }
+            }
+            _ if a != b => out.push(format!("{path} {a} (recomputed {b})")),
+            _ => {}
+        }
+    }
+    let (a, b) = (serde_json::to_value(recorded), serde_json::to_value(recomputed));
+    let mut out = Vec::new();
+    if let (Ok(a), Ok(b)) = (a, b) {
+        walk("memory", &a, &b, &mut out);
+    }
+    out
 }
 
 fn valid(plan: &Plan, id: BufferId) -> bool {
