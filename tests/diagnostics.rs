@@ -603,6 +603,22 @@ fn deep_blocks() -> String {
 
 golden!(blocks_nested_too_deep, &deep_blocks(), ["E0402"]);
 
+/// Blocks B0..B9, each calling its layer (an instance of the next block) 8 times nested, and a B10 that returns its
+/// input: 8^10 runs of B10's forward, none making an operator, so only the evaluation limit stops them.
+fn forwards_multiplying_calls() -> String {
+    let mut src = String::from("model m\ninput x: f32[4]\n");
+    for i in 0..10 {
+        src.push_str(&format!(
+            "block B{i} {{ layer a = B{}() forward(x) {{ return a(a(a(a(a(a(a(a(x)))))))) }} }}\n",
+            i + 1
+        ));
+    }
+    src.push_str("block B10 { forward(x) { return x } }\nlayer top = B0()\nforward { output y = top(x) }\n");
+    src
+}
+
+golden!(forwards_multiplying_calls_past_the_evaluation_limit, &forwards_multiplying_calls(), ["E0402"]);
+
 // ---- name resolution: every forward, called or not ---------------------------------------------------------
 
 golden!(

@@ -12,6 +12,7 @@ pub const SCALAR_FUNCTIONS: [&str; 3] = ["sqrt", "min", "max"];
 impl Elab<'_> {
     /// Evaluates an expression in a frame.
     pub(crate) fn eval(&mut self, expr: &Expr, frame: &mut Frame) -> R<Value> {
+        self.count_evaluation(expr.span)?;
         match &expr.kind {
             ExprKind::Int(v) => Ok(Value::Scalar(Scalar::Int(*v), None)),
             ExprKind::Float(v) => Ok(Value::Scalar(Scalar::Float(*v), None)),

@@ -27,6 +27,13 @@ pub const MAX_REPEAT: i64 = 100_000;
 pub const MAX_INSTANCES: usize = MAX_NODES / 4;
 /// Most unknown names given a "did you mean" suggestion in one run.
 pub const MAX_NAME_SEARCHES: usize = 100;
+/// Most expressions one model may evaluate while it elaborates, counting every sub-expression each time it is
+/// evaluated: in config values, in each block instance's declarations and in each call of a block's forward. A
+/// forward that calls a layer several times, nested, runs that block's forward that many times again, so without
+/// this bound blocks calling each other could take exponential time while making no operators (a forward that
+/// returns its input). One pass over the largest file evaluates fewer than 17 million expressions (at most about
+/// one a byte), a model at [`MAX_NODES`] about 2 per node, and the largest example, `gpt3.opt`, 4,939.
+pub const MAX_EVALUATIONS: usize = 20_000_000;
 
 /// Why an elaboration step produced no value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,6 +199,10 @@ pub struct Elab<'f> {
     bad_sizes: HashSet<String>,
     /// Blocks and layers instantiated so far, against [`MAX_INSTANCES`].
     instances: usize,
+    /// Expressions evaluated so far, against [`MAX_EVALUATIONS`].
+    evaluations: usize,
+    /// How many times each block's forward has been run, by block index: named when evaluation stops.
+    forward_runs: Vec<usize>,
     /// Unknown names searched for a suggestion so far, against [`MAX_NAME_SEARCHES`].
     name_searches: usize,
     /// Names and callees that name resolution has already reported: elaboration stays silent about them.
@@ -232,6 +243,8 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         poisoned: HashSet::new(),
         bad_sizes: HashSet::new(),
         instances: 0,
+        evaluations: 0,
+        forward_runs: vec![0; file.blocks.len()],
         name_searches: 0,
         resolved_errors: HashSet::new(),
         clashing_inputs: HashSet::new(),
@@ -760,6 +773,7 @@ impl<'f> Elab<'f> {
                 .secondary(forward.head_span, "its forward is defined here"),
             );
         }
+        self.forward_runs[block_index] += 1;
         let mut frame = Frame {
             module: Some(module),
             locals: forward.params.iter().map(|p| p.name.clone()).zip(args).collect(),
@@ -793,6 +807,42 @@ impl<'f> Elab<'f> {
             .help("reduce `repeat` counts, or the number of copies blocks make of each other"),
         );
         Err(Fail::Abort)
+    }
+
+    /// Counts one more expression evaluated; stops elaboration once there are too many. The limit is reported
+    /// once, at the expression that reached it: evaluations attempted after it (a config value whose failure is
+    /// not fatal) fail silently.
+    pub(crate) fn count_evaluation(&mut self, span: Span) -> R<()> {
+        self.evaluations = self.evaluations.saturating_add(1);
+        if self.evaluations <= MAX_EVALUATIONS {
+            return Ok(());
+        }
+        if self.evaluations == MAX_EVALUATIONS + 1 {
+            let d = self.too_many_evaluations(span);
+            self.report(d);
+        }
+        Err(Fail::Abort)
+    }
+
+    /// The error for [`MAX_EVALUATIONS`], labelled at `span` and at the forward run most often so far.
+    fn too_many_evaluations(&self, span: Span) -> Diagnostic {
+        let mut d = Diagnostic::error(
+            Code::E0402,
+            format!("elaborating the model evaluates more than {} expressions", group_digits(MAX_EVALUATIONS as u128)),
+        )
+        .primary(span, "limit reached here");
+        let busiest = self.forward_runs.iter().enumerate().max_by_key(|&(_, runs)| *runs);
+        if let Some((block, &runs)) = busiest.filter(|(_, runs)| **runs > 1) {
+            let def = &self.file.blocks[block];
+            if let Some(forward) = def.forwards.first() {
+                d = d.secondary(
+                    forward.head_span,
+                    format!("the forward of `{}` has run {} times so far", def.name.name, group_digits(runs as u128)),
+                );
+            }
+        }
+        d.note("each call of a block runs its forward again: a forward that calls a layer several times, nested, multiplies the runs of every block inside that layer")
+            .help("call layers fewer times in each forward, nest blocks less deeply, or reduce `repeat` counts")
     }
 
     /// Adds a node, with its operands as edges; enforces the size limits.
