@@ -286,6 +286,26 @@ golden!(
     concat!(prelude!(), "forward {\n  output y = tokens\n}\nforward {\n  output z = tokens\n}\n"),
     ["E0105"]
 );
+golden!(
+    duplicate_block_parameter_named_in_the_call,
+    "model m\ninput x: f32[4]\nblock B(d, d) {\n  forward(x) {\n    return x\n  }\n}\nlayer b = B(d: 4)\nforward {\n  output y = b(x)\n}\n",
+    ["E0105"]
+);
+golden!(
+    duplicate_block_parameter_given_by_position,
+    "model m\ninput x: f32[4]\nblock B(d, d) {\n  forward(x) {\n    return x\n  }\n}\nlayer b = B(4, 8)\nforward {\n  output y = b(x)\n}\n",
+    ["E0105"]
+);
+golden!(
+    duplicate_forward_parameter,
+    "model m\ninput x: f32[4]\nblock B {\n  forward(x, x) {\n    return x\n  }\n}\nlayer b = B()\nforward {\n  output y = b(x, x)\n}\n",
+    ["E0105"]
+);
+golden!(
+    duplicate_forward_parameter_in_a_block_never_called,
+    "model m\ninput x: f32[4]\nblock B(d) {\n  forward(x, y, x) {\n    return y\n  }\n}\nforward {\n  output y = x\n}\n",
+    ["E0105"]
+);
 golden!(model_named_twice, "model a\nmodel b\ninput x: f32[2]\nforward {\n  output y = x\n}\n", ["E0105"]);
 golden!(
     block_named_like_builtin,

@@ -182,7 +182,7 @@ impl<'f> Elab<'f> {
     }
 
     fn instantiate_block(&mut self, block: usize, call: &'f Call, parent: usize, path: String) -> R<usize> {
-        if self.recursive.contains(&block) {
+        if self.recursive.contains(&block) || self.blocks_with_repeated_params.contains(&block) {
             return Err(Fail::Reported);
         }
         if self.file.blocks.get(block).is_some_and(|b| b.checkpoint) {

@@ -219,6 +219,11 @@ pub struct Elab<'f> {
     /// The paths of layers whose declaration failed (and was reported): a `tied` path naming one stays
     /// silent rather than call it undeclared.
     poisoned_layers: HashSet<String>,
+    /// Blocks with a parameter named twice (reported): their instances fail silently, as no argument can be
+    /// bound to the right one.
+    blocks_with_repeated_params: HashSet<usize>,
+    /// Block forwards, by their head, with a parameter named twice (reported): their calls fail silently.
+    forwards_with_repeated_params: HashSet<Span>,
 }
 
 /// Elaborates a parsed file with command-line overrides into a model; errors if any diagnostic is an error.
@@ -251,6 +256,8 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         clashing_layers: HashSet::new(),
         override_roots: HashMap::new(),
         poisoned_layers: HashSet::new(),
+        blocks_with_repeated_params: HashSet::new(),
+        forwards_with_repeated_params: HashSet::new(),
     };
     let result = elab.run(overrides);
     let mut diags = std::mem::take(&mut elab.diags);
@@ -758,6 +765,9 @@ impl<'f> Elab<'f> {
                     .help("add `forward(x) { ... return ... }` to the block"),
             );
         };
+        if self.forwards_with_repeated_params.contains(&forward.head_span) {
+            return Err(Fail::Reported);
+        }
         if forward.params.len() != args.len() {
             return self.fail(
                 Diagnostic::error(

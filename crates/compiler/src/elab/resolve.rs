@@ -8,7 +8,7 @@
 //! root) an input. What it reports, elaboration does not report again (see `Elab::resolved_errors`).
 
 use super::eval::SCALAR_FUNCTIONS;
-use super::{Elab, MAX_NAME_SEARCHES, Place, clash, layers, ops, suggest};
+use super::{Elab, MAX_NAME_SEARCHES, Place, clash, duplicate, layers, ops, suggest};
 use crate::diag::{Code, Diagnostic};
 use crate::syntax::ast::{BlockDef, Call, Expr, ExprKind, ForwardDef, Ident, LayerDecl, LayerExpr, Stmt};
 use optimus_plan::span::Span;
@@ -61,6 +61,9 @@ impl<'f> Elab<'f> {
     }
 
     fn resolve_block(&mut self, index: usize, block: &'f BlockDef, globals: &Globals<'f>) {
+        if self.report_repeated_names("block parameter", block.params.iter().map(|p| &p.name)) {
+            self.blocks_with_repeated_params.insert(index);
+        }
         let mut params = HashSet::new();
         let no_layers = HashSet::new();
         for param in &block.params {
@@ -120,6 +123,10 @@ impl<'f> Elab<'f> {
         globals: &Globals<'f>,
     ) {
         let place = if block.is_some() { Place::BlockForward } else { Place::ModelForward };
+        // The model's forward takes no parameters at all, which elaboration reports.
+        if block.is_some() && self.report_repeated_names("forward parameter", &forward.params) {
+            self.forwards_with_repeated_params.insert(forward.head_span);
+        }
         let locals = forward.params.iter().map(|p| p.name.as_str()).collect();
         let mut scope = Scope { place, params, layers, locals };
         let mut returns: Option<Span> = None;
@@ -276,6 +283,25 @@ impl<'f> Elab<'f> {
         }
         let d = self.bad_callee(call, scope.layers.iter().copied());
         self.report_resolved(call.callee.span, d);
+    }
+
+    /// Reports each name of a parameter list that repeats an earlier one (E0105, calling it `what`); whether
+    /// there was any.
+    fn report_repeated_names(&mut self, what: &str, names: impl IntoIterator<Item = &'f Ident>) -> bool {
+        let mut seen: HashMap<&str, Span> = HashMap::new();
+        let mut repeated = false;
+        for name in names {
+            match seen.get(name.name.as_str()) {
+                Some(&first) => {
+                    self.report(duplicate(what, name, first));
+                    repeated = true;
+                }
+                None => {
+                    seen.insert(&name.name, name.span);
+                }
+            }
+        }
+        repeated
     }
 
     /// Reports an error about the name or callee at `span`, which elaboration then leaves alone.
