@@ -392,6 +392,11 @@ golden!(
     ["E0201"]
 );
 golden!(
+    cross_entropy_of_scalar_logits,
+    "model m\ninput s: f32[]\ninput t: i32[]\nforward {\n  output loss = cross_entropy(s, t)\n}\n",
+    ["E0201"]
+);
+golden!(
     shape_mismatch_reshape,
     concat!(
         prelude!(),

@@ -387,8 +387,18 @@ impl Elab<'_> {
         self.expect_float_tensor(logits, sl)?;
         self.expect_int_tensor(targets, st)?;
         let (tl, tt) = (self.ty(logits).clone(), self.ty(targets).clone());
-        let leading: Vec<u64> = tl.sizes().iter().take(tl.rank().saturating_sub(1)).copied().collect();
-        if tl.rank() == 0 || leading != tt.sizes() {
+        if tl.rank() == 0 {
+            return self.fail(
+                Diagnostic::error(
+                    Code::E0201,
+                    format!("`cross_entropy` needs logits [.., C] with a class dimension, found {}", show_type(&tl)),
+                )
+                .primary(sl, "a scalar: no class dimension")
+                .help("pass one score per class in the last dimension, e.g. `f32[batch, classes]`"),
+            );
+        }
+        let leading: Vec<u64> = tl.sizes().iter().take(tl.rank() - 1).copied().collect();
+        if leading != tt.sizes() {
             return self.fail(
                 Diagnostic::error(
                     Code::E0201,
