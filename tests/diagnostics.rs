@@ -519,6 +519,11 @@ golden!(
     ["E0202"]
 );
 golden!(
+    parameter_too_large_in_nested_blocks_named_by_its_path,
+    "model m\nconfig {\n  big = 2000000\n}\ninput x: f32[2, big]\nblock Inner {\n  layer fc = linear(big, big)\n  forward(x) {\n    return fc(x)\n  }\n}\nblock Outer {\n  layer inner = Inner()\n  forward(x) {\n    return inner(x)\n  }\n}\nlayer h = repeat(2) Outer()\nforward {\n  output y = h(x)\n}\n",
+    ["E0202"]
+);
+golden!(
     hidden_past_plan_limit,
     concat!(
         "model m\nconfig {\n  hidden = 4000000\n  seq = 4\n  batch = 2\n}\ninput x: f32[batch, seq, hidden]\n",

@@ -74,6 +74,19 @@ fn giant_sizes_fail_cleanly_in_every_command() {
 }
 
 #[test]
+fn a_parameter_too_large_is_named_by_its_full_path_once_for_all_copies() {
+    let source = std::fs::read_to_string("examples/tiny.opt").expect("example exists");
+    let overrides = [Override { name: "hidden".to_string(), value: i64::MAX.to_string() }];
+    let checked = check_source(&source, &overrides);
+    let rendered = optimus::diag::render_plain("tiny.opt", &source, &checked.diagnostics);
+    assert!(rendered.contains("error[E0202]: parameter `h.0.attn.c_proj.weight` is too large"), "{rendered}");
+    assert!(rendered.contains("error[E0202]: parameter `h.0.ln_1.weight` is too large"), "{rendered}");
+    assert!(!rendered.contains("parameter `c_proj.weight`"), "{rendered}");
+    // `repeat(2)` makes a second copy of each declaration: it is not reported again.
+    assert!(!rendered.contains("`h.1."), "{rendered}");
+}
+
+#[test]
 fn padding_past_the_limit_is_reported_by_the_shard_pass() {
     // vocab × hidden fits (1,099,511,627,712 elements) but padding vocab to a multiple of 4 does not.
     let source = std::fs::read_to_string("examples/tiny.opt").expect("example exists");

@@ -617,14 +617,26 @@ impl<'f> Elab<'f> {
         span: Span,
     ) -> R<ParamId> {
         let ty = TensorType { dtype: DType::F32, shape };
-        // Named as in its declaration, not by instance, so a block repeated many times reports once.
-        let declared = join(path.rsplit('.').next().unwrap_or(path), leaf);
-        self.check_tensor_size(&format!("parameter `{declared}`"), &ty, span)?;
         let name = join(path, leaf);
+        self.check_param_size(&name, leaf, &ty, span)?;
         let id = ParamId(u32::try_from(self.params.len()).unwrap_or(u32::MAX));
         let checkpoint_transposed = false;
         self.params.push(Param { checkpoint: name.clone(), name, ty, init, role, span, checkpoint_transposed });
         Ok(id)
+    }
+
+    /// Checks that a parameter fits [`super::max_elements`], naming it by its full name (§17). Each declaration
+    /// is reported once for each shape too large, at its first instance: the other copies of a repeated block fail
+    /// silently.
+    fn check_param_size(&mut self, name: &str, leaf: &str, ty: &TensorType, span: Span) -> R<()> {
+        if super::fitting_elements(ty).is_some() {
+            return Ok(());
+        }
+        let declaration = (span, leaf.to_string(), ty.sizes());
+        if !self.params_reported_too_large.insert(declaration) {
+            return Err(Fail::Reported);
+        }
+        self.check_tensor_size(&format!("parameter `{name}`"), ty, span)
     }
 
     /// The graph node that reads a parameter (one per parameter, made on first use).

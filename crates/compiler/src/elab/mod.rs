@@ -224,6 +224,9 @@ pub struct Elab<'f> {
     blocks_with_repeated_params: HashSet<usize>,
     /// Block forwards, by their head, with a parameter named twice (reported): their calls fail silently.
     forwards_with_repeated_params: HashSet<Span>,
+    /// Parameter declarations reported too large (their layer's span, leaf name and sizes): the other instances
+    /// of the declaration fail silently rather than repeat the error for every copy of a repeated block.
+    params_reported_too_large: HashSet<(Span, String, Vec<u64>)>,
 }
 
 /// Elaborates a parsed file with command-line overrides into a model; errors if any diagnostic is an error.
@@ -258,6 +261,7 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
         poisoned_layers: HashSet::new(),
         blocks_with_repeated_params: HashSet::new(),
         forwards_with_repeated_params: HashSet::new(),
+        params_reported_too_large: HashSet::new(),
     };
     let result = elab.run(overrides);
     let mut diags = std::mem::take(&mut elab.diags);
