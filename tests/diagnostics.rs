@@ -577,6 +577,20 @@ golden!(set_not_an_integer, GPT2, sets[("layers", "two")], ["E0302"]);
 golden!(set_integer_too_large, GPT2, sets[("layers", "99999999999999999999")], ["E0302"]);
 golden!(set_not_a_number, GPT2, sets[("pdrop", "lots")], ["E0302"]);
 golden!(set_not_finite, GPT2, sets[("eps", "inf")], ["E0302"]);
+golden!(set_integer_leading_underscore, GPT2, sets[("layers", "_1")], ["E0302"]);
+golden!(set_number_leading_underscore, GPT2, sets[("eps", "_1")], ["E0302"]);
+golden!(set_number_trailing_underscore, GPT2, sets[("eps", "1_")], ["E0302"]);
+
+#[test]
+fn set_accepts_underscores_between_digits() {
+    for (name, value) in
+        [("layers", "1_2"), ("layers", "-0_1"), ("hidden", "7__68"), ("eps", "0.000_01"), ("eps", "1_0e-5")]
+    {
+        let checked = check_source(GPT2, &overrides(&[(name, value)]));
+        let bad_value = checked.diagnostics.iter().any(|d| d.code == "E0302");
+        assert!(!bad_value, "--set {name}={value}: {}", render_plain("model.opt", GPT2, &checked.diagnostics));
+    }
+}
 golden!(set_size_zero, GPT2, sets[("hidden", "0")], ["E0202"]);
 golden!(set_heads_not_dividing, GPT2, sets[("heads", "5")], ["E0203"]);
 golden!(set_sequence_too_long, GPT2, sets[("seq", "2048")], ["E0201"]);

@@ -976,6 +976,10 @@ fn bad_override(o: &Override, reason: &str, entry: &ast::ConfigEntry, default: &
 /// Parses a `--set` value to the type of the config value's default; on failure, says why in words.
 fn parse_override(raw: &str, default: &Scalar) -> Result<Scalar, String> {
     use std::num::IntErrorKind;
+    let numeric = matches!(default, Scalar::Int(_) | Scalar::Float(_));
+    if numeric && !underscores_between_digits(raw) {
+        return Err("has a `_` that is not between two digits".to_string());
+    }
     let clean: String = raw.chars().filter(|c| *c != '_').collect();
     match default {
         Scalar::Int(_) => clean.parse::<i64>().map(Scalar::Int).map_err(|e| match e.kind() {
@@ -996,6 +1000,29 @@ fn parse_override(raw: &str, default: &Scalar) -> Result<Scalar, String> {
         },
         Scalar::Str(_) => Ok(Scalar::Str(raw.to_string())),
     }
+}
+
+/// Whether each run of `_` in a number stands between two digits (`1_024`, `1__000.5`), as in an integer literal's
+/// `_` after its first digit; `_1`, `1_` and `1_.5` are not numbers.
+fn underscores_between_digits(raw: &str) -> bool {
+    let bytes = raw.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'_' {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < bytes.len() && bytes[i] == b'_' {
+            i += 1;
+        }
+        let digit_before = start > 0 && bytes[start - 1].is_ascii_digit();
+        let digit_after = bytes.get(i).is_some_and(u8::is_ascii_digit);
+        if !(digit_before && digit_after) {
+            return false;
+        }
+    }
+    true
 }
 
 /// Calls `f` with every name an expression reads, in order.
