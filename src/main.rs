@@ -336,7 +336,9 @@ fn check(path: &std::path::Path, overrides: &[Override], emit: Option<Emit>) -> 
 }
 
 fn compile(args: &CompileArgs) -> ExitCode {
-    if let Err(e) = cli::refuse_overwriting_input(&args.output, &args.model, "-o") {
+    let checked = cli::refuse_overwriting_input(&args.output, &args.model, "-o")
+        .and_then(|()| cli::check_output(&args.output, "-o"));
+    if let Err(e) = checked {
         return e.exit();
     }
     let compiled = match args.max_context {
@@ -405,7 +407,9 @@ fn inspect(
     memory: Option<u64>,
     pipeline: &cli::inspect_pipeline::InspectPipelineArgs,
 ) -> ExitCode {
-    if let Some(Err(e)) = dot.map(|dot| cli::refuse_overwriting_input(dot, path, "--dot")) {
+    let checked =
+        dot.map(|dot| cli::refuse_overwriting_input(dot, path, "--dot").and_then(|()| cli::check_output(dot, "--dot")));
+    if let Some(Err(e)) = checked {
         return e.exit();
     }
     let plan = match optimus::io::plan_file::read_plan(path) {

@@ -409,3 +409,50 @@ fn compile_through_a_symlink_keeps_the_link() {
     assert!(fs::symlink_metadata(dir.path().join("link.json")).expect("metadata").file_type().is_symlink());
     assert!(is_plan_json(&fs::read(&real).expect("reading the target")));
 }
+
+/// An output that cannot be written is a usage error (exit status 2) found before any work, named by
+/// its flag, in every command that writes one.
+#[test]
+fn every_commands_unwritable_output_is_a_usage_error_before_any_work() {
+    let dir = scratch();
+    let missing = dir.path().join("no-such-dir").join("out");
+    let missing = missing.to_str().expect("UTF-8");
+    let plan = dir.path().join("plan.json");
+    assert!(compile_to(&plan).status.success());
+    let log = dir.path().join("log.jsonl");
+    fs::write(&log, "{\"step\": 0, \"loss\": 1.0}\n").expect("written");
+    let (tiny, plan, log) =
+        (tiny(), plan.to_str().expect("UTF-8").to_string(), log.to_str().expect("UTF-8").to_string());
+    let tiny = tiny.to_str().expect("UTF-8");
+    let cases: [(&[&str], &str); 4] = [
+        (&["compile", tiny, "-o", missing], "-o: cannot write"),
+        (&["inspect", &plan, "--dot", missing], "--dot: cannot write"),
+        (&["simulate", tiny, "--hardware", "dgx-a100", "--sweep", "--plot", missing], "--plot: cannot write"),
+        (&["plot", &log, "-o", missing], "-o: cannot write"),
+    ];
+    for (args, message) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.code() == Some(2) && stderr.contains(message), "{args:?}: {stderr}");
+    }
+}
+
+/// A plan written to standard output for a reader that stops early (`compile -o - | head`) is no error.
+#[test]
+fn a_plan_on_standard_output_ends_quietly_when_the_reader_stops() {
+    let gpt3 = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gpt3.opt");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .arg("compile")
+        .arg(&gpt3)
+        .args(["--mesh", "8x8", "-o", "-"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("optimusc runs");
+    let mut first = [0u8; 16];
+    child.stdout.take().expect("piped").read_exact(&mut first).expect("the plan's first bytes");
+    let out = child.wait_with_output().expect("optimusc ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !stderr.contains("error"), "{stderr}");
+    assert!(first.starts_with(b"{\"format_version"), "{first:?}");
+}

@@ -610,6 +610,12 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
     Ok(plan)
 }
 
+/// An output that cannot be written (a folder that does not exist, a path that is a folder) is a
+/// usage error found before any work, named by its flag: every command's outputs are checked this way.
+pub fn check_output(path: &Path, flag: &str) -> Result<(), Failure> {
+    optimus::io::output::check_writable(path).map_err(|e| Failure::usage(format!("{flag}: {e}")))
+}
+
 /// An output path that names the command's own input (`compile m.opt -o m.opt`) would destroy it: a
 /// usage error naming the flag. Paths are compared as the files they resolve to, links followed.
 pub fn refuse_overwriting_input(output: &Path, input: &Path, flag: &str) -> Result<(), Failure> {

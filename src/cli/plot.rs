@@ -58,6 +58,7 @@ pub fn plot(args: &PlotArgs) -> ExitCode {
 /// Reads the log, draws it and writes the SVG; returns a summary line.
 fn plot_log(args: &PlotArgs) -> Result<String, Failure> {
     super::refuse_overwriting_input(&args.output, &args.log, "-o")?;
+    super::check_output(&args.output, "-o")?;
     let metrics = read_metrics(&args.log).map_err(|e| e.to_string())?;
     if metrics.is_empty() {
         return Err(Failure::from(nothing_to_plot(&args.log, &metrics)));

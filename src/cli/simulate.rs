@@ -140,6 +140,9 @@ impl SimulateArgs {
 
 /// Runs `optimusc simulate`.
 pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
+    if let Some(Err(e)) = args.plot.as_ref().map(|plot| super::check_output(plot, "--plot")) {
+        return e.exit();
+    }
     let hw = match Hardware::load(&args.hardware) {
         Ok(hw) => hw,
         Err(e) => {

@@ -322,7 +322,12 @@ fn write_stream(
     stream: &mut impl Write,
     content: &mut dyn FnMut(&mut dyn Write) -> io::Result<()>,
 ) -> Result<(), OutputError> {
-    buffered(stream, content).map_err(|e| OutputError::io(path, &e))
+    match buffered(stream, content) {
+        // The reader stopped reading (`optimusc compile ... -o - | head`): it has all it wanted, as the
+        // commands' text output takes a closed pipe too.
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        written => written.map_err(|e| OutputError::io(path, &e)),
+    }
 }
 
 /// Opens an existing file for writing without creating, truncating or replacing it; a FIFO is not

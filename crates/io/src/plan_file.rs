@@ -98,7 +98,8 @@ pub fn write_plan(plan: &Plan, path: &Path) -> Result<(), PlanFileError> {
         // A concrete buffer in front of the writer, so that the serializer's many small writes inline.
         let mut out = std::io::BufWriter::with_capacity(1 << 16, out);
         serde_json::to_writer(&mut out, plan).map_err(|e| {
-            let io = std::io::Error::other(e.to_string());
+            // The writer's own failure keeps its kind (a closed pipe is no error on standard output).
+            let io = std::io::Error::new(e.io_error_kind().unwrap_or(std::io::ErrorKind::Other), e.to_string());
             failed = Some(e);
             io
         })?;
