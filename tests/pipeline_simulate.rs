@@ -238,6 +238,12 @@ fn accumulation_on_one_stage_is_what_the_planner_scores() {
         assert!(same(sim.compute_s, scored.compute_s), "{}", config.label());
         assert!(same(sim.data_parallel_s, scored.data_parallel_s), "{}", config.label());
         assert_eq!(sim.tokens_per_step, scored.tokens_per_step);
+        // Its memory is the plan's, as the planner and `simulate --accum`'s text give it.
+        assert_eq!(sim.peak_bytes_per_device, plan.memory.peak_bytes, "{}", config.label());
+        assert_eq!(
+            (sim.peak_bytes_per_device, sim.per_stage[0].peak_bytes),
+            (scored.peak_bytes_per_device, plan.memory.peak_bytes)
+        );
     }
 }
 

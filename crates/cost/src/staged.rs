@@ -709,6 +709,8 @@ fn pipeline_of_split_pieces(
     };
     let stage_of_piece = |piece: usize| groups.iter().position(|r| r.contains(&piece)).unwrap_or(0) as u64 % p;
     let sum = |values: &[f64], range: &std::ops::Range<usize>| values[range.clone()].iter().sum::<f64>();
+    // One stage is the plain run accumulating micro-batches (`run --accum`), whose memory is the plan's.
+    let runtime = runtime.filter(|_| p * v > 1);
     let programs = runtime.map(|plan| program_memory(plan, pipeline, &groups)).transpose()?;
     // What chunk c of stage s keeps a micro-batch: its stage program's, else its pieces'.
     let kept_of = |s: u64, c: u64| match &programs {
@@ -799,6 +801,10 @@ fn pipeline_of_split_pieces(
     let devices = stage_devices * p;
     let capacity_flops = pieces.device_peak_flops * devices as f64 * step_time_s;
     let model_flops = unpipelined.model_flops_per_step * pipeline.micro_batches as f64;
+    let mut per_stage = per_stage;
+    if let ([only], true) = (&mut per_stage[..], p * v == 1) {
+        only.peak_bytes = unpipelined.memory.peak_bytes_per_device;
+    }
     let peak = per_stage.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
     let capacity = hw.memory_bytes();
     Ok(PipelineSimulation {
