@@ -137,6 +137,35 @@ const HUGE: u64 = 1 << 62;
 
 // ---- offsets --------------------------------------------------------------------------------------
 
+/// What a plan says it was compiled for, which `inspect` prints and `simulate` costs, must agree with
+/// what it holds: a strategy edited to one that cannot use the mesh, replicas added to a plan that sums
+/// nothing over them, and a precision edited either way are refused.
+#[test]
+fn the_recorded_strategy_replicas_and_precision_must_agree_with_the_program() {
+    assert!(verify_errors(&tiny_2x2()).is_empty());
+    for strategy in ["megatron", "none", "3d"] {
+        let mut plan = tiny_2x2();
+        plan["strategy"] = json!(strategy);
+        assert_refused(&plan, &[&format!("the plan says it is a {strategy} plan for a 2x2 mesh")]);
+    }
+    let mut plan = tiny_2x2();
+    plan["mesh"]["data"] = json!(2);
+    assert_refused(&plan, &["2 data-parallel replicas, and nothing in the program sums over them"]);
+    let mut plan = tiny_2x2();
+    plan["precision"] = json!("bf16");
+    assert_refused(&plan, &["the plan says bf16, and it holds no bf16 buffer"]);
+    // A bf16 plan verifies as compiled, and not once it says f32.
+    let text = std::fs::read_to_string(example_path("tiny")).expect("tiny.opt");
+    let model = check_source(&text, &[]).model.expect("tiny checks");
+    let mut target = Target::plain(Mesh::new(2, 2), Strategy::Optimus, Mode::Train);
+    target.memory.precision = optimus::plan::Precision::Bf16;
+    let bf16 = compile(&model, "examples/tiny.opt", &text, target).expect("tiny compiles in bf16");
+    let mut plan = serde_json::to_value(bf16).expect("JSON");
+    assert!(verify_errors(&plan).is_empty(), "{:#?}", verify_errors(&plan));
+    plan["precision"] = json!("f32");
+    assert_refused(&plan, &["the plan says f32, and it holds bf16 buffers"]);
+}
+
 #[test]
 fn every_offset_block_set_to_two_to_the_62_is_refused_by_name() {
     let mut plan = tiny_2x2();

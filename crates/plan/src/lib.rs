@@ -72,6 +72,34 @@ impl Strategy {
             Strategy::None => "none",
         }
     }
+
+    /// Why the strategy cannot use `mesh`, or `None` where it can: the one rule the compiler applies to
+    /// a target and the verifier to a plan read from a file.
+    pub fn mesh_problem(self, mesh: Mesh) -> Option<String> {
+        let Mesh { rows, cols, data, depth } = mesh;
+        match self {
+            _ if rows == 0 || cols == 0 => Some("a mesh needs at least one row and one column".to_string()),
+            _ if data == 0 => Some("a mesh needs at least one data-parallel replica".to_string()),
+            _ if depth == 0 => Some("a mesh needs at least one depth layer".to_string()),
+            Strategy::Optimus | Strategy::Megatron | Strategy::None if depth != 1 => Some(format!(
+                "only the tesseract and 3d strategies have a depth axis; the {} strategy cannot use a depth of {depth}",
+                self.name()
+            )),
+            Strategy::ThreeD if rows != cols || cols != depth => {
+                Some(format!("the 3d strategy needs a q x q x q cube, not {depth}x{rows}x{cols}"))
+            }
+            Strategy::Optimus | Strategy::Tesseract if rows != cols => {
+                Some(format!("the {} strategy needs a square q x q mesh, not {rows}x{cols}", self.name()))
+            }
+            Strategy::Megatron if rows != 1 => {
+                Some(format!("the megatron strategy takes a 1 x p mesh, not {rows}x{cols}"))
+            }
+            Strategy::None if rows * cols != 1 => {
+                Some(format!("the none strategy runs each replica on one device (1x1), not {rows}x{cols}"))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Which forward activations the backward pass recomputes instead of keeping (`compile --recompute`).

@@ -41,7 +41,35 @@ pub fn verify(plan: &Plan) -> Result<(), Vec<String>> {
     overlap::check_overlap(plan, &mut errors);
     check_group_order(plan, &mut errors);
     check_memory_summary(plan, &mut errors);
+    check_recorded_target(plan, &mut errors);
     if errors.is_empty() { Ok(()) } else { Err(errors) }
+}
+
+/// What the plan says it was compiled for (which `inspect` and `simulate` print and cost) agrees with
+/// what it holds: the strategy can use the mesh, a training plan of several replicas sums something
+/// over them and one of a single replica has no replicas to sum over, and a bf16 plan holds bf16
+/// buffers where a float32 one holds none.
+fn check_recorded_target(plan: &Plan, errors: &mut Vec<String>) {
+    if let Some(problem) = plan.strategy.mesh_problem(plan.mesh) {
+        errors.push(format!("the plan says it is a {} plan for a {} mesh: {problem}", plan.strategy.name(), plan.mesh));
+    }
+    let over_replicas = plan
+        .program
+        .iter()
+        .any(|i| matches!(i, Instr::Collective { collective, .. } if collective.group == crate::Group::Data));
+    let data = plan.mesh.data;
+    if plan.mode == crate::Mode::Train && data > 1 && !over_replicas {
+        errors.push(format!("the mesh has {data} data-parallel replicas, and nothing in the program sums over them"));
+    }
+    if data == 1 && over_replicas {
+        errors.push("the program communicates over data-parallel replicas, and the mesh has one".to_string());
+    }
+    let holds_bf16 = plan.buffers.iter().any(|b| b.dtype == crate::types::DType::Bf16);
+    match (plan.precision, holds_bf16) {
+        (crate::Precision::F32, true) => errors.push("the plan says f32, and it holds bf16 buffers".to_string()),
+        (crate::Precision::Bf16, false) => errors.push("the plan says bf16, and it holds no bf16 buffer".to_string()),
+        _ => {}
+    }
 }
 
 /// The memory summary (what `inspect` and `simulate` show) is what the buffers and program give, so an

@@ -211,28 +211,9 @@ fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, mesh
 
 /// Rejects meshes the strategy cannot use.
 fn check_mesh(target: Target) -> Result<(), Vec<Diagnostic>> {
-    let Mesh { rows, cols, data, depth } = target.mesh;
-    let problem = match target.strategy {
-        _ if rows == 0 || cols == 0 => Some("a mesh needs at least one row and one column".to_string()),
-        _ if data == 0 => Some("a mesh needs at least one data-parallel replica".to_string()),
-        _ if depth == 0 => Some("a mesh needs at least one depth layer".to_string()),
-        Strategy::Optimus | Strategy::Megatron | Strategy::None if depth != 1 => Some(format!(
-            "only the tesseract and 3d strategies have a depth axis; the {} strategy cannot use a depth of {depth}",
-            target.strategy.name()
-        )),
-        Strategy::ThreeD if rows != cols || cols != depth => {
-            Some(format!("the 3d strategy needs a q x q x q cube, not {depth}x{rows}x{cols}"))
-        }
-        _ if target.memory.zero > 1 => Some(format!("ZeRO stage {} is not supported (0 or 1)", target.memory.zero)),
-        Strategy::Optimus | Strategy::Tesseract if rows != cols => {
-            Some(format!("the {} strategy needs a square q x q mesh, not {rows}x{cols}", target.strategy.name()))
-        }
-        Strategy::Megatron if rows != 1 => Some(format!("the megatron strategy takes a 1 x p mesh, not {rows}x{cols}")),
-        Strategy::None if rows * cols != 1 => {
-            Some(format!("the none strategy runs each replica on one device (1x1), not {rows}x{cols}"))
-        }
-        _ => None,
-    };
+    let problem = target.strategy.mesh_problem(target.mesh).or_else(|| {
+        (target.memory.zero > 1).then(|| format!("ZeRO stage {} is not supported (0 or 1)", target.memory.zero))
+    });
     match problem {
         Some(p) => Err(vec![Diagnostic::error(Code::E0601, p).help(match target.strategy {
             Strategy::Optimus => "use --mesh QxQ, e.g. --mesh 4x4, or DxQxQ for D data-parallel replicas",
