@@ -219,7 +219,8 @@ def json_tokenizer_checks(optimusc, directory):
         ("wordpiece", train_wordpiece(corpus), "[SEP]", "u16"),
         ("llama3-like", train_llama3_like(corpus), "<|end_of_text|>", "u32"),
     ]:
-        path = os.path.join(directory, f"{name}.json")
+        # Not NAME.json: that is the sidecar of the token files tokenize writes under the prefix NAME.
+        path = os.path.join(directory, f"{name}.tokenizer.json")
         tok.save(path)
         encode = lambda text, tok=tok: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
         documents = texts + [long_text(4, 2_500_000)]
