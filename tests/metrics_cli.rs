@@ -221,8 +221,34 @@ fn plot_draws_values_near_the_ends_of_the_float_range() {
         };
         let status = status.unwrap_or_else(|| panic!("{name}: plot still running after 60 s"));
         assert!(status.success(), "{name}: {status}");
-        assert!(std::fs::read_to_string(&svg).expect("SVG written").contains("</svg>"), "{name}");
+        let drawn = std::fs::read_to_string(&svg).expect("SVG written");
+        assert!(drawn.contains("</svg>"), "{name}");
+        // Labels of such values are short (1.00e307), not hundreds of digits.
+        assert!(drawn.contains("e307") && !drawn.contains("0000000000"), "{name}");
     }
+}
+
+/// Records with something to plot that cannot be drawn (no whole-number step, a throughput below zero)
+/// are left out, and the note says how many and why.
+#[test]
+fn plot_says_which_records_it_leaves_out() {
+    let log = scratch("left-out.jsonl");
+    let lines = [
+        "{\"step\": 0, \"loss\": 4.0, \"tokens_per_s\": -5}",
+        "{\"step\": 1, \"loss\": 3.5, \"tokens_per_s\": 900}",
+        "{\"step\": -1, \"loss\": 2}",
+        "{\"step\": 1.5, \"loss\": 2}",
+        "{\"loss\": 3}",
+        "{\"note\": \"nothing to plot\"}",
+    ];
+    std::fs::write(&log, lines.join("\n")).expect("write log");
+    let svg = scratch("left-out.svg");
+    let out = optimusc(&["plot", text(&log), "-o", text(&svg)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("left out 3 records with a loss or throughput but no whole-number `step`"), "{stderr}");
+    assert!(stderr.contains("left out 1 `tokens_per_s` below zero"), "{stderr}");
+    assert!(stderr.contains("training losses: 2, validation losses: 0, throughputs: 1"), "{stderr}");
 }
 
 #[test]

@@ -12,8 +12,9 @@ use std::process::ExitCode;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlotArgs {
-    /// A metrics log written by `optimusc run --log` (JSON lines). Records with `loss`, `val_loss` or
-    /// `tokens_per_s` are drawn, others skipped; a step logged again (a resumed run) takes its latest values.
+    /// A metrics log written by `optimusc run --log` (JSON lines). Records with a whole-number `step` and
+    /// `loss`, `val_loss` or `tokens_per_s` (not below zero) are drawn, others skipped (with a note when they
+    /// had something to draw); a step logged again (a resumed run) takes its latest values.
     #[arg(value_name = "FILE.jsonl")]
     pub log: PathBuf,
     /// Where to write the SVG: written whole or not at all (`/dev/stdout` for standard output).
@@ -63,6 +64,7 @@ fn plot_log(args: &PlotArgs) -> Result<String, Failure> {
     if metrics.is_empty() {
         return Err(Failure::from(nothing_to_plot(&args.log, &metrics)));
     }
+    note_records_left_out(&metrics);
     let title = format!("{}", args.log.display());
     let svg = curves_svg(&metrics, &title)?;
     optimus::io::output::write_file(&args.output, svg.as_bytes()).map_err(|e| e.to_string())?;
@@ -73,6 +75,20 @@ fn plot_log(args: &PlotArgs) -> Result<String, Failure> {
         metrics.val_loss.len(),
         metrics.tokens_per_s.len()
     ))
+}
+
+/// Says which records with something to plot were left out, and why.
+fn note_records_left_out(metrics: &Metrics) {
+    use optimus::plan::text::plural;
+    if metrics.without_step > 0 {
+        eprintln_safe!(
+            "note: left out {} with a loss or throughput but no whole-number `step` (missing, negative or fractional)",
+            plural(metrics.without_step as u64, "record")
+        );
+    }
+    if metrics.negative_throughputs > 0 {
+        eprintln_safe!("note: left out {} below zero", plural(metrics.negative_throughputs as u64, "`tokens_per_s`"));
+    }
 }
 
 /// Why a log with no curve has none: no record at all, or records whose fields (named) hold no step
@@ -139,7 +155,11 @@ where
     DB::ErrorType: 'static,
 {
     let decimals = decimals_for(&panel.y_range);
-    let y_label = |y: &f64| if panel.thousands { abbreviated(*y) } else { format!("{y:.decimals$}") };
+    let y_label = |y: &f64| match panel.thousands {
+        _ if y.abs() >= HUGE_LABEL => format!("{y:.2e}"),
+        true => abbreviated(*y),
+        false => format!("{y:.decimals$}"),
+    };
     let mut chart = ChartBuilder::on(area)
         .caption(panel.caption, ("sans-serif", 16))
         .margin(12)
@@ -212,6 +232,9 @@ fn top_of<'a>(values: impl Iterator<Item = &'a f64>) -> f64 {
     let high = values.copied().fold(0.0, f64::max);
     if high > 0.0 { finite_range(0.0, 1.1 * high).end } else { 1.0 }
 }
+
+/// Axis labels at least this large are written in scientific notation (`1.00e308`), not in 300 digits.
+const HUGE_LABEL: f64 = 1e9;
 
 /// Decimals that tell apart labels about a tenth of `range` apart.
 fn decimals_for(range: &Range<f64>) -> usize {

@@ -203,6 +203,10 @@ pub struct Metrics {
     pub records: usize,
     /// The field names those records had, so that a log with nothing to plot can say what it holds.
     pub fields: std::collections::BTreeSet<String>,
+    /// Records with a finite `loss`, `val_loss` or `tokens_per_s` left out: without a whole-number
+    /// `step` (missing, negative, fractional or past 2^64), and throughputs below zero.
+    pub without_step: usize,
+    pub negative_throughputs: usize,
 }
 
 impl Metrics {
@@ -218,11 +222,24 @@ impl Metrics {
         if self.fields.len() < MAX_FIELDS_KEPT {
             self.fields.extend(record.keys().take(MAX_FIELDS_KEPT).cloned());
         }
-        let Some(step) = record.get("step").and_then(serde_json::Value::as_u64) else { return };
-        let series =
-            [("loss", &mut self.loss), ("val_loss", &mut self.val_loss), ("tokens_per_s", &mut self.tokens_per_s)];
-        for (field, curve) in series {
-            if let Some(value) = record.get(field).and_then(serde_json::Value::as_f64).filter(|v| v.is_finite()) {
+        let value = |field: &str| record.get(field).and_then(serde_json::Value::as_f64).filter(|v| v.is_finite());
+        let Some(step) = record.get("step").and_then(serde_json::Value::as_u64) else {
+            if ["loss", "val_loss", "tokens_per_s"].iter().any(|f| value(f).is_some()) {
+                self.without_step += 1;
+            }
+            return;
+        };
+        let throughput = value("tokens_per_s");
+        if throughput.is_some_and(|t| t < 0.0) {
+            self.negative_throughputs += 1;
+        }
+        let series = [
+            (value("loss"), &mut self.loss),
+            (value("val_loss"), &mut self.val_loss),
+            (throughput.filter(|t| *t >= 0.0), &mut self.tokens_per_s),
+        ];
+        for (value, curve) in series {
+            if let Some(value) = value {
                 curve.insert(step, value);
             }
         }
