@@ -60,8 +60,9 @@ pub fn render(fit: &Fit) -> String {
     match (&fit.found.reason, fit.found.max_batch) {
         (Some(reason), _) => out.push_str(&format!("none ({reason})\n")),
         (None, batch) => out.push_str(&format!(
-            "{batch} (batches are multiples of {}; {} compilations)\n",
-            fit.found.multiple, fit.found.compilations
+            "{batch} (batches are multiples of {}; {})\n",
+            fit.found.multiple,
+            optimus::plan::text::plural(fit.found.compilations, "compilation")
         )),
     }
     if let Some(batch) = fit.plan_batch {

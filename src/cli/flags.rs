@@ -54,6 +54,14 @@ pub fn memory_size(text: &str) -> Result<u64, String> {
         Some((unit, scale)) => (t[..t.len() - unit.len()].trim(), *scale),
         None => (t, 1.0),
     };
+    // A whole number of bytes is read exactly: as a float, 2^63 - 1 would round up to 2^63.
+    if scale == 1.0 && digits_only(number) {
+        return match number.parse::<u64>() {
+            Ok(0) => Err(format!("must be a size above 0 such as 24GiB or 80GB, not `{text}`")),
+            Ok(bytes) if bytes < 1 << 63 => Ok(bytes),
+            _ => Err(format!("`{text}` is 8 EiB (2^63 bytes) or more")),
+        };
+    }
     let parsed = number.parse::<f64>();
     let before_letters = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim();
     if parsed.is_err() && before_letters.len() < t.len() && before_letters.parse::<f64>().is_ok() {
@@ -61,9 +69,7 @@ pub fn memory_size(text: &str) -> Result<u64, String> {
     }
     match parsed {
         Ok(v) if v.is_finite() && v * scale >= 1.0 && v * scale < 2f64.powi(63) => Ok((v * scale) as u64),
-        Ok(v) if v.is_finite() && v * scale >= 2f64.powi(63) => {
-            Err(format!("`{text}` is more than 8 EiB (2^63 bytes)"))
-        }
+        Ok(v) if v.is_finite() && v * scale >= 2f64.powi(63) => Err(format!("`{text}` is 8 EiB (2^63 bytes) or more")),
         Ok(v) if v.is_finite() && v > 0.0 => Err(format!("`{text}` is less than one byte")),
         _ => Err(format!("must be a size above 0 such as 24GiB or 80GB, not `{text}`")),
     }
@@ -142,7 +148,11 @@ mod tests {
         // Too large says so, not that the size must be above 0.
         for huge in ["18446744073709551616", "99999999999TB", "1e30GB"] {
             let error = memory_size(huge).expect_err("too large");
-            assert!(error.contains("more than 8 EiB"), "{huge}: {error}");
+            assert!(error.contains("8 EiB (2^63 bytes) or more"), "{huge}: {error}");
         }
+        // The largest size below 2^63 bytes is read exactly, with or without its unit.
+        assert_eq!(memory_size("9223372036854775807B"), Ok(i64::MAX as u64));
+        assert_eq!(memory_size("9223372036854775807"), Ok(i64::MAX as u64));
+        assert!(memory_size("9223372036854775808B").is_err_and(|e| e.contains("or more")));
     }
 }

@@ -92,8 +92,8 @@ pub fn render(v: &PipelineView) -> String {
     };
     let _ = writeln!(
         out,
-        "\npipeline: {} stages under {}, {} an update ({how})",
-        v.stages.len(),
+        "\npipeline: {} under {}, {} an update ({how})",
+        optimus::plan::text::plural(v.stages.len() as u64, "stage"),
         v.schedule.name(),
         optimus::plan::text::plural(v.micro_batches, "micro-batch")
     );
@@ -120,8 +120,8 @@ pub fn render(v: &PipelineView) -> String {
         "simulated on {}: a step of {}, the pipeline idle {:.1}% of it (bubble; its busiest stage {:.1}%)",
         v.balanced_by,
         optimus::cost::planner::seconds(sim.step_time_s),
-        100.0 * sim.bubble_fraction,
-        100.0 * sim.bottleneck_bubble_fraction
+        optimus::plan::text::without_negative_zero(100.0 * sim.bubble_fraction, 1),
+        optimus::plan::text::without_negative_zero(100.0 * sim.bottleneck_bubble_fraction, 1)
     );
     out.push_str(&super::pipeline::render_timeline(sim));
     out

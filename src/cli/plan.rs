@@ -308,7 +308,7 @@ fn render(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> String {
     let _ = writeln!(
         out,
         "searched {} configurations in {:.2} s: {} illegal, {} too large, {} dominated by a cheaper recompute, {} by a \
-         larger micro-batch, {} bounded by compute; {} compilations ({} failed), {} simulations, {} ranked\n",
+         larger micro-batch, {} bounded by compute; {} ({} failed), {}, {} ranked\n",
         c.enumerated,
         c.elapsed_s,
         c.illegal,
@@ -316,9 +316,9 @@ fn render(args: &PlanArgs, hw: &Hardware, outcome: &Outcome) -> String {
         c.dominated_recompute,
         c.dominated_micro_batch,
         c.bounded,
-        c.compiled,
+        optimus::plan::text::plural(c.compiled, "compilation"),
         c.compile_failures,
-        c.simulated,
+        optimus::plan::text::plural(c.simulated, "simulation"),
         c.scored
     );
     let _ = writeln!(out, "{}\n", optimus::cost::planner::TESSERACT_COVERED);
@@ -344,11 +344,11 @@ fn render_trace(out: &mut String, outcome: &Outcome) {
         let ms: Vec<String> = g.micro_batches.iter().map(u64::to_string).collect();
         let _ = writeln!(
             out,
-            "  {} [micro-batches {}]: {} ({} compilations)",
+            "  {} [micro-batches {}]: {} ({})",
             g.group,
             ms.join(" "),
             g.result,
-            g.compilations
+            optimus::plan::text::plural(g.compilations, "compilation")
         );
     }
     out.push('\n');

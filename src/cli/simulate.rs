@@ -387,8 +387,10 @@ fn render_max_batch(found: &MaxBatch) -> String {
     match &found.reason {
         Some(reason) => format!("max batch               none fits: {reason}"),
         None => format!(
-            "max batch               {} (multiples of {}; {} compilations)",
-            found.max_batch, found.multiple, found.compilations
+            "max batch               {} (multiples of {}; {})",
+            found.max_batch,
+            found.multiple,
+            optimus::plan::text::plural(found.compilations, "compilation")
         ),
     }
 }

@@ -1287,6 +1287,7 @@ pub fn explain(ranked: &[Scored]) -> Option<Explanation> {
 
 /// Seconds for people: "1.234 s", "12.345 ms", "67.8 us".
 pub fn seconds(s: f64) -> String {
+    let s = optimus_plan::text::without_negative_zero(s, 7);
     if s >= 1.0 {
         format!("{s:.3} s")
     } else if s >= 1e-3 {

@@ -29,6 +29,7 @@ use optimus_plan::stages::{InstructionPieces, ParameterOwners, describe_pieces, 
 use optimus_plan::{BufferId, Instr, Mode, Plan, Role};
 use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
+use std::ops::Add;
 
 /// A pipeline: stages, schedule and the micro-batches of an update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -775,7 +776,7 @@ fn pipeline_of_split_pieces(
         .zip(&holders)
         .filter(|(_, h)| h.len() > 1)
         .map(|(sh, _)| p2p_seconds(sh.gradient_bytes, stage_devices, hw))
-        .sum::<f64>();
+        .fold(0.0, f64::add);
     let slowest_update = per_stage.iter().map(|s| s.update_s).fold(0.0, f64::max);
     let (pipeline_s, updates_s) = match pieces.shared_engine {
         Some(engine) => shared_engine_step(engine, pieces.stage_devices, (pipeline, &costs, p2p_s), &per_stage)?,

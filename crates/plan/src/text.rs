@@ -24,6 +24,13 @@ pub fn duration_text(seconds: f64) -> String {
     }
 }
 
+/// `x` as it should be printed with `decimals` decimals: a value that would round to zero is zero, so
+/// that no figure reads `-0.0` (f64's sum of nothing is -0.0, and a difference of equal sums can be
+/// -1e-17).
+pub fn without_negative_zero(x: f64, decimals: i32) -> f64 {
+    if x.abs() < 0.5 * 10f64.powi(-decimals) { 0.0 } else { x }
+}
+
 /// Formats a count with thousands separators: 124439808 -> "124,439,808".
 pub fn group_digits(n: u128) -> String {
     let digits = n.to_string();
@@ -118,5 +125,23 @@ mod plural_tests {
         assert_eq!(duration_text(7500.0), "2 h 05 min");
         assert_eq!(duration_text(0.0), "0.0 s");
         assert_eq!(duration_text(f64::NAN), "0.0 s");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_negative_zero;
+
+    #[test]
+    fn what_rounds_to_zero_prints_as_zero_never_minus_zero() {
+        let empty: f64 = std::iter::empty::<f64>().sum();
+        for (x, decimals) in [(empty, 1), (-1e-17, 3), (-0.04, 1), (0.04, 1)] {
+            assert_eq!(
+                format!("{:.*}", decimals as usize, without_negative_zero(x, decimals)),
+                format!("{:.*}", decimals as usize, 0.0)
+            );
+        }
+        assert_eq!(without_negative_zero(-0.06, 1), -0.06);
+        assert_eq!(without_negative_zero(2.5, 0), 2.5);
     }
 }
