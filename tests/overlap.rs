@@ -122,6 +122,13 @@ fn overlapped_plans_verify_with_the_same_collectives_and_computation() {
         let kernels = |p: &Plan| p.program.iter().filter(|i| matches!(i, Instr::Kernel { .. })).count();
         assert_eq!(kernels(&plan), kernels(&plain), "{what}: the same computation");
     }
+    // The simulation says something overlapped where the plan overlaps something, not where its flag
+    // alone says so (a plan edited to claim it).
+    let plain = compile_example("gpt2", Mesh::new(2, 2), Strategy::Optimus, Mode::Train, MemoryOptions::DEFAULT);
+    let dgx = Hardware::load("dgx-a100").unwrap_or_else(|e| panic!("{e}"));
+    assert!(simulate(&overlapped(&plain), &dgx, &Options::default()).overlap);
+    let claimed = Plan { overlap: true, ..plain };
+    assert!(!simulate(&claimed, &dgx, &Options::default()).overlap, "nothing in the plan overlaps");
 }
 
 #[test]

@@ -525,7 +525,19 @@ fn simulate_placed(plan: &Plan, hw: &Hardware, options: &Options, record: bool) 
         placement_note: nodes.note.clone(),
         algorithm: algorithm.name().to_string(),
     };
-    (assemble(plan, hw, Options { overlap, ..*options }, header, tally), costs)
+    // What overlapped: a plan that schedules its own overlap, the collectives it marks (none, for a
+    // plan whose flag says overlap and whose program has nothing overlapped); else SUMMA double buffering.
+    let overlapped = match plan.overlap {
+        true => {
+            scheduled
+                && plan
+                    .program
+                    .iter()
+                    .any(|i| matches!(i, Instr::Collective { collective, .. } if collective.overlapped))
+        }
+        false => overlap,
+    };
+    (assemble(plan, hw, Options { overlap: overlapped, ..*options }, header, tally), costs)
 }
 
 /// The compute engine a device's kernels run on: its own, or one shared by the `devices` of its node
