@@ -153,3 +153,25 @@ fn the_examples_get_the_meshes_they_compile_on() {
         assert_eq!(d.help.as_deref(), Some(help.as_str()), "{model} on {rows}x{cols}");
     }
 }
+
+/// With replicas the batch cannot split over, no mesh of those replicas compiles: the help says so with
+/// the replicas named, and lists the meshes of one replica, each of which compiles.
+#[test]
+fn replicas_no_mesh_takes_are_named_and_the_meshes_of_one_replica_listed() {
+    let text = source("tiny");
+    let model = checked(&text, &[]);
+    for (replicas, grid) in [(3u64, Mesh::new(2, 2)), (16, Mesh::new(1, 1))] {
+        let failing = Target::plain(grid.with_data(replicas), Strategy::Optimus, Mode::Train);
+        let diagnostics = compile(&model, "tiny", &text, failing).expect_err("batch 8 does not split");
+        let help = diagnostics.iter().find(|d| d.code == "E0602").and_then(|d| d.help.clone()).expect("help");
+        let named =
+            format!("with the optimus strategy and {replicas} data-parallel replicas: none; with one replica: ");
+        let (_, listed) = help.split_once(&named).unwrap_or_else(|| panic!("{help}"));
+        let meshes: Vec<Mesh> = listed.split(", ").map(|m| parse_mesh(m).unwrap_or_else(|| panic!("{m}"))).collect();
+        assert!(meshes.contains(&grid), "{help}: the grid itself, with one replica");
+        for mesh in meshes_within(Strategy::Optimus, 64) {
+            let compiles = compile(&model, "tiny", &text, Target::plain(mesh, Strategy::Optimus, Mode::Train)).is_ok();
+            assert_eq!(meshes.contains(&mesh), compiles, "{help}: {mesh}");
+        }
+    }
+}

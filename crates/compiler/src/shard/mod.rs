@@ -80,8 +80,13 @@ fn compile_with(
     let mut lower = Lowerer::new(model, &graph.graph, graph.like.clone(), source, target, shapes);
     lower.run(graph.forward_len, &graph.grads);
     if checked && lower.diagnostics.iter().any(|d| d.code == Code::E0602) {
-        let meshes = meshes_that_compile(model, &graph, source_name, source, target);
-        add_mesh_suggestions(&mut lower.diagnostics, target.strategy, &meshes);
+        let meshes = meshes_that_compile(model, &graph, (source_name, source), target, target.mesh.data);
+        // With no mesh of these replicas, the meshes of one replica show what does compile.
+        let unreplicated = (meshes.is_empty() && target.mesh.data > 1)
+            .then(|| meshes_that_compile(model, &graph, (source_name, source), target, 1));
+        let suggested =
+            MeshSuggestions { data: target.mesh.data, meshes: &meshes, unreplicated: unreplicated.as_deref() };
+        add_mesh_suggestions(&mut lower.diagnostics, target.strategy, suggested);
     }
     lower.finish(source_name, checked)
 }
@@ -121,19 +126,20 @@ impl LoweringGraph {
     }
 }
 
-/// The meshes of the strategy, up to `SUGGESTED_MESH_DEVICES` devices, on which the model compiles:
+/// The meshes of the strategy with `replicas` data-parallel replicas, up to `SUGGESTED_MESH_DEVICES`
+/// devices (but the failing one), on which the model compiles:
 /// each candidate goes through the same sharding pass and plan verification as a real compile, so the
 /// list needs no second copy of the padding and divisibility rules. Candidates are tried on every core.
 fn meshes_that_compile(
     model: &Model,
     graph: &LoweringGraph,
-    source_name: &str,
-    source: &str,
+    (source_name, source): (&str, &str),
     failing: Target,
+    replicas: u64,
 ) -> Vec<Mesh> {
     let candidates: Vec<Mesh> = candidate_meshes(failing.strategy)
         .into_iter()
-        .map(|m| m.with_data(failing.mesh.data))
+        .map(|m| m.with_data(replicas))
         .filter(|&m| m != failing.mesh)
         .collect();
     let compiles: Vec<AtomicBool> = candidates.iter().map(|_| AtomicBool::new(false)).collect();
@@ -193,17 +199,35 @@ fn compiles_on(model: &Model, graph: &LoweringGraph, source_name: &str, source: 
     lower.diagnostics.is_empty() && lower.finish(source_name, true).is_ok()
 }
 
+/// The meshes that compile with the failing target's replicas (`data`), and, where none does, those of
+/// one replica.
+struct MeshSuggestions<'a> {
+    data: u64,
+    meshes: &'a [Mesh],
+    unreplicated: Option<&'a [Mesh]>,
+}
+
 /// Lists the meshes that compile in the help of every divisibility error, with the bound searched.
-fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, meshes: &[Mesh]) {
-    let list = if meshes.is_empty() {
-        "none".to_string()
-    } else {
-        meshes.iter().map(Mesh::to_string).collect::<Vec<_>>().join(", ")
+fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, suggested: MeshSuggestions) {
+    let listed = |meshes: &[Mesh]| {
+        if meshes.is_empty() {
+            "none".to_string()
+        } else {
+            meshes.iter().map(Mesh::to_string).collect::<Vec<_>>().join(", ")
+        }
     };
-    let help = format!(
-        "meshes up to {SUGGESTED_MESH_DEVICES} devices on which this model compiles with the {} strategy: {list}",
-        strategy.name()
+    let replicas = match suggested.data {
+        1 => String::new(),
+        data => format!(" and {data} data-parallel replicas"),
+    };
+    let mut help = format!(
+        "meshes up to {SUGGESTED_MESH_DEVICES} devices on which this model compiles with the {} strategy{replicas}: {}",
+        strategy.name(),
+        listed(suggested.meshes)
     );
+    if let Some(one) = suggested.unreplicated {
+        help.push_str(&format!("; with one replica: {}", listed(one)));
+    }
     for d in diagnostics.iter_mut().filter(|d| d.code == Code::E0602) {
         d.help = Some(help.clone());
     }
