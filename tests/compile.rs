@@ -853,3 +853,18 @@ fn cli_inspect_json_and_dot() {
     assert!(text.contains("broadcast row root 1"), "the graph shows SUMMA broadcasts");
     assert!(text.trim_end().ends_with('}'));
 }
+
+/// Every line ending language.md allows ends a comment: the examples with LF, CRLF or CR alone (the old
+/// Mac convention, where a comment once ran to the end of the file) check to the same model.
+#[test]
+fn every_line_ending_ends_a_comment() {
+    for name in ["tiny", "gpt2", "llama"] {
+        let text = example(name);
+        let lf = checked(&text, &[]);
+        for ending in ["\r\n", "\r"] {
+            let other = checked(&text.replace('\n', ending), &[]);
+            assert_eq!(other.graph.node_count(), lf.graph.node_count(), "{name} with {ending:?}");
+            assert_eq!(other.params.len(), lf.params.len(), "{name} with {ending:?}");
+        }
+    }
+}
