@@ -663,6 +663,15 @@ fn forwards_multiplying_calls() -> String {
 
 golden!(forwards_multiplying_calls_past_the_evaluation_limit, &forwards_multiplying_calls(), ["E0402"]);
 
+/// A reshape to 65 dimensions and an input of 65: past the 64 a tensor may have (a shape of millions once
+/// took 40 s and gigabytes to print its type back).
+fn shapes_of_65_dimensions() -> String {
+    let ones = vec!["1"; 65].join(", ");
+    format!("model m\ninput x: f32[4]\ninput w: f32[{ones}]\nforward {{\n  output y = reshape(x, [{ones}])\n}}\n")
+}
+
+golden!(shapes_past_the_rank_limit, &shapes_of_65_dimensions(), ["E0402", "E0402"]);
+
 // ---- name resolution: every forward, called or not ---------------------------------------------------------
 
 golden!(

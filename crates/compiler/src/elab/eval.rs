@@ -20,6 +20,10 @@ impl Elab<'_> {
             ExprKind::Str(v) => Ok(Value::Scalar(Scalar::Str(v.clone()), None)),
             ExprKind::Name(name) => self.lookup(name, expr.span, frame),
             ExprKind::List(items) => {
+                // A list is a shape (reshape's, or linear's factored size).
+                if items.len() > super::MAX_RANK {
+                    return self.fail(super::too_many_dimensions(items.len(), expr.span));
+                }
                 let mut values = Vec::with_capacity(items.len());
                 let mut failed = None;
                 for item in items {

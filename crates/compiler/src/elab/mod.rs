@@ -34,6 +34,8 @@ pub const MAX_NAME_SEARCHES: usize = 100;
 /// returns its input). One pass over the largest file evaluates fewer than 17 million expressions (at most about
 /// one a byte), a model at [`MAX_NODES`] about 2 per node, and the largest example, `gpt3.opt`, 4,939.
 pub const MAX_EVALUATIONS: usize = 20_000_000;
+/// Most dimensions a tensor has, and so most items a list (a shape) holds: PyTorch's own bound.
+pub const MAX_RANK: usize = 64;
 
 /// Why an elaboration step produced no value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -620,6 +622,9 @@ impl<'f> Elab<'f> {
             }
             self.report(d);
         }
+        if input.dims.len() > MAX_RANK {
+            return self.fail(too_many_dimensions(input.dims.len(), input.span));
+        }
         let mut frame = Frame::scalars(Place::Config);
         let mut shape = Vec::new();
         let mut failed = false;
@@ -971,6 +976,15 @@ fn bad_override(o: &Override, reason: &str, entry: &ast::ConfigEntry, default: &
     Diagnostic::error(Code::E0302, format!("bad value for `--set {}`: `{}` {reason}", o.name, o.value))
         .primary(entry.value.span, format!("`{}` is {kind} ({default} here)", entry.name.name))
         .help(format!("write `--set {}=` followed by {kind}", o.name))
+}
+
+/// The error for a shape of more than [`MAX_RANK`] dimensions (an input's type, or a list).
+pub(crate) fn too_many_dimensions(dims: usize, span: Span) -> Diagnostic {
+    Diagnostic::error(
+        Code::E0402,
+        format!("a shape of {} dimensions: tensors have at most {MAX_RANK}", group_digits(dims as u128)),
+    )
+    .primary(span, "too many dimensions")
 }
 
 /// Parses a `--set` value to the type of the config value's default; on failure, says why in words.
