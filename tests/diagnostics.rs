@@ -568,6 +568,12 @@ const GPT2: &str = include_str!("../examples/gpt2.opt");
 
 golden!(set_unknown_name, GPT2, sets[("layerz", "2")], ["E0301"]);
 golden!(
+    set_unknown_name_with_two_config_blocks,
+    "model m\nconfig { a = 1 }\nconfig { b = 2 }\ninput x: f32[4]\nforward {\n  output y = x\n}\n",
+    sets[("c", "1")],
+    ["E0301"]
+);
+golden!(
     set_unknown_name_no_config,
     "model m\ninput x: f32[2]\nforward {\n  output y = x\n}\n",
     sets[("layers", "2")],

@@ -480,9 +480,15 @@ impl<'f> Elab<'f> {
                 Code::E0301,
                 format!("`--set {}`: the model has no config value `{}`", o.name, o.name),
             );
-            if let Some(span) = self.file.config_spans.first() {
-                let keyword = Span::new(span.start as usize, span.start as usize + "config".len());
-                d = d.primary(keyword, format!("`{}` is not defined in this config block", o.name));
+            let blocks = &self.file.config_spans;
+            if let Some(span) = blocks.first() {
+                // Every config block is labelled: the name is in none of them.
+                let keyword = |span: &Span| Span::new(span.start as usize, span.start as usize + "config".len());
+                let where_ = if blocks.len() == 1 { "this config block" } else { "any config block" };
+                d = d.primary(keyword(span), format!("`{}` is not defined in {where_}", o.name));
+                for other in &blocks[1..] {
+                    d = d.secondary(keyword(other), "nor here");
+                }
             } else if let Some(model) = &self.file.model {
                 d = d.primary(model.name.span, "this model has no `config` block");
             }
