@@ -567,6 +567,7 @@ golden!(
 const GPT2: &str = include_str!("../examples/gpt2.opt");
 
 golden!(set_unknown_name, GPT2, sets[("layerz", "2")], ["E0301"]);
+golden!(set_eps_negative_zero_reported_once, GPT2, sets[("eps", "-0.0")], ["E0202"]);
 golden!(
     set_unknown_name_with_two_config_blocks,
     "model m\nconfig { a = 1 }\nconfig { b = 2 }\ninput x: f32[4]\nforward {\n  output y = x\n}\n",

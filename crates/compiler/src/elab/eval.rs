@@ -346,6 +346,34 @@ impl Elab<'_> {
         }
     }
 
+    /// A normalisation's `eps` argument, which must be positive; `help` says why. A config value that is
+    /// not (`--set eps=0`) is reported at its first use only, naming where it was set.
+    pub(crate) fn positive_eps(&mut self, expr: &Expr, frame: &mut Frame, help: &str) -> R<f64> {
+        let v = self.eval(expr, frame)?;
+        let eps = self.as_float(&v, expr)?;
+        if eps > 0.0 {
+            return Ok(eps);
+        }
+        let mut d = Diagnostic::error(Code::E0202, format!("`eps` must be positive, but this is {eps}"))
+            .primary(expr.span, format!("this is {eps}"))
+            .help(help);
+        let label = match &v {
+            Value::Scalar(_, label) => label.as_deref(),
+            _ => None,
+        };
+        if let Some(c) = label.and_then(|l| self.config_value(l)).cloned() {
+            // Keyed apart from the sizes' roots: a value can be a bad size and a bad eps at once.
+            if !self.bad_sizes.insert(format!("eps {}", c.name)) {
+                return Err(Fail::Reported);
+            }
+            let how = if c.overridden { format!("set to {} by `--set`", c.value) } else { "defined here".to_string() };
+            d = d
+                .secondary(c.span, format!("`{}` is {how}", c.name))
+                .note(format!("other `eps` arguments read from `{}` are not reported again", c.name));
+        }
+        self.fail(d)
+    }
+
     /// A size that must be positive. A config value that is not is reported at its first use as a size only; so
     /// is a `--set` override to a size that is not positive, together with every value computed from it.
     pub(crate) fn positive_dim(&mut self, value: i64, label: Option<String>, span: Span) -> R<Dim> {

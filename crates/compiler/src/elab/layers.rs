@@ -285,16 +285,11 @@ impl<'f> Elab<'f> {
                 let b = self.bind(call, &sig)?;
                 let dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, &mut frame);
                 let eps = match b.get(1) {
-                    Some(e) => self.expect_float(e, &mut frame).and_then(|eps| {
-                        if eps > 0.0 {
-                            return Ok(eps);
-                        }
-                        self.fail(
-                            Diagnostic::error(Code::E0202, format!("`eps` must be positive, but this is {eps}"))
-                                .primary(e.span, format!("this is {eps}"))
-                                .help("layernorm divides by sqrt(variance + eps); the usual value is 1e-5"),
-                        )
-                    }),
+                    Some(e) => self.positive_eps(
+                        e,
+                        &mut frame,
+                        "layernorm divides by sqrt(variance + eps); the usual value is 1e-5",
+                    ),
                     None => Ok(1e-5),
                 };
                 let (dim, eps) = (dim?, eps?);
@@ -341,16 +336,9 @@ impl<'f> Elab<'f> {
         let b = self.bind(call, &sig)?;
         let dim = self.eval_dim(b.get(0).ok_or(Fail::Reported)?, frame);
         let eps = match b.get(1) {
-            Some(e) => self.expect_float(e, frame).and_then(|eps| {
-                if eps > 0.0 {
-                    return Ok(eps);
-                }
-                self.fail(
-                    Diagnostic::error(Code::E0202, format!("`eps` must be positive, but this is {eps}"))
-                        .primary(e.span, format!("this is {eps}"))
-                        .help("rms_norm divides by sqrt(mean(x^2) + eps); Llama uses 1e-5 or 1e-6"),
-                )
-            }),
+            Some(e) => {
+                self.positive_eps(e, frame, "rms_norm divides by sqrt(mean(x^2) + eps); Llama uses 1e-5 or 1e-6")
+            }
             None => Ok(DEFAULT_RMS_NORM_EPS),
         };
         let (dim, eps) = (dim?, eps?);
