@@ -868,3 +868,41 @@ fn every_line_ending_ends_a_comment() {
         }
     }
 }
+
+/// Models whose inputs have no batch dimension: on a mesh that splits the batch (replicas, or the grid
+/// rows of optimus), a scalar input or an operator reading an input's only dimension as its features,
+/// classes or sequence is E0602 naming it, never an internal error; megatron, which keeps the batch
+/// whole, compiles what it can, and every one compiles on one device.
+#[test]
+fn models_without_a_batch_dimension_are_refused_by_name_where_the_mesh_splits_the_batch() {
+    let scalar_target = "model m\ninput s: f32[4]\ninput t: i32[]\nforward {\n  output loss = cross_entropy(s, t)\n}\n";
+    let sequence = "model m\ninput t: i32[4]\nlayer e = embedding(10, 8)\nlayer p = position_embedding(10, 8)\nlayer fc = linear(8, 10, tied: e)\nforward {\n  output loss = cross_entropy(fc(e(t) + p(t)), t)\n}\n";
+    let features = "model m\ninput x: f32[8]\nlayer l = linear(8, 8)\nlayer n = layernorm(8)\nforward {\n  output y = n(l(x))\n}\n";
+    let optimus = |data| Target::plain(Mesh::new(2, 2).with_data(data), Strategy::Optimus, Mode::Infer);
+    let replicas = Target::plain(Mesh::new(1, 1).with_data(2), Strategy::Optimus, Mode::Infer);
+    let megatron = Target::plain(Mesh::new(1, 2), Strategy::Megatron, Mode::Infer);
+    let one = Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Infer);
+    let cases = [
+        (scalar_target, optimus(1), Some("input `t` has no dimension for a 2x2 mesh to split as the batch")),
+        (scalar_target, replicas, Some("input `t` has no dimension")),
+        (scalar_target, megatron, Some("f32[4] needs a batch dimension besides the classes")),
+        (sequence, optimus(2), Some("i32[4] needs a batch dimension besides the sequence")),
+        (sequence, megatron, None),
+        (features, optimus(1), Some("f32[8] needs a batch dimension besides the features")),
+        (features, replicas, Some("f32[8] needs a batch dimension besides the features")),
+        (features, megatron, None),
+    ];
+    for (text, t, expected) in cases.into_iter().chain([scalar_target, sequence, features].map(|s| (s, one, None))) {
+        let model = checked(text, &[]);
+        let what = format!("{} on {} {}", text.lines().nth(1).unwrap_or(""), t.strategy.name(), t.mesh);
+        match (compile(&model, "m.opt", text, t), expected) {
+            (Ok(_), None) => {}
+            (Err(d), Some(message)) => {
+                assert!(d.iter().all(|d| d.code == "E0602"), "{what}: {d:#?}");
+                assert!(d.iter().any(|d| d.message.contains(message)), "{what}: {d:#?}");
+            }
+            (Ok(_), Some(message)) => panic!("{what}: compiled, expected {message}"),
+            (Err(d), None) => panic!("{what}: {d:#?}"),
+        }
+    }
+}

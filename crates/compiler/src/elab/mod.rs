@@ -8,6 +8,7 @@ mod ops;
 mod resolve;
 mod size;
 
+pub use ops::show_type;
 pub use size::{MAX_TENSOR_ELEMENTS, fitting_elements, max_elements, too_large};
 
 use crate::diag::{Code, Diagnostic, dedup};

@@ -74,6 +74,7 @@ fn compile_with(
     checked: bool,
 ) -> Result<Plan, Vec<Diagnostic>> {
     check_mesh(target)?;
+    check_batch_dimensions(model, target)?;
     let graph = LoweringGraph::new(model, target.mode)?;
     let shapes = shapes::padded_shapes(model, &graph.graph, &graph.like, target);
     shapes::check_padded_sizes(model, &graph.graph, &shapes)?;
@@ -230,6 +231,74 @@ fn add_mesh_suggestions(diagnostics: &mut [Diagnostic], strategy: Strategy, sugg
     }
     for d in diagnostics.iter_mut().filter(|d| d.code == Code::E0602) {
         d.help = Some(help.clone());
+    }
+}
+
+/// On a mesh that splits the batch (over replicas, depth layers, or the grid rows of optimus, tesseract
+/// and 3d), the layouts split each input's first dimension as the batch and operators' last dimension
+/// as features, classes or the sequence: an input with no dimension, or an operator whose last
+/// dimension is an input's only one, has nothing to split as both. And on any mesh of several devices
+/// `cross_entropy` takes logits with a dimension besides their classes. Refused here by name, rather
+/// than left to a plan that cannot verify.
+fn check_batch_dimensions(model: &Model, target: Target) -> Result<(), Vec<Diagnostic>> {
+    if target.mesh.devices() == 1 {
+        return Ok(());
+    }
+    let Mesh { rows, data, depth, .. } = target.mesh;
+    let grid_rows = matches!(target.strategy, Strategy::Optimus | Strategy::Tesseract | Strategy::ThreeD) && rows > 1;
+    let splits_batch = data > 1 || depth > 1 || grid_rows;
+    let graph = &model.graph;
+    let roles = data::data_roles(graph);
+    let mut problems = Vec::new();
+    for n in graph.node_indices() {
+        let node = &graph[n];
+        if let Op::Input { name } = &node.op {
+            if splits_batch && node.ty.rank() == 0 && name != crate::decode::POSITION_INPUT {
+                problems.push(scalar_input(name, node.origin.span, target.mesh));
+            }
+            continue;
+        }
+        let Some(reads) = last_dimension_read_as(&node.op) else { continue };
+        let Some(&x) = operands_of(graph, n).first() else { continue };
+        let operand = &graph[x].ty;
+        let batch_is_last = splits_batch && roles.get(x.index()) == Some(&data::DataRole::Batch(0));
+        let logits_alone = node.op == Op::CrossEntropy;
+        if operand.rank() == 1 && (batch_is_last || logits_alone) {
+            problems.push(one_dimension_read_twice(operand, (reads, node.origin.span), target.mesh));
+        }
+    }
+    if problems.is_empty() { Ok(()) } else { Err(problems) }
+}
+
+/// An input with no dimension, on a mesh that splits the batch.
+fn scalar_input(name: &str, span: Span, mesh: Mesh) -> Diagnostic {
+    Diagnostic::error(Code::E0602, format!("input `{name}` has no dimension for a {mesh} mesh to split as the batch"))
+        .primary(span, "a scalar")
+        .help("give it a batch dimension, e.g. `i32[batch]`, or compile for one device (--mesh 1x1)")
+}
+
+/// An operator reading as `reads` the only dimension of `operand`, which the mesh also splits as the
+/// batch (or, for logits, splits as the classes with nothing left for the rows).
+fn one_dimension_read_twice(operand: &crate::ir::TensorType, (reads, span): (&str, Span), mesh: Mesh) -> Diagnostic {
+    Diagnostic::error(
+        Code::E0602,
+        format!(
+            "on a {mesh} mesh, {} needs a batch dimension besides the {reads} this operator reads",
+            crate::elab::show_type(operand)
+        ),
+    )
+    .primary(span, format!("reads its only dimension as the {reads}"))
+    .help("give the model's inputs a leading batch dimension (`f32[batch, 8]`), or compile for one device (--mesh 1x1)")
+}
+
+/// What an operator reads its first operand's last dimension as, for those that read it as one thing
+/// across the whole dimension.
+fn last_dimension_read_as(op: &Op) -> Option<&'static str> {
+    match op {
+        Op::Linear { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => Some("features"),
+        Op::CrossEntropy | Op::Softmax => Some("classes"),
+        Op::PositionEmbedding | Op::PositionEmbeddingAt => Some("sequence"),
+        _ => None,
     }
 }
 
