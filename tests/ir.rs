@@ -98,3 +98,25 @@ fn overrides_change_the_model() {
     let full = check_example("gpt3", &[]).0.parameter_count();
     assert_eq!(full - model.parameter_count(), 94 * per_layer);
 }
+
+/// A factored dimension's factors multiply to its size, in every node of every example and of a fused
+/// attention whose qkv projection is factored otherwise than (3, heads, head) (whose result once kept
+/// the factors (2, 4) on a dimension of 16).
+#[test]
+fn factored_dimensions_multiply_to_their_size() {
+    let fused = "model m\ninput x: f32[2, 4, 16]\nlayer q = linear(16, [6, 2, 4])\nforward {\n  output y = self_attention(q(x), heads: 2)\n}\n";
+    let mut models: Vec<(String, Model)> = ["tiny", "gpt2", "gpt2_manual_attention", "llama", "tinyllama", "bert"]
+        .iter()
+        .map(|name| (name.to_string(), check_example(name, &[]).0))
+        .collect();
+    let checked = check_source(fused, &[]);
+    models.push(("fused (6, 2, 4)".to_string(), checked.model.expect("the fused model checks")));
+    for (name, model) in &models {
+        for node in model.graph.node_weights() {
+            for dim in node.ty.shape.iter().filter(|d| !d.factors.is_empty()) {
+                let product: u64 = dim.factors.iter().map(|f| f.size).product();
+                assert_eq!(product, dim.size, "{name}: {:?} of {:?}", dim, node.op);
+            }
+        }
+    }
+}

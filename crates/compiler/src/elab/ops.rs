@@ -641,8 +641,10 @@ impl Elab<'_> {
         }
         let mut shape = t0.shape.clone();
         if let (true, Some(last)) = (fused, shape.last_mut()) {
-            // (3, heads, head) becomes (heads, head): the heads factor survives for sharding.
-            let factors = if last.factors.len() == 3 { last.factors[1..].to_vec() } else { Vec::new() };
+            // (3, heads, head) becomes (heads, head): the heads factor survives for sharding. Another
+            // factoring (6, 2, 4) says nothing of the heads, and leaves none.
+            let qkv_heads_head = last.factors.len() == 3 && last.factors[0].size == 3;
+            let factors = if qkv_heads_head { last.factors[1..].to_vec() } else { Vec::new() };
             *last = Dim { size: model_width, label: None, factors };
         }
         Ok(TensorType { dtype: t0.dtype, shape })
