@@ -544,3 +544,23 @@ fn a_save_weights_folder_is_not_left_behind_by_a_refused_run() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(folder.join("model.safetensors").exists(), "the folder is made when the weights are saved");
 }
+
+/// Tokens drawn from the seed need the model's `vocab`: a model without one is a usage error before
+/// step 0 in `run` and `verify`, not a device's failure once the run has started.
+#[test]
+fn drawn_tokens_without_a_vocabulary_are_a_usage_error_before_step_0() {
+    let model = scratch("no-vocab.opt");
+    let text = "model m\nconfig {\n  batch = 4\n  seq = 4\n}\ninput tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\nlayer e = embedding(8, 16)\nlayer head = linear(16, 8)\nforward {\n  output loss = cross_entropy(head(e(tokens)), targets)\n}\n";
+    std::fs::write(&model, text).expect("written");
+    let model = model.to_str().expect("utf-8");
+    for command in [&["run", model, "--steps", "1"][..], &["verify", model, "--mesh", "1x2", "--strategy", "megatron"]]
+    {
+        let out = optimusc(command);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{command:?}: {err}");
+        assert!(
+            err.contains("tokens drawn from the seed") && err.contains("`vocab`") && !err.contains("step 0"),
+            "{err}"
+        );
+    }
+}

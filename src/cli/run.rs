@@ -527,7 +527,11 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
             eprintln_safe!("warning: {note}");
         }
     }
-    if !sources.drawn_from_seed() && args.checkpoint.resume.is_none() {
+    if sources.drawn_from_seed() {
+        // Drawn tokens need the model's vocabulary: a model without one is a usage error now, not a
+        // device's failure at step 0.
+        sources.batch(&plan, 0).map_err(|e| Failure::usage(format!("tokens drawn from the seed: {e}")))?;
+    } else if args.checkpoint.resume.is_none() {
         // The first batch read now, as --val-data's are: an id at or past the vocabulary is then a usage
         // error before step 0, not a device's failure once the run has started. (A resumed run reads
         // the batch it starts from, below, once its step is known.)

@@ -99,7 +99,10 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, Failure> {
     );
     let sources = open_sources(&files(args), args.inputs.objective, args.seed, "")?;
     sources.check(&sharded, "").map_err(|e| Failure::usage(e.to_string()))?;
-    if !sources.drawn_from_seed() {
+    if sources.drawn_from_seed() {
+        // Drawn tokens need the model's vocabulary: a usage error now, as in `run`.
+        sources.batch(&sharded, 0).map_err(|e| Failure::usage(format!("tokens drawn from the seed: {e}")))?;
+    } else {
         // Every batch the steps read, read now: a token past the vocabulary is a usage error, as in `run`.
         for step in 0..args.steps.max(1) {
             sources.batch(&sharded, step).map_err(|e| Failure::usage(format!("batch {step} of the data: {e}")))?;
