@@ -384,6 +384,51 @@ fn on_a_cpu_profile_a_pipelines_memory_is_its_stage_programs() {
     assert!(configs.iter().all(|c| c["peak_bytes_per_device"].as_u64() < Some(peak)), "{out}");
 }
 
+/// On a calibrated CPU profile every pipelined configuration the search scores is what `simulate
+/// --pipeline` gives its stage grid's plan: the same split (the pieces costed for every stage's devices
+/// on the shared engine, which depends on the depth), step and memory. The search once balanced the
+/// stages its own way and fitted a pipeline by stages `simulate` and `run` would cut otherwise.
+#[test]
+fn on_a_cpu_profile_every_pipeline_scores_what_simulate_gives() {
+    let hw = Hardware::parse(common::SHARED_CPU, "cpu").unwrap_or_else(|e| panic!("{e}"));
+    let text = tiny_text();
+    let overrides: Vec<_> =
+        ["layers=4", "vocab=4001"].iter().map(|s| s.parse().unwrap_or_else(|e| panic!("{e:?}"))).collect();
+    let source = Source { name: "tiny.opt", text: &text, overrides: &overrides };
+    let options = Options { auto_placement: true, ..Options::default() };
+    let request = Request {
+        source: &source,
+        devices: 4,
+        hardware: &hw,
+        capacity: u64::MAX,
+        mode: Mode::Train,
+        precisions: &[Precision::F32],
+        options,
+        max_pipeline: 2,
+    };
+    let mut seen = 0;
+    for config in planner::configurations(4, 8, Mode::Train, &[Precision::F32], (4, 2)) {
+        let p = config.parallelism;
+        if p.pipeline < 2 {
+            continue;
+        }
+        let Ok(scored) = planner::evaluate(&request, &config) else { continue };
+        let plan = planner::compile_candidate(&source, &config, Mode::Train).unwrap_or_else(|e| panic!("{e}"));
+        let pipeline = optimus::cost::staged::Pipeline {
+            stages: p.pipeline,
+            schedule: p.schedule(),
+            micro_batches: config.accumulation,
+        };
+        let simulated = optimus::cost::staged::simulate_pipeline(&plan, &hw, &options, pipeline)
+            .unwrap_or_else(|e| panic!("{}: {e}", config.label()));
+        assert_eq!(scored.peak_bytes_per_device, simulated.peak_bytes_per_device, "{}", config.label());
+        let close = (scored.step_time_s - simulated.step_time_s).abs() <= 1e-9 * simulated.step_time_s;
+        assert!(close, "{}: {} against {}", config.label(), scored.step_time_s, simulated.step_time_s);
+        seen += 1;
+    }
+    assert!(seen >= 4, "only {seen} pipelined configurations scored");
+}
+
 /// The ranking table keeps its columns whatever their width: a data-parallel degree of 16384 lines up
 /// under its header (the table once gave that column a fixed width of 4).
 #[test]

@@ -345,8 +345,10 @@ struct Compiled {
     pipeline: Option<PipelineSimulation>,
 }
 
-/// The plan of one stage's grid cut into pieces, with what the search keeps of it: the plan itself
-/// only where the stages' memory is their programs' ([`staged::stages_hold_host_copies`]).
+/// The plan of one stage's grid cut into pieces, with what the search keeps of it: the plan itself on
+/// a calibrated profile, whose pipelines are simulated from it as `simulate --pipeline` does (their
+/// pieces are costed for every stage's devices on the shared engine, so the balance depends on the
+/// depth, and their stages' memory is their programs').
 struct StagePlan {
     summary: Compiled,
     pieces: Pieces,
@@ -355,9 +357,16 @@ struct StagePlan {
 }
 
 /// A pipelined configuration from the plan of its stage's grid.
-fn pipelined(stage: &StagePlan, hw: &Hardware, pipeline: Pipeline) -> Result<Compiled, SearchError> {
-    let sim = staged::pipeline_of_pieces(hw, (&stage.pieces, stage.plan.as_ref()), stage.unpipelined.clone(), pipeline)
-        .map_err(|e| SearchError::Pipeline(e.to_string()))?;
+fn pipelined(
+    stage: &StagePlan,
+    (hw, options): (&Hardware, &Options),
+    pipeline: Pipeline,
+) -> Result<Compiled, SearchError> {
+    let sim = match &stage.plan {
+        Some(plan) => staged::simulate_pipeline(plan, hw, options, pipeline),
+        None => staged::pipeline_of_pieces(hw, (&stage.pieces, None), stage.unpipelined.clone(), pipeline),
+    }
+    .map_err(|e| SearchError::Pipeline(e.to_string()))?;
     let held = sim.per_stage.iter().map(|s| s.held_bytes).max().unwrap_or(0);
     Ok(Compiled {
         peak_bytes: sim.peak_bytes_per_device,
@@ -376,7 +385,7 @@ fn stage_plan(request: &Request, config: &Config) -> Result<StagePlan, SearchErr
     let (unpipelined, costs) = simulate_costed(&plan, request.hardware, &request.options);
     let pieces = staged::pieces(&plan, request.hardware, &costs);
     let summary = summarise(&plan, request.hardware, (config.micro_batch, pieces.optimizer_s));
-    let plan = staged::stages_hold_host_copies(request.hardware).then_some(plan);
+    let plan = request.hardware.measured.is_some().then_some(plan);
     Ok(StagePlan { summary, pieces, unpipelined, plan })
 }
 
@@ -655,7 +664,7 @@ pub fn configurations(
 pub fn evaluate(request: &Request, config: &Config) -> Result<Scored, SearchError> {
     if let Some(pipeline) = config.pipeline() {
         let stage = stage_plan(request, config)?;
-        let compiled = pipelined(&stage, request.hardware, pipeline)?;
+        let compiled = pipelined(&stage, (request.hardware, &request.options), pipeline)?;
         if compiled.peak_bytes > request.capacity {
             return Err(SearchError::TooLarge { needs: compiled.peak_bytes, capacity: request.capacity });
         }
@@ -756,7 +765,9 @@ impl<'a> Search<'a> {
         }
         let request = self.request;
         let result = match config.pipeline() {
-            Some(pipeline) => self.stage(config).and_then(|stage| pipelined(&stage, request.hardware, pipeline)),
+            Some(pipeline) => {
+                self.stage(config).and_then(|stage| pipelined(&stage, (request.hardware, &request.options), pipeline))
+            }
             None => {
                 self.counts.compiled += 1;
                 let result = compile_candidate(request.source, config, request.mode).map(|plan| {
