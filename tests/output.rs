@@ -456,3 +456,22 @@ fn a_plan_on_standard_output_ends_quietly_when_the_reader_stops() {
     assert!(out.status.success() && !stderr.contains("error"), "{stderr}");
     assert!(first.starts_with(b"{\"format_version"), "{first:?}");
 }
+
+/// A path that ends in `/` names a folder even where none exists yet: refused before any work, not
+/// after it, when the write fails.
+#[test]
+fn a_missing_folder_named_with_a_slash_is_refused_before_any_work() {
+    let dir = scratch();
+    let folder = format!("{}/", dir.path().join("not-yet").display());
+    let error = check_writable(Path::new(&folder)).expect_err("a folder is no file").to_string();
+    assert!(error.contains("names a directory"), "{error}");
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .arg("compile")
+        .arg(tiny())
+        .args(["-o", &folder])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && stderr.contains("-o: cannot write"), "{stderr}");
+    assert!(!dir.path().join("not-yet").exists());
+}

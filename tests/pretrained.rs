@@ -313,4 +313,8 @@ fn an_export_folder_is_the_save_weights_folder_and_replaces_an_earlier_save() {
     let (ok, text) = optimusc(&["export", &broken.display().to_string(), "-o", &path(&nested.join("a/b"))]);
     assert!(!ok && text.contains("bytes"), "{text}");
     assert!(!nested.exists(), "export left {} behind", nested.display());
+    // Through a `..`: both folders the path made are removed.
+    let (ok, text) = optimusc(&["export", &broken.display().to_string(), "-o", &path(&dir.join("zz/../yy"))]);
+    assert!(!ok, "{text}");
+    assert!(!dir.join("zz").exists() && !dir.join("yy").exists(), "export left a folder behind");
 }

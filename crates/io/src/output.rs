@@ -281,7 +281,9 @@ fn names_descriptor(path: &Path) -> bool {
 
 /// A path that does not exist yet: its directory must.
 fn new_file(path: &Path) -> Result<Destination, OutputError> {
-    if path.file_name().is_none() {
+    // `newdir/` names a folder, even one that does not exist yet: writing it would fail at the end.
+    let names_a_folder = path.as_os_str().as_encoded_bytes().ends_with(b"/");
+    if path.file_name().is_none() || names_a_folder {
         return Err(OutputError::new(path, "it names a directory, not a file"));
     }
     let dir = directory_of(path);

@@ -308,9 +308,10 @@ pub fn remove_made_folders(made: &[PathBuf]) {
 /// Makes `dir` (and its missing ancestors) and checks that each of `names` can be written into it;
 /// returns the folders it made, deepest first, having removed them again if the check failed.
 fn checked_folder(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, SaveError> {
+    // `a/../b` makes `a` and `b`: an ancestor ending in `..` (or `.`) is no folder of its own.
     let made: Vec<PathBuf> = dir
         .ancestors()
-        .filter(|p| !p.as_os_str().is_empty())
+        .filter(|p| !p.as_os_str().is_empty() && p.file_name().is_some())
         .take_while(|p| !p.exists())
         .map(Path::to_path_buf)
         .collect();
