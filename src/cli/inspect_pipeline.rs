@@ -3,7 +3,6 @@
 //! schedule drawn over a step simulated on the profile that balanced the stages.
 
 use super::pipeline::RunPipelineArgs;
-use optimus::cost::Options;
 use optimus::cost::staged::{Pipeline, PipelineSimulation, simulate_pipeline_split};
 use optimus::plan::Plan;
 use optimus::plan::pipeline::{Pass, Schedule};
@@ -48,7 +47,7 @@ pub fn view(plan: &Plan, args: &InspectPipelineArgs) -> Result<PipelineView, Str
     let (program, schedule) = args.pipeline.program(plan, m, &hw)?;
     let memory = program.memory_plan(schedule, m).map_err(|e| e.to_string())?;
     let pipeline = Pipeline { stages: program.stages.len() as u64, schedule, micro_batches: m };
-    let options = Options::default();
+    let options = super::pipeline::balancing_options();
     let simulated =
         simulate_pipeline_split(plan, &hw, &options, pipeline, Some(&program.pieces)).map_err(|e| e.to_string())?;
     let views = program

@@ -310,6 +310,12 @@ nic_bandwidth_gb_s = 10.0
 latency_us = 50.0
 "#;
 
+/// The simulation options stages are balanced with: `simulate`'s defaults (each placement tried where
+/// a stage's grid spans nodes), as `simulate --pipeline` and `plan --max-pipeline` cut them.
+pub fn balancing_options() -> optimus::cost::Options {
+    optimus::cost::Options { auto_placement: true, ..optimus::cost::Options::default() }
+}
+
 impl RunPipelineArgs {
     /// Whether the run is a pipeline (of any number of stages).
     pub fn requested(&self) -> bool {
@@ -348,7 +354,7 @@ impl RunPipelineArgs {
         let split = match self.split(layers, stages * chunks)? {
             Some(given) => given,
             None => {
-                let options = optimus::cost::Options::default();
+                let options = balancing_options();
                 optimus::cost::staged::balanced_split(plan, hw, &options, (stages, chunks))
                     .map_err(|e| e.to_string())?
             }
