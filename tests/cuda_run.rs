@@ -184,3 +184,33 @@ fn a_gpu_profile_times_kernels_on_the_gpu_and_trains_as_an_unprofiled_run() {
     assert!(compute > 0.0 && compute < wall, "{what}: compute {compute} ms against wall {wall} ms");
     eprintln!("{what}: losses equal, {} kernel kinds, {compute:.2} ms of GPU time in {wall:.2} ms", rows.len());
 }
+
+/// A driver library that loads but lacks the functions the backend calls (a stub, an old or a broken
+/// driver: here the C maths library under CUDA's names) is an error saying so, exit 1, with no panic
+/// (cudarc panics on a missing symbol) and nothing written. Runs on any machine: the stub is made here.
+#[test]
+fn a_driver_that_lacks_its_functions_is_a_clear_error_not_a_panic() {
+    let libm = ["/usr/lib/x86_64-linux-gnu/libm.so.6", "/lib/x86_64-linux-gnu/libm.so.6"]
+        .into_iter()
+        .map(std::path::Path::new)
+        .find(|p| p.is_file());
+    let Some(libm) = libm else {
+        eprintln!("skipped: no libm.so.6 to stand in for the CUDA libraries");
+        return;
+    };
+    let stubs = tempfile::tempdir().expect("a temporary directory");
+    for name in ["libcuda.so", "libcuda.so.1", "libnvrtc.so", "libcublas.so", "libcublasLt.so", "libnccl.so"] {
+        std::fs::copy(libm, stubs.path().join(name)).expect("copied");
+    }
+    let log = stubs.path().join("log.jsonl");
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(["run", "examples/tiny.opt", "--steps", "1", "--backend", "cuda", "--log"])
+        .arg(&log)
+        .env("LD_LIBRARY_PATH", stubs.path())
+        .output()
+        .expect("optimusc runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("an old or broken driver") && !stderr.contains("panicked"), "{stderr}");
+    assert!(!log.exists(), "nothing is written");
+}

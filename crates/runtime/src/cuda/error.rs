@@ -39,6 +39,9 @@ pub enum DeviceError {
     Unavailable(&'static str),
     /// The CUDA driver is installed, but the machine has no GPU.
     NoGpu,
+    /// The driver supports an older CUDA than the backend needs (`version` as `cuDriverGetVersion` gives
+    /// it: 12060 for 12.6).
+    OldDriver { version: i32 },
     /// A mesh with more devices than the machine has GPUs, for NCCL (one GPU per device).
     TooFewGpus { mesh: Mesh, gpus: u64 },
     /// A stream of another context than the one the kernels load into.
@@ -77,6 +80,13 @@ impl std::fmt::Display for DeviceError {
             DeviceError::NulInSource => f.write_str("kernels.cu holds a NUL byte"),
             DeviceError::NoMachineCode(sm) => write!(f, "NVRTC gave no machine code for sm_{sm}"),
             DeviceError::Unavailable(message) | DeviceError::Poisoned(message) => f.write_str(message),
+            DeviceError::OldDriver { version } => write!(
+                f,
+                "--backend cuda needs a driver for CUDA 12.6 or later, and this machine's supports CUDA {}.{}: \
+                 update the NVIDIA driver, or use --backend cpu",
+                version / 1000,
+                version % 1000 / 10
+            ),
             DeviceError::NoGpu => {
                 f.write_str("the CUDA driver is installed but this machine has no GPU; use --backend cpu")
             }

@@ -60,11 +60,44 @@ pub fn probe() -> Result<usize, DeviceError> {
              toolkit or the nvidia-cublas wheel, or put it on LD_LIBRARY_PATH",
         ));
     }
-    let count = CudaContext::device_count().map_err(driver("the CUDA driver reports no usable GPU"))?;
-    if count < 1 {
-        return Err(DeviceError::NoGpu);
+    let (status, version) = driver_calls(|| {
+        let mut version = 0;
+        // SAFETY: the call writes one int; it needs no context and no cuInit.
+        let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+        (status, version)
+    })?;
+    if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(DeviceError::Unavailable(BROKEN_DRIVER));
     }
-    Ok(count as usize)
+    if version < MIN_DRIVER_VERSION {
+        return Err(DeviceError::OldDriver { version });
+    }
+    match driver_calls(CudaContext::device_count)? {
+        Ok(count) if count >= 1 => Ok(count as usize),
+        Ok(_) => Err(DeviceError::NoGpu),
+        Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => Err(DeviceError::NoGpu),
+        Err(e) => Err(driver("the CUDA driver reports no usable GPU")(e)),
+    }
+}
+
+/// The oldest driver the backend runs on, as `cuDriverGetVersion` gives it: CUDA 12.6.
+const MIN_DRIVER_VERSION: i32 = 12060;
+
+/// Why a driver library that loads cannot be used: it lacks a function the backend calls, or fails the
+/// first call.
+const BROKEN_DRIVER: &str = "--backend cuda needs a CUDA driver for CUDA 12.6 or later, and this machine's libcuda.so \
+                             lacks functions the backend calls or fails them (an old or broken driver): install \
+                             the NVIDIA driver, or use --backend cpu";
+
+/// Runs `calls` into the CUDA driver through cudarc, which panics where the library lacks a function
+/// (a stub, an old or a broken driver): that is a driver this machine cannot use, not a crash. The
+/// panic's report is silenced while the calls run (a probe runs once, before any device thread).
+fn driver_calls<T>(calls: impl FnOnce() -> T + std::panic::UnwindSafe) -> Result<T, DeviceError> {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(calls);
+    std::panic::set_hook(report);
+    result.map_err(|_| DeviceError::Unavailable(BROKEN_DRIVER))
 }
 
 /// The name of GPU `ordinal` and its memory in bytes (call [`probe`] first).
