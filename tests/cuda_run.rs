@@ -214,3 +214,22 @@ fn a_driver_that_lacks_its_functions_is_a_clear_error_not_a_panic() {
     assert!(stderr.contains("an old or broken driver") && !stderr.contains("panicked"), "{stderr}");
     assert!(!log.exists(), "nothing is written");
 }
+
+/// Without a GPU, `generate --backend cuda` says so before it compiles the model or reads its weights
+/// (it read a whole weights file first, and a missing one was reported instead).
+#[test]
+fn generate_checks_the_gpu_before_reading_weights() {
+    // SAFETY: only probes whether the driver library loads.
+    if unsafe { cudarc::driver::sys::is_culib_present() }
+        && cudarc::driver::CudaContext::device_count().unwrap_or(0) > 0
+    {
+        eprintln!("skipped (a GPU is present): generate_checks_the_gpu_before_reading_weights");
+        return;
+    }
+    let missing = "/nonexistent/weights.safetensors";
+    let out =
+        optimusc(&["generate", "examples/tiny.opt", "--backend", "cuda", "--prompt-ids", "1,2", "--weights", missing]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--backend cuda") && !stderr.contains(missing), "{stderr}");
+}

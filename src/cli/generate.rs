@@ -263,6 +263,8 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         return Err(Failure::usage("--max-new-tokens 0 generates nothing".into()));
     }
     let sampling = Sampling::of(args)?;
+    // Before the model compiles and its weights load: a backend this machine lacks fails first.
+    args.backend.kind().check_available()?;
     let tokenizer = match (&args.tokenizer, args.prompts.is_empty()) {
         (Some(name), _) => Some(Tokenizer::load(name).map_err(|e| Failure::usage(e.to_string()))?),
         (None, false) => Some(Tokenizer::gpt2().map_err(|e| e.to_string())?),
@@ -319,7 +321,6 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
         final_state: false,
         ..RunConfig::new(args.seed, steps, no_optimizer())
     };
-    args.backend.kind().check_available()?;
     ALL_ENDED.store(false, Ordering::Relaxed);
     let started = Instant::now();
     let batches = |step: u64| generation.inputs(&programs, step, config.timeout);
