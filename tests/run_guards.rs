@@ -564,3 +564,19 @@ fn drawn_tokens_without_a_vocabulary_are_a_usage_error_before_step_0() {
         );
     }
 }
+
+/// A fault rehearsal that could never fire (a device past the mesh) or that cannot be read is a usage
+/// error, not a run that passes for the wrong reason.
+#[test]
+fn an_injected_fault_past_the_mesh_or_malformed_is_a_usage_error() {
+    for (value, message) in [("error:9:0", "names device 9, and the 2x2 mesh has 4"), ("bogus", "not KIND:DEVICE:STEP")]
+    {
+        let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+            .args(["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "1"])
+            .env("OPTIMUS_INJECT_FAULT", value)
+            .output()
+            .expect("optimusc runs");
+        let err = stderr(&out);
+        assert!(out.status.code() == Some(2) && err.contains(message), "{value}: {err}");
+    }
+}

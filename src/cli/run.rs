@@ -556,7 +556,7 @@ fn prepare(args: &RunArgs) -> Result<Prepared, Failure> {
         steps: args.steps,
         optimizer: args.optimizer.settings(),
         timeout: Duration::from_secs_f64(args.timeout),
-        fault: optimus::runtime::fault::from_env().map_err(|e| e.to_string())?,
+        fault: injected_fault(&plan)?,
         backend: args.backend.kind(),
         profile: args.profile,
         profile_warm_up: 1,
@@ -729,6 +729,21 @@ impl EpochNotes {
 }
 
 pub(super) use optimus::plan::text::duration_text;
+
+/// `OPTIMUS_INJECT_FAULT`, checked: a malformed value, or a device past the mesh (a fault that would
+/// never fire, and a rehearsal that would pass for the wrong reason), is a usage error.
+fn injected_fault(plan: &Plan) -> Result<Option<optimus::runtime::fault::Fault>, Failure> {
+    let fault =
+        optimus::runtime::fault::from_env().map_err(|e| Failure::usage(format!("OPTIMUS_INJECT_FAULT: {e}")))?;
+    let devices = plan.mesh.devices();
+    if let Some(f) = fault.filter(|f| f.device >= devices) {
+        return Err(Failure::usage(format!(
+            "OPTIMUS_INJECT_FAULT names device {}, and the {} mesh has {devices} (numbered from 0, row-major)",
+            f.device, plan.mesh
+        )));
+    }
+    Ok(fault)
+}
 
 /// Makes the first Ctrl-C or SIGTERM of a training run finish the current step (and write a checkpoint)
 /// rather than kill it; a second one stops at once.
