@@ -266,6 +266,31 @@ fn a_rank_that_errs_ends_the_job_naming_it() {
     fails_fast("error", 3, &["rank 3: device (1, 1) failed: injected error at step 1"]);
 }
 
+/// When a rank fails, mpirun sends the others SIGTERM: the first signal's note (a training run's
+/// "finishing the current step") comes from rank 0 at most, not once per rank.
+#[test]
+fn the_ranks_that_mpirun_stops_say_so_once_at_most() {
+    let dir = std::env::temp_dir().join(format!("optimus-mpi-interrupt-{}", std::process::id()));
+    let checkpoints = dir.to_string_lossy().into_owned();
+    let args = [
+        "run",
+        "examples/tiny.opt",
+        "--mesh",
+        "2x2",
+        "--steps",
+        "4",
+        "--timeout",
+        "3",
+        "--checkpoint-dir",
+        &checkpoints,
+    ];
+    let (out, _) = mpirun(4, &args, &[("OPTIMUS_INJECT_FAULT", "error:2:1")]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("rank 2"), "{stderr}");
+    assert!(stderr.matches("interrupt: finishing the current step").count() <= 1, "{stderr}");
+}
+
 #[test]
 fn a_rank_that_panics_ends_the_job_naming_it() {
     fails_fast("panic", 2, &["rank 2 (device (1, 0)) panicked", "injected panic"]);

@@ -752,9 +752,18 @@ pub(super) fn stop_gracefully(job: &Prepared) {
         return;
     }
     let then = if job.config.checkpoints.is_some() { ", writing a checkpoint," } else { "" };
-    optimus::io::output::graceful_stop(&format!(
-        "interrupt: finishing the current step{then} then stopping (interrupt again to stop at once)"
-    ));
+    // Under a launcher every rank gets the signal (mpirun forwards it, or sends it when another rank
+    // failed): rank 0 says what happens, once.
+    let leader = optimus::runtime::launch::detect().is_none_or(|launch| launch.rank == 0);
+    let message = if leader {
+        format!(
+            "interrupt: finishing the current step{then} then stopping, once every device has finished it \
+             (interrupt again to stop at once)"
+        )
+    } else {
+        String::new()
+    };
+    optimus::io::output::graceful_stop(&message);
 }
 
 /// The `--log` file opened for appending, on the one process that reports.

@@ -212,7 +212,9 @@ pub fn install_interrupt_cleanup() {
             let first = SIGNALS.fetch_add(1, Ordering::SeqCst) == 0;
             let graceful = GRACEFUL.lock().unwrap_or_else(PoisonError::into_inner).clone();
             if let (true, Some(message)) = (first, graceful) {
-                let _ = writeln!(io::stderr(), "{message}");
+                if !message.is_empty() {
+                    let _ = writeln!(io::stderr(), "{message}");
+                }
                 return;
             }
             remove_in_progress_temp_files();
@@ -222,8 +224,9 @@ pub fn install_interrupt_cleanup() {
     });
 }
 
-/// From now on, the first SIGINT/SIGTERM/SIGHUP prints `message` and is only recorded, for a loop that
-/// polls [`stop_requested`] to finish its work and exit; a second one exits at once, as before.
+/// From now on, the first SIGINT/SIGTERM/SIGHUP prints `message` (nothing if it is empty) and is only
+/// recorded, for a loop that polls [`stop_requested`] to finish its work and exit; a second one exits at
+/// once, as before.
 pub fn graceful_stop(message: &str) {
     install_interrupt_cleanup();
     *GRACEFUL.lock().unwrap_or_else(PoisonError::into_inner) = Some(message.to_string());
