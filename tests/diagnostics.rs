@@ -4,6 +4,8 @@
 //! renumbered error) fails even when the snapshots are updated blindly. The source of each case is stored
 //! as the snapshot's description, next to its rendering.
 
+mod common;
+
 use optimus::diag::{Diagnostic, render_plain};
 use optimus::elab::Override;
 use optimus::front::{check_source, decode};
@@ -654,21 +656,7 @@ fn deep_blocks() -> String {
 
 golden!(blocks_nested_too_deep, &deep_blocks(), ["E0402"]);
 
-/// Blocks B0..B9, each calling its layer (an instance of the next block) 8 times nested, and a B10 that returns its
-/// input: 8^10 runs of B10's forward, none making an operator, so only the evaluation limit stops them.
-fn forwards_multiplying_calls() -> String {
-    let mut src = String::from("model m\ninput x: f32[4]\n");
-    for i in 0..10 {
-        src.push_str(&format!(
-            "block B{i} {{ layer a = B{}() forward(x) {{ return a(a(a(a(a(a(a(a(x)))))))) }} }}\n",
-            i + 1
-        ));
-    }
-    src.push_str("block B10 { forward(x) { return x } }\nlayer top = B0()\nforward { output y = top(x) }\n");
-    src
-}
-
-golden!(forwards_multiplying_calls_past_the_evaluation_limit, &forwards_multiplying_calls(), ["E0402"]);
+golden!(forwards_multiplying_calls_past_the_evaluation_limit, &common::forwards_multiplying_calls(), ["E0402"]);
 
 /// A reshape to 65 dimensions and an input of 65: past the 64 a tensor may have (a shape of millions once
 /// took 40 s and gigabytes to print its type back).

@@ -2,6 +2,8 @@
 //! behind them, never as an internal error), repeats too large to build, floods of diagnostics (fast, and
 //! printed only in part), and NaN weights given to `run`.
 
+mod common;
+
 use optimus::diag::{Diagnostic, MAX_SHOWN_DIAGNOSTICS, render_capped_to};
 use optimus::elab::Override;
 use optimus::front::check_source;
@@ -116,25 +118,11 @@ fn a_repeat_too_large_to_build_is_refused_after_one_copy() {
     assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
 }
 
-/// Blocks B0..B9, each calling its layer (an instance of the next block) 8 times nested, and a B10 that returns its
-/// input: 8^10 runs of B10's forward, and no operator made, so neither the instance nor the graph limit is reached.
-fn nested_calls_model() -> String {
-    let mut src = String::from("model m\ninput x: f32[4]\n");
-    for i in 0..10 {
-        src.push_str(&format!(
-            "block B{i} {{ layer a = B{}() forward(x) {{ return a(a(a(a(a(a(a(a(x)))))))) }} }}\n",
-            i + 1
-        ));
-    }
-    src.push_str("block B10 { forward(x) { return x } }\nlayer top = B0()\nforward { output y = top(x) }\n");
-    src
-}
-
 #[test]
 fn forwards_whose_calls_multiply_stop_at_the_evaluation_limit_in_check_and_compile() {
     let dir = scratch("nested_calls");
     let path = dir.join("nested.opt");
-    std::fs::write(&path, nested_calls_model()).expect("writes");
+    std::fs::write(&path, common::forwards_multiplying_calls()).expect("writes");
     let path = path.to_string_lossy();
     for command in [vec!["check", &path], vec!["compile", &path, "--mesh", "1x1", "--mode", "infer", "-o", "-"]] {
         let start = Instant::now();

@@ -2,6 +2,9 @@
 //! directory, an index or a single file to the same losses, and an index that disagrees with its files is an
 //! error naming the difference.
 
+mod common;
+
+use common::file_names;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -239,15 +242,6 @@ fn a_saved_folder_gets_the_tokenizer_named_and_a_tokenizer_the_model_cannot_hold
     let file = dir.join("w.safetensors").display().to_string();
     let (ok, text) = optimusc(&[&args[..], &["--save-weights", &file, "--tokenizer", "gpt2"]].concat());
     assert!(!ok && text.contains("give a folder"), "{text}");
-}
-
-/// The names of the files in `dir`, sorted.
-fn file_names(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .map(|entries| entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-        .unwrap_or_default();
-    names.sort();
-    names
 }
 
 /// `export CHECKPOINT -o DIR/ --tokenizer gpt2` makes the folder `run --save-weights DIR/ --tokenizer

@@ -1,6 +1,9 @@
 //! `optimusc run` and `verify` refuse what would train on nonsense or do nothing silently: numbers out
 //! of range, compile flags that disagree with a plan, a non-finite loss, and a device thread that hangs.
 
+mod common;
+
+use common::file_names;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -437,15 +440,6 @@ fn saving_weights_again_into_a_folder_leaves_no_stale_shard() {
     assert_eq!(names(&dir), ["model.safetensors", "notes.txt"], "only the new set, and files that are not weights");
 }
 
-/// The file names in a folder, sorted (none when it does not exist).
-fn names_in(dir: &std::path::Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .map(|entries| entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-        .unwrap_or_default();
-    names.sort();
-    names
-}
-
 /// Outputs of several files are all checked before any is written: one that cannot be (its name taken
 /// by a folder) fails the command with nothing of the others left behind.
 #[test]
@@ -487,7 +481,7 @@ fn an_output_of_several_files_is_written_whole_or_not_at_all() {
         assert_eq!(out.status.code(), Some(2), "{taken}: {}", stderr(&out));
         assert!(stderr(&out).contains("--save-weights") && stderr(&out).contains(taken), "{}", stderr(&out));
         assert!(!String::from_utf8_lossy(&out.stdout).contains("step 0"), "{taken}: no step ran");
-        assert_eq!(names_in(&dir), [taken], "{taken}: nothing written");
+        assert_eq!(file_names(&dir), [taken], "{taken}: nothing written");
     }
 
     // export -o DIR/ --tokenizer: the tokenizer config's name is a folder (the model's vocabulary holds
@@ -514,7 +508,7 @@ fn an_output_of_several_files_is_written_whole_or_not_at_all() {
     let out = optimusc(&["export", step.to_str().expect("utf-8"), "-o", &target, "--tokenizer", "gpt2"]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("tokenizer_config.json"), "{}", stderr(&out));
-    assert_eq!(names_in(&exported), ["tokenizer_config.json"], "nothing exported");
+    assert_eq!(file_names(&exported), ["tokenizer_config.json"], "nothing exported");
 }
 
 #[test]

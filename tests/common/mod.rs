@@ -175,3 +175,27 @@ launch_us = 5.0
 gb_s = 12.0
 gflop_s = 80.0
 "#;
+
+/// The names of the files in `dir`, sorted (none when it does not exist).
+pub fn file_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Blocks B0..B9, each calling its layer (an instance of the next block) 8 times nested, and a B10 that
+/// returns its input: 8^10 runs of B10's forward, none making an operator, so neither the instance nor
+/// the graph limit stops them; only the evaluation limit does.
+pub fn forwards_multiplying_calls() -> String {
+    let mut src = String::from("model m\ninput x: f32[4]\n");
+    for i in 0..10 {
+        src.push_str(&format!(
+            "block B{i} {{ layer a = B{}() forward(x) {{ return a(a(a(a(a(a(a(a(x)))))))) }} }}\n",
+            i + 1
+        ));
+    }
+    src.push_str("block B10 { forward(x) { return x } }\nlayer top = B0()\nforward { output y = top(x) }\n");
+    src
+}
