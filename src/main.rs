@@ -185,7 +185,10 @@ const STACK_BYTES: usize = 256 * 1024 * 1024;
 
 fn main() -> ExitCode {
     optimus::runtime::startup::mark("process started");
-    if let Err(message) = apply_cpu_isa_and_openblas_core().and_then(|()| check_kernel_threads()) {
+    let checked = apply_cpu_isa_and_openblas_core()
+        .and_then(|()| check_kernel_threads())
+        .and_then(|()| check_cpu_run_variables());
+    if let Err(message) = checked {
         eprintln_safe!("error: {message}");
         return ExitCode::from(2);
     }
@@ -266,6 +269,29 @@ fn check_kernel_threads() -> Result<(), String> {
         }
         _ => Ok(()),
     }
+}
+
+/// A CPU runtime switch: its variable, the values it takes, and how the runtime reads a value.
+type CpuSwitch = (&'static str, &'static [&'static str], fn(&str) -> String);
+
+/// The CPU runtime's switches take the values docs/clusters.md lists: a misspelt one (which the runtime
+/// would read as unset) is a usage error, as a bad `OPTIMUS_CPU_ISA` is. An empty one is unset.
+fn check_cpu_run_variables() -> Result<(), String> {
+    // Read as the runtime reads them: the kernels' switch exactly, pinning's trimmed and in any case.
+    let switches: [CpuSwitch; 2] = [
+        ("OPTIMUS_DEVICE_KERNELS", &["pool", "inline"], |v| v.to_string()),
+        ("OPTIMUS_PIN_DEVICES", &["off", "0", "false", "no", "on", "1", "true", "yes"], |v| {
+            v.trim().to_ascii_lowercase()
+        }),
+    ];
+    for (variable, values, as_read) in switches {
+        let Some(value) = std::env::var_os(variable) else { continue };
+        let text = as_read(&value.to_string_lossy());
+        if !text.is_empty() && !values.contains(&text.as_str()) {
+            return Err(format!("{variable}={value:?}: expected {}", values.join(", ")));
+        }
+    }
+    Ok(())
 }
 
 /// `OPTIMUS_CPU_ISA` narrows the instructions of the CPU kernels and of the measured peak (to measure

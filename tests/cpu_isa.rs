@@ -26,6 +26,34 @@ fn a_value_that_names_no_instruction_set_is_a_usage_error() {
     assert!(stderr.contains("OPTIMUS_CPU_ISA=\"sse9\": expected avx512, avx2 or baseline"), "{stderr}");
 }
 
+/// The CPU runtime's other switches take the values docs/clusters.md lists; a misspelt one, which the
+/// runtime would read as unset, is a usage error too (an empty one is unset).
+#[test]
+fn a_cpu_switch_the_runtime_would_not_read_is_a_usage_error() {
+    let check = |variable: &str, value: &str| {
+        Command::new(env!("CARGO_BIN_EXE_optimusc"))
+            .args(["check", "examples/tiny.opt"])
+            .env(variable, value)
+            .output()
+            .expect("optimusc runs")
+    };
+    for (variable, value) in
+        [("OPTIMUS_DEVICE_KERNELS", "Pool"), ("OPTIMUS_DEVICE_KERNELS", "bogus"), ("OPTIMUS_PIN_DEVICES", "maybe")]
+    {
+        let out = check(variable, value);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.code() == Some(2) && stderr.contains(&format!("{variable}=\"{value}\": expected")),
+            "{stderr}"
+        );
+    }
+    for (variable, value) in
+        [("OPTIMUS_DEVICE_KERNELS", "inline"), ("OPTIMUS_DEVICE_KERNELS", ""), ("OPTIMUS_PIN_DEVICES", " Off")]
+    {
+        assert!(check(variable, value).status.success(), "{variable}={value:?}");
+    }
+}
+
 #[test]
 fn the_profile_measures_the_peak_in_the_capped_set() {
     let out = run_with_isa(Some("baseline"), &["run", "examples/tiny.opt", "--steps", "2", "--profile"]);
