@@ -245,6 +245,12 @@ fn a_job_whose_size_is_not_the_mesh_says_so_once() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let message = "4 devices but the job has 3 processes";
     assert_eq!(stderr.matches(message).count(), 1, "{stderr}");
+    // Checked before the model compiles: tiny does not compile on 3x3 (E0602), and the job's size is
+    // what is wrong first.
+    let (out, _) = mpirun(3, &["run", "examples/tiny.opt", "--mesh", "3x3", "--steps", "1"], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("9 devices but the job has 3 processes"), "{stderr}");
+    assert!(!stderr.contains("E0602"), "{stderr}");
 }
 
 /// Runs a 2x2 job with a fault injected on device `device` at step 1 and checks that the job fails

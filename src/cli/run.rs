@@ -935,25 +935,36 @@ mod multi_process {
     /// [`prepare`], a plan whose mesh has one device per process (of every stage, with --pipeline), and
     /// the stage programs --pipeline asks for.
     fn prepare_ranks(args: &RunArgs, mpi: &MpiJob) -> Result<(Prepared, Option<Cut>), Failure> {
+        // A model compiled on the fly has the flags' mesh: a job of the wrong size is refused before the
+        // compile, the data and the weights.
+        let is_plan = args.input.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+        if !is_plan {
+            let stages = args.pipeline.stages_and_schedule().map_or(1, |(stages, _)| stages);
+            check_job_size(args.target.mesh(), stages, mpi.size())?;
+        }
         let job = prepare(args)?;
         let cut = if args.pipeline.requested() {
             Some(super::super::pipeline_run::program_of(args, &job.plan)?)
         } else {
             None
         };
-        let devices = job.plan.mesh.devices();
         let stages = cut.as_ref().map_or(1, |(program, _)| program.stages.len() as u64);
-        if devices * stages != mpi.size() {
-            let per_stage = if stages > 1 { format!(" in each of {stages} stages") } else { String::new() };
-            return Err(Failure::from(format!(
-                "the plan's {} mesh has {devices} devices{per_stage} but the job has {} processes; start one process \
-                 per device (-np {})",
-                job.plan.mesh,
-                mpi.size(),
-                devices * stages
-            )));
-        }
+        check_job_size(job.plan.mesh, stages, mpi.size())?;
         Ok((job, cut))
+    }
+
+    /// One process per device of every stage, or an error saying how many to start.
+    fn check_job_size(mesh: optimus::plan::Mesh, stages: u64, processes: u64) -> Result<(), Failure> {
+        let devices = mesh.devices();
+        if devices * stages == processes {
+            return Ok(());
+        }
+        let per_stage = if stages > 1 { format!(" in each of {stages} stages") } else { String::new() };
+        Err(Failure::from(format!(
+            "the plan's {mesh} mesh has {devices} devices{per_stage} but the job has {processes} processes; start one \
+             process per device (-np {})",
+            devices * stages
+        )))
     }
 }
 
