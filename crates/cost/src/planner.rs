@@ -364,7 +364,7 @@ fn pipelined(
 ) -> Result<Compiled, SearchError> {
     let sim = match &stage.plan {
         Some(plan) => staged::simulate_pipeline(plan, hw, options, pipeline),
-        None => staged::pipeline_of_pieces(hw, (&stage.pieces, None), stage.unpipelined.clone(), pipeline),
+        None => staged::pipeline_of_pieces(hw, &stage.pieces, stage.unpipelined.clone(), pipeline),
     }
     .map_err(|e| SearchError::Pipeline(e.to_string()))?;
     let held = sim.per_stage.iter().map(|s| s.held_bytes).max().unwrap_or(0);

@@ -669,20 +669,17 @@ fn virtual_stage_pieces(pieces: &Pieces, virtual_stages: u64) -> Result<Vec<std:
     Ok(ranges_of_starts(&starts, layers))
 }
 
-/// [`simulate_pipeline`] from `plan` already cut into pieces; `plan` is needed only where `hw` is our
-/// CPU runtime's ([`stages_hold_host_copies`]), whose stages hold what their programs plan.
+/// [`simulate_pipeline`] from a plan already cut into pieces, for a profile that is not calibrated: its
+/// stages are costed alike at every depth and keep their memory in place. A calibrated profile's
+/// pipelines need the plan ([`simulate_pipeline`]): its pieces are costed for every stage's devices on
+/// the shared engine, and our CPU runtime's stages hold what their programs plan.
 pub fn pipeline_of_pieces(
     hw: &Hardware,
-    (pieces, plan): (&Pieces, Option<&Plan>),
+    pieces: &Pieces,
     unpipelined: Simulation,
     pipeline: Pipeline,
 ) -> Result<PipelineSimulation, PipelineError> {
-    let runtime = if stages_hold_host_copies(hw) {
-        Some(plan.ok_or_else(|| PipelineError::Cut("the stage programs' memory needs the plan".into()))?)
-    } else {
-        None
-    };
-    pipeline_of_split_pieces(hw, (pieces, runtime), unpipelined, pipeline, None)
+    pipeline_of_split_pieces(hw, (pieces, None), unpipelined, pipeline, None)
 }
 
 /// [`pipeline_of_pieces`] with the virtual stages' pieces given, or balanced where `None`; `runtime`:
@@ -744,12 +741,11 @@ fn pipeline_of_split_pieces(
             let kept = (0..v).map(|c| kept_of(s, c)).max().unwrap_or(0);
             let held: u64 = mine().map(|sh| sh.bytes + sh.gradient_bytes).sum();
             let program_memory = programs.as_ref().map(|(memory, _)| memory[s as usize]);
+            let in_flight = timeline.peak_in_flight[s as usize];
             let (in_flight, peak_bytes) = match program_memory {
                 Some(m) => (m.in_flight, m.peak_bytes),
-                None => {
-                    let in_flight = timeline.peak_in_flight[s as usize];
-                    (in_flight, held + pieces.input_bytes + in_flight * kept + pieces.workspace_bytes)
-                }
+                None if p * v == 1 => (in_flight, unpipelined.memory.peak_bytes_per_device),
+                None => (in_flight, held + pieces.input_bytes + in_flight * kept + pieces.workspace_bytes),
             };
             StageReport {
                 stage: s,
@@ -802,10 +798,6 @@ fn pipeline_of_split_pieces(
     let devices = stage_devices * p;
     let capacity_flops = pieces.device_peak_flops * devices as f64 * step_time_s;
     let model_flops = unpipelined.model_flops_per_step * pipeline.micro_batches as f64;
-    let mut per_stage = per_stage;
-    if let ([only], true) = (&mut per_stage[..], p * v == 1) {
-        only.peak_bytes = unpipelined.memory.peak_bytes_per_device;
-    }
     let peak = per_stage.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
     let capacity = hw.memory_bytes();
     Ok(PipelineSimulation {
