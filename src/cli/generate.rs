@@ -283,7 +283,7 @@ fn generate_text(args: &GenerateArgs) -> Result<(), Failure> {
     let asked = prompts.len();
     // Rows the mesh splits the batch over (replicas, depth layers, and the grid rows of optimus and
     // tesseract) must divide it: the prompts are padded with copies of the first, generated and left out.
-    let split = optimus::cost::search::batch_multiple(args.target.target());
+    let split = args.target.target().batch_multiple();
     let batch = (asked as u64).div_ceil(split.max(1)) * split.max(1);
     while (prompts.len() as u64) < batch {
         prompts.push(prompts[0].clone());

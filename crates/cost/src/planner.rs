@@ -26,7 +26,7 @@
 //! best step is skipped without compiling.
 
 use super::hardware::Hardware;
-use super::search::{SearchError, Source, batch_multiple, batch_override, integer_cbrt, integer_sqrt};
+use super::search::{SearchError, Source, batch_override, integer_cbrt, integer_sqrt};
 use super::staged::{self, Pieces, Pipeline, PipelineSimulation};
 use super::step::{Accumulated, Options, Simulation, accumulate, optimizer_seconds, simulate, simulate_costed};
 use optimus_compiler::shard::Target;
@@ -593,7 +593,7 @@ fn micro_batches(p: &Parallelism, global_batch: u64, mode: Mode) -> Result<Vec<u
     }
     let per_replica = global_batch / p.data;
     let target = Target::plain(p.mesh, p.strategy, mode);
-    let multiple = batch_multiple(target);
+    let multiple = target.batch_multiple();
     // The interleaved schedule takes the micro-batches P at a time.
     let steps_multiple = if p.chunks > 1 { p.pipeline } else { 1 };
     let ms: Vec<u64> = divisors(per_replica)

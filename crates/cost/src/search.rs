@@ -109,19 +109,6 @@ pub fn batch_override(batch: u64) -> Override {
     Override { name: "batch".to_string(), value: batch.to_string() }
 }
 
-/// The batch granularity of a target: every data-parallel replica takes its own share, which
-/// tesseract splits again over its depth layers, and optimus and tesseract over the grid rows.
-pub fn batch_multiple(target: Target) -> u64 {
-    let rows = match target.strategy {
-        Strategy::Optimus | Strategy::Tesseract => target.mesh.rows.max(1),
-        // Activations split the batch over the rows and one of the other two axes.
-        Strategy::ThreeD => target.mesh.rows.max(1) * target.mesh.cols.max(1),
-        Strategy::Megatron | Strategy::None => 1,
-    };
-    let depth = if target.strategy == Strategy::Tesseract { target.mesh.depth.max(1) } else { 1 };
-    rows * target.mesh.data.max(1) * depth
-}
-
 /// The result of a max-batch search.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MaxBatch {
@@ -138,7 +125,7 @@ pub struct MaxBatch {
 /// The largest batch (a multiple of the target's granularity) whose plan fits in `capacity` bytes
 /// per device: doubling, then bisection.
 pub fn max_batch(source: &Source, target: Target, capacity: u64) -> MaxBatch {
-    let multiple = batch_multiple(target);
+    let multiple = target.batch_multiple();
     let mut compilations = 0;
     let mut fits = |k: u64| -> Result<(), SearchError> {
         compilations += 1;

@@ -38,6 +38,19 @@ pub struct Target {
 }
 
 impl Target {
+    /// The batch granularity of the target: every data-parallel replica takes its own share, which
+    /// tesseract splits again over its depth layers, and optimus and tesseract over the grid rows (3d
+    /// over the rows and one of the other two axes). Above 1 where the mesh splits the batch.
+    pub fn batch_multiple(self) -> u64 {
+        let rows = match self.strategy {
+            Strategy::Optimus | Strategy::Tesseract => self.mesh.rows.max(1),
+            Strategy::ThreeD => self.mesh.rows.max(1) * self.mesh.cols.max(1),
+            Strategy::Megatron | Strategy::None => 1,
+        };
+        let depth = if self.strategy == Strategy::Tesseract { self.mesh.depth.max(1) } else { 1 };
+        rows * self.mesh.data.max(1) * depth
+    }
+
     /// `strategy` on `mesh` in `mode`, with the default memory options (what the model marks
     /// `checkpoint` recomputed, float32, no ZeRO) and the layouts chosen per product.
     pub const fn plain(mesh: Mesh, strategy: Strategy, mode: Mode) -> Target {
@@ -244,9 +257,7 @@ fn check_batch_dimensions(model: &Model, target: Target) -> Result<(), Vec<Diagn
     if target.mesh.devices() == 1 {
         return Ok(());
     }
-    let Mesh { rows, data, depth, .. } = target.mesh;
-    let grid_rows = matches!(target.strategy, Strategy::Optimus | Strategy::Tesseract | Strategy::ThreeD) && rows > 1;
-    let splits_batch = data > 1 || depth > 1 || grid_rows;
+    let splits_batch = target.batch_multiple() > 1;
     let graph = &model.graph;
     let roles = data::data_roles(graph);
     let mut problems = Vec::new();
