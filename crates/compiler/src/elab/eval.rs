@@ -366,9 +366,8 @@ impl Elab<'_> {
             if !self.bad_sizes.insert(format!("eps {}", c.name)) {
                 return Err(Fail::Reported);
             }
-            let how = if c.overridden { format!("set to {} by `--set`", c.value) } else { "defined here".to_string() };
             d = d
-                .secondary(c.span, format!("`{}` is {how}", c.name))
+                .secondary(c.span, format!("`{}` is {}", c.name, where_set(&c)))
                 .note(format!("other `eps` arguments read from `{}` are not reported again", c.name));
         }
         self.fail(d)
@@ -388,13 +387,10 @@ impl Elab<'_> {
             if !self.bad_sizes.insert(root.clone()) {
                 return Err(Fail::Reported);
             }
-            let how = |c: &crate::ir::ConfigValue| {
-                if c.overridden { format!("set to {} by `--set`", c.value) } else { "defined here".to_string() }
-            };
-            d = d.secondary(c.span, format!("`{}` is {}", c.name, how(&c)));
+            d = d.secondary(c.span, format!("`{}` is {}", c.name, where_set(&c)));
             match self.config_value(&root).filter(|_| root != c.name).cloned() {
                 Some(r) => {
-                    d = d.secondary(r.span, format!("`{}` is {}", r.name, how(&r))).note(format!(
+                    d = d.secondary(r.span, format!("`{}` is {}", r.name, where_set(&r))).note(format!(
                         "`{}` is computed from `{}`; other sizes computed from `{}` are not reported again",
                         c.name, r.name, r.name
                     ));
@@ -479,4 +475,9 @@ fn division_by_zero(divisor: Span) -> Diagnostic {
 fn overflow(span: Span) -> Diagnostic {
     Diagnostic::error(Code::E0203, "integer overflow")
         .primary(span, format!("the result does not fit in {} bits", i64::BITS))
+}
+
+/// Where a config value named in a diagnostic got its value: `set to 0 by `--set``, or `defined here`.
+fn where_set(c: &crate::ir::ConfigValue) -> String {
+    if c.overridden { format!("set to {} by `--set`", c.value) } else { "defined here".to_string() }
 }
