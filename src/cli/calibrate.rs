@@ -130,10 +130,9 @@ pub fn calibrate(args: &CalibrateArgs) -> ExitCode {
     }
     let destination = args.output.as_deref().filter(|p| !optimus::io::output::is_standard_output(p));
     let samples = args.samples.as_deref().filter(|p| !optimus::io::output::is_standard_output(p));
-    for path in [destination, samples].into_iter().flatten() {
-        if let Err(e) = optimus::io::check_writable(path) {
-            eprintln_safe!("error: {e}");
-            return ExitCode::from(2);
+    for (path, flag) in [(destination, "-o"), (samples, "--samples")] {
+        if let Some(Err(e)) = path.map(|path| super::check_output(path, flag)) {
+            return e.exit();
         }
     }
     if args.backend == super::run::Backend::Cuda {

@@ -59,7 +59,7 @@ pub fn eval(args: &EvalArgs) -> ExitCode {
 /// The inference plan to evaluate: a model compiled with `--mode infer` (the default here), or a plan
 /// file that is one.
 fn infer_plan(args: &EvalArgs) -> Result<Plan, Failure> {
-    let is_plan = args.input.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    let is_plan = super::names_a_plan(&args.input);
     let mut target = args.target.clone();
     if !is_plan {
         match target.mode_flag {

@@ -76,7 +76,7 @@ fn export_checkpoint(args: &ExportArgs) -> Result<(), Failure> {
     let weights = if folder { args.output.join(optimus::io::pretrained::SINGLE_FILE) } else { args.output.clone() };
     if !folder && args.output.as_os_str() != "-" {
         // Checked before the checkpoint's shards are read and gathered, as the folder's files are.
-        optimus::io::output::check_writable(&args.output).map_err(|e| Failure::usage(e.to_string()))?;
+        super::check_output(&args.output, "-o")?;
     }
     let mut made = Vec::new();
     if folder {

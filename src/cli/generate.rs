@@ -114,7 +114,7 @@ fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
 /// Runs `optimusc generate`.
 pub fn generate(args: &GenerateArgs) -> ExitCode {
     let from_plan;
-    let args = if is_plan(&args.model) {
+    let args = if super::names_a_plan(&args.model) {
         from_plan = match args_of_plan(args) {
             Ok(a) => a,
             Err(e) => return e.exit(),
@@ -127,10 +127,6 @@ pub fn generate(args: &GenerateArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => e.exit(),
     }
-}
-
-fn is_plan(path: &std::path::Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
 }
 
 /// The arguments a plan stands for: its model file and config values (but `batch` and `seq`, which

@@ -61,7 +61,7 @@ fn mask_file(args: &MaskDataArgs) -> Result<(), Failure> {
     for output in [&inputs, &labels] {
         super::refuse_overwriting_input(output, &args.tokens, "-o")?;
         // Both checked before either is written: a failure leaves neither behind.
-        optimus::io::output::check_writable(output).map_err(|e| Failure::usage(e.to_string()))?;
+        super::check_output(output, "-o")?;
     }
     super::run::check_named_dtype(&args.tokens, args.data_dtype, "the token file")?;
     let dtype = if args.data_dtype == DataDtype::U32 { TokenDtype::U32 } else { TokenDtype::U16 };

@@ -337,7 +337,7 @@ pub fn parse_mesh(s: &str) -> Result<MeshArg, String> {
 /// refused (exit status 2), and so is a file that cannot be read or is not UTF-8 text (1); the error is
 /// printed, and the status returned.
 pub fn read_model_text(path: &Path, why: &str) -> Result<String, std::process::ExitCode> {
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+    if names_a_plan(path) {
         eprintln_safe!("error: {why}: give the .opt file, not a plan");
         return Err(std::process::ExitCode::from(2));
     }
@@ -582,7 +582,7 @@ impl From<String> for Failure {
 /// A plan from a `.json` plan file, or compiled from a `.opt` model with the target flags. A plan file
 /// given with compile flags that disagree with it is a usage error: the flags would silently do nothing.
 pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
-    let is_plan = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    let is_plan = names_a_plan(path);
     if !is_plan {
         return compile_model(path, target).ok_or_else(Failure::reported);
     }
@@ -608,6 +608,11 @@ pub fn plan_from(path: &Path, target: &TargetArgs) -> Result<Plan, Failure> {
         return Err(Failure::reported());
     }
     Ok(plan)
+}
+
+/// Whether a command's input names a compiled plan (`.json`) rather than a model file.
+pub fn names_a_plan(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
 }
 
 /// An output that cannot be written (a folder that does not exist, a path that is a folder) is a

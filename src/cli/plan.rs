@@ -107,12 +107,10 @@ pub fn plan_command(args: &PlanArgs) -> ExitCode {
         }
     };
     if let Some(output) = &args.output {
-        if let Err(e) = super::refuse_overwriting_input(output, &args.model, "-o") {
+        let checked =
+            super::refuse_overwriting_input(output, &args.model, "-o").and_then(|()| super::check_output(output, "-o"));
+        if let Err(e) = checked {
             return e.exit();
-        }
-        if let Err(e) = optimus::io::output::check_writable(output) {
-            eprintln_safe!("error: -o: {e}");
-            return ExitCode::from(2);
         }
     }
     let text = match read_source(&args.model) {

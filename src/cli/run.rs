@@ -733,8 +733,7 @@ pub(super) use optimus::plan::text::duration_text;
 /// `OPTIMUS_INJECT_FAULT`, checked: a malformed value, or a device past the mesh (a fault that would
 /// never fire, and a rehearsal that would pass for the wrong reason), is a usage error.
 fn injected_fault(plan: &Plan) -> Result<Option<optimus::runtime::fault::Fault>, Failure> {
-    let fault =
-        optimus::runtime::fault::from_env().map_err(|e| Failure::usage(format!("OPTIMUS_INJECT_FAULT: {e}")))?;
+    let fault = optimus::runtime::fault::from_env().map_err(|e| Failure::usage(e.to_string()))?;
     let devices = plan.mesh.devices();
     if let Some(f) = fault.filter(|f| f.device >= devices) {
         return Err(Failure::usage(format!(
@@ -937,8 +936,7 @@ mod multi_process {
     fn prepare_ranks(args: &RunArgs, mpi: &MpiJob) -> Result<(Prepared, Option<Cut>), Failure> {
         // A model compiled on the fly has the flags' mesh: a job of the wrong size is refused before the
         // compile, the data and the weights.
-        let is_plan = args.input.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
-        if !is_plan {
+        if !super::super::names_a_plan(&args.input) {
             let stages = args.pipeline.stages_and_schedule().map_or(1, |(stages, _)| stages);
             check_job_size(args.target.mesh(), stages, mpi.size())?;
         }

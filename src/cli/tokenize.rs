@@ -2,7 +2,7 @@
 //! the tokenizer and counts what was written.
 
 use super::Failure;
-use optimus::io::output::{check_writable, write_file, write_with};
+use optimus::io::output::{write_file, write_with};
 use optimus::plan::text::plural;
 use optimus::text::Tokenizer;
 use optimus::text::corpus::{Corpus, Piece};
@@ -143,7 +143,7 @@ fn tokenize_corpus(args: &TokenizeArgs) -> Result<(), Failure> {
         for input in args.corpus.iter().chain([&PathBuf::from(&args.tokenizer)]) {
             super::refuse_overwriting_input(output, input, "-o")?;
         }
-        check_writable(output).map_err(|e| Failure::usage(e.to_string()))?;
+        super::check_output(output, "-o")?;
     }
     let corpus = Corpus::open(&args.corpus).map_err(|e| e.to_string())?;
     warn_of_files_given_twice(&args.corpus);

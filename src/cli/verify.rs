@@ -75,7 +75,7 @@ fn failed(message: &str) -> Failure {
 }
 
 fn verify_inner(args: &VerifyArgs) -> Result<bool, Failure> {
-    if args.model.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+    if super::names_a_plan(&args.model) {
         return Err(Failure::usage(
             "verify compiles the model twice (for the mesh and for one device): give the .opt file, not a plan".into(),
         ));
