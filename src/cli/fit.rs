@@ -42,15 +42,8 @@ pub fn largest_batch(plan: &Plan, capacity: u64) -> Result<Fit, String> {
     let memory = MemoryOptions { recompute: Some(plan.recompute), precision: plan.precision, zero: plan.zero };
     let target = Target { mesh: plan.mesh, strategy: plan.strategy, mode: plan.mode, memory, layouts: plan.layouts };
     let found = search::max_batch(&source, target, capacity);
-    let plan_batch = plan_int(plan, "batch");
+    let plan_batch = plan.positive_config("batch");
     Ok(Fit { memory_bytes: capacity, found, plan_batch, plan_fits: plan.memory.peak_bytes <= capacity })
-}
-
-fn plan_int(plan: &Plan, name: &str) -> Option<u64> {
-    plan.config.iter().find(|(n, _)| n == name).and_then(|(_, v)| match v {
-        optimus::plan::types::Scalar::Int(i) => u64::try_from(*i).ok(),
-        _ => None,
-    })
 }
 
 /// The text `inspect` prints after its report.

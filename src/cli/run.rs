@@ -636,11 +636,7 @@ pub(super) fn checked_tokenizer(name: &str, args: &RunArgs, plan: &Plan) -> Resu
 
 /// Writes the tokenizer's files into the `--save-weights` folder.
 fn save_tokenizer(dir: &Path, tokenizer: &optimus::text::Tokenizer, plan: &Plan) -> Result<(), String> {
-    let context = plan.config.iter().find(|(n, _)| n == "context").and_then(|(_, v)| match v {
-        optimus::plan::types::Scalar::Int(c) => u64::try_from(*c).ok(),
-        _ => None,
-    });
-    let files = tokenizer.hub_files(context).map_err(|e| e.to_string())?;
+    let files = tokenizer.hub_files(plan.positive_config("context")).map_err(|e| e.to_string())?;
     for (name, text) in &files {
         optimus::io::write_file(&dir.join(name), text.as_bytes()).map_err(|e| e.to_string())?;
     }

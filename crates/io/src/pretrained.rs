@@ -282,17 +282,9 @@ pub fn folder_files(extra: &[&str]) -> Vec<String> {
 /// writing (`run --save-weights DIR/` before its first step), so that a run refused or failed in
 /// between leaves no empty folder behind.
 pub fn check_all_writable(dir: &Path, names: &[String]) -> Result<(), SaveError> {
-    let made = checked_folder(dir, names)?;
+    let made = make_writable_folder(dir, names)?;
     remove_made_folders(&made);
     Ok(())
-}
-
-/// [`check_all_writable`], keeping the folder for the writing that follows at once: a save that cannot
-/// finish (a name taken by a folder, a folder that cannot be written) leaves the file system as it was.
-/// Returns the folders it made, deepest first, for a writer that fails later to remove again
-/// ([`remove_made_folders`]).
-pub fn make_writable_folder(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, SaveError> {
-    checked_folder(dir, names)
 }
 
 /// Removes `made` (folders, deepest first, as [`make_writable_folder`] returns them) while each is
@@ -305,9 +297,11 @@ pub fn remove_made_folders(made: &[PathBuf]) {
     }
 }
 
-/// Makes `dir` (and its missing ancestors) and checks that each of `names` can be written into it;
-/// returns the folders it made, deepest first, having removed them again if the check failed.
-fn checked_folder(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, SaveError> {
+/// [`check_all_writable`], keeping the folder for the writing that follows at once: a save that cannot
+/// finish (a name taken by a folder, a folder that cannot be written) leaves the file system as it was.
+/// Returns the folders it made, deepest first, for a writer that fails later to remove again
+/// ([`remove_made_folders`]).
+pub fn make_writable_folder(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, SaveError> {
     // `a/../b` makes `a` and `b`: an ancestor ending in `..` (or `.`) is no folder of its own.
     let made: Vec<PathBuf> = dir
         .ancestors()

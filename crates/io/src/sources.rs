@@ -310,8 +310,7 @@ impl Sources {
                 }
                 let labels = random_labels(self.seed, step, batch, seq, vocab);
                 by_role.insert("labels", Tensor::from_i32(&[batch, seq], labels));
-                let types = plan.config.iter().find(|(n, _)| n == "types");
-                let two_sentences = matches!(types, Some((_, optimus_plan::types::Scalar::Int(t))) if *t >= 2);
+                let two_sentences = token_types(plan).is_some_and(|t| t >= 2);
                 by_role.insert("segments", drawn_segments(batch, seq, two_sentences));
             }
         }
@@ -333,10 +332,7 @@ impl Sources {
 
 /// The model's vocabulary size, from its `vocab` config value.
 pub fn vocab(plan: &Plan) -> Result<u64, SourceError> {
-    match plan.config.iter().find(|(n, _)| n == "vocab") {
-        Some((_, optimus_plan::types::Scalar::Int(v))) if *v > 0 => Ok(*v as u64),
-        _ => Err(SourceError::NoVocab),
-    }
+    plan.positive_config("vocab").ok_or(SourceError::NoVocab)
 }
 
 fn role_name(role: Role) -> &'static str {
@@ -409,10 +405,7 @@ fn segment(file: &TokenData, value: u32, index: u64, types: Option<u64>) -> Resu
 
 /// The model's number of token types, from its `types` config value (BERT's), where it has one.
 fn token_types(plan: &Plan) -> Option<u64> {
-    match plan.config.iter().find(|(n, _)| n == "types") {
-        Some((_, optimus_plan::types::Scalar::Int(t))) if *t > 0 => Some(*t as u64),
-        _ => None,
-    }
+    plan.positive_config("types")
 }
 
 /// Labels drawn from the seed (for runs and `verify` without files): each position is ignored with

@@ -1076,6 +1076,15 @@ impl Plan {
     pub fn buffer(&self, id: BufferId) -> &Buffer {
         &self.buffers[id.0 as usize]
     }
+
+    /// The config value `name` the plan was compiled with, where it is a positive integer (`vocab`,
+    /// `context`, `types`, `batch`).
+    pub fn positive_config(&self, name: &str) -> Option<u64> {
+        match self.config.iter().find(|(n, _)| n == name) {
+            Some((_, Scalar::Int(v))) if *v > 0 => Some(v.unsigned_abs()),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]
