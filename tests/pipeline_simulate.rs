@@ -59,6 +59,13 @@ fn one_stage_and_one_micro_batch_is_the_plain_simulation_without_replicas() {
         assert!(close, "{mesh}: {} against {}", one.step_time_s, plain.step_time_s);
         assert_eq!(one.bubble_fraction, 0.0);
         assert_eq!(one.devices, mesh.devices());
+        // Idle shares never print as -0.0%: one stage idles exactly nothing, with any micro-batches.
+        for m in [1, 3, 4] {
+            let t = pipelined(&plan, 1, Schedule::OneFOneB, m);
+            for share in [t.bubble_fraction, t.bottleneck_bubble_fraction] {
+                assert!(share == 0.0 && share.is_sign_positive(), "{mesh} m={m}: {share:e}");
+            }
+        }
     }
 }
 

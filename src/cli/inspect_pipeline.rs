@@ -119,8 +119,8 @@ pub fn render(v: &PipelineView) -> String {
         "simulated on {}: a step of {}, the pipeline idle {:.1}% of it (bubble; its busiest stage {:.1}%)",
         v.balanced_by,
         optimus::cost::planner::seconds(sim.step_time_s),
-        optimus::plan::text::without_negative_zero(100.0 * sim.bubble_fraction, 1),
-        optimus::plan::text::without_negative_zero(100.0 * sim.bottleneck_bubble_fraction, 1)
+        100.0 * sim.bubble_fraction,
+        100.0 * sim.bottleneck_bubble_fraction
     );
     out.push_str(&super::pipeline::render_timeline(sim));
     out

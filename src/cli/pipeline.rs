@@ -142,8 +142,8 @@ pub fn render_pipeline(s: &PipelineSimulation) -> String {
         out,
         "bubble                  {:.1}% of the stages' time; the busiest stage idles {:.1}% of the pipeline's \
          ((P-1)/(V m+P-1) = {:.1}%, both, with equal stages)",
-        optimus::plan::text::without_negative_zero(100.0 * s.bubble_fraction, 1),
-        optimus::plan::text::without_negative_zero(100.0 * s.bottleneck_bubble_fraction, 1),
+        100.0 * s.bubble_fraction,
+        100.0 * s.bottleneck_bubble_fraction,
         100.0 * ideal
     );
     let _ = writeln!(

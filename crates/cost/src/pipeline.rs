@@ -106,9 +106,10 @@ pub fn time_schedule(
         .map(|c| micro_batches as f64 * (c.forward_s.iter().sum::<f64>() + c.backward_s.iter().sum::<f64>()))
         .collect();
     let busy: f64 = busy_s.iter().sum();
-    let bubble_fraction = if step_s > 0.0 { 1.0 - busy / (stages as f64 * step_s) } else { 0.0 };
+    // Idle shares are never below zero; rounding left one stage's at -1e-16 (printed "-0.0%").
+    let bubble_fraction = if step_s > 0.0 { (1.0 - busy / (stages as f64 * step_s)).max(0.0) } else { 0.0 };
     let busiest = busy_s.iter().copied().fold(0.0, f64::max);
-    let bottleneck_bubble_fraction = if step_s > 0.0 { 1.0 - busiest / step_s } else { 0.0 };
+    let bottleneck_bubble_fraction = if step_s > 0.0 { (1.0 - busiest / step_s).max(0.0) } else { 0.0 };
     let peak_in_flight = orders.iter().map(|order| peak_alive(order)).collect();
     let passes = orders
         .iter()
