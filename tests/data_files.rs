@@ -3,6 +3,8 @@
 //! batches are exactly the documented windows, and data shorter than one step draws a warning.
 #![cfg(unix)]
 
+mod common;
+
 use optimus::io::{Order, TokenData, TokenDtype};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -279,9 +281,7 @@ fn a_resumed_run_checks_the_batch_it_starts_from() {
     let dir = TempDir::new().expect("temp dir");
     let path = dir.path().join("late.u16");
     // tiny.opt reads 8 x 8 tokens a step: batch 2 reads tokens 128..=192, batches 0 and 1 none past 128.
-    let mut tokens: Vec<u16> = (0..400).map(|i| (i % 100) as u16).collect();
-    tokens[130] = 5000;
-    write_u16(&path, &tokens);
+    common::tokens_with_a_bad_id(&path, 130);
     let ckpt = dir.path().join("ckpt");
     let first =
         optimusc(&["run", "examples/tiny.opt", "--steps", "2", "--data", text(&path), "--checkpoint-dir", text(&ckpt)]);
@@ -293,9 +293,7 @@ fn a_resumed_run_checks_the_batch_it_starts_from() {
     assert!(!err.contains("step 2:"), "refused before its first step: {err}");
     // Batch 0 is not read again: a bad token there does not stop a run resumed past it.
     let early = dir.path().join("early.u16");
-    let mut tokens: Vec<u16> = (0..400).map(|i| (i % 100) as u16).collect();
-    tokens[10] = 5000;
-    write_u16(&early, &tokens);
+    common::tokens_with_a_bad_id(&early, 10);
     let args = ["run", "examples/tiny.opt", "--steps", "3", "--resume", text(&ckpt), "--data", text(&early)];
     let past =
         optimusc(&[&args[..], &["--allow-changes", "--checkpoint-dir", text(&dir.path().join("again"))]].concat());

@@ -498,9 +498,7 @@ fn a_bad_batch_in_a_pipeline_names_its_step_and_batch_once() {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let data = dir.path().join("late.u16");
     // tiny.opt reads 8 x 8 tokens a step: token 100 is in batch 1 only.
-    let mut tokens: Vec<u16> = (0..400).map(|i| (i % 100) as u16).collect();
-    tokens[100] = 5000;
-    std::fs::write(&data, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).expect("write data");
+    common::tokens_with_a_bad_id(&data, 100);
     let data = data.to_str().expect("utf-8 path");
     let out = optimusc(&["run", "examples/tiny.opt", "--steps", "3", "--pipeline", "2", "--data", data]);
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -199,3 +199,11 @@ pub fn forwards_multiplying_calls() -> String {
     src.push_str("block B10 { forward(x) { return x } }\nlayer top = B0()\nforward { output y = top(x) }\n");
     src
 }
+
+/// A u16 token file of 400 ids (0 to 99, repeating: inside tiny.opt's vocabulary of 128) with the id
+/// 5000, past that vocabulary, at token offset `bad`.
+pub fn tokens_with_a_bad_id(path: &Path, bad: usize) {
+    let mut tokens: Vec<u16> = (0..400).map(|i| (i % 100) as u16).collect();
+    tokens[bad] = 5000;
+    std::fs::write(path, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).expect("writes");
+}
