@@ -187,7 +187,8 @@ fn main() -> ExitCode {
     optimus::runtime::startup::mark("process started");
     let checked = apply_cpu_isa_and_openblas_core()
         .and_then(|()| check_kernel_threads())
-        .and_then(|()| check_cpu_run_variables());
+        .and_then(|()| check_cpu_run_variables())
+        .and_then(|()| optimus::runtime::cpu::blas::named_library_problem().map_or(Ok(()), Err));
     if let Err(message) = checked {
         eprintln_safe!("error: {message}");
         return ExitCode::from(2);

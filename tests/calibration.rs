@@ -275,6 +275,15 @@ fn calibrate_writes_a_profile_that_simulate_reads() {
         Err(e) => panic!("{e}\n{text}"),
     };
     assert_eq!(hw.name, "test-host");
+    // The profile says which instructions and which library its products were measured with: the
+    // fits hold for them, and a profile read on another machine or setting says what it measured.
+    let isa = ["avx512 kernels", "avx2 kernels", "baseline kernels"];
+    let library = ["products in optimus AVX2", "products in OpenBLAS", "products in faer"];
+    assert!(
+        isa.iter().any(|i| hw.description.contains(i)) && library.iter().any(|l| hw.description.contains(l)),
+        "{}",
+        hw.description
+    );
     let m = hw.measured.as_ref().expect("a [measured] section");
     let inference = |kind: &str| optimus::cost::calibration::inference_key(kind);
     let kinds = ["MatMul", "default", "LayerNormApply", "Attention"];

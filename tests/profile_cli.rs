@@ -328,22 +328,23 @@ fn faer_and_the_machines_openblas_train_alike_and_the_profile_names_which_ran() 
     } else {
         assert_eq!((default.library.as_str(), default.openblas_calls), ("faer", 0));
     }
-    // A library that cannot be loaded is said on standard error, and the run goes on with faer.
-    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
-        .args(["run", "examples/tiny.opt", "--steps", "1", "--profile"])
-        .env("OPTIMUS_BLAS", "/nonexistent/libopenblas.so")
-        .output()
-        .expect("optimusc runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("OPTIMUS_BLAS=/nonexistent/libopenblas.so: cannot load it")
-            && stderr.contains("it takes `faer`, `optimus` or the path of an OpenBLAS (CBLAS) library")
-            && stderr.contains("trained 1 step: loss")
-            && stderr.contains("CPU products: library faer; ")
-            && stderr.contains(" in faer\n"),
-        "{stderr}"
-    );
+    // A library that cannot be loaded (a missing path, or a misspelt `openblas` read as one) is a usage
+    // error before any work, as a bad `OPTIMUS_CPU_ISA` is: the run it asked for cannot be had.
+    for named in ["/nonexistent/libopenblas.so", "openblas"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+            .args(["run", "examples/tiny.opt", "--steps", "1", "--profile"])
+            .env("OPTIMUS_BLAS", named)
+            .output()
+            .expect("optimusc runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.starts_with(&format!("error: OPTIMUS_BLAS={named}: cannot load it"))
+                && stderr.contains("it takes `faer`, `optimus` or the path of an OpenBLAS (CBLAS) library")
+                && !stderr.contains("trained"),
+            "{stderr}"
+        );
+    }
 }
 
 /// Per-step losses and the saved final weights of `run` on `mesh` with `OPTIMUS_DEVICE_KERNELS=mode`

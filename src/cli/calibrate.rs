@@ -569,9 +569,11 @@ fn assemble(args: &CalibrateArgs, measured: Measured) -> Hardware {
     Hardware {
         name: args.name.clone().unwrap_or_else(|| format!("calibrated-{host}")),
         description: format!(
-            "{} with {} kernel workers, measured by optimusc calibrate",
+            "{} with {} kernel workers, {} kernels, products in {}, measured by optimusc calibrate",
             cpu_model(),
-            measured.threads
+            measured.threads,
+            optimus::runtime::cpu::vmath::isa().env_name(),
+            optimus::runtime::cpu::blas::product_library()
         ),
         device: Device {
             name: cpu_model(),

@@ -436,11 +436,6 @@ pub fn run(args: &RunArgs) -> ExitCode {
         Ok(job) => job,
         Err(failure) => return failure.exit(),
     };
-    if args.backend == Backend::Cpu
-        && let Some(warning) = optimus::runtime::cpu::blas::load_failure()
-    {
-        eprintln_safe!("warning: {}", optimus::plan::text::printable_text(&warning));
-    }
     let ran = if args.pipeline.requested() {
         let cut = match super::pipeline_run::program_of(args, &job.plan) {
             Ok(cut) => cut,

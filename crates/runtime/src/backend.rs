@@ -226,11 +226,9 @@ impl BackendKind {
     /// For CUDA, where the libraries exist only under names cudarc does not open (CUDA 13's, NCCL's
     /// soname), restarts the command with them linked (see [`super::cuda::libs`]): call it before anything
     /// is printed or started (before `MPI_Init`). Returns a warning to show when a restart was needed but
-    /// could not be made, or, for the CPU, when the OpenBLAS that `OPTIMUS_BLAS` names did not load.
+    /// could not be made. (The CPU's: an OpenBLAS that `OPTIMUS_BLAS` names and that does not load is
+    /// refused before any command runs, [`super::cpu::blas::named_library_problem`].)
     pub fn find_libraries(self) -> Option<String> {
-        if self == BackendKind::Cpu {
-            return super::cpu::blas::load_failure();
-        }
         #[cfg(feature = "cuda")]
         if self == BackendKind::Cuda {
             return super::cuda::libs::restart_with_links_if_needed();

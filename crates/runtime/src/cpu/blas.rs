@@ -258,15 +258,19 @@ pub fn loaded() -> Option<&'static Blas> {
     state().library.as_ref().ok().and_then(Option::as_ref)
 }
 
-/// Why the library `OPTIMUS_BLAS` names could not be loaded (the products then use faer), for the
-/// command line to say; `None` when it loaded or none was named.
-pub fn load_failure() -> Option<String> {
-    state().library.as_ref().err().map(|e| {
-        format!(
-            "OPTIMUS_BLAS={e}; it takes `faer`, `optimus` or the path of an OpenBLAS (CBLAS) library; the CPU \
-             products use faer"
-        )
-    })
+/// Why the library `OPTIMUS_BLAS` names cannot run the products (it does not load, or is not OpenBLAS),
+/// which `optimusc` refuses as a usage error before any work, as it does a bad `OPTIMUS_CPU_ISA`; `None`
+/// when the variable is unset, names `faer` or `optimus`, or names a library that loaded. Loads nothing
+/// unless the variable names a library.
+pub fn named_library_problem() -> Option<String> {
+    if !matches!(choice(), Choice::Library(_)) {
+        return None;
+    }
+    state()
+        .library
+        .as_ref()
+        .err()
+        .map(|e| format!("OPTIMUS_BLAS={e}; it takes `faer`, `optimus` or the path of an OpenBLAS (CBLAS) library"))
 }
 
 /// Why the OpenBLAS found on the machine is not used, where it was found but left aside: its kernels
