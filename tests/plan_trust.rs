@@ -892,3 +892,19 @@ fn edited_buffer_declarations_are_refused_or_harmless() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+#[test]
+fn a_collective_that_carries_token_ids_is_refused() {
+    // The runtimes move floating-point buffers only: a plan that gathers an integer input would fail on
+    // every device at its first step, so the verifier refuses it before it is written.
+    let mut plan = tiny_2x2();
+    let tokens = plan["inputs"].as_array().expect("inputs").iter().find(|i| i["name"] == "tokens").cloned();
+    let tokens = tokens.expect("tiny reads tokens")["buffer"].clone();
+    let program = plan["program"].as_array_mut().expect("a program");
+    let collective = program.iter_mut().find(|i| i["instr"] == "collective" && i["collective"]["kind"] == "all_reduce");
+    let collective = collective.expect("tiny on 2x2 sums something");
+    collective["collective"]["send"] = tokens.clone();
+    collective["collective"]["recv"] = tokens;
+    let error = assert_refused(&plan, &["holds i32, and only floating-point buffers are communicated"]);
+    assert!(error.contains("`tokens`"), "{error}");
+}

@@ -96,7 +96,9 @@ fn evaluate(args: &EvalArgs) -> Result<(), Failure> {
     super::run::check_named_dtype(&args.data, args.data_dtype, "--data")?;
     let plan = infer_plan(args)?;
     let (batch, seq) = check_inputs(&plan).map_err(|e| Failure::usage(e.to_string()))?;
-    if plan.inputs.len() != 2 {
+    // An input read in several layouts is listed once for each: count the names.
+    let names: std::collections::BTreeSet<&str> = plan.inputs.iter().map(|i| i.name.as_str()).collect();
+    if names.len() != 2 {
         return Err(Failure::usage(
             "eval reads causal language models (inputs `tokens` and `targets`); this model has other inputs".into(),
         ));

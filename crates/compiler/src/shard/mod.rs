@@ -891,7 +891,9 @@ impl<'a> Lowerer<'a> {
             return v.buffer;
         }
         let source = self.versions.get(&n).and_then(|vs| vs.first()).copied();
-        let Some(source) = source else {
+        let Some(source) = source.filter(|_| !self.is_integer_input(n)) else {
+            // An integer input (token ids) is read from the data again in each layout it is used in: the
+            // runtimes communicate floating-point buffers only, and a second read costs no communication.
             return self.materialise_leaf(n, layout);
         };
         // Collectives that move a value are traced to the line that produced it.
@@ -918,7 +920,13 @@ impl<'a> Lowerer<'a> {
         self.redistribute(n, source, layout)
     }
 
-    /// Creates the buffer of a parameter or input the first time it is asked for.
+    /// Whether node `n` is a model input of an integer type (token ids, targets, segments).
+    fn is_integer_input(&self, n: NodeIndex) -> bool {
+        matches!(self.graph[n].op, Op::Input { .. }) && self.graph[n].ty.dtype.is_integer()
+    }
+
+    /// Creates the buffer of a parameter or input the first time it is asked for (an integer input:
+    /// each time it is asked for in a new layout).
     fn materialise_leaf(&mut self, n: NodeIndex, layout: Layout) -> BufferId {
         match self.graph[n].op.clone() {
             Op::Param { id } => {
@@ -1084,7 +1092,12 @@ impl<'a> Lowerer<'a> {
                         reason,
                     );
                     let v = Version { layout: gathered, buffer: recv };
-                    if t == Placement::Replicate { v } else { self.slice(n, v, axis, t) }
+                    match t {
+                        Placement::Replicate => v,
+                        // To join another pending sum (an add of two): the whole value, shared out.
+                        Placement::Partial => self.share_out(n, v, axis),
+                        Placement::Shard { .. } => self.slice(n, v, axis, t),
+                    }
                 }
                 (Placement::Replicate, Placement::Shard { .. }) => self.slice(n, current, axis, t),
                 (Placement::Replicate, Placement::Partial) => self.share_out(n, current, axis),

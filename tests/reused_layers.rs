@@ -1,0 +1,84 @@
+//! A layer applied more than once, in shapes the examples do not have, trains on every strategy as on
+//! one device (`optimusc verify`): a sequence-mixing linear applied twice, a linear applied twice
+//! before a layer over the sequence, and a widening linear applied to two different values (whose
+//! backward pass wants the token ids in a second layout). Each compiled, then failed, before its fix.
+
+mod common;
+
+use common::{optimusc, scratch};
+use optimus::plan::Plan;
+
+/// The meshes and strategies each model is verified on.
+const MESHES: [(&str, &str); 5] =
+    [("optimus", "2x2"), ("optimus", "4x4"), ("tesseract", "2x2x2"), ("megatron", "1x2"), ("3d", "2x2x2")];
+
+/// A model of 24 tokens, hidden 16, batch 8 and 4 positions with `layers` and `forward`'s body.
+fn model(name: &str, layers: &str, forward: &str) -> String {
+    format!(
+        "model {name}\nconfig {{ vocab = 24; hidden = 16; batch = 8; seq = 4 }}\n\
+         input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\n\
+         layer emb = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)\n{layers}\n\
+         forward {{\n{forward}\n}}\n"
+    )
+}
+
+/// Writes `source` and verifies it on every mesh of [`MESHES`], plus `extra` ones.
+fn verifies_everywhere(name: &str, source: &str, extra: &[(&str, &str)]) {
+    let dir = scratch("reused_layers", name);
+    let path = dir.join(format!("{name}.opt"));
+    std::fs::write(&path, source).expect("the model is written");
+    let path = path.to_string_lossy().into_owned();
+    for &(strategy, mesh) in MESHES.iter().chain(extra) {
+        let out = optimusc(&["verify", &path, "--strategy", strategy, "--mesh", mesh]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("verified"),
+            "{name} on {strategy} {mesh}:\n{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn a_sequence_mixing_linear_applied_twice_verifies() {
+    // Its weight gradient is a sum of two pending sums, one of them laid out over the rows: the
+    // compiler sliced that one as a pending sum, and the verifier refused its own plan (E0699).
+    let source = model(
+        "mix_twice",
+        "layer s = linear(seq, seq)",
+        "  y = transpose(s(s(transpose(emb(tokens), 1, 2))), 1, 2)\n  output loss = cross_entropy(head(y), targets)",
+    );
+    verifies_everywhere("mix_twice", &source, &[]);
+}
+
+#[test]
+fn a_linear_applied_twice_before_a_linear_over_the_sequence_verifies() {
+    let source = model(
+        "twice_then_mix",
+        "layer f = linear(hidden, hidden)\nlayer s = linear(seq, seq)",
+        "  t = s(transpose(f(f(emb(tokens))), 1, 2))\n  output loss = cross_entropy(head(transpose(t, 1, 2)), targets)",
+    );
+    verifies_everywhere("twice_then_mix", &source, &[]);
+}
+
+#[test]
+fn token_ids_wanted_in_a_second_layout_are_read_again_not_communicated() {
+    // A widening linear applied to two values: under 3D its backward pass wants the embedding's
+    // gradient, so the token ids, in a layout the lookup did not read them in. They were gathered over
+    // the row, which the runtimes refuse for integers: the plan compiled and failed on every device.
+    let source = model(
+        "widen_twice",
+        "layer f = linear(hidden, hidden)\nlayer u = linear(hidden, 3 * hidden)\nlayer d = linear(3 * hidden, hidden)",
+        "  x = emb(tokens)\n  output loss = cross_entropy(head(d(u(f(x)) + u(x))), targets)",
+    );
+    verifies_everywhere("widen_twice", &source, &[("3d", "2x2x2x2")]);
+    let dir = scratch("reused_layers", "widen_twice_plan");
+    let (model, plan) = (dir.join("widen.opt"), dir.join("widen.json"));
+    std::fs::write(&model, &source).expect("the model is written");
+    let (model, plan_path) = (model.to_string_lossy().into_owned(), plan.to_string_lossy().into_owned());
+    let out = optimusc(&["compile", &model, "--strategy", "3d", "--mesh", "2x2x2", "-o", &plan_path]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let plan: Plan = serde_json::from_slice(&std::fs::read(&plan).expect("the plan")).expect("a plan");
+    let layouts = plan.inputs.iter().filter(|i| i.name == "tokens").count();
+    assert_eq!(layouts, 2, "the token ids are read in the lookup's layout and in the gradient's");
+}
