@@ -336,3 +336,39 @@ fn the_startup_trace_names_each_stage_only_when_asked() {
         .expect("runs");
     assert!(!String::from_utf8_lossy(&plain.stderr).contains("startup:"), "no trace unless asked");
 }
+
+/// A bias before a layer norm over the positions: the norm removes anything the positions share, so the
+/// bias's gradient is zero in exact arithmetic and float noise on every mesh, pure data parallelism
+/// (which only reorders the sums) among them. verify measured it against its own noise and failed
+/// every one of these meshes; it now measures it against a share of the largest gradient too.
+#[test]
+fn a_gradient_that_is_zero_in_exact_arithmetic_verifies_on_every_mesh() {
+    let model = scratch("norm_over_positions.opt");
+    let source = "model norm_over_positions\n\
+        config { vocab = 24; hidden = 16; batch = 8; seq = 4 }\n\
+        input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\n\
+        layer emb = embedding(vocab, hidden)\nlayer f = linear(hidden, hidden)\n\
+        layer norm = layernorm(seq)\nlayer head = linear(hidden, vocab)\n\
+        forward {\n  t = norm(transpose(f(emb(tokens)), 1, 2))\n\
+        \x20 output loss = cross_entropy(head(transpose(t, 1, 2)), targets)\n}\n";
+    std::fs::write(&model, source).expect("the model is written");
+    let model = model.to_string_lossy().into_owned();
+    for (strategy, mesh) in [("none", "2x1x1"), ("megatron", "1x2"), ("optimus", "2x2"), ("3d", "2x2x2")] {
+        for seed in ["0", "1"] {
+            let out = optimusc(&["verify", &model, "--strategy", strategy, "--mesh", mesh, "--seed", seed]);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success() && stdout.contains("verified"), "{strategy} {mesh} seed {seed}:\n{stdout}");
+        }
+    }
+    // At a tolerance of 0 every difference fails; the line names the largest, not the last.
+    let out = optimusc(&["verify", &model, "--mesh", "2x2", "--tolerance", "0", "--verbose"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let largest = |kind: &str| {
+        let each = stdout.lines().filter_map(|l| l.strip_prefix(&format!("  {kind}: ")));
+        let each = each.filter_map(|l| l.split_whitespace().collect::<Vec<_>>().get(1).and_then(|v| v.parse().ok()));
+        each.fold(0f64, f64::max)
+    };
+    let summary = stdout.lines().find(|l| l.starts_with("gradients ")).unwrap_or_default();
+    let worst: f64 = summary.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(-1.0);
+    assert!(summary.contains("FAILED") && worst == largest("gradients") && worst > 0.0, "{stdout}");
+}
