@@ -519,3 +519,118 @@ fn a_resumed_run_keeps_its_precision() {
     let f32 = optimusc(&[&base[..], &["--checkpoint-dir", text(&dir.join("f32")), "--precision", "f32"]].concat());
     assert_eq!(f32.status.code(), Some(2), "{}", String::from_utf8_lossy(&f32.stderr));
 }
+
+/// The model a checkpoint trained is the model it resumes: a model file edited since (another eps), or a
+/// plan compiled with other heads, is refused naming the values, unless `--allow-changes`.
+#[test]
+fn a_model_changed_since_the_checkpoint_is_refused() {
+    let dir = scratch("model-changed");
+    let model = dir.join("tiny.opt");
+    let source = std::fs::read_to_string("examples/tiny.opt").expect("tiny.opt");
+    std::fs::write(&model, &source).expect("a copy of tiny.opt");
+    let ckpt = dir.join("ckpt");
+    let first = ["run", text(&model), "--mesh", "2x2", "--steps", "2", "--checkpoint-dir", text(&ckpt)];
+    assert!(optimusc(&first).status.success());
+    let edited = source.replace("eps     = 0.00001", "eps     = 0.1");
+    assert_ne!(edited, source, "tiny.opt sets eps as this test expects");
+    std::fs::write(&model, edited).expect("the edited model");
+    let resume = |input: &str, name: &str, extra: &[&str]| {
+        let folder = dir.join(name);
+        let args = ["run", input, "--mesh", "2x2", "--steps", "4", "--resume", text(&ckpt), "--checkpoint-dir"];
+        optimusc(&[&args[..], &[text(&folder)], extra].concat())
+    };
+    let out = resume(text(&model), "edited", &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("other config values: eps 0.1 (the checkpoint has 0.00001)"), "{stderr}");
+    assert!(resume(text(&model), "allowed", &["--allow-changes"]).status.success());
+    std::fs::write(&model, &source).expect("the model as trained");
+    let plan = dir.join("heads.json");
+    let compiled = optimusc(&["compile", text(&model), "--mesh", "2x2", "--set", "heads=4", "-o", text(&plan)]);
+    assert!(compiled.status.success(), "{}", String::from_utf8_lossy(&compiled.stderr));
+    let out = resume(text(&plan), "plan", &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("heads 4 (the checkpoint has 8)"), "{stderr}");
+    assert!(resume(text(&model), "as-trained", &[]).status.success());
+}
+
+/// A checkpoint knows its data file by where it was and what it held: resumed from another working
+/// directory it reads that file (not one at the same relative path there), the same file named another
+/// way or copied elsewhere is accepted, another file or the file changed in place is refused.
+#[test]
+fn a_resumed_run_reads_the_data_it_trained_on_whatever_the_working_directory() {
+    let dir = scratch("data-identity");
+    let (home, elsewhere) = (dir.join("home"), dir.join("elsewhere"));
+    for folder in [&home, &elsewhere] {
+        std::fs::create_dir_all(folder.join("data")).expect("a folder");
+        std::fs::copy("examples/tiny.opt", folder.join("tiny.opt")).expect("a copy of tiny.opt");
+    }
+    let tokens = |seed: u32| -> Vec<u8> {
+        (0..8192u32).map(|i| ((i * 7 + i / 13 + seed) % 101) as u16).flat_map(u16::to_le_bytes).collect()
+    };
+    std::fs::write(home.join("data/tokens.u16"), tokens(0)).expect("tokens");
+    std::fs::write(elsewhere.join("data/tokens.u16"), tokens(5)).expect("other tokens, same name");
+    let run_in = |cwd: &std::path::Path, args: &[&str]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_optimusc"));
+        command.current_dir(cwd).args(["run", "tiny.opt", "--json", "--mesh", "2x2", "--steps", "4"]).args(args);
+        command.output().expect("optimusc runs")
+    };
+    let whole = run_in(&home, &["--data", "data/tokens.u16"]);
+    assert!(whole.status.success(), "{}", String::from_utf8_lossy(&whole.stderr));
+    let uninterrupted = records(&String::from_utf8_lossy(&whole.stdout));
+    let ckpt = dir.join("ckpt");
+    let first = ["--data", "data/tokens.u16", "--checkpoint-dir", text(&ckpt), "--checkpoint-every", "2"];
+    assert!(run_in(&home, &first).status.success());
+    let after_2 = ckpt.join("step-00000002");
+    let resume = |cwd: &std::path::Path, name: &str, extra: &[&str]| {
+        let folder = dir.join(name);
+        run_in(cwd, &[&["--resume", text(&after_2), "--checkpoint-dir", text(&folder)], extra].concat())
+    };
+    let out = resume(&elsewhere, "elsewhere", &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(records(&String::from_utf8_lossy(&out.stdout)), uninterrupted[2..], "the trained file, bit for bit");
+    let copy = elsewhere.join("copy.u16");
+    std::fs::copy(home.join("data/tokens.u16"), &copy).expect("a copy of the data");
+    let absolute = home.join("data/tokens.u16");
+    for (name, data, cwd) in [("dot", "./data/tokens.u16", &home), ("absolute", text(&absolute), &elsewhere)] {
+        let out = resume(cwd, name, &["--data", data]);
+        assert!(out.status.success(), "{data}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let out = resume(&elsewhere, "copy", &["--data", text(&copy)]);
+    assert!(out.status.success(), "a copy: {}", String::from_utf8_lossy(&out.stderr));
+    let out = resume(&elsewhere, "other", &["--data", "data/tokens.u16"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("another file than the checkpoint's"), "{stderr}");
+    std::fs::write(home.join("data/tokens.u16"), tokens(9)).expect("the data changed in place");
+    let out = resume(&home, "changed", &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("changed after the checkpoint trained on it"), "{stderr}");
+    assert!(resume(&home, "changed-allowed", &["--allow-changes"]).status.success());
+}
+
+/// A flag given with the value the run would take anyway is no change: AdamW's weight decay of 0.01,
+/// SGD's of 0, float32, a decay floor of 0.
+#[test]
+fn defaults_given_explicitly_on_resume_are_no_change() {
+    let dir = scratch("defaults");
+    for (optimizer, extra, defaults) in [
+        (
+            "adamw",
+            &["--lr-schedule", "cosine"][..],
+            &["--weight-decay", "0.01", "--precision", "f32", "--min-lr", "0"][..],
+        ),
+        ("sgd", &[][..], &["--weight-decay", "0", "--precision", "f32"][..]),
+    ] {
+        let ckpt = dir.join(optimizer);
+        let base = ["run", "examples/tiny.opt", "--optimizer", optimizer, "--checkpoint-dir", text(&ckpt)];
+        let first = optimusc(&[&base[..], &["--steps", "2"], extra].concat());
+        assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+        let again = dir.join(format!("{optimizer}-again"));
+        let args = ["run", "examples/tiny.opt", "--steps", "3", "--resume", text(&ckpt), "--checkpoint-dir"];
+        let out = optimusc(&[&args[..], &[text(&again)], defaults].concat());
+        assert!(out.status.success(), "{optimizer} {defaults:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}

@@ -77,11 +77,21 @@ fn flag_words(id: &str, values: &[String]) -> Vec<OsString> {
     values.iter().flat_map(|v| [OsString::from(flag(id)), OsString::from(v)]).collect()
 }
 
-/// What a flag's values parse to, as text: two spellings of one value (`3e-3`, `0.003`) compare equal.
-fn parsed(args: &RunArgs, id: &str, values: &[String]) -> Option<String> {
+/// What a flag's values parse to, as text, with the defaults the run resolves later resolved (the weight
+/// decay of the optimizer the checkpoint was trained with, f32, a decay floor of 0): two spellings of
+/// one value (`3e-3`, `0.003`), and a default given explicitly (`--weight-decay 0.01` under AdamW,
+/// `--precision f32`), compare equal.
+fn parsed(args: &RunArgs, id: &str, values: &[String], recorded: &GivenFlags) -> Option<String> {
     let mut words = vec![args.input.clone().into_os_string()];
+    if let Some(optimizer) = recorded.get("optimizer").filter(|_| id != "optimizer") {
+        words.extend(flag_words("optimizer", optimizer));
+    }
     words.extend(flag_words(id, values));
-    <RunLine as clap::Parser>::try_parse_from(words).ok().map(|line| format!("{:?}", line.args))
+    let mut run = <RunLine as clap::Parser>::try_parse_from(words).ok()?.args;
+    run.optimizer.weight_decay = Some(run.optimizer.settings().weight_decay);
+    run.target.precision = Some(run.target.precision.unwrap_or(super::PrecisionArg::F32));
+    run.min_lr = Some(run.min_lr.unwrap_or(0.0));
+    Some(format!("{run:?}"))
 }
 
 /// The words of this process's `run` command line (after the subcommand).
@@ -99,9 +109,9 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
     let Some(path) = &args.checkpoint.resume else { return Ok(args.clone()) };
     let Ok(checkpoint) = optimus::io::shards::Checkpoint::open(path) else { return Ok(args.clone()) };
     let recorded: GivenFlags = serde_json::from_value(checkpoint.training()["flags"].clone()).unwrap_or_default();
-    let trained_config = &checkpoint.training()["config"];
+    let trained = Trained { config: &checkpoint.training()["config"], files: &checkpoint.training()["files"] };
     let (fixed, changes): (Vec<_>, Vec<_>) =
-        changed_flags(args, &recorded, trained_config).into_iter().partition(|(id, _)| FIXED.contains(&id.as_str()));
+        changed_flags(args, &recorded, trained).into_iter().partition(|(id, _)| FIXED.contains(&id.as_str()));
     if !fixed.is_empty() {
         let fixed: Vec<String> = fixed.into_iter().map(|(_, change)| change).collect();
         return Err(Failure::usage(format!(
@@ -134,6 +144,14 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
     if missing.is_empty() {
         return Ok(args.clone());
     }
+    // A data file the checkpoint trained on is read where it was then, whatever the working directory.
+    let missing: Vec<(&String, Vec<String>)> = missing
+        .into_iter()
+        .map(|(id, values)| match trained_file(trained.files, id) {
+            Some(file) => (id, vec![file.path.display().to_string()]),
+            None => (id, values.clone()),
+        })
+        .collect();
     let mut words = run_words();
     for (id, values) in &missing {
         words.extend(flag_words(id, values));
@@ -150,6 +168,35 @@ pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
         eprintln_safe!("note: --resume: continuing with the checkpoint's {}", taken.join(", "));
     }
     Ok(resumed)
+}
+
+/// What a checkpoint records of the model and data it was trained with.
+#[derive(Clone, Copy)]
+struct Trained<'c> {
+    /// The config values, by name.
+    config: &'c serde_json::Value,
+    /// The data files' fingerprints, by flag id (`data`, `segments`, `labels`); null in checkpoints
+    /// written before they were recorded.
+    files: &'c serde_json::Value,
+}
+
+/// The flags that name a data file the training reads.
+pub const DATA_FILE_FLAGS: [&str; 3] = ["data", "segments", "labels"];
+
+/// The fingerprint a checkpoint recorded of the data file of flag `id`, if it recorded one.
+fn trained_file(files: &serde_json::Value, id: &str) -> Option<optimus::io::fingerprint::Fingerprint> {
+    DATA_FILE_FLAGS.contains(&id).then(|| serde_json::from_value(files[id].clone()).ok()).flatten()
+}
+
+/// Whether the data file given for flag `id` is the one the checkpoint trained on, by its contents
+/// (so `./data.u16`, an absolute path and a copy elsewhere are all that file); `None` where the
+/// checkpoint recorded no fingerprint of it or the file given cannot be read (it is then compared as
+/// text, and reading it fails later with its own error).
+fn same_data_file(files: &serde_json::Value, id: &str, given: &[String]) -> Option<bool> {
+    let trained = trained_file(files, id)?;
+    let path = given.last()?;
+    let mine = optimus::io::fingerprint::fingerprint(std::path::Path::new(path), "data").ok()?;
+    Some(mine.same_contents(&trained))
 }
 
 /// Defining flags that not even `--allow-changes` changes: the checkpoint's state means nothing without them.
@@ -212,15 +259,32 @@ fn changed_sets(given: &[String], recorded: &[String], trained_config: &serde_js
 
 /// The defining flags given on this command line with another value than the checkpoint recorded,
 /// each with its flag's id.
-fn changed_flags(args: &RunArgs, recorded: &GivenFlags, trained_config: &serde_json::Value) -> Vec<(String, String)> {
+fn changed_flags(args: &RunArgs, recorded: &GivenFlags, trained: Trained) -> Vec<(String, String)> {
     let mut changes = Vec::new();
-    if let Some(given) = args.given.get("set").filter(|_| !recorded.is_empty() || !trained_config.is_null()) {
-        let sets = changed_sets(given, recorded.get("set").map_or(&[][..], Vec::as_slice), trained_config);
+    if let Some(given) = args.given.get("set").filter(|_| !recorded.is_empty() || !trained.config.is_null()) {
+        let sets = changed_sets(given, recorded.get("set").map_or(&[][..], Vec::as_slice), trained.config);
         changes.extend(sets.into_iter().map(|change| ("set".to_string(), change)));
     }
     for (id, theirs) in recorded.iter().filter(|(id, _)| is_defining(id) && id.as_str() != "set") {
         let Some(mine) = args.given.get(id) else { continue };
-        if parsed(args, id, mine) != parsed(args, id, theirs) {
+        match same_data_file(trained.files, id, mine) {
+            Some(true) => continue,
+            Some(false) => {
+                let file = trained_file(trained.files, id).map(|f| f.path.display().to_string());
+                changes.push((
+                    id.clone(),
+                    format!(
+                        "{} {} (another file than the checkpoint's `{}`)",
+                        flag(id),
+                        mine.join(" "),
+                        file.unwrap_or_else(|| theirs.join(" "))
+                    ),
+                ));
+                continue;
+            }
+            None => {}
+        }
+        if parsed(args, id, mine, recorded) != parsed(args, id, theirs, recorded) {
             changes.push((
                 id.clone(),
                 format!("{} {} (the checkpoint has {})", flag(id), mine.join(" "), theirs.join(" ")),
@@ -231,7 +295,7 @@ fn changed_flags(args: &RunArgs, recorded: &GivenFlags, trained_config: &serde_j
         return changes;
     }
     for (id, mine) in args.given.iter().filter(|(id, _)| is_defining(id) && id.as_str() != "set") {
-        if !recorded.contains_key(id) && parsed(args, id, mine) != parsed(args, id, &[]) {
+        if !recorded.contains_key(id) && parsed(args, id, mine, recorded) != parsed(args, id, &[], recorded) {
             changes.push((id.clone(), format!("{} {} (the checkpoint has the default)", flag(id), mine.join(" "))));
         }
     }

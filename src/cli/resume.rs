@@ -200,6 +200,7 @@ fn training_record(args: &RunArgs, plan: &Plan) -> serde_json::Value {
         "warmup_steps": args.warmup_steps,
         "min_lr": args.min_lr,
         "clip_grad_norm": args.clip_grad_norm,
+        "files": data_fingerprints(args),
         "flags": args.given,
         "must_match": {
             "seed": args.seed,
@@ -209,6 +210,60 @@ fn training_record(args: &RunArgs, plan: &Plan) -> serde_json::Value {
             "seq": batch.map(|b| b.1),
         },
     })
+}
+
+/// The fingerprints of the data files the run trains on, by flag id: a resumed run reads them where they
+/// were and checks that they still hold what they held. A file that cannot be read is left out (reading
+/// it fails the run with its own error).
+fn data_fingerprints(args: &RunArgs) -> serde_json::Map<String, serde_json::Value> {
+    data_files(args)
+        .into_iter()
+        .filter_map(|(id, path)| {
+            let print = optimus::io::fingerprint::fingerprint(path?, "data").ok()?;
+            Some((id.to_string(), serde_json::to_value(print).ok()?))
+        })
+        .collect()
+}
+
+/// The data file of each flag of [`super::recorded::DATA_FILE_FLAGS`], where the run has one.
+fn data_files(args: &RunArgs) -> [(&'static str, Option<&std::path::Path>); 3] {
+    [
+        ("data", args.data.as_deref()),
+        ("segments", args.inputs.segments.as_deref()),
+        ("labels", args.inputs.labels.as_deref()),
+    ]
+}
+
+/// The data files this run reads whose contents differ from those the checkpoint trained on (as
+/// `--data PATH (...)`); nothing for a checkpoint that recorded no fingerprints.
+fn changed_data_files(args: &RunArgs, checkpoint: &Checkpoint) -> Vec<String> {
+    use optimus::io::fingerprint::{Fingerprint, fingerprint};
+    let theirs = &checkpoint.training()["files"];
+    let mut changed = Vec::new();
+    for (id, path) in data_files(args) {
+        let Ok(trained) = serde_json::from_value::<Fingerprint>(theirs[id].clone()) else { continue };
+        let flag = format!("--{id}");
+        match path.map(|path| fingerprint(path, "data")) {
+            // Unreadable: reading it fails the run with its own error.
+            Some(Err(_)) => {}
+            Some(Ok(print)) if print.same_contents(&trained) => {}
+            Some(Ok(print)) if print.path == trained.path => changed.push(format!(
+                "{flag} `{}` changed after the checkpoint trained on it ({} bytes then, {} now, other contents)",
+                print.path.display(),
+                trained.bytes,
+                print.bytes
+            )),
+            Some(Ok(print)) => changed.push(format!(
+                "{flag} `{}` ({} bytes) holds other contents than `{}` ({} bytes), the file the checkpoint trained on",
+                print.path.display(),
+                print.bytes,
+                trained.path.display(),
+                trained.bytes
+            )),
+            None => changed.push(format!("no {flag} (the checkpoint trained on `{}`)", trained.path.display())),
+        }
+    }
+    changed
 }
 
 /// Opens the checkpoint to resume from and checks that this run continues it: the same seed,
@@ -222,6 +277,26 @@ fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json:
              model file it was trained from{}",
             checkpoint.dir().display(),
             checkpoint.training()["source"].as_str().map_or(String::new(), |source| format!(" (`{source}`)"))
+        )));
+    }
+    let changed = changed_config(&training["config"], &checkpoint.training()["config"]);
+    if !changed.is_empty() && !args.checkpoint.allow_changes {
+        return Err(Failure::usage(format!(
+            "--resume: `{}` was trained with other config values: {}; its weights and optimizer state belong to \
+             the model as it was trained (the model file{} or the plan changed since): resume with that model, \
+             or add --allow-changes to change it on purpose",
+            checkpoint.dir().display(),
+            changed.join(", "),
+            checkpoint.training()["source"].as_str().map_or(String::new(), |source| format!(" `{source}`"))
+        )));
+    }
+    let changed = changed_data_files(args, &checkpoint);
+    if !changed.is_empty() && !args.checkpoint.allow_changes {
+        return Err(Failure::usage(format!(
+            "--resume: `{}` would continue on other data: {}; an uninterrupted run would read what it read: give \
+             the files it trained on, or add --allow-changes to change them on purpose",
+            checkpoint.dir().display(),
+            changed.join("; ")
         )));
     }
     let theirs = &checkpoint.training()["must_match"];
@@ -250,6 +325,25 @@ fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json:
         )));
     }
     Ok(checkpoint)
+}
+
+/// The config values in which this run's model (`mine`, as [`training_record`] records it) differs from
+/// the one the checkpoint was trained with (`theirs`), as `NAME VALUE (the checkpoint has VALUE)`; a name
+/// only one of them has counts too. Nothing for a checkpoint that recorded no config.
+fn changed_config(mine: &serde_json::Value, theirs: &serde_json::Value) -> Vec<String> {
+    let (Some(mine), Some(theirs)) = (mine.as_object(), theirs.as_object()) else { return Vec::new() };
+    let mut changed = Vec::new();
+    for (name, value) in mine {
+        match theirs.get(name) {
+            Some(trained) if super::weights_config::same_number(value, trained) => {}
+            Some(trained) => changed.push(format!("{name} {value} (the checkpoint has {trained})")),
+            None => changed.push(format!("{name} {value} (the checkpoint's model has no `{name}`)")),
+        }
+    }
+    for name in theirs.keys().filter(|name| !mine.contains_key(*name)) {
+        changed.push(format!("no `{name}` (the checkpoint has {})", theirs[name]));
+    }
+    changed
 }
 
 /// What an interrupted run prints: where its state is and how to go on.

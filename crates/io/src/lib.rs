@@ -7,6 +7,7 @@
 //! [`sources`] feeds every model input from data by its role (token ids, targets, token types, MLM labels).
 //! [`mask`] writes BERT's masked inputs and labels from a token file (`optimusc mask-data`).
 //! [`files`] opens user-named inputs: regular files only, small ones read with a size bound.
+//! [`fingerprint`] identifies a data file (its canonical path, size and sampled contents) for `--resume`.
 //! [`metrics`] appends the JSON-lines log of a run's records and reads it back as curves.
 //! [`shards`] writes and reads sharded training checkpoints (one file per device and a manifest),
 //! crash-safe, and readable onto any mesh.
@@ -25,6 +26,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod files;
+pub mod fingerprint;
 pub mod hf_config;
 pub mod mapped;
 pub mod mask;
