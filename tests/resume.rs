@@ -634,3 +634,107 @@ fn defaults_given_explicitly_on_resume_are_no_change() {
         assert!(out.status.success(), "{optimizer} {defaults:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
+
+/// Outputs that would corrupt a checkpoint, or make a folder mean two things, are refused before step 0:
+/// `--save-weights` or `--log` inside the checkpoint resumed from, a Hugging Face save into a folder of
+/// checkpoints, and the two outputs on one file. A folder that holds both a save and checkpoints is not
+/// read as either by `--weights`.
+#[test]
+fn outputs_that_would_corrupt_a_checkpoint_are_refused() {
+    let dir = scratch("outputs-into-checkpoints");
+    let ckpt = dir.join("ckpt");
+    assert!(
+        optimusc(&["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "2", "--checkpoint-dir", text(&ckpt)])
+            .status
+            .success()
+    );
+    let step = ckpt.join("step-00000002");
+    let (shard, manifest) = (step.join("device-0-0.safetensors"), step.join("manifest.json"));
+    let before = (std::fs::read(&shard).expect("a shard"), std::fs::read(&manifest).expect("the manifest"));
+    let resume = ["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "4", "--resume", text(&ckpt)];
+    for (flag, output, says) in [
+        ("--save-weights", text(&shard), "lies in the checkpoint folder"),
+        ("--log", text(&manifest), "lies in the checkpoint folder"),
+        ("--save-weights", text(&ckpt), "lies in the checkpoint folder"),
+        ("--save-weights", text(&step), "lies in the checkpoint folder"),
+    ] {
+        let again = dir.join("again");
+        let out = optimusc(&[&resume[..], &["--checkpoint-dir", text(&again), flag, output]].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {output}: {stderr}");
+        assert!(stderr.contains(says), "{flag} {output}: {stderr}");
+    }
+    assert_eq!(
+        (std::fs::read(&shard).expect("a shard"), std::fs::read(&manifest).expect("the manifest")),
+        before,
+        "the checkpoint is untouched"
+    );
+    // Not resumed from either: a save into a folder of checkpoints, or into one checkpoint.
+    for folder in [&ckpt, &step] {
+        let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--save-weights", text(folder)]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("holds training checkpoints"), "{stderr}");
+    }
+    let log = dir.join("run.jsonl");
+    let same =
+        optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--save-weights", text(&log), "--log", text(&log)]);
+    assert_eq!(same.status.code(), Some(2), "{}", String::from_utf8_lossy(&same.stderr));
+    // A save beside checkpoints (copied in by hand): --weights names neither.
+    let both = dir.join("both");
+    let saved = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--save-weights", &format!("{}/", text(&both))]);
+    assert!(saved.status.success(), "{}", String::from_utf8_lossy(&saved.stderr));
+    let copied = std::process::Command::new("cp").arg("-r").arg(&step).arg(&both).status().expect("cp runs");
+    assert!(copied.success());
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--weights", text(&both)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("holds both a Hugging Face save"), "{stderr}");
+}
+
+/// A checkpoint's folder name, its manifest's step and its training record's step are one: a folder
+/// renamed to a later update is refused (it would be taken for the latest and resume update 2's state
+/// as update 9's), naming the name to give it back.
+#[test]
+fn a_renamed_checkpoint_folder_is_refused() {
+    let dir = scratch("renamed");
+    let ckpt = dir.join("ckpt");
+    let first = ["run", "examples/tiny.opt", "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir"];
+    assert!(optimusc(&[&first[..], &[text(&ckpt)]].concat()).status.success());
+    std::fs::rename(ckpt.join("step-00000002"), ckpt.join("step-00000009")).expect("renamed");
+    let out = optimusc(&["run", "examples/tiny.opt", "--steps", "6", "--resume", text(&ckpt)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("the checkpoint of update 2, in a folder named for update 9"), "{stderr}");
+    assert!(stderr.contains("`step-00000002`") && stderr.contains("step-00000004"), "{stderr}");
+}
+
+/// A checkpoint that cannot be written on a mesh of several devices is reported with its cause, by the
+/// device that writes it, not as another device's consequence.
+#[test]
+fn a_checkpoint_that_cannot_be_written_says_why() {
+    use std::io::{BufRead, BufReader};
+    let dir = scratch("unwritable");
+    let ckpt = dir.join("ckpt");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args(["run", "examples/tiny.opt", "--mesh", "2x2", "--steps", "100000", "--json", "--checkpoint-every", "1"])
+        .arg("--checkpoint-dir")
+        .arg(&ckpt)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("optimusc starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().expect("a first record").expect("a line");
+    assert!(first.contains("\"step\""), "{first}");
+    std::fs::remove_dir_all(&ckpt).expect("the folder removed");
+    std::fs::write(&ckpt, "in the way").expect("a file in its place");
+    lines.for_each(drop);
+    let out = child.wait_with_output().expect("optimusc ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    // Whichever checkpoint came first after the folder went (the run may have written more before).
+    let cause = format!(": cannot create checkpoint directory `{}`", text(&ckpt));
+    assert!(stderr.contains("error: device (0, 0) failed: checkpoint after step "), "{stderr}");
+    assert!(stderr.contains(&cause) && stderr.contains("(os error"), "{stderr}");
+}

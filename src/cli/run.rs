@@ -661,8 +661,64 @@ fn refuse_outputs_onto_inputs(args: &RunArgs) -> Result<(), Failure> {
         for input in inputs.iter().flatten() {
             super::refuse_overwriting_input(output, input, flag)?;
         }
+        refuse_output_into_checkpoints(args, flag, output)?;
+    }
+    if let (Some(weights), Some(log)) = (&args.save_weights, &args.log)
+        && resolved(weights) == resolved(log)
+    {
+        return Err(Failure::usage(format!(
+            "--save-weights and --log both name `{}`: the weights would replace the log; name two files",
+            weights.display()
+        )));
     }
     Ok(())
+}
+
+/// An output inside a checkpoint the run resumes from or writes (the step folder --resume names, or a
+/// `step-*` folder of --resume's or --checkpoint-dir's folder) would corrupt it, and `--save-weights`
+/// into such a folder itself would put a Hugging Face save beside the checkpoints, which `--weights
+/// DIR` could not tell apart: a usage error naming the folder.
+fn refuse_output_into_checkpoints(args: &RunArgs, flag: &str, output: &Path) -> Result<(), Failure> {
+    let folders = [args.checkpoint.resume.as_deref(), args.checkpoint.checkpoint_dir.as_deref()];
+    let output_at = resolved(output);
+    for folder in folders.into_iter().flatten() {
+        let folder_at = resolved(folder);
+        let Ok(inside) = output_at.strip_prefix(&folder_at) else { continue };
+        let step_folder = folder.join(optimus::io::shards::MANIFEST).is_file();
+        let in_a_step =
+            inside.components().next().is_some_and(|c| c.as_os_str().to_string_lossy().starts_with("step-"));
+        let beside = inside.as_os_str().is_empty() && flag == "--save-weights";
+        if step_folder || in_a_step || beside {
+            return Err(Failure::usage(format!(
+                "{flag} `{}` lies in the checkpoint folder `{}`, which this run {}: name a path outside its \
+                 checkpoints",
+                output.display(),
+                folder.display(),
+                if Some(folder) == args.checkpoint.resume.as_deref() { "resumes from" } else { "writes" }
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `path` made absolute through its nearest existing ancestor (links and `..` resolved there), the rest
+/// appended as written: two names of one destination compare equal even before it exists.
+fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut rest = Vec::new();
+    let mut existing = absolute.as_path();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(real, |at, part| at.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
 }
 
 fn run_on_threads(args: &RunArgs, job: &Prepared) -> Result<(), String> {
@@ -1142,6 +1198,18 @@ pub(super) fn weights_for(path: Option<&PathBuf>, allow: bool, plan: &Plan) -> R
     if let Some(warning) = path.filter(|_| leader).and_then(|p| super::weights_config::warning(p, plan)) {
         eprintln_safe!("warning: {warning}");
     }
+    if let Some(dir) = path.filter(|p| p.is_dir())
+        && let Some(save) = pretrained_file(dir)
+        && (dir.join(optimus::io::shards::MANIFEST).is_file()
+            || !optimus::io::shards::complete_checkpoints(dir).is_empty())
+    {
+        return Err(format!(
+            "`{}` holds both a Hugging Face save (`{}`) and training checkpoints: name the one to load, that file \
+             or a checkpoint's folder (`step-NNNNNNNN`)",
+            dir.display(),
+            save.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+        ));
+    }
     match path {
         None => Ok((BTreeMap::new(), None)),
         Some(path) if path.is_dir() && pretrained_file(path).is_none() => {
@@ -1157,6 +1225,15 @@ fn check_weights_destination(path: &Path, with_tokenizer: bool) -> Result<(), St
     let fail = |e: String| format!("--save-weights: {e}");
     if !saves_a_directory(path) {
         return optimus::io::check_writable(path).map_err(|e| fail(e.to_string()));
+    }
+    if path.join(optimus::io::shards::MANIFEST).is_file() || !optimus::io::shards::complete_checkpoints(path).is_empty()
+    {
+        return Err(fail(format!(
+            "`{}` holds training checkpoints: a Hugging Face save beside them would make `--weights {}` ambiguous; \
+             name another folder",
+            path.display(),
+            path.display()
+        )));
     }
     let tokenizer = if with_tokenizer { &optimus::text::HUB_FILES[..] } else { &[] };
     let names = optimus::io::pretrained::folder_files(tokenizer);

@@ -376,6 +376,10 @@ pub enum ManifestProblem {
     Tensor { name: String, problem: RecordProblem },
     /// A parameter without the record of its value or of an optimizer state (`key`).
     NoStateTensor { param: String, key: String },
+    /// The step differs from its training record's.
+    RecordedStep { step: u64, recorded: u64 },
+    /// The checkpoint of update `step` in a folder named for update `named`.
+    FolderName { step: u64, named: u64 },
 }
 
 impl fmt::Display for ManifestProblem {
@@ -389,6 +393,15 @@ impl fmt::Display for ManifestProblem {
             }
             ManifestProblem::Tensor { name, problem } => write!(f, "tensor `{name}`: {problem}"),
             ManifestProblem::NoStateTensor { param, key } => write!(f, "parameter `{param}` has no tensor `{key}`"),
+            ManifestProblem::RecordedStep { step, recorded } => {
+                write!(f, "its step is {step}, and its training record says update {recorded}")
+            }
+            ManifestProblem::FolderName { step, named } => write!(
+                f,
+                "it is the checkpoint of update {step}, in a folder named for update {named}: a renamed folder would \
+                 be taken for another update's checkpoint; give it its name back (`{}`)",
+                step_dir_name(*step)
+            ),
         }
     }
 }
@@ -1194,6 +1207,22 @@ fn remove_stale_staging(dir: &Path, stale: impl Fn(u64) -> bool) {
     }
 }
 
+/// The update a checkpoint is after, as its manifest, its training record and its folder's name
+/// (`step-NNNNNNNN`, where the folder is so named) say it, must be one: a folder renamed, or a manifest
+/// whose step was edited (and its hash recomputed), would resume another update's weights at this step,
+/// or be taken for the latest when it is not.
+fn check_step_agrees(dir: &Path, manifest: &Manifest) -> Result<(), ManifestProblem> {
+    let step = manifest.step;
+    let recorded = manifest.training.get("step").and_then(serde_json::Value::as_u64);
+    if let Some(recorded) = recorded.filter(|&s| s != step) {
+        return Err(ManifestProblem::RecordedStep { step, recorded });
+    }
+    match dir.file_name().and_then(|n| n.to_str()).and_then(parse_step_dir) {
+        Some(named) if named != step => Err(ManifestProblem::FolderName { step, named }),
+        _ => Ok(()),
+    }
+}
+
 /// The complete checkpoints in DIR (`step-N` directories with a manifest), oldest first.
 pub fn complete_checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
     step_entries(dir, "").into_iter().filter(|(_, path)| path.join(MANIFEST).is_file()).collect()
@@ -1398,6 +1427,8 @@ impl Checkpoint {
         let bytes = super::files::read_bounded(&path, "checkpoint manifest", MANIFEST_LIMIT)?;
         let manifest = parse_manifest(&path, &bytes)?;
         check_manifest(&manifest).map_err(|why| CheckpointError::InvalidManifest { path: path.clone(), why })?;
+        check_step_agrees(dir, &manifest)
+            .map_err(|why| CheckpointError::InvalidManifest { path: path.clone(), why })?;
         Ok(Checkpoint { dir: dir.to_path_buf(), manifest })
     }
 

@@ -384,8 +384,6 @@ pub enum RuntimeError {
     Data(String),
     /// A checkpoint could not be read or written, in its own words.
     Checkpoint(String),
-    /// Device (0, 0) could not prepare a checkpoint (its own error is reported there).
-    CheckpointNotPrepared,
     /// A parameter (or, with `state`, its optimizer state) not alive when a checkpoint is written.
     CheckpointNotAlive { name: String, state: bool },
     /// Validation of a model without a loss output.
@@ -425,7 +423,6 @@ impl std::fmt::Display for RuntimeError {
             RuntimeError::Blocks(message) | RuntimeError::Data(message) | RuntimeError::Checkpoint(message) => {
                 f.write_str(message)
             }
-            RuntimeError::CheckpointNotPrepared => f.write_str("device (0, 0) could not prepare the checkpoint"),
             RuntimeError::CheckpointNotAlive { name, state: false } => write!(f, "`{name}` is not alive"),
             RuntimeError::CheckpointNotAlive { name, state: true } => {
                 write!(f, "the optimizer state of `{name}` is not alive")

@@ -958,12 +958,13 @@ impl<B: Backend, C: Communicator> Device<'_, B, C> {
         (plan, step, micro_batches): (&Plan, u64, u64),
         tensors: &[(Tensor, Vec<Tensor>)],
     ) -> Result<Option<std::path::PathBuf>, RuntimeError> {
-        // Device (0, 0) makes a fresh staging directory; every device writes into it once it exists.
-        let prepared = if self.coords().is_origin() { checkpoints.sink.prepare(step) } else { Ok(()) };
-        if self.any_device(prepared.is_err())? {
-            prepared.map_err(store_error)?;
-            return Err(RuntimeError::CheckpointNotPrepared);
+        // Device (0, 0) makes a fresh staging directory; every device writes into it once it exists. One
+        // that cannot be made fails device (0, 0) at once, before the others hear of it: the first
+        // failure is the one the run reports, and it is the one that says why.
+        if self.coords().is_origin() {
+            checkpoints.sink.prepare(step).map_err(store_error)?;
         }
+        self.any_device(false)?;
         let blocks: Vec<DeviceParamBlocks> = tensors
             .iter()
             .map(|(param, states)| DeviceParamBlocks { param, states: states.iter().collect() })
