@@ -372,3 +372,16 @@ fn a_gradient_that_is_zero_in_exact_arithmetic_verifies_on_every_mesh() {
     let worst: f64 = summary.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(-1.0);
     assert!(summary.contains("FAILED") && worst == largest("gradients") && worst > 0.0, "{stdout}");
 }
+
+/// `--save-weights NAME/` (a folder) where NAME is a file says so, rather than the system's "File exists".
+#[test]
+fn a_weights_folder_where_a_file_is_says_so() {
+    let file = scratch("a-file-not-a-folder");
+    std::fs::write(&file, "in the way").expect("a file");
+    for folder in [format!("{}/", file.display()), format!("{}/below/", file.display())] {
+        let out = optimusc(&["run", "examples/tiny.opt", "--steps", "1", "--save-weights", &folder]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(&format!("`{}` is a file, not a folder", file.display())), "{stderr}");
+    }
+}

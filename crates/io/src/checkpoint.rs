@@ -241,10 +241,12 @@ impl fmt::Display for SaveError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SaveError::Tensors { path, problems } => {
-                write!(f, "cannot save checkpoint `{}`:\n{}", path.display(), bullet_list(problems))
+                write!(f, "cannot save weights file `{}`:\n{}", path.display(), bullet_list(problems))
             }
-            SaveError::Serialize { path, source } => write!(f, "cannot save checkpoint `{}`: {source}", path.display()),
-            SaveError::Write(e) => write!(f, "cannot write checkpoint `{}`: {}", e.path().display(), e.reason()),
+            SaveError::Serialize { path, source } => {
+                write!(f, "cannot save weights file `{}`: {source}", path.display())
+            }
+            SaveError::Write(e) => write!(f, "cannot write weights file `{}`: {}", e.path().display(), e.reason()),
         }
     }
 }

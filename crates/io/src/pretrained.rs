@@ -309,6 +309,15 @@ pub fn make_writable_folder(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>
         .take_while(|p| !p.exists())
         .map(Path::to_path_buf)
         .collect();
+    // A file where the folder (or one above it) would go: say so, not the OS's "File exists".
+    let plain: PathBuf = dir.components().collect();
+    if let Some(file) = plain.ancestors().find(|p| !p.as_os_str().is_empty() && p.exists() && !p.is_dir()) {
+        let source = std::io::Error::new(
+            std::io::ErrorKind::NotADirectory,
+            format!("`{}` is a file, not a folder", file.display()),
+        );
+        return Err(SaveError::Directory { dir: dir.to_path_buf(), source });
+    }
     std::fs::create_dir_all(dir).map_err(|source| SaveError::Directory { dir: dir.to_path_buf(), source })?;
     let checked = no_folder_named_as_weights(dir).and_then(|()| {
         names.iter().try_for_each(|n| super::output::check_writable(&dir.join(n)).map_err(SaveError::Write))
