@@ -380,6 +380,34 @@ fn unknown_hardware_is_a_usage_error() {
     assert_eq!(code, Some(2));
 }
 
+/// `--no-overlap` exposes the data-parallel gradient sums as well as SUMMA's broadcasts, and
+/// contradicting `--overlap` is a usage error rather than one flag silently winning.
+#[test]
+fn no_overlap_exposes_the_gradient_sums_and_conflicts_with_overlap() {
+    let model = examples().join("gpt2.opt").to_string_lossy().into_owned();
+    let base = ["simulate", &model, "--mesh", "2x2x2", "--hardware", "dgx-a100", "--json"];
+    let data_sums = |extra: &[&str]| {
+        let (ok, out, err) = optimusc(&[&base[..], extra].concat());
+        assert!(ok, "{err}");
+        let sim = json(&out);
+        let rows = sim["communication"].as_array().cloned().unwrap_or_default();
+        let row = rows.iter().find(|r| r["group"] == "data" && r["kind"] == "all_reduce").cloned();
+        let row = row.unwrap_or_else(|| panic!("no data all_reduce row in {sim}"));
+        (row["time_s"].as_f64().unwrap_or(f64::NAN), row["exposed_s"].as_f64().unwrap_or(f64::NAN))
+    };
+    let (time, exposed) = data_sums(&[]);
+    assert!(exposed < 0.5 * time, "overlapped: {exposed} of {time} s exposed");
+    let (time, exposed) = data_sums(&["--no-overlap"]);
+    assert!(time > 0.0 && exposed == time, "--no-overlap: {exposed} of {time} s exposed");
+    let out = Command::new(env!("CARGO_BIN_EXE_optimusc"))
+        .args([&base[..], &["--overlap", "--no-overlap"]].concat())
+        .output();
+    let out = out.unwrap_or_else(|e| panic!("cannot run optimusc: {e}"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+}
+
 #[test]
 fn rings_share_each_nic_among_the_groups_whose_flows_cross_it() {
     let hw = profile(16.0);

@@ -37,8 +37,11 @@ pub struct SimulateArgs {
     /// profile's (auto unless it says otherwise). Every group's flows through a node's NIC share it.
     #[arg(long, value_enum)]
     pub algorithm: Option<AlgorithmArg>,
-    /// Do not overlap SUMMA broadcasts with the previous step's product (no double buffering).
-    #[arg(long)]
+    /// Do not overlap communication with computation: SUMMA broadcasts do not hide behind the
+    /// previous step's product (no double buffering), and data-parallel gradient sums are exposed where
+    /// they are issued instead of running beside the rest of the backward pass. Every collective's
+    /// whole time is then in the step.
+    #[arg(long, conflicts_with = "overlap")]
     pub no_overlap: bool,
     /// Also find the largest batch that fits in device memory (re-compiling with --set batch=N).
     #[arg(long)]
