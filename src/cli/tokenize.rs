@@ -31,7 +31,7 @@ pub struct TokenizeArgs {
     pub output: PathBuf,
     /// The share of the tokens, taken from the end of the corpus, written to PREFIX.val.* for
     /// `run --val-data` (0 <= F < 1) [default: 0, no validation file].
-    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    #[arg(long, value_name = "F", default_value_t = 0.0, hide_default_value = true)]
     pub val_fraction: f64,
     /// The token written between documents [default: the tokenizer's end-of-text token:
     /// <|endoftext|>, <|end_of_text|>, </s>, [SEP] or <eos>, whichever it has].
