@@ -225,8 +225,9 @@ fn negative_numbers_as_values(command: clap::Command) -> clap::Command {
 }
 
 /// A flag's integer parser's own words ("invalid digit found in string", for `-1` or `1.5` given to a
-/// count or a seed) said as what the flag takes; every other parse error (a range's bounds among them)
-/// as clap words it.
+/// count or a seed) said as what the flag takes, and so is a count's lower bound (clap prints `range(1..)`
+/// as "0 is not in 1..18446744073709551615"); every other parse error (a range with both bounds among
+/// them) as clap words it.
 fn explain(error: clap::Error) -> clap::Error {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
     let text = |kind| match error.get(kind) {
@@ -239,10 +240,13 @@ fn explain(error: clap::Error) -> clap::Error {
     let reason = std::error::Error::source(&error).map(|e| e.to_string()).unwrap_or_default();
     let takes = match reason.as_str() {
         "invalid digit found in string" | "cannot parse integer from empty string" => {
-            "a whole number, in digits only (no sign, no decimal point)"
+            "a whole number, in digits only (no sign, no decimal point)".to_string()
         }
-        "number too large to fit in target type" => "a smaller whole number",
-        _ => return error,
+        "number too large to fit in target type" => "a smaller whole number".to_string(),
+        _ => match least_of_open_range(&reason) {
+            Some(least) => format!("at least {least}"),
+            None => return error,
+        },
     };
     if error.kind() != ErrorKind::ValueValidation {
         return error;
@@ -250,6 +254,14 @@ fn explain(error: clap::Error) -> clap::Error {
     let message =
         format!("invalid value '{value}' for '{flag}': give {takes}\n\nFor more information, try '--help'.\n");
     clap::Error::raw(ErrorKind::ValueValidation, message)
+}
+
+/// The lower bound of a range without an upper one, from clap's words for a value outside it: "0 is
+/// not in 1..18446744073709551615" (clap prints the missing bound as the type's largest value).
+fn least_of_open_range(reason: &str) -> Option<&str> {
+    let (_, bounds) = reason.split_once(" is not in ")?;
+    let (least, most) = bounds.split_once("..")?;
+    (most == u64::MAX.to_string() || most == i64::MAX.to_string()).then_some(least)
 }
 
 /// The most kernel threads `RAYON_NUM_THREADS` may ask for: far more than any machine's cores, far

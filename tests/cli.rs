@@ -234,7 +234,8 @@ fn usage_errors_exit_2() {
 
 /// A negative number or a fraction given to an integer flag is a usage error that says the flag takes
 /// digits only, rather than clap calling `-1` an unknown flag and suggesting `-- -1`; a negative value
-/// for a flag of real numbers reaches that flag's own check; a range's bounds are still clap's words.
+/// for a flag of real numbers reaches that flag's own check; a range with both bounds is still in
+/// clap's words.
 #[test]
 fn a_negative_or_fractional_integer_flag_says_what_it_takes() {
     let model = example("tiny");
@@ -261,6 +262,29 @@ fn a_negative_or_fractional_integer_flag_says_what_it_takes() {
     assert!(r.code() == Some(2) && r.stderr.contains("1000001 is not in 1..=1000000"), "{}", r.stderr);
     let r = run(&["run", "plan.json", "--lr", "-1"]);
     assert!(r.code() == Some(2) && r.stderr.contains("must be a finite number >= 0, not `-1`"), "{}", r.stderr);
+}
+
+/// A count below its least value (`--steps 0`) is a usage error that says the least the flag takes,
+/// on every command whose count has no upper bound, rather than clap's "0 is not in
+/// 1..18446744073709551615".
+#[test]
+fn a_count_below_its_least_says_the_least() {
+    let model = example("tiny");
+    let cases: [(&[&str], &str); 7] = [
+        (&["run", "plan.json", "--steps", "0"], "'0' for '--steps <STEPS>'"),
+        (&["run", "plan.json", "--eval-every", "0"], "'0' for '--eval-every <E>'"),
+        (&["run", "plan.json", "--checkpoint-every", "0"], "'0' for '--checkpoint-every <C>'"),
+        (&["run", "plan.json", "--keep", "0"], "'0' for '--keep <K>'"),
+        (&["verify", &model, "--mesh", "1x1", "--steps", "0"], "'0' for '--steps <STEPS>'"),
+        (&["compile", &model, "--mesh", "1x1", "-o", "p.json", "--max-context", "0"], "'0' for '--max-context <N>'"),
+        (&["mask-data", "tokens.u16", "-o", "masked", "--vocab", "0"], "'0' for '--vocab <V>'"),
+    ];
+    for (args, value) in cases {
+        let r = run(args);
+        assert_eq!(r.code(), Some(2), "{args:?}: {}", r.stderr);
+        assert!(r.stderr.contains(&format!("invalid value {value}: give at least 1")), "{args:?}: {}", r.stderr);
+        assert!(!r.stderr.contains("is not in"), "{args:?}: {}", r.stderr);
+    }
 }
 
 /// A failure's trailer restates the mesh as the strategy read it (a 3d cube with its depth of 1), and
