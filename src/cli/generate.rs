@@ -76,9 +76,10 @@ pub struct GenerateArgs {
     /// those).
     #[arg(long)]
     pub json: bool,
-    /// Positions each key/value cache holds [default: the longest prompt and --max-new-tokens]; at
-    /// most the model's `context`. The caches' memory grows with it (`inspect` of `compile
-    /// --max-context` shows it).
+    /// Positions each key/value cache holds [default: the longest prompt's tokens plus
+    /// --max-new-tokens minus one: the last new token is never run through the model]; at most the
+    /// model's `context`. The caches' memory grows with it (`inspect` of `compile --max-context` shows
+    /// it).
     #[arg(long, value_name = "N")]
     pub max_context: Option<u64>,
     /// Recompute the whole sequence at every step instead of keeping a key/value cache (what a model
