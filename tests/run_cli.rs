@@ -86,6 +86,8 @@ fn save_weights_then_load_them_back() {
     let line: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&second.stdout).trim()).expect("one JSON line");
     assert!(line["loss"].as_f64().expect("loss").is_finite());
+    // An inference step updates nothing: no rate, no gradient norm.
+    assert!(line["lr"].is_null() && line["grad_norm"].is_null(), "{line}");
 }
 
 #[test]

@@ -1032,12 +1032,13 @@ mod multi_process {
     }
 }
 
-/// The JSON records of one step, built here alone: `--json` prints them and `--log` appends them.
-fn step_records(r: &StepRecord, tokens_per_s: f64, elapsed_s: f64) -> Vec<serde_json::Value> {
+/// The JSON records of one step, built here alone: `--json` prints them and `--log` appends them. An
+/// inference step updates nothing: its `lr`, like its `grad_norm`, is null.
+fn step_records(r: &StepRecord, tokens_per_s: f64, elapsed_s: f64, train: bool) -> Vec<serde_json::Value> {
     let train = serde_json::json!({
         "step": r.step,
         "loss": r.loss,
-        "lr": r.lr,
+        "lr": train.then_some(r.lr),
         "grad_norm": r.grad_norm,
         "tokens_per_s": tokens_per_s,
         "elapsed_s": elapsed_s,
@@ -1131,7 +1132,7 @@ impl Progress {
     pub(super) fn step(&self, r: &StepRecord) {
         let tokens_per_s = self.tokens_per_step as f64 / r.elapsed.as_secs_f64().max(1e-9);
         let elapsed = self.start.elapsed().as_secs_f64();
-        for record in step_records(r, tokens_per_s, elapsed) {
+        for record in step_records(r, tokens_per_s, elapsed, self.train) {
             self.emit(&record);
         }
         if self.json {
