@@ -5,6 +5,7 @@
 mod data;
 use optimus_plan::layout;
 mod recompute;
+mod reshape;
 mod rules;
 mod shapes;
 pub mod table;

@@ -1900,18 +1900,9 @@ impl Lowerer<'_> {
     }
 
     fn reshape(&mut self, n: NodeIndex, x: NodeIndex) {
-        let mut l = self.natural(x);
-        let mut out = Layout::REPLICATED;
-        let (from, to) = (self.shapes[x.index()].clone(), self.shapes[n.index()].clone());
-        for axis in 0..MESH_AXES {
-            match l.0[axis] {
-                Placement::Shard { dim, outer, inner } => match map_shard(&from, &to, dim as usize, outer, inner) {
-                    Some(p) => out.0[axis] = p,
-                    None => l.0[axis] = R,
-                },
-                p => out.0[axis] = p,
-            }
-        }
+        let natural = self.natural(x);
+        let (from, to) = (&self.shapes[x.index()], &self.shapes[n.index()]);
+        let (l, out) = super::reshape::reshape_layouts(natural, from, to, self.axes());
         let xb = self.value(x, l);
         let y = self.node_buffer(n, out, Role::Workspace);
         self.kernel(Kernel::Reshape, &[xb], y, compute("reshape (local)"));
@@ -1954,57 +1945,5 @@ impl Lowerer<'_> {
             compute("backward of select (local)"),
         );
         self.define(n, out, y);
-    }
-}
-
-/// Where a split survives a reshape: the split sub-axis of `dim` (viewed as [outer, mid, inner]) must
-/// lie inside one output dimension, which is then viewed the same way.
-fn map_shard(from: &[u64], to: &[u64], dim: usize, outer: u64, inner: u64) -> Option<Placement> {
-    let size = *from.get(dim)?;
-    let mid = size / outer.max(1) / inner.max(1);
-    let after: u64 = from[dim + 1..].iter().product();
-    let stride = inner.max(1) * after;
-    for e in 0..to.len() {
-        let after_e: u64 = to[e + 1..].iter().product();
-        let block = after_e * to[e];
-        if after_e <= stride && stride.is_multiple_of(after_e) && block.is_multiple_of(stride * mid) {
-            return Some(Placement::shard_factor(e, block / (stride * mid), stride / after_e));
-        }
-    }
-    None
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{Placement, map_shard};
-
-    #[test]
-    fn a_heads_split_of_fused_qkv_survives_the_reshape_to_heads() {
-        // [b, s, (3, heads, head)] split on heads becomes [b, s, 3, heads, head] split on dim 3.
-        let (b, s, n, d) = (4, 8, 6, 5);
-        let p = map_shard(&[b, s, 3 * n * d], &[b, s, 3, n, d], 2, 3, d);
-        assert_eq!(p, Some(Placement::shard(3)));
-    }
-
-    #[test]
-    fn a_split_survives_merging_dimensions_as_the_outer_factor() {
-        // [b, s, heads, head] split on heads becomes [b, s, hidden] split contiguously (attention output).
-        assert_eq!(map_shard(&[2, 3, 4, 3], &[2, 3, 12], 2, 1, 1), Some(Placement::shard(2)));
-        // A batch split survives merging the sequence into the batch.
-        assert_eq!(map_shard(&[4, 3, 5], &[12, 5], 0, 1, 1), Some(Placement::shard(0)));
-    }
-
-    #[test]
-    fn a_split_of_a_dimension_that_is_cut_finer_falls_back_to_gathering() {
-        // [b, s, 12] split contiguously, reshaped to [b, s, 4, 3]: the split axis spans two output
-        // dimensions, which one placement cannot name; the rule gathers it instead (correct, slower).
-        assert_eq!(map_shard(&[2, 3, 12], &[2, 3, 4, 3], 2, 1, 1), None);
-    }
-
-    #[test]
-    fn a_split_that_straddles_output_dimensions_does_not_map() {
-        // Splitting the middle dimension of [2, 6, 2] cannot be expressed on [4, 6]: its chunks are
-        // not contiguous within either output dimension.
-        assert_eq!(map_shard(&[2, 6, 2], &[4, 6], 1, 1, 1), None);
     }
 }
