@@ -389,3 +389,49 @@ fn the_plan_says_which_collectives_are_gradient_sums_and_where_the_updates_begin
         assert!(!plan.program[end..phases.updates_begin()].iter().any(writes_loss), "{mesh}: the last loss write");
     }
 }
+
+/// Operators that mix the sequences of a batch the replicas split (a linear over the batch, attention
+/// over it, logits transposed against their targets) are refused by name on meshes with replicas or
+/// depth layers (they had failed the plan's own verification, E0699), and verify on meshes without.
+#[test]
+fn operators_that_mix_the_batch_are_refused_where_replicas_split_it() {
+    let header = "config { vocab = 16; hidden = 8; batch = 4; seq = 4; heads = 2 }\n\
+                  input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\n\
+                  layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)\n";
+    let models = [
+        (
+            "over_batch",
+            "layer mix = linear(batch, batch)\nforward {\n  y = transpose(mix(transpose(wte(tokens), 0, 2)), 0, 2)\n\
+             \x20 output loss = cross_entropy(head(y), targets)\n}\n",
+            "`linear` reads the batch dimension (dimension 2 of f32[8, 4, 4]) whole",
+        ),
+        (
+            "attention_over_batch",
+            "forward {\n  t = transpose(wte(tokens), 0, 1)\n  z = transpose(self_attention(t, t, t, heads: heads), 0, 1)\n\
+             \x20 output loss = cross_entropy(head(z), targets)\n}\n",
+            "`self_attention` reads the batch dimension (dimension 1 of f32[4, 4, 8]) whole",
+        ),
+        (
+            "transposed_logits",
+            "forward {\n  output loss = cross_entropy(head(transpose(wte(tokens), 0, 1)), targets)\n}\n",
+            "the operands of `cross_entropy` carry the batch in different dimensions (1 and 0)",
+        ),
+    ];
+    for (name, body, says) in models {
+        let path = scratch(name).join(format!("{name}.opt"));
+        std::fs::write(&path, format!("model {name}\n{header}{body}")).expect("the model is written");
+        for (strategy, mesh) in [("none", "2x1x1"), ("megatron", "2x1x2"), ("optimus", "2x2x2"), ("tesseract", "2x2x2")]
+        {
+            let out = optimusc(&["compile", text(&path), "--strategy", strategy, "--mesh", mesh, "-o", "-"]);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{name} {strategy} {mesh}: {stderr}");
+            assert!(stderr.contains("error[E0602]") && stderr.contains(says), "{name} {strategy} {mesh}: {stderr}");
+            assert!(!stderr.contains("E0699"), "{stderr}");
+        }
+        for (strategy, mesh) in [("optimus", "2x2"), ("megatron", "1x2")] {
+            let out = optimusc(&["verify", text(&path), "--strategy", strategy, "--mesh", mesh]);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{name} {strategy} {mesh}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+}

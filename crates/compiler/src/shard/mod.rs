@@ -279,7 +279,86 @@ fn check_batch_dimensions(model: &Model, target: Target) -> Result<(), Vec<Diagn
             problems.push(one_dimension_read_twice(operand, (reads, node.origin.span), target.mesh));
         }
     }
+    if replicas_split_the_batch(target) {
+        problems.extend(batch_mixing(model, &roles, target.mesh));
+    }
     if problems.is_empty() { Ok(()) } else { Err(problems) }
+}
+
+/// Whether mesh axes that hold whole weights split the batch: data-parallel replicas, or Tesseract's
+/// depth layers. Each such device computes its own sequences alone, so no operator may mix them.
+fn replicas_split_the_batch(target: Target) -> bool {
+    target.mesh.data > 1 || (target.strategy == Strategy::Tesseract && target.mesh.depth > 1)
+}
+
+/// Operators that would mix the sequences of a batch the replicas split: one that reads the batch
+/// dimension as its features, classes or sequence (a linear over the batch, attention over it), or
+/// whose operands carry the batch in different dimensions (logits transposed against their targets).
+/// Each replica holds its own sequences: such an operator needs the others'. Refused by name, where the
+/// plan would otherwise fail its own verification.
+fn batch_mixing(model: &Model, roles: &[data::DataRole], mesh: Mesh) -> Vec<Diagnostic> {
+    let graph = &model.graph;
+    let mut problems = Vec::new();
+    for n in graph.node_indices() {
+        let node = &graph[n];
+        let mut batch_dims = Vec::new();
+        for (k, x) in operands_of(graph, n).into_iter().enumerate() {
+            let Some(&data::DataRole::Batch(d)) = roles.get(x.index()) else { continue };
+            batch_dims.push(d);
+            let rank = graph[x].ty.rank();
+            if read_whole(&node.op, k, rank).contains(&d) {
+                problems.push(
+                    Diagnostic::error(
+                        Code::E0602,
+                        format!(
+                            "on a {mesh} mesh, `{}` reads the batch dimension (dimension {d} of {}) whole, and each \
+                             replica holds only its own sequences",
+                            node.op.name(),
+                            crate::elab::show_type(&graph[x].ty)
+                        ),
+                    )
+                    .primary(node.origin.span, "mixes the sequences of the batch")
+                    .help("transpose the batch back to the first dimension first, or use a mesh without replicas"),
+                );
+                break;
+            }
+        }
+        if let Some((&first, rest)) = batch_dims.split_first()
+            && let Some(&other) = rest.iter().find(|&&d| d != first)
+        {
+            problems.push(
+                Diagnostic::error(
+                    Code::E0602,
+                    format!(
+                        "on a {mesh} mesh, the operands of `{}` carry the batch in different dimensions ({first} and \
+                         {other}), and each replica holds only its own sequences",
+                        node.op.name()
+                    ),
+                )
+                .primary(node.origin.span, "pairs sequences of the batch with positions of another dimension")
+                .help("transpose the operands so that the batch is the same dimension of each, or use a mesh without replicas"),
+            );
+        }
+    }
+    problems.dedup_by(|a, b| a.message == b.message && a.labels == b.labels);
+    problems
+}
+
+/// The dimensions of operand `k` (of rank `rank`) that operator `op` reads whole, computing each
+/// element of its result from all of them: a linear's, a norm's or a softmax's features, logits'
+/// classes, attention's and rotary's positions and features, a product's inner dimension.
+fn read_whole(op: &Op, k: usize, rank: usize) -> Vec<usize> {
+    let last = rank.saturating_sub(1);
+    let before_last = rank.saturating_sub(2);
+    match op {
+        Op::Linear { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Softmax | Op::CrossEntropy if k == 0 => {
+            vec![last]
+        }
+        Op::Attention { .. } | Op::Rotary { .. } | Op::CausalMask if rank >= 2 => vec![before_last, last],
+        Op::MatMul if k == 0 => vec![last],
+        Op::MatMul if k == 1 && rank >= 2 => vec![before_last],
+        _ => Vec::new(),
+    }
 }
 
 /// An input with no dimension, on a mesh that splits the batch.
