@@ -82,3 +82,17 @@ fn flattened_tokens_then_a_linear_over_the_batch_verify() {
     );
     verifies_everywhere("flat_then_swap", &source);
 }
+
+#[test]
+fn a_linear_over_the_sequence_then_one_over_the_batch_swapped_to_the_middle_verify() {
+    // The first linear leaves the batch split by the columns; the second wants the rows to split it
+    // too: the move cut along the rows around the columns' split (E0699 on 2x2, tesseract and 3d).
+    let source = model(
+        "mix_then_swap",
+        4,
+        "layer s = linear(seq, seq)\nlayer b = linear(hidden, hidden)",
+        "  a = transpose(s(transpose(wte(tokens), 1, 2)), 1, 2)\n\
+         \x20 y = transpose(b(transpose(a, 0, 1)), 0, 1)\n  output loss = cross_entropy(head(y), targets)",
+    );
+    verifies_everywhere("mix_then_swap", &source);
+}

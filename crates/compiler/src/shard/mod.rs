@@ -1071,15 +1071,21 @@ impl<'a> Lowerer<'a> {
     /// replicas, so the data axis (often between nodes) carries a q times smaller block; the 3D order
     /// would do the replicas first (measured with scripts/plans_identical.sh: every ZeRO-1 plan moved).
     fn redistribute(&mut self, n: NodeIndex, from: Version, to: Layout) -> BufferId {
-        if self.target.strategy != Strategy::ThreeD {
+        let (from, nested) = if self.target.strategy == Strategy::ThreeD {
+            (from, kept_splits_inside_moves(from.layout, to))
+        } else {
             let from = self.mirror(n, from, to).unwrap_or(from);
-            return self.move_axes(n, from, to, &(0..MESH_AXES).collect::<Vec<_>>()).buffer;
-        }
+            let nested = splits_inside_moves_in_axis_order(from.layout, to);
+            if nested.is_empty() {
+                return self.move_axes(n, from, to, &(0..MESH_AXES).collect::<Vec<_>>()).buffer;
+            }
+            (from, nested)
+        };
         let gathered: Vec<usize> = MAJOR_ORDER
             .iter()
             .rev()
             .copied()
-            .filter(|&a| from.layout.0[a] != to.0[a] && from.layout.0[a].dim().is_some())
+            .filter(|&a| (from.layout.0[a] != to.0[a] && from.layout.0[a].dim().is_some()) || nested.contains(&a))
             .collect();
         let whole = gathered.iter().fold(from.layout, |l, &a| l.with(a, Placement::Replicate));
         let mid = self.move_axes(n, from, whole, &gathered);
@@ -1266,6 +1272,45 @@ fn split_factor(dim: Option<&crate::ir::Dim>, size: u64, outer: u64, inner: u64)
 }
 
 /// A readable buffer name: the layer path and operator, e.g. `h.0.attn.c_attn/linear`.
+/// The mesh axes whose splits would lie inside a split that the move from `from` to `to`, taken one
+/// axis at a time in axis order, gathers or cuts (a less significant axis splitting, plainly, the same
+/// dimension at that moment; see [`Layout::split_inside`]): the blocks gathered or cut would not be
+/// contiguous. Where there are any, the move gathers them first and cuts them again after. A
+/// sequence-mixing linear's output, its batch split by the columns, then wanted with the rows
+/// splitting the batch, was cut along the rows around the columns' split (E0699).
+fn splits_inside_moves_in_axis_order(from: Layout, to: Layout) -> Vec<usize> {
+    let mut nested = Vec::new();
+    let mut current = from;
+    for axis in 0..MESH_AXES {
+        let (f, t) = (current.0[axis], to.0[axis]);
+        if f == t {
+            continue;
+        }
+        for placement in [f, t] {
+            if let Some(inside) = current.split_inside(axis, placement).filter(|b| !nested.contains(b)) {
+                nested.push(inside);
+            }
+        }
+        current = current.with(axis, t);
+    }
+    nested
+}
+
+/// For a 3D move, which gathers every split that changes before cutting any: the splits it keeps that
+/// lie inside one it gathers or cuts (see [`splits_inside_moves_in_axis_order`]), gathered with them.
+fn kept_splits_inside_moves(from: Layout, to: Layout) -> Vec<usize> {
+    let mut nested = Vec::new();
+    for axis in (0..MESH_AXES).filter(|&a| from.0[a] != to.0[a]) {
+        for placement in [from.0[axis], to.0[axis]] {
+            let kept = |b: &usize| from.0[*b] == to.0[*b] && !nested.contains(b);
+            if let Some(inside) = from.split_inside(axis, placement).filter(kept) {
+                nested.push(inside);
+            }
+        }
+    }
+    nested
+}
+
 pub(crate) fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String {
     match &node.op {
         Op::Param { id } => model.params[id.0 as usize].name.clone(),
