@@ -368,11 +368,8 @@ fn check_collective(plan: &Plan, index: usize, c: &Collective, errors: &mut Vec<
     }
     // The runtimes move floating-point buffers only: an integer one (token ids) is read from the data
     // in each layout it is used in, never communicated.
-    for id in [c.send, c.recv] {
-        let b = plan.buffer(id);
-        if b.dtype.is_integer() {
-            fail(format!("`{}` holds {}, and only floating-point buffers are communicated", b.name, b.dtype.name()));
-        }
+    if let Some(b) = [c.send, c.recv].into_iter().map(|id| plan.buffer(id)).find(|b| b.dtype.is_integer()) {
+        fail(format!("`{}` holds {}, and only floating-point buffers are communicated", b.name, b.dtype.name()));
     }
     match c.kind {
         CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::AllReduce => {

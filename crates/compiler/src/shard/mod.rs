@@ -747,7 +747,9 @@ impl<'a> Lowerer<'a> {
         if !verify {
             return Ok(plan);
         }
-        optimus_plan::verify::verify(&plan).map_err(|errors| {
+        optimus_plan::verify::verify(&plan).map_err(|mut errors| {
+            // One problem found twice (by two checks of one instruction) is reported once.
+            errors.dedup();
             errors
                 .into_iter()
                 .map(|e| Diagnostic::error(Code::E0699, format!("internal error: the plan failed verification: {e}")))
