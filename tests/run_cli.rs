@@ -387,3 +387,28 @@ fn a_weights_folder_where_a_file_is_says_so() {
         assert!(stderr.contains(&format!("`{}` is a file, not a folder", file.display())), "{stderr}");
     }
 }
+
+/// An output whose last dimension is a padded vocabulary (17 classes over 2 shards: 18 columns) comes
+/// back with the model's 17: verify compared 18 columns with one device's 17 and failed (`inf`).
+#[test]
+fn an_output_of_a_padded_vocabulary_comes_back_unpadded() {
+    let model = scratch("padded_output.opt");
+    let source = "model padded_output\nconfig { vocab = 17; hidden = 8; batch = 4; seq = 4 }\n\
+        input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\n\
+        layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)\n\
+        forward {\n  logits = head(wte(tokens))\n  output loss = cross_entropy(logits, targets)\n  output logits = logits\n}\n";
+    std::fs::write(&model, source).expect("the model is written");
+    let model = model.to_string_lossy().into_owned();
+    for (strategy, mesh) in [("megatron", "1x2"), ("optimus", "2x2"), ("3d", "2x2x2")] {
+        let out = optimusc(&["verify", &model, "--strategy", strategy, "--mesh", mesh]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains("verified"), "{strategy} {mesh}:\n{stdout}");
+    }
+    let plan = scratch("padded_output.json");
+    let out =
+        optimusc(&["compile", &model, "--strategy", "megatron", "--mesh", "1x2", "-o", plan.to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).expect("the plan")).expect("JSON");
+    let logits = plan["outputs"].as_array().expect("outputs").iter().find(|o| o["name"] == "logits").cloned();
+    assert_eq!(logits.expect("a logits output")["unpadded"], serde_json::json!([4, 4, 17]));
+}

@@ -1010,6 +1010,10 @@ pub struct PlanOutput {
     pub name: String,
     pub buffer: BufferId,
     pub is_loss: bool,
+    /// The model's shape, where padding (a vocabulary padded to divide the shards) made the buffer
+    /// larger; absent otherwise. The padded columns are no part of the output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpadded: Option<Vec<u64>>,
 }
 
 /// A dimension padded so that it divides the shard count.

@@ -1380,6 +1380,11 @@ pub fn assemble(plan: &Plan, per_device: Vec<(Vec<StepRecord>, DeviceBlocks)>) -
     for (k, o) in plan.outputs.iter().enumerate() {
         let blocks: Vec<&Tensor> = per_device.iter().map(|d| &d.1.2[k]).collect();
         let full = gather_blocks(&blocks, plan.buffer(o.buffer), plan.mesh).map_err(blocks_error)?;
+        // Padded columns (a vocabulary padded to divide the shards) are no part of the output.
+        let full = match &o.unpadded {
+            Some(shape) => init::unpad(&full, shape),
+            None => full,
+        };
         out.outputs.insert(o.name.clone(), full);
     }
     Ok(out)

@@ -601,10 +601,13 @@ impl<'a> Lowerer<'a> {
             }
             self.current = output.node;
             let buffer = self.value(output.node, wanted);
+            let model_shape = self.graph[output.node].ty.sizes();
+            let padded = self.buffers[buffer.0 as usize].logical_shape != model_shape;
             self.outputs.push(PlanOutput {
                 name: output.name.clone(),
                 buffer,
                 is_loss: self.model.loss == Some(output.node),
+                unpadded: padded.then_some(model_shape),
             });
         }
     }

@@ -28,6 +28,17 @@ pub(super) fn check_declarations(plan: &Plan, errors: &mut Vec<String>) {
             ));
         }
     }
+    for output in &plan.outputs {
+        let b = plan.buffer(output.buffer);
+        let Some(shape) = &output.unpadded else { continue };
+        let fits = shape.len() == b.logical_shape.len() && shape.iter().zip(&b.logical_shape).all(|(s, l)| s <= l);
+        if !fits {
+            errors.push(format!(
+                "output `{}`: unpadded shape {:?} does not fit its buffer `{}` {:?}",
+                output.name, shape, b.name, b.logical_shape
+            ));
+        }
+    }
     for (k, pad) in plan.padding.iter().enumerate() {
         if let Err(e) = check_padding(plan, k) {
             errors.push(format!("padding record {k} (`{}` dimension {}): {e}", pad.tensor, pad.dim));
