@@ -403,13 +403,19 @@ fn operators_that_mix_the_batch_are_refused_where_replicas_split_it() {
             "over_batch",
             "layer mix = linear(batch, batch)\nforward {\n  y = transpose(mix(transpose(wte(tokens), 0, 2)), 0, 2)\n\
              \x20 output loss = cross_entropy(head(y), targets)\n}\n",
-            "`linear` reads the batch dimension (dimension 2 of f32[8, 4, 4]) whole",
+            "`linear` reads whole the batch dimension (dimension 2 of f32[8, 4, 4])",
         ),
         (
             "attention_over_batch",
             "forward {\n  t = transpose(wte(tokens), 0, 1)\n  z = transpose(self_attention(t, t, t, heads: heads), 0, 1)\n\
              \x20 output loss = cross_entropy(head(z), targets)\n}\n",
-            "`self_attention` reads the batch dimension (dimension 1 of f32[4, 4, 8]) whole",
+            "`self_attention` reads whole the batch dimension (dimension 1 of f32[4, 4, 8])",
+        ),
+        (
+            "select_of_the_batch",
+            "forward {\n  x = wte(tokens)\n  output loss = cross_entropy(head(x), targets) + \
+             cross_entropy(head(select(x, 0, 1)), select(targets, 0, 1))\n}\n",
+            "`select` picks one index of the batch dimension (dimension 0 of f32[4, 4, 8])",
         ),
         (
             "transposed_logits",

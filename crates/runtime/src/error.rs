@@ -156,7 +156,7 @@ impl KernelError {
 impl std::fmt::Display for KernelError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            KernelError::InKernel { kernel, error } => write!(f, "{kernel:?}: {error}"),
+            KernelError::InKernel { kernel, error } => write!(f, "{}: {error}", kernel.name()),
             KernelError::Shape(e) => e.fmt(f),
             KernelError::Rotary(e) => e.fmt(f),
             KernelError::Element { operand: Some(what), error } => write!(f, "{what}: {error}"),
@@ -177,6 +177,12 @@ impl std::fmt::Display for KernelError {
                 write!(f, "cannot allocate a {rows}x{cols} scratch matrix")
             }
             KernelError::AttentionScratch => f.write_str("the attention scratch is too small"),
+            KernelError::TokenOutsideRows { id, base, rows } if *id == optimus_plan::IGNORE_INDEX => write!(
+                f,
+                "token id {id} is the id of positions `cross_entropy` ignores (the masked labels of --objective mlm), \
+                 which an embedding cannot look up (its rows here: [{base}, {}))",
+                base.saturating_add(*rows as u64)
+            ),
             KernelError::TokenOutsideRows { id, base, rows } => write!(
                 f,
                 "token id {id} is outside this device's embedding rows [{base}, {})",
@@ -510,6 +516,18 @@ mod tests {
             (
                 KernelError::TokenOutsideRows { id: 9, base: 4, rows: 3 },
                 "token id 9 is outside this device's embedding rows [4, 7)",
+            ),
+            (
+                KernelError::TokenOutsideRows { id: -100, base: 0, rows: 16 },
+                "token id -100 is the id of positions `cross_entropy` ignores (the masked labels of --objective mlm), \
+                 which an embedding cannot look up (its rows here: [0, 16))",
+            ),
+            (
+                KernelError::in_kernel(
+                    &optimus_plan::Kernel::Add,
+                    KernelError::TokenOutsideRows { id: 9, base: 4, rows: 3 },
+                ),
+                "Add: token id 9 is outside this device's embedding rows [4, 7)",
             ),
             (
                 KernelError::TargetOutsideVocabulary { target: 50, valid: 40 },

@@ -311,9 +311,10 @@ fn batch_mixing(model: &Model, roles: &[data::DataRole], mesh: Mesh) -> Vec<Diag
                     Diagnostic::error(
                         Code::E0602,
                         format!(
-                            "on a {mesh} mesh, `{}` reads the batch dimension (dimension {d} of {}) whole, and each \
-                             replica holds only its own sequences",
+                            "on a {mesh} mesh, `{}` {} the batch dimension (dimension {d} of {}), and each replica \
+                             holds only its own sequences",
                             node.op.name(),
+                            if matches!(node.op, Op::Select { .. }) { "picks one index of" } else { "reads whole" },
                             crate::elab::show_type(&graph[x].ty)
                         ),
                     )
@@ -346,7 +347,8 @@ fn batch_mixing(model: &Model, roles: &[data::DataRole], mesh: Mesh) -> Vec<Diag
 
 /// The dimensions of operand `k` (of rank `rank`) that operator `op` reads whole, computing each
 /// element of its result from all of them: a linear's, a norm's or a softmax's features, logits'
-/// classes, attention's and rotary's positions and features, a product's inner dimension.
+/// classes, attention's and rotary's positions and features, a product's inner dimension; and the
+/// dimension a `select` picks one index of.
 fn read_whole(op: &Op, k: usize, rank: usize) -> Vec<usize> {
     let last = rank.saturating_sub(1);
     let before_last = rank.saturating_sub(2);
@@ -355,6 +357,8 @@ fn read_whole(op: &Op, k: usize, rank: usize) -> Vec<usize> {
             vec![last]
         }
         Op::Attention { .. } | Op::Rotary { .. } | Op::CausalMask if rank >= 2 => vec![before_last, last],
+        // Selecting one index of the batch picks sequences other replicas hold.
+        Op::Select { dim, .. } if k == 0 => vec![*dim],
         Op::MatMul if k == 0 => vec![last],
         Op::MatMul if k == 1 && rank >= 2 => vec![before_last],
         _ => Vec::new(),
