@@ -82,3 +82,39 @@ fn token_ids_wanted_in_a_second_layout_are_read_again_not_communicated() {
     let layouts = plan.inputs.iter().filter(|i| i.name == "tokens").count();
     assert_eq!(layouts, 2, "the token ids are read in the lookup's layout and in the gradient's");
 }
+
+/// Token ids selected, reshaped or transposed and then wanted in another layout were gathered or sent
+/// across the diagonal, which the runtimes refuse for integers (E0699): a tied head with a second loss
+/// on one position's targets (optimus), the targets flattened for a loss while they also feed an
+/// embedding (3d). Such a value is now made again from the ids read in the layout that gives it.
+#[test]
+fn token_ids_derived_by_select_or_reshape_are_derived_again_not_communicated() {
+    let cases = [
+        (
+            "tied_select",
+            "layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab, tied: wte)",
+            "  x = wte(tokens)\n  output loss = cross_entropy(head(x), targets) + \
+             cross_entropy(head(select(x, 1, 1)), select(targets, 1, 1))",
+        ),
+        (
+            "flattened_targets",
+            "layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)",
+            "  logits = head(wte(tokens) + wte(targets))\n  output loss = \
+             cross_entropy(reshape(logits, [batch * seq, vocab]), reshape(targets, [batch * seq]))",
+        ),
+        (
+            "selected_targets",
+            "layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)",
+            "  x = wte(tokens) + wte(targets)\n  output loss = cross_entropy(head(x), targets) + \
+             cross_entropy(head(select(x, 1, 1)), select(targets, 1, 1))",
+        ),
+    ];
+    for (name, layers, forward) in cases {
+        // `model` declares the embedding and head itself: these cases give their own.
+        let source = format!(
+            "model {name}\nconfig {{ vocab = 16; hidden = 8; batch = 8; seq = 4 }}\n\
+             input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\n{layers}\nforward {{\n{forward}\n}}\n"
+        );
+        verifies_everywhere(name, &source, &[("3d", "2x2x2x2")]);
+    }
+}

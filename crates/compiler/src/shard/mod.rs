@@ -987,6 +987,10 @@ impl<'a> Lowerer<'a> {
         };
         // Collectives that move a value are traced to the line that produced it.
         let consumer = std::mem::replace(&mut self.current, n);
+        if let Some(buffer) = self.rederived_integers(n, layout) {
+            self.current = consumer;
+            return buffer;
+        }
         let buffer = self.redistribute(n, source, layout);
         self.current = consumer;
         self.define(n, layout, buffer);
@@ -1007,6 +1011,55 @@ impl<'a> Lowerer<'a> {
         }
         // Traced to the consumer, whose pipeline stage needs it (the head's, not the lookup's).
         self.redistribute(n, source, layout)
+    }
+
+    /// Node `n`, an integer value that an input's ids were transposed, selected or reshaped into, made
+    /// in `layout` anew from its operand in the layout that gives it (the input read again in that one):
+    /// the runtimes communicate floating-point buffers only, and the operation is local. `None` where
+    /// `n` is no such value, or no operand layout gives `layout` (then it is moved as any value is).
+    fn rederived_integers(&mut self, n: NodeIndex, layout: Layout) -> Option<BufferId> {
+        if !self.graph[n].ty.dtype.is_integer() {
+            return None;
+        }
+        let [operand] = self.operands(n)[..] else { return None };
+        let (kernel, wanted) = match self.graph[n].op {
+            Op::Transpose { dim0, dim1 } => {
+                let swap = |d: usize| {
+                    if d == dim0 {
+                        dim1
+                    } else if d == dim1 {
+                        dim0
+                    } else {
+                        d
+                    }
+                };
+                let kernel = Kernel::Transpose { dim0: u8::try_from(dim0).ok()?, dim1: u8::try_from(dim1).ok()? };
+                (kernel, layout_on_dims(layout, swap))
+            }
+            Op::Select { dim, index } => {
+                let shift = |d: usize| if d >= dim { d + 1 } else { d };
+                (Kernel::Select { dim: u8::try_from(dim).ok()?, index }, layout_on_dims(layout, shift))
+            }
+            Op::Reshape => {
+                let (from, to) = (&self.shapes[n.index()], &self.shapes[operand.index()]);
+                let (kept, back) = reshape::reshape_layouts(layout, from, to, self.axes());
+                let forth = reshape::reshape_layouts(back, to, from, self.axes());
+                if kept != layout || forth != (back, layout) {
+                    return None;
+                }
+                (Kernel::Reshape, back)
+            }
+            _ => return None,
+        };
+        let from = self.value(operand, wanted);
+        let buffer = self.node_buffer(n, layout, Role::Workspace);
+        let reason = Reason::new(
+            ReasonKind::Compute,
+            format!("{} of token ids, again in another layout", self.graph[n].op.name()),
+        );
+        self.kernel(kernel, &[from], buffer, reason);
+        self.define(n, layout, buffer);
+        Some(buffer)
     }
 
     /// Whether node `n` is a model input of an integer type (token ids, targets, segments).
@@ -1318,6 +1371,17 @@ fn kept_splits_inside_moves(from: Layout, to: Layout) -> Vec<usize> {
         }
     }
     nested
+}
+
+/// `layout` with each split moved to the dimension `dim_of` gives for its own.
+fn layout_on_dims(layout: Layout, dim_of: impl Fn(usize) -> usize) -> Layout {
+    let mut moved = layout;
+    for p in &mut moved.0 {
+        if let Some(d) = p.dim() {
+            *p = table::on_dim(*p, dim_of(d));
+        }
+    }
+    moved
 }
 
 pub(crate) fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String {
