@@ -22,21 +22,9 @@ fn model(name: &str, layers: &str, forward: &str) -> String {
     )
 }
 
-/// Writes `source` and verifies it on every mesh of [`MESHES`], plus `extra` ones.
+/// Verifies `source` on every mesh of [`MESHES`], plus `extra` ones.
 fn verifies_everywhere(name: &str, source: &str, extra: &[(&str, &str)]) {
-    let dir = scratch("reused_layers", name);
-    let path = dir.join(format!("{name}.opt"));
-    std::fs::write(&path, source).expect("the model is written");
-    let path = path.to_string_lossy().into_owned();
-    for &(strategy, mesh) in MESHES.iter().chain(extra) {
-        let out = optimusc(&["verify", &path, "--strategy", strategy, "--mesh", mesh]);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("verified"),
-            "{name} on {strategy} {mesh}:\n{stdout}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    common::verifies_on("reused_layers", name, source, &[&MESHES[..], extra].concat());
 }
 
 #[test]

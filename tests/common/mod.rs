@@ -19,6 +19,23 @@ pub fn scratch(suite: &str, name: &str) -> PathBuf {
     dir
 }
 
+/// Writes the model `source` as `name.opt` in a fresh folder of `suite` and asserts that `optimusc
+/// verify` passes on every (strategy, mesh) of `meshes`.
+pub fn verifies_on(suite: &str, name: &str, source: &str, meshes: &[(&str, &str)]) {
+    let path = scratch(suite, name).join(format!("{name}.opt"));
+    std::fs::write(&path, source).expect("the model is written");
+    let path = path.to_string_lossy().into_owned();
+    for &(strategy, mesh) in meshes {
+        let out = optimusc(&["verify", &path, "--strategy", strategy, "--mesh", mesh]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("verified"),
+            "{name} on {strategy} {mesh}:\n{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 /// Runs the built `optimusc` with `args`.
 pub fn optimusc(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_optimusc")).args(args).output().expect("optimusc runs")

@@ -136,20 +136,19 @@ impl Layout {
         }
     }
 
-    /// A mesh axis less significant than `axis` (see [`MAJOR_ORDER`]) that splits, plainly, the
-    /// dimension that `placement` splits plainly along `axis`: that split then lies inside `axis`'s,
-    /// and gathering `axis`'s blocks or cutting new ones would not give contiguous blocks of the
-    /// dimension, nor the blocks this layout says. Factor splits (ZeRO's of a tensor-parallel block)
-    /// state their own nesting and never count.
+    /// A mesh axis less significant than `axis` (see [`MAJOR_ORDER`]) that splits the dimension that
+    /// `placement` splits plainly along `axis`: that split then lies inside `axis`'s (it splits the
+    /// block `axis` leaves), and gathering `axis`'s blocks or cutting new ones would not give contiguous
+    /// blocks of the dimension, nor the blocks this layout says; a factor split inside (`[outer, mid,
+    /// inner]` of that block, as a reshape of a split sequence into the features leaves) would mean
+    /// other elements once `axis` no longer splits the block. A factor split along `axis` itself
+    /// (ZeRO's of a tensor-parallel block) states its own nesting and never counts.
     pub fn split_inside(&self, axis: usize, placement: Placement) -> Option<usize> {
-        let plain = |p: Placement| match p {
-            Placement::Shard { dim, outer: 1, inner: 1 } => Some(dim),
-            _ => None,
-        };
-        let dim = plain(placement)?;
+        let Placement::Shard { dim, outer: 1, inner: 1 } = placement else { return None };
         let position = |a: usize| MAJOR_ORDER.iter().position(|&m| m == a).unwrap_or(MESH_AXES);
-        (0..MESH_AXES)
-            .find(|&other| other != axis && position(other) > position(axis) && plain(self.0[other]) == Some(dim))
+        (0..MESH_AXES).find(|&other| {
+            other != axis && position(other) > position(axis) && self.0[other].dim() == Some(usize::from(dim))
+        })
     }
 
     /// This layout as a [`crate::CollectiveKind::Transpose`] leaves it: device (i, j) then holds what

@@ -3,7 +3,7 @@
 //! those layouts depend on the strategy, the rule reads its row of the table in `table.rs` and
 //! instantiates it for the node; the rule itself never branches on the strategy.
 
-use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MESH_AXES, Placement, ROW_AXIS};
+use super::layout::{COLUMN_AXIS, DATA_AXIS, DEPTH_AXIS, Layout, MAJOR_ORDER, MESH_AXES, Placement, ROW_AXIS};
 use super::table::{self, Case, Dims, Facts, Operator, Pattern, Product, ProductKind, When, on_dim};
 use super::{Lowerer, Version, shapes};
 use crate::diag::{Code, Diagnostic};
@@ -1719,11 +1719,17 @@ impl Lowerer<'_> {
         let (seq, last) = (rank - 2, rank - 1);
         let axes = self.axes();
         let mut l = self.natural(x);
-        for (axis, p) in l.0.iter_mut().enumerate() {
-            let whole_heads = matches!(*p, Placement::Shard { outer: 1, .. }) && heads.is_multiple_of(axes[axis]);
+        // Splits of the features keep whole heads while all of them together divide the heads (two
+        // axes splitting 2 heads 4 ways left each device 0 heads), most significant first.
+        let mut parts = 1;
+        for axis in MAJOR_ORDER {
+            let p = &mut l.0[axis];
+            let whole_heads =
+                matches!(*p, Placement::Shard { outer: 1, .. }) && heads.is_multiple_of(parts * axes[axis]);
             match p.dim() {
                 Some(d) if d == seq => *p = R,
                 Some(d) if d == last && !whole_heads => *p = R,
+                Some(d) if d == last => parts *= axes[axis],
                 _ => {}
             }
         }
