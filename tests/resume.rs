@@ -402,6 +402,19 @@ fn checkpoints_of_two_histories_never_mix_and_resume_keeps_its_folder() {
     let stderr = String::from_utf8_lossy(&other.stderr);
     assert_eq!(other.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("is a checkpoint of model `tiny`, and this run's model is `gpt2`"), "{stderr}");
+    // So it is with a flag that differs too, and with a plan of another model: the model comes first.
+    let with_flag = ["run", "examples/gpt2.opt", "--steps", "6", "--mesh", "2x2", "--seed", "5", "--resume"];
+    let plan = ckpt.parent().expect("a parent").join("gpt2-plan.json");
+    let compiled = optimusc(&["compile", "examples/gpt2.opt", "--set", "layers=1", "--mesh", "2x2", "-o", text(&plan)]);
+    assert!(compiled.status.success(), "{}", String::from_utf8_lossy(&compiled.stderr));
+    let with_plan = ["run", text(&plan), "--steps", "6", "--resume"];
+    for args in [&with_flag[..], &with_plan[..]] {
+        let other = optimusc(&[args, &[text(&ckpt)]].concat());
+        let stderr = String::from_utf8_lossy(&other.stderr);
+        assert_eq!(other.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("is a checkpoint of model `tiny`, and this run's model is `gpt2`"), "{stderr}");
+        assert!(!stderr.contains("other settings") && !stderr.contains("disagree"), "{stderr}");
+    }
     train(TWO_BY_TWO, 6, &["--resume", text(&ckpt)]);
     assert_eq!(Checkpoint::open(&ckpt).expect("opens").step(), 6, "the resumed run checkpointed into its folder");
 }

@@ -108,6 +108,12 @@ fn run_words() -> Vec<OsString> {
 pub fn with_recorded_flags(args: &RunArgs) -> Result<RunArgs, Failure> {
     let Some(path) = &args.checkpoint.resume else { return Ok(args.clone()) };
     let Ok(checkpoint) = optimus::io::shards::Checkpoint::open(path) else { return Ok(args.clone()) };
+    // A checkpoint of another model differs in everything: say that first, before its flags are
+    // compared or taken.
+    let trained_model = &checkpoint.manifest().model;
+    if let Some(model) = model_name(&args.input).filter(|model| model != trained_model) {
+        return Err(super::resume::another_model(&checkpoint, &model));
+    }
     let recorded: GivenFlags = serde_json::from_value(checkpoint.training()["flags"].clone()).unwrap_or_default();
     let trained = Trained { config: &checkpoint.training()["config"], files: &checkpoint.training()["files"] };
     let (fixed, changes): (Vec<_>, Vec<_>) =
@@ -197,6 +203,18 @@ fn same_data_file(files: &serde_json::Value, id: &str, given: &[String]) -> Opti
     let path = given.last()?;
     let mine = optimus::io::fingerprint::fingerprint(std::path::Path::new(path), "data").ok()?;
     Some(mine.same_contents(&trained))
+}
+
+/// The name of the model at `input` (a model file's `model NAME`, or a plan's), where it can be read;
+/// whatever cannot be is reported when the run compiles or reads it.
+fn model_name(input: &std::path::Path) -> Option<String> {
+    if super::names_a_plan(input) {
+        return optimus::io::plan_file::read_plan(input).ok().map(|plan| plan.model);
+    }
+    let bytes = optimus::io::files::read_bounded(input, "model", optimus::io::files::MODEL_SOURCE_LIMIT).ok()?;
+    let text = String::from_utf8(bytes).ok()?;
+    let (file, _) = optimus::syntax::parser::parse(&text).ok()?;
+    Some(file.model?.name.name)
 }
 
 /// Defining flags that not even `--allow-changes` changes: the checkpoint's state means nothing without them.

@@ -270,14 +270,9 @@ fn changed_data_files(args: &RunArgs, checkpoint: &Checkpoint) -> Vec<String> {
 /// micro-batches, optimizer and batch shape, and steps left to run.
 fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json::Value) -> Result<Checkpoint, Failure> {
     let checkpoint = Checkpoint::open(path).map_err(|e| Failure::from(format!("--resume: {e}")))?;
-    let (model, trained) = (training["model"].as_str().unwrap_or_default(), &checkpoint.manifest().model);
-    if model != trained {
-        return Err(Failure::usage(format!(
-            "--resume: `{}` is a checkpoint of model `{trained}`, and this run's model is `{model}`: resume it with the \
-             model file it was trained from{}",
-            checkpoint.dir().display(),
-            checkpoint.training()["source"].as_str().map_or(String::new(), |source| format!(" (`{source}`)"))
-        )));
+    let model = training["model"].as_str().unwrap_or_default();
+    if model != checkpoint.manifest().model {
+        return Err(another_model(&checkpoint, model));
     }
     let changed = changed_config(&training["config"], &checkpoint.training()["config"]);
     if !changed.is_empty() && !args.checkpoint.allow_changes {
@@ -344,6 +339,18 @@ fn changed_config(mine: &serde_json::Value, theirs: &serde_json::Value) -> Vec<S
         changed.push(format!("no `{name}` (the checkpoint has {})", theirs[name]));
     }
     changed
+}
+
+/// The refusal of a checkpoint of another model than the run's `model`, naming the model file it was
+/// trained from.
+pub(super) fn another_model(checkpoint: &Checkpoint, model: &str) -> Failure {
+    Failure::usage(format!(
+        "--resume: `{}` is a checkpoint of model `{}`, and this run's model is `{model}`: resume it with the model \
+         file it was trained from{}",
+        checkpoint.dir().display(),
+        checkpoint.manifest().model,
+        checkpoint.training()["source"].as_str().map_or(String::new(), |source| format!(" (`{source}`)"))
+    ))
 }
 
 /// What an interrupted run prints: where its state is and how to go on.
