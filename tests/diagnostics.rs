@@ -73,6 +73,11 @@ golden!(syntax_stray_brace, "model m\nconfig { a = 1 }\n}\n", ["E0001"]);
 golden!(syntax_unterminated_block, "model m\nblock Mlp {\n  layer fc = linear(8, 8)\n", ["E0001"]);
 golden!(syntax_bad_number_exponent, "model m\nconfig {\n  eps = 1e\n}\n", ["E0001"]);
 golden!(syntax_bad_number_two_points, "model m\nconfig {\n  eps = 1.2.3\n}\n", ["E0001"]);
+golden!(
+    syntax_bad_number_trailing_underscore,
+    "model m\nconfig {\n  hidden = 768_\n}\ninput x: i32[2]\nforward {\n  output y = x\n}\n",
+    ["E0001"]
+);
 golden!(syntax_bad_number_suffix, "model m\nconfig {\n  hidden = 768px\n}\n", ["E0001"]);
 golden!(syntax_unterminated_string, "model m(checkpoint_prefix: \"transformer.)\nforward {}\n", ["E0001"]);
 golden!(syntax_missing_operand, concat!(prelude!(), "forward {\n  output y = 1 +\n}\n"), ["E0001"]);

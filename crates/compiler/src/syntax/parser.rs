@@ -604,7 +604,16 @@ impl Builder {
         let span = span_of(&pair);
         let kind = match pair.as_rule() {
             Rule::int => {
-                let digits: String = pair.as_str().chars().filter(|c| *c != '_').collect();
+                let text = pair.as_str();
+                if text.ends_with('_') {
+                    // As `--set` reads numbers: `_` goes between digits.
+                    self.diagnostics.push(
+                        Diagnostic::error(Code::E0001, format!("syntax error: `{text}` is not a number"))
+                            .primary(span, "`_` goes between digits (`50_257`)"),
+                    );
+                    return Expr { kind: ExprKind::Invalid, span };
+                }
+                let digits: String = text.chars().filter(|c| *c != '_').collect();
                 match digits.parse::<i64>() {
                     Ok(v) => ExprKind::Int(v),
                     Err(_) => {
