@@ -159,16 +159,21 @@ impl Assigner {
     /// The piece of an instruction outside the repeated layers with scope `scope`; `forward` says
     /// which pass it is in. The last piece's index is only known at the end: `usize::MAX` stands for
     /// it until then.
+    ///
+    /// A backward instruction goes with the forward pass of its scope, or of the longest enclosing
+    /// scope the forward pass met: Llama's `model.embed_tokens` (before the layers) and `model.norm`
+    /// (after them) share their first name, and keying by that name alone put the final norm's backward
+    /// with the embedding, on the first stage, which an interleaved schedule could not order.
     fn outside_layers(&mut self, scope: &str, forward: bool) -> usize {
-        let name = scope.split('.').next().filter(|n| !n.is_empty());
         if forward {
             let piece = if self.seen_forward { usize::MAX } else { 0 };
-            if let Some(name) = name {
-                self.named.entry(name.to_string()).or_insert(piece);
+            if !scope.is_empty() {
+                self.named.entry(scope.to_string()).or_insert(piece);
             }
             return piece;
         }
-        match name.and_then(|n| self.named.get(n)) {
+        let enclosing = std::iter::successors(Some(scope), |s| s.rsplit_once('.').map(|(head, _)| head));
+        match enclosing.filter(|s| !s.is_empty()).find_map(|s| self.named.get(s)) {
             Some(&piece) => piece,
             None if self.seen_backward => 0,
             None => usize::MAX,
