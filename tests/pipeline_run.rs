@@ -215,6 +215,7 @@ fn pipeline_flags_that_do_not_fit_are_usage_errors() {
         (&["--pipeline", "2", "--virtual-stages", "2"][..], "interleaved"),
         (&["--pipeline", "2", "--pipeline-split", "1,2"][..], "2 layers in all"),
         (&["--pipeline", "2", "--pipeline-split", "2"][..], "gives 1 runs"),
+        (&["--pipeline", "2", "--pipeline-split", "2,0"][..], "gives virtual stage 1 no layers"),
         // Counts whose sum passes 2^64 are too many, not wrapped around to a small sum.
         (&["--pipeline", "2", "--pipeline-split", "18446744073709551615,3"][..], "gives more than 2^64"),
         (&["--pipeline", "2", "--pipeline-hardware", "nope"][..], "unknown hardware `nope`"),
@@ -529,4 +530,29 @@ fn a_bad_batch_in_a_pipeline_names_its_step_and_batch_once() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert_eq!(stderr.matches("step 1: ").count(), 1, "{stderr}");
     assert!(stderr.contains("step 1: batch 1: ") && stderr.contains("token 5000 at offset 100"), "{stderr}");
+}
+
+/// A repeated block applied twice (`h(h(x))`) runs its first layer again after its last: its activations
+/// would go from the last stage back to the first, which 1F1B and interleaved schedules waited on until
+/// their timeout. The cut refuses it, naming the layers, and the command line exits 2 at once.
+#[test]
+fn a_block_applied_twice_is_refused_as_a_pipeline() {
+    let source = "model twice\nconfig { vocab = 53; seq = 8; batch = 4; layers = 4; hidden = 8 }\n\
+        input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\n\
+        block Layer {\n  layer fc = linear(hidden, hidden)\n  forward(x) { return x + gelu(fc(x)) }\n}\n\
+        layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)\nlayer h = repeat(layers) Layer()\n\
+        forward {\n  output loss = cross_entropy(head(h(h(wte(tokens)))), targets)\n}\n";
+    let dir = common::scratch("pipeline_run", "twice");
+    let path = dir.join("twice.opt");
+    std::fs::write(&path, source).expect("the model is written");
+    let path = path.to_string_lossy().into_owned();
+    for schedule in ["1f1b", "gpipe"] {
+        let args = ["run", &path, "--steps", "1", "--accum", "2", "--pipeline", "2", "--pipeline-schedule", schedule];
+        let out = common::optimusc(&[&args[..], &["--timeout", "20"]].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{schedule}: {stderr}");
+        assert!(stderr.contains("runs the repeated layer `h.0` again after `h.3`"), "{stderr}");
+    }
+    let plain = common::optimusc(&["run", &path, "--steps", "1", "--accum", "2"]);
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
 }

@@ -381,12 +381,16 @@ impl RunPipelineArgs {
                 counts.len()
             ));
         }
+        if let Some(empty) = counts.iter().position(|&n| n == 0) {
+            return Err(format!(
+                "--pipeline-split gives virtual stage {empty} no layers; every virtual stage needs at least one"
+            ));
+        }
         let total = counts.iter().try_fold(0u64, |sum, &n| sum.checked_add(n));
-        if counts.contains(&0) || total != Some(layers as u64) {
+        if total != Some(layers as u64) {
             let given = total.map_or_else(|| "more than 2^64".to_string(), |t| t.to_string());
             return Err(format!(
-                "--pipeline-split must give every virtual stage at least one layer and {layers} layers in all (the \
-                 model's repeated layers); it gives {given}"
+                "--pipeline-split must give {layers} layers in all (the model's repeated layers); it gives {given}"
             ));
         }
         let mut starts = Vec::with_capacity(counts.len());

@@ -229,6 +229,7 @@ pub fn cut(
         return Err(CutError::NotTraining);
     }
     let cut = instruction_pieces(plan);
+    check_layers_in_order(&cut)?;
     let layers = cut.layers.len();
     let virtual_stages = stages.max(1) * chunks.max(1);
     let ranges = match pieces {
@@ -248,6 +249,29 @@ pub fn cut(
     let cutter = Cutter::new(plan, (stages.max(1), chunks.max(1)), &cut, &vstage_of_piece);
     let programs = cutter.programs()?;
     Ok(PipelineProgram { stages: programs, chunks: chunks.max(1), layers: cut.layers, pieces: ranges })
+}
+
+/// The forward pass must run the repeated layers in order, each once: a block applied twice (`h(h(x))`)
+/// runs layer 0 again after the last, and its activations would flow from the last stage back to the
+/// first and forward again, which no schedule of point-to-point sends orders (1F1B and interleaved
+/// waited until their timeout).
+fn check_layers_in_order(cut: &InstructionPieces) -> Result<(), CutError> {
+    let layers = cut.layers.len();
+    let mut latest = 0;
+    for &piece in cut.piece_of.iter().take(cut.forward_end) {
+        if !(1..=layers).contains(&piece) {
+            continue;
+        }
+        if piece < latest {
+            let (again, after) = (&cut.layers[piece - 1], &cut.layers[latest - 1]);
+            return Err(CutError::Unsupported(format!(
+                "its forward pass runs the repeated layer `{again}` again after `{after}` (a block applied more than \
+                 once); pipeline stages hold contiguous runs of layers run once each, so run it without --pipeline"
+            )));
+        }
+        latest = piece;
+    }
+    Ok(())
 }
 
 fn check_split(ranges: &[Range<usize>], layers: usize, virtual_stages: u64) -> Result<(), CutError> {
