@@ -132,6 +132,10 @@ fn through_reshape(from: &[u64], to: &[u64], d: usize, digit: Digit) -> Result<(
     let flat = digit.stride * from[d + 1..].iter().product::<u64>();
     for (e, &size) in to.iter().enumerate() {
         let after: u64 = to[e + 1..].iter().product();
+        if after == 0 || flat == 0 {
+            // An empty dimension: no split of it means anything.
+            break;
+        }
         // The digit's values must cycle within the dimension: its run (parts x stride) divides it.
         if flat.is_multiple_of(after) && flat >= after && size.is_multiple_of(flat / after * digit.parts) {
             return Ok((e, flat / after));
@@ -153,7 +157,7 @@ fn relative_placements(e: usize, size: u64, digits: &[Digit]) -> Result<Vec<(usi
             stride = narrowed(stride, digit.parts, earlier, earlier_parts).ok_or(digit.axis)?;
         }
         let run = digit.parts * stride;
-        if !extent.is_multiple_of(run) {
+        if run == 0 || !extent.is_multiple_of(run) {
             return Err(digit.axis);
         }
         placements.push((digit.axis, Placement::shard_factor(e, extent / run, 1)));
@@ -173,8 +177,13 @@ pub(super) fn map_shard(from: &[u64], to: &[u64], dim: usize, outer: u64, inner:
     for e in 0..to.len() {
         let after_e: u64 = to[e + 1..].iter().product();
         let block = after_e * to[e];
-        if after_e <= stride && stride.is_multiple_of(after_e) && block.is_multiple_of(stride * mid) {
-            return Some(Placement::shard_factor(e, block / (stride * mid), stride / after_e));
+        let run = stride * mid;
+        if run == 0 || after_e == 0 {
+            // An empty dimension: no split of it survives (or means anything).
+            return None;
+        }
+        if after_e <= stride && stride.is_multiple_of(after_e) && block.is_multiple_of(run) {
+            return Some(Placement::shard_factor(e, block / run, stride / after_e));
         }
     }
     None
@@ -264,6 +273,16 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn an_empty_dimension_gathers_instead_of_dividing_by_zero() {
+        let mesh = Mesh::new(2, 2).with_data(2);
+        let input = layout(&[(DATA_AXIS, Placement::shard(0)), (ROW_AXIS, Placement::shard(0))]);
+        for (from, to) in [(&[0u64, 4][..], &[4u64, 0][..]), (&[4, 0], &[0, 4]), (&[8, 0], &[2, 4, 0])] {
+            let (read, output) = reshape_layouts(input, from, to, mesh.axes());
+            assert!(read.0.iter().chain(&output.0).all(|p| p.dim().is_none_or(|d| d < to.len().max(from.len()))));
         }
     }
 
