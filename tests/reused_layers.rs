@@ -106,3 +106,21 @@ fn token_ids_derived_by_select_or_reshape_are_derived_again_not_communicated() {
         verifies_everywhere(name, &source, &[("3d", "2x2x2x2")]);
     }
 }
+
+/// An input read in two layouts has two entries in the plan: a data error lists it once. (This model
+/// declares `tokens` and never reads it, so the plan has `targets` alone, read by the embedding and the
+/// loss in two layouts on 3d.)
+#[test]
+fn an_input_read_in_two_layouts_is_listed_once() {
+    let source = "model unused_tokens\nconfig { vocab = 16; hidden = 8; batch = 4; seq = 4 }\n\
+        input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\n\
+        layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)\n\
+        forward {\n  logits = head(wte(targets))\n  output loss = cross_entropy(reshape(logits, [batch * seq, vocab]), \
+        reshape(targets, [batch * seq]))\n}\n";
+    let path = scratch("reused_layers", "unused_tokens").join("unused_tokens.opt");
+    std::fs::write(&path, source).expect("the model is written");
+    let out = optimusc(&["verify", &path.to_string_lossy(), "--strategy", "3d", "--mesh", "2x2x2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.matches("`targets`: i32[4, 4]").count(), 1, "{stderr}");
+}

@@ -335,11 +335,14 @@ pub fn check_inputs(plan: &Plan) -> Result<(u64, u64), DataError> {
 
 /// The plan's inputs as "`tokens`: i32[8, 64], ...", or "none".
 pub(crate) fn input_list(plan: &Plan) -> String {
-    let listed: Vec<String> = plan
-        .inputs
-        .iter()
-        .map(|i| format!("`{}`: {}{}", i.name, dtype_of(plan, i).map_or("?", DType::name), shape_text(&i.shape)))
-        .collect();
+    // An input read in several layouts has an entry for each: list it once.
+    let mut listed: Vec<String> = Vec::new();
+    for i in &plan.inputs {
+        let entry = format!("`{}`: {}{}", i.name, dtype_of(plan, i).map_or("?", DType::name), shape_text(&i.shape));
+        if !listed.contains(&entry) {
+            listed.push(entry);
+        }
+    }
     if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
 }
 
