@@ -235,32 +235,33 @@ fn data_files(args: &RunArgs) -> [(&'static str, Option<&std::path::Path>); 3] {
 }
 
 /// The data files this run reads whose contents differ from those the checkpoint trained on (as
-/// `--data PATH (...)`); nothing for a checkpoint that recorded no fingerprints.
-fn changed_data_files(args: &RunArgs, checkpoint: &Checkpoint) -> Vec<String> {
-    use optimus::io::fingerprint::{Fingerprint, fingerprint};
-    let theirs = &checkpoint.training()["files"];
+/// `--data PATH (...)`), from the fingerprints this run's `training` record already took; nothing for a
+/// checkpoint that recorded none.
+fn changed_data_files(args: &RunArgs, training: &serde_json::Value, checkpoint: &Checkpoint) -> Vec<String> {
+    use optimus::io::fingerprint::Fingerprint;
+    let print_of = |files: &serde_json::Value, id: &str| serde_json::from_value::<Fingerprint>(files[id].clone()).ok();
     let mut changed = Vec::new();
     for (id, path) in data_files(args) {
-        let Ok(trained) = serde_json::from_value::<Fingerprint>(theirs[id].clone()) else { continue };
+        let Some(trained) = print_of(&checkpoint.training()["files"], id) else { continue };
         let flag = format!("--{id}");
-        match path.map(|path| fingerprint(path, "data")) {
-            // Unreadable: reading it fails the run with its own error.
-            Some(Err(_)) => {}
-            Some(Ok(print)) if print.same_contents(&trained) => {}
-            Some(Ok(print)) if print.path == trained.path => changed.push(format!(
+        match (path, print_of(&training["files"], id)) {
+            // Unreadable (no fingerprint taken): reading it fails the run with its own error.
+            (Some(_), None) => {}
+            (_, Some(print)) if print.same_contents(&trained) => {}
+            (_, Some(print)) if print.path == trained.path => changed.push(format!(
                 "{flag} `{}` changed after the checkpoint trained on it ({} bytes then, {} now, other contents)",
                 print.path.display(),
                 trained.bytes,
                 print.bytes
             )),
-            Some(Ok(print)) => changed.push(format!(
+            (_, Some(print)) => changed.push(format!(
                 "{flag} `{}` ({} bytes) holds other contents than `{}` ({} bytes), the file the checkpoint trained on",
                 print.path.display(),
                 print.bytes,
                 trained.path.display(),
                 trained.bytes
             )),
-            None => changed.push(format!("no {flag} (the checkpoint trained on `{}`)", trained.path.display())),
+            (None, None) => changed.push(format!("no {flag} (the checkpoint trained on `{}`)", trained.path.display())),
         }
     }
     changed
@@ -285,7 +286,7 @@ fn open_to_resume(path: &std::path::Path, args: &RunArgs, training: &serde_json:
             checkpoint.training()["source"].as_str().map_or(String::new(), |source| format!(" `{source}`"))
         )));
     }
-    let changed = changed_data_files(args, &checkpoint);
+    let changed = changed_data_files(args, training, &checkpoint);
     if !changed.is_empty() && !args.checkpoint.allow_changes {
         return Err(Failure::usage(format!(
             "--resume: `{}` would continue on other data: {}; an uninterrupted run would read what it read: give \
