@@ -4,6 +4,8 @@
 //! against finite differences, and tiny Llama-like models whose sharded plans `optimusc verify` checks
 //! against one device on every strategy.
 
+mod common;
+
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{Kernel, Mesh};
 use std::process::Command;
@@ -292,7 +294,7 @@ fn llama_like(heads: u64, kv_heads: u64) -> String {
 }
 
 fn write_model(name: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-attention-variants-{}", std::process::id()));
+    let dir = common::process_dir("attention-variants");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let model = dir.join(name);
     std::fs::write(&model, text).expect("write model");

@@ -2,6 +2,8 @@
 //! strategies (each replicated shard counted once), and clipping bounds the update: with plain SGD
 //! (no momentum, no weight decay) one update moves the weights by exactly lr * min(norm, X) in L2.
 
+mod common;
+
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -11,7 +13,7 @@ fn optimusc(args: &[&str]) -> Output {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-clipping-{}", std::process::id()));
+    let dir = common::process_dir("clipping");
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
 }

@@ -4,6 +4,8 @@
 //! CUDA driver or GPU the tests say what did not run and pass, unless `OPTIMUS_REQUIRE_CUDA=1`.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::process::{Command, Output};
 
 fn optimusc(args: &[&str]) -> Output {
@@ -128,7 +130,7 @@ fn held_back_updates_and_casts_change_no_bit() {
     if gpus(what).is_none() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("optimus-cuda-batch-{}", std::process::id()));
+    let dir = common::process_dir("cuda-batch");
     std::fs::create_dir_all(&dir).expect("a scratch folder");
     let model = small_gpt2("batch=8");
     for (mesh, extra) in [("1x1", &[][..]), ("2x1x1", &["--zero", "1"][..])] {

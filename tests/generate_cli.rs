@@ -2,6 +2,8 @@
 //! text equal to the JSON record's, and bad requests refused. (Greedy tokens against Hugging Face's
 //! `generate` are checked by scripts/hf_generate_check.py.)
 
+mod common;
+
 use serde_json::Value;
 use std::process::{Command, Output};
 
@@ -238,7 +240,7 @@ fn assert_same_generation(cached: &[Value], recomputed: &[Value], mesh: &[&str])
 /// this device's batch rows x every position x its kv heads' columns in float32.
 #[test]
 fn a_decoding_step_plan_counts_its_caches() {
-    let dir = std::env::temp_dir().join(format!("optimus-decode-plan-{}", std::process::id()));
+    let dir = common::process_dir("decode-plan");
     std::fs::create_dir_all(&dir).expect("a temporary folder");
     let plan = dir.join("decode.json");
     let plan_path = plan.to_str().expect("a UTF-8 path");
@@ -319,7 +321,7 @@ fn a_decoding_step_plan_counts_its_caches() {
 /// generating from the model with the same flags gives; flags that disagree with it are refused.
 #[test]
 fn a_plan_generates_as_its_model_does() {
-    let dir = std::env::temp_dir().join(format!("optimus-generate-plan-{}", std::process::id()));
+    let dir = common::process_dir("generate-plan");
     std::fs::create_dir_all(&dir).expect("a temporary folder");
     let plan = dir.join("plan.json");
     let plan_path = plan.to_str().expect("a UTF-8 path");

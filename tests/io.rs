@@ -1,6 +1,8 @@
 //! Checkpoints and token data: safetensors round trips, Hugging Face GPT-2 key styles and buffers,
 //! error reports, dtypes, and the data-window rule of token files.
 
+mod common;
+
 use optimus::elab::Override;
 use optimus::front::check_source;
 use optimus::io::{Order, TokenData, TokenDtype, check_inputs, load_checkpoint, random_batch, save_checkpoint};
@@ -592,7 +594,7 @@ fn load_tied(plan: &Plan, tensors: &[(&str, Vec<usize>, Vec<f32>)]) -> Result<BT
         .map(|((name, shape, _), bytes)| (*name, TensorView::new(Dtype::F32, shape.clone(), bytes).expect("a view")))
         .collect();
     let bytes = safetensors::serialize(views, None).expect("serializes");
-    let dir = std::env::temp_dir().join(format!("optimus-checkpoint-unit-{}", std::process::id()));
+    let dir = common::process_dir("checkpoint-unit");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(format!("t-{}.safetensors", tensors.len()));
     std::fs::write(&path, bytes).expect("write");

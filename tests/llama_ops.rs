@@ -4,6 +4,8 @@
 //! including `y * y`, whose two gradient contributions must add up); and a tiny Llama-style model that
 //! verifies on every strategy.
 
+mod common;
+
 use optimus::front::check_source;
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{Instr, Kernel, Mesh, Mode, Plan, ReasonKind, Strategy};
@@ -352,7 +354,7 @@ fn tiny_llama() -> String {
 }
 
 fn write_model(name: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-llama-ops-{}", std::process::id()));
+    let dir = common::process_dir("llama-ops");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);
     std::fs::write(&path, text).expect("write model");

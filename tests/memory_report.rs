@@ -2,6 +2,8 @@
 //! `inspect --memory SIZE` finds the largest batch that fits (the next one does not), which recomputation
 //! raises.
 
+mod common;
+
 use optimus::front::check_source;
 use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Recompute, Strategy};
 use optimus::shard::{Target, compile};
@@ -56,7 +58,7 @@ fn max_batch(plan_path: &str, size: &str) -> serde_json::Value {
 
 #[test]
 fn inspect_finds_the_largest_batch_that_fits_and_recompute_raises_it() {
-    let dir = std::env::temp_dir().join(format!("optimus-memory-report-{}", std::process::id()));
+    let dir = common::process_dir("memory-report");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let capacity: u64 = 64 << 20;
     let mut found = Vec::new();
@@ -95,7 +97,7 @@ fn inspect_finds_the_largest_batch_that_fits_and_recompute_raises_it() {
 
 #[test]
 fn inspect_memory_explains_what_it_cannot_do() {
-    let dir = std::env::temp_dir().join(format!("optimus-memory-errors-{}", std::process::id()));
+    let dir = common::process_dir("memory-errors");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let plan = dir.join("plan.json");
     let plan_text = plan.to_str().expect("utf-8");

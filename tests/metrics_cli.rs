@@ -1,6 +1,8 @@
 //! Metrics logs and plots end to end: `optimusc run --log` appends exactly the records `--json` prints,
 //! a bad log path is refused before anything runs, and `optimusc plot` draws a log or says what is wrong.
 
+mod common;
+
 use optimus::io::metrics::parse_metrics;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -10,7 +12,7 @@ fn optimusc(args: &[&str]) -> Output {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-metrics-cli-{}", std::process::id()));
+    let dir = common::process_dir("metrics-cli");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);
     let _ = std::fs::remove_file(&path);

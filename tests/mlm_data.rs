@@ -2,6 +2,8 @@
 //! label files, the MLM objective end to end (loss over the positions not ignored, sharded plans that
 //! verify), `optimusc mask-data`, and the usage errors for inputs without a source.
 
+mod common;
+
 use optimus::elab::Override;
 use optimus::front::check_source;
 use optimus::io::data::{TokenData, TokenDtype};
@@ -20,7 +22,7 @@ fn stderr(out: &Output) -> String {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-mlm-data-{}", std::process::id()));
+    let dir = common::process_dir("mlm-data");
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
 }

@@ -87,7 +87,7 @@ fn assert_close(mpi: &[f64], thread: &[f64]) {
 /// A fresh path for `name`: whatever an earlier run whose process had the same id left there is
 /// removed first, so that a stale checkpoint folder never meets a new run.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-mpi-{}", std::process::id()));
+    let dir = common::process_dir("mpi");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);
     let _ = std::fs::remove_dir_all(&path);
@@ -276,7 +276,7 @@ fn a_rank_that_errs_ends_the_job_naming_it() {
 /// "finishing the current step") comes from rank 0 at most, not once per rank.
 #[test]
 fn the_ranks_that_mpirun_stops_say_so_once_at_most() {
-    let dir = std::env::temp_dir().join(format!("optimus-mpi-interrupt-{}", std::process::id()));
+    let dir = common::process_dir("mpi-interrupt");
     let checkpoints = dir.to_string_lossy().into_owned();
     let args = [
         "run",

@@ -228,7 +228,7 @@ fn the_verifier_refuses_unsafe_overlap() {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-overlap-{}", std::process::id()));
+    let dir = common::process_dir("overlap");
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
 }

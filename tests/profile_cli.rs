@@ -2,6 +2,8 @@
 //! per device and profiled step, its shares add up, and its product FLOPs match 2mnk computed here from
 //! the plan's own buffer shapes. No timing is asserted beyond "positive".
 
+mod common;
+
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,7 +14,7 @@ fn optimusc(args: &[&str]) -> Output {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-profile-cli-{}", std::process::id()));
+    let dir = common::process_dir("profile-cli");
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
 }

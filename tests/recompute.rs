@@ -3,6 +3,8 @@
 //! `layers` costs exactly one extra forward per repeated block in the plan's FLOP count and cuts the kept
 //! activations of GPT-2 small by more than 3x, and every recomputed instruction says so in the plan.
 
+mod common;
+
 use optimus::elab::Override;
 use optimus::front::check_source;
 use optimus::plan::report::kernel_flops;
@@ -114,7 +116,7 @@ fn without_time(line: &str) -> String {
 
 #[test]
 fn recomputation_is_bit_identical_with_dropout_on_every_mesh() {
-    let dir = std::env::temp_dir().join(format!("optimus-recompute-{}", std::process::id()));
+    let dir = common::process_dir("recompute");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let small = ["--set", "layers=2", "--set", "hidden=32", "--set", "heads=4", "--set", "vocab=101"];
     for example in ["examples/tiny.opt", "examples/gpt2_manual_attention.opt"] {

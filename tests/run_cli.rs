@@ -1,6 +1,8 @@
 //! `optimusc run` and `optimusc verify` end to end: per-step JSON, failures that name the device and
 //! leave no files behind, and verify's exit status.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -9,7 +11,7 @@ fn optimusc(args: &[&str]) -> Output {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-run-cli-{}", std::process::id()));
+    let dir = common::process_dir("run-cli");
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
 }

@@ -13,7 +13,7 @@ fn optimusc(args: &[&str]) -> Output {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-run-guards-{}", std::process::id()));
+    let dir = common::process_dir("run-guards");
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
 }

@@ -1,6 +1,8 @@
 //! `silu(x)`: a model whose MLP uses it compiles on every strategy, and each sharded plan computes what
 //! one device computes (outputs, every gradient and the updated weights), as `optimusc verify` checks.
 
+mod common;
+
 use std::process::Command;
 
 #[test]
@@ -8,7 +10,7 @@ fn a_silu_mlp_verifies_on_every_strategy() {
     let tiny = std::fs::read_to_string("examples/tiny.opt").expect("example");
     let text = tiny.replace("gelu(c_fc(x), approx: \"tanh\")", "silu(c_fc(x))");
     assert!(text.contains("silu(c_fc(x))"), "the edit applies");
-    let dir = std::env::temp_dir().join(format!("optimus-silu-{}", std::process::id()));
+    let dir = common::process_dir("silu");
     std::fs::create_dir_all(&dir).expect("temp dir");
     let model = dir.join("silu.opt");
     std::fs::write(&model, text).expect("write model");

@@ -2,6 +2,8 @@
 //! figures against `inspect`'s, max batch monotone in device memory, bad hardware files, and
 //! `simulate` / `--compare` / `--sweep` on every example.
 
+mod common;
+
 use optimus::cost::collective::{ceil_log2, ring_time, tree_time};
 use optimus::cost::flows::{GroupLayout, collective_seconds};
 use optimus::cost::search::{self, Source};
@@ -295,7 +297,7 @@ const SMALL: [&str; 12] = [
 
 /// A scratch folder of this test (`tag`), `examples/gpt2.opt`, and the path of a plan in the folder.
 fn scratch_plan_for_gpt2(tag: &str) -> (PathBuf, String, String) {
-    let dir = std::env::temp_dir().join(format!("optimus-simulate-{tag}-{}", std::process::id()));
+    let dir = common::process_dir("simulate").join(tag);
     let _ = std::fs::create_dir_all(&dir);
     let plan = dir.join("plan.json").to_string_lossy().into_owned();
     (dir, examples().join("gpt2.opt").to_string_lossy().into_owned(), plan)
@@ -612,7 +614,7 @@ fn the_papers_layouts_reach_the_plans_a_search_compiles_and_inspect_names_them()
     assert_eq!(steps(&auto, "megatron"), steps(&paper, "megatron"));
     assert!(!steps(&auto, "megatron").is_empty());
 
-    let dir = std::env::temp_dir().join(format!("optimus-layouts-{}", std::process::id()));
+    let dir = common::process_dir("layouts");
     std::fs::create_dir_all(&dir).expect("a scratch folder");
     for (layouts, named) in [("paper", true), ("auto", false)] {
         let plan = dir.join(format!("{layouts}.json")).to_string_lossy().into_owned();

@@ -1,6 +1,8 @@
 //! Names that come from files, plans and paths never reach the terminal raw: an escape sequence in a
 //! model name, a plan's tensor names, a source comment or a file name is printed escaped.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -12,7 +14,7 @@ fn optimusc(args: &[&str]) -> Output {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-terminal-{}", std::process::id()));
+    let dir = common::process_dir("terminal");
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
 }

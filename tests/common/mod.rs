@@ -13,10 +13,40 @@ use std::process::{Command, Output};
 /// A fresh, empty folder `name` for one test's files, under a folder of `suite` and this process (so
 /// that nothing an earlier run left, even one whose process had the same id, meets this one).
 pub fn scratch(suite: &str, name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("optimus-{suite}-{}", std::process::id())).join(name);
+    let dir = process_dir(suite).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
+}
+
+/// The folder of files that `tag`'s tests make in this process: `optimus-tests/{tag}-{pid}` in the
+/// temporary folder. The first call in a process also removes the folders of test processes that have
+/// ended, so that the suite's runs do not pile up in the temporary folder (they once left 2 GB there);
+/// a failed test's files stay until a later test process starts.
+pub fn process_dir(tag: &str) -> PathBuf {
+    static ENDED_REMOVED: std::sync::Once = std::sync::Once::new();
+    let root = std::env::temp_dir().join("optimus-tests");
+    ENDED_REMOVED.call_once(|| remove_ended_processes_dirs(&root));
+    let dir = root.join(format!("{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Removes the folders under `root` whose name ends in the id of a process that no longer runs. Only
+/// where /proc tells which processes run (Linux); elsewhere nothing is removed.
+fn remove_ended_processes_dirs(root: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let pid = name.to_str().and_then(|n| n.rsplit('-').next()).and_then(|p| p.parse::<u32>().ok());
+        let ended = pid.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+        if ended {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Writes the model `source` as `name.opt` in a fresh folder of `suite` and asserts that `optimusc
