@@ -3,7 +3,7 @@
 run, alternating, in one call: a before/after, on a GPU or the CPU.
 
 Usage: python3 scripts/steps_ab.py --new PATH [--baseline PATH] [--baseline-env VAR=VALUE]
-           [--rounds 2] [--steps 6] [--warmup 2] [--label NAME] [--jsonl FILE] -- RUN ARGS...
+           [--rounds 2] [--steps 6] [--warmup 2] [--label NAME] [--jsonl FILE] [--profile] -- RUN ARGS...
 
 Runs `optimusc run RUN ARGS... --steps S --json` with each build, alternating, --rounds times (the
 baseline is --baseline, else --new; --baseline-env settings apply to the baseline's runs only); a run's
@@ -11,6 +11,8 @@ step time is the median of the differences of `elapsed_s` after --warmup steps. 
 run and the faster round of each build; --jsonl appends one JSON record per run (raw results). With
 two rounds or more it also prints how far apart each build's rounds were, and warns where they are
 more than the ratio's distance from 1: a difference smaller than the machine's own spread is noise.
+With --profile each run also takes `--profile` and reports its MatMul row: the products' GFLOP/s and
+their share of the peak the run measured (the profile's warm-up step is left out there too).
 """
 
 import argparse
@@ -24,8 +26,10 @@ import sys
 from bench_noise import spread
 
 
-def step_time(optimusc, run_args, steps, warmup, env=None):
+def step_time(optimusc, run_args, steps, warmup, env=None, profile=False):
+    """The median step time, the last loss and (with `profile`) the profile's MatMul row of one run."""
     command = [optimusc, "run", *run_args, "--steps", str(warmup + steps), "--json"]
+    command += ["--profile"] if profile else []
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip()[-400:]}")
@@ -34,7 +38,20 @@ def step_time(optimusc, run_args, steps, warmup, env=None):
     times = [b - a for a, b in zip(elapsed, elapsed[1:])][max(warmup - 1, 0):]
     if not times:
         raise RuntimeError("the run printed too few steps to time")
-    return statistics.median(times), records[-1]["loss"]
+    return statistics.median(times), records[-1]["loss"], products_row(done.stdout) if profile else None
+
+
+def products_row(stdout):
+    """The MatMul row of the run's `{"profile": ...}` record: GFLOP/s and % of the measured peak."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{\"profile\""):
+            profile = json.loads(line)["profile"]
+            row = next((r for r in profile["rows"] if r["name"] == "MatMul"), None)
+            if row is None:
+                raise RuntimeError("the profile has no MatMul row")
+            return {"matmul_gflops": row["gflops"], "matmul_peak_pct": row["peak_pct"],
+                    "matmul_share_pct": row["share_pct"], "peak_gflops": profile["peak_gflops"]}
+    raise RuntimeError("the run printed no profile record")
 
 
 def main():
@@ -48,6 +65,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--label", default="run")
     parser.add_argument("--jsonl")
+    parser.add_argument("--profile", action="store_true", help="also report each run's MatMul row")
     parser.add_argument("run_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
@@ -58,19 +76,21 @@ def main():
     for round_ in range(1, args.rounds + 1):
         for build, path, env in builds:
             try:
-                seconds, loss = step_time(path, run_args, args.steps, args.warmup, env)
+                seconds, loss, products = step_time(path, run_args, args.steps, args.warmup, env, args.profile)
             except RuntimeError as e:
                 print(f"{args.label} {build} round {round_}: failed: {e}", flush=True)
                 continue
             best[build] = min(best.get(build, seconds), seconds)
             times[build].append(seconds)
-            print(f"{args.label} {build} round {round_}: {seconds * 1e3:.2f} ms a step, last loss {loss:.4f}",
+            shown = f", products at {products['matmul_peak_pct']:.1f}% of the peak" if products else ""
+            print(f"{args.label} {build} round {round_}: {seconds * 1e3:.2f} ms a step, last loss {loss:.4f}{shown}",
                   flush=True)
             if args.jsonl:
                 setting = args.baseline_env if build == "baseline" else []
                 record = {"system": f"optimusc {build}", "label": args.label, "args": run_args, "env": setting,
                           "round": round_,
-                          "step_s": seconds, "last_loss": loss, "date": datetime.date.today().isoformat()}
+                          "step_s": seconds, "last_loss": loss, "date": datetime.date.today().isoformat(),
+                          **(products or {})}
                 with open(args.jsonl, "a", encoding="utf-8") as out:
                     out.write(json.dumps(record) + "\n")
     if len(best) == 2:

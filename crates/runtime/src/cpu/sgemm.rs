@@ -3,12 +3,19 @@
 //! On AVX2 CPUs (the 2-core EPYCs the issues measure on, or any CPU under `OPTIMUS_CPU_ISA=avx2`)
 //! OpenBLAS's Haswell kernels left the products of our plans at 77-82% of the measured peak. This
 //! product follows the usual blocked scheme (a KC-deep panel of the right operand packed into 16-column
-//! strips, a block of left-operand rows packed into 6-row strips, a micro-kernel that keeps a 6x16 tile
-//! of the result in twelve registers) and differs where our shapes gain:
+//! strips, a block of left-operand rows in 6-row strips, a micro-kernel that keeps a 6x16 tile of the
+//! result in twelve registers) and differs where our shapes gain:
 //!
 //! - with `beta = 0` the result is written once, never cleared first (OpenBLAS clears it, a pass over
 //!   the output as large as a logits tensor);
-//! - row-major and transposed operands are packed with 8x8 register transposes, not element by element;
+//! - a left operand stored by rows (every forward product and input gradient) is not packed at all: the
+//!   micro-kernel broadcasts its six rows where they lie. Packing cost about a cycle an element, and an
+//!   element serves 2n flops, so narrow results lost most (alone, one thread under the AVX2 cap on an
+//!   AMD EPYC: 1024x256x8192 from 0.89-0.90 to 0.93-0.94 of the peak, one 2x2 device's 512x128x4096
+//!   from 0.87-0.88 to 0.94, and 1-3 points on the wide ones; `bench/results/2026-11-29-left-in-place/`).
+//!   Read in place by steps instead, a transposed left operand (a weight gradient's) ran at 0.6 of the
+//!   peak where its steps lie 16-32 KiB apart, so it stays packed, its runs fetched eight steps ahead;
+//! - a transposed right operand is packed with 8x8 register transposes, not element by element;
 //! - a tile's output lines are fetched into cache when the tile starts, so its stores do not wait on
 //!   memory (alone under the AVX2 cap: the tied head's 1024x8192x256 product from 77% to 87% of the
 //!   peak on one thread, 1024x256x1024 from 82% to 88%).
@@ -183,8 +190,16 @@ mod x86 {
                         pack_right(right, b, (k0, kc), (j0, nc));
                         for i0 in (0..m).step_by(mc) {
                             let rows = (m - i0).min(mc);
-                            pack_left(left, a, (i0, rows), (k0, kc));
-                            tiles(left, right, Sizes { m: rows, n: nc, k: kc }, c.at(i0, j0), (alpha, store));
+                            let block = if a.cs == 1 {
+                                // Only a last strip of fewer than MR rows is packed (zero-padded).
+                                let full = rows / MR * MR;
+                                pack_left(left, a, (i0 + full, rows - full), (k0, kc));
+                                Left::InPlace { first: a.at(i0, k0), rs: a.rs, edge: left }
+                            } else {
+                                pack_left(left, a, (i0, rows), (k0, kc));
+                                Left::Packed(left)
+                            };
+                            tiles(block, right, Sizes { m: rows, n: nc, k: kc }, c.at(i0, j0), (alpha, store));
                         }
                     }
                 }
@@ -195,6 +210,52 @@ mod x86 {
             for i in 0..m {
                 // SAFETY: row i of c holds n elements.
                 unsafe { std::ptr::write_bytes(c.at(i, 0).p, 0, n) };
+            }
+        }
+    }
+
+    /// A block of the left operand as the tiles read it.
+    #[derive(Clone, Copy)]
+    enum Left<'a> {
+        /// Packed into 6-row strips by [`pack_left`].
+        Packed(&'a [f32]),
+        /// Read where it is: row r of the block at `first + r * rs`, unit stride along k; a last strip
+        /// of fewer than MR rows is packed into `edge`, zero-padded.
+        InPlace { first: *const f32, rs: isize, edge: &'a [f32] },
+    }
+
+    /// One 6-row strip of a [`Left`] block, k steps deep.
+    #[derive(Clone, Copy)]
+    enum LeftStrip {
+        Packed(*const f32),
+        InPlace(*const f32, isize),
+    }
+
+    impl Left<'_> {
+        /// Strip p, which has `rows` rows, of a block k steps deep.
+        fn strip(self, p: usize, rows: usize, k: usize) -> LeftStrip {
+            match self {
+                Left::Packed(packed) => LeftStrip::Packed(packed[p * MR * k..].as_ptr()),
+                Left::InPlace { edge, .. } if rows < MR => LeftStrip::Packed(edge.as_ptr()),
+                Left::InPlace { first, rs, .. } => {
+                    LeftStrip::InPlace(first.wrapping_offset((p * MR) as isize * rs), rs)
+                }
+            }
+        }
+    }
+
+    impl LeftStrip {
+        /// The micro-kernel over this strip.
+        ///
+        /// # Safety
+        /// As for [`micro`].
+        unsafe fn micro(self, k: usize, b: *const f32, c: Output, alpha: f32, store: Store) {
+            // SAFETY: the caller's contract; the strip holds six rows of k steps.
+            unsafe {
+                match self {
+                    LeftStrip::Packed(a) => micro::<false>(k, (a, 1), b, c, alpha, store),
+                    LeftStrip::InPlace(a, rs) => micro::<true>(k, (a, rs), b, c, alpha, store),
+                }
             }
         }
     }
@@ -228,13 +289,20 @@ mod x86 {
     /// A cache line's bytes.
     const LINE: usize = 64;
 
+    /// Steps of k ahead that [`left_columns`] fetches its runs. A weight gradient's steps lie a row of
+    /// its input apart (32 KiB for the vocabulary's 8192x256x1024), further than the hardware
+    /// prefetchers follow: fetched ahead, that product went from 0.86 to 0.91 of the peak (alone, one
+    /// thread under the AVX2 cap on an AMD EPYC), 4096x128x512 from 0.82-0.84 to 0.88.
+    const AHEAD: usize = 8;
+
     /// Runs the micro-kernel over every 6x16 tile of the block: strips of the right panel outside (each
     /// stays in L1 while the block's row strips stream past it), full tiles straight into c, edge tiles
     /// through a scratch tile.
     ///
     /// # Safety
-    /// `left` and `right` hold the packed block and panel of these sizes; c holds sizes.m x sizes.n.
-    unsafe fn tiles(left: &[f32], right: &[f32], sizes: Sizes, c: Output, (alpha, store): (f32, Store)) {
+    /// `left` holds the block of these sizes (packed, or in place with its partial strip packed),
+    /// `right` the packed panel; c holds sizes.m x sizes.n.
+    unsafe fn tiles(left: Left<'_>, right: &[f32], sizes: Sizes, c: Output, (alpha, store): (f32, Store)) {
         let Sizes { m, n, k } = sizes;
         let mut scratch = [0f32; MR * NR];
         for q in 0..n.div_ceil(NR) {
@@ -242,15 +310,15 @@ mod x86 {
             let strip = right[q * NR * k..].as_ptr();
             for p in 0..m.div_ceil(MR) {
                 let rows = (m - p * MR).min(MR);
-                let a = left[p * MR * k..].as_ptr();
+                let a = left.strip(p, rows, k);
                 let tile = c.at(p * MR, q * NR);
                 // SAFETY: the strips hold k steps each; a full tile lies within c.
                 unsafe {
                     if rows == MR && cols == NR {
-                        micro(k, a, strip, tile, alpha, store);
+                        a.micro(k, strip, tile, alpha, store);
                     } else {
                         let out = Output { p: scratch.as_mut_ptr(), rs: NR as isize };
-                        micro(k, a, strip, out, 1.0, Store::Write);
+                        a.micro(k, strip, out, 1.0, Store::Write);
                         for i in 0..rows {
                             for j in 0..cols {
                                 let d = tile.at(i, j).p;
@@ -270,7 +338,14 @@ mod x86 {
     /// # Safety
     /// a holds 6k and b 16k floats; c's 6 rows of 16 are writable.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn micro(k: usize, a: *const f32, b: *const f32, c: Output, alpha: f32, store: Store) {
+    unsafe fn micro<const IN_PLACE: bool>(
+        k: usize,
+        (a, rs): (*const f32, isize),
+        b: *const f32,
+        c: Output,
+        alpha: f32,
+        store: Store,
+    ) {
         // The tile's output lines, fetched now so that they are in cache when the sums are stored. A
         // wide output (the tied head's logits, 32 MiB at GPT-2 small's 1x1) is not in any cache: its
         // stores waited on memory, and the product ran at 76% of the peak against 91% for a
@@ -287,17 +362,20 @@ mod x86 {
         // then issues about 21 instructions a step instead of 23 (paired call by call against the loop
         // of one step, nine shapes alone on one thread under the AVX2 cap: 0.93-1.00 of its time, the
         // most while the VM ran slow).
+        // A packed strip holds step k's six values together; rows read in place hold them `rs` apart,
+        // the next step's one float on.
+        let a_step = if IN_PLACE { 1 } else { MR };
         for _ in 0..k / UNROLL {
             for _ in 0..UNROLL {
                 // SAFETY: step k of each strip lies within it.
-                unsafe { step(&mut acc, a, b) };
-                (a, b) = (a.wrapping_add(MR), b.wrapping_add(NR));
+                unsafe { step::<IN_PLACE>(&mut acc, (a, rs), b) };
+                (a, b) = (a.wrapping_add(a_step), b.wrapping_add(NR));
             }
         }
         for _ in 0..k % UNROLL {
             // SAFETY: as above.
-            unsafe { step(&mut acc, a, b) };
-            (a, b) = (a.wrapping_add(MR), b.wrapping_add(NR));
+            unsafe { step::<IN_PLACE>(&mut acc, (a, rs), b) };
+            (a, b) = (a.wrapping_add(a_step), b.wrapping_add(NR));
         }
         let scale = _mm256_set1_ps(alpha);
         for (r, row) in acc.iter().enumerate() {
@@ -317,18 +395,20 @@ mod x86 {
     /// Steps of k the micro-kernel's loop takes a turn.
     const UNROLL: usize = 4;
 
-    /// One step of k: the tile's sums += a[0..6] x b[0..16].
+    /// One step of k: the tile's sums += a[0..6] x b[0..16], a's values consecutive (packed) or `ars`
+    /// apart (in place).
     ///
     /// # Safety
-    /// a holds 6 floats and b 16.
+    /// a's six values and b's 16 floats lie within their operands.
     #[inline(always)]
-    unsafe fn step(acc: &mut [[__m256; 2]; MR], a: *const f32, b: *const f32) {
+    unsafe fn step<const IN_PLACE: bool>(acc: &mut [[__m256; 2]; MR], (a, rs): (*const f32, isize), b: *const f32) {
         // SAFETY: the caller's contract.
         unsafe {
             let b0 = _mm256_loadu_ps(b);
             let b1 = _mm256_loadu_ps(b.add(8));
             for (r, row) in acc.iter_mut().enumerate() {
-                let ar = _mm256_broadcast_ss(&*a.add(r));
+                let value = if IN_PLACE { a.offset(r as isize * rs) } else { a.add(r) };
+                let ar = _mm256_broadcast_ss(&*value);
                 row[0] = _mm256_fmadd_ps(ar, b0, row[0]);
                 row[1] = _mm256_fmadd_ps(ar, b1, row[1]);
             }
@@ -353,14 +433,10 @@ mod x86 {
             let first = a.at(i0 + p * MR, k0);
             // SAFETY: strip p and its source rows lie within dst and a.
             unsafe {
-                if height == MR && a.cs == 1 {
-                    left_rows(strip, first, a.rs, kc);
-                } else {
-                    for k in 0..kc {
-                        for r in 0..MR {
-                            let v = if r < height { *first.offset(r as isize * a.rs + k as isize * a.cs) } else { 0.0 };
-                            *strip.add(k * MR + r) = v;
-                        }
+                for k in 0..kc {
+                    for r in 0..MR {
+                        let v = if r < height { *first.offset(r as isize * a.rs + k as isize * a.cs) } else { 0.0 };
+                        *strip.add(k * MR + r) = v;
                     }
                 }
             }
@@ -376,6 +452,13 @@ mod x86 {
         let full = rows / MR;
         for k in 0..kc {
             let run = a.at(i0, k0 + k);
+            if k + AHEAD < kc {
+                let ahead = a.at(i0, k0 + k + AHEAD);
+                for i in (0..rows).step_by(LINE / size_of::<f32>()).chain([rows - 1]) {
+                    // SAFETY: a prefetch reads nothing; the address lies within a anyway.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i).cast::<i8>()) };
+                }
+            }
             // SAFETY: the run holds `rows` elements; strip p's step k lies within dst.
             unsafe {
                 for p in 0..full {
@@ -387,35 +470,6 @@ mod x86 {
                         *d.add(full * MR * kc + k * MR + r) = if i < rows { *run.add(i) } else { 0.0 };
                     }
                 }
-            }
-        }
-    }
-
-    /// Packs six rows of unit column stride, `rs` apart: dst[k*6 + r] = row r[k], eight k at a time by an
-    /// 8x8 transpose whose last two lanes the next store overwrites (the last spills into the slack).
-    ///
-    /// # Safety
-    /// The six rows hold kc floats each; dst holds 6kc + 2 floats.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn left_rows(dst: *mut f32, first: *const f32, rs: isize, kc: usize) {
-        let rows: [*const f32; MR] = std::array::from_fn(|r| first.wrapping_offset(r as isize * rs));
-        let zero = _mm256_setzero_ps();
-        let mut k = 0;
-        while k + 8 <= kc {
-            // SAFETY: k..k+8 lies within each row; the stores within dst's strip and slack.
-            unsafe {
-                let load = |r: usize| _mm256_loadu_ps(rows[r].add(k));
-                let cols = transpose8([load(0), load(1), load(2), load(3), load(4), load(5), zero, zero]);
-                for (i, col) in cols.iter().enumerate() {
-                    _mm256_storeu_ps(dst.add((k + i) * MR), *col);
-                }
-            }
-            k += 8;
-        }
-        for k in k..kc {
-            for (r, row) in rows.iter().enumerate() {
-                // SAFETY: as above, one element at a time.
-                unsafe { *dst.add(k * MR + r) = *row.add(k) };
             }
         }
     }
@@ -635,10 +689,18 @@ mod tests {
             return;
         }
         // Tiles of 6x16 with partial edges, a k deeper than the panel depth (several panels), an n wider
-        // than one packed panel (NC), and tiny and odd sizes.
-        for (m, n, k) in
-            [(6, 16, 1), (7, 17, 9), (13, 33, 64), (48, 32, 1030), (6, 2100, 20), (150, 40, 300), (31, 5, 17)]
-        {
+        // than one packed panel (NC), tiny and odd sizes, and several row blocks the last of which ends
+        // in a partial strip (packed beside rows read in place).
+        for (m, n, k) in [
+            (6, 16, 1),
+            (7, 17, 9),
+            (13, 33, 64),
+            (48, 32, 1030),
+            (6, 2100, 20),
+            (150, 40, 300),
+            (31, 5, 17),
+            (299, 35, 520),
+        ] {
             check(m, n, k);
         }
     }
