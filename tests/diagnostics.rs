@@ -1077,3 +1077,108 @@ fn labels_point_at_the_offending_text() {
     let d = checked.diagnostics.iter().find(|d| d.code == "E0302").expect("E0302");
     assert_eq!(&src[d.primary_span().expect("primary label").range()], "2");
 }
+
+// ---- warnings ------------------------------------------------------------------------------------
+
+/// Checks `src`, asserts the model is accepted with exactly the warning codes `codes` (in order), and
+/// renders them.
+fn render_warnings(src: &str, codes: &[&str]) -> String {
+    let checked = check_source(src, &[]);
+    let rendered = render_plain("model.opt", src, &checked.diagnostics);
+    assert!(checked.model.is_some(), "a model with only warnings is accepted:\n{rendered}");
+    let found: Vec<&str> = checked.diagnostics.iter().map(|d| d.code.as_str()).collect();
+    assert_eq!(found, codes, "warning codes for:\n{src}\n{rendered}");
+    assert!(checked.diagnostics.iter().all(|d| !d.is_error() && d.primary_span().is_some()));
+    rendered
+}
+
+/// `warned!(name, source, [codes])`: one snapshot test of a model accepted with warnings.
+macro_rules! warned {
+    ($name:ident, $src:expr, [$($code:literal),* $(,)?]) => {
+        #[test]
+        fn $name() {
+            let src: &str = $src;
+            let rendered = render_warnings(src, &[$($code),*]);
+            insta::with_settings!({ description => src, omit_expression => true }, {
+                insta::assert_snapshot!(rendered);
+            });
+        }
+    };
+}
+
+warned!(
+    an_input_the_forward_never_reads_is_a_warning,
+    concat!(
+        prelude!(),
+        "input mask: f32[batch, seq]\nlayer wte = embedding(16, hidden)\nforward { output y = wte(tokens) }\n"
+    ),
+    ["W0001"]
+);
+
+warned!(
+    a_root_layer_never_called_is_a_warning,
+    concat!(
+        prelude!(),
+        "layer wte = embedding(16, hidden)\nlayer spare = linear(hidden, hidden)\nforward { output y = wte(tokens) }\n"
+    ),
+    ["W0002"]
+);
+
+warned!(
+    a_block_layer_its_forward_never_calls_is_a_warning,
+    concat!(
+        prelude!(),
+        "block B {\n  layer fc = linear(hidden, hidden)\n  layer extra = layernorm(hidden)\n  forward(x) { return fc(x) }\n}\n",
+        "layer wte = embedding(16, hidden)\nlayer b = B()\nforward { output y = b(wte(tokens)) }\n"
+    ),
+    ["W0002"]
+);
+
+/// What is used (read, called, repeated, tied by name, or possibly tied by a path) is never warned of.
+#[test]
+fn declarations_in_use_are_not_warned_of() {
+    let sources = [
+        // An embedding used only as a tied head's table.
+        concat!(
+            prelude!(),
+            "input targets: i32[batch, seq]\nlayer wte = embedding(16, hidden)\nlayer head = linear(hidden, 16, bias: false, tied: wte)\n",
+            "forward { output loss = cross_entropy(head(wte(tokens)), targets) }\n"
+        ),
+        // A repeated block and the layers of its forward; an input read only inside an expression.
+        concat!(
+            prelude!(),
+            "block B {\n  layer fc = linear(hidden, hidden)\n  forward(x) { return x + fc(x) }\n}\n",
+            "input scale_by: f32[batch, seq, hidden]\nlayer wte = embedding(16, hidden)\nlayer h = repeat(2) B()\n",
+            "forward { output y = h(wte(tokens) * scale_by) }\n"
+        ),
+        // An embedding that a path string may name, though nothing calls it by name.
+        concat!(
+            prelude!(),
+            "layer wte = embedding(16, hidden)\nlayer other = embedding(16, hidden)\n",
+            "layer head = linear(hidden, 16, bias: false, tied: \"wte\")\nforward { output y = head(wte(tokens)) }\n"
+        ),
+    ];
+    for src in sources {
+        let checked = check_source(src, &[]);
+        let rendered = render_plain("model.opt", src, &checked.diagnostics);
+        assert!(checked.model.is_some() && checked.diagnostics.is_empty(), "for:\n{src}\n{rendered}");
+    }
+}
+
+/// The examples, and every model the docs build on, declare nothing they do not use.
+#[test]
+fn the_examples_have_no_warnings() {
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let mut checked_files = 0;
+    for entry in std::fs::read_dir(&examples).expect("examples/") {
+        let path = entry.expect("an entry").path();
+        if path.extension().is_some_and(|e| e == "opt") {
+            let text = std::fs::read_to_string(&path).expect("an example");
+            let checked = check_source(&text, &[]);
+            let rendered = render_plain(&path.display().to_string(), &text, &checked.diagnostics);
+            assert!(checked.model.is_some() && checked.diagnostics.is_empty(), "{}:\n{rendered}", path.display());
+            checked_files += 1;
+        }
+    }
+    assert!(checked_files >= 5, "expected the examples to be found");
+}

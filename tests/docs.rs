@@ -417,7 +417,7 @@ fn every_documented_command_runs_as_written() {
 
 // ---- error codes ---------------------------------------------------------------------------------
 
-/// Every `Code::EXXXX` the Rust files under `dir` use.
+/// Every `Code::EXXXX` and `Code::WXXXX` the Rust files under `dir` use.
 fn codes_in_source(dir: &Path, codes: &mut BTreeSet<String>) {
     let mut entries: Vec<PathBuf> =
         std::fs::read_dir(dir).expect("a source folder").filter_map(|e| e.ok().map(|e| e.path())).collect();
@@ -432,24 +432,30 @@ fn codes_in_source(dir: &Path, codes: &mut BTreeSet<String>) {
     }
 }
 
-/// The error codes a text uses: `Code::E` and four digits (diagnostics take a `diag::Code`).
+/// The error and warning codes a text uses: `Code::E` or `Code::W` and four digits (diagnostics take a
+/// `diag::Code`).
 fn quoted_codes(text: &str) -> Vec<String> {
     let mut codes = Vec::new();
-    for (i, _) in text.match_indices("Code::E") {
+    for (i, _) in text.match_indices("Code::") {
         let code = &text[i + 6..];
-        if code.len() >= 5 && code.as_bytes()[1..5].iter().all(u8::is_ascii_digit) {
+        let lettered = code.starts_with('E') || code.starts_with('W');
+        if lettered && code.len() >= 5 && code.as_bytes()[1..5].iter().all(u8::is_ascii_digit) {
             codes.push(code[..5].to_string());
         }
     }
     codes
 }
 
-/// The codes with a `## EXXXX: ...` section in docs/diagnostics.md.
+/// The codes with a `## EXXXX: ...` (or `## WXXXX: ...`) section in docs/diagnostics.md.
 fn documented_codes(doc: &str) -> BTreeSet<String> {
     doc.lines()
         .filter_map(|l| l.strip_prefix("## "))
         .filter_map(|heading| heading.split_once(':').map(|(code, _)| code))
-        .filter(|code| code.len() == 5 && code.starts_with('E') && code[1..].bytes().all(|b| b.is_ascii_digit()))
+        .filter(|code| {
+            code.len() == 5
+                && (code.starts_with('E') || code.starts_with('W'))
+                && code[1..].bytes().all(|b| b.is_ascii_digit())
+        })
         .map(str::to_string)
         .collect()
 }

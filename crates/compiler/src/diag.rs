@@ -48,11 +48,13 @@ pub enum Code {
     E0601,
     E0602,
     E0699,
+    W0001,
+    W0002,
 }
 
 impl Code {
     /// Every code, in order.
-    pub const ALL: [Code; 22] = [
+    pub const ALL: [Code; 24] = [
         Code::E0001,
         Code::E0002,
         Code::E0003,
@@ -75,6 +77,8 @@ impl Code {
         Code::E0601,
         Code::E0602,
         Code::E0699,
+        Code::W0001,
+        Code::W0002,
     ];
 
     /// The code as written in messages and docs (`E0602`).
@@ -102,6 +106,8 @@ impl Code {
             Code::E0601 => "E0601",
             Code::E0602 => "E0602",
             Code::E0699 => "E0699",
+            Code::W0001 => "W0001",
+            Code::W0002 => "W0002",
         }
     }
 }

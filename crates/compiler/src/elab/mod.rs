@@ -7,6 +7,7 @@ mod layers;
 mod ops;
 mod resolve;
 mod size;
+mod unused;
 
 pub use ops::show_type;
 pub use size::{MAX_TENSOR_ELEMENTS, fitting_elements, max_elements, too_large};
@@ -272,6 +273,7 @@ pub fn elaborate(file: &File, overrides: &[Override]) -> Result<(Model, Vec<Diag
     if result == Err(Fail::Abort) || diags.iter().any(Diagnostic::is_error) {
         return Err(diags);
     }
+    diags.extend(unused::unused_declarations(file));
     let (outputs, loss) = match result {
         Ok(v) => v,
         Err(_) => return Err(diags),
