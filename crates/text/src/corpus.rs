@@ -198,6 +198,11 @@ fn next_text_piece(open: &mut OpenFile, path: &Path, size: usize) -> Result<Opti
     let mut want = size;
     loop {
         let ended = fill(open, path, want)?;
+        if open.pending_at == 0 && open.pending.starts_with(UTF8_BOM) {
+            // A byte-order mark marks the file's encoding, not its text (Python's `utf-8-sig`).
+            open.pending.drain(..UTF8_BOM.len());
+            open.pending_at = UTF8_BOM.len() as u64;
+        }
         let cut = if ended { Some(open.pending.len()) } else { last_cut(&open.pending) };
         match cut {
             Some(0) if ended => return Ok(None),
@@ -384,6 +389,14 @@ mod tests {
             corpus.pieces().map(|p| p.map(|p| (p.text, p.starts_document))).collect::<Result<_, _>>()?;
         let expected = [("plain file", true), ("first doc", true), ("second doc", true)];
         assert_eq!(pieces, expected.map(|(t, s)| (t.to_string(), s)));
+        Ok(())
+    }
+
+    #[test]
+    fn a_byte_order_mark_at_the_start_of_a_text_file_is_skipped() -> Result<(), TextError> {
+        let (_dir, corpus) = corpus_of(&[("bom.txt", "\u{feff}first words\n"), ("late.txt", "a\u{feff}b")]);
+        let texts: Vec<String> = corpus.pieces().map(|p| p.map(|p| p.text)).collect::<Result<_, _>>()?;
+        assert_eq!(texts, ["first words\n", "a\u{feff}b"], "only a mark that starts a file is skipped");
         Ok(())
     }
 
