@@ -705,6 +705,26 @@ mod tests {
         }
     }
 
+    #[test]
+    fn products_match_the_f64_product_on_random_shapes() {
+        if !applies(true) {
+            return;
+        }
+        // Shapes the fixed list may miss: every residue of the tile's rows and columns and of the loop's
+        // unrolling, one or several panels deep, one or several row blocks.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut draw = |below: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % below as u64) as usize
+        };
+        for _ in 0..24 {
+            let (m, n, k) = (6 + draw(160), 1 + draw(90), 1 + draw(600));
+            check(m, n, k);
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn packing_buffers_start_on_a_cache_line_whatever_the_allocator_gives() {
