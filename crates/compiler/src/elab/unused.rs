@@ -86,9 +86,11 @@ fn names_in<'f>(forwards: &'f [ForwardDef], layers: &'f [LayerDecl]) -> HashSet<
 fn has_tied_path(file: &File) -> bool {
     let decls = file.layers.iter().chain(file.blocks.iter().flat_map(|b| &b.layers));
     decls.filter_map(|d| if let LayerExpr::Call(call) = &d.value { Some(call) } else { None }).any(|call| {
-        call.args.iter().any(|a| {
-            a.name.as_ref().is_some_and(|n| n.name == "tied") && matches!(a.value.kind, ExprKind::Str(_))
-                || call.callee.name == "linear" && a.name.is_none() && matches!(a.value.kind, ExprKind::Str(_))
+        // `tied:` by keyword, or a string among `linear`'s positional arguments (its fifth is `tied`; no
+        // other argument of a model without errors is a string).
+        call.args.iter().filter(|a| matches!(a.value.kind, ExprKind::Str(_))).any(|a| match &a.name {
+            Some(name) => name.name == "tied",
+            None => call.callee.name == "linear",
         })
     })
 }
