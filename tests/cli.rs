@@ -504,3 +504,63 @@ fn set_values_at_the_limits() {
     survives("max-i64", &gpt2, &["--set", &format!("batch={}", i64::MAX)]);
     survives("min-i64", &gpt2, &["--set", &format!("batch={}", i64::MIN)]);
 }
+
+/// Warnings are printed once per command, however many times it compiles the model: verify compiles it
+/// for the mesh and for one device, generate for its prefill and its decoding steps, simulate checks it
+/// before compiling.
+#[test]
+fn each_warning_is_printed_once_per_command() {
+    let model = TempModel::new(
+        "warned",
+        b"config { vocab = 16; hidden = 8; batch = 2; seq = 8; context = 8 }\n\
+          input tokens: i32[batch, seq]\ninput targets: i32[batch, seq]\ninput mask: f32[batch, seq]\n\
+          layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)\nlayer spare = linear(hidden, hidden)\n\
+          forward { output loss = cross_entropy(head(wte(tokens)), targets) }\n",
+    );
+    let path = model.path();
+    let commands: [&[&str]; 5] = [
+        &["check", path],
+        &["verify", path, "--mesh", "2x2", "--steps", "1"],
+        &["generate", path, "--prompt-ids", "1,2,3", "--max-new-tokens", "2"],
+        &["simulate", path, "--hardware", "dgx-a100"],
+        &["plan", path, "--devices", "4", "--hardware", "dgx-a100"],
+    ];
+    for args in commands {
+        let r = run(args);
+        assert_eq!(r.code(), Some(0), "{args:?}: {}", r.stderr);
+        for code in ["warning[W0001]", "warning[W0002]"] {
+            assert_eq!(r.stderr.matches(code).count(), 1, "{args:?} prints {code} once:\n{}", r.stderr);
+        }
+    }
+}
+
+/// An output that is an input unchanged is in the plan (it had been left out without a word), and an
+/// output of integers, which the runtimes cannot return, is refused by compile (E0107), not at run time.
+#[test]
+fn an_input_as_an_output_is_kept_and_an_integer_output_is_refused() {
+    let passthrough = TempModel::new("passthrough", b"input x: f32[4, 8]\nforward { output y = x }\n");
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let plan = dir.path().join("plan.json");
+    let plan = plan.to_str().expect("a UTF-8 path");
+    let r = run(&["compile", passthrough.path(), "--mode", "infer", "-o", plan]);
+    assert_eq!(r.code(), Some(0), "{}", r.stderr);
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(plan).expect("the plan")).expect("JSON");
+    let outputs = written["outputs"].as_array().expect("outputs");
+    assert_eq!(outputs.len(), 1, "{outputs:?}");
+    assert_eq!(outputs[0]["name"], "y");
+    let inputs = written["inputs"].as_array().expect("inputs");
+    assert_eq!(inputs.len(), 1, "{inputs:?}");
+    assert_eq!(outputs[0]["buffer"], inputs[0]["buffer"], "the output is the input's buffer");
+
+    let integers = TempModel::new(
+        "integer-output",
+        b"config { vocab = 16; hidden = 8 }\ninput tokens: i32[4, 8]\ninput targets: i32[4, 8]\n\
+          layer wte = embedding(vocab, hidden)\nlayer head = linear(hidden, vocab)\n\
+          forward {\n  output loss = cross_entropy(head(wte(tokens)), targets)\n  output echo = targets\n}\n",
+    );
+    assert_eq!(run(&["check", integers.path()]).code(), Some(0), "the language allows it");
+    let r = run(&["compile", integers.path(), "--mesh", "2x2", "-o", plan]);
+    assert_eq!(r.code(), Some(1), "{}", r.stderr);
+    assert!(r.stderr.contains("error[E0107]: output `echo` is an integer tensor"), "{}", r.stderr);
+    assert!(r.stderr.contains("this is i32[4, 8]"), "{}", r.stderr);
+}

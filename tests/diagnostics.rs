@@ -1151,6 +1151,13 @@ fn declarations_in_use_are_not_warned_of() {
             "input scale_by: f32[batch, seq, hidden]\nlayer wte = embedding(16, hidden)\nlayer h = repeat(2) B()\n",
             "forward { output y = h(wte(tokens) * scale_by) }\n"
         ),
+        // A root embedding tied to by name from inside a block, nested in another.
+        concat!(
+            prelude!(),
+            "layer wte = embedding(16, hidden)\nblock Head {\n  layer dec = linear(hidden, 16, tied: wte)\n",
+            "  forward(x) { return dec(x) }\n}\nblock Outer {\n  layer h = Head()\n  forward(x) { return h(x) }\n}\n",
+            "layer o = Outer()\nforward { output y = o(wte(tokens)) }\n"
+        ),
         // An embedding that a path string may name, though nothing calls it by name.
         concat!(
             prelude!(),
@@ -1162,6 +1169,50 @@ fn declarations_in_use_are_not_warned_of() {
         let checked = check_source(src, &[]);
         let rendered = render_plain("model.opt", src, &checked.diagnostics);
         assert!(checked.model.is_some() && checked.diagnostics.is_empty(), "for:\n{src}\n{rendered}");
+    }
+}
+
+/// A name that reads as something else is not a use: a local assigned before any read hides an input,
+/// a value or a call never names a layer or an input (respectively), and a tie from a layer that is
+/// never called uses nothing.
+#[test]
+fn mentions_that_are_not_uses_are_warned_of() {
+    let cases: [(&str, &[&str]); 4] = [
+        (
+            concat!(
+                prelude!(),
+                "input mask: f32[batch, seq]\nlayer wte = embedding(16, hidden)\nforward {\n  mask = wte(tokens)\n  output y = mask\n}\n"
+            ),
+            &["W0001"],
+        ),
+        (
+            concat!(
+                prelude!(),
+                "layer wte = embedding(16, hidden)\nlayer spare = linear(hidden, hidden)\nforward {\n  spare = wte(tokens)\n  output y = spare\n}\n"
+            ),
+            &["W0002"],
+        ),
+        (
+            concat!(
+                prelude!(),
+                "input gelu: f32[batch, seq]\nlayer wte = embedding(16, hidden)\nforward { output y = gelu(wte(tokens)) }\n"
+            ),
+            &["W0001"],
+        ),
+        (
+            concat!(
+                prelude!(),
+                "input x: f32[batch, seq, hidden]\nlayer wte = embedding(16, hidden)\n",
+                "layer head = linear(hidden, 16, tied: wte)\nlayer fc = linear(hidden, hidden)\nforward { output y = fc(x) }\n"
+            ),
+            &["W0001", "W0002", "W0002"],
+        ),
+    ];
+    for (src, codes) in cases {
+        let checked = check_source(src, &[]);
+        let rendered = render_plain("model.opt", src, &checked.diagnostics);
+        let found: Vec<&str> = checked.diagnostics.iter().map(|d| d.code.as_str()).collect();
+        assert_eq!(found, codes, "for:\n{src}\n{rendered}");
     }
 }
 

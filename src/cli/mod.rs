@@ -373,7 +373,8 @@ pub fn load_checked(path: &Path, overrides: &[Override]) -> Option<(optimus::ir:
         eprintln_safe!("error: {name}: 1 error found");
         return None;
     }
-    let Checked { model, diagnostics } = check_source(&source.text, overrides);
+    let Checked { model, mut diagnostics } = check_source(&source.text, overrides);
+    diagnostics.retain(|d| d.is_error() || first_time_warned(&source.name, d));
     diag::render_stderr(&source.name, &source.text, &diagnostics);
     let errors = diagnostics.iter().filter(|d| d.is_error()).count();
     match model {
@@ -385,9 +386,27 @@ pub fn load_checked(path: &Path, overrides: &[Override]) -> Option<(optimus::ir:
     }
 }
 
+/// Whether warning `d` of file `name` has not been printed by this process yet: commands that check a
+/// model several times (with other sizes, as `generate` does for its programs) print each warning once.
+fn first_time_warned(name: &str, d: &optimus::diag::Diagnostic) -> bool {
+    static PRINTED: std::sync::Mutex<Vec<(String, optimus::diag::Diagnostic)>> = std::sync::Mutex::new(Vec::new());
+    let mut printed = PRINTED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let seen = printed.iter().any(|(file, earlier)| file == name && earlier == d);
+    if !seen {
+        printed.push((name.to_string(), d.clone()));
+    }
+    !seen
+}
+
 /// Checks and compiles a model for a target, printing diagnostics on failure.
 pub fn compile_model(path: &Path, target: &TargetArgs) -> Option<Plan> {
-    let mut plan = compile_for(path, &target.set, target.target())?;
+    let (model, source) = load_checked(path, &target.set)?;
+    compile_checked_model(&model, &source, target)
+}
+
+/// [`compile_model`] of a model checked already (its diagnostics printed once).
+pub fn compile_checked_model(model: &optimus::ir::Model, source: &Source, target: &TargetArgs) -> Option<Plan> {
+    let mut plan = compile_checked(model, source, target.target())?;
     if target.overlap && !overlapped(&mut plan) {
         return None;
     }
@@ -487,14 +506,8 @@ fn overlapped(plan: &mut Plan) -> bool {
     }
 }
 
-/// Checks and compiles a model for an explicit target.
-pub fn compile_for(path: &Path, overrides: &[Override], target: optimus::shard::Target) -> Option<Plan> {
-    let (model, source) = load_checked(path, overrides)?;
-    compile_checked(&model, &source, target)
-}
-
 /// Compiles a checked model for a target, printing diagnostics on failure.
-fn compile_checked(model: &optimus::ir::Model, source: &Source, target: optimus::shard::Target) -> Option<Plan> {
+pub fn compile_checked(model: &optimus::ir::Model, source: &Source, target: optimus::shard::Target) -> Option<Plan> {
     match optimus::shard::compile(model, &source.name, &source.text, target) {
         Ok(plan) => Some(plan),
         Err(diagnostics) => {

@@ -171,14 +171,14 @@ fn search_bar(json: bool) -> Option<indicatif::ProgressBar> {
     super::terminal_bar(0, "{bar:30} {pos}/{len} layouts  {msg}  ETA {eta}", json)
 }
 
-/// The model must check before the search: its errors are printed once, with their spans.
+/// The model must check before the search: its errors (or warnings) are printed once, with their spans.
 fn check_model(source: &Source, overrides: &[Override]) -> Option<ExitCode> {
     let checked = optimus::front::check_source(source.text, overrides);
     let errors = checked.diagnostics.iter().filter(|d| d.is_error()).count();
+    optimus::diag::render_stderr(source.name, source.text, &checked.diagnostics);
     if checked.model.is_some() && errors == 0 {
         return None;
     }
-    optimus::diag::render_stderr(source.name, source.text, &checked.diagnostics);
     eprintln_safe!("error: {}: {errors} error{} found", source.name, if errors == 1 { "" } else { "s" });
     Some(ExitCode::from(1))
 }

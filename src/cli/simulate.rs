@@ -178,16 +178,16 @@ pub fn simulate_command(args: &SimulateArgs) -> ExitCode {
     let name = args.model.display().to_string();
     let source = Source { name: &name, text: &text, overrides: &args.target.set };
     // The model's own errors first, with their spans: a sweep would only see that it has no batch.
-    if super::load_checked(&args.model, &args.target.set).is_none() {
+    let Some((model, checked)) = super::load_checked(&args.model, &args.target.set) else {
         return ExitCode::from(1);
-    }
+    };
     if args.sweep {
         return sweep(args, &hw, &source);
     }
     if let Some(strategies) = &args.compare {
         return compare(args, &hw, &source, strategies);
     }
-    let Some(plan) = super::compile_model(&args.model, &args.target) else { return ExitCode::from(1) };
+    let Some(plan) = super::compile_checked_model(&model, &checked, &args.target) else { return ExitCode::from(1) };
     let found = search::max_batch(&source, args.target.target(), hw.memory_bytes());
     single(args, &hw, &plan, Some(found))
 }

@@ -2,7 +2,7 @@
 //! unsharded on one device from the same seed and data, and compares everything they compute.
 
 use super::run::{DataDtype, DataFiles, InputArgs, OptimizerArg, OptimizerArgs, open_sources, shortfall_warning};
-use super::{Failure, StrategyArg, TargetArgs, compile_for};
+use super::{Failure, StrategyArg, TargetArgs, compile_checked, load_checked};
 use optimus::plan::tensor::Tensor;
 use optimus::plan::{MemoryOptions, Mesh, Mode, Plan, Precision, Strategy};
 use optimus::runtime::exec::{RunConfig, RunOutput};
@@ -83,11 +83,12 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, Failure> {
     if args.target.mode() != super::ModeArg::Train {
         return Err(Failure::usage("verify compares training steps; drop --mode infer".into()));
     }
-    // compile_for has printed the model's errors, and the mesh its trailer names.
-    let sharded =
-        compile_for(&args.model, &args.target.set, args.target.target()).ok_or_else(|| failed("nothing verified"))?;
+    // The model is checked once (its warnings printed once) and compiled for each target; the errors
+    // have been printed, and the mesh a failed compile's trailer names.
+    let (model, source) = load_checked(&args.model, &args.target.set).ok_or_else(|| failed("nothing verified"))?;
+    let sharded = compile_checked(&model, &source, args.target.target()).ok_or_else(|| failed("nothing verified"))?;
     let single_target = optimus::shard::Target::plain(Mesh::new(1, 1), Strategy::None, Mode::Train);
-    let single = compile_for(&args.model, &args.target.set, single_target).ok_or_else(|| failed("nothing verified"))?;
+    let single = compile_checked(&model, &source, single_target).ok_or_else(|| failed("nothing verified"))?;
     let strategy = if args.target.strategy() == StrategyArg::None { "none" } else { sharded.strategy.name() };
     let tolerance = tolerance(args, sharded.precision);
     let against_bf16 = sharded.precision == Precision::Bf16 && args.tolerance.is_none();
@@ -119,8 +120,8 @@ fn verify_inner(args: &VerifyArgs) -> Result<bool, Failure> {
         );
         let memory = MemoryOptions { precision: Precision::Bf16, zero: 0, ..args.target.target().memory };
         let target = optimus::shard::Target { memory, ..single_target };
-        let plan = compile_for(&args.model, &args.target.set, target)
-            .ok_or_else(|| failed("cannot compile for one device in bf16"))?;
+        let plan =
+            compile_checked(&model, &source, target).ok_or_else(|| failed("cannot compile for one device in bf16"))?;
         Some(execute(&plan, args).map_err(Failure::from)?)
     } else {
         None

@@ -88,6 +88,7 @@ fn compile_with(
     checked: bool,
 ) -> Result<Plan, Vec<Diagnostic>> {
     check_mesh(target)?;
+    check_integer_outputs(model)?;
     check_batch_dimensions(model, target)?;
     let graph = LoweringGraph::new(model, target.mode)?;
     let shapes = shapes::padded_shapes(model, &graph.graph, &graph.like, target);
@@ -282,6 +283,22 @@ fn check_batch_dimensions(model: &Model, target: Target) -> Result<(), Vec<Diagn
     if replicas_split_the_batch(target) {
         problems.extend(batch_mixing(model, &roles, target.mesh));
     }
+    if problems.is_empty() { Ok(()) } else { Err(problems) }
+}
+
+/// Outputs of integers (token ids, or a reshape of them): the runtimes return floating-point outputs
+/// only, so such a plan could not run. Refused by name, as E0107 (a value of the wrong kind).
+fn check_integer_outputs(model: &Model) -> Result<(), Vec<Diagnostic>> {
+    let problems: Vec<Diagnostic> = model
+        .outputs
+        .iter()
+        .filter(|o| model.graph[o.node].ty.dtype.is_integer())
+        .map(|o| {
+            Diagnostic::error(Code::E0107, format!("output `{}` is an integer tensor", o.name))
+                .primary(o.span, format!("this is {}", crate::elab::show_type(&model.graph[o.node].ty)))
+                .help("outputs are floating-point tensors computed from the inputs; token ids are data, not a result")
+        })
+        .collect();
     if problems.is_empty() { Ok(()) } else { Err(problems) }
 }
 
@@ -596,8 +613,11 @@ impl<'a> Lowerer<'a> {
     /// Records the model outputs, replicated where they were still pending sums.
     fn collect_outputs(&mut self) {
         for output in &self.model.outputs {
-            let Some(first) = self.versions.get(&output.node).and_then(|v| v.first()).copied() else { continue };
-            let mut wanted = first.layout;
+            let first = self.versions.get(&output.node).and_then(|v| v.first()).map(|v| v.layout);
+            // An input output unchanged (`output y = x`) has no version until something reads it: it is
+            // read here, in the layout its data takes.
+            let is_input = matches!(self.graph[output.node].op, Op::Input { .. });
+            let Some(mut wanted) = first.or(is_input.then_some(Layout::REPLICATED)) else { continue };
             for p in &mut wanted.0 {
                 if *p == Placement::Partial {
                     *p = Placement::Replicate;
