@@ -169,7 +169,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// c = alpha * a * b (+ c when accumulating), blocked: for each NC-column panel of b and each
-    /// KC-deep slice, pack the panel, then each block of a's rows, and run the micro-kernel over the tiles.
+    /// KC-deep slice, pack the panel, then each block of a's rows (or only its partial last strip, where
+    /// a's rows are read in place), and run the micro-kernel over the tiles.
     ///
     /// # Safety
     /// a is m x k, b is k x n and c is m x n, each element reachable through its strides; c is the only
@@ -193,7 +194,9 @@ mod x86 {
                             let block = if a.cs == 1 {
                                 // Only a last strip of fewer than MR rows is packed (zero-padded).
                                 let full = rows / MR * MR;
-                                pack_left(left, a, (i0 + full, rows - full), (k0, kc));
+                                if full < rows {
+                                    pack_left(left, a, (i0 + full, rows - full), (k0, kc));
+                                }
                                 Left::InPlace { first: a.at(i0, k0), rs: a.rs, edge: left }
                             } else {
                                 pack_left(left, a, (i0, rows), (k0, kc));
@@ -333,10 +336,11 @@ mod x86 {
     }
 
     /// c[0..6][0..16] = alpha * sum_k a[k][0..6] x b[k][0..16] (+ c when `add`, one FMA per element), with
-    /// the tile in twelve registers; a and b are packed strips of k steps.
+    /// the tile in twelve registers; b is a packed strip of k steps, a a packed one or six rows in place.
     ///
     /// # Safety
-    /// a holds 6k and b 16k floats; c's 6 rows of 16 are writable.
+    /// a's strip holds six rows of k steps (packed: 6k floats; in place: rows `rs` apart), b holds 16k
+    /// floats; c's 6 rows of 16 are writable.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn micro<const IN_PLACE: bool>(
         k: usize,
@@ -395,7 +399,7 @@ mod x86 {
     /// Steps of k the micro-kernel's loop takes a turn.
     const UNROLL: usize = 4;
 
-    /// One step of k: the tile's sums += a[0..6] x b[0..16], a's values consecutive (packed) or `ars`
+    /// One step of k: the tile's sums += a[0..6] x b[0..16], a's values consecutive (packed) or `rs`
     /// apart (in place).
     ///
     /// # Safety
