@@ -73,8 +73,7 @@ fn sums_over_the_batch(op: &Op) -> bool {
 /// Where the batch dimension `d` of an operand lands in the result.
 fn batch_dim_after(op: &Op, d: usize) -> usize {
     match *op {
-        Op::Transpose { dim0, dim1 } if d == dim0 => dim1,
-        Op::Transpose { dim0, dim1 } if d == dim1 => dim0,
+        Op::Transpose { dim0, dim1 } => super::table::swapped(d, dim0, dim1),
         Op::Select { dim, .. } if dim < d => d - 1,
         Op::SelectGrad { dim, .. } if dim <= d => d + 1,
         _ => d,

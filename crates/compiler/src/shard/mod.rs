@@ -1044,21 +1044,12 @@ impl<'a> Lowerer<'a> {
         let [operand] = self.operands(n)[..] else { return None };
         let (kernel, wanted) = match self.graph[n].op {
             Op::Transpose { dim0, dim1 } => {
-                let swap = |d: usize| {
-                    if d == dim0 {
-                        dim1
-                    } else if d == dim1 {
-                        dim0
-                    } else {
-                        d
-                    }
-                };
                 let kernel = Kernel::Transpose { dim0: u8::try_from(dim0).ok()?, dim1: u8::try_from(dim1).ok()? };
-                (kernel, layout_on_dims(layout, swap))
+                (kernel, table::layout_on_dims(layout, |d| table::swapped(d, dim0, dim1)))
             }
             Op::Select { dim, index } => {
                 let shift = |d: usize| if d >= dim { d + 1 } else { d };
-                (Kernel::Select { dim: u8::try_from(dim).ok()?, index }, layout_on_dims(layout, shift))
+                (Kernel::Select { dim: u8::try_from(dim).ok()?, index }, table::layout_on_dims(layout, shift))
             }
             Op::Reshape => {
                 let (from, to) = (&self.shapes[n.index()], &self.shapes[operand.index()]);
@@ -1391,17 +1382,6 @@ fn kept_splits_inside_moves(from: Layout, to: Layout) -> Vec<usize> {
         }
     }
     nested
-}
-
-/// `layout` with each split moved to the dimension `dim_of` gives for its own.
-fn layout_on_dims(layout: Layout, dim_of: impl Fn(usize) -> usize) -> Layout {
-    let mut moved = layout;
-    for p in &mut moved.0 {
-        if let Some(d) = p.dim() {
-            *p = table::on_dim(*p, dim_of(d));
-        }
-    }
-    moved
 }
 
 pub(crate) fn describe_node(model: &Model, node: &Node, n: NodeIndex) -> String {

@@ -1890,14 +1890,7 @@ impl Lowerer<'_> {
 
     fn transpose(&mut self, n: NodeIndex, x: NodeIndex, d0: usize, d1: usize) {
         let l = self.natural(x);
-        let mut out = l;
-        for p in &mut out.0 {
-            match p.dim() {
-                Some(d) if d == d0 => *p = on_dim(*p, d1),
-                Some(d) if d == d1 => *p = on_dim(*p, d0),
-                _ => {}
-            }
-        }
+        let out = table::layout_on_dims(l, |d| table::swapped(d, d0, d1));
         let xb = self.value(x, l);
         let y = self.node_buffer(n, out, Role::Workspace);
         let k = Kernel::Transpose { dim0: u8::try_from(d0).unwrap_or(0), dim1: u8::try_from(d1).unwrap_or(0) };

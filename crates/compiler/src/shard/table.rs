@@ -125,6 +125,28 @@ pub fn on_dim(p: Placement, dim: usize) -> Placement {
     }
 }
 
+/// `layout` with each split moved to the dimension `dim_of` gives for its own.
+pub fn layout_on_dims(layout: Layout, dim_of: impl Fn(usize) -> usize) -> Layout {
+    let mut moved = layout;
+    for p in &mut moved.0 {
+        if let Some(d) = p.dim() {
+            *p = on_dim(*p, dim_of(d));
+        }
+    }
+    moved
+}
+
+/// Where dimension `d` goes when `dim0` and `dim1` are swapped (a transpose, either way).
+pub fn swapped(d: usize, dim0: usize, dim1: usize) -> usize {
+    if d == dim0 {
+        dim1
+    } else if d == dim1 {
+        dim0
+    } else {
+        d
+    }
+}
+
 impl Sym {
     /// The placement this symbol stands for on a node with dimensions `dims`.
     pub fn place(self, dims: &Dims) -> Placement {
